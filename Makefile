@@ -1,0 +1,46 @@
+# One entry point for set-up, the local demo and the tests. Every target installs what it needs.
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: demo test test-unit test-e2e test-cluster lint crd bench clean
+
+$(BIN)/python:
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet --upgrade pip
+
+$(STAMP): pyproject.toml | $(BIN)/python
+	$(BIN)/pip install --quiet -e '.[dev]'
+	touch $(STAMP)
+
+## demo: run the shipped example locally (syncer + islands as processes); no cluster needed
+demo: $(STAMP)
+	mkdir -p runs
+	$(BIN)/diloco run examples/local.yaml --summary runs/summary.json --plot runs/loss.png
+
+## test: lint, then every test tier (unit, e2e processes, real control plane; kind where Docker is)
+test: $(STAMP) lint
+	$(BIN)/python -m pytest -ra tests
+
+test-unit: $(STAMP)
+	$(BIN)/python -m pytest -ra tests/unit
+
+test-e2e: $(STAMP)
+	$(BIN)/python -m pytest -ra tests/e2e
+
+test-cluster: $(STAMP)
+	$(BIN)/python -m pytest -ra tests/cluster
+
+lint: $(STAMP)
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+
+## crd: regenerate crds/ and the chart's copy from the pydantic models
+crd: $(STAMP)
+	$(BIN)/diloco crd -o crds/dilocojob.yaml
+	mkdir -p charts/diloco-operator/crds
+	cp crds/dilocojob.yaml charts/diloco-operator/crds/dilocojob.yaml
+
+clean:
+	rm -rf $(VENV) runs .pytest_cache .ruff_cache

@@ -1,0 +1,3 @@
+"""Kubernetes operator for DiLoCoJob resources."""
+
+__version__ = "0.1.0"

@@ -1,0 +1,106 @@
+"""The `diloco` console script.
+
+Subcommands import their modules lazily: the operator image has no torch, and `diloco operator`
+must start without it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Callable, Sequence
+
+from diloco_trainer import __version__
+
+
+def _cmd_run(args: argparse.Namespace) -> int:
+    from diloco_trainer.local import main as run_main
+
+    return run_main(args)
+
+
+def _cmd_learner(args: argparse.Namespace) -> int:
+    from diloco_trainer.learner import main as learner_main
+
+    return learner_main(args)
+
+
+def _cmd_syncer(args: argparse.Namespace) -> int:
+    from diloco_trainer.syncer import main as syncer_main
+
+    return syncer_main(args)
+
+
+def _cmd_operator(args: argparse.Namespace) -> int:
+    try:
+        from diloco_operator.main import main as operator_main
+    except ImportError as err:
+        print(
+            f"diloco operator needs the [operator] extra ({err.name} is missing): "
+            "pip install 'diloco-operator[operator]'",
+            file=sys.stderr,
+        )
+        return 2
+    return operator_main(args)
+
+
+def _cmd_crd(args: argparse.Namespace) -> int:
+    from diloco_operator.crd import main as crd_main
+
+    return crd_main(args)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="diloco", description="Decoupled DiLoCo training: local runs, pods and the operator."
+    )
+    parser.add_argument("--version", action="version", version=f"diloco {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    run = sub.add_parser(
+        "run", help="run a job locally: a syncer and M islands as processes on loopback"
+    )
+    run.add_argument("config", nargs="?", default=None, help="DiLoCoJob manifest or spec (YAML)")
+    run.add_argument("--summary", metavar="FILE", help="write a JSON summary to FILE")
+    run.add_argument("--plot", metavar="FILE", help="write a PNG of eval loss against tokens")
+    run.add_argument("--workdir", metavar="DIR", help="checkpoints and logs (default: temp dir)")
+    run.add_argument(
+        "--slow-island",
+        action="append",
+        default=[],
+        metavar="I:FACTOR",
+        help="slow island I down by FACTOR (e.g. 1:3), to watch decoupling",
+    )
+    run.add_argument("--quiet", action="store_true", help="no progress bars")
+    run.set_defaults(func=_cmd_run)
+
+    learner = sub.add_parser("learner", help="one learner rank (environment: see contract.py)")
+    learner.set_defaults(func=_cmd_learner)
+
+    syncer = sub.add_parser("syncer", help="the syncer service (environment: see contract.py)")
+    syncer.set_defaults(func=_cmd_syncer)
+
+    op = sub.add_parser("operator", help="run the Kubernetes operator (wraps kopf run)")
+    op.add_argument("--namespace", action="append", default=[], help="watch only these")
+    op.add_argument("--standalone", action="store_true", help="no peering (single replica)")
+    op.add_argument("--health-port", type=int, default=8080, help="liveness/readiness port")
+    op.add_argument("--metrics-port", type=int, default=9090, help="Prometheus metrics port")
+    op.set_defaults(func=_cmd_operator)
+
+    crd = sub.add_parser("crd", help="print the DiLoCoJob CRD generated from the API models")
+    crd.add_argument("--output", "-o", metavar="FILE", help="write to FILE instead of stdout")
+    crd.set_defaults(func=_cmd_crd)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    func: Callable[[argparse.Namespace], int] = args.func
+    try:
+        return func(args)
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,307 @@
+"""The training configuration: the `spec` of a DiLoCoJob.
+
+One schema serves three readers: `diloco run` (local), the trainer pods (the operator mounts the
+spec as JSON in a ConfigMap) and the operator's CRD generator (which adds Kubernetes-only rules).
+This module imports no torch so the operator can use it.
+
+Field names are snake_case in Python and camelCase on the wire (YAML/JSON), like Kubernetes.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic.alias_generators import to_camel
+
+Codec = Literal["none", "fp16", "bf16", "int8", "int4"]
+MergeRule = Literal["tokens", "mean", "rda"]
+Preset = Literal["gpt-tiny", "gpt-mini", "gpt-small", "gpt-125m"]
+ServiceType = Literal["ClusterIP", "LoadBalancer", "NodePort"]
+
+# A DNS-1123 label fragment: island names become parts of pod and Service names.
+DNS_PREFIX_PATTERN = r"^([a-z0-9]([-a-z0-9]*[a-z0-9])?)?$"
+
+
+class SpecModel(BaseModel):
+    """Base for every spec section: camelCase aliases, unknown fields refused."""
+
+    model_config = ConfigDict(
+        alias_generator=to_camel,
+        populate_by_name=True,
+        extra="forbid",
+        validate_default=True,
+    )
+
+
+class ModelSpec(SpecModel):
+    """Which model to train."""
+
+    preset: Preset = Field(
+        "gpt-tiny",
+        description="Built-in GPT size: gpt-tiny (~0.2M params, CPU tests), gpt-mini (~1M), "
+        "gpt-small (~10M), gpt-125m (~125M). Ignored when entrypoint is set.",
+    )
+    entrypoint: str | None = Field(
+        None,
+        pattern=r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$",
+        description="Bring your own model: 'package.module:function'. The function receives the "
+        "job spec and the data shard and returns the model, the data streams and the loss.",
+    )
+    seed: int = Field(0, ge=0, description="Seed for the initial global weights.")
+
+
+class DataSpec(SpecModel):
+    """Where the tokens come from."""
+
+    source: str = Field(
+        "builtin:stdlib-text",
+        min_length=1,
+        description="'builtin:stdlib-text' (the Python standard library's source, byte-level, no "
+        "download) or a path to a text file or a directory of text files readable in the pod.",
+    )
+    eval_tokens: int = Field(
+        32768, ge=1024, description="Held-out tokens used for every evaluation."
+    )
+    seed: int = Field(0, ge=0, description="Seed for shard shuffling.")
+
+
+class IslandsSpec(SpecModel):
+    """The M islands of compute."""
+
+    count: int = Field(2, ge=1, le=512, description="Number of islands M.")
+    replicas: int = Field(
+        1, ge=1, le=1024, description="Pods (DDP ranks) per island; rank 0 talks to the syncer."
+    )
+    name_prefix: str = Field(
+        "",
+        max_length=20,
+        pattern=DNS_PREFIX_PATTERN,
+        description="Prefix for island names, so islands of one job in several clusters never "
+        "collide (e.g. 'eu' gives eu-island-0).",
+    )
+    shard_offset: int = Field(
+        0,
+        ge=0,
+        description="Index of this cluster's first island among all data shards (multi-region).",
+    )
+    total_shards: int = Field(
+        0,
+        ge=0,
+        description="Number of data shards across every cluster of the job; 0 means islands.count.",
+    )
+    resources: dict[str, Any] = Field(
+        default_factory=dict,
+        description="Kubernetes resource requirements for every learner pod.",
+    )
+    template: dict[str, Any] = Field(
+        default_factory=dict,
+        description="Pod template overrides merged into the learner pods (nodeSelector, "
+        "tolerations, affinity, ...).",
+    )
+
+
+class InnerSpec(SpecModel):
+    """The inner optimizer each island runs between syncs."""
+
+    optimizer: Literal["adamw"] = Field("adamw", description="Inner optimizer.")
+    lr: float = Field(4e-4, gt=0, le=10, description="Peak inner learning rate.")
+    weight_decay: float = Field(0.1, ge=0, le=10, description="AdamW weight decay.")
+    warmup_steps: int = Field(0, ge=0, description="Linear warm-up, in inner steps.")
+    steps: int = Field(500, ge=1, le=1_000_000, description="H: inner steps per outer round.")
+    batch_size: int = Field(32, ge=1, le=65536, description="Sequences per rank per inner step.")
+    seq_len: int = Field(256, ge=8, le=131072, description="Tokens per sequence.")
+    grad_clip: float = Field(1.0, ge=0, description="Gradient-norm clip; 0 disables.")
+
+
+class OuterSpec(SpecModel):
+    """The outer optimizer the syncer applies to merged pseudo-gradients."""
+
+    lr: float = Field(0.7, gt=0, le=10, description="Outer learning rate.")
+    momentum: float = Field(0.9, ge=0, lt=1, description="Outer momentum.")
+    nesterov: bool = Field(True, description="Nesterov momentum.")
+
+
+class SyncSpec(SpecModel):
+    """How and when islands exchange pseudo-gradients."""
+
+    quorum: int = Field(
+        1, ge=1, le=512, description="K: islands whose pseudo-gradients open a merge."
+    )
+    grace_seconds: float | Literal["auto"] = Field(
+        "auto",
+        description="After the quorum, wait this long for more islands; 'auto' derives it from "
+        "measured step and sync times (Decoupled DiLoCo).",
+    )
+    fragments: int = Field(
+        1, ge=1, le=256, description="F: parameter fragments synced at staggered steps."
+    )
+    overlap_steps: int = Field(
+        0, ge=0, le=10000, description="τ: inner steps that run while a sync is in flight."
+    )
+    compression: Codec = Field("none", description="Codec for pseudo-gradients on the wire.")
+    merge: MergeRule = Field(
+        "tokens",
+        description="tokens: weighted by tokens x tokens-per-step; mean: plain mean; rda: "
+        "radial-directional averaging with token weights.",
+    )
+    max_staleness: int = Field(
+        4,
+        ge=0,
+        le=1000,
+        description="A pseudo-gradient based on a version more than this many versions old is "
+        "refused; fresher stale ones are down-weighted by 1/(1+lag).",
+    )
+    mix_alpha: float = Field(
+        0.0,
+        ge=0,
+        lt=1,
+        description="On receiving a fragment: θ = α·θ_local + (1-α)·θ_global (0 overwrites).",
+    )
+    error_feedback: bool = Field(
+        False, description="Carry each island's quantisation error into its next push."
+    )
+    heartbeat_timeout_seconds: float = Field(
+        30, gt=0, le=3600, description="An island silent this long leaves the quorum."
+    )
+
+    @model_validator(mode="after")
+    def _grace_non_negative(self) -> SyncSpec:
+        if self.grace_seconds != "auto" and float(self.grace_seconds) < 0:
+            raise ValueError("sync.graceSeconds must be 'auto' or a number >= 0")
+        return self
+
+
+class StopAfterSpec(SpecModel):
+    """When the job is done (whichever comes first; neither means run forever)."""
+
+    outer_steps: int | None = Field(
+        None, ge=1, description="Stop after this many outer steps (merges of fragment 0)."
+    )
+    tokens: int | None = Field(None, ge=1, description="Stop after this many merged tokens.")
+
+
+class CheckpointSpec(SpecModel):
+    """Syncer checkpoints: global weights, outer optimizer state and versions."""
+
+    claim_name: str | None = Field(
+        None, description="PersistentVolumeClaim for checkpoints (emptyDir when unset)."
+    )
+    every_outer_steps: int = Field(5, ge=1, description="Checkpoint every N outer steps.")
+    keep: int = Field(2, ge=1, le=100, description="Checkpoints kept on disk.")
+
+
+class ServiceSpec(SpecModel):
+    """How the syncer is exposed."""
+
+    type: ServiceType = Field("ClusterIP", description="Kubernetes Service type of the syncer.")
+
+
+class TLSSpec(SpecModel):
+    """TLS for the syncer."""
+
+    secret_name: str | None = Field(
+        None, description="kubernetes.io/tls Secret: the syncer serves HTTPS with it."
+    )
+    ca_secret_name: str | None = Field(
+        None, description="Secret with ca.crt that learners use to verify the syncer."
+    )
+
+
+class SyncerSpec(SpecModel):
+    """The syncer: a CPU service that merges pseudo-gradients."""
+
+    endpoint: str = Field(
+        "",
+        description="URL of a syncer run elsewhere (another cluster). When set, this job runs "
+        "only its islands.",
+    )
+    port: int = Field(8470, ge=1, le=65535, description="Syncer HTTP port.")
+    resources: dict[str, Any] = Field(
+        default_factory=dict, description="Kubernetes resource requirements for the syncer."
+    )
+    checkpoint: CheckpointSpec = Field(default_factory=CheckpointSpec)
+    service: ServiceSpec = Field(default_factory=ServiceSpec)
+    tls: TLSSpec = Field(default_factory=TLSSpec)
+    token_secret_name: str | None = Field(
+        None, description="Secret with key 'token'; generated when unset."
+    )
+    eval_every_outer_steps: int = Field(
+        1, ge=1, description="Evaluate the global weights every N outer steps."
+    )
+
+
+class JobSpec(SpecModel):
+    """The spec of a DiLoCoJob."""
+
+    image: str | None = Field(None, description="Trainer container image (required in a cluster).")
+    model: ModelSpec = Field(default_factory=ModelSpec)
+    data: DataSpec = Field(default_factory=DataSpec)
+    islands: IslandsSpec = Field(default_factory=IslandsSpec)
+    inner: InnerSpec = Field(default_factory=InnerSpec)
+    outer: OuterSpec = Field(default_factory=OuterSpec)
+    sync: SyncSpec = Field(default_factory=SyncSpec)
+    stop_after: StopAfterSpec = Field(default_factory=StopAfterSpec)
+    syncer: SyncerSpec = Field(default_factory=SyncerSpec)
+    suspend: bool = Field(False, description="Scale islands to zero; the syncer keeps its state.")
+    ttl_seconds_after_finished: int | None = Field(
+        None, ge=0, description="Delete the job this long after it succeeds or fails."
+    )
+
+    @model_validator(mode="after")
+    def _cross_field(self) -> JobSpec:
+        if self.sync.quorum > self.islands.count and not self.syncer.endpoint:
+            raise ValueError(
+                f"sync.quorum ({self.sync.quorum}) must be <= islands.count ({self.islands.count})"
+            )
+        return self
+
+    def total_shards(self) -> int:
+        """Data shards across the whole job (all clusters)."""
+        return self.islands.total_shards or (self.islands.shard_offset + self.islands.count)
+
+    def to_json(self) -> str:
+        """The camelCase JSON the pods receive."""
+        return json.dumps(self.model_dump(by_alias=True, mode="json"), sort_keys=True)
+
+
+class ConfigError(ValueError):
+    """A configuration that cannot be used; the message names the field."""
+
+
+def format_validation_error(err: ValidationError, prefix: str = "spec") -> str:
+    """One line per problem, each naming the field in manifest (camelCase) form."""
+    lines = []
+    for e in err.errors():
+        loc = ".".join([prefix, *(to_camel(str(p)) for p in e["loc"])]) if e["loc"] else prefix
+        lines.append(f"{loc}: {e['msg']}")
+    return "\n".join(lines)
+
+
+def parse_spec(data: dict[str, Any]) -> JobSpec:
+    """Validate a spec dict, raising ConfigError with every bad field named."""
+    try:
+        return JobSpec.model_validate(data)
+    except ValidationError as err:
+        raise ConfigError(format_validation_error(err)) from None
+
+
+def load_spec(path: str | Path) -> JobSpec:
+    """Load a JobSpec from YAML or JSON: either a whole DiLoCoJob manifest or a bare spec."""
+    path = Path(path)
+    try:
+        doc = yaml.safe_load(path.read_text())
+    except OSError as err:
+        raise ConfigError(f"cannot read config {path}: {err.strerror}") from None
+    except yaml.YAMLError as err:
+        raise ConfigError(f"{path} is not valid YAML: {err}") from None
+    if doc is None:
+        doc = {}
+    if not isinstance(doc, dict):
+        raise ConfigError(f"{path}: expected a mapping, got {type(doc).__name__}")
+    if doc.get("kind") == "DiLoCoJob":
+        doc = doc.get("spec") or {}
+    return parse_spec(doc)

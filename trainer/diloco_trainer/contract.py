@@ -1,0 +1,163 @@
+"""The pod environment contract between the operator and the trainer.
+
+The operator puts these variables in pod templates; `diloco run` sets the very same ones for its
+local processes, so a local run and a cluster run take one code path. Both sides import this
+module; nothing else should spell these names.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+# Identity
+JOB_NAME = "DILOCO_JOB_NAME"
+ISLAND = "DILOCO_ISLAND"  # island name, e.g. "island-0" or "eu-island-0"
+ISLAND_INDEX = "DILOCO_ISLAND_INDEX"  # data shard index of this island across the whole job
+
+# torchrun-compatible variables for DDP inside one island (pod 0 of the StatefulSet is master)
+RANK = "RANK"
+WORLD_SIZE = "WORLD_SIZE"
+MASTER_ADDR = "MASTER_ADDR"
+MASTER_PORT = "MASTER_PORT"
+
+# Where things are
+SYNCER_URL = "DILOCO_SYNCER_URL"  # e.g. http://job-syncer:8470 or https://syncer.example:443
+TOKEN_FILE = "DILOCO_TOKEN_FILE"  # bearer token shared by learners, syncer and operator
+CONFIG_FILE = "DILOCO_CONFIG_FILE"  # the JobSpec as JSON or YAML
+CA_FILE = "DILOCO_CA_FILE"  # CA bundle learners use to verify an HTTPS syncer
+TLS_CERT_FILE = "DILOCO_TLS_CERT_FILE"  # syncer serving certificate (enables HTTPS)
+TLS_KEY_FILE = "DILOCO_TLS_KEY_FILE"
+STATE_DIR = "DILOCO_STATE_DIR"  # syncer: checkpoints; learner: scratch
+SYNCER_PORT = "DILOCO_SYNCER_PORT"
+DEVICE = "DILOCO_DEVICE"  # auto | cpu | cuda
+# Test and benchmark knob: multiply this learner's step time (a straggler on purpose).
+SLOWDOWN = "DILOCO_SLOWDOWN"
+
+# Conventional mount points in pods
+CONFIG_MOUNT = "/etc/diloco/config"
+CONFIG_KEY = "spec.json"
+TOKEN_MOUNT = "/etc/diloco/token"
+TOKEN_KEY = "token"
+CA_MOUNT = "/etc/diloco/ca"
+TLS_MOUNT = "/etc/diloco/tls"
+STATE_MOUNT = "/var/lib/diloco"
+DEFAULT_SYNCER_PORT = 8470
+DEFAULT_MASTER_PORT = 29500
+
+
+class ContractError(RuntimeError):
+    """A required variable is missing or malformed; the message names it."""
+
+
+def _require(env: dict[str, str], name: str) -> str:
+    value = env.get(name, "")
+    if not value:
+        raise ContractError(f"environment variable {name} is required")
+    return value
+
+
+def _int(env: dict[str, str], name: str, default: int) -> int:
+    raw = env.get(name, "")
+    if not raw:
+        return default
+    try:
+        return int(raw)
+    except ValueError:
+        raise ContractError(f"environment variable {name}={raw!r} is not an integer") from None
+
+
+@dataclass(frozen=True)
+class LearnerEnv:
+    """What a learner process reads from its environment."""
+
+    job_name: str
+    island: str
+    island_index: int
+    rank: int
+    world_size: int
+    master_addr: str
+    master_port: int
+    syncer_url: str
+    token: str
+    config_file: Path
+    ca_file: Path | None
+    device: str
+    slowdown: float
+
+    @classmethod
+    def from_env(cls, env: dict[str, str] | None = None) -> LearnerEnv:
+        env = dict(os.environ if env is None else env)
+        slowdown_raw = env.get(SLOWDOWN, "") or "1"
+        try:
+            slowdown = float(slowdown_raw)
+        except ValueError:
+            raise ContractError(f"{SLOWDOWN}={slowdown_raw!r} is not a number") from None
+        if slowdown < 1:
+            raise ContractError(f"{SLOWDOWN} must be >= 1, got {slowdown}")
+        rank = _int(env, RANK, 0)
+        world_size = _int(env, WORLD_SIZE, 1)
+        if not 0 <= rank < world_size:
+            raise ContractError(f"{RANK}={rank} must be in [0, {WORLD_SIZE}={world_size})")
+        ca = env.get(CA_FILE, "")
+        return cls(
+            job_name=env.get(JOB_NAME, "local"),
+            island=_require(env, ISLAND),
+            island_index=_int(env, ISLAND_INDEX, 0),
+            rank=rank,
+            world_size=world_size,
+            master_addr=env.get(MASTER_ADDR, "127.0.0.1"),
+            master_port=_int(env, MASTER_PORT, DEFAULT_MASTER_PORT),
+            syncer_url=_require(env, SYNCER_URL).rstrip("/"),
+            token=read_token(Path(_require(env, TOKEN_FILE))),
+            config_file=Path(_require(env, CONFIG_FILE)),
+            ca_file=Path(ca) if ca else None,
+            device=env.get(DEVICE, "auto") or "auto",
+            slowdown=slowdown,
+        )
+
+
+@dataclass(frozen=True)
+class SyncerEnv:
+    """What the syncer process reads from its environment."""
+
+    job_name: str
+    port: int
+    token: str
+    config_file: Path
+    state_dir: Path
+    tls_cert_file: Path | None
+    tls_key_file: Path | None
+
+    @classmethod
+    def from_env(cls, env: dict[str, str] | None = None) -> SyncerEnv:
+        env = dict(os.environ if env is None else env)
+        cert, key = env.get(TLS_CERT_FILE, ""), env.get(TLS_KEY_FILE, "")
+        if bool(cert) != bool(key):
+            raise ContractError(f"{TLS_CERT_FILE} and {TLS_KEY_FILE} must be set together")
+        return cls(
+            job_name=env.get(JOB_NAME, "local"),
+            port=_int(env, SYNCER_PORT, DEFAULT_SYNCER_PORT),
+            token=read_token(Path(_require(env, TOKEN_FILE))),
+            config_file=Path(_require(env, CONFIG_FILE)),
+            state_dir=Path(env.get(STATE_DIR, "") or STATE_MOUNT),
+            tls_cert_file=Path(cert) if cert else None,
+            tls_key_file=Path(key) if key else None,
+        )
+
+
+def read_token(path: Path) -> str:
+    """Read a bearer token file, refusing an empty one."""
+    try:
+        token = path.read_text().strip()
+    except OSError as err:
+        raise ContractError(f"cannot read token file {path}: {err.strerror}") from None
+    if not token:
+        raise ContractError(f"token file {path} is empty")
+    return token
+
+
+def island_name(prefix: str, index: int) -> str:
+    """The name of island `index`: 'island-3', or 'eu-island-3' with a prefix."""
+    return f"{prefix}-island-{index}" if prefix else f"island-{index}"
