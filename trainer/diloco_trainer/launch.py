@@ -1,0 +1,289 @@
+"""Process helpers shared by `diloco run` and the tests: job files, pod environments, processes.
+
+Every process is `python -m diloco_trainer.cli syncer|learner` in its own process group (so a kill
+reaches its children too, e.g. DDP workers), with stdout and stderr in a log file, and its
+environment built from the names in contract.py: a local run takes the same code path as a pod.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import secrets
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+from diloco_trainer import contract
+from diloco_trainer.config import JobSpec
+
+
+def free_port() -> int:
+    """A TCP port that was free on loopback a moment ago."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@dataclass(frozen=True)
+class JobFiles:
+    """The files a job's processes read: the spec as JSON and the bearer token."""
+
+    config_file: Path
+    token_file: Path
+    token: str
+
+
+def write_job_files(spec: JobSpec, workdir: Path, token: str | None = None) -> JobFiles:
+    """Write spec.json and a token file (mode 0600) into workdir; a random token when none."""
+    workdir.mkdir(parents=True, exist_ok=True)
+    token = token or secrets.token_urlsafe(32)
+    config_file = workdir / contract.CONFIG_KEY
+    config_file.write_text(spec.to_json())
+    token_file = workdir / "token"
+    token_file.write_text(token)
+    token_file.chmod(0o600)
+    return JobFiles(config_file=config_file, token_file=token_file, token=token)
+
+
+def syncer_env(
+    files: JobFiles,
+    *,
+    port: int,
+    state_dir: Path,
+    job_name: str,
+    tls_cert_file: Path | None = None,
+    tls_key_file: Path | None = None,
+) -> dict[str, str]:
+    """The syncer's contract variables (add them to os.environ when starting it)."""
+    env = {
+        contract.JOB_NAME: job_name,
+        contract.SYNCER_PORT: str(port),
+        contract.TOKEN_FILE: str(files.token_file),
+        contract.CONFIG_FILE: str(files.config_file),
+        contract.STATE_DIR: str(state_dir),
+    }
+    if tls_cert_file and tls_key_file:
+        env[contract.TLS_CERT_FILE] = str(tls_cert_file)
+        env[contract.TLS_KEY_FILE] = str(tls_key_file)
+    return env
+
+
+def learner_env(
+    files: JobFiles,
+    *,
+    syncer_url: str,
+    island: str,
+    island_index: int,
+    rank: int,
+    world_size: int,
+    master_port: int,
+    slowdown: float = 1.0,
+    job_name: str = "local",
+    ca_file: Path | None = None,
+    device: str = "cpu",
+) -> dict[str, str]:
+    """A learner rank's contract variables (add them to os.environ when starting it)."""
+    env = {
+        contract.JOB_NAME: job_name,
+        contract.ISLAND: island,
+        contract.ISLAND_INDEX: str(island_index),
+        contract.RANK: str(rank),
+        contract.WORLD_SIZE: str(world_size),
+        contract.MASTER_ADDR: "127.0.0.1",
+        contract.MASTER_PORT: str(master_port),
+        contract.SYNCER_URL: syncer_url,
+        contract.TOKEN_FILE: str(files.token_file),
+        contract.CONFIG_FILE: str(files.config_file),
+        contract.DEVICE: device,
+        contract.SLOWDOWN: str(slowdown),
+    }
+    if ca_file:
+        env[contract.CA_FILE] = str(ca_file)
+    return env
+
+
+class Proc:
+    """A child process in its own process group, logging to `log_file`."""
+
+    def __init__(self, name: str, popen: subprocess.Popen[bytes], log_file: Path) -> None:
+        self.name = name
+        self.popen = popen
+        self.log_file = log_file
+
+    @property
+    def pid(self) -> int:
+        return self.popen.pid
+
+    @property
+    def alive(self) -> bool:
+        return self.popen.poll() is None
+
+    @property
+    def returncode(self) -> int | None:
+        return self.popen.poll()
+
+    def _signal_group(self, sig: signal.Signals) -> None:
+        # PermissionError: the group is gone and its id was reused by someone else's process.
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self.popen.pid, sig)
+
+    def terminate(self) -> None:
+        """SIGTERM to the whole process group (graceful stop)."""
+        if self.alive:
+            self._signal_group(signal.SIGTERM)
+
+    def kill(self) -> None:
+        """SIGKILL to the whole process group (a crash, as far as the others can tell)."""
+        # Even after the leader exited, its children may live on in the group.
+        self._signal_group(signal.SIGKILL)
+
+    def wait(self, timeout: float | None = None) -> int:
+        """Wait for the leader to exit; raises subprocess.TimeoutExpired after `timeout`."""
+        return self.popen.wait(timeout)
+
+    def stop(self, timeout: float = 10.0) -> int:
+        """Terminate, wait up to `timeout`, then kill the group; returns the exit code."""
+        self.terminate()
+        try:
+            code = self.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.kill()
+            code = self.wait()
+        self.kill()  # stragglers in the group
+        return code
+
+    def log_text(self) -> str:
+        """The process's output so far (for test failure messages)."""
+        try:
+            return self.log_file.read_text(errors="replace")
+        except OSError:
+            return ""
+
+
+def start_process(
+    name: str,
+    command: str,
+    env: Mapping[str, str],
+    *,
+    log_file: Path,
+    extra_env: Mapping[str, str] | None = None,
+) -> Proc:
+    """Start `python -m diloco_trainer.cli COMMAND` in a new session (own process group)."""
+    full_env = {**os.environ, **env, **(extra_env or {})}
+    full_env.setdefault("PYTHONUNBUFFERED", "1")
+    log_file.parent.mkdir(parents=True, exist_ok=True)
+    with log_file.open("ab") as out:
+        popen = subprocess.Popen(
+            [sys.executable, "-m", "diloco_trainer.cli", command],
+            env=full_env,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+        )
+    return Proc(name, popen, log_file)
+
+
+def start_syncer(
+    files: JobFiles,
+    *,
+    port: int,
+    state_dir: Path,
+    job_name: str,
+    log_file: Path,
+    tls_cert_file: Path | None = None,
+    tls_key_file: Path | None = None,
+    extra_env: Mapping[str, str] | None = None,
+) -> Proc:
+    """Start `diloco syncer` with the contract environment."""
+    env = syncer_env(
+        files,
+        port=port,
+        state_dir=state_dir,
+        job_name=job_name,
+        tls_cert_file=tls_cert_file,
+        tls_key_file=tls_key_file,
+    )
+    return start_process("syncer", "syncer", env, log_file=log_file, extra_env=extra_env)
+
+
+def start_learner(
+    files: JobFiles,
+    *,
+    syncer_url: str,
+    island: str,
+    island_index: int,
+    log_file: Path,
+    rank: int = 0,
+    world_size: int = 1,
+    master_port: int = 0,
+    slowdown: float = 1.0,
+    job_name: str = "local",
+    ca_file: Path | None = None,
+    extra_env: Mapping[str, str] | None = None,
+) -> Proc:
+    """Start one learner rank (`diloco learner`) with the contract environment."""
+    env = learner_env(
+        files,
+        syncer_url=syncer_url,
+        island=island,
+        island_index=island_index,
+        rank=rank,
+        world_size=world_size,
+        master_port=master_port or contract.DEFAULT_MASTER_PORT,
+        slowdown=slowdown,
+        job_name=job_name,
+        ca_file=ca_file,
+    )
+    return start_process(
+        f"{island}/rank{rank}", "learner", env, log_file=log_file, extra_env=extra_env
+    )
+
+
+def wait_ready(
+    url: str,
+    token: str,
+    timeout: float = 60.0,
+    *,
+    proc: Proc | None = None,
+    ca_file: Path | None = None,
+) -> None:
+    """Poll the syncer's /readyz until 200, then check the token against /v1/status.
+
+    Raises TimeoutError after `timeout`, or RuntimeError at once when `proc` exits first (with the
+    tail of its log) or the token is refused.
+    """
+    import ssl
+
+    ctx = ssl.create_default_context(cafile=str(ca_file)) if ca_file else None
+    base = url.rstrip("/")
+    deadline = time.monotonic() + timeout
+    while True:
+        if proc is not None and not proc.alive:
+            raise RuntimeError(
+                f"{proc.name} exited with {proc.returncode} before it was ready:\n"
+                + proc.log_text()[-3000:]
+            )
+        try:
+            with urllib.request.urlopen(base + "/readyz", timeout=2, context=ctx) as resp:
+                if resp.status == 200:
+                    break
+        except (urllib.error.URLError, ConnectionError, TimeoutError):
+            pass
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"syncer at {base} not ready within {timeout}s")
+        time.sleep(0.05)
+    req = urllib.request.Request(base + "/v1/status", headers={"Authorization": f"Bearer {token}"})
+    try:
+        with urllib.request.urlopen(req, timeout=10, context=ctx):
+            pass
+    except urllib.error.HTTPError as err:
+        raise RuntimeError(f"syncer at {base} refused the token: {err.code}") from None
