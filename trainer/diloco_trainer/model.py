@@ -126,12 +126,12 @@ class GPT(nn.Module):
             nn.init.normal_(module.weight, mean=0.0, std=0.02)
 
     def forward(self, idx: Tensor) -> Tensor:
-        B, T = idx.shape
-        if T > self.config.block_size:
+        seq_len = idx.shape[1]  # idx: (B, T)
+        if seq_len > self.config.block_size:
             raise ValueError(
-                f"sequence length {T} exceeds the model's block_size {self.config.block_size}"
+                f"sequence length {seq_len} exceeds the model's block_size {self.config.block_size}"
             )
-        pos = torch.arange(T, device=idx.device)  # (T,)
+        pos = torch.arange(seq_len, device=idx.device)  # (T,)
         x = self.drop(self.tok_emb(idx) + self.pos_emb(pos))  # (B, T, C)
         for block in self.blocks:
             x = block(x)
