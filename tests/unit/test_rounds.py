@@ -1,0 +1,285 @@
+"""The syncer's round/quorum/membership state machine, driven by a fake clock."""
+
+from __future__ import annotations
+
+import pytest
+
+from diloco_trainer.rounds import (
+    ACTIVE,
+    DROPPED,
+    LEFT,
+    TIMED_OUT,
+    Contribution,
+    Refused,
+    RoundPolicy,
+    SyncState,
+)
+
+
+def make_state(
+    *,
+    quorum: int = 2,
+    islands: int = 3,
+    grace: float | None = 5.0,
+    max_staleness: int = 2,
+    timeout: float = 30.0,
+    fragments: int = 1,
+    overlap: int = 0,
+) -> SyncState:
+    policy = RoundPolicy(
+        quorum=quorum,
+        max_staleness=max_staleness,
+        heartbeat_timeout=timeout,
+        grace_seconds=grace,
+        overlap_steps=overlap,
+    )
+    state = SyncState(policy, fragments)
+    for i in range(islands):
+        state.join(f"island-{i}", 1, now=0.0)
+    return state
+
+
+def push(
+    state: SyncState,
+    island: str,
+    now: float,
+    *,
+    fragment: int = 0,
+    base: int | None = None,
+    tokens: int = 100,
+    steps: int = 10,
+    push_id: str = "",
+    step_time: float | None = None,
+) -> dict:
+    base = state.versions[fragment] if base is None else base
+    lag = state.check_push(fragment, island, base)
+    c = Contribution(
+        island=island,
+        base_version=base,
+        lag=lag,
+        tokens=tokens,
+        steps=steps,
+        loss=1.0,
+        received_at=now,
+        push_id=push_id,
+        payload=f"{island}@{now}",
+        step_time=step_time,
+    )
+    return state.accept_push(fragment, c, now)
+
+
+def test_rounds_quorum_opens_grace_then_merges_when_it_expires() -> None:
+    state = make_state(quorum=2, islands=3, grace=5.0)
+    push(state, "island-0", 10.0)
+    assert not state.merge_due(0, 100.0)  # one of two: no quorum, however long we wait
+    push(state, "island-1", 11.0)
+    assert state.rounds[0].quorum_since == 11.0
+    assert state.next_deadline() == 16.0
+    assert not state.merge_due(0, 15.9)
+    assert state.merge_due(0, 16.0)
+    taken = state.take_round(0, 16.0)
+    assert [c.island for c in taken] == ["island-0", "island-1"]
+    assert state.versions == [1]
+    assert state.outer_step == 1
+    assert state.rounds[0].pending == {}
+    assert state.next_deadline() is None
+
+
+def test_rounds_merges_at_once_when_every_active_island_contributed() -> None:
+    state = make_state(quorum=1, islands=3, grace=60.0)
+    for i in range(3):
+        assert state.merge_due(0, 1.0) is (i == 3)
+        push(state, f"island-{i}", 1.0)
+    assert state.merge_due(0, 1.0)
+
+
+def test_rounds_replacement_keeps_one_contribution_per_island() -> None:
+    state = make_state(quorum=2, islands=2)
+    first = push(state, "island-0", 1.0, tokens=100, steps=10)
+    second = push(state, "island-0", 2.0, tokens=250, steps=25)
+    assert first["replaced"] is False and second["replaced"] is True
+    assert second["pending"] == 1
+    # One island twice is still one contributor: no quorum of two.
+    assert state.rounds[0].quorum_since is None
+    push(state, "island-1", 3.0)
+    taken = state.take_round(0, 3.0)
+    by_island = {c.island: c for c in taken}
+    assert by_island["island-0"].tokens == 250  # the newer push, not 100 + 250
+    assert by_island["island-0"].payload == "island-0@2.0"
+    assert len(taken) == 2
+
+
+def test_rounds_repeated_push_id_gets_the_first_answer() -> None:
+    state = make_state(quorum=1, islands=2, grace=10.0)
+    answer = push(state, "island-0", 1.0, push_id="abc")
+    assert state.previous_answer(0, "island-0", "abc") == answer
+    assert state.previous_answer(0, "island-0", "other") is None
+    assert state.previous_answer(0, "island-1", "abc") is None
+
+
+def test_rounds_staleness_within_limit_is_accepted_with_its_lag() -> None:
+    state = make_state(quorum=1, islands=1, max_staleness=2)
+    for _ in range(3):
+        push(state, "island-0", 0.0)
+        state.take_round(0, 0.0)
+    assert state.versions == [3]
+    assert state.check_push(0, "island-0", 1) == 2
+    assert state.check_push(0, "island-0", 3) == 0
+
+
+def test_rounds_staleness_beyond_limit_is_refused_naming_lag_and_limit() -> None:
+    state = make_state(quorum=1, islands=1, max_staleness=2)
+    for _ in range(3):
+        push(state, "island-0", 0.0)
+        state.take_round(0, 0.0)
+    with pytest.raises(Refused) as err:
+        state.check_push(0, "island-0", 0)
+    assert err.value.status == 409
+    assert "by 3" in err.value.message and "maxStaleness=2" in err.value.message
+    with pytest.raises(Refused) as future:
+        state.check_push(0, "island-0", 4)
+    assert future.value.status == 409 and "newer" in future.value.message
+
+
+def test_rounds_unknown_island_and_fragment_are_404() -> None:
+    state = make_state(fragments=2)
+    with pytest.raises(Refused) as island:
+        state.check_push(0, "stranger", 0)
+    assert island.value.status == 404 and "stranger" in island.value.message
+    with pytest.raises(Refused) as frag:
+        state.check_push(2, "island-0", 0)
+    assert frag.value.status == 404 and "fragment 2" in frag.value.message
+
+
+def test_rounds_dropping_an_island_completes_a_round() -> None:
+    # K=2 of 3; two pushed; the third is dropped: every active island has contributed.
+    state = make_state(quorum=2, islands=3, grace=60.0)
+    push(state, "island-0", 1.0)
+    push(state, "island-1", 1.0)
+    assert not state.merge_due(0, 2.0)
+    state.set_admin_state("island-2", DROPPED, "pods not ready", now=2.0)
+    assert state.merge_due(0, 2.0)
+
+
+def test_rounds_dropping_a_contributor_removes_its_pending_push() -> None:
+    state = make_state(quorum=2, islands=3, grace=60.0)
+    push(state, "island-0", 1.0)
+    push(state, "island-1", 1.0)
+    assert state.rounds[0].quorum_since == 1.0
+    state.set_admin_state("island-1", DROPPED, "unhealthy", now=2.0)
+    assert set(state.rounds[0].pending) == {"island-0"}
+    # Two active islands remain: quorum 2 is not met any more until island-2 pushes.
+    assert state.rounds[0].quorum_since is None
+    push(state, "island-2", 3.0)
+    assert state.merge_due(0, 3.0)  # both remaining active islands contributed
+
+
+def test_rounds_dropped_island_is_refused_until_readded() -> None:
+    state = make_state(quorum=1, islands=2)
+    state.set_admin_state("island-0", DROPPED, "node lost", now=1.0)
+    with pytest.raises(Refused) as err:
+        state.check_push(0, "island-0", 0)
+    assert err.value.status == 403 and "node lost" in err.value.message
+    # A join does not undo an admin drop.
+    state.join("island-0", 1, now=2.0)
+    assert state.islands["island-0"].state == DROPPED
+    assert state.active_islands() == {"island-1"}
+    state.set_admin_state("island-0", ACTIVE, "healthy again", now=3.0)
+    assert state.check_push(0, "island-0", 0) == 0
+
+
+def test_rounds_admin_preregistration_counts_only_after_join() -> None:
+    state = make_state(quorum=2, islands=1)
+    state.set_admin_state("island-9", ACTIVE, "", now=0.0)
+    assert state.active_islands() == {"island-0"}
+    with pytest.raises(Refused):
+        state.check_push(0, "island-9", 0)
+    state.join("island-9", 2, now=1.0)
+    assert state.active_islands() == {"island-0", "island-9"}
+
+
+def test_rounds_timeout_and_revival() -> None:
+    state = make_state(quorum=2, islands=2, grace=60.0, timeout=30.0)
+    push(state, "island-0", 1.0)
+    state.heartbeat("island-1", 10.0)
+    assert state.expire(31.5) == ["island-0"]
+    assert state.islands["island-0"].state == TIMED_OUT
+    assert state.islands["island-1"].state == ACTIVE
+    # island-0's pending push stays valid work; with one active island it alone is a quorum.
+    assert state.effective_quorum() == 1
+    assert state.rounds[0].quorum_since == 31.5
+    state.heartbeat("island-0", 32.0)
+    assert state.islands["island-0"].state == ACTIVE
+    assert state.expire(32.0) == []
+
+
+def test_rounds_leave_and_rejoin() -> None:
+    state = make_state(quorum=2, islands=2)
+    state.leave("island-1", 5.0)
+    assert state.islands["island-1"].state == LEFT
+    assert state.active_islands() == {"island-0"}
+    push(state, "island-0", 6.0)
+    assert state.merge_due(0, 6.0)
+    state.join("island-1", 1, 7.0)
+    assert state.islands["island-1"].joins == 2
+    assert state.islands["island-1"].state == ACTIVE
+
+
+def test_rounds_joining_island_raises_quorum_back() -> None:
+    state = make_state(quorum=2, islands=1, grace=60.0)
+    push(state, "island-0", 1.0)
+    assert state.rounds[0].quorum_since == 1.0  # min(2, 1 active) = 1
+    state.join("island-1", 1, 2.0)
+    assert state.rounds[0].quorum_since is None  # now 1 of 2
+
+
+def test_rounds_fragments_are_independent() -> None:
+    state = make_state(quorum=1, islands=2, grace=1.0, fragments=2)
+    push(state, "island-0", 0.0, fragment=1)
+    assert state.due_fragments(0.5) == []
+    assert state.due_fragments(1.0) == [1]
+    state.take_round(1, 1.0)
+    assert state.versions == [0, 1]
+    assert state.outer_step == 0
+
+
+def test_rounds_auto_grace_floor_is_one_step() -> None:
+    state = make_state(quorum=1, islands=2, grace=None, overlap=0, timeout=30.0)
+    assert state.grace() == 1.0  # nothing measured yet
+    push(state, "island-0", 0.0, step_time=0.2)
+    push(state, "island-1", 0.0, step_time=0.4)
+    assert state.grace() == pytest.approx(0.3)  # τ=0: no slack, floor = median step
+
+
+def test_rounds_auto_grace_uses_half_the_slack() -> None:
+    state = make_state(quorum=1, islands=1, grace=None, overlap=20, timeout=30.0)
+    push(state, "island-0", 0.0, step_time=0.5)
+    # slack = 20 * 0.5 - (0 + 0) = 10 s; γ = 0.5
+    assert state.grace() == pytest.approx(5.0)
+
+
+def test_rounds_auto_grace_is_capped_by_heartbeat_timeout() -> None:
+    state = make_state(quorum=1, islands=1, grace=None, overlap=1000, timeout=3.0)
+    push(state, "island-0", 0.0, step_time=1.0)
+    assert state.grace() == 3.0
+
+
+def test_rounds_merged_tokens_average_over_fragments() -> None:
+    state = make_state(quorum=1, islands=1, fragments=2, grace=0.0)
+    push(state, "island-0", 0.0, fragment=0, tokens=100)
+    push(state, "island-0", 0.0, fragment=1, tokens=100)
+    state.take_round(0, 0.0)
+    state.take_round(1, 0.0)
+    assert state.islands_json()["island-0"]["mergedTokens"] == 100
+
+
+def test_rounds_restore_islands_keeps_counters() -> None:
+    state = make_state(quorum=1, islands=2)
+    state.set_admin_state("island-1", DROPPED, "bad", now=1.0)
+    saved = state.islands_json()
+    fresh = SyncState(state.policy, 1, versions=[4])
+    fresh.restore_islands(saved, now=100.0)
+    assert fresh.islands_json()["island-1"]["state"] == DROPPED
+    assert fresh.islands["island-0"].joins == 1
+    assert fresh.islands["island-0"].last_seen == 100.0
+    assert fresh.versions == [4]

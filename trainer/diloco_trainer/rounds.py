@@ -1,0 +1,446 @@
+"""The syncer's round, quorum and membership state machine (pure: no I/O, no clock, no torch).
+
+Every method takes `now` (seconds since the epoch) from the caller, so tests drive it with a fake
+clock and the server with `time.time()`.
+
+Rounds. Each fragment has a version (the number of merges so far) and one open round: pending
+contributions keyed by island. A later push from the same island REPLACES its pending one: an
+island's counters (tokens, steps) and its pseudo-gradient cover all its work since it last received
+the fragment, so the newer push includes the older one and nothing is counted twice.
+
+Quorum and grace. The effective quorum is min(K, active islands), at least 1. When the round's
+contributors reach it, the grace window starts; the round is due when the window has passed or
+when every active island has contributed. Membership changes re-evaluate this at once: dropping an
+island removes its pending contribution (which may undo the quorum) and shrinks the active set
+(which may complete the round).
+
+Grace "auto" (Decoupled DiLoCo): slack = τ·t_step − (t_quorum + t_sync), grace = γ·max(slack, 0)
+with γ = 0.5, where t_step is the median step time the islands report, t_quorum the recent time
+from a round's first push to its quorum and t_sync the recent median sync time the learners report
+(push sent to merged fragment received). FLOOR: the grace is never less than one median learner
+step (t_step), so islands running in lock step all make the round even when τ = 0 (no overlap
+budget) and the cost stays below one step per round; it is never more than the heartbeat timeout,
+the point at which a silent island would be given up on anyway. Before any step time is known the
+floor is AUTO_GRACE_DEFAULT seconds.
+
+Membership. States: active, dropped (by the admin route; stays dropped until re-added), timedOut
+(no heartbeat, join or push for heartbeatTimeoutSeconds; active again on its next sign of life),
+left (said goodbye; active again when it joins). Only islands that have joined count as active:
+the admin route may pre-register an island, but it joins the quorum when it first joins.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections import deque
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+ACTIVE = "active"
+DROPPED = "dropped"
+TIMED_OUT = "timedOut"
+LEFT = "left"
+
+AUTO_GRACE_GAMMA = 0.5
+AUTO_GRACE_DEFAULT = 1.0
+# Samples kept for the medians of t_quorum and t_sync (recent behaviour matters, not history).
+_WINDOW = 32
+
+
+class Refused(Exception):
+    """A request the state machine refuses; `status` is the HTTP status the server answers."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+
+
+@dataclass(frozen=True)
+class RoundPolicy:
+    """The sync settings the state machine needs (from JobSpec.sync)."""
+
+    quorum: int
+    max_staleness: int
+    heartbeat_timeout: float
+    grace_seconds: float | None  # None means "auto"
+    overlap_steps: int = 0
+
+
+@dataclass
+class IslandRecord:
+    """What the syncer knows about one island (also persisted in checkpoints)."""
+
+    name: str
+    state: str = ACTIVE
+    reason: str = ""
+    joins: int = 0
+    replicas: int = 0
+    last_seen: float = 0.0
+    last_push: float | None = None
+    pushes: int = 0
+    tokens: int = 0  # tokens the island reports having consumed in all (heartbeats)
+    merged_tokens: float = 0.0  # its merged tokens, averaged over fragments (see take_round)
+    loss: float | None = None
+    step: int = 0
+    step_time: float | None = None
+    sync_time: float | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        """The status/checkpoint form (camelCase)."""
+        return {
+            "state": self.state,
+            "reason": self.reason,
+            "joins": self.joins,
+            "replicas": self.replicas,
+            "lastSeen": self.last_seen,
+            "lastPush": self.last_push,
+            "pushes": self.pushes,
+            "tokens": self.tokens,
+            "mergedTokens": round(self.merged_tokens),
+            "loss": self.loss,
+            "step": self.step,
+            "stepTime": self.step_time,
+        }
+
+    @classmethod
+    def from_json(cls, name: str, doc: dict[str, Any]) -> IslandRecord:
+        return cls(
+            name=name,
+            state=str(doc.get("state", ACTIVE)),
+            reason=str(doc.get("reason", "")),
+            joins=int(doc.get("joins", 0)),
+            replicas=int(doc.get("replicas", 0)),
+            last_seen=float(doc.get("lastSeen", 0.0)),
+            last_push=doc.get("lastPush"),
+            pushes=int(doc.get("pushes", 0)),
+            tokens=int(doc.get("tokens", 0)),
+            merged_tokens=float(doc.get("mergedTokens", 0)),
+            loss=doc.get("loss"),
+            step=int(doc.get("step", 0)),
+            step_time=doc.get("stepTime"),
+        )
+
+
+@dataclass
+class Contribution:
+    """One island's pending pseudo-gradient for one fragment."""
+
+    island: str
+    base_version: int
+    lag: int
+    tokens: int
+    steps: int
+    loss: float | None
+    received_at: float
+    push_id: str = ""
+    step_time: float | None = None
+    sync_time: float | None = None
+    payload: Any = field(default=None, repr=False)  # the decoded tensors (opaque here)
+
+    def log_entry(self) -> dict[str, Any]:
+        """The contributor's line in the merge log (weights are added by the merger)."""
+        return {
+            "island": self.island,
+            "baseVersion": self.base_version,
+            "lag": self.lag,
+            "tokens": self.tokens,
+            "steps": self.steps,
+            "loss": self.loss,
+        }
+
+
+@dataclass
+class FragmentRound:
+    """The open round of one fragment."""
+
+    version: int = 0
+    pending: dict[str, Contribution] = field(default_factory=dict)
+    first_push_at: float | None = None
+    quorum_since: float | None = None
+
+
+def _median(values: list[float]) -> float | None:
+    return statistics.median(values) if values else None
+
+
+class SyncState:
+    """Rounds of every fragment plus island membership. Not thread-safe: the caller locks."""
+
+    def __init__(
+        self, policy: RoundPolicy, num_fragments: int, versions: list[int] | None = None
+    ) -> None:
+        if num_fragments < 1:
+            raise ValueError("num_fragments must be >= 1")
+        if versions is not None and len(versions) != num_fragments:
+            raise ValueError(f"{len(versions)} versions for {num_fragments} fragments")
+        self.policy = policy
+        self.rounds = [FragmentRound(version=v) for v in (versions or [0] * num_fragments)]
+        self.islands: dict[str, IslandRecord] = {}
+        # (island, fragment) -> (pushId, answer): a retried push gets its first answer again.
+        self._answers: dict[tuple[str, int], tuple[str, dict[str, Any]]] = {}
+        self._quorum_waits: deque[float] = deque(maxlen=_WINDOW)
+
+    # ----- views -------------------------------------------------------------------------------
+
+    @property
+    def versions(self) -> list[int]:
+        return [r.version for r in self.rounds]
+
+    @property
+    def outer_step(self) -> int:
+        """Outer steps completed: the least merged fragment's version."""
+        return min(self.versions)
+
+    def active_islands(self) -> set[str]:
+        """Islands that count towards the quorum."""
+        return {n for n, r in self.islands.items() if r.state == ACTIVE and r.joins > 0}
+
+    def effective_quorum(self) -> int:
+        """min(K, active islands), at least 1: a round can always complete."""
+        return max(1, min(self.policy.quorum, len(self.active_islands())))
+
+    def grace(self) -> float:
+        """The grace window in seconds (fixed, or auto from measured timings; module docstring)."""
+        cap = self.policy.heartbeat_timeout
+        if self.policy.grace_seconds is not None:
+            return self.policy.grace_seconds
+        active = self.active_islands()
+        t_step = _median(
+            [r.step_time for n, r in self.islands.items() if n in active and r.step_time]
+        )
+        if t_step is None:
+            return min(AUTO_GRACE_DEFAULT, cap)
+        t_sync = _median(
+            [r.sync_time for n, r in self.islands.items() if n in active and r.sync_time]
+        )
+        t_quorum = _median(list(self._quorum_waits)) or 0.0
+        slack = self.policy.overlap_steps * t_step - (t_quorum + (t_sync or 0.0))
+        return min(cap, max(AUTO_GRACE_GAMMA * max(slack, 0.0), t_step))
+
+    def island(self, name: str) -> IslandRecord:
+        """A known island; Refused(404) for one that never joined."""
+        rec = self.islands.get(name)
+        if rec is None or rec.joins == 0:
+            raise Refused(404, f"island {name!r} has not joined; POST /v1/join first")
+        return rec
+
+    # ----- membership --------------------------------------------------------------------------
+
+    def _revive(self, rec: IslandRecord, now: float) -> None:
+        rec.last_seen = now
+        if rec.state in (TIMED_OUT, LEFT):
+            rec.state = ACTIVE
+            rec.reason = ""
+
+    def join(self, name: str, replicas: int, now: float) -> IslandRecord:
+        """An island (re)starts: counts a join and makes it active unless an admin dropped it."""
+        rec = self.islands.setdefault(name, IslandRecord(name=name))
+        rec.joins += 1
+        rec.replicas = replicas
+        self._revive(rec, now)
+        self._refresh(now)
+        return rec
+
+    def heartbeat(
+        self,
+        name: str,
+        now: float,
+        *,
+        step: int = 0,
+        tokens: int = 0,
+        loss: float | None = None,
+        step_time: float | None = None,
+    ) -> IslandRecord:
+        """A sign of life with progress figures; Refused(404) if the island never joined."""
+        rec = self.island(name)
+        self._revive(rec, now)
+        rec.step = max(rec.step, step)
+        rec.tokens = max(rec.tokens, tokens)
+        if loss is not None:
+            rec.loss = loss
+        if step_time:
+            rec.step_time = step_time
+        self._refresh(now)
+        return rec
+
+    def leave(self, name: str, now: float) -> IslandRecord:
+        """The island says goodbye (e.g. it finished); it stops counting towards the quorum."""
+        rec = self.island(name)
+        rec.last_seen = now
+        if rec.state != DROPPED:
+            rec.state = LEFT
+            rec.reason = "left"
+        self._refresh(now)
+        return rec
+
+    def set_admin_state(self, name: str, state: str, reason: str, now: float) -> IslandRecord:
+        """Admin: mark an island active or dropped (pre-registering one that never joined).
+
+        Dropping removes its pending contributions from open rounds.
+        """
+        if state not in (ACTIVE, DROPPED):
+            raise Refused(400, f"state must be 'active' or 'dropped', got {state!r}")
+        rec = self.islands.setdefault(name, IslandRecord(name=name, last_seen=now))
+        rec.state = state
+        rec.reason = reason
+        if state == DROPPED:
+            for rnd in self.rounds:
+                rnd.pending.pop(name, None)
+                if not rnd.pending:
+                    rnd.first_push_at = None
+        else:
+            rec.last_seen = now  # the timeout clock restarts when an admin re-adds it
+        self._refresh(now)
+        return rec
+
+    def expire(self, now: float) -> list[str]:
+        """Mark active islands silent for longer than the heartbeat timeout as timedOut."""
+        gone = []
+        for name, rec in self.islands.items():
+            silent = now - rec.last_seen
+            if rec.state == ACTIVE and rec.joins > 0 and silent > self.policy.heartbeat_timeout:
+                rec.state = TIMED_OUT
+                rec.reason = f"no heartbeat or push for {silent:.1f}s"
+                gone.append(name)
+        if gone:
+            self._refresh(now)
+        return gone
+
+    # ----- pushes ------------------------------------------------------------------------------
+
+    def _check_fragment(self, fragment: int) -> FragmentRound:
+        if not 0 <= fragment < len(self.rounds):
+            raise Refused(404, f"fragment {fragment} does not exist (0..{len(self.rounds) - 1})")
+        return self.rounds[fragment]
+
+    def previous_answer(self, fragment: int, name: str, push_id: str) -> dict[str, Any] | None:
+        """The answer given to an earlier push with this id (a client retry), if any."""
+        if not push_id:
+            return None
+        prev = self._answers.get((name, fragment))
+        return prev[1] if prev is not None and prev[0] == push_id else None
+
+    def check_push(self, fragment: int, name: str, base_version: int) -> int:
+        """Whether a push would be accepted, without changing anything; returns its lag.
+
+        Raises Refused: 404 unknown fragment or island, 403 dropped island, 409 stale or future
+        base version.
+        """
+        rnd = self._check_fragment(fragment)
+        rec = self.island(name)
+        if rec.state == DROPPED:
+            why = f" ({rec.reason})" if rec.reason else ""
+            raise Refused(403, f"island {name!r} was dropped by the operator{why}")
+        lag = rnd.version - base_version
+        if lag < 0:
+            raise Refused(
+                409,
+                f"baseVersion {base_version} is newer than fragment {fragment}'s version "
+                f"{rnd.version}",
+            )
+        if lag > self.policy.max_staleness:
+            raise Refused(
+                409,
+                f"baseVersion {base_version} lags fragment {fragment}'s version {rnd.version} by "
+                f"{lag}, more than sync.maxStaleness={self.policy.max_staleness}; pull the "
+                "fragment and push again",
+            )
+        return lag
+
+    def accept_push(self, fragment: int, contribution: Contribution, now: float) -> dict[str, Any]:
+        """Record a checked contribution (replacing the island's pending one); returns the answer.
+
+        The caller ran check_push under the same lock, so this cannot fail.
+        """
+        rnd = self.rounds[fragment]
+        rec = self.islands[contribution.island]
+        replaced = rnd.pending.get(contribution.island)
+        rnd.pending[contribution.island] = contribution
+        if rnd.first_push_at is None:
+            rnd.first_push_at = now
+        self._revive(rec, now)
+        rec.last_push = now
+        rec.pushes += 1
+        if contribution.loss is not None:
+            rec.loss = contribution.loss
+        if contribution.step_time:
+            rec.step_time = contribution.step_time
+        if contribution.sync_time:
+            rec.sync_time = contribution.sync_time
+        self._refresh(now)
+        answer = {
+            "accepted": True,
+            "version": rnd.version,
+            "pending": len(rnd.pending),
+            "replaced": replaced is not None,
+        }
+        if contribution.push_id:
+            self._answers[(contribution.island, fragment)] = (contribution.push_id, answer)
+        return answer
+
+    # ----- merging -----------------------------------------------------------------------------
+
+    def _refresh(self, now: float) -> None:
+        """Re-evaluate every round's quorum after any change."""
+        need = self.effective_quorum()
+        for rnd in self.rounds:
+            if len(rnd.pending) >= need:
+                if rnd.quorum_since is None:
+                    rnd.quorum_since = now
+            else:
+                rnd.quorum_since = None
+
+    def merge_due(self, fragment: int, now: float) -> bool:
+        """Whether fragment's round should merge now: quorum reached and grace passed or every
+        active island contributed."""
+        rnd = self.rounds[fragment]
+        if rnd.quorum_since is None:
+            return False
+        if self.active_islands() <= rnd.pending.keys():
+            return True
+        return now >= rnd.quorum_since + self.grace()
+
+    def due_fragments(self, now: float) -> list[int]:
+        """Fragments whose rounds should merge now."""
+        return [f for f in range(len(self.rounds)) if self.merge_due(f, now)]
+
+    def next_deadline(self) -> float | None:
+        """The earliest moment a grace window ends (for the server's timer), if any is open."""
+        starts = [r.quorum_since for r in self.rounds if r.quorum_since is not None]
+        return min(starts) + self.grace() if starts else None
+
+    def take_round(self, fragment: int, now: float) -> list[Contribution]:
+        """Close fragment's round for merging: returns its contributions (sorted by island, so a
+        merge is reproducible), bumps the version and opens the next round."""
+        rnd = self.rounds[fragment]
+        contributions = [rnd.pending[k] for k in sorted(rnd.pending)]
+        if rnd.first_push_at is not None and rnd.quorum_since is not None:
+            self._quorum_waits.append(max(0.0, rnd.quorum_since - rnd.first_push_at))
+        for c in contributions:
+            rec = self.islands.get(c.island)
+            if rec is not None:
+                # Each fragment's merges count the island's tokens once, so F fragments see
+                # them F times: the average over fragments is the island's merged work.
+                rec.merged_tokens += c.tokens / len(self.rounds)
+        self.rounds[fragment] = FragmentRound(version=rnd.version + 1)
+        return contributions
+
+    # ----- persistence -------------------------------------------------------------------------
+
+    def islands_json(self) -> dict[str, dict[str, Any]]:
+        """Per-island records for status and checkpoints."""
+        return {n: r.to_json() for n, r in sorted(self.islands.items())}
+
+    def restore_islands(self, doc: dict[str, dict[str, Any]], now: float) -> None:
+        """Load island records from a checkpoint; their timeout clocks restart at `now`."""
+        for name, rec_doc in doc.items():
+            rec = IslandRecord.from_json(name, rec_doc)
+            rec.last_seen = now
+            self.islands[name] = rec
+        self._refresh(now)
+
+
+def policy_dict(policy: RoundPolicy) -> dict[str, Any]:
+    """The policy as plain JSON (for status)."""
+    return asdict(policy)
