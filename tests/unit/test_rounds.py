@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import pytest
-
 from diloco_trainer.rounds import (
     ACTIVE,
     DROPPED,
