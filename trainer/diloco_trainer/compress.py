@@ -1,0 +1,219 @@
+"""Codecs for pseudo-gradients on the wire, and optional error feedback.
+
+Every codec turns a dict of fp32 tensors into a flat dict that safetensors can store, and back into
+fp32. The integer codecs quantise symmetrically per block of BLOCK_SIZE consecutive elements (of
+the flattened tensor) with one fp32 absmax scale per block:
+
+    scale = max|x| / QMAX,   q = round(x / scale) in [-QMAX, QMAX],   x' = q * scale
+
+so each element's error is at most scale / 2. int8 uses QMAX = 127 (-128 is never produced, so
+the grid is symmetric); int4 uses QMAX = 7 and packs two values per uint8 (element 2i in the low
+nibble, 2i+1 in the high nibble, each stored as q + 8). Keys: "NAME" for none/fp16/bf16;
+"NAME::q" (int8 (n,) or uint8 (ceil(n/2),)) and "NAME::scale" (fp32 (ceil(n/BLOCK_SIZE),)) for
+int8/int4. fp32 scales cost 4/BLOCK_SIZE bytes per element (3%), and unlike fp16 scales they
+cannot underflow for the tiny pseudo-gradients of late training.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+from torch import Tensor
+
+CODECS = ("none", "fp16", "bf16", "int8", "int4")
+BLOCK_SIZE = 128
+_QMAX = {"int8": 127, "int4": 7}
+_FLOAT_DTYPES = {"none": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+Q_SUFFIX = "::q"
+SCALE_SUFFIX = "::scale"
+
+
+def _check_codec(codec: str) -> None:
+    if codec not in CODECS:
+        raise ValueError(f"sync.compression {codec!r} is unknown; choose one of {list(CODECS)}")
+
+
+def _shape(shape: torch.Size | tuple[int, ...]) -> str:
+    return str(tuple(shape))
+
+
+def _num_blocks(n: int) -> int:
+    return -(-n // BLOCK_SIZE)
+
+
+def _quantise(x: Tensor, qmax: int) -> tuple[Tensor, Tensor]:
+    """Per-block symmetric quantisation of a flat fp32 tensor: (q int8 (n,), scales fp32 (nb,))."""
+    n = x.numel()
+    nb = _num_blocks(n)
+    blocks = x.new_zeros(nb * BLOCK_SIZE)
+    blocks[:n] = x
+    blocks = blocks.view(nb, BLOCK_SIZE)  # (nb, BLOCK_SIZE)
+    scales = blocks.abs().amax(dim=1) / qmax  # (nb,)
+    # All-zero blocks have scale 0; divide by 1 there (q is 0 either way).
+    divisor = torch.where(scales > 0, scales, torch.ones_like(scales))
+    q = torch.round(blocks / divisor[:, None]).clamp_(-qmax, qmax).to(torch.int8)
+    return q.view(-1)[:n], scales
+
+
+def _dequantise(q: Tensor, scales: Tensor, n: int) -> Tensor:
+    nb = scales.numel()
+    padded = torch.zeros(nb * BLOCK_SIZE, dtype=torch.float32)
+    padded[:n] = q
+    return (padded.view(nb, BLOCK_SIZE) * scales[:, None]).view(-1)[:n]
+
+
+def _pack_int4(q: Tensor) -> Tensor:
+    """int8 values in [-7, 7], shape (n,) -> uint8 (ceil(n/2),), two nibbles per byte."""
+    u = (q + 8).to(torch.uint8)
+    if u.numel() % 2:
+        u = torch.cat([u, u.new_full((1,), 8)])  # pad with an encoded zero
+    pairs = u.view(-1, 2)
+    return pairs[:, 0] | (pairs[:, 1] << 4)
+
+
+def _unpack_int4(packed: Tensor, n: int) -> Tensor:
+    """uint8 (ceil(n/2),) -> int8 (n,) in [-8, 7]."""
+    low = (packed & 0x0F).to(torch.int8) - 8
+    high = (packed >> 4).to(torch.int8) - 8
+    return torch.stack([low, high], dim=1).view(-1)[:n]
+
+
+def encode_tensors(tensors: Mapping[str, Tensor], codec: str) -> dict[str, Tensor]:
+    """Encode fp32 tensors for the wire: a flat, contiguous, safetensors-ready dict (on CPU)."""
+    _check_codec(codec)
+    out: dict[str, Tensor] = {}
+    for name, t in tensors.items():
+        if Q_SUFFIX in name or SCALE_SUFFIX in name:
+            raise ValueError(f"tensor name {name!r} may not contain '::'")
+        x = t.detach().to("cpu", torch.float32)
+        if codec in _FLOAT_DTYPES:
+            out[name] = x.to(_FLOAT_DTYPES[codec]).contiguous()
+            continue
+        q, scales = _quantise(x.reshape(-1), _QMAX[codec])
+        out[name + Q_SUFFIX] = (_pack_int4(q) if codec == "int4" else q).contiguous()
+        out[name + SCALE_SUFFIX] = scales.contiguous()
+    return out
+
+
+def expected_encoded(expected: Mapping[str, torch.Size], codec: str) -> dict[str, tuple]:
+    """Key -> (dtype, shape) that encode_tensors produces for tensors of these shapes."""
+    _check_codec(codec)
+    spec: dict[str, tuple] = {}
+    for name, shape in expected.items():
+        shape = torch.Size(shape)
+        if codec in _FLOAT_DTYPES:
+            spec[name] = (_FLOAT_DTYPES[codec], shape)
+            continue
+        n = shape.numel()
+        qn = -(-n // 2) if codec == "int4" else n
+        qdtype = torch.uint8 if codec == "int4" else torch.int8
+        spec[name + Q_SUFFIX] = (qdtype, torch.Size([qn]))
+        spec[name + SCALE_SUFFIX] = (torch.float32, torch.Size([_num_blocks(n)]))
+    return spec
+
+
+def _names_message(kind: str, names: set[str]) -> str:
+    shown = sorted(names)
+    more = f" (and {len(shown) - 5} more)" if len(shown) > 5 else ""
+    return f"{kind}: {', '.join(repr(n) for n in shown[:5])}{more}"
+
+
+def decode_tensors(
+    flat: Mapping[str, Tensor], codec: str, expected: Mapping[str, torch.Size]
+) -> dict[str, Tensor]:
+    """Validate an encoded dict against the model's shapes and decode it to fp32.
+
+    Raises ValueError naming the offending key when names are missing or unexpected, or a tensor
+    has the wrong shape or dtype, or holds NaN/Inf (or, for int8, the unused value -128).
+    """
+    want = expected_encoded(expected, codec)
+    missing = set(want) - set(flat)
+    extra = set(flat) - set(want)
+    if missing or extra:
+        parts = []
+        if missing:
+            parts.append(_names_message("missing", missing))
+        if extra:
+            parts.append(_names_message("unexpected", extra))
+        raise ValueError(
+            f"pseudo-gradient names do not match the model ({codec}): " + "; ".join(parts)
+        )
+    for key, (dtype, shape) in want.items():
+        t = flat[key]
+        if t.shape != shape:
+            raise ValueError(
+                f"pseudo-gradient {key!r} has shape {_shape(t.shape)} but the model expects "
+                f"{_shape(shape)}"
+            )
+        if t.dtype != dtype:
+            raise ValueError(
+                f"pseudo-gradient {key!r} has dtype {t.dtype} but codec {codec} needs {dtype}"
+            )
+        if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+            raise ValueError(f"pseudo-gradient {key!r} contains NaN or Inf")
+        if codec == "int8" and key.endswith(Q_SUFFIX) and t.numel() and int(t.min()) < -127:
+            raise ValueError(f"pseudo-gradient {key!r} contains -128 (int8 range is [-127, 127])")
+    out: dict[str, Tensor] = {}
+    for name, shape in expected.items():
+        shape = torch.Size(shape)
+        if codec in _FLOAT_DTYPES:
+            out[name] = flat[name].to(torch.float32).reshape(shape).clone()
+            continue
+        n = shape.numel()
+        q = flat[name + Q_SUFFIX]
+        if codec == "int4":
+            q = _unpack_int4(q, n)
+        out[name] = _dequantise(q, flat[name + SCALE_SUFFIX], n).view(shape)
+    return out
+
+
+def encoded_nbytes(flat: Mapping[str, Tensor]) -> int:
+    """Payload bytes of an encoded dict (tensor data only, without container headers)."""
+    return sum(t.numel() * t.element_size() for t in flat.values())
+
+
+class ErrorFeedback:
+    """Per-name quantisation residuals carried into the next push (error feedback).
+
+    Usage per push: `sent = ef.compensate(name, delta)`; encode `sent`; decode it the way the
+    syncer will; `ef.record(name, sent, decoded)`. What the codec dropped this time is added back
+    next time, so over many rounds nothing is lost for good.
+    """
+
+    def __init__(self) -> None:
+        self.residuals: dict[str, Tensor] = {}
+
+    def compensate(self, name: str, delta: Tensor) -> Tensor:
+        """delta plus the residual left from the previous push of this name (fp32, new tensor)."""
+        residual = self.residuals.get(name)
+        delta = delta.detach().to(torch.float32)
+        if residual is None:
+            return delta.clone()
+        if residual.shape != delta.shape:
+            raise ValueError(
+                f"error feedback for {name!r}: shape {_shape(delta.shape)} differs from the "
+                f"stored residual {_shape(residual.shape)}"
+            )
+        return delta + residual.to(delta.device)
+
+    def record(self, name: str, sent: Tensor, decoded: Tensor) -> None:
+        """Store what the codec lost: the compensated delta minus what the syncer will decode."""
+        self.residuals[name] = (
+            sent.detach().to("cpu", torch.float32) - decoded.detach().to("cpu", torch.float32)
+        ).contiguous()
+
+    def reset(self, names: list[str] | None = None) -> None:
+        """Forget residuals (all, or the given names), e.g. after a rejoin."""
+        if names is None:
+            self.residuals.clear()
+        for name in names or []:
+            self.residuals.pop(name, None)
+
+    def state_tensors(self) -> dict[str, Tensor]:
+        """Residuals by name, for a safetensors checkpoint."""
+        return dict(self.residuals)
+
+    def load_state_tensors(self, state: Mapping[str, Tensor]) -> None:
+        """Restore residuals saved by state_tensors()."""
+        self.residuals = {k: v.to(torch.float32).contiguous() for k, v in state.items()}
