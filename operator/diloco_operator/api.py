@@ -1,0 +1,153 @@
+"""The DiLoCoJob API (`diloco.dev/v1alpha1`): spec and status models.
+
+The spec schema is the trainer's `JobSpec` (one schema for `diloco run`, the pods and the CRD);
+this module only tightens it where a cluster needs more than a local run (an image is required,
+the pod template's shape is spelled out). The status models are the operator's own. `crd.py`
+turns both into the CRD's OpenAPI schema, so these models are the single source of truth.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from diloco_trainer.config import IslandsSpec, JobSpec, format_validation_error
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic.alias_generators import to_camel
+
+GROUP = "diloco.dev"
+VERSION = "v1alpha1"
+API_VERSION = f"{GROUP}/{VERSION}"
+KIND = "DiLoCoJob"
+PLURAL = "dilocojobs"
+SINGULAR = "dilocojob"
+SHORT_NAMES = ("dj",)
+
+Phase = Literal["Pending", "Running", "Degraded", "Suspended", "Succeeded", "Failed"]
+PHASES: tuple[str, ...] = ("Pending", "Running", "Degraded", "Suspended", "Succeeded", "Failed")
+ConditionStatus = Literal["True", "False", "Unknown"]
+IslandState = Literal["active", "dropped", "timedOut", "left", "unknown"]
+
+
+class ClusterIslandsSpec(IslandsSpec):
+    """The M islands of compute."""
+
+    template: dict[str, Any] = Field(
+        default_factory=dict,
+        description="A PodTemplateSpec fragment merged into every learner pod: 'metadata' "
+        "(labels, annotations) and 'spec' (nodeSelector, tolerations, affinity, volumes, ...). "
+        "Maps merge key by key; containers, initContainers, volumes and env merge by name (the "
+        "learner container is named 'learner'); other lists replace.",
+    )
+
+
+class DiLoCoJobSpec(JobSpec):
+    """The spec of a DiLoCoJob: the trainer's JobSpec plus what a cluster needs."""
+
+    image: str = Field(  # type: ignore[assignment]  # required here, optional for local runs
+        ...,
+        min_length=1,
+        description="Trainer container image, used for the learner and syncer pods.",
+    )
+    islands: ClusterIslandsSpec = Field(default_factory=ClusterIslandsSpec)
+
+
+class SpecError(ValueError):
+    """A DiLoCoJob spec the operator cannot use; the message names the field."""
+
+
+def parse_job_spec(data: dict[str, Any]) -> DiLoCoJobSpec:
+    """Validate a DiLoCoJob spec as read from the API server (defaults already applied).
+
+    The CRD refuses bad manifests first; this is the operator's second line (e.g. a CRD from an
+    older chart), raising SpecError with every bad field named.
+    """
+    try:
+        return DiLoCoJobSpec.model_validate(data)
+    except ValidationError as err:
+        raise SpecError(format_validation_error(err)) from None
+
+
+class StatusModel(BaseModel):
+    """Base for status sections: camelCase on the wire, unknown fields refused."""
+
+    model_config = ConfigDict(alias_generator=to_camel, populate_by_name=True, extra="forbid")
+
+
+class Condition(StatusModel):
+    """A metav1.Condition-style observation about the job."""
+
+    type: str = Field(
+        description="Ready, Progressing, Degraded, Suspended, Succeeded, Failed or SyncerReachable."
+    )
+    status: ConditionStatus = Field(description="True, False or Unknown.")
+    reason: str = Field(
+        "", description="One CamelCase word saying why the condition has this status."
+    )
+    message: str = Field("", description="Human-readable details.")
+    last_transition_time: str = Field(
+        "", description="When the status last changed (RFC 3339); not touched otherwise."
+    )
+    observed_generation: int = Field(
+        0, ge=0, description="metadata.generation of the spec this condition was computed for."
+    )
+
+
+class IslandCounts(StatusModel):
+    """How many islands are wanted, ready and in the syncer's quorum."""
+
+    desired: int = Field(0, ge=0, description="Islands the spec asks for (0 while suspended).")
+    ready: int = Field(0, ge=0, description="Islands whose pods all exist and are Ready.")
+    active: int = Field(0, ge=0, description="Islands the syncer counts as active members.")
+
+
+class IslandStatus(StatusModel):
+    """One island as seen from its pods and from the syncer."""
+
+    name: str = Field(description="Island name, e.g. island-0 or eu-island-0.")
+    ready_pods: int = Field(0, ge=0, description="Ready pods of the island.")
+    desired_pods: int = Field(0, ge=0, description="Pods the island should have.")
+    healthy: bool = Field(False, description="All pods exist and are Ready.")
+    in_quorum: bool = Field(False, description="The syncer counts this island as active.")
+    state: IslandState = Field(
+        "unknown",
+        description="Membership state reported by the syncer (active, dropped, timedOut, left), "
+        "or unknown when the syncer has not been reached or has never heard of the island.",
+    )
+    last_push: str | None = Field(
+        None, description="When the syncer last accepted a pseudo-gradient from it (RFC 3339)."
+    )
+    restarts: int = Field(0, ge=0, description="Container restarts summed over the island's pods.")
+
+
+class DiLoCoJobStatus(StatusModel):
+    """The observed state of a DiLoCoJob, written by the operator."""
+
+    phase: Phase = Field(
+        "Pending",
+        description="Pending, Running, Degraded, Suspended, Succeeded or Failed (see the "
+        "conditions for why).",
+    )
+    observed_generation: int = Field(
+        0, ge=0, description="metadata.generation of the spec last reconciled."
+    )
+    conditions: list[Condition] = Field(
+        default_factory=list, description="Latest observations of the job's state."
+    )
+    islands: IslandCounts = Field(default_factory=IslandCounts)
+    islands_summary: str = Field("0/0", description="'ready/desired' islands, for kubectl get.")
+    island_statuses: list[IslandStatus] = Field(
+        default_factory=list, description="Per-island state, one entry per desired island."
+    )
+    outer_step: int | None = Field(
+        None, ge=0, description="Merges completed by the syncer (min over fragments)."
+    )
+    tokens: int | None = Field(None, ge=0, description="Tokens merged into the global weights.")
+    loss: float | None = Field(None, description="Latest training loss reported to the syncer.")
+    eval_loss: float | None = Field(None, description="Latest held-out loss of the global weights.")
+    last_sync_time: str | None = Field(
+        None, description="When the syncer last merged pseudo-gradients (RFC 3339)."
+    )
+    finished_time: str | None = Field(
+        None, description="When the job reached Succeeded or Failed (RFC 3339)."
+    )
+    message: str = Field("", description="Why the job is in its phase, in words.")
