@@ -1,0 +1,124 @@
+"""Merging pseudo-gradients from several islands into one outer gradient (pure functions).
+
+Weights (Decoupled DiLoCo): an island's contribution weight is quantity x quality,
+tokens x (tokens / steps), both counted since it last received the fragment; a stale
+pseudo-gradient (computed from an older version of the fragment) is further scaled by 1/(1+lag).
+
+Rules:
+- "tokens" and "mean": the weighted mean sum_m w_m v_m / sum_m w_m (with "mean" the caller passes
+  equal weights, see contribution_weight).
+- "rda" (radial-directional averaging), per tensor, with phi(x) = x/|x|:
+  (sum w_m |v_m| / sum w_m) * phi(sum w_m phi(v_m) / sum w_m). Averaging nearly orthogonal vectors
+  of norm R shrinks the mean to about R/sqrt(M); RDA keeps the weighted mean norm. Embedding tables
+  (plain_names) use the weighted mean: their rows are updated sparsely by different islands.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+import torch
+from torch import Tensor
+
+MERGE_RULES = ("tokens", "mean", "rda")
+
+
+def contribution_weight(tokens: int, steps: int, rule: str) -> float:
+    """Weight of one island's pseudo-gradient: tokens x tokens/steps ("tokens", "rda"), or 1."""
+    if rule not in MERGE_RULES:
+        raise ValueError(f"sync.merge {rule!r} is unknown; choose one of {list(MERGE_RULES)}")
+    if tokens < 0 or steps < 0:
+        raise ValueError(f"tokens ({tokens}) and steps ({steps}) must be >= 0")
+    if rule == "mean":
+        return 1.0
+    if tokens == 0:
+        return 0.0
+    if steps == 0:
+        raise ValueError(f"{tokens} tokens reported over 0 inner steps")
+    return float(tokens) * (float(tokens) / float(steps))
+
+
+def staleness_factor(lag: int, max_staleness: int) -> float:
+    """1/(1+lag) for a pseudo-gradient based on a version `lag` merges old; refuses lag > max."""
+    if lag < 0:
+        raise ValueError(f"staleness lag must be >= 0, got {lag}")
+    if lag > max_staleness:
+        raise ValueError(
+            f"pseudo-gradient is {lag} versions old, more than sync.maxStaleness ({max_staleness})"
+        )
+    return 1.0 / (1.0 + lag)
+
+
+def _check_inputs(
+    deltas: Sequence[Mapping[str, Tensor]], weights: Sequence[float], rule: str
+) -> tuple[list[str], list[float]]:
+    if rule not in MERGE_RULES:
+        raise ValueError(f"sync.merge {rule!r} is unknown; choose one of {list(MERGE_RULES)}")
+    if not deltas:
+        raise ValueError("nothing to merge: no pseudo-gradients")
+    if len(deltas) != len(weights):
+        raise ValueError(f"{len(deltas)} pseudo-gradients but {len(weights)} weights")
+    ws = [float(w) for w in weights]
+    if any(not (w >= 0.0) or w == float("inf") for w in ws):
+        raise ValueError(f"merge weights must be finite and >= 0, got {ws}")
+    total = sum(ws)
+    if total <= 0.0:
+        raise ValueError("merge weights sum to zero: no contribution carries any weight")
+    names = list(deltas[0])
+    for i, d in enumerate(deltas[1:], start=1):
+        if set(d) != set(names):
+            diff = sorted(set(d) ^ set(names))
+            raise ValueError(f"pseudo-gradient {i} has different tensor names: {diff[:5]}")
+    return names, [w / total for w in ws]
+
+
+def _weighted_mean(vs: list[Tensor], ws: list[float]) -> Tensor:
+    out = torch.zeros(vs[0].shape, dtype=torch.float32, device=vs[0].device)
+    for v, w in zip(vs, ws, strict=True):
+        if w:
+            out.add_(v, alpha=w)  # accumulates in fp32 whatever v's dtype
+    return out
+
+
+def _rda(vs: list[Tensor], ws: list[float]) -> Tensor:
+    radius = 0.0
+    direction = torch.zeros(vs[0].shape, dtype=torch.float32, device=vs[0].device)
+    for v, w in zip(vs, ws, strict=True):
+        norm = float(torch.linalg.vector_norm(v, dtype=torch.float32))
+        if w == 0.0 or norm == 0.0:
+            continue  # a zero vector has no direction; it still counts (0) in the radius
+        radius += w * norm
+        direction.add_(v, alpha=w / norm)
+    dnorm = float(torch.linalg.vector_norm(direction))
+    if dnorm == 0.0:
+        return direction  # all zero, or directions cancel exactly: no update
+    return direction.mul_(radius / dnorm)
+
+
+def merge_pseudo_gradients(
+    deltas: Sequence[Mapping[str, Tensor]],
+    weights: Sequence[float],
+    rule: str,
+    plain_names: frozenset[str] = frozenset(),
+) -> dict[str, Tensor]:
+    """Merge per-island pseudo-gradients into one fp32 tensor per name.
+
+    Weights are normalised here (they need not sum to 1). Raises ValueError when the weights sum
+    to zero, are negative, or the islands disagree on tensor names.
+    """
+    names, ws = _check_inputs(deltas, weights, rule)
+    out: dict[str, Tensor] = {}
+    for name in names:
+        vs = [d[name] for d in deltas]
+        shape = vs[0].shape
+        for i, v in enumerate(vs):
+            if v.shape != shape:
+                raise ValueError(
+                    f"pseudo-gradient {i} tensor {name!r} has shape {tuple(v.shape)}, "
+                    f"expected {tuple(shape)}"
+                )
+        if rule == "rda" and name not in plain_names:
+            out[name] = _rda(vs, ws)
+        else:
+            out[name] = _weighted_mean(vs, ws)
+    return out
