@@ -1,0 +1,64 @@
+# syntax=docker/dockerfile:1
+# Images of diloco-operator, built from one Dockerfile:
+#   docker build --target operator -t ghcr.io/diloco-operator/diloco-operator:0.1.0 .
+#   docker build --target trainer  -t ghcr.io/diloco-operator/diloco-trainer:0.1.0 .
+#   docker build --target trainer --build-arg TORCH_VARIANT=cu124 -t ...-trainer:0.1.0-cu124 .
+# `operator` is slim (kopf, kubernetes client; no torch). `trainer` runs learners and the syncer.
+# The final stages hold no compilers or build tools and run as uid 65532.
+
+# Pinned base image (a released patch tag, never :latest).
+ARG PYTHON_IMAGE=python:3.11.11-slim-bookworm
+
+# ---------------------------------------------------------------------------------------------
+# builder: the project wheel, plus wheels of the operator's dependencies so the operator stage
+# installs offline from exactly these files.
+FROM ${PYTHON_IMAGE} AS builder
+ENV PIP_NO_CACHE_DIR=1 \
+    PIP_DISABLE_PIP_VERSION_CHECK=1
+WORKDIR /src
+COPY pyproject.toml README.md ./
+COPY trainer/ trainer/
+COPY operator/ operator/
+RUN pip wheel --no-deps --wheel-dir /wheels/project . \
+ && pip wheel --wheel-dir /wheels/operator "$(ls /wheels/project/*.whl)[operator]"
+
+# ---------------------------------------------------------------------------------------------
+# runtime: what both final stages share: the non-root user and Python settings.
+FROM ${PYTHON_IMAGE} AS runtime
+ENV PYTHONDONTWRITEBYTECODE=1 \
+    PYTHONUNBUFFERED=1 \
+    PIP_NO_CACHE_DIR=1 \
+    PIP_DISABLE_PIP_VERSION_CHECK=1
+# Same uid/gid as distroless "nonroot"; the chart's podSecurityContext uses it too. HOME is /tmp:
+# the chart mounts a writable emptyDir there and keeps the root filesystem read-only.
+RUN groupadd --gid 65532 diloco \
+ && useradd --uid 65532 --gid 65532 --home-dir /tmp --no-create-home \
+      --shell /usr/sbin/nologin diloco
+WORKDIR /tmp
+
+# ---------------------------------------------------------------------------------------------
+# operator: `diloco operator` (the chart passes its flags as args).
+FROM runtime AS operator
+RUN --mount=type=bind,from=builder,source=/wheels,target=/wheels \
+    pip install --no-index --find-links /wheels/operator \
+      "$(ls /wheels/project/*.whl)[operator]" \
+ && diloco --version
+USER 65532:65532
+ENTRYPOINT ["diloco"]
+CMD ["operator"]
+
+# ---------------------------------------------------------------------------------------------
+# trainer: `diloco learner` / `diloco syncer` (the operator sets the args of each pod).
+FROM runtime AS trainer
+# cpu or a CUDA build tag of the PyTorch wheel index (cu124, ...).
+ARG TORCH_VARIANT=cpu
+ARG TORCH_VERSION=2.6.0
+# torch first, from the variant's index, so the trainer extra does not pull the default build.
+RUN pip install --index-url "https://download.pytorch.org/whl/${TORCH_VARIANT}" \
+      "torch==${TORCH_VERSION}"
+RUN --mount=type=bind,from=builder,source=/wheels,target=/wheels \
+    pip install "$(ls /wheels/project/*.whl)[trainer]" \
+ && diloco --version
+USER 65532:65532
+ENTRYPOINT ["diloco"]
+CMD ["learner"]
