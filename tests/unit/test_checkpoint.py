@@ -1,0 +1,97 @@
+"""Syncer checkpoints: atomic layout, pruning, partial-directory cleanup, digests."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from diloco_trainer import checkpoint as ck
+
+
+def tensors(seed: int) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    g = torch.Generator().manual_seed(seed)
+    weights = {"a.weight": torch.randn(4, 3, generator=g), "b.bias": torch.randn(5, generator=g)}
+    momentum = {"a.weight": torch.randn(4, 3, generator=g)}
+    return weights, momentum
+
+
+def save(tmp_path: Path, step: int, seed: int = 0, keep: int = 3) -> Path:
+    weights, momentum = tensors(seed)
+    return ck.save_checkpoint(
+        tmp_path,
+        outer_step=step,
+        weights=weights,
+        momentum=momentum,
+        manifest={"versions": [step], "tokens": 10 * step},
+        keep=keep,
+    )
+
+
+def test_checkpoint_roundtrip_keeps_tensors_and_manifest(tmp_path: Path) -> None:
+    path = save(tmp_path, 7, seed=1)
+    assert path.name == "ckpt-000000007"
+    loaded = ck.load_latest(tmp_path)
+    assert loaded is not None
+    weights, momentum = tensors(1)
+    assert loaded.outer_step == 7
+    assert loaded.manifest["versions"] == [7]
+    assert loaded.manifest["formatVersion"] == ck.FORMAT_VERSION
+    assert ck.state_digest(loaded.weights, loaded.momentum) == ck.state_digest(weights, momentum)
+
+
+def test_checkpoint_prunes_to_keep_newest(tmp_path: Path) -> None:
+    for step in range(1, 6):
+        save(tmp_path, step, keep=2)
+    names = [p.name for p in ck.list_checkpoints(tmp_path)]
+    assert names == ["ckpt-000000004", "ckpt-000000005"]
+
+
+def test_checkpoint_ignores_and_cleans_partial_directories(tmp_path: Path) -> None:
+    save(tmp_path, 3)
+    root = tmp_path / ck.CHECKPOINTS_DIR
+    (root / f"{ck.TMP_PREFIX}crashed").mkdir()
+    (root / f"{ck.TMP_PREFIX}crashed" / ck.WEIGHTS_FILE).write_bytes(b"half")
+    (root / ck.checkpoint_name(9)).mkdir()  # no manifest: never completed
+    loaded = ck.load_latest(tmp_path)
+    assert loaded is not None and loaded.outer_step == 3
+    assert sorted(p.name for p in root.iterdir()) == ["ckpt-000000003"]
+
+
+def test_checkpoint_falls_back_when_newest_is_corrupt(tmp_path: Path) -> None:
+    save(tmp_path, 1)
+    newest = save(tmp_path, 2)
+    (newest / ck.WEIGHTS_FILE).write_bytes(b"not safetensors")
+    loaded = ck.load_latest(tmp_path)
+    assert loaded is not None and loaded.outer_step == 1
+
+
+def test_checkpoint_refuses_other_format(tmp_path: Path) -> None:
+    path = save(tmp_path, 1)
+    doc = json.loads((path / ck.MANIFEST_FILE).read_text())
+    doc["formatVersion"] = 99
+    (path / ck.MANIFEST_FILE).write_text(json.dumps(doc))
+    with pytest.raises(ValueError, match="format 99"):
+        ck.load_checkpoint(path)
+
+
+def test_checkpoint_same_step_replaces(tmp_path: Path) -> None:
+    save(tmp_path, 4, seed=1)
+    save(tmp_path, 4, seed=2)
+    loaded = ck.load_latest(tmp_path)
+    assert loaded is not None
+    assert ck.state_digest(loaded.weights, loaded.momentum) == ck.state_digest(*tensors(2))
+    assert len(ck.list_checkpoints(tmp_path)) == 1
+    assert not [p for p in (tmp_path / "checkpoints").iterdir() if p.name.startswith(".tmp")]
+
+
+def test_checkpoint_digest_sees_one_changed_value() -> None:
+    weights, momentum = tensors(0)
+    before = ck.state_digest(weights, momentum)
+    momentum["a.weight"][0, 0] += 1e-6
+    assert ck.state_digest(weights, momentum) != before
+
+
+def test_checkpoint_empty_state_dir_has_none(tmp_path: Path) -> None:
+    assert ck.load_latest(tmp_path) is None
