@@ -1,0 +1,93 @@
+"""The learner's pure step plan: which fragment is pushed, waited for, or applied at which step."""
+
+from __future__ import annotations
+
+import pytest
+from diloco_trainer.fragments import fragment_offsets
+from diloco_trainer.learner import ROUND_TIME_FACTOR, StepPlan, plan_step, wait_budget
+
+
+def _simulate(
+    steps: int, *, inner_steps: int, num_fragments: int, overlap: int, late: dict[int, int]
+) -> tuple[list[tuple[int, int]], list[tuple[int, int]], list[tuple[int, int]]]:
+    """Run plan_step like the learner does. `late[f] = k`: fragment f's merged result arrives k
+    steps after the step it was needed at (0 = on time). Returns (pushes, applies, skips) as
+    (step, fragment) pairs."""
+    offsets = fragment_offsets(inner_steps, num_fragments)
+    pushed_at: dict[int, int] = {}
+    pushes, applies, skips = [], [], []
+    for step in range(1, steps + 1):
+        plan = plan_step(
+            step, inner_steps=inner_steps, offsets=offsets, overlap=overlap, pushed_at=pushed_at
+        )
+        for f in plan.push:
+            pushed_at[f] = step
+            pushes.append((step, f))
+        skips.extend((step, f) for f in plan.skip)
+        for f in (*plan.wait, *plan.poll):
+            arrival = pushed_at[f] + overlap + late.get(f, 0)
+            if step >= arrival:
+                applies.append((step, f))
+                del pushed_at[f]
+    return pushes, applies, skips
+
+
+def test_plan_step_single_fragment_no_overlap_pushes_and_waits_every_h_steps() -> None:
+    plans = [plan_step(s, inner_steps=4, offsets=[0], overlap=0, pushed_at={}) for s in range(1, 9)]
+    assert [s for s, p in zip(range(1, 9), plans, strict=True) if p.push] == [4, 8]
+    assert plans[3] == StepPlan(push=(0,), wait=(0,))
+    assert plans[0] == StepPlan()
+
+
+def test_plan_step_overlap_applies_tau_steps_after_the_push() -> None:
+    pushes, applies, skips = _simulate(24, inner_steps=8, num_fragments=4, overlap=2, late={})
+    # offsets 0, 2, 4, 6: fragment 0 is due at 8, 16, 24; fragment 1 at 2, 10, 18; ...
+    assert pushes[:4] == [(2, 1), (4, 2), (6, 3), (8, 0)]
+    assert all((s + 2, f) in applies for s, f in pushes if s + 2 <= 24)
+    assert skips == []
+    # Exactly one fragment moves every other step: peak traffic falls by F.
+    assert len({s for s, _ in pushes}) == len(pushes)
+
+
+def test_plan_step_late_fragment_is_polled_then_applied_and_next_push_skipped() -> None:
+    # Fragment 0 arrives 6 steps late: applied at step 4 + 1 + 6 = 11, after its next due step 8.
+    pushes, applies, skips = _simulate(12, inner_steps=4, num_fragments=1, overlap=1, late={0: 6})
+    assert pushes == [(4, 0), (12, 0)]
+    assert (11, 0) in applies
+    assert skips == [(8, 0)]
+
+
+def test_plan_step_in_flight_fragment_is_polled_every_step_after_its_apply_step() -> None:
+    plan = plan_step(7, inner_steps=4, offsets=[0, 2], overlap=1, pushed_at={0: 4})
+    assert plan.poll == (0,)
+    assert plan.wait == ()
+    plan = plan_step(5, inner_steps=4, offsets=[0, 2], overlap=1, pushed_at={0: 4})
+    assert plan.wait == (0,)
+    assert plan.poll == ()
+
+
+def test_plan_step_refuses_step_zero_and_negative_overlap() -> None:
+    with pytest.raises(ValueError, match="from 1"):
+        plan_step(0, inner_steps=4, offsets=[0], overlap=0, pushed_at={})
+    with pytest.raises(ValueError, match="overlapSteps"):
+        plan_step(1, inner_steps=4, offsets=[0], overlap=-1, pushed_at={})
+
+
+def test_wait_budget_is_heartbeat_timeout_or_a_multiple_of_the_slowest_round() -> None:
+    assert wait_budget([], 30.0) == 30.0
+    assert wait_budget([1.0, 2.0], 30.0) == 30.0
+    assert wait_budget([1.0, 20.0], 30.0) == ROUND_TIME_FACTOR * 20.0
+    assert wait_budget([float("nan"), -1.0], 5.0) == 5.0
+    with pytest.raises(ValueError, match="heartbeatTimeoutSeconds"):
+        wait_budget([], 0.0)
+
+
+def test_plan_step_abandoned_fragment_is_pushed_again_when_due() -> None:
+    plan = plan_step(
+        8, inner_steps=4, offsets=[0], overlap=1, pushed_at={0: 4}, abandoned=frozenset({0})
+    )
+    assert plan.push == (0,)
+    assert plan.skip == ()
+    # Re-pushed now, so it is applied overlap steps later, not polled now.
+    assert plan.poll == ()
+    assert plan.wait == ()
