@@ -1,0 +1,259 @@
+"""Static checks of the Dockerfile and .dockerignore (there is no Docker engine on CI machines).
+
+The Dockerfile is parsed into stages; the assertions are the promises the chart and the operator
+rely on: the `operator` and `trainer` targets exist, run as the chart's non-root uid, start
+`diloco` with the subcommand the chart and the operator expect, and the operator image has no
+torch.
+"""
+
+from __future__ import annotations
+
+import re
+import shlex
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+import yaml
+
+REPO = Path(__file__).resolve().parents[2]
+DOCKERFILE = REPO / "Dockerfile"
+DOCKERIGNORE = REPO / ".dockerignore"
+VALUES = REPO / "charts" / "diloco-operator" / "values.yaml"
+FINAL_STAGES = ("operator", "trainer")
+
+
+@dataclass
+class Stage:
+    """One FROM ... [AS name] section of a Dockerfile."""
+
+    base: str
+    name: str
+    instructions: list[tuple[str, str]] = field(default_factory=list)
+
+    def args_of(self, keyword: str) -> list[str]:
+        """Arguments of every instruction with this keyword, in order."""
+        return [args for kw, args in self.instructions if kw == keyword]
+
+
+@dataclass
+class Dockerfile:
+    """A parsed Dockerfile: global ARG defaults and the stages in order."""
+
+    global_args: dict[str, str]
+    stages: list[Stage]
+
+    def stage(self, name: str) -> Stage:
+        """The stage with this name; fails the test when there is none."""
+        for stage in self.stages:
+            if stage.name == name:
+                return stage
+        raise AssertionError(f"no stage named {name!r}: {[s.name for s in self.stages]}")
+
+    def chain(self, name: str) -> list[Stage]:
+        """The stage and every stage it is built FROM, nearest first."""
+        names = {s.name for s in self.stages}
+        out = [self.stage(name)]
+        while out[-1].base in names:
+            out.append(self.stage(out[-1].base))
+        return out
+
+    def resolve(self, text: str) -> str:
+        """Substitute ${ARG} / $ARG with the global ARG defaults."""
+        return re.sub(
+            r"\$\{(\w+)\}|\$(\w+)",
+            lambda m: self.global_args.get(m.group(1) or m.group(2), m.group(0)),
+            text,
+        )
+
+
+def parse_dockerfile(text: str) -> Dockerfile:
+    """Parse instructions (line continuations joined, comments dropped) into stages."""
+    logical: list[str] = []
+    pending = ""
+    for raw in text.splitlines():
+        line = raw.strip()
+        if not pending and (not line or line.startswith("#")):
+            continue
+        if pending and line.startswith("#"):
+            continue  # comment lines inside a continued instruction are ignored by Docker
+        if line.endswith("\\"):
+            pending += line[:-1] + " "
+            continue
+        logical.append(pending + line)
+        pending = ""
+    assert not pending, "Dockerfile ends inside a line continuation"
+
+    global_args: dict[str, str] = {}
+    stages: list[Stage] = []
+    for line in logical:
+        keyword, _, args = line.partition(" ")
+        keyword, args = keyword.upper(), args.strip()
+        if keyword == "FROM":
+            words = [w for w in args.split() if not w.startswith("--")]
+            name = words[2] if len(words) == 3 and words[1].upper() == "AS" else str(len(stages))
+            stages.append(Stage(base=words[0], name=name))
+        elif not stages:
+            assert keyword == "ARG", f"only ARG may precede the first FROM, got {keyword}"
+            key, _, default = args.partition("=")
+            global_args[key] = default
+        else:
+            stages[-1].instructions.append((keyword, args))
+    return Dockerfile(global_args, stages)
+
+
+def exec_form(args: str) -> list[str]:
+    """The JSON-array (exec) form of CMD/ENTRYPOINT; fails on the shell form."""
+    parsed = yaml.safe_load(args)
+    assert isinstance(parsed, list), f"use the exec form [...], got: {args}"
+    return parsed
+
+
+@pytest.fixture(scope="module")
+def dockerfile() -> Dockerfile:
+    return parse_dockerfile(DOCKERFILE.read_text())
+
+
+def test_dockerfile_should_define_operator_and_trainer_targets_when_parsed(
+    dockerfile: Dockerfile,
+) -> None:
+    names = [s.name for s in dockerfile.stages]
+    assert "operator" in names and "trainer" in names, names
+
+
+@pytest.mark.parametrize("target", FINAL_STAGES)
+def test_dockerfile_should_run_as_chart_uid_when_target_built(
+    dockerfile: Dockerfile, target: str
+) -> None:
+    users = [u for stage in dockerfile.chain(target) for u in reversed(stage.args_of("USER"))]
+    assert users, f"{target} never sets USER (it would run as root)"
+    uid = users[0].split(":")[0]
+    # Numeric, so the kubelet can verify runAsNonRoot without reading /etc/passwd.
+    assert uid.isdigit() and int(uid) != 0, f"{target} runs as {users[0]!r}"
+    pod = yaml.safe_load(VALUES.read_text())["operator"]["podSecurityContext"]
+    assert int(uid) == pod["runAsUser"], "image uid and the chart's runAsUser differ"
+
+
+def test_dockerfile_should_pin_base_images_when_pulled(dockerfile: Dockerfile) -> None:
+    names = {s.name for s in dockerfile.stages}
+    external = [dockerfile.resolve(s.base) for s in dockerfile.stages if s.base not in names]
+    assert external, "no external base image found"
+    for image in external:
+        assert "$" not in image, f"base image {image!r} uses an ARG without a default"
+        reference, _, tag = image.rpartition(":")
+        assert reference and "/" not in tag, f"base image {image!r} has no tag"
+        assert tag != "latest", f"base image {image!r} is not pinned"
+        assert re.match(r"^\d+\.\d+\.\d+", tag), f"base tag {tag!r} is not a full version"
+
+
+def test_dockerfile_should_not_install_torch_when_target_is_operator(
+    dockerfile: Dockerfile,
+) -> None:
+    runs = [r for stage in dockerfile.chain("operator") for r in stage.args_of("RUN")]
+    assert not [r for r in runs if "torch" in r.lower()], runs
+    assert any("[operator]" in r for r in runs), "operator stage does not install the extra"
+    assert not any("[trainer]" in r or "[dev]" in r for r in runs), runs
+
+
+def test_dockerfile_should_choose_torch_index_when_variant_given(dockerfile: Dockerfile) -> None:
+    trainer = dockerfile.stage("trainer")
+    build_args = dict(a.partition("=")[::2] for a in trainer.args_of("ARG"))
+    assert build_args.get("TORCH_VARIANT") == "cpu", build_args
+    installs = [r for r in trainer.args_of("RUN") if "torch" in r]
+    assert any(
+        "--index-url" in r and "download.pytorch.org/whl/${TORCH_VARIANT}" in r for r in installs
+    ), installs
+
+
+@pytest.mark.parametrize("target", FINAL_STAGES)
+def test_dockerfile_should_leave_build_tools_out_when_target_built(
+    dockerfile: Dockerfile, target: str
+) -> None:
+    chain = dockerfile.chain(target)
+    assert "builder" not in [s.name for s in chain], f"{target} is built FROM the builder"
+    runs = " ".join(r for stage in chain for r in stage.args_of("RUN"))
+    for tool in ("gcc", "build-essential", "apt-get install", "make "):
+        assert tool not in runs, f"{target} installs {tool!r}"
+
+
+def test_dockerfile_should_start_subcommands_the_chart_and_operator_use_when_run(
+    dockerfile: Dockerfile,
+) -> None:
+    from diloco_trainer.cli import build_parser
+
+    parser = build_parser()
+    expected = {"operator": ["operator"], "trainer": ["learner"]}
+    for target, cmd in expected.items():
+        chain = dockerfile.chain(target)
+        entry = next(e for stage in chain for e in reversed(stage.args_of("ENTRYPOINT")))
+        last_cmd = next(c for stage in chain for c in reversed(stage.args_of("CMD")))
+        assert exec_form(entry) == ["diloco"], target
+        assert exec_form(last_cmd) == cmd, target
+        # The CLI accepts the default command: the image starts without extra args.
+        assert parser.parse_args(cmd).command == cmd[0]
+
+
+def _dockerignore_regex(pattern: str) -> re.Pattern[str]:
+    """Translate a .dockerignore pattern (Go filepath.Match plus `**`) into a regex."""
+    out = ""
+    i = 0
+    while i < len(pattern):
+        if pattern.startswith("**", i):
+            out += ".*"
+            i += 2
+        elif pattern[i] == "*":
+            out += "[^/]*"
+            i += 1
+        elif pattern[i] == "?":
+            out += "[^/]"
+            i += 1
+        else:
+            out += re.escape(pattern[i])
+            i += 1
+    return re.compile(f"^{out}$")
+
+
+def dockerignored(path: str, patterns: list[str]) -> bool:
+    """Whether Docker leaves `path` out of the build context (last matching pattern wins; a
+    pattern matching a parent directory matches everything below it)."""
+    parts = path.split("/")
+    candidates = ["/".join(parts[: i + 1]) for i in range(len(parts))]
+    excluded = False
+    for raw in patterns:
+        negate = raw.startswith("!")
+        pattern = raw[1:] if negate else raw
+        regex = _dockerignore_regex(pattern.strip("/"))
+        if any(regex.match(c) for c in candidates):
+            excluded = not negate
+    return excluded
+
+
+def test_dockerignore_should_keep_copied_sources_and_drop_local_state_when_building(
+    dockerfile: Dockerfile,
+) -> None:
+    patterns = [
+        line.strip()
+        for line in DOCKERIGNORE.read_text().splitlines()
+        if line.strip() and not line.startswith("#")
+    ]
+    sources = [
+        src.rstrip("/")
+        for stage in dockerfile.stages
+        for args in stage.args_of("COPY")
+        if "--from" not in args
+        for src in shlex.split(args)[:-1]
+    ]
+    assert sources, "no COPY from the build context"
+    for src in sources:
+        assert not dockerignored(src, patterns), f"COPY {src} is excluded by .dockerignore"
+        assert (REPO / src).exists(), f"COPY {src}: no such path in the repository"
+    assert not dockerignored("trainer/diloco_trainer/cli.py", patterns)
+    for local in (
+        ".venv/bin/python",
+        ".git/HEAD",
+        "runs/summary.json",
+        "tests/unit/test_x.py",
+        "trainer/diloco_trainer/__pycache__/cli.cpython-311.pyc",
+        "diloco_operator.egg-info/PKG-INFO",
+    ):
+        assert dockerignored(local, patterns), f"{local} would be sent to the Docker daemon"
