@@ -1,0 +1,349 @@
+"""`diloco run [CONFIG]`: a whole job as local processes on loopback.
+
+One syncer and islands.count × islands.replicas learner ranks, started with exactly the commands and
+environment variables the operator gives pods (launch.py, contract.py), so a local run exercises the
+cluster code path. The launcher only watches: it polls the syncer's /v1/status, draws progress, and
+at the end prints (and optionally writes) a summary and a loss plot.
+
+Failures: a learner that exits early is reported and the run goes on without it (the syncer's
+quorum and heartbeat timeout deal with it, as in a cluster); if every learner is gone, or the
+syncer dies, the run stops with an error and the tail of the log. Ctrl-C (SIGINT) or SIGTERM stops
+every child (SIGTERM to each process group, SIGKILL after a deadline) and exits 130.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import signal
+import sys
+import tempfile
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import FrameType
+from typing import Any
+
+import yaml
+from rich.console import Console
+from rich.live import Live
+
+from diloco_trainer.config import ConfigError, JobSpec, load_spec, parse_spec
+from diloco_trainer.contract import island_name
+from diloco_trainer.launch import (
+    JobFiles,
+    Proc,
+    free_port,
+    start_learner,
+    start_syncer,
+    wait_ready,
+    write_job_files,
+)
+from diloco_trainer.progress import status_view, summary_table
+
+# The built-in job when no CONFIG is given: the spec of examples/local.yaml (keep them in step; a
+# test checks they agree). Finishes in about two minutes on two CPU cores.
+DEFAULT_JOB_NAME = "local-demo"
+DEFAULT_SPEC: dict[str, Any] = {
+    "model": {"preset": "gpt-tiny", "seed": 0},
+    "data": {"source": "builtin:stdlib-text", "evalTokens": 8192, "seed": 0},
+    "islands": {"count": 2, "replicas": 1},
+    "inner": {
+        "optimizer": "adamw",
+        "lr": 3.0e-3,
+        "weightDecay": 0.1,
+        "warmupSteps": 20,
+        "steps": 50,
+        "batchSize": 8,
+        "seqLen": 64,
+        "gradClip": 1.0,
+    },
+    "outer": {"lr": 0.7, "momentum": 0.9, "nesterov": True},
+    "sync": {
+        "quorum": 2,
+        "graceSeconds": "auto",
+        "fragments": 1,
+        "overlapSteps": 0,
+        "compression": "int8",
+        "merge": "tokens",
+        "maxStaleness": 4,
+        "mixAlpha": 0.0,
+        "errorFeedback": False,
+        "heartbeatTimeoutSeconds": 30,
+    },
+    "stopAfter": {"outerSteps": 8},
+    "syncer": {"checkpoint": {"everyOuterSteps": 5, "keep": 2}, "evalEveryOuterSteps": 1},
+}
+
+POLL_SECONDS = 0.5
+# After the syncer says finished, learners get this long to notice and exit on their own.
+LEARNER_EXIT_SECONDS = 30.0
+# Children get this long to exit after SIGTERM before their process groups are killed.
+STOP_SECONDS = 10.0
+SYNCER_READY_SECONDS = 120.0
+
+
+class RunError(RuntimeError):
+    """The run cannot go on (the syncer died, every learner is gone); the message says why."""
+
+
+def parse_slow_islands(values: Sequence[str], count: int) -> dict[int, float]:
+    """`--slow-island I:FACTOR` options -> {island index: factor}; ValueError names the option."""
+    out: dict[int, float] = {}
+    for raw in values:
+        index_s, sep, factor_s = raw.partition(":")
+        try:
+            if not sep:
+                raise ValueError
+            index, factor = int(index_s), float(factor_s)
+        except ValueError:
+            raise ValueError(f"--slow-island {raw!r}: expected I:FACTOR, e.g. 1:3") from None
+        if not 0 <= index < count:
+            raise ValueError(f"--slow-island {raw!r}: island must be in [0, {count})")
+        if factor < 1:
+            raise ValueError(f"--slow-island {raw!r}: FACTOR must be >= 1")
+        out[index] = factor
+    return out
+
+
+def load_job(config: str | None) -> tuple[str, JobSpec]:
+    """The job name and spec from CONFIG (a DiLoCoJob manifest or bare spec), or the default."""
+    if config is None:
+        return DEFAULT_JOB_NAME, parse_spec(DEFAULT_SPEC)
+    spec = load_spec(config)
+    name = Path(config).stem
+    try:
+        doc = yaml.safe_load(Path(config).read_text())
+        if isinstance(doc, dict) and isinstance(doc.get("metadata"), dict):
+            name = str(doc["metadata"].get("name") or name)
+    except (OSError, yaml.YAMLError):
+        pass  # load_spec already read and parsed it; keep the file name
+    return name, spec
+
+
+def threads_per_learner(total_ranks: int) -> int:
+    """Share the CPU budget between the local learner processes (at least one thread each)."""
+    from diloco_trainer.learner import cpu_budget
+
+    return max(1, cpu_budget() // max(1, total_ranks))
+
+
+def make_summary(
+    status: Mapping[str, Any], *, islands: int, wall_seconds: float, workdir: Path
+) -> dict[str, Any]:
+    """The JSON summary of a finished run, from the syncer's final status."""
+    return {
+        "job": status.get("jobName"),
+        "islands": islands,
+        "outer_steps": int(status.get("outerStep", 0)),
+        "finished": bool(status.get("finished")),
+        "tokens": int(status.get("tokens", 0)),
+        "initial_eval_loss": status.get("initialEvalLoss"),
+        "final_eval_loss": status.get("evalLoss"),
+        "bytes_pushed": int(status.get("bytesIn", 0)),
+        "bytes_pulled": int(status.get("bytesOut", 0)),
+        "wall_seconds": round(wall_seconds, 3),
+        "eval_history": list(status.get("evalHistory", [])),
+        "island_stats": dict(status.get("islands", {})),
+        "workdir": str(workdir),
+    }
+
+
+@dataclass
+class LocalRun:
+    """The processes of one local job and the loop that watches them."""
+
+    name: str
+    spec: JobSpec
+    workdir: Path
+    slowdowns: dict[int, float]
+    console: Console
+    quiet: bool = False
+    syncer: Proc | None = None
+    learners: list[Proc] = field(default_factory=list)
+    dead: dict[str, int] = field(default_factory=dict)
+    url: str = ""
+    files: JobFiles | None = None
+
+    @property
+    def logs(self) -> Path:
+        return self.workdir / "logs"
+
+    def start(self) -> None:
+        """Start the syncer, wait until it is ready, then start every learner rank."""
+        spec = self.spec
+        self.files = write_job_files(spec, self.workdir)
+        ranks = spec.islands.count * spec.islands.replicas
+        threads = {"OMP_NUM_THREADS": str(threads_per_learner(ranks))}
+        port = free_port()
+        self.url = f"http://127.0.0.1:{port}"
+        self.syncer = start_syncer(
+            self.files,
+            port=port,
+            state_dir=self.workdir / "syncer",
+            job_name=self.name,
+            log_file=self.logs / "syncer.log",
+            extra_env=threads,
+        )
+        wait_ready(self.url, self.files.token, SYNCER_READY_SECONDS, proc=self.syncer)
+        for i in range(spec.islands.count):
+            island = island_name(spec.islands.name_prefix, i)
+            master_port = free_port()
+            for rank in range(spec.islands.replicas):
+                self.learners.append(
+                    start_learner(
+                        self.files,
+                        syncer_url=self.url,
+                        island=island,
+                        island_index=spec.islands.shard_offset + i,
+                        log_file=self.logs / f"{island}-rank{rank}.log",
+                        rank=rank,
+                        world_size=spec.islands.replicas,
+                        master_port=master_port,
+                        slowdown=self.slowdowns.get(i, 1.0),
+                        job_name=self.name,
+                        extra_env=threads,
+                    )
+                )
+
+    def _check_children(self, finished: bool) -> None:
+        assert self.syncer is not None
+        if not self.syncer.alive:
+            tail = "\n".join(self.syncer.log_text().splitlines()[-30:])
+            raise RunError(
+                f"the syncer exited with code {self.syncer.returncode}; last lines of "
+                f"{self.syncer.log_file}:\n{tail}"
+            )
+        for proc in self.learners:
+            if not proc.alive and proc.name not in self.dead:
+                self.dead[proc.name] = proc.returncode or 0
+                if not finished:
+                    self.console.print(
+                        f"[yellow]learner {proc.name} exited with code {proc.returncode}; "
+                        f"going on without it (log: {proc.log_file})[/yellow]"
+                    )
+        if not finished and self.learners and len(self.dead) == len(self.learners):
+            raise RunError(f"every learner exited before the job finished; logs in {self.logs}")
+
+    async def watch(self, started: float) -> dict[str, Any]:
+        """Poll the syncer until it reports the job finished; returns its last status."""
+        from diloco_trainer.wire import SyncerClient, SyncerError
+
+        assert self.files is not None
+        status: dict[str, Any] = {}
+        last_outer = -1
+        live: Live | None = None
+        if not self.quiet and self.console.is_terminal:
+            live = Live(console=self.console, refresh_per_second=4, transient=False)
+            live.start()
+        try:
+            async with SyncerClient(
+                self.url, self.files.token, retry_deadline=3.0, request_timeout=10.0
+            ) as client:
+                while True:
+                    self._check_children(bool(status.get("finished")))
+                    try:
+                        status = await client.status()
+                    except SyncerError as err:
+                        # The syncer may be going down; the next _check_children tells.
+                        self.console.print(f"[yellow]status: {err}[/yellow]")
+                    if live is not None:
+                        live.update(
+                            status_view(
+                                self.spec,
+                                status,
+                                started=started,
+                                slowdowns=self.slowdowns,
+                                dead=self.dead,
+                            )
+                        )
+                    elif not self.quiet and status.get("outerStep", -1) != last_outer:
+                        last_outer = int(status["outerStep"])
+                        self.console.print(
+                            f"outer step {last_outer}  tokens {status.get('tokens', 0):,}  "
+                            f"eval loss {status.get('evalLoss')}  "
+                            f"({time.monotonic() - started:.0f}s)"
+                        )
+                    if status.get("finished"):
+                        return status
+                    await asyncio.sleep(POLL_SECONDS)
+        finally:
+            if live is not None:
+                live.stop()
+
+    def wait_learners(self, timeout: float) -> None:
+        """Give learners `timeout` seconds to exit by themselves (they do once finished)."""
+        deadline = time.monotonic() + timeout
+        while any(p.alive for p in self.learners) and time.monotonic() < deadline:
+            time.sleep(0.2)
+
+    def stop_all(self, timeout: float = STOP_SECONDS) -> None:
+        """SIGTERM every child's process group at once, SIGKILL what is left after `timeout`."""
+        procs = [*self.learners, *([self.syncer] if self.syncer else [])]
+        for p in procs:
+            p.terminate()
+        deadline = time.monotonic() + timeout
+        for p in procs:
+            while p.alive and time.monotonic() < deadline:
+                time.sleep(0.05)
+        for p in procs:
+            p.kill()  # the group: stragglers too
+            p.wait()
+
+
+def _raise_keyboard_interrupt(signum: int, frame: FrameType | None) -> None:
+    raise KeyboardInterrupt
+
+
+def main(args: argparse.Namespace) -> int:
+    """`diloco run`: exit 0 when the job finished, 1 on failure, 2 on bad input, 130 on Ctrl-C."""
+    console = Console(stderr=False)
+    try:
+        name, spec = load_job(args.config)
+        slowdowns = parse_slow_islands(args.slow_island, spec.islands.count)
+    except (ConfigError, ValueError) as err:
+        print(f"diloco run: {err}", file=sys.stderr)
+        return 2
+    if spec.syncer.endpoint:
+        print(
+            "diloco run: syncer.endpoint is set; a local run starts its own syncer", file=sys.stderr
+        )
+        return 2
+    workdir = Path(args.workdir or tempfile.mkdtemp(prefix="diloco-run-")).resolve()
+    run = LocalRun(name, spec, workdir, slowdowns, console, quiet=args.quiet)
+    # SIGTERM stops the run like Ctrl-C does (children are in their own process groups).
+    signal.signal(signal.SIGTERM, _raise_keyboard_interrupt)
+    started = time.monotonic()
+    try:
+        console.print(f"diloco run: job {name}, {spec.islands.count} island(s); logs in {run.logs}")
+        run.start()
+        status = asyncio.run(run.watch(started))
+        run.wait_learners(LEARNER_EXIT_SECONDS)
+    except KeyboardInterrupt:
+        console.print(f"interrupted: stopping every process (logs in {run.logs})")
+        run.stop_all()
+        return 130
+    except (RunError, TimeoutError, RuntimeError) as err:
+        console.print(f"[red]diloco run failed:[/red] {err}")
+        run.stop_all()
+        return 1
+    run.stop_all()
+    summary = make_summary(
+        status,
+        islands=spec.islands.count,
+        wall_seconds=time.monotonic() - started,
+        workdir=workdir,
+    )
+    console.print(summary_table(summary))
+    if args.summary:
+        Path(args.summary).write_text(json.dumps(summary, indent=2) + "\n")
+        console.print(f"summary written to {args.summary}")
+    if args.plot:
+        from diloco_trainer.plot import plot_eval_history
+
+        plot_eval_history(summary["eval_history"], args.plot, title=f"{name}: eval loss")
+        console.print(f"loss plot written to {args.plot}")
+    console.print(f"logs in {run.logs}")
+    return 0

@@ -1,0 +1,119 @@
+"""Rich renderings for `diloco run`: the live view of a job and the final summary.
+
+Pure functions from the syncer's status document (wire.py's /v1/status) to rich renderables, so
+the launcher stays a thin loop and these can be looked at without processes.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping
+from typing import Any
+
+from rich.console import Group, RenderableType
+from rich.progress_bar import ProgressBar
+from rich.table import Table
+from rich.text import Text
+
+from diloco_trainer.config import JobSpec
+
+
+def human_bytes(n: float) -> str:
+    """1536 -> '1.5 KiB'."""
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    raise AssertionError("unreachable")
+
+
+def _fmt(x: Any, spec: str = ".4f") -> str:
+    return "-" if x is None else format(x, spec)
+
+
+def progress_fraction(spec: JobSpec, status: Mapping[str, Any]) -> tuple[float, str]:
+    """How far the job is towards stopAfter (the nearer of its limits) and a label."""
+    fractions = []
+    if spec.stop_after.outer_steps:
+        outer = int(status.get("outerStep", 0))
+        fractions.append((outer / spec.stop_after.outer_steps, "outer step"))
+    if spec.stop_after.tokens:
+        fractions.append((int(status.get("tokens", 0)) / spec.stop_after.tokens, "tokens"))
+    if not fractions:
+        return 0.0, "no stopAfter: runs until Ctrl-C"
+    frac, label = max(fractions)
+    return min(1.0, frac), label
+
+
+def status_view(
+    spec: JobSpec,
+    status: Mapping[str, Any],
+    *,
+    started: float,
+    slowdowns: Mapping[int, float],
+    dead: Mapping[str, int],
+) -> RenderableType:
+    """The live view: one progress line, the headline figures, and a row per island."""
+    frac, label = progress_fraction(spec, status)
+    outer = int(status.get("outerStep", 0))
+    limit = spec.stop_after.outer_steps
+    head = Text.assemble(
+        ("outer step ", "bold"),
+        f"{outer}" + (f"/{limit}" if limit else ""),
+        ("  tokens ", "bold"),
+        f"{int(status.get('tokens', 0)):,}",
+        ("  loss ", "bold"),
+        _fmt(status.get("loss")),
+        ("  eval ", "bold"),
+        f"{_fmt(status.get('initialEvalLoss'))} -> {_fmt(status.get('evalLoss'))}",
+        ("  pushed ", "bold"),
+        human_bytes(float(status.get("bytesIn", 0))),
+        ("  pulled ", "bold"),
+        human_bytes(float(status.get("bytesOut", 0))),
+        ("  elapsed ", "bold"),
+        f"{time.monotonic() - started:.0f}s",
+    )
+    bar = Table.grid(padding=(0, 1))
+    bar.add_row(ProgressBar(total=1.0, completed=frac, width=50), f"{frac:.0%} ({label})")
+    islands = Table(box=None, pad_edge=False)
+    for col in ("island", "state", "pushes", "joins", "tokens", "loss", "last push", "note"):
+        islands.add_column(col, justify="left" if col in ("island", "state", "note") else "right")
+    now = time.time()
+    for index, (name, info) in enumerate(sorted(dict(status.get("islands", {})).items())):
+        last = info.get("lastPush")
+        notes = []
+        if slowdowns.get(index, 1.0) > 1:
+            notes.append(f"slowed {slowdowns[index]:g}x")
+        if name in dead:
+            notes.append(f"exited {dead[name]}")
+        islands.add_row(
+            name,
+            str(info.get("state", "?")),
+            str(info.get("pushes", 0)),
+            str(info.get("joins", 0)),
+            f"{int(info.get('tokens', 0)):,}",
+            _fmt(info.get("loss")),
+            f"{now - float(last):.0f}s ago" if last else "-",
+            ", ".join(notes),
+        )
+    return Group(bar, head, islands)
+
+
+def summary_table(summary: Mapping[str, Any]) -> Table:
+    """The end-of-run table of `diloco run`."""
+    table = Table(title="diloco run: summary", show_header=False)
+    table.add_column("what", style="bold")
+    table.add_column("value", justify="right")
+    rows = [
+        ("islands (M)", str(summary["islands"])),
+        ("outer steps", str(summary["outer_steps"])),
+        ("tokens", f"{summary['tokens']:,}"),
+        ("initial eval loss", _fmt(summary["initial_eval_loss"])),
+        ("final eval loss", _fmt(summary["final_eval_loss"])),
+        ("pseudo-gradients pushed", human_bytes(summary["bytes_pushed"])),
+        ("weights pulled", human_bytes(summary["bytes_pulled"])),
+        ("wall time", f"{summary['wall_seconds']:.1f}s"),
+    ]
+    for what, value in rows:
+        table.add_row(what, value)
+    return table
