@@ -15,7 +15,7 @@
 set -euo pipefail
 
 HACK_DIR=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
-# shellcheck source=hack/versions.env
+# shellcheck source-path=SCRIPTDIR source=versions.env
 source "${HACK_DIR}/versions.env"
 
 CACHE_ROOT=${DILOCO_K8S_CACHE:-${HOME}/.cache/diloco-operator/k8s}
@@ -147,7 +147,7 @@ build_kubernetes() {
   local t=${SECONDS} dir="${WORK_DIR}/kubernetes" modfile staging minor ldflags pkgs=() b
   log "building kube-apiserver, kube-controller-manager, kube-scheduler, kubectl ${K8S_VERSION} (first run only, ~15-30 min on 2 cores)..."
   mkdir -p "${dir}"
-  modfile=$(cd "${dir}" && GOFLAGS= "${GO}" mod download -json "k8s.io/kubernetes@${K8S_VERSION}" \
+  modfile=$(cd "${dir}" && GOFLAGS='' "${GO}" mod download -json "k8s.io/kubernetes@${K8S_VERSION}" \
     | sed -n 's/^[[:space:]]*"GoMod": "\(.*\)",\{0,1\}$/\1/p') \
     || die "downloading k8s.io/kubernetes@${K8S_VERSION} from the module proxy failed"
   [[ -f "${modfile}" ]] || die "could not locate go.mod of k8s.io/kubernetes@${K8S_VERSION}"
@@ -195,7 +195,7 @@ go_install() {
   log "building ${name} ${version} (first run only, ${estimate})..."
   (
     cd "${WORK_DIR}"
-    GOFLAGS= GOBIN="${STAGE_DIR}" "${GO}" install -trimpath -ldflags="-s -w ${ldflags}" "${pkg}@${version}"
+    GOFLAGS='' GOBIN="${STAGE_DIR}" "${GO}" install -trimpath -ldflags="-s -w ${ldflags}" "${pkg}@${version}"
   ) || die "building ${name} ${version} failed (see the go output above)"
   install_staged "${name}"
   step_done "${t}"
