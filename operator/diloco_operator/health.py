@@ -1,0 +1,201 @@
+"""Island health from pods, and the syncer membership changes it calls for (pure).
+
+An island is healthy when every pod it should have (`STS-0` .. `STS-(replicas-1)`) exists, is not
+being deleted, and is Ready. When a healthy island turns unhealthy the operator asks the syncer to
+drop it from the quorum; when it is healthy again, to re-add it. Islands that have never been
+healthy (still starting) are left alone: the syncer counts an island only once it joins anyway.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from diloco_operator.resources import COMPONENT_LABEL, COMPONENT_SYNCER, ISLAND_LABEL
+
+ACTIVE = "active"
+DROPPED = "dropped"
+CRASH_LOOP_REASON = "CrashLoopBackOff"
+
+
+@dataclass(frozen=True)
+class PodView:
+    """What the operator needs to know about one pod."""
+
+    name: str
+    island: str | None
+    component: str | None
+    ready: bool
+    restarts: int
+    crash_looping: bool
+
+
+def pod_view(pod: Mapping[str, Any]) -> PodView:
+    """Summarise a pod object (as the API returns it)."""
+    meta = pod.get("metadata", {})
+    status = pod.get("status") or {}
+    labels = meta.get("labels") or {}
+    conditions = status.get("conditions") or []
+    ready_condition = any(
+        c.get("type") == "Ready" and c.get("status") == "True" for c in conditions
+    )
+    ready = (
+        ready_condition and status.get("phase") == "Running" and not meta.get("deletionTimestamp")
+    )
+    containers = status.get("containerStatuses") or []
+    restarts = sum(int(c.get("restartCount", 0)) for c in containers)
+    crash = any(
+        ((c.get("state") or {}).get("waiting") or {}).get("reason") == CRASH_LOOP_REASON
+        for c in containers
+    )
+    return PodView(
+        name=meta.get("name", ""),
+        island=labels.get(ISLAND_LABEL),
+        component=labels.get(COMPONENT_LABEL),
+        ready=ready,
+        restarts=restarts,
+        crash_looping=crash,
+    )
+
+
+@dataclass(frozen=True)
+class IslandHealth:
+    """One island's pods, summarised."""
+
+    name: str
+    desired_pods: int
+    ready_pods: int
+    restarts: int
+    crash_looping_pods: int
+    missing: tuple[str, ...]  # expected pods that do not exist
+    not_ready: tuple[str, ...]  # expected pods that exist but are not Ready
+
+    @property
+    def healthy(self) -> bool:
+        """All expected pods exist and are Ready (an island of zero pods is not healthy)."""
+        return self.desired_pods > 0 and self.ready_pods == self.desired_pods
+
+    def describe(self) -> str:
+        """A short reason for the island's state, naming the pods at fault."""
+        if self.healthy:
+            return f"all {self.desired_pods} pods Ready"
+        parts = [f"{self.ready_pods}/{self.desired_pods} pods Ready"]
+        if self.missing:
+            parts.append("missing: " + ", ".join(self.missing))
+        if self.not_ready:
+            parts.append("not Ready: " + ", ".join(self.not_ready))
+        return "; ".join(parts)
+
+
+def island_health(
+    statefulsets: Mapping[str, str], replicas: int, pods: Iterable[PodView]
+) -> dict[str, IslandHealth]:
+    """Health of each island, given {island: StatefulSet name} and the job's pods."""
+    by_name = {p.name: p for p in pods}
+    out: dict[str, IslandHealth] = {}
+    for island, sts in statefulsets.items():
+        expected = [f"{sts}-{i}" for i in range(replicas)]
+        present = [by_name[n] for n in expected if n in by_name and by_name[n].island == island]
+        names = {p.name for p in present}
+        out[island] = IslandHealth(
+            name=island,
+            desired_pods=replicas,
+            ready_pods=sum(p.ready for p in present),
+            restarts=sum(p.restarts for p in present),
+            crash_looping_pods=sum(p.crash_looping for p in present),
+            missing=tuple(n for n in expected if n not in names),
+            not_ready=tuple(p.name for p in present if not p.ready),
+        )
+    return out
+
+
+def syncer_pods(pods: Iterable[PodView]) -> list[PodView]:
+    """The job's syncer pods."""
+    return [p for p in pods if p.component == COMPONENT_SYNCER]
+
+
+@dataclass(frozen=True)
+class MembershipChange:
+    """One PUT /v1/islands/{island} to send."""
+
+    island: str
+    state: str  # ACTIVE or DROPPED
+    reason: str
+
+
+@dataclass
+class Membership:
+    """What the operator decided and what the syncer acknowledged, per island (per job).
+
+    Kept in the operator's memory. After an operator restart it is empty and is rebuilt from the
+    syncer's reported states, so decisions survive restarts without being duplicated.
+    """
+
+    seen_healthy: set[str] = field(default_factory=set)
+    wanted: dict[str, str] = field(default_factory=dict)
+    acknowledged: dict[str, str] = field(default_factory=dict)
+
+    def decide(
+        self,
+        health: Mapping[str, IslandHealth],
+        syncer_states: Mapping[str, str] | None,
+        *,
+        islands_running: bool,
+        is_own_island: Callable[[str], bool] = lambda _name: False,
+    ) -> list[MembershipChange]:
+        """Update the decisions from fresh health (and the syncer's states, when known) and
+        return the changes the syncer has not acknowledged yet.
+
+        `health` covers the desired islands. `is_own_island` recognises this job's island names
+        among those the syncer reports (a multi-region syncer also knows other clusters'
+        islands): an own island that is no longer desired (scaled away) is dropped.
+        While the job is suspended or finished, islands are down on purpose: no changes.
+        """
+        reported = dict(syncer_states or {})
+        if not islands_running:
+            self.seen_healthy.clear()
+            return []
+        reasons: dict[str, str] = {}
+        for name, island in health.items():
+            if island.healthy:
+                self.seen_healthy.add(name)
+                if self.wanted.get(name) == DROPPED or reported.get(name) == DROPPED:
+                    self.wanted[name] = ACTIVE
+                    reasons[name] = "island healthy again: " + island.describe()
+            elif name in self.seen_healthy or reported.get(name) == ACTIVE:
+                self.wanted[name] = DROPPED
+                reasons[name] = "island unhealthy: " + island.describe()
+        known = set(self.wanted) | self.seen_healthy | {n for n in reported if is_own_island(n)}
+        for name in sorted(known - set(health)):
+            if self.acknowledged.get(name) == DROPPED and reported.get(name) != ACTIVE:
+                self._forget(name)  # removed and the syncer knows: nothing left to do
+            elif self.wanted.get(name) == DROPPED or reported.get(name, ACTIVE) in (ACTIVE, ""):
+                self.wanted[name] = DROPPED
+                reasons[name] = "island removed from the job"
+            else:
+                self._forget(name)  # never active at the syncer: nothing to tell it
+        changes = []
+        for name, state in sorted(self.wanted.items()):
+            contradicted = reported.get(name) in (ACTIVE, DROPPED) and reported[name] != state
+            if self.acknowledged.get(name) != state or contradicted:
+                reason = reasons.get(name) or f"island {state}"
+                changes.append(MembershipChange(island=name, state=state, reason=reason))
+        return changes
+
+    def acknowledge(self, change: MembershipChange) -> None:
+        """The syncer accepted a change."""
+        self.acknowledged[change.island] = change.state
+
+    def _forget(self, name: str) -> None:
+        self.seen_healthy.discard(name)
+        self.wanted.pop(name, None)
+        self.acknowledged.pop(name, None)
+
+
+def syncer_island_states(syncer_status: Mapping[str, Any] | None) -> dict[str, str] | None:
+    """{island: state} from the syncer's /v1/status, or None when the syncer was not reached."""
+    if syncer_status is None:
+        return None
+    islands = syncer_status.get("islands") or {}
+    return {name: str((info or {}).get("state", "")) for name, info in islands.items()}
