@@ -1,0 +1,1 @@
+"""Process-level tests: real syncer and learner processes on loopback."""

@@ -1,0 +1,204 @@
+"""Shared fixtures for the process-level tests: tiny job specs, real syncer processes, HTTP helpers.
+
+Everything is real: `diloco syncer` runs as its own process (via launch.py) on loopback, and the
+helpers speak plain HTTP to it. Every process a fixture starts is killed (whole process group) in
+teardown.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+from diloco_trainer import launch
+from diloco_trainer.config import JobSpec, parse_spec
+
+# A job that trains in seconds on one CPU core: gpt-tiny, short sequences, few inner steps.
+TINY_SPEC: dict[str, Any] = {
+    "model": {"preset": "gpt-tiny", "seed": 0},
+    "data": {"evalTokens": 2048},
+    "islands": {"count": 2},
+    "inner": {"steps": 4, "batchSize": 2, "seqLen": 32, "lr": 1e-3},
+    "outer": {"lr": 0.7, "momentum": 0.9, "nesterov": True},
+    "sync": {"quorum": 1, "graceSeconds": 0.2, "heartbeatTimeoutSeconds": 10},
+    "stopAfter": {"outerSteps": 3},
+    "syncer": {"checkpoint": {"everyOuterSteps": 1, "keep": 2}},
+}
+
+
+def deep_merge(base: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:
+    """base with overrides applied recursively (dicts merge, everything else replaces)."""
+    out = dict(base)
+    for key, value in overrides.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = deep_merge(out[key], value)
+        else:
+            out[key] = value
+    return out
+
+
+@pytest.fixture
+def make_spec() -> Callable[..., JobSpec]:
+    """make_spec(sync={"quorum": 2}, stopAfter={"outerSteps": 5}, ...) -> a tiny JobSpec.
+
+    Keyword arguments are spec sections in manifest (camelCase) form, merged into TINY_SPEC.
+    """
+
+    def make(**overrides: Any) -> JobSpec:
+        return parse_spec(deep_merge(TINY_SPEC, overrides))
+
+    return make
+
+
+@pytest.fixture
+def workdir(tmp_path: Path) -> Path:
+    """A fresh directory for one test's files, logs and state."""
+    return tmp_path
+
+
+@dataclass
+class SyncerHandle:
+    """A running `diloco syncer` process and how to reach it."""
+
+    proc: launch.Proc
+    url: str
+    token: str
+    port: int
+    files: launch.JobFiles
+    state_dir: Path
+    log_file: Path
+
+    def request(
+        self,
+        method: str,
+        path: str,
+        *,
+        json_body: Any = None,
+        body: bytes | None = None,
+        token: str | None = "",
+        timeout: float = 30.0,
+    ) -> tuple[int, Any]:
+        """Plain HTTP to the syncer; token "" means the right one, None means none at all."""
+        return http_request(
+            method,
+            self.url + path,
+            token=self.token if token == "" else token,
+            json_body=json_body,
+            body=body,
+            timeout=timeout,
+        )
+
+    def status(self, digest: bool = False) -> dict[str, Any]:
+        code, doc = self.request("GET", "/v1/status" + ("?digest=1" if digest else ""))
+        assert code == 200, (code, doc)
+        return doc
+
+    def log_text(self) -> str:
+        return self.proc.log_text()
+
+
+def http_request(
+    method: str,
+    url: str,
+    *,
+    token: str | None,
+    json_body: Any = None,
+    body: bytes | None = None,
+    timeout: float = 30.0,
+) -> tuple[int, Any]:
+    """(status, parsed JSON or raw bytes) for one HTTP request; never raises on 4xx/5xx."""
+    headers = {}
+    data = body
+    if json_body is not None:
+        data = json.dumps(json_body).encode()
+        headers["Content-Type"] = "application/json"
+    elif body is not None:
+        headers["Content-Type"] = "application/octet-stream"
+    if token is not None:
+        headers["Authorization"] = f"Bearer {token}"
+    req = urllib.request.Request(url, data=data, method=method, headers=headers)
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as resp:
+            code, raw = resp.status, resp.read()
+            ctype = resp.headers.get("Content-Type", "")
+    except urllib.error.HTTPError as err:
+        code, raw = err.code, err.read()
+        ctype = err.headers.get("Content-Type", "") if err.headers else ""
+    if "json" in ctype:
+        return code, json.loads(raw)
+    return code, raw
+
+
+def wait_until(
+    condition: Callable[[], Any], *, timeout: float, interval: float = 0.05, what: str = ""
+) -> Any:
+    """Poll `condition` until it returns something truthy (returned) or fail after `timeout`."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = condition()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout}s waiting for {what or condition}")
+        time.sleep(interval)
+
+
+@pytest.fixture
+def syncer_proc(workdir: Path) -> Iterator[Callable[..., SyncerHandle]]:
+    """Factory: start(spec, *, state_dir=None, token=None, port=None, job_name="test",
+    ready_timeout=90) -> SyncerHandle, ready to serve. Every syncer started is killed at teardown.
+
+    Restarting on the same state_dir (after handle.proc.kill()) resumes from its checkpoints; pass
+    port=handle.port to come back on the same address.
+    """
+    started: list[launch.Proc] = []
+    count = 0
+
+    def start(
+        spec: JobSpec,
+        *,
+        state_dir: Path | None = None,
+        token: str | None = None,
+        port: int | None = None,
+        job_name: str = "test",
+        ready_timeout: float = 90.0,
+        extra_env: dict[str, str] | None = None,
+    ) -> SyncerHandle:
+        nonlocal count
+        count += 1
+        files = launch.write_job_files(spec, workdir / f"job-{count}", token=token)
+        port = port or launch.free_port()
+        state_dir = state_dir or workdir / "syncer-state"
+        log_file = workdir / f"syncer-{count}.log"
+        env = {"OMP_NUM_THREADS": "1", **(extra_env or {})}
+        proc = launch.start_syncer(
+            files,
+            port=port,
+            state_dir=state_dir,
+            job_name=job_name,
+            log_file=log_file,
+            extra_env=env,
+        )
+        started.append(proc)
+        url = f"http://127.0.0.1:{port}"
+        launch.wait_ready(url, files.token, timeout=ready_timeout, proc=proc)
+        return SyncerHandle(
+            proc=proc,
+            url=url,
+            token=files.token,
+            port=port,
+            files=files,
+            state_dir=state_dir,
+            log_file=log_file,
+        )
+
+    yield start
+    for proc in started:
+        proc.stop(timeout=5)

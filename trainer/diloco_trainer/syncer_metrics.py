@@ -1,0 +1,47 @@
+"""Prometheus metrics of one syncer, in their own registry (not the process-global one), so several
+syncers in one process (tests) never collide."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+
+class SyncerMetrics:
+    """Counters and gauges the syncer updates; `render()` is the /metrics body."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        r = self.registry
+        self.pushes = Counter(
+            "diloco_syncer_pushes",
+            "Pseudo-gradient pushes by result (accepted, or the refusal reason)",
+            ["result"],
+            registry=r,
+        )
+        self.merges = Counter("diloco_syncer_merges", "Fragment merges applied", registry=r)
+        self.bytes_in = Counter(
+            "diloco_syncer_bytes_in", "Pseudo-gradient bytes received", registry=r
+        )
+        self.bytes_out = Counter("diloco_syncer_bytes_out", "Fragment bytes served", registry=r)
+        self.active_islands = Gauge(
+            "diloco_syncer_active_islands", "Islands counting towards the quorum", registry=r
+        )
+        self.outer_step = Gauge("diloco_syncer_outer_step", "Completed outer steps", registry=r)
+        self.tokens = Gauge(
+            "diloco_syncer_tokens", "Tokens merged into the global model", registry=r
+        )
+        self.eval_loss = Gauge(
+            "diloco_syncer_eval_loss", "Eval loss of the global weights (latest)", registry=r
+        )
+        self.merge_seconds = Histogram(
+            "diloco_syncer_merge_seconds",
+            "Time to merge one fragment's round and apply the outer step",
+            buckets=(0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1, 2, 5, 10, 30),
+            registry=r,
+        )
+
+    def render(self) -> bytes:
+        """The exposition-format text of this registry."""
+        return generate_latest(self.registry)
