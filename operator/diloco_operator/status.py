@@ -37,6 +37,8 @@ from diloco_operator.health import ACTIVE, IslandHealth, PodView
 CRASH_LOOP_LIMIT = 5
 SYNCER_UNREACHABLE_DEADLINE = 900.0
 KNOWN_ISLAND_STATES = ("active", "dropped", "timedOut", "left")
+LOST = "SyncerUnreachable"
+NOT_YET_REACHED = "NotYetReached"
 FINAL_PHASES = ("Succeeded", "Failed")
 CONDITION_TYPES = (
     "Ready",
@@ -127,7 +129,7 @@ def _failure(obs: Observation, previous: Mapping[str, Mapping[str, Any]]) -> tup
         since = obs.created  # never reached yet
         if reachable.get("status") == "True":
             since = obs.now  # just lost
-        elif reachable.get("status") == "False":
+        elif reachable.get("reason") == LOST:
             since = parse_time(reachable.get("lastTransitionTime")) or obs.created
         down = (obs.now - since).total_seconds()
         if down >= SYNCER_UNREACHABLE_DEADLINE:
@@ -136,6 +138,14 @@ def _failure(obs: Observation, previous: Mapping[str, Mapping[str, Any]]) -> tup
                 f"(deadline {int(SYNCER_UNREACHABLE_DEADLINE)}s): {obs.syncer_error or 'unknown'}"
             )
     return None
+
+
+def _unreachable_reason(before: Mapping[str, Mapping[str, Any]]) -> str:
+    """LOST once the syncer has answered at least once, NOT_YET_REACHED before that."""
+    previous = before.get("SyncerReachable") or {}
+    if previous.get("status") == "True" or previous.get("reason") == LOST:
+        return LOST
+    return NOT_YET_REACHED
 
 
 def _island_statuses(obs: Observation, running: bool) -> list[IslandStatus]:
@@ -248,7 +258,7 @@ def compute_status(obs: Observation, previous: Mapping[str, Any] | None) -> DiLo
             before,
             "SyncerReachable",
             reachable,
-            "StatusRead" if reachable else "SyncerUnreachable",
+            "StatusRead" if reachable else _unreachable_reason(before),
             "" if reachable else (obs.syncer_error or "no answer"),
             obs,
         ),

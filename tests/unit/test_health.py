@@ -1,0 +1,173 @@
+"""Island health from pods and the membership changes it calls for."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from diloco_operator.health import (
+    ACTIVE,
+    DROPPED,
+    Membership,
+    island_health,
+    pod_view,
+    syncer_island_states,
+    syncer_pods,
+)
+
+
+def _pod(
+    name: str,
+    island: str | None = "island-0",
+    *,
+    ready: bool = True,
+    phase: str = "Running",
+    deleting: bool = False,
+    restarts: int = 0,
+    waiting: str | None = None,
+    component: str = "learner",
+) -> dict[str, Any]:
+    labels = {"app.kubernetes.io/component": component}
+    if island:
+        labels["diloco.dev/island"] = island
+    meta: dict[str, Any] = {"name": name, "labels": labels}
+    if deleting:
+        meta["deletionTimestamp"] = "2024-01-01T00:00:00Z"
+    state = {"waiting": {"reason": waiting}} if waiting else {"running": {}}
+    return {
+        "metadata": meta,
+        "status": {
+            "phase": phase,
+            "conditions": [{"type": "Ready", "status": "True" if ready else "False"}],
+            "containerStatuses": [{"name": "learner", "restartCount": restarts, "state": state}],
+        },
+    }
+
+
+STS = {"island-0": "job-island-0", "island-1": "job-island-1"}
+
+
+def _health(*pods: dict[str, Any], replicas: int = 2):
+    return island_health(STS, replicas, [pod_view(p) for p in pods])
+
+
+def test_pod_view_ready_needs_condition_phase_and_no_deletion() -> None:
+    assert pod_view(_pod("a")).ready
+    assert not pod_view(_pod("a", ready=False)).ready
+    assert not pod_view(_pod("a", phase="Pending")).ready
+    assert not pod_view(_pod("a", deleting=True)).ready
+    view = pod_view(_pod("a", restarts=7, waiting="CrashLoopBackOff"))
+    assert view.crash_looping and view.restarts == 7
+
+
+def test_island_health_all_pods_ready() -> None:
+    health = _health(
+        _pod("job-island-0-0"),
+        _pod("job-island-0-1"),
+        _pod("job-island-1-0", "island-1"),
+        _pod("job-island-1-1", "island-1", ready=False),
+    )
+    assert health["island-0"].healthy and health["island-0"].ready_pods == 2
+    assert not health["island-1"].healthy
+    assert health["island-1"].not_ready == ("job-island-1-1",)
+    assert "job-island-1-1" in health["island-1"].describe()
+
+
+def test_island_health_missing_pod_is_unhealthy() -> None:
+    health = _health(_pod("job-island-0-0"))
+    assert not health["island-0"].healthy
+    assert health["island-0"].missing == ("job-island-0-1",)
+    # Pods beyond `replicas` (a scale-down in progress) do not count.
+    assert _health(_pod("job-island-0-0"), _pod("job-island-0-5"), replicas=1)["island-0"].healthy
+
+
+def test_island_health_zero_replicas_is_not_healthy() -> None:
+    assert not _health(replicas=0)["island-0"].healthy
+
+
+def test_syncer_pods_and_states() -> None:
+    views = [pod_view(_pod("s", None, component="syncer")), pod_view(_pod("job-island-0-0"))]
+    assert [p.name for p in syncer_pods(views)] == ["s"]
+    assert syncer_island_states(None) is None
+    assert syncer_island_states({"islands": {"island-0": {"state": "active"}}}) == {
+        "island-0": "active"
+    }
+
+
+def _ready(*islands: str) -> dict:
+    pods = []
+    for island in islands:
+        pods += [_pod(f"job-{island}-0", island), _pod(f"job-{island}-1", island)]
+    return _health(*pods)
+
+
+def test_membership_never_healthy_island_is_left_alone() -> None:
+    m = Membership()
+    assert m.decide(_ready("island-0"), {}, islands_running=True) == []
+
+
+def test_membership_drop_then_readd() -> None:
+    m = Membership()
+    assert m.decide(_ready("island-0", "island-1"), None, islands_running=True) == []
+    (change,) = m.decide(_ready("island-0"), None, islands_running=True)
+    assert (change.island, change.state) == ("island-1", DROPPED)
+    assert "island unhealthy" in change.reason and "missing" in change.reason
+    # Not acknowledged (syncer unreachable): asked again next time.
+    assert m.decide(_ready("island-0"), None, islands_running=True) == [change]
+    m.acknowledge(change)
+    assert m.decide(_ready("island-0"), {"island-1": DROPPED}, islands_running=True) == []
+    (back,) = m.decide(_ready("island-0", "island-1"), {"island-1": DROPPED}, islands_running=True)
+    assert (back.island, back.state) == ("island-1", ACTIVE)
+    m.acknowledge(back)
+    assert (
+        m.decide(_ready("island-0", "island-1"), {"island-1": ACTIVE}, islands_running=True) == []
+    )
+
+
+def test_membership_after_operator_restart_uses_syncer_states() -> None:
+    m = Membership()  # fresh memory: the syncer's view tells what was active
+    changes = m.decide(
+        _ready("island-0"), {"island-0": DROPPED, "island-1": ACTIVE}, islands_running=True
+    )
+    assert {(c.island, c.state) for c in changes} == {("island-0", ACTIVE), ("island-1", DROPPED)}
+
+
+def test_membership_resends_when_syncer_contradicts() -> None:
+    m = Membership()
+    m.decide(_ready("island-0", "island-1"), None, islands_running=True)
+    (change,) = m.decide(_ready("island-0"), None, islands_running=True)
+    m.acknowledge(change)
+    # The syncer restarted and forgot: it reports the island active again.
+    (again,) = m.decide(_ready("island-0"), {"island-1": ACTIVE}, islands_running=True)
+    assert (again.island, again.state) == ("island-1", DROPPED)
+
+
+def test_membership_removed_island_dropped_once_then_forgotten() -> None:
+    m = Membership()
+    m.decide(_ready("island-0", "island-1"), None, islands_running=True)
+    only0 = {"island-0": _ready("island-0")["island-0"]}
+    (change,) = m.decide(only0, {"island-1": ACTIVE}, islands_running=True, is_own_island=_own)
+    assert (change.island, change.state, change.reason) == (
+        "island-1",
+        DROPPED,
+        "island removed from the job",
+    )
+    m.acknowledge(change)
+    assert m.decide(only0, {"island-1": DROPPED}, islands_running=True, is_own_island=_own) == []
+    assert "island-1" not in m.wanted and "island-1" not in m.seen_healthy
+
+
+def test_membership_other_clusters_islands_untouched() -> None:
+    m = Membership()
+    only0 = {"island-0": _ready("island-0")["island-0"]}
+    states = {"island-0": ACTIVE, "eu-island-0": ACTIVE}
+    assert m.decide(only0, states, islands_running=True, is_own_island=_own) == []
+
+
+def test_membership_suspended_job_changes_nothing() -> None:
+    m = Membership()
+    m.decide(_ready("island-0", "island-1"), None, islands_running=True)
+    assert m.decide(_ready(), {"island-0": ACTIVE}, islands_running=False) == []
+
+
+def _own(name: str) -> bool:
+    return name.startswith("island-")
