@@ -1,0 +1,172 @@
+"""Thin async edge to the Kubernetes API for the handlers.
+
+The official client is synchronous; every call runs in a worker thread so kopf's event loop keeps
+serving other jobs. Objects go in and come out as plain dicts in API (camelCase) form, the same
+form the pure builders produce. Children are written with server-side apply under one field
+manager, so "create if absent, update if different" is a single idempotent request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import contextlib
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+from kubernetes import client, config
+from kubernetes.dynamic import DynamicClient
+from kubernetes.dynamic.exceptions import ConflictError, NotFoundError
+
+from diloco_operator import api
+from diloco_operator.planner import MANAGED_KINDS
+from diloco_operator.resources import JOB_LABEL, MANAGER
+
+T = TypeVar("T")
+
+_API_VERSIONS = {
+    "ConfigMap": "v1",
+    "Service": "v1",
+    "Secret": "v1",
+    "Pod": "v1",
+    "StatefulSet": "apps/v1",
+    "Deployment": "apps/v1",
+    api.KIND: api.API_VERSION,
+}
+
+
+def load_config() -> client.ApiClient:
+    """In-cluster service account when there is one, else KUBECONFIG / ~/.kube/config."""
+    try:
+        config.load_incluster_config()
+    except config.ConfigException:
+        config.load_kube_config()
+    return client.ApiClient()
+
+
+class Kube:
+    """The API calls the operator makes, as coroutines."""
+
+    def __init__(self, api_client: client.ApiClient) -> None:
+        self._dyn = DynamicClient(api_client)  # discovery happens here (blocking): call once
+        self._cache: dict[str, Any] = {}
+
+    def _resource(self, kind: str) -> Any:
+        # Looked up lazily: the CRD may be installed after the operator starts.
+        if kind not in self._cache:
+            self._cache[kind] = self._dyn.resources.get(api_version=_API_VERSIONS[kind], kind=kind)
+        return self._cache[kind]
+
+    @classmethod
+    async def connect(cls, api_client: client.ApiClient) -> Kube:
+        """Build the client (API discovery) off the event loop."""
+        return await asyncio.to_thread(cls, api_client)
+
+    async def _run(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        return await asyncio.to_thread(fn, *args, **kwargs)
+
+    async def get_job(self, namespace: str, name: str) -> dict[str, Any] | None:
+        """The DiLoCoJob, or None when it is gone."""
+        try:
+            obj = await self._run(self._dyn.get, self._resource(api.KIND), name, namespace)
+        except NotFoundError:
+            return None
+        return obj.to_dict()
+
+    async def patch_job_status(self, namespace: str, name: str, status: dict[str, Any]) -> None:
+        """Merge-patch the status subresource (None values delete fields)."""
+        resource = self._resource(api.KIND).subresources["status"]
+        await self._run(
+            self._dyn.patch,
+            resource,
+            {"status": status},
+            name=name,
+            namespace=namespace,
+            content_type="application/merge-patch+json",
+        )
+
+    async def delete_job(self, namespace: str, name: str, uid: str) -> None:
+        """Delete the job itself (TTL), only if it is still the same object."""
+        body = {"preconditions": {"uid": uid}, "propagationPolicy": "Background"}
+        with contextlib.suppress(NotFoundError):
+            await self._run(self._dyn.delete, self._resource(api.KIND), name, namespace, body=body)
+
+    async def list_children(self, namespace: str, job_name: str) -> list[dict[str, Any]]:
+        """Every object of the managed kinds labelled with the job (owner checked by caller)."""
+        selector = f"{JOB_LABEL}={job_name}"
+        lists = await asyncio.gather(
+            *(
+                self._run(
+                    self._dyn.get,
+                    self._resource(kind),
+                    namespace=namespace,
+                    label_selector=selector,
+                )
+                for kind in MANAGED_KINDS
+            )
+        )
+        out: list[dict[str, Any]] = []
+        for kind, result in zip(MANAGED_KINDS, lists, strict=True):
+            for item in result.to_dict().get("items", []):
+                item.setdefault("kind", kind)
+                out.append(item)
+        return out
+
+    async def list_pods(self, namespace: str, job_name: str) -> list[dict[str, Any]]:
+        """The job's pods (learners and syncer)."""
+        result = await self._run(
+            self._dyn.get,
+            self._resource("Pod"),
+            namespace=namespace,
+            label_selector=f"{JOB_LABEL}={job_name}",
+        )
+        return list(result.to_dict().get("items", []))
+
+    async def apply(self, obj: dict[str, Any]) -> None:
+        """Server-side apply: create the object or bring our fields to the desired values."""
+        await self._run(
+            self._dyn.server_side_apply,
+            self._resource(obj["kind"]),
+            body=obj,
+            name=obj["metadata"]["name"],
+            namespace=obj["metadata"]["namespace"],
+            field_manager=MANAGER,
+            force_conflicts=True,
+        )
+
+    async def delete(self, kind: str, namespace: str, name: str) -> None:
+        """Delete a child (foreground is not needed: its own children are GC'd)."""
+        with contextlib.suppress(NotFoundError):
+            await self._run(self._dyn.delete, self._resource(kind), name, namespace)
+
+    async def create_if_absent(self, obj: dict[str, Any]) -> bool:
+        """Create the object unless one with its name exists; True when created."""
+        try:
+            await self._run(
+                self._dyn.create,
+                self._resource(obj["kind"]),
+                body=obj,
+                namespace=obj["metadata"]["namespace"],
+            )
+        except ConflictError:
+            return False
+        return True
+
+    async def exists(self, kind: str, namespace: str, name: str) -> bool:
+        """Whether the named object exists."""
+        try:
+            await self._run(self._dyn.get, self._resource(kind), name, namespace)
+        except NotFoundError:
+            return False
+        return True
+
+    async def read_secret_key(self, namespace: str, name: str, key: str) -> str | None:
+        """One decoded value of a Secret, None when the Secret or key is missing."""
+        try:
+            obj = await self._run(self._dyn.get, self._resource("Secret"), name, namespace)
+        except NotFoundError:
+            return None
+        data = obj.to_dict().get("data") or {}
+        if key not in data:
+            return None
+        return base64.b64decode(data[key]).decode().strip()

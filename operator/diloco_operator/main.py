@@ -1,0 +1,35 @@
+"""`diloco operator`: run the kopf operator for DiLoCoJobs.
+
+Wraps `kopf.run` with the options the chart passes: namespaces to watch (cluster-wide when none),
+standalone mode (no peering: one replica), kopf's liveness endpoint on --health-port (used for
+both liveness and readiness probes) and Prometheus metrics on --metrics-port.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+
+import kopf
+
+from diloco_operator import metrics
+
+
+def main(args: argparse.Namespace) -> int:
+    """Run the operator until it is signalled to stop; returns the exit code."""
+    logging.basicConfig(
+        level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    from diloco_operator import handlers  # noqa: F401  (registers the handlers with kopf)
+
+    namespaces: list[str] = list(getattr(args, "namespace", []) or [])
+    metrics.serve(int(getattr(args, "metrics_port", 0) or 0))
+    health_port = int(getattr(args, "health_port", 0) or 0)
+    liveness = f"http://0.0.0.0:{health_port}/healthz" if health_port else None
+    kopf.run(
+        standalone=bool(getattr(args, "standalone", False)),
+        namespaces=namespaces,
+        clusterwide=not namespaces,
+        liveness_endpoint=liveness,
+    )
+    return 0
