@@ -297,6 +297,8 @@ class SyncerLink:
                     last_state = state
             except SyncerError as err:
                 log.warning("heartbeat failed: %s", err)
+                if err.status == 404:  # the syncer forgot us (restarted without our record)
+                    await self.join(threading.Event())
             await asyncio.sleep(interval)
 
     def close(self, *, leave: bool) -> None:
