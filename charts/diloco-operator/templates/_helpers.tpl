@@ -74,9 +74,6 @@ bad combination fails `helm template` / `helm install` with a message naming the
 {{- if and (eq .Values.rbac.scope "namespace") (empty .Values.watchNamespaces) }}
 {{- fail "rbac.scope=namespace needs watchNamespaces: list the namespaces the operator may watch (e.g. --set 'watchNamespaces={team-a,team-b}'), or use rbac.scope=cluster" }}
 {{- end }}
-{{- if ne (len .Values.watchNamespaces) (len (uniq .Values.watchNamespaces)) }}
-{{- fail (printf "watchNamespaces has duplicates: %v" .Values.watchNamespaces) }}
-{{- end }}
 {{- if and .Values.metrics.serviceMonitor.enabled (not .Values.metrics.service.enabled) }}
 {{- fail "metrics.serviceMonitor.enabled=true needs metrics.service.enabled=true: the ServiceMonitor selects the metrics Service" }}
 {{- end }}
