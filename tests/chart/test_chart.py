@@ -10,7 +10,9 @@ from typing import Any
 
 import pytest
 import yaml
-from conftest import CHART, NAMESPACE, REPO, Helm, Rendered
+
+from .conftest import NAMESPACE
+from .helm_tool import CHART, REPO, Helm, Rendered
 
 CLUSTER_SCOPED = {"ClusterRole", "ClusterRoleBinding", "CustomResourceDefinition"}
 

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from conftest import NAMESPACE, Rendered
+from .conftest import NAMESPACE
+from .helm_tool import Rendered
 
 
 def test_service_should_select_operator_metrics_port_when_enabled(

@@ -5,8 +5,9 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from conftest import Rendered
 from diloco_trainer.cli import build_parser
+
+from .helm_tool import Rendered
 
 
 def _container(out: Rendered) -> dict[str, Any]:

@@ -5,7 +5,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from conftest import NAMESPACE, Rendered
+from .conftest import NAMESPACE
+from .helm_tool import Rendered
 
 # Every permission the operator holds, as (apiGroup, resource) -> verbs. This table is the review
 # document for the operator's RBAC: a change to the templates must change it too.

@@ -7,7 +7,8 @@ from collections.abc import Callable
 from typing import Any
 
 import pytest
-from conftest import CHART
+
+from .helm_tool import CHART
 
 SCHEMA_ERROR = "values don't meet the specifications of the schema"
 
