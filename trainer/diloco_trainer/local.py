@@ -47,9 +47,17 @@ from diloco_trainer.progress import status_view, summary_table
 # test checks they agree). Finishes in about two minutes on two CPU cores.
 DEFAULT_JOB_NAME = "local-demo"
 DEFAULT_SPEC: dict[str, Any] = {
+    "image": "ghcr.io/example/diloco-trainer:0.1.0",
     "model": {"preset": "gpt-tiny", "seed": 0},
     "data": {"source": "builtin:stdlib-text", "evalTokens": 8192, "seed": 0},
-    "islands": {"count": 2, "replicas": 1},
+    "islands": {
+        "count": 3,
+        "replicas": 1,
+        "resources": {
+            "requests": {"cpu": "1", "memory": "1Gi"},
+            "limits": {"cpu": "1", "memory": "2Gi"},
+        },
+    },
     "inner": {
         "optimizer": "adamw",
         "lr": 3.0e-3,
@@ -64,8 +72,8 @@ DEFAULT_SPEC: dict[str, Any] = {
     "sync": {
         "quorum": 2,
         "graceSeconds": "auto",
-        "fragments": 1,
-        "overlapSteps": 0,
+        "fragments": 2,
+        "overlapSteps": 5,
         "compression": "int8",
         "merge": "tokens",
         "maxStaleness": 4,
@@ -73,8 +81,13 @@ DEFAULT_SPEC: dict[str, Any] = {
         "errorFeedback": False,
         "heartbeatTimeoutSeconds": 30,
     },
-    "stopAfter": {"outerSteps": 8},
-    "syncer": {"checkpoint": {"everyOuterSteps": 5, "keep": 2}, "evalEveryOuterSteps": 1},
+    "stopAfter": {"outerSteps": 20},
+    "syncer": {
+        "port": 8470,
+        "checkpoint": {"everyOuterSteps": 5, "keep": 2},
+        "evalEveryOuterSteps": 1,
+    },
+    "ttlSecondsAfterFinished": 3600,
 }
 
 POLL_SECONDS = 0.5
