@@ -1,0 +1,340 @@
+"""Fixtures and helpers for the operator's cluster tests (import what you use).
+
+The operator runs as a real process, `diloco operator --standalone --namespace NS`, against the
+local control plane; a real `diloco syncer` runs on loopback when a test needs one (kwok pods
+have no containers, so the job points at it with spec.syncer.endpoint). Every process started
+here is killed, with its whole process group, in teardown.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+from diloco_trainer import launch
+from diloco_trainer.config import parse_spec
+
+from .conftest import ControlPlane, wait_until
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+CRD_FILE = REPO_ROOT / "crds" / "dilocojob.yaml"
+DILOCO = str(Path(sys.executable).with_name("diloco"))
+
+# A spec the local syncer can serve in seconds on one core (gpt-tiny, short sequences).
+TINY_TRAINING: dict[str, Any] = {
+    "model": {"preset": "gpt-tiny", "seed": 0},
+    "data": {"evalTokens": 2048},
+    "inner": {"steps": 4, "batchSize": 2, "seqLen": 32, "lr": 1e-3},
+    "sync": {"quorum": 1, "graceSeconds": "0.2", "heartbeatTimeoutSeconds": 60},
+}
+
+
+def deep_merge(base: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:
+    """base with overrides applied recursively (dicts merge, everything else replaces)."""
+    out = dict(base)
+    for key, value in overrides.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = deep_merge(out[key], value)
+        else:
+            out[key] = value
+    return out
+
+
+def job_manifest(name: str, **spec: Any) -> dict[str, Any]:
+    """A DiLoCoJob manifest: image + tiny training settings, with `spec` sections merged in."""
+    body = deep_merge({"image": "diloco-trainer:test", **TINY_TRAINING}, spec)
+    return {
+        "apiVersion": "diloco.dev/v1alpha1",
+        "kind": "DiLoCoJob",
+        "metadata": {"name": name},
+        "spec": body,
+    }
+
+
+# ------------------------------------------------------------------------------ CRD + queries
+
+
+@pytest.fixture(scope="session")
+def crd(control_plane: ControlPlane) -> Path:
+    """The generated CRD, applied with real kubectl and Established."""
+    control_plane.kubectl("apply", "--server-side", "--force-conflicts", "-f", str(CRD_FILE))
+    control_plane.kubectl(
+        "wait", "--for=condition=Established", "crd/dilocojobs.diloco.dev", "--timeout=60s"
+    )
+    return CRD_FILE
+
+
+class Cluster:
+    """Small query helpers over kubectl for one namespace."""
+
+    def __init__(self, cp: ControlPlane, namespace: str) -> None:
+        self.cp = cp
+        self.ns = namespace
+
+    def get(self, kind: str, name: str) -> dict[str, Any] | None:
+        result = self.cp.kubectl("get", kind, name, "-n", self.ns, "-o", "json", check=False)
+        if result.returncode != 0:
+            if "NotFound" in result.stderr or "not found" in result.stderr:
+                return None
+            raise AssertionError(result.stderr)
+        return json.loads(result.stdout)
+
+    def items(self, kind: str, selector: str = "") -> list[dict[str, Any]]:
+        args = ["get", kind, "-n", self.ns, "-o", "json"]
+        if selector:
+            args += ["-l", selector]
+        return json.loads(self.cp.kubectl(*args).stdout)["items"]
+
+    def names(self, kind: str, selector: str = "") -> set[str]:
+        return {o["metadata"]["name"] for o in self.items(kind, selector)}
+
+    def job(self, name: str) -> dict[str, Any]:
+        job = self.get("dilocojob", name)
+        assert job is not None, f"DiLoCoJob {name} is gone"
+        return job
+
+    def status(self, name: str) -> dict[str, Any]:
+        return self.job(name).get("status") or {}
+
+    def apply(self, manifest: dict[str, Any]) -> str:
+        return self.cp.apply(manifest, namespace=self.ns)
+
+    def patch_spec(self, name: str, spec: dict[str, Any]) -> None:
+        self.cp.kubectl(
+            "patch", "dilocojob", name, "-n", self.ns, "--type=merge", "-p",
+            json.dumps({"spec": spec}),
+        )  # fmt: skip
+
+    def set_pod_ready(self, pod: str, ready: bool) -> None:
+        """Flip a pod's Ready condition through the status subresource (kwok leaves it)."""
+        value = "True" if ready else "False"
+        patch = {
+            "status": {
+                "conditions": [
+                    {"type": "Ready", "status": value},
+                    {"type": "ContainersReady", "status": value},
+                ]
+            }
+        }
+        self.cp.kubectl(
+            "patch", "pod", pod, "-n", self.ns, "--subresource=status", "-p", json.dumps(patch)
+        )
+
+    def pods_ready(self, selector: str, count: int) -> list[dict[str, Any]] | None:
+        pods = [p for p in self.items("pods", selector) if _ready(p)]
+        return pods if len(pods) == count else None
+
+    def pod_uids(self, selector: str = "diloco.dev/job") -> dict[str, str]:
+        return {p["metadata"]["name"]: p["metadata"]["uid"] for p in self.items("pods", selector)}
+
+    def events(self, reason: str) -> list[dict[str, Any]]:
+        return [e for e in self.items("events") if e.get("reason") == reason]
+
+
+def _ready(pod: dict[str, Any]) -> bool:
+    conditions = (pod.get("status") or {}).get("conditions") or []
+    return any(c.get("type") == "Ready" and c.get("status") == "True" for c in conditions)
+
+
+@pytest.fixture
+def cluster(control_plane: ControlPlane, namespace: str, crd: Path) -> Cluster:
+    """Query helpers bound to this test's namespace (CRD installed)."""
+    return Cluster(control_plane, namespace)
+
+
+# ------------------------------------------------------------------------------ operator process
+
+
+@dataclass
+class OperatorProcess:
+    """`diloco operator` as a subprocess in its own process group."""
+
+    env: dict[str, str]
+    namespace: str
+    log_file: Path
+    health_port: int = field(default_factory=launch.free_port)
+    metrics_port: int = field(default_factory=launch.free_port)
+    proc: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> None:
+        argv = [
+            DILOCO, "operator", "--standalone", "--namespace", self.namespace,
+            "--health-port", str(self.health_port), "--metrics-port", str(self.metrics_port),
+        ]  # fmt: skip
+        with open(self.log_file, "ab") as log:
+            self.proc = subprocess.Popen(
+                argv,
+                env=self.env,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,
+            )
+        wait_until(self._healthy, timeout=60, message="operator liveness endpoint")
+
+    def _healthy(self) -> bool:
+        assert self.proc is not None
+        if self.proc.poll() is not None:
+            pytest.fail(f"operator exited with {self.proc.returncode}:\n{self.log_text()[-4000:]}")
+        try:
+            url = f"http://127.0.0.1:{self.health_port}/healthz"
+            with urllib.request.urlopen(url, timeout=1) as resp:
+                return resp.status == 200
+        except (urllib.error.URLError, ConnectionError, TimeoutError):
+            return False
+
+    def stop(self, sig: signal.Signals = signal.SIGTERM, timeout: float = 20.0) -> None:
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.proc.pid, sig)
+        try:
+            self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(timeout=10)
+
+    @property
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def metrics(self) -> str:
+        url = f"http://127.0.0.1:{self.metrics_port}/metrics"
+        with urllib.request.urlopen(url, timeout=5) as resp:
+            return resp.read().decode()
+
+    def log_text(self) -> str:
+        return self.log_file.read_text(errors="replace") if self.log_file.exists() else ""
+
+
+@pytest.fixture
+def operator(
+    control_plane: ControlPlane, namespace: str, crd: Path, tmp_path: Path
+) -> Iterator[OperatorProcess]:
+    """A running operator watching this test's namespace; its log is printed on failure."""
+    env = {**control_plane.env, "PYTHONUNBUFFERED": "1"}
+    op = OperatorProcess(env=env, namespace=namespace, log_file=tmp_path / "operator.log")
+    op.start()
+    yield op
+    op.stop()
+    if os.environ.get("DILOCO_SHOW_OPERATOR_LOG"):
+        print(op.log_text())
+
+
+# ------------------------------------------------------------------------------ local syncer
+
+
+@dataclass
+class LocalSyncer:
+    """A real `diloco syncer` on loopback, its token stored in a Secret of the namespace."""
+
+    proc: launch.Proc
+    url: str
+    token: str
+    secret_name: str
+    files: launch.JobFiles
+    workdir: Path
+    job_name: str
+    learners: list[launch.Proc] = field(default_factory=list)
+
+    def start_learner(self, island: str, island_index: int) -> launch.Proc:
+        """A real `diloco learner` (one rank) of `island`, pushing to this syncer."""
+        proc = launch.start_learner(
+            self.files,
+            syncer_url=self.url,
+            island=island,
+            island_index=island_index,
+            log_file=self.workdir / f"{island}.log",
+            master_port=launch.free_port(),
+            job_name=self.job_name,
+            extra_env={"OMP_NUM_THREADS": "1"},
+        )
+        self.learners.append(proc)
+        return proc
+
+    def stop(self) -> None:
+        for proc in [*self.learners, self.proc]:
+            proc.stop()
+
+    def status(self) -> dict[str, Any]:
+        req = urllib.request.Request(
+            self.url + "/v1/status", headers={"Authorization": f"Bearer {self.token}"}
+        )
+        with urllib.request.urlopen(req, timeout=10) as resp:
+            return json.loads(resp.read())
+
+    def island_state(self, island: str) -> str | None:
+        return ((self.status().get("islands") or {}).get(island) or {}).get("state")
+
+
+@pytest.fixture
+def make_local_syncer(
+    cluster: Cluster, tmp_path: Path
+) -> Iterator[Callable[[dict[str, Any]], LocalSyncer]]:
+    """make_local_syncer(job_manifest) -> LocalSyncer serving that job's spec.
+
+    Also creates the Secret `NAME-shared-token` holding its token; point the job at it with
+    `syncer: {endpoint: syncer.url, tokenSecretName: syncer.secret_name}`.
+    """
+    started: list[LocalSyncer] = []
+
+    def make(manifest: dict[str, Any]) -> LocalSyncer:
+        spec_doc = {k: v for k, v in manifest["spec"].items() if k != "syncer"}
+        spec = parse_spec(spec_doc)
+        workdir = tmp_path / f"syncer-{len(started)}"
+        files = launch.write_job_files(spec, workdir)
+        port = launch.free_port()
+        proc = launch.start_syncer(
+            files,
+            port=port,
+            state_dir=workdir / "state",
+            job_name=manifest["metadata"]["name"],
+            log_file=workdir / "syncer.log",
+            extra_env={"OMP_NUM_THREADS": "1"},
+        )
+        url = f"http://127.0.0.1:{port}"
+        try:
+            launch.wait_ready(url, files.token, timeout=120, proc=proc)
+        except BaseException:
+            proc.stop()
+            raise
+        secret = f"{manifest['metadata']['name']}-shared-token"
+        cluster.cp.kubectl(
+            "create", "secret", "generic", secret, "-n", cluster.ns,
+            f"--from-literal=token={files.token}",
+        )  # fmt: skip
+        syncer = LocalSyncer(
+            proc=proc,
+            url=url,
+            token=files.token,
+            secret_name=secret,
+            files=files,
+            workdir=workdir,
+            job_name=manifest["metadata"]["name"],
+        )
+        started.append(syncer)
+        return syncer
+
+    yield make
+    for syncer in started:
+        syncer.stop()
+
+
+def elapsed_until(predicate: Callable[[], Any], timeout: float, message: str) -> float:
+    """Seconds until predicate() is truthy (fails the test after `timeout`)."""
+    started = time.monotonic()
+    wait_until(predicate, timeout=timeout, interval=0.05, message=message)
+    return time.monotonic() - started
