@@ -12,15 +12,14 @@ from .helm_tool import Rendered
 # document for the operator's RBAC: a change to the templates must change it too.
 NAMESPACED_GRANTS: dict[tuple[str, str], set[str]] = {
     ("diloco.dev", "dilocojobs"): {"get", "list", "watch", "patch", "delete"},
-    ("diloco.dev", "dilocojobs/status"): {"get", "patch"},
+    ("diloco.dev", "dilocojobs/status"): {"patch"},
     ("apps", "statefulsets"): {"get", "list", "watch", "create", "patch", "delete"},
     ("apps", "deployments"): {"get", "list", "watch", "create", "patch", "delete"},
     ("", "services"): {"get", "list", "watch", "create", "patch", "delete"},
     ("", "configmaps"): {"get", "list", "watch", "create", "patch", "delete"},
-    ("", "secrets"): {"get", "list", "watch", "create"},
+    ("", "secrets"): {"get", "create"},
     ("", "pods"): {"get", "list", "watch"},
-    ("", "events"): {"create", "patch"},
-    ("events.k8s.io", "events"): {"create", "patch"},
+    ("", "events"): {"create"},
 }
 CRD_GRANT = {("apiextensions.k8s.io", "customresourcedefinitions"): {"get", "list", "watch"}}
 NAMESPACE_GRANT = {("", "namespaces"): {"list", "watch"}}

@@ -20,40 +20,40 @@ app.kubernetes.io/component: rbac
 {{- end }}
 
 {{/*
-Rules on namespaced resources: what reconciling a DiLoCoJob touches in its own namespace.
+Rules on namespaced resources: what reconciling a DiLoCoJob touches in its own namespace. Read
+from the operator's code (kopf handlers and diloco_operator/kube.py); get/watch come with list
+where list is needed, since they reveal nothing list does not.
 */}}
 {{- define "diloco-operator.rbac.namespacedRules" -}}
-# DiLoCoJobs: kopf watches them and patches annotations/finalizers; delete is for
-# ttlSecondsAfterFinished.
+# DiLoCoJobs: kopf lists/watches them and patches its annotations and finalizers; delete is
+# for ttlSecondsAfterFinished.
 - apiGroups: ["diloco.dev"]
   resources: ["dilocojobs"]
   verbs: ["get", "list", "watch", "patch", "delete"]
 - apiGroups: ["diloco.dev"]
   resources: ["dilocojobs/status"]
-  verbs: ["get", "patch"]
-# Children: the syncer Deployment and one StatefulSet per island.
+  verbs: ["patch"]
+# Children, written with server-side apply (patch; create when absent), listed by the job's
+# label, deleted when islands are removed. kopf watches the workloads and Services for drift.
 - apiGroups: ["apps"]
   resources: ["statefulsets", "deployments"]
   verbs: ["get", "list", "watch", "create", "patch", "delete"]
-# Children: syncer and island Services, the trainer-config ConfigMap.
 - apiGroups: [""]
   resources: ["services", "configmaps"]
   verbs: ["get", "list", "watch", "create", "patch", "delete"]
-# The job's token Secret: generated when the user gives none, read to call the syncer.
+# The job's token Secret: created when the user gives none, read by name to call the syncer.
+# No list/watch: the operator never needs to see other Secrets.
 - apiGroups: [""]
   resources: ["secrets"]
-  verbs: ["get", "list", "watch", "create"]
+  verbs: ["get", "create"]
 # Island health comes from pod readiness.
 - apiGroups: [""]
   resources: ["pods"]
   verbs: ["get", "list", "watch"]
-# Events on DiLoCoJobs (kopf posts core events; the operator may use either API).
+# kopf posts core/v1 Events on DiLoCoJobs.
 - apiGroups: [""]
   resources: ["events"]
-  verbs: ["create", "patch"]
-- apiGroups: ["events.k8s.io"]
-  resources: ["events"]
-  verbs: ["create", "patch"]
+  verbs: ["create"]
 {{- end }}
 
 {{/*
