@@ -2,10 +2,21 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import pytest
 import torch
 import torch.nn.functional as F
 from diloco_trainer.model import GPT, PRESETS, VOCAB_SIZE, GPTConfig, build_model, count_parameters
+
+
+@pytest.fixture(autouse=True)
+def _one_thread() -> Iterator[None]:
+    """One intra-op thread: on a shared, loaded CPU a thread pool makes tiny models slower."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
 
 
 def test_build_model_forward_returns_logits_over_bytes() -> None:
