@@ -25,12 +25,15 @@ RUN pip wheel --no-deps --wheel-dir /wheels/project . \
 # ---------------------------------------------------------------------------------------------
 # runtime: what both final stages share: the non-root user and Python settings.
 FROM ${PYTHON_IMAGE} AS runtime
-ENV PYTHONDONTWRITEBYTECODE=1 \
+# HOME=/tmp for every uid (pods may run as another non-root uid): caches and config of torch,
+# matplotlib and the Kubernetes client land in the writable /tmp.
+ENV HOME=/tmp \
+    PYTHONDONTWRITEBYTECODE=1 \
     PYTHONUNBUFFERED=1 \
     PIP_NO_CACHE_DIR=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1
-# Same uid/gid as distroless "nonroot"; the chart's podSecurityContext uses it too. HOME is /tmp:
-# the chart mounts a writable emptyDir there and keeps the root filesystem read-only.
+# Same uid/gid as distroless "nonroot"; the chart's podSecurityContext uses it too. The chart
+# mounts a writable emptyDir at /tmp and keeps the root filesystem read-only.
 RUN groupadd --gid 65532 diloco \
  && useradd --uid 65532 --gid 65532 --home-dir /tmp --no-create-home \
       --shell /usr/sbin/nologin diloco
