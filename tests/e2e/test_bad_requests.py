@@ -229,8 +229,9 @@ def test_bad_requests_stale_version_is_409(syncer: SyncerHandle, unchanged: None
     code, doc = push(syncer, push_body(good_delta(syncer), baseVersion=0))
     assert code == 409
     assert "by 2" in doc["error"] and "maxStaleness=1" in doc["error"], doc
+    assert doc["code"] == wire.ERROR_STALE
     code, doc = push(syncer, push_body(good_delta(syncer), baseVersion=9))
-    assert code == 409 and "newer" in doc["error"], doc
+    assert code == 409 and "newer" in doc["error"] and doc["code"] == wire.ERROR_AHEAD, doc
 
 
 def test_bad_requests_never_joined_island_is_404(syncer: SyncerHandle, unchanged: None) -> None:

@@ -48,12 +48,14 @@ _WINDOW = 32
 
 
 class Refused(Exception):
-    """A request the state machine refuses; `status` is the HTTP status the server answers."""
+    """A request the state machine refuses; `status` is the HTTP status the server answers and
+    `code` (optional) a machine-readable reason clients can act on (wire.ERROR_* constants)."""
 
-    def __init__(self, status: int, message: str) -> None:
+    def __init__(self, status: int, message: str, code: str = "") -> None:
         super().__init__(message)
         self.status = status
         self.message = message
+        self.code = code
 
 
 @dataclass(frozen=True)
@@ -222,7 +224,9 @@ class SyncState:
         """A known island; Refused(404) for one that never joined."""
         rec = self.islands.get(name)
         if rec is None or rec.joins == 0:
-            raise Refused(404, f"island {name!r} has not joined; POST /v1/join first")
+            raise Refused(
+                404, f"island {name!r} has not joined; POST /v1/join first", "unknown_island"
+            )
         return rec
 
     # ----- membership --------------------------------------------------------------------------
@@ -331,13 +335,15 @@ class SyncState:
         rec = self.island(name)
         if rec.state == DROPPED:
             why = f" ({rec.reason})" if rec.reason else ""
-            raise Refused(403, f"island {name!r} was dropped by the operator{why}")
+            raise Refused(403, f"island {name!r} was dropped by the operator{why}", "dropped")
         lag = rnd.version - base_version
         if lag < 0:
             raise Refused(
                 409,
                 f"baseVersion {base_version} is newer than fragment {fragment}'s version "
-                f"{rnd.version}",
+                f"{rnd.version} (the syncer restarted from an older checkpoint?); pull the "
+                "fragment and push again",
+                "ahead",
             )
         if lag > self.policy.max_staleness:
             raise Refused(
@@ -345,6 +351,7 @@ class SyncState:
                 f"baseVersion {base_version} lags fragment {fragment}'s version {rnd.version} by "
                 f"{lag}, more than sync.maxStaleness={self.policy.max_staleness}; pull the "
                 "fragment and push again",
+                "stale",
             )
         return lag
 

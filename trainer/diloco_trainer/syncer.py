@@ -240,6 +240,8 @@ class Syncer:
             loss = evaluate(self.parts)
             self.initial_eval_loss = loss
             self._record_eval(loss)
+            # The initial state is a pure function of the spec: nothing to checkpoint yet.
+            self.last_checkpoint_step = 0
             log.info("fresh start: initial eval loss %.4f", loss)
         else:
             self._restore(loaded)
@@ -684,8 +686,9 @@ class Syncer:
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
-def _error(status: int, message: str, **headers: str) -> web.Response:
-    return web.json_response({"error": message}, status=status, headers=headers or None)
+def _error(status: int, message: str, code: str = "") -> web.Response:
+    doc = {"error": message, "code": code} if code else {"error": message}
+    return web.json_response(doc, status=status)
 
 
 _REFUSAL_REASON = {
@@ -707,7 +710,7 @@ def build_app(syncer: Syncer, token: str) -> web.Application:
         try:
             return await handler(request)
         except Refused as err:
-            return _error(err.status, err.message)
+            return _error(err.status, err.message, err.code)
         except web.HTTPException as err:
             if err.status < 400:
                 raise

@@ -69,6 +69,12 @@ ISLAND_STATES = (STATE_ACTIVE, STATE_DROPPED, STATE_TIMED_OUT, STATE_LEFT)
 # The states the admin route accepts.
 ADMIN_STATES = (STATE_ACTIVE, STATE_DROPPED)
 
+# Machine-readable "code" in some error bodies ({"error": message, "code": code}).
+ERROR_STALE = "stale"  # 409: baseVersion older than maxStaleness allows: pull, then push again
+ERROR_AHEAD = "ahead"  # 409: baseVersion newer than the syncer's (it restarted from a checkpoint)
+ERROR_UNKNOWN_ISLAND = "unknown_island"  # 404: join first (e.g. the syncer lost its state)
+ERROR_DROPPED = "dropped"  # 403: the operator dropped this island
+
 # Push metadata keys (safetensors header).
 META_ISLAND = "island"
 META_BASE_VERSION = "baseVersion"
@@ -94,10 +100,11 @@ MAX_HEADER_BYTES = 16 * 1024 * 1024
 class SyncerError(RuntimeError):
     """The syncer refused a request (a 4xx) or stayed unreachable past the retry deadline."""
 
-    def __init__(self, status: int, message: str) -> None:
+    def __init__(self, status: int, message: str, code: str = "") -> None:
         super().__init__(f"syncer answered {status}: {message}" if status else message)
         self.status = status
         self.message = message
+        self.code = code  # one of the ERROR_* constants, or ""
 
 
 @dataclass(frozen=True)
@@ -309,7 +316,7 @@ class SyncerClient:
                     if resp.status in ok:
                         return resp.status, body
                     if resp.status not in _RETRY_STATUSES:
-                        raise SyncerError(resp.status, _error_message(body))
+                        raise SyncerError(resp.status, *_error_message(body))
                     problem = f"syncer answered {resp.status}"
             except (aiohttp.ClientConnectionError, asyncio.TimeoutError) as err:
                 problem = f"{type(err).__name__}: {err}"
@@ -400,11 +407,12 @@ class SyncerClient:
         return await self._json("POST", ROUTE_LEAVE, {"island": island})
 
 
-def _error_message(body: bytes) -> str:
+def _error_message(body: bytes) -> tuple[str, str]:
+    """(message, code) from an error body."""
     try:
         doc = json.loads(body)
         if isinstance(doc, dict) and "error" in doc:
-            return str(doc["error"])
+            return str(doc["error"]), str(doc.get("code", ""))
     except (ValueError, UnicodeDecodeError):
         pass
-    return body[:500].decode("utf-8", "replace")
+    return body[:500].decode("utf-8", "replace"), ""

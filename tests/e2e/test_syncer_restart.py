@@ -1,0 +1,138 @@
+"""A syncer killed with SIGKILL comes back from its checkpoint with the same versions, weights and
+outer momentum, and a client call made while it was down completes once it is back."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from collections.abc import Callable
+
+import pytest
+import torch
+from diloco_trainer import checkpoint as ckpt
+from diloco_trainer import wire
+from diloco_trainer.compress import encode_tensors
+from diloco_trainer.config import JobSpec
+
+from .conftest import SyncerHandle, wait_until
+
+pytestmark = pytest.mark.e2e
+
+ROUNDS = 3
+
+
+def restart_spec(make_spec: Callable[..., JobSpec]) -> JobSpec:
+    return make_spec(
+        sync={"fragments": 2, "quorum": 1, "graceSeconds": 0.1},
+        stopAfter={"outerSteps": 1000},
+        syncer={"checkpoint": {"everyOuterSteps": 1, "keep": 2}},
+    )
+
+
+def delta_for(tensors: dict[str, torch.Tensor], seed: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return {n: 1e-2 * torch.randn(t.shape, generator=g) for n, t in sorted(tensors.items())}
+
+
+async def run_rounds(handle: SyncerHandle, rounds: int) -> dict[int, dict[str, torch.Tensor]]:
+    """island-0 pushes a seeded pseudo-gradient per fragment per round and waits for each merge;
+    returns the last pulled tensors per fragment."""
+    last: dict[int, dict[str, torch.Tensor]] = {}
+    async with wire.SyncerClient(handle.url, handle.token) as client:
+        info = await client.join("island-0", 1)
+        for r in range(rounds):
+            for f in range(len(info.fragments)):
+                pulled = await client.pull_fragment(f, after=-1)
+                assert pulled is not None
+                meta = wire.PushMeta("island-0", pulled.version, 256, 4, 5.0 - r, 0.01, "none")
+                delta = delta_for(pulled.tensors, seed=100 * r + f)
+                answer = await client.push(f, encode_tensors(delta, "none"), meta)
+                assert answer["accepted"], answer
+                merged = await client.pull_fragment(f, after=pulled.version, wait=20)
+                assert merged is not None and merged.version == pulled.version + 1
+                last[f] = merged.tensors
+    return last
+
+
+def test_syncer_restart_resumes_versions_weights_and_momentum(
+    syncer_proc: Callable[..., SyncerHandle], make_spec: Callable[..., JobSpec]
+) -> None:
+    spec = restart_spec(make_spec)
+    first = syncer_proc(spec)
+    asyncio.run(run_rounds(first, ROUNDS))
+    before = first.status(digest=True)
+    assert before["versions"] == [ROUNDS, ROUNDS] and before["outerStep"] == ROUNDS
+    assert len(before["evalHistory"]) == ROUNDS + 1
+    # keep=2: the two newest checkpoints, the last one at the current outer step.
+    assert [p.name for p in ckpt.list_checkpoints(first.state_dir)] == [
+        ckpt.checkpoint_name(ROUNDS - 1),
+        ckpt.checkpoint_name(ROUNDS),
+    ]
+    merge_log = [json.loads(x) for x in (first.state_dir / "merges.jsonl").read_text().splitlines()]
+    assert [(m["fragment"], m["version"]) for m in merge_log] == [
+        (f, v) for v in range(1, ROUNDS + 1) for f in (0, 1)
+    ]
+    assert all(m["contributors"][0]["weight"] == 1.0 for m in merge_log)
+
+    first.proc.kill()
+    first.proc.wait(timeout=10)
+    second = syncer_proc(spec, state_dir=first.state_dir, token=first.token)
+    after = second.status(digest=True)
+
+    assert after["digest"] == before["digest"]  # weights and outer momentum, bit for bit
+    assert after["versions"] == before["versions"]
+    assert after["outerStep"] == before["outerStep"]
+    assert after["tokens"] == before["tokens"]
+    assert after["evalHistory"] == before["evalHistory"]
+    assert after["initialEvalLoss"] == before["initialEvalLoss"]
+    assert after["islands"]["island-0"]["joins"] == 1
+    assert after["resumedFrom"].endswith(ckpt.checkpoint_name(ROUNDS))
+
+
+def test_syncer_restart_client_call_made_while_down_completes(
+    syncer_proc: Callable[..., SyncerHandle],
+    make_spec: Callable[..., JobSpec],
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    spec = restart_spec(make_spec)
+    first = syncer_proc(spec)
+    tensors = asyncio.run(run_rounds(first, 1))
+    # Merged fragments are published before the checkpoint is written: wait for it on disk.
+    wait_until(
+        lambda: (
+            ckpt.list_checkpoints(first.state_dir)[-1:]
+            == [first.state_dir / "checkpoints" / ckpt.checkpoint_name(1)]
+        ),
+        timeout=20,
+        what="the checkpoint of outer step 1",
+    )
+    first.proc.kill()
+    first.proc.wait(timeout=10)
+    caplog.set_level(logging.WARNING, logger="diloco.wire")
+
+    async def push_while_down() -> tuple[dict, bool, SyncerHandle]:
+        async with wire.SyncerClient(first.url, first.token, retry_deadline=90) as client:
+            meta = wire.PushMeta("island-0", 1, 256, 4, 4.0, 0.01, "none")
+            body = encode_tensors(delta_for(tensors[0], seed=7), "none")
+            pending = asyncio.create_task(client.push(0, body, meta))
+            await asyncio.to_thread(
+                wait_until,
+                lambda: any("syncer unreachable" in r.getMessage() for r in caplog.records),
+                timeout=10,
+                what="the client to report that it retries",
+            )
+            waited = not pending.done()
+            second = await asyncio.to_thread(
+                syncer_proc, spec, state_dir=first.state_dir, port=first.port, token=first.token
+            )
+            return await asyncio.wait_for(pending, 60), waited, second
+
+    answer, waited, second = asyncio.run(push_while_down())
+    assert waited, "the push finished although no syncer was running"
+    assert answer["accepted"] is True and answer["version"] == 1
+    wait_until(
+        lambda: second.status()["versions"] == [2, 1],
+        timeout=20,
+        what="the retried push to be merged by the restarted syncer",
+    )
