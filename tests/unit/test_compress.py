@@ -12,6 +12,7 @@ from diloco_trainer.compress import (
     encode_tensors,
     encoded_nbytes,
 )
+from safetensors.torch import load, save
 
 
 def _tensors() -> dict[str, torch.Tensor]:
@@ -195,3 +196,17 @@ def test_error_feedback_first_compensate_is_a_copy_and_state_round_trips() -> No
         other.compensate("w", torch.zeros(4))
     other.reset(["w"])
     assert torch.equal(other.compensate("w", torch.zeros(3)), torch.zeros(3))
+
+
+@pytest.mark.parametrize("codec", CODECS)
+def test_encode_tensors_survives_safetensors_even_from_a_flat_buffer(codec: str) -> None:
+    # Learners may hold parameters as views of one flat buffer; encoded tensors must not share
+    # memory (safetensors refuses that) nor alias the caller's buffer.
+    flat = torch.randn(300)
+    views = {"a": flat[:130].view(10, 13), "b": flat[130:]}
+    enc = encode_tensors(views, codec)
+    flat.zero_()
+    dec = decode_tensors(
+        load(save(enc)), codec, {"a": torch.Size([10, 13]), "b": torch.Size([170])}
+    )
+    assert float(dec["a"].abs().sum()) > 0 and float(dec["b"].abs().sum()) > 0

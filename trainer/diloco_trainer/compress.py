@@ -42,25 +42,35 @@ def _num_blocks(n: int) -> int:
     return -(-n // BLOCK_SIZE)
 
 
-def _quantise(x: Tensor, qmax: int) -> tuple[Tensor, Tensor]:
-    """Per-block symmetric quantisation of a flat fp32 tensor: (q int8 (n,), scales fp32 (nb,))."""
+def _blocks(x: Tensor) -> Tensor:
+    """A flat tensor as (num_blocks, BLOCK_SIZE) rows, zero-padded only when needed."""
     n = x.numel()
     nb = _num_blocks(n)
-    blocks = x.new_zeros(nb * BLOCK_SIZE)
-    blocks[:n] = x
-    blocks = blocks.view(nb, BLOCK_SIZE)  # (nb, BLOCK_SIZE)
-    scales = blocks.abs().amax(dim=1) / qmax  # (nb,)
-    # All-zero blocks have scale 0; divide by 1 there (q is 0 either way).
-    divisor = torch.where(scales > 0, scales, torch.ones_like(scales))
-    q = torch.round(blocks / divisor[:, None]).clamp_(-qmax, qmax).to(torch.int8)
-    return q.view(-1)[:n], scales
+    if n == nb * BLOCK_SIZE:
+        return x.view(nb, BLOCK_SIZE)  # no copy: the common case for weight matrices
+    padded = x.new_zeros(nb * BLOCK_SIZE)
+    padded[:n] = x
+    return padded.view(nb, BLOCK_SIZE)
+
+
+def _quantise(x: Tensor, qmax: int) -> tuple[Tensor, Tensor]:
+    """Per-block symmetric quantisation of a flat fp32 tensor: (q int8 (n,), scales fp32 (nb,))."""
+    blocks = _blocks(x)  # (nb, BLOCK_SIZE)
+    # max(amax, -amin) is |x|'s row maximum without materialising |x|; NaN propagates into the
+    # scale, which decode then refuses.
+    absmax = torch.maximum(blocks.amax(dim=1), blocks.amin(dim=1).neg_())  # (nb,)
+    scales = absmax / qmax
+    # All-zero blocks have scale 0; multiply by 0 there (q is 0 either way).
+    inv = torch.where(absmax > 0, qmax / absmax, torch.zeros_like(absmax))
+    # |x * inv| <= qmax up to one rounding, so round() stays in [-qmax, qmax] without a clamp.
+    q = (blocks * inv[:, None]).round_().to(torch.int8)
+    return q.view(-1)[: x.numel()], scales
 
 
 def _dequantise(q: Tensor, scales: Tensor, n: int) -> Tensor:
-    nb = scales.numel()
-    padded = torch.zeros(nb * BLOCK_SIZE, dtype=torch.float32)
-    padded[:n] = q
-    return (padded.view(nb, BLOCK_SIZE) * scales[:, None]).view(-1)[:n]
+    """int8 (n,) and fp32 scales (nb,) -> fp32 (n,)."""
+    out = _blocks(q).to(torch.float32).mul_(scales[:, None])  # (nb, BLOCK_SIZE)
+    return out.view(-1)[:n]
 
 
 def _pack_int4(q: Tensor) -> Tensor:
@@ -79,6 +89,12 @@ def _unpack_int4(packed: Tensor, n: int) -> Tensor:
     return torch.stack([low, high], dim=1).view(-1)[:n]
 
 
+def _all_finite(t: Tensor) -> bool:
+    # min and max propagate NaN and reach ±Inf: one pass, no temporary the size of t.
+    lo, hi = torch.aminmax(t)
+    return bool(torch.isfinite(lo)) and bool(torch.isfinite(hi))
+
+
 def encode_tensors(tensors: Mapping[str, Tensor], codec: str) -> dict[str, Tensor]:
     """Encode fp32 tensors for the wire: a flat, contiguous, safetensors-ready dict (on CPU)."""
     _check_codec(codec)
@@ -88,7 +104,10 @@ def encode_tensors(tensors: Mapping[str, Tensor], codec: str) -> dict[str, Tenso
             raise ValueError(f"tensor name {name!r} may not contain '::'")
         x = t.detach().to("cpu", torch.float32)
         if codec in _FLOAT_DTYPES:
-            out[name] = x.to(_FLOAT_DTYPES[codec]).contiguous()
+            # Always a fresh tensor: the caller may reuse its buffer while the push is in flight,
+            # and safetensors refuses tensors that share memory (e.g. views of a flat buffer).
+            y = x.to(_FLOAT_DTYPES[codec])
+            out[name] = y.clone() if y.data_ptr() == t.data_ptr() else y.contiguous()
             continue
         q, scales = _quantise(x.reshape(-1), _QMAX[codec])
         out[name + Q_SUFFIX] = (_pack_int4(q) if codec == "int4" else q).contiguous()
@@ -150,7 +169,7 @@ def decode_tensors(
             raise ValueError(
                 f"pseudo-gradient {key!r} has dtype {t.dtype} but codec {codec} needs {dtype}"
             )
-        if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+        if t.is_floating_point() and t.numel() and not _all_finite(t):
             raise ValueError(f"pseudo-gradient {key!r} contains NaN or Inf")
         if codec == "int8" and key.endswith(Q_SUFFIX) and t.numel() and int(t.min()) < -127:
             raise ValueError(f"pseudo-gradient {key!r} contains -128 (int8 range is [-127, 127])")
@@ -158,7 +177,8 @@ def decode_tensors(
     for name, shape in expected.items():
         shape = torch.Size(shape)
         if codec in _FLOAT_DTYPES:
-            out[name] = flat[name].to(torch.float32).reshape(shape).clone()
+            # No copy for fp32: the result may share memory with `flat` (a freshly loaded body).
+            out[name] = flat[name].to(torch.float32).reshape(shape)
             continue
         n = shape.numel()
         q = flat[name + Q_SUFFIX]
