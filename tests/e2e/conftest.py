@@ -8,6 +8,8 @@ teardown.
 from __future__ import annotations
 
 import json
+import ssl
+import subprocess
 import time
 import urllib.error
 import urllib.request
@@ -74,6 +76,7 @@ class SyncerHandle:
     files: launch.JobFiles
     state_dir: Path
     log_file: Path
+    ca_file: Path | None = None
 
     def request(
         self,
@@ -93,6 +96,7 @@ class SyncerHandle:
             json_body=json_body,
             body=body,
             timeout=timeout,
+            ca_file=self.ca_file,
         )
 
     def status(self, digest: bool = False) -> dict[str, Any]:
@@ -112,6 +116,7 @@ def http_request(
     json_body: Any = None,
     body: bytes | None = None,
     timeout: float = 30.0,
+    ca_file: Path | None = None,
 ) -> tuple[int, Any]:
     """(status, parsed JSON or raw bytes) for one HTTP request; never raises on 4xx/5xx."""
     headers = {}
@@ -125,7 +130,8 @@ def http_request(
         headers["Authorization"] = f"Bearer {token}"
     req = urllib.request.Request(url, data=data, method=method, headers=headers)
     try:
-        with urllib.request.urlopen(req, timeout=timeout) as resp:
+        context = ssl.create_default_context(cafile=str(ca_file)) if ca_file else None
+        with urllib.request.urlopen(req, timeout=timeout, context=context) as resp:
             code, raw = resp.status, resp.read()
             ctype = resp.headers.get("Content-Type", "")
     except urllib.error.HTTPError as err:
@@ -150,13 +156,39 @@ def wait_until(
         time.sleep(interval)
 
 
+@dataclass(frozen=True)
+class TLSFiles:
+    """A self-signed certificate for 127.0.0.1 (it is its own CA) and its key."""
+
+    cert: Path
+    key: Path
+
+
+@pytest.fixture
+def tls_files(workdir: Path) -> TLSFiles:
+    """A fresh self-signed certificate valid for IP 127.0.0.1 (made with the openssl CLI)."""
+    cert, key = workdir / "tls.crt", workdir / "tls.key"
+    subprocess.run(
+        [
+            "openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1",
+            "-keyout", str(key), "-out", str(cert), "-subj", "/CN=127.0.0.1",
+            "-addext", "subjectAltName=IP:127.0.0.1",
+        ],
+        check=True,
+        capture_output=True,
+    )  # fmt: skip
+    return TLSFiles(cert=cert, key=key)
+
+
 @pytest.fixture
 def syncer_proc(workdir: Path) -> Iterator[Callable[..., SyncerHandle]]:
     """Factory: start(spec, *, state_dir=None, token=None, port=None, job_name="test",
-    ready_timeout=90) -> SyncerHandle, ready to serve. Every syncer started is killed at teardown.
+    ready_timeout=90, extra_env=None, tls=None) -> SyncerHandle, ready to serve. Every syncer
+    started is stopped (SIGTERM, then SIGKILL of its process group) at teardown.
 
     Restarting on the same state_dir (after handle.proc.kill()) resumes from its checkpoints; pass
-    port=handle.port to come back on the same address.
+    token=handle.token (and port=handle.port to come back on the same address). With
+    tls=TLSFiles the syncer serves HTTPS and handle.ca_file verifies it.
     """
     started: list[launch.Proc] = []
     count = 0
@@ -170,6 +202,7 @@ def syncer_proc(workdir: Path) -> Iterator[Callable[..., SyncerHandle]]:
         job_name: str = "test",
         ready_timeout: float = 90.0,
         extra_env: dict[str, str] | None = None,
+        tls: TLSFiles | None = None,
     ) -> SyncerHandle:
         nonlocal count
         count += 1
@@ -185,10 +218,13 @@ def syncer_proc(workdir: Path) -> Iterator[Callable[..., SyncerHandle]]:
             job_name=job_name,
             log_file=log_file,
             extra_env=env,
+            tls_cert_file=tls.cert if tls else None,
+            tls_key_file=tls.key if tls else None,
         )
         started.append(proc)
-        url = f"http://127.0.0.1:{port}"
-        launch.wait_ready(url, files.token, timeout=ready_timeout, proc=proc)
+        ca_file = tls.cert if tls else None
+        url = f"{'https' if tls else 'http'}://127.0.0.1:{port}"
+        launch.wait_ready(url, files.token, timeout=ready_timeout, proc=proc, ca_file=ca_file)
         return SyncerHandle(
             proc=proc,
             url=url,
@@ -197,6 +233,7 @@ def syncer_proc(workdir: Path) -> Iterator[Callable[..., SyncerHandle]]:
             files=files,
             state_dir=state_dir,
             log_file=log_file,
+            ca_file=ca_file,
         )
 
     yield start

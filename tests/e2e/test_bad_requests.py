@@ -4,8 +4,10 @@ the syncer's state (weights + momentum digest, versions, pending rounds, islands
 from __future__ import annotations
 
 import asyncio
+import http.client
 import json
-from collections.abc import Iterator
+import urllib.error
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -14,9 +16,16 @@ import pytest
 import torch
 from diloco_trainer import launch, wire
 from diloco_trainer.compress import encode_tensors
-from diloco_trainer.config import parse_spec
+from diloco_trainer.config import JobSpec, parse_spec
 
-from .conftest import TINY_SPEC, SyncerHandle, deep_merge, http_request, wait_until
+from .conftest import (
+    TINY_SPEC,
+    SyncerHandle,
+    TLSFiles,
+    deep_merge,
+    http_request,
+    wait_until,
+)
 
 pytestmark = pytest.mark.e2e
 
@@ -300,3 +309,33 @@ def test_bad_requests_refusals_are_counted_in_metrics(syncer: SyncerHandle) -> N
         ln for ln in lines if ln.startswith('diloco_syncer_pushes_total{result="malformed"}')
     ]
     assert malformed and float(malformed[0].split()[-1]) >= 1
+
+
+def test_bad_requests_tls_syncer_refuses_plain_http_and_unknown_ca(
+    syncer_proc: Callable[..., SyncerHandle],
+    make_spec: Callable[..., JobSpec],
+    tls_files: TLSFiles,
+) -> None:
+    tls = syncer_proc(make_spec(), tls=tls_files)
+    assert tls.url.startswith("https://")
+
+    async def join() -> wire.JoinInfo:
+        async with wire.SyncerClient(tls.url, tls.token, ca_file=tls.ca_file) as client:
+            return await client.join("island-0", 1)
+
+    assert asyncio.run(join()).versions == [0]
+    before = tls.status(digest=True)
+    # Plain HTTP to the HTTPS port gets no HTTP answer at all.
+    plain = tls.url.replace("https://", "http://")
+    with pytest.raises((urllib.error.URLError, ConnectionError, http.client.HTTPException)):
+        http_request("GET", plain + "/v1/status", token=tls.token, timeout=10)
+    # A client that does not trust the certificate refuses to talk.
+    with pytest.raises(urllib.error.URLError) as err:
+        http_request("GET", tls.url + "/v1/status", token=tls.token, timeout=10)
+    assert "CERTIFICATE_VERIFY_FAILED" in str(err.value)
+    after = tls.status(digest=True)
+    assert (after["digest"], after["versions"], after["islands"]) == (
+        before["digest"],
+        before["versions"],
+        before["islands"],
+    )
