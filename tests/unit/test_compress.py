@@ -210,3 +210,15 @@ def test_encode_tensors_survives_safetensors_even_from_a_flat_buffer(codec: str)
         load(save(enc)), codec, {"a": torch.Size([10, 13]), "b": torch.Size([170])}
     )
     assert float(dec["a"].abs().sum()) > 0 and float(dec["b"].abs().sum()) > 0
+
+
+@pytest.mark.parametrize("codec", ["int8", "int4"])
+def test_int_codecs_flush_denormal_blocks_to_zero(codec: str) -> None:
+    x = torch.zeros(2 * BLOCK_SIZE)
+    x[0] = 1e-40  # its reciprocal overflows fp32
+    x[BLOCK_SIZE] = 1e-3
+    enc = encode_tensors({"w": x}, codec)
+    assert enc["w::scale"][0] == 0
+    out = decode_tensors(enc, codec, {"w": x.shape})["w"]
+    assert torch.isfinite(out).all()
+    assert out[0] == 0 and out[BLOCK_SIZE] == pytest.approx(1e-3)

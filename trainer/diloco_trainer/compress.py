@@ -23,6 +23,7 @@ from torch import Tensor
 
 CODECS = ("none", "fp16", "bf16", "int8", "int4")
 BLOCK_SIZE = 128
+FLUSH_TO_ZERO = 1e-30  # blocks whose absmax is smaller are sent as zeros
 _QMAX = {"int8": 127, "int4": 7}
 _FLOAT_DTYPES = {"none": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 Q_SUFFIX = "::q"
@@ -59,9 +60,11 @@ def _quantise(x: Tensor, qmax: int) -> tuple[Tensor, Tensor]:
     # max(amax, -amin) is |x|'s row maximum without materialising |x|; NaN propagates into the
     # scale, which decode then refuses.
     absmax = torch.maximum(blocks.amax(dim=1), blocks.amin(dim=1).neg_())  # (nb,)
-    scales = absmax / qmax
-    # All-zero blocks have scale 0; multiply by 0 there (q is 0 either way).
-    inv = torch.where(absmax > 0, qmax / absmax, torch.zeros_like(absmax))
+    # Blocks below FLUSH_TO_ZERO (all-zero blocks, denormals whose reciprocal would overflow)
+    # are sent as zeros with scale 0.
+    live = absmax >= FLUSH_TO_ZERO
+    scales = torch.where(live, absmax / qmax, torch.zeros_like(absmax))
+    inv = torch.where(live, qmax / absmax, torch.zeros_like(absmax))
     # |x * inv| <= qmax up to one rounding, so round() stays in [-qmax, qmax] without a clamp.
     q = (blocks * inv[:, None]).round_().to(torch.int8)
     return q.view(-1)[: x.numel()], scales
