@@ -11,7 +11,9 @@ the grid is symmetric); int4 uses QMAX = 7 and packs two values per uint8 (eleme
 nibble, 2i+1 in the high nibble, each stored as q + 8). Keys: "NAME" for none/fp16/bf16;
 "NAME::q" (int8 (n,) or uint8 (ceil(n/2),)) and "NAME::scale" (fp32 (ceil(n/BLOCK_SIZE),)) for
 int8/int4. fp32 scales cost 4/BLOCK_SIZE bytes per element (3%), and unlike fp16 scales they
-cannot underflow for the tiny pseudo-gradients of late training.
+cannot underflow for the tiny pseudo-gradients of late training; so int8 sends 3.88x and int4
+7.53x fewer bytes than fp32. Blocks whose absmax is below FLUSH_TO_ZERO are sent as zeros.
+Decoding always yields fp32, so merges accumulate in fp32 whatever the wire format.
 """
 
 from __future__ import annotations
