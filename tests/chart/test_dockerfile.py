@@ -8,8 +8,11 @@ torch.
 
 from __future__ import annotations
 
+import importlib.metadata
 import re
 import shlex
+import subprocess
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -257,3 +260,33 @@ def test_dockerignore_should_keep_copied_sources_and_drop_local_state_when_build
         "diloco_operator.egg-info/PKG-INFO",
     ):
         assert dockerignored(local, patterns), f"{local} would be sent to the Docker daemon"
+
+
+def _extra_distributions(extra: str) -> set[str]:
+    """Distributions an extra of the installed project requires (from its metadata)."""
+    names = set()
+    for requirement in importlib.metadata.requires("diloco-operator") or []:
+        if re.search(rf"extra\s*==\s*['\"]{extra}['\"]", requirement):
+            names.add(re.split(r"[<>=!~\[; (]", requirement, maxsplit=1)[0].lower())
+    return names
+
+
+def test_operator_image_should_start_without_trainer_packages_when_torch_absent() -> None:
+    # The operator image installs only the [operator] extra: every package the [trainer] extra
+    # adds on top (torch, safetensors, ...) is made unimportable, then the operator is imported.
+    trainer_only = _extra_distributions("trainer") - _extra_distributions("operator")
+    assert "torch" in trainer_only, trainer_only
+    modules = sorted(name.replace("-", "_") for name in trainer_only)
+    code = (
+        "import sys\n"
+        f"for name in {modules!r}: sys.modules[name] = None\n"
+        "import diloco_operator.main, diloco_operator.handlers, diloco_operator.crd\n"
+        "from diloco_trainer.cli import build_parser\n"
+        "assert build_parser().parse_args(['operator', '--standalone']).standalone\n"
+        "print('imported without trainer packages')\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=False
+    )
+    assert result.returncode == 0, result.stderr
+    assert "imported without trainer packages" in result.stdout
