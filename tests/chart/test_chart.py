@@ -133,7 +133,8 @@ def test_notes_should_tell_next_steps_when_installed(
 ) -> None:
     notes = render_notes(helm, tmp_path, values)
     assert "rollout status deployment/diloco-diloco-operator" in notes
-    assert "examples/" in notes
+    assert "-f examples/job.yaml" in notes
+    assert (REPO / "examples" / "job.yaml").exists(), "NOTES point at a missing example"
     assert "kubectl describe dj" in notes
     for text in expected:
         assert text in notes, notes
