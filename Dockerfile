@@ -38,6 +38,9 @@ RUN groupadd --gid 65532 diloco \
  && useradd --uid 65532 --gid 65532 --home-dir /tmp --no-create-home \
       --shell /usr/sbin/nologin diloco
 WORKDIR /tmp
+LABEL org.opencontainers.image.source="https://github.com/diloco-operator/diloco-operator" \
+      org.opencontainers.image.licenses="Apache-2.0" \
+      org.opencontainers.image.description="diloco-operator: Decoupled DiLoCo training on Kubernetes"
 
 # ---------------------------------------------------------------------------------------------
 # operator: `diloco operator` (the chart passes its flags as args).

@@ -7,6 +7,7 @@ from typing import Any
 
 from diloco_trainer.cli import build_parser
 
+from .dockerfile_reader import DOCKERFILE, exec_form, parse_dockerfile
 from .helm_tool import Rendered
 
 
@@ -171,3 +172,14 @@ def test_serviceaccount_should_not_render_when_create_false(
     assert pod["serviceAccountName"] == "mine"
     binding = out.one("ClusterRoleBinding")
     assert binding["subjects"][0]["name"] == "mine"
+
+
+def test_deployment_should_start_with_the_operator_image_cmd_when_rendered(
+    render: Callable[..., Rendered],
+) -> None:
+    dockerfile = parse_dockerfile(DOCKERFILE.read_text())
+    chain = dockerfile.chain("operator")
+    image_cmd = exec_form(next(c for s in chain for c in reversed(s.args_of("CMD"))))
+    args = _container(render())["args"]
+    # args replace the image's CMD: they must name the same subcommand, after the ENTRYPOINT.
+    assert args[: len(image_cmd)] == image_cmd
