@@ -48,7 +48,7 @@ TINY_JOB: dict[str, Any] = {
             "resources": {"requests": {"cpu": "100m", "memory": "256Mi"}},
         },
         "inner": {"steps": 4, "batchSize": 2, "seqLen": 32, "lr": 1e-3},
-        "sync": {"quorum": 2, "graceSeconds": 0.5},
+        "sync": {"quorum": 2, "graceSeconds": 1},
         "stopAfter": {"outerSteps": OUTER_STEPS},
         "syncer": {"resources": {"requests": {"cpu": "100m", "memory": "256Mi"}}},
     },
@@ -176,6 +176,16 @@ def kind_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[KindClust
             timeout=300,
             check=False,
         )
+
+
+def test_kind_job_should_be_valid_for_the_operator_when_parsed() -> None:
+    # Runs everywhere (no Docker needed), so the manifest of the skipped test stays correct.
+    from diloco_operator.api import parse_job_spec
+
+    spec = parse_job_spec(TINY_JOB["spec"])
+    assert spec.islands.count == 2 and spec.islands.replicas == 1
+    assert spec.stop_after.outer_steps == OUTER_STEPS
+    assert spec.image == TRAINER_IMAGE
 
 
 def test_kind_should_train_tiny_job_to_success_when_chart_installed(
