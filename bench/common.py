@@ -13,6 +13,7 @@ import datetime as dt
 import os
 import platform
 import shlex
+import shutil
 import signal
 import subprocess
 import sys
@@ -188,7 +189,8 @@ class Table:
             t.add_column(c)
         for r in self.rows:
             t.add_row(*r)
-        Console().print(t)
+        # Wide enough for the tables even when stdout is a pipe (rich would assume 80 columns).
+        Console(width=max(140, shutil.get_terminal_size().columns)).print(t)
 
 
 class LoadMonitor:

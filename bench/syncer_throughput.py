@@ -202,6 +202,7 @@ def plot(results: list[tuple[Case, dict[str, float]]], copy_gbs: float, path: Pa
             )
         ax.axhline(copy_gbs, color="grey", linestyle=":", label="copy bandwidth")
         ax.set_xscale("log", base=2)
+        ax.set_ylim(bottom=0)
         ax.set_xlabel("islands (pseudo-gradients merged)")
         ax.set_ylabel("GB/s of fp32 pseudo-gradients")
         ax.set_title(f"merge + outer step, rule={rule}")

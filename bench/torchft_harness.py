@@ -38,6 +38,7 @@ class TorchftJob:
     outer_steps: int = 0
     max_seconds: float = 0.0
     slowdowns: dict[int, float] = field(default_factory=dict)
+    sync_delay: int = 0  # DiLoCo fragment_sync_delay: inner steps that overlap the all-reduce
     timeout: float = 60.0
     join_timeout_ms: int = 1000
     heartbeat_timeout_ms: int = 5000
@@ -109,6 +110,8 @@ def start_replica(job: TorchftJob, replica: int, *, evaluate: bool = False) -> P
         str(job.slowdowns.get(replica, 1.0)),
         "--timeout",
         str(job.timeout),
+        "--sync-delay",
+        str(job.sync_delay),
         "--progress",
         str(job.progress_file(replica)),
         "--out",

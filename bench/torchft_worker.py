@@ -51,6 +51,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--outer-steps", type=int, default=0, help="stop after this many commits")
     p.add_argument("--max-seconds", type=float, default=0, help="stop after this long (0: no)")
     p.add_argument("--slowdown", type=float, default=1.0, help="straggler factor (>= 1)")
+    p.add_argument(
+        "--sync-delay", type=int, default=0, help="DiLoCo fragment_sync_delay (overlap steps)"
+    )
     p.add_argument("--timeout", type=float, default=60.0, help="collective/commit timeout (s)")
     p.add_argument("--progress", type=Path, default=None, help="JSON-lines progress file")
     p.add_argument("--out", type=Path, default=None, help="JSON result (with --eval)")
@@ -117,7 +120,7 @@ def main() -> int:
     deadline = time.monotonic() + args.max_seconds if args.max_seconds > 0 else float("inf")
     round_tokens = 0
     local = 0
-    with DiLoCo(manager, [model], inner, outer, sync_every=H):
+    with DiLoCo(manager, [model], inner, outer, sync_every=H, fragment_sync_delay=args.sync_delay):
         while time.monotonic() < deadline and not (
             args.outer_steps and manager.current_step() >= args.outer_steps
         ):

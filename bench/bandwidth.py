@@ -1,0 +1,308 @@
+"""Bandwidth: compute utilisation of ours and torchft's DiLoCo over a slow link (1/10/100 Mbit/s).
+
+Ours: every island reaches the syncer through one rate-limiting relay (bench.relay: token bucket,
+one bucket for both directions, plus an added one-way latency), so all sync traffic shares one
+link of the given rate. torchft: its gloo ring connects replicas directly (addresses exchanged
+through a store), which no relay can sit in; instead the lighthouse and every replica run in a
+network namespace whose loopback is limited to the same rate with tc tbf (bench.netns). The kernel
+here has no netem, so torchft's link gets the rate but not the added latency.
+
+For each system, link and overlap setting, training runs for a fixed window after the first sync,
+and we report
+- compute utilisation = time in inner steps / wall time over the window (ours: inner steps x the
+  learner's step time; torchft: measured compute time, sync excluded);
+- inner-step throughput relative to the same system over an unlimited link in this run.
+Both systems use the same model, H, batch and optimizers; ours pushes int8 or fp32 pseudo-gradients
+and pulls fp32 weights, torchft all-reduces fp32 (its quantisation needs triton/GPU).
+
+    python -m bench.bandwidth                          # M=2, gpt-tiny, H=20, 1/10/100 Mbit/s
+    python -m bench.bandwidth --rates 1 10 100 1000 --seconds 60 --islands 4
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from diloco_trainer.config import JobSpec, parse_spec
+from diloco_trainer.launch import Proc, free_port
+
+from bench import netns
+from bench.common import (
+    PLOTS_DIR,
+    LoadMonitor,
+    Report,
+    Table,
+    append_results,
+    base_parser,
+    fmt_pct,
+    fmt_ratio,
+    install_signal_cleanup,
+    poll_until,
+    ratio,
+    start_module,
+    workdir,
+)
+from bench.ours_harness import OursRun
+from bench.peer_training import read_progress
+from bench.torchft_harness import TorchftJob, start_job
+
+
+@dataclass(frozen=True)
+class Variant:
+    system: str  # "ours" | "torchft"
+    codec: str  # ours only
+    overlap: int  # τ: inner steps that overlap the sync
+
+    @property
+    def label(self) -> str:
+        if self.system == "ours":
+            return f"ours {self.codec}, τ={self.overlap}"
+        return f"torchft fp32, τ={self.overlap}"
+
+
+def make_spec(args: Any, *, codec: str, overlap: int) -> JobSpec:
+    return parse_spec(
+        {
+            "model": {"preset": args.preset, "seed": 0},
+            "data": {"evalTokens": 2048},
+            "islands": {"count": args.islands},
+            "inner": {
+                "lr": 3e-3,
+                "warmupSteps": 10,
+                "steps": args.inner_steps,
+                "batchSize": args.batch_size,
+                "seqLen": args.seq_len,
+            },
+            "sync": {
+                "quorum": args.islands,
+                "compression": codec,
+                "overlapSteps": overlap,
+                # Heartbeats every second: the status then tracks each island's step closely.
+                "heartbeatTimeoutSeconds": 4,
+            },
+            # No stop: the window is timed; eval only rarely (it competes for the CPU).
+            "syncer": {"evalEveryOuterSteps": 1000},
+        }
+    )
+
+
+def start_relay(
+    wd: Path, target_port: int, rate: float | None, latency_ms: float
+) -> tuple[Proc, int]:
+    port = free_port()
+    args = ["--listen", str(port), "--target", f"127.0.0.1:{target_port}", "--duplex", "shared"]
+    args += ["--rate-mbit", str(rate or 0), "--latency-ms", str(latency_ms)]
+    args += ["--stats", str(wd / "relay-stats.json")]
+    proc = start_module("relay", "bench.relay", args, log_file=wd / "relay.log")
+    poll_until(lambda: "listening" in proc.log_text() or not proc.alive, timeout=60, what="relay")
+    if not proc.alive:
+        raise RuntimeError("relay exited:\n" + proc.log_text()[-2000:])
+    return proc, port
+
+
+def measure_ours(args: Any, v: Variant, rate: float | None, wd: Path) -> dict[str, float]:
+    spec = make_spec(args, codec=v.codec, overlap=v.overlap)
+    relay: dict[str, Any] = {}
+
+    def route(_i: int, url: str) -> str:
+        if not relay:
+            target = int(url.rsplit(":", 1)[1])
+            relay["proc"], relay["port"] = start_relay(wd, target, rate, args.latency_ms)
+        return f"http://127.0.0.1:{relay['port']}"
+
+    run = OursRun(spec=spec, workdir=wd, route=route)
+    try:
+        run.start()
+        poll_until(
+            lambda: run.check_alive() or run.status()["outerStep"] >= 1,
+            timeout=args.warmup_timeout,
+            what="the first merge",
+        )
+        samples: list[tuple[float, dict[str, Any]]] = []
+        end = time.monotonic() + args.seconds
+        while True:
+            samples.append((time.monotonic(), run.status()["islands"]))
+            if time.monotonic() >= end:
+                break
+            time.sleep(1.0)
+    finally:
+        run.stop()
+        if relay:
+            relay["proc"].stop()
+    (t1, first), (t2, last) = samples[0], samples[-1]
+    utils, steps = [], 0
+    for name, isl in last.items():
+        d_steps = int(isl["step"]) - int(first[name]["step"])
+        step_time = statistics.mean(
+            float(s[name]["stepTime"]) for _, s in samples if s[name].get("stepTime")
+        )
+        utils.append(d_steps * step_time / (t2 - t1))
+        steps += d_steps
+    return {"utilisation": statistics.mean(utils), "steps_per_s": steps / (t2 - t1)}
+
+
+def measure_torchft(args: Any, v: Variant, rate: float | None, wd: Path) -> dict[str, float]:
+    spec_file = wd / "spec.json"
+    wd.mkdir(parents=True, exist_ok=True)
+    spec_file.write_text(make_spec(args, codec="none", overlap=v.overlap).to_json())
+    with netns.shaped_namespace("bw", rate) as prefix:
+        job = TorchftJob(
+            spec_file=spec_file,
+            workdir=wd,
+            num_replicas=args.islands,
+            min_replicas=args.islands,
+            sync_delay=v.overlap,
+            timeout=300,
+            prefix=prefix,
+        )
+        lighthouse, replicas = start_job(job, evaluate_replica=None)
+        procs = [lighthouse, *replicas]
+        try:
+
+            def committed() -> bool:
+                for p in procs:
+                    if not p.alive:
+                        raise RuntimeError(f"{p.name} exited:\n{p.log_text()[-2000:]}")
+                recs = [read_progress(job.progress_file(i)) for i in range(args.islands)]
+                return all(r and r[-1]["commits"] >= 1 for r in recs)
+
+            poll_until(committed, timeout=args.warmup_timeout, what="torchft's first commit")
+            t1 = time.time()
+            time.sleep(args.seconds)
+            t2 = time.time()
+        finally:
+            for p in procs:
+                p.kill()
+    utils, rate_steps = [], 0.0
+    for i in range(args.islands):
+        recs = read_progress(job.progress_file(i))
+        r1 = [r for r in recs if r["time"] <= t1][-1]
+        r2 = [r for r in recs if r["time"] <= t2][-1]
+        dt = r2["time"] - r1["time"]
+        if dt <= 0:
+            utils.append(0.0)
+            continue
+        utils.append((r2["compute_seconds"] - r1["compute_seconds"]) / dt)
+        rate_steps += (r2["steps"] - r1["steps"]) / dt
+    return {"utilisation": statistics.mean(utils), "steps_per_s": rate_steps}
+
+
+def plot(
+    results: dict[tuple[str, float | None], dict[str, float]], rates: list[float], path: Path
+) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.2))
+    labels = list(dict.fromkeys(label for label, _ in results))
+    for label in labels:
+        xs = [r for r in rates if (label, r) in results]
+        ax.plot(xs, [results[(label, r)]["utilisation"] for r in xs], marker="o", label=label)
+    ax.set_xscale("log")
+    ax.set_ylim(0, 1.05)
+    ax.set_xlabel("link rate (Mbit/s)")
+    ax.set_ylabel("compute utilisation")
+    ax.set_title("Time in inner steps / wall time over a rate-limited link")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = base_parser(__doc__ or "")
+    p.add_argument("--rates", nargs="+", type=float, default=[1, 10, 100], help="Mbit/s")
+    p.add_argument("--latency-ms", type=float, default=10, help="one-way latency (ours)")
+    p.add_argument("--seconds", type=float, default=30, help="measured window per run")
+    p.add_argument("--warmup-timeout", type=float, default=300)
+    p.add_argument("--islands", type=int, default=2)
+    p.add_argument("--preset", default="gpt-tiny")
+    p.add_argument("--inner-steps", type=int, default=20, help="H")
+    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--seq-len", type=int, default=64)
+    p.add_argument(
+        "--overlap", type=int, default=None, help="τ for the overlapped variants (default H/2)"
+    )
+    p.add_argument("--skip", nargs="*", default=[], choices=["torchft", "overlap", "none"])
+    args = p.parse_args(argv)
+    install_signal_cleanup()
+    tau = args.overlap if args.overlap is not None else args.inner_steps // 2
+    variants = [Variant("ours", "int8", 0)]
+    if "none" not in args.skip:
+        variants.insert(0, Variant("ours", "none", 0))
+    if "overlap" not in args.skip:
+        variants.append(Variant("ours", "int8", tau))
+    notes: list[str] = []
+    why = netns.unavailable_reason() if "torchft" not in args.skip else "skipped by flag"
+    if why is None:
+        variants.append(Variant("torchft", "none", 0))
+        if "overlap" not in args.skip:
+            variants.append(Variant("torchft", "none", tau))
+    else:
+        notes.append(f"torchft not measured: {why}.")
+
+    links: list[float | None] = [None, *args.rates]
+    results: dict[tuple[str, float | None], dict[str, float]] = {}
+    with LoadMonitor() as load, workdir(args.workdir, "bandwidth") as wd:
+        for v in variants:
+            for rate in links:
+                name = f"{v.system}-{v.codec}-tau{v.overlap}-{rate or 'unlimited'}"
+                print(f"{v.label} @ {rate or 'unlimited'} Mbit/s", flush=True)
+                measure = measure_ours if v.system == "ours" else measure_torchft
+                results[(v.label, rate)] = measure(args, v, rate, wd / name)
+                print(f"  -> {results[(v.label, rate)]}", flush=True)
+
+    table = Table(
+        f"Compute utilisation over a rate-limited link ({args.preset}, M={args.islands}, "
+        f"H={args.inner_steps}, {args.seconds:.0f}s windows)",
+        ["system", "link", "compute utilisation", "inner steps/s", "steps/s vs unlimited"],
+    )
+    for v in variants:
+        base = results[(v.label, None)]["steps_per_s"]
+        for rate in links:
+            r = results[(v.label, rate)]
+            table.add(
+                v.label,
+                "unlimited" if rate is None else f"{rate:g} Mbit/s",
+                fmt_pct(r["utilisation"]),
+                f"{r['steps_per_s']:.2f}",
+                fmt_ratio(ratio(r["steps_per_s"], base)),
+            )
+    plot_path = PLOTS_DIR / "bandwidth.png"
+    plot(results, list(args.rates), plot_path)
+    notes += [
+        "All sync traffic of a run shares one link of the given rate, both directions together "
+        "(ours: one relay in front of the syncer with a single token bucket; torchft: tbf on the "
+        "loopback of its own network namespace).",
+        f"Ours' relay adds {args.latency_ms:g} ms one-way latency; torchft's link has none added "
+        "(no netem in this kernel), which favours torchft slightly.",
+        "Ours moves more bytes per round than a 2-replica ring: each island pushes Δ and pulls "
+        "fp32 weights through the syncer's link, so the shared link carries M pushes + M pulls.",
+        "τ = inner steps that keep running while a sync is in flight (ours: sync.overlapSteps; "
+        "torchft: DiLoCo fragment_sync_delay).",
+    ]
+    report = Report(
+        "bandwidth",
+        "Compute utilisation (time in inner steps / wall time) of ours and torchft's DiLoCo with "
+        "the sync traffic limited to 1, 10 and 100 Mbit/s.",
+        tables=[table],
+        notes=notes,
+        plots=[plot_path],
+    )
+    if args.no_record:
+        table.print()
+        return 0
+    append_results(report, load=load, path=args.results)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
