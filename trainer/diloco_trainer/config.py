@@ -272,13 +272,25 @@ class ConfigError(ValueError):
     """A configuration that cannot be used; the message names the field."""
 
 
+# Pydantic names the member of a union it tried ("float", "literal['auto']"); users know only
+# the field, so those tags are dropped from locations.
+_UNION_TAGS = frozenset({"float", "int", "str", "bool", "dict", "list", "none"})
+
+
+def _is_union_tag(part: object) -> bool:
+    return isinstance(part, str) and ("[" in part or part in _UNION_TAGS)
+
+
 def format_validation_error(err: ValidationError, prefix: str = "spec") -> str:
-    """One line per problem, each naming the field in manifest (camelCase) form."""
-    lines = []
+    """One line per bad field, each naming it in manifest (camelCase) form."""
+    problems: dict[str, list[str]] = {}
     for e in err.errors():
-        loc = ".".join([prefix, *(to_camel(str(p)) for p in e["loc"])]) if e["loc"] else prefix
-        lines.append(f"{loc}: {e['msg']}")
-    return "\n".join(lines)
+        parts = [to_camel(str(p)) for p in e["loc"] if not _is_union_tag(p)]
+        loc = ".".join([prefix, *parts])
+        msgs = problems.setdefault(loc, [])
+        if e["msg"] not in msgs:
+            msgs.append(e["msg"])
+    return "\n".join(f"{loc}: {'; or '.join(msgs)}" for loc, msgs in problems.items())
 
 
 def parse_spec(data: dict[str, Any]) -> JobSpec:
