@@ -526,23 +526,26 @@ class Syncer:
 
     # ----- merging -----------------------------------------------------------------------------
 
+    async def tick(self) -> float | None:
+        """One scheduler pass: expire silent islands, merge every due round. Returns the next
+        grace deadline (clock time), if a round is waiting for one."""
+        async with self._locked():
+            now = self.clock()
+            for island in self.state.expire(now):
+                log.warning("island %s timed out: %s", island, self.state.islands[island].reason)
+                self._update_gauges()
+            if not self.finished:
+                for f in self.state.due_fragments(now):
+                    await self._merge(f)
+                    if self.finished:
+                        break
+            return None if self.finished else self.state.next_deadline()
+
     async def run_scheduler(self) -> None:
-        """Merge due rounds and expire silent islands until cancelled."""
+        """tick() whenever something changed, a grace window ends, or TICK_SECONDS passed."""
         assert self._poke is not None
         while True:
-            async with self._locked():
-                now = self.clock()
-                for island in self.state.expire(now):
-                    log.warning(
-                        "island %s timed out: %s", island, self.state.islands[island].reason
-                    )
-                    self._update_gauges()
-                if not self.finished:
-                    for f in self.state.due_fragments(now):
-                        await self._merge(f)
-                        if self.finished:
-                            break
-                deadline = None if self.finished else self.state.next_deadline()
+            deadline = await self.tick()
             wait = TICK_SECONDS
             if deadline is not None:
                 wait = min(wait, max(0.005, deadline - self.clock()))

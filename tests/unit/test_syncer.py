@@ -1,0 +1,295 @@
+"""The syncer engine in-process (no HTTP): merges are reproducible from the merge log, grace with
+a fake clock, replacement and retried pushes, finishing on tokens, eval cadence, resume."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Coroutine, Iterator
+from pathlib import Path
+from typing import Any, TypeVar
+
+import pytest
+import torch
+from diloco_trainer import checkpoint as ckpt
+from diloco_trainer import wire
+from diloco_trainer.compress import encode_tensors
+from diloco_trainer.config import JobSpec, parse_spec
+from diloco_trainer.merge import merge_pseudo_gradients
+from diloco_trainer.outer import OuterOptimizer
+from diloco_trainer.rounds import Refused
+from diloco_trainer.syncer import Syncer, fragment_body_limit, parse_push_meta
+
+T = TypeVar("T")
+
+BASE: dict[str, Any] = {
+    "model": {"preset": "gpt-tiny"},
+    "data": {"evalTokens": 1024},
+    "islands": {"count": 3},
+    "inner": {"steps": 4, "batchSize": 2, "seqLen": 16},
+    "sync": {"quorum": 2, "graceSeconds": 5, "merge": "tokens", "maxStaleness": 2},
+    "stopAfter": {"outerSteps": 100},
+    "syncer": {"checkpoint": {"everyOuterSteps": 100}},
+}
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread() -> Iterator[None]:
+    # The tiny model's ops are far too small for threads; on a busy machine extra threads only
+    # fight over cores (60x slower evaluations were measured with 2 threads at load 15).
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def make_spec(**sections: dict[str, Any]) -> JobSpec:
+    doc = {k: dict(v) for k, v in BASE.items()}
+    for key, value in sections.items():
+        doc[key] = {**doc.get(key, {}), **value}
+    return parse_spec(doc)
+
+
+def run(coro: Coroutine[Any, Any, T]) -> T:
+    return asyncio.run(coro)
+
+
+async def started(spec: JobSpec, state_dir: Path, clock: FakeClock) -> Syncer:
+    syncer = Syncer(spec, job_name="unit", state_dir=state_dir, clock=clock)
+    await syncer.start()
+    return syncer
+
+
+def delta(syncer: Syncer, f: int, seed: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return {
+        n: 1e-2 * torch.randn(syncer.weights[n].shape, generator=g) for n in syncer.fragments[f]
+    }
+
+
+def body(syncer: Syncer, f: int, island: str, d: dict[str, torch.Tensor], **meta: Any) -> bytes:
+    m = wire.PushMeta(
+        island=island,
+        base_version=meta.pop("base", syncer.state.versions[f]),
+        tokens=meta.pop("tokens", 100),
+        steps=meta.pop("steps", 4),
+        loss=meta.pop("loss", 3.0),
+        step_time=0.01,
+        codec=syncer.codec,
+        push_id=meta.pop("push_id", ""),
+    )
+    return wire.encode_body(encode_tensors(d, syncer.codec), m.to_metadata())
+
+
+def test_syncer_merge_is_reproducible_from_its_log(tmp_path: Path) -> None:
+    async def scenario() -> tuple[Syncer, dict[str, torch.Tensor], list[dict[str, torch.Tensor]]]:
+        clock = FakeClock()
+        syncer = await started(make_spec(), tmp_path, clock)
+        initial = {n: t.clone() for n, t in syncer.weights.items()}
+        deltas = [delta(syncer, 0, s) for s in (1, 2)]
+        for i in range(3):
+            await syncer.join(f"island-{i}", 1)
+        await syncer.push(0, body(syncer, 0, "island-0", deltas[0], tokens=300, steps=4))
+        await syncer.push(0, body(syncer, 0, "island-1", deltas[1], tokens=100, steps=4))
+        await syncer.tick()
+        assert syncer.state.versions == [0]  # quorum 2 reached, grace 5 s not over
+        clock.now += 5.0
+        await syncer.tick()
+        return syncer, initial, deltas
+
+    syncer, initial, deltas = run(scenario())
+    assert syncer.state.versions == [1]
+    logged = [json.loads(x) for x in (tmp_path / "merges.jsonl").read_text().splitlines()]
+    assert len(logged) == 1
+    entry = logged[0]
+    assert [c["island"] for c in entry["contributors"]] == ["island-0", "island-1"]
+    # tokens × tokens/steps: 300·75 vs 100·25 -> 0.9 / 0.1
+    assert [c["weight"] for c in entry["contributors"]] == pytest.approx([0.9, 0.1])
+    # Replay: the same merge and outer step on the initial weights give the syncer's weights.
+    replay = {n: t.clone() for n, t in initial.items()}
+    outer = OuterOptimizer(replay, lr=0.7, momentum=0.9, nesterov=True)
+    raw = [c["rawWeight"] for c in entry["contributors"]]
+    outer.step(merge_pseudo_gradients(deltas, raw, "tokens"))
+    for name, t in syncer.weights.items():
+        assert torch.equal(t, replay[name]), name
+
+
+def test_syncer_replaced_and_retried_pushes_count_once(tmp_path: Path) -> None:
+    async def scenario() -> tuple[Syncer, list[dict[str, Any]]]:
+        syncer = await started(make_spec(), tmp_path, FakeClock())
+        for i in range(3):
+            await syncer.join(f"island-{i}", 1)
+        answers = [
+            await syncer.push(0, body(syncer, 0, "island-0", delta(syncer, 0, 1), tokens=100)),
+            await syncer.push(
+                0, body(syncer, 0, "island-0", delta(syncer, 0, 2), tokens=250, push_id="p1")
+            ),
+            await syncer.push(
+                0, body(syncer, 0, "island-0", delta(syncer, 0, 2), tokens=250, push_id="p1")
+            ),
+        ]
+        for i in (1, 2):
+            await syncer.push(0, body(syncer, 0, f"island-{i}", delta(syncer, 0, 9 + i)))
+        await syncer.tick()  # every active island contributed: no grace wait
+        return syncer, answers
+
+    syncer, answers = run(scenario())
+    assert answers[1]["replaced"] is True
+    assert answers[2]["duplicate"] is True and answers[2]["pending"] == answers[1]["pending"]
+    assert syncer.state.versions == [1]
+    entry = syncer.merges[-1]
+    by_island = {c["island"]: c for c in entry["contributors"]}
+    assert by_island["island-0"]["tokens"] == 250
+    assert entry["tokens"] == 250 + 100 + 100
+    assert syncer.tokens == 450
+
+
+def test_syncer_dropping_a_silent_island_completes_the_round(tmp_path: Path) -> None:
+    async def scenario() -> Syncer:
+        syncer = await started(make_spec(sync={"graceSeconds": 600}), tmp_path, FakeClock())
+        for i in range(3):
+            await syncer.join(f"island-{i}", 1)
+        for i in (0, 1):
+            await syncer.push(0, body(syncer, 0, f"island-{i}", delta(syncer, 0, i)))
+        await syncer.tick()
+        assert syncer.state.versions == [0]
+        await syncer.set_membership("island-2", "dropped", "pod crash-looping")
+        await syncer.tick()
+        return syncer
+
+    syncer = run(scenario())
+    assert syncer.state.versions == [1]
+    status = run(syncer.status())
+    assert status["islands"]["island-2"]["state"] == "dropped"
+    assert status["islands"]["island-2"]["reason"] == "pod crash-looping"
+
+
+def test_syncer_refusal_after_decode_changes_nothing(tmp_path: Path) -> None:
+    async def scenario() -> tuple[Syncer, str, str]:
+        syncer = await started(make_spec(), tmp_path, FakeClock())
+        await syncer.join("island-0", 1)
+        before = syncer.digest()
+        bad = delta(syncer, 0, 1)
+        bad[next(iter(bad))] = torch.zeros(2, 2)
+        with pytest.raises(Refused) as err:
+            await syncer.push(0, body(syncer, 0, "island-0", bad))
+        assert err.value.status == 400
+        return syncer, before, syncer.digest()
+
+    syncer, before, after = run(scenario())
+    assert before == after
+    assert syncer.state.rounds[0].pending == {}
+    assert syncer.state.islands["island-0"].pushes == 0
+    assert syncer.bytes_in == 0
+
+
+def test_syncer_finishes_on_tokens_with_eval_and_checkpoint(tmp_path: Path) -> None:
+    spec = make_spec(
+        sync={"quorum": 1, "graceSeconds": 0},
+        stopAfter={"outerSteps": None, "tokens": 250},
+        syncer={"evalEveryOuterSteps": 2},
+    )
+
+    async def scenario() -> tuple[Syncer, dict[str, Any]]:
+        syncer = await started(spec, tmp_path, FakeClock())
+        await syncer.join("island-0", 1)
+        for r in range(3):
+            await syncer.push(0, body(syncer, 0, "island-0", delta(syncer, 0, r), tokens=100))
+            await syncer.tick()
+        late = await syncer.push(0, body(syncer, 0, "island-0", delta(syncer, 0, 7)))
+        return syncer, late
+
+    syncer, late = run(scenario())
+    assert syncer.finished and syncer.tokens == 300
+    assert syncer.state.versions == [3]
+    # Evaluations: start, every 2 outer steps, and the finish.
+    assert [e["outerStep"] for e in syncer.eval_history] == [0, 2, 3]
+    assert [e["tokens"] for e in syncer.eval_history] == [0, 200, 300]
+    assert [p.name for p in ckpt.list_checkpoints(tmp_path)] == [ckpt.checkpoint_name(3)]
+    assert late == {
+        "accepted": False,
+        "finished": True,
+        "version": 3,
+        "pending": 0,
+        "reason": "the job has finished",
+    }
+    pulled = run(_pull_after_finish(syncer))
+    assert pulled is not None
+
+
+async def _pull_after_finish(syncer: Syncer) -> bytes | None:
+    # A puller waiting for "newer" gets the final fragment at once when the job has finished.
+    return await syncer.pull(0, after=99, wait=30)
+
+
+def test_syncer_resumes_from_its_checkpoint(tmp_path: Path) -> None:
+    spec = make_spec(
+        sync={"quorum": 1, "graceSeconds": 0}, syncer={"checkpoint": {"everyOuterSteps": 2}}
+    )
+
+    async def first() -> tuple[str, list[int]]:
+        syncer = await started(spec, tmp_path, FakeClock())
+        await syncer.join("island-0", 1)
+        for r in range(2):
+            await syncer.push(0, body(syncer, 0, "island-0", delta(syncer, 0, r)))
+            await syncer.tick()
+        return syncer.digest(), syncer.state.versions
+
+    async def second() -> Syncer:
+        return await started(spec, tmp_path, FakeClock())
+
+    digest, versions = run(first())
+    resumed = run(second())
+    assert resumed.digest() == digest and resumed.state.versions == versions == [2]
+    assert resumed.state.islands["island-0"].joins == 1
+
+
+def test_syncer_refuses_a_checkpoint_of_another_fragment_layout(tmp_path: Path) -> None:
+    spec = make_spec(
+        sync={"quorum": 1, "graceSeconds": 0}, syncer={"checkpoint": {"everyOuterSteps": 1}}
+    )
+
+    async def first() -> None:
+        syncer = await started(spec, tmp_path, FakeClock())
+        await syncer.join("island-0", 1)
+        await syncer.push(0, body(syncer, 0, "island-0", delta(syncer, 0, 0)))
+        await syncer.tick()
+
+    run(first())
+    other = make_spec(sync={"fragments": 3})
+    with pytest.raises(ValueError, match=r"sync\.fragments=3"):
+        Syncer(other, job_name="unit", state_dir=tmp_path)
+
+
+def test_syncer_body_limit_scales_with_codec() -> None:
+    shapes = {"w": torch.Size([1000, 100])}
+    none, int8, int4 = (fragment_body_limit(shapes, c) for c in ("none", "int8", "int4"))
+    # Never below the exact payload (fp32 400 kB, int8 100 kB + scales, int4 50 kB + scales) ...
+    assert none > 400_000 and int8 > 100_000 and int4 > 50_000
+    # ... and well below the next wider codec's payload.
+    assert none < 500_000 and int8 < 200_000 and int4 < int8 - 40_000
+
+
+@pytest.mark.parametrize(
+    ("meta", "field"),
+    [
+        ({"tokens": "1.5"}, "metadata.tokens"),
+        ({"steps": "true"}, "metadata.steps"),
+        ({"loss": "NaN"}, "metadata.loss"),
+        ({"stepTime": "-1"}, "metadata.stepTime"),
+        ({"baseVersion": "x"}, "metadata.baseVersion"),
+    ],
+)
+def test_syncer_parse_push_meta_names_the_bad_field(meta: dict[str, str], field: str) -> None:
+    good = wire.PushMeta("island-0", 0, 10, 1, 1.0, 0.1, "none").to_metadata()
+    with pytest.raises(Refused) as err:
+        parse_push_meta({**good, **meta}, "none")
+    assert err.value.status == 400 and field in err.value.message
