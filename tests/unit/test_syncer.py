@@ -18,7 +18,8 @@ from diloco_trainer.config import JobSpec, parse_spec
 from diloco_trainer.merge import merge_pseudo_gradients
 from diloco_trainer.outer import OuterOptimizer
 from diloco_trainer.rounds import Refused
-from diloco_trainer.syncer import Syncer, fragment_body_limit, parse_push_meta
+from diloco_trainer.syncer import Syncer, fragment_body_limit
+from diloco_trainer.syncer_http import parse_push_meta
 
 T = TypeVar("T")
 

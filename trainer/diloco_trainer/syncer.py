@@ -19,10 +19,17 @@ Evaluation runs at start, every syncer.evalEveryOuterSteps outer steps and at th
 stopAfter is reached, the syncer evaluates, writes a checkpoint, and reports finished=true; it
 keeps serving status and pulls afterwards.
 
-Shutdown (SIGTERM/SIGINT): the server stops accepting requests and exits; it does NOT write a
-checkpoint. What a crash or a stop can lose is what happened since the last checkpoint (at most
-syncer.checkpoint.everyOuterSteps outer steps): islands that pushed into the lost rounds notice
-the syncer's older versions on their next pull or join and continue from them.
+The HTTP edge (validation, auth, routes) is syncer_http.py; this module is the engine and main().
+A merge that raises (a bug, never bad input: input is validated first) leaves the round half
+applied, so the syncer then refuses work with 503 and reports unhealthy on /healthz until it is
+restarted from its last checkpoint (exit code 1 on shutdown).
+
+Shutdown (SIGTERM/SIGINT): long-polls are answered (304) at once, the server stops accepting
+requests and exits within SHUTDOWN_TIMEOUT seconds; it does NOT write a checkpoint. What a crash
+or a stop can lose is what happened since the last checkpoint (at most
+syncer.checkpoint.everyOuterSteps outer steps; merged fragments are published before that
+checkpoint is written): islands that pushed into the lost rounds notice the syncer's older
+versions (a 409 with code "ahead", or versions in status/join) and continue from them.
 """
 
 from __future__ import annotations
@@ -30,16 +37,13 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import hmac
-import json
 import logging
 import math
-import re
 import ssl
 import sys
 import time
 from collections import deque
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -56,7 +60,7 @@ from diloco_trainer.merge import contribution_weight, merge_pseudo_gradients, st
 from diloco_trainer.outer import OuterOptimizer
 from diloco_trainer.parts import build_parts, evaluate
 from diloco_trainer.rounds import Contribution, Refused, RoundPolicy, SyncState
-from diloco_trainer.syncer_metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
+from diloco_trainer.syncer_http import SHUTDOWN_TIMEOUT, build_app, parse_push_meta, ssl_context
 from diloco_trainer.syncer_metrics import SyncerMetrics
 
 log = logging.getLogger("diloco.syncer")
@@ -68,11 +72,8 @@ RECENT_MERGES = 20
 BODY_SLACK_RATIO = 1.05
 BODY_SLACK_BYTES = 64 * 1024
 HEADER_BYTES_PER_KEY = 256
-# Largest JSON body accepted on the small routes (join, heartbeat, leave, membership).
-JSON_LIMIT = 64 * 1024
 # The merge scheduler re-checks timeouts at least this often.
 TICK_SECONDS = 0.5
-ISLAND_NAME = re.compile(r"^[A-Za-z0-9]([-A-Za-z0-9_.]{0,251}[A-Za-z0-9])?$")
 
 
 def fragment_body_limit(expected: dict[str, torch.Size], codec: str) -> int:
@@ -81,84 +82,6 @@ def fragment_body_limit(expected: dict[str, torch.Size], codec: str) -> int:
     payload = sum(shape.numel() * dtype.itemsize for dtype, shape in spec.values())
     header = HEADER_BYTES_PER_KEY * len(spec) + BODY_SLACK_BYTES
     return int(payload * BODY_SLACK_RATIO) + header
-
-
-# ----- request validation (pure) -------------------------------------------------------------
-
-
-def _typed(doc: dict[str, Any], key: str, where: str, kind: type, *, required: bool = True) -> Any:
-    if key not in doc or doc[key] is None:
-        if required:
-            raise Refused(400, f"{where}.{key} is required")
-        return None
-    value = doc[key]
-    if kind is float and isinstance(value, int) and not isinstance(value, bool):
-        value = float(value)
-    if (kind is int and isinstance(value, bool)) or not isinstance(value, kind):
-        raise Refused(400, f"{where}.{key} must be {kind.__name__}, got {type(value).__name__}")
-    if kind is float and not math.isfinite(value):
-        raise Refused(400, f"{where}.{key} must be a finite number, got {value}")
-    return value
-
-
-def _at_least(value: float | None, minimum: float, where: str, key: str) -> None:
-    if value is not None and value < minimum:
-        raise Refused(400, f"{where}.{key} must be >= {minimum}, got {value}")
-
-
-def _island_name(value: Any, where: str) -> str:
-    if not isinstance(value, str) or not ISLAND_NAME.match(value):
-        raise Refused(
-            400,
-            f"{where}.island must be 1-253 letters, digits, '-', '_' or '.', starting and ending "
-            f"with a letter or digit; got {value!r}",
-        )
-    return value
-
-
-def parse_push_meta(meta: dict[str, str], codec: str) -> wire.PushMeta:
-    """Validate a push's safetensors metadata; Refused(400) naming the field."""
-    doc: dict[str, Any] = {}
-    for key, raw in meta.items():
-        if key == wire.META_ISLAND or key == wire.META_CODEC or key == wire.META_PUSH_ID:
-            doc[key] = raw
-            continue
-        try:
-            doc[key] = json.loads(raw)
-        except ValueError:
-            raise Refused(400, f"metadata.{key} is not a JSON value: {raw[:50]!r}") from None
-    where = "metadata"
-    island = _island_name(doc.get(wire.META_ISLAND), where)
-    base = _typed(doc, wire.META_BASE_VERSION, where, int)
-    tokens = _typed(doc, wire.META_TOKENS, where, int)
-    steps = _typed(doc, wire.META_STEPS, where, int)
-    loss = _typed(doc, wire.META_LOSS, where, float, required=False)
-    step_time = _typed(doc, wire.META_STEP_TIME, where, float, required=False)
-    sync_time = _typed(doc, wire.META_SYNC_TIME, where, float, required=False)
-    _at_least(base, 0, where, wire.META_BASE_VERSION)
-    _at_least(tokens, 1, where, wire.META_TOKENS)
-    _at_least(steps, 1, where, wire.META_STEPS)
-    _at_least(step_time, 0, where, wire.META_STEP_TIME)
-    _at_least(sync_time, 0, where, wire.META_SYNC_TIME)
-    got_codec = doc.get(wire.META_CODEC, "")
-    if got_codec != codec:
-        raise Refused(
-            400, f"metadata.codec {got_codec!r} does not match the job's sync.compression {codec!r}"
-        )
-    push_id = doc.get(wire.META_PUSH_ID, "")
-    if len(push_id) > 128:
-        raise Refused(400, "metadata.pushId is longer than 128 characters")
-    return wire.PushMeta(
-        island=island,
-        base_version=base,
-        tokens=tokens,
-        steps=steps,
-        loss=loss if loss is not None else float("nan"),
-        step_time=step_time or 0.0,
-        codec=codec,
-        sync_time=sync_time or 0.0,
-        push_id=push_id,
-    )
 
 
 # ----- the engine ------------------------------------------------------------------------------
@@ -224,6 +147,10 @@ class Syncer:
         self.last_eval_step = -1
         self.last_checkpoint_step = -1
         self.resumed_from: str | None = None
+        # Set when a merge failed half-way: the state can no longer be trusted, so the syncer
+        # refuses work (503) and reports unhealthy until it is restarted from its checkpoint.
+        self.failure: str | None = None
+        self._closing = False
         self._spec_hash = ckpt.spec_hash(spec.to_json())
         # Created on the serving loop (start()).
         self.lock: asyncio.Lock | None = None
@@ -344,7 +271,8 @@ class Syncer:
 
     # ----- requests ----------------------------------------------------------------------------
 
-    def _check_fragment(self, fragment: int) -> None:
+    def check_fragment(self, fragment: int) -> None:
+        """Refused(404) unless the fragment exists."""
         if not 0 <= fragment < len(self.fragments):
             raise Refused(404, f"fragment {fragment} does not exist (0..{len(self.fragments) - 1})")
 
@@ -354,7 +282,15 @@ class Syncer:
 
     def _locked(self) -> asyncio.Lock:
         assert self.lock is not None, "Syncer.start() was not called"
+        if self.failure:
+            raise Refused(503, f"the syncer failed and must be restarted: {self.failure}")
         return self.lock
+
+    def close_waiters(self) -> None:
+        """Answer every long-poll now (304): the server is shutting down."""
+        self._closing = True
+        for event in self._published:
+            event.set()
 
     async def join(self, island: str, replicas: int) -> dict[str, Any]:
         """Register an island; returns the fragment layout and current versions."""
@@ -406,7 +342,7 @@ class Syncer:
 
     async def push(self, fragment: int, body: bytes) -> dict[str, Any]:
         """Validate and record a pushed pseudo-gradient; Refused (state unchanged) on a problem."""
-        self._check_fragment(fragment)
+        self.check_fragment(fragment)
         try:
             flat, raw_meta = wire.decode_body(body)
         except ValueError as err:
@@ -467,7 +403,7 @@ class Syncer:
 
     async def pull(self, fragment: int, *, after: int, wait: float) -> bytes | None:
         """Fragment bytes once its version is > after (or the job finished); None after `wait`."""
-        self._check_fragment(fragment)
+        self.check_fragment(fragment)
         deadline = time.monotonic() + max(0.0, min(wait, wire.MAX_WAIT_SECONDS))
         while True:
             (version, _, finished), body = self._bodies[fragment]
@@ -477,7 +413,7 @@ class Syncer:
                 return body
             published = self._published[fragment]
             remaining = deadline - time.monotonic()
-            if remaining <= 0:
+            if remaining <= 0 or self._closing:
                 return None
             try:
                 await asyncio.wait_for(published.wait(), remaining)
@@ -510,6 +446,7 @@ class Syncer:
             "islands": self.state.islands_json(),
             "merges": list(self.merges),
             "resumedFrom": self.resumed_from,
+            "failure": self.failure,
             "time": self.clock(),
         }
         if digest:
@@ -542,10 +479,18 @@ class Syncer:
             return None if self.finished else self.state.next_deadline()
 
     async def run_scheduler(self) -> None:
-        """tick() whenever something changed, a grace window ends, or TICK_SECONDS passed."""
+        """tick() whenever something changed, a grace window ends, or TICK_SECONDS passed.
+
+        An exception in a merge marks the syncer failed (see `failure`) and ends the scheduler.
+        """
         assert self._poke is not None
         while True:
-            deadline = await self.tick()
+            try:
+                deadline = await self.tick()
+            except Exception as err:
+                self.failure = f"merge failed: {type(err).__name__}: {err}"
+                log.exception("%s; refusing work until restarted from the last checkpoint", err)
+                return
             wait = TICK_SECONDS
             if deadline is not None:
                 wait = min(wait, max(0.005, deadline - self.clock()))
@@ -684,209 +629,9 @@ class Syncer:
         log.info("checkpoint %s written", path)
 
 
-# ----- HTTP ------------------------------------------------------------------------------------
-
-Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
-
-
-def _error(status: int, message: str, code: str = "") -> web.Response:
-    doc = {"error": message, "code": code} if code else {"error": message}
-    return web.json_response(doc, status=status)
-
-
-_REFUSAL_REASON = {
-    400: "malformed",
-    401: "unauthenticated",
-    403: "forbidden",
-    404: "unknown",
-    409: "stale",
-    413: "too_large",
-}
-
-
-def build_app(syncer: Syncer, token: str) -> web.Application:
-    """The aiohttp application serving `syncer` behind bearer-token auth."""
-    expected = token.encode()
-
-    @web.middleware
-    async def errors(request: web.Request, handler: Handler) -> web.StreamResponse:
-        try:
-            return await handler(request)
-        except Refused as err:
-            return _error(err.status, err.message, err.code)
-        except web.HTTPException as err:
-            if err.status < 400:
-                raise
-            return _error(err.status, err.reason or str(err))
-        except Exception:
-            log.exception("internal error on %s %s", request.method, request.path)
-            return _error(500, "internal error in the syncer; see its log")
-
-    @web.middleware
-    async def auth(request: web.Request, handler: Handler) -> web.StreamResponse:
-        if request.path in wire.PUBLIC_ROUTES:
-            return await handler(request)
-        header = request.headers.get("Authorization", "")
-        if not header:
-            raise Refused(401, "missing bearer token: send 'Authorization: Bearer <token>'")
-        scheme, _, given = header.partition(" ")
-        if scheme.lower() != "bearer" or not given.strip():
-            raise Refused(401, "malformed Authorization header: expected 'Bearer <token>'")
-        if not hmac.compare_digest(given.strip().encode(), expected):
-            raise Refused(403, "invalid bearer token")
-        return await handler(request)
-
-    async def json_object(request: web.Request, route: str) -> dict[str, Any]:
-        if request.content_length is not None and request.content_length > JSON_LIMIT:
-            raise Refused(413, f"{route} body larger than {JSON_LIMIT} bytes")
-        raw = await request.content.read(JSON_LIMIT + 1)
-        if len(raw) > JSON_LIMIT:
-            raise Refused(413, f"{route} body larger than {JSON_LIMIT} bytes")
-        try:
-            doc = json.loads(raw)
-        except ValueError as err:
-            raise Refused(400, f"{route} body is not valid JSON: {err}") from None
-        if not isinstance(doc, dict):
-            raise Refused(400, f"{route} body must be a JSON object")
-        return doc
-
-    def fragment_arg(request: web.Request) -> int:
-        raw = request.match_info["fragment"]
-        try:
-            return int(raw)
-        except ValueError:
-            raise Refused(404, f"fragment {raw!r} does not exist") from None
-
-    async def read_push_body(request: web.Request, fragment: int) -> bytes:
-        syncer._check_fragment(fragment)
-        limit = syncer.body_limits[fragment]
-        too_big = (
-            f"push body for fragment {fragment} exceeds {limit} bytes, the most a "
-            f"{syncer.codec}-encoded pseudo-gradient of this fragment can take"
-        )
-        if request.content_length is not None and request.content_length > limit:
-            raise Refused(413, too_big)
-        buf = bytearray()
-        async for chunk in request.content.iter_any():
-            buf += chunk
-            if len(buf) > limit:
-                raise Refused(413, too_big)
-        return bytes(buf)
-
-    async def join(request: web.Request) -> web.Response:
-        doc = await json_object(request, "join")
-        island = _island_name(doc.get("island"), "join")
-        replicas = _typed(doc, "replicas", "join", int, required=False) or 1
-        _at_least(replicas, 1, "join", "replicas")
-        return web.json_response(await syncer.join(island, replicas))
-
-    async def pull(request: web.Request) -> web.Response:
-        fragment = fragment_arg(request)
-        try:
-            after = int(request.query.get("after", "-1"))
-            wait = float(request.query.get("wait", "0"))
-        except ValueError:
-            raise Refused(400, "query after must be an integer and wait a number") from None
-        if not math.isfinite(wait) or wait < 0:
-            raise Refused(400, f"query wait must be a number >= 0, got {wait}")
-        body = await syncer.pull(fragment, after=after, wait=wait)
-        if body is None:
-            return web.Response(status=304)
-        return web.Response(body=body, content_type=wire.SAFETENSORS_CONTENT_TYPE)
-
-    async def push(request: web.Request) -> web.Response:
-        fragment = fragment_arg(request)
-        try:
-            body = await read_push_body(request, fragment)
-            answer = await syncer.push(fragment, body)
-        except Refused as err:
-            syncer.metrics.pushes.labels(_REFUSAL_REASON.get(err.status, str(err.status))).inc()
-            raise
-        result = "accepted" if answer.get("accepted") else "finished"
-        syncer.metrics.pushes.labels(result).inc()
-        return web.json_response(answer)
-
-    async def heartbeat(request: web.Request) -> web.Response:
-        doc = await json_object(request, "heartbeat")
-        island = _island_name(doc.get("island"), "heartbeat")
-        step = _typed(doc, "step", "heartbeat", int, required=False) or 0
-        tokens = _typed(doc, "tokens", "heartbeat", int, required=False) or 0
-        loss = _typed(doc, "loss", "heartbeat", float, required=False)
-        step_time = _typed(doc, "stepTime", "heartbeat", float, required=False)
-        _at_least(step, 0, "heartbeat", "step")
-        _at_least(tokens, 0, "heartbeat", "tokens")
-        _at_least(step_time, 0, "heartbeat", "stepTime")
-        answer = await syncer.heartbeat(
-            island, step=step, tokens=tokens, loss=loss, step_time=step_time
-        )
-        return web.json_response(answer)
-
-    async def leave(request: web.Request) -> web.Response:
-        doc = await json_object(request, "leave")
-        return web.json_response(await syncer.leave(_island_name(doc.get("island"), "leave")))
-
-    async def membership(request: web.Request) -> web.Response:
-        island = _island_name(request.match_info["island"], "path")
-        doc = await json_object(request, "membership")
-        state = _typed(doc, "state", "membership", str)
-        if state not in wire.ADMIN_STATES:
-            raise Refused(
-                400, f"membership.state must be one of {list(wire.ADMIN_STATES)}, got {state!r}"
-            )
-        reason = _typed(doc, "reason", "membership", str, required=False) or ""
-        return web.json_response(await syncer.set_membership(island, state, reason[:500]))
-
-    async def status(request: web.Request) -> web.Response:
-        digest = request.query.get("digest", "0") not in ("", "0", "false")
-        return web.json_response(await syncer.status(digest=digest))
-
-    async def healthz(request: web.Request) -> web.Response:
-        return web.json_response({"ok": True})
-
-    async def readyz(request: web.Request) -> web.Response:
-        return web.json_response({"ready": True, "outerStep": syncer.state.outer_step})
-
-    async def metrics(request: web.Request) -> web.Response:
-        return web.Response(
-            body=syncer.metrics.render(), headers={"Content-Type": METRICS_CONTENT_TYPE}
-        )
-
-    async def on_startup(app: web.Application) -> None:
-        await syncer.start()
-        app["scheduler"] = asyncio.create_task(syncer.run_scheduler())
-
-    async def on_cleanup(app: web.Application) -> None:
-        task: asyncio.Task[None] = app["scheduler"]
-        task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await task
-
-    app = web.Application(middlewares=[errors, auth], client_max_size=JSON_LIMIT)
-    app.router.add_post(wire.ROUTE_JOIN, join)
-    app.router.add_get(wire.ROUTE_FRAGMENT, pull)
-    app.router.add_post(wire.ROUTE_PUSH, push)
-    app.router.add_post(wire.ROUTE_HEARTBEAT, heartbeat)
-    app.router.add_post(wire.ROUTE_LEAVE, leave)
-    app.router.add_get(wire.ROUTE_STATUS, status)
-    app.router.add_put(wire.ROUTE_ISLAND, membership)
-    app.router.add_get(wire.ROUTE_HEALTHZ, healthz)
-    app.router.add_get(wire.ROUTE_READYZ, readyz)
-    app.router.add_get(wire.ROUTE_METRICS, metrics)
-    app.on_startup.append(on_startup)
-    app.on_cleanup.append(on_cleanup)
-    return app
-
-
-def _ssl_context(env: SyncerEnv) -> ssl.SSLContext | None:
-    if env.tls_cert_file is None or env.tls_key_file is None:
-        return None
-    ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
-    ctx.load_cert_chain(str(env.tls_cert_file), str(env.tls_key_file))
-    return ctx
-
-
 def main(args: argparse.Namespace) -> int:
-    """`diloco syncer`: serve the job in $DILOCO_CONFIG_FILE until SIGTERM."""
+    """`diloco syncer`: serve the job in $DILOCO_CONFIG_FILE until SIGTERM (exit 0), or exit 1
+    after a failed merge, or 2 for a bad environment or config."""
     logging.basicConfig(
         level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
@@ -897,7 +642,7 @@ def main(args: argparse.Namespace) -> int:
         print(f"diloco syncer: {err}", file=sys.stderr)
         return 2
     try:
-        ssl_context = _ssl_context(env)
+        tls = ssl_context(env)
     except (OSError, ssl.SSLError) as err:
         print(f"diloco syncer: cannot load TLS certificate or key: {err}", file=sys.stderr)
         return 2
@@ -906,24 +651,27 @@ def main(args: argparse.Namespace) -> int:
     except ConfigError as err:
         print(f"diloco syncer: {err}", file=sys.stderr)
         return 2
-    app = build_app(syncer, env.token)
     log.info(
         "syncer for job %s serving %s on port %d: %d fragments, outer step %d, versions %s",
         env.job_name,
-        "https" if ssl_context else "http",
+        "https" if tls else "http",
         env.port,
         len(syncer.fragments),
         syncer.state.outer_step,
         syncer.state.versions,
     )
     web.run_app(
-        app,
+        build_app(syncer, env.token),
         host="0.0.0.0",
         port=env.port,
-        ssl_context=ssl_context,
+        ssl_context=tls,
         print=None,
         access_log=None,
         handle_signals=True,
+        shutdown_timeout=SHUTDOWN_TIMEOUT,
     )
+    if syncer.failure:
+        log.error("syncer stopped after a failure: %s", syncer.failure)
+        return 1
     log.info("syncer stopped")
     return 0
