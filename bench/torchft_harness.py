@@ -45,8 +45,16 @@ class TorchftJob:
     prefix: Sequence[str] = ()  # e.g. ["ip", "netns", "exec", NS]
     port: int = 0
 
-    def progress_file(self, replica: int) -> Path:
-        return self.workdir / f"torchft-replica{replica}.progress.jsonl"
+    def progress_file(self, replica: int, incarnation: int = 0) -> Path:
+        """Progress of one process of a replica (a restarted replica is a new incarnation)."""
+        return self.workdir / f"torchft-replica{replica}.{incarnation}.progress.jsonl"
+
+    def progress_files(self, replica: int) -> list[Path]:
+        """Progress files of every incarnation of a replica."""
+        return sorted(self.workdir.glob(f"torchft-replica{replica}.*.progress.jsonl"))
+
+    def save_dir(self, replica: int) -> Path:
+        return self.workdir / f"torchft-replica{replica}-global"
 
     def result_file(self, replica: int) -> Path:
         return self.workdir / f"torchft-replica{replica}.json"
@@ -89,8 +97,19 @@ def start_lighthouse(job: TorchftJob) -> Proc:
     return track(Proc("torchft-lighthouse", popen, log))
 
 
-def start_replica(job: TorchftJob, replica: int, *, evaluate: bool = False) -> Proc:
-    """Start replica group `replica` (data shard `replica` of num_replicas)."""
+def start_replica(
+    job: TorchftJob,
+    replica: int,
+    *,
+    evaluate: bool = False,
+    incarnation: int = 0,
+    save_global: bool = False,
+) -> Proc:
+    """Start replica group `replica` (data shard `replica` of num_replicas).
+
+    `incarnation` numbers restarts (own progress and log files); `save_global` makes it save
+    the global weights after every commit (see TorchftJob.save_dir).
+    """
     args = [
         "--spec",
         str(job.spec_file),
@@ -113,24 +132,29 @@ def start_replica(job: TorchftJob, replica: int, *, evaluate: bool = False) -> P
         "--sync-delay",
         str(job.sync_delay),
         "--progress",
-        str(job.progress_file(replica)),
+        str(job.progress_file(replica, incarnation)),
         "--out",
         str(job.result_file(replica)),
     ]
     if evaluate:
         args.append("--eval")
+    if save_global:
+        args += ["--save-dir", str(job.save_dir(replica))]
     return start_module(
         f"torchft-replica{replica}",
         "bench.torchft_worker",
         args,
-        env={"RUST_LOG": "warn"},
-        log_file=job.workdir / f"torchft-replica{replica}.log",
+        env={"RUST_LOG": "warn", "OMP_NUM_THREADS": "1"},
+        log_file=job.workdir / f"torchft-replica{replica}.{incarnation}.log",
         prefix=job.prefix,
     )
 
 
-def start_job(job: TorchftJob, *, evaluate_replica: int | None = 0) -> tuple[Proc, list[Proc]]:
-    """Start the lighthouse and every replica; replica `evaluate_replica` evaluates at the end."""
+def start_job(
+    job: TorchftJob, *, evaluate_replica: int | None = 0, save_replica: int | None = None
+) -> tuple[Proc, list[Proc]]:
+    """Start the lighthouse and every replica; replica `evaluate_replica` evaluates at the end,
+    replica `save_replica` saves the global weights after every commit."""
     job.workdir.mkdir(parents=True, exist_ok=True)
     lighthouse = start_lighthouse(job)
     poll_until(
@@ -141,7 +165,8 @@ def start_job(job: TorchftJob, *, evaluate_replica: int | None = 0) -> tuple[Pro
     if not lighthouse.alive:
         raise RuntimeError("torchft lighthouse exited:\n" + lighthouse.log_text()[-2000:])
     replicas = [
-        start_replica(job, i, evaluate=(i == evaluate_replica)) for i in range(job.num_replicas)
+        start_replica(job, i, evaluate=(i == evaluate_replica), save_global=(i == save_replica))
+        for i in range(job.num_replicas)
     ]
     return lighthouse, replicas
 

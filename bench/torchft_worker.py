@@ -26,6 +26,7 @@ from typing import Any
 import torch
 from diloco_trainer.config import load_spec
 from diloco_trainer.parts import build_parts, evaluate, make_inner_optimizer
+from safetensors.torch import save_model
 from torch.distributed import TCPStore
 from torchft.local_sgd import DiLoCo
 from torchft.manager import Manager
@@ -58,7 +59,26 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--progress", type=Path, default=None, help="JSON-lines progress file")
     p.add_argument("--out", type=Path, default=None, help="JSON result (with --eval)")
     p.add_argument("--eval", action="store_true", help="evaluate the final weights")
+    p.add_argument(
+        "--save-dir",
+        type=Path,
+        default=None,
+        help="save the global weights after every commit (safetensors), for evaluation later",
+    )
     return p.parse_args()
+
+
+def save_global(directory: Path, model: torch.nn.Module, outer_step: int) -> None:
+    """Write the weights just committed (DiLoCo left the model at the global weights) and log when.
+
+    The index line is written after the file, so every indexed file is complete.
+    """
+    directory.mkdir(parents=True, exist_ok=True)
+    path = directory / f"outer-{outer_step}.safetensors"
+    save_model(model, str(path))
+    with (directory / "index.jsonl").open("a") as f:
+        f.write(json.dumps({"outer_step": outer_step, "time": time.time(), "file": path.name}))
+        f.write("\n")
 
 
 def main() -> int:
@@ -142,6 +162,8 @@ def main() -> int:
                     progress.commits += 1
                     if not healed["round"]:
                         progress.useful_tokens += round_tokens
+                    if args.save_dir is not None:
+                        save_global(args.save_dir, model, manager.current_step())
                 round_tokens, local, healed["round"] = 0, 0, False
                 log.write(progress, force=True)
             else:

@@ -1,0 +1,107 @@
+"""Reading progress over a time window: ours from the syncer's status, torchft from progress files.
+
+Every figure is a difference between two instants of one run (t1, t2) divided by t2 - t1, so
+start-up and warm-up never count. Times are wall-clock (time.time()) on this machine for both.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from bench.ours_harness import OursRun
+from bench.peer_training import read_progress
+
+
+class StatusSampler:
+    """Samples our syncer's /v1/status every `interval` seconds in a background thread."""
+
+    def __init__(self, run: OursRun, interval: float = 1.0) -> None:
+        self.run = run
+        self.interval = interval
+        self.samples: list[tuple[float, dict[str, Any]]] = []
+        self.errors = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, daemon=True, name="status-sampler")
+
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            try:
+                st = self.run.status()
+                self.samples.append((time.time(), st))
+            except OSError:
+                self.errors += 1  # the syncer is busy or the relay slow: try again
+            self._stop.wait(self.interval)
+
+    def __enter__(self) -> StatusSampler:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def latest(self) -> dict[str, Any] | None:
+        return self.samples[-1][1] if self.samples else None
+
+    def at(self, t: float) -> tuple[float, dict[str, Any]]:
+        """The last sample taken at or before t (the first one if none)."""
+        before = [s for s in self.samples if s[0] <= t]
+        return before[-1] if before else self.samples[0]
+
+
+@dataclass(frozen=True)
+class IslandWindow:
+    """One island's progress over a window."""
+
+    steps_per_s: float
+    utilisation: float  # time in inner steps / wall time
+
+
+def ours_islands(sampler: StatusSampler, t1: float, t2: float) -> dict[str, IslandWindow]:
+    """Per island: inner steps/s and utilisation (steps x the learner's step time / wall time).
+
+    Steps come from the islands' heartbeats (every second), the step time from the learner's own
+    moving average of its inner-step time, averaged over the window's samples.
+    """
+    (s1, first), (s2, last) = sampler.at(t1), sampler.at(t2)
+    window = [st for t, st in sampler.samples if s1 <= t <= s2]
+    out: dict[str, IslandWindow] = {}
+    dt = max(s2 - s1, 1e-9)
+    for name, isl in last["islands"].items():
+        start = first["islands"].get(name, {})
+        d_steps = int(isl.get("step") or 0) - int(start.get("step") or 0)
+        times = [
+            float(st["islands"][name]["stepTime"])
+            for st in window
+            if name in st["islands"] and st["islands"][name].get("stepTime")
+        ]
+        step_time = sum(times) / len(times) if times else 0.0
+        out[name] = IslandWindow(d_steps / dt, min(1.0, d_steps * step_time / dt))
+    return out
+
+
+def value_at(records: Sequence[dict[str, Any]], t: float, key: str) -> float:
+    """A progress counter's value at time t: from the last record at or before t (0 if none)."""
+    before = [r for r in records if r["time"] <= t]
+    return float(before[-1][key]) if before else 0.0
+
+
+def torchft_replica(files: Sequence[Path], t1: float, t2: float) -> dict[str, float]:
+    """A replica's progress over a window, summed over its incarnations (restarts)."""
+    steps = compute = useful = 0.0
+    for f in files:
+        recs = read_progress(f)
+        steps += value_at(recs, t2, "steps") - value_at(recs, t1, "steps")
+        compute += value_at(recs, t2, "compute_seconds") - value_at(recs, t1, "compute_seconds")
+        useful += value_at(recs, t2, "useful_tokens") - value_at(recs, t1, "useful_tokens")
+    dt = max(t2 - t1, 1e-9)
+    return {
+        "steps_per_s": steps / dt,
+        "utilisation": min(1.0, compute / dt),
+        "useful_tokens": useful,
+    }
