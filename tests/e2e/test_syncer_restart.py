@@ -61,14 +61,25 @@ def test_syncer_restart_resumes_versions_weights_and_momentum(
     spec = restart_spec(make_spec)
     first = syncer_proc(spec)
     asyncio.run(run_rounds(first, ROUNDS))
+    # Evaluations run in the background after each outer step: wait for the last one.
+    wait_until(
+        lambda: len(first.status()["evalHistory"]) == ROUNDS + 1,
+        timeout=20,
+        what="the evaluation of the last outer step",
+    )
     before = first.status(digest=True)
     assert before["versions"] == [ROUNDS, ROUNDS] and before["outerStep"] == ROUNDS
     assert len(before["evalHistory"]) == ROUNDS + 1
-    # keep=2: the two newest checkpoints, the last one at the current outer step.
-    assert [p.name for p in ckpt.list_checkpoints(first.state_dir)] == [
-        ckpt.checkpoint_name(ROUNDS - 1),
-        ckpt.checkpoint_name(ROUNDS),
-    ]
+    # keep=2: the two newest checkpoints, the last one at the current outer step (checkpoints
+    # are written in the background, after the merged fragments are published).
+    wait_until(
+        lambda: (
+            [p.name for p in ckpt.list_checkpoints(first.state_dir)]
+            == [ckpt.checkpoint_name(ROUNDS - 1), ckpt.checkpoint_name(ROUNDS)]
+        ),
+        timeout=20,
+        what="the checkpoints of the last two outer steps",
+    )
     merge_log = [json.loads(x) for x in (first.state_dir / "merges.jsonl").read_text().splitlines()]
     assert [(m["fragment"], m["version"]) for m in merge_log] == [
         (f, v) for v in range(1, ROUNDS + 1) for f in (0, 1)

@@ -242,6 +242,7 @@ def test_syncer_resumes_from_its_checkpoint(tmp_path: Path) -> None:
         for r in range(2):
             await syncer.push(0, body(syncer, 0, "island-0", delta(syncer, 0, r)))
             await syncer.tick()
+        await syncer.stop()  # the checkpoint is written in the background
         return syncer.digest(), syncer.state.versions
 
     async def second() -> Syncer:
@@ -263,6 +264,7 @@ def test_syncer_refuses_a_checkpoint_of_another_fragment_layout(tmp_path: Path) 
         await syncer.join("island-0", 1)
         await syncer.push(0, body(syncer, 0, "island-0", delta(syncer, 0, 0)))
         await syncer.tick()
+        await syncer.stop()
 
     run(first())
     other = make_spec(sync={"fragments": 3})

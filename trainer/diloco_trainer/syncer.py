@@ -37,13 +37,14 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import copy
 import logging
 import math
 import ssl
 import sys
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
 from pathlib import Path
 from typing import Any
 
@@ -151,6 +152,10 @@ class Syncer:
         # refuses work (503) and reports unhealthy until it is restarted from its checkpoint.
         self.failure: str | None = None
         self._closing = False
+        self._jobs: asyncio.Queue[Coroutine[Any, Any, None]] | None = None
+        self._worker: asyncio.Task[None] | None = None
+        # A second model to evaluate weight snapshots on while merges go on.
+        self._eval_model = copy.deepcopy(self.parts.model)
         self._spec_hash = ckpt.spec_hash(spec.to_json())
         # Created on the serving loop (start()).
         self.lock: asyncio.Lock | None = None
@@ -221,6 +226,8 @@ class Syncer:
         """Create the loop-bound primitives and the pull bodies (call on the serving loop)."""
         self.lock = asyncio.Lock()
         self._poke = asyncio.Event()
+        self._jobs = asyncio.Queue()
+        self._worker = asyncio.create_task(self.run_jobs())
         self._published = [asyncio.Event() for _ in self.fragments]
         self._bodies = await asyncio.to_thread(
             lambda: [self._encode_fragment(f) for f in range(len(self.fragments))]
@@ -243,16 +250,19 @@ class Syncer:
             return True
         return stop.tokens is not None and self.tokens >= stop.tokens
 
-    def _record_eval(self, loss: float) -> None:
+    def _record_eval(
+        self, loss: float, *, step: int | None = None, tokens: int | None = None
+    ) -> None:
+        step = self.state.outer_step if step is None else step
         self.eval_history.append(
             {
-                "outerStep": self.state.outer_step,
-                "tokens": self.tokens,
+                "outerStep": step,
+                "tokens": self.tokens if tokens is None else tokens,
                 "evalLoss": loss,
                 "time": self.clock(),
             }
         )
-        self.last_eval_step = self.state.outer_step
+        self.last_eval_step = max(self.last_eval_step, step)
         self.metrics.eval_loss.set(loss)
 
     def digest(self) -> str:
@@ -564,23 +574,92 @@ class Syncer:
         )
 
     async def _after_merge(self) -> float | None:
-        """Evaluate, finish, publish and checkpoint as due (lock held); returns a new eval loss."""
+        """Publish, evaluate, checkpoint and finish as due (lock held); returns an eval loss when
+        one was computed here (the finish), else None.
+
+        Normally the merged fragments are published first and the evaluation and checkpoint run
+        in the background on snapshots, so learners and the next merge never wait for them. At
+        the finish, evaluation and checkpoint complete before finished=true is published.
+        """
         step = self.state.outer_step
-        stop = self._stop_reached()
+        eval_due = step > self.last_eval_step and (
+            step % self.spec.syncer.eval_every_outer_steps == 0
+        )
+        ckpt_due = step > self.last_checkpoint_step and (
+            step % self.spec.syncer.checkpoint.every_outer_steps == 0
+        )
+        if not self._stop_reached():
+            await self._publish()
+            if eval_due:
+                self._schedule(self._eval_job(self._snapshot(), step, self.tokens))
+                self.last_eval_step = step
+            if ckpt_due:
+                self._schedule(self._checkpoint_job(self._checkpoint_snapshot()))
+                self.last_checkpoint_step = step
+            return None
+        await self.drain()  # earlier evaluations land in evalHistory first
         loss = None
-        every_eval = self.spec.syncer.eval_every_outer_steps
-        if step > self.last_eval_step and (step % every_eval == 0 or stop):
+        if step > self.last_eval_step:
             loss = await asyncio.to_thread(evaluate, self.parts)
             self._record_eval(loss)
-        if stop:
-            await self._checkpoint()
-            self.finished = True
-            log.info("finished at outer step %d with %d tokens", step, self.tokens)
+        await self._checkpoint_job(self._checkpoint_snapshot())
+        self.last_checkpoint_step = step
+        self.finished = True
         await self._publish()
-        every_ckpt = self.spec.syncer.checkpoint.every_outer_steps
-        if not stop and step > self.last_checkpoint_step and step % every_ckpt == 0:
-            await self._checkpoint()
+        log.info("finished at outer step %d with %d tokens", step, self.tokens)
         return loss
+
+    # ----- background work (evaluations and checkpoints on snapshots, in order) ----------------
+
+    def _schedule(self, job: Coroutine[Any, Any, None]) -> None:
+        assert self._jobs is not None
+        self._jobs.put_nowait(job)
+
+    async def run_jobs(self) -> None:
+        """Run scheduled evaluations and checkpoints one at a time, in order, until cancelled.
+
+        A failed job is logged and skipped: a full disk must not stop training.
+        """
+        assert self._jobs is not None
+        while True:
+            job = await self._jobs.get()
+            try:
+                await job
+            except Exception:
+                log.exception("background evaluation or checkpoint failed")
+            finally:
+                self._jobs.task_done()
+
+    async def drain(self) -> None:
+        """Wait until every scheduled evaluation and checkpoint has finished."""
+        if self._jobs is not None:
+            await self._jobs.join()
+
+    async def stop(self, timeout: float = 30.0) -> None:
+        """Let scheduled jobs finish (a checkpoint being written completes); stop the worker."""
+        if self._worker is None:
+            return
+        try:
+            await asyncio.wait_for(self.drain(), timeout)
+        except asyncio.TimeoutError:
+            log.warning("stopping with evaluations or checkpoints still unfinished")
+        self._worker.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await self._worker
+
+    def _snapshot(self) -> dict[str, torch.Tensor]:
+        return {n: t.detach().clone() for n, t in self.weights.items()}
+
+    async def _eval_job(self, weights: dict[str, torch.Tensor], step: int, tokens: int) -> None:
+        def run() -> float:
+            with torch.no_grad():
+                for name, p in self._eval_model.named_parameters():
+                    p.copy_(weights[name])
+            return evaluate(self.parts, self._eval_model)
+
+        loss = await asyncio.to_thread(run)
+        self._record_eval(loss, step=step, tokens=tokens)
+        log.info("eval at outer step %d (%d tokens): loss %.4f", step, tokens, loss)
 
     async def _publish(self) -> None:
         """Re-encode changed fragments and wake their pullers."""
@@ -595,37 +674,42 @@ class Syncer:
             old, self._published[f] = self._published[f], asyncio.Event()
             old.set()
 
-    def _manifest(self) -> dict[str, Any]:
+    def _checkpoint_snapshot(self) -> dict[str, Any]:
+        """Everything a checkpoint of the current state needs, copied (lock held)."""
         return {
-            "jobName": self.job_name,
-            "versions": self.state.versions,
-            "fragments": self.fragments,
-            "fragmentTokens": self.merged_tokens,
-            "tokens": self.tokens,
-            "evalHistory": self.eval_history,
-            "initialEvalLoss": self.initial_eval_loss,
-            "loss": self.loss,
-            "merges": self.merge_count,
-            "lastMergeTime": self.last_merge_time,
-            "islands": self.state.islands_json(),
-            "specHash": self._spec_hash,
-            "codec": self.codec,
-            "time": self.clock(),
+            "outer_step": self.state.outer_step,
+            "weights": self._snapshot(),
+            "momentum": {n: t.clone() for n, t in self.outer.state_tensors().items()},
+            "manifest": {
+                "jobName": self.job_name,
+                "versions": self.state.versions,
+                "fragments": self.fragments,
+                "fragmentTokens": list(self.merged_tokens),
+                "tokens": self.tokens,
+                "initialEvalLoss": self.initial_eval_loss,
+                "loss": self.loss,
+                "merges": self.merge_count,
+                "lastMergeTime": self.last_merge_time,
+                "islands": self.state.islands_json(),
+                "specHash": self._spec_hash,
+                "codec": self.codec,
+                "time": self.clock(),
+            },
         }
 
-    async def _checkpoint(self) -> None:
-        step = self.state.outer_step
-        manifest = self._manifest()
+    async def _checkpoint_job(self, snap: dict[str, Any]) -> None:
+        step = snap["outer_step"]
+        # Evaluations queued before this checkpoint have finished (jobs run in order).
+        history = [e for e in self.eval_history if e["outerStep"] <= step]
         path = await asyncio.to_thread(
             ckpt.save_checkpoint,
             self.state_dir,
             outer_step=step,
-            weights=self.weights,
-            momentum=self.outer.state_tensors(),
-            manifest=manifest,
+            weights=snap["weights"],
+            momentum=snap["momentum"],
+            manifest={**snap["manifest"], "evalHistory": history},
             keep=self.spec.syncer.checkpoint.keep,
         )
-        self.last_checkpoint_step = step
         log.info("checkpoint %s written", path)
 
 

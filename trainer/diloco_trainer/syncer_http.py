@@ -301,6 +301,7 @@ def build_app(syncer: Syncer, token: str) -> web.Application:
         task.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await task
+        await syncer.stop(timeout=SHUTDOWN_TIMEOUT)
 
     app = web.Application(middlewares=[errors, auth], client_max_size=JSON_LIMIT)
     app.router.add_post(wire.ROUTE_JOIN, join)
