@@ -10,14 +10,17 @@ its contributors, their lags and normalised weights, so it can be reproduced.
 
 Concurrency: HTTP handlers run on one asyncio loop; heavy work (decoding a push, merging, the
 outer step, evaluation, serialising fragments, checkpoints, digests) runs in worker threads. One
-asyncio lock makes every state change atomic: merges, evaluations and checkpoints hold it, so a
-push waits for them; decoding a push does not hold it. A request that fails validation changes
-nothing: size, safetensors, metadata, membership/staleness and tensor names/shapes/dtypes are all
-checked before the state is touched.
+asyncio lock makes every state change atomic: a merge holds it from taking the round to
+publishing the new fragment, so pushes wait for merges; decoding a push does not hold it.
+Evaluations and checkpoints take a snapshot under the lock and run afterwards in a background
+queue, in order, so neither learners nor the next merge wait for them. A request that fails
+validation changes nothing: size, safetensors, metadata, membership/staleness and tensor
+names/shapes/dtypes are all checked before the state is touched.
 
-Evaluation runs at start, every syncer.evalEveryOuterSteps outer steps and at the finish. When
-stopAfter is reached, the syncer evaluates, writes a checkpoint, and reports finished=true; it
-keeps serving status and pulls afterwards.
+Evaluation runs at start, every syncer.evalEveryOuterSteps outer steps and at the finish (its
+evalHistory entry appears shortly after the merge it follows). When stopAfter is reached, the
+syncer evaluates, writes a checkpoint, and only then reports finished=true; it keeps serving
+status and pulls afterwards.
 
 The HTTP edge (validation, auth, routes) is syncer_http.py; this module is the engine and main().
 A merge that raises (a bug, never bad input: input is validated first) leaves the round half
