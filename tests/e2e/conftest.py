@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from diloco_trainer import launch
+from diloco_trainer import launch, wire
 from diloco_trainer.config import JobSpec, parse_spec
 
 # A job that trains in seconds on one CPU core: gpt-tiny, short sequences, few inner steps.
@@ -103,6 +103,11 @@ class SyncerHandle:
         code, doc = self.request("GET", "/v1/status" + ("?digest=1" if digest else ""))
         assert code == 200, (code, doc)
         return doc
+
+    def client(self, **kwargs: Any) -> wire.SyncerClient:
+        """A SyncerClient for this syncer; create, use and close it inside one event loop:
+        ``async with handle.client() as c: ...``."""
+        return wire.SyncerClient(self.url, self.token, ca_file=self.ca_file, **kwargs)
 
     def log_text(self) -> str:
         return self.proc.log_text()

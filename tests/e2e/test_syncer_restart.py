@@ -39,7 +39,7 @@ async def run_rounds(handle: SyncerHandle, rounds: int) -> dict[int, dict[str, t
     """island-0 pushes a seeded pseudo-gradient per fragment per round and waits for each merge;
     returns the last pulled tensors per fragment."""
     last: dict[int, dict[str, torch.Tensor]] = {}
-    async with wire.SyncerClient(handle.url, handle.token) as client:
+    async with handle.client() as client:
         info = await client.join("island-0", 1)
         for r in range(rounds):
             for f in range(len(info.fragments)):
