@@ -6,7 +6,12 @@ import math
 
 import pytest
 import torch
-from diloco_trainer.merge import contribution_weight, merge_pseudo_gradients, staleness_factor
+from diloco_trainer.merge import (
+    contribution_weight,
+    merge_pseudo_gradients,
+    staleness_factor,
+    work_coverage,
+)
 
 
 def test_contribution_weight_is_quantity_times_quality() -> None:
@@ -134,3 +139,21 @@ def test_merge_does_not_modify_inputs() -> None:
     single = merge_pseudo_gradients([a], [2.0], "tokens")
     single["w"].add_(1)
     assert torch.equal(a["w"], torch.ones(3))
+
+
+def test_work_coverage_is_one_when_every_active_island_contributes_a_round() -> None:
+    assert work_coverage([50, 50, 50], inner_steps=50, active_islands=3) == 1.0
+
+
+def test_work_coverage_scales_a_partial_merge_by_its_share_of_the_round() -> None:
+    assert work_coverage([50], inner_steps=50, active_islands=3) == pytest.approx(1 / 3)
+    assert work_coverage([50, 25], inner_steps=50, active_islands=3) == pytest.approx(0.5)
+
+
+def test_work_coverage_never_exceeds_one_for_accumulated_work() -> None:
+    assert work_coverage([150, 100], inner_steps=50, active_islands=2) == 1.0
+
+
+def test_work_coverage_refuses_bad_counts() -> None:
+    with pytest.raises(ValueError, match=r"inner\.steps"):
+        work_coverage([1], inner_steps=0, active_islands=1)

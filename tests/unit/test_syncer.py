@@ -118,7 +118,10 @@ def test_syncer_merge_is_reproducible_from_its_log(tmp_path: Path) -> None:
     replay = {n: t.clone() for n, t in initial.items()}
     outer = OuterOptimizer(replay, lr=0.7, momentum=0.9, nesterov=True)
     raw = [c["rawWeight"] for c in entry["contributors"]]
-    outer.step(merge_pseudo_gradients(deltas, raw, "tokens"))
+    merged = merge_pseudo_gradients(deltas, raw, "tokens")
+    # Two of three active islands, 4 inner steps each: the merge carries that share of a round.
+    assert entry["coverage"] == pytest.approx(min(1.0, 8 / syncer.spec.inner.steps / 3))
+    outer.step({n: t * entry["coverage"] for n, t in merged.items()})
     for name, t in syncer.weights.items():
         assert torch.equal(t, replay[name]), name
 

@@ -164,6 +164,12 @@ class SyncSpec(SpecModel):
     error_feedback: bool = Field(
         False, description="Carry each island's quantisation error into its next push."
     )
+    scale_partial_merges: bool = Field(
+        True,
+        description="Scale a merge carrying fewer than all active islands' work by the share it "
+        "carries (sum of inner steps / H / active islands), so K < M keeps the outer step per "
+        "unit of work of synchronous DiLoCo; false applies every merge at the full outer lr.",
+    )
     heartbeat_timeout_seconds: float = Field(
         30, gt=0, le=3600, description="An island silent this long leaves the quorum."
     )

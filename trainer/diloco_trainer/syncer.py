@@ -60,7 +60,12 @@ from diloco_trainer.compress import decode_tensors, expected_encoded
 from diloco_trainer.config import ConfigError, JobSpec, load_spec
 from diloco_trainer.contract import ContractError, SyncerEnv
 from diloco_trainer.fragments import split_fragments
-from diloco_trainer.merge import contribution_weight, merge_pseudo_gradients, staleness_factor
+from diloco_trainer.merge import (
+    contribution_weight,
+    merge_pseudo_gradients,
+    staleness_factor,
+    work_coverage,
+)
 from diloco_trainer.outer import OuterOptimizer
 from diloco_trainer.parts import build_parts, evaluate
 from diloco_trainer.rounds import Contribution, Refused, RoundPolicy, SyncState
@@ -523,11 +528,21 @@ class Syncer:
             * staleness_factor(c.lag, max_staleness)
             for c in contributions
         ]
+        coverage = 1.0
+        if self.spec.sync.scale_partial_merges:
+            coverage = work_coverage(
+                [c.steps for c in contributions],
+                self.spec.inner.steps,
+                len(self.state.active_islands()),
+            )
 
         def work() -> None:
             merged = merge_pseudo_gradients(
                 [c.payload for c in contributions], raw, self.rule, self.parts.plain_merge_names
             )
+            if coverage < 1.0:
+                for t in merged.values():
+                    t.mul_(coverage)
             self.outer.step(merged)
 
         await asyncio.to_thread(work)
@@ -549,6 +564,7 @@ class Syncer:
             "quorum": quorum,
             "grace": grace,
             "rule": self.rule,
+            "coverage": coverage,
             "tokens": tokens,
             "mergeSeconds": seconds,
             "contributors": [
