@@ -47,6 +47,7 @@ from bench.common import (
     start_module,
     workdir,
 )
+from bench.measure import StatusSampler, ours_islands, torchft_replica
 from bench.ours_harness import OursRun
 from bench.peer_training import read_progress
 from bench.torchft_harness import TorchftJob, start_job
@@ -118,32 +119,26 @@ def measure_ours(args: Any, v: Variant, rate: float | None, wd: Path) -> dict[st
     run = OursRun(spec=spec, workdir=wd, route=route)
     try:
         run.start()
-        poll_until(
-            lambda: run.check_alive() or run.status()["outerStep"] >= 1,
-            timeout=args.warmup_timeout,
-            what="the first merge",
-        )
-        samples: list[tuple[float, dict[str, Any]]] = []
-        end = time.monotonic() + args.seconds
-        while True:
-            samples.append((time.monotonic(), run.status()["islands"]))
-            if time.monotonic() >= end:
-                break
-            time.sleep(1.0)
+        with StatusSampler(run) as sampler:
+
+            def merged() -> bool:
+                run.check_alive()
+                st = sampler.latest()
+                return bool(st and st["outerStep"] >= 1)
+
+            poll_until(merged, timeout=args.warmup_timeout, what="the first merge")
+            t1 = time.time()
+            time.sleep(args.seconds)
+            t2 = time.time()
     finally:
         run.stop()
         if relay:
             relay["proc"].stop()
-    (t1, first), (t2, last) = samples[0], samples[-1]
-    utils, steps = [], 0
-    for name, isl in last.items():
-        d_steps = int(isl["step"]) - int(first[name]["step"])
-        step_time = statistics.mean(
-            float(s[name]["stepTime"]) for _, s in samples if s[name].get("stepTime")
-        )
-        utils.append(d_steps * step_time / (t2 - t1))
-        steps += d_steps
-    return {"utilisation": statistics.mean(utils), "steps_per_s": steps / (t2 - t1)}
+    islands = ours_islands(sampler, t1, t2).values()
+    return {
+        "utilisation": statistics.mean(w.utilisation for w in islands),
+        "steps_per_s": sum(w.steps_per_s for w in islands),
+    }
 
 
 def measure_torchft(args: Any, v: Variant, rate: float | None, wd: Path) -> dict[str, float]:
@@ -178,18 +173,11 @@ def measure_torchft(args: Any, v: Variant, rate: float | None, wd: Path) -> dict
         finally:
             for p in procs:
                 p.kill()
-    utils, rate_steps = [], 0.0
-    for i in range(args.islands):
-        recs = read_progress(job.progress_file(i))
-        r1 = [r for r in recs if r["time"] <= t1][-1]
-        r2 = [r for r in recs if r["time"] <= t2][-1]
-        dt = r2["time"] - r1["time"]
-        if dt <= 0:
-            utils.append(0.0)
-            continue
-        utils.append((r2["compute_seconds"] - r1["compute_seconds"]) / dt)
-        rate_steps += (r2["steps"] - r1["steps"]) / dt
-    return {"utilisation": statistics.mean(utils), "steps_per_s": rate_steps}
+    reps = [torchft_replica([job.progress_file(i)], t1, t2) for i in range(args.islands)]
+    return {
+        "utilisation": statistics.mean(r["utilisation"] for r in reps),
+        "steps_per_s": sum(r["steps_per_s"] for r in reps),
+    }
 
 
 def plot(

@@ -1,0 +1,560 @@
+"""Operator: apply-to-children time, pod-NotReady-to-syncer-drop time, and a 100 x 8 load on kwok.
+
+Runs against the local control plane (hack/local-cluster: real etcd, apiserver, controller-manager,
+scheduler; kwok fake nodes) with the operator as a real process. Run it from the repository root:
+`python -m bench.operator` (not `python bench/operator.py`, whose directory would shadow the
+standard library's `operator` module).
+
+1. Apply -> all children: time from creating a DiLoCoJob to the last of its children (ConfigMap,
+   token Secret, syncer Deployment + Service, per island a StatefulSet + headless Service) being
+   present. Baseline in the same run: creating the very same objects directly through the API
+   (in a namespace the operator does not watch), i.e. what the API server itself costs.
+2. Pod NotReady -> syncer drop: a real `diloco syncer` on loopback serves a job (spec.syncer.
+   endpoint); one learner pod's Ready condition is set False through the status subresource and
+   we time until the syncer reports the island dropped. Baseline: how long a plain watch in this
+   process takes to see the pod change, plus one direct admin call to the syncer.
+3. Load: N jobs x M islands (default 100 x 8) created at once. Reported: time until every job has
+   all its children, end-to-end latency percentiles per job (create -> children), the operator's
+   own reconcile-time percentiles (its Prometheus histogram), errors, and its memory (RSS) before
+   and at peak.
+
+    python -m bench.operator                          # 5 repeats, 100 jobs x 8 islands
+    python -m bench.operator --load-jobs 20 --load-islands 4 --repeats 3
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import threading
+import time
+import urllib.request
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from diloco_operator import api as op_api
+from diloco_operator.api import parse_job_spec
+from diloco_operator.resources import JOB_LABEL, JobRef, build_children, build_token_secret
+from diloco_trainer import launch
+from diloco_trainer.config import parse_spec
+
+from bench.common import (
+    LoadMonitor,
+    Report,
+    Table,
+    append_results,
+    base_parser,
+    fmt_bytes,
+    fmt_ratio,
+    install_signal_cleanup,
+    poll_until,
+    ratio,
+    track,
+    verdict,
+    workdir,
+)
+from bench.kube_cluster import (
+    LocalCluster,
+    OperatorProcess,
+    histogram_quantile,
+    metric_value,
+)
+
+TRAINING: dict[str, Any] = {
+    "model": {"preset": "gpt-tiny", "seed": 0},
+    "data": {"evalTokens": 2048},
+    "inner": {"steps": 4, "batchSize": 2, "seqLen": 32, "lr": 1e-3},
+    "sync": {"quorum": 1, "graceSeconds": "0.2", "heartbeatTimeoutSeconds": 60},
+}
+KINDS = {  # kind -> (api group/version for the dynamic client)
+    "ConfigMap": "v1",
+    "Secret": "v1",
+    "Service": "v1",
+    "Deployment": "apps/v1",
+    "StatefulSet": "apps/v1",
+}
+
+
+def manifest(name: str, islands: int, replicas: int, **extra: Any) -> dict[str, Any]:
+    spec = {
+        "image": "diloco-trainer:bench",
+        **TRAINING,
+        "islands": {"count": islands, "replicas": replicas},
+        **extra,
+    }
+    return {
+        "apiVersion": op_api.API_VERSION,
+        "kind": op_api.KIND,
+        "metadata": {"name": name},
+        "spec": spec,
+    }
+
+
+def pct(values: Sequence[float], q: float) -> float:
+    """The q-quantile (0..1) of values, nearest-rank."""
+    if not values:
+        return float("nan")
+    s = sorted(values)
+    return s[min(len(s) - 1, max(0, round(q * len(s) + 0.5) - 1))]
+
+
+class Api:
+    """Thin wrapper over the kubernetes client for what this benchmark does."""
+
+    def __init__(self, cluster: LocalCluster) -> None:
+        from kubernetes import client
+        from kubernetes.dynamic import DynamicClient
+
+        self.api_client = cluster.api()
+        self.core = client.CoreV1Api(self.api_client)
+        self.apps = client.AppsV1Api(self.api_client)
+        self.custom = client.CustomObjectsApi(self.api_client)
+        self.dynamic = DynamicClient(self.api_client)
+
+    def namespace(self, name: str) -> None:
+        self.core.create_namespace({"metadata": {"name": name}})
+
+    def create_job(self, ns: str, body: dict[str, Any]) -> dict[str, Any]:
+        return self.custom.create_namespaced_custom_object(
+            op_api.GROUP, op_api.VERSION, ns, op_api.PLURAL, body
+        )
+
+    def get_job(self, ns: str, name: str) -> dict[str, Any]:
+        return self.custom.get_namespaced_custom_object(
+            op_api.GROUP, op_api.VERSION, ns, op_api.PLURAL, name
+        )
+
+    def create(self, ns: str, obj: dict[str, Any]) -> None:
+        res = self.dynamic.resources.get(api_version=obj["apiVersion"], kind=obj["kind"])
+        res.create(body=obj, namespace=ns)
+
+    def present(self, ns: str, selector: str = "") -> set[tuple[str, str]]:
+        """(kind, name) of every child-kind object in ns (optionally by label selector)."""
+        out: set[tuple[str, str]] = set()
+        lists = {
+            "ConfigMap": self.core.list_namespaced_config_map,
+            "Secret": self.core.list_namespaced_secret,
+            "Service": self.core.list_namespaced_service,
+            "Deployment": self.apps.list_namespaced_deployment,
+            "StatefulSet": self.apps.list_namespaced_stateful_set,
+        }
+        for kind, fn in lists.items():
+            for item in fn(ns, label_selector=selector).items:
+                out.add((kind, item.metadata.name))
+        return out
+
+
+def expected_children(body: dict[str, Any]) -> set[tuple[str, str]]:
+    """(kind, name) of every child the operator must create for this job object."""
+    ref = JobRef.from_body(body)
+    spec = parse_job_spec(body["spec"])
+    kids = build_children(ref, spec, islands_running=True)
+    if not spec.syncer.token_secret_name:
+        kids.append(build_token_secret(ref, "x"))
+    return {(k["kind"], k["metadata"]["name"]) for k in kids}
+
+
+def measure_apply(k: Api, ns: str, base_ns: str, repeats: int, islands: int) -> dict[str, Any]:
+    """Operator apply -> children, and the same objects created directly (baseline)."""
+    operator_s, direct_s = [], []
+    for r in range(repeats):
+        name = f"apply-{r}"
+        t0 = time.perf_counter()
+        body = k.create_job(ns, manifest(name, islands, 2))
+        want = expected_children(body)
+        poll_until(
+            lambda w=want, n=name: w <= k.present(ns, f"{JOB_LABEL}={n}"),
+            timeout=120,
+            interval=0.02,
+            what=f"children of {name}",
+        )
+        operator_s.append(time.perf_counter() - t0)
+
+        # Baseline: the same objects, created by us in a namespace the operator ignores.
+        base = k.create_job(base_ns, manifest(name, islands, 2))
+        ref = JobRef.from_body(base)
+        spec = parse_job_spec(base["spec"])
+        objs = [*build_children(ref, spec, islands_running=True), build_token_secret(ref, "x")]
+        t0 = time.perf_counter()
+        for obj in objs:
+            k.create(base_ns, obj)
+        direct_s.append(time.perf_counter() - t0)
+        print(
+            f"  apply {r}: operator {operator_s[-1]:.3f}s, direct {direct_s[-1]:.3f}s", flush=True
+        )
+    return {"operator": operator_s, "direct": direct_s, "children": len(want)}
+
+
+class SyncerForDrop:
+    """A real syncer on loopback that a job in the cluster points at (spec.syncer.endpoint)."""
+
+    def __init__(self, wd: Path, islands: int) -> None:
+        spec = parse_spec({**TRAINING, "islands": {"count": islands}})
+        self.files = launch.write_job_files(spec, wd)
+        self.port = launch.free_port()
+        self.proc = track(
+            launch.start_syncer(
+                self.files,
+                port=self.port,
+                state_dir=wd / "state",
+                job_name="drop",
+                log_file=wd / "syncer.log",
+                extra_env={"OMP_NUM_THREADS": "1"},
+            )
+        )
+        self.url = f"http://127.0.0.1:{self.port}"
+        launch.wait_ready(self.url, self.files.token, 120, proc=self.proc)
+
+    def _request(self, method: str, path: str, body: Any = None) -> dict[str, Any]:
+        data = json.dumps(body).encode() if body is not None else None
+        req = urllib.request.Request(
+            self.url + path,
+            data=data,
+            method=method,
+            headers={
+                "Authorization": f"Bearer {self.files.token}",
+                "Content-Type": "application/json",
+            },
+        )
+        with urllib.request.urlopen(req, timeout=10) as resp:
+            return json.loads(resp.read())
+
+    def island_state(self, island: str) -> str | None:
+        return (self._request("GET", "/v1/status")["islands"].get(island) or {}).get("state")
+
+    def admin_seconds(self) -> float:
+        """One direct membership call (what the operator has to do at minimum)."""
+        t0 = time.perf_counter()
+        self._request("PUT", "/v1/islands/bench-probe", {"state": "active", "reason": "bench"})
+        return time.perf_counter() - t0
+
+
+def set_ready(k: Api, ns: str, pod: str, ready: bool) -> None:
+    value = "True" if ready else "False"
+    k.core.patch_namespaced_pod_status(
+        pod,
+        ns,
+        {
+            "status": {
+                "conditions": [
+                    {"type": "Ready", "status": value},
+                    {"type": "ContainersReady", "status": value},
+                ]
+            }
+        },
+    )
+
+
+class PodWatch:
+    """Records when this process's own watch sees a pod's Ready condition change."""
+
+    def __init__(self, k: Api, ns: str, pod: str) -> None:
+        from kubernetes import watch
+
+        self.k, self.ns, self.pod = k, ns, pod
+        self.events: list[tuple[float, bool]] = []
+        self._watch = watch.Watch()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        for ev in self._watch.stream(
+            self.k.core.list_namespaced_pod,
+            self.ns,
+            field_selector=f"metadata.name={self.pod}",
+            timeout_seconds=600,
+        ):
+            conds = ev["object"].status.conditions or []
+            ready = any(c.type == "Ready" and c.status == "True" for c in conds)
+            self.events.append((time.perf_counter(), ready))
+
+    def first_after(self, t0: float, ready: bool) -> float | None:
+        for t, r in self.events:
+            if t >= t0 and r == ready:
+                return t
+        return None
+
+    def stop(self) -> None:
+        self._watch.stop()
+
+
+def measure_drop(k: Api, ns: str, wd: Path, repeats: int) -> dict[str, Any]:
+    syncer = SyncerForDrop(wd, islands=2)
+    k.core.create_namespaced_secret(
+        ns, {"metadata": {"name": "drop-token"}, "stringData": {"token": syncer.files.token}}
+    )
+    k.create_job(
+        ns,
+        manifest(
+            "drop",
+            2,
+            1,
+            syncer={"endpoint": syncer.url, "tokenSecretName": "drop-token"},
+        ),
+    )
+
+    def ready_and_reachable() -> bool:
+        st = k.get_job(ns, "drop").get("status") or {}
+        conds = {c["type"]: c["status"] for c in st.get("conditions") or []}
+        return (st.get("islands") or {}).get("ready") == 2 and conds.get(
+            "SyncerReachable"
+        ) == "True"
+
+    poll_until(ready_and_reachable, timeout=180, what="job 'drop' ready with its syncer reached")
+    pod = "drop-island-1-0"
+    watch = PodWatch(k, ns, pod)
+    time.sleep(0.5)  # the watch's initial ADDED event is in
+    drop_s, readd_s, watch_s, admin_s = [], [], [], []
+    try:
+        for r in range(repeats):
+            t0 = time.perf_counter()
+            set_ready(k, ns, pod, False)
+            poll_until(
+                lambda: syncer.island_state("island-1") == "dropped",
+                timeout=60,
+                interval=0.01,
+                what="island-1 dropped at the syncer",
+            )
+            drop_s.append(time.perf_counter() - t0)
+            seen = watch.first_after(t0, False)
+            if seen is not None:
+                watch_s.append(seen - t0)
+            admin_s.append(syncer.admin_seconds())
+            t0 = time.perf_counter()
+            set_ready(k, ns, pod, True)
+            poll_until(
+                lambda: syncer.island_state("island-1") == "active",
+                timeout=60,
+                interval=0.01,
+                what="island-1 active again",
+            )
+            readd_s.append(time.perf_counter() - t0)
+            print(f"  drop {r}: {drop_s[-1]:.3f}s, re-add {readd_s[-1]:.3f}s", flush=True)
+    finally:
+        watch.stop()
+        syncer.proc.stop()
+    return {"drop": drop_s, "readd": readd_s, "watch": watch_s, "admin": admin_s}
+
+
+def measure_load(
+    k: Api, op: OperatorProcess, ns: str, jobs: int, islands: int, deadline_s: float
+) -> dict[str, Any]:
+    rss: list[int] = []
+    stop = threading.Event()
+
+    def sample() -> None:
+        while not stop.is_set():
+            rss.append(op.rss_bytes())
+            stop.wait(0.5)
+
+    idle_rss = op.rss_bytes()
+    metrics_before = op.metrics()
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
+    created: dict[str, float] = {}
+    want: dict[str, set[tuple[str, str]]] = {}
+    t_start = time.perf_counter()
+    for j in range(jobs):
+        name = f"load-{j}"
+        body = k.create_job(ns, manifest(name, islands, 1))
+        created[name] = time.perf_counter()
+        want[name] = expected_children(body)
+    t_created = time.perf_counter()
+    done: dict[str, float] = {}
+    deadline = time.monotonic() + deadline_s
+    while len(done) < jobs and time.monotonic() < deadline:
+        present = k.present(ns)
+        now = time.perf_counter()
+        for name, w in want.items():
+            if name not in done and w <= present:
+                done[name] = now
+        time.sleep(0.5)
+    t_all = time.perf_counter()
+    time.sleep(15)  # let periodic reconciles and status updates run under the full load
+    stop.set()
+    sampler.join()
+    metrics = op.metrics()
+    log = op.proc.log_text() if op.proc else ""
+    latencies = [done[n] - created[n] for n in done]
+    reconciles = metric_value(metrics, "diloco_operator_reconciles_total") - metric_value(
+        metrics_before, "diloco_operator_reconciles_total"
+    )
+    return {
+        "jobs": jobs,
+        "done": len(done),
+        "create_seconds": t_created - t_start,
+        "all_children_seconds": t_all - t_start,
+        "latencies": latencies,
+        "reconcile_p50": histogram_quantile(metrics, "diloco_operator_reconcile_seconds", 0.5),
+        "reconcile_p95": histogram_quantile(metrics, "diloco_operator_reconcile_seconds", 0.95),
+        "reconcile_p99": histogram_quantile(metrics, "diloco_operator_reconcile_seconds", 0.99),
+        "reconciles": reconciles,
+        "reconcile_errors": metric_value(
+            metrics, "diloco_operator_reconciles_total", 'result="error"'
+        ),
+        "errors_total": metric_value(metrics, "diloco_operator_errors_total"),
+        "syncer_unreachable": metric_value(metrics, "diloco_operator_syncer_unreachable_total"),
+        "log_errors": sum(1 for line in log.splitlines() if "ERROR" in line),
+        "log_tracebacks": log.count("Traceback"),
+        "idle_rss": idle_rss,
+        "peak_rss": max(rss) if rss else idle_rss,
+        "final_rss": rss[-1] if rss else idle_rss,
+    }
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = base_parser(__doc__ or "")
+    p.add_argument("--repeats", type=int, default=5, help="apply and drop measurements")
+    p.add_argument("--apply-islands", type=int, default=4, help="islands of the timed jobs")
+    p.add_argument("--load-jobs", type=int, default=100)
+    p.add_argument("--load-islands", type=int, default=8)
+    p.add_argument("--load-deadline", type=float, default=600, help="seconds")
+    p.add_argument("--nodes", type=int, default=0, help="kwok nodes (default: enough pods)")
+    p.add_argument("--skip", nargs="*", default=[], choices=["apply", "drop", "load"])
+    args = p.parse_args(argv)
+    install_signal_cleanup()
+    pods = args.load_jobs * (args.load_islands + 1) + 2 * args.repeats * args.apply_islands + 8
+    nodes = args.nodes or max(4, -(-pods // 100))  # kwok nodes take 110 pods each
+    with LoadMonitor() as load, workdir(args.workdir, "operator") as wd:
+        print(f"starting the local control plane ({nodes} kwok nodes)", flush=True)
+        t0 = time.perf_counter()
+        cluster = LocalCluster.start(wd / "cluster", nodes, wd / "local-cluster.log")
+        up_s = time.perf_counter() - t0
+        op: OperatorProcess | None = None
+        try:
+            cluster.install_crd()
+            k = Api(cluster)
+            for ns in ("bench-apply", "bench-base", "bench-drop", "bench-load"):
+                k.namespace(ns)
+            op = OperatorProcess(
+                cluster, ["bench-apply", "bench-drop", "bench-load"], wd / "operator.log"
+            )
+            op.start()
+            apply = drop = loaded = None
+            if "apply" not in args.skip:
+                print("1. apply -> children", flush=True)
+                apply = measure_apply(
+                    k, "bench-apply", "bench-base", args.repeats, args.apply_islands
+                )
+            if "drop" not in args.skip:
+                print("2. pod NotReady -> syncer drop", flush=True)
+                drop = measure_drop(k, "bench-drop", wd / "drop", args.repeats)
+            if "load" not in args.skip:
+                print(f"3. load: {args.load_jobs} jobs x {args.load_islands} islands", flush=True)
+                loaded = measure_load(
+                    k, op, "bench-load", args.load_jobs, args.load_islands, args.load_deadline
+                )
+        finally:
+            if op is not None:
+                op.stop()
+            cluster.stop()
+
+    tables = []
+    targets = Table("Targets", ["target", "figure", "verdict"])
+    if apply:
+        t = Table(
+            f"Apply -> all children ({args.apply_islands} islands x 2 replicas: "
+            f"{apply['children']} children), {args.repeats} jobs",
+            ["path", "median", "p95", "max", "median vs direct"],
+        )
+        med_direct = statistics.median(apply["direct"])
+        for label, xs in (("operator (create job -> children)", apply["operator"]),
+                          ("direct API creates (baseline)", apply["direct"])):  # fmt: skip
+            t.add(
+                label,
+                f"{statistics.median(xs):.3f}s",
+                f"{pct(xs, 0.95):.3f}s",
+                f"{max(xs):.3f}s",
+                fmt_ratio(ratio(statistics.median(xs), med_direct), 2),
+            )
+        tables.append(t)
+        worst = max(apply["operator"])
+        targets.add(
+            "job applied -> all children created < 2 s", f"max {worst:.2f}s", verdict(worst < 2)
+        )
+    if drop:
+        t = Table(
+            f"Pod NotReady -> island dropped at the syncer ({args.repeats} times)",
+            ["what", "median", "max", "median vs baseline"],
+        )
+        base = statistics.median(drop["watch"] or [float("nan")]) + statistics.median(drop["admin"])
+        for label, xs in (
+            ("pod NotReady -> syncer drop", drop["drop"]),
+            ("pod Ready -> syncer re-add", drop["readd"]),
+            ("baseline: own watch sees the pod + one admin call", [base]),
+        ):
+            t.add(label, f"{statistics.median(xs):.3f}s", f"{max(xs):.3f}s",
+                  fmt_ratio(ratio(statistics.median(xs), base), 1))  # fmt: skip
+        tables.append(t)
+        worst = max(drop["drop"])
+        targets.add("island failure -> syncer drop < 5 s", f"max {worst:.2f}s", verdict(worst < 5))
+    if loaded:
+        lat = loaded["latencies"]
+        unloaded = statistics.median(apply["operator"]) if apply else float("nan")
+        t = Table(
+            f"Load: {loaded['jobs']} jobs x {args.load_islands} islands on kwok ({nodes} nodes)",
+            ["figure", "value"],
+        )
+        t.add("jobs with all children", f"{loaded['done']} / {loaded['jobs']}")
+        t.add("time to create the jobs (API calls)", f"{loaded['create_seconds']:.1f}s")
+        t.add("time until every job had all children", f"{loaded['all_children_seconds']:.1f}s")
+        for q in (0.5, 0.95, 0.99):
+            v = pct(lat, q)
+            t.add(
+                f"create -> children, p{round(q * 100)}",
+                f"{v:.2f}s ({fmt_ratio(ratio(v, unloaded), 1)} the unloaded median)",
+            )
+        for q in ("p50", "p95", "p99"):
+            t.add(
+                f"operator reconcile time {q} (its histogram)", f"{loaded['reconcile_' + q]:.3f}s"
+            )
+        t.add("reconciles during the load", f"{loaded['reconciles']:.0f}")
+        t.add("reconciles that failed", f"{loaded['reconcile_errors']:.0f}")
+        t.add("operator errors_total", f"{loaded['errors_total']:.0f}")
+        t.add(
+            "ERROR lines / tracebacks in the operator log",
+            f"{loaded['log_errors']} / {loaded['log_tracebacks']}",
+        )
+        t.add(
+            "syncer unreachable (no syncer runs on kwok: expected)",
+            f"{loaded['syncer_unreachable']:.0f}",
+        )
+        t.add(
+            "operator RSS: idle -> peak",
+            f"{fmt_bytes(loaded['idle_rss'])} -> {fmt_bytes(loaded['peak_rss'])} "
+            f"({fmt_ratio(ratio(loaded['peak_rss'], loaded['idle_rss']), 2)})",
+        )
+        tables.append(t)
+        ok = loaded["done"] == loaded["jobs"] and loaded["reconcile_errors"] == 0
+        targets.add(
+            f"{loaded['jobs']} jobs x {args.load_islands} islands reconciled without errors",
+            f"{loaded['done']}/{loaded['jobs']} complete, {loaded['reconcile_errors']:.0f} failed "
+            "reconciles",
+            verdict(ok),
+        )
+    tables.append(targets)
+    notes = [
+        f"Control plane: hack/local-cluster with {nodes} kwok nodes; `up` took {up_s:.0f}s.",
+        "Times are polled (20 ms for apply, 10 ms for the syncer state), so they carry up to one "
+        "poll interval plus one API round trip of measurement error.",
+        "The load test's jobs run their syncer in-cluster (kwok: no containers), so the operator's "
+        "status polls of the syncers fail; those are counted apart from reconcile errors.",
+    ]
+    report = Report(
+        "operator",
+        "Operator latencies on a real control plane with kwok nodes: apply -> children, pod "
+        "NotReady -> syncer drop, and a many-job load.",
+        tables=tables,
+        notes=notes,
+    )
+    if args.no_record:
+        for t in tables:
+            t.print()
+        return 0
+    append_results(report, load=load, path=args.results)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
