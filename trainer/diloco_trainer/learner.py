@@ -555,7 +555,9 @@ class Learner:
         state.base = {n: pulled.tensors[n].to(torch.float32) for n in self.layout[f]}
         state.version = pulled.version
         state.counters = FragmentCounters()
-        if result.outcome != "joined":
+        if result.outcome == "joined":
+            log.info("fragment %d: took version %d (joined)", f, pulled.version)
+        else:
             state.last_sync_seconds = result.seconds
             self.round_times = [*self.round_times[-7:], result.seconds]
             log.info(

@@ -185,12 +185,20 @@ class LocalRun:
         return self.workdir / "logs"
 
     def start(self) -> None:
-        """Start the syncer, wait until it is ready, then start every learner rank."""
-        spec = self.spec
-        self.files = write_job_files(spec, self.workdir)
-        ranks = spec.islands.count * spec.islands.replicas
-        threads = {"OMP_NUM_THREADS": str(threads_per_learner(ranks))}
-        port = free_port()
+        """Start the syncer, wait until it is ready, then start every island."""
+        self.start_syncer()
+        for i in range(self.spec.islands.count):
+            self.start_island(i)
+
+    def _threads(self) -> dict[str, str]:
+        ranks = self.spec.islands.count * self.spec.islands.replicas
+        return {"OMP_NUM_THREADS": str(threads_per_learner(ranks))}
+
+    def start_syncer(self, port: int | None = None) -> Proc:
+        """Start (or restart, on the same state dir) the syncer and wait until it is ready."""
+        if self.files is None:
+            self.files = write_job_files(self.spec, self.workdir)
+        port = port or free_port()
         self.url = f"http://127.0.0.1:{port}"
         self.syncer = start_syncer(
             self.files,
@@ -198,28 +206,36 @@ class LocalRun:
             state_dir=self.workdir / "syncer",
             job_name=self.name,
             log_file=self.logs / "syncer.log",
-            extra_env=threads,
+            extra_env=self._threads(),
         )
         wait_ready(self.url, self.files.token, SYNCER_READY_SECONDS, proc=self.syncer)
-        for i in range(spec.islands.count):
-            island = island_name(spec.islands.name_prefix, i)
-            master_port = free_port()
-            for rank in range(spec.islands.replicas):
-                self.learners.append(
-                    start_learner(
-                        self.files,
-                        syncer_url=self.url,
-                        island=island,
-                        island_index=spec.islands.shard_offset + i,
-                        log_file=self.logs / f"{island}-rank{rank}.log",
-                        rank=rank,
-                        world_size=spec.islands.replicas,
-                        master_port=master_port,
-                        slowdown=self.slowdowns.get(i, 1.0),
-                        job_name=self.name,
-                        extra_env=threads,
-                    )
-                )
+        return self.syncer
+
+    def start_island(self, index: int) -> list[Proc]:
+        """Start every rank of island `index` (again, after it died: it rejoins)."""
+        assert self.files is not None, "start the syncer first"
+        spec = self.spec
+        island = island_name(spec.islands.name_prefix, index)
+        master_port = free_port()
+        procs = []
+        for rank in range(spec.islands.replicas):
+            proc = start_learner(
+                self.files,
+                syncer_url=self.url,
+                island=island,
+                island_index=spec.islands.shard_offset + index,
+                log_file=self.logs / f"{island}-rank{rank}.log",
+                rank=rank,
+                world_size=spec.islands.replicas,
+                master_port=master_port,
+                slowdown=self.slowdowns.get(index, 1.0),
+                job_name=self.name,
+                extra_env=self._threads(),
+            )
+            self.dead.pop(proc.name, None)
+            self.learners = [p for p in self.learners if p.name != proc.name] + [proc]
+            procs.append(proc)
+        return procs
 
     def _check_children(self, finished: bool) -> None:
         assert self.syncer is not None
