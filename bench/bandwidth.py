@@ -7,8 +7,8 @@ through a store), which no relay can sit in; instead the lighthouse and every re
 network namespace whose loopback is limited to the same rate with tc tbf (bench.netns). The kernel
 here has no netem, so torchft's link gets the rate but not the added latency.
 
-For each system, link and overlap setting, training runs for a fixed window after the first sync,
-and we report
+For each system, link and overlap setting, training is measured over a window that opens after
+the first sync and lasts at least --seconds and --rounds further syncs, and we report
 - compute utilisation = time in inner steps / wall time over the window (ours: inner steps x the
   learner's step time; torchft: measured compute time, sync excluded);
 - inner-step throughput relative to the same system over an unlimited link in this run.
@@ -128,7 +128,16 @@ def measure_ours(args: Any, v: Variant, rate: float | None, wd: Path) -> dict[st
 
             poll_until(merged, timeout=args.warmup_timeout, what="the first merge")
             t1 = time.time()
-            time.sleep(args.seconds)
+            start_step = sampler.latest()["outerStep"]  # type: ignore[index]
+            poll_until(
+                lambda: (
+                    time.time() >= t1 + args.seconds
+                    and sampler.latest()["outerStep"] >= start_step + args.rounds
+                ),  # type: ignore[index]
+                timeout=args.window_timeout,
+                interval=0.25,
+                what=f"{args.rounds} more merges",
+            )
             t2 = time.time()
     finally:
         run.stop()
@@ -168,7 +177,16 @@ def measure_torchft(args: Any, v: Variant, rate: float | None, wd: Path) -> dict
 
             poll_until(committed, timeout=args.warmup_timeout, what="torchft's first commit")
             t1 = time.time()
-            time.sleep(args.seconds)
+            start = read_progress(job.progress_file(0))[-1]["commits"]
+            poll_until(
+                lambda: (
+                    time.time() >= t1 + args.seconds
+                    and read_progress(job.progress_file(0))[-1]["commits"] >= start + args.rounds
+                ),
+                timeout=args.window_timeout,
+                interval=0.25,
+                what=f"{args.rounds} more commits",
+            )
             t2 = time.time()
         finally:
             for p in procs:
@@ -209,7 +227,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     p = base_parser(__doc__ or "")
     p.add_argument("--rates", nargs="+", type=float, default=[1, 10, 100], help="Mbit/s")
     p.add_argument("--latency-ms", type=float, default=10, help="one-way latency (ours)")
-    p.add_argument("--seconds", type=float, default=30, help="measured window per run")
+    p.add_argument("--seconds", type=float, default=20, help="shortest measured window")
+    p.add_argument("--rounds", type=int, default=3, help="fewest syncs in a measured window")
+    p.add_argument("--window-timeout", type=float, default=300, help="longest window")
     p.add_argument("--warmup-timeout", type=float, default=300)
     p.add_argument("--islands", type=int, default=2)
     p.add_argument("--preset", default="gpt-tiny")
@@ -219,12 +239,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument(
         "--overlap", type=int, default=None, help="τ for the overlapped variants (default H/2)"
     )
-    p.add_argument("--skip", nargs="*", default=[], choices=["torchft", "overlap", "none"])
+    p.add_argument("--skip", nargs="*", default=[], choices=["torchft", "overlap"])
+    p.add_argument("--with-none", action="store_true", help="also ours with fp32 pushes")
     args = p.parse_args(argv)
     install_signal_cleanup()
     tau = args.overlap if args.overlap is not None else args.inner_steps // 2
     variants = [Variant("ours", "int8", 0)]
-    if "none" not in args.skip:
+    if args.with_none:
         variants.insert(0, Variant("ours", "none", 0))
     if "overlap" not in args.skip:
         variants.append(Variant("ours", "int8", tau))
@@ -250,7 +271,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     table = Table(
         f"Compute utilisation over a rate-limited link ({args.preset}, M={args.islands}, "
-        f"H={args.inner_steps}, {args.seconds:.0f}s windows)",
+        f"H={args.inner_steps}; windows of >= {args.seconds:.0f}s and >= {args.rounds} syncs)",
         ["system", "link", "compute utilisation", "inner steps/s", "steps/s vs unlimited"],
     )
     for v in variants:
