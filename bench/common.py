@@ -100,8 +100,11 @@ def machine_info() -> Machine:
     )
 
 
+CODE_PATHS = ("trainer", "operator", "bench", "crds", "hack")
+
+
 def git_revision(repo: Path = REPO_ROOT) -> str:
-    """Short commit hash, with '+dirty' when tracked files differ from it."""
+    """Short commit hash, with '+dirty' when tracked code the benchmarks run differs from it."""
     try:
         rev = subprocess.run(
             ["git", "rev-parse", "--short=12", "HEAD"],
@@ -111,7 +114,7 @@ def git_revision(repo: Path = REPO_ROOT) -> str:
             check=True,
         ).stdout.strip()
         dirty = subprocess.run(
-            ["git", "status", "--porcelain", "--untracked-files=no"],
+            ["git", "status", "--porcelain", "--untracked-files=no", "--", *CODE_PATHS],
             cwd=repo,
             capture_output=True,
             text=True,
@@ -194,7 +197,11 @@ class Table:
 
 
 class LoadMonitor:
-    """Samples the 1-minute load average during a run, to say how contended the machine was."""
+    """Samples the 1-minute load average during a run, to say how contended the machine was.
+
+    It also notes the git revision when the run starts (the code that ran, even if the tree
+    moves on while a long benchmark is running).
+    """
 
     def __init__(self, interval: float = 5.0) -> None:
         self.interval = interval
@@ -203,6 +210,7 @@ class LoadMonitor:
         self._thread = threading.Thread(target=self._run, daemon=True, name="load-monitor")
         self.started = time.time()
         self.ended = self.started
+        self.revision = "unknown"
 
     def _run(self) -> None:
         while True:
@@ -212,6 +220,7 @@ class LoadMonitor:
 
     def __enter__(self) -> LoadMonitor:
         self.started = time.time()
+        self.revision = git_revision()
         self._thread.start()
         return self
 
@@ -272,7 +281,7 @@ def append_results(
         print(f"note: {note}")
     text = report.to_markdown(
         command=command or command_line(),
-        revision=git_revision(),
+        revision=load.revision,
         machine=machine_info(),
         load=load.describe(),
     )
