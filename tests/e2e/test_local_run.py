@@ -1,0 +1,175 @@
+"""`diloco run` as a user runs it: a real `diloco run` process and its children."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+from diloco_trainer.config import JobSpec, parse_spec
+from diloco_trainer.local import DEFAULT_JOB_NAME, DEFAULT_SPEC, load_job, parse_slow_islands
+
+from .conftest import wait_until
+
+pytestmark = pytest.mark.e2e
+
+REPO = Path(__file__).resolve().parents[2]
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+SUMMARY_KEYS = {
+    "outer_steps",
+    "initial_eval_loss",
+    "final_eval_loss",
+    "tokens",
+    "bytes_pushed",
+    "bytes_pulled",
+    "wall_seconds",
+    "islands",
+    "eval_history",
+}
+
+
+def small_job(make_spec: Callable[..., JobSpec], **overrides: object) -> JobSpec:
+    """Two islands of two DDP ranks each (so the run covers DDP inside an island too)."""
+    spec = {
+        "islands": {"count": 2, "replicas": 2},
+        "inner": {"steps": 5, "batchSize": 4, "seqLen": 32, "lr": 3e-3, "warmupSteps": 5},
+        "sync": {"quorum": 2, "fragments": 2, "overlapSteps": 1, "compression": "int8"},
+        "stopAfter": {"outerSteps": 4},
+        **overrides,
+    }
+    return make_spec(**spec)
+
+
+def diloco_run(args: list[str], cwd: Path) -> subprocess.Popen[bytes]:
+    """`diloco run ARGS` as its own process group leader, output in cwd/run.log."""
+    log = (cwd / "run.log").open("wb")
+    return subprocess.Popen(
+        [sys.executable, "-m", "diloco_trainer.cli", "run", *args],
+        cwd=cwd,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
+
+
+def descendants(pid: int) -> set[int]:
+    """Every live process below `pid` (children in other sessions included), from /proc."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            # Field 4 of /proc/PID/stat is the parent; the name (field 2) may hold spaces.
+            ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue
+        children.setdefault(ppid, []).append(int(entry.name))
+    found: set[int] = set()
+    todo = [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            if child not in found:
+                found.add(child)
+                todo.append(child)
+    return found
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    return state != "Z"
+
+
+def test_local_run_writes_summary_and_plot(
+    workdir: Path, make_spec: Callable[..., JobSpec]
+) -> None:
+    config = workdir / "job.json"
+    config.write_text(small_job(make_spec).to_json())
+    proc = diloco_run(
+        [str(config), "--summary", "s.json", "--plot", "loss.png", "--workdir", "run", "--quiet"],
+        workdir,
+    )
+    try:
+        code = proc.wait(timeout=240)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGINT)
+            proc.wait(timeout=30)
+    log = (workdir / "run.log").read_text()
+    assert code == 0, log
+    summary = json.loads((workdir / "s.json").read_text())
+    assert summary.keys() >= SUMMARY_KEYS
+    assert summary["islands"] == 2
+    assert summary["outer_steps"] >= 4
+    assert summary["final_eval_loss"] < summary["initial_eval_loss"]
+    assert summary["bytes_pushed"] > 0 and summary["bytes_pulled"] > 0
+    assert summary["tokens"] > 0
+    assert len(summary["eval_history"]) >= 2
+    png = (workdir / "loss.png").read_bytes()
+    assert png.startswith(PNG_SIGNATURE)
+    import matplotlib.image
+
+    image = matplotlib.image.imread(workdir / "loss.png")
+    assert image.shape[0] > 100 and image.shape[1] > 100
+    assert "logs in" in log
+    # Both ranks of each island ran: DDP inside an island.
+    logs = workdir / "run" / "logs"
+    assert {p.name for p in logs.glob("island-*-rank1.log")} == {
+        "island-0-rank1.log",
+        "island-1-rank1.log",
+    }
+
+
+def test_local_run_sigint_stops_every_child(
+    workdir: Path, make_spec: Callable[..., JobSpec]
+) -> None:
+    config = workdir / "job.json"
+    config.write_text(small_job(make_spec, stopAfter={"outerSteps": 100000}).to_json())
+    proc = diloco_run([str(config), "--workdir", "run", "--quiet"], workdir)
+    logs = workdir / "run" / "logs"
+    try:
+        # Every rank of every island is training once each has logged its join.
+        def all_joined() -> bool:
+            return (
+                all(
+                    "joined the syncer" in (logs / f"island-{i}-rank0.log").read_text()
+                    for i in range(2)
+                    if (logs / f"island-{i}-rank0.log").exists()
+                )
+                and len(list(logs.glob("island-*-rank0.log"))) == 2
+            )
+
+        wait_until(all_joined, timeout=120, interval=0.2, what="both islands joined")
+        children = descendants(proc.pid)
+        assert len(children) >= 5, children  # syncer + 2 islands x 2 ranks
+        os.killpg(proc.pid, signal.SIGINT)
+        code = proc.wait(timeout=60)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    assert code == 130, (workdir / "run.log").read_text()
+    left = [pid for pid in children if alive(pid)]
+    assert left == [], f"children still alive after Ctrl-C: {left}"
+
+
+def test_local_default_spec_is_the_example_manifest() -> None:
+    name, spec = load_job(str(REPO / "examples" / "local.yaml"))
+    assert spec == parse_spec(DEFAULT_SPEC)
+    assert name == DEFAULT_JOB_NAME
+    assert load_job(None) == (DEFAULT_JOB_NAME, spec)
+
+
+def test_local_parse_slow_islands_names_the_option() -> None:
+    assert parse_slow_islands(["1:3", "0:1.5"], 2) == {1: 3.0, 0: 1.5}
+    for bad in ("1", "x:3", "2:3", "1:0.5"):
+        with pytest.raises(ValueError, match="--slow-island"):
+            parse_slow_islands([bad], 2)
