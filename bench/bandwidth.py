@@ -33,7 +33,6 @@ from diloco_trainer.launch import Proc, free_port
 
 from bench import netns
 from bench.common import (
-    PLOTS_DIR,
     LoadMonitor,
     Report,
     Table,
@@ -42,6 +41,7 @@ from bench.common import (
     fmt_pct,
     fmt_ratio,
     install_signal_cleanup,
+    plot_file,
     poll_until,
     ratio,
     start_module,
@@ -285,7 +285,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 f"{r['steps_per_s']:.2f}",
                 fmt_ratio(ratio(r["steps_per_s"], base)),
             )
-    plot_path = PLOTS_DIR / "bandwidth.png"
+    plot_path = plot_file(args, "bandwidth")
     plot(results, list(args.rates), plot_path)
     notes += [
         "All sync traffic of a run shares one link of the given rate, both directions together "

@@ -28,7 +28,6 @@ from diloco_trainer.launch import Proc
 BENCH_DIR = Path(__file__).resolve().parent
 REPO_ROOT = BENCH_DIR.parent
 RESULTS_PATH = BENCH_DIR / "RESULTS.md"
-PLOTS_DIR = BENCH_DIR / "plots"
 
 RESULTS_HEADER = """# Benchmark results
 
@@ -246,7 +245,9 @@ class Report:
     notes: list[str] = field(default_factory=list)
     plots: list[Path] = field(default_factory=list)
 
-    def to_markdown(self, *, command: str, revision: str, machine: Machine, load: str) -> str:
+    def to_markdown(
+        self, *, command: str, revision: str, machine: Machine, load: str, base: Path = BENCH_DIR
+    ) -> str:
         when = dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
         parts = [
             f"## {self.script} — {when}",
@@ -262,7 +263,7 @@ class Report:
         for table in self.tables:
             parts += [table.to_markdown(), ""]
         for plot in self.plots:
-            rel = os.path.relpath(plot, BENCH_DIR)
+            rel = os.path.relpath(plot, base)
             parts += [f"![{plot.stem}]({rel})", ""]
         if self.notes:
             parts += ["Notes:", ""]
@@ -284,6 +285,7 @@ def append_results(
         revision=load.revision,
         machine=machine_info(),
         load=load.describe(),
+        base=path.parent,
     )
     if not path.exists() or not path.read_text().strip():
         path.write_text(RESULTS_HEADER + "\n")
@@ -291,6 +293,16 @@ def append_results(
         f.write("\n" + text)
     print(f"appended to {path}")
     return text
+
+
+def plot_file(args: argparse.Namespace, name: str) -> Path:
+    """Where a run's plot goes: plots/ beside the results file, or a temp file with --no-record
+    (so a trial run never overwrites a recorded plot)."""
+    if args.no_record:
+        import tempfile
+
+        return Path(tempfile.gettempdir()) / f"bench-{name}.png"
+    return Path(args.results).resolve().parent / "plots" / f"{name}.png"
 
 
 def base_parser(description: str) -> argparse.ArgumentParser:

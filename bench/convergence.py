@@ -30,7 +30,6 @@ from diloco_trainer.launch import free_port
 from diloco_trainer.reference import train_synchronous
 
 from bench.common import (
-    PLOTS_DIR,
     LoadMonitor,
     Report,
     Table,
@@ -40,6 +39,7 @@ from bench.common import (
     fmt_pct,
     fmt_ratio,
     install_signal_cleanup,
+    plot_file,
     ratio,
     start_module,
     verdict,
@@ -289,7 +289,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 verdict(shrink >= extra_bytes),
             )
 
-    plot_path = PLOTS_DIR / "convergence.png"
+    plot_path = plot_file(args, "convergence")
     finals = {
         label.split(",")[0]: (float(r["tokens"]), float(r["eval_loss"]))
         for label, r in rows

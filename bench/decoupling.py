@@ -30,7 +30,6 @@ from diloco_trainer.contract import island_name
 from diloco_trainer.parts import build_parts, evaluate
 
 from bench.common import (
-    PLOTS_DIR,
     LoadMonitor,
     Report,
     Table,
@@ -39,6 +38,7 @@ from bench.common import (
     fmt_pct,
     fmt_ratio,
     install_signal_cleanup,
+    plot_file,
     poll_until,
     ratio,
     verdict,
@@ -254,7 +254,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 fmt_pct(kept),
                 verdict(kept >= 0.95),
             )
-    plot_path = PLOTS_DIR / "decoupling.png"
+    plot_path = plot_file(args, "decoupling")
     plot(results, list(args.factors), plot_path)
     notes = [
         f"The straggler is island {m - 1}; 'others' averages the remaining {m - 1} islands.",

@@ -29,7 +29,6 @@ from diloco_trainer.model import build_model
 from diloco_trainer.outer import OuterOptimizer
 
 from bench.common import (
-    PLOTS_DIR,
     LoadMonitor,
     Report,
     Table,
@@ -37,6 +36,7 @@ from bench.common import (
     base_parser,
     fmt_pct,
     fmt_ratio,
+    plot_file,
     ratio,
 )
 
@@ -280,7 +280,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             )
 
     ratios = [ratio(r["ours_gbs"], r["ref_gbs"]) for _, r in results]
-    plot_path = PLOTS_DIR / "syncer_throughput.png"
+    plot_path = plot_file(args, "syncer_throughput")
     if results:
         plot(results, copy_gbs, plot_path)
     notes = [
