@@ -31,11 +31,17 @@ ISLAND_SUFFIX_MAX = len("-island-511")
 # Schema keys that carry over unchanged from JSON Schema to Kubernetes' OpenAPI v3 subset.
 _KEPT = ("type", "description", "enum", "pattern", "minLength", "maxLength", "minimum", "maximum")
 
+# CEL guards: the API server also checks rules against the schema's defaults (e.g. `syncer: {}`)
+# before nested defaults are filled in, so every optional field is tested with has() first.
+_LOCAL = "!has(self.endpoint) || self.endpoint == ''"
+_REMOTE = "(has(self.syncer) && has(self.syncer.endpoint) && self.syncer.endpoint != '')"
+
 # Cross-field and union rules, attached to the schema node at the given path (spec-relative).
 _SPEC_RULES: dict[tuple[str, ...], list[dict[str, str]]] = {
     (): [
         {
-            "rule": "self.syncer.endpoint != '' || self.sync.quorum <= self.islands.count",
+            "rule": f"{_REMOTE} || !has(self.sync.quorum) || !has(self.islands.count) || "
+            "self.sync.quorum <= self.islands.count",
             "message": "spec.sync.quorum must be <= spec.islands.count (a quorum larger than "
             "the islands of this job is allowed only with a remote spec.syncer.endpoint)",
             "fieldPath": ".sync.quorum",
@@ -44,27 +50,28 @@ _SPEC_RULES: dict[tuple[str, ...], list[dict[str, str]]] = {
     ],
     ("syncer",): [
         {
-            "rule": "self.endpoint == '' || self.endpoint.matches('^https?://[^/]+')",
+            "rule": f"{_LOCAL} || self.endpoint.matches('^https?://[^/]+')",
             "message": "spec.syncer.endpoint must be an http:// or https:// URL",
             "fieldPath": ".endpoint",
             "reason": "FieldValueInvalid",
         },
         {
-            "rule": "self.endpoint == '' || !has(self.checkpoint.claimName)",
+            "rule": f"{_LOCAL} || !has(self.checkpoint) || !has(self.checkpoint.claimName)",
             "message": "spec.syncer.checkpoint.claimName must be unset when spec.syncer.endpoint "
             "is set: the syncer and its checkpoints live elsewhere",
             "fieldPath": ".checkpoint.claimName",
             "reason": "FieldValueForbidden",
         },
         {
-            "rule": "self.endpoint == '' || self.service.type == 'ClusterIP'",
+            "rule": f"{_LOCAL} || !has(self.service) || !has(self.service.type) || "
+            "self.service.type == 'ClusterIP'",
             "message": "spec.syncer.service.type must stay ClusterIP when spec.syncer.endpoint "
             "is set: no syncer runs in this cluster",
             "fieldPath": ".service.type",
             "reason": "FieldValueForbidden",
         },
         {
-            "rule": "self.endpoint == '' || !has(self.tls.secretName)",
+            "rule": f"{_LOCAL} || !has(self.tls) || !has(self.tls.secretName)",
             "message": "spec.syncer.tls.secretName must be unset when spec.syncer.endpoint is "
             "set (learners verify a remote syncer with spec.syncer.tls.caSecretName)",
             "fieldPath": ".tls.secretName",
@@ -90,8 +97,9 @@ _ROOT_RULES: list[dict[str, str]] = [
         "reason": "FieldValueInvalid",
     },
     {
-        "rule": "!has(self.spec) || size(self.metadata.name) + "
-        "(size(self.spec.islands.namePrefix) > 0 ? size(self.spec.islands.namePrefix) + 1 : 0)"
+        "rule": "size(self.metadata.name) + (has(self.spec) && has(self.spec.islands) && "
+        "has(self.spec.islands.namePrefix) && size(self.spec.islands.namePrefix) > 0 ? "
+        "size(self.spec.islands.namePrefix) + 1 : 0)"
         f" <= {MAX_STATEFULSET_NAME - ISLAND_SUFFIX_MAX}",
         "message": "metadata.name plus spec.islands.namePrefix is too long: StatefulSet names "
         f"NAME[-PREFIX]-island-I must fit in {MAX_STATEFULSET_NAME} characters",
