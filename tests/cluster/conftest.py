@@ -358,11 +358,27 @@ def _stop_control_plane(cp: ControlPlane) -> None:
 # ----------------------------------------------------------------------------------- fixtures
 
 
+def _binaries_cached() -> bool:
+    if os.environ.get("DILOCO_K8S_BIN_DIR"):
+        return True
+    check = subprocess.run(
+        ["bash", str(BUILD_SCRIPT), "--check"], capture_output=True, text=True, check=False
+    )
+    return check.returncode == 0
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Mark the tests of this directory `cluster`; give them time for a first build."""
     here = Path(__file__).parent
-    for item in items:
-        if here in Path(str(item.path)).parents:
-            item.add_marker(pytest.mark.cluster)
+    mine = [item for item in items if here in Path(str(item.path)).parents]
+    if not mine:
+        return
+    cached = _binaries_cached()
+    for item in mine:
+        item.add_marker(pytest.mark.cluster)
+        if not cached:
+            # The session fixture's set-up (the build) counts against the first test's timeout.
+            item.add_marker(pytest.mark.timeout(BUILD_TIMEOUT + UP_TIMEOUT + 300))
 
 
 @pytest.fixture(scope="session")
