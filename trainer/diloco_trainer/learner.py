@@ -307,7 +307,7 @@ class SyncerLink:
         async def shutdown() -> None:
             if leave:
                 try:
-                    await asyncio.wait_for(self.client.leave(self.island), timeout=5.0)
+                    await asyncio.wait_for(self.client.leave(self.island), timeout=2.0)
                     log.info("left the syncer")
                 except (SyncerError, asyncio.TimeoutError) as err:
                     log.warning("could not say goodbye to the syncer: %s", err)

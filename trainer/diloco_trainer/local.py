@@ -309,17 +309,18 @@ class LocalRun:
             time.sleep(0.2)
 
     def stop_all(self, timeout: float = STOP_SECONDS) -> None:
-        """SIGTERM every child's process group at once, SIGKILL what is left after `timeout`."""
-        procs = [*self.learners, *([self.syncer] if self.syncer else [])]
-        for p in procs:
-            p.terminate()
-        deadline = time.monotonic() + timeout
-        for p in procs:
-            while p.alive and time.monotonic() < deadline:
-                time.sleep(0.05)
-        for p in procs:
-            p.kill()  # the group: stragglers too
-            p.wait()
+        """Stop the learners (SIGTERM: they say goodbye to the syncer), then the syncer; SIGKILL
+        each process group still there after `timeout` seconds."""
+        for group in (self.learners, [self.syncer] if self.syncer else []):
+            for p in group:
+                p.terminate()
+            deadline = time.monotonic() + timeout
+            for p in group:
+                while p.alive and time.monotonic() < deadline:
+                    time.sleep(0.05)
+            for p in group:
+                p.kill()  # the group: stragglers too
+                p.wait()
 
 
 def _raise_keyboard_interrupt(signum: int, frame: FrameType | None) -> None:
