@@ -1,0 +1,132 @@
+"""Failures while training: a learner killed with SIGKILL (rounds go on without it; restarted, it
+rejoins at the current version and contributes again), and a syncer killed with SIGKILL (learners
+ride it out, reconnect to the restarted syncer and the job finishes)."""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+from diloco_trainer.config import JobSpec
+from diloco_trainer.local import LocalRun
+
+from .conftest import wait_until
+from .test_convergence import (  # noqa: F401  (local_run is a fixture)
+    local_run,
+    run_to_finish,
+    start_synchronised,
+    status_of,
+)
+
+pytestmark = pytest.mark.e2e
+
+VICTIM = "island-1"
+JOINED = re.compile(r"fragment 0: took version (\d+) \(joined\)")
+
+
+def merge_log(run: LocalRun) -> list[dict[str, Any]]:
+    """Every merge so far, from the syncer's merges.jsonl."""
+    path = run.workdir / "syncer" / "merges.jsonl"
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def contributors(merge: dict[str, Any]) -> set[str]:
+    return {c["island"] for c in merge["contributors"]}
+
+
+def joined_versions(log_file: Path) -> list[int]:
+    """Versions of fragment 0 a learner took when it joined, one per (re)start, in order."""
+    return [int(v) for v in JOINED.findall(log_file.read_text())]
+
+
+def test_learner_restart_rounds_continue_and_it_rejoins_at_the_current_version(
+    make_spec: Callable[..., JobSpec],
+    local_run: Callable[..., LocalRun],  # noqa: F811
+) -> None:
+    spec = make_spec(
+        islands={"count": 3},
+        inner={"steps": 5, "batchSize": 4, "seqLen": 32, "lr": 3e-3},
+        sync={"quorum": 2, "graceSeconds": "auto", "heartbeatTimeoutSeconds": 20},
+        stopAfter={"outerSteps": 100000},
+        syncer={"checkpoint": {"everyOuterSteps": 1000}, "evalEveryOuterSteps": 1000},
+    )
+    run = local_run(spec)
+    run.start()
+    wait_until(lambda: status_of(run)["outerStep"] >= 2, timeout=120, what="two outer steps")
+
+    (victim,) = [p for p in run.learners if p.name.startswith(VICTIM + "/")]
+    victim.kill()
+    victim.wait()
+    killed_at = status_of(run)["outerStep"]
+    # Rounds go on without it (its last push may still land in the next merge).
+    down = wait_until(
+        lambda: len(d := [m for m in merge_log(run) if m["version"] > killed_at + 1]) >= 3 and d,
+        timeout=60,
+        what="three more merges with the victim down",
+    )
+    assert all(VICTIM not in contributors(m) for m in down), [contributors(m) for m in down]
+
+    restarted_at = status_of(run)["outerStep"]
+    (proc,) = run.start_island(1)
+    status = wait_until(
+        lambda: (s := status_of(run))["islands"][VICTIM]["joins"] == 2 and s,
+        timeout=90,
+        what="the victim to join again",
+    )
+    log_file = proc.log_file
+    versions = wait_until(
+        lambda: len(v := joined_versions(log_file)) == 2 and v, timeout=30, what="its first pull"
+    )
+    # Its first pull after the restart is the then-current global fragment, not version 0.
+    current = status_of(run)["versions"][0]
+    assert restarted_at <= versions[1] <= current, (restarted_at, versions, current)
+    assert status["islands"][VICTIM]["state"] == "active"
+
+    # ...and it contributes again: a later merge lists it.
+    wait_until(
+        lambda: any(
+            VICTIM in contributors(m) for m in merge_log(run) if m["version"] > versions[1]
+        ),
+        timeout=60,
+        what="a merge with the restarted island",
+    )
+    assert proc.alive
+
+
+def test_learner_rides_out_a_syncer_restart_and_the_job_finishes(
+    make_spec: Callable[..., JobSpec],
+    local_run: Callable[..., LocalRun],  # noqa: F811
+) -> None:
+    spec = make_spec(
+        islands={"count": 2},
+        inner={"steps": 5, "batchSize": 4, "seqLen": 32, "lr": 3e-3},
+        sync={"quorum": 2, "graceSeconds": "auto", "heartbeatTimeoutSeconds": 20},
+        stopAfter={"outerSteps": 12},
+        syncer={"checkpoint": {"everyOuterSteps": 2, "keep": 2}, "evalEveryOuterSteps": 1000},
+    )
+    run = local_run(spec)
+    start_synchronised(run)
+    wait_until(lambda: status_of(run)["outerStep"] >= 4, timeout=120, what="four outer steps")
+    assert run.syncer is not None
+    port = int(run.url.rsplit(":", 1)[1])
+    run.syncer.kill()
+    run.syncer.wait()
+    run.start_syncer(port=port)
+    resumed = status_of(run)
+    assert resumed["resumedFrom"] is not None
+    assert resumed["outerStep"] >= 4 - 2  # from a checkpoint at most everyOuterSteps old
+
+    status = run_to_finish(run, timeout=120)
+    assert status["finished"] and status["outerStep"] == 12
+    # Both learners carried on with the restarted syncer: each appears in merges after it.
+    late = [m for m in merge_log(run) if m["version"] > resumed["outerStep"] + 1]
+    assert {"island-0", "island-1"} <= set().union(*(contributors(m) for m in late))
+    # ...and leave on their own once it says finished.
+    run.wait_learners(30)
+    assert [p.returncode for p in run.learners] == [0, 0]
