@@ -2,8 +2,8 @@
 
 `sync_job` is the only place work happens. Every trigger ends up there:
 - create / update / resume of a DiLoCoJob (reconcile children, then observe);
-- a timer every STATUS_INTERVAL seconds (read the syncer's status, observe; reconcile every
-  RECONCILE_INTERVAL seconds as the drift backstop);
+- a timer task per job every STATUS_INTERVAL seconds (read the syncer's status, observe;
+  reconcile every RECONCILE_INTERVAL seconds as the drift backstop);
 - events of the job's pods (observe at once: island health -> syncer membership within seconds)
   and of its StatefulSets, Deployments and Services (reconcile when one is deleted or a rollout
   is under way).
@@ -59,6 +59,7 @@ JOBS = (api.GROUP, api.VERSION, api.PLURAL)
 STATUS_INTERVAL = 5.0
 RECONCILE_INTERVAL = 30.0
 RETRY_DELAY = 5.0
+TIMER_INITIAL_DELAY = 1.0
 
 
 @dataclass
@@ -86,6 +87,7 @@ class OperatorState:
     pending: dict[tuple[str, str], bool] = field(default_factory=dict)
     tasks: dict[tuple[str, str], asyncio.Task[None]] = field(default_factory=dict)
     phases: dict[tuple[str, str], str] = field(default_factory=dict)
+    timers: dict[tuple[str, str], asyncio.Task[None]] = field(default_factory=dict)
 
 
 STATE = OperatorState()
@@ -131,16 +133,19 @@ def _post_event(body: Mapping[str, Any], kind: str, reason: str, message: str) -
 # The sync of one job
 
 
-async def sync_job(namespace: str, name: str, *, reconcile: bool, poll_syncer: bool) -> None:
-    """Bring one job's children, syncer membership and status in line with what is observed."""
+async def sync_job(namespace: str, name: str, *, reconcile: bool, poll_syncer: bool) -> bool:
+    """Bring one job's children, syncer membership and status in line with what is observed.
+
+    Returns False when the job no longer exists.
+    """
     kube = STATE.kube
     assert kube is not None, "the startup handler connects to the API first"
     body = await kube.get_job(namespace, name)
     if body is None:
         await _forget(namespace, name)
-        return
+        return False
     if body["metadata"].get("deletionTimestamp"):
-        return  # garbage collection takes the children
+        return True  # garbage collection takes the children
     job = JobRef.from_body(body)
     mem = await _memory(namespace, name, job.uid)
     async with mem.lock:
@@ -165,6 +170,7 @@ async def sync_job(namespace: str, name: str, *, reconcile: bool, poll_syncer: b
         if ttl_expired(spec, new_status, _now()):
             _post_event(body, "Normal", "TTLExpired", "deleting the finished job")
             await kube.delete_job(namespace, name, job.uid)
+    return True
 
 
 async def _reconcile_children(
@@ -246,7 +252,8 @@ async def _send_membership(
     spec: DiLoCoJobSpec,
     mem: JobMemory,
     change: MembershipChange,
-) -> None:
+) -> bool:
+    """PUT one membership change; False when the syncer could not be reached."""
     try:
         client = await _client(kube, job, spec, mem)
         await client.set_membership(change.island, change.state, change.reason)
@@ -264,7 +271,8 @@ async def _send_membership(
         metrics.ERRORS.labels(where="membership").inc()
         if isinstance(err, SyncerUnavailable):
             mem.syncer_status, mem.syncer_error = None, str(err)
-        return  # not acknowledged: tried again on the next run
+            return False
+        return True  # refused: not acknowledged, tried again on the next run
     mem.membership.acknowledge(change)
     if mem.syncer_status is not None:  # keep the cached view consistent with what we just did
         islands = mem.syncer_status.setdefault("islands", {})
@@ -275,6 +283,7 @@ async def _send_membership(
     else:
         metrics.ISLANDS_READDED.inc()
         _post_event(body, "Normal", "IslandReadded", f"{change.island}: {change.reason}")
+    return True
 
 
 def _own_island_pattern(spec: DiLoCoJobSpec) -> re.Pattern[str]:
@@ -305,7 +314,8 @@ async def _observe(
         is_own_island=lambda n: bool(own.match(n)),
     )
     for change in changes:
-        await _send_membership(kube, job, body, spec, mem, change)
+        if not await _send_membership(kube, job, body, spec, mem, change):
+            break  # syncer unreachable: the rest waits for the next run, not for more timeouts
     meta = body["metadata"]
     observation = Observation(
         generation=int(meta.get("generation", 0)),
@@ -329,15 +339,19 @@ async def _observe(
     return patch
 
 
-async def _sync_logged(namespace: str, name: str, *, reconcile: bool, poll_syncer: bool) -> None:
-    """sync_job for background runs: errors are logged and counted, never raised."""
+async def _sync_logged(namespace: str, name: str, *, reconcile: bool, poll_syncer: bool) -> bool:
+    """sync_job for background runs: errors are logged and counted, never raised.
+
+    Returns False once the job is gone.
+    """
     try:
-        await sync_job(namespace, name, reconcile=reconcile, poll_syncer=poll_syncer)
+        return await sync_job(namespace, name, reconcile=reconcile, poll_syncer=poll_syncer)
     except kopf.PermanentError as err:
         log.warning("%s/%s: %s", namespace, name, err)
     except Exception:
         metrics.RECONCILES.labels(result="error").inc()
         log.exception("%s/%s: sync failed; the timer retries", namespace, name)
+    return True
 
 
 def request_sync(namespace: str, name: str, *, reconcile: bool) -> None:
@@ -378,7 +392,9 @@ async def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
 
 @kopf.on.cleanup()
 async def close_clients(**_: Any) -> None:
-    """Close syncer HTTP sessions on shutdown."""
+    """Stop the timers and close syncer HTTP sessions on shutdown."""
+    for task in [*STATE.timers.values(), *STATE.tasks.values()]:
+        task.cancel()
     for mem in STATE.jobs.values():
         if mem.client is not None:
             await mem.client.close()
@@ -398,17 +414,33 @@ async def reconcile(name: str, namespace: str, **_: Any) -> None:
         ) from err
 
 
-@kopf.timer(*JOBS, interval=STATUS_INTERVAL, initial_delay=1.0)
-async def observe(name: str, namespace: str, **_: Any) -> None:
-    """Read the syncer's progress, check health and drift, write the status."""
-    await _sync_logged(namespace, name, reconcile=False, poll_syncer=True)
-
-
 @kopf.on.event(*JOBS)
 async def job_event(name: str, namespace: str, type: str | None, **_: Any) -> None:
-    """Forget a deleted job's memory (no finalizer: owner references clean up children)."""
+    """Keep one timer task per existing job; forget a deleted job.
+
+    The timer is a plain task rather than a kopf.timer: kopf puts a finalizer on every object
+    with a timer, and a finalizer would keep jobs from being deleted whenever the operator is
+    not running. Owner references already clean up the children, so no finalizer is needed.
+    """
+    key = (namespace, name)
     if type == "DELETED":
+        task = STATE.timers.pop(key, None)
+        if task is not None:
+            task.cancel()
         await _forget(namespace, name)
+        return
+    task = STATE.timers.get(key)
+    if task is None or task.done():
+        # Created from kopf's per-object context, so kopf.event() works inside it.
+        STATE.timers[key] = asyncio.create_task(_timer(namespace, name))
+
+
+async def _timer(namespace: str, name: str) -> None:
+    """Every STATUS_INTERVAL: read the syncer's progress, check health and drift, write status."""
+    await asyncio.sleep(TIMER_INITIAL_DELAY)
+    while await _sync_logged(namespace, name, reconcile=False, poll_syncer=True):
+        await asyncio.sleep(STATUS_INTERVAL)
+    STATE.timers.pop((namespace, name), None)
 
 
 @kopf.on.event("", "v1", "pods", labels={JOB_LABEL: kopf.PRESENT})

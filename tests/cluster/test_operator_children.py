@@ -62,6 +62,8 @@ def test_operator_creates_children_with_env_contract(
     )
     print(f"job applied -> all children present: {took:.2f}s")
     uid = cluster.job("demo")["metadata"]["uid"]
+    # Owner references do the clean-up: no finalizer that would outlive the operator.
+    assert not cluster.job("demo")["metadata"].get("finalizers")
     for kind in ("statefulsets", "services", "deployments", "configmaps", "secrets"):
         for obj in cluster.items(kind, "diloco.dev/job=demo"):
             meta = obj["metadata"]

@@ -132,13 +132,16 @@ def test_operator_survives_unreachable_syncer(cluster: Cluster, operator: Operat
             "lost", islands={"count": 1}, syncer={"endpoint": dead, "tokenSecretName": "tok"}
         )
     )
-    wait_until(
-        lambda: _condition(cluster.status("lost"), "SyncerReachable").get("status") == "False",
+    condition = wait_until(
+        lambda: (
+            (c := _condition(cluster.status("lost"), "SyncerReachable")).get("status") == "False"
+            and "127.0.0.1:9" in c.get("message", "")
+            and c
+        ),
         60,
-        message="SyncerReachable=False",
+        message="SyncerReachable=False naming the endpoint",
     )
-    condition = _condition(cluster.status("lost"), "SyncerReachable")
-    assert "127.0.0.1:9" in condition["message"] and condition["reason"] == "NotYetReached"
+    assert condition["reason"] == "NotYetReached"
     wait_until(
         lambda: cluster.status("lost").get("islandsSummary") == "1/1", 60, message="island ready"
     )
