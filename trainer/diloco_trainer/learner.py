@@ -688,13 +688,13 @@ class Learner:
         """Join, train until the job finishes or SIGTERM; the exit code."""
         info: JoinInfo | None = None
         fragment_of: dict[str, int] | None = None
-        if self.rank0:
-            client = SyncerClient(self.env.syncer_url, self.env.token, self.env.ca_file)
-            self.link = SyncerLink(client, island=self.env.island, replicas=self.env.world_size)
-            info = self._join()
-            if info is not None:
-                fragment_of = {n: f for f, names in enumerate(info.fragments) for n in names}
         try:
+            if self.rank0 and not self.stop.is_set():
+                client = SyncerClient(self.env.syncer_url, self.env.token, self.env.ca_file)
+                self.link = SyncerLink(client, island=self.env.island, replicas=self.env.world_size)
+                info = self._join()
+                if info is not None:
+                    fragment_of = {n: f for f, names in enumerate(info.fragments) for n in names}
             return self._train(info, fragment_of)
         finally:
             if self.link is not None:
@@ -702,6 +702,9 @@ class Learner:
 
     def _train(self, info: JoinInfo | None, fragment_of: dict[str, int] | None) -> int:
         self.layout = self._exchange_layout(fragment_of)
+        if not self.layout:  # rank 0 was stopped before it had joined: every rank gets []
+            log.info("stopped before joining the syncer")
+            return 0
         self.offsets = fragment_offsets(self.spec.inner.steps, len(self.layout))
         # Everyone starts from the global weights (overwrite, whatever mixAlpha says).
         joined = list(range(len(self.layout))) if info is not None else []
