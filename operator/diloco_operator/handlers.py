@@ -148,8 +148,13 @@ async def sync_job(namespace: str, name: str, *, reconcile: bool, poll_syncer: b
         return True  # garbage collection takes the children
     job = JobRef.from_body(body)
     mem = await _memory(namespace, name, job.uid)
+    contended = mem.lock.locked()
     async with mem.lock:
-        body = await kube.get_job(namespace, name) or body  # fresh after waiting for the lock
+        if contended:  # another run changed things while we waited: read the job again
+            fresh = await kube.get_job(namespace, name)
+            if fresh is None:
+                return False
+            body = fresh
         try:
             spec = parse_job_spec(body.get("spec") or {})
         except SpecError as err:
