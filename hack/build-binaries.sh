@@ -15,7 +15,7 @@
 set -euo pipefail
 
 HACK_DIR=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
-# shellcheck source-path=SCRIPTDIR source=versions.env
+# shellcheck source-path=SCRIPTDIR source=versions.env disable=SC1091
 source "${HACK_DIR}/versions.env"
 
 CACHE_ROOT=${DILOCO_K8S_CACHE:-${HOME}/.cache/diloco-operator/k8s}
