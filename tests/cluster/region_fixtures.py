@@ -20,7 +20,7 @@ import base64
 import json
 import re
 import subprocess
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -32,7 +32,7 @@ from diloco_trainer import launch
 from diloco_trainer.config import parse_spec
 
 from .conftest import ControlPlane, wait_until
-from .operator_fixtures import DILOCO, LocalSyncer, OperatorProcess
+from .operator_fixtures import DILOCO, LocalSyncer, OperatorProcess, job_manifest
 
 # Kinds a chart release may create, namespaced and cluster-scoped (for "nothing left behind").
 NAMESPACED_CHART_KINDS = (
@@ -246,6 +246,19 @@ def start_loopback_syncer(manifest: Mapping[str, Any], workdir: Path) -> LocalSy
         workdir=workdir,
         job_name=name,
     )
+
+
+@pytest.fixture(scope="session")
+def shared_syncer(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalSyncer]:
+    """One real syncer for the tests that only need island membership (no training).
+
+    Jobs of different tests use different island names (spec.islands.namePrefix), so they never
+    see each other's islands; each test stores `.token` in its namespace as `.secret_name`.
+    """
+    manifest = job_manifest("shared")
+    started = start_loopback_syncer(manifest, tmp_path_factory.mktemp("shared-syncer"))
+    yield started
+    started.stop()
 
 
 def create_token_secret(cp: ControlPlane, namespace: str, name: str, token: str) -> None:

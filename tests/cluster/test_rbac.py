@@ -1,4 +1,4 @@
-# ruff: noqa: F811  (fixtures are imported from operator_fixtures and requested by name)
+# ruff: noqa: F811  (fixtures are imported from the fixture modules and requested by name)
 """Every rule of the chart's ClusterRole is needed: without it the operator fails at what it covers.
 
 For each rule of the ClusterRole that `helm template` renders with default values, the operator
@@ -34,7 +34,7 @@ from .region_fixtures import (
     one,
     operator_args,
     render_chart,
-    start_loopback_syncer,
+    shared_syncer,  # noqa: F401
 )
 
 pytestmark = pytest.mark.cluster
@@ -67,14 +67,6 @@ def chart(control_plane: ControlPlane, tmp_path_factory: pytest.TempPathFactory)
     )
     role = one(docs, "ClusterRole", f"{RELEASE}-diloco-operator")
     return Chart(rules=role["rules"], args=operator_args(docs))
-
-
-@pytest.fixture(scope="module")
-def syncer(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalSyncer]:
-    """One real syncer for the cases that need island membership (islands named per case)."""
-    started = start_loopback_syncer(job_manifest(REMOTE), tmp_path_factory.mktemp("syncer"))
-    yield started
-    started.stop()
 
 
 @dataclass
@@ -125,7 +117,7 @@ class Run:
 def run_with_rules(
     control_plane: ControlPlane,
     chart: Chart,
-    syncer: LocalSyncer,
+    shared_syncer: LocalSyncer,
     namespace: str,
     crd: Path,
     tmp_path: Path,
@@ -172,7 +164,7 @@ def run_with_rules(
         cluster = Cluster(cp, namespace)
         # A job with its own syncer and a generated token: every kind of child.
         cluster.apply(job_manifest(JOB, islands={"count": 1, "replicas": 1}))
-        return Run(cluster=cluster, operator=op, syncer=syncer)
+        return Run(cluster=cluster, operator=op, syncer=shared_syncer)
 
     yield start
     for op in started:
