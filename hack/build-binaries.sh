@@ -18,7 +18,7 @@ HACK_DIR=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 # shellcheck source-path=SCRIPTDIR source=versions.env disable=SC1091
 source "${HACK_DIR}/versions.env"
 
-CACHE_ROOT=${DILOCO_K8S_CACHE:-${HOME}/.cache/diloco-operator/k8s}
+CACHE_ROOT=${DILOCO_K8S_CACHE:-${HOME:?neither DILOCO_K8S_CACHE nor HOME is set}/.cache/diloco-operator/k8s}
 CACHE_KEY="${K8S_VERSION}-${ETCD_VERSION}-${KWOK_VERSION}-${HELM_VERSION}"
 OUT_DIR="${CACHE_ROOT}/${CACHE_KEY}"
 BIN_DIR="${OUT_DIR}/bin"
@@ -109,6 +109,14 @@ step_done() {
   log "  done in $(( SECONDS - $1 ))s"
 }
 
+# retry CMD...: run a go command, once more if it fails (module proxy hiccups); the Go
+# build cache keeps what was compiled, so the second try resumes where the first stopped.
+retry() {
+  "$@" && return 0
+  log "  failed; retrying once..."
+  "$@"
+}
+
 # ---------------------------------------------------------------------------
 # etcd: its server module carries relative replace directives, so `go install
 # module@version` refuses it; a tiny wrapper module pins all etcd modules instead.
@@ -130,7 +138,7 @@ build_etcd() {
   } > "${dir}/go.mod"
   (
     cd "${dir}"
-    GOFLAGS=-mod=mod "${GO}" build -trimpath -ldflags="-s -w" \
+    GOFLAGS=-mod=mod retry "${GO}" build -trimpath -ldflags="-s -w" \
       -o "${STAGE_DIR}/etcd" go.etcd.io/etcd/server/v3
   ) || die "building etcd failed (see the go output above)"
   install_staged etcd
@@ -147,7 +155,7 @@ build_kubernetes() {
   local t=${SECONDS} dir="${WORK_DIR}/kubernetes" modfile staging minor ldflags pkgs=() b
   log "building kube-apiserver, kube-controller-manager, kube-scheduler, kubectl ${K8S_VERSION} (first run only, ~15-30 min on 2 cores)..."
   mkdir -p "${dir}"
-  modfile=$(cd "${dir}" && GOFLAGS='' "${GO}" mod download -json "k8s.io/kubernetes@${K8S_VERSION}" \
+  modfile=$(cd "${dir}" && GOFLAGS='' retry "${GO}" mod download -json "k8s.io/kubernetes@${K8S_VERSION}" \
     | sed -n 's/^[[:space:]]*"GoMod": "\(.*\)",\{0,1\}$/\1/p') \
     || die "downloading k8s.io/kubernetes@${K8S_VERSION} from the module proxy failed"
   [[ -f "${modfile}" ]] || die "could not locate go.mod of k8s.io/kubernetes@${K8S_VERSION}"
@@ -180,7 +188,7 @@ build_kubernetes() {
   done
   (
     cd "${dir}"
-    GOFLAGS=-mod=mod "${GO}" build -trimpath -ldflags="${ldflags}" -o "${STAGE_DIR}/" "${pkgs[@]}"
+    GOFLAGS=-mod=mod retry "${GO}" build -trimpath -ldflags="${ldflags}" -o "${STAGE_DIR}/" "${pkgs[@]}"
   ) || die "building Kubernetes ${K8S_VERSION} failed (see the go output above)"
   install_staged "${bins[@]}"
   step_done "${t}"
@@ -195,7 +203,7 @@ go_install() {
   log "building ${name} ${version} (first run only, ${estimate})..."
   (
     cd "${WORK_DIR}"
-    GOFLAGS='' GOBIN="${STAGE_DIR}" "${GO}" install -trimpath -ldflags="-s -w ${ldflags}" "${pkg}@${version}"
+    GOFLAGS='' GOBIN="${STAGE_DIR}" retry "${GO}" install -trimpath -ldflags="-s -w ${ldflags}" "${pkg}@${version}"
   ) || die "building ${name} ${version} failed (see the go output above)"
   install_staged "${name}"
   step_done "${t}"

@@ -209,8 +209,10 @@ class ControlPlane:
 
 
 def _find_go() -> str | None:
-    return shutil.which("go") or (
-        "/usr/local/go/bin/go" if os.access("/usr/local/go/bin/go", os.X_OK) else None
+    return (
+        os.environ.get("GO")
+        or shutil.which("go")
+        or ("/usr/local/go/bin/go" if os.access("/usr/local/go/bin/go", os.X_OK) else None)
     )
 
 
