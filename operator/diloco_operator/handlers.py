@@ -171,7 +171,8 @@ async def sync_job(namespace: str, name: str, *, reconcile: bool, poll_syncer: b
         new_status = await _observe(kube, job, body, spec, status, mem)
         if islands_should_run(spec, status) and new_status.get("phase") in FINAL_PHASES:
             await _reconcile_children(kube, job, spec, new_status, mem)  # scale islands to 0
-            _post_event(body, "Normal", new_status["phase"], new_status.get("message", ""))
+            kind = "Normal" if new_status["phase"] == "Succeeded" else "Warning"
+            _post_event(body, kind, new_status["phase"], new_status.get("message", ""))
         if ttl_expired(spec, new_status, _now()):
             _post_event(body, "Normal", "TTLExpired", "deleting the finished job")
             await kube.delete_job(namespace, name, job.uid)
