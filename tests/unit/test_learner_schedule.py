@@ -3,8 +3,14 @@
 from __future__ import annotations
 
 import pytest
-from diloco_trainer.fragments import fragment_offsets
-from diloco_trainer.learner import ROUND_TIME_FACTOR, StepPlan, plan_step, wait_budget
+from diloco_trainer.fragments import fragment_offsets, fragments_due
+from diloco_trainer.learner import (
+    ROUND_TIME_FACTOR,
+    StepPlan,
+    plan_step,
+    schedule_start,
+    wait_budget,
+)
 
 
 def _simulate(
@@ -91,3 +97,27 @@ def test_plan_step_abandoned_fragment_is_pushed_again_when_due() -> None:
     # Re-pushed now, so it is applied overlap steps later, not polled now.
     assert plan.poll == ()
     assert plan.wait == ()
+
+
+def test_schedule_start_is_zero_for_one_fragment_or_a_fresh_job() -> None:
+    assert schedule_start([7], 10, fragment_offsets(10, 1)) == 0
+    assert schedule_start([0, 0, 0, 0], 8, fragment_offsets(8, 4)) == 0
+    assert schedule_start([3, 3], 5, fragment_offsets(5, 2)) == 0
+
+
+def test_schedule_start_puts_the_next_merged_fragment_first() -> None:
+    # H = 5, F = 2: offsets [0, 2], so fragment 1 is due at step 2 and fragment 0 at step 5.
+    offsets = fragment_offsets(5, 2)
+    # Fragment 1 already merged this round (version 2), fragment 0 not yet (1): start after
+    # step 2, so the first push (at step 5) is fragment 0's, after three steps of training.
+    start = schedule_start([1, 2], 5, offsets)
+    assert start == 2
+    first_due = next(s for s in range(start + 1, start + 6) if fragments_due(s, 5, offsets))
+    assert (first_due, fragments_due(first_due, 5, offsets)) == (5, [0])
+    # F = 4, H = 8 (due at 2, 4, 6, 8 for fragments 1, 2, 3, 0): 1 and 2 merged -> 3 next.
+    assert schedule_start([4, 5, 5, 4], 8, fragment_offsets(8, 4)) == 4
+
+
+def test_schedule_start_refuses_mismatched_lengths() -> None:
+    with pytest.raises(ValueError, match="versions"):
+        schedule_start([1, 2], 5, [0])

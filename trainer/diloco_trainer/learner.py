@@ -135,6 +135,26 @@ def wait_budget(round_times: Sequence[float], heartbeat_timeout: float) -> float
     return max(heartbeat_timeout, ROUND_TIME_FACTOR * recent)
 
 
+def schedule_start(versions: Sequence[int], inner_steps: int, offsets: Sequence[int]) -> int:
+    """The inner step count a joining learner starts from, so that its first push is of the
+    fragment the syncer merges next (and its own schedule is in phase with the others').
+
+    Within a round fragments are due in the order of their positions (offset, or H for offset 0),
+    so the fragment merged next is the first in that order with the lowest version. The learner
+    starts right after the preceding position, giving it a full slot of training before that
+    push. Why it matters: with a quorum of every island and F > 1, an island out of phase would
+    wait for fragment f while another waits for fragment g from it, each blocking the other until
+    the wait budget runs out. With F = 1, or everything at version v, the start is 0.
+    """
+    if len(versions) != len(offsets):
+        raise ValueError(f"{len(versions)} versions for {len(offsets)} fragments")
+    positions = [off % inner_steps or inner_steps for off in offsets]
+    order = sorted(range(len(offsets)), key=lambda f: (positions[f], f))
+    lowest = min(versions)
+    nxt = next(f for f in order if versions[f] == lowest)
+    return max([0, *(p for p in positions if p < positions[nxt])])
+
+
 # ---------------------------------------------------------------------------------------------
 # Rank 0's link to the syncer: an asyncio loop on a daemon thread.
 
@@ -445,20 +465,21 @@ class Learner:
 
     # -- collectives (every rank runs exactly the same sequence) --------------------------------
 
-    def _exchange_layout(self, fragment_of: dict[str, int] | None) -> list[list[str]]:
-        """Rank 0 knows which fragment each parameter is in (from the syncer); share it."""
+    def _exchange_start(
+        self, fragment_of: dict[str, int] | None, start: tuple[int, int]
+    ) -> tuple[list[list[str]], int, int]:
+        """Rank 0 knows the fragment of each parameter (from the syncer), the schedule start and
+        the learning-rate schedule offset; share them so every rank runs the same steps."""
         names = list(self.params)
-        index = torch.full((len(names),), -1, dtype=torch.int64, device=self._comm_device())
-        if fragment_of is not None:
-            index = torch.tensor(
-                [fragment_of.get(n, -1) for n in names], dtype=torch.int64, device=index.device
-            )
+        owner = [fragment_of.get(n, -1) for n in names] if fragment_of is not None else []
+        owner = owner or [-1] * len(names)
+        word = torch.tensor([*start, *owner], dtype=torch.int64, device=self._comm_device())
         if self.distributed:
-            dist.broadcast(index, src=0)
-        num = int(index.max().item()) + 1
-        return [
-            [n for n, f in zip(names, index.tolist(), strict=True) if f == g] for g in range(num)
-        ]
+            dist.broadcast(word, src=0)
+        first, lr_offset, *owner = word.tolist()
+        num = max(owner, default=-1) + 1
+        layout = [[n for n, f in zip(names, owner, strict=True) if f == g] for g in range(num)]
+        return layout, first, lr_offset
 
     def _control(self, apply: Sequence[int], finished: bool) -> tuple[list[int], bool, bool]:
         """All-reduce(MAX) of [stop, finished, apply mask...]: rank 0's plan, anyone's stop."""
@@ -701,11 +722,17 @@ class Learner:
                 self.link.close(leave=self.stop.is_set())
 
     def _train(self, info: JoinInfo | None, fragment_of: dict[str, int] | None) -> int:
-        self.layout = self._exchange_layout(fragment_of)
+        inner_steps = self.spec.inner.steps
+        start = (0, 0)
+        if info is not None:
+            offsets = fragment_offsets(inner_steps, len(info.fragments))
+            first = schedule_start(info.versions, inner_steps, offsets)
+            start = (first, info.outer_step * inner_steps)
+        self.layout, first, lr_offset = self._exchange_start(fragment_of, start)
         if not self.layout:  # rank 0 was stopped before it had joined: every rank gets []
             log.info("stopped before joining the syncer")
             return 0
-        self.offsets = fragment_offsets(self.spec.inner.steps, len(self.layout))
+        self.offsets = fragment_offsets(inner_steps, len(self.layout))
         # Everyone starts from the global weights (overwrite, whatever mixAlpha says).
         joined = list(range(len(self.layout))) if info is not None else []
         apply, finished, stopped = self._control(joined, self._finished())
@@ -717,25 +744,28 @@ class Learner:
         if finished or stopped:
             log.info("nothing to do: %s", "the job has finished" if finished else "stopped")
             return 0
-        lr_offset = (info.outer_step if info is not None else 0) * self.spec.inner.steps
         if self.rank0:
             assert self.link is not None
             interval = min(5.0, self.spec.sync.heartbeat_timeout_seconds / 4)
             self.link.submit(self.link.heartbeats(interval))
         self._step_time = 0.0
         window_tokens, window_start, loss_ema = 0, time.monotonic(), None
-        step = 0
+        # The schedule step (fragments_due); the learning rate counts the steps run instead.
+        step = first
+        if first:
+            log.info("starting at schedule step %d, in phase with the other islands", first)
         while True:
             step += 1
             t0 = time.perf_counter()
-            loss, tokens = self._inner_step(lr_offset + step - 1)
+            loss, tokens = self._inner_step(lr_offset + step - first - 1)
             if self.device.startswith("cuda"):
                 torch.cuda.synchronize()
             compute = time.perf_counter() - t0
             if self.env.slowdown > 1:
                 time.sleep((self.env.slowdown - 1.0) * compute)  # a deliberate straggler
             step_time = time.perf_counter() - t0
-            self._step_time = step_time if step == 1 else 0.9 * self._step_time + 0.1 * step_time
+            ema = 0.9 * self._step_time + 0.1 * step_time
+            self._step_time = ema if self._step_time else step_time
             loss_ema = loss if loss_ema is None else 0.9 * loss_ema + 0.1 * loss
             self.tokens += tokens
             window_tokens += tokens
@@ -766,10 +796,10 @@ class Learner:
             for f in apply:
                 self.results.pop(f, None)
             if finished:
-                log.info("the job has finished: exiting after %d steps", step)
+                log.info("the job has finished: exiting after %d steps", step - first)
                 return 0
             if stopped:
-                log.info("stopping on request after %d steps", step)
+                log.info("stopping on request after %d steps", step - first)
                 return 0
 
 
