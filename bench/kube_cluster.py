@@ -161,17 +161,25 @@ def metric_value(text: str, name: str, labels: str = "") -> float:
     return total
 
 
-def histogram_quantile(text: str, name: str, q: float) -> float:
-    """A quantile of a Prometheus histogram, interpolated linearly within its bucket."""
-    buckets: list[tuple[float, float]] = []
+def histogram_buckets(text: str, name: str) -> dict[float, float]:
+    """Cumulative bucket counts of a Prometheus histogram, by upper bound."""
+    out: dict[float, float] = {}
     for line in text.splitlines():
         if line.startswith(f"{name}_bucket{{"):
             le = re.search(r'le="([^"]+)"', line)
             if le:
                 bound = float("inf") if le.group(1) == "+Inf" else float(le.group(1))
-                buckets.append((bound, float(line.rpartition(" ")[2])))
-    buckets.sort()
-    if not buckets or buckets[-1][1] == 0:
+                out[bound] = out.get(bound, 0.0) + float(line.rpartition(" ")[2])
+    return out
+
+
+def histogram_quantile(text: str, name: str, q: float, before: str = "") -> float:
+    """A quantile of a Prometheus histogram (of what it observed since `before`, a previous
+    scrape, when given), interpolated linearly within its bucket."""
+    now = histogram_buckets(text, name)
+    then = histogram_buckets(before, name) if before else {}
+    buckets = sorted((b, c - then.get(b, 0.0)) for b, c in now.items())
+    if not buckets or buckets[-1][1] <= 0:
         return float("nan")
     target = q * buckets[-1][1]
     prev_bound, prev_count = 0.0, 0.0

@@ -350,6 +350,7 @@ def measure_load(
 
     idle_rss = op.rss_bytes()
     metrics_before = op.metrics()
+    log_start = len(op.proc.log_text()) if op.proc else 0
     sampler = threading.Thread(target=sample, daemon=True)
     sampler.start()
     created: dict[str, float] = {}
@@ -375,26 +376,32 @@ def measure_load(
     stop.set()
     sampler.join()
     metrics = op.metrics()
-    log = op.proc.log_text() if op.proc else ""
+    log = op.proc.log_text()[log_start:] if op.proc else ""  # only what the load produced
     latencies = [done[n] - created[n] for n in done]
-    reconciles = metric_value(metrics, "diloco_operator_reconciles_total") - metric_value(
-        metrics_before, "diloco_operator_reconciles_total"
-    )
+
+    def delta(name: str, labels: str = "") -> float:
+        return metric_value(metrics, name, labels) - metric_value(metrics_before, name, labels)
+
+    reconciles = delta("diloco_operator_reconciles_total")
     return {
         "jobs": jobs,
         "done": len(done),
         "create_seconds": t_created - t_start,
         "all_children_seconds": t_all - t_start,
         "latencies": latencies,
-        "reconcile_p50": histogram_quantile(metrics, "diloco_operator_reconcile_seconds", 0.5),
-        "reconcile_p95": histogram_quantile(metrics, "diloco_operator_reconcile_seconds", 0.95),
-        "reconcile_p99": histogram_quantile(metrics, "diloco_operator_reconcile_seconds", 0.99),
-        "reconciles": reconciles,
-        "reconcile_errors": metric_value(
-            metrics, "diloco_operator_reconciles_total", 'result="error"'
+        "reconcile_p50": histogram_quantile(
+            metrics, "diloco_operator_reconcile_seconds", 0.5, metrics_before
         ),
-        "errors_total": metric_value(metrics, "diloco_operator_errors_total"),
-        "syncer_unreachable": metric_value(metrics, "diloco_operator_syncer_unreachable_total"),
+        "reconcile_p95": histogram_quantile(
+            metrics, "diloco_operator_reconcile_seconds", 0.95, metrics_before
+        ),
+        "reconcile_p99": histogram_quantile(
+            metrics, "diloco_operator_reconcile_seconds", 0.99, metrics_before
+        ),
+        "reconciles": reconciles,
+        "reconcile_errors": delta("diloco_operator_reconciles_total", 'result="error"'),
+        "errors_total": delta("diloco_operator_errors_total"),
+        "syncer_unreachable": delta("diloco_operator_syncer_unreachable_total"),
         "log_errors": sum(1 for line in log.splitlines() if "ERROR" in line),
         "log_tracebacks": log.count("Traceback"),
         "idle_rss": idle_rss,
@@ -507,13 +514,14 @@ def main(argv: Sequence[str] | None = None) -> int:
             )
         for q in ("p50", "p95", "p99"):
             t.add(
-                f"operator reconcile time {q} (its histogram)", f"{loaded['reconcile_' + q]:.3f}s"
+                f"operator reconcile time {q} during the load (its histogram)",
+                f"{loaded['reconcile_' + q]:.3f}s",
             )
         t.add("reconciles during the load", f"{loaded['reconciles']:.0f}")
-        t.add("reconciles that failed", f"{loaded['reconcile_errors']:.0f}")
-        t.add("operator errors_total", f"{loaded['errors_total']:.0f}")
+        t.add("reconciles that failed (during the load)", f"{loaded['reconcile_errors']:.0f}")
+        t.add("operator errors_total (during the load)", f"{loaded['errors_total']:.0f}")
         t.add(
-            "ERROR lines / tracebacks in the operator log",
+            "ERROR lines / tracebacks in the operator log during the load",
             f"{loaded['log_errors']} / {loaded['log_tracebacks']}",
         )
         t.add(
