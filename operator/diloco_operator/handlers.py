@@ -19,6 +19,7 @@ import re
 import secrets
 import time
 from collections.abc import Mapping
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from typing import Any
@@ -38,7 +39,7 @@ from diloco_operator.health import (
     syncer_island_states,
     syncer_pods,
 )
-from diloco_operator.kube import Kube, load_config
+from diloco_operator.kube import API_THREADS, Kube, load_config
 from diloco_operator.planner import plan_changes
 from diloco_operator.resources import JOB_LABEL, JobRef
 from diloco_operator.status import (
@@ -393,6 +394,10 @@ async def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
     settings.watching.connect_timeout = 30
     settings.watching.server_timeout = 300
     settings.networking.request_timeout = 60
+    # The Kubernetes client is synchronous: its calls run in these threads (asyncio.to_thread).
+    asyncio.get_running_loop().set_default_executor(
+        ThreadPoolExecutor(max_workers=API_THREADS, thread_name_prefix="k8s-api")
+    )
     STATE.kube = await Kube.connect(load_config())
 
 

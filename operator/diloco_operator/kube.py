@@ -35,13 +35,19 @@ _API_VERSIONS = {
 }
 
 
+# Worker threads for API calls, and HTTP connections to keep for them (one per thread).
+API_THREADS = 32
+
+
 def load_config() -> client.ApiClient:
     """In-cluster service account when there is one, else KUBECONFIG / ~/.kube/config."""
     try:
         config.load_incluster_config()
     except config.ConfigException:
         config.load_kube_config()
-    return client.ApiClient()
+    configuration = client.Configuration.get_default_copy()
+    configuration.connection_pool_maxsize = API_THREADS
+    return client.ApiClient(configuration)
 
 
 class Kube:
