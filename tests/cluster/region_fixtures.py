@@ -20,7 +20,7 @@ import base64
 import json
 import re
 import subprocess
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -266,6 +266,46 @@ def create_token_secret(cp: ControlPlane, namespace: str, name: str, token: str)
     cp.kubectl(
         "create", "secret", "generic", name, "-n", namespace, f"--from-literal=token={token}"
     )
+
+
+@pytest.fixture
+def chart_operator_in(
+    tmp_path: Path,
+) -> Iterator[Callable[[ControlPlane, str], ChartOperator]]:
+    """chart_operator_in(cp, jobs_namespace) -> ChartOperator: the chart installed in `cp` (its
+    own release namespace, watching `jobs_namespace`) and its operator running as the chart's
+    ServiceAccount. Teardown stops the operator and uninstalls the release.
+    """
+    started: list[tuple[ControlPlane, ChartRelease, ChartOperator | None]] = []
+
+    def make(cp: ControlPlane, jobs_namespace: str) -> ChartOperator:
+        home = tmp_path / f"chart-{cp.name}"
+        release_ns = cp.create_namespace("diloco-system")
+        release = ChartRelease(
+            helm_for(cp, home / "helm"),
+            cp,
+            name="diloco",
+            namespace=release_ns,
+            values={"watchNamespaces": [jobs_namespace]},
+        )
+        started.append((cp, release, None))
+        release.install()
+        op = start_chart_operator(
+            cp,
+            args=operator_args(release.manifest()),
+            namespace=release_ns,
+            serviceaccount=release.service_account(),
+            workdir=home,
+        )
+        started[-1] = (cp, release, op)
+        return op
+
+    yield make
+    for cp, release, op in reversed(started):
+        if op is not None:
+            op.stop()
+        release.uninstall()
+        cp.delete_namespace(release.namespace)
 
 
 # ------------------------------------------------------------------------------ pods -> processes
