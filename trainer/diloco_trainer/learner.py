@@ -43,6 +43,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import concurrent.futures
+import hashlib
 import logging
 import math
 import os
@@ -392,6 +393,15 @@ class FragmentState:
     base: dict[str, Tensor] = field(default_factory=dict)  # fp32 CPU θ_global at `version`
     counters: FragmentCounters = field(default_factory=FragmentCounters)
     last_sync_seconds: float = 0.0
+
+
+def weights_digest(model: nn.Module) -> str:
+    """sha256 of every parameter's bytes, in order: DDP ranks of one island must agree on it."""
+    h = hashlib.sha256()
+    for name, p in model.named_parameters():
+        h.update(name.encode())
+        h.update(p.detach().to("cpu", torch.float32).contiguous().numpy().tobytes())
+    return h.hexdigest()[:16]
 
 
 def pick_device(requested: str) -> str:
@@ -795,11 +805,13 @@ class Learner:
             self._apply(apply, alpha=self.spec.sync.mix_alpha)
             for f in apply:
                 self.results.pop(f, None)
-            if finished:
-                log.info("the job has finished: exiting after %d steps", step - first)
-                return 0
-            if stopped:
-                log.info("stopping on request after %d steps", step - first)
+            if finished or stopped:
+                log.info(
+                    "%s after %d steps; weights digest %s",
+                    "the job has finished: exiting" if finished else "stopping on request",
+                    step - first,
+                    weights_digest(self.model),
+                )
                 return 0
 
 
