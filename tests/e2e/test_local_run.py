@@ -12,6 +12,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+import yaml
 from diloco_trainer.config import JobSpec, parse_spec
 from diloco_trainer.local import DEFAULT_JOB_NAME, DEFAULT_SPEC, load_job, parse_slow_islands
 
@@ -165,6 +166,11 @@ def test_local_run_sigint_stops_every_child(
 
 
 def test_local_default_spec_is_the_example_manifest() -> None:
+    from diloco_operator.api import parse_job_spec
+
+    manifest = yaml.safe_load((REPO / "examples" / "local.yaml").read_text())
+    assert (manifest["apiVersion"], manifest["kind"]) == ("diloco.dev/v1alpha1", "DiLoCoJob")
+    assert parse_job_spec(manifest["spec"]).image  # what the operator needs to run it
     name, spec = load_job(str(REPO / "examples" / "local.yaml"))
     assert spec == parse_spec(DEFAULT_SPEC)
     assert name == DEFAULT_JOB_NAME
