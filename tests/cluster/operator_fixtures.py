@@ -224,14 +224,17 @@ class OperatorProcess:
 def operator(
     control_plane: ControlPlane, namespace: str, crd: Path, tmp_path: Path
 ) -> Iterator[OperatorProcess]:
-    """A running operator watching this test's namespace; its log is printed on failure."""
+    """A running operator watching this test's namespace; its log tail is shown on failure
+    (the whole log with DILOCO_SHOW_OPERATOR_LOG=1)."""
     env = {**control_plane.env, "PYTHONUNBUFFERED": "1"}
     op = OperatorProcess(env=env, namespace=namespace, log_file=tmp_path / "operator.log")
     op.start()
     yield op
     op.stop()
-    if os.environ.get("DILOCO_SHOW_OPERATOR_LOG"):
-        print(op.log_text())
+    # pytest shows teardown output only for failing tests: the operator's side of the story.
+    lines = op.log_text().splitlines()
+    full = os.environ.get("DILOCO_SHOW_OPERATOR_LOG")
+    print("\n".join(lines if full else lines[-60:]))
 
 
 # ------------------------------------------------------------------------------ local syncer
