@@ -12,6 +12,7 @@ import contextlib
 import json
 import os
 import signal
+import ssl
 import subprocess
 import sys
 import time
@@ -251,6 +252,7 @@ class LocalSyncer:
     files: launch.JobFiles
     workdir: Path
     job_name: str
+    cert: Path | None = None
     learners: list[launch.Proc] = field(default_factory=list)
 
     def start_learner(self, island: str, island_index: int) -> launch.Proc:
@@ -276,7 +278,8 @@ class LocalSyncer:
         req = urllib.request.Request(
             self.url + "/v1/status", headers={"Authorization": f"Bearer {self.token}"}
         )
-        with urllib.request.urlopen(req, timeout=10) as resp:
+        ctx = ssl.create_default_context(cafile=str(self.cert)) if self.cert else None
+        with urllib.request.urlopen(req, timeout=10, context=ctx) as resp:
             return json.loads(resp.read())
 
     def island_state(self, island: str) -> str | None:
@@ -287,18 +290,23 @@ class LocalSyncer:
 def make_local_syncer(
     cluster: Cluster, tmp_path: Path
 ) -> Iterator[Callable[[dict[str, Any]], LocalSyncer]]:
-    """make_local_syncer(job_manifest) -> LocalSyncer serving that job's spec.
+    """make_local_syncer(job_manifest, tls=False) -> LocalSyncer serving that job's spec.
+
+    With tls=True it serves HTTPS with a self-signed certificate (the `cert` attribute).
 
     Also creates the Secret `NAME-shared-token` holding its token; point the job at it with
     `syncer: {endpoint: syncer.url, tokenSecretName: syncer.secret_name}`.
     """
     started: list[LocalSyncer] = []
 
-    def make(manifest: dict[str, Any]) -> LocalSyncer:
+    def make(manifest: dict[str, Any], tls: bool = False) -> LocalSyncer:
         spec_doc = {k: v for k, v in manifest["spec"].items() if k != "syncer"}
         spec = parse_spec(spec_doc)
         workdir = tmp_path / f"syncer-{len(started)}"
         files = launch.write_job_files(spec, workdir)
+        cert = key = None
+        if tls:
+            cert, key = self_signed_certificate(workdir)
         port = launch.free_port()
         proc = launch.start_syncer(
             files,
@@ -306,11 +314,13 @@ def make_local_syncer(
             state_dir=workdir / "state",
             job_name=manifest["metadata"]["name"],
             log_file=workdir / "syncer.log",
+            tls_cert_file=cert,
+            tls_key_file=key,
             extra_env={"OMP_NUM_THREADS": "1"},
         )
-        url = f"http://127.0.0.1:{port}"
+        url = f"{'https' if tls else 'http'}://127.0.0.1:{port}"
         try:
-            launch.wait_ready(url, files.token, timeout=120, proc=proc)
+            launch.wait_ready(url, files.token, timeout=120, proc=proc, ca_file=cert)
         except BaseException:
             proc.stop()
             raise
@@ -327,6 +337,7 @@ def make_local_syncer(
             files=files,
             workdir=workdir,
             job_name=manifest["metadata"]["name"],
+            cert=cert,
         )
         started.append(syncer)
         return syncer
@@ -334,6 +345,27 @@ def make_local_syncer(
     yield make
     for syncer in started:
         syncer.stop()
+
+
+def self_signed_certificate(directory: Path) -> tuple[Path, Path]:
+    """A self-signed certificate for 127.0.0.1 (it is its own CA): (cert, key) paths."""
+    directory.mkdir(parents=True, exist_ok=True)
+    cert, key = directory / "tls.crt", directory / "tls.key"
+    argv = [
+        "openssl",
+        "req",
+        "-x509",
+        "-newkey",
+        "rsa:2048",
+        "-nodes",
+        "-days",
+        "1",
+        "-subj",
+        "/CN=127.0.0.1",
+    ]
+    argv += ["-keyout", str(key), "-out", str(cert), "-addext", "subjectAltName=IP:127.0.0.1"]
+    subprocess.run(argv, check=True, capture_output=True)
+    return cert, key
 
 
 def elapsed_until(predicate: Callable[[], Any], timeout: float, message: str) -> float:

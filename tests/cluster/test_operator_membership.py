@@ -148,3 +148,34 @@ def test_operator_survives_unreachable_syncer(cluster: Cluster, operator: Operat
     assert cluster.status("lost")["phase"] == "Pending"
     assert operator.alive
     assert "diloco_operator_syncer_unreachable_total" in operator.metrics()
+
+
+def test_operator_reaches_tls_syncer_with_ca_secret(
+    cluster: Cluster, operator: OperatorProcess, make_local_syncer: Any
+) -> None:
+    manifest = job_manifest("tls", islands={"count": 1})
+    syncer = make_local_syncer(manifest, tls=True)
+    assert syncer.url.startswith("https://") and syncer.cert is not None
+    cluster.cp.kubectl(
+        "create", "secret", "generic", "syncer-ca", "-n", cluster.ns,
+        f"--from-file=ca.crt={syncer.cert}",
+    )  # fmt: skip
+    manifest["spec"]["syncer"] = {
+        "endpoint": syncer.url,
+        "tokenSecretName": syncer.secret_name,
+        "tls": {"caSecretName": "syncer-ca"},
+    }
+    cluster.apply(manifest)
+    wait_until(
+        lambda: _condition(cluster.status("tls"), "SyncerReachable").get("status") == "True",
+        60,
+        message="the HTTPS syncer reached with the CA from the Secret",
+    )
+    sts = cluster.get("statefulset", "tls-island-0")
+    assert sts is not None
+    env = {
+        e["name"]: e.get("value") for e in sts["spec"]["template"]["spec"]["containers"][0]["env"]
+    }
+    assert env["DILOCO_SYNCER_URL"] == syncer.url and env["DILOCO_CA_FILE"].endswith("ca.crt")
+    volumes = {v["name"]: v for v in sts["spec"]["template"]["spec"]["volumes"]}
+    assert volumes["ca"]["secret"]["secretName"] == "syncer-ca"
