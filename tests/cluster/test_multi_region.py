@@ -19,8 +19,10 @@ from __future__ import annotations
 import json
 import secrets
 import ssl
+import time
 import urllib.request
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -101,24 +103,26 @@ def test_multi_region_islands_of_two_clusters_train_with_one_syncer(
     tmp_path: Path,
 ) -> None:
     procs: list[launch.Proc] = []
-    region_a = Cluster(control_plane, control_plane.create_namespace("region-a"))
-    cp_b = make_control_plane(REGION_B_CLUSTER)
-    region_b = Cluster(cp_b, cp_b.create_namespace("region-b"))
+    namespaces: list[tuple[ControlPlane, str]] = []
     try:
-        _run_two_regions(region_a, region_b, chart_operator_in, procs, tmp_path)
+        with ThreadPoolExecutor(max_workers=1) as pool:
+            # Region B's control plane starts while region A is set up (minutes saved, not logic).
+            cp_b = pool.submit(make_control_plane, REGION_B_CLUSTER)
+            _run_two_regions(control_plane, cp_b, chart_operator_in, procs, namespaces, tmp_path)
     finally:
         for proc in reversed(procs):
             proc.stop()
-        for cluster in (region_a, region_b):
-            cluster.cp.kubectl("delete", "dilocojobs", "--all", "-n", cluster.ns, "--wait=false")
-            cluster.cp.delete_namespace(cluster.ns)
+        for cp, ns in namespaces:
+            cp.kubectl("delete", "dilocojobs", "--all", "-n", ns, "--wait=false", check=False)
+            cp.delete_namespace(ns)
 
 
 def _run_two_regions(
-    region_a: Cluster,
-    region_b: Cluster,
+    cp_a: ControlPlane,
+    cp_b_future: Future[ControlPlane],
     chart_operator_in: Callable[[ControlPlane, str], ChartOperator],
     procs: list[launch.Proc],
+    namespaces: list[tuple[ControlPlane, str]],
     tmp_path: Path,
 ) -> None:
     job_a = tiny(example("region-a.yaml"), {"count": 1, "totalShards": 2})
@@ -126,28 +130,39 @@ def _run_two_regions(
     name = job_a["metadata"]["name"]
     assert job_b["metadata"]["name"] == name
     spec_a, spec_b = job_a["spec"], job_b["spec"]
+    t0 = time.monotonic()
 
-    operators = [chart_operator_in(c.cp, c.ns) for c in (region_a, region_b)]
+    def mark(what: str) -> None:
+        print(f"[{time.monotonic() - t0:6.1f}s] {what}")
+
+    region_a = Cluster(cp_a, cp_a.create_namespace("region-a"))
+    namespaces.append((cp_a, region_a.ns))
+    operators = [chart_operator_in(cp_a, region_a.ns)]
+    mark("region A: chart installed, operator running")
 
     # Region A: token and TLS Secrets as the README creates them, then the job.
     token = secrets.token_urlsafe(32)
     tls = self_signed_tls(
         tmp_path / "tls", ips=["127.0.0.1"], dns=[f"{name}-syncer.{region_a.ns}.svc"]
     )
-    create_token_secret(region_a.cp, region_a.ns, spec_a["syncer"]["tokenSecretName"], token)
-    tls.create_secrets(region_a.cp, region_a.ns, tls=spec_a["syncer"]["tls"]["secretName"])
+    create_token_secret(cp_a, region_a.ns, spec_a["syncer"]["tokenSecretName"], token)
+    tls.create_secrets(cp_a, region_a.ns, tls=spec_a["syncer"]["tls"]["secretName"])
     region_a.apply(job_a)
-    wait_until(
-        lambda: region_a.get("deployment", f"{name}-syncer"), 60, message="region A's syncer"
+    service = wait_until(
+        lambda: (
+            region_a.get("deployment", f"{name}-syncer")
+            and region_a.get("service", f"{name}-syncer")
+        ),
+        60,
+        message="region A's syncer Deployment and Service",
     )
-    service = region_a.get("service", f"{name}-syncer")
-    assert service is not None and service["spec"]["type"] == "LoadBalancer"
+    assert service["spec"]["type"] == "LoadBalancer"
 
     # The syncer from its Deployment's pod template; only its port is made local.
     syncer_pod = LocalPod.from_template(
-        region_a.cp,
+        cp_a,
         region_a.ns,
-        workload_template(region_a.cp, region_a.ns, "deployment", f"{name}-syncer"),
+        workload_template(cp_a, region_a.ns, "deployment", f"{name}-syncer"),
         "syncer",
         tmp_path / "syncer",
         pod_name=f"{name}-syncer",
@@ -157,15 +172,20 @@ def _run_two_regions(
     syncer = syncer_pod.start("syncer", tmp_path / "syncer.log", {contract.SYNCER_PORT: str(port)})
     procs.append(syncer)
     url = f"https://127.0.0.1:{port}"
-    launch.wait_ready(url, token, timeout=WAIT, proc=syncer, ca_file=tls.cert)
+    # Learners retry until the syncer answers, so nothing waits for it to be ready yet.
 
-    # Region B: the same token, the CA, and the job pointing at region A's syncer.
-    create_token_secret(region_b.cp, region_b.ns, spec_b["syncer"]["tokenSecretName"], token)
-    tls.create_secrets(region_b.cp, region_b.ns, ca=spec_b["syncer"]["tls"]["caSecretName"])
+    # Region B: the chart, the same token, the CA, and the job pointing at region A's syncer.
+    cp_b = cp_b_future.result()
+    region_b = Cluster(cp_b, cp_b.create_namespace("region-b"))
+    namespaces.append((cp_b, region_b.ns))
+    operators.append(chart_operator_in(cp_b, region_b.ns))
+    mark("region B: control plane up, chart installed, operator running")
+    create_token_secret(cp_b, region_b.ns, spec_b["syncer"]["tokenSecretName"], token)
+    tls.create_secrets(cp_b, region_b.ns, ca=spec_b["syncer"]["tls"]["caSecretName"])
     job_b["spec"]["syncer"]["endpoint"] = url
     region_b.apply(job_b)
     wait_until(
-        lambda: region_b.pods_ready(f"diloco.dev/job={name}", 1), 60, message="region B's pod"
+        lambda: region_b.get("statefulset", f"{name}-eu-island-0"), 60, message="region B's island"
     )
     assert region_b.get("deployment", f"{name}-syncer") is None  # no syncer in region B
 
@@ -174,6 +194,9 @@ def _run_two_regions(
     workdir = tmp_path / "learners"
     procs.append(_start_learner(region_a, name, "island-0", workdir, {contract.SYNCER_URL: url}))
     procs.append(_start_learner(region_b, name, "eu-island-0", workdir, {}))
+    mark("learners started")
+    launch.wait_ready(url, token, timeout=WAIT, proc=syncer, ca_file=tls.cert)
+    mark("region A's syncer ready")
 
     def status() -> dict[str, Any]:
         return syncer_status(url, token, tls.cert)
@@ -195,6 +218,7 @@ def _run_two_regions(
         interval=1.0,
         message="a merge with contributors from both regions",
     )
+    mark("merge of both regions")
     islands = status()["islands"]
     assert islands["island-0"]["state"] == islands["eu-island-0"]["state"] == "active"
     print(f"merge of both regions at outer step {merge['outerStep']}: {merge['contributors']}")
@@ -208,6 +232,7 @@ def _run_two_regions(
         return st if ok else None
 
     st_b = wait_until(b_reports, 60, message="region B's status with its island and outer step")
+    mark("region B's status shows its island and the outer step")
     assert [i["name"] for i in st_b["islandStatuses"]] == ["eu-island-0"]
     assert st_b["phase"] == "Running" and st_b["islands"]["ready"] == 1
     assert st_b["islandStatuses"][0]["state"] == "active" and st_b["islandStatuses"][0]["lastPush"]
