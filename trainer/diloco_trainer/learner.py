@@ -869,10 +869,12 @@ def main(args: argparse.Namespace) -> int:
             spec.total_shards(),
             env.syncer_url,
         )
-        return learner.run()
+        code = learner.run()
     except (ConfigError, SyncerError, ValueError) as err:
         log.error("%s", err)
-        return 1
+        code = 1
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+    log.info("exiting with code %d", code)
+    return code
