@@ -27,6 +27,7 @@ import sys
 import threading
 import time
 import uuid
+import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -349,7 +350,17 @@ def _start_control_plane(name: str, base: Path, bin_dir: Path) -> ControlPlane:
 
 def _stop_control_plane(cp: ControlPlane) -> None:
     # Keep the component logs in pytest's (rotated) temp dir for post-mortems.
-    _local_cluster("down", "--keep-logs", "--dir", str(cp.dir))
+    try:
+        result = _local_cluster("down", "--keep-logs", "--dir", str(cp.dir))
+    except subprocess.TimeoutExpired:
+        warnings.warn(f"hack/local-cluster down --dir {cp.dir} timed out", stacklevel=1)
+        return
+    if cp.logs_dir.is_dir():
+        (cp.logs_dir / "down.log").write_text(result.stdout + result.stderr)
+    if result.returncode != 0 or "WARNING" in result.stderr:
+        warnings.warn(
+            f"hack/local-cluster down --dir {cp.dir}: {_tail(result.stderr, 10)}", stacklevel=1
+        )
 
 
 # ----------------------------------------------------------------------------------- fixtures
