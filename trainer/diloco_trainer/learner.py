@@ -240,7 +240,12 @@ class SyncerLink:
     async def sync_fragment(
         self, fragment: int, encoded: Mapping[str, Tensor], meta: PushMeta
     ) -> SyncResult:
-        """Push a pseudo-gradient, then long-poll for the first version newer than its base.
+        """Push a pseudo-gradient, then long-poll for the merge that contains it.
+
+        The syncer answers an accepted push with the fragment's version at that moment; the push
+        sits in the round that produces the next version, so that is what we wait for. Waiting
+        only for "newer than our base" would, whenever another merge slipped in first, hand us a
+        version without our own work, and every later push would then be one version stale.
 
         A refused push (409 too stale, 403 dropped, 400/413 malformed) is logged and the current
         fragment is returned instead; an island the syncer forgot (404) joins again first.
@@ -251,6 +256,8 @@ class SyncerLink:
         try:
             reply = await self.client.push(fragment, encoded, meta)
             log.debug("fragment %d push answered %s", fragment, reply)
+            if reply.get("accepted"):
+                after = max(after, int(reply.get("version", after)))
         except SyncerError as err:
             after = -1
             outcome = f"push refused ({err})"
