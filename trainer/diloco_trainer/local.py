@@ -70,7 +70,7 @@ DEFAULT_SPEC: dict[str, Any] = {
     },
     "outer": {"lr": 0.7, "momentum": 0.9, "nesterov": True},
     "sync": {
-        "quorum": 3,
+        "quorum": 2,
         "graceSeconds": "auto",
         "fragments": 2,
         "overlapSteps": 5,
