@@ -244,8 +244,9 @@ async def _poll_syncer(kube: Kube, job: JobRef, spec: DiLoCoJobSpec, mem: JobMem
         client = await _client(kube, job, spec, mem)
         mem.syncer_status, mem.syncer_error = await client.status(), None
     except (SyncerUnavailable, SyncerRequestError) as err:
-        if isinstance(err, SyncerRequestError) and err.status in (401, 403):
-            await _drop_client(mem)  # the token may have changed: read it again next time
+        # Read the token and CA Secrets again next time: either may have been created or
+        # rotated since this client was made (a missing CA shows up as "unavailable").
+        await _drop_client(mem)
         if mem.syncer_error != str(err):
             log.warning("%s/%s: syncer unreachable: %s", job.namespace, job.name, err)
         mem.syncer_status, mem.syncer_error = None, str(err)
@@ -265,8 +266,7 @@ async def _send_membership(
         client = await _client(kube, job, spec, mem)
         await client.set_membership(change.island, change.state, change.reason)
     except (SyncerUnavailable, SyncerRequestError) as err:
-        if isinstance(err, SyncerRequestError) and err.status in (401, 403):
-            await _drop_client(mem)
+        await _drop_client(mem)  # re-read token and CA next time, as in _poll_syncer
         log.warning(
             "%s/%s: could not set %s %s: %s",
             job.namespace,

@@ -179,3 +179,30 @@ def test_operator_reaches_tls_syncer_with_ca_secret(
     assert env["DILOCO_SYNCER_URL"] == syncer.url and env["DILOCO_CA_FILE"].endswith("ca.crt")
     volumes = {v["name"]: v for v in sts["spec"]["template"]["spec"]["volumes"]}
     assert volumes["ca"]["secret"]["secretName"] == "syncer-ca"
+
+
+def test_operator_reaches_tls_syncer_when_ca_secret_comes_after_the_job(
+    cluster: Cluster, operator: OperatorProcess, make_local_syncer: Any
+) -> None:
+    manifest = job_manifest("late-ca", islands={"count": 1})
+    syncer = make_local_syncer(manifest, tls=True)
+    manifest["spec"]["syncer"] = {
+        "endpoint": syncer.url,
+        "tokenSecretName": syncer.secret_name,
+        "tls": {"caSecretName": "late-ca"},
+    }
+    cluster.apply(manifest)
+    wait_until(
+        lambda: _condition(cluster.status("late-ca"), "SyncerReachable").get("status") == "False",
+        60,
+        message="the HTTPS syncer unreachable while the CA Secret is missing",
+    )
+    cluster.cp.kubectl(
+        "create", "secret", "generic", "late-ca", "-n", cluster.ns,
+        f"--from-file=ca.crt={syncer.cert}",
+    )  # fmt: skip
+    wait_until(
+        lambda: _condition(cluster.status("late-ca"), "SyncerReachable").get("status") == "True",
+        60,
+        message="the syncer reached once the CA Secret exists (the operator re-reads it)",
+    )
