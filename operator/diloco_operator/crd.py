@@ -41,9 +41,10 @@ _SPEC_RULES: dict[tuple[str, ...], list[dict[str, str]]] = {
     (): [
         {
             "rule": f"{_REMOTE} || !has(self.sync.quorum) || !has(self.islands.count) || "
-            "self.sync.quorum <= self.islands.count",
-            "message": "spec.sync.quorum must be <= spec.islands.count (a quorum larger than "
-            "the islands of this job is allowed only with a remote spec.syncer.endpoint)",
+            "self.sync.quorum <= self.islands.count || (has(self.islands.totalShards) && "
+            "self.sync.quorum <= self.islands.totalShards)",
+            "message": "spec.sync.quorum must be <= spec.islands.count, or <= "
+            "spec.islands.totalShards when islands of other clusters join this job's syncer",
             "fieldPath": ".sync.quorum",
             "reason": "FieldValueInvalid",
         },

@@ -131,3 +131,10 @@ def test_job_spec_json_round_trips_in_camel_case() -> None:
     assert doc["sync"]["graceSeconds"] == 1.5 and doc["sync"]["maxStaleness"] == 2
     assert parse_spec(doc) == spec
     assert isinstance(JobSpec.model_validate(doc), JobSpec)
+
+
+def test_config_quorum_may_count_other_regions_islands_with_total_shards() -> None:
+    spec = parse_spec({"islands": {"count": 1, "totalShards": 3}, "sync": {"quorum": 3}})
+    assert spec.sync.quorum == 3
+    with pytest.raises(ConfigError, match=r"sync\.quorum"):
+        parse_spec({"islands": {"count": 1, "totalShards": 2}, "sync": {"quorum": 3}})

@@ -259,9 +259,13 @@ class JobSpec(SpecModel):
 
     @model_validator(mode="after")
     def _cross_field(self) -> JobSpec:
-        if self.sync.quorum > self.islands.count and not self.syncer.endpoint:
+        # The syncer's quorum counts every cluster's islands: with totalShards set (multi-region)
+        # the job may expect more islands than this cluster runs.
+        limit = max(self.islands.count, self.islands.total_shards)
+        if self.sync.quorum > limit and not self.syncer.endpoint:
             raise ValueError(
-                f"sync.quorum ({self.sync.quorum}) must be <= islands.count ({self.islands.count})"
+                f"sync.quorum ({self.sync.quorum}) must be <= islands.count "
+                f"({self.islands.count}) or islands.totalShards ({self.islands.total_shards})"
             )
         return self
 
