@@ -175,7 +175,8 @@ def histogram_buckets(text: str, name: str) -> dict[float, float]:
 
 def histogram_quantile(text: str, name: str, q: float, before: str = "") -> float:
     """A quantile of a Prometheus histogram (of what it observed since `before`, a previous
-    scrape, when given), interpolated linearly within its bucket."""
+    scrape, when given), interpolated linearly within its bucket; inf when it lies above the
+    top finite bucket."""
     now = histogram_buckets(text, name)
     then = histogram_buckets(before, name) if before else {}
     buckets = sorted((b, c - then.get(b, 0.0)) for b, c in now.items())
@@ -184,9 +185,9 @@ def histogram_quantile(text: str, name: str, q: float, before: str = "") -> floa
     target = q * buckets[-1][1]
     prev_bound, prev_count = 0.0, 0.0
     for bound, count in buckets:
-        if count >= target:
+        if count >= target and count > prev_count:
             if bound == float("inf"):
-                return prev_bound
+                return float("inf")  # above the top finite bucket: only a lower bound is known
             share = (target - prev_count) / max(count - prev_count, 1e-12)
             return prev_bound + share * (bound - prev_bound)
         prev_bound, prev_count = bound, count
