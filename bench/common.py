@@ -302,7 +302,9 @@ def plot_file(args: argparse.Namespace, name: str) -> Path:
         import tempfile
 
         return Path(tempfile.gettempdir()) / f"bench-{name}.png"
-    return Path(args.results).resolve().parent / "plots" / f"{name}.png"
+    # One file per run, so an earlier run's section keeps showing its own plot.
+    stamp = dt.datetime.now(dt.timezone.utc).strftime("%Y%m%d-%H%M")
+    return Path(args.results).resolve().parent / "plots" / f"{name}-{stamp}.png"
 
 
 def base_parser(description: str) -> argparse.ArgumentParser:
