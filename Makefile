@@ -36,6 +36,16 @@ lint: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 
+## bench: every benchmark with its CPU defaults (each <= 15 min on 2 cores); appends to bench/RESULTS.md
+BENCH_STAMP := $(VENV)/.installed-bench
+$(BENCH_STAMP): pyproject.toml | $(BIN)/python
+	$(BIN)/pip install --quiet -e '.[bench]'
+	touch $(BENCH_STAMP)
+
+bench: $(BENCH_STAMP)
+	for b in syncer_throughput convergence bandwidth decoupling goodput operator; do \
+	  $(BIN)/python -m bench.$$b || exit 1; done
+
 ## crd: regenerate crds/ and the chart's copy from the pydantic models
 crd: $(STAMP)
 	$(BIN)/diloco crd -o crds/dilocojob.yaml
