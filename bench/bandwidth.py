@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from diloco_trainer.config import JobSpec, parse_spec
+from diloco_trainer.config import JobSpec
 from diloco_trainer.launch import Proc, free_port
 
 from bench import netns
@@ -46,7 +46,9 @@ from bench.common import (
     plot_file,
     poll_until,
     ratio,
+    save_figure,
     start_module,
+    training_spec,
     workdir,
 )
 from bench.measure import StatusSampler, ours_islands, torchft_replica
@@ -69,28 +71,18 @@ class Variant:
 
 
 def make_spec(args: Any, *, codec: str, overlap: int) -> JobSpec:
-    return parse_spec(
-        {
-            "model": {"preset": args.preset, "seed": 0},
-            "data": {"evalTokens": 2048},
-            "islands": {"count": args.islands},
-            "inner": {
-                "lr": 3e-3,
-                "warmupSteps": 10,
-                "steps": args.inner_steps,
-                "batchSize": args.batch_size,
-                "seqLen": args.seq_len,
-            },
-            "sync": {
-                "quorum": args.islands,
-                "compression": codec,
-                "overlapSteps": overlap,
-                # Heartbeats every second: the status then tracks each island's step closely.
-                "heartbeatTimeoutSeconds": 4,
-            },
-            # No stop: the window is timed; eval only rarely (it competes for the CPU).
-            "syncer": {"evalEveryOuterSteps": 1000},
-        }
+    return training_spec(
+        args,
+        sync={
+            "quorum": args.islands,
+            "compression": codec,
+            "overlapSteps": overlap,
+            # Heartbeats every second: the status then tracks each island's step closely.
+            "heartbeatTimeoutSeconds": 4,
+        },
+        # No stop: the window is timed; eval only rarely (it competes for the CPU).
+        syncer={"evalEveryOuterSteps": 1000},
+        eval_tokens=2048,
     )
 
 
@@ -219,10 +211,7 @@ def plot(
     ax.set_ylabel("compute utilisation")
     ax.set_title("Time in inner steps / wall time over a rate-limited link")
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

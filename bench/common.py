@@ -22,6 +22,7 @@ import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from diloco_trainer.launch import Proc
 
@@ -305,6 +306,45 @@ def plot_file(args: argparse.Namespace, name: str) -> Path:
     # One file per run, so an earlier run's section keeps showing its own plot.
     stamp = dt.datetime.now(dt.timezone.utc).strftime("%Y%m%d-%H%M")
     return Path(args.results).resolve().parent / "plots" / f"{name}-{stamp}.png"
+
+
+def training_spec(
+    args: argparse.Namespace,
+    *,
+    sync: Mapping[str, Any],
+    syncer: Mapping[str, Any],
+    eval_tokens: int,
+) -> Any:
+    """The tiny job the throughput benchmarks train (bandwidth, decoupling, goodput): the same
+    model, data, islands and inner loop; each benchmark says how it syncs and evaluates."""
+    from diloco_trainer.config import parse_spec
+
+    return parse_spec(
+        {
+            "model": {"preset": args.preset, "seed": 0},
+            "data": {"evalTokens": eval_tokens},
+            "islands": {"count": args.islands},
+            "inner": {
+                "lr": 3e-3,
+                "warmupSteps": 10,
+                "steps": args.inner_steps,
+                "batchSize": args.batch_size,
+                "seqLen": args.seq_len,
+            },
+            "sync": dict(sync),
+            "syncer": dict(syncer),
+        }
+    )
+
+
+def save_figure(fig: Any, path: Path) -> None:
+    """Lay out, write (creating the folder) and close a matplotlib figure."""
+    import matplotlib.pyplot as plt
+
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
 
 
 def base_parser(description: str) -> argparse.ArgumentParser:

@@ -41,6 +41,7 @@ from bench.common import (
     install_signal_cleanup,
     plot_file,
     ratio,
+    save_figure,
     start_module,
     verdict,
     wait_all,
@@ -182,10 +183,7 @@ def plot(
     ax.set_ylabel("eval loss")
     ax.set_title("Eval loss against tokens (same data, model and budget)")
     ax.legend(fontsize=7)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

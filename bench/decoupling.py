@@ -25,7 +25,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from diloco_trainer.config import JobSpec, parse_spec
+from diloco_trainer.config import JobSpec
 from diloco_trainer.contract import island_name
 from diloco_trainer.parts import build_parts, evaluate
 
@@ -41,6 +41,8 @@ from bench.common import (
     plot_file,
     poll_until,
     ratio,
+    save_figure,
+    training_spec,
     verdict,
     workdir,
 )
@@ -51,21 +53,11 @@ from bench.torchft_harness import TorchftJob, start_job
 
 
 def make_spec(args: Any, quorum: int) -> JobSpec:
-    return parse_spec(
-        {
-            "model": {"preset": args.preset, "seed": 0},
-            "data": {"evalTokens": args.eval_tokens},
-            "islands": {"count": args.islands},
-            "inner": {
-                "lr": 3e-3,
-                "warmupSteps": 10,
-                "steps": args.inner_steps,
-                "batchSize": args.batch_size,
-                "seqLen": args.seq_len,
-            },
-            "sync": {"quorum": quorum, "compression": args.codec, "heartbeatTimeoutSeconds": 4},
-            "syncer": {"evalEveryOuterSteps": 1},
-        }
+    return training_spec(
+        args,
+        sync={"quorum": quorum, "compression": args.codec, "heartbeatTimeoutSeconds": 4},
+        syncer={"evalEveryOuterSteps": 1},
+        eval_tokens=args.eval_tokens,
     )
 
 
@@ -182,10 +174,7 @@ def plot(
     ax.set_ylabel("others' utilisation / no-straggler run")
     ax.set_title("Other islands' throughput with one straggler")
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

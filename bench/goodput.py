@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from diloco_trainer.config import JobSpec, parse_spec
+from diloco_trainer.config import JobSpec
 from diloco_trainer.parts import build_parts, evaluate
 
 from bench.common import (
@@ -44,6 +44,7 @@ from bench.common import (
     install_signal_cleanup,
     poll_until,
     ratio,
+    training_spec,
     verdict,
     workdir,
 )
@@ -108,26 +109,16 @@ def run_schedule(
 
 
 def make_spec(args: Any) -> JobSpec:
-    return parse_spec(
-        {
-            "model": {"preset": args.preset, "seed": 0},
-            "data": {"evalTokens": args.eval_tokens},
-            "islands": {"count": args.islands},
-            "inner": {
-                "lr": 3e-3,
-                "warmupSteps": 10,
-                "steps": args.inner_steps,
-                "batchSize": args.batch_size,
-                "seqLen": args.seq_len,
-            },
-            "sync": {
-                "quorum": args.quorum or max(1, args.islands - 1),
-                "compression": args.codec,
-                # torchft's lighthouse drops a silent replica after 5 s; ours does the same.
-                "heartbeatTimeoutSeconds": 5,
-            },
-            "syncer": {"evalEveryOuterSteps": 1},
-        }
+    return training_spec(
+        args,
+        sync={
+            "quorum": args.quorum or max(1, args.islands - 1),
+            "compression": args.codec,
+            # torchft's lighthouse drops a silent replica after 5 s; ours does the same.
+            "heartbeatTimeoutSeconds": 5,
+        },
+        syncer={"evalEveryOuterSteps": 1},
+        eval_tokens=args.eval_tokens,
     )
 
 

@@ -38,6 +38,7 @@ from bench.common import (
     fmt_ratio,
     plot_file,
     ratio,
+    save_figure,
 )
 
 SEQ_LEN = 256  # only sets the position-table size; the syncer holds what the learners train
@@ -221,10 +222,7 @@ def plot(results: list[tuple[Case, dict[str, float]]], path: Path) -> None:
         ax.set_ylabel("GB/s of fp32 pseudo-gradients")
         ax.set_title(f"merge + outer step, rule={rule}")
         ax.legend(fontsize=7)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
