@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import threading
 from collections.abc import Coroutine, Iterator
 from pathlib import Path
 from typing import Any, TypeVar
@@ -154,6 +155,40 @@ def test_syncer_replaced_and_retried_pushes_count_once(tmp_path: Path) -> None:
     assert by_island["island-0"]["tokens"] == 250
     assert entry["tokens"] == 250 + 100 + 100
     assert syncer.tokens == 450
+
+
+def test_syncer_status_during_a_merge_shows_no_half_done_merge(tmp_path: Path) -> None:
+    """A status read while a merge's arithmetic runs in its thread sees the state before the
+    merge (version, pending, tokens together), and the state after it once it is done. CI once
+    read the new version with the old token count."""
+
+    async def scenario() -> tuple[dict[str, Any], dict[str, Any]]:
+        syncer = await started(make_spec(), tmp_path, FakeClock())
+        for i in range(3):
+            await syncer.join(f"island-{i}", 1)
+            await syncer.push(0, body(syncer, 0, f"island-{i}", delta(syncer, 0, i), tokens=100))
+        # Hold the merge inside its worker thread: the only way to read status mid-merge on cue.
+        entered, release = threading.Event(), threading.Event()
+        real_step = syncer.outer.step
+
+        def held_step(merged: dict[str, torch.Tensor]) -> None:
+            entered.set()
+            release.wait(30)
+            real_step(merged)
+
+        syncer.outer.step = held_step  # type: ignore[method-assign]
+        merge = asyncio.create_task(syncer.tick())
+        assert await asyncio.to_thread(entered.wait, 30), "the merge never started"
+        during = await syncer.status()
+        release.set()
+        await merge
+        return during, await syncer.status()
+
+    during, after = run(scenario())
+    assert (during["versions"], during["pending"], during["tokens"]) == ([0], [3], 0)
+    assert (after["versions"], after["pending"], after["tokens"]) == ([1], [0], 300)
+    assert during["islands"]["island-0"]["mergedTokens"] == 0
+    assert after["islands"]["island-0"]["mergedTokens"] == 100
 
 
 def test_syncer_dropping_a_silent_island_completes_the_round(tmp_path: Path) -> None:

@@ -417,11 +417,16 @@ class SyncState:
         starts = [r.quorum_since for r in self.rounds if r.quorum_since is not None]
         return min(starts) + self.grace() if starts else None
 
-    def take_round(self, fragment: int, now: float) -> list[Contribution]:
-        """Close fragment's round for merging: returns its contributions (sorted by island, so a
-        merge is reproducible), bumps the version and opens the next round."""
+    def peek_round(self, fragment: int) -> list[Contribution]:
+        """Fragment's pending contributions, sorted by island so a merge is reproducible."""
         rnd = self.rounds[fragment]
-        contributions = [rnd.pending[k] for k in sorted(rnd.pending)]
+        return [rnd.pending[k] for k in sorted(rnd.pending)]
+
+    def take_round(self, fragment: int, now: float) -> list[Contribution]:
+        """Close fragment's round: returns its contributions (as peek_round), credits each
+        island's merged tokens, bumps the version and opens the next round."""
+        rnd = self.rounds[fragment]
+        contributions = self.peek_round(fragment)
         if rnd.first_push_at is not None and rnd.quorum_since is not None:
             self._quorum_waits.append(max(0.0, rnd.quorum_since - rnd.first_push_at))
         for c in contributions:

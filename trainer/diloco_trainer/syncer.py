@@ -439,8 +439,21 @@ class Syncer:
                 return None
 
     async def status(self, *, digest: bool = False) -> dict[str, Any]:
-        """The status document (see the module docstring of wire.py for the route)."""
-        doc = {
+        """The status document (see the module docstring of wire.py for the route).
+
+        Without the digest it is read without waiting for a running merge; that is consistent
+        because a merge changes versions, rounds and token counts together after its arithmetic
+        (see _merge). With the digest it waits for the lock, so the weights match the versions.
+        """
+        if not digest:
+            return self._status_doc()
+        async with self._locked():
+            doc = self._status_doc()
+            doc["digest"] = await asyncio.to_thread(self.digest)
+        return doc
+
+    def _status_doc(self) -> dict[str, Any]:
+        return {
             "jobName": self.job_name,
             "outerStep": self.state.outer_step,
             "versions": self.state.versions,
@@ -467,12 +480,6 @@ class Syncer:
             "failure": self.failure,
             "time": self.clock(),
         }
-        if digest:
-            async with self._locked():
-                doc["versions"] = self.state.versions
-                doc["outerStep"] = self.state.outer_step
-                doc["digest"] = await asyncio.to_thread(self.digest)
-        return doc
 
     def _update_gauges(self) -> None:
         self.metrics.active_islands.set(len(self.state.active_islands()))
@@ -521,7 +528,9 @@ class Syncer:
         started = time.perf_counter()
         now = self.clock()
         grace, quorum = self.state.grace(), self.state.effective_quorum()
-        contributions = self.state.take_round(f, now)
+        # The round is closed only after the arithmetic, in one step with the token counters, so
+        # a status read while the merge runs in its thread never sees a half-done merge.
+        contributions = self.state.peek_round(f)
         max_staleness = self.state.policy.max_staleness
         raw = [
             contribution_weight(c.tokens, c.steps, self.rule)
@@ -547,6 +556,10 @@ class Syncer:
 
         await asyncio.to_thread(work)
         seconds = time.perf_counter() - started
+        taken = self.state.take_round(f, now)
+        assert len(taken) == len(contributions) and all(
+            a is b for a, b in zip(taken, contributions, strict=True)
+        ), "a round changed while its merge ran (lock not held?)"
         total = sum(raw)
         shares = [w / total for w in raw]
         tokens = sum(c.tokens for c in contributions)
