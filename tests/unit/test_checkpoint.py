@@ -41,6 +41,29 @@ def test_checkpoint_roundtrip_keeps_tensors_and_manifest(tmp_path: Path) -> None
     assert ck.state_digest(loaded.weights, loaded.momentum) == ck.state_digest(weights, momentum)
 
 
+def test_checkpoint_keeps_published_weights_when_given(tmp_path: Path) -> None:
+    weights, momentum = tensors(1)
+    published = {n: t + 1e-3 for n, t in weights.items()}
+    path = ck.save_checkpoint(
+        tmp_path / "pub",
+        outer_step=3,
+        weights=weights,
+        momentum=momentum,
+        manifest={"versions": [3]},
+        keep=2,
+        published=published,
+    )
+    assert (path / ck.PUBLISHED_FILE).is_file()
+    loaded = ck.load_latest(tmp_path / "pub")
+    assert loaded is not None and loaded.published is not None
+    assert all(torch.equal(loaded.published[n], t) for n, t in published.items())
+    assert ck.state_digest(weights, momentum, published) != ck.state_digest(weights, momentum)
+    # Without them (pull codec none, or an older syncer) the checkpoint has no such file.
+    save(tmp_path / "plain", 3)
+    plain = ck.load_latest(tmp_path / "plain")
+    assert plain is not None and plain.published is None
+
+
 def test_checkpoint_prunes_to_keep_newest(tmp_path: Path) -> None:
     for step in range(1, 6):
         save(tmp_path, step, keep=2)

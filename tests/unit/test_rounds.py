@@ -282,3 +282,17 @@ def test_rounds_restore_islands_keeps_counters() -> None:
     assert fresh.islands["island-0"].joins == 1
     assert fresh.islands["island-0"].last_seen == 100.0
     assert fresh.versions == [4]
+
+
+def test_rounds_saved_answers_hold_merged_pushes_only_and_restore() -> None:
+    state = make_state(quorum=1, islands=2, fragments=2)
+    first = push(state, "island-0", 1.0, fragment=0, push_id="a")
+    state.take_round(0, 2.0)  # merged
+    push(state, "island-1", 3.0, fragment=1, push_id="b")  # still pending
+    saved = state.answers_json()
+    assert saved == [{"island": "island-0", "fragment": 0, "pushId": "a", "answer": first}]
+    fresh = make_state(quorum=1, islands=2, fragments=2)
+    fresh.restore_answers(saved)
+    assert fresh.previous_answer(0, "island-0", "a") == first
+    assert fresh.previous_answer(1, "island-1", "b") is None  # its retry is accepted afresh
+    assert fresh.previous_answer(0, "island-0", "other") is None

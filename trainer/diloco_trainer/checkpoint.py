@@ -3,9 +3,14 @@
 Layout under ``state_dir/checkpoints/``::
 
     ckpt-000012/            one directory per checkpoint, named by outer step (zero-padded)
-      weights.safetensors   the fp32 global weights
+      weights.safetensors   the fp32 global weights (θ_exact, what the outer optimizer steps)
       outer.safetensors     the outer optimizer's momentum buffers
-      manifest.json         versions per fragment, outerStep, tokens, evalHistory, islands, ...
+      published.safetensors the weights learners hold (θ_pub), only with compressed pulls
+      manifest.json         versions per fragment, outerStep, tokens, evalHistory, islands,
+                            push answers (retried pushes), ...
+
+A checkpoint without published.safetensors (written with sync.pullCodec none, or by an older
+syncer) loads with `published` None: the syncer then publishes θ_exact.
 
 A checkpoint is written into a hidden temporary directory, every file and the directory are
 fsynced, and only then is it renamed to its final name (a rename within one filesystem is atomic),
@@ -40,6 +45,7 @@ TMP_PREFIX = ".tmp-ckpt-"
 WEIGHTS_FILE = "weights.safetensors"
 OUTER_FILE = "outer.safetensors"
 MANIFEST_FILE = "manifest.json"
+PUBLISHED_FILE = "published.safetensors"
 
 
 @dataclass
@@ -50,6 +56,7 @@ class Checkpoint:
     weights: dict[str, torch.Tensor]
     momentum: dict[str, torch.Tensor]
     manifest: dict[str, Any]
+    published: dict[str, torch.Tensor] | None = None  # θ_pub, when it was kept apart
 
     @property
     def outer_step(self) -> int:
@@ -61,13 +68,21 @@ def checkpoint_name(outer_step: int) -> str:
     return f"{PREFIX}{outer_step:09d}"
 
 
-def state_digest(weights: Mapping[str, torch.Tensor], momentum: Mapping[str, torch.Tensor]) -> str:
-    """sha256 over every weight and momentum tensor (name, dtype, shape and bytes), by name.
+def state_digest(
+    weights: Mapping[str, torch.Tensor],
+    momentum: Mapping[str, torch.Tensor],
+    published: Mapping[str, torch.Tensor] | None = None,
+) -> str:
+    """sha256 over every weight and momentum tensor (name, dtype, shape and bytes), by name, and
+    the published weights when they are kept apart from the exact ones.
 
     Two syncers with equal digests hold bit-identical global state.
     """
     h = hashlib.sha256()
-    for label, tensors in (("weights", weights), ("momentum", momentum)):
+    parts = [("weights", weights), ("momentum", momentum)]
+    if published is not None:
+        parts.append(("published", published))
+    for label, tensors in parts:
         h.update(label.encode())
         for name in sorted(tensors):
             t = tensors[name].detach().contiguous().cpu()
@@ -102,11 +117,12 @@ def save_checkpoint(
     momentum: Mapping[str, torch.Tensor],
     manifest: Mapping[str, Any],
     keep: int,
+    published: Mapping[str, torch.Tensor] | None = None,
 ) -> Path:
     """Write a checkpoint atomically, then keep only the newest `keep`; returns its directory.
 
     `manifest` is stored with formatVersion and outerStep added. A checkpoint at the same outer
-    step as an existing one replaces it.
+    step as an existing one replaces it. `published` (θ_pub) is written only when given.
     """
     root = state_dir / CHECKPOINTS_DIR
     root.mkdir(parents=True, exist_ok=True)
@@ -114,9 +130,13 @@ def save_checkpoint(
     try:
         safetensors.torch.save_file(_owned(weights), str(tmp / WEIGHTS_FILE))
         safetensors.torch.save_file(_owned(momentum), str(tmp / OUTER_FILE))
+        files = [WEIGHTS_FILE, OUTER_FILE]
+        if published is not None:
+            safetensors.torch.save_file(_owned(published), str(tmp / PUBLISHED_FILE))
+            files.append(PUBLISHED_FILE)
         doc = {**manifest, "formatVersion": FORMAT_VERSION, "outerStep": outer_step}
         (tmp / MANIFEST_FILE).write_text(json.dumps(doc, indent=1, sort_keys=True))
-        for name in (WEIGHTS_FILE, OUTER_FILE, MANIFEST_FILE):
+        for name in (*files, MANIFEST_FILE):
             _fsync_file(tmp / name)
         _fsync_dir(tmp)
         final = root / checkpoint_name(outer_step)
@@ -181,6 +201,9 @@ def load_checkpoint(path: Path) -> Checkpoint:
         manifest = json.loads((path / MANIFEST_FILE).read_text())
         weights = safetensors.torch.load_file(str(path / WEIGHTS_FILE))
         momentum = safetensors.torch.load_file(str(path / OUTER_FILE))
+        published = None
+        if (path / PUBLISHED_FILE).is_file():
+            published = safetensors.torch.load_file(str(path / PUBLISHED_FILE))
     except Exception as err:  # OSError, JSON errors, safetensors' own errors
         raise ValueError(f"checkpoint {path} is unreadable: {err}") from None
     if manifest.get("formatVersion") != FORMAT_VERSION:
@@ -188,7 +211,9 @@ def load_checkpoint(path: Path) -> Checkpoint:
             f"checkpoint {path} has format {manifest.get('formatVersion')!r}, "
             f"this syncer reads {FORMAT_VERSION}"
         )
-    return Checkpoint(path=path, weights=weights, momentum=momentum, manifest=manifest)
+    return Checkpoint(
+        path=path, weights=weights, momentum=momentum, manifest=manifest, published=published
+    )
 
 
 def load_latest(state_dir: Path) -> Checkpoint | None:

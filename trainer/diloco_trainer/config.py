@@ -18,6 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 from pydantic.alias_generators import to_camel
 
 Codec = Literal["none", "fp16", "bf16", "int8", "int4"]
+PullCodec = Literal["auto", "none", "fp16", "bf16", "int8", "int4"]
 MergeRule = Literal["tokens", "mean", "rda"]
 Preset = Literal["gpt-tiny", "gpt-mini", "gpt-small", "gpt-125m"]
 ServiceType = Literal["ClusterIP", "LoadBalancer", "NodePort"]
@@ -143,6 +144,14 @@ class SyncSpec(SpecModel):
         0, ge=0, le=10000, description="τ: inner steps that run while a sync is in flight."
     )
     compression: Codec = Field("none", description="Codec for pseudo-gradients on the wire.")
+    pull_codec: PullCodec = Field(
+        "auto",
+        description="Codec for the global weights learners pull. 'none': every pull sends the "
+        "fragment's full fp32 weights. A codec: a learner gets the encoded weight updates since "
+        "the version it holds instead, when the syncer still keeps them and they are smaller "
+        "(what the codec drops is carried into the next update; a checksum guards each chain). "
+        "'auto': the same as sync.compression.",
+    )
     merge: MergeRule = Field(
         "tokens",
         description="tokens: weighted by tokens x tokens-per-step; mean: plain mean; rda: "
@@ -173,6 +182,11 @@ class SyncSpec(SpecModel):
     heartbeat_timeout_seconds: float = Field(
         30, gt=0, le=3600, description="An island silent this long leaves the quorum."
     )
+
+    @property
+    def effective_pull_codec(self) -> str:
+        """The codec of pulled weight updates ('auto' resolved to sync.compression)."""
+        return self.compression if self.pull_codec == "auto" else self.pull_codec
 
     @model_validator(mode="after")
     def _grace_non_negative(self) -> SyncSpec:

@@ -23,6 +23,13 @@ training and applies the fragment after the first later step at which it has arr
 non-blocking check every step). So a learner never deadlocks on a syncer that is down or a quorum
 that cannot form; it just trains locally until the syncer answers.
 
+Compressed pulls (sync.pullCodec): rank 0 tells the syncer which version of a fragment it holds,
+and may get the encoded weight updates since then instead of the full fragment; it applies them
+to the weights it holds with the syncer's own float ops (published.apply_updates), so it ends up
+with the syncer's published weights bit for bit, and checks the syncer's checksum. On a mismatch
+(or a malformed chain) it logs a warning and pulls the full fragment. The other ranks receive the
+rebuilt fp32 weights by broadcast, as before.
+
 Refusals: a push refused as too stale (409) or from a dropped island (403) is discarded and the
 current global fragment is pulled and applied in its place. A syncer that forgot the island (404,
 e.g. restarted without it) is joined again. Connection errors are retried by the client with
@@ -63,7 +70,15 @@ from diloco_trainer.config import ConfigError, JobSpec, load_spec
 from diloco_trainer.contract import ContractError, LearnerEnv
 from diloco_trainer.fragments import fragment_offsets, fragments_due
 from diloco_trainer.parts import build_parts, inner_lr, make_inner_optimizer, set_lr
-from diloco_trainer.wire import JoinInfo, PulledFragment, PushMeta, SyncerClient, SyncerError
+from diloco_trainer.published import apply_updates, weights_checksum
+from diloco_trainer.wire import (
+    JoinInfo,
+    PulledFragment,
+    PulledUpdates,
+    PushMeta,
+    SyncerClient,
+    SyncerError,
+)
 
 log = logging.getLogger("diloco.learner")
 T = TypeVar("T")
@@ -168,6 +183,15 @@ LOG_EVERY_STEPS = 20
 
 
 @dataclass(frozen=True)
+class HeldFragment:
+    """The global weights of a fragment that rank 0 holds (its Δ base) and their version: what
+    a chain of pulled updates is applied to. The tensors are never written to."""
+
+    version: int
+    tensors: Mapping[str, Tensor]
+
+
+@dataclass(frozen=True)
 class SyncResult:
     """How a push of one fragment ended: the global weights to apply and what happened."""
 
@@ -204,6 +228,8 @@ class SyncerLink:
         self.finished = threading.Event()
         # Latest figures for heartbeats; written by the training thread, read by the loop.
         self.progress: dict[str, Any] = {"step": 0, "tokens": 0, "loss": None, "step_time": None}
+        # Pulls answered with a chain of updates, and chains that failed their check.
+        self.pull_counts = {"updates": 0, "rebuildFailed": 0}
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(
             target=self._loop.run_forever, name="syncer-link", daemon=True
@@ -233,12 +259,16 @@ class SyncerLink:
         pulled = []
         for f in range(num_fragments):
             got = await self.client.pull_fragment(f, after=-1)
-            assert got is not None, "a pull after version -1 always answers"
+            assert isinstance(got, PulledFragment), "a pull after version -1 without have is full"
             pulled.append(got)
         return pulled
 
     async def sync_fragment(
-        self, fragment: int, encoded: Mapping[str, Tensor], meta: PushMeta
+        self,
+        fragment: int,
+        encoded: Mapping[str, Tensor],
+        meta: PushMeta,
+        held: HeldFragment | None = None,
     ) -> SyncResult:
         """Push a pseudo-gradient, then long-poll for the merge that contains it.
 
@@ -265,7 +295,7 @@ class SyncerLink:
                 await self.join(threading.Event())
                 outcome = "rejoined the syncer"
             log.warning("fragment %d: %s; taking the current global fragment", fragment, outcome)
-        pulled = await self._pull_newer(fragment, after)
+        pulled = await self._pull_newer(fragment, after, held)
         if pulled.finished:
             self.finished.set()
         return SyncResult(pulled=pulled, outcome=outcome, seconds=time.monotonic() - start)
@@ -276,12 +306,21 @@ class SyncerLink:
         pulled = await self._pull_newer(fragment, -1)
         return SyncResult(pulled=pulled, outcome="resynced", seconds=time.monotonic() - start)
 
-    async def _pull_newer(self, fragment: int, after: int) -> PulledFragment:
+    async def _pull_newer(
+        self, fragment: int, after: int, held: HeldFragment | None = None
+    ) -> PulledFragment:
+        """The fragment's global weights at a version > `after` (long-polling until there is
+        one); as updates to `held` when the syncer offers them."""
         while True:
             try:
                 pulled = await self.client.pull_fragment(
-                    fragment, after=after, wait=LONG_POLL_SECONDS
+                    fragment,
+                    after=after,
+                    wait=LONG_POLL_SECONDS,
+                    have=held.version if held is not None else -1,
                 )
+                if isinstance(pulled, PulledUpdates):
+                    return await self._rebuild(fragment, pulled, held)
                 if pulled is not None:
                     return pulled
                 # A whole long-poll without a merge: if the syncer went back to an older
@@ -303,6 +342,46 @@ class SyncerLink:
                 # the training loop goes on meanwhile.
                 log.warning("fragment %d: pull failed (%s), trying again", fragment, err)
                 await asyncio.sleep(WAIT_SLICE_SECONDS * 25)
+
+    async def _rebuild(
+        self, fragment: int, chain: PulledUpdates, held: HeldFragment | None
+    ) -> PulledFragment:
+        """The weights `chain` leads to from `held`, checked against the syncer's checksum; the
+        full fragment (pulled again) when they do not match or the chain is malformed."""
+        if held is None or chain.from_version != held.version:
+            problem = f"they start from version {chain.from_version}, not the one held"
+        else:
+            try:
+                tensors = await asyncio.to_thread(
+                    apply_updates, held.tensors, chain.updates, chain.codec
+                )
+                checksum = await asyncio.to_thread(weights_checksum, tensors)
+            except ValueError as err:
+                problem = str(err)
+            else:
+                if checksum == chain.checksum:
+                    self.pull_counts["updates"] += 1
+                    return PulledFragment(
+                        fragment=chain.fragment,
+                        version=chain.version,
+                        outer_step=chain.outer_step,
+                        finished=chain.finished,
+                        tensors=tensors,
+                    )
+                problem = f"checksum {checksum} differs from the syncer's {chain.checksum}"
+        self.pull_counts["rebuildFailed"] += 1
+        log.warning(
+            "fragment %d: the %d update(s) %d..%d do not rebuild the syncer's weights (%s); "
+            "pulling the full fragment",
+            fragment,
+            len(chain.updates),
+            chain.from_version + 1,
+            chain.version,
+            problem,
+        )
+        full = await self.client.pull_fragment(fragment, after=-1)
+        assert isinstance(full, PulledFragment), "a pull without have is full"
+        return full
 
     async def heartbeats(self, interval: float) -> None:
         """Report progress every `interval` seconds; notice when the job finished."""
@@ -634,7 +713,8 @@ class Learner:
         if old is not None:
             old.future.cancel()
             log.warning("step %d: fragment %d overdue, pushing it again", step, f)
-        future = self.link.submit(self.link.sync_fragment(f, encoded, meta))
+        held = HeldFragment(version=state.version, tensors=state.base)
+        future = self.link.submit(self.link.sync_fragment(f, encoded, meta, held))
         self.inflight[f] = InFlight(step=step, started=time.monotonic(), future=future)
         nbytes = sum(t.numel() * t.element_size() for t in encoded.values())
         log.info(

@@ -41,6 +41,9 @@ DROPPED = "dropped"
 TIMED_OUT = "timedOut"
 LEFT = "left"
 
+# Answers to pushes kept in checkpoints (the most recent; there is one per island and fragment).
+SAVED_ANSWERS = 4096
+
 AUTO_GRACE_GAMMA = 0.5
 AUTO_GRACE_DEFAULT = 1.0
 # Samples kept for the medians of t_quorum and t_sync (recent behaviour matters, not history).
@@ -383,7 +386,9 @@ class SyncState:
             "replaced": replaced is not None,
         }
         if contribution.push_id:
-            self._answers[(contribution.island, fragment)] = (contribution.push_id, answer)
+            key = (contribution.island, fragment)
+            self._answers.pop(key, None)  # re-inserted last: the table is in order of recency
+            self._answers[key] = (contribution.push_id, answer)
         return answer
 
     # ----- merging -----------------------------------------------------------------------------
@@ -443,6 +448,29 @@ class SyncState:
     def islands_json(self) -> dict[str, dict[str, Any]]:
         """Per-island records for status and checkpoints."""
         return {n: r.to_json() for n, r in sorted(self.islands.items())}
+
+    def answers_json(self) -> list[dict[str, Any]]:
+        """Answers to pushes that have been merged, for checkpoints: the SAVED_ANSWERS most
+        recent, oldest first.
+
+        A push still pending is left out: rounds are not checkpointed, so after a restart its
+        retry must be accepted afresh rather than answered as a duplicate of a lost push.
+        """
+        merged = [
+            {"island": island, "fragment": f, "pushId": push_id, "answer": answer}
+            for (island, f), (push_id, answer) in self._answers.items()
+            if 0 <= f < len(self.rounds) and int(answer["version"]) < self.rounds[f].version
+        ]
+        return merged[-SAVED_ANSWERS:]
+
+    def restore_answers(self, doc: list[dict[str, Any]]) -> None:
+        """Load answers saved by answers_json(), so a push merged before a restart and retried
+        after it is answered as a duplicate instead of counted twice."""
+        for entry in doc[-SAVED_ANSWERS:]:
+            f = int(entry["fragment"])
+            if 0 <= f < len(self.rounds):
+                key = (str(entry["island"]), f)
+                self._answers[key] = (str(entry["pushId"]), dict(entry["answer"]))
 
     def restore_islands(self, doc: dict[str, dict[str, Any]], now: float) -> None:
         """Load island records from a checkpoint; their timeout clocks restart at `now`."""

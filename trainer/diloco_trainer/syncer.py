@@ -8,6 +8,14 @@ the grace window has passed (or every active island has reported): token-weighte
 and long-polling pullers wake up. Every merge is logged (status and state_dir/merges.jsonl) with
 its contributors, their lags and normalised weights, so it can be reproduced.
 
+Compressed pulls (sync.pullCodec, see published.py): besides the exact weights the outer
+optimizer steps (θ_exact, `weights`) the syncer keeps the copy learners hold (θ_pub,
+`published`; the same tensors when the pull codec is none). Each merge moves θ_pub towards θ_exact
+by one encoded update, and the last few updates per fragment are kept, so a learner that says
+which version it holds gets the updates since then instead of the full fragment. Learners compute
+their pseudo-gradients against θ_pub; the outer step applies to θ_exact. Evaluations and the
+digest's "weights" are θ_exact.
+
 Concurrency: HTTP handlers run on one asyncio loop; heavy work (decoding a push, merging, the
 outer step, evaluation, serialising fragments, checkpoints, digests) runs in worker threads. One
 asyncio lock makes every state change atomic: a merge holds it from taking the round to
@@ -68,6 +76,12 @@ from diloco_trainer.merge import (
 )
 from diloco_trainer.outer import OuterOptimizer
 from diloco_trainer.parts import build_parts, evaluate
+from diloco_trainer.published import (
+    UpdateHistory,
+    WeightUpdate,
+    history_length,
+    publish_update,
+)
 from diloco_trainer.rounds import Contribution, Refused, RoundPolicy, SyncState
 from diloco_trainer.syncer_http import SHUTDOWN_TIMEOUT, build_app, parse_push_meta, ssl_context
 from diloco_trainer.syncer_metrics import SyncerMetrics
@@ -126,6 +140,29 @@ class Syncer:
         )
         self.expected = [{n: self.weights[n].shape for n in names} for names in self.fragments]
         self.body_limits = [fragment_body_limit(e, self.codec) for e in self.expected]
+        # θ_pub: what learners hold. With pull codec none it is θ_exact itself (no copy).
+        self.pull_codec = spec.sync.effective_pull_codec
+        self.published: dict[str, torch.Tensor] = self.weights
+        if self.pull_codec != "none":
+            self.published = {n: t.clone() for n, t in self.weights.items()}
+        self.full_bytes = [
+            sum(self.weights[n].numel() * self.weights[n].element_size() for n in names)
+            for names in self.fragments
+        ]
+        self.history = [
+            UpdateHistory(
+                history_length(
+                    self.full_bytes[f],
+                    sum(
+                        shape.numel() * dtype.itemsize
+                        for dtype, shape in expected_encoded(e, self.pull_codec).values()
+                    ),
+                    spec.sync.max_staleness,
+                )
+            )
+            for f, e in enumerate(self.expected)
+        ]
+        self.pulls = {wire.KIND_FULL: 0, wire.KIND_UPDATES: 0}
         self.outer = OuterOptimizer(
             self.weights,
             lr=spec.outer.lr,
@@ -170,6 +207,10 @@ class Syncer:
         self._poke: asyncio.Event | None = None
         self._published: list[asyncio.Event] = []
         self._bodies: list[tuple[tuple[int, int, bool], bytes]] = []
+        # Update-chain bodies of the published version, by fragment and the puller's version.
+        self._chains: list[dict[tuple[tuple[int, int, bool], int], bytes]] = [
+            {} for _ in self.fragments
+        ]
         self._resume_or_init()
 
     # ----- start-up ----------------------------------------------------------------------------
@@ -212,9 +253,20 @@ class Syncer:
         with torch.no_grad():
             for name, t in loaded.weights.items():
                 self.weights[name].copy_(t)
+            if self.published is not self.weights:
+                # θ_pub as learners hold it; a checkpoint without it (pull codec none, or an
+                # older syncer) gives θ_exact, and learners then get full weights once.
+                source = loaded.published
+                if source is None or not _same_shapes(source, self.weights):
+                    if source is not None:
+                        log.warning("checkpoint %s: published weights do not match", loaded.path)
+                    source = loaded.weights
+                for name, t in source.items():
+                    self.published[name].copy_(t)
         self.outer.load_state_tensors(loaded.momentum)
         self.state = SyncState(self.state.policy, len(self.fragments), versions=m["versions"])
         self.state.restore_islands(m.get("islands", {}), now=self.clock())
+        self.state.restore_answers(m.get("pushAnswers", []))
         self.merged_tokens = [float(t) for t in m["fragmentTokens"]]
         self.eval_history = list(m.get("evalHistory", []))
         self.initial_eval_loss = m.get("initialEvalLoss")
@@ -274,18 +326,48 @@ class Syncer:
         self.metrics.eval_loss.set(loss)
 
     def digest(self) -> str:
-        """sha256 of the global weights and the outer momentum."""
-        return ckpt.state_digest(self.weights, self.outer.state_tensors())
+        """sha256 of the global weights and the outer momentum (and θ_pub when kept apart)."""
+        published = self.published if self.published is not self.weights else None
+        return ckpt.state_digest(self.weights, self.outer.state_tensors(), published)
 
     def _encode_fragment(self, f: int) -> tuple[tuple[int, int, bool], bytes]:
         key = (self.state.versions[f], self.state.outer_step, self.finished)
         meta = {
+            wire.META_KIND: wire.KIND_FULL,
             wire.META_VERSION: key[0],
             wire.META_FRAGMENT: f,
             wire.META_OUTER_STEP: key[1],
             wire.META_FINISHED: key[2],
         }
-        return key, wire.encode_body({n: self.weights[n] for n in self.fragments[f]}, meta)
+        return key, wire.encode_body({n: self.published[n] for n in self.fragments[f]}, meta)
+
+    async def _chain_body(self, f: int, key: tuple[int, int, bool], have: int) -> bytes | None:
+        """The update-chain body from version `have` to the published `key`, when the history
+        holds it and it is smaller than the fragment; else None."""
+        if self.pull_codec == "none" or have < 0:
+            return None
+        cached = self._chains[f].get((key, have))
+        if cached is not None:
+            return cached
+        chain = self.history[f].chain(have, key[0], self.full_bytes[f])
+        if chain is None:
+            return None
+        meta = {
+            wire.META_KIND: wire.KIND_UPDATES,
+            wire.META_VERSION: key[0],
+            wire.META_FROM_VERSION: have,
+            wire.META_FRAGMENT: f,
+            wire.META_OUTER_STEP: key[1],
+            wire.META_FINISHED: key[2],
+            wire.META_CODEC: self.pull_codec,
+            wire.META_CHECKSUM: chain[-1].checksum,
+        }
+        body = await asyncio.to_thread(
+            wire.encode_update_chain, [(u.version, u.encoded) for u in chain], meta
+        )
+        if self._bodies[f][0] == key:  # still the published version: keep it for other pullers
+            self._chains[f][(key, have)] = body
+        return body
 
     # ----- requests ----------------------------------------------------------------------------
 
@@ -325,6 +407,7 @@ class Syncer:
             "outerStep": self.state.outer_step,
             "finished": self.finished,
             "codec": self.codec,
+            "pullCodec": self.pull_codec,
             "state": rec.state,
         }
 
@@ -419,13 +502,22 @@ class Syncer:
         prev = self.state.previous_answer(fragment, meta.island, meta.push_id)
         return {**prev, "duplicate": True} if prev is not None else None
 
-    async def pull(self, fragment: int, *, after: int, wait: float) -> bytes | None:
-        """Fragment bytes once its version is > after (or the job finished); None after `wait`."""
+    async def pull(self, fragment: int, *, after: int, wait: float, have: int = -1) -> bytes | None:
+        """Fragment bytes once its version is > after (or the job finished); None after `wait`.
+
+        The body is the chain of updates since version `have` when there is one (see
+        _chain_body), else the full published weights.
+        """
         self.check_fragment(fragment)
         deadline = time.monotonic() + max(0.0, min(wait, wire.MAX_WAIT_SECONDS))
         while True:
-            (version, _, finished), body = self._bodies[fragment]
+            key, body = self._bodies[fragment]
+            version, _, finished = key
             if version > after or finished:
+                chain = await self._chain_body(fragment, key, have)
+                if chain is not None:
+                    body = chain
+                self.pulls[wire.KIND_FULL if chain is None else wire.KIND_UPDATES] += 1
                 self.bytes_out += len(body)
                 self.metrics.bytes_out.inc(len(body))
                 return body
@@ -464,6 +556,8 @@ class Syncer:
             "fragments": len(self.fragments),
             "pending": [len(r.pending) for r in self.state.rounds],
             "codec": self.codec,
+            "pullCodec": self.pull_codec,
+            "pulls": dict(self.pulls),
             "tokens": self.tokens,
             "loss": self.loss,
             "evalLoss": self.eval_loss,
@@ -545,7 +639,9 @@ class Syncer:
                 len(self.state.active_islands()),
             )
 
-        def work() -> None:
+        new_version = self.state.versions[f] + 1
+
+        def work() -> WeightUpdate | None:
             merged = merge_pseudo_gradients(
                 [c.payload for c in contributions], raw, self.rule, self.parts.plain_merge_names
             )
@@ -553,8 +649,15 @@ class Syncer:
                 for t in merged.values():
                     t.mul_(coverage)
             self.outer.step(merged)
+            if self.published is self.weights:
+                return None
+            return publish_update(
+                self.weights, self.published, self.fragments[f], self.pull_codec, new_version
+            )
 
-        await asyncio.to_thread(work)
+        update = await asyncio.to_thread(work)
+        if update is not None:
+            self.history[f].append(update)
         seconds = time.perf_counter() - started
         taken = self.state.take_round(f, now)
         assert len(taken) == len(contributions) and all(
@@ -703,6 +806,7 @@ class Syncer:
         fresh = await asyncio.to_thread(lambda: [self._encode_fragment(f) for f in stale])
         for f, body in zip(stale, fresh, strict=True):
             self._bodies[f] = body
+            self._chains[f].clear()
             old, self._published[f] = self._published[f], asyncio.Event()
             old.set()
 
@@ -712,6 +816,11 @@ class Syncer:
             "outer_step": self.state.outer_step,
             "weights": self._snapshot(),
             "momentum": {n: t.clone() for n, t in self.outer.state_tensors().items()},
+            "published": (
+                None
+                if self.published is self.weights
+                else {n: t.detach().clone() for n, t in self.published.items()}
+            ),
             "manifest": {
                 "jobName": self.job_name,
                 "versions": self.state.versions,
@@ -725,6 +834,8 @@ class Syncer:
                 "islands": self.state.islands_json(),
                 "specHash": self._spec_hash,
                 "codec": self.codec,
+                "pullCodec": self.pull_codec,
+                "pushAnswers": self.state.answers_json(),
                 "time": self.clock(),
             },
         }
@@ -741,8 +852,13 @@ class Syncer:
             momentum=snap["momentum"],
             manifest={**snap["manifest"], "evalHistory": history},
             keep=self.spec.syncer.checkpoint.keep,
+            published=snap["published"],
         )
         log.info("checkpoint %s written", path)
+
+
+def _same_shapes(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
+    return a.keys() == b.keys() and all(a[n].shape == b[n].shape for n in a)
 
 
 def main(args: argparse.Namespace) -> int:

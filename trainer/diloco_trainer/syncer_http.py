@@ -218,12 +218,13 @@ def build_app(syncer: Syncer, token: str) -> web.Application:
         fragment = fragment_arg(request)
         try:
             after = int(request.query.get("after", "-1"))
+            have = int(request.query.get("have", "-1"))
             wait = float(request.query.get("wait", "0"))
         except ValueError:
-            raise Refused(400, "query after must be an integer and wait a number") from None
+            raise Refused(400, "query after and have must be integers and wait a number") from None
         if not math.isfinite(wait) or wait < 0:
             raise Refused(400, f"query wait must be a number >= 0, got {wait}")
-        body = await syncer.pull(fragment, after=after, wait=wait)
+        body = await syncer.pull(fragment, after=after, wait=wait, have=have)
         if body is None:
             return web.Response(status=304)
         return web.Response(body=body, content_type=wire.SAFETENSORS_CONTENT_TYPE)

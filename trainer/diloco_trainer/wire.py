@@ -3,10 +3,18 @@
 Routes (all under the bearer token except /healthz and /readyz):
 
 - ``POST /v1/join`` JSON {"island", "replicas"} -> {"fragments", "versions", "outerStep",
-  "finished", "codec"}.
-- ``GET /v1/fragments/{f}?after=V&wait=S`` -> safetensors body of fragment f's fp32 global weights,
-  header metadata {"version", "fragment", "outerStep", "finished"}; long-polls up to S seconds
-  (capped at MAX_WAIT_SECONDS) for a version > V, then 304.
+  "finished", "codec", "pullCodec"}.
+- ``GET /v1/fragments/{f}?after=V&wait=S[&have=H]`` -> safetensors body of fragment f's fp32
+  global weights (the published copy, see published.py), header metadata {"kind": "full",
+  "version", "fragment", "outerStep", "finished"}; long-polls up to S seconds (capped at
+  MAX_WAIT_SECONDS) for a version > V, then 304. A client that holds version H of the fragment
+  may say so: when sync.pullCodec is not none, the syncer still keeps updates H+1..version and
+  together they are smaller than the fragment, the body is that chain instead (``"kind":
+  "updates"``): tensors named ``"{v}/{encoded key}"`` for each version v in H+1..version,
+  metadata {"fromVersion": H, "codec", "checksum"} (of the weights at "version") besides the
+  above. The client applies them in order (published.apply_updates) and checks the checksum;
+  leaving out ``have`` (or have=-1) always gets the full weights. ``after`` is not the held
+  version: a learner waits for the merge that carries its push, which may be newer than its base.
 - ``POST /v1/fragments/{f}/push`` safetensors body of ``compress.encode_tensors(Δ_f, codec)`` with
   metadata {"island", "baseVersion", "tokens", "steps", "loss", "stepTime", "codec"} and the
   optional {"syncTime", "pushId"} -> {"accepted", "version", "pending"}.
@@ -90,6 +98,13 @@ META_VERSION = "version"
 META_FRAGMENT = "fragment"
 META_OUTER_STEP = "outerStep"
 META_FINISHED = "finished"
+META_KIND = "kind"  # KIND_FULL or KIND_UPDATES
+META_FROM_VERSION = "fromVersion"  # updates: the version they start from (the client's `have`)
+META_CHECKSUM = "checksum"  # updates: published.weights_checksum of the weights at `version`
+KIND_FULL = "full"
+KIND_UPDATES = "updates"
+# An update chain's tensor names: "{version}{UPDATE_SEPARATOR}{encoded key}".
+UPDATE_SEPARATOR = "/"
 
 # The safetensors header is an 8-byte little-endian length followed by that much JSON.
 _HEADER_LEN = struct.Struct("<Q")
@@ -151,6 +166,7 @@ class JoinInfo:
     outer_step: int
     finished: bool
     codec: str
+    pull_codec: str = "none"  # codec of pulled weight updates (older syncers send full weights)
 
     @classmethod
     def from_json(cls, doc: Mapping[str, Any]) -> JoinInfo:
@@ -160,6 +176,7 @@ class JoinInfo:
             outer_step=int(doc["outerStep"]),
             finished=bool(doc["finished"]),
             codec=str(doc["codec"]),
+            pull_codec=str(doc.get("pullCodec", "none")),
         )
 
 
@@ -172,6 +189,57 @@ class PulledFragment:
     outer_step: int
     finished: bool
     tensors: dict[str, torch.Tensor] = field(repr=False)
+
+
+@dataclass(frozen=True)
+class PulledUpdates:
+    """A fragment's encoded weight updates from_version+1..version (apply them in order to the
+    weights at from_version, then compare `checksum`)."""
+
+    fragment: int
+    version: int
+    from_version: int
+    outer_step: int
+    finished: bool
+    codec: str
+    checksum: str
+    updates: list[dict[str, torch.Tensor]] = field(repr=False)
+
+    @property
+    def nbytes(self) -> int:
+        """Payload bytes of every update."""
+        return sum(t.numel() * t.element_size() for u in self.updates for t in u.values())
+
+
+def encode_update_chain(
+    updates: list[tuple[int, Mapping[str, torch.Tensor]]], metadata: Mapping[str, Any]
+) -> bytes:
+    """Safetensors bytes of encoded updates [(version, encoded tensors)], named by version."""
+    tensors = {
+        f"{version}{UPDATE_SEPARATOR}{key}": t.detach().contiguous()
+        for version, encoded in updates
+        for key, t in encoded.items()
+    }
+    return safetensors.torch.save(tensors, metadata=encode_metadata(metadata))
+
+
+def split_update_chain(
+    tensors: Mapping[str, torch.Tensor], from_version: int, version: int
+) -> list[dict[str, torch.Tensor]]:
+    """The per-version encoded dicts of a chain, in order; ValueError unless it holds exactly the
+    versions from_version+1..version."""
+    by_version: dict[int, dict[str, torch.Tensor]] = {}
+    for name, t in tensors.items():
+        head, sep, key = name.partition(UPDATE_SEPARATOR)
+        if not sep or not head.isdigit() or not key:
+            raise ValueError(f"update chain tensor {name!r} is not named 'VERSION/KEY'")
+        by_version.setdefault(int(head), {})[key] = t
+    want = list(range(from_version + 1, version + 1))
+    if sorted(by_version) != want or not want:
+        raise ValueError(
+            f"update chain holds versions {sorted(by_version)}, expected {want[:1]}..{want[-1:]}"
+        )
+    return [by_version[v] for v in want]
 
 
 def encode_metadata(values: Mapping[str, Any]) -> dict[str, str]:
@@ -341,23 +409,43 @@ class SyncerClient:
         return JoinInfo.from_json(doc)
 
     async def pull_fragment(
-        self, fragment: int, *, after: int = -1, wait: float = 0
-    ) -> PulledFragment | None:
+        self, fragment: int, *, after: int = -1, wait: float = 0, have: int = -1
+    ) -> PulledFragment | PulledUpdates | None:
         """Fragment `fragment`'s global weights if its version is > `after`, waiting up to `wait`
-        seconds for one; None when nothing newer came in time."""
+        seconds for one; None when nothing newer came in time.
+
+        With `have` >= 0 (the version this client holds) the syncer may answer with the chain of
+        updates since then (PulledUpdates) instead of the full weights (PulledFragment).
+        """
+        params = {"after": str(after), "wait": str(wait)}
+        if have >= 0:
+            params["have"] = str(have)
         status, body = await self._request(
             "GET",
             ROUTE_FRAGMENT.format(fragment=fragment),
-            params={"after": str(after), "wait": str(wait)},
+            params=params,
             extra_timeout=wait,
             ok=(200, 304),
         )
         if status == 304:
             return None
         tensors, meta = decode_body(body)
+        version = _meta_int(meta, META_VERSION)
+        if meta.get(META_KIND, KIND_FULL) == KIND_UPDATES:
+            from_version = _meta_int(meta, META_FROM_VERSION)
+            return PulledUpdates(
+                fragment=_meta_int(meta, META_FRAGMENT),
+                version=version,
+                from_version=from_version,
+                outer_step=_meta_int(meta, META_OUTER_STEP),
+                finished=_meta_bool(meta, META_FINISHED),
+                codec=meta.get(META_CODEC, ""),
+                checksum=meta.get(META_CHECKSUM, ""),
+                updates=split_update_chain(tensors, from_version, version),
+            )
         return PulledFragment(
             fragment=_meta_int(meta, META_FRAGMENT),
-            version=_meta_int(meta, META_VERSION),
+            version=version,
             outer_step=_meta_int(meta, META_OUTER_STEP),
             finished=_meta_bool(meta, META_FINISHED),
             tensors=tensors,

@@ -1,0 +1,163 @@
+"""Compressed pulls, the pure parts: published updates rebuild bit-exactly, the residual is carried,
+the checksum notices changes, and the update history keeps only chains worth sending."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+from diloco_trainer import wire
+from diloco_trainer.published import (
+    UpdateHistory,
+    WeightUpdate,
+    apply_updates,
+    history_length,
+    publish_update,
+    weights_checksum,
+)
+
+SHAPES = {"emb": (37, 16), "w": (16, 48), "b": (48,), "gain": ()}
+
+
+def tensors(seed: int, scale: float = 1.0) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return {n: scale * torch.randn(s, generator=g) for n, s in SHAPES.items()}
+
+
+def outer_steps(codec: str, rounds: int) -> tuple[list[dict], list[WeightUpdate], dict]:
+    """Exact weights moved by random 'outer steps'; after each, one published update. Returns
+    the published weights after every version (index = version), the updates and the exact."""
+    exact = tensors(0)
+    published = {n: t.clone() for n, t in exact.items()}
+    history = [{n: t.clone() for n, t in published.items()}]
+    updates = []
+    for v in range(1, rounds + 1):
+        for n, t in tensors(v, scale=1e-2).items():
+            exact[n] += t
+        updates.append(publish_update(exact, published, list(SHAPES), codec, v))
+        history.append({n: t.clone() for n, t in published.items()})
+    return history, updates, exact
+
+
+@pytest.mark.parametrize("codec", ["int8", "int4", "fp16", "bf16"])
+def test_published_chain_rebuilds_the_syncer_weights_bit_exactly(codec: str) -> None:
+    history, updates, exact = outer_steps(codec, rounds=5)
+    for held in range(5):
+        chain = [u.encoded for u in updates[held:]]
+        # Through the wire format, as a learner receives them.
+        body = wire.encode_update_chain(
+            [(u.version, u.encoded) for u in updates[held:]], {"kind": "updates"}
+        )
+        received = wire.split_update_chain(wire.decode_body(body)[0], held, 5)
+        for rebuilt in (
+            apply_updates(history[held], chain, codec),
+            apply_updates(history[held], received, codec),
+        ):
+            for n in SHAPES:
+                assert torch.equal(rebuilt[n], history[5][n]), (codec, held, n)
+            assert weights_checksum(rebuilt) == updates[-1].checksum
+    # The base a learner holds is never written to.
+    assert torch.equal(history[0]["w"], tensors(0)["w"])
+    # Lossy codecs: the published weights differ from the exact ones, by less than the last
+    # update's rounding (the updates move them by ~1e-2 per value).
+    gap = max(float((exact[n] - history[5][n]).abs().max()) for n in SHAPES)
+    assert 0 < gap < 5e-3
+
+
+def test_published_residual_is_carried_into_the_next_update() -> None:
+    """What int4 drops in one update is sent with the next: with the exact weights standing
+    still, every update shrinks the gap (error feedback without a separate residual)."""
+    exact = tensors(0)
+    published = {n: t - 0.1 * torch.sign(t) for n, t in exact.items()}
+
+    def gap() -> float:
+        return max(float((exact[n] - published[n]).abs().max()) for n in SHAPES)
+
+    gaps = [gap()]
+    for v in range(1, 4):
+        publish_update(exact, published, list(SHAPES), "int4", v)
+        gaps.append(gap())
+    # int4 leaves at most half a step of absmax/7 per block: the gap falls by >= 7x each time.
+    assert all(b <= a / 7 for a, b in itertools.pairwise(gaps)), gaps
+    assert gaps[-1] < 1e-3 * gaps[0]
+
+
+def test_published_checksum_sees_one_changed_or_swapped_value() -> None:
+    base = tensors(3)
+    ref = weights_checksum(base)
+    assert (
+        ref.startswith("crc32:")
+        and weights_checksum({n: t.clone() for n, t in base.items()}) == ref
+    )
+    flipped = {n: t.clone() for n, t in base.items()}
+    bits = flipped["w"].view(torch.int32)
+    bits[5, 7] ^= 1  # the lowest mantissa bit of one value
+    assert weights_checksum(flipped) != ref
+    swapped = {n: t.clone() for n, t in base.items()}
+    swapped["b"][[0, 1]] = swapped["b"][[1, 0]]
+    assert weights_checksum(swapped) != ref
+
+
+def test_published_apply_updates_refuses_a_chain_for_other_shapes() -> None:
+    _, updates, _ = outer_steps("int8", rounds=1)
+    base = tensors(0)
+    base["w"] = torch.zeros(16, 47)
+    with pytest.raises(ValueError, match="w"):
+        apply_updates(base, [updates[0].encoded], "int8")
+
+
+def update(version: int, nbytes: int = 10) -> WeightUpdate:
+    return WeightUpdate(version=version, encoded={}, nbytes=nbytes, checksum=f"c{version}")
+
+
+def test_published_history_evicts_old_updates_so_far_behind_gets_full() -> None:
+    history = UpdateHistory(maxlen=3)
+    for v in range(1, 6):
+        history.append(update(v))
+    # Kept: 3, 4, 5. A learner at 2 needs 3..5: served; one at 1 needs 2..5: 2 was evicted.
+    chain = history.chain(2, 5, full_bytes=1000)
+    assert chain is not None and [u.version for u in chain] == [3, 4, 5]
+    assert history.chain(1, 5, full_bytes=1000) is None
+    # Only up to the published version, even when a newer update is already kept.
+    chain = history.chain(3, 4, full_bytes=1000)
+    assert chain is not None and [u.version for u in chain] == [4]
+    assert history.chain(5, 5, full_bytes=1000) is None  # nothing newer
+    assert history.chain(-1, 5, full_bytes=1000) is None  # holds nothing
+    assert history.chain(7, 5, full_bytes=1000) is None  # ahead (syncer restarted)
+
+
+def test_published_history_sends_a_chain_only_when_smaller_than_the_fragment() -> None:
+    history = UpdateHistory(maxlen=5)
+    for v in range(1, 4):
+        history.append(update(v, nbytes=30))
+    assert history.chain(2, 3, full_bytes=100) is not None  # 30 < 100
+    assert history.chain(0, 3, full_bytes=100) is not None  # 90 < 100
+    assert history.chain(0, 3, full_bytes=90) is None  # 90 is not smaller than 90
+
+
+def test_published_history_restarts_after_a_gap() -> None:
+    history = UpdateHistory(maxlen=5)
+    history.append(update(1))
+    history.append(update(3))  # version 2 missing: 1 cannot be chained to 3
+    assert [u.version for u in history.updates] == [3]
+    assert history.chain(0, 3, full_bytes=1000) is None
+
+
+@pytest.mark.parametrize(
+    ("codec", "max_staleness", "want"),
+    [
+        ("int8", 4, 3),  # 4 int8 updates (3.88x smaller each) would outweigh the fragment
+        ("int4", 4, 5),  # maxStaleness + 1
+        ("int4", 20, 7),
+        ("int4", 0, 2),  # at least 2: one more merge may land before the pull
+        ("fp16", 4, 1),  # two fp16 updates weigh as much as the fp32 fragment
+    ],
+)
+def test_published_history_length(codec: str, max_staleness: int, want: int) -> None:
+    from diloco_trainer.compress import expected_encoded
+
+    shapes = {"w": torch.Size([256, 512])}
+    full = 256 * 512 * 4
+    upd = sum(s.numel() * d.itemsize for d, s in expected_encoded(shapes, codec).values())
+    assert history_length(full, upd, max_staleness) == want
