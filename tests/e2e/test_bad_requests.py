@@ -29,10 +29,20 @@ from .conftest import (
 
 pytestmark = pytest.mark.e2e
 
+# The heartbeat timeout outlasts the module: island-0 never heartbeats after the set-up, and with
+# TINY_SPEC's 10 s the syncer would time it out part-way through (a loaded machine takes that
+# long), changing `islands` under some test's `unchanged` and its pushes' answers.
+SAFE_HEARTBEAT = {"heartbeatTimeoutSeconds": 3600}
 SPEC = deep_merge(
     TINY_SPEC,
     {
-        "sync": {"fragments": 2, "maxStaleness": 1, "quorum": 1, "graceSeconds": 0.1},
+        "sync": {
+            "fragments": 2,
+            "maxStaleness": 1,
+            "quorum": 1,
+            "graceSeconds": 0.1,
+            **SAFE_HEARTBEAT,
+        },
         "stopAfter": {"outerSteps": 1000},
     },
 )
@@ -59,14 +69,14 @@ async def _advance(url: str, token: str) -> dict[int, dict[str, torch.Tensor]]:
         for f in range(len(info.fragments)):
             version = -1
             for _ in range(2):
-                pulled = await client.pull_fragment(f, after=version, wait=10)
+                pulled = await client.pull_fragment(f, after=version, wait=60)
                 assert pulled is not None
                 version = pulled.version
                 delta = {n: torch.full_like(t, 1e-3) for n, t in pulled.tensors.items()}
                 meta = wire.PushMeta("island-0", version, 128, 4, 5.0, 0.01, "none")
                 answer = await client.push(f, encode_tensors(delta, "none"), meta)
                 assert answer["accepted"], answer
-            pulled = await client.pull_fragment(f, after=version, wait=10)
+            pulled = await client.pull_fragment(f, after=version, wait=60)
             assert pulled is not None and pulled.version == 2
             shapes[f] = pulled.tensors
         await client.join("island-7", 1)
@@ -97,7 +107,7 @@ def syncer(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SyncerHandle]:
         # Control: a body built exactly like the refused ones below, but valid, is accepted.
         code, doc = push(handle, push_body(good_delta(handle, 1)), fragment=1)
         assert code == 200 and doc["accepted"] is True, doc
-        wait_until(lambda: handle.status()["versions"] == [2, 3], timeout=10, what="merge")
+        wait_until(lambda: handle.status()["versions"] == [2, 3], timeout=120, what="merge")
         yield handle
     finally:
         proc.stop(timeout=5)
@@ -298,6 +308,8 @@ def test_bad_requests_bad_heartbeat_and_pull_queries_are_400(
     assert code == 400 and "heartbeat.step" in doc["error"], doc
     code, doc = syncer.request("GET", "/v1/fragments/0?wait=soon")
     assert code == 400 and "wait" in doc["error"], doc
+    code, doc = syncer.request("GET", "/v1/fragments/0?have=latest")
+    assert code == 400 and "have" in doc["error"], doc
 
 
 def test_bad_requests_refusals_are_counted_in_metrics(syncer: SyncerHandle) -> None:
@@ -316,7 +328,7 @@ def test_bad_requests_tls_syncer_refuses_plain_http_and_unknown_ca(
     make_spec: Callable[..., JobSpec],
     tls_files: TLSFiles,
 ) -> None:
-    tls = syncer_proc(make_spec(), tls=tls_files)
+    tls = syncer_proc(make_spec(sync=SAFE_HEARTBEAT), tls=tls_files)
     assert tls.url.startswith("https://")
 
     async def join() -> wire.JoinInfo:

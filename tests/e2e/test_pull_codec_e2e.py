@@ -1,0 +1,89 @@
+"""Compressed pulls end to end: two int8 runs (real syncer and learner processes), one pulling
+full fp32 weights (sync.pullCodec none) and one pulling int8 weight updates (pullCodec auto). The
+second pulls at least 3x fewer bytes and ends within 1% of the first's eval loss, the tolerance of
+the int8 push codec test."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+from diloco_trainer.config import JobSpec
+from diloco_trainer.local import LocalRun
+
+from .conftest import deep_merge
+from .test_convergence import (  # noqa: F401  (local_run is a fixture)
+    CONVERGENCE_SPEC,
+    local_run,
+    start_synchronised,
+)
+
+pytestmark = pytest.mark.e2e
+
+# Twice the convergence test's rounds at half its H (the same inner steps): every learner pulls
+# each round, so the two full pulls at the joins weigh less against the per-round pulls.
+ROUNDS = 20
+INNER_STEPS = 5
+ISLANDS = 2
+
+
+def pull_run(
+    pull_codec: str, make_spec: Callable[..., JobSpec], make_run: Callable[..., LocalRun]
+) -> LocalRun:
+    """A started two-island int8 run with every island in every merge, so that two runs differ
+    only by the pull codec."""
+    spec = make_spec(
+        **deep_merge(
+            CONVERGENCE_SPEC,
+            {
+                "islands": {"count": ISLANDS},
+                "inner": {"steps": INNER_STEPS},
+                "sync": {"quorum": ISLANDS, "compression": "int8", "pullCodec": pull_codec},
+                "stopAfter": {"outerSteps": ROUNDS},
+            },
+        )
+    )
+    run = make_run(spec)
+    start_synchronised(run)
+    return run
+
+
+def test_pull_codec_int8_updates_pull_3x_fewer_bytes_at_the_same_loss(
+    make_spec: Callable[..., JobSpec],
+    local_run: Callable[..., LocalRun],  # noqa: F811
+) -> None:
+    # Both runs at once: their results do not depend on timing, and they share the start-up.
+    runs = [pull_run(codec, make_spec, local_run) for codec in ("none", "auto")]
+
+    async def watch_both() -> list[dict[str, Any]]:
+        return await asyncio.wait_for(
+            asyncio.gather(*(r.watch(time.monotonic()) for r in runs)), timeout=300
+        )
+
+    full, updates = asyncio.run(watch_both())
+    print(
+        f"pulled {full['bytesOut']} B (pullCodec none) vs {updates['bytesOut']} B (auto/int8); "
+        f"eval loss {full['evalLoss']:.4f} vs {updates['evalLoss']:.4f}"
+    )
+    assert full["outerStep"] == updates["outerStep"] == ROUNDS
+    assert full["tokens"] == updates["tokens"]
+    assert (full["pullCodec"], updates["pullCodec"]) == ("none", "int8")
+    # Each learner pulls the fragment in full when it joins, then once per round: with updates,
+    # every per-round pull is a one-update chain (each learner holds the version before the
+    # merge it waits for). The status is read when the syncer finishes, so the final round's
+    # pulls may not all be counted yet.
+    assert full["pulls"]["updates"] == 0
+    assert full["pulls"]["full"] >= ISLANDS * ROUNDS, full["pulls"]
+    assert updates["pulls"]["full"] == ISLANDS, updates["pulls"]
+    assert updates["pulls"]["updates"] >= ISLANDS * (ROUNDS - 1), updates["pulls"]
+    assert updates["bytesOut"] * 3 <= full["bytesOut"], (updates["bytesOut"], full["bytesOut"])
+    # Pushes are int8 in both runs (their headers' numbers may differ in length).
+    assert updates["bytesIn"] == pytest.approx(full["bytesIn"], rel=1e-3)
+    assert updates["evalLoss"] < 0.6 * updates["initialEvalLoss"], "the run did not train"
+    assert abs(updates["evalLoss"] - full["evalLoss"]) <= 0.01 * full["evalLoss"], (
+        updates["evalLoss"],
+        full["evalLoss"],
+    )
