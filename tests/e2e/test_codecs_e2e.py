@@ -49,7 +49,7 @@ def test_codecs_int8_run_matches_uncompressed_run(
 
     async def watch_both() -> list[dict[str, Any]]:
         return await asyncio.wait_for(
-            asyncio.gather(*(r.watch(time.monotonic()) for r in runs)), timeout=240
+            asyncio.gather(*(r.watch(time.monotonic()) for r in runs)), timeout=600
         )
 
     plain, int8 = asyncio.run(watch_both())

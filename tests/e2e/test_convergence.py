@@ -115,7 +115,7 @@ def test_convergence_matches_synchronous_data_parallel(
     )
     run = local_run(spec)
     start_synchronised(run)
-    status = run_to_finish(run, timeout=240)
+    status = run_to_finish(run, timeout=600)
     run.stop_all(timeout=5)  # free the CPU for the baseline
 
     torch.set_num_threads(1)  # a shared, busy CPU: more threads only spin

@@ -101,7 +101,7 @@ def test_local_run_writes_summary_and_plot(
         workdir,
     )
     try:
-        code = proc.wait(timeout=240)
+        code = proc.wait(timeout=600)
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGINT)
@@ -151,11 +151,11 @@ def test_local_run_sigint_stops_every_child(
                 and len(list(logs.glob("island-*-rank0.log"))) == 2
             )
 
-        wait_until(all_joined, timeout=120, interval=0.2, what="both islands joined")
+        wait_until(all_joined, timeout=300, interval=0.2, what="both islands joined")
         children = descendants(proc.pid)
         assert len(children) >= 5, children  # syncer + 2 islands x 2 ranks
         os.killpg(proc.pid, signal.SIGINT)
-        code = proc.wait(timeout=60)
+        code = proc.wait(timeout=120)
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)

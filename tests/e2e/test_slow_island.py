@@ -36,7 +36,7 @@ def test_slow_island_does_not_hold_back_the_quorum(
     )
     run = local_run(spec, slowdowns={2: 3.0})
     start_synchronised(run)  # nobody merges alone before the others have joined
-    status = run_to_finish(run, timeout=180)
+    status = run_to_finish(run, timeout=600)
 
     merges = [
         json.loads(line)

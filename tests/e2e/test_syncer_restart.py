@@ -49,7 +49,7 @@ async def run_rounds(handle: SyncerHandle, rounds: int) -> dict[int, dict[str, t
                 delta = delta_for(pulled.tensors, seed=100 * r + f)
                 answer = await client.push(f, encode_tensors(delta, "none"), meta)
                 assert answer["accepted"], answer
-                merged = await client.pull_fragment(f, after=pulled.version, wait=20)
+                merged = await client.pull_fragment(f, after=pulled.version, wait=60)
                 assert merged is not None and merged.version == pulled.version + 1
                 last[f] = merged.tensors
     return last
@@ -64,7 +64,7 @@ def test_syncer_restart_resumes_versions_weights_and_momentum(
     # Evaluations run in the background after each outer step: wait for the last one.
     wait_until(
         lambda: len(first.status()["evalHistory"]) == ROUNDS + 1,
-        timeout=20,
+        timeout=120,
         what="the evaluation of the last outer step",
     )
     before = first.status(digest=True)
@@ -77,7 +77,7 @@ def test_syncer_restart_resumes_versions_weights_and_momentum(
             [p.name for p in ckpt.list_checkpoints(first.state_dir)]
             == [ckpt.checkpoint_name(ROUNDS - 1), ckpt.checkpoint_name(ROUNDS)]
         ),
-        timeout=20,
+        timeout=120,
         what="the checkpoints of the last two outer steps",
     )
     merge_log = [json.loads(x) for x in (first.state_dir / "merges.jsonl").read_text().splitlines()]
@@ -87,7 +87,7 @@ def test_syncer_restart_resumes_versions_weights_and_momentum(
     assert all(m["contributors"][0]["weight"] == 1.0 for m in merge_log)
 
     first.proc.kill()
-    first.proc.wait(timeout=10)
+    first.proc.wait(timeout=60)
     second = syncer_proc(spec, state_dir=first.state_dir, token=first.token)
     after = second.status(digest=True)
 
@@ -115,11 +115,11 @@ def test_syncer_restart_client_call_made_while_down_completes(
             ckpt.list_checkpoints(first.state_dir)[-1:]
             == [first.state_dir / "checkpoints" / ckpt.checkpoint_name(1)]
         ),
-        timeout=20,
+        timeout=120,
         what="the checkpoint of outer step 1",
     )
     first.proc.kill()
-    first.proc.wait(timeout=10)
+    first.proc.wait(timeout=60)
     caplog.set_level(logging.WARNING, logger="diloco.wire")
 
     async def push_while_down() -> tuple[dict, bool, SyncerHandle]:
@@ -130,7 +130,7 @@ def test_syncer_restart_client_call_made_while_down_completes(
             await asyncio.to_thread(
                 wait_until,
                 lambda: any("syncer unreachable" in r.getMessage() for r in caplog.records),
-                timeout=10,
+                timeout=60,
                 what="the client to report that it retries",
             )
             waited = not pending.done()
@@ -144,6 +144,6 @@ def test_syncer_restart_client_call_made_while_down_completes(
     assert answer["accepted"] is True and answer["version"] == 1
     wait_until(
         lambda: second.status()["versions"] == [2, 1],
-        timeout=20,
+        timeout=120,
         what="the retried push to be merged by the restarted syncer",
     )
