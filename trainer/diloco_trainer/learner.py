@@ -649,11 +649,13 @@ class Learner:
             self.results[f] = SyncResult(pulled=pulled, outcome="joined", seconds=0.0)
         self.fragments = [FragmentState(names=list(frag)) for frag in info.fragments]
         log.info(
-            "joined the syncer at outer step %d: %d fragment(s), versions %s, codec %s",
+            "joined the syncer at outer step %d: %d fragment(s), versions %s, codec %s, "
+            "pull codec %s",
             info.outer_step,
             len(info.fragments),
             info.versions,
             info.codec,
+            info.pull_codec,
         )
         return info
 

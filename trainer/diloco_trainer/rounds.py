@@ -8,6 +8,10 @@ contributions keyed by island. A later push from the same island REPLACES its pe
 island's counters (tokens, steps) and its pseudo-gradient cover all its work since it last received
 the fragment, so the newer push includes the older one and nothing is counted twice.
 
+Retried pushes. The answer to each island's latest push per fragment is kept by its pushId, so a
+client retry gets the first answer again instead of being counted twice. Checkpoints keep the
+answers of pushes already merged (answers_json), so this holds across a syncer restart too.
+
 Quorum and grace. The effective quorum is min(K, active islands), at least 1. When the round's
 contributors reach it, the grace window starts; the round is due when the window has passed or
 when every active island has contributed. Membership changes re-evaluate this at once: dropping an
