@@ -58,7 +58,16 @@ def test_learner_restart_rounds_continue_and_it_rejoins_at_the_current_version(
     )
     run = local_run(spec)
     run.start()
-    wait_until(lambda: status_of(run)["outerStep"] >= 2, timeout=300, what="two outer steps")
+    # The victim must have been part of training before it dies: on a loaded machine its start-up
+    # can take longer than the others' first two merges (CI once killed it before it joined).
+    wait_until(
+        lambda: (
+            status_of(run)["outerStep"] >= 2
+            and any(VICTIM in contributors(m) for m in merge_log(run))
+        ),
+        timeout=300,
+        what="two outer steps and a merge with the victim",
+    )
 
     (victim,) = [p for p in run.learners if p.name.startswith(VICTIM + "/")]
     victim.kill()
