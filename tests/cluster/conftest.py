@@ -199,7 +199,7 @@ class ControlPlane:
                 self.kubectl("get", "serviceaccount", "default", "-n", name, check=False).returncode
                 == 0
             ),
-            timeout=60,
+            timeout=180,
             message=f"ServiceAccount default in namespace {name}",
         )
         return name

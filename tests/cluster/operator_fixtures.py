@@ -72,7 +72,7 @@ def crd(control_plane: ControlPlane) -> Path:
     """The generated CRD, applied with real kubectl and Established."""
     control_plane.kubectl("apply", "--server-side", "--force-conflicts", "-f", str(CRD_FILE))
     control_plane.kubectl(
-        "wait", "--for=condition=Established", "crd/dilocojobs.diloco.dev", "--timeout=60s"
+        "wait", "--for=condition=Established", "crd/dilocojobs.diloco.dev", "--timeout=180s"
     )
     return CRD_FILE
 
@@ -183,7 +183,7 @@ class OperatorProcess:
                 stdin=subprocess.DEVNULL,
                 start_new_session=True,
             )
-        wait_until(self._healthy, timeout=60, message="operator liveness endpoint")
+        wait_until(self._healthy, timeout=180, message="operator liveness endpoint")
 
     def _healthy(self) -> bool:
         assert self.proc is not None

@@ -114,12 +114,12 @@ class ChartRelease:
     namespace: str
     values: dict[str, Any] = field(default_factory=dict)
 
-    def install(self, timeout: str = "120s") -> subprocess.CompletedProcess[str]:
+    def install(self, timeout: str = "300s") -> subprocess.CompletedProcess[str]:
         """`helm install --wait` (the chart's pods are kwok fakes: Ready without containers)."""
         args = ["install", self.name, str(CHART), "--namespace", self.namespace, "--wait"]
         for key, value in _flatten_values(self.values):
             args += ["--set-json", f"{key}={json.dumps(value)}"]
-        result = self.helm.run(*args, "--timeout", timeout, timeout=300)
+        result = self.helm.run(*args, "--timeout", timeout, timeout=420)
         assert result.returncode == 0, f"helm install failed:\n{result.stderr}"
         return result
 
@@ -189,7 +189,7 @@ class ChartOperator(OperatorProcess):
                 stdin=subprocess.DEVNULL,
                 start_new_session=True,
             )
-        wait_until(self._healthy, timeout=60, message="operator liveness endpoint")
+        wait_until(self._healthy, timeout=180, message="operator liveness endpoint")
 
     def denials(self) -> list[tuple[str, str]]:
         """(verb, resource) of every RBAC denial the operator logged."""

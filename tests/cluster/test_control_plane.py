@@ -13,6 +13,8 @@ from .conftest import ControlPlane, holds_for, pod_ready, wait_until
 
 pytestmark = pytest.mark.cluster
 
+WAIT = 180  # seconds; generous for a loaded 2-core machine, waits end once their condition holds
+
 
 def _statefulset(name: str, replicas: int) -> list[dict[str, Any]]:
     labels = {"app": name}
@@ -108,7 +110,7 @@ def test_statefulset_pods_become_running_and_ready(
     control_plane.apply(_statefulset("web", 2), namespace)
     pods = wait_until(
         lambda: _running_ready(control_plane, namespace, "app=web", 2),
-        timeout=60,
+        timeout=WAIT,
         message="2 Running+Ready pods of StatefulSet web",
     )
     assert sorted(p["metadata"]["name"] for p in pods) == ["web-0", "web-1"]
@@ -122,7 +124,7 @@ def test_statefulset_pods_become_running_and_ready(
             )
             == 2
         ),
-        timeout=30,
+        timeout=WAIT,
         message="StatefulSet web readyReplicas == 2",
     )
 
@@ -133,12 +135,12 @@ def test_deleted_statefulset_pod_is_recreated_and_ready(
     control_plane.apply(_statefulset("db", 2), namespace)
     pods = wait_until(
         lambda: _running_ready(control_plane, namespace, "app=db", 2),
-        timeout=60,
+        timeout=WAIT,
         message="2 Running+Ready pods of StatefulSet db",
     )
     old_uid = next(p["metadata"]["uid"] for p in pods if p["metadata"]["name"] == "db-1")
     # Graceful delete: kwok's pod-delete stage finishes it (there is no kubelet).
-    control_plane.kubectl("delete", "pod", "db-1", "-n", namespace, "--wait=true", timeout=60)
+    control_plane.kubectl("delete", "pod", "db-1", "-n", namespace, "--wait=true", timeout=WAIT)
 
     def recreated() -> bool:
         pod = _get_pod(control_plane, namespace, "db-1")
@@ -148,14 +150,14 @@ def test_deleted_statefulset_pod_is_recreated_and_ready(
             and pod_ready(pod)
         )
 
-    wait_until(recreated, timeout=60, message="db-1 recreated and Ready")
+    wait_until(recreated, timeout=WAIT, message="db-1 recreated and Ready")
 
 
 def test_patched_not_ready_condition_sticks(control_plane: ControlPlane, namespace: str) -> None:
     control_plane.apply(_statefulset("learner", 2), namespace)
     wait_until(
         lambda: _running_ready(control_plane, namespace, "app=learner", 2),
-        timeout=60,
+        timeout=WAIT,
         message="2 Running+Ready pods of StatefulSet learner",
     )
     patch = {"status": {"conditions": [{"type": "Ready", "status": "False", "reason": "Test"}]}}
@@ -184,7 +186,7 @@ def test_patched_not_ready_condition_sticks(control_plane: ControlPlane, namespa
             ].get("readyReplicas", 0)
             == 1
         ),
-        timeout=30,
+        timeout=WAIT,
         message="StatefulSet learner readyReplicas == 1",
     )
 
@@ -193,7 +195,7 @@ def test_patched_failed_phase_sticks(control_plane: ControlPlane, namespace: str
     control_plane.apply(_bare_pod("worker"), namespace)
     wait_until(
         lambda: _running_ready(control_plane, namespace, "app=worker", 1),
-        timeout=60,
+        timeout=WAIT,
         message="pod worker Running+Ready",
     )
     patch = {
@@ -221,7 +223,7 @@ def test_patched_failed_phase_sticks(control_plane: ControlPlane, namespace: str
 
     holds_for(still_failed, duration=3.0, message="pod worker phase=Failed after the patch")
     # A failed pod can still be deleted (kwok finishes the graceful deletion).
-    control_plane.kubectl("delete", "pod", "worker", "-n", namespace, "--wait=true", timeout=60)
+    control_plane.kubectl("delete", "pod", "worker", "-n", namespace, "--wait=true", timeout=WAIT)
 
 
 def test_garbage_collection_by_owner_reference(control_plane: ControlPlane, namespace: str) -> None:
@@ -263,7 +265,7 @@ def test_garbage_collection_by_owner_reference(control_plane: ControlPlane, name
     control_plane.apply(child, namespace)
     wait_until(
         lambda: _running_ready(control_plane, namespace, "app=owner", 1),
-        timeout=60,
+        timeout=WAIT,
         message="the Deployment's pod Running+Ready",
     )
     control_plane.kubectl("delete", "deployment", "owner", "-n", namespace, "--wait=false")
@@ -273,7 +275,7 @@ def test_garbage_collection_by_owner_reference(control_plane: ControlPlane, name
         pods = _pods(control_plane, namespace, "app=owner")
         return cm.returncode != 0 and "NotFound" in cm.stderr and not pods
 
-    wait_until(gone, timeout=60, message="ConfigMap owned and the pods garbage-collected")
+    wait_until(gone, timeout=WAIT, message="ConfigMap owned and the pods garbage-collected")
 
 
 def test_serviceaccount_kubeconfig_is_least_privilege(
@@ -301,7 +303,7 @@ def test_serviceaccount_kubeconfig_is_least_privilege(
             env=env,
             capture_output=True,
             text=True,
-            timeout=60,
+            timeout=WAIT,
             check=False,
         )
 
@@ -323,7 +325,7 @@ def test_two_control_planes_side_by_side(make_control_plane, control_plane: Cont
         other.apply(_bare_pod("p"), ns)
         wait_until(
             lambda: _running_ready(other, ns, "app=p", 1),
-            timeout=60,
+            timeout=WAIT,
             message="a pod Running+Ready on the second cluster",
         )
     finally:

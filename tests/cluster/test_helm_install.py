@@ -31,6 +31,7 @@ pytestmark = pytest.mark.cluster
 
 JOB = "helmjob"
 CRD = "customresourcedefinition/dilocojobs.diloco.dev"
+WAIT = 180  # seconds; generous for a loaded 2-core machine, waits end once their condition holds
 
 
 def test_helm_install_operator_reconciles_as_chart_serviceaccount_and_uninstall_cleans_up(
@@ -53,7 +54,7 @@ def test_helm_install_operator_reconciles_as_chart_serviceaccount_and_uninstall_
         for kind in ("serviceaccounts", "clusterroles", "clusterrolebindings", "deployments"):
             assert any(n.startswith(f"{kind}/") for n in installed), (kind, installed)
         assert installed <= release.labelled_objects()
-        cp.kubectl("wait", "--for=condition=Established", CRD, "--timeout=60s")
+        cp.kubectl("wait", "--for=condition=Established", CRD, "--timeout=180s")
         deployment = next(n for n in installed if n.startswith("deployments/"))
         ready = cp.kubectl_json("get", deployment, "-n", namespace)["status"]
         assert ready.get("readyReplicas") == 1, ready  # a kwok pod: Ready without a container
@@ -76,28 +77,28 @@ def test_helm_install_operator_reconciles_as_chart_serviceaccount_and_uninstall_
         syncer = {"endpoint": shared_syncer.url, "tokenSecretName": shared_syncer.secret_name}
         islands = {"count": 2, "replicas": 1, "namePrefix": "helm"}
         jobs.apply(job_manifest(JOB, islands=islands, syncer=syncer))
-        wait_until(
-            lambda: jobs.status(JOB).get("phase") == "Running",
-            90,
+        status = wait_until(
+            lambda: (st := jobs.status(JOB)).get("phase") == "Running" and st,
+            WAIT,
             message="the job Running (islands ready, syncer reached)",
         )
         assert jobs.names("statefulsets") == {f"{JOB}-helm-island-0", f"{JOB}-helm-island-1"}
         assert f"{JOB}-config" in jobs.names("configmaps")
-        counts = jobs.status(JOB)["islands"]
+        counts = status["islands"]
         assert (counts["desired"], counts["ready"]) == (2, 2), counts
 
         # An island whose pod turns unready is dropped at the syncer, then re-added.
         jobs.set_pod_ready(f"{JOB}-helm-island-1-0", False)
         wait_until(
             lambda: shared_syncer.island_state("helm-island-1") == "dropped",
-            30,
+            WAIT,
             message="helm-island-1 dropped at the syncer",
         )
-        wait_until(lambda: jobs.events("IslandDropped"), 30, message="an IslandDropped Event")
+        wait_until(lambda: jobs.events("IslandDropped"), WAIT, message="an IslandDropped Event")
         jobs.set_pod_ready(f"{JOB}-helm-island-1-0", True)
         wait_until(
             lambda: shared_syncer.island_state("helm-island-1") == "active",
-            30,
+            WAIT,
             message="helm-island-1 re-added",
         )
         assert operator.denials() == [], "the chart's RBAC refused the operator something"
@@ -109,7 +110,7 @@ def test_helm_install_operator_reconciles_as_chart_serviceaccount_and_uninstall_
         # Deleted by helm, or by garbage collection (the Deployment's ReplicaSet and pod).
         wait_until(
             lambda: release.labelled_objects() == set(),
-            60,
+            WAIT,
             message=f"nothing labelled {release.selector} left",
         )
         # Helm never deletes what it installed from crds/: the CRD, and so the jobs, stay.

@@ -48,7 +48,7 @@ EXAMPLES = Path(__file__).resolve().parents[2] / "examples" / "multi-region"
 # The extra control plane test_control_plane.py starts too: one start per session serves both.
 REGION_B_CLUSTER = "second"
 POD_INDEX = "apps.kubernetes.io/pod-index"
-WAIT = 120.0
+WAIT = 180.0  # generous for a loaded 2-core machine; waits end once their condition holds
 
 
 def example(name: str) -> dict[str, Any]:
@@ -153,7 +153,7 @@ def _run_two_regions(
             region_a.get("deployment", f"{name}-syncer")
             and region_a.get("service", f"{name}-syncer")
         ),
-        60,
+        WAIT,
         message="region A's syncer Deployment and Service",
     )
     assert service["spec"]["type"] == "LoadBalancer"
@@ -185,7 +185,9 @@ def _run_two_regions(
     job_b["spec"]["syncer"]["endpoint"] = url
     region_b.apply(job_b)
     wait_until(
-        lambda: region_b.get("statefulset", f"{name}-eu-island-0"), 60, message="region B's island"
+        lambda: region_b.get("statefulset", f"{name}-eu-island-0"),
+        WAIT,
+        message="region B's island",
     )
     assert region_b.get("deployment", f"{name}-syncer") is None  # no syncer in region B
 
@@ -201,10 +203,12 @@ def _run_two_regions(
     def status() -> dict[str, Any]:
         return syncer_status(url, token, tls.cert)
 
-    def merged_together() -> dict[str, Any] | None:
-        for merge in status().get("merges") or []:
+    def merged_together() -> tuple[dict[str, Any], dict[str, Any]] | None:
+        """(the first merge of both regions, the islands of the same status read), or None."""
+        doc = status()
+        for merge in doc.get("merges") or []:
             if {c["island"] for c in merge["contributors"]} == {"island-0", "eu-island-0"}:
-                return merge
+                return merge, doc["islands"]
         return None
 
     def alive() -> bool:
@@ -212,14 +216,13 @@ def _run_two_regions(
         assert not dead, "\n".join(f"{p.name} exited:\n{p.log_text()[-3000:]}" for p in dead)
         return True
 
-    merge = wait_until(
+    merge, islands = wait_until(
         lambda: alive() and merged_together(),
-        240,
+        420,
         interval=1.0,
         message="a merge with contributors from both regions",
     )
     mark("merge of both regions")
-    islands = status()["islands"]
     assert islands["island-0"]["state"] == islands["eu-island-0"]["state"] == "active"
     print(f"merge of both regions at outer step {merge['outerStep']}: {merge['contributors']}")
 
@@ -231,7 +234,9 @@ def _run_two_regions(
         ok = (st.get("outerStep") or 0) >= merge["outerStep"] and eu.get("inQuorum")
         return st if ok else None
 
-    st_b = wait_until(b_reports, 60, message="region B's status with its island and outer step")
+    st_b = wait_until(
+        b_reports, 2 * WAIT, message="region B's status with its island and outer step"
+    )
     mark("region B's status shows its island and the outer step")
     assert [i["name"] for i in st_b["islandStatuses"]] == ["eu-island-0"]
     assert st_b["phase"] == "Running" and st_b["islands"]["ready"] == 1

@@ -23,6 +23,8 @@ from .operator_fixtures import (  # noqa: F401
 
 pytestmark = pytest.mark.cluster
 
+WAIT = 180  # seconds; generous for a loaded 2-core machine, waits end once their condition holds
+
 OWNER_LABELS = (
     "app.kubernetes.io/name",
     "app.kubernetes.io/instance",
@@ -78,7 +80,7 @@ def test_operator_creates_children_with_env_contract(
     cluster.apply(job_manifest("demo", islands={"count": 2, "replicas": 2, "shardOffset": 3}))
     # Polled with the Python client (kubectl start-up would dominate the measurement).
     took = elapsed_until(
-        lambda: _children_fast(api, cluster.ns, "demo") == _expected("demo", 2), 60, "children"
+        lambda: _children_fast(api, cluster.ns, "demo") == _expected("demo", 2), WAIT, "children"
     )
     print(f"job applied -> all children present: {took:.2f}s")
     assert _children(cluster, "demo") == _expected("demo", 2)
@@ -130,7 +132,7 @@ def test_operator_creates_children_with_env_contract(
     assert secret is not None and secret["data"][contract.TOKEN_KEY]
 
     # kwok runs the pods; the pod-index label RANK reads is set by the StatefulSet controller.
-    pods = wait_until(lambda: cluster.pods_ready("diloco.dev/island", 4), 60, message="4 pods")
+    pods = wait_until(lambda: cluster.pods_ready("diloco.dev/island", 4), WAIT, message="4 pods")
     for pod in pods:
         index = pod["metadata"]["labels"]["apps.kubernetes.io/pod-index"]
         assert re.fullmatch(r"demo-island-[01]-" + index, pod["metadata"]["name"])
@@ -140,11 +142,14 @@ def test_operator_kubectl_get_shows_printer_columns(
     cluster: Cluster, operator: OperatorProcess
 ) -> None:
     cluster.apply(job_manifest("cols", islands={"count": 2}))
-    wait_until(
-        lambda: cluster.status("cols").get("islandsSummary") == "2/2", 60, message="2/2 islands"
-    )
-    for resource in ("dilocojobs", "dj"):
+
+    def table(resource: str) -> list[str] | None:
+        """`kubectl get RESOURCE` once its row shows 2/2 islands (header and row of one read)."""
         lines = cluster.cp.kubectl("get", resource, "-n", cluster.ns).stdout.splitlines()
+        return lines if len(lines) > 1 and lines[1].split()[2:3] == ["2/2"] else None
+
+    for resource in ("dilocojobs", "dj"):
+        lines = wait_until(lambda r=resource: table(r), WAIT, message=f"{resource}: 2/2 islands")
         assert re.split(r"\s{2,}", lines[0].strip()) == [
             "NAME",
             "PHASE",
@@ -159,7 +164,9 @@ def test_operator_kubectl_get_shows_printer_columns(
 
 def test_operator_recreates_deleted_children(cluster: Cluster, operator: OperatorProcess) -> None:
     cluster.apply(job_manifest("drift", islands={"count": 2}))
-    wait_until(lambda: _children(cluster, "drift") == _expected("drift", 2), 60, message="children")
+    wait_until(
+        lambda: _children(cluster, "drift") == _expected("drift", 2), WAIT, message="children"
+    )
     before = {
         kind: cluster.get(kind, name)["metadata"]["uid"]  # type: ignore[index]
         for kind, name in (
@@ -186,7 +193,7 @@ def test_operator_recreates_deleted_children(cluster: Cluster, operator: Operato
                 return False
         return True
 
-    took = elapsed_until(recreated, 30, "deleted children recreated")
+    took = elapsed_until(recreated, WAIT, "deleted children recreated")
     print(f"deleted StatefulSet/Service/Deployment recreated in {took:.2f}s")
     assert cluster.get("statefulset", "drift-island-0") is not None
 
@@ -195,10 +202,10 @@ def test_operator_job_deletion_garbage_collects_children(
     cluster: Cluster, operator: OperatorProcess
 ) -> None:
     cluster.apply(job_manifest("gc", islands={"count": 2}))
-    wait_until(lambda: _children(cluster, "gc") == _expected("gc", 2), 60, message="children")
-    wait_until(lambda: cluster.pods_ready("diloco.dev/job=gc", 3), 60, message="pods")
+    wait_until(lambda: _children(cluster, "gc") == _expected("gc", 2), WAIT, message="children")
+    wait_until(lambda: cluster.pods_ready("diloco.dev/job=gc", 3), WAIT, message="pods")
     cluster.cp.kubectl("delete", "dilocojob", "gc", "-n", cluster.ns, "--wait=false")
     empty = {kind: set() for kind in _expected("gc", 2)}
-    wait_until(lambda: _children(cluster, "gc") == empty, 60, message="children deleted by GC")
-    wait_until(lambda: not cluster.items("pods", "diloco.dev/job=gc"), 60, message="pods gone")
+    wait_until(lambda: _children(cluster, "gc") == empty, WAIT, message="children deleted by GC")
+    wait_until(lambda: not cluster.items("pods", "diloco.dev/job=gc"), WAIT, message="pods gone")
     assert operator.alive

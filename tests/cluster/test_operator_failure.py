@@ -19,13 +19,15 @@ from .operator_fixtures import (  # noqa: F401
 
 pytestmark = pytest.mark.cluster
 
+WAIT = 180  # seconds; generous for a loaded 2-core machine, waits end once their condition holds
+
 
 def test_operator_fails_job_when_syncer_crash_loops(
     cluster: Cluster, operator: OperatorProcess
 ) -> None:
     cluster.apply(job_manifest("crash", islands={"count": 2}))
     wait_until(
-        lambda: cluster.pods_ready("diloco.dev/job=crash", 3), 90, message="learners and syncer"
+        lambda: cluster.pods_ready("diloco.dev/job=crash", 3), WAIT, message="learners and syncer"
     )
     (syncer_pod,) = cluster.names("pods", "app.kubernetes.io/component=syncer")
     crash = {
@@ -44,18 +46,21 @@ def test_operator_fails_job_when_syncer_crash_loops(
         "patch", "pod", syncer_pod, "-n", cluster.ns, "--subresource=status", "-p",
         json.dumps(crash),
     )  # fmt: skip
-    wait_until(lambda: cluster.status("crash").get("phase") == "Failed", 30, message="Failed")
-    status = cluster.status("crash")
+    status = wait_until(
+        lambda: (st := cluster.status("crash")).get("phase") == "Failed" and st,
+        WAIT,
+        message="Failed",
+    )
     failed = next(c for c in status["conditions"] if c["type"] == "Failed")
     assert failed["status"] == "True" and failed["reason"] == "SyncerCrashLoop"
     assert syncer_pod in failed["message"] and status.get("finishedTime")
     wait_until(
         lambda: not cluster.items("pods", "app.kubernetes.io/component=learner"),
-        60,
+        WAIT,
         message="islands scaled to zero",
     )
     assert all(s["spec"]["replicas"] == 0 for s in cluster.items("statefulsets"))
-    (event,) = wait_until(lambda: cluster.events("Failed"), 30, message="Failed Event")
+    (event,) = wait_until(lambda: cluster.events("Failed"), WAIT, message="Failed Event")
     assert event["type"] == "Warning" and "crash-looped" in event["message"]
     # Failed is final: even with the syncer healthy again it stays Failed (no flapping back).
     healed = {

@@ -19,6 +19,8 @@ from .operator_fixtures import (  # noqa: F401
 
 pytestmark = pytest.mark.cluster
 
+WAIT = 180  # seconds; generous for a loaded 2-core machine, waits end once their condition holds
+
 KINDS = ("statefulsets", "services", "deployments", "configmaps", "secrets", "pods")
 
 
@@ -52,9 +54,11 @@ def _reconciles(operator: OperatorProcess) -> float:
 def test_operator_restart_keeps_children(cluster: Cluster, operator: OperatorProcess) -> None:
     cluster.apply(job_manifest("rs", islands={"count": 3, "replicas": 2}))
     wait_until(
-        lambda: cluster.pods_ready("diloco.dev/job=rs", 7), 90, message="6 learners + syncer Ready"
+        lambda: cluster.pods_ready("diloco.dev/job=rs", 7),
+        WAIT,
+        message="6 learners + syncer Ready",
     )
-    wait_until(lambda: cluster.status("rs").get("islandsSummary") == "3/3", 60, message="3/3")
+    wait_until(lambda: cluster.status("rs").get("islandsSummary") == "3/3", WAIT, message="3/3")
     before = _snapshot(cluster)
     versions = _versions(cluster)
     token = cluster.get("secret", "rs-token")["data"]  # type: ignore[index]
@@ -68,7 +72,7 @@ def test_operator_restart_keeps_children(cluster: Cluster, operator: OperatorPro
             'diloco_operator_reconciles_total{result="ok"} ' in operator.metrics()
             and _reconciles(operator) >= 1
         ),
-        30,
+        WAIT,
         message="a reconcile by the restarted operator",
     )
     holds_for(lambda: _snapshot(cluster) == before, duration=8, message="children unchanged")
@@ -79,7 +83,7 @@ def test_operator_restart_keeps_children(cluster: Cluster, operator: OperatorPro
     # And it still works: a scale-up after the restart is carried out.
     cluster.patch_spec("rs", {"islands": {"count": 4}})
     wait_until(
-        lambda: len(cluster.items("statefulsets", "diloco.dev/job=rs")) == 4, 60, message="4th"
+        lambda: len(cluster.items("statefulsets", "diloco.dev/job=rs")) == 4, WAIT, message="4th"
     )
     after = _snapshot(cluster)
     for kind in KINDS:

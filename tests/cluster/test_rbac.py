@@ -43,7 +43,7 @@ RELEASE = "rbac"
 JOB = "rbac"
 REMOTE = "remote"  # the job whose islands train against the loopback syncer
 SERVICE_ACCOUNT = "operator"
-WAIT = 60.0
+WAIT = 180.0  # generous for a loaded 2-core machine; waits end once their condition holds
 
 
 def rule_id(rule: dict[str, Any]) -> str:
