@@ -102,13 +102,13 @@ def test_syncer_pull_update_chains_rebuild_the_published_weights(tmp_path: Path)
         assert len(bodies[have]) < len(bodies[-1]) / (3.5 / length)
     status = run(syncer.status())
     assert status["pulls"] == {"full": 2, "updates": 2}
-    assert status["pullCodec"] == "int8"
+    assert status["pullCompression"] == "int8"
     assert status["bytesOut"] == sum(len(b) for b in bodies.values())
 
 
-def test_syncer_pull_codec_none_publishes_the_exact_weights(tmp_path: Path) -> None:
+def test_syncer_pull_compression_none_publishes_the_exact_weights(tmp_path: Path) -> None:
     async def scenario() -> tuple[Syncer, bytes | None]:
-        syncer = await started(pull_spec(pullCodec="none"), tmp_path, FakeClock())
+        syncer = await started(pull_spec(pullCompression="none"), tmp_path, FakeClock())
         await syncer.join("island-0", 1)
         await merge_rounds(syncer, 1, [])
         got = await syncer.pull(0, after=0, wait=0, have=0)

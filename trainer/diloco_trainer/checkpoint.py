@@ -9,7 +9,7 @@ Layout under ``state_dir/checkpoints/``::
       manifest.json         versions per fragment, outerStep, tokens, evalHistory, islands,
                             push answers (retried pushes), ...
 
-A checkpoint without published.safetensors (written with sync.pullCodec none, or by an older
+A checkpoint without published.safetensors (written with sync.pullCompression none, or by an older
 syncer) loads with `published` None: the syncer then publishes θ_exact.
 
 A checkpoint is written into a hidden temporary directory, every file and the directory are

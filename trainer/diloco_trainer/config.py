@@ -18,7 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 from pydantic.alias_generators import to_camel
 
 Codec = Literal["none", "fp16", "bf16", "int8", "int4"]
-PullCodec = Literal["auto", "none", "fp16", "bf16", "int8", "int4"]
+PullCompression = Literal["auto", "none", "fp16", "bf16", "int8", "int4"]
 MergeRule = Literal["tokens", "mean", "rda"]
 Preset = Literal["gpt-tiny", "gpt-mini", "gpt-small", "gpt-125m"]
 ServiceType = Literal["ClusterIP", "LoadBalancer", "NodePort"]
@@ -144,7 +144,7 @@ class SyncSpec(SpecModel):
         0, ge=0, le=10000, description="τ: inner steps that run while a sync is in flight."
     )
     compression: Codec = Field("none", description="Codec for pseudo-gradients on the wire.")
-    pull_codec: PullCodec = Field(
+    pull_compression: PullCompression = Field(
         "auto",
         description="Codec for the global weights learners pull. 'none': every pull sends the "
         "fragment's full fp32 weights. A codec: a learner gets the encoded weight updates since "
@@ -184,9 +184,9 @@ class SyncSpec(SpecModel):
     )
 
     @property
-    def effective_pull_codec(self) -> str:
+    def effective_pull_compression(self) -> str:
         """The codec of pulled weight updates ('auto' resolved to sync.compression)."""
-        return self.compression if self.pull_codec == "auto" else self.pull_codec
+        return self.compression if self.pull_compression == "auto" else self.pull_compression
 
     @model_validator(mode="after")
     def _grace_non_negative(self) -> SyncSpec:

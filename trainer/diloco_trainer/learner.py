@@ -23,10 +23,10 @@ training and applies the fragment after the first later step at which it has arr
 non-blocking check every step). So a learner never deadlocks on a syncer that is down or a quorum
 that cannot form; it just trains locally until the syncer answers.
 
-Compressed pulls (sync.pullCodec): rank 0 tells the syncer which version of a fragment it holds,
-and may get the encoded weight updates since then instead of the full fragment; it applies them
-to the weights it holds with the syncer's own float ops (published.apply_updates), so it ends up
-with the syncer's published weights bit for bit, and checks the syncer's checksum. On a mismatch
+Compressed pulls (sync.pullCompression): rank 0 tells the syncer which version of a fragment it
+holds, and may get the encoded weight updates since then instead of the full fragment; it applies
+them to the weights it holds with the syncer's own float ops (published.apply_updates), so it ends
+up with the syncer's published weights bit for bit, and checks the syncer's checksum. On a mismatch
 (or a malformed chain) it logs a warning and pulls the full fragment. The other ranks receive the
 rebuilt fp32 weights by broadcast, as before.
 
@@ -655,7 +655,7 @@ class Learner:
             len(info.fragments),
             info.versions,
             info.codec,
-            info.pull_codec,
+            info.pull_compression,
         )
         return info
 

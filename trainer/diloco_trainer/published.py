@@ -3,7 +3,7 @@
 The syncer keeps two copies of the global weights. θ_exact is what the outer optimizer steps.
 θ_pub is what learners hold: after a merge of fragment f the syncer encodes the difference
 
-    u = θ_exact_f − θ_pub_f,    q = encode(u, sync.pullCodec),    θ_pub_f += decode(q)
+    u = θ_exact_f − θ_pub_f,    q = encode(u, sync.pullCompression),    θ_pub_f += decode(q)
 
 and keeps q as "update v" (v the fragment's new version). What the codec dropped stays in
 θ_exact − θ_pub and is part of the next u, so nothing is lost for good (error feedback without a

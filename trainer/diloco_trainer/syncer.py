@@ -8,7 +8,7 @@ the grace window has passed (or every active island has reported): token-weighte
 and long-polling pullers wake up. Every merge is logged (status and state_dir/merges.jsonl) with
 its contributors, their lags and normalised weights, so it can be reproduced.
 
-Compressed pulls (sync.pullCodec, see published.py): besides the exact weights the outer
+Compressed pulls (sync.pullCompression, see published.py): besides the exact weights the outer
 optimizer steps (θ_exact, `weights`) the syncer keeps the copy learners hold (θ_pub,
 `published`; the same tensors when the pull codec is none). Each merge moves θ_pub towards θ_exact
 by one encoded update, and the last few updates per fragment are kept, so a learner that says
@@ -141,9 +141,9 @@ class Syncer:
         self.expected = [{n: self.weights[n].shape for n in names} for names in self.fragments]
         self.body_limits = [fragment_body_limit(e, self.codec) for e in self.expected]
         # θ_pub: what learners hold. With pull codec none it is θ_exact itself (no copy).
-        self.pull_codec = spec.sync.effective_pull_codec
+        self.pull_compression = spec.sync.effective_pull_compression
         self.published: dict[str, torch.Tensor] = self.weights
-        if self.pull_codec != "none":
+        if self.pull_compression != "none":
             self.published = {n: t.clone() for n, t in self.weights.items()}
         self.full_bytes = [
             sum(self.weights[n].numel() * self.weights[n].element_size() for n in names)
@@ -155,7 +155,7 @@ class Syncer:
                     self.full_bytes[f],
                     sum(
                         shape.numel() * dtype.itemsize
-                        for dtype, shape in expected_encoded(e, self.pull_codec).values()
+                        for dtype, shape in expected_encoded(e, self.pull_compression).values()
                     ),
                     spec.sync.max_staleness,
                 )
@@ -344,7 +344,7 @@ class Syncer:
     async def _chain_body(self, f: int, key: tuple[int, int, bool], have: int) -> bytes | None:
         """The update-chain body from version `have` to the published `key`, when the history
         holds it and it is smaller than the fragment; else None."""
-        if self.pull_codec == "none" or have < 0:
+        if self.pull_compression == "none" or have < 0:
             return None
         cached = self._chains[f].get((key, have))
         if cached is not None:
@@ -359,7 +359,7 @@ class Syncer:
             wire.META_FRAGMENT: f,
             wire.META_OUTER_STEP: key[1],
             wire.META_FINISHED: key[2],
-            wire.META_CODEC: self.pull_codec,
+            wire.META_CODEC: self.pull_compression,
             wire.META_CHECKSUM: chain[-1].checksum,
         }
         body = await asyncio.to_thread(
@@ -407,7 +407,7 @@ class Syncer:
             "outerStep": self.state.outer_step,
             "finished": self.finished,
             "codec": self.codec,
-            "pullCodec": self.pull_codec,
+            "pullCompression": self.pull_compression,
             "state": rec.state,
         }
 
@@ -556,7 +556,7 @@ class Syncer:
             "fragments": len(self.fragments),
             "pending": [len(r.pending) for r in self.state.rounds],
             "codec": self.codec,
-            "pullCodec": self.pull_codec,
+            "pullCompression": self.pull_compression,
             "pulls": dict(self.pulls),
             "tokens": self.tokens,
             "loss": self.loss,
@@ -652,7 +652,7 @@ class Syncer:
             if self.published is self.weights:
                 return None
             return publish_update(
-                self.weights, self.published, self.fragments[f], self.pull_codec, new_version
+                self.weights, self.published, self.fragments[f], self.pull_compression, new_version
             )
 
         update = await asyncio.to_thread(work)
@@ -834,7 +834,7 @@ class Syncer:
                 "islands": self.state.islands_json(),
                 "specHash": self._spec_hash,
                 "codec": self.codec,
-                "pullCodec": self.pull_codec,
+                "pullCompression": self.pull_compression,
                 "pushAnswers": self.state.answers_json(),
                 "time": self.clock(),
             },

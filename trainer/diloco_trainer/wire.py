@@ -3,12 +3,12 @@
 Routes (all under the bearer token except /healthz and /readyz):
 
 - ``POST /v1/join`` JSON {"island", "replicas"} -> {"fragments", "versions", "outerStep",
-  "finished", "codec", "pullCodec"}.
+  "finished", "codec", "pullCompression"}.
 - ``GET /v1/fragments/{f}?after=V&wait=S[&have=H]`` -> safetensors body of fragment f's fp32
   global weights (the published copy, see published.py), header metadata {"kind": "full",
   "version", "fragment", "outerStep", "finished"}; long-polls up to S seconds (capped at
   MAX_WAIT_SECONDS) for a version > V, then 304. A client that holds version H of the fragment
-  may say so: when sync.pullCodec is not none, the syncer still keeps updates H+1..version and
+  may say so: when sync.pullCompression is not none, the syncer still keeps updates H+1..version and
   together they are smaller than the fragment, the body is that chain instead (``"kind":
   "updates"``): tensors named ``"{v}/{encoded key}"`` for each version v in H+1..version,
   metadata {"fromVersion": H, "codec", "checksum"} (of the weights at "version") besides the
@@ -166,7 +166,9 @@ class JoinInfo:
     outer_step: int
     finished: bool
     codec: str
-    pull_codec: str = "none"  # codec of pulled weight updates (older syncers send full weights)
+    pull_compression: str = (
+        "none"  # codec of pulled weight updates (older syncers send full weights)
+    )
 
     @classmethod
     def from_json(cls, doc: Mapping[str, Any]) -> JoinInfo:
@@ -176,7 +178,7 @@ class JoinInfo:
             outer_step=int(doc["outerStep"]),
             finished=bool(doc["finished"]),
             codec=str(doc["codec"]),
-            pull_codec=str(doc.get("pullCodec", "none")),
+            pull_compression=str(doc.get("pullCompression", "none")),
         )
 
 

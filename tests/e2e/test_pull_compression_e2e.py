@@ -1,7 +1,7 @@
 """Compressed pulls end to end: two int8 runs (real syncer and learner processes), one pulling
-full fp32 weights (sync.pullCodec none) and one pulling int8 weight updates (pullCodec auto). The
-second pulls at least 3x fewer bytes and ends within 1% of the first's eval loss, the tolerance of
-the int8 push codec test."""
+full fp32 weights (sync.pullCompression none) and one pulling int8 weight updates
+(pullCompression auto). The second pulls at least 3x fewer bytes and ends within 1% of the first's
+eval loss, the tolerance of the int8 push codec test."""
 
 from __future__ import annotations
 
@@ -31,7 +31,7 @@ ISLANDS = 2
 
 
 def pull_run(
-    pull_codec: str, make_spec: Callable[..., JobSpec], make_run: Callable[..., LocalRun]
+    pull_compression: str, make_spec: Callable[..., JobSpec], make_run: Callable[..., LocalRun]
 ) -> LocalRun:
     """A started two-island int8 run with every island in every merge, so that two runs differ
     only by the pull codec."""
@@ -41,7 +41,11 @@ def pull_run(
             {
                 "islands": {"count": ISLANDS},
                 "inner": {"steps": INNER_STEPS},
-                "sync": {"quorum": ISLANDS, "compression": "int8", "pullCodec": pull_codec},
+                "sync": {
+                    "quorum": ISLANDS,
+                    "compression": "int8",
+                    "pullCompression": pull_compression,
+                },
                 "stopAfter": {"outerSteps": ROUNDS},
             },
         )
@@ -51,7 +55,7 @@ def pull_run(
     return run
 
 
-def test_pull_codec_int8_updates_pull_3x_fewer_bytes_at_the_same_loss(
+def test_pull_compression_int8_updates_pull_3x_fewer_bytes_at_the_same_loss(
     make_spec: Callable[..., JobSpec],
     local_run: Callable[..., LocalRun],  # noqa: F811
 ) -> None:
@@ -65,12 +69,13 @@ def test_pull_codec_int8_updates_pull_3x_fewer_bytes_at_the_same_loss(
 
     full, updates = asyncio.run(watch_both())
     print(
-        f"pulled {full['bytesOut']} B (pullCodec none) vs {updates['bytesOut']} B (auto/int8); "
+        f"pulled {full['bytesOut']} B (pullCompression none) vs {updates['bytesOut']} B "
+        "(auto/int8); "
         f"eval loss {full['evalLoss']:.4f} vs {updates['evalLoss']:.4f}"
     )
     assert full["outerStep"] == updates["outerStep"] == ROUNDS
     assert full["tokens"] == updates["tokens"]
-    assert (full["pullCodec"], updates["pullCodec"]) == ("none", "int8")
+    assert (full["pullCompression"], updates["pullCompression"]) == ("none", "int8")
     # Each learner pulls the fragment in full when it joins, then once per round: with updates,
     # every per-round pull is a one-update chain (each learner holds the version before the
     # merge it waits for). The status is read when the syncer finishes, so the final round's
