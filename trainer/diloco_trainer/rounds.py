@@ -13,10 +13,12 @@ client retry gets the first answer again instead of being counted twice. Checkpo
 answers of pushes already merged (answers_json), so this holds across a syncer restart too.
 
 Quorum and grace. The effective quorum is min(K, active islands), at least 1. When the round's
-contributors reach it, the grace window starts; the round is due when the window has passed or
-when every active island has contributed. Membership changes re-evaluate this at once: dropping an
-island removes its pending contribution (which may undo the quorum) and shrinks the active set
-(which may complete the round).
+contributors reach it, the grace window starts; the round is due when the window has passed, when
+every active island has contributed, or when no missing island is expected to push before the
+window closes (expected_push: each island's last progress report and step time, against the
+fragment's sync point; an island with no report, or an overdue one, is always waited for).
+Membership changes re-evaluate this at once: dropping an island removes its pending contribution
+(which may undo the quorum) and shrinks the active set (which may complete the round).
 
 Grace "auto" (Decoupled DiLoCo): slack = τ·t_step − (t_quorum + t_sync), grace = γ·max(slack, 0)
 with γ = 0.5, where t_step is the median step time the islands report, t_quorum the recent time
@@ -74,6 +76,10 @@ class RoundPolicy:
     heartbeat_timeout: float
     grace_seconds: float | None  # None means "auto"
     overlap_steps: int = 0
+    # The learners' schedule (H and each fragment's sync offset), for predicting when a missing
+    # island will push; inner_steps 0 turns the prediction off.
+    inner_steps: int = 0
+    offsets: tuple[int, ...] = ()
 
 
 @dataclass
@@ -94,6 +100,10 @@ class IslandRecord:
     step: int = 0
     step_time: float | None = None
     sync_time: float | None = None
+    # The latest progress report and when it came (not persisted: a restarted syncer waits for
+    # the next heartbeat before it predicts anything).
+    reported_step: int | None = None
+    reported_at: float | None = None
 
     def to_json(self) -> dict[str, Any]:
         """The status/checkpoint form (camelCase)."""
@@ -249,6 +259,7 @@ class SyncState:
         rec = self.islands.setdefault(name, IslandRecord(name=name))
         rec.joins += 1
         rec.replicas = replicas
+        rec.reported_step = rec.reported_at = None  # a restarted learner's schedule starts anew
         self._revive(rec, now)
         self._refresh(now)
         return rec
@@ -267,6 +278,7 @@ class SyncState:
         rec = self.island(name)
         self._revive(rec, now)
         rec.step = max(rec.step, step)
+        rec.reported_step, rec.reported_at = step, now
         rec.tokens = max(rec.tokens, tokens)
         if loss is not None:
             rec.loss = loss
@@ -408,14 +420,41 @@ class SyncState:
                 rnd.quorum_since = None
 
     def merge_due(self, fragment: int, now: float) -> bool:
-        """Whether fragment's round should merge now: quorum reached and grace passed or every
-        active island contributed."""
+        """Whether fragment's round should merge now: quorum reached, and the grace window
+        passed, or every active island contributed, or none of the missing ones is expected to
+        push before the window closes."""
         rnd = self.rounds[fragment]
         if rnd.quorum_since is None:
             return False
-        if self.active_islands() <= rnd.pending.keys():
+        missing = self.active_islands() - rnd.pending.keys()
+        if not missing:
             return True
-        return now >= rnd.quorum_since + self.grace()
+        closes = rnd.quorum_since + self.grace()
+        if now >= closes:
+            return True
+        expected = [self.expected_push(self.islands[n], fragment, now) for n in missing]
+        return all(t is not None and t > closes for t in expected)
+
+    def expected_push(self, rec: IslandRecord, fragment: int, now: float) -> float | None:
+        """When `rec` should push fragment (clock time, never before `now`): its latest progress
+        report plus the steps to the fragment's next sync point at its reported step time; None
+        when there is nothing to go on.
+
+        Waiting for an island that cannot arrive in time only idles the others (a 3x straggler
+        costs every fast island one grace window per round), so merge_due skips the wait then.
+        A wrong guess is cheap: the island's work is merged in its next round, nothing is lost.
+        An island that is overdue (its push is late, or it is stuck) counts as arriving now.
+        """
+        h, offsets = self.policy.inner_steps, self.policy.offsets
+        if h < 1 or fragment >= len(offsets):
+            return None
+        if rec.reported_step is None or rec.reported_at is None or not rec.step_time:
+            return None
+        # Fragment f is pushed after the step s with s % H == offset % H (fragments.fragments_due).
+        steps = (offsets[fragment] - rec.reported_step) % h
+        if steps == 0 and rec.last_push is not None and rec.last_push >= rec.reported_at:
+            steps = h  # that sync point's push has come (and was merged, as it is not pending)
+        return max(now, rec.reported_at + steps * rec.step_time)
 
     def due_fragments(self, now: float) -> list[int]:
         """Fragments whose rounds should merge now."""

@@ -67,7 +67,7 @@ from diloco_trainer import wire
 from diloco_trainer.compress import decode_tensors, expected_encoded
 from diloco_trainer.config import ConfigError, JobSpec, load_spec
 from diloco_trainer.contract import ContractError, SyncerEnv
-from diloco_trainer.fragments import split_fragments
+from diloco_trainer.fragments import fragment_offsets, split_fragments
 from diloco_trainer.merge import (
     contribution_weight,
     merge_pseudo_gradients,
@@ -177,6 +177,8 @@ class Syncer:
                 heartbeat_timeout=spec.sync.heartbeat_timeout_seconds,
                 grace_seconds=None if grace == "auto" else float(grace),
                 overlap_steps=spec.sync.overlap_steps,
+                inner_steps=spec.inner.steps,
+                offsets=tuple(fragment_offsets(spec.inner.steps, len(self.fragments))),
             ),
             len(self.fragments),
         )
