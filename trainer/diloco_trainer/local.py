@@ -75,6 +75,7 @@ DEFAULT_SPEC: dict[str, Any] = {
         "fragments": 2,
         "overlapSteps": 5,
         "compression": "int8",
+        "pullCompression": "auto",
         "merge": "tokens",
         "maxStaleness": 4,
         "mixAlpha": 0.0,
