@@ -17,10 +17,10 @@ from aiohttp.test_utils import TestServer
 from diloco_trainer import checkpoint as ckpt
 from diloco_trainer import wire
 from diloco_trainer.config import JobSpec
-from diloco_trainer.learner import HeldFragment, SyncerLink
 from diloco_trainer.published import apply_updates, weights_checksum
 from diloco_trainer.syncer import Syncer
 from diloco_trainer.syncer_http import build_app
+from diloco_trainer.syncer_link import HeldFragment, SyncerLink
 
 from .test_syncer import FakeClock, body, delta, make_spec, run, started
 

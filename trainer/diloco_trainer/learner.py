@@ -4,36 +4,9 @@ An island runs H inner AdamW steps on its data shard between syncs of each param
 talks only to the syncer (rank 0 does; with WORLD_SIZE > 1 the ranks are a DDP group and rank 0
 broadcasts what it receives).
 
-Schedule (steps counted from 1, see `plan_step`):
-- Fragment f is *due* at inner step t when `fragments_due(t, H, offsets)` lists it. Then rank 0
-  computes Δ_f = θ_global_f − θ_local_f in fp32 on the CPU, encodes it with the job's codec and
-  pushes it in the background, with the base version and the tokens, steps, mean loss and step time
-  counted since it last *received* fragment f (so nothing is counted twice).
-- Training goes on for τ = sync.overlapSteps steps. After step t+τ the merged fragment is applied:
-  θ_f ← α·θ_f,local + (1−α)·θ_f,global (α = sync.mixAlpha); θ_global_f becomes the new base and the
-  fragment's counters restart.
-- A fragment that is due while its previous push is still unapplied is skipped (its counters keep
-  running), so a pseudo-gradient is never sent twice on the same base.
-
-Waiting policy: at step t+τ rank 0 waits for a version newer than the pushed base (the background
-task long-polls the syncer for it), but at most `wait_budget(...)` seconds: the larger of the
-syncer's heartbeat timeout (after which a dead island no longer holds a quorum back) and three
-times the recently measured push-to-merge time. If nothing arrived by then the learner keeps
-training and applies the fragment after the first later step at which it has arrived (a
-non-blocking check every step). So a learner never deadlocks on a syncer that is down or a quorum
-that cannot form; it just trains locally until the syncer answers.
-
-Compressed pulls (sync.pullCompression): rank 0 tells the syncer which version of a fragment it
-holds, and may get the encoded weight updates since then instead of the full fragment; it applies
-them to the weights it holds with the syncer's own float ops (published.apply_updates), so it ends
-up with the syncer's published weights bit for bit, and checks the syncer's checksum. On a mismatch
-(or a malformed chain) it logs a warning and pulls the full fragment. The other ranks receive the
-rebuilt fp32 weights by broadcast, as before.
-
-Refusals: a push refused as too stale (409) or from a dropped island (403) is discarded and the
-current global fragment is pulled and applied in its place. A syncer that forgot the island (404,
-e.g. restarted without it) is joined again. Connection errors are retried by the client with
-backoff.
+The step schedule is in schedule.py, the link to the syncer (join, pushes, pulls, heartbeats)
+in syncer_link.py, rank 0's per-fragment bookkeeping in fragment_state.py and the device and
+thread choice in device.py.
 
 Restarts: a learner that restarts simply joins again and takes the current global weights. Its inner
 AdamW state starts fresh (the Decoupled DiLoCo paper keeps stale state; we have none to keep since
@@ -48,437 +21,40 @@ that applies, in a fixed order. So the collectives are the same on every rank.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import concurrent.futures
 import hashlib
 import logging
-import math
-import os
 import signal
 import threading
 import time
-from collections.abc import Coroutine, Mapping, Sequence
-from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch import Tensor, nn
+from torch import nn
 
 from diloco_trainer import compress
 from diloco_trainer.config import ConfigError, JobSpec, load_spec
 from diloco_trainer.contract import ContractError, LearnerEnv
-from diloco_trainer.fragments import fragment_offsets, fragments_due
+from diloco_trainer.device import configure_threads, pick_device
+from diloco_trainer.fragment_state import FragmentCounters, FragmentState, InFlight
+from diloco_trainer.fragments import fragment_offsets
 from diloco_trainer.parts import build_parts, inner_lr, make_inner_optimizer, set_lr
-from diloco_trainer.published import apply_updates, weights_checksum
-from diloco_trainer.wire import (
-    JoinInfo,
-    PulledFragment,
-    PulledUpdates,
-    PushMeta,
-    SyncerClient,
-    SyncerError,
+from diloco_trainer.schedule import plan_step, schedule_start, wait_budget
+from diloco_trainer.syncer_link import (
+    WAIT_SLICE_SECONDS,
+    HeldFragment,
+    SyncerLink,
+    SyncResult,
+    encode_delta,
 )
+from diloco_trainer.wire import JoinInfo, PushMeta, SyncerClient, SyncerError
 
 log = logging.getLogger("diloco.learner")
-T = TypeVar("T")
 
-# How many times the recent push-to-merge time a learner waits before it trains on without the
-# merged fragment.
-ROUND_TIME_FACTOR = 3.0
-
-
-@dataclass(frozen=True)
-class StepPlan:
-    """What a learner does with its fragments after inner step `step`.
-
-    push: due now and idle: compute Δ and push it.
-    skip: due now, but the previous push of the fragment is not applied yet: keep accumulating.
-    wait: the merged fragment is needed now: wait (bounded) for it, then apply it.
-    poll: overdue (an earlier bounded wait ran out): apply it only if it has already arrived.
-    """
-
-    push: tuple[int, ...] = ()
-    skip: tuple[int, ...] = ()
-    wait: tuple[int, ...] = ()
-    poll: tuple[int, ...] = ()
-
-
-def plan_step(
-    step: int,
-    *,
-    inner_steps: int,
-    offsets: Sequence[int],
-    overlap: int,
-    pushed_at: Mapping[int, int],
-    abandoned: frozenset[int] = frozenset(),
-) -> StepPlan:
-    """Decide what happens to each fragment after inner step `step` (counted from 1).
-
-    `pushed_at` maps each fragment with a push in flight (pushed, merged result not applied yet) to
-    the step it was pushed at. A fragment pushed at step s is applied after step s + overlap; with
-    overlap 0 that is the very step it is pushed at, so it appears in both `push` and `wait`.
-
-    `abandoned` are in-flight fragments whose merged result is overdue by more than the wait
-    budget (e.g. the syncer restarted and lost the pending push): when one is due again it is
-    pushed afresh (same base, counters since the last receipt; the syncer replaces an island's
-    pending push) instead of skipped, so a lost push cannot stall the fragment for good.
-    """
-    if step < 1:
-        raise ValueError(f"inner steps are counted from 1, got {step}")
-    if overlap < 0:
-        raise ValueError(f"sync.overlapSteps must be >= 0, got {overlap}")
-    due = fragments_due(step, inner_steps, offsets)
-    push = tuple(f for f in due if f not in pushed_at or f in abandoned)
-    skip = tuple(f for f in due if f in pushed_at and f not in abandoned)
-    apply_at = dict(pushed_at)
-    apply_at.update({f: step for f in push})
-    wait = tuple(sorted(f for f, s in apply_at.items() if s + overlap == step))
-    poll = tuple(sorted(f for f, s in apply_at.items() if s + overlap < step))
-    return StepPlan(push=push, skip=skip, wait=wait, poll=poll)
-
-
-def wait_budget(round_times: Sequence[float], heartbeat_timeout: float) -> float:
-    """Seconds to block for a merged fragment before training on without it.
-
-    At least the heartbeat timeout (a dead island stops counting towards the quorum after that, so
-    a reachable quorum merges within it) and at least ROUND_TIME_FACTOR times the slowest recent
-    push-to-merge time (a legitimately slow quorum, e.g. K = M with a straggler).
-    """
-    if heartbeat_timeout <= 0:
-        raise ValueError(f"sync.heartbeatTimeoutSeconds must be > 0, got {heartbeat_timeout}")
-    recent = max((t for t in round_times if math.isfinite(t) and t >= 0), default=0.0)
-    return max(heartbeat_timeout, ROUND_TIME_FACTOR * recent)
-
-
-def schedule_start(versions: Sequence[int], inner_steps: int, offsets: Sequence[int]) -> int:
-    """The inner step count a joining learner starts from, so that its first push is of the
-    fragment the syncer merges next (and its own schedule is in phase with the others').
-
-    Within a round fragments are due in the order of their positions (offset, or H for offset 0),
-    so the fragment merged next is the first in that order with the lowest version. The learner
-    starts right after the preceding position, giving it a full slot of training before that
-    push. Why it matters: with a quorum of every island and F > 1, an island out of phase would
-    wait for fragment f while another waits for fragment g from it, each blocking the other until
-    the wait budget runs out. With F = 1, or everything at version v, the start is 0.
-    """
-    if len(versions) != len(offsets):
-        raise ValueError(f"{len(versions)} versions for {len(offsets)} fragments")
-    positions = [off % inner_steps or inner_steps for off in offsets]
-    order = sorted(range(len(offsets)), key=lambda f: (positions[f], f))
-    lowest = min(versions)
-    nxt = next(f for f in order if versions[f] == lowest)
-    return max([0, *(p for p in positions if p < positions[nxt])])
-
-
-# ---------------------------------------------------------------------------------------------
-# Rank 0's link to the syncer: an asyncio loop on a daemon thread.
-
-# Seconds one long-poll for a merged fragment asks the syncer to hold the request.
-LONG_POLL_SECONDS = 20.0
-# Seconds the training loop blocks at a time while it waits, so SIGTERM is noticed promptly.
-WAIT_SLICE_SECONDS = 0.2
 # Log a progress line every this many inner steps.
 LOG_EVERY_STEPS = 20
-
-
-@dataclass(frozen=True)
-class HeldFragment:
-    """The global weights of a fragment that rank 0 holds (its Δ base) and their version: what
-    a chain of pulled updates is applied to. The tensors are never written to."""
-
-    version: int
-    tensors: Mapping[str, Tensor]
-
-
-@dataclass(frozen=True)
-class SyncResult:
-    """How a push of one fragment ended: the global weights to apply and what happened."""
-
-    pulled: PulledFragment
-    outcome: str  # "merged", or why the current fragment was taken instead
-    seconds: float  # push sent to merged fragment received
-
-
-def encode_delta(
-    delta: Mapping[str, Tensor], codec: str, feedback: compress.ErrorFeedback | None
-) -> dict[str, Tensor]:
-    """Encode a pseudo-gradient for the wire, carrying the codec's error forward when asked."""
-    if feedback is None:
-        return compress.encode_tensors(delta, codec)
-    sent = {n: feedback.compensate(n, d) for n, d in delta.items()}
-    encoded = compress.encode_tensors(sent, codec)
-    decoded = compress.decode_tensors(encoded, codec, {n: t.shape for n, t in sent.items()})
-    for n, t in sent.items():
-        feedback.record(n, t, decoded[n])
-    return encoded
-
-
-class SyncerLink:
-    """Rank 0's connection to the syncer on its own thread and event loop.
-
-    The training loop never awaits anything: it submits coroutines and gets concurrent futures,
-    which it may wait on (bounded) or just check.
-    """
-
-    def __init__(self, client: SyncerClient, *, island: str, replicas: int) -> None:
-        self.client = client
-        self.island = island
-        self.replicas = replicas
-        self.finished = threading.Event()
-        # Latest figures for heartbeats; written by the training thread, read by the loop.
-        self.progress: dict[str, Any] = {"step": 0, "tokens": 0, "loss": None, "step_time": None}
-        # Pulls answered with a chain of updates, and chains that failed their check.
-        self.pull_counts = {"updates": 0, "rebuildFailed": 0}
-        self._loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(
-            target=self._loop.run_forever, name="syncer-link", daemon=True
-        )
-        self._thread.start()
-
-    def submit(self, coro: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:
-        """Run a coroutine on the link's loop."""
-        return asyncio.run_coroutine_threadsafe(coro, self._loop)
-
-    async def join(self, stop: threading.Event) -> JoinInfo:
-        """Join, retrying for as long as the syncer is unreachable (it may start after us)."""
-        while True:
-            try:
-                info = await self.client.join(self.island, self.replicas)
-            except SyncerError as err:
-                if err.status != 0 or stop.is_set():
-                    raise
-                log.warning("syncer still unreachable, trying again: %s", err)
-                continue
-            if info.finished:
-                self.finished.set()
-            return info
-
-    async def pull_all(self, num_fragments: int) -> list[PulledFragment]:
-        """The current global weights of every fragment."""
-        pulled = []
-        for f in range(num_fragments):
-            got = await self.client.pull_fragment(f, after=-1)
-            assert isinstance(got, PulledFragment), "a pull after version -1 without have is full"
-            pulled.append(got)
-        return pulled
-
-    async def sync_fragment(
-        self,
-        fragment: int,
-        encoded: Mapping[str, Tensor],
-        meta: PushMeta,
-        held: HeldFragment | None = None,
-    ) -> SyncResult:
-        """Push a pseudo-gradient, then long-poll for the merge that contains it.
-
-        The syncer answers an accepted push with the fragment's version at that moment; the push
-        sits in the round that produces the next version, so that is what we wait for. Waiting
-        only for "newer than our base" would, whenever another merge slipped in first, hand us a
-        version without our own work, and every later push would then be one version stale.
-
-        A refused push (409 too stale, 403 dropped, 400/413 malformed) is logged and the current
-        fragment is returned instead; an island the syncer forgot (404) joins again first.
-        """
-        start = time.monotonic()
-        outcome = "merged"
-        after = meta.base_version
-        try:
-            reply = await self.client.push(fragment, encoded, meta)
-            log.debug("fragment %d push answered %s", fragment, reply)
-            if reply.get("accepted"):
-                after = max(after, int(reply.get("version", after)))
-        except SyncerError as err:
-            after = -1
-            outcome = f"push refused ({err})"
-            if err.status == 404:
-                await self.join(threading.Event())
-                outcome = "rejoined the syncer"
-            log.warning("fragment %d: %s; taking the current global fragment", fragment, outcome)
-        pulled = await self._pull_newer(fragment, after, held)
-        if pulled.finished:
-            self.finished.set()
-        return SyncResult(pulled=pulled, outcome=outcome, seconds=time.monotonic() - start)
-
-    async def resync(self, fragment: int) -> SyncResult:
-        """The current global fragment, when a sync went wrong in a way a retry cannot fix."""
-        start = time.monotonic()
-        pulled = await self._pull_newer(fragment, -1)
-        return SyncResult(pulled=pulled, outcome="resynced", seconds=time.monotonic() - start)
-
-    async def _pull_newer(
-        self, fragment: int, after: int, held: HeldFragment | None = None
-    ) -> PulledFragment:
-        """The fragment's global weights at a version > `after` (long-polling until there is
-        one); as updates to `held` when the syncer offers them."""
-        while True:
-            try:
-                pulled = await self.client.pull_fragment(
-                    fragment,
-                    after=after,
-                    wait=LONG_POLL_SECONDS,
-                    have=held.version if held is not None else -1,
-                )
-                if isinstance(pulled, PulledUpdates):
-                    return await self._rebuild(fragment, pulled, held)
-                if pulled is not None:
-                    return pulled
-                # A whole long-poll without a merge: if the syncer went back to an older
-                # checkpoint our base is ahead of it, and waiting for "newer" could take long.
-                status = await self.client.status()
-                if status.get("finished"):
-                    self.finished.set()
-                if int(status["versions"][fragment]) < after:
-                    log.warning(
-                        "fragment %d: the syncer is at version %s, behind our base %d "
-                        "(restarted from a checkpoint?); taking its current fragment",
-                        fragment,
-                        status["versions"][fragment],
-                        after,
-                    )
-                    after = -1
-            except SyncerError as err:
-                # Unreachable past the client's retry deadline, or refused: keep trying, slowly;
-                # the training loop goes on meanwhile.
-                log.warning("fragment %d: pull failed (%s), trying again", fragment, err)
-                await asyncio.sleep(WAIT_SLICE_SECONDS * 25)
-
-    async def _rebuild(
-        self, fragment: int, chain: PulledUpdates, held: HeldFragment | None
-    ) -> PulledFragment:
-        """The weights `chain` leads to from `held`, checked against the syncer's checksum; the
-        full fragment (pulled again) when they do not match or the chain is malformed."""
-        if held is None or chain.from_version != held.version:
-            problem = f"they start from version {chain.from_version}, not the one held"
-        else:
-            try:
-                tensors = await asyncio.to_thread(
-                    apply_updates, held.tensors, chain.updates, chain.codec
-                )
-                checksum = await asyncio.to_thread(weights_checksum, tensors)
-            except ValueError as err:
-                problem = str(err)
-            else:
-                if checksum == chain.checksum:
-                    self.pull_counts["updates"] += 1
-                    return PulledFragment(
-                        fragment=chain.fragment,
-                        version=chain.version,
-                        outer_step=chain.outer_step,
-                        finished=chain.finished,
-                        tensors=tensors,
-                    )
-                problem = f"checksum {checksum} differs from the syncer's {chain.checksum}"
-        self.pull_counts["rebuildFailed"] += 1
-        log.warning(
-            "fragment %d: the %d update(s) %d..%d do not rebuild the syncer's weights (%s); "
-            "pulling the full fragment",
-            fragment,
-            len(chain.updates),
-            chain.from_version + 1,
-            chain.version,
-            problem,
-        )
-        full = await self.client.pull_fragment(fragment, after=-1)
-        assert isinstance(full, PulledFragment), "a pull without have is full"
-        return full
-
-    async def heartbeats(self, interval: float) -> None:
-        """Report progress every `interval` seconds; notice when the job finished."""
-        last_state = None
-        while True:
-            p = dict(self.progress)
-            try:
-                reply = await self.client.heartbeat(
-                    self.island,
-                    step=p["step"],
-                    tokens=p["tokens"],
-                    loss=p["loss"],
-                    step_time=p["step_time"],
-                )
-                if reply.get("finished"):
-                    self.finished.set()
-                state = reply.get("state")
-                if state != last_state:
-                    log.info("syncer says this island is %s", state)
-                    last_state = state
-            except SyncerError as err:
-                log.warning("heartbeat failed: %s", err)
-                if err.status == 404:  # the syncer forgot us (restarted without our record)
-                    await self.join(threading.Event())
-            await asyncio.sleep(interval)
-
-    def close(self, *, leave: bool) -> None:
-        """Cancel everything in flight (optionally saying goodbye first) and stop the loop."""
-
-        async def shutdown() -> None:
-            if leave:
-                try:
-                    await asyncio.wait_for(self.client.leave(self.island), timeout=2.0)
-                    log.info("left the syncer")
-                except (SyncerError, asyncio.TimeoutError) as err:
-                    log.warning("could not say goodbye to the syncer: %s", err)
-            me = asyncio.current_task()
-            tasks = [t for t in asyncio.all_tasks() if t is not me]
-            for t in tasks:
-                t.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
-            await self.client.close()
-
-        try:
-            self.submit(shutdown()).result(timeout=15.0)
-        except (concurrent.futures.TimeoutError, RuntimeError) as err:
-            log.warning("syncer link did not shut down cleanly: %s", err)
-        self._loop.call_soon_threadsafe(self._loop.stop)
-        self._thread.join(timeout=5.0)
-
-
-# ---------------------------------------------------------------------------------------------
-# The training loop.
-
-
-@dataclass
-class FragmentCounters:
-    """An island's work on one fragment since it last received that fragment."""
-
-    tokens: int = 0
-    steps: int = 0
-    loss_sum: float = 0.0
-    time_sum: float = 0.0
-
-    def add(self, tokens: int, loss: float, step_time: float) -> None:
-        self.tokens += tokens
-        self.steps += 1
-        self.loss_sum += loss
-        self.time_sum += step_time
-
-    @property
-    def mean_loss(self) -> float:
-        return self.loss_sum / self.steps if self.steps else 0.0
-
-    @property
-    def mean_step_time(self) -> float:
-        return self.time_sum / self.steps if self.steps else 0.0
-
-
-@dataclass
-class InFlight:
-    """A pushed fragment whose merged result is not applied yet."""
-
-    step: int  # inner step it was pushed at
-    started: float  # time.monotonic() of the push
-    future: concurrent.futures.Future[SyncResult]
-
-
-@dataclass
-class FragmentState:
-    """Rank 0's view of one fragment."""
-
-    names: list[str]
-    version: int = -1
-    base: dict[str, Tensor] = field(default_factory=dict)  # fp32 CPU θ_global at `version`
-    counters: FragmentCounters = field(default_factory=FragmentCounters)
-    last_sync_seconds: float = 0.0
 
 
 def weights_digest(model: nn.Module) -> str:
@@ -488,38 +64,6 @@ def weights_digest(model: nn.Module) -> str:
         h.update(name.encode())
         h.update(p.detach().to("cpu", torch.float32).contiguous().numpy().tobytes())
     return h.hexdigest()[:16]
-
-
-def pick_device(requested: str) -> str:
-    """'auto' means CUDA when available, else CPU."""
-    if requested == "auto":
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    if requested.startswith("cuda") and not torch.cuda.is_available():
-        raise ContractError(f"DILOCO_DEVICE={requested} but CUDA is not available")
-    return requested
-
-
-def cpu_budget() -> int:
-    """CPUs this process may use: its affinity, capped by a cgroup v2 CPU quota (pod limits)."""
-    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    cpus = cpus or 1
-    try:
-        with open("/sys/fs/cgroup/cpu.max") as f:
-            quota, period = f.read().split()[:2]
-        if quota != "max":
-            cpus = min(cpus, max(1, math.ceil(int(quota) / int(period))))
-    except (OSError, ValueError):
-        pass
-    return cpus
-
-
-def configure_threads(device: str) -> None:
-    """Intra-op threads: OMP_NUM_THREADS when set (diloco run sets it), else the CPU budget."""
-    raw = os.environ.get("OMP_NUM_THREADS", "")
-    if raw.isdigit() and int(raw) > 0:
-        torch.set_num_threads(int(raw))
-    elif device == "cpu":
-        torch.set_num_threads(cpu_budget())
 
 
 class Learner:

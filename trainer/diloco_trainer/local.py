@@ -139,7 +139,7 @@ def load_job(config: str | None) -> tuple[str, JobSpec]:
 
 def threads_per_learner(total_ranks: int) -> int:
     """Share the CPU budget between the local learner processes (at least one thread each)."""
-    from diloco_trainer.learner import cpu_budget
+    from diloco_trainer.device import cpu_budget
 
     return max(1, cpu_budget() // max(1, total_ranks))
 

@@ -1,0 +1,300 @@
+"""Rank 0's link to the syncer: an asyncio loop on a daemon thread that joins, pushes
+pseudo-gradients, long-polls for merged fragments and sends heartbeats while the training loop
+goes on.
+
+Compressed pulls (sync.pullCompression): rank 0 tells the syncer which version of a fragment it
+holds, and may get the encoded weight updates since then instead of the full fragment; it applies
+them to the weights it holds with the syncer's own float ops (published.apply_updates), so it ends
+up with the syncer's published weights bit for bit, and checks the syncer's checksum. On a mismatch
+(or a malformed chain) it logs a warning and pulls the full fragment. The other ranks receive the
+rebuilt fp32 weights by broadcast, as before.
+
+Refusals: a push refused as too stale (409) or from a dropped island (403) is discarded and the
+current global fragment is pulled and applied in its place. A syncer that forgot the island (404,
+e.g. restarted without it) is joined again. Connection errors are retried by the client with
+backoff.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import threading
+import time
+from collections.abc import Coroutine, Mapping
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+from torch import Tensor
+
+from diloco_trainer import compress
+from diloco_trainer.published import apply_updates, weights_checksum
+from diloco_trainer.wire import (
+    JoinInfo,
+    PulledFragment,
+    PulledUpdates,
+    PushMeta,
+    SyncerClient,
+    SyncerError,
+)
+
+# The learner's logger: the link runs inside the learner and its lines are part of that log.
+log = logging.getLogger("diloco.learner")
+T = TypeVar("T")
+
+# Seconds one long-poll for a merged fragment asks the syncer to hold the request.
+LONG_POLL_SECONDS = 20.0
+# Seconds the training loop blocks at a time while it waits, so SIGTERM is noticed promptly.
+WAIT_SLICE_SECONDS = 0.2
+
+
+@dataclass(frozen=True)
+class HeldFragment:
+    """The global weights of a fragment that rank 0 holds (its Δ base) and their version: what
+    a chain of pulled updates is applied to. The tensors are never written to."""
+
+    version: int
+    tensors: Mapping[str, Tensor]
+
+
+@dataclass(frozen=True)
+class SyncResult:
+    """How a push of one fragment ended: the global weights to apply and what happened."""
+
+    pulled: PulledFragment
+    outcome: str  # "merged", or why the current fragment was taken instead
+    seconds: float  # push sent to merged fragment received
+
+
+def encode_delta(
+    delta: Mapping[str, Tensor], codec: str, feedback: compress.ErrorFeedback | None
+) -> dict[str, Tensor]:
+    """Encode a pseudo-gradient for the wire, carrying the codec's error forward when asked."""
+    if feedback is None:
+        return compress.encode_tensors(delta, codec)
+    sent = {n: feedback.compensate(n, d) for n, d in delta.items()}
+    encoded = compress.encode_tensors(sent, codec)
+    decoded = compress.decode_tensors(encoded, codec, {n: t.shape for n, t in sent.items()})
+    for n, t in sent.items():
+        feedback.record(n, t, decoded[n])
+    return encoded
+
+
+class SyncerLink:
+    """Rank 0's connection to the syncer on its own thread and event loop.
+
+    The training loop never awaits anything: it submits coroutines and gets concurrent futures,
+    which it may wait on (bounded) or just check.
+    """
+
+    def __init__(self, client: SyncerClient, *, island: str, replicas: int) -> None:
+        self.client = client
+        self.island = island
+        self.replicas = replicas
+        self.finished = threading.Event()
+        # Latest figures for heartbeats; written by the training thread, read by the loop.
+        self.progress: dict[str, Any] = {"step": 0, "tokens": 0, "loss": None, "step_time": None}
+        # Pulls answered with a chain of updates, and chains that failed their check.
+        self.pull_counts = {"updates": 0, "rebuildFailed": 0}
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(
+            target=self._loop.run_forever, name="syncer-link", daemon=True
+        )
+        self._thread.start()
+
+    def submit(self, coro: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:
+        """Run a coroutine on the link's loop."""
+        return asyncio.run_coroutine_threadsafe(coro, self._loop)
+
+    async def join(self, stop: threading.Event) -> JoinInfo:
+        """Join, retrying for as long as the syncer is unreachable (it may start after us)."""
+        while True:
+            try:
+                info = await self.client.join(self.island, self.replicas)
+            except SyncerError as err:
+                if err.status != 0 or stop.is_set():
+                    raise
+                log.warning("syncer still unreachable, trying again: %s", err)
+                continue
+            if info.finished:
+                self.finished.set()
+            return info
+
+    async def pull_all(self, num_fragments: int) -> list[PulledFragment]:
+        """The current global weights of every fragment."""
+        pulled = []
+        for f in range(num_fragments):
+            got = await self.client.pull_fragment(f, after=-1)
+            assert isinstance(got, PulledFragment), "a pull after version -1 without have is full"
+            pulled.append(got)
+        return pulled
+
+    async def sync_fragment(
+        self,
+        fragment: int,
+        encoded: Mapping[str, Tensor],
+        meta: PushMeta,
+        held: HeldFragment | None = None,
+    ) -> SyncResult:
+        """Push a pseudo-gradient, then long-poll for the merge that contains it.
+
+        The syncer answers an accepted push with the fragment's version at that moment; the push
+        sits in the round that produces the next version, so that is what we wait for. Waiting
+        only for "newer than our base" would, whenever another merge slipped in first, hand us a
+        version without our own work, and every later push would then be one version stale.
+
+        A refused push (409 too stale, 403 dropped, 400/413 malformed) is logged and the current
+        fragment is returned instead; an island the syncer forgot (404) joins again first.
+        """
+        start = time.monotonic()
+        outcome = "merged"
+        after = meta.base_version
+        try:
+            reply = await self.client.push(fragment, encoded, meta)
+            log.debug("fragment %d push answered %s", fragment, reply)
+            if reply.get("accepted"):
+                after = max(after, int(reply.get("version", after)))
+        except SyncerError as err:
+            after = -1
+            outcome = f"push refused ({err})"
+            if err.status == 404:
+                await self.join(threading.Event())
+                outcome = "rejoined the syncer"
+            log.warning("fragment %d: %s; taking the current global fragment", fragment, outcome)
+        pulled = await self._pull_newer(fragment, after, held)
+        if pulled.finished:
+            self.finished.set()
+        return SyncResult(pulled=pulled, outcome=outcome, seconds=time.monotonic() - start)
+
+    async def resync(self, fragment: int) -> SyncResult:
+        """The current global fragment, when a sync went wrong in a way a retry cannot fix."""
+        start = time.monotonic()
+        pulled = await self._pull_newer(fragment, -1)
+        return SyncResult(pulled=pulled, outcome="resynced", seconds=time.monotonic() - start)
+
+    async def _pull_newer(
+        self, fragment: int, after: int, held: HeldFragment | None = None
+    ) -> PulledFragment:
+        """The fragment's global weights at a version > `after` (long-polling until there is
+        one); as updates to `held` when the syncer offers them."""
+        while True:
+            try:
+                pulled = await self.client.pull_fragment(
+                    fragment,
+                    after=after,
+                    wait=LONG_POLL_SECONDS,
+                    have=held.version if held is not None else -1,
+                )
+                if isinstance(pulled, PulledUpdates):
+                    return await self._rebuild(fragment, pulled, held)
+                if pulled is not None:
+                    return pulled
+                # A whole long-poll without a merge: if the syncer went back to an older
+                # checkpoint our base is ahead of it, and waiting for "newer" could take long.
+                status = await self.client.status()
+                if status.get("finished"):
+                    self.finished.set()
+                if int(status["versions"][fragment]) < after:
+                    log.warning(
+                        "fragment %d: the syncer is at version %s, behind our base %d "
+                        "(restarted from a checkpoint?); taking its current fragment",
+                        fragment,
+                        status["versions"][fragment],
+                        after,
+                    )
+                    after = -1
+            except SyncerError as err:
+                # Unreachable past the client's retry deadline, or refused: keep trying, slowly;
+                # the training loop goes on meanwhile.
+                log.warning("fragment %d: pull failed (%s), trying again", fragment, err)
+                await asyncio.sleep(WAIT_SLICE_SECONDS * 25)
+
+    async def _rebuild(
+        self, fragment: int, chain: PulledUpdates, held: HeldFragment | None
+    ) -> PulledFragment:
+        """The weights `chain` leads to from `held`, checked against the syncer's checksum; the
+        full fragment (pulled again) when they do not match or the chain is malformed."""
+        if held is None or chain.from_version != held.version:
+            problem = f"they start from version {chain.from_version}, not the one held"
+        else:
+            try:
+                tensors = await asyncio.to_thread(
+                    apply_updates, held.tensors, chain.updates, chain.codec
+                )
+                checksum = await asyncio.to_thread(weights_checksum, tensors)
+            except ValueError as err:
+                problem = str(err)
+            else:
+                if checksum == chain.checksum:
+                    self.pull_counts["updates"] += 1
+                    return PulledFragment(
+                        fragment=chain.fragment,
+                        version=chain.version,
+                        outer_step=chain.outer_step,
+                        finished=chain.finished,
+                        tensors=tensors,
+                    )
+                problem = f"checksum {checksum} differs from the syncer's {chain.checksum}"
+        self.pull_counts["rebuildFailed"] += 1
+        log.warning(
+            "fragment %d: the %d update(s) %d..%d do not rebuild the syncer's weights (%s); "
+            "pulling the full fragment",
+            fragment,
+            len(chain.updates),
+            chain.from_version + 1,
+            chain.version,
+            problem,
+        )
+        full = await self.client.pull_fragment(fragment, after=-1)
+        assert isinstance(full, PulledFragment), "a pull without have is full"
+        return full
+
+    async def heartbeats(self, interval: float) -> None:
+        """Report progress every `interval` seconds; notice when the job finished."""
+        last_state = None
+        while True:
+            p = dict(self.progress)
+            try:
+                reply = await self.client.heartbeat(
+                    self.island,
+                    step=p["step"],
+                    tokens=p["tokens"],
+                    loss=p["loss"],
+                    step_time=p["step_time"],
+                )
+                if reply.get("finished"):
+                    self.finished.set()
+                state = reply.get("state")
+                if state != last_state:
+                    log.info("syncer says this island is %s", state)
+                    last_state = state
+            except SyncerError as err:
+                log.warning("heartbeat failed: %s", err)
+                if err.status == 404:  # the syncer forgot us (restarted without our record)
+                    await self.join(threading.Event())
+            await asyncio.sleep(interval)
+
+    def close(self, *, leave: bool) -> None:
+        """Cancel everything in flight (optionally saying goodbye first) and stop the loop."""
+
+        async def shutdown() -> None:
+            if leave:
+                try:
+                    await asyncio.wait_for(self.client.leave(self.island), timeout=2.0)
+                    log.info("left the syncer")
+                except (SyncerError, asyncio.TimeoutError) as err:
+                    log.warning("could not say goodbye to the syncer: %s", err)
+            me = asyncio.current_task()
+            tasks = [t for t in asyncio.all_tasks() if t is not me]
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            await self.client.close()
+
+        try:
+            self.submit(shutdown()).result(timeout=15.0)
+        except (concurrent.futures.TimeoutError, RuntimeError) as err:
+            log.warning("syncer link did not shut down cleanly: %s", err)
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(timeout=5.0)
