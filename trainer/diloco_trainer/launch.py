@@ -111,54 +111,71 @@ def learner_env(
 
 
 class Proc:
-    """A child process in its own process group, logging to `log_file`."""
+    """A child process in its own process group, logging to `log_file`.
+
+    The group is signalled only while its id cannot belong to anyone else: a group id stays
+    reserved while any member lives, but once the leader is reaped and the group is empty the
+    kernel may hand the number to a new process, even a new group leader (pid_max is 32768 on
+    many machines, and test runs start thousands of processes). So the first time this object
+    sees the leader gone it kills whatever is left in the group at once, and never signals the
+    group again (a teardown minutes later once killed an unrelated process group this way).
+    """
 
     def __init__(self, name: str, popen: subprocess.Popen[bytes], log_file: Path) -> None:
         self.name = name
         self.popen = popen
         self.log_file = log_file
+        self._swept = False
 
     @property
     def pid(self) -> int:
         return self.popen.pid
 
+    def _observe(self, code: int | None) -> int | None:
+        """Called with every exit status read: sweeps the group the first time it is not None."""
+        if code is not None and not self._swept:
+            self._swept = True
+            # Stragglers keep the group id reserved, so this cannot reach a stranger.
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(self.popen.pid, signal.SIGKILL)
+        return code
+
     @property
     def alive(self) -> bool:
-        return self.popen.poll() is None
+        return self._observe(self.popen.poll()) is None
 
     @property
     def returncode(self) -> int | None:
-        return self.popen.poll()
+        return self._observe(self.popen.poll())
 
     def _signal_group(self, sig: signal.Signals) -> None:
-        # PermissionError: the group is gone and its id was reused by someone else's process.
+        if self._observe(self.popen.poll()) is not None:
+            return  # the leader is gone and its group was swept: the id may be someone else's
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(self.popen.pid, sig)
 
     def terminate(self) -> None:
         """SIGTERM to the whole process group (graceful stop)."""
-        if self.alive:
-            self._signal_group(signal.SIGTERM)
+        self._signal_group(signal.SIGTERM)
 
     def kill(self) -> None:
         """SIGKILL to the whole process group (a crash, as far as the others can tell)."""
-        # Even after the leader exited, its children may live on in the group.
         self._signal_group(signal.SIGKILL)
 
     def wait(self, timeout: float | None = None) -> int:
         """Wait for the leader to exit; raises subprocess.TimeoutExpired after `timeout`."""
-        return self.popen.wait(timeout)
+        code = self._observe(self.popen.wait(timeout))
+        assert code is not None
+        return code
 
     def stop(self, timeout: float = 10.0) -> int:
         """Terminate, wait up to `timeout`, then kill the group; returns the exit code."""
         self.terminate()
         try:
-            code = self.wait(timeout)
+            return self.wait(timeout)
         except subprocess.TimeoutExpired:
             self.kill()
-            code = self.wait()
-        self.kill()  # stragglers in the group
-        return code
+            return self.wait()
 
     def log_text(self) -> str:
         """The process's output so far (for test failure messages)."""
