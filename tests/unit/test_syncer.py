@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 import threading
-from collections.abc import Coroutine, Iterator
+from collections.abc import Coroutine
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -33,16 +33,6 @@ BASE: dict[str, Any] = {
     "stopAfter": {"outerSteps": 100},
     "syncer": {"checkpoint": {"everyOuterSteps": 100}},
 }
-
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread() -> Iterator[None]:
-    # The tiny model's ops are far too small for threads; on a busy machine extra threads only
-    # fight over cores (60x slower evaluations were measured with 2 threads at load 15).
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 class FakeClock:

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -25,14 +24,6 @@ from diloco_trainer.syncer_link import HeldFragment, SyncerLink
 from .test_syncer import FakeClock, body, delta, make_spec, run, started
 
 Tensors = dict[str, torch.Tensor]
-
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread() -> Iterator[None]:
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 def pull_spec(**sync: Any) -> JobSpec:
