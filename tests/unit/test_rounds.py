@@ -296,3 +296,51 @@ def test_rounds_saved_answers_hold_merged_pushes_only_and_restore() -> None:
     assert fresh.previous_answer(0, "island-0", "a") == first
     assert fresh.previous_answer(1, "island-1", "b") is None  # its retry is accepted afresh
     assert fresh.previous_answer(0, "island-0", "other") is None
+
+
+def test_rounds_islands_not_heard_of_hold_the_quorum_until_their_timeout() -> None:
+    """K=2 of 2: the first island up does not merge alone while its peer's pod is starting."""
+    state = make_state(quorum=2, islands=0, timeout=30.0)
+    state.expect(2, now=0.0)
+    state.join("island-0", 1, now=1.0)
+    assert state.awaited_islands() == 1 and state.effective_quorum() == 2
+    push(state, "island-0", 2.0)
+    assert state.due_fragments(3.0) == []
+    state.join("island-1", 1, now=4.0)
+    assert state.awaited_islands() == 0
+    push(state, "island-1", 5.0)
+    assert state.due_fragments(5.0) == [0]  # both contributed: no grace wait
+
+
+def test_rounds_an_island_never_heard_of_is_given_up_after_the_timeout() -> None:
+    state = make_state(quorum=2, islands=0, timeout=30.0)
+    state.expect(2, now=0.0)
+    state.join("island-0", 1, now=1.0)
+    push(state, "island-0", 2.0)
+    state.expire(29.0)
+    assert state.due_fragments(29.0) == []
+    state.heartbeat("island-0", 29.0)
+    state.expire(31.0)
+    assert state.awaited_islands() == 0 and state.effective_quorum() == 1
+    assert state.due_fragments(31.0) == [0]
+
+
+def test_rounds_an_admin_drop_ends_the_wait_for_an_island_never_heard_of() -> None:
+    state = make_state(quorum=2, islands=0, timeout=30.0)
+    state.expect(2, now=0.0)
+    state.join("island-0", 1, now=1.0)
+    push(state, "island-0", 2.0)
+    state.set_admin_state("island-1", DROPPED, "pod unschedulable", now=3.0)
+    assert state.awaited_islands() == 0
+    assert state.due_fragments(3.0) == [0]
+
+
+def test_rounds_quorum_one_never_waits_for_islands_not_heard_of() -> None:
+    state = make_state(quorum=1, islands=0, timeout=30.0)
+    state.expect(3, now=0.0)
+    state.join("island-0", 1, now=1.0)
+    push(state, "island-0", 2.0)
+    assert state.effective_quorum() == 1
+    # Islands not heard of hold only the quorum, never the grace window: they are not about to
+    # push (they have not even joined), so the one active island's round is complete.
+    assert state.merge_due(0, 2.0)

@@ -32,7 +32,9 @@ floor is AUTO_GRACE_DEFAULT seconds.
 Membership. States: active, dropped (by the admin route; stays dropped until re-added), timedOut
 (no heartbeat, join or push for heartbeatTimeoutSeconds; active again on its next sign of life),
 left (said goodbye; active again when it joins). Only islands that have joined count as active:
-the admin route may pre-register an island, but it joins the quorum when it first joins.
+the admin route may pre-register an island, but it joins the quorum when it first joins. Islands
+of the job the syncer has not heard of at all (expect(): count minus known records) hold the
+quorum, not the grace window, until the heartbeat timeout after the syncer's start.
 """
 
 from __future__ import annotations
@@ -199,6 +201,9 @@ class SyncState:
         # (island, fragment) -> (pushId, answer): a retried push gets its first answer again.
         self._answers: dict[tuple[str, int], tuple[str, dict[str, Any]]] = {}
         self._quorum_waits: deque[float] = deque(maxlen=_WINDOW)
+        # Islands the job has but the syncer has not heard of yet (see expect()).
+        self._expected = 0
+        self._expect_until = 0.0
 
     # ----- views -------------------------------------------------------------------------------
 
@@ -215,9 +220,13 @@ class SyncState:
         """Islands that count towards the quorum."""
         return {n for n, r in self.islands.items() if r.state == ACTIVE and r.joins > 0}
 
+    def awaited_islands(self) -> int:
+        """Islands of the job the syncer has never heard of, still within their start-up time."""
+        return max(0, self._expected - len(self.islands))
+
     def effective_quorum(self) -> int:
-        """min(K, active islands), at least 1: a round can always complete."""
-        return max(1, min(self.policy.quorum, len(self.active_islands())))
+        """min(K, active + awaited islands), at least 1: a round can always complete."""
+        return max(1, min(self.policy.quorum, len(self.active_islands()) + self.awaited_islands()))
 
     def grace(self) -> float:
         """The grace window in seconds (fixed, or auto from measured timings; module docstring)."""
@@ -253,6 +262,15 @@ class SyncState:
         if rec.state in (TIMED_OUT, LEFT):
             rec.state = ACTIVE
             rec.reason = ""
+
+    def expect(self, count: int, now: float) -> None:
+        """The job has `count` islands: until the heartbeat timeout from `now`, the ones not
+        heard of yet count towards the quorum as if active, so the first island up does not
+        merge alone when K > 1 just because its peers' pods are slower to start. After the
+        timeout they are given up on like any silent island (expire)."""
+        self._expected = count
+        self._expect_until = now + self.policy.heartbeat_timeout
+        self._refresh(now)
 
     def join(self, name: str, replicas: int, now: float) -> IslandRecord:
         """An island (re)starts: counts a join and makes it active unless an admin dropped it."""
@@ -318,8 +336,12 @@ class SyncState:
         return rec
 
     def expire(self, now: float) -> list[str]:
-        """Mark active islands silent for longer than the heartbeat timeout as timedOut."""
+        """Mark active islands silent for longer than the heartbeat timeout as timedOut (and stop
+        awaiting islands never heard of)."""
         gone = []
+        if self._expected and now > self._expect_until:
+            self._expected = 0
+            self._refresh(now)
         for name, rec in self.islands.items():
             silent = now - rec.last_seen
             if rec.state == ACTIVE and rec.joins > 0 and silent > self.policy.heartbeat_timeout:

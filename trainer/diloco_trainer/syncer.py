@@ -294,6 +294,8 @@ class Syncer:
         self._bodies = await asyncio.to_thread(
             lambda: [self._encode_fragment(f) for f in range(len(self.fragments))]
         )
+        # Every island of the job (all regions) holds the quorum until it joins or times out.
+        self.state.expect(self.spec.total_shards(), self.clock())
 
     # ----- derived figures ---------------------------------------------------------------------
 
@@ -553,6 +555,7 @@ class Syncer:
             "versions": self.state.versions,
             "finished": self.finished,
             "quorum": self.state.effective_quorum(),
+            "awaitedIslands": self.state.awaited_islands(),
             "quorumTarget": self.state.policy.quorum,
             "grace": self.state.grace(),
             "fragments": len(self.fragments),
@@ -589,7 +592,16 @@ class Syncer:
         grace deadline (clock time), if a round is waiting for one."""
         async with self._locked():
             now = self.clock()
-            for island in self.state.expire(now):
+            awaited = self.state.awaited_islands()
+            expired = self.state.expire(now)
+            if awaited and not self.state.awaited_islands():
+                log.warning(
+                    "%d island(s) of %d never joined within heartbeatTimeoutSeconds of the "
+                    "syncer's start: merging without them",
+                    awaited,
+                    self.spec.total_shards(),
+                )
+            for island in expired:
                 log.warning("island %s timed out: %s", island, self.state.islands[island].reason)
                 self._update_gauges()
             if not self.finished:
