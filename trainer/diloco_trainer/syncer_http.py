@@ -35,6 +35,7 @@ JSON_LIMIT = 64 * 1024
 ISLAND_NAME = re.compile(r"^[A-Za-z0-9]([-A-Za-z0-9_.]{0,251}[A-Za-z0-9])?$")
 # Seconds the server waits for in-flight requests on SIGTERM (long-polls are answered at once).
 SHUTDOWN_TIMEOUT = 10.0
+SCHEDULER_KEY = web.AppKey("scheduler", asyncio.Task)
 
 # ----- request validation (pure) -------------------------------------------------------------
 
@@ -292,13 +293,13 @@ def build_app(syncer: Syncer, token: str) -> web.Application:
 
     async def on_startup(app: web.Application) -> None:
         await syncer.start()
-        app["scheduler"] = asyncio.create_task(syncer.run_scheduler())
+        app[SCHEDULER_KEY] = asyncio.create_task(syncer.run_scheduler())
 
     async def on_shutdown(app: web.Application) -> None:
         syncer.close_waiters()
 
     async def on_cleanup(app: web.Application) -> None:
-        task: asyncio.Task[None] = app["scheduler"]
+        task = app[SCHEDULER_KEY]
         task.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await task
