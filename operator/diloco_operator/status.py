@@ -186,7 +186,9 @@ def compute_status(obs: Observation, previous: Mapping[str, Any] | None) -> DiLo
             failure = _failure(obs, before)
     running = not (finished or failure or obs.spec.suspend)
     desired = len(obs.islands) if running else 0
-    ready = sum(i.healthy for i in obs.islands.values())
+    # Pods still terminating after a suspend or the finish are not islands anyone wants: count
+    # none, so the summary never reads "2/0".
+    ready = sum(i.healthy for i in obs.islands.values()) if running else 0
     island_statuses = _island_statuses(obs, running)
     active = sum(i.in_quorum for i in island_statuses)
 

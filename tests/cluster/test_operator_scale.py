@@ -6,6 +6,7 @@ from __future__ import annotations
 import time
 
 import pytest
+from diloco_operator.planner import statefulset_in_flight
 
 from .conftest import wait_until
 from .operator_fixtures import (  # noqa: F401
@@ -112,6 +113,21 @@ def test_operator_rolls_image_one_island_at_a_time(
 ) -> None:
     cluster.apply(job_manifest("sc", islands={"count": 3, "replicas": 2}))
     wait_until(lambda: cluster.pods_ready(ISLAND_PODS, 6), WAIT, message="6 learner pods Ready")
+    # The operator judges islands by their StatefulSet status, which trails the pods: an island
+    # whose status does not show its pods Ready yet has nothing to disrupt and is updated at
+    # once, by design. Start the rollout only when every island counts as Ready there too.
+    wait_until(
+        lambda: (
+            all(
+                (s.get("status") or {}).get("readyReplicas", 0) == 2
+                and not statefulset_in_flight(s)
+                for s in cluster.items("statefulsets", "diloco.dev/job=sc")
+            )
+            and len(cluster.items("statefulsets", "diloco.dev/job=sc")) == 3
+        ),
+        WAIT,
+        message="3 island StatefulSets report 2 Ready replicas",
+    )
     cluster.patch_spec("sc", {"image": "diloco-trainer:v2"})
 
     order: list[str] = []

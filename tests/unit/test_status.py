@@ -121,6 +121,12 @@ def test_compute_status_suspended() -> None:
     assert _conditions(status)["Progressing"].status == "False"
 
 
+def test_compute_status_suspended_counts_terminating_pods_as_nothing() -> None:
+    """Just after a suspend the old pods are still Ready while they terminate: "0/0", not "2/0"."""
+    status = compute_status(_obs(spec={"suspend": True}, islands=[_island("island-0", 2)]), None)
+    assert status.islands_summary == "0/0" and status.islands.ready == 0
+
+
 def test_compute_status_succeeded_is_sticky_and_stamps_finish() -> None:
     done = compute_status(_obs(syncer={**SYNCER, "finished": True}), None)
     assert done.phase == "Succeeded" and done.finished_time == rfc3339(T0)
