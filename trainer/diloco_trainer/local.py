@@ -238,7 +238,9 @@ class LocalRun:
             procs.append(proc)
         return procs
 
-    def _check_children(self, finished: bool) -> None:
+    def _check_children(self, finished: bool) -> bool:
+        """Notes learners that exited; raises if the syncer did. True when every learner has
+        exited (a failure unless the job finished: the caller re-reads the status to tell)."""
         assert self.syncer is not None
         if not self.syncer.alive:
             tail = "\n".join(self.syncer.log_text().splitlines()[-30:])
@@ -254,8 +256,7 @@ class LocalRun:
                         f"[yellow]learner {proc.name} exited with code {proc.returncode}; "
                         f"going on without it (log: {proc.log_file})[/yellow]"
                     )
-        if not finished and self.learners and len(self.dead) == len(self.learners):
-            raise RunError(f"every learner exited before the job finished; logs in {self.logs}")
+        return bool(self.learners) and len(self.dead) == len(self.learners)
 
     async def watch(self, started: float) -> dict[str, Any]:
         """Poll the syncer until it reports the job finished; returns its last status."""
@@ -273,12 +274,17 @@ class LocalRun:
                 self.url, self.files.token, retry_deadline=3.0, request_timeout=10.0
             ) as client:
                 while True:
-                    self._check_children(bool(status.get("finished")))
                     try:
                         status = await client.status()
                     except SyncerError as err:
-                        # The syncer may be going down; the next _check_children tells.
+                        # The syncer may be going down; _check_children tells.
                         self.console.print(f"[yellow]status: {err}[/yellow]")
+                    if self._check_children(bool(status.get("finished"))) and not (
+                        await self._finished_now(client, status)
+                    ):
+                        raise RunError(
+                            f"every learner exited before the job finished; logs in {self.logs}"
+                        )
                     if live is not None:
                         live.update(
                             status_view(
@@ -302,6 +308,20 @@ class LocalRun:
         finally:
             if live is not None:
                 live.stop()
+
+    @staticmethod
+    async def _finished_now(client: Any, status: dict[str, Any]) -> bool:
+        """Whether the job has finished, asking again: learners exit as soon as they hear it
+        did, possibly just after `status` was read."""
+        from diloco_trainer.wire import SyncerError
+
+        if status.get("finished"):
+            return True
+        try:
+            status.update(await client.status())
+        except SyncerError:  # a syncer that is gone cannot say it finished
+            return False
+        return bool(status.get("finished"))
 
     def wait_learners(self, timeout: float) -> None:
         """Give learners `timeout` seconds to exit by themselves (they do once finished)."""
