@@ -15,7 +15,8 @@ the first sync and lasts at least --seconds and --rounds further syncs, and we r
 Inner steps/s are printed for context only: runs follow each other, and on a shared machine the
 CPU share (hence the step rate) drifts between them; utilisation is a share of each run's own time.
 Both systems use the same model, H, batch and optimizers; ours pushes int8 or fp32 pseudo-gradients
-and pulls fp32 weights, torchft all-reduces fp32 (its quantisation needs triton/GPU).
+and pulls the merged weights as updates in the same codec (sync.pullCompression auto), torchft
+all-reduces fp32 (its quantisation needs triton/GPU).
 
     python -m bench.bandwidth                          # M=2, gpt-tiny, H=20, 1/10/100 Mbit/s
     python -m bench.bandwidth --rates 1 10 100 1000 --seconds 60 --islands 4
@@ -284,8 +285,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         "loopback of its own network namespace).",
         f"Ours' relay adds {args.latency_ms:g} ms one-way latency; torchft's link has none added "
         "(no netem in this kernel), which favours torchft slightly.",
-        "Ours moves more bytes per round than a 2-replica ring: each island pushes Δ and pulls "
-        "fp32 weights through the syncer's link, so the shared link carries M pushes + M pulls.",
+        "Ours' traffic goes through the syncer's link: each island pushes Δ and pulls the "
+        "merged weights (as encoded updates with sync.pullCompression auto, the default; full "
+        "weights after a join or when a learner is too far behind), so the shared link carries "
+        "M pushes + M pulls per round.",
         "τ = inner steps that keep running while a sync is in flight (ours: sync.overlapSteps; "
         "torchft: DiLoCo fragment_sync_delay).",
         "Inner steps/s (summed over islands) is context only: the runs follow each other and the "
