@@ -115,13 +115,7 @@ def measure_ours(args: Any, v: Variant, rate: float | None, wd: Path) -> dict[st
     try:
         run.start()
         with StatusSampler(run) as sampler:
-
-            def merged() -> bool:
-                run.check_alive()
-                st = sampler.latest()
-                return bool(st and st["outerStep"] >= 1)
-
-            poll_until(merged, timeout=args.warmup_timeout, what="the first merge")
+            sampler.wait_first_merge(args.warmup_timeout)
             t1 = time.time()
             start_step = sampler.latest()["outerStep"]  # type: ignore[index]
             poll_until(

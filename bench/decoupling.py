@@ -69,13 +69,7 @@ def run_ours(args: Any, slowdown: float, wd: Path) -> dict[str, Any]:
     try:
         run.start()
         with StatusSampler(run) as sampler:
-
-            def merged() -> bool:
-                run.check_alive()
-                st = sampler.latest()
-                return bool(st and st["outerStep"] >= 1)
-
-            poll_until(merged, timeout=args.warmup_timeout, what="the first merge")
+            sampler.wait_first_merge(args.warmup_timeout)
             t1 = time.time()
             time.sleep(args.seconds)
             t2 = time.time()

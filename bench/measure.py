@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from bench.common import poll_until
 from bench.ours_harness import OursRun
 from bench.peer_training import read_progress
 
@@ -47,6 +48,17 @@ class StatusSampler:
 
     def latest(self) -> dict[str, Any] | None:
         return self.samples[-1][1] if self.samples else None
+
+    def wait_first_merge(self, timeout: float) -> None:
+        """Block until the syncer reports outer step >= 1 (windows open after warm-up); fails
+        early if a process of the run died."""
+
+        def merged() -> bool:
+            self.run.check_alive()
+            st = self.latest()
+            return bool(st and st["outerStep"] >= 1)
+
+        poll_until(merged, timeout=timeout, what="the first merge")
 
     def at(self, t: float) -> tuple[float, dict[str, Any]]:
         """The last sample taken at or before t (the first one if none)."""
