@@ -138,20 +138,8 @@ def test_local_run_sigint_stops_every_child(
     config = workdir / "job.json"
     config.write_text(small_job(make_spec, stopAfter={"outerSteps": 100000}).to_json())
     proc = diloco_run([str(config), "--workdir", "run", "--quiet"], workdir)
-    logs = workdir / "run" / "logs"
     try:
-        # Every rank of every island is training once each has logged its join.
-        def all_joined() -> bool:
-            return (
-                all(
-                    "joined the syncer" in (logs / f"island-{i}-rank0.log").read_text()
-                    for i in range(2)
-                    if (logs / f"island-{i}-rank0.log").exists()
-                )
-                and len(list(logs.glob("island-*-rank0.log"))) == 2
-            )
-
-        wait_until(all_joined, timeout=300, interval=0.2, what="both islands joined")
+        wait_both_joined(workdir / "run" / "logs")
         children = descendants(proc.pid)
         assert len(children) >= 5, children  # syncer + 2 islands x 2 ranks
         os.killpg(proc.pid, signal.SIGINT)
@@ -163,6 +151,48 @@ def test_local_run_sigint_stops_every_child(
     assert code == 130, (workdir / "run.log").read_text()
     left = [pid for pid in children if alive(pid)]
     assert left == [], f"children still alive after Ctrl-C: {left}"
+
+
+def test_local_run_fails_clearly_when_every_learner_dies(
+    workdir: Path, make_spec: Callable[..., JobSpec]
+) -> None:
+    config = workdir / "job.json"
+    config.write_text(small_job(make_spec, stopAfter={"outerSteps": 100000}).to_json())
+    proc = diloco_run([str(config), "--workdir", "run", "--quiet"], workdir)
+    try:
+        wait_both_joined(workdir / "run" / "logs")
+        learners = [
+            pid
+            for pid in descendants(proc.pid)
+            if b"learner" in Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        ]
+        assert len(learners) == 4, learners  # 2 islands x 2 ranks
+        for pid in learners:
+            os.kill(pid, signal.SIGKILL)
+        code = proc.wait(timeout=120)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    log = (workdir / "run.log").read_text()
+    assert code == 1, log
+    assert "every learner exited before the job finished" in " ".join(log.split()), log
+
+
+def wait_both_joined(logs: Path) -> None:
+    """Every rank of every island is training once each island's rank 0 has logged its join."""
+
+    def all_joined() -> bool:
+        return (
+            all(
+                "joined the syncer" in (logs / f"island-{i}-rank0.log").read_text()
+                for i in range(2)
+                if (logs / f"island-{i}-rank0.log").exists()
+            )
+            and len(list(logs.glob("island-*-rank0.log"))) == 2
+        )
+
+    wait_until(all_joined, timeout=300, interval=0.2, what="both islands joined")
 
 
 def test_local_default_spec_is_the_example_manifest() -> None:
