@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
 import signal
 import subprocess
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -135,19 +136,11 @@ def test_local_run_writes_summary_and_plot(
 def test_local_run_sigint_stops_every_child(
     workdir: Path, make_spec: Callable[..., JobSpec]
 ) -> None:
-    config = workdir / "job.json"
-    config.write_text(small_job(make_spec, stopAfter={"outerSteps": 100000}).to_json())
-    proc = diloco_run([str(config), "--workdir", "run", "--quiet"], workdir)
-    try:
-        wait_both_joined(workdir / "run" / "logs")
+    with endless_run(workdir, make_spec) as proc:
         children = descendants(proc.pid)
         assert len(children) >= 5, children  # syncer + 2 islands x 2 ranks
         os.killpg(proc.pid, signal.SIGINT)
         code = proc.wait(timeout=120)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
     assert code == 130, (workdir / "run.log").read_text()
     left = [pid for pid in children if alive(pid)]
     assert left == [], f"children still alive after Ctrl-C: {left}"
@@ -156,11 +149,7 @@ def test_local_run_sigint_stops_every_child(
 def test_local_run_fails_clearly_when_every_learner_dies(
     workdir: Path, make_spec: Callable[..., JobSpec]
 ) -> None:
-    config = workdir / "job.json"
-    config.write_text(small_job(make_spec, stopAfter={"outerSteps": 100000}).to_json())
-    proc = diloco_run([str(config), "--workdir", "run", "--quiet"], workdir)
-    try:
-        wait_both_joined(workdir / "run" / "logs")
+    with endless_run(workdir, make_spec) as proc:
         learners = [
             pid
             for pid in descendants(proc.pid)
@@ -170,13 +159,27 @@ def test_local_run_fails_clearly_when_every_learner_dies(
         for pid in learners:
             os.kill(pid, signal.SIGKILL)
         code = proc.wait(timeout=120)
+    log = (workdir / "run.log").read_text()
+    assert code == 1, log
+    assert "every learner exited before the job finished" in " ".join(log.split()), log
+
+
+@contextlib.contextmanager
+def endless_run(
+    workdir: Path, make_spec: Callable[..., JobSpec]
+) -> Iterator[subprocess.Popen[bytes]]:
+    """`diloco run` of a job that never finishes by itself, once both islands train; killed
+    (SIGKILL to its group) on the way out if the test left it running."""
+    config = workdir / "job.json"
+    config.write_text(small_job(make_spec, stopAfter={"outerSteps": 100000}).to_json())
+    proc = diloco_run([str(config), "--workdir", "run", "--quiet"], workdir)
+    try:
+        wait_both_joined(workdir / "run" / "logs")
+        yield proc
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
-    log = (workdir / "run.log").read_text()
-    assert code == 1, log
-    assert "every learner exited before the job finished" in " ".join(log.split()), log
 
 
 def wait_both_joined(logs: Path) -> None:
