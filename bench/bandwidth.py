@@ -31,8 +31,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from diloco_trainer.config import JobSpec
-from diloco_trainer.launch import Proc, free_port
+from diloco_trainer.api.spec import JobSpec
+from diloco_trainer.local.launch import Proc, free_port
 
 from bench import netns
 from bench.common import (

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from diloco_trainer.launch import Proc
+from diloco_trainer.local.launch import Proc
 
 BENCH_DIR = Path(__file__).resolve().parent
 REPO_ROOT = BENCH_DIR.parent
@@ -317,7 +317,7 @@ def training_spec(
 ) -> Any:
     """The tiny job the throughput benchmarks train (bandwidth, decoupling, goodput): the same
     model, data, islands and inner loop; each benchmark says how it syncs and evaluates."""
-    from diloco_trainer.config import parse_spec
+    from diloco_trainer.api.spec import parse_spec
 
     return parse_spec(
         {
@@ -436,7 +436,7 @@ def start_module(
 
 
 def track(proc: Proc) -> Proc:
-    """Have a process started elsewhere (diloco_trainer.launch) killed when the benchmark exits."""
+    """Have a process started elsewhere (local.launch) killed when the benchmark exits."""
     _LIVE.append(proc)
     return proc
 

@@ -2,7 +2,7 @@
 
 One model, data and token budget (M workers x S inner steps x batch x seqLen tokens), trained by:
 (a) one process with synchronous data-parallel semantics over M simulated workers (the baseline,
-    diloco_trainer.reference.train_synchronous);
+    diloco_trainer.models.reference.train_synchronous);
 (b) plain torch DDP, gloo, M real processes on loopback (bench.ddp_worker);
 (c) torchft 0.2.0's DiLoCo: lighthouse + M replica groups, same H and optimizers
     (bench.torchft_worker);
@@ -25,9 +25,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from diloco_trainer.config import JobSpec, parse_spec
-from diloco_trainer.launch import free_port
-from diloco_trainer.reference import train_synchronous
+from diloco_trainer.api.spec import JobSpec, parse_spec
+from diloco_trainer.local.launch import free_port
+from diloco_trainer.models.reference import train_synchronous
 
 from bench.common import (
     LoadMonitor,

@@ -19,8 +19,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from diloco_trainer.config import load_spec
-from diloco_trainer.parts import build_parts, evaluate, make_inner_optimizer
+from diloco_trainer.api.spec import load_spec
+from diloco_trainer.models.parts import build_parts, evaluate, make_inner_optimizer
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 from torch.nn.parallel import DistributedDataParallel
 

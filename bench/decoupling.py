@@ -25,9 +25,9 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from diloco_trainer.config import JobSpec
-from diloco_trainer.contract import island_name
-from diloco_trainer.parts import build_parts, evaluate
+from diloco_trainer.api.contract import island_name
+from diloco_trainer.api.spec import JobSpec
+from diloco_trainer.models.parts import build_parts, evaluate
 
 from bench.common import (
     LoadMonitor,

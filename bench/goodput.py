@@ -30,8 +30,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from diloco_trainer.config import JobSpec
-from diloco_trainer.parts import build_parts, evaluate
+from diloco_trainer.api.spec import JobSpec
+from diloco_trainer.models.parts import build_parts, evaluate
 
 from bench.common import (
     LoadMonitor,

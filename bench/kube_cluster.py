@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from diloco_trainer.launch import Proc, free_port
+from diloco_trainer.local.launch import Proc, free_port
 
 from bench.common import REPO_ROOT, poll_until, track
 

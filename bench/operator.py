@@ -36,8 +36,8 @@ from typing import Any
 from diloco_operator import api as op_api
 from diloco_operator.api import parse_job_spec
 from diloco_operator.resources import JOB_LABEL, JobRef, build_children, build_token_secret
-from diloco_trainer import launch
-from diloco_trainer.config import parse_spec
+from diloco_trainer.api.spec import parse_spec
+from diloco_trainer.local import launch
 
 from bench.common import (
     LoadMonitor,

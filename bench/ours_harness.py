@@ -1,7 +1,7 @@
 """Start our trainer on loopback: a syncer and M single-rank islands, as `diloco run` would.
 
-Processes are started with diloco_trainer.launch (the same commands and contract environment as
-pods), but the benchmark keeps hold of them: it can point an island at a relay instead of the
+Processes are started with diloco_trainer.local.launch (the same commands and contract environment
+as pods), but the benchmark keeps hold of them: it can point an island at a relay instead of the
 syncer, slow one down, kill one with SIGKILL and start it again.
 """
 
@@ -15,9 +15,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from diloco_trainer.config import JobSpec
-from diloco_trainer.contract import island_name
-from diloco_trainer.launch import (
+from diloco_trainer.api.contract import island_name
+from diloco_trainer.api.spec import JobSpec
+from diloco_trainer.local.launch import (
     JobFiles,
     Proc,
     free_port,

@@ -14,8 +14,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
-from diloco_trainer.config import JobSpec
-from diloco_trainer.parts import TrainingParts, inner_lr, set_lr
+from diloco_trainer.api.spec import JobSpec
+from diloco_trainer.models.parts import TrainingParts, inner_lr, set_lr
 from torch import nn
 
 

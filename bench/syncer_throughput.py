@@ -24,9 +24,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from diloco_trainer.merge import contribution_weight, merge_pseudo_gradients
-from diloco_trainer.model import build_model
-from diloco_trainer.outer import OuterOptimizer
+from diloco_trainer.core.merge import contribution_weight, merge_pseudo_gradients
+from diloco_trainer.core.outer import OuterOptimizer
+from diloco_trainer.models.model import build_model
 
 from bench.common import (
     LoadMonitor,
@@ -317,7 +317,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
     report = Report(
         "syncer_throughput",
-        "Merge + outer-step throughput of the syncer's code (diloco_trainer.merge + outer) "
+        "Merge + outer-step throughput of the syncer's code (diloco_trainer.core.merge + outer) "
         "against a plain torch loop doing the same arithmetic, in the same run.",
         tables=[table],
         notes=notes,

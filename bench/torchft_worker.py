@@ -24,8 +24,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from diloco_trainer.config import load_spec
-from diloco_trainer.parts import build_parts, evaluate, make_inner_optimizer
+from diloco_trainer.api.spec import load_spec
+from diloco_trainer.models.parts import build_parts, evaluate, make_inner_optimizer
 from safetensors.torch import save_model
 from torch.distributed import TCPStore
 from torchft.local_sgd import DiLoCo

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from diloco_trainer.config import IslandsSpec, JobSpec, format_validation_error
+from diloco_trainer.api.spec import IslandsSpec, JobSpec, format_validation_error
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from pydantic.alias_generators import to_camel
 

@@ -25,7 +25,7 @@ from datetime import datetime, timezone
 from typing import Any
 
 import kopf
-from diloco_trainer import contract
+from diloco_trainer.api import contract
 from kubernetes.client.exceptions import ApiException
 
 from diloco_operator import api, metrics, resources

@@ -19,7 +19,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from diloco_trainer import contract
+from diloco_trainer.api import contract
 
 from diloco_operator import api
 from diloco_operator.api import DiLoCoJobSpec

@@ -24,8 +24,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from diloco_trainer import launch
-from diloco_trainer.config import parse_spec
+from diloco_trainer.api.spec import parse_spec
+from diloco_trainer.local import launch
 
 from .conftest import ControlPlane, wait_until
 

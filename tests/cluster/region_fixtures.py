@@ -28,8 +28,8 @@ from typing import Any
 import pytest
 import yaml
 from chart.helm_tool import CHART, Helm
-from diloco_trainer import launch
-from diloco_trainer.config import parse_spec
+from diloco_trainer.api.spec import parse_spec
+from diloco_trainer.local import launch
 
 from .conftest import ControlPlane, wait_until
 from .operator_fixtures import DILOCO, LocalSyncer, OperatorProcess, job_manifest

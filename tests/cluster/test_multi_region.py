@@ -29,7 +29,8 @@ from typing import Any
 import pytest
 import yaml
 from diloco_operator.api import parse_job_spec
-from diloco_trainer import contract, launch
+from diloco_trainer.api import contract
+from diloco_trainer.local import launch
 
 from .conftest import ControlPlane, wait_until
 from .operator_fixtures import TINY_TRAINING, Cluster, crd, deep_merge  # noqa: F401

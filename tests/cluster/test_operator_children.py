@@ -7,7 +7,7 @@ import re
 from typing import Any
 
 import pytest
-from diloco_trainer import contract
+from diloco_trainer.api import contract
 from kubernetes import client
 
 from .conftest import wait_until

@@ -19,8 +19,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from diloco_trainer import launch, wire
-from diloco_trainer.config import JobSpec, parse_spec
+from diloco_trainer.api.spec import JobSpec, parse_spec
+from diloco_trainer.learner import syncer_client
+from diloco_trainer.local import launch
 
 # A job that trains in seconds on one CPU core: gpt-tiny, short sequences, few inner steps.
 TINY_SPEC: dict[str, Any] = {
@@ -104,10 +105,10 @@ class SyncerHandle:
         assert code == 200, (code, doc)
         return doc
 
-    def client(self, **kwargs: Any) -> wire.SyncerClient:
+    def client(self, **kwargs: Any) -> syncer_client.SyncerClient:
         """A SyncerClient for this syncer; create, use and close it inside one event loop:
         ``async with handle.client() as c: ...``."""
-        return wire.SyncerClient(self.url, self.token, ca_file=self.ca_file, **kwargs)
+        return syncer_client.SyncerClient(self.url, self.token, ca_file=self.ca_file, **kwargs)
 
     def log_text(self) -> str:
         return self.proc.log_text()

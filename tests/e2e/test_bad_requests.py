@@ -14,9 +14,12 @@ from typing import Any
 import aiohttp
 import pytest
 import torch
-from diloco_trainer import launch, wire
-from diloco_trainer.compress import encode_tensors
-from diloco_trainer.config import JobSpec, parse_spec
+from diloco_trainer.api import protocol
+from diloco_trainer.api.spec import JobSpec, parse_spec
+from diloco_trainer.core import payloads
+from diloco_trainer.core.compress import encode_tensors
+from diloco_trainer.learner import syncer_client
+from diloco_trainer.local import launch
 
 from .conftest import (
     TINY_SPEC,
@@ -58,13 +61,13 @@ def push_body(tensors: dict[str, torch.Tensor], **meta: Any) -> bytes:
         "stepTime": 0.01,
         "codec": "none",
     }
-    return wire.encode_body(tensors, {**base, **meta})
+    return payloads.encode_body(tensors, {**base, **meta})
 
 
 async def _advance(url: str, token: str) -> dict[int, dict[str, torch.Tensor]]:
     """Join island-0 and merge two rounds of each fragment: versions [2, 2]."""
     shapes: dict[int, dict[str, torch.Tensor]] = {}
-    async with wire.SyncerClient(url, token) as client:
+    async with syncer_client.SyncerClient(url, token) as client:
         info = await client.join("island-0", 1)
         for f in range(len(info.fragments)):
             version = -1
@@ -73,7 +76,7 @@ async def _advance(url: str, token: str) -> dict[int, dict[str, torch.Tensor]]:
                 assert pulled is not None
                 version = pulled.version
                 delta = {n: torch.full_like(t, 1e-3) for n, t in pulled.tensors.items()}
-                meta = wire.PushMeta("island-0", version, 128, 4, 5.0, 0.01, "none")
+                meta = protocol.PushMeta("island-0", version, 128, 4, 5.0, 0.01, "none")
                 answer = await client.push(f, encode_tensors(delta, "none"), meta)
                 assert answer["accepted"], answer
             pulled = await client.pull_fragment(f, after=version, wait=60)
@@ -248,9 +251,9 @@ def test_bad_requests_stale_version_is_409(syncer: SyncerHandle, unchanged: None
     code, doc = push(syncer, push_body(good_delta(syncer), baseVersion=0))
     assert code == 409
     assert "by 2" in doc["error"] and "maxStaleness=1" in doc["error"], doc
-    assert doc["code"] == wire.ERROR_STALE
+    assert doc["code"] == protocol.ERROR_STALE
     code, doc = push(syncer, push_body(good_delta(syncer), baseVersion=9))
-    assert code == 409 and "newer" in doc["error"] and doc["code"] == wire.ERROR_AHEAD, doc
+    assert code == 409 and "newer" in doc["error"] and doc["code"] == protocol.ERROR_AHEAD, doc
 
 
 def test_bad_requests_never_joined_island_is_404(syncer: SyncerHandle, unchanged: None) -> None:
@@ -331,8 +334,8 @@ def test_bad_requests_tls_syncer_refuses_plain_http_and_unknown_ca(
     tls = syncer_proc(make_spec(sync=SAFE_HEARTBEAT), tls=tls_files)
     assert tls.url.startswith("https://")
 
-    async def join() -> wire.JoinInfo:
-        async with wire.SyncerClient(tls.url, tls.token, ca_file=tls.ca_file) as client:
+    async def join() -> protocol.JoinInfo:
+        async with syncer_client.SyncerClient(tls.url, tls.token, ca_file=tls.ca_file) as client:
             return await client.join("island-0", 1)
 
     assert asyncio.run(join()).versions == [0]

@@ -10,8 +10,8 @@ from collections.abc import Callable
 from typing import Any
 
 import pytest
-from diloco_trainer.config import JobSpec
-from diloco_trainer.local import LocalRun
+from diloco_trainer.api.spec import JobSpec
+from diloco_trainer.local.run import LocalRun
 
 from .conftest import deep_merge
 from .test_convergence import (  # noqa: F401  (local_run is a fixture)

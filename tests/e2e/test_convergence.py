@@ -16,11 +16,11 @@ from typing import Any
 
 import pytest
 import torch
-from diloco_trainer.config import JobSpec
-from diloco_trainer.contract import island_name
-from diloco_trainer.local import LocalRun
-from diloco_trainer.reference import train_synchronous
-from diloco_trainer.wire import SyncerClient
+from diloco_trainer.api.contract import island_name
+from diloco_trainer.api.spec import JobSpec
+from diloco_trainer.learner.syncer_client import SyncerClient
+from diloco_trainer.local.run import LocalRun
+from diloco_trainer.models.reference import train_synchronous
 from rich.console import Console
 
 from .conftest import deep_merge, http_request

@@ -11,8 +11,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from diloco_trainer.config import JobSpec
-from diloco_trainer.local import LocalRun
+from diloco_trainer.api.spec import JobSpec
+from diloco_trainer.local.run import LocalRun
 
 from .conftest import wait_until
 from .test_convergence import (  # noqa: F401  (local_run is a fixture)

@@ -8,8 +8,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from diloco_trainer import launch
-from diloco_trainer.config import JobSpec
+from diloco_trainer.api.spec import JobSpec
+from diloco_trainer.local import launch
 
 from .conftest import wait_until
 

@@ -8,8 +8,8 @@ import json
 from collections.abc import Callable
 
 import pytest
-from diloco_trainer.config import JobSpec
-from diloco_trainer.local import LocalRun
+from diloco_trainer.api.spec import JobSpec
+from diloco_trainer.local.run import LocalRun
 
 from .test_convergence import (  # noqa: F401  (local_run is a fixture)
     local_run,

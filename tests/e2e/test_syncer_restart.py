@@ -10,10 +10,11 @@ from collections.abc import Callable
 
 import pytest
 import torch
-from diloco_trainer import checkpoint as ckpt
-from diloco_trainer import wire
-from diloco_trainer.compress import encode_tensors
-from diloco_trainer.config import JobSpec
+from diloco_trainer.api import protocol
+from diloco_trainer.api.spec import JobSpec
+from diloco_trainer.core.compress import encode_tensors
+from diloco_trainer.learner import syncer_client
+from diloco_trainer.syncer import checkpoint as ckpt
 
 from .conftest import SyncerHandle, wait_until
 
@@ -45,7 +46,7 @@ async def run_rounds(handle: SyncerHandle, rounds: int) -> dict[int, dict[str, t
             for f in range(len(info.fragments)):
                 pulled = await client.pull_fragment(f, after=-1)
                 assert pulled is not None
-                meta = wire.PushMeta("island-0", pulled.version, 256, 4, 5.0 - r, 0.01, "none")
+                meta = protocol.PushMeta("island-0", pulled.version, 256, 4, 5.0 - r, 0.01, "none")
                 delta = delta_for(pulled.tensors, seed=100 * r + f)
                 answer = await client.push(f, encode_tensors(delta, "none"), meta)
                 assert answer["accepted"], answer
@@ -123,8 +124,8 @@ def test_syncer_restart_client_call_made_while_down_completes(
     caplog.set_level(logging.WARNING, logger="diloco.wire")
 
     async def push_while_down() -> tuple[dict, bool, SyncerHandle]:
-        async with wire.SyncerClient(first.url, first.token, retry_deadline=90) as client:
-            meta = wire.PushMeta("island-0", 1, 256, 4, 4.0, 0.01, "none")
+        async with syncer_client.SyncerClient(first.url, first.token, retry_deadline=90) as client:
+            meta = protocol.PushMeta("island-0", 1, 256, 4, 4.0, 0.01, "none")
             body = encode_tensors(delta_for(tensors[0], seed=7), "none")
             pending = asyncio.create_task(client.push(0, body, meta))
             await asyncio.to_thread(

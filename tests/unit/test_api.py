@@ -35,7 +35,7 @@ def test_api_parse_job_spec_refuses_unknown_field_by_name() -> None:
 
 
 def test_api_spec_json_is_a_valid_trainer_config() -> None:
-    from diloco_trainer.config import parse_spec
+    from diloco_trainer.api.spec import parse_spec
 
     spec = api.parse_job_spec({"image": "x", "islands": {"count": 3, "template": {"spec": {}}}})
     trainer = parse_spec(__import__("json").loads(spec.to_json()))

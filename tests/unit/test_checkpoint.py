@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from diloco_trainer import checkpoint as ck
+from diloco_trainer.syncer import checkpoint as ck
 
 
 def tensors(seed: int) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from diloco_trainer.compress import (
+from diloco_trainer.core.compress import (
     BLOCK_SIZE,
     CODECS,
     ErrorFeedback,

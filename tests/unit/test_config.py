@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from diloco_trainer.config import ConfigError, JobSpec, load_spec, parse_spec
+from diloco_trainer.api.spec import ConfigError, JobSpec, load_spec, parse_spec
 
 
 def test_parse_spec_empty_gives_defaults() -> None:

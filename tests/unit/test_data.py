@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from diloco_trainer.config import ConfigError
-from diloco_trainer.data import (
+from diloco_trainer.api.spec import ConfigError
+from diloco_trainer.models.data import (
     BUILTIN_STDLIB,
     TokenStream,
     eval_batches,

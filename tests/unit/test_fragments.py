@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import pytest
-from diloco_trainer.fragments import fragment_offsets, fragments_due, split_fragments
-from diloco_trainer.model import build_model
+from diloco_trainer.core.fragments import fragment_offsets, fragments_due, split_fragments
+from diloco_trainer.models.model import build_model
 
 
 def _model_sizes() -> dict[str, int]:

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import pytest
-from diloco_trainer.fragments import fragment_offsets, fragments_due
-from diloco_trainer.schedule import (
+from diloco_trainer.core.fragments import fragment_offsets, fragments_due
+from diloco_trainer.learner.schedule import (
     ROUND_TIME_FACTOR,
     StepPlan,
     plan_step,

@@ -6,7 +6,7 @@ import math
 
 import pytest
 import torch
-from diloco_trainer.merge import (
+from diloco_trainer.core.merge import (
     contribution_weight,
     merge_pseudo_gradients,
     staleness_factor,

@@ -7,7 +7,14 @@ from collections.abc import Iterator
 import pytest
 import torch
 import torch.nn.functional as F
-from diloco_trainer.model import GPT, PRESETS, VOCAB_SIZE, GPTConfig, build_model, count_parameters
+from diloco_trainer.models.model import (
+    GPT,
+    PRESETS,
+    VOCAB_SIZE,
+    GPTConfig,
+    build_model,
+    count_parameters,
+)
 
 
 @pytest.fixture(autouse=True)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from diloco_trainer.outer import OuterOptimizer
+from diloco_trainer.core.outer import OuterOptimizer
 from safetensors.torch import load, save
 
 

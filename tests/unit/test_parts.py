@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from diloco_trainer.config import ConfigError, parse_spec
-from diloco_trainer.parts import (
+from diloco_trainer.api.spec import ConfigError, parse_spec
+from diloco_trainer.models.parts import (
     TrainingParts,
     build_parts,
     evaluate,
@@ -105,7 +105,7 @@ def test_build_parts_entrypoint_is_called_with_same_arguments(
     ("entrypoint", "message"),
     [
         ("no_such_module_xyz:build", "cannot import module 'no_such_module_xyz'"),
-        ("diloco_trainer.parts:no_such_fn", "has no callable 'no_such_fn'"),
+        ("diloco_trainer.models.parts:no_such_fn", "has no callable 'no_such_fn'"),
     ],
 )
 def test_build_parts_bad_entrypoint_names_field(entrypoint: str, message: str) -> None:

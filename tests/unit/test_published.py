@@ -7,8 +7,8 @@ import itertools
 
 import pytest
 import torch
-from diloco_trainer import wire
-from diloco_trainer.published import (
+from diloco_trainer.core import payloads
+from diloco_trainer.core.published import (
     UpdateHistory,
     WeightUpdate,
     apply_updates,
@@ -46,10 +46,10 @@ def test_published_chain_rebuilds_the_syncer_weights_bit_exactly(codec: str) -> 
     for held in range(5):
         chain = [u.encoded for u in updates[held:]]
         # Through the wire format, as a learner receives them.
-        body = wire.encode_update_chain(
+        body = payloads.encode_update_chain(
             [(u.version, u.encoded) for u in updates[held:]], {"kind": "updates"}
         )
-        received = wire.split_update_chain(wire.decode_body(body)[0], held, 5)
+        received = payloads.split_update_chain(payloads.decode_body(body)[0], held, 5)
         for rebuilt in (
             apply_updates(history[held], chain, codec),
             apply_updates(history[held], received, codec),
@@ -155,7 +155,7 @@ def test_published_history_restarts_after_a_gap() -> None:
     ],
 )
 def test_published_history_length(codec: str, max_staleness: int, want: int) -> None:
-    from diloco_trainer.compress import expected_encoded
+    from diloco_trainer.core.compress import expected_encoded
 
     shapes = {"w": torch.Size([256, 512])}
     full = 256 * 512 * 4

@@ -7,9 +7,15 @@ from collections.abc import Iterator
 import pytest
 import torch
 import torch.nn.functional as F
-from diloco_trainer.config import parse_spec
-from diloco_trainer.parts import build_parts, evaluate, inner_lr, make_inner_optimizer, set_lr
-from diloco_trainer.reference import bytes_per_worker, train_synchronous
+from diloco_trainer.api.spec import parse_spec
+from diloco_trainer.models.parts import (
+    build_parts,
+    evaluate,
+    inner_lr,
+    make_inner_optimizer,
+    set_lr,
+)
+from diloco_trainer.models.reference import bytes_per_worker, train_synchronous
 
 SPEC = {
     "model": {"preset": "gpt-tiny", "seed": 3},

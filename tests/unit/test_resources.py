@@ -8,7 +8,7 @@ from typing import Any
 from diloco_operator import api, resources
 from diloco_operator.planner import plan_changes, statefulset_in_flight
 from diloco_operator.resources import JobRef
-from diloco_trainer import contract
+from diloco_trainer.api import contract
 
 JOB = JobRef(name="demo", namespace="ns1", uid="uid-1")
 

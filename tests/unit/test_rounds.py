@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from diloco_trainer.rounds import (
+from diloco_trainer.syncer.rounds import (
     ACTIVE,
     DROPPED,
     LEFT,

@@ -12,15 +12,16 @@ from typing import Any, TypeVar
 
 import pytest
 import torch
-from diloco_trainer import checkpoint as ckpt
-from diloco_trainer import wire
-from diloco_trainer.compress import encode_tensors
-from diloco_trainer.config import JobSpec, parse_spec
-from diloco_trainer.merge import merge_pseudo_gradients
-from diloco_trainer.outer import OuterOptimizer
-from diloco_trainer.rounds import Refused
-from diloco_trainer.syncer import Syncer, fragment_body_limit
-from diloco_trainer.syncer_http import parse_push_meta
+from diloco_trainer.api import protocol
+from diloco_trainer.api.spec import JobSpec, parse_spec
+from diloco_trainer.core import payloads
+from diloco_trainer.core.compress import encode_tensors
+from diloco_trainer.core.merge import merge_pseudo_gradients
+from diloco_trainer.core.outer import OuterOptimizer
+from diloco_trainer.syncer import checkpoint as ckpt
+from diloco_trainer.syncer.http import parse_push_meta
+from diloco_trainer.syncer.rounds import Refused
+from diloco_trainer.syncer.service import Syncer, fragment_body_limit
 
 T = TypeVar("T")
 
@@ -68,7 +69,7 @@ def delta(syncer: Syncer, f: int, seed: int) -> dict[str, torch.Tensor]:
 
 
 def body(syncer: Syncer, f: int, island: str, d: dict[str, torch.Tensor], **meta: Any) -> bytes:
-    m = wire.PushMeta(
+    m = protocol.PushMeta(
         island=island,
         base_version=meta.pop("base", syncer.state.versions[f]),
         tokens=meta.pop("tokens", 100),
@@ -78,7 +79,7 @@ def body(syncer: Syncer, f: int, island: str, d: dict[str, torch.Tensor], **meta
         codec=syncer.codec,
         push_id=meta.pop("push_id", ""),
     )
-    return wire.encode_body(encode_tensors(d, syncer.codec), m.to_metadata())
+    return payloads.encode_body(encode_tensors(d, syncer.codec), m.to_metadata())
 
 
 def test_syncer_merge_is_reproducible_from_its_log(tmp_path: Path) -> None:
@@ -320,7 +321,7 @@ def test_syncer_body_limit_scales_with_codec() -> None:
     ],
 )
 def test_syncer_parse_push_meta_names_the_bad_field(meta: dict[str, str], field: str) -> None:
-    good = wire.PushMeta("island-0", 0, 10, 1, 1.0, 0.1, "none").to_metadata()
+    good = protocol.PushMeta("island-0", 0, 10, 1, 1.0, 0.1, "none").to_metadata()
     with pytest.raises(Refused) as err:
         parse_push_meta({**good, **meta}, "none")
     assert err.value.status == 400 and field in err.value.message

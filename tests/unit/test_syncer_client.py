@@ -14,7 +14,7 @@ from diloco_operator.syncer_client import (
     SyncerUnavailable,
     backoff_delays,
 )
-from diloco_trainer.launch import free_port
+from diloco_trainer.local.launch import free_port
 
 
 async def _serve(app: web.Application) -> tuple[web.AppRunner, str]:

@@ -13,13 +13,15 @@ from typing import Any
 import pytest
 import torch
 from aiohttp.test_utils import TestServer
-from diloco_trainer import checkpoint as ckpt
-from diloco_trainer import wire
-from diloco_trainer.config import JobSpec
-from diloco_trainer.published import apply_updates, weights_checksum
-from diloco_trainer.syncer import Syncer
-from diloco_trainer.syncer_http import build_app
-from diloco_trainer.syncer_link import HeldFragment, SyncerLink
+from diloco_trainer.api import protocol
+from diloco_trainer.api.spec import JobSpec
+from diloco_trainer.core import payloads
+from diloco_trainer.core.published import apply_updates, weights_checksum
+from diloco_trainer.learner import syncer_client
+from diloco_trainer.learner.syncer_link import HeldFragment, SyncerLink
+from diloco_trainer.syncer import checkpoint as ckpt
+from diloco_trainer.syncer.http import build_app
+from diloco_trainer.syncer.service import Syncer
 
 from .test_syncer import FakeClock, body, delta, make_spec, run, started
 
@@ -51,10 +53,10 @@ async def merge_rounds(syncer: Syncer, rounds: int, held: list[Tensors]) -> None
 
 
 def chain_of(raw: bytes) -> tuple[dict[str, str], list[Tensors]]:
-    tensors, meta = wire.decode_body(raw)
-    assert meta[wire.META_KIND] == wire.KIND_UPDATES, meta
-    chain = wire.split_update_chain(
-        tensors, int(meta[wire.META_FROM_VERSION]), int(meta[wire.META_VERSION])
+    tensors, meta = payloads.decode_body(raw)
+    assert meta[protocol.META_KIND] == protocol.KIND_UPDATES, meta
+    chain = payloads.split_update_chain(
+        tensors, int(meta[protocol.META_FROM_VERSION]), int(meta[protocol.META_VERSION])
     )
     return meta, chain
 
@@ -79,17 +81,17 @@ def test_syncer_pull_update_chains_rebuild_the_published_weights(tmp_path: Path)
     assert syncer.published is not syncer.weights
     assert any(not torch.equal(syncer.weights[n], syncer.published[n]) for n in names)
     # int8 with maxStaleness 2 keeps 3 updates: a learner at version 0 needs 4 -> full weights.
-    full, meta = wire.decode_body(bodies[0])[0], wire.read_metadata(bodies[0])
-    assert meta[wire.META_KIND] == wire.KIND_FULL and meta[wire.META_VERSION] == "4"
+    full, meta = payloads.decode_body(bodies[0])[0], protocol.read_metadata(bodies[0])
+    assert meta[protocol.META_KIND] == protocol.KIND_FULL and meta[protocol.META_VERSION] == "4"
     assert all(torch.equal(full[n], syncer.published[n]) for n in names)
-    assert wire.read_metadata(bodies[-1])[wire.META_KIND] == wire.KIND_FULL
+    assert protocol.read_metadata(bodies[-1])[protocol.META_KIND] == protocol.KIND_FULL
     for have, length in ((1, 3), (3, 1)):
         meta, chain = chain_of(bodies[have])
-        assert len(chain) == length and meta[wire.META_CODEC] == "int8"
-        rebuilt = apply_updates(held[have], chain, meta[wire.META_CODEC])
+        assert len(chain) == length and meta[protocol.META_CODEC] == "int8"
+        rebuilt = apply_updates(held[have], chain, meta[protocol.META_CODEC])
         for n in names:
             assert torch.equal(rebuilt[n], syncer.published[n]), n
-        assert weights_checksum(rebuilt) == meta[wire.META_CHECKSUM]
+        assert weights_checksum(rebuilt) == meta[protocol.META_CHECKSUM]
         assert len(bodies[have]) < len(bodies[-1]) / (3.5 / length)
     status = run(syncer.status())
     assert status["pulls"] == {"full": 2, "updates": 2}
@@ -108,7 +110,7 @@ def test_syncer_pull_compression_none_publishes_the_exact_weights(tmp_path: Path
 
     syncer, got = run(scenario())
     assert syncer.published is syncer.weights  # no second copy
-    assert got is not None and wire.read_metadata(got)[wire.META_KIND] == wire.KIND_FULL
+    assert got is not None and protocol.read_metadata(got)[protocol.META_KIND] == protocol.KIND_FULL
     (latest,) = ckpt.list_checkpoints(tmp_path)
     assert not (latest / ckpt.PUBLISHED_FILE).exists()
 
@@ -136,14 +138,14 @@ def test_syncer_pull_checkpoint_keeps_the_published_weights(tmp_path: Path) -> N
     resumed, no_history, chain = run(second())
     assert no_history is not None and chain is not None
     # The resumed syncer has no updates yet: a learner at version 1 gets the full weights once.
-    assert wire.read_metadata(no_history)[wire.META_KIND] == wire.KIND_FULL
-    assert all(torch.equal(t, held[2][n]) for n, t in wire.decode_body(no_history)[0].items()), (
-        "the resumed syncer serves the published weights of its checkpoint"
-    )
+    assert protocol.read_metadata(no_history)[protocol.META_KIND] == protocol.KIND_FULL
+    assert all(
+        torch.equal(t, held[2][n]) for n, t in payloads.decode_body(no_history)[0].items()
+    ), "the resumed syncer serves the published weights of its checkpoint"
     # A learner that held version 2 before the restart rebuilds version 3 from the first update.
     meta, updates = chain_of(chain)
     rebuilt = apply_updates(held[2], updates, "int8")
-    assert weights_checksum(rebuilt) == meta[wire.META_CHECKSUM]
+    assert weights_checksum(rebuilt) == meta[protocol.META_CHECKSUM]
     assert all(torch.equal(rebuilt[n], resumed.published[n]) for n in rebuilt)
     assert digest != resumed.digest()  # it merged once more since
 
@@ -194,7 +196,7 @@ def test_syncer_link_rebuilds_from_updates_and_falls_back_on_a_bad_checksum(
         server = TestServer(build_app(syncer, "tok"), host="127.0.0.1")
         await server.start_server()
         url = str(server.make_url("")).rstrip("/")
-        link = SyncerLink(wire.SyncerClient(url, "tok"), island="island-0", replicas=1)
+        link = SyncerLink(syncer_client.SyncerClient(url, "tok"), island="island-0", replicas=1)
         try:
             await syncer.join("island-0", 1)
             held = [copy(syncer.published, syncer.fragments[0])]

@@ -15,21 +15,24 @@ import safetensors.torch
 import torch
 from aiohttp import web
 from aiohttp.test_utils import TestServer
-from diloco_trainer import launch, wire
+from diloco_trainer.api import protocol
+from diloco_trainer.core import payloads
+from diloco_trainer.learner import syncer_client
+from diloco_trainer.local import launch
 
 
 def test_wire_body_roundtrip_keeps_tensors_and_typed_metadata() -> None:
     tensors = {"a": torch.arange(6, dtype=torch.float32).view(2, 3), "b": torch.ones(4).half()}
-    body = wire.encode_body(tensors, {"version": 3, "finished": True, "island": "island-0"})
-    got, meta = wire.decode_body(body)
+    body = payloads.encode_body(tensors, {"version": 3, "finished": True, "island": "island-0"})
+    got, meta = payloads.decode_body(body)
     assert meta == {"version": "3", "finished": "true", "island": "island-0"}
     assert torch.equal(got["a"], tensors["a"]) and got["b"].dtype == torch.float16
 
 
 def test_wire_encode_body_accepts_views_and_shared_storage() -> None:
     base = torch.randn(4, 4)
-    body = wire.encode_body({"t": base.t(), "same": base, "again": base}, {})
-    got, _ = wire.decode_body(body)
+    body = payloads.encode_body({"t": base.t(), "same": base, "again": base}, {})
+    got, _ = payloads.decode_body(body)
     assert torch.equal(got["t"], base.t()) and torch.equal(got["again"], base)
 
 
@@ -45,17 +48,17 @@ def test_wire_encode_body_accepts_views_and_shared_storage() -> None:
 )
 def test_wire_read_metadata_refuses_malformed_headers(body: bytes, message: str) -> None:
     with pytest.raises(ValueError, match=message):
-        wire.read_metadata(body)
+        protocol.read_metadata(body)
 
 
 def test_wire_decode_body_refuses_truncated_data() -> None:
-    body = wire.encode_body({"a": torch.ones(100)}, {})
+    body = payloads.encode_body({"a": torch.ones(100)}, {})
     with pytest.raises(ValueError, match="not valid safetensors"):
-        wire.decode_body(body[:-10])
+        payloads.decode_body(body[:-10])
 
 
 def test_wire_push_meta_metadata_is_json_typed() -> None:
-    meta = wire.PushMeta("island-1", 4, 1024, 8, 2.5, 0.1, "int8", sync_time=0.3, push_id="x")
+    meta = protocol.PushMeta("island-1", 4, 1024, 8, 2.5, 0.1, "int8", sync_time=0.3, push_id="x")
     assert meta.to_metadata() == {
         "island": "island-1",
         "baseVersion": "4",
@@ -94,18 +97,18 @@ def test_wire_client_retries_503_and_keeps_the_push_id(caplog: pytest.LogCapture
 
     async def push(request: web.Request) -> web.Response:
         body = await request.read()
-        seen.append({**wire.read_metadata(body), "auth": request.headers["Authorization"]})
+        seen.append({**protocol.read_metadata(body), "auth": request.headers["Authorization"]})
         if len(seen) < 3:
             return web.json_response({"error": "busy"}, status=503)
         return web.json_response({"accepted": True, "version": 0, "pending": 1})
 
     async def test(url: str) -> dict[str, Any]:
-        async with wire.SyncerClient(url, "tok", retry_deadline=30) as client:
-            meta = wire.PushMeta("island-0", 0, 10, 1, 1.0, 0.1, "none")
+        async with syncer_client.SyncerClient(url, "tok", retry_deadline=30) as client:
+            meta = protocol.PushMeta("island-0", 0, 10, 1, 1.0, 0.1, "none")
             return await client.push(0, {"w": torch.zeros(3)}, meta)
 
     caplog.set_level(logging.WARNING, logger="diloco.wire")
-    answer = serve([("POST", wire.ROUTE_PUSH, push)], test)
+    answer = serve([("POST", protocol.ROUTE_PUSH, push)], test)
     assert answer["accepted"] is True
     assert len(seen) == 3
     assert len({s["pushId"] for s in seen}) == 1 and seen[0]["pushId"]
@@ -119,26 +122,28 @@ def test_wire_client_raises_refusals_at_once_with_code() -> None:
     async def push(request: web.Request) -> web.Response:
         nonlocal calls
         calls += 1
-        return web.json_response({"error": "too old", "code": wire.ERROR_STALE}, status=409)
+        return web.json_response({"error": "too old", "code": protocol.ERROR_STALE}, status=409)
 
-    async def test(url: str) -> wire.SyncerError:
-        async with wire.SyncerClient(url, "tok") as client:
-            meta = wire.PushMeta("island-0", 0, 10, 1, 1.0, 0.1, "none")
-            with pytest.raises(wire.SyncerError) as err:
+    async def test(url: str) -> protocol.SyncerError:
+        async with syncer_client.SyncerClient(url, "tok") as client:
+            meta = protocol.PushMeta("island-0", 0, 10, 1, 1.0, 0.1, "none")
+            with pytest.raises(protocol.SyncerError) as err:
                 await client.push(0, {"w": torch.zeros(3)}, meta)
             return err.value
 
-    err = serve([("POST", wire.ROUTE_PUSH, push)], test)
-    assert (err.status, err.code, err.message) == (409, wire.ERROR_STALE, "too old")
+    err = serve([("POST", protocol.ROUTE_PUSH, push)], test)
+    assert (err.status, err.code, err.message) == (409, protocol.ERROR_STALE, "too old")
     assert calls == 1
 
 
 def test_wire_client_gives_up_after_the_deadline() -> None:
     port = launch.free_port()  # nothing listens there
 
-    async def test() -> wire.SyncerError:
-        async with wire.SyncerClient(f"http://127.0.0.1:{port}", "t", retry_deadline=0.5) as c:
-            with pytest.raises(wire.SyncerError) as err:
+    async def test() -> protocol.SyncerError:
+        async with syncer_client.SyncerClient(
+            f"http://127.0.0.1:{port}", "t", retry_deadline=0.5
+        ) as c:
+            with pytest.raises(protocol.SyncerError) as err:
                 await c.status()
             return err.value
 
@@ -152,16 +157,16 @@ def test_wire_client_pull_parses_metadata_and_304() -> None:
         if after >= 5:
             return web.Response(status=304)
         meta = {"version": 5, "fragment": 1, "outerStep": 4, "finished": False}
-        return web.Response(body=wire.encode_body({"w": torch.ones(2)}, meta))
+        return web.Response(body=payloads.encode_body({"w": torch.ones(2)}, meta))
 
     async def test(url: str) -> tuple[Any, Any]:
-        async with wire.SyncerClient(url, "tok") as client:
+        async with syncer_client.SyncerClient(url, "tok") as client:
             return (
                 await client.pull_fragment(1, after=4),
                 await client.pull_fragment(1, after=5, wait=0.1),
             )
 
-    got, none = serve([("GET", wire.ROUTE_FRAGMENT, pull)], test)
+    got, none = serve([("GET", protocol.ROUTE_FRAGMENT, pull)], test)
     assert (got.fragment, got.version, got.outer_step, got.finished) == (1, 5, 4, False)
     assert torch.equal(got.tensors["w"], torch.ones(2))
     assert none is None
@@ -186,8 +191,8 @@ def test_wire_client_json_routes_send_the_documented_bodies() -> None:
         "codec": "int8",
     }
 
-    async def test(url: str) -> wire.JoinInfo:
-        async with wire.SyncerClient(url, "tok") as client:
+    async def test(url: str) -> protocol.JoinInfo:
+        async with syncer_client.SyncerClient(url, "tok") as client:
             info = await client.join("island-3", 2)
             await client.heartbeat("island-3", step=7, tokens=99, loss=2.0, step_time=0.5)
             await client.set_membership("island-3", "dropped", "unhealthy")
@@ -197,15 +202,15 @@ def test_wire_client_json_routes_send_the_documented_bodies() -> None:
 
     info = serve(
         [
-            ("POST", wire.ROUTE_JOIN, record("join", join_answer)),
-            ("POST", wire.ROUTE_HEARTBEAT, record("heartbeat", {"state": "active"})),
-            ("PUT", wire.ROUTE_ISLAND, record("membership", {"state": "dropped"})),
-            ("POST", wire.ROUTE_LEAVE, record("leave", {"state": "left"})),
-            ("GET", wire.ROUTE_STATUS, record("status", {})),
+            ("POST", protocol.ROUTE_JOIN, record("join", join_answer)),
+            ("POST", protocol.ROUTE_HEARTBEAT, record("heartbeat", {"state": "active"})),
+            ("PUT", protocol.ROUTE_ISLAND, record("membership", {"state": "dropped"})),
+            ("POST", protocol.ROUTE_LEAVE, record("leave", {"state": "left"})),
+            ("GET", protocol.ROUTE_STATUS, record("status", {})),
         ],
         test,
     )
-    assert info == wire.JoinInfo([["a", "b"], ["c"]], [2, 1], 1, False, "int8")
+    assert info == protocol.JoinInfo([["a", "b"], ["c"]], [2, 1], 1, False, "int8")
     assert bodies["join"] == {"island": "island-3", "replicas": 2}
     assert bodies["heartbeat"] == {
         "island": "island-3",
@@ -221,7 +226,7 @@ def test_wire_client_json_routes_send_the_documented_bodies() -> None:
 
 def test_wire_safetensors_body_is_plain_safetensors() -> None:
     # Other tools (and other languages) can read our bodies with the stock library.
-    body = wire.encode_body({"w": torch.full((2, 2), 3.0)}, {"version": 1})
+    body = payloads.encode_body({"w": torch.full((2, 2), 3.0)}, {"version": 1})
     assert torch.equal(safetensors.torch.load(body)["w"], torch.full((2, 2), 3.0))
     header_len = struct.unpack("<Q", body[:8])[0]
     assert json.loads(body[8 : 8 + header_len])["__metadata__"] == {"version": "1"}

@@ -14,19 +14,19 @@ from diloco_trainer import __version__
 
 
 def _cmd_run(args: argparse.Namespace) -> int:
-    from diloco_trainer.local import main as run_main
+    from diloco_trainer.local.run import main as run_main
 
     return run_main(args)
 
 
 def _cmd_learner(args: argparse.Namespace) -> int:
-    from diloco_trainer.learner import main as learner_main
+    from diloco_trainer.learner.loop import main as learner_main
 
     return learner_main(args)
 
 
 def _cmd_syncer(args: argparse.Namespace) -> int:
-    from diloco_trainer.syncer import main as syncer_main
+    from diloco_trainer.syncer.service import main as syncer_main
 
     return syncer_main(args)
 

@@ -62,29 +62,30 @@ from typing import Any
 import torch
 from aiohttp import web
 
-from diloco_trainer import checkpoint as ckpt
-from diloco_trainer import wire
-from diloco_trainer.compress import decode_tensors, expected_encoded
-from diloco_trainer.config import ConfigError, JobSpec, load_spec
-from diloco_trainer.contract import ContractError, SyncerEnv
-from diloco_trainer.fragments import fragment_offsets, split_fragments
-from diloco_trainer.merge import (
+from diloco_trainer.api import protocol
+from diloco_trainer.api.contract import ContractError, SyncerEnv
+from diloco_trainer.api.spec import ConfigError, JobSpec, load_spec
+from diloco_trainer.core import payloads
+from diloco_trainer.core.compress import decode_tensors, expected_encoded
+from diloco_trainer.core.fragments import fragment_offsets, split_fragments
+from diloco_trainer.core.merge import (
     contribution_weight,
     merge_pseudo_gradients,
     staleness_factor,
     work_coverage,
 )
-from diloco_trainer.outer import OuterOptimizer
-from diloco_trainer.parts import build_parts, evaluate
-from diloco_trainer.published import (
+from diloco_trainer.core.outer import OuterOptimizer
+from diloco_trainer.core.published import (
     UpdateHistory,
     WeightUpdate,
     history_length,
     publish_update,
 )
-from diloco_trainer.rounds import Contribution, Refused, RoundPolicy, SyncState
-from diloco_trainer.syncer_http import SHUTDOWN_TIMEOUT, build_app, parse_push_meta, ssl_context
-from diloco_trainer.syncer_metrics import SyncerMetrics
+from diloco_trainer.models.parts import build_parts, evaluate
+from diloco_trainer.syncer import checkpoint as ckpt
+from diloco_trainer.syncer.http import SHUTDOWN_TIMEOUT, build_app, parse_push_meta, ssl_context
+from diloco_trainer.syncer.metrics import SyncerMetrics
+from diloco_trainer.syncer.rounds import Contribution, Refused, RoundPolicy, SyncState
 
 log = logging.getLogger("diloco.syncer")
 
@@ -162,7 +163,7 @@ class Syncer:
             )
             for f, e in enumerate(self.expected)
         ]
-        self.pulls = {wire.KIND_FULL: 0, wire.KIND_UPDATES: 0}
+        self.pulls = {protocol.KIND_FULL: 0, protocol.KIND_UPDATES: 0}
         self.outer = OuterOptimizer(
             self.weights,
             lr=spec.outer.lr,
@@ -337,13 +338,13 @@ class Syncer:
     def _encode_fragment(self, f: int) -> tuple[tuple[int, int, bool], bytes]:
         key = (self.state.versions[f], self.state.outer_step, self.finished)
         meta = {
-            wire.META_KIND: wire.KIND_FULL,
-            wire.META_VERSION: key[0],
-            wire.META_FRAGMENT: f,
-            wire.META_OUTER_STEP: key[1],
-            wire.META_FINISHED: key[2],
+            protocol.META_KIND: protocol.KIND_FULL,
+            protocol.META_VERSION: key[0],
+            protocol.META_FRAGMENT: f,
+            protocol.META_OUTER_STEP: key[1],
+            protocol.META_FINISHED: key[2],
         }
-        return key, wire.encode_body({n: self.published[n] for n in self.fragments[f]}, meta)
+        return key, payloads.encode_body({n: self.published[n] for n in self.fragments[f]}, meta)
 
     async def _chain_body(self, f: int, key: tuple[int, int, bool], have: int) -> bytes | None:
         """The update-chain body from version `have` to the published `key`, when the history
@@ -357,17 +358,17 @@ class Syncer:
         if chain is None:
             return None
         meta = {
-            wire.META_KIND: wire.KIND_UPDATES,
-            wire.META_VERSION: key[0],
-            wire.META_FROM_VERSION: have,
-            wire.META_FRAGMENT: f,
-            wire.META_OUTER_STEP: key[1],
-            wire.META_FINISHED: key[2],
-            wire.META_CODEC: self.pull_compression,
-            wire.META_CHECKSUM: chain[-1].checksum,
+            protocol.META_KIND: protocol.KIND_UPDATES,
+            protocol.META_VERSION: key[0],
+            protocol.META_FROM_VERSION: have,
+            protocol.META_FRAGMENT: f,
+            protocol.META_OUTER_STEP: key[1],
+            protocol.META_FINISHED: key[2],
+            protocol.META_CODEC: self.pull_compression,
+            protocol.META_CHECKSUM: chain[-1].checksum,
         }
         body = await asyncio.to_thread(
-            wire.encode_update_chain, [(u.version, u.encoded) for u in chain], meta
+            payloads.encode_update_chain, [(u.version, u.encoded) for u in chain], meta
         )
         if self._bodies[f][0] == key:  # still the published version: keep it for other pullers
             self._chains[f][(key, have)] = body
@@ -449,7 +450,7 @@ class Syncer:
         """Validate and record a pushed pseudo-gradient; Refused (state unchanged) on a problem."""
         self.check_fragment(fragment)
         try:
-            flat, raw_meta = wire.decode_body(body)
+            flat, raw_meta = payloads.decode_body(body)
         except ValueError as err:
             raise Refused(400, f"push body: {err}") from None
         meta = parse_push_meta(raw_meta, self.codec)
@@ -494,7 +495,9 @@ class Syncer:
         self._wake()
         return answer
 
-    def _finished_or_duplicate(self, fragment: int, meta: wire.PushMeta) -> dict[str, Any] | None:
+    def _finished_or_duplicate(
+        self, fragment: int, meta: protocol.PushMeta
+    ) -> dict[str, Any] | None:
         if self.finished:
             return {
                 "accepted": False,
@@ -513,7 +516,7 @@ class Syncer:
         _chain_body), else the full published weights.
         """
         self.check_fragment(fragment)
-        deadline = time.monotonic() + max(0.0, min(wait, wire.MAX_WAIT_SECONDS))
+        deadline = time.monotonic() + max(0.0, min(wait, protocol.MAX_WAIT_SECONDS))
         while True:
             key, body = self._bodies[fragment]
             version, _, finished = key
@@ -521,7 +524,7 @@ class Syncer:
                 chain = await self._chain_body(fragment, key, have)
                 if chain is not None:
                     body = chain
-                self.pulls[wire.KIND_FULL if chain is None else wire.KIND_UPDATES] += 1
+                self.pulls[protocol.KIND_FULL if chain is None else protocol.KIND_UPDATES] += 1
                 self.bytes_out += len(body)
                 self.metrics.bytes_out.inc(len(body))
                 return body

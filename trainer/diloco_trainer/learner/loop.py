@@ -36,22 +36,23 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from diloco_trainer import compress
-from diloco_trainer.config import ConfigError, JobSpec, load_spec
-from diloco_trainer.contract import ContractError, LearnerEnv
-from diloco_trainer.device import configure_threads, pick_device
-from diloco_trainer.fragment_state import FragmentCounters, FragmentState, InFlight
-from diloco_trainer.fragments import fragment_offsets
-from diloco_trainer.parts import build_parts, inner_lr, make_inner_optimizer, set_lr
-from diloco_trainer.schedule import plan_step, schedule_start, wait_budget
-from diloco_trainer.syncer_link import (
+from diloco_trainer.api.contract import ContractError, LearnerEnv
+from diloco_trainer.api.protocol import JoinInfo, PushMeta, SyncerError
+from diloco_trainer.api.spec import ConfigError, JobSpec, load_spec
+from diloco_trainer.core import compress
+from diloco_trainer.core.fragments import fragment_offsets
+from diloco_trainer.learner.device import configure_threads, pick_device
+from diloco_trainer.learner.fragment_state import FragmentCounters, FragmentState, InFlight
+from diloco_trainer.learner.schedule import plan_step, schedule_start, wait_budget
+from diloco_trainer.learner.syncer_client import SyncerClient
+from diloco_trainer.learner.syncer_link import (
     WAIT_SLICE_SECONDS,
     HeldFragment,
     SyncerLink,
     SyncResult,
     encode_delta,
 )
-from diloco_trainer.wire import JoinInfo, PushMeta, SyncerClient, SyncerError
+from diloco_trainer.models.parts import build_parts, inner_lr, make_inner_optimizer, set_lr
 
 log = logging.getLogger("diloco.learner")
 

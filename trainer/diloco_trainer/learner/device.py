@@ -8,7 +8,7 @@ import os
 
 import torch
 
-from diloco_trainer.contract import ContractError
+from diloco_trainer.api.contract import ContractError
 
 
 def pick_device(requested: str) -> str:

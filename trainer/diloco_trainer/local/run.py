@@ -30,9 +30,9 @@ import yaml
 from rich.console import Console
 from rich.live import Live
 
-from diloco_trainer.config import ConfigError, JobSpec, load_spec, parse_spec
-from diloco_trainer.contract import island_name
-from diloco_trainer.launch import (
+from diloco_trainer.api.contract import island_name
+from diloco_trainer.api.spec import ConfigError, JobSpec, load_spec, parse_spec
+from diloco_trainer.local.launch import (
     JobFiles,
     Proc,
     free_port,
@@ -41,7 +41,7 @@ from diloco_trainer.launch import (
     wait_ready,
     write_job_files,
 )
-from diloco_trainer.progress import status_view, summary_table
+from diloco_trainer.local.progress import status_view, summary_table
 
 # The built-in job when no CONFIG is given: the spec of examples/local.yaml (keep them in step; a
 # test checks they agree). Finishes in about two minutes on two CPU cores.
@@ -139,7 +139,7 @@ def load_job(config: str | None) -> tuple[str, JobSpec]:
 
 def threads_per_learner(total_ranks: int) -> int:
     """Share the CPU budget between the local learner processes (at least one thread each)."""
-    from diloco_trainer.device import cpu_budget
+    from diloco_trainer.learner.device import cpu_budget
 
     return max(1, cpu_budget() // max(1, total_ranks))
 
@@ -260,7 +260,8 @@ class LocalRun:
 
     async def watch(self, started: float) -> dict[str, Any]:
         """Poll the syncer until it reports the job finished; returns its last status."""
-        from diloco_trainer.wire import SyncerClient, SyncerError
+        from diloco_trainer.api.protocol import SyncerError
+        from diloco_trainer.learner.syncer_client import SyncerClient
 
         assert self.files is not None
         status: dict[str, Any] = {}
@@ -313,7 +314,7 @@ class LocalRun:
     async def _finished_now(client: Any, status: dict[str, Any]) -> bool:
         """Whether the job has finished, asking again: learners exit as soon as they hear it
         did, possibly just after `status` was read."""
-        from diloco_trainer.wire import SyncerError
+        from diloco_trainer.api.protocol import SyncerError
 
         if status.get("finished"):
             return True
@@ -392,7 +393,7 @@ def main(args: argparse.Namespace) -> int:
         Path(args.summary).write_text(json.dumps(summary, indent=2) + "\n")
         console.print(f"summary written to {args.summary}")
     if args.plot:
-        from diloco_trainer.plot import plot_eval_history
+        from diloco_trainer.local.plot import plot_eval_history
 
         plot_eval_history(summary["eval_history"], args.plot, title=f"{name}: eval loss")
         console.print(f"loss plot written to {args.plot}")

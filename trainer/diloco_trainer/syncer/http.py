@@ -20,13 +20,13 @@ from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 
-from diloco_trainer import wire
-from diloco_trainer.contract import SyncerEnv
-from diloco_trainer.rounds import Refused
-from diloco_trainer.syncer_metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
+from diloco_trainer.api import protocol
+from diloco_trainer.api.contract import SyncerEnv
+from diloco_trainer.syncer.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
+from diloco_trainer.syncer.rounds import Refused
 
 if TYPE_CHECKING:
-    from diloco_trainer.syncer import Syncer
+    from diloco_trainer.syncer.service import Syncer
 
 log = logging.getLogger("diloco.syncer")
 
@@ -70,11 +70,15 @@ def _island_name(value: Any, where: str) -> str:
     return value
 
 
-def parse_push_meta(meta: dict[str, str], codec: str) -> wire.PushMeta:
+def parse_push_meta(meta: dict[str, str], codec: str) -> protocol.PushMeta:
     """Validate a push's safetensors metadata; Refused(400) naming the field."""
     doc: dict[str, Any] = {}
     for key, raw in meta.items():
-        if key == wire.META_ISLAND or key == wire.META_CODEC or key == wire.META_PUSH_ID:
+        if (
+            key == protocol.META_ISLAND
+            or key == protocol.META_CODEC
+            or key == protocol.META_PUSH_ID
+        ):
             doc[key] = raw
             continue
         try:
@@ -82,27 +86,27 @@ def parse_push_meta(meta: dict[str, str], codec: str) -> wire.PushMeta:
         except ValueError:
             raise Refused(400, f"metadata.{key} is not a JSON value: {raw[:50]!r}") from None
     where = "metadata"
-    island = _island_name(doc.get(wire.META_ISLAND), where)
-    base = _typed(doc, wire.META_BASE_VERSION, where, int)
-    tokens = _typed(doc, wire.META_TOKENS, where, int)
-    steps = _typed(doc, wire.META_STEPS, where, int)
-    loss = _typed(doc, wire.META_LOSS, where, float, required=False)
-    step_time = _typed(doc, wire.META_STEP_TIME, where, float, required=False)
-    sync_time = _typed(doc, wire.META_SYNC_TIME, where, float, required=False)
-    _at_least(base, 0, where, wire.META_BASE_VERSION)
-    _at_least(tokens, 1, where, wire.META_TOKENS)
-    _at_least(steps, 1, where, wire.META_STEPS)
-    _at_least(step_time, 0, where, wire.META_STEP_TIME)
-    _at_least(sync_time, 0, where, wire.META_SYNC_TIME)
-    got_codec = doc.get(wire.META_CODEC, "")
+    island = _island_name(doc.get(protocol.META_ISLAND), where)
+    base = _typed(doc, protocol.META_BASE_VERSION, where, int)
+    tokens = _typed(doc, protocol.META_TOKENS, where, int)
+    steps = _typed(doc, protocol.META_STEPS, where, int)
+    loss = _typed(doc, protocol.META_LOSS, where, float, required=False)
+    step_time = _typed(doc, protocol.META_STEP_TIME, where, float, required=False)
+    sync_time = _typed(doc, protocol.META_SYNC_TIME, where, float, required=False)
+    _at_least(base, 0, where, protocol.META_BASE_VERSION)
+    _at_least(tokens, 1, where, protocol.META_TOKENS)
+    _at_least(steps, 1, where, protocol.META_STEPS)
+    _at_least(step_time, 0, where, protocol.META_STEP_TIME)
+    _at_least(sync_time, 0, where, protocol.META_SYNC_TIME)
+    got_codec = doc.get(protocol.META_CODEC, "")
     if got_codec != codec:
         raise Refused(
             400, f"metadata.codec {got_codec!r} does not match the job's sync.compression {codec!r}"
         )
-    push_id = doc.get(wire.META_PUSH_ID, "")
+    push_id = doc.get(protocol.META_PUSH_ID, "")
     if len(push_id) > 128:
         raise Refused(400, "metadata.pushId is longer than 128 characters")
-    return wire.PushMeta(
+    return protocol.PushMeta(
         island=island,
         base_version=base,
         tokens=tokens,
@@ -168,7 +172,7 @@ def build_app(syncer: Syncer, token: str) -> web.Application:
 
     @web.middleware
     async def auth(request: web.Request, handler: Handler) -> web.StreamResponse:
-        if request.path in wire.PUBLIC_ROUTES:
+        if request.path in protocol.PUBLIC_ROUTES:
             return await handler(request)
         header = request.headers.get("Authorization", "")
         if not header:
@@ -228,7 +232,7 @@ def build_app(syncer: Syncer, token: str) -> web.Application:
         body = await syncer.pull(fragment, after=after, wait=wait, have=have)
         if body is None:
             return web.Response(status=304)
-        return web.Response(body=body, content_type=wire.SAFETENSORS_CONTENT_TYPE)
+        return web.Response(body=body, content_type=protocol.SAFETENSORS_CONTENT_TYPE)
 
     async def push(request: web.Request) -> web.Response:
         fragment = fragment_arg(request)
@@ -265,9 +269,9 @@ def build_app(syncer: Syncer, token: str) -> web.Application:
         island = _island_name(request.match_info["island"], "path")
         doc = await json_object(request, "membership")
         state = _typed(doc, "state", "membership", str)
-        if state not in wire.ADMIN_STATES:
+        if state not in protocol.ADMIN_STATES:
             raise Refused(
-                400, f"membership.state must be one of {list(wire.ADMIN_STATES)}, got {state!r}"
+                400, f"membership.state must be one of {list(protocol.ADMIN_STATES)}, got {state!r}"
             )
         reason = _typed(doc, "reason", "membership", str, required=False) or ""
         return web.json_response(await syncer.set_membership(island, state, reason[:500]))
@@ -306,16 +310,16 @@ def build_app(syncer: Syncer, token: str) -> web.Application:
         await syncer.stop(timeout=SHUTDOWN_TIMEOUT)
 
     app = web.Application(middlewares=[errors, auth], client_max_size=JSON_LIMIT)
-    app.router.add_post(wire.ROUTE_JOIN, join)
-    app.router.add_get(wire.ROUTE_FRAGMENT, pull)
-    app.router.add_post(wire.ROUTE_PUSH, push)
-    app.router.add_post(wire.ROUTE_HEARTBEAT, heartbeat)
-    app.router.add_post(wire.ROUTE_LEAVE, leave)
-    app.router.add_get(wire.ROUTE_STATUS, status)
-    app.router.add_put(wire.ROUTE_ISLAND, membership)
-    app.router.add_get(wire.ROUTE_HEALTHZ, healthz)
-    app.router.add_get(wire.ROUTE_READYZ, readyz)
-    app.router.add_get(wire.ROUTE_METRICS, metrics)
+    app.router.add_post(protocol.ROUTE_JOIN, join)
+    app.router.add_get(protocol.ROUTE_FRAGMENT, pull)
+    app.router.add_post(protocol.ROUTE_PUSH, push)
+    app.router.add_post(protocol.ROUTE_HEARTBEAT, heartbeat)
+    app.router.add_post(protocol.ROUTE_LEAVE, leave)
+    app.router.add_get(protocol.ROUTE_STATUS, status)
+    app.router.add_put(protocol.ROUTE_ISLAND, membership)
+    app.router.add_get(protocol.ROUTE_HEALTHZ, healthz)
+    app.router.add_get(protocol.ROUTE_READYZ, readyz)
+    app.router.add_get(protocol.ROUTE_METRICS, metrics)
     app.on_startup.append(on_startup)
     app.on_shutdown.append(on_shutdown)
     app.on_cleanup.append(on_cleanup)

@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from diloco_trainer.compress import decode_tensors, encode_tensors, encoded_nbytes
+from diloco_trainer.core.compress import decode_tensors, encode_tensors, encoded_nbytes
 
 CHECKSUM_PREFIX = "crc32:"
 

@@ -28,7 +28,7 @@ import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from diloco_trainer.fragments import fragments_due
+from diloco_trainer.core.fragments import fragments_due
 
 # How many times the recent push-to-merge time a learner waits before it trains on without the
 # merged fragment.

@@ -13,9 +13,15 @@ from typing import Any
 
 import torch
 
-from diloco_trainer.config import JobSpec
-from diloco_trainer.model import count_parameters
-from diloco_trainer.parts import build_parts, evaluate, inner_lr, make_inner_optimizer, set_lr
+from diloco_trainer.api.spec import JobSpec
+from diloco_trainer.models.model import count_parameters
+from diloco_trainer.models.parts import (
+    build_parts,
+    evaluate,
+    inner_lr,
+    make_inner_optimizer,
+    set_lr,
+)
 
 FP32_BYTES = 4
 

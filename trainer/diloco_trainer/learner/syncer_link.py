@@ -28,16 +28,11 @@ from typing import Any, TypeVar
 
 from torch import Tensor
 
-from diloco_trainer import compress
-from diloco_trainer.published import apply_updates, weights_checksum
-from diloco_trainer.wire import (
-    JoinInfo,
-    PulledFragment,
-    PulledUpdates,
-    PushMeta,
-    SyncerClient,
-    SyncerError,
-)
+from diloco_trainer.api.protocol import JoinInfo, PushMeta, SyncerError
+from diloco_trainer.core import compress
+from diloco_trainer.core.payloads import PulledFragment, PulledUpdates
+from diloco_trainer.core.published import apply_updates, weights_checksum
+from diloco_trainer.learner.syncer_client import SyncerClient
 
 # The learner's logger: the link runs inside the learner and its lines are part of that log.
 log = logging.getLogger("diloco.learner")

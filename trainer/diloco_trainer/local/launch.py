@@ -21,8 +21,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from diloco_trainer import contract
-from diloco_trainer.config import JobSpec
+from diloco_trainer.api import contract
+from diloco_trainer.api.spec import JobSpec
 
 
 def free_port() -> int:

@@ -15,7 +15,7 @@ from rich.progress_bar import ProgressBar
 from rich.table import Table
 from rich.text import Text
 
-from diloco_trainer.config import JobSpec
+from diloco_trainer.api.spec import JobSpec
 
 
 def human_bytes(n: float) -> str:

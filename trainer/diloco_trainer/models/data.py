@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from diloco_trainer.config import ConfigError
+from diloco_trainer.api.spec import ConfigError
 
 BUILTIN_STDLIB = "builtin:stdlib-text"
 EVAL_EVERY = 10  # every 10th document is held out for evaluation

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 from torch import Tensor
 
-from diloco_trainer.syncer_link import SyncResult
+from diloco_trainer.learner.syncer_link import SyncResult
 
 
 @dataclass

@@ -1,0 +1,222 @@
+"""The syncer's HTTP protocol, shared by the syncer (server) and the learners and tools (client).
+
+Routes (all under the bearer token except /healthz and /readyz):
+
+- ``POST /v1/join`` JSON {"island", "replicas"} -> {"fragments", "versions", "outerStep",
+  "finished", "codec", "pullCompression"}.
+- ``GET /v1/fragments/{f}?after=V&wait=S[&have=H]`` -> safetensors body of fragment f's fp32
+  global weights (the published copy, see published.py), header metadata {"kind": "full",
+  "version", "fragment", "outerStep", "finished"}; long-polls up to S seconds (capped at
+  MAX_WAIT_SECONDS) for a version > V, then 304. A client that holds version H of the fragment
+  may say so: when sync.pullCompression is not none, the syncer still keeps updates H+1..version and
+  together they are smaller than the fragment, the body is that chain instead (``"kind":
+  "updates"``): tensors named ``"{v}/{encoded key}"`` for each version v in H+1..version,
+  metadata {"fromVersion": H, "codec", "checksum"} (of the weights at "version") besides the
+  above. The client applies them in order (published.apply_updates) and checks the checksum;
+  leaving out ``have`` (or have=-1) always gets the full weights. ``after`` is not the held
+  version: a learner waits for the merge that carries its push, which may be newer than its base.
+- ``POST /v1/fragments/{f}/push`` safetensors body of ``compress.encode_tensors(Δ_f, codec)`` with
+  metadata {"island", "baseVersion", "tokens", "steps", "loss", "stepTime", "codec"} and the
+  optional {"syncTime", "pushId"} -> {"accepted", "version", "pending"}.
+- ``POST /v1/heartbeat`` {"island", "step", "tokens", "loss", "stepTime"} -> {"state", "finished"}.
+- ``POST /v1/leave`` {"island"}; ``GET /v1/status[?digest=1]``; ``PUT /v1/islands/{island}``
+  {"state", "reason"}; ``/healthz``, ``/readyz``, ``/metrics``.
+
+Tensors travel as safetensors bytes (never pickle). Metadata lives in the safetensors header's
+``__metadata__`` (a str -> str map): strings are stored as they are, numbers and booleans as JSON.
+
+Retries: the client retries connection failures and 502/503/504 with exponential backoff until a
+deadline, so a learner rides out a syncer restart. Pushes carry a ``pushId`` that stays the same
+across retries of one call; the syncer answers a repeated id with its first answer, so a retried
+push is never counted twice even when the first attempt was merged before its answer got lost.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+API_PREFIX = "/v1"
+ROUTE_JOIN = "/v1/join"
+ROUTE_FRAGMENT = "/v1/fragments/{fragment}"
+ROUTE_PUSH = "/v1/fragments/{fragment}/push"
+ROUTE_HEARTBEAT = "/v1/heartbeat"
+ROUTE_LEAVE = "/v1/leave"
+ROUTE_STATUS = "/v1/status"
+ROUTE_ISLAND = "/v1/islands/{island}"
+ROUTE_HEALTHZ = "/healthz"
+ROUTE_READYZ = "/readyz"
+ROUTE_METRICS = "/metrics"
+# Routes anyone may call (Kubernetes probes carry no token).
+PUBLIC_ROUTES = frozenset({ROUTE_HEALTHZ, ROUTE_READYZ})
+
+SAFETENSORS_CONTENT_TYPE = "application/octet-stream"
+# The syncer caps a long-poll at this many seconds; clients ask for less or get 304 sooner.
+MAX_WAIT_SECONDS = 60.0
+
+STATE_ACTIVE = "active"
+STATE_DROPPED = "dropped"
+STATE_TIMED_OUT = "timedOut"
+STATE_LEFT = "left"
+ISLAND_STATES = (STATE_ACTIVE, STATE_DROPPED, STATE_TIMED_OUT, STATE_LEFT)
+# The states the admin route accepts.
+ADMIN_STATES = (STATE_ACTIVE, STATE_DROPPED)
+
+# Machine-readable "code" in some error bodies ({"error": message, "code": code}).
+ERROR_STALE = "stale"  # 409: baseVersion older than maxStaleness allows: pull, then push again
+ERROR_AHEAD = "ahead"  # 409: baseVersion newer than the syncer's (it restarted from a checkpoint)
+ERROR_UNKNOWN_ISLAND = "unknown_island"  # 404: join first (e.g. the syncer lost its state)
+ERROR_DROPPED = "dropped"  # 403: the operator dropped this island
+
+# Push metadata keys (safetensors header).
+META_ISLAND = "island"
+META_BASE_VERSION = "baseVersion"
+META_TOKENS = "tokens"
+META_STEPS = "steps"
+META_LOSS = "loss"
+META_STEP_TIME = "stepTime"
+META_SYNC_TIME = "syncTime"
+META_CODEC = "codec"
+META_PUSH_ID = "pushId"
+# Pull metadata keys.
+META_VERSION = "version"
+META_FRAGMENT = "fragment"
+META_OUTER_STEP = "outerStep"
+META_FINISHED = "finished"
+META_KIND = "kind"  # KIND_FULL or KIND_UPDATES
+META_FROM_VERSION = "fromVersion"  # updates: the version they start from (the client's `have`)
+META_CHECKSUM = "checksum"  # updates: published.weights_checksum of the weights at `version`
+KIND_FULL = "full"
+KIND_UPDATES = "updates"
+# An update chain's tensor names: "{version}{UPDATE_SEPARATOR}{encoded key}".
+UPDATE_SEPARATOR = "/"
+
+# The safetensors header is an 8-byte little-endian length followed by that much JSON.
+_HEADER_LEN = struct.Struct("<Q")
+# Larger headers are refused before JSON parsing (a real header for our models is a few KB).
+MAX_HEADER_BYTES = 16 * 1024 * 1024
+
+
+class SyncerError(RuntimeError):
+    """The syncer refused a request (a 4xx) or stayed unreachable past the retry deadline."""
+
+    def __init__(self, status: int, message: str, code: str = "") -> None:
+        super().__init__(f"syncer answered {status}: {message}" if status else message)
+        self.status = status
+        self.message = message
+        self.code = code  # one of the ERROR_* constants, or ""
+
+
+@dataclass(frozen=True)
+class PushMeta:
+    """What a push says about its pseudo-gradient.
+
+    tokens and steps count the island's work on this fragment since it last received the
+    fragment (so a later push replaces an earlier pending one without double counting).
+    """
+
+    island: str
+    base_version: int
+    tokens: int
+    steps: int
+    loss: float
+    step_time: float
+    codec: str
+    sync_time: float = 0.0  # seconds from the last push to receiving the merged fragment
+    push_id: str = ""  # filled by SyncerClient.push when empty
+
+    def to_metadata(self) -> dict[str, str]:
+        """The safetensors header metadata for this push."""
+        return encode_metadata(
+            {
+                META_ISLAND: self.island,
+                META_BASE_VERSION: self.base_version,
+                META_TOKENS: self.tokens,
+                META_STEPS: self.steps,
+                META_LOSS: self.loss,
+                META_STEP_TIME: self.step_time,
+                META_SYNC_TIME: self.sync_time,
+                META_CODEC: self.codec,
+                META_PUSH_ID: self.push_id,
+            }
+        )
+
+
+@dataclass(frozen=True)
+class JoinInfo:
+    """The syncer's answer to a join: how parameters are split and where each fragment stands."""
+
+    fragments: list[list[str]]
+    versions: list[int]
+    outer_step: int
+    finished: bool
+    codec: str
+    pull_compression: str = (
+        "none"  # codec of pulled weight updates (older syncers send full weights)
+    )
+
+    @classmethod
+    def from_json(cls, doc: Mapping[str, Any]) -> JoinInfo:
+        return cls(
+            fragments=[list(f) for f in doc["fragments"]],
+            versions=[int(v) for v in doc["versions"]],
+            outer_step=int(doc["outerStep"]),
+            finished=bool(doc["finished"]),
+            codec=str(doc["codec"]),
+            pull_compression=str(doc.get("pullCompression", "none")),
+        )
+
+
+def encode_metadata(values: Mapping[str, Any]) -> dict[str, str]:
+    """Strings as they are; numbers and booleans as JSON (safetensors metadata is str -> str)."""
+    return {k: v if isinstance(v, str) else json.dumps(v) for k, v in values.items()}
+
+
+def read_metadata(body: bytes) -> dict[str, str]:
+    """The ``__metadata__`` map of a safetensors body; ValueError when the header is malformed."""
+    if len(body) < _HEADER_LEN.size:
+        raise ValueError("body is too short to be safetensors")
+    (n,) = _HEADER_LEN.unpack_from(body)
+    if n > MAX_HEADER_BYTES or _HEADER_LEN.size + n > len(body):
+        raise ValueError("safetensors header length is out of range")
+    try:
+        header = json.loads(body[_HEADER_LEN.size : _HEADER_LEN.size + n])
+    except (UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise ValueError(f"safetensors header is not JSON: {err}") from None
+    if not isinstance(header, dict):
+        raise ValueError("safetensors header is not a JSON object")
+    meta = header.get("__metadata__") or {}
+    if not isinstance(meta, dict) or not all(
+        isinstance(k, str) and isinstance(v, str) for k, v in meta.items()
+    ):
+        raise ValueError("safetensors __metadata__ must map strings to strings")
+    return meta
+
+
+def meta_int(meta: Mapping[str, str], key: str) -> int:
+    try:
+        return int(json.loads(meta[key]))
+    except (KeyError, ValueError, TypeError):
+        raise ValueError(f"metadata {key!r} must be an integer") from None
+
+
+def meta_bool(meta: Mapping[str, str], key: str) -> bool:
+    return meta.get(key, "false") == "true"
+
+
+def backoff(attempt: int, *, base: float = 0.2, cap: float = 5.0) -> float:
+    return min(cap, base * 2**attempt)
+
+
+def error_message(body: bytes) -> tuple[str, str]:
+    """(message, code) from an error body."""
+    try:
+        doc = json.loads(body)
+        if isinstance(doc, dict) and "error" in doc:
+            return str(doc["error"]), str(doc.get("code", ""))
+    except (ValueError, UnicodeDecodeError):
+        pass
+    return body[:500].decode("utf-8", "replace"), ""

@@ -1,0 +1,98 @@
+"""Tensor bodies on the wire: safetensors bytes of fragments, pushes and update chains.
+
+The header metadata and every constant live in `diloco_trainer.api.protocol` (torch-free); this
+module adds what needs torch. Tensors travel as safetensors bytes, never pickle.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import safetensors.torch
+import torch
+
+from diloco_trainer.api.protocol import UPDATE_SEPARATOR, encode_metadata, read_metadata
+
+
+@dataclass(frozen=True)
+class PulledFragment:
+    """A fragment's fp32 global weights at `version`."""
+
+    fragment: int
+    version: int
+    outer_step: int
+    finished: bool
+    tensors: dict[str, torch.Tensor] = field(repr=False)
+
+
+@dataclass(frozen=True)
+class PulledUpdates:
+    """A fragment's encoded weight updates from_version+1..version (apply them in order to the
+    weights at from_version, then compare `checksum`)."""
+
+    fragment: int
+    version: int
+    from_version: int
+    outer_step: int
+    finished: bool
+    codec: str
+    checksum: str
+    updates: list[dict[str, torch.Tensor]] = field(repr=False)
+
+    @property
+    def nbytes(self) -> int:
+        """Payload bytes of every update."""
+        return sum(t.numel() * t.element_size() for u in self.updates for t in u.values())
+
+
+def encode_update_chain(
+    updates: list[tuple[int, Mapping[str, torch.Tensor]]], metadata: Mapping[str, Any]
+) -> bytes:
+    """Safetensors bytes of encoded updates [(version, encoded tensors)], named by version."""
+    tensors = {
+        f"{version}{UPDATE_SEPARATOR}{key}": t.detach().contiguous()
+        for version, encoded in updates
+        for key, t in encoded.items()
+    }
+    return safetensors.torch.save(tensors, metadata=encode_metadata(metadata))
+
+
+def split_update_chain(
+    tensors: Mapping[str, torch.Tensor], from_version: int, version: int
+) -> list[dict[str, torch.Tensor]]:
+    """The per-version encoded dicts of a chain, in order; ValueError unless it holds exactly the
+    versions from_version+1..version."""
+    by_version: dict[int, dict[str, torch.Tensor]] = {}
+    for name, t in tensors.items():
+        head, sep, key = name.partition(UPDATE_SEPARATOR)
+        if not sep or not head.isdigit() or not key:
+            raise ValueError(f"update chain tensor {name!r} is not named 'VERSION/KEY'")
+        by_version.setdefault(int(head), {})[key] = t
+    want = list(range(from_version + 1, version + 1))
+    if sorted(by_version) != want or not want:
+        raise ValueError(
+            f"update chain holds versions {sorted(by_version)}, expected {want[:1]}..{want[-1:]}"
+        )
+    return [by_version[v] for v in want]
+
+
+def encode_body(tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, Any]) -> bytes:
+    """Serialise tensors and metadata as safetensors bytes.
+
+    Tensors are made contiguous and given their own storage, because safetensors refuses views
+    and tensors that share memory (tied weights).
+    """
+    own = {name: t.detach().contiguous().clone() for name, t in tensors.items()}
+    return safetensors.torch.save(own, metadata=encode_metadata(metadata))
+
+
+def decode_body(body: bytes) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """Parse a safetensors body into (tensors, metadata); ValueError for anything malformed."""
+    meta = read_metadata(body)
+    try:
+        tensors = safetensors.torch.load(body)
+    except Exception as err:  # the Rust parser raises its own error types
+        raise ValueError(f"body is not valid safetensors: {err}") from None
+    return tensors, meta

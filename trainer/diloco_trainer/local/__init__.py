@@ -1,0 +1,2 @@
+"""`diloco run`: a whole job as local processes (launch, live progress, summary, plot). Only the CLI
+imports this package."""
