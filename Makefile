@@ -35,6 +35,7 @@ test-cluster: $(STAMP)
 lint: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
+	$(BIN)/lint-imports
 
 ## bench: every benchmark with its CPU defaults (each <= 15 min on 2 cores); appends to bench/RESULTS.md
 BENCH_STAMP := $(VENV)/.installed-bench
