@@ -1,0 +1,118 @@
+"""Pure builders: a DiLoCoJob's spec -> the Kubernetes objects it owns (plain dicts).
+
+Nothing here talks to the API server. Every builder is a function of the job's identity and its
+parsed spec, so the reconciler can run it any number of times and compare the result with what
+exists (by the `diloco.dev/spec-hash` annotation each child carries).
+
+One module per child kind: `config` (the spec ConfigMap, the token Secret), `islands` (an
+island's StatefulSet and headless Service), `syncer` (the syncer's Deployment and Service); what
+they share lives in `naming` (names, labels, owner references) and `pods` (pod template pieces
+and the restart discipline). This package re-exports the names its users need.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from diloco_operator.api import DiLoCoJobSpec
+from diloco_operator.resources.config import build_config_map, build_token_secret
+from diloco_operator.resources.islands import (
+    build_island_service,
+    build_island_statefulset,
+    build_learner_pod_template,
+)
+from diloco_operator.resources.naming import (
+    COMPONENT_CONFIG,
+    COMPONENT_ISLAND,
+    COMPONENT_LABEL,
+    COMPONENT_LEARNER,
+    COMPONENT_SYNCER,
+    COMPONENT_TOKEN,
+    CONFIG_HASH,
+    ISLAND_LABEL,
+    JOB_LABEL,
+    MANAGER,
+    POD_INDEX_LABEL,
+    SPEC_HASH,
+    TEMPLATE_HASH,
+    JobRef,
+    ca_secret_name,
+    config_map_name,
+    content_hash,
+    generated_token_secret_name,
+    island_names,
+    island_statefulset_name,
+    labels,
+    owner_reference,
+    runs_local_syncer,
+    syncer_name,
+    syncer_url,
+    token_secret_name,
+)
+from diloco_operator.resources.pods import (
+    LEARNER_CONFIG_FIELDS,
+    SYNCER_IGNORED_FIELDS,
+    learner_config_hash,
+    merge_overrides,
+    syncer_config_hash,
+)
+from diloco_operator.resources.syncer import build_syncer_deployment, build_syncer_service
+
+__all__ = [
+    "COMPONENT_CONFIG",
+    "COMPONENT_ISLAND",
+    "COMPONENT_LABEL",
+    "COMPONENT_LEARNER",
+    "COMPONENT_SYNCER",
+    "COMPONENT_TOKEN",
+    "CONFIG_HASH",
+    "ISLAND_LABEL",
+    "JOB_LABEL",
+    "LEARNER_CONFIG_FIELDS",
+    "MANAGER",
+    "POD_INDEX_LABEL",
+    "SPEC_HASH",
+    "SYNCER_IGNORED_FIELDS",
+    "TEMPLATE_HASH",
+    "JobRef",
+    "build_children",
+    "build_config_map",
+    "build_island_service",
+    "build_island_statefulset",
+    "build_learner_pod_template",
+    "build_syncer_deployment",
+    "build_syncer_service",
+    "build_token_secret",
+    "ca_secret_name",
+    "config_map_name",
+    "content_hash",
+    "generated_token_secret_name",
+    "island_names",
+    "island_statefulset_name",
+    "labels",
+    "learner_config_hash",
+    "merge_overrides",
+    "owner_reference",
+    "runs_local_syncer",
+    "syncer_config_hash",
+    "syncer_name",
+    "syncer_url",
+    "token_secret_name",
+]
+
+
+def build_children(
+    job: JobRef, spec: DiLoCoJobSpec, *, islands_running: bool
+) -> list[dict[str, Any]]:
+    """Every child the job should have except the token Secret (which is create-only).
+
+    `islands_running` is False while the job is suspended or finished: islands scale to zero but
+    keep their StatefulSets, so resuming brings back the same names.
+    """
+    children = [build_config_map(job, spec)]
+    if runs_local_syncer(spec):
+        children += [build_syncer_deployment(job, spec), build_syncer_service(job, spec)]
+    for index in range(spec.islands.count):
+        children.append(build_island_service(job, spec, index))
+        children.append(build_island_statefulset(job, spec, index, running=islands_running))
+    return children

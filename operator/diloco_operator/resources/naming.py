@@ -1,0 +1,149 @@
+"""Names, labels and owner references every child of a DiLoCoJob carries (pure).
+
+The one place the operator's naming scheme lives: the builders, the planner, the health checks
+and the kopf watches (by JOB_LABEL) all read it from here.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from diloco_trainer.api import contract
+
+from diloco_operator import api
+from diloco_operator.api import DiLoCoJobSpec
+
+# Annotations the operator reads back.
+SPEC_HASH = "diloco.dev/spec-hash"  # on every child: hash of the desired object
+TEMPLATE_HASH = "diloco.dev/template-hash"  # on StatefulSets: hash of the pod template
+CONFIG_HASH = "diloco.dev/config-hash"  # on pod templates: hash of the config pods depend on
+
+JOB_LABEL = "diloco.dev/job"
+ISLAND_LABEL = "diloco.dev/island"
+COMPONENT_LABEL = "app.kubernetes.io/component"
+POD_INDEX_LABEL = "apps.kubernetes.io/pod-index"
+MANAGER = "diloco-operator"
+
+COMPONENT_ISLAND = "island"
+COMPONENT_LEARNER = "learner"
+COMPONENT_SYNCER = "syncer"
+COMPONENT_CONFIG = "config"
+COMPONENT_TOKEN = "token"
+
+
+@dataclass(frozen=True)
+class JobRef:
+    """Identity of one DiLoCoJob object."""
+
+    name: str
+    namespace: str
+    uid: str
+
+    @classmethod
+    def from_body(cls, body: Mapping[str, Any]) -> JobRef:
+        """Read name, namespace and uid from a DiLoCoJob object."""
+        meta = body["metadata"]
+        return cls(name=meta["name"], namespace=meta["namespace"], uid=meta["uid"])
+
+
+def island_names(spec: DiLoCoJobSpec) -> list[str]:
+    """Names of the desired islands, in index order."""
+    return [contract.island_name(spec.islands.name_prefix, i) for i in range(spec.islands.count)]
+
+
+def island_statefulset_name(job_name: str, island: str) -> str:
+    """`NAME-island-I` (or `NAME-PREFIX-island-I`): StatefulSet and headless Service name."""
+    return f"{job_name}-{island}"
+
+
+def syncer_name(job_name: str) -> str:
+    """Name of the syncer Deployment and Service."""
+    return f"{job_name}-syncer"
+
+
+def config_map_name(job_name: str) -> str:
+    """Name of the ConfigMap holding the spec JSON."""
+    return f"{job_name}-config"
+
+
+def generated_token_secret_name(job_name: str) -> str:
+    """Name of the token Secret the operator generates when the user gives none."""
+    return f"{job_name}-token"
+
+
+def token_secret_name(job_name: str, spec: DiLoCoJobSpec) -> str:
+    """The Secret (key contract.TOKEN_KEY) every party reads the bearer token from."""
+    return spec.syncer.token_secret_name or generated_token_secret_name(job_name)
+
+
+def runs_local_syncer(spec: DiLoCoJobSpec) -> bool:
+    """False when the job points at a syncer run elsewhere (spec.syncer.endpoint)."""
+    return not spec.syncer.endpoint
+
+
+def syncer_url(job: JobRef, spec: DiLoCoJobSpec) -> str:
+    """The URL learners and the operator use: the remote endpoint or the in-cluster Service."""
+    if spec.syncer.endpoint:
+        return spec.syncer.endpoint.rstrip("/")
+    scheme = "https" if spec.syncer.tls.secret_name else "http"
+    return f"{scheme}://{syncer_name(job.name)}.{job.namespace}.svc:{spec.syncer.port}"
+
+
+def ca_secret_name(spec: DiLoCoJobSpec) -> str | None:
+    """Secret with ca.crt to verify the syncer: caSecretName, else the local TLS Secret."""
+    return spec.syncer.tls.ca_secret_name or spec.syncer.tls.secret_name
+
+
+def labels(job_name: str, component: str, island: str | None = None) -> dict[str, str]:
+    """The recommended app.kubernetes.io labels plus the diloco.dev selectors."""
+    out = {
+        "app.kubernetes.io/name": "diloco",
+        "app.kubernetes.io/instance": job_name,
+        COMPONENT_LABEL: component,
+        "app.kubernetes.io/managed-by": MANAGER,
+        "app.kubernetes.io/part-of": "diloco",
+        JOB_LABEL: job_name,
+    }
+    if island is not None:
+        out[ISLAND_LABEL] = island
+    return out
+
+
+def owner_reference(job: JobRef) -> dict[str, Any]:
+    """Controller owner reference: garbage collection deletes children with the job."""
+    return {
+        "apiVersion": api.API_VERSION,
+        "kind": api.KIND,
+        "name": job.name,
+        "uid": job.uid,
+        "controller": True,
+        "blockOwnerDeletion": True,
+    }
+
+
+def content_hash(value: Any) -> str:
+    """A short, stable hash of JSON-able content."""
+    raw = json.dumps(value, sort_keys=True, separators=(",", ":"), default=str)
+    return hashlib.sha256(raw.encode()).hexdigest()[:16]
+
+
+def child_metadata(job: JobRef, name: str, lab: dict[str, str]) -> dict[str, Any]:
+    """Metadata of a child: name, namespace, labels, empty annotations, owner reference."""
+    return {
+        "name": name,
+        "namespace": job.namespace,
+        "labels": dict(lab),
+        "annotations": {},
+        "ownerReferences": [owner_reference(job)],
+    }
+
+
+def stamp(obj: dict[str, Any]) -> dict[str, Any]:
+    """Record the hash of the object's desired content in its own annotations."""
+    obj["metadata"]["annotations"].pop(SPEC_HASH, None)
+    obj["metadata"]["annotations"][SPEC_HASH] = content_hash(obj)
+    return obj

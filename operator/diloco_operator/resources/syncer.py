@@ -1,0 +1,139 @@
+"""The in-cluster syncer's children: its Deployment and its Service (pure).
+
+Absent when the job points at a syncer run elsewhere (spec.syncer.endpoint).
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+from diloco_trainer.api import contract
+
+from diloco_operator.api import DiLoCoJobSpec
+from diloco_operator.resources.naming import (
+    COMPONENT_LABEL,
+    COMPONENT_SYNCER,
+    CONFIG_HASH,
+    JOB_LABEL,
+    JobRef,
+    child_metadata,
+    labels,
+    stamp,
+    syncer_name,
+)
+from diloco_operator.resources.pods import (
+    SYNCER_CONTAINER,
+    SYNCER_PORT_NAME,
+    common_mounts,
+    common_volumes,
+    container_security_context,
+    env_var,
+    file_env,
+    pod_security_context,
+    syncer_config_hash,
+)
+
+
+def _syncer_container(job: JobRef, spec: DiLoCoJobSpec) -> dict[str, Any]:
+    tls = spec.syncer.tls.secret_name
+    scheme = "HTTPS" if tls else "HTTP"
+    env = [
+        env_var(contract.JOB_NAME, job.name),
+        env_var(contract.SYNCER_PORT, spec.syncer.port),
+        *file_env(),
+    ]
+    mounts = common_mounts()
+    if tls:
+        env.append(env_var(contract.TLS_CERT_FILE, f"{contract.TLS_MOUNT}/tls.crt"))
+        env.append(env_var(contract.TLS_KEY_FILE, f"{contract.TLS_MOUNT}/tls.key"))
+        mounts.append({"name": "tls", "mountPath": contract.TLS_MOUNT, "readOnly": True})
+    container: dict[str, Any] = {
+        "name": SYNCER_CONTAINER,
+        "image": spec.image,
+        "command": ["diloco", "syncer"],
+        "env": env,
+        "ports": [{"name": SYNCER_PORT_NAME, "containerPort": spec.syncer.port}],
+        "readinessProbe": {
+            "httpGet": {"path": "/readyz", "port": SYNCER_PORT_NAME, "scheme": scheme},
+            "periodSeconds": 5,
+        },
+        "livenessProbe": {
+            "httpGet": {"path": "/healthz", "port": SYNCER_PORT_NAME, "scheme": scheme},
+            "periodSeconds": 10,
+            "failureThreshold": 6,
+        },
+        "volumeMounts": mounts,
+        "securityContext": container_security_context(),
+    }
+    if spec.syncer.resources:
+        container["resources"] = copy.deepcopy(spec.syncer.resources)
+    return container
+
+
+def _syncer_volumes(job: JobRef, spec: DiLoCoJobSpec) -> list[dict[str, Any]]:
+    claim = spec.syncer.checkpoint.claim_name
+    state: dict[str, Any] = (
+        {"name": "state", "persistentVolumeClaim": {"claimName": claim}}
+        if claim
+        else {"name": "state", "emptyDir": {}}
+    )
+    volumes = [*common_volumes(job, spec), state]
+    if spec.syncer.tls.secret_name:
+        volumes.append({"name": "tls", "secret": {"secretName": spec.syncer.tls.secret_name}})
+    return volumes
+
+
+def build_syncer_deployment(job: JobRef, spec: DiLoCoJobSpec) -> dict[str, Any]:
+    """`NAME-syncer`: one syncer pod (Recreate: never two writers of one checkpoint)."""
+    lab = labels(job.name, COMPONENT_SYNCER)
+    return stamp(
+        {
+            "apiVersion": "apps/v1",
+            "kind": "Deployment",
+            "metadata": child_metadata(job, syncer_name(job.name), lab),
+            "spec": {
+                "replicas": 1,
+                "strategy": {"type": "Recreate"},
+                "selector": {
+                    "matchLabels": {JOB_LABEL: job.name, COMPONENT_LABEL: COMPONENT_SYNCER}
+                },
+                "template": {
+                    "metadata": {
+                        "labels": dict(lab),
+                        "annotations": {CONFIG_HASH: syncer_config_hash(spec)},
+                    },
+                    "spec": {
+                        "enableServiceLinks": False,
+                        "securityContext": pod_security_context(),
+                        "containers": [_syncer_container(job, spec)],
+                        "volumes": _syncer_volumes(job, spec),
+                    },
+                },
+            },
+        }
+    )
+
+
+def build_syncer_service(job: JobRef, spec: DiLoCoJobSpec) -> dict[str, Any]:
+    """`NAME-syncer` Service of type spec.syncer.service.type on spec.syncer.port."""
+    return stamp(
+        {
+            "apiVersion": "v1",
+            "kind": "Service",
+            "metadata": child_metadata(
+                job, syncer_name(job.name), labels(job.name, COMPONENT_SYNCER)
+            ),
+            "spec": {
+                "type": spec.syncer.service.type,
+                "selector": {JOB_LABEL: job.name, COMPONENT_LABEL: COMPONENT_SYNCER},
+                "ports": [
+                    {
+                        "name": SYNCER_PORT_NAME,
+                        "port": spec.syncer.port,
+                        "targetPort": SYNCER_PORT_NAME,
+                    }
+                ],
+            },
+        }
+    )
