@@ -7,18 +7,16 @@ from typing import Any
 
 from diloco_operator import api
 from diloco_operator.health import IslandHealth, PodView
+from diloco_operator.observation import Observation
+from diloco_operator.phase import CRASH_LOOP_LIMIT, SYNCER_UNREACHABLE_DEADLINE
 from diloco_operator.status import (
-    CRASH_LOOP_LIMIT,
-    SYNCER_UNREACHABLE_DEADLINE,
-    Observation,
     compute_status,
     islands_should_run,
-    rfc3339,
     status_changed,
     status_patch,
-    time_field,
     ttl_expired,
 )
+from diloco_operator.times import rfc3339, time_field
 
 T0 = datetime(2025, 1, 1, tzinfo=timezone.utc)
 

@@ -1,0 +1,117 @@
+"""A job's conditions from its phase verdict (pure).
+
+Each condition keeps its lastTransitionTime until its status flips, so `kubectl wait` and
+dashboards see when a state began, not when the operator last looked.
+"""
+
+from __future__ import annotations
+
+from diloco_operator.api import Condition
+from diloco_operator.observation import ConditionsByType, Observation
+from diloco_operator.phase import LOST, NOT_YET_REACHED, Verdict
+from diloco_operator.times import rfc3339
+
+CONDITION_TYPES = (
+    "Ready",
+    "Progressing",
+    "Degraded",
+    "Suspended",
+    "Succeeded",
+    "Failed",
+    "SyncerReachable",
+)
+ACTIVE_PHASES = ("Pending", "Running", "Degraded")
+
+
+def condition(
+    before: ConditionsByType,
+    kind: str,
+    status: bool,
+    reason: str,
+    message: str,
+    obs: Observation,
+) -> Condition:
+    """One condition; its transition time is carried over from `before` unless it flipped."""
+    value = "True" if status else "False"
+    stored = before.get(kind) or {}
+    since = stored.get("lastTransitionTime") if stored.get("status") == value else None
+    return Condition(
+        type=kind,
+        status=value,
+        reason=reason,
+        message=message,
+        last_transition_time=since or rfc3339(obs.now),
+        observed_generation=obs.generation,
+    )
+
+
+def unreachable_reason(before: ConditionsByType) -> str:
+    """LOST once the syncer has answered at least once, NOT_YET_REACHED before that."""
+    stored = before.get("SyncerReachable") or {}
+    if stored.get("status") == "True" or stored.get("reason") == LOST:
+        return LOST
+    return NOT_YET_REACHED
+
+
+def progressing(verdict: Verdict, obs: Observation) -> tuple[str, str]:
+    """(reason, message) of the Progressing condition."""
+    if obs.rolling and verdict.phase in ACTIVE_PHASES:
+        return "RollingUpdate", "updating islands one at a time: " + ", ".join(obs.rolling)
+    if verdict.phase == "Pending":
+        return "Starting", verdict.message
+    if verdict.phase in ("Running", "Degraded"):
+        syncer = obs.syncer_status
+        return "Training", f"outer step {syncer.get('outerStep') if syncer else '?'}"
+    return verdict.phase, verdict.message
+
+
+def job_conditions(verdict: Verdict, obs: Observation, before: ConditionsByType) -> list[Condition]:
+    """The seven conditions of CONDITION_TYPES, in that order."""
+    phase, message, failure = verdict.phase, verdict.message, verdict.failure
+    degraded = phase == "Degraded"
+    degraded_reason = "IslandsNotReady" if verdict.ready < verdict.desired else "SyncerUnreachable"
+    reachable = verdict.reachable
+    return [
+        condition(before, "Ready", phase == "Running", phase, message, obs),
+        condition(before, "Progressing", phase in ACTIVE_PHASES, *progressing(verdict, obs), obs),
+        condition(
+            before,
+            "Degraded",
+            degraded,
+            degraded_reason if degraded else "AsExpected",
+            message if degraded else "",
+            obs,
+        ),
+        condition(
+            before,
+            "Suspended",
+            phase == "Suspended",
+            "Suspended" if obs.spec.suspend else "NotSuspended",
+            "",
+            obs,
+        ),
+        condition(
+            before,
+            "Succeeded",
+            phase == "Succeeded",
+            "Finished" if verdict.finished else "NotFinished",
+            "",
+            obs,
+        ),
+        condition(
+            before,
+            "Failed",
+            phase == "Failed",
+            failure.reason if failure else "NoFailure",
+            failure.message if failure else "",
+            obs,
+        ),
+        condition(
+            before,
+            "SyncerReachable",
+            reachable,
+            "StatusRead" if reachable else unreachable_reason(before),
+            "" if reachable else (obs.syncer_error or "no answer"),
+            obs,
+        ),
+    ]

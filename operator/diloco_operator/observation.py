@@ -1,0 +1,35 @@
+"""What the status of a job is computed from: one snapshot gathered by the sync (plain data)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any
+
+from diloco_operator.api import DiLoCoJobSpec
+from diloco_operator.health import IslandHealth, PodView
+
+
+@dataclass(frozen=True)
+class Observation:
+    """Everything the status is computed from, gathered by the sync of a job."""
+
+    generation: int
+    created: datetime
+    spec: DiLoCoJobSpec
+    islands: Mapping[str, IslandHealth]  # desired islands, in index order
+    syncer_pods: Sequence[PodView]  # empty with a remote syncer
+    syncer_status: Mapping[str, Any] | None  # /v1/status, None when not reached
+    syncer_error: str | None
+    rolling: Sequence[str]  # island StatefulSets mid-rollout
+    now: datetime
+
+
+ConditionsByType = Mapping[str, Mapping[str, Any]]
+
+
+def conditions_by_type(previous: Mapping[str, Any] | None) -> dict[str, Mapping[str, Any]]:
+    """The stored status's conditions, keyed by type (malformed entries skipped)."""
+    items = (previous or {}).get("conditions") or []
+    return {c.get("type"): c for c in items if isinstance(c, dict)}

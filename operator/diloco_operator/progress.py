@@ -1,0 +1,90 @@
+"""A job's training progress and per-island view from the syncer's status (pure).
+
+The syncer is the source of the progress figures. While it is away (restarting, unreachable)
+the last figures stored in the job's status are carried over, so `kubectl get` keeps showing
+the step the job had reached instead of blanks.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from diloco_operator.api import IslandStatus
+from diloco_operator.health import ACTIVE
+from diloco_operator.observation import Observation
+from diloco_operator.times import time_field
+
+KNOWN_ISLAND_STATES = ("active", "dropped", "timedOut", "left")
+
+
+@dataclass(frozen=True)
+class Progress:
+    """The progress figures of the job's status."""
+
+    outer_step: int | None
+    tokens: int | None
+    loss: float | None
+    eval_loss: float | None
+    last_sync_time: str | None
+
+
+def carried_progress(
+    syncer: Mapping[str, Any] | None, previous: Mapping[str, Any] | None
+) -> Progress:
+    """Figures from the syncer's status, or the stored ones while the syncer is not reached."""
+    previous = previous or {}
+
+    def pick(name: str) -> Any:
+        return syncer.get(name) if syncer is not None else previous.get(name)
+
+    last_sync = time_field(syncer.get("lastMergeTime")) if syncer else previous.get("lastSyncTime")
+    return Progress(
+        outer_step=int_or_none(pick("outerStep")),
+        tokens=int_or_none(pick("tokens")),
+        loss=float_or_none(pick("loss")),
+        eval_loss=float_or_none(pick("evalLoss")),
+        last_sync_time=last_sync,
+    )
+
+
+def island_statuses(obs: Observation, running: bool) -> list[IslandStatus]:
+    """One entry per desired island: its pods (from health) and its state at the syncer."""
+    syncer_islands = (obs.syncer_status or {}).get("islands") or {}
+    out = []
+    for name, island in obs.islands.items():
+        info = syncer_islands.get(name) or {}
+        state = info.get("state") if info.get("state") in KNOWN_ISLAND_STATES else "unknown"
+        out.append(
+            IslandStatus(
+                name=name,
+                ready_pods=island.ready_pods,
+                desired_pods=island.desired_pods if running else 0,
+                healthy=island.healthy,
+                in_quorum=state == ACTIVE,
+                state=state,
+                last_push=time_field(info.get("lastPush")),
+                restarts=island.restarts,
+            )
+        )
+    return out
+
+
+def int_or_none(value: Any) -> int | None:
+    """A non-negative int, None when absent or not a number."""
+    try:
+        return None if value is None else max(0, int(value))
+    except (TypeError, ValueError):
+        return None
+
+
+def float_or_none(value: Any) -> float | None:
+    """A finite float, None when absent, not a number, NaN or infinite."""
+    try:
+        number = None if value is None else float(value)
+    except (TypeError, ValueError):
+        return None
+    if number is None or number != number or number in (float("inf"), float("-inf")):
+        return None  # JSON has no NaN: the API server would refuse the patch
+    return number

@@ -1,0 +1,62 @@
+"""Progress figures carried while the syncer is away; island entries; number coercion."""
+
+from __future__ import annotations
+
+import math
+
+from diloco_operator.progress import (
+    carried_progress,
+    float_or_none,
+    int_or_none,
+    island_statuses,
+)
+
+from .observations import SYNCER, island, observation
+
+
+def test_carried_progress_reads_the_syncer() -> None:
+    progress = carried_progress(SYNCER, {"outerStep": 3})
+    assert (progress.outer_step, progress.tokens) == (12, 4096)
+    assert (progress.loss, progress.eval_loss) == (2.5, 2.7)
+    assert progress.last_sync_time == "2025-01-01T00:00:00Z"
+
+
+def test_carried_progress_keeps_stored_figures_while_syncer_away() -> None:
+    stored = {"outerStep": 7, "tokens": 10, "loss": 1.5, "lastSyncTime": "2024-06-01T00:00:00Z"}
+    progress = carried_progress(None, stored)
+    assert (progress.outer_step, progress.tokens, progress.loss) == (7, 10, 1.5)
+    assert progress.eval_loss is None and progress.last_sync_time == "2024-06-01T00:00:00Z"
+    assert carried_progress(None, None).outer_step is None
+
+
+def test_carried_progress_syncer_absence_of_a_figure_clears_it() -> None:
+    progress = carried_progress({"outerStep": 2}, {"loss": 9.0, "lastSyncTime": "x"})
+    assert progress.loss is None and progress.last_sync_time is None
+
+
+def test_island_statuses_join_health_and_syncer_states() -> None:
+    obs = observation(islands=[island("island-0"), island("island-1", ready=1)])
+    first, second = island_statuses(obs, running=True)
+    assert (first.name, first.state, first.in_quorum, first.healthy) == (
+        "island-0",
+        "active",
+        True,
+        True,
+    )
+    assert first.last_push == "2025-01-01T00:00:00Z"
+    assert (second.state, second.in_quorum, second.ready_pods) == ("dropped", False, 1)
+    idle = island_statuses(observation(syncer=None), running=False)
+    assert all(i.state == "unknown" and i.desired_pods == 0 for i in idle)
+
+
+def test_island_statuses_unknown_state_for_strange_values() -> None:
+    syncer = {"islands": {"island-0": {"state": "exploded"}}}
+    (entry, _) = island_statuses(observation(syncer=syncer), running=True)
+    assert entry.state == "unknown" and not entry.in_quorum
+
+
+def test_number_coercion() -> None:
+    assert int_or_none("12") == 12 and int_or_none(-3) == 0 and int_or_none("x") is None
+    assert float_or_none("2.5") == 2.5 and float_or_none(None) is None
+    assert float_or_none(math.nan) is None and float_or_none(math.inf) is None
+    assert float_or_none("loss") is None
