@@ -1,0 +1,47 @@
+"""Paths, names and deadlines of the local control plane (the only place they are written)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+HACK_DIR = Path(__file__).resolve().parent.parent
+ENTRY_POINT = HACK_DIR / "local-cluster"
+BUILD_SCRIPT = HACK_DIR / "build-binaries.sh"
+KWOK_STAGES = HACK_DIR / "kwok-stages.yaml"
+BINARIES = [
+    "etcd",
+    "kube-apiserver",
+    "kube-controller-manager",
+    "kube-scheduler",
+    "kubectl",
+    "kwok",
+]
+# Start order; stop order is the reverse.
+COMPONENTS = ["etcd", "kube-apiserver", "kube-controller-manager", "kube-scheduler", "kwok"]
+# The ports state.json records, one per listener.
+PORT_KEYS = ["etcd", "etcd_peer", "apiserver", "controller_manager", "scheduler", "kwok"]
+SERVICE_CIDR = "10.96.0.0/16"
+SERVICE_FIRST_IP = "10.96.0.1"
+POD_CIDR = "10.244.0.0/16"
+KWOK_NODE_ANNOTATION = "kwok.x-k8s.io/node"
+SA_ISSUER = "https://kubernetes.default.svc.cluster.local"
+STATE_FILE = "state.json"
+# Ports chosen by any local-cluster on this machine, kept out of other picks for a while.
+PORT_LEASE_FILE = Path("/tmp/diloco-local-cluster-ports.json")
+PORT_LEASE_SECONDS = 900
+
+# Deadlines (seconds) for each wait; generous because CI machines have 2 cores.
+ETCD_TIMEOUT = 60
+APISERVER_TIMEOUT = 180
+COMPONENT_TIMEOUT = 120
+NODES_TIMEOUT = 120
+SA_TIMEOUT = 120
+# `up` as a whole: attempts, overall deadline, and the least time worth another attempt.
+UP_ATTEMPTS = 3
+UP_TIMEOUT = 900
+MIN_ATTEMPT_SECONDS = 60
+
+
+def default_dir() -> Path:
+    return Path(os.environ.get("TMPDIR") or "/tmp") / "diloco-local-cluster"
