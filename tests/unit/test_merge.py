@@ -157,3 +157,21 @@ def test_work_coverage_never_exceeds_one_for_accumulated_work() -> None:
 def test_work_coverage_refuses_bad_counts() -> None:
     with pytest.raises(ValueError, match=r"inner\.steps"):
         work_coverage([1], inner_steps=0, active_islands=1)
+
+
+def test_merge_scales_each_vector_before_the_weighted_mean() -> None:
+    a, b = {"w": torch.tensor([2.0, 0.0])}, {"w": torch.tensor([0.0, 4.0])}
+    # weights 3:1, scales 0.5 and 0.25: (0.75·[1, 0] + 0.25·[0, 1]).
+    out = merge_pseudo_gradients([a, b], [3.0, 1.0], "mean", scales=[0.5, 0.25])
+    assert torch.allclose(out["w"], torch.tensor([0.75, 0.25]))
+    with pytest.raises(ValueError, match="scales"):
+        merge_pseudo_gradients([a, b], [1.0, 1.0], "mean", scales=[1.0])
+    with pytest.raises(ValueError, match="scales"):
+        merge_pseudo_gradients([a, b], [1.0, 1.0], "mean", scales=[1.0, -1.0])
+
+
+def test_merge_rda_radius_uses_the_scaled_norms() -> None:
+    a, b = {"w": torch.tensor([2.0, 0.0])}, {"w": torch.tensor([0.0, 4.0])}
+    # Scaled norms 1 and 1: radius 1; direction (e1 + e2)/2 normalised.
+    out = merge_pseudo_gradients([a, b], [1.0, 1.0], "rda", scales=[0.5, 0.25])
+    assert torch.allclose(out["w"], torch.tensor([1.0, 1.0]) / math.sqrt(2))

@@ -1,11 +1,9 @@
 """Merging pseudo-gradients from several islands into one outer gradient (pure functions).
 
 Weights (Decoupled DiLoCo): an island's contribution weight is quantity x quality,
-tokens x (tokens / steps), both counted since it last received the fragment; a stale
-pseudo-gradient (computed from an older version of the fragment) is further scaled by 1/(1+lag).
-
-Partial merges (K < M) are scaled by work_coverage so an outer step per unit of work is the same
-whether islands merge together or one by one.
+tokens x (tokens / steps), both counted since it last received the fragment. Staleness discounts,
+per-contributor vector scales and the share of a round a merge carries are planned in
+contributions.py.
 
 Rules:
 - "tokens" and "mean": the weighted mean sum_m w_m v_m / sum_m w_m (with "mean" the caller passes
@@ -94,22 +92,22 @@ def _check_inputs(
     return names, [w / total for w in ws]
 
 
-def _weighted_mean(vs: list[Tensor], ws: list[float]) -> Tensor:
+def _weighted_mean(vs: list[Tensor], ws: list[float], scales: list[float]) -> Tensor:
     out = torch.zeros(vs[0].shape, dtype=torch.float32, device=vs[0].device)
-    for v, w in zip(vs, ws, strict=True):
+    for v, w, s in zip(vs, ws, scales, strict=True):
         if w:
-            out.add_(v, alpha=w)  # accumulates in fp32 whatever v's dtype
+            out.add_(v, alpha=w * s)  # accumulates in fp32 whatever v's dtype
     return out
 
 
-def _rda(vs: list[Tensor], ws: list[float]) -> Tensor:
+def _rda(vs: list[Tensor], ws: list[float], scales: list[float]) -> Tensor:
     radius = 0.0
     direction = torch.zeros(vs[0].shape, dtype=torch.float32, device=vs[0].device)
-    for v, w in zip(vs, ws, strict=True):
+    for v, w, s in zip(vs, ws, scales, strict=True):
         norm = float(torch.linalg.vector_norm(v, dtype=torch.float32))
-        if w == 0.0 or norm == 0.0:
+        if w == 0.0 or norm == 0.0 or s == 0.0:
             continue  # a zero vector has no direction; it still counts (0) in the radius
-        radius += w * norm
+        radius += w * s * norm  # the norm of the scaled vector s·v
         direction.add_(v, alpha=w / norm)
     dnorm = float(torch.linalg.vector_norm(direction))
     if dnorm == 0.0:
@@ -122,13 +120,19 @@ def merge_pseudo_gradients(
     weights: Sequence[float],
     rule: str,
     plain_names: frozenset[str] = frozenset(),
+    scales: Sequence[float] | None = None,
 ) -> dict[str, Tensor]:
     """Merge per-island pseudo-gradients into one fp32 tensor per name.
 
-    Weights are normalised here (they need not sum to 1). Raises ValueError when the weights sum
-    to zero, are negative, or the islands disagree on tensor names.
+    Weights are normalised here (they need not sum to 1). `scales` (default all 1) multiply each
+    island's vectors before merging (contributions.py: Δ_i / w_i, the pseudo-gradient per round
+    of work). Raises ValueError when the weights sum to zero, are negative, the scales are
+    negative or not one per island, or the islands disagree on tensor names.
     """
     names, ws = _check_inputs(deltas, weights, rule)
+    ss = [1.0] * len(ws) if scales is None else [float(s) for s in scales]
+    if len(ss) != len(ws) or any(not (s >= 0.0) or s == float("inf") for s in ss):
+        raise ValueError(f"merge scales must be one finite value >= 0 per island, got {ss}")
     out: dict[str, Tensor] = {}
     for name in names:
         vs = [d[name] for d in deltas]
@@ -140,7 +144,7 @@ def merge_pseudo_gradients(
                     f"expected {tuple(shape)}"
                 )
         if rule == "rda" and name not in plain_names:
-            out[name] = _rda(vs, ws)
+            out[name] = _rda(vs, ws, ss)
         else:
-            out[name] = _weighted_mean(vs, ws)
+            out[name] = _weighted_mean(vs, ws, ss)
     return out

@@ -1,21 +1,72 @@
-"""The outer optimizer: SGD with (Nesterov) momentum on the syncer's fp32 CPU copy of the weights.
+"""The outer optimizer: Delayed Nesterov, folded per round of work, on the syncer's fp32 weights.
 
-The merged pseudo-gradient Δ = θ_global − θ_local plays the role of a gradient, so the update is
-exactly torch.optim.SGD's (which this wraps): buf ← μ·buf + Δ; θ ← θ − lr·(Δ + μ·buf) with
-Nesterov, θ ← θ − lr·buf without. Fragments are stepped independently: a step touches only the
-tensors it is given, and the other tensors' momentum waits for their own fragment's merge.
+Synchronous DiLoCo applies one Nesterov step per round (M islands x H inner steps each):
+m ← β·m + g; θ ← θ − lr·(g + β·m) (heavy ball: θ ← θ − lr·(g + β·m_old), i.e. θ − lr·m).
+Decoupled merges carry only part of a round (K < M islands, or islands out of phase), and
+applying a full step per merge decays the momentum M/K times per round and amplifies the step
+(Async Local-SGD, arXiv 2401.09135, Eq. 5). Delayed Nesterov (same paper, Alg. 3 with c = 0),
+generalised from "every N-th arrival" to work fractions:
+
+- a merge carries a work fraction φ (core/contributions.py: the share of one round of work it
+  holds) and its merged pseudo-gradient g; it moves θ by lr·φ·g (the gradient term) and adds φ·g
+  to a buffer b;
+- whenever the fractions accumulated since the last fold reach 1, the buffer is folded into the
+  momentum, m ← β·m + b, b ← 0, and θ moves by lr·β·m (Nesterov; lr·β·m_old for heavy ball).
+  A fraction that crosses 1 is split: the part up to 1 closes the round, the rest starts the
+  next one (a merge with φ ≥ 2 folds more than once).
+
+So a merge of every island's full round (φ = 1) is exactly torch.optim.SGD's step (bit for bit,
+see the unit tests), and M merges of one island each (φ = 1/M) give the same θ as one synchronous
+step when their pseudo-gradients are equal. Fragments are independent groups: each has its own
+buffer, accumulated fraction and count of completed rounds (`rounds`), and a step touches only
+the tensors it is given.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
+from typing import Any
 
 import torch
 from torch import Tensor
 
+# Buffers are saved beside the momentum under this prefix (one safetensors file, old checkpoints
+# with momentum only still load: their buffers are empty).
+BUFFER_PREFIX = "buffer/"
+# Accumulated fractions this close to 1 close the round (1/3 + 1/3 + 1/3 is not 1.0 in floats).
+ROUND_EPS = 1e-9
+
+
+def split_fraction(accumulated: float, fraction: float) -> tuple[list[tuple[float, bool]], float]:
+    """Portions of a merge's work fraction and whether each closes a round, plus the fraction
+    accumulated afterwards.
+
+    split_fraction(0.75, 0.5) == ([(0.25, True), (0.25, False)], 0.25): the first quarter
+    completes the round, the second starts the next one.
+    """
+    if not (math.isfinite(fraction) and fraction >= 0.0):
+        raise ValueError(f"work fraction must be finite and >= 0, got {fraction}")
+    if not (math.isfinite(accumulated) and 0.0 <= accumulated < 1.0):
+        raise ValueError(f"accumulated fraction must be in [0, 1), got {accumulated}")
+    portions: list[tuple[float, bool]] = []
+    acc, rest = accumulated, fraction
+    while rest > ROUND_EPS and acc + rest >= 1.0 - ROUND_EPS:
+        take = min(rest, max(0.0, 1.0 - acc))
+        portions.append((take, True))
+        rest -= take
+        acc = 0.0
+    if rest > ROUND_EPS:
+        portions.append((rest, False))
+        acc += rest
+    return portions, acc
+
 
 class OuterOptimizer:
-    """Nesterov/heavy-ball SGD that updates the given fp32 tensors in place, by name."""
+    """Delayed Nesterov (or heavy-ball) SGD that updates the given fp32 tensors in place, by name.
+
+    step(grads) with the default fraction 1 is torch.optim.SGD's step; see the module docstring.
+    """
 
     def __init__(
         self, params: dict[str, Tensor], *, lr: float, momentum: float, nesterov: bool
@@ -26,26 +77,54 @@ class OuterOptimizer:
             if p.requires_grad:
                 raise ValueError(f"outer parameter {name!r} must not require grad")
         self.params = params
-        # torch refuses nesterov without momentum; with momentum 0 both are plain SGD anyway.
-        self._sgd = torch.optim.SGD(
-            list(params.values()),
-            lr=lr,
-            momentum=momentum,
-            nesterov=nesterov and momentum > 0,
-        )
+        self.lr = float(lr)
+        self.momentum = float(momentum)
+        # With momentum 0 both are plain SGD: no momentum or buffer is kept at all.
+        self.nesterov = nesterov and momentum > 0
+        self._m: dict[str, Tensor] = {}
+        self._b: dict[str, Tensor] = {}
+        self._accumulated: dict[int, float] = {}
+        self._rounds: dict[int, int] = {}
 
-    @property
-    def lr(self) -> float:
-        """The outer learning rate."""
-        return float(self._sgd.param_groups[0]["lr"])
+    # ----- progress per group (fragment) -------------------------------------------------------
 
-    @lr.setter
-    def lr(self, value: float) -> None:
-        self._sgd.param_groups[0]["lr"] = value
+    def rounds(self, group: int = 0) -> int:
+        """Rounds of work completed (folds) in `group`."""
+        return self._rounds.get(group, 0)
 
-    @torch.no_grad()
-    def step(self, grads: Mapping[str, Tensor]) -> None:
-        """Apply one outer step to exactly the named tensors (one fragment)."""
+    def accumulated(self, group: int = 0) -> float:
+        """Work fraction merged into `group` since its last fold, in [0, 1)."""
+        return self._accumulated.get(group, 0.0)
+
+    def clock(self, group: int = 0) -> float:
+        """Rounds of work merged into `group` so far: rounds + accumulated."""
+        return self.rounds(group) + self.accumulated(group)
+
+    def progress_json(self) -> dict[str, dict[str, float]]:
+        """Per-group rounds and accumulated fraction, for checkpoint manifests."""
+        groups = sorted(set(self._rounds) | set(self._accumulated))
+        return {
+            str(g): {"rounds": self.rounds(g), "accumulated": self.accumulated(g)} for g in groups
+        }
+
+    def load_progress(self, doc: Mapping[str, Mapping[str, Any]]) -> None:
+        """Restore what progress_json() saved."""
+        for key, entry in doc.items():
+            group = int(key)
+            rounds, acc = int(entry.get("rounds", 0)), float(entry.get("accumulated", 0.0))
+            if rounds < 0 or not 0.0 <= acc < 1.0:
+                raise ValueError(f"outer progress of group {group} is invalid: {dict(entry)}")
+            self._rounds[group] = rounds
+            self._accumulated[group] = acc
+
+    def set_rounds(self, group: int, rounds: int) -> None:
+        """Set a group's completed rounds (a checkpoint from before rounds were counted: one per
+        merge then)."""
+        self._rounds[group] = int(rounds)
+
+    # ----- the step ----------------------------------------------------------------------------
+
+    def _check(self, grads: Mapping[str, Tensor]) -> None:
         for name, g in grads.items():
             p = self.params.get(name)
             if p is None:
@@ -54,34 +133,73 @@ class OuterOptimizer:
                 raise ValueError(
                     f"outer gradient {name!r} has shape {tuple(g.shape)}, expected {tuple(p.shape)}"
                 )
-        try:
-            for name, g in grads.items():
-                self.params[name].grad = g.detach().to(torch.float32).contiguous()
-            self._sgd.step()  # tensors without .grad (other fragments) are skipped
-        finally:
-            for name in grads:
-                self.params[name].grad = None
+
+    @torch.no_grad()
+    def step(self, grads: Mapping[str, Tensor], fraction: float = 1.0, group: int = 0) -> int:
+        """Apply one merge carrying `fraction` of a round to exactly the named tensors (one
+        fragment, `group`); returns how many rounds it completed (folds)."""
+        self._check(grads)
+        portions, after = split_fraction(self.accumulated(group), fraction)
+        beta = self.momentum
+        for name, g in grads.items():
+            g = g.detach().to(torch.float32)
+            update = g.mul(fraction)  # the gradient term, lr·φ·g in all
+            for portion, closes in portions:
+                if beta == 0.0:
+                    continue
+                buf = self._b.get(name)
+                if buf is None:
+                    buf = self._b[name] = g.mul(portion)
+                else:
+                    buf.add_(g, alpha=portion)
+                if closes:
+                    term, coeff = self._fold(name, self._b.pop(name))
+                    update.add_(term, alpha=coeff)
+            self.params[name].add_(update, alpha=-self.lr)
+        folds = sum(1 for _, closes in portions if closes)
+        self._rounds[group] = self.rounds(group) + folds
+        self._accumulated[group] = after
+        return folds
+
+    def _fold(self, name: str, buf: Tensor) -> tuple[Tensor, float]:
+        """m ← β·m + buf; returns the momentum term of θ's move (before lr) as (tensor, factor):
+        β·m (Nesterov) or β·m_old (heavy ball). Written as torch.optim.SGD computes it, so a
+        full round matches it bit for bit."""
+        beta = self.momentum
+        m = self._m.get(name)
+        if m is None:
+            m = self._m[name] = torch.zeros_like(buf)
+        m.mul_(beta)
+        if self.nesterov:
+            m.add_(buf)
+            return m, beta
+        term = m.clone()  # β·m_old
+        m.add_(buf)
+        return term, 1.0
+
+    # ----- state -------------------------------------------------------------------------------
 
     def state_tensors(self) -> dict[str, Tensor]:
-        """Momentum buffers by parameter name (only tensors that have been stepped)."""
-        out: dict[str, Tensor] = {}
-        for name, p in self.params.items():
-            buf = self._sgd.state.get(p, {}).get("momentum_buffer")
-            if buf is not None:
-                out[name] = buf.detach().contiguous()
+        """Momentum by parameter name, and open-round buffers as BUFFER_PREFIX + name (only
+        tensors that have them)."""
+        out = {name: m.detach().contiguous() for name, m in self._m.items()}
+        out.update({BUFFER_PREFIX + n: b.detach().contiguous() for n, b in self._b.items()})
         return out
 
     def load_state_tensors(self, state: Mapping[str, Tensor]) -> None:
-        """Restore momentum buffers saved by state_tensors() (names must be parameters)."""
-        for name, buf in state.items():
+        """Restore tensors saved by state_tensors() (names must be parameters)."""
+        parsed: list[tuple[dict[str, Tensor], str, Tensor]] = []
+        for key, t in state.items():
+            is_buf = key.startswith(BUFFER_PREFIX) and key[len(BUFFER_PREFIX) :] in self.params
+            name = key[len(BUFFER_PREFIX) :] if is_buf else key
             p = self.params.get(name)
             if p is None:
-                raise ValueError(f"outer optimizer state for unknown tensor {name!r}")
-            if buf.shape != p.shape:
+                raise ValueError(f"outer optimizer state for unknown tensor {key!r}")
+            if t.shape != p.shape:
                 raise ValueError(
-                    f"outer optimizer state {name!r} has shape {tuple(buf.shape)}, "
+                    f"outer optimizer state {key!r} has shape {tuple(t.shape)}, "
                     f"expected {tuple(p.shape)}"
                 )
-        for name, buf in state.items():
-            p = self.params[name]
-            self._sgd.state[p]["momentum_buffer"] = buf.detach().to(torch.float32).clone()
+            parsed.append((self._b if is_buf else self._m, name, t))
+        for target, name, t in parsed:
+            target[name] = t.detach().to(torch.float32).clone()

@@ -1,0 +1,107 @@
+"""How much each island's pseudo-gradient counts in a merge, and how much of a round a merge is.
+
+Pure functions; the syncer feeds them each contributor's counters and staleness, the merge
+(merge.py) and the outer step (outer.py) consume the plan.
+
+Work. A contributor that ran `steps` inner steps since it last received the fragment carries
+w = steps / H island-rounds of work (H = inner.steps): steps, not tokens, because a round is H
+steps whatever an island's batch (tokens enter the weights as quality, below). Its
+pseudo-gradient Δ covers all of that work, so Δ / w is its pseudo-gradient per round.
+
+Staleness. A contribution computed from an older version of the fragment lags by the rounds of
+work merged into the fragment since that version (lag_rounds, counted by the syncer). Synchronous
+DiLoCo's own pseudo-gradients miss up to one round (the peers merged in the same step), so only
+the lag beyond one round is discounted, by (1 + excess)^-1/2 (the discount Async Local-SGD, arXiv
+2401.09135, tried; it found harder rules, such as dropping old updates, no better). Identical
+islands out of phase at K=1 lag (M−1)/M of a round: no discount; a 3x straggler among four
+islands lags about 2.25 rounds: weight 0.67.
+
+The plan. Contributor i gets mixing weight ρ_i = q_i·d_i, with q_i = contribution_weight (tokens
+× tokens/steps for "tokens"/"rda", the work w_i for "mean") and d_i its discount; its vector is
+scaled by 1/w_i; the merged g = Σ ρ_i (Δ_i / w_i) / Σ ρ_i (or RDA of the scaled vectors). The
+merge carries φ = Σ w_i·d_i / M of a round, M the islands that count (active or contributing).
+With equal batches the outer step then moves θ by lr·φ·g = lr·Σ d_i·Δ_i / M: every island's
+pseudo-gradient counts once, as in a synchronous step, however merges group them, and the
+discount is not normalised away (a lone stale push moves θ less). A merge of every island's full
+round, none stale, has φ = 1 and g = their weighted mean: synchronous DiLoCo.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from diloco_trainer.core.merge import MERGE_RULES, contribution_weight
+
+# Staleness (rounds of work) every merge has anyway: synchronous DiLoCo's peers in one step.
+FREE_LAG_ROUNDS = 1.0
+# Default bound on a push's lag in versions, per island of the job (sync.maxStaleness "auto").
+ANCIENT_VERSIONS_PER_ISLAND = 4
+
+
+def work_share(steps: int, inner_steps: int) -> float:
+    """Island-rounds of work in a contribution: steps / H."""
+    if inner_steps < 1:
+        raise ValueError(f"inner.steps must be >= 1, got {inner_steps}")
+    if steps < 0:
+        raise ValueError(f"inner steps must be >= 0, got {steps}")
+    return steps / inner_steps
+
+
+def staleness_discount(lag_rounds: float) -> float:
+    """(1 + max(0, lag_rounds − 1))^-1/2: only staleness beyond one round is discounted."""
+    if not (math.isfinite(lag_rounds) and lag_rounds >= 0.0):
+        raise ValueError(f"staleness lag must be finite and >= 0, got {lag_rounds}")
+    return (1.0 + max(0.0, lag_rounds - FREE_LAG_ROUNDS)) ** -0.5
+
+
+def ancient_bound(islands: int) -> int:
+    """The default sync.maxStaleness: pushes lagging more versions than this are refused. At K=1
+    a round is about M versions, so this is about four rounds of work behind."""
+    return ANCIENT_VERSIONS_PER_ISLAND * max(1, islands)
+
+
+@dataclass(frozen=True)
+class Contributor:
+    """What the plan needs of one pending contribution."""
+
+    tokens: int
+    steps: int
+    lag_rounds: float = 0.0
+
+
+@dataclass(frozen=True)
+class MergePlan:
+    """Weights, vector scales and work fraction of one merge (see the module docstring)."""
+
+    weights: list[float]  # ρ_i, not normalised (merge_pseudo_gradients normalises)
+    scales: list[float]  # 1 / w_i (0 for a contribution without work)
+    work: list[float]  # w_i
+    discounts: list[float]  # d_i
+    fraction: float  # φ
+
+    @property
+    def shares(self) -> list[float]:
+        """Normalised mixing weights (for the merge log)."""
+        total = sum(self.weights)
+        return [w / total if total > 0 else 0.0 for w in self.weights]
+
+
+def plan_merge(
+    contributors: Sequence[Contributor], *, rule: str, inner_steps: int, islands: int
+) -> MergePlan:
+    """The plan of a merge of `contributors` among `islands` islands (M >= 1)."""
+    if rule not in MERGE_RULES:
+        raise ValueError(f"sync.merge {rule!r} is unknown; choose one of {list(MERGE_RULES)}")
+    if islands < 1:
+        raise ValueError(f"a merge needs at least one island, got {islands}")
+    work = [work_share(c.steps, inner_steps) for c in contributors]
+    discounts = [staleness_discount(c.lag_rounds) for c in contributors]
+    weights, scales = [], []
+    for c, w, d in zip(contributors, work, discounts, strict=True):
+        quality = w if rule == "mean" else contribution_weight(c.tokens, c.steps, rule)
+        weights.append(quality * d if w > 0 else 0.0)
+        scales.append(1.0 / w if w > 0 else 0.0)
+    fraction = sum(w * d for w, d in zip(work, discounts, strict=True)) / islands
+    return MergePlan(weights, scales, work, discounts, fraction)
