@@ -15,6 +15,7 @@ import aiohttp
 import pytest
 import torch
 from diloco_trainer.api import protocol
+from diloco_trainer.api.documents import JoinInfo
 from diloco_trainer.api.spec import JobSpec, parse_spec
 from diloco_trainer.core import payloads
 from diloco_trainer.core.compress import encode_tensors
@@ -78,7 +79,7 @@ async def _advance(url: str, token: str) -> dict[int, dict[str, torch.Tensor]]:
                 delta = {n: torch.full_like(t, 1e-3) for n, t in pulled.tensors.items()}
                 meta = protocol.PushMeta("island-0", version, 128, 4, 5.0, 0.01, "none")
                 answer = await client.push(f, encode_tensors(delta, "none"), meta)
-                assert answer["accepted"], answer
+                assert answer.accepted, answer
             pulled = await client.pull_fragment(f, after=version, wait=60)
             assert pulled is not None and pulled.version == 2
             shapes[f] = pulled.tensors
@@ -334,7 +335,7 @@ def test_bad_requests_tls_syncer_refuses_plain_http_and_unknown_ca(
     tls = syncer_proc(make_spec(sync=SAFE_HEARTBEAT), tls=tls_files)
     assert tls.url.startswith("https://")
 
-    async def join() -> protocol.JoinInfo:
+    async def join() -> JoinInfo:
         async with syncer_client.SyncerClient(tls.url, tls.token, ca_file=tls.ca_file) as client:
             return await client.join("island-0", 1)
 

@@ -11,6 +11,7 @@ from collections.abc import Callable
 import pytest
 import torch
 from diloco_trainer.api import protocol
+from diloco_trainer.api.documents import PushAnswer
 from diloco_trainer.api.spec import JobSpec
 from diloco_trainer.core.compress import encode_tensors
 from diloco_trainer.learner import syncer_client
@@ -49,7 +50,7 @@ async def run_rounds(handle: SyncerHandle, rounds: int) -> dict[int, dict[str, t
                 meta = protocol.PushMeta("island-0", pulled.version, 256, 4, 5.0 - r, 0.01, "none")
                 delta = delta_for(pulled.tensors, seed=100 * r + f)
                 answer = await client.push(f, encode_tensors(delta, "none"), meta)
-                assert answer["accepted"], answer
+                assert answer.accepted, answer
                 merged = await client.pull_fragment(f, after=pulled.version, wait=60)
                 assert merged is not None and merged.version == pulled.version + 1
                 last[f] = merged.tensors
@@ -123,7 +124,7 @@ def test_syncer_restart_client_call_made_while_down_completes(
     first.proc.wait(timeout=60)
     caplog.set_level(logging.WARNING, logger="diloco.wire")
 
-    async def push_while_down() -> tuple[dict, bool, SyncerHandle]:
+    async def push_while_down() -> tuple[PushAnswer, bool, SyncerHandle]:
         async with syncer_client.SyncerClient(first.url, first.token, retry_deadline=90) as client:
             meta = protocol.PushMeta("island-0", 1, 256, 4, 4.0, 0.01, "none")
             body = encode_tensors(delta_for(tensors[0], seed=7), "none")
@@ -142,7 +143,7 @@ def test_syncer_restart_client_call_made_while_down_completes(
 
     answer, waited, second = asyncio.run(push_while_down())
     assert waited, "the push finished although no syncer was running"
-    assert answer["accepted"] is True and answer["version"] == 1
+    assert answer.accepted is True and answer.version == 1
     wait_until(
         lambda: second.status()["versions"] == [2, 1],
         timeout=120,

@@ -16,6 +16,7 @@ import torch
 from aiohttp import web
 from aiohttp.test_utils import TestServer
 from diloco_trainer.api import protocol
+from diloco_trainer.api.documents import JoinInfo, PushAnswer
 from diloco_trainer.core import payloads
 from diloco_trainer.learner import syncer_client
 from diloco_trainer.local import launch
@@ -102,14 +103,14 @@ def test_wire_client_retries_503_and_keeps_the_push_id(caplog: pytest.LogCapture
             return web.json_response({"error": "busy"}, status=503)
         return web.json_response({"accepted": True, "version": 0, "pending": 1})
 
-    async def test(url: str) -> dict[str, Any]:
+    async def test(url: str) -> PushAnswer:
         async with syncer_client.SyncerClient(url, "tok", retry_deadline=30) as client:
             meta = protocol.PushMeta("island-0", 0, 10, 1, 1.0, 0.1, "none")
             return await client.push(0, {"w": torch.zeros(3)}, meta)
 
     caplog.set_level(logging.WARNING, logger="diloco.wire")
     answer = serve([("POST", protocol.ROUTE_PUSH, push)], test)
-    assert answer["accepted"] is True
+    assert answer.accepted is True and answer.pending == 1
     assert len(seen) == 3
     assert len({s["pushId"] for s in seen}) == 1 and seen[0]["pushId"]
     assert all(s["auth"] == "Bearer tok" for s in seen)
@@ -191,26 +192,38 @@ def test_wire_client_json_routes_send_the_documented_bodies() -> None:
         "codec": "int8",
     }
 
-    async def test(url: str) -> protocol.JoinInfo:
-        async with syncer_client.SyncerClient(url, "tok") as client:
-            info = await client.join("island-3", 2)
-            await client.heartbeat("island-3", step=7, tokens=99, loss=2.0, step_time=0.5)
-            await client.set_membership("island-3", "dropped", "unhealthy")
-            await client.leave("island-3")
-            await client.status(digest=True)
-            return info
+    heartbeat_answer = {"state": "active", "finished": False, "versions": [2, 1]}
+    membership_answer = {"island": "island-3", "state": "dropped", "reason": "unhealthy"}
+    leave_answer = {"island": "island-3", "state": "left"}
+    status_answer = {"outerStep": 1, "versions": [2, 1], "finished": False, "digest": "d1"}
 
-    info = serve(
+    async def test(url: str) -> list[Any]:
+        async with syncer_client.SyncerClient(url, "tok") as client:
+            return [
+                await client.join("island-3", 2),
+                await client.heartbeat("island-3", step=7, tokens=99, loss=2.0, step_time=0.5),
+                await client.set_membership("island-3", "dropped", "unhealthy"),
+                await client.leave("island-3"),
+                await client.status(digest=True),
+            ]
+
+    info, beat, membership, leave, status = serve(
         [
             ("POST", protocol.ROUTE_JOIN, record("join", join_answer)),
-            ("POST", protocol.ROUTE_HEARTBEAT, record("heartbeat", {"state": "active"})),
-            ("PUT", protocol.ROUTE_ISLAND, record("membership", {"state": "dropped"})),
-            ("POST", protocol.ROUTE_LEAVE, record("leave", {"state": "left"})),
-            ("GET", protocol.ROUTE_STATUS, record("status", {})),
+            ("POST", protocol.ROUTE_HEARTBEAT, record("heartbeat", heartbeat_answer)),
+            ("PUT", protocol.ROUTE_ISLAND, record("membership", membership_answer)),
+            ("POST", protocol.ROUTE_LEAVE, record("leave", leave_answer)),
+            ("GET", protocol.ROUTE_STATUS, record("status", status_answer)),
         ],
         test,
     )
-    assert info == protocol.JoinInfo([["a", "b"], ["c"]], [2, 1], 1, False, "int8")
+    assert info == JoinInfo(
+        fragments=[["a", "b"], ["c"]], versions=[2, 1], outer_step=1, finished=False, codec="int8"
+    )
+    assert (beat.state, beat.versions) == (protocol.STATE_ACTIVE, [2, 1])
+    assert (membership.state, membership.reason) == (protocol.STATE_DROPPED, "unhealthy")
+    assert leave.state == protocol.STATE_LEFT
+    assert (status.outer_step, status.digest) == (1, "d1")
     assert bodies["join"] == {"island": "island-3", "replicas": 2}
     assert bodies["heartbeat"] == {
         "island": "island-3",

@@ -2,8 +2,11 @@
 
 Routes (all under the bearer token except /healthz and /readyz):
 
+The JSON answers are typed in documents.py (JoinInfo, PushAnswer, HeartbeatAnswer,
+MembershipAnswer, SyncerStatus) and client.py is the one JSON client of these routes.
+
 - ``POST /v1/join`` JSON {"island", "replicas"} -> {"fragments", "versions", "outerStep",
-  "finished", "codec", "pullCompression"}.
+  "finished", "codec", "pullCompression", "state"}.
 - ``GET /v1/fragments/{f}?after=V&wait=S[&have=H]`` -> safetensors body of fragment f's fp32
   global weights (the published copy, see published.py), header metadata {"kind": "full",
   "version", "fragment", "outerStep", "finished"}; long-polls up to S seconds (capped at
@@ -18,17 +21,20 @@ Routes (all under the bearer token except /healthz and /readyz):
 - ``POST /v1/fragments/{f}/push`` safetensors body of ``compress.encode_tensors(Δ_f, codec)`` with
   metadata {"island", "baseVersion", "tokens", "steps", "loss", "stepTime", "codec"} and the
   optional {"syncTime", "pushId"} -> {"accepted", "version", "pending"}.
-- ``POST /v1/heartbeat`` {"island", "step", "tokens", "loss", "stepTime"} -> {"state", "finished"}.
-- ``POST /v1/leave`` {"island"}; ``GET /v1/status[?digest=1]``; ``PUT /v1/islands/{island}``
-  {"state", "reason"}; ``/healthz``, ``/readyz``, ``/metrics``.
+- ``POST /v1/heartbeat`` {"island", "step", "tokens", "loss", "stepTime"} -> {"state", "finished",
+  "versions"}.
+- ``POST /v1/leave`` {"island"} -> {"island", "state"}; ``GET /v1/status[?digest=1]`` -> the
+  status document; ``PUT /v1/islands/{island}`` {"state", "reason"} -> {"island", "state",
+  "reason"}; ``/healthz``, ``/readyz``, ``/metrics``.
 
 Tensors travel as safetensors bytes (never pickle). Metadata lives in the safetensors header's
 ``__metadata__`` (a str -> str map): strings are stored as they are, numbers and booleans as JSON.
 
-Retries: the client retries connection failures and 502/503/504 with exponential backoff until a
-deadline, so a learner rides out a syncer restart. Pushes carry a ``pushId`` that stays the same
-across retries of one call; the syncer answers a repeated id with its first answer, so a retried
-push is never counted twice even when the first attempt was merged before its answer got lost.
+Retries: the client (client.py) retries connection failures and 502/503/504 with exponential
+backoff until a deadline, so a learner rides out a syncer restart. Pushes carry a ``pushId`` that
+stays the same across retries of one call; the syncer answers a repeated id with its first answer,
+so a retried push is never counted twice even when the first attempt was merged before its answer
+got lost.
 """
 
 from __future__ import annotations
@@ -37,7 +43,7 @@ import json
 import struct
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal, get_args
 
 API_PREFIX = "/v1"
 ROUTE_JOIN = "/v1/join"
@@ -57,19 +63,22 @@ SAFETENSORS_CONTENT_TYPE = "application/octet-stream"
 # The syncer caps a long-poll at this many seconds; clients ask for less or get 304 sooner.
 MAX_WAIT_SECONDS = 60.0
 
-STATE_ACTIVE = "active"
-STATE_DROPPED = "dropped"
-STATE_TIMED_OUT = "timedOut"
-STATE_LEFT = "left"
-ISLAND_STATES = (STATE_ACTIVE, STATE_DROPPED, STATE_TIMED_OUT, STATE_LEFT)
+# An island's membership state, as the syncer reports it (the one definition of these names):
+# active (counts towards the quorum), dropped (by the admin route, until re-added), timedOut (no
+# sign of life for heartbeatTimeoutSeconds), left (said goodbye, until it joins again).
+IslandState = Literal["active", "dropped", "timedOut", "left"]
+ISLAND_STATES: tuple[IslandState, ...] = get_args(IslandState)
+STATE_ACTIVE, STATE_DROPPED, STATE_TIMED_OUT, STATE_LEFT = ISLAND_STATES
 # The states the admin route accepts.
-ADMIN_STATES = (STATE_ACTIVE, STATE_DROPPED)
+ADMIN_STATES: tuple[IslandState, ...] = (STATE_ACTIVE, STATE_DROPPED)
 
 # Machine-readable "code" in some error bodies ({"error": message, "code": code}).
 ERROR_STALE = "stale"  # 409: baseVersion older than maxStaleness allows: pull, then push again
 ERROR_AHEAD = "ahead"  # 409: baseVersion newer than the syncer's (it restarted from a checkpoint)
 ERROR_UNKNOWN_ISLAND = "unknown_island"  # 404: join first (e.g. the syncer lost its state)
 ERROR_DROPPED = "dropped"  # 403: the operator dropped this island
+# Set by the client, never sent: a success status whose body is not the documented JSON.
+ERROR_MALFORMED = "malformed"
 
 # Push metadata keys (safetensors header).
 META_ISLAND = "island"
@@ -101,13 +110,21 @@ MAX_HEADER_BYTES = 16 * 1024 * 1024
 
 
 class SyncerError(RuntimeError):
-    """The syncer refused a request (a 4xx) or stayed unreachable past the retry deadline."""
+    """The syncer refused a request (a 4xx), stayed unreachable past the retry deadline
+    (`status` 0), failed (other 5xx) or answered something that is not the documented JSON
+    (`code` ERROR_MALFORMED)."""
 
     def __init__(self, status: int, message: str, code: str = "") -> None:
         super().__init__(f"syncer answered {status}: {message}" if status else message)
         self.status = status
         self.message = message
         self.code = code  # one of the ERROR_* constants, or ""
+
+    @property
+    def unavailable(self) -> bool:
+        """True when the syncer could not do it (unreachable or 5xx): trying later may work.
+        False for a refusal (4xx) or a malformed answer: the same request would fail again."""
+        return self.status == 0 or self.status >= 500
 
 
 @dataclass(frozen=True)
@@ -142,31 +159,6 @@ class PushMeta:
                 META_CODEC: self.codec,
                 META_PUSH_ID: self.push_id,
             }
-        )
-
-
-@dataclass(frozen=True)
-class JoinInfo:
-    """The syncer's answer to a join: how parameters are split and where each fragment stands."""
-
-    fragments: list[list[str]]
-    versions: list[int]
-    outer_step: int
-    finished: bool
-    codec: str
-    pull_compression: str = (
-        "none"  # codec of pulled weight updates (older syncers send full weights)
-    )
-
-    @classmethod
-    def from_json(cls, doc: Mapping[str, Any]) -> JoinInfo:
-        return cls(
-            fragments=[list(f) for f in doc["fragments"]],
-            versions=[int(v) for v in doc["versions"]],
-            outer_step=int(doc["outerStep"]),
-            finished=bool(doc["finished"]),
-            codec=str(doc["codec"]),
-            pull_compression=str(doc.get("pullCompression", "none")),
         )
 
 
@@ -205,10 +197,6 @@ def meta_int(meta: Mapping[str, str], key: str) -> int:
 
 def meta_bool(meta: Mapping[str, str], key: str) -> bool:
     return meta.get(key, "false") == "true"
-
-
-def backoff(attempt: int, *, base: float = 0.2, cap: float = 5.0) -> float:
-    return min(cap, base * 2**attempt)
 
 
 def error_message(body: bytes) -> tuple[str, str]:

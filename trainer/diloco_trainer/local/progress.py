@@ -1,7 +1,7 @@
 """Rich renderings for `diloco run`: the live view of a job and the final summary.
 
-Pure functions from the syncer's status document (wire.py's /v1/status) to rich renderables, so
-the launcher stays a thin loop and these can be looked at without processes.
+Pure functions from the syncer's status document (api.documents.SyncerStatus) to rich renderables,
+so the launcher stays a thin loop and these can be looked at without processes.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from rich.progress_bar import ProgressBar
 from rich.table import Table
 from rich.text import Text
 
+from diloco_trainer.api.documents import SyncerStatus
 from diloco_trainer.api.spec import JobSpec
 
 
@@ -31,14 +32,13 @@ def _fmt(x: Any, spec: str = ".4f") -> str:
     return "-" if x is None else format(x, spec)
 
 
-def progress_fraction(spec: JobSpec, status: Mapping[str, Any]) -> tuple[float, str]:
+def progress_fraction(spec: JobSpec, status: SyncerStatus) -> tuple[float, str]:
     """How far the job is towards stopAfter (the nearer of its limits) and a label."""
     fractions = []
     if spec.stop_after.outer_steps:
-        outer = int(status.get("outerStep", 0))
-        fractions.append((outer / spec.stop_after.outer_steps, "outer step"))
+        fractions.append((status.outer_step / spec.stop_after.outer_steps, "outer step"))
     if spec.stop_after.tokens:
-        fractions.append((int(status.get("tokens", 0)) / spec.stop_after.tokens, "tokens"))
+        fractions.append((status.tokens / spec.stop_after.tokens, "tokens"))
     if not fractions:
         return 0.0, "no stopAfter: runs until Ctrl-C"
     frac, label = max(fractions)
@@ -47,7 +47,7 @@ def progress_fraction(spec: JobSpec, status: Mapping[str, Any]) -> tuple[float, 
 
 def status_view(
     spec: JobSpec,
-    status: Mapping[str, Any],
+    status: SyncerStatus,
     *,
     started: float,
     slowdowns: Mapping[int, float],
@@ -55,21 +55,20 @@ def status_view(
 ) -> RenderableType:
     """The live view: one progress line, the headline figures, and a row per island."""
     frac, label = progress_fraction(spec, status)
-    outer = int(status.get("outerStep", 0))
     limit = spec.stop_after.outer_steps
     head = Text.assemble(
         ("outer step ", "bold"),
-        f"{outer}" + (f"/{limit}" if limit else ""),
+        f"{status.outer_step}" + (f"/{limit}" if limit else ""),
         ("  tokens ", "bold"),
-        f"{int(status.get('tokens', 0)):,}",
+        f"{status.tokens:,}",
         ("  loss ", "bold"),
-        _fmt(status.get("loss")),
+        _fmt(status.loss),
         ("  eval ", "bold"),
-        f"{_fmt(status.get('initialEvalLoss'))} -> {_fmt(status.get('evalLoss'))}",
+        f"{_fmt(status.initial_eval_loss)} -> {_fmt(status.eval_loss)}",
         ("  pushed ", "bold"),
-        human_bytes(float(status.get("bytesIn", 0))),
+        human_bytes(status.bytes_in),
         ("  pulled ", "bold"),
-        human_bytes(float(status.get("bytesOut", 0))),
+        human_bytes(status.bytes_out),
         ("  elapsed ", "bold"),
         f"{time.monotonic() - started:.0f}s",
     )
@@ -79,8 +78,7 @@ def status_view(
     for col in ("island", "state", "pushes", "joins", "tokens", "loss", "last push", "note"):
         islands.add_column(col, justify="left" if col in ("island", "state", "note") else "right")
     now = time.time()
-    for index, (name, info) in enumerate(sorted(dict(status.get("islands", {})).items())):
-        last = info.get("lastPush")
+    for index, (name, info) in enumerate(sorted(status.islands.items())):
         notes = []
         if slowdowns.get(index, 1.0) > 1:
             notes.append(f"slowed {slowdowns[index]:g}x")
@@ -88,12 +86,12 @@ def status_view(
             notes.append(f"exited {dead[name]}")
         islands.add_row(
             name,
-            str(info.get("state", "?")),
-            str(info.get("pushes", 0)),
-            str(info.get("joins", 0)),
-            f"{int(info.get('tokens', 0)):,}",
-            _fmt(info.get("loss")),
-            f"{now - float(last):.0f}s ago" if last else "-",
+            info.state,
+            str(info.pushes),
+            str(info.joins),
+            f"{info.tokens:,}",
+            _fmt(info.loss),
+            f"{now - info.last_push:.0f}s ago" if info.last_push else "-",
             ", ".join(notes),
         )
     return Group(bar, head, islands)

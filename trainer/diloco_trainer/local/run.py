@@ -20,7 +20,7 @@ import signal
 import sys
 import tempfile
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import FrameType
@@ -30,7 +30,10 @@ import yaml
 from rich.console import Console
 from rich.live import Live
 
+from diloco_trainer.api.client import SyncerJsonClient
 from diloco_trainer.api.contract import island_name
+from diloco_trainer.api.documents import SyncerStatus
+from diloco_trainer.api.protocol import SyncerError
 from diloco_trainer.api.spec import ConfigError, JobSpec, load_spec, parse_spec
 from diloco_trainer.local.launch import (
     JobFiles,
@@ -92,6 +95,10 @@ DEFAULT_SPEC: dict[str, Any] = {
 }
 
 POLL_SECONDS = 0.5
+# One status request: tried for this long (the syncer may be restarting) before the watch loop
+# looks at the children to tell whether the syncer died; one attempt is cut at the timeout.
+STATUS_DEADLINE_SECONDS = 5.0
+STATUS_TIMEOUT_SECONDS = 10.0
 # After the syncer says finished, learners get this long to notice and exit on their own.
 LEARNER_EXIT_SECONDS = 30.0
 # Children get this long to exit after SIGTERM before their process groups are killed.
@@ -145,22 +152,22 @@ def threads_per_learner(total_ranks: int) -> int:
 
 
 def make_summary(
-    status: Mapping[str, Any], *, islands: int, wall_seconds: float, workdir: Path
+    status: SyncerStatus, *, islands: int, wall_seconds: float, workdir: Path
 ) -> dict[str, Any]:
     """The JSON summary of a finished run, from the syncer's final status."""
     return {
-        "job": status.get("jobName"),
+        "job": status.job_name,
         "islands": islands,
-        "outer_steps": int(status.get("outerStep", 0)),
-        "finished": bool(status.get("finished")),
-        "tokens": int(status.get("tokens", 0)),
-        "initial_eval_loss": status.get("initialEvalLoss"),
-        "final_eval_loss": status.get("evalLoss"),
-        "bytes_pushed": int(status.get("bytesIn", 0)),
-        "bytes_pulled": int(status.get("bytesOut", 0)),
+        "outer_steps": status.outer_step,
+        "finished": status.finished,
+        "tokens": status.tokens,
+        "initial_eval_loss": status.initial_eval_loss,
+        "final_eval_loss": status.eval_loss,
+        "bytes_pushed": status.bytes_in,
+        "bytes_pulled": status.bytes_out,
         "wall_seconds": round(wall_seconds, 3),
-        "eval_history": list(status.get("evalHistory", [])),
-        "island_stats": dict(status.get("islands", {})),
+        "eval_history": [point.to_json() for point in status.eval_history],
+        "island_stats": {name: info.to_json() for name, info in status.islands.items()},
         "workdir": str(workdir),
     }
 
@@ -258,21 +265,21 @@ class LocalRun:
                     )
         return bool(self.learners) and len(self.dead) == len(self.learners)
 
-    async def watch(self, started: float) -> dict[str, Any]:
+    async def watch(self, started: float) -> SyncerStatus:
         """Poll the syncer until it reports the job finished; returns its last status."""
-        from diloco_trainer.api.protocol import SyncerError
-        from diloco_trainer.learner.syncer_client import SyncerClient
-
         assert self.files is not None
-        status: dict[str, Any] = {}
+        status: SyncerStatus | None = None
         last_outer = -1
         live: Live | None = None
         if not self.quiet and self.console.is_terminal:
             live = Live(console=self.console, refresh_per_second=4, transient=False)
             live.start()
         try:
-            async with SyncerClient(
-                self.url, self.files.token, retry_deadline=3.0, request_timeout=10.0
+            async with SyncerJsonClient(
+                self.url,
+                self.files.token,
+                retry_deadline=STATUS_DEADLINE_SECONDS,
+                request_timeout=STATUS_TIMEOUT_SECONDS,
             ) as client:
                 while True:
                     try:
@@ -280,12 +287,15 @@ class LocalRun:
                     except SyncerError as err:
                         # The syncer may be going down; _check_children tells.
                         self.console.print(f"[yellow]status: {err}[/yellow]")
-                    if self._check_children(bool(status.get("finished"))) and not (
-                        await self._finished_now(client, status)
-                    ):
-                        raise RunError(
-                            f"every learner exited before the job finished; logs in {self.logs}"
-                        )
+                    if self._check_children(status is not None and status.finished):
+                        status = await self._status_if_finished(client, status)
+                        if status is None:
+                            raise RunError(
+                                f"every learner exited before the job finished; logs in {self.logs}"
+                            )
+                    if status is None:  # no answer yet: nothing to show
+                        await asyncio.sleep(POLL_SECONDS)
+                        continue
                     if live is not None:
                         live.update(
                             status_view(
@@ -296,14 +306,14 @@ class LocalRun:
                                 dead=self.dead,
                             )
                         )
-                    elif not self.quiet and status.get("outerStep", -1) != last_outer:
-                        last_outer = int(status["outerStep"])
+                    elif not self.quiet and status.outer_step != last_outer:
+                        last_outer = status.outer_step
                         self.console.print(
-                            f"outer step {last_outer}  tokens {status.get('tokens', 0):,}  "
-                            f"eval loss {status.get('evalLoss')}  "
+                            f"outer step {last_outer}  tokens {status.tokens:,}  "
+                            f"eval loss {status.eval_loss}  "
                             f"({time.monotonic() - started:.0f}s)"
                         )
-                    if status.get("finished"):
+                    if status.finished:
                         return status
                     await asyncio.sleep(POLL_SECONDS)
         finally:
@@ -311,18 +321,19 @@ class LocalRun:
                 live.stop()
 
     @staticmethod
-    async def _finished_now(client: Any, status: dict[str, Any]) -> bool:
-        """Whether the job has finished, asking again: learners exit as soon as they hear it
-        did, possibly just after `status` was read."""
-        from diloco_trainer.api.protocol import SyncerError
-
-        if status.get("finished"):
-            return True
+    async def _status_if_finished(
+        client: SyncerJsonClient, status: SyncerStatus | None
+    ) -> SyncerStatus | None:
+        """The status that says the job finished, asking again when `status` does not:
+        learners exit as soon as they hear it did, possibly just after `status` was read. None
+        when the job has not finished (or a syncer that is gone cannot say it has)."""
+        if status is not None and status.finished:
+            return status
         try:
-            status.update(await client.status())
-        except SyncerError:  # a syncer that is gone cannot say it finished
-            return False
-        return bool(status.get("finished"))
+            status = await client.status()
+        except SyncerError:
+            return None
+        return status if status.finished else None
 
     def wait_learners(self, timeout: float) -> None:
         """Give learners `timeout` seconds to exit by themselves (they do once finished)."""

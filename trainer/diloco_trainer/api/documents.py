@@ -1,0 +1,243 @@
+"""Typed JSON documents of the syncer's routes (torch-free): one definition each, read by the
+learners, the operator and the local runner (and written by the syncer, see SyncerStatus).
+
+Each model parses a decoded JSON object with `from_json` and gives the wire form (camelCase keys)
+back with `to_json`; in Python the fields are snake_case (``status.outer_step``). Parsing is
+forward compatible: keys a newer syncer adds are kept (to_json gives them back) and otherwise
+ignored, and fields an older syncer did not send take neutral defaults. A document with a field of
+the wrong type, or without a field every syncer sends (the required ones below), is refused with a
+DocumentError that names each problem.
+
+Island states stay plain strings here (a newer syncer may report a state this code does not know,
+and one unknown island must not make the whole status unreadable): compare them with the
+protocol.STATE_* constants, or use IslandStatus.known_state.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from typing import Any, TypeVar, cast
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic.alias_generators import to_camel
+
+from diloco_trainer.api.protocol import ISLAND_STATES, STATE_ACTIVE, IslandState
+
+_D = TypeVar("_D", bound="Document")
+
+# Offending values are quoted in error messages up to this many characters.
+_MAX_QUOTED = 80
+
+
+class DocumentError(ValueError):
+    """A JSON document that does not have the documented shape."""
+
+
+def _problems(name: str, err: ValidationError) -> str:
+    """One line per problem: where (dotted camelCase path), what, and the value found."""
+    lines = []
+    for e in err.errors(include_url=False):
+        if not e["loc"]:  # a check of the whole document: its message says what is wrong
+            lines.append(e["msg"].removeprefix("Value error, "))
+            continue
+        where = ".".join(str(p) for p in e["loc"])
+        found = "" if e["type"] == "missing" else f" (got {repr(e['input'])[:_MAX_QUOTED]})"
+        lines.append(f"{where}: {e['msg']}{found}")
+    return f"malformed {name}: " + "; ".join(lines)
+
+
+class Document(BaseModel):
+    """Base of the syncer's JSON documents: camelCase on the wire, extra keys kept, immutable."""
+
+    model_config = ConfigDict(
+        alias_generator=to_camel, populate_by_name=True, extra="allow", frozen=True
+    )
+
+    @classmethod
+    def from_json(cls: type[_D], doc: Any) -> _D:
+        """Parse a decoded JSON object; DocumentError (a ValueError) when it is malformed."""
+        if not isinstance(doc, Mapping):
+            raise DocumentError(
+                f"malformed {cls.__name__}: expected a JSON object, got {type(doc).__name__}"
+            )
+        try:
+            return cls.model_validate(doc)
+        except ValidationError as err:
+            raise DocumentError(_problems(cls.__name__, err)) from None
+
+    def to_json(self) -> dict[str, Any]:
+        """The wire form: camelCase keys, JSON types, extra keys included."""
+        return self.model_dump(by_alias=True, mode="json")
+
+
+# ----- answers to the learner routes ---------------------------------------------------------
+
+
+class JoinInfo(Document):
+    """POST /v1/join: how parameters are split into fragments and where each fragment stands."""
+
+    fragments: list[list[str]]
+    versions: list[int]
+    outer_step: int
+    finished: bool
+    codec: str
+    pull_compression: str = "none"  # codec of pulled weight updates (older syncers: full weights)
+    state: str = STATE_ACTIVE  # the island's membership state after the join
+
+    @model_validator(mode="after")
+    def _one_version_per_fragment(self) -> JoinInfo:
+        if len(self.versions) != len(self.fragments):
+            raise ValueError(f"{len(self.versions)} versions for {len(self.fragments)} fragments")
+        return self
+
+
+class PushAnswer(Document):
+    """POST /v1/fragments/{f}/push: whether the pseudo-gradient was taken and the fragment's
+    version then (the push is in the round that makes version + 1)."""
+
+    accepted: bool
+    version: int
+    pending: int = 0  # contributions in the fragment's open round
+    replaced: bool = False  # it replaced the island's earlier pending push
+    duplicate: bool = False  # a retry of a push already answered (this is that first answer)
+    finished: bool = False  # the job has finished: nothing is accepted any more
+    reason: str = ""  # why it was not accepted
+
+
+class HeartbeatAnswer(Document):
+    """POST /v1/heartbeat: the island's membership state and whether the job finished."""
+
+    state: str
+    finished: bool
+    versions: list[int] = Field(default_factory=list)
+
+
+class MembershipAnswer(Document):
+    """POST /v1/leave and PUT /v1/islands/{island}: the island's state afterwards."""
+
+    island: str
+    state: str
+    reason: str = ""
+
+
+# ----- the status document (GET /v1/status) --------------------------------------------------
+
+
+class IslandStatus(Document):
+    """What the syncer knows about one island (the status document's ``islands`` values)."""
+
+    state: str  # one of protocol.ISLAND_STATES from this version's syncer
+    reason: str = ""  # why the admin route set the state
+    joins: int = 0
+    replicas: int = 0
+    last_seen: float = 0.0  # seconds since the epoch (syncer clock) of its last sign of life
+    last_push: float | None = None
+    pushes: int = 0
+    tokens: int = 0  # tokens it reports having consumed (heartbeats)
+    merged_tokens: int = 0  # its tokens in merges, averaged over fragments
+    loss: float | None = None
+    step: int = 0
+    step_time: float | None = None
+
+    @property
+    def known_state(self) -> IslandState | None:
+        """The state when it is one this code knows, else None (a newer syncer's state)."""
+        return cast(IslandState, self.state) if self.state in ISLAND_STATES else None
+
+
+class EvalPoint(Document):
+    """One evaluation of the global weights (the status document's ``evalHistory``)."""
+
+    outer_step: int
+    tokens: int = 0
+    eval_loss: float | None = None
+    time: float | None = None
+
+
+class MergeContributor(Document):
+    """One island's part in a merge."""
+
+    island: str
+    base_version: int = 0
+    lag: int = 0
+    tokens: int = 0
+    steps: int = 0
+    loss: float | None = None
+    raw_weight: float = 0.0
+    weight: float = 0.0  # its share (the raw weights normalised to sum to 1)
+
+
+class MergeRecord(Document):
+    """One merge (the status document's recent ``merges``, and merges.jsonl)."""
+
+    version: int
+    fragment: int
+    outer_step: int = 0
+    time: float = 0.0
+    quorum: int = 0
+    grace: float = 0.0
+    rule: str = ""
+    coverage: float = 1.0
+    tokens: int = 0
+    merge_seconds: float = 0.0
+    contributors: list[MergeContributor] = Field(default_factory=list)
+
+
+class SyncerStatus(Document):
+    """GET /v1/status: the job's progress, rounds, islands and recent merges.
+
+    `to_json()` gives the syncer's document back exactly (a test checks this against a real
+    syncer), so the syncer can build its answer as a SyncerStatus.
+    """
+
+    outer_step: int  # outer steps completed: the least merged fragment's version
+    versions: list[int]  # each fragment's version (merges so far)
+    finished: bool
+    job_name: str = ""
+    quorum: int = 0  # the effective quorum: min(K, active + awaited islands)
+    awaited_islands: int = 0  # islands of the job not heard of yet
+    quorum_target: int = 0  # K (sync.quorum)
+    grace: float = 0.0  # the grace window, seconds
+    fragments: int = 0
+    pending: list[int] = Field(default_factory=list)  # contributions in each open round
+    codec: str = ""
+    pull_compression: str = "none"
+    pulls: dict[str, int] = Field(default_factory=dict)  # answered pulls by kind (full, updates)
+    tokens: int = 0  # tokens merged into the global model
+    loss: float | None = None  # training loss of the latest merge's contributions
+    eval_loss: float | None = None
+    initial_eval_loss: float | None = None
+    eval_history: list[EvalPoint] = Field(default_factory=list)
+    bytes_in: int = 0
+    bytes_out: int = 0
+    last_merge_time: float | None = None
+    merge_count: int = 0
+    active_islands: int = 0
+    islands: dict[str, IslandStatus] = Field(default_factory=dict)
+    merges: list[MergeRecord] = Field(default_factory=list)
+    resumed_from: str | None = None  # the checkpoint the syncer resumed from
+    failure: str | None = None  # why the syncer stopped taking work (it must be restarted)
+    time: float = 0.0  # the syncer's clock when it wrote the document
+    digest: str | None = None  # sha256 of weights + momentum (only with ?digest=1)
+
+    def to_json(self) -> dict[str, Any]:
+        doc = super().to_json()
+        if self.digest is None:  # asked for only: the plain document has no such key
+            del doc["digest"]
+        return doc
+
+    def island_states(self) -> dict[str, str]:
+        """{island: state} for every island the syncer knows."""
+        return {name: info.state for name, info in self.islands.items()}
+
+
+def parse_json_object(raw: bytes | str, what: str) -> dict[str, Any]:
+    """A JSON object from an HTTP body; DocumentError naming `what` when it is not one."""
+    try:
+        doc = json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise DocumentError(f"malformed {what}: not JSON ({err})") from None
+    if not isinstance(doc, dict):
+        raise DocumentError(f"malformed {what}: expected a JSON object, got {type(doc).__name__}")
+    return doc
