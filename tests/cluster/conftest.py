@@ -12,33 +12,33 @@ Fixtures:
   kubectl             the kubectl(*args) helper of control_plane
   namespace           a fresh namespace per test (deleted afterwards)
 
-Importing this module needs nothing but pytest and the standard library; the cluster is only
-started when a test asks for one of the fixtures. If Go is missing or the build fails, the
-fixture fails (never skips) with a message saying what is missing.
+ControlPlane, kubectl and polling come from hack/localcluster/harness.py, which the operator
+benchmark shares; `wait_until`/`holds_for` here are its pytest-flavoured wrappers (a timeout
+fails the test). The cluster is only started when a test asks for one of the fixtures. If Go is
+missing or the build fails, the fixture fails (never skips) with a message saying what is
+missing.
 """
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import shutil
 import subprocess
-import sys
 import threading
-import time
-import uuid
 import warnings
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TypeVar
 
 import pytest
 
+from hack.localcluster import harness
+from hack.localcluster.harness import ControlPlane, StoppedHolding, WaitTimeout
+
 REPO_ROOT = Path(__file__).resolve().parents[2]
 HACK_DIR = REPO_ROOT / "hack"
-LOCAL_CLUSTER = HACK_DIR / "local-cluster"
+LOCAL_CLUSTER = harness.LOCAL_CLUSTER
 BUILD_SCRIPT = HACK_DIR / "build-binaries.sh"
 
 # First build of the binaries takes ~30 min on 2 cores; later runs reuse the cache.
@@ -47,7 +47,6 @@ BUILD_TIMEOUT = float(os.environ.get("DILOCO_K8S_BUILD_TIMEOUT", "3600"))
 # pytest timeout of the first cluster test, whose set-up it is.
 UP_TIMEOUT = float(os.environ.get("DILOCO_K8S_UP_TIMEOUT", "600"))
 UP_ATTEMPTS = 3
-KUBECTL_TIMEOUT = 120.0
 
 T = TypeVar("T")
 
@@ -65,19 +64,13 @@ def wait_until(
 
     Fails the test after `timeout` seconds, quoting the last exception raised by predicate.
     """
-    deadline = time.monotonic() + timeout
-    last_error: BaseException | None = None
-    while True:
-        try:
-            value = predicate()
-            if value:
-                return value
-        except Exception as e:  # keep polling; reported if the deadline passes
-            last_error = e
-        if time.monotonic() >= deadline:
-            detail = f" (last error: {last_error})" if last_error else ""
-            pytest.fail(f"timed out after {timeout:.0f}s waiting for {message}{detail}")
-        time.sleep(interval)
+    try:
+        return harness.poll_until(
+            predicate, timeout=timeout, interval=interval, what=message, ignore=(Exception,)
+        )
+    except WaitTimeout as e:
+        error = str(e)  # failed outside the handler: the report shows one message, no chain
+    pytest.fail(error)
 
 
 def holds_for(
@@ -87,127 +80,12 @@ def holds_for(
     message: str = "condition",
 ) -> None:
     """Check predicate() repeatedly for `duration` seconds; fail the first time it is false."""
-    deadline = time.monotonic() + duration
-    checks = 0
-    while True:
-        if not predicate():
-            pytest.fail(f"{message} stopped holding after {checks} checks")
-        checks += 1
-        if time.monotonic() >= deadline:
-            return
-        time.sleep(interval)
-
-
-class KubectlError(AssertionError):
-    """kubectl exited non-zero; the message carries its command line and stderr."""
-
-    def __init__(self, args: list[str], result: subprocess.CompletedProcess[str]):
-        self.result = result
-        super().__init__(
-            f"kubectl {' '.join(args)} exited {result.returncode}\n"
-            f"stderr: {result.stderr.strip()}\nstdout: {result.stdout.strip()[:2000]}"
-        )
-
-
-def pod_ready(pod: dict[str, Any]) -> bool:
-    for cond in pod.get("status", {}).get("conditions") or []:
-        if cond.get("type") == "Ready":
-            return cond.get("status") == "True"
-    return False
-
-
-@dataclass
-class ControlPlane:
-    """One running local control plane."""
-
-    name: str
-    dir: Path
-    kubeconfig: Path
-    bin_dir: Path
-    server: str
-    env: dict[str, str] = field(repr=False)
-
-    @property
-    def logs_dir(self) -> Path:
-        return self.dir / "logs"
-
-    def kubectl(
-        self,
-        *args: str,
-        check: bool = True,
-        input: str | None = None,
-        timeout: float = KUBECTL_TIMEOUT,
-    ) -> subprocess.CompletedProcess[str]:
-        """Run the built kubectl against this cluster; raise KubectlError on failure."""
-        argv = [str(self.bin_dir / "kubectl"), *args]
-        result = subprocess.run(
-            argv,
-            env=self.env,
-            input=input,
-            capture_output=True,
-            text=True,
-            timeout=timeout,
-            check=False,
-        )
-        if check and result.returncode != 0:
-            raise KubectlError(list(args), result)
-        return result
-
-    def kubectl_json(self, *args: str) -> Any:
-        """kubectl ARGS -o json, parsed."""
-        return json.loads(self.kubectl(*args, "-o", "json").stdout)
-
-    def apply(
-        self, manifest: str | dict[str, Any] | list[dict[str, Any]], namespace: str = ""
-    ) -> str:
-        """kubectl apply a YAML/JSON string, an object or a list of objects."""
-        if not isinstance(manifest, str):
-            items = manifest if isinstance(manifest, list) else [manifest]
-            manifest = json.dumps({"apiVersion": "v1", "kind": "List", "items": items})
-        ns = ["-n", namespace] if namespace else []
-        return self.kubectl("apply", *ns, "-f", "-", input=manifest).stdout
-
-    def kubeconfig_for_sa(self, namespace: str, serviceaccount: str, path: Path) -> Path:
-        """Write a kubeconfig authenticating as namespace/serviceaccount (token) to path."""
-        result = _local_cluster(
-            "kubeconfig-for-sa", "--dir", str(self.dir), namespace, serviceaccount, timeout=60
-        )
-        if result.returncode != 0:
-            pytest.fail(f"kubeconfig-for-sa {namespace}/{serviceaccount} failed:\n{result.stderr}")
-        path.write_text(result.stdout)
-        path.chmod(0o600)
-        return path
-
-    def env_with_kubeconfig(self, kubeconfig: Path) -> dict[str, str]:
-        """self.env, but authenticating with another kubeconfig (e.g. a ServiceAccount's)."""
-        return {**self.env, "KUBECONFIG": str(kubeconfig)}
-
-    def api_client(self) -> Any:
-        """A kubernetes.client.ApiClient for this cluster (needs the `kubernetes` package)."""
-        from kubernetes import config as k8s_config
-
-        return k8s_config.new_client_from_config(config_file=str(self.kubeconfig))
-
-    def create_namespace(self, prefix: str = "t") -> str:
-        """Create a namespace with a unique name and wait for its default ServiceAccount."""
-        slug = re.sub(r"[^a-z0-9-]+", "-", prefix.lower()).strip("-")[:40].strip("-") or "t"
-        name = f"{slug}-{uuid.uuid4().hex[:6]}"
-        self.kubectl("create", "namespace", name)
-        # Pods are rejected until the service-account controller has created "default".
-        wait_until(
-            lambda: (
-                self.kubectl("get", "serviceaccount", "default", "-n", name, check=False).returncode
-                == 0
-            ),
-            timeout=180,
-            message=f"ServiceAccount default in namespace {name}",
-        )
-        return name
-
-    def delete_namespace(self, name: str, wait: bool = False) -> None:
-        self.kubectl(
-            "delete", "namespace", name, "--ignore-not-found", f"--wait={str(wait).lower()}"
-        )
+    try:
+        harness.holds_for(predicate, duration=duration, interval=interval, what=message)
+        return
+    except StoppedHolding as e:
+        error = str(e)
+    pytest.fail(error)
 
 
 # ----------------------------------------------------------------------------------- startup
@@ -219,10 +97,6 @@ def _find_go() -> str | None:
         or shutil.which("go")
         or ("/usr/local/go/bin/go" if os.access("/usr/local/go/bin/go", os.X_OK) else None)
     )
-
-
-def _tail(text: str, lines: int = 40) -> str:
-    return "\n".join(text.strip().splitlines()[-lines:])
 
 
 def _ensure_binaries(config: pytest.Config, log_path: Path) -> Path:
@@ -285,109 +159,38 @@ def _ensure_binaries(config: pytest.Config, log_path: Path) -> Path:
     if rc != 0 or not lines:
         pytest.fail(
             f"building the control-plane binaries failed (exit {rc}); log: {log_path}\n"
-            + _tail("\n".join(lines))
+            + harness.tail_lines("\n".join(lines))
         )
     return Path(lines[-1])
-
-
-def _local_cluster(
-    *args: str, env: dict[str, str] | None = None, timeout: float = 120.0
-) -> subprocess.CompletedProcess[str]:
-    """Run hack/local-cluster with this Python (no dependency on a `python3` on PATH).
-
-    Past `timeout` it gets SIGTERM (it then stops what it started) and 60 s later SIGKILL;
-    subprocess.TimeoutExpired is raised either way.
-    """
-    with subprocess.Popen(
-        [sys.executable, str(LOCAL_CLUSTER), *args],
-        env=env,
-        stdin=subprocess.DEVNULL,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    ) as proc:
-        try:
-            stdout, stderr = proc.communicate(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            proc.terminate()
-            try:
-                proc.communicate(timeout=60)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.communicate()
-            raise
-    return subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)
-
-
-def _failure_summary(stderr: str) -> str:
-    """The part of `up`'s output that explains a failure: its closing summary (which attempt
-    failed how, the failing component's log tail), or the last lines if there is none."""
-    marker = stderr.rfind("ERROR: up failed after")
-    if marker >= 0:
-        return stderr[stderr.rfind("\n", 0, marker) + 1 :].strip()
-    return _tail(stderr, 60)
 
 
 def _start_control_plane(name: str, base: Path, bin_dir: Path) -> ControlPlane:
     if shutil.which("openssl") is None:
         pytest.fail("the cluster tier needs `openssl` to create the cluster certificates")
-    directory = base / name
-    env = {**os.environ, "DILOCO_K8S_BIN_DIR": str(bin_dir)}
     # A failed start (a component dies or misses its deadline on a loaded 2-core machine, a
     # port taken between choice and bind) is retried by `up` itself, each attempt with new
-    # ports, certificates and etcd data, all within --timeout.
-    up = ["up", "--dir", str(directory), "--name", name, "--owner-pid", str(os.getpid())]
-    up += ["--attempts", str(UP_ATTEMPTS), "--timeout", str(UP_TIMEOUT)]
+    # ports, certificates and etcd data, all within its timeout.
     try:
-        result = _local_cluster(*up, env=env, timeout=UP_TIMEOUT + 90)
-    except subprocess.TimeoutExpired:
-        result = None
-    if result is None or result.returncode != 0:
-        # Normally a no-op: `up` stops what it started; not so if it had to be killed.
-        _local_cluster("down", "--keep-logs", "--dir", str(directory))
-        why = (
-            f"did not finish within {UP_TIMEOUT + 90:.0f}s"
-            if result is None
-            else f"failed (exit {result.returncode}):\n{_failure_summary(result.stderr)}"
+        cp, retried = harness.start_control_plane(
+            base / name, name=name, attempts=UP_ATTEMPTS, timeout=UP_TIMEOUT, bin_dir=bin_dir
         )
-        pytest.fail(f"hack/local-cluster up --dir {directory} {why}")
-    failed_attempts = [line for line in result.stderr.splitlines() if "ERROR:" in line]
-    if failed_attempts:  # visible in the run's warnings summary, so flakes do not go unseen
-        warnings.warn(
-            f"local-cluster up --dir {directory} needed retries: " + "; ".join(failed_attempts),
-            stacklevel=1,
-        )
-    state = json.loads((directory / "state.json").read_text())
-    kubeconfig = directory / "kubeconfig"
-    path = os.environ.get("PATH", "")
-    cluster_env = {
-        **os.environ,
-        "KUBECONFIG": str(kubeconfig),
-        "PATH": f"{bin_dir}{os.pathsep}{path}" if path else str(bin_dir),
-    }
-    return ControlPlane(
-        name=name,
-        dir=directory,
-        kubeconfig=kubeconfig,
-        bin_dir=bin_dir,
-        server=f"https://127.0.0.1:{state['ports']['apiserver']}",
-        env=cluster_env,
-    )
+    except harness.ClusterStartError as e:
+        failure = str(e)
+    else:
+        if retried:  # visible in the run's warnings summary, so flakes do not go unseen
+            warnings.warn(
+                f"local-cluster up --dir {cp.dir} needed retries: " + "; ".join(retried),
+                stacklevel=1,
+            )
+        return cp
+    pytest.fail(failure)
 
 
 def _stop_control_plane(cp: ControlPlane) -> None:
     # Keep the component logs in pytest's (rotated) temp dir for post-mortems.
-    try:
-        result = _local_cluster("down", "--keep-logs", "--dir", str(cp.dir))
-    except subprocess.TimeoutExpired:
-        warnings.warn(f"hack/local-cluster down --dir {cp.dir} timed out", stacklevel=1)
-        return
-    if cp.logs_dir.is_dir():
-        (cp.logs_dir / "down.log").write_text(result.stdout + result.stderr)
-    if result.returncode != 0 or "WARNING" in result.stderr:
-        warnings.warn(
-            f"hack/local-cluster down --dir {cp.dir}: {_tail(result.stderr, 10)}", stacklevel=1
-        )
+    warning = harness.stop_control_plane(cp, keep_logs=True)
+    if warning:
+        warnings.warn(warning, stacklevel=1)
 
 
 # ----------------------------------------------------------------------------------- fixtures

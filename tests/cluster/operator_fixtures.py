@@ -8,15 +8,11 @@ here is killed, with its whole process group, in teardown.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
-import signal
 import ssl
 import subprocess
-import sys
 import time
-import urllib.error
 import urllib.request
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -27,11 +23,9 @@ import pytest
 from diloco_trainer.api.spec import parse_spec
 from diloco_trainer.local import launch
 
-from .conftest import ControlPlane, wait_until
+from hack.localcluster import harness
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
-CRD_FILE = REPO_ROOT / "crds" / "dilocojob.yaml"
-DILOCO = str(Path(sys.executable).with_name("diloco"))
+from .conftest import ControlPlane, wait_until
 
 # A spec the local syncer can serve in seconds on one core (gpt-tiny, short sequences).
 TINY_TRAINING: dict[str, Any] = {
@@ -70,11 +64,7 @@ def job_manifest(name: str, **spec: Any) -> dict[str, Any]:
 @pytest.fixture(scope="session")
 def crd(control_plane: ControlPlane) -> Path:
     """The generated CRD, applied with real kubectl and Established."""
-    control_plane.kubectl("apply", "--server-side", "--force-conflicts", "-f", str(CRD_FILE))
-    control_plane.kubectl(
-        "wait", "--for=condition=Established", "crd/dilocojobs.diloco.dev", "--timeout=180s"
-    )
-    return CRD_FILE
+    return control_plane.install_crd(harness.CRD_FILE, timeout="180s")
 
 
 class Cluster:
@@ -120,21 +110,12 @@ class Cluster:
 
     def set_pod_ready(self, pod: str, ready: bool) -> None:
         """Flip a pod's Ready condition through the status subresource (kwok leaves it)."""
-        value = "True" if ready else "False"
-        patch = {
-            "status": {
-                "conditions": [
-                    {"type": "Ready", "status": value},
-                    {"type": "ContainersReady", "status": value},
-                ]
-            }
-        }
-        self.cp.kubectl(
-            "patch", "pod", pod, "-n", self.ns, "--subresource=status", "-p", json.dumps(patch)
-        )
+        patch = json.dumps(harness.ready_patch(ready))
+        self.cp.kubectl("patch", "pod", pod, "-n", self.ns, "--subresource=status", "-p", patch)
 
     def pods_ready(self, selector: str, count: int) -> list[dict[str, Any]] | None:
-        pods = [p for p in self.items("pods", selector) if _ready(p)]
+        """The Ready pods matching selector if there are exactly `count` of them, else None."""
+        pods = harness.ready_pods(self.items("pods", selector))
         return pods if len(pods) == count else None
 
     def pod_uids(self, selector: str = "diloco.dev/job") -> dict[str, str]:
@@ -142,11 +123,6 @@ class Cluster:
 
     def events(self, reason: str) -> list[dict[str, Any]]:
         return [e for e in self.items("events") if e.get("reason") == reason]
-
-
-def _ready(pod: dict[str, Any]) -> bool:
-    conditions = (pod.get("status") or {}).get("conditions") or []
-    return any(c.get("type") == "Ready" and c.get("status") == "True" for c in conditions)
 
 
 @pytest.fixture
@@ -159,66 +135,16 @@ def cluster(control_plane: ControlPlane, namespace: str, crd: Path) -> Cluster:
 
 
 @dataclass
-class OperatorProcess:
-    """`diloco operator` as a subprocess in its own process group."""
+class OperatorProcess(harness.OperatorProcess):
+    """`diloco operator --standalone --namespace NAMESPACE` (unless `args` says otherwise) as a
+    subprocess in its own process group; start() fails the test if it exits or never serves
+    its liveness endpoint."""
 
-    env: dict[str, str]
-    namespace: str
-    log_file: Path
-    health_port: int = field(default_factory=launch.free_port)
-    metrics_port: int = field(default_factory=launch.free_port)
-    proc: subprocess.Popen[bytes] | None = None
+    namespace: str = ""
 
-    def start(self) -> None:
-        argv = [
-            DILOCO, "operator", "--standalone", "--namespace", self.namespace,
-            "--health-port", str(self.health_port), "--metrics-port", str(self.metrics_port),
-        ]  # fmt: skip
-        with open(self.log_file, "ab") as log:
-            self.proc = subprocess.Popen(
-                argv,
-                env=self.env,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                stdin=subprocess.DEVNULL,
-                start_new_session=True,
-            )
-        wait_until(self._healthy, timeout=180, message="operator liveness endpoint")
-
-    def _healthy(self) -> bool:
-        assert self.proc is not None
-        if self.proc.poll() is not None:
-            pytest.fail(f"operator exited with {self.proc.returncode}:\n{self.log_text()[-4000:]}")
-        try:
-            url = f"http://127.0.0.1:{self.health_port}/healthz"
-            with urllib.request.urlopen(url, timeout=1) as resp:
-                return resp.status == 200
-        except (urllib.error.URLError, ConnectionError, TimeoutError):
-            return False
-
-    def stop(self, sig: signal.Signals = signal.SIGTERM, timeout: float = 20.0) -> None:
-        if self.proc is None or self.proc.poll() is not None:
-            return
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(self.proc.pid, sig)
-        try:
-            self.proc.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait(timeout=10)
-
-    @property
-    def alive(self) -> bool:
-        return self.proc is not None and self.proc.poll() is None
-
-    def metrics(self) -> str:
-        url = f"http://127.0.0.1:{self.metrics_port}/metrics"
-        with urllib.request.urlopen(url, timeout=5) as resp:
-            return resp.read().decode()
-
-    def log_text(self) -> str:
-        return self.log_file.read_text(errors="replace") if self.log_file.exists() else ""
+    def __post_init__(self) -> None:
+        if not self.args:
+            self.args = harness.standalone_operator_args([self.namespace])
 
 
 @pytest.fixture

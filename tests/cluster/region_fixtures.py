@@ -31,8 +31,8 @@ from chart.helm_tool import CHART, Helm
 from diloco_trainer.api.spec import parse_spec
 from diloco_trainer.local import launch
 
-from .conftest import ControlPlane, wait_until
-from .operator_fixtures import DILOCO, LocalSyncer, OperatorProcess, job_manifest
+from .conftest import ControlPlane
+from .operator_fixtures import LocalSyncer, OperatorProcess, job_manifest
 
 # Kinds a chart release may create, namespaced and cluster-scoped (for "nothing left behind").
 NAMESPACED_CHART_KINDS = (
@@ -171,25 +171,11 @@ class ChartOperator(OperatorProcess):
     (cluster-wide or --namespace, --standalone) is the chart's.
     """
 
-    args: list[str] = field(default_factory=list)
-
-    def start(self) -> None:
-        """Start it and wait for its liveness endpoint (as OperatorProcess.start)."""
-        argv = list(self.args)
-        ports = {"--health-port": self.health_port, "--metrics-port": self.metrics_port}
-        for flag, port in ports.items():
-            assert flag in argv, f"the chart's operator args have no {flag}: {argv}"
-            argv[argv.index(flag) + 1] = str(port)
-        with open(self.log_file, "ab") as log:
-            self.proc = subprocess.Popen(
-                [DILOCO, *argv],
-                env=self.env,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                stdin=subprocess.DEVNULL,
-                start_new_session=True,
-            )
-        wait_until(self._healthy, timeout=180, message="operator liveness endpoint")
+    def argv(self) -> list[str]:
+        """The chart's arguments with the local ports (the chart must have both port flags)."""
+        for flag in ("--health-port", "--metrics-port"):
+            assert flag in self.args, f"the chart's operator args have no {flag}: {self.args}"
+        return super().argv()
 
     def denials(self) -> list[tuple[str, str]]:
         """(verb, resource) of every RBAC denial the operator logged."""

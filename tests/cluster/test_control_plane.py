@@ -9,7 +9,9 @@ from typing import Any
 
 import pytest
 
-from .conftest import ControlPlane, holds_for, pod_ready, wait_until
+from hack.localcluster.harness import pod_ready
+
+from .conftest import ControlPlane, holds_for, wait_until
 
 pytestmark = pytest.mark.cluster
 
