@@ -26,6 +26,8 @@ from typing import Any
 
 import kopf
 from diloco_trainer.api import contract
+from diloco_trainer.api.client import SyncerJsonClient
+from diloco_trainer.api.protocol import SyncerError
 from kubernetes.client.exceptions import ApiException
 
 from diloco_operator import api, metrics, resources
@@ -52,7 +54,6 @@ from diloco_operator.status import (
     status_patch,
     ttl_expired,
 )
-from diloco_operator.syncer_client import SyncerClient, SyncerRequestError, SyncerUnavailable
 
 log = logging.getLogger("diloco_operator")
 
@@ -72,7 +73,7 @@ class JobMemory:
     membership: Membership = field(default_factory=Membership)
     syncer_status: dict[str, Any] | None = None
     syncer_error: str | None = "not contacted yet"
-    client: SyncerClient | None = None
+    client: SyncerJsonClient | None = None
     client_key: tuple[str, str, str | None] | None = None
     last_reconcile: float = 0.0
     rollout: list[str] = field(default_factory=list)
@@ -216,7 +217,7 @@ async def _reconcile_children(
     metrics.RECONCILE_SECONDS.observe(time.monotonic() - started)
 
 
-async def _client(kube: Kube, job: JobRef, spec: DiLoCoJobSpec, mem: JobMemory) -> SyncerClient:
+async def _client(kube: Kube, job: JobRef, spec: DiLoCoJobSpec, mem: JobMemory) -> SyncerJsonClient:
     url = resources.syncer_url(job, spec)
     secret = resources.token_secret_name(job.name, spec)
     ca = resources.ca_secret_name(spec) if url.startswith("https://") else None
@@ -225,11 +226,21 @@ async def _client(kube: Kube, job: JobRef, spec: DiLoCoJobSpec, mem: JobMemory) 
         return mem.client
     token = await kube.read_secret_key(job.namespace, secret, contract.TOKEN_KEY)
     if not token:
-        raise SyncerUnavailable(f"token Secret {secret} (key {contract.TOKEN_KEY}) not found")
+        raise SyncerError(0, f"token Secret {secret} (key {contract.TOKEN_KEY}) not found")
     ca_data = await kube.read_secret_key(job.namespace, ca, "ca.crt") if ca else None
     if mem.client is not None:
         await mem.client.close()
-    mem.client, mem.client_key = SyncerClient(url, token, ca_data=ca_data), key
+    # A few seconds per call: the operator never blocks on a missing syncer, it records a
+    # condition and asks again on its next pass (so retries are logged at DEBUG only).
+    client = SyncerJsonClient(
+        url,
+        token,
+        ca_data=ca_data,
+        retry_deadline=3.0,
+        request_timeout=2.0,
+        retry_log_level=logging.DEBUG,
+    )
+    mem.client, mem.client_key = client, key
     return mem.client
 
 
@@ -242,8 +253,8 @@ async def _drop_client(mem: JobMemory) -> None:
 async def _poll_syncer(kube: Kube, job: JobRef, spec: DiLoCoJobSpec, mem: JobMemory) -> None:
     try:
         client = await _client(kube, job, spec, mem)
-        mem.syncer_status, mem.syncer_error = await client.status(), None
-    except (SyncerUnavailable, SyncerRequestError) as err:
+        mem.syncer_status, mem.syncer_error = (await client.status()).to_json(), None
+    except SyncerError as err:
         # Read the token and CA Secrets again next time: either may have been created or
         # rotated since this client was made (a missing CA shows up as "unavailable").
         await _drop_client(mem)
@@ -265,7 +276,7 @@ async def _send_membership(
     try:
         client = await _client(kube, job, spec, mem)
         await client.set_membership(change.island, change.state, change.reason)
-    except (SyncerUnavailable, SyncerRequestError) as err:
+    except SyncerError as err:
         await _drop_client(mem)  # re-read token and CA next time, as in _poll_syncer
         log.warning(
             "%s/%s: could not set %s %s: %s",
@@ -276,7 +287,7 @@ async def _send_membership(
             err,
         )
         metrics.ERRORS.labels(where="membership").inc()
-        if isinstance(err, SyncerUnavailable):
+        if err.unavailable:  # unreachable or 5xx, not a refusal
             mem.syncer_status, mem.syncer_error = None, str(err)
             return False
         return True  # refused: not acknowledged, tried again on the next run
