@@ -44,7 +44,7 @@ $(BENCH_STAMP): pyproject.toml | $(BIN)/python
 	touch $(BENCH_STAMP)
 
 bench: $(BENCH_STAMP)
-	for b in syncer_throughput convergence bandwidth decoupling goodput operator; do \
+	for b in syncer_throughput convergence bandwidth decoupling goodput operator_scale; do \
 	  $(BIN)/python -m bench.$$b || exit 1; done
 
 ## crd: regenerate crds/ and the chart's copy from the pydantic models

@@ -26,6 +26,8 @@ from typing import Any
 
 from diloco_trainer.local.launch import Proc
 
+from hack.localcluster import harness
+
 BENCH_DIR = Path(__file__).resolve().parent
 REPO_ROOT = BENCH_DIR.parent
 RESULTS_PATH = BENCH_DIR / "RESULTS.md"
@@ -465,12 +467,9 @@ def wait_all(procs: Sequence[Proc], timeout: float) -> None:
 def poll_until(
     predicate: Callable[[], bool], *, timeout: float, interval: float = 0.2, what: str
 ) -> None:
-    """Poll `predicate()` until true or raise TimeoutError naming `what`."""
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"timed out after {timeout:.0f}s waiting for {what}")
-        time.sleep(interval)
+    """Poll `predicate()` until true or raise TimeoutError naming `what` (the harness's
+    poll_until, which the cluster tests use too)."""
+    harness.poll_until(predicate, timeout=timeout, interval=interval, what=what)
 
 
 def ring_allreduce_bytes(payload_bytes: float, world_size: int) -> float:

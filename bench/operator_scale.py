@@ -1,9 +1,9 @@
 """Operator: apply-to-children time, pod-NotReady-to-syncer-drop time, and a 100 x 8 load on kwok.
 
 Runs against the local control plane (hack/local-cluster: real etcd, apiserver, controller-manager,
-scheduler; kwok fake nodes) with the operator as a real process. Run it from the repository root:
-`python -m bench.operator` (not `python bench/operator.py`, whose directory would shadow the
-standard library's `operator` module).
+scheduler; kwok fake nodes) with the operator as a real process, both started through
+hack/localcluster/harness.py like the cluster tests do. Run it from the repository root:
+`python -m bench.operator_scale`.
 
 1. Apply -> all children: time from creating a DiLoCoJob to the last of its children (ConfigMap,
    token Secret, syncer Deployment + Service, per island a StatefulSet + headless Service) being
@@ -18,8 +18,8 @@ standard library's `operator` module).
    own reconcile-time percentiles (its Prometheus histogram), errors, and its memory (RSS) before
    and at peak.
 
-    python -m bench.operator                          # 5 repeats, 100 jobs x 8 islands
-    python -m bench.operator --load-jobs 20 --load-islands 4 --repeats 3
+    python -m bench.operator_scale                    # 5 repeats, 100 jobs x 8 islands
+    python -m bench.operator_scale --load-jobs 20 --load-islands 4 --repeats 3
 """
 
 from __future__ import annotations
@@ -55,11 +55,20 @@ from bench.common import (
     workdir,
 )
 from bench.kube_cluster import (
-    LocalCluster,
-    OperatorProcess,
     histogram_buckets,
     histogram_quantile,
     metric_value,
+    operator_process,
+    start_cluster,
+    stop_cluster,
+)
+from hack.localcluster.harness import (
+    ControlPlane,
+    OperatorProcess,
+    condition_status,
+    islands_ready,
+    pod_ready,
+    ready_patch,
 )
 
 TRAINING: dict[str, Any] = {
@@ -103,11 +112,11 @@ def pct(values: Sequence[float], q: float) -> float:
 class Api:
     """Thin wrapper over the kubernetes client for what this benchmark does."""
 
-    def __init__(self, cluster: LocalCluster) -> None:
+    def __init__(self, cluster: ControlPlane) -> None:
         from kubernetes import client
         from kubernetes.dynamic import DynamicClient
 
-        self.api_client = cluster.api()
+        self.api_client = cluster.api_client()
         self.core = client.CoreV1Api(self.api_client)
         self.apps = client.AppsV1Api(self.api_client)
         self.custom = client.CustomObjectsApi(self.api_client)
@@ -232,19 +241,7 @@ class SyncerForDrop:
 
 
 def set_ready(k: Api, ns: str, pod: str, ready: bool) -> None:
-    value = "True" if ready else "False"
-    k.core.patch_namespaced_pod_status(
-        pod,
-        ns,
-        {
-            "status": {
-                "conditions": [
-                    {"type": "Ready", "status": value},
-                    {"type": "ContainersReady", "status": value},
-                ]
-            }
-        },
-    )
+    k.core.patch_namespaced_pod_status(pod, ns, ready_patch(ready))
 
 
 class PodWatch:
@@ -266,8 +263,7 @@ class PodWatch:
             field_selector=f"metadata.name={self.pod}",
             timeout_seconds=600,
         ):
-            conds = ev["object"].status.conditions or []
-            ready = any(c.type == "Ready" and c.status == "True" for c in conds)
+            ready = pod_ready(self.k.api_client.sanitize_for_serialization(ev["object"]))
             self.events.append((time.perf_counter(), ready))
 
     def first_after(self, t0: float, ready: bool) -> float | None:
@@ -296,11 +292,8 @@ def measure_drop(k: Api, ns: str, wd: Path, repeats: int) -> dict[str, Any]:
     )
 
     def ready_and_reachable() -> bool:
-        st = k.get_job(ns, "drop").get("status") or {}
-        conds = {c["type"]: c["status"] for c in st.get("conditions") or []}
-        return (st.get("islands") or {}).get("ready") == 2 and conds.get(
-            "SyncerReachable"
-        ) == "True"
+        job = k.get_job(ns, "drop")
+        return islands_ready(job) == 2 and condition_status(job, "SyncerReachable") == "True"
 
     poll_until(ready_and_reachable, timeout=180, what="job 'drop' ready with its syncer reached")
     pod = "drop-island-1-0"
@@ -435,18 +428,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     with LoadMonitor() as load, workdir(args.workdir, "operator") as wd:
         print(f"starting the local control plane ({nodes} kwok nodes)", flush=True)
         t0 = time.perf_counter()
-        cluster = LocalCluster.start(wd / "cluster", nodes, wd / "local-cluster.log")
+        cluster = start_cluster(wd / "cluster", nodes, wd / "local-cluster.log")
         up_s = time.perf_counter() - t0
         op: OperatorProcess | None = None
         try:
-            cluster.install_crd()
+            cluster.install_crd(timeout="60s")
             k = Api(cluster)
             for ns in ("bench-apply", "bench-base", "bench-drop", "bench-load"):
                 k.namespace(ns)
-            op = OperatorProcess(
+            op = operator_process(
                 cluster, ["bench-apply", "bench-drop", "bench-load"], wd / "operator.log"
             )
-            op.start()
+            op.start(timeout=120)
             apply = drop = loaded = None
             if "apply" not in args.skip:
                 print("1. apply -> children", flush=True)
@@ -464,7 +457,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         finally:
             if op is not None:
                 op.stop()
-            cluster.stop()
+            stop_cluster(cluster)
 
     tables = []
     targets = Table("Targets", ["target", "figure", "verdict"])
