@@ -126,6 +126,12 @@ class OuterSpec(SpecModel):
     nesterov: bool = Field(True, description="Nesterov momentum.")
 
 
+def default_overlap_steps(inner_steps: int) -> int:
+    """τ when sync.overlapSteps is unset: 5 steps (Streaming DiLoCo: about free), at most a
+    quarter of a round so a short H still leaves most of the round between apply and next push."""
+    return min(5, inner_steps // 4)
+
+
 class SyncSpec(SpecModel):
     """How and when islands exchange pseudo-gradients."""
 
@@ -138,10 +144,18 @@ class SyncSpec(SpecModel):
         "measured step and sync times (Decoupled DiLoCo).",
     )
     fragments: int = Field(
-        1, ge=1, le=256, description="F: parameter fragments synced at staggered steps."
+        2,
+        ge=1,
+        le=256,
+        description="F: parameter fragments synced at staggered steps (streaming; a model with a "
+        "single tensor needs 1).",
     )
-    overlap_steps: int = Field(
-        0, ge=0, le=10000, description="τ: inner steps that run while a sync is in flight."
+    overlap_steps: int | None = Field(
+        None,
+        ge=0,
+        le=10000,
+        description="τ: inner steps that run while a sync is in flight; the steps are kept when "
+        "the merged fragment arrives. Unset: min(5, inner.steps // 4).",
     )
     compression: Codec = Field("none", description="Codec for pseudo-gradients on the wire.")
     pull_compression: PullCompression = Field(
@@ -273,6 +287,8 @@ class JobSpec(SpecModel):
 
     @model_validator(mode="after")
     def _cross_field(self) -> JobSpec:
+        if self.sync.overlap_steps is None:
+            self.sync.overlap_steps = default_overlap_steps(self.inner.steps)
         # The syncer's quorum counts every cluster's islands: with totalShards set (multi-region)
         # the job may expect more islands than this cluster runs.
         limit = max(self.islands.count, self.islands.total_shards)

@@ -1,19 +1,28 @@
 """Rank 0's bookkeeping for each fragment: its Δ base and version, the work counted since it
-was last received, and the push whose merged result is not applied yet."""
+was last received, the weights and counters at its last push, and the push whose merged result is
+not applied yet.
+
+Counters: the token-weighted merge weighs a push by the work it carries, so the counters sent
+with a push must describe exactly the inner steps its Δ contains. Δ = base − θ_local covers every
+step since the base was installed; because a received fragment keeps the steps taken after the
+push (mixing.received_weights), those steps are in the next Δ, and on receipt the counters become
+the ones counted since the push (FragmentCounters.since), never zero and never the whole period.
+"""
 
 from __future__ import annotations
 
 import concurrent.futures
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from torch import Tensor
 
+from diloco_trainer.learner.mixing import pseudo_gradient, received_weights
 from diloco_trainer.learner.syncer_link import SyncResult
 
 
 @dataclass
 class FragmentCounters:
-    """An island's work on one fragment since it last received that fragment."""
+    """An island's work on one fragment: what its next Δ carries."""
 
     tokens: int = 0
     steps: int = 0
@@ -25,6 +34,15 @@ class FragmentCounters:
         self.steps += 1
         self.loss_sum += loss
         self.time_sum += step_time
+
+    def since(self, earlier: FragmentCounters) -> FragmentCounters:
+        """The work counted after `earlier` (a snapshot of these counters)."""
+        return FragmentCounters(
+            tokens=self.tokens - earlier.tokens,
+            steps=self.steps - earlier.steps,
+            loss_sum=self.loss_sum - earlier.loss_sum,
+            time_sum=self.time_sum - earlier.time_sum,
+        )
 
     @property
     def mean_loss(self) -> float:
@@ -39,7 +57,7 @@ class FragmentCounters:
 class InFlight:
     """A pushed fragment whose merged result is not applied yet."""
 
-    step: int  # inner step it was pushed at
+    step: int  # schedule position it was pushed at
     started: float  # time.monotonic() of the push
     future: concurrent.futures.Future[SyncResult]
 
@@ -53,3 +71,36 @@ class FragmentState:
     base: dict[str, Tensor] = field(default_factory=dict)  # fp32 CPU θ_global at `version`
     counters: FragmentCounters = field(default_factory=FragmentCounters)
     last_sync_seconds: float = 0.0
+    # fp32 CPU weights and counters when the unapplied push was made (None: nothing pushed).
+    at_push: dict[str, Tensor] | None = None
+    counters_at_push: FragmentCounters | None = None
+
+    def push(self, local: dict[str, Tensor]) -> dict[str, Tensor]:
+        """Δ = base − local for a push now; remembers `local` (fp32 CPU, not written to later)
+        and the counters, for the receipt of the merge this push goes into."""
+        self.at_push = local
+        self.counters_at_push = replace(self.counters)
+        return pseudo_gradient(self.base, local)
+
+    def receive(
+        self, merged: dict[str, Tensor], version: int, now: dict[str, Tensor], alpha: float
+    ) -> dict[str, Tensor]:
+        """Install a merged fragment as the new base; returns the weights the island continues
+        from (the steps since the push kept), and keeps only the counters since the push."""
+        target = received_weights(merged, now, self.at_push, alpha)
+        self.base = {n: t.to("cpu") for n, t in merged.items()}
+        self.version = version
+        pushed = self.counters_at_push
+        self.counters = self.counters.since(pushed) if pushed is not None else FragmentCounters()
+        self.at_push = None
+        self.counters_at_push = None
+        return target
+
+    def take_global(self, merged: dict[str, Tensor], version: int) -> dict[str, Tensor]:
+        """Start over from the global fragment (joining): overwrite, counters from zero."""
+        self.at_push = None
+        self.counters_at_push = None
+        self.counters = FragmentCounters()
+        self.base = {n: t.to("cpu") for n, t in merged.items()}
+        self.version = version
+        return dict(self.base)

@@ -7,9 +7,12 @@ Schedule (steps counted from 1, see `plan_step`):
   computes Δ_f = θ_global_f − θ_local_f in fp32 on the CPU, encodes it with the job's codec and
   pushes it in the background, with the base version and the tokens, steps, mean loss and step time
   counted since it last *received* fragment f (so nothing is counted twice).
-- Training goes on for τ = sync.overlapSteps steps. After step t+τ the merged fragment is applied:
-  θ_f ← α·θ_f,local + (1−α)·θ_f,global (α = sync.mixAlpha); θ_global_f becomes the new base and the
-  fragment's counters restart.
+- Training goes on for τ = sync.overlapSteps steps. After step t+τ the merged fragment is applied,
+  keeping the τ steps taken since the push: θ_f ← θ_global_f + (θ_f,now − θ_f,push) (mixing.py says
+  why); θ_global_f becomes the new base and the fragment's counters keep only the steps since the
+  push (they are in the next Δ).
+- Steps are counted in schedule positions, which move one per inner step except while the island
+  shifts its phase towards its peers' (see "phase alignment" below).
 - A fragment that is due while its previous push is still unapplied is skipped (its counters keep
   running), so a pseudo-gradient is never sent twice on the same base.
 
@@ -27,6 +30,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from diloco_trainer.core.fragments import fragments_due
 
@@ -85,6 +89,12 @@ def plan_step(
     return StepPlan(push=push, skip=skip, wait=wait, poll=poll)
 
 
+def plan_idle(position: int, *, overlap: int, pushed_at: Mapping[int, int]) -> StepPlan:
+    """The plan for an inner step that does not move the schedule (a phase delay): nothing is
+    due; fragments whose apply step has passed are applied if they have arrived (no waiting)."""
+    return StepPlan(poll=tuple(sorted(f for f, s in pushed_at.items() if s + overlap <= position)))
+
+
 def wait_budget(round_times: Sequence[float], heartbeat_timeout: float) -> float:
     """Seconds to block for a merged fragment before training on without it.
 
@@ -116,3 +126,108 @@ def schedule_start(versions: Sequence[int], inner_steps: int, offsets: Sequence[
     lowest = min(versions)
     nxt = next(f for f in order if versions[f] == lowest)
     return max([0, *(p for p in positions if p < positions[nxt])])
+
+
+# --- phase alignment ----------------------------------------------------------------------------
+#
+# Identical islands should push a fragment at the same moment, so that one merge carries all of
+# their work (at K < M a lone push opens a merge of its own, and at K = 1 two islands a fraction of
+# a second apart never meet again: every merge is one island's). Start-up skew is never absorbed by
+# itself, because each island times its pushes by its own step count. So a learner that learns of
+# a merge of a fragment it was not part of, by islands at about its own speed, between the version
+# it last received and its push, moves its schedule towards theirs:
+#
+#   x = (its push time − that merge's time), wrapped into (−R/2, R/2] with R = H · step time
+#   (x > 0: it pushed after them; x < 0: it is early for their next merge),
+#   shift = −x / 2 in steps, at most H/4 (positive: delay, negative: advance).
+#
+# Half, because the other islands see the mirror image (they learn of this island's lone merge
+# and move the other way by their half), so the gap closes in one round instead of overshooting.
+# Islands much slower or faster than this one (a straggler) are never in phase with it and are
+# ignored (PEER_SPEED_RATIO). The shift moves the schedule position a learner reports and pushes
+# by, not its learning rate, and is taken one position per inner step (see schedule_positions).
+
+# Merges by islands whose step time is within this factor of ours count for phase alignment.
+PEER_SPEED_RATIO = 1.5
+
+
+def merge_lateness(
+    status: Mapping[str, Any],
+    *,
+    fragment: int,
+    island: str,
+    base_version: int,
+    accepted_version: int,
+    pushed_ago: float,
+    step_time: float,
+) -> float | None:
+    """Seconds by which this island's push of `fragment` came after the latest merge of it by
+    peers (islands at about its speed) that it was not part of, among versions base_version+1 ..
+    accepted_version; None when there is none.
+
+    `status` is the syncer's status document, read `pushed_ago` seconds after the push was
+    accepted (so the push happened at status["time"] − pushed_ago on the syncer's clock).
+    """
+    if accepted_version <= base_version or step_time <= 0:
+        return None
+    islands = status.get("islands", {})
+    pushed_at = float(status["time"]) - pushed_ago
+
+    def peer(name: str) -> bool:
+        other = islands.get(name, {}).get("stepTime")
+        if not other or name == island:
+            return False
+        return 1 / PEER_SPEED_RATIO <= float(other) / step_time <= PEER_SPEED_RATIO
+
+    merges = [
+        m
+        for m in status.get("merges", [])
+        if m.get("fragment") == fragment
+        and base_version < int(m.get("version", -1)) <= accepted_version
+        and all(c.get("island") != island for c in m.get("contributors", []))
+        and any(peer(str(c.get("island"))) for c in m.get("contributors", []))
+    ]
+    if not merges:
+        return None
+    latest = max(merges, key=lambda m: int(m["version"]))
+    return pushed_at - float(latest["time"])
+
+
+def phase_shift(lateness: float, *, inner_steps: int, step_time: float) -> int:
+    """Steps to move this island's schedule by, given `lateness` (see merge_lateness):
+    positive delays its next pushes, negative brings them forward; 0 when under a step."""
+    if inner_steps < 1 or step_time <= 0 or not math.isfinite(lateness):
+        return 0
+    period = inner_steps * step_time
+    x = (lateness + period / 2) % period - period / 2  # into [−R/2, R/2)
+    steps = round(-x / (2 * step_time))
+    limit = inner_steps // 4
+    return max(-limit, min(limit, steps))
+
+
+def schedule_positions(position: int, pending: int) -> tuple[list[int], int]:
+    """The schedule positions one inner step passes through, and the shift still pending.
+
+    Normally one (position + 1). While a delay is pending (pending > 0) a step passes through
+    none: the island trains without moving its schedule. While an advance is pending
+    (pending < 0) a step passes through two, so the pushes due at both happen one step early.
+    """
+    if pending > 0:
+        return [], pending - 1
+    if pending < 0:
+        return [position + 1, position + 2], pending + 1
+    return [position + 1], 0
+
+
+def rewarm_factor(steps_run: int, *, warmup_steps: int, joined_mid_job: bool) -> float:
+    """Multiplier on the inner learning rate after a learner (re)joins a running job.
+
+    A restarted learner has a fresh AdamW (its state died with the process: learners keep no
+    checkpoint), exactly like every learner at the job's start, so it gets the same linear
+    warm-up (inner.warmupSteps) again on top of the schedule's rate: a fresh Adam's first steps
+    are about lr in size in every coordinate. An island that joins at the start (or a job without
+    warm-up) is not affected.
+    """
+    if not joined_mid_job or warmup_steps <= 0 or steps_run >= warmup_steps:
+        return 1.0
+    return (steps_run + 1) / warmup_steps

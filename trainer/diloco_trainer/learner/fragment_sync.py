@@ -1,0 +1,312 @@
+"""Rank 0's side of the syncer protocol for the training loop: joining, pushing pseudo-gradients,
+collecting merged fragments and turning them into the weights the island continues from, and
+moving the island's schedule into phase with its peers (schedule.py: "phase alignment").
+
+The training loop calls `after_step` once per inner step and gets back, per fragment to apply
+now, the fp32 weights every rank installs (rank 0 broadcasts them). Everything that talks to the
+syncer runs on the SyncerLink's thread; here we only submit work and wait on it, bounded.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+import threading
+import time
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from diloco_trainer.api.protocol import PushMeta
+from diloco_trainer.api.spec import ConfigError, JobSpec
+from diloco_trainer.core import compress
+from diloco_trainer.learner.fragment_state import FragmentState, InFlight
+from diloco_trainer.learner.schedule import (
+    StepPlan,
+    phase_shift,
+    plan_idle,
+    plan_step,
+    schedule_positions,
+    wait_budget,
+)
+from diloco_trainer.learner.syncer_link import (
+    WAIT_SLICE_SECONDS,
+    HeldFragment,
+    SyncerLink,
+    SyncResult,
+    encode_delta,
+)
+
+# The learner's logger: these lines are part of its log.
+log = logging.getLogger("diloco.learner")
+Weights = dict[str, Tensor]
+
+
+class FragmentSync:
+    """Rank 0's per-fragment state and its link to the syncer."""
+
+    def __init__(
+        self,
+        spec: JobSpec,
+        island: str,
+        link: SyncerLink,
+        params: dict[str, nn.Parameter],
+        stop: threading.Event,
+    ) -> None:
+        self.spec = spec
+        self.island = island
+        self.link = link
+        self.params = params
+        self.stop = stop
+        self.fragments: list[FragmentState] = []
+        self.offsets: list[int] = []
+        self.inflight: dict[int, InFlight] = {}
+        self.arrived: dict[int, SyncResult] = {}
+        self.round_times: list[float] = []
+        self.error_feedback = compress.ErrorFeedback() if spec.sync.error_feedback else None
+        self.step_time = 0.0  # EMA of the inner step time, kept by the loop
+        self.position = 0  # schedule position (what fragments_due and heartbeats see)
+        self.phase_pending = 0  # steps still to delay (> 0) or advance (< 0)
+
+    @property
+    def overlap(self) -> int:
+        overlap = self.spec.sync.overlap_steps
+        assert overlap is not None, "JobSpec resolves sync.overlapSteps"
+        return overlap
+
+    def finished(self) -> bool:
+        return self.link.finished.is_set()
+
+    def wait(self, future: concurrent.futures.Future[Any], timeout: float) -> bool:
+        """Block up to `timeout` for a future; give up early on SIGTERM or a finished job."""
+        deadline = time.monotonic() + timeout
+        while not future.done():
+            remaining = deadline - time.monotonic()
+            if remaining <= 0 or self.stop.is_set() or self.finished():
+                return False
+            concurrent.futures.wait([future], timeout=min(remaining, WAIT_SLICE_SECONDS))
+        return True
+
+    # -- joining ---------------------------------------------------------------------------------
+
+    def join(self) -> Any:
+        """Join and fetch every fragment's global weights; the JoinInfo, or None if stopped."""
+        future = self.link.submit(self.link.join(self.stop))
+        if not self.wait(future, float("inf")):
+            return None
+        info = future.result()
+        names = set(self.params)
+        listed = [n for frag in info.fragments for n in frag]
+        if set(listed) != names or len(listed) != len(names):
+            missing, extra = names - set(listed), set(listed) - names
+            raise ConfigError(
+                "the syncer's model does not match this learner's (check model.preset/entrypoint): "
+                f"missing {sorted(missing)[:5]}, unknown {sorted(extra)[:5]}"
+            )
+        pulled_future = self.link.submit(self.link.pull_all(len(info.fragments)))
+        if not self.wait(pulled_future, float("inf")):
+            return None
+        self.fragments = [FragmentState(names=list(frag)) for frag in info.fragments]
+        for f, pulled in enumerate(pulled_future.result()):
+            self.arrived[f] = SyncResult(pulled=pulled, outcome="joined", seconds=0.0)
+        log.info(
+            "joined the syncer at outer step %d: %d fragment(s), versions %s, codec %s, "
+            "pull codec %s",
+            info.outer_step,
+            len(info.fragments),
+            info.versions,
+            info.codec,
+            info.pull_compression,
+        )
+        return info
+
+    def take_joined(self) -> dict[int, Weights]:
+        """The global weights of every fragment fetched on joining (they overwrite the local
+        ones, whatever sync.mixAlpha says)."""
+        out = {}
+        for f, result in sorted(self.arrived.items()):
+            merged = self._checked(f, result)
+            out[f] = self.fragments[f].take_global(merged, result.pulled.version)
+            log.info("fragment %d: took version %d (joined)", f, result.pulled.version)
+            if result.pulled.finished:
+                self.link.finished.set()
+        self.arrived.clear()
+        return out
+
+    # -- every step ------------------------------------------------------------------------------
+
+    def count(self, tokens: int, loss: float, step_time: float) -> None:
+        """One inner step's work, on every fragment's counters."""
+        for state in self.fragments:
+            state.counters.add(tokens, loss, step_time)
+
+    def after_step(self) -> dict[int, Weights]:
+        """After an inner step: push what is due, collect what is needed; the weights of each
+        fragment to apply now."""
+        positions, self.phase_pending = schedule_positions(self.position, self.phase_pending)
+        pushed_at = {f: fl.step for f, fl in self.inflight.items()}
+        if not positions:
+            plans = [plan_idle(self.position, overlap=self.overlap, pushed_at=pushed_at)]
+        else:
+            plans = []
+            for pos in positions:
+                self.position = pos
+                plans.append(self._plan(pos))
+        out: dict[int, Weights] = {}
+        for plan in plans:
+            for f in self._collect_plan(plan):
+                out[f] = self._receive(f)
+        return out
+
+    def _plan(self, position: int) -> StepPlan:
+        budget = wait_budget(self.round_times, self.spec.sync.heartbeat_timeout_seconds)
+        now = time.monotonic()
+        abandoned = frozenset(
+            f
+            for f, fl in self.inflight.items()
+            if not fl.future.done() and now - fl.started > budget + self.overlap * self.step_time
+        )
+        plan = plan_step(
+            position,
+            inner_steps=self.spec.inner.steps,
+            offsets=self.offsets,
+            overlap=self.overlap,
+            pushed_at={f: fl.step for f, fl in self.inflight.items()},
+            abandoned=abandoned,
+        )
+        for f in plan.push:
+            self._push(f, position)
+        return plan
+
+    def _collect_plan(self, plan: StepPlan) -> list[int]:
+        """Wait (bounded) for the fragments the plan needs, check the ones it may apply."""
+        budget = wait_budget(self.round_times, self.spec.sync.heartbeat_timeout_seconds)
+        done = []
+        for f in plan.wait:
+            started = time.monotonic()
+            if self._collect(f, block=budget):
+                done.append(f)
+                waited = time.monotonic() - started
+                if waited > 0.05:
+                    log.info("step %d: waited %.2fs for fragment %d", self.position, waited, f)
+            elif not self.stop.is_set() and not self.finished():
+                log.warning(
+                    "step %d: fragment %d not merged within %.0fs; training on without it",
+                    self.position,
+                    f,
+                    budget,
+                )
+        done.extend(f for f in plan.poll if f in self.inflight and self._collect(f, block=0.0))
+        return done
+
+    # -- pushes and arrivals ---------------------------------------------------------------------
+
+    def _local(self, f: int) -> Weights:
+        """Fragment f's current weights as fp32 CPU copies (never aliases of the parameters)."""
+        return {
+            n: self.params[n].detach().to("cpu", torch.float32, copy=True)
+            for n in self.fragments[f].names
+        }
+
+    def _push(self, f: int, position: int) -> None:
+        """Compute Δ_f = θ_global − θ_local (fp32, CPU), encode it and push it in the background."""
+        state = self.fragments[f]
+        c = state.counters
+        delta = state.push(self._local(f))
+        codec = self.spec.sync.compression
+        encoded = encode_delta(delta, codec, self.error_feedback)
+        meta = PushMeta(
+            island=self.island,
+            base_version=state.version,
+            tokens=c.tokens,
+            steps=c.steps,
+            loss=c.mean_loss,
+            step_time=c.mean_step_time,
+            codec=codec,
+            sync_time=state.last_sync_seconds,
+        )
+        old = self.inflight.get(f)
+        if old is not None:
+            old.future.cancel()
+            log.warning("step %d: fragment %d overdue, pushing it again", position, f)
+        held = HeldFragment(version=state.version, tensors=state.base)
+        future = self.link.submit(self.link.sync_fragment(f, encoded, meta, held))
+        self.inflight[f] = InFlight(step=position, started=time.monotonic(), future=future)
+        nbytes = sum(t.numel() * t.element_size() for t in encoded.values())
+        log.info(
+            "step %d: fragment %d pushed (base version %d, %d bytes %s, %d tokens in %d steps)",
+            position,
+            f,
+            state.version,
+            nbytes,
+            codec,
+            c.tokens,
+            c.steps,
+        )
+
+    def _collect(self, f: int, *, block: float) -> bool:
+        """Has fragment f's sync finished (waiting up to `block` s)? Keeps the result."""
+        flight = self.inflight[f]
+        if not self.wait(flight.future, block):
+            return False
+        try:
+            self.arrived[f] = flight.future.result()
+        except (concurrent.futures.CancelledError, Exception) as err:
+            # The sync task only ends in an exception on a bug or a refused pull (auth): start
+            # over from the current global fragment rather than train on alone for ever.
+            log.error("fragment %d: sync failed (%s); resyncing", f, err)
+            flight.future = self.link.submit(self.link.resync(f))
+            return False
+        del self.inflight[f]
+        return True
+
+    def _checked(self, f: int, result: SyncResult) -> Weights:
+        """The pulled fragment's tensors in fp32, checked against the model's shapes."""
+        tensors = result.pulled.tensors
+        for name in self.fragments[f].names:
+            if tuple(tensors[name].shape) != tuple(self.params[name].shape):
+                raise ValueError(
+                    f"fragment {f}: tensor {name} has shape {tuple(tensors[name].shape)}, "
+                    f"the model has {tuple(self.params[name].shape)}"
+                )
+        return {n: tensors[n].to(torch.float32) for n in self.fragments[f].names}
+
+    def _receive(self, f: int) -> Weights:
+        """Install an arrived fragment as the new base; the weights the island continues from."""
+        result = self.arrived.pop(f)
+        state = self.fragments[f]
+        merged = self._checked(f, result)
+        target = state.receive(merged, result.pulled.version, self._local(f), self._alpha())
+        state.last_sync_seconds = result.seconds
+        self.round_times = [*self.round_times[-7:], result.seconds]
+        log.info(
+            "step %d: fragment %d applied version %d (%s, %.2fs after the push)",
+            self.position,
+            f,
+            result.pulled.version,
+            result.outcome,
+            result.seconds,
+        )
+        if result.pulled.finished:
+            self.link.finished.set()
+        self._align(f, result.lateness)
+        return target
+
+    def _alpha(self) -> float:
+        return self.spec.sync.mix_alpha
+
+    def _align(self, f: int, lateness: float | None) -> None:
+        """Start moving the schedule towards the peers' phase (one shift at a time)."""
+        if lateness is None or self.phase_pending:
+            return
+        shift = phase_shift(lateness, inner_steps=self.spec.inner.steps, step_time=self.step_time)
+        if shift:
+            self.phase_pending = shift
+            log.info(
+                "fragment %d: pushed %.2fs after a merge of peers; %s the schedule by %d step(s)",
+                f,
+                lateness,
+                "delaying" if shift > 0 else "advancing",
+                abs(shift),
+            )

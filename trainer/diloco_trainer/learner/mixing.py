@@ -1,0 +1,61 @@
+"""The learner's arithmetic on a fragment, as pure functions on fp32 tensors.
+
+Pseudo-gradient: Δ_f = θ_global_f − θ_local_f, the global weights the island last received (its
+base) minus its current weights, in fp32. Its sign is the one an optimizer expects of a gradient:
+the outer step θ ← θ − lr·Δ moves the global weights towards where the island trained them.
+
+Receiving a merged fragment while overlapping (sync.overlapSteps τ > 0): the island pushed Δ at
+θ_push and trained τ more steps to θ_now before the merge came back. We keep those steps:
+
+    θ_f ← θ_global + (θ_now − θ_push)
+
+Why this rule and not Streaming DiLoCo's α-mix (θ ← α·θ_now + (1−α)·θ_global, α ≈ 0.5): with it
+every inner step lands in exactly one pseudo-gradient. The steps before the push are in Δ (merged
+into θ_global, or refused); the τ steps after it are carried on top of θ_global and, since
+θ_global becomes the new base, they are part of the next Δ, and so are the counters that describe
+them (fragment_state.FragmentCounters.since). An α-mix instead keeps a share α of the pushed work
+locally as well, so that work is counted twice (once merged, once again in the next Δ), and it
+throws away a share (1−α) of the τ overlapped steps. With τ = 0 the rule is a plain overwrite.
+
+`sync.mixAlpha` α > 0 still mixes, on top of that: θ_f ← α·θ_now + (1−α)·(θ_global + θ_now −
+θ_push), i.e. a share α of the island's own weights is kept (what the knob always meant; 0, the
+default, keeps nothing of the pushed work locally).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+from torch import Tensor
+
+
+def pseudo_gradient(base: Mapping[str, Tensor], local: Mapping[str, Tensor]) -> dict[str, Tensor]:
+    """Δ = θ_global − θ_local per tensor, in fp32 (the names of `base`)."""
+    return {n: base[n].to(torch.float32) - local[n].to(torch.float32) for n in base}
+
+
+def received_weights(
+    merged: Mapping[str, Tensor],
+    now: Mapping[str, Tensor],
+    at_push: Mapping[str, Tensor] | None,
+    alpha: float = 0.0,
+) -> dict[str, Tensor]:
+    """The fragment's new local weights when the merged fragment arrives (fp32).
+
+    merged: θ_global from the syncer; now: the island's weights at this step; at_push: its
+    weights when it pushed the Δ this merge answers (None: nothing pushed, e.g. on joining, so
+    there are no overlapped steps to keep). alpha: sync.mixAlpha.
+    """
+    if not 0.0 <= alpha < 1.0:
+        raise ValueError(f"sync.mixAlpha must be in [0, 1), got {alpha}")
+    out = {}
+    for n, g in merged.items():
+        target = g.to(torch.float32)
+        cur = now[n].to(torch.float32)
+        if at_push is not None:
+            target = target + (cur - at_push[n].to(torch.float32))
+        if alpha:
+            target = alpha * cur + (1.0 - alpha) * target
+        out[n] = target
+    return out
