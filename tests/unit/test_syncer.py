@@ -19,9 +19,10 @@ from diloco_trainer.core.compress import encode_tensors
 from diloco_trainer.core.merge import merge_pseudo_gradients
 from diloco_trainer.core.outer import OuterOptimizer
 from diloco_trainer.syncer import checkpoint as ckpt
-from diloco_trainer.syncer.http import parse_push_meta
+from diloco_trainer.syncer.global_model import fragment_body_limit
 from diloco_trainer.syncer.rounds import Refused
-from diloco_trainer.syncer.service import Syncer, fragment_body_limit
+from diloco_trainer.syncer.service import Syncer
+from diloco_trainer.syncer.validation import parse_push_meta
 
 T = TypeVar("T")
 
@@ -30,7 +31,7 @@ BASE: dict[str, Any] = {
     "data": {"evalTokens": 1024},
     "islands": {"count": 3},
     "inner": {"steps": 4, "batchSize": 2, "seqLen": 16},
-    "sync": {"quorum": 2, "graceSeconds": 5, "merge": "tokens", "maxStaleness": 2},
+    "sync": {"quorum": 2, "graceSeconds": 5, "merge": "tokens", "maxStaleness": 2, "fragments": 1},
     "stopAfter": {"outerSteps": 100},
     "syncer": {"checkpoint": {"everyOuterSteps": 100}},
 }
@@ -64,7 +65,8 @@ async def started(spec: JobSpec, state_dir: Path, clock: FakeClock) -> Syncer:
 def delta(syncer: Syncer, f: int, seed: int) -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
     return {
-        n: 1e-2 * torch.randn(syncer.weights[n].shape, generator=g) for n in syncer.fragments[f]
+        n: 1e-2 * torch.randn(syncer.model.weights[n].shape, generator=g)
+        for n in syncer.fragments[f]
     }
 
 
@@ -86,7 +88,7 @@ def test_syncer_merge_is_reproducible_from_its_log(tmp_path: Path) -> None:
     async def scenario() -> tuple[Syncer, dict[str, torch.Tensor], list[dict[str, torch.Tensor]]]:
         clock = FakeClock()
         syncer = await started(make_spec(), tmp_path, clock)
-        initial = {n: t.clone() for n, t in syncer.weights.items()}
+        initial = {n: t.clone() for n, t in syncer.model.weights.items()}
         deltas = [delta(syncer, 0, s) for s in (1, 2)]
         for i in range(3):
             await syncer.join(f"island-{i}", 1)
@@ -114,7 +116,7 @@ def test_syncer_merge_is_reproducible_from_its_log(tmp_path: Path) -> None:
     # Two of three active islands, 4 inner steps each: the merge carries that share of a round.
     assert entry["coverage"] == pytest.approx(min(1.0, 8 / syncer.spec.inner.steps / 3))
     outer.step({n: t * entry["coverage"] for n, t in merged.items()})
-    for name, t in syncer.weights.items():
+    for name, t in syncer.model.weights.items():
         assert torch.equal(t, replay[name]), name
 
 
@@ -141,7 +143,7 @@ def test_syncer_replaced_and_retried_pushes_count_once(tmp_path: Path) -> None:
     assert answers[1]["replaced"] is True
     assert answers[2]["duplicate"] is True and answers[2]["pending"] == answers[1]["pending"]
     assert syncer.state.versions == [1]
-    entry = syncer.merges[-1]
+    entry = syncer.merge_log.recent[-1]
     by_island = {c["island"]: c for c in entry["contributors"]}
     assert by_island["island-0"]["tokens"] == 250
     assert entry["tokens"] == 250 + 100 + 100
@@ -160,14 +162,14 @@ def test_syncer_status_during_a_merge_shows_no_half_done_merge(tmp_path: Path) -
             await syncer.push(0, body(syncer, 0, f"island-{i}", delta(syncer, 0, i), tokens=100))
         # Hold the merge inside its worker thread: the only way to read status mid-merge on cue.
         entered, release = threading.Event(), threading.Event()
-        real_step = syncer.outer.step
+        real_step = syncer.model.outer.step
 
         def held_step(merged: dict[str, torch.Tensor]) -> None:
             entered.set()
             release.wait(30)
             real_step(merged)
 
-        syncer.outer.step = held_step  # type: ignore[method-assign]
+        syncer.model.outer.step = held_step  # type: ignore[method-assign]
         merge = asyncio.create_task(syncer.tick())
         assert await asyncio.to_thread(entered.wait, 30), "the merge never started"
         during = await syncer.status()
@@ -241,8 +243,8 @@ def test_syncer_finishes_on_tokens_with_eval_and_checkpoint(tmp_path: Path) -> N
     assert syncer.finished and syncer.tokens == 300
     assert syncer.state.versions == [3]
     # Evaluations: start, every 2 outer steps, and the finish.
-    assert [e["outerStep"] for e in syncer.eval_history] == [0, 2, 3]
-    assert [e["tokens"] for e in syncer.eval_history] == [0, 200, 300]
+    assert [e["outerStep"] for e in syncer.jobs.evaluations.history] == [0, 2, 3]
+    assert [e["tokens"] for e in syncer.jobs.evaluations.history] == [0, 200, 300]
     assert [p.name for p in ckpt.list_checkpoints(tmp_path)] == [ckpt.checkpoint_name(3)]
     assert late == {
         "accepted": False,

@@ -49,7 +49,7 @@ async def merge_rounds(syncer: Syncer, rounds: int, held: list[Tensors]) -> None
         await syncer.push(0, body(syncer, 0, "island-0", delta(syncer, 0, 100 + v)))
         await syncer.tick()
         assert syncer.state.versions[0] == v + 1
-        held.append(copy(syncer.published, names))
+        held.append(copy(syncer.model.published, names))
 
 
 def chain_of(raw: bytes) -> tuple[dict[str, str], list[Tensors]]:
@@ -65,7 +65,7 @@ def test_syncer_pull_update_chains_rebuild_the_published_weights(tmp_path: Path)
     async def scenario() -> tuple[Syncer, list[Tensors], dict[int, bytes]]:
         syncer = await started(pull_spec(), tmp_path, FakeClock())
         await syncer.join("island-0", 1)
-        held = [copy(syncer.published, syncer.fragments[0])]
+        held = [copy(syncer.model.published, syncer.fragments[0])]
         await merge_rounds(syncer, 4, held)
         bodies = {}
         for have in (-1, 0, 1, 3):
@@ -78,19 +78,19 @@ def test_syncer_pull_update_chains_rebuild_the_published_weights(tmp_path: Path)
     syncer, held, bodies = run(scenario())
     names = syncer.fragments[0]
     # θ_exact and θ_pub are different tensors with (slightly) different values.
-    assert syncer.published is not syncer.weights
-    assert any(not torch.equal(syncer.weights[n], syncer.published[n]) for n in names)
+    assert syncer.model.published is not syncer.model.weights
+    assert any(not torch.equal(syncer.model.weights[n], syncer.model.published[n]) for n in names)
     # int8 with maxStaleness 2 keeps 3 updates: a learner at version 0 needs 4 -> full weights.
     full, meta = payloads.decode_body(bodies[0])[0], protocol.read_metadata(bodies[0])
     assert meta[protocol.META_KIND] == protocol.KIND_FULL and meta[protocol.META_VERSION] == "4"
-    assert all(torch.equal(full[n], syncer.published[n]) for n in names)
+    assert all(torch.equal(full[n], syncer.model.published[n]) for n in names)
     assert protocol.read_metadata(bodies[-1])[protocol.META_KIND] == protocol.KIND_FULL
     for have, length in ((1, 3), (3, 1)):
         meta, chain = chain_of(bodies[have])
         assert len(chain) == length and meta[protocol.META_CODEC] == "int8"
         rebuilt = apply_updates(held[have], chain, meta[protocol.META_CODEC])
         for n in names:
-            assert torch.equal(rebuilt[n], syncer.published[n]), n
+            assert torch.equal(rebuilt[n], syncer.model.published[n]), n
         assert weights_checksum(rebuilt) == meta[protocol.META_CHECKSUM]
         assert len(bodies[have]) < len(bodies[-1]) / (3.5 / length)
     status = run(syncer.status())
@@ -109,7 +109,7 @@ def test_syncer_pull_compression_none_publishes_the_exact_weights(tmp_path: Path
         return syncer, got
 
     syncer, got = run(scenario())
-    assert syncer.published is syncer.weights  # no second copy
+    assert syncer.model.published is syncer.model.weights  # no second copy
     assert got is not None and protocol.read_metadata(got)[protocol.META_KIND] == protocol.KIND_FULL
     (latest,) = ckpt.list_checkpoints(tmp_path)
     assert not (latest / ckpt.PUBLISHED_FILE).exists()
@@ -121,7 +121,7 @@ def test_syncer_pull_checkpoint_keeps_the_published_weights(tmp_path: Path) -> N
     async def first() -> tuple[str, list[Tensors]]:
         syncer = await started(spec, tmp_path, FakeClock())
         await syncer.join("island-0", 1)
-        held = [copy(syncer.published, syncer.fragments[0])]
+        held = [copy(syncer.model.published, syncer.fragments[0])]
         await merge_rounds(syncer, 2, held)
         await syncer.stop()  # the checkpoint is written in the background
         return syncer.digest(), held
@@ -146,15 +146,15 @@ def test_syncer_pull_checkpoint_keeps_the_published_weights(tmp_path: Path) -> N
     meta, updates = chain_of(chain)
     rebuilt = apply_updates(held[2], updates, "int8")
     assert weights_checksum(rebuilt) == meta[protocol.META_CHECKSUM]
-    assert all(torch.equal(rebuilt[n], resumed.published[n]) for n in rebuilt)
+    assert all(torch.equal(rebuilt[n], resumed.model.published[n]) for n in rebuilt)
     assert digest != resumed.digest()  # it merged once more since
 
     # An older checkpoint without published.safetensors: θ_pub starts as θ_exact.
     for path in ckpt.list_checkpoints(tmp_path):
         (path / ckpt.PUBLISHED_FILE).unlink()
     old = run(started(spec, tmp_path, FakeClock()))
-    assert old.published is not old.weights
-    assert all(torch.equal(old.published[n], t) for n, t in old.weights.items())
+    assert old.model.published is not old.model.weights
+    assert all(torch.equal(old.model.published[n], t) for n, t in old.model.weights.items())
 
 
 def test_syncer_retried_push_after_a_restart_counts_once(tmp_path: Path) -> None:
@@ -199,7 +199,7 @@ def test_syncer_link_rebuilds_from_updates_and_falls_back_on_a_bad_checksum(
         link = SyncerLink(syncer_client.SyncerClient(url, "tok"), island="island-0", replicas=1)
         try:
             await syncer.join("island-0", 1)
-            held = [copy(syncer.published, syncer.fragments[0])]
+            held = [copy(syncer.model.published, syncer.fragments[0])]
             await merge_rounds(syncer, 2, held)
             good = HeldFragment(version=1, tensors=held[1])
             bad_tensors = copy(held[1], list(held[1]))
@@ -217,8 +217,8 @@ def test_syncer_link_rebuilds_from_updates_and_falls_back_on_a_bad_checksum(
     syncer, (from_chain, from_full), counts = run(scenario())
     for got in (from_chain, from_full):
         assert got.version == 2
-        assert all(torch.equal(t, syncer.published[n]) for n, t in got.tensors.items())
+        assert all(torch.equal(t, syncer.model.published[n]) for n, t in got.tensors.items())
     assert counts == {"updates": 1, "rebuildFailed": 1}
-    assert syncer.pulls == {"full": 1, "updates": 2}
+    assert syncer.publisher.pulls == {"full": 1, "updates": 2}
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert any("do not rebuild" in m and "checksum" in m for m in warnings), warnings

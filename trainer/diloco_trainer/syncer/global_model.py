@@ -1,0 +1,218 @@
+"""The global model: exact weights, published weights, fragments and the outer optimizer.
+
+It holds the fp32 global weights (θ_exact, `weights`: what the outer optimizer steps), split
+into fragments by bytes, and the copy learners hold (θ_pub, `published`; the same tensors when
+sync.pullCompression is none). A merge (`merge_round`) combines one fragment's round of
+pseudo-gradients, applies the outer step to θ_exact and moves θ_pub towards it by one encoded
+update (see core/published.py).
+
+Synchronous and free of asyncio and HTTP: the service calls it while holding its lock, the heavy
+methods (merge_round, digest, snapshots) from a worker thread.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from diloco_trainer.api.spec import ConfigError, JobSpec
+from diloco_trainer.core.compress import expected_encoded
+from diloco_trainer.core.fragments import split_fragments
+from diloco_trainer.core.merge import (
+    contribution_weight,
+    merge_pseudo_gradients,
+    staleness_factor,
+    work_coverage,
+)
+from diloco_trainer.core.outer import OuterOptimizer
+from diloco_trainer.core.published import WeightUpdate, publish_update
+from diloco_trainer.syncer import checkpoint as ckpt
+from diloco_trainer.syncer.rounds import Contribution
+
+log = logging.getLogger("diloco.syncer")
+
+Tensors = dict[str, torch.Tensor]
+
+# Push size limit: exact encoded payload, plus 5%, plus header room (per-tensor JSON entries and
+# metadata). Anything larger cannot be a valid push for this fragment.
+BODY_SLACK_RATIO = 1.05
+BODY_SLACK_BYTES = 64 * 1024
+HEADER_BYTES_PER_KEY = 256
+
+
+def fragment_body_limit(expected: dict[str, torch.Size], codec: str) -> int:
+    """The largest push body accepted for a fragment with these tensors under `codec`."""
+    spec = expected_encoded(expected, codec)
+    payload = sum(shape.numel() * dtype.itemsize for dtype, shape in spec.values())
+    header = HEADER_BYTES_PER_KEY * len(spec) + BODY_SLACK_BYTES
+    return int(payload * BODY_SLACK_RATIO) + header
+
+
+@dataclass(frozen=True)
+class MergeResult:
+    """What one merge_round computed, for the merge log."""
+
+    raw: list[float]  # each contribution's weight before normalising
+    coverage: float  # the share of a full round the merge carries (1.0 unless scaled)
+    update: WeightUpdate | None  # θ_pub's encoded update; None when θ_pub is θ_exact
+
+
+@dataclass(frozen=True)
+class TensorSnapshot:
+    """Copies of the global tensors, for a checkpoint written while merges go on."""
+
+    weights: Tensors
+    momentum: Tensors
+    published: Tensors | None  # None when θ_pub is θ_exact
+
+
+class GlobalModel:
+    """θ_exact, θ_pub, their fragments and the outer optimizer of one job."""
+
+    def __init__(self, spec: JobSpec, model: nn.Module, plain_merge_names: frozenset[str]) -> None:
+        self.rule = spec.sync.merge
+        self.scale_partial_merges = spec.sync.scale_partial_merges
+        self.inner_steps = spec.inner.steps
+        self.plain_merge_names = plain_merge_names
+        model = model.float().cpu()  # in place: `model` keeps evaluating θ_exact
+        model.requires_grad_(False)
+        self.weights: Tensors = dict(model.named_parameters())
+        self.fragments = split_fragments(
+            {n: t.numel() * t.element_size() for n, t in self.weights.items()},
+            spec.sync.fragments,
+        )
+        self.expected = [{n: self.weights[n].shape for n in names} for names in self.fragments]
+        self.body_limits = [fragment_body_limit(e, spec.sync.compression) for e in self.expected]
+        # θ_pub: what learners hold. With pull codec none it is θ_exact itself (no copy).
+        self.pull_compression = spec.sync.effective_pull_compression
+        self.published: Tensors = self.weights
+        if self.pull_compression != "none":
+            self.published = {n: t.clone() for n, t in self.weights.items()}
+        self.full_bytes = [
+            sum(self.weights[n].numel() * self.weights[n].element_size() for n in names)
+            for names in self.fragments
+        ]
+        self.outer = OuterOptimizer(
+            self.weights,
+            lr=spec.outer.lr,
+            momentum=spec.outer.momentum,
+            nesterov=spec.outer.nesterov,
+        )
+
+    @property
+    def kept_apart(self) -> bool:
+        """Whether θ_pub is a separate copy (compressed pulls) rather than θ_exact itself."""
+        return self.published is not self.weights
+
+    def published_fragment(self, f: int) -> Tensors:
+        """Fragment f of θ_pub, the tensors a full pull serves."""
+        return {n: self.published[n] for n in self.fragments[f]}
+
+    # ----- the merge and outer step ------------------------------------------------------------
+
+    def merge_round(
+        self,
+        f: int,
+        contributions: Sequence[Contribution],
+        *,
+        max_staleness: int,
+        active_islands: int,
+        new_version: int,
+    ) -> MergeResult:
+        """Merge fragment f's round into θ_exact and θ_pub: each contribution's weight (the merge
+        rule times its staleness factor), the weighted merge of the pseudo-gradients, scaled by
+        the round's work coverage when sync.scalePartialMerges is on, then the outer step on
+        θ_exact and θ_pub's update to `new_version`. Runs in a worker thread, lock held."""
+        raw = [
+            contribution_weight(c.tokens, c.steps, self.rule)
+            * staleness_factor(c.lag, max_staleness)
+            for c in contributions
+        ]
+        coverage = 1.0
+        if self.scale_partial_merges:
+            coverage = work_coverage(
+                [c.steps for c in contributions],
+                self.inner_steps,
+                active_islands,
+            )
+        merged = merge_pseudo_gradients(
+            [c.payload for c in contributions], raw, self.rule, self.plain_merge_names
+        )
+        if coverage < 1.0:
+            for t in merged.values():
+                t.mul_(coverage)
+        self.outer.step(merged)
+        update = None
+        if self.kept_apart:
+            update = publish_update(
+                self.weights, self.published, self.fragments[f], self.pull_compression, new_version
+            )
+        return MergeResult(raw=raw, coverage=coverage, update=update)
+
+    # ----- digests, snapshots and checkpoints --------------------------------------------------
+
+    def digest(self) -> str:
+        """sha256 of the global weights and the outer momentum (and θ_pub when kept apart)."""
+        published = self.published if self.kept_apart else None
+        return ckpt.state_digest(self.weights, self.outer.state_tensors(), published)
+
+    def snapshot(self) -> Tensors:
+        """A copy of θ_exact (to evaluate while merges go on)."""
+        return {n: t.detach().clone() for n, t in self.weights.items()}
+
+    def tensor_snapshot(self) -> TensorSnapshot:
+        """Copies of everything a checkpoint holds of the model."""
+        return TensorSnapshot(
+            weights=self.snapshot(),
+            momentum={n: t.clone() for n, t in self.outer.state_tensors().items()},
+            published=(
+                {n: t.detach().clone() for n, t in self.published.items()}
+                if self.kept_apart
+                else None
+            ),
+        )
+
+    def restore(self, loaded: ckpt.Checkpoint) -> None:
+        """Load a checkpoint's tensors; ConfigError (nothing loaded) when they do not fit."""
+        self._check_fits(loaded)
+        with torch.no_grad():
+            for name, t in loaded.weights.items():
+                self.weights[name].copy_(t)
+            if self.kept_apart:
+                # θ_pub as learners hold it; a checkpoint without it (pull codec none, or an
+                # older syncer) gives θ_exact, and learners then get full weights once.
+                source = loaded.published
+                if source is None or not _same_shapes(source, self.weights):
+                    if source is not None:
+                        log.warning("checkpoint %s: published weights do not match", loaded.path)
+                    source = loaded.weights
+                for name, t in source.items():
+                    self.published[name].copy_(t)
+        self.outer.load_state_tensors(loaded.momentum)
+
+    def _check_fits(self, loaded: ckpt.Checkpoint) -> None:
+        if loaded.manifest.get("fragments") != self.fragments:
+            raise ConfigError(
+                f"checkpoint {loaded.path} splits the model into different fragments than "
+                f"sync.fragments={len(self.fragments)} does now; use a fresh state dir"
+            )
+        missing = set(self.weights) ^ set(loaded.weights)
+        if missing:
+            raise ConfigError(
+                f"checkpoint {loaded.path} holds other tensors than the model "
+                f"(differences: {sorted(missing)[:5]}); was model.preset changed?"
+            )
+        for name, t in loaded.weights.items():
+            if t.shape != self.weights[name].shape:
+                raise ConfigError(
+                    f"checkpoint {loaded.path}: {name} has shape {tuple(t.shape)}, the model "
+                    f"{tuple(self.weights[name].shape)}"
+                )
+
+
+def _same_shapes(a: Mapping[str, torch.Tensor], b: Mapping[str, torch.Tensor]) -> bool:
+    return a.keys() == b.keys() and all(a[n].shape == b[n].shape for n in a)

@@ -1,0 +1,224 @@
+"""The syncer's background jobs: evaluations and checkpoints, on snapshots, in order.
+
+The service takes a snapshot under its lock and schedules the job; the JobQueue runs jobs one at
+a time in the order they were scheduled, so neither learners nor the next merge wait for them, and
+a checkpoint includes every evaluation scheduled before it. A failed job is logged and skipped: a
+full disk must not stop training.
+
+Evaluation runs at start, every syncer.evalEveryOuterSteps outer steps and at the finish (its
+evalHistory entry appears shortly after the merge it follows); checkpoints every
+syncer.checkpoint.everyOuterSteps outer steps and at the finish.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import copy
+import logging
+from collections.abc import Callable, Coroutine
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from diloco_trainer.api.spec import JobSpec
+from diloco_trainer.models.parts import TrainingParts, evaluate
+from diloco_trainer.syncer import checkpoint as ckpt
+from diloco_trainer.syncer.global_model import GlobalModel, Tensors, TensorSnapshot
+from diloco_trainer.syncer.metrics import SyncerMetrics
+
+log = logging.getLogger("diloco.syncer")
+
+
+class JobQueue:
+    """Coroutines run one at a time, in order, by one worker task on the serving loop."""
+
+    def __init__(self) -> None:
+        # Created on the serving loop (start()).
+        self._jobs: asyncio.Queue[Coroutine[Any, Any, None]] | None = None
+        self._worker: asyncio.Task[None] | None = None
+
+    def start(self) -> None:
+        """Create the queue and its worker (call on the serving loop)."""
+        self._jobs = asyncio.Queue()
+        self._worker = asyncio.create_task(self._run())
+
+    def schedule(self, job: Coroutine[Any, Any, None]) -> None:
+        assert self._jobs is not None
+        self._jobs.put_nowait(job)
+
+    async def _run(self) -> None:
+        """Run scheduled jobs until cancelled; a failed one is logged and skipped."""
+        assert self._jobs is not None
+        while True:
+            job = await self._jobs.get()
+            try:
+                await job
+            except Exception:
+                log.exception("background evaluation or checkpoint failed")
+            finally:
+                self._jobs.task_done()
+
+    async def drain(self) -> None:
+        """Wait until every scheduled job has finished."""
+        if self._jobs is not None:
+            await self._jobs.join()
+
+    async def stop(self, timeout: float) -> None:
+        """Let scheduled jobs finish (a checkpoint being written completes); stop the worker."""
+        if self._worker is None:
+            return
+        try:
+            await asyncio.wait_for(self.drain(), timeout)
+        except asyncio.TimeoutError:
+            log.warning("stopping with evaluations or checkpoints still unfinished")
+        self._worker.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await self._worker
+
+
+class Evaluations:
+    """Eval losses of the global weights (evalHistory) and how to compute them."""
+
+    def __init__(
+        self, parts: TrainingParts, metrics: SyncerMetrics, clock: Callable[[], float]
+    ) -> None:
+        self.parts = parts
+        self.metrics = metrics
+        self.clock = clock
+        self.history: list[dict[str, Any]] = []
+        self.initial_loss: float | None = None
+        self.last_step = -1
+        # A second model to evaluate weight snapshots on while merges go on.
+        self._eval_model = copy.deepcopy(parts.model)
+
+    @property
+    def latest(self) -> float | None:
+        return self.history[-1]["evalLoss"] if self.history else None
+
+    def evaluate_live(self) -> float:
+        """The eval loss of the live global weights (θ_exact; the caller holds them still)."""
+        return evaluate(self.parts)
+
+    def evaluate_snapshot(self, weights: Tensors) -> float:
+        """The eval loss of a copy of the weights, on the second model."""
+        with torch.no_grad():
+            for name, p in self._eval_model.named_parameters():
+                p.copy_(weights[name])
+        return evaluate(self.parts, self._eval_model)
+
+    def record(self, loss: float, *, step: int, tokens: int) -> None:
+        """Append an evalHistory entry for outer step `step`."""
+        self.history.append(
+            {"outerStep": step, "tokens": tokens, "evalLoss": loss, "time": self.clock()}
+        )
+        self.last_step = max(self.last_step, step)
+        self.metrics.eval_loss.set(loss)
+
+    def restore(self, manifest: dict[str, Any], outer_step: int) -> None:
+        self.history = list(manifest.get("evalHistory", []))
+        self.initial_loss = manifest.get("initialEvalLoss")
+        self.last_step = outer_step
+
+    async def job(self, weights: Tensors, step: int, tokens: int) -> None:
+        """A background evaluation of a snapshot taken at outer step `step`."""
+        loss = await asyncio.to_thread(self.evaluate_snapshot, weights)
+        self.record(loss, step=step, tokens=tokens)
+        log.info("eval at outer step %d (%d tokens): loss %.4f", step, tokens, loss)
+
+
+@dataclass(frozen=True)
+class CheckpointSnapshot:
+    """Everything a checkpoint of one moment needs, copied under the lock."""
+
+    outer_step: int
+    tensors: TensorSnapshot
+    manifest: dict[str, Any]
+
+
+class Checkpoints:
+    """Writes checkpoints of snapshots under state_dir, keeping the newest `keep`."""
+
+    def __init__(self, state_dir: Path, keep: int, evaluations: Evaluations) -> None:
+        self.state_dir = state_dir
+        self.keep = keep
+        self.evaluations = evaluations
+        self.last_step = -1
+
+    async def write(self, snap: CheckpointSnapshot) -> None:
+        step = snap.outer_step
+        # Evaluations queued before this checkpoint have finished (jobs run in order).
+        history = [e for e in self.evaluations.history if e["outerStep"] <= step]
+        path = await asyncio.to_thread(
+            ckpt.save_checkpoint,
+            self.state_dir,
+            outer_step=step,
+            weights=snap.tensors.weights,
+            momentum=snap.tensors.momentum,
+            manifest={**snap.manifest, "evalHistory": history},
+            keep=self.keep,
+            published=snap.tensors.published,
+        )
+        log.info("checkpoint %s written", path)
+
+
+class BackgroundJobs:
+    """Evaluations and checkpoints of the global model: when they are due, and the queue they
+    run on. The service calls these with its lock held."""
+
+    def __init__(
+        self,
+        spec: JobSpec,
+        parts: TrainingParts,
+        model: GlobalModel,
+        *,
+        state_dir: Path,
+        metrics: SyncerMetrics,
+        clock: Callable[[], float],
+    ) -> None:
+        self.model = model
+        self.eval_every = spec.syncer.eval_every_outer_steps
+        self.checkpoint_every = spec.syncer.checkpoint.every_outer_steps
+        self.queue = JobQueue()
+        self.evaluations = Evaluations(parts, metrics, clock)
+        self.checkpoints = Checkpoints(state_dir, spec.syncer.checkpoint.keep, self.evaluations)
+
+    def evaluate_initial(self, *, step: int, tokens: int) -> float:
+        """Evaluate the initial weights (a fresh start) and record it."""
+        loss = self.evaluations.evaluate_live()
+        self.evaluations.initial_loss = loss
+        self.evaluations.record(loss, step=step, tokens=tokens)
+        # The initial state is a pure function of the spec: nothing to checkpoint yet.
+        self.checkpoints.last_step = 0
+        return loss
+
+    def restore(self, manifest: dict[str, Any], outer_step: int) -> None:
+        self.evaluations.restore(manifest, outer_step)
+        self.checkpoints.last_step = outer_step
+
+    def after_merge(
+        self, step: int, tokens: int, snapshot: Callable[[], CheckpointSnapshot]
+    ) -> None:
+        """Schedule the evaluation and checkpoint due at outer step `step`, on snapshots."""
+        if step > self.evaluations.last_step and step % self.eval_every == 0:
+            self.queue.schedule(self.evaluations.job(self.model.snapshot(), step, tokens))
+            self.evaluations.last_step = step
+        if step > self.checkpoints.last_step and step % self.checkpoint_every == 0:
+            self.queue.schedule(self.checkpoints.write(snapshot()))
+            self.checkpoints.last_step = step
+
+    async def finish(
+        self, step: int, tokens: int, snapshot: Callable[[], CheckpointSnapshot]
+    ) -> float | None:
+        """Evaluate (unless done at this step) and checkpoint the final state, after every
+        scheduled job; returns the eval loss computed here, if any."""
+        await self.queue.drain()  # earlier evaluations land in evalHistory first
+        loss = None
+        if step > self.evaluations.last_step:
+            loss = await asyncio.to_thread(self.evaluations.evaluate_live)
+            self.evaluations.record(loss, step=step, tokens=tokens)
+        await self.checkpoints.write(snapshot())
+        self.checkpoints.last_step = step
+        return loss

@@ -1,0 +1,111 @@
+"""What the syncer has merged: tokens per fragment, the learners' loss and the merge log.
+
+Every merge is logged (the status document's recent "merges" and state_dir/merges.jsonl) with its
+contributors, their lags and raw and normalised weights, so it can be reproduced.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from diloco_trainer.syncer import checkpoint as ckpt
+from diloco_trainer.syncer.global_model import MergeResult
+from diloco_trainer.syncer.rounds import Contribution
+
+MERGE_LOG_FILE = "merges.jsonl"
+RECENT_MERGES = 20
+
+
+class MergeLog:
+    """Merged tokens, the latest learner loss and the log of merges of one job."""
+
+    def __init__(self, fragments: int, state_dir: Path) -> None:
+        self.path = state_dir / MERGE_LOG_FILE
+        self.fragment_tokens = [0.0] * fragments
+        self.loss: float | None = None
+        self.recent: deque[dict[str, Any]] = deque(maxlen=RECENT_MERGES)
+        self.count = 0
+        self.last_time: float | None = None
+
+    @property
+    def tokens(self) -> int:
+        """Tokens merged into the global model (each fragment's merges, averaged over fragments)."""
+        return round(sum(self.fragment_tokens) / len(self.fragment_tokens))
+
+    def record(
+        self,
+        fragment: int,
+        contributions: Sequence[Contribution],
+        result: MergeResult,
+        *,
+        version: int,
+        outer_step: int,
+        time: float,
+        quorum: int,
+        grace: float,
+        rule: str,
+        seconds: float,
+    ) -> dict[str, Any]:
+        """Count a merge of `fragment` (its round's `contributions`, now at `version`) and
+        return its log entry."""
+        total = sum(result.raw)
+        shares = [w / total for w in result.raw]
+        tokens = sum(c.tokens for c in contributions)
+        self.fragment_tokens[fragment] += tokens
+        losses = [(c.loss, c.tokens) for c in contributions if c.loss is not None]
+        if losses:
+            self.loss = sum(v * t for v, t in losses) / sum(t for _, t in losses)
+        self.count += 1
+        self.last_time = time
+        entry = {
+            "version": version,
+            "fragment": fragment,
+            "outerStep": outer_step,
+            "time": time,
+            "quorum": quorum,
+            "grace": grace,
+            "rule": rule,
+            "coverage": result.coverage,
+            "tokens": tokens,
+            "mergeSeconds": seconds,
+            "contributors": [
+                {**c.log_entry(), "rawWeight": w, "weight": s}
+                for c, w, s in zip(contributions, result.raw, shares, strict=True)
+            ],
+        }
+        self.recent.append(entry)
+        return entry
+
+    def write(self, entry: dict[str, Any]) -> None:
+        """Append an entry to merges.jsonl (blocking: call from a worker thread)."""
+        ckpt.append_jsonl(self.path, entry)
+
+    def manifest(self) -> dict[str, Any]:
+        """The checkpoint manifest's fields of this log."""
+        return {
+            "fragmentTokens": list(self.fragment_tokens),
+            "tokens": self.tokens,
+            "loss": self.loss,
+            "merges": self.count,
+            "lastMergeTime": self.last_time,
+        }
+
+    def restore(self, manifest: dict[str, Any]) -> None:
+        self.fragment_tokens = [float(t) for t in manifest["fragmentTokens"]]
+        self.loss = manifest.get("loss")
+        self.count = int(manifest.get("merges", 0))
+        self.last_time = manifest.get("lastMergeTime")
+
+
+def describe_merge(entry: dict[str, Any]) -> str:
+    """A merge log entry as one log line."""
+    parts = ", ".join(
+        f"{c['island']} w={c['weight']:.3f} lag={c['lag']}" for c in entry["contributors"]
+    )
+    return (
+        f"merged fragment {entry['fragment']} -> version {entry['version']} (outer step "
+        f"{entry['outerStep']}, {entry['tokens']} tokens, {entry['mergeSeconds']:.3f}s): {parts}"
+    )

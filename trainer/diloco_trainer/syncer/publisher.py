@@ -1,0 +1,147 @@
+"""The publisher: what pullers get, and when.
+
+It keeps each fragment's encoded pull body (the full θ_pub fragment at its published version),
+the last few encoded updates of θ_pub per fragment (core/published.py) and the update-chain bodies
+built from them, and one event per fragment that long-polling pullers wait on. The service calls
+`publish` after a merge (lock held); `pull` serves and long-polls without the lock.
+
+A learner that says which version it holds (`have`) gets the updates since then instead of the
+full fragment when the history still holds them all and together they are smaller.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+from diloco_trainer.api import protocol
+from diloco_trainer.core import payloads
+from diloco_trainer.core.compress import expected_encoded
+from diloco_trainer.core.published import UpdateHistory, WeightUpdate, history_length
+from diloco_trainer.syncer.global_model import GlobalModel
+from diloco_trainer.syncer.metrics import SyncerMetrics
+
+# What a body was encoded at: (fragment version, outer step, finished).
+BodyKey = tuple[int, int, bool]
+
+
+class Publisher:
+    """Encoded pull bodies, update chains and long-poll wake-ups of one job's fragments."""
+
+    def __init__(self, model: GlobalModel, *, max_staleness: int, metrics: SyncerMetrics) -> None:
+        self.model = model
+        self.metrics = metrics
+        self.history = [
+            UpdateHistory(
+                history_length(
+                    model.full_bytes[f],
+                    sum(
+                        shape.numel() * dtype.itemsize
+                        for dtype, shape in expected_encoded(e, model.pull_compression).values()
+                    ),
+                    max_staleness,
+                )
+            )
+            for f, e in enumerate(model.expected)
+        ]
+        self.pulls = {protocol.KIND_FULL: 0, protocol.KIND_UPDATES: 0}
+        self.bytes_out = 0
+        self.closing = False
+        # Created on the serving loop (start()).
+        self._events: list[asyncio.Event] = []
+        self._bodies: list[tuple[BodyKey, bytes]] = []
+        # Update-chain bodies of the published version, by fragment and the puller's version.
+        self._chains: list[dict[tuple[BodyKey, int], bytes]] = [{} for _ in model.fragments]
+
+    async def start(self, keys: list[BodyKey]) -> None:
+        """Create the events and encode every fragment at `keys` (call on the serving loop)."""
+        self._events = [asyncio.Event() for _ in self.model.fragments]
+        self._bodies = await asyncio.to_thread(
+            lambda: [self._encode(f, keys[f]) for f in range(len(self.model.fragments))]
+        )
+
+    def record_update(self, f: int, update: WeightUpdate | None) -> None:
+        """Keep θ_pub's update of fragment f (None: θ_pub is θ_exact, nothing to keep)."""
+        if update is not None:
+            self.history[f].append(update)
+
+    async def publish(self, keys: list[BodyKey]) -> None:
+        """Re-encode the fragments whose key changed and wake their pullers (lock held)."""
+        stale = [f for f in range(len(self.model.fragments)) if self._bodies[f][0] != keys[f]]
+        fresh = await asyncio.to_thread(lambda: [self._encode(f, keys[f]) for f in stale])
+        for f, body in zip(stale, fresh, strict=True):
+            self._bodies[f] = body
+            self._chains[f].clear()
+            old, self._events[f] = self._events[f], asyncio.Event()
+            old.set()
+
+    def close_waiters(self) -> None:
+        """Answer every long-poll now (304): the server is shutting down."""
+        self.closing = True
+        for event in self._events:
+            event.set()
+
+    async def pull(self, fragment: int, *, after: int, wait: float, have: int) -> bytes | None:
+        """Fragment bytes once its version is > after (or the job finished); None after `wait`.
+
+        The body is the chain of updates since version `have` when there is one (see
+        _chain_body), else the full published weights.
+        """
+        deadline = time.monotonic() + max(0.0, min(wait, protocol.MAX_WAIT_SECONDS))
+        while True:
+            key, body = self._bodies[fragment]
+            version, _, finished = key
+            if version > after or finished:
+                chain = await self._chain_body(fragment, key, have)
+                if chain is not None:
+                    body = chain
+                self.pulls[protocol.KIND_FULL if chain is None else protocol.KIND_UPDATES] += 1
+                self.bytes_out += len(body)
+                self.metrics.bytes_out.inc(len(body))
+                return body
+            published = self._events[fragment]
+            remaining = deadline - time.monotonic()
+            if remaining <= 0 or self.closing:
+                return None
+            try:
+                await asyncio.wait_for(published.wait(), remaining)
+            except asyncio.TimeoutError:
+                return None
+
+    def _encode(self, f: int, key: BodyKey) -> tuple[BodyKey, bytes]:
+        meta = {
+            protocol.META_KIND: protocol.KIND_FULL,
+            protocol.META_VERSION: key[0],
+            protocol.META_FRAGMENT: f,
+            protocol.META_OUTER_STEP: key[1],
+            protocol.META_FINISHED: key[2],
+        }
+        return key, payloads.encode_body(self.model.published_fragment(f), meta)
+
+    async def _chain_body(self, f: int, key: BodyKey, have: int) -> bytes | None:
+        """The update-chain body from version `have` to the published `key`, when the history
+        holds it and it is smaller than the fragment; else None."""
+        if self.model.pull_compression == "none" or have < 0:
+            return None
+        cached = self._chains[f].get((key, have))
+        if cached is not None:
+            return cached
+        chain = self.history[f].chain(have, key[0], self.model.full_bytes[f])
+        if chain is None:
+            return None
+        meta = {
+            protocol.META_KIND: protocol.KIND_UPDATES,
+            protocol.META_VERSION: key[0],
+            protocol.META_FROM_VERSION: have,
+            protocol.META_FRAGMENT: f,
+            protocol.META_OUTER_STEP: key[1],
+            protocol.META_FINISHED: key[2],
+            protocol.META_CODEC: self.model.pull_compression,
+            protocol.META_CHECKSUM: chain[-1].checksum,
+        }
+        body = await asyncio.to_thread(
+            payloads.encode_update_chain, [(u.version, u.encoded) for u in chain], meta
+        )
+        if self._bodies[f][0] == key:  # still the published version: keep it for other pullers
+            self._chains[f][(key, have)] = body
+        return body

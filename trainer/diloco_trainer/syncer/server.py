@@ -1,0 +1,81 @@
+"""The `diloco syncer` process: the pod environment and job spec, TLS, the aiohttp server and the
+exit code (0 after SIGTERM, 1 after a failed merge, 2 for a bad environment or config).
+
+Shutdown (SIGTERM/SIGINT): long-polls are answered (304) at once, the server stops accepting
+requests and exits within SHUTDOWN_TIMEOUT seconds; it does NOT write a checkpoint. What a crash
+or a stop can lose is what happened since the last checkpoint (at most
+syncer.checkpoint.everyOuterSteps outer steps; merged fragments are published before that
+checkpoint is written): islands that pushed into the lost rounds notice the syncer's older
+versions (a 409 with code "ahead", or versions in status/join) and continue from them.
+
+service.main runs it with the Syncer class; taking that as an argument keeps this module (and
+http.py) free of an import of the service, which imports them.
+"""
+
+from __future__ import annotations
+
+import logging
+import ssl
+import sys
+from pathlib import Path
+from typing import Protocol
+
+from aiohttp import web
+
+from diloco_trainer.api.contract import ContractError, SyncerEnv
+from diloco_trainer.api.spec import ConfigError, JobSpec, load_spec
+from diloco_trainer.syncer.http import SHUTDOWN_TIMEOUT, SyncerService, build_app, ssl_context
+
+log = logging.getLogger("diloco.syncer")
+
+
+class SyncerFactory(Protocol):
+    """Builds the syncer of a job (service.Syncer); ConfigError when its state dir does not fit
+    the spec."""
+
+    def __call__(self, spec: JobSpec, *, job_name: str, state_dir: Path) -> SyncerService: ...
+
+
+def run(make_syncer: SyncerFactory) -> int:
+    """Serve the job in $DILOCO_CONFIG_FILE until SIGTERM; returns the exit code."""
+    logging.basicConfig(
+        level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    try:
+        env = SyncerEnv.from_env()
+        spec = load_spec(env.config_file)
+    except (ContractError, ConfigError) as err:
+        print(f"diloco syncer: {err}", file=sys.stderr)
+        return 2
+    try:
+        tls = ssl_context(env)
+    except (OSError, ssl.SSLError) as err:
+        print(f"diloco syncer: cannot load TLS certificate or key: {err}", file=sys.stderr)
+        return 2
+    try:
+        syncer = make_syncer(spec, job_name=env.job_name, state_dir=env.state_dir)
+    except ConfigError as err:
+        print(f"diloco syncer: {err}", file=sys.stderr)
+        return 2
+    log.info(
+        "syncer for job %s serving %s on port %d at outer step %d",
+        env.job_name,
+        "https" if tls else "http",
+        env.port,
+        syncer.outer_step,
+    )
+    web.run_app(
+        build_app(syncer, env.token),
+        host="0.0.0.0",
+        port=env.port,
+        ssl_context=tls,
+        print=None,
+        access_log=None,
+        handle_signals=True,
+        shutdown_timeout=SHUTDOWN_TIMEOUT,
+    )
+    if syncer.failure:
+        log.error("syncer stopped after a failure: %s", syncer.failure)
+        return 1
+    log.info("syncer stopped")
+    return 0

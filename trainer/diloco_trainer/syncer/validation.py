@@ -1,0 +1,145 @@
+"""Validation of what clients send the syncer: typed fields, island names, and a push from its
+body and metadata to the round's Contribution. Each check raises Refused(400) naming the bad
+field, before any state is touched."""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from typing import Any
+
+import torch
+
+from diloco_trainer.api import protocol
+from diloco_trainer.core import payloads
+from diloco_trainer.core.compress import decode_tensors
+from diloco_trainer.syncer.rounds import Contribution, Refused
+
+ISLAND_NAME = re.compile(r"^[A-Za-z0-9]([-A-Za-z0-9_.]{0,251}[A-Za-z0-9])?$")
+
+
+def typed_field(
+    doc: dict[str, Any], key: str, where: str, kind: type, *, required: bool = True
+) -> Any:
+    """doc[key] as `kind` (an int is taken for a float; a bool is no int); None when absent and
+    not required."""
+    if key not in doc or doc[key] is None:
+        if required:
+            raise Refused(400, f"{where}.{key} is required")
+        return None
+    value = doc[key]
+    if kind is float and isinstance(value, int) and not isinstance(value, bool):
+        value = float(value)
+    if (kind is int and isinstance(value, bool)) or not isinstance(value, kind):
+        raise Refused(400, f"{where}.{key} must be {kind.__name__}, got {type(value).__name__}")
+    if kind is float and not math.isfinite(value):
+        raise Refused(400, f"{where}.{key} must be a finite number, got {value}")
+    return value
+
+
+def at_least(value: float | None, minimum: float, where: str, key: str) -> None:
+    """Refused(400) when a present value is below `minimum`."""
+    if value is not None and value < minimum:
+        raise Refused(400, f"{where}.{key} must be >= {minimum}, got {value}")
+
+
+def island_name(value: Any, where: str) -> str:
+    """The island name, when it is a DNS-label-like name of 1-253 characters."""
+    if not isinstance(value, str) or not ISLAND_NAME.match(value):
+        raise Refused(
+            400,
+            f"{where}.island must be 1-253 letters, digits, '-', '_' or '.', starting and ending "
+            f"with a letter or digit; got {value!r}",
+        )
+    return value
+
+
+def parse_push_meta(meta: dict[str, str], codec: str) -> protocol.PushMeta:
+    """Validate a push's safetensors metadata; Refused(400) naming the field."""
+    doc: dict[str, Any] = {}
+    for key, raw in meta.items():
+        if (
+            key == protocol.META_ISLAND
+            or key == protocol.META_CODEC
+            or key == protocol.META_PUSH_ID
+        ):
+            doc[key] = raw
+            continue
+        try:
+            doc[key] = json.loads(raw)
+        except ValueError:
+            raise Refused(400, f"metadata.{key} is not a JSON value: {raw[:50]!r}") from None
+    where = "metadata"
+    island = island_name(doc.get(protocol.META_ISLAND), where)
+    base = typed_field(doc, protocol.META_BASE_VERSION, where, int)
+    tokens = typed_field(doc, protocol.META_TOKENS, where, int)
+    steps = typed_field(doc, protocol.META_STEPS, where, int)
+    loss = typed_field(doc, protocol.META_LOSS, where, float, required=False)
+    step_time = typed_field(doc, protocol.META_STEP_TIME, where, float, required=False)
+    sync_time = typed_field(doc, protocol.META_SYNC_TIME, where, float, required=False)
+    at_least(base, 0, where, protocol.META_BASE_VERSION)
+    at_least(tokens, 1, where, protocol.META_TOKENS)
+    at_least(steps, 1, where, protocol.META_STEPS)
+    at_least(step_time, 0, where, protocol.META_STEP_TIME)
+    at_least(sync_time, 0, where, protocol.META_SYNC_TIME)
+    got_codec = doc.get(protocol.META_CODEC, "")
+    if got_codec != codec:
+        raise Refused(
+            400, f"metadata.codec {got_codec!r} does not match the job's sync.compression {codec!r}"
+        )
+    push_id = doc.get(protocol.META_PUSH_ID, "")
+    if len(push_id) > 128:
+        raise Refused(400, "metadata.pushId is longer than 128 characters")
+    return protocol.PushMeta(
+        island=island,
+        base_version=base,
+        tokens=tokens,
+        steps=steps,
+        loss=loss if loss is not None else float("nan"),
+        step_time=step_time or 0.0,
+        codec=codec,
+        sync_time=sync_time or 0.0,
+        push_id=push_id,
+    )
+
+
+def read_push(body: bytes, codec: str) -> tuple[dict[str, torch.Tensor], protocol.PushMeta]:
+    """A push body's (still encoded) tensors and its validated metadata."""
+    try:
+        flat, raw_meta = payloads.decode_body(body)
+    except ValueError as err:
+        raise Refused(400, f"push body: {err}") from None
+    return flat, parse_push_meta(raw_meta, codec)
+
+
+def decode_push(
+    fragment: int,
+    flat: dict[str, torch.Tensor],
+    codec: str,
+    expected: dict[str, torch.Size],
+) -> dict[str, torch.Tensor]:
+    """The pushed pseudo-gradient, checked against the fragment's tensor names and shapes."""
+    try:
+        return decode_tensors(flat, codec, expected)
+    except ValueError as err:
+        raise Refused(400, f"push to fragment {fragment}: {err}") from None
+
+
+def push_contribution(
+    meta: protocol.PushMeta, *, lag: int, payload: dict[str, torch.Tensor], now: float
+) -> Contribution:
+    """A validated push as a round contribution."""
+    return Contribution(
+        island=meta.island,
+        base_version=meta.base_version,
+        lag=lag,
+        tokens=meta.tokens,
+        steps=meta.steps,
+        loss=meta.loss if math.isfinite(meta.loss) else None,
+        received_at=now,
+        push_id=meta.push_id,
+        payload=payload,
+        step_time=meta.step_time or None,
+        sync_time=meta.sync_time or None,
+    )
