@@ -9,7 +9,6 @@ import pytest
 import torch
 from diloco_trainer.core.contributions import (
     Contributor,
-    ancient_bound,
     plan_merge,
     staleness_discount,
     work_share,
@@ -34,11 +33,6 @@ def test_staleness_discount_spares_one_round_then_decays_as_inverse_sqrt() -> No
     assert staleness_discount(4.0) == pytest.approx(0.5)  # (1 + 3)^-1/2
     with pytest.raises(ValueError, match="lag"):
         staleness_discount(-0.5)
-
-
-def test_ancient_bound_is_four_versions_per_island() -> None:
-    assert ancient_bound(4) == 16
-    assert ancient_bound(0) == 4
 
 
 def test_plan_of_a_full_synchronous_round_is_one_round_of_plain_weights() -> None:

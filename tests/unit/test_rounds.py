@@ -344,3 +344,69 @@ def test_rounds_quorum_one_never_waits_for_islands_not_heard_of() -> None:
     # Islands not heard of hold only the quorum, never the grace window: they are not about to
     # push (they have not even joined), so the one active island's round is complete.
     assert state.merge_due(0, 2.0)
+
+
+def test_rounds_outer_step_counts_rounds_of_work_not_merges() -> None:
+    state = make_state(quorum=1, islands=2, grace=0.0)
+    for i, (rounds, clock) in enumerate([(0, 0.5), (1, 1.0), (1, 1.5)]):
+        push(state, f"island-{i % 2}", float(i))
+        state.take_round(0, float(i), rounds=rounds, clock=clock)
+    assert state.versions == [3]
+    assert state.outer_step == 1  # three half-round merges: one round of work completed
+    # Without the optimizer's figures a merge counts as a whole round.
+    push(state, "island-0", 5.0)
+    state.take_round(0, 5.0)
+    assert state.outer_step == 2
+
+
+def test_rounds_lag_is_counted_in_rounds_of_work() -> None:
+    state = make_state(quorum=1, islands=2, grace=0.0, max_staleness=3)
+    # Versions 1..4 after merges of 0.25 rounds each: clocks 0.25, 0.5, 0.75, 1.0.
+    for v in range(1, 5):
+        push(state, "island-0", float(v))
+        state.take_round(0, float(v), rounds=v // 4, clock=0.25 * v)
+    assert state.lag_rounds(0, 4) == 0.0
+    assert state.lag_rounds(0, 3) == pytest.approx(0.25)
+    assert state.lag_rounds(0, 1) == pytest.approx(0.75)
+    # The table keeps maxStaleness + 1 versions (1..4); version 0 counts from the oldest.
+    assert state.clocks_json() == [[[1, 0.25], [2, 0.5], [3, 0.75], [4, 1.0]]]
+    assert state.lag_rounds(0, 0) == pytest.approx(0.75)
+
+
+def test_rounds_clocks_and_rounds_survive_a_checkpoint() -> None:
+    state = make_state(quorum=1, islands=1, grace=0.0)
+    for v in range(1, 3):
+        push(state, "island-0", float(v))
+        state.take_round(0, float(v), rounds=0, clock=0.4 * v)
+    policy = state.policy
+    restored = SyncState(policy, 1, versions=state.versions, rounds=[0])
+    restored.restore_clocks(state.clocks_json())
+    assert restored.lag_rounds(0, 1) == pytest.approx(0.4)
+    assert restored.outer_step == 0
+    # A checkpoint from before rounds were counted: each merge was an outer step.
+    assert SyncState(policy, 1, versions=[7]).outer_step == 7
+
+
+def test_rounds_auto_grace_excludes_the_time_the_syncer_held_a_push() -> None:
+    """The learner's sync time (push sent -> merge received) includes the quorum wait and the
+    window; only the rest (transfers) and the merge time count against the slack."""
+    state = make_state(quorum=1, islands=1, grace=None, overlap=20, timeout=60.0)
+    push(state, "island-0", 10.0, step_time=0.5)
+    # Merge at 14 s taking 1 s: the syncer held the push 5 s.
+    state.take_round(0, 14.0, merge_seconds=1.0)
+    base = state.versions[0]
+    c = Contribution(
+        island="island-0",
+        base_version=base,
+        lag=0,
+        tokens=100,
+        steps=10,
+        loss=1.0,
+        received_at=30.0,
+        step_time=0.5,
+        sync_time=6.5,  # 5 s held + 1.5 s of transfers
+    )
+    state.accept_push(0, c, 30.0)
+    assert state.islands["island-0"].transfer_time == pytest.approx(1.5)
+    # slack = 20·0.5 − (0 quorum wait + 1.5 transfer + 1.0 merge) = 7.5; γ = 0.5.
+    assert state.grace() == pytest.approx(3.75)

@@ -36,8 +36,6 @@ from diloco_trainer.core.merge import MERGE_RULES, contribution_weight
 
 # Staleness (rounds of work) every merge has anyway: synchronous DiLoCo's peers in one step.
 FREE_LAG_ROUNDS = 1.0
-# Default bound on a push's lag in versions, per island of the job (sync.maxStaleness "auto").
-ANCIENT_VERSIONS_PER_ISLAND = 4
 
 
 def work_share(steps: int, inner_steps: int) -> float:
@@ -54,12 +52,6 @@ def staleness_discount(lag_rounds: float) -> float:
     if not (math.isfinite(lag_rounds) and lag_rounds >= 0.0):
         raise ValueError(f"staleness lag must be finite and >= 0, got {lag_rounds}")
     return (1.0 + max(0.0, lag_rounds - FREE_LAG_ROUNDS)) ** -0.5
-
-
-def ancient_bound(islands: int) -> int:
-    """The default sync.maxStaleness: pushes lagging more versions than this are refused. At K=1
-    a round is about M versions, so this is about four rounds of work behind."""
-    return ANCIENT_VERSIONS_PER_ISLAND * max(1, islands)
 
 
 @dataclass(frozen=True)

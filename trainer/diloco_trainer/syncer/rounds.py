@@ -20,165 +20,43 @@ fragment's sync point; an island with no report, or an overdue one, is always wa
 Membership changes re-evaluate this at once: dropping an island removes its pending contribution
 (which may undo the quorum) and shrinks the active set (which may complete the round).
 
-Grace "auto" (Decoupled DiLoCo): slack = τ·t_step − (t_quorum + t_sync), grace = γ·max(slack, 0)
-with γ = 0.5, where t_step is the median step time the islands report, t_quorum the recent time
-from a round's first push to its quorum and t_sync the recent median sync time the learners report
-(push sent to merged fragment received). FLOOR: the grace is never less than one median learner
-step (t_step), so islands running in lock step all make the round even when τ = 0 (no overlap
-budget) and the cost stays below one step per round; it is never more than the heartbeat timeout,
-the point at which a silent island would be given up on anyway. Before any step time is known the
-floor is AUTO_GRACE_DEFAULT seconds.
+Grace "auto": core/grace.py, from the islands' step times, the quorum waits and the net sync time
+(a learner's reported sync time minus what the syncer held its push, plus the merge time).
 
-Membership. States: active, dropped (by the admin route; stays dropped until re-added), timedOut
-(no heartbeat, join or push for heartbeatTimeoutSeconds; active again on its next sign of life),
-left (said goodbye; active again when it joins). Only islands that have joined count as active:
-the admin route may pre-register an island, but it joins the quorum when it first joins. Islands
-of the job the syncer has not heard of at all (expect(): count minus known records) hold the
-quorum, not the grace window, until the heartbeat timeout after the syncer's start.
+Work and staleness. Each fragment counts the rounds of work merged into it (the outer optimizer's
+folds, passed to take_round); outer_step is the least of them. A push's staleness in rounds
+(lag_rounds) is the work merged since its base version; pushes more than policy.max_staleness
+versions old are refused (409 "stale"), pushes based on a future version too (409 "ahead").
+
+Membership: the states are described in records.py.
 """
 
 from __future__ import annotations
 
 import statistics
 from collections import deque
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from typing import Any
 
-ACTIVE = "active"
-DROPPED = "dropped"
-TIMED_OUT = "timedOut"
-LEFT = "left"
+from diloco_trainer.core.grace import expected_push_time, grace_window, net_sync_time
+from diloco_trainer.syncer.records import (
+    ACTIVE,
+    DROPPED,
+    LEFT,
+    TIMED_OUT,
+    Contribution,
+    FragmentRound,
+    IslandRecord,
+    Refused,
+    RoundPolicy,
+)
 
 # Answers to pushes kept in checkpoints (the most recent; there is one per island and fragment).
 SAVED_ANSWERS = 4096
 
-AUTO_GRACE_GAMMA = 0.5
 AUTO_GRACE_DEFAULT = 1.0
-# Samples kept for the medians of t_quorum and t_sync (recent behaviour matters, not history).
+# Samples kept for the medians of t_quorum and t_merge (recent behaviour matters, not history).
 _WINDOW = 32
-
-
-class Refused(Exception):
-    """A request the state machine refuses; `status` is the HTTP status the server answers and
-    `code` (optional) a machine-readable reason clients can act on (wire.ERROR_* constants)."""
-
-    def __init__(self, status: int, message: str, code: str = "") -> None:
-        super().__init__(message)
-        self.status = status
-        self.message = message
-        self.code = code
-
-
-@dataclass(frozen=True)
-class RoundPolicy:
-    """The sync settings the state machine needs (from JobSpec.sync)."""
-
-    quorum: int
-    max_staleness: int
-    heartbeat_timeout: float
-    grace_seconds: float | None  # None means "auto"
-    overlap_steps: int = 0
-    # The learners' schedule (H and each fragment's sync offset), for predicting when a missing
-    # island will push; inner_steps 0 turns the prediction off.
-    inner_steps: int = 0
-    offsets: tuple[int, ...] = ()
-
-
-@dataclass
-class IslandRecord:
-    """What the syncer knows about one island (also persisted in checkpoints)."""
-
-    name: str
-    state: str = ACTIVE
-    reason: str = ""
-    joins: int = 0
-    replicas: int = 0
-    last_seen: float = 0.0
-    last_push: float | None = None
-    pushes: int = 0
-    tokens: int = 0  # tokens the island reports having consumed in all (heartbeats)
-    merged_tokens: float = 0.0  # its merged tokens, averaged over fragments (see take_round)
-    loss: float | None = None
-    step: int = 0
-    step_time: float | None = None
-    sync_time: float | None = None
-    # The latest progress report and when it came (not persisted: a restarted syncer waits for
-    # the next heartbeat before it predicts anything).
-    reported_step: int | None = None
-    reported_at: float | None = None
-
-    def to_json(self) -> dict[str, Any]:
-        """The status/checkpoint form (camelCase)."""
-        return {
-            "state": self.state,
-            "reason": self.reason,
-            "joins": self.joins,
-            "replicas": self.replicas,
-            "lastSeen": self.last_seen,
-            "lastPush": self.last_push,
-            "pushes": self.pushes,
-            "tokens": self.tokens,
-            "mergedTokens": round(self.merged_tokens),
-            "loss": self.loss,
-            "step": self.step,
-            "stepTime": self.step_time,
-        }
-
-    @classmethod
-    def from_json(cls, name: str, doc: dict[str, Any]) -> IslandRecord:
-        return cls(
-            name=name,
-            state=str(doc.get("state", ACTIVE)),
-            reason=str(doc.get("reason", "")),
-            joins=int(doc.get("joins", 0)),
-            replicas=int(doc.get("replicas", 0)),
-            last_seen=float(doc.get("lastSeen", 0.0)),
-            last_push=doc.get("lastPush"),
-            pushes=int(doc.get("pushes", 0)),
-            tokens=int(doc.get("tokens", 0)),
-            merged_tokens=float(doc.get("mergedTokens", 0)),
-            loss=doc.get("loss"),
-            step=int(doc.get("step", 0)),
-            step_time=doc.get("stepTime"),
-        )
-
-
-@dataclass
-class Contribution:
-    """One island's pending pseudo-gradient for one fragment."""
-
-    island: str
-    base_version: int
-    lag: int
-    tokens: int
-    steps: int
-    loss: float | None
-    received_at: float
-    push_id: str = ""
-    step_time: float | None = None
-    sync_time: float | None = None
-    payload: Any = field(default=None, repr=False)  # the decoded tensors (opaque here)
-
-    def log_entry(self) -> dict[str, Any]:
-        """The contributor's line in the merge log (weights are added by the merger)."""
-        return {
-            "island": self.island,
-            "baseVersion": self.base_version,
-            "lag": self.lag,
-            "tokens": self.tokens,
-            "steps": self.steps,
-            "loss": self.loss,
-        }
-
-
-@dataclass
-class FragmentRound:
-    """The open round of one fragment."""
-
-    version: int = 0
-    pending: dict[str, Contribution] = field(default_factory=dict)
-    first_push_at: float | None = None
-    quorum_since: float | None = None
 
 
 def _median(values: list[float]) -> float | None:
@@ -189,18 +67,35 @@ class SyncState:
     """Rounds of every fragment plus island membership. Not thread-safe: the caller locks."""
 
     def __init__(
-        self, policy: RoundPolicy, num_fragments: int, versions: list[int] | None = None
+        self,
+        policy: RoundPolicy,
+        num_fragments: int,
+        versions: list[int] | None = None,
+        rounds: list[int] | None = None,
     ) -> None:
+        """`versions` and `rounds` (completed rounds of work) per fragment, from a checkpoint;
+        without `rounds` every merge so far counts as one round (older checkpoints)."""
         if num_fragments < 1:
             raise ValueError("num_fragments must be >= 1")
-        if versions is not None and len(versions) != num_fragments:
-            raise ValueError(f"{len(versions)} versions for {num_fragments} fragments")
+        versions = versions or [0] * num_fragments
+        rounds = versions if rounds is None else rounds
+        if len(versions) != num_fragments or len(rounds) != num_fragments:
+            raise ValueError(
+                f"{len(versions)} versions and {len(rounds)} rounds for {num_fragments} fragments"
+            )
         self.policy = policy
-        self.rounds = [FragmentRound(version=v) for v in (versions or [0] * num_fragments)]
+        pairs = zip(versions, rounds, strict=True)
+        self.rounds = [FragmentRound(version=v, rounds=r) for v, r in pairs]
         self.islands: dict[str, IslandRecord] = {}
         # (island, fragment) -> (pushId, answer): a retried push gets its first answer again.
         self._answers: dict[tuple[str, int], tuple[str, dict[str, Any]]] = {}
         self._quorum_waits: deque[float] = deque(maxlen=_WINDOW)
+        self._merge_seconds: deque[float] = deque(maxlen=_WINDOW)
+        # (island, fragment) -> seconds the syncer held that island's last merged push.
+        self._held: dict[tuple[str, int], float] = {}
+        # Per fragment, version -> rounds of work merged up to it (its work clock), for the
+        # staleness of a push in rounds (lag_rounds); the last maxStaleness + 1 versions.
+        self._clocks: list[dict[int, float]] = [{r.version: float(r.rounds)} for r in self.rounds]
         # Islands the job has but the syncer has not heard of yet (see expect()).
         self._expected = 0
         self._expect_until = 0.0
@@ -213,8 +108,9 @@ class SyncState:
 
     @property
     def outer_step(self) -> int:
-        """Outer steps completed: the least merged fragment's version."""
-        return min(self.versions)
+        """Outer steps completed: the rounds of work (outer-optimizer folds) of the fragment
+        with the fewest; with every island in every merge, the number of merges."""
+        return min(r.rounds for r in self.rounds)
 
     def active_islands(self) -> set[str]:
         """Islands that count towards the quorum."""
@@ -229,22 +125,32 @@ class SyncState:
         return max(1, min(self.policy.quorum, len(self.active_islands()) + self.awaited_islands()))
 
     def grace(self) -> float:
-        """The grace window in seconds (fixed, or auto from measured timings; module docstring)."""
-        cap = self.policy.heartbeat_timeout
+        """The grace window in seconds: fixed, or auto from measured timings that exclude the
+        window itself (core/grace.py)."""
         if self.policy.grace_seconds is not None:
             return self.policy.grace_seconds
-        active = self.active_islands()
-        t_step = _median(
-            [r.step_time for n, r in self.islands.items() if n in active and r.step_time]
+        active = [r for n, r in self.islands.items() if n in self.active_islands()]
+        transfer = _median([r.transfer_time for r in active if r.transfer_time is not None])
+        return grace_window(
+            step_time=_median([r.step_time for r in active if r.step_time]),
+            overlap_steps=self.policy.overlap_steps,
+            quorum_wait=_median(list(self._quorum_waits)) or 0.0,
+            sync_net=(transfer or 0.0) + (_median(list(self._merge_seconds)) or 0.0),
+            cap=self.policy.heartbeat_timeout,
+            default=AUTO_GRACE_DEFAULT,
         )
-        if t_step is None:
-            return min(AUTO_GRACE_DEFAULT, cap)
-        t_sync = _median(
-            [r.sync_time for n, r in self.islands.items() if n in active and r.sync_time]
-        )
-        t_quorum = _median(list(self._quorum_waits)) or 0.0
-        slack = self.policy.overlap_steps * t_step - (t_quorum + (t_sync or 0.0))
-        return min(cap, max(AUTO_GRACE_GAMMA * max(slack, 0.0), t_step))
+
+    def lag_rounds(self, fragment: int, base_version: int) -> float:
+        """Rounds of work merged into fragment since `base_version` (a push's staleness).
+
+        A version the table no longer holds (older than maxStaleness allows, or before a
+        restart from a checkpoint without it) counts from the oldest one it holds: a lower
+        bound.
+        """
+        clocks = self._clocks[fragment]
+        now = clocks[self.rounds[fragment].version]
+        base = clocks.get(base_version, clocks[min(clocks)])
+        return max(0.0, now - base)
 
     def island(self, name: str) -> IslandRecord:
         """A known island; Refused(404) for one that never joined."""
@@ -416,6 +322,9 @@ class SyncState:
             rec.step_time = contribution.step_time
         if contribution.sync_time:
             rec.sync_time = contribution.sync_time
+            held = self._held.pop((contribution.island, fragment), None)
+            if held is not None:  # the sync it reports is that of its push we last merged
+                rec.transfer_time = net_sync_time(contribution.sync_time, held)
         self._refresh(now)
         answer = {
             "accepted": True,
@@ -467,16 +376,18 @@ class SyncState:
         A wrong guess is cheap: the island's work is merged in its next round, nothing is lost.
         An island that is overdue (its push is late, or it is stuck) counts as arriving now.
         """
-        h, offsets = self.policy.inner_steps, self.policy.offsets
-        if h < 1 or fragment >= len(offsets):
-            return None
         if rec.reported_step is None or rec.reported_at is None or not rec.step_time:
             return None
-        # Fragment f is pushed after the step s with s % H == offset % H (fragments.fragments_due).
-        steps = (offsets[fragment] - rec.reported_step) % h
-        if steps == 0 and rec.last_push is not None and rec.last_push >= rec.reported_at:
-            steps = h  # that sync point's push has come (and was merged, as it is not pending)
-        return max(now, rec.reported_at + steps * rec.step_time)
+        return expected_push_time(
+            inner_steps=self.policy.inner_steps,
+            offsets=self.policy.offsets,
+            fragment=fragment,
+            reported_step=rec.reported_step,
+            reported_at=rec.reported_at,
+            step_time=rec.step_time,
+            pushed_since_report=rec.last_push is not None and rec.last_push >= rec.reported_at,
+            now=now,
+        )
 
     def due_fragments(self, now: float) -> list[int]:
         """Fragments whose rounds should merge now."""
@@ -492,21 +403,44 @@ class SyncState:
         rnd = self.rounds[fragment]
         return [rnd.pending[k] for k in sorted(rnd.pending)]
 
-    def take_round(self, fragment: int, now: float) -> list[Contribution]:
+    def take_round(
+        self,
+        fragment: int,
+        now: float,
+        *,
+        rounds: int | None = None,
+        clock: float | None = None,
+        merge_seconds: float = 0.0,
+    ) -> list[Contribution]:
         """Close fragment's round: returns its contributions (as peek_round), credits each
-        island's merged tokens, bumps the version and opens the next round."""
+        island's merged tokens, bumps the version and opens the next round.
+
+        `rounds` and `clock` are the fragment's completed rounds of work and work clock after
+        this merge (the outer optimizer's; default: the merge was one whole round). The merge
+        started at `now` and took `merge_seconds`: how long the syncer held each push.
+        """
         rnd = self.rounds[fragment]
         contributions = self.peek_round(fragment)
         if rnd.first_push_at is not None and rnd.quorum_since is not None:
             self._quorum_waits.append(max(0.0, rnd.quorum_since - rnd.first_push_at))
+        self._merge_seconds.append(max(0.0, merge_seconds))
         for c in contributions:
+            self._held[(c.island, fragment)] = max(0.0, now + merge_seconds - c.received_at)
             rec = self.islands.get(c.island)
             if rec is not None:
                 # Each fragment's merges count the island's tokens once, so F fragments see
                 # them F times: the average over fragments is the island's merged work.
                 rec.merged_tokens += c.tokens / len(self.rounds)
-        self.rounds[fragment] = FragmentRound(version=rnd.version + 1)
+        done = rnd.rounds + 1 if rounds is None else rounds
+        self.rounds[fragment] = FragmentRound(version=rnd.version + 1, rounds=done)
+        self._record_clock(fragment, rnd.version + 1, float(done) if clock is None else clock)
         return contributions
+
+    def _record_clock(self, fragment: int, version: int, clock: float) -> None:
+        clocks = self._clocks[fragment]
+        clocks[version] = clock
+        for old in sorted(clocks)[: max(0, len(clocks) - (self.policy.max_staleness + 1))]:
+            del clocks[old]  # no accepted push is based on a version this old
 
     # ----- persistence -------------------------------------------------------------------------
 
@@ -536,6 +470,17 @@ class SyncState:
             if 0 <= f < len(self.rounds):
                 key = (str(entry["island"]), f)
                 self._answers[key] = (str(entry["pushId"]), dict(entry["answer"]))
+
+    def clocks_json(self) -> list[list[list[float]]]:
+        """Per fragment, [version, work clock] pairs, for checkpoints."""
+        return [[[v, c] for v, c in sorted(clocks.items())] for clocks in self._clocks]
+
+    def restore_clocks(self, doc: list[list[list[float]]]) -> None:
+        """Load clocks_json(); pairs beyond the current versions are ignored."""
+        for f, pairs in enumerate(doc[: len(self.rounds)]):
+            for v, c in pairs:
+                if int(v) <= self.rounds[f].version:
+                    self._clocks[f][int(v)] = float(c)
 
     def restore_islands(self, doc: dict[str, dict[str, Any]], now: float) -> None:
         """Load island records from a checkpoint; their timeout clocks restart at `now`."""

@@ -1,0 +1,70 @@
+"""The auto grace window and the push-time prediction (pure functions, values by hand)."""
+
+from __future__ import annotations
+
+import pytest
+from diloco_trainer.core.grace import expected_push_time, grace_window, net_sync_time
+
+
+def window(**kw: float) -> float:
+    args = {
+        "step_time": 0.5,
+        "overlap_steps": 20,
+        "quorum_wait": 0.0,
+        "sync_net": 0.0,
+        "cap": 60.0,
+        "default": 1.0,
+    }
+    return grace_window(**{**args, **kw})  # type: ignore[arg-type]
+
+
+def test_grace_is_half_the_slack() -> None:
+    # slack = 20·0.5 − (1 + 2) = 7 s; γ·slack = 3.5 s.
+    assert window(quorum_wait=1.0, sync_net=2.0) == pytest.approx(3.5)
+
+
+def test_grace_floor_is_one_step_and_cap_is_the_timeout() -> None:
+    assert window(overlap_steps=0) == 0.5  # τ = 0: no slack, one step
+    assert window(sync_net=100.0) == 0.5  # negative slack: one step
+    assert window(overlap_steps=1000, cap=3.0) == 3.0
+
+
+def test_grace_without_a_step_time_is_the_default_capped() -> None:
+    assert window(step_time=None) == 1.0  # type: ignore[arg-type]
+    assert window(step_time=None, cap=0.2) == 0.2  # type: ignore[arg-type]
+
+
+def test_grace_refuses_bad_timings() -> None:
+    with pytest.raises(ValueError, match="sync_net"):
+        window(sync_net=-1.0)
+    with pytest.raises(ValueError, match="overlap"):
+        window(overlap_steps=-1)
+
+
+def test_net_sync_time_subtracts_what_the_syncer_held() -> None:
+    assert net_sync_time(6.5, 5.0) == 1.5
+    assert net_sync_time(4.0, 5.0) == 0.0  # clocks disagree: never negative
+
+
+def eta(**kw: object) -> float | None:
+    args: dict[str, object] = {
+        "inner_steps": 20,
+        "offsets": (0, 10),
+        "fragment": 0,
+        "reported_step": 15,
+        "reported_at": 100.0,
+        "step_time": 0.5,
+        "pushed_since_report": False,
+        "now": 100.0,
+    }
+    return expected_push_time(**{**args, **kw})  # type: ignore[arg-type]
+
+
+def test_expected_push_time_by_hand() -> None:
+    assert eta() == 102.5  # step 15 -> 20: 5 steps of 0.5 s
+    assert eta(fragment=1) == 107.5  # step 15 -> 30 (offset 10): 15 steps
+    assert eta(reported_step=20) == 100.0  # at the sync point, push not seen yet: due now
+    assert eta(reported_step=20, pushed_since_report=True) == 110.0  # the next one: 20 steps
+    assert eta(now=200.0) == 200.0  # overdue: arriving now
+    assert eta(inner_steps=0) is None
+    assert eta(fragment=2) is None

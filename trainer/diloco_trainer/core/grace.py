@@ -1,0 +1,81 @@
+"""The auto grace window (sync.graceSeconds "auto"), from timings that exclude the window itself.
+
+Decoupled DiLoCo waits, after a round's quorum, at most γ·slack for more islands, with
+slack = τ·t_step − (t_quorum + t_sync): the window lives inside the τ steps a learner computes
+while its push is in flight, so waiting costs no learner a step. What goes in:
+
+- t_step: the learners' median inner-step time (they report it);
+- t_quorum: the syncer's own measure, from a round's first push to its quorum;
+- t_sync: the NET sync time, transfers plus the merge, never the wait: the learners' reported
+  sync time (push sent to merged fragment received) minus what the syncer held that push
+  (received to published, which holds the quorum wait and the previous window). Feeding the
+  gross time back made the window shrink itself: a longer window gave longer sync times, a
+  smaller slack and a shorter window, round after round.
+
+FLOOR: never less than one learner step, so islands in lock step that push a fraction of a step
+apart all make the round even when τ = 0 leaves no slack (the cost is at most one step a round);
+CAP: never more than the heartbeat timeout, when a silent island is given up on anyway. Before
+any step time is known the window is `default` seconds.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+GAMMA = 0.5
+
+
+def net_sync_time(reported: float, held: float) -> float:
+    """A learner's sync time without the time the syncer held its push: max(0, reported − held)."""
+    return max(0.0, reported - held)
+
+
+def grace_window(
+    *,
+    step_time: float | None,
+    overlap_steps: int,
+    quorum_wait: float,
+    sync_net: float,
+    cap: float,
+    default: float,
+    gamma: float = GAMMA,
+) -> float:
+    """min(cap, max(step_time, γ·max(0, τ·t_step − (t_quorum + t_sync_net)))); see the module
+    docstring. `default` (capped) when no step time is known."""
+    for name, value in (("quorum_wait", quorum_wait), ("sync_net", sync_net), ("cap", cap)):
+        if not (math.isfinite(value) and value >= 0.0):
+            raise ValueError(f"{name} must be finite and >= 0, got {value}")
+    if overlap_steps < 0:
+        raise ValueError(f"overlap steps must be >= 0, got {overlap_steps}")
+    if not step_time or step_time <= 0.0:
+        return min(default, cap)
+    slack = overlap_steps * step_time - (quorum_wait + sync_net)
+    return min(cap, max(step_time, gamma * max(slack, 0.0)))
+
+
+def expected_push_time(
+    *,
+    inner_steps: int,
+    offsets: Sequence[int],
+    fragment: int,
+    reported_step: int,
+    reported_at: float,
+    step_time: float,
+    pushed_since_report: bool,
+    now: float,
+) -> float | None:
+    """When an island should push `fragment` (clock time, never before `now`): its latest
+    progress report (step `reported_step` at `reported_at`) plus the steps to the fragment's next
+    sync point at `step_time` each; None without a schedule (inner_steps 0 or no offset).
+
+    Fragment f is pushed after the step s with s % H == offset % H (fragments.fragments_due); at
+    the sync point itself, a push that came after the report means the next one is H steps away.
+    An overdue island counts as arriving now.
+    """
+    if inner_steps < 1 or fragment >= len(offsets):
+        return None
+    steps = (offsets[fragment] - reported_step) % inner_steps
+    if steps == 0 and pushed_since_report:
+        steps = inner_steps
+    return max(now, reported_at + steps * step_time)

@@ -1,0 +1,147 @@
+"""The syncer's records: island membership states, the round policy, what it knows of each
+island, pending contributions and open rounds (plain data; the state machine is rounds.py).
+
+Membership. States: active, dropped (by the admin route; stays dropped until re-added), timedOut
+(no heartbeat, join or push for heartbeatTimeoutSeconds; active again on its next sign of life),
+left (said goodbye; active again when it joins). Only islands that have joined count as active:
+the admin route may pre-register an island, but it joins the quorum when it first joins. Islands
+of the job the syncer has not heard of at all (expect(): count minus known records) hold the
+quorum, not the grace window, until the heartbeat timeout after the syncer's start.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+ACTIVE = "active"
+DROPPED = "dropped"
+TIMED_OUT = "timedOut"
+LEFT = "left"
+
+
+class Refused(Exception):
+    """A request the state machine refuses; `status` is the HTTP status the server answers and
+    `code` (optional) a machine-readable reason clients can act on (wire.ERROR_* constants)."""
+
+    def __init__(self, status: int, message: str, code: str = "") -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.code = code
+
+
+@dataclass(frozen=True)
+class RoundPolicy:
+    """The sync settings the state machine needs (from JobSpec.sync)."""
+
+    quorum: int
+    max_staleness: int
+    heartbeat_timeout: float
+    grace_seconds: float | None  # None means "auto"
+    overlap_steps: int = 0
+    # The learners' schedule (H and each fragment's sync offset), for predicting when a missing
+    # island will push; inner_steps 0 turns the prediction off.
+    inner_steps: int = 0
+    offsets: tuple[int, ...] = ()
+
+
+@dataclass
+class IslandRecord:
+    """What the syncer knows about one island (also persisted in checkpoints)."""
+
+    name: str
+    state: str = ACTIVE
+    reason: str = ""
+    joins: int = 0
+    replicas: int = 0
+    last_seen: float = 0.0
+    last_push: float | None = None
+    pushes: int = 0
+    tokens: int = 0  # tokens the island reports having consumed in all (heartbeats)
+    merged_tokens: float = 0.0  # its merged tokens, averaged over fragments (see take_round)
+    loss: float | None = None
+    step: int = 0
+    step_time: float | None = None
+    sync_time: float | None = None
+    # Its latest net sync time (reported sync time minus what the syncer held the push; see
+    # core/grace.py), not persisted.
+    transfer_time: float | None = None
+    # The latest progress report and when it came (not persisted: a restarted syncer waits for
+    # the next heartbeat before it predicts anything).
+    reported_step: int | None = None
+    reported_at: float | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        """The status/checkpoint form (camelCase)."""
+        return {
+            "state": self.state,
+            "reason": self.reason,
+            "joins": self.joins,
+            "replicas": self.replicas,
+            "lastSeen": self.last_seen,
+            "lastPush": self.last_push,
+            "pushes": self.pushes,
+            "tokens": self.tokens,
+            "mergedTokens": round(self.merged_tokens),
+            "loss": self.loss,
+            "step": self.step,
+            "stepTime": self.step_time,
+        }
+
+    @classmethod
+    def from_json(cls, name: str, doc: dict[str, Any]) -> IslandRecord:
+        return cls(
+            name=name,
+            state=str(doc.get("state", ACTIVE)),
+            reason=str(doc.get("reason", "")),
+            joins=int(doc.get("joins", 0)),
+            replicas=int(doc.get("replicas", 0)),
+            last_seen=float(doc.get("lastSeen", 0.0)),
+            last_push=doc.get("lastPush"),
+            pushes=int(doc.get("pushes", 0)),
+            tokens=int(doc.get("tokens", 0)),
+            merged_tokens=float(doc.get("mergedTokens", 0)),
+            loss=doc.get("loss"),
+            step=int(doc.get("step", 0)),
+            step_time=doc.get("stepTime"),
+        )
+
+
+@dataclass
+class Contribution:
+    """One island's pending pseudo-gradient for one fragment."""
+
+    island: str
+    base_version: int
+    lag: int
+    tokens: int
+    steps: int
+    loss: float | None
+    received_at: float
+    push_id: str = ""
+    step_time: float | None = None
+    sync_time: float | None = None
+    payload: Any = field(default=None, repr=False)  # the decoded tensors (opaque here)
+
+    def log_entry(self) -> dict[str, Any]:
+        """The contributor's line in the merge log (weights are added by the merger)."""
+        return {
+            "island": self.island,
+            "baseVersion": self.base_version,
+            "lag": self.lag,
+            "tokens": self.tokens,
+            "steps": self.steps,
+            "loss": self.loss,
+        }
+
+
+@dataclass
+class FragmentRound:
+    """The open round of one fragment."""
+
+    version: int = 0
+    rounds: int = 0  # rounds of work merged into the fragment (outer-optimizer folds)
+    pending: dict[str, Contribution] = field(default_factory=dict)
+    first_push_at: float | None = None
+    quorum_since: float | None = None
