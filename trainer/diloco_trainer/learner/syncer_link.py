@@ -33,6 +33,7 @@ from diloco_trainer.api.protocol import PushMeta, SyncerError
 from diloco_trainer.core import compress
 from diloco_trainer.core.payloads import PulledFragment, PulledUpdates
 from diloco_trainer.core.published import apply_updates, weights_checksum
+from diloco_trainer.learner.schedule import merge_lateness
 from diloco_trainer.learner.syncer_client import SyncerClient
 
 # The learner's logger: the link runs inside the learner and its lines are part of that log.
@@ -61,6 +62,9 @@ class SyncResult:
     pulled: PulledFragment
     outcome: str  # "merged", or why the current fragment was taken instead
     seconds: float  # push sent to merged fragment received
+    # Seconds the push came after a merge of its fragment by peers it was not part of
+    # (schedule.merge_lateness); None when there was none.
+    lateness: float | None = None
 
 
 def encode_delta(
@@ -146,11 +150,14 @@ class SyncerLink:
         start = time.monotonic()
         outcome = "merged"
         after = meta.base_version
+        lateness = None
         try:
             reply = await self.client.push(fragment, encoded, meta)
             log.debug("fragment %d push answered %s", fragment, reply)
             if reply.accepted:
                 after = max(after, reply.version)
+                if after > meta.base_version:
+                    lateness = await self._lateness(fragment, meta, after, time.monotonic())
         except SyncerError as err:
             after = -1
             outcome = f"push refused ({err})"
@@ -161,7 +168,30 @@ class SyncerLink:
         pulled = await self._pull_newer(fragment, after, held)
         if pulled.finished:
             self.finished.set()
-        return SyncResult(pulled=pulled, outcome=outcome, seconds=time.monotonic() - start)
+        return SyncResult(
+            pulled=pulled, outcome=outcome, seconds=time.monotonic() - start, lateness=lateness
+        )
+
+    async def _lateness(
+        self, fragment: int, meta: PushMeta, accepted: int, answered: float
+    ) -> float | None:
+        """Merges of the fragment happened between our base and our push: how late were we?
+        One status read (schedule.merge_lateness); a failure only skips phase alignment once."""
+        try:
+            status = await self.client.status()
+        except SyncerError as err:
+            log.debug("status for phase alignment failed: %s", err)
+            return None
+        doc = status.to_json() if hasattr(status, "to_json") else status
+        return merge_lateness(
+            doc,
+            fragment=fragment,
+            island=self.island,
+            base_version=meta.base_version,
+            accepted_version=accepted,
+            pushed_ago=time.monotonic() - answered,
+            step_time=meta.step_time,
+        )
 
     async def resync(self, fragment: int) -> SyncResult:
         """The current global fragment, when a sync went wrong in a way a retry cannot fix."""

@@ -1,0 +1,185 @@
+"""Rank 0's syncing (learner/fragment_sync.py) driven step by step against a fake syncer link:
+when Δ is pushed, what it carries, the weights after a receipt with overlap, and phase shifts."""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import threading
+from collections.abc import Coroutine
+from typing import Any
+
+import pytest
+import torch
+from diloco_trainer.api.protocol import PushMeta
+from diloco_trainer.api.spec import JobSpec, parse_spec
+from diloco_trainer.core import compress
+from diloco_trainer.core.payloads import PulledFragment
+from diloco_trainer.learner.fragment_state import FragmentState
+from diloco_trainer.learner.fragment_sync import FragmentSync
+from diloco_trainer.learner.syncer_link import SyncResult
+from torch import nn
+
+
+class FakeLink:
+    """Runs the learner's coroutines at once; the 'syncer' applies an outer SGD step of
+    `outer_lr` to each pushed Δ (one island: θ ← θ − lr·Δ)."""
+
+    def __init__(self, outer_lr: float, lateness: float | None = None) -> None:
+        self.finished = threading.Event()
+        self.outer_lr = outer_lr
+        self.lateness = lateness
+        self.pushes: list[tuple[int, PushMeta, dict[str, torch.Tensor]]] = []
+        self.global_weights: dict[str, torch.Tensor] = {}
+        self.version = 0
+
+    def submit(self, coro: Coroutine[Any, Any, Any]) -> concurrent.futures.Future[Any]:
+        future: concurrent.futures.Future[Any] = concurrent.futures.Future()
+        future.set_result(asyncio.run(coro))
+        return future
+
+    async def sync_fragment(
+        self, f: int, encoded: dict[str, torch.Tensor], meta: PushMeta, held: Any
+    ) -> SyncResult:
+        self.pushes.append((f, meta, {n: t.clone() for n, t in encoded.items()}))
+        shapes = {n: t.shape for n, t in self.global_weights.items()}
+        for n, d in compress.decode_tensors(encoded, meta.codec, shapes).items():
+            self.global_weights[n] = self.global_weights[n] - self.outer_lr * d
+        self.version += 1
+        pulled = PulledFragment(
+            fragment=f,
+            version=self.version,
+            outer_step=self.version,
+            finished=False,
+            tensors={n: t.clone() for n, t in self.global_weights.items()},
+        )
+        return SyncResult(pulled=pulled, outcome="merged", seconds=0.01, lateness=self.lateness)
+
+
+def make_spec(**sync: Any) -> JobSpec:
+    return parse_spec(
+        {
+            "inner": {"steps": 4},
+            "sync": {"fragments": 1, "overlapSteps": 2, "compression": "none", **sync},
+        }
+    )
+
+
+def make_sync(spec: JobSpec, link: FakeLink) -> tuple[FragmentSync, nn.Parameter]:
+    w = nn.Parameter(torch.zeros(2))
+    link.global_weights = {"w": torch.zeros(2)}
+    sync = FragmentSync(spec, "island-0", link, {"w": w}, threading.Event())  # type: ignore[arg-type]
+    pulled = PulledFragment(
+        fragment=0, version=0, outer_step=0, finished=False, tensors={"w": torch.zeros(2)}
+    )
+    sync.fragments = [FragmentState(names=["w"])]
+    sync.arrived[0] = SyncResult(pulled=pulled, outcome="joined", seconds=0.0)
+    sync.offsets = [0]
+    sync.step_time = 0.1
+    sync.take_joined()
+    return sync, w
+
+
+def step(sync: FragmentSync, w: nn.Parameter, tokens: int = 10) -> dict[int, Any]:
+    """One 'inner step' (w += 1), then rank 0's bookkeeping; applies what comes back."""
+    with torch.no_grad():
+        w.add_(1.0)
+    sync.count(tokens, 1.0, 0.1)
+    targets = sync.after_step()
+    with torch.no_grad():
+        for f, weights in targets.items():
+            assert f == 0
+            w.copy_(weights["w"])
+    return targets
+
+
+def test_push_at_h_then_apply_after_overlap_keeping_the_overlap_steps() -> None:
+    link = FakeLink(outer_lr=0.25)
+    sync, w = make_sync(make_spec(), link)
+    for _ in range(4):
+        assert step(sync, w) == {}
+    # Pushed after step 4: Δ = 0 - 4 = -4 (global minus local), with 4 steps and 40 tokens.
+    assert len(link.pushes) == 1
+    _, meta, encoded = link.pushes[0]
+    assert torch.equal(encoded["w"], torch.full((2,), -4.0))
+    assert (meta.base_version, meta.steps, meta.tokens) == (0, 4, 40)
+    assert step(sync, w) == {}  # step 5: overlapping
+    assert step(sync, w) != {}  # step 6 = 4 + τ: applied
+    # global = 0 - 0.25 * (-4) = 1; kept overlap: 1 + (6 - 4) = 3 (overwrite would give 1).
+    assert torch.equal(w.detach(), torch.full((2,), 3.0))
+    assert sync.fragments[0].version == 1
+    assert torch.equal(sync.fragments[0].base["w"], torch.full((2,), 1.0))
+
+
+def test_next_push_carries_the_overlap_steps_and_their_counters() -> None:
+    link = FakeLink(outer_lr=0.25)
+    sync, w = make_sync(make_spec(), link)
+    for _ in range(8):
+        step(sync, w)
+    # Second push after step 8: w = 3 + 2 = 5, base 1: Δ = -4, counting steps 5..8 (4 steps),
+    # not only the 2 since the receipt at step 6.
+    assert len(link.pushes) == 2
+    _, meta, encoded = link.pushes[1]
+    assert torch.equal(encoded["w"], torch.full((2,), -4.0))
+    assert (meta.base_version, meta.steps, meta.tokens) == (1, 4, 40)
+
+
+def test_mix_alpha_keeps_a_share_of_the_local_weights_on_receipt() -> None:
+    link = FakeLink(outer_lr=0.25)
+    sync, w = make_sync(make_spec(mixAlpha=0.5), link)
+    for _ in range(6):
+        step(sync, w)
+    # 0.5 * 6 + 0.5 * (1 + 2) = 4.5
+    assert torch.equal(w.detach(), torch.full((2,), 4.5))
+
+
+def test_a_late_push_shifts_the_schedule_earlier() -> None:
+    # Pushed 0.15 s after a merge of peers, at 0.1 s/step and H = 4 (a 0.4 s round): half the
+    # lateness is 0.75 step, so the schedule moves 1 step earlier (also the cap, H // 4).
+    link = FakeLink(outer_lr=1.0, lateness=0.15)
+    sync, w = make_sync(make_spec(overlapSteps=1), link)
+    for _ in range(5):  # push after 4, applied (and the shift decided) after 5
+        step(sync, w)
+    assert sync.phase_pending == -1
+    link.lateness = None
+    for _ in range(2):  # steps 6 and 7 take positions 6..8: the push due at 8 comes at step 7
+        step(sync, w)
+    assert len(link.pushes) == 2
+    assert sync.position == 8
+    assert link.pushes[1][1].steps == 3
+
+
+def test_an_early_push_delays_the_schedule() -> None:
+    # 2.5 s after their merge with a round of 4 x 1 s is 1.5 s before their next one: delay by
+    # half of 1.5 steps, rounded: 1 step.
+    link = FakeLink(outer_lr=1.0, lateness=2.5)
+    sync, w = make_sync(make_spec(overlapSteps=1), link)
+    sync.step_time = 1.0
+    for _ in range(5):
+        step(sync, w)
+    assert sync.phase_pending == 1
+    link.lateness = None
+    for _ in range(4):  # one step does not move the schedule: the push due at 8 is at step 9
+        step(sync, w)
+    assert sync.position == 8
+    assert len(link.pushes) == 2
+    assert link.pushes[1][1].steps == 5
+
+
+def test_no_shift_while_one_is_in_progress() -> None:
+    link = FakeLink(outer_lr=1.0, lateness=0.4)
+    sync, _ = make_sync(make_spec(overlapSteps=1), link)
+    sync.phase_pending = 1
+    sync._align(0, 0.4)
+    assert sync.phase_pending == 1
+
+
+@pytest.mark.parametrize("codec", ["none", "int8"])
+def test_delta_pushed_decodes_to_global_minus_local(codec: str) -> None:
+    link = FakeLink(outer_lr=0.0)
+    sync, w = make_sync(make_spec(compression=codec), link)
+    for _ in range(4):
+        step(sync, w)
+    _, _, encoded = link.pushes[0]
+    decoded = compress.decode_tensors(encoded, codec, {"w": torch.Size([2])})
+    assert torch.allclose(decoded["w"], torch.full((2,), -4.0), rtol=0.01)
