@@ -31,7 +31,7 @@ SPEC: dict[str, Any] = {
     "data": {"evalTokens": 1024},
     "islands": {"count": 3},
     "inner": {"steps": 4, "batchSize": 2, "seqLen": 16},
-    "sync": {"quorum": 2, "graceSeconds": 5, "fragments": 2},
+    "sync": {"quorum": 2, "graceSeconds": 5, "fragments": 2, "maxStaleness": 2},
     "stopAfter": {"outerSteps": 100},
     "syncer": {"checkpoint": {"everyOuterSteps": 100}, "evalEveryOuterSteps": 1},
 }
