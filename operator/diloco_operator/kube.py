@@ -1,9 +1,11 @@
-"""Thin async edge to the Kubernetes API for the handlers.
+"""Thin async edge to the Kubernetes API for the sync of a job.
 
 The official client is synchronous; every call runs in a worker thread so kopf's event loop keeps
-serving other jobs. Objects go in and come out as plain dicts in API (camelCase) form, the same
-form the pure builders produce. Children are written with server-side apply under one field
-manager, so "create if absent, update if different" is a single idempotent request.
+serving other jobs. Reads are few: pods and children come from the watches (observed.py); lists
+happen only when a job is first synced and on the slow resync. Objects go in and come out as
+plain dicts in API (camelCase) form, the same form the pure builders produce. Children are
+written with server-side apply under one field manager, so "create if absent, update if
+different" is a single idempotent request.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import asyncio
 import base64
 import contextlib
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from kubernetes import client, config
@@ -19,7 +22,6 @@ from kubernetes.dynamic import DynamicClient
 from kubernetes.dynamic.exceptions import ConflictError, NotFoundError
 
 from diloco_operator import api
-from diloco_operator.planner import MANAGED_KINDS
 from diloco_operator.resources import JOB_LABEL, MANAGER
 
 T = TypeVar("T")
@@ -33,6 +35,14 @@ _API_VERSIONS = {
     "Deployment": "apps/v1",
     api.KIND: api.API_VERSION,
 }
+
+
+@dataclass(frozen=True)
+class Listing:
+    """The answer to a list: the objects (with their kind) and the list's resourceVersion."""
+
+    items: list[dict[str, Any]]
+    version: str | None
 
 
 # Worker threads for API calls, and HTTP connections to keep for them (one per thread).
@@ -79,17 +89,24 @@ class Kube:
             return None
         return obj.to_dict()
 
-    async def patch_job_status(self, namespace: str, name: str, status: dict[str, Any]) -> None:
-        """Merge-patch the status subresource (None values delete fields)."""
+    async def patch_job_status(
+        self, namespace: str, name: str, status: dict[str, Any]
+    ) -> dict[str, Any] | None:
+        """Merge-patch the status subresource (None values delete fields); the job as written,
+        None when it is gone."""
         resource = self._resource(api.KIND).subresources["status"]
-        await self._run(
-            self._dyn.patch,
-            resource,
-            {"status": status},
-            name=name,
-            namespace=namespace,
-            content_type="application/merge-patch+json",
-        )
+        try:
+            obj = await self._run(
+                self._dyn.patch,
+                resource,
+                {"status": status},
+                name=name,
+                namespace=namespace,
+                content_type="application/merge-patch+json",
+            )
+        except NotFoundError:
+            return None
+        return obj.to_dict()
 
     async def delete_job(self, namespace: str, name: str, uid: str) -> None:
         """Delete the job itself (TTL), only if it is still the same object."""
@@ -97,40 +114,25 @@ class Kube:
         with contextlib.suppress(NotFoundError):
             await self._run(self._dyn.delete, self._resource(api.KIND), name, namespace, body=body)
 
-    async def list_children(self, namespace: str, job_name: str) -> list[dict[str, Any]]:
-        """Every object of the managed kinds labelled with the job (owner checked by caller)."""
-        selector = f"{JOB_LABEL}={job_name}"
-        lists = await asyncio.gather(
-            *(
-                self._run(
-                    self._dyn.get,
-                    self._resource(kind),
-                    namespace=namespace,
-                    label_selector=selector,
-                )
-                for kind in MANAGED_KINDS
-            )
-        )
-        out: list[dict[str, Any]] = []
-        for kind, result in zip(MANAGED_KINDS, lists, strict=True):
-            for item in result.to_dict().get("items", []):
-                item.setdefault("kind", kind)
-                out.append(item)
-        return out
-
-    async def list_pods(self, namespace: str, job_name: str) -> list[dict[str, Any]]:
-        """The job's pods (learners and syncer)."""
+    async def list_labelled(self, kind: str, namespace: str, job_name: str) -> Listing:
+        """Every object of `kind` labelled with the job (owner checked by the caller)."""
         result = await self._run(
             self._dyn.get,
-            self._resource("Pod"),
+            self._resource(kind),
             namespace=namespace,
             label_selector=f"{JOB_LABEL}={job_name}",
         )
-        return list(result.to_dict().get("items", []))
+        doc = result.to_dict()
+        items = list(doc.get("items") or [])
+        for item in items:
+            item.setdefault("kind", kind)
+        return Listing(items=items, version=(doc.get("metadata") or {}).get("resourceVersion"))
 
-    async def apply(self, obj: dict[str, Any]) -> None:
-        """Server-side apply: create the object or bring our fields to the desired values."""
-        await self._run(
+    async def apply(self, obj: dict[str, Any]) -> dict[str, Any]:
+        """Server-side apply: create the object or bring our fields to the desired values.
+
+        Returns the object as stored."""
+        result = await self._run(
             self._dyn.server_side_apply,
             self._resource(obj["kind"]),
             body=obj,
@@ -139,6 +141,9 @@ class Kube:
             field_manager=MANAGER,
             force_conflicts=True,
         )
+        stored = result.to_dict()
+        stored.setdefault("kind", obj["kind"])
+        return stored
 
     async def delete(self, kind: str, namespace: str, name: str) -> None:
         """Delete a child (foreground is not needed: its own children are GC'd)."""

@@ -1,0 +1,189 @@
+"""What the operator keeps about each job between syncs: one JobRuntime record per job.
+
+Everything is rebuilt after a restart: the job, its pods and its children come back through the
+watches' initial listings (and the first sync's lists), membership decisions from the syncer's
+reported states. Nothing here talks to the API server.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from diloco_trainer.api.client import SyncerJsonClient
+
+from diloco_operator import api
+from diloco_operator.health import Membership, PodView, pod_view
+from diloco_operator.kube import Kube
+from diloco_operator.observed import ObjectCache, child_view, resource_version
+
+JobKey = tuple[str, str]  # (namespace, name)
+ChildKey = tuple[str, str]  # (kind, name)
+DELETED = "DELETED"
+
+
+@dataclass
+class SyncerLink:
+    """The job's syncer as last seen: the HTTP client, its status document or the error."""
+
+    client: SyncerJsonClient | None = None
+    client_key: tuple[str, str, str | None] | None = None  # (url, token Secret, CA Secret)
+    status: dict[str, Any] | None = None  # /v1/status, None when not reached
+    error: str | None = "not contacted yet"
+
+    async def drop_client(self) -> None:
+        """Close the client, so that the next call reads the token and CA Secrets again."""
+        if self.client is not None:
+            await self.client.close()
+        self.client = self.client_key = None
+
+
+@dataclass
+class JobRuntime:
+    """One job's runtime state: what was seen, what was decided, and its background tasks."""
+
+    namespace: str
+    name: str
+    uid: str | None = None  # None until the job itself is seen (its pods may come first)
+    body: dict[str, Any] | None = None  # the newest DiLoCoJob object seen
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)  # one sync at a time
+    pods: ObjectCache[str, PodView] = field(default_factory=lambda: ObjectCache(pod_view))
+    children: ObjectCache[ChildKey, dict[str, Any]] = field(
+        default_factory=lambda: ObjectCache(child_view)
+    )
+    # Whether pods / children were listed since the last resync, and when that was.
+    pods_listed: bool = False
+    children_listed: bool = False
+    token_seen: bool = False  # the generated token Secret exists (checked once per resync)
+    resynced_at: float = field(default_factory=time.monotonic)
+    membership: Membership = field(default_factory=Membership)
+    syncer: SyncerLink = field(default_factory=SyncerLink)
+    rollout: list[str] = field(default_factory=list)  # island StatefulSets rolling or held
+    last_reconcile: float = 0.0  # time.monotonic() of the last reconcile of the children
+    spec_error: str | None = None  # the last invalid-spec message posted as an Event
+    phase: str | None = None
+    pending: bool | None = None  # a requested sync not started: True when it must reconcile
+    drain: asyncio.Task[None] | None = None  # runs requested syncs one after another
+    timer: asyncio.Task[None] | None = None  # polls the syncer and re-checks every few seconds
+
+    @property
+    def key(self) -> JobKey:
+        """(namespace, name)."""
+        return self.namespace, self.name
+
+    async def see_job(self, body: Mapping[str, Any]) -> bool:
+        """Keep the newest DiLoCoJob object; True when `body` was taken.
+
+        A new uid under the same name (deleted and created again) starts the job over; what was
+        seen of pods and children stays, and is listed again on the next sync.
+        """
+        version = resource_version(body)
+        uid = body["metadata"]["uid"]
+        if self.uid == uid and self.body is not None:
+            have = resource_version(self.body)
+            if version is not None and have is not None and version < have:
+                return False
+        if self.uid is not None and self.uid != uid:
+            await self._start_over()
+        self.uid = uid
+        self.body = dict(body)
+        return True
+
+    async def _start_over(self) -> None:
+        self.membership = Membership()
+        await self.syncer.drop_client()
+        self.syncer = SyncerLink()
+        self.rollout, self.spec_error, self.phase = [], None, None
+        self.last_reconcile = 0.0
+        self.start_resync()
+
+    def start_resync(self) -> None:
+        """List pods and children again, and check the token Secret, on the next syncs."""
+        self.pods_listed = self.children_listed = self.token_seen = False
+        self.resynced_at = time.monotonic()
+
+    def see_pod(self, event_type: str | None, obj: Mapping[str, Any]) -> None:
+        """A watch event of one of the job's pods."""
+        name = obj["metadata"]["name"]
+        if event_type == DELETED:
+            self.pods.delete(name, obj)
+        else:
+            self.pods.upsert(name, obj)
+
+    def see_child(self, event_type: str | None, obj: Mapping[str, Any]) -> None:
+        """A watch event (or an apply's answer) of one of the job's children."""
+        key = (obj["kind"], obj["metadata"]["name"])
+        if event_type == DELETED:
+            self.children.delete(key, obj)
+        else:
+            self.children.upsert(key, obj)
+
+    @property
+    def orphan(self) -> bool:
+        """Nothing left to remember: the job was never seen and none of its objects remain."""
+        return self.body is None and not len(self.pods) and not len(self.children)
+
+    async def close(self) -> None:
+        """Stop the background tasks (not the one calling this) and close the syncer client."""
+        current = asyncio.current_task()
+        for task in (self.timer, self.drain):
+            if task is not None and task is not current:
+                task.cancel()
+        await self.syncer.drop_client()
+
+
+@dataclass
+class Registry:
+    """The operator's process-wide state: the API edge and one JobRuntime per job."""
+
+    kube: Kube | None = None
+    jobs: dict[JobKey, JobRuntime] = field(default_factory=dict)
+
+    def job(self, namespace: str, name: str) -> JobRuntime:
+        """The record of a job, created on first sight."""
+        key = (namespace, name)
+        runtime = self.jobs.get(key)
+        if runtime is None:
+            runtime = self.jobs[key] = JobRuntime(namespace=namespace, name=name)
+        return runtime
+
+    def find(self, namespace: str, name: str) -> JobRuntime | None:
+        """The record of a job, None when there is none."""
+        return self.jobs.get((namespace, name))
+
+    def for_object_event(
+        self, namespace: str, job_name: str, event_type: str | None
+    ) -> JobRuntime | None:
+        """The record a pod or child event belongs to; a deletion creates none."""
+        if event_type == DELETED:
+            return self.find(namespace, job_name)
+        return self.job(namespace, job_name)
+
+    def drop_if_orphan(self, runtime: JobRuntime) -> None:
+        """Forget a record that only held objects of a job never seen, once they are gone."""
+        if runtime.orphan and self.jobs.get(runtime.key) is runtime:
+            del self.jobs[runtime.key]
+
+    async def forget(self, namespace: str, name: str) -> None:
+        """The job is gone: stop its tasks and drop its record."""
+        runtime = self.jobs.pop((namespace, name), None)
+        if runtime is not None:
+            await runtime.close()
+
+    def phase_counts(self) -> dict[str, int]:
+        """How many known jobs are in each phase (every phase listed)."""
+        counts = dict.fromkeys(api.PHASES, 0)
+        for runtime in self.jobs.values():
+            if runtime.phase in counts:
+                counts[runtime.phase] += 1
+        return counts
+
+    async def close(self) -> None:
+        """Stop every job's tasks and close every syncer client (operator shutdown)."""
+        for runtime in list(self.jobs.values()):
+            with contextlib.suppress(Exception):
+                await runtime.close()

@@ -1,0 +1,214 @@
+"""The sync of one DiLoCoJob: children, syncer membership and status in line with what is seen.
+
+Level-triggered: a sync reads the newest job object and the pods and children the watches
+delivered (runtime.JobRuntime), so running it again after any failure finishes the work. The
+API server is read only where the watches cannot help: a job's pods and children are listed on
+its first sync and again every RESYNC_INTERVAL (a safety net for missed events), and the token
+Secret (not watched: the operator may not list Secrets) is checked on the same schedule.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import secrets
+import time
+from datetime import datetime, timezone
+from typing import Any
+
+import kopf
+
+from diloco_operator import metrics, resources
+from diloco_operator.api import DiLoCoJobSpec, SpecError, parse_job_spec
+from diloco_operator.events import post_event
+from diloco_operator.health import island_health, syncer_pods
+from diloco_operator.kube import Kube
+from diloco_operator.observation import Observation
+from diloco_operator.observed import parse_version
+from diloco_operator.phase import FINAL_PHASES
+from diloco_operator.planner import MANAGED_KINDS, plan_changes
+from diloco_operator.resources import JobRef
+from diloco_operator.runtime import JobRuntime
+from diloco_operator.status import (
+    compute_status,
+    islands_should_run,
+    status_changed,
+    status_patch,
+    ttl_expired,
+)
+from diloco_operator.syncer_calls import poll_syncer_status, update_membership
+from diloco_operator.times import parse_time
+
+log = logging.getLogger("diloco_operator")
+
+RECONCILE_INTERVAL = 30.0  # reconcile from what was seen at least this often (drift backstop)
+RESYNC_INTERVAL = 300.0  # list the job, its pods and its children again this often
+
+
+def _now() -> datetime:
+    return datetime.now(timezone.utc)
+
+
+async def sync_job(kube: Kube, rt: JobRuntime, *, reconcile: bool, poll_syncer: bool) -> bool:
+    """Bring one job's children, syncer membership and status in line with what is observed.
+
+    Returns False when the job turned out to be gone.
+    """
+    async with rt.lock:
+        if poll_syncer and time.monotonic() - rt.resynced_at >= RESYNC_INTERVAL:
+            fresh = await kube.get_job(rt.namespace, rt.name)
+            if fresh is None:
+                return False
+            await rt.see_job(fresh)
+            rt.start_resync()
+        body = rt.body  # the newest seen, read after any wait for the lock
+        if body is None or body["metadata"].get("deletionTimestamp"):
+            return True  # not seen yet (its first event syncs it), or GC takes the children
+        spec = _valid_spec(rt, body)
+        job = JobRef.from_body(body)
+        status = dict(body.get("status") or {})
+        if reconcile or time.monotonic() - rt.last_reconcile >= RECONCILE_INTERVAL:
+            await reconcile_children(kube, rt, job, spec, status)
+        if poll_syncer:
+            await poll_syncer_status(kube, rt, job, spec)
+        new_status = await observe(kube, rt, job, body, spec, status)
+        if new_status is None:
+            return False
+        if islands_should_run(spec, status) and new_status.get("phase") in FINAL_PHASES:
+            await reconcile_children(kube, rt, job, spec, new_status)  # scale islands to 0
+            kind = "Normal" if new_status["phase"] == "Succeeded" else "Warning"
+            post_event(body, kind, new_status["phase"], new_status.get("message", ""))
+        if ttl_expired(spec, new_status, _now()):
+            post_event(body, "Normal", "TTLExpired", "deleting the finished job")
+            await kube.delete_job(job.namespace, job.name, job.uid)
+    return True
+
+
+def _valid_spec(rt: JobRuntime, body: dict[str, Any]) -> DiLoCoJobSpec:
+    """The parsed spec; an invalid one is reported once (Event) and raised as permanent."""
+    try:
+        spec = parse_job_spec(body.get("spec") or {})
+    except SpecError as err:
+        if rt.spec_error != str(err):
+            rt.spec_error = str(err)
+            post_event(body, "Warning", "InvalidSpec", str(err))
+        raise kopf.PermanentError(str(err)) from None
+    rt.spec_error = None
+    return spec
+
+
+async def _ensure_token_secret(
+    kube: Kube, rt: JobRuntime, job: JobRef, spec: DiLoCoJobSpec
+) -> None:
+    """Create the generated token Secret once (never overwritten: the syncer holds it)."""
+    if spec.syncer.token_secret_name or rt.token_seen:
+        return
+    name = resources.generated_token_secret_name(job.name)
+    if not await kube.exists("Secret", job.namespace, name):
+        token = secrets.token_urlsafe(32)
+        if await kube.create_if_absent(resources.build_token_secret(job, token)):
+            metrics.CHILD_CHANGES.labels(action="create", kind="Secret").inc()
+    rt.token_seen = True
+
+
+async def _list_children(kube: Kube, rt: JobRuntime, job: JobRef) -> None:
+    """List every managed kind once per resync; the watches keep the cache fresh in between."""
+    if rt.children_listed:
+        return
+    listings = await asyncio.gather(
+        *(kube.list_labelled(kind, job.namespace, job.name) for kind in MANAGED_KINDS)
+    )
+    for kind, listing in zip(MANAGED_KINDS, listings, strict=True):
+        listed = {(kind, o["metadata"]["name"]): o for o in listing.items}
+        rt.children.replace(listed, parse_version(listing.version), lambda k, c=kind: k[0] == c)
+    rt.children_listed = True
+
+
+async def _list_pods(kube: Kube, rt: JobRuntime, job: JobRef) -> None:
+    """List the job's pods once per resync; the pod watch keeps the cache fresh in between."""
+    if rt.pods_listed:
+        return
+    listing = await kube.list_labelled("Pod", job.namespace, job.name)
+    listed = {o["metadata"]["name"]: o for o in listing.items}
+    rt.pods.replace(listed, parse_version(listing.version))
+    rt.pods_listed = True
+
+
+async def reconcile_children(
+    kube: Kube, rt: JobRuntime, job: JobRef, spec: DiLoCoJobSpec, status: dict[str, Any]
+) -> None:
+    """Create, update and delete children until they match the spec (one rollout at a time)."""
+    started = time.monotonic()
+    await _ensure_token_secret(kube, rt, job, spec)
+    await _list_children(kube, rt, job)
+    running = islands_should_run(spec, status)
+    desired = resources.build_children(job, spec, islands_running=running)
+    plan = plan_changes(desired, rt.children.values(), job_uid=job.uid)
+    stored = await asyncio.gather(*(kube.apply(obj) for obj in plan.apply))
+    for obj in stored:  # the apply's answer is the newest state: no need to wait for its event
+        rt.see_child(None, obj)
+    await asyncio.gather(*(kube.delete(kind, job.namespace, n) for kind, n in plan.delete))
+    for key in plan.delete:
+        rt.children.forget(key)
+    for obj in plan.apply:
+        metrics.CHILD_CHANGES.labels(action="apply", kind=obj["kind"]).inc()
+    for kind, _ in plan.delete:
+        metrics.CHILD_CHANGES.labels(action="delete", kind=kind).inc()
+    if plan.apply or plan.delete:
+        log.info(
+            "%s/%s: applied %s; deleted %s; rolling %s; waiting %s",
+            job.namespace,
+            job.name,
+            [f"{o['kind']}/{o['metadata']['name']}" for o in plan.apply],
+            [f"{k}/{n}" for k, n in plan.delete],
+            plan.rolling,
+            plan.waiting,
+        )
+    rt.rollout = [*plan.rolling, *plan.waiting]
+    rt.last_reconcile = time.monotonic()
+    metrics.RECONCILES.labels(result="ok").inc()
+    metrics.RECONCILE_SECONDS.observe(time.monotonic() - started)
+
+
+async def observe(
+    kube: Kube,
+    rt: JobRuntime,
+    job: JobRef,
+    body: dict[str, Any],
+    spec: DiLoCoJobSpec,
+    status: dict[str, Any],
+) -> dict[str, Any] | None:
+    """Island health -> syncer membership, then write the status; the status written (None
+    when the job is gone)."""
+    await _list_pods(kube, rt, job)
+    pods = rt.pods.values()
+    statefulsets = {
+        island: resources.island_statefulset_name(job.name, island)
+        for island in resources.island_names(spec)
+    }
+    health = island_health(statefulsets, spec.islands.replicas, pods)
+    running = islands_should_run(spec, status)
+    await update_membership(kube, rt, job, spec, health, islands_running=running)
+    meta = body["metadata"]
+    observation = Observation(
+        generation=int(meta.get("generation", 0)),
+        created=parse_time(meta.get("creationTimestamp")) or _now(),
+        spec=spec,
+        islands=health,
+        syncer_pods=syncer_pods(pods) if resources.runs_local_syncer(spec) else [],
+        syncer_status=rt.syncer.status,
+        syncer_error=rt.syncer.error,
+        rolling=rt.rollout,
+        now=_now(),
+    )
+    new = compute_status(observation, status)
+    patch = status_patch(new)
+    if status_changed(new, status):
+        written = await kube.patch_job_status(job.namespace, job.name, patch)
+        if written is None:
+            return None
+        await rt.see_job(written)  # the next sync compares with this, not an older event
+        if new.phase != status.get("phase"):
+            log.info("%s/%s: phase %s", job.namespace, job.name, new.phase)
+    rt.phase = new.phase
+    return patch

@@ -1,0 +1,152 @@
+"""The operator's calls to a job's syncer: read its status, tell it which islands count.
+
+Island health -> membership: the pure decision is health.Membership.decide; this module sends
+what it decides (PUT /v1/islands/{island}) and keeps the job's SyncerLink (client, last status,
+last error) up to date. The syncer is polled by the job's timer, never waited for: a failed call
+is recorded (SyncerReachable=False) and tried again on the next pass.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from collections.abc import Mapping
+from typing import Any
+
+from diloco_trainer.api import contract
+from diloco_trainer.api.client import SyncerJsonClient
+from diloco_trainer.api.protocol import SyncerError
+
+from diloco_operator import metrics, resources
+from diloco_operator.api import DiLoCoJobSpec
+from diloco_operator.events import post_event
+from diloco_operator.health import (
+    DROPPED,
+    IslandHealth,
+    MembershipChange,
+    syncer_island_states,
+)
+from diloco_operator.kube import Kube
+from diloco_operator.resources import JobRef
+from diloco_operator.runtime import JobRuntime
+
+log = logging.getLogger("diloco_operator")
+
+# A few seconds per call: the operator never blocks on a missing syncer, it records a condition
+# and asks again on its next pass (so retries are logged at DEBUG only).
+RETRY_DEADLINE = 3.0
+REQUEST_TIMEOUT = 2.0
+
+
+async def syncer_client(
+    kube: Kube, rt: JobRuntime, job: JobRef, spec: DiLoCoJobSpec
+) -> SyncerJsonClient:
+    """The job's syncer client, made (token and CA read from their Secrets) when needed."""
+    url = resources.syncer_url(job, spec)
+    secret = resources.token_secret_name(job.name, spec)
+    ca = resources.ca_secret_name(spec) if url.startswith("https://") else None
+    key = (url, secret, ca)
+    link = rt.syncer
+    if link.client is not None and link.client_key == key:
+        return link.client
+    token = await kube.read_secret_key(job.namespace, secret, contract.TOKEN_KEY)
+    if not token:
+        raise SyncerError(0, f"token Secret {secret} (key {contract.TOKEN_KEY}) not found")
+    ca_data = await kube.read_secret_key(job.namespace, ca, "ca.crt") if ca else None
+    await link.drop_client()
+    link.client = SyncerJsonClient(
+        url,
+        token,
+        ca_data=ca_data,
+        retry_deadline=RETRY_DEADLINE,
+        request_timeout=REQUEST_TIMEOUT,
+        retry_log_level=logging.DEBUG,
+    )
+    link.client_key = key
+    return link.client
+
+
+async def poll_syncer_status(kube: Kube, rt: JobRuntime, job: JobRef, spec: DiLoCoJobSpec) -> None:
+    """Read the syncer's /v1/status into the job's SyncerLink (or the error why not)."""
+    link = rt.syncer
+    try:
+        client = await syncer_client(kube, rt, job, spec)
+        link.status, link.error = (await client.status()).to_json(), None
+    except SyncerError as err:
+        # Read the token and CA Secrets again next time: either may have been created or
+        # rotated since this client was made (a missing CA shows up as "unavailable").
+        await link.drop_client()
+        if link.error != str(err):
+            log.warning("%s/%s: syncer unreachable: %s", job.namespace, job.name, err)
+        link.status, link.error = None, str(err)
+        metrics.SYNCER_UNREACHABLE.inc()
+
+
+async def send_membership(
+    kube: Kube,
+    rt: JobRuntime,
+    job: JobRef,
+    spec: DiLoCoJobSpec,
+    change: MembershipChange,
+) -> bool:
+    """PUT one membership change; False when the syncer could not be reached."""
+    link = rt.syncer
+    try:
+        client = await syncer_client(kube, rt, job, spec)
+        await client.set_membership(change.island, change.state, change.reason)
+    except SyncerError as err:
+        await link.drop_client()  # re-read token and CA next time, as in poll_syncer_status
+        log.warning(
+            "%s/%s: could not set %s %s: %s", job.namespace, job.name, change.island,
+            change.state, err,
+        )  # fmt: skip
+        metrics.ERRORS.labels(where="membership").inc()
+        if err.unavailable:  # unreachable or 5xx, not a refusal
+            link.status, link.error = None, str(err)
+            return False
+        return True  # refused: not acknowledged, tried again on the next run
+    rt.membership.acknowledge(change)
+    if link.status is not None:  # keep the cached view consistent with what we just did
+        islands = link.status.setdefault("islands", {})
+        islands.setdefault(change.island, {})["state"] = change.state
+    _report(rt.body or {}, change)
+    return True
+
+
+def _report(body: Mapping[str, Any], change: MembershipChange) -> None:
+    if not body:
+        return
+    if change.state == DROPPED:
+        metrics.ISLANDS_DROPPED.inc()
+        post_event(body, "Warning", "IslandDropped", f"{change.island}: {change.reason}")
+    else:
+        metrics.ISLANDS_READDED.inc()
+        post_event(body, "Normal", "IslandReadded", f"{change.island}: {change.reason}")
+
+
+def own_island_pattern(spec: DiLoCoJobSpec) -> re.Pattern[str]:
+    """Island names of this job among those a (possibly multi-region) syncer reports."""
+    prefix = spec.islands.name_prefix
+    return re.compile("^" + re.escape(f"{prefix}-" if prefix else "") + r"island-\d+$")
+
+
+async def update_membership(
+    kube: Kube,
+    rt: JobRuntime,
+    job: JobRef,
+    spec: DiLoCoJobSpec,
+    health: Mapping[str, IslandHealth],
+    *,
+    islands_running: bool,
+) -> None:
+    """Decide membership changes from fresh island health and send them to the syncer."""
+    own = own_island_pattern(spec)
+    changes = rt.membership.decide(
+        health,
+        syncer_island_states(rt.syncer.status),
+        islands_running=islands_running,
+        is_own_island=lambda n: bool(own.match(n)),
+    )
+    for change in changes:
+        if not await send_membership(kube, rt, job, spec, change):
+            break  # syncer unreachable: the rest waits for the next run, not for more timeouts

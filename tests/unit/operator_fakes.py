@@ -1,0 +1,120 @@
+"""An in-memory stand-in for diloco_operator.kube.Kube that records every call."""
+
+from __future__ import annotations
+
+import copy
+from datetime import datetime, timezone
+from typing import Any
+
+from diloco_operator.kube import Listing
+from diloco_operator.times import rfc3339
+
+
+def job_body(name: str = "demo", *, uid: str = "uid-1", **spec: Any) -> dict[str, Any]:
+    """A DiLoCoJob object as the API server returns it (remote syncer unless told otherwise)."""
+    return {
+        "apiVersion": "diloco.dev/v1alpha1",
+        "kind": "DiLoCoJob",
+        "metadata": {
+            "name": name,
+            "namespace": "ns1",
+            "uid": uid,
+            "generation": 1,
+            "resourceVersion": "10",
+            "creationTimestamp": rfc3339(datetime.now(timezone.utc)),
+        },
+        "spec": {
+            "image": "trainer:1",
+            "islands": {"count": 2, "replicas": 1},
+            "syncer": {"endpoint": "http://127.0.0.1:9", "tokenSecretName": "tok"},
+            **spec,
+        },
+    }
+
+
+def ready_pod(name: str, island: str, job: str = "demo", version: int = 50) -> dict[str, Any]:
+    """A Running, Ready learner pod of `island`."""
+    return {
+        "kind": "Pod",
+        "metadata": {
+            "name": name,
+            "namespace": "ns1",
+            "resourceVersion": str(version),
+            "labels": {"diloco.dev/job": job, "diloco.dev/island": island},
+        },
+        "status": {"phase": "Running", "conditions": [{"type": "Ready", "status": "True"}]},
+    }
+
+
+class FakeKube:
+    """Children, pods and the job in dicts; `calls` lists (method, detail) in order."""
+
+    def __init__(self, job: dict[str, Any]) -> None:
+        self.job: dict[str, Any] | None = copy.deepcopy(job)
+        self.objects: dict[tuple[str, str], dict[str, Any]] = {}
+        self.pods: dict[str, dict[str, Any]] = {}
+        self.secrets: set[str] = set()
+        self.calls: list[tuple[str, str]] = []
+        self._version = 100
+
+    def _next_version(self) -> str:
+        self._version += 1
+        return str(self._version)
+
+    def methods(self) -> list[str]:
+        """The names of the methods called, in order."""
+        return [method for method, _ in self.calls]
+
+    async def get_job(self, namespace: str, name: str) -> dict[str, Any] | None:
+        self.calls.append(("get_job", name))
+        return copy.deepcopy(self.job)
+
+    async def patch_job_status(
+        self, namespace: str, name: str, status: dict[str, Any]
+    ) -> dict[str, Any] | None:
+        self.calls.append(("patch_job_status", status["phase"]))
+        if self.job is None:
+            return None
+        self.job["status"] = {k: v for k, v in status.items() if v is not None}
+        self.job["metadata"]["resourceVersion"] = self._next_version()
+        return copy.deepcopy(self.job)
+
+    async def delete_job(self, namespace: str, name: str, uid: str) -> None:
+        self.calls.append(("delete_job", name))
+        self.job = None
+
+    async def list_labelled(self, kind: str, namespace: str, job_name: str) -> Listing:
+        self.calls.append(("list_labelled", kind))
+        if kind == "Pod":
+            items = list(self.pods.values())
+        else:
+            items = [o for (k, _), o in self.objects.items() if k == kind]
+        return Listing(items=copy.deepcopy(items), version=str(self._version))
+
+    async def apply(self, obj: dict[str, Any]) -> dict[str, Any]:
+        self.calls.append(("apply", f"{obj['kind']}/{obj['metadata']['name']}"))
+        stored = copy.deepcopy(obj)
+        stored["metadata"]["resourceVersion"] = self._next_version()
+        stored["metadata"]["generation"] = 1
+        if obj["kind"] == "StatefulSet":
+            stored["status"] = {"observedGeneration": 1, "readyReplicas": 0}
+        self.objects[(obj["kind"], obj["metadata"]["name"])] = stored
+        return copy.deepcopy(stored)
+
+    async def delete(self, kind: str, namespace: str, name: str) -> None:
+        self.calls.append(("delete", f"{kind}/{name}"))
+        self.objects.pop((kind, name), None)
+
+    async def create_if_absent(self, obj: dict[str, Any]) -> bool:
+        self.calls.append(("create_if_absent", obj["metadata"]["name"]))
+        created = obj["metadata"]["name"] not in self.secrets
+        self.secrets.add(obj["metadata"]["name"])
+        return created
+
+    async def exists(self, kind: str, namespace: str, name: str) -> bool:
+        self.calls.append(("exists", f"{kind}/{name}"))
+        return name in self.secrets
+
+    async def read_secret_key(self, namespace: str, name: str, key: str) -> str | None:
+        self.calls.append(("read_secret_key", name))
+        return None

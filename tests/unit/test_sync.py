@@ -1,0 +1,152 @@
+"""The sync of one job against an in-memory API: it lists once, then works from the watches."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any, cast
+
+import kopf
+import pytest
+from diloco_operator.kube import Kube
+from diloco_operator.runtime import DELETED, JobRuntime
+from diloco_operator.sync import RESYNC_INTERVAL, sync_job
+
+from .operator_fakes import FakeKube, job_body, ready_pod
+
+
+def _sync(kube: FakeKube, rt: JobRuntime, *, reconcile: bool, poll: bool = False) -> bool:
+    return asyncio.run(sync_job(cast(Kube, kube), rt, reconcile=reconcile, poll_syncer=poll))
+
+
+def _runtime(body: dict[str, Any]) -> JobRuntime:
+    rt = JobRuntime(namespace="ns1", name=body["metadata"]["name"])
+    asyncio.run(rt.see_job(body))
+    return rt
+
+
+def test_sync_job_first_sync_lists_and_creates_children() -> None:
+    body = job_body()
+    kube = FakeKube(body)
+    rt = _runtime(body)
+    assert _sync(kube, rt, reconcile=True)
+    listed = [d for m, d in kube.calls if m == "list_labelled"]
+    assert sorted(listed) == ["ConfigMap", "Deployment", "Pod", "Service", "StatefulSet"]
+    applied = {d for m, d in kube.calls if m == "apply"}
+    assert applied == {
+        "ConfigMap/demo-config",
+        "Service/demo-island-0",
+        "Service/demo-island-1",
+        "StatefulSet/demo-island-0",
+        "StatefulSet/demo-island-1",
+    }
+    assert kube.methods()[-1] == "patch_job_status"
+    assert rt.body is not None and rt.body["status"]["phase"] == "Pending"
+
+
+def test_sync_job_steady_state_reads_no_list_and_no_job() -> None:
+    body = job_body()
+    kube = FakeKube(body)
+    rt = _runtime(body)
+    _sync(kube, rt, reconcile=True)
+    for index in range(2):  # the pod watch delivers the islands' pods
+        rt.see_pod(None, ready_pod(f"demo-island-{index}-0", f"island-{index}"))
+    kube.calls.clear()
+    assert _sync(kube, rt, reconcile=True)
+    # Children match what the apply answers left in the cache; only the status changed (2/2).
+    assert kube.calls == [("patch_job_status", "Pending")]
+    assert rt.body is not None and rt.body["status"]["islandsSummary"] == "2/2"
+    kube.calls.clear()
+    _sync(kube, rt, reconcile=False)
+    assert kube.calls == []  # nothing changed: no request at all
+
+
+def test_sync_job_recreates_a_child_its_watch_saw_deleted() -> None:
+    body = job_body()
+    kube = FakeKube(body)
+    rt = _runtime(body)
+    _sync(kube, rt, reconcile=True)
+    gone = kube.objects.pop(("StatefulSet", "demo-island-1"))
+    gone["metadata"]["resourceVersion"] = "999"
+    rt.see_child(DELETED, gone)
+    kube.calls.clear()
+    _sync(kube, rt, reconcile=True)
+    assert [d for m, d in kube.calls if m in ("apply", "list_labelled")] == [
+        "StatefulSet/demo-island-1"
+    ]
+
+
+def test_sync_job_scaled_down_deletes_from_the_cache_view() -> None:
+    body = job_body()
+    kube = FakeKube(body)
+    rt = _runtime(body)
+    _sync(kube, rt, reconcile=True)
+    smaller = job_body(islands={"count": 1, "replicas": 1})
+    smaller["metadata"]["resourceVersion"] = "500"
+    asyncio.run(rt.see_job(smaller))
+    kube.calls.clear()
+    _sync(kube, rt, reconcile=True)
+    deleted = sorted(d for m, d in kube.calls if m == "delete")
+    assert deleted == ["Service/demo-island-1", "StatefulSet/demo-island-1"]
+    assert "list_labelled" not in kube.methods()
+    assert ("StatefulSet", "demo-island-1") not in set(rt.children.keys())
+
+
+def test_sync_job_resync_reads_the_job_and_lists_again() -> None:
+    body = job_body()
+    kube = FakeKube(body)
+    rt = _runtime(body)
+    _sync(kube, rt, reconcile=True, poll=True)
+    kube.calls.clear()
+    _sync(kube, rt, reconcile=True, poll=True)
+    assert "list_labelled" not in kube.methods() and "get_job" not in kube.methods()
+    rt.resynced_at -= RESYNC_INTERVAL
+    kube.calls.clear()
+    _sync(kube, rt, reconcile=False, poll=True)
+    assert kube.methods()[0] == "get_job"
+    assert sorted(d for m, d in kube.calls if m == "list_labelled") == ["Pod"]
+    _sync(kube, rt, reconcile=True, poll=True)  # the children follow at the next reconcile
+    assert sorted(d for m, d in kube.calls if m == "list_labelled") == [
+        "ConfigMap",
+        "Deployment",
+        "Pod",
+        "Service",
+        "StatefulSet",
+    ]
+
+
+def test_sync_job_reports_a_job_found_gone() -> None:
+    body = job_body()
+    kube = FakeKube(body)
+    rt = _runtime(body)
+    kube.job = None
+    assert not _sync(kube, rt, reconcile=True)  # the status patch finds no job
+    rt.resynced_at -= RESYNC_INTERVAL
+    assert not _sync(kube, rt, reconcile=False, poll=True)  # the resync finds no job
+
+
+def test_sync_job_generated_token_checked_once_per_resync() -> None:
+    body = job_body(syncer={})
+    kube = FakeKube(body)
+    rt = _runtime(body)
+    _sync(kube, rt, reconcile=True)
+    assert ("create_if_absent", "demo-token") in kube.calls
+    kube.calls.clear()
+    _sync(kube, rt, reconcile=True)
+    assert "exists" not in kube.methods() and "create_if_absent" not in kube.methods()
+
+
+def test_sync_job_waits_for_the_job_and_leaves_deleted_jobs_alone() -> None:
+    kube = FakeKube(job_body())
+    unseen = JobRuntime(namespace="ns1", name="demo")
+    assert _sync(kube, unseen, reconcile=True) and kube.calls == []
+    deleting = job_body()
+    deleting["metadata"]["deletionTimestamp"] = "2025-01-01T00:00:00Z"
+    assert _sync(kube, _runtime(deleting), reconcile=True) and kube.calls == []
+
+
+def test_sync_job_invalid_spec_is_permanent() -> None:
+    body = job_body(syncer={}, sync={"quorum": 5})  # 5 of 2 in-cluster islands
+    rt = _runtime(body)
+    with pytest.raises(kopf.PermanentError, match="quorum"):
+        _sync(FakeKube(body), rt, reconcile=True)
+    assert rt.spec_error is not None and "quorum" in rt.spec_error
