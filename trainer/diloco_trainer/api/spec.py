@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
@@ -22,6 +22,11 @@ PullCompression = Literal["auto", "none", "fp16", "bf16", "int8", "int4"]
 MergeRule = Literal["tokens", "mean", "rda"]
 Preset = Literal["gpt-tiny", "gpt-mini", "gpt-small", "gpt-125m"]
 ServiceType = Literal["ClusterIP", "LoadBalancer", "NodePort"]
+DataFormat = Literal["auto", "text", "jsonl", "parquet"]
+TokenizerType = Literal["bytes", "file", "bpe"]
+IncludePattern = Annotated[
+    str, Field(min_length=1, description="A shell-style pattern (*, ?, [...]).")
+]
 
 # A DNS-1123 label fragment: island names become parts of pod and Service names.
 DNS_PREFIX_PATTERN = r"^([a-z0-9]([-a-z0-9]*[a-z0-9])?)?$"
@@ -55,6 +60,29 @@ class ModelSpec(SpecModel):
     seed: int = Field(0, ge=0, description="Seed for the initial global weights.")
 
 
+class TokenizerSpec(SpecModel):
+    """How text becomes tokens; the model's vocabulary follows it."""
+
+    type: TokenizerType = Field(
+        "bytes",
+        description="bytes: one token per byte (256 tokens, nothing to ship); file: a "
+        "Hugging Face tokenizers JSON file (path); bpe: a byte-level BPE trained on the train "
+        "split with vocabSize tokens (deterministic: every process trains the same one).",
+    )
+    path: str | None = Field(
+        None, min_length=1, description="tokenizer.json readable in the pod (type file)."
+    )
+    vocab_size: int = Field(
+        4096, ge=256, le=1_048_576, description="Tokens of the trained BPE (type bpe)."
+    )
+
+    @model_validator(mode="after")
+    def _path_with_file(self) -> TokenizerSpec:
+        if (self.type == "file") != (self.path is not None):
+            raise ValueError("path is required with type file, and only then")
+        return self
+
+
 class DataSpec(SpecModel):
     """Where the tokens come from."""
 
@@ -62,8 +90,24 @@ class DataSpec(SpecModel):
         "builtin:stdlib-text",
         min_length=1,
         description="'builtin:stdlib-text' (the Python standard library's source, byte-level, no "
-        "download) or a path to a text file or a directory of text files readable in the pod.",
+        "download) or a path readable in the pod: a file, or a directory whose files are read "
+        "when their content is text (UTF-8, no NUL byte), or JSON Lines / Parquet (format).",
     )
+    include: list[IncludePattern] = Field(
+        default_factory=list,
+        description="Shell-style patterns choosing the files of a directory source: a pattern "
+        "with '/' matches the path relative to source, one without matches the file name (e.g. "
+        "'*.txt', 'Apache-*', 'shard-*/*.jsonl'). Empty: every file.",
+    )
+    format: DataFormat = Field(
+        "auto",
+        description="auto: .jsonl/.ndjson (also .gz) as JSON Lines, .parquet as Parquet, other "
+        "files as text when their content is; or text, jsonl, parquet for every file.",
+    )
+    text_field: str = Field(
+        "text", min_length=1, description="The field of JSON Lines records / Parquet column read."
+    )
+    tokenizer: TokenizerSpec = Field(default_factory=TokenizerSpec)
     eval_tokens: int = Field(
         32768, ge=1024, description="Held-out tokens used for every evaluation."
     )

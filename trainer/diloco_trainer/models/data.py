@@ -1,10 +1,12 @@
-"""Byte-level corpora, a held-out eval split, and sharded, resumable token streams.
+"""Corpora, a held-out eval split, and sharded, resumable token streams.
 
-Layout of a corpus (all byte-level; a token is a byte):
-- the documents (files) in a deterministic order; a fixed share of them (every EVAL_EVERY-th file)
-  is held out for evaluation, so eval text is never trained on. A corpus with too few files for
-  that holds out its last EVAL_FRACTION of bytes instead.
-- the train bytes are cut into `num_shards` disjoint contiguous shards (one per island), and each
+Layout of a corpus:
+- the documents (files, or JSON Lines / Parquet records: sources.py) in a deterministic order; a
+  fixed share of them (every EVAL_EVERY-th) is held out for evaluation, so eval text is never
+  trained on. A corpus with too few documents for that holds out its last EVAL_FRACTION of bytes.
+- each split is tokenized (tokenizer.py: bytes by default, or a subword tokenizer whose
+  vocabulary the model then takes) into one tensor of token ids.
+- the train tokens are cut into `num_shards` disjoint contiguous shards (one per island), and each
   shard into `world_size` disjoint sub-shards (one per DDP rank of the island).
 - a stream visits its sub-shard's non-overlapping windows in a random order that is a pure function
   of (data seed, sub-shard, epoch), so its position alone (`state_dict`) resumes it exactly.
@@ -13,34 +15,44 @@ Layout of a corpus (all byte-level; a token is a byte):
 from __future__ import annotations
 
 import hashlib
-import os
-import sysconfig
+import logging
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from torch import Tensor
 
-from diloco_trainer.api.spec import ConfigError
-
-BUILTIN_STDLIB = "builtin:stdlib-text"
-EVAL_EVERY = 10  # every 10th document is held out for evaluation
-EVAL_FRACTION = 0.1  # share of bytes held out when there are too few documents
-TEXT_SUFFIXES = frozenset(
-    {".txt", ".md", ".rst", ".py", ".json", ".yaml", ".yml", ".toml", ".csv", ".html", ".c", ".h"}
+from diloco_trainer.api.spec import ConfigError, DataSpec, TokenizerSpec
+from diloco_trainer.models.sources import (
+    BUILTIN_STDLIB,
+    EVAL_EVERY,
+    EVAL_FRACTION,
+    read_source,
+    split_documents,
 )
-# Skipped when walking the stdlib: third-party code, and test suites with large binary-ish data.
-_STDLIB_SKIP_DIRS = frozenset(
-    {"site-packages", "dist-packages", "test", "tests", "idlelib", "lib2to3", "__pycache__"}
-)
-_DOC_SEPARATOR = b"\n\n"
+from diloco_trainer.models.tokenizer import Tokenizer, make_tokenizer
 
-_CORPUS_CACHE: dict[str, Corpus] = {}
+log = logging.getLogger("diloco.data")
+
+__all__ = [
+    "BUILTIN_STDLIB",
+    "EVAL_EVERY",
+    "EVAL_FRACTION",
+    "Batch",
+    "Corpus",
+    "TokenStream",
+    "corpus_for",
+    "eval_batches",
+    "load_corpus",
+]
+
+_CORPUS_CACHE: dict[tuple[str, ...], Corpus] = {}
 
 
 @dataclass(frozen=True)
 class Batch:
-    """One batch of next-byte prediction: targets are inputs shifted by one position."""
+    """One batch of next-token prediction: targets are inputs shifted by one position."""
 
     inputs: Tensor  # (B, T) long
     targets: Tensor  # (B, T) long
@@ -53,81 +65,64 @@ class Batch:
 
 @dataclass(frozen=True)
 class Corpus:
-    """A byte corpus split into train and held-out eval bytes (uint8 tensors)."""
+    """A corpus split into train and held-out eval token ids (uint8 for bytes, else int32)."""
 
-    train: Tensor  # (N_train,) uint8
-    eval: Tensor  # (N_eval,) uint8
-    documents: int  # number of files read
-
-
-def _walk_files(root: Path, suffixes: frozenset[str], skip_dirs: frozenset[str]) -> list[Path]:
-    """Files under root with one of the suffixes, sorted by relative path (deterministic)."""
-    found: list[Path] = []
-    for dirpath, dirnames, filenames in os.walk(root):
-        # Pruning in place keeps os.walk out of skipped trees, which is most of the time saved.
-        dirnames[:] = [d for d in dirnames if d not in skip_dirs and not d.startswith(".")]
-        found.extend(Path(dirpath, f) for f in filenames if Path(f).suffix.lower() in suffixes)
-    return sorted(found, key=lambda p: p.relative_to(root).as_posix())
+    train: Tensor  # (N_train,)
+    eval: Tensor  # (N_eval,)
+    documents: int  # number of documents read
+    vocab_size: int  # every id is below it: the model's vocabulary
+    tokenizer: Tokenizer
+    report: str  # what was read and skipped, for people
 
 
-def _source_documents(source: str) -> list[bytes]:
-    if source == BUILTIN_STDLIB:
-        root = Path(sysconfig.get_paths()["stdlib"])
-        files = _walk_files(root, frozenset({".py"}), _STDLIB_SKIP_DIRS)
-    elif source.startswith("builtin:"):
-        raise ConfigError(
-            f"data.source: unknown built-in corpus {source!r} (available: {BUILTIN_STDLIB})"
-        )
-    else:
-        path = Path(source)
-        if path.is_file():
-            files = [path]
-        elif path.is_dir():
-            files = _walk_files(path, TEXT_SUFFIXES, frozenset({"__pycache__"}))
-        else:
-            raise ConfigError(f"data.source: {source!r} is neither a file nor a directory")
-    docs: list[bytes] = []
-    for f in files:
-        try:
-            docs.append(f.read_bytes())
-        except OSError as err:
-            raise ConfigError(f"data.source: cannot read {f}: {err.strerror}") from None
-    docs = [d for d in docs if d]
-    if not docs:
-        raise ConfigError(f"data.source: {source!r} contains no text")
-    return docs
-
-
-def _split_documents(docs: list[bytes]) -> tuple[bytes, bytes]:
-    if len(docs) >= 2 * EVAL_EVERY:
-        # Hold out whole files: eval text then never overlaps a training window.
-        held = [d for i, d in enumerate(docs) if i % EVAL_EVERY == EVAL_EVERY // 2]
-        kept = [d for i, d in enumerate(docs) if i % EVAL_EVERY != EVAL_EVERY // 2]
-        return _DOC_SEPARATOR.join(kept), _DOC_SEPARATOR.join(held)
-    joined = _DOC_SEPARATOR.join(docs)
-    cut = len(joined) - int(len(joined) * EVAL_FRACTION)
-    return joined[:cut], joined[cut:]
-
-
-def load_corpus(source: str) -> Corpus:
-    """The corpus named by `data.source`, read once per process and cached.
+def load_corpus(
+    source: str,
+    *,
+    include: Sequence[str] = (),
+    fmt: str = "auto",
+    text_field: str = "text",
+    tokenizer: TokenizerSpec | None = None,
+) -> Corpus:
+    """The corpus named by `data.source`, read and tokenized once per process and cached.
 
     `source` is "builtin:stdlib-text" (the Python standard library's .py files, no download), a
-    text file, or a directory searched recursively for text files (TEXT_SUFFIXES).
+    file, or a directory searched recursively (sources.py says which files are read). The other
+    arguments are data.include, data.format, data.textField and data.tokenizer.
     """
-    key = source if source.startswith("builtin:") else str(Path(source).resolve())
+    tokenizer = tokenizer or TokenizerSpec()
+    where = source if source.startswith("builtin:") else str(Path(source).resolve())
+    key = (where, "\0".join(include), fmt, text_field, tokenizer.model_dump_json())
     cached = _CORPUS_CACHE.get(key)
     if cached is not None:
         return cached
-    docs = _source_documents(source)
-    train, held = _split_documents(docs)
+    docs = read_source(source, include=include, fmt=fmt, text_field=text_field)
+    train_docs, held_docs = split_documents(docs.docs)
+    tok = make_tokenizer(tokenizer, train_docs)
+    train, held = tok.encode_split(train_docs), tok.encode_split(held_docs)
+    report = f"{docs.summary(source)}; tokenizer: {tok.describe()}; {train.numel():,} train and "
+    report += f"{held.numel():,} eval tokens"
+    log.info("%s", report)
     corpus = Corpus(
-        train=torch.frombuffer(bytearray(train), dtype=torch.uint8),
-        eval=torch.frombuffer(bytearray(held), dtype=torch.uint8),
-        documents=len(docs),
+        train=train,
+        eval=held,
+        documents=len(docs.docs),
+        vocab_size=tok.vocab_size,
+        tokenizer=tok,
+        report=report,
     )
     _CORPUS_CACHE[key] = corpus
     return corpus
+
+
+def corpus_for(data: DataSpec) -> Corpus:
+    """The corpus of a job's `data` section."""
+    return load_corpus(
+        data.source,
+        include=data.include,
+        fmt=data.format,
+        text_field=data.text_field,
+        tokenizer=data.tokenizer,
+    )
 
 
 def _mix_seed(*parts: int) -> int:
@@ -137,7 +132,7 @@ def _mix_seed(*parts: int) -> int:
 
 
 class TokenStream:
-    """Batches of random windows from one rank's disjoint part of one shard of the train bytes.
+    """Batches of random windows from one rank's disjoint part of one shard of the train tokens.
 
     Every window is visited once per epoch, in an order that is a pure function of
     (seed, sub-shard, epoch); `state_dict()` is the position, so a restored stream continues with
@@ -167,9 +162,9 @@ class TokenStream:
         self.windows = (part_len - 1) // seq_len if part_len > 0 else 0
         if self.windows < 1:
             raise ConfigError(
-                f"data.source: the train split has {data.numel()} bytes, too few for "
+                f"data.source: the train split has {data.numel()} tokens, too few for "
                 f"{num_shards} shards x {world_size} ranks of at least inner.seqLen+1 = "
-                f"{seq_len + 1} bytes each"
+                f"{seq_len + 1} tokens each"
             )
         start = self.part * part_len
         self.data = data[start : start + part_len]
@@ -191,7 +186,7 @@ class TokenStream:
         return self._perm
 
     def next_batch(self) -> Batch:
-        """The next batch_size windows (inputs and next-byte targets)."""
+        """The next batch_size windows (inputs and next-token targets)."""
         idx = []
         for p in range(self.position, self.position + self.batch_size):
             epoch, j = divmod(p, self.windows)
@@ -229,14 +224,14 @@ def eval_batches(
     seq_len: int,
     device: str | torch.device = "cpu",
 ) -> list[Batch]:
-    """Fixed windows from the eval bytes totalling at least eval_tokens target tokens.
+    """Fixed windows from the eval tokens totalling at least eval_tokens target tokens.
 
     The windows are evenly spaced over the eval split (no randomness), so every process evaluates
     the same batches and eval losses are comparable across islands, the syncer and baselines.
     """
     if data.numel() < seq_len + 1:
         raise ConfigError(
-            f"data.source: the eval split has {data.numel()} bytes, fewer than "
+            f"data.source: the eval split has {data.numel()} tokens, fewer than "
             f"inner.seqLen+1 = {seq_len + 1}"
         )
     n_windows = max(1, -(-eval_tokens // seq_len))

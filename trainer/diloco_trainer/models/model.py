@@ -142,8 +142,9 @@ class GPT(nn.Module):
         return frozenset({"tok_emb.weight", "pos_emb.weight"})
 
 
-def build_model(preset: str, seq_len: int) -> GPT:
-    """A freshly initialised GPT of a named preset whose block_size fits seq_len.
+def build_model(preset: str, seq_len: int, vocab_size: int = VOCAB_SIZE) -> GPT:
+    """A freshly initialised GPT of a named preset whose block_size fits seq_len and whose
+    vocabulary is the tokenizer's (256 bytes by default).
 
     Initial weights come from torch's global RNG: seed it (torch.manual_seed) first for weights
     that are identical in every process.
@@ -152,7 +153,7 @@ def build_model(preset: str, seq_len: int) -> GPT:
         raise ValueError(f"model.preset {preset!r} is unknown; choose one of {sorted(PRESETS)}")
     if seq_len < 1:
         raise ValueError(f"inner.seqLen must be >= 1, got {seq_len}")
-    return GPT(replace(PRESETS[preset], block_size=seq_len))
+    return GPT(replace(PRESETS[preset], block_size=seq_len, vocab_size=vocab_size))
 
 
 def count_parameters(model: nn.Module) -> int:

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from diloco_trainer.api.spec import ConfigError, JobSpec
-from diloco_trainer.models.data import Batch, TokenStream, eval_batches, load_corpus
+from diloco_trainer.models.data import Batch, TokenStream, corpus_for, eval_batches
 from diloco_trainer.models.model import GPT, build_model
 
 LossFn = Callable[[nn.Module, Batch], Tensor]
@@ -41,7 +41,7 @@ class TrainingParts:
 
 
 def lm_loss(model: nn.Module, batch: Batch) -> Tensor:
-    """Mean next-byte cross-entropy of a batch (moved to the model's device if needed)."""
+    """Mean next-token cross-entropy of a batch (moved to the model's device if needed)."""
     device = next(model.parameters()).device
     logits = model(batch.inputs.to(device))  # (B, T, V)
     return F.cross_entropy(logits.flatten(0, 1), batch.targets.to(device).flatten())
@@ -77,10 +77,10 @@ def build_parts(
 
     The global RNG is seeded with spec.model.seed right before the model is built, so the initial
     weights are a pure function of the seed in every process, for the built-in GPT and for an
-    entrypoint alike.
+    entrypoint alike. The built-in GPT's vocabulary is the tokenizer's (data.tokenizer).
     """
-    torch.manual_seed(spec.model.seed)
     if spec.model.entrypoint:
+        torch.manual_seed(spec.model.seed)
         fn = _load_entrypoint(spec.model.entrypoint)
         parts = fn(
             spec,
@@ -98,8 +98,9 @@ def build_parts(
             )
         return parts
 
-    model: GPT = build_model(spec.model.preset, spec.inner.seq_len).to(device)
-    corpus = load_corpus(spec.data.source)
+    corpus = corpus_for(spec.data)
+    torch.manual_seed(spec.model.seed)
+    model: GPT = build_model(spec.model.preset, spec.inner.seq_len, corpus.vocab_size).to(device)
     train = None
     if with_train:
         train = TokenStream(
