@@ -44,6 +44,12 @@ def _cmd_operator(args: argparse.Namespace) -> int:
     return operator_main(args)
 
 
+def _cmd_export(args: argparse.Namespace) -> int:
+    from diloco_trainer.export import main as export_main
+
+    return export_main(args)
+
+
 def _cmd_crd(args: argparse.Namespace) -> int:
     from diloco_operator.crd import main as crd_main
 
@@ -86,6 +92,27 @@ def build_parser() -> argparse.ArgumentParser:
     op.add_argument("--health-port", type=int, default=8080, help="liveness/readiness port")
     op.add_argument("--metrics-port", type=int, default=9090, help="Prometheus metrics port")
     op.set_defaults(func=_cmd_operator)
+
+    export = sub.add_parser(
+        "export", help="write a job's global weights as one safetensors file (plain torch loads it)"
+    )
+    export.add_argument(
+        "source",
+        help="a syncer state dir, its checkpoints/ dir or one ckpt-* dir; or a running syncer's "
+        "URL (http[s]://HOST:PORT)",
+    )
+    export.add_argument("-o", "--output", required=True, metavar="FILE", help="file to write")
+    export.add_argument(
+        "--token-file", metavar="FILE", help="a URL's bearer token (default $DILOCO_TOKEN_FILE)"
+    )
+    export.add_argument("--ca-file", metavar="FILE", help="CA to verify an https syncer with")
+    export.add_argument(
+        "--dtype",
+        choices=["bfloat16", "float16", "float32"],
+        default="float32",
+        help="floating-point type of the weights written (default float32)",
+    )
+    export.set_defaults(func=_cmd_export)
 
     crd = sub.add_parser("crd", help="print the DiLoCoJob CRD generated from the API models")
     crd.add_argument("--output", "-o", metavar="FILE", help="write to FILE instead of stdout")

@@ -409,4 +409,9 @@ def main(args: argparse.Namespace) -> int:
         plot_eval_history(summary["eval_history"], args.plot, title=f"{name}: eval loss")
         console.print(f"loss plot written to {args.plot}")
     console.print(f"logs in {run.logs}")
+    from diloco_trainer.export import final_weights_note
+
+    note = final_weights_note(workdir / "syncer")  # the syncer's state dir (start_syncer)
+    if note is not None:
+        console.print(note, markup=False, highlight=False)
     return 0

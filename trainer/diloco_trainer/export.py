@@ -1,0 +1,187 @@
+"""`diloco export`: the global weights as one safetensors file, loadable with plain torch.
+
+From a checkpoint (the syncer's state dir, its checkpoints/ dir or one ckpt-* dir): the exact
+global weights θ the syncer evaluates and checkpoints. The directory is only read: a syncer may
+still be writing into it (unfinished checkpoints are hidden temporary directories, never chosen).
+
+From a running syncer (an http(s) URL and its bearer token): every fragment pulled in full, as
+learners receive them. With sync.pullCompression none these are θ; with a pull codec they are the
+weights learners hold (θ_pub), within the codec's rounding of θ. Fragments merge independently, so
+the pull is repeated until the versions read match the syncer's status afterwards: the file is one
+consistent snapshot.
+
+The file holds the model's parameters by name (`model.named_parameters()`), fp32 unless --dtype
+says otherwise, and metadata (job, outer step, versions, eval loss) that `safetensors` keeps:
+`model.load_state_dict(safetensors.torch.load_file(path))` restores a model built as the job
+built it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import sys
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import safetensors.torch
+import torch
+
+from diloco_trainer.api.contract import TOKEN_FILE, ContractError, read_token
+from diloco_trainer.api.protocol import SyncerError
+from diloco_trainer.syncer.checkpoint import (
+    CHECKPOINTS_DIR,
+    MANIFEST_FILE,
+    list_checkpoints,
+    load_checkpoint,
+)
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+SNAPSHOT_TRIES = 5  # pulls of every fragment until one matches the status read after it
+
+
+class ExportError(RuntimeError):
+    """Nothing to export from the given source; the message says why."""
+
+
+def find_checkpoint(path: Path) -> Path:
+    """The checkpoint directory `path` names: itself (a ckpt-* dir), or the newest complete one
+    under a state dir or its checkpoints/ dir."""
+    if (path / MANIFEST_FILE).is_file():
+        return path
+    state_dir = path.parent if path.name == CHECKPOINTS_DIR else path
+    found = list_checkpoints(state_dir)
+    if not found:
+        raise ExportError(
+            f"{path} holds no checkpoint (expected a ckpt-* directory with {MANIFEST_FILE}, or a "
+            f"syncer state dir with {CHECKPOINTS_DIR}/)"
+        )
+    return found[-1]
+
+
+def _eval_loss_at(manifest: Mapping[str, Any], outer_step: int) -> float | None:
+    for entry in reversed(manifest.get("evalHistory", [])):
+        if entry.get("outerStep") == outer_step and entry.get("evalLoss") is not None:
+            return float(entry["evalLoss"])
+    return None
+
+
+def from_checkpoint(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """The exact global weights of a checkpoint and metadata describing them."""
+    ckpt_dir = find_checkpoint(path)
+    try:
+        ckpt = load_checkpoint(ckpt_dir)
+    except ValueError as err:
+        raise ExportError(str(err)) from None
+    meta = {
+        "source": str(ckpt_dir.resolve()),
+        "weights": "exact",
+        "outerStep": str(ckpt.outer_step),
+        "versions": json.dumps(ckpt.manifest.get("versions", [])),
+        "job": str(ckpt.manifest.get("jobName", "")),
+    }
+    loss = _eval_loss_at(ckpt.manifest, ckpt.outer_step)
+    if loss is not None:
+        meta["evalLoss"] = repr(loss)
+    return ckpt.weights, meta
+
+
+async def pull_snapshot(
+    url: str, token: str, ca_file: str | None = None
+) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """Every fragment of a running syncer's global weights, one consistent version set."""
+    # Imported here: the learner's client is only needed for this source.
+    from diloco_trainer.core.payloads import PulledFragment
+    from diloco_trainer.learner.syncer_client import SyncerClient
+
+    async with SyncerClient(url, token, ca_file, retry_deadline=30.0) as client:
+        for _ in range(SNAPSHOT_TRIES):
+            status = await client.status()
+            weights: dict[str, torch.Tensor] = {}
+            versions: list[int] = []
+            for f in range(int(status["fragments"])):
+                pulled = await client.pull_fragment(f)
+                assert isinstance(pulled, PulledFragment)  # no `have`: always the full weights
+                weights.update(pulled.tensors)
+                versions.append(pulled.version)
+            after = await client.status()
+            if list(after["versions"]) == versions:
+                meta = {
+                    "source": url,
+                    "weights": "exact" if after.get("pullCompression") == "none" else "published",
+                    "outerStep": str(after["outerStep"]),
+                    "versions": json.dumps(versions),
+                    "job": str(after.get("jobName", "")),
+                }
+                return weights, meta
+    raise ExportError(
+        f"the syncer at {url} merged during each of {SNAPSHOT_TRIES} pulls; try again"
+    )
+
+
+def write_weights(
+    weights: Mapping[str, torch.Tensor],
+    out: Path,
+    metadata: Mapping[str, str],
+    dtype: torch.dtype = torch.float32,
+) -> None:
+    """Write the weights (floating ones cast to dtype) as one safetensors file, atomically."""
+    tensors = {
+        name: (t.to(dtype) if t.is_floating_point() else t).detach().contiguous().clone()
+        for name, t in sorted(weights.items())
+    }
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(f".{out.name}.tmp")
+    safetensors.torch.save_file(tensors, str(tmp), metadata={"format": "pt", **metadata})
+    tmp.replace(out)
+
+
+def final_weights_note(state_dir: Path) -> str | None:
+    """Where a finished local run's weights are and how to extract them (None: no checkpoint)."""
+    found = list_checkpoints(state_dir)
+    if not found:
+        return None
+    latest = found[-1]
+    return (
+        f"final weights: {latest} (syncer checkpoint); extract them with\n"
+        f"  diloco export {latest} -o model.safetensors"
+    )
+
+
+def _token(args: argparse.Namespace) -> str:
+    path = args.token_file or os.environ.get(TOKEN_FILE)
+    if not path:
+        raise ExportError(
+            f"a syncer URL needs its bearer token: --token-file FILE or ${TOKEN_FILE}"
+        )
+    try:
+        return read_token(Path(path))
+    except ContractError as err:
+        raise ExportError(str(err)) from None
+
+
+def main(args: argparse.Namespace) -> int:
+    """`diloco export SOURCE -o FILE`: exit 0, 1 when nothing could be exported, 2 on bad input."""
+    source: str = args.source
+    out = Path(args.output)
+    try:
+        if source.startswith(("http://", "https://")):
+            weights, meta = asyncio.run(pull_snapshot(source, _token(args), args.ca_file))
+        else:
+            if not Path(source).exists():
+                print(f"diloco export: {source} does not exist", file=sys.stderr)
+                return 2
+            weights, meta = from_checkpoint(Path(source))
+        write_weights(weights, out, meta, DTYPES[args.dtype])
+    except (ExportError, SyncerError) as err:
+        print(f"diloco export: {err}", file=sys.stderr)
+        return 1
+    count = sum(t.numel() for t in weights.values())
+    print(
+        f"wrote {out}: {len(weights)} tensors, {count:,} parameters ({args.dtype}), "
+        f"outer step {meta['outerStep']} from {meta['source']}"
+    )
+    return 0
