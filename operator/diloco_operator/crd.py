@@ -87,6 +87,13 @@ _SPEC_RULES: dict[tuple[str, ...], list[dict[str, str]]] = {
             "reason": "FieldValueInvalid",
         },
     ],
+    ("sync", "maxStaleness"): [
+        {
+            "rule": "type(self) == int ? (self >= 0 && self <= 1000) : self == 'auto'",
+            "message": "spec.sync.maxStaleness must be 'auto' or an integer from 0 to 1000",
+            "reason": "FieldValueInvalid",
+        },
+    ],
 }
 
 # Rules on the whole object: metadata.name ends up in Service and StatefulSet names.

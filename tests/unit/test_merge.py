@@ -1,4 +1,5 @@
-"""Merge rules and weights: token weighting, staleness, mean, RDA."""
+"""Merge rules and weights: token weighting, mean, RDA, per-island scales (staleness and work
+fractions: test_contributions.py)."""
 
 from __future__ import annotations
 
@@ -6,12 +7,7 @@ import math
 
 import pytest
 import torch
-from diloco_trainer.core.merge import (
-    contribution_weight,
-    merge_pseudo_gradients,
-    staleness_factor,
-    work_coverage,
-)
+from diloco_trainer.core.merge import contribution_weight, merge_pseudo_gradients
 
 
 def test_contribution_weight_is_quantity_times_quality() -> None:
@@ -30,16 +26,6 @@ def test_contribution_weight_rejects_bad_input() -> None:
         contribution_weight(-1, 1, "tokens")
     with pytest.raises(ValueError, match=r"sync\.merge 'median'"):
         contribution_weight(1, 1, "median")
-
-
-def test_staleness_factor_decays_and_refuses_beyond_limit() -> None:
-    assert staleness_factor(0, 4) == 1.0
-    assert staleness_factor(1, 4) == 0.5
-    assert staleness_factor(4, 4) == 0.2
-    with pytest.raises(ValueError, match=r"5 versions old.*sync.maxStaleness \(4\)"):
-        staleness_factor(5, 4)
-    with pytest.raises(ValueError, match="lag"):
-        staleness_factor(-1, 4)
 
 
 def test_merge_tokens_rule_weights_numerically() -> None:
@@ -139,24 +125,6 @@ def test_merge_does_not_modify_inputs() -> None:
     single = merge_pseudo_gradients([a], [2.0], "tokens")
     single["w"].add_(1)
     assert torch.equal(a["w"], torch.ones(3))
-
-
-def test_work_coverage_is_one_when_every_active_island_contributes_a_round() -> None:
-    assert work_coverage([50, 50, 50], inner_steps=50, active_islands=3) == 1.0
-
-
-def test_work_coverage_scales_a_partial_merge_by_its_share_of_the_round() -> None:
-    assert work_coverage([50], inner_steps=50, active_islands=3) == pytest.approx(1 / 3)
-    assert work_coverage([50, 25], inner_steps=50, active_islands=3) == pytest.approx(0.5)
-
-
-def test_work_coverage_never_exceeds_one_for_accumulated_work() -> None:
-    assert work_coverage([150, 100], inner_steps=50, active_islands=2) == 1.0
-
-
-def test_work_coverage_refuses_bad_counts() -> None:
-    with pytest.raises(ValueError, match=r"inner\.steps"):
-        work_coverage([1], inner_steps=0, active_islands=1)
 
 
 def test_merge_scales_each_vector_before_the_weighted_mean() -> None:

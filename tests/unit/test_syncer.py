@@ -112,10 +112,14 @@ def test_syncer_merge_is_reproducible_from_its_log(tmp_path: Path) -> None:
     replay = {n: t.clone() for n, t in initial.items()}
     outer = OuterOptimizer(replay, lr=0.7, momentum=0.9, nesterov=True)
     raw = [c["rawWeight"] for c in entry["contributors"]]
-    merged = merge_pseudo_gradients(deltas, raw, "tokens")
-    # Two of three active islands, 4 inner steps each: the merge carries that share of a round.
-    assert entry["coverage"] == pytest.approx(min(1.0, 8 / syncer.spec.inner.steps / 3))
-    outer.step({n: t * entry["coverage"] for n, t in merged.items()})
+    scales = [c["scale"] for c in entry["contributors"]]
+    assert scales == [1.0, 1.0]  # one round of H = 4 steps each
+    merged = merge_pseudo_gradients(deltas, raw, "tokens", scales=scales)
+    # Two of three active islands, a fresh round each: the merge carries 2/3 of a round, so it
+    # moves θ by lr·(2/3)·g and completes no round (no momentum fold, outer step still 0).
+    assert entry["fraction"] == pytest.approx(2 / 3)
+    assert (entry["rounds"], entry["outerStep"], syncer.state.outer_step) == (0, 0, 0)
+    outer.step(merged, entry["fraction"], group=entry["fragment"])
     for name, t in syncer.model.weights.items():
         assert torch.equal(t, replay[name]), name
 
@@ -164,10 +168,10 @@ def test_syncer_status_during_a_merge_shows_no_half_done_merge(tmp_path: Path) -
         entered, release = threading.Event(), threading.Event()
         real_step = syncer.model.outer.step
 
-        def held_step(merged: dict[str, torch.Tensor]) -> None:
+        def held_step(merged: dict[str, torch.Tensor], *args: Any, **kwargs: Any) -> int:
             entered.set()
             release.wait(30)
-            real_step(merged)
+            return real_step(merged, *args, **kwargs)
 
         syncer.model.outer.step = held_step  # type: ignore[method-assign]
         merge = asyncio.create_task(syncer.tick())

@@ -178,7 +178,8 @@ class MergeRecord(Document):
     quorum: int = 0
     grace: float = 0.0
     rule: str = ""
-    coverage: float = 1.0
+    fraction: float = 1.0  # the share of a round of work it carried (core/contributions.py)
+    rounds: int = 0  # the fragment's completed rounds of work after it
     tokens: int = 0
     merge_seconds: float = 0.0
     contributors: list[MergeContributor] = Field(default_factory=list)
@@ -191,7 +192,7 @@ class SyncerStatus(Document):
     syncer), so the syncer can build its answer as a SyncerStatus.
     """
 
-    outer_step: int  # outer steps completed: the least merged fragment's version
+    outer_step: int  # outer steps completed: rounds of work, the least of any fragment
     versions: list[int]  # each fragment's version (merges so far)
     finished: bool
     job_name: str = ""

@@ -28,6 +28,10 @@ IncludePattern = Annotated[
     str, Field(min_length=1, description="A shell-style pattern (*, ?, [...]).")
 ]
 
+# sync.maxStaleness "auto": versions per island of the job (at quorum 1, M versions are about one
+# round of work, so pushes about four rounds behind are refused as ancient).
+STALE_VERSIONS_PER_ISLAND = 4
+
 # A DNS-1123 label fragment: island names become parts of pod and Service names.
 DNS_PREFIX_PATTERN = r"^([a-z0-9]([-a-z0-9]*[a-z0-9])?)?$"
 
@@ -215,12 +219,12 @@ class SyncSpec(SpecModel):
         description="tokens: weighted by tokens x tokens-per-step; mean: plain mean; rda: "
         "radial-directional averaging with token weights.",
     )
-    max_staleness: int = Field(
-        4,
-        ge=0,
-        le=1000,
+    max_staleness: Annotated[int, Field(ge=0, le=1000)] | Literal["auto"] = Field(
+        "auto",
         description="A pseudo-gradient based on a version more than this many versions old is "
-        "refused; fresher stale ones are down-weighted by 1/(1+lag).",
+        "refused (the learner pulls and goes on); 'auto': 4 x the job's islands, about four "
+        "rounds of work at quorum 1. Every fresher one is merged; staleness beyond one round of "
+        "work is discounted by (1 + excess rounds)^-1/2.",
     )
     mix_alpha: float = Field(
         0.0,
@@ -233,9 +237,9 @@ class SyncSpec(SpecModel):
     )
     scale_partial_merges: bool = Field(
         True,
-        description="Scale a merge carrying fewer than all active islands' work by the share it "
-        "carries (sum of inner steps / H / active islands), so K < M keeps the outer step per "
-        "unit of work of synchronous DiLoCo; false applies every merge at the full outer lr.",
+        description="Deprecated, ignored (kept so older manifests validate): every merge moves "
+        "the model by the share of a round of work it carries and the outer momentum is folded "
+        "once per round of work (Delayed Nesterov), whatever the quorum.",
     )
     heartbeat_timeout_seconds: float = Field(
         30, gt=0, le=3600, description="An island silent this long leaves the quorum."
@@ -257,9 +261,18 @@ class StopAfterSpec(SpecModel):
     """When the job is done (whichever comes first; neither means run forever)."""
 
     outer_steps: int | None = Field(
-        None, ge=1, description="Stop after this many outer steps (merges of fragment 0)."
+        None,
+        ge=1,
+        description="Stop after this many outer steps: rounds of work, one per islands x "
+        "inner.steps inner steps merged into every fragment (whatever the quorum; with every "
+        "island in every merge, the number of merges).",
     )
-    tokens: int | None = Field(None, ge=1, description="Stop after this many merged tokens.")
+    tokens: int | None = Field(
+        None,
+        ge=1,
+        description="Stop after this many tokens merged (every processed token is merged unless "
+        "its push is refused, e.g. older than sync.maxStaleness).",
+    )
 
 
 class CheckpointSpec(SpecModel):
@@ -347,6 +360,12 @@ class JobSpec(SpecModel):
         """Data shards across the whole job (all clusters)."""
         return self.islands.total_shards or (self.islands.shard_offset + self.islands.count)
 
+    def staleness_bound(self) -> int:
+        """sync.maxStaleness, 'auto' resolved: STALE_VERSIONS_PER_ISLAND x the job's islands."""
+        if self.sync.max_staleness == "auto":
+            return STALE_VERSIONS_PER_ISLAND * self.total_shards()
+        return self.sync.max_staleness
+
     def to_json(self) -> str:
         """The camelCase JSON the pods receive."""
         return json.dumps(self.model_dump(by_alias=True, mode="json"), sort_keys=True)
@@ -362,7 +381,9 @@ _UNION_TAGS = frozenset({"float", "int", "str", "bool", "dict", "list", "none"})
 
 
 def _is_union_tag(part: object) -> bool:
-    return isinstance(part, str) and ("[" in part or part in _UNION_TAGS)
+    return isinstance(part, str) and (
+        "[" in part or part in _UNION_TAGS or part.startswith("constrained-")
+    )
 
 
 def format_validation_error(err: ValidationError, prefix: str = "spec") -> str:

@@ -39,36 +39,6 @@ def contribution_weight(tokens: int, steps: int, rule: str) -> float:
     return float(tokens) * (float(tokens) / float(steps))
 
 
-def staleness_factor(lag: int, max_staleness: int) -> float:
-    """1/(1+lag) for a pseudo-gradient based on a version `lag` merges old; refuses lag > max."""
-    if lag < 0:
-        raise ValueError(f"staleness lag must be >= 0, got {lag}")
-    if lag > max_staleness:
-        raise ValueError(
-            f"pseudo-gradient is {lag} versions old, more than sync.maxStaleness ({max_staleness})"
-        )
-    return 1.0 / (1.0 + lag)
-
-
-def work_coverage(steps: Sequence[int], inner_steps: int, active_islands: int) -> float:
-    """Share of one full round's work that a merge carries: min(1, sum(steps/H) / active).
-
-    Synchronous DiLoCo applies one outer step per round of M islands x H inner steps. With K < M
-    and islands out of phase, merges come up to M/K times as often, each carrying fewer islands'
-    work; applying each at full outer learning rate multiplies the effective outer step by M/K
-    and diverges with Nesterov momentum. Scaling each merged pseudo-gradient by the work it
-    carries makes the outer steps of one round's work add up to one synchronous outer step
-    (and, with momentum, the same steady-state step per unit of work). With every island in the
-    merge the factor is 1: synchronous DiLoCo is unchanged.
-    """
-    if inner_steps < 1:
-        raise ValueError(f"inner.steps must be >= 1, got {inner_steps}")
-    if any(s < 0 for s in steps):
-        raise ValueError(f"inner steps must be >= 0, got {list(steps)}")
-    rounds = sum(s / inner_steps for s in steps)
-    return min(1.0, rounds / max(1, active_islands))
-
-
 def _check_inputs(
     deltas: Sequence[Mapping[str, Tensor]], weights: Sequence[float], rule: str
 ) -> tuple[list[str], list[float]]:

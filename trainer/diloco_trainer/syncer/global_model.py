@@ -3,7 +3,8 @@
 It holds the fp32 global weights (θ_exact, `weights`: what the outer optimizer steps), split
 into fragments by bytes, and the copy learners hold (θ_pub, `published`; the same tensors when
 sync.pullCompression is none). A merge (`merge_round`) combines one fragment's round of
-pseudo-gradients, applies the outer step to θ_exact and moves θ_pub towards it by one encoded
+pseudo-gradients as core/contributions.py plans it, applies the outer step (Delayed Nesterov
+folded per round of work, core/outer.py) to θ_exact and moves θ_pub towards it by one encoded
 update (see core/published.py).
 
 Synchronous and free of asyncio and HTTP: the service calls it while holding its lock, the heavy
@@ -21,13 +22,9 @@ from torch import nn
 
 from diloco_trainer.api.spec import ConfigError, JobSpec
 from diloco_trainer.core.compress import expected_encoded
+from diloco_trainer.core.contributions import Contributor, MergePlan, plan_merge
 from diloco_trainer.core.fragments import split_fragments
-from diloco_trainer.core.merge import (
-    contribution_weight,
-    merge_pseudo_gradients,
-    staleness_factor,
-    work_coverage,
-)
+from diloco_trainer.core.merge import merge_pseudo_gradients
 from diloco_trainer.core.outer import OuterOptimizer
 from diloco_trainer.core.published import WeightUpdate, publish_update
 from diloco_trainer.syncer import checkpoint as ckpt
@@ -56,8 +53,9 @@ def fragment_body_limit(expected: dict[str, torch.Size], codec: str) -> int:
 class MergeResult:
     """What one merge_round computed, for the merge log."""
 
-    raw: list[float]  # each contribution's weight before normalising
-    coverage: float  # the share of a full round the merge carries (1.0 unless scaled)
+    plan: MergePlan  # weights, scales, work, discounts and the work fraction φ
+    rounds: int  # the fragment's completed rounds of work after the merge
+    clock: float  # its rounds of work merged so far (rounds + the open round's fraction)
     update: WeightUpdate | None  # θ_pub's encoded update; None when θ_pub is θ_exact
 
 
@@ -75,7 +73,6 @@ class GlobalModel:
 
     def __init__(self, spec: JobSpec, model: nn.Module, plain_merge_names: frozenset[str]) -> None:
         self.rule = spec.sync.merge
-        self.scale_partial_merges = spec.sync.scale_partial_merges
         self.inner_steps = spec.inner.steps
         self.plain_merge_names = plain_merge_names
         model = model.float().cpu()  # in place: `model` keeps evaluating θ_exact
@@ -119,39 +116,38 @@ class GlobalModel:
         f: int,
         contributions: Sequence[Contribution],
         *,
-        max_staleness: int,
-        active_islands: int,
+        lags: Sequence[float],
+        islands: int,
         new_version: int,
     ) -> MergeResult:
-        """Merge fragment f's round into θ_exact and θ_pub: each contribution's weight (the merge
-        rule times its staleness factor), the weighted merge of the pseudo-gradients, scaled by
-        the round's work coverage when sync.scalePartialMerges is on, then the outer step on
-        θ_exact and θ_pub's update to `new_version`. Runs in a worker thread, lock held."""
-        raw = [
-            contribution_weight(c.tokens, c.steps, self.rule)
-            * staleness_factor(c.lag, max_staleness)
-            for c in contributions
-        ]
-        coverage = 1.0
-        if self.scale_partial_merges:
-            coverage = work_coverage(
-                [c.steps for c in contributions],
-                self.inner_steps,
-                active_islands,
-            )
-        merged = merge_pseudo_gradients(
-            [c.payload for c in contributions], raw, self.rule, self.plain_merge_names
+        """Merge fragment f's round into θ_exact and θ_pub: the plan (each contribution's weight,
+        scale to one round of work and staleness discount from its lag in rounds, `lags`; the
+        work fraction φ among `islands` islands), the weighted merge of the scaled
+        pseudo-gradients, the outer step carrying φ, and θ_pub's update to `new_version`. Runs in
+        a worker thread, lock held."""
+        plan = plan_merge(
+            [
+                Contributor(c.tokens, c.steps, lag)
+                for c, lag in zip(contributions, lags, strict=True)
+            ],
+            rule=self.rule,
+            inner_steps=self.inner_steps,
+            islands=islands,
         )
-        if coverage < 1.0:
-            for t in merged.values():
-                t.mul_(coverage)
-        self.outer.step(merged)
+        merged = merge_pseudo_gradients(
+            [c.payload for c in contributions],
+            plan.weights,
+            self.rule,
+            self.plain_merge_names,
+            scales=plan.scales,
+        )
+        self.outer.step(merged, plan.fraction, group=f)
         update = None
         if self.kept_apart:
             update = publish_update(
                 self.weights, self.published, self.fragments[f], self.pull_compression, new_version
             )
-        return MergeResult(raw=raw, coverage=coverage, update=update)
+        return MergeResult(plan, self.outer.rounds(f), self.outer.clock(f), update)
 
     # ----- digests, snapshots and checkpoints --------------------------------------------------
 
@@ -193,6 +189,12 @@ class GlobalModel:
                 for name, t in source.items():
                     self.published[name].copy_(t)
         self.outer.load_state_tensors(loaded.momentum)
+        progress = loaded.manifest.get("outerProgress")
+        if progress is None:  # written before rounds of work were counted: a merge was a round
+            for f, version in enumerate(loaded.manifest["versions"]):
+                self.outer.set_rounds(f, int(version))
+        else:
+            self.outer.load_progress(progress)
 
     def _check_fits(self, loaded: ckpt.Checkpoint) -> None:
         if loaded.manifest.get("fragments") != self.fragments:

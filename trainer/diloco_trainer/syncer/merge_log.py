@@ -1,7 +1,8 @@
 """What the syncer has merged: tokens per fragment, the learners' loss and the merge log.
 
 Every merge is logged (the status document's recent "merges" and state_dir/merges.jsonl) with its
-contributors, their lags and raw and normalised weights, so it can be reproduced.
+contributors (their lags in versions and rounds of work, work, staleness discount, vector scale,
+raw and normalised weights) and the work fraction it carried, so it can be reproduced.
 """
 
 from __future__ import annotations
@@ -51,8 +52,7 @@ class MergeLog:
     ) -> dict[str, Any]:
         """Count a merge of `fragment` (its round's `contributions`, now at `version`) and
         return its log entry."""
-        total = sum(result.raw)
-        shares = [w / total for w in result.raw]
+        plan = result.plan
         tokens = sum(c.tokens for c in contributions)
         self.fragment_tokens[fragment] += tokens
         losses = [(c.loss, c.tokens) for c in contributions if c.loss is not None]
@@ -68,12 +68,28 @@ class MergeLog:
             "quorum": quorum,
             "grace": grace,
             "rule": rule,
-            "coverage": result.coverage,
+            "fraction": plan.fraction,
+            "rounds": result.rounds,
             "tokens": tokens,
             "mergeSeconds": seconds,
             "contributors": [
-                {**c.log_entry(), "rawWeight": w, "weight": s}
-                for c, w, s in zip(contributions, result.raw, shares, strict=True)
+                {
+                    **c.log_entry(),
+                    "work": work,
+                    "discount": discount,
+                    "scale": scale,
+                    "rawWeight": raw,
+                    "weight": share,
+                }
+                for c, work, discount, scale, raw, share in zip(
+                    contributions,
+                    plan.work,
+                    plan.discounts,
+                    plan.scales,
+                    plan.weights,
+                    plan.shares,
+                    strict=True,
+                )
             ],
         }
         self.recent.append(entry)
@@ -107,5 +123,6 @@ def describe_merge(entry: dict[str, Any]) -> str:
     )
     return (
         f"merged fragment {entry['fragment']} -> version {entry['version']} (outer step "
-        f"{entry['outerStep']}, {entry['tokens']} tokens, {entry['mergeSeconds']:.3f}s): {parts}"
+        f"{entry['outerStep']}, {entry['fraction']:.3f} of a round, {entry['tokens']} tokens, "
+        f"{entry['mergeSeconds']:.3f}s): {parts}"
     )

@@ -14,6 +14,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from diloco_trainer.api.spec import JobSpec
+from diloco_trainer.core.fragments import fragment_offsets
+
 ACTIVE = "active"
 DROPPED = "dropped"
 TIMED_OUT = "timedOut"
@@ -145,3 +148,17 @@ class FragmentRound:
     pending: dict[str, Contribution] = field(default_factory=dict)
     first_push_at: float | None = None
     quorum_since: float | None = None
+
+
+def round_policy(spec: JobSpec, fragments: int) -> RoundPolicy:
+    """The round state machine's settings for a job split into `fragments`."""
+    grace = spec.sync.grace_seconds
+    return RoundPolicy(
+        quorum=spec.sync.quorum,
+        max_staleness=spec.staleness_bound(),
+        heartbeat_timeout=spec.sync.heartbeat_timeout_seconds,
+        grace_seconds=None if grace == "auto" else float(grace),
+        overlap_steps=spec.sync.overlap_steps,
+        inner_steps=spec.inner.steps,
+        offsets=tuple(fragment_offsets(spec.inner.steps, fragments)),
+    )

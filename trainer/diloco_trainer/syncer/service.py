@@ -3,7 +3,8 @@
 Each fragment runs rounds (rounds.py): pushes are validated against the model, collected per
 island (a newer push from an island replaces its pending one), and merged once a quorum has
 reported and the grace window has passed (or every active island has reported): the global model
-(global_model.py) merges the round and takes an outer Nesterov step on that fragment, version + 1,
+(global_model.py) merges the round and takes an outer step (Delayed Nesterov, folded per round of
+work) on that fragment, version + 1,
 the publisher (publisher.py) re-encodes the fragment and wakes long-polling pullers, the merge log
 (merge_log.py) records the merge so it can be reproduced, and evaluations and checkpoints run in
 the background (jobs.py). The HTTP edge is http.py, the process server.py.
@@ -35,7 +36,6 @@ from typing import Any
 
 from diloco_trainer.api import protocol
 from diloco_trainer.api.spec import JobSpec
-from diloco_trainer.core.fragments import fragment_offsets
 from diloco_trainer.models.parts import build_parts
 from diloco_trainer.syncer import checkpoint as ckpt
 from diloco_trainer.syncer import server
@@ -44,7 +44,8 @@ from diloco_trainer.syncer.jobs import BackgroundJobs, CheckpointSnapshot
 from diloco_trainer.syncer.merge_log import MergeLog, describe_merge
 from diloco_trainer.syncer.metrics import SyncerMetrics
 from diloco_trainer.syncer.publisher import BodyKey, Publisher
-from diloco_trainer.syncer.rounds import Refused, RoundPolicy, SyncState
+from diloco_trainer.syncer.records import round_policy
+from diloco_trainer.syncer.rounds import Refused, SyncState
 from diloco_trainer.syncer.validation import decode_push, push_contribution, read_push
 
 __all__ = ["Syncer", "main"]
@@ -53,20 +54,6 @@ log = logging.getLogger("diloco.syncer")
 
 # The merge scheduler re-checks timeouts at least this often.
 TICK_SECONDS = 0.5
-
-
-def round_policy(spec: JobSpec, fragments: int) -> RoundPolicy:
-    """The round state machine's settings for a job split into `fragments`."""
-    grace = spec.sync.grace_seconds
-    return RoundPolicy(
-        quorum=spec.sync.quorum,
-        max_staleness=spec.sync.max_staleness,
-        heartbeat_timeout=spec.sync.heartbeat_timeout_seconds,
-        grace_seconds=None if grace == "auto" else float(grace),
-        overlap_steps=spec.sync.overlap_steps,
-        inner_steps=spec.inner.steps,
-        offsets=tuple(fragment_offsets(spec.inner.steps, fragments)),
-    )
 
 
 class Syncer:
@@ -93,7 +80,7 @@ class Syncer:
         self.model = GlobalModel(spec, self.parts.model, self.parts.plain_merge_names)
         n = len(self.model.fragments)
         self.publisher = Publisher(
-            self.model, max_staleness=spec.sync.max_staleness, metrics=self.metrics
+            self.model, max_staleness=spec.staleness_bound(), metrics=self.metrics
         )
         self.state = SyncState(round_policy(spec, n), n)
         self.merge_log = MergeLog(n, state_dir)
@@ -132,7 +119,9 @@ class Syncer:
         if m.get("specHash") != self._spec_hash:
             log.warning("the job spec changed since checkpoint %s; resuming anyway", loaded.path)
         n = len(self.model.fragments)
-        self.state = SyncState(self.state.policy, n, versions=m["versions"])
+        rounds = [self.model.outer.rounds(f) for f in range(n)]
+        self.state = SyncState(self.state.policy, n, versions=m["versions"], rounds=rounds)
+        self.state.restore_clocks(m.get("workClocks", []))
         self.state.restore_islands(m.get("islands", {}), now=self.clock())
         self.state.restore_answers(m.get("pushAnswers", []))
         self.merge_log.restore(m)
@@ -421,13 +410,16 @@ class Syncer:
             self.model.merge_round,
             f,
             contributions,
-            max_staleness=self.state.policy.max_staleness,
-            active_islands=len(self.state.active_islands()),
+            lags=[self.state.lag_rounds(f, c.base_version) for c in contributions],
+            # M: the islands a round of work spans (active ones, and contributors since gone).
+            islands=len(self.state.active_islands() | {c.island for c in contributions}),
             new_version=self.state.versions[f] + 1,
         )
         self.publisher.record_update(f, result.update)
         seconds = time.perf_counter() - started
-        taken = self.state.take_round(f, now)
+        taken = self.state.take_round(
+            f, now, rounds=result.rounds, clock=result.clock, merge_seconds=seconds
+        )
         assert len(taken) == len(contributions) and all(
             a is b for a, b in zip(taken, contributions, strict=True)
         ), "a round changed while its merge ran (lock not held?)"
@@ -478,6 +470,8 @@ class Syncer:
             manifest={
                 "jobName": self.job_name,
                 "versions": self.state.versions,
+                "outerProgress": self.model.outer.progress_json(),
+                "workClocks": self.state.clocks_json(),
                 "fragments": self.model.fragments,
                 **self.merge_log.manifest(),
                 "initialEvalLoss": self.jobs.evaluations.initial_loss,
