@@ -5,6 +5,6 @@ the implementation lives in `diloco_trainer.models.parts` and `diloco_trainer.mo
 """
 
 from diloco_trainer.models.data import Batch, TokenStream
-from diloco_trainer.models.parts import TrainingParts, lm_loss
+from diloco_trainer.models.parts import TrainingParts, TrainStream, lm_loss
 
-__all__ = ["Batch", "TokenStream", "TrainingParts", "lm_loss"]
+__all__ = ["Batch", "TokenStream", "TrainStream", "TrainingParts", "lm_loss"]

@@ -413,5 +413,5 @@ def main(args: argparse.Namespace) -> int:
 
     note = final_weights_note(workdir / "syncer")  # the syncer's state dir (start_syncer)
     if note is not None:
-        console.print(note, markup=False, highlight=False)
+        console.print(note, markup=False, highlight=False, soft_wrap=True)
     return 0

@@ -12,6 +12,7 @@ import importlib
 import math
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -28,12 +29,19 @@ MIN_LR_RATIO = 0.1
 ADAMW_BETAS = (0.9, 0.95)  # the usual choice for transformer LMs (GPT-3, nanoGPT)
 
 
+class TrainStream(Protocol):
+    """What a learner asks of its train stream: the next batch, on every inner step (forever:
+    a stream that runs out of data starts another epoch itself). TokenStream is one."""
+
+    def next_batch(self) -> Batch: ...
+
+
 @dataclass
 class TrainingParts:
     """Everything model-specific that the learner, syncer and baseline need."""
 
     model: nn.Module
-    train: TokenStream | None  # None when built with with_train=False (e.g. the syncer)
+    train: TrainStream | None  # None when built with with_train=False (e.g. the syncer)
     eval_batches: list[Batch]
     loss_fn: LossFn
     # Parameters that RDA merges with the plain weighted mean (embedding tables).
