@@ -1,5 +1,5 @@
-"""The local control plane and the operator process for bench.operator_scale, and Prometheus
-text parsing.
+"""The Kubernetes side of bench.operator_scale: the local control plane, the operator process,
+a thin API client, a pod watch, and Prometheus text parsing.
 
 Both come from hack/localcluster/harness.py, which the cluster tests use too: the control plane
 is the one of that tier (etcd, kube-apiserver, controller-manager, scheduler and kwok fake nodes on
@@ -10,13 +10,20 @@ loopback, built from pinned sources: hack/README.md), and the operator runs as a
 from __future__ import annotations
 
 import re
+import threading
+import time
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
+
+from diloco_operator import api as op_api
 
 from bench.common import track
 from hack.localcluster.harness import (
     ControlPlane,
     OperatorProcess,
+    pod_ready,
+    ready_patch,
     standalone_operator_args,
     start_control_plane,
     stop_control_plane,
@@ -45,6 +52,88 @@ def operator_process(
         args=standalone_operator_args(namespaces),
         on_spawn=track,
     )
+
+
+class Api:
+    """Thin wrapper over the kubernetes client for what this benchmark does."""
+
+    def __init__(self, cluster: ControlPlane) -> None:
+        from kubernetes import client
+        from kubernetes.dynamic import DynamicClient
+
+        self.api_client = cluster.api_client()
+        self.core = client.CoreV1Api(self.api_client)
+        self.apps = client.AppsV1Api(self.api_client)
+        self.custom = client.CustomObjectsApi(self.api_client)
+        self.dynamic = DynamicClient(self.api_client)
+
+    def namespace(self, name: str) -> None:
+        self.core.create_namespace({"metadata": {"name": name}})
+
+    def create_job(self, ns: str, body: dict[str, Any]) -> dict[str, Any]:
+        return self.custom.create_namespaced_custom_object(
+            op_api.GROUP, op_api.VERSION, ns, op_api.PLURAL, body
+        )
+
+    def get_job(self, ns: str, name: str) -> dict[str, Any]:
+        return self.custom.get_namespaced_custom_object(
+            op_api.GROUP, op_api.VERSION, ns, op_api.PLURAL, name
+        )
+
+    def create(self, ns: str, obj: dict[str, Any]) -> None:
+        res = self.dynamic.resources.get(api_version=obj["apiVersion"], kind=obj["kind"])
+        res.create(body=obj, namespace=ns)
+
+    def present(self, ns: str, selector: str = "") -> set[tuple[str, str]]:
+        """(kind, name) of every child-kind object in ns (optionally by label selector)."""
+        out: set[tuple[str, str]] = set()
+        lists = {
+            "ConfigMap": self.core.list_namespaced_config_map,
+            "Secret": self.core.list_namespaced_secret,
+            "Service": self.core.list_namespaced_service,
+            "Deployment": self.apps.list_namespaced_deployment,
+            "StatefulSet": self.apps.list_namespaced_stateful_set,
+        }
+        for kind, fn in lists.items():
+            for item in fn(ns, label_selector=selector).items:
+                out.add((kind, item.metadata.name))
+        return out
+
+
+def set_ready(k: Api, ns: str, pod: str, ready: bool) -> None:
+    k.core.patch_namespaced_pod_status(pod, ns, ready_patch(ready))
+
+
+class PodWatch:
+    """Records when this process's own watch sees a pod's Ready condition change."""
+
+    def __init__(self, k: Api, ns: str, pod: str) -> None:
+        from kubernetes import watch
+
+        self.k, self.ns, self.pod = k, ns, pod
+        self.events: list[tuple[float, bool]] = []
+        self._watch = watch.Watch()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        for ev in self._watch.stream(
+            self.k.core.list_namespaced_pod,
+            self.ns,
+            field_selector=f"metadata.name={self.pod}",
+            timeout_seconds=600,
+        ):
+            ready = pod_ready(self.k.api_client.sanitize_for_serialization(ev["object"]))
+            self.events.append((time.perf_counter(), ready))
+
+    def first_after(self, t0: float, ready: bool) -> float | None:
+        for t, r in self.events:
+            if t >= t0 and r == ready:
+                return t
+        return None
+
+    def stop(self) -> None:
+        self._watch.stop()
 
 
 def metric_value(text: str, name: str, labels: str = "") -> float:

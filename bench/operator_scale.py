@@ -24,6 +24,7 @@ hack/localcluster/harness.py like the cluster tests do. Run it from the reposito
 
 from __future__ import annotations
 
+import argparse
 import json
 import statistics
 import threading
@@ -55,34 +56,23 @@ from bench.common import (
     workdir,
 )
 from bench.kube_cluster import (
+    Api,
+    PodWatch,
     histogram_buckets,
     histogram_quantile,
     metric_value,
     operator_process,
+    set_ready,
     start_cluster,
     stop_cluster,
 )
-from hack.localcluster.harness import (
-    ControlPlane,
-    OperatorProcess,
-    condition_status,
-    islands_ready,
-    pod_ready,
-    ready_patch,
-)
+from hack.localcluster.harness import OperatorProcess, condition_status, islands_ready
 
 TRAINING: dict[str, Any] = {
     "model": {"preset": "gpt-tiny", "seed": 0},
     "data": {"evalTokens": 2048},
     "inner": {"steps": 4, "batchSize": 2, "seqLen": 32, "lr": 1e-3},
     "sync": {"quorum": 1, "graceSeconds": "0.2", "heartbeatTimeoutSeconds": 60},
-}
-KINDS = {  # kind -> (api group/version for the dynamic client)
-    "ConfigMap": "v1",
-    "Secret": "v1",
-    "Service": "v1",
-    "Deployment": "apps/v1",
-    "StatefulSet": "apps/v1",
 }
 
 
@@ -107,52 +97,6 @@ def pct(values: Sequence[float], q: float) -> float:
         return float("nan")
     s = sorted(values)
     return s[min(len(s) - 1, max(0, round(q * len(s) + 0.5) - 1))]
-
-
-class Api:
-    """Thin wrapper over the kubernetes client for what this benchmark does."""
-
-    def __init__(self, cluster: ControlPlane) -> None:
-        from kubernetes import client
-        from kubernetes.dynamic import DynamicClient
-
-        self.api_client = cluster.api_client()
-        self.core = client.CoreV1Api(self.api_client)
-        self.apps = client.AppsV1Api(self.api_client)
-        self.custom = client.CustomObjectsApi(self.api_client)
-        self.dynamic = DynamicClient(self.api_client)
-
-    def namespace(self, name: str) -> None:
-        self.core.create_namespace({"metadata": {"name": name}})
-
-    def create_job(self, ns: str, body: dict[str, Any]) -> dict[str, Any]:
-        return self.custom.create_namespaced_custom_object(
-            op_api.GROUP, op_api.VERSION, ns, op_api.PLURAL, body
-        )
-
-    def get_job(self, ns: str, name: str) -> dict[str, Any]:
-        return self.custom.get_namespaced_custom_object(
-            op_api.GROUP, op_api.VERSION, ns, op_api.PLURAL, name
-        )
-
-    def create(self, ns: str, obj: dict[str, Any]) -> None:
-        res = self.dynamic.resources.get(api_version=obj["apiVersion"], kind=obj["kind"])
-        res.create(body=obj, namespace=ns)
-
-    def present(self, ns: str, selector: str = "") -> set[tuple[str, str]]:
-        """(kind, name) of every child-kind object in ns (optionally by label selector)."""
-        out: set[tuple[str, str]] = set()
-        lists = {
-            "ConfigMap": self.core.list_namespaced_config_map,
-            "Secret": self.core.list_namespaced_secret,
-            "Service": self.core.list_namespaced_service,
-            "Deployment": self.apps.list_namespaced_deployment,
-            "StatefulSet": self.apps.list_namespaced_stateful_set,
-        }
-        for kind, fn in lists.items():
-            for item in fn(ns, label_selector=selector).items:
-                out.add((kind, item.metadata.name))
-        return out
 
 
 def expected_children(body: dict[str, Any]) -> set[tuple[str, str]]:
@@ -238,42 +182,6 @@ class SyncerForDrop:
         t0 = time.perf_counter()
         self._request("PUT", "/v1/islands/bench-probe", {"state": "active", "reason": "bench"})
         return time.perf_counter() - t0
-
-
-def set_ready(k: Api, ns: str, pod: str, ready: bool) -> None:
-    k.core.patch_namespaced_pod_status(pod, ns, ready_patch(ready))
-
-
-class PodWatch:
-    """Records when this process's own watch sees a pod's Ready condition change."""
-
-    def __init__(self, k: Api, ns: str, pod: str) -> None:
-        from kubernetes import watch
-
-        self.k, self.ns, self.pod = k, ns, pod
-        self.events: list[tuple[float, bool]] = []
-        self._watch = watch.Watch()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-        self._thread.start()
-
-    def _run(self) -> None:
-        for ev in self._watch.stream(
-            self.k.core.list_namespaced_pod,
-            self.ns,
-            field_selector=f"metadata.name={self.pod}",
-            timeout_seconds=600,
-        ):
-            ready = pod_ready(self.k.api_client.sanitize_for_serialization(ev["object"]))
-            self.events.append((time.perf_counter(), ready))
-
-    def first_after(self, t0: float, ready: bool) -> float | None:
-        for t, r in self.events:
-            if t >= t0 and r == ready:
-                return t
-        return None
-
-    def stop(self) -> None:
-        self._watch.stop()
 
 
 def measure_drop(k: Api, ns: str, wd: Path, repeats: int) -> dict[str, Any]:
@@ -412,6 +320,130 @@ def measure_load(
     }
 
 
+def measure(args: argparse.Namespace, wd: Path, nodes: int) -> dict[str, Any]:
+    """Start the control plane and the operator, take the measurements not skipped, stop both."""
+    print(f"starting the local control plane ({nodes} kwok nodes)", flush=True)
+    t0 = time.perf_counter()
+    cluster = start_cluster(wd / "cluster", nodes, wd / "local-cluster.log")
+    out: dict[str, Any] = {"up_s": time.perf_counter() - t0}
+    op: OperatorProcess | None = None
+    try:
+        cluster.install_crd(timeout="60s")
+        k = Api(cluster)
+        for ns in ("bench-apply", "bench-base", "bench-drop", "bench-load"):
+            k.namespace(ns)
+        op = operator_process(
+            cluster, ["bench-apply", "bench-drop", "bench-load"], wd / "operator.log"
+        )
+        op.start(timeout=120)
+        if "apply" not in args.skip:
+            print("1. apply -> children", flush=True)
+            out["apply"] = measure_apply(
+                k, "bench-apply", "bench-base", args.repeats, args.apply_islands
+            )
+        if "drop" not in args.skip:
+            print("2. pod NotReady -> syncer drop", flush=True)
+            out["drop"] = measure_drop(k, "bench-drop", wd / "drop", args.repeats)
+        if "load" not in args.skip:
+            print(f"3. load: {args.load_jobs} jobs x {args.load_islands} islands", flush=True)
+            out["load"] = measure_load(
+                k, op, "bench-load", args.load_jobs, args.load_islands, args.load_deadline
+            )
+    finally:
+        if op is not None:
+            op.stop()
+        stop_cluster(cluster)
+    return out
+
+
+def apply_table(args: argparse.Namespace, apply: dict[str, Any], targets: Table) -> Table:
+    t = Table(
+        f"Apply -> all children ({args.apply_islands} islands x 2 replicas: "
+        f"{apply['children']} children), {args.repeats} jobs",
+        ["path", "median", "p95", "max", "median vs direct"],
+    )
+    med_direct = statistics.median(apply["direct"])
+    for label, xs in (("operator (create job -> children)", apply["operator"]),
+                      ("direct API creates (baseline)", apply["direct"])):  # fmt: skip
+        t.add(
+            label,
+            f"{statistics.median(xs):.3f}s",
+            f"{pct(xs, 0.95):.3f}s",
+            f"{max(xs):.3f}s",
+            fmt_ratio(ratio(statistics.median(xs), med_direct), 2),
+        )
+    worst = max(apply["operator"])
+    targets.add(
+        "job applied -> all children created < 2 s", f"max {worst:.2f}s", verdict(worst < 2)
+    )
+    return t
+
+
+def drop_table(args: argparse.Namespace, drop: dict[str, Any], targets: Table) -> Table:
+    t = Table(
+        f"Pod NotReady -> island dropped at the syncer ({args.repeats} times)",
+        ["what", "median", "max", "median vs baseline"],
+    )
+    base = statistics.median(drop["watch"] or [float("nan")]) + statistics.median(drop["admin"])
+    for label, xs in (
+        ("pod NotReady -> syncer drop", drop["drop"]),
+        ("pod Ready -> syncer re-add", drop["readd"]),
+        ("baseline: own watch sees the pod + one admin call", [base]),
+    ):
+        t.add(label, f"{statistics.median(xs):.3f}s", f"{max(xs):.3f}s",
+              fmt_ratio(ratio(statistics.median(xs), base), 1))  # fmt: skip
+    worst = max(drop["drop"])
+    targets.add("island failure -> syncer drop < 5 s", f"max {worst:.2f}s", verdict(worst < 5))
+    return t
+
+
+def load_table(
+    args: argparse.Namespace, loaded: dict[str, Any], unloaded: float, nodes: int, targets: Table
+) -> Table:
+    lat = loaded["latencies"]
+    t = Table(
+        f"Load: {loaded['jobs']} jobs x {args.load_islands} islands on kwok ({nodes} nodes)",
+        ["figure", "value"],
+    )
+    t.add("jobs with all children", f"{loaded['done']} / {loaded['jobs']}")
+    t.add("time to create the jobs (API calls)", f"{loaded['create_seconds']:.1f}s")
+    t.add("time until every job had all children", f"{loaded['all_children_seconds']:.1f}s")
+    for q in (0.5, 0.95, 0.99):
+        v = pct(lat, q)
+        t.add(
+            f"create -> children, p{round(q * 100)}",
+            f"{v:.2f}s ({fmt_ratio(ratio(v, unloaded), 1)} the unloaded median)",
+        )
+    for q in ("p50", "p95", "p99"):
+        v = loaded["reconcile_" + q]
+        shown = f"{v:.3f}s" if v != float("inf") else f"> {loaded['reconcile_top']:g}s (top bucket)"
+        t.add(f"operator reconcile time {q} during the load (its histogram)", shown)
+    t.add("reconciles during the load", f"{loaded['reconciles']:.0f}")
+    t.add("reconciles that failed (during the load)", f"{loaded['reconcile_errors']:.0f}")
+    t.add("operator errors_total (during the load)", f"{loaded['errors_total']:.0f}")
+    t.add(
+        "ERROR lines / tracebacks in the operator log during the load",
+        f"{loaded['log_errors']} / {loaded['log_tracebacks']}",
+    )
+    t.add(
+        "syncer unreachable (no syncer runs on kwok: expected)",
+        f"{loaded['syncer_unreachable']:.0f}",
+    )
+    t.add(
+        "operator RSS: idle -> peak",
+        f"{fmt_bytes(loaded['idle_rss'])} -> {fmt_bytes(loaded['peak_rss'])} "
+        f"({fmt_ratio(ratio(loaded['peak_rss'], loaded['idle_rss']), 2)})",
+    )
+    ok = loaded["done"] == loaded["jobs"] and loaded["reconcile_errors"] == 0
+    targets.add(
+        f"{loaded['jobs']} jobs x {args.load_islands} islands reconciled without errors",
+        f"{loaded['done']}/{loaded['jobs']} complete, {loaded['reconcile_errors']:.0f} failed "
+        "reconciles",
+        verdict(ok),
+    )
+    return t
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     p = base_parser(__doc__ or "")
     p.add_argument("--repeats", type=int, default=5, help="apply and drop measurements")
@@ -426,127 +458,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     pods = args.load_jobs * (args.load_islands + 1) + 2 * args.repeats * args.apply_islands + 8
     nodes = args.nodes or max(4, -(-pods // 100))  # kwok nodes take 110 pods each
     with LoadMonitor() as load, workdir(args.workdir, "operator") as wd:
-        print(f"starting the local control plane ({nodes} kwok nodes)", flush=True)
-        t0 = time.perf_counter()
-        cluster = start_cluster(wd / "cluster", nodes, wd / "local-cluster.log")
-        up_s = time.perf_counter() - t0
-        op: OperatorProcess | None = None
-        try:
-            cluster.install_crd(timeout="60s")
-            k = Api(cluster)
-            for ns in ("bench-apply", "bench-base", "bench-drop", "bench-load"):
-                k.namespace(ns)
-            op = operator_process(
-                cluster, ["bench-apply", "bench-drop", "bench-load"], wd / "operator.log"
-            )
-            op.start(timeout=120)
-            apply = drop = loaded = None
-            if "apply" not in args.skip:
-                print("1. apply -> children", flush=True)
-                apply = measure_apply(
-                    k, "bench-apply", "bench-base", args.repeats, args.apply_islands
-                )
-            if "drop" not in args.skip:
-                print("2. pod NotReady -> syncer drop", flush=True)
-                drop = measure_drop(k, "bench-drop", wd / "drop", args.repeats)
-            if "load" not in args.skip:
-                print(f"3. load: {args.load_jobs} jobs x {args.load_islands} islands", flush=True)
-                loaded = measure_load(
-                    k, op, "bench-load", args.load_jobs, args.load_islands, args.load_deadline
-                )
-        finally:
-            if op is not None:
-                op.stop()
-            stop_cluster(cluster)
+        got = measure(args, wd, nodes)
+    apply, drop, loaded = got.get("apply"), got.get("drop"), got.get("load")
 
     tables = []
     targets = Table("Targets", ["target", "figure", "verdict"])
     if apply:
-        t = Table(
-            f"Apply -> all children ({args.apply_islands} islands x 2 replicas: "
-            f"{apply['children']} children), {args.repeats} jobs",
-            ["path", "median", "p95", "max", "median vs direct"],
-        )
-        med_direct = statistics.median(apply["direct"])
-        for label, xs in (("operator (create job -> children)", apply["operator"]),
-                          ("direct API creates (baseline)", apply["direct"])):  # fmt: skip
-            t.add(
-                label,
-                f"{statistics.median(xs):.3f}s",
-                f"{pct(xs, 0.95):.3f}s",
-                f"{max(xs):.3f}s",
-                fmt_ratio(ratio(statistics.median(xs), med_direct), 2),
-            )
-        tables.append(t)
-        worst = max(apply["operator"])
-        targets.add(
-            "job applied -> all children created < 2 s", f"max {worst:.2f}s", verdict(worst < 2)
-        )
+        tables.append(apply_table(args, apply, targets))
     if drop:
-        t = Table(
-            f"Pod NotReady -> island dropped at the syncer ({args.repeats} times)",
-            ["what", "median", "max", "median vs baseline"],
-        )
-        base = statistics.median(drop["watch"] or [float("nan")]) + statistics.median(drop["admin"])
-        for label, xs in (
-            ("pod NotReady -> syncer drop", drop["drop"]),
-            ("pod Ready -> syncer re-add", drop["readd"]),
-            ("baseline: own watch sees the pod + one admin call", [base]),
-        ):
-            t.add(label, f"{statistics.median(xs):.3f}s", f"{max(xs):.3f}s",
-                  fmt_ratio(ratio(statistics.median(xs), base), 1))  # fmt: skip
-        tables.append(t)
-        worst = max(drop["drop"])
-        targets.add("island failure -> syncer drop < 5 s", f"max {worst:.2f}s", verdict(worst < 5))
+        tables.append(drop_table(args, drop, targets))
     if loaded:
-        lat = loaded["latencies"]
         unloaded = statistics.median(apply["operator"]) if apply else float("nan")
-        t = Table(
-            f"Load: {loaded['jobs']} jobs x {args.load_islands} islands on kwok ({nodes} nodes)",
-            ["figure", "value"],
-        )
-        t.add("jobs with all children", f"{loaded['done']} / {loaded['jobs']}")
-        t.add("time to create the jobs (API calls)", f"{loaded['create_seconds']:.1f}s")
-        t.add("time until every job had all children", f"{loaded['all_children_seconds']:.1f}s")
-        for q in (0.5, 0.95, 0.99):
-            v = pct(lat, q)
-            t.add(
-                f"create -> children, p{round(q * 100)}",
-                f"{v:.2f}s ({fmt_ratio(ratio(v, unloaded), 1)} the unloaded median)",
-            )
-        for q in ("p50", "p95", "p99"):
-            v = loaded["reconcile_" + q]
-            shown = (
-                f"{v:.3f}s" if v != float("inf") else f"> {loaded['reconcile_top']:g}s (top bucket)"
-            )
-            t.add(f"operator reconcile time {q} during the load (its histogram)", shown)
-        t.add("reconciles during the load", f"{loaded['reconciles']:.0f}")
-        t.add("reconciles that failed (during the load)", f"{loaded['reconcile_errors']:.0f}")
-        t.add("operator errors_total (during the load)", f"{loaded['errors_total']:.0f}")
-        t.add(
-            "ERROR lines / tracebacks in the operator log during the load",
-            f"{loaded['log_errors']} / {loaded['log_tracebacks']}",
-        )
-        t.add(
-            "syncer unreachable (no syncer runs on kwok: expected)",
-            f"{loaded['syncer_unreachable']:.0f}",
-        )
-        t.add(
-            "operator RSS: idle -> peak",
-            f"{fmt_bytes(loaded['idle_rss'])} -> {fmt_bytes(loaded['peak_rss'])} "
-            f"({fmt_ratio(ratio(loaded['peak_rss'], loaded['idle_rss']), 2)})",
-        )
-        tables.append(t)
-        ok = loaded["done"] == loaded["jobs"] and loaded["reconcile_errors"] == 0
-        targets.add(
-            f"{loaded['jobs']} jobs x {args.load_islands} islands reconciled without errors",
-            f"{loaded['done']}/{loaded['jobs']} complete, {loaded['reconcile_errors']:.0f} failed "
-            "reconciles",
-            verdict(ok),
-        )
+        tables.append(load_table(args, loaded, unloaded, nodes, targets))
     tables.append(targets)
     notes = [
-        f"Control plane: hack/local-cluster with {nodes} kwok nodes; `up` took {up_s:.0f}s.",
+        f"Control plane: hack/local-cluster with {nodes} kwok nodes; `up` took {got['up_s']:.0f}s.",
         "Times are polled (20 ms for apply, 10 ms for the syncer state), so they carry up to one "
         "poll interval plus one API round trip of measurement error.",
         "The load test's jobs run their syncer in-cluster (kwok: no containers), so the operator's "
