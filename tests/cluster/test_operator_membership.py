@@ -27,7 +27,7 @@ from .operator_fixtures import (  # noqa: F401
 pytestmark = pytest.mark.cluster
 
 # Deadlines for the operator to act: generous, for a loaded 2-core machine (waits end as soon as
-# their condition holds). How fast a drop reaches the syncer is measured by bench/operator.py.
+# their condition holds). How fast a drop reaches the syncer is measured by bench/operator_scale.py.
 WAIT = 180
 
 
