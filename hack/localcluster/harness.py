@@ -28,7 +28,7 @@ import uuid
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from .objects import condition_status, pod_ready
 from .operator_process import (
@@ -71,6 +71,8 @@ LOCAL_CLUSTER = ENTRY_POINT
 CRD_FILE = REPO_ROOT / "crds" / "dilocojob.yaml"
 KUBECTL_TIMEOUT = 120.0
 
+PodT = TypeVar("PodT", bound=Mapping[str, Any])
+
 
 class ClusterStartError(AssertionError):
     """hack/local-cluster up failed; the message quotes its summary."""
@@ -90,7 +92,7 @@ class KubectlError(AssertionError):
 # ----------------------------------------------------------------------------------- readiness
 
 
-def ready_pods(pods: Iterable[Mapping[str, Any]]) -> list[Mapping[str, Any]]:
+def ready_pods(pods: Iterable[PodT]) -> list[PodT]:
     """The pods whose Ready condition is True."""
     return [p for p in pods if pod_ready(p)]
 
@@ -296,12 +298,14 @@ def start_control_plane(
     attempts: int | None = None,
     timeout: float | None = None,
     bin_dir: Path | None = None,
+    log: Path | None = None,
 ) -> tuple[ControlPlane, list[str]]:
     """`hack/local-cluster up` in `directory` (options left out: its defaults), owned by this
     process (it stops itself when this process dies): the cluster, and one line per failed
     attempt that `up` retried. Raises ClusterStartError quoting `up`'s summary.
 
     `bin_dir`: use these binaries (DILOCO_K8S_BIN_DIR) rather than have `up` build them.
+    `log`: a file that `up`'s progress lines (its stderr) are appended to.
     """
     env = {**os.environ, "DILOCO_K8S_BIN_DIR": str(bin_dir)} if bin_dir else None
     up = ["up", "--dir", str(directory), "--owner-pid", str(os.getpid())]
@@ -315,6 +319,9 @@ def start_control_plane(
         result = run_local_cluster(*up, env=env, timeout=limit)
     except subprocess.TimeoutExpired:
         result = None
+    if log is not None and result is not None:
+        with log.open("a") as f:
+            f.write(result.stderr)
     if result is None or result.returncode != 0:
         # Normally a no-op: `up` stops what it started; not so if it had to be killed.
         run_local_cluster("down", "--keep-logs", "--dir", str(directory))
