@@ -17,12 +17,15 @@ from diloco_trainer.learner.schedule import (
 
 
 def status(*merges: dict[str, Any], now: float = 100.0) -> dict[str, Any]:
+    # We are island-2 at 0.1 s/step: island-1 is a leader (sorts first, 0.12 s/step), island-3
+    # follows us, island-0 is a 3x straggler.
     return {
         "time": now,
         "islands": {
-            "a": {"stepTime": 0.1},
-            "b": {"stepTime": 0.12},
-            "slow": {"stepTime": 0.3},
+            "island-0": {"stepTime": 0.3},
+            "island-1": {"stepTime": 0.12},
+            "island-2": {"stepTime": 0.1},
+            "island-3": {"stepTime": 0.1},
         },
         "merges": list(merges),
     }
@@ -39,72 +42,82 @@ def merge(fragment: int, version: int, time: float, *islands: str) -> dict[str, 
 
 def lateness(doc: dict[str, Any], **kw: Any) -> float | None:
     args = dict(
-        fragment=0, island="a", base_version=4, accepted_version=6, pushed_ago=0.5, step_time=0.1
+        fragment=0,
+        island="island-2",
+        base_version=4,
+        accepted_version=6,
+        pushed_ago=0.5,
+        step_time=0.1,
     )
     args.update(kw)
     return merge_lateness(doc, **args)
 
 
-def test_merge_lateness_is_push_time_minus_the_latest_peer_merge_time() -> None:
-    # Pushed at 100 - 0.5 = 99.5; b (0.12 s/step, within 1.5x of 0.1) merged version 5 at 98.
-    assert lateness(status(merge(0, 5, 98.0, "b"))) == pytest.approx(1.5)
+def test_merge_lateness_is_push_time_minus_the_latest_leader_merge_time() -> None:
+    # Pushed at 100 - 0.5 = 99.5; island-1 merged version 5 at 98.
+    assert lateness(status(merge(0, 5, 98.0, "island-1"))) == pytest.approx(1.5)
 
 
-def test_merge_lateness_takes_the_latest_of_several_peer_merges() -> None:
-    doc = status(merge(0, 5, 97.0, "b"), merge(0, 6, 99.0, "b"))
+def test_merge_lateness_takes_the_latest_of_several_leader_merges() -> None:
+    doc = status(merge(0, 5, 97.0, "island-1"), merge(0, 6, 99.0, "island-1"))
     assert lateness(doc) == pytest.approx(0.5)
 
 
-def test_merge_lateness_ignores_stragglers_other_fragments_own_and_old_merges() -> None:
+def test_merge_lateness_ignores_followers_stragglers_other_fragments_own_and_old_merges() -> None:
     doc = status(
-        merge(0, 6, 99.0, "slow"),  # 3x slower: never in phase with us
-        merge(1, 6, 99.2, "b"),  # another fragment
-        merge(0, 4, 90.0, "b"),  # at or before our base version
-        merge(0, 7, 99.4, "b"),  # after the version our push went in at
-        merge(0, 5, 98.0, "a", "b"),  # we were part of it
+        merge(0, 6, 99.0, "island-3"),  # sorts after us: it aligns to us, not we to it
+        merge(0, 6, 99.0, "island-0"),  # 3x slower: never in phase with us
+        merge(1, 6, 99.2, "island-1"),  # another fragment
+        merge(0, 4, 90.0, "island-1"),  # at or before our base version
+        merge(0, 7, 99.4, "island-1"),  # after the version our push went in at
+        merge(0, 5, 98.0, "island-2", "island-1"),  # we were part of it
     )
     assert lateness(doc) is None
 
 
-def test_merge_lateness_counts_a_merge_with_one_peer_among_stragglers() -> None:
-    assert lateness(status(merge(0, 5, 99.0, "slow", "b"))) == pytest.approx(0.5)
+def test_merge_lateness_counts_a_merge_with_one_leader_among_others() -> None:
+    assert lateness(status(merge(0, 5, 99.0, "island-0", "island-1"))) == pytest.approx(0.5)
 
 
 def test_merge_lateness_none_without_merges_between_base_and_push() -> None:
-    assert lateness(status(merge(0, 5, 98.0, "b")), accepted_version=4) is None
+    assert lateness(status(merge(0, 5, 98.0, "island-1")), accepted_version=4) is None
 
 
-def test_phase_shift_late_island_advances_by_half_its_lateness() -> None:
-    # H = 30 at 0.1 s/step: a round is 3 s. 1 s late -> advance 1 / (2 * 0.1) = 5 steps.
-    assert phase_shift(1.0, inner_steps=30, step_time=0.1) == -5
+def test_merge_lateness_none_for_the_first_island_in_the_order() -> None:
+    doc = status(merge(0, 5, 98.0, "island-1"))
+    assert lateness(doc, island="island-0", step_time=0.12) is None
+
+
+def test_phase_shift_late_island_advances_by_its_lateness() -> None:
+    # H = 30 at 0.1 s/step: a round is 3 s. 0.5 s late -> advance 5 steps.
+    assert phase_shift(0.5, inner_steps=30, step_time=0.1) == -5
 
 
 def test_phase_shift_wraps_into_half_a_round_and_delays_an_early_island() -> None:
-    # 2.6 s after their merge is 0.4 s before their next one: delay 0.4 / 0.2 = 2 steps.
-    assert phase_shift(2.6, inner_steps=30, step_time=0.1) == 2
-    assert phase_shift(100 * 3.0 + 1.0, inner_steps=30, step_time=0.1) == -5
+    # 2.6 s after the leader's merge is 0.4 s before its next one: delay 4 steps.
+    assert phase_shift(2.6, inner_steps=30, step_time=0.1) == 4
+    assert phase_shift(100 * 3.0 + 0.5, inner_steps=30, step_time=0.1) == -5
 
 
 def test_phase_shift_is_capped_at_a_quarter_round() -> None:
-    assert phase_shift(1.45, inner_steps=30, step_time=0.1) == -7  # 7.25 -> 7
-    assert phase_shift(-1.45, inner_steps=30, step_time=0.1) == 7
+    assert phase_shift(1.0, inner_steps=30, step_time=0.1) == -7
+    assert phase_shift(-1.0, inner_steps=30, step_time=0.1) == 7
 
 
 def test_phase_shift_zero_under_half_a_step_or_without_timings() -> None:
-    assert phase_shift(0.05, inner_steps=30, step_time=0.1) == 0
-    assert phase_shift(1.0, inner_steps=30, step_time=0.0) == 0
+    assert phase_shift(0.04, inner_steps=30, step_time=0.1) == 0
+    assert phase_shift(0.5, inner_steps=30, step_time=0.0) == 0
     assert phase_shift(float("nan"), inner_steps=30, step_time=0.1) == 0
 
 
-def test_phase_shifts_of_two_islands_close_their_gap() -> None:
-    """b pushed at 0 and merged alone at g = 0.2 s; a pushed δ = 0.8 s later and merged alone
-    at 1.0 s. Each learns of the other's merge: a is late by 0.6 s, b's next push (3.0 s) comes
-    2.0 s after a's merge. Their shifts together move them δ closer: in phase."""
-    step, h, delta, g = 0.1, 30, 0.8, 0.2
-    shift_a = phase_shift(delta - g, inner_steps=h, step_time=step)
-    shift_b = phase_shift(h * step - (delta + g), inner_steps=h, step_time=step)
-    assert (shift_a, shift_b) == (-3, 5)
-    assert (shift_b - shift_a) * step == pytest.approx(delta)
+def test_phase_shift_puts_a_follower_on_its_leaders_schedule() -> None:
+    """The leader pushed at 0 and merged alone at 0.2 s; the follower pushed at 0.6 s. It moves
+    its next push 4 steps (0.4 s) earlier: onto the leader's merge of the next round."""
+    step, h = 0.1, 30
+    shift = phase_shift(0.6 - 0.2, inner_steps=h, step_time=step)
+    assert shift == -4
+    next_push = 0.6 + h * step + shift * step
+    assert next_push == pytest.approx(0.2 + h * step)
 
 
 def test_schedule_positions_one_per_step_none_while_delaying_two_while_advancing() -> None:

@@ -297,14 +297,14 @@ class FragmentSync:
         return self.spec.sync.mix_alpha
 
     def _align(self, f: int, lateness: float | None) -> None:
-        """Start moving the schedule towards the peers' phase (one shift at a time)."""
+        """Start moving the schedule onto the leader's phase (one shift at a time)."""
         if lateness is None or self.phase_pending:
             return
         shift = phase_shift(lateness, inner_steps=self.spec.inner.steps, step_time=self.step_time)
         if shift:
             self.phase_pending = shift
             log.info(
-                "fragment %d: pushed %.2fs after a merge of peers; %s the schedule by %d step(s)",
+                "fragment %d: pushed %.2fs after a leader's merge; %s the schedule by %d step(s)",
                 f,
                 lateness,
                 "delaying" if shift > 0 else "advancing",

@@ -134,18 +134,22 @@ def schedule_start(versions: Sequence[int], inner_steps: int, offsets: Sequence[
 # their work (at K < M a lone push opens a merge of its own, and at K = 1 two islands a fraction of
 # a second apart never meet again: every merge is one island's). Start-up skew is never absorbed by
 # itself, because each island times its pushes by its own step count. So a learner that learns of
-# a merge of a fragment it was not part of, by islands at about its own speed, between the version
-# it last received and its push, moves its schedule towards theirs:
+# a merge of a fragment it was not part of, between the version it last received and its push,
+# made by a *leader* (an island at about its own speed whose name sorts before its own), moves its
+# schedule onto the leader's:
 #
-#   x = (its push time − that merge's time), wrapped into (−R/2, R/2] with R = H · step time
-#   (x > 0: it pushed after them; x < 0: it is early for their next merge),
-#   shift = −x / 2 in steps, at most H/4 (positive: delay, negative: advance).
+#   x = (its push time − that merge's time), wrapped into [−R/2, R/2) with R = H · step time
+#   (x > 0: it pushed after the leader; x < 0: it is early for the leader's next merge),
+#   shift = −x in steps, at most H/4 per round (positive: delay, negative: advance).
 #
-# Half, because the other islands see the mirror image (they learn of this island's lone merge
-# and move the other way by their half), so the gap closes in one round instead of overshooting.
-# Islands much slower or faster than this one (a straggler) are never in phase with it and are
-# ignored (PEER_SPEED_RATIO). The shift moves the schedule position a learner reports and pushes
-# by, not its learning rate, and is taken one position per inner step (see schedule_positions).
+# Why a leader, and not both islands moving halfway towards each other: each sees the other's
+# lone merge, and two islands half a round apart each find the other "late" by R/2, minus the
+# merge's own latency: both advance, and they stay half a round apart for ever (seen in a smoke
+# run). With an order, the first island (by name) keeps its clock and every other one converges
+# on it; when it leaves, the next one in the order is the leader. Islands much slower or faster
+# than this one (a straggler) are never in phase with it and are ignored (PEER_SPEED_RATIO). The
+# shift moves the schedule position a learner reports and pushes by, not its learning rate, and
+# is taken one position per inner step (see schedule_positions).
 
 # Merges by islands whose step time is within this factor of ours count for phase alignment.
 PEER_SPEED_RATIO = 1.5
@@ -161,9 +165,9 @@ def merge_lateness(
     pushed_ago: float,
     step_time: float,
 ) -> float | None:
-    """Seconds by which this island's push of `fragment` came after the latest merge of it by
-    peers (islands at about its speed) that it was not part of, among versions base_version+1 ..
-    accepted_version; None when there is none.
+    """Seconds by which this island's push of `fragment` came after the latest merge of it by a
+    leader (an island at about its speed, named before it) that it was not part of, among
+    versions base_version+1 .. accepted_version; None when there is none.
 
     `status` is the syncer's status document, read `pushed_ago` seconds after the push was
     accepted (so the push happened at status["time"] − pushed_ago on the syncer's clock).
@@ -173,9 +177,9 @@ def merge_lateness(
     islands = status.get("islands", {})
     pushed_at = float(status["time"]) - pushed_ago
 
-    def peer(name: str) -> bool:
+    def leader(name: str) -> bool:
         other = islands.get(name, {}).get("stepTime")
-        if not other or name == island:
+        if not other or name >= island:
             return False
         return 1 / PEER_SPEED_RATIO <= float(other) / step_time <= PEER_SPEED_RATIO
 
@@ -185,7 +189,7 @@ def merge_lateness(
         if m.get("fragment") == fragment
         and base_version < int(m.get("version", -1)) <= accepted_version
         and all(c.get("island") != island for c in m.get("contributors", []))
-        and any(peer(str(c.get("island"))) for c in m.get("contributors", []))
+        and any(leader(str(c.get("island"))) for c in m.get("contributors", []))
     ]
     if not merges:
         return None
@@ -195,12 +199,12 @@ def merge_lateness(
 
 def phase_shift(lateness: float, *, inner_steps: int, step_time: float) -> int:
     """Steps to move this island's schedule by, given `lateness` (see merge_lateness):
-    positive delays its next pushes, negative brings them forward; 0 when under a step."""
+    positive delays its next pushes, negative brings them forward; 0 when under half a step."""
     if inner_steps < 1 or step_time <= 0 or not math.isfinite(lateness):
         return 0
     period = inner_steps * step_time
     x = (lateness + period / 2) % period - period / 2  # into [−R/2, R/2)
-    steps = round(-x / (2 * step_time))
+    steps = round(-x / step_time)
     limit = inner_steps // 4
     return max(-limit, min(limit, steps))
 
