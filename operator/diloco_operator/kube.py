@@ -21,7 +21,7 @@ from kubernetes import client, config
 from kubernetes.dynamic import DynamicClient
 from kubernetes.dynamic.exceptions import ConflictError, NotFoundError
 
-from diloco_operator import api
+from diloco_operator import api, metrics
 from diloco_operator.resources import JOB_LABEL, MANAGER
 
 T = TypeVar("T")
@@ -83,6 +83,7 @@ class Kube:
 
     async def get_job(self, namespace: str, name: str) -> dict[str, Any] | None:
         """The DiLoCoJob, or None when it is gone."""
+        metrics.API_READS.labels(verb="get", kind=api.KIND).inc()
         try:
             obj = await self._run(self._dyn.get, self._resource(api.KIND), name, namespace)
         except NotFoundError:
@@ -116,6 +117,7 @@ class Kube:
 
     async def list_labelled(self, kind: str, namespace: str, job_name: str) -> Listing:
         """Every object of `kind` labelled with the job (owner checked by the caller)."""
+        metrics.API_READS.labels(verb="list", kind=kind).inc()
         result = await self._run(
             self._dyn.get,
             self._resource(kind),
@@ -165,6 +167,7 @@ class Kube:
 
     async def exists(self, kind: str, namespace: str, name: str) -> bool:
         """Whether the named object exists."""
+        metrics.API_READS.labels(verb="get", kind=kind).inc()
         try:
             await self._run(self._dyn.get, self._resource(kind), name, namespace)
         except NotFoundError:
@@ -173,6 +176,7 @@ class Kube:
 
     async def read_secret_key(self, namespace: str, name: str, key: str) -> str | None:
         """One decoded value of a Secret, None when the Secret or key is missing."""
+        metrics.API_READS.labels(verb="get", kind="Secret").inc()
         try:
             obj = await self._run(self._dyn.get, self._resource("Secret"), name, namespace)
         except NotFoundError:

@@ -29,6 +29,12 @@ ISLANDS_READDED = Counter(
 SYNCER_UNREACHABLE = Counter(
     "diloco_operator_syncer_unreachable_total", "Syncer requests that failed after retries."
 )
+API_READS = Counter(
+    "diloco_operator_api_reads_total",
+    "Reads sent to the API server, by verb and kind. Pods and children come from the watches: "
+    "lists happen on a job's first sync and on the slow resync only.",
+    ["verb", "kind"],
+)
 JOBS = Gauge("diloco_operator_jobs", "DiLoCoJobs seen by this operator, by phase.", ["phase"])
 
 
