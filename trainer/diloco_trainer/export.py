@@ -102,19 +102,19 @@ async def pull_snapshot(
             status = await client.status()
             weights: dict[str, torch.Tensor] = {}
             versions: list[int] = []
-            for f in range(int(status["fragments"])):
+            for f in range(status.fragments):
                 pulled = await client.pull_fragment(f)
                 assert isinstance(pulled, PulledFragment)  # no `have`: always the full weights
                 weights.update(pulled.tensors)
                 versions.append(pulled.version)
             after = await client.status()
-            if list(after["versions"]) == versions:
+            if after.versions == versions:
                 meta = {
                     "source": url,
-                    "weights": "exact" if after.get("pullCompression") == "none" else "published",
-                    "outerStep": str(after["outerStep"]),
+                    "weights": "exact" if after.pull_compression == "none" else "published",
+                    "outerStep": str(after.outer_step),
                     "versions": json.dumps(versions),
-                    "job": str(after.get("jobName", "")),
+                    "job": after.job_name,
                 }
                 return weights, meta
     raise ExportError(
