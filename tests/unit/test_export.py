@@ -113,3 +113,46 @@ def test_final_weights_note_names_the_checkpoint_and_the_command(tmp_path: Path)
     note = final_weights_note(tmp_path)
     assert note is not None
     assert str(path) in note and f"diloco export {path} -o model.safetensors" in note
+
+
+def test_export_with_config_writes_the_jobs_trained_tokenizer(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from diloco_trainer.models import data
+    from diloco_trainer.models.data import load_corpus
+    from tokenizers import Tokenizer
+
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    for i in range(24):
+        (corpus / f"LICENSE-{i}").write_text(f"licence {i}: permission is hereby granted. " * 30)
+    tokenizer = {"type": "bpe", "vocabSize": 300}
+    job = tmp_path / "job.yaml"
+    job.write_text(
+        "kind: DiLoCoJob\nspec:\n"
+        f"  data: {{source: {corpus}, tokenizer: {{type: bpe, vocabSize: 300}}}}\n"
+    )
+    state = tmp_path / "state"
+    _save(state, 1, _trained_weights(5), loss=5.0)
+    out = tmp_path / "model.safetensors"
+    assert cli_main(["export", str(state), "-o", str(out), "--config", str(job)]) == 0
+    written = tmp_path / "model.tokenizer.json"
+    assert f"wrote {written}" in capsys.readouterr().out
+    # The very tokenizer every process of the job trains (trained again here, not cached).
+    data._CORPUS_CACHE.clear()
+    job_corpus = load_corpus(
+        str(corpus), tokenizer=parse_spec({"data": {"tokenizer": tokenizer}}).data.tokenizer
+    )
+    text = "licence 7: permission is hereby granted."
+    ids = Tokenizer.from_file(str(written)).encode(text).ids
+    assert ids == job_corpus.tokenizer.tok.encode(text).ids and len(ids) < len(text) / 2
+    # Bytes need no file; a bad config is refused before anything is trained.
+    plain = tmp_path / "plain.yaml"
+    plain.write_text(f"data: {{source: {corpus}}}\n")
+    args = ["export", str(state), "-o", str(tmp_path / "p.safetensors"), "--config", str(plain)]
+    assert cli_main(args) == 0
+    assert not (tmp_path / "p.tokenizer.json").exists()
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("data: {tokenizer: {type: file}}\n")
+    assert cli_main(["export", str(state), "-o", str(out), "--config", str(bad)]) == 2
+    assert "spec.data.tokenizer" in capsys.readouterr().err

@@ -107,6 +107,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     export.add_argument("--ca-file", metavar="FILE", help="CA to verify an https syncer with")
     export.add_argument(
+        "--config",
+        metavar="JOB",
+        help="the job's manifest: also write its subword tokenizer as OUTPUT.tokenizer.json",
+    )
+    export.add_argument(
         "--dtype",
         choices=["bfloat16", "float16", "float32"],
         default="float32",

@@ -13,7 +13,8 @@ consistent snapshot.
 The file holds the model's parameters by name (`model.named_parameters()`), fp32 unless --dtype
 says otherwise, and metadata (job, outer step, versions, eval loss) that `safetensors` keeps:
 `model.load_state_dict(safetensors.torch.load_file(path))` restores a model built as the job
-built it.
+built it. With --config JOB, a job with a subword tokenizer (data.tokenizer) also gets its
+tokenizer.json written beside the weights.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ import torch
 
 from diloco_trainer.api.contract import TOKEN_FILE, ContractError, read_token
 from diloco_trainer.api.protocol import SyncerError
+from diloco_trainer.api.spec import ConfigError, load_spec
 from diloco_trainer.syncer.checkpoint import (
     CHECKPOINTS_DIR,
     MANIFEST_FILE,
@@ -151,6 +153,31 @@ def final_weights_note(state_dir: Path) -> str | None:
     )
 
 
+def write_tokenizer(config: Path, out: Path) -> Path | None:
+    """The subword tokenizer of the job in `config` as tokenizer.json beside `out` (the model
+    is useless without it); None when the job's tokens are bytes or its model is its own.
+
+    A trained BPE (data.tokenizer.type bpe) is trained again here, on the same corpus, exactly
+    as every process of the job trained it: data.source must be readable here too."""
+    from diloco_trainer.models.data import corpus_for
+    from diloco_trainer.models.tokenizer import SubwordTokenizer, load_tokenizer_file
+
+    spec = load_spec(config)
+    kind = spec.data.tokenizer.type
+    if spec.model.entrypoint or kind == "bytes":
+        return None
+    if kind == "file":
+        assert spec.data.tokenizer.path is not None  # the spec validates this
+        tok = load_tokenizer_file(spec.data.tokenizer.path)
+    else:
+        trained = corpus_for(spec.data).tokenizer
+        assert isinstance(trained, SubwordTokenizer)
+        tok = trained
+    path = out.with_name(f"{out.name.removesuffix('.safetensors')}.tokenizer.json")
+    tok.save(path)
+    return path
+
+
 def _token(args: argparse.Namespace) -> str:
     path = args.token_file or os.environ.get(TOKEN_FILE)
     if not path:
@@ -176,6 +203,10 @@ def main(args: argparse.Namespace) -> int:
                 return 2
             weights, meta = from_checkpoint(Path(source))
         write_weights(weights, out, meta, DTYPES[args.dtype])
+        tokenizer = write_tokenizer(Path(args.config), out) if args.config else None
+    except ConfigError as err:
+        print(f"diloco export: {err}", file=sys.stderr)
+        return 2
     except (ExportError, SyncerError) as err:
         print(f"diloco export: {err}", file=sys.stderr)
         return 1
@@ -184,4 +215,6 @@ def main(args: argparse.Namespace) -> int:
         f"wrote {out}: {len(weights)} tensors, {count:,} parameters ({args.dtype}), "
         f"outer step {meta['outerStep']} from {meta['source']}"
     )
+    if tokenizer is not None:
+        print(f"wrote {tokenizer}: the job's tokenizer (tokenizers.Tokenizer.from_file)")
     return 0
