@@ -1,0 +1,300 @@
+"""Decoupled quality: does a small quorum keep the quality of K = M, and beat a straggler?
+
+One model, data and token budget (M islands x S inner steps x batch x seqLen tokens), trained by:
+- synchronous data-parallel over M simulated workers in one process (the baseline,
+  diloco_trainer.models.reference.train_synchronous);
+- ours (a syncer + M learner processes, the job's defaults for everything but the quorum) with
+  K = M, K = M/2 and K = 1, on identical islands and with island M-1 made 3x slower;
+- torchft 0.2.0's DiLoCo at K = M (every replica group in every sync), identical and with the
+  same straggler: the peer.
+Every variant runs with two seeds (model init and data order), stopping at the token budget
+(ours: stopAfter.tokens; torchft: S/H commits).
+
+Reported: eval loss at equal tokens processed (interpolated at the budget; tokens processed are
+read from the learners' own progress lines), loss at equal wall time, wall time to reach the
+K = M no-straggler loss, bytes per worker pushed and pulled (DDP's per-step ring all-reduce of
+the gradients as the reference), the other islands' throughput with the straggler, and a plot of
+eval loss against tokens and against wall time for every variant (bench/plots/).
+
+    python -m bench.decoupled_quality                  # M=4, H=30, 600 steps/island, 2 seeds
+    python -m bench.decoupled_quality --quick --no-record   # a smoke run (M=2, H=8, 1 seed)
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import re
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from diloco_trainer.api.spec import JobSpec, parse_spec
+from diloco_trainer.models.parts import build_parts, evaluate
+from diloco_trainer.models.reference import train_synchronous
+
+from bench.common import (
+    LoadMonitor,
+    Report,
+    append_results,
+    base_parser,
+    install_signal_cleanup,
+    plot_file,
+    wait_all,
+    workdir,
+)
+from bench.decoupled_quality_report import interp, plot, tables
+from bench.ours_harness import OursRun
+from bench.peer_training import read_progress
+from bench.torchft_harness import TorchftJob, read_result, start_job
+
+SLOWDOWN = 3.0
+# A learner's log lines that tell its tokens processed: joining (0), its progress line every
+# LOG_EVERY_STEPS steps ("tokens T"), and its last line ("after N steps").
+LINE = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) INFO \S+ diloco\.learner: (.*)$")
+PROGRESS = re.compile(r"^step \d+ loss \S+ tokens (\d+)")
+LAST = re.compile(r"^(?:the job has finished: exiting|stopping on request) after (\d+) steps")
+
+
+def budget(args: Any) -> int:
+    return args.islands * args.steps * args.batch_size * args.seq_len
+
+
+def make_spec(args: Any, *, seed: int, quorum: int) -> JobSpec:
+    """The job every variant trains; sync settings are the defaults but for the quorum."""
+    return parse_spec(
+        {
+            "model": {"preset": args.preset, "seed": seed},
+            "data": {"source": "builtin:stdlib-text", "evalTokens": args.eval_tokens, "seed": seed},
+            "islands": {"count": args.islands},
+            "inner": {
+                "lr": args.inner_lr,
+                "warmupSteps": args.warmup,
+                "steps": args.inner_steps,
+                "batchSize": args.batch_size,
+                "seqLen": args.seq_len,
+            },
+            "sync": {"quorum": quorum},
+            "stopAfter": {"tokens": budget(args)},
+            "syncer": {"evalEveryOuterSteps": 1, "checkpoint": {"everyOuterSteps": 100000}},
+        }
+    )
+
+
+def island_progress(log_file: Path, step_tokens: int) -> list[tuple[float, int]]:
+    """(wall time, tokens processed) from one learner's log."""
+    out = []
+    for line in log_file.read_text(errors="replace").splitlines():
+        m = LINE.match(line)
+        if not m:
+            continue
+        t = dt.datetime.strptime(m.group(1), "%Y-%m-%d %H:%M:%S,%f").timestamp()
+        msg = m.group(2)
+        if msg.startswith("joined the syncer"):
+            out.append((t, 0))
+        elif p := PROGRESS.match(msg):
+            out.append((t, int(p.group(1))))
+        elif last := LAST.match(msg):
+            out.append((t, int(last.group(1)) * step_tokens))
+    return out
+
+
+def run_ours(spec: JobSpec, slow: bool, wd: Path, timeout: float) -> dict[str, Any]:
+    """One job of ours to the token budget; its history as (seconds, tokens processed, loss)."""
+    m = spec.islands.count
+    run = OursRun(spec=spec, workdir=wd, slowdowns={m - 1: SLOWDOWN} if slow else {})
+    run.start()
+    t0 = time.time()
+    try:
+        st = run.wait_finished(timeout=timeout)
+        for proc in run.learners.values():
+            proc.wait(120)  # learners exit once they see finished=true
+        wall = time.time() - t0
+    finally:
+        run.stop()
+    step_tokens = spec.inner.batch_size * spec.inner.seq_len
+    progress = {i: island_progress(p.log_file, step_tokens) for i, p in run.learners.items()}
+
+    def processed(t: float) -> float:
+        return sum(interp([(a, float(b)) for a, b in pts], t) for pts in progress.values())
+
+    history = [(0.0, 0.0, float(st["initialEvalLoss"]))]
+    history += [(h["time"] - t0, processed(h["time"]), h["evalLoss"]) for h in st["evalHistory"]]
+    return {
+        "history": history,
+        "wall": wall,
+        "push": float(st["bytesIn"]) / m,
+        "pull": float(st["bytesOut"]) / m,
+        "merges": int(st.get("mergeCount", 0)),
+        "outer_steps": int(st["outerStep"]),
+        "rates": {i: island_rate(pts) for i, pts in progress.items()},
+    }
+
+
+def island_rate(points: Sequence[tuple[float, int]]) -> float:
+    """Tokens/s from the first progress line (start-up excluded) to the island's last line."""
+    lines = list(points[1:])
+    if len(lines) < 2 or lines[-1][0] <= lines[0][0]:
+        return float("nan")
+    return (lines[-1][1] - lines[0][1]) / (lines[-1][0] - lines[0][0])
+
+
+def run_torchft(args: Any, spec: JobSpec, slow: bool, wd: Path) -> dict[str, Any]:
+    """torchft DiLoCo at K = M for S / H commits; its history from the saved global weights."""
+    m = spec.islands.count
+    wd.mkdir(parents=True, exist_ok=True)
+    spec_file = wd / "spec.json"
+    spec_file.write_text(spec.to_json())
+    rounds = args.steps // args.inner_steps
+    job = TorchftJob(
+        spec_file=spec_file,
+        workdir=wd,
+        num_replicas=m,
+        min_replicas=m,
+        outer_steps=rounds,
+        slowdowns={m - 1: SLOWDOWN} if slow else {},
+        timeout=300,
+    )
+    t0 = time.time()
+    lighthouse, replicas = start_job(job, evaluate_replica=None, save_replica=0)
+    try:
+        wait_all(replicas, timeout=args.timeout)
+    finally:
+        lighthouse.kill()
+    wall = time.time() - t0
+    results = [read_result(job, i) for i in range(m)]
+    per_round = m * args.inner_steps * args.batch_size * args.seq_len
+    parts = build_parts(spec, shard_index=0, num_shards=1, with_train=False)
+    history = [(0.0, 0.0, evaluate(parts))]
+    from safetensors.torch import load_model
+
+    directory = job.save_dir(0)
+    for line in (directory / "index.jsonl").read_text().splitlines():
+        entry = json.loads(line)
+        load_model(parts.model, str(directory / entry["file"]))
+        history.append((entry["time"] - t0, entry["outer_step"] * per_round, evaluate(parts)))
+    sent = sum(float(r["bytes_per_worker"]) for r in results) / m
+    progress = {
+        i: [(float(rec["time"]), int(rec["tokens"])) for rec in read_progress(job.progress_file(i))]
+        for i in range(m)
+    }
+    return {
+        "history": history,
+        "wall": wall,
+        "push": sent,
+        "pull": sent,  # a ring all-reduce receives what it sends
+        "merges": int(results[0]["outer_steps"]),
+        "outer_steps": int(results[0]["outer_steps"]),
+        "rates": {i: island_rate(pts) for i, pts in progress.items()},
+    }
+
+
+def run_baseline(spec: JobSpec, args: Any) -> dict[str, Any]:
+    torch.set_num_threads(1)  # as every process of the other variants
+    t0 = time.perf_counter()
+    ref = train_synchronous(spec, num_workers=args.islands, total_steps=args.steps)
+    wall = time.perf_counter() - t0
+    # As DDP would move it: one ring all-reduce of the fp32 gradients per step, sending and
+    # receiving 2(M-1)/M of them per worker.
+    ddp = float(ref["bytes_per_worker"])
+    return {
+        "history": [(0.0, 0.0, ref["initial_eval_loss"]), (wall, ref["tokens"], ref["eval_loss"])],
+        "wall": wall,
+        "push": ddp,
+        "pull": ddp,
+        "merges": 0,
+        "outer_steps": 0,
+        "rates": {},
+    }
+
+
+def variants(args: Any) -> list[tuple[str, str, int, bool]]:
+    """(label, system, quorum, straggler) for every variant, in run order."""
+    m = args.islands
+    quorums = sorted({m, max(1, m // 2), 1}, reverse=True)
+    out = [("sync DP (baseline)", "baseline", m, False)]
+    for slow in (False, True):
+        tag = f", island {m - 1} {SLOWDOWN:g}x slower" if slow else ""
+        out += [(f"ours K={k}{tag}", "ours", k, slow) for k in quorums]
+        if not args.skip_torchft:
+            out.append((f"torchft K={m}{tag}", "torchft", m, slow))
+    return out
+
+
+def run_all(args: Any, wd: Path) -> dict[str, list[dict[str, Any]]]:
+    """Every variant for every seed: {label: [result per seed]}."""
+    results: dict[str, list[dict[str, Any]]] = {}
+    for seed in args.seeds:
+        for label, system, quorum, slow in variants(args):
+            spec = make_spec(args, seed=seed, quorum=quorum)
+            print(f"seed {seed}: {label}", flush=True)
+            sub = wd / f"seed{seed}-{system}-k{quorum}-{'slow' if slow else 'even'}"
+            if system == "baseline":
+                r = run_baseline(spec, args)
+            elif system == "torchft":
+                r = run_torchft(args, spec, slow, sub)
+            else:
+                r = run_ours(spec, slow, sub, args.timeout)
+            r["seed"] = seed
+            results.setdefault(label, []).append(r)
+            final = r["history"][-1]
+            print(
+                f"  -> {final[2]:.4f} at {final[1]:,.0f} tokens, {r['wall']:.0f}s, "
+                f"{r['merges']} merges",
+                flush=True,
+            )
+    return results
+
+
+def parse_args(argv: Sequence[str] | None) -> Any:
+    p = base_parser(__doc__ or "")
+    p.add_argument("--preset", default="gpt-tiny")
+    p.add_argument("--islands", type=int, default=4, help="M")
+    p.add_argument("--inner-steps", type=int, default=30, help="H")
+    p.add_argument("--steps", type=int, default=600, help="S: inner steps per island")
+    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--seq-len", type=int, default=64)
+    p.add_argument("--inner-lr", type=float, default=3e-3)
+    p.add_argument("--warmup", type=int, default=20)
+    p.add_argument("--eval-tokens", type=int, default=8192)
+    p.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
+    p.add_argument("--timeout", type=float, default=1800, help="per run (s)")
+    p.add_argument("--skip-torchft", action="store_true")
+    p.add_argument("--quick", action="store_true", help="smoke run: M=2, H=8, 32 steps, 1 seed")
+    args = p.parse_args(argv)
+    if args.quick:
+        args.islands, args.inner_steps, args.steps, args.seeds = 2, 8, 32, [0]
+    return args
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    install_signal_cleanup()
+    with LoadMonitor() as load, workdir(args.workdir, "decoupled-quality") as wd:
+        results = run_all(args, wd)
+    plot_path = plot_file(args, "decoupled_quality")
+    plot(results, plot_path)
+    report_tables, notes = tables(args, results, budget(args), SLOWDOWN)
+    report = Report(
+        "decoupled_quality",
+        "Eval loss at equal tokens and equal wall time, bytes per worker, and a 3x straggler: "
+        "synchronous data-parallel (baseline), ours at K = M, M/2 and 1, torchft DiLoCo at K = M.",
+        tables=report_tables,
+        notes=notes,
+        plots=[plot_path],
+    )
+    if args.no_record:
+        for t in report.tables:
+            t.print()
+        for n in notes:
+            print(f"note: {n}")
+        print(f"plot: {plot_path}")
+        return 0
+    append_results(report, load=load, path=args.results)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,270 @@
+"""Tables, targets and the plot of bench.decoupled_quality (kept apart from the runs).
+
+A result is {"history": [(seconds since start, tokens processed, eval loss), ...], "wall",
+"push", "pull" (bytes per worker), "merges", "outer_steps", "rates" ({island: tokens/s}),
+"seed"}; results are grouped by variant label, one per seed.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from bench.common import Table, fmt_bytes, fmt_pct, fmt_ratio, ratio, save_figure, verdict
+
+Results = dict[str, list[dict[str, Any]]]
+
+
+def interp(points: Sequence[tuple[float, float]], x: float) -> float:
+    """Piecewise-linear y(x) through points sorted by x; clamped at both ends."""
+    if not points:
+        return math.nan
+    if x <= points[0][0]:
+        return points[0][1]
+    for (x0, y0), (x1, y1) in itertools.pairwise(points):
+        if x <= x1:
+            return y0 if x1 == x0 else y0 + (y1 - y0) * (x - x0) / (x1 - x0)
+    return points[-1][1]
+
+
+def loss_at_tokens(r: dict[str, Any], tokens: float) -> float:
+    """Eval loss at `tokens` processed, linear between evaluations."""
+    return interp(sorted((h[1], h[2]) for h in r["history"]), tokens)
+
+
+def loss_at_time(r: dict[str, Any], t: float) -> float:
+    """The last eval loss of the global weights at or before t seconds."""
+    before = [h[2] for h in r["history"] if h[0] <= t]
+    return before[-1] if before else r["history"][0][2]
+
+
+def time_to_loss(r: dict[str, Any], target: float) -> float:
+    """Seconds until the eval loss first reached `target` (inf if never)."""
+    return next((h[0] for h in r["history"] if h[2] <= target), math.inf)
+
+
+def mean_spread(values: Sequence[float]) -> tuple[float, float]:
+    """Mean and half the range over seeds."""
+    finite = [v for v in values if math.isfinite(v)]
+    if len(finite) < len(values) or not values:
+        return math.inf, 0.0
+    return sum(values) / len(values), (max(values) - min(values)) / 2
+
+
+def fmt_ms(values: Sequence[float], digits: int = 4) -> str:
+    mean, spread = mean_spread(values)
+    if not math.isfinite(mean):
+        return "not reached"
+    return f"{mean:.{digits}f} ± {spread:.{digits}f}"
+
+
+def per_seed(results: Results, label: str, fn: Any) -> list[float]:
+    return [fn(r) for r in results.get(label, [])]
+
+
+def seed_of(results: Results, label: str, seed: int) -> dict[str, Any]:
+    return next(r for r in results[label] if r["seed"] == seed)
+
+
+def equal_time(results: Results, labels: Sequence[str], seed: int) -> float:
+    """The wall time every variant of a group has run for: the earliest finish."""
+    return min(seed_of(results, lab, seed)["wall"] for lab in labels if lab in results)
+
+
+def main_table(args: Any, results: Results, budget: int) -> Table:
+    m = args.islands
+    base = "sync DP (baseline)"
+    km = f"ours K={m}"
+    groups = [
+        [lab for lab in results if lab != base and ("slower" in lab) == slow] for slow in (0, 1)
+    ]
+    table = Table(
+        f"Eval loss at {budget:,} tokens processed, and at equal wall time ({args.preset}, M={m}, "
+        f"H={args.inner_steps}, {args.steps} steps per island; mean ± half-range over seeds "
+        f"{', '.join(map(str, args.seeds))})",
+        [
+            "variant",
+            "loss at equal tokens",
+            "/ sync DP",
+            "/ ours K=M",
+            "loss at equal wall time",
+            "wall to budget",
+            "pushed / worker",
+            "pulled / worker",
+            "fewer bytes than DDP",
+            "merges",
+        ],
+    )
+    ddp = results[base][0]["push"] + results[base][0]["pull"]
+    for label in results:
+        group = next((g for g in groups if label in g), [])
+        losses = per_seed(results, label, lambda r: loss_at_tokens(r, budget))
+        ref = per_seed(results, base, lambda r: loss_at_tokens(r, budget))
+        kref = per_seed(results, km, lambda r: loss_at_tokens(r, budget))
+        at_t = [
+            loss_at_time(r, equal_time(results, group, r["seed"])) for r in results[label] if group
+        ]
+        moved = sum(r["push"] + r["pull"] for r in results[label]) / len(results[label])
+        table.add(
+            label,
+            fmt_ms(losses),
+            fmt_ratio(ratio(mean_spread(losses)[0], mean_spread(ref)[0]), 4),
+            fmt_ratio(ratio(mean_spread(losses)[0], mean_spread(kref)[0]), 4),
+            fmt_ms(at_t) if group else "—",
+            fmt_ms(per_seed(results, label, lambda r: r["wall"]), 0) + " s",
+            fmt_bytes(sum(r["push"] for r in results[label]) / len(results[label])),
+            fmt_bytes(sum(r["pull"] for r in results[label]) / len(results[label])),
+            "—" if label == base else f"{ratio(ddp, moved):.0f}x",
+            fmt_ms(per_seed(results, label, lambda r: r["merges"]), 0),
+        )
+    return table
+
+
+def throughput_kept(results: Results, label: str, even: str, slow_island: int) -> float:
+    """The other islands' tokens/s with the straggler over the same without (mean of seeds)."""
+    kept = []
+    for r in results.get(label, []):
+        e = seed_of(results, even, r["seed"])
+        others = [i for i in r["rates"] if i != slow_island]
+        now = sum(r["rates"][i] for i in others)
+        before = sum(e["rates"].get(i, math.nan) for i in others)
+        if others and math.isfinite(now) and math.isfinite(before) and before > 0:
+            kept.append(now / before)
+    return sum(kept) / len(kept) if kept else math.nan
+
+
+def straggler_rows(args: Any, results: Results, budget: int, slowdown: float) -> Table:
+    m = args.islands
+    tag = f", island {m - 1} {slowdown:g}x slower"
+    table = Table(
+        f"One island {slowdown:g}x slower: the others' throughput and the time to reach K=M's "
+        "no-straggler loss",
+        ["variant", "others' tokens/s vs no straggler", "time to K=M's loss (s)"],
+    )
+    for label in [lab for lab in results if lab.endswith(tag)]:
+        even = label[: -len(tag)]
+        target = {r["seed"]: loss_at_tokens(r, budget) for r in results.get(f"ours K={m}", [])}
+        times = [time_to_loss(r, target[r["seed"]]) for r in results[label]]
+        kept = throughput_kept(results, label, even, m - 1) if even in results else math.nan
+        table.add(label, fmt_pct(kept), fmt_ms(times, 0))
+    return table
+
+
+def targets(args: Any, results: Results, budget: int, slowdown: float) -> Table:
+    m = args.islands
+    base, km = "sync DP (baseline)", f"ours K={m}"
+    tag = f", island {m - 1} {slowdown:g}x slower"
+    t = Table("Targets (issue 9)", ["target", "figure", "verdict"])
+
+    def mean_loss(label: str) -> float:
+        return mean_spread(per_seed(results, label, lambda r: loss_at_tokens(r, budget)))[0]
+
+    for k in sorted({max(1, m // 2), 1}, reverse=True):
+        r = ratio(mean_loss(f"ours K={k}"), mean_loss(km))
+        t.add(
+            f"identical, equal tokens: K={k} within 2% of K={m}",
+            fmt_ratio(r, 4),
+            verdict(r <= 1.02),
+        )
+    r = ratio(mean_loss(km), mean_loss(base))
+    t.add(f"K={m} within 2% of synchronous DP", fmt_ratio(r, 4), verdict(r <= 1.02))
+    ddp = results[base][0]["push"] + results[base][0]["pull"]
+    moved = sum(x["push"] + x["pull"] for x in results[km]) / len(results[km])
+    t.add(
+        f"K={m}: >= 100x fewer bytes than DDP (push + pull)",
+        f"{ddp / moved:.0f}x",
+        verdict(ddp / moved >= 100),
+    )
+    slow_km = results.get(km + tag, [])
+    for k in sorted({max(1, m // 2), 1}, reverse=True):
+        label = f"ours K={k}{tag}"
+        if label not in results or k == m:
+            continue
+        kept = throughput_kept(results, label, f"ours K={k}", m - 1)
+        t.add(
+            f"straggler, K={k}: others keep >= 95% of their throughput",
+            fmt_pct(kept),
+            verdict(kept >= 0.95),
+        )
+        target = {r["seed"]: loss_at_tokens(r, budget) for r in results[km]}
+        mine = mean_spread([time_to_loss(r, target[r["seed"]]) for r in results[label]])[0]
+        theirs = mean_spread([time_to_loss(r, target[r["seed"]]) for r in slow_km])[0]
+        t.add(
+            f"straggler: K={k} reaches K={m}'s loss sooner than K={m} with the straggler",
+            f"{mine:.0f} s vs {theirs:.0f} s",
+            verdict(mine < theirs),
+        )
+        peer = f"torchft K={m}{tag}"
+        if peer in results:
+            group = [label, peer]
+            ours = [loss_at_time(r, equal_time(results, group, r["seed"])) for r in results[label]]
+            tft = [loss_at_time(r, equal_time(results, group, r["seed"])) for r in results[peer]]
+            a, b = mean_spread(ours)[0], mean_spread(tft)[0]
+            t.add(
+                f"straggler: K={k} beats torchft at equal wall time",
+                f"{a:.4f} vs {b:.4f}",
+                verdict(a < b),
+            )
+    return t
+
+
+def tables(
+    args: Any, results: Results, budget: int, slowdown: float
+) -> tuple[list[Table], list[str]]:
+    notes = [
+        f"Token budget {budget:,} = {args.islands} islands x {args.steps} steps x "
+        f"{args.batch_size} x {args.seq_len}. Ours stops at stopAfter.tokens = budget; tokens "
+        "processed are read from the learners' progress lines (every 20 steps) and the loss at "
+        "the budget is interpolated between the syncer's evaluations (one per outer step).",
+        "Equal wall time: within each group (identical islands / with the straggler) the earliest "
+        "finish of the group in that seed; the loss is the last evaluation at or before it. The "
+        "baseline runs in one process and has no comparable wall time.",
+        "Bytes per worker: ours, the syncer's bytesIn / M (pushes) and bytesOut / M (pulls); "
+        "torchft, the payload given to Manager.allreduce x 2(M-1)/M each way; DDP (the reference "
+        "for 'fewer bytes'), one ring all-reduce of fp32 gradients per step, both ways.",
+        "Throughput with the straggler: the other islands' tokens/s between their first and last "
+        "progress line, over the same run without a straggler. A sleeping straggler frees CPU "
+        "on a shared machine, which can lift the others above 100%.",
+        "Ours runs with the job's defaults (sync.fragments, overlapSteps, graceSeconds auto, "
+        "merge tokens, no compression); only the quorum changes. Inner lr is constant after "
+        "warm-up for every variant (stopAfter.tokens fixes no step count for a cosine).",
+    ]
+    return [
+        main_table(args, results, budget),
+        straggler_rows(args, results, budget, slowdown),
+        targets(args, results, budget, slowdown),
+    ], notes
+
+
+def plot(results: Results, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax_tokens, ax_time) = plt.subplots(1, 2, figsize=(13, 5))
+    colours = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    for n, (label, runs) in enumerate(results.items()):
+        colour = colours[n % len(colours)]
+        style = "--" if "slower" in label else "-"
+        for j, r in enumerate(runs):
+            hist = r["history"]
+            kw = {"color": colour, "linestyle": style, "alpha": 0.9 if j == 0 else 0.45}
+            lab = label if j == 0 else None
+            ax_tokens.plot([h[1] for h in hist], [h[2] for h in hist], marker=".", label=lab, **kw)
+            if not label.startswith("sync DP"):
+                ax_time.plot(
+                    [h[0] for h in hist], [h[2] for h in hist], marker=".", label=lab, **kw
+                )
+    ax_tokens.set_xlabel("tokens processed")
+    ax_time.set_xlabel("wall time (s)")
+    for ax in (ax_tokens, ax_time):
+        ax.set_ylabel("eval loss")
+        ax.set_ylim(top=min(6.0, ax.get_ylim()[1]))
+    ax_tokens.set_title("Eval loss against tokens (seeds: solid first, faint second)")
+    ax_time.set_title("Eval loss against wall time (dashed: with the straggler)")
+    ax_tokens.legend(fontsize=7)
+    save_figure(fig, path)
