@@ -9,6 +9,9 @@ candidate unless `data.include` patterns narrow them; a candidate is read as
 - text otherwise, when its first SNIFF_BYTES are UTF-8 without a NUL byte: text is recognised by
   content, not by a list of suffixes, so extensionless files (LICENSE, Apache-2.0) are read.
 Every file not read is listed with the reason, for the log and for the "no text" error.
+
+The documents are then split into train and held-out eval documents (split_documents). Nothing
+here imports torch: a process can read a corpus (and train its tokenizer) before it needs any.
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ EVAL_FRACTION = 0.1  # share of bytes held out when there are too few documents
 _STDLIB_SKIP_DIRS = frozenset(
     {"site-packages", "dist-packages", "test", "tests", "idlelib", "lib2to3", "__pycache__"}
 )
+DOC_SEPARATOR = b"\n\n"  # between documents in a split, so no window silently joins two texts
 SNIFF_BYTES = 8192  # prefix inspected to decide whether a file is text
 JSONL_SUFFIXES = (".jsonl", ".ndjson", ".jsonl.gz", ".ndjson.gz")
 PARQUET_SUFFIXES = (".parquet",)
@@ -45,7 +49,7 @@ class Documents:
     """The documents of a source in order, and what was read or skipped (for the log)."""
 
     docs: list[bytes] = field(default_factory=list)
-    read: list[str] = field(default_factory=list)  # "path (N documents)" or "path"
+    read: list[str] = field(default_factory=list)  # "path", or "path (N jsonl records)"
     skipped: list[tuple[str, str]] = field(default_factory=list)  # (path, why)
 
     def summary(self, source: str, limit: int = 20) -> str:
@@ -275,6 +279,6 @@ def split_documents(docs: list[bytes]) -> tuple[list[bytes], list[bytes]]:
         held = [d for i, d in enumerate(docs) if i % EVAL_EVERY == EVAL_EVERY // 2]
         kept = [d for i, d in enumerate(docs) if i % EVAL_EVERY != EVAL_EVERY // 2]
         return kept, held
-    joined = b"\n\n".join(docs)
+    joined = DOC_SEPARATOR.join(docs)
     cut = len(joined) - int(len(joined) * EVAL_FRACTION)
     return [joined[:cut]], [joined[cut:]]

@@ -18,13 +18,13 @@ from typing import TYPE_CHECKING, Protocol
 import numpy as np
 
 from diloco_trainer.api.spec import ConfigError, TokenizerSpec
+from diloco_trainer.models.sources import DOC_SEPARATOR
 
 if TYPE_CHECKING:
     import tokenizers
     from torch import Tensor
 
 BYTE_VOCAB = 256
-DOC_SEPARATOR = b"\n\n"  # between documents in a split, so no window silently joins two texts
 ENCODE_CHUNK = 1024  # documents per encode call: bounds the memory of the library's encodings
 
 
