@@ -80,7 +80,7 @@ DEFAULT_SPEC: dict[str, Any] = {
         "compression": "int8",
         "pullCompression": "auto",
         "merge": "tokens",
-        "maxStaleness": 4,
+        "maxStaleness": "auto",
         "mixAlpha": 0.0,
         "errorFeedback": False,
         "heartbeatTimeoutSeconds": 30,
