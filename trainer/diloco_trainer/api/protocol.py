@@ -77,6 +77,26 @@ ERROR_STALE = "stale"  # 409: baseVersion older than maxStaleness allows: pull, 
 ERROR_AHEAD = "ahead"  # 409: baseVersion newer than the syncer's (it restarted from a checkpoint)
 ERROR_UNKNOWN_ISLAND = "unknown_island"  # 404: join first (e.g. the syncer lost its state)
 ERROR_DROPPED = "dropped"  # 403: the operator dropped this island
+# 422: a contribution the syncer refused to merge (syncer/guards.py): each names its reason.
+ERROR_NON_FINITE = "non_finite"  # decoded values overflow (e.g. an int8 scale near fp32's max)
+ERROR_NORM_CAP = "norm_above_cap"  # Δ's norm above syncer.guards.maxDeltaNorm
+ERROR_NORM_OUTLIER = "norm_outlier"  # Δ's norm above normFactor x the fragment's median
+ERROR_STEPS_RANGE = "steps_out_of_range"  # more inner steps than one round of the island allows
+ERROR_TOKENS_RANGE = "tokens_out_of_range"  # more tokens than its steps x batch x seq x replicas
+CONTRIBUTION_REFUSALS = (
+    ERROR_NON_FINITE,
+    ERROR_NORM_CAP,
+    ERROR_NORM_OUTLIER,
+    ERROR_STEPS_RANGE,
+    ERROR_TOKENS_RANGE,
+)
+# Joins and island names (syncer/admission.py).
+ERROR_NOT_JOB_ISLAND = "not_job_island"  # 403: not an island name of this job ([prefix-]island-N)
+ERROR_NOT_ADMITTED = "not_admitted"  # 503: a name or replicas the job does not have (yet)
+# 503 with Retry-After: the syncer is at its limit of concurrent push bodies or connections.
+ERROR_BUSY = "busy"
+# 408: a request's headers or body did not arrive in time (syncer.limits).
+ERROR_TIMEOUT = "timeout"
 # Set by the client, never sent: a success status whose body is not the documented JSON.
 ERROR_MALFORMED = "malformed"
 

@@ -283,6 +283,72 @@ class CheckpointSpec(SpecModel):
     )
     every_outer_steps: int = Field(5, ge=1, description="Checkpoint every N outer steps.")
     keep: int = Field(2, ge=1, le=100, description="Checkpoints kept on disk.")
+    allow_fresh_start_on_corrupt: bool = Field(
+        False,
+        description="With checkpoints on disk and none of them valid, start the job afresh (the "
+        "corrupt ones are moved aside) instead of refusing to start.",
+    )
+
+
+class GuardsSpec(SpecModel):
+    """Checks every pushed pseudo-gradient passes before it can touch the global model."""
+
+    max_delta_norm: Annotated[float, Field(gt=0)] | Literal["auto"] = Field(
+        "auto",
+        description="Hard cap on a pushed pseudo-gradient's L2 norm (per fragment); 'auto': what "
+        "AdamW can move the fragment in one round at most (4 x inner.lr per step and element).",
+    )
+    norm_factor: float = Field(
+        10,
+        ge=1,
+        le=1e6,
+        description="After warmupPushes accepted pushes of a fragment, a push whose norm is more "
+        "than this many times the median of the fragment's recent accepted norms is refused.",
+    )
+    warmup_pushes: int = Field(
+        8, ge=1, le=100000, description="Accepted pushes per fragment before normFactor applies."
+    )
+    max_refusals: int = Field(
+        5,
+        ge=0,
+        le=100000,
+        description="An island whose pushes are refused this many times in a row is dropped "
+        "(with the reason); 0 never drops.",
+    )
+    remote_island_replicas: int | None = Field(
+        None,
+        ge=1,
+        le=1024,
+        description="Replicas an island of another cluster (multi-region) may report; unset: "
+        "islands.replicas.",
+    )
+
+
+class LimitsSpec(SpecModel):
+    """What the syncer's HTTP server allows any client."""
+
+    header_timeout_seconds: float = Field(
+        30,
+        gt=0,
+        le=3600,
+        description="A request's headers must arrive within this many seconds of the connection "
+        "opening or its previous request ending (idle keep-alive connections close then).",
+    )
+    body_timeout_seconds: float = Field(
+        600,
+        gt=0,
+        le=86400,
+        description="A request body must arrive within this many seconds in all, and with no "
+        "pause longer than headerTimeoutSeconds.",
+    )
+    max_connections: int = Field(
+        512, ge=1, le=1_000_000, description="Open connections; more are answered 503 and closed."
+    )
+    max_concurrent_pushes: Annotated[int, Field(ge=1, le=100000)] | Literal["auto"] = Field(
+        "auto",
+        description="Push bodies read at once (each up to a fragment's encoded size); more are "
+        "answered 503 with Retry-After. 'auto': 2 x the job's islands + 2.",
+    )
 
 
 class ServiceSpec(SpecModel):
@@ -323,6 +389,8 @@ class SyncerSpec(SpecModel):
     eval_every_outer_steps: int = Field(
         1, ge=1, description="Evaluate the global weights every N outer steps."
     )
+    guards: GuardsSpec = Field(default_factory=GuardsSpec)
+    limits: LimitsSpec = Field(default_factory=LimitsSpec)
 
 
 class JobSpec(SpecModel):

@@ -17,6 +17,14 @@ fsynced, and only then is it renamed to its final name (a rename within one file
 so a crash leaves either the complete new checkpoint or none: loaders see only complete ones and
 remove leftover temporary directories. manifest.json is written last, and a directory without it
 is never loaded. Only safetensors and JSON: nothing is pickled.
+
+Integrity: the manifest records each file's size and sha256 and a sha256 of its own content
+(``integrity``). A checkpoint is valid when every listed file is there with its size and hash,
+the manifest matches its hash, the tensors load and are finite (a poisoned state is never
+resumed). ``load_newest_valid`` starts from the newest valid checkpoint and reports the corrupt
+ones; pruning never deletes a valid checkpoint while keeping a corrupt one: corrupt ones are set
+aside (renamed ``corrupt-ckpt-...``, kept for inspection, never loaded or counted). Checkpoints
+written before integrity was recorded load without the hash checks.
 """
 
 from __future__ import annotations
@@ -46,6 +54,9 @@ WEIGHTS_FILE = "weights.safetensors"
 OUTER_FILE = "outer.safetensors"
 MANIFEST_FILE = "manifest.json"
 PUBLISHED_FILE = "published.safetensors"
+CORRUPT_PREFIX = "corrupt-"
+INTEGRITY_KEY = "integrity"
+_HASH_CHUNK = 1 << 20
 
 
 @dataclass
@@ -135,6 +146,10 @@ def save_checkpoint(
             safetensors.torch.save_file(_owned(published), str(tmp / PUBLISHED_FILE))
             files.append(PUBLISHED_FILE)
         doc = {**manifest, "formatVersion": FORMAT_VERSION, "outerStep": outer_step}
+        doc[INTEGRITY_KEY] = {
+            "files": {name: _file_digest(tmp / name) for name in files},
+            "manifest": _manifest_hash(doc),
+        }
         (tmp / MANIFEST_FILE).write_text(json.dumps(doc, indent=1, sort_keys=True))
         for name in (*files, MANIFEST_FILE):
             _fsync_file(tmp / name)
@@ -170,13 +185,40 @@ def list_checkpoints(state_dir: Path) -> list[Path]:
 
 
 def prune_checkpoints(state_dir: Path, keep: int) -> list[Path]:
-    """Delete all but the newest `keep` checkpoints; returns the deleted directories."""
+    """Delete all but the newest `keep` intact checkpoints; returns the deleted directories.
+
+    A checkpoint whose files do not match its manifest (sizes; the hashes are checked at load)
+    is set aside, not counted: a corrupt newer one never pushes a valid one out.
+    """
     if keep < 1:
         raise ValueError(f"syncer.checkpoint.keep must be >= 1, got {keep}")
-    doomed = list_checkpoints(state_dir)[:-keep]
+    intact = []
+    for path in list_checkpoints(state_dir):
+        problem = quick_problem(path)
+        if problem is None:
+            intact.append(path)
+        else:
+            log.error(
+                "checkpoint %s is corrupt (%s); set aside as %s",
+                path,
+                problem,
+                set_aside(path).name,
+            )
+    doomed = intact[:-keep]
     for path in doomed:
         shutil.rmtree(path, ignore_errors=True)
     return doomed
+
+
+def set_aside(path: Path) -> Path:
+    """Rename a corrupt checkpoint to corrupt-<name> (never loaded, pruned or overwritten)."""
+    target = path.with_name(CORRUPT_PREFIX + path.name)
+    n = 1
+    while target.exists():
+        target = path.with_name(f"{CORRUPT_PREFIX}{path.name}.{n}")
+        n += 1
+    path.rename(target)
+    return target
 
 
 def clean_partial(state_dir: Path) -> list[Path]:
@@ -195,40 +237,122 @@ def clean_partial(state_dir: Path) -> list[Path]:
     return partial
 
 
-def load_checkpoint(path: Path) -> Checkpoint:
-    """Load one checkpoint directory; ValueError when it is unreadable or of another format."""
+def _file_digest(path: Path) -> dict[str, Any]:
+    h = hashlib.sha256()
+    with path.open("rb") as f:
+        while chunk := f.read(_HASH_CHUNK):
+            h.update(chunk)
+    return {"bytes": path.stat().st_size, "sha256": h.hexdigest()}
+
+
+def _manifest_hash(doc: Mapping[str, Any]) -> str:
+    body = {k: v for k, v in doc.items() if k != INTEGRITY_KEY}
+    return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
+
+
+def _read_manifest(path: Path) -> dict[str, Any]:
+    doc = json.loads((path / MANIFEST_FILE).read_text())
+    if not isinstance(doc, dict):
+        raise ValueError("manifest.json is not a JSON object")
+    return doc
+
+
+def quick_problem(path: Path) -> str | None:
+    """What is wrong with a checkpoint that a quick look sees (manifest readable and matching
+    its hash, each listed file there with its size), or None."""
     try:
-        manifest = json.loads((path / MANIFEST_FILE).read_text())
-        weights = safetensors.torch.load_file(str(path / WEIGHTS_FILE))
-        momentum = safetensors.torch.load_file(str(path / OUTER_FILE))
-        published = None
-        if (path / PUBLISHED_FILE).is_file():
-            published = safetensors.torch.load_file(str(path / PUBLISHED_FILE))
-    except Exception as err:  # OSError, JSON errors, safetensors' own errors
+        manifest = _read_manifest(path)
+    except (OSError, ValueError) as err:
+        return f"manifest.json is unreadable: {err}"
+    integrity = manifest.get(INTEGRITY_KEY)
+    if integrity is None:
+        return None  # written before integrity was recorded
+    if not isinstance(integrity, dict) or integrity.get("manifest") != _manifest_hash(manifest):
+        return "manifest.json does not match its recorded hash"
+    for name, want in (integrity.get("files") or {}).items():
+        file = path / str(name)
+        if not file.is_file():
+            return f"{name} is missing"
+        if file.stat().st_size != want.get("bytes"):
+            return f"{name} has {file.stat().st_size} bytes, the manifest says {want.get('bytes')}"
+    return None
+
+
+def _check_hashes(path: Path, manifest: Mapping[str, Any]) -> None:
+    integrity = manifest.get(INTEGRITY_KEY)
+    if integrity is None:
+        return
+    problem = quick_problem(path)
+    if problem is not None:
+        raise ValueError(problem)
+    for name, want in (integrity.get("files") or {}).items():
+        if _file_digest(path / str(name))["sha256"] != want.get("sha256"):
+            raise ValueError(f"{name} does not match its recorded sha256")
+
+
+def _check_finite(tensors: Mapping[str, torch.Tensor], what: str) -> None:
+    for name, t in tensors.items():
+        if t.is_floating_point() and t.numel() and not bool(torch.isfinite(t).all()):
+            raise ValueError(f"{what} {name!r} holds NaN or Inf")
+
+
+def load_checkpoint(path: Path) -> Checkpoint:
+    """Load one checkpoint directory; ValueError when it is unreadable, of another format, does
+    not match its recorded hashes or holds NaN/Inf."""
+    try:
+        manifest = _read_manifest(path)
+    except Exception as err:  # OSError, JSON errors
         raise ValueError(f"checkpoint {path} is unreadable: {err}") from None
     if manifest.get("formatVersion") != FORMAT_VERSION:
         raise ValueError(
             f"checkpoint {path} has format {manifest.get('formatVersion')!r}, "
             f"this syncer reads {FORMAT_VERSION}"
         )
+    try:
+        _check_hashes(path, manifest)
+        weights = safetensors.torch.load_file(str(path / WEIGHTS_FILE))
+        momentum = safetensors.torch.load_file(str(path / OUTER_FILE))
+        published = None
+        if (path / PUBLISHED_FILE).is_file():
+            published = safetensors.torch.load_file(str(path / PUBLISHED_FILE))
+        for what, tensors in (("weight", weights), ("momentum", momentum)):
+            _check_finite(tensors, what)
+        _check_finite(published or {}, "published weight")
+    except Exception as err:  # OSError, hash or finiteness problems, safetensors' own errors
+        raise ValueError(f"checkpoint {path} is unreadable: {err}") from None
     return Checkpoint(
         path=path, weights=weights, momentum=momentum, manifest=manifest, published=published
     )
 
 
-def load_latest(state_dir: Path) -> Checkpoint | None:
-    """The newest loadable checkpoint (after cleaning partial ones), or None.
+@dataclass
+class Loaded:
+    """What load_newest_valid found: the newest valid checkpoint, and the corrupt ones newer
+    than it (every one when none is valid), with what is wrong with each."""
 
-    An unreadable newest checkpoint is skipped with a warning in favour of an older one.
-    """
+    checkpoint: Checkpoint | None
+    corrupt: list[tuple[Path, str]]
+
+
+def load_newest_valid(state_dir: Path) -> Loaded:
+    """The newest valid checkpoint (after cleaning partial ones) and the corrupt ones tried
+    before it; nothing is renamed or deleted (the caller decides)."""
     for path in clean_partial(state_dir):
         log.warning("removed incomplete checkpoint %s", path)
+    corrupt: list[tuple[Path, str]] = []
     for path in reversed(list_checkpoints(state_dir)):
         try:
-            return load_checkpoint(path)
+            return Loaded(load_checkpoint(path), corrupt)
         except ValueError as err:
             log.warning("%s; trying an older checkpoint", err)
-    return None
+            corrupt.append((path, str(err)))
+    return Loaded(None, corrupt)
+
+
+def load_latest(state_dir: Path) -> Checkpoint | None:
+    """The newest valid checkpoint (after cleaning partial ones), or None: a corrupt newer one
+    is skipped with a warning in favour of an older one."""
+    return load_newest_valid(state_dir).checkpoint
 
 
 def spec_hash(spec_json: str) -> str:

@@ -25,13 +25,17 @@ LEFT = "left"
 
 class Refused(Exception):
     """A request the state machine refuses; `status` is the HTTP status the server answers and
-    `code` (optional) a machine-readable reason clients can act on (wire.ERROR_* constants)."""
+    `code` (optional) a machine-readable reason clients can act on (protocol.ERROR_* constants);
+    `retry_after` (seconds) is sent as Retry-After with a 503."""
 
-    def __init__(self, status: int, message: str, code: str = "") -> None:
+    def __init__(
+        self, status: int, message: str, code: str = "", *, retry_after: float | None = None
+    ) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
         self.code = code
+        self.retry_after = retry_after
 
 
 @dataclass(frozen=True)

@@ -8,9 +8,10 @@ contributions keyed by island. A later push from the same island REPLACES its pe
 island's counters (tokens, steps) and its pseudo-gradient cover all its work since it last received
 the fragment, so the newer push includes the older one and nothing is counted twice.
 
-Retried pushes. The answer to each island's latest push per fragment is kept by its pushId, so a
-client retry gets the first answer again instead of being counted twice. Checkpoints keep the
-answers of pushes already merged (answers_json), so this holds across a syncer restart too.
+Retried pushes. The answers to each island's recent pushes per fragment are kept by pushId
+(replay.py: the last maxStaleness + 1, at least 64), so a client retry or a replay gets the first
+answer again instead of being counted twice. Checkpoints keep the answers of pushes already
+merged (answers_json), so this holds across a syncer restart too.
 
 Quorum and grace. The effective quorum is min(K, active islands), at least 1. When the round's
 contributors reach it, the grace window starts; the round is due when the window has passed, when
@@ -50,9 +51,7 @@ from diloco_trainer.syncer.records import (
     Refused,
     RoundPolicy,
 )
-
-# Answers to pushes kept in checkpoints (the most recent; there is one per island and fragment).
-SAVED_ANSWERS = 4096
+from diloco_trainer.syncer.replay import PushAnswers, push_window
 
 AUTO_GRACE_DEFAULT = 1.0
 # Samples kept for the medians of t_quorum and t_merge (recent behaviour matters, not history).
@@ -87,8 +86,8 @@ class SyncState:
         pairs = zip(versions, rounds, strict=True)
         self.rounds = [FragmentRound(version=v, rounds=r) for v, r in pairs]
         self.islands: dict[str, IslandRecord] = {}
-        # (island, fragment) -> (pushId, answer): a retried push gets its first answer again.
-        self._answers: dict[tuple[str, int], tuple[str, dict[str, Any]]] = {}
+        # (island, fragment) -> recent pushIds and answers: a retry gets its first answer again.
+        self._answers = PushAnswers(push_window(policy.max_staleness))
         self._quorum_waits: deque[float] = deque(maxlen=_WINDOW)
         self._merge_seconds: deque[float] = deque(maxlen=_WINDOW)
         # (island, fragment) -> seconds the syncer held that island's last merged push.
@@ -241,6 +240,24 @@ class SyncState:
         self._refresh(now)
         return rec
 
+    def forget(self, name: str, now: float) -> None:
+        """Remove an island's record (a new island takes its place; admission.evictable)."""
+        self.islands.pop(name, None)
+        self._answers.forget(name)
+        for rnd in self.rounds:
+            rnd.pending.pop(name, None)
+        self._refresh(now)
+
+    def discard(self, fragment: int, names: list[str], now: float) -> None:
+        """Take these islands' contributions out of fragment's open round (a merge cannot take
+        them; guards.offenders)."""
+        rnd = self.rounds[fragment]
+        for name in names:
+            rnd.pending.pop(name, None)
+        if not rnd.pending:
+            rnd.first_push_at = None
+        self._refresh(now)
+
     def expire(self, now: float) -> list[str]:
         """Mark active islands silent for longer than the heartbeat timeout as timedOut (and stop
         awaiting islands never heard of)."""
@@ -267,10 +284,7 @@ class SyncState:
 
     def previous_answer(self, fragment: int, name: str, push_id: str) -> dict[str, Any] | None:
         """The answer given to an earlier push with this id (a client retry), if any."""
-        if not push_id:
-            return None
-        prev = self._answers.get((name, fragment))
-        return prev[1] if prev is not None and prev[0] == push_id else None
+        return self._answers.get(name, fragment, push_id)
 
     def check_push(self, fragment: int, name: str, base_version: int) -> int:
         """Whether a push would be accepted, without changing anything; returns its lag.
@@ -332,10 +346,7 @@ class SyncState:
             "pending": len(rnd.pending),
             "replaced": replaced is not None,
         }
-        if contribution.push_id:
-            key = (contribution.island, fragment)
-            self._answers.pop(key, None)  # re-inserted last: the table is in order of recency
-            self._answers[key] = (contribution.push_id, answer)
+        self._answers.put(contribution.island, fragment, contribution.push_id, answer)
         return answer
 
     # ----- merging -----------------------------------------------------------------------------
@@ -449,27 +460,13 @@ class SyncState:
         return {n: r.to_json() for n, r in sorted(self.islands.items())}
 
     def answers_json(self) -> list[dict[str, Any]]:
-        """Answers to pushes that have been merged, for checkpoints: the SAVED_ANSWERS most
-        recent, oldest first.
-
-        A push still pending is left out: rounds are not checkpointed, so after a restart its
-        retry must be accepted afresh rather than answered as a duplicate of a lost push.
-        """
-        merged = [
-            {"island": island, "fragment": f, "pushId": push_id, "answer": answer}
-            for (island, f), (push_id, answer) in self._answers.items()
-            if 0 <= f < len(self.rounds) and int(answer["version"]) < self.rounds[f].version
-        ]
-        return merged[-SAVED_ANSWERS:]
+        """Answers to pushes that have been merged, for checkpoints (replay.PushAnswers)."""
+        return self._answers.merged_json(self.versions)
 
     def restore_answers(self, doc: list[dict[str, Any]]) -> None:
         """Load answers saved by answers_json(), so a push merged before a restart and retried
         after it is answered as a duplicate instead of counted twice."""
-        for entry in doc[-SAVED_ANSWERS:]:
-            f = int(entry["fragment"])
-            if 0 <= f < len(self.rounds):
-                key = (str(entry["island"]), f)
-                self._answers[key] = (str(entry["pushId"]), dict(entry["answer"]))
+        self._answers.restore(doc, len(self.rounds))
 
     def clocks_json(self) -> list[list[list[float]]]:
         """Per fragment, [version, work clock] pairs, for checkpoints."""
