@@ -7,6 +7,7 @@ import math
 
 import pytest
 import torch
+from diloco_trainer.api.spec import parse_spec
 from diloco_trainer.core.contributions import (
     Contributor,
     plan_merge,
@@ -95,3 +96,10 @@ def test_plan_refuses_bad_input() -> None:
         plan_merge([Contributor(1, 1)], rule="median", inner_steps=1, islands=1)
     with pytest.raises(ValueError, match="at least one island"):
         plan_merge([Contributor(1, 1)], rule="mean", inner_steps=1, islands=0)
+
+
+def test_staleness_bound_auto_is_four_versions_per_island_of_the_job() -> None:
+    assert parse_spec({"islands": {"count": 3}}).staleness_bound() == 12
+    # Multi-region: every region's islands count (totalShards).
+    assert parse_spec({"islands": {"count": 2, "totalShards": 5}}).staleness_bound() == 20
+    assert parse_spec({"sync": {"maxStaleness": 2}}).staleness_bound() == 2
