@@ -24,7 +24,9 @@ MASTER_PORT = "MASTER_PORT"
 
 # Where things are
 SYNCER_URL = "DILOCO_SYNCER_URL"  # e.g. http://job-syncer:8470 or https://syncer.example:443
-TOKEN_FILE = "DILOCO_TOKEN_FILE"  # bearer token shared by learners, syncer and operator
+# This process's bearer credential (api/credentials.py): the job's root token for the syncer, the
+# island's own credential for a learner (it may act as that island only).
+TOKEN_FILE = "DILOCO_TOKEN_FILE"
 CONFIG_FILE = "DILOCO_CONFIG_FILE"  # the JobSpec as JSON or YAML
 CA_FILE = "DILOCO_CA_FILE"  # CA bundle learners use to verify an HTTPS syncer
 TLS_CERT_FILE = "DILOCO_TLS_CERT_FILE"  # syncer serving certificate (enables HTTPS)
@@ -39,7 +41,9 @@ SLOWDOWN = "DILOCO_SLOWDOWN"
 CONFIG_MOUNT = "/etc/diloco/config"
 CONFIG_KEY = "spec.json"
 TOKEN_MOUNT = "/etc/diloco/token"
-TOKEN_KEY = "token"
+TOKEN_KEY = "token"  # key of the root token Secret; learners get their island's key as this file
+# `diloco run`: one credential file per island in this directory beside the root token file.
+ISLAND_TOKENS_DIR = "island-tokens"
 CA_MOUNT = "/etc/diloco/ca"
 TLS_MOUNT = "/etc/diloco/tls"
 STATE_MOUNT = "/var/lib/diloco"

@@ -21,7 +21,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from diloco_trainer.api import contract
+from diloco_trainer.api import contract, credentials
 from diloco_trainer.api.spec import JobSpec
 
 
@@ -51,6 +51,18 @@ def write_job_files(spec: JobSpec, workdir: Path, token: str | None = None) -> J
     token_file.write_text(token)
     token_file.chmod(0o600)
     return JobFiles(config_file=config_file, token_file=token_file, token=token)
+
+
+def island_token_file(files: JobFiles, island: str) -> Path:
+    """The file holding `island`'s own credential, derived from the job's root token (as the
+    operator mounts it in an island's pods): a learner can act as its island only."""
+    path = files.token_file.parent / contract.ISLAND_TOKENS_DIR / island
+    path.parent.mkdir(mode=0o700, exist_ok=True)
+    staged = path.with_name(f".{island}.{os.getpid()}")
+    staged.write_text(credentials.island_token(files.token, island))
+    staged.chmod(0o600)
+    staged.replace(path)  # ranks of one island write the same file: never a half-written one
+    return path
 
 
 def syncer_env(
@@ -100,7 +112,7 @@ def learner_env(
         contract.MASTER_ADDR: "127.0.0.1",
         contract.MASTER_PORT: str(master_port),
         contract.SYNCER_URL: syncer_url,
-        contract.TOKEN_FILE: str(files.token_file),
+        contract.TOKEN_FILE: str(island_token_file(files, island)),
         contract.CONFIG_FILE: str(files.config_file),
         contract.DEVICE: device,
         contract.SLOWDOWN: str(slowdown),

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hmac
 import json
 import logging
 import math
@@ -23,6 +22,14 @@ from aiohttp import web
 
 from diloco_trainer.api import protocol
 from diloco_trainer.api.contract import SyncerEnv
+from diloco_trainer.syncer.credentials import (
+    PRINCIPAL,
+    authenticate,
+    principal_of,
+    require_island,
+    require_membership,
+    require_push,
+)
 from diloco_trainer.syncer.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from diloco_trainer.syncer.metrics import SyncerMetrics
 from diloco_trainer.syncer.rounds import Refused
@@ -157,11 +164,12 @@ class SyncerRoutes:
 
     def __init__(self, syncer: SyncerService, token: str) -> None:
         self.syncer = syncer
-        self._token = token.encode()
+        self._root = token  # the job's root token: every credential is checked against it
 
     @web.middleware
     async def auth(self, request: web.Request, handler: Handler) -> web.StreamResponse:
-        """Bearer-token auth on every route but the public probes."""
+        """Bearer-token auth on every route but the public probes; who the token speaks for
+        (syncer/credentials.py) is kept on the request for the routes that act as an island."""
         if request.path in protocol.PUBLIC_ROUTES:
             return await handler(request)
         header = request.headers.get("Authorization", "")
@@ -170,13 +178,13 @@ class SyncerRoutes:
         scheme, _, given = header.partition(" ")
         if scheme.lower() != "bearer" or not given.strip():
             raise Refused(401, "malformed Authorization header: expected 'Bearer <token>'")
-        if not hmac.compare_digest(given.strip().encode(), self._token):
-            raise Refused(403, "invalid bearer token")
+        request[PRINCIPAL] = authenticate(self._root, given.strip())
         return await handler(request)
 
     async def join(self, request: web.Request) -> web.Response:
         doc = await json_object(request, "join")
         island = island_name(doc.get("island"), "join")
+        require_island(principal_of(request), island, "join")
         replicas = typed_field(doc, "replicas", "join", int, required=False) or 1
         at_least(replicas, 1, "join", "replicas")
         return web.json_response(await self.syncer.join(island, replicas))
@@ -200,6 +208,7 @@ class SyncerRoutes:
         fragment = fragment_arg(request)
         try:
             body = await self._read_push_body(request, fragment)
+            require_push(principal_of(request), body)
             answer = await self.syncer.push(fragment, body)
         except Refused as err:
             reason = REFUSAL_REASON.get(err.status, str(err.status))
@@ -220,6 +229,7 @@ class SyncerRoutes:
     async def heartbeat(self, request: web.Request) -> web.Response:
         doc = await json_object(request, "heartbeat")
         island = island_name(doc.get("island"), "heartbeat")
+        require_island(principal_of(request), island, "heartbeat")
         step = typed_field(doc, "step", "heartbeat", int, required=False) or 0
         tokens = typed_field(doc, "tokens", "heartbeat", int, required=False) or 0
         loss = typed_field(doc, "loss", "heartbeat", float, required=False)
@@ -235,10 +245,12 @@ class SyncerRoutes:
     async def leave(self, request: web.Request) -> web.Response:
         doc = await json_object(request, "leave")
         island = island_name(doc.get("island"), "leave")
+        require_island(principal_of(request), island, "leave")
         return web.json_response(await self.syncer.leave(island))
 
     async def membership(self, request: web.Request) -> web.Response:
         island = island_name(request.match_info["island"], "path")
+        require_membership(principal_of(request), island)
         doc = await json_object(request, "membership")
         state = typed_field(doc, "state", "membership", str)
         if state not in protocol.ADMIN_STATES:
