@@ -29,7 +29,18 @@ MAX_STATEFULSET_NAME = 52
 ISLAND_SUFFIX_MAX = len("-island-511")
 
 # Schema keys that carry over unchanged from JSON Schema to Kubernetes' OpenAPI v3 subset.
-_KEPT = ("type", "description", "enum", "pattern", "minLength", "maxLength", "minimum", "maximum")
+_KEPT = (
+    "type",
+    "description",
+    "enum",
+    "pattern",
+    "minLength",
+    "maxLength",
+    "minItems",
+    "maxItems",
+    "minimum",
+    "maximum",
+)
 
 # CEL guards: the API server also checks rules against the schema's defaults (e.g. `syncer: {}`)
 # before nested defaults are filled in, so every optional field is tested with has() first.
@@ -95,6 +106,9 @@ _SPEC_RULES: dict[tuple[str, ...], list[dict[str, str]]] = {
         },
     ],
 }
+
+# `kubectl scale dj NAME --replicas N` sets the number of islands; the ready ones are the status.
+_SCALE = {"specReplicasPath": ".spec.islands.count", "statusReplicasPath": ".status.islands.ready"}
 
 # Rules on the whole object: metadata.name ends up in Service and StatefulSet names.
 _ROOT_RULES: list[dict[str, str]] = [
@@ -272,7 +286,7 @@ def build_crd() -> dict[str, Any]:
                     "served": True,
                     "storage": True,
                     "schema": {"openAPIV3Schema": root},
-                    "subresources": {"status": {}},
+                    "subresources": {"status": {}, "scale": _SCALE},
                     "additionalPrinterColumns": _printer_columns(),
                 }
             ],

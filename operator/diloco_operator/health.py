@@ -89,18 +89,20 @@ class IslandHealth:
 
 
 def island_health(
-    statefulsets: Mapping[str, str], replicas: int, pods: Iterable[PodView]
+    statefulsets: Mapping[str, str], replicas: int | Mapping[str, int], pods: Iterable[PodView]
 ) -> dict[str, IslandHealth]:
-    """Health of each island, given {island: StatefulSet name} and the job's pods."""
+    """Health of each island, given {island: StatefulSet name}, the replicas of every island
+    (or {island: replicas}, islands.overrides giving some their own) and the job's pods."""
     by_name = {p.name: p for p in pods}
     out: dict[str, IslandHealth] = {}
     for island, sts in statefulsets.items():
-        expected = [f"{sts}-{i}" for i in range(replicas)]
+        want = replicas if isinstance(replicas, int) else replicas[island]
+        expected = [f"{sts}-{i}" for i in range(want)]
         present = [by_name[n] for n in expected if n in by_name and by_name[n].island == island]
         names = {p.name for p in present}
         out[island] = IslandHealth(
             name=island,
-            desired_pods=replicas,
+            desired_pods=want,
             ready_pods=sum(p.ready for p in present),
             restarts=sum(p.restarts for p in present),
             crash_looping_pods=sum(p.crash_looping for p in present),

@@ -186,7 +186,7 @@ async def observe(
         island: resources.island_statefulset_name(job.name, island)
         for island in resources.island_names(spec)
     }
-    health = island_health(statefulsets, spec.islands.replicas, pods)
+    health = island_health(statefulsets, resources.island_replicas_by_name(spec), pods)
     running = islands_should_run(spec, status)
     await update_membership(kube, rt, job, spec, health, islands_running=running)
     meta = body["metadata"]

@@ -131,5 +131,6 @@ def test_user_clusterroles_should_aggregate_into_default_roles_when_cluster_scop
     assert view["metadata"]["labels"]["rbac.authorization.k8s.io/aggregate-to-view"] == "true"
     assert grants(view["rules"])[("diloco.dev", "dilocojobs")] == {"get", "list", "watch"}
     assert "create" in grants(edit["rules"])[("diloco.dev", "dilocojobs")]
+    assert grants(edit["rules"])[("diloco.dev", "dilocojobs/scale")] == {"get", "update", "patch"}
     off = render({"rbac": {"aggregateToDefaultRoles": False}})
     assert [r["metadata"]["name"] for r in off.of_kind("ClusterRole")] == ["diloco-diloco-operator"]

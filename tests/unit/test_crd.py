@@ -46,7 +46,13 @@ def test_crd_names_and_subresources() -> None:
     )
     version = body["spec"]["versions"][0]
     assert version["name"] == "v1alpha1" and version["storage"] and version["served"]
-    assert version["subresources"] == {"status": {}}
+    assert version["subresources"] == {
+        "status": {},
+        "scale": {
+            "specReplicasPath": ".spec.islands.count",
+            "statusReplicasPath": ".status.islands.ready",
+        },
+    }
 
 
 def test_crd_printer_columns() -> None:

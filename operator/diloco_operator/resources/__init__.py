@@ -49,6 +49,7 @@ from diloco_operator.resources.naming import (
     syncer_url,
     token_secret_name,
 )
+from diloco_operator.resources.placement import island_replicas_by_name
 from diloco_operator.resources.pods import (
     LEARNER_CONFIG_FIELDS,
     SYNCER_IGNORED_FIELDS,
@@ -56,7 +57,11 @@ from diloco_operator.resources.pods import (
     merge_overrides,
     syncer_config_hash,
 )
-from diloco_operator.resources.syncer import build_syncer_deployment, build_syncer_service
+from diloco_operator.resources.syncer import (
+    build_syncer_deployment,
+    build_syncer_pod_template,
+    build_syncer_service,
+)
 
 __all__ = [
     "COMPONENT_CONFIG",
@@ -81,6 +86,7 @@ __all__ = [
     "build_island_statefulset",
     "build_learner_pod_template",
     "build_syncer_deployment",
+    "build_syncer_pod_template",
     "build_syncer_service",
     "build_token_secret",
     "ca_secret_name",
@@ -88,6 +94,7 @@ __all__ = [
     "content_hash",
     "generated_token_secret_name",
     "island_names",
+    "island_replicas_by_name",
     "island_statefulset_name",
     "labels",
     "learner_config_hash",

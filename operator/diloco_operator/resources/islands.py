@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-import copy
 from typing import Any
 
 from diloco_trainer.api import contract
+from diloco_trainer.api.placement import island_replicas
 
 from diloco_operator.api import DiLoCoJobSpec
 from diloco_operator.resources.naming import (
@@ -25,6 +25,11 @@ from diloco_operator.resources.naming import (
     stamp,
     syncer_url,
 )
+from diloco_operator.resources.placement import (
+    island_resources,
+    island_template_fragments,
+    with_user_fragments,
+)
 from diloco_operator.resources.pods import (
     DIST_PORT_NAME,
     LEARNER_CONTAINER,
@@ -34,7 +39,6 @@ from diloco_operator.resources.pods import (
     env_var,
     file_env,
     learner_config_hash,
-    merge_overrides,
     pod_security_context,
 )
 
@@ -50,7 +54,7 @@ def _learner_env(job: JobRef, spec: DiLoCoJobSpec, index: int) -> list[dict[str,
             "name": contract.RANK,
             "valueFrom": {"fieldRef": {"fieldPath": f"metadata.labels['{POD_INDEX_LABEL}']"}},
         },
-        env_var(contract.WORLD_SIZE, spec.islands.replicas),
+        env_var(contract.WORLD_SIZE, island_replicas(spec.islands, index)),
         env_var(contract.MASTER_ADDR, f"{sts}-0.{sts}"),
         env_var(contract.MASTER_PORT, contract.DEFAULT_MASTER_PORT),
         env_var(contract.SYNCER_URL, syncer_url(job, spec)),
@@ -59,7 +63,8 @@ def _learner_env(job: JobRef, spec: DiLoCoJobSpec, index: int) -> list[dict[str,
 
 
 def build_learner_pod_template(job: JobRef, spec: DiLoCoJobSpec, index: int) -> dict[str, Any]:
-    """The pod template of island `index` (all its ranks), with spec.islands.template merged in."""
+    """The pod template of island `index` (all its ranks), with spec.islands.template and the
+    island's entry of spec.islands.overrides merged in."""
     island = contract.island_name(spec.islands.name_prefix, index)
     env = _learner_env(job, spec, index)
     mounts = common_mounts()
@@ -83,8 +88,9 @@ def build_learner_pod_template(job: JobRef, spec: DiLoCoJobSpec, index: int) -> 
         "volumeMounts": mounts,
         "securityContext": container_security_context(),
     }
-    if spec.islands.resources:
-        container["resources"] = copy.deepcopy(spec.islands.resources)
+    resources = island_resources(spec, index)
+    if resources:
+        container["resources"] = resources
     pod_labels = labels(job.name, COMPONENT_LEARNER, island)
     template: dict[str, Any] = {
         "metadata": {
@@ -98,16 +104,14 @@ def build_learner_pod_template(job: JobRef, spec: DiLoCoJobSpec, index: int) -> 
             "volumes": volumes,
         },
     }
-    template = merge_overrides(template, spec.islands.template)
-    # The selector labels are not the user's to change.
-    template["metadata"]["labels"].update(pod_labels)
-    return template
+    return with_user_fragments(template, island_template_fragments(spec, index), pod_labels)
 
 
 def build_island_statefulset(
     job: JobRef, spec: DiLoCoJobSpec, index: int, *, running: bool = True
 ) -> dict[str, Any]:
-    """Island `index`: a StatefulSet of spec.islands.replicas DDP ranks (0 when not running)."""
+    """Island `index`: a StatefulSet of its DDP ranks (islands.replicas or its override's; 0
+    when not running)."""
     island = contract.island_name(spec.islands.name_prefix, index)
     name = island_statefulset_name(job.name, island)
     template = build_learner_pod_template(job, spec, index)
@@ -119,7 +123,7 @@ def build_island_statefulset(
             "kind": "StatefulSet",
             "metadata": meta,
             "spec": {
-                "replicas": spec.islands.replicas if running else 0,
+                "replicas": island_replicas(spec.islands, index) if running else 0,
                 "serviceName": name,
                 # Ranks of one island start together: DDP waits for all of them anyway.
                 "podManagementPolicy": "Parallel",

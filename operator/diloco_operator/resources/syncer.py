@@ -22,6 +22,7 @@ from diloco_operator.resources.naming import (
     stamp,
     syncer_name,
 )
+from diloco_operator.resources.placement import with_user_fragments
 from diloco_operator.resources.pods import (
     SYNCER_CONTAINER,
     SYNCER_PORT_NAME,
@@ -84,6 +85,24 @@ def _syncer_volumes(job: JobRef, spec: DiLoCoJobSpec) -> list[dict[str, Any]]:
     return volumes
 
 
+def build_syncer_pod_template(job: JobRef, spec: DiLoCoJobSpec) -> dict[str, Any]:
+    """The syncer's pod template, with spec.syncer.template merged in."""
+    lab = labels(job.name, COMPONENT_SYNCER)
+    template = {
+        "metadata": {
+            "labels": dict(lab),
+            "annotations": {CONFIG_HASH: syncer_config_hash(spec)},
+        },
+        "spec": {
+            "enableServiceLinks": False,
+            "securityContext": pod_security_context(),
+            "containers": [_syncer_container(job, spec)],
+            "volumes": _syncer_volumes(job, spec),
+        },
+    }
+    return with_user_fragments(template, [spec.syncer.template], lab)
+
+
 def build_syncer_deployment(job: JobRef, spec: DiLoCoJobSpec) -> dict[str, Any]:
     """`NAME-syncer`: one syncer pod (Recreate: never two writers of one checkpoint)."""
     lab = labels(job.name, COMPONENT_SYNCER)
@@ -98,18 +117,7 @@ def build_syncer_deployment(job: JobRef, spec: DiLoCoJobSpec) -> dict[str, Any]:
                 "selector": {
                     "matchLabels": {JOB_LABEL: job.name, COMPONENT_LABEL: COMPONENT_SYNCER}
                 },
-                "template": {
-                    "metadata": {
-                        "labels": dict(lab),
-                        "annotations": {CONFIG_HASH: syncer_config_hash(spec)},
-                    },
-                    "spec": {
-                        "enableServiceLinks": False,
-                        "securityContext": pod_security_context(),
-                        "containers": [_syncer_container(job, spec)],
-                        "volumes": _syncer_volumes(job, spec),
-                    },
-                },
+                "template": build_syncer_pod_template(job, spec),
             },
         }
     )

@@ -14,8 +14,11 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import Field, ValidationError, model_validator
 from pydantic.alias_generators import to_camel
+
+from diloco_trainer.api.base import SpecModel
+from diloco_trainer.api.placement import ISLAND_OVERRIDES, IslandOverrides
 
 Codec = Literal["none", "fp16", "bf16", "int8", "int4"]
 PullCompression = Literal["auto", "none", "fp16", "bf16", "int8", "int4"]
@@ -34,17 +37,6 @@ STALE_VERSIONS_PER_ISLAND = 4
 
 # A DNS-1123 label fragment: island names become parts of pod and Service names.
 DNS_PREFIX_PATTERN = r"^([a-z0-9]([-a-z0-9]*[a-z0-9])?)?$"
-
-
-class SpecModel(BaseModel):
-    """Base for every spec section: camelCase aliases, unknown fields refused."""
-
-    model_config = ConfigDict(
-        alias_generator=to_camel,
-        populate_by_name=True,
-        extra="forbid",
-        validate_default=True,
-    )
 
 
 class ModelSpec(SpecModel):
@@ -151,6 +143,7 @@ class IslandsSpec(SpecModel):
         description="Pod template overrides merged into the learner pods (nodeSelector, "
         "tolerations, affinity, ...).",
     )
+    overrides: IslandOverrides = ISLAND_OVERRIDES
 
 
 class InnerSpec(SpecModel):
@@ -379,6 +372,11 @@ class SyncerSpec(SpecModel):
     port: int = Field(8470, ge=1, le=65535, description="Syncer HTTP port.")
     resources: dict[str, Any] = Field(
         default_factory=dict, description="Kubernetes resource requirements for the syncer."
+    )
+    template: dict[str, Any] = Field(
+        default_factory=dict,
+        description="A PodTemplateSpec fragment merged into the syncer pod, like "
+        "islands.template (the container is named 'syncer').",
     )
     checkpoint: CheckpointSpec = Field(default_factory=CheckpointSpec)
     service: ServiceSpec = Field(default_factory=ServiceSpec)

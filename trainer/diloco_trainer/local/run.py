@@ -33,6 +33,7 @@ from rich.live import Live
 from diloco_trainer.api.client import SyncerJsonClient
 from diloco_trainer.api.contract import island_name
 from diloco_trainer.api.documents import SyncerStatus
+from diloco_trainer.api.placement import island_replicas
 from diloco_trainer.api.protocol import SyncerError
 from diloco_trainer.api.spec import ConfigError, JobSpec, load_spec, parse_spec
 from diloco_trainer.local.launch import (
@@ -199,7 +200,7 @@ class LocalRun:
             self.start_island(i)
 
     def _threads(self) -> dict[str, str]:
-        ranks = self.spec.islands.count * self.spec.islands.replicas
+        ranks = sum(island_replicas(self.spec.islands, i) for i in range(self.spec.islands.count))
         return {"OMP_NUM_THREADS": str(threads_per_learner(ranks))}
 
     def start_syncer(self, port: int | None = None) -> Proc:
@@ -226,7 +227,8 @@ class LocalRun:
         island = island_name(spec.islands.name_prefix, index)
         master_port = free_port()
         procs = []
-        for rank in range(spec.islands.replicas):
+        replicas = island_replicas(spec.islands, index)
+        for rank in range(replicas):
             proc = start_learner(
                 self.files,
                 syncer_url=self.url,
@@ -234,7 +236,7 @@ class LocalRun:
                 island_index=spec.islands.shard_offset + index,
                 log_file=self.logs / f"{island}-rank{rank}.log",
                 rank=rank,
-                world_size=spec.islands.replicas,
+                world_size=replicas,
                 master_port=master_port,
                 slowdown=self.slowdowns.get(index, 1.0),
                 job_name=self.name,

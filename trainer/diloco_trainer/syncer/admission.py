@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from diloco_trainer.api import protocol
+from diloco_trainer.api.placement import max_island_replicas
 from diloco_trainer.api.spec import IslandsSpec, JobSpec
 from diloco_trainer.syncer.records import LEFT, TIMED_OUT, IslandRecord, Refused
 
@@ -42,7 +43,7 @@ class Admission:
     prefix: str  # this cluster's islands.namePrefix
     count: int  # islands.count: own names island-0 .. island-(count-1)
     total: int  # islands of the whole job (all clusters)
-    replicas: int  # islands.replicas
+    replicas: int  # islands.replicas, or more for an island with an override
     remote_replicas: int  # replicas of another cluster's island
 
     @classmethod
@@ -56,7 +57,7 @@ class Admission:
             prefix=islands.name_prefix,
             count=islands.count,
             total=max(total, islands.count),
-            replicas=islands.replicas,
+            replicas=max_island_replicas(islands),
             remote_replicas=remote_replicas or islands.replicas,
         )
 

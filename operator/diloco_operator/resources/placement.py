@@ -1,0 +1,55 @@
+"""Where a job's pods run: the user's pod template fragments, merged into ours (pure).
+
+Learner pods take `islands.template`, then their island's entry of `islands.overrides`
+(nodeSelector, then template); the syncer pod takes `syncer.template`. Merging follows
+`pods.merge_overrides`; the labels the selectors match on are put back afterwards, since they are
+not the user's to change.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+from diloco_trainer.api import contract
+from diloco_trainer.api.placement import island_override, island_replicas
+
+from diloco_operator.api import DiLoCoJobSpec
+from diloco_operator.resources.pods import merge_overrides
+
+
+def island_replicas_by_name(spec: DiLoCoJobSpec) -> dict[str, int]:
+    """{island name: pods it should have} for every desired island."""
+    return {
+        contract.island_name(spec.islands.name_prefix, i): island_replicas(spec.islands, i)
+        for i in range(spec.islands.count)
+    }
+
+
+def island_resources(spec: DiLoCoJobSpec, index: int) -> dict[str, Any]:
+    """Resource requirements of island `index`'s learner container (its override's, if any)."""
+    entry = island_override(spec.islands, index)
+    chosen = entry.resources if entry is not None and entry.resources else spec.islands.resources
+    return copy.deepcopy(chosen)
+
+
+def island_template_fragments(spec: DiLoCoJobSpec, index: int) -> list[dict[str, Any]]:
+    """The user's fragments for island `index`'s pod template, in the order they merge."""
+    fragments = [spec.islands.template]
+    entry = island_override(spec.islands, index)
+    if entry is not None:
+        if entry.node_selector:
+            fragments.append({"spec": {"nodeSelector": dict(entry.node_selector)}})
+        fragments.append(entry.template)
+    return [f for f in fragments if f]
+
+
+def with_user_fragments(
+    template: dict[str, Any], fragments: list[dict[str, Any]], selector_labels: dict[str, str]
+) -> dict[str, Any]:
+    """`template` with each fragment merged in, then the selector labels restored."""
+    for fragment in fragments:
+        template = merge_overrides(template, fragment)
+    metadata = template.setdefault("metadata", {})
+    metadata.setdefault("labels", {}).update(selector_labels)
+    return template

@@ -1,0 +1,97 @@
+"""Where a job's pods run: per-island overrides of the learner pods (torch-free).
+
+One job can mix node types: `islands.overrides` gives some islands their own replicas,
+resources, node selector and pod template fragment. Islands run with DDP inside, but talk to the
+syncer and to each other only through it, so islands of different sizes and hardware are fine:
+the syncer weighs each push by the tokens it carries. An index at or beyond `islands.count` is
+ignored, so scaling down never has to edit the overrides.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Annotated, Any
+
+from pydantic import AfterValidator, Field
+
+from diloco_trainer.api.base import SpecModel
+
+if TYPE_CHECKING:
+    from diloco_trainer.api.spec import IslandsSpec
+
+MAX_ISLAND_INDEX = 511  # islands.count is at most 512
+IslandIndex = Annotated[
+    int, Field(ge=0, le=MAX_ISLAND_INDEX, description="An island's index (island-I has index I).")
+]
+
+
+class IslandOverride(SpecModel):
+    """Placement and size of some islands, instead of the islands.* defaults."""
+
+    islands: list[IslandIndex] = Field(
+        min_length=1,
+        max_length=MAX_ISLAND_INDEX + 1,
+        description="Indexes of the islands this entry applies to (island-I has index I); "
+        "indexes >= islands.count are ignored.",
+    )
+    replicas: int | None = Field(
+        None,
+        ge=1,
+        le=1024,
+        description="Pods (DDP ranks) of these islands; unset: islands.replicas.",
+    )
+    resources: dict[str, Any] = Field(
+        default_factory=dict,
+        description="Resource requirements of these islands' learner containers, instead of "
+        "islands.resources (empty: islands.resources).",
+    )
+    node_selector: dict[str, str] = Field(
+        default_factory=dict,
+        description="Merged key by key into these islands' pod nodeSelector (after "
+        "islands.template).",
+    )
+    template: dict[str, Any] = Field(
+        default_factory=dict,
+        description="A PodTemplateSpec fragment merged into these islands' pods after "
+        "islands.template (the same merge rules).",
+    )
+
+
+def _disjoint(overrides: list[IslandOverride]) -> list[IslandOverride]:
+    seen: set[int] = set()
+    for entry in overrides:
+        twice = seen.intersection(entry.islands)
+        if twice:
+            raise ValueError(f"island {min(twice)} is named by more than one override")
+        seen.update(entry.islands)
+    return overrides
+
+
+IslandOverrides = Annotated[list[IslandOverride], AfterValidator(_disjoint)]
+
+ISLAND_OVERRIDES: Any = Field(
+    default_factory=list,
+    max_length=MAX_ISLAND_INDEX + 1,
+    description="Per-island placement and size (replicas, resources, nodeSelector, template), "
+    "so one job can mix node types; each island index in at most one entry.",
+)
+
+
+def island_override(islands: IslandsSpec, index: int) -> IslandOverride | None:
+    """The override entry naming island `index`, if any."""
+    for entry in islands.overrides:
+        if index in entry.islands:
+            return entry
+    return None
+
+
+def island_replicas(islands: IslandsSpec, index: int) -> int:
+    """Pods (DDP ranks) of island `index`: its override's replicas, else islands.replicas."""
+    entry = island_override(islands, index)
+    if entry is not None and entry.replicas is not None:
+        return entry.replicas
+    return islands.replicas
+
+
+def max_island_replicas(islands: IslandsSpec) -> int:
+    """The most replicas any island of this cluster runs (what the syncer admits)."""
+    return max(island_replicas(islands, i) for i in range(islands.count))
