@@ -30,7 +30,8 @@ BASE: dict[str, Any] = {
     "model": {"preset": "gpt-tiny"},
     "data": {"evalTokens": 1024},
     "islands": {"count": 3},
-    "inner": {"steps": 4, "batchSize": 2, "seqLen": 16},
+    # batch 8 x seqLen 16: up to 128 tokens a step, what the pushes below claim at most
+    "inner": {"steps": 4, "batchSize": 8, "seqLen": 16},
     "sync": {"quorum": 2, "graceSeconds": 5, "merge": "tokens", "maxStaleness": 2, "fragments": 1},
     "stopAfter": {"outerSteps": 100},
     "syncer": {"checkpoint": {"everyOuterSteps": 100}},

@@ -6,6 +6,7 @@ the push-answer table survive a checkpoint."""
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 from pathlib import Path
 from typing import Any
@@ -152,6 +153,9 @@ def test_syncer_pull_checkpoint_keeps_the_published_weights(tmp_path: Path) -> N
     # An older checkpoint without published.safetensors: θ_pub starts as θ_exact.
     for path in ckpt.list_checkpoints(tmp_path):
         (path / ckpt.PUBLISHED_FILE).unlink()
+        manifest = json.loads((path / ckpt.MANIFEST_FILE).read_text())
+        del manifest[ckpt.INTEGRITY_KEY]  # such a syncer recorded no file hashes either
+        (path / ckpt.MANIFEST_FILE).write_text(json.dumps(manifest))
     old = run(started(spec, tmp_path, FakeClock()))
     assert old.model.published is not old.model.weights
     assert all(torch.equal(old.model.published[n], t) for n, t in old.model.weights.items())

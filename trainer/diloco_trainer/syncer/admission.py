@@ -3,13 +3,15 @@
 Island names are api/contract.island_name(prefix, i): 'island-3', or 'eu-island-3' with
 islands.namePrefix 'eu'. A syncer accepts a join of
 
-- its own prefix with i < islands.count, with at most islands.replicas replicas;
+- its own prefix with i < islands.count;
 - in a multi-region job (islands.totalShards, or shardOffset + count, larger than count), any
-  other cluster's prefix with i < totalShards, with at most syncer.guards.remoteIslandReplicas
-  replicas (default islands.replicas);
+  other cluster's prefix with i < totalShards;
 
 and keeps at most that many island records (max(count, total shards)): when they are all taken, a
 new island takes the place of one that timed out or left, never of an active or dropped one.
+The replicas an island's work counts for (replicas_for: islands.replicas, or
+syncer.guards.remoteIslandReplicas for another cluster's island) bound the tokens of its pushes
+(guards.py), whatever it declared when it joined.
 
 A name that is not of the form '[prefix-]island-N' is refused (403). One of that form that is not
 admitted now is answered 503 with Retry-After instead: `islands` is the one spec section that
@@ -71,9 +73,9 @@ class Admission:
         """The most island records the syncer keeps."""
         return self.total
 
-    def refusal(self, name: str, replicas: int) -> Refused | None:
-        """Why `name` with `replicas` may not join (403 not an island name of the job, 503
-        not admitted now), or None when it may."""
+    def refusal(self, name: str) -> Refused | None:
+        """Why `name` may not join (403 not an island name of the job, 503 not admitted now),
+        or None when it may."""
         match = NAME.match(name)
         if match is None:
             return Refused(
@@ -88,9 +90,6 @@ class Admission:
             why = f"this job's islands are named {self._own(0)} .. {self._own(self.count - 1)}"
         elif index >= (self.count if own else self.total):
             why = f"the job has {self.count if own else self.total} islands here"
-        elif replicas > (self.replicas if own else self.remote_replicas):
-            limit = self.replicas if own else self.remote_replicas
-            why = f"{replicas} replicas are more than the job's {limit} per island"
         else:
             return None
         return Refused(
@@ -122,7 +121,7 @@ def admitted_records(
 ) -> tuple[dict[str, Mapping[str, Any]], list[str]]:
     """The island records of a checkpoint this job admits (names of the job, at most `cap`, the
     most recently seen first), and the names left out."""
-    named = {n: d for n, d in doc.items() if NAME.match(n) and admission.refusal(n, 1) is None}
+    named = {n: d for n, d in doc.items() if NAME.match(n) and admission.refusal(n) is None}
     newest = sorted(named, key=lambda n: -float(named[n].get("lastSeen", 0.0) or 0.0))
     kept = {n: named[n] for n in sorted(newest[: admission.cap])}
     return kept, sorted(set(doc) - set(kept))

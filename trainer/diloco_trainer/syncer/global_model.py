@@ -14,6 +14,7 @@ methods (merge_round, digest, snapshots) from a worker thread.
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
@@ -28,6 +29,7 @@ from diloco_trainer.core.merge import merge_pseudo_gradients
 from diloco_trainer.core.outer import OuterOptimizer
 from diloco_trainer.core.published import WeightUpdate, publish_update
 from diloco_trainer.syncer import checkpoint as ckpt
+from diloco_trainer.syncer.guards import MergeInputError, check_merged
 from diloco_trainer.syncer.rounds import Contribution
 
 log = logging.getLogger("diloco.syncer")
@@ -57,6 +59,14 @@ class MergeResult:
     rounds: int  # the fragment's completed rounds of work after the merge
     clock: float  # its rounds of work merged so far (rounds + the open round's fraction)
     update: WeightUpdate | None  # θ_pub's encoded update; None when θ_pub is θ_exact
+
+
+@dataclass(frozen=True)
+class PreparedMerge:
+    """A merge computed but not applied (GlobalModel.prepare_merge)."""
+
+    plan: MergePlan
+    merged: Tensors  # the merged pseudo-gradient g
 
 
 @dataclass(frozen=True)
@@ -120,11 +130,24 @@ class GlobalModel:
         islands: int,
         new_version: int,
     ) -> MergeResult:
-        """Merge fragment f's round into θ_exact and θ_pub: the plan (each contribution's weight,
-        scale to one round of work and staleness discount from its lag in rounds, `lags`; the
-        work fraction φ among `islands` islands), the weighted merge of the scaled
-        pseudo-gradients, the outer step carrying φ, and θ_pub's update to `new_version`. Runs in
-        a worker thread, lock held."""
+        """Merge fragment f's round into θ_exact and θ_pub: prepare_merge, then commit_merge.
+        Runs in a worker thread, lock held."""
+        prepared = self.prepare_merge(f, contributions, lags=lags, islands=islands)
+        return self.commit_merge(f, prepared, new_version=new_version)
+
+    def prepare_merge(
+        self,
+        f: int,
+        contributions: Sequence[Contribution],
+        *,
+        lags: Sequence[float],
+        islands: int,
+    ) -> PreparedMerge:
+        """The plan (each contribution's weight, scale to one round of work and staleness
+        discount from its lag in rounds, `lags`; the work fraction φ among `islands` islands)
+        and the weighted merge of the scaled pseudo-gradients, checked finite and bounded
+        (guards.check_merged). Changes nothing: a ValueError (MergeInputError) here leaves the
+        model as it was."""
         plan = plan_merge(
             [
                 Contributor(c.tokens, c.steps, lag)
@@ -141,13 +164,29 @@ class GlobalModel:
             self.plain_merge_names,
             scales=plan.scales,
         )
-        self.outer.step(merged, plan.fraction, group=f)
+        if not (math.isfinite(plan.fraction) and plan.fraction >= 0):
+            raise MergeInputError(f"work fraction {plan.fraction} of fragment {f}'s merge")
+        check_merged(f, merged)
+        return PreparedMerge(plan, merged)
+
+    def commit_merge(self, f: int, prepared: PreparedMerge, *, new_version: int) -> MergeResult:
+        """Apply a prepared merge: the outer step carrying φ, and θ_pub's update to
+        `new_version`."""
+        plan = prepared.plan
+        self.outer.step(prepared.merged, plan.fraction, group=f)
         update = None
         if self.kept_apart:
             update = publish_update(
                 self.weights, self.published, self.fragments[f], self.pull_compression, new_version
             )
         return MergeResult(plan, self.outer.rounds(f), self.outer.clock(f), update)
+
+    def fragment_norms(self) -> list[float]:
+        """The L2 norm of each fragment's weights (θ_exact)."""
+        return [
+            math.sqrt(sum(float(self.weights[n].norm()) ** 2 for n in names))
+            for names in self.fragments
+        ]
 
     # ----- digests, snapshots and checkpoints --------------------------------------------------
 

@@ -2,7 +2,9 @@
 
 Thin by design: each route is a named handler of SyncerRoutes that parses and validates its input
 (a bad field gets a 400 naming it; validation.py), then calls the service, whose Refused
-exceptions become JSON errors {"error", "code"?} with their status (the `errors` middleware).
+exceptions become JSON errors {"error", "code"?} with their status (the `errors` middleware; a
+Retry-After header with a 503 that has one). Bodies are read under the limits of limits.py
+(size, time, concurrent pushes, JSON depth).
 Routes and field names are in api/protocol.py. The handlers need only what SyncerService names,
 so this module does not import the service (the service imports it to serve).
 """
@@ -10,7 +12,6 @@ so this module does not import the service (the service imports it to serve).
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import logging
 import math
@@ -30,10 +31,20 @@ from diloco_trainer.syncer.credentials import (
     require_membership,
     require_push,
 )
+from diloco_trainer.syncer.health import Health
+from diloco_trainer.syncer.limits import HttpLimits, Slots, json_too_deep, read_body
 from diloco_trainer.syncer.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from diloco_trainer.syncer.metrics import SyncerMetrics
 from diloco_trainer.syncer.rounds import Refused
-from diloco_trainer.syncer.validation import at_least, island_name, typed_field
+from diloco_trainer.syncer.validation import (
+    MAX_REPLICAS,
+    MAX_SECONDS,
+    MAX_WIRE_INT,
+    at_least,
+    at_most,
+    island_name,
+    typed_field,
+)
 
 log = logging.getLogger("diloco.syncer")
 
@@ -41,6 +52,8 @@ log = logging.getLogger("diloco.syncer")
 JSON_LIMIT = 64 * 1024
 # Seconds the server waits for in-flight requests on SIGTERM (long-polls are answered at once).
 SHUTDOWN_TIMEOUT = 10.0
+# Seconds a stop waits for a running merge, scheduled jobs and the final checkpoint, each.
+STOP_TIMEOUT = 60.0
 SCHEDULER_KEY = web.AppKey("scheduler", asyncio.Task)
 
 # The pushes metric's label for a refused push, by status.
@@ -49,8 +62,10 @@ REFUSAL_REASON = {
     401: "unauthenticated",
     403: "forbidden",
     404: "unknown",
+    408: "timeout",
     409: "stale",
     413: "too_large",
+    503: "unavailable",
 }
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
@@ -62,6 +77,7 @@ class SyncerService(Protocol):
     codec: str
     failure: str | None
     metrics: SyncerMetrics
+    health: Health
 
     @property
     def outer_step(self) -> int: ...
@@ -92,7 +108,9 @@ class SyncerService(Protocol):
 
     def close_waiters(self) -> None: ...
 
-    async def stop(self, timeout: float = 30.0) -> None: ...
+    async def stop(
+        self, timeout: float = 30.0, scheduler: asyncio.Task[None] | None = None
+    ) -> None: ...
 
 
 # ----- errors and request bodies ---------------------------------------------------------------
@@ -110,7 +128,12 @@ async def errors(request: web.Request, handler: Handler) -> web.StreamResponse:
     try:
         return await handler(request)
     except Refused as err:
-        return error_response(err.status, err.message, err.code)
+        resp = error_response(err.status, err.message, err.code)
+        if err.retry_after is not None:
+            resp.headers["Retry-After"] = str(max(1, round(err.retry_after)))
+        if err.status == 408:
+            resp.force_close()  # the rest of a slow body is not worth waiting for
+        return resp
     except web.HTTPException as err:
         if err.status < 400:
             raise
@@ -120,22 +143,29 @@ async def errors(request: web.Request, handler: Handler) -> web.StreamResponse:
         return error_response(500, "internal error in the syncer; see its log")
 
 
-async def read_limited(request: web.Request, limit: int, too_big: str) -> bytes:
+async def read_limited(request: web.Request, limit: int, too_big: str, limits: HttpLimits) -> bytes:
     """The whole request body, refusing (413) more than `limit` bytes whether or not the client
-    declared a Content-Length (a chunked body is counted as it arrives)."""
+    declared a Content-Length (a chunked body is counted as it arrives), and (408) a body that
+    pauses or takes too long (limits.read_body)."""
     if request.content_length is not None and request.content_length > limit:
         raise Refused(413, too_big)
-    buf = bytearray()
-    async for chunk in request.content.iter_any():
-        buf += chunk
-        if len(buf) > limit:
-            raise Refused(413, too_big)
-    return bytes(buf)
+    return await read_body(
+        request.content,
+        limit,
+        too_big,
+        pause=limits.header_timeout,
+        total=limits.body_timeout,
+    )
 
 
-async def json_object(request: web.Request, route: str) -> dict[str, Any]:
-    """The request's JSON object body (at most JSON_LIMIT bytes); Refused(400/413) otherwise."""
-    raw = await read_limited(request, JSON_LIMIT, f"{route} body exceeds {JSON_LIMIT} bytes")
+async def json_object(request: web.Request, route: str, limits: HttpLimits) -> dict[str, Any]:
+    """The request's JSON object body (at most JSON_LIMIT bytes, nested at most
+    limits.MAX_JSON_DEPTH deep); Refused(400/408/413) otherwise."""
+    raw = await read_limited(
+        request, JSON_LIMIT, f"{route} body exceeds {JSON_LIMIT} bytes", limits
+    )
+    if json_too_deep(raw):
+        raise Refused(400, f"{route} body is nested too deep to be a {route} request")
     try:
         doc = json.loads(raw)
     except ValueError as err:
@@ -162,9 +192,11 @@ def fragment_arg(request: web.Request) -> int:
 class SyncerRoutes:
     """The syncer's route handlers and auth middleware, each callable alone."""
 
-    def __init__(self, syncer: SyncerService, token: str) -> None:
+    def __init__(self, syncer: SyncerService, token: str, limits: HttpLimits | None = None) -> None:
         self.syncer = syncer
         self._root = token  # the job's root token: every credential is checked against it
+        self.limits = limits or HttpLimits()
+        self.push_slots = Slots(self.limits.max_pushes, "push bodies")
 
     @web.middleware
     async def auth(self, request: web.Request, handler: Handler) -> web.StreamResponse:
@@ -182,11 +214,12 @@ class SyncerRoutes:
         return await handler(request)
 
     async def join(self, request: web.Request) -> web.Response:
-        doc = await json_object(request, "join")
+        doc = await json_object(request, "join", self.limits)
         island = island_name(doc.get("island"), "join")
         require_island(principal_of(request), island, "join")
         replicas = typed_field(doc, "replicas", "join", int, required=False) or 1
         at_least(replicas, 1, "join", "replicas")
+        at_most(replicas, MAX_REPLICAS, "join", "replicas")
         return web.json_response(await self.syncer.join(island, replicas))
 
     async def pull(self, request: web.Request) -> web.Response:
@@ -207,11 +240,13 @@ class SyncerRoutes:
     async def push(self, request: web.Request) -> web.Response:
         fragment = fragment_arg(request)
         try:
-            body = await self._read_push_body(request, fragment)
-            require_push(principal_of(request), body)
-            answer = await self.syncer.push(fragment, body)
+            with self.push_slots.take():
+                body = await self._read_push_body(request, fragment)
+                require_push(principal_of(request), body)
+                answer = await self.syncer.push(fragment, body)
         except Refused as err:
-            reason = REFUSAL_REASON.get(err.status, str(err.status))
+            named = err.code in (*protocol.CONTRIBUTION_REFUSALS, protocol.ERROR_BUSY)
+            reason = err.code if named else REFUSAL_REASON.get(err.status, str(err.status))
             self.syncer.metrics.pushes.labels(reason).inc()
             raise
         result = "accepted" if answer.get("accepted") else "finished"
@@ -224,10 +259,10 @@ class SyncerRoutes:
             f"push body for fragment {fragment} exceeds {limit} bytes, the most a "
             f"{self.syncer.codec}-encoded pseudo-gradient of this fragment can take"
         )
-        return await read_limited(request, limit, too_big)
+        return await read_limited(request, limit, too_big, self.limits)
 
     async def heartbeat(self, request: web.Request) -> web.Response:
-        doc = await json_object(request, "heartbeat")
+        doc = await json_object(request, "heartbeat", self.limits)
         island = island_name(doc.get("island"), "heartbeat")
         require_island(principal_of(request), island, "heartbeat")
         step = typed_field(doc, "step", "heartbeat", int, required=False) or 0
@@ -237,13 +272,16 @@ class SyncerRoutes:
         at_least(step, 0, "heartbeat", "step")
         at_least(tokens, 0, "heartbeat", "tokens")
         at_least(step_time, 0, "heartbeat", "stepTime")
+        at_most(step, MAX_WIRE_INT, "heartbeat", "step")
+        at_most(tokens, MAX_WIRE_INT, "heartbeat", "tokens")
+        at_most(step_time, MAX_SECONDS, "heartbeat", "stepTime")
         answer = await self.syncer.heartbeat(
             island, step=step, tokens=tokens, loss=loss, step_time=step_time
         )
         return web.json_response(answer)
 
     async def leave(self, request: web.Request) -> web.Response:
-        doc = await json_object(request, "leave")
+        doc = await json_object(request, "leave", self.limits)
         island = island_name(doc.get("island"), "leave")
         require_island(principal_of(request), island, "leave")
         return web.json_response(await self.syncer.leave(island))
@@ -251,7 +289,7 @@ class SyncerRoutes:
     async def membership(self, request: web.Request) -> web.Response:
         island = island_name(request.match_info["island"], "path")
         require_membership(principal_of(request), island)
-        doc = await json_object(request, "membership")
+        doc = await json_object(request, "membership", self.limits)
         state = typed_field(doc, "state", "membership", str)
         if state not in protocol.ADMIN_STATES:
             raise Refused(
@@ -265,9 +303,16 @@ class SyncerRoutes:
         return web.json_response(await self.syncer.status(digest=digest))
 
     async def healthz(self, request: web.Request) -> web.Response:
+        """503 when the syncer failed (a restart is needed). Problems a restart does not fix
+        (checkpoints failing: a restart would lose what was merged since the last one) are
+        listed with 200, or 503 with ?strict=1 (for monitoring rather than liveness)."""
         if self.syncer.failure:
             return web.json_response({"ok": False, "error": self.syncer.failure}, status=503)
-        return web.json_response({"ok": True})
+        health = self.syncer.health.to_json()
+        if health["healthy"]:
+            return web.json_response({"ok": True})
+        strict = request.query.get("strict", "0") not in ("", "0", "false")
+        return web.json_response({"ok": True, **health}, status=503 if strict else 200)
 
     async def readyz(self, request: web.Request) -> web.Response:
         if self.syncer.failure:
@@ -289,16 +334,15 @@ class SyncerRoutes:
         self.syncer.close_waiters()
 
     async def on_cleanup(self, app: web.Application) -> None:
-        task = app[SCHEDULER_KEY]
-        task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await task
-        await self.syncer.stop(timeout=SHUTDOWN_TIMEOUT)
+        # The scheduler stops once a running merge has finished; then the final checkpoint.
+        await self.syncer.stop(timeout=STOP_TIMEOUT, scheduler=app[SCHEDULER_KEY])
 
 
-def build_app(syncer: SyncerService, token: str) -> web.Application:
+def build_app(
+    syncer: SyncerService, token: str, limits: HttpLimits | None = None
+) -> web.Application:
     """The aiohttp application serving `syncer` behind bearer-token auth."""
-    routes = SyncerRoutes(syncer, token)
+    routes = SyncerRoutes(syncer, token, limits)
     app = web.Application(middlewares=[errors, routes.auth], client_max_size=JSON_LIMIT)
     app.router.add_post(protocol.ROUTE_JOIN, routes.join)
     app.router.add_get(protocol.ROUTE_FRAGMENT, routes.pull)

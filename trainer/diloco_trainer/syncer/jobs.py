@@ -3,11 +3,14 @@
 The service takes a snapshot under its lock and schedules the job; the JobQueue runs jobs one at
 a time in the order they were scheduled, so neither learners nor the next merge wait for them, and
 a checkpoint includes every evaluation scheduled before it. A failed job is logged and skipped: a
-full disk must not stop training.
+full disk must not stop training. A failed checkpoint write is a health problem (health.py, the
+status document, a metric) until the next one succeeds.
 
 Evaluation runs at start, every syncer.evalEveryOuterSteps outer steps and at the finish (its
 evalHistory entry appears shortly after the merge it follows); checkpoints every
-syncer.checkpoint.everyOuterSteps outer steps and at the finish.
+syncer.checkpoint.everyOuterSteps outer steps, at the finish and when the syncer stops (SIGTERM)
+with merges since the last one. evalHistory keeps the first evaluation and the last
+EVAL_HISTORY - 1.
 """
 
 from __future__ import annotations
@@ -27,9 +30,13 @@ from diloco_trainer.api.spec import JobSpec
 from diloco_trainer.models.parts import TrainingParts, evaluate
 from diloco_trainer.syncer import checkpoint as ckpt
 from diloco_trainer.syncer.global_model import GlobalModel, Tensors, TensorSnapshot
+from diloco_trainer.syncer.health import CHECKPOINT, CORRUPT, Health
 from diloco_trainer.syncer.metrics import SyncerMetrics
 
 log = logging.getLogger("diloco.syncer")
+
+# Evaluations kept in evalHistory (status and checkpoints): the first and the latest ones.
+EVAL_HISTORY = 1000
 
 
 class JobQueue:
@@ -114,11 +121,14 @@ class Evaluations:
         self.history.append(
             {"outerStep": step, "tokens": tokens, "evalLoss": loss, "time": self.clock()}
         )
+        if len(self.history) > EVAL_HISTORY:  # the start of the curve stays, the middle goes
+            del self.history[1 : len(self.history) - EVAL_HISTORY + 1]
         self.last_step = max(self.last_step, step)
         self.metrics.eval_loss.set(loss)
 
     def restore(self, manifest: dict[str, Any], outer_step: int) -> None:
-        self.history = list(manifest.get("evalHistory", []))
+        history = list(manifest.get("evalHistory", []))
+        self.history = history[:1] + history[1:][-(EVAL_HISTORY - 1) :]
         self.initial_loss = manifest.get("initialEvalLoss")
         self.last_step = outer_step
 
@@ -139,29 +149,52 @@ class CheckpointSnapshot:
 
 
 class Checkpoints:
-    """Writes checkpoints of snapshots under state_dir, keeping the newest `keep`."""
+    """Writes checkpoints of snapshots under state_dir, keeping the newest `keep`; a failed
+    write is reported to `health` (and counted) instead of raised."""
 
-    def __init__(self, state_dir: Path, keep: int, evaluations: Evaluations) -> None:
+    def __init__(
+        self,
+        state_dir: Path,
+        keep: int,
+        evaluations: Evaluations,
+        health: Health,
+        metrics: SyncerMetrics,
+    ) -> None:
         self.state_dir = state_dir
         self.keep = keep
         self.evaluations = evaluations
+        self.health = health
+        self.metrics = metrics
         self.last_step = -1
+        # The versions of the newest checkpoint written (or resumed from): a stop writes one
+        # when merges happened since.
+        self.last_versions: list[int] | None = None
 
-    async def write(self, snap: CheckpointSnapshot) -> None:
+    async def write(self, snap: CheckpointSnapshot) -> bool:
+        """Write a checkpoint of `snap`; False (reported, not raised) when it failed."""
         step = snap.outer_step
         # Evaluations queued before this checkpoint have finished (jobs run in order).
         history = [e for e in self.evaluations.history if e["outerStep"] <= step]
-        path = await asyncio.to_thread(
-            ckpt.save_checkpoint,
-            self.state_dir,
-            outer_step=step,
-            weights=snap.tensors.weights,
-            momentum=snap.tensors.momentum,
-            manifest={**snap.manifest, "evalHistory": history},
-            keep=self.keep,
-            published=snap.tensors.published,
-        )
+        try:
+            path = await asyncio.to_thread(
+                ckpt.save_checkpoint,
+                self.state_dir,
+                outer_step=step,
+                weights=snap.tensors.weights,
+                momentum=snap.tensors.momentum,
+                manifest={**snap.manifest, "evalHistory": history},
+                keep=self.keep,
+                published=snap.tensors.published,
+            )
+        except Exception as err:  # a full or read-only disk must not stop training
+            log.exception("checkpoint at outer step %d failed", step)
+            self.health.report(CHECKPOINT, f"checkpoint at outer step {step} failed: {err}")
+            self.metrics.checkpoint_failures.inc()
+            return False
+        self.health.clear(CHECKPOINT, CORRUPT)
+        self.last_versions = list(snap.manifest.get("versions", []))
         log.info("checkpoint %s written", path)
+        return True
 
 
 class BackgroundJobs:
@@ -177,13 +210,16 @@ class BackgroundJobs:
         state_dir: Path,
         metrics: SyncerMetrics,
         clock: Callable[[], float],
+        health: Health,
     ) -> None:
         self.model = model
         self.eval_every = spec.syncer.eval_every_outer_steps
         self.checkpoint_every = spec.syncer.checkpoint.every_outer_steps
         self.queue = JobQueue()
         self.evaluations = Evaluations(parts, metrics, clock)
-        self.checkpoints = Checkpoints(state_dir, spec.syncer.checkpoint.keep, self.evaluations)
+        self.checkpoints = Checkpoints(
+            state_dir, spec.syncer.checkpoint.keep, self.evaluations, health, metrics
+        )
 
     def evaluate_initial(self, *, step: int, tokens: int) -> float:
         """Evaluate the initial weights (a fresh start) and record it."""
@@ -197,6 +233,7 @@ class BackgroundJobs:
     def restore(self, manifest: dict[str, Any], outer_step: int) -> None:
         self.evaluations.restore(manifest, outer_step)
         self.checkpoints.last_step = outer_step
+        self.checkpoints.last_versions = list(manifest.get("versions", []))
 
     def after_merge(
         self, step: int, tokens: int, snapshot: Callable[[], CheckpointSnapshot]
@@ -222,3 +259,28 @@ class BackgroundJobs:
         await self.checkpoints.write(snapshot())
         self.checkpoints.last_step = step
         return loss
+
+    async def final_checkpoint(
+        self, versions: list[int], snapshot: Callable[[], CheckpointSnapshot]
+    ) -> bool:
+        """At a stop, after every scheduled job: a checkpoint when anything was merged since the
+        last one (so a restart loses nothing merged); True when one was written."""
+        await self.queue.drain()
+        if versions == self.checkpoints.last_versions or not any(versions):
+            return False
+        return await self.checkpoints.write(snapshot())
+
+    async def stop(
+        self,
+        timeout: float,
+        final: tuple[list[int], Callable[[], CheckpointSnapshot]] | None = None,
+    ) -> None:
+        """Write the final checkpoint (`final`: the versions and their snapshot; each step
+        within `timeout`), let scheduled jobs finish and stop the worker."""
+        if final is not None:
+            try:
+                if await asyncio.wait_for(self.final_checkpoint(*final), timeout):
+                    log.info("checkpoint of versions %s written at stop", final[0])
+            except asyncio.TimeoutError:
+                log.warning("stopping without a final checkpoint: it took over %gs", timeout)
+        await self.queue.stop(timeout)

@@ -3,10 +3,13 @@
 Every merge is logged (the status document's recent "merges" and state_dir/merges.jsonl) with its
 contributors (their lags in versions and rounds of work, work, staleness discount, vector scale,
 raw and normalised weights) and the work fraction it carried, so it can be reproduced.
+merges.jsonl is rotated at MERGE_LOG_BYTES (merges.jsonl.1 .. .MERGE_LOG_FILES): a long job
+keeps the most recent merges on disk, not all of them.
 """
 
 from __future__ import annotations
 
+import os
 from collections import deque
 from collections.abc import Sequence
 from pathlib import Path
@@ -18,6 +21,9 @@ from diloco_trainer.syncer.rounds import Contribution
 
 MERGE_LOG_FILE = "merges.jsonl"
 RECENT_MERGES = 20
+# merges.jsonl is rotated when it reaches this size; this many rotated files are kept.
+MERGE_LOG_BYTES = 64 * 1024 * 1024
+MERGE_LOG_FILES = 3
 
 
 class MergeLog:
@@ -96,7 +102,9 @@ class MergeLog:
         return entry
 
     def write(self, entry: dict[str, Any]) -> None:
-        """Append an entry to merges.jsonl (blocking: call from a worker thread)."""
+        """Append an entry to merges.jsonl (blocking: call from a worker thread), rotating it
+        first when it is full."""
+        rotate(self.path, MERGE_LOG_BYTES, MERGE_LOG_FILES)
         ckpt.append_jsonl(self.path, entry)
 
     def manifest(self) -> dict[str, Any]:
@@ -114,6 +122,22 @@ class MergeLog:
         self.loss = manifest.get("loss")
         self.count = int(manifest.get("merges", 0))
         self.last_time = manifest.get("lastMergeTime")
+
+
+def rotate(path: Path, max_bytes: int, files: int) -> bool:
+    """When `path` holds max_bytes or more: path.(n-1) -> path.n .. path -> path.1 (the oldest
+    beyond `files` is replaced); True when it rotated."""
+    try:
+        if path.stat().st_size < max_bytes:
+            return False
+    except FileNotFoundError:
+        return False
+    for n in range(files - 1, 0, -1):
+        older = path.with_name(f"{path.name}.{n}")
+        if older.exists():
+            os.replace(older, path.with_name(f"{path.name}.{n + 1}"))
+    os.replace(path, path.with_name(f"{path.name}.1"))
+    return True
 
 
 def describe_merge(entry: dict[str, Any]) -> str:

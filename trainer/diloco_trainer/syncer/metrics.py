@@ -42,6 +42,30 @@ class SyncerMetrics:
             registry=r,
         )
 
+        self.refused_joins = Counter(
+            "diloco_syncer_refused_joins",
+            "Joins and membership changes refused, by reason (syncer/admission.py)",
+            ["reason"],
+            registry=r,
+        )
+        self.dropped_islands = Counter(
+            "diloco_syncer_dropped_islands",
+            "Islands dropped for sending syncer.guards.maxRefusals refused pushes in a row",
+            registry=r,
+        )
+        self.merge_failures = Counter(
+            "diloco_syncer_merge_failures",
+            "Contributions a merge could not take and left out",
+            registry=r,
+        )
+        self.checkpoint_failures = Counter(
+            "diloco_syncer_checkpoint_failures", "Checkpoint writes that failed", registry=r
+        )
+        self.healthy = Gauge(
+            "diloco_syncer_healthy", "1 when the syncer has no problem (status.health)", registry=r
+        )
+        self.healthy.set(1)
+
     def render(self) -> bytes:
         """The exposition-format text of this registry."""
         return generate_latest(self.registry)

@@ -2,11 +2,15 @@
 exit code (0 after SIGTERM, 1 after a failed merge, 2 for a bad environment or config).
 
 Shutdown (SIGTERM/SIGINT): long-polls are answered (304) at once, the server stops accepting
-requests and exits within SHUTDOWN_TIMEOUT seconds; it does NOT write a checkpoint. What a crash
-or a stop can lose is what happened since the last checkpoint (at most
-syncer.checkpoint.everyOuterSteps outer steps; merged fragments are published before that
+requests (within SHUTDOWN_TIMEOUT seconds), a running merge completes and a checkpoint of what was
+merged since the last one is written (STOP_TIMEOUT): a stop loses only the open rounds, whose
+pushes the learners make again. What a crash can lose is what happened since the last checkpoint
+(at most syncer.checkpoint.everyOuterSteps outer steps; merged fragments are published before that
 checkpoint is written): islands that pushed into the lost rounds notice the syncer's older
 versions (a 409 with code "ahead", or versions in status/join) and continue from them.
+
+The server runs under syncer.limits (limits.py: header and body timeouts, a connection cap). A
+state dir whose checkpoints are all corrupt is a bad config (exit 2, see startup.py).
 
 service.main runs it with the Syncer class; taking that as an argument keeps this module (and
 http.py) free of an import of the service, which imports them.
@@ -20,11 +24,10 @@ import sys
 from pathlib import Path
 from typing import Protocol
 
-from aiohttp import web
-
 from diloco_trainer.api.contract import ContractError, SyncerEnv
 from diloco_trainer.api.spec import ConfigError, JobSpec, load_spec
 from diloco_trainer.syncer.http import SHUTDOWN_TIMEOUT, SyncerService, build_app, ssl_context
+from diloco_trainer.syncer.limits import HttpLimits, serve
 
 log = logging.getLogger("diloco.syncer")
 
@@ -33,7 +36,9 @@ class SyncerFactory(Protocol):
     """Builds the syncer of a job (service.Syncer); ConfigError when its state dir does not fit
     the spec."""
 
-    def __call__(self, spec: JobSpec, *, job_name: str, state_dir: Path) -> SyncerService: ...
+    def __call__(
+        self, spec: JobSpec, *, job_name: str, state_dir: Path, config_file: Path | None = None
+    ) -> SyncerService: ...
 
 
 def run(make_syncer: SyncerFactory) -> int:
@@ -53,7 +58,9 @@ def run(make_syncer: SyncerFactory) -> int:
         print(f"diloco syncer: cannot load TLS certificate or key: {err}", file=sys.stderr)
         return 2
     try:
-        syncer = make_syncer(spec, job_name=env.job_name, state_dir=env.state_dir)
+        syncer = make_syncer(
+            spec, job_name=env.job_name, state_dir=env.state_dir, config_file=env.config_file
+        )
     except ConfigError as err:
         print(f"diloco syncer: {err}", file=sys.stderr)
         return 2
@@ -64,14 +71,13 @@ def run(make_syncer: SyncerFactory) -> int:
         env.port,
         syncer.outer_step,
     )
-    web.run_app(
-        build_app(syncer, env.token),
+    limits = HttpLimits.from_spec(spec)
+    serve(
+        build_app(syncer, env.token, limits),
         host="0.0.0.0",
         port=env.port,
+        limits=limits,
         ssl_context=tls,
-        print=None,
-        access_log=None,
-        handle_signals=True,
         shutdown_timeout=SHUTDOWN_TIMEOUT,
     )
     if syncer.failure:

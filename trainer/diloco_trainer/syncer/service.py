@@ -17,10 +17,16 @@ merges; decoding a push does not hold it. A request that fails validation change
 safetensors, metadata, membership/staleness and tensor names/shapes/dtypes are all checked before
 the state is touched.
 
+Hostile and broken input (README's Security section; gate.py): only the job's own island names
+join, a push passes the guards (finite, norm bounds, steps and tokens of one round) before it
+joins a round, and a merge whose input cannot be merged leaves out the contributions at fault.
+
 When stopAfter is reached, the syncer evaluates, writes a checkpoint, and only then reports
-finished=true; it keeps serving status and pulls afterwards. A merge that raises (a bug, never bad
-input: input is validated first) leaves the round half applied, so the syncer then refuses work
-with 503 and reports unhealthy on /healthz until it is restarted from its last checkpoint.
+finished=true; it keeps serving status and pulls afterwards. A stop (SIGTERM) lets a running merge
+finish and writes a checkpoint of what was merged since the last one. A merge that raises while
+applying the outer step (a bug: its input was checked) leaves the round half applied, so the
+syncer then refuses work with 503 and reports unhealthy on /healthz until it is restarted from its
+last checkpoint.
 """
 
 from __future__ import annotations
@@ -38,15 +44,18 @@ from diloco_trainer.api import protocol
 from diloco_trainer.api.spec import JobSpec
 from diloco_trainer.models.parts import build_parts
 from diloco_trainer.syncer import checkpoint as ckpt
-from diloco_trainer.syncer import server
+from diloco_trainer.syncer import server, startup
+from diloco_trainer.syncer.gate import Gate
 from diloco_trainer.syncer.global_model import GlobalModel
+from diloco_trainer.syncer.health import MERGE, Health
 from diloco_trainer.syncer.jobs import BackgroundJobs, CheckpointSnapshot
 from diloco_trainer.syncer.merge_log import MergeLog, describe_merge
 from diloco_trainer.syncer.metrics import SyncerMetrics
 from diloco_trainer.syncer.publisher import BodyKey, Publisher
 from diloco_trainer.syncer.records import round_policy
 from diloco_trainer.syncer.rounds import Refused, SyncState
-from diloco_trainer.syncer.validation import decode_push, push_contribution, read_push
+from diloco_trainer.syncer.status import checkpoint_manifest, status_document
+from diloco_trainer.syncer.validation import decode_measured, push_contribution, read_push
 
 __all__ = ["Syncer", "main"]
 
@@ -67,6 +76,7 @@ class Syncer:
         job_name: str,
         state_dir: Path,
         clock: Callable[[], float] = time.time,
+        config_file: Path | None = None,
     ) -> None:
         self.spec = spec
         self.job_name = job_name
@@ -74,6 +84,7 @@ class Syncer:
         self.clock = clock
         self.codec = spec.sync.compression
         self.metrics = SyncerMetrics()
+        self.health = Health(clock, self.metrics.healthy)
         self.parts = build_parts(
             spec, shard_index=0, num_shards=spec.total_shards(), with_train=False
         )
@@ -85,7 +96,21 @@ class Syncer:
         self.state = SyncState(round_policy(spec, n), n)
         self.merge_log = MergeLog(n, state_dir)
         self.jobs = BackgroundJobs(
-            spec, self.parts, self.model, state_dir=state_dir, metrics=self.metrics, clock=clock
+            spec,
+            self.parts,
+            self.model,
+            state_dir=state_dir,
+            metrics=self.metrics,
+            clock=clock,
+            health=self.health,
+        )
+        self.gate = Gate(
+            spec,
+            numels=[sum(self.model.weights[n].numel() for n in x) for x in self.fragments],
+            weight_norms=self.model.fragment_norms(),
+            metrics=self.metrics,
+            health=self.health,
+            config_file=config_file,
         )
         self.finished = False
         self.bytes_in = 0
@@ -93,47 +118,15 @@ class Syncer:
         # Set when a merge failed half-way: the state can no longer be trusted, so the syncer
         # refuses work (503) and reports unhealthy until it is restarted from its checkpoint.
         self.failure: str | None = None
-        self._spec_hash = ckpt.spec_hash(spec.to_json())
+        self.spec_hash = ckpt.spec_hash(spec.to_json())
         # Created on the serving loop (start()).
         self.lock: asyncio.Lock | None = None
         self._poke: asyncio.Event | None = None
-        self._resume_or_init()
+        startup.resume_or_init(self)  # ConfigError: every checkpoint on disk is corrupt
+        if self.resumed_from:
+            self.gate.recalibrate(self.model.fragment_norms())
 
     # ----- start-up and shutdown ---------------------------------------------------------------
-
-    def _resume_or_init(self) -> None:
-        loaded = ckpt.load_latest(self.state_dir)
-        if loaded is None:
-            loss = self.jobs.evaluate_initial(step=self.state.outer_step, tokens=self.tokens)
-            log.info(
-                "fresh start: %d fragments, initial eval loss %.4f", len(self.model.fragments), loss
-            )
-        else:
-            self._restore(loaded)
-        self.finished = self._stop_reached()
-        self.metrics.outer_step.set(self.state.outer_step)
-
-    def _restore(self, loaded: ckpt.Checkpoint) -> None:
-        self.model.restore(loaded)
-        m = loaded.manifest
-        if m.get("specHash") != self._spec_hash:
-            log.warning("the job spec changed since checkpoint %s; resuming anyway", loaded.path)
-        n = len(self.model.fragments)
-        rounds = [self.model.outer.rounds(f) for f in range(n)]
-        self.state = SyncState(self.state.policy, n, versions=m["versions"], rounds=rounds)
-        self.state.restore_clocks(m.get("workClocks", []))
-        self.state.restore_islands(m.get("islands", {}), now=self.clock())
-        self.state.restore_answers(m.get("pushAnswers", []))
-        self.merge_log.restore(m)
-        self.jobs.restore(m, loaded.outer_step)
-        self.resumed_from = str(loaded.path)
-        log.info(
-            "resumed from %s: %d fragments, outer step %d, versions %s",
-            loaded.path,
-            len(self.model.fragments),
-            loaded.outer_step,
-            self.state.versions,
-        )
 
     async def start(self) -> None:
         """Create the loop-bound primitives and the pull bodies (call on the serving loop)."""
@@ -148,9 +141,23 @@ class Syncer:
         """Answer every long-poll now (304): the server is shutting down."""
         self.publisher.close_waiters()
 
-    async def stop(self, timeout: float = 30.0) -> None:
-        """Let scheduled jobs finish (a checkpoint being written completes); stop the worker."""
-        await self.jobs.queue.stop(timeout)
+    async def stop(
+        self, timeout: float = 30.0, scheduler: asyncio.Task[None] | None = None
+    ) -> None:
+        """Stop the scheduler once a running merge has finished, let scheduled jobs finish,
+        write a checkpoint of what was merged since the last one, stop the worker."""
+        if scheduler is not None:
+            if self.lock is not None:
+                async with self.lock:  # a merge holds the lock from start to publish
+                    scheduler.cancel()
+            else:
+                scheduler.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await scheduler
+        await self.jobs.stop(
+            timeout,
+            final=None if self.failure else (self.state.versions, self._checkpoint_snapshot),
+        )
 
     # ----- derived figures ---------------------------------------------------------------------
 
@@ -171,7 +178,7 @@ class Syncer:
         """sha256 of the global weights and the outer momentum (and θ_pub when kept apart)."""
         return self.model.digest()
 
-    def _stop_reached(self) -> bool:
+    def stop_reached(self) -> bool:
         stop = self.spec.stop_after
         if stop.outer_steps is not None and self.state.outer_step >= stop.outer_steps:
             return True
@@ -213,6 +220,7 @@ class Syncer:
     async def join(self, island: str, replicas: int) -> dict[str, Any]:
         """Register an island; returns the fragment layout and current versions."""
         async with self._locked():
+            self.gate.admit(self.state, island, self.clock())
             rec = self.state.join(island, replicas, self.clock())
             self._update_gauges()
         self._wake()
@@ -253,6 +261,8 @@ class Syncer:
     async def set_membership(self, island: str, state: str, reason: str) -> dict[str, Any]:
         """Admin: mark an island active or dropped."""
         async with self._locked():
+            if island not in self.state.islands:
+                self.gate.admit(self.state, island, self.clock())
             rec = self.state.set_admin_state(island, state, reason, self.clock())
             self._update_gauges()
         self._wake()
@@ -260,16 +270,29 @@ class Syncer:
         return {"island": island, "state": rec.state, "reason": rec.reason}
 
     async def push(self, fragment: int, body: bytes) -> dict[str, Any]:
-        """Validate and record a pushed pseudo-gradient; Refused (state unchanged) on a problem."""
+        """Validate and record a pushed pseudo-gradient; Refused (state unchanged) on a problem.
+        A refusal of its content (400 from decoding, 422 from the guards) counts towards the
+        island's refusals in a row."""
         self.check_fragment(fragment)
         flat, meta = read_push(body, self.codec)
+        try:
+            return await self._push(fragment, flat, meta, len(body))
+        except Refused as err:
+            if err.status in (400, 422):
+                await self._refused(fragment, meta.island, err)
+            raise
+
+    async def _push(
+        self, fragment: int, flat: dict[str, Any], meta: protocol.PushMeta, size: int
+    ) -> dict[str, Any]:
         async with self._locked():
             early = self._finished_or_duplicate(fragment, meta)
             if early is not None:
                 return early
             self.state.check_push(fragment, meta.island, meta.base_version)
-        decoded = await asyncio.to_thread(
-            decode_push, fragment, flat, self.codec, self.model.expected[fragment]
+            self.gate.check_work(self.state, meta.island, tokens=meta.tokens, steps=meta.steps)
+        decoded, stats = await asyncio.to_thread(
+            decode_measured, fragment, flat, self.codec, self.model.expected[fragment]
         )
         async with self._locked():
             early = self._finished_or_duplicate(fragment, meta)
@@ -278,13 +301,23 @@ class Syncer:
             now = self.clock()
             # Checked again: a merge or a drop may have happened while decoding.
             lag = self.state.check_push(fragment, meta.island, meta.base_version)
+            self.gate.check_delta(fragment, stats)
             contribution = push_contribution(meta, lag=lag, payload=decoded, now=now)
             answer = self.state.accept_push(fragment, contribution, now)
-            self.bytes_in += len(body)
-            self.metrics.bytes_in.inc(len(body))
+            self.gate.accepted(fragment, meta.island, stats)
+            self.bytes_in += size
+            self.metrics.bytes_in.inc(size)
             self._update_gauges()
         self._wake()
         return answer
+
+    async def _refused(self, fragment: int, island: str, err: Refused) -> None:
+        async with self._locked():
+            dropped = self.gate.refused(self.state, fragment, island, err, self.clock())
+            if dropped:
+                self._update_gauges()
+        if dropped:
+            self._wake()
 
     def _finished_or_duplicate(
         self, fragment: int, meta: protocol.PushMeta
@@ -321,36 +354,7 @@ class Syncer:
         return doc
 
     def _status_doc(self) -> dict[str, Any]:
-        return {
-            "jobName": self.job_name,
-            "outerStep": self.state.outer_step,
-            "versions": self.state.versions,
-            "finished": self.finished,
-            "quorum": self.state.effective_quorum(),
-            "awaitedIslands": self.state.awaited_islands(),
-            "quorumTarget": self.state.policy.quorum,
-            "grace": self.state.grace(),
-            "fragments": len(self.model.fragments),
-            "pending": [len(r.pending) for r in self.state.rounds],
-            "codec": self.codec,
-            "pullCompression": self.model.pull_compression,
-            "pulls": dict(self.publisher.pulls),
-            "tokens": self.tokens,
-            "loss": self.merge_log.loss,
-            "evalLoss": self.jobs.evaluations.latest,
-            "initialEvalLoss": self.jobs.evaluations.initial_loss,
-            "evalHistory": list(self.jobs.evaluations.history),
-            "bytesIn": self.bytes_in,
-            "bytesOut": self.publisher.bytes_out,
-            "lastMergeTime": self.merge_log.last_time,
-            "mergeCount": self.merge_log.count,
-            "activeIslands": len(self.state.active_islands()),
-            "islands": self.state.islands_json(),
-            "merges": list(self.merge_log.recent),
-            "resumedFrom": self.resumed_from,
-            "failure": self.failure,
-            "time": self.clock(),
-        }
+        return status_document(self)
 
     # ----- merging -----------------------------------------------------------------------------
 
@@ -406,14 +410,11 @@ class Syncer:
         # The round is closed only after the arithmetic, in one step with the token counters, so
         # a status read while the merge runs in its thread never sees a half-done merge.
         contributions = self.state.peek_round(f)
+        prepared = await self.gate.prepare(self.model, self.state, f, contributions, now)
+        if prepared is None:
+            return
         result = await asyncio.to_thread(
-            self.model.merge_round,
-            f,
-            contributions,
-            lags=[self.state.lag_rounds(f, c.base_version) for c in contributions],
-            # M: the islands a round of work spans (active ones, and contributors since gone).
-            islands=len(self.state.active_islands() | {c.island for c in contributions}),
-            new_version=self.state.versions[f] + 1,
+            self.model.commit_merge, f, prepared, new_version=self.state.versions[f] + 1
         )
         self.publisher.record_update(f, result.update)
         seconds = time.perf_counter() - started
@@ -438,6 +439,7 @@ class Syncer:
         await asyncio.to_thread(self.merge_log.write, entry)
         self.metrics.merges.inc()
         self.metrics.merge_seconds.observe(seconds)
+        self.health.clear(MERGE)
         self._update_gauges()
         evaluated = await self._after_merge()
         eval_note = f"; eval loss {evaluated:.4f}" if evaluated is not None else ""
@@ -452,7 +454,7 @@ class Syncer:
         the finish, evaluation and checkpoint complete before finished=true is published.
         """
         step = self.state.outer_step
-        if not self._stop_reached():
+        if not self.stop_reached():
             await self.publisher.publish(self._body_keys())
             self.jobs.after_merge(step, self.tokens, self._checkpoint_snapshot)
             return None
@@ -467,21 +469,7 @@ class Syncer:
         return CheckpointSnapshot(
             outer_step=self.state.outer_step,
             tensors=self.model.tensor_snapshot(),
-            manifest={
-                "jobName": self.job_name,
-                "versions": self.state.versions,
-                "outerProgress": self.model.outer.progress_json(),
-                "workClocks": self.state.clocks_json(),
-                "fragments": self.model.fragments,
-                **self.merge_log.manifest(),
-                "initialEvalLoss": self.jobs.evaluations.initial_loss,
-                "islands": self.state.islands_json(),
-                "specHash": self._spec_hash,
-                "codec": self.codec,
-                "pullCompression": self.model.pull_compression,
-                "pushAnswers": self.state.answers_json(),
-                "time": self.clock(),
-            },
+            manifest=checkpoint_manifest(self),
         )
 
 

@@ -1,6 +1,7 @@
 """Validation of what clients send the syncer: typed fields, island names, and a push from its
 body and metadata to the round's Contribution. Each check raises Refused(400) naming the bad
-field, before any state is touched."""
+field, before any state is touched. Numbers are bounded too (MAX_WIRE_INT: what JSON and int64
+carry exactly), so a self-reported count can never overflow what it is copied into."""
 
 from __future__ import annotations
 
@@ -14,9 +15,17 @@ import torch
 from diloco_trainer.api import protocol
 from diloco_trainer.core import payloads
 from diloco_trainer.core.compress import decode_tensors
+from diloco_trainer.syncer.guards import DeltaStats, delta_stats
+from diloco_trainer.syncer.limits import json_too_deep
 from diloco_trainer.syncer.rounds import Contribution, Refused
 
 ISLAND_NAME = re.compile(r"^[A-Za-z0-9]([-A-Za-z0-9_.]{0,251}[A-Za-z0-9])?$")
+# The largest count a client may report: 2**53 - 1 (exact in JSON numbers, within int64).
+MAX_WIRE_INT = 2**53 - 1
+# The longest step or sync time a client may report (a day).
+MAX_SECONDS = 86400.0
+# The most replicas an island may have (islands.replicas' bound).
+MAX_REPLICAS = 1024
 
 
 def typed_field(
@@ -44,6 +53,17 @@ def at_least(value: float | None, minimum: float, where: str, key: str) -> None:
         raise Refused(400, f"{where}.{key} must be >= {minimum}, got {value}")
 
 
+def at_most(value: float | None, maximum: float, where: str, key: str) -> None:
+    """Refused(400) when a present value is above `maximum`."""
+    if value is not None and value > maximum:
+        shown = (
+            str(value)
+            if len(str(value)) <= 24
+            else f"{str(value)[:12]}... ({len(str(value))} digits)"
+        )
+        raise Refused(400, f"{where}.{key} must be <= {maximum:g}, got {shown}")
+
+
 def island_name(value: Any, where: str) -> str:
     """The island name, when it is a DNS-label-like name of 1-253 characters."""
     if not isinstance(value, str) or not ISLAND_NAME.match(value):
@@ -67,8 +87,10 @@ def parse_push_meta(meta: dict[str, str], codec: str) -> protocol.PushMeta:
             doc[key] = raw
             continue
         try:
+            if json_too_deep(raw):
+                raise ValueError("nested too deep")
             doc[key] = json.loads(raw)
-        except ValueError:
+        except (ValueError, RecursionError):
             raise Refused(400, f"metadata.{key} is not a JSON value: {raw[:50]!r}") from None
     where = "metadata"
     island = island_name(doc.get(protocol.META_ISLAND), where)
@@ -83,6 +105,14 @@ def parse_push_meta(meta: dict[str, str], codec: str) -> protocol.PushMeta:
     at_least(steps, 1, where, protocol.META_STEPS)
     at_least(step_time, 0, where, protocol.META_STEP_TIME)
     at_least(sync_time, 0, where, protocol.META_SYNC_TIME)
+    for key, value in (
+        (protocol.META_BASE_VERSION, base),
+        (protocol.META_TOKENS, tokens),
+        (protocol.META_STEPS, steps),
+    ):
+        at_most(value, MAX_WIRE_INT, where, key)
+    at_most(step_time, MAX_SECONDS, where, protocol.META_STEP_TIME)
+    at_most(sync_time, MAX_SECONDS, where, protocol.META_SYNC_TIME)
     got_codec = doc.get(protocol.META_CODEC, "")
     if got_codec != codec:
         raise Refused(
@@ -110,6 +140,8 @@ def read_push(body: bytes, codec: str) -> tuple[dict[str, torch.Tensor], protoco
         flat, raw_meta = payloads.decode_body(body)
     except ValueError as err:
         raise Refused(400, f"push body: {err}") from None
+    except RecursionError:  # a header nested deeper than the JSON parser goes
+        raise Refused(400, "push body: safetensors header is nested too deep") from None
     return flat, parse_push_meta(raw_meta, codec)
 
 
@@ -124,6 +156,17 @@ def decode_push(
         return decode_tensors(flat, codec, expected)
     except ValueError as err:
         raise Refused(400, f"push to fragment {fragment}: {err}") from None
+
+
+def decode_measured(
+    fragment: int,
+    flat: dict[str, torch.Tensor],
+    codec: str,
+    expected: dict[str, torch.Size],
+) -> tuple[dict[str, torch.Tensor], DeltaStats]:
+    """decode_push and the decoded pseudo-gradient's stats for the guards (a worker thread)."""
+    decoded = decode_push(fragment, flat, codec, expected)
+    return decoded, delta_stats(decoded)
 
 
 def push_contribution(

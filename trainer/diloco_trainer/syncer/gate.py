@@ -1,0 +1,202 @@
+"""The syncer's gate: who may be an island (admission.py) and what work may enter a round
+(guards.py), applied to the round state with the service's lock held.
+
+- admit: a join (or an admin route naming a new island) is refused unless the job admits the
+  name; a refusal that may be stale (503: the job may have grown) re-reads the
+  spec's `islands` from the mounted config first (at most every RELOAD_SECONDS). When the syncer
+  already holds as many island records as the job has islands, a new one takes the place of one
+  that timed out or left.
+- check_work / check_delta / accepted: the guards, with the replicas each island's work counts
+  for (what it joined with, at most what the job admits; a push whose tokens need more re-reads
+  `islands` first, as a join does).
+- refused: a refused push is logged and counted; maxRefusals in a row drop the island with the
+  reason (the operator may re-add it: its next pushes are checked like any).
+- leave_out: contributions a merge cannot take are taken out of the round (health problem,
+  metric, log line).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from pathlib import Path
+
+from diloco_trainer.api import protocol
+from diloco_trainer.api.spec import ConfigError, JobSpec, load_spec
+from diloco_trainer.syncer.admission import RETRY_AFTER, Admission, evictable
+from diloco_trainer.syncer.global_model import GlobalModel, PreparedMerge
+from diloco_trainer.syncer.guards import (
+    ContributionGuard,
+    ContributionRefused,
+    DeltaStats,
+    make_guard,
+    offenders,
+)
+from diloco_trainer.syncer.health import MERGE, Health
+from diloco_trainer.syncer.metrics import SyncerMetrics
+from diloco_trainer.syncer.records import DROPPED, Contribution, Refused
+from diloco_trainer.syncer.rounds import SyncState
+
+log = logging.getLogger("diloco.syncer")
+
+# A join the syncer does not admit re-reads the config's islands at most this often.
+RELOAD_SECONDS = 5.0
+
+
+class Gate:
+    """Admission and guards of one job's syncer (not thread-safe: the caller locks)."""
+
+    def __init__(
+        self,
+        spec: JobSpec,
+        *,
+        numels: list[int],
+        weight_norms: list[float],
+        metrics: SyncerMetrics,
+        health: Health,
+        config_file: Path | None = None,
+    ) -> None:
+        self.spec = spec
+        self.admission = Admission.from_spec(spec)
+        self.guard: ContributionGuard = make_guard(spec, numels, weight_norms)
+        self.numels = numels
+        self.metrics = metrics
+        self.health = health
+        self.config_file = config_file  # where `islands` can be re-read from; None: never
+        self._reloaded_at = -RELOAD_SECONDS
+
+    def recalibrate(self, weight_norms: list[float]) -> None:
+        """The hard norm caps for the weights the job resumes from."""
+        self.guard.caps = make_guard(self.spec, self.numels, weight_norms).caps
+
+    # ----- islands -----------------------------------------------------------------------------
+
+    def admit(self, state: SyncState, island: str, now: float) -> None:
+        """Refused unless the job admits `island`; makes room for a new island by forgetting
+        one that timed out or left when the syncer holds `cap` of them."""
+        refusal = self.admission.refusal(island)
+        if refusal is not None and refusal.status == 503 and self._reload_islands():
+            refusal = self.admission.refusal(island)
+        full = island not in state.islands and len(state.islands) >= self.admission.cap
+        if refusal is None and full:
+            gone = evictable(state.islands)
+            if gone is None:
+                refusal = Refused(
+                    503,
+                    f"the syncer already knows {len(state.islands)} islands, as many as the job "
+                    "has, and none of them timed out or left",
+                    protocol.ERROR_NOT_ADMITTED,
+                    retry_after=RETRY_AFTER,
+                )
+            else:
+                log.warning(
+                    "island %s (%s) makes room for %s", gone, state.islands[gone].state, island
+                )
+                state.forget(gone, now)
+        if refusal is not None:
+            self.metrics.refused_joins.labels(refusal.code).inc()
+            log.warning("refused island %r: %s", island[:80], refusal.message)
+            raise refusal
+
+    def _reload_islands(self) -> bool:
+        """Re-read `islands` from the config file (scaling changes it without restarting the
+        syncer), at most every RELOAD_SECONDS; True when the admission changed."""
+        now = time.monotonic()
+        if self.config_file is None or now - self._reloaded_at < RELOAD_SECONDS:
+            return False
+        self._reloaded_at = now
+        try:
+            islands = load_spec(self.config_file).islands
+        except ConfigError as err:
+            log.warning("cannot re-read the job's islands from %s: %s", self.config_file, err)
+            return False
+        admission = Admission.from_islands(islands, self.admission.remote_replicas)
+        if admission == self.admission:
+            return False
+        log.info("the job's islands changed: %s -> %s", self.admission, admission)
+        self.admission = admission
+        return True
+
+    # ----- pushes ------------------------------------------------------------------------------
+
+    def replicas(self, state: SyncState, island: str) -> int:
+        """The replicas an island's work counts for: what it joined with, at most what the job
+        admits (a record restored from an older spec may say more)."""
+        rec = state.islands.get(island)
+        declared = rec.replicas if rec is not None else 1
+        return max(1, min(declared, self.admission.replicas_for(island)))
+
+    def check_work(self, state: SyncState, island: str, *, tokens: int, steps: int) -> None:
+        try:
+            self.guard.check_work(tokens=tokens, steps=steps, replicas=self.replicas(state, island))
+        except ContributionRefused as err:
+            rec = state.islands.get(island)
+            undercounted = rec is not None and rec.replicas > self.replicas(state, island)
+            if err.code != protocol.ERROR_TOKENS_RANGE or not undercounted:
+                raise
+            if not self._reload_islands():  # islands.replicas may have grown
+                raise
+            self.guard.check_work(tokens=tokens, steps=steps, replicas=self.replicas(state, island))
+
+    def check_delta(self, fragment: int, stats: DeltaStats) -> None:
+        self.guard.check_delta(fragment, stats)
+
+    def accepted(self, fragment: int, island: str, stats: DeltaStats) -> None:
+        self.guard.accepted(fragment, island, stats)
+
+    def refused(
+        self, state: SyncState, fragment: int, island: str, err: Refused, now: float
+    ) -> str | None:
+        """Count a refused push of a known island; returns the reason when this refusal drops
+        it (maxRefusals in a row)."""
+        log.warning("refused push of %s to fragment %d: %s", island, fragment, err.message)
+        rec = state.islands.get(island)
+        if rec is None or rec.state == DROPPED or not self.guard.refused(island):
+            return None
+        reason = (
+            f"{self.guard.max_refusals} pushes refused in a row (syncer.guards.maxRefusals); "
+            f"the last: {err.message}"
+        )[:500]
+        state.set_admin_state(island, DROPPED, reason, now)
+        self.metrics.dropped_islands.inc()
+        log.warning("island %s dropped: %s", island, reason)
+        return reason
+
+    async def prepare(
+        self,
+        model: GlobalModel,
+        state: SyncState,
+        f: int,
+        contributions: list[Contribution],
+        now: float,
+    ) -> PreparedMerge | None:
+        """Fragment f's round merged and checked, nothing applied yet (in a worker thread);
+        None when it cannot be: the contributions at fault (guards.offenders; all of them when
+        none is found) are taken out of the round, which merges later without them."""
+        try:
+            return await asyncio.to_thread(
+                model.prepare_merge,
+                f,
+                contributions,
+                lags=[state.lag_rounds(f, c.base_version) for c in contributions],
+                # M: the islands a round of work spans (active ones, and contributors since gone).
+                islands=len(state.active_islands() | {c.island for c in contributions}),
+            )
+        except Exception as err:  # the input, never the state: nothing was changed
+            bad = await asyncio.to_thread(offenders, contributions, self.spec.sync.merge)
+            self.leave_out(state, f, bad or [c.island for c in contributions], err, now)
+            return None
+
+    def leave_out(
+        self, state: SyncState, fragment: int, islands: list[str], err: Exception, now: float
+    ) -> None:
+        """Take contributions a merge could not take out of the round."""
+        message = (
+            f"merge of fragment {fragment} failed ({type(err).__name__}: {err}); left out the "
+            f"contributions of {', '.join(islands)}"
+        )
+        log.error("%s", message)
+        self.health.report(MERGE, message)
+        self.metrics.merge_failures.inc(len(islands))
+        state.discard(fragment, islands, now)

@@ -1,0 +1,59 @@
+"""What is wrong with a running syncer that does not stop it: the status document's `health`
+and /healthz?strict=1.
+
+A problem has a kind (CHECKPOINT: the last checkpoint write failed; CORRUPT: corrupt checkpoints
+were found at start and set aside; MERGE: the last merge of a fragment could not take some
+contributions), a message, since when and how often it happened; it clears when the thing works
+again (a checkpoint is written, a merge succeeds). A failure that does stop the syncer (a merge
+that broke half-way) is the service's `failure` instead: /healthz answers 503 for it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from prometheus_client import Gauge
+
+CHECKPOINT = "checkpoint"
+CORRUPT = "corruptCheckpoints"
+MERGE = "merge"
+
+
+class Health:
+    """The syncer's current problems, by kind."""
+
+    def __init__(self, clock: Callable[[], float], gauge: Gauge | None = None) -> None:
+        self.clock = clock
+        self.gauge = gauge  # set to 1 while healthy, 0 with a problem
+        self.problems: dict[str, dict[str, Any]] = {}
+
+    def report(self, kind: str, message: str) -> None:
+        """Record (or repeat) a problem of `kind`."""
+        now = self.clock()
+        known = self.problems.get(kind)
+        count = known["count"] + 1 if known else 1
+        since = known["since"] if known else now
+        self.problems[kind] = {
+            "kind": kind,
+            "message": message[:1000],
+            "since": since,
+            "last": now,
+            "count": count,
+        }
+        if self.gauge is not None:
+            self.gauge.set(0)
+
+    def clear(self, *kinds: str) -> None:
+        for kind in kinds:
+            self.problems.pop(kind, None)
+        if self.gauge is not None and not self.problems:
+            self.gauge.set(1)
+
+    @property
+    def healthy(self) -> bool:
+        return not self.problems
+
+    def to_json(self) -> dict[str, Any]:
+        """{"healthy", "problems": [...]} for status and /healthz."""
+        return {"healthy": self.healthy, "problems": [dict(p) for p in self.problems.values()]}

@@ -1,0 +1,284 @@
+"""What the syncer's HTTP server allows any client (syncer.limits): time, connections, memory.
+
+- Headers: a request's headers must arrive within headerTimeoutSeconds of the connection opening
+  or of its previous response (aiohttp's keep-alive timer, which closes a connection whose next
+  request has not been parsed by then; idle keep-alive connections close then too). A TLS
+  handshake gets as long.
+- Bodies (read_body): no pause longer than headerTimeoutSeconds, and the whole body within
+  bodyTimeoutSeconds, else 408 and the connection is closed: a client trickling one byte every
+  few seconds cannot hold a connection and its buffer for ever.
+- Connections (ConnectionCap): at most maxConnections at once, counted from the TCP accept (so TLS
+  handshakes count); one more is answered 503 with Retry-After and closed.
+- Push bodies (Slots): at most maxConcurrentPushes read at once (each up to a fragment's encoded
+  size); one more is answered 503 with Retry-After before its body is read. The learners' client
+  retries 503s.
+- JSON (json_too_deep): bodies nested deeper than MAX_JSON_DEPTH are refused (400) before they
+  are parsed (Python's parser would raise RecursionError, a 500).
+
+`serve` runs the application like aiohttp's run_app, on a GuardedSite.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import ssl
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+from aiohttp import web
+from aiohttp.streams import StreamReader
+
+from diloco_trainer.api import protocol
+from diloco_trainer.api.spec import JobSpec
+from diloco_trainer.syncer.records import Refused
+
+log = logging.getLogger("diloco.syncer")
+
+# Deepest JSON nesting accepted in a request body or a push's metadata values.
+MAX_JSON_DEPTH = 32
+# Seconds a client is asked to wait when the syncer is at one of its limits.
+BUSY_RETRY_AFTER = 2.0
+_BUSY_BODY = b'{"error": "the syncer has too many connections open", "code": "busy"}'
+_BUSY_RESPONSE = (
+    b"HTTP/1.1 503 Service Unavailable\r\nRetry-After: 2\r\nContent-Type: application/json\r\n"
+    b"Connection: close\r\nContent-Length: %d\r\n\r\n%s" % (len(_BUSY_BODY), _BUSY_BODY)
+)
+
+
+@dataclass(frozen=True)
+class HttpLimits:
+    """syncer.limits, resolved."""
+
+    header_timeout: float = 30.0
+    body_timeout: float = 600.0
+    max_connections: int = 512
+    max_pushes: int = 8
+
+    @classmethod
+    def from_spec(cls, spec: JobSpec) -> HttpLimits:
+        lim = spec.syncer.limits
+        pushes = lim.max_concurrent_pushes
+        return cls(
+            header_timeout=lim.header_timeout_seconds,
+            body_timeout=lim.body_timeout_seconds,
+            max_connections=lim.max_connections,
+            max_pushes=2 * spec.total_shards() + 2 if pushes == "auto" else int(pushes),
+        )
+
+
+def json_too_deep(raw: bytes | str, limit: int = MAX_JSON_DEPTH) -> bool:
+    """Whether JSON text nests arrays/objects deeper than `limit` (strings are skipped; the text
+    need not be valid JSON: the parser judges that afterwards)."""
+    text = raw.decode("utf-8", "replace") if isinstance(raw, bytes) else raw
+    depth, in_string, escaped = 0, False, False
+    for ch in text:
+        if in_string:
+            if escaped:
+                escaped = False
+            elif ch == "\\":
+                escaped = True
+            elif ch == '"':
+                in_string = False
+        elif ch == '"':
+            in_string = True
+        elif ch in "[{":
+            depth += 1
+            if depth > limit:
+                return True
+        elif ch in "]}":
+            depth -= 1
+    return False
+
+
+async def read_body(
+    content: StreamReader, limit: int, too_big: str, *, pause: float, total: float
+) -> bytes:
+    """A request body of at most `limit` bytes (413 `too_big` beyond), each chunk within `pause`
+    seconds and all of it within `total` (408 otherwise)."""
+    buf = bytearray()
+    deadline = time.monotonic() + total
+    while True:
+        left = deadline - time.monotonic()
+        try:
+            async with asyncio.timeout(max(0.0, min(pause, left))):
+                chunk = await content.readany()
+        except TimeoutError:
+            why = "paused too long" if left > pause else f"took longer than {total:g}s"
+            raise Refused(
+                408, f"request body {why} (syncer.limits)", protocol.ERROR_TIMEOUT
+            ) from None
+        if not chunk:
+            return bytes(buf)
+        buf += chunk
+        if len(buf) > limit:
+            raise Refused(413, too_big)
+
+
+class Slots:
+    """At most `size` of something at once (one event loop: no lock needed)."""
+
+    def __init__(self, size: int, what: str) -> None:
+        self.size = size
+        self.what = what
+        self.used = 0
+
+    @contextlib.contextmanager
+    def take(self) -> Iterator[None]:
+        """Hold a slot; Refused(503, busy, Retry-After) when none is free."""
+        if self.used >= self.size:
+            raise Refused(
+                503,
+                f"the syncer is reading {self.used} {self.what} already (syncer.limits); retry",
+                protocol.ERROR_BUSY,
+                retry_after=BUSY_RETRY_AFTER,
+            )
+        self.used += 1
+        try:
+            yield
+        finally:
+            self.used -= 1
+
+
+class _Busy(asyncio.Protocol):
+    """Answers 503 and closes: a connection beyond the cap."""
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        assert isinstance(transport, asyncio.WriteTransport)
+        transport.write(_BUSY_RESPONSE)
+        transport.close()
+
+
+class _Counted(asyncio.Protocol):
+    """A connection's real protocol (aiohttp's request handler), counted by its ConnectionCap
+    from accept to close."""
+
+    def __init__(self, cap: ConnectionCap, inner: Any) -> None:
+        self.cap = cap
+        self.inner = inner
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.inner.connection_made(transport)
+
+    def data_received(self, data: bytes) -> None:
+        self.inner.data_received(data)
+
+    def eof_received(self) -> bool | None:
+        return self.inner.eof_received()
+
+    def pause_writing(self) -> None:
+        self.inner.pause_writing()
+
+    def resume_writing(self) -> None:
+        self.inner.resume_writing()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.cap.open -= 1
+        self.inner.connection_lost(exc)
+
+
+class ConnectionCap:
+    """Protocol factory: aiohttp's server for up to `size` open connections, _Busy beyond."""
+
+    def __init__(self, server: web.Server, size: int) -> None:
+        self.server = server
+        self.size = size
+        self.open = 0
+        self.refused = 0
+
+    def __call__(self) -> asyncio.Protocol:
+        if self.open >= self.size:
+            self.refused += 1
+            if self.refused == 1 or self.refused % 1000 == 0:
+                log.warning("%d connections open: refusing more (syncer.limits)", self.open)
+            return _Busy()
+        self.open += 1
+        return _Counted(self, self.server())
+
+
+class GuardedSite(web.BaseSite):
+    """A TCP site whose connections go through a ConnectionCap, with a TLS handshake timeout."""
+
+    def __init__(
+        self,
+        runner: web.BaseRunner,
+        host: str,
+        port: int,
+        *,
+        limits: HttpLimits,
+        ssl_context: ssl.SSLContext | None = None,
+    ) -> None:
+        super().__init__(runner, ssl_context=ssl_context)
+        self.host, self.port, self.limits = host, port, limits
+        self.cap: ConnectionCap | None = None
+
+    @property
+    def name(self) -> str:
+        return f"{'https' if self._ssl_context else 'http'}://{self.host}:{self.port}"
+
+    async def start(self) -> None:
+        await super().start()
+        server = self._runner.server
+        assert server is not None
+        self.cap = ConnectionCap(server, self.limits.max_connections)
+        self._server = await asyncio.get_running_loop().create_server(
+            self.cap,
+            self.host,
+            self.port,
+            ssl=self._ssl_context,
+            ssl_handshake_timeout=self.limits.header_timeout if self._ssl_context else None,
+            reuse_address=True,
+        )
+
+
+def serve(
+    app: web.Application,
+    *,
+    host: str,
+    port: int,
+    limits: HttpLimits,
+    ssl_context: ssl.SSLContext | None,
+    shutdown_timeout: float,
+) -> None:
+    """Run `app` until SIGTERM/SIGINT (as aiohttp's run_app does) on a GuardedSite; the
+    keep-alive timeout is the header timeout."""
+    runner = web.AppRunner(
+        app,
+        handle_signals=True,
+        shutdown_timeout=shutdown_timeout,
+        access_log=None,
+        keepalive_timeout=limits.header_timeout,
+    )
+
+    async def main() -> None:
+        await runner.setup()
+        try:
+            await GuardedSite(runner, host, port, limits=limits, ssl_context=ssl_context).start()
+            while True:
+                await asyncio.sleep(3600)
+        finally:
+            await runner.cleanup()
+
+    loop = asyncio.new_event_loop()
+    asyncio.set_event_loop(loop)
+    task = loop.create_task(main())
+    try:
+        loop.run_until_complete(task)
+    except (web.GracefulExit, KeyboardInterrupt):
+        pass
+    finally:
+        try:
+            if not task.done():
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    loop.run_until_complete(task)
+        finally:
+            left = asyncio.all_tasks(loop)
+            for t in left:
+                t.cancel()
+            loop.run_until_complete(asyncio.gather(*left, return_exceptions=True))
+            loop.run_until_complete(loop.shutdown_asyncgens())
+            loop.close()
