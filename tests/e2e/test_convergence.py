@@ -41,7 +41,16 @@ CONVERGENCE_SPEC: dict[str, Any] = {
         "warmupSteps": 10,
     },
     "outer": {"lr": 0.5, "momentum": 0.5, "nesterov": True},
-    "sync": {"graceSeconds": "auto", "heartbeatTimeoutSeconds": 60, "compression": "none"},
+    # One fragment and no overlap (the defaults stream 2 fragments with overlap): plain blocking
+    # DiLoCo, whose merges carry exactly the baseline's tokens (tests/e2e/test_quorum_quality.py
+    # and bench/decoupled_quality.py run the defaults).
+    "sync": {
+        "graceSeconds": "auto",
+        "heartbeatTimeoutSeconds": 60,
+        "compression": "none",
+        "fragments": 1,
+        "overlapSteps": 0,
+    },
     "stopAfter": {"outerSteps": ROUNDS},
     "syncer": {"checkpoint": {"everyOuterSteps": 100}, "evalEveryOuterSteps": 5},
 }
