@@ -1,4 +1,5 @@
-"""Syncer checkpoints: atomic layout, pruning, partial-directory cleanup, digests."""
+"""Syncer checkpoints: atomic layout, pruning, partial-directory cleanup, digests, and integrity:
+damaged or poisoned checkpoints are never loaded and never kept over valid ones."""
 
 from __future__ import annotations
 
@@ -118,3 +119,65 @@ def test_checkpoint_digest_sees_one_changed_value() -> None:
 
 def test_checkpoint_empty_state_dir_has_none(tmp_path: Path) -> None:
     assert ck.load_latest(tmp_path) is None
+
+
+@pytest.mark.parametrize("damage", ["truncated", "bit-flipped", "missing", "manifest"])
+def test_checkpoint_damaged_newest_is_skipped_and_reported(tmp_path: Path, damage: str) -> None:
+    save(tmp_path, 1, seed=1)
+    newest = save(tmp_path, 2, seed=2)
+    weights = newest / ck.WEIGHTS_FILE
+    raw = bytearray(weights.read_bytes())
+    if damage == "truncated":
+        weights.write_bytes(raw[:-7])
+    elif damage == "bit-flipped":
+        raw[-1] ^= 0x80  # tensor data: still a loadable safetensors file, with another value
+        weights.write_bytes(bytes(raw))
+    elif damage == "missing":
+        weights.unlink()
+    else:
+        doc = json.loads((newest / ck.MANIFEST_FILE).read_text())
+        doc["versions"] = [99]
+        (newest / ck.MANIFEST_FILE).write_text(json.dumps(doc))
+    found = ck.load_newest_valid(tmp_path)
+    assert found.checkpoint is not None and found.checkpoint.outer_step == 1
+    assert [p for p, _ in found.corrupt] == [newest]
+    assert ck.state_digest(found.checkpoint.weights, found.checkpoint.momentum) == (
+        ck.state_digest(*tensors(1))
+    )
+
+
+def test_checkpoint_with_non_finite_tensors_is_never_loaded(tmp_path: Path) -> None:
+    weights, momentum = tensors(0)
+    weights["a.weight"][0, 0] = float("-inf")
+    ck.save_checkpoint(
+        tmp_path, outer_step=1, weights=weights, momentum=momentum, manifest={}, keep=2
+    )
+    found = ck.load_newest_valid(tmp_path)
+    assert found.checkpoint is None and "NaN or Inf" in found.corrupt[0][1]
+
+
+def test_checkpoint_pruning_never_keeps_corrupt_over_valid(tmp_path: Path) -> None:
+    # Two corrupt newer-named checkpoints (a restart went back to step 1): writing steps 2 and
+    # 3 again must keep the new valid ones and set the corrupt ones aside, not delete the new.
+    save(tmp_path, 1, keep=2)
+    for step in (5, 6):
+        (save(tmp_path, step, keep=5) / ck.WEIGHTS_FILE).write_bytes(b"junk")
+    save(tmp_path, 2, keep=2)
+    save(tmp_path, 3, keep=2)
+    names = sorted(p.name for p in (tmp_path / ck.CHECKPOINTS_DIR).iterdir())
+    assert names == [
+        "ckpt-000000002",
+        "ckpt-000000003",
+        ck.CORRUPT_PREFIX + "ckpt-000000005",
+        ck.CORRUPT_PREFIX + "ckpt-000000006",
+    ]
+    loaded = ck.load_latest(tmp_path)
+    assert loaded is not None and loaded.outer_step == 3
+
+
+def test_checkpoint_every_one_corrupt_is_reported_not_loaded(tmp_path: Path) -> None:
+    for path in [save(tmp_path, step) for step in (1, 2)]:
+        (path / ck.OUTER_FILE).write_bytes(b"")
+    found = ck.load_newest_valid(tmp_path)
+    assert found.checkpoint is None and len(found.corrupt) == 2
+    assert len(ck.list_checkpoints(tmp_path)) == 2  # the caller decides what to do with them

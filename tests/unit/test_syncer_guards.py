@@ -1,0 +1,319 @@
+"""The syncer's checks on hostile and broken input, as pure functions: contribution guards
+(finite values, norm cap, learned bound, steps and tokens of one round), island admission, the
+replay window, JSON depth, body reading limits, health problems and merge log rotation."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+from pathlib import Path
+from typing import Any
+from unittest import mock
+
+import pytest
+import torch
+from aiohttp import streams
+from diloco_trainer.api import protocol
+from diloco_trainer.api.spec import parse_spec
+from diloco_trainer.core.compress import decode_tensors, encode_tensors
+from diloco_trainer.syncer import guards
+from diloco_trainer.syncer.admission import Admission, admitted_records, evictable
+from diloco_trainer.syncer.health import CHECKPOINT, Health
+from diloco_trainer.syncer.limits import HttpLimits, Slots, json_too_deep, read_body
+from diloco_trainer.syncer.merge_log import rotate
+from diloco_trainer.syncer.records import LEFT, TIMED_OUT, Contribution, IslandRecord, Refused
+from diloco_trainer.syncer.replay import PushAnswers, push_window
+
+SPEC: dict[str, Any] = {
+    "islands": {"count": 2, "replicas": 2},
+    "inner": {"steps": 10, "batchSize": 4, "seqLen": 16, "lr": 1e-3, "weightDecay": 0.1},
+    "sync": {"overlapSteps": 2},
+}
+
+
+def guard(**syncer_guards: Any) -> guards.ContributionGuard:
+    spec = parse_spec({**SPEC, "syncer": {"guards": syncer_guards}})
+    return guards.make_guard(spec, [100, 400], [1.0, 2.0])
+
+
+def stats(norm: float) -> guards.DeltaStats:
+    return guards.DeltaStats(norm, True)
+
+
+def refusal_code(fn: Any, *args: Any, **kwargs: Any) -> str:
+    with pytest.raises(guards.ContributionRefused) as err:
+        fn(*args, **kwargs)
+    assert err.value.status == guards.REFUSED_STATUS
+    return err.value.code
+
+
+# ----- contributions ---------------------------------------------------------------------------
+
+
+def test_guards_delta_stats_norm_and_finiteness() -> None:
+    payload = {"a": torch.full((3, 4), 2.0), "b": torch.zeros(0), "c": torch.tensor([3.0, 4.0])}
+    got = guards.delta_stats(payload)
+    assert got.finite and got.norm == pytest.approx(math.sqrt(12 * 4 + 25))
+    assert not guards.delta_stats({"a": torch.tensor([1.0, math.inf])}).finite
+    assert not guards.delta_stats({"a": torch.tensor([math.nan])}).finite
+    # Finite but huge: no fp32 overflow to inf in the norm, the norm is at least |x|max.
+    huge = guards.delta_stats({"a": torch.full((1000,), 3e38)})
+    assert huge.finite and math.isfinite(huge.norm) and huge.norm >= 3e38
+
+
+def test_guards_int8_scale_near_fp32_max_decodes_to_non_finite() -> None:
+    # A finite scale of 3e38 passes the codec's checks but decodes to inf: the guard refuses it.
+    expected = {"w": torch.Size([64])}
+    encoded = encode_tensors({"w": torch.ones(64)}, "int8")
+    encoded = {
+        k: (torch.full_like(v, 3e38) if v.is_floating_point() else v) for k, v in encoded.items()
+    }
+    decoded = decode_tensors(encoded, "int8", expected)
+    code = refusal_code(guard().check_delta, 0, guards.delta_stats(decoded))
+    assert code == protocol.ERROR_NON_FINITE
+
+
+def test_guards_auto_cap_is_adamw_bound_for_the_push_steps() -> None:
+    spec = parse_spec(SPEC)
+    assert guards.max_push_steps(spec) == guards.STEP_ROUNDS * 10 + 2
+    (cap,) = guards.auto_norm_caps(spec, [100], [3.0])
+    steps = guards.max_push_steps(spec)
+    assert cap == pytest.approx(1e-3 * steps * (guards.ADAM_STEP_BOUND * 10 + 2 * 0.1 * 3.0))
+    # mixAlpha keeps part of the old deviation: the cap grows by 1 / (1 - alpha).
+    mixed = parse_spec({**SPEC, "sync": {"overlapSteps": 2, "mixAlpha": 0.5}})
+    assert guards.auto_norm_caps(mixed, [100], [3.0])[0] == pytest.approx(2 * cap)
+    # An honest AdamW round moves each element by at most about lr per step: far below the cap.
+    assert 1e-3 * 10 * math.sqrt(100) < cap / guards.ADAM_STEP_BOUND
+
+
+def test_guards_explicit_cap_and_refusal_codes() -> None:
+    g = guard(maxDeltaNorm=5.0)
+    assert g.caps == [5.0, 5.0]
+    g.check_delta(1, stats(5.0))
+    assert refusal_code(g.check_delta, 1, stats(5.01)) == protocol.ERROR_NORM_CAP
+    assert refusal_code(g.check_delta, 0, guards.DeltaStats(math.nan, False)) == (
+        protocol.ERROR_NON_FINITE
+    )
+
+
+def test_guards_learned_bound_after_warmup() -> None:
+    g = guard(maxDeltaNorm=1e6, normFactor=10, warmupPushes=3)
+    g.check_delta(0, stats(500.0))  # no history yet: only the hard cap applies
+    for norm in (1.0, 2.0, 1.5):
+        g.accepted(0, "island-0", stats(norm))
+    g.check_delta(0, stats(15.0))  # 10 x median 1.5
+    assert refusal_code(g.check_delta, 0, stats(15.1)) == protocol.ERROR_NORM_OUTLIER
+    g.check_delta(1, stats(500.0))  # fragment 1 has no history of its own
+    restored = guard(maxDeltaNorm=1e6, normFactor=10, warmupPushes=3)
+    restored.history.restore(json.loads(json.dumps(g.history.to_json())))
+    assert refusal_code(restored.check_delta, 0, stats(16.0)) == protocol.ERROR_NORM_OUTLIER
+
+
+def test_guards_steps_and_tokens_of_one_round() -> None:
+    g = guard()
+    most_steps = guards.STEP_ROUNDS * 10 + 2
+    g.check_work(tokens=most_steps * 4 * 16 * 2, steps=most_steps, replicas=2)
+    assert refusal_code(g.check_work, tokens=1, steps=most_steps + 1, replicas=2) == (
+        protocol.ERROR_STEPS_RANGE
+    )
+    assert refusal_code(g.check_work, tokens=10 * 4 * 16 + 1, steps=10, replicas=1) == (
+        protocol.ERROR_TOKENS_RANGE
+    )
+    # 10**19 tokens (larger than int64) over one step: refused, not merged with all the weight.
+    assert refusal_code(g.check_work, tokens=10**19, steps=1, replicas=2) == (
+        protocol.ERROR_TOKENS_RANGE
+    )
+
+
+def test_guards_refusal_streak_drops_after_max_and_resets_on_accept() -> None:
+    g = guard(maxRefusals=3)
+    assert [g.refused("a"), g.refused("a")] == [False, False]
+    g.accepted(0, "a", stats(1.0))  # good work in between: the streak starts again
+    assert [g.refused("a"), g.refused("a"), g.refused("a")] == [False, False, True]
+    assert g.refused("a") is False  # counting starts again after a drop
+    never = guard(maxRefusals=0)
+    assert not any(never.refused("b") for _ in range(100))
+
+
+def contribution(island: str, tokens: int, payload: dict[str, torch.Tensor]) -> Contribution:
+    return Contribution(island, 0, 0, tokens, 4, None, 0.0, payload=payload)
+
+
+def test_guards_merge_checks_and_offenders() -> None:
+    guards.check_merged(0, {"w": torch.ones(3)})
+    for bad in (math.inf, math.nan, 2 * guards.MAX_MERGED_ABS):
+        with pytest.raises(guards.MergeInputError):
+            guards.check_merged(0, {"w": torch.tensor([1.0, bad])})
+    fine = contribution("island-0", 100, {"w": torch.ones(3)})
+    heavy = contribution("island-1", 10**200, {"w": torch.ones(3)})  # weight overflows to inf
+    broken = contribution("island-2", 100, {"w": torch.tensor([math.inf, 0.0, 0.0])})
+    assert guards.offenders([fine, heavy, broken], "tokens") == ["island-1", "island-2"]
+    assert guards.offenders([fine], "tokens") == []
+
+
+# ----- islands ---------------------------------------------------------------------------------
+
+
+def test_admission_own_names_only_in_a_one_cluster_job() -> None:
+    adm = Admission.from_spec(parse_spec({"islands": {"count": 3}}))
+    assert adm.cap == 3 and not adm.multi_region
+    assert [adm.refusal(f"island-{i}") for i in range(3)] == [None, None, None]
+    for name, status, code in [
+        ("island-3", 503, protocol.ERROR_NOT_ADMITTED),  # the job may have grown: retry
+        ("eu-island-0", 503, protocol.ERROR_NOT_ADMITTED),  # another prefix: this job has none
+        ("island-007", 403, protocol.ERROR_NOT_JOB_ISLAND),
+        ("evil", 403, protocol.ERROR_NOT_JOB_ISLAND),
+        ("x" * 300, 403, protocol.ERROR_NOT_JOB_ISLAND),
+    ]:
+        refusal = adm.refusal(name)
+        assert refusal is not None and (refusal.status, refusal.code) == (status, code), name
+    busy = adm.refusal("island-3")
+    assert busy is not None and busy.retry_after is not None and busy.retry_after > 0
+
+
+def test_admission_multi_region_accepts_other_prefixes_up_to_total_shards() -> None:
+    spec = parse_spec({"islands": {"count": 1, "totalShards": 3, "namePrefix": "us"}})
+    adm = Admission.from_spec(spec)
+    assert adm.multi_region and adm.cap == 3
+    assert adm.refusal("us-island-0") is None and adm.refusal("us-island-1") is not None
+    assert adm.refusal("eu-island-2") is None and adm.refusal("eu-island-3") is not None
+    assert adm.refusal("island-0") is None  # a region without a prefix
+
+
+def test_admission_evicts_only_gone_islands_and_filters_restored_records() -> None:
+    records = {
+        "island-0": IslandRecord("island-0", last_seen=5.0),
+        "island-1": IslandRecord("island-1", state=TIMED_OUT, last_seen=3.0),
+        "island-2": IslandRecord("island-2", state=LEFT, last_seen=1.0),
+        "island-3": IslandRecord("island-3", state="dropped", last_seen=0.0),
+    }
+    assert evictable(records) == "island-2"
+    del records["island-2"], records["island-1"]
+    assert evictable(records) is None
+    adm = Admission.from_spec(parse_spec({"islands": {"count": 2}}))
+    doc = {f"island-{i}": {"lastSeen": float(i)} for i in range(3000)}
+    doc["island-1"] = {"lastSeen": 1.0}
+    kept, left_out = admitted_records(adm, doc)
+    assert sorted(kept) == ["island-0", "island-1"] and len(left_out) == 2998
+
+
+def test_replay_window_answers_older_pushes_as_duplicates() -> None:
+    answers = PushAnswers(window=3)
+    for i in range(5):
+        answers.put("island-0", 0, f"p{i}", {"accepted": True, "version": i})
+    assert answers.get("island-0", 0, "p4") == {"accepted": True, "version": 4}
+    assert answers.get("island-0", 0, "p2") == {"accepted": True, "version": 2}  # not the latest
+    assert answers.get("island-0", 0, "p1") is None  # beyond the window
+    assert answers.get("island-0", 1, "p4") is None and answers.get("island-0", 0, "") is None
+    saved = answers.merged_json([4, 0])
+    assert [e["pushId"] for e in saved] == ["p2", "p3"]  # merged (version < 4), oldest first
+    fresh = PushAnswers(window=3)
+    fresh.restore(saved, fragments=2)
+    assert fresh.get("island-0", 0, "p3") is not None
+    answers.forget("island-0")
+    assert answers.get("island-0", 0, "p4") is None
+    assert push_window(3) == 64 and push_window(200) == 201
+
+
+# ----- HTTP limits -----------------------------------------------------------------------------
+
+
+def test_limits_json_depth() -> None:
+    assert not json_too_deep(b'{"a": [1, {"b": "[[[[[[[[[["}]}', limit=3)
+    assert json_too_deep(b"[" * 33 + b"]" * 33)
+    assert not json_too_deep(b"[" * 32 + b"]" * 32)
+    assert json_too_deep("[" * 100_000)  # not valid JSON either: refused before parsing
+    assert not json_too_deep(b'"\\"[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[["', limit=2)
+
+
+def test_limits_from_spec() -> None:
+    spec = parse_spec(
+        {
+            "islands": {"count": 3},
+            "syncer": {"limits": {"maxConnections": 7, "headerTimeoutSeconds": 2}},
+        }
+    )
+    lim = HttpLimits.from_spec(spec)
+    assert (lim.max_connections, lim.header_timeout, lim.max_pushes) == (7, 2.0, 8)
+
+
+def test_limits_slots_refuse_beyond_size_with_retry_after() -> None:
+    slots = Slots(1, "push bodies")
+    with slots.take():
+        with pytest.raises(Refused) as err, slots.take():
+            pass
+        assert (err.value.status, err.value.code) == (503, protocol.ERROR_BUSY)
+        assert err.value.retry_after
+    with slots.take():  # released again
+        assert slots.used == 1
+
+
+def test_limits_read_body_times_out_a_trickle_and_caps_its_size() -> None:
+    async def scenario() -> list[Any]:
+        loop = asyncio.get_running_loop()
+        out: list[Any] = []
+        trickle = streams.StreamReader(mock.Mock(_reading_paused=False), 2**16, loop=loop)
+        trickle.feed_data(b"x")  # ...and then nothing more
+        with pytest.raises(Refused) as err:
+            await read_body(trickle, 100, "too big", pause=0.05, total=5)
+        out.append((err.value.status, err.value.code))
+        slow = streams.StreamReader(mock.Mock(_reading_paused=False), 2**16, loop=loop)
+
+        async def feed() -> None:
+            for _ in range(50):
+                slow.feed_data(b"y")
+                await asyncio.sleep(0.02)
+
+        feeder = asyncio.create_task(feed())
+        with pytest.raises(Refused) as err:
+            await read_body(slow, 100, "too big", pause=1.0, total=0.2)
+        feeder.cancel()
+        out.append((err.value.status, "took longer" in err.value.message))
+        big = streams.StreamReader(mock.Mock(_reading_paused=False), 2**16, loop=loop)
+        big.feed_data(b"z" * 101)
+        big.feed_eof()
+        with pytest.raises(Refused) as err:
+            await read_body(big, 100, "too big", pause=1, total=1)
+        out.append(err.value.status)
+        ok = streams.StreamReader(mock.Mock(_reading_paused=False), 2**16, loop=loop)
+        ok.feed_data(b"abc")
+        ok.feed_eof()
+        out.append(await read_body(ok, 100, "too big", pause=1, total=1))
+        return out
+
+    assert asyncio.run(scenario()) == [(408, protocol.ERROR_TIMEOUT), (408, True), 413, b"abc"]
+
+
+# ----- health and histories --------------------------------------------------------------------
+
+
+def test_health_problems_report_and_clear() -> None:
+    now = [10.0]
+    health = Health(lambda: now[0])
+    assert health.to_json() == {"healthy": True, "problems": []}
+    health.report(CHECKPOINT, "disk full")
+    now[0] = 12.0
+    health.report(CHECKPOINT, "disk still full")
+    (problem,) = health.to_json()["problems"]
+    assert (
+        problem["since"] == 10.0
+        and problem["count"] == 2
+        and problem["message"] == "disk still full"
+    )
+    health.clear(CHECKPOINT)
+    assert health.healthy
+
+
+def test_merge_log_rotates_when_full(tmp_path: Path) -> None:
+    path = tmp_path / "merges.jsonl"
+    assert not rotate(path, 10, 2)  # nothing there yet
+    for i in range(4):
+        path.write_text(f"{i}" * 20)
+        assert rotate(path, 10, 2)
+    assert not path.exists()
+    assert (tmp_path / "merges.jsonl.1").read_text() == "3" * 20
+    assert (tmp_path / "merges.jsonl.2").read_text() == "2" * 20
+    assert not (tmp_path / "merges.jsonl.3").exists()
+    path.write_text("small")
+    assert not rotate(path, 10, 2)
