@@ -83,8 +83,8 @@ async def _advance(url: str, token: str) -> dict[int, dict[str, torch.Tensor]]:
             pulled = await client.pull_fragment(f, after=version, wait=60)
             assert pulled is not None and pulled.version == 2
             shapes[f] = pulled.tensors
-        await client.join("island-7", 1)
-        await client.set_membership("island-7", "dropped", "pods not ready")
+        await client.join("island-1", 1)
+        await client.set_membership("island-1", "dropped", "pods not ready")
     return shapes
 
 
@@ -274,7 +274,7 @@ def test_bad_requests_unknown_fragment_is_404(syncer: SyncerHandle, unchanged: N
 def test_bad_requests_dropped_island_is_403_with_reason(
     syncer: SyncerHandle, unchanged: None
 ) -> None:
-    code, doc = push(syncer, push_body(good_delta(syncer), island="island-7"))
+    code, doc = push(syncer, push_body(good_delta(syncer), island="island-1"))
     assert code == 403
     assert "dropped" in doc["error"] and "pods not ready" in doc["error"], doc
 
@@ -332,7 +332,7 @@ def test_bad_requests_tls_syncer_refuses_plain_http_and_unknown_ca(
     make_spec: Callable[..., JobSpec],
     tls_files: TLSFiles,
 ) -> None:
-    tls = syncer_proc(make_spec(sync=SAFE_HEARTBEAT), tls=tls_files)
+    tls = syncer_proc(make_spec(sync={**SAFE_HEARTBEAT, "fragments": 1}), tls=tls_files)
     assert tls.url.startswith("https://")
 
     async def join() -> JoinInfo:
