@@ -119,6 +119,20 @@ class IslandStatus(StatusModel):
     restarts: int = Field(0, ge=0, description="Container restarts summed over the island's pods.")
 
 
+class FinalCheckpoint(StatusModel):
+    """Where the finished job's weights are: the syncer's final checkpoint."""
+
+    path: str = Field(
+        description="The checkpoint directory inside the volume (e.g. "
+        "checkpoints/ckpt-000000100); `diloco export` reads it."
+    )
+    outer_step: int = Field(ge=0, description="The outer step the checkpoint holds.")
+    volume: str = Field(
+        description="persistentVolumeClaim/NAME (outlives the job), or emptyDir: deleted with "
+        "the syncer pod, and with the job (ttlSecondsAfterFinished): export the weights first."
+    )
+
+
 class DiLoCoJobStatus(StatusModel):
     """The observed state of a DiLoCoJob, written by the operator."""
 
@@ -151,3 +165,6 @@ class DiLoCoJobStatus(StatusModel):
         None, description="When the job reached Succeeded or Failed (RFC 3339)."
     )
     message: str = Field("", description="Why the job is in its phase, in words.")
+    final_checkpoint: FinalCheckpoint | None = Field(
+        None, description="Where the final weights are, once the job has succeeded."
+    )

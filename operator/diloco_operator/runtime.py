@@ -65,6 +65,7 @@ class JobRuntime:
     rollout: list[str] = field(default_factory=list)  # island StatefulSets rolling or held
     last_reconcile: float = 0.0  # time.monotonic() of the last reconcile of the children
     spec_error: str | None = None  # the last invalid-spec message posted as an Event
+    notes: dict[str, str] = field(default_factory=dict)  # one-off Events posted: key -> message
     phase: str | None = None
     pending: bool | None = None  # a requested sync not started: True when it must reconcile
     drain: asyncio.Task[None] | None = None  # runs requested syncs one after another

@@ -14,6 +14,7 @@ from typing import Any
 
 from diloco_operator.api import DiLoCoJobSpec, DiLoCoJobStatus, IslandCounts
 from diloco_operator.conditions import job_conditions
+from diloco_operator.final_weights import final_checkpoint
 from diloco_operator.observation import Observation, conditions_by_type
 from diloco_operator.phase import FINAL_PHASES, decide_phase, finished_time
 from diloco_operator.progress import carried_progress, island_statuses
@@ -43,6 +44,7 @@ def compute_status(obs: Observation, previous: Mapping[str, Any] | None) -> DiLo
         last_sync_time=progress.last_sync_time,
         finished_time=finished_time(verdict.phase, previous, obs.now),
         message=verdict.message,
+        final_checkpoint=final_checkpoint(obs.spec, obs.syncer_status, previous),
     )
 
 

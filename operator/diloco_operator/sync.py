@@ -21,6 +21,7 @@ import kopf
 from diloco_operator import metrics, resources
 from diloco_operator.api import DiLoCoJobSpec, SpecError, parse_job_spec
 from diloco_operator.events import post_event
+from diloco_operator.final_weights import post_weight_events
 from diloco_operator.health import island_health, syncer_pods
 from diloco_operator.kube import Kube
 from diloco_operator.observation import Observation
@@ -74,6 +75,7 @@ async def sync_job(kube: Kube, rt: JobRuntime, *, reconcile: bool, poll_syncer: 
         new_status = await observe(kube, rt, job, body, spec, status)
         if new_status is None:
             return False
+        post_weight_events(rt.notes, body, spec, new_status)
         if islands_should_run(spec, status) and new_status.get("phase") in FINAL_PHASES:
             await reconcile_children(kube, rt, job, spec, new_status)  # scale islands to 0
             kind = "Normal" if new_status["phase"] == "Succeeded" else "Warning"

@@ -185,6 +185,13 @@ class MergeRecord(Document):
     contributors: list[MergeContributor] = Field(default_factory=list)
 
 
+class CheckpointRef(Document):
+    """The newest checkpoint on the syncer's disk (the final weights once finished)."""
+
+    path: str  # the ckpt-* directory, as the syncer's process sees it
+    outer_step: int
+
+
 class SyncerStatus(Document):
     """GET /v1/status: the job's progress, rounds, islands and recent merges.
 
@@ -218,6 +225,7 @@ class SyncerStatus(Document):
     islands: dict[str, IslandStatus] = Field(default_factory=dict)
     merges: list[MergeRecord] = Field(default_factory=list)
     resumed_from: str | None = None  # the checkpoint the syncer resumed from
+    checkpoint: CheckpointRef | None = None  # the newest checkpoint written or resumed from
     failure: str | None = None  # why the syncer stopped taking work (it must be restarted)
     time: float = 0.0  # the syncer's clock when it wrote the document
     digest: str | None = None  # sha256 of weights + momentum (only with ?digest=1)

@@ -169,6 +169,9 @@ class Checkpoints:
         # The versions of the newest checkpoint written (or resumed from): a stop writes one
         # when merges happened since.
         self.last_versions: list[int] | None = None
+        # {path, outerStep} of the newest checkpoint written: the status names it (the final
+        # weights once the job finished).
+        self.latest: dict[str, Any] | None = None
 
     async def write(self, snap: CheckpointSnapshot) -> bool:
         """Write a checkpoint of `snap`; False (reported, not raised) when it failed."""
@@ -193,6 +196,7 @@ class Checkpoints:
             return False
         self.health.clear(CHECKPOINT, CORRUPT)
         self.last_versions = list(snap.manifest.get("versions", []))
+        self.latest = {"path": str(path), "outerStep": step}
         log.info("checkpoint %s written", path)
         return True
 

@@ -39,10 +39,21 @@ def status_document(s: Syncer) -> dict[str, Any]:
         "islands": s.state.islands_json(),
         "merges": list(s.merge_log.recent),
         "resumedFrom": s.resumed_from,
+        "checkpoint": latest_checkpoint(s),
         "failure": s.failure,
         "health": s.health.to_json(),
         "time": s.clock(),
     }
+
+
+def latest_checkpoint(s: Syncer) -> dict[str, Any] | None:
+    """{path, outerStep} of the newest checkpoint on disk: written by this process, else the one
+    it resumed from (a syncer restarted after the finish serves the final weights from it)."""
+    if s.jobs.checkpoints.latest is not None:
+        return dict(s.jobs.checkpoints.latest)
+    if s.resumed_from:
+        return {"path": s.resumed_from, "outerStep": s.jobs.checkpoints.last_step}
+    return None
 
 
 def checkpoint_manifest(s: Syncer) -> dict[str, Any]:
