@@ -16,7 +16,7 @@ FROM ${PYTHON_IMAGE} AS builder
 ENV PIP_NO_CACHE_DIR=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1
 WORKDIR /src
-COPY pyproject.toml README.md ./
+COPY pyproject.toml README.md LICENSE ./
 COPY trainer/ trainer/
 COPY operator/ operator/
 RUN pip wheel --no-deps --wheel-dir /wheels/project . \
