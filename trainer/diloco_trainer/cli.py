@@ -11,21 +11,31 @@ import sys
 from collections.abc import Callable, Sequence
 
 from diloco_trainer import __version__
+from diloco_trainer.cli_help import LEARNER_EPILOG, SYNCER_EPILOG, described, require_trainer
+
+# The exit code of a command whose extra is not installed (as for a bad config).
+MISSING_EXTRA = 2
 
 
 def _cmd_run(args: argparse.Namespace) -> int:
+    if not require_trainer("run"):
+        return MISSING_EXTRA
     from diloco_trainer.local.run import main as run_main
 
     return run_main(args)
 
 
 def _cmd_learner(args: argparse.Namespace) -> int:
+    if not require_trainer("learner"):
+        return MISSING_EXTRA
     from diloco_trainer.learner.loop import main as learner_main
 
     return learner_main(args)
 
 
 def _cmd_syncer(args: argparse.Namespace) -> int:
+    if not require_trainer("syncer"):
+        return MISSING_EXTRA
     from diloco_trainer.syncer.service import main as syncer_main
 
     return syncer_main(args)
@@ -45,6 +55,8 @@ def _cmd_operator(args: argparse.Namespace) -> int:
 
 
 def _cmd_export(args: argparse.Namespace) -> int:
+    if not require_trainer("export"):
+        return MISSING_EXTRA
     from diloco_trainer.export import main as export_main
 
     return export_main(args)
@@ -80,10 +92,22 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--quiet", action="store_true", help="no progress bars")
     run.set_defaults(func=_cmd_run)
 
-    learner = sub.add_parser("learner", help="one learner rank (environment: see contract.py)")
+    learner = sub.add_parser(
+        "learner",
+        help="one learner rank of one island (configured by its environment: see its --help)",
+        description=described("One learner rank of one island."),
+        epilog=LEARNER_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     learner.set_defaults(func=_cmd_learner)
 
-    syncer = sub.add_parser("syncer", help="the syncer service (environment: see contract.py)")
+    syncer = sub.add_parser(
+        "syncer",
+        help="the syncer service (configured by its environment: see its --help)",
+        description=described("The syncer of one job."),
+        epilog=SYNCER_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     syncer.set_defaults(func=_cmd_syncer)
 
     op = sub.add_parser("operator", help="run the Kubernetes operator (wraps kopf run)")

@@ -6,6 +6,7 @@ so the launcher stays a thin loop and these can be looked at without processes.
 
 from __future__ import annotations
 
+import re
 import time
 from collections.abc import Mapping
 from typing import Any
@@ -30,6 +31,41 @@ def human_bytes(n: float) -> str:
 
 def _fmt(x: Any, spec: str = ".4f") -> str:
     return "-" if x is None else format(x, spec)
+
+
+_NUMBER = re.compile(r"(\d+)")
+_ISLAND_INDEX = re.compile(r"island-(\d+)$")
+
+
+def island_order(name: str) -> tuple[Any, ...]:
+    """Sort key putting island-2 before island-10 (numbers compare as numbers)."""
+    return tuple(int(part) if part.isdigit() else part for part in _NUMBER.split(name))
+
+
+def island_index(name: str) -> int | None:
+    """The index in an island's name ('eu-island-3' -> 3), None for another name."""
+    match = _ISLAND_INDEX.search(name)
+    return int(match.group(1)) if match else None
+
+
+def exit_notes(island: str, dead: Mapping[str, int]) -> list[str]:
+    """'exited CODE' notes for the island's processes that exited (`dead` is keyed by process
+    name: the island itself, or 'ISLAND/rankR' for one of its ranks)."""
+    notes = []
+    for proc in sorted(dead, key=island_order):
+        if proc == island:
+            notes.append(f"exited {dead[proc]}")
+        elif proc.startswith(island + "/"):
+            notes.append(f"{proc.removeprefix(island + '/')} exited {dead[proc]}")
+    return notes
+
+
+def progress_line(status: SyncerStatus, elapsed: float) -> str:
+    """The one line printed per outer step when the live view is off (not a terminal)."""
+    return (
+        f"outer step {status.outer_step}  tokens {status.tokens:,}  "
+        f"eval loss {_fmt(status.eval_loss)}  ({elapsed:.0f}s)"
+    )
 
 
 def progress_fraction(spec: JobSpec, status: SyncerStatus) -> tuple[float, str]:
@@ -78,12 +114,13 @@ def status_view(
     for col in ("island", "state", "pushes", "joins", "tokens", "loss", "last push", "note"):
         islands.add_column(col, justify="left" if col in ("island", "state", "note") else "right")
     now = time.time()
-    for index, (name, info) in enumerate(sorted(status.islands.items())):
+    for name in sorted(status.islands, key=island_order):
+        info = status.islands[name]
         notes = []
-        if slowdowns.get(index, 1.0) > 1:
+        index = island_index(name)
+        if index is not None and slowdowns.get(index, 1.0) > 1:
             notes.append(f"slowed {slowdowns[index]:g}x")
-        if name in dead:
-            notes.append(f"exited {dead[name]}")
+        notes += exit_notes(name, dead)
         islands.add_row(
             name,
             info.state,

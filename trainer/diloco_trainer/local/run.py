@@ -45,7 +45,7 @@ from diloco_trainer.local.launch import (
     wait_ready,
     write_job_files,
 )
-from diloco_trainer.local.progress import status_view, summary_table
+from diloco_trainer.local.progress import progress_line, status_view, summary_table
 
 # The built-in job when no CONFIG is given: the spec of examples/local.yaml (keep them in step; a
 # test checks they agree). Finishes in about two minutes on two CPU cores.
@@ -310,11 +310,7 @@ class LocalRun:
                         )
                     elif not self.quiet and status.outer_step != last_outer:
                         last_outer = status.outer_step
-                        self.console.print(
-                            f"outer step {last_outer}  tokens {status.tokens:,}  "
-                            f"eval loss {status.eval_loss}  "
-                            f"({time.monotonic() - started:.0f}s)"
-                        )
+                        self.console.print(progress_line(status, time.monotonic() - started))
                     if status.finished:
                         return status
                     await asyncio.sleep(POLL_SECONDS)

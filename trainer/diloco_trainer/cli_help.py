@@ -1,0 +1,98 @@
+"""What `diloco learner --help` and `diloco syncer --help` say, and the missing-extra check.
+
+Both processes take no options: the operator (and `diloco run`) start them with the environment
+of api/contract.py, which is listed here so `--help` tells a user what to set. Torch-free: the
+console script imports this module whatever is installed.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+import textwrap
+
+from diloco_trainer.api import contract as c
+
+# Top-level modules of the [trainer] extra that every trainer command imports.
+TRAINER_IMPORTS = ("torch", "safetensors", "aiohttp", "rich", "prometheus_client", "numpy")
+INSTALL_TRAINER = "pip install 'diloco-operator[trainer]'"
+WIDTH = 88  # help text is wrapped by hand (the raw formatter keeps the table's columns)
+
+_SHARED = [
+    (c.CONFIG_FILE, "required", "the job spec (JSON or YAML: a DiLoCoJob or its spec)"),
+    (c.TOKEN_FILE, "required", "file holding the bearer credential"),
+    (c.JOB_NAME, "local", "the job's name (logs, metrics, checkpoints)"),
+]
+
+LEARNER_ENV = [
+    (c.ISLAND, "required", "this island's name, e.g. island-0"),
+    (c.SYNCER_URL, "required", "the syncer, e.g. http://JOB-syncer:8470"),
+    *_SHARED,
+    (c.ISLAND_INDEX, "0", "the island's data shard among all of the job's islands"),
+    (c.RANK, "0", "DDP rank inside the island (rank 0 talks to the syncer)"),
+    (c.WORLD_SIZE, "1", "ranks in the island"),
+    (c.MASTER_ADDR, "127.0.0.1", "rank 0's address (DDP rendezvous)"),
+    (c.MASTER_PORT, str(c.DEFAULT_MASTER_PORT), "rank 0's port"),
+    (c.CA_FILE, "unset", "CA bundle to verify an https:// syncer"),
+    (c.DEVICE, "auto", "auto, cpu or cuda"),
+    (c.SLOWDOWN, "1", "test knob: multiply this learner's step time"),
+]
+
+SYNCER_ENV = [
+    *_SHARED,
+    (c.SYNCER_PORT, str(c.DEFAULT_SYNCER_PORT), "port to serve on"),
+    (c.STATE_DIR, c.STATE_MOUNT, "checkpoints (resumed from at start), merges.jsonl"),
+    (c.TLS_CERT_FILE, "unset", "serving certificate: HTTPS (with the key)"),
+    (c.TLS_KEY_FILE, "unset", "its private key"),
+]
+
+
+def env_epilog(entries: list[tuple[str, str, str]], tail: str) -> str:
+    """A --help epilog: one line per environment variable (name, default, meaning), then
+    `tail`."""
+    width = max(len(name) for name, _, _ in entries)
+    lines = ["environment (the operator sets all of these; so does `diloco run`):"]
+    for name, default, meaning in entries:
+        lines.append(f"  {name:<{width}}  {meaning} [{default}]")
+    return "\n".join([*lines, "", textwrap.fill(tail, WIDTH)])
+
+
+LEARNER_EPILOG = env_epilog(
+    LEARNER_ENV,
+    "Trains one rank of one island: inner steps on its data shard, pseudo-gradients pushed to "
+    "the syncer, merged weights pulled. Exits 0 when the job finished, 2 for a bad environment "
+    "or spec.",
+)
+SYNCER_EPILOG = env_epilog(
+    SYNCER_ENV,
+    "Serves the job's global model over HTTP (/v1/..., /healthz, /readyz, /metrics) and "
+    "checkpoints it. Exits 0 after SIGTERM, 1 after a failed merge, 2 for a bad environment or "
+    "spec.",
+)
+
+
+def missing_trainer_modules() -> list[str]:
+    """The [trainer] extra's modules that cannot be imported here."""
+    return [name for name in TRAINER_IMPORTS if importlib.util.find_spec(name) is None]
+
+
+def require_trainer(command: str) -> bool:
+    """True when the [trainer] extra is installed; else say so on stderr (naming what is
+    missing and how to install it) and return False."""
+    missing = missing_trainer_modules()
+    if not missing:
+        return True
+    print(
+        f"diloco {command} needs the [trainer] extra ({', '.join(missing)} missing): "
+        f"{INSTALL_TRAINER}",
+        file=sys.stderr,
+    )
+    return False
+
+
+def described(what: str) -> str:
+    """A subcommand description, wrapped like the epilog."""
+    return textwrap.fill(
+        f"{what} It takes no options: it reads the environment below (and the files it names).",
+        WIDTH,
+    )
