@@ -7,9 +7,9 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Callable
-from typing import Any
 
 import pytest
+from diloco_trainer.api.documents import SyncerStatus
 from diloco_trainer.api.spec import JobSpec
 from diloco_trainer.local.run import LocalRun
 
@@ -47,18 +47,20 @@ def test_codecs_int8_run_matches_uncompressed_run(
     # Both runs at once: their results do not depend on timing, and they share the start-up.
     runs = [codec_run(codec, make_spec, local_run) for codec in ("none", "int8")]
 
-    async def watch_both() -> list[dict[str, Any]]:
+    async def watch_both() -> list[SyncerStatus]:
         return await asyncio.wait_for(
             asyncio.gather(*(r.watch(time.monotonic()) for r in runs)), timeout=600
         )
 
     plain, int8 = asyncio.run(watch_both())
-    assert plain["outerStep"] == int8["outerStep"] == ROUNDS
-    assert plain["tokens"] == int8["tokens"]
-    assert int8["evalLoss"] < 0.6 * int8["initialEvalLoss"], "the int8 run did not train"
-    assert abs(int8["evalLoss"] - plain["evalLoss"]) <= 0.01 * plain["evalLoss"], (
-        int8["evalLoss"],
-        plain["evalLoss"],
+    assert plain.outer_step == int8.outer_step == ROUNDS
+    assert plain.tokens == int8.tokens
+    assert plain.eval_loss is not None and int8.eval_loss is not None
+    assert int8.initial_eval_loss is not None
+    assert int8.eval_loss < 0.6 * int8.initial_eval_loss, "the int8 run did not train"
+    assert abs(int8.eval_loss - plain.eval_loss) <= 0.01 * plain.eval_loss, (
+        int8.eval_loss,
+        plain.eval_loss,
     )
     # int8 plus one fp32 scale per block: close to 4x fewer bytes than fp32.
-    assert int8["bytesIn"] < plain["bytesIn"] / 3.5, (int8["bytesIn"], plain["bytesIn"])
+    assert int8.bytes_in < plain.bytes_in / 3.5, (int8.bytes_in, plain.bytes_in)

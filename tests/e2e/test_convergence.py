@@ -17,6 +17,7 @@ from typing import Any
 import pytest
 import torch
 from diloco_trainer.api.contract import island_name
+from diloco_trainer.api.documents import SyncerStatus
 from diloco_trainer.api.spec import JobSpec
 from diloco_trainer.learner.syncer_client import SyncerClient
 from diloco_trainer.local.run import LocalRun
@@ -110,8 +111,9 @@ def start_synchronised(run: LocalRun) -> None:
         run.start_island(i)
 
 
-def run_to_finish(run: LocalRun, timeout: float) -> dict[str, Any]:
-    """Watch the run until the syncer says finished (RunError if a process fails)."""
+def run_to_finish(run: LocalRun, timeout: float) -> SyncerStatus:
+    """Watch the run until the syncer says finished (RunError if a process fails); returns the
+    syncer's last status."""
     return asyncio.run(asyncio.wait_for(run.watch(time.monotonic()), timeout))
 
 
@@ -130,10 +132,11 @@ def test_convergence_matches_synchronous_data_parallel(
     torch.set_num_threads(1)  # a shared, busy CPU: more threads only spin
     ref = train_synchronous(spec, num_workers=islands, total_steps=ROUNDS * INNER_STEPS)
 
-    assert status["outerStep"] == ROUNDS
+    assert status.outer_step == ROUNDS
     # Every merge had every island's H steps: the very tokens the baseline trained on.
-    assert status["tokens"] == ref["tokens"]
-    assert status["initialEvalLoss"] == pytest.approx(ref["initial_eval_loss"], rel=1e-6)
-    diloco, sync = status["evalLoss"], ref["eval_loss"]
-    assert diloco < 0.6 * status["initialEvalLoss"], "DiLoCo did not train"
+    assert status.tokens == ref["tokens"]
+    assert status.initial_eval_loss == pytest.approx(ref["initial_eval_loss"], rel=1e-6)
+    diloco, sync = status.eval_loss, ref["eval_loss"]
+    assert diloco is not None and status.initial_eval_loss is not None
+    assert diloco < 0.6 * status.initial_eval_loss, "DiLoCo did not train"
     assert abs(diloco - sync) <= 0.05 * sync, f"DiLoCo {diloco:.4f} vs synchronous {sync:.4f}"

@@ -132,7 +132,7 @@ def test_learner_rides_out_a_syncer_restart_and_the_job_finishes(
     assert resumed["outerStep"] >= 4 - 2  # from a checkpoint at most everyOuterSteps old
 
     status = run_to_finish(run, timeout=600)
-    assert status["finished"] and status["outerStep"] == 12
+    assert status.finished and status.outer_step == 12
     # Both learners carried on with the restarted syncer: each appears in merges after it.
     late = [m for m in merge_log(run) if m["version"] > resumed["outerStep"] + 1]
     assert {"island-0", "island-1"} <= set().union(*(contributors(m) for m in late))

@@ -8,9 +8,9 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Callable
-from typing import Any
 
 import pytest
+from diloco_trainer.api.documents import SyncerStatus
 from diloco_trainer.api.spec import JobSpec
 from diloco_trainer.local.run import LocalRun
 
@@ -62,33 +62,35 @@ def test_pull_compression_int8_updates_pull_3x_fewer_bytes_at_the_same_loss(
     # Both runs at once: their results do not depend on timing, and they share the start-up.
     runs = [pull_run(codec, make_spec, local_run) for codec in ("none", "auto")]
 
-    async def watch_both() -> list[dict[str, Any]]:
+    async def watch_both() -> list[SyncerStatus]:
         return await asyncio.wait_for(
             asyncio.gather(*(r.watch(time.monotonic()) for r in runs)), timeout=300
         )
 
     full, updates = asyncio.run(watch_both())
+    assert full.eval_loss is not None and updates.eval_loss is not None
+    assert updates.initial_eval_loss is not None
     print(
-        f"pulled {full['bytesOut']} B (pullCompression none) vs {updates['bytesOut']} B "
+        f"pulled {full.bytes_out} B (pullCompression none) vs {updates.bytes_out} B "
         "(auto/int8); "
-        f"eval loss {full['evalLoss']:.4f} vs {updates['evalLoss']:.4f}"
+        f"eval loss {full.eval_loss:.4f} vs {updates.eval_loss:.4f}"
     )
-    assert full["outerStep"] == updates["outerStep"] == ROUNDS
-    assert full["tokens"] == updates["tokens"]
-    assert (full["pullCompression"], updates["pullCompression"]) == ("none", "int8")
+    assert full.outer_step == updates.outer_step == ROUNDS
+    assert full.tokens == updates.tokens
+    assert (full.pull_compression, updates.pull_compression) == ("none", "int8")
     # Each learner pulls the fragment in full when it joins, then once per round: with updates,
     # every per-round pull is a one-update chain (each learner holds the version before the
     # merge it waits for). The status is read when the syncer finishes, so the final round's
     # pulls may not all be counted yet.
-    assert full["pulls"]["updates"] == 0
-    assert full["pulls"]["full"] >= ISLANDS * ROUNDS, full["pulls"]
-    assert updates["pulls"]["full"] == ISLANDS, updates["pulls"]
-    assert updates["pulls"]["updates"] >= ISLANDS * (ROUNDS - 1), updates["pulls"]
-    assert updates["bytesOut"] * 3 <= full["bytesOut"], (updates["bytesOut"], full["bytesOut"])
+    assert full.pulls["updates"] == 0
+    assert full.pulls["full"] >= ISLANDS * ROUNDS, full.pulls
+    assert updates.pulls["full"] == ISLANDS, updates.pulls
+    assert updates.pulls["updates"] >= ISLANDS * (ROUNDS - 1), updates.pulls
+    assert updates.bytes_out * 3 <= full.bytes_out, (updates.bytes_out, full.bytes_out)
     # Pushes are int8 in both runs (their headers' numbers may differ in length).
-    assert updates["bytesIn"] == pytest.approx(full["bytesIn"], rel=1e-3)
-    assert updates["evalLoss"] < 0.6 * updates["initialEvalLoss"], "the run did not train"
-    assert abs(updates["evalLoss"] - full["evalLoss"]) <= 0.01 * full["evalLoss"], (
-        updates["evalLoss"],
-        full["evalLoss"],
+    assert updates.bytes_in == pytest.approx(full.bytes_in, rel=1e-3)
+    assert updates.eval_loss < 0.6 * updates.initial_eval_loss, "the run did not train"
+    assert abs(updates.eval_loss - full.eval_loss) <= 0.01 * full.eval_loss, (
+        updates.eval_loss,
+        full.eval_loss,
     )

@@ -45,7 +45,7 @@ def test_slow_island_does_not_hold_back_the_quorum(
     contributors = [{c["island"] for c in m["contributors"]} for m in merges]
     without_slow = [c for c in contributors if SLOW not in c]
     with_slow = [c for c in contributors if SLOW in c]
-    assert status["outerStep"] == OUTER_STEPS
+    assert status.outer_step == OUTER_STEPS
     # Rounds completed at the fast islands' pace: most merges did not wait for the straggler
     # (lock-step with it would put it in every merge).
     assert len(without_slow) >= len(merges) // 2, contributors
@@ -53,7 +53,5 @@ def test_slow_island_does_not_hold_back_the_quorum(
     assert all(c == {"island-0", "island-1"} for c in without_slow), contributors
     # The straggler is slowed, not excluded: its work still gets merged.
     assert with_slow, contributors
-    islands = status["islands"]
-    assert islands[SLOW]["pushes"] < min(
-        islands["island-0"]["pushes"], islands["island-1"]["pushes"]
-    )
+    islands = status.islands
+    assert islands[SLOW].pushes < min(islands["island-0"].pushes, islands["island-1"].pushes)
