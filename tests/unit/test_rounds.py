@@ -312,19 +312,6 @@ def test_rounds_islands_not_heard_of_hold_the_quorum_until_their_timeout() -> No
     assert state.due_fragments(5.0) == [0]  # both contributed: no grace wait
 
 
-def test_rounds_an_island_never_heard_of_is_given_up_after_the_timeout() -> None:
-    state = make_state(quorum=2, islands=0, timeout=30.0)
-    state.expect(2, now=0.0)
-    state.join("island-0", 1, now=1.0)
-    push(state, "island-0", 2.0)
-    state.expire(29.0)
-    assert state.due_fragments(29.0) == []
-    state.heartbeat("island-0", 29.0)
-    state.expire(31.0)
-    assert state.awaited_islands() == 0 and state.effective_quorum() == 1
-    assert state.due_fragments(31.0) == [0]
-
-
 def test_rounds_an_admin_drop_ends_the_wait_for_an_island_never_heard_of() -> None:
     state = make_state(quorum=2, islands=0, timeout=30.0)
     state.expect(2, now=0.0)

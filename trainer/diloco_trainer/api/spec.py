@@ -134,6 +134,14 @@ class IslandsSpec(SpecModel):
         ge=0,
         description="Number of data shards across every cluster of the job; 0 means islands.count.",
     )
+    startup_timeout_seconds: float = Field(
+        600.0,
+        gt=0,
+        le=86400,
+        description="How long the syncer's quorum waits for an island that has not joined yet "
+        "and that nobody dropped (the operator drops islands whose pods fail; diloco run, "
+        "islands whose processes all exited). A safety net only: slow starts are waited for.",
+    )
     resources: dict[str, Any] = Field(
         default_factory=dict,
         description="Kubernetes resource requirements for every learner pod.",

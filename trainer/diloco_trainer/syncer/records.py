@@ -4,9 +4,14 @@ island, pending contributions and open rounds (plain data; the state machine is 
 Membership. States: active, dropped (by the admin route; stays dropped until re-added), timedOut
 (no heartbeat, join or push for heartbeatTimeoutSeconds; active again on its next sign of life),
 left (said goodbye; active again when it joins). Only islands that have joined count as active:
-the admin route may pre-register an island, but it joins the quorum when it first joins. Islands
-of the job the syncer has not heard of at all (expect(): count minus known records) hold the
-quorum, not the grace window, until the heartbeat timeout after the syncer's start.
+the admin route may pre-register an island, but it joins the quorum when it first joins.
+
+Awaited islands. Islands of the job that have not joined yet and were not dropped (expect():
+count minus the records that joined or were dropped) hold the quorum, not the grace window, until
+they join or are dropped, however long their processes take to start: the operator drops islands
+whose pods fail, `diloco run` islands whose processes all exited. Only if nobody says anything
+are they given up on, islands.startupTimeoutSeconds after the syncer's start (a safety net, not a
+start-up budget: the heartbeat timeout is for islands that went silent, not for slow starts).
 """
 
 from __future__ import annotations
@@ -46,6 +51,8 @@ class RoundPolicy:
     max_staleness: int
     heartbeat_timeout: float
     grace_seconds: float | None  # None means "auto"
+    # How long islands that never joined (and were not dropped) hold the quorum; see above.
+    startup_timeout: float = 600.0
     overlap_steps: int = 0
     # The learners' schedule (H and each fragment's sync offset), for predicting when a missing
     # island will push; inner_steps 0 turns the prediction off.
@@ -162,6 +169,7 @@ def round_policy(spec: JobSpec, fragments: int) -> RoundPolicy:
         max_staleness=spec.staleness_bound(),
         heartbeat_timeout=spec.sync.heartbeat_timeout_seconds,
         grace_seconds=None if grace == "auto" else float(grace),
+        startup_timeout=spec.islands.startup_timeout_seconds,
         overlap_steps=spec.sync.overlap_steps,
         inner_steps=spec.inner.steps,
         offsets=tuple(fragment_offsets(spec.inner.steps, fragments)),

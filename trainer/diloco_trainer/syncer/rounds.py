@@ -116,8 +116,10 @@ class SyncState:
         return {n for n, r in self.islands.items() if r.state == ACTIVE and r.joins > 0}
 
     def awaited_islands(self) -> int:
-        """Islands of the job the syncer has never heard of, still within their start-up time."""
-        return max(0, self._expected - len(self.islands))
+        """Islands of the job that have not joined yet and were not dropped (records.py), until
+        the start-up timeout."""
+        heard = sum(1 for r in self.islands.values() if r.joins > 0 or r.state == DROPPED)
+        return max(0, self._expected - heard)
 
     def effective_quorum(self) -> int:
         """min(K, active + awaited islands), at least 1: a round can always complete."""
@@ -169,12 +171,12 @@ class SyncState:
             rec.reason = ""
 
     def expect(self, count: int, now: float) -> None:
-        """The job has `count` islands: until the heartbeat timeout from `now`, the ones not
-        heard of yet count towards the quorum as if active, so the first island up does not
-        merge alone when K > 1 just because its peers' pods are slower to start. After the
-        timeout they are given up on like any silent island (expire)."""
+        """The job has `count` islands: the ones that have not joined count towards the quorum
+        as if active until they join or are dropped, so the first island up does not merge alone
+        when K > 1 just because its peers are slower to start, however slow. Only if nobody
+        drops them are they given up on, the start-up timeout after `now` (expire)."""
         self._expected = count
-        self._expect_until = now + self.policy.heartbeat_timeout
+        self._expect_until = now + self.policy.startup_timeout
         self._refresh(now)
 
     def join(self, name: str, replicas: int, now: float) -> IslandRecord:
@@ -259,8 +261,8 @@ class SyncState:
         self._refresh(now)
 
     def expire(self, now: float) -> list[str]:
-        """Mark active islands silent for longer than the heartbeat timeout as timedOut (and stop
-        awaiting islands never heard of)."""
+        """Mark active islands silent for longer than the heartbeat timeout as timedOut (and,
+        after the start-up timeout, stop awaiting islands that never joined)."""
         gone = []
         if self._expected and now > self._expect_until:
             self._expected = 0

@@ -367,10 +367,11 @@ class Syncer:
             expired = self.state.expire(now)
             if awaited and not self.state.awaited_islands():
                 log.warning(
-                    "%d island(s) of %d never joined within heartbeatTimeoutSeconds of the "
-                    "syncer's start: merging without them",
+                    "%d island(s) of %d never joined within islands.startupTimeoutSeconds "
+                    "(%.0fs) of the syncer's start, and nobody dropped them: merging without them",
                     awaited,
                     self.spec.total_shards(),
+                    self.spec.islands.startup_timeout_seconds,
                 )
             for island in expired:
                 log.warning("island %s timed out: %s", island, self.state.islands[island].reason)
