@@ -5,9 +5,11 @@ environment variables the operator gives pods (launch.py, contract.py), so a loc
 cluster code path. The launcher only watches: it polls the syncer's /v1/status, draws progress, and
 at the end prints (and optionally writes) a summary and a loss plot.
 
-Failures: a learner that exits early is reported and the run goes on without it (the syncer's
-quorum and heartbeat timeout deal with it, as in a cluster); if every learner is gone, or the
-syncer dies, the run stops with an error and the tail of the log. Ctrl-C (SIGINT) or SIGTERM stops
+Failures: a learner that exits early is reported and the run goes on without it. An island whose
+processes have all exited is dropped at the syncer (the admin route, as the operator drops an
+island whose pods fail), so the quorum stops waiting for it, whether it had joined or not; one
+started again (LocalRun.start_island) is re-added. If every learner is gone, or the syncer dies,
+the run stops with an error and the tail of the log. Ctrl-C (SIGINT) or SIGTERM stops
 every child (SIGTERM to each process group, SIGKILL after a deadline) and exits 130.
 """
 
@@ -20,7 +22,7 @@ import signal
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import FrameType
@@ -34,7 +36,7 @@ from diloco_trainer.api.client import SyncerJsonClient
 from diloco_trainer.api.contract import island_name
 from diloco_trainer.api.documents import SyncerStatus
 from diloco_trainer.api.placement import island_replicas
-from diloco_trainer.api.protocol import SyncerError
+from diloco_trainer.api.protocol import STATE_ACTIVE, STATE_DROPPED, SyncerError
 from diloco_trainer.api.spec import ConfigError, JobSpec, load_spec, parse_spec
 from diloco_trainer.local.launch import (
     JobFiles,
@@ -152,6 +154,17 @@ def threads_per_learner(total_ranks: int) -> int:
     return max(1, cpu_budget() // max(1, total_ranks))
 
 
+def island_changes(
+    alive: Mapping[str, Sequence[bool]], dropped: set[str]
+) -> tuple[list[str], list[str]]:
+    """(islands to drop, islands to re-add) at the syncer, from whether each process of each
+    island is alive: drop an island none of whose processes is (it will not join or push again),
+    re-add a dropped one that has a process again (it was started again)."""
+    gone = sorted(i for i, procs in alive.items() if procs and not any(procs) and i not in dropped)
+    back = sorted(i for i in dropped if any(alive.get(i, ())))
+    return gone, back
+
+
 def make_summary(
     status: SyncerStatus, *, islands: int, wall_seconds: float, workdir: Path
 ) -> dict[str, Any]:
@@ -186,6 +199,7 @@ class LocalRun:
     syncer: Proc | None = None
     learners: list[Proc] = field(default_factory=list)
     dead: dict[str, int] = field(default_factory=dict)
+    dropped: set[str] = field(default_factory=set)  # islands this run dropped at the syncer
     url: str = ""
     files: JobFiles | None = None
 
@@ -298,6 +312,8 @@ class LocalRun:
                     if status is None:  # no answer yet: nothing to show
                         await asyncio.sleep(POLL_SECONDS)
                         continue
+                    if not status.finished:
+                        await self._sync_membership(client)
                     if live is not None:
                         live.update(
                             status_view(
@@ -317,6 +333,31 @@ class LocalRun:
         finally:
             if live is not None:
                 live.stop()
+
+    async def _sync_membership(self, client: SyncerJsonClient) -> None:
+        """Drop at the syncer every island whose processes have all exited, re-add one started
+        again (island_changes). A failed call is tried again on the next pass."""
+        procs: dict[str, list[Proc]] = {}
+        for proc in self.learners:  # named ISLAND/rankR (start_island)
+            procs.setdefault(proc.name.partition("/")[0], []).append(proc)
+        alive = {island: [p.alive for p in group] for island, group in procs.items()}
+        gone, back = island_changes(alive, self.dropped)
+        try:
+            if gone and (await client.status()).finished:
+                return  # they exited because the job finished (learners leave on their own)
+            for island in gone:
+                codes = ", ".join(
+                    str(c) for c in sorted({p.returncode or 0 for p in procs[island]})
+                )
+                reason = f"every process of the island exited (exit codes {codes})"
+                await client.set_membership(island, STATE_DROPPED, reason)
+                self.dropped.add(island)
+                self.console.print(f"[yellow]dropped {island} at the syncer: {reason}[/yellow]")
+            for island in back:
+                await client.set_membership(island, STATE_ACTIVE, "started again")
+                self.dropped.discard(island)
+        except SyncerError as err:
+            self.console.print(f"[yellow]membership: {err}[/yellow]")
 
     @staticmethod
     async def _status_if_finished(
