@@ -3,7 +3,10 @@
 An island is healthy when every pod it should have (`STS-0` .. `STS-(replicas-1)`) exists, is not
 being deleted, and is Ready. When a healthy island turns unhealthy the operator asks the syncer to
 drop it from the quorum; when it is healthy again, to re-add it. Islands that have never been
-healthy (still starting) are left alone: the syncer counts an island only once it joins anyway.
+healthy are left alone while they start, however slowly: the syncer's quorum waits for islands
+that have not joined (up to islands.startupTimeoutSeconds, a safety net for a pod that stays
+Pending). One whose pod crash-loops before it was ever healthy has failed, not started slowly: it
+is dropped, so the quorum stops waiting for it, and re-added once healthy.
 """
 
 from __future__ import annotations
@@ -165,7 +168,11 @@ class Membership:
                 if self.wanted.get(name) == DROPPED or reported.get(name) == DROPPED:
                     self.wanted[name] = ACTIVE
                     reasons[name] = "island healthy again: " + island.describe()
-            elif name in self.seen_healthy or reported.get(name) == ACTIVE:
+            elif (
+                name in self.seen_healthy
+                or reported.get(name) == ACTIVE
+                or island.crash_looping_pods
+            ):
                 self.wanted[name] = DROPPED
                 reasons[name] = "island unhealthy: " + island.describe()
         known = set(self.wanted) | self.seen_healthy | {n for n in reported if is_own_island(n)}

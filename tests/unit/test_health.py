@@ -105,6 +105,22 @@ def test_membership_never_healthy_island_is_left_alone() -> None:
     assert m.decide(_ready("island-0"), {}, islands_running=True) == []
 
 
+def test_membership_crash_looping_island_that_never_joined_is_dropped_then_readded() -> None:
+    """A pod in CrashLoopBackOff has failed, not started slowly: the syncer's quorum must stop
+    waiting for the island (it awaits islands that have not joined); Pending pods are waited for."""
+    m = Membership()
+    pending = _health(_pod("job-island-1-0", "island-1", ready=False, phase="Pending"))
+    assert m.decide(pending, {}, islands_running=True) == []
+    crash = _pod("job-island-1-0", "island-1", ready=False, waiting="CrashLoopBackOff")
+    (change,) = m.decide(_health(crash), {}, islands_running=True)
+    assert (change.island, change.state) == ("island-1", DROPPED)
+    assert "island unhealthy" in change.reason
+    m.acknowledge(change)
+    ok = [_pod(f"job-island-1-{i}", "island-1") for i in range(2)]
+    (back,) = m.decide(_health(*ok), {"island-1": DROPPED}, islands_running=True)
+    assert (back.island, back.state) == ("island-1", ACTIVE)
+
+
 def test_membership_drop_then_readd() -> None:
     m = Membership()
     assert m.decide(_ready("island-0", "island-1"), None, islands_running=True) == []
