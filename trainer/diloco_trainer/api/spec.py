@@ -44,8 +44,8 @@ class ModelSpec(SpecModel):
 
     preset: Preset = Field(
         "gpt-tiny",
-        description="Built-in GPT size: gpt-tiny (~0.2M params, CPU tests), gpt-mini (~1M), "
-        "gpt-small (~10M), gpt-125m (~125M). Ignored when entrypoint is set.",
+        description="Built-in GPT size: gpt-tiny (~0.14M params, CPU tests), gpt-mini (~0.9M), "
+        "gpt-small (~11M), gpt-125m (~128M). Ignored when entrypoint is set.",
     )
     entrypoint: str | None = Field(
         None,

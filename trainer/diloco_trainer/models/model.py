@@ -33,7 +33,7 @@ class GPTConfig:
 
 # Sizes are counted for block_size 256; see count_parameters.
 PRESETS: dict[str, GPTConfig] = {
-    "gpt-tiny": GPTConfig(n_layer=2, n_head=2, n_embd=64),  # ~0.1M: CPU unit/e2e tests
+    "gpt-tiny": GPTConfig(n_layer=2, n_head=2, n_embd=64),  # ~0.14M: CPU unit/e2e tests
     "gpt-mini": GPTConfig(n_layer=4, n_head=4, n_embd=128),  # ~0.9M: CPU demos
     "gpt-small": GPTConfig(n_layer=6, n_head=6, n_embd=384),  # ~11M: one GPU or a fast CPU
     "gpt-125m": GPTConfig(n_layer=18, n_head=12, n_embd=768),  # ~128M: GPUs
