@@ -394,6 +394,7 @@ class Syncer:
                 deadline = await self.tick()
             except Exception as err:
                 self.failure = f"merge failed: {type(err).__name__}: {err}"
+                self.metrics.healthy.set(0)
                 log.exception("%s; refusing work until restarted from the last checkpoint", err)
                 return
             wait = TICK_SECONDS
