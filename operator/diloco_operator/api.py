@@ -77,7 +77,8 @@ class Condition(StatusModel):
     """A metav1.Condition-style observation about the job."""
 
     type: str = Field(
-        description="Ready, Progressing, Degraded, Suspended, Succeeded, Failed or SyncerReachable."
+        description="Ready, Progressing, Degraded, Suspended, Succeeded, Failed, SyncerReachable "
+        "or NameConflict."
     )
     status: ConditionStatus = Field(description="True, False or Unknown.")
     reason: str = Field(

@@ -19,6 +19,7 @@ CONDITION_TYPES = (
     "Succeeded",
     "Failed",
     "SyncerReachable",
+    "NameConflict",
 )
 ACTIVE_PHASES = ("Pending", "Running", "Degraded")
 
@@ -66,7 +67,7 @@ def progressing(verdict: Verdict, obs: Observation) -> tuple[str, str]:
 
 
 def job_conditions(verdict: Verdict, obs: Observation, before: ConditionsByType) -> list[Condition]:
-    """The seven conditions of CONDITION_TYPES, in that order."""
+    """The conditions of CONDITION_TYPES, in that order."""
     phase, message, failure = verdict.phase, verdict.message, verdict.failure
     degraded = phase == "Degraded"
     degraded_reason = "IslandsNotReady" if verdict.ready < verdict.desired else "SyncerUnreachable"
@@ -112,6 +113,14 @@ def job_conditions(verdict: Verdict, obs: Observation, before: ConditionsByType)
             reachable,
             "StatusRead" if reachable else unreachable_reason(before),
             "" if reachable else (obs.syncer_error or "no answer"),
+            obs,
+        ),
+        condition(
+            before,
+            "NameConflict",
+            bool(obs.conflicts),
+            "NameTaken" if obs.conflicts else "NoConflict",
+            "; ".join(obs.conflicts),
             obs,
         ),
     ]

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import yaml
+from diloco_trainer.api.exposure import INTERNAL_HTTP_PATTERN
 
 from diloco_operator import api
 
@@ -46,6 +47,11 @@ _KEPT = (
 # before nested defaults are filled in, so every optional field is tested with has() first.
 _LOCAL = "!has(self.endpoint) || self.endpoint == ''"
 _REMOTE = "(has(self.syncer) && has(self.syncer.endpoint) && self.syncer.endpoint != '')"
+_INSECURE_ALLOWED = (
+    "(has(self.tls) && has(self.tls.allowInsecureEndpoint) && self.tls.allowInsecureEndpoint)"
+)
+# api/exposure.py's pattern as a CEL string literal (its backslashes escaped once more).
+_INTERNAL_HTTP = INTERNAL_HTTP_PATTERN.replace("\\", "\\\\")
 
 # Cross-field and union rules, attached to the schema node at the given path (spec-relative).
 _SPEC_RULES: dict[tuple[str, ...], list[dict[str, str]]] = {
@@ -62,10 +68,29 @@ _SPEC_RULES: dict[tuple[str, ...], list[dict[str, str]]] = {
     ],
     ("syncer",): [
         {
-            "rule": f"{_LOCAL} || self.endpoint.matches('^https?://[^/]+')",
-            "message": "spec.syncer.endpoint must be an http:// or https:// URL",
+            "rule": f"{_LOCAL} || self.endpoint.matches('^https?://[^/?#@]+/?$')",
+            "message": "spec.syncer.endpoint must be an http:// or https:// URL of the syncer "
+            "itself (scheme://host[:port], no path, query or user info)",
             "fieldPath": ".endpoint",
             "reason": "FieldValueInvalid",
+        },
+        {
+            "rule": f"{_LOCAL} || !self.endpoint.startsWith('http://') || {_INSECURE_ALLOWED} || "
+            f"self.endpoint.matches('{_INTERNAL_HTTP}')",
+            "message": "spec.syncer.endpoint must be https://: the learners' and the operator's "
+            "credentials would cross the network in clear (http:// only on loopback, a cluster "
+            "Service name, or with spec.syncer.tls.allowInsecureEndpoint)",
+            "fieldPath": ".endpoint",
+            "reason": "FieldValueForbidden",
+        },
+        {
+            "rule": "!has(self.service) || !has(self.service.type) || "
+            "self.service.type == 'ClusterIP' || (has(self.tls) && has(self.tls.secretName) && "
+            "self.tls.secretName != '')",
+            "message": "spec.syncer.service.type LoadBalancer and NodePort reach outside the "
+            "cluster: set spec.syncer.tls.secretName so the syncer serves HTTPS",
+            "fieldPath": ".service.type",
+            "reason": "FieldValueForbidden",
         },
         {
             "rule": f"{_LOCAL} || !has(self.checkpoint) || !has(self.checkpoint.claimName)",

@@ -10,14 +10,17 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import kopf
+import urllib3
 from kubernetes.client.exceptions import ApiException
 
-from diloco_operator import api, metrics
-from diloco_operator.kube import API_THREADS, Kube, load_config
+from diloco_operator import api, metrics, probes
+from diloco_operator.kube import API_THREADS, ApiUnavailable, Kube, load_config
+from diloco_operator.options import network_options
 from diloco_operator.resources import JOB_LABEL
 from diloco_operator.runtime import DELETED, Registry
 from diloco_operator.sync import sync_job
@@ -28,11 +31,13 @@ RETRY_DELAY = 5.0
 OWNED = {JOB_LABEL: kopf.PRESENT}
 
 REGISTRY = Registry()
+# The health server and the API probe, started once (a startup handler may be retried).
+_HEALTH: dict[str, Any] = {}
 
 
 @kopf.on.startup()
-async def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
-    """Operator settings and the API connection."""
+async def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> None:
+    """Operator settings, the health endpoints and the API connection."""
     # Progress and the last-handled spec live in annotations: the status schema is ours alone.
     settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=api.GROUP)
     settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
@@ -40,20 +45,41 @@ async def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
     )
     settings.posting.enabled = True
     settings.posting.level = logging.INFO
-    settings.watching.connect_timeout = 30
+    # Every API call of kopf's has a deadline too: watches end after client_timeout at the
+    # latest (the server is asked to end them sooner) and are restarted.
+    settings.watching.connect_timeout = 10
     settings.watching.server_timeout = 300
-    settings.networking.request_timeout = 60
+    settings.watching.client_timeout = 330
+    settings.networking.connect_timeout = 10
+    settings.networking.request_timeout = 30
     # The Kubernetes client is synchronous: its calls run in these threads (asyncio.to_thread).
     asyncio.get_running_loop().set_default_executor(
         ThreadPoolExecutor(max_workers=API_THREADS, thread_name_prefix="k8s-api")
     )
-    REGISTRY.kube = await Kube.connect(load_config())
+    REGISTRY.network = network_options(os.environ)
+    port = int(getattr(memo, "health_port", 0) or 0)
+    if port and "runner" not in _HEALTH:
+        _HEALTH["runner"] = await probes.serve(port, probes.API_HEALTH)
+    try:
+        kube = await asyncio.wait_for(Kube.connect(load_config()), 60)
+    except (asyncio.TimeoutError, OSError, urllib3.exceptions.HTTPError) as err:
+        probes.API_HEALTH.unanswered(f"API discovery failed: {type(err).__name__}")
+        raise kopf.TemporaryError("the API server did not answer discovery", delay=5) from err
+    REGISTRY.kube = kube
+    if "probe" not in _HEALTH:
+        _HEALTH["probe"] = asyncio.create_task(probes.probe_forever(kube.ping, probes.API_HEALTH))
 
 
 @kopf.on.cleanup()
 async def close_clients(**_: Any) -> None:
-    """Stop the timers and close syncer HTTP sessions on shutdown."""
+    """Stop the timers, the API probe and the health server; close syncer HTTP sessions."""
     await REGISTRY.close()
+    probe = _HEALTH.pop("probe", None)
+    if probe is not None:
+        probe.cancel()
+    runner = _HEALTH.pop("runner", None)
+    if runner is not None:
+        await runner.cleanup()
 
 
 @kopf.on.create(*JOBS, backoff=RETRY_DELAY)
@@ -71,6 +97,9 @@ async def reconcile(body: kopf.Body, name: str, namespace: str, **_: Any) -> Non
         raise kopf.TemporaryError(
             f"API error {err.status}: {err.reason}", delay=RETRY_DELAY
         ) from err
+    except ApiUnavailable as err:
+        metrics.RECONCILES.labels(result="error").inc()
+        raise kopf.TemporaryError(str(err), delay=RETRY_DELAY) from err
     finally:
         update_phase_gauge(REGISTRY)
 
@@ -108,6 +137,7 @@ async def pod_event(
 @kopf.on.event("apps", "v1", "deployments", labels=OWNED)
 @kopf.on.event("", "v1", "services", labels=OWNED)
 @kopf.on.event("", "v1", "configmaps", labels=OWNED)
+@kopf.on.event("networking.k8s.io", "v1", "networkpolicies", labels=OWNED)
 async def child_event(
     event: kopf.RawEvent, labels: kopf.Labels, namespace: str, type: str | None, **_: Any
 ) -> None:

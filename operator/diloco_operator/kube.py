@@ -4,8 +4,12 @@ The official client is synchronous; every call runs in a worker thread so kopf's
 serving other jobs. Reads are few: pods and children come from the watches (observed.py); lists
 happen only when a job is first synced and on the slow resync. Objects go in and come out as
 plain dicts in API (camelCase) form, the same form the pure builders produce. Children are
-written with server-side apply under one field manager, so "create if absent, update if
-different" is a single idempotent request.
+written with server-side apply under one field manager, forcing only over the job's own
+objects: a child the job does not own yet is created (children.py), never applied over.
+
+Every call has a deadline: a connect and a read timeout on the request itself, and CALL_DEADLINE
+over the whole call (the client's API discovery has no timeout of its own). Each outcome tells
+probes.API_HEALTH whether the API server answers, which the operator's readiness reports.
 """
 
 from __future__ import annotations
@@ -17,11 +21,14 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
+import urllib3
 from kubernetes import client, config
+from kubernetes.client.exceptions import ApiException
 from kubernetes.dynamic import DynamicClient
 from kubernetes.dynamic.exceptions import ConflictError, NotFoundError
 
 from diloco_operator import api, metrics
+from diloco_operator.probes import API_HEALTH
 from diloco_operator.resources import JOB_LABEL, MANAGER
 
 T = TypeVar("T")
@@ -33,6 +40,7 @@ _API_VERSIONS = {
     "Pod": "v1",
     "StatefulSet": "apps/v1",
     "Deployment": "apps/v1",
+    "NetworkPolicy": "networking.k8s.io/v1",
     api.KIND: api.API_VERSION,
 }
 
@@ -47,6 +55,18 @@ class Listing:
 
 # Worker threads for API calls, and HTTP connections to keep for them (one per thread).
 API_THREADS = 32
+# Seconds to connect to the API server and to wait for each read of an answer; a whole call
+# (retries of the client included) ends after CALL_DEADLINE.
+CONNECT_TIMEOUT = 5.0
+READ_TIMEOUT = 30.0
+CALL_DEADLINE = 45.0
+PROBE_TIMEOUT = 5.0  # the readiness probe's read timeout
+# Failures that mean "the API server did not answer" (an HTTP error status is an answer).
+_UNANSWERED = (urllib3.exceptions.HTTPError, OSError, asyncio.TimeoutError)
+
+
+class ApiUnavailable(RuntimeError):
+    """The API server did not answer a call in time (or the connection failed)."""
 
 
 def load_config() -> client.ApiClient:
@@ -65,6 +85,7 @@ class Kube:
 
     def __init__(self, api_client: client.ApiClient) -> None:
         self._dyn = DynamicClient(api_client)  # discovery happens here (blocking): call once
+        self._version = client.VersionApi(api_client)
         self._cache: dict[str, Any] = {}
 
     def _resource(self, kind: str) -> Any:
@@ -79,7 +100,21 @@ class Kube:
         return await asyncio.to_thread(cls, api_client)
 
     async def _run(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
-        return await asyncio.to_thread(fn, *args, **kwargs)
+        kwargs.setdefault("_request_timeout", (CONNECT_TIMEOUT, READ_TIMEOUT))
+        try:
+            result = await asyncio.wait_for(asyncio.to_thread(fn, *args, **kwargs), CALL_DEADLINE)
+        except ApiException:
+            API_HEALTH.answered()  # an error status is an answer
+            raise
+        except _UNANSWERED as err:
+            API_HEALTH.unanswered(f"{type(err).__name__}: {err}")
+            raise ApiUnavailable(f"the API server did not answer: {type(err).__name__}") from err
+        API_HEALTH.answered()
+        return result
+
+    async def ping(self) -> None:
+        """Ask the API server for its version (the readiness probe's question)."""
+        await self._run(self._version.get_code, _request_timeout=(CONNECT_TIMEOUT, PROBE_TIMEOUT))
 
     async def get_job(self, namespace: str, name: str) -> dict[str, Any] | None:
         """The DiLoCoJob, or None when it is gone."""
@@ -130,10 +165,9 @@ class Kube:
             item.setdefault("kind", kind)
         return Listing(items=items, version=(doc.get("metadata") or {}).get("resourceVersion"))
 
-    async def apply(self, obj: dict[str, Any]) -> dict[str, Any]:
-        """Server-side apply: create the object or bring our fields to the desired values.
-
-        Returns the object as stored."""
+    async def apply(self, obj: dict[str, Any], *, force: bool = False) -> dict[str, Any]:
+        """Server-side apply: bring our fields to the desired values; returns the object as
+        stored. `force` takes fields back from other managers: only for objects the job owns."""
         result = await self._run(
             self._dyn.server_side_apply,
             self._resource(obj["kind"]),
@@ -141,7 +175,7 @@ class Kube:
             name=obj["metadata"]["name"],
             namespace=obj["metadata"]["namespace"],
             field_manager=MANAGER,
-            force_conflicts=True,
+            force_conflicts=force,
         )
         stored = result.to_dict()
         stored.setdefault("kind", obj["kind"])
@@ -152,36 +186,54 @@ class Kube:
         with contextlib.suppress(NotFoundError):
             await self._run(self._dyn.delete, self._resource(kind), name, namespace)
 
-    async def create_if_absent(self, obj: dict[str, Any]) -> bool:
-        """Create the object unless one with its name exists; True when created."""
+    async def create(self, obj: dict[str, Any]) -> dict[str, Any] | None:
+        """Create the object; the object as stored, None when one with its name exists."""
         try:
-            await self._run(
+            result = await self._run(
                 self._dyn.create,
                 self._resource(obj["kind"]),
                 body=obj,
                 namespace=obj["metadata"]["namespace"],
             )
         except ConflictError:
-            return False
-        return True
+            return None
+        stored = result.to_dict()
+        stored.setdefault("kind", obj["kind"])
+        return stored
 
-    async def exists(self, kind: str, namespace: str, name: str) -> bool:
-        """Whether the named object exists."""
+    async def get(self, kind: str, namespace: str, name: str) -> dict[str, Any] | None:
+        """The named object, None when there is none."""
         metrics.API_READS.labels(verb="get", kind=kind).inc()
         try:
-            await self._run(self._dyn.get, self._resource(kind), name, namespace)
+            obj = await self._run(self._dyn.get, self._resource(kind), name, namespace)
         except NotFoundError:
-            return False
-        return True
+            return None
+        stored = obj.to_dict()
+        stored.setdefault("kind", kind)
+        return stored
+
+    async def patch_secret(self, namespace: str, name: str, patch: dict[str, Any]) -> None:
+        """Merge-patch a Secret (the generated root token, when it is rotated)."""
+        await self._run(
+            self._dyn.patch,
+            self._resource("Secret"),
+            patch,
+            name=name,
+            namespace=namespace,
+            content_type="application/merge-patch+json",
+        )
+
+    async def read_secret(self, namespace: str, name: str) -> dict[str, Any] | None:
+        """A Secret with its data decoded ({"data": {key: text}, "metadata": ...}), None when
+        there is none."""
+        obj = await self.get("Secret", namespace, name)
+        if obj is None:
+            return None
+        data = {k: base64.b64decode(v).decode() for k, v in (obj.get("data") or {}).items()}
+        return {**obj, "data": data}
 
     async def read_secret_key(self, namespace: str, name: str, key: str) -> str | None:
         """One decoded value of a Secret, None when the Secret or key is missing."""
-        metrics.API_READS.labels(verb="get", kind="Secret").inc()
-        try:
-            obj = await self._run(self._dyn.get, self._resource("Secret"), name, namespace)
-        except NotFoundError:
-            return None
-        data = obj.to_dict().get("data") or {}
-        if key not in data:
-            return None
-        return base64.b64decode(data[key]).decode().strip()
+        secret = await self.read_secret(namespace, name)
+        value = ((secret or {}).get("data") or {}).get(key)
+        return value.strip() if value is not None else None

@@ -1,8 +1,8 @@
 """`diloco operator`: run the kopf operator for DiLoCoJobs.
 
 Wraps `kopf.run` with the options the chart passes: namespaces to watch (cluster-wide when none),
-standalone mode (no peering: one replica), kopf's liveness endpoint on --health-port (used for
-both liveness and readiness probes) and Prometheus metrics on --metrics-port.
+standalone mode (no peering: one replica), /healthz (liveness) and /readyz (readiness: the API
+server answers; probes.py) on --health-port, and Prometheus metrics on --metrics-port.
 """
 
 from __future__ import annotations
@@ -39,11 +39,10 @@ def main(args: argparse.Namespace) -> int:
     namespaces: list[str] = list(getattr(args, "namespace", []) or [])
     metrics.serve(int(getattr(args, "metrics_port", 0) or 0))
     health_port = int(getattr(args, "health_port", 0) or 0)
-    liveness = f"http://0.0.0.0:{health_port}/healthz" if health_port else None
     kopf.run(
         standalone=bool(getattr(args, "standalone", False)),
         namespaces=namespaces,
         clusterwide=not namespaces,
-        liveness_endpoint=liveness,
+        memo=kopf.Memo(health_port=health_port),  # handlers.configure serves the probes there
     )
     return 0

@@ -35,6 +35,9 @@ API_READS = Counter(
     "lists happen on a job's first sync and on the slow resync only.",
     ["verb", "kind"],
 )
+API_READY = Gauge(
+    "diloco_operator_api_ready", "1 while the API server answers the operator (its readiness)."
+)
 JOBS = Gauge("diloco_operator_jobs", "DiLoCoJobs seen by this operator, by phase.", ["phase"])
 
 

@@ -24,6 +24,7 @@ class Observation:
     syncer_error: str | None
     rolling: Sequence[str]  # island StatefulSets mid-rollout
     now: datetime
+    conflicts: Sequence[str] = ()  # children left alone: another object holds their name
 
 
 ConditionsByType = Mapping[str, Mapping[str, Any]]

@@ -17,9 +17,10 @@ from typing import Any
 
 from diloco_operator.resources import SPEC_HASH, TEMPLATE_HASH
 
-# Kinds the reconciler lists and may delete when no longer desired. The token Secret is absent on
-# purpose: it is created once and left to garbage collection.
-MANAGED_KINDS = ("ConfigMap", "Service", "StatefulSet", "Deployment")
+# Kinds the reconciler lists and may delete when no longer desired. The Secrets are absent on
+# purpose (the operator may not list Secrets): credentials.py writes them, garbage collection
+# deletes them with the job.
+MANAGED_KINDS = ("ConfigMap", "Service", "StatefulSet", "Deployment", "NetworkPolicy")
 
 Key = tuple[str, str]  # (kind, name)
 

@@ -71,12 +71,17 @@ def island_statuses(obs: Observation, running: bool) -> list[IslandStatus]:
     return out
 
 
+# Kubernetes stores integers as int64: a larger one would make the API server refuse the patch.
+INT64_MAX = 2**63 - 1
+
+
 def int_or_none(value: Any) -> int | None:
-    """A non-negative int, None when absent or not a number."""
+    """A non-negative int that fits int64, None when absent, not a number or out of range."""
     try:
-        return None if value is None else max(0, int(value))
-    except (TypeError, ValueError):
+        number = None if value is None else max(0, int(value))
+    except (TypeError, ValueError, OverflowError):
         return None
+    return number if number is None or number <= INT64_MAX else None
 
 
 def float_or_none(value: Any) -> float | None:

@@ -15,11 +15,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from diloco_trainer.api.client import SyncerJsonClient
+from diloco_trainer.api.credentials import Issuer
 
 from diloco_operator import api
 from diloco_operator.health import Membership, PodView, pod_view
 from diloco_operator.kube import Kube
 from diloco_operator.observed import ObjectCache, child_view, resource_version
+from diloco_operator.resources import NetworkOptions
 
 JobKey = tuple[str, str]  # (namespace, name)
 ChildKey = tuple[str, str]  # (kind, name)
@@ -31,7 +33,7 @@ class SyncerLink:
     """The job's syncer as last seen: the HTTP client, its status document or the error."""
 
     client: SyncerJsonClient | None = None
-    client_key: tuple[str, str, str | None] | None = None  # (url, token Secret, CA Secret)
+    client_key: tuple[str, str, str | None] | None = None  # (url, credential, CA Secret)
     status: dict[str, Any] | None = None  # /v1/status, None when not reached
     error: str | None = "not contacted yet"
 
@@ -40,6 +42,22 @@ class SyncerLink:
         if self.client is not None:
             await self.client.close()
         self.client = self.client_key = None
+
+
+@dataclass
+class JobCredentials:
+    """The job's credential as last read (credentials.py), and what was derived from it."""
+
+    checked: bool = False  # read since the last resync (or the last failed syncer call)
+    issuer: Issuer | None = None
+    error: str | None = None  # why there is no issuer
+    reported: str | None = None  # the last credential problem posted as an Event
+    rotation: str = ""  # the rotate-credentials value the issuer was read for
+    written: str | None = None  # hash of the island credentials Secret last written
+
+    def forget(self) -> None:
+        """Read the token Secret again on the next sync (and re-check the islands' Secret)."""
+        self.checked, self.written = False, None
 
 
 @dataclass
@@ -58,7 +76,9 @@ class JobRuntime:
     # Whether pods / children were listed since the last resync, and when that was.
     pods_listed: bool = False
     children_listed: bool = False
-    token_seen: bool = False  # the generated token Secret exists (checked once per resync)
+    credentials: JobCredentials = field(default_factory=JobCredentials)
+    network: NetworkOptions = field(default_factory=NetworkOptions)  # the operator's options
+    conflicts: list[str] = field(default_factory=list)  # children whose names others hold
     resynced_at: float = field(default_factory=time.monotonic)
     membership: Membership = field(default_factory=Membership)
     syncer: SyncerLink = field(default_factory=SyncerLink)
@@ -99,12 +119,14 @@ class JobRuntime:
         await self.syncer.drop_client()
         self.syncer = SyncerLink()
         self.rollout, self.spec_error, self.phase = [], None, None
+        self.credentials, self.conflicts = JobCredentials(), []
         self.last_reconcile = 0.0
         self.start_resync()
 
     def start_resync(self) -> None:
-        """List pods and children again, and check the token Secret, on the next syncs."""
-        self.pods_listed = self.children_listed = self.token_seen = False
+        """List pods and children again, and read the token Secret, on the next syncs."""
+        self.pods_listed = self.children_listed = False
+        self.credentials.forget()
         self.resynced_at = time.monotonic()
 
     def see_pod(self, event_type: str | None, obj: Mapping[str, Any]) -> None:
@@ -143,13 +165,15 @@ class Registry:
 
     kube: Kube | None = None
     jobs: dict[JobKey, JobRuntime] = field(default_factory=dict)
+    network: NetworkOptions = field(default_factory=NetworkOptions)
 
     def job(self, namespace: str, name: str) -> JobRuntime:
         """The record of a job, created on first sight."""
         key = (namespace, name)
         runtime = self.jobs.get(key)
         if runtime is None:
-            runtime = self.jobs[key] = JobRuntime(namespace=namespace, name=name)
+            runtime = JobRuntime(namespace=namespace, name=name, network=self.network)
+            self.jobs[key] = runtime
         return runtime
 
     def find(self, namespace: str, name: str) -> JobRuntime | None:

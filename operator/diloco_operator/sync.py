@@ -4,14 +4,15 @@ Level-triggered: a sync reads the newest job object and the pods and children th
 delivered (runtime.JobRuntime), so running it again after any failure finishes the work. The
 API server is read only where the watches cannot help: a job's pods and children are listed on
 its first sync and again every RESYNC_INTERVAL (a safety net for missed events), and the token
-Secret (not watched: the operator may not list Secrets) is checked on the same schedule.
+Secret (not watched: the operator may not list Secrets) is read on the same schedule
+(credentials.py). A child whose name an object the job does not own already has is left alone
+and reported (children.py: a NameConflict condition and an Event).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import secrets
 import time
 from datetime import datetime, timezone
 from typing import Any
@@ -20,6 +21,8 @@ import kopf
 
 from diloco_operator import metrics, resources
 from diloco_operator.api import DiLoCoJobSpec, SpecError, parse_job_spec
+from diloco_operator.children import Conflict, write_children
+from diloco_operator.credentials import ensure_credentials
 from diloco_operator.events import post_event
 from diloco_operator.final_weights import post_weight_events
 from diloco_operator.health import island_health, syncer_pods
@@ -99,18 +102,14 @@ def _valid_spec(rt: JobRuntime, body: dict[str, Any]) -> DiLoCoJobSpec:
     return spec
 
 
-async def _ensure_token_secret(
-    kube: Kube, rt: JobRuntime, job: JobRef, spec: DiLoCoJobSpec
-) -> None:
-    """Create the generated token Secret once (never overwritten: the syncer holds it)."""
-    if spec.syncer.token_secret_name or rt.token_seen:
-        return
-    name = resources.generated_token_secret_name(job.name)
-    if not await kube.exists("Secret", job.namespace, name):
-        token = secrets.token_urlsafe(32)
-        if await kube.create_if_absent(resources.build_token_secret(job, token)):
-            metrics.CHILD_CHANGES.labels(action="create", kind="Secret").inc()
-    rt.token_seen = True
+def _report_conflicts(rt: JobRuntime, conflicts: list[Conflict]) -> None:
+    """Keep the conflicts for the status; post an Event for each one not reported yet."""
+    messages = [c.message() for c in conflicts]
+    for message in messages:
+        if message not in rt.conflicts:
+            metrics.ERRORS.labels(where="name_conflict").inc()
+            post_event(rt.body or {}, "Warning", "NameConflict", message)
+    rt.conflicts = messages
 
 
 async def _list_children(kube: Kube, rt: JobRuntime, job: JobRef) -> None:
@@ -141,18 +140,22 @@ async def reconcile_children(
 ) -> None:
     """Create, update and delete children until they match the spec (one rollout at a time)."""
     started = time.monotonic()
-    await _ensure_token_secret(kube, rt, job, spec)
+    credential, conflict = await ensure_credentials(kube, rt, job, spec)
     await _list_children(kube, rt, job)
     running = islands_should_run(spec, status)
-    desired = resources.build_children(job, spec, islands_running=running)
-    plan = plan_changes(desired, rt.children.values(), job_uid=job.uid)
-    stored = await asyncio.gather(*(kube.apply(obj) for obj in plan.apply))
-    for obj in stored:  # the apply's answer is the newest state: no need to wait for its event
+    desired = resources.build_children(
+        job, spec, islands_running=running, credential=credential, network=rt.network
+    )
+    observed = list(rt.children.values())
+    plan = plan_changes(desired, observed, job_uid=job.uid)
+    stored, conflicts = await write_children(kube, plan.apply, observed, job_uid=job.uid)
+    for obj in stored:  # the write's answer is the newest state: no need to wait for its event
         rt.see_child(None, obj)
+    _report_conflicts(rt, [*conflicts, *([conflict] if conflict else [])])
     await asyncio.gather(*(kube.delete(kind, job.namespace, n) for kind, n in plan.delete))
     for key in plan.delete:
         rt.children.forget(key)
-    for obj in plan.apply:
+    for obj in stored:
         metrics.CHILD_CHANGES.labels(action="apply", kind=obj["kind"]).inc()
     for kind, _ in plan.delete:
         metrics.CHILD_CHANGES.labels(action="delete", kind=kind).inc()
@@ -202,6 +205,7 @@ async def observe(
         syncer_error=rt.syncer.error,
         rolling=rt.rollout,
         now=_now(),
+        conflicts=rt.conflicts,
     )
     new = compute_status(observation, status)
     patch = status_patch(new)

@@ -3,7 +3,9 @@
 Island health -> membership: the pure decision is health.Membership.decide; this module sends
 what it decides (PUT /v1/islands/{island}) and keeps the job's SyncerLink (client, last status,
 last error) up to date. The syncer is polled by the job's timer, never waited for: a failed call
-is recorded (SyncerReachable=False) and tried again on the next pass.
+is recorded (SyncerReachable=False, with a fixed message per class of failure: syncer_errors.py)
+and tried again on the next pass. The operator calls the syncer with the admin credential (or
+its region's): credentials.py.
 """
 
 from __future__ import annotations
@@ -13,12 +15,13 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
-from diloco_trainer.api import contract
 from diloco_trainer.api.client import SyncerJsonClient
+from diloco_trainer.api.credentials import CredentialError
 from diloco_trainer.api.protocol import SyncerError
 
 from diloco_operator import metrics, resources
 from diloco_operator.api import DiLoCoJobSpec
+from diloco_operator.credentials import job_issuer
 from diloco_operator.events import post_event
 from diloco_operator.health import (
     DROPPED,
@@ -29,6 +32,7 @@ from diloco_operator.health import (
 from diloco_operator.kube import Kube
 from diloco_operator.resources import JobRef
 from diloco_operator.runtime import JobRuntime
+from diloco_operator.syncer_errors import condition_message, credentials_error
 
 log = logging.getLogger("diloco_operator")
 
@@ -41,17 +45,18 @@ REQUEST_TIMEOUT = 2.0
 async def syncer_client(
     kube: Kube, rt: JobRuntime, job: JobRef, spec: DiLoCoJobSpec
 ) -> SyncerJsonClient:
-    """The job's syncer client, made (token and CA read from their Secrets) when needed."""
+    """The job's syncer client, made (credential and CA read from their Secrets) when needed."""
     url = resources.syncer_url(job, spec)
-    secret = resources.token_secret_name(job.name, spec)
+    try:
+        issuer = await job_issuer(kube, rt, job, spec)
+    except CredentialError as err:
+        raise credentials_error(str(err)) from None
     ca = resources.ca_secret_name(spec) if url.startswith("https://") else None
-    key = (url, secret, ca)
+    key = (url, issuer.fingerprint(), ca)
     link = rt.syncer
     if link.client is not None and link.client_key == key:
         return link.client
-    token = await kube.read_secret_key(job.namespace, secret, contract.TOKEN_KEY)
-    if not token:
-        raise SyncerError(0, f"token Secret {secret} (key {contract.TOKEN_KEY}) not found")
+    token = issuer.operator_token()
     ca_data = await kube.read_secret_key(job.namespace, ca, "ca.crt") if ca else None
     await link.drop_client()
     link.client = SyncerJsonClient(
@@ -76,9 +81,11 @@ async def poll_syncer_status(kube: Kube, rt: JobRuntime, job: JobRef, spec: DiLo
         # Read the token and CA Secrets again next time: either may have been created or
         # rotated since this client was made (a missing CA shows up as "unavailable").
         await link.drop_client()
-        if link.error != str(err):
+        rt.credentials.checked = False
+        message = condition_message(err, resources.syncer_url(job, spec))
+        if link.error != message:
             log.warning("%s/%s: syncer unreachable: %s", job.namespace, job.name, err)
-        link.status, link.error = None, str(err)
+        link.status, link.error = None, message
         metrics.SYNCER_UNREACHABLE.inc()
 
 
@@ -96,13 +103,14 @@ async def send_membership(
         await client.set_membership(change.island, change.state, change.reason)
     except SyncerError as err:
         await link.drop_client()  # re-read token and CA next time, as in poll_syncer_status
+        rt.credentials.checked = False
         log.warning(
             "%s/%s: could not set %s %s: %s", job.namespace, job.name, change.island,
             change.state, err,
         )  # fmt: skip
         metrics.ERRORS.labels(where="membership").inc()
         if err.unavailable:  # unreachable or 5xx, not a refusal
-            link.status, link.error = None, str(err)
+            link.status, link.error = None, condition_message(err, resources.syncer_url(job, spec))
             return False
         return True  # refused: not acknowledged, tried again on the next run
     rt.membership.acknowledge(change)

@@ -5,6 +5,9 @@ from __future__ import annotations
 from datetime import datetime, timezone
 from typing import Any
 
+# 9999-12-31T23:59:59Z: later Unix times (from a confused or hostile syncer) are not shown.
+MAX_UNIX_SECONDS = 253402300799
+
 
 def rfc3339(moment: datetime) -> str:
     """UTC time in the form Kubernetes uses: 2024-01-02T03:04:05Z."""
@@ -26,8 +29,8 @@ def time_field(value: Any) -> str | None:
     if value is None or value == "":
         return None
     if isinstance(value, (int, float)):
-        if value <= 0:
-            return None
+        if not 0 < value < MAX_UNIX_SECONDS:
+            return None  # also NaN; a time past year 9999 cannot be written
         return rfc3339(datetime.fromtimestamp(float(value), tz=timezone.utc))
     parsed = parse_time(str(value))
     return rfc3339(parsed) if parsed else None

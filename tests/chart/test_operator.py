@@ -64,9 +64,10 @@ def test_deployment_should_probe_health_port_when_default_values(
     render: Callable[..., Rendered],
 ) -> None:
     container = _container(render())
-    for probe in ("livenessProbe", "readinessProbe"):
+    # Liveness: the event loop answers; readiness: the API server answers the operator.
+    for probe, path in (("livenessProbe", "/healthz"), ("readinessProbe", "/readyz")):
         get = container[probe]["httpGet"]
-        assert get["path"] == "/healthz", probe
+        assert get["path"] == path, probe
         assert get["port"] == "health", probe
     assert _port(container, "health") == 8080
     assert _port(container, "metrics") == 9090
@@ -108,7 +109,9 @@ def test_deployment_should_append_extra_args_and_env_when_given(
         render({"operator": {"extraArgs": ["--flag"], "env": [{"name": "X", "value": "1"}]}})
     )
     assert container["args"][-1] == "--flag"
-    assert container["env"] == [{"name": "X", "value": "1"}]
+    # Appended after the operator's own variables (DILOCO_OPERATOR_*).
+    assert container["env"][-1] == {"name": "X", "value": "1"}
+    assert [e["name"] for e in container["env"]].count("X") == 1
 
 
 def test_deployment_should_use_app_version_tag_when_tag_unset(
@@ -183,3 +186,31 @@ def test_deployment_should_start_with_the_operator_image_cmd_when_rendered(
     args = _container(render())["args"]
     # args replace the image's CMD: they must name the same subcommand, after the ENTRYPOINT.
     assert args[: len(image_cmd)] == image_cmd
+
+
+def _env(container: dict[str, Any]) -> dict[str, Any]:
+    return {e["name"]: e.get("value", e.get("valueFrom")) for e in container.get("env") or []}
+
+
+def test_deployment_should_tell_operator_its_network_policy_options_when_default_values(
+    render: Callable[..., Rendered],
+) -> None:
+    out = render()
+    env = _env(_container(out))
+    assert env["DILOCO_OPERATOR_NETWORK_POLICIES"] == "true"
+    assert env["DILOCO_OPERATOR_NAMESPACE"] == {"fieldRef": {"fieldPath": "metadata.namespace"}}
+    # The labels jobs' NetworkPolicies admit are the operator pods' own.
+    pairs = dict(p.split("=", 1) for p in env["DILOCO_OPERATOR_POD_LABELS"].split(","))
+    pod_labels = out.one("Deployment")["spec"]["template"]["metadata"]["labels"]
+    assert pairs and pairs.items() <= pod_labels.items()
+    assert "app.kubernetes.io/component" in pairs
+
+
+def test_deployment_should_turn_network_policies_off_when_value_false(
+    render: Callable[..., Rendered],
+) -> None:
+    out = render(
+        {"networkPolicy": {"enabled": False}, "operator": {"env": [{"name": "X", "value": "1"}]}}
+    )
+    env = _env(_container(out))
+    assert env["DILOCO_OPERATOR_NETWORK_POLICIES"] == "false" and env["X"] == "1"

@@ -17,7 +17,8 @@ NAMESPACED_GRANTS: dict[tuple[str, str], set[str]] = {
     ("apps", "deployments"): {"get", "list", "watch", "create", "patch", "delete"},
     ("", "services"): {"get", "list", "watch", "create", "patch", "delete"},
     ("", "configmaps"): {"get", "list", "watch", "create", "patch", "delete"},
-    ("", "secrets"): {"get", "create"},
+    ("networking.k8s.io", "networkpolicies"): {"get", "list", "watch", "create", "patch", "delete"},
+    ("", "secrets"): {"get", "create", "patch"},
     ("", "pods"): {"get", "list", "watch"},
     ("", "events"): {"create"},
 }

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import base64
 import copy
 from datetime import datetime, timezone
 from typing import Any
@@ -53,7 +54,7 @@ class FakeKube:
         self.job: dict[str, Any] | None = copy.deepcopy(job)
         self.objects: dict[tuple[str, str], dict[str, Any]] = {}
         self.pods: dict[str, dict[str, Any]] = {}
-        self.secrets: set[str] = set()
+        self.secrets: dict[str, dict[str, Any]] = {}  # by name, data decoded
         self.calls: list[tuple[str, str]] = []
         self._version = 100
 
@@ -91,8 +92,18 @@ class FakeKube:
             items = [o for (k, _), o in self.objects.items() if k == kind]
         return Listing(items=copy.deepcopy(items), version=str(self._version))
 
-    async def apply(self, obj: dict[str, Any]) -> dict[str, Any]:
+    async def apply(self, obj: dict[str, Any], *, force: bool = False) -> dict[str, Any]:
         self.calls.append(("apply", f"{obj['kind']}/{obj['metadata']['name']}"))
+        return self._store(obj)
+
+    def _store(self, obj: dict[str, Any]) -> dict[str, Any]:
+        if obj["kind"] == "Secret":
+            data = dict(obj.get("stringData") or {})
+            data.update(
+                {k: base64.b64decode(v).decode() for k, v in (obj.get("data") or {}).items()}
+            )
+            self.secrets[obj["metadata"]["name"]] = {**copy.deepcopy(obj), "data": data}
+            return copy.deepcopy(obj)
         stored = copy.deepcopy(obj)
         stored["metadata"]["resourceVersion"] = self._next_version()
         stored["metadata"]["generation"] = 1
@@ -105,16 +116,32 @@ class FakeKube:
         self.calls.append(("delete", f"{kind}/{name}"))
         self.objects.pop((kind, name), None)
 
-    async def create_if_absent(self, obj: dict[str, Any]) -> bool:
-        self.calls.append(("create_if_absent", obj["metadata"]["name"]))
-        created = obj["metadata"]["name"] not in self.secrets
-        self.secrets.add(obj["metadata"]["name"])
-        return created
+    def _find(self, kind: str, name: str) -> dict[str, Any] | None:
+        if kind == "Secret":
+            return self.secrets.get(name)
+        return self.objects.get((kind, name))
 
-    async def exists(self, kind: str, namespace: str, name: str) -> bool:
-        self.calls.append(("exists", f"{kind}/{name}"))
-        return name in self.secrets
+    async def create(self, obj: dict[str, Any]) -> dict[str, Any] | None:
+        self.calls.append(("create", f"{obj['kind']}/{obj['metadata']['name']}"))
+        if self._find(obj["kind"], obj["metadata"]["name"]) is not None:
+            return None
+        return self._store(obj)
 
-    async def read_secret_key(self, namespace: str, name: str, key: str) -> str | None:
-        self.calls.append(("read_secret_key", name))
-        return None
+    async def get(self, kind: str, namespace: str, name: str) -> dict[str, Any] | None:
+        self.calls.append(("get", f"{kind}/{name}"))
+        found = self._find(kind, name)
+        return copy.deepcopy(found) if found is not None else None
+
+    async def read_secret(self, namespace: str, name: str) -> dict[str, Any] | None:
+        self.calls.append(("read_secret", name))
+        found = self.secrets.get(name)
+        return copy.deepcopy(found) if found is not None else None
+
+    async def patch_secret(self, namespace: str, name: str, patch: dict[str, Any]) -> None:
+        self.calls.append(("patch_secret", name))
+        secret = self.secrets[name]
+        secret["metadata"].setdefault("annotations", {}).update(
+            (patch.get("metadata") or {}).get("annotations") or {}
+        )
+        for key, value in (patch.get("data") or {}).items():
+            secret["data"][key] = base64.b64decode(value).decode()

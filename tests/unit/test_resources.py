@@ -147,7 +147,11 @@ def test_build_children_remote_endpoint_skips_syncer() -> None:
     pod = kids[("StatefulSet", "demo-island-0")]["spec"]["template"]["spec"]
     assert _env(pod["containers"][0])[contract.SYNCER_URL] == "https://syncer.example:443"
     volumes = {v["name"]: v for v in pod["volumes"]}
-    assert volumes["token"]["secret"]["secretName"] == "shared"
+    # The shared Secret holds the job's credential: learners mount only their island's own.
+    assert volumes["token"]["secret"] == {
+        "secretName": "demo-island-tokens",
+        "items": [{"key": "island-0", "path": contract.TOKEN_KEY}],
+    }
 
 
 def test_build_config_map_holds_spec_json() -> None:

@@ -28,12 +28,12 @@ def test_job_runtime_new_uid_starts_over_and_lists_again() -> None:
     rt = JobRuntime(namespace="ns1", name="demo")
     asyncio.run(rt.see_job(_versioned(20)))
     rt.membership.acknowledge(MembershipChange("island-0", DROPPED, "x"))
-    rt.pods_listed = rt.children_listed = rt.token_seen = True
+    rt.pods_listed = rt.children_listed = rt.credentials.checked = True
     rt.rollout, rt.phase = ["demo-island-0"], "Running"
     rt.see_pod(None, ready_pod("demo-island-0-0", "island-0"))
     assert asyncio.run(rt.see_job(_versioned(5, uid="uid-2")))  # older number, other object
     assert rt.uid == "uid-2" and rt.membership.acknowledged == {}
-    assert not (rt.pods_listed or rt.children_listed or rt.token_seen)
+    assert not (rt.pods_listed or rt.children_listed or rt.credentials.checked)
     assert rt.rollout == [] and rt.phase is None
     assert len(rt.pods) == 1  # kept until the next list says otherwise
 

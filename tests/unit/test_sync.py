@@ -30,10 +30,20 @@ def test_sync_job_first_sync_lists_and_creates_children() -> None:
     rt = _runtime(body)
     assert _sync(kube, rt, reconcile=True)
     listed = [d for m, d in kube.calls if m == "list_labelled"]
-    assert sorted(listed) == ["ConfigMap", "Deployment", "Pod", "Service", "StatefulSet"]
-    applied = {d for m, d in kube.calls if m == "apply"}
-    assert applied == {
+    assert sorted(listed) == [
+        "ConfigMap",
+        "Deployment",
+        "NetworkPolicy",
+        "Pod",
+        "Service",
+        "StatefulSet",
+    ]
+    # Children the job does not own yet are created (never applied over someone else's).
+    assert not [d for m, d in kube.calls if m == "apply"]
+    created = {d for m, d in kube.calls if m == "create"}
+    assert created == {
         "ConfigMap/demo-config",
+        "NetworkPolicy/demo-network",
         "Service/demo-island-0",
         "Service/demo-island-1",
         "StatefulSet/demo-island-0",
@@ -70,7 +80,7 @@ def test_sync_job_recreates_a_child_its_watch_saw_deleted() -> None:
     rt.see_child(DELETED, gone)
     kube.calls.clear()
     _sync(kube, rt, reconcile=True)
-    assert [d for m, d in kube.calls if m in ("apply", "list_labelled")] == [
+    assert [d for m, d in kube.calls if m in ("apply", "create", "list_labelled")] == [
         "StatefulSet/demo-island-1"
     ]
 
@@ -108,6 +118,7 @@ def test_sync_job_resync_reads_the_job_and_lists_again() -> None:
     assert sorted(d for m, d in kube.calls if m == "list_labelled") == [
         "ConfigMap",
         "Deployment",
+        "NetworkPolicy",
         "Pod",
         "Service",
         "StatefulSet",
@@ -129,10 +140,12 @@ def test_sync_job_generated_token_checked_once_per_resync() -> None:
     kube = FakeKube(body)
     rt = _runtime(body)
     _sync(kube, rt, reconcile=True)
-    assert ("create_if_absent", "demo-token") in kube.calls
+    assert ("create", "Secret/demo-token") in kube.calls
+    assert ("create", "Secret/demo-island-tokens") in kube.calls
     kube.calls.clear()
     _sync(kube, rt, reconcile=True)
-    assert "exists" not in kube.methods() and "create_if_absent" not in kube.methods()
+    secret_calls = [d for m, d in kube.calls if "secret" in m or d.startswith("Secret/")]
+    assert secret_calls == []
 
 
 def test_sync_job_waits_for_the_job_and_leaves_deleted_jobs_alone() -> None:

@@ -23,16 +23,19 @@ from diloco_operator.resources.islands import (
 )
 from diloco_operator.resources.naming import (
     COMPONENT_CONFIG,
+    COMPONENT_CREDENTIALS,
     COMPONENT_ISLAND,
     COMPONENT_LABEL,
     COMPONENT_LEARNER,
     COMPONENT_SYNCER,
     COMPONENT_TOKEN,
     CONFIG_HASH,
+    CREDENTIAL_HASH,
     ISLAND_LABEL,
     JOB_LABEL,
     MANAGER,
     POD_INDEX_LABEL,
+    ROTATE_CREDENTIALS,
     SPEC_HASH,
     TEMPLATE_HASH,
     JobRef,
@@ -42,7 +45,9 @@ from diloco_operator.resources.naming import (
     generated_token_secret_name,
     island_names,
     island_statefulset_name,
+    island_tokens_secret_name,
     labels,
+    network_policy_name,
     owner_reference,
     runs_local_syncer,
     syncer_name,
@@ -57,6 +62,13 @@ from diloco_operator.resources.pods import (
     merge_overrides,
     syncer_config_hash,
 )
+from diloco_operator.resources.security import (
+    NetworkOptions,
+    build_island_tokens_secret,
+    build_network_policy,
+    secure_workload,
+    wants_network_policy,
+)
 from diloco_operator.resources.syncer import (
     build_syncer_deployment,
     build_syncer_pod_template,
@@ -65,26 +77,32 @@ from diloco_operator.resources.syncer import (
 
 __all__ = [
     "COMPONENT_CONFIG",
+    "COMPONENT_CREDENTIALS",
     "COMPONENT_ISLAND",
     "COMPONENT_LABEL",
     "COMPONENT_LEARNER",
     "COMPONENT_SYNCER",
     "COMPONENT_TOKEN",
     "CONFIG_HASH",
+    "CREDENTIAL_HASH",
     "ISLAND_LABEL",
     "JOB_LABEL",
     "LEARNER_CONFIG_FIELDS",
     "MANAGER",
     "POD_INDEX_LABEL",
+    "ROTATE_CREDENTIALS",
     "SPEC_HASH",
     "SYNCER_IGNORED_FIELDS",
     "TEMPLATE_HASH",
     "JobRef",
+    "NetworkOptions",
     "build_children",
     "build_config_map",
     "build_island_service",
     "build_island_statefulset",
+    "build_island_tokens_secret",
     "build_learner_pod_template",
+    "build_network_policy",
     "build_syncer_deployment",
     "build_syncer_pod_template",
     "build_syncer_service",
@@ -96,9 +114,11 @@ __all__ = [
     "island_names",
     "island_replicas_by_name",
     "island_statefulset_name",
+    "island_tokens_secret_name",
     "labels",
     "learner_config_hash",
     "merge_overrides",
+    "network_policy_name",
     "owner_reference",
     "runs_local_syncer",
     "syncer_config_hash",
@@ -109,12 +129,20 @@ __all__ = [
 
 
 def build_children(
-    job: JobRef, spec: DiLoCoJobSpec, *, islands_running: bool
+    job: JobRef,
+    spec: DiLoCoJobSpec,
+    *,
+    islands_running: bool,
+    credential: str = "",
+    network: NetworkOptions | None = None,
 ) -> list[dict[str, Any]]:
-    """Every child the job should have except the token Secret (which is create-only).
+    """Every child the job should have except its Secrets (security.py and sync.py: the token
+    Secret is create-only, the island credentials are never listed).
 
     `islands_running` is False while the job is suspended or finished: islands scale to zero but
-    keep their StatefulSets, so resuming brings back the same names.
+    keep their StatefulSets, so resuming brings back the same names. `credential` is the
+    fingerprint of the job's credential (pods restart when it changes); with `network`, the
+    job's NetworkPolicy is among the children when both the operator and the job want one.
     """
     children = [build_config_map(job, spec)]
     if runs_local_syncer(spec):
@@ -122,4 +150,6 @@ def build_children(
     for index in range(spec.islands.count):
         children.append(build_island_service(job, spec, index))
         children.append(build_island_statefulset(job, spec, index, running=islands_running))
-    return children
+    if network is not None and wants_network_policy(spec, network):
+        children.append(build_network_policy(job, spec, network))
+    return [secure_workload(job, child, credential) for child in children]

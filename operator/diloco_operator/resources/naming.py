@@ -21,6 +21,11 @@ from diloco_operator.api import DiLoCoJobSpec
 SPEC_HASH = "diloco.dev/spec-hash"  # on every child: hash of the desired object
 TEMPLATE_HASH = "diloco.dev/template-hash"  # on StatefulSets: hash of the pod template
 CONFIG_HASH = "diloco.dev/config-hash"  # on pod templates: hash of the config pods depend on
+# On pod templates: the fingerprint of the job's credential (a rotation restarts the pods).
+CREDENTIAL_HASH = "diloco.dev/credential-hash"
+# On a DiLoCoJob: change its value to rotate the generated root token (and all it derives); the
+# token Secret carries the value it was made for.
+ROTATE_CREDENTIALS = "diloco.dev/rotate-credentials"
 
 JOB_LABEL = "diloco.dev/job"
 ISLAND_LABEL = "diloco.dev/island"
@@ -33,6 +38,8 @@ COMPONENT_LEARNER = "learner"
 COMPONENT_SYNCER = "syncer"
 COMPONENT_CONFIG = "config"
 COMPONENT_TOKEN = "token"
+COMPONENT_CREDENTIALS = "credentials"
+COMPONENT_NETWORK = "network"
 
 
 @dataclass(frozen=True)
@@ -76,8 +83,19 @@ def generated_token_secret_name(job_name: str) -> str:
 
 
 def token_secret_name(job_name: str, spec: DiLoCoJobSpec) -> str:
-    """The Secret (key contract.TOKEN_KEY) every party reads the bearer token from."""
+    """The Secret (key contract.TOKEN_KEY) with the job's credential: the root token the syncer
+    holds, or (another cluster of a multi-region job) a region credential."""
     return spec.syncer.token_secret_name or generated_token_secret_name(job_name)
+
+
+def island_tokens_secret_name(job_name: str) -> str:
+    """The Secret of the islands' credentials, one key per island (each pod mounts its own)."""
+    return f"{job_name}-island-tokens"
+
+
+def network_policy_name(job_name: str) -> str:
+    """Name of the job's NetworkPolicy."""
+    return f"{job_name}-network"
 
 
 def runs_local_syncer(spec: DiLoCoJobSpec) -> bool:

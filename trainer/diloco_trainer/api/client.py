@@ -148,6 +148,7 @@ class SyncerJsonClient:
                     params=params,
                     headers=headers,
                     timeout=timeout,
+                    allow_redirects=False,  # the syncer never redirects: a 3xx is an error
                 ) as resp:
                     body = await resp.read()
                     if resp.status in ok:

@@ -18,13 +18,19 @@ from pydantic import Field, ValidationError, model_validator
 from pydantic.alias_generators import to_camel
 
 from diloco_trainer.api.base import SpecModel
+from diloco_trainer.api.exposure import (
+    ENDPOINT_PATTERN,
+    NetworkPolicySpec,
+    ServiceSpec,
+    TLSSpec,
+    exposure_problem,
+)
 from diloco_trainer.api.placement import ISLAND_OVERRIDES, IslandOverrides
 
 Codec = Literal["none", "fp16", "bf16", "int8", "int4"]
 PullCompression = Literal["auto", "none", "fp16", "bf16", "int8", "int4"]
 MergeRule = Literal["tokens", "mean", "rda"]
 Preset = Literal["gpt-tiny", "gpt-mini", "gpt-small", "gpt-125m"]
-ServiceType = Literal["ClusterIP", "LoadBalancer", "NodePort"]
 DataFormat = Literal["auto", "text", "jsonl", "parquet"]
 TokenizerType = Literal["bytes", "file", "bpe"]
 IncludePattern = Annotated[
@@ -352,30 +358,15 @@ class LimitsSpec(SpecModel):
     )
 
 
-class ServiceSpec(SpecModel):
-    """How the syncer is exposed."""
-
-    type: ServiceType = Field("ClusterIP", description="Kubernetes Service type of the syncer.")
-
-
-class TLSSpec(SpecModel):
-    """TLS for the syncer."""
-
-    secret_name: str | None = Field(
-        None, description="kubernetes.io/tls Secret: the syncer serves HTTPS with it."
-    )
-    ca_secret_name: str | None = Field(
-        None, description="Secret with ca.crt that learners use to verify the syncer."
-    )
-
-
 class SyncerSpec(SpecModel):
     """The syncer: a CPU service that merges pseudo-gradients."""
 
     endpoint: str = Field(
         "",
-        description="URL of a syncer run elsewhere (another cluster). When set, this job runs "
-        "only its islands.",
+        pattern=ENDPOINT_PATTERN,
+        description="URL of a syncer run elsewhere (another cluster): scheme://host[:port] only. "
+        "When set, this job runs only its islands. https:// unless on loopback or a cluster "
+        "Service name (or with tls.allowInsecureEndpoint).",
     )
     port: int = Field(8470, ge=1, le=65535, description="Syncer HTTP port.")
     resources: dict[str, Any] = Field(
@@ -398,6 +389,13 @@ class SyncerSpec(SpecModel):
     guards: GuardsSpec = Field(default_factory=GuardsSpec)
     limits: LimitsSpec = Field(default_factory=LimitsSpec)
 
+    @model_validator(mode="after")
+    def _exposure(self) -> SyncerSpec:
+        problem = exposure_problem(self.endpoint, self.service.type, self.tls)
+        if problem:
+            raise ValueError(problem)
+        return self
+
 
 class JobSpec(SpecModel):
     """The spec of a DiLoCoJob."""
@@ -411,6 +409,7 @@ class JobSpec(SpecModel):
     sync: SyncSpec = Field(default_factory=SyncSpec)
     stop_after: StopAfterSpec = Field(default_factory=StopAfterSpec)
     syncer: SyncerSpec = Field(default_factory=SyncerSpec)
+    network_policy: NetworkPolicySpec = Field(default_factory=NetworkPolicySpec)
     suspend: bool = Field(False, description="Scale islands to zero; the syncer keeps its state.")
     ttl_seconds_after_finished: int | None = Field(
         None, ge=0, description="Delete the job this long after it succeeds or fails."

@@ -26,6 +26,18 @@ app.kubernetes.io/component: operator
 {{- end }}
 
 {{/*
+The operator pods' selector labels as name=value pairs (DILOCO_OPERATOR_POD_LABELS): jobs'
+NetworkPolicies let these pods reach their syncers.
+*/}}
+{{- define "diloco-operator.operator.selectorLabelPairs" -}}
+{{- $pairs := list }}
+{{- range $name, $value := include "diloco-operator.operator.selectorLabels" . | fromYaml }}
+{{- $pairs = append $pairs (printf "%s=%s" $name $value) }}
+{{- end }}
+{{- join "," $pairs }}
+{{- end }}
+
+{{/*
 Image reference: repository@digest when a digest is given, else repository:tag with the tag
 defaulting to the chart's appVersion (the Dockerfile builds the same version).
 */}}

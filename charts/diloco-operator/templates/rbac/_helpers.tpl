@@ -33,19 +33,24 @@ where list is needed, since they reveal nothing list does not.
 - apiGroups: ["diloco.dev"]
   resources: ["dilocojobs/status"]
   verbs: ["patch"]
-# Children, written with server-side apply (patch; create when absent), listed by the job's
-# label, deleted when islands are removed. kopf watches the workloads and Services for drift.
+# Children: created when absent (get when the name is taken, to see whose it is), then written
+# with server-side apply (patch), listed by the job's label, deleted when islands are removed.
+# kopf watches them for drift. NetworkPolicies: one per job (networkPolicy.enabled).
 - apiGroups: ["apps"]
   resources: ["statefulsets", "deployments"]
   verbs: ["get", "list", "watch", "create", "patch", "delete"]
 - apiGroups: [""]
   resources: ["services", "configmaps"]
   verbs: ["get", "list", "watch", "create", "patch", "delete"]
-# The job's token Secret: created when the user gives none, read by name to call the syncer.
-# No list/watch: the operator never needs to see other Secrets.
+- apiGroups: ["networking.k8s.io"]
+  resources: ["networkpolicies"]
+  verbs: ["get", "list", "watch", "create", "patch", "delete"]
+# The job's credentials: the token Secret (created when the user gives none, patched when the job
+# asks for a rotation) and the islands' credentials Secret (written with server-side apply), read
+# by name. No list/watch: the operator never needs to see other Secrets.
 - apiGroups: [""]
   resources: ["secrets"]
-  verbs: ["get", "create"]
+  verbs: ["get", "create", "patch"]
 # Island health comes from pod readiness.
 - apiGroups: [""]
   resources: ["pods"]

@@ -1,0 +1,83 @@
+"""Writing one child without taking over an object the job does not own.
+
+Child names are built from the job's name and its islands' prefix, so two jobs can want the same
+name (job `a` with islands.namePrefix `b` and job `a-b` both want StatefulSet `a-b-island-0`), and
+a user may have made an object of that name. A child the job owns (its controller owner
+reference is the job) is applied server-side, forcing our fields back. Any other is created: if
+one of that name exists and is the job's after all (not in the watch's view yet), it is applied;
+otherwise it is left alone and reported as a Conflict naming who holds it (condition and Event).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from diloco_operator.kube import Kube
+from diloco_operator.planner import key, owned_by
+from diloco_operator.resources import JOB_LABEL
+
+
+@dataclass(frozen=True)
+class Conflict:
+    """A child name taken by an object the job does not own."""
+
+    kind: str
+    name: str
+    holder: str  # who holds it, in words
+
+    def message(self) -> str:
+        """What the job's condition and Event say."""
+        return (
+            f"{self.kind} {self.name} already exists and belongs to {self.holder}: this job "
+            "does not take it over (rename the job or change spec.islands.namePrefix)"
+        )
+
+
+def holder_of(obj: Mapping[str, Any]) -> str:
+    """Who holds an object, from its controller owner reference or its job label."""
+    meta = obj.get("metadata") or {}
+    refs = meta.get("ownerReferences") or []
+    controller = next((r for r in refs if r.get("controller")), refs[0] if refs else None)
+    if controller is not None:
+        return f"{controller.get('kind', 'an object')} {controller.get('name', '?')}"
+    job = (meta.get("labels") or {}).get(JOB_LABEL)
+    if job:
+        return f"DiLoCoJob {job} (by its label)"
+    return "nobody this job knows of (it has no owner)"
+
+
+async def write_child(
+    kube: Kube, obj: dict[str, Any], *, job_uid: str, owned: bool
+) -> dict[str, Any] | Conflict:
+    """Apply (owned) or create `obj`; the object as stored, or the Conflict that stopped it."""
+    if owned:
+        return await kube.apply(obj, force=True)
+    created = await kube.create(obj)
+    if created is not None:
+        return created
+    meta = obj["metadata"]
+    existing = await kube.get(obj["kind"], meta["namespace"], meta["name"])
+    if existing is not None and not owned_by(existing, job_uid):
+        return Conflict(obj["kind"], meta["name"], holder_of(existing))
+    # The job's own object (or one deleted since): apply brings it to the desired state.
+    return await kube.apply(obj, force=existing is not None)
+
+
+async def write_children(
+    kube: Kube,
+    objs: list[dict[str, Any]],
+    observed: list[Mapping[str, Any]],
+    *,
+    job_uid: str,
+) -> tuple[list[dict[str, Any]], list[Conflict]]:
+    """write_child for each of `objs` at once (owned: among `observed`, the job's); the objects
+    as stored and the conflicts."""
+    owned = {key(o) for o in observed if owned_by(o, job_uid)}
+    results = await asyncio.gather(
+        *(write_child(kube, obj, job_uid=job_uid, owned=key(obj) in owned) for obj in objs)
+    )
+    stored = [r for r in results if not isinstance(r, Conflict)]
+    return stored, [r for r in results if isinstance(r, Conflict)]
