@@ -71,6 +71,7 @@ def test_guards_service_hostile_pushes_change_nothing_and_honest_work_merges(
         codes = [((e := await refused(syncer, raw)).status, e.code) for raw in cases]
         after = await syncer.status(digest=True)
         await honest_round(syncer)
+        await syncer.stop()
         return codes, before, after, syncer
 
     codes, before, after, syncer = run(scenario())
@@ -99,6 +100,7 @@ def test_guards_service_learned_bound_refuses_a_diverging_island(tmp_path: Path)
         blown = {n: 30 * t for n, t in delta(syncer, 0, 9).items()}
         err = await refused(syncer, body(syncer, 0, "island-0", blown))
         await honest_round(syncer, seed=4)  # a 2x larger one is within the bound
+        await syncer.stop()
         return err, syncer
 
     err, syncer = run(scenario())
@@ -121,6 +123,7 @@ def test_guards_service_island_refused_again_and_again_is_dropped(tmp_path: Path
             except Refused as err:
                 codes.append(err.status)
         await honest_round(syncer)
+        await syncer.stop()
         return codes, syncer
 
     codes, syncer = run(scenario())
@@ -147,6 +150,7 @@ def test_guards_service_merge_leaves_out_what_it_cannot_take_and_goes_on(tmp_pat
         left = await syncer.status()
         await syncer.push(0, body(syncer, 0, "island-2", delta(syncer, 0, 2)))
         await syncer.tick()
+        await syncer.stop()
         return syncer, left
 
     syncer, left = run(scenario())
@@ -332,7 +336,9 @@ def test_guards_service_checkpoint_failure_is_a_health_problem(
         monkeypatch.setattr(ckpt, "save_checkpoint", real_save)
         await honest_round(syncer, seed=1)
         await syncer.jobs.queue.drain()
-        return failing, await syncer.status(), syncer
+        recovered = await syncer.status()
+        await syncer.stop()
+        return failing, recovered, syncer
 
     failing, recovered, syncer = run(scenario())
     assert failing["health"]["healthy"] is False
@@ -356,7 +362,7 @@ def test_guards_service_eval_history_is_bounded(
         await syncer.join("island-0", 1)
         for seed in range(5):
             await honest_round(syncer, seed=seed)
-        await syncer.jobs.queue.drain()
+        await syncer.stop()
         return [e["outerStep"] for e in syncer.jobs.evaluations.history]
 
     assert run(scenario()) == [0, 4, 5]  # the start of the curve and the latest
@@ -376,6 +382,7 @@ def test_guards_service_older_push_replayed_is_a_duplicate(tmp_path: Path) -> No
         before = syncer.digest()
         again = await syncer.push(0, first)  # not the latest pushId any more
         await syncer.tick()
+        await syncer.stop()
         return again, before, syncer.digest()
 
     again, before, after = run(scenario())
