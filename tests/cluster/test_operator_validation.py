@@ -70,6 +70,27 @@ CASES: dict[str, tuple[dict[str, Any], str]] = {
         job_manifest("bad", syncer={"endpoint": "syncer:8470"}),
         "spec.syncer.endpoint",
     ),
+    # TLS wherever the credentials would leave the cluster (api/exposure.py).
+    "loadbalancer-without-tls": (
+        job_manifest("bad", syncer={"service": {"type": "LoadBalancer"}}),
+        "spec.syncer.service.type",
+    ),
+    "nodeport-without-tls": (
+        job_manifest("bad", syncer={"service": {"type": "NodePort"}}),
+        "spec.syncer.service.type",
+    ),
+    "remote-http-endpoint": (
+        job_manifest("bad", syncer={"endpoint": "http://syncer.example.com:8470"}),
+        "spec.syncer.endpoint",
+    ),
+    "endpoint-with-a-path": (
+        job_manifest("bad", syncer={"endpoint": "https://syncer.example.com/admin?x="}),
+        "spec.syncer.endpoint",
+    ),
+    "endpoint-with-user-info": (
+        job_manifest("bad", syncer={"endpoint": "https://u:p@syncer.example.com"}),
+        "spec.syncer.endpoint",
+    ),
     "name-too-long-for-statefulsets": (job_manifest("a" * 42), "metadata.name"),
     "name-starting-with-digit": (job_manifest("1job"), "metadata.name"),
 }
@@ -115,3 +136,22 @@ def test_operator_validation_kubectl_explain_shows_descriptions(cluster: Cluster
     assert "islands whose pseudo-gradients open a merge" in out
     out = cluster.cp.kubectl("explain", "dj.spec.islands").stdout
     assert "namePrefix" in out and "The M islands of compute" in out
+
+
+@pytest.mark.parametrize(
+    "syncer",
+    [
+        {"service": {"type": "LoadBalancer"}, "tls": {"secretName": "syncer-tls"}},
+        {"service": {"type": "NodePort"}, "tls": {"secretName": "syncer-tls"}},
+        {"endpoint": "https://syncer.example.com:8470"},
+        {"endpoint": "http://127.0.0.1:8470"},
+        {"endpoint": "http://other-syncer.team-a.svc.cluster.local:8470"},
+        {"endpoint": "http://10.0.0.7:8470", "tls": {"allowInsecureEndpoint": True}},
+    ],
+    ids=["lb-tls", "nodeport-tls", "https", "loopback", "cluster-service", "explicitly-insecure"],
+)
+def test_operator_validation_accepts_tls_internal_or_explicitly_insecure_syncers(
+    cluster: Cluster, syncer: dict[str, Any]
+) -> None:
+    code, output = _apply(cluster, job_manifest("ok", syncer=syncer))
+    assert code == 0, output
