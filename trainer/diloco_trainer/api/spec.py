@@ -381,7 +381,9 @@ class SyncerSpec(SpecModel):
     service: ServiceSpec = Field(default_factory=ServiceSpec)
     tls: TLSSpec = Field(default_factory=TLSSpec)
     token_secret_name: str | None = Field(
-        None, description="Secret with key 'token'; generated when unset."
+        None,
+        description="Secret with key 'token': the job's root token (generated when unset), or "
+        "in another cluster of a multi-region job that cluster's region credential.",
     )
     eval_every_outer_steps: int = Field(
         1, ge=1, description="Evaluate the global weights every N outer steps."
