@@ -32,11 +32,22 @@ class FakeLink:
         self.pushes: list[tuple[int, PushMeta, dict[str, torch.Tensor]]] = []
         self.global_weights: dict[str, torch.Tensor] = {}
         self.version = 0
+        self.hold = False
+        self.held: list[tuple[concurrent.futures.Future[Any], Any]] = []
 
     def submit(self, coro: Coroutine[Any, Any, Any]) -> concurrent.futures.Future[Any]:
         future: concurrent.futures.Future[Any] = concurrent.futures.Future()
-        future.set_result(asyncio.run(coro))
+        result = asyncio.run(coro)
+        if self.hold:  # the merge is not back yet: release() hands it over
+            self.held.append((future, result))
+        else:
+            future.set_result(result)
         return future
+
+    def release(self) -> None:
+        for future, result in self.held:
+            future.set_result(result)
+        self.held.clear()
 
     async def sync_fragment(
         self, f: int, encoded: dict[str, torch.Tensor], meta: PushMeta, held: Any
@@ -59,6 +70,7 @@ class FakeLink:
 def make_spec(**sync: Any) -> JobSpec:
     return parse_spec(
         {
+            "islands": {"count": 2},
             "inner": {"steps": 4},
             "sync": {"fragments": 1, "overlapSteps": 2, "compression": "none", **sync},
         }
@@ -183,3 +195,27 @@ def test_delta_pushed_decodes_to_global_minus_local(codec: str) -> None:
     _, _, encoded = link.pushes[0]
     decoded = compress.decode_tensors(encoded, codec, {"w": torch.Size([2])})
     assert torch.allclose(decoded["w"], torch.full((2,), -4.0), rtol=0.01)
+
+
+def test_decoupled_learner_trains_on_until_its_merge_arrives_then_keeps_those_steps() -> None:
+    # K = 1 of 2 with τ = 2: after step 6 the merge of the push at 4 is due but not back.
+    link = FakeLink(outer_lr=0.25)
+    sync, w = make_sync(make_spec(quorum=1), link)
+    assert not sync.blocking
+    link.hold = True
+    for _ in range(7):
+        assert step(sync, w) == {}  # no wait at step 6: the wait budget would be 30 s
+    assert 0 in sync.inflight
+    link.release()
+    assert step(sync, w) != {}  # step 8: arrived, applied (and the push due at 8 skipped)
+    # global 1 (as before) + the 4 steps since the push at 4: w = 1 + (8 - 4) = 5.
+    assert torch.equal(w.detach(), torch.full((2,), 5.0))
+    assert len(link.pushes) == 1
+    assert sync.fragments[0].counters.steps == 4
+
+
+def test_synchronous_learner_blocks_at_the_apply_step() -> None:
+    sync, _ = make_sync(make_spec(quorum=2), FakeLink(outer_lr=0.25))
+    assert sync.blocking
+    sync, _ = make_sync(make_spec(quorum=1, overlapSteps=0), FakeLink(outer_lr=0.25))
+    assert sync.blocking

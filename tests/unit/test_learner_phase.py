@@ -8,6 +8,7 @@ from typing import Any
 import pytest
 from diloco_trainer.learner.schedule import (
     StepPlan,
+    blocks_for_merge,
     merge_lateness,
     phase_shift,
     plan_idle,
@@ -83,6 +84,15 @@ def test_merge_lateness_none_without_merges_between_base_and_push() -> None:
     assert lateness(status(merge(0, 5, 98.0, "island-1")), accepted_version=4) is None
 
 
+def test_merge_lateness_follows_the_first_island_not_the_latest_leader() -> None:
+    doc = {
+        "time": 100.0,
+        "islands": {n: {"stepTime": 0.1} for n in ("a0", "a1", "a2")},
+        "merges": [merge(0, 5, 98.0, "a0"), merge(0, 6, 99.0, "a1")],
+    }
+    assert lateness(doc, island="a2") == pytest.approx(1.5)  # 99.5 - 98, not 99.5 - 99
+
+
 def test_merge_lateness_none_for_the_first_island_in_the_order() -> None:
     doc = status(merge(0, 5, 98.0, "island-1"))
     assert lateness(doc, island="island-0", step_time=0.12) is None
@@ -141,3 +151,10 @@ def test_rewarm_factor_repeats_the_warm_up_after_a_mid_job_join() -> None:
 def test_rewarm_factor_is_1_at_the_job_start_or_without_warm_up() -> None:
     assert rewarm_factor(0, warmup_steps=10, joined_mid_job=False) == 1.0
     assert rewarm_factor(0, warmup_steps=0, joined_mid_job=True) == 1.0
+
+
+def test_blocks_for_merge_only_when_synchronous_or_without_overlap() -> None:
+    assert blocks_for_merge(quorum=4, islands=4, overlap=5)
+    assert blocks_for_merge(quorum=1, islands=4, overlap=0)
+    assert not blocks_for_merge(quorum=2, islands=4, overlap=5)
+    assert not blocks_for_merge(quorum=1, islands=4, overlap=1)

@@ -24,6 +24,7 @@ from diloco_trainer.core import compress
 from diloco_trainer.learner.fragment_state import FragmentState, InFlight
 from diloco_trainer.learner.schedule import (
     StepPlan,
+    blocks_for_merge,
     phase_shift,
     plan_idle,
     plan_step,
@@ -68,6 +69,10 @@ class FragmentSync:
         self.step_time = 0.0  # EMA of the inner step time, kept by the loop
         self.position = 0  # schedule position (what fragments_due and heartbeats see)
         self.phase_pending = 0  # steps still to delay (> 0) or advance (< 0)
+        islands = max(spec.islands.count, spec.total_shards())
+        self.blocking = blocks_for_merge(
+            quorum=spec.sync.quorum, islands=islands, overlap=self.overlap
+        )
 
     @property
     def overlap(self) -> int:
@@ -185,12 +190,12 @@ class FragmentSync:
         done = []
         for f in plan.wait:
             started = time.monotonic()
-            if self._collect(f, block=budget):
+            if self._collect(f, block=budget if self.blocking else 0.0):
                 done.append(f)
                 waited = time.monotonic() - started
                 if waited > 0.05:
                     log.info("step %d: waited %.2fs for fragment %d", self.position, waited, f)
-            elif not self.stop.is_set() and not self.finished():
+            elif self.blocking and not self.stop.is_set() and not self.finished():
                 log.warning(
                     "step %d: fragment %d not merged within %.0fs; training on without it",
                     self.position,

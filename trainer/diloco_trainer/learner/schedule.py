@@ -16,8 +16,10 @@ Schedule (steps counted from 1, see `plan_step`):
 - A fragment that is due while its previous push is still unapplied is skipped (its counters keep
   running), so a pseudo-gradient is never sent twice on the same base.
 
-Waiting policy: at step t+τ rank 0 waits for a version newer than the pushed base (the background
-task long-polls the syncer for it), but at most `wait_budget(...)` seconds: the larger of the
+Waiting policy: in a decoupled job (K < M, τ > 0) rank 0 never waits: it checks every step whether
+the merge of its push has arrived and applies it then (`blocks_for_merge`). Otherwise, at step t+τ
+rank 0 waits for the version the syncer named when it accepted the push (the background task
+long-polls the syncer for it), but at most `wait_budget(...)` seconds: the larger of the
 syncer's heartbeat timeout (after which a dead island no longer holds a quorum back) and three
 times the recently measured push-to-merge time. If nothing arrived by then the learner keeps
 training and applies the fragment after the first later step at which it has arrived (a
@@ -93,6 +95,19 @@ def plan_idle(position: int, *, overlap: int, pushed_at: Mapping[int, int]) -> S
     """The plan for an inner step that does not move the schedule (a phase delay): nothing is
     due; fragments whose apply step has passed are applied if they have arrived (no waiting)."""
     return StepPlan(poll=tuple(sorted(f for f, s in pushed_at.items() if s + overlap <= position)))
+
+
+def blocks_for_merge(*, quorum: int, islands: int, overlap: int) -> bool:
+    """Whether a learner blocks (up to wait_budget) at a fragment's apply step until the merge
+    of its push arrives, or only checks for it every step and trains on meanwhile.
+
+    A synchronous job (K = M: every merge needs every island) or one without overlap (τ = 0,
+    plain DiLoCo) blocks, so rounds stay in lock step. A decoupled job (K < M, τ > 0) never
+    does: its merge may need another island's push, and waiting for one cost the fast islands
+    a fifth of their time beside a 3x straggler at K = 2 of 4 (bench/decoupled_quality). The
+    merge is applied, keeping the steps taken since the push, at the first step it is there.
+    """
+    return overlap == 0 or quorum >= islands
 
 
 def wait_budget(round_times: Sequence[float], heartbeat_timeout: float) -> float:
@@ -183,17 +198,23 @@ def merge_lateness(
             return False
         return 1 / PEER_SPEED_RATIO <= float(other) / step_time <= PEER_SPEED_RATIO
 
+    def leaders(m: Mapping[str, Any]) -> list[str]:
+        names = [str(c.get("island")) for c in m.get("contributors", [])]
+        return [] if island in names else [n for n in names if leader(n)]
+
     merges = [
         m
         for m in status.get("merges", [])
         if m.get("fragment") == fragment
         and base_version < int(m.get("version", -1)) <= accepted_version
-        and all(c.get("island") != island for c in m.get("contributors", []))
-        and any(leader(str(c.get("island"))) for c in m.get("contributors", []))
+        and leaders(m)
     ]
     if not merges:
         return None
-    latest = max(merges, key=lambda m: int(m["version"]))
+    # Follow the first island of all, not whichever leader merged last: a leader that is itself
+    # still moving into phase is no fixed point (every follower chased every move in a run).
+    first = min(n for m in merges for n in leaders(m))
+    latest = max((m for m in merges if first in leaders(m)), key=lambda m: int(m["version"]))
     return pushed_at - float(latest["time"])
 
 
