@@ -41,6 +41,7 @@ def test_operator_exposure_refuses_insecure_or_odd_syncers(
         {"service": {"type": "ClusterIP"}},
         {"endpoint": "https://syncer.example.com:8470"},
         {"endpoint": "https://[2001:db8::1]:8470/"},
+        {"endpoint": "https://SYNCER_ADDRESS:8470"},  # examples/multi-region's placeholder
         {"endpoint": "http://127.0.0.1:9"},
         {"endpoint": "http://job-syncer.team-a.svc:8470"},
         {"endpoint": "http://job-syncer.team-a.svc.cluster.local:8470"},

@@ -21,10 +21,11 @@ from diloco_trainer.api.base import SpecModel
 ServiceType = Literal["ClusterIP", "LoadBalancer", "NodePort"]
 EXTERNAL_SERVICE_TYPES = ("LoadBalancer", "NodePort")
 
-# scheme://host[:port][/]: a DNS name or an IPv4 address, or an IPv6 address in brackets; no
-# user info, path, query or fragment.
+# scheme://host[:port][/]: a DNS name (underscores allowed: placeholders, some DNS records) or an
+# IPv4 address, or an IPv6 address in brackets; no user info, path, query or fragment.
 ENDPOINT_PATTERN = (
-    r"^(https?://([A-Za-z0-9]([-A-Za-z0-9.]*[A-Za-z0-9])?|\[[0-9A-Fa-f:.]+\])(:[0-9]{1,5})?/?)?$"
+    r"^(https?://([A-Za-z0-9_]([-A-Za-z0-9_.]*[A-Za-z0-9_])?|\[[0-9A-Fa-f:.]+\])"
+    r"(:[0-9]{1,5})?/?)?$"
 )
 # Plain http:// stays inside the machine or the cluster network at these hosts.
 INTERNAL_HTTP_PATTERN = (
