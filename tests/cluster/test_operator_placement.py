@@ -176,3 +176,24 @@ def test_kubectl_scale_sets_the_number_of_islands(
     )
     assert refused.returncode != 0 and "islands.count" in refused.stderr, refused.stderr
     assert cluster.job("ks")["spec"]["islands"]["count"] == 1
+
+
+def test_job_labels_and_annotations_reach_every_pod(
+    cluster: Cluster, operator: OperatorProcess
+) -> None:
+    manifest = job_manifest("lb", islands={"count": 2, "replicas": 1})
+    manifest["metadata"]["labels"] = {"scheduling.example.com/pod-group": "lb"}
+    manifest["metadata"]["annotations"] = {"scheduling.example.com/min-member": "3"}
+    cluster.apply(manifest)  # kubectl apply adds its last-applied annotation: not passed on
+    pods = wait_until(
+        lambda: cluster.pods_ready("diloco.dev/job=lb", 3), WAIT, message="2 learners + syncer"
+    )
+    for pod in pods:
+        meta = pod["metadata"]
+        assert meta["labels"]["scheduling.example.com/pod-group"] == "lb", meta["name"]
+        assert meta["annotations"]["scheduling.example.com/min-member"] == "3", meta["name"]
+        assert not any(k.startswith("kubectl.kubernetes.io/") for k in meta["annotations"])
+    assert {p["metadata"]["labels"]["app.kubernetes.io/component"] for p in pods} == {
+        "learner",
+        "syncer",
+    }

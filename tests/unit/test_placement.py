@@ -190,3 +190,40 @@ def test_syncer_without_template_is_unchanged() -> None:
         == resources.build_syncer_deployment(JOB, spec)["spec"]["template"]
     )
     assert spec.syncer.template == {}
+
+
+def test_job_labels_and_annotations_reach_every_pod_but_not_bookkeeping() -> None:
+    body = {
+        "metadata": {
+            "name": "demo",
+            "namespace": "ns1",
+            "uid": "uid-1",
+            "labels": {"kueue.x-k8s.io/queue-name": "team-a", "app.kubernetes.io/name": "mine"},
+            "annotations": {
+                "scheduling.example.com/pod-group": "demo",
+                "kubectl.kubernetes.io/last-applied-configuration": "{}",
+                "diloco.dev/last-handled-configuration": "{}",
+                "kopf.zalando.org/touch-dummy": "x",
+            },
+        }
+    }
+    job = JobRef.from_body(body)
+    spec = _spec(islands={"count": 2, "template": {"metadata": {"labels": {"tier": "x"}}}})
+    templates = [
+        resources.build_island_statefulset(job, spec, 1)["spec"]["template"],
+        resources.build_syncer_deployment(job, spec)["spec"]["template"],
+    ]
+    for template in templates:
+        meta = template["metadata"]
+        assert meta["labels"]["kueue.x-k8s.io/queue-name"] == "team-a"
+        # The operator's own labels win over the job's (selectors and the recommended labels).
+        assert meta["labels"]["app.kubernetes.io/name"] == "diloco"
+        assert meta["annotations"]["scheduling.example.com/pod-group"] == "demo"
+        for key in meta["annotations"]:
+            assert not key.startswith(("kubectl.kubernetes.io/", "kopf.zalando.org/")), key
+        assert "diloco.dev/last-handled-configuration" not in meta["annotations"]
+    assert templates[0]["metadata"]["labels"]["tier"] == "x"
+    assert templates[0]["metadata"]["labels"][resources.ISLAND_LABEL] == "island-1"
+    # Without labels or annotations on the job the pods are what they were.
+    plain = JobRef.from_body({"metadata": {"name": "demo", "namespace": "ns1", "uid": "uid-1"}})
+    assert plain == JOB

@@ -104,7 +104,7 @@ def build_learner_pod_template(job: JobRef, spec: DiLoCoJobSpec, index: int) -> 
             "volumes": volumes,
         },
     }
-    return with_user_fragments(template, island_template_fragments(spec, index), pod_labels)
+    return with_user_fragments(template, island_template_fragments(job, spec, index), pod_labels)
 
 
 def build_island_statefulset(

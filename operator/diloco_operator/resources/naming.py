@@ -42,19 +42,40 @@ COMPONENT_CREDENTIALS = "credentials"
 COMPONENT_NETWORK = "network"
 
 
+# Annotations of a job that are not passed on to its pods: kubectl's and kopf's bookkeeping and
+# the operator's own (diloco.dev/), which change without the user changing anything.
+UNPASSED_ANNOTATION_PREFIXES = ("kubectl.kubernetes.io/", "kopf.zalando.org/", "diloco.dev/")
+
+Pairs = tuple[tuple[str, str], ...]
+
+
+def passed_on(items: Mapping[str, Any] | None, skip: tuple[str, ...] = ()) -> Pairs:
+    """The (key, value) pairs of job metadata that every pod of the job carries too."""
+    return tuple(sorted((k, str(v)) for k, v in (items or {}).items() if not k.startswith(skip)))
+
+
 @dataclass(frozen=True)
 class JobRef:
-    """Identity of one DiLoCoJob object."""
+    """Identity of one DiLoCoJob object, and the labels and annotations its pods carry too
+    (so other schedulers' gang and queue labels set on the job reach every pod)."""
 
     name: str
     namespace: str
     uid: str
+    pod_labels: Pairs = ()
+    pod_annotations: Pairs = ()
 
     @classmethod
     def from_body(cls, body: Mapping[str, Any]) -> JobRef:
-        """Read name, namespace and uid from a DiLoCoJob object."""
+        """Read name, namespace, uid, labels and annotations from a DiLoCoJob object."""
         meta = body["metadata"]
-        return cls(name=meta["name"], namespace=meta["namespace"], uid=meta["uid"])
+        return cls(
+            name=meta["name"],
+            namespace=meta["namespace"],
+            uid=meta["uid"],
+            pod_labels=passed_on(meta.get("labels")),
+            pod_annotations=passed_on(meta.get("annotations"), UNPASSED_ANNOTATION_PREFIXES),
+        )
 
 
 def island_names(spec: DiLoCoJobSpec) -> list[str]:

@@ -1,7 +1,9 @@
 """Where a job's pods run: the user's pod template fragments, merged into ours (pure).
 
-Learner pods take `islands.template`, then their island's entry of `islands.overrides`
-(nodeSelector, then template); the syncer pod takes `syncer.template`. Merging follows
+Every pod takes the job's own labels and annotations first (but not the bookkeeping ones: see
+naming.UNPASSED_ANNOTATION_PREFIXES); learner pods then take `islands.template`, then their
+island's entry of `islands.overrides` (nodeSelector, then template); the syncer pod takes
+`syncer.template`. Merging follows
 `pods.merge_overrides`; the labels the selectors match on are put back afterwards, since they are
 not the user's to change.
 """
@@ -15,6 +17,7 @@ from diloco_trainer.api import contract
 from diloco_trainer.api.placement import island_override, island_replicas
 
 from diloco_operator.api import DiLoCoJobSpec
+from diloco_operator.resources.naming import JobRef
 from diloco_operator.resources.pods import merge_overrides
 
 
@@ -33,9 +36,20 @@ def island_resources(spec: DiLoCoJobSpec, index: int) -> dict[str, Any]:
     return copy.deepcopy(chosen)
 
 
-def island_template_fragments(spec: DiLoCoJobSpec, index: int) -> list[dict[str, Any]]:
+def job_fragment(job: JobRef) -> dict[str, Any]:
+    """The job's own labels and annotations, as a pod template fragment (merged first: the
+    templates of the spec win over them)."""
+    metadata: dict[str, Any] = {}
+    if job.pod_labels:
+        metadata["labels"] = dict(job.pod_labels)
+    if job.pod_annotations:
+        metadata["annotations"] = dict(job.pod_annotations)
+    return {"metadata": metadata} if metadata else {}
+
+
+def island_template_fragments(job: JobRef, spec: DiLoCoJobSpec, index: int) -> list[dict[str, Any]]:
     """The user's fragments for island `index`'s pod template, in the order they merge."""
-    fragments = [spec.islands.template]
+    fragments = [job_fragment(job), spec.islands.template]
     entry = island_override(spec.islands, index)
     if entry is not None:
         if entry.node_selector:

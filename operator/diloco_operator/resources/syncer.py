@@ -22,7 +22,7 @@ from diloco_operator.resources.naming import (
     stamp,
     syncer_name,
 )
-from diloco_operator.resources.placement import with_user_fragments
+from diloco_operator.resources.placement import job_fragment, with_user_fragments
 from diloco_operator.resources.pods import (
     SYNCER_CONTAINER,
     SYNCER_PORT_NAME,
@@ -100,7 +100,7 @@ def build_syncer_pod_template(job: JobRef, spec: DiLoCoJobSpec) -> dict[str, Any
             "volumes": _syncer_volumes(job, spec),
         },
     }
-    return with_user_fragments(template, [spec.syncer.template], lab)
+    return with_user_fragments(template, [job_fragment(job), spec.syncer.template], lab)
 
 
 def build_syncer_deployment(job: JobRef, spec: DiLoCoJobSpec) -> dict[str, Any]:
