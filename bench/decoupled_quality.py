@@ -220,6 +220,8 @@ def variants(args: Any) -> list[tuple[str, str, int, bool]]:
         out += [(f"ours K={k}{tag}", "ours", k, slow) for k in quorums]
         if not args.skip_torchft:
             out.append((f"torchft K={m}{tag}", "torchft", m, slow))
+    if args.only:
+        out = [v for v in out if v[1] == "baseline" or any(o in v[0] for o in args.only)]
     return out
 
 
@@ -262,6 +264,13 @@ def parse_args(argv: Sequence[str] | None) -> Any:
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
     p.add_argument("--timeout", type=float, default=1800, help="per run (s)")
     p.add_argument("--skip-torchft", action="store_true")
+    p.add_argument(
+        "--only",
+        nargs="+",
+        default=[],
+        help="run only variants whose label contains one of these (e.g. 'K=1' 'K=4'; the "
+        "baseline always runs); for focused --no-record checks",
+    )
     p.add_argument("--quick", action="store_true", help="smoke run: M=2, H=8, 32 steps, 1 seed")
     args = p.parse_args(argv)
     if args.quick:

@@ -69,6 +69,11 @@ class FragmentSync:
         self.step_time = 0.0  # EMA of the inner step time, kept by the loop
         self.position = 0  # schedule position (what fragments_due and heartbeats see)
         self.phase_pending = 0  # steps still to delay (> 0) or advance (< 0)
+        # EMA of the wall seconds per inner step, everything between two steps included: the
+        # clock a schedule position runs at, and so the one phase alignment converts with.
+        self.wall_step = 0.0
+        self._last_step: float | None = None
+        self.clock = time.monotonic  # what wall_step is measured with (a test may replace it)
         islands = max(spec.islands.count, spec.total_shards())
         self.blocking = blocks_for_merge(
             quorum=spec.sync.quorum, islands=islands, overlap=self.overlap
@@ -149,6 +154,11 @@ class FragmentSync:
     def after_step(self) -> dict[int, Weights]:
         """After an inner step: push what is due, collect what is needed; the weights of each
         fragment to apply now."""
+        now = self.clock()
+        if self._last_step is not None:
+            dt = now - self._last_step
+            self.wall_step = 0.9 * self.wall_step + 0.1 * dt if self.wall_step else dt
+        self._last_step = now
         positions, self.phase_pending = schedule_positions(self.position, self.phase_pending)
         pushed_at = {f: fl.step for f, fl in self.inflight.items()}
         if not positions:
@@ -305,7 +315,8 @@ class FragmentSync:
         """Start moving the schedule onto the leader's phase (one shift at a time)."""
         if lateness is None or self.phase_pending:
             return
-        shift = phase_shift(lateness, inner_steps=self.spec.inner.steps, step_time=self.step_time)
+        step = self.wall_step or self.step_time
+        shift = phase_shift(lateness, inner_steps=self.spec.inner.steps, step_time=step)
         if shift:
             self.phase_pending = shift
             log.info(

@@ -154,8 +154,9 @@ def schedule_start(versions: Sequence[int], inner_steps: int, offsets: Sequence[
 # schedule onto the leader's:
 #
 #   x = (its push time − that merge's time), wrapped into [−R/2, R/2) with R = H · step time
+#   (the wall time per step, everything between steps included),
 #   (x > 0: it pushed after the leader; x < 0: it is early for the leader's next merge),
-#   shift = −x in steps, at most H/4 per round (positive: delay, negative: advance).
+#   shift = −x/2 in steps (PHASE_GAIN), at most H/4 per round (positive: delay, negative: advance).
 #
 # Why a leader, and not both islands moving halfway towards each other: each sees the other's
 # lone merge, and two islands half a round apart each find the other "late" by R/2, minus the
@@ -168,6 +169,10 @@ def schedule_start(versions: Sequence[int], inner_steps: int, offsets: Sequence[
 
 # Merges by islands whose step time is within this factor of ours count for phase alignment.
 PEER_SPEED_RATIO = 1.5
+# Share of the measured offset a learner corrects per round: step times on a loaded machine are
+# noisy, and a full correction of every noisy reading made followers jump back and forth by H/4
+# (bench/decoupled_quality); half converges geometrically and averages the noise.
+PHASE_GAIN = 0.5
 
 
 def merge_lateness(
@@ -225,7 +230,7 @@ def phase_shift(lateness: float, *, inner_steps: int, step_time: float) -> int:
         return 0
     period = inner_steps * step_time
     x = (lateness + period / 2) % period - period / 2  # into [−R/2, R/2)
-    steps = round(-x / step_time)
+    steps = round(-PHASE_GAIN * x / step_time)
     limit = inner_steps // 4
     return max(-limit, min(limit, steps))
 
