@@ -3,9 +3,14 @@
 Child names are built from the job's name and its islands' prefix, so two jobs can want the same
 name (job `a` with islands.namePrefix `b` and job `a-b` both want StatefulSet `a-b-island-0`), and
 a user may have made an object of that name. A child the job owns (its controller owner
-reference is the job) is applied server-side, forcing our fields back. Any other is created: if
-one of that name exists and is the job's after all (not in the watch's view yet), it is applied;
-otherwise it is left alone and reported as a Conflict naming who holds it (condition and Event).
+reference is the job) is applied server-side, forcing our fields back. Any other is read first:
+absent, it is applied without forcing (which creates it); the job's after all (not in the watch's
+view yet), applied unless it already holds the desired content; anyone else's, it is left alone
+and reported as a Conflict naming who holds it (condition and Event).
+
+Every write is a server-side apply under one field manager (never a plain create, whose
+"Update" field ownership would keep fields a later apply leaves out). Between the read and the
+apply another job could create the same name; the window is one request long.
 """
 
 from __future__ import annotations
@@ -17,7 +22,7 @@ from typing import Any
 
 from diloco_operator.kube import Kube
 from diloco_operator.planner import key, owned_by
-from diloco_operator.resources import JOB_LABEL
+from diloco_operator.resources import JOB_LABEL, SPEC_HASH
 
 
 @dataclass(frozen=True)
@@ -52,18 +57,22 @@ def holder_of(obj: Mapping[str, Any]) -> str:
 async def write_child(
     kube: Kube, obj: dict[str, Any], *, job_uid: str, owned: bool
 ) -> dict[str, Any] | Conflict:
-    """Apply (owned) or create `obj`; the object as stored, or the Conflict that stopped it."""
+    """Apply `obj` unless another holds its name; the object as stored, or the Conflict."""
     if owned:
         return await kube.apply(obj, force=True)
-    created = await kube.create(obj)
-    if created is not None:
-        return created
     meta = obj["metadata"]
     existing = await kube.get(obj["kind"], meta["namespace"], meta["name"])
-    if existing is not None and not owned_by(existing, job_uid):
+    if existing is None:
+        return await kube.apply(obj)
+    if not owned_by(existing, job_uid):
         return Conflict(obj["kind"], meta["name"], holder_of(existing))
-    # The job's own object (or one deleted since): apply brings it to the desired state.
-    return await kube.apply(obj, force=existing is not None)
+    if _spec_hash(existing) == _spec_hash(obj):
+        return existing  # e.g. after a restart: nothing to write
+    return await kube.apply(obj, force=True)
+
+
+def _spec_hash(obj: Mapping[str, Any]) -> str | None:
+    return ((obj.get("metadata") or {}).get("annotations") or {}).get(SPEC_HASH)
 
 
 async def write_children(

@@ -69,7 +69,8 @@ def _expected(job: str, islands: int) -> dict[str, set[str]]:
         "services": names | {f"{job}-syncer"},
         "deployments": {f"{job}-syncer"},
         "configmaps": {f"{job}-config"},
-        "secrets": {f"{job}-token"},
+        # The root token (the syncer's) and the islands' own credentials.
+        "secrets": {f"{job}-token", f"{job}-island-tokens"},
     }
 
 

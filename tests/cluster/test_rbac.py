@@ -176,7 +176,8 @@ def run_with_rules(
 
 # ------------------------------------------------------------------------------ the cases
 # What each rule covers, and how its absence shows. Children: ConfigMap JOB-config, Deployment and
-# Service JOB-syncer, Service and StatefulSet JOB-island-0, Secret JOB-token.
+# Service JOB-syncer, Service and StatefulSet JOB-island-0, NetworkPolicy JOB-network, Secrets
+# JOB-token and JOB-island-tokens.
 
 
 def _jobs_unseen(run: Run) -> None:
@@ -205,6 +206,13 @@ def _services_and_config_missing(run: Run) -> None:
     assert not run.exists("configmap", f"{JOB}-config")
     assert not run.exists("service", f"{JOB}-syncer")
     assert not run.exists("service", f"{JOB}-island-0")
+
+
+def _network_policies_missing(run: Run) -> None:
+    # The reconcile lists the job's children of every kind first, so nothing gets created.
+    run.wait(lambda: run.refused("networkpolicies"), "a refused list/watch of networkpolicies")
+    assert not run.exists("networkpolicy", f"{JOB}-network")
+    assert not run.exists("statefulset", f"{JOB}-island-0")
 
 
 def _token_missing(run: Run) -> None:
@@ -244,6 +252,7 @@ CASES: dict[str, Callable[[Run], None]] = {
     "diloco.dev/dilocojobs/status": _status_unwritten,
     "apps/statefulsets,deployments": _workloads_missing,
     "core/services,configmaps": _services_and_config_missing,
+    "networking.k8s.io/networkpolicies": _network_policies_missing,
     "core/secrets": _token_missing,
     "core/pods": _health_unknown,
     "core/events": _events_missing,

@@ -44,7 +44,7 @@ def test_operator_children_another_jobs_object_is_not_taken() -> None:
     kube.objects[("StatefulSet", "a-b-island-0")] = _sts(OTHER)
     result = _write(kube, _sts(JOB), owned=False)
     assert result == Conflict("StatefulSet", "a-b-island-0", "DiLoCoJob a")
-    assert "apply" not in kube.methods()  # never applied over it
+    assert kube.methods() == ["get"]  # never applied over it
     owner = kube.objects[("StatefulSet", "a-b-island-0")]["metadata"]["ownerReferences"]
     assert owner[0]["uid"] == OTHER.uid
     assert "StatefulSet a-b-island-0" in result.message() and "DiLoCoJob a" in result.message()
@@ -53,13 +53,21 @@ def test_operator_children_another_jobs_object_is_not_taken() -> None:
 def test_operator_children_new_is_created_and_own_is_applied_with_force() -> None:
     kube = FakeKube(job_body("a-b", uid=JOB.uid))
     stored = _write(kube, _sts(JOB), owned=False)
-    assert kube.methods() == ["create"] and stored["metadata"]["name"] == "a-b-island-0"
+    assert kube.methods() == ["get", "apply"] and stored["metadata"]["name"] == "a-b-island-0"
     kube.calls.clear()
     _write(kube, _sts(JOB), owned=True)
     assert kube.methods() == ["apply"]
     kube.calls.clear()
-    _write(kube, _sts(JOB), owned=False)  # ours, though the watch had not shown it yet
-    assert kube.methods() == ["create", "get", "apply"]
+    ours = _sts(JOB)
+    ours["metadata"]["annotations"][resources.SPEC_HASH] = "same"
+    kube.objects[("StatefulSet", "a-b-island-0")] = ours
+    _write(kube, ours, owned=False)  # ours with the desired content, not in the watch's view yet
+    assert kube.methods() == ["get"]  # nothing to write (e.g. after a restart)
+    kube.calls.clear()
+    changed = _sts(JOB)
+    changed["metadata"]["annotations"][resources.SPEC_HASH] = "new"
+    _write(kube, changed, owned=False)
+    assert kube.methods() == ["get", "apply"]
 
 
 def test_operator_children_holder_of_names_owner_or_label() -> None:

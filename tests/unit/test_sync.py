@@ -38,10 +38,10 @@ def test_sync_job_first_sync_lists_and_creates_children() -> None:
         "Service",
         "StatefulSet",
     ]
-    # Children the job does not own yet are created (never applied over someone else's).
-    assert not [d for m, d in kube.calls if m == "apply"]
-    created = {d for m, d in kube.calls if m == "create"}
-    assert created == {
+    # Children the job does not own yet are read first (never applied over someone else's).
+    applied = {d for m, d in kube.calls if m == "apply" and not d.startswith("Secret/")}
+    assert applied <= {d for m, d in kube.calls if m == "get"}
+    assert applied == {
         "ConfigMap/demo-config",
         "NetworkPolicy/demo-network",
         "Service/demo-island-0",
@@ -141,7 +141,7 @@ def test_sync_job_generated_token_checked_once_per_resync() -> None:
     rt = _runtime(body)
     _sync(kube, rt, reconcile=True)
     assert ("create", "Secret/demo-token") in kube.calls
-    assert ("create", "Secret/demo-island-tokens") in kube.calls
+    assert ("apply", "Secret/demo-island-tokens") in kube.calls
     kube.calls.clear()
     _sync(kube, rt, reconcile=True)
     secret_calls = [d for m, d in kube.calls if "secret" in m or d.startswith("Secret/")]
