@@ -148,8 +148,8 @@ def test_mix_alpha_keeps_a_share_of_the_local_weights_on_receipt() -> None:
 
 
 def test_a_late_push_shifts_the_schedule_earlier() -> None:
-    # Pushed 0.15 s after a leader's merge, at 0.1 s/step and H = 4 (a 0.4 s round): half of
-    # 1.5 steps late rounds to 1: the schedule moves 1 step earlier (also the cap, H // 4).
+    # Pushed 0.15 s after a leader's merge, at 0.1 s/step and H = 4 (a 0.4 s round): 1.5 steps
+    # late, so the schedule moves earlier by the cap of H // 4 = 1 step.
     link = FakeLink(outer_lr=1.0, lateness=0.15)
     sync, w = make_sync(make_spec(overlapSteps=1), link)
     for _ in range(5):  # push after 4, applied (and the shift decided) after 5
@@ -164,8 +164,8 @@ def test_a_late_push_shifts_the_schedule_earlier() -> None:
 
 
 def test_an_early_push_delays_the_schedule() -> None:
-    # 2.5 s after the leader's merge with a round of 4 x 1 s is 1.5 s before its next one: half
-    # of it is 0.75 s, 1 step at 1 s/step.
+    # 2.5 s after the leader's merge with a round of 4 x 1 s is 1.5 s before its next one: delay
+    # by 1.5 steps, capped at H // 4 = 1 step.
     link = FakeLink(outer_lr=1.0, lateness=2.5)
     sync, w = make_sync(make_spec(overlapSteps=1), link)
     ticks = iter(range(10**6))

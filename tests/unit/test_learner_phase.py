@@ -98,38 +98,38 @@ def test_merge_lateness_none_for_the_first_island_in_the_order() -> None:
     assert lateness(doc, island="island-0", step_time=0.12) is None
 
 
-def test_phase_shift_late_island_advances_by_half_its_lateness() -> None:
-    # H = 30 at 0.1 s/step: a round is 3 s. 0.6 s late -> advance 0.3 s = 3 steps.
-    assert phase_shift(0.6, inner_steps=30, step_time=0.1) == -3
+def test_phase_shift_late_island_advances_by_its_lateness() -> None:
+    # H = 30 at 0.1 s/step: a round is 3 s. 0.6 s late -> advance 6 steps.
+    assert phase_shift(0.6, inner_steps=30, step_time=0.1) == -6
 
 
 def test_phase_shift_wraps_into_half_a_round_and_delays_an_early_island() -> None:
-    # 2.6 s after the leader's merge is 0.4 s before its next one: delay 0.2 s = 2 steps.
-    assert phase_shift(2.6, inner_steps=30, step_time=0.1) == 2
-    assert phase_shift(100 * 3.0 + 0.6, inner_steps=30, step_time=0.1) == -3
+    # 2.6 s after the leader's merge is 0.4 s before its next one: delay 4 steps.
+    assert phase_shift(2.6, inner_steps=30, step_time=0.1) == 4
+    assert phase_shift(100 * 3.0 + 0.6, inner_steps=30, step_time=0.1) == -6
 
 
 def test_phase_shift_is_capped_at_a_quarter_round() -> None:
-    # Half a round early: 0.75 s = 7.5 steps, rounded to 8, capped at 30 // 4 = 7.
-    assert phase_shift(-1.5, inner_steps=30, step_time=0.1) == 7
+    assert phase_shift(1.0, inner_steps=30, step_time=0.1) == -7
+    assert phase_shift(-1.0, inner_steps=30, step_time=0.1) == 7
 
 
-def test_phase_shift_zero_under_a_step_or_without_timings() -> None:
-    assert phase_shift(0.09, inner_steps=30, step_time=0.1) == 0
+def test_phase_shift_zero_under_half_a_step_or_without_timings() -> None:
+    assert phase_shift(0.04, inner_steps=30, step_time=0.1) == 0
     assert phase_shift(0.5, inner_steps=30, step_time=0.0) == 0
     assert phase_shift(float("nan"), inner_steps=30, step_time=0.1) == 0
 
 
 def test_phase_shift_brings_a_follower_onto_its_leaders_schedule() -> None:
-    """The leader merges at 0.2 s into every 3 s round; the follower pushes at 1.0 s. Each round
-    it halves the offset: 0.8 s, then 0.4, 0.2, 0.1 s (one step)."""
+    """The leader merges at 0.2 s into every 3 s round; the follower pushes at 1.2 s: 1 s late,
+    it moves 7 steps (the cap), then the remaining 3: on the leader's merge from round 3."""
     step, h = 0.1, 30
-    push, offsets = 1.0, []
+    push, offsets = 1.2, []
     for round_start in (0.0, 3.0, 6.0, 9.0):
         lateness = push - (round_start + 0.2)
         offsets.append(round(lateness, 6))
         push += h * step + phase_shift(lateness, inner_steps=h, step_time=step) * step
-    assert offsets == [0.8, 0.4, 0.2, 0.1]
+    assert offsets == [1.0, 0.3, 0.0, 0.0]
 
 
 def test_schedule_positions_one_per_step_none_while_delaying_two_while_advancing() -> None:
