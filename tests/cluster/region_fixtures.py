@@ -240,8 +240,10 @@ def shared_syncer(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalSyn
 
     Jobs of different tests use different island names (spec.islands.namePrefix), so they never
     see each other's islands; each test stores `.token` in its namespace as `.secret_name`.
+    The syncer admits only its job's island names: serving it as one region of a multi-region
+    job (totalShards 64) admits other prefixes' island-0..63, as a region's syncer does.
     """
-    manifest = job_manifest("shared")
+    manifest = job_manifest("shared", islands={"count": 1, "totalShards": 64})
     started = start_loopback_syncer(manifest, tmp_path_factory.mktemp("shared-syncer"))
     yield started
     started.stop()
