@@ -6,6 +6,9 @@ dashboards see when a state began, not when the operator last looked.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from typing import Any
+
 from diloco_operator.api import Condition
 from diloco_operator.observation import ConditionsByType, Observation
 from diloco_operator.phase import LOST, NOT_YET_REACHED, Verdict
@@ -20,6 +23,7 @@ CONDITION_TYPES = (
     "Failed",
     "SyncerReachable",
     "NameConflict",
+    "SyncerHealthy",
 )
 ACTIVE_PHASES = ("Pending", "Running", "Degraded")
 
@@ -52,6 +56,41 @@ def unreachable_reason(before: ConditionsByType) -> str:
     if stored.get("status") == "True" or stored.get("reason") == LOST:
         return LOST
     return NOT_YET_REACHED
+
+
+# The syncer's health problem kinds (syncer/health.py) the operator names; anything else is
+# reported as "Other". Only these words and counts reach the job's status, never the syncer's
+# own text: a remote syncer's answers are not copied into the job (issue 10).
+HEALTH_KINDS = {
+    "checkpoint": "CheckpointFailing",
+    "corruptCheckpoints": "CorruptCheckpoints",
+    "merge": "ContributionsLeftOut",
+}
+
+
+def syncer_health(syncer_status: Mapping[str, Any] | None) -> tuple[bool, str, str]:
+    """(healthy, reason, message) of the SyncerHealthy condition from the syncer's status
+    document's `health` ({"healthy", "problems": [{"kind", "count", ...}]}).
+
+    Unknown while the syncer is not reached (status False, reason Unknown); a syncer without a
+    `health` field (older versions) counts as healthy.
+    """
+    if syncer_status is None:
+        return False, "Unknown", "the syncer has not been reached"
+    health = syncer_status.get("health")
+    if not isinstance(health, Mapping) or health.get("healthy") is not False:
+        return True, "Healthy", ""
+    problems = health.get("problems")
+    reasons: list[str] = []
+    for problem in problems if isinstance(problems, list) else []:
+        kind = problem.get("kind") if isinstance(problem, Mapping) else None
+        count = problem.get("count") if isinstance(problem, Mapping) else None
+        reason = HEALTH_KINDS.get(kind, "Other") if isinstance(kind, str) else "Other"
+        times = f" ({count} times)" if isinstance(count, int) and count > 1 else ""
+        reasons.append(reason + times)
+    if not reasons:
+        reasons = ["Other"]
+    return False, reasons[0].split(" ")[0], "syncer health problems: " + ", ".join(reasons[:8])
 
 
 def progressing(verdict: Verdict, obs: Observation) -> tuple[str, str]:
@@ -123,4 +162,5 @@ def job_conditions(verdict: Verdict, obs: Observation, before: ConditionsByType)
             "; ".join(obs.conflicts),
             obs,
         ),
+        condition(before, "SyncerHealthy", *syncer_health(obs.syncer_status), obs),
     ]

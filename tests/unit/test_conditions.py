@@ -10,6 +10,7 @@ from diloco_operator.conditions import (
     CONDITION_TYPES,
     job_conditions,
     progressing,
+    syncer_health,
     unreachable_reason,
 )
 from diloco_operator.observation import Observation
@@ -78,3 +79,39 @@ def test_progressing_reports_rollout_while_active() -> None:
     assert reason == "RollingUpdate" and message.endswith("job-island-1")
     suspended = observation(rolling=["job-island-1"], spec={"suspend": True})
     assert progressing(decide_phase(suspended, None), suspended)[0] == "Suspended"
+
+
+def test_syncer_health_condition_names_problem_kinds_and_counts_never_syncer_text() -> None:
+    assert syncer_health(None) == (False, "Unknown", "the syncer has not been reached")
+    assert syncer_health({"outerStep": 3}) == (True, "Healthy", "")  # an older syncer
+    assert syncer_health({"health": {"healthy": True, "problems": []}}) == (True, "Healthy", "")
+    sick = {
+        "health": {
+            "healthy": False,
+            "problems": [
+                {"kind": "checkpoint", "message": "<html>disk full</html>", "count": 3},
+                {"kind": "merge", "message": "left out island-2", "count": 1},
+                {"kind": "<script>", "count": "many"},
+            ],
+        }
+    }
+    healthy, reason, message = syncer_health(sick)
+    assert (healthy, reason) == (False, "CheckpointFailing")
+    assert message == (
+        "syncer health problems: CheckpointFailing (3 times), ContributionsLeftOut, Other"
+    )
+    assert syncer_health({"health": {"healthy": False, "problems": "x"}}) == (
+        False,
+        "Other",
+        "syncer health problems: Other",
+    )
+
+
+def test_job_conditions_syncer_healthy_follows_the_syncer_status() -> None:
+    obs = observation()
+    assert obs.syncer_status is not None
+    sick = {**obs.syncer_status, "health": {"healthy": False, "problems": [{"kind": "checkpoint"}]}}
+    conditions = _by_type(observation(syncer=sick))
+    assert conditions["SyncerHealthy"].status == "False"
+    assert conditions["SyncerHealthy"].reason == "CheckpointFailing"
+    assert _by_type(obs)["SyncerHealthy"].status == "True"
