@@ -81,6 +81,11 @@ def test_run_trains_on_extensionless_files_and_jsonl_with_a_tokenizer_file(
         },
         inner={"steps": 8, "batchSize": 4, "seqLen": 32, "lr": 3e-3},
         stopAfter={"outerSteps": 6},
+        # Both islands in every merge: this test is about reading the corpus and the tokenizer.
+        # At quorum 1 with the default overlap and 2 fragments, a run this short (H=8, six
+        # rounds) sometimes diverged under CI load (eval 6.24 -> 8.72): a decoupled-quality
+        # problem of issue 9, reported there, not one of data sources.
+        sync={"quorum": 2},
     )
     config = workdir / "job.json"
     config.write_text(spec.to_json())

@@ -40,6 +40,21 @@ def contributors(merge: dict[str, Any]) -> set[str]:
     return {c["island"] for c in merge["contributors"]}
 
 
+def merged_versions(run: LocalRun) -> dict[int, int]:
+    """The newest merged version of each fragment so far (versions count merges, which run ahead
+    of outer steps: those count rounds of work)."""
+    newest: dict[int, int] = {}
+    for m in merge_log(run):
+        newest[m["fragment"]] = max(newest.get(m["fragment"], 0), m["version"])
+    return newest
+
+
+def merges_after(run: LocalRun, versions: dict[int, int], skip: int = 0) -> list[dict[str, Any]]:
+    """Merges of each fragment past `versions` (its newest merged version at some moment) plus
+    `skip` more."""
+    return [m for m in merge_log(run) if m["version"] > versions.get(m["fragment"], 0) + skip]
+
+
 def joined_versions(log_file: Path) -> list[int]:
     """Versions of fragment 0 a learner took when it joined, one per (re)start, in order."""
     return [int(v) for v in JOINED.findall(log_file.read_text())]
@@ -72,10 +87,10 @@ def test_learner_restart_rounds_continue_and_it_rejoins_at_the_current_version(
     (victim,) = [p for p in run.learners if p.name.startswith(VICTIM + "/")]
     victim.kill()
     victim.wait()
-    killed_at = status_of(run)["outerStep"]
-    # Rounds go on without it (its last push may still land in the next merge).
+    killed_at = merged_versions(run)
+    # Rounds go on without it (its last push may still land in the next merge of each fragment).
     down = wait_until(
-        lambda: len(d := [m for m in merge_log(run) if m["version"] > killed_at + 1]) >= 3 and d,
+        lambda: len(d := merges_after(run, killed_at, skip=1)) >= 3 and d,
         timeout=300,
         what="three more merges with the victim down",
     )
@@ -134,7 +149,8 @@ def test_learner_rides_out_a_syncer_restart_and_the_job_finishes(
     status = run_to_finish(run, timeout=600)
     assert status.finished and status.outer_step == 12
     # Both learners carried on with the restarted syncer: each appears in merges after it.
-    late = [m for m in merge_log(run) if m["version"] > resumed["outerStep"] + 1]
+    resumed_versions = dict(enumerate(resumed["versions"]))
+    late = merges_after(run, resumed_versions, skip=1)
     assert {"island-0", "island-1"} <= set().union(*(contributors(m) for m in late))
     # ...and leave on their own once it says finished.
     run.wait_learners(120)
