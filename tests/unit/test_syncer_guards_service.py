@@ -84,8 +84,21 @@ def test_guards_service_hostile_pushes_change_nothing_and_honest_work_merges(
         (422, protocol.ERROR_STEPS_RANGE),
     ]
     before.pop("time"), after.pop("time")
+    # Counted per island and reason; the two 400s above come from reading the body (metadata
+    # out of range), before the island is known to be the pusher: not counted.
+    assert after.pop("refusals") == {
+        "island-1": {
+            protocol.ERROR_NORM_CAP: 2,
+            protocol.ERROR_TOKENS_RANGE: 1,
+            protocol.ERROR_STEPS_RANGE: 1,
+        }
+    }
+    assert before.pop("refusals") == {}
     assert after == before
     assert syncer.state.islands["island-1"].state == protocol.STATE_ACTIVE  # not punished
+    metrics = syncer.metrics.render().decode()
+    line = 'diloco_syncer_refused_contributions_total{island="island-1",reason="norm_above_cap"}'
+    assert f"{line} 2.0" in metrics
 
 
 def test_guards_service_learned_bound_refuses_a_diverging_island(tmp_path: Path) -> None:
@@ -131,6 +144,13 @@ def test_guards_service_island_refused_again_and_again_is_dropped(tmp_path: Path
     rec = syncer.state.islands["island-1"]
     assert rec.state == protocol.STATE_DROPPED and "3 pushes refused in a row" in rec.reason
     assert "NaN" in rec.reason
+    # The reason says the syncer dropped it (the operator leaves such an island out) ...
+    assert protocol.dropped_for_refusals(rec.state, rec.reason)
+    status = run(syncer.status())
+    assert status["islands"]["island-1"]["reason"].startswith("refused_pushes: ")
+    # ... and the three 400s (NaN does not decode) are counted; the 403 of the dropped island
+    # is not a refused contribution.
+    assert status["refusals"] == {"island-1": {protocol.REFUSAL_INVALID: 3}}
     assert "diloco_syncer_dropped_islands_total 1.0" in syncer.metrics.render().decode()
 
 

@@ -22,7 +22,12 @@ from typing import Any, TypeVar, cast
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 from pydantic.alias_generators import to_camel
 
-from diloco_trainer.api.protocol import ISLAND_STATES, STATE_ACTIVE, IslandState
+from diloco_trainer.api.protocol import (
+    ISLAND_STATES,
+    STATE_ACTIVE,
+    IslandState,
+    dropped_for_refusals,
+)
 
 _D = TypeVar("_D", bound="Document")
 
@@ -145,6 +150,12 @@ class IslandStatus(Document):
         """The state when it is one this code knows, else None (a newer syncer's state)."""
         return cast(IslandState, self.state) if self.state in ISLAND_STATES else None
 
+    @property
+    def dropped_for_refusals(self) -> bool:
+        """The syncer dropped it for refused pushes (protocol.DROPPED_FOR_REFUSALS), not the
+        admin route: the operator leaves it out."""
+        return dropped_for_refusals(self.state, self.reason)
+
 
 class EvalPoint(Document):
     """One evaluation of the global weights (the status document's ``evalHistory``)."""
@@ -224,6 +235,9 @@ class SyncerStatus(Document):
     active_islands: int = 0
     islands: dict[str, IslandStatus] = Field(default_factory=dict)
     merges: list[MergeRecord] = Field(default_factory=list)
+    # Pushes of known islands the syncer refused since it started: {island: {reason: count}},
+    # reasons from protocol.REFUSAL_REASONS (older syncers: none).
+    refusals: dict[str, dict[str, int]] = Field(default_factory=dict)
     resumed_from: str | None = None  # the checkpoint the syncer resumed from
     checkpoint: CheckpointRef | None = None  # the newest checkpoint written or resumed from
     failure: str | None = None  # why the syncer stopped taking work (it must be restarted)
@@ -239,6 +253,10 @@ class SyncerStatus(Document):
     def island_states(self) -> dict[str, str]:
         """{island: state} for every island the syncer knows."""
         return {name: info.state for name, info in self.islands.items()}
+
+    def dropped_for_refusals(self) -> set[str]:
+        """Islands the syncer dropped itself for refused pushes."""
+        return {name for name, info in self.islands.items() if info.dropped_for_refusals}
 
 
 def parse_json_object(raw: bytes | str, what: str) -> dict[str, Any]:

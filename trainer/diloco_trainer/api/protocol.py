@@ -90,6 +90,17 @@ CONTRIBUTION_REFUSALS = (
     ERROR_STEPS_RANGE,
     ERROR_TOKENS_RANGE,
 )
+# A push of a known island whose body does not decode to the fragment's tensors (400: NaN, a
+# wrong shape or codec). Not an error code of a body: a reason in the status document's
+# `refusals`, beside CONTRIBUTION_REFUSALS.
+REFUSAL_INVALID = "invalid_push"
+# The reasons of the status document's `refusals` ({island: {reason: count}}): a bounded set,
+# so the operator may name them in Events and metric labels.
+REFUSAL_REASONS = (*CONTRIBUTION_REFUSALS, REFUSAL_INVALID)
+# An island the syncer dropped itself, for syncer.guards.maxRefusals refused pushes in a row: its
+# reason starts with this code and ": ". The operator re-adds islands it dropped for their pods'
+# health, never these (the island keeps sending bad work; only the admin route brings it back).
+DROPPED_FOR_REFUSALS = "refused_pushes"
 # Joins and island names (syncer/admission.py).
 ERROR_NOT_JOB_ISLAND = "not_job_island"  # 403: not an island name of this job ([prefix-]island-N)
 ERROR_NOT_ADMITTED = "not_admitted"  # 503: a name or replicas the job does not have (yet)
@@ -180,6 +191,11 @@ class PushMeta:
                 META_PUSH_ID: self.push_id,
             }
         )
+
+
+def dropped_for_refusals(state: str, reason: str) -> bool:
+    """True for an island the syncer dropped for refused pushes (not the admin route)."""
+    return state == STATE_DROPPED and reason.startswith(DROPPED_FOR_REFUSALS + ":")
 
 
 def encode_metadata(values: Mapping[str, Any]) -> dict[str, str]:

@@ -9,8 +9,11 @@
 - check_work / check_delta / accepted: the guards, with the replicas each island's work counts
   for (what it joined with, at most what the job admits; a push whose tokens need more re-reads
   `islands` first, as a join does).
-- refused: a refused push is logged and counted; maxRefusals in a row drop the island with the
-  reason (the operator may re-add it: its next pushes are checked like any).
+- refused: a refused push of a known island is logged and counted per island and reason
+  (protocol.REFUSAL_REASONS: the status document's `refusals`, the operator's Events, the
+  refused_contributions metric); maxRefusals in a row drop the island with a reason that starts
+  with protocol.DROPPED_FOR_REFUSALS, so the operator does not re-add it for healthy pods (the
+  admin route can: its next pushes are checked like any).
 - leave_out: contributions a merge cannot take are taken out of the round (health problem,
   metric, log line).
 """
@@ -44,6 +47,12 @@ log = logging.getLogger("diloco.syncer")
 RELOAD_SECONDS = 5.0
 
 
+def refusal_reason(err: Refused) -> str:
+    """The reason a refused push is counted under: the guards' code, else REFUSAL_INVALID (a
+    400 from decoding the body)."""
+    return err.code if err.code in protocol.CONTRIBUTION_REFUSALS else protocol.REFUSAL_INVALID
+
+
 class Gate:
     """Admission and guards of one job's syncer (not thread-safe: the caller locks)."""
 
@@ -65,6 +74,9 @@ class Gate:
         self.health = health
         self.config_file = config_file  # where `islands` can be re-read from; None: never
         self._reloaded_at = -RELOAD_SECONDS
+        # Refused pushes since the start, {island: {reason: count}}: only islands the syncer
+        # holds a record of (the job's own names), only protocol.REFUSAL_REASONS: bounded.
+        self.refusals: dict[str, dict[str, int]] = {}
 
     def recalibrate(self, weight_norms: list[float]) -> None:
         """The hard norm caps for the weights the job resumes from."""
@@ -152,16 +164,28 @@ class Gate:
         it (maxRefusals in a row)."""
         log.warning("refused push of %s to fragment %d: %s", island, fragment, err.message)
         rec = state.islands.get(island)
-        if rec is None or rec.state == DROPPED or not self.guard.refused(island):
+        if rec is None:
+            return None
+        self._count(island, refusal_reason(err))
+        if rec.state == DROPPED or not self.guard.refused(island):
             return None
         reason = (
-            f"{self.guard.max_refusals} pushes refused in a row (syncer.guards.maxRefusals); "
-            f"the last: {err.message}"
+            f"{protocol.DROPPED_FOR_REFUSALS}: {self.guard.max_refusals} pushes refused in a row "
+            f"(syncer.guards.maxRefusals); the last: {err.message}"
         )[:500]
         state.set_admin_state(island, DROPPED, reason, now)
         self.metrics.dropped_islands.inc()
         log.warning("island %s dropped: %s", island, reason)
         return reason
+
+    def _count(self, island: str, reason: str) -> None:
+        counts = self.refusals.setdefault(island, {})
+        counts[reason] = counts.get(reason, 0) + 1
+        self.metrics.refused_contributions.labels(island, reason).inc()
+
+    def refusals_json(self) -> dict[str, dict[str, int]]:
+        """The status document's `refusals`: {island: {reason: count}} since the start."""
+        return {island: dict(counts) for island, counts in sorted(self.refusals.items())}
 
     async def prepare(
         self,

@@ -48,6 +48,12 @@ class SyncerMetrics:
             ["reason"],
             registry=r,
         )
+        self.refused_contributions = Counter(
+            "diloco_syncer_refused_contributions",
+            "Pushes of known islands refused, by island and reason (protocol.REFUSAL_REASONS)",
+            ["island", "reason"],
+            registry=r,
+        )
         self.dropped_islands = Counter(
             "diloco_syncer_dropped_islands",
             "Islands dropped for sending syncer.guards.maxRefusals refused pushes in a row",

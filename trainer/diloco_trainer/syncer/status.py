@@ -38,6 +38,7 @@ def status_document(s: Syncer) -> dict[str, Any]:
         "activeIslands": len(s.state.active_islands()),
         "islands": s.state.islands_json(),
         "merges": list(s.merge_log.recent),
+        "refusals": s.gate.refusals_json(),
         "resumedFrom": s.resumed_from,
         "checkpoint": latest_checkpoint(s),
         "failure": s.failure,
