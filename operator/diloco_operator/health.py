@@ -7,13 +7,20 @@ healthy are left alone while they start, however slowly: the syncer's quorum wai
 that have not joined (up to islands.startupTimeoutSeconds, a safety net for a pod that stays
 Pending). One whose pod crash-loops before it was ever healthy has failed, not started slowly: it
 is dropped, so the quorum stops waiting for it, and re-added once healthy.
+
+The operator re-adds only what it dropped for pod health. An island the syncer dropped itself
+for sending bad work again and again (its status says so: protocol.DROPPED_FOR_REFUSALS) is left
+out, however healthy its pods are, and is not dropped again either (that would overwrite the
+syncer's reason, and the next healthy pass would re-add it).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Collection, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
+
+from diloco_trainer.api.protocol import dropped_for_refusals
 
 from diloco_operator.resources import COMPONENT_LABEL, COMPONENT_SYNCER, ISLAND_LABEL
 
@@ -148,6 +155,7 @@ class Membership:
         *,
         islands_running: bool,
         is_own_island: Callable[[str], bool] = lambda _name: False,
+        syncer_dropped: Collection[str] = frozenset(),
     ) -> list[MembershipChange]:
         """Update the decisions from fresh health (and the syncer's states, when known) and
         return the changes the syncer has not acknowledged yet.
@@ -156,13 +164,19 @@ class Membership:
         among those the syncer reports (a multi-region syncer also knows other clusters'
         islands): an own island that is no longer desired (scaled away) is dropped.
         While the job is suspended or finished, islands are down on purpose: no changes.
+        `syncer_dropped`: islands the syncer dropped for refused pushes (syncer_dropped_islands):
+        forgotten here, so nothing is sent for them whatever their pods do.
         """
         reported = dict(syncer_states or {})
         if not islands_running:
             self.seen_healthy.clear()
             return []
+        for name in syncer_dropped:
+            self._forget(name)
         reasons: dict[str, str] = {}
         for name, island in health.items():
+            if name in syncer_dropped:
+                continue
             if island.healthy:
                 self.seen_healthy.add(name)
                 if self.wanted.get(name) == DROPPED or reported.get(name) == DROPPED:
@@ -176,6 +190,7 @@ class Membership:
                 self.wanted[name] = DROPPED
                 reasons[name] = "island unhealthy: " + island.describe()
         known = set(self.wanted) | self.seen_healthy | {n for n in reported if is_own_island(n)}
+        known -= set(syncer_dropped)
         for name in sorted(known - set(health)):
             if self.acknowledged.get(name) == DROPPED and reported.get(name) != ACTIVE:
                 self._forget(name)  # removed and the syncer knows: nothing left to do
@@ -208,3 +223,15 @@ def syncer_island_states(syncer_status: Mapping[str, Any] | None) -> dict[str, s
         return None
     islands = syncer_status.get("islands") or {}
     return {name: str((info or {}).get("state", "")) for name, info in islands.items()}
+
+
+def syncer_dropped_islands(syncer_status: Mapping[str, Any] | None) -> set[str]:
+    """Islands the syncer dropped itself for refused pushes (their state and reason in its
+    /v1/status say so); empty when the syncer was not reached."""
+    islands = (syncer_status or {}).get("islands") or {}
+    return {
+        name
+        for name, info in islands.items()
+        if isinstance(info, Mapping)
+        and dropped_for_refusals(str(info.get("state", "")), str(info.get("reason", "")))
+    }

@@ -27,6 +27,7 @@ from diloco_operator.health import (
     DROPPED,
     IslandHealth,
     MembershipChange,
+    syncer_dropped_islands,
     syncer_island_states,
 )
 from diloco_operator.kube import Kube
@@ -154,6 +155,7 @@ async def update_membership(
         syncer_island_states(rt.syncer.status),
         islands_running=islands_running,
         is_own_island=lambda n: bool(own.match(n)),
+        syncer_dropped=syncer_dropped_islands(rt.syncer.status),
     )
     for change in changes:
         if not await send_membership(kube, rt, job, spec, change):

@@ -10,6 +10,7 @@ from diloco_operator.health import (
     Membership,
     island_health,
     pod_view,
+    syncer_dropped_islands,
     syncer_island_states,
     syncer_pods,
 )
@@ -187,3 +188,71 @@ def test_membership_suspended_job_changes_nothing() -> None:
 
 def _own(name: str) -> bool:
     return name.startswith("island-")
+
+
+# The syncer's reason for an island it dropped itself (gate.py), and the operator's for one it
+# dropped for pod health.
+BANNED = "refused_pushes: 3 pushes refused in a row (syncer.guards.maxRefusals); the last: x"
+UNHEALTHY = "island unhealthy: 1/2 pods Ready; not Ready: job-island-1-1"
+
+
+def _status(**islands: tuple[str, str]) -> dict[str, Any]:
+    doc = {name.replace("_", "-"): {"state": s, "reason": r} for name, (s, r) in islands.items()}
+    return {"islands": doc}
+
+
+def test_syncer_dropped_islands_reads_the_reason_code() -> None:
+    status = _status(
+        island_0=(ACTIVE, ""),
+        island_1=(DROPPED, BANNED),
+        island_2=(DROPPED, UNHEALTHY),
+        island_3=(ACTIVE, BANNED),  # re-added by the admin route: the old reason is no ban
+    )
+    assert syncer_dropped_islands(status) == {"island-1"}
+    assert syncer_dropped_islands(None) == set()
+
+
+def test_membership_island_the_syncer_dropped_is_not_readded_while_healthy() -> None:
+    """Before the fix, the second decide re-added island-1 (its pods are Ready, the syncer says
+    dropped): the operator undid the syncer's drop every 5 s."""
+    m = Membership()
+    both = _ready("island-0", "island-1")
+    assert m.decide(both, {"island-0": ACTIVE, "island-1": ACTIVE}, islands_running=True) == []
+    states = {"island-0": ACTIVE, "island-1": DROPPED}
+    banned = syncer_dropped_islands(_status(island_0=(ACTIVE, ""), island_1=(DROPPED, BANNED)))
+    assert m.decide(both, states, islands_running=True, syncer_dropped=banned) == []
+    # Its pods fail and come back: nothing is sent either way (a drop would replace the
+    # syncer's reason with the operator's, and the next healthy pass would re-add it).
+    only0 = _ready("island-0")
+    assert m.decide(only0, states, islands_running=True, syncer_dropped=banned) == []
+    assert m.decide(both, states, islands_running=True, syncer_dropped=banned) == []
+    assert "island-1" not in m.wanted and "island-1" not in m.seen_healthy
+
+
+def test_membership_syncer_drop_overrides_the_operators_own_readd() -> None:
+    """The operator dropped island-1 for its pods and re-added it (acknowledged active); then
+    the syncer dropped it for bad work. The acknowledged 'active' is not sent again as a
+    contradiction."""
+    m = Membership()
+    both = _ready("island-0", "island-1")
+    m.decide(both, None, islands_running=True)
+    (drop,) = m.decide(_ready("island-0"), None, islands_running=True)
+    m.acknowledge(drop)
+    (back,) = m.decide(both, {"island-1": DROPPED}, islands_running=True)
+    assert (back.island, back.state) == ("island-1", ACTIVE)
+    m.acknowledge(back)
+    banned = {"island-1"}
+    assert m.decide(both, {"island-1": DROPPED}, islands_running=True, syncer_dropped=banned) == []
+
+
+def test_membership_island_the_operator_dropped_is_readded_once_healthy() -> None:
+    """The same syncer view with the operator's reason: the island comes back (after an
+    operator restart too, from the syncer's states alone)."""
+    m = Membership()
+    states = {"island-0": ACTIVE, "island-1": DROPPED}
+    banned = syncer_dropped_islands(_status(island_0=(ACTIVE, ""), island_1=(DROPPED, UNHEALTHY)))
+    assert banned == set()
+    (back,) = m.decide(
+        _ready("island-0", "island-1"), states, islands_running=True, syncer_dropped=banned
+    )
+    assert (back.island, back.state) == ("island-1", ACTIVE)
