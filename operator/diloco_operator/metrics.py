@@ -26,6 +26,12 @@ ISLANDS_DROPPED = Counter(
 ISLANDS_READDED = Counter(
     "diloco_operator_islands_readded_total", "Islands the operator re-added to a syncer quorum."
 )
+REFUSED_CONTRIBUTIONS = Counter(
+    "diloco_operator_refused_contributions_total",
+    "Pushes the jobs' syncers refused, by reason (protocol.REFUSAL_REASONS, or other); each "
+    "also a ContributionRefused Event on its job.",
+    ["reason"],
+)
 SYNCER_UNREACHABLE = Counter(
     "diloco_operator_syncer_unreachable_total", "Syncer requests that failed after retries."
 )

@@ -86,6 +86,9 @@ class JobRuntime:
     last_reconcile: float = 0.0  # time.monotonic() of the last reconcile of the children
     spec_error: str | None = None  # the last invalid-spec message posted as an Event
     notes: dict[str, str] = field(default_factory=dict)  # one-off Events posted: key -> message
+    # The syncer's refusal counts last seen, (island, reason) -> count (refusals.py); None
+    # before the first look.
+    refusals: dict[tuple[str, str], int] | None = None
     phase: str | None = None
     pending: bool | None = None  # a requested sync not started: True when it must reconcile
     drain: asyncio.Task[None] | None = None  # runs requested syncs one after another
@@ -118,7 +121,7 @@ class JobRuntime:
         self.membership = Membership()
         await self.syncer.drop_client()
         self.syncer = SyncerLink()
-        self.rollout, self.spec_error, self.phase = [], None, None
+        self.rollout, self.spec_error, self.phase, self.refusals = [], None, None, None
         self.credentials, self.conflicts = JobCredentials(), []
         self.last_reconcile = 0.0
         self.start_resync()

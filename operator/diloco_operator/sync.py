@@ -31,6 +31,7 @@ from diloco_operator.observation import Observation
 from diloco_operator.observed import parse_version
 from diloco_operator.phase import FINAL_PHASES
 from diloco_operator.planner import MANAGED_KINDS, plan_changes
+from diloco_operator.refusals import post_refusal_events
 from diloco_operator.resources import JobRef
 from diloco_operator.runtime import JobRuntime
 from diloco_operator.status import (
@@ -79,6 +80,9 @@ async def sync_job(kube: Kube, rt: JobRuntime, *, reconcile: bool, poll_syncer: 
         if new_status is None:
             return False
         post_weight_events(rt.notes, body, spec, new_status)
+        rt.refusals = post_refusal_events(
+            body, rt.syncer.status, resources.island_names(spec), rt.refusals, rt.notes
+        )
         if islands_should_run(spec, status) and new_status.get("phase") in FINAL_PHASES:
             await reconcile_children(kube, rt, job, spec, new_status)  # scale islands to 0
             kind = "Normal" if new_status["phase"] == "Succeeded" else "Warning"

@@ -1,0 +1,124 @@
+"""Events for the contributions a job's syncer refused (pure deltas, then the posting).
+
+The syncer counts the refused pushes of each island by reason since it started (its status
+document's `refusals`, reasons from protocol.REFUSAL_REASONS). Each sync compares those counts
+with the ones seen before (kept in the job's runtime record) and posts a Warning Event
+`ContributionRefused` per island and reason whose count grew, and counts them in the operator's
+metric. An Event names the island, the reason code and the counts only, never the syncer's text
+(a remote syncer's answers are not copied into the job).
+
+- A count lower than before means the syncer restarted (its counts start again at 0): the new
+  count is all new refusals (as Prometheus reads a counter reset).
+- After an operator restart the first counts seen are reported as new: an Event repeated rather
+  than one lost (the message gives the total, so a repeat says nothing false).
+- Only the job's own islands: a shared multi-region syncer also counts other clusters' islands,
+  whose operators report them.
+
+An island the syncer dropped for refused pushes gets one Warning Event `IslandDroppedBySyncer`
+(again after it was re-added and dropped anew): the operator does not re-add it (health.py).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Mapping, MutableMapping
+from dataclasses import dataclass
+from typing import Any
+
+from diloco_trainer.api.protocol import REFUSAL_REASONS
+
+from diloco_operator import metrics
+from diloco_operator.events import post_event
+from diloco_operator.health import syncer_dropped_islands
+
+REFUSED = "ContributionRefused"
+DROPPED_BY_SYNCER = "IslandDroppedBySyncer"
+# A reason this operator does not know (a newer syncer's): counted, never quoted.
+OTHER = "other"
+# Counts beyond this are not believed (int64, as everywhere in the job's status).
+MAX_COUNT = 2**63 - 1
+
+RefusalCounts = dict[tuple[str, str], int]  # (island, reason) -> refused pushes
+
+
+@dataclass(frozen=True)
+class RefusalNote:
+    """Refusals of one island for one reason since the last look."""
+
+    island: str
+    reason: str
+    new: int
+    total: int  # since the syncer started
+
+    def message(self) -> str:
+        pushes = "push" if self.new == 1 else "pushes"
+        return (
+            f"{self.island}: {self.new} {pushes} refused ({self.reason}); "
+            f"{self.total} since the syncer started"
+        )
+
+
+def refusal_counts(
+    syncer_status: Mapping[str, Any] | None, islands: Collection[str]
+) -> RefusalCounts | None:
+    """(island, reason) -> count from the syncer's status, for the job's `islands` only;
+    unknown reasons summed as OTHER, anything that is not a count left out. None when the
+    syncer was not reached."""
+    if syncer_status is None:
+        return None
+    doc = syncer_status.get("refusals")
+    counts: RefusalCounts = {}
+    for island, by_reason in (doc if isinstance(doc, Mapping) else {}).items():
+        if island not in islands or not isinstance(by_reason, Mapping):
+            continue
+        for reason, count in by_reason.items():
+            if isinstance(count, bool) or not isinstance(count, int) or not 0 < count <= MAX_COUNT:
+                continue
+            key = (island, reason if reason in REFUSAL_REASONS else OTHER)
+            counts[key] = min(MAX_COUNT, counts.get(key, 0) + count)
+    return counts
+
+
+def new_refusals(before: RefusalCounts | None, after: RefusalCounts) -> list[RefusalNote]:
+    """What grew from `before` to `after` (None: nothing seen yet, all of `after` is new)."""
+    notes = []
+    for (island, reason), total in sorted(after.items()):
+        seen = (before or {}).get((island, reason), 0)
+        new = total - seen if total >= seen else total  # lower: the syncer restarted
+        if new > 0:
+            notes.append(RefusalNote(island=island, reason=reason, new=new, total=total))
+    return notes
+
+
+def dropped_message(island: str) -> str:
+    return (
+        f"{island}: dropped by the syncer for syncer.guards.maxRefusals refused pushes in a "
+        "row; the operator does not re-add it while its pods are healthy"
+    )
+
+
+def post_refusal_events(
+    body: Mapping[str, Any],
+    syncer_status: Mapping[str, Any] | None,
+    islands: Collection[str],
+    seen: RefusalCounts | None,
+    posted: MutableMapping[str, str],
+) -> RefusalCounts | None:
+    """Post the Events for new refusals and new syncer drops of the job's `islands`; returns
+    the counts to remember (`seen` unchanged while the syncer is not reached). `posted`: the
+    one-off Events posted (the job's runtime notes)."""
+    counts = refusal_counts(syncer_status, islands)
+    if counts is None:
+        return seen
+    for note in new_refusals(seen, counts):
+        metrics.REFUSED_CONTRIBUTIONS.labels(reason=note.reason).inc(note.new)
+        post_event(body, "Warning", REFUSED, note.message())
+    uid = body["metadata"].get("uid", "")
+    dropped = syncer_dropped_islands(syncer_status) & set(islands)
+    for island in islands:
+        key = f"{uid}/{DROPPED_BY_SYNCER}/{island}"
+        if island not in dropped:
+            posted.pop(key, None)  # re-added: a later drop is news again
+        elif key not in posted:
+            posted[key] = dropped_message(island)
+            post_event(body, "Warning", DROPPED_BY_SYNCER, posted[key])
+    return counts
