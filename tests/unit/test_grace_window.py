@@ -68,3 +68,40 @@ def test_expected_push_time_by_hand() -> None:
     assert eta(now=200.0) == 200.0  # overdue: arriving now
     assert eta(inner_steps=0) is None
     assert eta(fragment=2) is None
+
+
+def test_in_flight_steps_is_the_overlap_for_blocking_learners_and_h_otherwise() -> None:
+    from diloco_trainer.core.grace import in_flight_steps
+
+    assert in_flight_steps(learners_block=True, overlap_steps=5, inner_steps=30) == 5
+    assert in_flight_steps(learners_block=False, overlap_steps=5, inner_steps=30) == 30
+    assert in_flight_steps(learners_block=False, overlap_steps=40, inner_steps=30) == 40
+    assert in_flight_steps(learners_block=False, overlap_steps=5, inner_steps=0) == 5
+
+
+def test_auto_grace_of_a_decoupled_job_is_sized_from_h_steps() -> None:
+    """K=1 of 4 with τ=5, H=30, steps of 0.05 s, no quorum wait, 0.1 s net sync: learners do not
+    block, so slack = 30·0.05 − 0.1 = 1.4 s and the window is γ·1.4 = 0.7 s; at K = M (blocking)
+    slack = 5·0.05 − 0.1 = 0.15 s and the window γ·0.15 = 0.075 s."""
+    from diloco_trainer.api.spec import parse_spec
+    from diloco_trainer.syncer.records import round_policy
+
+    def policy(quorum: int):  # type: ignore[no-untyped-def]
+        spec = parse_spec(
+            {
+                "islands": {"count": 4},
+                "inner": {"steps": 30},
+                "sync": {"quorum": quorum, "overlapSteps": 5, "fragments": 1},
+            }
+        )
+        return round_policy(spec, 1)
+
+    from diloco_trainer.core.grace import in_flight_steps
+
+    for quorum, blocks, expected in ((1, False, 0.7), (2, False, 0.7), (4, True, 0.075)):
+        p = policy(quorum)
+        assert p.learners_block is blocks
+        tau = in_flight_steps(
+            learners_block=p.learners_block, overlap_steps=p.overlap_steps, inner_steps=30
+        )
+        assert window(step_time=0.05, overlap_steps=tau, sync_net=0.1) == pytest.approx(expected)

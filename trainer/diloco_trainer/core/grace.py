@@ -2,7 +2,13 @@
 
 Decoupled DiLoCo waits, after a round's quorum, at most γ·slack for more islands, with
 slack = τ·t_step − (t_quorum + t_sync): the window lives inside the τ steps a learner computes
-while its push is in flight, so waiting costs no learner a step. What goes in:
+while its push is in flight, so waiting costs no learner a step. τ is how many steps a push may be
+in flight before its island would lose a step (`in_flight_steps`): the overlap for learners that
+block for their merge, but H for those that do not (K < M with overlap): they train on and apply
+the merge at the first step it is there, and only the fragment's next push, H steps later, needs
+it. With τ = overlap there (5 steps of 47 ms in bench/decoupled_quality) the window was about one
+step, while identical islands time-sharing two cores pushed 0.3-0.8 s apart: every merge at K = 1
+was one or two islands', never the round (1.07x K=M's loss). What goes in:
 
 - t_step: the learners' median inner-step time (they report it);
 - t_quorum: the syncer's own measure, from a round's first push to its quorum;
@@ -24,6 +30,29 @@ import math
 from collections.abc import Sequence
 
 GAMMA = 0.5
+
+
+def blocks_for_merge(*, quorum: int, islands: int, overlap: int) -> bool:
+    """Whether a learner blocks (up to its wait budget) at a fragment's apply step until the
+    merge of its push arrives, or only checks for it every step and trains on meanwhile.
+
+    A synchronous job (K = M: every merge needs every island) or one without overlap (τ = 0,
+    plain DiLoCo) blocks, so rounds stay in lock step. A decoupled job (K < M, τ > 0) never
+    does: its merge may need another island's push, and waiting for one cost the fast islands
+    a fifth of their time beside a 3x straggler at K = 2 of 4 (bench/decoupled_quality). The
+    merge is applied, keeping the steps taken since the push, at the first step it is there.
+    Shared by the learner (whether to wait) and the syncer (how long a grace window is free).
+    """
+    return overlap == 0 or quorum >= islands
+
+
+def in_flight_steps(*, learners_block: bool, overlap_steps: int, inner_steps: int) -> int:
+    """Steps a push may be in flight before its island loses a step: τ = overlap_steps when the
+    learners block for their merge; H = inner_steps when they do not (the merge is needed only by
+    the fragment's next push, H steps later). Without a schedule (inner_steps 0): the overlap."""
+    if learners_block or inner_steps < 1:
+        return overlap_steps
+    return max(overlap_steps, inner_steps)
 
 
 def net_sync_time(reported: float, held: float) -> float:

@@ -35,6 +35,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from diloco_trainer.core.fragments import fragments_due
+from diloco_trainer.core.grace import blocks_for_merge
+
+__all__ = ["blocks_for_merge"]  # the learner's rule, kept in core so the syncer shares it
 
 # How many times the recent push-to-merge time a learner waits before it trains on without the
 # merged fragment.
@@ -95,19 +98,6 @@ def plan_idle(position: int, *, overlap: int, pushed_at: Mapping[int, int]) -> S
     """The plan for an inner step that does not move the schedule (a phase delay): nothing is
     due; fragments whose apply step has passed are applied if they have arrived (no waiting)."""
     return StepPlan(poll=tuple(sorted(f for f, s in pushed_at.items() if s + overlap <= position)))
-
-
-def blocks_for_merge(*, quorum: int, islands: int, overlap: int) -> bool:
-    """Whether a learner blocks (up to wait_budget) at a fragment's apply step until the merge
-    of its push arrives, or only checks for it every step and trains on meanwhile.
-
-    A synchronous job (K = M: every merge needs every island) or one without overlap (τ = 0,
-    plain DiLoCo) blocks, so rounds stay in lock step. A decoupled job (K < M, τ > 0) never
-    does: its merge may need another island's push, and waiting for one cost the fast islands
-    a fifth of their time beside a 3x straggler at K = 2 of 4 (bench/decoupled_quality). The
-    merge is applied, keeping the steps taken since the push, at the first step it is there.
-    """
-    return overlap == 0 or quorum >= islands
 
 
 def wait_budget(round_times: Sequence[float], heartbeat_timeout: float) -> float:

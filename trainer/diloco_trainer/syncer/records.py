@@ -21,6 +21,7 @@ from typing import Any
 
 from diloco_trainer.api.spec import JobSpec
 from diloco_trainer.core.fragments import fragment_offsets
+from diloco_trainer.core.grace import blocks_for_merge
 
 ACTIVE = "active"
 DROPPED = "dropped"
@@ -58,6 +59,9 @@ class RoundPolicy:
     # island will push; inner_steps 0 turns the prediction off.
     inner_steps: int = 0
     offsets: tuple[int, ...] = ()
+    # Whether the learners block for their merge (core/grace.blocks_for_merge): if not, a push may
+    # be in flight for H steps at no cost, and the auto grace window is sized from that.
+    learners_block: bool = True
 
 
 @dataclass
@@ -173,4 +177,9 @@ def round_policy(spec: JobSpec, fragments: int) -> RoundPolicy:
         overlap_steps=spec.sync.overlap_steps,
         inner_steps=spec.inner.steps,
         offsets=tuple(fragment_offsets(spec.inner.steps, fragments)),
+        learners_block=blocks_for_merge(
+            quorum=spec.sync.quorum,
+            islands=max(spec.islands.count, spec.total_shards()),
+            overlap=spec.sync.overlap_steps or 0,
+        ),
     )

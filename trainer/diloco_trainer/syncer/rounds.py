@@ -39,7 +39,12 @@ from collections import deque
 from dataclasses import asdict
 from typing import Any
 
-from diloco_trainer.core.grace import expected_push_time, grace_window, net_sync_time
+from diloco_trainer.core.grace import (
+    expected_push_time,
+    grace_window,
+    in_flight_steps,
+    net_sync_time,
+)
 from diloco_trainer.syncer.records import (
     ACTIVE,
     DROPPED,
@@ -134,7 +139,11 @@ class SyncState:
         transfer = _median([r.transfer_time for r in active if r.transfer_time is not None])
         return grace_window(
             step_time=_median([r.step_time for r in active if r.step_time]),
-            overlap_steps=self.policy.overlap_steps,
+            overlap_steps=in_flight_steps(
+                learners_block=self.policy.learners_block,
+                overlap_steps=self.policy.overlap_steps,
+                inner_steps=self.policy.inner_steps,
+            ),
             quorum_wait=_median(list(self._quorum_waits)) or 0.0,
             sync_net=(transfer or 0.0) + (_median(list(self._merge_seconds)) or 0.0),
             cap=self.policy.heartbeat_timeout,
