@@ -62,6 +62,21 @@ def budget(args: Any) -> int:
     return args.islands * args.steps * args.batch_size * args.seq_len
 
 
+def sync_overrides(args: Any) -> dict[str, Any]:
+    """--sync KEY=VALUE pairs (spec.sync fields, camelCase; values parsed as JSON where they
+    are JSON, else kept as strings), for trying a setting against the defaults."""
+    out: dict[str, Any] = {}
+    for item in getattr(args, "sync", None) or []:
+        key, sep, raw = item.partition("=")
+        if not sep:
+            raise SystemExit(f"--sync wants KEY=VALUE, got {item!r}")
+        try:
+            out[key] = json.loads(raw)
+        except json.JSONDecodeError:
+            out[key] = raw
+    return out
+
+
 def make_spec(args: Any, *, seed: int, quorum: int) -> JobSpec:
     """The job every variant trains; sync settings are the defaults but for the quorum."""
     return parse_spec(
@@ -76,7 +91,7 @@ def make_spec(args: Any, *, seed: int, quorum: int) -> JobSpec:
                 "batchSize": args.batch_size,
                 "seqLen": args.seq_len,
             },
-            "sync": {"quorum": quorum},
+            "sync": {**sync_overrides(args), "quorum": quorum},
             "stopAfter": {"tokens": budget(args)},
             "syncer": {"evalEveryOuterSteps": 1, "checkpoint": {"everyOuterSteps": 100000}},
         }
@@ -264,6 +279,13 @@ def parse_args(argv: Sequence[str] | None) -> Any:
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
     p.add_argument("--timeout", type=float, default=1800, help="per run (s)")
     p.add_argument("--skip-torchft", action="store_true")
+    p.add_argument(
+        "--sync",
+        action="append",
+        metavar="KEY=VALUE",
+        help="a spec.sync setting for every variant of ours instead of its default (repeatable), "
+        "e.g. --sync compression=int8; the recorded command shows it",
+    )
     p.add_argument(
         "--only",
         nargs="+",
