@@ -4,7 +4,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-unit test-e2e test-cluster lint crd bench clean binaries
+.PHONY: demo test test-unit test-e2e test-cluster test-node lint crd bench clean binaries node
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -21,12 +21,21 @@ demo: $(STAMP)
 
 ## test: lint, then every test tier (unit, e2e processes, real control plane; kind where Docker is)
 test: $(STAMP) lint binaries
-	$(BIN)/python -m pytest -ra tests
+	$(BIN)/python -m pytest -ra tests --ignore=tests/node
 
 ## binaries: build the control plane's pinned binaries before any test starts, with progress
 ## (about 15 minutes on 2 cores the first time; cached by version, seconds afterwards)
 binaries:
 	bash hack/build-binaries.sh
+
+## node: build the real node's pinned binaries (kubelet, kube-proxy, containerd, CNI plugins,
+## CoreDNS) and install runc/iptables from Debian if missing; cached by version
+node:
+	bash hack/build-node.sh
+
+## test-node: the control plane with one real node (root; not part of `make test` yet)
+test-node: $(STAMP) binaries node
+	$(BIN)/python -m pytest -ra tests/node
 
 test-unit: $(STAMP)
 	$(BIN)/python -m pytest -ra tests/unit
