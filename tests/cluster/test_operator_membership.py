@@ -1,4 +1,5 @@
-"""Pod health -> syncer membership, and syncer progress -> job status, with a real syncer.
+"""Pod health -> syncer membership, and syncer progress -> job status, with a real syncer; pushes
+the syncer refuses -> Events on the job, and an island the syncer dropped for them stays out.
 
 kwok pods have no containers, so a real `diloco syncer` (and, for progress, a real learner)
 runs on loopback and the job points at it with spec.syncer.endpoint.
@@ -7,11 +8,17 @@ runs on loopback and the job points at it with spec.syncer.endpoint.
 # ruff: noqa: F811  (fixtures are imported from operator_fixtures and requested by name)
 from __future__ import annotations
 
+import asyncio
+import re
 from typing import Any
 
 import pytest
+from diloco_trainer.api import credentials, protocol
+from diloco_trainer.api.protocol import PushMeta, SyncerError
+from diloco_trainer.core.compress import encode_tensors
+from diloco_trainer.learner.syncer_client import SyncerClient
 
-from .conftest import wait_until
+from .conftest import holds_for, wait_until
 from .operator_fixtures import (  # noqa: F401
     Cluster,
     LocalSyncer,
@@ -219,3 +226,99 @@ def test_operator_reaches_tls_syncer_when_ca_secret_comes_after_the_job(
         WAIT,
         message="the syncer reached once the CA Secret exists (the operator re-reads it)",
     )
+
+
+async def _refused_pushes(syncer: LocalSyncer, island: str, count: int) -> list[tuple[int, str]]:
+    """`count` pushes of `island` (with its own credential) claiming more inner steps than a
+    round holds: each a well-formed body the syncer's guards refuse."""
+    token = credentials.island_token(syncer.token, island)
+    answers = []
+    async with SyncerClient(syncer.url, token, retry_deadline=5) as client:
+        codec = (await client.join(island, 1)).codec
+        pulled = await client.pull_fragment(0, after=-1)
+        assert pulled is not None
+        body = encode_tensors({n: 1e-3 * t for n, t in pulled.tensors.items()}, codec)
+        for _ in range(count):
+            meta = PushMeta(island, pulled.version, 1, 10**6, 5.0, 0.01, codec)
+            try:
+                await client.push(0, body, meta)
+                answers.append((200, ""))
+            except SyncerError as err:
+                answers.append((err.status, err.code))
+    return answers
+
+
+def test_operator_reports_refused_pushes_and_keeps_the_dropped_island_out(
+    cluster: Cluster, operator: OperatorProcess, make_local_syncer: Any
+) -> None:
+    """A hostile island-1 (healthy pods, its own credential) pushes work the syncer refuses: the
+    job gets a ContributionRefused Event naming island, reason code and counts (never the
+    syncer's text); after maxRefusals (5) in a row the syncer drops it, the job gets an
+    IslandDroppedBySyncer Event, and the operator does not re-add it although its pods are
+    Ready (before, it did so on the very pass that saw the drop)."""
+    manifest, syncer = _remote_job("bad", make_local_syncer, islands={"count": 2, "replicas": 1})
+    cluster.apply(manifest)
+    wait_until(
+        lambda: (
+            (st := cluster.status("bad")).get("islands", {}).get("ready") == 2
+            and _condition(st, "SyncerReachable").get("status") == "True"
+        ),
+        WAIT,
+        message="both islands ready and the syncer reached",
+    )
+    steps = protocol.ERROR_STEPS_RANGE
+    assert asyncio.run(_refused_pushes(syncer, "island-1", 1)) == [(422, steps)]
+    (event,) = wait_until(lambda: cluster.events("ContributionRefused"), WAIT, message="Event")
+    assert event["type"] == "Warning" and event["involvedObject"]["name"] == "bad"
+    assert event["message"] == (
+        "island-1: 1 push refused (steps_out_of_range); 1 since the syncer started"
+    )
+    assert syncer.status()["refusals"] == {"island-1": {steps: 1}}
+
+    answers = asyncio.run(_refused_pushes(syncer, "island-1", 5))
+    assert answers == [(422, steps)] * 4 + [(403, protocol.ERROR_DROPPED)]  # 5 in a row: dropped
+    info = syncer.status()["islands"]["island-1"]
+    assert info["state"] == "dropped" and info["reason"].startswith("refused_pushes: 5 pushes")
+    # Without the fix the operator re-added island-1 on the pass that saw the drop.
+    seen = wait_until(
+        lambda: cluster.events("IslandDroppedBySyncer") + cluster.events("IslandReadded"),
+        WAIT,
+        message="IslandDroppedBySyncer",
+    )
+    assert [e["reason"] for e in seen] == ["IslandDroppedBySyncer"], seen
+    assert seen[0]["message"].startswith("island-1: dropped by the syncer")
+    # The operator has seen the drop (the Event comes after that pass's membership decision):
+    # island-1 is still out, and stays out over the next passes, with its pods Ready.
+    assert syncer.island_state("island-1") == "dropped"
+    holds_for(lambda: syncer.island_state("island-1") == "dropped", 12.0, message="still out")
+    assert not cluster.events("IslandReadded")
+    assert cluster.status("bad")["islands"]["ready"] == 2
+    # The later refusals: one Event, or several if a poll fell between the pushes; together
+    # they count all 5, never quoting the syncer's message.
+    events = wait_until(
+        lambda: (e := _refusal_counts(cluster)) and e[-1][1] == 5 and e,
+        WAIT,
+        message="Events of all 5 refusals",
+    )
+    assert sum(new for new, _ in events) == 5, events
+    assert all(
+        "one push may carry" not in e["message"] for e in cluster.events("ContributionRefused")
+    )
+    assert 'diloco_operator_refused_contributions_total{reason="steps_out_of_range"} 5.0' in (
+        operator.metrics()
+    )
+
+
+REFUSAL_EVENT = re.compile(
+    r"^island-1: (\d+) push(?:es)? refused \(steps_out_of_range\); (\d+) since the syncer started$"
+)
+
+
+def _refusal_counts(cluster: Cluster) -> list[tuple[int, int]]:
+    """(new, total) of each ContributionRefused Event, by total; fails on any other message."""
+    found = []
+    for event in cluster.events("ContributionRefused"):
+        match = REFUSAL_EVENT.match(event["message"])
+        assert match, event["message"]
+        found.append((int(match[1]), int(match[2])))
+    return sorted(found, key=lambda c: c[1])
