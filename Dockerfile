@@ -3,6 +3,8 @@
 #   docker build --target operator -t ghcr.io/diloco-operator/diloco-operator:0.1.0 .
 #   docker build --target trainer  -t ghcr.io/diloco-operator/diloco-trainer:0.1.0 .
 #   docker build --target trainer --build-arg TORCH_VARIANT=cu124 -t ...-trainer:0.1.0-cu124 .
+# Without a Docker daemon (buildah, a locally made base image, local torch wheels):
+#   hack/build-images.sh (README: "Building the images").
 # `operator` is slim (kopf, kubernetes client; no torch). `trainer` runs learners and the syncer.
 # The final stages hold no compilers or build tools and run as uid 65532.
 
@@ -56,14 +58,27 @@ CMD ["operator"]
 # ---------------------------------------------------------------------------------------------
 # trainer: `diloco learner` / `diloco syncer` (the operator sets the args of each pod).
 FROM runtime AS trainer
-# cpu or a CUDA build tag of the PyTorch wheel index (cu124, ...).
-ARG TORCH_VARIANT=cpu
-ARG TORCH_VERSION=2.6.0
-# torch first, from the variant's index, so the trainer extra does not pull the default build.
-RUN pip install --index-url "https://download.pytorch.org/whl/${TORCH_VARIANT}" \
-      "torch==${TORCH_VERSION}"
+# Which torch: the range of pyproject.toml's trainer extra (tests/node/test_images.py checks that
+# they agree), or one version (hack/build-images.sh pins the local wheel it found).
+ARG TORCH_SPEC="torch>=2.2"
+# Where torch comes from. Empty: PyPI, whose Linux x86_64 wheel is the CUDA 12 build (it runs on
+# CPU too, but the image is several GB). One PyTorch variant from its own index instead:
+#   --build-arg TORCH_VARIANT=cpu     https://download.pytorch.org/whl/cpu (CPU only, much smaller)
+#   --build-arg TORCH_VARIANT=cu124   https://download.pytorch.org/whl/cu124 (one CUDA release)
+# or any index (a mirror): --build-arg TORCH_INDEX_URL=https://... (wins over TORCH_VARIANT).
+ARG TORCH_VARIANT=
+ARG TORCH_INDEX_URL=
+# Local torch wheels (pip --find-links: a URL, or a directory the builder mounts into RUN, as
+# `buildah bud -v DIR:/run/torch-wheels:ro` does); the index still serves torch's dependencies.
+ARG TORCH_FIND_LINKS=
+# torch first, on its own, so the trainer extra below keeps it and does not pull the default
+# build; the extra is then installed with torch held at the version just installed.
+RUN index="${TORCH_INDEX_URL:-${TORCH_VARIANT:+https://download.pytorch.org/whl/${TORCH_VARIANT}}}" \
+ && pip install ${index:+--index-url "${index}"} \
+      ${TORCH_FIND_LINKS:+--find-links "${TORCH_FIND_LINKS}"} "${TORCH_SPEC}"
 RUN --mount=type=bind,from=builder,source=/wheels,target=/wheels \
     pip install "$(ls /wheels/project/*.whl)[trainer]" \
+      "torch==$(python -c 'import torch; print(torch.__version__)')" \
  && diloco --version
 USER 65532:65532
 ENTRYPOINT ["diloco"]
