@@ -322,3 +322,44 @@ def _refusal_counts(cluster: Cluster) -> list[tuple[int, int]]:
         assert match, event["message"]
         found.append((int(match[1]), int(match[2])))
     return sorted(found, key=lambda c: c[1])
+
+
+SYNCER_PODS = "diloco.dev/job=cfg,app.kubernetes.io/component=syncer"
+CONFIG_HASH = "diloco.dev/config-hash"
+
+
+def _syncer_pod(cluster: Cluster) -> tuple[str, str] | None:
+    """(uid, config hash) of the job's one Ready syncer pod, None while there is not exactly one."""
+    pods = cluster.pods_ready(SYNCER_PODS, 1)
+    if not pods or len(cluster.items("pods", SYNCER_PODS)) != 1:
+        return None
+    meta = pods[0]["metadata"]
+    return meta["uid"], meta["annotations"][CONFIG_HASH]
+
+
+def test_operator_restarts_the_syncer_for_a_syncer_side_field_only(
+    cluster: Cluster, operator: OperatorProcess
+) -> None:
+    """A changed syncer-side field (sync.graceSeconds) gives the syncer Deployment's pod template
+    a new config hash: the syncer pod is replaced, old one first (Recreate: its SIGTERM writes
+    the checkpoint the new one resumes from, tests/e2e/test_syncer_restart.py::
+    test_syncer_restart_for_a_syncer_side_field_change_loses_no_merge). An island-only change
+    (islands.count, re-read by the running syncer) leaves the syncer pod alone."""
+    cluster.apply(job_manifest("cfg", islands={"count": 1, "replicas": 1}))
+    uid, old_hash = wait_until(lambda: _syncer_pod(cluster), WAIT, message="the syncer pod")
+    deployment = cluster.get("deployment", "cfg-syncer")
+    assert deployment is not None and deployment["spec"]["strategy"] == {"type": "Recreate"}
+
+    cluster.patch_spec("cfg", {"sync": {"graceSeconds": "0.5"}})
+    new_uid, new_hash = wait_until(
+        lambda: (pod := _syncer_pod(cluster)) and pod[0] != uid and pod,
+        WAIT,
+        message="a new syncer pod for the new spec",
+    )
+    assert new_hash != old_hash
+    template = cluster.get("deployment", "cfg-syncer")["spec"]["template"]  # type: ignore[index]
+    assert template["metadata"]["annotations"][CONFIG_HASH] == new_hash
+
+    cluster.patch_spec("cfg", {"islands": {"count": 2}})
+    wait_until(lambda: cluster.get("statefulset", "cfg-island-1"), WAIT, message="island-1")
+    holds_for(lambda: _syncer_pod(cluster) == (new_uid, new_hash), 8.0, message="same syncer")

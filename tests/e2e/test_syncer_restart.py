@@ -1,5 +1,7 @@
 """A syncer killed with SIGKILL comes back from its checkpoint with the same versions, weights and
-outer momentum, and a client call made while it was down completes once it is back."""
+outer momentum, and a client call made while it was down completes once it is back. A syncer
+restarted for a changed syncer-side field (SIGTERM, then the new spec) loses no merge although no
+periodic checkpoint was due."""
 
 from __future__ import annotations
 
@@ -26,7 +28,8 @@ ROUNDS = 3
 
 def restart_spec(make_spec: Callable[..., JobSpec]) -> JobSpec:
     return make_spec(
-        sync={"fragments": 2, "quorum": 1, "graceSeconds": 0.1},
+        # run_rounds pushes fp32 pseudo-gradients ("none"), whatever the default codec is.
+        sync={"fragments": 2, "quorum": 1, "graceSeconds": 0.1, "compression": "none"},
         stopAfter={"outerSteps": 1000},
         syncer={"checkpoint": {"everyOuterSteps": 1, "keep": 2}},
     )
@@ -149,3 +152,44 @@ def test_syncer_restart_client_call_made_while_down_completes(
         timeout=120,
         what="the retried push to be merged by the restarted syncer",
     )
+
+
+def test_syncer_restart_for_a_syncer_side_field_change_loses_no_merge(
+    syncer_proc: Callable[..., SyncerHandle], make_spec: Callable[..., JobSpec]
+) -> None:
+    """What a running job's syncer goes through when a syncer-side field changes: the operator
+    puts the new spec's hash on the syncer Deployment's pod template (Recreate), so the old pod
+    gets SIGTERM and a new one starts with the new spec on the same state volume (the cluster
+    half: tests/cluster/test_operator_membership.py::
+    test_operator_restarts_the_syncer_for_a_syncer_side_field_only). No periodic checkpoint is
+    due here (everyOuterSteps 1000): only the one written at SIGTERM keeps the merges."""
+
+    def spec(grace: float) -> JobSpec:
+        return make_spec(
+            sync={"fragments": 2, "quorum": 1, "graceSeconds": grace, "compression": "none"},
+            stopAfter={"outerSteps": 1000},
+            syncer={"checkpoint": {"everyOuterSteps": 1000}},
+        )
+
+    first = syncer_proc(spec(0.1))
+    asyncio.run(run_rounds(first, ROUNDS))
+    before = first.status(digest=True)
+    assert before["versions"] == [ROUNDS, ROUNDS] and before["grace"] == 0.1
+    assert ckpt.list_checkpoints(first.state_dir) == []  # nothing on disk yet
+
+    first.proc.terminate()  # what the Deployment's rollout does to the old pod
+    assert first.proc.wait(timeout=120) == 0
+    assert "written at stop" in first.log_text()
+    second = syncer_proc(spec(0.25), state_dir=first.state_dir, token=first.token)
+    after = second.status(digest=True)
+
+    assert after["grace"] == 0.25  # the new spec is in force ...
+    assert "the job spec changed since checkpoint" in second.log_text()
+    # ... and every merge is kept: weights and momentum bit for bit, versions, rounds, tokens.
+    assert after["digest"] == before["digest"]
+    assert after["versions"] == before["versions"]
+    assert after["outerStep"] == before["outerStep"] == ROUNDS
+    assert after["tokens"] == before["tokens"]
+    assert after["resumedFrom"].endswith(ckpt.checkpoint_name(ROUNDS))
+    asyncio.run(run_rounds(second, 1))  # and the job goes on from there
+    assert second.status()["versions"] == [ROUNDS + 1, ROUNDS + 1]
