@@ -4,7 +4,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-unit test-e2e test-cluster test-node lint crd bench clean binaries node
+.PHONY: demo test test-unit test-e2e test-cluster test-node lint crd bench clean binaries node images
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -32,6 +32,11 @@ binaries:
 ## CoreDNS) and install runc/iptables from Debian if missing; cached by version
 node:
 	bash hack/build-node.sh
+
+## images: the operator and trainer images from the Dockerfile without a Docker daemon (root;
+## buildah, debootstrap): OCI archives under ~/.cache/diloco-operator/images, cached by content
+images:
+	bash hack/build-images.sh
 
 ## test-node: the control plane with one real node (root; not part of `make test` yet)
 test-node: $(STAMP) binaries node
