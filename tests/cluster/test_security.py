@@ -11,6 +11,10 @@ answering.
   children, and once `a` is gone `a-b` gets its own.
 - kube-apiserver stopped (SIGSTOP: it accepts connections and never answers) makes the
   operator's /readyz fail while /healthz stays up; after SIGCONT it is ready and reconciles again.
+- The job's NetworkPolicy, as the API server stores it: exactly the job's pods (syncer port and
+  DDP port) and the operator's pods (syncer port), plus anyone on the syncer port when the
+  syncer's Service is a LoadBalancer; none when the job opts out. The local cluster has no CNI,
+  so this checks the object, not its enforcement.
 
 The TLS rules of the CRD are in test_operator_validation.py (refusals) and here (acceptances).
 """
@@ -26,6 +30,7 @@ import urllib.error
 import urllib.request
 from collections.abc import Iterator
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -235,3 +240,70 @@ def test_security_silent_api_server_makes_operator_unready_then_it_recovers(
         message="the recovered operator reconciles a change",
     )
     assert "diloco_operator_api_ready 1.0" in operator.metrics()
+
+
+# Where the chart runs the operator and its pods' labels, as the chart passes them (options.py).
+OPERATOR_NAMESPACE = "diloco-system"
+OPERATOR_LABELS = {"app.kubernetes.io/name": "diloco-operator", "app.kubernetes.io/instance": "d"}
+
+
+@pytest.fixture
+def chart_operator(
+    control_plane: ControlPlane, namespace: str, crd: Path, tmp_path: Path
+) -> Iterator[OperatorProcess]:
+    """An operator started with the environment the chart gives it (its namespace and labels)."""
+    env = {
+        **control_plane.env,
+        "PYTHONUNBUFFERED": "1",
+        "DILOCO_OPERATOR_NAMESPACE": OPERATOR_NAMESPACE,
+        "DILOCO_OPERATOR_POD_LABELS": ",".join(f"{k}={v}" for k, v in OPERATOR_LABELS.items()),
+    }
+    op = OperatorProcess(env=env, namespace=namespace, log_file=tmp_path / "operator.log")
+    op.start()
+    yield op
+    op.stop()
+    print("\n".join(op.log_text().splitlines()[-60:]))
+
+
+def test_security_network_policy_admits_only_the_jobs_pods_and_the_operator(
+    cluster: Cluster, chart_operator: OperatorProcess
+) -> None:
+    cluster.apply(job_manifest("np", islands={"count": 2}, syncer={"port": 9470}))
+    lb_syncer = {"service": {"type": "LoadBalancer"}, "tls": {"secretName": "lb-tls"}}
+    cluster.apply(job_manifest("lb", islands={"count": 1}, syncer=lb_syncer))
+    cluster.apply(job_manifest("off", islands={"count": 1}, networkPolicy={"enabled": False}))
+    policy = wait_until(lambda: cluster.get("networkpolicy", "np-network"), WAIT, message="np")
+    own = {"podSelector": {"matchLabels": {"diloco.dev/job": "np"}}}
+    operator_pods = {
+        "namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "diloco-system"}},
+        "podSelector": {"matchLabels": OPERATOR_LABELS},
+    }
+    assert policy["spec"] == {
+        "podSelector": {"matchLabels": {"diloco.dev/job": "np"}},  # the job's pods, all of them
+        "policyTypes": ["Ingress"],
+        "ingress": [
+            {  # the job's own pods: the syncer's port and the islands' DDP port
+                "from": [own],
+                "ports": [{"protocol": "TCP", "port": 9470}, {"protocol": "TCP", "port": 29500}],
+            },
+            {"from": [operator_pods], "ports": [{"protocol": "TCP", "port": 9470}]},
+        ],
+    }
+    assert policy["metadata"]["ownerReferences"][0]["name"] == "np"
+
+    exposed = wait_until(lambda: cluster.get("networkpolicy", "lb-network"), WAIT, message="lb")
+    assert exposed["spec"]["podSelector"] == {"matchLabels": {"diloco.dev/job": "lb"}}
+    assert exposed["spec"]["ingress"] == [
+        {
+            "from": [{"podSelector": {"matchLabels": {"diloco.dev/job": "lb"}}}],
+            "ports": [{"protocol": "TCP", "port": 8470}, {"protocol": "TCP", "port": 29500}],
+        },
+        {"from": [operator_pods], "ports": [{"protocol": "TCP", "port": 8470}]},
+        # Other clusters' learners reach an exposed syncer (behind TLS and their credentials);
+        # the DDP port stays closed to them.
+        {"ports": [{"protocol": "TCP", "port": 8470}]},
+    ]
+
+    # The opted-out job gets its children but no policy.
+    wait_until(lambda: cluster.get("statefulset", "off-island-0"), WAIT, message="off's island")
+    assert cluster.names("networkpolicies") == {"np-network", "lb-network"}
