@@ -8,6 +8,8 @@ Running and Ready without containers.
 Usage:
   hack/local-cluster up     [--dir DIR] [--nodes N] [--apiserver-port P] [--etcd-port P]
                             [--owner-pid PID] [--name NAME] [--attempts 3] [--timeout 900]
+                            [--real-node]
+  hack/local-cluster load-image ARCHIVE.tar [--dir DIR]   (OCI/docker archive -> the real node)
   hack/local-cluster down   [--dir DIR] [--keep-logs]
   hack/local-cluster status [--dir DIR]
   hack/local-cluster kubeconfig-for-sa NAMESPACE SERVICEACCOUNT [--dir DIR] [--duration 24h]
@@ -19,7 +21,11 @@ The default DIR is ${TMPDIR:-/tmp}/diloco-local-cluster. Use a
 different --dir per cluster to run several side by side (ports are picked at random
 unless given).
 
+--real-node adds one real node (containerd + runc, kubelet, kube-proxy, CoreDNS; root only,
+one per machine), named real-node-0 and tainted diloco.dev/real-node=true:NoSchedule.
+
 Environment:
+  DILOCO_NODE_BIN_DIR     the real node's binaries from this directory (hack/build-node.sh)
   DILOCO_K8S_BIN_DIR      use binaries from this directory instead of building them
   DILOCO_K8S_CACHE        cache root used by hack/build-binaries.sh
   DILOCO_K8S_PORT_LEASES  port lease file (default /tmp/diloco-local-cluster-ports.json)
@@ -38,7 +44,7 @@ from .errors import ClusterError, info
 from .objects import node_ready
 from .pki import kubeconfig_yaml
 from .processes import run
-from .settings import COMPONENTS, UP_ATTEMPTS, UP_TIMEOUT, default_dir
+from .settings import COMPONENTS, NODE_COMPONENTS, UP_ATTEMPTS, UP_TIMEOUT, default_dir
 from .state import Cluster, wipe
 from .up import cmd_up, cmd_watchdog
 
@@ -65,7 +71,8 @@ def cmd_down(args: argparse.Namespace) -> int:
 def print_processes(c: Cluster) -> bool:
     """One line per recorded process; True if every component runs."""
     healthy = True
-    for name in [*COMPONENTS, "watchdog"]:
+    node = list(NODE_COMPONENTS) if c.state.get("real_node") else []
+    for name in [*COMPONENTS, *node, "watchdog"]:
         p = c.processes().get(name)
         if not p:
             if name != "watchdog":
@@ -134,6 +141,22 @@ def cmd_kubeconfig_for_sa(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_load_image(args: argparse.Namespace) -> int:
+    """Import an image archive into the real node's containerd (there is no registry)."""
+    from .nodeconfig import NodePaths
+    from .realnode import import_image
+
+    c = Cluster(Path(args.dir))
+    if not c.load() or not c.state.get("real_node") or not c.running("containerd"):
+        raise ClusterError(f"no running real node in {c.dir}; run `up --real-node --dir {c.dir}`")
+    archive = Path(args.archive)
+    if not archive.is_file():
+        raise ClusterError(f"no such file: {archive}")
+    out = import_image(NodePaths(c.dir / "node"), Path(c.state["real_node"]["bin_dir"]), archive)
+    info(f"imported into the real node: {out}")
+    return 0
+
+
 def add_dir(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--dir", default=str(default_dir()), help="state directory (default: %(default)s)"
@@ -169,6 +192,11 @@ def add_up_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
         default=0,
         help="tear the cluster down automatically when this process exits",
     )
+    up.add_argument(
+        "--real-node",
+        action="store_true",
+        help="also start one real node (containerd, kubelet, kube-proxy, CoreDNS; needs root)",
+    )
     up.set_defaults(func=cmd_up)
 
 
@@ -189,6 +217,11 @@ def build_parser() -> argparse.ArgumentParser:
     status = sub.add_parser("status", help="show the components and their health")
     add_dir(status)
     status.set_defaults(func=cmd_status)
+
+    load = sub.add_parser("load-image", help="import an image archive into the real node")
+    add_dir(load)
+    load.add_argument("archive", help="an OCI (or docker-save) image archive, .tar")
+    load.set_defaults(func=cmd_load_image)
 
     sa = sub.add_parser(
         "kubeconfig-for-sa", help="print a kubeconfig that authenticates as a ServiceAccount"

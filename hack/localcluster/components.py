@@ -111,6 +111,20 @@ def apiserver_argv(directory: Path, ports: Ports, bin_dir: Path) -> list[str]:
         "--profiling=false",
         "--event-ttl=1h",
         "--v=1",
+        *kubelet_client_flags(pki),
+    ]
+
+
+def kubelet_client_flags(pki: Path) -> list[str]:
+    """With a real node (its certificates exist): the apiserver's client certificate for the
+    kubelet's port, which `kubectl logs/exec` go through."""
+    cert = pki / "apiserver-kubelet-client.crt"
+    if not cert.exists():
+        return []
+    return [
+        f"--kubelet-client-certificate={cert}",
+        f"--kubelet-client-key={pki / 'apiserver-kubelet-client.key'}",
+        "--kubelet-preferred-address-types=InternalIP,Hostname",
     ]
 
 

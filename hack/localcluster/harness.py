@@ -299,6 +299,7 @@ def start_control_plane(
     timeout: float | None = None,
     bin_dir: Path | None = None,
     log: Path | None = None,
+    extra_args: Iterable[str] = (),
 ) -> tuple[ControlPlane, list[str]]:
     """`hack/local-cluster up` in `directory` (options left out: its defaults), owned by this
     process (it stops itself when this process dies): the cluster, and one line per failed
@@ -306,6 +307,7 @@ def start_control_plane(
 
     `bin_dir`: use these binaries (DILOCO_K8S_BIN_DIR) rather than have `up` build them.
     `log`: a file that `up`'s progress lines (its stderr) are appended to.
+    `extra_args`: more options of `up`, e.g. ("--real-node",).
     """
     env = {**os.environ, "DILOCO_K8S_BIN_DIR": str(bin_dir)} if bin_dir else None
     up = ["up", "--dir", str(directory), "--owner-pid", str(os.getpid())]
@@ -314,6 +316,7 @@ def start_control_plane(
             up += [flag, str(value)]
     if timeout:
         up += ["--timeout", str(timeout)]
+    up += list(extra_args)
     limit = timeout + 90 if timeout else None
     try:
         result = run_local_cluster(*up, env=env, timeout=limit)

@@ -15,7 +15,7 @@ from typing import NamedTuple
 
 from .errors import ClusterError
 from .processes import run
-from .settings import SERVICE_FIRST_IP
+from .settings import NODE_NAME, SERVICE_FIRST_IP
 
 EC_KEY = ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes"]
 APISERVER_SANS = [
@@ -45,6 +45,19 @@ LEAVES = [
     Leaf("kube-scheduler", "/CN=system:kube-scheduler", "clientAuth"),
     # kwok acts as the kubelet of every fake node (nodes, leases, pod status, deletes).
     Leaf("kwok", "/O=system:masters/CN=kwok", "clientAuth"),
+]
+# The real node's clients (`up --real-node` only): kubelet (Node authorizer), kube-proxy
+# (bound to system:node-proxier by default), CoreDNS (diloco:coredns), and the apiserver's
+# client certificate for the kubelet's port (logs, exec).
+NODE_LEAVES = [
+    Leaf("kubelet", f"/O=system:nodes/CN=system:node:{NODE_NAME}", "clientAuth"),
+    Leaf("kube-proxy", "/CN=system:kube-proxy", "clientAuth"),
+    Leaf("coredns", "/CN=system:coredns", "clientAuth"),
+    Leaf(
+        "apiserver-kubelet-client",
+        "/O=system:masters/CN=kube-apiserver-kubelet-client",
+        "clientAuth",
+    ),
 ]
 # The clients that get a kubeconfig with their own certificate (admin's is DIR/kubeconfig).
 CLIENTS = ["admin", "kube-controller-manager", "kube-scheduler", "kwok"]
@@ -108,6 +121,13 @@ def make_pki(pki: Path) -> None:
     openssl("rsa", "-in", str(pki / "sa.key"), "-pubout", "-out", str(pki / "sa.pub"))
     for key in pki.glob("*.key"):
         os.chmod(key, 0o600)
+
+
+def make_node_pki(pki: Path) -> None:
+    """The real node's client certificates, signed by the cluster CA made by make_pki."""
+    for leaf in NODE_LEAVES:
+        make_leaf(pki, leaf)
+        os.chmod(pki / f"{leaf.name}.key", 0o600)
 
 
 def b64file(path: Path) -> str:

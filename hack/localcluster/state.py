@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from .errors import ClusterError, info, tail
+from .mounts import unmount_all
 from .processes import (
     SignalGuard,
     describe_status,
@@ -23,7 +24,7 @@ from .processes import (
     signal_group,
     start_ticks,
 )
-from .settings import COMPONENTS, STATE_FILE
+from .settings import COMPONENTS, NODE_COMPONENTS, STATE_FILE
 
 
 class Cluster:
@@ -115,7 +116,7 @@ class Cluster:
         For our own children the exit status decides (exact: an unreaped pid cannot be reused
         and /proc is not consulted); the pid check covers processes of an earlier command.
         """
-        for name in COMPONENTS:
+        for name in [*COMPONENTS, *NODE_COMPONENTS]:
             child = self.children.get(name)
             if child is not None:
                 dead = child.poll() is not None
@@ -176,10 +177,19 @@ class Cluster:
     def stop_all(self) -> None:
         """Stop every recorded process; the watchdog last, so an interrupted stop_all
         still leaves it to finish the job. Signals are ignored meanwhile (bounded waits)."""
-        names = [*reversed(COMPONENTS), "watchdog"]
+        names = [*reversed(NODE_COMPONENTS), *reversed(COMPONENTS), "watchdog"]
         names += [n for n in self.processes() if n not in names]
         old = {s: signal.signal(s, signal.SIG_IGN) for s in (signal.SIGINT, signal.SIGTERM)}
         try:
+            if self.state.get("real_node"):
+                # The real node first: its drain needs the API server (imported here, since
+                # nodeteardown itself builds on this module).
+                from .nodeteardown import stop_real_node
+
+                try:
+                    stop_real_node(self)
+                except Exception as e:
+                    info(f"WARNING: stopping the real node failed: {e}")
             for name in names:
                 try:
                     self.stop(name)
@@ -212,6 +222,11 @@ class Cluster:
 
 def wipe(c: Cluster, keep_logs: bool) -> None:
     if not c.dir.exists():
+        return
+    # Never delete through a mount (a real node's volumes, container root filesystems).
+    left = unmount_all(c.dir)
+    if left:
+        info(f"WARNING: not removing {c.dir}: still mounted: {', '.join(left[:5])}")
         return
     for entry in c.dir.iterdir():
         if entry.name == ".lock" or (keep_logs and entry.name == "logs"):

@@ -15,9 +15,18 @@ from pathlib import Path
 from .components import https_ok, resolve_bin_dir, start_components, write_client_files
 from .errors import ClusterError, failure_text, info, tail
 from .nodes import create_nodes
+from .pki import make_node_pki
 from .ports import pick_ports, port_is_free
 from .processes import SignalGuard, pid_matches, start_ticks
-from .settings import COMPONENTS, ENTRY_POINT, MIN_ATTEMPT_SECONDS, PORT_KEYS
+from .realnode import resolve_node_bin_dir, start_real_node
+from .settings import (
+    COMPONENTS,
+    ENTRY_POINT,
+    MIN_ATTEMPT_SECONDS,
+    NODE_COMPONENTS,
+    NODE_NAME,
+    PORT_KEYS,
+)
 from .state import Cluster, wipe
 
 
@@ -36,8 +45,19 @@ def attempt_up(c: Cluster, args: argparse.Namespace, bin_dir: Path, name: str) -
     c.state["ports"] = choose_ports({"apiserver": args.apiserver_port, "etcd": args.etcd_port})
     c.save()
     write_client_files(c, name)
+    if args.real_node:  # before the apiserver starts: it takes the kubelet-client flags
+        make_node_pki(c.pki)
     start_components(c, bin_dir)
     create_nodes(c, args.nodes)
+    if args.real_node:
+        start_real_node(c, node_bin_dir(args))
+
+
+def node_bin_dir(args: argparse.Namespace) -> Path:
+    """The real node's bin dir, resolved (and built) once per `up`, before the first attempt."""
+    if getattr(args, "node_bin_dir", None) is None:
+        args.node_bin_dir = resolve_node_bin_dir()
+    return Path(args.node_bin_dir)
 
 
 def archive_logs(c: Cluster, attempt: int) -> Path:
@@ -68,12 +88,13 @@ class Attempts:
     count: int = 0
 
 
-def reuse_if_healthy(c: Cluster) -> bool:
+def reuse_if_healthy(c: Cluster, args: argparse.Namespace) -> bool:
     """True (exports printed) if c.dir holds a running, healthy cluster; stale state (dead
     processes) is cleaned up."""
     if not c.load():
         return False
-    if all(c.running(n) for n in COMPONENTS) and c.kubeconfig.exists():
+    wanted = [*COMPONENTS, *(NODE_COMPONENTS if args.real_node else [])]
+    if all(c.running(n) for n in wanted) and c.kubeconfig.exists():
         try:
             ok = https_ok(c.server + "/readyz", c.ssl_context())
         except (OSError, ssl.SSLError):
@@ -92,11 +113,13 @@ def up_locked(c: Cluster, args: argparse.Namespace) -> int:
     """`up` with c.dir locked: reuse a healthy cluster, else start one, retrying failed
     starts (each time with new ports, certificates and etcd data) up to args.attempts times."""
     t0 = time.monotonic()
-    if reuse_if_healthy(c):
+    if reuse_if_healthy(c, args):
         return 0
     c = Cluster(c.dir)
     c.dir.mkdir(parents=True, exist_ok=True)
     bin_dir = resolve_bin_dir()
+    if args.real_node:
+        node_bin_dir(args)
     name = args.name or f"diloco-{c.dir.name}"
     deadline = t0 + args.timeout
 
@@ -122,7 +145,9 @@ def up_locked(c: Cluster, args: argparse.Namespace) -> int:
 
     elapsed = time.monotonic() - t0
     tries = f" (attempt {tried.count})" if tried.count > 1 else ""
-    info(f"cluster '{name}' is up in {elapsed:.1f}s{tries}: {c.server}, {args.nodes} kwok nodes")
+    real = f" and real node {NODE_NAME}" if args.real_node else ""
+    what = f"{c.server}, {args.nodes} kwok nodes{real}"
+    info(f"cluster '{name}' is up in {elapsed:.1f}s{tries}: {what}")
     info(f"logs: {c.logs}   stop: {ENTRY_POINT} down --dir {c.dir}")
     print_exports(c)
     return 0

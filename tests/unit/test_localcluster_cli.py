@@ -41,10 +41,10 @@ def test_help_lists_every_command() -> None:
     result = _local_cluster("--help")
     assert result.returncode == 0, result.stderr
     assert result.stdout.startswith("usage: local-cluster [-h]")
-    assert "{up,down,status,kubeconfig-for-sa,_watchdog}" in result.stdout
+    assert "{up,down,status,load-image,kubeconfig-for-sa,_watchdog}" in result.stdout
     up = _local_cluster("up", "--help").stdout
     for flag in ("--dir", "--name", "--nodes", "--apiserver-port", "--etcd-port", "--attempts",
-                 "--timeout", "--owner-pid"):  # fmt: skip
+                 "--timeout", "--owner-pid", "--real-node"):  # fmt: skip
         assert flag in up, flag
 
 

@@ -1,0 +1,144 @@
+"""Fixtures for the node tier: the local control plane with one real node (`up --real-node`).
+
+The real node runs containerd + runc, the kubelet, kube-proxy (iptables) and CoreDNS on this
+machine (root only, one per machine), built by hack/build-node.sh; the control plane's binaries
+come from hack/build-binaries.sh. Both scripts return at once when their cache is full and
+otherwise build with progress lines on the terminal (`make node binaries` does it before
+pytest). There is no registry: images are OCI archives made here and loaded with
+`hack/local-cluster load-image`.
+
+Fixtures:
+  node_cluster   session-scoped ControlPlane with real-node-0 Ready (and one kwok node)
+  busybox_image  session-scoped: the name of a static-busybox image loaded into the node
+  node_ns        a fresh namespace per test (deleted afterwards)
+
+What is missing (root, Go, a host tool, a build) fails the tests with a message; they never
+skip.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from hack.localcluster import harness
+from hack.localcluster.harness import ControlPlane
+from hack.localcluster.ociimage import busybox_image as busybox_spec
+from hack.localcluster.ociimage import write_archive
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+HACK_DIR = REPO_ROOT / "hack"
+BUSYBOX = Path(os.environ.get("DILOCO_BUSYBOX", "/bin/busybox"))
+BUSYBOX_IMAGE = "localhost/diloco/busybox:node-tests"
+APPLETS = [
+    "sh",
+    "echo",
+    "cat",
+    "sleep",
+    "mkdir",
+    "nslookup",
+    "nc",
+    "printf",
+    "httpd",
+    "id",
+    "hostname",
+]
+BUILD_TIMEOUT = float(os.environ.get("DILOCO_NODE_BUILD_TIMEOUT", "3600"))
+UP_TIMEOUT = float(os.environ.get("DILOCO_K8S_UP_TIMEOUT", "600"))
+
+
+def _say(config: pytest.Config, line: str) -> None:
+    """A line on the terminal despite output capture (build progress)."""
+    capman = config.pluginmanager.getplugin("capturemanager")
+    reporter = config.pluginmanager.getplugin("terminalreporter")
+    if reporter is not None and capman is not None:
+        with capman.global_and_fixture_disabled():
+            reporter.write_line(line)
+
+
+def _build(config: pytest.Config, script: str, log_path: Path) -> Path:
+    """Run hack/SCRIPT (instant when cached), its progress lines on the terminal; its bin dir."""
+    if (
+        shutil.which("go") is None
+        and not os.access("/usr/local/go/bin/go", os.X_OK)
+        and subprocess.run(["bash", str(HACK_DIR / script), "--check"], check=False).returncode
+    ):
+        pytest.fail(f"the node tier needs Go >= 1.26 to run hack/{script} (nothing is cached)")
+    lines: list[str] = []
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(
+            ["bash", str(HACK_DIR / script)],
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            log.write(line)
+            lines.append(line.rstrip("\n"))
+            if line.startswith("[build-") and "using" not in line:
+                _say(config, line.rstrip("\n"))
+        rc = proc.wait(timeout=BUILD_TIMEOUT)
+    if rc != 0 or not lines:
+        pytest.fail(f"hack/{script} failed (exit {rc}); log: {log_path}\n" + "\n".join(lines[-30:]))
+    return Path(lines[-1])
+
+
+@pytest.fixture(scope="session")
+def node_cluster(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[ControlPlane]:
+    if os.geteuid() != 0:
+        pytest.fail("the node tier needs root: containerd, runc, iptables and cgroups")
+    if shutil.which("openssl") is None:
+        pytest.fail("the node tier needs `openssl` to create the cluster certificates")
+    base = tmp_path_factory.mktemp("node")
+    bin_dir = _build(request.config, "build-binaries.sh", base / "build-binaries.log")
+    node_bin = _build(request.config, "build-node.sh", base / "build-node.log")
+    os.environ["DILOCO_NODE_BIN_DIR"] = str(node_bin)
+    try:
+        cp, retried = harness.start_control_plane(
+            base / "real",
+            name="real",
+            nodes=1,
+            attempts=2,
+            timeout=UP_TIMEOUT,
+            bin_dir=bin_dir,
+            extra_args=("--real-node",),
+        )
+    except harness.ClusterStartError as e:
+        pytest.fail(str(e))
+    if retried:
+        _say(request.config, "local-cluster up --real-node needed retries: " + "; ".join(retried))
+    yield cp
+    warning = harness.stop_control_plane(cp, keep_logs=True)
+    assert warning is None, warning
+
+
+@pytest.fixture(scope="session")
+def busybox_image(node_cluster: ControlPlane, tmp_path_factory: pytest.TempPathFactory) -> str:
+    """A static busybox (Debian's busybox-static) as an OCI archive, loaded into the node."""
+    if not BUSYBOX.is_file():
+        pytest.fail(
+            f"the node tier needs a static busybox at {BUSYBOX} (apt-get install busybox-static)"
+        )
+    archive = write_archive(
+        busybox_spec(BUSYBOX, BUSYBOX_IMAGE, APPLETS),
+        tmp_path_factory.mktemp("images") / "busybox.tar",
+    )
+    result = harness.run_local_cluster("load-image", "--dir", str(node_cluster.dir), str(archive))
+    assert result.returncode == 0, result.stderr
+    return BUSYBOX_IMAGE
+
+
+@pytest.fixture
+def node_ns(node_cluster: ControlPlane, request: pytest.FixtureRequest) -> Iterator[str]:
+    name = node_cluster.create_namespace(request.node.name)
+    yield name
+    node_cluster.delete_namespace(name)
