@@ -237,3 +237,30 @@ def test_documents_island_states_are_defined_once() -> None:
     assert get_args(protocol.IslandState) == protocol.ISLAND_STATES
     assert protocol.ISLAND_STATES == ("active", "dropped", "timedOut", "left")
     assert set(protocol.ADMIN_STATES) == {protocol.STATE_ACTIVE, protocol.STATE_DROPPED}
+
+
+def test_documents_status_refusals_and_islands_the_syncer_dropped() -> None:
+    banned = "refused_pushes: 5 pushes refused in a row (syncer.guards.maxRefusals); the last: x"
+    doc = {
+        "outerStep": 0,
+        "versions": [0],
+        "finished": False,
+        "islands": {
+            "island-0": {"state": "active"},
+            "island-1": {"state": "dropped", "reason": banned},
+            "island-2": {"state": "dropped", "reason": "island unhealthy: 0/1 pods Ready"},
+            "island-3": {"state": "active", "reason": banned},  # re-added by the admin route
+        },
+        "refusals": {"island-1": {protocol.ERROR_NORM_OUTLIER: 5}},
+    }
+    status = SyncerStatus.from_json(doc)
+    assert status.refusals == {"island-1": {"norm_outlier": 5}}
+    assert status.to_json()["refusals"] == doc["refusals"]
+    assert status.dropped_for_refusals() == {"island-1"}
+    assert status.islands["island-1"].dropped_for_refusals
+    assert not status.islands["island-3"].dropped_for_refusals
+    older = SyncerStatus.from_json({k: v for k, v in doc.items() if k != "refusals"})
+    assert older.refusals == {}
+    problem = r"refusals\.island-1\.norm_outlier: Input should be a valid integer"
+    with pytest.raises(DocumentError, match=problem):
+        SyncerStatus.from_json({**doc, "refusals": {"island-1": {"norm_outlier": "many"}}})
