@@ -42,7 +42,13 @@ WARMUP = 4
 SPEC = deep_merge(
     TINY_SPEC,
     {
-        "sync": {"fragments": 2, "quorum": 1, "graceSeconds": 0.1, "heartbeatTimeoutSeconds": 3600},
+        "sync": {
+            "fragments": 2,
+            "quorum": 1,
+            "graceSeconds": 0.1,
+            "heartbeatTimeoutSeconds": 3600,
+            "compression": "none",  # the pushes below are fp32, whatever the default codec
+        },
         "stopAfter": {"outerSteps": 100000},
         "syncer": {
             "checkpoint": {"everyOuterSteps": 100000},
@@ -236,13 +242,36 @@ def test_hostile_push_is_refused(
     assert (got, doc.get("code", "")) == (status, code), doc
 
 
+def _refused_metric(handle: SyncerHandle, island: str, reason: str) -> float:
+    code, text = handle.request("GET", "/metrics")
+    assert code == 200
+    name = f'diloco_syncer_refused_contributions_total{{island="{island}",reason="{reason}"}}'
+    lines = [ln for ln in text.decode().splitlines() if ln.startswith(name + " ")]
+    return float(lines[0].split()[-1]) if lines else 0.0
+
+
 def test_hostile_push_metrics_name_each_refusal(syncer: SyncerHandle, guarded: Guarded) -> None:
+    cap, invalid = protocol.ERROR_NORM_CAP, protocol.REFUSAL_INVALID
+    counts = syncer.status()["refusals"].get("island-1", {})
+    before = {r: (counts.get(r, 0), _refused_metric(syncer, "island-1", r)) for r in (cap, invalid)}
     push(syncer, push_body(delta(syncer, value=3e38), baseVersion=current(syncer)))
+    nan = delta(syncer)
+    nan[sorted(nan)[0]][..., 0] = float("nan")
+    push(syncer, push_body(nan, baseVersion=current(syncer)))
     code, text = syncer.request("GET", "/metrics")
     assert code == 200
     lines = [ln for ln in text.decode().splitlines() if ln.startswith("diloco_syncer_pushes_total")]
     assert any('result="norm_above_cap"' in ln and float(ln.split()[-1]) >= 1 for ln in lines)
     assert "refused push of island-1" in syncer.log_text()
+    # Per island and reason, in the status document (what the operator turns into Events) and
+    # the metric: one more of each.
+    counts = syncer.status()["refusals"]["island-1"]
+    for reason in (cap, invalid):
+        assert (counts[reason], _refused_metric(syncer, "island-1", reason)) == (
+            before[reason][0] + 1,
+            before[reason][1] + 1,
+        )
+    assert set(syncer.status()["refusals"]) <= {"island-0", "island-1"}  # known islands only
 
 
 def test_hostile_safetensors_header_nested_too_deep_is_400(
@@ -544,7 +573,12 @@ def test_hostile_diverging_island_is_refused_and_the_loss_keeps_falling(
         islands={"count": 2},
         inner={"steps": 5, "batchSize": 4, "seqLen": 32, "lr": 3e-3},
         outer={"lr": 0.5, "momentum": 0.5},  # test_convergence's: no overshoot in a short run
-        sync={"quorum": 1, "graceSeconds": 0.2, "heartbeatTimeoutSeconds": 60},
+        sync={
+            "quorum": 1,
+            "graceSeconds": 0.2,
+            "heartbeatTimeoutSeconds": 60,
+            "compression": "none",
+        },
         stopAfter={"outerSteps": 6},
         syncer={"checkpoint": {"everyOuterSteps": 100}, "evalEveryOuterSteps": 2},
     )
@@ -603,7 +637,13 @@ def test_hostile_sigterm_mid_round_checkpoints_what_was_merged(
     syncer_proc: Callable[..., SyncerHandle], make_spec: Callable[..., JobSpec]
 ) -> None:
     spec = make_spec(
-        sync={"fragments": 2, "quorum": 2, "graceSeconds": 0.1, "heartbeatTimeoutSeconds": 3600},
+        sync={
+            "fragments": 2,
+            "quorum": 2,
+            "graceSeconds": 0.1,
+            "heartbeatTimeoutSeconds": 3600,
+            "compression": "none",
+        },
         stopAfter={"outerSteps": 1000},
         syncer={"checkpoint": {"everyOuterSteps": 1000}},
     )
@@ -632,7 +672,7 @@ def test_hostile_all_checkpoints_corrupt_refuses_to_start(
     syncer_proc: Callable[..., SyncerHandle], make_spec: Callable[..., JobSpec], workdir: Path
 ) -> None:
     spec = make_spec(
-        sync={"fragments": 1, "quorum": 1, "graceSeconds": 0.1},
+        sync={"fragments": 1, "quorum": 1, "graceSeconds": 0.1, "compression": "none"},
         stopAfter={"outerSteps": 1000},
         syncer={"checkpoint": {"everyOuterSteps": 1, "keep": 2}},
     )
