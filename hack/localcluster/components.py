@@ -90,13 +90,17 @@ def etcd_argv(directory: Path, ports: Ports, bin_dir: Path) -> list[str]:
     ]
 
 
-def apiserver_argv(directory: Path, ports: Ports, bin_dir: Path) -> list[str]:
+def apiserver_argv(
+    directory: Path, ports: Ports, bin_dir: Path, advertise: str | None = None
+) -> list[str]:
+    """`advertise`: the real node's IP, so that pods reach the API through the `kubernetes`
+    Service (its endpoint is the advertised address; loopback is not reachable from a pod)."""
     pki = directory / "pki"
     return [
         str(bin_dir / "kube-apiserver"),
         f"--etcd-servers=http://127.0.0.1:{ports['etcd']}",
-        "--bind-address=127.0.0.1",
-        "--advertise-address=127.0.0.1",
+        f"--bind-address={'0.0.0.0' if advertise else '127.0.0.1'}",
+        f"--advertise-address={advertise or '127.0.0.1'}",
         f"--secure-port={ports['apiserver']}",
         f"--cert-dir={pki / 'apiserver-generated'}",
         f"--tls-cert-file={pki / 'apiserver.crt'}",
@@ -185,11 +189,13 @@ def kwok_argv(directory: Path, ports: Ports, bin_dir: Path) -> list[str]:
     ]
 
 
-def component_argv(directory: Path, ports: Ports, bin_dir: Path) -> dict[str, list[str]]:
+def component_argv(
+    directory: Path, ports: Ports, bin_dir: Path, advertise: str | None = None
+) -> dict[str, list[str]]:
     """Every component's command line, in start order (settings.COMPONENTS)."""
     return {
         "etcd": etcd_argv(directory, ports, bin_dir),
-        "kube-apiserver": apiserver_argv(directory, ports, bin_dir),
+        "kube-apiserver": apiserver_argv(directory, ports, bin_dir, advertise),
         "kube-controller-manager": controller_manager_argv(directory, ports, bin_dir),
         "kube-scheduler": scheduler_argv(directory, ports, bin_dir),
         "kwok": kwok_argv(directory, ports, bin_dir),
@@ -269,7 +275,7 @@ def start_and_wait(
 def start_components(c: Cluster, bin_dir: Path) -> None:
     """Start every component in order, each once the previous one reports healthy."""
     ports = c.state["ports"]
-    argv = component_argv(c.dir, ports, bin_dir)
+    argv = component_argv(c.dir, ports, bin_dir, c.state.get("advertise_address"))
     insecure, admin = insecure_ctx(), c.ssl_context()
     for name, check in health_checks(ports).items():
         ctx = admin if check.admin else insecure

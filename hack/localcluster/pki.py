@@ -123,9 +123,12 @@ def make_pki(pki: Path) -> None:
         os.chmod(key, 0o600)
 
 
-def make_node_pki(pki: Path) -> None:
-    """The real node's client certificates, signed by the cluster CA made by make_pki."""
-    for leaf in NODE_LEAVES:
+def make_node_pki(pki: Path, node_ip: str) -> None:
+    """The real node's client certificates, signed by the cluster CA made by make_pki, and the
+    apiserver's serving certificate again with the node's IP (the `kubernetes` Service's
+    endpoint once the apiserver advertises it)."""
+    sans = ",".join([*APISERVER_SANS, f"IP:{node_ip}"])
+    for leaf in [Leaf("apiserver", "/CN=kube-apiserver", "serverAuth", sans), *NODE_LEAVES]:
         make_leaf(pki, leaf)
         os.chmod(pki / f"{leaf.name}.key", 0o600)
 

@@ -18,7 +18,7 @@ from .nodes import create_nodes
 from .pki import make_node_pki
 from .ports import pick_ports, port_is_free
 from .processes import SignalGuard, pid_matches, start_ticks
-from .realnode import resolve_node_bin_dir, start_real_node
+from .realnode import node_ip, resolve_node_bin_dir, start_real_node
 from .settings import (
     COMPONENTS,
     ENTRY_POINT,
@@ -45,8 +45,9 @@ def attempt_up(c: Cluster, args: argparse.Namespace, bin_dir: Path, name: str) -
     c.state["ports"] = choose_ports({"apiserver": args.apiserver_port, "etcd": args.etcd_port})
     c.save()
     write_client_files(c, name)
-    if args.real_node:  # before the apiserver starts: it takes the kubelet-client flags
-        make_node_pki(c.pki)
+    if args.real_node:  # before the apiserver starts: its flags and certificate change
+        c.state["advertise_address"] = node_ip()
+        make_node_pki(c.pki, c.state["advertise_address"])
     start_components(c, bin_dir)
     create_nodes(c, args.nodes)
     if args.real_node:

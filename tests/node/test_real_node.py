@@ -154,3 +154,24 @@ def test_service_name_resolves_and_cluster_ip_reaches_pod(
     assert f"Server:\t\t{CLUSTER_DNS_IP}" in out or CLUSTER_DNS_IP in out.splitlines()[0], out
     assert cluster_ip in out, out  # the name resolved to the Service's ClusterIP
     assert "200 OK" in out and out.strip().endswith("served-by-web"), out
+
+
+def test_pod_reaches_api_server_through_kubernetes_service(
+    node_cluster: ControlPlane, node_ns: str, busybox_image: str
+) -> None:
+    """The apiserver advertises the node's IP (loopback is no endpoint a pod can reach), so
+    an in-cluster client's connection to kubernetes.default.svc:443 is accepted."""
+    endpoints = node_cluster.kubectl_json(
+        "get", "endpointslices", "-n", "default", "-l", "kubernetes.io/service-name=kubernetes"
+    )["items"]
+    node = node_cluster.kubectl_json("get", "node", NODE_NAME)
+    internal = [a["address"] for a in node["status"]["addresses"] if a["type"] == "InternalIP"]
+    assert [e["addresses"] for e in endpoints[0]["endpoints"]] == [internal]
+    pod = on_real_node(
+        "api",
+        busybox_image,
+        ["sh", "-c", "nc -w 10 kubernetes.default.svc 443 </dev/null && echo open"],
+    )
+    node_cluster.apply(pod, node_ns)
+    assert wait_phase(node_cluster, node_ns, "api", {"Succeeded", "Failed"}) == "Succeeded"
+    assert logs(node_cluster, node_ns, "api").strip() == "open"
