@@ -18,7 +18,7 @@ from .nodes import create_nodes
 from .pki import make_node_pki
 from .ports import pick_ports, port_is_free
 from .processes import SignalGuard, pid_matches, start_ticks
-from .realnode import node_ip, resolve_node_bin_dir, start_real_node
+from .realnode import node_ip, preflight, resolve_node_bin_dir, start_real_node
 from .settings import (
     COMPONENTS,
     ENTRY_POINT,
@@ -119,8 +119,9 @@ def up_locked(c: Cluster, args: argparse.Namespace) -> int:
     c = Cluster(c.dir)
     c.dir.mkdir(parents=True, exist_ok=True)
     bin_dir = resolve_bin_dir()
-    if args.real_node:
+    if args.real_node:  # what no attempt can fix, before a control plane is started for nothing
         node_bin_dir(args)
+        preflight()
     name = args.name or f"diloco-{c.dir.name}"
     deadline = t0 + args.timeout
 
