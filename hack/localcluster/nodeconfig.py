@@ -217,7 +217,8 @@ def kubelet_labels() -> str:
 
 def kube_proxy_config(paths: NodePaths, ports: dict[str, int]) -> dict[str, Any]:
     """iptables mode; conntrack sysctls left alone (0 = do not touch) since the VM's are
-    fine and not ours to change."""
+    fine and not ours to change; NodePorts on the node's own IPs only (not on localhost, which
+    would need route_localnet=1 machine-wide)."""
     return {
         "apiVersion": "kubeproxy.config.k8s.io/v1alpha1",
         "kind": "KubeProxyConfiguration",
@@ -225,6 +226,7 @@ def kube_proxy_config(paths: NodePaths, ports: dict[str, int]) -> dict[str, Any]
         "hostnameOverride": NODE_NAME,
         "mode": "iptables",
         "clusterCIDR": NODE_POD_CIDR,
+        "nodePortAddresses": ["primary"],
         "healthzBindAddress": f"127.0.0.1:{ports['kube_proxy_healthz']}",
         "metricsBindAddress": f"127.0.0.1:{ports['kube_proxy_metrics']}",
         "conntrack": {
