@@ -69,7 +69,7 @@ ARG TORCH_SPEC="torch>=2.2"
 ARG TORCH_VARIANT=
 ARG TORCH_INDEX_URL=
 # Local torch wheels (pip --find-links: a URL, or a directory the builder mounts into RUN, as
-# `buildah bud -v DIR:/run/torch-wheels:ro` does); the index still serves torch's dependencies.
+# `buildah bud -v DIR:/mnt:ro` does); the index still serves torch's dependencies.
 ARG TORCH_FIND_LINKS=
 # torch first, on its own, so the trainer extra below keeps it and does not pull the default
 # build; the extra is then installed with torch held at the version just installed.

@@ -35,7 +35,9 @@ TAG=${DILOCO_IMAGE_TAG:-dev}
 BASE_IMAGE="localhost/diloco-base:${DEBIAN_SUITE}-py${BASE_PYTHON#python}"
 OPERATOR_IMAGE="localhost/diloco-operator:${TAG}"
 TRAINER_IMAGE="localhost/diloco-trainer:${TAG}"
-TORCH_MOUNT=/run/torch-wheels
+# Where RUN sees TORCH_WHEELS: a directory every Debian image has empty, so no mount point is
+# left behind in the image (buildah creates a missing one and keeps it).
+TORCH_MOUNT=/mnt
 
 log() { printf '[build-images] %s\n' "$*" >&2; }
 die() { printf '[build-images] ERROR: %s\n' "$*" >&2; exit 1; }
@@ -128,7 +130,7 @@ mkdir -p "${LOG_DIR}"
 logged() {
   local step=$1 pattern=$2 rc=0
   shift 2
-  "$@" > "${LOG_DIR}/${step}.log" 2>&1 &
+  "$@" > "${LOG_DIR}/${step}.log" 2>&1 9>&- &
   local pid=$!
   tail -n +1 -F --pid "${pid}" "${LOG_DIR}/${step}.log" 2>/dev/null \
     | grep --line-buffered -E "${pattern}" \
@@ -220,5 +222,11 @@ TRAINER_IMAGE=${TRAINER_IMAGE}
 BASE_IMAGE=${BASE_IMAGE}
 TORCH=${TORCH_WHEEL:-${TORCH_INDEX_URL:-${TORCH_VARIANT:-pypi}}}
 EOF
+# The archives are the product: buildah's storage keeps only the base image (vfs stores every
+# layer as a full copy), and the cache keeps the newest three keys.
+bh rmi "${OPERATOR_IMAGE}" "${TRAINER_IMAGE}" >/dev/null
+bh rmi --prune >/dev/null 2>&1 || true
+find "${CACHE_ROOT}" -mindepth 1 -maxdepth 1 -type d -regextype egrep -regex '.*/[0-9a-f]{16}' \
+  -printf '%T@ %p\n' | sort -rn | tail -n +4 | cut -d' ' -f2- | xargs -r rm -rf
 log "all images built in $(elapsed "${STARTED}")"
 report
