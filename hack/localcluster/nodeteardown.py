@@ -123,16 +123,33 @@ def run_quiet(argv: list[str]) -> subprocess.CompletedProcess[str]:
         return subprocess.CompletedProcess(argv, 1, "", str(e))
 
 
-def remove_cni_chains() -> None:
-    """Masquerade rules (and their CNI-* chains) of our network that a missed CNI DEL left in
-    the nat table; deleted by rule number, highest first, so the numbers stay valid."""
-    listing = run_quiet(["iptables", "-t", "nat", "-L", "POSTROUTING", "-n", "--line-numbers"])
-    doomed = []
-    for line in listing.stdout.splitlines():
+def cni_masquerade_rules(listing: str) -> list[tuple[int, str]]:
+    """(rule number, target chain) of our network's rules in `iptables -t nat -L POSTROUTING
+    -n --line-numbers` output, highest number first (deleting keeps the others' numbers)."""
+    found = []
+    for line in listing.splitlines():
         fields = line.split()
-        if fields and fields[0].isdigit() and f'name: "{CNI_NETWORK}"' in line:
-            doomed.append((int(fields[0]), fields[1]))
-    for number, chain in sorted(doomed, reverse=True):
+        if len(fields) > 1 and fields[0].isdigit() and f'name: "{CNI_NETWORK}"' in line:
+            found.append((int(fields[0]), fields[1]))
+    return sorted(found, reverse=True)
+
+
+def kubelet_hooks(rules: str) -> list[list[str]]:
+    """The rules (`iptables -S` lines, as argument lists without -A) that jump from another
+    chain into one of the kubelet's chains."""
+    hooks = []
+    for rule in rules.splitlines():
+        args = rule.split()
+        jump = args[args.index("-j") + 1] if "-j" in args[:-1] else ""
+        if args and args[0] == "-A" and jump in KUBELET_CHAINS and args[1] not in KUBELET_CHAINS:
+            hooks.append(args[1:])
+    return hooks
+
+
+def remove_cni_chains() -> None:
+    """Masquerade rules (and their CNI-* chains) of our network that a missed CNI DEL left."""
+    listing = run_quiet(["iptables", "-t", "nat", "-L", "POSTROUTING", "-n", "--line-numbers"])
+    for number, chain in cni_masquerade_rules(listing.stdout):
         run_quiet(["iptables", "-t", "nat", "-D", "POSTROUTING", str(number)])
         if chain.startswith("CNI-"):
             run_quiet(["iptables", "-t", "nat", "-F", chain])
@@ -143,11 +160,8 @@ def remove_kubelet_chains() -> None:
     """Unhook and delete the kubelet's chains (IPv4 and IPv6, every table it uses)."""
     for tool in ("iptables", "ip6tables"):
         for table in ("filter", "nat", "mangle"):
-            for rule in run_quiet([tool, "-t", table, "-S"]).stdout.splitlines():
-                args = rule.split()
-                jump = args[args.index("-j") + 1] if "-j" in args[:-1] else ""
-                if args[0] == "-A" and jump in KUBELET_CHAINS and args[1] not in KUBELET_CHAINS:
-                    run_quiet([tool, "-t", table, "-D", *args[1:]])
+            for hook in kubelet_hooks(run_quiet([tool, "-t", table, "-S"]).stdout):
+                run_quiet([tool, "-t", table, "-D", *hook])
             for chain in KUBELET_CHAINS:
                 run_quiet([tool, "-t", table, "-F", chain])
                 run_quiet([tool, "-t", table, "-X", chain])

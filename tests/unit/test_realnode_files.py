@@ -18,6 +18,7 @@ from hack.localcluster.nodeconfig import (
     kube_dns_objects,
     kubelet_config,
 )
+from hack.localcluster.nodeteardown import cni_masquerade_rules, kubelet_hooks
 from hack.localcluster.ociimage import Entry, ImageSpec, write_archive
 from hack.localcluster.settings import CLUSTER_DNS_IP, NODE_TAINT_KEY, PAUSE_IMAGE
 
@@ -108,3 +109,25 @@ def test_mounts_under_a_dir_deepest_first() -> None:
     points = mount_points(info)
     assert "/d/node/a b/c" in points
     assert under(points, Path("/d/node")) == ["/d/node/a b/c", "/d/node"]
+
+
+def test_teardown_finds_only_our_iptables_rules() -> None:
+    listing = (
+        "Chain POSTROUTING (policy ACCEPT)\n"
+        "num  target     prot opt source               destination\n"
+        '1 CNI-aaa all -- 10.245.0.2 0.0.0.0/0 /* name: "diloco-real-node" id: "x" */\n'
+        '2 CNI-bbb all -- 10.88.0.2 0.0.0.0/0 /* name: "podman" id: "y" */\n'
+        '3 CNI-ccc all -- 10.245.0.3 0.0.0.0/0 /* name: "diloco-real-node" id: "z" */\n'
+    )
+    assert cni_masquerade_rules(listing) == [(3, "CNI-ccc"), (1, "CNI-aaa")]
+    rules = (
+        "-N KUBE-FIREWALL\n"
+        "-A INPUT -j KUBE-FIREWALL\n"
+        "-A OUTPUT -j KUBE-FIREWALL\n"
+        "-A FORWARD -j DOCKER-USER\n"
+        "-A KUBE-FIREWALL ! -s 127.0.0.0/8 -d 127.0.0.0/8 -j DROP\n"
+    )
+    assert kubelet_hooks(rules) == [
+        ["INPUT", "-j", "KUBE-FIREWALL"],
+        ["OUTPUT", "-j", "KUBE-FIREWALL"],
+    ]
