@@ -236,7 +236,7 @@ def prepare_host(c: Cluster) -> dict[str, Any]:
     CLAIM_FILE.write_text(
         json.dumps({"dir": str(c.dir), "pid": os.getpid(), "start": start_ticks(os.getpid())})
     )
-    record: dict[str, Any] = {"sysctls": {k: read_sysctl(k) for k in SYSCTLS}, "claimed": True}
+    record: dict[str, Any] = {"sysctls": {k: read_sysctl(k) for k in SYSCTLS}}
     c.state["real_node"] = record
     c.save()
     write_sysctl("net/ipv4/ip_forward", "1")
@@ -268,7 +268,7 @@ def start_real_node(c: Cluster, bin_dir: Path) -> None:
     and every component answers its health check."""
     preflight()
     paths = NodePaths(c.dir / "node")
-    ip = node_ip()
+    ip = c.state.get("advertise_address") or node_ip()  # the apiserver's, when up set it
     record = prepare_host(c)
     ports = dict(
         zip(
