@@ -229,7 +229,8 @@ def tables(
         "progress line, over the same run without a straggler. A sleeping straggler frees CPU "
         "on a shared machine, which can lift the others above 100%.",
         "Ours runs with the job's defaults (sync.fragments, overlapSteps, graceSeconds auto, "
-        "merge tokens, no compression); only the quorum changes. Inner lr is constant after "
+        "merge tokens, compression int8 with int8 pulls) but for the quorum and any --sync "
+        "setting in the command. Inner lr is constant after "
         "warm-up for every variant (stopAfter.tokens fixes no step count for a cosine).",
     ]
     return [

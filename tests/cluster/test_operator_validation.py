@@ -119,7 +119,7 @@ def test_operator_validation_accepts_and_defaults_minimal_manifest(cluster: Clus
     assert spec["islands"]["count"] == 2 and spec["islands"]["replicas"] == 1
     assert spec["inner"]["lr"] == pytest.approx(4e-4)
     assert spec["syncer"]["port"] == 8470 and spec["syncer"]["service"]["type"] == "ClusterIP"
-    assert spec["sync"]["graceSeconds"] == "2.5" and spec["sync"]["compression"] == "none"
+    assert spec["sync"]["graceSeconds"] == "2.5" and spec["sync"]["compression"] == "int8"
     assert spec["islands"]["template"] == {} and spec["suspend"] is False
 
 

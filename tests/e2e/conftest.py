@@ -30,7 +30,14 @@ TINY_SPEC: dict[str, Any] = {
     "islands": {"count": 2},
     "inner": {"steps": 4, "batchSize": 2, "seqLen": 32, "lr": 1e-3},
     "outer": {"lr": 0.7, "momentum": 0.9, "nesterov": True},
-    "sync": {"quorum": 1, "graceSeconds": 0.2, "heartbeatTimeoutSeconds": 10},
+    # fp32 on the wire ("none", not the int8 default): several tests push hand-made fp32 bodies;
+    # tests of the codecs and of the job's defaults set their own.
+    "sync": {
+        "quorum": 1,
+        "graceSeconds": 0.2,
+        "heartbeatTimeoutSeconds": 10,
+        "compression": "none",
+    },
     "stopAfter": {"outerSteps": 3},
     "syncer": {"checkpoint": {"everyOuterSteps": 1, "keep": 2}},
 }

@@ -19,7 +19,7 @@ from collections.abc import Callable
 from typing import Any
 
 import pytest
-from diloco_trainer.api.spec import JobSpec
+from diloco_trainer.api.spec import JobSpec, SyncSpec
 from diloco_trainer.local.run import LocalRun
 
 from .conftest import deep_merge
@@ -50,7 +50,12 @@ QUALITY_SPEC: dict[str, Any] = {
         "warmupSteps": 10,
     },
     "outer": {"lr": 0.7, "momentum": 0.9, "nesterov": True},
-    "sync": {"graceSeconds": "auto", "heartbeatTimeoutSeconds": 30},
+    "sync": {
+        "graceSeconds": "auto",
+        "heartbeatTimeoutSeconds": 30,
+        # the job's default codec (the e2e base spec pins fp32 for hand-made pushes)
+        "compression": SyncSpec.model_fields["compression"].default,
+    },
     "stopAfter": {"outerSteps": None, "tokens": BUDGET},
     "syncer": {"checkpoint": {"everyOuterSteps": 1000}, "evalEveryOuterSteps": 1000},
 }

@@ -32,7 +32,15 @@ BASE: dict[str, Any] = {
     "islands": {"count": 3},
     # batch 8 x seqLen 16: up to 128 tokens a step, what the pushes below claim at most
     "inner": {"steps": 4, "batchSize": 8, "seqLen": 16},
-    "sync": {"quorum": 2, "graceSeconds": 5, "merge": "tokens", "maxStaleness": 2, "fragments": 1},
+    # fp32 bodies ("none", not the int8 default): these tests check merged values exactly.
+    "sync": {
+        "quorum": 2,
+        "graceSeconds": 5,
+        "merge": "tokens",
+        "maxStaleness": 2,
+        "fragments": 1,
+        "compression": "none",
+    },
     "stopAfter": {"outerSteps": 100},
     "syncer": {"checkpoint": {"everyOuterSteps": 100}},
 }

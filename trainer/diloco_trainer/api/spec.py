@@ -212,7 +212,7 @@ class SyncSpec(SpecModel):
         description="τ: inner steps that run while a sync is in flight; the steps are kept when "
         "the merged fragment arrives. Unset: min(5, inner.steps // 4).",
     )
-    compression: Codec = Field("none", description="Codec for pseudo-gradients on the wire.")
+    compression: Codec = Field("int8", description="Codec for pseudo-gradients on the wire.")
     pull_compression: PullCompression = Field(
         "auto",
         description="Codec for the global weights learners pull. 'none': every pull sends the "

@@ -39,12 +39,7 @@ from collections import deque
 from dataclasses import asdict
 from typing import Any
 
-from diloco_trainer.core.grace import (
-    expected_push_time,
-    grace_window,
-    in_flight_steps,
-    net_sync_time,
-)
+from diloco_trainer.core import grace as window_rules
 from diloco_trainer.syncer.records import (
     ACTIVE,
     DROPPED,
@@ -137,9 +132,9 @@ class SyncState:
             return self.policy.grace_seconds
         active = [r for n, r in self.islands.items() if n in self.active_islands()]
         transfer = _median([r.transfer_time for r in active if r.transfer_time is not None])
-        return grace_window(
+        return window_rules.grace_window(
             step_time=_median([r.step_time for r in active if r.step_time]),
-            overlap_steps=in_flight_steps(
+            overlap_steps=window_rules.in_flight_steps(
                 learners_block=self.policy.learners_block,
                 overlap_steps=self.policy.overlap_steps,
                 inner_steps=self.policy.inner_steps,
@@ -349,7 +344,7 @@ class SyncState:
             rec.sync_time = contribution.sync_time
             held = self._held.pop((contribution.island, fragment), None)
             if held is not None:  # the sync it reports is that of its push we last merged
-                rec.transfer_time = net_sync_time(contribution.sync_time, held)
+                rec.transfer_time = window_rules.net_sync_time(contribution.sync_time, held)
         self._refresh(now)
         answer = {
             "accepted": True,
@@ -400,7 +395,7 @@ class SyncState:
         """
         if rec.reported_step is None or rec.reported_at is None or not rec.step_time:
             return None
-        return expected_push_time(
+        return window_rules.expected_push_time(
             inner_steps=self.policy.inner_steps,
             offsets=self.policy.offsets,
             fragment=fragment,
