@@ -302,7 +302,7 @@ class SyncState:
         rec = self.island(name)
         if rec.state == DROPPED:
             why = f" ({rec.reason})" if rec.reason else ""
-            raise Refused(403, f"island {name!r} was dropped by the operator{why}", "dropped")
+            raise Refused(403, f"island {name!r} is dropped{why}", "dropped")
         lag = rnd.version - base_version
         if lag < 0:
             raise Refused(
