@@ -2,10 +2,10 @@
 equal tokens, with the job's defaults for everything else (fragments, overlap, grace window,
 merge rule).
 
-The issue's target is 5%, and it is NOT met yet: bench/decoupled_quality measures K=1 at 1.063x
-of K=M, and this test ended at 3-6% in runs on a loaded 2-core machine (CI: 1.061x). So this test
-guards the 10% the product does reach, against the collapse it had (quorum 1 at 1.82x of K=M
-before Delayed Nesterov); the 5% target is tracked by the benchmark and issue 9.
+The issue's target, 5%, is what this test asserts. Measured on a loaded 2-core machine (a
+benchmark running beside it) after the decoupled grace window was sized from H: quorum 1 at
+1.032x, 1.005x, 0.994x and 0.993x of quorum 3 (35-36 merges at quorum 1); before
+that change it ended 3-6% behind, and 1.82x before Delayed Nesterov.
 
 At K = 1 every island's push may open a merge of its own; what keeps the quality is the outer
 update (folded per round of work, not per merge), the overlap steps being kept, and islands
@@ -34,8 +34,8 @@ ISLANDS = 3
 # the grace window lives in those steps. At H = 10 (overlap 2) and ~15 ms steps there is no
 # room for one, and quorum 1 ended 4-10% behind quorum 3 (3-4% at H = 20).
 INNER_STEPS = 20
-# Quorum 1 may land this far from quorum 3 (issue 9's target, 5%, is not met yet: see above).
-TOLERANCE = 0.10
+# Quorum 1 may land this far from quorum 3 (issue 9's target).
+TOLERANCE = 0.05
 STEPS = 240  # per island, at K = M: 12 rounds
 BATCH, SEQ = 8, 32
 BUDGET = ISLANDS * STEPS * BATCH * SEQ
@@ -75,7 +75,7 @@ def final_loss(
     return status
 
 
-def test_quorum_1_lands_within_10_percent_of_quorum_3_at_equal_tokens(
+def test_quorum_1_lands_within_5_percent_of_quorum_3_at_equal_tokens(
     make_spec: Callable[..., JobSpec], local_run: Callable[..., LocalRun]
 ) -> None:
     started = time.monotonic()
