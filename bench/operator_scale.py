@@ -27,7 +27,6 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import threading
 import time
 import urllib.request
 from collections.abc import Sequence
@@ -46,7 +45,6 @@ from bench.common import (
     Table,
     append_results,
     base_parser,
-    fmt_bytes,
     fmt_ratio,
     install_signal_cleanup,
     poll_until,
@@ -58,14 +56,12 @@ from bench.common import (
 from bench.kube_cluster import (
     Api,
     PodWatch,
-    histogram_buckets,
-    histogram_quantile,
-    metric_value,
     operator_process,
     set_ready,
     start_cluster,
     stop_cluster,
 )
+from bench.operator_load import load_table, measure_load, pct
 from hack.localcluster.harness import OperatorProcess, condition_status, islands_ready
 
 TRAINING: dict[str, Any] = {
@@ -89,14 +85,6 @@ def manifest(name: str, islands: int, replicas: int, **extra: Any) -> dict[str, 
         "metadata": {"name": name},
         "spec": spec,
     }
-
-
-def pct(values: Sequence[float], q: float) -> float:
-    """The q-quantile (0..1) of values, nearest-rank."""
-    if not values:
-        return float("nan")
-    s = sorted(values)
-    return s[min(len(s) - 1, max(0, round(q * len(s) + 0.5) - 1))]
 
 
 def expected_children(body: dict[str, Any]) -> set[tuple[str, str]]:
@@ -239,87 +227,6 @@ def measure_drop(k: Api, ns: str, wd: Path, repeats: int) -> dict[str, Any]:
     return {"drop": drop_s, "readd": readd_s, "watch": watch_s, "admin": admin_s}
 
 
-def measure_load(
-    k: Api, op: OperatorProcess, ns: str, jobs: int, islands: int, deadline_s: float
-) -> dict[str, Any]:
-    rss: list[int] = []
-    stop = threading.Event()
-
-    def sample() -> None:
-        while not stop.is_set():
-            rss.append(op.rss_bytes())
-            stop.wait(0.5)
-
-    idle_rss = op.rss_bytes()
-    metrics_before = op.metrics()
-    log_start = len(op.proc.log_text()) if op.proc else 0
-    sampler = threading.Thread(target=sample, daemon=True)
-    sampler.start()
-    created: dict[str, float] = {}
-    want: dict[str, set[tuple[str, str]]] = {}
-    t_start = time.perf_counter()
-    for j in range(jobs):
-        name = f"load-{j}"
-        body = k.create_job(ns, manifest(name, islands, 1))
-        created[name] = time.perf_counter()
-        want[name] = expected_children(body)
-    t_created = time.perf_counter()
-    done: dict[str, float] = {}
-    deadline = time.monotonic() + deadline_s
-    while len(done) < jobs and time.monotonic() < deadline:
-        present = k.present(ns)
-        now = time.perf_counter()
-        for name, w in want.items():
-            if name not in done and w <= present:
-                done[name] = now
-        time.sleep(0.5)
-    t_all = time.perf_counter()
-    time.sleep(15)  # let periodic reconciles and status updates run under the full load
-    stop.set()
-    sampler.join()
-    metrics = op.metrics()
-    log = op.proc.log_text()[log_start:] if op.proc else ""  # only what the load produced
-    latencies = [done[n] - created[n] for n in done]
-
-    def delta(name: str, labels: str = "") -> float:
-        return metric_value(metrics, name, labels) - metric_value(metrics_before, name, labels)
-
-    reconciles = delta("diloco_operator_reconciles_total")
-    return {
-        "jobs": jobs,
-        "done": len(done),
-        "create_seconds": t_created - t_start,
-        "all_children_seconds": t_all - t_start,
-        "latencies": latencies,
-        "reconcile_p50": histogram_quantile(
-            metrics, "diloco_operator_reconcile_seconds", 0.5, metrics_before
-        ),
-        "reconcile_p95": histogram_quantile(
-            metrics, "diloco_operator_reconcile_seconds", 0.95, metrics_before
-        ),
-        "reconcile_p99": histogram_quantile(
-            metrics, "diloco_operator_reconcile_seconds", 0.99, metrics_before
-        ),
-        "reconcile_top": max(
-            (
-                b
-                for b in histogram_buckets(metrics, "diloco_operator_reconcile_seconds")
-                if b < float("inf")
-            ),
-            default=float("nan"),
-        ),
-        "reconciles": reconciles,
-        "reconcile_errors": delta("diloco_operator_reconciles_total", 'result="error"'),
-        "errors_total": delta("diloco_operator_errors_total"),
-        "syncer_unreachable": delta("diloco_operator_syncer_unreachable_total"),
-        "log_errors": sum(1 for line in log.splitlines() if "ERROR" in line),
-        "log_tracebacks": log.count("Traceback"),
-        "idle_rss": idle_rss,
-        "peak_rss": max(rss) if rss else idle_rss,
-        "final_rss": rss[-1] if rss else idle_rss,
-    }
-
-
 def measure(args: argparse.Namespace, wd: Path, nodes: int) -> dict[str, Any]:
     """Start the control plane and the operator, take the measurements not skipped, stop both."""
     print(f"starting the local control plane ({nodes} kwok nodes)", flush=True)
@@ -347,8 +254,9 @@ def measure(args: argparse.Namespace, wd: Path, nodes: int) -> dict[str, Any]:
         if "load" not in args.skip:
             print(f"3. load: {args.load_jobs} jobs x {args.load_islands} islands", flush=True)
             out["load"] = measure_load(
-                k, op, "bench-load", args.load_jobs, args.load_islands, args.load_deadline
-            )
+                k, op, "bench-load", args.load_jobs, args.load_islands, args.load_deadline,
+                manifest=manifest, expected=expected_children,
+            )  # fmt: skip
     finally:
         if op is not None:
             op.stop()
@@ -397,53 +305,6 @@ def drop_table(args: argparse.Namespace, drop: dict[str, Any], targets: Table) -
     return t
 
 
-def load_table(
-    args: argparse.Namespace, loaded: dict[str, Any], unloaded: float, nodes: int, targets: Table
-) -> Table:
-    lat = loaded["latencies"]
-    t = Table(
-        f"Load: {loaded['jobs']} jobs x {args.load_islands} islands on kwok ({nodes} nodes)",
-        ["figure", "value"],
-    )
-    t.add("jobs with all children", f"{loaded['done']} / {loaded['jobs']}")
-    t.add("time to create the jobs (API calls)", f"{loaded['create_seconds']:.1f}s")
-    t.add("time until every job had all children", f"{loaded['all_children_seconds']:.1f}s")
-    for q in (0.5, 0.95, 0.99):
-        v = pct(lat, q)
-        t.add(
-            f"create -> children, p{round(q * 100)}",
-            f"{v:.2f}s ({fmt_ratio(ratio(v, unloaded), 1)} the unloaded median)",
-        )
-    for q in ("p50", "p95", "p99"):
-        v = loaded["reconcile_" + q]
-        shown = f"{v:.3f}s" if v != float("inf") else f"> {loaded['reconcile_top']:g}s (top bucket)"
-        t.add(f"operator reconcile time {q} during the load (its histogram)", shown)
-    t.add("reconciles during the load", f"{loaded['reconciles']:.0f}")
-    t.add("reconciles that failed (during the load)", f"{loaded['reconcile_errors']:.0f}")
-    t.add("operator errors_total (during the load)", f"{loaded['errors_total']:.0f}")
-    t.add(
-        "ERROR lines / tracebacks in the operator log during the load",
-        f"{loaded['log_errors']} / {loaded['log_tracebacks']}",
-    )
-    t.add(
-        "syncer unreachable (no syncer runs on kwok: expected)",
-        f"{loaded['syncer_unreachable']:.0f}",
-    )
-    t.add(
-        "operator RSS: idle -> peak",
-        f"{fmt_bytes(loaded['idle_rss'])} -> {fmt_bytes(loaded['peak_rss'])} "
-        f"({fmt_ratio(ratio(loaded['peak_rss'], loaded['idle_rss']), 2)})",
-    )
-    ok = loaded["done"] == loaded["jobs"] and loaded["reconcile_errors"] == 0
-    targets.add(
-        f"{loaded['jobs']} jobs x {args.load_islands} islands reconciled without errors",
-        f"{loaded['done']}/{loaded['jobs']} complete, {loaded['reconcile_errors']:.0f} failed "
-        "reconciles",
-        verdict(ok),
-    )
-    return t
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     p = base_parser(__doc__ or "")
     p.add_argument("--repeats", type=int, default=5, help="apply and drop measurements")
@@ -469,7 +330,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         tables.append(drop_table(args, drop, targets))
     if loaded:
         unloaded = statistics.median(apply["operator"]) if apply else float("nan")
-        tables.append(load_table(args, loaded, unloaded, nodes, targets))
+        tables.append(load_table(loaded, args.load_islands, unloaded, nodes, targets))
     tables.append(targets)
     notes = [
         f"Control plane: hack/local-cluster with {nodes} kwok nodes; `up` took {got['up_s']:.0f}s.",

@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import kopf
@@ -19,7 +18,7 @@ import urllib3
 from kubernetes.client.exceptions import ApiException
 
 from diloco_operator import api, metrics, probes
-from diloco_operator.kube import API_THREADS, ApiUnavailable, Kube, load_config
+from diloco_operator.kube import ApiUnavailable, Kube, load_config
 from diloco_operator.options import network_options
 from diloco_operator.resources import JOB_LABEL
 from diloco_operator.runtime import DELETED, Registry
@@ -44,7 +43,10 @@ async def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) 
         prefix=api.GROUP, key="last-handled-configuration"
     )
     settings.posting.enabled = True
-    settings.posting.level = logging.INFO
+    # Our own Events are posted explicitly (events.py); kopf's bookkeeping lines ("Handler ...
+    # succeeded", "Creation is processed") would be two more writes per job: only its warnings
+    # and errors become Events.
+    settings.posting.level = logging.WARNING
     # Every API call of kopf's has a deadline too: watches end after client_timeout at the
     # latest (the server is asked to end them sooner) and are restarted.
     settings.watching.connect_timeout = 10
@@ -52,10 +54,6 @@ async def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) 
     settings.watching.client_timeout = 330
     settings.networking.connect_timeout = 10
     settings.networking.request_timeout = 30
-    # The Kubernetes client is synchronous: its calls run in these threads (asyncio.to_thread).
-    asyncio.get_running_loop().set_default_executor(
-        ThreadPoolExecutor(max_workers=API_THREADS, thread_name_prefix="k8s-api")
-    )
     REGISTRY.network = network_options(os.environ)
     port = int(getattr(memo, "health_port", 0) or 0)
     if port and "runner" not in _HEALTH:

@@ -17,7 +17,9 @@ from __future__ import annotations
 import asyncio
 import base64
 import contextlib
+import functools
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -53,8 +55,12 @@ class Listing:
     version: str | None
 
 
-# Worker threads for API calls, and HTTP connections to keep for them (one per thread).
+# Worker threads for API calls, and HTTP connections to keep for them (one per thread). The
+# threads are the Kube's own, not the event loop's default executor: aiohttp resolves the syncers'
+# host names there, and 1,000 jobs' status polls must neither wait behind API calls nor hold
+# threads the API calls need.
 API_THREADS = 32
+_THREADS = ThreadPoolExecutor(max_workers=API_THREADS, thread_name_prefix="k8s-api")  # lazy
 # Seconds to connect to the API server and to wait for each read of an answer; a whole call
 # (retries of the client included) ends after CALL_DEADLINE.
 CONNECT_TIMEOUT = 5.0
@@ -102,7 +108,9 @@ class Kube:
     async def _run(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         kwargs.setdefault("_request_timeout", (CONNECT_TIMEOUT, READ_TIMEOUT))
         try:
-            result = await asyncio.wait_for(asyncio.to_thread(fn, *args, **kwargs), CALL_DEADLINE)
+            call = functools.partial(fn, *args, **kwargs)
+            running = asyncio.get_running_loop().run_in_executor(_THREADS, call)
+            result = await asyncio.wait_for(running, CALL_DEADLINE)
         except ApiException:
             API_HEALTH.answered()  # an error status is an answer
             raise

@@ -36,6 +36,8 @@ class SyncerLink:
     client_key: tuple[str, str, str | None] | None = None  # (url, credential, CA Secret)
     status: dict[str, Any] | None = None  # /v1/status, None when not reached
     error: str | None = "not contacted yet"
+    failures: int = 0  # unanswered status polls in a row
+    retry_at: float = 0.0  # time.monotonic() before which the status is not polled again
 
     async def drop_client(self) -> None:
         """Close the client, so that the next call reads the token and CA Secrets again."""
@@ -82,6 +84,7 @@ class JobRuntime:
     resynced_at: float = field(default_factory=time.monotonic)
     membership: Membership = field(default_factory=Membership)
     syncer: SyncerLink = field(default_factory=SyncerLink)
+    syncer_pods_ready: int = 0  # the job's own syncer pods Ready at the last sync
     rollout: list[str] = field(default_factory=list)  # island StatefulSets rolling or held
     last_reconcile: float = 0.0  # time.monotonic() of the last reconcile of the children
     spec_error: str | None = None  # the last invalid-spec message posted as an Event
@@ -120,7 +123,7 @@ class JobRuntime:
     async def _start_over(self) -> None:
         self.membership = Membership()
         await self.syncer.drop_client()
-        self.syncer = SyncerLink()
+        self.syncer, self.syncer_pods_ready = SyncerLink(), 0
         self.rollout, self.spec_error, self.phase, self.refusals = [], None, None, None
         self.credentials, self.conflicts = JobCredentials(), []
         self.last_reconcile = 0.0

@@ -20,6 +20,7 @@ from typing import Any
 import kopf
 
 from diloco_operator import metrics, resources
+from diloco_operator.admission import FIRST_RECONCILES
 from diloco_operator.api import DiLoCoJobSpec, SpecError, parse_job_spec
 from diloco_operator.children import Conflict, write_children
 from diloco_operator.credentials import ensure_credentials
@@ -59,6 +60,7 @@ async def sync_job(kube: Kube, rt: JobRuntime, *, reconcile: bool, poll_syncer: 
 
     Returns False when the job turned out to be gone.
     """
+    queued_at = time.monotonic()  # a first reconcile's wait counts from here (the lock too)
     async with rt.lock:
         if poll_syncer and time.monotonic() - rt.resynced_at >= RESYNC_INTERVAL:
             fresh = await kube.get_job(rt.namespace, rt.name)
@@ -73,7 +75,7 @@ async def sync_job(kube: Kube, rt: JobRuntime, *, reconcile: bool, poll_syncer: 
         job = JobRef.from_body(body)
         status = dict(body.get("status") or {})
         if reconcile or time.monotonic() - rt.last_reconcile >= RECONCILE_INTERVAL:
-            await reconcile_children(kube, rt, job, spec, status)
+            await reconcile_children(kube, rt, job, spec, status, queued_at=queued_at)
         if poll_syncer:
             await poll_syncer_status(kube, rt, job, spec)
         new_status = await observe(kube, rt, job, body, spec, status)
@@ -140,12 +142,34 @@ async def _list_pods(kube: Kube, rt: JobRuntime, job: JobRef) -> None:
 
 
 async def reconcile_children(
+    kube: Kube,
+    rt: JobRuntime,
+    job: JobRef,
+    spec: DiLoCoJobSpec,
+    status: dict[str, Any],
+    *,
+    queued_at: float | None = None,
+) -> None:
+    """Create, update and delete children until they match the spec (one rollout at a time).
+
+    A job's first reconcile (it writes every child) waits for a slot first (admission.py);
+    later ones change little and run at once.
+    """
+    if rt.last_reconcile:
+        await _reconcile_children(kube, rt, job, spec, status)
+        return
+    async with FIRST_RECONCILES.slot(time.monotonic() if queued_at is None else queued_at):
+        await _reconcile_children(kube, rt, job, spec, status)
+
+
+async def _reconcile_children(
     kube: Kube, rt: JobRuntime, job: JobRef, spec: DiLoCoJobSpec, status: dict[str, Any]
 ) -> None:
-    """Create, update and delete children until they match the spec (one rollout at a time)."""
     started = time.monotonic()
-    credential, conflict = await ensure_credentials(kube, rt, job, spec)
-    await _list_children(kube, rt, job)
+    # The credential and the children's listing are independent reads: one round trip, not two.
+    (credential, conflict), _ = await asyncio.gather(
+        ensure_credentials(kube, rt, job, spec), _list_children(kube, rt, job)
+    )
     running = islands_should_run(spec, status)
     desired = resources.build_children(
         job, spec, islands_running=running, credential=credential, network=rt.network
@@ -198,13 +222,18 @@ async def observe(
     health = island_health(statefulsets, resources.island_replicas_by_name(spec), pods)
     running = islands_should_run(spec, status)
     await update_membership(kube, rt, job, spec, health, islands_running=running)
+    local_syncer = syncer_pods(pods) if resources.runs_local_syncer(spec) else []
+    ready = sum(p.ready for p in local_syncer)
+    if ready > rt.syncer_pods_ready:
+        rt.syncer.retry_at = 0.0  # a syncer pod just became Ready: poll it on the next pass
+    rt.syncer_pods_ready = ready
     meta = body["metadata"]
     observation = Observation(
         generation=int(meta.get("generation", 0)),
         created=parse_time(meta.get("creationTimestamp")) or _now(),
         spec=spec,
         islands=health,
-        syncer_pods=syncer_pods(pods) if resources.runs_local_syncer(spec) else [],
+        syncer_pods=local_syncer,
         syncer_status=rt.syncer.status,
         syncer_error=rt.syncer.error,
         rolling=rt.rollout,

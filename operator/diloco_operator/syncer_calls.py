@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import re
+import time
 from collections.abc import Mapping
 from typing import Any
 
@@ -33,7 +34,7 @@ from diloco_operator.health import (
 from diloco_operator.kube import Kube
 from diloco_operator.resources import JobRef
 from diloco_operator.runtime import JobRuntime
-from diloco_operator.syncer_errors import condition_message, credentials_error
+from diloco_operator.syncer_errors import CODE_CREDENTIALS, condition_message, credentials_error
 
 log = logging.getLogger("diloco_operator")
 
@@ -41,6 +42,10 @@ log = logging.getLogger("diloco_operator")
 # and asks again on its next pass (so retries are logged at DEBUG only).
 RETRY_DEADLINE = 3.0
 REQUEST_TIMEOUT = 2.0
+# An unanswering syncer is polled again after 5, 10, 20, then every 30 s (STATUS_INTERVAL is
+# 5 s): its condition still flips within 30 s of it answering, far inside the 900 s deadline.
+POLL_BACKOFF_BASE = 5.0
+POLL_BACKOFF_CAP = 30.0
 
 
 async def syncer_client(
@@ -72,17 +77,45 @@ async def syncer_client(
     return link.client
 
 
+async def forget_client(rt: JobRuntime, err: SyncerError, url: str) -> None:
+    """After a failed call: a new client next time, and the token and CA Secrets read again
+    when they may be why it failed (either may have been created or rotated since).
+
+    A plain-HTTP syncer that did not answer (not started yet, no such host) says nothing about
+    the credential: re-reading the Secret then would cost one API read per job and pass (at
+    1,000 jobs whose syncers are not up, 200 reads a second). Over HTTPS a missing or rotated CA
+    looks like no answer, so there it is read again.
+    """
+    await rt.syncer.drop_client()
+    unanswered = err.status == 0 and err.code != CODE_CREDENTIALS
+    if not (unanswered and url.startswith("http://")):
+        rt.credentials.checked = False
+
+
+def poll_backoff(failures: int) -> float:
+    """Seconds until a syncer that did not answer `failures` times in a row is polled again."""
+    return min(POLL_BACKOFF_CAP, POLL_BACKOFF_BASE * 2 ** max(failures - 1, 0))
+
+
 async def poll_syncer_status(kube: Kube, rt: JobRuntime, job: JobRef, spec: DiLoCoJobSpec) -> None:
-    """Read the syncer's /v1/status into the job's SyncerLink (or the error why not)."""
+    """Read the syncer's /v1/status into the job's SyncerLink (or the error why not).
+
+    A syncer that does not answer is polled less and less often (poll_backoff), so that jobs
+    whose syncers are down do not each cost a few seconds of retries every pass; the error
+    stays in the link meanwhile.
+    """
     link = rt.syncer
+    if time.monotonic() < link.retry_at:
+        return
     try:
         client = await syncer_client(kube, rt, job, spec)
         link.status, link.error = (await client.status()).to_json(), None
+        link.failures, link.retry_at = 0, 0.0
     except SyncerError as err:
-        # Read the token and CA Secrets again next time: either may have been created or
-        # rotated since this client was made (a missing CA shows up as "unavailable").
-        await link.drop_client()
-        rt.credentials.checked = False
+        if err.unavailable:
+            link.failures += 1
+            link.retry_at = time.monotonic() + poll_backoff(link.failures)
+        await forget_client(rt, err, resources.syncer_url(job, spec))
         message = condition_message(err, resources.syncer_url(job, spec))
         if link.error != message:
             log.warning("%s/%s: syncer unreachable: %s", job.namespace, job.name, err)
@@ -103,8 +136,7 @@ async def send_membership(
         client = await syncer_client(kube, rt, job, spec)
         await client.set_membership(change.island, change.state, change.reason)
     except SyncerError as err:
-        await link.drop_client()  # re-read token and CA next time, as in poll_syncer_status
-        rt.credentials.checked = False
+        await forget_client(rt, err, resources.syncer_url(job, spec))
         log.warning(
             "%s/%s: could not set %s %s: %s", job.namespace, job.name, change.island,
             change.state, err,
