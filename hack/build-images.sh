@@ -100,7 +100,7 @@ fi
 # --- tools ---------------------------------------------------------------------------------
 [[ $(id -u) -eq 0 ]] || die "run as root (debootstrap and buildah's chroot isolation need it)"
 missing=()
-for tool in buildah debootstrap chroot sha256sum flock; do
+for tool in buildah debootstrap chroot sha256sum flock python3; do
   command -v "${tool}" >/dev/null 2>&1 || missing+=("${tool}")
 done
 [[ ${#missing[@]} -eq 0 ]] || die "missing: ${missing[*]} (Debian: apt-get install buildah debootstrap)"
@@ -209,10 +209,24 @@ build_target trainer "${TRAINER_IMAGE}" "${trainer_args[@]}"
 mkdir -p "${OUT_DIR}"
 for pair in "operator:${OPERATOR_IMAGE}" "trainer:${TRAINER_IMAGE}"; do
   name=${pair%%:*} image=${pair#*:} t0=$(date +%s)
-  rm -f "${OUT_DIR}/${name}.tar.part"
+  layout="${OUT_DIR}/${name}.layout"
+  rm -rf "${layout}" "${OUT_DIR}/${name}.tar.part"
   log "${name}: writing ${OUT_DIR}/${name}.tar"
-  # The archive's ref name is the full image name, so `ctr images import` names it so.
-  bh push --quiet "${image}" "oci-archive:${OUT_DIR}/${name}.tar.part:${image}" >/dev/null
+  bh push --quiet "${image}" "oci:${layout}:${image}" >/dev/null
+  # Name the image for `ctr images import` (io.containerd.image.name) beside the OCI ref name
+  # (the full name too, for skopeo and umoci).
+  python3 - "${layout}/index.json" "${image}" <<'PY'
+import json, sys
+path, name = sys.argv[1:]
+with open(path) as f:
+    index = json.load(f)
+for manifest in index["manifests"]:
+    manifest.setdefault("annotations", {})["io.containerd.image.name"] = name
+with open(path, "w") as f:
+    json.dump(index, f)
+PY
+  tar -C "${layout}" -cf "${OUT_DIR}/${name}.tar.part" oci-layout index.json blobs
+  rm -rf "${layout}"
   mv "${OUT_DIR}/${name}.tar.part" "${OUT_DIR}/${name}.tar"
   log "${name}: archive done in $(elapsed "${t0}")"
 done

@@ -96,6 +96,7 @@ def _unpack(archive: Path, work: Path) -> Bundle:
     index = json.loads((layout / "index.json").read_text())
     (manifest,) = index["manifests"]
     ref = manifest["annotations"]["org.opencontainers.image.ref.name"]
+    assert manifest["annotations"]["io.containerd.image.name"] == ref  # `ctr images import`
     subprocess.run(
         ["umoci", "unpack", "--image", f"{layout}:{ref}", str(work / "bundle")],
         check=True,
@@ -194,7 +195,8 @@ def test_dockerfile_torch_range_matches_pyproject() -> None:
 def test_images_archives_carry_full_names(
     image_dir: Path, operator_bundle: Bundle, trainer_bundle: Bundle
 ) -> None:
-    """`ctr images import` names an image after the archive's ref name: it must be the full one."""
+    """`ctr images import` names an image after the archive's io.containerd.image.name (umoci
+    and skopeo after its ref name): both are the full name, the one the chart and jobs use."""
     env = dict(
         line.split("=", 1) for line in (image_dir / "images.env").read_text().splitlines() if line
     )
