@@ -13,10 +13,12 @@ hack/localcluster/harness.py like the cluster tests do. Run it from the reposito
    endpoint); one learner pod's Ready condition is set False through the status subresource and
    we time until the syncer reports the island dropped. Baseline: how long a plain watch in this
    process takes to see the pod change, plus one direct admin call to the syncer.
-3. Load: N jobs x M islands (default 100 x 8) created at once. Reported: time until every job has
-   all its children, end-to-end latency percentiles per job (create -> children), the operator's
-   own reconcile-time percentiles (its Prometheus histogram), errors, and its memory (RSS) before
-   and at peak.
+3. Load: N jobs x M islands (default 100 x 8) created one after another as fast as the API server
+   takes them (bench/operator_load.py). Reported: time until every job has all its children,
+   latency percentiles per job (its create -> its last child seen by watches running from the
+   first create on), the operator's own reconcile-time percentiles (timed from each reconcile's
+   start of work) beside its first reconciles' wait for a slot (both its Prometheus histograms),
+   errors, and its memory (RSS) before and at peak.
 
     python -m bench.operator_scale                    # 5 repeats, 100 jobs x 8 islands
     python -m bench.operator_scale --load-jobs 20 --load-islands 4 --repeats 3

@@ -17,9 +17,11 @@ from collections.abc import AsyncIterator
 
 from diloco_operator import metrics
 
-# First reconciles running at once: with about 20 requests each this keeps the API threads
-# (kube.API_THREADS) busy without a queue behind them, and beats the API server's own pace.
-FIRST_RECONCILE_SLOTS = 4
+# First reconciles running at once. With about 20 requests a round each, 8 keep the 32 API
+# threads (kube.API_THREADS) busy while still finishing jobs in arrival order; 4 left them idle
+# between rounds (200 jobs x 8 islands on a loaded 2-core kwok cluster: every job's children
+# after 245 s with 4 slots, 159 s with 8; bench/operator_scale.py).
+FIRST_RECONCILE_SLOTS = 8
 
 
 class Admission:
