@@ -59,19 +59,27 @@ def new_root() -> str:
 async def _generated_secret(
     kube: Kube, rt: JobRuntime, job: JobRef, name: str
 ) -> dict[str, Any] | None:
-    """The generated token Secret: created when missing, rotated when the job asks for it."""
+    """The generated token Secret: created when missing, rotated when the job asks for it.
+
+    A job without a status was never synced, so its Secret is almost surely missing: it is
+    created first (a create that finds one costs what a read does), one round trip less for
+    each new job.
+    """
     wanted = rotation_requested(rt.body or {})
-    secret = await kube.read_secret(job.namespace, name)
+    never_synced = not (rt.body or {}).get("status")
+    secret = None if never_synced else await kube.read_secret(job.namespace, name)
     if secret is None:
         token = new_root()
         body = resources.build_token_secret(job, token)
         body["metadata"]["annotations"][resources.ROTATE_CREDENTIALS] = wanted
         created = await kube.create(body)
-        if created is None:  # made meanwhile (another sync, or the user): use what is stored
-            return await kube.read_secret(job.namespace, name)
-        metrics.CHILD_CHANGES.labels(action="create", kind="Secret").inc()
-        # What was just written, without reading it back (one round trip less per new job).
-        return {**created, "data": {contract.TOKEN_KEY: token}}
+        if created is not None:
+            metrics.CHILD_CHANGES.labels(action="create", kind="Secret").inc()
+            # What was just written, without reading it back.
+            return {**created, "data": {contract.TOKEN_KEY: token}}
+        secret = await kube.read_secret(job.namespace, name)  # it exists: use what is stored
+        if secret is None:
+            return None
     if rotation_done(secret) != wanted and owned_by(secret, job.uid):
         token = new_root()
         patch = {
