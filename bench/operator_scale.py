@@ -340,6 +340,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         "poll interval plus one API round trip of measurement error.",
         "The load test's jobs run their syncer in-cluster (kwok: no containers), so the operator's "
         "status polls of the syncers fail; those are counted apart from reconcile errors.",
+        "Load: create -> children runs from each job's own create to the first watch event of its "
+        "last child (watches from the first create on). Runs before 2026-11-24 04:00 listed the "
+        "namespace only once every job was created, so their per-job latencies held the "
+        "creation time; their reconcile time was timed from when a reconcile was queued.",
     ]
     report = Report(
         "operator",
