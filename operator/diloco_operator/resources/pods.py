@@ -27,7 +27,10 @@ LEARNER_CONTAINER = "learner"
 SYNCER_CONTAINER = "syncer"
 DIST_PORT_NAME = "dist"
 SYNCER_PORT_NAME = "http"
-RUN_AS_USER = 1000
+# The trainer image's user (the Dockerfile's USER 65532:65532, distroless "nonroot"): a
+# volume prepared for the image's user (a hostPath, a pre-provisioned disk: fsGroup does not
+# reach those) is writable by the job's pods only when they run as that same uid.
+RUN_AS_USER = 65532
 
 # Spec fields a running learner depends on (camelCase paths into the spec JSON). Changing one of
 # them rolls the islands; anything else (islands.count, suspend, stopAfter, outer, quorum, ...)
