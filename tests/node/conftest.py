@@ -142,3 +142,38 @@ def node_ns(node_cluster: ControlPlane, request: pytest.FixtureRequest) -> Itera
     name = node_cluster.create_namespace(request.node.name)
     yield name
     node_cluster.delete_namespace(name)
+
+
+@pytest.fixture(scope="session")
+def node_images(
+    request: pytest.FixtureRequest,
+    node_cluster: ControlPlane,
+    tmp_path_factory: pytest.TempPathFactory,
+) -> dict[str, str]:
+    """The operator and trainer images (hack/build-images.sh: instant when its cache holds the
+    current sources; DILOCO_NODE_IMAGES_DIR names an already built directory instead), loaded
+    into the node; {"operator": name, "trainer": name}."""
+    given = os.environ.get("DILOCO_NODE_IMAGES_DIR")
+    if given:
+        image_dir = Path(given)
+    else:
+        image_dir = _build(
+            request.config,
+            "build-images.sh",
+            tmp_path_factory.mktemp("images") / "build-images.log",
+        )
+    names = dict(
+        line.split("=", 1)
+        for line in (image_dir / "images.env").read_text().splitlines()
+        if "=" in line
+    )
+    for which in ("operator", "trainer"):
+        result = harness.run_local_cluster(
+            "load-image",
+            "--dir",
+            str(node_cluster.dir),
+            str(image_dir / f"{which}.tar"),
+            timeout=600,
+        )
+        assert result.returncode == 0, f"load-image {which}.tar failed:\n{result.stderr}"
+    return {"operator": names["OPERATOR_IMAGE"], "trainer": names["TRAINER_IMAGE"]}
