@@ -322,15 +322,21 @@ def test_rounds_an_admin_drop_ends_the_wait_for_an_island_never_heard_of() -> No
     assert state.due_fragments(3.0) == [0]
 
 
-def test_rounds_quorum_one_never_waits_for_islands_not_heard_of() -> None:
-    state = make_state(quorum=1, islands=0, timeout=30.0)
+def test_rounds_quorum_one_waits_the_grace_window_for_islands_not_joined_yet() -> None:
+    state = make_state(quorum=1, islands=0, timeout=30.0)  # grace 5 s
     state.expect(3, now=0.0)
     state.join("island-0", 1, now=1.0)
     push(state, "island-0", 2.0)
     assert state.effective_quorum() == 1
-    # Islands not heard of hold only the quorum, never the grace window: they are not about to
-    # push (they have not even joined), so the one active island's round is complete.
-    assert state.merge_due(0, 2.0)
+    # Two islands of the job have not joined: they hold the grace window (2.0 + 5 = 7.0), not
+    # the quorum, and no push prediction can end it early (they have reported nothing).
+    assert not state.merge_due(0, 2.0) and not state.merge_due(0, 6.9)
+    assert state.merge_due(0, 7.0)
+    # Both join and push within the window: the round is complete at once.
+    for i, t in ((1, 3.0), (2, 4.0)):
+        state.join(f"island-{i}", 1, now=t)
+        push(state, f"island-{i}", t)
+    assert state.awaited_islands() == 0 and state.merge_due(0, 4.0)
 
 
 def test_rounds_outer_step_counts_rounds_of_work_not_merges() -> None:

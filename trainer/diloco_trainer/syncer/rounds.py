@@ -13,11 +13,11 @@ Retried pushes. The answers to each island's recent pushes per fragment are kept
 answer again instead of being counted twice. Checkpoints keep the answers of pushes already
 merged (answers_json), so this holds across a syncer restart too.
 
-Quorum and grace. The effective quorum is min(K, active islands), at least 1. When the round's
-contributors reach it, the grace window starts; the round is due when the window has passed, when
-every active island has contributed, or when no missing island is expected to push before the
-window closes (expected_push: each island's last progress report and step time, against the
-fragment's sync point; an island with no report, or an overdue one, is always waited for).
+Quorum and grace. The effective quorum is min(K, active + awaited islands), at least 1. When
+the round's contributors reach it, the grace window starts; the round is due when the window has
+passed, when every island has contributed, or when no missing island is expected to push before
+the window closes (expected_push: last progress report and step time against the fragment's
+sync point; one with no report, overdue or not joined yet is waited for).
 Membership changes re-evaluate this at once: dropping an island removes its pending contribution
 (which may undo the quorum) and shrinks the active set (which may complete the round).
 
@@ -370,16 +370,18 @@ class SyncState:
     def merge_due(self, fragment: int, now: float) -> bool:
         """Whether fragment's round should merge now: quorum reached, and the grace window
         passed, or every active island contributed, or none of the missing ones is expected to
-        push before the window closes."""
+        push before the window closes. Islands not joined yet are waited for (the window only):
+        a late starter otherwise trains on fragments a merge apart (an early loss spike at K<M)."""
         rnd = self.rounds[fragment]
         if rnd.quorum_since is None:
             return False
         missing = self.active_islands() - rnd.pending.keys()
-        if not missing:
+        awaited = self.awaited_islands()
+        if not missing and not awaited:
             return True
         closes = rnd.quorum_since + self.grace()
-        if now >= closes:
-            return True
+        if now >= closes or awaited:
+            return now >= closes
         expected = [self.expected_push(self.islands[n], fragment, now) for n in missing]
         return all(t is not None and t > closes for t in expected)
 
