@@ -35,6 +35,12 @@ from diloco_operator.resources.pods import (
     syncer_config_hash,
 )
 
+# The kubelet's default probe timeout (1 s) fails a syncer busy merging on a loaded CPU; the
+# startup probe allows 10 minutes (120 x 5 s) to load the data and evaluate (real node: 70 s for
+# builtin:stdlib-text beside 4 learners on 2 cores, which the liveness probe alone killed).
+PROBE_TIMEOUT_SECONDS = 5
+STARTUP_PROBE_FAILURES = 120
+
 
 def _syncer_container(job: JobRef, spec: DiLoCoJobSpec) -> dict[str, Any]:
     tls = spec.syncer.tls.secret_name
@@ -58,10 +64,20 @@ def _syncer_container(job: JobRef, spec: DiLoCoJobSpec) -> dict[str, Any]:
         "readinessProbe": {
             "httpGet": {"path": "/readyz", "port": SYNCER_PORT_NAME, "scheme": scheme},
             "periodSeconds": 5,
+            "timeoutSeconds": PROBE_TIMEOUT_SECONDS,
+        },
+        # The syncer listens only once it has read its data, evaluated the initial weights or
+        # resumed from a checkpoint: minutes on a busy node. Liveness starts after that.
+        "startupProbe": {
+            "httpGet": {"path": "/healthz", "port": SYNCER_PORT_NAME, "scheme": scheme},
+            "periodSeconds": 5,
+            "timeoutSeconds": PROBE_TIMEOUT_SECONDS,
+            "failureThreshold": STARTUP_PROBE_FAILURES,
         },
         "livenessProbe": {
             "httpGet": {"path": "/healthz", "port": SYNCER_PORT_NAME, "scheme": scheme},
             "periodSeconds": 10,
+            "timeoutSeconds": PROBE_TIMEOUT_SECONDS,
             "failureThreshold": 6,
         },
         "volumeMounts": mounts,
