@@ -11,6 +11,8 @@ Fixtures:
   node_cluster   session-scoped ControlPlane with real-node-0 Ready (and one kwok node)
   busybox_image  session-scoped: the name of a static-busybox image loaded into the node
   node_ns        a fresh namespace per test (deleted afterwards)
+  node_images    session-scoped: the operator and trainer images of hack/build-images.sh (or of
+                 the directory DILOCO_NODE_IMAGES_DIR names), loaded into the node
 
 What is missing (root, Go, a host tool, a build) fails the tests with a message; they never
 skip.

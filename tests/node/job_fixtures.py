@@ -110,8 +110,11 @@ def checkpoint_volume(name: str, namespace: str, path: Path) -> list[dict[str, A
 
 
 def tiny_job(name: str, image: str, claim: str, outer_steps: int) -> dict[str, Any]:
-    """2 islands x 2 DDP ranks of gpt-tiny on CPU, checkpointed every outer step to `claim`."""
+    """2 islands x 2 DDP ranks of gpt-tiny on CPU, checkpointed every outer step to `claim`.
+    A learner's CPU limit of 1 gives it one intra-op thread (learner/device.py): four learners
+    share the node's two cores."""
     small = {"requests": {"cpu": "250m", "memory": "256Mi"}, "limits": {"memory": "1Gi"}}
+    learner = {"requests": small["requests"], "limits": {"cpu": "1", "memory": "1Gi"}}
     return {
         "apiVersion": "diloco.dev/v1alpha1",
         "kind": "DiLoCoJob",
@@ -123,7 +126,7 @@ def tiny_job(name: str, image: str, claim: str, outer_steps: int) -> dict[str, A
             "islands": {
                 "count": 2,
                 "replicas": 2,
-                "resources": small,
+                "resources": learner,
                 "template": pinned("learner"),
             },
             "inner": {
