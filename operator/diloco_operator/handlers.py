@@ -109,7 +109,7 @@ async def job_event(
     """Keep the newest job object and one timer task per job; forget a deleted job."""
     if type == DELETED:
         await REGISTRY.forget(namespace, name)
-        update_phase_gauge(REGISTRY)
+        update_phase_gauge(REGISTRY, force=True)
         return
     rt = REGISTRY.job(namespace, name)
     await rt.see_job(event["object"])

@@ -1,6 +1,6 @@
-"""What keeps 1,000 jobs' first reconciles and absent syncers from swamping the API server:
-FIFO admission of first reconciles with their wait measured apart, and backoff (without Secret
-reads) for a syncer that does not answer."""
+"""What keeps 1,000 jobs from swamping the API server and the operator's one core: FIFO
+admission of first reconciles with their wait measured apart, backoff (without Secret reads) for
+a syncer that does not answer, and the phase gauge counted at most once a second."""
 
 from __future__ import annotations
 
@@ -11,10 +11,11 @@ from typing import cast
 from diloco_operator import metrics
 from diloco_operator.admission import Admission
 from diloco_operator.kube import Kube
-from diloco_operator.runtime import JobRuntime
+from diloco_operator.runtime import JobRuntime, Registry
 from diloco_operator.sync import sync_job
 from diloco_operator.syncer_calls import POLL_BACKOFF_CAP, forget_client, poll_backoff
 from diloco_operator.syncer_errors import credentials_error
+from diloco_operator.triggers import PHASE_GAUGE_INTERVAL, update_phase_gauge
 from diloco_trainer.api.protocol import SyncerError
 
 from .operator_fakes import FakeKube, job_body
@@ -114,3 +115,23 @@ def test_operator_unanswering_syncer_is_not_polled_again_before_its_backoff() ->
     sync()
     assert rt.syncer.failures == 2
     assert not [c for c in kube.calls if c[0] == "read_secret"]
+
+
+def _exported(phase: str) -> float:
+    samples = metrics.JOBS.collect()[0].samples
+    return next(s.value for s in samples if s.labels["phase"] == phase)
+
+
+def test_operator_phase_gauge_counted_at_most_once_a_second_unless_forced() -> None:
+    registry = Registry()
+    registry.job("ns1", "a").phase = "Running"
+    update_phase_gauge(registry, force=True, now=100.0)
+    assert _exported("Running") == 1
+    registry.job("ns1", "b").phase = "Running"
+    update_phase_gauge(registry, now=100.5)  # within the interval: not counted again
+    assert _exported("Running") == 1
+    update_phase_gauge(registry, now=100.0 + PHASE_GAUGE_INTERVAL)
+    assert _exported("Running") == 2
+    registry.jobs.clear()
+    update_phase_gauge(registry, force=True, now=101.1)  # a deletion is exported at once
+    assert _exported("Running") == 0
