@@ -178,6 +178,11 @@ def test_job_trains_in_real_pods_eval_loss_falling(job: JobRun) -> None:
         f"{JOB}-island-{i}-{r}" for i in (0, 1) for r in (0, 1)
     ]
     assert all(p["spec"]["nodeName"] == NODE_NAME for p in pods)
+    # A syncer takes a minute to start here (data, initial eval): its startup probe, not the
+    # liveness probe, covers that (the liveness probe alone killed it).
+    syncer = syncer_pod(cp, job.ns, job.name)
+    assert syncer is not None
+    assert syncer["status"]["containerStatuses"][0]["restartCount"] == 0, syncer["status"]
     status = job.syncer()
     evals = [e["evalLoss"] for e in status["evalHistory"]]
     assert len(evals) >= 3 and evals[-1] < evals[0] - 0.5, evals
