@@ -324,9 +324,7 @@ class SyncState:
 
     def accept_push(self, fragment: int, contribution: Contribution, now: float) -> dict[str, Any]:
         """Record a checked contribution (replacing the island's pending one); returns the answer.
-
-        The caller ran check_push under the same lock, so this cannot fail.
-        """
+        The caller ran check_push under the same lock, so this cannot fail."""
         rnd = self.rounds[fragment]
         rec = self.islands[contribution.island]
         replaced = rnd.pending.get(contribution.island)
