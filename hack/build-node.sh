@@ -33,6 +33,8 @@ HOST_TOOLS=(runc:runc iptables:iptables conntrack:conntrack)
 
 log() { printf '[build-node] %s\n' "$*" >&2; }
 die() { printf '[build-node] ERROR: %s\n' "$*" >&2; exit 1; }
+# shellcheck source=lib/build-common.sh disable=SC1091
+source "${HACK_DIR}/lib/build-common.sh"
 
 have_all() {
   local b
@@ -82,34 +84,13 @@ if [[ ${FORCE} -eq 0 ]] && have_all "${BINARIES[@]}"; then
 fi
 
 # ---------------------------------------------------------------------------
-# Toolchain
-GO=${GO:-}
-if [[ -z "${GO}" ]]; then
-  if command -v go >/dev/null 2>&1; then
-    GO=$(command -v go)
-  elif [[ -x /usr/local/go/bin/go ]]; then
-    GO=/usr/local/go/bin/go
-  else
-    die "the Go toolchain was not found (looked for 'go' on PATH and /usr/local/go/bin/go). Install Go >= 1.26 (https://go.dev/dl/) or set GO=/path/to/go."
-  fi
-fi
-GO_VERSION=$("${GO}" env GOVERSION 2>/dev/null) || die "'${GO} env GOVERSION' failed; is ${GO} a working Go toolchain?"
-log "using ${GO} (${GO_VERSION})"
-
-mkdir -p "${OUT_DIR}" || die "cannot create cache directory ${OUT_DIR}"
-
-# Serialise concurrent builds of the same cache entry.
-if command -v flock >/dev/null 2>&1; then
-  exec 9>"${OUT_DIR}/.lock"
-  if ! flock -n 9; then
-    log "another build of ${CACHE_KEY} is running; waiting for it to finish..."
-    flock 9
-  fi
-  if [[ ${FORCE} -eq 0 ]] && have_all "${BINARIES[@]}"; then
-    install_host_tools
-    echo "${BIN_DIR}"
-    exit 0
-  fi
+# Toolchain and the cache entry's lock (hack/lib/build-common.sh)
+find_go
+take_build_lock "${OUT_DIR}" "${CACHE_KEY}"
+if [[ ${FORCE} -eq 0 ]] && have_all "${BINARIES[@]}"; then
+  install_host_tools
+  echo "${BIN_DIR}"
+  exit 0
 fi
 
 WORK_DIR=$(mktemp -d "${OUT_DIR}/build.XXXXXX")
