@@ -191,8 +191,9 @@ def test_operator_reaches_tls_syncer_with_ca_secret(
         WAIT,
         message="the HTTPS syncer reached with the CA from the Secret",
     )
-    sts = cluster.get("statefulset", "tls-island-0")
-    assert sts is not None
+    sts = wait_until(
+        lambda: cluster.get("statefulset", "tls-island-0"), WAIT, message="island-0's StatefulSet"
+    )
     env = {
         e["name"]: e.get("value") for e in sts["spec"]["template"]["spec"]["containers"][0]["env"]
     }

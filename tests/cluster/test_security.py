@@ -99,8 +99,10 @@ def test_security_island_credential_acts_only_as_its_island(
     for island, token in tokens.items():
         assert credentials.verify(syncer.token, token) == credentials.Principal("island", island)
     # Each island's pods mount its own key only, and no ServiceAccount token.
-    sts = cluster.get("statefulset", "cred-island-0")
-    assert sts is not None
+    # The island-token Secret is written before the children, so wait for the StatefulSet too.
+    sts = wait_until(
+        lambda: cluster.get("statefulset", "cred-island-0"), WAIT, message="island-0's StatefulSet"
+    )
     spec = sts["spec"]["template"]["spec"]
     volume = next(v for v in spec["volumes"] if v["name"] == "token")
     assert volume["secret"]["secretName"] == "cred-island-tokens"
