@@ -37,7 +37,18 @@ from typing import Any
 
 from diloco_operator import api as op_api
 from diloco_operator.api import parse_job_spec
-from diloco_operator.resources import JOB_LABEL, JobRef, build_children, build_token_secret
+from diloco_operator.credentials import new_root
+from diloco_operator.options import network_options
+from diloco_operator.resources import (
+    JOB_LABEL,
+    ROTATE_CREDENTIALS,
+    JobRef,
+    NetworkOptions,
+    build_children,
+    build_island_tokens_secret,
+    build_token_secret,
+)
+from diloco_trainer.api.credentials import Issuer
 from diloco_trainer.api.spec import parse_spec
 from diloco_trainer.local import launch
 
@@ -63,6 +74,7 @@ from bench.kube_cluster import (
     start_cluster,
     stop_cluster,
 )
+from bench.operator_floor import floor_rows, floor_targets, measure_floor, settle
 from bench.operator_load import load_table, measure_load, pct
 from hack.localcluster.harness import OperatorProcess, condition_status, islands_ready
 
@@ -97,6 +109,24 @@ def expected_children(body: dict[str, Any]) -> set[tuple[str, str]]:
     if not spec.syncer.token_secret_name:
         kids.append(build_token_secret(ref, "x"))
     return {(k["kind"], k["metadata"]["name"]) for k in kids}
+
+
+def operator_objects(body: dict[str, Any], network: NetworkOptions) -> list[dict[str, Any]]:
+    """Every object the operator writes for a new job (sync.py and credentials.py), built with
+    its own pure builders: the token Secret, the island credentials Secret, the children."""
+    ref = JobRef.from_body(body)
+    spec = parse_job_spec(body["spec"])
+    token = new_root()
+    issuer = Issuer.of(token)
+    secret = build_token_secret(ref, token)
+    secret["metadata"]["annotations"][ROTATE_CREDENTIALS] = ""  # as credentials.py writes it
+    return [
+        secret,
+        build_island_tokens_secret(ref, spec, issuer),
+        *build_children(
+            ref, spec, islands_running=True, credential=issuer.fingerprint(), network=network
+        ),
+    ]
 
 
 def measure_apply(k: Api, ns: str, base_ns: str, repeats: int, islands: int) -> dict[str, Any]:
@@ -231,6 +261,38 @@ def measure_drop(k: Api, ns: str, wd: Path, repeats: int) -> dict[str, Any]:
     return {"drop": drop_s, "readd": readd_s, "watch": watch_s, "admin": admin_s}
 
 
+def measure_floor_phase(args: argparse.Namespace, cluster: Any, k: Api, ns: str) -> dict[str, Any]:
+    """The load's floor (bench/operator_floor.py) before any operator runs, then a wait until
+    the controller-manager made its pods, so that the operator's load starts on a quiet API."""
+    print(f"0. floor: {args.load_jobs} jobs x {args.load_islands} islands, no operator", flush=True)
+    network = network_options(cluster.env)  # the operator process gets the same environment
+    floor = measure_floor(
+        k, floor_api_client(cluster), ns, args.load_jobs, args.load_islands, args.load_deadline,
+        manifest=manifest, expected=expected_children,
+        objects=lambda body: operator_objects(body, network),
+    )  # fmt: skip
+    print(
+        f"  floor: {floor['done']}/{floor['jobs']} jobs in {floor['all_children_seconds']:.0f}s, "
+        f"p95 {pct(floor['latencies'], 0.95):.1f}s; waiting for its pods",
+        flush=True,
+    )
+    pods = args.load_jobs * (args.load_islands + 1)  # one learner per island, one syncer
+    floor["settle_seconds"], floor["settle_pods"] = settle(k, ns, pods, args.settle_timeout)
+    floor["settle_want"] = pods
+    return floor
+
+
+def floor_api_client(cluster: Any) -> Any:
+    """An API client with as many pooled connections as the operator's API threads."""
+    from diloco_operator.kube import API_THREADS
+    from kubernetes import client, config
+
+    configuration = client.Configuration()
+    config.load_kube_config(config_file=str(cluster.kubeconfig), client_configuration=configuration)
+    configuration.connection_pool_maxsize = API_THREADS
+    return client.ApiClient(configuration)
+
+
 def measure(args: argparse.Namespace, wd: Path, nodes: int) -> dict[str, Any]:
     """Start the control plane and the operator, take the measurements not skipped, stop both."""
     print(f"starting the local control plane ({nodes} kwok nodes)", flush=True)
@@ -241,8 +303,10 @@ def measure(args: argparse.Namespace, wd: Path, nodes: int) -> dict[str, Any]:
     try:
         cluster.install_crd(timeout="60s")
         k = Api(cluster)
-        for ns in ("bench-apply", "bench-base", "bench-drop", "bench-load"):
+        for ns in ("bench-apply", "bench-base", "bench-drop", "bench-load", "bench-floor"):
             k.namespace(ns)
+        if "load" not in args.skip and "floor" not in args.skip:
+            out["floor"] = measure_floor_phase(args, cluster, k, "bench-floor")
         op = operator_process(
             cluster, ["bench-apply", "bench-drop", "bench-load"], wd / "operator.log"
         )
@@ -317,7 +381,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--load-islands", type=int, default=8)
     p.add_argument("--load-deadline", type=float, default=600, help="seconds")
     p.add_argument("--nodes", type=int, default=0, help="kwok nodes (default: enough pods)")
-    p.add_argument("--skip", nargs="*", default=[], choices=["apply", "drop", "load"])
+    p.add_argument(
+        "--settle-timeout", type=float, default=600, help="seconds to wait for the floor's pods"
+    )
+    p.add_argument("--skip", nargs="*", default=[], choices=["apply", "drop", "load", "floor"])
     args = p.parse_args(argv)
     install_signal_cleanup()
     pods = args.load_jobs * (args.load_islands + 1) + 2 * args.repeats * args.apply_islands + 8
@@ -325,6 +392,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     with LoadMonitor() as load, workdir(args.workdir, "operator") as wd:
         got = measure(args, wd, nodes)
     apply, drop, loaded = got.get("apply"), got.get("drop"), got.get("load")
+    floor = got.get("floor")
 
     tables = []
     targets = Table("Targets", ["target", "figure", "verdict"])
@@ -334,7 +402,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         tables.append(drop_table(args, drop, targets))
     if loaded:
         unloaded = statistics.median(apply["operator"]) if apply else float("nan")
-        tables.append(load_table(loaded, args.load_islands, unloaded, nodes, targets))
+        load_t = load_table(loaded, args.load_islands, unloaded, nodes, targets)
+        if floor:
+            floor_rows(load_t, floor, loaded)
+        tables.append(load_t)
+    floor_notes = floor_targets(targets, floor, loaded) if floor and loaded else []
     tables.append(targets)
     notes = [
         f"Control plane: hack/local-cluster with {nodes} kwok nodes; `up` took {got['up_s']:.0f}s.",
@@ -346,6 +418,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "last child (watches from the first create on). Runs before 2026-11-24 04:00 listed the "
         "namespace only once every job was created, so their per-job latencies held the "
         "creation time; their reconcile time was timed from when a reconcile was queued.",
+        *floor_notes,
     ]
     report = Report(
         "operator",
