@@ -29,7 +29,7 @@ from diloco_trainer.api.credentials import CredentialError, Issuer
 
 from diloco_operator import metrics, resources
 from diloco_operator.api import DiLoCoJobSpec
-from diloco_operator.children import Conflict, write_child
+from diloco_operator.children import UNREAD, Conflict, write_child
 from diloco_operator.events import post_event
 from diloco_operator.kube import Kube
 from diloco_operator.planner import owned_by
@@ -120,16 +120,41 @@ async def job_issuer(kube: Kube, rt: JobRuntime, job: JobRef, spec: DiLoCoJobSpe
     return creds.issuer
 
 
-async def ensure_credentials(
+async def read_credential(
     kube: Kube, rt: JobRuntime, job: JobRef, spec: DiLoCoJobSpec
-) -> tuple[str, Conflict | None]:
-    """Read the job's credential and write the island credentials Secret when it changed; the
-    fingerprint for the pod templates ('' without a credential) and a name conflict, if any."""
+) -> Issuer | CredentialError:
+    """The job's issuer (job_issuer, read again when the job asked for a rotation since), or
+    why there is none."""
     creds = rt.credentials
     if creds.checked and creds.rotation != rotation_requested(rt.body or {}):
         creds.checked = False  # the job asked for a rotation since the last read
     try:
-        issuer = await job_issuer(kube, rt, job, spec)
+        return await job_issuer(kube, rt, job, spec)
+    except CredentialError as err:
+        return err
+
+
+async def ensure_credentials(
+    kube: Kube,
+    rt: JobRuntime,
+    job: JobRef,
+    spec: DiLoCoJobSpec,
+    *,
+    issuer: Issuer | CredentialError | None = None,
+    existing: Any = UNREAD,
+) -> tuple[str, Conflict | None]:
+    """Read the job's credential and write the island credentials Secret when it changed; the
+    fingerprint for the pod templates ('' without a credential) and a name conflict, if any.
+
+    `issuer`: what read_credential answered just before (then it is not read again);
+    `existing`: the island credentials Secret as read just before (children.write_child).
+    """
+    creds = rt.credentials
+    if issuer is None:
+        issuer = await read_credential(kube, rt, job, spec)
+    try:
+        if isinstance(issuer, CredentialError):
+            raise issuer
         secret = resources.build_island_tokens_secret(job, spec, issuer)
     except CredentialError as err:
         if creds.reported != str(err):
@@ -139,7 +164,9 @@ async def ensure_credentials(
     creds.reported = None
     digest = secret["metadata"]["annotations"][resources.SPEC_HASH]
     if digest != creds.written:
-        result = await write_child(kube, secret, job_uid=job.uid, owned=creds.written is not None)
+        result = await write_child(
+            kube, secret, job_uid=job.uid, owned=creds.written is not None, existing=existing
+        )
         if isinstance(result, Conflict):
             return issuer.fingerprint(), result
         creds.written = digest

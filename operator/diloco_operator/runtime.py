@@ -18,6 +18,7 @@ from diloco_trainer.api.client import SyncerJsonClient
 from diloco_trainer.api.credentials import Issuer
 
 from diloco_operator import api
+from diloco_operator.desired import DesiredChildren
 from diloco_operator.health import Membership, PodView, pod_view
 from diloco_operator.kube import Kube
 from diloco_operator.observed import ObjectCache, child_view, resource_version
@@ -87,6 +88,7 @@ class JobRuntime:
     syncer_pods_ready: int = 0  # the job's own syncer pods Ready at the last sync
     rollout: list[str] = field(default_factory=list)  # island StatefulSets rolling or held
     last_reconcile: float = 0.0  # time.monotonic() of the last reconcile of the children
+    desired: DesiredChildren = field(default_factory=DesiredChildren)  # the last build
     spec_error: str | None = None  # the last invalid-spec message posted as an Event
     notes: dict[str, str] = field(default_factory=dict)  # one-off Events posted: key -> message
     # The syncer's refusal counts last seen, (island, reason) -> count (refusals.py); None

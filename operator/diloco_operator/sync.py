@@ -3,10 +3,16 @@
 Level-triggered: a sync reads the newest job object and the pods and children the watches
 delivered (runtime.JobRuntime), so running it again after any failure finishes the work. The
 API server is read only where the watches cannot help: a job's pods and children are listed on
-its first sync and again every RESYNC_INTERVAL (a safety net for missed events), and the token
-Secret (not watched: the operator may not list Secrets) is read on the same schedule
-(credentials.py). A child whose name an object the job does not own already has is left alone
-and reported (children.py: a NameConflict condition and an Event).
+its first sync and again about every RESYNC_INTERVAL (a safety net for missed events), and the
+token Secret (not watched: the operator may not list Secrets) is read on the same schedule
+(credentials.py). A job that was never synced (no status yet) is not listed on its first sync:
+it cannot have pods or children of its own yet, and each child it wants is read before it is
+written anyway. A child whose name an object the job does not own already has is left alone and
+reported (children.py: a NameConflict condition and an Event).
+
+A first reconcile costs three round trips to the API server: the token Secret is created while
+every child the job wants is read; then the island credentials Secret is written; then the
+children (the Secret still comes first: learner pods mount it).
 """
 
 from __future__ import annotations
@@ -14,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+import zlib
 from datetime import datetime, timezone
 from typing import Any
 
@@ -22,8 +29,8 @@ import kopf
 from diloco_operator import metrics, resources
 from diloco_operator.admission import FIRST_RECONCILES
 from diloco_operator.api import DiLoCoJobSpec, SpecError, parse_job_spec
-from diloco_operator.children import Conflict, write_children
-from diloco_operator.credentials import ensure_credentials
+from diloco_operator.children import UNREAD, Conflict, read_children, write_children
+from diloco_operator.credentials import ensure_credentials, read_credential
 from diloco_operator.events import post_event
 from diloco_operator.final_weights import post_weight_events
 from diloco_operator.health import island_health, syncer_pods
@@ -31,7 +38,7 @@ from diloco_operator.kube import Kube
 from diloco_operator.observation import Observation
 from diloco_operator.observed import parse_version
 from diloco_operator.phase import FINAL_PHASES
-from diloco_operator.planner import MANAGED_KINDS, plan_changes
+from diloco_operator.planner import MANAGED_KINDS, Key, owned_by, plan_changes
 from diloco_operator.refusals import post_refusal_events
 from diloco_operator.resources import JobRef
 from diloco_operator.runtime import JobRuntime
@@ -49,6 +56,16 @@ log = logging.getLogger("diloco_operator")
 
 RECONCILE_INTERVAL = 30.0  # reconcile from what was seen at least this often (drift backstop)
 RESYNC_INTERVAL = 300.0  # list the job, its pods and its children again this often
+# Jobs created together (a burst of 1,000) would all resync at the same moment, listing the API
+# server 8,000 times at once: each job resyncs after RESYNC_INTERVAL less up to this share of
+# it, a fixed spread per job name.
+RESYNC_SPREAD = 0.25
+
+
+def resync_interval(namespace: str, name: str) -> float:
+    """Seconds between a job's resyncs: RESYNC_INTERVAL less a fixed share for this job."""
+    share = zlib.crc32(f"{namespace}/{name}".encode()) / 2**32
+    return RESYNC_INTERVAL * (1.0 - RESYNC_SPREAD * share)
 
 
 def _now() -> datetime:
@@ -62,7 +79,8 @@ async def sync_job(kube: Kube, rt: JobRuntime, *, reconcile: bool, poll_syncer: 
     """
     queued_at = time.monotonic()  # a first reconcile's wait counts from here (the lock too)
     async with rt.lock:
-        if poll_syncer and time.monotonic() - rt.resynced_at >= RESYNC_INTERVAL:
+        due = resync_interval(rt.namespace, rt.name)
+        if poll_syncer and time.monotonic() - rt.resynced_at >= due:
             fresh = await kube.get_job(rt.namespace, rt.name)
             if fresh is None:
                 return False
@@ -118,9 +136,18 @@ def _report_conflicts(rt: JobRuntime, conflicts: list[Conflict]) -> None:
     rt.conflicts = messages
 
 
+def never_synced(body: dict[str, Any]) -> bool:
+    """The job has no status: no sync finished for it, so it holds no pods or children of its
+    own yet (a child of its name is read before it is written: children.py)."""
+    return not body.get("status")
+
+
 async def _list_children(kube: Kube, rt: JobRuntime, job: JobRef) -> None:
     """List every managed kind once per resync; the watches keep the cache fresh in between."""
     if rt.children_listed:
+        return
+    if rt.body is not None and never_synced(rt.body):
+        rt.children_listed = True  # nothing of its own to list; the watches bring the rest
         return
     listings = await asyncio.gather(
         *(kube.list_labelled(kind, job.namespace, job.name) for kind in MANAGED_KINDS)
@@ -134,6 +161,9 @@ async def _list_children(kube: Kube, rt: JobRuntime, job: JobRef) -> None:
 async def _list_pods(kube: Kube, rt: JobRuntime, job: JobRef) -> None:
     """List the job's pods once per resync; the pod watch keeps the cache fresh in between."""
     if rt.pods_listed:
+        return
+    if rt.body is not None and never_synced(rt.body):
+        rt.pods_listed = True  # its StatefulSets were just written: the pod watch has the pods
         return
     listing = await kube.list_labelled("Pod", job.namespace, job.name)
     listed = {o["metadata"]["name"]: o for o in listing.items}
@@ -162,21 +192,46 @@ async def reconcile_children(
         await _reconcile_children(kube, rt, job, spec, status)
 
 
+def _unread(rt: JobRuntime, job: JobRef, keys: list[Key]) -> list[Key]:
+    """The children (and the island credentials Secret) the job may not own: read before any
+    write (children.py), all at once. While a listing is due (after a restart or a resync) the
+    children are not read here: the listing shows which are the job's, and only the others are
+    read, by write_child, after it."""
+    unread: list[Key] = []
+    if rt.children_listed or never_synced(rt.body or {}):
+        mine = {k for k in keys if (c := rt.children.get(k)) is not None and owned_by(c, job.uid)}
+        unread = [k for k in keys if k not in mine]
+    creds = rt.credentials
+    if creds.written is None and not (creds.checked and creds.issuer is None):
+        # (a credential known to be unusable writes no Secret: nothing to read for it)
+        unread.append(("Secret", resources.island_tokens_secret_name(job.name)))
+    return unread
+
+
 async def _reconcile_children(
     kube: Kube, rt: JobRuntime, job: JobRef, spec: DiLoCoJobSpec, status: dict[str, Any]
 ) -> None:
     started = time.monotonic()
-    # The credential and the children's listing are independent reads: one round trip, not two.
-    (credential, conflict), _ = await asyncio.gather(
-        ensure_credentials(kube, rt, job, spec), _list_children(kube, rt, job)
-    )
     running = islands_should_run(spec, status)
-    desired = resources.build_children(
-        job, spec, islands_running=running, credential=credential, network=rt.network
+    spec_data = (rt.body or {}).get("spec") or {}
+    keys = rt.desired.keys(job, spec_data, spec, running=running, network=rt.network)
+    # The credential, the children's listing and the reads of children the job may not own are
+    # independent: one round trip, not three.
+    issuer, _, read = await asyncio.gather(
+        read_credential(kube, rt, job, spec),
+        _list_children(kube, rt, job),
+        read_children(kube, job.namespace, _unread(rt, job, keys)),
+    )
+    secret = read.pop(("Secret", resources.island_tokens_secret_name(job.name)), UNREAD)
+    credential, conflict = await ensure_credentials(
+        kube, rt, job, spec, issuer=issuer, existing=secret
+    )
+    desired = rt.desired.build(
+        job, spec_data, spec, running=running, credential=credential, network=rt.network
     )
     observed = list(rt.children.values())
     plan = plan_changes(desired, observed, job_uid=job.uid)
-    stored, conflicts = await write_children(kube, plan.apply, observed, job_uid=job.uid)
+    stored, conflicts = await write_children(kube, plan.apply, observed, job_uid=job.uid, read=read)
     for obj in stored:  # the write's answer is the newest state: no need to wait for its event
         rt.see_child(None, obj)
     _report_conflicts(rt, [*conflicts, *([conflict] if conflict else [])])

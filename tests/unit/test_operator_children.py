@@ -7,7 +7,13 @@ import asyncio
 from typing import Any, cast
 
 from diloco_operator import resources
-from diloco_operator.children import Conflict, holder_of, write_child
+from diloco_operator.children import (
+    Conflict,
+    holder_of,
+    read_children,
+    write_child,
+    write_children,
+)
 from diloco_operator.kube import Kube
 from diloco_operator.resources import JobRef
 from diloco_operator.runtime import JobRuntime
@@ -101,3 +107,26 @@ def test_operator_children_sync_reports_a_name_conflict_and_recovers() -> None:
     assert (conditions["NameConflict"]["status"], rt.conflicts) == ("False", [])
     owner = kube.objects[("StatefulSet", "a-b-island-0")]["metadata"]["ownerReferences"]
     assert owner[0]["uid"] == JOB.uid
+
+
+def test_operator_children_read_beforehand_are_not_read_again() -> None:
+    kube = FakeKube(job_body("a-b", uid=JOB.uid))
+    kube.objects[("StatefulSet", "a-b-island-0")] = _sts(OTHER)
+    new = {**_sts(JOB), "kind": "Service"}  # absent: read as None beforehand
+    read = asyncio.run(
+        read_children(
+            cast(Kube, kube), "ns1", [("StatefulSet", "a-b-island-0"), ("Service", "a-b-island-0")]
+        )
+    )
+    assert read[("Service", "a-b-island-0")] is None
+    kube.calls.clear()
+    stored, conflicts = asyncio.run(
+        write_children(cast(Kube, kube), [_sts(JOB), new], [], job_uid=JOB.uid, read=read)
+    )
+    # No second read: the other job's StatefulSet is left alone, the absent Service created.
+    assert kube.calls == [("apply", "Service/a-b-island-0")]
+    assert conflicts == [Conflict("StatefulSet", "a-b-island-0", "DiLoCoJob a")]
+    assert [o["metadata"]["name"] for o in stored] == ["a-b-island-0"]
+    kube.calls.clear()
+    asyncio.run(write_children(cast(Kube, kube), [_sts(JOB)], [], job_uid=JOB.uid))
+    assert kube.methods() == ["get"]  # not read beforehand: read here, as before

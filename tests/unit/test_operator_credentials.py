@@ -9,7 +9,7 @@ from typing import Any, cast
 import pytest
 from diloco_operator import resources
 from diloco_operator.api import parse_job_spec
-from diloco_operator.credentials import ensure_credentials, job_issuer
+from diloco_operator.credentials import ensure_credentials, job_issuer, read_credential
 from diloco_operator.kube import Kube
 from diloco_operator.resources import JobRef
 from diloco_operator.runtime import JobRuntime
@@ -127,3 +127,24 @@ def test_operator_credentials_island_tokens_secret_follows_scaling() -> None:
     rt.body["spec"]["islands"]["count"] = 1
     _ensure(kube, rt)
     assert set(_island_tokens(kube)) == {"island-0"}  # a removed island's credential goes
+
+
+def test_operator_credentials_issuer_and_secret_read_beforehand_are_not_read_again() -> None:
+    kube, rt = _setup(syncer={})
+    spec = parse_job_spec((rt.body or {})["spec"])
+    issuer = asyncio.run(read_credential(cast(Kube, kube), rt, JOB, spec))
+    assert kube.methods() == ["create"]  # a job never synced: its token Secret created at once
+    kube.calls.clear()
+    fingerprint, conflict = asyncio.run(
+        ensure_credentials(cast(Kube, kube), rt, JOB, spec, issuer=issuer, existing=None)
+    )
+    assert rt.credentials.issuer is not None and conflict is None
+    assert fingerprint == rt.credentials.issuer.fingerprint()
+    # Neither the token Secret nor the island Secret is read again: only the write remains.
+    assert kube.calls == [("apply", "Secret/demo-island-tokens")]
+    unusable = asyncio.run(
+        ensure_credentials(
+            cast(Kube, kube), rt, JOB, spec, issuer=CredentialError("token Secret x: bad")
+        )
+    )
+    assert unusable == ("", None) and rt.credentials.reported == "token Secret x: bad"

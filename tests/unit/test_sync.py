@@ -7,9 +7,12 @@ from typing import Any, cast
 
 import kopf
 import pytest
+from diloco_operator import resources
+from diloco_operator.api import parse_job_spec
 from diloco_operator.kube import Kube
+from diloco_operator.resources import JobRef
 from diloco_operator.runtime import DELETED, JobRuntime
-from diloco_operator.sync import RESYNC_INTERVAL, sync_job
+from diloco_operator.sync import RESYNC_INTERVAL, resync_interval, sync_job
 
 from .operator_fakes import FakeKube, job_body, ready_pod
 
@@ -24,33 +27,51 @@ def _runtime(body: dict[str, Any]) -> JobRuntime:
     return rt
 
 
-def test_sync_job_first_sync_lists_and_creates_children() -> None:
-    body = job_body()
+CHILDREN = {
+    "ConfigMap/demo-config",
+    "NetworkPolicy/demo-network",
+    "Service/demo-island-0",
+    "Service/demo-island-1",
+    "StatefulSet/demo-island-0",
+    "StatefulSet/demo-island-1",
+}
+LISTED_KINDS = ["ConfigMap", "Deployment", "NetworkPolicy", "Pod", "Service", "StatefulSet"]
+
+
+def test_sync_job_first_sync_of_a_new_job_reads_each_child_once_and_creates_them() -> None:
+    body = job_body(syncer={})  # a generated token Secret: created on the first sync
     kube = FakeKube(body)
     rt = _runtime(body)
     assert _sync(kube, rt, reconcile=True)
-    listed = [d for m, d in kube.calls if m == "list_labelled"]
-    assert sorted(listed) == [
-        "ConfigMap",
-        "Deployment",
-        "NetworkPolicy",
-        "Pod",
-        "Service",
-        "StatefulSet",
-    ]
-    # Children the job does not own yet are read first (never applied over someone else's).
-    applied = {d for m, d in kube.calls if m == "apply" and not d.startswith("Secret/")}
-    assert applied <= {d for m, d in kube.calls if m == "get"}
-    assert applied == {
-        "ConfigMap/demo-config",
-        "NetworkPolicy/demo-network",
-        "Service/demo-island-0",
-        "Service/demo-island-1",
-        "StatefulSet/demo-island-0",
-        "StatefulSet/demo-island-1",
-    }
+    # A job never synced (no status) has nothing of its own to list.
+    assert "list_labelled" not in kube.methods()
+    # Children the job does not own yet are read first (never applied over someone else's),
+    # each once, all before the first write: token Secret and reads, island Secret, children.
+    applied = [d for m, d in kube.calls if m == "apply" and not d.startswith("Secret/")]
+    read = [d for m, d in kube.calls if m == "get" and not d.startswith("Secret/")]
+    wanted = CHILDREN | {"Deployment/demo-syncer", "Service/demo-syncer"}
+    assert set(applied) == wanted and sorted(read) == sorted(wanted)
+    first_apply = kube.methods().index("apply")
+    assert kube.calls[first_apply] == ("apply", "Secret/demo-island-tokens")
+    assert {m for m, _ in kube.calls[:first_apply]} == {"create", "get"}
+    assert kube.calls.index(("create", "Secret/demo-token")) < first_apply
     assert kube.methods()[-1] == "patch_job_status"
     assert rt.body is not None and rt.body["status"]["phase"] == "Pending"
+
+
+def test_sync_job_first_sync_after_a_restart_lists_and_reads_only_what_it_does_not_own() -> None:
+    body = job_body()
+    kube = FakeKube(body)
+    _sync(kube, _runtime(body), reconcile=True)
+    assert kube.job is not None and kube.job.get("status")  # synced before the "restart"
+    rt = _runtime(kube.job)  # a new operator process: nothing seen yet
+    kube.calls.clear()
+    assert _sync(kube, rt, reconcile=True)
+    assert sorted(d for m, d in kube.calls if m == "list_labelled") == LISTED_KINDS
+    # The listing shows every child as the job's: none is read, none is written again.
+    touched = {d for m, d in kube.calls if m in ("get", "apply") and not d.startswith("Secret/")}
+    assert touched == set()
+    assert set(rt.children.keys()) == {tuple(c.split("/")) for c in CHILDREN}
 
 
 def test_sync_job_steady_state_reads_no_list_and_no_job() -> None:
@@ -123,6 +144,52 @@ def test_sync_job_resync_reads_the_job_and_lists_again() -> None:
         "Service",
         "StatefulSet",
     ]
+
+
+def test_sync_job_resyncs_are_spread_over_a_quarter_of_the_interval() -> None:
+    intervals = [resync_interval("ns1", f"job-{i}") for i in range(200)]
+    assert all(RESYNC_INTERVAL * 0.75 <= t <= RESYNC_INTERVAL for t in intervals)
+    assert max(intervals) - min(intervals) > RESYNC_INTERVAL * 0.2  # spread, not one moment
+    assert resync_interval("ns1", "job-7") == intervals[7]  # fixed per job
+    body = job_body()
+    kube = FakeKube(body)
+    rt = _runtime(body)
+    _sync(kube, rt, reconcile=True, poll=True)
+    rt.resynced_at -= resync_interval("ns1", "demo") - 1.0  # one second before it is due
+    kube.calls.clear()
+    _sync(kube, rt, reconcile=False, poll=True)
+    assert "get_job" not in kube.methods()
+    rt.resynced_at -= 1.0
+    _sync(kube, rt, reconcile=False, poll=True)
+    assert kube.methods()[0] == "get_job"
+
+
+def test_sync_job_builds_the_children_again_only_when_an_input_changed() -> None:
+    body = job_body()
+    kube = FakeKube(body)
+    rt = _runtime(body)
+    _sync(kube, rt, reconcile=True)
+    builds = rt.desired.builds
+    for _ in range(3):
+        _sync(kube, rt, reconcile=True)
+    assert rt.desired.builds == builds  # same job, spec, credential: the same objects
+    bigger = job_body(islands={"count": 3, "replicas": 1})
+    bigger["metadata"]["resourceVersion"] = "500"
+    asyncio.run(rt.see_job(bigger))
+    kube.calls.clear()
+    _sync(kube, rt, reconcile=True)
+    assert rt.desired.builds == builds + 1
+    applied = {d for m, d in kube.calls if m == "apply"}
+    assert applied == {
+        "ConfigMap/demo-config",
+        "Service/demo-island-2",
+        "StatefulSet/demo-island-2",
+    }
+    spec = parse_job_spec(bigger["spec"])
+    fresh = resources.build_children(
+        JobRef.from_body(bigger), spec, islands_running=True, network=rt.network
+    )
+    assert rt.desired.children == fresh  # what a fresh build gives
 
 
 def test_sync_job_reports_a_job_found_gone() -> None:
