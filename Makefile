@@ -19,9 +19,10 @@ demo: $(STAMP)
 	mkdir -p runs
 	$(BIN)/diloco run examples/local.yaml --summary runs/summary.json --plot runs/loss.png
 
-## test: lint, then every test tier (unit, e2e processes, real control plane; kind where Docker is)
-test: $(STAMP) lint binaries
-	$(BIN)/python -m pytest -ra tests --ignore=tests/node
+## test: lint, build what the tiers need (control plane, real node, images: cached by version),
+## then every test tier (unit, e2e processes, real control plane, real node; kind where Docker is)
+test: $(STAMP) lint binaries node images
+	$(BIN)/python -m pytest -ra tests
 
 ## binaries: build the control plane's pinned binaries before any test starts, with progress
 ## (about 15 minutes on 2 cores the first time; cached by version, seconds afterwards)
@@ -38,7 +39,7 @@ node:
 images:
 	bash hack/build-images.sh
 
-## test-node: the control plane with one real node (root; not part of `make test` yet)
+## test-node: the control plane with one real node (root), the tier alone
 test-node: $(STAMP) binaries node
 	$(BIN)/python -m pytest -ra tests/node
 

@@ -41,6 +41,8 @@ TORCH_MOUNT=/mnt
 
 log() { printf '[build-images] %s\n' "$*" >&2; }
 die() { printf '[build-images] ERROR: %s\n' "$*" >&2; exit 1; }
+# shellcheck source=lib/build-common.sh disable=SC1091
+source "${HACK_DIR}/lib/build-common.sh"
 
 # --- torch: a local wheel directory or PyPI ------------------------------------------------
 if [[ -z "${TORCH_WHEELS+set}" && -d "${REPO_DIR}/../shared/wheels" ]]; then
@@ -99,11 +101,10 @@ fi
 
 # --- tools ---------------------------------------------------------------------------------
 [[ $(id -u) -eq 0 ]] || die "run as root (debootstrap and buildah's chroot isolation need it)"
-missing=()
-for tool in buildah debootstrap chroot sha256sum flock python3; do
-  command -v "${tool}" >/dev/null 2>&1 || missing+=("${tool}")
-done
-[[ ${#missing[@]} -eq 0 ]] || die "missing: ${missing[*]} (Debian: apt-get install buildah debootstrap)"
+# A fresh machine of this project's kind has neither buildah nor debootstrap: install them
+# (and umoci, with which tests/node/test_images.py unpacks the archives to run them with runc).
+install_debian_tools buildah:buildah debootstrap:debootstrap umoci:umoci chroot:coreutils \
+  sha256sum:coreutils flock:util-linux python3:python3
 
 mkdir -p "${CACHE_ROOT}" "${STORAGE}"
 exec 9>"${CACHE_ROOT}/.lock"

@@ -43,12 +43,7 @@ have_all() {
   done
 }
 
-have_host_tools() {
-  local t
-  for t in "${HOST_TOOLS[@]}"; do
-    command -v "${t%%:*}" >/dev/null 2>&1 || PATH="${PATH}:/usr/sbin:/sbin" command -v "${t%%:*}" >/dev/null 2>&1 || return 1
-  done
-}
+have_host_tools() { [[ -z "$(missing_tools "${HOST_TOOLS[@]}")" ]]; }
 
 FORCE=0
 case "${1:-}" in
@@ -60,21 +55,8 @@ case "${1:-}" in
   *) die "unknown argument: $1 (try --help)" ;;
 esac
 
-# install_host_tools: runc and iptables from Debian; only apt-get as root, else say what is missing.
-install_host_tools() {
-  have_host_tools && return 0
-  local t missing=()
-  for t in "${HOST_TOOLS[@]}"; do
-    PATH="${PATH}:/usr/sbin:/sbin" command -v "${t%%:*}" >/dev/null 2>&1 || missing+=("${t##*:}")
-  done
-  if [[ $(id -u) -ne 0 ]] || ! command -v apt-get >/dev/null 2>&1; then
-    die "missing host packages: ${missing[*]} (install them, e.g. 'apt-get install ${missing[*]}')"
-  fi
-  log "installing Debian packages: ${missing[*]}..."
-  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${missing[@]}" >&2 \
-    || { apt-get update -qq >&2 && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${missing[@]}" >&2; } \
-    || die "apt-get install ${missing[*]} failed"
-}
+# install_host_tools: runc, iptables and conntrack from Debian (hack/lib/build-common.sh).
+install_host_tools() { install_debian_tools "${HOST_TOOLS[@]}"; }
 
 # Fast path: everything cached.
 if [[ ${FORCE} -eq 0 ]] && have_all "${BINARIES[@]}"; then

@@ -1,5 +1,5 @@
-# Shared by hack/build-binaries.sh and hack/build-node.sh, which source this file after defining
-# log and die. Not a script of its own.
+# Shared by hack/build-binaries.sh, hack/build-node.sh and hack/build-images.sh, which source
+# this file after defining log and die. Not a script of its own.
 
 # find_go: set GO (from $GO, `go` on PATH or /usr/local/go/bin/go) and GO_VERSION, or die.
 find_go() {
@@ -28,4 +28,28 @@ take_build_lock() {
     log "another build of $2 is running; waiting for it to finish..."
     flock 9
   fi
+}
+
+# missing_tools CMD:PACKAGE...: print the Debian packages whose command is not on PATH (sbin
+# directories included: runc and iptables live there).
+missing_tools() {
+  local t
+  for t in "$@"; do
+    PATH="${PATH}:/usr/sbin:/sbin" command -v "${t%%:*}" >/dev/null 2>&1 || printf '%s\n' "${t##*:}"
+  done
+}
+
+# install_debian_tools CMD:PACKAGE...: install the packages whose command is missing with apt-get
+# (root only: a fresh machine of this project's kind has none of them), else say what is missing.
+install_debian_tools() {
+  local missing
+  mapfile -t missing < <(missing_tools "$@")
+  [[ ${#missing[@]} -eq 0 ]] && return 0
+  if [[ $(id -u) -ne 0 ]] || ! command -v apt-get >/dev/null 2>&1; then
+    die "missing host packages: ${missing[*]} (install them, e.g. 'apt-get install ${missing[*]}')"
+  fi
+  log "installing Debian packages: ${missing[*]}..."
+  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${missing[@]}" >&2 \
+    || { apt-get update -qq >&2 && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${missing[@]}" >&2; } \
+    || die "apt-get install ${missing[*]} failed"
 }

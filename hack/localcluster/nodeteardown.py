@@ -5,8 +5,8 @@ containers and sandbox, and CNI DEL removes the pod's veth, IP and iptables rule
 kube-proxy, the kubelet and CoreDNS; kill whatever containers are left through containerd, then
 stop it and the shims it started (each named by our containerd's socket in its arguments);
 unmount everything under DIR/node; delete the bridge, kube-proxy's and our CNI network's
-iptables chains and the cgroup tree; restore the sysctls. Each step goes on when one fails:
-`down` must always get as far as it can.
+iptables chains, the rules refusing the Service CIDR and the cgroup tree; restore the
+sysctls. Each step goes on when one fails: `down` must always get as far as it can.
 """
 
 from __future__ import annotations
@@ -182,6 +182,8 @@ def remove_cgroups() -> None:
 
 def restore_host(record: dict[str, Any], bin_dir: Path) -> None:
     run_quiet(["ip", "link", "delete", NODE_BRIDGE])
+    for rule in record.get("service_cidr_rules") or []:
+        run_quiet(["iptables", "-D", *rule])
     kube_proxy = bin_dir / "kube-proxy"
     if kube_proxy.exists():
         run_quiet([str(kube_proxy), "--cleanup"])

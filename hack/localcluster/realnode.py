@@ -5,8 +5,8 @@ Host changes it makes, all recorded in state.json under "real_node" so `down` un
 (nodeteardown.py): sysctls (ip_forward, bridge-nf-call-iptables, and those the kubelet sets:
 its kernel tunables, kube-proxy's route_localnet), a cgroup tree CGROUP_ROOT in every
 hierarchy, the CNI bridge NODE_BRIDGE, iptables chains (kube-proxy's KUBE-*, CNI's CNI-*),
-and a machine-wide claim file (one real node per machine: port 53 on the node's IP,
-iptables and the kubelet's cgroups are the machine's).
+rules refusing un-DNATed traffic to the Service CIDR, and a machine-wide claim file (one real node
+per machine: port 53 on the node's IP, iptables and the kubelet's cgroups are the machine's).
 """
 
 from __future__ import annotations
@@ -45,6 +45,7 @@ from .settings import (
     NODE_NAME,
     NODE_TIMEOUT,
     PAUSE_IMAGE,
+    SERVICE_CIDR,
 )
 from .state import Cluster
 
@@ -72,6 +73,7 @@ SYSCTLS = [
 ]
 CLAIM_FILE = Path("/run/diloco-real-node.json")
 HOST_TOOLS = ["runc", "iptables", "ip"]
+SERVICE_CIDR_COMMENT = "diloco real node: Service CIDR not DNATed by kube-proxy"
 
 
 def resolve_node_bin_dir() -> Path:
@@ -231,6 +233,22 @@ def create_objects(c: Cluster, objects: list[tuple[str, dict[str, Any]]]) -> Non
                 ) from e  # fmt: skip
 
 
+def service_cidr_rules() -> list[list[str]]:
+    """iptables rules (chain and match, without -A/-D) that refuse traffic to the Service CIDR
+    that kube-proxy did not DNAT.
+
+    kube-proxy rewrites a ClusterIP to a pod's address before the filter table sees the packet,
+    but only once it has programmed that Service; until then (seconds after a Service is made)
+    a connection to the new ClusterIP followed the default route off the machine, and whatever
+    answered there gave a learner's join at job start an HTTP 404 with an empty body. These
+    rules make it fail at once with "no route to host", which the syncer client retries. (A
+    route of type unreachable would also refuse the host's own traffic to programmed Services:
+    the host routes before its OUTPUT DNAT.)"""
+    match = ["-d", SERVICE_CIDR, "-m", "comment", "--comment", SERVICE_CIDR_COMMENT]
+    reject = ["-j", "REJECT", "--reject-with", "icmp-host-unreachable"]
+    return [[chain, *match, *reject] for chain in ("OUTPUT", "FORWARD")]
+
+
 def prepare_host(c: Cluster) -> dict[str, Any]:
     """Claim the machine's real node, record then set the sysctls, make the cgroup root."""
     CLAIM_FILE.write_text(
@@ -245,6 +263,10 @@ def prepare_host(c: Cluster) -> dict[str, Any]:
             "the kernel has no bridge netfilter (net.bridge.bridge-nf-call-iptables)"
         )
     write_sysctl("net/bridge/bridge-nf-call-iptables", "1")
+    record["service_cidr_rules"] = service_cidr_rules()
+    c.save()  # recorded first: `down` deletes only rules that exist
+    for rule in record["service_cidr_rules"]:
+        subprocess.run([host_tool("iptables"), "-A", *rule], check=True, capture_output=True)
     for d in cgroup_dirs():
         d.mkdir(exist_ok=True)
     return record

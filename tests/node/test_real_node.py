@@ -6,10 +6,22 @@ does not tolerate it away.
 
 from __future__ import annotations
 
+import errno
+import ipaddress
+import socket
+import subprocess
 from typing import Any
 
+import pytest
+
 from hack.localcluster.harness import ControlPlane, poll_until
-from hack.localcluster.settings import CLUSTER_DNS_IP, NODE_LABEL, NODE_NAME, NODE_TAINT_KEY
+from hack.localcluster.settings import (
+    CLUSTER_DNS_IP,
+    NODE_LABEL,
+    NODE_NAME,
+    NODE_TAINT_KEY,
+    SERVICE_CIDR,
+)
 
 POD_TIMEOUT = 180.0
 
@@ -175,3 +187,22 @@ def test_pod_reaches_api_server_through_kubernetes_service(
     node_cluster.apply(pod, node_ns)
     assert wait_phase(node_cluster, node_ns, "api", {"Succeeded", "Failed"}) == "Succeeded"
     assert logs(node_cluster, node_ns, "api").strip() == "open"
+
+
+def test_unprogrammed_cluster_ip_is_unreachable_not_routed_off_the_machine(
+    node_cluster: ControlPlane,
+) -> None:
+    """An address of the Service CIDR that kube-proxy has not (yet) programmed fails at once
+    with "no route to host" instead of following the default route off the machine (where
+    something answered a learner's join with a bare 404 before the node refused it). Programmed
+    ClusterIPs still work from pods and from the host
+    (test_service_name_resolves_and_cluster_ip_reaches_pod, the job's tests)."""
+    network = ipaddress.ip_network(SERVICE_CIDR)
+    unused = str(network.broadcast_address - 1)  # the allocator hands out low addresses first
+    rules = subprocess.run(
+        ["iptables", "-S", "OUTPUT"], capture_output=True, text=True, check=True
+    ).stdout
+    assert any(SERVICE_CIDR in r and "REJECT" in r for r in rules.splitlines()), rules
+    with pytest.raises(OSError) as refused:
+        socket.create_connection((unused, 80), timeout=5).close()
+    assert refused.value.errno == errno.EHOSTUNREACH, refused.value
