@@ -8,7 +8,11 @@ One model, data and token budget (M islands x S inner steps x batch x seqLen tok
 - torchft 0.2.0's DiLoCo at K = M (every replica group in every sync), identical and with the
   same straggler: the peer.
 Every variant runs with two seeds (model init and data order), stopping at the token budget
-(ours: stopAfter.tokens; torchft: S/H commits).
+(ours: stopAfter.tokens; torchft: S/H commits). The runs with the straggler may go on past it
+(--past-budget, default 1.5x), so that the wall time at which each first reaches K = M's
+no-straggler loss is measured rather than cut off at the budget: ours stops at the first status
+past the budget once an evaluation reached that loss (else at the limit), torchft runs
+ceil(limit x S/H) commits. Every equal-token figure is still read at the budget.
 
 Reported: eval loss at equal tokens processed (interpolated at the budget; tokens processed are
 read from the learners' own progress lines), loss at equal wall time, wall time to reach the
@@ -24,6 +28,7 @@ from __future__ import annotations
 
 import datetime as dt
 import json
+import math
 import re
 import time
 from collections.abc import Sequence
@@ -45,7 +50,7 @@ from bench.common import (
     wait_all,
     workdir,
 )
-from bench.decoupled_quality_report import interp, plot, tables
+from bench.decoupled_quality_report import interp, loss_at_tokens, plot, tables
 from bench.ours_harness import OursRun
 from bench.peer_training import read_progress
 from bench.torchft_harness import TorchftJob, read_result, start_job
@@ -77,8 +82,9 @@ def sync_overrides(args: Any) -> dict[str, Any]:
     return out
 
 
-def make_spec(args: Any, *, seed: int, quorum: int) -> JobSpec:
-    """The job every variant trains; sync settings are the defaults but for the quorum."""
+def make_spec(args: Any, *, seed: int, quorum: int, tokens: int | None = None) -> JobSpec:
+    """The job every variant trains; sync settings are the defaults but for the quorum.
+    `tokens`: its stopAfter.tokens when it may run past the budget."""
     return parse_spec(
         {
             "model": {"preset": args.preset, "seed": seed},
@@ -92,7 +98,7 @@ def make_spec(args: Any, *, seed: int, quorum: int) -> JobSpec:
                 "seqLen": args.seq_len,
             },
             "sync": {**sync_overrides(args), "quorum": quorum},
-            "stopAfter": {"tokens": budget(args)},
+            "stopAfter": {"tokens": tokens or budget(args)},
             "syncer": {"evalEveryOuterSteps": 1, "checkpoint": {"everyOuterSteps": 100000}},
         }
     )
@@ -116,16 +122,38 @@ def island_progress(log_file: Path, step_tokens: int) -> list[tuple[float, int]]
     return out
 
 
-def run_ours(spec: JobSpec, slow: bool, wd: Path, timeout: float) -> dict[str, Any]:
-    """One job of ours to the token budget; its history as (seconds, tokens processed, loss)."""
+def past_budget_at_target(st: dict[str, Any], budget: int, target: float) -> bool:
+    """Whether a run past the budget may stop: its latest evaluation is of weights that merged
+    the budget (merged tokens never exceed those processed, so the loss at the budget lies
+    between evaluations) and some evaluation reached `target`."""
+    evals = st.get("evalHistory") or []
+    return (
+        bool(evals)
+        and int(evals[-1]["tokens"]) >= budget
+        and any(h["evalLoss"] <= target for h in evals)
+    )
+
+
+def run_ours(
+    spec: JobSpec, slow: bool, wd: Path, timeout: float, *, budget: int, target: float | None
+) -> dict[str, Any]:
+    """One job of ours, its history as (seconds, tokens processed, loss). With `target` (a run
+    past the budget: spec.stopAfter.tokens is the limit) it is stopped at the first status past
+    the budget once an evaluation reached the target; bytes, merges, throughput and the wall
+    to budget are read at the first status whose merged tokens reached the budget."""
     m = spec.islands.count
     run = OursRun(spec=spec, workdir=wd, slowdowns={m - 1: SLOWDOWN} if slow else {})
     run.start()
     t0 = time.time()
+    polls: list[tuple[float, dict[str, Any]]] = []
+    until = None if target is None else (lambda st: past_budget_at_target(st, budget, target))
     try:
-        st = run.wait_finished(timeout=timeout)
-        for proc in run.learners.values():
-            proc.wait(120)  # learners exit once they see finished=true
+        st = run.wait_finished(
+            timeout=timeout, on_status=lambda st: polls.append((time.time(), st)), until=until
+        )
+        if st.get("finished"):
+            for proc in run.learners.values():
+                proc.wait(120)  # learners exit once they see finished=true
         wall = time.time() - t0
     finally:
         run.stop()
@@ -137,14 +165,22 @@ def run_ours(spec: JobSpec, slow: bool, wd: Path, timeout: float) -> dict[str, A
 
     history = [(0.0, 0.0, float(st["initialEvalLoss"]))]
     history += [(h["time"] - t0, processed(h["time"]), h["evalLoss"]) for h in st["evalHistory"]]
+    t_budget, at_budget = t0 + wall, st
+    if target is not None:
+        t_budget, at_budget = next((p for p in polls if int(p[1]["tokens"]) >= budget), polls[-1])
+    progress_to_budget = {i: [x for x in pts if x[0] <= t_budget] for i, pts in progress.items()}
     return {
         "history": history,
-        "wall": wall,
-        "push": float(st["bytesIn"]) / m,
-        "pull": float(st["bytesOut"]) / m,
-        "merges": int(st.get("mergeCount", 0)),
-        "outer_steps": int(st["outerStep"]),
-        "rates": {i: island_rate(pts) for i, pts in progress.items()},
+        "wall": t_budget - t0,
+        "ran_wall": wall,
+        # At the last status: a learner stopped on request may finish a step on its way out.
+        "ran_tokens": processed(t0 + wall),
+        "extended": target is not None,
+        "push": float(at_budget["bytesIn"]) / m,
+        "pull": float(at_budget["bytesOut"]) / m,
+        "merges": int(at_budget.get("mergeCount", 0)),
+        "outer_steps": int(at_budget["outerStep"]),
+        "rates": {i: island_rate(pts) for i, pts in progress_to_budget.items()},
     }
 
 
@@ -156,19 +192,22 @@ def island_rate(points: Sequence[tuple[float, int]]) -> float:
     return (lines[-1][1] - lines[0][1]) / (lines[-1][0] - lines[0][0])
 
 
-def run_torchft(args: Any, spec: JobSpec, slow: bool, wd: Path) -> dict[str, Any]:
-    """torchft DiLoCo at K = M for S / H commits; its history from the saved global weights."""
+def run_torchft(args: Any, spec: JobSpec, slow: bool, wd: Path, extend: bool) -> dict[str, Any]:
+    """torchft DiLoCo at K = M for S / H commits (ceil(--past-budget x S / H) with `extend`);
+    its history from the saved global weights. Past the budget, bytes and merges are those of
+    the S / H commits of the budget and the wall to budget is the time of commit S / H."""
     m = spec.islands.count
     wd.mkdir(parents=True, exist_ok=True)
     spec_file = wd / "spec.json"
     spec_file.write_text(spec.to_json())
     rounds = args.steps // args.inner_steps
+    run_rounds = math.ceil(args.past_budget * rounds) if extend else rounds
     job = TorchftJob(
         spec_file=spec_file,
         workdir=wd,
         num_replicas=m,
         min_replicas=m,
-        outer_steps=rounds,
+        outer_steps=run_rounds,
         slowdowns={m - 1: SLOWDOWN} if slow else {},
         timeout=300,
     )
@@ -186,22 +225,34 @@ def run_torchft(args: Any, spec: JobSpec, slow: bool, wd: Path) -> dict[str, Any
     from safetensors.torch import load_model
 
     directory = job.save_dir(0)
+    t_budget = t0 + wall
     for line in (directory / "index.jsonl").read_text().splitlines():
         entry = json.loads(line)
         load_model(parts.model, str(directory / entry["file"]))
         history.append((entry["time"] - t0, entry["outer_step"] * per_round, evaluate(parts)))
-    sent = sum(float(r["bytes_per_worker"]) for r in results) / m
+        if extend and entry["outer_step"] == rounds:
+            t_budget = entry["time"]
+    done = int(results[0]["outer_steps"])
+    # Every commit all-reduces the same payload: the budget's share of what was sent.
+    sent = sum(float(r["bytes_per_worker"]) for r in results) / m * min(1.0, rounds / max(done, 1))
     progress = {
-        i: [(float(rec["time"]), int(rec["tokens"])) for rec in read_progress(job.progress_file(i))]
+        i: [
+            (float(rec["time"]), int(rec["tokens"]))
+            for rec in read_progress(job.progress_file(i))
+            if float(rec["time"]) <= t_budget
+        ]
         for i in range(m)
     }
     return {
         "history": history,
-        "wall": wall,
+        "wall": t_budget - t0,
+        "ran_wall": wall,
+        "ran_tokens": done * per_round,
+        "extended": extend,
         "push": sent,
         "pull": sent,  # a ring all-reduce receives what it sends
-        "merges": int(results[0]["outer_steps"]),
-        "outer_steps": int(results[0]["outer_steps"]),
+        "merges": min(done, rounds),
+        "outer_steps": min(done, rounds),
         "rates": {i: island_rate(pts) for i, pts in progress.items()},
     }
 
@@ -217,6 +268,9 @@ def run_baseline(spec: JobSpec, args: Any) -> dict[str, Any]:
     return {
         "history": [(0.0, 0.0, ref["initial_eval_loss"]), (wall, ref["tokens"], ref["eval_loss"])],
         "wall": wall,
+        "ran_wall": wall,
+        "ran_tokens": ref["tokens"],
+        "extended": False,
         "push": ddp,
         "pull": ddp,
         "merges": 0,
@@ -243,23 +297,38 @@ def variants(args: Any) -> list[tuple[str, str, int, bool]]:
 def run_all(args: Any, wd: Path) -> dict[str, list[dict[str, Any]]]:
     """Every variant for every seed: {label: [result per seed]}."""
     results: dict[str, list[dict[str, Any]]] = {}
+    km = f"ours K={args.islands}"
     for seed in args.seeds:
         for label, system, quorum, slow in variants(args):
-            spec = make_spec(args, seed=seed, quorum=quorum)
+            # The straggler group runs past the budget; ours stops once it reached the loss of
+            # K = M without the straggler at the budget (run earlier in the same seed).
+            extend = slow and args.past_budget > 1
+            target = None
+            if extend and system == "ours":
+                target = next(
+                    (
+                        loss_at_tokens(r, budget(args))
+                        for r in results.get(km, [])
+                        if r["seed"] == seed
+                    ),
+                    -math.inf,  # no K = M run (--only): to the limit
+                )
+            limit = math.ceil(args.past_budget * budget(args)) if extend else None
+            spec = make_spec(args, seed=seed, quorum=quorum, tokens=limit)
             print(f"seed {seed}: {label}", flush=True)
             sub = wd / f"seed{seed}-{system}-k{quorum}-{'slow' if slow else 'even'}"
             if system == "baseline":
                 r = run_baseline(spec, args)
             elif system == "torchft":
-                r = run_torchft(args, spec, slow, sub)
+                r = run_torchft(args, spec, slow, sub, extend)
             else:
-                r = run_ours(spec, slow, sub, args.timeout)
+                r = run_ours(spec, slow, sub, args.timeout, budget=budget(args), target=target)
             r["seed"] = seed
             results.setdefault(label, []).append(r)
-            final = r["history"][-1]
             print(
-                f"  -> {final[2]:.4f} at {final[1]:,.0f} tokens, {r['wall']:.0f}s, "
-                f"{r['merges']} merges",
+                f"  -> {loss_at_tokens(r, budget(args)):.4f} at the budget, {r['wall']:.0f}s to "
+                f"it, {r['merges']} merges; ran {r['ran_tokens'] / budget(args):.2f}x the "
+                f"budget in {r['ran_wall']:.0f}s, last loss {r['history'][-1][2]:.4f}",
                 flush=True,
             )
     return results
@@ -278,6 +347,14 @@ def parse_args(argv: Sequence[str] | None) -> Any:
     p.add_argument("--eval-tokens", type=int, default=8192)
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
     p.add_argument("--timeout", type=float, default=1800, help="per run (s)")
+    p.add_argument(
+        "--past-budget",
+        type=float,
+        default=1.5,
+        help="the runs with the straggler may train up to this multiple of the token budget, to "
+        "measure when they reach K=M's no-straggler loss (ours stops once past the budget and "
+        "at that loss; 1 = stop at the budget); equal-token figures are read at the budget",
+    )
     p.add_argument("--skip-torchft", action="store_true")
     p.add_argument(
         "--sync",
@@ -306,7 +383,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     with LoadMonitor() as load, workdir(args.workdir, "decoupled-quality") as wd:
         results = run_all(args, wd)
     plot_path = plot_file(args, "decoupled_quality")
-    plot(results, plot_path)
+    plot(results, plot_path, budget(args))
     report_tables, notes = tables(args, results, budget(args), SLOWDOWN)
     report = Report(
         "decoupled_quality",

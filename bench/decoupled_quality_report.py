@@ -1,8 +1,10 @@
 """Tables, targets and the plot of bench.decoupled_quality (kept apart from the runs).
 
-A result is {"history": [(seconds since start, tokens processed, eval loss), ...], "wall",
-"push", "pull" (bytes per worker), "merges", "outer_steps", "rates" ({island: tokens/s}),
-"seed"}; results are grouped by variant label, one per seed.
+A result is {"history": [(seconds since start, tokens processed, eval loss), ...], "wall" (to the
+token budget), "ran_wall" and "ran_tokens" (how far the run went: past the budget for the
+straggler group), "extended", "push", "pull" (bytes per worker), "merges", "outer_steps", "rates"
+({island: tokens/s}), "seed"}; results are grouped by variant label, one per seed. Everything but
+the history's tail past the budget and time_to_loss is read at the budget.
 """
 
 from __future__ import annotations
@@ -42,8 +44,38 @@ def loss_at_time(r: dict[str, Any], t: float) -> float:
 
 
 def time_to_loss(r: dict[str, Any], target: float) -> float:
-    """Seconds until the eval loss first reached `target` (inf if never)."""
+    """Seconds until an evaluation first read `target` or lower, over the whole run, past the
+    budget included (inf if never).
+
+    >>> time_to_loss({"history": [(0.0, 0.0, 5.0), (10.0, 1e3, 2.2), (20.0, 2e3, 2.1)]}, 2.15)
+    20.0
+    >>> time_to_loss({"history": [(0.0, 0.0, 5.0), (10.0, 1e3, 2.2)]}, 2.15)
+    inf
+    """
     return next((h[0] for h in r["history"] if h[2] <= target), math.inf)
+
+
+def fmt_secs(values: Sequence[float], past: float) -> str:
+    """Mean ± half-range of seconds over seeds; a run that never got there reads so.
+
+    >>> fmt_secs([92.4, 120.0], 1.5)
+    '106 ± 14 s'
+    >>> fmt_secs([92.4, math.inf], 1.5)
+    'not reached by 1.5x the budget'
+    """
+    mean, spread = mean_spread(values)
+    if not math.isfinite(mean):
+        return f"not reached by {past:g}x the budget"
+    return f"{mean:.0f} ± {spread:.0f} s"
+
+
+def ran_to(r: dict[str, Any], budget: int) -> str:
+    """How far a run went: tokens processed over the budget, and its wall time.
+
+    >>> ran_to({"ran_tokens": 1_843_200, "ran_wall": 131.6}, 1_228_800)
+    '1.50x, 132 s'
+    """
+    return f"{r['ran_tokens'] / budget:.2f}x, {r['ran_wall']:.0f} s"
 
 
 def mean_spread(values: Sequence[float]) -> tuple[float, float]:
@@ -138,18 +170,32 @@ def throughput_kept(results: Results, label: str, even: str, slow_island: int) -
 
 def straggler_rows(args: Any, results: Results, budget: int, slowdown: float) -> Table:
     m = args.islands
+    past = getattr(args, "past_budget", 1.0)
     tag = f", island {m - 1} {slowdown:g}x slower"
     table = Table(
         f"One island {slowdown:g}x slower: the others' throughput and the time to reach K=M's "
-        "no-straggler loss",
-        ["variant", "others' tokens/s vs no straggler", "time to K=M's loss (s)"],
+        f"no-straggler loss at the budget (runs may go on to {past:g}x the budget)",
+        [
+            "variant",
+            "others' tokens/s vs no straggler",
+            "ran to (x budget, wall) per seed",
+            "time to K=M's loss per seed (s)",
+            "time to K=M's loss",
+        ],
     )
+    target = {r["seed"]: loss_at_tokens(r, budget) for r in results.get(f"ours K={m}", [])}
     for label in [lab for lab in results if lab.endswith(tag)]:
         even = label[: -len(tag)]
-        target = {r["seed"]: loss_at_tokens(r, budget) for r in results.get(f"ours K={m}", [])}
-        times = [time_to_loss(r, target[r["seed"]]) for r in results[label]]
+        runs = [r for r in results[label] if r["seed"] in target]
+        times = [time_to_loss(r, target[r["seed"]]) for r in runs]
         kept = throughput_kept(results, label, even, m - 1) if even in results else math.nan
-        table.add(label, fmt_pct(kept), fmt_ms(times, 0))
+        table.add(
+            label,
+            fmt_pct(kept),
+            "; ".join(ran_to(r, budget) for r in runs),
+            "; ".join(f"{t:.0f}" if math.isfinite(t) else "not reached" for t in times),
+            fmt_secs(times, past),
+        )
     return table
 
 
@@ -157,6 +203,7 @@ def targets(args: Any, results: Results, budget: int, slowdown: float) -> Table:
     m = args.islands
     base, km = "sync DP (baseline)", f"ours K={m}"
     tag = f", island {m - 1} {slowdown:g}x slower"
+    past = getattr(args, "past_budget", 1.0)
     t = Table("Targets (issue 9)", ["target", "figure", "verdict"])
 
     def mean_loss(label: str) -> float:
@@ -190,12 +237,13 @@ def targets(args: Any, results: Results, budget: int, slowdown: float) -> Table:
             verdict(kept >= 0.95),
         )
         target = {r["seed"]: loss_at_tokens(r, budget) for r in results[km]}
-        mine = mean_spread([time_to_loss(r, target[r["seed"]]) for r in results[label]])[0]
-        theirs = mean_spread([time_to_loss(r, target[r["seed"]]) for r in slow_km])[0]
+        mine = [time_to_loss(r, target[r["seed"]]) for r in results[label]]
+        theirs = [time_to_loss(r, target[r["seed"]]) for r in slow_km]
         t.add(
-            f"straggler: K={k} reaches K={m}'s loss sooner than K={m} with the straggler",
-            f"{mine:.0f} s vs {theirs:.0f} s",
-            verdict(mine < theirs),
+            f"straggler: K={k} reaches K={m}'s no-straggler loss in less wall time than K={m} "
+            "with the straggler (mean over seeds)",
+            f"{fmt_secs(mine, past)} vs {fmt_secs(theirs, past)}",
+            verdict(mean_spread(mine)[0] < mean_spread(theirs)[0]),
         )
         peer = f"torchft K={m}{tag}"
         if peer in results:
@@ -233,6 +281,25 @@ def tables(
         "setting in the command. Inner lr is constant after "
         "warm-up for every variant (stopAfter.tokens fixes no step count for a cosine).",
     ]
+    past = getattr(args, "past_budget", 1.0)
+    if past > 1:
+        notes.append(
+            f"Past the budget (--past-budget {past:g}): the runs with the straggler train on "
+            f"after the token budget, up to {past:g}x it, so that the wall time at which they "
+            "first reach K=M's no-straggler loss at the budget (same seed) is measured even when "
+            "it comes after the budget. Ours is stopped at the first syncer status once the "
+            "latest evaluation is of weights that merged the budget and some evaluation reached "
+            f"that loss (else at stopAfter.tokens = {past:g}x the budget); torchft runs "
+            f"ceil({past:g} x S/H) commits. Every equal-token figure (loss, bytes, merges, the "
+            "others' throughput) and the wall to budget of these runs are read at the budget: "
+            "ours at the first syncer status whose merged tokens reached it (what "
+            "stopAfter.tokens counts), torchft at commit S/H; the loss at the budget is "
+            "interpolated between evaluations of a run that goes on, where a run stopped at the "
+            "budget ends on a final evaluation. The runs on identical islands stop at the "
+            "budget, their wall until the job finished and the learners exited, as before. Time "
+            "to K=M's loss: the time of the first evaluation at or below it (one follows each "
+            "merge), over the whole run."
+        )
     return [
         main_table(args, results, budget),
         straggler_rows(args, results, budget, slowdown),
@@ -240,7 +307,7 @@ def tables(
     ], notes
 
 
-def plot(results: Results, path: Path) -> None:
+def plot(results: Results, path: Path, budget: int | None = None) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -260,7 +327,9 @@ def plot(results: Results, path: Path) -> None:
                 ax_time.plot(
                     [h[0] for h in hist], [h[2] for h in hist], marker=".", label=lab, **kw
                 )
-    ax_tokens.set_xlabel("tokens processed")
+    if budget is not None:
+        ax_tokens.axvline(budget, color="grey", linewidth=0.8, linestyle=":")
+    ax_tokens.set_xlabel("tokens processed (dotted: the budget)")
     ax_time.set_xlabel("wall time (s)")
     for ax in (ax_tokens, ax_time):
         ax.set_ylabel("eval loss")

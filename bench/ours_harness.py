@@ -121,9 +121,13 @@ class OursRun:
             )
 
     def wait_finished(
-        self, timeout: float, on_status: Callable[[dict], None] | None = None
+        self,
+        timeout: float,
+        on_status: Callable[[dict], None] | None = None,
+        until: Callable[[dict], bool] | None = None,
     ) -> dict:
-        """Poll the status until the job finished; returns the final status."""
+        """Poll the status until the job finished, or until `until(status)` holds (the job
+        still running: the caller stops it); returns the last status."""
         deadline = time.monotonic() + timeout
         while True:
             self.check_alive()
@@ -131,6 +135,8 @@ class OursRun:
             if on_status is not None:
                 on_status(st)
             if st.get("finished") and st.get("evalLoss") is not None:
+                return st
+            if until is not None and until(st):
                 return st
             if all(not p.alive for p in self.learners.values()):
                 raise RuntimeError(
