@@ -18,8 +18,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 from chart.helm_tool import Helm
 from diloco_operator.resources.pods import RUN_AS_USER
+from diloco_trainer.syncer.checkpoint import load_checkpoint
 from safetensors import safe_open
 
 from hack.localcluster.harness import ControlPlane, poll_until
@@ -282,15 +284,16 @@ def test_job_succeeds_final_weights_copied_out(job: JobRun, tmp_path: Path) -> N
     source = f"{job.ns}/{pod['metadata']['name']}:/var/lib/diloco/model.safetensors"
     cp.kubectl("cp", "-c", "syncer", source, str(out))
     with safe_open(str(out), framework="pt") as f:
-        parameters = sum(_numel(f.get_slice(k).get_shape()) for k in f.keys())  # noqa: SIM118 (safe_open is not iterable)
-    assert parameters > 100_000, parameters  # gpt-tiny: ~0.14M
-
-
-def _numel(shape: list[int]) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n
+        meta = f.metadata()
+        exported = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118 (not iterable)
+    # The file is the job's final global weights: the checkpoint on the volume, read here on
+    # the node's side of the volume, tensor for tensor.
+    assert meta["outerStep"] == str(stop) and meta["weights"] == "exact", meta
+    expected = load_checkpoint(on_volume).weights
+    assert sorted(exported) == sorted(expected)
+    different = [k for k in expected if not torch.equal(exported[k], expected[k])]
+    assert not different, different
+    assert sum(t.numel() for t in exported.values()) > 100_000  # gpt-tiny: ~0.14M
 
 
 def test_uninstall_and_job_deletion_leave_nothing(job: JobRun, release: Release) -> None:
