@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+from diloco_trainer.api.protocol import DROPPED_FOR_REFUSALS
 from diloco_trainer.syncer.rounds import (
     ACTIVE,
     DROPPED,
@@ -185,6 +186,30 @@ def test_rounds_dropped_island_is_refused_until_readded() -> None:
     assert state.active_islands() == {"island-1"}
     state.set_admin_state("island-0", ACTIVE, "healthy again", now=3.0)
     assert state.check_push(0, "island-0", 0) == 0
+
+
+def test_rounds_admin_drop_keeps_the_syncers_refusal_reason() -> None:
+    """An admin drop of an island the syncer already dropped for refused pushes (the operator
+    seeing its pods fail at the same moment) keeps the refusal reason; a re-add replaces it."""
+    state = make_state(quorum=1, islands=2)
+    refused = f"{DROPPED_FOR_REFUSALS}: 3 pushes refused in a row"
+    state.islands["island-0"].state = DROPPED
+    state.islands["island-0"].reason = refused
+    state.set_admin_state("island-0", DROPPED, "pods not ready", now=1.0)
+    assert (state.islands["island-0"].state, state.islands["island-0"].reason) == (
+        DROPPED,
+        refused,
+    )
+    # An admin drop of an island dropped for another reason takes the new reason.
+    state.set_admin_state("island-1", DROPPED, "node lost", now=1.0)
+    state.set_admin_state("island-1", DROPPED, "pods not ready", now=2.0)
+    assert state.islands["island-1"].reason == "pods not ready"
+    # An explicit re-add is the admin's decision and replaces it.
+    state.set_admin_state("island-0", ACTIVE, "fixed by hand", now=3.0)
+    assert (state.islands["island-0"].state, state.islands["island-0"].reason) == (
+        ACTIVE,
+        "fixed by hand",
+    )
 
 
 def test_rounds_admin_preregistration_counts_only_after_join() -> None:

@@ -19,7 +19,8 @@ passed, when every island has contributed, or when no missing island is expected
 the window closes (expected_push: last progress report and step time against the fragment's
 sync point; one with no report, overdue or not joined yet is waited for).
 Membership changes re-evaluate this at once: dropping an island removes its pending contribution
-(which may undo the quorum) and shrinks the active set (which may complete the round).
+(which may undo the quorum) and shrinks the active set (which may complete the round). An admin
+drop keeps the syncer's own drop reason for refused pushes (the operator reads it).
 
 Grace "auto": core/grace.py, from the islands' step times, the quorum waits and the net sync time
 (a learner's reported sync time minus what the syncer held its push, plus the merge time).
@@ -39,6 +40,7 @@ from collections import deque
 from dataclasses import asdict
 from typing import Any
 
+from diloco_trainer.api.protocol import dropped_for_refusals
 from diloco_trainer.core import grace as window_rules
 from diloco_trainer.syncer.records import (
     ACTIVE,
@@ -228,14 +230,13 @@ class SyncState:
 
     def set_admin_state(self, name: str, state: str, reason: str, now: float) -> IslandRecord:
         """Admin: mark an island active or dropped (pre-registering one that never joined).
-
-        Dropping removes its pending contributions from open rounds.
-        """
+        Dropping removes its pending contributions from open rounds."""
         if state not in (ACTIVE, DROPPED):
             raise Refused(400, f"state must be 'active' or 'dropped', got {state!r}")
         rec = self.islands.setdefault(name, IslandRecord(name=name, last_seen=now))
+        if not (state == DROPPED and dropped_for_refusals(rec.state, rec.reason)):
+            rec.reason = reason
         rec.state = state
-        rec.reason = reason
         if state == DROPPED:
             for rnd in self.rounds:
                 rnd.pending.pop(name, None)
