@@ -19,10 +19,10 @@ from typing import Any
 
 from diloco_operator import resources
 from diloco_operator.api import DiLoCoJobSpec
-from diloco_operator.planner import Key, key
 from diloco_operator.resources import JobRef, NetworkOptions
 
-# (job, spec as stored, islands running, network options): what the names depend on.
+# (job, spec as stored, islands running, network options): with the credential, all a build
+# depends on.
 _Shape = tuple[JobRef, dict[str, Any], bool, NetworkOptions]
 
 
@@ -55,21 +55,3 @@ class DesiredChildren:
             self.credential = credential
             self.builds += 1
         return list(self.children)
-
-    def keys(
-        self,
-        job: JobRef,
-        spec_data: Mapping[str, Any],
-        spec: DiLoCoJobSpec,
-        *,
-        running: bool,
-        network: NetworkOptions,
-    ) -> list[Key]:
-        """(kind, name) of every child: they do not depend on the credential, so the last
-        build's serve when the other inputs are unchanged."""
-        if (job, dict(spec_data), running, network) != self.shape:
-            credential = self.credential if self.credential is not None else ""
-            self.build(
-                job, spec_data, spec, running=running, credential=credential, network=network
-            )
-        return [key(child) for child in self.children]

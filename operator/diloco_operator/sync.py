@@ -214,7 +214,7 @@ async def _reconcile_children(
     started = time.monotonic()
     running = islands_should_run(spec, status)
     spec_data = (rt.body or {}).get("spec") or {}
-    keys = rt.desired.keys(job, spec_data, spec, running=running, network=rt.network)
+    keys = resources.child_keys(job, spec, network=rt.network)
     # The credential, the children's listing and the reads of children the job may not own are
     # independent: one round trip, not three.
     issuer, _, read = await asyncio.gather(

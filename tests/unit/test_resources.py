@@ -333,3 +333,23 @@ def test_statefulset_in_flight_follows_generation_and_revisions() -> None:
     assert not statefulset_in_flight(sts)
     sts["metadata"]["generation"] = 2
     assert statefulset_in_flight(sts)
+
+
+def test_child_keys_are_the_names_build_children_gives_without_building() -> None:
+    specs = [
+        _spec(),
+        _spec(islands={"count": 1, "namePrefix": "eu"}),
+        _spec(syncer={"endpoint": "https://syncer.example:8470", "tokenSecretName": "tok"}),
+        _spec(networkPolicy={"enabled": False}),
+    ]
+    for spec in specs:
+        for network in (None, resources.NetworkOptions(), resources.NetworkOptions(enabled=False)):
+            built = resources.build_children(JOB, spec, islands_running=True, network=network)
+            keys = [(c["kind"], c["metadata"]["name"]) for c in built]
+            assert resources.child_keys(JOB, spec, network=network) == keys
+    # Distinct cases, not one shape four times: a remote syncer has no Deployment, the policy
+    # comes with the operator's network options only.
+    assert ("Deployment", "demo-syncer") not in resources.child_keys(JOB, specs[2])
+    assert ("NetworkPolicy", "demo-network") in resources.child_keys(
+        JOB, specs[0], network=resources.NetworkOptions()
+    )

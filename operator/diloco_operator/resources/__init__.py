@@ -108,6 +108,7 @@ __all__ = [
     "build_syncer_service",
     "build_token_secret",
     "ca_secret_name",
+    "child_keys",
     "config_map_name",
     "content_hash",
     "generated_token_secret_name",
@@ -153,3 +154,19 @@ def build_children(
     if network is not None and wants_network_policy(spec, network):
         children.append(build_network_policy(job, spec, network))
     return [secure_workload(job, child, credential) for child in children]
+
+
+def child_keys(
+    job: JobRef, spec: DiLoCoJobSpec, *, network: NetworkOptions | None = None
+) -> list[tuple[str, str]]:
+    """(kind, name) of every child build_children returns, in its order, without building them
+    (a job's first reconcile reads these names while its credential is still being made)."""
+    keys = [("ConfigMap", config_map_name(job.name))]
+    if runs_local_syncer(spec):
+        keys += [("Deployment", syncer_name(job.name)), ("Service", syncer_name(job.name))]
+    for island in island_names(spec):
+        name = island_statefulset_name(job.name, island)
+        keys += [("Service", name), ("StatefulSet", name)]
+    if network is not None and wants_network_policy(spec, network):
+        keys.append(("NetworkPolicy", network_policy_name(job.name)))
+    return keys
