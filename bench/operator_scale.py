@@ -19,6 +19,11 @@ hack/localcluster/harness.py like the cluster tests do. Run it from the reposito
    first create on), the operator's own reconcile-time percentiles (timed from each reconcile's
    start of work) beside its first reconciles' wait for a slot (both its Prometheus histograms),
    errors, and its memory (RSS) before and at peak.
+0. Floor of the load (bench/operator_floor.py), run first, before the operator starts: the same
+   burst of jobs, each job's objects (built by the operator's own builders) created by a plain
+   client with the operator's concurrency. The load's latencies are reported as ratios to it
+   beside the absolute targets; a floor above a target says the target is beyond this API
+   server for that burst.
 
     python -m bench.operator_scale                    # 5 repeats, 100 jobs x 8 islands
     python -m bench.operator_scale --load-jobs 20 --load-islands 4 --repeats 3
@@ -387,7 +392,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--skip", nargs="*", default=[], choices=["apply", "drop", "load", "floor"])
     args = p.parse_args(argv)
     install_signal_cleanup()
-    pods = args.load_jobs * (args.load_islands + 1) + 2 * args.repeats * args.apply_islands + 8
+    load_pods = args.load_jobs * (args.load_islands + 1)
+    floors = 0 if {"load", "floor"} & set(args.skip) else 1
+    # The floor's pods stay: the load's must fit beside them, or they would wait unscheduled.
+    pods = load_pods * (1 + floors) + 2 * args.repeats * args.apply_islands + 8
     nodes = args.nodes or max(4, -(-pods // 100))  # kwok nodes take 110 pods each
     with LoadMonitor() as load, workdir(args.workdir, "operator") as wd:
         got = measure(args, wd, nodes)

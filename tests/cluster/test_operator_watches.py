@@ -52,8 +52,10 @@ def test_operator_steady_state_reads_nothing_per_job(
     cluster.apply(manifest)
     wait_until(lambda: _phase(cluster, "watch") == "Running", WAIT, message="Running")
     before = _reads(operator)
-    # The first sync listed the pods and every managed kind of child once.
-    assert before[("list", "Pod")] >= 1 and before[("list", "StatefulSet")] >= 1, before
+    # The first sync listed nothing (a job never synced owns no pods or children yet) and read
+    # each child it wants once before writing it (children.py).
+    assert not any(verb == "list" for verb, _ in before), before
+    assert before[("get", "StatefulSet")] >= 2 and before[("get", "ConfigMap")] >= 1, before
 
     cluster.set_pod_ready("watch-island-1-0", False)
     wait_until(lambda: syncer.island_state("island-1") == "dropped", WAIT, message="dropped")
