@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -33,8 +32,9 @@ from hack.localcluster.harness import ControlPlane
 from hack.localcluster.ociimage import busybox_image as busybox_spec
 from hack.localcluster.ociimage import write_archive
 
+from .builds import run_build, say
+
 REPO_ROOT = Path(__file__).resolve().parents[2]
-HACK_DIR = REPO_ROOT / "hack"
 BUSYBOX = Path(os.environ.get("DILOCO_BUSYBOX", "/bin/busybox"))
 BUSYBOX_IMAGE = "localhost/diloco/busybox:node-tests"
 APPLETS = [
@@ -50,46 +50,7 @@ APPLETS = [
     "id",
     "hostname",
 ]
-BUILD_TIMEOUT = float(os.environ.get("DILOCO_NODE_BUILD_TIMEOUT", "3600"))
 UP_TIMEOUT = float(os.environ.get("DILOCO_K8S_UP_TIMEOUT", "600"))
-
-
-def _say(config: pytest.Config, line: str) -> None:
-    """A line on the terminal despite output capture (build progress)."""
-    capman = config.pluginmanager.getplugin("capturemanager")
-    reporter = config.pluginmanager.getplugin("terminalreporter")
-    if reporter is not None and capman is not None:
-        with capman.global_and_fixture_disabled():
-            reporter.write_line(line)
-
-
-def _build(config: pytest.Config, script: str, log_path: Path) -> Path:
-    """Run hack/SCRIPT (instant when cached), its progress lines on the terminal; its bin dir."""
-    if (
-        shutil.which("go") is None
-        and not os.access("/usr/local/go/bin/go", os.X_OK)
-        and subprocess.run(["bash", str(HACK_DIR / script), "--check"], check=False).returncode
-    ):
-        pytest.fail(f"the node tier needs Go >= 1.26 to run hack/{script} (nothing is cached)")
-    lines: list[str] = []
-    with open(log_path, "w") as log:
-        proc = subprocess.Popen(
-            ["bash", str(HACK_DIR / script)],
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
-        assert proc.stdout is not None
-        for line in proc.stdout:
-            log.write(line)
-            lines.append(line.rstrip("\n"))
-            if line.startswith("[build-") and "using" not in line:
-                _say(config, line.rstrip("\n"))
-        rc = proc.wait(timeout=BUILD_TIMEOUT)
-    if rc != 0 or not lines:
-        pytest.fail(f"hack/{script} failed (exit {rc}); log: {log_path}\n" + "\n".join(lines[-30:]))
-    return Path(lines[-1])
 
 
 @pytest.fixture(scope="session")
@@ -101,8 +62,8 @@ def node_cluster(
     if shutil.which("openssl") is None:
         pytest.fail("the node tier needs `openssl` to create the cluster certificates")
     base = tmp_path_factory.mktemp("node")
-    bin_dir = _build(request.config, "build-binaries.sh", base / "build-binaries.log")
-    node_bin = _build(request.config, "build-node.sh", base / "build-node.log")
+    bin_dir = run_build(request.config, "build-binaries.sh", base / "build-binaries.log")
+    node_bin = run_build(request.config, "build-node.sh", base / "build-node.log")
     os.environ["DILOCO_NODE_BIN_DIR"] = str(node_bin)
     try:
         cp, retried = harness.start_control_plane(
@@ -117,7 +78,7 @@ def node_cluster(
     except harness.ClusterStartError as e:
         pytest.fail(str(e))
     if retried:
-        _say(request.config, "local-cluster up --real-node needed retries: " + "; ".join(retried))
+        say(request.config, "local-cluster up --real-node needed retries: " + "; ".join(retried))
     yield cp
     warning = harness.stop_control_plane(cp, keep_logs=True)
     assert warning is None, warning
@@ -159,7 +120,7 @@ def node_images(
     if given:
         image_dir = Path(given)
     else:
-        image_dir = _build(
+        image_dir = run_build(
             request.config,
             "build-images.sh",
             tmp_path_factory.mktemp("images") / "build-images.log",

@@ -23,9 +23,9 @@ from pathlib import Path
 
 import pytest
 
+from .builds import BUILD_TIMEOUT, run_build
+
 REPO_ROOT = Path(__file__).resolve().parents[2]
-BUILD_SCRIPT = REPO_ROOT / "hack" / "build-images.sh"
-BUILD_TIMEOUT = float(os.environ.get("DILOCO_IMAGES_BUILD_TIMEOUT", "3600"))
 RUN_TIMEOUT = 120.0
 UID = 65532  # the chart's and the operator's runAsUser/runAsGroup/fsGroup
 TOOLS = ("buildah", "debootstrap", "umoci", "runc")
@@ -43,15 +43,6 @@ class Bundle:
     image_config: dict
 
 
-def _say(config: pytest.Config, line: str) -> None:
-    """A line on the terminal despite output capture (build progress)."""
-    capman = config.pluginmanager.getplugin("capturemanager")
-    reporter = config.pluginmanager.getplugin("terminalreporter")
-    if reporter is not None and capman is not None:
-        with capman.global_and_fixture_disabled():
-            reporter.write_line(line)
-
-
 @pytest.fixture(scope="module")
 def image_dir(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The directory of operator.tar and trainer.tar (built now unless cached)."""
@@ -65,27 +56,7 @@ def image_dir(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathF
             + " (Debian: apt-get install buildah debootstrap umoci runc)"
         )
     log_path = tmp_path_factory.mktemp("images") / "build-images.log"
-    lines: list[str] = []
-    with open(log_path, "w") as log:
-        proc = subprocess.Popen(
-            ["bash", str(BUILD_SCRIPT)],
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
-        assert proc.stdout is not None
-        for line in proc.stdout:
-            log.write(line)
-            lines.append(line.rstrip("\n"))
-            if line.startswith("[build-images]"):
-                _say(request.config, line.rstrip("\n"))
-        rc = proc.wait(timeout=BUILD_TIMEOUT)
-    if rc != 0 or not lines:
-        pytest.fail(
-            f"hack/build-images.sh failed (exit {rc}); log: {log_path}\n" + "\n".join(lines[-30:])
-        )
-    return Path(lines[-1])
+    return run_build(request.config, "build-images.sh", log_path)
 
 
 def _unpack(archive: Path, work: Path) -> Bundle:
