@@ -113,18 +113,26 @@ class PodWatch:
         self.k, self.ns, self.pod = k, ns, pod
         self.events: list[tuple[float, bool]] = []
         self._watch = watch.Watch()
+        self._stopped = False
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._thread.start()
 
     def _run(self) -> None:
-        for ev in self._watch.stream(
-            self.k.core.list_namespaced_pod,
-            self.ns,
-            field_selector=f"metadata.name={self.pod}",
-            timeout_seconds=600,
-        ):
-            ready = pod_ready(self.k.api_client.sanitize_for_serialization(ev["object"]))
-            self.events.append((time.perf_counter(), ready))
+        import urllib3
+
+        try:
+            for ev in self._watch.stream(
+                self.k.core.list_namespaced_pod,
+                self.ns,
+                field_selector=f"metadata.name={self.pod}",
+                timeout_seconds=600,
+            ):
+                ready = pod_ready(self.k.api_client.sanitize_for_serialization(ev["object"]))
+                self.events.append((time.perf_counter(), ready))
+        except urllib3.exceptions.ProtocolError:
+            if not self._stopped:
+                raise
+            # stop() closed the stream under the read: the end of the watch, not an error
 
     def first_after(self, t0: float, ready: bool) -> float | None:
         for t, r in self.events:
@@ -133,6 +141,7 @@ class PodWatch:
         return None
 
     def stop(self) -> None:
+        self._stopped = True
         self._watch.stop()
 
 
