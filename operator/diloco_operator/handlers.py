@@ -22,7 +22,7 @@ from diloco_operator.kube import ApiUnavailable, Kube, load_config
 from diloco_operator.options import network_options
 from diloco_operator.resources import JOB_LABEL
 from diloco_operator.runtime import DELETED, Registry
-from diloco_operator.sync import sync_job
+from diloco_operator.sync import POD_READS, sync_job
 from diloco_operator.triggers import ensure_timer, request_sync, update_phase_gauge
 
 JOBS = (api.GROUP, api.VERSION, api.PLURAL)
@@ -121,6 +121,7 @@ async def pod_event(
     event: kopf.RawEvent, labels: kopf.Labels, namespace: str, type: str | None, **_: Any
 ) -> None:
     """A pod of a job changed: keep it, and re-check island health and membership at once."""
+    POD_READS.confirm()  # the pod watch works: a new job's first sync need not list pods
     rt = REGISTRY.for_object_event(namespace, labels[JOB_LABEL], type)
     if rt is None:
         return

@@ -7,7 +7,8 @@ its first sync and again about every RESYNC_INTERVAL (a safety net for missed ev
 token Secret (not watched: the operator may not list Secrets) is read on the same schedule
 (credentials.py). A job that was never synced (no status yet) is not listed on its first sync:
 it cannot have pods or children of its own yet, and each child it wants is read before it is
-written anyway. A child whose name an object the job does not own already has is left alone and
+written anyway (its pods are listed all the same until the operator has once read pods:
+POD_READS). A child whose name an object the job does not own already has is left alone and
 reported (children.py: a NameConflict condition and an Event).
 
 A first reconcile costs three round trips to the API server: the token Secret is created while
@@ -158,14 +159,29 @@ async def _list_children(kube: Kube, rt: JobRuntime, job: JobRef) -> None:
     rt.children_listed = True
 
 
+class PodReads:
+    """Whether this operator has read pods since it started: a listing answered, or the pod
+    watch delivered an event. Until then a new job's pods are listed too, so an operator that
+    may not read pods (RBAC) fails before it writes a status it could not have seen."""
+
+    confirmed: bool = False
+
+    def confirm(self) -> None:
+        self.confirmed = True
+
+
+POD_READS = PodReads()
+
+
 async def _list_pods(kube: Kube, rt: JobRuntime, job: JobRef) -> None:
     """List the job's pods once per resync; the pod watch keeps the cache fresh in between."""
     if rt.pods_listed:
         return
-    if rt.body is not None and never_synced(rt.body):
+    if rt.body is not None and never_synced(rt.body) and POD_READS.confirmed:
         rt.pods_listed = True  # its StatefulSets were just written: the pod watch has the pods
         return
     listing = await kube.list_labelled("Pod", job.namespace, job.name)
+    POD_READS.confirm()
     listed = {o["metadata"]["name"]: o for o in listing.items}
     rt.pods.replace(listed, parse_version(listing.version))
     rt.pods_listed = True
