@@ -284,7 +284,7 @@ def variants(args: Any) -> list[tuple[str, str, int, bool]]:
     m = args.islands
     quorums = sorted({m, max(1, m // 2), 1}, reverse=True)
     out = [("sync DP (baseline)", "baseline", m, False)]
-    for slow in (False, True):
+    for slow in (False, True) if not args.no_straggler else (False,):
         tag = f", island {m - 1} {SLOWDOWN:g}x slower" if slow else ""
         out += [(f"ours K={k}{tag}", "ours", k, slow) for k in quorums]
         if not args.skip_torchft:
@@ -356,6 +356,11 @@ def parse_args(argv: Sequence[str] | None) -> Any:
         "at that loss; 1 = stop at the budget); equal-token figures are read at the budget",
     )
     p.add_argument("--skip-torchft", action="store_true")
+    p.add_argument(
+        "--no-straggler",
+        action="store_true",
+        help="only the identical-island variants (e.g. more seeds for the equal-token figures)",
+    )
     p.add_argument(
         "--sync",
         action="append",
