@@ -79,10 +79,21 @@ def test_in_flight_steps_is_the_overlap_for_blocking_learners_and_h_otherwise() 
     assert in_flight_steps(learners_block=False, overlap_steps=5, inner_steps=0) == 5
 
 
+def test_share_of_slack_is_half_for_blocking_learners_and_all_of_it_otherwise() -> None:
+    from diloco_trainer.core.grace import share_of_slack
+
+    assert share_of_slack(learners_block=True) == 0.5
+    assert share_of_slack(learners_block=False) == 1.0
+    # The share scales the slack, not the floor or the cap: slack = 20·0.5 − 3 = 7 s.
+    assert window(quorum_wait=1.0, sync_net=2.0, gamma=1.0) == pytest.approx(7.0)
+    assert window(sync_net=100.0, gamma=1.0) == 0.5
+    assert window(overlap_steps=1000, cap=3.0, gamma=1.0) == 3.0
+
+
 def test_auto_grace_of_a_decoupled_job_is_sized_from_h_steps() -> None:
     """K=1 of 4 with τ=5, H=30, steps of 0.05 s, no quorum wait, 0.1 s net sync: learners do not
-    block, so slack = 30·0.05 − 0.1 = 1.4 s and the window is γ·1.4 = 0.7 s; at K = M (blocking)
-    slack = 5·0.05 − 0.1 = 0.15 s and the window γ·0.15 = 0.075 s."""
+    block, so slack = 30·0.05 − 0.1 = 1.4 s and the window is all of it (γ = 1): 1.4 s; at K = M
+    (blocking) slack = 5·0.05 − 0.1 = 0.15 s and the window ½·0.15 = 0.075 s."""
     from diloco_trainer.api.spec import parse_spec
     from diloco_trainer.syncer.records import round_policy
 
@@ -96,12 +107,15 @@ def test_auto_grace_of_a_decoupled_job_is_sized_from_h_steps() -> None:
         )
         return round_policy(spec, 1)
 
-    from diloco_trainer.core.grace import in_flight_steps
+    from diloco_trainer.core.grace import in_flight_steps, share_of_slack
 
-    for quorum, blocks, expected in ((1, False, 0.7), (2, False, 0.7), (4, True, 0.075)):
+    for quorum, blocks, expected in ((1, False, 1.4), (2, False, 1.4), (4, True, 0.075)):
         p = policy(quorum)
         assert p.learners_block is blocks
         tau = in_flight_steps(
             learners_block=p.learners_block, overlap_steps=p.overlap_steps, inner_steps=30
         )
-        assert window(step_time=0.05, overlap_steps=tau, sync_net=0.1) == pytest.approx(expected)
+        gamma = share_of_slack(learners_block=p.learners_block)
+        assert window(
+            step_time=0.05, overlap_steps=tau, sync_net=0.1, gamma=gamma
+        ) == pytest.approx(expected)

@@ -282,6 +282,27 @@ def test_rounds_auto_grace_uses_half_the_slack() -> None:
     assert state.grace() == pytest.approx(5.0)
 
 
+def test_rounds_auto_grace_of_a_decoupled_job_uses_all_the_slack() -> None:
+    """Learners that do not block (K < M with overlap): τ = H and γ = 1 (core/grace.py)."""
+    policy = RoundPolicy(
+        quorum=1,
+        max_staleness=2,
+        heartbeat_timeout=30.0,
+        grace_seconds=None,
+        overlap_steps=5,
+        inner_steps=20,
+        offsets=(0,),
+        learners_block=False,
+    )
+    state = SyncState(policy, 1)
+    for i in range(2):
+        state.join(f"island-{i}", 1, now=0.0)
+    push(state, "island-0", 0.0, step_time=0.5)
+    push(state, "island-1", 0.0, step_time=0.5)
+    # slack = 20 * 0.5 - (0 + 0) = 10 s, all of it; blocking learners would get 5 s.
+    assert state.grace() == pytest.approx(10.0)
+
+
 def test_rounds_auto_grace_is_capped_by_heartbeat_timeout() -> None:
     state = make_state(quorum=1, islands=1, grace=None, overlap=1000, timeout=3.0)
     push(state, "island-0", 0.0, step_time=1.0)

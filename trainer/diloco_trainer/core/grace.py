@@ -29,7 +29,8 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
-GAMMA = 0.5
+GAMMA = 0.5  # share of the slack when learners block for their merge
+GAMMA_DECOUPLED = 1.0  # ... and when they do not (K < M with overlap): see share_of_slack
 
 
 def blocks_for_merge(*, quorum: int, islands: int, overlap: int) -> bool:
@@ -53,6 +54,24 @@ def in_flight_steps(*, learners_block: bool, overlap_steps: int, inner_steps: in
     if learners_block or inner_steps < 1:
         return overlap_steps
     return max(overlap_steps, inner_steps)
+
+
+def share_of_slack(*, learners_block: bool) -> float:
+    """γ, the share of the slack the auto window may use: ½ when learners block for their merge,
+    all of it when they do not.
+
+    The two mistakes cost differently. Where learners block (K = M, or no overlap), a window
+    longer than the slack idles every island, so half is kept as a margin for noisy timings.
+    Where they do not (K < M with overlap), a window past the slack costs no step: at worst the
+    first island to push finds its merge not back at the fragment's next push, skips that push
+    and sends two rounds' work with the one after. A window too short splits a round of
+    identical islands across merges, for good: on two shared cores islands pushed 0.3-0.5 s apart
+    while ½ of the slack was 0.27 s, and K = 2 and K = 1 merged two or three islands' work for
+    rounds on end (1.023x and 1.015x K = M's loss over 3 seeds; with a 0.6 s window, every merge
+    was a whole round and both were within 1%; bench/RESULTS.md, decoupled_quality). The window
+    still closes early when every island expected before it has pushed (expected_push_time).
+    """
+    return GAMMA if learners_block else GAMMA_DECOUPLED
 
 
 def net_sync_time(reported: float, held: float) -> float:

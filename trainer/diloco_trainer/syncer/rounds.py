@@ -118,8 +118,7 @@ class SyncState:
         return {n for n, r in self.islands.items() if r.state == ACTIVE and r.joins > 0}
 
     def awaited_islands(self) -> int:
-        """Islands of the job that have not joined yet and were not dropped (records.py), until
-        the start-up timeout."""
+        """Islands of the job not joined yet nor dropped, until the start-up timeout (records)."""
         heard = sum(1 for r in self.islands.values() if r.joins > 0 or r.state == DROPPED)
         return max(0, self._expected - heard)
 
@@ -145,6 +144,7 @@ class SyncState:
             sync_net=(transfer or 0.0) + (_median(list(self._merge_seconds)) or 0.0),
             cap=self.policy.heartbeat_timeout,
             default=AUTO_GRACE_DEFAULT,
+            gamma=window_rules.share_of_slack(learners_block=self.policy.learners_block),
         )
 
     def lag_rounds(self, fragment: int, base_version: int) -> float:
