@@ -30,6 +30,7 @@ class FakeLink:
         self.outer_lr = outer_lr
         self.lateness = lateness
         self.pushes: list[tuple[int, PushMeta, dict[str, torch.Tensor]]] = []
+        self.within: list[bool] = []  # the within flag of each push (merge_lateness)
         self.global_weights: dict[str, torch.Tensor] = {}
         self.version = 0
         self.hold = False
@@ -50,9 +51,15 @@ class FakeLink:
         self.held.clear()
 
     async def sync_fragment(
-        self, f: int, encoded: dict[str, torch.Tensor], meta: PushMeta, held: Any
+        self,
+        f: int,
+        encoded: dict[str, torch.Tensor],
+        meta: PushMeta,
+        held: Any,
+        within: bool = False,
     ) -> SyncResult:
         self.pushes.append((f, meta, {n: t.clone() for n, t in encoded.items()}))
+        self.within.append(within)
         shapes = {n: t.shape for n, t in self.global_weights.items()}
         for n, d in compress.decode_tensors(encoded, meta.codec, shapes).items():
             self.global_weights[n] = self.global_weights[n] - self.outer_lr * d
@@ -215,10 +222,15 @@ def test_decoupled_learner_trains_on_until_its_merge_arrives_then_keeps_those_st
     assert torch.equal(w.detach(), torch.full((2,), 5.0))
     assert len(link.pushes) == 1
     assert sync.fragments[0].counters.steps == 4
+    assert link.within == [True]  # does not block: aligns its phase within merges too
 
 
 def test_synchronous_learner_blocks_at_the_apply_step() -> None:
-    sync, _ = make_sync(make_spec(quorum=2), FakeLink(outer_lr=0.25))
+    link = FakeLink(outer_lr=0.25)
+    sync, w = make_sync(make_spec(quorum=2), link)
     assert sync.blocking
+    for _ in range(4):
+        step(sync, w)
+    assert link.within == [False]  # K = M: in lock step, no alignment within merges
     sync, _ = make_sync(make_spec(quorum=1, overlapSteps=0), FakeLink(outer_lr=0.25))
     assert sync.blocking

@@ -54,6 +54,41 @@ def lateness(doc: dict[str, Any], **kw: Any) -> float | None:
     return merge_lateness(doc, **args)
 
 
+def timed(fragment: int, version: int, **received: float) -> dict[str, Any]:
+    """A merge whose contributors carry the time the syncer took their push."""
+    return {
+        "fragment": fragment,
+        "version": version,
+        "time": 99.0,
+        "contributors": [{"island": i, "receivedAt": t} for i, t in received.items()],
+    }
+
+
+def test_lateness_within_a_merge_is_our_push_minus_the_first_leaders() -> None:
+    # Our previous push of fragment 0 was merged with island-1's into version 4 (our base); no
+    # merge came between base and push (accepted 4). Island-1 reached the syncer at 97.2, we at
+    # 97.9: 0.7 s late; island-0 (a straggler, not a leader) and island-3 (follows us) do not count.
+    doc = status(timed(0, 4, **{"island-0": 90.0, "island-1": 97.2, "island-2": 97.9}))
+    assert lateness(doc, accepted_version=4, within=True) == pytest.approx(0.7)
+    # Early (negative): we reached it 0.4 s before island-1.
+    doc = status(timed(0, 4, **{"island-1": 97.2, "island-2": 96.8, "island-3": 95.0}))
+    assert lateness(doc, accepted_version=4, within=True) == pytest.approx(-0.4)
+
+
+def test_lateness_within_a_merge_needs_the_flag_a_leader_and_both_times() -> None:
+    doc = status(timed(0, 4, **{"island-1": 97.2, "island-2": 97.9}))
+    assert lateness(doc, accepted_version=4) is None  # blocking learners: off
+    assert lateness(doc, accepted_version=4, within=True, fragment=1) is None  # other fragment
+    assert lateness(doc, accepted_version=4, within=True, base_version=3) is None  # not our base
+    only_followers = status(timed(0, 4, **{"island-2": 97.9, "island-3": 97.0}))
+    assert lateness(only_followers, accepted_version=4, within=True) is None
+    old_syncer = status(merge(0, 4, 99.0, "island-1", "island-2"))  # no receivedAt
+    assert lateness(old_syncer, accepted_version=4, within=True) is None
+    # A leader's merge we missed still wins: 99.5 − 98 = 1.5 s, as without the flag.
+    both = status(merge(0, 5, 98.0, "island-1"), timed(0, 4, **{"island-1": 1.0, "island-2": 2.0}))
+    assert lateness(both, within=True) == pytest.approx(1.5)
+
+
 def test_merge_lateness_is_push_time_minus_the_latest_leader_merge_time() -> None:
     # Pushed at 100 - 0.5 = 99.5; island-1 merged version 5 at 98.
     assert lateness(status(merge(0, 5, 98.0, "island-1"))) == pytest.approx(1.5)

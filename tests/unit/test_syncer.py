@@ -102,6 +102,7 @@ def test_syncer_merge_is_reproducible_from_its_log(tmp_path: Path) -> None:
         for i in range(3):
             await syncer.join(f"island-{i}", 1)
         await syncer.push(0, body(syncer, 0, "island-0", deltas[0], tokens=300, steps=4))
+        clock.now += 0.5
         await syncer.push(0, body(syncer, 0, "island-1", deltas[1], tokens=100, steps=4))
         await syncer.tick()
         assert syncer.state.versions == [0]  # quorum 2 reached, grace 5 s not over
@@ -117,6 +118,9 @@ def test_syncer_merge_is_reproducible_from_its_log(tmp_path: Path) -> None:
     assert [c["island"] for c in entry["contributors"]] == ["island-0", "island-1"]
     # tokens × tokens/steps: 300·75 vs 100·25 -> 0.9 / 0.1
     assert [c["weight"] for c in entry["contributors"]] == pytest.approx([0.9, 0.1])
+    # When the syncer took each push (learners align their phase on it): 0.5 s apart.
+    taken = [c["receivedAt"] for c in entry["contributors"]]
+    assert taken[1] - taken[0] == pytest.approx(0.5)
     # Replay: the same merge and outer step on the initial weights give the syncer's weights.
     replay = {n: t.clone() for n, t in initial.items()}
     outer = OuterOptimizer(replay, lr=0.7, momentum=0.9, nesterov=True)

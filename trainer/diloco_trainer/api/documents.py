@@ -175,6 +175,7 @@ class MergeContributor(Document):
     tokens: int = 0
     steps: int = 0
     loss: float | None = None
+    received_at: float | None = None  # when the syncer took the push (its clock; phase alignment)
     raw_weight: float = 0.0
     weight: float = 0.0  # its share (the raw weights normalised to sum to 1)
 

@@ -246,7 +246,9 @@ class FragmentSync:
             old.future.cancel()
             log.warning("step %d: fragment %d overdue, pushing it again", position, f)
         held = HeldFragment(version=state.version, tensors=state.base)
-        future = self.link.submit(self.link.sync_fragment(f, encoded, meta, held))
+        # Learners that do not block align their phase within merges too (merge_lateness).
+        sync = self.link.sync_fragment(f, encoded, meta, held, within=not self.blocking)
+        future = self.link.submit(sync)
         self.inflight[f] = InFlight(step=position, started=time.monotonic(), future=future)
         nbytes = sum(t.numel() * t.element_size() for t in encoded.values())
         log.info(

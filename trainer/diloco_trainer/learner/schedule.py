@@ -175,15 +175,23 @@ def merge_lateness(
     accepted_version: int,
     pushed_ago: float,
     step_time: float,
+    within: bool = False,
 ) -> float | None:
     """Seconds by which this island's push of `fragment` came after the latest merge of it by a
     leader (an island at about its speed, named before it) that it was not part of, among
     versions base_version+1 .. accepted_version; None when there is none.
 
+    `within` (learners that do not block): failing that, how much later than the first leader
+    this island's previous push reached the syncer in the merge of both, version base_version
+    (negative: earlier). A window long enough to hold the whole round never makes an island miss
+    a merge, so without this an island that started late stayed late for good, and the islands
+    ahead of it applied each merge most of a round after their push (1.05x quorum 3's loss in
+    examples/local.yaml at quorum 2).
+
     `status` is the syncer's status document, read `pushed_ago` seconds after the push was
     accepted (so the push happened at status["time"] − pushed_ago on the syncer's clock).
     """
-    if accepted_version <= base_version or step_time <= 0:
+    if step_time <= 0:
         return None
     islands = status.get("islands", {})
     pushed_at = float(status["time"]) - pushed_ago
@@ -206,12 +214,28 @@ def merge_lateness(
         and leaders(m)
     ]
     if not merges:
-        return None
+        return _lateness_within(status, fragment, base_version, island, leader) if within else None
     # Follow the first island of all, not whichever leader merged last: a leader that is itself
     # still moving into phase is no fixed point (every follower chased every move in a run).
     first = min(n for m in merges for n in leaders(m))
     latest = max((m for m in merges if first in leaders(m)), key=lambda m: int(m["version"]))
     return pushed_at - float(latest["time"])
+
+
+def _lateness_within(
+    status: Mapping[str, Any], fragment: int, version: int, island: str, leader: Any
+) -> float | None:
+    """This island's push time minus the first leader's in their merge `version` of `fragment`
+    (receivedAt, the syncer's clock); None when that merge is not there or lacks either."""
+    for m in status.get("merges", []):
+        if m.get("fragment") != fragment or int(m.get("version", -1)) != version:
+            continue
+        at = {str(c.get("island")): c.get("receivedAt") for c in m.get("contributors", [])}
+        firsts = sorted(n for n, t in at.items() if t is not None and leader(n))
+        if at.get(island) is None or not firsts:
+            return None
+        return float(at[island]) - float(at[firsts[0]])
+    return None
 
 
 def phase_shift(lateness: float, *, inner_steps: int, step_time: float) -> int:

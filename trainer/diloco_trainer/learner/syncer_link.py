@@ -136,6 +136,7 @@ class SyncerLink:
         encoded: Mapping[str, Tensor],
         meta: PushMeta,
         held: HeldFragment | None = None,
+        within: bool = False,
     ) -> SyncResult:
         """Push a pseudo-gradient, then long-poll for the merge that contains it.
 
@@ -156,8 +157,10 @@ class SyncerLink:
             log.debug("fragment %d push answered %s", fragment, reply)
             if reply.accepted:
                 after = max(after, reply.version)
-                if after > meta.base_version:
-                    lateness = await self._lateness(fragment, meta, after, time.monotonic())
+                if after > meta.base_version or within:
+                    lateness = await self._lateness(
+                        fragment, meta, after, time.monotonic(), within=within
+                    )
         except SyncerError as err:
             after = -1
             outcome = f"push refused ({err})"
@@ -173,7 +176,7 @@ class SyncerLink:
         )
 
     async def _lateness(
-        self, fragment: int, meta: PushMeta, accepted: int, answered: float
+        self, fragment: int, meta: PushMeta, accepted: int, answered: float, *, within: bool
     ) -> float | None:
         """Merges of the fragment happened between our base and our push: how late were we?
         One status read (schedule.merge_lateness); a failure only skips phase alignment once."""
@@ -191,6 +194,7 @@ class SyncerLink:
             accepted_version=accepted,
             pushed_ago=time.monotonic() - answered,
             step_time=meta.step_time,
+            within=within,
         )
 
     async def resync(self, fragment: int) -> SyncResult:

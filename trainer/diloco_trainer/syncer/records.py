@@ -151,6 +151,7 @@ class Contribution:
             "tokens": self.tokens,
             "steps": self.steps,
             "loss": self.loss,
+            "receivedAt": self.received_at,
         }
 
 
