@@ -31,6 +31,7 @@ class FakeLink:
         self.lateness = lateness
         self.pushes: list[tuple[int, PushMeta, dict[str, torch.Tensor]]] = []
         self.within: list[bool] = []  # the within flag of each push (merge_lateness)
+        self.lateness_within = False
         self.global_weights: dict[str, torch.Tensor] = {}
         self.version = 0
         self.hold = False
@@ -71,7 +72,13 @@ class FakeLink:
             finished=False,
             tensors={n: t.clone() for n, t in self.global_weights.items()},
         )
-        return SyncResult(pulled=pulled, outcome="merged", seconds=0.01, lateness=self.lateness)
+        return SyncResult(
+            pulled=pulled,
+            outcome="merged",
+            seconds=0.01,
+            lateness=self.lateness,
+            lateness_within=self.lateness_within,
+        )
 
 
 def make_spec(**sync: Any) -> JobSpec:
@@ -186,6 +193,27 @@ def test_an_early_push_delays_the_schedule() -> None:
     assert sync.position == 8
     assert len(link.pushes) == 2
     assert link.pushes[1][1].steps == 5
+
+
+def test_a_reading_within_a_merge_is_taken_once_per_shift() -> None:
+    # K = 1 of 2 (decoupled), H = 4, steps of 0.1 s. Every result says our previous push came
+    # 0.1 s (one step) after the leader's: the first one that measures a push shifts the
+    # schedule one step earlier; the next, of a push made before that shift, is skipped (it
+    # would correct the same offset twice); the one after, of a push made after it, is taken.
+    link = FakeLink(outer_lr=0.25, lateness=0.1)
+    link.lateness_within = True
+    sync, w = make_sync(make_spec(quorum=1, overlapSteps=1), link)
+    shifts: list[int] = []  # pushes made when each shift began
+    seen = sync.shifted_at
+    while len(link.pushes) < 5:
+        step(sync, w)
+        if sync.shifted_at != seen:
+            seen = sync.shifted_at
+            shifts.append(len(link.pushes))
+    # Push 1 measures nothing; push 2's result (of push 1) shifts; push 3's (of push 2, before
+    # the shift) is skipped; push 4's (of push 3, after it) shifts again.
+    assert shifts == [2, 4]
+    assert link.within == [True] * 5
 
 
 def test_no_shift_while_one_is_in_progress() -> None:

@@ -9,6 +9,7 @@ import pytest
 from diloco_trainer.learner.schedule import (
     StepPlan,
     blocks_for_merge,
+    lateness_within,
     merge_lateness,
     phase_shift,
     plan_idle,
@@ -64,29 +65,36 @@ def timed(fragment: int, version: int, **received: float) -> dict[str, Any]:
     }
 
 
+def within(doc: dict[str, Any], **kw: Any) -> float | None:
+    args = dict(fragment=0, version=4, island="island-2", step_time=0.1)
+    args.update(kw)
+    return lateness_within(doc, **args)
+
+
 def test_lateness_within_a_merge_is_our_push_minus_the_first_leaders() -> None:
-    # Our previous push of fragment 0 was merged with island-1's into version 4 (our base); no
-    # merge came between base and push (accepted 4). Island-1 reached the syncer at 97.2, we at
-    # 97.9: 0.7 s late; island-0 (a straggler, not a leader) and island-3 (follows us) do not count.
+    # We (island-2) and island-1 were merged into version 4 of fragment 0. Island-1 reached the
+    # syncer at 97.2, we at 97.9: 0.7 s late. Island-0 (a 3x straggler) is no leader.
     doc = status(timed(0, 4, **{"island-0": 90.0, "island-1": 97.2, "island-2": 97.9}))
-    assert lateness(doc, accepted_version=4, within=True) == pytest.approx(0.7)
-    # Early (negative): we reached it 0.4 s before island-1.
+    assert within(doc) == pytest.approx(0.7)
+    # Early (negative): we reached it 0.4 s before island-1; island-3 follows us, not counted.
     doc = status(timed(0, 4, **{"island-1": 97.2, "island-2": 96.8, "island-3": 95.0}))
-    assert lateness(doc, accepted_version=4, within=True) == pytest.approx(-0.4)
+    assert within(doc) == pytest.approx(-0.4)
 
 
-def test_lateness_within_a_merge_needs_the_flag_a_leader_and_both_times() -> None:
+def test_lateness_within_a_merge_needs_that_merge_a_leader_and_both_times() -> None:
     doc = status(timed(0, 4, **{"island-1": 97.2, "island-2": 97.9}))
-    assert lateness(doc, accepted_version=4) is None  # blocking learners: off
-    assert lateness(doc, accepted_version=4, within=True, fragment=1) is None  # other fragment
-    assert lateness(doc, accepted_version=4, within=True, base_version=3) is None  # not our base
+    assert within(doc, fragment=1) is None  # not that fragment
+    assert within(doc, version=3) is None  # not that version
+    assert within(doc, step_time=0.0) is None
     only_followers = status(timed(0, 4, **{"island-2": 97.9, "island-3": 97.0}))
-    assert lateness(only_followers, accepted_version=4, within=True) is None
+    assert within(only_followers) is None
     old_syncer = status(merge(0, 4, 99.0, "island-1", "island-2"))  # no receivedAt
-    assert lateness(old_syncer, accepted_version=4, within=True) is None
-    # A leader's merge we missed still wins: 99.5 − 98 = 1.5 s, as without the flag.
-    both = status(merge(0, 5, 98.0, "island-1"), timed(0, 4, **{"island-1": 1.0, "island-2": 2.0}))
-    assert lateness(both, within=True) == pytest.approx(1.5)
+    assert within(old_syncer) is None
+    # The leader ranking is merge_lateness's: the first leader by name, whatever its time.
+    two = status(timed(0, 4, **{"island-1": 97.0, "island-2": 97.9}))
+    two["islands"]["island-0"]["stepTime"] = 0.1  # island-0 at our speed: a leader now
+    two["merges"][0]["contributors"].append({"island": "island-0", "receivedAt": 97.5})
+    assert within(two) == pytest.approx(0.4)
 
 
 def test_merge_lateness_is_push_time_minus_the_latest_leader_merge_time() -> None:

@@ -60,6 +60,7 @@ class InFlight:
     step: int  # schedule position it was pushed at
     started: float  # time.monotonic() of the push
     future: concurrent.futures.Future[SyncResult]
+    previous: float | None = None  # time.monotonic() of the fragment's push before this one
 
 
 @dataclass

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import logging
+import math
 import threading
 import time
 from typing import Any
@@ -62,6 +63,7 @@ class FragmentSync:
         self.stop = stop
         self.fragments: list[FragmentState] = []
         self.offsets: list[int] = []
+        self.last_push: dict[int, float] = {}  # time.monotonic() of each fragment's latest push
         self.inflight: dict[int, InFlight] = {}
         self.arrived: dict[int, SyncResult] = {}
         self.round_times: list[float] = []
@@ -69,6 +71,8 @@ class FragmentSync:
         self.step_time = 0.0  # EMA of the inner step time, kept by the loop
         self.position = 0  # schedule position (what fragments_due and heartbeats see)
         self.phase_pending = 0  # steps still to delay (> 0) or advance (< 0)
+        self.shifted_at = -math.inf  # time.monotonic() the last schedule shift began
+        self.measured: dict[int, float | None] = {}  # per arrived fragment: InFlight.previous
         # EMA of the wall seconds per inner step, everything between two steps included: the
         # clock a schedule position runs at, and so the one phase alignment converts with.
         self.wall_step = 0.0
@@ -242,6 +246,8 @@ class FragmentSync:
             sync_time=state.last_sync_seconds,
         )
         old = self.inflight.get(f)
+        previous = self.last_push.get(f)
+        self.last_push[f] = time.monotonic()
         if old is not None:
             old.future.cancel()
             log.warning("step %d: fragment %d overdue, pushing it again", position, f)
@@ -249,7 +255,9 @@ class FragmentSync:
         # Learners that do not block align their phase within merges too (merge_lateness).
         sync = self.link.sync_fragment(f, encoded, meta, held, within=not self.blocking)
         future = self.link.submit(sync)
-        self.inflight[f] = InFlight(step=position, started=time.monotonic(), future=future)
+        self.inflight[f] = InFlight(
+            step=position, started=self.last_push[f], future=future, previous=previous
+        )
         nbytes = sum(t.numel() * t.element_size() for t in encoded.values())
         log.info(
             "step %d: fragment %d pushed (base version %d, %d bytes %s, %d tokens in %d steps)",
@@ -269,6 +277,7 @@ class FragmentSync:
             return False
         try:
             self.arrived[f] = flight.future.result()
+            self.measured[f] = flight.previous
         except (concurrent.futures.CancelledError, Exception) as err:
             # The sync task only ends in an exception on a bug or a refused pull (auth): start
             # over from the current global fragment rather than train on alone for ever.
@@ -307,6 +316,9 @@ class FragmentSync:
         )
         if result.pulled.finished:
             self.link.finished.set()
+        measured = self.measured.pop(f, None)
+        if result.lateness_within and (measured is None or measured <= self.shifted_at):
+            return target  # a reading of a push from before our last shift: already corrected
         self._align(f, result.lateness)
         return target
 
@@ -321,6 +333,7 @@ class FragmentSync:
         shift = phase_shift(lateness, inner_steps=self.spec.inner.steps, step_time=step)
         if shift:
             self.phase_pending = shift
+            self.shifted_at = time.monotonic()
             log.info(
                 "fragment %d: pushed %.2fs after a leader's merge; %s the schedule by %d step(s)",
                 f,

@@ -166,6 +166,15 @@ PEER_SPEED_RATIO = 1.5
 PHASE_GAIN = 1.0
 
 
+def _is_leader(islands: Mapping[str, Any], name: str, *, island: str, step_time: float) -> bool:
+    """Whether `name` leads `island`: named before it, with a step time within
+    PEER_SPEED_RATIO of its own (the syncer's status `islands`)."""
+    other = islands.get(name, {}).get("stepTime")
+    if not other or name >= island:
+        return False
+    return 1 / PEER_SPEED_RATIO <= float(other) / step_time <= PEER_SPEED_RATIO
+
+
 def merge_lateness(
     status: Mapping[str, Any],
     *,
@@ -175,32 +184,21 @@ def merge_lateness(
     accepted_version: int,
     pushed_ago: float,
     step_time: float,
-    within: bool = False,
 ) -> float | None:
     """Seconds by which this island's push of `fragment` came after the latest merge of it by a
     leader (an island at about its speed, named before it) that it was not part of, among
     versions base_version+1 .. accepted_version; None when there is none.
 
-    `within` (learners that do not block): failing that, how much later than the first leader
-    this island's previous push reached the syncer in the merge of both, version base_version
-    (negative: earlier). A window long enough to hold the whole round never makes an island miss
-    a merge, so without this an island that started late stayed late for good, and the islands
-    ahead of it applied each merge most of a round after their push (1.05x quorum 3's loss in
-    examples/local.yaml at quorum 2).
-
     `status` is the syncer's status document, read `pushed_ago` seconds after the push was
     accepted (so the push happened at status["time"] − pushed_ago on the syncer's clock).
     """
-    if step_time <= 0:
+    if accepted_version <= base_version or step_time <= 0:
         return None
     islands = status.get("islands", {})
     pushed_at = float(status["time"]) - pushed_ago
 
     def leader(name: str) -> bool:
-        other = islands.get(name, {}).get("stepTime")
-        if not other or name >= island:
-            return False
-        return 1 / PEER_SPEED_RATIO <= float(other) / step_time <= PEER_SPEED_RATIO
+        return _is_leader(islands, name, island=island, step_time=step_time)
 
     def leaders(m: Mapping[str, Any]) -> list[str]:
         names = [str(c.get("island")) for c in m.get("contributors", [])]
@@ -214,7 +212,7 @@ def merge_lateness(
         and leaders(m)
     ]
     if not merges:
-        return _lateness_within(status, fragment, base_version, island, leader) if within else None
+        return None
     # Follow the first island of all, not whichever leader merged last: a leader that is itself
     # still moving into phase is no fixed point (every follower chased every move in a run).
     first = min(n for m in merges for n in leaders(m))
@@ -222,11 +220,27 @@ def merge_lateness(
     return pushed_at - float(latest["time"])
 
 
-def _lateness_within(
-    status: Mapping[str, Any], fragment: int, version: int, island: str, leader: Any
+def lateness_within(
+    status: Mapping[str, Any], *, fragment: int, version: int, island: str, step_time: float
 ) -> float | None:
-    """This island's push time minus the first leader's in their merge `version` of `fragment`
-    (receivedAt, the syncer's clock); None when that merge is not there or lacks either."""
+    """Seconds by which this island's push reached the syncer after the first leader's (see
+    merge_lateness) in their merge `version` of `fragment` (receivedAt, the syncer's clock;
+    negative: before it); None when that merge is not in `status` or lacks either time.
+
+    For learners that do not block, whose merge is `version` = the base of their next push. A
+    grace window long enough to hold the whole round never makes an island miss a merge, so
+    merge_lateness never fires: an island that started late stayed late for good and the
+    islands ahead of it applied each merge most of a round after their push (examples/local.yaml
+    at quorum 2: 1.05x quorum 3's loss). The reading is of the previous push: the learner skips
+    readings of pushes made before its last shift, which would correct the same offset twice.
+    """
+    if step_time <= 0:
+        return None
+    islands = status.get("islands", {})
+
+    def leader(name: str) -> bool:
+        return _is_leader(islands, name, island=island, step_time=step_time)
+
     for m in status.get("merges", []):
         if m.get("fragment") != fragment or int(m.get("version", -1)) != version:
             continue

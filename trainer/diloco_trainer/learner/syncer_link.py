@@ -33,7 +33,7 @@ from diloco_trainer.api.protocol import PushMeta, SyncerError
 from diloco_trainer.core import compress
 from diloco_trainer.core.payloads import PulledFragment, PulledUpdates
 from diloco_trainer.core.published import apply_updates, weights_checksum
-from diloco_trainer.learner.schedule import merge_lateness
+from diloco_trainer.learner.schedule import lateness_within, merge_lateness
 from diloco_trainer.learner.syncer_client import SyncerClient
 
 # The learner's logger: the link runs inside the learner and its lines are part of that log.
@@ -65,6 +65,8 @@ class SyncResult:
     # Seconds the push came after a merge of its fragment by peers it was not part of
     # (schedule.merge_lateness); None when there was none.
     lateness: float | None = None
+    # Whether `lateness` is instead of the previous push within its merge (lateness_within).
+    lateness_within: bool = False
 
 
 def encode_delta(
@@ -151,14 +153,14 @@ class SyncerLink:
         start = time.monotonic()
         outcome = "merged"
         after = meta.base_version
-        lateness = None
+        lateness, within_reading = None, False
         try:
             reply = await self.client.push(fragment, encoded, meta)
             log.debug("fragment %d push answered %s", fragment, reply)
             if reply.accepted:
                 after = max(after, reply.version)
                 if after > meta.base_version or within:
-                    lateness = await self._lateness(
+                    lateness, within_reading = await self._lateness(
                         fragment, meta, after, time.monotonic(), within=within
                     )
         except SyncerError as err:
@@ -172,21 +174,26 @@ class SyncerLink:
         if pulled.finished:
             self.finished.set()
         return SyncResult(
-            pulled=pulled, outcome=outcome, seconds=time.monotonic() - start, lateness=lateness
+            pulled=pulled,
+            outcome=outcome,
+            seconds=time.monotonic() - start,
+            lateness=lateness,
+            lateness_within=within_reading,
         )
 
     async def _lateness(
         self, fragment: int, meta: PushMeta, accepted: int, answered: float, *, within: bool
-    ) -> float | None:
+    ) -> tuple[float | None, bool]:
         """Merges of the fragment happened between our base and our push: how late were we?
-        One status read (schedule.merge_lateness); a failure only skips phase alignment once."""
+        Else, `within`: how late was our previous push in its merge (schedule.lateness_within)?
+        One status read; a failure only skips phase alignment once. (lateness, whether within)"""
         try:
             status = await self.client.status()
         except SyncerError as err:
             log.debug("status for phase alignment failed: %s", err)
-            return None
+            return None, False
         doc = status.to_json() if hasattr(status, "to_json") else status
-        return merge_lateness(
+        late = merge_lateness(
             doc,
             fragment=fragment,
             island=self.island,
@@ -194,8 +201,17 @@ class SyncerLink:
             accepted_version=accepted,
             pushed_ago=time.monotonic() - answered,
             step_time=meta.step_time,
-            within=within,
         )
+        if late is not None or not within:
+            return late, False
+        of_previous = lateness_within(
+            doc,
+            fragment=fragment,
+            version=meta.base_version,
+            island=self.island,
+            step_time=meta.step_time,
+        )
+        return of_previous, of_previous is not None
 
     async def resync(self, fragment: int) -> SyncResult:
         """The current global fragment, when a sync went wrong in a way a retry cannot fix."""
