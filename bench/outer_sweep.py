@@ -16,6 +16,7 @@ torchft's DiLoCo there (same seed, same loss to 4 digits), which checks the harn
 
 from __future__ import annotations
 
+import argparse
 import copy
 import statistics
 import sys
@@ -25,7 +26,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from diloco_trainer.api.spec import JobSpec, parse_spec
+from diloco_trainer.api.spec import JobSpec
 from diloco_trainer.models.parts import (
     build_parts,
     evaluate,
@@ -44,6 +45,7 @@ from bench.common import (
     fmt_ratio,
     ratio,
 )
+from bench.decoupled_quality import make_spec as quality_spec
 
 # (outer lr, momentum, H): the job's default first, then the neighbours a user would try, and
 # plain averaging (lr 1, no momentum: local SGD / FedAvg).
@@ -80,21 +82,8 @@ class Outer:
 
 def make_spec(args: Any, seed: int, h: int) -> JobSpec:
     """decoupled_quality's job (model, data, inner optimizer and schedule) with inner.steps = h."""
-    return parse_spec(
-        {
-            "model": {"preset": args.preset, "seed": seed},
-            "data": {"source": "builtin:stdlib-text", "evalTokens": args.eval_tokens, "seed": seed},
-            "islands": {"count": args.islands},
-            "inner": {
-                "lr": args.inner_lr,
-                "warmupSteps": args.warmup,
-                "steps": h,
-                "batchSize": args.batch_size,
-                "seqLen": args.seq_len,
-            },
-            "sync": {"quorum": args.islands},
-            "stopAfter": {"tokens": args.islands * args.steps * args.batch_size * args.seq_len},
-        }
+    return quality_spec(
+        argparse.Namespace(**{**vars(args), "inner_steps": h}), seed=seed, quorum=args.islands
     )
 
 
