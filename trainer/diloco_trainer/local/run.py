@@ -399,6 +399,20 @@ def _raise_keyboard_interrupt(signum: int, frame: FrameType | None) -> None:
     raise KeyboardInterrupt
 
 
+# After Ctrl-C, tasks still pending get this long to finish cancelling before the loop closes.
+CANCEL_SECONDS = 5.0
+
+
+def _close_loop(loop: asyncio.AbstractEventLoop) -> None:
+    """Cancel what is left on `loop` (bounded by CANCEL_SECONDS) and close it."""
+    pending = [t for t in asyncio.all_tasks(loop) if not t.done()]
+    for task in pending:
+        task.cancel()
+    if pending:
+        loop.run_until_complete(asyncio.wait(pending, timeout=CANCEL_SECONDS))
+    loop.close()
+
+
 def main(args: argparse.Namespace) -> int:
     """`diloco run`: exit 0 when the job finished, 1 on failure, 2 on bad input, 130 on Ctrl-C."""
     console = Console(stderr=False)
@@ -415,15 +429,24 @@ def main(args: argparse.Namespace) -> int:
         return 2
     workdir = Path(args.workdir or tempfile.mkdtemp(prefix="diloco-run-")).resolve()
     run = LocalRun(name, spec, workdir, slowdowns, console, quiet=args.quiet)
-    # SIGTERM stops the run like Ctrl-C does (children are in their own process groups).
+    # Ctrl-C and SIGTERM raise KeyboardInterrupt wherever the main thread is (children are in
+    # their own process groups). Not asyncio.run's Ctrl-C, which only cancels the watch task: a
+    # cancellation that anything on the way absorbs leaves the run going, and once (a CI run
+    # under load) `diloco run` sat through 120 s after SIGINT with every child training on. For
+    # the same reason the children are stopped before the event loop is cleaned up.
+    signal.signal(signal.SIGINT, _raise_keyboard_interrupt)
     signal.signal(signal.SIGTERM, _raise_keyboard_interrupt)
     started = time.monotonic()
+    loop = asyncio.new_event_loop()
     try:
         console.print(f"diloco run: job {name}, {spec.islands.count} island(s); logs in {run.logs}")
         run.start()
-        status = asyncio.run(run.watch(started))
+        status = loop.run_until_complete(run.watch(started))
         run.wait_learners(LEARNER_EXIT_SECONDS)
     except KeyboardInterrupt:
+        # A second Ctrl-C must not cut the stop short and leave children training.
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
         console.print(f"interrupted: stopping every process (logs in {run.logs})")
         run.stop_all()
         return 130
@@ -431,6 +454,8 @@ def main(args: argparse.Namespace) -> int:
         console.print(f"[red]diloco run failed:[/red] {err}")
         run.stop_all()
         return 1
+    finally:
+        _close_loop(loop)
     run.stop_all()
     summary = make_summary(
         status,
