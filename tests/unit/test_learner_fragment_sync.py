@@ -216,6 +216,28 @@ def test_a_reading_within_a_merge_is_taken_once_per_shift() -> None:
     assert link.within == [True] * 5
 
 
+def test_a_reading_within_a_merge_under_an_eighth_of_a_round_moves_nothing() -> None:
+    # H = 16 at 0.1 s a step is a 1.6 s round; its eighth is 0.2 s, its quarter 4 steps. Within
+    # a merge, 0.15 s late is noise and moves nothing; 0.3 s moves the schedule 3 steps earlier.
+    # A missed merge's reading (not within) of the same 0.15 s moves it round(-1.5) = -2 steps.
+    spec = parse_spec(
+        {
+            "islands": {"count": 2},
+            "inner": {"steps": 16},
+            "sync": {"fragments": 1, "overlapSteps": 1, "compression": "none", "quorum": 1},
+        }
+    )
+    sync, _ = make_sync(spec, FakeLink(outer_lr=1.0))
+    sync.wall_step = 0.1
+    sync._align(0, 0.15, within=True)
+    assert sync.phase_pending == 0
+    sync._align(0, 0.3, within=True)
+    assert sync.phase_pending == -3
+    sync.phase_pending = 0
+    sync._align(0, 0.15)
+    assert sync.phase_pending == -2
+
+
 def test_no_shift_while_one_is_in_progress() -> None:
     link = FakeLink(outer_lr=1.0, lateness=0.4)
     sync, _ = make_sync(make_spec(overlapSteps=1), link)

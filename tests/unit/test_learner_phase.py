@@ -163,6 +163,17 @@ def test_phase_shift_zero_under_half_a_step_or_without_timings() -> None:
     assert phase_shift(float("nan"), inner_steps=30, step_time=0.1) == 0
 
 
+def test_phase_shift_within_a_merge_ignores_offsets_under_an_eighth_of_a_round() -> None:
+    # H = 30, 0.1 s a step: a round is 3 s, an eighth of it 0.375 s (3.75 steps).
+    assert phase_shift(0.3, inner_steps=30, step_time=0.1, within=True) == 0  # 3 steps: noise
+    assert phase_shift(-0.3, inner_steps=30, step_time=0.1, within=True) == 0
+    assert phase_shift(0.4, inner_steps=30, step_time=0.1, within=True) == -4  # 4 steps late
+    assert phase_shift(-0.5, inner_steps=30, step_time=0.1, within=True) == 5  # 5 steps early
+    assert phase_shift(2.8, inner_steps=30, step_time=0.1, within=True) == 0  # wraps to -0.2 s
+    # A missed merge (merge_lateness) has no dead band: the same 0.3 s moves 3 steps.
+    assert phase_shift(0.3, inner_steps=30, step_time=0.1) == -3
+
+
 def test_phase_shift_brings_a_follower_onto_its_leaders_schedule() -> None:
     """The leader merges at 0.2 s into every 3 s round; the follower pushes at 1.2 s: 1 s late,
     it moves 7 steps (the cap), then the remaining 3: on the leader's merge from round 3."""

@@ -319,18 +319,21 @@ class FragmentSync:
         measured = self.measured.pop(f, None)
         if result.lateness_within and (measured is None or measured <= self.shifted_at):
             return target  # a reading of a push from before our last shift: already corrected
-        self._align(f, result.lateness)
+        self._align(f, result.lateness, within=result.lateness_within)
         return target
 
     def _alpha(self) -> float:
         return self.spec.sync.mix_alpha
 
-    def _align(self, f: int, lateness: float | None) -> None:
-        """Start moving the schedule onto the leader's phase (one shift at a time)."""
+    def _align(self, f: int, lateness: float | None, *, within: bool = False) -> None:
+        """Start moving the schedule onto the leader's phase (one shift at a time); `within`:
+        the reading is of a merge that held this island's push (schedule.WITHIN_DEADBAND)."""
         if lateness is None or self.phase_pending:
             return
         step = self.wall_step or self.step_time
-        shift = phase_shift(lateness, inner_steps=self.spec.inner.steps, step_time=step)
+        shift = phase_shift(
+            lateness, inner_steps=self.spec.inner.steps, step_time=step, within=within
+        )
         if shift:
             self.phase_pending = shift
             self.shifted_at = time.monotonic()

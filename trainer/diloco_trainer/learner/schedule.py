@@ -252,13 +252,31 @@ def lateness_within(
     return None
 
 
-def phase_shift(lateness: float, *, inner_steps: int, step_time: float) -> int:
-    """Steps to move this island's schedule by, given `lateness` (see merge_lateness):
-    positive delays its next pushes, negative brings them forward; 0 when under half a step."""
+# A reading within a merge (lateness_within) moves the schedule only when it is at least this
+# share of a round. Those readings are of pushes that met in one merge, so their noise is all
+# there is once islands are in phase: on two shared cores they jitter by 1-6 steps a round at
+# H = 30 (0.02-0.17 s at 0.027 s a step), and correcting each one made identical islands chase
+# each other (advance 6, delay 1, delay 2, advance 4, ...), their work per push 24-33 steps, and
+# K = 1 ended 1.5-4% behind K = M (bench/RESULTS.md, 09:48). An offset under an eighth of a round
+# costs the islands ahead at most that many steps of staleness on the merge they apply; the
+# offset the rule exists for (a start-up lag of 10-18 steps of 50 in examples/local.yaml) is well
+# above it. Readings of a missed merge (merge_lateness) have no dead band: missing one is news.
+WITHIN_DEADBAND = 1 / 8
+
+
+def phase_shift(
+    lateness: float, *, inner_steps: int, step_time: float, within: bool = False
+) -> int:
+    """Steps to move this island's schedule by, given `lateness` (see merge_lateness, or
+    lateness_within when `within`): positive delays its next pushes, negative brings them
+    forward; 0 when under half a step, or for a reading within a merge under WITHIN_DEADBAND of
+    a round."""
     if inner_steps < 1 or step_time <= 0 or not math.isfinite(lateness):
         return 0
     period = inner_steps * step_time
     x = (lateness + period / 2) % period - period / 2  # into [−R/2, R/2)
+    if within and abs(x) < WITHIN_DEADBAND * period:
+        return 0
     steps = round(-PHASE_GAIN * x / step_time)
     limit = inner_steps // 4
     return max(-limit, min(limit, steps))
