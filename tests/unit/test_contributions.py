@@ -48,6 +48,14 @@ def test_plan_of_one_island_is_a_quarter_round_at_full_weight() -> None:
     plan = plan_merge([Contributor(100, 10)], rule="tokens", inner_steps=10, islands=4)
     assert plan.fraction == 0.25
     assert plan.shares == [1.0]
+    assert not plan.complete
+
+
+def test_plan_of_every_island_says_complete_whatever_its_work() -> None:
+    cs = [Contributor(tokens=90, steps=9)] * 4  # each 9 of H = 10 steps
+    plan = plan_merge(cs, rule="mean", inner_steps=10, islands=4, complete=True)
+    assert plan.fraction == pytest.approx(0.9)
+    assert plan.complete
 
 
 def test_lone_stale_push_is_discounted_not_renormalised() -> None:

@@ -127,6 +127,23 @@ def test_split_fraction_by_hand(
     assert left == pytest.approx(after)
 
 
+@pytest.mark.parametrize(
+    ("accumulated", "fraction", "portions"),
+    [
+        (0.0, 0.883, [(0.883, True)]),  # short of a round by work, but every island is in it
+        (0.825, 1.0, [(1.0, True)]),  # an old offset: one fold, not 0.175 closing + 0.825 open
+        (0.5, 2.0, [(2.0, True)]),  # one fold per complete merge, however much work
+        (0.4, 0.0, []),  # no work: nothing to fold, the round stays open
+    ],
+)
+def test_split_fraction_of_a_complete_merge_closes_the_round_at_once(
+    accumulated: float, fraction: float, portions: list[tuple[float, bool]]
+) -> None:
+    got, left = split_fraction(accumulated, fraction, complete=True)
+    assert got == portions
+    assert left == (accumulated if not portions else 0.0)
+
+
 def test_split_fraction_refuses_bad_values() -> None:
     with pytest.raises(ValueError, match="work fraction"):
         split_fraction(0.0, -0.1)
@@ -154,6 +171,20 @@ def test_partial_merges_fold_momentum_once_per_round_by_hand(nesterov: bool) -> 
     assert p["w"].item() == pytest.approx(want)
     assert outer.state_tensors()["w"].item() == pytest.approx(3.7)
     assert (outer.rounds(), outer.accumulated(), outer.clock()) == (2, 0.0, 2.0)
+
+
+def test_a_complete_merge_folds_the_open_buffer_with_all_of_its_work_by_hand() -> None:
+    p = {"w": torch.tensor([0.0])}
+    outer = OuterOptimizer(p, lr=0.5, momentum=0.9, nesterov=True)
+    # A partial merge, φ = 0.5, g = 2: θ -= 0.5·0.5·2 = 0.5; buffer 1; open at 0.5.
+    outer.step({"w": torch.tensor([2.0])}, fraction=0.5)
+    # A complete merge, φ = 1, g = 4: θ -= 0.5·1·4 = 2; buffer 1 + 4 = 5 folds at once:
+    # m = 5, θ -= 0.5·0.9·5 = 2.25. By work alone half of it (2) would have closed the round
+    # (m = 3, θ -= 1.35) and the other half (2) stayed in the buffer.
+    assert outer.step({"w": torch.tensor([4.0])}, fraction=1.0, complete=True) == 1
+    assert p["w"].item() == pytest.approx(-0.5 - 2.0 - 2.25)
+    assert outer.state_tensors() == {"w": pytest.approx(torch.tensor([5.0]))}
+    assert (outer.rounds(), outer.accumulated()) == (1, 0.0)
 
 
 @pytest.mark.parametrize("islands", [2, 4])

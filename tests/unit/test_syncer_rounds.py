@@ -82,7 +82,34 @@ def test_syncer_one_island_merges_count_a_round_per_m_merges(tmp_path: Path) -> 
     assert fractions == pytest.approx([1 / 3] * 3)
     assert syncer.state.versions == [3] and syncer.outer_step == 1
     assert [e["rounds"] for e in syncer.merge_log.recent] == [0, 0, 1]
+    assert [e["complete"] for e in syncer.merge_log.recent] == [False] * 3
     assert [e["outerStep"] for e in syncer.jobs.evaluations.history] == [0, 1]
+
+
+def test_syncer_a_merge_of_every_island_closes_the_round_whatever_its_work(
+    tmp_path: Path,
+) -> None:
+    """Quorum 3 of 3, each island pushing after 3 of H = 4 steps: the merge carries
+    φ = 3 x (3/4) / 3 = 0.75 of a round by work, but it holds every island's push, so it closes
+    the round (one fold; counting work alone it would stay open at 0.75)."""
+
+    async def scenario() -> Syncer:
+        spec = make_spec(quorum=3)
+        syncer = Syncer(spec, job_name="unit", state_dir=tmp_path, clock=FakeClock())
+        await syncer.start()
+        for i in range(3):
+            await syncer.join(f"island-{i}", 1)
+        for i in range(3):
+            await push(syncer, f"island-{i}", steps=3)
+        await syncer.stop()
+        return syncer
+
+    syncer = run(scenario())
+    (entry,) = syncer.merge_log.recent
+    assert entry["fraction"] == pytest.approx(0.75)
+    assert entry["complete"] is True
+    assert entry["rounds"] == 1 and syncer.outer_step == 1
+    assert syncer.model.outer.accumulated(0) == 0.0
 
 
 def test_syncer_merges_stale_work_with_a_discount(tmp_path: Path) -> None:

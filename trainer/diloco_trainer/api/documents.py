@@ -191,6 +191,7 @@ class MergeRecord(Document):
     grace: float = 0.0
     rule: str = ""
     fraction: float = 1.0  # the share of a round of work it carried (core/contributions.py)
+    complete: bool = False  # it held every island's push, so it closed the round (core/outer.py)
     rounds: int = 0  # the fragment's completed rounds of work after it
     tokens: int = 0
     merge_seconds: float = 0.0

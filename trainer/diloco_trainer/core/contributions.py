@@ -23,7 +23,9 @@ merge carries φ = Σ w_i·d_i / M of a round, M the islands that count (active 
 With equal batches the outer step then moves θ by lr·φ·g = lr·Σ d_i·Δ_i / M: every island's
 pseudo-gradient counts once, as in a synchronous step, however merges group them, and the
 discount is not normalised away (a lone stale push moves θ less). A merge of every island's full
-round, none stale, has φ = 1 and g = their weighted mean: synchronous DiLoCo.
+round, none stale, has φ = 1 and g = their weighted mean: synchronous DiLoCo. A merge that
+holds a push of every island the round spans is `complete`: it closes the open round of the outer
+optimizer whatever its φ (core/outer.py).
 """
 
 from __future__ import annotations
@@ -72,6 +74,7 @@ class MergePlan:
     work: list[float]  # w_i
     discounts: list[float]  # d_i
     fraction: float  # φ
+    complete: bool = False  # every island the round spans is in it: it closes the round
 
     @property
     def shares(self) -> list[float]:
@@ -81,9 +84,15 @@ class MergePlan:
 
 
 def plan_merge(
-    contributors: Sequence[Contributor], *, rule: str, inner_steps: int, islands: int
+    contributors: Sequence[Contributor],
+    *,
+    rule: str,
+    inner_steps: int,
+    islands: int,
+    complete: bool = False,
 ) -> MergePlan:
-    """The plan of a merge of `contributors` among `islands` islands (M >= 1)."""
+    """The plan of a merge of `contributors` among `islands` islands (M >= 1); `complete`
+    when they are every one of them."""
     if rule not in MERGE_RULES:
         raise ValueError(f"sync.merge {rule!r} is unknown; choose one of {list(MERGE_RULES)}")
     if islands < 1:
@@ -96,4 +105,4 @@ def plan_merge(
         weights.append(quality * d if w > 0 else 0.0)
         scales.append(1.0 / w if w > 0 else 0.0)
     fraction = sum(w * d for w, d in zip(work, discounts, strict=True)) / islands
-    return MergePlan(weights, scales, work, discounts, fraction)
+    return MergePlan(weights, scales, work, discounts, fraction, complete)

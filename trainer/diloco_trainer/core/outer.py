@@ -13,7 +13,15 @@ generalised from "every N-th arrival" to work fractions:
 - whenever the fractions accumulated since the last fold reach 1, the buffer is folded into the
   momentum, m ← β·m + b, b ← 0, and θ moves by lr·β·m (Nesterov; lr·β·m_old for heavy ball).
   A fraction that crosses 1 is split: the part up to 1 closes the round, the rest starts the
-  next one (a merge with φ ≥ 2 folds more than once).
+  next one (a merge with φ ≥ 2 folds more than once);
+- a *complete* merge, one that holds a push of every island the round spans, closes the open
+  round with all of its work (one fold, the buffer then empty) whatever its φ. That is the
+  paper's own unit (a fold every N arrivals, N the workers): work fractions stand in for it
+  only when merges are partial. Counting work alone, one early merge of islands that pushed
+  after 26 steps instead of 30 (φ = 0.883: phase alignment moved them) left every later merge
+  of all four islands split across two folds for the rest of the job, 0.175 of it closing one
+  round and 0.825 opening the next: a momentum one merge late, where K = M's (φ = 1 each time)
+  is not. The same held at K = M for the second fragment, whose first push is half a round.
 
 So a merge of every island's full round (φ = 1) is exactly torch.optim.SGD's step (bit for bit,
 see the unit tests), and M merges of one island each (φ = 1/M) give the same θ as one synchronous
@@ -38,17 +46,23 @@ BUFFER_PREFIX = "buffer/"
 ROUND_EPS = 1e-9
 
 
-def split_fraction(accumulated: float, fraction: float) -> tuple[list[tuple[float, bool]], float]:
+def split_fraction(
+    accumulated: float, fraction: float, *, complete: bool = False
+) -> tuple[list[tuple[float, bool]], float]:
     """Portions of a merge's work fraction and whether each closes a round, plus the fraction
     accumulated afterwards.
 
     split_fraction(0.75, 0.5) == ([(0.25, True), (0.25, False)], 0.25): the first quarter
-    completes the round, the second starts the next one.
+    completes the round, the second starts the next one. A `complete` merge (every island in
+    it) closes the open round with all of its work: split_fraction(0.75, 0.5, complete=True) ==
+    ([(0.5, True)], 0.0).
     """
     if not (math.isfinite(fraction) and fraction >= 0.0):
         raise ValueError(f"work fraction must be finite and >= 0, got {fraction}")
     if not (math.isfinite(accumulated) and 0.0 <= accumulated < 1.0):
         raise ValueError(f"accumulated fraction must be in [0, 1), got {accumulated}")
+    if complete and fraction > ROUND_EPS:
+        return [(fraction, True)], 0.0
     portions: list[tuple[float, bool]] = []
     acc, rest = accumulated, fraction
     while rest > ROUND_EPS and acc + rest >= 1.0 - ROUND_EPS:
@@ -135,11 +149,19 @@ class OuterOptimizer:
                 )
 
     @torch.no_grad()
-    def step(self, grads: Mapping[str, Tensor], fraction: float = 1.0, group: int = 0) -> int:
+    def step(
+        self,
+        grads: Mapping[str, Tensor],
+        fraction: float = 1.0,
+        group: int = 0,
+        *,
+        complete: bool = False,
+    ) -> int:
         """Apply one merge carrying `fraction` of a round to exactly the named tensors (one
-        fragment, `group`); returns how many rounds it completed (folds)."""
+        fragment, `group`; `complete`: it holds every island's push, see the module docstring);
+        returns how many rounds it completed (folds)."""
         self._check(grads)
-        portions, after = split_fraction(self.accumulated(group), fraction)
+        portions, after = split_fraction(self.accumulated(group), fraction, complete=complete)
         beta = self.momentum
         for name, g in grads.items():
             g = g.detach().to(torch.float32)

@@ -198,14 +198,17 @@ class Gate:
         """Fragment f's round merged and checked, nothing applied yet (in a worker thread);
         None when it cannot be: the contributions at fault (guards.offenders; all of them when
         none is found) are taken out of the round, which merges later without them."""
+        # M: the islands a round of work spans (active ones, and contributors since gone).
+        pushed = {c.island for c in contributions}
+        spans = state.active_islands() | pushed
         try:
             return await asyncio.to_thread(
                 model.prepare_merge,
                 f,
                 contributions,
                 lags=[state.lag_rounds(f, c.base_version) for c in contributions],
-                # M: the islands a round of work spans (active ones, and contributors since gone).
-                islands=len(state.active_islands() | {c.island for c in contributions}),
+                islands=len(spans),
+                complete=pushed == spans,
             )
         except Exception as err:  # the input, never the state: nothing was changed
             bad = await asyncio.to_thread(offenders, contributions, self.spec.sync.merge)

@@ -129,10 +129,13 @@ class GlobalModel:
         lags: Sequence[float],
         islands: int,
         new_version: int,
+        complete: bool = False,
     ) -> MergeResult:
         """Merge fragment f's round into θ_exact and θ_pub: prepare_merge, then commit_merge.
         Runs in a worker thread, lock held."""
-        prepared = self.prepare_merge(f, contributions, lags=lags, islands=islands)
+        prepared = self.prepare_merge(
+            f, contributions, lags=lags, islands=islands, complete=complete
+        )
         return self.commit_merge(f, prepared, new_version=new_version)
 
     def prepare_merge(
@@ -142,9 +145,11 @@ class GlobalModel:
         *,
         lags: Sequence[float],
         islands: int,
+        complete: bool = False,
     ) -> PreparedMerge:
         """The plan (each contribution's weight, scale to one round of work and staleness
-        discount from its lag in rounds, `lags`; the work fraction φ among `islands` islands)
+        discount from its lag in rounds, `lags`; the work fraction φ among `islands` islands;
+        `complete`: the contributions are every one of them, and close the round)
         and the weighted merge of the scaled pseudo-gradients, checked finite and bounded
         (guards.check_merged). Changes nothing: a ValueError (MergeInputError) here leaves the
         model as it was."""
@@ -156,6 +161,7 @@ class GlobalModel:
             rule=self.rule,
             inner_steps=self.inner_steps,
             islands=islands,
+            complete=complete,
         )
         merged = merge_pseudo_gradients(
             [c.payload for c in contributions],
@@ -173,7 +179,7 @@ class GlobalModel:
         """Apply a prepared merge: the outer step carrying φ, and θ_pub's update to
         `new_version`."""
         plan = prepared.plan
-        self.outer.step(prepared.merged, plan.fraction, group=f)
+        self.outer.step(prepared.merged, plan.fraction, group=f, complete=plan.complete)
         update = None
         if self.kept_apart:
             update = publish_update(

@@ -75,6 +75,7 @@ class MergeLog:
             "grace": grace,
             "rule": rule,
             "fraction": plan.fraction,
+            "complete": plan.complete,
             "rounds": result.rounds,
             "tokens": tokens,
             "mergeSeconds": seconds,
