@@ -2,13 +2,13 @@
 
 It holds the fp32 global weights (θ_exact, `weights`: what the outer optimizer steps), split
 into fragments by bytes, and the copy learners hold (θ_pub, `published`; the same tensors when
-sync.pullCompression is none). A merge (`merge_round`) combines one fragment's round of
-pseudo-gradients as core/contributions.py plans it, applies the outer step (Delayed Nesterov
-folded per round of work, core/outer.py) to θ_exact and moves θ_pub towards it by one encoded
-update (see core/published.py).
+sync.pullCompression is none). A merge (prepare_merge, then commit_merge) combines one
+fragment's round of pseudo-gradients as core/contributions.py plans it, applies the outer step
+(Delayed Nesterov folded per round of work, core/outer.py) to θ_exact and moves θ_pub towards it
+by one encoded update (see core/published.py).
 
 Synchronous and free of asyncio and HTTP: the service calls it while holding its lock, the heavy
-methods (merge_round, digest, snapshots) from a worker thread.
+methods (prepare_merge, digest, snapshots) from a worker thread.
 """
 
 from __future__ import annotations
@@ -53,7 +53,7 @@ def fragment_body_limit(expected: dict[str, torch.Size], codec: str) -> int:
 
 @dataclass(frozen=True)
 class MergeResult:
-    """What one merge_round computed, for the merge log."""
+    """What one merge (commit_merge) did, for the merge log."""
 
     plan: MergePlan  # weights, scales, work, discounts and the work fraction φ
     rounds: int  # the fragment's completed rounds of work after the merge
@@ -120,23 +120,6 @@ class GlobalModel:
         return {n: self.published[n] for n in self.fragments[f]}
 
     # ----- the merge and outer step ------------------------------------------------------------
-
-    def merge_round(
-        self,
-        f: int,
-        contributions: Sequence[Contribution],
-        *,
-        lags: Sequence[float],
-        islands: int,
-        new_version: int,
-        complete: bool = False,
-    ) -> MergeResult:
-        """Merge fragment f's round into θ_exact and θ_pub: prepare_merge, then commit_merge.
-        Runs in a worker thread, lock held."""
-        prepared = self.prepare_merge(
-            f, contributions, lags=lags, islands=islands, complete=complete
-        )
-        return self.commit_merge(f, prepared, new_version=new_version)
 
     def prepare_merge(
         self,
