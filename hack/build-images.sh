@@ -103,8 +103,7 @@ fi
 [[ $(id -u) -eq 0 ]] || die "run as root (debootstrap and buildah's chroot isolation need it)"
 # A fresh machine of this project's kind has neither buildah nor debootstrap: install them
 # (and umoci, with which tests/node/test_images.py unpacks the archives to run them with runc).
-install_debian_tools buildah:buildah debootstrap:debootstrap umoci:umoci chroot:coreutils \
-  sha256sum:coreutils flock:util-linux python3:python3
+install_debian_tools "${IMAGE_HOST_NEEDS[@]}"
 
 mkdir -p "${CACHE_ROOT}" "${STORAGE}"
 exec 9>"${CACHE_ROOT}/.lock"

@@ -2,9 +2,9 @@
 # Build the binaries of one real Kubernetes node from pinned sources through the Go
 # module proxy: kubelet and kube-proxy (the control plane's Kubernetes release),
 # containerd + ctr + containerd-shim-runc-v2, the CNI plugins bridge, host-local,
-# loopback and portmap, and CoreDNS. runc and iptables come from Debian's packages
-# (runc needs cgo and libseccomp; apt-get installs them when they are missing and we
-# are root).
+# loopback and portmap, and CoreDNS. runc, iptables, conntrack and the node tier's static
+# busybox come from Debian's packages (NODE_HOST_NEEDS in hack/lib/build-common.sh; runc needs
+# cgo and libseccomp): apt-get installs them when they are missing and we are root.
 #
 # Versions live in hack/versions.env. Binaries go into a cache keyed by those versions:
 #   ${DILOCO_NODE_CACHE:-$HOME/.cache/diloco-operator/node}/<k8s>-<containerd>-<cni>-<coredns>/bin
@@ -28,13 +28,12 @@ BIN_DIR="${OUT_DIR}/bin"
 CNI_DIR="${BIN_DIR}/cni"
 BINARIES=(kubelet kube-proxy containerd ctr containerd-shim-runc-v2 coredns pause
   cni/bridge cni/host-local cni/loopback cni/portmap)
-# Host tools from Debian's packages: command -> package.
-HOST_TOOLS=(runc:runc iptables:iptables conntrack:conntrack)
-
 log() { printf '[build-node] %s\n' "$*" >&2; }
 die() { printf '[build-node] ERROR: %s\n' "$*" >&2; exit 1; }
 # shellcheck source=lib/build-common.sh disable=SC1091
 source "${HACK_DIR}/lib/build-common.sh"
+# Host tools from Debian's packages (NODE_HOST_NEEDS, hack/lib/build-common.sh).
+HOST_TOOLS=("${NODE_HOST_NEEDS[@]}")
 
 have_all() {
   local b
@@ -55,7 +54,7 @@ case "${1:-}" in
   *) die "unknown argument: $1 (try --help)" ;;
 esac
 
-# install_host_tools: runc, iptables and conntrack from Debian (hack/lib/build-common.sh).
+# install_host_tools: runc, iptables, conntrack, iproute2 and busybox-static from Debian.
 install_host_tools() { install_debian_tools "${HOST_TOOLS[@]}"; }
 
 # Fast path: everything cached.

@@ -30,12 +30,34 @@ take_build_lock() {
   fi
 }
 
-# missing_tools CMD:PACKAGE...: print the Debian packages whose command is not on PATH (sbin
-# directories included: runc and iptables live there).
+# What the test tiers need from the host, as NEED:PACKAGE (NEED is a command looked up on PATH or
+# an absolute path; PACKAGE the Debian package that provides it), one list per build step, which
+# installs what is missing: NODE_HOST_NEEDS by hack/build-node.sh (`make node`), IMAGE_HOST_NEEDS
+# by hack/build-images.sh (`make images`). A fresh machine of this project's kind has none of
+# these packages but iproute2 (ip), coreutils, util-linux and python3; the tests that look a need
+# up fail naming the make target that installs it. tests/unit/test_host_needs.py checks every
+# program and file the tiers look up against these lists.
+# runc, iptables, conntrack: containerd and kube-proxy; ip: the node's routes; busybox: the node
+# tier's test image (a static build: the image holds nothing else).
+NODE_HOST_NEEDS=(runc:runc iptables:iptables conntrack:conntrack ip:iproute2
+  /bin/busybox:busybox-static)
+# buildah, debootstrap: the image builds; umoci and runc: tests/node/test_images.py unpacks and runs
+# the archives.
+IMAGE_HOST_NEEDS=(buildah:buildah debootstrap:debootstrap umoci:umoci runc:runc chroot:coreutils
+  sha256sum:coreutils flock:util-linux python3:python3)
+
+# missing_tools NEED:PACKAGE...: print the Debian packages whose NEED is missing: a command not on
+# PATH (sbin directories included: runc and iptables live there), or an absolute path that is not
+# there.
 missing_tools() {
-  local t
+  local t need
   for t in "$@"; do
-    PATH="${PATH}:/usr/sbin:/sbin" command -v "${t%%:*}" >/dev/null 2>&1 || printf '%s\n' "${t##*:}"
+    need=${t%%:*}
+    if [[ ${need} == /* ]]; then
+      [[ -e ${need} ]] || printf '%s\n' "${t##*:}"
+    else
+      PATH="${PATH}:/usr/sbin:/sbin" command -v "${need}" >/dev/null 2>&1 || printf '%s\n' "${t##*:}"
+    fi
   done
 }
 

@@ -89,7 +89,8 @@ def busybox_image(node_cluster: ControlPlane, tmp_path_factory: pytest.TempPathF
     """A static busybox (Debian's busybox-static) as an OCI archive, loaded into the node."""
     if not BUSYBOX.is_file():
         pytest.fail(
-            f"the node tier needs a static busybox at {BUSYBOX} (apt-get install busybox-static)"
+            f"the node tier needs a static busybox at {BUSYBOX}: `make node` installs it "
+            "(Debian's busybox-static)"
         )
     archive = write_archive(
         busybox_spec(BUSYBOX, BUSYBOX_IMAGE, APPLETS),

@@ -53,7 +53,7 @@ def image_dir(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathF
         pytest.fail(
             "building and running the images needs: "
             + ", ".join(missing)
-            + " (Debian: apt-get install buildah debootstrap umoci runc)"
+            + " (`make images` installs them from Debian: hack/build-images.sh)"
         )
     log_path = tmp_path_factory.mktemp("images") / "build-images.log"
     return run_build(request.config, "build-images.sh", log_path)

@@ -15,6 +15,7 @@ from typing import Any
 import pytest
 
 from hack.localcluster.harness import ControlPlane, poll_until
+from hack.localcluster.realnode import host_tool
 from hack.localcluster.settings import (
     CLUSTER_DNS_IP,
     NODE_LABEL,
@@ -200,7 +201,7 @@ def test_unprogrammed_cluster_ip_is_unreachable_not_routed_off_the_machine(
     network = ipaddress.ip_network(SERVICE_CIDR)
     unused = str(network.broadcast_address - 1)  # the allocator hands out low addresses first
     rules = subprocess.run(
-        ["iptables", "-S", "OUTPUT"], capture_output=True, text=True, check=True
+        [host_tool("iptables"), "-S", "OUTPUT"], capture_output=True, text=True, check=True
     ).stdout
     assert any(SERVICE_CIDR in r and "REJECT" in r for r in rules.splitlines()), rules
     with pytest.raises(OSError) as refused:
