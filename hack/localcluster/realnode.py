@@ -106,7 +106,8 @@ def host_tool(name: str) -> str:
     found = shutil.which(name) or shutil.which(name, path="/usr/sbin:/sbin:/usr/bin")
     if found is None:
         raise ClusterError(
-            f"the real node needs '{name}': `make node` (hack/build-node.sh) installs it from Debian"
+            f"the real node needs '{name}': `make node` (hack/build-node.sh) installs it "
+            "from Debian"
         )
     return found
 
