@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from diloco_trainer.api.spec import JobSpec
-from diloco_trainer.local.launch import Proc, free_port
+from diloco_trainer.local import Proc, free_port
 
 from bench import netns
 from bench.common import (

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from diloco_trainer.local.launch import Proc
+from diloco_trainer.local import Proc
 
 from hack.localcluster import harness
 

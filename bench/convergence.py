@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 from diloco_trainer.api.spec import JobSpec, parse_spec
-from diloco_trainer.local.launch import free_port
+from diloco_trainer.local import free_port
 from diloco_trainer.models.reference import train_synchronous
 
 from bench.common import (

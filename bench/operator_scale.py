@@ -55,7 +55,7 @@ from diloco_operator.resources import (
 )
 from diloco_trainer.api.credentials import Issuer
 from diloco_trainer.api.spec import parse_spec
-from diloco_trainer.local import launch
+from diloco_trainer.local import free_port, start_syncer, wait_ready, write_job_files
 
 from bench.common import (
     LoadMonitor,
@@ -175,10 +175,10 @@ class SyncerForDrop:
 
     def __init__(self, wd: Path, islands: int) -> None:
         spec = parse_spec({**TRAINING, "islands": {"count": islands}})
-        self.files = launch.write_job_files(spec, wd)
-        self.port = launch.free_port()
+        self.files = write_job_files(spec, wd)
+        self.port = free_port()
         self.proc = track(
-            launch.start_syncer(
+            start_syncer(
                 self.files,
                 port=self.port,
                 state_dir=wd / "state",
@@ -188,7 +188,7 @@ class SyncerForDrop:
             )
         )
         self.url = f"http://127.0.0.1:{self.port}"
-        launch.wait_ready(self.url, self.files.token, 120, proc=self.proc)
+        wait_ready(self.url, self.files.token, 120, proc=self.proc)
 
     def _request(self, method: str, path: str, body: Any = None) -> dict[str, Any]:
         data = json.dumps(body).encode() if body is not None else None

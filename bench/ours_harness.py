@@ -17,7 +17,7 @@ from typing import Any
 
 from diloco_trainer.api.contract import island_name
 from diloco_trainer.api.spec import JobSpec
-from diloco_trainer.local.launch import (
+from diloco_trainer.local import (
     JobFiles,
     Proc,
     free_port,

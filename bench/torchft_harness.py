@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from diloco_trainer.local.launch import Proc, free_port
+from diloco_trainer.local import Proc, free_port
 
 from bench.common import poll_until, start_module
 

@@ -45,7 +45,8 @@ from .objects import node_ready
 from .pki import kubeconfig_yaml
 from .processes import run
 from .settings import COMPONENTS, NODE_COMPONENTS, UP_ATTEMPTS, UP_TIMEOUT, default_dir
-from .state import Cluster, wipe
+from .shutdown import stop_cluster, wipe
+from .state import Cluster
 from .up import cmd_up, cmd_watchdog
 
 
@@ -57,7 +58,7 @@ def cmd_down(args: argparse.Namespace) -> int:
     lock_fd = c.lock()
     try:
         if c.load():
-            c.stop_all()
+            stop_cluster(c)
         elif not (c.dir / "pki").exists() and not (c.dir / "etcd").exists():
             info(f"{c.dir} holds no local-cluster state; leaving it alone")
             return 0

@@ -11,7 +11,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from diloco_trainer.local.launch import Proc
+from diloco_trainer.local import Proc
 
 from .polling import poll_until
 from .ports import free_port

@@ -6,7 +6,6 @@ import contextlib
 import fcntl
 import json
 import os
-import shutil
 import signal
 import ssl
 import subprocess
@@ -16,7 +15,6 @@ from pathlib import Path
 from typing import Any
 
 from .errors import ClusterError, info, tail
-from .mounts import unmount_all
 from .processes import (
     SignalGuard,
     describe_status,
@@ -174,31 +172,6 @@ class Cluster:
                 (self.pids / f"{name}.pid").unlink(missing_ok=True)
                 self.save()
 
-    def stop_all(self) -> None:
-        """Stop every recorded process; the watchdog last, so an interrupted stop_all
-        still leaves it to finish the job. Signals are ignored meanwhile (bounded waits)."""
-        names = [*reversed(NODE_COMPONENTS), *reversed(COMPONENTS), "watchdog"]
-        names += [n for n in self.processes() if n not in names]
-        old = {s: signal.signal(s, signal.SIG_IGN) for s in (signal.SIGINT, signal.SIGTERM)}
-        try:
-            if self.state.get("real_node"):
-                # The real node first: its drain needs the API server (imported here, since
-                # nodeteardown itself builds on this module).
-                from .nodeteardown import stop_real_node
-
-                try:
-                    stop_real_node(self)
-                except Exception as e:
-                    info(f"WARNING: stopping the real node failed: {e}")
-            for name in names:
-                try:
-                    self.stop(name)
-                except Exception as e:  # keep going: the other processes must still stop
-                    info(f"WARNING: stopping {name} failed: {e}")
-        finally:
-            for s, h in old.items():
-                signal.signal(s, h)
-
     # -- API access with the admin client certificate
     def ssl_context(self) -> ssl.SSLContext:
         ctx = ssl.create_default_context(cafile=str(self.pki / "ca.crt"))
@@ -218,24 +191,3 @@ class Cluster:
             return json.loads(raw)
         except ValueError:
             return raw.decode(errors="replace")
-
-
-def wipe(c: Cluster, keep_logs: bool) -> None:
-    if not c.dir.exists():
-        return
-    # Never delete through a mount (a real node's volumes, container root filesystems).
-    left = unmount_all(c.dir)
-    if left:
-        info(f"WARNING: not removing {c.dir}: still mounted: {', '.join(left[:5])}")
-        return
-    for entry in c.dir.iterdir():
-        if entry.name == ".lock" or (keep_logs and entry.name == "logs"):
-            continue
-        if entry.is_dir() and not entry.is_symlink():
-            shutil.rmtree(entry, ignore_errors=True)
-        else:
-            entry.unlink(missing_ok=True)
-    if not keep_logs:
-        (c.dir / ".lock").unlink(missing_ok=True)
-        with contextlib.suppress(OSError):
-            c.dir.rmdir()

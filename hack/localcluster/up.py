@@ -27,7 +27,8 @@ from .settings import (
     NODE_NAME,
     PORT_KEYS,
 )
-from .state import Cluster, wipe
+from .shutdown import stop_cluster, wipe
+from .state import Cluster
 
 
 def choose_ports(fixed: dict[str, int]) -> dict[str, int]:
@@ -105,7 +106,7 @@ def reuse_if_healthy(c: Cluster, args: argparse.Namespace) -> bool:
             print_exports(c)
             return True
     info(f"found stale state in {c.dir}; cleaning it up first")
-    c.stop_all()
+    stop_cluster(c)
     wipe(c, keep_logs=True)
     return False
 
@@ -171,7 +172,7 @@ def attempt_until_up(
         except Exception as e:
             tried.failures.append(f"attempt {tried.count}: {failure_text(e)}")
             info(f"ERROR: {failure_text(e)}")
-            c.stop_all()
+            stop_cluster(c)
             c.state_path.unlink(missing_ok=True)
             archived = archive_logs(c, tried.count)
             component = getattr(e, "component", None)
@@ -190,7 +191,7 @@ def give_up(tried: Attempts, e: BaseException) -> int | None:
     c = tried.cluster
     if isinstance(e, KeyboardInterrupt):
         info(f"ERROR: {failure_text(e)}; stopping what was started")
-    c.stop_all()
+    stop_cluster(c)
     c.state_path.unlink(missing_ok=True)
     if isinstance(e, KeyboardInterrupt):
         return 130
@@ -246,7 +247,7 @@ def cmd_watchdog(args: argparse.Namespace) -> int:
             if c.processes().get("watchdog", {}).get("pid") != os.getpid():
                 return 0  # `down` already ran, or a newer cluster took over this dir
             c.processes().pop("watchdog", None)
-            c.stop_all()
+            stop_cluster(c)
             wipe(c, keep_logs=False)
         else:
             # No state: `down` already ran or the directory was removed under us. Stop
@@ -254,7 +255,7 @@ def cmd_watchdog(args: argparse.Namespace) -> int:
             c.state = {"processes": snapshot}
             c.persist = False
             c.processes().pop("watchdog", None)
-            c.stop_all()
+            stop_cluster(c)
     finally:
         if lock_fd is not None:
             os.close(lock_fd)

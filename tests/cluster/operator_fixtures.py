@@ -21,7 +21,15 @@ from typing import Any
 
 import pytest
 from diloco_trainer.api.spec import parse_spec
-from diloco_trainer.local import launch
+from diloco_trainer.local import (
+    JobFiles,
+    Proc,
+    free_port,
+    start_learner,
+    start_syncer,
+    wait_ready,
+    write_job_files,
+)
 
 from hack.localcluster import harness
 
@@ -171,25 +179,25 @@ def operator(
 class LocalSyncer:
     """A real `diloco syncer` on loopback, its token stored in a Secret of the namespace."""
 
-    proc: launch.Proc
+    proc: Proc
     url: str
     token: str
     secret_name: str
-    files: launch.JobFiles
+    files: JobFiles
     workdir: Path
     job_name: str
     cert: Path | None = None
-    learners: list[launch.Proc] = field(default_factory=list)
+    learners: list[Proc] = field(default_factory=list)
 
-    def start_learner(self, island: str, island_index: int) -> launch.Proc:
+    def start_learner(self, island: str, island_index: int) -> Proc:
         """A real `diloco learner` (one rank) of `island`, pushing to this syncer."""
-        proc = launch.start_learner(
+        proc = start_learner(
             self.files,
             syncer_url=self.url,
             island=island,
             island_index=island_index,
             log_file=self.workdir / f"{island}.log",
-            master_port=launch.free_port(),
+            master_port=free_port(),
             job_name=self.job_name,
             extra_env={"OMP_NUM_THREADS": "1"},
         )
@@ -229,12 +237,12 @@ def make_local_syncer(
         spec_doc = {k: v for k, v in manifest["spec"].items() if k != "syncer"}
         spec = parse_spec(spec_doc)
         workdir = tmp_path / f"syncer-{len(started)}"
-        files = launch.write_job_files(spec, workdir)
+        files = write_job_files(spec, workdir)
         cert = key = None
         if tls:
             cert, key = self_signed_certificate(workdir)
-        port = launch.free_port()
-        proc = launch.start_syncer(
+        port = free_port()
+        proc = start_syncer(
             files,
             port=port,
             state_dir=workdir / "state",
@@ -246,7 +254,7 @@ def make_local_syncer(
         )
         url = f"{'https' if tls else 'http'}://127.0.0.1:{port}"
         try:
-            launch.wait_ready(url, files.token, timeout=120, proc=proc, ca_file=cert)
+            wait_ready(url, files.token, timeout=120, proc=proc, ca_file=cert)
         except BaseException:
             proc.stop()
             raise

@@ -29,7 +29,14 @@ import pytest
 import yaml
 from chart.helm_tool import CHART, Helm
 from diloco_trainer.api.spec import parse_spec
-from diloco_trainer.local import launch
+from diloco_trainer.local import (
+    Proc,
+    free_port,
+    start_process,
+    start_syncer,
+    wait_ready,
+    write_job_files,
+)
 
 from .conftest import ControlPlane
 from .operator_fixtures import LocalSyncer, OperatorProcess, job_manifest
@@ -206,10 +213,10 @@ def start_loopback_syncer(manifest: Mapping[str, Any], workdir: Path) -> LocalSy
     each namespace that uses it (`.secret_name` is the name to use) and stops it.
     """
     spec = parse_spec({k: v for k, v in manifest["spec"].items() if k != "syncer"})
-    files = launch.write_job_files(spec, workdir)
-    port = launch.free_port()
+    files = write_job_files(spec, workdir)
+    port = free_port()
     name = manifest["metadata"]["name"]
-    proc = launch.start_syncer(
+    proc = start_syncer(
         files,
         port=port,
         state_dir=workdir / "state",
@@ -219,7 +226,7 @@ def start_loopback_syncer(manifest: Mapping[str, Any], workdir: Path) -> LocalSy
     )
     url = f"http://127.0.0.1:{port}"
     try:
-        launch.wait_ready(url, files.token, timeout=120, proc=proc)
+        wait_ready(url, files.token, timeout=120, proc=proc)
     except BaseException:
         proc.stop()
         raise
@@ -391,12 +398,10 @@ class LocalPod:
                 env[item["name"]] = _field_ref(ref["fieldRef"]["fieldPath"], pod)
         return cls(env=env, command=command[1], mounts=mounts)
 
-    def start(
-        self, name: str, log_file: Path, overrides: Mapping[str, str] | None = None
-    ) -> launch.Proc:
+    def start(self, name: str, log_file: Path, overrides: Mapping[str, str] | None = None) -> Proc:
         """Start `diloco COMMAND` with this environment, `overrides` applied last."""
         env = {**self.env, **(overrides or {}), "OMP_NUM_THREADS": "1"}
-        return launch.start_process(name, self.command, env, log_file=log_file)
+        return start_process(name, self.command, env, log_file=log_file)
 
 
 def _localize(value: str, mounts: Mapping[str, Path]) -> str:

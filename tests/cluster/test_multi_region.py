@@ -30,7 +30,7 @@ import pytest
 import yaml
 from diloco_operator.api import parse_job_spec
 from diloco_trainer.api import contract
-from diloco_trainer.local import launch
+from diloco_trainer.local import Proc, free_port, wait_ready
 
 from .conftest import ControlPlane, wait_until
 from .operator_fixtures import TINY_TRAINING, Cluster, crd, deep_merge  # noqa: F401
@@ -80,7 +80,7 @@ def tiny(manifest: dict[str, Any], islands: dict[str, Any]) -> dict[str, Any]:
 
 def _start_learner(
     cluster: Cluster, job: str, island: str, workdir: Path, overrides: dict[str, str]
-) -> launch.Proc:
+) -> Proc:
     """Rank 0 of island `island` from its StatefulSet's pod template."""
     sts = f"{job}-{island}"
     pod = LocalPod.from_template(
@@ -93,7 +93,7 @@ def _start_learner(
         pod_labels={POD_INDEX: "0"},
     )
     # No cluster DNS here: rank 0 is its own master (world size 1).
-    local = {contract.MASTER_ADDR: "127.0.0.1", contract.MASTER_PORT: str(launch.free_port())}
+    local = {contract.MASTER_ADDR: "127.0.0.1", contract.MASTER_PORT: str(free_port())}
     return pod.start(island, workdir / f"{island}.log", {**local, **overrides})
 
 
@@ -103,7 +103,7 @@ def test_multi_region_islands_of_two_clusters_train_with_one_syncer(
     chart_operator_in: Callable[[ControlPlane, str], ChartOperator],
     tmp_path: Path,
 ) -> None:
-    procs: list[launch.Proc] = []
+    procs: list[Proc] = []
     namespaces: list[tuple[ControlPlane, str]] = []
     try:
         with ThreadPoolExecutor(max_workers=1) as pool:
@@ -122,7 +122,7 @@ def _run_two_regions(
     cp_a: ControlPlane,
     cp_b_future: Future[ControlPlane],
     chart_operator_in: Callable[[ControlPlane, str], ChartOperator],
-    procs: list[launch.Proc],
+    procs: list[Proc],
     namespaces: list[tuple[ControlPlane, str]],
     tmp_path: Path,
 ) -> None:
@@ -169,7 +169,7 @@ def _run_two_regions(
         pod_name=f"{name}-syncer",
     )
     assert syncer_pod.env[contract.TLS_CERT_FILE].startswith(str(tmp_path))
-    port = launch.free_port()
+    port = free_port()
     syncer = syncer_pod.start("syncer", tmp_path / "syncer.log", {contract.SYNCER_PORT: str(port)})
     procs.append(syncer)
     url = f"https://127.0.0.1:{port}"
@@ -198,7 +198,7 @@ def _run_two_regions(
     procs.append(_start_learner(region_a, name, "island-0", workdir, {contract.SYNCER_URL: url}))
     procs.append(_start_learner(region_b, name, "eu-island-0", workdir, {}))
     mark("learners started")
-    launch.wait_ready(url, token, timeout=WAIT, proc=syncer, ca_file=tls.cert)
+    wait_ready(url, token, timeout=WAIT, proc=syncer, ca_file=tls.cert)
     mark("region A's syncer ready")
 
     def status() -> dict[str, Any]:

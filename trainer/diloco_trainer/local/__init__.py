@@ -1,2 +1,30 @@
-"""`diloco run`: a whole job as local processes (launch, live progress, summary, plot). Only the CLI
-imports this package."""
+"""`diloco run`: a whole job as local processes (launch, live progress, summary, plot).
+
+Inside the trainer only the CLI imports this package. Code outside it (hack/'s operator process,
+the benchmarks, the tests) starts syncers, learners and other processes through the names below,
+its public surface, and never through the modules behind it: the `lint-imports` contracts in
+pyproject.toml check both. Importing it loads `launch` only (stdlib and the torch-free api), not
+the live view or the plot.
+"""
+
+from diloco_trainer.local.launch import (
+    JobFiles,
+    Proc,
+    free_port,
+    start_learner,
+    start_process,
+    start_syncer,
+    wait_ready,
+    write_job_files,
+)
+
+__all__ = [
+    "JobFiles",
+    "Proc",
+    "free_port",
+    "start_learner",
+    "start_process",
+    "start_syncer",
+    "wait_ready",
+    "write_job_files",
+]
