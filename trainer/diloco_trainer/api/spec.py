@@ -18,6 +18,13 @@ from pydantic import Field, ValidationError, model_validator
 from pydantic.alias_generators import to_camel
 
 from diloco_trainer.api.base import SpecModel
+from diloco_trainer.api.data_spec import (
+    DataFormat,
+    DataSpec,
+    IncludePattern,
+    TokenizerSpec,
+    TokenizerType,
+)
 from diloco_trainer.api.exposure import (
     ENDPOINT_PATTERN,
     NetworkPolicySpec,
@@ -26,16 +33,26 @@ from diloco_trainer.api.exposure import (
     exposure_problem,
 )
 from diloco_trainer.api.placement import ISLAND_OVERRIDES, IslandOverrides
+from diloco_trainer.api.training import InnerSpec, ModelSpec, OuterSpec, Precision, Preset
+
+# The sections that live in their own modules, re-exported: `from diloco_trainer.api.spec import
+# InnerSpec` keeps working for every reader.
+__all__ = [
+    "DataFormat",
+    "DataSpec",
+    "IncludePattern",
+    "InnerSpec",
+    "ModelSpec",
+    "OuterSpec",
+    "Precision",
+    "Preset",
+    "TokenizerSpec",
+    "TokenizerType",
+]
 
 Codec = Literal["none", "fp16", "bf16", "int8", "int4"]
 PullCompression = Literal["auto", "none", "fp16", "bf16", "int8", "int4"]
 MergeRule = Literal["tokens", "mean", "rda"]
-Preset = Literal["gpt-tiny", "gpt-mini", "gpt-small", "gpt-125m"]
-DataFormat = Literal["auto", "text", "jsonl", "parquet"]
-TokenizerType = Literal["bytes", "file", "bpe"]
-IncludePattern = Annotated[
-    str, Field(min_length=1, description="A shell-style pattern (*, ?, [...]).")
-]
 
 # sync.maxStaleness "auto": versions per island of the job (at quorum 1, M versions are about one
 # round of work, so pushes about four rounds behind are refused as ancient).
@@ -43,77 +60,6 @@ STALE_VERSIONS_PER_ISLAND = 4
 
 # A DNS-1123 label fragment: island names become parts of pod and Service names.
 DNS_PREFIX_PATTERN = r"^([a-z0-9]([-a-z0-9]*[a-z0-9])?)?$"
-
-
-class ModelSpec(SpecModel):
-    """Which model to train."""
-
-    preset: Preset = Field(
-        "gpt-tiny",
-        description="Built-in GPT size: gpt-tiny (~0.14M params, CPU tests), gpt-mini (~0.9M), "
-        "gpt-small (~11M), gpt-125m (~128M). Ignored when entrypoint is set.",
-    )
-    entrypoint: str | None = Field(
-        None,
-        pattern=r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$",
-        description="Bring your own model: 'package.module:function'. The function receives the "
-        "job spec and the data shard and returns the model, the data streams and the loss.",
-    )
-    seed: int = Field(0, ge=0, description="Seed for the initial global weights.")
-
-
-class TokenizerSpec(SpecModel):
-    """How text becomes tokens; the model's vocabulary follows it."""
-
-    type: TokenizerType = Field(
-        "bytes",
-        description="bytes: one token per byte (256 tokens, nothing to ship); file: a "
-        "Hugging Face tokenizers JSON file (path); bpe: a byte-level BPE trained on the train "
-        "split with vocabSize tokens (deterministic: every process trains the same one).",
-    )
-    path: str | None = Field(
-        None, min_length=1, description="tokenizer.json readable in the pod (type file)."
-    )
-    vocab_size: int = Field(
-        4096, ge=256, le=1_048_576, description="Tokens of the trained BPE (type bpe)."
-    )
-
-    @model_validator(mode="after")
-    def _path_with_file(self) -> TokenizerSpec:
-        if (self.type == "file") != (self.path is not None):
-            raise ValueError("path is required with type file, and only then")
-        return self
-
-
-class DataSpec(SpecModel):
-    """Where the tokens come from."""
-
-    source: str = Field(
-        "builtin:stdlib-text",
-        min_length=1,
-        description="'builtin:stdlib-text' (the Python standard library's source, byte-level, no "
-        "download) or a path readable in the pod: a file, or a directory whose files are read "
-        "when their content is text (UTF-8, no NUL byte), or JSON Lines / Parquet (format).",
-    )
-    include: list[IncludePattern] = Field(
-        default_factory=list,
-        description="Shell-style patterns choosing the files of a directory source: a pattern "
-        "with '/' matches the path relative to source, one without matches the file name (e.g. "
-        "'*.txt', 'Apache-*', 'shard-*/*.jsonl'). Empty: every file.",
-    )
-    format: DataFormat = Field(
-        "auto",
-        description="auto: .jsonl/.ndjson (also .gz) as JSON Lines, .parquet as Parquet, other "
-        "files as text when their content is; or text, jsonl, parquet for every file.",
-    )
-    text_field: str = Field(
-        "text", min_length=1, description="The field of JSON Lines records / Parquet column read."
-    )
-    tokenizer: TokenizerSpec = Field(default_factory=TokenizerSpec)
-    eval_tokens: int = Field(
-        32768, ge=1024, description="Held-out tokens used for every evaluation."
-    )
-    seed: int = Field(0, ge=0, description="Seed for shard shuffling.")
 
 
 class IslandsSpec(SpecModel):
@@ -158,27 +104,6 @@ class IslandsSpec(SpecModel):
         "tolerations, affinity, ...).",
     )
     overrides: IslandOverrides = ISLAND_OVERRIDES
-
-
-class InnerSpec(SpecModel):
-    """The inner optimizer each island runs between syncs."""
-
-    optimizer: Literal["adamw"] = Field("adamw", description="Inner optimizer.")
-    lr: float = Field(4e-4, gt=0, le=10, description="Peak inner learning rate.")
-    weight_decay: float = Field(0.1, ge=0, le=10, description="AdamW weight decay.")
-    warmup_steps: int = Field(0, ge=0, description="Linear warm-up, in inner steps.")
-    steps: int = Field(500, ge=1, le=1_000_000, description="H: inner steps per outer round.")
-    batch_size: int = Field(32, ge=1, le=65536, description="Sequences per rank per inner step.")
-    seq_len: int = Field(256, ge=8, le=131072, description="Tokens per sequence.")
-    grad_clip: float = Field(1.0, ge=0, description="Gradient-norm clip; 0 disables.")
-
-
-class OuterSpec(SpecModel):
-    """The outer optimizer the syncer applies to merged pseudo-gradients."""
-
-    lr: float = Field(0.7, gt=0, le=10, description="Outer learning rate.")
-    momentum: float = Field(0.9, ge=0, lt=1, description="Outer momentum.")
-    nesterov: bool = Field(True, description="Nesterov momentum.")
 
 
 def default_overlap_steps(inner_steps: int) -> int:

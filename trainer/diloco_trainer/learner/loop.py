@@ -47,6 +47,7 @@ from diloco_trainer.api.spec import ConfigError, JobSpec, load_spec
 from diloco_trainer.core.fragments import fragment_offsets
 from diloco_trainer.learner.device import configure_threads, pick_device
 from diloco_trainer.learner.fragment_sync import FragmentSync
+from diloco_trainer.learner.inner_step import InnerStep, check_precision
 from diloco_trainer.learner.schedule import rewarm_factor, schedule_start
 from diloco_trainer.learner.syncer_client import SyncerClient
 from diloco_trainer.learner.syncer_link import SyncerLink
@@ -98,6 +99,14 @@ class Learner:
         # One AdamW for the life of the process: its state carries across rounds (applying a
         # merged fragment writes the weights in place and never touches it).
         self.optimizer = make_inner_optimizer(spec, self.model)
+        self.step = InnerStep(
+            spec,
+            params=list(self.params.values()),
+            train_model=self.train_model,
+            loss_fn=self.parts.loss_fn,
+            optimizer=self.optimizer,
+            device=device,
+        )
         self.layout: list[list[str]] = []
         self.sync: FragmentSync | None = None
         self.link: SyncerLink | None = None
@@ -163,7 +172,7 @@ class Learner:
     # -- the loop -------------------------------------------------------------------------------
 
     def _inner_step(self) -> tuple[float, int]:
-        """One AdamW step on the next batch; (loss, tokens of the whole island)."""
+        """One AdamW step on the next microBatches batches; (loss, tokens of the whole island)."""
         lr = inner_lr(self.spec, self.lr_offset + self.steps_run) * rewarm_factor(
             self.steps_run,
             warmup_steps=self.spec.inner.warmup_steps,
@@ -171,15 +180,9 @@ class Learner:
         )
         set_lr(self.optimizer, lr)
         assert self.parts.train is not None
-        batch = self.parts.train.next_batch()
-        loss = self.parts.loss_fn(self.train_model, batch)
-        self.optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        if self.spec.inner.grad_clip > 0:
-            nn.utils.clip_grad_norm_(self.model.parameters(), self.spec.inner.grad_clip)
-        self.optimizer.step()
+        loss, tokens = self.step.run(self.parts.train)
         self.steps_run += 1
-        return float(loss.item()), batch.tokens * self.env.world_size
+        return loss, tokens * self.env.world_size
 
     def _timed_step(self) -> tuple[float, int, float]:
         """An inner step (slowed down for a deliberate straggler); (loss, tokens, seconds)."""
@@ -315,6 +318,7 @@ def main(args: argparse.Namespace) -> int:
     try:
         spec = load_spec(env.config_file)
         device = pick_device(env.device)
+        check_precision(spec.inner.precision, device)
     except (ConfigError, ContractError) as err:
         log.error("%s", err)
         return 2

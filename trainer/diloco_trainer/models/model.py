@@ -13,6 +13,7 @@ from dataclasses import dataclass, replace
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.utils.checkpoint import checkpoint
 
 VOCAB_SIZE = 256  # one token per byte value
 
@@ -29,14 +30,21 @@ class GPTConfig:
     mlp_ratio: int = 4  # hidden width of the MLP = mlp_ratio * n_embd
     dropout: float = 0.0  # off: pseudo-gradients should not depend on dropout masks
     bias: bool = True  # biases in Linear layers and LayerNorms
+    # Not a shape: recompute each block's activations in the backward pass instead of keeping
+    # them (model.activationCheckpointing); the weights and their names are the same either way.
+    activation_checkpointing: bool = False
 
 
-# Sizes are counted for block_size 256; see count_parameters.
+# Sizes are counted for block_size 256 and the 256-byte vocabulary (gpt_parameters gives the exact
+# count). The larger presets keep GPT-2's widths and head size (64, 128 for gpt-1b) and add depth
+# where the byte-level vocabulary leaves the embeddings small.
 PRESETS: dict[str, GPTConfig] = {
     "gpt-tiny": GPTConfig(n_layer=2, n_head=2, n_embd=64),  # ~0.14M: CPU unit/e2e tests
     "gpt-mini": GPTConfig(n_layer=4, n_head=4, n_embd=128),  # ~0.9M: CPU demos
     "gpt-small": GPTConfig(n_layer=6, n_head=6, n_embd=384),  # ~11M: one GPU or a fast CPU
     "gpt-125m": GPTConfig(n_layer=18, n_head=12, n_embd=768),  # ~128M: GPUs
+    "gpt-350m": GPTConfig(n_layer=28, n_head=16, n_embd=1024),  # ~353M: GPUs, bf16
+    "gpt-1b": GPTConfig(n_layer=20, n_head=16, n_embd=2048),  # ~1009M: GPUs, bf16 + fsdp
 }
 
 
@@ -134,7 +142,11 @@ class GPT(nn.Module):
         pos = torch.arange(seq_len, device=idx.device)  # (T,)
         x = self.drop(self.tok_emb(idx) + self.pos_emb(pos))  # (B, T, C)
         for block in self.blocks:
-            x = block(x)
+            if self.config.activation_checkpointing and self.training and torch.is_grad_enabled():
+                # Non-reentrant: works with autocast, DDP/FSDP hooks and inputs without grads.
+                x = checkpoint(block, x, use_reentrant=False)
+            else:
+                x = block(x)
         return self.head(self.ln_f(x))  # (B, T, V)
 
     def embedding_names(self) -> frozenset[str]:
@@ -142,7 +154,13 @@ class GPT(nn.Module):
         return frozenset({"tok_emb.weight", "pos_emb.weight"})
 
 
-def build_model(preset: str, seq_len: int, vocab_size: int = VOCAB_SIZE) -> GPT:
+def build_model(
+    preset: str,
+    seq_len: int,
+    vocab_size: int = VOCAB_SIZE,
+    *,
+    activation_checkpointing: bool = False,
+) -> GPT:
     """A freshly initialised GPT of a named preset whose block_size fits seq_len and whose
     vocabulary is the tokenizer's (256 bytes by default).
 
@@ -153,7 +171,24 @@ def build_model(preset: str, seq_len: int, vocab_size: int = VOCAB_SIZE) -> GPT:
         raise ValueError(f"model.preset {preset!r} is unknown; choose one of {sorted(PRESETS)}")
     if seq_len < 1:
         raise ValueError(f"inner.seqLen must be >= 1, got {seq_len}")
-    return GPT(replace(PRESETS[preset], block_size=seq_len, vocab_size=vocab_size))
+    cfg = replace(
+        PRESETS[preset],
+        block_size=seq_len,
+        vocab_size=vocab_size,
+        activation_checkpointing=activation_checkpointing,
+    )
+    return GPT(cfg)
+
+
+def gpt_parameters(cfg: GPTConfig) -> int:
+    """The GPT's parameter count from its shape (with biases): per block two LayerNorms (2C
+    each), qkv (3C² + 3C), the attention projection (C² + C) and the MLP (2·r·C² + r·C + C);
+    then the token and position embeddings (V·C, T·C), the final LayerNorm (2C) and the untied
+    head (V·C)."""
+    c, r = cfg.n_embd, cfg.mlp_ratio
+    assert cfg.bias, "the count is for the presets' layout (with biases)"
+    block = 2 * 2 * c + (3 * c * c + 3 * c) + (c * c + c) + (2 * r * c * c + r * c + c)
+    return cfg.n_layer * block + 2 * cfg.vocab_size * c + cfg.block_size * c + 2 * c
 
 
 def count_parameters(model: nn.Module) -> int:

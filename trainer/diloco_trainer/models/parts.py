@@ -108,7 +108,12 @@ def build_parts(
 
     corpus = corpus_for(spec.data)
     torch.manual_seed(spec.model.seed)
-    model: GPT = build_model(spec.model.preset, spec.inner.seq_len, corpus.vocab_size).to(device)
+    model: GPT = build_model(
+        spec.model.preset,
+        spec.inner.seq_len,
+        corpus.vocab_size,
+        activation_checkpointing=spec.model.activation_checkpointing,
+    ).to(device)
     train = None
     if with_train:
         train = TokenStream(

@@ -111,11 +111,11 @@ class WorkBounds:
     """The work one push of an island may claim."""
 
     max_steps: int
-    tokens_per_step: int  # batch x seqLen, per replica
+    tokens_per_step: int  # batch x microBatches x seqLen, per replica
 
     @classmethod
     def from_spec(cls, spec: JobSpec) -> WorkBounds:
-        return cls(max_push_steps(spec), spec.inner.batch_size * spec.inner.seq_len)
+        return cls(max_push_steps(spec), spec.inner.tokens_per_step)
 
     def check(self, *, tokens: int, steps: int, replicas: int) -> None:
         """ContributionRefused when steps or tokens are more than one round allows."""
@@ -130,8 +130,8 @@ class WorkBounds:
             raise ContributionRefused(
                 protocol.ERROR_TOKENS_RANGE,
                 f"metadata.tokens {tokens} is more than {steps} steps of {max(1, replicas)} "
-                f"replica(s) can process ({most}: steps x inner.batchSize x inner.seqLen x "
-                "replicas)",
+                f"replica(s) can process ({most}: steps x inner.batchSize x inner.microBatches x "
+                "inner.seqLen x replicas)",
             )
 
 
