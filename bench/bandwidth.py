@@ -39,19 +39,20 @@ from bench.common import (
     LoadMonitor,
     Report,
     Table,
-    append_results,
     base_parser,
     fmt_pct,
     fmt_ratio,
     install_signal_cleanup,
     plot_file,
     poll_until,
+    publish,
     ratio,
     save_figure,
     start_module,
     training_spec,
     workdir,
 )
+from bench.flags import TRAINING
 from bench.measure import StatusSampler, ours_islands, torchft_replica
 from bench.ours_harness import OursRun
 from bench.peer_training import read_progress
@@ -210,18 +211,14 @@ def plot(
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    p = base_parser(__doc__ or "")
+    # --seconds: the shortest measured window (it grows to hold --rounds syncs).
+    p = base_parser(
+        __doc__ or "", **TRAINING, islands=2, inner_steps=20, seconds=20, warmup_timeout=300
+    )
     p.add_argument("--rates", nargs="+", type=float, default=[1, 10, 100], help="Mbit/s")
     p.add_argument("--latency-ms", type=float, default=10, help="one-way latency (ours)")
-    p.add_argument("--seconds", type=float, default=20, help="shortest measured window")
     p.add_argument("--rounds", type=int, default=3, help="fewest syncs in a measured window")
     p.add_argument("--window-timeout", type=float, default=300, help="longest window")
-    p.add_argument("--warmup-timeout", type=float, default=300)
-    p.add_argument("--islands", type=int, default=2)
-    p.add_argument("--preset", default="gpt-tiny")
-    p.add_argument("--inner-steps", type=int, default=20, help="H")
-    p.add_argument("--batch-size", type=int, default=8)
-    p.add_argument("--seq-len", type=int, default=64)
     p.add_argument(
         "--overlap", type=int, default=None, help="τ for the overlapped variants (default H/2)"
     )
@@ -296,11 +293,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         notes=notes,
         plots=[plot_path],
     )
-    if args.no_record:
-        table.print()
-        return 0
-    append_results(report, load=load, path=args.results)
-    return 0
+    return publish(report, args, load)
 
 
 if __name__ == "__main__":

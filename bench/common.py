@@ -26,6 +26,7 @@ from typing import Any
 
 from diloco_trainer.local import Proc
 
+from bench.flags import add_shared_flags
 from hack.localcluster import harness
 
 BENCH_DIR = Path(__file__).resolve().parent
@@ -298,6 +299,21 @@ def append_results(
     return text
 
 
+def publish(report: Report, args: argparse.Namespace, load: LoadMonitor) -> int:
+    """The end of a benchmark's main: its tables, notes and plots printed, and with recording
+    on (no --no-record) its section appended to --results. Returns the exit code."""
+    if not args.no_record:
+        append_results(report, load=load, path=args.results)
+        return 0
+    for table in report.tables:
+        table.print()
+    for note in report.notes:
+        print(f"note: {note}")
+    for plot in report.plots:
+        print(f"plot: {plot}")
+    return 0
+
+
 def plot_file(args: argparse.Namespace, name: str) -> Path:
     """Where a run's plot goes: plots/ beside the results file, or a temp file with --no-record
     (so a trial run never overwrites a recorded plot)."""
@@ -349,8 +365,9 @@ def save_figure(fig: Any, path: Path) -> None:
     plt.close(fig)
 
 
-def base_parser(description: str) -> argparse.ArgumentParser:
-    """An argument parser with the flags every benchmark has."""
+def base_parser(description: str, **shared: Any) -> argparse.ArgumentParser:
+    """An argument parser with the flags every benchmark has, and the shared flags of
+    bench/flags.py named by `shared` (flag name -> this benchmark's default)."""
     p = argparse.ArgumentParser(description=description)
     p.add_argument(
         "--results",
@@ -362,6 +379,7 @@ def base_parser(description: str) -> argparse.ArgumentParser:
     p.add_argument(
         "--workdir", type=Path, default=None, help="logs and scratch files (default: a temp dir)"
     )
+    add_shared_flags(p, **shared)
     return p
 
 

@@ -33,13 +33,13 @@ from bench.common import (
     LoadMonitor,
     Report,
     Table,
-    append_results,
     base_parser,
     fmt_bytes,
     fmt_pct,
     fmt_ratio,
     install_signal_cleanup,
     plot_file,
+    publish,
     ratio,
     save_figure,
     start_module,
@@ -47,6 +47,7 @@ from bench.common import (
     wait_all,
     workdir,
 )
+from bench.flags import INNER_OPTIMIZER, TRAINING, inner_section
 from bench.ours_harness import OursRun
 from bench.torchft_harness import TorchftJob, read_result, start_job
 
@@ -60,13 +61,7 @@ def make_spec(args: Any, *, quorum: int, codec: str = "none") -> JobSpec:
             "model": {"preset": args.preset, "seed": 0},
             "data": {"source": "builtin:stdlib-text", "evalTokens": args.eval_tokens, "seed": 0},
             "islands": {"count": args.islands},
-            "inner": {
-                "lr": args.inner_lr,
-                "warmupSteps": args.warmup,
-                "steps": args.inner_steps,
-                "batchSize": args.batch_size,
-                "seqLen": args.seq_len,
-            },
+            "inner": inner_section(args),
             "outer": {"lr": 0.7, "momentum": 0.9, "nesterov": True},
             "sync": {"quorum": quorum, "compression": codec, "merge": args.merge},
             "stopAfter": {"outerSteps": args.outer_steps},
@@ -187,16 +182,15 @@ def plot(
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    p = base_parser(__doc__ or "")
-    p.add_argument("--preset", default="gpt-tiny")
-    p.add_argument("--islands", type=int, default=4, help="M workers / islands / replicas")
-    p.add_argument("--inner-steps", type=int, default=100, help="H")
+    p = base_parser(
+        __doc__ or "",
+        **TRAINING,
+        **INNER_OPTIMIZER,
+        islands=4,
+        inner_steps=100,
+        eval_tokens=8192,
+    )
     p.add_argument("--outer-steps", type=int, default=6, help="rounds: S = outer x H steps")
-    p.add_argument("--batch-size", type=int, default=8)
-    p.add_argument("--seq-len", type=int, default=64)
-    p.add_argument("--inner-lr", type=float, default=3e-3)
-    p.add_argument("--warmup", type=int, default=20)
-    p.add_argument("--eval-tokens", type=int, default=8192)
     p.add_argument("--merge", default="tokens", choices=["tokens", "mean", "rda"])
     p.add_argument("--codecs", nargs="+", default=list(CODECS), choices=list(CODECS))
     p.add_argument("--skip", nargs="*", default=[], choices=["ddp", "torchft", "k-1"])
@@ -315,12 +309,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         notes=notes,
         plots=[plot_path],
     )
-    if args.no_record:
-        for t in report.tables:
-            t.print()
-        return 0
-    append_results(report, load=load, path=args.results)
-    return 0
+    return publish(report, args, load)
 
 
 if __name__ == "__main__":

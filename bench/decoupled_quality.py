@@ -43,14 +43,15 @@ from diloco_trainer.models.reference import train_synchronous
 from bench.common import (
     LoadMonitor,
     Report,
-    append_results,
     base_parser,
     install_signal_cleanup,
     plot_file,
+    publish,
     wait_all,
     workdir,
 )
 from bench.decoupled_quality_report import interp, loss_at_tokens, plot, tables
+from bench.flags import INNER_OPTIMIZER, TRAINING, inner_section
 from bench.ours_harness import OursRun
 from bench.peer_training import read_progress
 from bench.torchft_harness import TorchftJob, read_result, start_job
@@ -90,13 +91,7 @@ def make_spec(args: Any, *, seed: int, quorum: int, tokens: int | None = None) -
             "model": {"preset": args.preset, "seed": seed},
             "data": {"source": "builtin:stdlib-text", "evalTokens": args.eval_tokens, "seed": seed},
             "islands": {"count": args.islands},
-            "inner": {
-                "lr": args.inner_lr,
-                "warmupSteps": args.warmup,
-                "steps": args.inner_steps,
-                "batchSize": args.batch_size,
-                "seqLen": args.seq_len,
-            },
+            "inner": inner_section(args),
             "sync": {**sync_overrides(args), "quorum": quorum},
             "stopAfter": {"tokens": tokens or budget(args)},
             "syncer": {"evalEveryOuterSteps": 1, "checkpoint": {"everyOuterSteps": 100000}},
@@ -335,18 +330,18 @@ def run_all(args: Any, wd: Path) -> dict[str, list[dict[str, Any]]]:
 
 
 def parse_args(argv: Sequence[str] | None) -> Any:
-    p = base_parser(__doc__ or "")
-    p.add_argument("--preset", default="gpt-tiny")
-    p.add_argument("--islands", type=int, default=4, help="M")
-    p.add_argument("--inner-steps", type=int, default=30, help="H")
-    p.add_argument("--steps", type=int, default=600, help="S: inner steps per island")
-    p.add_argument("--batch-size", type=int, default=8)
-    p.add_argument("--seq-len", type=int, default=64)
-    p.add_argument("--inner-lr", type=float, default=3e-3)
-    p.add_argument("--warmup", type=int, default=20)
-    p.add_argument("--eval-tokens", type=int, default=8192)
-    p.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
-    p.add_argument("--timeout", type=float, default=1800, help="per run (s)")
+    p = base_parser(
+        __doc__ or "",
+        **TRAINING,
+        **INNER_OPTIMIZER,
+        islands=4,
+        inner_steps=30,
+        steps=600,
+        eval_tokens=8192,
+        seeds=[0, 1],
+        timeout=1800,
+        skip_torchft=False,
+    )
     p.add_argument(
         "--past-budget",
         type=float,
@@ -355,7 +350,6 @@ def parse_args(argv: Sequence[str] | None) -> Any:
         "measure when they reach K=M's no-straggler loss (ours stops once past the budget and "
         "at that loss; 1 = stop at the budget); equal-token figures are read at the budget",
     )
-    p.add_argument("--skip-torchft", action="store_true")
     p.add_argument(
         "--no-straggler",
         action="store_true",
@@ -398,15 +392,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         notes=notes,
         plots=[plot_path],
     )
-    if args.no_record:
-        for t in report.tables:
-            t.print()
-        for n in notes:
-            print(f"note: {n}")
-        print(f"plot: {plot_path}")
-        return 0
-    append_results(report, load=load, path=args.results)
-    return 0
+    return publish(report, args, load)
 
 
 if __name__ == "__main__":

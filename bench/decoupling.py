@@ -33,19 +33,20 @@ from bench.common import (
     LoadMonitor,
     Report,
     Table,
-    append_results,
     base_parser,
     fmt_pct,
     fmt_ratio,
     install_signal_cleanup,
     plot_file,
     poll_until,
+    publish,
     ratio,
     save_figure,
     training_spec,
     verdict,
     workdir,
 )
+from bench.flags import TRAINING, WALL_CLOCK
 from bench.measure import StatusSampler, ours_islands, torchft_replica
 from bench.ours_harness import OursRun
 from bench.peer_training import read_progress
@@ -172,18 +173,9 @@ def plot(
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    p = base_parser(__doc__ or "")
+    # Ours runs at K = M-1 of the --islands.
+    p = base_parser(__doc__ or "", **TRAINING, **WALL_CLOCK, islands=4, seconds=40)
     p.add_argument("--factors", nargs="+", type=float, default=[2, 3, 5], help="slowdowns")
-    p.add_argument("--islands", type=int, default=4, help="M (ours uses K = M-1)")
-    p.add_argument("--seconds", type=float, default=40, help="measured window W")
-    p.add_argument("--warmup-timeout", type=float, default=300)
-    p.add_argument("--preset", default="gpt-tiny")
-    p.add_argument("--inner-steps", type=int, default=20, help="H")
-    p.add_argument("--batch-size", type=int, default=8)
-    p.add_argument("--seq-len", type=int, default=64)
-    p.add_argument("--eval-tokens", type=int, default=4096)
-    p.add_argument("--codec", default="none", choices=["none", "fp16", "bf16", "int8", "int4"])
-    p.add_argument("--skip-torchft", action="store_true")
     args = p.parse_args(argv)
     install_signal_cleanup()
     m = args.islands
@@ -255,12 +247,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         notes=notes,
         plots=[plot_path],
     )
-    if args.no_record:
-        table.print()
-        targets.print()
-        return 0
-    append_results(report, load=load, path=args.results)
-    return 0
+    return publish(report, args, load)
 
 
 if __name__ == "__main__":

@@ -27,10 +27,10 @@ from bench.common import (
     LoadMonitor,
     Report,
     Table,
-    append_results,
     base_parser,
     fmt_ratio,
     install_signal_cleanup,
+    publish,
     ratio,
     start_module,
     verdict,
@@ -75,9 +75,7 @@ def run_one(doc: dict[str, Any], wd: Path, timeout: float) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = base_parser(__doc__.splitlines()[0])
-    p.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
-    p.add_argument("--timeout", type=float, default=900, help="per run (s)")
+    p = base_parser(__doc__.splitlines()[0], seeds=[0, 1], timeout=900)
     args = p.parse_args(argv)
     install_signal_cleanup()
     doc = yaml.safe_load(EXAMPLE.read_text())
@@ -121,12 +119,7 @@ def main(argv: list[str] | None = None) -> int:
             "M x steps x batchSize x seqLen; both quorums stop at the same merged-token count.",
         ],
     )
-    if args.no_record:
-        for t in report.tables:
-            t.print()
-    else:
-        append_results(report, load=load)
-    return 0
+    return publish(report, args, load)
 
 
 if __name__ == "__main__":

@@ -37,17 +37,18 @@ from bench.common import (
     LoadMonitor,
     Report,
     Table,
-    append_results,
     base_parser,
     fmt_pct,
     fmt_ratio,
     install_signal_cleanup,
     poll_until,
+    publish,
     ratio,
     training_spec,
     verdict,
     workdir,
 )
+from bench.flags import TRAINING, WALL_CLOCK
 from bench.measure import StatusSampler, torchft_replica
 from bench.ours_harness import OursRun
 from bench.peer_training import read_progress
@@ -224,23 +225,13 @@ def run_torchft(args: Any, schedule: Sequence[Failure], wd: Path) -> dict[str, A
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    p = base_parser(__doc__ or "")
+    p = base_parser(__doc__ or "", **TRAINING, **WALL_CLOCK, islands=4, seconds=90)
     p.add_argument(
         "--mtbf", type=float, default=120, help="mean time between failures per island (s)"
     )
     p.add_argument("--restart-delay", type=float, default=5, help="seconds down before restart")
-    p.add_argument("--seconds", type=float, default=90, help="measured window W")
     p.add_argument("--seed", type=int, default=1, help="failure schedule seed")
-    p.add_argument("--warmup-timeout", type=float, default=300)
-    p.add_argument("--islands", type=int, default=4)
     p.add_argument("--quorum", type=int, default=0, help="ours' K (default M-1)")
-    p.add_argument("--preset", default="gpt-tiny")
-    p.add_argument("--inner-steps", type=int, default=20, help="H")
-    p.add_argument("--batch-size", type=int, default=8)
-    p.add_argument("--seq-len", type=int, default=64)
-    p.add_argument("--eval-tokens", type=int, default=4096)
-    p.add_argument("--codec", default="none", choices=["none", "fp16", "bf16", "int8", "int4"])
-    p.add_argument("--skip-torchft", action="store_true")
     args = p.parse_args(argv)
     install_signal_cleanup()
     m = args.islands
@@ -337,12 +328,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         tables=[table, targets],
         notes=notes,
     )
-    if args.no_record:
-        table.print()
-        targets.print()
-        return 0
-    append_results(report, load=load, path=args.results)
-    return 0
+    return publish(report, args, load)
 
 
 if __name__ == "__main__":

@@ -61,11 +61,11 @@ from bench.common import (
     LoadMonitor,
     Report,
     Table,
-    append_results,
     base_parser,
     fmt_ratio,
     install_signal_cleanup,
     poll_until,
+    publish,
     ratio,
     track,
     verdict,
@@ -240,29 +240,28 @@ def measure_drop(k: Api, ns: str, wd: Path, repeats: int) -> dict[str, Any]:
     watch = PodWatch(k, ns, pod)
     time.sleep(0.5)  # the watch's initial ADDED event is in
     drop_s, readd_s, watch_s, admin_s = [], [], [], []
+
+    def flip(ready: bool, state: str) -> float:
+        """Set the pod's readiness; the time it was set, once the syncer shows `state`."""
+        t0 = time.perf_counter()
+        set_ready(k, ns, pod, ready)
+        poll_until(
+            lambda: syncer.island_state("island-1") == state,
+            timeout=60,
+            interval=0.01,
+            what=f"island-1 {state} at the syncer",
+        )
+        return t0
+
     try:
         for r in range(repeats):
-            t0 = time.perf_counter()
-            set_ready(k, ns, pod, False)
-            poll_until(
-                lambda: syncer.island_state("island-1") == "dropped",
-                timeout=60,
-                interval=0.01,
-                what="island-1 dropped at the syncer",
-            )
+            t0 = flip(False, "dropped")
             drop_s.append(time.perf_counter() - t0)
             seen = watch.first_after(t0, False)
             if seen is not None:
                 watch_s.append(seen - t0)
             admin_s.append(syncer.admin_seconds())
-            t0 = time.perf_counter()
-            set_ready(k, ns, pod, True)
-            poll_until(
-                lambda: syncer.island_state("island-1") == "active",
-                timeout=60,
-                interval=0.01,
-                what="island-1 active again",
-            )
+            t0 = flip(True, "active")
             readd_s.append(time.perf_counter() - t0)
             print(f"  drop {r}: {drop_s[-1]:.3f}s, re-add {readd_s[-1]:.3f}s", flush=True)
     finally:
@@ -446,12 +445,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         tables=tables,
         notes=notes,
     )
-    if args.no_record:
-        for t in tables:
-            t.print()
-        return 0
-    append_results(report, load=load, path=args.results)
-    return 0
+    return publish(report, args, load)
 
 
 if __name__ == "__main__":

@@ -40,12 +40,13 @@ from bench.common import (
     LoadMonitor,
     Report,
     Table,
-    append_results,
     base_parser,
     fmt_ratio,
+    publish,
     ratio,
 )
 from bench.decoupled_quality import make_spec as quality_spec
+from bench.flags import INNER_OPTIMIZER, TRAINING
 
 # (outer lr, momentum, H): the job's default first, then the neighbours a user would try, and
 # plain averaging (lr 1, no momentum: local SGD / FedAvg).
@@ -120,16 +121,15 @@ def train_diloco(spec: JobSpec, outer: Outer, *, islands: int, steps: int) -> fl
 
 
 def parse_args(argv: Sequence[str] | None) -> Any:
-    p = base_parser(__doc__ or "")
-    p.add_argument("--preset", default="gpt-tiny")
-    p.add_argument("--islands", type=int, default=4, help="M")
-    p.add_argument("--steps", type=int, default=600, help="inner steps per island")
-    p.add_argument("--batch-size", type=int, default=8)
-    p.add_argument("--seq-len", type=int, default=64)
-    p.add_argument("--inner-lr", type=float, default=3e-3)
-    p.add_argument("--warmup", type=int, default=20)
-    p.add_argument("--eval-tokens", type=int, default=8192)
-    p.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
+    p = base_parser(
+        __doc__ or "",
+        **TRAINING,
+        **INNER_OPTIMIZER,
+        islands=4,
+        steps=600,
+        eval_tokens=8192,
+        seeds=[0, 1],
+    )
     p.add_argument(
         "--grid",
         nargs="+",
@@ -205,12 +205,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             "of sync DP.",
         ],
     )
-    if args.no_record:
-        for t in report.tables:
-            t.print()
-    else:
-        append_results(report, load=load)
-    return 0
+    return publish(report, args, load)
 
 
 if __name__ == "__main__":

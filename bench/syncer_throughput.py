@@ -32,11 +32,11 @@ from bench.common import (
     LoadMonitor,
     Report,
     Table,
-    append_results,
     base_parser,
     fmt_pct,
     fmt_ratio,
     plot_file,
+    publish,
     ratio,
     save_figure,
 )
@@ -323,12 +323,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         notes=notes,
         plots=[plot_path] if results else [],
     )
-    if args.no_record:
-        for t in report.tables:
-            t.print()
-        return 0
-    append_results(report, load=load, path=args.results)
-    return 0
+    return publish(report, args, load)
 
 
 if __name__ == "__main__":
