@@ -64,7 +64,7 @@ _MIN_ATTEMPT_SECONDS = 0.01
 
 def backoff(attempt: int, *, base: float = 0.2, cap: float = 5.0) -> float:
     """Seconds to wait before retry number `attempt` + 1: base, 2*base, 4*base, ... at most cap."""
-    return min(cap, base * 2**attempt)
+    return min(cap, base * 2.0**attempt)
 
 
 class SyncerJsonClient:

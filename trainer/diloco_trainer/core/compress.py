@@ -120,10 +120,12 @@ def encode_tensors(tensors: Mapping[str, Tensor], codec: str) -> dict[str, Tenso
     return out
 
 
-def expected_encoded(expected: Mapping[str, torch.Size], codec: str) -> dict[str, tuple]:
+def expected_encoded(
+    expected: Mapping[str, torch.Size], codec: str
+) -> dict[str, tuple[torch.dtype, torch.Size]]:
     """Key -> (dtype, shape) that encode_tensors produces for tensors of these shapes."""
     _check_codec(codec)
-    spec: dict[str, tuple] = {}
+    spec: dict[str, tuple[torch.dtype, torch.Size]] = {}
     for name, shape in expected.items():
         shape = torch.Size(shape)
         if codec in _FLOAT_DTYPES:

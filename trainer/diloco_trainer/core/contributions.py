@@ -53,7 +53,7 @@ def staleness_discount(lag_rounds: float) -> float:
     """(1 + max(0, lag_rounds − 1))^-1/2: only staleness beyond one round is discounted."""
     if not (math.isfinite(lag_rounds) and lag_rounds >= 0.0):
         raise ValueError(f"staleness lag must be finite and >= 0, got {lag_rounds}")
-    return (1.0 + max(0.0, lag_rounds - FREE_LAG_ROUNDS)) ** -0.5
+    return float((1.0 + max(0.0, lag_rounds - FREE_LAG_ROUNDS)) ** -0.5)
 
 
 @dataclass(frozen=True)
