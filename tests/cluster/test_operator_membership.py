@@ -242,7 +242,7 @@ async def _refused_pushes(syncer: LocalSyncer, island: str, count: int) -> list[
         for _ in range(count):
             meta = PushMeta(island, pulled.version, 1, 10**6, 5.0, 0.01, codec)
             try:
-                await client.push(0, body, meta)
+                await client.push_pseudo_gradient(0, body, meta)
                 answers.append((200, ""))
             except SyncerError as err:
                 answers.append((err.status, err.code))

@@ -52,7 +52,7 @@ async def run_rounds(handle: SyncerHandle, rounds: int) -> dict[int, dict[str, t
                 assert pulled is not None
                 meta = protocol.PushMeta("island-0", pulled.version, 256, 4, 5.0 - r, 0.01, "none")
                 delta = delta_for(pulled.tensors, seed=100 * r + f)
-                answer = await client.push(f, encode_tensors(delta, "none"), meta)
+                answer = await client.push_pseudo_gradient(f, encode_tensors(delta, "none"), meta)
                 assert answer.accepted, answer
                 merged = await client.pull_fragment(f, after=pulled.version, wait=60)
                 assert merged is not None and merged.version == pulled.version + 1
@@ -131,7 +131,7 @@ def test_syncer_restart_client_call_made_while_down_completes(
         async with syncer_client.SyncerClient(first.url, first.token, retry_deadline=90) as client:
             meta = protocol.PushMeta("island-0", 1, 256, 4, 4.0, 0.01, "none")
             body = encode_tensors(delta_for(tensors[0], seed=7), "none")
-            pending = asyncio.create_task(client.push(0, body, meta))
+            pending = asyncio.create_task(client.push_pseudo_gradient(0, body, meta))
             await asyncio.to_thread(
                 wait_until,
                 lambda: any("syncer unreachable" in r.getMessage() for r in caplog.records),

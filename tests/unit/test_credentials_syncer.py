@@ -53,7 +53,7 @@ def test_credentials_syncer_island_token_acts_only_as_its_island(tmp_path: Any) 
         ]
         good = body(syncer, 0, "island-0", delta(syncer, 0, 1))
         push = ("POST", "/v1/fragments/0/push", good)
-        code, doc = await call(routes, routes.push, push, mine, match_info={"fragment": "0"})
+        code, doc = await call(routes, routes.handle_push, push, mine, match_info={"fragment": "0"})
         codes.append(code)
         assert "island-2" in doc["error"] and "'island-0'" in doc["error"], doc
         assert await state_of(syncer) == before  # nothing was recorded for island-0
@@ -106,7 +106,7 @@ def test_credentials_syncer_admin_token_cannot_act_as_an_island(tmp_path: Any) -
         admin = credentials.admin_token(TOKEN)
         code, doc = await call(routes, routes.join, _json("/", {"island": "island-0"}), admin)
         assert "admin" in doc["error"]
-        assert syncer.state.islands == {}
+        assert syncer.state.membership.islands == {}
         return code
 
     assert with_syncer(tmp_path, scenario) == 403

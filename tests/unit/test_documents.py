@@ -86,10 +86,10 @@ def _real_answers(tmp_path: Path) -> dict[str, Any]:
         out: dict[str, Any] = {"join": join}
         await syncer.join("island-1", 1)
         await syncer.join("island-2", 1)
-        out["push"] = await syncer.push(0, await _push_body(syncer, join, 0, "island-0"))
+        out["push"] = await syncer.receive_push(0, await _push_body(syncer, join, 0, "island-0"))
         retried = await _push_body(syncer, join, 0, "island-1")
-        await syncer.push(0, retried)
-        out["duplicate"] = await syncer.push(0, retried)
+        await syncer.receive_push(0, retried)
+        out["duplicate"] = await syncer.receive_push(0, retried)
         out["heartbeat"] = await syncer.heartbeat(
             "island-0", step=4, tokens=400, loss=2.5, step_time=0.01
         )

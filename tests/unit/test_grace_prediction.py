@@ -19,7 +19,7 @@ def make_state(*, fragments: int = 1, grace: float = 5.0) -> SyncState:
     )
     state = SyncState(policy, fragments)
     for i in range(3):
-        state.join(f"island-{i}", 1, now=0.0)
+        state.membership.join(f"island-{i}", 1, now=0.0)
     return state
 
 
@@ -47,7 +47,7 @@ def push(
 def quorum_of_two_at(state: SyncState, now: float, fragment: int = 0) -> None:
     """island-0 and island-1 (0.1 s/step) push fragment `fragment` at `now`."""
     for island in ("island-0", "island-1"):
-        state.heartbeat(island, now, step=H, step_time=0.1)
+        state.membership.heartbeat(island, now, step=H, step_time=0.1)
         push(state, island, now, fragment)
 
 
@@ -55,17 +55,19 @@ def test_grace_skipped_when_the_missing_island_is_far_from_its_sync_point() -> N
     state = make_state()
     # island-2 is 3x slower and 4 steps into its round: 16 steps x 0.3 s = 4.8 s after its
     # report, 3.8 s after the quorum; the window closes 5 s after the quorum, so it would make it.
-    state.heartbeat("island-2", 9.0, step=4, step_time=0.3)
+    state.membership.heartbeat("island-2", 9.0, step=4, step_time=0.3)
     quorum_of_two_at(state, 10.0)
     assert not state.merge_due(0, 10.0)
     # One report later it is slower than it looked: 2 s/step, 16 steps to go = 32 s. No wait.
-    state.heartbeat("island-2", 10.0, step=4, step_time=2.0)
+    state.membership.heartbeat("island-2", 10.0, step=4, step_time=2.0)
     assert state.merge_due(0, 10.0)
 
 
 def test_grace_waits_for_an_island_about_to_push() -> None:
     state = make_state()
-    state.heartbeat("island-2", 10.0, step=H - 1, step_time=0.3)  # one step from its push
+    state.membership.heartbeat(
+        "island-2", 10.0, step=H - 1, step_time=0.3
+    )  # one step from its push
     quorum_of_two_at(state, 10.0)
     assert not state.merge_due(0, 10.0)
     assert not state.merge_due(0, 14.9)
@@ -83,7 +85,7 @@ def test_grace_prediction_uses_each_fragments_sync_point() -> None:
     state = make_state(fragments=2)  # offsets 0 and 10
     # island-2 (1 s/step) has done step 8: fragment 1 syncs after step 10 (2 s away, inside the
     # window), fragment 0 after step 20 (12 s away, beyond it).
-    state.heartbeat("island-2", 10.0, step=8, step_time=1.0)
+    state.membership.heartbeat("island-2", 10.0, step=8, step_time=1.0)
     quorum_of_two_at(state, 10.0, fragment=0)
     quorum_of_two_at(state, 10.0, fragment=1)
     assert state.merge_due(0, 10.0)
@@ -94,7 +96,7 @@ def test_grace_prediction_extrapolates_from_the_report_time() -> None:
     state = make_state()
     # Reported step 2 at t=0 with 1 s/step: by t=16 it should be at step 18, 2 s from its push,
     # inside the window opened at t=16 (read literally, step 2 would put it 18 s away, beyond).
-    state.heartbeat("island-2", 0.0, step=2, step_time=1.0)
+    state.membership.heartbeat("island-2", 0.0, step=2, step_time=1.0)
     quorum_of_two_at(state, 16.0)
     assert not state.merge_due(0, 16.0)
 
@@ -104,8 +106,8 @@ def test_grace_prediction_off_without_a_schedule() -> None:
     policy = RoundPolicy(quorum=2, max_staleness=2, heartbeat_timeout=30.0, grace_seconds=5.0)
     state = SyncState(policy, 1)
     for i in range(3):
-        state.join(f"island-{i}", 1, now=0.0)
-    state.heartbeat("island-2", 10.0, step=1, step_time=100.0)
+        state.membership.join(f"island-{i}", 1, now=0.0)
+    state.membership.heartbeat("island-2", 10.0, step=1, step_time=100.0)
     quorum_of_two_at(state, 10.0)
     assert not state.merge_due(0, 10.0)
     assert state.merge_due(0, 15.0)
@@ -114,7 +116,9 @@ def test_grace_prediction_off_without_a_schedule() -> None:
 def test_grace_waits_for_an_overdue_island() -> None:
     """Its sync point passed by its own pace but no push came: it may be just late, so wait."""
     state = make_state()
-    state.heartbeat("island-2", 0.0, step=10, step_time=0.3)  # due at t=3, long overdue at t=10
+    state.membership.heartbeat(
+        "island-2", 0.0, step=10, step_time=0.3
+    )  # due at t=3, long overdue at t=10
     quorum_of_two_at(state, 10.0)
     assert not state.merge_due(0, 10.0)
     assert state.merge_due(0, 15.0)
@@ -124,12 +128,12 @@ def test_grace_prediction_knows_a_merged_push_from_one_in_flight() -> None:
     """An island reporting its sync step with no push since is about to push (wait); one whose
     push came after that report was merged in an earlier round and is a whole round away."""
     state = make_state()
-    state.heartbeat("island-2", 9.0, step=H, step_time=1.0)
+    state.membership.heartbeat("island-2", 9.0, step=H, step_time=1.0)
     quorum_of_two_at(state, 10.0)
     assert not state.merge_due(0, 10.0)
 
     state = make_state()
-    state.heartbeat("island-2", 9.0, step=H, step_time=1.0)
+    state.membership.heartbeat("island-2", 9.0, step=H, step_time=1.0)
     push(state, "island-2", 9.5, step_time=1.0)  # its push for step H: merged alone into version 1
     state.take_round(0, 9.5)
     quorum_of_two_at(state, 10.0)  # the next round's quorum, without island-2

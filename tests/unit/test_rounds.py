@@ -35,7 +35,7 @@ def make_state(
     )
     state = SyncState(policy, fragments)
     for i in range(islands):
-        state.join(f"island-{i}", 1, now=0.0)
+        state.membership.join(f"island-{i}", 1, now=0.0)
     return state
 
 
@@ -65,7 +65,7 @@ def push(
         payload=f"{island}@{now}",
         step_time=step_time,
     )
-    return state.accept_push(fragment, c, now)
+    return state.accept_push(fragment, c, now).to_json()
 
 
 def test_rounds_quorum_opens_grace_then_merges_when_it_expires() -> None:
@@ -112,7 +112,8 @@ def test_rounds_replacement_keeps_one_contribution_per_island() -> None:
 def test_rounds_repeated_push_id_gets_the_first_answer() -> None:
     state = make_state(quorum=1, islands=2, grace=10.0)
     answer = push(state, "island-0", 1.0, push_id="abc")
-    assert state.previous_answer(0, "island-0", "abc") == answer
+    previous = state.previous_answer(0, "island-0", "abc")
+    assert previous is not None and previous.to_json() == answer
     assert state.previous_answer(0, "island-0", "other") is None
     assert state.previous_answer(0, "island-1", "abc") is None
 
@@ -157,7 +158,7 @@ def test_rounds_dropping_an_island_completes_a_round() -> None:
     push(state, "island-0", 1.0)
     push(state, "island-1", 1.0)
     assert not state.merge_due(0, 2.0)
-    state.set_admin_state("island-2", DROPPED, "pods not ready", now=2.0)
+    state.membership.set_state("island-2", DROPPED, "pods not ready", now=2.0)
     assert state.merge_due(0, 2.0)
 
 
@@ -166,7 +167,7 @@ def test_rounds_dropping_a_contributor_removes_its_pending_push() -> None:
     push(state, "island-0", 1.0)
     push(state, "island-1", 1.0)
     assert state.rounds[0].quorum_since == 1.0
-    state.set_admin_state("island-1", DROPPED, "unhealthy", now=2.0)
+    state.membership.set_state("island-1", DROPPED, "unhealthy", now=2.0)
     assert set(state.rounds[0].pending) == {"island-0"}
     # Two active islands remain: quorum 2 is not met any more until island-2 pushes.
     assert state.rounds[0].quorum_since is None
@@ -176,15 +177,15 @@ def test_rounds_dropping_a_contributor_removes_its_pending_push() -> None:
 
 def test_rounds_dropped_island_is_refused_until_readded() -> None:
     state = make_state(quorum=1, islands=2)
-    state.set_admin_state("island-0", DROPPED, "node lost", now=1.0)
+    state.membership.set_state("island-0", DROPPED, "node lost", now=1.0)
     with pytest.raises(Refused) as err:
         state.check_push(0, "island-0", 0)
     assert err.value.status == 403 and "node lost" in err.value.message
     # A join does not undo an admin drop.
-    state.join("island-0", 1, now=2.0)
-    assert state.islands["island-0"].state == DROPPED
-    assert state.active_islands() == {"island-1"}
-    state.set_admin_state("island-0", ACTIVE, "healthy again", now=3.0)
+    state.membership.join("island-0", 1, now=2.0)
+    assert state.membership.islands["island-0"].state == DROPPED
+    assert state.membership.active() == {"island-1"}
+    state.membership.set_state("island-0", ACTIVE, "healthy again", now=3.0)
     assert state.check_push(0, "island-0", 0) == 0
 
 
@@ -193,20 +194,26 @@ def test_rounds_admin_drop_keeps_the_syncers_refusal_reason() -> None:
     seeing its pods fail at the same moment) keeps the refusal reason; a re-add replaces it."""
     state = make_state(quorum=1, islands=2)
     refused = f"{DROPPED_FOR_REFUSALS}: 3 pushes refused in a row"
-    state.islands["island-0"].state = DROPPED
-    state.islands["island-0"].reason = refused
-    state.set_admin_state("island-0", DROPPED, "pods not ready", now=1.0)
-    assert (state.islands["island-0"].state, state.islands["island-0"].reason) == (
+    state.membership.islands["island-0"].state = DROPPED
+    state.membership.islands["island-0"].reason = refused
+    state.membership.set_state("island-0", DROPPED, "pods not ready", now=1.0)
+    assert (
+        state.membership.islands["island-0"].state,
+        state.membership.islands["island-0"].reason,
+    ) == (
         DROPPED,
         refused,
     )
     # An admin drop of an island dropped for another reason takes the new reason.
-    state.set_admin_state("island-1", DROPPED, "node lost", now=1.0)
-    state.set_admin_state("island-1", DROPPED, "pods not ready", now=2.0)
-    assert state.islands["island-1"].reason == "pods not ready"
+    state.membership.set_state("island-1", DROPPED, "node lost", now=1.0)
+    state.membership.set_state("island-1", DROPPED, "pods not ready", now=2.0)
+    assert state.membership.islands["island-1"].reason == "pods not ready"
     # An explicit re-add is the admin's decision and replaces it.
-    state.set_admin_state("island-0", ACTIVE, "fixed by hand", now=3.0)
-    assert (state.islands["island-0"].state, state.islands["island-0"].reason) == (
+    state.membership.set_state("island-0", ACTIVE, "fixed by hand", now=3.0)
+    assert (
+        state.membership.islands["island-0"].state,
+        state.membership.islands["island-0"].reason,
+    ) == (
         ACTIVE,
         "fixed by hand",
     )
@@ -214,46 +221,46 @@ def test_rounds_admin_drop_keeps_the_syncers_refusal_reason() -> None:
 
 def test_rounds_admin_preregistration_counts_only_after_join() -> None:
     state = make_state(quorum=2, islands=1)
-    state.set_admin_state("island-9", ACTIVE, "", now=0.0)
-    assert state.active_islands() == {"island-0"}
+    state.membership.set_state("island-9", ACTIVE, "", now=0.0)
+    assert state.membership.active() == {"island-0"}
     with pytest.raises(Refused):
         state.check_push(0, "island-9", 0)
-    state.join("island-9", 2, now=1.0)
-    assert state.active_islands() == {"island-0", "island-9"}
+    state.membership.join("island-9", 2, now=1.0)
+    assert state.membership.active() == {"island-0", "island-9"}
 
 
 def test_rounds_timeout_and_revival() -> None:
     state = make_state(quorum=2, islands=2, grace=60.0, timeout=30.0)
     push(state, "island-0", 1.0)
-    state.heartbeat("island-1", 10.0)
-    assert state.expire(31.5) == ["island-0"]
-    assert state.islands["island-0"].state == TIMED_OUT
-    assert state.islands["island-1"].state == ACTIVE
+    state.membership.heartbeat("island-1", 10.0)
+    assert state.membership.expire(31.5) == ["island-0"]
+    assert state.membership.islands["island-0"].state == TIMED_OUT
+    assert state.membership.islands["island-1"].state == ACTIVE
     # island-0's pending push stays valid work; with one active island it alone is a quorum.
     assert state.effective_quorum() == 1
     assert state.rounds[0].quorum_since == 31.5
-    state.heartbeat("island-0", 32.0)
-    assert state.islands["island-0"].state == ACTIVE
-    assert state.expire(32.0) == []
+    state.membership.heartbeat("island-0", 32.0)
+    assert state.membership.islands["island-0"].state == ACTIVE
+    assert state.membership.expire(32.0) == []
 
 
 def test_rounds_leave_and_rejoin() -> None:
     state = make_state(quorum=2, islands=2)
-    state.leave("island-1", 5.0)
-    assert state.islands["island-1"].state == LEFT
-    assert state.active_islands() == {"island-0"}
+    state.membership.leave("island-1", 5.0)
+    assert state.membership.islands["island-1"].state == LEFT
+    assert state.membership.active() == {"island-0"}
     push(state, "island-0", 6.0)
     assert state.merge_due(0, 6.0)
-    state.join("island-1", 1, 7.0)
-    assert state.islands["island-1"].joins == 2
-    assert state.islands["island-1"].state == ACTIVE
+    state.membership.join("island-1", 1, 7.0)
+    assert state.membership.islands["island-1"].joins == 2
+    assert state.membership.islands["island-1"].state == ACTIVE
 
 
 def test_rounds_joining_island_raises_quorum_back() -> None:
     state = make_state(quorum=2, islands=1, grace=60.0)
     push(state, "island-0", 1.0)
     assert state.rounds[0].quorum_since == 1.0  # min(2, 1 active) = 1
-    state.join("island-1", 1, 2.0)
+    state.membership.join("island-1", 1, 2.0)
     assert state.rounds[0].quorum_since is None  # now 1 of 2
 
 
@@ -296,7 +303,7 @@ def test_rounds_auto_grace_of_a_decoupled_job_uses_all_the_slack() -> None:
     )
     state = SyncState(policy, 1)
     for i in range(2):
-        state.join(f"island-{i}", 1, now=0.0)
+        state.membership.join(f"island-{i}", 1, now=0.0)
     push(state, "island-0", 0.0, step_time=0.5)
     push(state, "island-1", 0.0, step_time=0.5)
     # slack = 20 * 0.5 - (0 + 0) = 10 s, all of it; blocking learners would get 5 s.
@@ -315,18 +322,18 @@ def test_rounds_merged_tokens_average_over_fragments() -> None:
     push(state, "island-0", 0.0, fragment=1, tokens=100)
     state.take_round(0, 0.0)
     state.take_round(1, 0.0)
-    assert state.islands_json()["island-0"]["mergedTokens"] == 100
+    assert state.membership.statuses()["island-0"].merged_tokens == 100
 
 
 def test_rounds_restore_islands_keeps_counters() -> None:
     state = make_state(quorum=1, islands=2)
-    state.set_admin_state("island-1", DROPPED, "bad", now=1.0)
-    saved = state.islands_json()
+    state.membership.set_state("island-1", DROPPED, "bad", now=1.0)
+    saved = state.membership.statuses()
     fresh = SyncState(state.policy, 1, versions=[4])
-    fresh.restore_islands(saved, now=100.0)
-    assert fresh.islands_json()["island-1"]["state"] == DROPPED
-    assert fresh.islands["island-0"].joins == 1
-    assert fresh.islands["island-0"].last_seen == 100.0
+    fresh.membership.restore(saved, now=100.0)
+    assert fresh.membership.statuses()["island-1"].state == DROPPED
+    assert fresh.membership.islands["island-0"].joins == 1
+    assert fresh.membership.islands["island-0"].last_seen == 100.0
     assert fresh.versions == [4]
 
 
@@ -335,11 +342,14 @@ def test_rounds_saved_answers_hold_merged_pushes_only_and_restore() -> None:
     first = push(state, "island-0", 1.0, fragment=0, push_id="a")
     state.take_round(0, 2.0)  # merged
     push(state, "island-1", 3.0, fragment=1, push_id="b")  # still pending
-    saved = state.answers_json()
-    assert saved == [{"island": "island-0", "fragment": 0, "pushId": "a", "answer": first}]
+    saved = state.saved_answers()
+    assert [e.to_json() for e in saved] == [
+        {"island": "island-0", "fragment": 0, "pushId": "a", "answer": first}
+    ]
     fresh = make_state(quorum=1, islands=2, fragments=2)
     fresh.restore_answers(saved)
-    assert fresh.previous_answer(0, "island-0", "a") == first
+    again = fresh.previous_answer(0, "island-0", "a")
+    assert again is not None and again.to_json() == first
     assert fresh.previous_answer(1, "island-1", "b") is None  # its retry is accepted afresh
     assert fresh.previous_answer(0, "island-0", "other") is None
 
@@ -347,31 +357,31 @@ def test_rounds_saved_answers_hold_merged_pushes_only_and_restore() -> None:
 def test_rounds_islands_not_heard_of_hold_the_quorum_until_their_timeout() -> None:
     """K=2 of 2: the first island up does not merge alone while its peer's pod is starting."""
     state = make_state(quorum=2, islands=0, timeout=30.0)
-    state.expect(2, now=0.0)
-    state.join("island-0", 1, now=1.0)
-    assert state.awaited_islands() == 1 and state.effective_quorum() == 2
+    state.membership.expect(2, now=0.0)
+    state.membership.join("island-0", 1, now=1.0)
+    assert state.membership.awaited() == 1 and state.effective_quorum() == 2
     push(state, "island-0", 2.0)
     assert state.due_fragments(3.0) == []
-    state.join("island-1", 1, now=4.0)
-    assert state.awaited_islands() == 0
+    state.membership.join("island-1", 1, now=4.0)
+    assert state.membership.awaited() == 0
     push(state, "island-1", 5.0)
     assert state.due_fragments(5.0) == [0]  # both contributed: no grace wait
 
 
 def test_rounds_an_admin_drop_ends_the_wait_for_an_island_never_heard_of() -> None:
     state = make_state(quorum=2, islands=0, timeout=30.0)
-    state.expect(2, now=0.0)
-    state.join("island-0", 1, now=1.0)
+    state.membership.expect(2, now=0.0)
+    state.membership.join("island-0", 1, now=1.0)
     push(state, "island-0", 2.0)
-    state.set_admin_state("island-1", DROPPED, "pod unschedulable", now=3.0)
-    assert state.awaited_islands() == 0
+    state.membership.set_state("island-1", DROPPED, "pod unschedulable", now=3.0)
+    assert state.membership.awaited() == 0
     assert state.due_fragments(3.0) == [0]
 
 
 def test_rounds_quorum_one_waits_the_grace_window_for_islands_not_joined_yet() -> None:
     state = make_state(quorum=1, islands=0, timeout=30.0)  # grace 5 s
-    state.expect(3, now=0.0)
-    state.join("island-0", 1, now=1.0)
+    state.membership.expect(3, now=0.0)
+    state.membership.join("island-0", 1, now=1.0)
     push(state, "island-0", 2.0)
     assert state.effective_quorum() == 1
     # Two islands of the job have not joined: they hold the grace window (2.0 + 5 = 7.0), not
@@ -380,9 +390,9 @@ def test_rounds_quorum_one_waits_the_grace_window_for_islands_not_joined_yet() -
     assert state.merge_due(0, 7.0)
     # Both join and push within the window: the round is complete at once.
     for i, t in ((1, 3.0), (2, 4.0)):
-        state.join(f"island-{i}", 1, now=t)
+        state.membership.join(f"island-{i}", 1, now=t)
         push(state, f"island-{i}", t)
-    assert state.awaited_islands() == 0 and state.merge_due(0, 4.0)
+    assert state.membership.awaited() == 0 and state.merge_due(0, 4.0)
 
 
 def test_rounds_outer_step_counts_rounds_of_work_not_merges() -> None:
@@ -408,7 +418,7 @@ def test_rounds_lag_is_counted_in_rounds_of_work() -> None:
     assert state.lag_rounds(0, 3) == pytest.approx(0.25)
     assert state.lag_rounds(0, 1) == pytest.approx(0.75)
     # The table keeps maxStaleness + 1 versions (1..4); version 0 counts from the oldest.
-    assert state.clocks_json() == [[[1, 0.25], [2, 0.5], [3, 0.75], [4, 1.0]]]
+    assert state.clocks.to_json() == [[[1, 0.25], [2, 0.5], [3, 0.75], [4, 1.0]]]
     assert state.lag_rounds(0, 0) == pytest.approx(0.75)
 
 
@@ -419,7 +429,7 @@ def test_rounds_clocks_and_rounds_survive_a_checkpoint() -> None:
         state.take_round(0, float(v), rounds=0, clock=0.4 * v)
     policy = state.policy
     restored = SyncState(policy, 1, versions=state.versions, rounds=[0])
-    restored.restore_clocks(state.clocks_json())
+    restored.clocks.restore(state.clocks.to_json())
     assert restored.lag_rounds(0, 1) == pytest.approx(0.4)
     assert restored.outer_step == 0
     # A checkpoint from before rounds were counted: each merge was an outer step.
@@ -446,6 +456,6 @@ def test_rounds_auto_grace_excludes_the_time_the_syncer_held_a_push() -> None:
         sync_time=6.5,  # 5 s held + 1.5 s of transfers
     )
     state.accept_push(0, c, 30.0)
-    assert state.islands["island-0"].transfer_time == pytest.approx(1.5)
+    assert state.membership.islands["island-0"].transfer_time == pytest.approx(1.5)
     # slack = 20·0.5 − (0 quorum wait + 1.5 transfer + 1.0 merge) = 7.5; γ = 0.5.
     assert state.grace() == pytest.approx(3.75)

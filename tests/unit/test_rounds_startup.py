@@ -32,7 +32,7 @@ def fresh(quorum: int = 2, islands: int = 2) -> SyncState:
         startup_timeout=STARTUP,
     )
     state = SyncState(policy, 1)
-    state.expect(islands, now=0.0)
+    state.membership.expect(islands, now=0.0)
     return state
 
 
@@ -55,23 +55,23 @@ def alive(state: SyncState, island: str, until: float) -> None:
     server's ticks do."""
     t = 5.0
     while t <= until:
-        state.heartbeat(island, t)
-        state.expire(t)
+        state.membership.heartbeat(island, t)
+        state.membership.expire(t)
         t += 5.0
 
 
 def test_rounds_startup_a_slow_island_holds_the_quorum_past_the_heartbeat_timeout() -> None:
     state = fresh()
-    state.join("island-0", 1, now=1.0)
+    state.membership.join("island-0", 1, now=1.0)
     push(state, "island-0", 2.0)
     # 3 x the heartbeat timeout after the syncer's start, island-1 has still not joined: it is
     # awaited (2 islands - 1 joined), the quorum stays min(K=2, 1 active + 1 awaited) = 2.
     alive(state, "island-0", until=30.0)
-    assert state.awaited_islands() == 1
+    assert state.membership.awaited() == 1
     assert state.effective_quorum() == 2
     assert state.due_fragments(30.0) == []
-    state.join("island-1", 1, now=31.0)
-    assert state.awaited_islands() == 0
+    state.membership.join("island-1", 1, now=31.0)
+    assert state.membership.awaited() == 0
     push(state, "island-1", 32.0)
     assert state.due_fragments(32.0) == [0]  # both contributed: no grace wait
     merged = state.take_round(0, 32.0)
@@ -80,51 +80,51 @@ def test_rounds_startup_a_slow_island_holds_the_quorum_past_the_heartbeat_timeou
 
 def test_rounds_startup_given_up_only_after_the_startup_timeout() -> None:
     state = fresh()
-    state.join("island-0", 1, now=1.0)
+    state.membership.join("island-0", 1, now=1.0)
     push(state, "island-0", 2.0)
     alive(state, "island-0", until=STARTUP)  # the last tick at t=60 is not past the timeout
-    assert state.awaited_islands() == 1 and state.due_fragments(STARTUP) == []
-    state.heartbeat("island-0", STARTUP + 1)
-    state.expire(STARTUP + 1)
-    assert state.awaited_islands() == 0 and state.effective_quorum() == 1
+    assert state.membership.awaited() == 1 and state.due_fragments(STARTUP) == []
+    state.membership.heartbeat("island-0", STARTUP + 1)
+    state.membership.expire(STARTUP + 1)
+    assert state.membership.awaited() == 0 and state.effective_quorum() == 1
     assert state.due_fragments(STARTUP + 1) == [0]
 
 
 def test_rounds_startup_a_drop_ends_the_wait_and_a_re_add_restores_it() -> None:
     state = fresh(quorum=3, islands=3)
-    state.join("island-0", 1, now=1.0)
+    state.membership.join("island-0", 1, now=1.0)
     push(state, "island-0", 2.0)
-    assert state.awaited_islands() == 2 and state.effective_quorum() == 3
+    assert state.membership.awaited() == 2 and state.effective_quorum() == 3
     # Pre-registered by the admin route but not joined: still awaited (it has not joined).
-    state.set_admin_state("island-1", ACTIVE, "pod scheduled", now=3.0)
-    assert state.awaited_islands() == 2
+    state.membership.set_state("island-1", ACTIVE, "pod scheduled", now=3.0)
+    assert state.membership.awaited() == 2
     # Dropped (its processes exited, its pod failed): no longer awaited, quorum 1 + 1 = 2.
-    state.set_admin_state("island-2", DROPPED, "every process exited", now=4.0)
-    assert state.awaited_islands() == 1 and state.effective_quorum() == 2
-    state.set_admin_state("island-1", DROPPED, "pod unschedulable", now=5.0)
-    assert state.awaited_islands() == 0 and state.effective_quorum() == 1
+    state.membership.set_state("island-2", DROPPED, "every process exited", now=4.0)
+    assert state.membership.awaited() == 1 and state.effective_quorum() == 2
+    state.membership.set_state("island-1", DROPPED, "pod unschedulable", now=5.0)
+    assert state.membership.awaited() == 0 and state.effective_quorum() == 1
     assert state.due_fragments(5.0) == [0]
     # Re-added before it joined (its pod came back): awaited again.
-    state.set_admin_state("island-2", ACTIVE, "pod ready", now=6.0)
-    assert state.awaited_islands() == 1 and state.effective_quorum() == 2
+    state.membership.set_state("island-2", ACTIVE, "pod ready", now=6.0)
+    assert state.membership.awaited() == 1 and state.effective_quorum() == 2
 
 
 def test_rounds_startup_an_island_that_joined_and_went_silent_is_not_awaited() -> None:
     state = fresh()
-    state.join("island-0", 1, now=1.0)
-    state.join("island-1", 1, now=1.0)
+    state.membership.join("island-0", 1, now=1.0)
+    state.membership.join("island-1", 1, now=1.0)
     alive(state, "island-0", until=15.0)  # island-1 silent since t=1: timed out at t=15
-    assert state.islands["island-1"].state == TIMED_OUT
+    assert state.membership.islands["island-1"].state == TIMED_OUT
     # It joined once, so the heartbeat timeout governs it, not the start-up wait.
-    assert state.awaited_islands() == 0 and state.effective_quorum() == 1
+    assert state.membership.awaited() == 0 and state.effective_quorum() == 1
 
 
 def test_rounds_startup_islands_restored_from_a_checkpoint_are_not_awaited() -> None:
     state = fresh()
     before = SyncState(state.policy, 1)
-    before.join("island-0", 1, now=0.0)
-    state.restore_islands(before.islands_json(), now=1.0)
-    assert state.awaited_islands() == 1  # island-1 never joined before the restart
+    before.membership.join("island-0", 1, now=0.0)
+    state.membership.restore(before.membership.statuses(), now=1.0)
+    assert state.membership.awaited() == 1  # island-1 never joined before the restart
 
 
 def test_rounds_startup_timeout_comes_from_the_spec() -> None:

@@ -101,9 +101,9 @@ def test_syncer_merge_is_reproducible_from_its_log(tmp_path: Path) -> None:
         deltas = [delta(syncer, 0, s) for s in (1, 2)]
         for i in range(3):
             await syncer.join(f"island-{i}", 1)
-        await syncer.push(0, body(syncer, 0, "island-0", deltas[0], tokens=300, steps=4))
+        await syncer.receive_push(0, body(syncer, 0, "island-0", deltas[0], tokens=300, steps=4))
         clock.now += 0.5
-        await syncer.push(0, body(syncer, 0, "island-1", deltas[1], tokens=100, steps=4))
+        await syncer.receive_push(0, body(syncer, 0, "island-1", deltas[1], tokens=100, steps=4))
         await syncer.tick()
         assert syncer.state.versions == [0]  # quorum 2 reached, grace 5 s not over
         clock.now += 5.0
@@ -143,16 +143,18 @@ def test_syncer_replaced_and_retried_pushes_count_once(tmp_path: Path) -> None:
         for i in range(3):
             await syncer.join(f"island-{i}", 1)
         answers = [
-            await syncer.push(0, body(syncer, 0, "island-0", delta(syncer, 0, 1), tokens=100)),
-            await syncer.push(
+            await syncer.receive_push(
+                0, body(syncer, 0, "island-0", delta(syncer, 0, 1), tokens=100)
+            ),
+            await syncer.receive_push(
                 0, body(syncer, 0, "island-0", delta(syncer, 0, 2), tokens=250, push_id="p1")
             ),
-            await syncer.push(
+            await syncer.receive_push(
                 0, body(syncer, 0, "island-0", delta(syncer, 0, 2), tokens=250, push_id="p1")
             ),
         ]
         for i in (1, 2):
-            await syncer.push(0, body(syncer, 0, f"island-{i}", delta(syncer, 0, 9 + i)))
+            await syncer.receive_push(0, body(syncer, 0, f"island-{i}", delta(syncer, 0, 9 + i)))
         await syncer.tick()  # every active island contributed: no grace wait
         return syncer, answers
 
@@ -160,7 +162,7 @@ def test_syncer_replaced_and_retried_pushes_count_once(tmp_path: Path) -> None:
     assert answers[1]["replaced"] is True
     assert answers[2]["duplicate"] is True and answers[2]["pending"] == answers[1]["pending"]
     assert syncer.state.versions == [1]
-    entry = syncer.merge_log.recent[-1]
+    entry = syncer.merge_log.recent[-1].to_json()
     by_island = {c["island"]: c for c in entry["contributors"]}
     assert by_island["island-0"]["tokens"] == 250
     assert entry["tokens"] == 250 + 100 + 100
@@ -176,7 +178,9 @@ def test_syncer_status_during_a_merge_shows_no_half_done_merge(tmp_path: Path) -
         syncer = await started(make_spec(), tmp_path, FakeClock())
         for i in range(3):
             await syncer.join(f"island-{i}", 1)
-            await syncer.push(0, body(syncer, 0, f"island-{i}", delta(syncer, 0, i), tokens=100))
+            await syncer.receive_push(
+                0, body(syncer, 0, f"island-{i}", delta(syncer, 0, i), tokens=100)
+            )
         # Hold the merge inside its worker thread: the only way to read status mid-merge on cue.
         entered, release = threading.Event(), threading.Event()
         real_step = syncer.model.outer.step
@@ -207,7 +211,7 @@ def test_syncer_dropping_a_silent_island_completes_the_round(tmp_path: Path) -> 
         for i in range(3):
             await syncer.join(f"island-{i}", 1)
         for i in (0, 1):
-            await syncer.push(0, body(syncer, 0, f"island-{i}", delta(syncer, 0, i)))
+            await syncer.receive_push(0, body(syncer, 0, f"island-{i}", delta(syncer, 0, i)))
         await syncer.tick()
         assert syncer.state.versions == [0]
         await syncer.set_membership("island-2", "dropped", "pod crash-looping")
@@ -229,14 +233,14 @@ def test_syncer_refusal_after_decode_changes_nothing(tmp_path: Path) -> None:
         bad = delta(syncer, 0, 1)
         bad[next(iter(bad))] = torch.zeros(2, 2)
         with pytest.raises(Refused) as err:
-            await syncer.push(0, body(syncer, 0, "island-0", bad))
+            await syncer.receive_push(0, body(syncer, 0, "island-0", bad))
         assert err.value.status == 400
         return syncer, before, syncer.digest()
 
     syncer, before, after = run(scenario())
     assert before == after
     assert syncer.state.rounds[0].pending == {}
-    assert syncer.state.islands["island-0"].pushes == 0
+    assert syncer.state.membership.islands["island-0"].pushes == 0
     assert syncer.bytes_in == 0
 
 
@@ -251,9 +255,11 @@ def test_syncer_finishes_on_tokens_with_eval_and_checkpoint(tmp_path: Path) -> N
         syncer = await started(spec, tmp_path, FakeClock())
         await syncer.join("island-0", 1)
         for r in range(3):
-            await syncer.push(0, body(syncer, 0, "island-0", delta(syncer, 0, r), tokens=100))
+            await syncer.receive_push(
+                0, body(syncer, 0, "island-0", delta(syncer, 0, r), tokens=100)
+            )
             await syncer.tick()
-        late = await syncer.push(0, body(syncer, 0, "island-0", delta(syncer, 0, 7)))
+        late = await syncer.receive_push(0, body(syncer, 0, "island-0", delta(syncer, 0, 7)))
         return syncer, late
 
     syncer, late = run(scenario())
@@ -288,7 +294,7 @@ def test_syncer_resumes_from_its_checkpoint(tmp_path: Path) -> None:
         syncer = await started(spec, tmp_path, FakeClock())
         await syncer.join("island-0", 1)
         for r in range(2):
-            await syncer.push(0, body(syncer, 0, "island-0", delta(syncer, 0, r)))
+            await syncer.receive_push(0, body(syncer, 0, "island-0", delta(syncer, 0, r)))
             await syncer.tick()
         await syncer.stop()  # the checkpoint is written in the background
         return syncer.digest(), syncer.state.versions
@@ -299,7 +305,7 @@ def test_syncer_resumes_from_its_checkpoint(tmp_path: Path) -> None:
     digest, versions = run(first())
     resumed = run(second())
     assert resumed.digest() == digest and resumed.state.versions == versions == [2]
-    assert resumed.state.islands["island-0"].joins == 1
+    assert resumed.state.membership.islands["island-0"].joins == 1
 
 
 def test_syncer_refuses_a_checkpoint_of_another_fragment_layout(tmp_path: Path) -> None:
@@ -310,7 +316,7 @@ def test_syncer_refuses_a_checkpoint_of_another_fragment_layout(tmp_path: Path) 
     async def first() -> None:
         syncer = await started(spec, tmp_path, FakeClock())
         await syncer.join("island-0", 1)
-        await syncer.push(0, body(syncer, 0, "island-0", delta(syncer, 0, 0)))
+        await syncer.receive_push(0, body(syncer, 0, "island-0", delta(syncer, 0, 0)))
         await syncer.tick()
         await syncer.stop()
 

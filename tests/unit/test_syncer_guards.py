@@ -15,6 +15,7 @@ import pytest
 import torch
 from aiohttp import streams
 from diloco_trainer.api import protocol
+from diloco_trainer.api.documents import IslandStatus, PushAnswer
 from diloco_trainer.api.spec import parse_spec
 from diloco_trainer.core.compress import decode_tensors, encode_tensors
 from diloco_trainer.syncer import guards
@@ -192,8 +193,8 @@ def test_admission_evicts_only_gone_islands_and_filters_restored_records() -> No
     del records["island-2"], records["island-1"]
     assert evictable(records) is None
     adm = Admission.from_spec(parse_spec({"islands": {"count": 2}}))
-    doc = {f"island-{i}": {"lastSeen": float(i)} for i in range(3000)}
-    doc["island-1"] = {"lastSeen": 1.0}
+    doc = {f"island-{i}": IslandStatus(state="active", last_seen=float(i)) for i in range(3000)}
+    doc["island-1"] = IslandStatus(state="active", last_seen=1.0)
     kept, left_out = admitted_records(adm, doc)
     assert sorted(kept) == ["island-0", "island-1"] and len(left_out) == 2998
 
@@ -201,13 +202,13 @@ def test_admission_evicts_only_gone_islands_and_filters_restored_records() -> No
 def test_replay_window_answers_older_pushes_as_duplicates() -> None:
     answers = PushAnswers(window=3)
     for i in range(5):
-        answers.put("island-0", 0, f"p{i}", {"accepted": True, "version": i})
-    assert answers.get("island-0", 0, "p4") == {"accepted": True, "version": 4}
-    assert answers.get("island-0", 0, "p2") == {"accepted": True, "version": 2}  # not the latest
+        answers.put("island-0", 0, f"p{i}", PushAnswer(accepted=True, version=i))
+    assert answers.get("island-0", 0, "p4") == PushAnswer(accepted=True, version=4)
+    assert answers.get("island-0", 0, "p2") == PushAnswer(accepted=True, version=2)  # not latest
     assert answers.get("island-0", 0, "p1") is None  # beyond the window
     assert answers.get("island-0", 1, "p4") is None and answers.get("island-0", 0, "") is None
-    saved = answers.merged_json([4, 0])
-    assert [e["pushId"] for e in saved] == ["p2", "p3"]  # merged (version < 4), oldest first
+    saved = answers.merged([4, 0])
+    assert [e.push_id for e in saved] == ["p2", "p3"]  # merged (version < 4), oldest first
     fresh = PushAnswers(window=3)
     fresh.restore(saved, fragments=2)
     assert fresh.get("island-0", 0, "p3") is not None

@@ -37,7 +37,7 @@ def state_of(syncer: Syncer) -> dict[str, Any]:
 async def honest_round(syncer: Syncer, island: str = "island-0", seed: int = 0) -> None:
     """One accepted push of `island` to fragment 0, merged."""
     version = syncer.state.versions[0]
-    answer = await syncer.push(0, body(syncer, 0, island, delta(syncer, 0, seed)))
+    answer = await syncer.receive_push(0, body(syncer, 0, island, delta(syncer, 0, seed)))
     assert answer["accepted"], answer
     await syncer.tick()
     assert syncer.state.versions[0] == version + 1
@@ -45,7 +45,7 @@ async def honest_round(syncer: Syncer, island: str = "island-0", seed: int = 0) 
 
 async def refused(syncer: Syncer, raw: bytes) -> Refused:
     with pytest.raises(Refused) as err:
-        await syncer.push(0, raw)
+        await syncer.receive_push(0, raw)
     return err.value
 
 
@@ -95,7 +95,9 @@ def test_guards_service_hostile_pushes_change_nothing_and_honest_work_merges(
     }
     assert before.pop("refusals") == {}
     assert after == before
-    assert syncer.state.islands["island-1"].state == protocol.STATE_ACTIVE  # not punished
+    assert (
+        syncer.state.membership.islands["island-1"].state == protocol.STATE_ACTIVE
+    )  # not punished
     metrics = syncer.metrics.render().decode()
     line = 'diloco_syncer_refused_contributions_total{island="island-1",reason="norm_above_cap"}'
     assert f"{line} 2.0" in metrics
@@ -132,7 +134,7 @@ def test_guards_service_island_refused_again_and_again_is_dropped(tmp_path: Path
         codes = []
         for _ in range(4):
             try:
-                await syncer.push(0, body(syncer, 0, "island-1", nan))
+                await syncer.receive_push(0, body(syncer, 0, "island-1", nan))
             except Refused as err:
                 codes.append(err.status)
         await honest_round(syncer)
@@ -141,7 +143,7 @@ def test_guards_service_island_refused_again_and_again_is_dropped(tmp_path: Path
 
     codes, syncer = run(scenario())
     assert codes == [400, 400, 400, 403]  # the third refusal in a row drops it
-    rec = syncer.state.islands["island-1"]
+    rec = syncer.state.membership.islands["island-1"]
     assert rec.state == protocol.STATE_DROPPED and "3 pushes refused in a row" in rec.reason
     assert "NaN" in rec.reason
     # The reason says the syncer dropped it (the operator leaves such an island out) ...
@@ -161,14 +163,14 @@ def test_guards_service_merge_leaves_out_what_it_cannot_take_and_goes_on(tmp_pat
         syncer = await started(spec, tmp_path, FakeClock())
         for i in range(3):
             await syncer.join(f"island-{i}", 1)
-        await syncer.push(0, body(syncer, 0, "island-0", delta(syncer, 0, 0)))
+        await syncer.receive_push(0, body(syncer, 0, "island-0", delta(syncer, 0, 0)))
         # A contribution that bypassed the guards (a bug, or checks changed under it): its
         # weight is infinite, so the merge cannot be computed.
         bad = Contribution("island-1", 0, 0, 10**200, 1, None, 0.0, payload=delta(syncer, 0, 1))
         syncer.state.accept_push(0, bad, syncer.clock())
         await syncer.tick()
         left = await syncer.status()
-        await syncer.push(0, body(syncer, 0, "island-2", delta(syncer, 0, 2)))
+        await syncer.receive_push(0, body(syncer, 0, "island-2", delta(syncer, 0, 2)))
         await syncer.tick()
         await syncer.stop()
         return syncer, left
@@ -179,7 +181,7 @@ def test_guards_service_merge_leaves_out_what_it_cannot_take_and_goes_on(tmp_pat
     (problem,) = [p for p in left["health"]["problems"] if p["kind"] == MERGE]
     assert "island-1" in problem["message"] and "island-0" not in problem["message"]
     assert syncer.state.versions == [1]
-    merged = {c["island"] for c in syncer.merge_log.recent[-1]["contributors"]}
+    merged = {c["island"] for c in syncer.merge_log.recent[-1].to_json()["contributors"]}
     assert merged == {"island-0", "island-2"}
     assert run(syncer.status())["health"]["healthy"] is True  # cleared by the next merge
 
@@ -210,7 +212,7 @@ def test_guards_service_only_the_jobs_islands_exist(tmp_path: Path) -> None:
         (503, protocol.ERROR_NOT_ADMITTED),
         (403, protocol.ERROR_NOT_JOB_ISLAND),
     ]
-    assert sorted(syncer.state.islands) == ["island-0", "island-1", "island-2"]
+    assert sorted(syncer.state.membership.islands) == ["island-0", "island-1", "island-2"]
     assert after < before + 3000  # three island records, not three thousand
 
 
@@ -234,7 +236,7 @@ def test_guards_service_full_syncer_replaces_a_gone_island(tmp_path: Path) -> No
         return syncer
 
     syncer = run(scenario())
-    assert sorted(syncer.state.islands) == ["eu-island-0", "island-0", "us-island-2"]
+    assert sorted(syncer.state.membership.islands) == ["eu-island-0", "island-0", "us-island-2"]
 
 
 def test_guards_service_rereads_the_islands_of_a_scaled_job(
@@ -255,7 +257,7 @@ def test_guards_service_rereads_the_islands_of_a_scaled_job(
         return err.value.status, syncer
 
     status, syncer = run(scenario())
-    assert status == 503 and "island-2" in syncer.state.islands
+    assert status == 503 and "island-2" in syncer.state.membership.islands
 
 
 def checkpointed(tmp_path: Path, rounds: int, keep: int = 3) -> str:
@@ -395,12 +397,14 @@ def test_guards_service_older_push_replayed_is_a_duplicate(tmp_path: Path) -> No
         syncer = await started(spec, tmp_path, FakeClock())
         await syncer.join("island-0", 1)
         first = body(syncer, 0, "island-0", delta(syncer, 0, 0), push_id="p-0")
-        await syncer.push(0, first)
+        await syncer.receive_push(0, first)
         await syncer.tick()
-        await syncer.push(0, body(syncer, 0, "island-0", delta(syncer, 0, 1), push_id="p-1"))
+        await syncer.receive_push(
+            0, body(syncer, 0, "island-0", delta(syncer, 0, 1), push_id="p-1")
+        )
         await syncer.tick()
         before = syncer.digest()
-        again = await syncer.push(0, first)  # not the latest pushId any more
+        again = await syncer.receive_push(0, first)  # not the latest pushId any more
         await syncer.tick()
         await syncer.stop()
         return again, before, syncer.digest()

@@ -100,7 +100,7 @@ def test_syncer_http_join_refuses_bad_bodies_and_registers_nobody(
         code, answered = await answer(routes.join, json_request(protocol.ROUTE_JOIN, doc))
         assert (code, field in answered["error"]) == (status, True), answered
         assert await state_of(syncer) == before
-        assert syncer.state.islands == {}
+        assert syncer.state.membership.islands == {}
 
     with_syncer(tmp_path, scenario)
 
@@ -130,11 +130,11 @@ def test_syncer_http_push_refusals_change_nothing_and_are_counted(tmp_path: Path
             ("0", body(syncer, 0, "island-9", delta(syncer, 0, 1))),  # never joined
         ]:
             req = request("POST", path, data, match_info={"fragment": fragment})
-            codes.append((await answer(routes.push, req))[0])
+            codes.append((await answer(routes.handle_push, req))[0])
         assert await state_of(syncer) == before
         assert syncer.state.rounds[0].pending == {} and syncer.bytes_in == 0
         req = request("POST", path, good, match_info={"fragment": "0"})
-        code, accepted = await answer(routes.push, req)
+        code, accepted = await answer(routes.handle_push, req)
         assert (code, accepted["accepted"], accepted["pending"]) == (200, True, 1)
         metrics = syncer.metrics.render().decode()
         for result, count in (("too_large", 1), ("unknown", 2), ("malformed", 1)):

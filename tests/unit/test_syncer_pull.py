@@ -47,7 +47,7 @@ async def merge_rounds(syncer: Syncer, rounds: int, held: list[Tensors]) -> None
     names = syncer.fragments[0]
     for _ in range(rounds):
         v = syncer.state.versions[0]
-        await syncer.push(0, body(syncer, 0, "island-0", delta(syncer, 0, 100 + v)))
+        await syncer.receive_push(0, body(syncer, 0, "island-0", delta(syncer, 0, 100 + v)))
         await syncer.tick()
         assert syncer.state.versions[0] == v + 1
         held.append(copy(syncer.model.published, names))
@@ -170,14 +170,14 @@ def test_syncer_retried_push_after_a_restart_counts_once(tmp_path: Path) -> None
         syncer = await started(spec, tmp_path, FakeClock())
         await syncer.join("island-0", 1)
         raw = body(syncer, 0, "island-0", delta(syncer, 0, 1), tokens=100, push_id="p-1")
-        answer = await syncer.push(0, raw)
+        answer = await syncer.receive_push(0, raw)
         await syncer.tick()
         await syncer.stop()  # the checkpoint of outer step 1 is written
         return raw, answer
 
     async def second(raw: bytes) -> tuple[Syncer, dict[str, Any]]:
         syncer = await started(spec, tmp_path, FakeClock())
-        answer = await syncer.push(0, raw)
+        answer = await syncer.receive_push(0, raw)
         await syncer.stop()
         return syncer, answer
 

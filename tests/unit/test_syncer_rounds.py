@@ -61,7 +61,9 @@ async def push(syncer: Syncer, island: str, *, steps: int = H, base: int | None 
         step_time=0.01,
         codec=syncer.codec,
     )
-    await syncer.push(0, payloads.encode_body(encode_tensors(d, syncer.codec), meta.to_metadata()))
+    await syncer.receive_push(
+        0, payloads.encode_body(encode_tensors(d, syncer.codec), meta.to_metadata())
+    )
     await syncer.tick()
 
 
@@ -78,11 +80,11 @@ def test_syncer_one_island_merges_count_a_round_per_m_merges(tmp_path: Path) -> 
         return syncer
 
     syncer = run(scenario())
-    fractions = [e["fraction"] for e in syncer.merge_log.recent]
+    fractions = [e.fraction for e in syncer.merge_log.recent]
     assert fractions == pytest.approx([1 / 3] * 3)
     assert syncer.state.versions == [3] and syncer.outer_step == 1
-    assert [e["rounds"] for e in syncer.merge_log.recent] == [0, 0, 1]
-    assert [e["complete"] for e in syncer.merge_log.recent] == [False] * 3
+    assert [e.rounds for e in syncer.merge_log.recent] == [0, 0, 1]
+    assert [e.complete for e in syncer.merge_log.recent] == [False] * 3
     assert [e["outerStep"] for e in syncer.jobs.evaluations.history] == [0, 1]
 
 
@@ -105,7 +107,8 @@ def test_syncer_a_merge_of_every_island_closes_the_round_whatever_its_work(
         return syncer
 
     syncer = run(scenario())
-    (entry,) = syncer.merge_log.recent
+    (record,) = syncer.merge_log.recent
+    entry = record.to_json()
     assert entry["fraction"] == pytest.approx(0.75)
     assert entry["complete"] is True
     assert entry["rounds"] == 1 and syncer.outer_step == 1
@@ -129,7 +132,7 @@ def test_syncer_merges_stale_work_with_a_discount(tmp_path: Path) -> None:
 
     syncer = run(scenario())
     assert syncer.state.policy.max_staleness == 12  # auto: 4 x 3 islands
-    entry = syncer.merge_log.recent[-1]
+    entry = syncer.merge_log.recent[-1].to_json()
     (stale,) = entry["contributors"]
     assert (stale["island"], stale["lag"]) == ("island-1", 5)
     assert stale["discount"] == pytest.approx(2.5**-0.5)

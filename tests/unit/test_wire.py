@@ -106,7 +106,7 @@ def test_wire_client_retries_503_and_keeps_the_push_id(caplog: pytest.LogCapture
     async def test(url: str) -> PushAnswer:
         async with syncer_client.SyncerClient(url, "tok", retry_deadline=30) as client:
             meta = protocol.PushMeta("island-0", 0, 10, 1, 1.0, 0.1, "none")
-            return await client.push(0, {"w": torch.zeros(3)}, meta)
+            return await client.push_pseudo_gradient(0, {"w": torch.zeros(3)}, meta)
 
     caplog.set_level(logging.WARNING, logger="diloco.wire")
     answer = serve([("POST", protocol.ROUTE_PUSH, push)], test)
@@ -129,7 +129,7 @@ def test_wire_client_raises_refusals_at_once_with_code() -> None:
         async with syncer_client.SyncerClient(url, "tok") as client:
             meta = protocol.PushMeta("island-0", 0, 10, 1, 1.0, 0.1, "none")
             with pytest.raises(protocol.SyncerError) as err:
-                await client.push(0, {"w": torch.zeros(3)}, meta)
+                await client.push_pseudo_gradient(0, {"w": torch.zeros(3)}, meta)
             return err.value
 
     err = serve([("POST", protocol.ROUTE_PUSH, push)], test)

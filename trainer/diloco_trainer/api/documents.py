@@ -1,8 +1,10 @@
-"""Typed JSON documents of the syncer's routes (torch-free): one definition each, read by the
-learners, the operator and the local runner (and written by the syncer, see SyncerStatus).
+"""Typed JSON documents of the syncer's routes (torch-free): one definition each, written by the
+syncer and read by the learners, the operator and the local runner (api/manifest.py holds the
+checkpoint manifest).
 
 Each model parses a decoded JSON object with `from_json` and gives the wire form (camelCase keys)
-back with `to_json`; in Python the fields are snake_case (``status.outer_step``). Parsing is
+back with `to_json` (every field) or `to_wire` (the fields given: what the syncer writes); in
+Python the fields are snake_case (``status.outer_step``). Parsing is
 forward compatible: keys a newer syncer adds are kept (to_json gives them back) and otherwise
 ignored, and fields an older syncer did not send take neutral defaults. A document with a field of
 the wrong type, or without a field every syncer sends (the required ones below), is refused with a
@@ -75,6 +77,12 @@ class Document(BaseModel):
         """The wire form: camelCase keys, JSON types, extra keys included."""
         return self.model_dump(by_alias=True, mode="json")
 
+    def to_wire(self) -> dict[str, Any]:
+        """The wire form of the fields given when the document was made (by its writer, or
+        present in what was parsed): what the syncer sends and stores, so a field the writer
+        leaves out is the reader's default, and a parsed document comes back as it was read."""
+        return self.model_dump(by_alias=True, mode="json", exclude_unset=True)
+
 
 # ----- answers to the learner routes ---------------------------------------------------------
 
@@ -122,6 +130,15 @@ class MembershipAnswer(Document):
     """POST /v1/leave and PUT /v1/islands/{island}: the island's state afterwards."""
 
     island: str
+    state: str
+    reason: str = ""
+
+
+class MembershipRequest(Document):
+    """PUT /v1/islands/{island}: the admin's (the operator's) drop or re-add of an island; the
+    syncer checks `state` against protocol.ADMIN_STATES and keeps at most 500 characters of
+    `reason`."""
+
     state: str
     reason: str = ""
 
@@ -176,12 +193,16 @@ class MergeContributor(Document):
     steps: int = 0
     loss: float | None = None
     received_at: float | None = None  # when the syncer took the push (its clock; phase alignment)
+    work: float = 0.0  # its work in rounds (core/contributions.py)
+    discount: float = 1.0  # its staleness discount
+    scale: float = 1.0  # the scale applied to its pseudo-gradient
     raw_weight: float = 0.0
     weight: float = 0.0  # its share (the raw weights normalised to sum to 1)
 
 
 class MergeRecord(Document):
-    """One merge (the status document's recent ``merges``, and merges.jsonl)."""
+    """One merge (the status document's recent ``merges``, and one line of merges.jsonl: the
+    syncer writes each as a MergeRecord)."""
 
     version: int
     fragment: int

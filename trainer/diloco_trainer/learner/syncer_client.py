@@ -42,7 +42,7 @@ from diloco_trainer.core.payloads import (
 
 class SyncerClient(SyncerJsonClient):
     """Async client of the syncer: join, heartbeat, leave, status, set_membership (inherited)
-    plus pull_fragment and push.
+    plus pull_fragment and push_pseudo_gradient.
 
     Connection errors and 502/503/504 are retried with exponential backoff until `retry_deadline`
     seconds have passed since the call began; then SyncerError (status 0). Any other unsuccessful
@@ -92,7 +92,7 @@ class SyncerClient(SyncerJsonClient):
             tensors=tensors,
         )
 
-    async def push(
+    async def push_pseudo_gradient(
         self, fragment: int, tensors_encoded: Mapping[str, torch.Tensor], meta: PushMeta
     ) -> PushAnswer:
         """Push fragment `fragment`'s encoded pseudo-gradient; a retry of this call sends the same

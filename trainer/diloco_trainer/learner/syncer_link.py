@@ -155,7 +155,7 @@ class SyncerLink:
         after = meta.base_version
         lateness, within_reading = None, False
         try:
-            reply = await self.client.push(fragment, encoded, meta)
+            reply = await self.client.push_pseudo_gradient(fragment, encoded, meta)
             log.debug("fragment %d push answered %s", fragment, reply)
             if reply.accepted:
                 after = max(after, reply.version)

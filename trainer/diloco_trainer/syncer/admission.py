@@ -24,9 +24,9 @@ from __future__ import annotations
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
 
 from diloco_trainer.api import protocol
+from diloco_trainer.api.documents import IslandStatus
 from diloco_trainer.api.placement import max_island_replicas
 from diloco_trainer.api.spec import IslandsSpec, JobSpec
 from diloco_trainer.syncer.records import LEFT, TIMED_OUT, IslandRecord, Refused
@@ -117,11 +117,11 @@ def evictable(records: Mapping[str, IslandRecord]) -> str | None:
 
 
 def admitted_records(
-    admission: Admission, doc: Mapping[str, Mapping[str, Any]]
-) -> tuple[dict[str, Mapping[str, Any]], list[str]]:
+    admission: Admission, doc: Mapping[str, IslandStatus]
+) -> tuple[dict[str, IslandStatus], list[str]]:
     """The island records of a checkpoint this job admits (names of the job, at most `cap`, the
     most recently seen first), and the names left out."""
     named = {n: d for n, d in doc.items() if NAME.match(n) and admission.refusal(n) is None}
-    newest = sorted(named, key=lambda n: -float(named[n].get("lastSeen", 0.0) or 0.0))
+    newest = sorted(named, key=lambda n: -named[n].last_seen)
     kept = {n: named[n] for n in sorted(newest[: admission.cap])}
     return kept, sorted(set(doc) - set(kept))

@@ -44,6 +44,8 @@ from typing import Any
 import safetensors.torch
 import torch
 
+from diloco_trainer.api.manifest import CheckpointManifest
+
 log = logging.getLogger("diloco.checkpoint")
 
 FORMAT_VERSION = 1
@@ -61,12 +63,14 @@ _HASH_CHUNK = 1 << 20
 
 @dataclass
 class Checkpoint:
-    """A loaded checkpoint."""
+    """A loaded checkpoint: `manifest` is manifest.json as stored (its hashes are over these
+    bytes), `document` the same typed (api/manifest.CheckpointManifest), which readers use."""
 
     path: Path
     weights: dict[str, torch.Tensor]
     momentum: dict[str, torch.Tensor]
     manifest: dict[str, Any]
+    document: CheckpointManifest
     published: dict[str, torch.Tensor] | None = None  # θ_pub, when it was kept apart
 
     @property
@@ -298,7 +302,8 @@ def _check_finite(tensors: Mapping[str, torch.Tensor], what: str) -> None:
 
 def load_checkpoint(path: Path) -> Checkpoint:
     """Load one checkpoint directory; ValueError when it is unreadable, of another format, does
-    not match its recorded hashes or holds NaN/Inf."""
+    not match its recorded hashes, its manifest is not a CheckpointManifest, or it holds
+    NaN/Inf."""
     try:
         manifest = _read_manifest(path)
     except Exception as err:  # OSError, JSON errors
@@ -318,10 +323,16 @@ def load_checkpoint(path: Path) -> Checkpoint:
         for what, tensors in (("weight", weights), ("momentum", momentum)):
             _check_finite(tensors, what)
         _check_finite(published or {}, "published weight")
-    except Exception as err:  # OSError, hash or finiteness problems, safetensors' own errors
+        document = CheckpointManifest.from_json(manifest)  # DocumentError: a ValueError
+    except Exception as err:  # OSError, hash, shape or finiteness problems, safetensors' errors
         raise ValueError(f"checkpoint {path} is unreadable: {err}") from None
     return Checkpoint(
-        path=path, weights=weights, momentum=momentum, manifest=manifest, published=published
+        path=path,
+        weights=weights,
+        momentum=momentum,
+        manifest=manifest,
+        document=document,
+        published=published,
     )
 
 

@@ -2,11 +2,13 @@
 
 The auth middleware (http.py) verifies the bearer token once per request and keeps who it speaks
 for on the request; routes that act as an island check that name against it once they have
-parsed it (the island of a push is in its body's metadata). A refusal is a 403 naming the
-credential and what it may not do; the island's state is untouched.
+parsed it (the island of a push is in its body's metadata, which the push path reads once). A
+refusal is a 403 naming the credential and what it may not do; the island's state is untouched.
 """
 
 from __future__ import annotations
+
+from collections.abc import Mapping
 
 from aiohttp import web
 
@@ -47,20 +49,13 @@ def principal_of(request: web.Request) -> Principal:
     return request.get(PRINCIPAL) or Principal(credentials.ROOT)
 
 
-def require_push(principal: Principal, body: bytes) -> None:
-    """Refused(403) unless `principal` may push as the island the body's metadata names (400 when
-    it names none). The root may push anything: the service checks the body itself."""
-    if principal.kind != credentials.ROOT:
-        require_island(principal, push_island(body), "push")
-
-
-def push_island(body: bytes) -> str:
-    """The island a push body names in its metadata; Refused(400) when the body has none."""
-    try:
-        meta = protocol.read_metadata(body)
-    except ValueError as err:
-        raise Refused(400, f"push body is not a safetensors body: {err}") from None
+def require_push(principal: Principal, meta: Mapping[str, str]) -> None:
+    """Refused(403) unless `principal` may push as the island a push's metadata (its header,
+    read once: validation.read_push_header) names; 400 when it names none. The root may push
+    anything: the push path checks the metadata itself."""
+    if principal.kind == credentials.ROOT:
+        return
     island = meta.get(protocol.META_ISLAND)
     if not island:
         raise Refused(400, f"push metadata has no {protocol.META_ISLAND!r}")
-    return island
+    require_island(principal, island, "push")

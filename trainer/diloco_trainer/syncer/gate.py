@@ -1,5 +1,6 @@
 """The syncer's gate: who may be an island (admission.py) and what work may enter a round
-(guards.py), applied to the round state with the service's lock held.
+(guards.py), applied to the membership with the service's lock held. What a merge does with work
+that passed the gate but cannot be merged is merge.py's.
 
 - admit: a join (or an admin route naming a new island) is refused unless the job admits the
   name; a refusal that may be stale (503: the job may have grown) re-reads the
@@ -14,13 +15,10 @@
   refused_contributions metric); maxRefusals in a row drop the island with a reason that starts
   with protocol.DROPPED_FOR_REFUSALS, so the operator does not re-add it for healthy pods (the
   admin route can: its next pushes are checked like any).
-- leave_out: contributions a merge cannot take are taken out of the round (health problem,
-  metric, log line).
 """
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
 from pathlib import Path
@@ -28,18 +26,14 @@ from pathlib import Path
 from diloco_trainer.api import protocol
 from diloco_trainer.api.spec import ConfigError, JobSpec, load_spec
 from diloco_trainer.syncer.admission import RETRY_AFTER, Admission, evictable
-from diloco_trainer.syncer.global_model import GlobalModel, PreparedMerge
 from diloco_trainer.syncer.guards import (
     ContributionGuard,
     ContributionRefused,
     DeltaStats,
-    make_guard,
-    offenders,
 )
-from diloco_trainer.syncer.health import MERGE, Health
+from diloco_trainer.syncer.membership import Membership
 from diloco_trainer.syncer.metrics import SyncerMetrics
-from diloco_trainer.syncer.records import DROPPED, Contribution, Refused
-from diloco_trainer.syncer.rounds import SyncState
+from diloco_trainer.syncer.records import DROPPED, Refused
 
 log = logging.getLogger("diloco.syncer")
 
@@ -60,52 +54,43 @@ class Gate:
         self,
         spec: JobSpec,
         *,
-        numels: list[int],
-        weight_norms: list[float],
+        guard: ContributionGuard,
         metrics: SyncerMetrics,
-        health: Health,
         config_file: Path | None = None,
     ) -> None:
-        self.spec = spec
         self.admission = Admission.from_spec(spec)
-        self.guard: ContributionGuard = make_guard(spec, numels, weight_norms)
-        self.numels = numels
+        self.guard = guard
         self.metrics = metrics
-        self.health = health
         self.config_file = config_file  # where `islands` can be re-read from; None: never
         self._reloaded_at = -RELOAD_SECONDS
         # Refused pushes since the start, {island: {reason: count}}: only islands the syncer
         # holds a record of (the job's own names), only protocol.REFUSAL_REASONS: bounded.
         self.refusals: dict[str, dict[str, int]] = {}
 
-    def recalibrate(self, weight_norms: list[float]) -> None:
-        """The hard norm caps for the weights the job resumes from."""
-        self.guard.caps = make_guard(self.spec, self.numels, weight_norms).caps
-
     # ----- islands -----------------------------------------------------------------------------
 
-    def admit(self, state: SyncState, island: str, now: float) -> None:
+    def admit(self, members: Membership, island: str, now: float) -> None:
         """Refused unless the job admits `island`; makes room for a new island by forgetting
         one that timed out or left when the syncer holds `cap` of them."""
         refusal = self.admission.refusal(island)
         if refusal is not None and refusal.status == 503 and self._reload_islands():
             refusal = self.admission.refusal(island)
-        full = island not in state.islands and len(state.islands) >= self.admission.cap
+        full = island not in members.islands and len(members.islands) >= self.admission.cap
         if refusal is None and full:
-            gone = evictable(state.islands)
+            gone = evictable(members.islands)
             if gone is None:
                 refusal = Refused(
                     503,
-                    f"the syncer already knows {len(state.islands)} islands, as many as the job "
+                    f"the syncer already knows {len(members.islands)} islands, as many as the job "
                     "has, and none of them timed out or left",
                     protocol.ERROR_NOT_ADMITTED,
                     retry_after=RETRY_AFTER,
                 )
             else:
                 log.warning(
-                    "island %s (%s) makes room for %s", gone, state.islands[gone].state, island
+                    "island %s (%s) makes room for %s", gone, members.islands[gone].state, island
                 )
-                state.forget(gone, now)
+                members.forget(gone, now)
         if refusal is not None:
             self.metrics.refused_joins.labels(refusal.code).inc()
             log.warning("refused island %r: %s", island[:80], refusal.message)
@@ -132,38 +117,43 @@ class Gate:
 
     # ----- pushes ------------------------------------------------------------------------------
 
-    def replicas(self, state: SyncState, island: str) -> int:
+    def replicas(self, members: Membership, island: str) -> int:
         """The replicas an island's work counts for: what it joined with, at most what the job
         admits (a record restored from an older spec may say more)."""
-        rec = state.islands.get(island)
+        rec = members.islands.get(island)
         declared = rec.replicas if rec is not None else 1
         return max(1, min(declared, self.admission.replicas_for(island)))
 
-    def check_work(self, state: SyncState, island: str, *, tokens: int, steps: int) -> None:
+    def check_work(self, members: Membership, island: str, *, tokens: int, steps: int) -> None:
+        """The guards' bounds on the work a push claims (steps, tokens for its replicas)."""
+        replicas = self.replicas(members, island)
         try:
-            self.guard.check_work(tokens=tokens, steps=steps, replicas=self.replicas(state, island))
+            self.guard.check_work(tokens=tokens, steps=steps, replicas=replicas)
         except ContributionRefused as err:
-            rec = state.islands.get(island)
-            undercounted = rec is not None and rec.replicas > self.replicas(state, island)
+            rec = members.islands.get(island)
+            undercounted = rec is not None and rec.replicas > replicas
             if err.code != protocol.ERROR_TOKENS_RANGE or not undercounted:
                 raise
             if not self._reload_islands():  # islands.replicas may have grown
                 raise
-            self.guard.check_work(tokens=tokens, steps=steps, replicas=self.replicas(state, island))
+            replicas = self.replicas(members, island)
+            self.guard.check_work(tokens=tokens, steps=steps, replicas=replicas)
 
     def check_delta(self, fragment: int, stats: DeltaStats) -> None:
+        """The guards' checks of the decoded pseudo-gradient (finite, norm bounds)."""
         self.guard.check_delta(fragment, stats)
 
     def accepted(self, fragment: int, island: str, stats: DeltaStats) -> None:
+        """An accepted push: its norm joins the history and its island's refusals reset."""
         self.guard.accepted(fragment, island, stats)
 
     def refused(
-        self, state: SyncState, fragment: int, island: str, err: Refused, now: float
+        self, members: Membership, fragment: int, island: str, err: Refused, now: float
     ) -> str | None:
         """Count a refused push of a known island; returns the reason when this refusal drops
         it (maxRefusals in a row)."""
         log.warning("refused push of %s to fragment %d: %s", island, fragment, err.message)
-        rec = state.islands.get(island)
+        rec = members.islands.get(island)
         if rec is None:
             return None
         self._count(island, refusal_reason(err))
@@ -173,7 +163,7 @@ class Gate:
             f"{protocol.DROPPED_FOR_REFUSALS}: {self.guard.max_refusals} pushes refused in a row "
             f"(syncer.guards.maxRefusals); the last: {err.message}"
         )[:500]
-        state.set_admin_state(island, DROPPED, reason, now)
+        members.set_state(island, DROPPED, reason, now)
         self.metrics.dropped_islands.inc()
         log.warning("island %s dropped: %s", island, reason)
         return reason
@@ -186,44 +176,3 @@ class Gate:
     def refusals_json(self) -> dict[str, dict[str, int]]:
         """The status document's `refusals`: {island: {reason: count}} since the start."""
         return {island: dict(counts) for island, counts in sorted(self.refusals.items())}
-
-    async def prepare(
-        self,
-        model: GlobalModel,
-        state: SyncState,
-        f: int,
-        contributions: list[Contribution],
-        now: float,
-    ) -> PreparedMerge | None:
-        """Fragment f's round merged and checked, nothing applied yet (in a worker thread);
-        None when it cannot be: the contributions at fault (guards.offenders; all of them when
-        none is found) are taken out of the round, which merges later without them."""
-        # M: the islands a round of work spans (active ones, and contributors since gone).
-        pushed = {c.island for c in contributions}
-        spans = state.active_islands() | pushed
-        try:
-            return await asyncio.to_thread(
-                model.prepare_merge,
-                f,
-                contributions,
-                lags=[state.lag_rounds(f, c.base_version) for c in contributions],
-                islands=len(spans),
-                complete=pushed == spans,
-            )
-        except Exception as err:  # the input, never the state: nothing was changed
-            bad = await asyncio.to_thread(offenders, contributions, self.spec.sync.merge)
-            self.leave_out(state, f, bad or [c.island for c in contributions], err, now)
-            return None
-
-    def leave_out(
-        self, state: SyncState, fragment: int, islands: list[str], err: Exception, now: float
-    ) -> None:
-        """Take contributions a merge could not take out of the round."""
-        message = (
-            f"merge of fragment {fragment} failed ({type(err).__name__}: {err}); left out the "
-            f"contributions of {', '.join(islands)}"
-        )
-        log.error("%s", message)
-        self.health.report(MERGE, message)
-        self.metrics.merge_failures.inc(len(islands))
-        state.discard(fragment, islands, now)

@@ -217,15 +217,15 @@ class GlobalModel:
                 for name, t in source.items():
                     self.published[name].copy_(t)
         self.outer.load_state_tensors(loaded.momentum)
-        progress = loaded.manifest.get("outerProgress")
+        progress = loaded.document.outer_progress
         if progress is None:  # written before rounds of work were counted: a merge was a round
-            for f, version in enumerate(loaded.manifest["versions"]):
+            for f, version in enumerate(loaded.document.versions):
                 self.outer.set_rounds(f, int(version))
         else:
             self.outer.load_progress(progress)
 
     def _check_fits(self, loaded: ckpt.Checkpoint) -> None:
-        if loaded.manifest.get("fragments") != self.fragments:
+        if loaded.document.fragments != self.fragments:
             raise ConfigError(
                 f"checkpoint {loaded.path} splits the model into different fragments than "
                 f"sync.fragments={len(self.fragments)} does now; use a fresh state dir"

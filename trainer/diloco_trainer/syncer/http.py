@@ -23,19 +23,20 @@ from aiohttp import web
 
 from diloco_trainer.api import protocol
 from diloco_trainer.api.contract import SyncerEnv
+from diloco_trainer.api.credentials import Principal
+from diloco_trainer.api.documents import MembershipRequest
 from diloco_trainer.syncer.credentials import (
     PRINCIPAL,
     authenticate,
     principal_of,
     require_island,
     require_membership,
-    require_push,
 )
 from diloco_trainer.syncer.health import Health
 from diloco_trainer.syncer.limits import HttpLimits, Slots, json_too_deep, read_body
 from diloco_trainer.syncer.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from diloco_trainer.syncer.metrics import SyncerMetrics
-from diloco_trainer.syncer.rounds import Refused
+from diloco_trainer.syncer.records import Refused
 from diloco_trainer.syncer.validation import (
     MAX_REPLICAS,
     MAX_SECONDS,
@@ -90,7 +91,9 @@ class SyncerService(Protocol):
         self, fragment: int, *, after: int, wait: float, have: int = -1
     ) -> bytes | None: ...
 
-    async def push(self, fragment: int, body: bytes) -> dict[str, Any]: ...
+    async def receive_push(
+        self, fragment: int, body: bytes, principal: Principal
+    ) -> dict[str, Any]: ...
 
     async def heartbeat(
         self, island: str, *, step: int, tokens: int, loss: float | None, step_time: float | None
@@ -237,13 +240,14 @@ class SyncerRoutes:
             return web.Response(status=304)
         return web.Response(body=body, content_type=protocol.SAFETENSORS_CONTENT_TYPE)
 
-    async def push(self, request: web.Request) -> web.Response:
+    async def handle_push(self, request: web.Request) -> web.Response:
+        """POST /v1/fragments/{f}/push: the body read under its limits, then the service's push
+        path (Syncer.receive_push: who may push, the metadata, admission, guards, the round)."""
         fragment = fragment_arg(request)
         try:
             with self.push_slots.take():
                 body = await self._read_push_body(request, fragment)
-                require_push(principal_of(request), body)
-                answer = await self.syncer.push(fragment, body)
+                answer = await self.syncer.receive_push(fragment, body, principal_of(request))
         except Refused as err:
             named = err.code in (*protocol.CONTRIBUTION_REFUSALS, protocol.ERROR_BUSY)
             reason = err.code if named else REFUSAL_REASON.get(err.status, str(err.status))
@@ -296,7 +300,9 @@ class SyncerRoutes:
                 400, f"membership.state must be one of {list(protocol.ADMIN_STATES)}, got {state!r}"
             )
         reason = typed_field(doc, "reason", "membership", str, required=False) or ""
-        return web.json_response(await self.syncer.set_membership(island, state, reason[:500]))
+        wanted = MembershipRequest(state=state, reason=reason[:500])
+        answer = await self.syncer.set_membership(island, wanted.state, wanted.reason)
+        return web.json_response(answer)
 
     async def status(self, request: web.Request) -> web.Response:
         digest = request.query.get("digest", "0") not in ("", "0", "false")
@@ -346,7 +352,7 @@ def build_app(
     app = web.Application(middlewares=[errors, routes.auth], client_max_size=JSON_LIMIT)
     app.router.add_post(protocol.ROUTE_JOIN, routes.join)
     app.router.add_get(protocol.ROUTE_FRAGMENT, routes.pull)
-    app.router.add_post(protocol.ROUTE_PUSH, routes.push)
+    app.router.add_post(protocol.ROUTE_PUSH, routes.handle_push)
     app.router.add_post(protocol.ROUTE_HEARTBEAT, routes.heartbeat)
     app.router.add_post(protocol.ROUTE_LEAVE, routes.leave)
     app.router.add_get(protocol.ROUTE_STATUS, routes.status)

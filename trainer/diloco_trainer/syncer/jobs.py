@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 
+from diloco_trainer.api.manifest import CheckpointManifest
 from diloco_trainer.api.spec import JobSpec
 from diloco_trainer.models.parts import TrainingParts, evaluate
 from diloco_trainer.syncer import checkpoint as ckpt
@@ -126,10 +127,10 @@ class Evaluations:
         self.last_step = max(self.last_step, step)
         self.metrics.eval_loss.set(loss)
 
-    def restore(self, manifest: dict[str, Any], outer_step: int) -> None:
-        history = list(manifest.get("evalHistory", []))
+    def restore(self, manifest: CheckpointManifest, outer_step: int) -> None:
+        history = [e.to_wire() for e in manifest.eval_history]
         self.history = history[:1] + history[1:][-(EVAL_HISTORY - 1) :]
-        self.initial_loss = manifest.get("initialEvalLoss")
+        self.initial_loss = manifest.initial_eval_loss
         self.last_step = outer_step
 
     async def job(self, weights: Tensors, step: int, tokens: int) -> None:
@@ -145,7 +146,7 @@ class CheckpointSnapshot:
 
     outer_step: int
     tensors: TensorSnapshot
-    manifest: dict[str, Any]
+    manifest: CheckpointManifest
 
 
 class Checkpoints:
@@ -185,7 +186,7 @@ class Checkpoints:
                 outer_step=step,
                 weights=snap.tensors.weights,
                 momentum=snap.tensors.momentum,
-                manifest={**snap.manifest, "evalHistory": history},
+                manifest={**snap.manifest.to_wire(), "evalHistory": history},
                 keep=self.keep,
                 published=snap.tensors.published,
             )
@@ -195,7 +196,7 @@ class Checkpoints:
             self.metrics.checkpoint_failures.inc()
             return False
         self.health.clear(CHECKPOINT, CORRUPT)
-        self.last_versions = list(snap.manifest.get("versions", []))
+        self.last_versions = list(snap.manifest.versions)
         self.latest = {"path": str(path), "outerStep": step}
         log.info("checkpoint %s written", path)
         return True
@@ -234,10 +235,11 @@ class BackgroundJobs:
         self.checkpoints.last_step = 0
         return loss
 
-    def restore(self, manifest: dict[str, Any], outer_step: int) -> None:
+    def restore(self, manifest: CheckpointManifest, outer_step: int) -> None:
+        """Continue from a checkpoint's evaluations and step."""
         self.evaluations.restore(manifest, outer_step)
         self.checkpoints.last_step = outer_step
-        self.checkpoints.last_versions = list(manifest.get("versions", []))
+        self.checkpoints.last_versions = list(manifest.versions)
 
     def after_merge(
         self, step: int, tokens: int, snapshot: Callable[[], CheckpointSnapshot]

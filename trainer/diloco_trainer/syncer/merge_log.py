@@ -2,7 +2,8 @@
 
 Every merge is logged (the status document's recent "merges" and state_dir/merges.jsonl) with its
 contributors (their lags in versions and rounds of work, work, staleness discount, vector scale,
-raw and normalised weights) and the work fraction it carried, so it can be reproduced.
+raw and normalised weights) and the work fraction it carried, so it can be reproduced; each entry
+is an api/documents.MergeRecord, the document the status and merges.jsonl carry.
 merges.jsonl is rotated at MERGE_LOG_BYTES (merges.jsonl.1 .. .MERGE_LOG_FILES): a long job
 keeps the most recent merges on disk, not all of them.
 """
@@ -15,9 +16,11 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from diloco_trainer.api.documents import MergeContributor, MergeRecord
+from diloco_trainer.api.manifest import CheckpointManifest
 from diloco_trainer.syncer import checkpoint as ckpt
 from diloco_trainer.syncer.global_model import MergeResult
-from diloco_trainer.syncer.rounds import Contribution
+from diloco_trainer.syncer.records import Contribution
 
 MERGE_LOG_FILE = "merges.jsonl"
 RECENT_MERGES = 20
@@ -33,7 +36,7 @@ class MergeLog:
         self.path = state_dir / MERGE_LOG_FILE
         self.fragment_tokens = [0.0] * fragments
         self.loss: float | None = None
-        self.recent: deque[dict[str, Any]] = deque(maxlen=RECENT_MERGES)
+        self.recent: deque[MergeRecord] = deque(maxlen=RECENT_MERGES)
         self.count = 0
         self.last_time: float | None = None
 
@@ -55,7 +58,7 @@ class MergeLog:
         grace: float,
         rule: str,
         seconds: float,
-    ) -> dict[str, Any]:
+    ) -> MergeRecord:
         """Count a merge of `fragment` (its round's `contributions`, now at `version`) and
         return its log entry."""
         plan = result.plan
@@ -66,28 +69,34 @@ class MergeLog:
             self.loss = sum(v * t for v, t in losses) / sum(t for _, t in losses)
         self.count += 1
         self.last_time = time
-        entry = {
-            "version": version,
-            "fragment": fragment,
-            "outerStep": outer_step,
-            "time": time,
-            "quorum": quorum,
-            "grace": grace,
-            "rule": rule,
-            "fraction": plan.fraction,
-            "complete": plan.complete,
-            "rounds": result.rounds,
-            "tokens": tokens,
-            "mergeSeconds": seconds,
-            "contributors": [
-                {
-                    **c.log_entry(),
-                    "work": work,
-                    "discount": discount,
-                    "scale": scale,
-                    "rawWeight": raw,
-                    "weight": share,
-                }
+        entry = MergeRecord(
+            version=version,
+            fragment=fragment,
+            outer_step=outer_step,
+            time=time,
+            quorum=quorum,
+            grace=grace,
+            rule=rule,
+            fraction=plan.fraction,
+            complete=plan.complete,
+            rounds=result.rounds,
+            tokens=tokens,
+            merge_seconds=seconds,
+            contributors=[
+                MergeContributor(
+                    island=c.island,
+                    base_version=c.base_version,
+                    lag=c.lag,
+                    tokens=c.tokens,
+                    steps=c.steps,
+                    loss=c.loss,
+                    received_at=c.received_at,
+                    work=work,
+                    discount=discount,
+                    scale=scale,
+                    raw_weight=raw,
+                    weight=share,
+                )
                 for c, work, discount, scale, raw, share in zip(
                     contributions,
                     plan.work,
@@ -98,31 +107,33 @@ class MergeLog:
                     strict=True,
                 )
             ],
-        }
+        )
         self.recent.append(entry)
         return entry
 
-    def write(self, entry: dict[str, Any]) -> None:
+    def write(self, entry: MergeRecord) -> None:
         """Append an entry to merges.jsonl (blocking: call from a worker thread), rotating it
         first when it is full."""
         rotate(self.path, MERGE_LOG_BYTES, MERGE_LOG_FILES)
-        ckpt.append_jsonl(self.path, entry)
+        ckpt.append_jsonl(self.path, entry.to_wire())
 
     def manifest(self) -> dict[str, Any]:
-        """The checkpoint manifest's fields of this log."""
+        """The checkpoint manifest's fields of this log (CheckpointManifest's names)."""
         return {
-            "fragmentTokens": list(self.fragment_tokens),
+            "fragment_tokens": list(self.fragment_tokens),
             "tokens": self.tokens,
             "loss": self.loss,
             "merges": self.count,
-            "lastMergeTime": self.last_time,
+            "last_merge_time": self.last_time,
         }
 
-    def restore(self, manifest: dict[str, Any]) -> None:
-        self.fragment_tokens = [float(t) for t in manifest["fragmentTokens"]]
-        self.loss = manifest.get("loss")
-        self.count = int(manifest.get("merges", 0))
-        self.last_time = manifest.get("lastMergeTime")
+    def restore(self, manifest: CheckpointManifest) -> None:
+        """Load the counters a checkpoint saved (manifest())."""
+        if manifest.fragment_tokens is not None:
+            self.fragment_tokens = [float(t) for t in manifest.fragment_tokens]
+        self.loss = manifest.loss
+        self.count = manifest.merges
+        self.last_time = manifest.last_merge_time
 
 
 def rotate(path: Path, max_bytes: int, files: int) -> bool:
@@ -141,13 +152,11 @@ def rotate(path: Path, max_bytes: int, files: int) -> bool:
     return True
 
 
-def describe_merge(entry: dict[str, Any]) -> str:
+def describe_merge(entry: MergeRecord) -> str:
     """A merge log entry as one log line."""
-    parts = ", ".join(
-        f"{c['island']} w={c['weight']:.3f} lag={c['lag']}" for c in entry["contributors"]
-    )
+    parts = ", ".join(f"{c.island} w={c.weight:.3f} lag={c.lag}" for c in entry.contributors)
     return (
-        f"merged fragment {entry['fragment']} -> version {entry['version']} (outer step "
-        f"{entry['outerStep']}, {entry['fraction']:.3f} of a round, {entry['tokens']} tokens, "
-        f"{entry['mergeSeconds']:.3f}s): {parts}"
+        f"merged fragment {entry.fragment} -> version {entry.version} (outer step "
+        f"{entry.outer_step}, {entry.fraction:.3f} of a round, {entry.tokens} tokens, "
+        f"{entry.merge_seconds:.3f}s): {parts}"
     )

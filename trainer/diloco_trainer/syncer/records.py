@@ -1,5 +1,6 @@
 """The syncer's records: island membership states, the round policy, what it knows of each
-island, pending contributions and open rounds (plain data; the state machine is rounds.py).
+island, pending contributions and open rounds (plain data; the transitions are membership.py,
+the round state machine rounds.py).
 
 Membership. States: active, dropped (by the admin route; stays dropped until re-added), timedOut
 (no heartbeat, join or push for heartbeatTimeoutSeconds; active again on its next sign of life),
@@ -19,6 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from diloco_trainer.api.documents import IslandStatus
 from diloco_trainer.api.spec import JobSpec
 from diloco_trainer.core.fragments import fragment_offsets
 from diloco_trainer.core.grace import blocks_for_merge
@@ -90,39 +92,40 @@ class IslandRecord:
     reported_step: int | None = None
     reported_at: float | None = None
 
-    def to_json(self) -> dict[str, Any]:
-        """The status/checkpoint form (camelCase)."""
-        return {
-            "state": self.state,
-            "reason": self.reason,
-            "joins": self.joins,
-            "replicas": self.replicas,
-            "lastSeen": self.last_seen,
-            "lastPush": self.last_push,
-            "pushes": self.pushes,
-            "tokens": self.tokens,
-            "mergedTokens": round(self.merged_tokens),
-            "loss": self.loss,
-            "step": self.step,
-            "stepTime": self.step_time,
-        }
+    def to_status(self) -> IslandStatus:
+        """The status/checkpoint form (IslandStatus: camelCase on the wire)."""
+        return IslandStatus(
+            state=self.state,
+            reason=self.reason,
+            joins=self.joins,
+            replicas=self.replicas,
+            last_seen=self.last_seen,
+            last_push=self.last_push,
+            pushes=self.pushes,
+            tokens=self.tokens,
+            merged_tokens=round(self.merged_tokens),
+            loss=self.loss,
+            step=self.step,
+            step_time=self.step_time,
+        )
 
     @classmethod
-    def from_json(cls, name: str, doc: dict[str, Any]) -> IslandRecord:
+    def from_status(cls, name: str, doc: IslandStatus) -> IslandRecord:
+        """The record saved by to_status() (a checkpoint's `islands`)."""
         return cls(
             name=name,
-            state=str(doc.get("state", ACTIVE)),
-            reason=str(doc.get("reason", "")),
-            joins=int(doc.get("joins", 0)),
-            replicas=int(doc.get("replicas", 0)),
-            last_seen=float(doc.get("lastSeen", 0.0)),
-            last_push=doc.get("lastPush"),
-            pushes=int(doc.get("pushes", 0)),
-            tokens=int(doc.get("tokens", 0)),
-            merged_tokens=float(doc.get("mergedTokens", 0)),
-            loss=doc.get("loss"),
-            step=int(doc.get("step", 0)),
-            step_time=doc.get("stepTime"),
+            state=doc.state,
+            reason=doc.reason,
+            joins=doc.joins,
+            replicas=doc.replicas,
+            last_seen=doc.last_seen,
+            last_push=doc.last_push,
+            pushes=doc.pushes,
+            tokens=doc.tokens,
+            merged_tokens=float(doc.merged_tokens),
+            loss=doc.loss,
+            step=doc.step,
+            step_time=doc.step_time,
         )
 
 
@@ -141,18 +144,6 @@ class Contribution:
     step_time: float | None = None
     sync_time: float | None = None
     payload: Any = field(default=None, repr=False)  # the decoded tensors (opaque here)
-
-    def log_entry(self) -> dict[str, Any]:
-        """The contributor's line in the merge log (weights are added by the merger)."""
-        return {
-            "island": self.island,
-            "baseVersion": self.base_version,
-            "lag": self.lag,
-            "tokens": self.tokens,
-            "steps": self.steps,
-            "loss": self.loss,
-            "receivedAt": self.received_at,
-        }
 
 
 @dataclass

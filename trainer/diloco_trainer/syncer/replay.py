@@ -7,16 +7,18 @@ duplicate. With a window of maxStaleness + 1 (push_window) anything older is ref
 island pushes a fragment again only after the merge of its previous push, so its k-th previous
 push is based on a version at least k versions old.
 
-Checkpoints keep the answers of pushes already merged (merged_json), the `saved` most recent, so
-this holds across a restart too; a pending push is left out (rounds are not checkpointed, so its
-retry after a restart must be accepted afresh).
+Checkpoints keep the answers of pushes already merged (merged: api/manifest.SavedAnswer), the
+`saved` most recent, so this holds across a restart too; a pending push is left out (rounds are
+not checkpointed, so its retry after a restart must be accepted afresh).
 """
 
 from __future__ import annotations
 
 import itertools
 from collections import OrderedDict
-from typing import Any
+
+from diloco_trainer.api.documents import PushAnswer
+from diloco_trainer.api.manifest import SavedAnswer
 
 # Push ids remembered per island and fragment, at least (see push_window).
 REPLAY_WINDOW = 64
@@ -35,17 +37,17 @@ class PushAnswers:
     def __init__(self, window: int = REPLAY_WINDOW, saved: int = SAVED_ANSWERS) -> None:
         self.window = window
         self.saved = saved
-        self._answers: dict[tuple[str, int], OrderedDict[str, tuple[int, dict[str, Any]]]] = {}
+        self._answers: dict[tuple[str, int], OrderedDict[str, tuple[int, PushAnswer]]] = {}
         self._seq = itertools.count()
 
-    def get(self, island: str, fragment: int, push_id: str) -> dict[str, Any] | None:
+    def get(self, island: str, fragment: int, push_id: str) -> PushAnswer | None:
         """The answer given to an earlier push with this id, if it is remembered."""
         if not push_id:
             return None
         entry = self._answers.get((island, fragment), {}).get(push_id)
         return entry[1] if entry is not None else None
 
-    def put(self, island: str, fragment: int, push_id: str, answer: dict[str, Any]) -> None:
+    def put(self, island: str, fragment: int, push_id: str, answer: PushAnswer) -> None:
         """Remember the answer to a push (the oldest of the key beyond `window` is forgotten)."""
         if not push_id:
             return
@@ -60,23 +62,22 @@ class PushAnswers:
         for key in [k for k in self._answers if k[0] == island]:
             del self._answers[key]
 
-    def merged_json(self, versions: list[int]) -> list[dict[str, Any]]:
+    def merged(self, versions: list[int]) -> list[SavedAnswer]:
         """Answers to pushes already merged (answered version < the fragment's version), the
         `saved` most recent, oldest first, for checkpoints."""
         entries = [
-            (seq, {"island": island, "fragment": f, "pushId": push_id, "answer": answer})
+            (seq, SavedAnswer(island=island, fragment=f, push_id=push_id, answer=answer))
             for (island, f), ids in self._answers.items()
             if 0 <= f < len(versions)
             for push_id, (seq, answer) in ids.items()
-            if int(answer["version"]) < versions[f]
+            if answer.version < versions[f]
         ]
         entries.sort(key=lambda e: e[0])
         return [doc for _, doc in entries[-self.saved :]]
 
-    def restore(self, doc: list[dict[str, Any]], fragments: int) -> None:
-        """Load merged_json() (older checkpoints kept one answer per island and fragment: the
-        same form)."""
+    def restore(self, doc: list[SavedAnswer], fragments: int) -> None:
+        """Load merged() (older checkpoints kept one answer per island and fragment: the same
+        form)."""
         for entry in doc[-self.saved :]:
-            f = int(entry["fragment"])
-            if 0 <= f < fragments:
-                self.put(str(entry["island"]), f, str(entry["pushId"]), dict(entry["answer"]))
+            if 0 <= entry.fragment < fragments:
+                self.put(entry.island, entry.fragment, entry.push_id, entry.answer)

@@ -1,4 +1,4 @@
-"""The syncer's round, quorum and membership state machine (pure: no I/O, no clock, no torch).
+"""The syncer's round and quorum state machine (pure: no I/O, no clock, no torch).
 
 Every method takes `now` (seconds since the epoch) from the caller, so tests drive it with a fake
 clock and the server with `time.time()`.
@@ -11,37 +11,38 @@ the fragment, so the newer push includes the older one and nothing is counted tw
 Retried pushes. The answers to each island's recent pushes per fragment are kept by pushId
 (replay.py: the last maxStaleness + 1, at least 64), so a client retry or a replay gets the first
 answer again instead of being counted twice. Checkpoints keep the answers of pushes already
-merged (answers_json), so this holds across a syncer restart too.
+merged (saved_answers), so this holds across a syncer restart too.
 
 Quorum and grace. The effective quorum is min(K, active + awaited islands), at least 1. When
 the round's contributors reach it, the grace window starts; the round is due when the window has
 passed, when every island has contributed, or when no missing island is expected to push before
 the window closes (expected_push: last progress report and step time against the fragment's
 sync point; one with no report, overdue or not joined yet is waited for).
-Membership changes re-evaluate this at once: dropping an island removes its pending contribution
-(which may undo the quorum) and shrinks the active set (which may complete the round). An admin
-drop keeps the syncer's own drop reason for refused pushes (the operator reads it).
+Membership (membership.py, owned here) tells this machine of every change (MembershipEvents), which
+re-evaluates the quorum at once: dropping an island removes its pending contribution (which may
+undo the quorum) and shrinks the active set (which may complete the round).
 
 Grace "auto": core/grace.py, from the islands' step times, the quorum waits and the net sync time
 (a learner's reported sync time minus what the syncer held its push, plus the merge time).
 
 Work and staleness. Each fragment counts the rounds of work merged into it (the outer optimizer's
 folds, passed to take_round); outer_step is the least of them. A push's staleness in rounds
-(lag_rounds) is the work merged since its base version; pushes more than policy.max_staleness
+is the work merged since its base version (clocks.py); pushes more than policy.max_staleness
 versions old are refused (409 "stale"), pushes based on a future version too (409 "ahead").
 
-Membership: the states are described in records.py.
+Membership: the states are described in records.py, the transitions in membership.py.
 """
 
 from __future__ import annotations
 
 import statistics
 from collections import deque
-from dataclasses import asdict
-from typing import Any
 
-from diloco_trainer.api.protocol import dropped_for_refusals
+from diloco_trainer.api.documents import PushAnswer
+from diloco_trainer.api.manifest import SavedAnswer
 from diloco_trainer.core import grace as window_rules
+from diloco_trainer.syncer.clocks import WorkClocks
+from diloco_trainer.syncer.membership import Membership
 from diloco_trainer.syncer.records import (
     ACTIVE,
     DROPPED,
@@ -55,6 +56,17 @@ from diloco_trainer.syncer.records import (
 )
 from diloco_trainer.syncer.replay import PushAnswers, push_window
 
+__all__ = [
+    "ACTIVE",
+    "DROPPED",
+    "LEFT",
+    "TIMED_OUT",
+    "Contribution",
+    "Refused",
+    "RoundPolicy",
+    "SyncState",
+]
+
 AUTO_GRACE_DEFAULT = 1.0
 # Samples kept for the medians of t_quorum and t_merge (recent behaviour matters, not history).
 _WINDOW = 32
@@ -65,7 +77,8 @@ def _median(values: list[float]) -> float | None:
 
 
 class SyncState:
-    """Rounds of every fragment plus island membership. Not thread-safe: the caller locks."""
+    """Rounds of every fragment, with the membership, work clocks and push answers they read.
+    Not thread-safe: the caller locks."""
 
     def __init__(
         self,
@@ -87,19 +100,20 @@ class SyncState:
         self.policy = policy
         pairs = zip(versions, rounds, strict=True)
         self.rounds = [FragmentRound(version=v, rounds=r) for v, r in pairs]
-        self.islands: dict[str, IslandRecord] = {}
+        self.membership = Membership(
+            heartbeat_timeout=policy.heartbeat_timeout,
+            startup_timeout=policy.startup_timeout,
+            events=self,
+        )
+        # Per fragment, version -> rounds of work merged up to it, for a push's staleness in
+        # rounds; the last maxStaleness + 1 versions.
+        self.clocks = WorkClocks(versions, rounds, keep=policy.max_staleness + 1)
         # (island, fragment) -> recent pushIds and answers: a retry gets its first answer again.
-        self._answers = PushAnswers(push_window(policy.max_staleness))
+        self.answers = PushAnswers(push_window(policy.max_staleness))
         self._quorum_waits: deque[float] = deque(maxlen=_WINDOW)
         self._merge_seconds: deque[float] = deque(maxlen=_WINDOW)
         # (island, fragment) -> seconds the syncer held that island's last merged push.
         self._held: dict[tuple[str, int], float] = {}
-        # Per fragment, version -> rounds of work merged up to it (its work clock), for the
-        # staleness of a push in rounds (lag_rounds); the last maxStaleness + 1 versions.
-        self._clocks: list[dict[int, float]] = [{r.version: float(r.rounds)} for r in self.rounds]
-        # Islands the job has but the syncer has not heard of yet (see expect()).
-        self._expected = 0
-        self._expect_until = 0.0
 
     # ----- views -------------------------------------------------------------------------------
 
@@ -113,25 +127,17 @@ class SyncState:
         with the fewest; with every island in every merge, the number of merges."""
         return min(r.rounds for r in self.rounds)
 
-    def active_islands(self) -> set[str]:
-        """Islands that count towards the quorum."""
-        return {n for n, r in self.islands.items() if r.state == ACTIVE and r.joins > 0}
-
-    def awaited_islands(self) -> int:
-        """Islands of the job not joined yet nor dropped, until the start-up timeout (records)."""
-        heard = sum(1 for r in self.islands.values() if r.joins > 0 or r.state == DROPPED)
-        return max(0, self._expected - heard)
-
     def effective_quorum(self) -> int:
         """min(K, active + awaited islands), at least 1: a round can always complete."""
-        return max(1, min(self.policy.quorum, len(self.active_islands()) + self.awaited_islands()))
+        members = self.membership
+        return max(1, min(self.policy.quorum, len(members.active()) + members.awaited()))
 
     def grace(self) -> float:
         """The grace window in seconds: fixed, or auto from measured timings that exclude the
         window itself (core/grace.py)."""
         if self.policy.grace_seconds is not None:
             return self.policy.grace_seconds
-        active = [r for n, r in self.islands.items() if n in self.active_islands()]
+        active = self.membership.active_records()
         transfer = _median([r.transfer_time for r in active if r.transfer_time is not None])
         return window_rules.grace_window(
             step_time=_median([r.step_time for r in active if r.step_time]),
@@ -148,139 +154,34 @@ class SyncState:
         )
 
     def lag_rounds(self, fragment: int, base_version: int) -> float:
-        """Rounds of work merged into fragment since `base_version` (a push's staleness).
+        """Rounds of work merged into fragment since `base_version` (clocks.py)."""
+        return self.clocks.lag_rounds(fragment, base_version)
 
-        A version the table no longer holds (older than maxStaleness allows, or before a
-        restart from a checkpoint without it) counts from the oldest one it holds: a lower
-        bound.
-        """
-        clocks = self._clocks[fragment]
-        now = clocks[self.rounds[fragment].version]
-        base = clocks.get(base_version, clocks[min(clocks)])
-        return max(0.0, now - base)
+    # ----- what membership changes do to rounds (MembershipEvents) -----------------------------
 
-    def island(self, name: str) -> IslandRecord:
-        """A known island; Refused(404) for one that never joined."""
-        rec = self.islands.get(name)
-        if rec is None or rec.joins == 0:
-            raise Refused(
-                404, f"island {name!r} has not joined; POST /v1/join first", "unknown_island"
-            )
-        return rec
-
-    # ----- membership --------------------------------------------------------------------------
-
-    def _revive(self, rec: IslandRecord, now: float) -> None:
-        rec.last_seen = now
-        if rec.state in (TIMED_OUT, LEFT):
-            rec.state = ACTIVE
-            rec.reason = ""
-
-    def expect(self, count: int, now: float) -> None:
-        """The job has `count` islands: the ones that have not joined count towards the quorum
-        as if active until they join or are dropped, so the first island up does not merge alone
-        when K > 1 just because its peers are slower to start, however slow. Only if nobody
-        drops them are they given up on, the start-up timeout after `now` (expire)."""
-        self._expected = count
-        self._expect_until = now + self.policy.startup_timeout
-        self._refresh(now)
-
-    def join(self, name: str, replicas: int, now: float) -> IslandRecord:
-        """An island (re)starts: counts a join and makes it active unless an admin dropped it."""
-        rec = self.islands.setdefault(name, IslandRecord(name=name))
-        rec.joins += 1
-        rec.replicas = replicas
-        rec.reported_step = rec.reported_at = None  # a restarted learner's schedule starts anew
-        self._revive(rec, now)
-        self._refresh(now)
-        return rec
-
-    def heartbeat(
-        self,
-        name: str,
-        now: float,
-        *,
-        step: int = 0,
-        tokens: int = 0,
-        loss: float | None = None,
-        step_time: float | None = None,
-    ) -> IslandRecord:
-        """A sign of life with progress figures; Refused(404) if the island never joined."""
-        rec = self.island(name)
-        self._revive(rec, now)
-        rec.step = max(rec.step, step)
-        rec.reported_step, rec.reported_at = step, now
-        rec.tokens = max(rec.tokens, tokens)
-        if loss is not None:
-            rec.loss = loss
-        if step_time:
-            rec.step_time = step_time
-        self._refresh(now)
-        return rec
-
-    def leave(self, name: str, now: float) -> IslandRecord:
-        """The island says goodbye (e.g. it finished); it stops counting towards the quorum."""
-        rec = self.island(name)
-        rec.last_seen = now
-        if rec.state != DROPPED:
-            rec.state = LEFT
-            rec.reason = "left"
-        self._refresh(now)
-        return rec
-
-    def set_admin_state(self, name: str, state: str, reason: str, now: float) -> IslandRecord:
-        """Admin: mark an island active or dropped (pre-registering one that never joined).
-        Dropping removes its pending contributions from open rounds."""
-        if state not in (ACTIVE, DROPPED):
-            raise Refused(400, f"state must be 'active' or 'dropped', got {state!r}")
-        rec = self.islands.setdefault(name, IslandRecord(name=name, last_seen=now))
-        if not (state == DROPPED and dropped_for_refusals(rec.state, rec.reason)):
-            rec.reason = reason
-        rec.state = state
-        if state == DROPPED:
-            for rnd in self.rounds:
-                rnd.pending.pop(name, None)
-                if not rnd.pending:
-                    rnd.first_push_at = None
-        else:
-            rec.last_seen = now  # the timeout clock restarts when an admin re-adds it
-        self._refresh(now)
-        return rec
-
-    def forget(self, name: str, now: float) -> None:
-        """Remove an island's record (a new island takes its place; admission.evictable)."""
-        self.islands.pop(name, None)
-        self._answers.forget(name)
+    def withdrawn(self, island: str, now: float, *, forgotten: bool) -> None:
+        """Take an island's pending contributions out of every open round: an admin drop (the
+        round's start is forgotten once it is empty) or a forgotten record (its answers too)."""
         for rnd in self.rounds:
-            rnd.pending.pop(name, None)
+            rnd.pending.pop(island, None)
+            if not forgotten and not rnd.pending:
+                rnd.first_push_at = None
+        if forgotten:
+            self.answers.forget(island)
+
+    def membership_changed(self, now: float) -> None:
+        """Re-evaluate every round's quorum after any change."""
         self._refresh(now)
 
     def discard(self, fragment: int, names: list[str], now: float) -> None:
         """Take these islands' contributions out of fragment's open round (a merge cannot take
-        them; guards.offenders)."""
+        them; merge.py)."""
         rnd = self.rounds[fragment]
         for name in names:
             rnd.pending.pop(name, None)
         if not rnd.pending:
             rnd.first_push_at = None
         self._refresh(now)
-
-    def expire(self, now: float) -> list[str]:
-        """Mark active islands silent for longer than the heartbeat timeout as timedOut (and,
-        after the start-up timeout, stop awaiting islands that never joined)."""
-        gone = []
-        if self._expected and now > self._expect_until:
-            self._expected = 0
-            self._refresh(now)
-        for name, rec in self.islands.items():
-            silent = now - rec.last_seen
-            if rec.state == ACTIVE and rec.joins > 0 and silent > self.policy.heartbeat_timeout:
-                rec.state = TIMED_OUT
-                rec.reason = f"no heartbeat or push for {silent:.1f}s"
-                gone.append(name)
-        if gone:
-            self._refresh(now)
-        return gone
 
     # ----- pushes ------------------------------------------------------------------------------
 
@@ -289,9 +190,9 @@ class SyncState:
             raise Refused(404, f"fragment {fragment} does not exist (0..{len(self.rounds) - 1})")
         return self.rounds[fragment]
 
-    def previous_answer(self, fragment: int, name: str, push_id: str) -> dict[str, Any] | None:
+    def previous_answer(self, fragment: int, name: str, push_id: str) -> PushAnswer | None:
         """The answer given to an earlier push with this id (a client retry), if any."""
-        return self._answers.get(name, fragment, push_id)
+        return self.answers.get(name, fragment, push_id)
 
     def check_push(self, fragment: int, name: str, base_version: int) -> int:
         """Whether a push would be accepted, without changing anything; returns its lag.
@@ -300,7 +201,7 @@ class SyncState:
         base version.
         """
         rnd = self._check_fragment(fragment)
-        rec = self.island(name)
+        rec = self.membership.island(name)
         if rec.state == DROPPED:
             why = f" ({rec.reason})" if rec.reason else ""
             raise Refused(403, f"island {name!r} is dropped{why}", "dropped")
@@ -323,16 +224,16 @@ class SyncState:
             )
         return lag
 
-    def accept_push(self, fragment: int, contribution: Contribution, now: float) -> dict[str, Any]:
+    def accept_push(self, fragment: int, contribution: Contribution, now: float) -> PushAnswer:
         """Record a checked contribution (replacing the island's pending one); returns the answer.
         The caller ran check_push under the same lock, so this cannot fail."""
         rnd = self.rounds[fragment]
-        rec = self.islands[contribution.island]
+        rec = self.membership.islands[contribution.island]
         replaced = rnd.pending.get(contribution.island)
         rnd.pending[contribution.island] = contribution
         if rnd.first_push_at is None:
             rnd.first_push_at = now
-        self._revive(rec, now)
+        self.membership.revive(rec, now)
         rec.last_push = now
         rec.pushes += 1
         if contribution.loss is not None:
@@ -345,13 +246,13 @@ class SyncState:
             if held is not None:  # the sync it reports is that of its push we last merged
                 rec.transfer_time = window_rules.net_sync_time(contribution.sync_time, held)
         self._refresh(now)
-        answer = {
-            "accepted": True,
-            "version": rnd.version,
-            "pending": len(rnd.pending),
-            "replaced": replaced is not None,
-        }
-        self._answers.put(contribution.island, fragment, contribution.push_id, answer)
+        answer = PushAnswer(
+            accepted=True,
+            version=rnd.version,
+            pending=len(rnd.pending),
+            replaced=replaced is not None,
+        )
+        self.answers.put(contribution.island, fragment, contribution.push_id, answer)
         return answer
 
     # ----- merging -----------------------------------------------------------------------------
@@ -374,14 +275,15 @@ class SyncState:
         rnd = self.rounds[fragment]
         if rnd.quorum_since is None:
             return False
-        missing = self.active_islands() - rnd.pending.keys()
-        awaited = self.awaited_islands()
+        missing = self.membership.active() - rnd.pending.keys()
+        awaited = self.membership.awaited()
         if not missing and not awaited:
             return True
         closes = rnd.quorum_since + self.grace()
         if now >= closes or awaited:
             return now >= closes
-        expected = [self.expected_push(self.islands[n], fragment, now) for n in missing]
+        islands = self.membership.islands
+        expected = [self.expected_push(islands[n], fragment, now) for n in missing]
         return all(t is not None and t > closes for t in expected)
 
     def expected_push(self, rec: IslandRecord, fragment: int, now: float) -> float | None:
@@ -444,57 +346,23 @@ class SyncState:
         self._merge_seconds.append(max(0.0, merge_seconds))
         for c in contributions:
             self._held[(c.island, fragment)] = max(0.0, now + merge_seconds - c.received_at)
-            rec = self.islands.get(c.island)
+            rec = self.membership.islands.get(c.island)
             if rec is not None:
                 # Each fragment's merges count the island's tokens once, so F fragments see
                 # them F times: the average over fragments is the island's merged work.
                 rec.merged_tokens += c.tokens / len(self.rounds)
         done = rnd.rounds + 1 if rounds is None else rounds
         self.rounds[fragment] = FragmentRound(version=rnd.version + 1, rounds=done)
-        self._record_clock(fragment, rnd.version + 1, float(done) if clock is None else clock)
+        self.clocks.record(fragment, rnd.version + 1, float(done) if clock is None else clock)
         return contributions
-
-    def _record_clock(self, fragment: int, version: int, clock: float) -> None:
-        clocks = self._clocks[fragment]
-        clocks[version] = clock
-        for old in sorted(clocks)[: max(0, len(clocks) - (self.policy.max_staleness + 1))]:
-            del clocks[old]  # no accepted push is based on a version this old
 
     # ----- persistence -------------------------------------------------------------------------
 
-    def islands_json(self) -> dict[str, dict[str, Any]]:
-        """Per-island records for status and checkpoints."""
-        return {n: r.to_json() for n, r in sorted(self.islands.items())}
-
-    def answers_json(self) -> list[dict[str, Any]]:
+    def saved_answers(self) -> list[SavedAnswer]:
         """Answers to pushes that have been merged, for checkpoints (replay.PushAnswers)."""
-        return self._answers.merged_json(self.versions)
+        return self.answers.merged(self.versions)
 
-    def restore_answers(self, doc: list[dict[str, Any]]) -> None:
-        """Load answers saved by answers_json(), so a push merged before a restart and retried
+    def restore_answers(self, doc: list[SavedAnswer]) -> None:
+        """Load answers saved by saved_answers(), so a push merged before a restart and retried
         after it is answered as a duplicate instead of counted twice."""
-        self._answers.restore(doc, len(self.rounds))
-
-    def clocks_json(self) -> list[list[list[float]]]:
-        """Per fragment, [version, work clock] pairs, for checkpoints."""
-        return [[[v, c] for v, c in sorted(clocks.items())] for clocks in self._clocks]
-
-    def restore_clocks(self, doc: list[list[list[float]]]) -> None:
-        """Load clocks_json(); pairs beyond the current versions are ignored."""
-        for f, pairs in enumerate(doc[: len(self.rounds)]):
-            for v, c in pairs:
-                if int(v) <= self.rounds[f].version:
-                    self._clocks[f][int(v)] = float(c)
-
-    def restore_islands(self, doc: dict[str, dict[str, Any]], now: float) -> None:
-        """Load island records from a checkpoint; their timeout clocks restart at `now`."""
-        for name, rec_doc in doc.items():
-            rec = IslandRecord.from_json(name, rec_doc)
-            rec.last_seen = now
-            self.islands[name] = rec
-        self._refresh(now)
-
-
-def policy_dict(policy: RoundPolicy) -> dict[str, Any]:
-    """The policy as plain JSON (for status)."""
-    return asdict(policy)
+        self.answers.restore(doc, len(self.rounds))

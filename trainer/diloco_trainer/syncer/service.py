@@ -1,15 +1,18 @@
 """The syncer: a CPU service that merges islands' pseudo-gradients into the global model.
 
-Each fragment runs rounds (rounds.py): pushes are validated against the model, collected per
-island (a newer push from an island replaces its pending one), and merged once a quorum has
-reported and the grace window has passed (or every active island has reported): the global model
-(global_model.py) merges the round and takes an outer step (Delayed Nesterov, folded per round of
-work) on that fragment, version + 1,
-the publisher (publisher.py) re-encodes the fragment and wakes long-polling pullers, the merge log
-(merge_log.py) records the merge so it can be reproduced, and evaluations and checkpoints run in
-the background (jobs.py). The HTTP edge is http.py, the process server.py.
+Each fragment runs rounds (rounds.py, with membership.py): pushes are validated against the
+model, collected per island (a newer push from an island replaces its pending one), and merged
+once a quorum has reported and the grace window has passed (or every active island has
+reported): the merge (merge.py) merges the round in the global model (global_model.py), takes an
+outer step (Delayed Nesterov, folded per round of work) on that fragment, version + 1, and records
+it in the merge log (merge_log.py); the publisher (publisher.py) re-encodes the fragment and wakes
+long-polling pullers, and evaluations and checkpoints run in the background (jobs.py). Start-up
+(startup.py) builds those parts; the status and checkpoint manifest are assembled from them
+(status.py). The HTTP edge is http.py, the process server.py.
 
-This module is the thin service that wires those rooms. Concurrency: HTTP handlers run on one
+This module is the thin service that holds those parts behind one lock and runs the two
+sequences that cross them: a push (receive_push, the whole path in one place) and a merge
+(_merge). Concurrency: HTTP handlers run on one
 asyncio loop; heavy work (decoding a push, merging, the outer step, evaluation, serialising
 fragments, checkpoints, digests) runs in worker threads. One asyncio lock makes every state change
 atomic: a merge holds it from taking the round to publishing the new fragment, so pushes wait for
@@ -17,9 +20,9 @@ merges; decoding a push does not hold it. A request that fails validation change
 safetensors, metadata, membership/staleness and tensor names/shapes/dtypes are all checked before
 the state is touched.
 
-Hostile and broken input (README's Security section; gate.py): only the job's own island names
-join, a push passes the guards (finite, norm bounds, steps and tokens of one round) before it
-joins a round, and a merge whose input cannot be merged leaves out the contributions at fault.
+Hostile and broken input (README's Security section; gate.py, merge.py): only the job's own island
+names join, a push passes the guards (finite, norm bounds, steps and tokens of one round) before
+it joins a round, and a merge whose input cannot be merged leaves out the contributions at fault.
 
 When stopAfter is reached, the syncer evaluates, writes a checkpoint, and only then reports
 finished=true; it keeps serving status and pulls afterwards. A stop (SIGTERM) lets a running merge
@@ -40,22 +43,39 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from diloco_trainer.api import protocol
+import torch
+
+from diloco_trainer.api import credentials
+from diloco_trainer.api.credentials import Principal
+from diloco_trainer.api.documents import (
+    HeartbeatAnswer,
+    JoinInfo,
+    MembershipAnswer,
+    PushAnswer,
+    SyncerStatus,
+)
+from diloco_trainer.api.protocol import PushMeta
 from diloco_trainer.api.spec import JobSpec
-from diloco_trainer.models.parts import build_parts
-from diloco_trainer.syncer import checkpoint as ckpt
 from diloco_trainer.syncer import server, startup
-from diloco_trainer.syncer.gate import Gate
-from diloco_trainer.syncer.global_model import GlobalModel
-from diloco_trainer.syncer.health import MERGE, Health
-from diloco_trainer.syncer.jobs import BackgroundJobs, CheckpointSnapshot
-from diloco_trainer.syncer.merge_log import MergeLog, describe_merge
-from diloco_trainer.syncer.metrics import SyncerMetrics
-from diloco_trainer.syncer.publisher import BodyKey, Publisher
-from diloco_trainer.syncer.records import round_policy
-from diloco_trainer.syncer.rounds import Refused, SyncState
-from diloco_trainer.syncer.status import checkpoint_manifest, status_document
-from diloco_trainer.syncer.validation import decode_measured, push_contribution, read_push
+from diloco_trainer.syncer.credentials import require_push
+from diloco_trainer.syncer.jobs import CheckpointSnapshot
+from diloco_trainer.syncer.merge import LeftOut
+from diloco_trainer.syncer.merge_log import describe_merge
+from diloco_trainer.syncer.publisher import BodyKey
+from diloco_trainer.syncer.records import Refused
+from diloco_trainer.syncer.status import (
+    Progress,
+    StatusSources,
+    checkpoint_manifest,
+    status_document,
+)
+from diloco_trainer.syncer.validation import (
+    decode_measured,
+    parse_push_meta,
+    push_contribution,
+    read_push_header,
+    read_push_tensors,
+)
 
 __all__ = ["Syncer", "main"]
 
@@ -63,11 +83,14 @@ log = logging.getLogger("diloco.syncer")
 
 # The merge scheduler re-checks timeouts at least this often.
 TICK_SECONDS = 0.5
+# Who an in-process caller (a test, a tool) pushes as: the job's root credential.
+ROOT = Principal(credentials.ROOT)
 
 
 class Syncer:
-    """One job's syncer: the global model, rounds and membership, the publisher, the merge log
-    and the background jobs, behind one asyncio lock."""
+    """One job's syncer: the parts start-up built (startup.SyncerParts: the global model, rounds
+    and membership, the merge, the publisher, the merge log and the background jobs), behind one
+    asyncio lock."""
 
     def __init__(
         self,
@@ -78,53 +101,47 @@ class Syncer:
         clock: Callable[[], float] = time.time,
         config_file: Path | None = None,
     ) -> None:
+        """Build the parts (startup.build: ConfigError when every checkpoint on disk is corrupt)
+        and take them over."""
+        parts = startup.build(spec, state_dir=state_dir, clock=clock, config_file=config_file)
         self.spec = spec
         self.job_name = job_name
         self.state_dir = state_dir
         self.clock = clock
         self.codec = spec.sync.compression
-        self.metrics = SyncerMetrics()
-        self.health = Health(clock, self.metrics.healthy)
-        self.parts = build_parts(
-            spec, shard_index=0, num_shards=spec.total_shards(), with_train=False
-        )
-        self.model = GlobalModel(spec, self.parts.model, self.parts.plain_merge_names)
-        n = len(self.model.fragments)
-        self.publisher = Publisher(
-            self.model, max_staleness=spec.staleness_bound(), metrics=self.metrics
-        )
-        self.state = SyncState(round_policy(spec, n), n)
-        self.merge_log = MergeLog(n, state_dir)
-        self.jobs = BackgroundJobs(
-            spec,
-            self.parts,
-            self.model,
-            state_dir=state_dir,
-            metrics=self.metrics,
-            clock=clock,
-            health=self.health,
-        )
-        self.gate = Gate(
-            spec,
-            numels=[sum(self.model.weights[n].numel() for n in x) for x in self.fragments],
-            weight_norms=self.model.fragment_norms(),
-            metrics=self.metrics,
-            health=self.health,
-            config_file=config_file,
-        )
-        self.finished = False
+        self.metrics = parts.metrics
+        self.health = parts.health
+        self.parts = parts.parts
+        self.model = parts.model
+        self.publisher = parts.publisher
+        self.state = parts.state
+        self.merge_log = parts.merge_log
+        self.merger = parts.merger
+        self.jobs = parts.jobs
+        self.gate = parts.gate
+        self.spec_hash = parts.spec_hash
+        self.resumed_from = parts.resumed_from
+        self.finished = parts.finished
         self.bytes_in = 0
-        self.resumed_from: str | None = None
         # Set when a merge failed half-way: the state can no longer be trusted, so the syncer
         # refuses work (503) and reports unhealthy until it is restarted from its checkpoint.
         self.failure: str | None = None
-        self.spec_hash = ckpt.spec_hash(spec.to_json())
+        self.sources = StatusSources(
+            job_name=job_name,
+            codec=self.codec,
+            spec_hash=self.spec_hash,
+            state=self.state,
+            model=self.model,
+            publisher=self.publisher,
+            merge_log=self.merge_log,
+            jobs=self.jobs,
+            gate=self.gate,
+            health=self.health,
+            clock=clock,
+        )
         # Created on the serving loop (start()).
         self.lock: asyncio.Lock | None = None
         self._poke: asyncio.Event | None = None
-        startup.resume_or_init(self)  # ConfigError: every checkpoint on disk is corrupt
-        if self.resumed_from:
-            self.gate.recalibrate(self.model.fragment_norms())
 
     # ----- start-up and shutdown ---------------------------------------------------------------
 
@@ -135,7 +152,7 @@ class Syncer:
         self.jobs.queue.start()
         await self.publisher.start(self._body_keys())
         # Every island of the job (all regions) holds the quorum until it joins or times out.
-        self.state.expect(self.spec.total_shards(), self.clock())
+        self.state.membership.expect(self.spec.total_shards(), self.clock())
 
     def close_waiters(self) -> None:
         """Answer every long-poll now (304): the server is shutting down."""
@@ -179,17 +196,14 @@ class Syncer:
         return self.model.digest()
 
     def stop_reached(self) -> bool:
-        stop = self.spec.stop_after
-        if stop.outer_steps is not None and self.state.outer_step >= stop.outer_steps:
-            return True
-        return stop.tokens is not None and self.tokens >= stop.tokens
+        return startup.stop_reached(self.spec, outer_step=self.state.outer_step, tokens=self.tokens)
 
     def _body_keys(self) -> list[BodyKey]:
         """What each fragment's pull body says now: (version, outer step, finished)."""
         return [(v, self.state.outer_step, self.finished) for v in self.state.versions]
 
     def _update_gauges(self) -> None:
-        self.metrics.active_islands.set(len(self.state.active_islands()))
+        self.metrics.active_islands.set(len(self.state.membership.active()))
         self.metrics.outer_step.set(self.state.outer_step)
         self.metrics.tokens.set(self.tokens)
 
@@ -218,79 +232,103 @@ class Syncer:
         return self.lock
 
     async def join(self, island: str, replicas: int) -> dict[str, Any]:
-        """Register an island; returns the fragment layout and current versions."""
+        """Register an island; returns the fragment layout and current versions (JoinInfo)."""
         async with self._locked():
-            self.gate.admit(self.state, island, self.clock())
-            rec = self.state.join(island, replicas, self.clock())
+            self.gate.admit(self.state.membership, island, self.clock())
+            rec = self.state.membership.join(island, replicas, self.clock())
             self._update_gauges()
         self._wake()
         log.info(
             "island %s joined (join %d, %d replicas, %s)", island, rec.joins, replicas, rec.state
         )
-        return {
-            "fragments": self.model.fragments,
-            "versions": self.state.versions,
-            "outerStep": self.state.outer_step,
-            "finished": self.finished,
-            "codec": self.codec,
-            "pullCompression": self.model.pull_compression,
-            "state": rec.state,
-        }
+        return JoinInfo(
+            fragments=self.model.fragments,
+            versions=self.state.versions,
+            outer_step=self.state.outer_step,
+            finished=self.finished,
+            codec=self.codec,
+            pull_compression=self.model.pull_compression,
+            state=rec.state,
+        ).to_wire()
 
     async def heartbeat(
         self, island: str, *, step: int, tokens: int, loss: float | None, step_time: float | None
     ) -> dict[str, Any]:
-        """A learner's sign of life; returns its membership state and whether the job finished."""
+        """A learner's sign of life; returns its membership state and whether the job finished
+        (HeartbeatAnswer)."""
         async with self._locked():
-            rec = self.state.heartbeat(
+            rec = self.state.membership.heartbeat(
                 island, self.clock(), step=step, tokens=tokens, loss=loss, step_time=step_time
             )
             self._update_gauges()
         self._wake()
-        return {"state": rec.state, "finished": self.finished, "versions": self.state.versions}
+        answer = HeartbeatAnswer(
+            state=rec.state, finished=self.finished, versions=self.state.versions
+        )
+        return answer.to_wire()
 
     async def leave(self, island: str) -> dict[str, Any]:
-        """An island says goodbye."""
+        """An island says goodbye (MembershipAnswer)."""
         async with self._locked():
-            rec = self.state.leave(island, self.clock())
+            rec = self.state.membership.leave(island, self.clock())
             self._update_gauges()
         self._wake()
         log.info("island %s left", island)
-        return {"island": island, "state": rec.state}
+        return MembershipAnswer(island=island, state=rec.state).to_wire()
 
     async def set_membership(self, island: str, state: str, reason: str) -> dict[str, Any]:
-        """Admin: mark an island active or dropped."""
+        """Admin: mark an island active or dropped (MembershipAnswer)."""
         async with self._locked():
-            if island not in self.state.islands:
-                self.gate.admit(self.state, island, self.clock())
-            rec = self.state.set_admin_state(island, state, reason, self.clock())
+            members = self.state.membership
+            if island not in members.islands:
+                self.gate.admit(members, island, self.clock())
+            rec = members.set_state(island, state, reason, self.clock())
             self._update_gauges()
         self._wake()
         log.info("island %s set %s by admin (%s)", island, state, reason or "no reason given")
-        return {"island": island, "state": rec.state, "reason": rec.reason}
+        return MembershipAnswer(island=island, state=rec.state, reason=rec.reason).to_wire()
 
-    async def push(self, fragment: int, body: bytes) -> dict[str, Any]:
-        """Validate and record a pushed pseudo-gradient; Refused (state unchanged) on a problem.
+    async def receive_push(
+        self, fragment: int, body: bytes, principal: Principal = ROOT
+    ) -> dict[str, Any]:
+        """A pushed pseudo-gradient, from its body to its round (PushAnswer); Refused (state
+        unchanged) on a problem. The whole path, in order:
+
+        1. authenticate: the body's metadata (read once) names an island `principal` may push as;
+        2. parse the metadata into typed, bounded fields;
+        3. admit the island (joined, not dropped) and the push's base version (not stale), unless
+           the job finished or this pushId was answered already (the first answer again);
+        4. guard the work it claims (steps, tokens), then, decoded off the lock, its values
+           (finite, norm bounds), and check 3 again: a merge or a drop may have happened;
+        5. record it in the fragment's round.
+
         A refusal of its content (400 from decoding, 422 from the guards) counts towards the
-        island's refusals in a row."""
+        island's refusals in a row; one of the body or its metadata (1., 2.) does not."""
         self.check_fragment(fragment)
-        flat, meta = read_push(body, self.codec)
+        raw_meta = read_push_header(body)
+        require_push(principal, raw_meta)  # 1.
+        meta = parse_push_meta(raw_meta, self.codec)  # 2.
+        flat = read_push_tensors(body)  # still encoded
         try:
-            return await self._push(fragment, flat, meta, len(body))
+            answer = await self._admit_guard_record(fragment, flat, meta, len(body))
         except Refused as err:
             if err.status in (400, 422):
                 await self._refused(fragment, meta.island, err)
             raise
+        return answer.to_wire()
 
-    async def _push(
-        self, fragment: int, flat: dict[str, Any], meta: protocol.PushMeta, size: int
-    ) -> dict[str, Any]:
+    async def _admit_guard_record(
+        self, fragment: int, flat: dict[str, torch.Tensor], meta: PushMeta, size: int
+    ) -> PushAnswer:
+        """Steps 3-5 of receive_push."""
         async with self._locked():
             early = self._finished_or_duplicate(fragment, meta)
             if early is not None:
                 return early
-            self.state.check_push(fragment, meta.island, meta.base_version)
-            self.gate.check_work(self.state, meta.island, tokens=meta.tokens, steps=meta.steps)
+            self.state.check_push(fragment, meta.island, meta.base_version)  # 3.
+            self.gate.check_work(
+                self.state.membership, meta.island, tokens=meta.tokens, steps=meta.steps
+            )  # 4.
         decoded, stats = await asyncio.to_thread(
             decode_measured, fragment, flat, self.codec, self.model.expected[fragment]
         )
@@ -299,11 +337,10 @@ class Syncer:
             if early is not None:
                 return early
             now = self.clock()
-            # Checked again: a merge or a drop may have happened while decoding.
-            lag = self.state.check_push(fragment, meta.island, meta.base_version)
-            self.gate.check_delta(fragment, stats)
+            lag = self.state.check_push(fragment, meta.island, meta.base_version)  # 3. again
+            self.gate.check_delta(fragment, stats)  # 4.
             contribution = push_contribution(meta, lag=lag, payload=decoded, now=now)
-            answer = self.state.accept_push(fragment, contribution, now)
+            answer = self.state.accept_push(fragment, contribution, now)  # 5.
             self.gate.accepted(fragment, meta.island, stats)
             self.bytes_in += size
             self.metrics.bytes_in.inc(size)
@@ -313,25 +350,23 @@ class Syncer:
 
     async def _refused(self, fragment: int, island: str, err: Refused) -> None:
         async with self._locked():
-            dropped = self.gate.refused(self.state, fragment, island, err, self.clock())
+            dropped = self.gate.refused(self.state.membership, fragment, island, err, self.clock())
             if dropped:
                 self._update_gauges()
         if dropped:
             self._wake()
 
-    def _finished_or_duplicate(
-        self, fragment: int, meta: protocol.PushMeta
-    ) -> dict[str, Any] | None:
+    def _finished_or_duplicate(self, fragment: int, meta: PushMeta) -> PushAnswer | None:
         if self.finished:
-            return {
-                "accepted": False,
-                "finished": True,
-                "version": self.state.versions[fragment],
-                "pending": 0,
-                "reason": "the job has finished",
-            }
+            return PushAnswer(
+                accepted=False,
+                finished=True,
+                version=self.state.versions[fragment],
+                pending=0,
+                reason="the job has finished",
+            )
         prev = self.state.previous_answer(fragment, meta.island, meta.push_id)
-        return {**prev, "duplicate": True} if prev is not None else None
+        return prev.model_copy(update={"duplicate": True}) if prev is not None else None
 
     async def pull(self, fragment: int, *, after: int, wait: float, have: int = -1) -> bytes | None:
         """Fragment bytes once its version is > after (or the job finished); None after `wait`.
@@ -340,21 +375,27 @@ class Syncer:
         return await self.publisher.pull(fragment, after=after, wait=wait, have=have)
 
     async def status(self, *, digest: bool = False) -> dict[str, Any]:
-        """The status document (see api/protocol.py for the route).
+        """The status document (SyncerStatus; see api/protocol.py for the route).
 
         Without the digest it is read without waiting for a running merge; that is consistent
         because a merge changes versions, rounds and token counts together after its arithmetic
-        (see _merge). With the digest it waits for the lock, so the weights match the versions.
+        (see merge.py). With the digest it waits for the lock, so the weights match the versions.
         """
         if not digest:
-            return self._status_doc()
+            return self._status().to_wire()
         async with self._locked():
-            doc = self._status_doc()
-            doc["digest"] = await asyncio.to_thread(self.digest)
-        return doc
+            doc = self._status()
+            weights = await asyncio.to_thread(self.digest)
+        return doc.model_copy(update={"digest": weights}).to_wire()
 
-    def _status_doc(self) -> dict[str, Any]:
-        return status_document(self)
+    def _status(self) -> SyncerStatus:
+        progress = Progress(
+            finished=self.finished,
+            failure=self.failure,
+            bytes_in=self.bytes_in,
+            resumed_from=self.resumed_from,
+        )
+        return status_document(self.sources, progress)
 
     # ----- merging -----------------------------------------------------------------------------
 
@@ -363,9 +404,10 @@ class Syncer:
         grace deadline (clock time), if a round is waiting for one."""
         async with self._locked():
             now = self.clock()
-            awaited = self.state.awaited_islands()
-            expired = self.state.expire(now)
-            if awaited and not self.state.awaited_islands():
+            members = self.state.membership
+            awaited = members.awaited()
+            expired = members.expire(now)
+            if awaited and not members.awaited():
                 log.warning(
                     "%d island(s) of %d never joined within islands.startupTimeoutSeconds "
                     "(%.0fs) of the syncer's start, and nobody dropped them: merging without them",
@@ -374,7 +416,7 @@ class Syncer:
                     self.spec.islands.startup_timeout_seconds,
                 )
             for island in expired:
-                log.warning("island %s timed out: %s", island, self.state.islands[island].reason)
+                log.warning("island %s timed out: %s", island, members.islands[island].reason)
                 self._update_gauges()
             if not self.finished:
                 for f in self.state.due_fragments(now):
@@ -405,43 +447,20 @@ class Syncer:
             self._poke.clear()
 
     async def _merge(self, f: int) -> None:
-        """Merge fragment f's round (lock held): weights, outer step, version, log, publish."""
+        """Merge fragment f's round (lock held), in merge.py's steps; then publish."""
         started = time.perf_counter()
-        now = self.clock()
-        grace, quorum = self.state.grace(), self.state.effective_quorum()
-        # The round is closed only after the arithmetic, in one step with the token counters, so
-        # a status read while the merge runs in its thread never sees a half-done merge.
-        contributions = self.state.peek_round(f)
-        prepared = await self.gate.prepare(self.model, self.state, f, contributions, now)
-        if prepared is None:
+        merge = self.merger.take(self.state, f, self.clock())
+        prepared = await asyncio.to_thread(self.merger.prepare, merge)
+        if isinstance(prepared, LeftOut):
+            self.merger.recover(self.state, merge, prepared)
             return
-        result = await asyncio.to_thread(
-            self.model.commit_merge, f, prepared, new_version=self.state.versions[f] + 1
-        )
+        new_version = self.state.versions[f] + 1
+        result = await asyncio.to_thread(self.merger.commit, merge, prepared, new_version)
         self.publisher.record_update(f, result.update)
         seconds = time.perf_counter() - started
-        taken = self.state.take_round(
-            f, now, rounds=result.rounds, clock=result.clock, merge_seconds=seconds
-        )
-        assert len(taken) == len(contributions) and all(
-            a is b for a, b in zip(taken, contributions, strict=True)
-        ), "a round changed while its merge ran (lock not held?)"
-        entry = self.merge_log.record(
-            f,
-            contributions,
-            result,
-            version=self.state.versions[f],
-            outer_step=self.state.outer_step,
-            time=now,
-            quorum=quorum,
-            grace=grace,
-            rule=self.spec.sync.merge,
-            seconds=seconds,
-        )
+        entry = self.merger.record(self.state, merge, result, seconds)
         await asyncio.to_thread(self.merge_log.write, entry)
-        self.metrics.merges.inc()
-        self.metrics.merge_seconds.observe(seconds)
-        self.health.clear(MERGE)
+        self.merger.logged(seconds)
         self._update_gauges()
         evaluated = await self._after_merge()
         eval_note = f"; eval loss {evaluated:.4f}" if evaluated is not None else ""
@@ -471,7 +490,7 @@ class Syncer:
         return CheckpointSnapshot(
             outer_step=self.state.outer_step,
             tensors=self.model.tensor_snapshot(),
-            manifest=checkpoint_manifest(self),
+            manifest=checkpoint_manifest(self.sources),
         )
 
 

@@ -1,4 +1,6 @@
-"""A syncer's start: from the newest valid checkpoint of its state dir, or afresh.
+"""A syncer's start: build() makes every part of the service from the newest valid checkpoint of
+its state dir, or afresh, and hands them over (service.Syncer takes them; nothing here reaches
+into a built service).
 
 Checkpoints on disk that are corrupt (checkpoint.py: hashes, readability, finite tensors) are
 never resumed. When a valid one remains, the syncer resumes from the newest valid one and sets the
@@ -8,25 +10,63 @@ each and what is wrong with it: exit code 2), unless syncer.checkpoint.allowFres
 is set: then it sets them all aside and starts afresh. Either way the corrupt checkpoints are a
 health problem until the next checkpoint is written.
 
-Island records of a checkpoint are restored only for the job's own island names, at most as many
-as the job has (admission.py), so islands created by a flood of joins do not come back.
+The checkpoint's manifest is read through its model (api/manifest.CheckpointManifest). Island
+records of a checkpoint are restored only for the job's own island names, at most as many as the
+job has (admission.py), so islands created by a flood of joins do not come back. The guards'
+hard norm caps are derived from the weights the job starts from (resumed or initial).
 """
 
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
 
-from diloco_trainer.api.spec import ConfigError
+from diloco_trainer.api.spec import ConfigError, JobSpec
+from diloco_trainer.models.parts import TrainingParts, build_parts
 from diloco_trainer.syncer import checkpoint as ckpt
 from diloco_trainer.syncer.admission import admitted_records
-from diloco_trainer.syncer.health import CORRUPT
+from diloco_trainer.syncer.gate import Gate
+from diloco_trainer.syncer.global_model import GlobalModel
+from diloco_trainer.syncer.guards import make_guard
+from diloco_trainer.syncer.health import CORRUPT, Health
+from diloco_trainer.syncer.jobs import BackgroundJobs
+from diloco_trainer.syncer.merge import Merger
+from diloco_trainer.syncer.merge_log import MergeLog
+from diloco_trainer.syncer.metrics import SyncerMetrics
+from diloco_trainer.syncer.publisher import Publisher
+from diloco_trainer.syncer.records import round_policy
 from diloco_trainer.syncer.rounds import SyncState
 
-if TYPE_CHECKING:
-    from diloco_trainer.syncer.service import Syncer
-
 log = logging.getLogger("diloco.syncer")
+
+
+@dataclass
+class SyncerParts:
+    """What a syncer is made of, built by build() (see service.Syncer for what each does)."""
+
+    metrics: SyncerMetrics
+    health: Health
+    parts: TrainingParts
+    model: GlobalModel
+    publisher: Publisher
+    state: SyncState
+    merge_log: MergeLog
+    merger: Merger
+    jobs: BackgroundJobs
+    gate: Gate
+    spec_hash: str
+    resumed_from: str | None  # the checkpoint it resumed from, None for a fresh start
+    finished: bool  # stopAfter was reached before the start (a restart after the finish)
+
+
+def stop_reached(spec: JobSpec, *, outer_step: int, tokens: int) -> bool:
+    """Whether the job's stopAfter is reached at `outer_step` with `tokens` merged."""
+    stop = spec.stop_after
+    if stop.outer_steps is not None and outer_step >= stop.outer_steps:
+        return True
+    return stop.tokens is not None and tokens >= stop.tokens
 
 
 def corrupt_message(state_dir: str, corrupt: list[tuple[str, str]]) -> str:
@@ -39,56 +79,104 @@ def corrupt_message(state_dir: str, corrupt: list[tuple[str, str]]) -> str:
     )
 
 
-def resume_or_init(syncer: Syncer) -> None:
-    """Restore the newest valid checkpoint, or start afresh (see the module docstring)."""
-    found = ckpt.load_newest_valid(syncer.state_dir)
+def build(
+    spec: JobSpec,
+    *,
+    state_dir: Path,
+    clock: Callable[[], float],
+    config_file: Path | None = None,
+) -> SyncerParts:
+    """Every part of a syncer, from the newest valid checkpoint or afresh (see the module
+    docstring); ConfigError when every checkpoint on disk is corrupt or one does not fit."""
+    metrics = SyncerMetrics()
+    health = Health(clock, metrics.healthy)
+    parts = build_parts(spec, shard_index=0, num_shards=spec.total_shards(), with_train=False)
+    model = GlobalModel(spec, parts.model, parts.plain_merge_names)
+    n = len(model.fragments)
+    publisher = Publisher(model, max_staleness=spec.staleness_bound(), metrics=metrics)
+    merge_log = MergeLog(n, state_dir)
+    jobs = BackgroundJobs(
+        spec, parts, model, state_dir=state_dir, metrics=metrics, clock=clock, health=health
+    )
+    loaded = _newest_valid(spec, state_dir, health)
+    spec_hash = ckpt.spec_hash(spec.to_json())
+    if loaded is not None and loaded.document.spec_hash != spec_hash:
+        log.warning("the job spec changed since checkpoint %s; resuming anyway", loaded.path)
+    policy = round_policy(spec, n)
+    if loaded is None:
+        state = SyncState(policy, n)
+    else:
+        model.restore(loaded)  # ConfigError when it does not fit the model
+        rounds = [model.outer.rounds(f) for f in range(n)]
+        state = SyncState(policy, n, versions=loaded.document.versions, rounds=rounds)
+    # The hard norm caps follow the weights the job starts from.
+    numels = [sum(model.weights[name].numel() for name in names) for names in model.fragments]
+    guard = make_guard(spec, numels, model.fragment_norms())
+    gate = Gate(spec, guard=guard, metrics=metrics, config_file=config_file)
+    if loaded is None:
+        loss = jobs.evaluate_initial(step=state.outer_step, tokens=merge_log.tokens)
+        log.info("fresh start: %d fragments, initial eval loss %.4f", n, loss)
+    else:
+        _restore_counters(loaded, state, gate, merge_log, jobs, now=clock())
+    metrics.outer_step.set(state.outer_step)
+    return SyncerParts(
+        metrics=metrics,
+        health=health,
+        parts=parts,
+        model=model,
+        publisher=publisher,
+        state=state,
+        merge_log=merge_log,
+        merger=Merger(model, merge_log, rule=spec.sync.merge, health=health, metrics=metrics),
+        jobs=jobs,
+        gate=gate,
+        spec_hash=spec_hash,
+        resumed_from=None if loaded is None else str(loaded.path),
+        finished=stop_reached(spec, outer_step=state.outer_step, tokens=merge_log.tokens),
+    )
+
+
+def _newest_valid(spec: JobSpec, state_dir: Path, health: Health) -> ckpt.Checkpoint | None:
+    """The newest valid checkpoint, with the corrupt ones set aside (or ConfigError: see the
+    module docstring)."""
+    found = ckpt.load_newest_valid(state_dir)
     if found.corrupt:
-        if (
-            found.checkpoint is None
-            and not syncer.spec.syncer.checkpoint.allow_fresh_start_on_corrupt
-        ):
+        if found.checkpoint is None and not spec.syncer.checkpoint.allow_fresh_start_on_corrupt:
             raise ConfigError(
-                corrupt_message(str(syncer.state_dir), [(str(p), w) for p, w in found.corrupt])
+                corrupt_message(str(state_dir), [(str(p), w) for p, w in found.corrupt])
             )
         for path, why in found.corrupt:
             aside = ckpt.set_aside(path)
             log.error("checkpoint %s is corrupt (%s); set aside as %s", path, why, aside.name)
         names = ", ".join(p.name for p, _ in found.corrupt)
-        syncer.health.report(CORRUPT, f"corrupt checkpoints set aside at start: {names}")
-    if found.checkpoint is None:
-        loss = syncer.jobs.evaluate_initial(step=syncer.state.outer_step, tokens=syncer.tokens)
-        log.info(
-            "fresh start: %d fragments, initial eval loss %.4f", len(syncer.model.fragments), loss
-        )
-    else:
-        restore(syncer, found.checkpoint)
-    syncer.finished = syncer.stop_reached()
-    syncer.metrics.outer_step.set(syncer.state.outer_step)
+        health.report(CORRUPT, f"corrupt checkpoints set aside at start: {names}")
+    return found.checkpoint
 
 
-def restore(syncer: Syncer, loaded: ckpt.Checkpoint) -> None:
-    """Load a checkpoint into the syncer's rooms."""
-    syncer.model.restore(loaded)
-    m = loaded.manifest
-    if m.get("specHash") != syncer.spec_hash:
-        log.warning("the job spec changed since checkpoint %s; resuming anyway", loaded.path)
-    n = len(syncer.model.fragments)
-    rounds = [syncer.model.outer.rounds(f) for f in range(n)]
-    syncer.state = SyncState(syncer.state.policy, n, versions=m["versions"], rounds=rounds)
-    syncer.state.restore_clocks(m.get("workClocks", []))
-    islands, left_out = admitted_records(syncer.gate.admission, m.get("islands", {}))
+def _restore_counters(
+    loaded: ckpt.Checkpoint,
+    state: SyncState,
+    gate: Gate,
+    merge_log: MergeLog,
+    jobs: BackgroundJobs,
+    *,
+    now: float,
+) -> None:
+    """Load what a checkpoint's manifest holds besides the tensors into the parts being built."""
+    m = loaded.document
+    state.clocks.restore(m.work_clocks)
+    islands, left_out = admitted_records(gate.admission, m.islands)
     if left_out:
         log.warning("not restoring islands that are not this job's: %s", ", ".join(left_out[:20]))
-    syncer.state.restore_islands(dict(islands), now=syncer.clock())
-    syncer.state.restore_answers(m.get("pushAnswers", []))
-    syncer.gate.guard.history.restore(m.get("normHistory", []))
-    syncer.merge_log.restore(m)
-    syncer.jobs.restore(m, loaded.outer_step)
-    syncer.resumed_from = str(loaded.path)
+    state.membership.restore(islands, now=now)
+    state.restore_answers(m.push_answers)
+    gate.guard.history.restore(m.norm_history)
+    merge_log.restore(m)
+    jobs.restore(m, loaded.outer_step)
     log.info(
         "resumed from %s: %d fragments, outer step %d, versions %s",
         loaded.path,
-        n,
+        len(state.rounds),
         loaded.outer_step,
-        syncer.state.versions,
+        state.versions,
     )

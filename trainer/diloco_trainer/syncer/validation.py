@@ -10,14 +10,14 @@ import math
 import re
 from typing import Any
 
+import safetensors.torch
 import torch
 
 from diloco_trainer.api import protocol
-from diloco_trainer.core import payloads
 from diloco_trainer.core.compress import decode_tensors
 from diloco_trainer.syncer.guards import DeltaStats, delta_stats
 from diloco_trainer.syncer.limits import json_too_deep
-from diloco_trainer.syncer.rounds import Contribution, Refused
+from diloco_trainer.syncer.records import Contribution, Refused
 
 ISLAND_NAME = re.compile(r"^[A-Za-z0-9]([-A-Za-z0-9_.]{0,251}[A-Za-z0-9])?$")
 # The largest count a client may report: 2**53 - 1 (exact in JSON numbers, within int64).
@@ -134,15 +134,23 @@ def parse_push_meta(meta: dict[str, str], codec: str) -> protocol.PushMeta:
     )
 
 
-def read_push(body: bytes, codec: str) -> tuple[dict[str, torch.Tensor], protocol.PushMeta]:
-    """A push body's (still encoded) tensors and its validated metadata."""
+def read_push_header(body: bytes) -> dict[str, str]:
+    """A push body's safetensors metadata, as strings (the one time it is read: who pushes is
+    checked on it, then parse_push_meta types it)."""
     try:
-        flat, raw_meta = payloads.decode_body(body)
+        return protocol.read_metadata(body)
     except ValueError as err:
         raise Refused(400, f"push body: {err}") from None
     except RecursionError:  # a header nested deeper than the JSON parser goes
         raise Refused(400, "push body: safetensors header is nested too deep") from None
-    return flat, parse_push_meta(raw_meta, codec)
+
+
+def read_push_tensors(body: bytes) -> dict[str, torch.Tensor]:
+    """A push body's (still encoded) tensors (its header was read by read_push_header)."""
+    try:
+        return safetensors.torch.load(body)
+    except Exception as err:  # the Rust parser raises its own error types
+        raise Refused(400, f"push body: body is not valid safetensors: {err}") from None
 
 
 def decode_push(
