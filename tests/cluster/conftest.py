@@ -4,205 +4,65 @@ etcd, kube-apiserver (RBAC), kube-controller-manager, kube-scheduler and kwok (f
 whose pods become Running and Ready without containers) run as local processes on loopback.
 The binaries are built once from pinned sources by hack/build-binaries.sh and cached.
 
-Fixtures:
+Fixtures (pytest finds them here; test modules request them by name and import only helpers):
   k8s_bin_dir         session-scoped: the directory of the built binaries
   control_plane       session-scoped ControlPlane: .kubeconfig, .env, .bin_dir, .kubectl(...)
   make_control_plane  session-scoped factory: make_control_plane("region-b") starts (or
                       returns the already started) extra cluster with that name
   kubectl             the kubectl(*args) helper of control_plane
   namespace           a fresh namespace per test (deleted afterwards)
+  crd                 session-scoped: the generated CRD, applied and Established
+  cluster             query helpers (operator_helpers.Cluster) bound to the test's namespace
+  operator            a running `diloco operator` watching the test's namespace
+  make_local_syncer   factory: a real `diloco syncer` on loopback for a job manifest
+  shared_syncer       session-scoped: one loopback syncer for the membership-only tests
+  chart_operator_in   factory: the chart installed in a cluster, its operator running as the
+                      chart's ServiceAccount
 
 ControlPlane, kubectl and polling come from hack/localcluster/harness.py, which the operator
-benchmark shares; `wait_until`/`holds_for` here are its pytest-flavoured wrappers (a timeout
-fails the test). The cluster is only started when a test asks for one of the fixtures. If Go is
-missing or the build fails, the fixture fails (never skips) with a message saying what is
-missing.
+benchmark shares; waits.py holds the tests' pytest-flavoured waits (a timeout fails the test),
+control_planes.py the build and start-up behind the first three fixtures. The cluster is only
+started when a test asks for one of the fixtures. If Go is missing or the build fails, the
+fixture fails (never skips) with a message saying what is missing.
 """
 
 from __future__ import annotations
 
 import os
 import re
-import shutil
 import subprocess
-import threading
-import warnings
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import TypeVar
+from typing import Any
 
 import pytest
 
 from hack.localcluster import harness
-from hack.localcluster.harness import ControlPlane, StoppedHolding, WaitTimeout
+from hack.localcluster.harness import ControlPlane
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
-HACK_DIR = REPO_ROOT / "hack"
-LOCAL_CLUSTER = harness.LOCAL_CLUSTER
-BUILD_SCRIPT = HACK_DIR / "build-binaries.sh"
-
-# First build of the binaries takes ~30 min on 2 cores; later runs reuse the cache.
-BUILD_TIMEOUT = float(os.environ.get("DILOCO_K8S_BUILD_TIMEOUT", "3600"))
-# All attempts of `local-cluster up` together (one normally takes 10-30 s); kept below the
-# pytest timeout of the first cluster test, whose set-up it is.
-UP_TIMEOUT = float(os.environ.get("DILOCO_K8S_UP_TIMEOUT", "600"))
-UP_ATTEMPTS = 3
-
-T = TypeVar("T")
-
-
-# ----------------------------------------------------------------------------------- helpers
-
-
-def wait_until(
-    predicate: Callable[[], T],
-    timeout: float = 60.0,
-    interval: float = 0.2,
-    message: str = "condition",
-) -> T:
-    """Poll predicate() until it returns a truthy value and return that value.
-
-    Fails the test after `timeout` seconds, quoting the last exception raised by predicate.
-    """
-    try:
-        return harness.poll_until(
-            predicate, timeout=timeout, interval=interval, what=message, ignore=(Exception,)
-        )
-    except WaitTimeout as e:
-        error = str(e)  # failed outside the handler: the report shows one message, no chain
-    pytest.fail(error)
-
-
-def holds_for(
-    predicate: Callable[[], bool],
-    duration: float = 3.0,
-    interval: float = 0.2,
-    message: str = "condition",
-) -> None:
-    """Check predicate() repeatedly for `duration` seconds; fail the first time it is false."""
-    try:
-        harness.holds_for(predicate, duration=duration, interval=interval, what=message)
-        return
-    except StoppedHolding as e:
-        error = str(e)
-    pytest.fail(error)
-
-
-# ----------------------------------------------------------------------------------- startup
-
-
-def _find_go() -> str | None:
-    return (
-        os.environ.get("GO")
-        or shutil.which("go")
-        or ("/usr/local/go/bin/go" if os.access("/usr/local/go/bin/go", os.X_OK) else None)
-    )
-
-
-def _ensure_binaries(config: pytest.Config, log_path: Path) -> Path:
-    """Build (first run only) the control-plane binaries and return their directory."""
-    override = os.environ.get("DILOCO_K8S_BIN_DIR")
-    if override:
-        return Path(override)
-    if shutil.which("bash") is None:
-        pytest.fail("bash is required to build the control-plane binaries (hack/build-binaries.sh)")
-    check = subprocess.run(
-        ["bash", str(BUILD_SCRIPT), "--check"], capture_output=True, text=True, check=False
-    )
-    if check.returncode == 0:
-        path = subprocess.run(
-            ["bash", str(BUILD_SCRIPT), "--print-bin-dir"],
-            capture_output=True,
-            text=True,
-            check=True,
-        )
-        return Path(path.stdout.strip())
-    if _find_go() is None:
-        pytest.fail(
-            "the cluster tier needs the Go toolchain (>= 1.26) to build etcd, kube-apiserver, "
-            "kube-controller-manager, kube-scheduler, kubectl, kwok and helm from source, but `go` "
-            "is not on PATH or at /usr/local/go/bin/go. Install Go (https://go.dev/dl/) or point "
-            "DILOCO_K8S_BIN_DIR at a directory holding those binaries."
-        )
-    # First run: show the build's progress lines on the terminal despite output capture.
-    capman = config.pluginmanager.getplugin("capturemanager")
-    reporter = config.pluginmanager.getplugin("terminalreporter")
-
-    def say(line: str) -> None:
-        if reporter is not None and capman is not None:
-            with capman.global_and_fixture_disabled():
-                reporter.write_line(line)
-
-    say(f"building the control-plane binaries (first run only, ~30 min); log: {log_path}")
-    with open(log_path, "w") as log:
-        proc = subprocess.Popen(
-            ["bash", str(BUILD_SCRIPT)],
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
-        assert proc.stdout is not None
-        timer = threading.Timer(BUILD_TIMEOUT, proc.kill)
-        timer.start()
-        lines: list[str] = []
-        try:
-            for line in proc.stdout:
-                log.write(line)
-                log.flush()
-                lines.append(line.rstrip("\n"))
-                if line.startswith("[build-binaries]"):
-                    say(line.rstrip("\n"))
-            rc = proc.wait()
-        finally:
-            timer.cancel()
-    if rc != 0 or not lines:
-        pytest.fail(
-            f"building the control-plane binaries failed (exit {rc}); log: {log_path}\n"
-            + harness.tail_lines("\n".join(lines))
-        )
-    return Path(lines[-1])
-
-
-def _start_control_plane(name: str, base: Path, bin_dir: Path) -> ControlPlane:
-    if shutil.which("openssl") is None:
-        pytest.fail("the cluster tier needs `openssl` to create the cluster certificates")
-    # A failed start (a component dies or misses its deadline on a loaded 2-core machine, a
-    # port taken between choice and bind) is retried by `up` itself, each attempt with new
-    # ports, certificates and etcd data, all within its timeout.
-    try:
-        cp, retried = harness.start_control_plane(
-            base / name, name=name, attempts=UP_ATTEMPTS, timeout=UP_TIMEOUT, bin_dir=bin_dir
-        )
-    except harness.ClusterStartError as e:
-        failure = str(e)
-    else:
-        if retried:  # visible in the run's warnings summary, so flakes do not go unseen
-            warnings.warn(
-                f"local-cluster up --dir {cp.dir} needed retries: " + "; ".join(retried),
-                stacklevel=1,
-            )
-        return cp
-    pytest.fail(failure)
-
-
-def _stop_control_plane(cp: ControlPlane) -> None:
-    # Keep the component logs in pytest's (rotated) temp dir for post-mortems.
-    warning = harness.stop_control_plane(cp, keep_logs=True)
-    if warning:
-        warnings.warn(warning, stacklevel=1)
-
-
-# ----------------------------------------------------------------------------------- fixtures
-
-
-def _binaries_cached() -> bool:
-    if os.environ.get("DILOCO_K8S_BIN_DIR"):
-        return True
-    check = subprocess.run(
-        ["bash", str(BUILD_SCRIPT), "--check"], capture_output=True, text=True, check=False
-    )
-    return check.returncode == 0
+from .control_planes import (
+    BUILD_TIMEOUT,
+    UP_TIMEOUT,
+    binaries_cached,
+    ensure_binaries,
+    start_control_plane,
+    stop_control_plane,
+)
+from .operator_helpers import (
+    Cluster,
+    LocalSyncer,
+    OperatorProcess,
+    create_token_secret,
+    job_manifest,
+    start_local_syncer,
+)
+from .region_helpers import (
+    ChartOperator,
+    ChartRelease,
+    helm_for,
+    operator_args,
+    start_chart_operator,
+)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -211,7 +71,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     mine = [item for item in items if here in Path(str(item.path)).parents]
     if not mine:
         return
-    cached = _binaries_cached()
+    cached = binaries_cached()
     for item in mine:
         item.add_marker(pytest.mark.cluster)
         if not cached:
@@ -219,10 +79,13 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(pytest.mark.timeout(BUILD_TIMEOUT + UP_TIMEOUT + 300))
 
 
+# ------------------------------------------------------------------------------ control planes
+
+
 @pytest.fixture(scope="session")
 def k8s_bin_dir(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The directory of the control-plane binaries (built on the first run only)."""
-    return _ensure_binaries(request.config, tmp_path_factory.mktemp("build") / "build.log")
+    return ensure_binaries(request.config, tmp_path_factory.mktemp("build") / "build.log")
 
 
 @pytest.fixture(scope="session")
@@ -238,13 +101,13 @@ def make_control_plane(
             raise ValueError(f"cluster name must be a short DNS label, got {name!r}")
         if name in started:
             return started[name]
-        cp = _start_control_plane(name, base, k8s_bin_dir)
+        cp = start_control_plane(name, base, k8s_bin_dir)
         started[name] = cp
         return cp
 
     yield make
     for cp in reversed(list(started.values())):
-        _stop_control_plane(cp)
+        stop_control_plane(cp)
 
 
 @pytest.fixture(scope="session")
@@ -265,3 +128,118 @@ def namespace(control_plane: ControlPlane, request: pytest.FixtureRequest) -> It
     name = control_plane.create_namespace(request.node.name)
     yield name
     control_plane.delete_namespace(name)
+
+
+# ------------------------------------------------------------------------------ the operator
+
+
+@pytest.fixture(scope="session")
+def crd(control_plane: ControlPlane) -> Path:
+    """The generated CRD, applied with real kubectl and Established."""
+    return control_plane.install_crd(harness.CRD_FILE, timeout="180s")
+
+
+@pytest.fixture
+def cluster(control_plane: ControlPlane, namespace: str, crd: Path) -> Cluster:
+    """Query helpers bound to this test's namespace (CRD installed)."""
+    return Cluster(control_plane, namespace)
+
+
+@pytest.fixture
+def operator(
+    control_plane: ControlPlane, namespace: str, crd: Path, tmp_path: Path
+) -> Iterator[OperatorProcess]:
+    """A running operator watching this test's namespace; its log tail is shown on failure
+    (the whole log with DILOCO_SHOW_OPERATOR_LOG=1)."""
+    env = {**control_plane.env, "PYTHONUNBUFFERED": "1"}
+    op = OperatorProcess(env=env, namespace=namespace, log_file=tmp_path / "operator.log")
+    op.start()
+    yield op
+    op.stop()
+    # pytest shows teardown output only for failing tests: the operator's side of the story.
+    lines = op.log_text().splitlines()
+    full = os.environ.get("DILOCO_SHOW_OPERATOR_LOG")
+    print("\n".join(lines if full else lines[-60:]))
+
+
+# ------------------------------------------------------------------------------ loopback syncers
+
+
+@pytest.fixture
+def make_local_syncer(cluster: Cluster, tmp_path: Path) -> Iterator[Callable[..., LocalSyncer]]:
+    """make_local_syncer(job_manifest, tls=False) -> LocalSyncer serving that job's spec.
+
+    With tls=True it serves HTTPS with a self-signed certificate (the `cert` attribute).
+
+    Also creates the Secret `NAME-shared-token` holding its token; point the job at it with
+    `syncer: {endpoint: syncer.url, tokenSecretName: syncer.secret_name}`.
+    """
+    started: list[LocalSyncer] = []
+
+    def make(manifest: dict[str, Any], tls: bool = False) -> LocalSyncer:
+        syncer = start_local_syncer(manifest, tmp_path / f"syncer-{len(started)}", tls=tls)
+        started.append(syncer)
+        create_token_secret(cluster.cp, cluster.ns, syncer.secret_name, syncer.token)
+        return syncer
+
+    yield make
+    for syncer in started:
+        syncer.stop()
+
+
+@pytest.fixture(scope="session")
+def shared_syncer(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalSyncer]:
+    """One real syncer for the tests that only need island membership (no training).
+
+    Jobs of different tests use different island names (spec.islands.namePrefix), so they never
+    see each other's islands; each test stores `.token` in its namespace as `.secret_name`.
+    The syncer admits only its job's island names: serving it as one region of a multi-region
+    job (totalShards 64) admits other prefixes' island-0..63, as a region's syncer does.
+    """
+    manifest = job_manifest("shared", islands={"count": 1, "totalShards": 64})
+    started = start_local_syncer(manifest, tmp_path_factory.mktemp("shared-syncer"))
+    yield started
+    started.stop()
+
+
+# ------------------------------------------------------------------------------ the chart
+
+
+@pytest.fixture
+def chart_operator_in(
+    tmp_path: Path,
+) -> Iterator[Callable[[ControlPlane, str], ChartOperator]]:
+    """chart_operator_in(cp, jobs_namespace) -> ChartOperator: the chart installed in `cp` (its
+    own release namespace, watching `jobs_namespace`) and its operator running as the chart's
+    ServiceAccount. Teardown stops the operator and uninstalls the release.
+    """
+    started: list[tuple[ControlPlane, ChartRelease, ChartOperator | None]] = []
+
+    def make(cp: ControlPlane, jobs_namespace: str) -> ChartOperator:
+        home = tmp_path / f"chart-{cp.name}"
+        release_ns = cp.create_namespace("diloco-system")
+        release = ChartRelease(
+            helm_for(cp, home / "helm"),
+            cp,
+            name="diloco",
+            namespace=release_ns,
+            values={"watchNamespaces": [jobs_namespace]},
+        )
+        started.append((cp, release, None))
+        release.install()
+        op = start_chart_operator(
+            cp,
+            args=operator_args(release.manifest()),
+            namespace=release_ns,
+            serviceaccount=release.service_account(),
+            workdir=home,
+        )
+        started[-1] = (cp, release, op)
+        return op
+
+    yield make
+    for cp, release, op in reversed(started):
+        if op is not None:
+            op.stop()
+        release.uninstall()
+        cp.delete_namespace(release.namespace)

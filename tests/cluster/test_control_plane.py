@@ -9,13 +9,11 @@ from typing import Any
 
 import pytest
 
-from hack.localcluster.harness import pod_ready
+from hack.localcluster.harness import ControlPlane, pod_ready
 
-from .conftest import ControlPlane, holds_for, wait_until
+from .waits import WAIT, holds_for, wait_until
 
 pytestmark = pytest.mark.cluster
-
-WAIT = 180  # seconds; generous for a loaded 2-core machine, waits end once their condition holds
 
 
 def _statefulset(name: str, replicas: int) -> list[dict[str, Any]]:
@@ -155,6 +153,14 @@ def test_deleted_statefulset_pod_is_recreated_and_ready(
     wait_until(recreated, timeout=WAIT, message="db-1 recreated and Ready")
 
 
+def _patch_status(cp: ControlPlane, namespace: str, pod: str, patch: dict[str, Any]) -> None:
+    """A strategic merge patch of the pod's status subresource (kwok never writes it back)."""
+    cp.kubectl(
+        "patch", "pod", pod, "-n", namespace, "--subresource=status", "--type=strategic",
+        "-p", json.dumps(patch),
+    )  # fmt: skip
+
+
 def test_patched_not_ready_condition_sticks(control_plane: ControlPlane, namespace: str) -> None:
     control_plane.apply(_statefulset("learner", 2), namespace)
     wait_until(
@@ -163,17 +169,7 @@ def test_patched_not_ready_condition_sticks(control_plane: ControlPlane, namespa
         message="2 Running+Ready pods of StatefulSet learner",
     )
     patch = {"status": {"conditions": [{"type": "Ready", "status": "False", "reason": "Test"}]}}
-    control_plane.kubectl(
-        "patch",
-        "pod",
-        "learner-0",
-        "-n",
-        namespace,
-        "--subresource=status",
-        "--type=strategic",
-        "-p",
-        json.dumps(patch),
-    )
+    _patch_status(control_plane, namespace, "learner-0", patch)
 
     def still_not_ready() -> bool:
         pod = _get_pod(control_plane, namespace, "learner-0")
@@ -207,17 +203,7 @@ def test_patched_failed_phase_sticks(control_plane: ControlPlane, namespace: str
             "conditions": [{"type": "Ready", "status": "False"}],
         }
     }
-    control_plane.kubectl(
-        "patch",
-        "pod",
-        "worker",
-        "-n",
-        namespace,
-        "--subresource=status",
-        "--type=strategic",
-        "-p",
-        json.dumps(patch),
-    )
+    _patch_status(control_plane, namespace, "worker", patch)
 
     def still_failed() -> bool:
         pod = _get_pod(control_plane, namespace, "worker")

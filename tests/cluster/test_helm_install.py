@@ -1,4 +1,3 @@
-# ruff: noqa: F811  (fixtures are imported from the fixture modules and requested by name)
 """`helm install` of charts/diloco-operator into a real control plane, the operator at work with
 the chart's ServiceAccount (not the admin's credentials), and `helm uninstall` leaving nothing of
 the release behind.
@@ -15,23 +14,22 @@ from pathlib import Path
 
 import pytest
 
-from .conftest import ControlPlane, wait_until
-from .operator_fixtures import Cluster, LocalSyncer, job_manifest
-from .region_fixtures import (
+from hack.localcluster.harness import ControlPlane
+
+from .operator_helpers import Cluster, LocalSyncer, create_token_secret, job_manifest
+from .region_helpers import (
     ChartRelease,
     chart_object_names,
-    create_token_secret,
     helm_for,
     operator_args,
-    shared_syncer,  # noqa: F401
     start_chart_operator,
 )
+from .waits import WAIT, wait_until
 
 pytestmark = pytest.mark.cluster
 
 JOB = "helmjob"
 CRD = "customresourcedefinition/dilocojobs.diloco.dev"
-WAIT = 180  # seconds; generous for a loaded 2-core machine, waits end once their condition holds
 
 
 def test_helm_install_operator_reconciles_as_chart_serviceaccount_and_uninstall_cleans_up(

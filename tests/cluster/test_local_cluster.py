@@ -12,7 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from .conftest import LOCAL_CLUSTER, wait_until
+from hack.localcluster.harness import LOCAL_CLUSTER
+
+from .waits import wait_until
 
 pytestmark = pytest.mark.cluster
 

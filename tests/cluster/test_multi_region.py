@@ -1,4 +1,3 @@
-# ruff: noqa: F811  (fixtures are imported from the fixture modules and requested by name)
 """Multi-region: two control planes on this machine stand for two regions, one job spanning both.
 
 Region A runs the syncer; region B's job points its islands at it (spec.syncer.endpoint) with a
@@ -32,16 +31,11 @@ from diloco_operator.api import parse_job_spec
 from diloco_trainer.api import contract
 from diloco_trainer.local import Proc, free_port, wait_ready
 
-from .conftest import ControlPlane, wait_until
-from .operator_fixtures import TINY_TRAINING, Cluster, crd, deep_merge  # noqa: F401
-from .region_fixtures import (
-    ChartOperator,
-    LocalPod,
-    chart_operator_in,  # noqa: F401
-    create_token_secret,
-    self_signed_tls,
-    workload_template,
-)
+from hack.localcluster.harness import ControlPlane
+
+from .operator_helpers import TINY_TRAINING, Cluster, create_token_secret, deep_merge
+from .region_helpers import ChartOperator, LocalPod, self_signed_tls, workload_template
+from .waits import WAIT, wait_until
 
 pytestmark = pytest.mark.cluster
 
@@ -49,7 +43,6 @@ EXAMPLES = Path(__file__).resolve().parents[2] / "examples" / "multi-region"
 # The extra control plane test_control_plane.py starts too: one start per session serves both.
 REGION_B_CLUSTER = "second"
 POD_INDEX = "apps.kubernetes.io/pod-index"
-WAIT = 180.0  # generous for a loaded 2-core machine; waits end once their condition holds
 
 
 def example(name: str) -> dict[str, Any]:

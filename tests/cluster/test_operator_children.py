@@ -1,6 +1,5 @@
 """The operator creates a job's children, repairs drift, and lets GC delete them with the job."""
 
-# ruff: noqa: F811  (fixtures are imported from operator_fixtures and requested by name)
 from __future__ import annotations
 
 import re
@@ -10,20 +9,11 @@ import pytest
 from diloco_trainer.api import contract
 from kubernetes import client
 
-from .conftest import wait_until
-from .operator_fixtures import (  # noqa: F401
-    Cluster,
-    OperatorProcess,
-    cluster,
-    crd,
-    elapsed_until,
-    job_manifest,
-    operator,
-)
+from .operator_helpers import Cluster, OperatorProcess, job_manifest
+from .waits import WAIT, elapsed_until, wait_until
 
 pytestmark = pytest.mark.cluster
 
-WAIT = 180  # seconds; generous for a loaded 2-core machine, waits end once their condition holds
 
 OWNER_LABELS = (
     "app.kubernetes.io/name",

@@ -1,25 +1,15 @@
 """A job whose syncer crash-loops fails: phase Failed, islands scaled to zero, an Event."""
 
-# ruff: noqa: F811  (fixtures are imported from operator_fixtures and requested by name)
 from __future__ import annotations
 
 import json
 
 import pytest
 
-from .conftest import holds_for, wait_until
-from .operator_fixtures import (  # noqa: F401
-    Cluster,
-    OperatorProcess,
-    cluster,
-    crd,
-    job_manifest,
-    operator,
-)
+from .operator_helpers import Cluster, OperatorProcess, job_manifest
+from .waits import WAIT, holds_for, wait_until
 
 pytestmark = pytest.mark.cluster
-
-WAIT = 180  # seconds; generous for a loaded 2-core machine, waits end once their condition holds
 
 
 def test_operator_fails_job_when_syncer_crash_loops(

@@ -1,23 +1,13 @@
 """ttlSecondsAfterFinished over an emptyDir checkpoint volume is warned about on the job."""
 
-# ruff: noqa: F811  (fixtures are imported from operator_fixtures and requested by name)
 from __future__ import annotations
 
 import pytest
 
-from .conftest import wait_until
-from .operator_fixtures import (  # noqa: F401
-    Cluster,
-    OperatorProcess,
-    cluster,
-    crd,
-    job_manifest,
-    operator,
-)
+from .operator_helpers import Cluster, OperatorProcess, job_manifest
+from .waits import WAIT, wait_until
 
 pytestmark = pytest.mark.cluster
-
-WAIT = 180  # seconds; generous for a loaded 2-core machine, waits end once their condition holds
 
 
 def test_ttl_over_an_empty_dir_gets_a_warning_event(

@@ -5,7 +5,6 @@ kwok pods have no containers, so a real `diloco syncer` (and, for progress, a re
 runs on loopback and the job points at it with spec.syncer.endpoint.
 """
 
-# ruff: noqa: F811  (fixtures are imported from operator_fixtures and requested by name)
 from __future__ import annotations
 
 import asyncio
@@ -18,24 +17,12 @@ from diloco_trainer.api.protocol import PushMeta, SyncerError
 from diloco_trainer.core.compress import encode_tensors
 from diloco_trainer.learner.syncer_client import SyncerClient
 
-from .conftest import holds_for, wait_until
-from .operator_fixtures import (  # noqa: F401
-    Cluster,
-    LocalSyncer,
-    OperatorProcess,
-    cluster,
-    crd,
-    elapsed_until,
-    job_manifest,
-    make_local_syncer,
-    operator,
-)
+from .operator_helpers import Cluster, LocalSyncer, OperatorProcess, job_manifest
+from .waits import WAIT, elapsed_until, holds_for, wait_until
 
 pytestmark = pytest.mark.cluster
 
-# Deadlines for the operator to act: generous, for a loaded 2-core machine (waits end as soon as
-# their condition holds). How fast a drop reaches the syncer is measured by bench/operator_scale.py.
-WAIT = 180
+# How fast a drop reaches the syncer is measured by bench/operator_scale.py; WAIT only bounds it.
 
 
 def _remote_job(name: str, make_local_syncer: Any, **spec: Any) -> tuple[dict, LocalSyncer]:

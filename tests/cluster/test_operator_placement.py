@@ -1,7 +1,6 @@
 """Placement on a real control plane: the syncer's pod template, per-island overrides reaching
 the StatefulSets and the scheduler, and `kubectl scale dj` through the scale subresource."""
 
-# ruff: noqa: F811  (fixtures are imported from operator_fixtures and requested by name)
 from __future__ import annotations
 
 import json
@@ -11,19 +10,13 @@ from typing import Any
 import pytest
 from diloco_trainer.api import contract
 
-from .conftest import ControlPlane, wait_until
-from .operator_fixtures import (  # noqa: F401
-    Cluster,
-    OperatorProcess,
-    cluster,
-    crd,
-    job_manifest,
-    operator,
-)
+from hack.localcluster.harness import ControlPlane
+
+from .operator_helpers import Cluster, OperatorProcess, job_manifest
+from .waits import WAIT, wait_until
 
 pytestmark = pytest.mark.cluster
 
-WAIT = 180  # seconds; generous for a loaded 2-core machine, waits end once their condition holds
 ZONE = "topology.kubernetes.io/zone"  # each kwok node of hack/local-cluster is in its own zone
 
 

@@ -1,25 +1,16 @@
 """An operator restarted mid-job picks up where it was: no duplicated, deleted or new children."""
 
-# ruff: noqa: F811  (fixtures are imported from operator_fixtures and requested by name)
 from __future__ import annotations
 
 import signal
 
 import pytest
 
-from .conftest import holds_for, wait_until
-from .operator_fixtures import (  # noqa: F401
-    Cluster,
-    OperatorProcess,
-    cluster,
-    crd,
-    job_manifest,
-    operator,
-)
+from .operator_helpers import Cluster, OperatorProcess, job_manifest
+from .waits import WAIT, holds_for, wait_until
 
 pytestmark = pytest.mark.cluster
 
-WAIT = 180  # seconds; generous for a loaded 2-core machine, waits end once their condition holds
 
 KINDS = ("statefulsets", "services", "deployments", "configmaps", "secrets", "pods")
 

@@ -1,6 +1,5 @@
 """Changing islands.count, suspend and the image: whole islands come and go, others untouched."""
 
-# ruff: noqa: F811  (fixtures are imported from operator_fixtures and requested by name)
 from __future__ import annotations
 
 import time
@@ -8,20 +7,12 @@ import time
 import pytest
 from diloco_operator.planner import statefulset_in_flight
 
-from .conftest import wait_until
-from .operator_fixtures import (  # noqa: F401
-    Cluster,
-    OperatorProcess,
-    cluster,
-    crd,
-    job_manifest,
-    operator,
-)
+from .operator_helpers import Cluster, OperatorProcess, job_manifest
+from .waits import WAIT, wait_until
 
 pytestmark = pytest.mark.cluster
 
 ISLAND_PODS = "diloco.dev/job=sc,app.kubernetes.io/component=learner"
-WAIT = 180  # seconds; generous for a loaded 2-core machine, waits end once their condition holds
 
 
 def _islands(cluster: Cluster) -> set[str]:

@@ -4,7 +4,6 @@ Only the CRD is needed (no operator): the schema's types, ranges, enums and CEL 
 and real kubectl applies the manifests with its default strict field validation.
 """
 
-# ruff: noqa: F811  (fixtures are imported from operator_fixtures and requested by name)
 from __future__ import annotations
 
 import json
@@ -12,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from .operator_fixtures import Cluster, cluster, crd, job_manifest  # noqa: F401
+from .operator_helpers import Cluster, job_manifest
 
 pytestmark = pytest.mark.cluster
 

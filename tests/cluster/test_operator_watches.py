@@ -4,7 +4,6 @@ Pod readiness flips (island dropped and re-added at a real loopback syncer) and 
 passes go by while the operator's read counter stays where the job's first sync left it.
 """
 
-# ruff: noqa: F811  (fixtures are imported from operator_fixtures and requested by name)
 from __future__ import annotations
 
 import re
@@ -12,20 +11,11 @@ from typing import Any
 
 import pytest
 
-from .conftest import holds_for, wait_until
-from .operator_fixtures import (  # noqa: F401
-    Cluster,
-    OperatorProcess,
-    cluster,
-    crd,
-    job_manifest,
-    make_local_syncer,
-    operator,
-)
+from .operator_helpers import Cluster, OperatorProcess, job_manifest
+from .waits import WAIT, holds_for, wait_until
 
 pytestmark = pytest.mark.cluster
 
-WAIT = 180  # seconds; generous for a loaded 2-core machine, waits end once their condition holds
 READ = re.compile(r'^diloco_operator_api_reads_total\{kind="([^"]+)",verb="([^"]+)"\} (\S+)$')
 
 

@@ -1,4 +1,3 @@
-# ruff: noqa: F811  (fixtures are imported from the fixture modules and requested by name)
 """Every rule of the chart's ClusterRole is needed: without it the operator fails at what it covers.
 
 For each rule of the ClusterRole that `helm template` renders with default values, the operator
@@ -25,17 +24,11 @@ from typing import Any
 
 import pytest
 
-from .conftest import ControlPlane, wait_until
-from .operator_fixtures import Cluster, LocalSyncer, crd, job_manifest  # noqa: F401
-from .region_fixtures import (
-    ChartOperator,
-    create_token_secret,
-    helm_for,
-    one,
-    operator_args,
-    render_chart,
-    shared_syncer,  # noqa: F401
-)
+from hack.localcluster.harness import ControlPlane
+
+from .operator_helpers import Cluster, LocalSyncer, create_token_secret, job_manifest
+from .region_helpers import ChartOperator, helm_for, one, operator_args, render_chart
+from .waits import WAIT, wait_until
 
 pytestmark = pytest.mark.cluster
 
@@ -43,7 +36,6 @@ RELEASE = "rbac"
 JOB = "rbac"
 REMOTE = "remote"  # the job whose islands train against the loopback syncer
 SERVICE_ACCOUNT = "operator"
-WAIT = 180.0  # generous for a loaded 2-core machine; waits end once their condition holds
 
 
 def rule_id(rule: dict[str, Any]) -> str:

@@ -19,7 +19,6 @@ answering.
 The TLS rules of the CRD are in test_operator_validation.py (refusals) and here (acceptances).
 """
 
-# ruff: noqa: F811  (fixtures are imported from operator_fixtures and requested by name)
 from __future__ import annotations
 
 import base64
@@ -36,23 +35,13 @@ from typing import Any
 import pytest
 from diloco_trainer.api import credentials
 
+from hack.localcluster.harness import ControlPlane
 from hack.localcluster.processes import pid_matches
 
-from .conftest import ControlPlane, wait_until
-from .operator_fixtures import (  # noqa: F401
-    Cluster,
-    LocalSyncer,
-    OperatorProcess,
-    cluster,
-    crd,
-    job_manifest,
-    make_local_syncer,
-    operator,
-)
+from .operator_helpers import Cluster, LocalSyncer, OperatorProcess, job_manifest
+from .waits import WAIT, wait_until
 
 pytestmark = pytest.mark.cluster
-
-WAIT = 180  # generous for a loaded 2-core machine; waits end once their condition holds
 
 
 def _call(url: str, method: str, token: str, body: Any = None) -> tuple[int, dict[str, Any]]:

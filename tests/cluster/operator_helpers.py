@@ -1,25 +1,21 @@
-"""Fixtures and helpers for the operator's cluster tests (import what you use).
+"""What the operator's cluster tests build on (their fixtures live in conftest.py).
 
 The operator runs as a real process, `diloco operator --standalone --namespace NS`, against the
 local control plane; a real `diloco syncer` runs on loopback when a test needs one (kwok pods
 have no containers, so the job points at it with spec.syncer.endpoint). Every process started
-here is killed, with its whole process group, in teardown.
+here is killed, with its whole process group, by its owner (a fixture's teardown).
 """
 
 from __future__ import annotations
 
 import json
-import os
 import ssl
 import subprocess
-import time
 import urllib.request
-from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import pytest
 from diloco_trainer.api.spec import parse_spec
 from diloco_trainer.local import (
     JobFiles,
@@ -32,8 +28,7 @@ from diloco_trainer.local import (
 )
 
 from hack.localcluster import harness
-
-from .conftest import ControlPlane, wait_until
+from hack.localcluster.harness import ControlPlane
 
 # A spec the local syncer can serve in seconds on one core (gpt-tiny, short sequences).
 TINY_TRAINING: dict[str, Any] = {
@@ -66,13 +61,7 @@ def job_manifest(name: str, **spec: Any) -> dict[str, Any]:
     }
 
 
-# ------------------------------------------------------------------------------ CRD + queries
-
-
-@pytest.fixture(scope="session")
-def crd(control_plane: ControlPlane) -> Path:
-    """The generated CRD, applied with real kubectl and Established."""
-    return control_plane.install_crd(harness.CRD_FILE, timeout="180s")
+# ------------------------------------------------------------------------------ queries
 
 
 class Cluster:
@@ -133,12 +122,6 @@ class Cluster:
         return [e for e in self.items("events") if e.get("reason") == reason]
 
 
-@pytest.fixture
-def cluster(control_plane: ControlPlane, namespace: str, crd: Path) -> Cluster:
-    """Query helpers bound to this test's namespace (CRD installed)."""
-    return Cluster(control_plane, namespace)
-
-
 # ------------------------------------------------------------------------------ operator process
 
 
@@ -153,23 +136,6 @@ class OperatorProcess(harness.OperatorProcess):
     def __post_init__(self) -> None:
         if not self.args:
             self.args = harness.standalone_operator_args([self.namespace])
-
-
-@pytest.fixture
-def operator(
-    control_plane: ControlPlane, namespace: str, crd: Path, tmp_path: Path
-) -> Iterator[OperatorProcess]:
-    """A running operator watching this test's namespace; its log tail is shown on failure
-    (the whole log with DILOCO_SHOW_OPERATOR_LOG=1)."""
-    env = {**control_plane.env, "PYTHONUNBUFFERED": "1"}
-    op = OperatorProcess(env=env, namespace=namespace, log_file=tmp_path / "operator.log")
-    op.start()
-    yield op
-    op.stop()
-    # pytest shows teardown output only for failing tests: the operator's side of the story.
-    lines = op.log_text().splitlines()
-    full = os.environ.get("DILOCO_SHOW_OPERATOR_LOG")
-    print("\n".join(lines if full else lines[-60:]))
 
 
 # ------------------------------------------------------------------------------ local syncer
@@ -220,67 +186,6 @@ class LocalSyncer:
         return ((self.status().get("islands") or {}).get(island) or {}).get("state")
 
 
-@pytest.fixture
-def make_local_syncer(
-    cluster: Cluster, tmp_path: Path
-) -> Iterator[Callable[[dict[str, Any]], LocalSyncer]]:
-    """make_local_syncer(job_manifest, tls=False) -> LocalSyncer serving that job's spec.
-
-    With tls=True it serves HTTPS with a self-signed certificate (the `cert` attribute).
-
-    Also creates the Secret `NAME-shared-token` holding its token; point the job at it with
-    `syncer: {endpoint: syncer.url, tokenSecretName: syncer.secret_name}`.
-    """
-    started: list[LocalSyncer] = []
-
-    def make(manifest: dict[str, Any], tls: bool = False) -> LocalSyncer:
-        spec_doc = {k: v for k, v in manifest["spec"].items() if k != "syncer"}
-        spec = parse_spec(spec_doc)
-        workdir = tmp_path / f"syncer-{len(started)}"
-        files = write_job_files(spec, workdir)
-        cert = key = None
-        if tls:
-            cert, key = self_signed_certificate(workdir)
-        port = free_port()
-        proc = start_syncer(
-            files,
-            port=port,
-            state_dir=workdir / "state",
-            job_name=manifest["metadata"]["name"],
-            log_file=workdir / "syncer.log",
-            tls_cert_file=cert,
-            tls_key_file=key,
-            extra_env={"OMP_NUM_THREADS": "1"},
-        )
-        url = f"{'https' if tls else 'http'}://127.0.0.1:{port}"
-        try:
-            wait_ready(url, files.token, timeout=120, proc=proc, ca_file=cert)
-        except BaseException:
-            proc.stop()
-            raise
-        secret = f"{manifest['metadata']['name']}-shared-token"
-        cluster.cp.kubectl(
-            "create", "secret", "generic", secret, "-n", cluster.ns,
-            f"--from-literal=token={files.token}",
-        )  # fmt: skip
-        syncer = LocalSyncer(
-            proc=proc,
-            url=url,
-            token=files.token,
-            secret_name=secret,
-            files=files,
-            workdir=workdir,
-            job_name=manifest["metadata"]["name"],
-            cert=cert,
-        )
-        started.append(syncer)
-        return syncer
-
-    yield make
-    for syncer in started:
-        syncer.stop()
-
-
 def self_signed_certificate(directory: Path) -> tuple[Path, Path]:
     """A self-signed certificate for 127.0.0.1 (it is its own CA): (cert, key) paths."""
     directory.mkdir(parents=True, exist_ok=True)
@@ -302,8 +207,48 @@ def self_signed_certificate(directory: Path) -> tuple[Path, Path]:
     return cert, key
 
 
-def elapsed_until(predicate: Callable[[], Any], timeout: float, message: str) -> float:
-    """Seconds until predicate() is truthy (fails the test after `timeout`)."""
-    started = time.monotonic()
-    wait_until(predicate, timeout=timeout, interval=0.05, message=message)
-    return time.monotonic() - started
+def start_local_syncer(manifest: dict[str, Any], workdir: Path, tls: bool = False) -> LocalSyncer:
+    """A real `diloco syncer` on loopback serving `manifest`'s spec (a random token); with
+    tls=True over HTTPS with a self-signed certificate (`cert`). The job points at it with
+    `syncer: {endpoint: .url, tokenSecretName: .secret_name}` once `.token` is stored under
+    that name; the caller stops it."""
+    spec = parse_spec({k: v for k, v in manifest["spec"].items() if k != "syncer"})
+    name = manifest["metadata"]["name"]
+    files = write_job_files(spec, workdir)
+    cert = key = None
+    if tls:
+        cert, key = self_signed_certificate(workdir)
+    port = free_port()
+    proc = start_syncer(
+        files,
+        port=port,
+        state_dir=workdir / "state",
+        job_name=name,
+        log_file=workdir / "syncer.log",
+        tls_cert_file=cert,
+        tls_key_file=key,
+        extra_env={"OMP_NUM_THREADS": "1"},
+    )
+    url = f"{'https' if tls else 'http'}://127.0.0.1:{port}"
+    try:
+        wait_ready(url, files.token, timeout=120, proc=proc, ca_file=cert)
+    except BaseException:
+        proc.stop()
+        raise
+    return LocalSyncer(
+        proc=proc,
+        url=url,
+        token=files.token,
+        secret_name=f"{name}-shared-token",
+        files=files,
+        workdir=workdir,
+        job_name=name,
+        cert=cert,
+    )
+
+
+def create_token_secret(cp: ControlPlane, namespace: str, name: str, token: str) -> None:
+    """`kubectl create secret generic NAME --from-literal=token=...` (key contract.TOKEN_KEY)."""
+    cp.kubectl(
+        "create", "secret", "generic", name, "-n", namespace, f"--from-literal=token={token}"
+    )

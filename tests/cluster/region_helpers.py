@@ -1,4 +1,4 @@
-"""Helpers for the chart, RBAC and multi-region cluster tests (import what you use).
+"""Helpers for the chart, RBAC and multi-region cluster tests (their fixtures live in conftest.py).
 
 - `ChartRelease`: the chart installed with the pinned helm into a local control plane, and what
   it created (listed by the chart's labels).
@@ -20,7 +20,7 @@ import base64
 import json
 import re
 import subprocess
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -28,18 +28,14 @@ from typing import Any
 import pytest
 import yaml
 from chart.helm_tool import CHART, Helm
-from diloco_trainer.api.spec import parse_spec
 from diloco_trainer.local import (
     Proc,
-    free_port,
     start_process,
-    start_syncer,
-    wait_ready,
-    write_job_files,
 )
 
-from .conftest import ControlPlane
-from .operator_fixtures import LocalSyncer, OperatorProcess, job_manifest
+from hack.localcluster.harness import ControlPlane
+
+from .operator_helpers import OperatorProcess
 
 # Kinds a chart release may create, namespaced and cluster-scoped (for "nothing left behind").
 NAMESPACED_CHART_KINDS = (
@@ -204,103 +200,6 @@ def start_chart_operator(
     op = ChartOperator(env=env, namespace=namespace, log_file=workdir / "operator.log", args=args)
     op.start()
     return op
-
-
-def start_loopback_syncer(manifest: Mapping[str, Any], workdir: Path) -> LocalSyncer:
-    """A real `diloco syncer` on loopback serving `manifest`'s spec (a random token).
-
-    For jobs that point at it with spec.syncer.endpoint; the caller stores `.token` in a Secret of
-    each namespace that uses it (`.secret_name` is the name to use) and stops it.
-    """
-    spec = parse_spec({k: v for k, v in manifest["spec"].items() if k != "syncer"})
-    files = write_job_files(spec, workdir)
-    port = free_port()
-    name = manifest["metadata"]["name"]
-    proc = start_syncer(
-        files,
-        port=port,
-        state_dir=workdir / "state",
-        job_name=name,
-        log_file=workdir / "syncer.log",
-        extra_env={"OMP_NUM_THREADS": "1"},
-    )
-    url = f"http://127.0.0.1:{port}"
-    try:
-        wait_ready(url, files.token, timeout=120, proc=proc)
-    except BaseException:
-        proc.stop()
-        raise
-    return LocalSyncer(
-        proc=proc,
-        url=url,
-        token=files.token,
-        secret_name=f"{name}-shared-token",
-        files=files,
-        workdir=workdir,
-        job_name=name,
-    )
-
-
-@pytest.fixture(scope="session")
-def shared_syncer(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalSyncer]:
-    """One real syncer for the tests that only need island membership (no training).
-
-    Jobs of different tests use different island names (spec.islands.namePrefix), so they never
-    see each other's islands; each test stores `.token` in its namespace as `.secret_name`.
-    The syncer admits only its job's island names: serving it as one region of a multi-region
-    job (totalShards 64) admits other prefixes' island-0..63, as a region's syncer does.
-    """
-    manifest = job_manifest("shared", islands={"count": 1, "totalShards": 64})
-    started = start_loopback_syncer(manifest, tmp_path_factory.mktemp("shared-syncer"))
-    yield started
-    started.stop()
-
-
-def create_token_secret(cp: ControlPlane, namespace: str, name: str, token: str) -> None:
-    """`kubectl create secret generic NAME --from-literal=token=...` (key contract.TOKEN_KEY)."""
-    cp.kubectl(
-        "create", "secret", "generic", name, "-n", namespace, f"--from-literal=token={token}"
-    )
-
-
-@pytest.fixture
-def chart_operator_in(
-    tmp_path: Path,
-) -> Iterator[Callable[[ControlPlane, str], ChartOperator]]:
-    """chart_operator_in(cp, jobs_namespace) -> ChartOperator: the chart installed in `cp` (its
-    own release namespace, watching `jobs_namespace`) and its operator running as the chart's
-    ServiceAccount. Teardown stops the operator and uninstalls the release.
-    """
-    started: list[tuple[ControlPlane, ChartRelease, ChartOperator | None]] = []
-
-    def make(cp: ControlPlane, jobs_namespace: str) -> ChartOperator:
-        home = tmp_path / f"chart-{cp.name}"
-        release_ns = cp.create_namespace("diloco-system")
-        release = ChartRelease(
-            helm_for(cp, home / "helm"),
-            cp,
-            name="diloco",
-            namespace=release_ns,
-            values={"watchNamespaces": [jobs_namespace]},
-        )
-        started.append((cp, release, None))
-        release.install()
-        op = start_chart_operator(
-            cp,
-            args=operator_args(release.manifest()),
-            namespace=release_ns,
-            serviceaccount=release.service_account(),
-            workdir=home,
-        )
-        started[-1] = (cp, release, op)
-        return op
-
-    yield make
-    for cp, release, op in reversed(started):
-        if op is not None:
-            op.stop()
-        release.uninstall()
-        cp.delete_namespace(release.namespace)
 
 
 # ------------------------------------------------------------------------------ pods -> processes
