@@ -283,12 +283,19 @@ class Learner:
             self._apply(apply, targets)
             if finished or stopped:
                 log.info(
-                    "%s after %d steps; weights digest %s",
+                    "%s after %d steps; weights digest %s%s",
                     "the job has finished: exiting" if finished else "stopping on request",
                     self.steps_run,
                     weights_digest(self.model),
+                    self._peak_memory(),
                 )
                 return 0
+
+    def _peak_memory(self) -> str:
+        """'; peak GPU memory N GiB' on CUDA (what a rank needed), else nothing."""
+        if not self.device.startswith("cuda"):
+            return ""
+        return f"; peak GPU memory {torch.cuda.max_memory_allocated() / 2**30:.2f} GiB"
 
 
 def _init_distributed(env: LearnerEnv, device: str) -> None:

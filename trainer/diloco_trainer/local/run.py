@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import signal
 import sys
 import tempfile
@@ -33,7 +34,7 @@ from rich.console import Console
 from rich.live import Live
 
 from diloco_trainer.api.client import SyncerJsonClient
-from diloco_trainer.api.contract import island_name
+from diloco_trainer.api.contract import DEVICE, island_name
 from diloco_trainer.api.documents import SyncerStatus
 from diloco_trainer.api.placement import island_replicas
 from diloco_trainer.api.protocol import STATE_ACTIVE, STATE_DROPPED, SyncerError
@@ -217,6 +218,11 @@ class LocalRun:
         ranks = sum(island_replicas(self.spec.islands, i) for i in range(self.spec.islands.count))
         return {"OMP_NUM_THREADS": str(threads_per_learner(ranks))}
 
+    def _learner_env(self) -> dict[str, str]:
+        """Threads, and DILOCO_DEVICE from this command's own environment (cpu when unset): e.g.
+        DILOCO_DEVICE=cuda runs every local learner on this machine's GPU."""
+        return {**self._threads(), DEVICE: os.environ.get(DEVICE) or "cpu"}
+
     def start_syncer(self, port: int | None = None) -> Proc:
         """Start (or restart, on the same state dir) the syncer and wait until it is ready."""
         if self.files is None:
@@ -254,7 +260,7 @@ class LocalRun:
                 master_port=master_port,
                 slowdown=self.slowdowns.get(index, 1.0),
                 job_name=self.name,
-                extra_env=self._threads(),
+                extra_env=self._learner_env(),
             )
             self.dead.pop(proc.name, None)
             self.learners = [p for p in self.learners if p.name != proc.name] + [proc]

@@ -1,0 +1,108 @@
+#!/usr/bin/env bash
+# One check of the learner on a GPU machine without network: the inner step against a plain
+# torch loop at gpt-125m (fp32 and bf16), then a short real `diloco run` of a 125M job in bf16
+# with two learners sharing the GPU. Everything it writes goes to $OUT (logs, JSON results).
+#
+# The machine has python3 with torch, aiohttp, safetensors, rich, prometheus-client, pyyaml and
+# numpy; pydantic and its dependencies come as wheels in .whl/ (pip download ... -d .whl).
+#
+# Usage (from the repository root):
+#   OUT=/some/empty/dir hack/gpu-check.sh          # on the GPU machine, about 6 minutes
+#   OUT=/tmp/gc DEVICE=cpu hack/gpu-check.sh       # a dry run here: tiny model, CPU, a minute
+set -uo pipefail
+
+ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+cd "$ROOT"
+DEVICE=${DEVICE:-cuda}
+OUT=${OUT:-$(mktemp -d)}
+mkdir -p "$OUT"
+PY=${PYTHON:-python3}
+exec > >(tee -a "$OUT/gpu-check.log") 2>&1
+echo "== gpu-check: device $DEVICE, results in $OUT, $(date -u +%FT%TZ), rev $(git rev-parse --short HEAD 2>/dev/null || echo unknown)"
+
+SITE=/tmp/gpu-check-site
+if compgen -G ".whl/*.whl" >/dev/null; then
+    "$PY" -m pip install -q --no-index --no-deps --no-compile --target "$SITE" .whl/*.whl \
+        || echo "!! wheel install failed"
+fi
+export PYTHONPATH="$SITE:$ROOT/trainer:$ROOT${PYTHONPATH:+:$PYTHONPATH}"
+
+"$PY" - <<'EOF' | tee "$OUT/env.txt"
+import platform, torch, pydantic
+print("python", platform.python_version(), "torch", torch.__version__, "pydantic", pydantic.VERSION)
+print("cuda", torch.cuda.is_available(), torch.version.cuda)
+if torch.cuda.is_available():
+    p = torch.cuda.get_device_properties(0)
+    print("gpu", p.name, f"{p.total_memory / 2**30:.1f} GiB", "bf16", torch.cuda.is_bf16_supported())
+EOF
+
+if [[ "$DEVICE" == cuda ]]; then
+    PRESET=gpt-125m BENCH_ARGS=(--batch-size 16 --seq-len 1024 --steps 10 --rounds 2 --warmup 3)
+    RUN_PRESET=gpt-125m RUN_BATCH=8 RUN_SEQ=512 RUN_MICRO=2 RUN_H=20 RUN_OUTER=4
+    BENCH_TIMEOUT=150 RUN_TIMEOUT=240
+else
+    PRESET=gpt-tiny BENCH_ARGS=(--batch-size 4 --seq-len 64 --steps 3 --rounds 2 --warmup 1)
+    RUN_PRESET=gpt-tiny RUN_BATCH=4 RUN_SEQ=64 RUN_MICRO=2 RUN_H=8 RUN_OUTER=2
+    BENCH_TIMEOUT=120 RUN_TIMEOUT=180
+fi
+
+# 1. The learner's inner step against a plain torch loop, fp32 then bf16.
+for precision in fp32 bf16; do
+    echo "== bench.learner_step $PRESET $precision on $DEVICE"
+    timeout "$BENCH_TIMEOUT" "$PY" -m bench.learner_step --device "$DEVICE" --preset "$PRESET" \
+        --precision "$precision" "${BENCH_ARGS[@]}" --json "$OUT/bench-$PRESET-$precision.json" \
+        || echo "!! bench $precision failed or timed out (exit $?)"
+done
+
+# 2. A short real job: the syncer on the CPU, two islands of one learner each on $DEVICE.
+WORK=/tmp/gpu-check-run
+rm -rf "$WORK"
+mkdir -p "$WORK"
+cat >"$OUT/job.yaml" <<EOF
+model: {preset: $RUN_PRESET, seed: 0}
+data: {evalTokens: 2048}
+islands: {count: 2}
+inner:
+  steps: $RUN_H
+  batchSize: $RUN_BATCH
+  microBatches: $RUN_MICRO
+  seqLen: $RUN_SEQ
+  precision: bf16
+  lr: 0.0006
+  warmupSteps: 10
+sync: {quorum: 2, fragments: 2, compression: int8}
+stopAfter: {outerSteps: $RUN_OUTER}
+syncer:
+  evalEveryOuterSteps: 2
+  checkpoint: {everyOuterSteps: 100}
+EOF
+echo "== diloco run: $RUN_PRESET bf16, 2 islands on $DEVICE, H=$RUN_H, $RUN_OUTER outer steps"
+start=$(date +%s)
+DILOCO_DEVICE=$DEVICE timeout "$RUN_TIMEOUT" "$PY" -m diloco_trainer.cli run "$OUT/job.yaml" \
+    --workdir "$WORK" --summary "$OUT/run-summary.json" --quiet
+code=$?
+echo "== diloco run exited $code after $(( $(date +%s) - start ))s"
+mkdir -p "$OUT/run-logs"
+cp "$WORK"/logs/*.log "$OUT/run-logs/" 2>/dev/null
+grep -h "tokens/s\|peak GPU memory\|exiting\|Error\|error" "$WORK"/logs/island-*.log 2>/dev/null | tail -20
+
+"$PY" - "$OUT" <<'EOF'
+import json, pathlib, sys
+out = pathlib.Path(sys.argv[1])
+for path in sorted(out.glob("bench-*.json")):
+    r = json.loads(path.read_text())
+    print(f"{path.name}: plain {r['plain']['tokens_per_s']:.0f} tok/s "
+          f"{r['plain']['peak_memory_gib']:.2f} GiB, learner {r['learner']['tokens_per_s']:.0f} "
+          f"tok/s {r['learner']['peak_memory_gib']:.2f} GiB, ratio {r['ratio_learner_to_plain']:.3f}, "
+          f"{r['learner']['model_tflops']:.1f} TFLOP/s")
+summary = out / "run-summary.json"
+if summary.exists():
+    s = json.loads(summary.read_text())
+    wall = s["wall_seconds"] or 1
+    print(f"run: finished {s['finished']}, outer steps {s['outer_steps']}, tokens {s['tokens']}, "
+          f"eval loss {s['initial_eval_loss']} -> {s['final_eval_loss']}, {wall:.0f}s wall, "
+          f"{s['tokens'] / wall:.0f} tokens/s merged (start-up included)")
+else:
+    print("run: no summary")
+EOF
+echo "== gpu-check done $(date -u +%FT%TZ)"
