@@ -9,7 +9,7 @@ import subprocess
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import NamedTuple
 
@@ -34,36 +34,44 @@ Ports = Mapping[str, int]
 
 
 def resolve_bin_dir() -> Path:
-    override = os.environ.get("DILOCO_K8S_BIN_DIR")
-    bin_dir = Path(override) if override else build_binaries()
-    missing = [b for b in BINARIES if not os.access(bin_dir / b, os.X_OK)]
+    """hack/build-binaries.sh (at once when cached) or DILOCO_K8S_BIN_DIR: the control plane's."""
+    return built_bin_dir(BUILD_SCRIPT, "DILOCO_K8S_BIN_DIR", BINARIES, "control-plane binaries")
+
+
+def built_bin_dir(script: Path, override: str, binaries: Sequence[str], what: str) -> Path:
+    """The directory the environment variable `override` names, else the one `bash SCRIPT`
+    prints last (the build scripts return at once when everything is cached); each of
+    `binaries` must be an executable there. `what` names them in errors."""
+    given = os.environ.get(override)
+    bin_dir = Path(given) if given else run_build_script(script, what)
+    missing = [b for b in binaries if not os.access(bin_dir / b, os.X_OK)]
     if missing:
-        raise ClusterError(f"missing binaries in {bin_dir}: {', '.join(missing)}", "build")
+        raise ClusterError(f"missing {what} in {bin_dir}: {', '.join(missing)}", "build")
     return bin_dir
 
 
-def build_binaries() -> Path:
-    """hack/build-binaries.sh (returns at once when every binary is cached): the bin dir."""
-    if not BUILD_SCRIPT.exists():
-        raise ClusterError(f"missing {BUILD_SCRIPT}")
+def run_build_script(script: Path, what: str) -> Path:
+    """Run a hack/ build script (its progress lines pass through on stderr): its bin dir."""
+    if not script.exists():
+        raise ClusterError(f"missing {script}")
     try:
         proc = subprocess.run(
-            ["bash", str(BUILD_SCRIPT)],
+            ["bash", str(script)],
             stdin=subprocess.DEVNULL,
             stdout=subprocess.PIPE,
             text=True,
         )
     except FileNotFoundError as e:
-        raise ClusterError("bash is required to run hack/build-binaries.sh") from e
+        raise ClusterError(f"bash is required to run hack/{script.name}") from e
     if proc.returncode != 0:
         raise ClusterError(
-            f"building the control-plane binaries failed (hack/build-binaries.sh exit "
-            f"{proc.returncode}); see its output above",
+            f"building the {what} failed (hack/{script.name} exit {proc.returncode}); "
+            "see its output above",
             "build",
         )
     lines = proc.stdout.strip().splitlines()
     if not lines:
-        raise ClusterError("hack/build-binaries.sh printed no bin dir", "build")
+        raise ClusterError(f"hack/{script.name} printed no bin dir", "build")
     return Path(lines[-1])
 
 

@@ -19,7 +19,7 @@ import urllib.error
 from pathlib import Path
 from typing import Any
 
-from .components import budget, https_ok, insecure_ctx
+from .components import budget, built_bin_dir, https_ok, insecure_ctx
 from .errors import ClusterError, info
 from .nodeconfig import (
     CGROUP_ROOT,
@@ -78,28 +78,9 @@ SERVICE_CIDR_COMMENT = "diloco real node: Service CIDR not DNATed by kube-proxy"
 
 def resolve_node_bin_dir() -> Path:
     """hack/build-node.sh (at once when cached) or DILOCO_NODE_BIN_DIR: the node's bin dir."""
-    override = os.environ.get("DILOCO_NODE_BIN_DIR")
-    if override:
-        bin_dir = Path(override)
-    else:
-        proc = subprocess.run(
-            ["bash", str(NODE_BUILD_SCRIPT)],
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.PIPE,
-            text=True,
-        )
-        lines = proc.stdout.strip().splitlines()
-        if proc.returncode != 0 or not lines:
-            raise ClusterError(
-                f"building the real node's binaries failed (hack/build-node.sh exit "
-                f"{proc.returncode}); see its output above",
-                "build",
-            )
-        bin_dir = Path(lines[-1])
-    missing = [b for b in NODE_BINARIES if not os.access(bin_dir / b, os.X_OK)]
-    if missing:
-        raise ClusterError(f"missing node binaries in {bin_dir}: {', '.join(missing)}", "build")
-    return bin_dir
+    return built_bin_dir(
+        NODE_BUILD_SCRIPT, "DILOCO_NODE_BIN_DIR", NODE_BINARIES, "real node's binaries"
+    )
 
 
 def host_tool(name: str) -> str:
