@@ -82,24 +82,18 @@ from bench.kube_cluster import (
 from bench.operator_floor import floor_rows, floor_targets, measure_floor, settle
 from bench.operator_load import load_table, measure_load, pct
 from hack.localcluster.harness import (
+    TINY_TRAINING,
     OperatorProcess,
     WaitTimeout,
     condition_status,
     islands_ready,
 )
 
-TRAINING: dict[str, Any] = {
-    "model": {"preset": "gpt-tiny", "seed": 0},
-    "data": {"evalTokens": 2048},
-    "inner": {"steps": 4, "batchSize": 2, "seqLen": 32, "lr": 1e-3},
-    "sync": {"quorum": 1, "graceSeconds": "0.2", "heartbeatTimeoutSeconds": 60},
-}
-
 
 def manifest(name: str, islands: int, replicas: int, **extra: Any) -> dict[str, Any]:
     spec = {
         "image": "diloco-trainer:bench",
-        **TRAINING,
+        **TINY_TRAINING,
         "islands": {"count": islands, "replicas": replicas},
         **extra,
     }
@@ -174,7 +168,7 @@ class SyncerForDrop:
     """A real syncer on loopback that a job in the cluster points at (spec.syncer.endpoint)."""
 
     def __init__(self, wd: Path, islands: int) -> None:
-        spec = parse_spec({**TRAINING, "islands": {"count": islands}})
+        spec = parse_spec({**TINY_TRAINING, "islands": {"count": islands}})
         self.files = write_job_files(spec, wd)
         self.port = free_port()
         self.proc = track(

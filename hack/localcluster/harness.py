@@ -45,6 +45,7 @@ __all__ = [
     "CRD_FILE",
     "DILOCO",
     "LOCAL_CLUSTER",
+    "TINY_TRAINING",
     "ClusterStartError",
     "ControlPlane",
     "KubectlError",
@@ -70,6 +71,14 @@ REPO_ROOT = HACK_DIR.parent
 LOCAL_CLUSTER = ENTRY_POINT
 CRD_FILE = REPO_ROOT / "crds" / "dilocojob.yaml"
 KUBECTL_TIMEOUT = 120.0
+# The training sections of a job a loopback syncer serves in seconds on one core (gpt-tiny,
+# short sequences): the cluster tests' jobs and the operator benchmark's.
+TINY_TRAINING: dict[str, Any] = {
+    "model": {"preset": "gpt-tiny", "seed": 0},
+    "data": {"evalTokens": 2048},
+    "inner": {"steps": 4, "batchSize": 2, "seqLen": 32, "lr": 1e-3},
+    "sync": {"quorum": 1, "graceSeconds": "0.2", "heartbeatTimeoutSeconds": 60},
+}
 
 PodT = TypeVar("PodT", bound=Mapping[str, Any])
 

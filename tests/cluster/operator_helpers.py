@@ -28,15 +28,7 @@ from diloco_trainer.local import (
 )
 
 from hack.localcluster import harness
-from hack.localcluster.harness import ControlPlane
-
-# A spec the local syncer can serve in seconds on one core (gpt-tiny, short sequences).
-TINY_TRAINING: dict[str, Any] = {
-    "model": {"preset": "gpt-tiny", "seed": 0},
-    "data": {"evalTokens": 2048},
-    "inner": {"steps": 4, "batchSize": 2, "seqLen": 32, "lr": 1e-3},
-    "sync": {"quorum": 1, "graceSeconds": "0.2", "heartbeatTimeoutSeconds": 60},
-}
+from hack.localcluster.harness import TINY_TRAINING, ControlPlane
 
 
 def deep_merge(base: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:

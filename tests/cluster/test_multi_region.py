@@ -31,9 +31,9 @@ from diloco_operator.api import parse_job_spec
 from diloco_trainer.api import contract
 from diloco_trainer.local import Proc, free_port, wait_ready
 
-from hack.localcluster.harness import ControlPlane
+from hack.localcluster.harness import TINY_TRAINING, ControlPlane
 
-from .operator_helpers import TINY_TRAINING, Cluster, create_token_secret, deep_merge
+from .operator_helpers import Cluster, create_token_secret, deep_merge
 from .region_helpers import ChartOperator, LocalPod, self_signed_tls, workload_template
 from .waits import WAIT, wait_until
 
