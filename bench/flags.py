@@ -29,11 +29,11 @@ SHARED_FLAGS: dict[str, dict[str, Any]] = {
 }
 
 # The model and batch every training benchmark starts from (each may override one).
-TRAINING = {"preset": "gpt-tiny", "batch_size": 8, "seq_len": 64}
+TRAINING: dict[str, Any] = {"preset": "gpt-tiny", "batch_size": 8, "seq_len": 64}
 # The inner optimizer of the benchmarks that compare loss at equal tokens.
-INNER_OPTIMIZER = {"inner_lr": 3e-3, "warmup": 20}
+INNER_OPTIMIZER: dict[str, Any] = {"inner_lr": 3e-3, "warmup": 20}
 # The benchmarks that measure a window of wall time, ours against torchft (decoupling, goodput).
-WALL_CLOCK = {
+WALL_CLOCK: dict[str, Any] = {
     "inner_steps": 20,
     "eval_tokens": 4096,
     "codec": "none",
