@@ -53,6 +53,7 @@ __all__ = [
 Codec = Literal["none", "fp16", "bf16", "int8", "int4"]
 PullCompression = Literal["auto", "none", "fp16", "bf16", "int8", "int4"]
 MergeRule = Literal["tokens", "mean", "rda"]
+Parallelism = Literal["ddp", "fsdp"]
 
 # sync.maxStaleness "auto": versions per island of the job (at quorum 1, M versions are about one
 # round of work, so pushes about four rounds behind are refused as ancient).
@@ -68,6 +69,13 @@ class IslandsSpec(SpecModel):
     count: int = Field(2, ge=1, le=512, description="Number of islands M.")
     replicas: int = Field(
         1, ge=1, le=1024, description="Pods (DDP ranks) per island; rank 0 talks to the syncer."
+    )
+    parallelism: Parallelism = Field(
+        "ddp",
+        description="How an island's replicas share the model: ddp (every rank holds all of "
+        "it) or fsdp (FSDP2: every rank holds 1/replicas of the parameters, gradients, "
+        "optimizer state and pulled global weights; rank 0 gathers one fragment's "
+        "pseudo-gradient at a time and pulls full fragments).",
     )
     name_prefix: str = Field(
         "",

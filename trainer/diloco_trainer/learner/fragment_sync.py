@@ -32,6 +32,7 @@ from diloco_trainer.learner.schedule import (
     schedule_positions,
     wait_budget,
 )
+from diloco_trainer.learner.shards import FragmentShards
 from diloco_trainer.learner.syncer_link import (
     WAIT_SLICE_SECONDS,
     HeldFragment,
@@ -78,6 +79,10 @@ class FragmentSync:
         self.wall_step = 0.0
         self._last_step: float | None = None
         self.clock = time.monotonic  # what wall_step is measured with (a test may replace it)
+        # Set by the loop when the island is sharded (islands.parallelism fsdp): the fragments'
+        # tensors then live in every rank's FragmentShards, and FragmentState keeps only versions
+        # and counters (its tensor dicts stay empty).
+        self.shards: FragmentShards | None = None
         islands = max(spec.islands.count, spec.total_shards())
         self.blocking = blocks_for_merge(
             quorum=spec.sync.quorum, islands=islands, overlap=self.overlap
@@ -141,7 +146,11 @@ class FragmentSync:
         out = {}
         for f, result in sorted(self.arrived.items()):
             merged = self._checked(f, result)
-            out[f] = self.fragments[f].take_global(merged, result.pulled.version)
+            if self.shards is not None:
+                self.shards.joined(f, merged)
+                self.fragments[f].take_global({}, result.pulled.version)
+            else:
+                out[f] = self.fragments[f].take_global(merged, result.pulled.version)
             log.info("fragment %d: took version %d (joined)", f, result.pulled.version)
             if result.pulled.finished:
                 self.link.finished.set()
@@ -175,7 +184,9 @@ class FragmentSync:
         out: dict[int, Weights] = {}
         for plan in plans:
             for f in self._collect_plan(plan):
-                out[f] = self._receive(f)
+                target = self._receive(f)
+                if self.shards is None:  # sharded: every rank has installed its rows already
+                    out[f] = target
         return out
 
     def _plan(self, position: int) -> StepPlan:
@@ -232,7 +243,11 @@ class FragmentSync:
         """Compute Δ_f = θ_global − θ_local (fp32, CPU), encode it and push it in the background."""
         state = self.fragments[f]
         c = state.counters
-        delta = state.push(self._local(f))
+        if self.shards is not None:
+            state.push({})  # the counters at the push; the tensors are the shards'
+            delta = self.shards.push(f)
+        else:
+            delta = state.push(self._local(f))
         codec = self.spec.sync.compression
         encoded = encode_delta(delta, codec, self.error_feedback)
         meta = PushMeta(
@@ -251,7 +266,11 @@ class FragmentSync:
         if old is not None:
             old.future.cancel()
             log.warning("step %d: fragment %d overdue, pushing it again", position, f)
-        held = HeldFragment(version=state.version, tensors=state.base)
+        # A sharded island holds no whole fragment to apply compressed updates to: it pulls
+        # full fragments (held None).
+        held = (
+            HeldFragment(version=state.version, tensors=state.base) if self.shards is None else None
+        )
         # Learners that do not block align their phase within merges too (merge_lateness).
         sync = self.link.sync_fragment(f, encoded, meta, held, within=not self.blocking)
         future = self.link.submit(sync)
@@ -303,7 +322,11 @@ class FragmentSync:
         result = self.arrived.pop(f)
         state = self.fragments[f]
         merged = self._checked(f, result)
-        target = state.receive(merged, result.pulled.version, self._local(f), self._alpha())
+        if self.shards is not None:
+            self.shards.receive(f, merged)
+            target = state.receive({}, result.pulled.version, {}, self._alpha())
+        else:
+            target = state.receive(merged, result.pulled.version, self._local(f), self._alpha())
         state.last_sync_seconds = result.seconds
         self.round_times = [*self.round_times[-7:], result.seconds]
         log.info(

@@ -49,6 +49,7 @@ from diloco_trainer.learner.device import configure_threads, pick_device
 from diloco_trainer.learner.fragment_sync import FragmentSync
 from diloco_trainer.learner.inner_step import InnerStep, check_precision
 from diloco_trainer.learner.schedule import rewarm_factor, schedule_start
+from diloco_trainer.learner.shards import FragmentShards, local_rows, shard_model
 from diloco_trainer.learner.syncer_client import SyncerClient
 from diloco_trainer.learner.syncer_link import SyncerLink
 from diloco_trainer.models.parts import build_parts, inner_lr, make_inner_optimizer, set_lr
@@ -64,7 +65,8 @@ def weights_digest(model: nn.Module) -> str:
     h = hashlib.sha256()
     for name, p in model.named_parameters():
         h.update(name.encode())
-        h.update(p.detach().to("cpu", torch.float32).contiguous().numpy().tobytes())
+        # fsdp: this rank's rows (each rank of a sharded island has its own digest).
+        h.update(local_rows(p).detach().to("cpu", torch.float32).contiguous().numpy().tobytes())
     return h.hexdigest()[:16]
 
 
@@ -90,12 +92,18 @@ class Learner:
             raise ConfigError("model.entrypoint returned no train stream (TrainingParts.train)")
         self.model = self.parts.model
         self.model.train()
-        self.params: dict[str, nn.Parameter] = dict(self.model.named_parameters())
+        # fsdp: every rank holds its rows of the parameters (DTensors after fully_shard) and of
+        # the fragments' DiLoCo state (shards.py); one rank alone trains unsharded.
+        self.sharded = self.distributed and spec.islands.parallelism == "fsdp"
+        self.shards: FragmentShards | None = None
         self.train_model: nn.Module = self.model
-        if self.distributed:
+        if self.sharded:
+            shard_model(self.model, world_size=env.world_size, device=self._comm_device())
+        elif self.distributed:
             self.train_model = nn.parallel.DistributedDataParallel(
                 self.model, device_ids=[torch.cuda.current_device()] if device == "cuda" else None
             )
+        self.params: dict[str, nn.Parameter] = dict(self.model.named_parameters())
         # One AdamW for the life of the process: its state carries across rounds (applying a
         # merged fragment writes the weights in place and never touches it).
         self.optimizer = make_inner_optimizer(spec, self.model)
@@ -162,6 +170,15 @@ class Learner:
                     if self.distributed:
                         dist.broadcast(g, src=0)
                     p.copy_(g)
+
+    def _end_commands(self) -> None:
+        """Sharded: rank 0 ends the step's fragment commands, the other ranks run them."""
+        if self.shards is None:
+            return
+        if self.rank0:
+            self.shards.done()
+        else:
+            self.shards.serve()
 
     def _comm_device(self) -> str:
         return self.device if self.device.startswith("cuda") else "cpu"
@@ -231,11 +248,22 @@ class Learner:
             log.info("stopped before joining the syncer")
             return False
         self.lr_offset = outer_step * inner_steps
+        if self.sharded:
+            self.shards = FragmentShards(
+                self.params,
+                self.layout,
+                rank=self.env.rank,
+                world_size=self.env.world_size,
+                comm_device=self._comm_device(),
+                alpha=self.spec.sync.mix_alpha,
+            )
         targets = {}
         if self.sync is not None:
             self.sync.offsets = fragment_offsets(inner_steps, len(self.layout))
             self.sync.position = first
+            self.sync.shards = self.shards
             targets = self.sync.take_joined()
+        self._end_commands()
         # Everyone starts from the global weights.
         apply, finished, stopped = self._control(sorted(targets), self._finished())
         self._apply(apply, targets)
@@ -279,6 +307,7 @@ class Learner:
                     )
                     window_tokens, window_start = 0, now
                 targets = self.sync.after_step()
+            self._end_commands()
             apply, finished, stopped = self._control(sorted(targets), self._finished())
             self._apply(apply, targets)
             if finished or stopped:
