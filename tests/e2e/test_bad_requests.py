@@ -78,7 +78,7 @@ async def _advance(url: str, token: str) -> dict[int, dict[str, torch.Tensor]]:
                 version = pulled.version
                 delta = {n: torch.full_like(t, 1e-3) for n, t in pulled.tensors.items()}
                 meta = protocol.PushMeta("island-0", version, 128, 4, 5.0, 0.01, "none")
-                answer = await client.push(f, encode_tensors(delta, "none"), meta)
+                answer = await client.push_pseudo_gradient(f, encode_tensors(delta, "none"), meta)
                 assert answer.accepted, answer
             pulled = await client.pull_fragment(f, after=version, wait=60)
             assert pulled is not None and pulled.version == 2

@@ -26,12 +26,12 @@ import os
 import sys
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
 
 import safetensors.torch
 import torch
 
 from diloco_trainer.api.contract import TOKEN_FILE, ContractError, read_token
+from diloco_trainer.api.manifest import CheckpointManifest
 from diloco_trainer.api.protocol import SyncerError
 from diloco_trainer.api.spec import ConfigError, load_spec
 from diloco_trainer.syncer.checkpoint import (
@@ -64,10 +64,10 @@ def find_checkpoint(path: Path) -> Path:
     return found[-1]
 
 
-def _eval_loss_at(manifest: Mapping[str, Any], outer_step: int) -> float | None:
-    for entry in reversed(manifest.get("evalHistory", [])):
-        if entry.get("outerStep") == outer_step and entry.get("evalLoss") is not None:
-            return float(entry["evalLoss"])
+def _eval_loss_at(manifest: CheckpointManifest, outer_step: int) -> float | None:
+    for entry in reversed(manifest.eval_history):
+        if entry.outer_step == outer_step and entry.eval_loss is not None:
+            return entry.eval_loss
     return None
 
 
@@ -82,10 +82,10 @@ def from_checkpoint(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, str]
         "source": str(ckpt_dir.resolve()),
         "weights": "exact",
         "outerStep": str(ckpt.outer_step),
-        "versions": json.dumps(ckpt.manifest.get("versions", [])),
-        "job": str(ckpt.manifest.get("jobName", "")),
+        "versions": json.dumps(ckpt.document.versions),
+        "job": ckpt.document.job_name,
     }
-    loss = _eval_loss_at(ckpt.manifest, ckpt.outer_step)
+    loss = _eval_loss_at(ckpt.document, ckpt.outer_step)
     if loss is not None:
         meta["evalLoss"] = repr(loss)
     return ckpt.weights, meta

@@ -33,6 +33,7 @@ from diloco_trainer.api.documents import (
     HeartbeatAnswer,
     JoinInfo,
     MembershipAnswer,
+    MembershipRequest,
     SyncerStatus,
     parse_json_object,
 )
@@ -223,5 +224,5 @@ class SyncerJsonClient:
     async def set_membership(self, island: str, state: str, reason: str = "") -> MembershipAnswer:
         """Admin: mark an island active or dropped (protocol.ADMIN_STATES)."""
         path = ROUTE_ISLAND.format(island=quote(island, safe=""))
-        body = {"state": state, "reason": reason}
+        body = MembershipRequest(state=state, reason=reason).to_wire()
         return await self.document(MembershipAnswer, "PUT", path, json_body=body)

@@ -10,9 +10,9 @@ long-polling pullers, and evaluations and checkpoints run in the background (job
 (startup.py) builds those parts; the status and checkpoint manifest are assembled from them
 (status.py). The HTTP edge is http.py, the process server.py.
 
-This module is the thin service that holds those parts behind one lock and runs the two
-sequences that cross them: a push (receive_push, the whole path in one place) and a merge
-(_merge). Concurrency: HTTP handlers run on one
+This module is the thin service that holds those parts behind one lock, answers the membership
+routes, and runs the two sequences that cross the parts: a push (push.py, the whole path in one
+place) and a merge (_merge, in merge.py's steps). Concurrency: HTTP handlers run on one
 asyncio loop; heavy work (decoding a push, merging, the outer step, evaluation, serialising
 fragments, checkpoints, digests) runs in worker threads. One asyncio lock makes every state change
 atomic: a merge holds it from taking the round to publishing the new fragment, so pushes wait for
@@ -43,38 +43,27 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from diloco_trainer.api import credentials
 from diloco_trainer.api.credentials import Principal
 from diloco_trainer.api.documents import (
     HeartbeatAnswer,
     JoinInfo,
     MembershipAnswer,
-    PushAnswer,
     SyncerStatus,
 )
-from diloco_trainer.api.protocol import PushMeta
 from diloco_trainer.api.spec import JobSpec
 from diloco_trainer.syncer import server, startup
-from diloco_trainer.syncer.credentials import require_push
 from diloco_trainer.syncer.jobs import CheckpointSnapshot
 from diloco_trainer.syncer.merge import LeftOut
 from diloco_trainer.syncer.merge_log import describe_merge
 from diloco_trainer.syncer.publisher import BodyKey
+from diloco_trainer.syncer.push import PushPath
 from diloco_trainer.syncer.records import Refused
 from diloco_trainer.syncer.status import (
     Progress,
     StatusSources,
     checkpoint_manifest,
     status_document,
-)
-from diloco_trainer.syncer.validation import (
-    decode_measured,
-    parse_push_meta,
-    push_contribution,
-    read_push_header,
-    read_push_tensors,
 )
 
 __all__ = ["Syncer", "main"]
@@ -122,7 +111,14 @@ class Syncer:
         self.spec_hash = parts.spec_hash
         self.resumed_from = parts.resumed_from
         self.finished = parts.finished
-        self.bytes_in = 0
+        self.pushes = PushPath(
+            self,
+            state=self.state,
+            gate=self.gate,
+            model=self.model,
+            codec=self.codec,
+            metrics=self.metrics,
+        )
         # Set when a merge failed half-way: the state can no longer be trusted, so the syncer
         # refuses work (503) and reports unhealthy until it is restarted from its checkpoint.
         self.failure: str | None = None
@@ -187,6 +183,11 @@ class Syncer:
         return self.state.outer_step
 
     @property
+    def bytes_in(self) -> int:
+        """Bytes of accepted push bodies."""
+        return self.pushes.bytes_in
+
+    @property
     def tokens(self) -> int:
         """Tokens merged into the global model (each fragment's merges, averaged over fragments)."""
         return self.merge_log.tokens
@@ -225,7 +226,14 @@ class Syncer:
         if self._poke is not None:
             self._poke.set()
 
-    def _locked(self) -> asyncio.Lock:
+    def changed(self) -> None:
+        """Membership or rounds changed (a push was recorded, an island dropped): gauges, and
+        the merge scheduler looks again."""
+        self._update_gauges()
+        self._wake()
+
+    def locked(self) -> asyncio.Lock:
+        """The lock every state change holds; Refused(503) once the syncer failed."""
         assert self.lock is not None, "Syncer.start() was not called"
         if self.failure:
             raise Refused(503, f"the syncer failed and must be restarted: {self.failure}")
@@ -233,7 +241,7 @@ class Syncer:
 
     async def join(self, island: str, replicas: int) -> dict[str, Any]:
         """Register an island; returns the fragment layout and current versions (JoinInfo)."""
-        async with self._locked():
+        async with self.locked():
             self.gate.admit(self.state.membership, island, self.clock())
             rec = self.state.membership.join(island, replicas, self.clock())
             self._update_gauges()
@@ -256,7 +264,7 @@ class Syncer:
     ) -> dict[str, Any]:
         """A learner's sign of life; returns its membership state and whether the job finished
         (HeartbeatAnswer)."""
-        async with self._locked():
+        async with self.locked():
             rec = self.state.membership.heartbeat(
                 island, self.clock(), step=step, tokens=tokens, loss=loss, step_time=step_time
             )
@@ -269,7 +277,7 @@ class Syncer:
 
     async def leave(self, island: str) -> dict[str, Any]:
         """An island says goodbye (MembershipAnswer)."""
-        async with self._locked():
+        async with self.locked():
             rec = self.state.membership.leave(island, self.clock())
             self._update_gauges()
         self._wake()
@@ -278,7 +286,7 @@ class Syncer:
 
     async def set_membership(self, island: str, state: str, reason: str) -> dict[str, Any]:
         """Admin: mark an island active or dropped (MembershipAnswer)."""
-        async with self._locked():
+        async with self.locked():
             members = self.state.membership
             if island not in members.islands:
                 self.gate.admit(members, island, self.clock())
@@ -291,82 +299,11 @@ class Syncer:
     async def receive_push(
         self, fragment: int, body: bytes, principal: Principal = ROOT
     ) -> dict[str, Any]:
-        """A pushed pseudo-gradient, from its body to its round (PushAnswer); Refused (state
-        unchanged) on a problem. The whole path, in order:
-
-        1. authenticate: the body's metadata (read once) names an island `principal` may push as;
-        2. parse the metadata into typed, bounded fields;
-        3. admit the island (joined, not dropped) and the push's base version (not stale), unless
-           the job finished or this pushId was answered already (the first answer again);
-        4. guard the work it claims (steps, tokens), then, decoded off the lock, its values
-           (finite, norm bounds), and check 3 again: a merge or a drop may have happened;
-        5. record it in the fragment's round.
-
-        A refusal of its content (400 from decoding, 422 from the guards) counts towards the
-        island's refusals in a row; one of the body or its metadata (1., 2.) does not."""
+        """A pushed pseudo-gradient, from its body to its round (push.py: the whole path);
+        Refused, with nothing changed, on a problem. Returns the PushAnswer."""
         self.check_fragment(fragment)
-        raw_meta = read_push_header(body)
-        require_push(principal, raw_meta)  # 1.
-        meta = parse_push_meta(raw_meta, self.codec)  # 2.
-        flat = read_push_tensors(body)  # still encoded
-        try:
-            answer = await self._admit_guard_record(fragment, flat, meta, len(body))
-        except Refused as err:
-            if err.status in (400, 422):
-                await self._refused(fragment, meta.island, err)
-            raise
+        answer = await self.pushes.receive(fragment, body, principal)
         return answer.to_wire()
-
-    async def _admit_guard_record(
-        self, fragment: int, flat: dict[str, torch.Tensor], meta: PushMeta, size: int
-    ) -> PushAnswer:
-        """Steps 3-5 of receive_push."""
-        async with self._locked():
-            early = self._finished_or_duplicate(fragment, meta)
-            if early is not None:
-                return early
-            self.state.check_push(fragment, meta.island, meta.base_version)  # 3.
-            self.gate.check_work(
-                self.state.membership, meta.island, tokens=meta.tokens, steps=meta.steps
-            )  # 4.
-        decoded, stats = await asyncio.to_thread(
-            decode_measured, fragment, flat, self.codec, self.model.expected[fragment]
-        )
-        async with self._locked():
-            early = self._finished_or_duplicate(fragment, meta)
-            if early is not None:
-                return early
-            now = self.clock()
-            lag = self.state.check_push(fragment, meta.island, meta.base_version)  # 3. again
-            self.gate.check_delta(fragment, stats)  # 4.
-            contribution = push_contribution(meta, lag=lag, payload=decoded, now=now)
-            answer = self.state.accept_push(fragment, contribution, now)  # 5.
-            self.gate.accepted(fragment, meta.island, stats)
-            self.bytes_in += size
-            self.metrics.bytes_in.inc(size)
-            self._update_gauges()
-        self._wake()
-        return answer
-
-    async def _refused(self, fragment: int, island: str, err: Refused) -> None:
-        async with self._locked():
-            dropped = self.gate.refused(self.state.membership, fragment, island, err, self.clock())
-            if dropped:
-                self._update_gauges()
-        if dropped:
-            self._wake()
-
-    def _finished_or_duplicate(self, fragment: int, meta: PushMeta) -> PushAnswer | None:
-        if self.finished:
-            return PushAnswer(
-                accepted=False,
-                finished=True,
-                version=self.state.versions[fragment],
-                pending=0,
-                reason="the job has finished",
-            )
-        prev = self.state.previous_answer(fragment, meta.island, meta.push_id)
-        return prev.model_copy(update={"duplicate": True}) if prev is not None else None
 
     async def pull(self, fragment: int, *, after: int, wait: float, have: int = -1) -> bytes | None:
         """Fragment bytes once its version is > after (or the job finished); None after `wait`.
@@ -383,7 +320,7 @@ class Syncer:
         """
         if not digest:
             return self._status().to_wire()
-        async with self._locked():
+        async with self.locked():
             doc = self._status()
             weights = await asyncio.to_thread(self.digest)
         return doc.model_copy(update={"digest": weights}).to_wire()
@@ -402,7 +339,7 @@ class Syncer:
     async def tick(self) -> float | None:
         """One scheduler pass: expire silent islands, merge every due round. Returns the next
         grace deadline (clock time), if a round is waiting for one."""
-        async with self._locked():
+        async with self.locked():
             now = self.clock()
             members = self.state.membership
             awaited = members.awaited()

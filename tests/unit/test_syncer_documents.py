@@ -1,0 +1,113 @@
+"""The syncer writes its disk documents through their models, and reads them back the same way:
+a real checkpoint's manifest and merges.jsonl lines are CheckpointManifest and MergeRecord
+documents whose wire form is what is on disk; an older manifest reads with the older meanings;
+a malformed one is refused naming the field; a push's metadata is read once."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+from diloco_trainer.api import credentials, protocol
+from diloco_trainer.api.documents import DocumentError, MergeRecord
+from diloco_trainer.api.manifest import CheckpointManifest
+from diloco_trainer.core import payloads
+from diloco_trainer.syncer import checkpoint as ckpt
+from diloco_trainer.syncer.merge_log import MERGE_LOG_FILE
+from diloco_trainer.syncer.service import Syncer
+
+from .test_syncer import FakeClock, body, delta, make_spec, run, started
+
+
+def _two_merges(tmp_path: Path) -> Syncer:
+    async def scenario() -> Syncer:
+        spec = make_spec(islands={"count": 1}, sync={"quorum": 1})
+        syncer = await started(spec, tmp_path, FakeClock())
+        await syncer.join("island-0", 1)
+        for seed in range(2):
+            pushed = body(syncer, 0, "island-0", delta(syncer, 0, seed), push_id=f"p{seed}")
+            await syncer.receive_push(0, pushed)
+            await syncer.tick()
+        await syncer.stop()  # the final checkpoint
+        return syncer
+
+    return run(scenario())
+
+
+def test_syncer_documents_on_disk_are_their_models_wire_form(tmp_path: Path) -> None:
+    syncer = _two_merges(tmp_path)
+    loaded = ckpt.load_latest(tmp_path)
+    assert loaded is not None
+    # Parsed and written back, the manifest is what is on disk, key for key.
+    assert loaded.document.to_wire() == loaded.manifest
+    assert loaded.document.versions == [2] and loaded.document.outer_step == 2
+    assert loaded.document.job_name == "unit"
+    saved = loaded.document.push_answers
+    assert [(a.island, a.push_id, a.answer.version) for a in saved] == [
+        ("island-0", "p0", 0),
+        ("island-0", "p1", 1),
+    ]
+    lines = (tmp_path / MERGE_LOG_FILE).read_text().splitlines()
+    records = [MergeRecord.from_json(json.loads(line)) for line in lines]
+    assert [r.to_wire() for r in records] == [json.loads(line) for line in lines]
+    assert [(r.version, r.fragment, r.tokens) for r in records] == [(1, 0, 100), (2, 0, 100)]
+    assert [c.island for r in records for c in r.contributors] == ["island-0", "island-0"]
+    assert records == list(syncer.merge_log.recent)
+
+
+def test_syncer_documents_older_manifest_reads_with_older_meanings() -> None:
+    # What a syncer before rounds of work, saved answers and norm history wrote.
+    older = CheckpointManifest.from_json(
+        {"versions": [3, 2], "outerStep": 2, "formatVersion": 1, "fragmentTokens": [30.0, 20.0]}
+    )
+    assert older.outer_progress is None  # each merge was a round (GlobalModel.restore)
+    assert (older.work_clocks, older.push_answers, older.norm_history) == ([], [], [])
+    assert older.islands == {} and older.pull_compression == "none"
+
+
+@pytest.mark.parametrize(
+    ("doc", "field"),
+    [
+        ({"outerStep": 1}, "versions"),
+        ({"versions": "3"}, "versions"),
+        ({"versions": [1], "islands": {"island-0": {"joins": 1}}}, "islands.island-0.state"),
+        ({"versions": [1], "pushAnswers": [{"island": "island-0"}]}, "pushAnswers.0.fragment"),
+    ],
+)
+def test_syncer_documents_malformed_manifest_is_refused_naming_the_field(
+    doc: dict[str, Any], field: str
+) -> None:
+    with pytest.raises(DocumentError) as err:
+        CheckpointManifest.from_json(doc)
+    assert field in str(err.value)
+
+
+def test_syncer_documents_a_push_header_is_read_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An island's credential: who may push is checked on the same reading of the header that
+    the metadata is parsed from (before, the body's header was read for each)."""
+    reads: list[int] = []
+    real = protocol.read_metadata
+
+    def counted(raw: bytes) -> dict[str, str]:
+        reads.append(len(raw))
+        return real(raw)
+
+    # Every reader of a safetensors header in the trainer goes through one of these two names.
+    monkeypatch.setattr(protocol, "read_metadata", counted)
+    monkeypatch.setattr(payloads, "read_metadata", counted)
+
+    async def scenario() -> dict[str, Any]:
+        syncer = await started(make_spec(), tmp_path, FakeClock())
+        await syncer.join("island-0", 1)
+        island = credentials.Principal(credentials.ISLAND, "island-0")
+        pushed = body(syncer, 0, "island-0", delta(syncer, 0, 1))
+        answer = await syncer.receive_push(0, pushed, island)
+        await syncer.stop()
+        return answer
+
+    answer = run(scenario())
+    assert answer["accepted"] is True and len(reads) == 1
