@@ -1,6 +1,6 @@
 """helm for the tests: locating the pinned binary, running it, parsing what it renders.
 
-helm is located like the other Kubernetes binaries of the project (tests/cluster/conftest.py):
+helm is located like the other Kubernetes binaries of the project (tests/cluster/control_planes.py):
 $DILOCO_K8S_BIN_DIR when set, otherwise the cache directory of hack/build-binaries.sh, which
 builds every pinned binary from source on first use. Shared by tests/chart and tests/kind.
 """
