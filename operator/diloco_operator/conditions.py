@@ -6,12 +6,10 @@ dashboards see when a state began, not when the operator last looked.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import Any
-
 from diloco_operator.api import Condition
 from diloco_operator.observation import ConditionsByType, Observation
 from diloco_operator.phase import LOST, NOT_YET_REACHED, Verdict
+from diloco_operator.syncer_view import SyncerView
 from diloco_operator.times import rfc3339
 
 CONDITION_TYPES = (
@@ -68,25 +66,23 @@ HEALTH_KINDS = {
 }
 
 
-def syncer_health(syncer_status: Mapping[str, Any] | None) -> tuple[bool, str, str]:
-    """(healthy, reason, message) of the SyncerHealthy condition from the syncer's status
-    document's `health` ({"healthy", "problems": [{"kind", "count", ...}]}).
+def syncer_health(syncer: SyncerView | None) -> tuple[bool, str, str]:
+    """(healthy, reason, message) of the SyncerHealthy condition from the syncer's health report
+    (syncer_view.SyncerHealth).
 
     Unknown while the syncer is not reached (status False, reason Unknown); a syncer without a
     `health` field (older versions) counts as healthy.
     """
-    if syncer_status is None:
+    if syncer is None:
         return False, "Unknown", "the syncer has not been reached"
-    health = syncer_status.get("health")
-    if not isinstance(health, Mapping) or health.get("healthy") is not False:
+    health = syncer.health()
+    if not health.sick:
         return True, "Healthy", ""
-    problems = health.get("problems")
     reasons: list[str] = []
-    for problem in problems if isinstance(problems, list) else []:
-        kind = problem.get("kind") if isinstance(problem, Mapping) else None
-        count = problem.get("count") if isinstance(problem, Mapping) else None
-        reason = HEALTH_KINDS.get(kind, "Other") if isinstance(kind, str) else "Other"
-        times = f" ({count} times)" if isinstance(count, int) and count > 1 else ""
+    for problem in health.problems:
+        reason = HEALTH_KINDS.get(problem.kind, "Other") if problem.kind is not None else "Other"
+        count = problem.count
+        times = f" ({count} times)" if count is not None and count > 1 else ""
         reasons.append(reason + times)
     if not reasons:
         reasons = ["Other"]
@@ -100,8 +96,8 @@ def progressing(verdict: Verdict, obs: Observation) -> tuple[str, str]:
     if verdict.phase == "Pending":
         return "Starting", verdict.message
     if verdict.phase in ("Running", "Degraded"):
-        syncer = obs.syncer_status
-        return "Training", f"outer step {syncer.get('outerStep') if syncer else '?'}"
+        syncer = obs.syncer
+        return "Training", f"outer step {syncer.status.outer_step if syncer else '?'}"
     return verdict.phase, verdict.message
 
 
@@ -162,5 +158,5 @@ def job_conditions(verdict: Verdict, obs: Observation, before: ConditionsByType)
             "; ".join(obs.conflicts),
             obs,
         ),
-        condition(before, "SyncerHealthy", *syncer_health(obs.syncer_status), obs),
+        condition(before, "SyncerHealthy", *syncer_health(obs.syncer), obs),
     ]

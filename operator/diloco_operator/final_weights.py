@@ -15,6 +15,7 @@ from collections.abc import Mapping, MutableMapping
 from typing import Any
 
 from diloco_trainer.api import contract
+from diloco_trainer.api.documents import SyncerStatus
 from pydantic import ValidationError
 
 from diloco_operator.api import DiLoCoJobSpec, FinalCheckpoint
@@ -40,22 +41,17 @@ def volume_path(path: str) -> str:
 
 def final_checkpoint(
     spec: DiLoCoJobSpec,
-    syncer_status: Mapping[str, Any] | None,
+    syncer: SyncerStatus | None,
     previous: Mapping[str, Any] | None,
 ) -> FinalCheckpoint | None:
     """The final checkpoint from the finished syncer's status, else the one stored before."""
     if not runs_local_syncer(spec):
         return None  # the syncer and its checkpoints live in another cluster
-    if syncer_status is not None and syncer_status.get("finished"):
-        ref = syncer_status.get("checkpoint")
-        if isinstance(ref, Mapping) and isinstance(ref.get("path"), str):
-            step = ref.get("outerStep")
-            if isinstance(step, int) and not isinstance(step, bool) and step >= 0:
-                return FinalCheckpoint(
-                    path=volume_path(ref["path"]),
-                    outer_step=step,
-                    volume=checkpoint_volume(spec),
-                )
+    ref = syncer.checkpoint if syncer is not None and syncer.finished else None
+    if ref is not None and ref.outer_step >= 0:
+        return FinalCheckpoint(
+            path=volume_path(ref.path), outer_step=ref.outer_step, volume=checkpoint_volume(spec)
+        )
     stored = (previous or {}).get("finalCheckpoint")
     if not isinstance(stored, Mapping):
         return None

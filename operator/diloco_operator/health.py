@@ -20,8 +20,6 @@ from collections.abc import Callable, Collection, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from diloco_trainer.api.protocol import dropped_for_refusals
-
 from diloco_operator.resources import COMPONENT_LABEL, COMPONENT_SYNCER, ISLAND_LABEL
 
 ACTIVE = "active"
@@ -164,7 +162,8 @@ class Membership:
         among those the syncer reports (a multi-region syncer also knows other clusters'
         islands): an own island that is no longer desired (scaled away) is dropped.
         While the job is suspended or finished, islands are down on purpose: no changes.
-        `syncer_dropped`: islands the syncer dropped for refused pushes (syncer_dropped_islands):
+        `syncer_dropped`: islands the syncer dropped for refused pushes (SyncerView's
+        dropped_for_refusals):
         forgotten here, so nothing is sent for them whatever their pods do.
         """
         reported = dict(syncer_states or {})
@@ -215,23 +214,3 @@ class Membership:
         self.seen_healthy.discard(name)
         self.wanted.pop(name, None)
         self.acknowledged.pop(name, None)
-
-
-def syncer_island_states(syncer_status: Mapping[str, Any] | None) -> dict[str, str] | None:
-    """{island: state} from the syncer's /v1/status, or None when the syncer was not reached."""
-    if syncer_status is None:
-        return None
-    islands = syncer_status.get("islands") or {}
-    return {name: str((info or {}).get("state", "")) for name, info in islands.items()}
-
-
-def syncer_dropped_islands(syncer_status: Mapping[str, Any] | None) -> set[str]:
-    """Islands the syncer dropped itself for refused pushes (their state and reason in its
-    /v1/status say so); empty when the syncer was not reached."""
-    islands = (syncer_status or {}).get("islands") or {}
-    return {
-        name
-        for name, info in islands.items()
-        if isinstance(info, Mapping)
-        and dropped_for_refusals(str(info.get("state", "")), str(info.get("reason", "")))
-    }

@@ -9,6 +9,7 @@ from typing import Any
 
 from diloco_operator.api import DiLoCoJobSpec
 from diloco_operator.health import IslandHealth, PodView
+from diloco_operator.syncer_view import SyncerView
 
 
 @dataclass(frozen=True)
@@ -20,7 +21,7 @@ class Observation:
     spec: DiLoCoJobSpec
     islands: Mapping[str, IslandHealth]  # desired islands, in index order
     syncer_pods: Sequence[PodView]  # empty with a remote syncer
-    syncer_status: Mapping[str, Any] | None  # /v1/status, None when not reached
+    syncer: SyncerView | None  # its /v1/status (and states set since), None when not reached
     syncer_error: str | None
     rolling: Sequence[str]  # island StatefulSets mid-rollout
     now: datetime

@@ -71,7 +71,7 @@ def job_failure(obs: Observation, before: ConditionsByType) -> Failure | None:
             "IslandsCrashLoop",
             f"every island has pods in CrashLoopBackOff (>= {CRASH_LOOP_LIMIT} restarts)",
         )
-    if obs.syncer_status is None:
+    if obs.syncer is None:
         down = (obs.now - _unreachable_since(obs, before)).total_seconds()
         if down >= SYNCER_UNREACHABLE_DEADLINE:
             return Failure(
@@ -105,9 +105,9 @@ def decide_phase(obs: Observation, previous: Mapping[str, Any] | None) -> Verdic
     previous = previous or {}
     before = conditions_by_type(previous)
     prev_phase = previous.get("phase") or "Pending"
-    syncer = obs.syncer_status
+    syncer = obs.syncer
     reachable = syncer is not None
-    finished = prev_phase == "Succeeded" or bool(syncer and syncer.get("finished"))
+    finished = prev_phase == "Succeeded" or (syncer is not None and syncer.status.finished)
     failure = None if finished else _sticky_or_new_failure(obs, previous, before)
     running = not (finished or failure or obs.spec.suspend)
     desired = len(obs.islands) if running else 0

@@ -11,12 +11,14 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from diloco_trainer.api.documents import SyncerStatus
+
 from diloco_operator.api import IslandStatus
 from diloco_operator.health import ACTIVE
 from diloco_operator.observation import Observation
 from diloco_operator.times import time_field
 
-KNOWN_ISLAND_STATES = ("active", "dropped", "timedOut", "left")
+UNKNOWN_STATE = "unknown"  # an island the syncer does not know, or in a newer syncer's state
 
 
 @dataclass(frozen=True)
@@ -30,32 +32,33 @@ class Progress:
     last_sync_time: str | None
 
 
-def carried_progress(
-    syncer: Mapping[str, Any] | None, previous: Mapping[str, Any] | None
-) -> Progress:
-    """Figures from the syncer's status, or the stored ones while the syncer is not reached."""
+def carried_progress(syncer: SyncerStatus | None, previous: Mapping[str, Any] | None) -> Progress:
+    """Figures from the syncer's status, or the stored ones (the job's status, named as there)
+    while the syncer is not reached."""
+    if syncer is not None:
+        return Progress(
+            outer_step=int_or_none(syncer.outer_step),
+            tokens=int_or_none(syncer.tokens),
+            loss=float_or_none(syncer.loss),
+            eval_loss=float_or_none(syncer.eval_loss),
+            last_sync_time=time_field(syncer.last_merge_time),
+        )
     previous = previous or {}
-
-    def pick(name: str) -> Any:
-        return syncer.get(name) if syncer is not None else previous.get(name)
-
-    last_sync = time_field(syncer.get("lastMergeTime")) if syncer else previous.get("lastSyncTime")
     return Progress(
-        outer_step=int_or_none(pick("outerStep")),
-        tokens=int_or_none(pick("tokens")),
-        loss=float_or_none(pick("loss")),
-        eval_loss=float_or_none(pick("evalLoss")),
-        last_sync_time=last_sync,
+        outer_step=int_or_none(previous.get("outerStep")),
+        tokens=int_or_none(previous.get("tokens")),
+        loss=float_or_none(previous.get("loss")),
+        eval_loss=float_or_none(previous.get("evalLoss")),
+        last_sync_time=previous.get("lastSyncTime"),
     )
 
 
 def island_statuses(obs: Observation, running: bool) -> list[IslandStatus]:
     """One entry per desired island: its pods (from health) and its state at the syncer."""
-    syncer_islands = (obs.syncer_status or {}).get("islands") or {}
     out = []
     for name, island in obs.islands.items():
-        info = syncer_islands.get(name) or {}
-        state = info.get("state") if info.get("state") in KNOWN_ISLAND_STATES else "unknown"
+        info = obs.syncer.island(name) if obs.syncer is not None else None
+        state = (info.known_state if info is not None else None) or UNKNOWN_STATE
         out.append(
             IslandStatus(
                 name=name,
@@ -64,7 +67,7 @@ def island_statuses(obs: Observation, running: bool) -> list[IslandStatus]:
                 healthy=island.healthy,
                 in_quorum=state == ACTIVE,
                 state=state,
-                last_push=time_field(info.get("lastPush")),
+                last_push=time_field(info.last_push) if info is not None else None,
                 restarts=island.restarts,
             )
         )

@@ -28,7 +28,7 @@ from diloco_trainer.api.protocol import REFUSAL_REASONS
 
 from diloco_operator import metrics
 from diloco_operator.events import post_event
-from diloco_operator.health import syncer_dropped_islands
+from diloco_operator.syncer_view import SyncerView
 
 REFUSED = "ContributionRefused"
 DROPPED_BY_SYNCER = "IslandDroppedBySyncer"
@@ -57,21 +57,18 @@ class RefusalNote:
         )
 
 
-def refusal_counts(
-    syncer_status: Mapping[str, Any] | None, islands: Collection[str]
-) -> RefusalCounts | None:
+def refusal_counts(syncer: SyncerView | None, islands: Collection[str]) -> RefusalCounts | None:
     """(island, reason) -> count from the syncer's status, for the job's `islands` only;
-    unknown reasons summed as OTHER, anything that is not a count left out. None when the
-    syncer was not reached."""
-    if syncer_status is None:
+    unknown reasons summed as OTHER, counts that are not positive int64s left out. None when
+    the syncer was not reached."""
+    if syncer is None:
         return None
-    doc = syncer_status.get("refusals")
     counts: RefusalCounts = {}
-    for island, by_reason in (doc if isinstance(doc, Mapping) else {}).items():
-        if island not in islands or not isinstance(by_reason, Mapping):
+    for island, by_reason in syncer.status.refusals.items():
+        if island not in islands:
             continue
         for reason, count in by_reason.items():
-            if isinstance(count, bool) or not isinstance(count, int) or not 0 < count <= MAX_COUNT:
+            if not 0 < count <= MAX_COUNT:
                 continue
             key = (island, reason if reason in REFUSAL_REASONS else OTHER)
             counts[key] = min(MAX_COUNT, counts.get(key, 0) + count)
@@ -98,7 +95,7 @@ def dropped_message(island: str) -> str:
 
 def post_refusal_events(
     body: Mapping[str, Any],
-    syncer_status: Mapping[str, Any] | None,
+    syncer: SyncerView | None,
     islands: Collection[str],
     seen: RefusalCounts | None,
     posted: MutableMapping[str, str],
@@ -106,14 +103,14 @@ def post_refusal_events(
     """Post the Events for new refusals and new syncer drops of the job's `islands`; returns
     the counts to remember (`seen` unchanged while the syncer is not reached). `posted`: the
     one-off Events posted (the job's runtime notes)."""
-    counts = refusal_counts(syncer_status, islands)
-    if counts is None:
+    counts = refusal_counts(syncer, islands)
+    if syncer is None or counts is None:
         return seen
     for note in new_refusals(seen, counts):
         metrics.REFUSED_CONTRIBUTIONS.labels(reason=note.reason).inc(note.new)
         post_event(body, "Warning", REFUSED, note.message())
     uid = body["metadata"].get("uid", "")
-    dropped = syncer_dropped_islands(syncer_status) & set(islands)
+    dropped = syncer.dropped_for_refusals() & set(islands)
     for island in islands:
         key = f"{uid}/{DROPPED_BY_SYNCER}/{island}"
         if island not in dropped:

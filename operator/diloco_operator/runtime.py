@@ -16,6 +16,7 @@ from typing import Any
 
 from diloco_trainer.api.client import SyncerJsonClient
 from diloco_trainer.api.credentials import Issuer
+from diloco_trainer.api.documents import SyncerStatus
 
 from diloco_operator import api
 from diloco_operator.desired import DesiredChildren
@@ -23,6 +24,7 @@ from diloco_operator.health import Membership, PodView, pod_view
 from diloco_operator.kube import Kube
 from diloco_operator.observed import ObjectCache, child_view, resource_version
 from diloco_operator.resources import NetworkOptions
+from diloco_operator.syncer_view import SyncerView
 
 JobKey = tuple[str, str]  # (namespace, name)
 ChildKey = tuple[str, str]  # (kind, name)
@@ -35,10 +37,34 @@ class SyncerLink:
 
     client: SyncerJsonClient | None = None
     client_key: tuple[str, str, str | None] | None = None  # (url, credential, CA Secret)
-    status: dict[str, Any] | None = None  # /v1/status, None when not reached
+    status: SyncerStatus | None = None  # /v1/status, None when not reached
+    # Island states the syncer acknowledged since `status` was read (syncer_view.py).
+    acknowledged: dict[str, str] = field(default_factory=dict)
     error: str | None = "not contacted yet"
     failures: int = 0  # unanswered status polls in a row
     retry_at: float = 0.0  # time.monotonic() before which the status is not polled again
+
+    @property
+    def view(self) -> SyncerView | None:
+        """What the policies read: the status and the states set since; None when not reached."""
+        if self.status is None:
+            return None
+        return SyncerView(self.status, dict(self.acknowledged))
+
+    def read(self, status: SyncerStatus) -> None:
+        """The syncer answered with this status (it shows every state set before it)."""
+        self.status, self.error = status, None
+        self.acknowledged.clear()
+
+    def lost(self, error: str) -> None:
+        """The syncer did not answer: no status until it does, and why."""
+        self.status, self.error = None, error
+        self.acknowledged.clear()
+
+    def acknowledge(self, island: str, state: str) -> None:
+        """The syncer took island `island`'s new state (shown until the next read)."""
+        if self.status is not None:
+            self.acknowledged[island] = state
 
     async def drop_client(self) -> None:
         """Close the client, so that the next call reads the token and CA Secrets again."""

@@ -25,7 +25,8 @@ def compute_status(obs: Observation, previous: Mapping[str, Any] | None) -> DiLo
     """The new status, given the observation and the status currently stored (or None)."""
     verdict = decide_phase(obs, previous)
     islands = island_statuses(obs, verdict.running)
-    progress = carried_progress(obs.syncer_status, previous)
+    syncer = obs.syncer.status if obs.syncer is not None else None
+    progress = carried_progress(syncer, previous)
     return DiLoCoJobStatus(
         phase=verdict.phase,
         observed_generation=obs.generation,
@@ -44,7 +45,7 @@ def compute_status(obs: Observation, previous: Mapping[str, Any] | None) -> DiLo
         last_sync_time=progress.last_sync_time,
         finished_time=finished_time(verdict.phase, previous, obs.now),
         message=verdict.message,
-        final_checkpoint=final_checkpoint(obs.spec, obs.syncer_status, previous),
+        final_checkpoint=final_checkpoint(obs.spec, syncer, previous),
     )
 
 

@@ -102,7 +102,7 @@ async def sync_job(kube: Kube, rt: JobRuntime, *, reconcile: bool, poll_syncer: 
             return False
         post_weight_events(rt.notes, body, spec, new_status)
         rt.refusals = post_refusal_events(
-            body, rt.syncer.status, resources.island_names(spec), rt.refusals, rt.notes
+            body, rt.syncer.view, resources.island_names(spec), rt.refusals, rt.notes
         )
         if islands_should_run(spec, status) and new_status.get("phase") in FINAL_PHASES:
             await reconcile_children(kube, rt, job, spec, new_status)  # scale islands to 0
@@ -305,7 +305,7 @@ async def observe(
         spec=spec,
         islands=health,
         syncer_pods=local_syncer,
-        syncer_status=rt.syncer.status,
+        syncer=rt.syncer.view,
         syncer_error=rt.syncer.error,
         rolling=rt.rollout,
         now=_now(),

@@ -24,13 +24,7 @@ from diloco_operator import metrics, resources
 from diloco_operator.api import DiLoCoJobSpec
 from diloco_operator.credentials import job_issuer
 from diloco_operator.events import post_event
-from diloco_operator.health import (
-    DROPPED,
-    IslandHealth,
-    MembershipChange,
-    syncer_dropped_islands,
-    syncer_island_states,
-)
+from diloco_operator.health import DROPPED, IslandHealth, MembershipChange
 from diloco_operator.kube import Kube
 from diloco_operator.resources import JobRef
 from diloco_operator.runtime import JobRuntime
@@ -109,7 +103,7 @@ async def poll_syncer_status(kube: Kube, rt: JobRuntime, job: JobRef, spec: DiLo
         return
     try:
         client = await syncer_client(kube, rt, job, spec)
-        link.status, link.error = (await client.status()).to_json(), None
+        link.read(await client.status())
         link.failures, link.retry_at = 0, 0.0
     except SyncerError as err:
         if err.unavailable:
@@ -119,7 +113,7 @@ async def poll_syncer_status(kube: Kube, rt: JobRuntime, job: JobRef, spec: DiLo
         message = condition_message(err, resources.syncer_url(job, spec))
         if link.error != message:
             log.warning("%s/%s: syncer unreachable: %s", job.namespace, job.name, err)
-        link.status, link.error = None, message
+        link.lost(message)
         metrics.SYNCER_UNREACHABLE.inc()
 
 
@@ -143,13 +137,11 @@ async def send_membership(
         )  # fmt: skip
         metrics.ERRORS.labels(where="membership").inc()
         if err.unavailable:  # unreachable or 5xx, not a refusal
-            link.status, link.error = None, condition_message(err, resources.syncer_url(job, spec))
+            link.lost(condition_message(err, resources.syncer_url(job, spec)))
             return False
         return True  # refused: not acknowledged, tried again on the next run
     rt.membership.acknowledge(change)
-    if link.status is not None:  # keep the cached view consistent with what we just did
-        islands = link.status.setdefault("islands", {})
-        islands.setdefault(change.island, {})["state"] = change.state
+    link.acknowledge(change.island, change.state)  # the policies see it before the next read
     _report(rt.body or {}, change)
     return True
 
@@ -182,12 +174,13 @@ async def update_membership(
 ) -> None:
     """Decide membership changes from fresh island health and send them to the syncer."""
     own = own_island_pattern(spec)
+    syncer = rt.syncer.view
     changes = rt.membership.decide(
         health,
-        syncer_island_states(rt.syncer.status),
+        syncer.island_states() if syncer is not None else None,
         islands_running=islands_running,
         is_own_island=lambda n: bool(own.match(n)),
-        syncer_dropped=syncer_dropped_islands(rt.syncer.status),
+        syncer_dropped=syncer.dropped_for_refusals() if syncer is not None else frozenset(),
     )
     for change in changes:
         if not await send_membership(kube, rt, job, spec, change):

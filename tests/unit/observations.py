@@ -1,19 +1,23 @@
-"""Builders of operator Observations for the phase, conditions and progress tests."""
+"""Builders of operator Observations and of the syncer's typed status for the phase,
+conditions, progress, refusals and membership tests."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from datetime import datetime, timezone
 from typing import Any
 
 from diloco_operator import api
 from diloco_operator.health import IslandHealth, PodView
 from diloco_operator.observation import Observation
+from diloco_operator.syncer_view import SyncerView
+from diloco_trainer.api.documents import SyncerStatus
 
 T0 = datetime(2025, 1, 1, tzinfo=timezone.utc)
 
 SYNCER: dict[str, Any] = {
     "outerStep": 12,
+    "versions": [12],
     "tokens": 4096,
     "loss": 2.5,
     "evalLoss": 2.7,
@@ -24,6 +28,21 @@ SYNCER: dict[str, Any] = {
         "island-1": {"state": "dropped"},
     },
 }
+
+
+def syncer_status(doc: Mapping[str, Any]) -> SyncerStatus:
+    """A status document as the operator's client parses it; the fields every syncer sends
+    (outerStep, versions, finished) default to a fresh job's."""
+    return SyncerStatus.from_json({"outerStep": 0, "versions": [0], "finished": False, **doc})
+
+
+def syncer_view(
+    doc: Mapping[str, Any] | None, acknowledged: Mapping[str, str] | None = None
+) -> SyncerView | None:
+    """The operator's view of a syncer that answered with `doc` (None: not reached)."""
+    if doc is None:
+        return None
+    return SyncerView(syncer_status(doc), dict(acknowledged or {}))
 
 
 def island(name: str, ready: int = 2, *, crash: int = 0, restarts: int = 0) -> IslandHealth:
@@ -56,7 +75,7 @@ def observation(
         spec=api.parse_job_spec({"image": "x", **(spec or {})}),
         islands={i.name: i for i in islands},
         syncer_pods=syncer_pods,
-        syncer_status=syncer,
+        syncer=syncer_view(syncer),
         syncer_error=None if syncer is not None else "connection refused",
         rolling=rolling,
         now=now,

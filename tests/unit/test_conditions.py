@@ -16,7 +16,7 @@ from diloco_operator.conditions import (
 from diloco_operator.observation import Observation
 from diloco_operator.phase import LOST, NOT_YET_REACHED, decide_phase
 
-from .observations import T0, island, observation
+from .observations import SYNCER, T0, island, observation, syncer_view
 
 
 def _by_type(
@@ -83,8 +83,9 @@ def test_progressing_reports_rollout_while_active() -> None:
 
 def test_syncer_health_condition_names_problem_kinds_and_counts_never_syncer_text() -> None:
     assert syncer_health(None) == (False, "Unknown", "the syncer has not been reached")
-    assert syncer_health({"outerStep": 3}) == (True, "Healthy", "")  # an older syncer
-    assert syncer_health({"health": {"healthy": True, "problems": []}}) == (True, "Healthy", "")
+    assert syncer_health(syncer_view({"outerStep": 3})) == (True, "Healthy", "")  # older syncer
+    healthy = syncer_view({"health": {"healthy": True, "problems": []}})
+    assert syncer_health(healthy) == (True, "Healthy", "")
     sick = {
         "health": {
             "healthy": False,
@@ -95,12 +96,12 @@ def test_syncer_health_condition_names_problem_kinds_and_counts_never_syncer_tex
             ],
         }
     }
-    healthy, reason, message = syncer_health(sick)
+    healthy, reason, message = syncer_health(syncer_view(sick))
     assert (healthy, reason) == (False, "CheckpointFailing")
     assert message == (
         "syncer health problems: CheckpointFailing (3 times), ContributionsLeftOut, Other"
     )
-    assert syncer_health({"health": {"healthy": False, "problems": "x"}}) == (
+    assert syncer_health(syncer_view({"health": {"healthy": False, "problems": "x"}})) == (
         False,
         "Other",
         "syncer health problems: Other",
@@ -109,8 +110,8 @@ def test_syncer_health_condition_names_problem_kinds_and_counts_never_syncer_tex
 
 def test_job_conditions_syncer_healthy_follows_the_syncer_status() -> None:
     obs = observation()
-    assert obs.syncer_status is not None
-    sick = {**obs.syncer_status, "health": {"healthy": False, "problems": [{"kind": "checkpoint"}]}}
+    assert obs.syncer is not None
+    sick = {**SYNCER, "health": {"healthy": False, "problems": [{"kind": "checkpoint"}]}}
     conditions = _by_type(observation(syncer=sick))
     assert conditions["SyncerHealthy"].status == "False"
     assert conditions["SyncerHealthy"].reason == "CheckpointFailing"

@@ -6,6 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import pytest
 from diloco_operator import api
 from diloco_operator.final_weights import (
     AT_RISK,
@@ -16,10 +17,10 @@ from diloco_operator.final_weights import (
 )
 from diloco_operator.status import compute_status, status_patch
 from diloco_trainer.api import contract
-from diloco_trainer.api.documents import SyncerStatus
+from diloco_trainer.api.documents import DocumentError, SyncerStatus
 from diloco_trainer.syncer import checkpoint as ckpt
 
-from .observations import SYNCER, observation
+from .observations import SYNCER, observation, syncer_status
 from .test_syncer import FakeClock, body, delta, make_spec, run, started
 
 FINISHED = {
@@ -45,7 +46,8 @@ def test_syncer_status_names_its_final_checkpoint_and_keeps_it_after_a_restart(
         assert (await syncer.status())["checkpoint"] is None  # a fresh start has none
         await syncer.join("island-0", 1)
         for r in range(3):
-            await syncer.push(0, body(syncer, 0, "island-0", delta(syncer, 0, r), tokens=100))
+            pushed = body(syncer, 0, "island-0", delta(syncer, 0, r), tokens=100)
+            await syncer.receive_push(0, pushed)
             await syncer.tick()
         doc = await syncer.status()
         await syncer.stop()
@@ -85,19 +87,23 @@ def test_status_names_the_final_checkpoint_on_its_volume() -> None:
 
 def test_final_checkpoint_only_once_finished_and_carried_while_the_syncer_is_away() -> None:
     spec = _spec()
-    running = {**FINISHED, "finished": False}
+    finished = syncer_status(FINISHED)
+    running = syncer_status({**FINISHED, "finished": False})
     assert final_checkpoint(spec, running, None) is None
-    stored = final_checkpoint(spec, FINISHED, None)
+    stored = final_checkpoint(spec, finished, None)
     assert stored is not None
     previous = {"finalCheckpoint": stored.model_dump(by_alias=True)}
     assert final_checkpoint(spec, None, previous) == stored
     # A finished syncer whose final checkpoint failed: the last one named stays.
-    assert final_checkpoint(spec, {**FINISHED, "checkpoint": None}, previous) == stored
-    bad = {**FINISHED, "checkpoint": {"path": "/x", "outerStep": "12"}}
+    failed = syncer_status({**FINISHED, "checkpoint": None})
+    assert final_checkpoint(spec, failed, previous) == stored
+    bad = syncer_status({**FINISHED, "checkpoint": {"path": "/x", "outerStep": -1}})
     assert final_checkpoint(spec, bad, None) is None
+    with pytest.raises(DocumentError, match=r"checkpoint\.outerStep"):  # refused when read
+        syncer_status({**FINISHED, "checkpoint": {"path": "/x", "outerStep": "twelve"}})
     assert final_checkpoint(spec, None, {"finalCheckpoint": {"path": 3}}) is None
     remote = _spec(syncer={"endpoint": "https://syncer.example:8470"})
-    assert final_checkpoint(remote, FINISHED, None) is None
+    assert final_checkpoint(remote, finished, None) is None
 
 
 def test_ttl_over_an_empty_dir_is_warned_about() -> None:

@@ -10,10 +10,10 @@ from diloco_operator.health import (
     Membership,
     island_health,
     pod_view,
-    syncer_dropped_islands,
-    syncer_island_states,
     syncer_pods,
 )
+
+from .observations import syncer_view
 
 
 def _pod(
@@ -88,10 +88,8 @@ def test_island_health_zero_replicas_is_not_healthy() -> None:
 def test_syncer_pods_and_states() -> None:
     views = [pod_view(_pod("s", None, component="syncer")), pod_view(_pod("job-island-0-0"))]
     assert [p.name for p in syncer_pods(views)] == ["s"]
-    assert syncer_island_states(None) is None
-    assert syncer_island_states({"islands": {"island-0": {"state": "active"}}}) == {
-        "island-0": "active"
-    }
+    view = syncer_view({"islands": {"island-0": {"state": "active"}}})
+    assert view is not None and view.island_states() == {"island-0": "active"}
 
 
 def _ready(*islands: str) -> dict:
@@ -196,20 +194,22 @@ BANNED = "refused_pushes: 3 pushes refused in a row (syncer.guards.maxRefusals);
 UNHEALTHY = "island unhealthy: 1/2 pods Ready; not Ready: job-island-1-1"
 
 
-def _status(**islands: tuple[str, str]) -> dict[str, Any]:
+def _dropped(**islands: tuple[str, str]) -> set[str]:
+    """The islands a syncer reporting these (state, reason) dropped for refused pushes."""
     doc = {name.replace("_", "-"): {"state": s, "reason": r} for name, (s, r) in islands.items()}
-    return {"islands": doc}
+    view = syncer_view({"islands": doc})
+    assert view is not None
+    return view.dropped_for_refusals()
 
 
 def test_syncer_dropped_islands_reads_the_reason_code() -> None:
-    status = _status(
+    dropped = _dropped(
         island_0=(ACTIVE, ""),
         island_1=(DROPPED, BANNED),
         island_2=(DROPPED, UNHEALTHY),
         island_3=(ACTIVE, BANNED),  # re-added by the admin route: the old reason is no ban
     )
-    assert syncer_dropped_islands(status) == {"island-1"}
-    assert syncer_dropped_islands(None) == set()
+    assert dropped == {"island-1"}
 
 
 def test_membership_island_the_syncer_dropped_is_not_readded_while_healthy() -> None:
@@ -219,7 +219,7 @@ def test_membership_island_the_syncer_dropped_is_not_readded_while_healthy() -> 
     both = _ready("island-0", "island-1")
     assert m.decide(both, {"island-0": ACTIVE, "island-1": ACTIVE}, islands_running=True) == []
     states = {"island-0": ACTIVE, "island-1": DROPPED}
-    banned = syncer_dropped_islands(_status(island_0=(ACTIVE, ""), island_1=(DROPPED, BANNED)))
+    banned = _dropped(island_0=(ACTIVE, ""), island_1=(DROPPED, BANNED))
     assert m.decide(both, states, islands_running=True, syncer_dropped=banned) == []
     # Its pods fail and come back: nothing is sent either way (a drop would replace the
     # syncer's reason with the operator's, and the next healthy pass would re-add it).
@@ -250,7 +250,7 @@ def test_membership_island_the_operator_dropped_is_readded_once_healthy() -> Non
     operator restart too, from the syncer's states alone)."""
     m = Membership()
     states = {"island-0": ACTIVE, "island-1": DROPPED}
-    banned = syncer_dropped_islands(_status(island_0=(ACTIVE, ""), island_1=(DROPPED, UNHEALTHY)))
+    banned = _dropped(island_0=(ACTIVE, ""), island_1=(DROPPED, UNHEALTHY))
     assert banned == set()
     (back,) = m.decide(
         _ready("island-0", "island-1"), states, islands_running=True, syncer_dropped=banned

@@ -18,6 +18,9 @@ from diloco_operator.refusals import (
     refusal_counts,
 )
 from diloco_trainer.api import protocol
+from diloco_trainer.api.documents import DocumentError
+
+from .observations import syncer_view
 
 CAP = protocol.ERROR_NORM_CAP
 OUTLIER = protocol.ERROR_NORM_OUTLIER
@@ -28,14 +31,15 @@ BANNED = "refused_pushes: 3 pushes refused in a row (syncer.guards.maxRefusals);
 
 
 def test_refusal_counts_keep_own_islands_and_known_reasons() -> None:
-    status = {
-        "refusals": {
-            "island-0": {CAP: 2, OUTLIER: 1},
-            "island-1": {"<b>free text</b>": 4, "weird": 1, INVALID: 0},
-            "eu-island-0": {CAP: 9},  # another cluster's island of a shared syncer
-            "island-9": "not a mapping",
+    status = syncer_view(
+        {
+            "refusals": {
+                "island-0": {CAP: 2, OUTLIER: 1},
+                "island-1": {"<b>free text</b>": 4, "weird": 1, INVALID: 0},
+                "eu-island-0": {CAP: 9},  # another cluster's island of a shared syncer
+            }
         }
-    }
+    )
     assert refusal_counts(status, OWN) == {
         ("island-0", CAP): 2,
         ("island-0", OUTLIER): 1,
@@ -43,14 +47,22 @@ def test_refusal_counts_keep_own_islands_and_known_reasons() -> None:
     }
 
 
-@pytest.mark.parametrize("count", [True, -1, 1.5, "3", None, 2**63])
-def test_refusal_counts_leave_out_what_is_not_a_count(count: Any) -> None:
-    assert refusal_counts({"refusals": {"island-0": {CAP: count}}}, OWN) == {}
+@pytest.mark.parametrize("count", [-1, 0, 2**63])
+def test_refusal_counts_leave_out_what_is_not_a_count(count: int) -> None:
+    assert refusal_counts(syncer_view({"refusals": {"island-0": {CAP: count}}}), OWN) == {}
+
+
+@pytest.mark.parametrize(
+    "doc", [{"island-0": {CAP: 1.5}}, {"island-0": {CAP: None}}, {"island-9": "x"}]
+)
+def test_refusal_counts_that_are_not_numbers_make_the_status_unreadable(doc: Any) -> None:
+    with pytest.raises(DocumentError, match="refusals"):  # the client refuses the document
+        syncer_view({"refusals": doc})
 
 
 def test_refusal_counts_none_while_the_syncer_is_not_reached() -> None:
     assert refusal_counts(None, OWN) is None
-    assert refusal_counts({}, OWN) == {}  # an older syncer: no refusals field
+    assert refusal_counts(syncer_view({}), OWN) == {}  # an older syncer: no refusals field
 
 
 def test_new_refusals_are_the_growth_since_the_last_look() -> None:
@@ -96,13 +108,13 @@ def test_post_refusal_events_once_per_growth(caplog: pytest.LogCaptureFixture) -
     caplog.set_level("INFO", logger="diloco_operator")
     notes: dict[str, str] = {}
     before_metric = _metric(CAP)
-    status = {"refusals": {"island-1": {CAP: 2}}, "islands": {}}
+    status = syncer_view({"refusals": {"island-1": {CAP: 2}}, "islands": {}})
     seen = post_refusal_events(JOB, status, OWN, None, notes)
     assert seen == {("island-1", CAP): 2}
     seen = post_refusal_events(JOB, status, OWN, seen, notes)  # the same status: nothing new
     seen = post_refusal_events(JOB, None, OWN, seen, notes)  # syncer away: counts kept
     assert seen == {("island-1", CAP): 2}
-    status = {"refusals": {"island-1": {CAP: 3}}, "islands": {}}
+    status = syncer_view({"refusals": {"island-1": {CAP: 3}}, "islands": {}})
     seen = post_refusal_events(JOB, status, OWN, seen, notes)
     assert _posted(caplog) == [
         f"{REFUSED} island-1: 2 pushes refused (norm_above_cap); 2 since the syncer started",
@@ -116,8 +128,8 @@ def test_post_refusal_events_island_dropped_by_the_syncer_once_per_drop(
 ) -> None:
     caplog.set_level("INFO", logger="diloco_operator")
     notes: dict[str, str] = {}
-    dropped = {"islands": {"island-1": {"state": "dropped", "reason": BANNED}}}
-    readded = {"islands": {"island-1": {"state": "active", "reason": "re-added"}}}
+    dropped = syncer_view({"islands": {"island-1": {"state": "dropped", "reason": BANNED}}})
+    readded = syncer_view({"islands": {"island-1": {"state": "active", "reason": "re-added"}}})
     for status in (dropped, dropped, readded, dropped):
         post_refusal_events(JOB, status, OWN, {}, notes)
     drops = [m for m in _posted(caplog) if m.startswith(DROPPED_BY_SYNCER)]

@@ -11,11 +11,11 @@ from diloco_operator.progress import (
     island_statuses,
 )
 
-from .observations import SYNCER, island, observation
+from .observations import SYNCER, island, observation, syncer_status
 
 
 def test_carried_progress_reads_the_syncer() -> None:
-    progress = carried_progress(SYNCER, {"outerStep": 3})
+    progress = carried_progress(syncer_status(SYNCER), {"outerStep": 3})
     assert (progress.outer_step, progress.tokens) == (12, 4096)
     assert (progress.loss, progress.eval_loss) == (2.5, 2.7)
     assert progress.last_sync_time == "2025-01-01T00:00:00Z"
@@ -30,7 +30,7 @@ def test_carried_progress_keeps_stored_figures_while_syncer_away() -> None:
 
 
 def test_carried_progress_syncer_absence_of_a_figure_clears_it() -> None:
-    progress = carried_progress({"outerStep": 2}, {"loss": 9.0, "lastSyncTime": "x"})
+    progress = carried_progress(syncer_status({"outerStep": 2}), {"loss": 9.0, "lastSyncTime": "x"})
     assert progress.loss is None and progress.last_sync_time is None
 
 
