@@ -1,7 +1,9 @@
 """The `diloco` console script.
 
 Subcommands import their modules lazily: the operator image has no torch, and `diloco operator`
-must start without it.
+must start without it. The trainer's own commands are here; other packages of the distribution
+add theirs through the entry-point group COMMANDS (the operator: `diloco operator`, `diloco crd`,
+in diloco_operator/cli.py), so the trainer imports nothing of them.
 """
 
 from __future__ import annotations
@@ -9,12 +11,16 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Callable, Sequence
+from importlib.metadata import entry_points
 
 from diloco_trainer import __version__
 from diloco_trainer.cli_help import LEARNER_EPILOG, SYNCER_EPILOG, described, require_trainer
 
 # The exit code of a command whose extra is not installed (as for a bad config).
 MISSING_EXTRA = 2
+# Entry points of this group add subcommands: each names a function that takes the
+# subparsers of `diloco` and adds its own (pyproject.toml's [project.entry-points]).
+COMMANDS = "diloco.commands"
 
 
 def _cmd_run(args: argparse.Namespace) -> int:
@@ -41,31 +47,12 @@ def _cmd_syncer(args: argparse.Namespace) -> int:
     return syncer_main(args)
 
 
-def _cmd_operator(args: argparse.Namespace) -> int:
-    try:
-        from diloco_operator.main import main as operator_main
-    except ImportError as err:
-        print(
-            f"diloco operator needs the [operator] extra ({err.name} is missing): "
-            "pip install 'diloco-operator[operator]'",
-            file=sys.stderr,
-        )
-        return 2
-    return operator_main(args)
-
-
 def _cmd_export(args: argparse.Namespace) -> int:
     if not require_trainer("export"):
         return MISSING_EXTRA
     from diloco_trainer.export import main as export_main
 
     return export_main(args)
-
-
-def _cmd_crd(args: argparse.Namespace) -> int:
-    from diloco_operator.crd import main as crd_main
-
-    return crd_main(args)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -110,13 +97,6 @@ def build_parser() -> argparse.ArgumentParser:
     )
     syncer.set_defaults(func=_cmd_syncer)
 
-    op = sub.add_parser("operator", help="run the Kubernetes operator (wraps kopf run)")
-    op.add_argument("--namespace", action="append", default=[], help="watch only these")
-    op.add_argument("--standalone", action="store_true", help="no peering (single replica)")
-    op.add_argument("--health-port", type=int, default=8080, help="liveness/readiness port")
-    op.add_argument("--metrics-port", type=int, default=9090, help="Prometheus metrics port")
-    op.set_defaults(func=_cmd_operator)
-
     export = sub.add_parser(
         "export", help="write a job's global weights as one safetensors file (plain torch loads it)"
     )
@@ -143,9 +123,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     export.set_defaults(func=_cmd_export)
 
-    crd = sub.add_parser("crd", help="print the DiLoCoJob CRD generated from the API models")
-    crd.add_argument("--output", "-o", metavar="FILE", help="write to FILE instead of stdout")
-    crd.set_defaults(func=_cmd_crd)
+    for command in sorted(entry_points(group=COMMANDS), key=lambda e: e.name):
+        command.load()(sub)
     return parser
 
 
