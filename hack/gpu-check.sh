@@ -7,7 +7,7 @@
 # numpy; pydantic and its dependencies come as wheels in .whl/ (pip download ... -d .whl).
 #
 # Usage (from the repository root):
-#   OUT=/some/empty/dir hack/gpu-check.sh          # on the GPU machine, about 6 minutes
+#   OUT=/some/empty/dir hack/gpu-check.sh          # on the GPU machine, 5-7 minutes
 #   OUT=/tmp/gc DEVICE=cpu hack/gpu-check.sh       # a dry run here: tiny model, CPU, a minute
 set -uo pipefail
 
@@ -37,22 +37,29 @@ if torch.cuda.is_available():
 EOF
 
 if [[ "$DEVICE" == cuda ]]; then
-    PRESET=gpt-125m BENCH_ARGS=(--batch-size 16 --seq-len 1024 --steps 10 --rounds 2 --warmup 3)
+    PRESET=gpt-125m BENCH_ARGS=(--batch-size 16 --seq-len 1024 --steps 8 --rounds 2 --warmup 3)
     RUN_PRESET=gpt-125m RUN_BATCH=8 RUN_SEQ=512 RUN_MICRO=2 RUN_H=20 RUN_OUTER=4
-    BENCH_TIMEOUT=150 RUN_TIMEOUT=240
+    BENCH_TIMEOUT=120 RUN_TIMEOUT=200
 else
     PRESET=gpt-tiny BENCH_ARGS=(--batch-size 4 --seq-len 64 --steps 3 --rounds 2 --warmup 1)
     RUN_PRESET=gpt-tiny RUN_BATCH=4 RUN_SEQ=64 RUN_MICRO=2 RUN_H=8 RUN_OUTER=2
     BENCH_TIMEOUT=120 RUN_TIMEOUT=180
 fi
 
-# 1. The learner's inner step against a plain torch loop, fp32 then bf16.
-for precision in fp32 bf16; do
-    echo "== bench.learner_step $PRESET $precision on $DEVICE"
-    timeout "$BENCH_TIMEOUT" "$PY" -m bench.learner_step --device "$DEVICE" --preset "$PRESET" \
-        --precision "$precision" "${BENCH_ARGS[@]}" --json "$OUT/bench-$PRESET-$precision.json" \
-        || echo "!! bench $precision failed or timed out (exit $?)"
-done
+bench() {  # bench NAME TIMEOUT ARGS...: one bench.learner_step run, its JSON in $OUT
+    local name=$1 limit=$2
+    shift 2
+    echo "== bench.learner_step $PRESET $name on $DEVICE"
+    timeout "$limit" "$PY" -m bench.learner_step --device "$DEVICE" --preset "$PRESET" \
+        "${BENCH_ARGS[@]}" "$@" --json "$OUT/bench-$PRESET-$name.json" \
+        || echo "!! bench $name failed or timed out (exit $?)"
+}
+
+# 1. The learner's inner step against a plain torch loop: fp32, bf16, bf16 with activation
+#    checkpointing (memory).
+bench fp32 "$BENCH_TIMEOUT" --precision fp32
+bench bf16 "$BENCH_TIMEOUT" --precision bf16
+bench bf16-ckpt "$BENCH_TIMEOUT" --precision bf16 --checkpointing
 
 # 2. A short real job: the syncer on the CPU, two islands of one learner each on $DEVICE.
 WORK=/tmp/gpu-check-run
@@ -85,6 +92,9 @@ echo "== diloco run exited $code after $(( $(date +%s) - start ))s"
 mkdir -p "$OUT/run-logs"
 cp "$WORK"/logs/*.log "$OUT/run-logs/" 2>/dev/null
 grep -h "tokens/s\|peak GPU memory\|exiting\|Error\|error" "$WORK"/logs/island-*.log 2>/dev/null | tail -20
+
+# 3. Last, as it may not finish in time: bf16 with torch.compile (both sides compile).
+[[ "$DEVICE" == cuda ]] && bench bf16-compile 150 --precision bf16 --compile
 
 "$PY" - "$OUT" <<'EOF'
 import json, pathlib, sys

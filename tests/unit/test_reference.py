@@ -77,3 +77,13 @@ def test_train_synchronous_rejects_bad_arguments() -> None:
         train_synchronous(spec, num_workers=0, total_steps=1)
     with pytest.raises(ValueError, match="total_steps"):
         train_synchronous(spec, num_workers=1, total_steps=-1)
+
+
+def test_train_synchronous_accumulates_micro_batches_like_the_learners() -> None:
+    """batchSize 2 x microBatches 2 reads the same windows as batchSize 4: same tokens, same
+    loss (up to summation order)."""
+    whole = train_synchronous(parse_spec(SPEC), num_workers=2, total_steps=3)
+    halves_doc = {**SPEC, "inner": {**SPEC["inner"], "batchSize": 2, "microBatches": 2}}
+    halves = train_synchronous(parse_spec(halves_doc), num_workers=2, total_steps=3)
+    assert halves["tokens"] == whole["tokens"] == 3 * 2 * 2 * 2 * 32
+    assert halves["eval_loss"] == pytest.approx(whole["eval_loss"], rel=1e-4)

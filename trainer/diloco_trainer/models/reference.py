@@ -57,12 +57,14 @@ def train_synchronous(spec: JobSpec, *, num_workers: int, total_steps: int) -> d
     for step in range(total_steps):
         set_lr(optimizer, inner_lr(spec, step))
         optimizer.zero_grad(set_to_none=True)
+        micro = spec.inner.micro_batches
         for p in parts:
             assert p.train is not None
-            batch = p.train.next_batch()
-            # Mean over workers of per-worker mean losses = the all-reduced gradient.
-            (lead.loss_fn(model, batch) / num_workers).backward()
-            tokens += batch.tokens
+            for _ in range(micro):  # inner.microBatches, as the learners accumulate them
+                batch = p.train.next_batch()
+                # Mean over workers of per-worker mean losses = the all-reduced gradient.
+                (lead.loss_fn(model, batch) / (num_workers * micro)).backward()
+                tokens += batch.tokens
         if spec.inner.grad_clip > 0:
             torch.nn.utils.clip_grad_norm_(model.parameters(), spec.inner.grad_clip)
         optimizer.step()
