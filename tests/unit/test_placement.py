@@ -9,7 +9,6 @@ from diloco_operator import api, resources
 from diloco_operator.health import PodView, island_health
 from diloco_operator.resources import JobRef
 from diloco_trainer.api import contract
-from diloco_trainer.api.placement import island_replicas, max_island_replicas
 from diloco_trainer.api.spec import ConfigError, parse_spec
 from diloco_trainer.syncer.admission import Admission
 
@@ -108,15 +107,15 @@ def test_suspended_island_with_override_has_no_pods() -> None:
 
 def test_override_indexes_past_count_are_ignored_and_overlaps_refused() -> None:
     spec = _mixed()
-    assert [island_replicas(spec.islands, i) for i in range(3)] == [2, 2, 4]
-    assert max_island_replicas(spec.islands) == 4
+    assert [spec.islands.replicas_of(i) for i in range(3)] == [2, 2, 4]
+    assert spec.islands.max_replicas() == 4
     assert resources.island_replicas_by_name(spec) == {
         "island-0": 2,
         "island-1": 2,
         "island-2": 4,
     }
     scaled = _spec(islands={**spec.islands.model_dump(by_alias=True), "count": 2})
-    assert max_island_replicas(scaled.islands) == 2
+    assert scaled.islands.max_replicas() == 2
     with pytest.raises(api.SpecError, match="island 1 is named by more than one override"):
         _spec(islands={"count": 3, "overrides": [{"islands": [1]}, {"islands": [0, 1]}]})
     with pytest.raises(ConfigError, match=r"spec\.islands\.overrides\.0\.islands"):

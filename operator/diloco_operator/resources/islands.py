@@ -5,7 +5,6 @@ from __future__ import annotations
 from typing import Any
 
 from diloco_trainer.api import contract
-from diloco_trainer.api.placement import island_replicas
 
 from diloco_operator.api import DiLoCoJobSpec
 from diloco_operator.resources.naming import (
@@ -54,7 +53,7 @@ def _learner_env(job: JobRef, spec: DiLoCoJobSpec, index: int) -> list[dict[str,
             "name": contract.RANK,
             "valueFrom": {"fieldRef": {"fieldPath": f"metadata.labels['{POD_INDEX_LABEL}']"}},
         },
-        env_var(contract.WORLD_SIZE, island_replicas(spec.islands, index)),
+        env_var(contract.WORLD_SIZE, spec.islands.replicas_of(index)),
         env_var(contract.MASTER_ADDR, f"{sts}-0.{sts}"),
         env_var(contract.MASTER_PORT, contract.DEFAULT_MASTER_PORT),
         env_var(contract.SYNCER_URL, syncer_url(job, spec)),
@@ -123,7 +122,7 @@ def build_island_statefulset(
             "kind": "StatefulSet",
             "metadata": meta,
             "spec": {
-                "replicas": island_replicas(spec.islands, index) if running else 0,
+                "replicas": spec.islands.replicas_of(index) if running else 0,
                 "serviceName": name,
                 # Ranks of one island start together: DDP waits for all of them anyway.
                 "podManagementPolicy": "Parallel",

@@ -1,4 +1,8 @@
-"""Where a job's pods run: the user's pod template fragments, merged into ours (pure).
+"""How a job's pods are placed: the user's pod template fragments, merged into ours (pure).
+
+What each island gets (its override entry, replicas and resources) is the spec's to say
+(api/placement.IslandPlacement, read as `spec.islands.replicas_of(i)`); this module builds it into
+pod templates.
 
 Every pod takes the job's own labels and annotations first (but not the bookkeeping ones: see
 naming.UNPASSED_ANNOTATION_PREFIXES); learner pods then take `islands.template`, then their
@@ -14,7 +18,6 @@ import copy
 from typing import Any
 
 from diloco_trainer.api import contract
-from diloco_trainer.api.placement import island_override, island_replicas
 
 from diloco_operator.api import DiLoCoJobSpec
 from diloco_operator.resources.naming import JobRef
@@ -24,16 +27,14 @@ from diloco_operator.resources.pods import merge_overrides
 def island_replicas_by_name(spec: DiLoCoJobSpec) -> dict[str, int]:
     """{island name: pods it should have} for every desired island."""
     return {
-        contract.island_name(spec.islands.name_prefix, i): island_replicas(spec.islands, i)
+        contract.island_name(spec.islands.name_prefix, i): spec.islands.replicas_of(i)
         for i in range(spec.islands.count)
     }
 
 
 def island_resources(spec: DiLoCoJobSpec, index: int) -> dict[str, Any]:
     """Resource requirements of island `index`'s learner container (its override's, if any)."""
-    entry = island_override(spec.islands, index)
-    chosen = entry.resources if entry is not None and entry.resources else spec.islands.resources
-    return copy.deepcopy(chosen)
+    return copy.deepcopy(spec.islands.resources_of(index))
 
 
 def job_fragment(job: JobRef) -> dict[str, Any]:
@@ -50,7 +51,7 @@ def job_fragment(job: JobRef) -> dict[str, Any]:
 def island_template_fragments(job: JobRef, spec: DiLoCoJobSpec, index: int) -> list[dict[str, Any]]:
     """The user's fragments for island `index`'s pod template, in the order they merge."""
     fragments = [job_fragment(job), spec.islands.template]
-    entry = island_override(spec.islands, index)
+    entry = spec.islands.override_of(index)
     if entry is not None:
         if entry.node_selector:
             fragments.append({"spec": {"nodeSelector": dict(entry.node_selector)}})

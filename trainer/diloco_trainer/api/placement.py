@@ -1,10 +1,15 @@
-"""Where a job's pods run: per-island overrides of the learner pods (torch-free).
+"""Where a job's pods run: per-island overrides of the learner pods (torch-free spec types).
 
 One job can mix node types: `islands.overrides` gives some islands their own replicas,
 resources, node selector and pod template fragment. Islands run with DDP inside, but talk to the
 syncer and to each other only through it, so islands of different sizes and hardware are fine:
 the syncer weighs each push by the tokens it carries. An index at or beyond `islands.count` is
 ignored, so scaling down never has to edit the overrides.
+
+What each island gets is read from the spec through IslandPlacement, which IslandsSpec
+inherits (`spec.islands.replicas_of(2)`): the operator builds pods from it, the syncer admits
+the largest island's ranks and `diloco run` starts each island's. How those pods are built (the
+user's templates merged into ours) is the operator's (resources/placement.py).
 """
 
 from __future__ import annotations
@@ -14,9 +19,6 @@ from typing import TYPE_CHECKING, Annotated, Any
 from pydantic import AfterValidator, Field
 
 from diloco_trainer.api.base import SpecModel
-
-if TYPE_CHECKING:
-    from diloco_trainer.api.spec import IslandsSpec
 
 MAX_ISLAND_INDEX = 511  # islands.count is at most 512
 IslandIndex = Annotated[
@@ -76,22 +78,35 @@ ISLAND_OVERRIDES: Any = Field(
 )
 
 
-def island_override(islands: IslandsSpec, index: int) -> IslandOverride | None:
-    """The override entry naming island `index`, if any."""
-    for entry in islands.overrides:
-        if index in entry.islands:
-            return entry
-    return None
+class IslandPlacement:
+    """The per-island lookups of the islands section (IslandsSpec, whose fields these read)."""
 
+    if TYPE_CHECKING:  # IslandsSpec's fields (api/spec.py)
+        count: int
+        replicas: int
+        resources: dict[str, Any]
+        overrides: list[IslandOverride]
 
-def island_replicas(islands: IslandsSpec, index: int) -> int:
-    """Pods (DDP ranks) of island `index`: its override's replicas, else islands.replicas."""
-    entry = island_override(islands, index)
-    if entry is not None and entry.replicas is not None:
-        return entry.replicas
-    return islands.replicas
+    def override_of(self, index: int) -> IslandOverride | None:
+        """The override entry naming island `index`, if any."""
+        for entry in self.overrides:
+            if index in entry.islands:
+                return entry
+        return None
 
+    def replicas_of(self, index: int) -> int:
+        """Pods (DDP ranks) of island `index`: its override's replicas, else islands.replicas."""
+        entry = self.override_of(index)
+        if entry is not None and entry.replicas is not None:
+            return entry.replicas
+        return self.replicas
 
-def max_island_replicas(islands: IslandsSpec) -> int:
-    """The most replicas any island of this cluster runs (what the syncer admits)."""
-    return max(island_replicas(islands, i) for i in range(islands.count))
+    def resources_of(self, index: int) -> dict[str, Any]:
+        """Resource requirements of island `index`'s learners: its override's, if it sets
+        any, else islands.resources (the spec's own dict: copy it before changing it)."""
+        entry = self.override_of(index)
+        return entry.resources if entry is not None and entry.resources else self.resources
+
+    def max_replicas(self) -> int:
+        """The most replicas any island of this cluster runs (what the syncer admits)."""
+        return max(self.replicas_of(i) for i in range(self.count))

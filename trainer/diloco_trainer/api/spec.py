@@ -32,7 +32,7 @@ from diloco_trainer.api.exposure import (
     TLSSpec,
     exposure_problem,
 )
-from diloco_trainer.api.placement import ISLAND_OVERRIDES, IslandOverrides
+from diloco_trainer.api.placement import ISLAND_OVERRIDES, IslandOverrides, IslandPlacement
 from diloco_trainer.api.training import InnerSpec, ModelSpec, OuterSpec, Precision, Preset
 
 # The sections that live in their own modules, re-exported: `from diloco_trainer.api.spec import
@@ -63,8 +63,8 @@ STALE_VERSIONS_PER_ISLAND = 4
 DNS_PREFIX_PATTERN = r"^([a-z0-9]([-a-z0-9]*[a-z0-9])?)?$"
 
 
-class IslandsSpec(SpecModel):
-    """The M islands of compute."""
+class IslandsSpec(IslandPlacement, SpecModel):
+    """The M islands of compute (what each one gets: IslandPlacement's lookups)."""
 
     count: int = Field(2, ge=1, le=512, description="Number of islands M.")
     replicas: int = Field(

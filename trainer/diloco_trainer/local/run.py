@@ -36,7 +36,6 @@ from rich.live import Live
 from diloco_trainer.api.client import SyncerJsonClient
 from diloco_trainer.api.contract import DEVICE, island_name
 from diloco_trainer.api.documents import SyncerStatus
-from diloco_trainer.api.placement import island_replicas
 from diloco_trainer.api.protocol import STATE_ACTIVE, STATE_DROPPED, SyncerError
 from diloco_trainer.api.spec import ConfigError, JobSpec, load_spec, parse_spec
 from diloco_trainer.local.launch import (
@@ -215,7 +214,7 @@ class LocalRun:
             self.start_island(i)
 
     def _threads(self) -> dict[str, str]:
-        ranks = sum(island_replicas(self.spec.islands, i) for i in range(self.spec.islands.count))
+        ranks = sum(self.spec.islands.replicas_of(i) for i in range(self.spec.islands.count))
         return {"OMP_NUM_THREADS": str(threads_per_learner(ranks))}
 
     def _learner_env(self) -> dict[str, str]:
@@ -247,7 +246,7 @@ class LocalRun:
         island = island_name(spec.islands.name_prefix, index)
         master_port = free_port()
         procs = []
-        replicas = island_replicas(spec.islands, index)
+        replicas = spec.islands.replicas_of(index)
         for rank in range(replicas):
             proc = start_learner(
                 self.files,

@@ -27,7 +27,6 @@ from dataclasses import dataclass
 
 from diloco_trainer.api import protocol
 from diloco_trainer.api.documents import IslandStatus
-from diloco_trainer.api.placement import max_island_replicas
 from diloco_trainer.api.spec import IslandsSpec, JobSpec
 from diloco_trainer.syncer.records import LEFT, TIMED_OUT, IslandRecord, Refused
 
@@ -59,7 +58,7 @@ class Admission:
             prefix=islands.name_prefix,
             count=islands.count,
             total=max(total, islands.count),
-            replicas=max_island_replicas(islands),
+            replicas=islands.max_replicas(),
             remote_replicas=remote_replicas or islands.replicas,
         )
 
