@@ -59,12 +59,17 @@ def test_fsdp_bf16_islands_reach_ddp_fp32_loss(
                 ]
                 assert digests[0] and digests[1] and digests[0] != digests[1], digests
     ddp, fsdp = results["ddp"], results["fsdp"]
-    # Every merge holds both islands' H steps of 2 ranks x 2 micro-batches x 4 x 32 tokens.
+    # A round of work is both islands' H steps of 2 ranks x 2 micro-batches x 4 x 32 tokens;
+    # with staggered fragments the last merges hold a few steps less (the steps after the last
+    # push of each fragment), the same in both jobs.
     per_round = 2 * INNER_STEPS * 2 * 2 * 4 * 32
-    assert ddp.tokens == fsdp.tokens == ROUNDS * per_round
+    assert ddp.tokens == fsdp.tokens, (ddp.tokens, fsdp.tokens)
+    assert ROUNDS * per_round - per_round < fsdp.tokens <= ROUNDS * per_round, fsdp.tokens
     assert ddp.eval_loss is not None and fsdp.eval_loss is not None
     assert ddp.initial_eval_loss is not None
     assert ddp.eval_loss < 0.6 * ddp.initial_eval_loss, "the ddp job did not train"
+    print(f"eval loss at {fsdp.tokens} tokens: ddp+fp32 {ddp.eval_loss:.4f}, ", end="")
+    print(f"fsdp+bf16 {fsdp.eval_loss:.4f}")
     assert abs(fsdp.eval_loss - ddp.eval_loss) <= 0.02 * ddp.eval_loss, (
         f"fsdp+bf16 {fsdp.eval_loss:.4f} vs ddp+fp32 {ddp.eval_loss:.4f}"
     )
