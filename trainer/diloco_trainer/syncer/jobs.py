@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 
+from diloco_trainer.api.documents import CheckpointRef
 from diloco_trainer.api.manifest import CheckpointManifest
 from diloco_trainer.api.spec import JobSpec
 from diloco_trainer.models.parts import TrainingParts, evaluate
@@ -202,6 +203,17 @@ class Checkpoints:
         return True
 
 
+@dataclass(frozen=True)
+class JobsSnapshot:
+    """Evaluations and checkpoints as the status document shows them (BackgroundJobs.snapshot)."""
+
+    eval_loss: float | None  # the latest evaluation
+    initial_eval_loss: float | None
+    eval_history: list[dict[str, Any]]  # api/documents.EvalPoint's wire form
+    checkpoint: CheckpointRef | None  # the newest written by this process
+    checkpoint_step: int  # the outer step of the newest written or resumed from
+
+
 class BackgroundJobs:
     """Evaluations and checkpoints of the global model: when they are due, and the queue they
     run on. The service calls these with its lock held."""
@@ -224,6 +236,17 @@ class BackgroundJobs:
         self.evaluations = Evaluations(parts, metrics, clock)
         self.checkpoints = Checkpoints(
             state_dir, spec.syncer.checkpoint.keep, self.evaluations, health, metrics
+        )
+
+    def snapshot(self) -> JobsSnapshot:
+        """Their figures as they are now."""
+        latest = self.checkpoints.latest
+        return JobsSnapshot(
+            eval_loss=self.evaluations.latest,
+            initial_eval_loss=self.evaluations.initial_loss,
+            eval_history=list(self.evaluations.history),
+            checkpoint=None if latest is None else CheckpointRef.from_json(latest),
+            checkpoint_step=self.checkpoints.last_step,
         )
 
     def evaluate_initial(self, *, step: int, tokens: int) -> float:

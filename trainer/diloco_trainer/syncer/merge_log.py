@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 from collections import deque
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +28,17 @@ RECENT_MERGES = 20
 # merges.jsonl is rotated when it reaches this size; this many rotated files are kept.
 MERGE_LOG_BYTES = 64 * 1024 * 1024
 MERGE_LOG_FILES = 3
+
+
+@dataclass(frozen=True)
+class MergeLogSnapshot:
+    """The merge log's figures as the status document shows them (MergeLog.snapshot)."""
+
+    tokens: int
+    loss: float | None
+    count: int
+    last_time: float | None
+    recent: list[MergeRecord]
 
 
 class MergeLog:
@@ -110,6 +122,16 @@ class MergeLog:
         )
         self.recent.append(entry)
         return entry
+
+    def snapshot(self) -> MergeLogSnapshot:
+        """Its figures as they are now."""
+        return MergeLogSnapshot(
+            tokens=self.tokens,
+            loss=self.loss,
+            count=self.count,
+            last_time=self.last_time,
+            recent=list(self.recent),
+        )
 
     def write(self, entry: MergeRecord) -> None:
         """Append an entry to merges.jsonl (blocking: call from a worker thread), rotating it

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from dataclasses import dataclass
 
 from diloco_trainer.api import protocol
 from diloco_trainer.core import payloads
@@ -23,6 +24,14 @@ from diloco_trainer.syncer.metrics import SyncerMetrics
 
 # What a body was encoded at: (fragment version, outer step, finished).
 BodyKey = tuple[int, int, bool]
+
+
+@dataclass(frozen=True)
+class PullSnapshot:
+    """Pulls answered by kind (full, updates) and bytes sent (Publisher.snapshot)."""
+
+    pulls: dict[str, int]
+    bytes_out: int
 
 
 class Publisher:
@@ -52,6 +61,10 @@ class Publisher:
         self._bodies: list[tuple[BodyKey, bytes]] = []
         # Update-chain bodies of the published version, by fragment and the puller's version.
         self._chains: list[dict[tuple[BodyKey, int], bytes]] = [{} for _ in model.fragments]
+
+    def snapshot(self) -> PullSnapshot:
+        """Its figures as they are now."""
+        return PullSnapshot(pulls=dict(self.pulls), bytes_out=self.bytes_out)
 
     async def start(self, keys: list[BodyKey]) -> None:
         """Create the events and encode every fragment at `keys` (call on the serving loop)."""

@@ -37,8 +37,9 @@ from __future__ import annotations
 
 import statistics
 from collections import deque
+from dataclasses import dataclass
 
-from diloco_trainer.api.documents import PushAnswer
+from diloco_trainer.api.documents import IslandStatus, PushAnswer
 from diloco_trainer.api.manifest import SavedAnswer
 from diloco_trainer.core import grace as window_rules
 from diloco_trainer.syncer.clocks import WorkClocks
@@ -70,6 +71,33 @@ __all__ = [
 AUTO_GRACE_DEFAULT = 1.0
 # Samples kept for the medians of t_quorum and t_merge (recent behaviour matters, not history).
 _WINDOW = 32
+
+
+@dataclass(frozen=True)
+class RoundsSnapshot:
+    """The rounds and membership as the status document shows them (SyncState.snapshot)."""
+
+    outer_step: int
+    versions: list[int]
+    quorum: int  # the effective quorum
+    quorum_target: int  # K
+    awaited_islands: int
+    grace: float
+    pending: list[int]  # contributions in each open round
+    active_islands: int
+    islands: dict[str, IslandStatus]
+
+
+@dataclass(frozen=True)
+class SavedRounds:
+    """What a checkpoint keeps of the rounds (SyncState.saved): rounds themselves are not kept
+    (a pending push is pushed again after a restart)."""
+
+    versions: list[int]
+    outer_step: int
+    work_clocks: list[list[list[float]]]
+    islands: dict[str, IslandStatus]
+    push_answers: list[SavedAnswer]
 
 
 def _median(values: list[float]) -> float | None:
@@ -356,7 +384,31 @@ class SyncState:
         self.clocks.record(fragment, rnd.version + 1, float(done) if clock is None else clock)
         return contributions
 
-    # ----- persistence -------------------------------------------------------------------------
+    # ----- snapshots and persistence -----------------------------------------------------------
+
+    def snapshot(self) -> RoundsSnapshot:
+        """The figures the status document shows, as they are now."""
+        return RoundsSnapshot(
+            outer_step=self.outer_step,
+            versions=self.versions,
+            quorum=self.effective_quorum(),
+            quorum_target=self.policy.quorum,
+            awaited_islands=self.membership.awaited(),
+            grace=self.grace(),
+            pending=[len(r.pending) for r in self.rounds],
+            active_islands=len(self.membership.active()),
+            islands=self.membership.statuses(),
+        )
+
+    def saved(self) -> SavedRounds:
+        """What a checkpoint keeps of the rounds (lock held)."""
+        return SavedRounds(
+            versions=self.versions,
+            outer_step=self.outer_step,
+            work_clocks=self.clocks.to_json(),
+            islands=self.membership.statuses(),
+            push_answers=self.saved_answers(),
+        )
 
     def saved_answers(self) -> list[SavedAnswer]:
         """Answers to pushes that have been merged, for checkpoints (replay.PushAnswers)."""

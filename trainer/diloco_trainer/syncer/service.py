@@ -60,8 +60,8 @@ from diloco_trainer.syncer.publisher import BodyKey
 from diloco_trainer.syncer.push import PushPath
 from diloco_trainer.syncer.records import Refused
 from diloco_trainer.syncer.status import (
+    Identity,
     Progress,
-    StatusSources,
     checkpoint_manifest,
     status_document,
 )
@@ -92,25 +92,25 @@ class Syncer:
     ) -> None:
         """Build the parts (startup.build: ConfigError when every checkpoint on disk is corrupt)
         and take them over."""
-        parts = startup.build(spec, state_dir=state_dir, clock=clock, config_file=config_file)
+        built = startup.build(spec, state_dir=state_dir, clock=clock, config_file=config_file)
         self.spec = spec
         self.job_name = job_name
         self.state_dir = state_dir
         self.clock = clock
         self.codec = spec.sync.compression
-        self.metrics = parts.metrics
-        self.health = parts.health
-        self.parts = parts.parts
-        self.model = parts.model
-        self.publisher = parts.publisher
-        self.state = parts.state
-        self.merge_log = parts.merge_log
-        self.merger = parts.merger
-        self.jobs = parts.jobs
-        self.gate = parts.gate
-        self.spec_hash = parts.spec_hash
-        self.resumed_from = parts.resumed_from
-        self.finished = parts.finished
+        self.metrics = built.metrics
+        self.health = built.health
+        self.parts = built.parts  # the model, data and evaluation (models/parts.py)
+        self.model = built.model
+        self.publisher = built.publisher
+        self.state = built.state
+        self.merge_log = built.merge_log
+        self.merger = built.merger
+        self.jobs = built.jobs
+        self.gate = built.gate
+        self.spec_hash = built.spec_hash
+        self.resumed_from = built.resumed_from
+        self.finished = built.finished
         self.pushes = PushPath(
             self,
             state=self.state,
@@ -122,18 +122,12 @@ class Syncer:
         # Set when a merge failed half-way: the state can no longer be trusted, so the syncer
         # refuses work (503) and reports unhealthy until it is restarted from its checkpoint.
         self.failure: str | None = None
-        self.sources = StatusSources(
+        self.identity = Identity(
             job_name=job_name,
             codec=self.codec,
+            pull_compression=self.model.pull_compression,
+            fragments=len(self.model.fragments),
             spec_hash=self.spec_hash,
-            state=self.state,
-            model=self.model,
-            publisher=self.publisher,
-            merge_log=self.merge_log,
-            jobs=self.jobs,
-            gate=self.gate,
-            health=self.health,
-            clock=clock,
         )
         # Created on the serving loop (start()).
         self.lock: asyncio.Lock | None = None
@@ -332,7 +326,17 @@ class Syncer:
             bytes_in=self.bytes_in,
             resumed_from=self.resumed_from,
         )
-        return status_document(self.sources, progress)
+        return status_document(
+            self.identity,
+            progress,
+            rounds=self.state.snapshot(),
+            merges=self.merge_log.snapshot(),
+            pulls=self.publisher.snapshot(),
+            jobs=self.jobs.snapshot(),
+            refusals=self.gate.refusals_json(),
+            health=self.health.to_json(),
+            time=self.clock(),
+        )
 
     # ----- merging -----------------------------------------------------------------------------
 
@@ -427,7 +431,16 @@ class Syncer:
         return CheckpointSnapshot(
             outer_step=self.state.outer_step,
             tensors=self.model.tensor_snapshot(),
-            manifest=checkpoint_manifest(self.sources),
+            manifest=checkpoint_manifest(
+                self.identity,
+                rounds=self.state.saved(),
+                fragments=self.model.fragments,
+                outer_progress=self.model.outer.progress_json(),
+                merge_counters=self.merge_log.manifest(),
+                initial_eval_loss=self.jobs.evaluations.initial_loss,
+                norm_history=self.gate.guard.history.to_json(),
+                time=self.clock(),
+            ),
         )
 
 

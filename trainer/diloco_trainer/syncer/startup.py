@@ -26,7 +26,7 @@ from pathlib import Path
 from diloco_trainer.api.spec import ConfigError, JobSpec
 from diloco_trainer.models.parts import TrainingParts, build_parts
 from diloco_trainer.syncer import checkpoint as ckpt
-from diloco_trainer.syncer.admission import admitted_records
+from diloco_trainer.syncer.admission import Admission, admitted_records
 from diloco_trainer.syncer.gate import Gate
 from diloco_trainer.syncer.global_model import GlobalModel
 from diloco_trainer.syncer.guards import make_guard
@@ -112,12 +112,13 @@ def build(
     # The hard norm caps follow the weights the job starts from.
     numels = [sum(model.weights[name].numel() for name in names) for names in model.fragments]
     guard = make_guard(spec, numels, model.fragment_norms())
-    gate = Gate(spec, guard=guard, metrics=metrics, config_file=config_file)
     if loaded is None:
         loss = jobs.evaluate_initial(step=state.outer_step, tokens=merge_log.tokens)
         log.info("fresh start: %d fragments, initial eval loss %.4f", n, loss)
     else:
-        _restore_counters(loaded, state, gate, merge_log, jobs, now=clock())
+        guard.history.restore(loaded.document.norm_history)
+        _restore_counters(loaded, state, Admission.from_spec(spec), merge_log, jobs, now=clock())
+    gate = Gate(spec, guard=guard, metrics=metrics, config_file=config_file)
     metrics.outer_step.set(state.outer_step)
     return SyncerParts(
         metrics=metrics,
@@ -156,7 +157,7 @@ def _newest_valid(spec: JobSpec, state_dir: Path, health: Health) -> ckpt.Checkp
 def _restore_counters(
     loaded: ckpt.Checkpoint,
     state: SyncState,
-    gate: Gate,
+    admission: Admission,
     merge_log: MergeLog,
     jobs: BackgroundJobs,
     *,
@@ -165,12 +166,11 @@ def _restore_counters(
     """Load what a checkpoint's manifest holds besides the tensors into the parts being built."""
     m = loaded.document
     state.clocks.restore(m.work_clocks)
-    islands, left_out = admitted_records(gate.admission, m.islands)
+    islands, left_out = admitted_records(admission, m.islands)
     if left_out:
         log.warning("not restoring islands that are not this job's: %s", ", ".join(left_out[:20]))
     state.membership.restore(islands, now=now)
     state.restore_answers(m.push_answers)
-    gate.guard.history.restore(m.norm_history)
     merge_log.restore(m)
     jobs.restore(m, loaded.outer_step)
     log.info(
