@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping
-from typing import Any, TypeVar, cast
+from typing import Any, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 from pydantic.alias_generators import to_camel
@@ -165,7 +165,7 @@ class IslandStatus(Document):
     @property
     def known_state(self) -> IslandState | None:
         """The state when it is one this code knows, else None (a newer syncer's state)."""
-        return cast(IslandState, self.state) if self.state in ISLAND_STATES else None
+        return self.state if self.state in ISLAND_STATES else None
 
     @property
     def dropped_for_refusals(self) -> bool:

@@ -46,7 +46,7 @@ class JobQueue:
 
     def __init__(self) -> None:
         # Created on the serving loop (start()).
-        self._jobs: asyncio.Queue[Coroutine[Any, Any, None]] | None = None
+        self._jobs: asyncio.Queue[Coroutine[Any, Any, object]] | None = None
         self._worker: asyncio.Task[None] | None = None
 
     def start(self) -> None:
@@ -54,7 +54,7 @@ class JobQueue:
         self._jobs = asyncio.Queue()
         self._worker = asyncio.create_task(self._run())
 
-    def schedule(self, job: Coroutine[Any, Any, None]) -> None:
+    def schedule(self, job: Coroutine[Any, Any, object]) -> None:
         assert self._jobs is not None
         self._jobs.put_nowait(job)
 

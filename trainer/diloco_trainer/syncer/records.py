@@ -166,7 +166,7 @@ def round_policy(spec: JobSpec, fragments: int) -> RoundPolicy:
         heartbeat_timeout=spec.sync.heartbeat_timeout_seconds,
         grace_seconds=None if grace == "auto" else float(grace),
         startup_timeout=spec.islands.startup_timeout_seconds,
-        overlap_steps=spec.sync.overlap_steps,
+        overlap_steps=spec.sync.overlap_steps or 0,  # None only before the spec fills it in
         inner_steps=spec.inner.steps,
         offsets=tuple(fragment_offsets(spec.inner.steps, fragments)),
         learners_block=blocks_for_merge(

@@ -44,7 +44,8 @@ class PushAnswers:
         """The answer given to an earlier push with this id, if it is remembered."""
         if not push_id:
             return None
-        entry = self._answers.get((island, fragment), {}).get(push_id)
+        ids = self._answers.get((island, fragment))
+        entry = ids.get(push_id) if ids is not None else None
         return entry[1] if entry is not None else None
 
     def put(self, island: str, fragment: int, push_id: str, answer: PushAnswer) -> None:

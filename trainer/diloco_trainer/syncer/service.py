@@ -97,7 +97,7 @@ class Syncer:
         self.job_name = job_name
         self.state_dir = state_dir
         self.clock = clock
-        self.codec = spec.sync.compression
+        self.codec: str = spec.sync.compression  # the routes read it as a plain str
         self.metrics = built.metrics
         self.health = built.health
         self.parts = built.parts  # the model, data and evaluation (models/parts.py)

@@ -42,7 +42,7 @@ def typed_field(
         value = float(value)
     if (kind is int and isinstance(value, bool)) or not isinstance(value, kind):
         raise Refused(400, f"{where}.{key} must be {kind.__name__}, got {type(value).__name__}")
-    if kind is float and not math.isfinite(value):
+    if isinstance(value, float) and not math.isfinite(value):
         raise Refused(400, f"{where}.{key} must be a finite number, got {value}")
     return value
 
