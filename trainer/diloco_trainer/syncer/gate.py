@@ -173,6 +173,10 @@ class Gate:
         counts[reason] = counts.get(reason, 0) + 1
         self.metrics.refused_contributions.labels(island, reason).inc()
 
+    def norm_history(self) -> list[list[float]]:
+        """The guards' recent accepted norms per fragment, for checkpoints."""
+        return self.guard.history.to_json()
+
     def refusals_json(self) -> dict[str, dict[str, int]]:
         """The status document's `refusals`: {island: {reason: count}} since the start."""
         return {island: dict(counts) for island, counts in sorted(self.refusals.items())}

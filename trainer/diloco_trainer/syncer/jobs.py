@@ -238,6 +238,10 @@ class BackgroundJobs:
             state_dir, spec.syncer.checkpoint.keep, self.evaluations, health, metrics
         )
 
+    def start(self) -> None:
+        """Start the worker the jobs run on (on the serving loop)."""
+        self.queue.start()
+
     def snapshot(self) -> JobsSnapshot:
         """Their figures as they are now."""
         latest = self.checkpoints.latest

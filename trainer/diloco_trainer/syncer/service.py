@@ -139,7 +139,7 @@ class Syncer:
         """Create the loop-bound primitives and the pull bodies (call on the serving loop)."""
         self.lock = asyncio.Lock()
         self._poke = asyncio.Event()
-        self.jobs.queue.start()
+        self.jobs.start()
         await self.publisher.start(self._body_keys())
         # Every island of the job (all regions) holds the quorum until it joins or times out.
         self.state.membership.expect(self.spec.total_shards(), self.clock())
@@ -437,8 +437,8 @@ class Syncer:
                 fragments=self.model.fragments,
                 outer_progress=self.model.outer.progress_json(),
                 merge_counters=self.merge_log.manifest(),
-                initial_eval_loss=self.jobs.evaluations.initial_loss,
-                norm_history=self.gate.guard.history.to_json(),
+                initial_eval_loss=self.jobs.snapshot().initial_eval_loss,
+                norm_history=self.gate.norm_history(),
                 time=self.clock(),
             ),
         )
