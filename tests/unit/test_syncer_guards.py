@@ -38,6 +38,10 @@ def guard(**syncer_guards: Any) -> guards.ContributionGuard:
     return guards.make_guard(spec, [100, 400], [1.0, 2.0])
 
 
+# A refusal of an island's own doing (here: its body did not decode).
+ANY = Refused(400, "does not decode")
+
+
 def stats(norm: float) -> guards.DeltaStats:
     return guards.DeltaStats(norm, True)
 
@@ -71,7 +75,7 @@ def test_guards_int8_scale_near_fp32_max_decodes_to_non_finite() -> None:
         k: (torch.full_like(v, 3e38) if v.is_floating_point() else v) for k, v in encoded.items()
     }
     decoded = decode_tensors(encoded, "int8", expected)
-    code = refusal_code(guard().check_delta, 0, guards.delta_stats(decoded))
+    code = refusal_code(guard().check_delta, 0, "island-0", guards.delta_stats(decoded))
     assert code == protocol.ERROR_NON_FINITE
 
 
@@ -91,24 +95,124 @@ def test_guards_auto_cap_is_adamw_bound_for_the_push_steps() -> None:
 def test_guards_explicit_cap_and_refusal_codes() -> None:
     g = guard(maxDeltaNorm=5.0)
     assert g.caps == [5.0, 5.0]
-    g.check_delta(1, stats(5.0))
-    assert refusal_code(g.check_delta, 1, stats(5.01)) == protocol.ERROR_NORM_CAP
-    assert refusal_code(g.check_delta, 0, guards.DeltaStats(math.nan, False)) == (
+    g.check_delta(1, "a", stats(5.0))
+    assert refusal_code(g.check_delta, 1, "a", stats(5.01)) == protocol.ERROR_NORM_CAP
+    assert refusal_code(g.check_delta, 0, "a", guards.DeltaStats(math.nan, False)) == (
         protocol.ERROR_NON_FINITE
     )
 
 
+def test_guards_floor_is_one_adamw_round_at_most_the_cap() -> None:
+    # lr 1e-3 x H 10 x sqrt(numel): sqrt(100) = 10 -> 0.1, sqrt(400) = 20 -> 0.2.
+    assert guard(maxDeltaNorm=1e6).floors == pytest.approx([0.1, 0.2])
+    assert guard(maxDeltaNorm=0.15).floors == pytest.approx([0.1, 0.15])  # never above the cap
+    # 'auto': the cap (lr x 42 steps x (4 sqrt(n) + 2 wd |w|)) is far above one round's floor.
+    auto = guard()
+    assert auto.floors == pytest.approx([0.1, 0.2])
+    assert auto.caps[0] == pytest.approx(1e-3 * 42 * (4 * 10 + 2 * 0.1 * 1.0))
+
+
 def test_guards_learned_bound_after_warmup() -> None:
     g = guard(maxDeltaNorm=1e6, normFactor=10, warmupPushes=3)
-    g.check_delta(0, stats(500.0))  # no history yet: only the hard cap applies
+    g.check_delta(0, "island-0", stats(500.0))  # no history yet: only the hard cap applies
     for norm in (1.0, 2.0, 1.5):
         g.accepted(0, "island-0", stats(norm))
-    g.check_delta(0, stats(15.0))  # 10 x median 1.5
-    assert refusal_code(g.check_delta, 0, stats(15.1)) == protocol.ERROR_NORM_OUTLIER
-    g.check_delta(1, stats(500.0))  # fragment 1 has no history of its own
+    g.check_delta(0, "island-0", stats(15.0))  # 10 x median 1.5
+    assert refusal_code(g.check_delta, 0, "island-0", stats(15.1)) == protocol.ERROR_NORM_OUTLIER
+    g.check_delta(1, "island-0", stats(500.0))  # fragment 1 has no history of its own
     restored = guard(maxDeltaNorm=1e6, normFactor=10, warmupPushes=3)
     restored.history.restore(json.loads(json.dumps(g.history.to_json())))
-    assert refusal_code(restored.check_delta, 0, stats(16.0)) == protocol.ERROR_NORM_OUTLIER
+    assert g.history.to_json() == [[1.5], []]  # each island's median
+    assert refusal_code(restored.check_delta, 0, "a", stats(16.0)) == protocol.ERROR_NORM_OUTLIER
+    # An older checkpoint's recent norms restore as the same median's input: median 2 -> 20.
+    older = guard(maxDeltaNorm=1e6, normFactor=10, warmupPushes=3)
+    older.history.restore([[1.0, 2.0, 3.0], []])
+    assert older.learned_bound(0) == pytest.approx(20.0)
+    # The restored medians stand in until the live islands have warmupPushes norms again.
+    for norm in (4.0, 4.0, 4.0):
+        older.accepted(0, "island-1", stats(norm))
+    assert older.learned_bound(0) == pytest.approx(40.0)
+
+
+def test_guards_near_zero_flood_cannot_make_honest_pushes_outliers() -> None:
+    """Finding 1 of issue 22: one island's ~70 near-zero pushes took the shared median to
+    ~1e-10, so every honest push was an outlier and the honest islands were dropped."""
+    g = guard(maxDeltaNorm=1e6, normFactor=10, warmupPushes=3, maxRefusals=5)
+    for island in ("a", "b"):
+        for _ in range(3):
+            g.accepted(0, island, stats(1.0))
+    for _ in range(70):
+        g.check_delta(0, "c", stats(1e-10))
+        g.accepted(0, "c", stats(1e-10))
+    # The median over islands of their medians: median(1, 1, 1e-10) = 1 -> bound 10.
+    assert g.learned_bound(0) == pytest.approx(10.0)
+    g.check_delta(0, "a", stats(1.0))
+    # Two islands, one flooding: median(1, 1e-10) = 0.5 -> 5, an honest push is still in.
+    pair = guard(maxDeltaNorm=1e6, normFactor=10, warmupPushes=3)
+    for _ in range(3):
+        pair.accepted(0, "a", stats(1.0))
+    for _ in range(70):
+        pair.accepted(0, "c", stats(1e-10))
+    assert pair.learned_bound(0) == pytest.approx(5.0)
+    # The flooder alone (or a majority of flooders): the bound falls to the floor, 0.1 (one
+    # AdamW round of fragment 0), and no lower.
+    alone = guard(maxDeltaNorm=1e6, normFactor=10, warmupPushes=3)
+    for _ in range(70):
+        alone.accepted(0, "c", stats(1e-10))
+    assert alone.learned_bound(0) == pytest.approx(0.1)
+    alone.check_delta(0, "a", stats(0.1))
+
+
+def test_guards_ratchet_cannot_raise_the_bound_the_others_are_judged_by() -> None:
+    """Finding 2 of issue 22: pushes at X, 5X, ... each within 10 x the median they raised
+    themselves reached the hard cap."""
+    g = guard(maxDeltaNorm=1e6, normFactor=10, warmupPushes=3)
+    for island in ("a", "b"):
+        for _ in range(3):
+            g.accepted(0, island, stats(1.0))
+    norm, accepted = 1.0, []
+    for _ in range(100):
+        try:
+            g.check_delta(0, "c", stats(norm))
+        except guards.ContributionRefused:
+            norm /= 5  # back off, as a patient attacker would, and climb again
+        else:
+            g.accepted(0, "c", stats(norm))
+            accepted.append(norm)
+        norm *= 5
+    # c's own median climbs to at most 10, the bound over islands stays median(1, 1, c) = 1.
+    assert max(accepted) <= 10.0
+    assert g.learned_bound(0) == pytest.approx(10.0)
+
+
+def test_guards_no_island_is_dropped_for_a_bound_it_did_not_set() -> None:
+    g = guard(maxDeltaNorm=1e6, normFactor=10, warmupPushes=3, maxRefusals=3)
+    for _ in range(3):
+        g.accepted(0, "a", stats(1.0))  # a's own median: 1
+    # Two of three islands flood (a majority): the bound falls to the floor 0.1 ...
+    for island in ("b", "c"):
+        for _ in range(70):
+            g.accepted(0, island, stats(1e-10))
+    assert g.learned_bound(0) == pytest.approx(0.1)
+    # ... and a's honest pushes are refused, but a push within 10 x a's own median is not a's
+    # fault: however many, they never drop it.
+    for _ in range(100):
+        with pytest.raises(guards.ContributionRefused) as err:
+            g.check_delta(0, "a", stats(1.0))
+        assert err.value.code == protocol.ERROR_NORM_OUTLIER and not err.value.own_fault
+        assert g.refused("a", err.value) is False
+    # An outlier by its own history as well (20 > 10 x 1) counts: the third in a row drops it.
+    drops = []
+    for _ in range(3):
+        with pytest.raises(guards.ContributionRefused) as err:
+            g.check_delta(0, "a", stats(20.0))
+        assert err.value.own_fault
+        drops.append(g.refused("a", err.value))
+    assert drops == [False, False, True]
+    # An island with no history of its own (fewer than OWN_MIN norms) is never at fault.
+    with pytest.raises(guards.ContributionRefused) as err:
+        g.check_delta(0, "new", stats(20.0))
+    assert not err.value.own_fault
 
 
 def test_guards_steps_and_tokens_of_one_round() -> None:
@@ -129,12 +233,12 @@ def test_guards_steps_and_tokens_of_one_round() -> None:
 
 def test_guards_refusal_streak_drops_after_max_and_resets_on_accept() -> None:
     g = guard(maxRefusals=3)
-    assert [g.refused("a"), g.refused("a")] == [False, False]
+    assert [g.refused("a", ANY), g.refused("a", ANY)] == [False, False]
     g.accepted(0, "a", stats(1.0))  # good work in between: the streak starts again
-    assert [g.refused("a"), g.refused("a"), g.refused("a")] == [False, False, True]
-    assert g.refused("a") is False  # counting starts again after a drop
+    assert [g.refused("a", ANY), g.refused("a", ANY), g.refused("a", ANY)] == [False, False, True]
+    assert g.refused("a", ANY) is False  # counting starts again after a drop
     never = guard(maxRefusals=0)
-    assert not any(never.refused("b") for _ in range(100))
+    assert not any(never.refused("b", ANY) for _ in range(100))
 
 
 def contribution(island: str, tokens: int, payload: dict[str, torch.Tensor]) -> Contribution:

@@ -14,7 +14,9 @@ that passed the gate but cannot be merged is merge.py's.
   (protocol.REFUSAL_REASONS: the status document's `refusals`, the operator's Events, the
   refused_contributions metric); maxRefusals in a row drop the island with a reason that starts
   with protocol.DROPPED_FOR_REFUSALS, so the operator does not re-add it for healthy pods (the
-  admin route can: its next pushes are checked like any).
+  admin route can: its next pushes are checked like any). A refusal by the learned bound counts
+  only when the push is an outlier by the island's own history too (guards.py): the bound over
+  islands is one no island can be dropped for, so no island can get another dropped.
 """
 
 from __future__ import annotations
@@ -139,9 +141,9 @@ class Gate:
             replicas = self.replicas(members, island)
             self.guard.check_work(tokens=tokens, steps=steps, replicas=replicas)
 
-    def check_delta(self, fragment: int, stats: DeltaStats) -> None:
-        """The guards' checks of the decoded pseudo-gradient (finite, norm bounds)."""
-        self.guard.check_delta(fragment, stats)
+    def check_delta(self, fragment: int, island: str, stats: DeltaStats) -> None:
+        """The guards' checks of `island`'s decoded pseudo-gradient (finite, norm bounds)."""
+        self.guard.check_delta(fragment, island, stats)
 
     def accepted(self, fragment: int, island: str, stats: DeltaStats) -> None:
         """An accepted push: its norm joins the history and its island's refusals reset."""
@@ -157,7 +159,7 @@ class Gate:
         if rec is None:
             return None
         self._count(island, refusal_reason(err))
-        if rec.state == DROPPED or not self.guard.refused(island):
+        if rec.state == DROPPED or not self.guard.refused(island, err):
             return None
         reason = (
             f"{protocol.DROPPED_FOR_REFUSALS}: {self.guard.max_refusals} pushes refused in a row "

@@ -7,15 +7,21 @@ well formed (validation.py) is still refused, with 422 and a code naming the rea
 - its decoded values are not finite: a codec's finite scale (int8 with 3e38) can decode to inf;
 - its L2 norm is above the fragment's hard cap: syncer.guards.maxDeltaNorm, or 'auto', the most
   AdamW can move the fragment in one round (auto_norm_caps);
-- its norm is above normFactor x the median of the fragment's recent accepted norms, once the
-  fragment has warmupPushes of them: a bound learned from the job's own history (NormHistory),
-  so a blown-up Δ is refused long before it reaches the hard cap;
+- its norm is above normFactor x the median over islands of each island's own median of recent
+  accepted norms, once the fragment has warmupPushes of them, and above the floor of one honest
+  AdamW round (norm_floors): a bound learned from the job's own history (NormHistory), so a
+  blown-up Δ is refused long before it reaches the hard cap, and one a minority of islands
+  cannot move: a flood of near-zero pushes cannot make honest pushes outliers, a ratchet cannot
+  raise the bound the others are judged by;
 - it claims more inner steps than one round of an island holds (STEP_ROUNDS x H + τ), or more
   tokens than those steps can carry (steps x batch x seqLen x the island's replicas): the merge
   weight grows with tokens² / steps, so an unbounded claim would take the whole merge.
 
 An island is not punished for one refusal (a diverging learner takes the global fragment and
-recovers); maxRefusals refusals in a row drop it with the reason. The merge itself checks its
+recovers); maxRefusals refusals in a row drop it with the reason. Only refusals by rules no other
+island moves count (the spec's caps and work bounds, non-finite values, and the learned bound
+only when the push is an outlier by the island's own history as well), so no island can get
+another dropped. The merge itself checks its
 result (check_merged) before the outer step commits anything, and a merge that cannot be done
 names the contributions it has to leave out (offenders) so the round goes on without them.
 """
@@ -42,8 +48,11 @@ STEP_ROUNDS = 4
 # AdamW moves an element by at most about lr per step (|m̂/√v̂| <= ~1.2 for betas (0.9, 0.95));
 # the 'auto' cap allows four times that in every element at once.
 ADAM_STEP_BOUND = 4.0
-# Accepted norms remembered per fragment for the learned bound (recent behaviour matters).
-NORM_WINDOW = 64
+# Accepted norms remembered per fragment and island for the learned bound (recent behaviour
+# matters); an island's own median counts once it has OWN_MIN of them (one odd push cannot set a
+# median of three).
+ISLAND_WINDOW = 16
+OWN_MIN = 3
 # A merged pseudo-gradient with an element beyond this is refused before the outer step: with
 # finite weights and momentum the step then cannot overflow fp32 (max 3.4e38).
 MAX_MERGED_ABS = 1e30
@@ -53,8 +62,10 @@ REFUSED_STATUS = 422
 class ContributionRefused(Refused):
     """A well-formed push the guards refuse (422, code = the reason)."""
 
-    def __init__(self, code: str, message: str) -> None:
+    def __init__(self, code: str, message: str, *, own_fault: bool = True) -> None:
         super().__init__(REFUSED_STATUS, message, code)
+        # False: refused by a bound other islands' pushes set (gate.refused does not count it).
+        self.own_fault = own_fault
 
 
 class MergeInputError(ValueError):
@@ -136,27 +147,51 @@ class WorkBounds:
 
 
 class NormHistory:
-    """Recent accepted norms per fragment, and the bound they give."""
+    """Recent accepted norms per fragment and island, and the robust median they give.
 
-    def __init__(self, fragments: int, window: int = NORM_WINDOW) -> None:
-        self.norms: list[deque[float]] = [deque(maxlen=window) for _ in range(fragments)]
+    Each island's window holds only its own accepted norms, and the job's statistic is the median
+    over islands of each island's own median: with f of M islands (f < M/2) pushing whatever
+    they like, it stays between the smallest and the largest honest island's median, so a flood
+    of near-zero norms cannot lower it and a ratchet cannot raise it. Medians restored from a
+    checkpoint stand in until the live islands have `warmup` norms again.
+    """
 
-    def bound(self, fragment: int, factor: float, warmup: int) -> float | None:
-        """factor x the median of the fragment's recent norms, once it has `warmup` of them."""
-        norms = self.norms[fragment]
-        if len(norms) < warmup:
-            return None
-        return factor * statistics.median(norms)
+    def __init__(self, fragments: int, window: int = ISLAND_WINDOW) -> None:
+        self.window = window
+        self.norms: list[dict[str, deque[float]]] = [{} for _ in range(fragments)]
+        self.restored: list[list[float]] = [[] for _ in range(fragments)]
 
-    def record(self, fragment: int, norm: float) -> None:
-        self.norms[fragment].append(norm)
+    def median(self, fragment: int, warmup: int) -> float | None:
+        """The median over islands of each island's median, once the fragment has `warmup`
+        norms (else the restored medians, else None)."""
+        islands = [d for d in self.norms[fragment].values() if d]
+        if sum(len(d) for d in islands) >= warmup:
+            return statistics.median(statistics.median(d) for d in islands)
+        restored = self.restored[fragment]
+        return statistics.median(restored) if restored else None
+
+    def own_median(self, fragment: int, island: str) -> float | None:
+        """The island's own median, once it has OWN_MIN norms of the fragment."""
+        own = self.norms[fragment].get(island)
+        return statistics.median(own) if own is not None and len(own) >= OWN_MIN else None
+
+    def record(self, fragment: int, island: str, norm: float) -> None:
+        own = self.norms[fragment].setdefault(island, deque(maxlen=self.window))
+        own.append(norm)
 
     def to_json(self) -> list[list[float]]:
-        return [list(d) for d in self.norms]
+        """Per fragment, each island's median (sorted by island), or the restored medians when
+        no island has pushed since the start: what `median` needs after a restart."""
+        out = []
+        for f, islands in enumerate(self.norms):
+            live = [statistics.median(islands[i]) for i in sorted(islands) if islands[i]]
+            out.append(live or list(self.restored[f]))
+        return out
 
     def restore(self, doc: Sequence[Sequence[float]]) -> None:
-        for d, norms in zip(self.norms, doc, strict=False):
-            d.extend(float(x) for x in norms if math.isfinite(float(x)) and float(x) >= 0)
+        """Load to_json() (or an older checkpoint's recent norms: the same median's input)."""
+        for f, norms in enumerate(doc[: len(self.restored)]):
+            self.restored[f] = [float(x) for x in norms if math.isfinite(float(x)) and x >= 0]
 
 
 @dataclass
@@ -165,6 +200,7 @@ class ContributionGuard:
 
     work: WorkBounds
     caps: list[float]  # hard cap per fragment
+    floors: list[float]  # the learned bound never goes below these (norm_floors)
     norm_factor: float
     warmup: int
     max_refusals: int
@@ -177,7 +213,15 @@ class ContributionGuard:
     def check_work(self, *, tokens: int, steps: int, replicas: int) -> None:
         self.work.check(tokens=tokens, steps=steps, replicas=replicas)
 
-    def check_delta(self, fragment: int, stats: DeltaStats) -> None:
+    def learned_bound(self, fragment: int) -> float | None:
+        """normFactor x the median over islands, never below the fragment's floor; None
+        before warm-up."""
+        median = self.history.median(fragment, self.warmup)
+        if median is None:
+            return None
+        return max(self.norm_factor * median, self.floors[fragment])
+
+    def check_delta(self, fragment: int, island: str, stats: DeltaStats) -> None:
         """ContributionRefused unless the pseudo-gradient is finite and its norm within both
         the hard cap and the learned bound."""
         if not stats.finite:
@@ -192,28 +236,47 @@ class ContributionGuard:
                 f"push to fragment {fragment}: pseudo-gradient norm {stats.norm:.4g} is above the "
                 f"cap {cap:.4g} (syncer.guards.maxDeltaNorm)",
             )
-        learned = self.history.bound(fragment, self.norm_factor, self.warmup)
+        learned = self.learned_bound(fragment)
         if learned is not None and stats.norm > learned:
+            own = self.history.own_median(fragment, island)
+            own_bound = None if own is None else max(self.norm_factor * own, self.floors[fragment])
             raise ContributionRefused(
                 protocol.ERROR_NORM_OUTLIER,
-                f"push to fragment {fragment}: pseudo-gradient norm {stats.norm:.4g} is more than "
-                f"{self.norm_factor:g} x the median of the fragment's recent pushes "
-                f"({learned / self.norm_factor:.4g}; syncer.guards.normFactor)",
+                f"push to fragment {fragment}: pseudo-gradient norm {stats.norm:.4g} is above "
+                f"{learned:.4g}: {self.norm_factor:g} x the median over islands of their recent "
+                f"pushes (syncer.guards.normFactor), at least {self.floors[fragment]:.4g} (one "
+                "round of AdamW at inner.lr per step and element)",
+                # Only the island's own history can make this refusal count towards a drop:
+                # the bound over islands is one no island can be dropped for alone.
+                own_fault=own_bound is not None and stats.norm > own_bound,
             )
 
     def accepted(self, fragment: int, island: str, stats: DeltaStats) -> None:
-        self.history.record(fragment, stats.norm)
+        self.history.record(fragment, island, stats.norm)
         self.streaks.pop(island, None)
 
-    def refused(self, island: str) -> bool:
+    def refused(self, island: str, err: Refused) -> bool:
         """Count a refusal; True when the island has now been refused maxRefusals times in a
-        row (the caller drops it, and the streak starts again)."""
+        row (the caller drops it, and the streak starts again). A refusal by a bound other
+        islands' pushes set (ContributionRefused.own_fault False) neither counts nor resets."""
+        if isinstance(err, ContributionRefused) and not err.own_fault:
+            return False
         streak = self.streaks.get(island, 0) + 1
         if self.max_refusals and streak >= self.max_refusals:
             self.streaks.pop(island, None)
             return True
         self.streaks[island] = streak
         return False
+
+
+def norm_floors(spec: JobSpec, numels: Sequence[int], caps: Sequence[float]) -> list[float]:
+    """Per fragment, the least the learned bound can be: one round of AdamW (inner.steps) moving
+    every element by inner.lr per step, lr x H x sqrt(numel), at most the hard cap. An honest
+    round moves an element by at most about that (|m̂/√v̂| <= ~1), so no flood of small norms
+    can make an honest push an outlier, and what the bound lets through is no more than one
+    honest round could move."""
+    lr, steps = spec.inner.lr, spec.inner.steps
+    return [min(lr * steps * math.sqrt(n), cap) for n, cap in zip(numels, caps, strict=True)]
 
 
 def make_guard(
@@ -228,6 +291,7 @@ def make_guard(
     return ContributionGuard(
         work=WorkBounds.from_spec(spec),
         caps=caps,
+        floors=norm_floors(spec, numels, caps),
         norm_factor=g.norm_factor,
         warmup=g.warmup_pushes,
         max_refusals=g.max_refusals,

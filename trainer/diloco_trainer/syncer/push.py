@@ -113,7 +113,7 @@ class PushPath:
                 return early
             now = host.clock()
             lag = self.state.check_push(fragment, meta.island, meta.base_version)  # 3. again
-            self.gate.check_delta(fragment, stats)  # 4.
+            self.gate.check_delta(fragment, meta.island, stats)  # 4.
             contribution = push_contribution(meta, lag=lag, payload=decoded, now=now)
             answer = self.state.accept_push(fragment, contribution, now)  # 5.
             self.gate.accepted(fragment, meta.island, stats)
