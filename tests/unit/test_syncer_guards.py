@@ -14,14 +14,15 @@ from unittest import mock
 import pytest
 import torch
 from aiohttp import streams
-from diloco_trainer.api import protocol
+from diloco_trainer.api import credentials, protocol
+from diloco_trainer.api.credentials import Principal
 from diloco_trainer.api.documents import IslandStatus, PushAnswer
 from diloco_trainer.api.spec import parse_spec
 from diloco_trainer.core.compress import decode_tensors, encode_tensors
 from diloco_trainer.syncer import guards
 from diloco_trainer.syncer.admission import Admission, admitted_records, evictable
 from diloco_trainer.syncer.health import CHECKPOINT, Health
-from diloco_trainer.syncer.limits import HttpLimits, Slots, json_too_deep, read_body
+from diloco_trainer.syncer.limits import HttpLimits, Slots, json_too_deep, push_share, read_body
 from diloco_trainer.syncer.merge_log import rotate
 from diloco_trainer.syncer.records import LEFT, TIMED_OUT, Contribution, IslandRecord, Refused
 from diloco_trainer.syncer.replay import PushAnswers, push_window
@@ -352,6 +353,27 @@ def test_limits_slots_refuse_beyond_size_with_retry_after() -> None:
         assert err.value.retry_after
     with slots.take():  # released again
         assert slots.used == 1
+
+
+def test_limits_push_share_per_credential() -> None:
+    # Of 8 slots: an island's credential 2, a region's (another cluster) 8 - 2, the root all.
+    assert push_share(Principal(credentials.ISLAND, "island-1"), 8) == 2
+    assert push_share(Principal(credentials.REGION, "eu"), 8) == 6
+    assert push_share(Principal(credentials.REGION, "eu"), 2) == 1
+    assert push_share(Principal(credentials.ROOT), 8) == 8
+    assert push_share(Principal(credentials.ISLAND, "island-1"), 1) == 1
+    with pytest.raises(Refused) as err:  # may push as no island: refused, no slot to take
+        push_share(Principal(credentials.ADMIN), 8)
+    assert err.value.status == 403
+    slots = Slots(3, "push bodies")
+    with slots.take("a", 2), slots.take("a", 2):
+        with pytest.raises(Refused) as busy, slots.take("a", 2):
+            pass
+        assert (busy.value.status, busy.value.code) == (503, protocol.ERROR_BUSY)
+        assert "for this credential" in busy.value.message
+        with slots.take("b", 2):  # another owner still has the third
+            assert slots.owners == {"a": 2, "b": 1}
+    assert (slots.used, slots.owners) == (0, {})
 
 
 def test_limits_read_body_times_out_a_trickle_and_caps_its_size() -> None:

@@ -5,6 +5,7 @@ syncer's state exactly as it was."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 from collections.abc import Awaitable, Callable, Coroutine
 from pathlib import Path
@@ -14,7 +15,10 @@ from unittest import mock
 import pytest
 from aiohttp import streams, web
 from aiohttp.test_utils import make_mocked_request
-from diloco_trainer.api import protocol
+from diloco_trainer.api import credentials, protocol
+from diloco_trainer.api.credentials import Principal
+from diloco_trainer.syncer import limits
+from diloco_trainer.syncer.credentials import PRINCIPAL
 from diloco_trainer.syncer.http import SyncerRoutes, errors
 from diloco_trainer.syncer.service import Syncer
 
@@ -231,3 +235,35 @@ def test_syncer_http_auth_guards_every_route_but_the_probes(
     assert code == status
     if status == 200:
         assert doc["jobName"] == "unit" and doc["versions"] == [0]
+
+
+def test_syncer_http_push_slots_per_credential_checked_before_a_slot(tmp_path: Path) -> None:
+    """Finding 5 of issue 22: the admin credential (which may not push) and one island trickling
+    bodies could hold every push slot; the permission was checked after a slot was taken."""
+
+    async def scenario(syncer: Syncer, routes: SyncerRoutes) -> list[tuple[int, str]]:
+        await syncer.join("island-0", 1)
+        await syncer.join("island-1", 1)
+        path, fragment = "/v1/fragments/0/push", {"fragment": "0"}
+        island_1 = Principal(credentials.ISLAND, "island-1")
+        size = routes.push_slots.size
+        assert size == 2 * 3 + 2  # 'auto': 2 x the job's islands + 2
+        got = []
+        with contextlib.ExitStack() as held:
+            for _ in range(limits.PUSHES_PER_ISLAND):  # island-1 trickles two bodies
+                held.enter_context(routes.push_slots.take(island_1, limits.PUSHES_PER_ISLAND))
+            for who, island in (
+                (island_1, "island-1"),  # a third of its own: busy
+                (Principal(credentials.ADMIN), "island-0"),  # may not push: 403, no slot
+                (Principal(credentials.ISLAND, "island-0"), "island-0"),  # room for the others
+            ):
+                req = request("POST", path, body(syncer, 0, island, delta(syncer, 0, 1)))
+                req.match_info.update(fragment)
+                req[PRINCIPAL] = who
+                code, doc = await answer(routes.handle_push, req)
+                got.append((code, doc.get("code", "")))
+            assert routes.push_slots.used == limits.PUSHES_PER_ISLAND  # none left taken
+        assert routes.push_slots.used == 0 and routes.push_slots.owners == {}
+        return got
+
+    assert with_syncer(tmp_path, scenario) == [(503, protocol.ERROR_BUSY), (403, ""), (200, "")]

@@ -33,7 +33,13 @@ from diloco_trainer.syncer.credentials import (
     require_membership,
 )
 from diloco_trainer.syncer.health import Health
-from diloco_trainer.syncer.limits import HttpLimits, Slots, json_too_deep, read_body
+from diloco_trainer.syncer.limits import (
+    HttpLimits,
+    Slots,
+    json_too_deep,
+    push_share,
+    read_body,
+)
 from diloco_trainer.syncer.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from diloco_trainer.syncer.metrics import SyncerMetrics
 from diloco_trainer.syncer.records import Refused
@@ -244,10 +250,13 @@ class SyncerRoutes:
         """POST /v1/fragments/{f}/push: the body read under its limits, then the service's push
         path (Syncer.receive_push: who may push, the metadata, admission, guards, the round)."""
         fragment = fragment_arg(request)
+        principal = principal_of(request)
         try:
-            with self.push_slots.take():
+            # Who may push, and how many bodies at once, before a slot is taken (limits.py).
+            share = push_share(principal, self.push_slots.size)
+            with self.push_slots.take(principal, share):
                 body = await self._read_push_body(request, fragment)
-                answer = await self.syncer.receive_push(fragment, body, principal_of(request))
+                answer = await self.syncer.receive_push(fragment, body, principal)
         except Refused as err:
             named = err.code in (*protocol.CONTRIBUTION_REFUSALS, protocol.ERROR_BUSY)
             reason = err.code if named else REFUSAL_REASON.get(err.status, str(err.status))

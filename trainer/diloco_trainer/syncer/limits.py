@@ -10,8 +10,9 @@
 - Connections (ConnectionCap): at most maxConnections at once, counted from the TCP accept (so TLS
   handshakes count); one more is answered 503 with Retry-After and closed.
 - Push bodies (Slots): at most maxConcurrentPushes read at once (each up to a fragment's encoded
-  size); one more is answered 503 with Retry-After before its body is read. The learners' client
-  retries 503s.
+  size), and at most push_share of them for one credential (an island's: PUSHES_PER_ISLAND, so
+  one island trickling bodies cannot hold every slot); one more is answered 503 with Retry-After
+  before its body is read. The learners' client retries 503s.
 - JSON (json_too_deep): bodies nested deeper than MAX_JSON_DEPTH are refused (400) before they
   are parsed (Python's parser would raise RecursionError, a 500).
 
@@ -25,14 +26,15 @@ import contextlib
 import logging
 import ssl
 import time
-from collections.abc import Iterator
+from collections.abc import Hashable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
 from aiohttp import web
 from aiohttp.streams import StreamReader
 
-from diloco_trainer.api import protocol
+from diloco_trainer.api import credentials, protocol
+from diloco_trainer.api.credentials import Principal
 from diloco_trainer.api.spec import JobSpec
 from diloco_trainer.syncer.records import Refused
 
@@ -40,6 +42,9 @@ log = logging.getLogger("diloco.syncer")
 
 # Deepest JSON nesting accepted in a request body or a push's metadata values.
 MAX_JSON_DEPTH = 32
+# Push bodies one island's credential may have read at once: two fragments' pushes overlapping
+# (the 'auto' maxConcurrentPushes has room for two per island).
+PUSHES_PER_ISLAND = 2
 # Seconds a client is asked to wait when the syncer is at one of its limits.
 BUSY_RETRY_AFTER = 2.0
 _BUSY_BODY = b'{"error": "the syncer has too many connections open", "code": "busy"}'
@@ -68,6 +73,20 @@ class HttpLimits:
             max_connections=lim.max_connections,
             max_pushes=2 * spec.total_shards() + 2 if pushes == "auto" else int(pushes),
         )
+
+
+def push_share(principal: Principal, size: int) -> int:
+    """The push slots of `size` one credential may hold: an island's PUSHES_PER_ISLAND, a
+    region's (another cluster's islands) all but that many, so the local islands keep room, the
+    root's all. Refused(403) for a credential that may push as no island (admin): checked before
+    a slot is taken, so it cannot hold one."""
+    if principal.kind == credentials.ROOT:
+        return size
+    if principal.kind == credentials.ISLAND:
+        return min(PUSHES_PER_ISLAND, size)
+    if principal.kind == credentials.REGION:
+        return max(1, size - PUSHES_PER_ISLAND)
+    raise Refused(403, f"{principal.describe()} may not push")
 
 
 def json_too_deep(raw: bytes | str, limit: int = MAX_JSON_DEPTH) -> bool:
@@ -119,28 +138,40 @@ async def read_body(
 
 
 class Slots:
-    """At most `size` of something at once (one event loop: no lock needed)."""
+    """At most `size` of something at once, and at most `most` of them for one owner (one event
+    loop: no lock needed)."""
 
     def __init__(self, size: int, what: str) -> None:
         self.size = size
         self.what = what
         self.used = 0
+        self.owners: dict[Hashable, int] = {}  # slots held per owner; only owners holding one
 
     @contextlib.contextmanager
-    def take(self) -> Iterator[None]:
-        """Hold a slot; Refused(503, busy, Retry-After) when none is free."""
-        if self.used >= self.size:
+    def take(self, owner: Hashable = None, most: int | None = None) -> Iterator[None]:
+        """Hold a slot; Refused(503, busy, Retry-After) when none is free, or `owner` holds
+        `most` already."""
+        held = self.owners.get(owner, 0)
+        if self.used >= self.size or (most is not None and held >= most):
+            mine = f" ({held} of them for this credential, its most)" if held else ""
             raise Refused(
                 503,
-                f"the syncer is reading {self.used} {self.what} already (syncer.limits); retry",
+                f"the syncer is reading {self.used} {self.what} already{mine} (syncer.limits); "
+                "retry",
                 protocol.ERROR_BUSY,
                 retry_after=BUSY_RETRY_AFTER,
             )
         self.used += 1
+        self.owners[owner] = held + 1
         try:
             yield
         finally:
             self.used -= 1
+            left = self.owners[owner] - 1
+            if left:
+                self.owners[owner] = left
+            else:
+                del self.owners[owner]
 
 
 class _Busy(asyncio.Protocol):
