@@ -444,3 +444,41 @@ def test_merge_log_rotates_when_full(tmp_path: Path) -> None:
     assert not (tmp_path / "merges.jsonl.3").exists()
     path.write_text("small")
     assert not rotate(path, 10, 2)
+
+
+def test_guards_work_rate_bounds_claims_over_time() -> None:
+    """Finding 3 of issue 22: claims within one push's bounds, pushed back to back, moved
+    outerStep 0 -> 132 in 15 s."""
+    g = guard()  # H 10, τ 2: a push's most 42 steps; 2 fragments
+    rate = g.rate
+    assert rate.burst == 2 * 42 * 2  # BURST_PUSHES x a push's most x fragments
+    # The step time it fills at: the island's own, but no less than the median island's / 4.
+    assert rate.step_time(0.1, [0.1, 0.1, 0.1]) == pytest.approx(0.1)
+    assert rate.step_time(1e-9, [1e-9, 0.1, 0.1]) == pytest.approx(0.025)
+    assert rate.step_time(None, []) == pytest.approx(guards.MIN_STEP_TIME)
+    assert rate.step_time(0.0, [0.2, 0.4]) == pytest.approx(0.3 / 4)
+    # Back to back at t = 0: four pushes of 42 steps (the burst), not a fifth.
+    for _ in range(4):
+        g.take_steps("liar", 42, 0.025, now=0.0)
+    assert refusal_code(g.take_steps, "liar", 1, 0.025, now=0.0) == protocol.ERROR_STEPS_RANGE
+    # One second later: 1.5 x 2 fragments / 0.025 s = 120 steps of credit, not 121.
+    g.take_steps("liar", 120, 0.025, now=1.0)
+    assert refusal_code(g.take_steps, "liar", 1, 0.025, now=1.0) == protocol.ERROR_STEPS_RANGE
+    # 15 s of back-to-back claims: at most 168 + 15 x 120 = 1968 steps, 6x the median
+    # island's 2 x 15 / 0.1 = 300 (finding 3: unbounded).
+    other = guard().rate
+    claimed, t = 0, 0.0
+    while t <= 15.0:
+        try:
+            other.take("liar", 42, 0.025, t)
+            claimed += 42
+        except guards.ContributionRefused:
+            pass
+        t += 0.01
+    assert claimed <= 168 + 15 * 120
+    # Credit is per island, and an idle island saves up no more than the burst.
+    g.take_steps("honest", 168, 0.1, now=0.0)
+    g.take_steps("honest", 168, 0.1, now=10_000.0)
+    assert refusal_code(g.take_steps, "honest", 1, 0.1, now=10_000.0) == (
+        protocol.ERROR_STEPS_RANGE
+    )

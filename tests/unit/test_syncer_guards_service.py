@@ -411,3 +411,33 @@ def test_guards_service_older_push_replayed_is_a_duplicate(tmp_path: Path) -> No
 
     again, before, after = run(scenario())
     assert again["duplicate"] is True and before == after
+
+
+def test_guards_service_claims_back_to_back_cannot_outrun_the_clock(tmp_path: Path) -> None:
+    """Finding 3 of issue 22: claims of a push's most steps pushed back to back reached
+    stopAfter in seconds. H 4, τ 1: a push's most is 17 steps, the burst two of them."""
+    spec = make_spec(sync=ALONE)
+    clock = FakeClock()
+
+    async def scenario() -> tuple[list[int | str], Syncer]:
+        syncer = await started(spec, tmp_path, clock)
+        syncer.gate.clock = clock  # the work rate's clock, frozen between the pushes below
+        await syncer.join("island-0", 1)
+        got: list[int | str] = []
+        for advance in (0.0, 0.0, 0.0, 1.0):
+            clock.now += advance
+            try:
+                raw = body(syncer, 0, "island-0", delta(syncer, 0, 1), steps=17)
+                answer = await syncer.receive_push(0, raw)
+                got.append("accepted" if answer["accepted"] else "not accepted")
+                await syncer.tick()
+            except Refused as err:
+                got.append(err.code)
+        await syncer.stop()
+        return got, syncer
+
+    got, syncer = run(scenario())
+    # Two pushes of 17 (the burst), the third refused; a second later 1.5 / 0.01 s = 150 steps
+    # of credit (at most the burst, 34) let one in again.
+    assert got == ["accepted", "accepted", protocol.ERROR_STEPS_RANGE, "accepted"]
+    assert syncer.state.versions == [3]

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from diloco_trainer.api import protocol
@@ -59,12 +60,14 @@ class Gate:
         guard: ContributionGuard,
         metrics: SyncerMetrics,
         config_file: Path | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.admission = Admission.from_spec(spec)
         self.guard = guard
         self.metrics = metrics
         self.config_file = config_file  # where `islands` can be re-read from; None: never
         self._reloaded_at = -RELOAD_SECONDS
+        self.clock = clock  # wall-clock seconds for the work rate (guards.WorkRate)
         # Refused pushes since the start, {island: {reason: count}}: only islands the syncer
         # holds a record of (the job's own names), only protocol.REFUSAL_REASONS: bounded.
         self.refusals: dict[str, dict[str, int]] = {}
@@ -127,7 +130,15 @@ class Gate:
         return max(1, min(declared, self.admission.replicas_for(island)))
 
     def check_work(self, members: Membership, island: str, *, tokens: int, steps: int) -> None:
-        """The guards' bounds on the work a push claims (steps, tokens for its replicas)."""
+        """The guards' bounds on the work a push claims (steps, tokens for its replicas), and
+        its steps from the island's credit over time (at the step time it last reported)."""
+        self._check_one_push(members, island, tokens=tokens, steps=steps)
+        rec = members.islands.get(island)
+        others = [r.step_time for r in members.islands.values() if r.step_time]
+        step_time = self.guard.rate.step_time(rec.step_time if rec else None, others)
+        self.guard.take_steps(island, steps, step_time, self.clock())
+
+    def _check_one_push(self, members: Membership, island: str, *, tokens: int, steps: int) -> None:
         replicas = self.replicas(members, island)
         try:
             self.guard.check_work(tokens=tokens, steps=steps, replicas=replicas)

@@ -15,7 +15,10 @@ well formed (validation.py) is still refused, with 422 and a code naming the rea
   raise the bound the others are judged by;
 - it claims more inner steps than one round of an island holds (STEP_ROUNDS x H + τ), or more
   tokens than those steps can carry (steps x batch x seqLen x the island's replicas): the merge
-  weight grows with tokens² / steps, so an unbounded claim would take the whole merge.
+  weight grows with tokens² / steps, so an unbounded claim would take the whole merge;
+- it claims more steps than the island can have taken by now (WorkRate: its wall-clock share at
+  its step time, which a lie cannot make much shorter than the median island's), so no island
+  can end a job early by claiming work back to back.
 
 An island is not punished for one refusal (a diverging learner takes the global fragment and
 recovers); maxRefusals refusals in a row drop it with the reason. Only refusals by rules no other
@@ -57,6 +60,16 @@ OWN_MIN = 3
 # finite weights and momentum the step then cannot overflow fp32 (max 3.4e38).
 MAX_MERGED_ABS = 1e30
 REFUSED_STATUS = 422
+# An island's claimed steps may run ahead of its step time by this factor (its stepTime is a
+# recent average: warm-up, compiles and overlap make it uneven) ...
+RATE_ALLOWANCE = 1.5
+# ... and its step time counts as no less than the median island's over FASTEST (a claimed
+# stepTime is the island's word; the median over islands is an honest majority's), nor less
+# than MIN_STEP_TIME seconds (no island has reported one yet).
+FASTEST = 4.0
+MIN_STEP_TIME = 1e-3
+# The most pushes (of a push's most steps) an island may claim at once per fragment.
+BURST_PUSHES = 2
 
 
 class ContributionRefused(Refused):
@@ -146,6 +159,40 @@ class WorkBounds:
             )
 
 
+class WorkRate:
+    """The steps each island may still claim: claims within one push's bounds, pushed back to
+    back, would end a job (stopAfter) in seconds. A bucket per island holds BURST_PUSHES
+    pushes' most per fragment (a learner cut off for a while sends its held pushes back to
+    back) and fills at RATE_ALLOWANCE steps per step time of the island: what it last said
+    (stepTime), but never less than the median island's over FASTEST, so a lie about its speed
+    buys at most FASTEST x RATE_ALLOWANCE the median island's rate."""
+
+    def __init__(self, burst: int, fragments: int) -> None:
+        self.burst = float(BURST_PUSHES * burst * fragments)
+        self.fragments = fragments  # each fragment's pushes carry the island's steps again
+        self.buckets: dict[str, tuple[float, float]] = {}  # island -> (steps left, at)
+
+    def step_time(self, claimed: float | None, islands: Sequence[float]) -> float:
+        """The step time an island's credit fills at (seconds)."""
+        known = [t for t in islands if t > 0]
+        floor = statistics.median(known) / FASTEST if known else MIN_STEP_TIME
+        return max(claimed or 0.0, floor, MIN_STEP_TIME)
+
+    def take(self, island: str, steps: int, step_time: float, now: float) -> None:
+        """ContributionRefused when `steps` is more than the island's credit; else spent."""
+        left, at = self.buckets.get(island, (self.burst, now))
+        rate = RATE_ALLOWANCE * self.fragments / step_time
+        left = min(self.burst, left + max(0.0, now - at) * rate)
+        if steps > left:
+            raise ContributionRefused(
+                protocol.ERROR_STEPS_RANGE,
+                f"metadata.steps {steps} is more than the island can have taken by now: "
+                f"{left:.1f} steps of credit left, filling at {rate:.3g} steps/s "
+                f"({RATE_ALLOWANCE:g} x {self.fragments} fragment(s) / {step_time:.3g} s a step)",
+            )
+        self.buckets[island] = (left - steps, now)
+
+
 class NormHistory:
     """Recent accepted norms per fragment and island, and the robust median they give.
 
@@ -205,13 +252,19 @@ class ContributionGuard:
     warmup: int
     max_refusals: int
     history: NormHistory = field(init=False)
+    rate: WorkRate = field(init=False)
     streaks: dict[str, int] = field(default_factory=dict)  # refusals in a row per island
 
     def __post_init__(self) -> None:
         self.history = NormHistory(len(self.caps))
+        self.rate = WorkRate(self.work.max_steps, len(self.caps))
 
     def check_work(self, *, tokens: int, steps: int, replicas: int) -> None:
         self.work.check(tokens=tokens, steps=steps, replicas=replicas)
+
+    def take_steps(self, island: str, steps: int, step_time: float, now: float) -> None:
+        """The island's claimed steps from its credit over time (WorkRate)."""
+        self.rate.take(island, steps, step_time, now)
 
     def learned_bound(self, fragment: int) -> float | None:
         """normFactor x the median over islands, never below the fragment's floor; None
