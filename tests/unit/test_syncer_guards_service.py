@@ -18,6 +18,7 @@ from diloco_trainer.api.spec import ConfigError
 from diloco_trainer.syncer import checkpoint as ckpt
 from diloco_trainer.syncer import gate as gate_module
 from diloco_trainer.syncer import jobs as jobs_module
+from diloco_trainer.syncer import merge_log
 from diloco_trainer.syncer.health import CHECKPOINT, CORRUPT, MERGE
 from diloco_trainer.syncer.records import Contribution
 from diloco_trainer.syncer.rounds import Refused
@@ -441,3 +442,37 @@ def test_guards_service_claims_back_to_back_cannot_outrun_the_clock(tmp_path: Pa
     # of credit (at most the burst, 34) let one in again.
     assert got == ["accepted", "accepted", protocol.ERROR_STEPS_RANGE, "accepted"]
     assert syncer.state.versions == [3]
+
+
+def test_guards_service_unwritable_merge_log_is_a_health_problem(tmp_path: Path) -> None:
+    """Finding 6 of issue 22: a merge whose log line could not be written raised after the
+    weights moved; the syncer failed, and its stop skipped the final checkpoint."""
+    spec = make_spec(sync=ALONE)
+    log_file = tmp_path / merge_log.MERGE_LOG_FILE
+
+    async def scenario() -> tuple[list[Any], Syncer]:
+        syncer = await started(spec, tmp_path, FakeClock())
+        await syncer.join("island-0", 1)
+        await honest_round(syncer, seed=0)
+        log_file.unlink()
+        log_file.mkdir()  # unwritable even as root (a full or read-only disk alike)
+        await honest_round(syncer, seed=1)  # merged all the same
+        await honest_round(syncer, seed=2)
+        failing = (await syncer.status())["health"]
+        log_file.rmdir()
+        await honest_round(syncer, seed=3)  # written again, with the two it kept
+        healed = (await syncer.status())["health"]
+        await syncer.stop()
+        return [failing, healed], syncer
+
+    (failing, healed), syncer = run(scenario())
+    assert syncer.failure is None and syncer.state.versions == [4]
+    (problem,) = failing["problems"]
+    assert problem["kind"] == merge_log.MERGE_LOG and problem["count"] == 2
+    assert "2 merge(s) kept" in problem["message"]
+    assert healed == {"healthy": True, "problems": []}
+    # The first merge's line went with the file replaced above; the two kept came with the 4th.
+    lines = log_file.read_text().splitlines()
+    assert [json.loads(line)["version"] for line in lines] == [2, 3, 4]
+    # The stop checkpointed the last merge, as a stop does.
+    assert ckpt.list_checkpoints(tmp_path)[-1].name == ckpt.checkpoint_name(4)

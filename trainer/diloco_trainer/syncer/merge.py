@@ -25,7 +25,7 @@ from diloco_trainer.api.documents import MergeRecord
 from diloco_trainer.syncer.global_model import GlobalModel, MergeResult, PreparedMerge
 from diloco_trainer.syncer.guards import offenders
 from diloco_trainer.syncer.health import MERGE, Health
-from diloco_trainer.syncer.merge_log import MergeLog
+from diloco_trainer.syncer.merge_log import MERGE_LOG, MergeLog
 from diloco_trainer.syncer.metrics import SyncerMetrics
 from diloco_trainer.syncer.records import Contribution
 from diloco_trainer.syncer.rounds import SyncState
@@ -146,8 +146,13 @@ class Merger:
         return entry
 
     def logged(self, seconds: float) -> None:
-        """After step 5's entry reached merges.jsonl: the merge counts as done (metrics, and
-        a failed merge's health problem clears)."""
+        """After step 5's entry went to merges.jsonl: the merge counts as done (metrics, and
+        a failed merge's health problem clears); a merge log that cannot be written is a health
+        problem, not a failure (merge_log.py)."""
         self.metrics.merges.inc()
         self.metrics.merge_seconds.observe(seconds)
         self.health.clear(MERGE)
+        if self.merge_log.problem is not None:
+            self.health.report(MERGE_LOG, self.merge_log.problem)
+        else:
+            self.health.clear(MERGE_LOG)

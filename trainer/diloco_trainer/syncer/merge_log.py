@@ -6,10 +6,20 @@ raw and normalised weights) and the work fraction it carried, so it can be repro
 is an api/documents.MergeRecord, the document the status and merges.jsonl carry.
 merges.jsonl is rotated at MERGE_LOG_BYTES (merges.jsonl.1 .. .MERGE_LOG_FILES): a long job
 keeps the most recent merges on disk, not all of them.
+
+Writing it fails soft: merges.jsonl is a record for people, not what a restart recovers from
+(the checkpoints are), so a full or read-only disk must not stop the syncer (a failed syncer
+skips its final checkpoint, which loses merges). An entry that cannot be written is kept (up to
+UNWRITTEN_ENTRIES, the oldest dropped and counted) and written with the next one that can;
+`problem` says what failed until then (merge.py reports it as the MERGE_LOG health problem), and
+a half-written line is cut off again so the file stays one JSON document a line.
 """
 
 from __future__ import annotations
 
+import contextlib
+import json
+import logging
 import os
 from collections import deque
 from collections.abc import Sequence
@@ -19,7 +29,6 @@ from typing import Any
 
 from diloco_trainer.api.documents import MergeContributor, MergeRecord
 from diloco_trainer.api.manifest import CheckpointManifest
-from diloco_trainer.syncer import checkpoint as ckpt
 from diloco_trainer.syncer.global_model import MergeResult
 from diloco_trainer.syncer.records import Contribution
 
@@ -28,6 +37,12 @@ RECENT_MERGES = 20
 # merges.jsonl is rotated when it reaches this size; this many rotated files are kept.
 MERGE_LOG_BYTES = 64 * 1024 * 1024
 MERGE_LOG_FILES = 3
+# Entries kept in memory while merges.jsonl cannot be written.
+UNWRITTEN_ENTRIES = 1000
+# The health problem (health.py's kinds) while merges.jsonl cannot be written.
+MERGE_LOG = "mergeLog"
+
+log = logging.getLogger("diloco.syncer")
 
 
 @dataclass(frozen=True)
@@ -51,6 +66,9 @@ class MergeLog:
         self.recent: deque[MergeRecord] = deque(maxlen=RECENT_MERGES)
         self.count = 0
         self.last_time: float | None = None
+        self.unwritten: deque[MergeRecord] = deque(maxlen=UNWRITTEN_ENTRIES)
+        self.dropped = 0  # entries never written: more than UNWRITTEN_ENTRIES were waiting
+        self.problem: str | None = None  # why the last write failed; None once one succeeds
 
     @property
     def tokens(self) -> int:
@@ -134,10 +152,43 @@ class MergeLog:
         )
 
     def write(self, entry: MergeRecord) -> None:
-        """Append an entry to merges.jsonl (blocking: call from a worker thread), rotating it
-        first when it is full."""
+        """Append an entry, and any earlier ones that could not be written, to merges.jsonl
+        (blocking: call from a worker thread), rotating it first when it is full. Never raises
+        for the disk: an OSError sets `problem` and keeps the entries for the next write."""
+        if len(self.unwritten) == UNWRITTEN_ENTRIES:
+            self.dropped += 1
+        self.unwritten.append(entry)
+        try:
+            size = self._append_unwritten()
+        except OSError as err:
+            self.problem = (
+                f"cannot write {self.path}: {err}; {len(self.unwritten)} merge(s) kept to write "
+                f"later, {self.dropped} dropped (the checkpoints hold the state)"
+            )
+            log.error("%s", self.problem)
+            return
+        self.unwritten.clear()
+        if self.problem is not None:
+            log.warning("%s is written again (%d bytes)", self.path, size)
+        self.problem = None
+
+    def _append_unwritten(self) -> int:
+        """The waiting entries appended in one write; a failed write is cut back off."""
         rotate(self.path, MERGE_LOG_BYTES, MERGE_LOG_FILES)
-        ckpt.append_jsonl(self.path, entry.to_wire())
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        lines = "".join(json.dumps(e.to_wire(), sort_keys=True) + "\n" for e in self.unwritten)
+        with self.path.open("a") as f:
+            start = f.tell()
+            try:
+                f.write(lines)
+                f.flush()
+                with contextlib.suppress(OSError):
+                    os.fsync(f.fileno())
+            except OSError:
+                with contextlib.suppress(OSError):
+                    f.truncate(start)  # no half line left for the next write to follow
+                raise
+            return f.tell()
 
     def manifest(self) -> dict[str, Any]:
         """The checkpoint manifest's fields of this log (CheckpointManifest's names)."""
