@@ -180,19 +180,23 @@ def decode_tensors(
             raise ValueError(f"pseudo-gradient {key!r} contains NaN or Inf")
         if codec == "int8" and key.endswith(Q_SUFFIX) and t.numel() and int(t.min()) < -127:
             raise ValueError(f"pseudo-gradient {key!r} contains -128 (int8 range is [-127, 127])")
-    out: dict[str, Tensor] = {}
-    for name, shape in expected.items():
-        shape = torch.Size(shape)
-        if codec in _FLOAT_DTYPES:
-            # No copy for fp32: the result may share memory with `flat` (a freshly loaded body).
-            out[name] = flat[name].to(torch.float32).reshape(shape)
-            continue
-        n = shape.numel()
-        q = flat[name + Q_SUFFIX]
-        if codec == "int4":
-            q = _unpack_int4(q, n)
-        out[name] = _dequantise(q, flat[name + SCALE_SUFFIX], n).view(shape)
-    return out
+    return {name: decode_tensor(flat, name, codec, shape) for name, shape in expected.items()}
+
+
+def decode_tensor(
+    flat: Mapping[str, Tensor], name: str, codec: str, shape: torch.Size | tuple[int, ...]
+) -> Tensor:
+    """One tensor of an encoded dict that decode_tensors checked, decoded to fp32 (the syncer
+    keeps pushes encoded and decodes a tensor at a time when it must read one again)."""
+    shape = torch.Size(shape)
+    if codec in _FLOAT_DTYPES:
+        # No copy for fp32: the result may share memory with `flat` (a freshly loaded body).
+        return flat[name].to(torch.float32).reshape(shape)
+    n = shape.numel()
+    q = flat[name + Q_SUFFIX]
+    if codec == "int4":
+        q = _unpack_int4(q, n)
+    return _dequantise(q, flat[name + SCALE_SUFFIX], n).view(shape)
 
 
 def encoded_nbytes(flat: Mapping[str, Tensor]) -> int:

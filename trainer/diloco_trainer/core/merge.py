@@ -18,8 +18,9 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
-import torch
 from torch import Tensor
+
+from diloco_trainer.core.fold import MergeFold
 
 MERGE_RULES = ("tokens", "mean", "rda")
 
@@ -62,29 +63,6 @@ def _check_inputs(
     return names, [w / total for w in ws]
 
 
-def _weighted_mean(vs: list[Tensor], ws: list[float], scales: list[float]) -> Tensor:
-    out = torch.zeros(vs[0].shape, dtype=torch.float32, device=vs[0].device)
-    for v, w, s in zip(vs, ws, scales, strict=True):
-        if w:
-            out.add_(v, alpha=w * s)  # accumulates in fp32 whatever v's dtype
-    return out
-
-
-def _rda(vs: list[Tensor], ws: list[float], scales: list[float]) -> Tensor:
-    radius = 0.0
-    direction = torch.zeros(vs[0].shape, dtype=torch.float32, device=vs[0].device)
-    for v, w, s in zip(vs, ws, scales, strict=True):
-        norm = float(torch.linalg.vector_norm(v, dtype=torch.float32))
-        if w == 0.0 or norm == 0.0 or s == 0.0:
-            continue  # a zero vector has no direction; it still counts (0) in the radius
-        radius += w * s * norm  # the norm of the scaled vector s·v
-        direction.add_(v, alpha=w / norm)
-    dnorm = float(torch.linalg.vector_norm(direction))
-    if dnorm == 0.0:
-        return direction  # all zero, or directions cancel exactly: no update
-    return direction.mul_(radius / dnorm)
-
-
 def merge_pseudo_gradients(
     deltas: Sequence[Mapping[str, Tensor]],
     weights: Sequence[float],
@@ -103,18 +81,12 @@ def merge_pseudo_gradients(
     ss = [1.0] * len(ws) if scales is None else [float(s) for s in scales]
     if len(ss) != len(ws) or any(not (s >= 0.0) or s == float("inf") for s in ss):
         raise ValueError(f"merge scales must be one finite value >= 0 per island, got {ss}")
-    out: dict[str, Tensor] = {}
-    for name in names:
-        vs = [d[name] for d in deltas]
-        shape = vs[0].shape
-        for i, v in enumerate(vs):
-            if v.shape != shape:
-                raise ValueError(
-                    f"pseudo-gradient {i} tensor {name!r} has shape {tuple(v.shape)}, "
-                    f"expected {tuple(shape)}"
-                )
-        if rule == "rda" and name not in plain_names:
-            out[name] = _rda(vs, ws, ss)
-        else:
-            out[name] = _weighted_mean(vs, ws, ss)
-    return out
+    # The same arithmetic as a round folded push by push (the syncer), so a merge replayed from
+    # its log in the order the pushes came gives the syncer's bits.
+    fold = MergeFold(rule, plain_names)
+    for i, (d, w, s) in enumerate(zip(deltas, weights, ss, strict=True)):
+        try:
+            fold.add({name: d[name] for name in names}, float(w), s)
+        except ValueError as err:
+            raise ValueError(f"pseudo-gradient {i}: {err}") from None
+    return fold.result()

@@ -29,6 +29,7 @@ from diloco_trainer.core.merge import merge_pseudo_gradients
 from diloco_trainer.core.outer import OuterOptimizer
 from diloco_trainer.core.published import WeightUpdate, publish_update
 from diloco_trainer.syncer import checkpoint as ckpt
+from diloco_trainer.syncer.folding import RoundFolds
 from diloco_trainer.syncer.guards import MergeInputError, check_merged
 from diloco_trainer.syncer.rounds import Contribution
 
@@ -109,6 +110,14 @@ class GlobalModel:
             momentum=spec.outer.momentum,
             nesterov=spec.outer.nesterov,
         )
+        # Each open round's pushes folded as they arrive (folding.py): one accumulator per
+        # fragment instead of one decoded copy per push.
+        self.folds = RoundFolds(
+            len(self.fragments),
+            rule=self.rule,
+            inner_steps=self.inner_steps,
+            plain_names=plain_merge_names,
+        )
 
     @property
     def kept_apart(self) -> bool:
@@ -134,8 +143,9 @@ class GlobalModel:
         discount from its lag in rounds, `lags`; the work fraction φ among `islands` islands;
         `complete`: the contributions are every one of them, and close the round)
         and the weighted merge of the scaled pseudo-gradients, checked finite and bounded
-        (guards.check_merged). Changes nothing: a ValueError (MergeInputError) here leaves the
-        model as it was."""
+        (guards.check_merged). The round's fold is used when it holds exactly these
+        contributions (folding.py), and leaves either way. Changes nothing else: a ValueError
+        (MergeInputError) here leaves the model as it was."""
         plan = plan_merge(
             [
                 Contributor(c.tokens, c.steps, lag)
@@ -146,13 +156,17 @@ class GlobalModel:
             islands=islands,
             complete=complete,
         )
-        merged = merge_pseudo_gradients(
-            [c.payload for c in contributions],
-            plan.weights,
-            self.rule,
-            self.plain_merge_names,
-            scales=plan.scales,
-        )
+        fold = self.folds.take(f, contributions, plan)
+        if fold is not None:
+            merged = fold.result()
+        else:  # the round changed in a way its fold could not follow: from the payloads
+            merged = merge_pseudo_gradients(
+                [c.payload for c in contributions],
+                plan.weights,
+                self.rule,
+                self.plain_merge_names,
+                scales=plan.scales,
+            )
         if not (math.isfinite(plan.fraction) and plan.fraction >= 0):
             raise MergeInputError(f"work fraction {plan.fraction} of fragment {f}'s merge")
         check_merged(f, merged)

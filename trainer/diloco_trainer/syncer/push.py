@@ -12,7 +12,8 @@ In order (receive):
 4. guard the work it claims (steps, tokens for its replicas; gate.check_work), then, decoded in a
    worker thread off the lock, its values (finite, norm bounds; gate.check_delta), with 3 checked
    again (a merge or a drop may have happened while it was decoded);
-5. record it in the fragment's round (rounds.accept_push), which answers it.
+5. record it in the fragment's round (rounds.accept_push), which answers it, and fold it into
+   the round's merge (folding.py, in a worker thread): the round keeps it encoded.
 
 A refusal of its content (400 from decoding, 422 from the guards) counts towards the island's
 refusals in a row (gate.refused: maxRefusals in a row drop it); a refusal of the body or its
@@ -31,6 +32,7 @@ from diloco_trainer.api.credentials import Principal
 from diloco_trainer.api.documents import PushAnswer
 from diloco_trainer.api.protocol import PushMeta
 from diloco_trainer.syncer.credentials import require_push
+from diloco_trainer.syncer.folding import EncodedPayload
 from diloco_trainer.syncer.gate import Gate
 from diloco_trainer.syncer.global_model import GlobalModel
 from diloco_trainer.syncer.metrics import SyncerMetrics
@@ -114,11 +116,25 @@ class PushPath:
             now = host.clock()
             lag = self.state.check_push(fragment, meta.island, meta.base_version)  # 3. again
             self.gate.check_delta(fragment, meta.island, stats)  # 4.
-            contribution = push_contribution(meta, lag=lag, payload=decoded, now=now)
+            expected = self.model.expected[fragment]
+            payload = EncodedPayload(flat, self.codec, expected)  # kept encoded (folding.py)
+            contribution = push_contribution(meta, lag=lag, payload=payload, now=now)
             answer = self.state.accept_push(fragment, contribution, now)  # 5.
             self.gate.accepted(fragment, meta.island, stats)
             self.bytes_in += size
             self.metrics.bytes_in.inc(size)
+            # Folded into its round off the loop; the lock keeps its merge out until it is (a
+            # cancelled request too: the lock goes only once the thread is done).
+            lag_rounds = self.state.lag_rounds(fragment, meta.base_version)
+            folding = asyncio.ensure_future(
+                asyncio.to_thread(self.model.folds.add, fragment, contribution, decoded, lag_rounds)
+            )
+            del decoded
+            try:
+                await asyncio.shield(folding)
+            except asyncio.CancelledError:
+                await folding
+                raise
         host.changed()
         return answer
 

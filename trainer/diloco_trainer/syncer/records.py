@@ -143,7 +143,9 @@ class Contribution:
     push_id: str = ""
     step_time: float | None = None
     sync_time: float | None = None
-    payload: Any = field(default=None, repr=False)  # the decoded tensors (opaque here)
+    # Its pseudo-gradient as a name -> tensor mapping (opaque here): the syncer keeps it encoded
+    # (folding.EncodedPayload) and folds the decoded values into the round as it arrives.
+    payload: Any = field(default=None, repr=False)
 
 
 @dataclass

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import math
 import re
+from collections.abc import Mapping
 from typing import Any
 
 import safetensors.torch
@@ -178,7 +179,7 @@ def decode_measured(
 
 
 def push_contribution(
-    meta: protocol.PushMeta, *, lag: int, payload: dict[str, torch.Tensor], now: float
+    meta: protocol.PushMeta, *, lag: int, payload: Mapping[str, torch.Tensor], now: float
 ) -> Contribution:
     """A validated push as a round contribution."""
     return Contribution(

@@ -1,0 +1,301 @@
+"""Syncer scale: a real `diloco syncer` process at real model sizes, fed by fake islands.
+
+Fake islands (this process) join a real syncer on loopback and push valid encoded bodies of random
+pseudo-gradients, K = M (every island pushes every fragment each round). Measured, per case:
+
+- idle RSS of the syncer (ready, nothing pending) and its peak RSS over the rounds (sampled from
+  /proc every 10 ms, and the kernel's own high-water mark, VmHWM, which also covers start-up),
+  both as a multiple of x = P x 4 bytes (one fp32 copy of the model);
+- last push -> pullable: from the answer to a round's last push of a fragment to a long-polling
+  pull of that fragment answering with the new version (its headers; the body's transfer is
+  not counted);
+- /healthz latency (p50, p99, max) from a poller hitting it every 20 ms while the rounds run;
+- a plain-torch floor in the same run: one copy of the fragment's fp32 bytes plus the weighted sum
+  of M fp32 pseudo-gradients of that fragment (what a merge must at least do).
+
+    python -m bench.syncer_scale --preset gpt-125m --islands 4 8 --fragments 2 --rounds 2
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.request
+import uuid
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from diloco_trainer.api.protocol import ROUTE_HEALTHZ, PushMeta
+from diloco_trainer.api.spec import JobSpec, parse_spec
+from diloco_trainer.core.compress import encode_tensors
+from diloco_trainer.learner.syncer_client import SyncerClient
+from diloco_trainer.local import launch
+from diloco_trainer.models.model import build_model
+
+SEQ_LEN = 256
+
+
+def model_shapes(preset: str) -> dict[str, torch.Size]:
+    """A preset's parameter shapes, built on the meta device (no memory)."""
+    with torch.device("meta"):
+        model = build_model(preset, SEQ_LEN)
+    return {name: p.shape for name, p in model.named_parameters()}
+
+
+def job_spec(preset: str, islands: int, fragments: int, codec: str) -> JobSpec:
+    return parse_spec(
+        {
+            "model": {"preset": preset, "seed": 0},
+            "data": {"evalTokens": 1024},
+            "islands": {"count": islands},
+            "inner": {"steps": 10, "batchSize": 1, "seqLen": SEQ_LEN, "lr": 1e-3},
+            "sync": {
+                "quorum": islands,
+                "fragments": fragments,
+                "compression": codec,
+                "heartbeatTimeoutSeconds": 3600,
+                "graceSeconds": 600,
+            },
+            "stopAfter": {"outerSteps": 1000},
+            "syncer": {"checkpoint": {"everyOuterSteps": 1000, "keep": 1}},
+        }
+    )
+
+
+def rss_bytes(pid: int) -> tuple[int, int]:
+    """(VmRSS, VmHWM) of a process, in bytes."""
+    rss = hwm = 0
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            rss = int(line.split()[1]) * 1024
+        elif line.startswith("VmHWM:"):
+            hwm = int(line.split()[1]) * 1024
+    return rss, hwm
+
+
+class Sampler(threading.Thread):
+    """Samples the syncer's RSS and /healthz latency until stopped."""
+
+    def __init__(self, pid: int, url: str) -> None:
+        super().__init__(daemon=True)
+        self.pid, self.url = pid, url
+        self.peak = 0
+        self.probe: list[float] = []
+        self.done = threading.Event()
+
+    def run(self) -> None:
+        last_probe = 0.0
+        while not self.done.is_set():
+            self.peak = max(self.peak, rss_bytes(self.pid)[0])
+            now = time.perf_counter()
+            if now - last_probe >= 0.02:
+                last_probe = now
+                t0 = time.perf_counter()
+                with urllib.request.urlopen(self.url + ROUTE_HEALTHZ, timeout=60) as resp:
+                    resp.read()
+                self.probe.append(time.perf_counter() - t0)
+            self.done.wait(0.01)
+
+
+def floor_seconds(numel: int, islands: int, repeats: int = 3) -> float:
+    """Plain torch: one copy of `numel` fp32 plus the weighted sum of `islands` fp32 vectors of
+    that size (median of repeats)."""
+    vs = [torch.randn(numel) for _ in range(islands)]
+    out, copy = torch.empty(numel), torch.empty(numel)
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        copy.copy_(vs[0])
+        out.zero_()
+        for i, v in enumerate(vs):
+            out.add_(v, alpha=1.0 / (i + 1))
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+@dataclass
+class CaseResult:
+    preset: str
+    params: int
+    islands: int
+    fragments: int
+    codec: str
+    startup_s: float
+    idle_x: float
+    startup_hwm_x: float
+    peak_x: float
+    to_pullable_s: list[float]
+    floor_s: list[float]
+    healthz_p50_ms: float
+    healthz_p99_ms: float
+    healthz_max_ms: float
+
+
+async def run_rounds(
+    url: str,
+    token: str,
+    islands: list[str],
+    shapes: dict[str, torch.Size],
+    codec: str,
+    rounds: int,
+) -> list[float]:
+    """Every island pushes every fragment, `rounds` times; the last push -> pullable times."""
+    gen = torch.Generator().manual_seed(0)
+    times: list[float] = []
+    async with SyncerClient(url, token, request_timeout=600) as client:
+        info = [await client.join(name, 1) for name in islands][-1]
+        versions = list(info.versions)
+        for r in range(rounds):
+            for f, names in enumerate(info.fragments):
+                # Bodies are encoded before the timed part (a real island does that on its side).
+                encoded = encode_tensors(
+                    {n: torch.randn(shapes[n], generator=gen) * 1e-3 for n in names}, codec
+                )
+                metas = [
+                    PushMeta(
+                        island=name,
+                        base_version=versions[f],
+                        tokens=1000,
+                        steps=10,
+                        loss=2.0,
+                        step_time=0.1,
+                        codec=codec,
+                        push_id=uuid.uuid4().hex,
+                    )
+                    for name in islands
+                ]
+                # The pull waits for the new version from before the pushes start.
+                pull = asyncio.ensure_future(
+                    pull_headers(url, token, f, after=versions[f], wait=600)
+                )
+                for meta in metas:
+                    await client.push_pseudo_gradient(f, encoded, meta)
+                last = time.perf_counter()
+                pulled_at, version = await pull
+                times.append(pulled_at - last)
+                versions[f] = version
+                print(f"  round {r} fragment {f}: pullable {pulled_at - last:.2f}s", flush=True)
+                del encoded
+    return times
+
+
+async def pull_headers(
+    url: str, token: str, f: int, *, after: int, wait: float
+) -> tuple[float, int]:
+    """(when the answer's headers came, its version) of a long-polling pull of fragment f."""
+
+    def get() -> tuple[float, int]:
+        req = urllib.request.Request(
+            f"{url}/v1/fragments/{f}?after={after}&wait={wait}",
+            headers={"Authorization": f"Bearer {token}"},
+        )
+        with urllib.request.urlopen(req, timeout=wait + 60) as resp:
+            at = time.perf_counter()
+            resp.read()
+        return at, after + 1
+
+    return await asyncio.to_thread(get)
+
+
+def run_case(
+    preset: str, islands: int, fragments: int, codec: str, rounds: int, workdir: Path
+) -> CaseResult:
+    shapes = model_shapes(preset)
+    params = sum(s.numel() for s in shapes.values())
+    x = params * 4
+    spec = job_spec(preset, islands, fragments, codec)
+    files = launch.write_job_files(spec, workdir / "job")
+    port = launch.free_port()
+    url = f"http://127.0.0.1:{port}"
+    t0 = time.perf_counter()
+    proc = launch.start_syncer(
+        files,
+        port=port,
+        state_dir=workdir / "state",
+        job_name="bench",
+        log_file=workdir / "syncer.log",
+        extra_env={"OMP_NUM_THREADS": "1"},
+    )
+    try:
+        launch.wait_ready(url, files.token, timeout=900, proc=proc)
+        startup = time.perf_counter() - t0
+        pid = proc.pid
+        time.sleep(1.0)
+        idle, startup_hwm = rss_bytes(pid)
+        sampler = Sampler(pid, url)
+        sampler.start()
+        names = [f"island-{i}" for i in range(islands)]
+        times = asyncio.run(run_rounds(url, files.token, names, shapes, codec, rounds))
+        sampler.done.set()
+        sampler.join()
+        peak = max(sampler.peak, rss_bytes(pid)[1])
+    finally:
+        proc.stop(timeout=10)
+    fragment_numel = params // fragments
+    floors = [floor_seconds(fragment_numel, islands) for _ in range(2)]
+    probe = sorted(sampler.probe)
+    return CaseResult(
+        preset=preset,
+        params=params,
+        islands=islands,
+        fragments=fragments,
+        codec=codec,
+        startup_s=startup,
+        idle_x=idle / x,
+        startup_hwm_x=startup_hwm / x,
+        peak_x=peak / x,
+        to_pullable_s=times,
+        floor_s=floors,
+        healthz_p50_ms=1000 * probe[len(probe) // 2],
+        healthz_p99_ms=1000 * probe[min(len(probe) - 1, int(len(probe) * 0.99))],
+        healthz_max_ms=1000 * probe[-1],
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--preset", default="gpt-125m")
+    p.add_argument("--islands", nargs="+", type=int, default=[4, 8])
+    p.add_argument("--fragments", type=int, default=2)
+    p.add_argument("--codec", default="int8")
+    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--out", type=Path, default=None, help="write the results as JSON here")
+    args = p.parse_args(argv)
+    torch.set_num_threads(1)
+    rev = subprocess.run(
+        ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=False
+    ).stdout.strip()
+    results: list[dict[str, Any]] = []
+    print(f"revision {rev}, load {Path('/proc/loadavg').read_text().split()[:3]}", flush=True)
+    for m in args.islands:
+        with tempfile.TemporaryDirectory(prefix="syncer-scale-") as tmp:
+            r = run_case(args.preset, m, args.fragments, args.codec, args.rounds, Path(tmp))
+        results.append(asdict(r))
+        pullable = statistics.median(r.to_pullable_s)
+        floor = statistics.median(r.floor_s)
+        print(
+            f"{r.preset} ({r.params / 1e6:.0f}M) M={m} F={r.fragments} {r.codec}: "
+            f"start-up {r.startup_s:.1f}s, idle {r.idle_x:.2f}x, start-up peak "
+            f"{r.startup_hwm_x:.2f}x, peak {r.peak_x:.2f}x; last push -> pullable median "
+            f"{pullable:.2f}s (max {max(r.to_pullable_s):.2f}s), floor {floor:.2f}s "
+            f"({pullable / floor:.1f}x); /healthz p50 {r.healthz_p50_ms:.0f} ms, p99 "
+            f"{r.healthz_p99_ms:.0f} ms, max {r.healthz_max_ms:.0f} ms",
+            flush=True,
+        )
+    print(f"load after {Path('/proc/loadavg').read_text().split()[:3]}", flush=True)
+    if args.out is not None:
+        args.out.write_text(json.dumps({"revision": rev, "results": results}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,119 @@
+"""syncer/folding.py: rounds folded as pushes arrive, pushes kept encoded, and the merge's
+fallback to the encoded payloads when the round changed in a way a fold cannot follow."""
+
+from __future__ import annotations
+
+import torch
+from diloco_trainer.core.compress import decode_tensors, encode_tensors
+from diloco_trainer.core.contributions import Contributor, MergePlan, plan_merge
+from diloco_trainer.core.merge import merge_pseudo_gradients
+from diloco_trainer.syncer.folding import EncodedPayload, RoundFolds
+from diloco_trainer.syncer.records import Contribution
+
+SHAPES = {"a": torch.Size([4, 8]), "b": torch.Size([64])}
+
+
+def contribution(
+    island: str, tokens: int, steps: int, seed: int
+) -> tuple[Contribution, dict[str, torch.Tensor]]:
+    gen = torch.Generator().manual_seed(seed)
+    raw = {n: torch.randn(s, generator=gen) for n, s in SHAPES.items()}
+    flat = encode_tensors(raw, "int8")
+    c = Contribution(
+        island=island,
+        base_version=0,
+        lag=0,
+        tokens=tokens,
+        steps=steps,
+        loss=None,
+        received_at=0.0,
+        payload=EncodedPayload(flat, "int8", SHAPES),
+    )
+    return c, decode_tensors(flat, "int8", SHAPES)
+
+
+def plan_of(cs: list[Contribution], lags: list[float]) -> MergePlan:
+    return plan_merge(
+        [Contributor(c.tokens, c.steps, lag) for c, lag in zip(cs, lags, strict=True)],
+        rule="tokens",
+        inner_steps=4,
+        islands=len(cs),
+    )
+
+
+def folds() -> RoundFolds:
+    return RoundFolds(2, rule="tokens", inner_steps=4, plain_names=frozenset())
+
+
+def test_encoded_payload_reads_as_the_decoded_pseudo_gradient() -> None:
+    c, decoded = contribution("a", 100, 4, seed=0)
+    payload = c.payload
+    assert list(payload) == ["a", "b"] and len(payload) == 2
+    for name in SHAPES:
+        assert torch.equal(payload[name], decoded[name])
+    # int8: one byte per value and one fp32 scale per block, a quarter of fp32 and a little.
+    assert payload.nbytes < (32 + 64) * 4 // 3
+
+
+def test_weight_and_scale_are_the_plans() -> None:
+    # tokens × tokens/steps = 300 · 75; 2 steps of H = 4 are half a round: scale 2; a lag of
+    # 3 rounds is 2 beyond the free one: discount 3^-1/2.
+    c, _ = contribution("a", 300, 2, seed=0)
+    weight, scale = folds().weight_and_scale(c, 3.0)
+    assert scale == 2.0
+    assert weight == 300 * 150 * 3**-0.5
+
+
+def test_a_folded_round_merges_as_the_batch_merge_in_arrival_order() -> None:
+    rf = folds()
+    pushed = [contribution(f"i{k}", 100 * (k + 1), 4, seed=k) for k in range(3)]
+    for c, decoded in pushed:  # arrival order: i0, i1, i2
+        assert rf.add(1, c, decoded, 0.0)
+    assert rf.held_bytes() == (32 + 64) * 4  # one fp32 accumulator, whatever the pushes
+    cs = [c for c, _ in pushed]
+    plan = plan_of(cs, [0.0] * 3)
+    fold = rf.take(1, cs, plan)
+    assert fold is not None and rf.held_bytes() == 0
+    want = merge_pseudo_gradients(
+        [d for _, d in pushed], plan.weights, "tokens", scales=plan.scales
+    )
+    got = fold.result()
+    for name in SHAPES:
+        assert torch.equal(got[name], want[name])
+
+
+def test_a_round_left_without_one_push_is_merged_from_the_encoded_payloads() -> None:
+    rf = folds()
+    pushed = [contribution(f"i{k}", 100, 4, seed=k) for k in range(3)]
+    for c, decoded in pushed:
+        rf.add(0, c, decoded, 0.0)
+    kept = [pushed[0][0], pushed[2][0]]  # i1 left out by a failed merge
+    assert rf.take(0, kept, plan_of(kept, [0.0, 0.0])) is None  # no fold: it holds i1
+    # The fallback: the batch merge over the encoded payloads equals the merge of the two
+    # decoded pushes alone (equal weights: their mean).
+    merged = merge_pseudo_gradients([c.payload for c in kept], [1.0, 1.0], "tokens")
+    for name in SHAPES:
+        mean = (pushed[0][1][name] + pushed[2][1][name]) / 2
+        assert torch.allclose(merged[name], mean, rtol=1e-6, atol=1e-7)
+
+
+def test_a_replaced_push_or_another_lag_is_not_taken_from_the_fold() -> None:
+    rf = folds()
+    old, d_old = contribution("i0", 100, 4, seed=0)
+    new, d_new = contribution("i0", 200, 4, seed=1)
+    rf.add(0, old, d_old, 0.0)
+    rf.add(0, new, d_new, 0.0)  # the island's newer push replaced the old one in the round
+    assert rf.take(0, [new], plan_of([new], [0.0])) is None
+    rf.add(0, new, d_new, 0.0)
+    assert rf.take(0, [new], plan_of([new], [2.0])) is None  # planned with another discount
+    assert rf.take(0, [new], plan_of([new], [0.0])) is None  # the fold left with the last take
+
+
+def test_a_push_that_cannot_be_folded_drops_the_fold() -> None:
+    rf = folds()
+    c, decoded = contribution("i0", 100, 4, seed=0)
+    rf.add(0, c, decoded, 0.0)
+    bad, _ = contribution("i1", 100, 4, seed=1)
+    assert not rf.add(0, bad, {"a": torch.zeros(3)}, 0.0)  # wrong names and shape
+    assert rf.held_bytes() == 0
+    assert rf.take(0, [c], plan_of([c], [0.0])) is None

@@ -1,0 +1,98 @@
+"""A merge folded one pseudo-gradient at a time (pure, synchronous).
+
+merge.merge_pseudo_gradients needs every island's pseudo-gradient at once: M decoded copies of a
+fragment held until the round closes. Each contribution's weight ρ_i and scale s_i are known when
+it arrives (contributions.py: they depend on its own tokens, steps and staleness only), and only
+their sum Σρ normalises, so a round can hold one accumulator instead:
+
+- weighted mean ("tokens", "mean", and RDA's plain names): acc = Σ ρ_i·s_i·v_i; the merge is
+  acc / Σρ;
+- RDA, per tensor: direction acc_d = Σ ρ_i·v_i/|v_i| and radius acc_r = Σ ρ_i·s_i·|v_i|; the
+  merge is acc_d · (acc_r / Σρ) / |acc_d| (the batch form normalises ρ first; the direction's
+  scale cancels, the radius divides by Σρ once).
+
+merge.merge_pseudo_gradients is this fold over its inputs in order, so a batch merge in the
+order the pushes came gives the syncer's bits (fp sums depend on their order). The same checks
+hold: weights and scales finite and >= 0, Σρ > 0, names and shapes as the first contribution's.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+
+import torch
+from torch import Tensor
+
+
+class MergeFold:
+    """The running merge of one fragment's round (see the module docstring)."""
+
+    def __init__(self, rule: str, plain_names: frozenset[str] = frozenset()) -> None:
+        self.rule = rule
+        self.plain_names = plain_names
+        self.acc: dict[str, Tensor] = {}
+        self.radius: dict[str, float] = {}  # RDA's accumulated radius per tensor
+        # Weights are folded relative to a power of two near the first non-zero one (`unit`):
+        # tokens² weights stay near 1 in fp32, and scaling by a power of two is exact.
+        self.unit: float | None = None
+        self.total = 0.0  # Σρ / unit
+        self.count = 0
+
+    def _rda(self, name: str) -> bool:
+        return self.rule == "rda" and name not in self.plain_names
+
+    def add(self, vectors: Mapping[str, Tensor], weight: float, scale: float) -> None:
+        """Fold in one pseudo-gradient with mixing weight ρ and vector scale s (ValueError, with
+        nothing folded, for a bad weight, scale, name or shape)."""
+        for what, value in (("weight", weight), ("scale", scale)):
+            if not (math.isfinite(value) and value >= 0.0):
+                raise ValueError(f"merge {what} must be finite and >= 0, got {value}")
+        if self.acc:
+            if set(vectors) != set(self.acc):
+                diff = sorted(set(vectors) ^ set(self.acc))
+                raise ValueError(f"pseudo-gradient has different tensor names: {diff[:5]}")
+            for name, v in vectors.items():
+                if v.shape != self.acc[name].shape:
+                    raise ValueError(
+                        f"pseudo-gradient tensor {name!r} has shape {tuple(v.shape)}, "
+                        f"expected {tuple(self.acc[name].shape)}"
+                    )
+        else:
+            for name, v in vectors.items():
+                self.acc[name] = torch.zeros(v.shape, dtype=torch.float32, device=v.device)
+                self.radius[name] = 0.0
+        if weight and self.unit is None:
+            self.unit = math.ldexp(1.0, math.frexp(weight)[1] - 1)
+        weight = weight / self.unit if weight and self.unit else 0.0
+        self.total += weight
+        self.count += 1
+        for name, v in vectors.items():
+            if not weight:
+                continue  # a zero weight counts in Σρ only (as in the batch merge)
+            if self._rda(name):
+                norm = float(torch.linalg.vector_norm(v, dtype=torch.float32))
+                if norm == 0.0 or scale == 0.0:
+                    continue  # no direction; it adds 0 to the radius
+                self.radius[name] += weight * scale * norm
+                self.acc[name].add_(v, alpha=weight / norm)
+            else:
+                self.acc[name].add_(v, alpha=weight * scale)
+
+    def result(self) -> dict[str, Tensor]:
+        """The merged pseudo-gradient, computed in place in the accumulators (the fold is used
+        up); ValueError when nothing was folded or the weights sum to zero."""
+        if not self.count:
+            raise ValueError("nothing to merge: no pseudo-gradients")
+        if not (self.total > 0.0 and math.isfinite(self.total)):
+            raise ValueError("merge weights sum to zero: no contribution carries any weight")
+        out, self.acc = self.acc, {}
+        self.count = 0
+        for name, t in out.items():
+            if self._rda(name):
+                dnorm = float(torch.linalg.vector_norm(t))
+                if dnorm != 0.0:  # else all zero, or directions cancel exactly: no update
+                    t.mul_(self.radius[name] / self.total / dnorm)
+            else:
+                t.div_(self.total)
+        return out

@@ -1,0 +1,143 @@
+"""Each fragment's round folded as its pushes arrive, and the pushes kept encoded.
+
+Memory flat in the number of islands: an accepted push is folded into its fragment's accumulator
+(core/fold.py) with the weight and scale its merge will give it (core/contributions.py: they
+depend on its own tokens, steps and staleness only; staleness cannot change while its round is
+open, as only this fragment's merge moves its clock, and that merge takes the round). The decoded
+fp32 copy is then dropped; the contribution keeps its still-encoded tensors (EncodedPayload, the
+int8 body at a quarter of fp32) for the rare merge that must leave an offender out.
+
+The merge uses the fold when it holds exactly the round's contributions with the plan's weights
+and scales; otherwise (a push replaced by its island's newer one, contributions left out by a
+failed merge, a fold that failed) it merges the encoded payloads again the batch way, decoding a
+tensor at a time. Either way the result is the batch merge's, up to rounding.
+
+Synchronous: the push path folds in a worker thread with the service's lock held, the merge
+takes the fold with the same lock held.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from diloco_trainer.core.compress import decode_tensor
+from diloco_trainer.core.contributions import Contributor, MergePlan, plan_merge
+from diloco_trainer.core.fold import MergeFold
+from diloco_trainer.syncer.records import Contribution
+
+log = logging.getLogger("diloco.syncer")
+
+
+class EncodedPayload(Mapping[str, torch.Tensor]):
+    """A checked push's encoded tensors, read as its decoded pseudo-gradient one tensor at a time
+    (each read decodes again: nothing decoded is kept)."""
+
+    def __init__(
+        self, flat: Mapping[str, torch.Tensor], codec: str, expected: Mapping[str, torch.Size]
+    ) -> None:
+        self.flat = dict(flat)
+        self.codec = codec
+        self.expected = dict(expected)
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        return decode_tensor(self.flat, name, self.codec, self.expected[name])
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.expected)
+
+    def __len__(self) -> int:
+        return len(self.expected)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held (the encoded tensors)."""
+        return sum(t.numel() * t.element_size() for t in self.flat.values())
+
+
+@dataclass
+class _Folded:
+    fold: MergeFold
+    # What went in, in order: the contributions (by identity) and their weight and scale.
+    items: list[tuple[Contribution, float, float]] = field(default_factory=list)
+
+
+class RoundFolds:
+    """The folds of one job's open rounds, one per fragment with pushes (not thread-safe: the
+    caller holds the service's lock)."""
+
+    def __init__(
+        self, fragments: int, *, rule: str, inner_steps: int, plain_names: frozenset[str]
+    ) -> None:
+        self.rule = rule
+        self.inner_steps = inner_steps
+        self.plain_names = plain_names
+        self._folds: list[_Folded | None] = [None] * fragments
+
+    def weight_and_scale(
+        self, contribution: Contribution, lag_rounds: float
+    ) -> tuple[float, float]:
+        """The weight ρ and scale s the merge plan gives this contribution (core/contributions)."""
+        plan = plan_merge(
+            [Contributor(contribution.tokens, contribution.steps, lag_rounds)],
+            rule=self.rule,
+            inner_steps=self.inner_steps,
+            islands=1,
+        )
+        return plan.weights[0], plan.scales[0]
+
+    def add(
+        self,
+        f: int,
+        contribution: Contribution,
+        decoded: Mapping[str, torch.Tensor],
+        lag_rounds: float,
+    ) -> bool:
+        """Fold an accepted contribution's decoded pseudo-gradient into fragment f's round;
+        False when it cannot be (logged; the fold is dropped and the merge merges the encoded
+        payloads, which meets the same error where the merge's guards can handle it)."""
+        folded = self._folds[f]
+        try:
+            weight, scale = self.weight_and_scale(contribution, lag_rounds)
+            if folded is None:
+                folded = self._folds[f] = _Folded(MergeFold(self.rule, self.plain_names))
+            folded.fold.add(decoded, weight, scale)
+        except (ValueError, OverflowError) as err:
+            log.warning("fragment %d: not folded (%s); its merge reads the pushes again", f, err)
+            self._folds[f] = None
+            return False
+        folded.items.append((contribution, weight, scale))
+        return True
+
+    def take(
+        self, f: int, contributions: Sequence[Contribution], plan: MergePlan
+    ) -> MergeFold | None:
+        """Fragment f's fold when it holds exactly `contributions` (by identity, any order) with
+        `plan`'s weights and scales; None otherwise. The fold leaves either way: a round is
+        merged from it once, or from the encoded payloads."""
+        folded, self._folds[f] = self._folds[f], None
+        if folded is None or len(folded.items) != len(contributions):
+            return None
+        planned = {
+            id(c): (w, s) for c, w, s in zip(contributions, plan.weights, plan.scales, strict=True)
+        }
+        for c, w, s in folded.items:
+            if planned.get(id(c)) != (w, s):
+                return None
+        return folded.fold
+
+    def drop(self, f: int) -> None:
+        """Forget fragment f's fold (its round changed in a way a fold cannot follow)."""
+        self._folds[f] = None
+
+    def held_bytes(self) -> int:
+        """Bytes of the accumulators held (for tests and the benchmark)."""
+        return sum(
+            t.numel() * t.element_size()
+            for folded in self._folds
+            if folded is not None
+            for t in folded.fold.acc.values()
+        )
