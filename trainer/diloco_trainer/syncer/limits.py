@@ -8,7 +8,10 @@
   bodyTimeoutSeconds, else 408 and the connection is closed: a client trickling one byte every
   few seconds cannot hold a connection and its buffer for ever.
 - Connections (ConnectionCap): at most maxConnections at once, counted from the TCP accept (so TLS
-  handshakes count); one more is answered 503 with Retry-After and closed.
+  handshakes count); one more is answered 503 with Retry-After and closed. One peer address holds
+  at most maxConnections - RESERVE_CONNECTIONS of them: a flood of idle connections from one
+  client leaves room for /healthz (the kubelet restarts a syncer whose probe fails, losing the
+  merges since its last checkpoint), the operator's membership calls and the learners.
 - Push bodies (Slots): at most maxConcurrentPushes read at once (each up to a fragment's encoded
   size), and at most push_share of them for one credential (an island's: PUSHES_PER_ISLAND, so
   one island trickling bodies cannot hold every slot); one more is answered 503 with Retry-After
@@ -42,6 +45,9 @@ log = logging.getLogger("diloco.syncer")
 
 # Deepest JSON nesting accepted in a request body or a push's metadata values.
 MAX_JSON_DEPTH = 32
+# Connections no single peer address can take (ConnectionCap): room for the kubelet's probes
+# and the operator's calls however many connections one client holds.
+RESERVE_CONNECTIONS = 16
 # Push bodies one island's credential may have read at once: two fragments' pushes overlapping
 # (the 'auto' maxConcurrentPushes has room for two per island).
 PUSHES_PER_ISLAND = 2
@@ -184,50 +190,91 @@ class _Busy(asyncio.Protocol):
 
 
 class _Counted(asyncio.Protocol):
-    """A connection's real protocol (aiohttp's request handler), counted by its ConnectionCap
-    from accept to close."""
+    """A connection's real protocol (aiohttp's request handler, made once its peer is
+    admitted), counted by its ConnectionCap from accept to close."""
 
-    def __init__(self, cap: ConnectionCap, inner: Any) -> None:
+    def __init__(self, cap: ConnectionCap) -> None:
         self.cap = cap
-        self.inner = inner
+        self.inner: Any = None  # None: refused (its peer holds its share), or not made yet
+        self.peer = ""
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        peer = transport.get_extra_info("peername")
+        self.peer = str(peer[0]) if isinstance(peer, tuple) and peer else ""
+        if not self.cap.admit_peer(self.peer):
+            _Busy().connection_made(transport)
+            return
+        self.inner = self.cap.server()
         self.inner.connection_made(transport)
 
     def data_received(self, data: bytes) -> None:
-        self.inner.data_received(data)
+        if self.inner is not None:
+            self.inner.data_received(data)
 
     def eof_received(self) -> bool | None:
-        return self.inner.eof_received()
+        return self.inner.eof_received() if self.inner is not None else None
 
     def pause_writing(self) -> None:
-        self.inner.pause_writing()
+        if self.inner is not None:
+            self.inner.pause_writing()
 
     def resume_writing(self) -> None:
-        self.inner.resume_writing()
+        if self.inner is not None:
+            self.inner.resume_writing()
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.cap.open -= 1
-        self.inner.connection_lost(exc)
+        if self.inner is not None:
+            self.cap.release_peer(self.peer)
+            self.inner.connection_lost(exc)
 
 
 class ConnectionCap:
-    """Protocol factory: aiohttp's server for up to `size` open connections, _Busy beyond."""
+    """Protocol factory: aiohttp's server for up to `size` open connections, _Busy beyond; one
+    peer address holds at most `size` - reserve_of(size) of them, so a flood from one address
+    leaves the reserve to every other (the kubelet's probes, the operator, the learners)."""
 
     def __init__(self, server: web.Server, size: int) -> None:
         self.server = server
         self.size = size
+        self.per_peer = max(1, size - reserve_of(size))
         self.open = 0
         self.refused = 0
+        self.peers: dict[str, int] = {}  # admitted connections per peer address, when open
 
     def __call__(self) -> asyncio.Protocol:
         if self.open >= self.size:
-            self.refused += 1
-            if self.refused == 1 or self.refused % 1000 == 0:
-                log.warning("%d connections open: refusing more (syncer.limits)", self.open)
+            self._refuse(f"{self.open} connections open")
             return _Busy()
         self.open += 1
-        return _Counted(self, self.server())
+        return _Counted(self)
+
+    def admit_peer(self, peer: str) -> bool:
+        """Count a connection of `peer`; False (not counted) when it holds its share."""
+        held = self.peers.get(peer, 0)
+        if held >= self.per_peer:
+            self._refuse(f"{held} connections open from {peer}")
+            return False
+        self.peers[peer] = held + 1
+        return True
+
+    def release_peer(self, peer: str) -> None:
+        left = self.peers.get(peer, 1) - 1
+        if left > 0:
+            self.peers[peer] = left
+        else:
+            self.peers.pop(peer, None)
+
+    def _refuse(self, why: str) -> None:
+        self.refused += 1
+        if self.refused == 1 or self.refused % 1000 == 0:
+            log.warning("%s: refusing more (syncer.limits)", why)
+
+
+def reserve_of(size: int) -> int:
+    """The connections one peer address cannot take: RESERVE_CONNECTIONS, at most a quarter of
+    the cap (a tiny cap keeps most of it for the one client it may have)."""
+    return min(RESERVE_CONNECTIONS, size // 4)
 
 
 class GuardedSite(web.BaseSite):
