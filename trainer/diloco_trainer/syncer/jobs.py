@@ -19,12 +19,13 @@ import asyncio
 import contextlib
 import copy
 import logging
-from collections.abc import Callable, Coroutine
+from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
+from torch import nn
 
 from diloco_trainer.api.documents import CheckpointRef
 from diloco_trainer.api.manifest import CheckpointManifest
@@ -100,8 +101,20 @@ class Evaluations:
         self.history: list[dict[str, Any]] = []
         self.initial_loss: float | None = None
         self.last_step = -1
-        # A second model to evaluate weight snapshots on while merges go on.
-        self._eval_model = copy.deepcopy(parts.model)
+        # A second model to evaluate weight snapshots on while merges go on: a copy of the
+        # module that shares the live parameters (no copy of P), whose parameter slots take a
+        # snapshot's tensors for the length of one evaluation.
+        live = parts.model
+        names: dict[int, str] = {}
+        for name, p in live.named_parameters(remove_duplicate=False):
+            names.setdefault(id(p), name)
+        self._eval_model = copy.deepcopy(live, memo={id(p): p for p in live.parameters()})
+        self._slots = [
+            (module, attr, names[id(p)])
+            for module in self._eval_model.modules()
+            for attr, p in module._parameters.items()
+            if p is not None
+        ]
 
     @property
     def latest(self) -> float | None:
@@ -112,11 +125,17 @@ class Evaluations:
         return evaluate(self.parts)
 
     def evaluate_snapshot(self, weights: Tensors) -> float:
-        """The eval loss of a copy of the weights, on the second model."""
-        with torch.no_grad():
-            for name, p in self._eval_model.named_parameters():
-                p.copy_(weights[name])
-        return evaluate(self.parts, self._eval_model)
+        """The eval loss of a copy of the weights, on the second model (its parameter slots
+        hold the copy's tensors while it evaluates, the live parameters again after)."""
+        held = [(module, attr, module._parameters[attr]) for module, attr, _ in self._slots]
+        try:
+            for module, attr, name in self._slots:
+                module._parameters[attr] = nn.Parameter(weights[name], requires_grad=False)
+            with torch.no_grad():
+                return evaluate(self.parts, self._eval_model)
+        finally:
+            for module, attr, p in held:
+                module._parameters[attr] = p
 
     def record(self, loss: float, *, step: int, tokens: int) -> None:
         """Append an evalHistory entry for outer step `step`."""
@@ -148,6 +167,10 @@ class CheckpointSnapshot:
     outer_step: int
     tensors: TensorSnapshot
     manifest: CheckpointManifest
+
+
+# Takes a CheckpointSnapshot: its manifest on the loop, its tensor copies in a worker thread.
+Snapshotter = Callable[[], Awaitable[CheckpointSnapshot]]
 
 
 class Checkpoints:
@@ -268,20 +291,18 @@ class BackgroundJobs:
         self.checkpoints.last_step = outer_step
         self.checkpoints.last_versions = list(manifest.versions)
 
-    def after_merge(
-        self, step: int, tokens: int, snapshot: Callable[[], CheckpointSnapshot]
-    ) -> None:
-        """Schedule the evaluation and checkpoint due at outer step `step`, on snapshots."""
+    async def after_merge(self, step: int, tokens: int, snapshot: Snapshotter) -> None:
+        """Schedule the evaluation and checkpoint due at outer step `step`, on snapshots (taken
+        now, the caller's lock held; the copies in a worker thread, off the loop)."""
         if step > self.evaluations.last_step and step % self.eval_every == 0:
-            self.queue.schedule(self.evaluations.job(self.model.snapshot(), step, tokens))
+            weights = await asyncio.to_thread(self.model.snapshot)
+            self.queue.schedule(self.evaluations.job(weights, step, tokens))
             self.evaluations.last_step = step
         if step > self.checkpoints.last_step and step % self.checkpoint_every == 0:
-            self.queue.schedule(self.checkpoints.write(snapshot()))
+            self.queue.schedule(self.checkpoints.write(await snapshot()))
             self.checkpoints.last_step = step
 
-    async def finish(
-        self, step: int, tokens: int, snapshot: Callable[[], CheckpointSnapshot]
-    ) -> float | None:
+    async def finish(self, step: int, tokens: int, snapshot: Snapshotter) -> float | None:
         """Evaluate (unless done at this step) and checkpoint the final state, after every
         scheduled job; returns the eval loss computed here, if any."""
         await self.queue.drain()  # earlier evaluations land in evalHistory first
@@ -289,24 +310,22 @@ class BackgroundJobs:
         if step > self.evaluations.last_step:
             loss = await asyncio.to_thread(self.evaluations.evaluate_live)
             self.evaluations.record(loss, step=step, tokens=tokens)
-        await self.checkpoints.write(snapshot())
+        await self.checkpoints.write(await snapshot())
         self.checkpoints.last_step = step
         return loss
 
-    async def final_checkpoint(
-        self, versions: list[int], snapshot: Callable[[], CheckpointSnapshot]
-    ) -> bool:
+    async def final_checkpoint(self, versions: list[int], snapshot: Snapshotter) -> bool:
         """At a stop, after every scheduled job: a checkpoint when anything was merged since the
         last one (so a restart loses nothing merged); True when one was written."""
         await self.queue.drain()
         if versions == self.checkpoints.last_versions or not any(versions):
             return False
-        return await self.checkpoints.write(snapshot())
+        return await self.checkpoints.write(await snapshot())
 
     async def stop(
         self,
         timeout: float,
-        final: tuple[list[int], Callable[[], CheckpointSnapshot]] | None = None,
+        final: tuple[list[int], Snapshotter] | None = None,
     ) -> None:
         """Write the final checkpoint (`final`: the versions and their snapshot; each step
         within `timeout`), let scheduled jobs finish and stop the worker."""

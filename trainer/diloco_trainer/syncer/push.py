@@ -87,7 +87,7 @@ class PushPath:
         raw_meta = read_push_header(body)
         require_push(principal, raw_meta)  # 1.
         meta = parse_push_meta(raw_meta, self.codec)  # 2.
-        flat = read_push_tensors(body)
+        flat = await asyncio.to_thread(read_push_tensors, body)  # P-sized: off the loop
         try:
             return await self._admit_guard_record(fragment, flat, meta, len(body))
         except Refused as err:

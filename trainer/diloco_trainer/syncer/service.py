@@ -418,7 +418,7 @@ class Syncer:
         step = self.state.outer_step
         if not self.stop_reached():
             await self.publisher.publish(self._body_keys())
-            self.jobs.after_merge(step, self.tokens, self._checkpoint_snapshot)
+            await self.jobs.after_merge(step, self.tokens, self._checkpoint_snapshot)
             return None
         loss = await self.jobs.finish(step, self.tokens, self._checkpoint_snapshot)
         self.finished = True
@@ -426,22 +426,23 @@ class Syncer:
         log.info("finished at outer step %d with %d tokens", step, self.tokens)
         return loss
 
-    def _checkpoint_snapshot(self) -> CheckpointSnapshot:
-        """Everything a checkpoint of the current state needs, copied (lock held)."""
-        return CheckpointSnapshot(
-            outer_step=self.state.outer_step,
-            tensors=self.model.tensor_snapshot(),
-            manifest=checkpoint_manifest(
-                self.identity,
-                rounds=self.state.saved(),
-                fragments=self.model.fragments,
-                outer_progress=self.model.outer.progress_json(),
-                merge_counters=self.merge_log.manifest(),
-                initial_eval_loss=self.jobs.snapshot().initial_eval_loss,
-                norm_history=self.gate.norm_history(),
-                time=self.clock(),
-            ),
+    async def _checkpoint_snapshot(self) -> CheckpointSnapshot:
+        """Everything a checkpoint of the current state needs, copied (lock held, or at a stop
+        no merge left to run): the manifest on the loop, the tensors (P-sized) in a worker
+        thread."""
+        manifest = checkpoint_manifest(
+            self.identity,
+            rounds=self.state.saved(),
+            fragments=self.model.fragments,
+            outer_progress=self.model.outer.progress_json(),
+            merge_counters=self.merge_log.manifest(),
+            initial_eval_loss=self.jobs.snapshot().initial_eval_loss,
+            norm_history=self.gate.norm_history(),
+            time=self.clock(),
         )
+        outer_step = self.state.outer_step
+        tensors = await asyncio.to_thread(self.model.tensor_snapshot)
+        return CheckpointSnapshot(outer_step=outer_step, tensors=tensors, manifest=manifest)
 
 
 def main(args: argparse.Namespace) -> int:
