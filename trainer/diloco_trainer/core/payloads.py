@@ -81,10 +81,23 @@ def split_update_chain(
 def encode_body(tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, Any]) -> bytes:
     """Serialise tensors and metadata as safetensors bytes.
 
-    Tensors are made contiguous and given their own storage, because safetensors refuses views
-    and tensors that share memory (tied weights).
+    Tensors are made contiguous and given their own storage where they lack it, because
+    safetensors refuses views and tensors that share memory (tied weights); a tensor that is the
+    whole of its own storage is serialised as it is (no copy of a P-sized body first).
     """
-    own = {name: t.detach().contiguous().clone() for name, t in tensors.items()}
+    own: dict[str, torch.Tensor] = {}
+    seen: set[int] = set()
+    for name, t in tensors.items():
+        t = t.detach()
+        storage = t.untyped_storage()
+        whole = (
+            t.is_contiguous()
+            and t.storage_offset() == 0
+            and storage.nbytes() == t.numel() * t.element_size()
+            and storage.data_ptr() not in seen
+        )
+        own[name] = t if whole else t.contiguous().clone()
+        seen.add(storage.data_ptr())
     return safetensors.torch.save(own, metadata=encode_metadata(metadata))
 
 

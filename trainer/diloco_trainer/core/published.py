@@ -29,7 +29,12 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from diloco_trainer.core.compress import decode_tensors, encode_tensors, encoded_nbytes
+from diloco_trainer.core.compress import (
+    decode_tensor,
+    decode_tensors,
+    encode_tensors,
+    encoded_nbytes,
+)
 
 CHECKSUM_PREFIX = "crc32:"
 
@@ -67,12 +72,14 @@ def publish_update(
     The update is encoded from u = exact − published and decoded exactly as a learner decodes
     it, so published + decode(q) here equals the learner's result bit for bit.
     """
-    diff = {n: exact[n] - published[n] for n in names}
-    encoded = encode_tensors(diff, codec)
-    decoded = decode_tensors(encoded, codec, {n: t.shape for n, t in diff.items()})
+    # A tensor at a time: the difference and its decoded form are one tensor's size, not the
+    # fragment's (the result is the same: the codecs encode each tensor on its own).
+    encoded: dict[str, Tensor] = {}
     with torch.no_grad():
         for n in names:
-            published[n].add_(decoded[n])
+            one = encode_tensors({n: exact[n] - published[n]}, codec)
+            published[n].add_(decode_tensor(one, n, codec, published[n].shape))
+            encoded.update(one)
     return WeightUpdate(
         version=version,
         encoded=encoded,

@@ -79,10 +79,13 @@ class Publisher:
             self.history[f].append(update)
 
     async def publish(self, keys: list[BodyKey]) -> None:
-        """Re-encode the fragments whose key changed and wake their pullers (lock held)."""
+        """Re-encode the fragments whose key changed and wake their pullers (lock held), one
+        fragment at a time, new versions first: a merged fragment is pullable as soon as its
+        own body is, not after the others whose outer step only changed."""
         stale = [f for f in range(len(self.model.fragments)) if self._bodies[f][0] != keys[f]]
-        fresh = await asyncio.to_thread(lambda: [self._encode(f, keys[f]) for f in stale])
-        for f, body in zip(stale, fresh, strict=True):
+        stale.sort(key=lambda f: self._bodies[f][0][0] == keys[f][0])  # new versions first
+        for f in stale:
+            body = await asyncio.to_thread(self._encode, f, keys[f])
             self._bodies[f] = body
             self._chains[f].clear()
             old, self._events[f] = self._events[f], asyncio.Event()
