@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 from diloco_trainer.api import credentials, protocol
+from diloco_trainer.core.payloads import PulledFragment
 
 from .conftest import TINY_SPEC, SyncerHandle, deep_merge
 from .test_hostile import push_body, start
@@ -58,7 +59,7 @@ async def _shapes(handle: SyncerHandle) -> dict[str, torch.Tensor]:
         for island in (*HONEST, ADVERSARY):
             await client.join(island, 1)
         pulled = await client.pull_fragment(0, after=-1)
-        assert pulled is not None
+        assert isinstance(pulled, PulledFragment)  # after=-1: the full weights
         return pulled.tensors
 
 

@@ -24,8 +24,8 @@ async def open_from(port: int, source: str) -> tuple[asyncio.StreamReader, async
 
 
 def test_limits_reserve_sizes() -> None:
-    # At most 16, at most a quarter of the cap.
-    assert [reserve_of(n) for n in (1, 8, 16, 64, 512)] == [0, 2, 4, 16, 16]
+    # At most 16, at most an eighth of the cap.
+    assert [reserve_of(n) for n in (1, 8, 16, 64, 512)] == [0, 1, 2, 8, 16]
 
 
 def test_limits_one_client_cannot_take_the_probe_reserve() -> None:
@@ -37,13 +37,14 @@ def test_limits_one_client_cannot_take_the_probe_reserve() -> None:
         site = GuardedSite(runner, "127.0.0.1", 0, limits=HttpLimits(max_connections=8))
         await site.start()
         try:
-            assert site._server is not None
-            port = site._server.sockets[0].getsockname()[1]
+            server = site._server
+            assert isinstance(server, asyncio.Server)
+            port = server.sockets[0].getsockname()[1]
             cap = site.cap
-            assert isinstance(cap, ConnectionCap) and cap.per_peer == 6  # 8 - reserve 2
+            assert isinstance(cap, ConnectionCap) and cap.per_peer == 7  # 8 - reserve 1
             held = [await open_from(port, FLOOD) for _ in range(8)]  # idle: no request sent
-            # The 7th and 8th are answered busy and closed (read to the end: closed server-side).
-            busy = [await asyncio.wait_for(reader.read(), READ_TIMEOUT) for reader, _ in held[6:]]
+            # The 8th is answered busy and closed (read to the end: closed server-side).
+            busy = [await asyncio.wait_for(reader.read(), READ_TIMEOUT) for reader, _ in held[7:]]
             reader, writer = await open_from(port, PROBE)
             writer.write(b"GET /healthz HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
             probe = await asyncio.wait_for(reader.read(), READ_TIMEOUT)
@@ -58,4 +59,4 @@ def test_limits_one_client_cannot_take_the_probe_reserve() -> None:
     busy, probe, peers = asyncio.run(scenario())
     assert all(b.startswith(b"HTTP/1.1 503") and b'"busy"' in b for b in busy), busy
     assert probe.startswith(b"HTTP/1.1 200") and b'{"ok": true}' in probe, probe
-    assert peers == {FLOOD: 6}  # the probe's connection was closed by then
+    assert peers == {FLOOD: 7}  # the probe's connection was closed by then

@@ -9,9 +9,10 @@
   few seconds cannot hold a connection and its buffer for ever.
 - Connections (ConnectionCap): at most maxConnections at once, counted from the TCP accept (so TLS
   handshakes count); one more is answered 503 with Retry-After and closed. One peer address holds
-  at most maxConnections - RESERVE_CONNECTIONS of them: a flood of idle connections from one
-  client leaves room for /healthz (the kubelet restarts a syncer whose probe fails, losing the
-  merges since its last checkpoint), the operator's membership calls and the learners.
+  all but reserve_of(maxConnections) of them (16, at most an eighth of the cap): a flood of idle
+  connections from one client leaves room for /healthz (the kubelet restarts a syncer whose
+  probe fails, losing the merges since its last checkpoint), the operator's calls and the
+  learners.
 - Push bodies (Slots): at most maxConcurrentPushes read at once (each up to a fragment's encoded
   size), and at most push_share of them for one credential (an island's: PUSHES_PER_ISLAND, so
   one island trickling bodies cannot hold every slot); one more is answered 503 with Retry-After
@@ -272,9 +273,10 @@ class ConnectionCap:
 
 
 def reserve_of(size: int) -> int:
-    """The connections one peer address cannot take: RESERVE_CONNECTIONS, at most a quarter of
-    the cap (a tiny cap keeps most of it for the one client it may have)."""
-    return min(RESERVE_CONNECTIONS, size // 4)
+    """The connections one peer address cannot take: RESERVE_CONNECTIONS, at most an eighth of
+    the cap (a small cap keeps most of it for the one client it may have: the connections it
+    closed are counted until the server has seen them close)."""
+    return min(RESERVE_CONNECTIONS, size // 8)
 
 
 class GuardedSite(web.BaseSite):
