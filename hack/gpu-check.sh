@@ -100,9 +100,6 @@ mkdir -p "$OUT/run-logs"
 cp "$WORK"/logs/*.log "$OUT/run-logs/" 2>/dev/null
 grep -h "tokens/s\|peak GPU memory\|exiting\|Error\|error" "$WORK"/logs/island-*.log 2>/dev/null | tail -20
 
-# 3. Last, as it may not finish in time: bf16 with torch.compile (both sides compile).
-[[ "$DEVICE" == cuda ]] && bench bf16-compile 150 --precision bf16 --compile
-
 "$PY" - "$OUT" <<'EOF'
 import json, pathlib, sys
 out = pathlib.Path(sys.argv[1])
@@ -122,4 +119,7 @@ if summary.exists():
 else:
     print("run: no summary")
 EOF
+# 3. Last, after the summary, as it may not finish in time: bf16 with torch.compile (both sides
+#    compile; its table is printed above the done line).
+[[ "$DEVICE" == cuda ]] && bench bf16-compile 150 --precision bf16 --compile
 echo "== gpu-check done $(date -u +%FT%TZ)"
