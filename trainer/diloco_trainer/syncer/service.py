@@ -54,6 +54,7 @@ from diloco_trainer.api.documents import (
 from diloco_trainer.api.spec import JobSpec
 from diloco_trainer.syncer import server, startup
 from diloco_trainer.syncer.jobs import CheckpointSnapshot
+from diloco_trainer.syncer.memory import return_freed_memory
 from diloco_trainer.syncer.merge import LeftOut
 from diloco_trainer.syncer.merge_log import describe_merge
 from diloco_trainer.syncer.publisher import BodyKey
@@ -92,6 +93,7 @@ class Syncer:
     ) -> None:
         """Build the parts (startup.build: ConfigError when every checkpoint on disk is corrupt)
         and take them over."""
+        return_freed_memory()  # before the first P-sized buffer (memory.py)
         built = startup.build(spec, state_dir=state_dir, clock=clock, config_file=config_file)
         self.spec = spec
         self.job_name = job_name
