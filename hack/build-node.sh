@@ -35,29 +35,14 @@ source "${HACK_DIR}/lib/build-common.sh"
 # Host tools from Debian's packages (NODE_HOST_NEEDS, hack/lib/build-common.sh).
 HOST_TOOLS=("${NODE_HOST_NEEDS[@]}")
 
-have_all() {
-  local b
-  for b in "$@"; do
-    [[ -x "${BIN_DIR}/${b}" ]] || return 1
-  done
-}
-
 have_host_tools() { [[ -z "$(missing_tools "${HOST_TOOLS[@]}")" ]]; }
-
-FORCE=0
-case "${1:-}" in
-  --print-bin-dir) echo "${BIN_DIR}"; exit 0 ;;
-  --check) have_all "${BINARIES[@]}" && have_host_tools; exit $? ;;
-  --force) FORCE=1 ;;
-  "") ;;
-  -h|--help) sed -n '2,17p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; exit 0 ;;
-  *) die "unknown argument: $1 (try --help)" ;;
-esac
+is_built() { have_all "${BINARIES[@]}" && have_host_tools; }
+parse_build_args 2,17 "$@"
 
 # install_host_tools: runc, iptables, conntrack, iproute2 and busybox-static from Debian.
 install_host_tools() { install_debian_tools "${HOST_TOOLS[@]}"; }
 
-# Fast path: everything cached.
+# Fast path: every binary cached (the host tools are installed if missing).
 if [[ ${FORCE} -eq 0 ]] && have_all "${BINARIES[@]}"; then
   install_host_tools
   echo "${BIN_DIR}"
@@ -65,7 +50,7 @@ if [[ ${FORCE} -eq 0 ]] && have_all "${BINARIES[@]}"; then
 fi
 
 # ---------------------------------------------------------------------------
-# Toolchain and the cache entry's lock (hack/lib/build-common.sh)
+# Toolchain, the cache entry's lock and the work dir (hack/lib/build-common.sh)
 find_go
 take_build_lock "${OUT_DIR}" "${CACHE_KEY}"
 if [[ ${FORCE} -eq 0 ]] && have_all "${BINARIES[@]}"; then
@@ -74,59 +59,11 @@ if [[ ${FORCE} -eq 0 ]] && have_all "${BINARIES[@]}"; then
   exit 0
 fi
 
-WORK_DIR=$(mktemp -d "${OUT_DIR}/build.XXXXXX")
-cleanup() { rm -rf "${WORK_DIR}"; }
-trap cleanup EXIT
-STAGE_DIR="${WORK_DIR}/out"
-mkdir -p "${STAGE_DIR}" "${BIN_DIR}" "${CNI_DIR}"
-
 # Static binaries like the control plane's (and the same Go build cache entries).
-export CGO_ENABLED=0
-export GOWORK=off
-START_ALL=${SECONDS}
+begin_work_dir
+mkdir -p "${CNI_DIR}"
 
-# install_staged DEST NAME...: move freshly built binaries into the cache atomically.
-install_staged() {
-  local dest=$1 b
-  shift
-  for b in "$@"; do
-    [[ -x "${STAGE_DIR}/${b}" ]] || die "build did not produce ${b}"
-    mv -f "${STAGE_DIR}/${b}" "${dest}/${b}"
-  done
-}
-
-needs_build() {
-  [[ ${FORCE} -eq 1 ]] && return 0
-  ! have_all "$@"
-}
-
-step_done() {
-  log "  done in $(( SECONDS - $1 ))s"
-}
-
-retry() {
-  "$@" && return 0
-  log "  failed; retrying once..."
-  "$@"
-}
-
-# go_install NAME VERSION ESTIMATE DEST PKG...: `go install pkg@version` for modules
-# without replace directives (containerd, the CNI plugins and CoreDNS have none).
-go_install() {
-  local name=$1 version=$2 estimate=$3 dest=$4 t=${SECONDS} p bins=()
-  shift 4
-  log "building ${name} ${version} (first run only, ${estimate})..."
-  for p in "$@"; do
-    (
-      cd "${WORK_DIR}"
-      GOFLAGS='' GOBIN="${STAGE_DIR}" retry "${GO}" install -trimpath -ldflags="-s -w ${LDFLAGS_EXTRA:-}" "${p}@${version}"
-    ) || die "building ${p}@${version} failed (see the go output above)"
-    bins+=("${p##*/}")
-  done
-  install_staged "${dest}" "${bins[@]}"
-  step_done "${t}"
-}
-
+# containerd, the CNI plugins and CoreDNS: `go install pkg@version` (no replace directives).
 build_containerd() {
   needs_build containerd ctr containerd-shim-runc-v2 || return 0
   local m=github.com/containerd/containerd/v2
@@ -189,54 +126,12 @@ GO
   step_done "${t}"
 }
 
-# Kubernetes: the same wrapper go.mod as hack/build-binaries.sh (k8s.io/kubernetes points
-# its staging modules at ./staging/..., so each is replaced by its published version), so
-# the Go module and build caches of the control plane's build are reused.
-build_kubernetes() {
-  local bins=(kubelet kube-proxy)
-  needs_build "${bins[@]}" || return 0
-  local t=${SECONDS} dir="${WORK_DIR}/kubernetes" modfile staging minor ldflags pkgs=() b m
-  log "building kubelet, kube-proxy ${K8S_VERSION} (first run only; ~5-10 min after build-binaries.sh, ~20 min cold)..."
-  mkdir -p "${dir}"
-  modfile=$(cd "${dir}" && GOFLAGS='' retry "${GO}" mod download -json "k8s.io/kubernetes@${K8S_VERSION}" \
-    | sed -n 's/^[[:space:]]*"GoMod": "\(.*\)",\{0,1\}$/\1/p') \
-    || die "downloading k8s.io/kubernetes@${K8S_VERSION} from the module proxy failed"
-  [[ -f "${modfile}" ]] || die "could not locate go.mod of k8s.io/kubernetes@${K8S_VERSION}"
-  staging=$(sed -n 's#^[[:space:]]*\(k8s\.io/[A-Za-z0-9._-]*\) => \./staging/.*#\1#p' "${modfile}")
-  [[ -n "${staging}" ]] || die "found no staging replace directives in ${modfile}"
-  {
-    printf 'module diloco.local/build/kubernetes\n\ngo 1.26\n\nrequire k8s.io/kubernetes %s\n\nreplace (\n' "${K8S_VERSION}"
-    for m in ${staging}; do
-      printf '\t%s => %s %s\n' "${m}" "${m}" "${K8S_STAGING_VERSION}"
-    done
-    printf ')\n'
-  } > "${dir}/go.mod"
-  minor=${K8S_VERSION#v*.}
-  minor=${minor%%.*}
-  ldflags="-s -w"
-  for m in k8s.io/component-base/version k8s.io/client-go/pkg/version; do
-    ldflags+=" -X ${m}.gitVersion=${K8S_VERSION} -X ${m}.gitMajor=1 -X ${m}.gitMinor=${minor}"
-    ldflags+=" -X ${m}.gitTreeState=clean -X ${m}.gitCommit=${K8S_VERSION}"
-  done
-  for b in "${bins[@]}"; do
-    pkgs+=("k8s.io/kubernetes/cmd/${b}")
-  done
-  (
-    cd "${dir}"
-    GOFLAGS=-mod=mod retry "${GO}" build -trimpath -ldflags="${ldflags}" -o "${STAGE_DIR}/" "${pkgs[@]}"
-  ) || die "building kubelet/kube-proxy ${K8S_VERSION} failed (see the go output above)"
-  install_staged "${BIN_DIR}" "${bins[@]}"
-  step_done "${t}"
-}
-
 install_host_tools
 build_pause
 build_cni
 build_containerd
 build_coredns
-build_kubernetes
-
-have_all "${BINARIES[@]}" || die "some binaries are missing from ${BIN_DIR} after the build"
-cp "${HACK_DIR}/versions.env" "${OUT_DIR}/versions.env"
-log "all node binaries built in $(( SECONDS - START_ALL ))s"
-echo "${BIN_DIR}"
+# kubelet and kube-proxy: the control plane's wrapper go.mod (hack/lib/build-common.sh).
+build_kubernetes "first run only; ~5-10 min after build-binaries.sh, ~20 min cold" \
+  kubelet kube-proxy
+finish_build "node binaries"
