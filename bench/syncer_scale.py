@@ -34,11 +34,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from diloco_trainer import local as launch  # the local runner's public surface
 from diloco_trainer.api.protocol import ROUTE_HEALTHZ, PushMeta
 from diloco_trainer.api.spec import JobSpec, parse_spec
 from diloco_trainer.core.compress import encode_tensors
 from diloco_trainer.learner.syncer_client import SyncerClient
-from diloco_trainer.local import launch
 from diloco_trainer.models.model import build_model
 
 SEQ_LEN = 256
