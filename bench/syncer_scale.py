@@ -27,6 +27,7 @@ import sys
 import tempfile
 import threading
 import time
+import urllib.error
 import urllib.request
 import uuid
 from dataclasses import asdict, dataclass
@@ -90,6 +91,7 @@ class Sampler(threading.Thread):
         self.pid, self.url = pid, url
         self.peak = 0
         self.probe: list[float] = []
+        self.failures = 0
         self.done = threading.Event()
 
     def run(self) -> None:
@@ -100,8 +102,12 @@ class Sampler(threading.Thread):
             if now - last_probe >= 0.02:
                 last_probe = now
                 t0 = time.perf_counter()
-                with urllib.request.urlopen(self.url + ROUTE_HEALTHZ, timeout=60) as resp:
-                    resp.read()
+                try:
+                    with urllib.request.urlopen(self.url + ROUTE_HEALTHZ, timeout=60) as resp:
+                        resp.read()
+                except OSError:  # a refused or dropped probe counts, as a failure
+                    self.failures += 1
+                    continue
                 self.probe.append(time.perf_counter() - t0)
             self.done.wait(0.01)
 
@@ -139,6 +145,7 @@ class CaseResult:
     healthz_p50_ms: float
     healthz_p99_ms: float
     healthz_max_ms: float
+    healthz_failures: int
 
 
 async def run_rounds(
@@ -207,10 +214,15 @@ async def pull_headers(
             f"{url}/v1/fragments/{f}?after={after}&wait={wait}",
             headers={"Authorization": f"Bearer {token}"},
         )
-        with urllib.request.urlopen(req, timeout=wait + 60) as resp:
-            at = time.perf_counter()
-            resp.read()
-        return at, after + 1
+        while True:  # the syncer answers a long-poll 304 after at most 60 s: ask again
+            try:
+                with urllib.request.urlopen(req, timeout=wait + 60) as resp:
+                    at = time.perf_counter()
+                    resp.read()
+                return at, after + 1
+            except urllib.error.HTTPError as err:
+                if err.code != 304:
+                    raise
 
     return await asyncio.to_thread(get)
 
@@ -268,6 +280,7 @@ def run_case(
         healthz_p50_ms=1000 * probe[len(probe) // 2],
         healthz_p99_ms=1000 * probe[min(len(probe) - 1, int(len(probe) * 0.99))],
         healthz_max_ms=1000 * probe[-1],
+        healthz_failures=sampler.failures,
     )
 
 
@@ -299,7 +312,8 @@ def main(argv: list[str] | None = None) -> int:
             f"{pullable:.2f}s (max {max(r.to_pullable_s):.2f}s; from sending it "
             f"{statistics.median(r.sent_to_pullable_s):.2f}s), floor {floor:.2f}s "
             f"({pullable / floor:.1f}x); /healthz p50 {r.healthz_p50_ms:.0f} ms, p99 "
-            f"{r.healthz_p99_ms:.0f} ms, max {r.healthz_max_ms:.0f} ms",
+            f"{r.healthz_p99_ms:.0f} ms, max {r.healthz_max_ms:.0f} ms, "
+            f"{r.healthz_failures} failed",
             flush=True,
         )
     print(f"load after {Path('/proc/loadavg').read_text().split()[:3]}", flush=True)
