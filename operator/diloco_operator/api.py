@@ -43,7 +43,7 @@ class ClusterIslandsSpec(IslandsSpec):
 class DiLoCoJobSpec(JobSpec):
     """The spec of a DiLoCoJob: the trainer's JobSpec plus what a cluster needs."""
 
-    image: str = Field(  # type: ignore[assignment]  # required here, optional for local runs
+    image: str = Field(  # required here, optional for local runs
         ...,
         min_length=1,
         description="Trainer container image, used for the learner and syncer pods.",

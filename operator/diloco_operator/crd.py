@@ -179,7 +179,7 @@ def structural(node: dict[str, Any], defs: dict[str, Any], path: str = "") -> di
         if types <= {"number", "integer", "string"} and "string" in types:
             # `float | Literal["auto"]`: Kubernetes can only say int-or-string; a CEL rule in
             # _SPEC_RULES narrows the strings.
-            out = {"x-kubernetes-int-or-string": True}
+            out: dict[str, Any] = {"x-kubernetes-int-or-string": True}
             out.update(_kept(outer))
             if outer.get("default") is not None:
                 out["default"] = outer["default"]

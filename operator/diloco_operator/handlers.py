@@ -34,6 +34,13 @@ REGISTRY = Registry()
 _HEALTH: dict[str, Any] = {}
 
 
+def namespaced(namespace: str | None) -> str:
+    """kopf types `namespace` as optional (cluster-scoped resources have none); every resource
+    these handlers watch is namespaced, so an event without one is a broken invariant."""
+    assert namespace is not None, "a namespaced resource's event carries its namespace"
+    return namespace
+
+
 @kopf.on.startup()
 async def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> None:
     """Operator settings, the health endpoints and the API connection."""
@@ -83,10 +90,10 @@ async def close_clients(**_: Any) -> None:
 @kopf.on.create(*JOBS, backoff=RETRY_DELAY)
 @kopf.on.update(*JOBS, backoff=RETRY_DELAY)
 @kopf.on.resume(*JOBS, backoff=RETRY_DELAY)
-async def reconcile(body: kopf.Body, name: str, namespace: str, **_: Any) -> None:
+async def reconcile(body: kopf.Body, name: str, namespace: str | None, **_: Any) -> None:
     """Spec created or changed, or the operator (re)started: make the children match."""
     assert REGISTRY.kube is not None, "the startup handler connects to the API first"
-    rt = REGISTRY.job(namespace, name)
+    rt = REGISTRY.job(namespaced(namespace), name)
     await rt.see_job(body)
     try:
         await sync_job(REGISTRY.kube, rt, reconcile=True, poll_syncer=False)
@@ -104,25 +111,25 @@ async def reconcile(body: kopf.Body, name: str, namespace: str, **_: Any) -> Non
 
 @kopf.on.event(*JOBS)
 async def job_event(
-    event: kopf.RawEvent, name: str, namespace: str, type: str | None, **_: Any
+    event: kopf.RawEvent, name: str, namespace: str | None, type: str | None, **_: Any
 ) -> None:
     """Keep the newest job object and one timer task per job; forget a deleted job."""
     if type == DELETED:
-        await REGISTRY.forget(namespace, name)
+        await REGISTRY.forget(namespaced(namespace), name)
         update_phase_gauge(REGISTRY, force=True)
         return
-    rt = REGISTRY.job(namespace, name)
+    rt = REGISTRY.job(namespaced(namespace), name)
     await rt.see_job(event["object"])
     ensure_timer(REGISTRY, rt)
 
 
 @kopf.on.event("", "v1", "pods", labels=OWNED)
 async def pod_event(
-    event: kopf.RawEvent, labels: kopf.Labels, namespace: str, type: str | None, **_: Any
+    event: kopf.RawEvent, labels: kopf.Labels, namespace: str | None, type: str | None, **_: Any
 ) -> None:
     """A pod of a job changed: keep it, and re-check island health and membership at once."""
     POD_READS.confirm()  # the pod watch works: a new job's first sync need not list pods
-    rt = REGISTRY.for_object_event(namespace, labels[JOB_LABEL], type)
+    rt = REGISTRY.for_object_event(namespaced(namespace), labels[JOB_LABEL], type)
     if rt is None:
         return
     rt.see_pod(type, event["object"])
@@ -138,10 +145,10 @@ async def pod_event(
 @kopf.on.event("", "v1", "configmaps", labels=OWNED)
 @kopf.on.event("networking.k8s.io", "v1", "networkpolicies", labels=OWNED)
 async def child_event(
-    event: kopf.RawEvent, labels: kopf.Labels, namespace: str, type: str | None, **_: Any
+    event: kopf.RawEvent, labels: kopf.Labels, namespace: str | None, type: str | None, **_: Any
 ) -> None:
     """A child changed: keep it; reconcile soon when it was deleted (drift) or is rolling."""
-    rt = REGISTRY.for_object_event(namespace, labels[JOB_LABEL], type)
+    rt = REGISTRY.for_object_event(namespaced(namespace), labels[JOB_LABEL], type)
     if rt is None:
         return
     rt.see_child(type, event["object"])

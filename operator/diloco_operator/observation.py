@@ -34,4 +34,4 @@ ConditionsByType = Mapping[str, Mapping[str, Any]]
 def conditions_by_type(previous: Mapping[str, Any] | None) -> dict[str, Mapping[str, Any]]:
     """The stored status's conditions, keyed by type (malformed entries skipped)."""
     items = (previous or {}).get("conditions") or []
-    return {c.get("type"): c for c in items if isinstance(c, dict)}
+    return {c["type"]: c for c in items if isinstance(c, dict) and isinstance(c.get("type"), str)}

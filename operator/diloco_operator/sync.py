@@ -22,7 +22,9 @@ import asyncio
 import logging
 import time
 import zlib
+from collections.abc import Mapping
 from datetime import datetime, timezone
+from functools import partial
 from typing import Any
 
 import kopf
@@ -155,8 +157,13 @@ async def _list_children(kube: Kube, rt: JobRuntime, job: JobRef) -> None:
     )
     for kind, listing in zip(MANAGED_KINDS, listings, strict=True):
         listed = {(kind, o["metadata"]["name"]): o for o in listing.items}
-        rt.children.replace(listed, parse_version(listing.version), lambda k, c=kind: k[0] == c)
+        rt.children.replace(listed, parse_version(listing.version), partial(_of_kind, kind))
     rt.children_listed = True
+
+
+def _of_kind(kind: str, key: Key) -> bool:
+    """Whether a child's key is of this kind (the scope of one kind's list answer)."""
+    return key[0] == kind
 
 
 class PodReads:
@@ -245,7 +252,7 @@ async def _reconcile_children(
     desired = rt.desired.build(
         job, spec_data, spec, running=running, credential=credential, network=rt.network
     )
-    observed = list(rt.children.values())
+    observed: list[Mapping[str, Any]] = list(rt.children.values())
     plan = plan_changes(desired, observed, job_uid=job.uid)
     stored, conflicts = await write_children(kube, plan.apply, observed, job_uid=job.uid, read=read)
     for obj in stored:  # the write's answer is the newest state: no need to wait for its event

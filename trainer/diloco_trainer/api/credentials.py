@@ -28,7 +28,7 @@ import hashlib
 import hmac
 import re
 from dataclasses import dataclass
-from typing import Literal, cast
+from typing import Literal
 
 VERSION = "dlc1"
 Kind = Literal["root", "admin", "region", "island"]
@@ -145,7 +145,7 @@ def parse(token: str) -> tuple[Kind, str, bytes] | None:
     parts = token.split(".")
     if len(parts) != 4 or parts[0] != VERSION or parts[1] not in (ADMIN, REGION, ISLAND):
         return None
-    kind = cast(Kind, parts[1])  # checked just above
+    kind: Kind = parts[1]  # narrowed to the three derived kinds by the check above
     try:
         return kind, parts[2], _decode(parts[3])
     except CredentialError:
