@@ -52,9 +52,11 @@ test-e2e: $(STAMP)
 test-cluster: $(STAMP) binaries
 	$(BIN)/python -m pytest -ra tests/cluster
 
+## lint: ruff (lint and format), the type checker (mypy, configured in pyproject.toml), the import contracts
 lint: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
+	$(BIN)/mypy
 	$(BIN)/lint-imports
 
 ## bench: every benchmark with its CPU defaults (each <= 15 min on 2 cores); appends to bench/RESULTS.md

@@ -252,7 +252,7 @@ class Report:
     def to_markdown(
         self, *, command: str, revision: str, machine: Machine, load: str, base: Path = BENCH_DIR
     ) -> str:
-        when = dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+        when = dt.datetime.now(dt.UTC).strftime("%Y-%m-%d %H:%M UTC")
         parts = [
             f"## {self.script} — {when}",
             "",
@@ -322,7 +322,7 @@ def plot_file(args: argparse.Namespace, name: str) -> Path:
 
         return Path(tempfile.gettempdir()) / f"bench-{name}.png"
     # One file per run, so an earlier run's section keeps showing its own plot.
-    stamp = dt.datetime.now(dt.timezone.utc).strftime("%Y%m%d-%H%M")
+    stamp = dt.datetime.now(dt.UTC).strftime("%Y%m%d-%H%M")
     return Path(args.results).resolve().parent / "plots" / f"{name}-{stamp}.png"
 
 

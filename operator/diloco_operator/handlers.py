@@ -67,7 +67,7 @@ async def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) 
         _HEALTH["runner"] = await probes.serve(port, probes.API_HEALTH)
     try:
         kube = await asyncio.wait_for(Kube.connect(load_config()), 60)
-    except (asyncio.TimeoutError, OSError, urllib3.exceptions.HTTPError) as err:
+    except (TimeoutError, OSError, urllib3.exceptions.HTTPError) as err:
         probes.API_HEALTH.unanswered(f"API discovery failed: {type(err).__name__}")
         raise kopf.TemporaryError("the API server did not answer discovery", delay=5) from err
     REGISTRY.kube = kube

@@ -23,7 +23,7 @@ import logging
 import time
 import zlib
 from collections.abc import Mapping
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from functools import partial
 from typing import Any
 
@@ -72,7 +72,7 @@ def resync_interval(namespace: str, name: str) -> float:
 
 
 def _now() -> datetime:
-    return datetime.now(timezone.utc)
+    return datetime.now(UTC)
 
 
 async def sync_job(kube: Kube, rt: JobRuntime, *, reconcile: bool, poll_syncer: bool) -> bool:

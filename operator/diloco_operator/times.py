@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from typing import Any
 
 # 9999-12-31T23:59:59Z: later Unix times (from a confused or hostile syncer) are not shown.
@@ -11,7 +11,7 @@ MAX_UNIX_SECONDS = 253402300799
 
 def rfc3339(moment: datetime) -> str:
     """UTC time in the form Kubernetes uses: 2024-01-02T03:04:05Z."""
-    return moment.astimezone(timezone.utc).replace(microsecond=0).strftime("%Y-%m-%dT%H:%M:%SZ")
+    return moment.astimezone(UTC).replace(microsecond=0).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
 def parse_time(value: str | None) -> datetime | None:
@@ -31,6 +31,6 @@ def time_field(value: Any) -> str | None:
     if isinstance(value, (int, float)):
         if not 0 < value < MAX_UNIX_SECONDS:
             return None  # also NaN; a time past year 9999 cannot be written
-        return rfc3339(datetime.fromtimestamp(float(value), tz=timezone.utc))
+        return rfc3339(datetime.fromtimestamp(float(value), tz=UTC))
     parsed = parse_time(str(value))
     return rfc3339(parsed) if parsed else None

@@ -4,7 +4,7 @@ conditions, progress, refusals and membership tests."""
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from typing import Any
 
 from diloco_operator import api
@@ -13,7 +13,7 @@ from diloco_operator.observation import Observation
 from diloco_operator.syncer_view import SyncerView
 from diloco_trainer.api.documents import SyncerStatus
 
-T0 = datetime(2025, 1, 1, tzinfo=timezone.utc)
+T0 = datetime(2025, 1, 1, tzinfo=UTC)
 
 SYNCER: dict[str, Any] = {
     "outerStep": 12,

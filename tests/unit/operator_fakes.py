@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import base64
 import copy
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from typing import Any
 
 from diloco_operator.kube import Listing
@@ -22,7 +22,7 @@ def job_body(name: str = "demo", *, uid: str = "uid-1", **spec: Any) -> dict[str
             "uid": uid,
             "generation": 1,
             "resourceVersion": "10",
-            "creationTimestamp": rfc3339(datetime.now(timezone.utc)),
+            "creationTimestamp": rfc3339(datetime.now(UTC)),
         },
         "spec": {
             "image": "trainer:1",

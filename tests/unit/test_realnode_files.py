@@ -5,9 +5,8 @@ from __future__ import annotations
 import hashlib
 import json
 import tarfile
-from pathlib import Path
-
 import tomllib
+from pathlib import Path
 
 from hack.localcluster.mounts import mount_points, under
 from hack.localcluster.nodeconfig import (

@@ -192,7 +192,7 @@ class SyncerLink:
         except SyncerError as err:
             log.debug("status for phase alignment failed: %s", err)
             return None, False
-        doc = status.to_json() if hasattr(status, "to_json") else status
+        doc = status.to_json()
         late = merge_lateness(
             doc,
             fragment=fragment,
@@ -329,7 +329,7 @@ class SyncerLink:
                 try:
                     await asyncio.wait_for(self.client.leave(self.island), timeout=2.0)
                     log.info("left the syncer")
-                except (SyncerError, asyncio.TimeoutError) as err:
+                except (TimeoutError, SyncerError) as err:
                     log.warning("could not say goodbye to the syncer: %s", err)
             me = asyncio.current_task()
             tasks = [t for t in asyncio.all_tasks() if t is not me]

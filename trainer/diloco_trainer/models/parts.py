@@ -194,7 +194,8 @@ def make_inner_optimizer(spec: JobSpec, model: nn.Module) -> torch.optim.AdamW:
     named: Iterable[tuple[str, nn.Parameter]] = (
         (n, p) for n, p in model.named_parameters() if p.requires_grad
     )
-    decay, no_decay = [], []
+    decay: list[nn.Parameter] = []
+    no_decay: list[nn.Parameter] = []
     for _, p in named:
         (decay if p.dim() >= 2 else no_decay).append(p)
     groups = [

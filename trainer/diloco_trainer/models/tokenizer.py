@@ -84,10 +84,10 @@ class SubwordTokenizer:
                     pieces.append(self.separator)
                 pieces.append(ids)
         total = sum(len(p) for p in pieces)
-        ids = np.fromiter(chain.from_iterable(pieces), dtype=np.int32, count=total)
+        flat = np.fromiter(chain.from_iterable(pieces), dtype=np.int32, count=total)
         import torch  # see ByteTokenizer.encode_split
 
-        return torch.from_numpy(ids)
+        return torch.from_numpy(flat)
 
     def decode(self, ids: Sequence[int]) -> str:
         """Text of token ids (for people reading samples)."""

@@ -82,7 +82,7 @@ class JobQueue:
             return
         try:
             await asyncio.wait_for(self.drain(), timeout)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             log.warning("stopping with evaluations or checkpoints still unfinished")
         self._worker.cancel()
         with contextlib.suppress(asyncio.CancelledError):
@@ -333,6 +333,6 @@ class BackgroundJobs:
             try:
                 if await asyncio.wait_for(self.final_checkpoint(*final), timeout):
                     log.info("checkpoint of versions %s written at stop", final[0])
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 log.warning("stopping without a final checkpoint: it took over %gs", timeout)
         await self.queue.stop(timeout)

@@ -121,7 +121,7 @@ class Publisher:
                 return None
             try:
                 await asyncio.wait_for(published.wait(), remaining)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 return None
 
     def _encode(self, f: int, key: BodyKey) -> tuple[BodyKey, bytes]:
