@@ -79,21 +79,7 @@ def _rank(rank: int, args: argparse.Namespace, parallelism: str, store: str, out
         )
         corpus_for(spec.data)  # read before the baseline: the corpus is not the learner's cost
         before = peak_rss()
-        env = LearnerEnv(
-            job_name="bench",
-            island="island-0",
-            island_index=0,
-            rank=rank,
-            world_size=args.ranks,
-            master_addr="127.0.0.1",
-            master_port=1,
-            syncer_url="http://127.0.0.1:1",
-            token="bench",
-            config_file=Path("unused"),
-            ca_file=None,
-            device=device,
-            slowdown=1.0,
-        )
+        env = LearnerEnv.offline(device=device, rank=rank, world_size=args.ranks, job_name="bench")
         learner = Learner(spec, env, device, threading.Event())
         for _ in range(args.steps):
             learner._inner_step()

@@ -78,21 +78,7 @@ def make_spec(args: argparse.Namespace) -> JobSpec:
 
 
 def learner_env(device: str) -> LearnerEnv:
-    return LearnerEnv(
-        job_name="bench",
-        island="island-0",
-        island_index=0,
-        rank=0,
-        world_size=1,
-        master_addr="127.0.0.1",
-        master_port=1,
-        syncer_url="http://127.0.0.1:1",  # never called: no run(), only steps
-        token="bench",
-        config_file=Path("unused"),
-        ca_file=None,
-        device=device,
-        slowdown=1.0,
-    )
+    return LearnerEnv.offline(device=device, job_name="bench")
 
 
 def sync(device: str) -> None:

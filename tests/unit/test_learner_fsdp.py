@@ -33,21 +33,7 @@ def make_spec(parallelism: str) -> dict[str, Any]:
 
 
 def make_learner(rank: int, parallelism: str) -> Learner:
-    env = LearnerEnv(
-        job_name="t",
-        island="island-0",
-        island_index=0,
-        rank=rank,
-        world_size=WORLD,
-        master_addr="127.0.0.1",
-        master_port=1,
-        syncer_url="http://127.0.0.1:1",
-        token="t",
-        config_file=Path("unused"),
-        ca_file=None,
-        device="cpu",
-        slowdown=1.0,
-    )
+    env = LearnerEnv.offline(device="cpu", rank=rank, world_size=WORLD, job_name="t")
     return Learner(parse_spec(make_spec(parallelism)), env, "cpu", threading.Event())
 
 

@@ -31,21 +31,7 @@ def make_spec(**inner: Any) -> dict[str, Any]:
 
 
 def learner(doc: dict[str, Any]) -> Learner:
-    env = LearnerEnv(
-        job_name="t",
-        island="island-0",
-        island_index=0,
-        rank=0,
-        world_size=1,
-        master_addr="127.0.0.1",
-        master_port=1,
-        syncer_url="http://127.0.0.1:1",
-        token="t",
-        config_file=Path("unused"),
-        ca_file=None,
-        device="cpu",
-        slowdown=1.0,
-    )
+    env = LearnerEnv.offline(device="cpu", job_name="t")
     return Learner(parse_spec(doc), env, "cpu", threading.Event())
 
 

@@ -4,7 +4,6 @@ that joins a running job re-warms its learning rate (its AdamW is fresh)."""
 from __future__ import annotations
 
 import threading
-from pathlib import Path
 
 import pytest
 import torch
@@ -22,21 +21,7 @@ SPEC = {
 
 
 def learner() -> Learner:
-    env = LearnerEnv(
-        job_name="t",
-        island="island-0",
-        island_index=0,
-        rank=0,
-        world_size=1,
-        master_addr="127.0.0.1",
-        master_port=1,
-        syncer_url="http://127.0.0.1:1",
-        token="t",
-        config_file=Path("unused"),
-        ca_file=None,
-        device="cpu",
-        slowdown=1.0,
-    )
+    env = LearnerEnv.offline(device="cpu", job_name="t")
     out = Learner(parse_spec(SPEC), env, "cpu", threading.Event())
     out.layout = [list(out.params)]
     return out

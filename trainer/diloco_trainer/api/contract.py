@@ -121,6 +121,28 @@ class LearnerEnv:
             slowdown=slowdown,
         )
 
+    @classmethod
+    def offline(
+        cls, *, device: str = "cpu", rank: int = 0, world_size: int = 1, job_name: str = "offline"
+    ) -> LearnerEnv:
+        """The environment of a learner that never talks to a syncer: benchmarks and tests that
+        drive its inner steps, pushes and arrivals directly (the syncer address is unroutable)."""
+        return cls(
+            job_name=job_name,
+            island="island-0",
+            island_index=0,
+            rank=rank,
+            world_size=world_size,
+            master_addr="127.0.0.1",
+            master_port=1,
+            syncer_url="http://127.0.0.1:1",
+            token=job_name,
+            config_file=Path("unused"),
+            ca_file=None,
+            device=device,
+            slowdown=1.0,
+        )
+
 
 @dataclass(frozen=True)
 class SyncerEnv:
