@@ -83,6 +83,17 @@ TINY_TRAINING: dict[str, Any] = {
 PodT = TypeVar("PodT", bound=Mapping[str, Any])
 
 
+def deep_merge(base: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:
+    """A job document: base with overrides applied recursively (dicts merge, the rest replaces)."""
+    out = dict(base)
+    for key, value in overrides.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = deep_merge(out[key], value)
+        else:
+            out[key] = value
+    return out
+
+
 class ClusterStartError(AssertionError):
     """hack/local-cluster up failed; the message quotes its summary."""
 

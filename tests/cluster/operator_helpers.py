@@ -28,18 +28,7 @@ from diloco_trainer.local import (
 )
 
 from hack.localcluster import harness
-from hack.localcluster.harness import TINY_TRAINING, ControlPlane
-
-
-def deep_merge(base: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:
-    """base with overrides applied recursively (dicts merge, everything else replaces)."""
-    out = dict(base)
-    for key, value in overrides.items():
-        if isinstance(value, dict) and isinstance(out.get(key), dict):
-            out[key] = deep_merge(out[key], value)
-        else:
-            out[key] = value
-    return out
+from hack.localcluster.harness import TINY_TRAINING, ControlPlane, deep_merge
 
 
 def job_manifest(name: str, **spec: Any) -> dict[str, Any]:

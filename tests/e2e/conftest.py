@@ -23,6 +23,8 @@ from diloco_trainer.api.spec import JobSpec, parse_spec
 from diloco_trainer.learner import syncer_client
 from diloco_trainer.local import launch
 
+from hack.localcluster.harness import deep_merge
+
 # A job that trains in seconds on one CPU core: gpt-tiny, short sequences, few inner steps.
 TINY_SPEC: dict[str, Any] = {
     "model": {"preset": "gpt-tiny", "seed": 0},
@@ -41,17 +43,6 @@ TINY_SPEC: dict[str, Any] = {
     "stopAfter": {"outerSteps": 3},
     "syncer": {"checkpoint": {"everyOuterSteps": 1, "keep": 2}},
 }
-
-
-def deep_merge(base: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:
-    """base with overrides applied recursively (dicts merge, everything else replaces)."""
-    out = dict(base)
-    for key, value in overrides.items():
-        if isinstance(value, dict) and isinstance(out.get(key), dict):
-            out[key] = deep_merge(out[key], value)
-        else:
-            out[key] = value
-    return out
 
 
 @pytest.fixture
