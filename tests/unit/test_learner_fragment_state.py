@@ -42,7 +42,7 @@ def test_push_gives_delta_against_the_base_and_snapshots_the_counters() -> None:
     state = joined(t(1.0, 1.0))
     state.counters.add(10, 1.0, 0.1)
     state.counters.add(10, 1.0, 0.1)
-    delta = state.push({"w": t(0.0, 2.0)})
+    delta = state.begin_push({"w": t(0.0, 2.0)})
     assert torch.equal(delta["w"], t(1.0, -1.0))
     snapshot = FragmentCounters(tokens=20, steps=2, loss_sum=2.0, time_sum=0.2)
     assert state.counters_at_push == snapshot
@@ -54,7 +54,7 @@ def test_receive_keeps_overlap_steps_and_only_their_counters() -> None:
     state = joined(t(1.0, 1.0))
     for _ in range(4):
         state.counters.add(10, 2.0, 0.1)
-    state.push({"w": t(0.0, 2.0)})
+    state.begin_push({"w": t(0.0, 2.0)})
     state.counters.add(7, 4.0, 0.5)  # one overlapped step after the push
     out = state.receive({"w": t(5.0, 5.0)}, 4, {"w": t(0.5, 2.5)}, alpha=0.0)
     # 5 + (0.5 - 0) = 5.5 and 5 + (2.5 - 2) = 5.5
@@ -82,7 +82,7 @@ def test_every_step_lands_in_exactly_one_push() -> None:
         for _ in range(4):  # steps before the push: each moves w by -1
             w -= 1.0
             state.counters.add(1, 0.0, 0.0)
-        delta = state.push({"w": t(w)})
+        delta = state.begin_push({"w": t(w)})
         pushed_steps += state.counters.steps
         pushed_delta += float(delta["w"])
         for _ in range(2):  # overlapped steps

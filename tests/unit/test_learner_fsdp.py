@@ -86,7 +86,7 @@ def _fragment_round_trip(lrn: Learner, rank: int) -> dict[str, Any]:
     lrn._inner_step()
     out["at_push"] = full(lrn)
     if rank == 0:
-        out["delta"] = shards.push(0)
+        out["delta"] = shards.gather_pseudo_gradient(0)
         shards.done()
     else:
         shards.serve()

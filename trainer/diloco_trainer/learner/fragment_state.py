@@ -76,7 +76,7 @@ class FragmentState:
     at_push: dict[str, Tensor] | None = None
     counters_at_push: FragmentCounters | None = None
 
-    def push(self, local: dict[str, Tensor]) -> dict[str, Tensor]:
+    def begin_push(self, local: dict[str, Tensor]) -> dict[str, Tensor]:
         """Δ = base − local for a push now; remembers `local` (fp32 CPU, not written to later)
         and the counters, for the receipt of the merge this push goes into."""
         self.at_push = local

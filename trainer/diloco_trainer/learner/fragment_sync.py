@@ -244,10 +244,10 @@ class FragmentSync:
         state = self.fragments[f]
         c = state.counters
         if self.shards is not None:
-            state.push({})  # the counters at the push; the tensors are the shards'
-            delta = self.shards.push(f)
+            state.begin_push({})  # the counters at the push; the tensors are the shards'
+            delta = self.shards.gather_pseudo_gradient(f)
         else:
-            delta = state.push(self._local(f))
+            delta = state.begin_push(self._local(f))
         codec = self.spec.sync.compression
         encoded = encode_delta(delta, codec, self.error_feedback)
         meta = PushMeta(

@@ -104,7 +104,7 @@ class FragmentShards:
         word = torch.tensor([cmd, fragment], dtype=torch.int64, device=self.comm_device)
         dist.broadcast(word, src=0)
 
-    def push(self, f: int) -> Weights:
+    def gather_pseudo_gradient(self, f: int) -> Weights:
         """Rank 0: the whole Δ_f, gathered from every rank's rows (each keeps its at-push rows)."""
         self._command(PUSH, f)
         return self._push(f)
