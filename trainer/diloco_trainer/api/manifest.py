@@ -1,6 +1,6 @@
 """The manifest of a syncer checkpoint (ckpt-*/manifest.json), typed (torch-free).
 
-The syncer writes it as a CheckpointManifest (syncer/snapshots.py) and every reader parses it
+The syncer assembles it as a CheckpointManifest (syncer/status.py) and every reader parses it
 with CheckpointManifest.from_json: the syncer's start-up (syncer/startup.py) and `diloco export`.
 The file on disk is the model's wire form plus what syncer/checkpoint.py stamps on it when it
 writes it (formatVersion, outerStep, integrity: hashes over the raw JSON, so they are checked
