@@ -323,6 +323,15 @@ class SyncerSpec(SpecModel):
     )
     guards: GuardsSpec = Field(default_factory=GuardsSpec)
     limits: LimitsSpec = Field(default_factory=LimitsSpec)
+    shards: int = Field(
+        1,
+        ge=1,
+        le=256,
+        description="Syncer processes (pods), each owning a disjoint set of fragments: fragment "
+        "f belongs to shard f mod shards (at most sync.fragments). Learners push and pull each "
+        "fragment at its shard and join every shard; a shard restarted from its checkpoint "
+        "loses at most its checkpoint cadence while the others go on merging (docs/shards.md).",
+    )
 
     @model_validator(mode="after")
     def _exposure(self) -> SyncerSpec:
@@ -361,6 +370,16 @@ class JobSpec(SpecModel):
             raise ValueError(
                 f"sync.quorum ({self.sync.quorum}) must be <= islands.count "
                 f"({self.islands.count}) or islands.totalShards ({self.islands.total_shards})"
+            )
+        if self.syncer.shards > self.sync.fragments:
+            raise ValueError(
+                f"syncer.shards ({self.syncer.shards}) must be <= sync.fragments "
+                f"({self.sync.fragments}): every shard owns at least one fragment"
+            )
+        if self.syncer.shards > 1 and self.syncer.endpoint:
+            raise ValueError(
+                "syncer.shards must be 1 with syncer.endpoint set: a syncer run elsewhere is "
+                "one URL (shard it where it runs)"
             )
         return self
 

@@ -1,0 +1,144 @@
+"""Syncer shards: the fragment -> shard assignment, the spec's rules, and N shards' answers read
+as one syncer's (api/sharding.py). Expected values are worked out by hand in the comments."""
+
+from __future__ import annotations
+
+import pytest
+from diloco_trainer.api.documents import CheckpointRef, JoinInfo, SyncerStatus
+from diloco_trainer.api.sharding import (
+    fragments_of,
+    join_urls,
+    merge_join,
+    merge_status,
+    shard_of,
+    split_urls,
+    wrong_shard_message,
+)
+from diloco_trainer.api.spec import ConfigError, parse_spec
+
+
+def test_shard_of_deals_fragments_round_robin() -> None:
+    # 5 fragments over 2 shards: 0->0, 1->1, 2->0, 3->1, 4->0.
+    assert [shard_of(f, 2) for f in range(5)] == [0, 1, 0, 1, 0]
+    # 7 fragments over 3 shards: f mod 3.
+    assert [shard_of(f, 3) for f in range(7)] == [0, 1, 2, 0, 1, 2, 0]
+    assert [shard_of(f, 1) for f in range(4)] == [0, 0, 0, 0]
+
+
+def test_fragments_of_is_the_inverse_of_shard_of() -> None:
+    assert fragments_of(0, 2, 5) == [0, 2, 4]
+    assert fragments_of(1, 2, 5) == [1, 3]
+    assert fragments_of(2, 3, 7) == [2, 5]
+    # Every fragment in exactly one shard.
+    owned = sorted(f for s in range(3) for f in fragments_of(s, 3, 7))
+    assert owned == list(range(7))
+
+
+def test_shard_arguments_refused_with_names() -> None:
+    with pytest.raises(ValueError, match=r"syncer\.shards must be >= 1"):
+        shard_of(0, 0)
+    with pytest.raises(ValueError, match="shard 2 is not one of the 2 syncer shards"):
+        fragments_of(2, 2, 4)
+
+
+def test_wrong_shard_message_names_the_owner() -> None:
+    message = wrong_shard_message(3, 2, 0)
+    assert "fragment 3 belongs to syncer shard 1 of 2" in message
+    assert "not to this shard (0)" in message
+
+
+def test_urls_split_and_joined_in_shard_order() -> None:
+    urls = ["http://a:1", "http://b:2"]
+    assert split_urls(join_urls(urls)) == urls
+    assert split_urls("http://a:1/") == ["http://a:1"]
+    with pytest.raises(ValueError, match="empty URL"):
+        split_urls("http://a:1,,http://b:2")
+
+
+def test_spec_shards_default_one_and_at_most_fragments() -> None:
+    assert parse_spec({}).syncer.shards == 1
+    assert parse_spec({"sync": {"fragments": 4}, "syncer": {"shards": 4}}).syncer.shards == 4
+    with pytest.raises(ConfigError, match=r"syncer.shards \(3\) must be <= sync.fragments \(2\)"):
+        parse_spec({"syncer": {"shards": 3}})
+    with pytest.raises(ConfigError, match=r"spec\.syncer\.shards"):
+        parse_spec({"syncer": {"shards": 0}})
+
+
+def test_spec_shards_refused_with_a_remote_endpoint() -> None:
+    doc = {"syncer": {"shards": 2, "endpoint": "https://syncer.example:443"}}
+    with pytest.raises(ConfigError, match=r"syncer\.shards must be 1 with syncer\.endpoint"):
+        parse_spec(doc)
+
+
+def _join(versions: list[int], outer: int, finished: bool) -> JoinInfo:
+    return JoinInfo(
+        fragments=[["a"], ["b"], ["c"]],
+        versions=versions,
+        outer_step=outer,
+        finished=finished,
+        codec="int8",
+    )
+
+
+def test_merge_join_takes_each_fragment_from_its_owner() -> None:
+    # Shard 0 owns fragments 0 and 2, shard 1 fragment 1.
+    shard0 = _join([4, 0, 6], outer=4, finished=True)
+    shard1 = _join([0, 5, 0], outer=5, finished=False)
+    merged = merge_join([shard0, shard1])
+    assert merged.versions == [4, 5, 6]
+    assert merged.outer_step == 4  # the least of 4 and 5
+    assert merged.finished is False  # shard 1 has not finished
+    assert merge_join([shard0, shard1.model_copy(update={"finished": True})]).finished
+
+
+def _status(**fields: object) -> SyncerStatus:
+    base: dict[str, object] = {"outer_step": 0, "versions": [0, 0, 0], "finished": False}
+    return SyncerStatus.model_validate({**base, **fields})
+
+
+def test_merge_status_aggregates_per_fragment_and_sums() -> None:
+    shard0 = _status(
+        outer_step=3,
+        versions=[3, 0, 7],
+        pending=[1, 0, 2],
+        tokens=100,
+        merge_count=10,
+        pulls={"full": 4},
+        refusals={"island-0": {"stale": 1}},
+        checkpoint=CheckpointRef(path="a/ckpt-3", outer_step=3),
+        last_merge_time=50.0,
+    )
+    shard1 = _status(
+        outer_step=2,
+        versions=[0, 2, 0],
+        pending=[0, 1, 0],
+        tokens=40,
+        merge_count=2,
+        pulls={"full": 1, "updates": 3},
+        refusals={"island-0": {"stale": 2}, "island-1": {"norm_outlier": 1}},
+        checkpoint=CheckpointRef(path="b/ckpt-2", outer_step=2),
+        last_merge_time=70.0,
+        failure="merge failed",
+    )
+    merged = merge_status([shard0, shard1])
+    assert merged.outer_step == 2  # the least-merged fragment is shard 1's
+    assert merged.versions == [3, 2, 7]
+    assert merged.pending == [1, 1, 2]
+    assert merged.tokens == 140
+    assert merged.merge_count == 12
+    assert merged.pulls == {"full": 5, "updates": 3}
+    assert merged.refusals == {"island-0": {"stale": 3}, "island-1": {"norm_outlier": 1}}
+    assert merged.checkpoint == CheckpointRef(path="b/ckpt-2", outer_step=2)
+    assert merged.last_merge_time == 70.0
+    assert merged.failure == "merge failed"
+    assert merged.finished is False
+
+
+def test_merge_status_of_one_shard_is_that_status() -> None:
+    only = _status(outer_step=5, versions=[5, 5, 5], finished=True)
+    assert merge_status([only]) is only
+
+
+def test_merge_status_without_a_checkpoint_on_some_shard_has_none() -> None:
+    shard0 = _status(checkpoint=CheckpointRef(path="a/ckpt-3", outer_step=3))
+    assert merge_status([shard0, _status()]).checkpoint is None

@@ -1,0 +1,133 @@
+"""Syncer shards (`syncer.shards: N`): which syncer process owns which fragment, and how the
+answers of N shards read as the answer of one syncer (torch-free: the operator, `diloco run`,
+the learners and every syncer shard use it).
+
+Fragments are dealt round-robin: fragment f belongs to shard f mod N. Fragments are streamed at
+staggered steps (sync.fragments), so neighbouring fragments are the ones pushed one after the
+other; round-robin puts them on different shards, which spreads both the bytes and the merges.
+Every shard holds the whole membership of the job (each island joins, heartbeats and leaves at
+every shard): a shard's rounds, quorum and grace window read the islands' liveness locally, so
+no merge ever waits on another shard, and a shard restarted from its checkpoint is rejoined by
+the islands on its own (a 404 from it) while the others go on merging.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from diloco_trainer.api.documents import JoinInfo, SyncerStatus
+
+# A request for a fragment that another shard owns: 421 Misdirected Request, with this code and
+# a message naming the right shard (the learner was given the wrong list of shard URLs).
+WRONG_SHARD_STATUS = 421
+ERROR_WRONG_SHARD = "wrong_shard"
+# DILOCO_SYNCER_URL holds the shards' URLs in shard order, separated by this.
+URL_SEPARATOR = ","
+
+
+def shard_of(fragment: int, shards: int) -> int:
+    """The shard that owns `fragment`: round-robin (module docstring)."""
+    if shards < 1:
+        raise ValueError(f"syncer.shards must be >= 1, got {shards}")
+    if fragment < 0:
+        raise ValueError(f"fragment must be >= 0, got {fragment}")
+    return fragment % shards
+
+
+def fragments_of(shard: int, shards: int, fragments: int) -> list[int]:
+    """The fragments shard `shard` of `shards` owns, in order."""
+    if not 0 <= shard < shards:
+        raise ValueError(f"shard {shard} is not one of the {shards} syncer shards")
+    return list(range(shard, fragments, shards))
+
+
+def wrong_shard_message(fragment: int, shards: int, shard: int) -> str:
+    """What a shard answers a request for a fragment it does not own."""
+    owner = shard_of(fragment, shards)
+    return (
+        f"fragment {fragment} belongs to syncer shard {owner} of {shards}, not to this shard "
+        f"({shard}): send it to shard {owner}'s URL (position {owner} of DILOCO_SYNCER_URL)"
+    )
+
+
+def split_urls(value: str) -> list[str]:
+    """The shards' URLs from DILOCO_SYNCER_URL (one URL: one syncer, no shards)."""
+    urls = [u.strip().rstrip("/") for u in value.split(URL_SEPARATOR)]
+    if not all(urls):
+        raise ValueError(f"empty URL in the list of syncer shard URLs {value!r}")
+    return urls
+
+
+def join_urls(urls: Sequence[str]) -> str:
+    """DILOCO_SYNCER_URL for a learner of a job with these shard URLs (in shard order)."""
+    return URL_SEPARATOR.join(urls)
+
+
+def merge_join(infos: Sequence[JoinInfo]) -> JoinInfo:
+    """The join answers of every shard (in shard order) as one: each fragment's version from the
+    shard that owns it, the least outer step, finished when every shard is."""
+    shards = len(infos)
+    first = infos[0]
+    versions = [infos[shard_of(f, shards)].versions[f] for f in range(len(first.fragments))]
+    return first.model_copy(
+        update={
+            "versions": versions,
+            "outer_step": min(i.outer_step for i in infos),
+            "finished": all(i.finished for i in infos),
+        }
+    )
+
+
+def _summed(maps: Sequence[dict[str, int]]) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for m in maps:
+        for key, n in m.items():
+            out[key] = out.get(key, 0) + n
+    return out
+
+
+def _pending(status: SyncerStatus, fragment: int) -> int:
+    return status.pending[fragment] if fragment < len(status.pending) else 0
+
+
+def merge_status(statuses: Sequence[SyncerStatus]) -> SyncerStatus:
+    """The status documents of every shard (in shard order) read as one syncer's.
+
+    Per fragment (versions, pending) from the shard that owns it; the outer step is the least
+    of the shards' (each is the least-merged fragment it owns, so this is the job's least-merged
+    fragment); counts that add up (tokens, merges, bytes, pulls, refusals) summed; the islands,
+    quorum and evaluation of shard 0 (every shard holds the membership); finished when every
+    shard is; the first failure of any shard; the oldest newest checkpoint (what a restart of
+    every shard would resume from at least)."""
+    if len(statuses) == 1:
+        return statuses[0]
+    shards = len(statuses)
+    first = statuses[0]
+    n = len(first.versions)
+    checkpoints = [s.checkpoint for s in statuses]
+    refusals: dict[str, dict[str, int]] = {}
+    for s in statuses:
+        for island, counts in s.refusals.items():
+            refusals[island] = _summed([refusals.get(island, {}), counts])
+    merges = sorted((m for s in statuses for m in s.merges), key=lambda m: m.time)
+    times = [s.last_merge_time for s in statuses if s.last_merge_time is not None]
+    return first.model_copy(
+        update={
+            "outer_step": min(s.outer_step for s in statuses),
+            "versions": [statuses[shard_of(f, shards)].versions[f] for f in range(n)],
+            "pending": [_pending(statuses[shard_of(f, shards)], f) for f in range(n)],
+            "finished": all(s.finished for s in statuses),
+            "tokens": sum(s.tokens for s in statuses),
+            "merge_count": sum(s.merge_count for s in statuses),
+            "bytes_in": sum(s.bytes_in for s in statuses),
+            "bytes_out": sum(s.bytes_out for s in statuses),
+            "pulls": _summed([s.pulls for s in statuses]),
+            "refusals": refusals,
+            "merges": merges,
+            "last_merge_time": max(times) if times else None,
+            "failure": next((s.failure for s in statuses if s.failure), None),
+            "checkpoint": None
+            if any(c is None for c in checkpoints)
+            else min(checkpoints, key=lambda c: c.outer_step if c else 0),
+        }
+    )
