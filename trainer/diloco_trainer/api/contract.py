@@ -24,6 +24,9 @@ MASTER_PORT = "MASTER_PORT"
 
 # Where things are
 SYNCER_URL = "DILOCO_SYNCER_URL"  # e.g. http://job-syncer:8470 or https://syncer.example:443
+# With syncer.shards > 1: a learner's DILOCO_SYNCER_URL lists every shard's URL in shard order,
+# comma-separated (api/sharding.py), and each syncer process is told its shard by this (0..N-1).
+SYNCER_SHARD = "DILOCO_SYNCER_SHARD"
 # This process's bearer credential (api/credentials.py): the job's root token for the syncer, the
 # island's own credential for a learner (it may act as that island only).
 TOKEN_FILE = "DILOCO_TOKEN_FILE"
@@ -155,6 +158,7 @@ class SyncerEnv:
     state_dir: Path
     tls_cert_file: Path | None
     tls_key_file: Path | None
+    shard: int = 0  # which of syncer.shards this process is (api/sharding.py)
 
     @classmethod
     def from_env(cls, env: dict[str, str] | None = None) -> SyncerEnv:
@@ -170,6 +174,7 @@ class SyncerEnv:
             state_dir=Path(env.get(STATE_DIR, "") or STATE_MOUNT),
             tls_cert_file=Path(cert) if cert else None,
             tls_key_file=Path(key) if key else None,
+            shard=_int(env, SYNCER_SHARD, 0),
         )
 
 

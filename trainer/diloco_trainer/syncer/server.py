@@ -28,6 +28,7 @@ from diloco_trainer.api.contract import ContractError, SyncerEnv
 from diloco_trainer.api.spec import ConfigError, JobSpec, load_spec
 from diloco_trainer.syncer.http import SHUTDOWN_TIMEOUT, SyncerService, build_app, ssl_context
 from diloco_trainer.syncer.limits import HttpLimits, serve
+from diloco_trainer.syncer.shard_scope import check_shard, wrong_shard_middleware
 
 log = logging.getLogger("diloco.syncer")
 
@@ -37,7 +38,13 @@ class SyncerFactory(Protocol):
     the spec."""
 
     def __call__(
-        self, spec: JobSpec, *, job_name: str, state_dir: Path, config_file: Path | None = None
+        self,
+        spec: JobSpec,
+        *,
+        job_name: str,
+        state_dir: Path,
+        config_file: Path | None = None,
+        shard: int = 0,
     ) -> SyncerService: ...
 
 
@@ -49,6 +56,7 @@ def run(make_syncer: SyncerFactory) -> int:
     try:
         env = SyncerEnv.from_env()
         spec = load_spec(env.config_file)
+        check_shard(spec, env.shard)
     except (ContractError, ConfigError) as err:
         print(f"diloco syncer: {err}", file=sys.stderr)
         return 2
@@ -59,7 +67,11 @@ def run(make_syncer: SyncerFactory) -> int:
         return 2
     try:
         syncer = make_syncer(
-            spec, job_name=env.job_name, state_dir=env.state_dir, config_file=env.config_file
+            spec,
+            job_name=env.job_name,
+            state_dir=env.state_dir,
+            config_file=env.config_file,
+            shard=env.shard,
         )
     except ConfigError as err:
         print(f"diloco syncer: {err}", file=sys.stderr)
@@ -72,8 +84,12 @@ def run(make_syncer: SyncerFactory) -> int:
         syncer.outer_step,
     )
     limits = HttpLimits.from_spec(spec)
+    app = build_app(syncer, env.token, limits)
+    if spec.syncer.shards > 1:  # requests for other shards' fragments: 421 (shard_scope.py)
+        app.middlewares.append(wrong_shard_middleware(env.shard, spec.syncer.shards))
+        log.info("syncer shard %d of %d", env.shard, spec.syncer.shards)
     serve(
-        build_app(syncer, env.token, limits),
+        app,
         host="0.0.0.0",
         port=env.port,
         limits=limits,

@@ -90,11 +90,14 @@ class Syncer:
         state_dir: Path,
         clock: Callable[[], float] = time.time,
         config_file: Path | None = None,
+        shard: int = 0,  # which of syncer.shards (shard_scope.py)
     ) -> None:
         """Build the parts (startup.build: ConfigError when every checkpoint on disk is corrupt)
         and take them over."""
         return_freed_memory()  # before the first P-sized buffer (memory.py)
-        built = startup.build(spec, state_dir=state_dir, clock=clock, config_file=config_file)
+        built = startup.build(
+            spec, state_dir=state_dir, clock=clock, config_file=config_file, shard=shard
+        )
         self.spec = spec
         self.job_name = job_name
         self.state_dir = state_dir

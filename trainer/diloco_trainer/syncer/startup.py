@@ -38,6 +38,7 @@ from diloco_trainer.syncer.metrics import SyncerMetrics
 from diloco_trainer.syncer.publisher import Publisher
 from diloco_trainer.syncer.records import round_policy
 from diloco_trainer.syncer.rounds import SyncState
+from diloco_trainer.syncer.shard_scope import ShardScope
 
 log = logging.getLogger("diloco.syncer")
 
@@ -85,6 +86,7 @@ def build(
     state_dir: Path,
     clock: Callable[[], float],
     config_file: Path | None = None,
+    shard: int = 0,
 ) -> SyncerParts:
     """Every part of a syncer, from the newest valid checkpoint or afresh (see the module
     docstring); ConfigError when every checkpoint on disk is corrupt or one does not fit."""
@@ -103,12 +105,14 @@ def build(
     if loaded is not None and loaded.document.spec_hash != spec_hash:
         log.warning("the job spec changed since checkpoint %s; resuming anyway", loaded.path)
     policy = round_policy(spec, n)
+    # One shard of several counts its outer step over its own fragments (shard_scope.py).
+    new_state = ShardScope.of(spec, shard, n).new_state if spec.syncer.shards > 1 else SyncState
     if loaded is None:
-        state = SyncState(policy, n)
+        state = new_state(policy, n)
     else:
         model.restore(loaded)  # ConfigError when it does not fit the model
         rounds = [model.outer.rounds(f) for f in range(n)]
-        state = SyncState(policy, n, versions=loaded.document.versions, rounds=rounds)
+        state = new_state(policy, n, versions=loaded.document.versions, rounds=rounds)
     # The hard norm caps follow the weights the job starts from.
     numels = [sum(model.weights[name].numel() for name in names) for names in model.fragments]
     guard = make_guard(spec, numels, model.fragment_norms())
