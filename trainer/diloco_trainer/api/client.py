@@ -17,6 +17,7 @@ raises SyncerError with code protocol.ERROR_MALFORMED.
 from __future__ import annotations
 
 import asyncio
+import copy
 import logging
 import ssl
 import time
@@ -48,6 +49,7 @@ from diloco_trainer.api.protocol import (
     SyncerError,
     error_message,
 )
+from diloco_trainer.api.sharding import split_urls
 
 log = logging.getLogger("diloco.wire")
 
@@ -99,6 +101,19 @@ class SyncerJsonClient:
             else None
         )
         self._session: aiohttp.ClientSession | None = None
+
+    def shard_clients(self: C) -> list[C]:
+        """One client per syncer shard, in shard order, when `base_url` lists several
+        (comma-separated, api/sharding.py), each with this client's token, CA and timeouts;
+        else [self]. The list's owner closes them; this client is then never used."""
+        urls = split_urls(self.base_url)
+        if len(urls) == 1:
+            return [self]
+        clients = [copy.copy(self) for _ in urls]
+        for client, url in zip(clients, urls, strict=True):
+            client.base_url = url
+            client._session = None
+        return clients
 
     async def __aenter__(self: C) -> C:
         return self

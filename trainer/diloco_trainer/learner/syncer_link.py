@@ -9,6 +9,12 @@ up with the syncer's published weights bit for bit, and checks the syncer's chec
 (or a malformed chain) it logs a warning and pulls the full fragment. The other ranks receive the
 rebuilt fp32 weights by broadcast, as before.
 
+Syncer shards (syncer.shards, api/sharding.py): with several shard URLs in DILOCO_SYNCER_URL the
+link talks to each through its own client; each fragment's push, pull and phase-alignment status
+go to the shard that owns it; joins, heartbeats and goodbyes go to every shard (each holds the
+whole membership), a shard that forgot the island (404, restarted) is joined again on its own, and
+the job is finished once every shard has said so (a pulled fragment reads finished only then).
+
 Refusals: a push refused as too stale (409) or from a dropped island (403) is discarded and the
 current global fragment is pulled and applied in its place. A syncer that forgot the island (404,
 e.g. restarted without it) is joined again. Connection errors are retried by the client with
@@ -19,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import dataclasses
 import logging
 import threading
 import time
@@ -30,6 +37,7 @@ from torch import Tensor
 
 from diloco_trainer.api.documents import JoinInfo
 from diloco_trainer.api.protocol import PushMeta, SyncerError
+from diloco_trainer.api.sharding import merge_join, shard_of
 from diloco_trainer.core import compress
 from diloco_trainer.core.payloads import PulledFragment, PulledUpdates
 from diloco_trainer.core.published import apply_updates, weights_checksum
@@ -91,7 +99,10 @@ class SyncerLink:
     """
 
     def __init__(self, client: SyncerClient, *, island: str, replicas: int) -> None:
-        self.client = client
+        # One client per syncer shard (one: no shards); `client` itself when there is one.
+        self.clients = client.shard_clients()
+        self.client = self.clients[0]
+        self._finished_shards: set[int] = set()
         self.island = island
         self.replicas = replicas
         self.finished = threading.Event()
@@ -109,27 +120,50 @@ class SyncerLink:
         """Run a coroutine on the link's loop."""
         return asyncio.run_coroutine_threadsafe(coro, self._loop)
 
+    def _client(self, fragment: int) -> SyncerClient:
+        """The client of the shard that owns `fragment`."""
+        return self.clients[shard_of(fragment, len(self.clients))]
+
+    def _shard_says(self, shard: int, finished: bool) -> bool:
+        """Record that shard `shard` finished (when it says so); whether every shard has, which
+        is when the job is finished (then `finished` is set)."""
+        if finished:
+            self._finished_shards.add(shard)
+        if len(self._finished_shards) == len(self.clients):
+            self.finished.set()
+            return True
+        return False
+
+    def _pulled(self, fragment: int, pulled: PulledFragment) -> PulledFragment:
+        """`pulled` finished only when every shard is (its own shard's word alone is not)."""
+        done = self._shard_says(shard_of(fragment, len(self.clients)), pulled.finished)
+        return pulled if pulled.finished == done else dataclasses.replace(pulled, finished=done)
+
     async def join(self, stop: threading.Event) -> JoinInfo:
-        """Join, retrying for as long as the syncer is unreachable (it may start after us)."""
+        """Join every shard (one: the syncer), retrying each for as long as it is unreachable (it
+        may start after us); their answers read as one (sharding.merge_join)."""
+        infos = await asyncio.gather(*(self._join_shard(i, stop) for i in range(len(self.clients))))
+        return merge_join(infos)
+
+    async def _join_shard(self, shard: int, stop: threading.Event) -> JoinInfo:
         while True:
             try:
-                info = await self.client.join(self.island, self.replicas)
+                info = await self.clients[shard].join(self.island, self.replicas)
             except SyncerError as err:
                 if err.status != 0 or stop.is_set():
                     raise
                 log.warning("syncer still unreachable, trying again: %s", err)
                 continue
-            if info.finished:
-                self.finished.set()
+            self._shard_says(shard, info.finished)
             return info
 
     async def pull_all(self, num_fragments: int) -> list[PulledFragment]:
-        """The current global weights of every fragment."""
+        """The current global weights of every fragment, each from its shard."""
         pulled = []
         for f in range(num_fragments):
-            got = await self.client.pull_fragment(f, after=-1)
+            got = await self._client(f).pull_fragment(f, after=-1)
             assert isinstance(got, PulledFragment), "a pull after version -1 without have is full"
-            pulled.append(got)
+            pulled.append(self._pulled(f, got))
         return pulled
 
     async def sync_fragment(
@@ -155,7 +189,7 @@ class SyncerLink:
         after = meta.base_version
         lateness, within_reading = None, False
         try:
-            reply = await self.client.push_pseudo_gradient(fragment, encoded, meta)
+            reply = await self._client(fragment).push_pseudo_gradient(fragment, encoded, meta)
             log.debug("fragment %d push answered %s", fragment, reply)
             if reply.accepted:
                 after = max(after, reply.version)
@@ -167,12 +201,11 @@ class SyncerLink:
             after = -1
             outcome = f"push refused ({err})"
             if err.status == 404:
-                await self.join(threading.Event())
+                shard = shard_of(fragment, len(self.clients))
+                await self._join_shard(shard, threading.Event())
                 outcome = "rejoined the syncer"
             log.warning("fragment %d: %s; taking the current global fragment", fragment, outcome)
         pulled = await self._pull_newer(fragment, after, held)
-        if pulled.finished:
-            self.finished.set()
         return SyncResult(
             pulled=pulled,
             outcome=outcome,
@@ -188,7 +221,7 @@ class SyncerLink:
         Else, `within`: how late was our previous push in its merge (schedule.lateness_within)?
         One status read; a failure only skips phase alignment once. (lateness, whether within)"""
         try:
-            status = await self.client.status()
+            status = await self._client(fragment).status()
         except SyncerError as err:
             log.debug("status for phase alignment failed: %s", err)
             return None, False
@@ -226,21 +259,20 @@ class SyncerLink:
         one); as updates to `held` when the syncer offers them."""
         while True:
             try:
-                pulled = await self.client.pull_fragment(
+                pulled = await self._client(fragment).pull_fragment(
                     fragment,
                     after=after,
                     wait=LONG_POLL_SECONDS,
                     have=held.version if held is not None else -1,
                 )
                 if isinstance(pulled, PulledUpdates):
-                    return await self._rebuild(fragment, pulled, held)
+                    return self._pulled(fragment, await self._rebuild(fragment, pulled, held))
                 if pulled is not None:
-                    return pulled
+                    return self._pulled(fragment, pulled)
                 # A whole long-poll without a merge: if the syncer went back to an older
                 # checkpoint our base is ahead of it, and waiting for "newer" could take long.
-                status = await self.client.status()
-                if status.finished:
-                    self.finished.set()
+                status = await self._client(fragment).status()
+                self._shard_says(shard_of(fragment, len(self.clients)), status.finished)
                 if status.versions[fragment] < after:
                     log.warning(
                         "fragment %d: the syncer is at version %s, behind our base %d "
@@ -292,51 +324,61 @@ class SyncerLink:
             chain.version,
             problem,
         )
-        full = await self.client.pull_fragment(fragment, after=-1)
+        full = await self._client(fragment).pull_fragment(fragment, after=-1)
         assert isinstance(full, PulledFragment), "a pull without have is full"
         return full
 
     async def heartbeats(self, interval: float) -> None:
-        """Report progress every `interval` seconds; notice when the job finished."""
-        last_state = None
+        """Report progress to every shard every `interval` seconds; notice when the job
+        finished."""
+        last_state: list[str | None] = [None] * len(self.clients)
         while True:
             p = dict(self.progress)
-            try:
-                reply = await self.client.heartbeat(
-                    self.island,
-                    step=p["step"],
-                    tokens=p["tokens"],
-                    loss=p["loss"],
-                    step_time=p["step_time"],
-                )
-                if reply.finished:
-                    self.finished.set()
-                state = reply.state
-                if state != last_state:
-                    log.info("syncer says this island is %s", state)
-                    last_state = state
-            except SyncerError as err:
-                log.warning("heartbeat failed: %s", err)
-                if err.status == 404:  # the syncer forgot us (restarted without our record)
-                    await self.join(threading.Event())
+            for shard in range(len(self.clients)):
+                last_state[shard] = await self._heartbeat(shard, p, last_state[shard])
             await asyncio.sleep(interval)
+
+    async def _heartbeat(
+        self, shard: int, progress: dict[str, Any], last_state: str | None
+    ) -> str | None:
+        """One heartbeat to one shard; the island's state it answered (or `last_state`)."""
+        try:
+            reply = await self.clients[shard].heartbeat(
+                self.island,
+                step=progress["step"],
+                tokens=progress["tokens"],
+                loss=progress["loss"],
+                step_time=progress["step_time"],
+            )
+        except SyncerError as err:
+            log.warning("heartbeat failed: %s", err)
+            if err.status == 404:  # the syncer forgot us (restarted without our record)
+                await self._join_shard(shard, threading.Event())
+            return last_state
+        self._shard_says(shard, reply.finished)
+        if reply.state != last_state:
+            where = f" (syncer shard {shard})" if len(self.clients) > 1 else ""
+            log.info("syncer says this island is %s%s", reply.state, where)
+        return reply.state
 
     def close(self, *, leave: bool) -> None:
         """Cancel everything in flight (optionally saying goodbye first) and stop the loop."""
 
         async def shutdown() -> None:
             if leave:
-                try:
-                    await asyncio.wait_for(self.client.leave(self.island), timeout=2.0)
-                    log.info("left the syncer")
-                except (TimeoutError, SyncerError) as err:
-                    log.warning("could not say goodbye to the syncer: %s", err)
+                for client in self.clients:
+                    try:
+                        await asyncio.wait_for(client.leave(self.island), timeout=2.0)
+                        log.info("left the syncer at %s", client.base_url)
+                    except (TimeoutError, SyncerError) as err:
+                        log.warning("could not say goodbye to the syncer: %s", err)
             me = asyncio.current_task()
             tasks = [t for t in asyncio.all_tasks() if t is not me]
             for t in tasks:
                 t.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
-            await self.client.close()
+            for client in self.clients:
+                await client.close()
 
         try:
             self.submit(shutdown()).result(timeout=15.0)

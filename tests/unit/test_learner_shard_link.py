@@ -1,0 +1,110 @@
+"""A learner's link to two syncer shards over real HTTP (two in-process syncers, each serving
+shard i of 2): it joins and heartbeats at both, pushes and pulls each fragment at its owner, and
+reads the job as finished only once both shards are."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from aiohttp.test_utils import TestServer
+from diloco_trainer.api import protocol
+from diloco_trainer.api.sharding import join_urls
+from diloco_trainer.core.compress import encode_tensors
+from diloco_trainer.learner import syncer_client
+from diloco_trainer.learner.syncer_link import SyncerLink
+from diloco_trainer.syncer.http import build_app
+from diloco_trainer.syncer.service import Syncer
+from diloco_trainer.syncer.shard_scope import wrong_shard_middleware
+
+from .test_syncer import FakeClock, delta, make_spec, run
+
+
+def _meta(syncer: Syncer, fragment: int) -> protocol.PushMeta:
+    return protocol.PushMeta(
+        island="island-0",
+        base_version=syncer.state.versions[fragment],
+        tokens=100,
+        steps=4,
+        loss=3.0,
+        step_time=0.01,
+        codec=syncer.codec,
+    )
+
+
+async def _until(predicate: Any, what: str, timeout: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        await asyncio.sleep(0.02)
+
+
+def _reported(shards: list[Syncer]) -> list[int | None]:
+    return [s.state.membership.islands["island-0"].reported_step for s in shards]
+
+
+def test_link_routes_each_fragment_to_its_shard_and_finishes_with_both(tmp_path: Path) -> None:
+    spec = make_spec(
+        islands={"count": 1},
+        sync={"quorum": 1, "graceSeconds": 0, "fragments": 2},
+        syncer={"shards": 2},
+        stopAfter={"outerSteps": 1},
+    )
+    shards = [
+        Syncer(spec, job_name="unit", state_dir=tmp_path / f"s{i}", clock=FakeClock(), shard=i)
+        for i in range(2)
+    ]
+
+    async def scenario() -> dict[str, Any]:
+        servers = []
+        for i, syncer in enumerate(shards):
+            app = build_app(syncer, "tok")
+            app.middlewares.append(wrong_shard_middleware(i, 2))
+            servers.append(TestServer(app, host="127.0.0.1"))
+            await servers[-1].start_server()
+        urls = join_urls([str(s.make_url("")).rstrip("/") for s in servers])
+        link = SyncerLink(syncer_client.SyncerClient(urls, "tok"), island="island-0", replicas=1)
+        seen: dict[str, Any] = {"clients": [c.base_url for c in link.clients]}
+        try:
+            info = await asyncio.wrap_future(link.submit(link.join(threading.Event())))
+            seen["joined"] = [sorted(s.state.membership.islands) for s in shards]
+            seen["join_versions"] = info.versions
+            link.progress.update(step=7, tokens=700)
+            link.submit(link.heartbeats(0.05))
+            await _until(lambda: _reported(shards) == [7, 7], "heartbeats at both shards")
+            one = shards[1]
+            encoded = encode_tensors(delta(one, 1, 5), one.codec)
+            synced = link.submit(link.sync_fragment(1, encoded, _meta(one, 1)))
+            first = await asyncio.wrap_future(synced)
+            seen["after_first"] = (first.pulled.version, first.pulled.finished)
+            seen["finished_after_first"] = link.finished.is_set()
+            zero = shards[0]
+            encoded = encode_tensors(delta(zero, 0, 6), zero.codec)
+            synced = link.submit(link.sync_fragment(0, encoded, _meta(zero, 0)))
+            second = await asyncio.wrap_future(synced)
+            seen["after_second"] = (second.pulled.version, second.pulled.finished)
+            seen["finished_after_second"] = link.finished.is_set()
+            return seen
+        finally:
+            await asyncio.to_thread(link.close, leave=True)
+            for server in servers:
+                await server.close()
+
+    seen = run(scenario())
+    assert len(seen["clients"]) == 2
+    # Both shards hold the membership.
+    assert seen["joined"] == [["island-0"], ["island-0"]]
+    assert seen["join_versions"] == [0, 0]
+    # Fragment 1 merged at shard 1 only, fragment 0 at shard 0 only.
+    assert shards[1].state.versions == [0, 1]
+    assert shards[0].state.versions == [1, 0]
+    # Shard 1 finished first (stopAfter 1 outer step), but the job is not finished until shard 0.
+    assert seen["after_first"] == (1, False)
+    assert seen["finished_after_first"] is False
+    assert seen["after_second"] == (1, True)
+    assert seen["finished_after_second"] is True
+    # The goodbye reached both shards.
+    assert [s.state.membership.islands["island-0"].state for s in shards] == ["left", "left"]
