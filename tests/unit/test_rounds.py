@@ -459,3 +459,27 @@ def test_rounds_auto_grace_excludes_the_time_the_syncer_held_a_push() -> None:
     assert state.membership.islands["island-0"].transfer_time == pytest.approx(1.5)
     # slack = 20·0.5 − (0 quorum wait + 1.5 transfer + 1.0 merge) = 7.5; γ = 0.5.
     assert state.grace() == pytest.approx(3.75)
+
+
+def test_rounds_take_round_credits_what_the_merge_took_after_a_drop() -> None:
+    """A merge runs without the service's lock: an island dropped while it ran has left the
+    round, but its push was merged, so the round closes crediting the merged contributions."""
+    state = make_state(quorum=2, islands=2, grace=5.0)
+    push(state, "island-0", 1.0, tokens=100)
+    push(state, "island-1", 2.0, tokens=300)
+    merged = state.peek_round(0)
+    state.membership.set_state("island-1", DROPPED, "admin", 3.0)
+    assert list(state.rounds[0].pending) == ["island-0"]
+    taken = state.take_round(0, 3.0, merged=merged)
+    assert taken == merged
+    assert state.versions == [1] and state.rounds[0].pending == {}
+    assert state.membership.islands["island-1"].merged_tokens == 300
+
+
+def test_rounds_take_round_refuses_a_round_that_grew_during_its_merge() -> None:
+    state = make_state(quorum=1, islands=2, grace=5.0)
+    push(state, "island-0", 1.0)
+    merged = state.peek_round(0)
+    push(state, "island-1", 2.0)
+    with pytest.raises(ValueError, match="gained a push"):
+        state.take_round(0, 3.0, merged=merged)

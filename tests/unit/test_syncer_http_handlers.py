@@ -61,7 +61,7 @@ async def answer(handler: Handler, req: web.Request) -> tuple[int, Any]:
     resp = await errors(req, handler)
     assert isinstance(resp, web.Response)
     raw = resp.body
-    assert raw is None or isinstance(raw, bytes)
+    assert raw is None or isinstance(raw, (bytes, bytearray))  # pull bodies: bytearray
     if resp.content_type == "application/json":
         return resp.status, json.loads(raw or b"null")
     return resp.status, raw

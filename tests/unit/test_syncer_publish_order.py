@@ -28,14 +28,14 @@ def test_new_versions_are_published_first_and_each_wakes_its_pullers(tmp_path: P
         events = list(publisher._events)
         order: list[int] = []
         woken: list[list[bool]] = []
-        encode = publisher._encode
+        encode = publisher.encode
 
         def recording(f: int, key: BodyKey) -> tuple[BodyKey, bytes]:
             order.append(f)
             woken.append([e.is_set() for e in events])  # who was woken before this encode
             return encode(f, key)
 
-        publisher._encode = recording  # type: ignore[method-assign]
+        publisher.encode = recording  # type: ignore[method-assign]
         # Fragment 2 merged (version 1) and closed the outer step: 0 and 1 change outer step only.
         await publisher.publish([(0, 1, False), (0, 1, False), (1, 1, False)])
         woken.append([e.is_set() for e in events])

@@ -6,6 +6,7 @@ module adds what needs torch. Tensors travel as safetensors bytes, never pickle.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -101,8 +102,63 @@ def encode_body(tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, Any]
     return safetensors.torch.save(own, metadata=encode_metadata(metadata))
 
 
-def decode_body(body: bytes) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+# safetensors' names of the dtypes a body may hold.
+_DTYPE_NAMES = {
+    torch.float64: "F64",
+    torch.float32: "F32",
+    torch.float16: "F16",
+    torch.bfloat16: "BF16",
+    torch.int64: "I64",
+    torch.int32: "I32",
+    torch.int16: "I16",
+    torch.int8: "I8",
+    torch.uint8: "U8",
+    torch.bool: "BOOL",
+}
+
+
+def encode_body_buffer(
+    tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, Any]
+) -> bytearray:
+    """The bytes encode_body gives, written into one buffer by torch copies, which release the
+    interpreter lock (safetensors' own serialiser holds it for the whole P-sized copy, so a
+    pull body built in a worker thread still stalled the event loop): the same layout (tensors
+    by dtype size, then name; the header's JSON padded with spaces to 8 bytes)."""
+    order = sorted(tensors, key=lambda n: (-tensors[n].element_size(), n))
+    header: dict[str, Any] = {"__metadata__": dict(encode_metadata(metadata))}
+    offset = 0
+    for name in order:
+        t = tensors[name]
+        if t.dtype not in _DTYPE_NAMES:
+            raise ValueError(f"tensor {name!r} has dtype {t.dtype}, which a body cannot hold")
+        size = t.numel() * t.element_size()
+        header[name] = {
+            "dtype": _DTYPE_NAMES[t.dtype],
+            "shape": list(t.shape),
+            "data_offsets": [offset, offset + size],
+        }
+        offset += size
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)
+    start = 8 + len(text)
+    out = bytearray(start + offset)
+    out[:8] = len(text).to_bytes(8, "little")
+    out[8:start] = text
+    if offset:
+        view = torch.frombuffer(out, dtype=torch.uint8)
+        for name in order:
+            t = tensors[name].detach()
+            begin, end = header[name]["data_offsets"]
+            if end > begin:
+                flat = t.contiguous().reshape(-1).view(torch.uint8)
+                view[start + begin : start + end].copy_(flat)
+    return out
+
+
+def decode_body(body: bytes | bytearray) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
     """Parse a safetensors body into (tensors, metadata); ValueError for anything malformed."""
+    if not isinstance(body, bytes):  # a body the syncer built (encode_body_buffer)
+        body = bytes(body)
     meta = read_metadata(body)
     try:
         tensors = safetensors.torch.load(body)

@@ -10,7 +10,8 @@ in worker threads and the others with its lock held; no event loop, no HTTP here
    so the contributions at fault (guards.offenders; all of them when none is found) are taken
    out of the round, which merges later without them; a health problem, a metric, a log line.
 4. commit (worker thread): the outer step carrying the work fraction, and θ_pub's update.
-5. record: the round closes (version + 1, merged tokens credited, work clock) in one step with
+5. record: the round closes (version + 1, merged tokens credited, work clock; a push folded
+   while the merge ran would be lost, so a fragment's pushes wait for its merge) in one step with
    the merge log's counters, so a status read while the arithmetic ran never sees a half-done
    merge; the entry (api/documents.MergeRecord) goes to merges.jsonl, and then (logged) the
    merge counts in the metrics.
@@ -116,7 +117,7 @@ class Merger:
         state.discard(merge.fragment, left.islands, merge.now)
 
     def commit(self, merge: MergeInput, prepared: PreparedMerge, new_version: int) -> MergeResult:
-        """Step 4 (worker thread, lock held): apply the merge to the global model."""
+        """Step 4 (worker thread, the fragment's lock held): apply the merge to the global model."""
         return self.model.commit_merge(merge.fragment, prepared, new_version=new_version)
 
     def record(
@@ -125,12 +126,15 @@ class Merger:
         """Step 5 (lock held): close the round and count the merge; returns its log entry (the
         caller writes it to merges.jsonl off the loop)."""
         f = merge.fragment
-        taken = state.take_round(
-            f, merge.now, rounds=result.rounds, clock=result.clock, merge_seconds=seconds
+        # What the merge took: an island dropped while it ran left the round, not the merge.
+        state.take_round(
+            f,
+            merge.now,
+            rounds=result.rounds,
+            clock=result.clock,
+            merge_seconds=seconds,
+            merged=merge.contributions,
         )
-        assert len(taken) == len(merge.contributions) and all(
-            a is b for a, b in zip(taken, merge.contributions, strict=True)
-        ), "a round changed while its merge ran (lock not held?)"
         entry = self.merge_log.record(
             f,
             merge.contributions,

@@ -24,6 +24,9 @@ from diloco_trainer.syncer.metrics import SyncerMetrics
 
 # What a body was encoded at: (fragment version, outer step, finished).
 BodyKey = tuple[int, int, bool]
+# A pull body: built by torch copies into a bytearray (payloads.encode_body_buffer), so building
+# one in a worker thread never holds the interpreter lock for a P-sized copy.
+Body = bytes | bytearray
 
 
 @dataclass(frozen=True)
@@ -58,9 +61,9 @@ class Publisher:
         self.closing = False
         # Created on the serving loop (start()).
         self._events: list[asyncio.Event] = []
-        self._bodies: list[tuple[BodyKey, bytes]] = []
+        self._bodies: list[tuple[BodyKey, Body]] = []
         # Update-chain bodies of the published version, by fragment and the puller's version.
-        self._chains: list[dict[tuple[BodyKey, int], bytes]] = [{} for _ in model.fragments]
+        self._chains: list[dict[tuple[BodyKey, int], Body]] = [{} for _ in model.fragments]
 
     def snapshot(self) -> PullSnapshot:
         """Its figures as they are now."""
@@ -70,7 +73,7 @@ class Publisher:
         """Create the events and encode every fragment at `keys` (call on the serving loop)."""
         self._events = [asyncio.Event() for _ in self.model.fragments]
         self._bodies = await asyncio.to_thread(
-            lambda: [self._encode(f, keys[f]) for f in range(len(self.model.fragments))]
+            lambda: [self.encode(f, keys[f]) for f in range(len(self.model.fragments))]
         )
 
     def record_update(self, f: int, update: WeightUpdate | None) -> None:
@@ -85,11 +88,18 @@ class Publisher:
         stale = [f for f in range(len(self.model.fragments)) if self._bodies[f][0] != keys[f]]
         stale.sort(key=lambda f: self._bodies[f][0][0] == keys[f][0])  # new versions first
         for f in stale:
-            body = await asyncio.to_thread(self._encode, f, keys[f])
-            self._bodies[f] = body
-            self._chains[f].clear()
-            old, self._events[f] = self._events[f], asyncio.Event()
-            old.set()
+            self.install(f, await asyncio.to_thread(self.encode, f, keys[f]))
+
+    def body_key(self, f: int) -> BodyKey:
+        """The key fragment f's served body was encoded at."""
+        return self._bodies[f][0]
+
+    def install(self, f: int, body: tuple[BodyKey, Body]) -> None:
+        """Serve a body built by `encode` as fragment f's (on the loop) and wake its pullers."""
+        self._bodies[f] = body
+        self._chains[f].clear()
+        old, self._events[f] = self._events[f], asyncio.Event()
+        old.set()
 
     def close_waiters(self) -> None:
         """Answer every long-poll now (304): the server is shutting down."""
@@ -97,7 +107,7 @@ class Publisher:
         for event in self._events:
             event.set()
 
-    async def pull(self, fragment: int, *, after: int, wait: float, have: int) -> bytes | None:
+    async def pull(self, fragment: int, *, after: int, wait: float, have: int) -> Body | None:
         """Fragment bytes once its version is > after (or the job finished); None after `wait`.
 
         The body is the chain of updates since version `have` when there is one (see
@@ -124,7 +134,8 @@ class Publisher:
             except TimeoutError:
                 return None
 
-    def _encode(self, f: int, key: BodyKey) -> tuple[BodyKey, bytes]:
+    def encode(self, f: int, key: BodyKey) -> tuple[BodyKey, Body]:
+        """Fragment f's full pull body at `key` (a worker thread: P/F-sized)."""
         meta = {
             protocol.META_KIND: protocol.KIND_FULL,
             protocol.META_VERSION: key[0],
@@ -132,9 +143,9 @@ class Publisher:
             protocol.META_OUTER_STEP: key[1],
             protocol.META_FINISHED: key[2],
         }
-        return key, payloads.encode_body(self.model.published_fragment(f), meta)
+        return key, payloads.encode_body_buffer(self.model.published_fragment(f), meta)
 
-    async def _chain_body(self, f: int, key: BodyKey, have: int) -> bytes | None:
+    async def _chain_body(self, f: int, key: BodyKey, have: int) -> Body | None:
         """The update-chain body from version `have` to the published `key`, when the history
         holds it and it is smaller than the fragment; else None."""
         if self.model.pull_compression == "none" or have < 0:
@@ -155,7 +166,7 @@ class Publisher:
             protocol.META_CODEC: self.model.pull_compression,
             protocol.META_CHECKSUM: chain[-1].checksum,
         }
-        body = await asyncio.to_thread(
+        body: Body = await asyncio.to_thread(
             payloads.encode_update_chain, [(u.version, u.encoded) for u in chain], meta
         )
         if self._bodies[f][0] == key:  # still the published version: keep it for other pullers

@@ -13,7 +13,8 @@ In order (receive):
    worker thread off the lock, its values (finite, norm bounds; gate.check_delta), with 3 checked
    again (a merge or a drop may have happened while it was decoded);
 5. record it in the fragment's round (rounds.accept_push), which answers it, and fold it into
-   the round's merge (folding.py, in a worker thread): the round keeps it encoded.
+   the round's merge (folding.py, in a worker thread, holding the fragment's lock but not the
+   service's): the round keeps it encoded.
 
 A refusal of its content (400 from decoding, 422 from the guards) counts towards the island's
 refusals in a row (gate.refused: maxRefusals in a row drop it); a refusal of the body or its
@@ -54,6 +55,9 @@ class PushHost(Protocol):
 
     def locked(self) -> asyncio.Lock:
         """The service's lock; Refused(503) when the syncer failed."""
+
+    def fragment_lock(self, fragment: int) -> asyncio.Lock:
+        """The lock of one fragment's fold and merge (taken before `locked()`)."""
 
     def clock(self) -> float: ...
 
@@ -109,23 +113,25 @@ class PushPath:
         decoded, stats = await asyncio.to_thread(
             decode_measured, fragment, flat, self.codec, self.model.expected[fragment]
         )
-        async with host.locked():
-            early = self._finished_or_duplicate(fragment, meta)
-            if early is not None:
-                return early
-            now = host.clock()
-            lag = self.state.check_push(fragment, meta.island, meta.base_version)  # 3. again
-            self.gate.check_delta(fragment, meta.island, stats)  # 4.
-            expected = self.model.expected[fragment]
-            payload = EncodedPayload(flat, self.codec, expected)  # kept encoded (folding.py)
-            contribution = push_contribution(meta, lag=lag, payload=payload, now=now)
-            answer = self.state.accept_push(fragment, contribution, now)  # 5.
-            self.gate.accepted(fragment, meta.island, stats)
-            self.bytes_in += size
-            self.metrics.bytes_in.inc(size)
-            # Folded into its round off the loop; the lock keeps its merge out until it is (a
-            # cancelled request too: the lock goes only once the thread is done).
-            lag_rounds = self.state.lag_rounds(fragment, meta.base_version)
+        async with host.fragment_lock(fragment):  # its fold, apart from its merge only
+            async with host.locked():
+                early = self._finished_or_duplicate(fragment, meta)
+                if early is not None:
+                    return early
+                now = host.clock()
+                lag = self.state.check_push(fragment, meta.island, meta.base_version)  # 3. again
+                self.gate.check_delta(fragment, meta.island, stats)  # 4.
+                expected = self.model.expected[fragment]
+                payload = EncodedPayload(flat, self.codec, expected)  # kept encoded (folding.py)
+                contribution = push_contribution(meta, lag=lag, payload=payload, now=now)
+                answer = self.state.accept_push(fragment, contribution, now)  # 5.
+                self.gate.accepted(fragment, meta.island, stats)
+                self.bytes_in += size
+                self.metrics.bytes_in.inc(size)
+                lag_rounds = self.state.lag_rounds(fragment, meta.base_version)
+            # Folded into its round off the loop and off the service's lock; the fragment's lock
+            # keeps its merge out until it is (a cancelled request too: the lock goes only once
+            # the thread is done).
             folding = asyncio.ensure_future(
                 asyncio.to_thread(self.model.folds.add, fragment, contribution, decoded, lag_rounds)
             )

@@ -359,16 +359,21 @@ class SyncState:
         rounds: int | None = None,
         clock: float | None = None,
         merge_seconds: float = 0.0,
+        merged: list[Contribution] | None = None,
     ) -> list[Contribution]:
-        """Close fragment's round: returns its contributions (as peek_round), credits each
-        island's merged tokens, bumps the version and opens the next round.
+        """Close fragment's round: returns its contributions (as peek_round, or `merged`: what
+        the merge took, of which an island dropped while it ran has left the round already),
+        credits each island's merged tokens, bumps the version and opens the next round.
 
         `rounds` and `clock` are the fragment's completed rounds of work and work clock after
         this merge (the outer optimizer's; default: the merge was one whole round). The merge
         started at `now` and took `merge_seconds`: how long the syncer held each push.
         """
         rnd = self.rounds[fragment]
-        contributions = self.peek_round(fragment)
+        contributions = self.peek_round(fragment) if merged is None else merged
+        taken = {id(c) for c in contributions}
+        if any(id(c) not in taken for c in rnd.pending.values()):
+            raise ValueError(f"fragment {fragment}'s round gained a push its merge did not take")
         if rnd.first_push_at is not None and rnd.quorum_since is not None:
             self._quorum_waits.append(max(0.0, rnd.quorum_since - rnd.first_push_at))
         self._merge_seconds.append(max(0.0, merge_seconds))

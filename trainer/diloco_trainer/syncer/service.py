@@ -14,9 +14,15 @@ This module is the thin service that holds those parts behind one lock, answers 
 routes, and runs the two sequences that cross the parts: a push (push.py, the whole path in one
 place) and a merge (_merge, in merge.py's steps). Concurrency: HTTP handlers run on one
 asyncio loop; heavy work (decoding a push, merging, the outer step, evaluation, serialising
-fragments, checkpoints, digests) runs in worker threads. One asyncio lock makes every state change
-atomic: a merge holds it from taking the round to publishing the new fragment, so pushes wait for
-merges; decoding a push does not hold it. A request that fails validation changes nothing: size,
+fragments, checkpoints, digests) runs in worker threads. One asyncio lock (`lock`) makes every
+state change atomic and is held only for short, P-free steps; one lock per fragment
+(`fragment_lock`) keeps a fragment's fold and its merge apart: a push folds holding its own
+fragment's lock, a merge holds its fragment's from taking the round to publishing it, so a push
+never waits on another fragment's merge, and heartbeats, joins and status never wait on one.
+Merges run one at a time, in the scheduler (`merging`: a stop or a digest waits for the running
+one), so the whole-model steps after a merge (evaluation and checkpoint snapshots, publishing the
+other fragments' outer step) see no merge half-applied. A request that fails validation changes
+nothing: size,
 safetensors, metadata, membership/staleness and tensor names/shapes/dtypes are all checked before
 the state is touched.
 
@@ -134,8 +140,10 @@ class Syncer:
             fragments=len(self.model.fragments),
             spec_hash=self.spec_hash,
         )
-        # Created on the serving loop (start()).
+        # Created on the serving loop (start()); see the module docstring.
         self.lock: asyncio.Lock | None = None
+        self.merging: asyncio.Lock | None = None
+        self._fragment_locks: list[asyncio.Lock] = []
         self._poke: asyncio.Event | None = None
 
     # ----- start-up and shutdown ---------------------------------------------------------------
@@ -143,6 +151,8 @@ class Syncer:
     async def start(self) -> None:
         """Create the loop-bound primitives and the pull bodies (call on the serving loop)."""
         self.lock = asyncio.Lock()
+        self.merging = asyncio.Lock()
+        self._fragment_locks = [asyncio.Lock() for _ in self.model.fragments]
         self._poke = asyncio.Event()
         self.jobs.start()
         await self.publisher.start(self._body_keys())
@@ -159,8 +169,8 @@ class Syncer:
         """Stop the scheduler once a running merge has finished, let scheduled jobs finish,
         write a checkpoint of what was merged since the last one, stop the worker."""
         if scheduler is not None:
-            if self.lock is not None:
-                async with self.lock:  # a merge holds the lock from start to publish
+            if self.merging is not None:
+                async with self.merging:  # a merge holds it from its start to its publish
                     scheduler.cancel()
             else:
                 scheduler.cancel()
@@ -238,6 +248,10 @@ class Syncer:
             raise Refused(503, f"the syncer failed and must be restarted: {self.failure}")
         return self.lock
 
+    def fragment_lock(self, fragment: int) -> asyncio.Lock:
+        """The lock of one fragment's fold and merge (taken before `locked()`, never after)."""
+        return self._fragment_locks[fragment]
+
     async def join(self, island: str, replicas: int) -> dict[str, Any]:
         """Register an island; returns the fragment layout and current versions (JoinInfo)."""
         async with self.locked():
@@ -304,7 +318,9 @@ class Syncer:
         answer = await self.pushes.receive(fragment, body, principal)
         return answer.to_wire()
 
-    async def pull(self, fragment: int, *, after: int, wait: float, have: int = -1) -> bytes | None:
+    async def pull(
+        self, fragment: int, *, after: int, wait: float, have: int = -1
+    ) -> bytes | bytearray | None:
         """Fragment bytes once its version is > after (or the job finished); None after `wait`.
         The body is the chain of updates since version `have` when the publisher has one."""
         self.check_fragment(fragment)
@@ -315,11 +331,14 @@ class Syncer:
 
         Without the digest it is read without waiting for a running merge; that is consistent
         because a merge changes versions, rounds and token counts together after its arithmetic
-        (see merge.py). With the digest it waits for the lock, so the weights match the versions.
+        (see merge.py). With the digest it waits for a running merge, so the weights match the
+        versions.
         """
         if not digest:
             return self._status().to_wire()
-        async with self.locked():
+        self.locked()  # Refused(503) once failed
+        assert self.merging is not None
+        async with self.merging:
             doc = self._status()
             weights = await asyncio.to_thread(self.digest)
         return doc.model_copy(update={"digest": weights}).to_wire()
@@ -346,8 +365,8 @@ class Syncer:
     # ----- merging -----------------------------------------------------------------------------
 
     async def tick(self) -> float | None:
-        """One scheduler pass: expire silent islands, merge every due round. Returns the next
-        grace deadline (clock time), if a round is waiting for one."""
+        """One scheduler pass: expire silent islands, merge every due round (one at a time, the
+        lock not held). Returns the next grace deadline (clock time), if a round is waiting."""
         async with self.locked():
             now = self.clock()
             members = self.state.membership
@@ -364,12 +383,14 @@ class Syncer:
             for island in expired:
                 log.warning("island %s timed out: %s", island, members.islands[island].reason)
                 self._update_gauges()
-            if not self.finished:
-                for f in self.state.due_fragments(now):
-                    await self._merge(f)
-                    if self.finished:
-                        break
-            return None if self.finished else self.state.next_deadline()
+            due = [] if self.finished else self.state.due_fragments(now)
+        assert self.merging is not None
+        for f in due:
+            async with self.merging:
+                await self._merge(f)
+            if self.finished:
+                break
+        return None if self.finished else self.state.next_deadline()
 
     async def run_scheduler(self) -> None:
         """tick() whenever something changed, a grace window ends, or TICK_SECONDS passed.
@@ -393,18 +414,38 @@ class Syncer:
             self._poke.clear()
 
     async def _merge(self, f: int) -> None:
-        """Merge fragment f's round (lock held), in merge.py's steps; then publish."""
-        started = time.perf_counter()
-        merge = self.merger.take(self.state, f, self.clock())
-        prepared = await asyncio.to_thread(self.merger.prepare, merge)
-        if isinstance(prepared, LeftOut):
-            self.merger.recover(self.state, merge, prepared)
-            return
-        new_version = self.state.versions[f] + 1
-        result = await asyncio.to_thread(self.merger.commit, merge, prepared, new_version)
-        self.publisher.record_update(f, result.update)
-        seconds = time.perf_counter() - started
-        entry = self.merger.record(self.state, merge, result, seconds)
+        """Merge fragment f's round in merge.py's steps, holding f's lock throughout and the
+        service's lock for the steps that change state; then publish. mergeSeconds runs from
+        the round's take to its new version being pullable."""
+        async with self.fragment_lock(f):
+            async with self.locked():
+                now = self.clock()
+                if self.finished or not self.state.merge_due(f, now):
+                    return  # the round changed since the scheduler looked (a drop)
+                started = time.perf_counter()
+                merge = self.merger.take(self.state, f, now)
+            prepared = await asyncio.to_thread(self.merger.prepare, merge)
+            if isinstance(prepared, LeftOut):
+                async with self.locked():
+                    self.merger.recover(self.state, merge, prepared)
+                return
+            new_version = self.state.versions[f] + 1  # only this merge moves f's version
+            result = await asyncio.to_thread(self.merger.commit, merge, prepared, new_version)
+            # f's new pull body, built before the round closes so that it is pullable the
+            # moment the version moves; its key is checked again then (publish re-encodes it
+            # if the outer step came out otherwise).
+            others = (r.rounds for g, r in enumerate(self.state.rounds) if g != f)
+            outer_step = min([result.rounds, *others])
+            body = await asyncio.to_thread(
+                self.publisher.encode, f, (new_version, outer_step, self.finished)
+            )
+            async with self.locked():
+                self.publisher.record_update(f, result.update)
+                seconds = time.perf_counter() - started
+                entry = self.merger.record(self.state, merge, result, seconds)
+                if body[0] == self._body_keys()[f]:
+                    self.publisher.install(f, body)
+            del body
         await asyncio.to_thread(self.merge_log.write, entry)
         self.merger.logged(seconds)
         self._update_gauges()

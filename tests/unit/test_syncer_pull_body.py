@@ -1,0 +1,48 @@
+"""Pull bodies built by torch copies (payloads.encode_body_buffer): the same tensors, metadata
+and data bytes as safetensors' own serialiser gives, for every dtype a body holds, views and
+empty tensors included."""
+
+from __future__ import annotations
+
+import pytest
+import safetensors.torch
+import torch
+from diloco_trainer.core import payloads
+from diloco_trainer.core.compress import encode_tensors
+
+
+def _header_length(body: bytes) -> int:
+    return int.from_bytes(body[:8], "little")
+
+
+def test_pull_body_matches_safetensors_data_and_decodes_the_same() -> None:
+    g = torch.Generator().manual_seed(0)
+    base = torch.randn(8, 8, generator=g)
+    tensors = {
+        "w": torch.randn(3, 4, generator=g),
+        "view": base[:, :3],  # not contiguous: copied as its values
+        "empty": torch.zeros(0),
+        "half": torch.randn(5, generator=g).half(),
+        "bf": torch.randn(5, generator=g).bfloat16(),
+        **encode_tensors({"q": torch.randn(6, 7, generator=g)}, "int8"),
+    }
+    meta = {"kind": "full", "version": 3, "finished": False}
+    built = payloads.encode_body_buffer(tensors, meta)
+    reference = payloads.encode_body(tensors, meta)
+    assert isinstance(built, bytearray) and len(built) == len(reference)
+    # The tensors' bytes are laid out as safetensors lays them out (its metadata's key order
+    # is a hash map's, so the headers may differ in that order only).
+    assert built[8 + _header_length(bytes(built)) :] == reference[8 + _header_length(reference) :]
+    assert _header_length(bytes(built)) % 8 == 0
+    got, got_meta = payloads.decode_body(built)
+    want, want_meta = payloads.decode_body(reference)
+    assert got_meta == want_meta == {"kind": "full", "version": "3", "finished": "false"}
+    assert got.keys() == want.keys() == tensors.keys()
+    for name, t in want.items():
+        assert got[name].dtype == t.dtype and torch.equal(got[name], t)
+    assert safetensors.torch.load(bytes(built)).keys() == tensors.keys()
+
+
+def test_pull_body_refuses_a_dtype_it_cannot_name() -> None:
+    with pytest.raises(ValueError, match=r"'c'.*complex64"):
+        payloads.encode_body_buffer({"c": torch.zeros(2, dtype=torch.complex64)}, {})
