@@ -1,6 +1,7 @@
 """A learner's link to two syncer shards over real HTTP (two in-process syncers, each serving
 shard i of 2): it joins and heartbeats at both, pushes and pulls each fragment at its owner, and
-reads the job as finished only once both shards are."""
+reads the job as finished only once both shards are; the JSON client given both URLs reads them
+as one syncer and sets an island's membership at both."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from typing import Any
 
 from aiohttp.test_utils import TestServer
 from diloco_trainer.api import protocol
+from diloco_trainer.api.client import SyncerJsonClient
 from diloco_trainer.api.sharding import join_urls
 from diloco_trainer.core.compress import encode_tensors
 from diloco_trainer.learner import syncer_client
@@ -90,6 +92,11 @@ def test_link_routes_each_fragment_to_its_shard_and_finishes_with_both(tmp_path:
             return seen
         finally:
             await asyncio.to_thread(link.close, leave=True)
+            seen["left"] = [s.state.membership.islands["island-0"].state for s in shards]
+            # The JSON client of the operator and `diloco run`, given every shard's URL.
+            async with SyncerJsonClient(urls, "tok") as client:
+                seen["status"] = await client.status()
+                await client.set_membership("island-0", "dropped", "a test")
             for server in servers:
                 await server.close()
 
@@ -106,5 +113,10 @@ def test_link_routes_each_fragment_to_its_shard_and_finishes_with_both(tmp_path:
     assert seen["finished_after_first"] is False
     assert seen["after_second"] == (1, True)
     assert seen["finished_after_second"] is True
-    # The goodbye reached both shards.
-    assert [s.state.membership.islands["island-0"].state for s in shards] == ["left", "left"]
+    # The goodbye reached both shards, then the drop.
+    assert seen["left"] == ["left", "left"]
+    assert [s.state.membership.islands["island-0"].state for s in shards] == ["dropped"] * 2
+    # The status read as one syncer's: each fragment's version from its owner, finished.
+    status = seen["status"]
+    assert (status.versions, status.outer_step, status.finished) == ([1, 1], 1, True)
+    assert status.merge_count == 2

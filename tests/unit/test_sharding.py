@@ -3,11 +3,14 @@ as one syncer's (api/sharding.py). Expected values are worked out by hand in the
 
 from __future__ import annotations
 
+import hashlib
+
 import pytest
-from diloco_trainer.api.documents import CheckpointRef, JoinInfo, SyncerStatus
+from diloco_trainer.api.documents import CheckpointRef, HeartbeatAnswer, JoinInfo, SyncerStatus
 from diloco_trainer.api.sharding import (
     fragments_of,
     join_urls,
+    merge_heartbeat,
     merge_join,
     merge_status,
     shard_of,
@@ -142,3 +145,21 @@ def test_merge_status_of_one_shard_is_that_status() -> None:
 def test_merge_status_without_a_checkpoint_on_some_shard_has_none() -> None:
     shard0 = _status(checkpoint=CheckpointRef(path="a/ckpt-3", outer_step=3))
     assert merge_status([shard0, _status()]).checkpoint is None
+
+
+def test_merge_heartbeat_takes_versions_from_owners_and_finishes_with_all() -> None:
+    shard0 = HeartbeatAnswer(state="active", finished=True, versions=[3, 0, 4])
+    shard1 = HeartbeatAnswer(state="active", finished=False, versions=[0, 2, 0])
+    merged = merge_heartbeat([shard0, shard1])
+    assert merged.versions == [3, 2, 4]
+    assert merged.state == "active"
+    assert merged.finished is False
+
+
+def test_merge_status_digest_covers_every_shard() -> None:
+    a, b = _status(digest="aa"), _status(digest="bb")
+    # sha256 of "aa,bb": a different order or a missing digest gives another answer.
+    expected = hashlib.sha256(b"aa,bb").hexdigest()
+    assert merge_status([a, b]).digest == expected
+    assert merge_status([b, a]).digest != expected
+    assert merge_status([a, _status()]).digest is None

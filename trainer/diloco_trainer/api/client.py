@@ -49,7 +49,13 @@ from diloco_trainer.api.protocol import (
     SyncerError,
     error_message,
 )
-from diloco_trainer.api.sharding import split_urls
+from diloco_trainer.api.sharding import (
+    URL_SEPARATOR,
+    merge_heartbeat,
+    merge_join,
+    merge_status,
+    split_urls,
+)
 
 log = logging.getLogger("diloco.wire")
 
@@ -101,6 +107,7 @@ class SyncerJsonClient:
             else None
         )
         self._session: aiohttp.ClientSession | None = None
+        self._shards: list[SyncerJsonClient] | None = None  # see _fan_out
 
     def shard_clients(self: C) -> list[C]:
         """One client per syncer shard, in shard order, when `base_url` lists several
@@ -113,7 +120,18 @@ class SyncerJsonClient:
         for client, url in zip(clients, urls, strict=True):
             client.base_url = url
             client._session = None
+            client._shards = None
         return clients
+
+    def _fan_out(self) -> list[SyncerJsonClient] | None:
+        """The shards' clients when `base_url` lists several syncer shards, else None: the JSON
+        routes then ask every shard and read the answers as one syncer's (api/sharding.py), so
+        the operator and `diloco run` see a sharded syncer as one."""
+        if URL_SEPARATOR not in self.base_url:
+            return None
+        if self._shards is None:
+            self._shards = list(self.shard_clients())
+        return self._shards
 
     async def __aenter__(self: C) -> C:
         return self
@@ -130,7 +148,9 @@ class SyncerJsonClient:
         return self._session
 
     async def close(self) -> None:
-        """Close the HTTP session."""
+        """Close the HTTP session (every shard's)."""
+        for shard in self._shards or []:
+            await shard.close()
         if self._session is not None:
             await self._session.close()
             self._session = None
@@ -209,6 +229,9 @@ class SyncerJsonClient:
 
     async def join(self, island: str, replicas: int) -> JoinInfo:
         """Register (or re-register) an island; returns the fragment layout and versions."""
+        shards = self._fan_out()
+        if shards is not None:
+            return merge_join(await asyncio.gather(*(c.join(island, replicas) for c in shards)))
         body = {"island": island, "replicas": replicas}
         return await self.document(JoinInfo, "POST", ROUTE_JOIN, json_body=body)
 
@@ -222,22 +245,39 @@ class SyncerJsonClient:
         step_time: float | None = None,
     ) -> HeartbeatAnswer:
         """Tell the syncer the island is alive (and how far it got); returns its state."""
+        shards = self._fan_out()
+        if shards is not None:
+            answers = await asyncio.gather(
+                *(c.heartbeat(island, step=step, tokens=tokens, loss=loss, step_time=step_time)
+                  for c in shards)
+            )  # fmt: skip
+            return merge_heartbeat(answers)
         body = {"island": island, "step": step, "tokens": tokens, "loss": loss}
         body["stepTime"] = step_time
         return await self.document(HeartbeatAnswer, "POST", ROUTE_HEARTBEAT, json_body=body)
 
     async def leave(self, island: str) -> MembershipAnswer:
         """Say goodbye: the island leaves the quorum until it joins again."""
+        shards = self._fan_out()
+        if shards is not None:
+            return (await asyncio.gather(*(c.leave(island) for c in shards)))[0]
         body = {"island": island}
         return await self.document(MembershipAnswer, "POST", ROUTE_LEAVE, json_body=body)
 
     async def status(self, digest: bool = False) -> SyncerStatus:
         """The syncer's status document (with the digest of weights + momentum when asked)."""
+        shards = self._fan_out()
+        if shards is not None:
+            return merge_status(await asyncio.gather(*(c.status(digest) for c in shards)))
         params = {"digest": "1"} if digest else None
         return await self.document(SyncerStatus, "GET", ROUTE_STATUS, params=params)
 
     async def set_membership(self, island: str, state: str, reason: str = "") -> MembershipAnswer:
-        """Admin: mark an island active or dropped (protocol.ADMIN_STATES)."""
+        """Admin: mark an island active or dropped (protocol.ADMIN_STATES), at every shard."""
+        shards = self._fan_out()
+        if shards is not None:
+            calls = (c.set_membership(island, state, reason) for c in shards)
+            return (await asyncio.gather(*calls))[0]
         path = ROUTE_ISLAND.format(island=quote(island, safe=""))
         body = MembershipRequest(state=state, reason=reason).to_wire()
         return await self.document(MembershipAnswer, "PUT", path, json_body=body)

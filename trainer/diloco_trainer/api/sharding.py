@@ -13,9 +13,10 @@ the islands on its own (a 404 from it) while the others go on merging.
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Sequence
 
-from diloco_trainer.api.documents import JoinInfo, SyncerStatus
+from diloco_trainer.api.documents import HeartbeatAnswer, JoinInfo, SyncerStatus
 
 # A request for a fragment that another shard owns: 421 Misdirected Request, with this code and
 # a message naming the right shard (the learner was given the wrong list of shard URLs).
@@ -78,6 +79,16 @@ def merge_join(infos: Sequence[JoinInfo]) -> JoinInfo:
     )
 
 
+def merge_heartbeat(answers: Sequence[HeartbeatAnswer]) -> HeartbeatAnswer:
+    """The heartbeat answers of every shard (in shard order) as one: the island's state at shard
+    0, each fragment's version from its owner, finished when every shard is."""
+    shards = len(answers)
+    first = answers[0]
+    versions = [answers[shard_of(f, shards)].versions[f] for f in range(len(first.versions))]
+    finished = all(a.finished for a in answers)
+    return first.model_copy(update={"versions": versions, "finished": finished})
+
+
 def _summed(maps: Sequence[dict[str, int]]) -> dict[str, int]:
     out: dict[str, int] = {}
     for m in maps:
@@ -90,6 +101,13 @@ def _pending(status: SyncerStatus, fragment: int) -> int:
     return status.pending[fragment] if fragment < len(status.pending) else 0
 
 
+def _digest(digests: Sequence[str | None]) -> str | None:
+    """One digest of the shards' digests (each covers its own weights and momentum)."""
+    if any(d is None for d in digests):
+        return None
+    return hashlib.sha256(",".join(d or "" for d in digests).encode()).hexdigest()
+
+
 def merge_status(statuses: Sequence[SyncerStatus]) -> SyncerStatus:
     """The status documents of every shard (in shard order) read as one syncer's.
 
@@ -98,7 +116,7 @@ def merge_status(statuses: Sequence[SyncerStatus]) -> SyncerStatus:
     fragment); counts that add up (tokens, merges, bytes, pulls, refusals) summed; the islands,
     quorum and evaluation of shard 0 (every shard holds the membership); finished when every
     shard is; the first failure of any shard; the oldest newest checkpoint (what a restart of
-    every shard would resume from at least)."""
+    every shard would resume from at least); a digest of the shards' digests."""
     if len(statuses) == 1:
         return statuses[0]
     shards = len(statuses)
@@ -126,6 +144,7 @@ def merge_status(statuses: Sequence[SyncerStatus]) -> SyncerStatus:
             "merges": merges,
             "last_merge_time": max(times) if times else None,
             "failure": next((s.failure for s in statuses if s.failure), None),
+            "digest": _digest([s.digest for s in statuses]),
             "checkpoint": None
             if any(c is None for c in checkpoints)
             else min(checkpoints, key=lambda c: c.outer_step if c else 0),
