@@ -1,0 +1,171 @@
+"""The HTTP limits against one participant, on a live `diloco syncer` (issue 22, findings 4-5).
+
+- Slot holding (finding 5): push bodies trickled slowly held every push slot, from one island or
+  from the admin credential (which may not push at all: the slot was taken before that was
+  checked), and every other island got 503 busy. Now one island's credential holds at most
+  PUSHES_PER_ISLAND slots, and a credential that may not push is refused before it takes one.
+- Connection flood (finding 4): idle connections from one client filled maxConnections and
+  /healthz answered 503 (the kubelet restarts the syncer, losing merges). Now one peer address
+  holds all but a reserve of them; /healthz and the honest islands, from other addresses, answer.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import socket
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, BinaryIO
+
+import pytest
+from diloco_trainer.api import credentials, protocol
+
+from .conftest import SyncerHandle, deep_merge
+from .test_adversary import (
+    ADVERSARY,
+    HONEST,
+    SPEC,
+    honest_active,
+    honest_round,
+    join_all,
+    start_syncer,
+)
+
+pytestmark = pytest.mark.e2e
+
+MAX_CONNECTIONS = 64  # limits.reserve_of(64) = 8: one address holds 56
+MAX_PUSHES = 6
+ISLAND_SLOTS = 2  # limits.PUSHES_PER_ISLAND
+LIMITS_SPEC = deep_merge(
+    SPEC,
+    {
+        "syncer": {
+            "limits": {
+                # Long enough for the whole test: the held bodies and idle connections stay.
+                "headerTimeoutSeconds": 30,
+                "bodyTimeoutSeconds": 60,
+                "maxConnections": MAX_CONNECTIONS,
+                "maxConcurrentPushes": MAX_PUSHES,
+            }
+        }
+    },
+)
+ELSEWHERE = "127.0.0.2"  # another peer address on loopback (the kubelet, another island)
+
+
+@pytest.fixture
+def syncer(tmp_path: Path) -> Iterator[SyncerHandle]:
+    handle = start_syncer(tmp_path, LIMITS_SPEC, "adversary-limits")
+    try:
+        yield handle
+    finally:
+        handle.proc.stop(timeout=10)
+
+
+def read_head(reader: BinaryIO) -> bytes:
+    """The status line and headers of the next answer (b"" when the connection closed)."""
+    lines = []
+    while (line := reader.readline()) not in (b"\r\n", b""):
+        lines.append(line)
+    return b"".join(lines)
+
+
+def start_push(handle: SyncerHandle, token: str) -> tuple[socket.socket, BinaryIO]:
+    """A push whose body is announced (100 kB) but not sent, with Expect: 100-continue: the
+    syncer answers `100 Continue` as it starts the handler, which then takes a push slot, or
+    refuses before it reads on, in the same turn of its event loop. Returns the socket and a
+    reader of its answers, the `100 Continue` read."""
+    sock = socket.create_connection(("127.0.0.1", handle.port), timeout=20)
+    head = (
+        "POST /v1/fragments/0/push HTTP/1.1\r\nHost: syncer\r\n"
+        f"Authorization: Bearer {token}\r\nContent-Type: application/octet-stream\r\n"
+        "Content-Length: 100000\r\nExpect: 100-continue\r\n\r\n"
+    )
+    sock.sendall(head.encode())
+    reader = sock.makefile("rb")
+    first = read_head(reader)
+    assert first.startswith(b"HTTP/1.1 100"), first  # the handler has started
+    return sock, reader
+
+
+def test_adversary_cannot_hold_every_push_slot(syncer: SyncerHandle) -> None:
+    shapes = join_all(syncer)
+    honest_round(syncer, shapes)
+    held: list[socket.socket] = []
+    try:
+        island = credentials.island_token(syncer.token, ADVERSARY)
+        for i in range(MAX_PUSHES):
+            sock, reader = start_push(syncer, island)
+            held.append(sock)
+            if i < ISLAND_SLOTS:
+                sock.sendall(b"\0")  # one byte of the body, then nothing: its slot stays taken
+            else:  # refused before its body is read: the credential holds its most
+                answer = read_head(reader)
+                assert answer.startswith(b"HTTP/1.1 503") and b"Retry-After" in answer, answer
+        admin = credentials.admin_token(syncer.token)
+        for _ in range(MAX_PUSHES):  # may push as no island: refused before a slot
+            sock, reader = start_push(syncer, admin)
+            held.append(sock)
+            assert read_head(reader).startswith(b"HTTP/1.1 403")
+        # The adversary still holds its slots: the honest islands push and merge beside it.
+        for _ in range(2):
+            honest_round(syncer, shapes)
+    finally:
+        for sock in held:
+            sock.close()
+    assert honest_active(syncer) == dict.fromkeys(HONEST, protocol.STATE_ACTIVE)
+
+
+@dataclass
+class FromAddress(SyncerHandle):
+    """The same syncer, reached from another source address."""
+
+    source: str = ELSEWHERE
+
+    def request(
+        self,
+        method: str,
+        path: str,
+        *,
+        json_body: Any = None,
+        body: bytes | None = None,
+        token: str | None = "",
+        timeout: float = 30.0,
+    ) -> tuple[int, Any]:
+        assert json_body is None, "not needed here"
+        conn = http.client.HTTPConnection(
+            "127.0.0.1", self.port, timeout=timeout, source_address=(self.source, 0)
+        )
+        headers = {"Content-Type": "application/octet-stream"} if body is not None else {}
+        if token is not None:
+            headers["Authorization"] = f"Bearer {self.token if token == '' else token}"
+        try:
+            conn.request(method, path, body=body, headers=headers)
+            resp = conn.getresponse()
+            raw = resp.read()
+        finally:
+            conn.close()
+        if "json" in resp.getheader("Content-Type", ""):
+            return resp.status, json.loads(raw)
+        return resp.status, raw
+
+
+def test_adversary_connection_flood_leaves_healthz_and_islands_room(syncer: SyncerHandle) -> None:
+    shapes = join_all(syncer)
+    honest_round(syncer, shapes)
+    elsewhere = FromAddress(**vars(syncer))
+    flood: list[socket.socket] = []
+    try:
+        for _ in range(MAX_CONNECTIONS + 16):  # idle: not a byte sent
+            flood.append(socket.create_connection(("127.0.0.1", syncer.port), timeout=20))
+        # The last ones were answered busy at once: the flood's address holds all it may.
+        assert read_head(flood[-1].makefile("rb")).startswith(b"HTTP/1.1 503")
+        assert elsewhere.request("GET", protocol.ROUTE_HEALTHZ, token=None) == (200, {"ok": True})
+        for _ in range(2):
+            honest_round(elsewhere, shapes)
+        assert honest_active(elsewhere) == dict.fromkeys(HONEST, protocol.STATE_ACTIVE)
+    finally:
+        for sock in flood:
+            sock.close()
