@@ -10,6 +10,11 @@ weights learners hold (θ_pub), within the codec's rounding of θ. Fragments mer
 the pull is repeated until the versions read match the syncer's status afterwards: the file is one
 consistent snapshot.
 
+With syncer.shards (docs/shards.md): from a sharded run's state dir (shard-0/, shard-1/, ...
+beside each other, as `diloco run` keeps them), each fragment is taken from the newest checkpoint
+of the shard that owns it; from running shards (their URLs comma-separated, in shard order), each
+fragment is pulled from its shard and the versions checked against every shard's status.
+
 The file holds the model's parameters by name (`model.named_parameters()`), fp32 unless --dtype
 says otherwise, and metadata (job, outer step, versions, eval loss) that `safetensors` keeps:
 `model.load_state_dict(safetensors.torch.load_file(path))` restores a model built as the job
@@ -33,6 +38,7 @@ import torch
 from diloco_trainer.api.contract import TOKEN_FILE, ContractError, read_token
 from diloco_trainer.api.manifest import CheckpointManifest
 from diloco_trainer.api.protocol import SyncerError
+from diloco_trainer.api.sharding import fragments_of, shard_dirs, shard_of
 from diloco_trainer.api.spec import ConfigError, load_spec
 from diloco_trainer.syncer.checkpoint import (
     CHECKPOINTS_DIR,
@@ -71,8 +77,51 @@ def _eval_loss_at(manifest: CheckpointManifest, outer_step: int) -> float | None
     return None
 
 
+def _shard_dirs(path: Path) -> list[Path]:
+    try:
+        return shard_dirs(path) if path.is_dir() else []
+    except ValueError as err:
+        raise ExportError(str(err)) from None
+
+
+def from_shard_checkpoints(state_dir: Path) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """The exact global weights of a sharded syncer: each fragment from the newest checkpoint
+    of the shard that owns it (api/sharding.py), and metadata describing them."""
+    dirs = _shard_dirs(state_dir)
+    weights: dict[str, torch.Tensor] = {}
+    versions: dict[int, int] = {}
+    steps, sources, job = [], [], ""
+    for shard, shard_dir in enumerate(dirs):
+        ckpt_dir = find_checkpoint(shard_dir)
+        try:
+            ckpt = load_checkpoint(ckpt_dir)
+        except ValueError as err:
+            raise ExportError(str(err)) from None
+        fragments = ckpt.document.fragments
+        if fragments is None:
+            raise ExportError(f"{ckpt_dir}: its manifest does not list the fragments' names")
+        for f in fragments_of(shard, len(dirs), len(fragments)):
+            weights.update({name: ckpt.weights[name] for name in fragments[f]})
+            versions[f] = ckpt.document.versions[f]
+        steps.append(ckpt.outer_step)
+        sources.append(str(ckpt_dir.resolve()))
+        job = ckpt.document.job_name
+    meta = {
+        "source": ",".join(sources),
+        "weights": "exact",
+        "outerStep": str(min(steps)),  # the least-merged fragment's, as the job's status says
+        "versions": json.dumps([versions[f] for f in sorted(versions)]),
+        "job": job,
+        "shards": str(len(dirs)),
+    }
+    return weights, meta
+
+
 def from_checkpoint(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
-    """The exact global weights of a checkpoint and metadata describing them."""
+    """The exact global weights of a checkpoint and metadata describing them (of every shard's
+    newest checkpoint when `path` is a sharded syncer's state dir)."""
+    if _shard_dirs(path):
+        return from_shard_checkpoints(path)
     ckpt_dir = find_checkpoint(path)
     try:
         ckpt = load_checkpoint(ckpt_dir)
@@ -100,12 +149,15 @@ async def pull_snapshot(
     from diloco_trainer.learner.syncer_client import SyncerClient
 
     async with SyncerClient(url, token, ca_file, retry_deadline=30.0) as client:
+        # Several URLs: syncer shards; each fragment is pulled from its own, and the status
+        # reads every shard (api/client.py).
+        shards = client.shard_clients()
         for _ in range(SNAPSHOT_TRIES):
             status = await client.status()
             weights: dict[str, torch.Tensor] = {}
             versions: list[int] = []
             for f in range(status.fragments):
-                pulled = await client.pull_fragment(f)
+                pulled = await shards[shard_of(f, len(shards))].pull_fragment(f)
                 assert isinstance(pulled, PulledFragment)  # no `have`: always the full weights
                 weights.update(pulled.tensors)
                 versions.append(pulled.version)
@@ -143,6 +195,11 @@ def write_weights(
 
 def final_weights_note(state_dir: Path) -> str | None:
     """Where a finished local run's weights are and how to extract them (None: no checkpoint)."""
+    if _shard_dirs(state_dir):
+        return (
+            f"final weights: the syncer shards' checkpoints under {state_dir}; extract them "
+            f"with\n  diloco export {state_dir} -o model.safetensors"
+        )
     found = list_checkpoints(state_dir)
     if not found:
         return None

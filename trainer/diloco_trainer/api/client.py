@@ -23,7 +23,7 @@ import ssl
 import time
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 from urllib.parse import quote
 
 import aiohttp
@@ -111,27 +111,25 @@ class SyncerJsonClient:
 
     def shard_clients(self: C) -> list[C]:
         """One client per syncer shard, in shard order, when `base_url` lists several
-        (comma-separated, api/sharding.py), each with this client's token, CA and timeouts;
-        else [self]. The list's owner closes them; this client is then never used."""
-        urls = split_urls(self.base_url)
-        if len(urls) == 1:
+        (comma-separated, api/sharding.py), each with this client's token, CA and timeouts
+        (made once; closing this client closes them); else [self]."""
+        if URL_SEPARATOR not in self.base_url:
             return [self]
-        clients = [copy.copy(self) for _ in urls]
-        for client, url in zip(clients, urls, strict=True):
-            client.base_url = url
-            client._session = None
-            client._shards = None
-        return clients
+        if self._shards is None:
+            urls = split_urls(self.base_url)
+            self._shards = [copy.copy(self) for _ in urls]
+            for client, url in zip(self._shards, urls, strict=True):
+                client.base_url = url
+                client._session = None
+                client._shards = None
+        # copies of self: of self's class, whatever the attribute's declared type says
+        return cast(list[C], self._shards)
 
     def _fan_out(self) -> list[SyncerJsonClient] | None:
         """The shards' clients when `base_url` lists several syncer shards, else None: the JSON
         routes then ask every shard and read the answers as one syncer's (api/sharding.py), so
         the operator and `diloco run` see a sharded syncer as one."""
-        if URL_SEPARATOR not in self.base_url:
-            return None
-        if self._shards is None:
-            self._shards = list(self.shard_clients())
-        return self._shards
+        return self.shard_clients() if URL_SEPARATOR in self.base_url else None
 
     async def __aenter__(self: C) -> C:
         return self

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Sequence
+from pathlib import Path
 
 from diloco_trainer.api.documents import HeartbeatAnswer, JoinInfo, SyncerStatus
 
@@ -24,6 +25,28 @@ WRONG_SHARD_STATUS = 421
 ERROR_WRONG_SHARD = "wrong_shard"
 # DILOCO_SYNCER_URL holds the shards' URLs in shard order, separated by this.
 URL_SEPARATOR = ","
+
+
+# `diloco run` keeps shard i's state (checkpoints, merge log) in STATE/shard-i of its syncer
+# state dir; `diloco export STATE` assembles the model from them.
+SHARD_DIR_PREFIX = "shard-"
+
+
+def shard_state_dir(state_dir: Path, shard: int, shards: int) -> Path:
+    """Shard `shard`'s state dir under a job's syncer state dir (the dir itself for one)."""
+    return state_dir if shards == 1 else state_dir / f"{SHARD_DIR_PREFIX}{shard}"
+
+
+def shard_dirs(state_dir: Path) -> list[Path]:
+    """The shard state dirs under `state_dir`, in shard order (none: not a sharded syncer's)."""
+    found = {}
+    for path in state_dir.glob(f"{SHARD_DIR_PREFIX}*"):
+        index = path.name.removeprefix(SHARD_DIR_PREFIX)
+        if path.is_dir() and index.isdigit():
+            found[int(index)] = path
+    if found and sorted(found) != list(range(len(found))):
+        raise ValueError(f"{state_dir} holds shard dirs {sorted(found)}, not 0..{len(found) - 1}")
+    return [found[i] for i in sorted(found)]
 
 
 def shard_of(fragment: int, shards: int) -> int:

@@ -73,8 +73,10 @@ def syncer_env(
     job_name: str,
     tls_cert_file: Path | None = None,
     tls_key_file: Path | None = None,
+    shard: int | None = None,
 ) -> dict[str, str]:
-    """The syncer's contract variables (add them to os.environ when starting it)."""
+    """The syncer's contract variables (add them to os.environ when starting it); `shard`: which
+    of syncer.shards it is (None: the one syncer of the job)."""
     env = {
         contract.JOB_NAME: job_name,
         contract.SYNCER_PORT: str(port),
@@ -82,6 +84,8 @@ def syncer_env(
         contract.CONFIG_FILE: str(files.config_file),
         contract.STATE_DIR: str(state_dir),
     }
+    if shard is not None:
+        env[contract.SYNCER_SHARD] = str(shard)
     if tls_cert_file and tls_key_file:
         env[contract.TLS_CERT_FILE] = str(tls_cert_file)
         env[contract.TLS_KEY_FILE] = str(tls_key_file)
@@ -231,8 +235,9 @@ def start_syncer(
     tls_cert_file: Path | None = None,
     tls_key_file: Path | None = None,
     extra_env: Mapping[str, str] | None = None,
+    shard: int | None = None,
 ) -> Proc:
-    """Start `diloco syncer` with the contract environment."""
+    """Start `diloco syncer` with the contract environment (as shard `shard` of several)."""
     env = syncer_env(
         files,
         port=port,
@@ -240,8 +245,10 @@ def start_syncer(
         job_name=job_name,
         tls_cert_file=tls_cert_file,
         tls_key_file=tls_key_file,
+        shard=shard,
     )
-    return start_process("syncer", "syncer", env, log_file=log_file, extra_env=extra_env)
+    name = "syncer" if shard is None else f"syncer-{shard}"
+    return start_process(name, "syncer", env, log_file=log_file, extra_env=extra_env)
 
 
 def start_learner(

@@ -48,6 +48,7 @@ from diloco_trainer.local.launch import (
     write_job_files,
 )
 from diloco_trainer.local.progress import progress_line, status_view, summary_table
+from diloco_trainer.local.syncer_shards import SyncerShards, start_syncer_shards
 
 # The built-in job when no CONFIG is given: the spec of examples/local.yaml (keep them in step; a
 # test checks they agree). Finishes in about two minutes on two CPU cores.
@@ -196,7 +197,7 @@ class LocalRun:
     slowdowns: dict[int, float]
     console: Console
     quiet: bool = False
-    syncer: Proc | None = None
+    syncer: Proc | SyncerShards | None = None
     learners: list[Proc] = field(default_factory=list)
     dead: dict[str, int] = field(default_factory=dict)
     dropped: set[str] = field(default_factory=set)  # islands this run dropped at the syncer
@@ -222,10 +223,22 @@ class LocalRun:
         DILOCO_DEVICE=cuda runs every local learner on this machine's GPU."""
         return {**self._threads(), DEVICE: os.environ.get(DEVICE) or "cpu"}
 
-    def start_syncer(self, port: int | None = None) -> Proc:
+    def start_syncer(self, port: int | None = None) -> Proc | SyncerShards:
         """Start (or restart, on the same state dir) the syncer and wait until it is ready."""
         if self.files is None:
             self.files = write_job_files(self.spec, self.workdir)
+        if self.spec.syncer.shards > 1:  # one process per shard (local/syncer_shards.py)
+            shards = start_syncer_shards(
+                self.files,
+                shards=self.spec.syncer.shards,
+                state_dir=self.workdir / "syncer",
+                job_name=self.name,
+                log_dir=self.logs,
+                extra_env=self._threads(),
+                ready_timeout=SYNCER_READY_SECONDS,
+            )
+            self.syncer, self.url = shards, shards.url
+            return shards
         port = port or free_port()
         self.url = f"http://127.0.0.1:{port}"
         self.syncer = start_syncer(
