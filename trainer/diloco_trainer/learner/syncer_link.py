@@ -329,13 +329,15 @@ class SyncerLink:
         return full
 
     async def heartbeats(self, interval: float) -> None:
-        """Report progress to every shard every `interval` seconds; notice when the job
-        finished."""
-        last_state: list[str | None] = [None] * len(self.clients)
+        """Report progress to every shard every `interval` seconds, each shard on its own (one
+        that is down never holds up the others' heartbeats); notice when the job finished."""
+        shards = range(len(self.clients))
+        await asyncio.gather(*(self._heartbeats_to(shard, interval) for shard in shards))
+
+    async def _heartbeats_to(self, shard: int, interval: float) -> None:
+        last_state = None
         while True:
-            p = dict(self.progress)
-            for shard in range(len(self.clients)):
-                last_state[shard] = await self._heartbeat(shard, p, last_state[shard])
+            last_state = await self._heartbeat(shard, dict(self.progress), last_state)
             await asyncio.sleep(interval)
 
     async def _heartbeat(
