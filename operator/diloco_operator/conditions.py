@@ -9,6 +9,7 @@ from __future__ import annotations
 from diloco_operator.api import Condition
 from diloco_operator.observation import ConditionsByType, Observation
 from diloco_operator.phase import LOST, NOT_YET_REACHED, Verdict
+from diloco_operator.queueing import quota_condition
 from diloco_operator.syncer_view import SyncerView
 from diloco_operator.times import rfc3339
 
@@ -23,6 +24,9 @@ CONDITION_TYPES = (
     "NameConflict",
     "SyncerHealthy",
 )
+# After CONDITION_TYPES, only for a job whose islands are in a Kueue queue (queueing.py):
+# True while some island's pods wait for Kueue to admit them.
+QUOTA_CONDITION = "WaitingForQuota"
 ACTIVE_PHASES = ("Pending", "Running", "Degraded")
 
 
@@ -102,7 +106,16 @@ def progressing(verdict: Verdict, obs: Observation) -> tuple[str, str]:
 
 
 def job_conditions(verdict: Verdict, obs: Observation, before: ConditionsByType) -> list[Condition]:
-    """The conditions of CONDITION_TYPES, in that order."""
+    """The conditions of CONDITION_TYPES, in that order, then QUOTA_CONDITION for a job in
+    a Kueue queue whose islands should run."""
+    quota = quota_condition(obs.islands.values()) if verdict.running else None
+    extra = [] if quota is None else [condition(before, QUOTA_CONDITION, *quota, obs)]
+    return _standard_conditions(verdict, obs, before) + extra
+
+
+def _standard_conditions(
+    verdict: Verdict, obs: Observation, before: ConditionsByType
+) -> list[Condition]:
     phase, message, failure = verdict.phase, verdict.message, verdict.failure
     degraded = phase == "Degraded"
     degraded_reason = "IslandsNotReady" if verdict.ready < verdict.desired else "SyncerUnreachable"

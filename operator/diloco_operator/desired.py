@@ -5,7 +5,8 @@ a job is reconciled at least every RECONCILE_INTERVAL (sync.py) whether or not a
 at 1,000 jobs that was tens of builds a second on the operator's only event loop, each giving the
 same objects. The built list is kept with everything it was built from (the job's identity and
 pod labels, its spec as stored, whether islands run, the credential's fingerprint, the network
-options) and handed out again while all of those are equal, so the objects are the same as a
+options) and handed out again while all of those are equal (a Kueue queue, queueing.py, is
+one of the job's labels), so the objects are the same as a
 fresh build's by construction. Nothing downstream changes them (the planner, the API client and
 the log only read them).
 """
@@ -17,7 +18,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from diloco_operator import resources
+from diloco_operator import queueing, resources
 from diloco_operator.api import DiLoCoJobSpec
 from diloco_operator.resources import JobRef, NetworkOptions
 
@@ -48,8 +49,11 @@ class DesiredChildren:
         """resources.build_children for these inputs (`spec` parsed from `spec_data`)."""
         shape = (job, dict(spec_data), running, network)
         if shape != self.shape or credential != self.credential:
-            self.children = resources.build_children(
-                job, spec, islands_running=running, credential=credential, network=network
+            self.children = queueing.queued_children(
+                job,
+                resources.build_children(
+                    job, spec, islands_running=running, credential=credential, network=network
+                ),
             )
             self.shape = (job, copy.deepcopy(shape[1]), running, network)
             self.credential = credential

@@ -8,10 +8,16 @@ that have not joined (up to islands.startupTimeoutSeconds, a safety net for a po
 Pending). One whose pod crash-loops before it was ever healthy has failed, not started slowly: it
 is dropped, so the quorum stops waiting for it, and re-added once healthy.
 
-The operator re-adds only what it dropped for pod health. An island the syncer dropped itself
-for sending bad work again and again (its status says so: protocol.DROPPED_FOR_REFUSALS) is left
-out, however healthy its pods are, and is not dropped again either (that would overwrite the
-syncer's reason, and the next healthy pass would re-add it).
+An island whose pods Kueue has not admitted (queueing.py) waits for quota: it is dropped with
+that reason whether or not it was ever healthy, so neither the quorum nor the grace window waits
+for it, and re-added like any dropped island once its pods are Ready (admitted, or re-admitted
+after a preemption).
+
+The operator re-adds only what it dropped for pod health or quota. An island the syncer
+dropped itself for sending bad work again and again (its status says so:
+protocol.DROPPED_FOR_REFUSALS) is left out, however healthy its pods are, and is not dropped
+again either (that would overwrite the syncer's reason, and the next healthy pass would re-add
+it).
 """
 
 from __future__ import annotations
@@ -20,6 +26,7 @@ from collections.abc import Callable, Collection, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from diloco_operator.queueing import WAITING_REASON, pod_gated, pod_queued
 from diloco_operator.resources import COMPONENT_LABEL, COMPONENT_SYNCER, ISLAND_LABEL
 
 ACTIVE = "active"
@@ -37,6 +44,8 @@ class PodView:
     ready: bool
     restarts: int
     crash_looping: bool
+    gated: bool = False  # held by Kueue's admission gate (queueing.py)
+    queued: bool = False  # carries a Kueue queue label
 
 
 def pod_view(pod: Mapping[str, Any]) -> PodView:
@@ -64,6 +73,8 @@ def pod_view(pod: Mapping[str, Any]) -> PodView:
         ready=ready,
         restarts=restarts,
         crash_looping=crash,
+        gated=pod_gated(pod),
+        queued=pod_queued(pod),
     )
 
 
@@ -78,6 +89,14 @@ class IslandHealth:
     crash_looping_pods: int
     missing: tuple[str, ...]  # expected pods that do not exist
     not_ready: tuple[str, ...]  # expected pods that exist but are not Ready
+    gated: int = 0  # pods Kueue has not admitted yet (its admission gate)
+    queued: bool = False  # the island's pods are in a Kueue queue
+
+    @property
+    def waiting_for_quota(self) -> bool:
+        """Kueue holds the island's pods until its quota admits them (all or none: one
+        StatefulSet is one pod group)."""
+        return self.gated > 0 and not self.healthy
 
     @property
     def healthy(self) -> bool:
@@ -89,6 +108,8 @@ class IslandHealth:
         if self.healthy:
             return f"all {self.desired_pods} pods Ready"
         parts = [f"{self.ready_pods}/{self.desired_pods} pods Ready"]
+        if self.gated:
+            parts.append(f"{self.gated} not admitted by Kueue yet")
         if self.missing:
             parts.append("missing: " + ", ".join(self.missing))
         if self.not_ready:
@@ -116,6 +137,8 @@ def island_health(
             crash_looping_pods=sum(p.crash_looping for p in present),
             missing=tuple(n for n in expected if n not in names),
             not_ready=tuple(p.name for p in present if not p.ready),
+            gated=sum(p.gated for p in present),
+            queued=any(p.queued for p in present),
         )
     return out
 
@@ -181,6 +204,11 @@ class Membership:
                 if self.wanted.get(name) == DROPPED or reported.get(name) == DROPPED:
                     self.wanted[name] = ACTIVE
                     reasons[name] = "island healthy again: " + island.describe()
+            elif island.waiting_for_quota:
+                # Out of the quorum until admitted: neither the quorum nor the grace window
+                # waits for it (a dropped island is not awaited), and it is not failing.
+                self.wanted[name] = DROPPED
+                reasons[name] = f"{WAITING_REASON}: " + island.describe()
             elif (
                 name in self.seen_healthy
                 or reported.get(name) == ACTIVE
