@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import pytest
 import torch
 from diloco_trainer.core.outer import OuterOptimizer, split_fraction
@@ -255,3 +257,83 @@ def test_momentum_zero_keeps_no_state_and_is_plain_sgd() -> None:
     outer.step({"w": torch.tensor([2.0])}, fraction=0.5)
     assert p["w"].item() == pytest.approx(0.0)
     assert outer.state_tensors() == {} and outer.rounds() == 1
+
+
+def _whole_tensor_step(
+    state: dict[str, dict[str, torch.Tensor]],
+    params: dict[str, torch.Tensor],
+    grads: dict[str, torch.Tensor],
+    portions: list[tuple[float, bool]],
+    fraction: float,
+    *,
+    lr: float,
+    beta: float,
+    nesterov: bool,
+) -> None:
+    """The module docstring's rule on whole tensors, as the syncer computed it before it
+    streamed slices: the reference the streamed step must match bit for bit."""
+    for name, g in grads.items():
+        update = g.mul(fraction)
+        for portion, closes in portions:
+            buf = state["b"].get(name)
+            if buf is None:
+                buf = state["b"][name] = g.mul(portion)
+            else:
+                buf.add_(g, alpha=portion)
+            if closes:
+                buf = state["b"].pop(name)
+                m = state["m"].setdefault(name, torch.zeros_like(buf))
+                m.mul_(beta)
+                if nesterov:
+                    m.add_(buf)
+                    update.add_(m, alpha=beta)
+                else:
+                    term = m.clone()
+                    m.add_(buf)
+                    update.add_(term)
+        params[name].add_(update, alpha=-lr)
+
+
+def _recorder(seen: list[tuple[str, int]]) -> Callable[[str, slice], None]:
+    return lambda name, sl: seen.append((name, sl.start))
+
+
+@pytest.mark.parametrize("nesterov", [True, False])
+def test_outer_streamed_step_matches_the_whole_tensor_rule_over_many_slices(
+    nesterov: bool,
+) -> None:
+    """Tensors of several slices and a ragged tail, merges that open, cross and close rounds
+    (φ = 0.4, 0.9, 1.7, a complete 0.3, 0, 0.5): the streamed step gives the same bits, momentum
+    and open-round buffers as the whole-tensor rule."""
+    from diloco_trainer.core.compress import SLICE
+
+    gen = torch.Generator().manual_seed(3)
+    shapes = {"big": (2 * SLICE + 77,), "mat": (SLICE // 64, 160), "one": (1,)}
+    params = {n: torch.randn(s, generator=gen) for n, s in shapes.items()}
+    ref = {n: t.clone() for n, t in params.items()}
+    state: dict[str, dict[str, torch.Tensor]] = {"b": {}, "m": {}}
+    outer = OuterOptimizer(params, lr=0.7, momentum=0.9, nesterov=nesterov)
+    accumulated = 0.0
+    for fraction, complete in [
+        (0.4, False),
+        (0.9, False),
+        (1.7, False),
+        (0.3, True),
+        (0.0, False),
+        (0.5, False),
+    ]:
+        grads = {n: torch.randn(s, generator=gen) for n, s in shapes.items()}
+        portions, accumulated = split_fraction(accumulated, fraction, complete=complete)
+        seen: list[tuple[str, int]] = []
+        outer.step(grads, fraction, complete=complete, each=_recorder(seen))
+        _whole_tensor_step(
+            state, ref, grads, portions, fraction, lr=0.7, beta=0.9, nesterov=nesterov
+        )
+        for n in shapes:
+            assert torch.equal(params[n], ref[n]), n
+        assert seen[:3] == [("big", 0), ("big", SLICE), ("big", 2 * SLICE)]
+    tensors = outer.state_tensors()
+    assert set(tensors) == {"big", "mat", "one", "buffer/big", "buffer/mat", "buffer/one"}
+    for n in shapes:
+        assert torch.equal(tensors[n], state["m"][n])
+        assert torch.equal(tensors["buffer/" + n], state["b"][n])

@@ -27,6 +27,18 @@ CODECS = ("none", "fp16", "bf16", "int8", "int4")
 BLOCK_SIZE = 128
 FLUSH_TO_ZERO = 1e-30  # blocks whose absmax is smaller are sent as zeros
 _QMAX = {"int8": 127, "int4": 7}
+# Elements per slice when the syncer streams a P-sized step (core/outer.py, core/published.py):
+# whole codec blocks, so a slice encodes exactly as its part of the whole tensor does, and small
+# enough (256 KiB of fp32) that its temporaries stay in cache and come from the heap instead of
+# fresh pages; each torch op on a slice releases the interpreter lock.
+SLICE = 512 * BLOCK_SIZE
+
+
+def slices(n: int, size: int = SLICE) -> list[slice]:
+    """[0, n) in consecutive slices of `size` elements (the last one shorter)."""
+    return [slice(start, min(n, start + size)) for start in range(0, n, size)]
+
+
 _FLOAT_DTYPES = {"none": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 Q_SUFFIX = "::q"
 SCALE_SUFFIX = "::scale"

@@ -33,11 +33,13 @@ the tensors it is given.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
 from torch import Tensor
+
+from diloco_trainer.core.compress import slices
 
 # Buffers are saved beside the momentum under this prefix (one safetensors file, old checkpoints
 # with momentum only still load: their buffers are empty).
@@ -74,6 +76,11 @@ def split_fraction(
         portions.append((rest, False))
         acc += rest
     return portions, acc
+
+
+def _same(a: Tensor, b: Tensor) -> bool:
+    """Whether two slices are the same memory."""
+    return a.data_ptr() == b.data_ptr()
 
 
 class OuterOptimizer:
@@ -156,41 +163,80 @@ class OuterOptimizer:
         group: int = 0,
         *,
         complete: bool = False,
+        each: Callable[[str, slice], None] | None = None,
     ) -> int:
         """Apply one merge carrying `fraction` of a round to exactly the named tensors (one
         fragment, `group`; `complete`: it holds every island's push, see the module docstring);
-        returns how many rounds it completed (folds)."""
+        returns how many rounds it completed (folds).
+
+        Streamed a slice of each tensor at a time (compress.slices): every value goes through
+        the same float ops as on the whole tensor, so the result is the same bit for bit, with
+        slice-sized temporaries instead of P-sized ones. `each(name, slice)` runs after every
+        slice of θ is final (the published update reads it while it is in cache)."""
         self._check(grads)
         portions, after = split_fraction(self.accumulated(group), fraction, complete=complete)
-        beta = self.momentum
         for name, g in grads.items():
-            g = g.detach().to(torch.float32)
-            update = g.mul(fraction)  # the gradient term, lr·φ·g in all
-            for portion, closes in portions:
-                if beta == 0.0:
-                    continue
-                buf = self._b.get(name)
-                if buf is None:
-                    buf = self._b[name] = g.mul(portion)
-                else:
-                    buf.add_(g, alpha=portion)
-                if closes:
-                    term, coeff = self._fold(name, self._b.pop(name))
-                    update.add_(term, alpha=coeff)
-            self.params[name].add_(update, alpha=-self.lr)
+            flat = g.detach().to(torch.float32).reshape(-1)
+            param = self.params[name].view(-1)
+            kept, fresh = self._b.get(name), None
+            for sl in slices(param.numel()):
+                buf = self._step_slice(name, flat[sl], param[sl], sl, fraction, portions, kept)
+                if buf is not None and (kept is None or not _same(buf, kept.view(-1)[sl])):
+                    if fresh is None:  # the open round's new buffer: in the folded one's place
+                        fresh = kept if kept is not None else torch.empty_like(param)
+                    fresh.view(-1)[sl].copy_(buf)
+                if each is not None:
+                    each(name, sl)
+            if self.momentum and portions:
+                left = fresh if fresh is not None else kept
+                self._b.pop(name, None)
+                if not portions[-1][1]:  # the last portion leaves the round open
+                    if left is None:  # an empty tensor: no slice made one
+                        left = torch.zeros_like(param)
+                    self._b[name] = left.view_as(self.params[name])
         folds = sum(1 for _, closes in portions if closes)
         self._rounds[group] = self.rounds(group) + folds
         self._accumulated[group] = after
         return folds
 
-    def _fold(self, name: str, buf: Tensor) -> tuple[Tensor, float]:
-        """m ← β·m + buf; returns the momentum term of θ's move (before lr) as (tensor, factor):
-        β·m (Nesterov) or β·m_old (heavy ball). Written as torch.optim.SGD computes it, so a
-        full round matches it bit for bit."""
+    def _step_slice(
+        self,
+        name: str,
+        g: Tensor,
+        param: Tensor,
+        sl: slice,
+        fraction: float,
+        portions: list[tuple[float, bool]],
+        kept: Tensor | None,
+    ) -> Tensor | None:
+        """One slice of step(): θ's slice moves; returns the open round's buffer slice left
+        (`kept`'s slice, or a new one the caller stores), None when every portion folded."""
+        beta = self.momentum
+        update = g.mul(fraction)  # the gradient term, lr·φ·g in all
+        buf = kept.view(-1)[sl] if kept is not None else None
+        for portion, closes in portions:
+            if beta == 0.0:
+                continue
+            if buf is None:
+                buf = g.mul(portion)
+            else:
+                buf.add_(g, alpha=portion)
+            if closes:
+                term, coeff = self._fold(name, buf, sl)
+                update.add_(term, alpha=coeff)
+                buf = None
+        param.add_(update, alpha=-self.lr)
+        return buf
+
+    def _fold(self, name: str, buf: Tensor, sl: slice) -> tuple[Tensor, float]:
+        """m ← β·m + buf on one slice; returns the momentum term of θ's move (before lr) as
+        (tensor, factor): β·m (Nesterov) or β·m_old (heavy ball). Written as torch.optim.SGD
+        computes it, so a full round matches it bit for bit."""
         beta = self.momentum
         m = self._m.get(name)
         if m is None:
-            m = self._m[name] = torch.zeros_like(buf)
+            m = self._m[name] = torch.zeros_like(self.params[name])
+        m = m.view(-1)[sl]
         m.mul_(beta)
         if self.nesterov:
             m.add_(buf)

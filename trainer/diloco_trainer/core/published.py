@@ -30,10 +30,15 @@ import torch
 from torch import Tensor
 
 from diloco_trainer.core.compress import (
+    BLOCK_SIZE,
+    Q_SUFFIX,
+    SCALE_SUFFIX,
     decode_tensor,
     decode_tensors,
     encode_tensors,
     encoded_nbytes,
+    expected_encoded,
+    slices,
 )
 
 CHECKSUM_PREFIX = "crc32:"
@@ -60,6 +65,53 @@ class WeightUpdate:
     checksum: str  # of θ_pub at `version`
 
 
+class UpdateWriter:
+    """θ_pub's update written a slice at a time (compress.slices: whole codec blocks, so each
+    slice encodes exactly as its part of the tensor does): `slice(name, sl)` once θ_exact's
+    slice is final, for every slice of every name, then `finish()`. The outer step calls it
+    after each of its slices, so θ_exact's slice is read while it is still in cache."""
+
+    def __init__(
+        self,
+        exact: Mapping[str, Tensor],
+        published: Mapping[str, Tensor],
+        names: Sequence[str],
+        codec: str,
+        version: int,
+    ) -> None:
+        self.exact, self.published, self.names = exact, published, list(names)
+        self.codec, self.version = codec, version
+        shapes = {n: published[n].shape for n in self.names}
+        self.encoded = {
+            key: torch.empty(shape, dtype=dtype)
+            for key, (dtype, shape) in expected_encoded(shapes, codec).items()
+        }
+
+    def slice(self, name: str, sl: slice) -> None:
+        """Encode u = θ_exact − θ_pub on one slice of `name`, and θ_pub's slice += decode(q)."""
+        pub = self.published[name].view(-1)[sl]
+        one = encode_tensors({name: self.exact[name].reshape(-1)[sl] - pub}, self.codec)
+        pub.add_(decode_tensor(one, name, self.codec, pub.shape))
+        for key, part in one.items():
+            target = self.encoded[key].view(-1)
+            if key.endswith(SCALE_SUFFIX):  # one scale per block
+                start = sl.start // BLOCK_SIZE
+            elif key.endswith(Q_SUFFIX) and self.codec == "int4":  # two values a byte
+                start = sl.start // 2
+            else:
+                start = sl.start
+            target[start : start + part.numel()].copy_(part.reshape(-1))
+
+    def finish(self) -> WeightUpdate:
+        """The update, once every slice of every name was written."""
+        return WeightUpdate(
+            version=self.version,
+            encoded=self.encoded,
+            nbytes=encoded_nbytes(self.encoded),
+            checksum=weights_checksum({n: self.published[n] for n in self.names}),
+        )
+
+
 def publish_update(
     exact: Mapping[str, Tensor],
     published: Mapping[str, Tensor],
@@ -70,22 +122,16 @@ def publish_update(
     """Move the published tensors `names` towards the exact ones by one encoded update (in place).
 
     The update is encoded from u = exact − published and decoded exactly as a learner decodes
-    it, so published + decode(q) here equals the learner's result bit for bit.
+    it, so published + decode(q) here equals the learner's result bit for bit. A slice at a
+    time (UpdateWriter): the difference and its decoded form are a slice's size, not the
+    fragment's, and the codecs give the same bytes as on whole tensors.
     """
-    # A tensor at a time: the difference and its decoded form are one tensor's size, not the
-    # fragment's (the result is the same: the codecs encode each tensor on its own).
-    encoded: dict[str, Tensor] = {}
+    writer = UpdateWriter(exact, published, names, codec, version)
     with torch.no_grad():
-        for n in names:
-            one = encode_tensors({n: exact[n] - published[n]}, codec)
-            published[n].add_(decode_tensor(one, n, codec, published[n].shape))
-            encoded.update(one)
-    return WeightUpdate(
-        version=version,
-        encoded=encoded,
-        nbytes=encoded_nbytes(encoded),
-        checksum=weights_checksum({n: published[n] for n in names}),
-    )
+        for n in writer.names:
+            for sl in slices(published[n].numel()):
+                writer.slice(n, sl)
+    return writer.finish()
 
 
 def apply_updates(

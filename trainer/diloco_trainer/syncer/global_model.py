@@ -27,7 +27,7 @@ from diloco_trainer.core.contributions import Contributor, MergePlan, plan_merge
 from diloco_trainer.core.fragments import split_fragments
 from diloco_trainer.core.merge import merge_pseudo_gradients
 from diloco_trainer.core.outer import OuterOptimizer
-from diloco_trainer.core.published import WeightUpdate, publish_update
+from diloco_trainer.core.published import UpdateWriter, WeightUpdate, publish_update
 from diloco_trainer.syncer import checkpoint as ckpt
 from diloco_trainer.syncer.folding import RoundFolds
 from diloco_trainer.syncer.guards import MergeInputError, check_merged
@@ -176,12 +176,24 @@ class GlobalModel:
         """Apply a prepared merge: the outer step carrying φ, and θ_pub's update to
         `new_version`."""
         plan = prepared.plan
-        self.outer.step(prepared.merged, plan.fraction, group=f, complete=plan.complete)
+        names = self.fragments[f]
         update = None
-        if self.kept_apart:
-            update = publish_update(
-                self.weights, self.published, self.fragments[f], self.pull_compression, new_version
+        if self.kept_apart and set(prepared.merged) == set(names):
+            # One pass: θ_pub's update follows the outer step a slice at a time, reading each
+            # slice of θ_exact while it is in cache (core/published.UpdateWriter).
+            writer = UpdateWriter(
+                self.weights, self.published, names, self.pull_compression, new_version
             )
+            self.outer.step(
+                prepared.merged, plan.fraction, group=f, complete=plan.complete, each=writer.slice
+            )
+            update = writer.finish()
+        else:
+            self.outer.step(prepared.merged, plan.fraction, group=f, complete=plan.complete)
+            if self.kept_apart:
+                update = publish_update(
+                    self.weights, self.published, names, self.pull_compression, new_version
+                )
         return MergeResult(plan, self.outer.rounds(f), self.outer.clock(f), update)
 
     def fragment_norms(self) -> list[float]:
