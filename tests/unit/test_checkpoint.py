@@ -72,15 +72,23 @@ def test_checkpoint_prunes_to_keep_newest(tmp_path: Path) -> None:
     assert names == ["ckpt-000000004", "ckpt-000000005"]
 
 
-def test_checkpoint_ignores_and_cleans_partial_directories(tmp_path: Path) -> None:
+def test_checkpoint_cleans_its_temporaries_and_reports_one_without_a_manifest(
+    tmp_path: Path,
+) -> None:
+    """A crash's temporary directory is removed; a ckpt-* directory without a manifest (the
+    syncer never leaves one) is kept and reported as corrupt, not deleted (issue 22, 8)."""
     save(tmp_path, 3)
     root = tmp_path / ck.CHECKPOINTS_DIR
     (root / f"{ck.TMP_PREFIX}crashed").mkdir()
     (root / f"{ck.TMP_PREFIX}crashed" / ck.WEIGHTS_FILE).write_bytes(b"half")
-    (root / ck.checkpoint_name(9)).mkdir()  # no manifest: never completed
-    loaded = ck.load_latest(tmp_path)
-    assert loaded is not None and loaded.outer_step == 3
-    assert sorted(p.name for p in root.iterdir()) == ["ckpt-000000003"]
+    odd = root / ck.checkpoint_name(9)
+    odd.mkdir()
+    (odd / ck.WEIGHTS_FILE).write_bytes(b"someone's weights")
+    found = ck.load_newest_valid(tmp_path)
+    assert found.checkpoint is not None and found.checkpoint.outer_step == 3
+    assert found.corrupt == [(odd, "ckpt-000000009 has no manifest.json")]
+    assert sorted(p.name for p in root.iterdir()) == ["ckpt-000000003", "ckpt-000000009"]
+    assert (odd / ck.WEIGHTS_FILE).read_bytes() == b"someone's weights"
 
 
 def test_checkpoint_falls_back_when_newest_is_corrupt(tmp_path: Path) -> None:

@@ -476,3 +476,21 @@ def test_guards_service_unwritable_merge_log_is_a_health_problem(tmp_path: Path)
     assert [json.loads(line)["version"] for line in lines] == [2, 3, 4]
     # The stop checkpointed the last merge, as a stop does.
     assert ckpt.list_checkpoints(tmp_path)[-1].name == ckpt.checkpoint_name(4)
+
+
+def test_guards_service_a_checkpoint_without_manifest_is_set_aside_and_reported(
+    tmp_path: Path,
+) -> None:
+    """A ckpt-* directory without a manifest (issue 22, finding 8: it was deleted at start) is
+    renamed aside and reported as a health problem; the valid checkpoint is resumed."""
+    digest = checkpointed(tmp_path, 2)
+    stray = tmp_path / ckpt.CHECKPOINTS_DIR / ckpt.checkpoint_name(7)
+    stray.mkdir()
+    (stray / ckpt.WEIGHTS_FILE).write_bytes(b"kept for a person to look at")
+    syncer = resume(tmp_path)
+    assert syncer.state.versions == [2] and syncer.digest() == digest
+    aside = tmp_path / ckpt.CHECKPOINTS_DIR / (ckpt.CORRUPT_PREFIX + stray.name)
+    assert not stray.exists()
+    assert (aside / ckpt.WEIGHTS_FILE).read_bytes() == b"kept for a person to look at"
+    problems = syncer.health.to_json()["problems"]
+    assert [p["kind"] for p in problems] == [CORRUPT] and stray.name in problems[0]["message"]

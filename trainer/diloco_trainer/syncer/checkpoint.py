@@ -226,19 +226,29 @@ def set_aside(path: Path) -> Path:
 
 
 def clean_partial(state_dir: Path) -> list[Path]:
-    """Remove temporary directories a crash left behind; returns them."""
+    """Remove the temporary directories a crash left behind (a checkpoint being written lives
+    under TMP_PREFIX until it is complete); returns them."""
     root = state_dir / CHECKPOINTS_DIR
     if not root.is_dir():
         return []
     partial = [p for p in root.iterdir() if p.name.startswith(TMP_PREFIX)]
-    partial += [
-        p
-        for p in root.iterdir()
-        if p.is_dir() and p.name.startswith(PREFIX) and not (p / MANIFEST_FILE).is_file()
-    ]
     for path in partial:
         shutil.rmtree(path, ignore_errors=True)
     return partial
+
+
+def without_manifest(state_dir: Path) -> list[Path]:
+    """Checkpoint directories without a manifest, oldest first. The syncer never leaves one (it
+    renames a checkpoint into place only once complete), so one is a damaged checkpoint or
+    someone else's files: set aside and reported, never deleted."""
+    root = state_dir / CHECKPOINTS_DIR
+    if not root.is_dir():
+        return []
+    return sorted(
+        p
+        for p in root.iterdir()
+        if p.is_dir() and p.name.startswith(PREFIX) and not (p / MANIFEST_FILE).is_file()
+    )
 
 
 def _file_digest(path: Path) -> dict[str, Any]:
@@ -346,11 +356,12 @@ class Loaded:
 
 
 def load_newest_valid(state_dir: Path) -> Loaded:
-    """The newest valid checkpoint (after cleaning partial ones) and the corrupt ones tried
-    before it; nothing is renamed or deleted (the caller decides)."""
+    """The newest valid checkpoint (after cleaning partial ones) and the corrupt ones: those
+    tried before it, and every checkpoint directory without a manifest; nothing is renamed or
+    deleted but the syncer's own temporaries (the caller decides)."""
     for path in clean_partial(state_dir):
         log.warning("removed incomplete checkpoint %s", path)
-    corrupt: list[tuple[Path, str]] = []
+    corrupt = [(p, f"{p.name} has no {MANIFEST_FILE}") for p in without_manifest(state_dir)]
     for path in reversed(list_checkpoints(state_dir)):
         try:
             return Loaded(load_checkpoint(path), corrupt)

@@ -137,6 +137,11 @@ async def read_body(
             raise Refused(
                 408, f"request body {why} (syncer.limits)", protocol.ERROR_TIMEOUT
             ) from None
+        except ConnectionResetError:
+            # The client went away (a learner stopped or timed out): nothing the syncer did
+            # wrong, and nobody to answer; a line, not an internal error with a traceback.
+            log.info("a client closed its connection after %d bytes of its body", len(buf))
+            raise Refused(400, "the client closed the connection before its body ended") from None
         if not chunk:
             return bytes(buf)
         buf += chunk
