@@ -61,11 +61,23 @@ def test_load_corpus_directory_holds_out_whole_files(tmp_path: Path) -> None:
 
 def test_load_corpus_single_file_holds_out_tail(tmp_path: Path) -> None:
     f = tmp_path / "book.txt"
-    f.write_bytes(bytes(range(256)) * 40)
+    text = bytes(range(1, 128)) * 80  # ASCII: a file named by data.source must be text
+    f.write_bytes(text)
     corpus = load_corpus(str(f))
-    assert corpus.train.numel() + corpus.eval.numel() == 256 * 40
-    assert corpus.eval.numel() == int(256 * 40 * 0.1)
-    assert torch.equal(corpus.eval, torch.tensor(list(bytes(range(256)) * 40))[-1024:].byte())
+    assert corpus.train.numel() + corpus.eval.numel() == len(text)
+    held = int(len(text) * 0.1)
+    assert corpus.eval.numel() == held
+    assert torch.equal(corpus.eval, torch.tensor(list(text))[-held:].byte())
+
+
+def test_load_corpus_refuses_a_binary_file_named_as_the_source(tmp_path: Path) -> None:
+    f = tmp_path / "program"
+    f.write_bytes(b"\x7fELF\x02\x01\x01\x00" + bytes(range(256)) * 8)
+    with pytest.raises(ConfigError, match=r"^data\.source: .*program is not text \(binary: NUL"):
+        load_corpus(str(f))
+    (tmp_path / "latin1.txt").write_bytes("caf\xe9 cr\xe8me".encode("latin-1"))
+    with pytest.raises(ConfigError, match=r"latin1.txt is not text \(not UTF-8 \(byte 3\)\)"):
+        load_corpus(str(tmp_path / "latin1.txt"))
 
 
 def test_load_corpus_missing_path_names_data_source(tmp_path: Path) -> None:

@@ -12,8 +12,11 @@ from diloco_trainer.api import contract
 from diloco_trainer.api.documents import SyncerStatus
 from diloco_trainer.api.spec import parse_spec
 from diloco_trainer.local.progress import (
+    duration,
+    eta_seconds,
     exit_notes,
     island_order,
+    progress_key,
     progress_line,
     status_view,
 )
@@ -71,8 +74,72 @@ def test_live_view_shows_a_dead_learner_rank_and_the_slowed_island() -> None:
 
 def test_progress_line_prints_the_eval_loss_to_four_digits() -> None:
     line = progress_line(_status(["island-0"]), 12.4)
-    assert line == "outer step 3  tokens 12,345  eval loss 2.1235  (12s)"
+    assert line == "outer step 3  tokens 12,345  eval loss 2.1235  996 tok/s  (12s)"
     assert "eval loss -" in progress_line(_status(["island-0"], eval_loss=None), 0)
+
+
+def _evaluated(step: int, history: list[tuple[int, float]], **extra: Any) -> SyncerStatus:
+    """A status at outer step `step` whose evaluations so far are `history` (step, loss): the
+    syncer evaluates in the background, so the newest may be of an earlier step."""
+    return SyncerStatus.from_json(
+        {
+            "outerStep": step,
+            "versions": [step],
+            "finished": False,
+            "tokens": 1000 * step,
+            "evalLoss": history[-1][1],
+            "evalHistory": [
+                {"outerStep": s, "tokens": 1000 * s, "evalLoss": loss, "time": 100.0 + s}
+                for s, loss in history
+            ],
+            **extra,
+        }
+    )
+
+
+def test_progress_line_names_the_step_of_a_stale_eval_loss() -> None:
+    # The demo log's bug: step 3 printed 2.8851, step 2's loss, where the summary has 2.5293.
+    before = _evaluated(3, [(1, 3.1), (2, 2.8851)])
+    line = progress_line(before, 10.0)
+    assert "outer step 3 " in line and "eval loss 2.8851 (step 2)" in line, line
+    after = _evaluated(3, [(1, 3.1), (2, 2.8851), (3, 2.5293)])
+    # The newest evaluation is a new line even though the outer step did not move.
+    assert progress_key(after) != progress_key(before)
+    assert "eval loss 2.5293 (step 3)" in progress_line(after, 11.0)
+
+
+def test_progress_line_shows_n_of_total_tokens_per_second_and_eta() -> None:
+    spec = parse_spec({"stopAfter": {"outerSteps": 20}})
+    line = progress_line(_evaluated(5, [(5, 2.0)]), 50.0, spec)
+    # 5 of 20 in 50 s: 150 s to go at this pace; 5,000 tokens in 50 s.
+    assert line.startswith("outer step 5/20  tokens 5,000  "), line
+    assert "100 tok/s" in line and "ETA 2m30s" in line, line
+    assert duration(3725) == "1h02m" and duration(None) == "-"
+    assert eta_seconds(0.0, 10.0) is None
+
+
+def test_live_view_island_tokens_steps_per_second_and_state() -> None:
+    islands = {
+        # Pushed six times, no heartbeat figures yet: its merged tokens are what it trained.
+        "island-0": {
+            "state": "active",
+            "pushes": 6,
+            "tokens": 0,
+            "mergedTokens": 9000,
+            "step": 120,
+            "stepTime": 0.25,
+        },
+        "island-1": {"state": "dropped", "pushes": 2, "tokens": 4000, "mergedTokens": 1000},
+    }
+    status = _evaluated(2, [(2, 2.5)], islands=islands)
+    spec = parse_spec({"stopAfter": {"outerSteps": 4}})
+    text = _render(status_view(spec, status, started=0.0, slowdowns={}, dead={}))
+    rows = {line.split()[0]: line.split() for line in text.splitlines() if "island-" in line}
+    header = next(line.split() for line in text.splitlines() if line.startswith("island "))
+    assert header[:8] == ["island", "state", "step", "steps/s", "pushes", "joins", "tokens", "loss"]
+    assert rows["island-0"][:7] == ["island-0", "active", "120", "4.00", "6", "0", "9,000"]
+    assert rows["island-1"][:7] == ["island-1", "dropped", "0", "-", "2", "0", "4,000"]
+    assert "outer step 2/4" in text and "ETA" in text
 
 
 def test_learner_and_syncer_help_list_the_environment(capsys: pytest.CaptureFixture[str]) -> None:

@@ -14,7 +14,16 @@ from collections.abc import Callable, Sequence
 from importlib.metadata import entry_points
 
 from diloco_trainer import __version__
-from diloco_trainer.cli_help import LEARNER_EPILOG, SYNCER_EPILOG, described, require_trainer
+from diloco_trainer.cli_help import (
+    CHECK_DESCRIPTION,
+    CHECK_EPILOG,
+    LEARNER_EPILOG,
+    RUN_DESCRIPTION,
+    RUN_EPILOG,
+    SYNCER_EPILOG,
+    described,
+    require_trainer,
+)
 
 # The exit code of a command whose extra is not installed (as for a bad config).
 MISSING_EXTRA = 2
@@ -29,6 +38,14 @@ def _cmd_run(args: argparse.Namespace) -> int:
     from diloco_trainer.local.run import main as run_main
 
     return run_main(args)
+
+
+def _cmd_check(args: argparse.Namespace) -> int:
+    if not require_trainer("check"):
+        return MISSING_EXTRA
+    from diloco_trainer.check.command import main as check_main
+
+    return check_main(args)
 
 
 def _cmd_learner(args: argparse.Namespace) -> int:
@@ -55,17 +72,22 @@ def _cmd_export(args: argparse.Namespace) -> int:
     return export_main(args)
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="diloco", description="Decoupled DiLoCo training: local runs, pods and the operator."
-    )
-    parser.add_argument("--version", action="version", version=f"diloco {__version__}")
-    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-
+def _add_run(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """`diloco run`."""
     run = sub.add_parser(
-        "run", help="run a job locally: a syncer and M islands as processes on loopback"
+        "run",
+        help="run a job locally: a syncer and M islands as processes on loopback",
+        description=RUN_DESCRIPTION,
+        epilog=RUN_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    run.add_argument("config", nargs="?", default=None, help="DiLoCoJob manifest or spec (YAML)")
+    run.add_argument(
+        "config",
+        nargs="?",
+        default=None,
+        help="DiLoCoJob manifest or its spec (YAML); relative paths in it are taken from its "
+        "folder (default: the built-in demo, examples/local.yaml)",
+    )
     run.add_argument("--summary", metavar="FILE", help="write a JSON summary to FILE")
     run.add_argument("--plot", metavar="FILE", help="write a PNG of eval loss against tokens")
     run.add_argument("--workdir", metavar="DIR", help="checkpoints and logs (default: temp dir)")
@@ -79,6 +101,27 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--quiet", action="store_true", help="no progress bars")
     run.set_defaults(func=_cmd_run)
 
+
+def _add_check(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """`diloco check`."""
+    check = sub.add_parser(
+        "check",
+        help="check a job before running it: the manifest, its data, memory and model",
+        description=CHECK_DESCRIPTION,
+        epilog=CHECK_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    check.add_argument("config", help="DiLoCoJob manifest or its spec (YAML)")
+    check.add_argument(
+        "--cluster",
+        action="store_true",
+        help="compare memory with the pods' resources.limits instead of this machine",
+    )
+    check.set_defaults(func=_cmd_check)
+
+
+def _add_processes(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """`diloco learner` and `diloco syncer` (configured by their environment)."""
     learner = sub.add_parser(
         "learner",
         help="one learner rank of one island (configured by its environment: see its --help)",
@@ -97,6 +140,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     syncer.set_defaults(func=_cmd_syncer)
 
+
+def _add_export(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """`diloco export`."""
     export = sub.add_parser(
         "export", help="write a job's global weights as one safetensors file (plain torch loads it)"
     )
@@ -123,6 +169,16 @@ def build_parser() -> argparse.ArgumentParser:
     )
     export.set_defaults(func=_cmd_export)
 
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="diloco", description="Decoupled DiLoCo training: local runs, pods and the operator."
+    )
+    parser.add_argument("--version", action="version", version=f"diloco {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    for add in (_add_run, _add_check, _add_processes, _add_export):
+        add(sub)
     for command in sorted(entry_points(group=COMMANDS), key=lambda e: e.name):
         command.load()(sub)
     return parser

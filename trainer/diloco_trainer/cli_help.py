@@ -71,6 +71,41 @@ SYNCER_EPILOG = env_epilog(
 )
 
 
+RUN_DESCRIPTION = textwrap.fill(
+    "Run a DiLoCoJob on this machine: one syncer and islands.count x islands.replicas learner "
+    "processes on loopback, started with the commands and environment the operator gives pods. "
+    "The job is checked first (as `diloco check` does): a bad manifest, a data source with no "
+    "text, or a job that cannot fit this machine's memory is refused before anything starts.",
+    WIDTH,
+)
+RUN_EPILOG = """examples:
+  .venv/bin/diloco run                          the built-in demo (examples/local.yaml)
+  .venv/bin/diloco run examples/local.yaml --plot loss.png --summary run.json
+  .venv/bin/diloco run examples/local.yaml --slow-island 1:3   watch decoupling
+
+exit codes:
+  0    the job finished (stopAfter reached)
+  1    the run failed (the syncer died, every learner exited): the log's tail is printed
+  2    bad input: the file, field or option is named; nothing was started
+  130  interrupted (Ctrl-C or SIGTERM): every process was stopped"""
+
+CHECK_DESCRIPTION = textwrap.fill(
+    "Check a DiLoCoJob before running it: the file is a DiLoCoJob (or its spec) and its fields "
+    "are valid; the data source is read as the learners will (files read and skipped, token "
+    "counts against data.evalTokens and one round's need); the memory of a learner's step and "
+    "of the syncer's evaluation against this machine (or the pods' limits); a model.entrypoint "
+    "is called once. Warns on no stop condition and a warm-up longer than the run.",
+    WIDTH,
+)
+CHECK_EPILOG = """examples:
+  .venv/bin/diloco check examples/local.yaml
+  .venv/bin/diloco check examples/gpt-on-my-text/job.yaml --cluster
+
+exit codes:
+  0    the job can run (warnings, if any, are printed)
+  2    it cannot: each problem is printed naming the file and the field"""
+
+
 def missing_trainer_modules() -> list[str]:
     """The [trainer] extra's modules that cannot be imported here."""
     return [name for name in TRAINER_IMPORTS if importlib.util.find_spec(name) is None]

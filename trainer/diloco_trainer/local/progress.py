@@ -16,7 +16,7 @@ from rich.progress_bar import ProgressBar
 from rich.table import Table
 from rich.text import Text
 
-from diloco_trainer.api.documents import SyncerStatus
+from diloco_trainer.api.documents import IslandStatus, SyncerStatus
 from diloco_trainer.api.spec import JobSpec
 
 
@@ -29,7 +29,7 @@ def human_bytes(n: float) -> str:
     raise AssertionError("unreachable")
 
 
-def _fmt(x: Any, spec: str = ".4f") -> str:
+def fmt_or_dash(x: Any, spec: str = ".4f") -> str:
     return "-" if x is None else format(x, spec)
 
 
@@ -60,12 +60,83 @@ def exit_notes(island: str, dead: Mapping[str, int]) -> list[str]:
     return notes
 
 
-def progress_line(status: SyncerStatus, elapsed: float) -> str:
-    """The one line printed per outer step when the live view is off (not a terminal)."""
-    return (
-        f"outer step {status.outer_step}  tokens {status.tokens:,}  "
-        f"eval loss {_fmt(status.eval_loss)}  ({elapsed:.0f}s)"
-    )
+def latest_eval(status: SyncerStatus) -> tuple[float, int] | None:
+    """(eval loss, the outer step it was measured at) of the newest evaluation, None before one.
+
+    The syncer evaluates in the background, so its evalLoss may be an earlier step's while
+    outerStep has moved on: a figure shown beside a step must say which step it is of."""
+    points = [p for p in status.eval_history if p.eval_loss is not None]
+    if points:
+        newest = max(points, key=lambda p: p.outer_step)
+        assert newest.eval_loss is not None
+        return newest.eval_loss, newest.outer_step
+    return None
+
+
+def eval_text(status: SyncerStatus) -> str:
+    """'2.5293 (step 3)': the newest eval loss and its step ('-' before the first)."""
+    newest = latest_eval(status)
+    if newest is None:
+        return fmt_or_dash(status.eval_loss)
+    loss, step = newest
+    return f"{loss:.4f} (step {step})"
+
+
+def duration(seconds: float | None) -> str:
+    """93 -> '1m33s'; None -> '-'."""
+    if seconds is None:
+        return "-"
+    seconds = max(0, round(seconds))
+    hours, rest = divmod(seconds, 3600)
+    minutes, secs = divmod(rest, 60)
+    if hours:
+        return f"{hours}h{minutes:02d}m"
+    return f"{minutes}m{secs:02d}s" if minutes else f"{secs}s"
+
+
+def eta_seconds(fraction: float, elapsed: float) -> float | None:
+    """Seconds left at the pace so far, None before any progress (or with no stop condition)."""
+    if fraction <= 0 or elapsed <= 0:
+        return None
+    return elapsed * (1 - fraction) / fraction
+
+
+def step_of(spec: JobSpec | None, status: SyncerStatus) -> str:
+    """'3/20' with stopAfter.outerSteps, else '3'."""
+    limit = spec.stop_after.outer_steps if spec is not None else None
+    return f"{status.outer_step}/{limit}" if limit else str(status.outer_step)
+
+
+def progress_line(status: SyncerStatus, elapsed: float, spec: JobSpec | None = None) -> str:
+    """The line printed when the live view is off (not a terminal): once per outer step and
+    once per new evaluation, the eval loss named by the step it was measured at."""
+    line = f"outer step {step_of(spec, status)}  tokens {status.tokens:,}  "
+    line += f"eval loss {eval_text(status)}"
+    if elapsed > 0:
+        line += f"  {status.tokens / elapsed:,.0f} tok/s"
+    if spec is not None:
+        frac, _ = progress_fraction(spec, status)
+        eta = eta_seconds(frac, elapsed)
+        if eta is not None:
+            line += f"  ETA {duration(eta)}"
+    return line + f"  ({elapsed:.0f}s)"
+
+
+def progress_key(status: SyncerStatus) -> tuple[int, int | None]:
+    """What changes when a new progress line is due: the outer step or the newest eval's step."""
+    newest = latest_eval(status)
+    return status.outer_step, None if newest is None else newest[1]
+
+
+def island_tokens(info: IslandStatus) -> int:
+    """An island's tokens: those it reported in heartbeats, or, when its heartbeats have not
+    said yet (a short run, an island that only pushed), its tokens in merges."""
+    return max(info.tokens, info.merged_tokens)
+
+
+def steps_per_second(info: IslandStatus) -> str:
+    """The island's inner steps per second from its reported step time."""
+    return f"{1 / info.step_time:.2f}" if info.step_time else "-"
 
 
 def progress_fraction(spec: JobSpec, status: SyncerStatus) -> tuple[float, str]:
@@ -81,6 +152,34 @@ def progress_fraction(spec: JobSpec, status: SyncerStatus) -> tuple[float, str]:
     return min(1.0, frac), label
 
 
+def headline(spec: JobSpec, status: SyncerStatus, elapsed: float) -> Text:
+    """The figures of the whole job: N of total, tokens and their rate, losses, bytes, time."""
+    frac, _ = progress_fraction(spec, status)
+    total = spec.stop_after.tokens
+    return Text.assemble(
+        ("outer step ", "bold"),
+        step_of(spec, status),
+        ("  tokens ", "bold"),
+        f"{status.tokens:,}" + (f"/{total:,}" if total else ""),
+        f" ({status.tokens / elapsed:,.0f}/s)" if elapsed > 0 else "",
+        ("  loss ", "bold"),
+        fmt_or_dash(status.loss),
+        ("  eval ", "bold"),
+        f"{fmt_or_dash(status.initial_eval_loss)} -> {eval_text(status)}",
+        ("  pushed ", "bold"),
+        human_bytes(status.bytes_in),
+        ("  pulled ", "bold"),
+        human_bytes(status.bytes_out),
+        ("  elapsed ", "bold"),
+        duration(elapsed),
+        ("  ETA ", "bold"),
+        duration(eta_seconds(frac, elapsed)),
+    )
+
+
+ISLAND_COLUMNS = ("island", "state", "step", "steps/s", "pushes", "joins", "tokens", "loss")
+
+
 def status_view(
     spec: JobSpec,
     status: SyncerStatus,
@@ -91,27 +190,10 @@ def status_view(
 ) -> RenderableType:
     """The live view: one progress line, the headline figures, and a row per island."""
     frac, label = progress_fraction(spec, status)
-    limit = spec.stop_after.outer_steps
-    head = Text.assemble(
-        ("outer step ", "bold"),
-        f"{status.outer_step}" + (f"/{limit}" if limit else ""),
-        ("  tokens ", "bold"),
-        f"{status.tokens:,}",
-        ("  loss ", "bold"),
-        _fmt(status.loss),
-        ("  eval ", "bold"),
-        f"{_fmt(status.initial_eval_loss)} -> {_fmt(status.eval_loss)}",
-        ("  pushed ", "bold"),
-        human_bytes(status.bytes_in),
-        ("  pulled ", "bold"),
-        human_bytes(status.bytes_out),
-        ("  elapsed ", "bold"),
-        f"{time.monotonic() - started:.0f}s",
-    )
     bar = Table.grid(padding=(0, 1))
     bar.add_row(ProgressBar(total=1.0, completed=frac, width=50), f"{frac:.0%} ({label})")
     islands = Table(box=None, pad_edge=False)
-    for col in ("island", "state", "pushes", "joins", "tokens", "loss", "last push", "note"):
+    for col in (*ISLAND_COLUMNS, "last push", "note"):
         islands.add_column(col, justify="left" if col in ("island", "state", "note") else "right")
     now = time.time()
     for name in sorted(status.islands, key=island_order):
@@ -124,31 +206,13 @@ def status_view(
         islands.add_row(
             name,
             info.state,
+            str(info.step),
+            steps_per_second(info),
             str(info.pushes),
             str(info.joins),
-            f"{info.tokens:,}",
-            _fmt(info.loss),
+            f"{island_tokens(info):,}",
+            fmt_or_dash(info.loss),
             f"{now - info.last_push:.0f}s ago" if info.last_push else "-",
             ", ".join(notes),
         )
-    return Group(bar, head, islands)
-
-
-def summary_table(summary: Mapping[str, Any]) -> Table:
-    """The end-of-run table of `diloco run`."""
-    table = Table(title="diloco run: summary", show_header=False)
-    table.add_column("what", style="bold")
-    table.add_column("value", justify="right")
-    rows = [
-        ("islands (M)", str(summary["islands"])),
-        ("outer steps", str(summary["outer_steps"])),
-        ("tokens", f"{summary['tokens']:,}"),
-        ("initial eval loss", _fmt(summary["initial_eval_loss"])),
-        ("final eval loss", _fmt(summary["final_eval_loss"])),
-        ("pseudo-gradients pushed", human_bytes(summary["bytes_pushed"])),
-        ("weights pulled", human_bytes(summary["bytes_pulled"])),
-        ("wall time", f"{summary['wall_seconds']:.1f}s"),
-    ]
-    for what, value in rows:
-        table.add_row(what, value)
-    return table
+    return Group(bar, headline(spec, status, time.monotonic() - started), islands)

@@ -29,7 +29,6 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
-import yaml
 from rich.console import Console
 from rich.live import Live
 
@@ -37,7 +36,9 @@ from diloco_trainer.api.client import SyncerJsonClient
 from diloco_trainer.api.contract import DEVICE, island_name
 from diloco_trainer.api.documents import SyncerStatus
 from diloco_trainer.api.protocol import STATE_ACTIVE, STATE_DROPPED, SyncerError
-from diloco_trainer.api.spec import ConfigError, JobSpec, load_spec, parse_spec
+from diloco_trainer.api.spec import ConfigError, JobSpec, parse_spec
+from diloco_trainer.check import Report, check_job, load_job_file
+from diloco_trainer.check.command import print_report
 from diloco_trainer.local.launch import (
     JobFiles,
     Proc,
@@ -47,7 +48,8 @@ from diloco_trainer.local.launch import (
     wait_ready,
     write_job_files,
 )
-from diloco_trainer.local.progress import progress_line, status_view, summary_table
+from diloco_trainer.local.progress import progress_key, progress_line, status_view
+from diloco_trainer.local.summary import make_summary, summary_table
 from diloco_trainer.local.syncer_shards import SyncerShards, start_syncer_shards
 
 # The built-in job when no CONFIG is given: the spec of examples/local.yaml (keep them in step; a
@@ -134,18 +136,24 @@ def parse_slow_islands(values: Sequence[str], count: int) -> dict[int, float]:
 
 
 def load_job(config: str | None) -> tuple[str, JobSpec]:
-    """The job name and spec from CONFIG (a DiLoCoJob manifest or bare spec), or the default."""
+    """The job name and spec from CONFIG (a DiLoCoJob manifest or bare spec, its relative paths
+    taken from its folder: check/document.py), or the default."""
     if config is None:
         return DEFAULT_JOB_NAME, parse_spec(DEFAULT_SPEC)
-    spec = load_spec(config)
-    name = Path(config).stem
-    try:
-        doc = yaml.safe_load(Path(config).read_text())
-        if isinstance(doc, dict) and isinstance(doc.get("metadata"), dict):
-            name = str(doc["metadata"].get("name") or name)
-    except (OSError, yaml.YAMLError):
-        pass  # load_spec already read and parsed it; keep the file name
-    return name, spec
+    job = load_job_file(config)
+    return job.name, job.spec
+
+
+def check_before_start(spec: JobSpec, config: str | None, *, quiet: bool) -> Report:
+    """`diloco check`'s checks on this machine, printed (what was read from the corpus and the
+    token counts unless quiet, warnings, errors); nothing may start unless report.ok."""
+    report = check_job(spec)
+    where = config or "the built-in demo job"
+    print_report(
+        report, prog="diloco run", where=where, out=sys.stdout, err=sys.stderr, verbose=not quiet
+    )
+    sys.stdout.flush()
+    return report
 
 
 def threads_per_learner(total_ranks: int) -> int:
@@ -164,27 +172,6 @@ def island_changes(
     gone = sorted(i for i, procs in alive.items() if procs and not any(procs) and i not in dropped)
     back = sorted(i for i in dropped if any(alive.get(i, ())))
     return gone, back
-
-
-def make_summary(
-    status: SyncerStatus, *, islands: int, wall_seconds: float, workdir: Path
-) -> dict[str, Any]:
-    """The JSON summary of a finished run, from the syncer's final status."""
-    return {
-        "job": status.job_name,
-        "islands": islands,
-        "outer_steps": status.outer_step,
-        "finished": status.finished,
-        "tokens": status.tokens,
-        "initial_eval_loss": status.initial_eval_loss,
-        "final_eval_loss": status.eval_loss,
-        "bytes_pushed": status.bytes_in,
-        "bytes_pulled": status.bytes_out,
-        "wall_seconds": round(wall_seconds, 3),
-        "eval_history": [point.to_json() for point in status.eval_history],
-        "island_stats": {name: info.to_json() for name, info in status.islands.items()},
-        "workdir": str(workdir),
-    }
 
 
 @dataclass
@@ -303,7 +290,7 @@ class LocalRun:
         """Poll the syncer until it reports the job finished; returns its last status."""
         assert self.files is not None
         status: SyncerStatus | None = None
-        last_outer = -1
+        last_key: tuple[int, int | None] | None = None
         live: Live | None = None
         if not self.quiet and self.console.is_terminal:
             live = Live(console=self.console, refresh_per_second=4, transient=False)
@@ -342,9 +329,10 @@ class LocalRun:
                                 dead=self.dead,
                             )
                         )
-                    elif not self.quiet and status.outer_step != last_outer:
-                        last_outer = status.outer_step
-                        self.console.print(progress_line(status, time.monotonic() - started))
+                    elif not self.quiet and progress_key(status) != last_key:
+                        last_key = progress_key(status)
+                        elapsed = time.monotonic() - started
+                        self.console.print(progress_line(status, elapsed, self.spec))
                     if status.finished:
                         return status
                     await asyncio.sleep(POLL_SECONDS)
@@ -445,6 +433,9 @@ def main(args: argparse.Namespace) -> int:
             "diloco run: syncer.endpoint is set; a local run starts its own syncer", file=sys.stderr
         )
         return 2
+    report = check_before_start(spec, args.config, quiet=args.quiet)
+    if not report.ok:
+        return 2
     workdir = Path(args.workdir or tempfile.mkdtemp(prefix="diloco-run-")).resolve()
     run = LocalRun(name, spec, workdir, slowdowns, console, quiet=args.quiet)
     # Ctrl-C and SIGTERM raise KeyboardInterrupt wherever the main thread is (children are in
@@ -477,9 +468,10 @@ def main(args: argparse.Namespace) -> int:
     run.stop_all()
     summary = make_summary(
         status,
-        islands=spec.islands.count,
+        spec=spec,
         wall_seconds=time.monotonic() - started,
         workdir=workdir,
+        parameters=report.parameters,
     )
     console.print(summary_table(summary))
     if args.summary:
@@ -488,7 +480,12 @@ def main(args: argparse.Namespace) -> int:
     if args.plot:
         from diloco_trainer.local.plot import plot_eval_history
 
-        plot_eval_history(summary["eval_history"], args.plot, title=f"{name}: eval loss")
+        plot_eval_history(
+            summary["eval_history"],
+            args.plot,
+            title=f"{name}: eval loss",
+            tokenizer=None if spec.model.entrypoint else report.tokenizer,
+        )
         console.print(f"loss plot written to {args.plot}")
     console.print(f"logs in {run.logs}")
     from diloco_trainer.export import final_weights_note

@@ -73,6 +73,8 @@ class Corpus:
     vocab_size: int  # every id is below it: the model's vocabulary
     tokenizer: Tokenizer
     report: str  # what was read and skipped, for people
+    # One line for a console (diloco run, diloco check): counts, the first few skipped files.
+    brief: str = ""
 
 
 def load_corpus(
@@ -109,6 +111,7 @@ def load_corpus(
         vocab_size=tok.vocab_size,
         tokenizer=tok,
         report=report,
+        brief=docs.brief(source),
     )
     _CORPUS_CACHE[key] = corpus
     return corpus

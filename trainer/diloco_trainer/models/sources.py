@@ -63,6 +63,17 @@ class Documents:
             text += ": " + _listing([f"{p} ({why})" for p, why in self.skipped], limit)
         return text
 
+    def brief(self, source: str, limit: int = 3) -> str:
+        """summary() without the names of the files read: one line for a console."""
+        size = sum(len(d) for d in self.docs)
+        text = (
+            f"data.source {source}: read {len(self.read):,} file(s), {len(self.docs):,} "
+            f"document(s), {size:,} bytes; skipped {len(self.skipped)}"
+        )
+        if self.skipped:
+            text += ": " + _listing([f"{p} ({why})" for p, why in self.skipped], limit)
+        return text
+
 
 def _listing(items: Sequence[str], limit: int) -> str:
     more = len(items) - limit
@@ -235,6 +246,21 @@ def read_files(
     return out
 
 
+def _refuse_binary(path: Path) -> None:
+    """ConfigError naming data.source when the file `path` does not start as text."""
+    try:
+        with path.open("rb") as f:
+            head = f.read(SNIFF_BYTES)
+    except OSError as err:
+        raise ConfigError(f"data.source: cannot read {path}: {err.strerror or err}") from None
+    why = not_text_reason(head)
+    if why is not None:
+        raise ConfigError(
+            f"data.source: {path} is not text ({why}); name a text file, a directory of them, "
+            "or JSON Lines / Parquet records (data.format)"
+        )
+
+
 def read_source(
     source: str, *, include: Sequence[str] = (), fmt: str = "auto", text_field: str = "text"
 ) -> Documents:
@@ -253,14 +279,18 @@ def read_source(
     else:
         path = Path(source)
         if path.is_file():
-            # A file the user named is read whatever its content (unless include leaves it out).
+            # A file the user named is refused when it is not text: training on an executable
+            # or an archive's bytes is never meant, and would otherwise go on without a word.
             chosen = matches(path.name, include)
+            if chosen and file_format(path, fmt) == "text":
+                _refuse_binary(path)
             files, left_out, sniff = ([path] if chosen else []), int(not chosen), False
         elif path.is_dir():
             files, left_out = walk(path, include)
             root = path
         else:
-            raise ConfigError(f"data.source: {source!r} is neither a file nor a directory")
+            problem = "is neither a file nor a directory" if path.exists() else "does not exist"
+            raise ConfigError(f"data.source: {source!r} {problem}")
     docs = read_files(files, fmt=fmt, text_field=text_field, sniff=sniff, root=root)
     if not docs.docs:
         why = [f"{p} ({reason})" for p, reason in docs.skipped[:20]]

@@ -1,0 +1,67 @@
+"""`diloco run`'s summary (bytes against DDP) and its loss plot (labels, wall-time panel)."""
+
+from __future__ import annotations
+
+import io
+from pathlib import Path
+
+import matplotlib.image
+from diloco_trainer.api.documents import SyncerStatus
+from diloco_trainer.api.spec import parse_spec
+from diloco_trainer.local.plot import loss_label, plot_eval_history
+from diloco_trainer.local.run import DEFAULT_SPEC
+from diloco_trainer.local.summary import (
+    against_ddp,
+    ddp_bytes_per_worker,
+    make_summary,
+    summary_table,
+)
+from rich.console import Console
+
+
+def test_summary_bytes_against_ddp() -> None:
+    spec = parse_spec(DEFAULT_SPEC)  # 3 islands of one rank, 8 x 64 tokens a step
+    # 1,000 steps per worker; a ring all-reduce sends 2 x 2/3 of the fp32 gradients a step.
+    tokens = 1000 * 3 * 8 * 64
+    assert ddp_bytes_per_worker(spec, tokens, 1_000) == 1000 * 2 * 2 / 3 * 1_000 * 4
+    status = SyncerStatus.from_json(
+        {
+            "outerStep": 20,
+            "versions": [20],
+            "finished": True,
+            "tokens": tokens,
+            "bytesIn": 30_000,
+            "bytesOut": 60_000,
+        }
+    )
+    summary = make_summary(
+        status, spec=spec, wall_seconds=12.0, workdir=Path("w"), parameters=1_000
+    )
+    assert summary["bytes_per_island"] == 30_000
+    assert summary["ddp_bytes_per_worker"] == round(1000 * 2 * 2 / 3 * 1_000 * 4)
+    assert against_ddp(summary) == "29.3 KiB vs 5.1 MiB (178x fewer)"
+    console = Console(file=io.StringIO(), width=120, color_system=None)
+    console.print(summary_table(summary))
+    out = console.file.getvalue()  # type: ignore[attr-defined]
+    assert "bytes per island vs a DDP worker" in out and "178x fewer" in out
+    unknown = make_summary(status, spec=spec, wall_seconds=1.0, workdir=Path("w"))
+    assert against_ddp(unknown) == "-"
+
+
+def test_plot_label_follows_the_tokenizer() -> None:
+    assert loss_label("bytes (256 tokens)") == "eval loss (nats/byte)"
+    assert loss_label("bpe (4096 tokens)") == "eval loss (nats/token, bpe (4096 tokens))"
+    assert loss_label(None) == "eval loss (the model's loss_fn)"
+
+
+def test_plot_has_a_wall_time_panel(tmp_path: Path) -> None:
+    history = [
+        {"outerStep": s, "tokens": 1000 * s, "evalLoss": 3.0 - 0.1 * s, "time": 50.0 + 7 * s}
+        for s in range(5)
+    ]
+    one = plot_eval_history(history[:1], tmp_path / "one.png")
+    two = plot_eval_history(history, tmp_path / "two.png", tokenizer="bpe (512 tokens)")
+    # Two panels side by side: twice as wide as the single one.
+    width_one = matplotlib.image.imread(one).shape[1]
+    width_two = matplotlib.image.imread(two).shape[1]
+    assert width_two == 2 * width_one
