@@ -5,9 +5,10 @@ parsed spec, so the reconciler can run it any number of times and compare the re
 exists (by the `diloco.dev/spec-hash` annotation each child carries).
 
 One module per child kind: `config` (the spec ConfigMap, the token Secret), `islands` (an
-island's StatefulSet and headless Service), `syncer` (the syncer's Deployment and Service); what
-they share lives in `naming` (names, labels, owner references) and `pods` (pod template pieces
-and the restart discipline). This package re-exports the names its users need.
+island's StatefulSet and headless Service), `syncer` (the syncer's Deployment and Service, one
+of each per shard); what they share lives in `naming` (names, labels, owner references) and
+`pods` (pod template pieces and the restart discipline). This package re-exports the names its
+users need.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ from diloco_operator.resources.naming import (
     MANAGER,
     POD_INDEX_LABEL,
     ROTATE_CREDENTIALS,
+    SHARD_LABEL,
     SPEC_HASH,
     TEMPLATE_HASH,
     JobRef,
@@ -51,6 +53,7 @@ from diloco_operator.resources.naming import (
     owner_reference,
     runs_local_syncer,
     syncer_name,
+    syncer_shards,
     syncer_url,
     token_secret_name,
 )
@@ -91,6 +94,7 @@ __all__ = [
     "MANAGER",
     "POD_INDEX_LABEL",
     "ROTATE_CREDENTIALS",
+    "SHARD_LABEL",
     "SPEC_HASH",
     "SYNCER_IGNORED_FIELDS",
     "TEMPLATE_HASH",
@@ -124,6 +128,7 @@ __all__ = [
     "runs_local_syncer",
     "syncer_config_hash",
     "syncer_name",
+    "syncer_shards",
     "syncer_url",
     "token_secret_name",
 ]
@@ -147,7 +152,9 @@ def build_children(
     """
     children = [build_config_map(job, spec)]
     if runs_local_syncer(spec):
-        children += [build_syncer_deployment(job, spec), build_syncer_service(job, spec)]
+        for shard in syncer_shards(spec):  # [None]: the one syncer, unsharded names
+            children.append(build_syncer_deployment(job, spec, shard))
+            children.append(build_syncer_service(job, spec, shard))
     for index in range(spec.islands.count):
         children.append(build_island_service(job, spec, index))
         children.append(build_island_statefulset(job, spec, index, running=islands_running))
@@ -163,7 +170,9 @@ def child_keys(
     (a job's first reconcile reads these names while its credential is still being made)."""
     keys = [("ConfigMap", config_map_name(job.name))]
     if runs_local_syncer(spec):
-        keys += [("Deployment", syncer_name(job.name)), ("Service", syncer_name(job.name))]
+        for shard in syncer_shards(spec):
+            name = syncer_name(job.name, shard)
+            keys += [("Deployment", name), ("Service", name)]
     for island in island_names(spec):
         name = island_statefulset_name(job.name, island)
         keys += [("Service", name), ("StatefulSet", name)]

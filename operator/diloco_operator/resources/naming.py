@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from diloco_trainer.api import contract
+from diloco_trainer.api.sharding import join_urls
 
 from diloco_operator import api
 from diloco_operator.api import DiLoCoJobSpec
@@ -29,6 +30,9 @@ ROTATE_CREDENTIALS = "diloco.dev/rotate-credentials"
 
 JOB_LABEL = "diloco.dev/job"
 ISLAND_LABEL = "diloco.dev/island"
+# On the pods of shard i of a job with syncer.shards > 1 (absent with one syncer): what each
+# shard's Deployment and Service select.
+SHARD_LABEL = "diloco.dev/syncer-shard"
 COMPONENT_LABEL = "app.kubernetes.io/component"
 POD_INDEX_LABEL = "apps.kubernetes.io/pod-index"
 MANAGER = "diloco-operator"
@@ -88,9 +92,17 @@ def island_statefulset_name(job_name: str, island: str) -> str:
     return f"{job_name}-{island}"
 
 
-def syncer_name(job_name: str) -> str:
-    """Name of the syncer Deployment and Service."""
-    return f"{job_name}-syncer"
+def syncer_name(job_name: str, shard: int | None = None) -> str:
+    """Name of the syncer Deployment and Service: NAME-syncer, or NAME-syncer-I for shard I of
+    several (syncer.shards > 1)."""
+    return f"{job_name}-syncer" if shard is None else f"{job_name}-syncer-{shard}"
+
+
+def syncer_shards(spec: DiLoCoJobSpec) -> list[int | None]:
+    """The shard of each in-cluster syncer: [None] for the one syncer of syncer.shards 1 (its
+    children keep the unsharded names), else 0..N-1."""
+    shards = spec.syncer.shards
+    return [None] if shards == 1 else list(range(shards))
 
 
 def config_map_name(job_name: str) -> str:
@@ -129,7 +141,14 @@ def syncer_url(job: JobRef, spec: DiLoCoJobSpec) -> str:
     if spec.syncer.endpoint:
         return spec.syncer.endpoint.rstrip("/")
     scheme = "https" if spec.syncer.tls.secret_name else "http"
-    return f"{scheme}://{syncer_name(job.name)}.{job.namespace}.svc:{spec.syncer.port}"
+    # Several shards: every shard's Service URL in shard order (api/sharding.py); the learners
+    # route each fragment by it and the operator's client reads the shards as one syncer.
+    return join_urls(
+        [
+            f"{scheme}://{syncer_name(job.name, shard)}.{job.namespace}.svc:{spec.syncer.port}"
+            for shard in syncer_shards(spec)
+        ]
+    )
 
 
 def ca_secret_name(spec: DiLoCoJobSpec) -> str | None:

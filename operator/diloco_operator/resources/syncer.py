@@ -1,6 +1,9 @@
 """The in-cluster syncer's children: its Deployment and its Service (pure).
 
-Absent when the job points at a syncer run elsewhere (spec.syncer.endpoint).
+Absent when the job points at a syncer run elsewhere (spec.syncer.endpoint). With
+syncer.shards N > 1, one Deployment and Service per shard (NAME-syncer-I, pods labelled
+SHARD_LABEL=I, told their shard by DILOCO_SYNCER_SHARD, their state in the volume's shard-I
+directory); with one syncer, `shard` is None and nothing of this is there.
 """
 
 from __future__ import annotations
@@ -9,6 +12,7 @@ import copy
 from typing import Any
 
 from diloco_trainer.api import contract
+from diloco_trainer.api.sharding import SHARD_DIR_PREFIX
 
 from diloco_operator.api import DiLoCoJobSpec
 from diloco_operator.resources.naming import (
@@ -16,6 +20,7 @@ from diloco_operator.resources.naming import (
     COMPONENT_SYNCER,
     CONFIG_HASH,
     JOB_LABEL,
+    SHARD_LABEL,
     JobRef,
     child_metadata,
     labels,
@@ -42,7 +47,7 @@ PROBE_TIMEOUT_SECONDS = 5
 STARTUP_PROBE_FAILURES = 120
 
 
-def _syncer_container(job: JobRef, spec: DiLoCoJobSpec) -> dict[str, Any]:
+def _syncer_container(job: JobRef, spec: DiLoCoJobSpec, shard: int | None) -> dict[str, Any]:
     tls = spec.syncer.tls.secret_name
     scheme = "HTTPS" if tls else "HTTP"
     env = [
@@ -51,6 +56,14 @@ def _syncer_container(job: JobRef, spec: DiLoCoJobSpec) -> dict[str, Any]:
         *file_env(),
     ]
     mounts = common_mounts()
+    if shard is not None:
+        env.append(env_var(contract.SYNCER_SHARD, shard))
+        # Shards may share one claim: each keeps its checkpoints in its own directory, as
+        # `diloco run` does (api/sharding.shard_state_dir), so `diloco export` of the claim's
+        # root assembles the model.
+        for mount in mounts:
+            if mount["name"] == "state":
+                mount["subPath"] = f"{SHARD_DIR_PREFIX}{shard}"
     if tls:
         env.append(env_var(contract.TLS_CERT_FILE, f"{contract.TLS_MOUNT}/tls.crt"))
         env.append(env_var(contract.TLS_KEY_FILE, f"{contract.TLS_MOUNT}/tls.key"))
@@ -101,9 +114,25 @@ def _syncer_volumes(job: JobRef, spec: DiLoCoJobSpec) -> list[dict[str, Any]]:
     return volumes
 
 
-def build_syncer_pod_template(job: JobRef, spec: DiLoCoJobSpec) -> dict[str, Any]:
-    """The syncer's pod template, with spec.syncer.template merged in."""
+def _syncer_labels(job: JobRef, shard: int | None) -> dict[str, str]:
     lab = labels(job.name, COMPONENT_SYNCER)
+    if shard is not None:
+        lab[SHARD_LABEL] = str(shard)
+    return lab
+
+
+def _syncer_selector(job: JobRef, shard: int | None) -> dict[str, str]:
+    selector = {JOB_LABEL: job.name, COMPONENT_LABEL: COMPONENT_SYNCER}
+    if shard is not None:
+        selector[SHARD_LABEL] = str(shard)
+    return selector
+
+
+def build_syncer_pod_template(
+    job: JobRef, spec: DiLoCoJobSpec, shard: int | None = None
+) -> dict[str, Any]:
+    """The syncer's (or shard `shard`'s) pod template, with spec.syncer.template merged in."""
+    lab = _syncer_labels(job, shard)
     template = {
         "metadata": {
             "labels": dict(lab),
@@ -112,45 +141,49 @@ def build_syncer_pod_template(job: JobRef, spec: DiLoCoJobSpec) -> dict[str, Any
         "spec": {
             "enableServiceLinks": False,
             "securityContext": pod_security_context(),
-            "containers": [_syncer_container(job, spec)],
+            "containers": [_syncer_container(job, spec, shard)],
             "volumes": _syncer_volumes(job, spec),
         },
     }
     return with_user_fragments(template, [job_fragment(job), spec.syncer.template], lab)
 
 
-def build_syncer_deployment(job: JobRef, spec: DiLoCoJobSpec) -> dict[str, Any]:
-    """`NAME-syncer`: one syncer pod (Recreate: never two writers of one checkpoint)."""
-    lab = labels(job.name, COMPONENT_SYNCER)
+def build_syncer_deployment(
+    job: JobRef, spec: DiLoCoJobSpec, shard: int | None = None
+) -> dict[str, Any]:
+    """`NAME-syncer` (`NAME-syncer-I` for shard I): one syncer pod (Recreate: never two
+    writers of one checkpoint)."""
+    lab = _syncer_labels(job, shard)
     return stamp(
         {
             "apiVersion": "apps/v1",
             "kind": "Deployment",
-            "metadata": child_metadata(job, syncer_name(job.name), lab),
+            "metadata": child_metadata(job, syncer_name(job.name, shard), lab),
             "spec": {
                 "replicas": 1,
                 "strategy": {"type": "Recreate"},
-                "selector": {
-                    "matchLabels": {JOB_LABEL: job.name, COMPONENT_LABEL: COMPONENT_SYNCER}
-                },
-                "template": build_syncer_pod_template(job, spec),
+                "selector": {"matchLabels": _syncer_selector(job, shard)},
+                "template": build_syncer_pod_template(job, spec, shard),
             },
         }
     )
 
 
-def build_syncer_service(job: JobRef, spec: DiLoCoJobSpec) -> dict[str, Any]:
-    """`NAME-syncer` Service of type spec.syncer.service.type on spec.syncer.port."""
+def build_syncer_service(
+    job: JobRef, spec: DiLoCoJobSpec, shard: int | None = None
+) -> dict[str, Any]:
+    """`NAME-syncer` (`NAME-syncer-I` for shard I) Service of type spec.syncer.service.type on
+    spec.syncer.port."""
     return stamp(
         {
             "apiVersion": "v1",
             "kind": "Service",
             "metadata": child_metadata(
-                job, syncer_name(job.name), labels(job.name, COMPONENT_SYNCER)
+                job, syncer_name(job.name, shard), _syncer_labels(job, shard)
             ),
             "spec": {
                 "type": spec.syncer.service.type,
-                "selector": {JOB_LABEL: job.name, COMPONENT_LABEL: COMPONENT_SYNCER},
+                "selector": _syncer_selector(job, shard),
                 "ports": [
                     {
                         "name": SYNCER_PORT_NAME,
