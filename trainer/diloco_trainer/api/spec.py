@@ -289,6 +289,26 @@ class LimitsSpec(SpecModel):
         description="Push bodies read at once (each up to a fragment's encoded size); more are "
         "answered 503 with Retry-After. 'auto': 2 x the job's islands + 2.",
     )
+    min_body_bytes_per_second: int = Field(
+        4 * 2**20,
+        ge=1024,
+        le=2**40,
+        description="The slowest transfer a body is given time for: a push body of n bytes may "
+        "take n / this many seconds when that is longer than bodyTimeoutSeconds, so the time "
+        "allowed follows the model's size (a 1B-parameter fragment's int8 push is ~0.5 GB). "
+        "Lower it for slow links between islands and the syncer.",
+    )
+
+
+# One URL of syncer.shardEndpoints.
+ShardEndpoint = Annotated[
+    str,
+    Field(
+        min_length=1,
+        pattern=ENDPOINT_PATTERN,
+        description="A syncer shard's URL: scheme://host[:port] only.",
+    ),
+]
 
 
 class SyncerSpec(SpecModel):
@@ -332,12 +352,29 @@ class SyncerSpec(SpecModel):
         "fragment at its shard and join every shard; a shard restarted from its checkpoint "
         "loses at most its checkpoint cadence while the others go on merging (docs/shards.md).",
     )
+    shard_endpoints: list[ShardEndpoint] = Field(
+        default_factory=list,
+        max_length=256,
+        description="URLs of a sharded syncer run elsewhere (another cluster), one per "
+        "syncer.shards in shard order, instead of syncer.endpoint: this job then runs only its "
+        "islands, which route each fragment to its shard. Each URL follows syncer.endpoint's "
+        "rules.",
+    )
+
+    @property
+    def remote(self) -> bool:
+        """Whether the job's syncer runs elsewhere (syncer.endpoint or syncer.shardEndpoints)."""
+        return bool(self.endpoint or self.shard_endpoints)
 
     @model_validator(mode="after")
     def _exposure(self) -> SyncerSpec:
         problem = exposure_problem(self.endpoint, self.service.type, self.tls)
         if problem:
             raise ValueError(problem)
+        for i, url in enumerate(self.shard_endpoints):
+            problem = exposure_problem(url, self.service.type, self.tls)
+            if problem:
+                raise ValueError(problem.replace("syncer.endpoint", f"syncer.shardEndpoints[{i}]"))
         return self
 
 
@@ -366,7 +403,7 @@ class JobSpec(SpecModel):
         # The syncer's quorum counts every cluster's islands: with totalShards set (multi-region)
         # the job may expect more islands than this cluster runs.
         limit = max(self.islands.count, self.islands.total_shards)
-        if self.sync.quorum > limit and not self.syncer.endpoint:
+        if self.sync.quorum > limit and not self.syncer.remote:
             raise ValueError(
                 f"sync.quorum ({self.sync.quorum}) must be <= islands.count "
                 f"({self.islands.count}) or islands.totalShards ({self.islands.total_shards})"
@@ -378,8 +415,14 @@ class JobSpec(SpecModel):
             )
         if self.syncer.shards > 1 and self.syncer.endpoint:
             raise ValueError(
-                "syncer.shards must be 1 with syncer.endpoint set: a syncer run elsewhere is "
-                "one URL (shard it where it runs)"
+                "syncer.shards must be 1 with syncer.endpoint set: name a sharded syncer run "
+                "elsewhere by syncer.shardEndpoints, one URL per shard"
+            )
+        ends = self.syncer.shard_endpoints
+        if ends and (self.syncer.endpoint or len(ends) != self.syncer.shards):
+            raise ValueError(
+                f"syncer.shardEndpoints lists {len(ends)} URL(s): it needs one per syncer.shards "
+                f"({self.syncer.shards}) and syncer.endpoint unset"
             )
         return self
 

@@ -9,13 +9,15 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import Mapping
+from typing import Any
 
 import safetensors.torch
 import torch
 
 from diloco_trainer.api.client import SyncerJsonClient
-from diloco_trainer.api.documents import PushAnswer
+from diloco_trainer.api.documents import DocumentError, PushAnswer, parse_json_object
 from diloco_trainer.api.protocol import (
+    ERROR_MALFORMED,
     KIND_FULL,
     KIND_UPDATES,
     META_CHECKSUM,
@@ -29,6 +31,7 @@ from diloco_trainer.api.protocol import (
     ROUTE_FRAGMENT,
     ROUTE_PUSH,
     PushMeta,
+    SyncerError,
     meta_bool,
     meta_int,
 )
@@ -39,6 +42,12 @@ from diloco_trainer.core.payloads import (
     split_update_chain,
 )
 
+# The slowest transfer a tensor body is given time for (the syncer's default
+# syncer.limits.minBodyBytesPerSecond): each attempt of a push or pull of n bytes gets n / this
+# many seconds on top of request_timeout, so a large model's fragments are not cut off at a
+# fixed 120 s (a push's answer also waits for its fold, and for its fragment's merge).
+MIN_BODY_BYTES_PER_SECOND = 4 * 2**20
+
 
 class SyncerClient(SyncerJsonClient):
     """Async client of the syncer: join, heartbeat, leave, status, set_membership (inherited)
@@ -46,8 +55,26 @@ class SyncerClient(SyncerJsonClient):
 
     Connection errors and 502/503/504 are retried with exponential backoff until `retry_deadline`
     seconds have passed since the call began; then SyncerError (status 0). Any other unsuccessful
-    status raises SyncerError at once with the syncer's message (see api/client.py).
+    status raises SyncerError at once with the syncer's message (see api/client.py). Each attempt
+    of a body's transfer gets `body_seconds` of its size on top of request_timeout (a pull:
+    the size of the fragment's last full pull).
     """
+
+    def __init__(
+        self,
+        *args: Any,
+        min_body_bytes_per_second: float = MIN_BODY_BYTES_PER_SECOND,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(*args, **kwargs)
+        if not min_body_bytes_per_second > 0:
+            raise ValueError(f"min_body_bytes_per_second must be > 0: {min_body_bytes_per_second}")
+        self.min_body_rate = float(min_body_bytes_per_second)
+        self._full_bytes: dict[int, int] = {}  # fragment -> bytes of its last full pull
+
+    def body_seconds(self, nbytes: int) -> float:
+        """Seconds an attempt may add for a body of `nbytes` (the slowest transfer allowed)."""
+        return nbytes / self.min_body_rate
 
     async def pull_fragment(
         self, fragment: int, *, after: int = -1, wait: float = 0, have: int = -1
@@ -65,7 +92,7 @@ class SyncerClient(SyncerJsonClient):
             "GET",
             ROUTE_FRAGMENT.format(fragment=fragment),
             params=params,
-            extra_timeout=wait,
+            extra_timeout=wait + self.body_seconds(self._full_bytes.get(fragment, 0)),
             ok=(200, 304),
         )
         if status == 304:
@@ -84,6 +111,7 @@ class SyncerClient(SyncerJsonClient):
                 checksum=meta.get(META_CHECKSUM, ""),
                 updates=split_update_chain(tensors, from_version, version),
             )
+        self._full_bytes[fragment] = len(body)  # the next pull's time follows its size
         return PulledFragment(
             fragment=meta_int(meta, META_FRAGMENT),
             version=version,
@@ -104,4 +132,10 @@ class SyncerClient(SyncerJsonClient):
             metadata=meta.to_metadata(),
         )
         path = ROUTE_PUSH.format(fragment=fragment)
-        return await self.document(PushAnswer, "POST", path, data=body)
+        status, raw = await self.request(
+            "POST", path, data=body, extra_timeout=self.body_seconds(len(body))
+        )
+        try:
+            return PushAnswer.from_json(parse_json_object(raw, PushAnswer.__name__))
+        except DocumentError as err:
+            raise SyncerError(status, f"POST {path}: {err}", ERROR_MALFORMED) from None

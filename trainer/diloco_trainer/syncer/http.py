@@ -155,7 +155,7 @@ async def errors(request: web.Request, handler: Handler) -> web.StreamResponse:
 async def read_limited(request: web.Request, limit: int, too_big: str, limits: HttpLimits) -> bytes:
     """The whole request body, refusing (413) more than `limit` bytes whether or not the client
     declared a Content-Length (a chunked body is counted as it arrives), and (408) a body that
-    pauses or takes too long (limits.read_body)."""
+    pauses or takes too long (limits.read_body; how long follows `limit`: HttpLimits.body_time)."""
     if request.content_length is not None and request.content_length > limit:
         raise Refused(413, too_big)
     return await read_body(
@@ -163,7 +163,7 @@ async def read_limited(request: web.Request, limit: int, too_big: str, limits: H
         limit,
         too_big,
         pause=limits.header_timeout,
-        total=limits.body_timeout,
+        total=limits.body_time(limit),
     )
 
 

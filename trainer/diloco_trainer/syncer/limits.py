@@ -69,6 +69,12 @@ class HttpLimits:
     body_timeout: float = 600.0
     max_connections: int = 512
     max_pushes: int = 8
+    min_body_rate: float = 4 * 2**20  # bytes a second (syncer.limits.minBodyBytesPerSecond)
+
+    def body_time(self, limit: int) -> float:
+        """Seconds a body of up to `limit` bytes may take: bodyTimeoutSeconds, or longer when
+        the body is so large that the slowest allowed transfer needs longer."""
+        return max(self.body_timeout, limit / self.min_body_rate)
 
     @classmethod
     def from_spec(cls, spec: JobSpec) -> HttpLimits:
@@ -79,6 +85,7 @@ class HttpLimits:
             body_timeout=lim.body_timeout_seconds,
             max_connections=lim.max_connections,
             max_pushes=2 * spec.total_shards() + 2 if pushes == "auto" else int(pushes),
+            min_body_rate=float(lim.min_body_bytes_per_second),
         )
 
 
