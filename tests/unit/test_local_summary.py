@@ -21,9 +21,10 @@ from rich.console import Console
 
 def test_summary_bytes_against_ddp() -> None:
     spec = parse_spec(DEFAULT_SPEC)  # 3 islands of one rank, 8 x 64 tokens a step
-    # 1,000 steps per worker; a ring all-reduce sends 2 x 2/3 of the fp32 gradients a step.
+    # 1,000 steps per worker; a ring all-reduce sends and receives 2 x 2/3 of the fp32
+    # gradients a step.
     tokens = 1000 * 3 * 8 * 64
-    assert ddp_bytes_per_worker(spec, tokens, 1_000) == 1000 * 2 * 2 / 3 * 1_000 * 4
+    assert ddp_bytes_per_worker(spec, tokens, 1_000) == 2 * 1000 * 2 * 2 / 3 * 1_000 * 4
     status = SyncerStatus.from_json(
         {
             "outerStep": 20,
@@ -38,12 +39,12 @@ def test_summary_bytes_against_ddp() -> None:
         status, spec=spec, wall_seconds=12.0, workdir=Path("w"), parameters=1_000
     )
     assert summary["bytes_per_island"] == 30_000
-    assert summary["ddp_bytes_per_worker"] == round(1000 * 2 * 2 / 3 * 1_000 * 4)
-    assert against_ddp(summary) == "29.3 KiB vs 5.1 MiB (178x fewer)"
+    assert summary["ddp_bytes_per_worker"] == round(2 * 1000 * 2 * 2 / 3 * 1_000 * 4)
+    assert against_ddp(summary) == "29.3 KiB vs 10.2 MiB (356x fewer)"
     console = Console(file=io.StringIO(), width=120, color_system=None)
     console.print(summary_table(summary))
     out = console.file.getvalue()  # type: ignore[attr-defined]
-    assert "bytes per island vs a DDP worker" in out and "178x fewer" in out
+    assert "bytes per island vs a DDP worker" in out and "356x fewer" in out
     unknown = make_summary(status, spec=spec, wall_seconds=1.0, workdir=Path("w"))
     assert against_ddp(unknown) == "-"
 

@@ -17,14 +17,14 @@ FP32 = 4
 
 
 def ddp_bytes_per_worker(spec: JobSpec, tokens: int, parameters: int) -> float:
-    """Bytes each worker of DDP would send for `tokens`: one ring all-reduce of the fp32
-    gradients per inner step, 2(N-1)/N of them, over the job's N ranks (bench/common.py's
-    ring_allreduce_bytes, the figure bench/decoupled_quality compares with)."""
+    """Bytes each worker of DDP would send and receive for `tokens`: one ring all-reduce of the
+    fp32 gradients per inner step, 2(N-1)/N of them each way, over the job's N ranks (as
+    bench/decoupled_quality counts it against an island's pushes plus pulls)."""
     ranks = sum(spec.islands.replicas_of(i) for i in range(spec.islands.count))
     if ranks <= 1:
         return 0.0
     steps_per_worker = tokens / (spec.inner.tokens_per_step * ranks)
-    return steps_per_worker * 2 * (ranks - 1) / ranks * parameters * FP32
+    return 2 * steps_per_worker * 2 * (ranks - 1) / ranks * parameters * FP32
 
 
 def make_summary(
@@ -60,7 +60,8 @@ def make_summary(
 
 
 def against_ddp(summary: Mapping[str, Any]) -> str:
-    """'1.2 MiB vs 180 MiB (150x fewer)': an island's bytes against a DDP worker's."""
+    """'1.2 MiB vs 180 MiB (150x fewer)': an island's bytes (pushed and pulled) against a DDP
+    worker's (sent and received)."""
     ours, ddp = summary.get("bytes_per_island"), summary.get("ddp_bytes_per_worker")
     if not ddp or ours is None:
         return "-"
