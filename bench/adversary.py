@@ -1,0 +1,415 @@
+"""Adversaries against honest islands: does the model keep its quality at equal honest tokens?
+
+Two honest islands (real learner processes) train one job while a third participant attacks the
+live syncer with its own island credential, as in tests/e2e/test_adversary*.py (issue 22):
+
+- flood: back-to-back near-zero pushes (1e-12 an element), to pull the learned norm bound down;
+- ratchet: pushes in one fixed direction, five times larger every 30 pushes, up to the hard cap;
+- fast_claims: zero pushes claiming one push's most steps and tokens at a 1 ms step time;
+- slot_holding: six push bodies trickled by the island's credential and six by the admin's;
+- connection_flood: every connection one peer address may open, held idle (another address);
+- merge_log: no participant, but the merge log unwritable (a directory) for the whole run.
+
+The baseline ('none') is the same job with the third island never joining, trained 25% longer.
+Every other run stops at the same stopAfter.tokens; an adversary's accepted claims count towards
+it, so the honest islands' merged tokens T_h can fall short: each run's final eval loss is
+compared with the baseline's eval loss at T_h (piecewise linear between its evaluations, which
+run after every outer step), measured in the same invocation with the same seed. Target: within
+2%.
+
+    python -m bench.adversary                    # 2 seeds, every adversary
+    python -m bench.adversary --seeds 0 --variants none flood --no-record   # a smoke run
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import select
+import socket
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from diloco_trainer.api import credentials
+from diloco_trainer.api.spec import JobSpec, parse_spec
+from diloco_trainer.core import payloads
+from diloco_trainer.local import free_port, start_learner, start_syncer, wait_ready, write_job_files
+
+from bench.common import (
+    LoadMonitor,
+    Report,
+    Table,
+    base_parser,
+    fmt_ratio,
+    install_signal_cleanup,
+    publish,
+    track,
+    verdict,
+    workdir,
+)
+from bench.decoupled_quality_report import interp
+from bench.ours_harness import THREADS_ENV, OursRun
+
+VARIANTS = (
+    "none",
+    "flood",
+    "ratchet",
+    "fast_claims",
+    "slot_holding",
+    "connection_flood",
+    "merge_log",
+)
+HONEST = ("island-0", "island-1")
+ADVERSARY = "island-2"
+TARGET = 0.02  # eval loss within 2% of the baseline's at equal honest tokens
+ELSEWHERE = "127.0.0.3"  # the connection flood's own peer address
+# The baseline trains this much longer than the budget (its final loss is not compared).
+BASELINE_MARGIN = 1.25
+
+
+def job_spec(args: argparse.Namespace, seed: int, variant: str) -> JobSpec:
+    budget = len(HONEST) * args.steps * args.batch_size * args.seq_len
+    if variant == "none":  # its curve must reach the honest tokens of every other run
+        budget = int(budget * BASELINE_MARGIN)
+    return parse_spec(
+        {
+            "model": {"preset": args.preset, "seed": seed},
+            "data": {"evalTokens": args.eval_tokens, "seed": seed},
+            "islands": {"count": 3},
+            "inner": {
+                "lr": args.inner_lr,
+                "warmupSteps": args.warmup,
+                "steps": args.inner_steps,
+                "batchSize": args.batch_size,
+                "seqLen": args.seq_len,
+            },
+            # fp32 pushes (the adversary writes them by hand); one fragment; a round of the two
+            # honest islands (the third is awaited, or the adversary).
+            "sync": {"fragments": 1, "quorum": 2, "compression": "none"},
+            "stopAfter": {"tokens": budget},
+            "syncer": {"evalEveryOuterSteps": 1, "checkpoint": {"everyOuterSteps": 100000}},
+        }
+    )
+
+
+class Adversary(threading.Thread):
+    """The third participant: one of the attacks above, until `stop` is set."""
+
+    def __init__(self, kind: str, job: OursRun) -> None:
+        super().__init__(daemon=True, name=f"adversary-{kind}")
+        assert job.files is not None
+        self.kind, self.job = kind, job
+        self.stop = threading.Event()
+        self.answers: dict[str, int] = {}  # its requests' answers, by status
+        self.sent = 0
+        self.root = job.files.token
+        self.token = credentials.island_token(self.root, ADVERSARY)
+
+    def count(self, what: str) -> None:
+        self.answers[what] = self.answers.get(what, 0) + 1
+
+    def request(self, method: str, path: str, body: bytes | None, token: str) -> tuple[int, Any]:
+        req = urllib.request.Request(self.job.url + path, data=body, method=method)
+        req.add_header("Authorization", f"Bearer {token}")
+        req.add_header("Content-Type", "application/octet-stream" if body else "application/json")
+        try:
+            with urllib.request.urlopen(req, timeout=60) as resp:
+                return resp.status, resp.read()
+        except urllib.error.HTTPError as err:
+            return err.code, err.read()
+
+    def push(self, tensors: dict[str, torch.Tensor], **meta: Any) -> None:
+        base = self.job.status()["versions"][0]
+        # A loss of its own each time: the same body again would be answered as a replay.
+        self.sent += 1
+        loss = 5.0 + self.sent * 1e-6
+        full = {"island": ADVERSARY, "baseVersion": base, "codec": "none", "loss": loss}
+        full |= {"steps": 1, "tokens": 1, "stepTime": 0.01} | meta
+        body = payloads.encode_body(tensors, full)
+        code, raw = self.request("POST", "/v1/fragments/0/push", body, self.token)
+        # 200 is also the answer once the job has finished: only "accepted" counts as taken.
+        self.count("accepted" if code == 200 and b'"accepted": true' in raw else str(code))
+
+    def shapes(self) -> dict[str, torch.Tensor]:
+        join = b'{"island": "%s", "replicas": 1}' % ADVERSARY.encode()
+        self.request("POST", "/v1/join", join, self.token)
+        code, raw = self.request("GET", "/v1/fragments/0?after=-1", None, self.token)
+        assert code == 200, code
+        return payloads.decode_body(raw)[0]
+
+    def run(self) -> None:
+        try:
+            getattr(self, self.kind)()
+        except OSError as err:  # the job finished and the syncer went away
+            self.count(type(err).__name__)
+
+    def flood(self) -> None:
+        tiny = {n: torch.full_like(t, 1e-12) for n, t in self.shapes().items()}
+        while not self.stop.is_set():
+            self.push(tiny)
+
+    def ratchet(self) -> None:
+        gen = torch.Generator().manual_seed(0)
+        sign = {
+            n: torch.sign(torch.randn(t.shape, generator=gen)) for n, t in self.shapes().items()
+        }
+        k = 0
+        while not self.stop.is_set():
+            value = 1e-4 * 5 ** min(k // 30, 6)  # up to 1.56 an element: past the hard cap
+            self.push({n: value * s for n, s in sign.items()})
+            k += 1
+
+    def fast_claims(self) -> None:
+        spec = self.job.spec
+        zero = {n: torch.zeros_like(t) for n, t in self.shapes().items()}
+        steps = 4 * spec.inner.steps  # guards.STEP_ROUNDS x H (no overlap)
+        tokens = steps * spec.inner.tokens_per_step
+        while not self.stop.is_set():
+            self.push(zero, steps=steps, tokens=tokens, stepTime=0.001)
+
+    def slot_holding(self) -> None:
+        self.shapes()
+        head = (
+            "POST /v1/fragments/0/push HTTP/1.1\r\nHost: s\r\nAuthorization: Bearer {}\r\n"
+            "Content-Type: application/octet-stream\r\nContent-Length: 100000000\r\n\r\n\0"
+        )
+        tokens = [self.token] * 6 + [credentials.admin_token(self.root)] * 6
+
+        def open_one(token: str) -> socket.socket:
+            sock = socket.create_connection(("127.0.0.1", self.job.port), timeout=10)
+            sock.sendall(head.format(token).encode())
+            return sock
+
+        held = [open_one(t) for t in tokens]
+        self._hold(held, lambda i: open_one(tokens[i]), trickle=b"\0")
+
+    def connection_flood(self) -> None:
+        size = self.job.spec.syncer.limits.max_connections
+
+        def open_one(_: int) -> socket.socket:
+            return socket.create_connection(
+                ("127.0.0.1", self.job.port), timeout=10, source_address=(ELSEWHERE, 0)
+            )
+
+        self._hold([open_one(i) for i in range(size)], open_one, trickle=b"")
+
+    def _hold(
+        self, socks: list[socket.socket], reopen: Callable[[int], socket.socket], trickle: bytes
+    ) -> None:
+        """Keep `socks` open: one closed by the syncer (answered, timed out) is opened again;
+        `trickle` is sent on each every second (a body that never ends)."""
+        try:
+            while not self.stop.wait(1.0):
+                readable, _, _ = select.select(socks, [], [], 0)
+                for sock in readable:
+                    i = socks.index(sock)
+                    sock.close()
+                    self.count("reopened")
+                    socks[i] = reopen(i)
+                for sock in socks:
+                    if trickle:
+                        with contextlib.suppress(OSError):  # reopened at the next turn
+                            sock.sendall(trickle)
+        finally:
+            for sock in socks:
+                sock.close()
+
+    def merge_log(self) -> None:
+        log_file = self.job.workdir / "syncer" / "merges.jsonl"
+        if log_file.exists():
+            log_file.rename(log_file.with_name("merges.jsonl.aside"))
+        log_file.mkdir(parents=True)
+
+
+@dataclass
+class Outcome:
+    """One run: the honest islands' merged tokens, the final eval loss, what the attack got."""
+
+    variant: str
+    seed: int
+    honest_tokens: int
+    eval_loss: float
+    history: list[tuple[float, float]]  # (tokens merged, eval loss) after every outer step
+    answers: dict[str, int]
+    refusals: dict[str, dict[str, int]]
+    honest_states: list[str]
+    seconds: float
+
+
+def start_job(spec: JobSpec, where: Path, variant: str) -> OursRun:
+    """The syncer, then the two honest islands' learners (the third island's slot is the
+    adversary's, or empty)."""
+    job = OursRun(spec=spec, workdir=where, job_name=f"adversary-{variant}")
+    where.mkdir(parents=True, exist_ok=True)
+    job.files = write_job_files(spec, where)
+    job.port = free_port()
+    job.syncer = track(
+        start_syncer(
+            job.files,
+            port=job.port,
+            state_dir=where / "syncer",
+            job_name=job.job_name,
+            log_file=where / "syncer.log",
+            extra_env=THREADS_ENV,
+        )
+    )
+    wait_ready(job.url, job.files.token, 120, proc=job.syncer)
+    return job
+
+
+def start_learners(job: OursRun) -> None:
+    assert job.files is not None
+    for i, name in enumerate(HONEST):
+        job.learners[i] = track(
+            start_learner(
+                job.files,
+                syncer_url=job.url,
+                island=name,
+                island_index=i,
+                log_file=job.workdir / f"{name}.log",
+                master_port=free_port(),
+                job_name=job.job_name,
+                extra_env=THREADS_ENV,
+            )
+        )
+
+
+def run_variant(args: argparse.Namespace, seed: int, variant: str, where: Path) -> Outcome:
+    spec = job_spec(args, seed, variant)
+    began = time.monotonic()
+    job = start_job(spec, where, variant)
+    adversary = None if variant == "none" else Adversary(variant, job)
+    try:
+        if adversary is not None:
+            adversary.start()
+            if variant == "merge_log":
+                adversary.join()  # the fault is in place before the first merge
+        start_learners(job)
+        status = job.wait_finished(args.timeout)
+        # The final evaluation runs after the last merge (jobs.py); wait for it.
+        deadline = time.monotonic() + 60
+        while status["evalHistory"][-1]["outerStep"] < status["outerStep"]:
+            if time.monotonic() > deadline:
+                raise TimeoutError("no evaluation of the final outer step")
+            time.sleep(0.5)
+            status = job.status()
+    finally:
+        if adversary is not None:
+            adversary.stop.set()
+            adversary.join(timeout=30)
+        job.stop()
+    islands = status["islands"]
+    return Outcome(
+        variant=variant,
+        seed=seed,
+        honest_tokens=sum(int(islands[i]["mergedTokens"]) for i in HONEST if i in islands),
+        eval_loss=float(status["evalHistory"][-1]["evalLoss"]),
+        history=sorted(
+            (float(p["tokens"]), float(p["evalLoss"]))
+            for p in status["evalHistory"]
+            if p.get("evalLoss") is not None
+        ),
+        answers=dict(adversary.answers) if adversary is not None else {},
+        refusals=status.get("refusals") or {},
+        honest_states=[islands[i]["state"] if i in islands else "-" for i in HONEST],
+        seconds=time.monotonic() - began,
+    )
+
+
+def report(outcomes: list[Outcome], args: argparse.Namespace) -> Report:
+    table = Table(
+        "Eval loss with one adversary of three islands, against the baseline at equal honest "
+        "tokens (same seed, same invocation)",
+        [
+            "seed",
+            "adversary",
+            "honest tokens",
+            "eval loss",
+            "baseline at those tokens",
+            "ratio",
+            "within 2%",
+            "adversary's answers",
+            "refused",
+            "honest islands",
+            "wall s",
+        ],
+    )
+    worst = 0.0
+    for o in outcomes:
+        base = next(b for b in outcomes if b.seed == o.seed and b.variant == "none")
+        at = interp(base.history, o.honest_tokens)
+        r = o.eval_loss / at
+        worst = max(worst, abs(r - 1.0))
+        refused = {k: v for d in o.refusals.values() for k, v in d.items()}
+        table.add(
+            o.seed,
+            o.variant,
+            o.honest_tokens,
+            f"{o.eval_loss:.4f}",
+            f"{at:.4f}",
+            fmt_ratio(r, 4),
+            verdict(abs(r - 1.0) <= TARGET),
+            ", ".join(f"{k}: {v}" for k, v in sorted(o.answers.items())) or "-",
+            ", ".join(f"{k}: {v}" for k, v in sorted(refused.items())) or "-",
+            "/".join(o.honest_states),
+            f"{o.seconds:.0f}",
+        )
+    summary = (
+        f"Two honest islands and one adversary ({', '.join(args.variants)}), {args.preset}, "
+        f"H={args.inner_steps}, {args.steps} steps per honest island, seeds {args.seeds}: the "
+        f"largest deviation from the baseline at equal honest tokens is {100 * worst:.2f}% "
+        f"(target {100 * TARGET:.0f}%: {verdict(worst <= TARGET)})."
+    )
+    notes = [
+        "Honest tokens: the two honest islands' merged tokens at the finish (status islands."
+        "mergedTokens); an adversary's accepted claims count towards stopAfter.tokens, so they "
+        "can be fewer than the baseline's, and the baseline's loss is read at them.",
+        "adversary's answers: its pushes accepted, else their HTTP statuses (200: answered after "
+        "the job finished; 403: after it was dropped); reopened: held connections the syncer "
+        "closed or answered, opened again.",
+    ]
+    return Report("bench/adversary.py", summary, [table], notes)
+
+
+def main() -> int:
+    p = base_parser(
+        __doc__ or "",
+        preset="gpt-tiny",
+        inner_steps=10,
+        steps=200,
+        batch_size=8,
+        seq_len=64,
+        inner_lr=3e-3,
+        warmup=20,
+        eval_tokens=8192,
+        seeds=[0, 1],
+        timeout=900.0,
+    )
+    p.add_argument("--variants", nargs="+", choices=VARIANTS, default=list(VARIANTS))
+    args = p.parse_args()
+    if "none" not in args.variants:
+        args.variants = ["none", *args.variants]
+    install_signal_cleanup()
+    outcomes = []
+    with LoadMonitor() as load, workdir(args.workdir, "adversary") as root:
+        for seed in args.seeds:
+            for variant in args.variants:
+                o = run_variant(args, seed, variant, root / f"{variant}-{seed}")
+                print(
+                    f"seed {seed} {variant}: eval loss {o.eval_loss:.4f}, "
+                    f"honest tokens {o.honest_tokens}, {o.seconds:.0f}s",
+                    flush=True,
+                )
+                outcomes.append(o)
+    return publish(report(outcomes, args), args, load)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
