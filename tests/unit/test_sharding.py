@@ -163,3 +163,19 @@ def test_merge_status_digest_covers_every_shard() -> None:
     assert merge_status([a, b]).digest == expected
     assert merge_status([b, a]).digest != expected
     assert merge_status([a, _status()]).digest is None
+
+
+def test_spec_shard_endpoints_one_per_shard_and_checked_like_endpoint() -> None:
+    urls = ["https://s0.example:443", "https://s1.example:443"]
+    spec = parse_spec({"syncer": {"shards": 2, "shardEndpoints": urls}})
+    assert spec.syncer.shard_endpoints == urls and spec.syncer.remote
+    # quorum beyond this cluster's islands is fine with a remote syncer (other regions' islands)
+    assert parse_spec(
+        {"sync": {"quorum": 5}, "syncer": {"shards": 2, "shardEndpoints": urls}}
+    ).syncer.remote
+    with pytest.raises(ConfigError, match=r"shardEndpoints lists 1 URL\(s\): it needs one per"):
+        parse_spec({"syncer": {"shards": 2, "shardEndpoints": urls[:1]}})
+    with pytest.raises(ConfigError, match=r"syncer\.shardEndpoints\[1\] must be https://"):
+        parse_spec({"syncer": {"shards": 2, "shardEndpoints": [urls[0], "http://s1.example"]}})
+    with pytest.raises(ConfigError, match=r"spec\.syncer\.shardEndpoints\.0"):
+        parse_spec({"syncer": {"shards": 2, "shardEndpoints": ["ftp://x", urls[1]]}})

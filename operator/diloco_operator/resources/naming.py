@@ -132,14 +132,17 @@ def network_policy_name(job_name: str) -> str:
 
 
 def runs_local_syncer(spec: DiLoCoJobSpec) -> bool:
-    """False when the job points at a syncer run elsewhere (spec.syncer.endpoint)."""
-    return not spec.syncer.endpoint
+    """False when the job points at a syncer run elsewhere (syncer.endpoint or, sharded,
+    syncer.shardEndpoints)."""
+    return not spec.syncer.remote
 
 
 def syncer_url(job: JobRef, spec: DiLoCoJobSpec) -> str:
     """The URL learners and the operator use: the remote endpoint or the in-cluster Service."""
     if spec.syncer.endpoint:
         return spec.syncer.endpoint.rstrip("/")
+    if spec.syncer.shard_endpoints:
+        return join_urls([url.rstrip("/") for url in spec.syncer.shard_endpoints])
     scheme = "https" if spec.syncer.tls.secret_name else "http"
     # Several shards: every shard's Service URL in shard order (api/sharding.py); the learners
     # route each fragment by it and the operator's client reads the shards as one syncer.
