@@ -6,7 +6,7 @@ A job joins a Kueue LocalQueue the way Kueue users mark any workload: the label
 - labels every island StatefulSet with it: Kueue's StatefulSet integration admits one
   StatefulSet as one pod group, so each island is admitted (or preempted) on its own, against
   its own quota, while the others train (docs/kueue.md says why this integration);
-- keeps the syncer out of every queue: its pod template loses the queue label (and the
+- keeps the syncer out of the job's queue: its pod template loses the queue label (and the
   workload priority label) the job's labels would otherwise pass on. The syncer is one CPU
   process that holds the job's merged weights; an island admitted while the syncer waited
   would hold quota for nothing, and a syncer suspended by Kueue would lose its state with an
@@ -49,26 +49,28 @@ def queued_children(job: JobRef, children: Iterable[dict[str, Any]]) -> list[dic
     out = list(children)
     if queue is None:
         return out
-    priority = dict(job.pod_labels).get(PRIORITY_CLASS_LABEL)
-    return [_queued(child, queue, priority) for child in out]
+    inherited = {k: v for k, v in job.pod_labels if k in SYNCER_UNQUEUED}
+    return [_queued(child, inherited) for child in out]
 
 
-def _queued(child: dict[str, Any], queue: str, priority: str | None) -> dict[str, Any]:
+def _queued(child: dict[str, Any], inherited: Mapping[str, str]) -> dict[str, Any]:
+    """One child with the job's Kueue labels (`inherited`) applied as the module says."""
     if child["kind"] == "StatefulSet":
         out = copy.deepcopy(child)
-        labels = out["metadata"].setdefault("labels", {})
-        labels[QUEUE_LABEL] = queue
-        if priority:
-            labels[PRIORITY_CLASS_LABEL] = priority
+        out["metadata"].setdefault("labels", {}).update(inherited)
         return stamp(out)
     if child["kind"] == "Deployment":
+        # Only what the job's labels passed on: a queue the user gave the syncer itself
+        # (spec.syncer.template) is theirs to keep.
         template_labels = child["spec"]["template"]["metadata"].get("labels") or {}
-        if not any(k in template_labels for k in SYNCER_UNQUEUED):
+        if not any(template_labels.get(k) == v for k, v in inherited.items()):
             return child
         out = copy.deepcopy(child)
         for meta in (out["metadata"], out["spec"]["template"]["metadata"]):
-            for key in SYNCER_UNQUEUED:
-                (meta.get("labels") or {}).pop(key, None)
+            labels = meta.get("labels") or {}
+            for key, value in inherited.items():
+                if labels.get(key) == value:
+                    del labels[key]
         return stamp(out)
     return child
 

@@ -178,3 +178,13 @@ def test_job_conditions_add_waiting_for_quota_after_the_standard_ones() -> None:
     suspended = observation(islands=obs.islands.values(), spec={"suspend": True})
     kinds = [c.type for c in job_conditions(decide_phase(suspended, None), suspended, {})]
     assert kinds == list(CONDITION_TYPES)
+
+
+def test_a_queue_the_user_gave_the_syncer_itself_stays() -> None:
+    labels = {queueing.QUEUE_LABEL: "team-a"}
+    spec = {**SPEC, "syncer": {"template": {"metadata": {"labels": {queueing.QUEUE_LABEL: "ops"}}}}}
+    children = DesiredChildren().build(
+        _job(**labels), spec, parse_job_spec(spec), running=True, credential="c", network=NO_NETWORK
+    )
+    (syncer,) = _by_kind(children, "Deployment")
+    assert syncer["spec"]["template"]["metadata"]["labels"][queueing.QUEUE_LABEL] == "ops"
