@@ -304,6 +304,27 @@ def test_admission_evicts_only_gone_islands_and_filters_restored_records() -> No
     assert sorted(kept) == ["island-0", "island-1"] and len(left_out) == 2998
 
 
+def test_admission_counts_other_regions_against_their_own_count() -> None:
+    """Issue 22, finding 7: 2 local islands ('us') of a job of 5: other regions hold 3 records,
+    the local ones 2, whatever the other side holds."""
+    spec = parse_spec({"islands": {"count": 2, "totalShards": 5, "namePrefix": "us"}})
+    adm = Admission.from_spec(spec)
+    assert (adm.cap_for("us-island-1"), adm.cap_for("eu-island-4"), adm.cap_for("island-0")) == (
+        2,
+        3,
+        3,
+    )
+    records = {n: IslandRecord(n) for n in ("us-island-0", "eu-island-0", "ap-island-1")}
+    assert sorted(adm.same_side(records, "eu-island-3")) == ["ap-island-1", "eu-island-0"]
+    assert sorted(adm.same_side(records, "us-island-1")) == ["us-island-0"]
+    doc = {f"eu-island-{i}": IslandStatus(state="active", last_seen=10.0 + i) for i in range(5)}
+    doc["us-island-0"] = IslandStatus(state="active", last_seen=1.0)  # the oldest of all
+    kept, left_out = admitted_records(adm, doc)
+    # The three newest of the other regions and the local island, not the five newest overall.
+    assert sorted(kept) == ["eu-island-2", "eu-island-3", "eu-island-4", "us-island-0"]
+    assert left_out == ["eu-island-0", "eu-island-1"]
+
+
 def test_replay_window_answers_older_pushes_as_duplicates() -> None:
     answers = PushAnswers(window=3)
     for i in range(5):

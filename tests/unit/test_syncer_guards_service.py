@@ -218,26 +218,33 @@ def test_guards_service_only_the_jobs_islands_exist(tmp_path: Path) -> None:
 
 
 def test_guards_service_full_syncer_replaces_a_gone_island(tmp_path: Path) -> None:
+    """Records are counted per side (issue 22, finding 7): with 2 local islands of 3 in the job,
+    other regions hold at most one record, so they cannot lock out a local island; a new island
+    takes the place of a gone one of its own side."""
     clock = FakeClock()
     spec = make_spec(islands={"count": 2, "totalShards": 3}, sync={"heartbeatTimeoutSeconds": 5})
 
-    async def scenario() -> Syncer:
+    async def scenario() -> tuple[list[int], Syncer]:
         syncer = await started(spec, tmp_path, clock)
-        for name in ("island-0", "eu-island-0", "eu-island-1"):
-            await syncer.join(name, 1)
-        with pytest.raises(Refused) as err:
-            await syncer.join("us-island-2", 1)  # full, everyone active
-        assert err.value.status == 503
+        await syncer.join("island-0", 1)
+        await syncer.join("eu-island-0", 1)
+        refused = []
+        for name in ("eu-island-1", "us-island-2"):  # other regions' one record is taken
+            with pytest.raises(Refused) as err:
+                await syncer.join(name, 1)
+            refused.append(err.value.status)
+        await syncer.join("island-1", 1)  # the local island still has its record
         clock.now += 3
-        await syncer.heartbeat("island-0", step=1, tokens=0, loss=None, step_time=None)
-        await syncer.heartbeat("eu-island-0", step=1, tokens=0, loss=None, step_time=None)
+        for name in ("island-0", "island-1"):
+            await syncer.heartbeat(name, step=1, tokens=0, loss=None, step_time=None)
         clock.now += 3
-        await syncer.tick()  # eu-island-1 times out
-        await syncer.join("us-island-2", 1)
-        return syncer
+        await syncer.tick()  # eu-island-0 times out
+        await syncer.join("us-island-2", 1)  # and makes room on its side
+        return refused, syncer
 
-    syncer = run(scenario())
-    assert sorted(syncer.state.membership.islands) == ["eu-island-0", "island-0", "us-island-2"]
+    refused, syncer = run(scenario())
+    assert refused == [503, 503]
+    assert sorted(syncer.state.membership.islands) == ["island-0", "island-1", "us-island-2"]
 
 
 def test_guards_service_rereads_the_islands_of_a_scaled_job(

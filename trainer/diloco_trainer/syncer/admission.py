@@ -7,8 +7,11 @@ islands.namePrefix 'eu'. A syncer accepts a join of
 - in a multi-region job (islands.totalShards, or shardOffset + count, larger than count), any
   other cluster's prefix with i < totalShards;
 
-and keeps at most that many island records (max(count, total shards)): when they are all taken, a
-new island takes the place of one that timed out or left, never of an active or dropped one.
+and keeps at most that many island records (max(count, total shards)), counted per side: at most
+`count` of its own prefix and at most total - count of other clusters' (cap_for), so other regions
+cannot fill the records and lock out a local island. When a side's records are all taken, a new
+island of that side takes the place of one of the same side that timed out or left, never of an
+active or dropped one.
 The replicas an island's work counts for (replicas_for: islands.replicas, or
 syncer.guards.remoteIslandReplicas for another cluster's island) bound the tokens of its pushes
 (guards.py), whatever it declared when it joined.
@@ -72,6 +75,22 @@ class Admission:
         """The most island records the syncer keeps."""
         return self.total
 
+    def is_own(self, name: str) -> bool:
+        """Whether `name` is of this cluster's prefix."""
+        match = NAME.match(name)
+        return match is not None and (match.group("prefix") or "") == self.prefix
+
+    def cap_for(self, name: str) -> int:
+        """The most records of `name`'s side: this cluster's islands.count for its own names,
+        the rest of the job's total for other clusters' (their islands are counted against
+        their count, not against the job's total, which holds the local islands too)."""
+        return self.count if self.is_own(name) else self.total - self.count
+
+    def same_side(self, records: Mapping[str, IslandRecord], name: str) -> dict[str, IslandRecord]:
+        """The records of `name`'s side (own, or other clusters')."""
+        own = self.is_own(name)
+        return {n: r for n, r in records.items() if self.is_own(n) == own}
+
     def refusal(self, name: str) -> Refused | None:
         """Why `name` may not join (403 not an island name of the job, 503 not admitted now),
         or None when it may."""
@@ -100,9 +119,7 @@ class Admission:
 
     def replicas_for(self, name: str) -> int:
         """The most replicas `name` may report (own or another cluster's island)."""
-        match = NAME.match(name)
-        own = match is not None and (match.group("prefix") or "") == self.prefix
-        return self.replicas if own else self.remote_replicas
+        return self.replicas if self.is_own(name) else self.remote_replicas
 
     def _own(self, index: int) -> str:
         return f"{self.prefix}-island-{index}" if self.prefix else f"island-{index}"
@@ -118,9 +135,11 @@ def evictable(records: Mapping[str, IslandRecord]) -> str | None:
 def admitted_records(
     admission: Admission, doc: Mapping[str, IslandStatus]
 ) -> tuple[dict[str, IslandStatus], list[str]]:
-    """The island records of a checkpoint this job admits (names of the job, at most `cap`, the
-    most recently seen first), and the names left out."""
+    """The island records of a checkpoint this job admits (names of the job, at most cap_for of
+    each side, the most recently seen first), and the names left out."""
     named = {n: d for n, d in doc.items() if NAME.match(n) and admission.refusal(n) is None}
     newest = sorted(named, key=lambda n: -named[n].last_seen)
-    kept = {n: named[n] for n in sorted(newest[: admission.cap])}
+    own = [n for n in newest if admission.is_own(n)][: admission.count]
+    other = [n for n in newest if not admission.is_own(n)][: admission.total - admission.count]
+    kept = {n: named[n] for n in sorted(own + other)}
     return kept, sorted(set(doc) - set(kept))

@@ -5,8 +5,8 @@ that passed the gate but cannot be merged is merge.py's.
 - admit: a join (or an admin route naming a new island) is refused unless the job admits the
   name; a refusal that may be stale (503: the job may have grown) re-reads the
   spec's `islands` from the mounted config first (at most every RELOAD_SECONDS). When the syncer
-  already holds as many island records as the job has islands, a new one takes the place of one
-  that timed out or left.
+  already holds as many island records of the new island's side (own, or other regions') as the
+  job has there, a new one takes the place of one of that side that timed out or left.
 - check_work / check_delta / accepted: the guards, with the replicas each island's work counts
   for (what it joined with, at most what the job admits; a push whose tokens need more re-reads
   `islands` first, as a join does).
@@ -80,14 +80,17 @@ class Gate:
         refusal = self.admission.refusal(island)
         if refusal is not None and refusal.status == 503 and self._reload_islands():
             refusal = self.admission.refusal(island)
-        full = island not in members.islands and len(members.islands) >= self.admission.cap
+        # Counted per side (admission.cap_for): other regions cannot take the local records.
+        side = self.admission.same_side(members.islands, island)
+        full = island not in members.islands and len(side) >= self.admission.cap_for(island)
         if refusal is None and full:
-            gone = evictable(members.islands)
+            gone = evictable(side)
             if gone is None:
+                where = "here" if self.admission.is_own(island) else "in other regions"
                 refusal = Refused(
                     503,
-                    f"the syncer already knows {len(members.islands)} islands, as many as the job "
-                    "has, and none of them timed out or left",
+                    f"the syncer already knows {len(side)} islands {where}, as many as the job "
+                    "has there, and none of them timed out or left",
                     protocol.ERROR_NOT_ADMITTED,
                     retry_after=RETRY_AFTER,
                 )
