@@ -282,7 +282,8 @@ def test_syncer_finishes_on_tokens_with_eval_and_checkpoint(tmp_path: Path) -> N
 
 async def _pull_after_finish(syncer: Syncer) -> bytes | None:
     # A puller waiting for "newer" gets the final fragment at once when the job has finished.
-    return await syncer.pull(0, after=99, wait=30)
+    body = await syncer.pull(0, after=99, wait=30)
+    return None if body is None else bytes(body)
 
 
 def test_syncer_resumes_from_its_checkpoint(tmp_path: Path) -> None:

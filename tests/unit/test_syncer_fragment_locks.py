@@ -112,7 +112,7 @@ def test_an_island_dropped_mid_merge_leaves_the_round_not_the_merge(tmp_path: Pa
 
 
 def test_merge_seconds_run_until_the_new_version_is_pullable(tmp_path: Path) -> None:
-    async def scenario() -> tuple[float, float, bytes | bytearray | None, int]:
+    async def scenario() -> tuple[float, float, bytes | bytearray | memoryview | None, int]:
         syncer = await started(make_spec(sync=TWO), tmp_path, FakeClock())
         for i in range(3):
             await syncer.join(f"island-{i}", 1)

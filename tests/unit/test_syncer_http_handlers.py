@@ -13,7 +13,7 @@ from typing import Any, TypeVar
 from unittest import mock
 
 import pytest
-from aiohttp import streams, web
+from aiohttp import payload, streams, web
 from aiohttp.test_utils import make_mocked_request
 from diloco_trainer.api import credentials, protocol
 from diloco_trainer.api.credentials import Principal
@@ -60,8 +60,10 @@ async def answer(handler: Handler, req: web.Request) -> tuple[int, Any]:
     """The handler's status and decoded body, with refusals mapped as the app maps them."""
     resp = await errors(req, handler)
     assert isinstance(resp, web.Response)
-    raw = resp.body
-    assert raw is None or isinstance(raw, (bytes, bytearray))  # pull bodies: bytearray
+    raw: Any = resp.body
+    if isinstance(raw, payload.Payload):  # a pull body: memory torch wrote (a memoryview)
+        raw = bytes(await raw.as_bytes())
+    assert raw is None or isinstance(raw, bytes)
     if resp.content_type == "application/json":
         return resp.status, json.loads(raw or b"null")
     return resp.status, raw

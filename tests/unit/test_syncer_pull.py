@@ -38,6 +38,11 @@ def pull_spec(**sync: Any) -> JobSpec:
     )
 
 
+def _wire(body: bytes | bytearray | memoryview | None) -> bytes | None:
+    """A pull's body as a client receives it (the syncer serves a view of memory torch wrote)."""
+    return None if body is None else bytes(body)
+
+
 def copy(tensors: Tensors, names: list[str]) -> Tensors:
     return {n: tensors[n].clone() for n in names}
 
@@ -72,7 +77,7 @@ def test_syncer_pull_update_chains_rebuild_the_published_weights(tmp_path: Path)
         for have in (-1, 0, 1, 3):
             got = await syncer.pull(0, after=have, wait=0, have=have)
             assert got is not None
-            bodies[have] = got
+            bodies[have] = bytes(got)  # as a client receives it (_wire)
         await syncer.stop()
         return syncer, held, bodies
 
@@ -107,7 +112,7 @@ def test_syncer_pull_compression_none_publishes_the_exact_weights(tmp_path: Path
         await merge_rounds(syncer, 1, [])
         got = await syncer.pull(0, after=0, wait=0, have=0)
         await syncer.stop()
-        return syncer, got
+        return syncer, _wire(got)
 
     syncer, got = run(scenario())
     assert syncer.model.published is syncer.model.weights  # no second copy
@@ -133,7 +138,7 @@ def test_syncer_pull_checkpoint_keeps_the_published_weights(tmp_path: Path) -> N
         await merge_rounds(syncer, 1, [])
         chain = await syncer.pull(0, after=2, wait=0, have=2)
         await syncer.stop()
-        return syncer, no_history, chain
+        return syncer, _wire(no_history), _wire(chain)
 
     digest, held = run(first())
     resumed, no_history, chain = run(second())

@@ -1,6 +1,6 @@
-"""Pull bodies built by torch copies (payloads.encode_body_buffer): the same tensors, metadata
-and data bytes as safetensors' own serialiser gives, for every dtype a body holds, views and
-empty tensors included."""
+"""Pull bodies built by torch copies (payloads.encode_body_buffer, encode_update_chain_buffer):
+the same tensors, metadata and data bytes as safetensors' own serialiser gives, for every dtype
+a body holds, views and empty tensors included."""
 
 from __future__ import annotations
 
@@ -29,7 +29,7 @@ def test_pull_body_matches_safetensors_data_and_decodes_the_same() -> None:
     meta = {"kind": "full", "version": 3, "finished": False}
     built = payloads.encode_body_buffer(tensors, meta)
     reference = payloads.encode_body(tensors, meta)
-    assert isinstance(built, bytearray) and len(built) == len(reference)
+    assert isinstance(built, memoryview) and built.readonly and len(built) == len(reference)
     # The tensors' bytes are laid out as safetensors lays them out (its metadata's key order
     # is a hash map's, so the headers may differ in that order only).
     assert built[8 + _header_length(bytes(built)) :] == reference[8 + _header_length(reference) :]
@@ -46,3 +46,17 @@ def test_pull_body_matches_safetensors_data_and_decodes_the_same() -> None:
 def test_pull_body_refuses_a_dtype_it_cannot_name() -> None:
     with pytest.raises(ValueError, match=r"'c'.*complex64"):
         payloads.encode_body_buffer({"c": torch.zeros(2, dtype=torch.complex64)}, {})
+
+
+def test_update_chain_body_matches_safetensors() -> None:
+    g = torch.Generator().manual_seed(1)
+    chain = [(v, encode_tensors({"w": torch.randn(300, generator=g)}, "int8")) for v in (4, 5)]
+    meta = {"kind": "updates", "version": 5, "fromVersion": 3}
+    built = payloads.encode_update_chain_buffer(chain, meta)
+    reference = payloads.encode_update_chain(chain, meta)
+    got, got_meta = payloads.decode_body(built)
+    want, want_meta = payloads.decode_body(reference)
+    assert got_meta == want_meta and got.keys() == want.keys()
+    assert sorted(got) == ["4/w::q", "4/w::scale", "5/w::q", "5/w::scale"]
+    for name, t in want.items():
+        assert torch.equal(got[name], t)

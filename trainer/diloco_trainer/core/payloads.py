@@ -60,6 +60,19 @@ def encode_update_chain(
     return safetensors.torch.save(tensors, metadata=encode_metadata(metadata))
 
 
+def encode_update_chain_buffer(
+    updates: list[tuple[int, Mapping[str, torch.Tensor]]], metadata: Mapping[str, Any]
+) -> memoryview:
+    """encode_update_chain's bytes, written as encode_body_buffer writes (no interpreter lock
+    held for the copy)."""
+    tensors = {
+        f"{version}{UPDATE_SEPARATOR}{key}": t
+        for version, encoded in updates
+        for key, t in encoded.items()
+    }
+    return encode_body_buffer(tensors, metadata)
+
+
 def split_update_chain(
     tensors: Mapping[str, torch.Tensor], from_version: int, version: int
 ) -> list[dict[str, torch.Tensor]]:
@@ -119,11 +132,12 @@ _DTYPE_NAMES = {
 
 def encode_body_buffer(
     tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, Any]
-) -> bytearray:
-    """The bytes encode_body gives, written into one buffer by torch copies, which release the
-    interpreter lock (safetensors' own serialiser holds it for the whole P-sized copy, so a
-    pull body built in a worker thread still stalled the event loop): the same layout (tensors
-    by dtype size, then name; the header's JSON padded with spaces to 8 bytes)."""
+) -> memoryview:
+    """The bytes encode_body gives, written by torch into memory torch allocated, which releases
+    the interpreter lock throughout (safetensors' serialiser holds it for the whole P-sized
+    copy, and even a bytearray is zero-filled under it, so a pull body built in a worker thread
+    still stalled the event loop): the same layout (tensors by dtype size, then name; the
+    header's JSON padded with spaces to 8 bytes), as a read-only view of bytes."""
     order = sorted(tensors, key=lambda n: (-tensors[n].element_size(), n))
     header: dict[str, Any] = {"__metadata__": dict(encode_metadata(metadata))}
     offset = 0
@@ -141,21 +155,20 @@ def encode_body_buffer(
     text = json.dumps(header, separators=(",", ":")).encode()
     text += b" " * (-len(text) % 8)
     start = 8 + len(text)
-    out = bytearray(start + offset)
-    out[:8] = len(text).to_bytes(8, "little")
-    out[8:start] = text
-    if offset:
-        view = torch.frombuffer(out, dtype=torch.uint8)
-        for name in order:
-            t = tensors[name].detach()
-            begin, end = header[name]["data_offsets"]
-            if end > begin:
-                flat = t.contiguous().reshape(-1).view(torch.uint8)
-                view[start + begin : start + end].copy_(flat)
-    return out
+    out = torch.empty(start + offset, dtype=torch.uint8)
+    prefix = len(text).to_bytes(8, "little") + text
+    out[:start].copy_(torch.frombuffer(bytearray(prefix), dtype=torch.uint8))
+    for name in order:
+        begin, end = header[name]["data_offsets"]
+        if end > begin:
+            flat = tensors[name].detach().contiguous().reshape(-1).view(torch.uint8)
+            out[start + begin : start + end].copy_(flat)
+    return out.numpy().data.toreadonly()
 
 
-def decode_body(body: bytes | bytearray) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+def decode_body(
+    body: bytes | bytearray | memoryview,
+) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
     """Parse a safetensors body into (tensors, metadata); ValueError for anything malformed."""
     if not isinstance(body, bytes):  # a body the syncer built (encode_body_buffer)
         body = bytes(body)

@@ -95,7 +95,7 @@ class SyncerService(Protocol):
 
     async def pull(
         self, fragment: int, *, after: int, wait: float, have: int = -1
-    ) -> bytes | bytearray | None: ...
+    ) -> bytes | bytearray | memoryview | None: ...
 
     async def receive_push(
         self, fragment: int, body: bytes, principal: Principal

@@ -24,9 +24,9 @@ from diloco_trainer.syncer.metrics import SyncerMetrics
 
 # What a body was encoded at: (fragment version, outer step, finished).
 BodyKey = tuple[int, int, bool]
-# A pull body: built by torch copies into a bytearray (payloads.encode_body_buffer), so building
-# one in a worker thread never holds the interpreter lock for a P-sized copy.
-Body = bytes | bytearray
+# A pull body: built by torch copies into memory torch allocated (payloads.encode_body_buffer),
+# so building one in a worker thread never holds the interpreter lock for a P-sized copy.
+Body = bytes | bytearray | memoryview
 
 
 @dataclass(frozen=True)
@@ -167,7 +167,7 @@ class Publisher:
             protocol.META_CHECKSUM: chain[-1].checksum,
         }
         body: Body = await asyncio.to_thread(
-            payloads.encode_update_chain, [(u.version, u.encoded) for u in chain], meta
+            payloads.encode_update_chain_buffer, [(u.version, u.encoded) for u in chain], meta
         )
         if self._bodies[f][0] == key:  # still the published version: keep it for other pullers
             self._chains[f][(key, have)] = body

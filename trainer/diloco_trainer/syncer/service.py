@@ -63,7 +63,7 @@ from diloco_trainer.syncer.jobs import CheckpointSnapshot
 from diloco_trainer.syncer.memory import return_freed_memory
 from diloco_trainer.syncer.merge import LeftOut
 from diloco_trainer.syncer.merge_log import describe_merge
-from diloco_trainer.syncer.publisher import BodyKey
+from diloco_trainer.syncer.publisher import Body, BodyKey
 from diloco_trainer.syncer.push import PushPath
 from diloco_trainer.syncer.records import Refused
 from diloco_trainer.syncer.status import (
@@ -318,9 +318,7 @@ class Syncer:
         answer = await self.pushes.receive(fragment, body, principal)
         return answer.to_wire()
 
-    async def pull(
-        self, fragment: int, *, after: int, wait: float, have: int = -1
-    ) -> bytes | bytearray | None:
+    async def pull(self, fragment: int, *, after: int, wait: float, have: int = -1) -> Body | None:
         """Fragment bytes once its version is > after (or the job finished); None after `wait`.
         The body is the chain of updates since version `have` when the publisher has one."""
         self.check_fragment(fragment)
