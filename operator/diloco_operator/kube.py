@@ -8,8 +8,11 @@ written with server-side apply under one field manager, forcing only over the jo
 objects: a child the job does not own yet is created (children.py), never applied over.
 
 Every call has a deadline: a connect and a read timeout on the request itself, and CALL_DEADLINE
-over the whole call (the client's API discovery has no timeout of its own). Each outcome tells
-probes.API_HEALTH whether the API server answers, which the operator's readiness reports.
+over the whole call. The client's API discovery passes no timeout of its own, so its requests get
+the same connect and read timeouts (TimedDynamicClient): against a server that accepts and never
+answers, discovery ends with an error instead of holding its thread for ever, one more thread
+for every retry. Each outcome tells probes.API_HEALTH whether the API server answers, which the
+operator's readiness reports.
 """
 
 from __future__ import annotations
@@ -76,6 +79,16 @@ def _as_dict(_client: Any, data: Any) -> Any:
     return data
 
 
+class TimedDynamicClient(DynamicClient):
+    """DynamicClient whose every request has the connect and read timeouts of the operator's
+    calls unless the caller gives its own: discovery (at construction and when a kind is first
+    looked up) calls `request` without one, and urllib3 would then wait for ever."""
+
+    def request(self, method: str, path: str, body: Any = None, **params: Any) -> Any:
+        params.setdefault("_request_timeout", (CONNECT_TIMEOUT, READ_TIMEOUT))
+        return super().request(method, path, body=body, **params)
+
+
 class ApiUnavailable(RuntimeError):
     """The API server did not answer a call in time (or the connection failed)."""
 
@@ -95,7 +108,8 @@ class Kube:
     """The API calls the operator makes, as coroutines."""
 
     def __init__(self, api_client: client.ApiClient) -> None:
-        self._dyn = DynamicClient(api_client)  # discovery happens here (blocking): call once
+        # Discovery happens here (blocking, each request timed): call once, off the event loop.
+        self._dyn = TimedDynamicClient(api_client)
         self._version = client.VersionApi(api_client)
         self._cache: dict[str, Any] = {}
 
