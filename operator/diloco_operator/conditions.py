@@ -67,6 +67,9 @@ HEALTH_KINDS = {
     "checkpoint": "CheckpointFailing",
     "corruptCheckpoints": "CorruptCheckpoints",
     "merge": "ContributionsLeftOut",
+    # The merge log (merges.jsonl) cannot be written (a full or read-only disk): the syncer goes
+    # on, the checkpoints hold the state, but the same disk will fail them next (issue 22).
+    "mergeLog": "MergeLogFailing",
 }
 
 
