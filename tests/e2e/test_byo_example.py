@@ -101,13 +101,12 @@ def test_byo_example_trains_exports_and_loads_with_plain_torch(tmp_path: Path) -
     assert loss == pytest.approx(final, rel=1e-5, abs=1e-6)
 
 
-def test_byo_manifest_mounts_the_corpus_pvc_in_every_learner() -> None:
+def test_byo_manifest_mounts_the_filled_corpus_in_every_learner() -> None:
     from diloco_operator.api import parse_job_spec
     from diloco_operator.resources import JobRef, build_learner_pod_template
 
     docs = list(yaml.safe_load_all((BYO / "job.yaml").read_text()))
-    pvc = next(d for d in docs if d["kind"] == "PersistentVolumeClaim")
-    job = next(d for d in docs if d["kind"] == "DiLoCoJob")
+    (job,) = docs  # the text comes from a ConfigMap through an init step, not a claim
     spec = parse_job_spec(job["spec"])
     local = load_spec(BYO / "local.yaml")
     assert spec.model.entrypoint == local.model.entrypoint == "diloco_byo.build:build"
@@ -116,8 +115,8 @@ def test_byo_manifest_mounts_the_corpus_pvc_in_every_learner() -> None:
     (learner,) = [c for c in pod["containers"] if c["name"] == "learner"]
     (mount,) = [m for m in learner["volumeMounts"] if m["name"] == "corpus"]
     (volume,) = [v for v in pod["volumes"] if v["name"] == "corpus"]
-    assert volume["persistentVolumeClaim"]["claimName"] == pvc["metadata"]["name"]
-    assert spec.data.source.startswith(mount["mountPath"] + "/")
+    assert "emptyDir" in volume and [c["name"] for c in pod["initContainers"]] == ["fetch-text"]
+    assert spec.data.source == mount["mountPath"]
     # The learner's own volumes survive the merge (the template adds, it does not replace).
     assert len(pod["volumes"]) > 1 and len(learner["volumeMounts"]) > 1
 

@@ -43,8 +43,9 @@ def test_kubernetes_commands_name_the_job_the_example_creates() -> None:
     named += re.findall(r"diloco\.dev/job=([\w-]+)", text)
     # NAME is a placeholder in prose; every concrete name is the example's.
     assert named and set(named) - {"NAME"} == {name}, named
-    # The quick start replaces the example's placeholder image with the user's.
-    assert f"{example['spec']['image']}|" in text
+    # The quick start replaces the example's placeholder registry with the user's.
+    registry = example["spec"]["image"].rsplit("/", 1)[0]
+    assert f'sed "s|{registry}|$REGISTRY|" examples/job.yaml' in text
 
 
 def test_layout_names_what_is_in_the_tree() -> None:

@@ -115,7 +115,13 @@ def _add_check(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     check.add_argument(
         "--cluster",
         action="store_true",
-        help="compare memory with the pods' resources.limits instead of this machine",
+        help="compare memory with the pods' resources.limits instead of this machine; a "
+        "data.source that is a path in the pods is not read here",
+    )
+    check.add_argument(
+        "--data",
+        metavar="DIR",
+        help="read this local copy of the job's data instead of data.source",
     )
     check.set_defaults(func=_cmd_check)
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from diloco_trainer.api.spec import ConfigError, JobSpec
 from diloco_trainer.check.findings import (
@@ -87,7 +88,27 @@ def check_job(spec: JobSpec, *, cluster: bool = False) -> Report:
         report.parameters = params
         report.info.append(f"model: {spec.model.entrypoint} built, {params:,} parameters")
         return report
-    vocab_size = _corpus(spec, report)
+    if cluster and not _readable_here(spec):
+        report.warnings.append(
+            f"data.source {spec.data.source}: a path in the pods, not on this machine: not read "
+            "(--data DIR reads a local copy of it)"
+        )
+        vocab_size = _vocab_without_corpus(spec)
+    else:
+        vocab_size = _corpus(spec, report)
     if vocab_size is not None and report.ok:
         _memory(spec, vocab_size, report, cluster=cluster)
     return report
+
+
+def _readable_here(spec: JobSpec) -> bool:
+    return spec.data.source.startswith("builtin:") or Path(spec.data.source).exists()
+
+
+def _vocab_without_corpus(spec: JobSpec) -> int | None:
+    """The model's vocabulary when the corpus is not read: bytes, or a BPE's vocabSize (a
+    tokenizer file's size is unknown until it is read)."""
+    kind = spec.data.tokenizer.type
+    if kind == "bytes":
+        return 256
+    return spec.data.tokenizer.vocab_size if kind == "bpe" else None

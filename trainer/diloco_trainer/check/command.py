@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 from typing import TextIO
 
 from diloco_trainer.api.spec import ConfigError
@@ -35,6 +36,8 @@ def main(args: argparse.Namespace) -> int:
     except ConfigError as err:
         print(f"{prog}: {err}", file=sys.stderr)
         return BAD_INPUT
+    if args.data is not None:
+        job.spec.data.source = str(Path(args.data).resolve())
     where = str(args.config)
     target = "a cluster's pods" if args.cluster else "this machine (as diloco run)"
     print(f"{prog}: {where}: job {job.name}, checked for {target}")

@@ -56,7 +56,7 @@ from diloco_trainer.local.syncer_shards import SyncerShards, start_syncer_shards
 # test checks they agree). Finishes in about two minutes on two CPU cores.
 DEFAULT_JOB_NAME = "local-demo"
 DEFAULT_SPEC: dict[str, Any] = {
-    "image": "ghcr.io/example/diloco-trainer:0.1.0",
+    "image": "ghcr.io/diloco-operator/diloco-trainer:0.1.0",
     "model": {"preset": "gpt-tiny", "seed": 0},
     "data": {"source": "builtin:stdlib-text", "evalTokens": 8192, "seed": 0},
     "islands": {
@@ -332,7 +332,8 @@ class LocalRun:
                     elif not self.quiet and progress_key(status) != last_key:
                         last_key = progress_key(status)
                         elapsed = time.monotonic() - started
-                        self.console.print(progress_line(status, elapsed, self.spec))
+                        line = progress_line(status, elapsed, self.spec)
+                        self.console.print(line, soft_wrap=True, highlight=False)
                     if status.finished:
                         return status
                     await asyncio.sleep(POLL_SECONDS)
@@ -433,6 +434,7 @@ def main(args: argparse.Namespace) -> int:
             "diloco run: syncer.endpoint is set; a local run starts its own syncer", file=sys.stderr
         )
         return 2
+    console.print(f"diloco run: job {name}, {spec.islands.count} island(s); checking it first")
     report = check_before_start(spec, args.config, quiet=args.quiet)
     if not report.ok:
         return 2
@@ -448,7 +450,7 @@ def main(args: argparse.Namespace) -> int:
     started = time.monotonic()
     loop = asyncio.new_event_loop()
     try:
-        console.print(f"diloco run: job {name}, {spec.islands.count} island(s); logs in {run.logs}")
+        console.print(f"diloco run: starting the syncer and the islands; logs in {run.logs}")
         run.start()
         status = loop.run_until_complete(run.watch(started))
         run.wait_learners(LEARNER_EXIT_SECONDS)
