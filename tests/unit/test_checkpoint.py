@@ -189,3 +189,34 @@ def test_checkpoint_every_one_corrupt_is_reported_not_loaded(tmp_path: Path) -> 
     found = ck.load_newest_valid(tmp_path)
     assert found.checkpoint is None and len(found.corrupt) == 2
     assert len(ck.list_checkpoints(tmp_path)) == 2  # the caller decides what to do with them
+
+
+def test_checkpoint_files_are_streamed_from_the_tensors_and_hashed_as_written(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """write_tensors writes what safetensors writes (tensors by dtype size, then name), in
+    pieces of _WRITE_CHUNK bytes (made small here: many pieces per tensor), from the tensors'
+    own memory; its sha256 and size are those of the file on disk."""
+    import hashlib
+
+    import safetensors.torch
+
+    monkeypatch.setattr(ck, "_WRITE_CHUNK", 1000)
+    gen = torch.Generator().manual_seed(2)
+    base = torch.randn(40, 60, generator=gen)
+    tensors = {
+        "w": torch.randn(123, 45, generator=gen),
+        "view": base[:, :7],  # not contiguous
+        "half": torch.randn(77, generator=gen).half(),
+        "empty": torch.zeros(0),
+    }
+    path = tmp_path / "t.safetensors"
+    digest = ck.write_tensors(path, tensors)
+    raw = path.read_bytes()
+    assert digest == {"bytes": len(raw), "sha256": hashlib.sha256(raw).hexdigest()}
+    reference = tmp_path / "ref.safetensors"
+    safetensors.torch.save_file({n: t.contiguous() for n, t in tensors.items()}, str(reference))
+    assert raw == reference.read_bytes()
+    loaded = safetensors.torch.load_file(str(path))
+    for name, t in tensors.items():
+        assert torch.equal(loaded[name], t)

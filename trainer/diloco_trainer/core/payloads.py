@@ -130,22 +130,32 @@ _DTYPE_NAMES = {
 }
 
 
-def encode_body_buffer(
-    tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, Any]
-) -> memoryview:
-    """The bytes encode_body gives, written by torch into memory torch allocated, which releases
-    the interpreter lock throughout (safetensors' serialiser holds it for the whole P-sized
-    copy, and even a bytearray is zero-filled under it, so a pull body built in a worker thread
-    still stalled the event loop): the same layout (tensors by dtype size, then name; the
-    header's JSON padded with spaces to 8 bytes), as a read-only view of bytes."""
+@dataclass(frozen=True)
+class BodyLayout:
+    """Where a safetensors body puts each tensor: its prefix (the 8-byte length and the JSON
+    header, padded with spaces to 8 bytes), then each tensor's bytes at its offset after it,
+    in `order` (by dtype size, then name: safetensors' own layout)."""
+
+    prefix: bytes
+    order: list[str]
+    offsets: dict[str, tuple[int, int]]
+    data_bytes: int
+
+
+def body_layout(tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, Any]) -> BodyLayout:
+    """The layout safetensors gives these tensors and metadata; ValueError for a dtype it has
+    no name for."""
     order = sorted(tensors, key=lambda n: (-tensors[n].element_size(), n))
-    header: dict[str, Any] = {"__metadata__": dict(encode_metadata(metadata))}
+    # safetensors leaves __metadata__ out when there is none
+    header: dict[str, Any] = {"__metadata__": dict(encode_metadata(metadata))} if metadata else {}
+    offsets: dict[str, tuple[int, int]] = {}
     offset = 0
     for name in order:
         t = tensors[name]
         if t.dtype not in _DTYPE_NAMES:
             raise ValueError(f"tensor {name!r} has dtype {t.dtype}, which a body cannot hold")
         size = t.numel() * t.element_size()
+        offsets[name] = (offset, offset + size)
         header[name] = {
             "dtype": _DTYPE_NAMES[t.dtype],
             "shape": list(t.shape),
@@ -154,15 +164,29 @@ def encode_body_buffer(
         offset += size
     text = json.dumps(header, separators=(",", ":")).encode()
     text += b" " * (-len(text) % 8)
-    start = 8 + len(text)
-    out = torch.empty(start + offset, dtype=torch.uint8)
-    prefix = len(text).to_bytes(8, "little") + text
-    out[:start].copy_(torch.frombuffer(bytearray(prefix), dtype=torch.uint8))
-    for name in order:
-        begin, end = header[name]["data_offsets"]
+    return BodyLayout(len(text).to_bytes(8, "little") + text, order, offsets, offset)
+
+
+def tensor_bytes(t: torch.Tensor) -> torch.Tensor:
+    """A tensor's values as contiguous bytes (a view when it is contiguous already)."""
+    return t.detach().contiguous().reshape(-1).view(torch.uint8)
+
+
+def encode_body_buffer(
+    tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, Any]
+) -> memoryview:
+    """The bytes encode_body gives, written by torch into memory torch allocated, which releases
+    the interpreter lock throughout (safetensors' serialiser holds it for the whole P-sized
+    copy, and even a bytearray is zero-filled under it, so a pull body built in a worker thread
+    still stalled the event loop): the same layout (body_layout), as a read-only view."""
+    layout = body_layout(tensors, metadata)
+    start = len(layout.prefix)
+    out = torch.empty(start + layout.data_bytes, dtype=torch.uint8)
+    out[:start].copy_(torch.frombuffer(bytearray(layout.prefix), dtype=torch.uint8))
+    for name in layout.order:
+        begin, end = layout.offsets[name]
         if end > begin:
-            flat = tensors[name].detach().contiguous().reshape(-1).view(torch.uint8)
-            out[start + begin : start + end].copy_(flat)
+            out[start + begin : start + end].copy_(tensor_bytes(tensors[name]))
     return out.numpy().data.toreadonly()
 
 

@@ -45,6 +45,7 @@ import safetensors.torch
 import torch
 
 from diloco_trainer.api.manifest import CheckpointManifest
+from diloco_trainer.core import payloads
 
 log = logging.getLogger("diloco.checkpoint")
 
@@ -119,9 +120,26 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def _owned(tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    # safetensors refuses views and shared storage; a clone owns its memory.
-    return {n: t.detach().contiguous().clone() for n, t in tensors.items()}
+# Bytes written (and hashed) at a time: large enough for the disk, small enough that the copy
+# of a non-contiguous tensor stays small.
+_WRITE_CHUNK = 64 * 2**20
+
+
+def write_tensors(path: Path, tensors: Mapping[str, torch.Tensor]) -> dict[str, Any]:
+    """Write tensors as a safetensors file straight from their memory (no copy of them first,
+    no interpreter lock held for the bytes: file writes and sha256 release it), hashing the
+    bytes as they are written; returns {bytes, sha256} as _file_digest would."""
+    layout = payloads.body_layout(tensors, {})
+    h = hashlib.sha256(layout.prefix)
+    with path.open("wb") as f:
+        f.write(layout.prefix)
+        for name in layout.order:
+            raw = payloads.tensor_bytes(tensors[name])
+            for start in range(0, raw.numel(), _WRITE_CHUNK):
+                piece = raw[start : start + _WRITE_CHUNK].numpy().data
+                f.write(piece)
+                h.update(piece)
+    return {"bytes": len(layout.prefix) + layout.data_bytes, "sha256": h.hexdigest()}
 
 
 def save_checkpoint(
@@ -143,17 +161,15 @@ def save_checkpoint(
     root.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=TMP_PREFIX, dir=root))
     try:
-        safetensors.torch.save_file(_owned(weights), str(tmp / WEIGHTS_FILE))
-        safetensors.torch.save_file(_owned(momentum), str(tmp / OUTER_FILE))
-        files = [WEIGHTS_FILE, OUTER_FILE]
+        parts = {WEIGHTS_FILE: weights, OUTER_FILE: momentum}
         if published is not None:
-            safetensors.torch.save_file(_owned(published), str(tmp / PUBLISHED_FILE))
-            files.append(PUBLISHED_FILE)
+            parts[PUBLISHED_FILE] = published
+        # Streamed from the tensors given (the live ones, the caller keeping them still) and
+        # hashed as written.
+        digests = {name: write_tensors(tmp / name, part) for name, part in parts.items()}
+        files = list(parts)
         doc = {**manifest, "formatVersion": FORMAT_VERSION, "outerStep": outer_step}
-        doc[INTEGRITY_KEY] = {
-            "files": {name: _file_digest(tmp / name) for name in files},
-            "manifest": _manifest_hash(doc),
-        }
+        doc[INTEGRITY_KEY] = {"files": digests, "manifest": _manifest_hash(doc)}
         (tmp / MANIFEST_FILE).write_text(json.dumps(doc, indent=1, sort_keys=True))
         for name in (*files, MANIFEST_FILE):
             _fsync_file(tmp / name)

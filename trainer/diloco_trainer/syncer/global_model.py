@@ -72,7 +72,7 @@ class PreparedMerge:
 
 @dataclass(frozen=True)
 class TensorSnapshot:
-    """Copies of the global tensors, for a checkpoint written while merges go on."""
+    """The global tensors a checkpoint writes (GlobalModel.live_tensors)."""
 
     weights: Tensors
     momentum: Tensors
@@ -214,16 +214,13 @@ class GlobalModel:
         """A copy of θ_exact (to evaluate while merges go on)."""
         return {n: t.detach().clone() for n, t in self.weights.items()}
 
-    def tensor_snapshot(self) -> TensorSnapshot:
-        """Copies of everything a checkpoint holds of the model."""
+    def live_tensors(self) -> TensorSnapshot:
+        """Everything a checkpoint holds of the model, by reference (no copy: the caller keeps
+        them still while it writes them)."""
         return TensorSnapshot(
-            weights=self.snapshot(),
-            momentum={n: t.clone() for n, t in self.outer.state_tensors().items()},
-            published=(
-                {n: t.detach().clone() for n, t in self.published.items()}
-                if self.kept_apart
-                else None
-            ),
+            weights=dict(self.weights),
+            momentum=self.outer.state_tensors(),
+            published=dict(self.published) if self.kept_apart else None,
         )
 
     def restore(self, loaded: ckpt.Checkpoint) -> None:

@@ -1,10 +1,13 @@
-"""The syncer's background jobs: evaluations and checkpoints, on snapshots, in order.
+"""The syncer's evaluations and checkpoints, of the live weights, in order.
 
-The service takes a snapshot under its lock and schedules the job; the JobQueue runs jobs one at
-a time in the order they were scheduled, so neither learners nor the next merge wait for them, and
-a checkpoint includes every evaluation scheduled before it. A failed job is logged and skipped: a
+They read θ_exact, the outer momentum and θ_pub where they are (no copy of P: a snapshot cost
+one to three copies of the model at a time) while the service keeps them still: it runs them
+after a merge with its merge lock held, so the next merge waits for them; pushes, pulls, probes
+and heartbeats do not. The work runs in worker threads, and a checkpoint's files are written
+and hashed a piece at a time (checkpoint.write_tensors). A failed job is logged and skipped: a
 full disk must not stop training. A failed checkpoint write is a health problem (health.py, the
-status document, a metric) until the next one succeeds.
+status document, a metric) until the next one succeeds. The JobQueue runs any job scheduled on
+it one at a time, in order.
 
 Evaluation runs at start, every syncer.evalEveryOuterSteps outer steps and at the finish (its
 evalHistory entry appears shortly after the merge it follows); checkpoints every
@@ -153,23 +156,18 @@ class Evaluations:
         self.initial_loss = manifest.initial_eval_loss
         self.last_step = outer_step
 
-    async def job(self, weights: Tensors, step: int, tokens: int) -> None:
-        """A background evaluation of a snapshot taken at outer step `step`."""
-        loss = await asyncio.to_thread(self.evaluate_snapshot, weights)
-        self.record(loss, step=step, tokens=tokens)
-        log.info("eval at outer step %d (%d tokens): loss %.4f", step, tokens, loss)
-
 
 @dataclass(frozen=True)
 class CheckpointSnapshot:
-    """Everything a checkpoint of one moment needs, copied under the lock."""
+    """Everything a checkpoint of one moment needs: the manifest, and the tensors (the live
+    ones, kept still by the caller while the checkpoint is written)."""
 
     outer_step: int
     tensors: TensorSnapshot
     manifest: CheckpointManifest
 
 
-# Takes a CheckpointSnapshot: its manifest on the loop, its tensor copies in a worker thread.
+# Takes a CheckpointSnapshot: its manifest on the loop, the live tensors by reference.
 Snapshotter = Callable[[], Awaitable[CheckpointSnapshot]]
 
 
@@ -292,14 +290,16 @@ class BackgroundJobs:
         self.checkpoints.last_versions = list(manifest.versions)
 
     async def after_merge(self, step: int, tokens: int, snapshot: Snapshotter) -> None:
-        """Schedule the evaluation and checkpoint due at outer step `step`, on snapshots (taken
-        now, the caller's lock held; the copies in a worker thread, off the loop)."""
+        """The evaluation and checkpoint due at outer step `step`, of the live weights (no copy
+        of P): the caller keeps them still (the service's merge lock: the next merge waits,
+        pushes, pulls and probes do not), the work runs in worker threads, off the loop."""
         if step > self.evaluations.last_step and step % self.eval_every == 0:
-            weights = await asyncio.to_thread(self.model.snapshot)
-            self.queue.schedule(self.evaluations.job(weights, step, tokens))
-            self.evaluations.last_step = step
+            await self.queue.drain()  # jobs scheduled before land in evalHistory first
+            loss = await asyncio.to_thread(self.evaluations.evaluate_live)
+            self.evaluations.record(loss, step=step, tokens=tokens)
+            log.info("eval at outer step %d (%d tokens): loss %.4f", step, tokens, loss)
         if step > self.checkpoints.last_step and step % self.checkpoint_every == 0:
-            self.queue.schedule(self.checkpoints.write(await snapshot()))
+            await self.checkpoints.write(await snapshot())
             self.checkpoints.last_step = step
 
     async def finish(self, step: int, tokens: int, snapshot: Snapshotter) -> float | None:

@@ -20,11 +20,10 @@ state change atomic and is held only for short, P-free steps; one lock per fragm
 fragment's lock, a merge holds its fragment's from taking the round to publishing it, so a push
 never waits on another fragment's merge, and heartbeats, joins and status never wait on one.
 Merges run one at a time, in the scheduler (`merging`: a stop or a digest waits for the running
-one), so the whole-model steps after a merge (evaluation and checkpoint snapshots, publishing the
-other fragments' outer step) see no merge half-applied. A request that fails validation changes
-nothing: size,
-safetensors, metadata, membership/staleness and tensor names/shapes/dtypes are all checked before
-the state is touched.
+one), so the whole-model steps after a merge (evaluation and checkpoint of the live weights,
+publishing the other fragments' outer step) see no merge half-applied. A request that fails
+validation changes nothing: size, safetensors, metadata, membership/staleness and tensor
+names/shapes/dtypes are all checked before the state is touched.
 
 Hostile and broken input (README's Security section; gate.py, merge.py): only the job's own island
 names join, a push passes the guards (finite, norm bounds, steps and tokens of one round) before
@@ -429,6 +428,7 @@ class Syncer:
                 return
             new_version = self.state.versions[f] + 1  # only this merge moves f's version
             result = await asyncio.to_thread(self.merger.commit, merge, prepared, new_version)
+            del prepared  # the merged pseudo-gradient (1/F x) goes before the new body comes
             # f's new pull body, built before the round closes so that it is pullable the
             # moment the version moves; its key is checked again then (publish re-encodes it
             # if the outer step came out otherwise).
@@ -452,11 +452,11 @@ class Syncer:
         log.info("%s%s", describe_merge(entry), eval_note)
 
     async def _after_merge(self) -> float | None:
-        """Publish, evaluate, checkpoint and finish as due (lock held); returns an eval loss when
-        one was computed here (the finish), else None.
+        """Publish, evaluate, checkpoint and finish as due (merge lock held); returns an eval
+        loss when one was computed here (the finish), else None.
 
-        Normally the merged fragments are published first and the evaluation and checkpoint run
-        in the background on snapshots, so learners and the next merge never wait for them. At
+        Normally the merged fragments are published first, then the evaluation and checkpoint
+        read the live weights (jobs.py): learners never wait for them, the next merge does. At
         the finish, evaluation and checkpoint complete before finished=true is published.
         """
         step = self.state.outer_step
@@ -471,9 +471,9 @@ class Syncer:
         return loss
 
     async def _checkpoint_snapshot(self) -> CheckpointSnapshot:
-        """Everything a checkpoint of the current state needs, copied (lock held, or at a stop
-        no merge left to run): the manifest on the loop, the tensors (P-sized) in a worker
-        thread."""
+        """Everything a checkpoint of the current state needs (merge lock held, or at a stop no
+        merge left to run): the manifest, and the live tensors, which no merge moves until the
+        checkpoint is written (jobs.py)."""
         manifest = checkpoint_manifest(
             self.identity,
             rounds=self.state.saved(),
@@ -485,7 +485,7 @@ class Syncer:
             time=self.clock(),
         )
         outer_step = self.state.outer_step
-        tensors = await asyncio.to_thread(self.model.tensor_snapshot)
+        tensors = self.model.live_tensors()
         return CheckpointSnapshot(outer_step=outer_step, tensors=tensors, manifest=manifest)
 
 
