@@ -127,7 +127,8 @@ def test_merge_status_aggregates_per_fragment_and_sums() -> None:
     assert merged.outer_step == 2  # the least-merged fragment is shard 1's
     assert merged.versions == [3, 2, 7]
     assert merged.pending == [1, 1, 2]
-    assert merged.tokens == 140
+    # 3 fragments: shard 0 owns 2 (its mean 100), shard 1 owns 1 (40): (2 x 100 + 40) / 3 = 80.
+    assert merged.tokens == 80
     assert merged.merge_count == 12
     assert merged.pulls == {"full": 5, "updates": 3}
     assert merged.refusals == {"island-0": {"stale": 3}, "island-1": {"norm_outlier": 1}}

@@ -1,4 +1,4 @@
-"""One syncer shard (syncer/shard_scope.py): its outer step counts its own fragments only, a
+"""One syncer shard (syncer/shard_scope.py): its outer step and tokens count its own fragments, a
 request for another shard's fragment is refused 421 naming the owner before any body is read,
 and a shard out of range is a config error naming the variable."""
 
@@ -82,6 +82,8 @@ def test_syncer_shard_counts_only_its_fragments(tmp_path: Path) -> None:
     # Fragment 1 merged once, fragment 0 (shard 0's) never: the shard is one outer step on.
     assert syncer.state.versions == [0, 1]
     assert syncer.outer_step == 1
+    # 100 tokens merged into its one own fragment: 100 (a mean over both fragments would be 50).
+    assert syncer.tokens == 100
 
 
 async def _answers(syncer: Syncer, shard: int) -> list[tuple[int, dict[str, str]]]:

@@ -136,7 +136,8 @@ def merge_status(statuses: Sequence[SyncerStatus]) -> SyncerStatus:
 
     Per fragment (versions, pending) from the shard that owns it; the outer step is the least
     of the shards' (each is the least-merged fragment it owns, so this is the job's least-merged
-    fragment); counts that add up (tokens, merges, bytes, pulls, refusals) summed; the islands,
+    fragment); merged tokens the mean over fragments (each shard's own mean weighed by its share
+    of the fragments); counts that add up (merges, bytes, pulls, refusals) summed; the islands,
     quorum and evaluation of shard 0 (every shard holds the membership); finished when every
     shard is; the first failure of any shard; the oldest newest checkpoint (what a restart of
     every shard would resume from at least); a digest of the shards' digests."""
@@ -158,7 +159,10 @@ def merge_status(statuses: Sequence[SyncerStatus]) -> SyncerStatus:
             "versions": [statuses[shard_of(f, shards)].versions[f] for f in range(n)],
             "pending": [_pending(statuses[shard_of(f, shards)], f) for f in range(n)],
             "finished": all(s.finished for s in statuses),
-            "tokens": sum(s.tokens for s in statuses),
+            # each shard's tokens are averaged over its own fragments: weigh by their share
+            "tokens": round(
+                sum(s.tokens * len(fragments_of(i, shards, n)) for i, s in enumerate(statuses)) / n
+            ),
             "merge_count": sum(s.merge_count for s in statuses),
             "bytes_in": sum(s.bytes_in for s in statuses),
             "bytes_out": sum(s.bytes_out for s in statuses),

@@ -5,8 +5,9 @@ A shard is a whole syncer whose pushes and pulls are only those of its fragments
 refuses any other fragment with 421 (code `wrong_shard`, the message naming the owner) before a
 body is read, so the other fragments' rounds stay empty, are never merged, and keep the weights
 the job started from. The outer step it reports (status, stopAfter, checkpoint cadence) is that
-of its least-merged own fragment (ShardState), so one shard finishes when its fragments have had
-their rounds of work. The membership is whole on every shard (the module docstring of
+of its least-merged own fragment (ShardState), and its merged tokens are averaged over its own
+fragments (ShardMergeLog), so one shard finishes when its fragments have had their rounds of work
+or tokens. The membership is whole on every shard (the module docstring of
 api/sharding.py says why).
 """
 
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 from aiohttp import web
 from aiohttp.typedefs import Middleware
@@ -27,6 +29,7 @@ from diloco_trainer.api.sharding import (
     wrong_shard_message,
 )
 from diloco_trainer.api.spec import ConfigError, JobSpec
+from diloco_trainer.syncer.merge_log import MergeLog
 from diloco_trainer.syncer.records import Refused, RoundPolicy
 from diloco_trainer.syncer.rounds import SyncState
 
@@ -70,6 +73,10 @@ class ShardScope:
     ) -> SyncState:
         """The rounds of every fragment, counting the outer step over this shard's own."""
         return ShardState(policy, num_fragments, versions, rounds, owned=self.owned)
+
+    def new_merge_log(self, num_fragments: int, state_dir: Path) -> MergeLog:
+        """The merge log, counting tokens over this shard's own fragments."""
+        return ShardMergeLog(num_fragments, state_dir, owned=self.owned)
 
 
 def check_shard(spec: JobSpec, shard: int) -> None:
@@ -121,3 +128,17 @@ class ShardState(SyncState):
     @property
     def outer_step(self) -> int:
         return min(self.rounds[f].rounds for f in self.owned)
+
+
+class ShardMergeLog(MergeLog):
+    """MergeLog whose merged tokens are averaged over this shard's own fragments (the others
+    are never merged here), so stopAfter.tokens means the same on every shard as for the job;
+    sharding.merge_status weighs each shard's by its share of the fragments."""
+
+    def __init__(self, fragments: int, state_dir: Path, *, owned: list[int]) -> None:
+        super().__init__(fragments, state_dir)
+        self.owned = owned
+
+    @property
+    def tokens(self) -> int:
+        return round(sum(self.fragment_tokens[f] for f in self.owned) / len(self.owned))

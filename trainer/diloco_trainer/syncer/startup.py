@@ -96,7 +96,9 @@ def build(
     model = GlobalModel(spec, parts.model, parts.plain_merge_names)
     n = len(model.fragments)
     publisher = Publisher(model, max_staleness=spec.staleness_bound(), metrics=metrics)
-    merge_log = MergeLog(n, state_dir)
+    # One shard of several (shard_scope.py): its outer step and tokens count its own fragments.
+    scope = ShardScope.of(spec, shard, n) if spec.syncer.shards > 1 else None
+    merge_log = MergeLog(n, state_dir) if scope is None else scope.new_merge_log(n, state_dir)
     jobs = BackgroundJobs(
         spec, parts, model, state_dir=state_dir, metrics=metrics, clock=clock, health=health
     )
@@ -105,8 +107,7 @@ def build(
     if loaded is not None and loaded.document.spec_hash != spec_hash:
         log.warning("the job spec changed since checkpoint %s; resuming anyway", loaded.path)
     policy = round_policy(spec, n)
-    # One shard of several counts its outer step over its own fragments (shard_scope.py).
-    new_state = ShardScope.of(spec, shard, n).new_state if spec.syncer.shards > 1 else SyncState
+    new_state = SyncState if scope is None else scope.new_state
     if loaded is None:
         state = new_state(policy, n)
     else:
