@@ -11,9 +11,13 @@ pseudo-gradients, K = M (every island pushes every fragment each round). Measure
   not counted);
 - /healthz latency (p50, p99, max) from a poller hitting it every 20 ms while the rounds run;
 - a plain-torch floor in the same run: one copy of the fragment's fp32 bytes plus the weighted sum
-  of M fp32 pseudo-gradients of that fragment (what a merge must at least do).
+  of M fp32 pseudo-gradients of that fragment (what a merge must at least do);
+- a checkpoint written and resumed: the syncer stopped (SIGTERM writes a checkpoint of what was
+  merged; the time to its exit), then a new syncer on the same state dir until ready (resume
+  time, its start-up peak) and whether it serves the same versions.
 
     python -m bench.syncer_scale --preset gpt-125m --islands 4 8 --fragments 2 --rounds 2
+    (--fragments takes several values too: each M runs with each F)
 """
 
 from __future__ import annotations
@@ -146,6 +150,16 @@ class CaseResult:
     healthz_p99_ms: float
     healthz_max_ms: float
     healthz_failures: int
+    stop_with_checkpoint_s: float
+    resume_s: float
+    resume_hwm_x: float
+    resumed_versions: list[int]
+    versions_before: list[int]
+
+
+async def versions_of(url: str, token: str) -> list[int]:
+    async with SyncerClient(url, token, request_timeout=600) as client:
+        return list((await client.status()).versions)
 
 
 async def run_rounds(
@@ -259,8 +273,25 @@ def run_case(
         sampler.done.set()
         sampler.join()
         peak = max(sampler.peak, rss_bytes(pid)[1])
+        before = asyncio.run(versions_of(url, files.token))
+        t1 = time.perf_counter()
+        proc.stop(timeout=900)  # SIGTERM: a checkpoint of what was merged, then exit
+        stopped = time.perf_counter() - t1
+        t2 = time.perf_counter()
+        proc = launch.start_syncer(
+            files,
+            port=port,
+            state_dir=workdir / "state",
+            job_name="bench",
+            log_file=workdir / "syncer-resumed.log",
+            extra_env={"OMP_NUM_THREADS": "1"},
+        )
+        launch.wait_ready(url, files.token, timeout=900, proc=proc)
+        resumed = time.perf_counter() - t2
+        resume_hwm = rss_bytes(proc.pid)[1]
+        after = asyncio.run(versions_of(url, files.token))
     finally:
-        proc.stop(timeout=10)
+        proc.stop(timeout=900)
     fragment_numel = params // fragments
     floors = [floor_seconds(fragment_numel, islands) for _ in range(2)]
     probe = sorted(sampler.probe)
@@ -281,6 +312,11 @@ def run_case(
         healthz_p99_ms=1000 * probe[min(len(probe) - 1, int(len(probe) * 0.99))],
         healthz_max_ms=1000 * probe[-1],
         healthz_failures=sampler.failures,
+        stop_with_checkpoint_s=stopped,
+        resume_s=resumed,
+        resume_hwm_x=resume_hwm / x,
+        resumed_versions=after,
+        versions_before=before,
     )
 
 
@@ -288,7 +324,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--preset", default="gpt-125m")
     p.add_argument("--islands", nargs="+", type=int, default=[4, 8])
-    p.add_argument("--fragments", type=int, default=2)
+    p.add_argument("--fragments", nargs="+", type=int, default=[2])
     p.add_argument("--codec", default="int8")
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--out", type=Path, default=None, help="write the results as JSON here")
@@ -299,9 +335,9 @@ def main(argv: list[str] | None = None) -> int:
     ).stdout.strip()
     results: list[dict[str, Any]] = []
     print(f"revision {rev}, load {Path('/proc/loadavg').read_text().split()[:3]}", flush=True)
-    for m in args.islands:
+    for m, f in [(m, f) for m in args.islands for f in args.fragments]:
         with tempfile.TemporaryDirectory(prefix="syncer-scale-") as tmp:
-            r = run_case(args.preset, m, args.fragments, args.codec, args.rounds, Path(tmp))
+            r = run_case(args.preset, m, f, args.codec, args.rounds, Path(tmp))
         results.append(asdict(r))
         pullable = statistics.median(r.to_pullable_s)
         floor = statistics.median(r.floor_s)
@@ -313,7 +349,9 @@ def main(argv: list[str] | None = None) -> int:
             f"{statistics.median(r.sent_to_pullable_s):.2f}s), floor {floor:.2f}s "
             f"({pullable / floor:.1f}x); /healthz p50 {r.healthz_p50_ms:.0f} ms, p99 "
             f"{r.healthz_p99_ms:.0f} ms, max {r.healthz_max_ms:.0f} ms, "
-            f"{r.healthz_failures} failed",
+            f"{r.healthz_failures} failed; stop with checkpoint {r.stop_with_checkpoint_s:.1f}s, "
+            f"resume {r.resume_s:.1f}s (peak {r.resume_hwm_x:.2f}x), versions "
+            f"{r.versions_before} -> {r.resumed_versions}",
             flush=True,
         )
     print(f"load after {Path('/proc/loadavg').read_text().split()[:3]}", flush=True)
