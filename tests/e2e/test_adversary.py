@@ -172,3 +172,22 @@ def test_adversary_ratchet_cannot_raise_the_bound(syncer: SyncerHandle) -> None:
     doc = syncer.status()
     assert doc["islands"][ADVERSARY]["state"] == protocol.STATE_DROPPED  # its own outliers
     assert set(doc["refusals"]) == {ADVERSARY}
+
+
+def test_adversary_sign_flip_is_refused_by_direction(syncer: SyncerHandle) -> None:
+    """An island pushing the negation of what the others push, at five times their norm (inside
+    the learned bound of ten times), would move the model backwards with its merge weight. The
+    direction check (cosine with the others' latest pushes below -0.5) refuses it; the refusals
+    never count towards dropping it (the others decide them), and the honest islands merge."""
+    shapes = join_all(syncer)
+    for _ in range(WARMUP):
+        honest_round(syncer, shapes)
+    flipped = filled(shapes, -5 * HONEST_VALUE)
+    codes = [push_as(syncer, ADVERSARY, flipped) for _ in range(10)]
+    assert [c for c, _ in codes] == [422] * 10, codes[0]
+    assert all(d["code"] == protocol.ERROR_NORM_OUTLIER for _, d in codes)
+    assert "points against" in codes[0][1]["error"]
+    honest_round(syncer, shapes)
+    doc = syncer.status()
+    assert doc["islands"][ADVERSARY]["state"] == protocol.STATE_ACTIVE  # refused, not dropped
+    assert honest_active(syncer) == dict.fromkeys(HONEST, protocol.STATE_ACTIVE)

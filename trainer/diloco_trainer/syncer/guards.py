@@ -13,6 +13,9 @@ well formed (validation.py) is still refused, with 422 and a code naming the rea
   blown-up Δ is refused long before it reaches the hard cap, and one a minority of islands
   cannot move: a flood of near-zero pushes cannot make honest pushes outliers, a ratchet cannot
   raise the bound the others are judged by;
+- it points against the other islands' recent pushes: its cosine with the sum of their latest
+  pushes' directions (one vote per island, sampled at fixed positions: direction.py) is below
+  direction.AGAINST, so no island can push the negation of the merged update up to the bound;
 - it claims more inner steps than one round of an island holds (STEP_ROUNDS x H + τ), or more
   tokens than those steps can carry (steps x batch x seqLen x the island's replicas): the merge
   weight grows with tokens² / steps, so an unbounded claim would take the whole merge;
@@ -43,6 +46,7 @@ from torch import Tensor
 from diloco_trainer.api import protocol
 from diloco_trainer.api.spec import JobSpec
 from diloco_trainer.core.merge import contribution_weight
+from diloco_trainer.syncer.direction import AGAINST, Directions, direction_sample
 from diloco_trainer.syncer.records import Contribution, Refused
 
 # A push may hold this many rounds of an island's steps (plus the overlap): a learner pushes each
@@ -91,6 +95,7 @@ class DeltaStats:
 
     norm: float  # L2 norm over every tensor (a lower bound when huge); nan when not finite
     finite: bool
+    sample: Tensor | None = None  # direction.direction_sample when finite (None: not checked)
 
 
 def delta_stats(payload: Mapping[str, Tensor]) -> DeltaStats:
@@ -107,7 +112,7 @@ def delta_stats(payload: Mapping[str, Tensor]) -> DeltaStats:
             total += amax * amax
             continue
         total += float(torch.linalg.vector_norm(t.float())) ** 2
-    return DeltaStats(math.sqrt(total), True)
+    return DeltaStats(math.sqrt(total), True, direction_sample(payload))
 
 
 def auto_norm_caps(
@@ -253,11 +258,13 @@ class ContributionGuard:
     max_refusals: int
     history: NormHistory = field(init=False)
     rate: WorkRate = field(init=False)
+    directions: Directions = field(init=False)
     streaks: dict[str, int] = field(default_factory=dict)  # refusals in a row per island
 
     def __post_init__(self) -> None:
         self.history = NormHistory(len(self.caps))
         self.rate = WorkRate(self.work.max_steps, len(self.caps))
+        self.directions = Directions(len(self.caps))
 
     def check_work(self, *, tokens: int, steps: int, replicas: int) -> None:
         self.work.check(tokens=tokens, steps=steps, replicas=replicas)
@@ -303,9 +310,26 @@ class ContributionGuard:
                 # the bound over islands is one no island can be dropped for alone.
                 own_fault=own_bound is not None and stats.norm > own_bound,
             )
+        self.check_direction(fragment, island, stats)
+
+    def check_direction(self, fragment: int, island: str, stats: DeltaStats) -> None:
+        """ContributionRefused when the push points against the other islands' recent pushes
+        (direction.py); never counted towards a drop: the others' pushes decide it."""
+        if stats.sample is None:
+            return
+        cos = self.directions.against_others(fragment, island, stats.sample)
+        if cos is not None and cos < AGAINST:
+            raise ContributionRefused(
+                protocol.ERROR_NORM_OUTLIER,
+                f"push to fragment {fragment} points against the other islands' recent pushes "
+                f"(cosine {cos:.3f}, below {AGAINST:g}): not a descent they share",
+                own_fault=False,
+            )
 
     def accepted(self, fragment: int, island: str, stats: DeltaStats) -> None:
         self.history.record(fragment, island, stats.norm)
+        if stats.sample is not None:
+            self.directions.record(fragment, island, stats.sample)
         self.streaks.pop(island, None)
 
     def refused(self, island: str, err: Refused) -> bool:
