@@ -108,7 +108,7 @@ def test_merge_status_aggregates_per_fragment_and_sums() -> None:
         merge_count=10,
         pulls={"full": 4},
         refusals={"island-0": {"stale": 1}},
-        checkpoint=CheckpointRef(path="a/ckpt-3", outer_step=3),
+        checkpoint=CheckpointRef(path="/a/checkpoints/ckpt-3", outer_step=3),
         last_merge_time=50.0,
     )
     shard1 = _status(
@@ -119,7 +119,7 @@ def test_merge_status_aggregates_per_fragment_and_sums() -> None:
         merge_count=2,
         pulls={"full": 1, "updates": 3},
         refusals={"island-0": {"stale": 2}, "island-1": {"norm_outlier": 1}},
-        checkpoint=CheckpointRef(path="b/ckpt-2", outer_step=2),
+        checkpoint=CheckpointRef(path="/b/checkpoints/ckpt-2", outer_step=2),
         last_merge_time=70.0,
         failure="merge failed",
     )
@@ -132,7 +132,8 @@ def test_merge_status_aggregates_per_fragment_and_sums() -> None:
     assert merged.merge_count == 12
     assert merged.pulls == {"full": 5, "updates": 3}
     assert merged.refusals == {"island-0": {"stale": 3}, "island-1": {"norm_outlier": 1}}
-    assert merged.checkpoint == CheckpointRef(path="b/ckpt-2", outer_step=2)
+    # Paths that name no shard dirs: the least advanced shard's checkpoint.
+    assert merged.checkpoint == CheckpointRef(path="/b/checkpoints/ckpt-2", outer_step=2)
     assert merged.last_merge_time == 70.0
     assert merged.failure == "merge failed"
     assert merged.finished is False
@@ -144,7 +145,7 @@ def test_merge_status_of_one_shard_is_that_status() -> None:
 
 
 def test_merge_status_without_a_checkpoint_on_some_shard_has_none() -> None:
-    shard0 = _status(checkpoint=CheckpointRef(path="a/ckpt-3", outer_step=3))
+    shard0 = _status(checkpoint=CheckpointRef(path="/a/checkpoints/ckpt-3", outer_step=3))
     assert merge_status([shard0, _status()]).checkpoint is None
 
 
@@ -180,3 +181,21 @@ def test_spec_shard_endpoints_one_per_shard_and_checked_like_endpoint() -> None:
         parse_spec({"syncer": {"shards": 2, "shardEndpoints": [urls[0], "http://s1.example"]}})
     with pytest.raises(ConfigError, match=r"spec\.syncer\.shardEndpoints\.0"):
         parse_spec({"syncer": {"shards": 2, "shardEndpoints": ["ftp://x", urls[1]]}})
+
+
+def test_merge_status_checkpoint_is_the_state_root_export_reads() -> None:
+    def ref(path: str, step: int) -> CheckpointRef:
+        return CheckpointRef(path=path, outer_step=step)
+
+    # `diloco run`: STATE/shard-I/checkpoints/ckpt-N -> STATE at the least outer step.
+    local = [
+        _status(checkpoint=ref("/w/syncer/shard-0/checkpoints/ckpt-000000004", 4)),
+        _status(checkpoint=ref("/w/syncer/shard-1/checkpoints/ckpt-000000003", 3)),
+    ]
+    assert merge_status(local).checkpoint == ref("/w/syncer", 3)
+    # Pods: every shard sees its own directory of the claim at one path.
+    pods = [
+        _status(checkpoint=ref("/var/lib/diloco/checkpoints/ckpt-000000005", 5)),
+        _status(checkpoint=ref("/var/lib/diloco/checkpoints/ckpt-000000006", 6)),
+    ]
+    assert merge_status(pods).checkpoint == ref("/var/lib/diloco", 5)

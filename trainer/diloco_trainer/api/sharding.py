@@ -15,9 +15,9 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Sequence
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 
-from diloco_trainer.api.documents import HeartbeatAnswer, JoinInfo, SyncerStatus
+from diloco_trainer.api.documents import CheckpointRef, HeartbeatAnswer, JoinInfo, SyncerStatus
 
 # A request for a fragment that another shard owns: 421 Misdirected Request, with this code and
 # a message naming the right shard (the learner was given the wrong list of shard URLs).
@@ -131,6 +131,24 @@ def _digest(digests: Sequence[str | None]) -> str | None:
     return hashlib.sha256(",".join(d or "" for d in digests).encode()).hexdigest()
 
 
+def _checkpoint(refs: Sequence[CheckpointRef | None]) -> CheckpointRef | None:
+    """The shards' newest checkpoints as one: the state root `diloco export` assembles the
+    model from (STATE of STATE/shard-I/checkpoints/ckpt-N as `diloco run` keeps them, or the one
+    path every shard sees its own state at, as a shard's pod does) at the least outer step; the
+    least advanced shard's when the paths say neither; None while a shard has none."""
+    if any(r is None for r in refs):
+        return None
+    known = [r for r in refs if r is not None]
+    step = min(r.outer_step for r in known)
+    dirs = [PurePosixPath(r.path).parent.parent for r in known]  # STATE/checkpoints/ckpt-N
+    sharded = [d.name == f"{SHARD_DIR_PREFIX}{i}" for i, d in enumerate(dirs)]
+    if all(sharded) and len({d.parent for d in dirs}) == 1:
+        return CheckpointRef(path=str(dirs[0].parent), outer_step=step)
+    if len(set(dirs)) == 1:
+        return CheckpointRef(path=str(dirs[0]), outer_step=step)
+    return min(known, key=lambda r: r.outer_step)
+
+
 def merge_status(statuses: Sequence[SyncerStatus]) -> SyncerStatus:
     """The status documents of every shard (in shard order) read as one syncer's.
 
@@ -139,8 +157,8 @@ def merge_status(statuses: Sequence[SyncerStatus]) -> SyncerStatus:
     fragment); merged tokens the mean over fragments (each shard's own mean weighed by its share
     of the fragments); counts that add up (merges, bytes, pulls, refusals) summed; the islands,
     quorum and evaluation of shard 0 (every shard holds the membership); finished when every
-    shard is; the first failure of any shard; the oldest newest checkpoint (what a restart of
-    every shard would resume from at least); a digest of the shards' digests."""
+    shard is; the first failure of any shard; the shards' checkpoints as one (_checkpoint); a
+    digest of the shards' digests."""
     if len(statuses) == 1:
         return statuses[0]
     shards = len(statuses)
@@ -172,8 +190,6 @@ def merge_status(statuses: Sequence[SyncerStatus]) -> SyncerStatus:
             "last_merge_time": max(times) if times else None,
             "failure": next((s.failure for s in statuses if s.failure), None),
             "digest": _digest([s.digest for s in statuses]),
-            "checkpoint": None
-            if any(c is None for c in checkpoints)
-            else min(checkpoints, key=lambda c: c.outer_step if c else 0),
+            "checkpoint": _checkpoint(checkpoints),
         }
     )
