@@ -8,7 +8,9 @@ live syncer with its own island credential, as in tests/e2e/test_adversary*.py (
 - fast_claims: zero pushes claiming one push's most steps and tokens at a 1 ms step time;
 - slot_holding: six push bodies trickled by the island's credential and six by the admin's;
 - connection_flood: every connection one peer address may open, held idle (another address);
-- merge_log: no participant, but the merge log unwritable (a directory) for the whole run.
+- merge_log: no participant, but the merge log unwritable (a directory) for the whole run;
+- sign_flip: after every merge, three times the last merged update of the global weights, so the
+  push points against the honest islands' pseudo-gradients (the direction check's case).
 
 The baseline ('none') is the same job with the third island never joining, trained 25% longer.
 Every other run stops at the same stopAfter.tokens; an adversary's accepted claims count towards
@@ -25,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import select
 import socket
 import threading
@@ -32,7 +35,7 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -65,11 +68,14 @@ VARIANTS = (
     "slot_holding",
     "connection_flood",
     "merge_log",
+    "sign_flip",
 )
 HONEST = ("island-0", "island-1")
 ADVERSARY = "island-2"
 TARGET = 0.02  # eval loss within 2% of the baseline's at equal honest tokens
 ELSEWHERE = "127.0.0.3"  # the connection flood's own peer address
+START_ATTEMPTS = 3
+OUTCOMES = "outcomes.jsonl"  # each finished run, in the workdir
 # The baseline trains this much longer than the budget (its final loss is not compared).
 BASELINE_MARGIN = 1.25
 
@@ -166,6 +172,23 @@ class Adversary(threading.Thread):
             self.push({n: value * s for n, s in sign.items()})
             k += 1
 
+    def weights(self) -> dict[str, torch.Tensor]:
+        code, raw = self.request("GET", "/v1/fragments/0?after=-1", None, self.token)
+        assert code == 200, code
+        return payloads.decode_body(raw)[0]
+
+    def sign_flip(self) -> None:
+        self.shapes()
+        version, before = self.job.status()["versions"][0], self.weights()
+        while not self.stop.wait(0.2):
+            now = self.job.status()["versions"][0]
+            if now == version:
+                continue
+            after = self.weights()
+            # θ moved by -lr x the merged Δ: 3 x (after - before) points against the honest Δs.
+            self.push({n: 3.0 * (after[n] - before[n]) for n in after})
+            version, before = now, after
+
     def fast_claims(self) -> None:
         spec = self.job.spec
         zero = {n: torch.zeros_like(t) for n, t in self.shapes().items()}
@@ -249,19 +272,26 @@ def start_job(spec: JobSpec, where: Path, variant: str) -> OursRun:
     job = OursRun(spec=spec, workdir=where, job_name=f"adversary-{variant}")
     where.mkdir(parents=True, exist_ok=True)
     job.files = write_job_files(spec, where)
-    job.port = free_port()
-    job.syncer = track(
-        start_syncer(
-            job.files,
-            port=job.port,
-            state_dir=where / "syncer",
-            job_name=job.job_name,
-            log_file=where / "syncer.log",
-            extra_env=THREADS_ENV,
+    for attempt in range(START_ATTEMPTS):
+        job.port = free_port()  # another process may take it before the syncer binds: retry
+        job.syncer = track(
+            start_syncer(
+                job.files,
+                port=job.port,
+                state_dir=where / "syncer",
+                job_name=job.job_name,
+                log_file=where / f"syncer.{attempt}.log",
+                extra_env=THREADS_ENV,
+            )
         )
-    )
-    wait_ready(job.url, job.files.token, 120, proc=job.syncer)
-    return job
+        try:
+            wait_ready(job.url, job.files.token, 120, proc=job.syncer)
+            return job
+        except RuntimeError:
+            job.syncer.stop(timeout=10)
+            if attempt + 1 == START_ATTEMPTS:
+                raise
+    raise AssertionError("unreachable")
 
 
 def start_learners(job: OursRun) -> None:
@@ -321,6 +351,19 @@ def run_variant(args: argparse.Namespace, seed: int, variant: str, where: Path) 
         honest_states=[islands[i]["state"] if i in islands else "-" for i in HONEST],
         seconds=time.monotonic() - began,
     )
+
+
+def load_outcomes(path: Path) -> dict[tuple[int, str], Outcome]:
+    """The runs a previous invocation with the same --workdir finished."""
+    if not path.exists():
+        return {}
+    out = {}
+    for line in path.read_text().splitlines():
+        doc = json.loads(line)
+        doc["history"] = [tuple(p) for p in doc["history"]]
+        o = Outcome(**doc)
+        out[(o.seed, o.variant)] = o
+    return out
 
 
 def report(outcomes: list[Outcome], args: argparse.Namespace) -> Report:
@@ -399,9 +442,15 @@ def main() -> int:
     install_signal_cleanup()
     outcomes = []
     with LoadMonitor() as load, workdir(args.workdir, "adversary") as root:
+        saved = load_outcomes(root / OUTCOMES)  # a run cut short goes on from these (--workdir)
         for seed in args.seeds:
             for variant in args.variants:
-                o = run_variant(args, seed, variant, root / f"{variant}-{seed}")
+                o = saved.get((seed, variant)) or run_variant(
+                    args, seed, variant, root / f"{variant}-{seed}"
+                )
+                if (seed, variant) not in saved:
+                    with (root / OUTCOMES).open("a") as f:
+                        f.write(json.dumps(asdict(o)) + "\n")
                 print(
                     f"seed {seed} {variant}: eval loss {o.eval_loss:.4f}, "
                     f"honest tokens {o.honest_tokens}, {o.seconds:.0f}s",
