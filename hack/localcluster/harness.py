@@ -5,6 +5,8 @@ the one module they import (what it re-exports lives in polling.py and operator_
 - readiness of pods and jobs (`pod_ready`, `ready_pods`, `condition_status`, `ready_patch`);
 - `ControlPlane`: a cluster started by hack/local-cluster (`start_control_plane`,
   `stop_control_plane`) with kubectl and API-client helpers;
+- `start_kueue`: Kueue (built from its pinned module) installed into such a cluster, its manager
+  one more process of the cluster (kueue.py);
 - `OperatorProcess`: `diloco operator` as a local process in its own process group, its log in
   a file, up once its liveness endpoint answers.
 
@@ -30,6 +32,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
+from .kueue import KueueManager, resolve_kueue_dir, start_kueue
 from .objects import condition_status, pod_ready
 from .operator_process import (
     DILOCO,
@@ -49,6 +52,7 @@ __all__ = [
     "ClusterStartError",
     "ControlPlane",
     "KubectlError",
+    "KueueManager",
     "OperatorProcess",
     "ProcessExited",
     "StoppedHolding",
@@ -60,9 +64,11 @@ __all__ = [
     "poll_until",
     "ready_patch",
     "ready_pods",
+    "resolve_kueue_dir",
     "run_local_cluster",
     "standalone_operator_args",
     "start_control_plane",
+    "start_kueue",
     "stop_control_plane",
     "with_ports",
 ]
