@@ -3,6 +3,9 @@ fallback to the encoded payloads when the round changed in a way a fold cannot f
 
 from __future__ import annotations
 
+import gc
+from pathlib import Path
+
 import torch
 from diloco_trainer.core.compress import decode_tensors, encode_tensors
 from diloco_trainer.core.contributions import Contributor, MergePlan, plan_merge
@@ -117,3 +120,25 @@ def test_a_push_that_cannot_be_folded_drops_the_fold() -> None:
     assert not rf.add(0, bad, {"a": torch.zeros(3)}, 0.0)  # wrong names and shape
     assert rf.held_bytes() == 0
     assert rf.take(0, [c], plan_of([c], [0.0])) is None
+
+
+def test_a_spilled_payload_reads_back_the_same_and_its_file_goes_with_it(
+    tmp_path: Path,
+) -> None:
+    """A folded push's encoded tensors go to a file (memory flat in the number of islands); a
+    merge that must read it again decodes the same values from the file, and the file is gone
+    once the payload is."""
+    gen = torch.Generator().manual_seed(4)
+    shapes = {"w": torch.Size([37, 29]), "b": torch.Size([300])}
+    flat = encode_tensors({n: torch.randn(s, generator=gen) for n, s in shapes.items()}, "int8")
+    kept = EncodedPayload(flat, "int8", shapes)
+    spilled = EncodedPayload(flat, "int8", shapes)
+    spilled.spill(tmp_path / "pending")
+    assert spilled.flat == {} and spilled.path is not None and spilled.path.is_file()
+    assert spilled.nbytes == kept.nbytes == sum(t.numel() * t.element_size() for t in flat.values())
+    for name in shapes:
+        assert torch.equal(spilled[name], kept[name])
+    path = spilled.path
+    del spilled
+    gc.collect()
+    assert not path.exists()

@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 from diloco_trainer.core import payloads
+from diloco_trainer.syncer import startup
 from diloco_trainer.syncer.service import Syncer
 
 from .test_syncer import FakeClock, body, delta, make_spec, run, started
@@ -144,3 +145,24 @@ def test_merge_seconds_run_until_the_new_version_is_pullable(tmp_path: Path) -> 
     assert seconds >= held
     assert pulled is not None, "the merged version was not pullable when the merge returned"
     assert payloads.decode_body(pulled)[1]["version"] == "1"
+
+
+def test_pending_pushes_wait_on_disk_and_leave_with_their_round(tmp_path: Path) -> None:
+    """Each folded push's encoded tensors are a file under the state dir while its round is
+    open (memory flat in the number of islands), gone once the round merged; a restart empties
+    what a previous process left."""
+
+    async def scenario() -> tuple[int, int]:
+        syncer = await started(make_spec(sync=TWO), tmp_path, FakeClock())
+        for i in range(3):
+            await syncer.join(f"island-{i}", 1)
+        await _round_of_three(syncer, 0)
+        waiting = len(list((tmp_path / startup.PENDING_DIR).iterdir()))
+        await syncer.tick()
+        await syncer.stop()
+        return waiting, len(list((tmp_path / startup.PENDING_DIR).iterdir()))
+
+    assert run(scenario()) == (3, 0)
+    (tmp_path / startup.PENDING_DIR / "left-over.safetensors").write_bytes(b"x")
+    Syncer(make_spec(sync=TWO), job_name="unit", state_dir=tmp_path, clock=FakeClock())
+    assert not (tmp_path / startup.PENDING_DIR).exists()

@@ -5,7 +5,9 @@ Memory flat in the number of islands: an accepted push is folded into its fragme
 depend on its own tokens, steps and staleness only; staleness cannot change while its round is
 open, as only this fragment's merge moves its clock, and that merge takes the round). The decoded
 fp32 copy is then dropped; the contribution keeps its still-encoded tensors (EncodedPayload, the
-int8 body at a quarter of fp32) for the rare merge that must leave an offender out.
+int8 body at a quarter of fp32) for the rare merge that must leave an offender out, spilled to a
+file under the state dir (`RoundFolds.spill_to`), so what a round holds in memory does not grow
+with the number of islands; the file is deleted with the contribution.
 
 The merge uses the fold when it holds exactly the round's contributions with the plan's weights
 and scales; otherwise (a push replaced by its island's newer one, contributions left out by a
@@ -19,14 +21,20 @@ takes the fold with the same lock held.
 from __future__ import annotations
 
 import logging
+import shutil
+import uuid
+import weakref
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
+from safetensors import safe_open
 
-from diloco_trainer.core.compress import decode_tensor
+from diloco_trainer.core.compress import decode_tensor, expected_encoded
 from diloco_trainer.core.contributions import Contributor, MergePlan, plan_merge
 from diloco_trainer.core.fold import MergeFold
+from diloco_trainer.syncer.checkpoint import write_tensors
 from diloco_trainer.syncer.records import Contribution
 
 log = logging.getLogger("diloco.syncer")
@@ -34,7 +42,8 @@ log = logging.getLogger("diloco.syncer")
 
 class EncodedPayload(Mapping[str, torch.Tensor]):
     """A checked push's encoded tensors, read as its decoded pseudo-gradient one tensor at a time
-    (each read decodes again: nothing decoded is kept)."""
+    (each read decodes again: nothing decoded is kept). Once folded it may be spilled to a file
+    (`spill`), read back a tensor at a time; the file goes with the payload."""
 
     def __init__(
         self, flat: Mapping[str, torch.Tensor], codec: str, expected: Mapping[str, torch.Size]
@@ -42,9 +51,25 @@ class EncodedPayload(Mapping[str, torch.Tensor]):
         self.flat = dict(flat)
         self.codec = codec
         self.expected = dict(expected)
+        self.path: Path | None = None
+        self._nbytes = sum(t.numel() * t.element_size() for t in self.flat.values())
+
+    def spill(self, directory: Path) -> None:
+        """Move the encoded tensors to a file in `directory` (a worker thread: written from
+        their memory), so a pending push holds no memory while its round stays open."""
+        directory.mkdir(parents=True, exist_ok=True)
+        path = directory / f"{uuid.uuid4().hex}.safetensors"
+        write_tensors(path, self.flat)
+        weakref.finalize(self, path.unlink, missing_ok=True)
+        self.path, self.flat = path, {}
 
     def __getitem__(self, name: str) -> torch.Tensor:
-        return decode_tensor(self.flat, name, self.codec, self.expected[name])
+        if self.path is None:
+            return decode_tensor(self.flat, name, self.codec, self.expected[name])
+        keys = expected_encoded({name: self.expected[name]}, self.codec)
+        with safe_open(str(self.path), framework="pt") as f:
+            one = {key: f.get_tensor(key) for key in keys}
+        return decode_tensor(one, name, self.codec, self.expected[name])
 
     def __iter__(self) -> Iterator[str]:
         return iter(self.expected)
@@ -54,8 +79,8 @@ class EncodedPayload(Mapping[str, torch.Tensor]):
 
     @property
     def nbytes(self) -> int:
-        """Bytes held (the encoded tensors)."""
-        return sum(t.numel() * t.element_size() for t in self.flat.values())
+        """Bytes of the encoded tensors (in memory, or in the file once spilled)."""
+        return self._nbytes
 
 
 @dataclass
@@ -76,6 +101,13 @@ class RoundFolds:
         self.inner_steps = inner_steps
         self.plain_names = plain_names
         self._folds: list[_Folded | None] = [None] * fragments
+        self.spill_dir: Path | None = None  # where folded pushes' encoded tensors go (spill_to)
+
+    def spill_to(self, directory: Path) -> None:
+        """Spill each folded push's encoded tensors to a file under `directory` (emptied now:
+        what a previous process left there belongs to rounds that are gone)."""
+        shutil.rmtree(directory, ignore_errors=True)
+        self.spill_dir = directory
 
     def weight_and_scale(
         self, contribution: Contribution, lag_rounds: float
@@ -110,6 +142,12 @@ class RoundFolds:
             self._folds[f] = None
             return False
         folded.items.append((contribution, weight, scale))
+        payload = contribution.payload
+        if self.spill_dir is not None and isinstance(payload, EncodedPayload):
+            try:
+                payload.spill(self.spill_dir)
+            except OSError as err:  # a full disk: the push stays in memory, nothing is lost
+                log.warning("fragment %d: a push kept in memory (%s)", f, err)
         return True
 
     def take(

@@ -80,6 +80,10 @@ def corrupt_message(state_dir: str, corrupt: list[tuple[str, str]]) -> str:
     )
 
 
+# Under the state dir: the encoded pushes of open rounds (folding.py), emptied at start.
+PENDING_DIR = "pending"
+
+
 def build(
     spec: JobSpec,
     *,
@@ -94,6 +98,7 @@ def build(
     health = Health(clock, metrics.healthy)
     parts = build_parts(spec, shard_index=0, num_shards=spec.total_shards(), with_train=False)
     model = GlobalModel(spec, parts.model, parts.plain_merge_names)
+    model.folds.spill_to(state_dir / PENDING_DIR)  # pending pushes on disk, not in memory
     n = len(model.fragments)
     publisher = Publisher(model, max_staleness=spec.staleness_bound(), metrics=metrics)
     # One shard of several (shard_scope.py): its outer step and tokens count its own fragments.
