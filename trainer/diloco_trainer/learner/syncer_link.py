@@ -101,7 +101,6 @@ class SyncerLink:
     def __init__(self, client: SyncerClient, *, island: str, replicas: int) -> None:
         # One client per syncer shard (one: no shards); `client` itself when there is one.
         self.clients = client.shard_clients()
-        self.client = self.clients[0]
         self._finished_shards: set[int] = set()
         self.island = island
         self.replicas = replicas

@@ -61,9 +61,6 @@ class ShardScope:
     def owned(self) -> list[int]:
         return fragments_of(self.shard, self.shards, self.fragments)
 
-    def owns(self, fragment: int) -> bool:
-        return 0 <= fragment < self.fragments and shard_of(fragment, self.shards) == self.shard
-
     def new_state(
         self,
         policy: RoundPolicy,
