@@ -106,7 +106,7 @@ build_kueue() {
   mkdir -p "${KUEUE_DIR}/bin"
   if [[ ${FORCE} -eq 1 ]] || [[ ! -x "${KUEUE_DIR}/bin/kueue" ]]; then
     LDFLAGS_EXTRA="-X ${m}/pkg/version.GitVersion=${KUEUE_VERSION} -X ${m}/pkg/version.GitCommit=${KUEUE_VERSION}" \
-      go_install kueue "${KUEUE_VERSION}" "first run only, ~15 min of CPU: ~8 min on an idle 2-core machine" "${KUEUE_DIR}/bin" "${m}/cmd/kueue"
+      go_install kueue "${KUEUE_VERSION}" "~15 min of CPU: ~8 min on an idle 2-core machine" "${KUEUE_DIR}/bin" "${m}/cmd/kueue"
   fi
   t=${SECONDS}
   log "copying Kueue ${KUEUE_VERSION}'s manifests (${KUEUE_CONFIG[*]})..."
