@@ -162,6 +162,12 @@ class DiLoCoJobStatus(StatusModel):
     last_sync_time: str | None = Field(
         None, description="When the syncer last merged pseudo-gradients (RFC 3339)."
     )
+    progress: str | None = Field(
+        None, description="How far towards stopAfter (the nearer limit), e.g. '35%'."
+    )
+    eta: str | None = Field(
+        None, description="Time left at the pace since the syncer started, e.g. '4m10s'."
+    )
     finished_time: str | None = Field(
         None, description="When the job reached Succeeded or Failed (RFC 3339)."
     )

@@ -340,6 +340,18 @@ def _printer_columns() -> list[dict[str, str]]:
             "description": "Merges completed by the syncer.",
         },
         {
+            "name": "Progress",
+            "type": "string",
+            "jsonPath": ".status.progress",
+            "description": "How far towards stopAfter, from the syncer's figures.",
+        },
+        {
+            "name": "ETA",
+            "type": "string",
+            "jsonPath": ".status.eta",
+            "description": "Time left at the pace since the syncer started.",
+        },
+        {
             "name": "Loss",
             "type": "number",
             "jsonPath": ".status.loss",

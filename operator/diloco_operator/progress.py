@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from diloco_trainer.api.documents import SyncerStatus
+from diloco_trainer.api.spec import StopAfterSpec
 
 from diloco_operator.api import IslandStatus
 from diloco_operator.health import ACTIVE
@@ -51,6 +52,61 @@ def carried_progress(syncer: SyncerStatus | None, previous: Mapping[str, Any] | 
         eval_loss=float_or_none(previous.get("evalLoss")),
         last_sync_time=previous.get("lastSyncTime"),
     )
+
+
+@dataclass(frozen=True)
+class Completion:
+    """`kubectl get dj`'s Progress and ETA columns."""
+
+    progress: str | None  # '35%' of the nearer stopAfter limit
+    eta: str | None  # '4m10s' at the pace since the syncer's first evaluation
+
+
+def job_completion(
+    stop_after: StopAfterSpec, syncer: SyncerStatus | None, previous: Mapping[str, Any] | None
+) -> Completion:
+    """How far the job is towards spec.stopAfter (the nearer of outerSteps and tokens) and the
+    time left at the pace so far, from the syncer's figures: its outer step and tokens, and the
+    clock of its first evaluation (taken when it started, before any merge) against the clock
+    of the document. While the syncer is away the stored progress is kept and the ETA left out
+    (no pace to tell it by); a job without stopAfter has neither."""
+    if syncer is None:
+        stored = (previous or {}).get("progress")
+        return Completion(progress=stored if isinstance(stored, str) else None, eta=None)
+    fractions = []
+    if stop_after.outer_steps:
+        fractions.append(syncer.outer_step / stop_after.outer_steps)
+    if stop_after.tokens:
+        fractions.append(syncer.tokens / stop_after.tokens)
+    if not fractions:
+        return Completion(progress=None, eta=None)
+    done = min(1.0, max(0.0, max(fractions)))
+    return Completion(progress=f"{int(done * 100)}%", eta=_eta(done, syncer))
+
+
+def _eta(done: float, syncer: SyncerStatus) -> str | None:
+    if done >= 1.0 or syncer.finished:
+        return "0s"
+    times = [p.time for p in syncer.eval_history if p.time is not None]
+    if done <= 0 or not times or not syncer.time:
+        return None
+    elapsed = syncer.time - min(times)
+    if elapsed <= 0:
+        return None
+    return duration(elapsed * (1 - done) / done)
+
+
+def duration(seconds: float) -> str:
+    """93 -> '1m33s', 7300 -> '2h01m', 200000 -> '2d07h' (kubectl's compact style)."""
+    total = max(0, round(seconds))
+    days, rest = divmod(total, 86400)
+    hours, rest = divmod(rest, 3600)
+    minutes, secs = divmod(rest, 60)
+    if days:
+        return f"{days}d{hours:02d}h"
+    if hours:
+        return f"{hours}h{minutes:02d}m"
+    return f"{minutes}m{secs:02d}s" if minutes else f"{secs}s"
 
 
 def island_statuses(obs: Observation, running: bool) -> list[IslandStatus]:

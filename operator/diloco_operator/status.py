@@ -17,7 +17,7 @@ from diloco_operator.conditions import job_conditions
 from diloco_operator.final_weights import final_checkpoint
 from diloco_operator.observation import Observation, conditions_by_type
 from diloco_operator.phase import FINAL_PHASES, decide_phase, finished_time
-from diloco_operator.progress import carried_progress, island_statuses
+from diloco_operator.progress import carried_progress, island_statuses, job_completion
 from diloco_operator.times import parse_time
 
 
@@ -27,6 +27,7 @@ def compute_status(obs: Observation, previous: Mapping[str, Any] | None) -> DiLo
     islands = island_statuses(obs, verdict.running)
     syncer = obs.syncer.status if obs.syncer is not None else None
     progress = carried_progress(syncer, previous)
+    completion = job_completion(obs.spec.stop_after, syncer, previous)
     return DiLoCoJobStatus(
         phase=verdict.phase,
         observed_generation=obs.generation,
@@ -43,6 +44,8 @@ def compute_status(obs: Observation, previous: Mapping[str, Any] | None) -> DiLo
         loss=progress.loss,
         eval_loss=progress.eval_loss,
         last_sync_time=progress.last_sync_time,
+        progress=completion.progress,
+        eta=completion.eta,
         finished_time=finished_time(verdict.phase, previous, obs.now),
         message=verdict.message,
         final_checkpoint=final_checkpoint(obs.spec, syncer, previous),

@@ -62,6 +62,8 @@ def test_crd_printer_columns() -> None:
         "Phase": ".status.phase",
         "Islands": ".status.islandsSummary",
         "Outer Step": ".status.outerStep",
+        "Progress": ".status.progress",
+        "ETA": ".status.eta",
         "Loss": ".status.loss",
         "Age": ".metadata.creationTimestamp",
     }

@@ -5,11 +5,16 @@ from __future__ import annotations
 import math
 
 from diloco_operator.progress import (
+    Completion,
     carried_progress,
+    duration,
     float_or_none,
     int_or_none,
     island_statuses,
+    job_completion,
 )
+from diloco_trainer.api.documents import SyncerStatus
+from diloco_trainer.api.spec import StopAfterSpec
 
 from .observations import SYNCER, island, observation, syncer_status
 
@@ -60,3 +65,38 @@ def test_number_coercion() -> None:
     assert float_or_none("2.5") == 2.5 and float_or_none(None) is None
     assert float_or_none(math.nan) is None and float_or_none(math.inf) is None
     assert float_or_none("loss") is None
+
+
+def _at(step: int, tokens: int, now: float, *, started: float = 1000.0) -> SyncerStatus:
+    """The syncer's status at `now` (its clock), its first evaluation taken at `started`."""
+    return SyncerStatus.from_json(
+        {
+            "outerStep": step,
+            "versions": [step],
+            "finished": False,
+            "tokens": tokens,
+            "time": now,
+            "evalHistory": [{"outerStep": 0, "tokens": 0, "evalLoss": 5.6, "time": started}],
+        }
+    )
+
+
+def test_job_completion_progress_and_eta_from_the_syncer() -> None:
+    # 5 of 20 outer steps in 100 s since the syncer started: 300 s to go at that pace.
+    done = job_completion(StopAfterSpec(outer_steps=20), _at(5, 1000, 1100.0), None)
+    assert done == Completion(progress="25%", eta="5m00s")
+    # The nearer limit counts: tokens are 3/4 of theirs.
+    both = StopAfterSpec(outer_steps=20, tokens=1300)
+    assert job_completion(both, _at(5, 975, 1100.0), None) == Completion("75%", "33s")
+    assert job_completion(both, _at(20, 1300, 1500.0), None) == Completion("100%", "0s")
+    # Nothing merged yet: a progress, no pace.
+    assert job_completion(both, _at(0, 0, 1001.0), None) == Completion("0%", None)
+    assert duration(7300) == "2h01m" and duration(200_000) == "2d07h"
+
+
+def test_job_completion_without_a_limit_or_a_syncer() -> None:
+    assert job_completion(StopAfterSpec(), _at(5, 1000, 1100.0), None) == Completion(None, None)
+    # Syncer away: the stored progress is kept, the ETA dropped (nothing to time it by).
+    stored = {"progress": "40%", "eta": "1m00s"}
+    assert job_completion(StopAfterSpec(outer_steps=10), None, stored) == Completion("40%", None)
+    assert job_completion(StopAfterSpec(outer_steps=10), None, None) == Completion(None, None)
