@@ -12,7 +12,10 @@ live syncer with its own island credential, as in tests/e2e/test_adversary*.py (
 - sign_flip: after every merge, three times the last merged update of the global weights, so the
   push points against the honest islands' pseudo-gradients (the direction check's case).
 
-The baseline ('none') is the same job with the third island never joining, trained 25% longer.
+The baseline ('none') is the same job with the third island never joining, trained 25% longer;
+'none_again' runs it again at the budget: its distance from the baseline is the run-to-run
+variation (the merges' timing, and so their composition, differs between runs). Adversaries
+start after the fragment's first ATTACK_AFTER merges.
 Every other run stops at the same stopAfter.tokens; an adversary's accepted claims count towards
 it, so the honest islands' merged tokens T_h can fall short: each run's final eval loss is
 compared with the baseline's eval loss at T_h (piecewise linear between its evaluations, which
@@ -62,6 +65,7 @@ from bench.ours_harness import THREADS_ENV, OursRun
 
 VARIANTS = (
     "none",
+    "none_again",
     "flood",
     "ratchet",
     "fast_claims",
@@ -75,6 +79,11 @@ ADVERSARY = "island-2"
 TARGET = 0.02  # eval loss within 2% of the baseline's at equal honest tokens
 ELSEWHERE = "127.0.0.3"  # the connection flood's own peer address
 START_ATTEMPTS = 3
+# The honest-only runs: the baseline and a second run of the same job, whose distance from the
+# baseline is the run-to-run variation (merges' timing differs between runs: not deterministic).
+HONEST_ONLY = ("none", "none_again")
+# Merges of the fragment before an adversary starts.
+ATTACK_AFTER = 4
 OUTCOMES = "outcomes.jsonl"  # each finished run, in the workdir
 # The baseline trains this much longer than the budget (its final loss is not compared).
 BASELINE_MARGIN = 1.25
@@ -315,13 +324,17 @@ def run_variant(args: argparse.Namespace, seed: int, variant: str, where: Path) 
     spec = job_spec(args, seed, variant)
     began = time.monotonic()
     job = start_job(spec, where, variant)
-    adversary = None if variant == "none" else Adversary(variant, job)
+    adversary = None if variant in HONEST_ONLY else Adversary(variant, job)
     try:
-        if adversary is not None:
+        if adversary is not None and variant == "merge_log":
             adversary.start()
-            if variant == "merge_log":
-                adversary.join()  # the fault is in place before the first merge
+            adversary.join()  # the fault is in place before the first merge
         start_learners(job)
+        if adversary is not None and variant != "merge_log":
+            # Attacks begin once training has (the learned bound warmed up): before the
+            # learners join, an adversary only gets itself dropped.
+            job.wait_finished(args.timeout, until=lambda st: st["versions"][0] >= ATTACK_AFTER)
+            adversary.start()
         status = job.wait_finished(args.timeout)
         # The final evaluation runs after the last merge (jobs.py); wait for it.
         deadline = time.monotonic() + 60
@@ -366,6 +379,11 @@ def load_outcomes(path: Path) -> dict[tuple[int, str], Outcome]:
     return out
 
 
+def base_of(outcomes: list[Outcome], o: Outcome) -> Outcome:
+    """The baseline run of `o`'s seed."""
+    return next(b for b in outcomes if b.seed == o.seed and b.variant == "none")
+
+
 def report(outcomes: list[Outcome], args: argparse.Namespace) -> Report:
     table = Table(
         "Eval loss with one adversary of three islands, against the baseline at equal honest "
@@ -386,7 +404,7 @@ def report(outcomes: list[Outcome], args: argparse.Namespace) -> Report:
     )
     worst = 0.0
     for o in outcomes:
-        base = next(b for b in outcomes if b.seed == o.seed and b.variant == "none")
+        base = base_of(outcomes, o)
         at = interp(base.history, o.honest_tokens)
         r = o.eval_loss / at
         worst = max(worst, abs(r - 1.0))
@@ -404,11 +422,18 @@ def report(outcomes: list[Outcome], args: argparse.Namespace) -> Report:
             "/".join(o.honest_states),
             f"{o.seconds:.0f}",
         )
+    control = [
+        abs(o.eval_loss / interp(base_of(outcomes, o).history, o.honest_tokens) - 1.0)
+        for o in outcomes
+        if o.variant == "none_again"
+    ]
+    noise = f"{100 * max(control):.2f}%" if control else "not measured"
     summary = (
         f"Two honest islands and one adversary ({', '.join(args.variants)}), {args.preset}, "
         f"H={args.inner_steps}, {args.steps} steps per honest island, seeds {args.seeds}: the "
         f"largest deviation from the baseline at equal honest tokens is {100 * worst:.2f}% "
-        f"(target {100 * TARGET:.0f}%: {verdict(worst <= TARGET)})."
+        f"(target {100 * TARGET:.0f}%: {verdict(worst <= TARGET)}); the same honest job run "
+        f"again deviates by up to {noise} (none_again: the run-to-run variation)."
     )
     notes = [
         "Honest tokens: the two honest islands' merged tokens at the finish (status islands."
