@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import re
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -17,6 +18,7 @@ from diloco_trainer.api.spec import JobSpec
 from diloco_trainer.core.payloads import PulledFragment
 from diloco_trainer.export import from_checkpoint, pull_snapshot
 from diloco_trainer.learner.syncer_client import SyncerClient
+from diloco_trainer.local import launch
 from diloco_trainer.local.run import LocalRun
 from diloco_trainer.local.syncer_shards import SyncerShards
 
@@ -100,6 +102,13 @@ def test_two_shards_merge_their_fragments_and_export_assembles_them(
         assert islands == {"island-0", "island-1"}
     seen = applied(run)
     assert seen.get(0, 0) >= 1 and seen.get(1, 0) >= 1, seen
+    # A shard refuses another shard's fragment, naming the owner.
+    assert run.files is not None
+    code, doc = http_request(
+        "GET", shards_of(run).urls[0] + "/v1/fragments/1", token=run.files.token
+    )
+    assert code == 421 and doc["code"] == "wrong_shard", (code, doc)
+    assert "fragment 1 belongs to syncer shard 1 of 2" in doc["error"]
     # The export from the running shards equals each shard's own weights of its fragment...
     assert run.files is not None
     exported, meta = asyncio.run(pull_snapshot(run.url, run.files.token))
@@ -156,3 +165,21 @@ def test_a_shard_killed_and_restarted_loses_at_most_its_cadence_while_the_other_
     assert after["versions"][1] > resumed["versions"][1]
     run.wait_learners(120)
     assert [p.returncode for p in run.learners] == [0, 0]
+
+
+def test_a_syncer_told_a_shard_the_job_does_not_have_exits_2_naming_it(
+    make_spec: Callable[..., JobSpec], workdir: Path
+) -> None:
+    files = launch.write_job_files(shard_spec(make_spec), workdir / "job")
+    proc = launch.start_syncer(
+        files,
+        port=launch.free_port(),
+        state_dir=workdir / "state",
+        job_name="test",
+        log_file=workdir / "syncer.log",
+        shard=2,
+    )
+    assert proc.wait(timeout=120) == 2
+    log = proc.log_text()
+    assert "DILOCO_SYNCER_SHARD=2 is not a shard of syncer.shards (2)" in log
+    assert "Traceback" not in log
