@@ -15,7 +15,8 @@ from pathlib import Path
 import pytest
 import yaml
 from diloco_trainer.api.spec import JobSpec, parse_spec
-from diloco_trainer.local.run import DEFAULT_JOB_NAME, DEFAULT_SPEC, load_job, parse_slow_islands
+from diloco_trainer.local.job import DEFAULT_JOB_NAME, DEFAULT_SPEC, load_job
+from diloco_trainer.local.run import parse_slow_islands
 
 from .conftest import wait_until
 

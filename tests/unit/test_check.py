@@ -18,7 +18,7 @@ from diloco_trainer.check.findings import (
     token_lines,
 )
 from diloco_trainer.check.memory import estimate, parse_quantity
-from diloco_trainer.local.run import DEFAULT_SPEC
+from diloco_trainer.local.job import DEFAULT_SPEC
 
 GIB = 2**30
 

@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import io
+import sys
 from pathlib import Path
 
 import matplotlib.image
+import pytest
 from diloco_trainer.api.documents import SyncerStatus
 from diloco_trainer.api.spec import parse_spec
+from diloco_trainer.local.job import DEFAULT_SPEC, runnable
 from diloco_trainer.local.plot import loss_label, plot_eval_history
-from diloco_trainer.local.run import DEFAULT_SPEC
 from diloco_trainer.local.summary import (
     against_ddp,
     ddp_bytes_per_worker,
@@ -66,3 +68,17 @@ def test_plot_has_a_wall_time_panel(tmp_path: Path) -> None:
     width_one = matplotlib.image.imread(one).shape[1]
     width_two = matplotlib.image.imread(two).shape[1]
     assert width_two == 2 * width_one
+
+
+def test_printed_export_command_runs_without_an_activated_venv(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    note = "final weights: ckpt (syncer checkpoint); extract them with\n  diloco export ckpt -o m"
+    script = Path(sys.executable).parent / "diloco"
+    assert script.is_file()  # the console script of this environment
+    monkeypatch.setenv("PATH", str(tmp_path))  # not activated: no diloco on PATH
+    monkeypatch.chdir(script.parents[2])  # the folder holding .venv
+    assert runnable(note).endswith(f"\n  {script.parent.parent.name}/bin/diloco export ckpt -o m")
+    (tmp_path / "diloco").write_text("#!/bin/sh\n")
+    (tmp_path / "diloco").chmod(0o755)
+    assert runnable(note) == note  # on PATH: as written

@@ -27,7 +27,6 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import FrameType
-from typing import Any
 
 from rich.console import Console
 from rich.live import Live
@@ -36,9 +35,12 @@ from diloco_trainer.api.client import SyncerJsonClient
 from diloco_trainer.api.contract import DEVICE, island_name
 from diloco_trainer.api.documents import SyncerStatus
 from diloco_trainer.api.protocol import STATE_ACTIVE, STATE_DROPPED, SyncerError
-from diloco_trainer.api.spec import ConfigError, JobSpec, parse_spec
-from diloco_trainer.check import Report, check_job, load_job_file
-from diloco_trainer.check.command import print_report
+from diloco_trainer.api.spec import ConfigError, JobSpec
+from diloco_trainer.local.job import (
+    check_before_start,
+    load_job,
+    runnable,
+)
 from diloco_trainer.local.launch import (
     JobFiles,
     Proc,
@@ -51,54 +53,6 @@ from diloco_trainer.local.launch import (
 from diloco_trainer.local.progress import progress_key, progress_line, status_view
 from diloco_trainer.local.summary import make_summary, summary_table
 from diloco_trainer.local.syncer_shards import SyncerShards, start_syncer_shards
-
-# The built-in job when no CONFIG is given: the spec of examples/local.yaml (keep them in step; a
-# test checks they agree). Finishes in about two minutes on two CPU cores.
-DEFAULT_JOB_NAME = "local-demo"
-DEFAULT_SPEC: dict[str, Any] = {
-    "image": "ghcr.io/diloco-operator/diloco-trainer:0.1.0",
-    "model": {"preset": "gpt-tiny", "seed": 0},
-    "data": {"source": "builtin:stdlib-text", "evalTokens": 8192, "seed": 0},
-    "islands": {
-        "count": 3,
-        "replicas": 1,
-        "resources": {
-            "requests": {"cpu": "1", "memory": "1Gi"},
-            "limits": {"cpu": "1", "memory": "2Gi"},
-        },
-    },
-    "inner": {
-        "optimizer": "adamw",
-        "lr": 3.0e-3,
-        "weightDecay": 0.1,
-        "warmupSteps": 20,
-        "steps": 50,
-        "batchSize": 8,
-        "seqLen": 64,
-        "gradClip": 1.0,
-    },
-    "outer": {"lr": 0.7, "momentum": 0.9, "nesterov": True},
-    "sync": {
-        "quorum": 2,
-        "graceSeconds": "auto",
-        "fragments": 2,
-        "overlapSteps": 5,
-        "compression": "int8",
-        "pullCompression": "auto",
-        "merge": "tokens",
-        "maxStaleness": "auto",
-        "mixAlpha": 0.0,
-        "errorFeedback": False,
-        "heartbeatTimeoutSeconds": 30,
-    },
-    "stopAfter": {"outerSteps": 20},
-    "syncer": {
-        "port": 8470,
-        "checkpoint": {"everyOuterSteps": 5, "keep": 2},
-        "evalEveryOuterSteps": 1,
-    },
-    "ttlSecondsAfterFinished": 3600,
-}
 
 POLL_SECONDS = 0.5
 # One status request: tried for this long (the syncer may be restarting) before the watch loop
@@ -133,27 +87,6 @@ def parse_slow_islands(values: Sequence[str], count: int) -> dict[int, float]:
             raise ValueError(f"--slow-island {raw!r}: FACTOR must be >= 1")
         out[index] = factor
     return out
-
-
-def load_job(config: str | None) -> tuple[str, JobSpec]:
-    """The job name and spec from CONFIG (a DiLoCoJob manifest or bare spec, its relative paths
-    taken from its folder: check/document.py), or the default."""
-    if config is None:
-        return DEFAULT_JOB_NAME, parse_spec(DEFAULT_SPEC)
-    job = load_job_file(config)
-    return job.name, job.spec
-
-
-def check_before_start(spec: JobSpec, config: str | None, *, quiet: bool) -> Report:
-    """`diloco check`'s checks on this machine, printed (what was read from the corpus and the
-    token counts unless quiet, warnings, errors); nothing may start unless report.ok."""
-    report = check_job(spec)
-    where = config or "the built-in demo job"
-    print_report(
-        report, prog="diloco run", where=where, out=sys.stdout, err=sys.stderr, verbose=not quiet
-    )
-    sys.stdout.flush()
-    return report
 
 
 def threads_per_learner(total_ranks: int) -> int:
@@ -494,5 +427,5 @@ def main(args: argparse.Namespace) -> int:
 
     note = final_weights_note(workdir / "syncer")  # the syncer's state dir (start_syncer)
     if note is not None:
-        console.print(note, markup=False, highlight=False, soft_wrap=True)
+        console.print(runnable(note), markup=False, highlight=False, soft_wrap=True)
     return 0
