@@ -16,12 +16,13 @@ from __future__ import annotations
 import json
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 from diloco_trainer.api import protocol
 from diloco_trainer.local import launch
 
-from .conftest import SyncerHandle
+from .conftest import SyncerHandle, wait_until
 from .test_adversary import HONEST, SPEC, honest_active, honest_round, join_all, start_syncer
 
 pytestmark = pytest.mark.e2e
@@ -55,12 +56,20 @@ def logged_versions(path: Path) -> list[int]:
     return [json.loads(line)["version"] for line in path.read_text().splitlines()]
 
 
+def settled(handle: SyncerHandle) -> dict[str, Any]:
+    """The status once no push waits in an open round (each honest push may merge on its own
+    with quorum 1, so how many merges a round of pushes makes is not fixed)."""
+    wait_until(lambda: handle.status()["pending"] == [0], timeout=60, what="no pending push")
+    return handle.status()
+
+
 def test_adversary_unwritable_merge_log_loses_no_merge(syncer: SyncerHandle) -> None:
     shapes = join_all(syncer, HONEST)
     for _ in range(2):
         honest_round(syncer, shapes)
+    written = settled(syncer)["versions"][0]
     log_file = syncer.state_dir / "merges.jsonl"
-    assert logged_versions(log_file) == [1, 2]
+    assert logged_versions(log_file) == list(range(1, written + 1))
     log_file.rename(log_file.with_name("merges.jsonl.aside"))
     log_file.mkdir()  # from now on no write of the merge log can succeed
     for _ in range(3):
@@ -69,15 +78,19 @@ def test_adversary_unwritable_merge_log_loses_no_merge(syncer: SyncerHandle) -> 
     code, health = syncer.request("GET", protocol.ROUTE_HEALTHZ, token=None)
     assert code == 200 and health["ok"] is True
     assert [p["kind"] for p in health["problems"]] == [MERGE_LOG]
-    before = syncer.status()
-    assert before["versions"] == [5] and before["mergeCount"] == 5
+    before = settled(syncer)
+    merged = before["versions"][0]
+    assert merged >= written + 3 and before["mergeCount"] == merged
     assert syncer.proc.stop(timeout=60) == 0  # a normal stop, with its final checkpoint
     restart(syncer)
     after = syncer.status()
-    assert (after["versions"], after["mergeCount"]) == ([5], 5)  # no merge lost
+    assert (after["versions"], after["mergeCount"]) == ([merged], merged)  # no merge lost
     assert honest_active(syncer) == dict.fromkeys(HONEST, protocol.STATE_ACTIVE)
     log_file.rmdir()  # the disk is writable again
     join_all(syncer, HONEST)
     honest_round(syncer, shapes)
-    assert logged_versions(log_file) == [6]  # (3-5 were kept in memory: the checkpoint has them)
-    assert syncer.status()["health"]["healthy"] is True
+    now = settled(syncer)
+    # The merges since are written (those kept in memory went with the stop: the checkpoint
+    # holds their state), and the problem is gone.
+    assert logged_versions(log_file) == list(range(merged + 1, now["versions"][0] + 1))
+    assert now["health"]["healthy"] is True
