@@ -73,7 +73,7 @@ def test_adversary_fast_claims_are_bounded_by_wall_clock(syncer: SyncerHandle) -
     most = BURST_PUSHES * MOST_STEPS + RATE_ALLOWANCE * FASTEST / HONEST_STEP_TIME * elapsed
     accepted = codes.count(200)
     assert accepted * MOST_STEPS <= most, (accepted, len(codes), elapsed)
-    assert len(codes) > 2 * accepted  # it did try faster than that
+    assert len(codes) * MOST_STEPS > most  # it did claim more than that: the bound held it
     for _ in range(3):
         honest_round(syncer, shapes, **honest)  # their own steps are still in their buckets
     assert honest_active(syncer) == dict.fromkeys(HONEST, protocol.STATE_ACTIVE)
