@@ -125,6 +125,13 @@ def test_local_run_writes_summary_and_plot(
     image = matplotlib.image.imread(workdir / "loss.png")
     assert image.shape[0] > 100 and image.shape[1] > 100
     assert "logs in" in log
+    # Checked first: what was read from the corpus, on the console, before anything started.
+    assert "data.source builtin:stdlib-text: read" in log and "data.evalTokens" in log
+    assert log.index("data.source builtin:stdlib-text") < log.index("starting the syncer")
+    # The headline: bytes moved against what DDP would have moved for the same tokens.
+    assert summary["parameters"] > 0
+    assert summary["ddp_bytes_per_worker"] > 10 * summary["bytes_per_island"] > 0
+    assert "bytes per island vs a DDP worker" in log
     # DDP inside an island: both ranks trained the very same weights, step for step.
     logs = workdir / "run" / "logs"
     for island in ("island-0", "island-1"):

@@ -98,7 +98,9 @@ def _add_run(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         metavar="I:FACTOR",
         help="slow island I down by FACTOR (e.g. 1:3), to watch decoupling",
     )
-    run.add_argument("--quiet", action="store_true", help="no progress bars")
+    run.add_argument(
+        "--quiet", action="store_true", help="no progress (the check's lines and summary stay)"
+    )
     run.set_defaults(func=_cmd_run)
 
 

@@ -71,14 +71,13 @@ def load_job(config: str | None) -> tuple[str, JobSpec]:
     return job.name, job.spec
 
 
-def check_before_start(spec: JobSpec, config: str | None, *, quiet: bool) -> Report:
-    """`diloco check`'s checks on this machine, printed (what was read from the corpus and the
-    token counts unless quiet, warnings, errors); nothing may start unless report.ok."""
+def check_before_start(spec: JobSpec, config: str | None) -> Report:
+    """`diloco check`'s checks on this machine, printed (what was read from the corpus, the
+    token counts, warnings, errors; --quiet leaves the progress out, not these few lines);
+    nothing may start unless report.ok."""
     report = check_job(spec)
     where = config or "the built-in demo job"
-    print_report(
-        report, prog="diloco run", where=where, out=sys.stdout, err=sys.stderr, verbose=not quiet
-    )
+    print_report(report, prog="diloco run", where=where, out=sys.stdout, err=sys.stderr)
     sys.stdout.flush()
     return report
 

@@ -368,7 +368,7 @@ def main(args: argparse.Namespace) -> int:
         )
         return 2
     console.print(f"diloco run: job {name}, {spec.islands.count} island(s); checking it first")
-    report = check_before_start(spec, args.config, quiet=args.quiet)
+    report = check_before_start(spec, args.config)
     if not report.ok:
         return 2
     workdir = Path(args.workdir or tempfile.mkdtemp(prefix="diloco-run-")).resolve()
