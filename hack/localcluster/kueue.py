@@ -5,20 +5,26 @@ hack/build-binaries.sh builds `cmd/kueue` at KUEUE_VERSION and copies the module
 config/components/{crd,rbac,webhook} beside it (`--print-kueue-dir`). From those files:
 
 - the CRDs, with the conversion webhooks Kueue's CRD kustomization patches in;
-- the manager's ClusterRole (rbac/role.yaml, named as Kueue's kustomization names it), bound to
-  the user of the manager's client certificate (signed by the cluster CA, pki.py), which is how
-  a process outside the cluster authenticates;
+- the manager's ClusterRole and its Role for the certificate Secret (rbac/, named as Kueue's
+  kustomization names them), bound to the user of the manager's client certificate (signed by
+  the cluster CA, pki.py): how a process outside the cluster authenticates;
 - the mutating and validating webhook configurations, each webhook's Service reference
-  replaced by the URL the manager serves on loopback (its certificate signed by the cluster CA,
-  the CA as caBundle), and the namespace selectors Kueue's kustomization patches in. The API
-  server calls them as it calls any webhook outside the cluster.
+  replaced by the URL the manager serves on loopback, and the namespace selectors Kueue's
+  kustomization patches in. The API server calls them as it calls any webhook outside the
+  cluster.
+
+Kueue manages its webhook certificate itself (internal certificate management, its default:
+with it off, the manager insists on metrics certificates under /etc). Its rotator keeps the
+certificate of its Secret while that one is valid for the webhook Service's name, so the Secret
+is made here with a certificate for that name and for 127.0.0.1, from a CA of Kueue's own, and
+its files are written where the webhook server reads them (a pod would mount the Secret there);
+the rotator fills in the caBundles, as in a cluster.
 
 The manager runs with the pod and StatefulSet integrations (the operator's islands are
-StatefulSets), internal certificate management and leader election off (one process, our
-certificates), metrics and the visibility API server off (nothing here reads them), and
-manageJobsWithoutQueueName false: only labelled objects are Kueue's. kwok's nodes give it
-capacity. Standard library only, like the rest of the package: the cluster's own kubectl reads
-the manifests' YAML (`create --dry-run=client -o json`).
+StatefulSets), leader election off (one process), metrics and the visibility API server off
+(nothing here reads them), and manageJobsWithoutQueueName false: only labelled objects are
+Kueue's. kwok's nodes give it capacity. Standard library only, like the rest of the package:
+the cluster's own kubectl reads the manifests' YAML (`create --dry-run=client -o json`).
 """
 
 from __future__ import annotations
@@ -36,7 +42,7 @@ from pathlib import Path
 from typing import Any
 
 from .errors import ClusterError, info
-from .pki import Leaf, kubeconfig_yaml, make_leaf
+from .pki import Leaf, kubeconfig_yaml, make_leaf, openssl
 from .ports import pick_ports
 from .processes import wait_for
 from .settings import BUILD_SCRIPT
@@ -45,6 +51,12 @@ from .state import Cluster
 NAMESPACE = "kueue-system"
 NAME_PREFIX = "kueue-"  # Kueue's kustomization prefixes every object's name
 MANAGER_USER = "kueue-controller-manager"
+# Kueue's internal certificate management (its default): the Secret its rotator keeps, the
+# Service name its certificate is for, and the CA name the rotator checks its CA against.
+WEBHOOK_SERVICE = NAME_PREFIX + "webhook-service"
+WEBHOOK_SECRET = NAME_PREFIX + "webhook-server-cert"
+WEBHOOK_DNS = f"{WEBHOOK_SERVICE}.{NAMESPACE}.svc"
+KUEUE_CA = "kueue-ca"
 PROCESS = "kueue"
 FRAMEWORKS = ["pod", "statefulset"]
 # Kueue's own kustomization keeps these webhooks out of the system namespaces.
@@ -141,26 +153,52 @@ def listed_patches(kustomization: Path) -> list[str]:
     return paths
 
 
-def manager_rbac(c: Cluster, kueue_dir: Path) -> list[dict[str, Any]]:
-    """The manager's ClusterRole from the module, and its binding to our client certificate's
-    user (the module binds it to the ServiceAccount of an in-cluster Deployment)."""
-    roles = documents(c, kueue_dir / "config/rbac/role.yaml")
-    (role,) = [d for d in roles if d["kind"] == "ClusterRole"]
-    role["metadata"] = {"name": NAME_PREFIX + role["metadata"]["name"]}
-    binding = {
-        "apiVersion": "rbac.authorization.k8s.io/v1",
-        "kind": "ClusterRoleBinding",
-        "metadata": {"name": NAME_PREFIX + "manager-rolebinding"},
-        "roleRef": {
-            "apiGroup": "rbac.authorization.k8s.io",
-            "kind": "ClusterRole",
-            "name": role["metadata"]["name"],
-        },
-        "subjects": [
-            {"apiGroup": "rbac.authorization.k8s.io", "kind": "User", "name": MANAGER_USER}
-        ],
+RBAC_API = "rbac.authorization.k8s.io"
+
+
+def user_binding(kind: str, name: str, role: str, namespace: str = "") -> dict[str, Any]:
+    """A (Cluster)RoleBinding of `role` to the manager's client certificate's user."""
+    meta = {"name": name, **({"namespace": namespace} if namespace else {})}
+    return {
+        "apiVersion": f"{RBAC_API}/v1",
+        "kind": kind,
+        "metadata": meta,
+        "roleRef": {"apiGroup": RBAC_API, "kind": kind.removesuffix("Binding"), "name": role},
+        "subjects": [{"apiGroup": RBAC_API, "kind": "User", "name": MANAGER_USER}],
     }
-    return [role, binding]
+
+
+def manager_rbac(c: Cluster, kueue_dir: Path) -> list[dict[str, Any]]:
+    """The manager's ClusterRole and its Role for the certificate Secret from the module, each
+    bound to our client certificate's user (the module binds them to the ServiceAccount of an
+    in-cluster Deployment), named and placed as Kueue's kustomization does."""
+    rbac = kueue_dir / "config/rbac"
+    (role,) = [d for d in documents(c, rbac / "role.yaml") if d["kind"] == "ClusterRole"]
+    role["metadata"] = {"name": NAME_PREFIX + role["metadata"]["name"]}
+    (secrets,) = documents(c, rbac / "manager_secrets_role.yaml")
+    secrets["metadata"] = {
+        "name": NAME_PREFIX + secrets["metadata"]["name"],
+        "namespace": NAMESPACE,
+    }
+    return [
+        role,
+        user_binding(
+            "ClusterRoleBinding", NAME_PREFIX + "manager-rolebinding", role["metadata"]["name"]
+        ),
+        secrets,
+        user_binding(
+            "RoleBinding",
+            NAME_PREFIX + "manager-secrets-rolebinding",
+            secrets["metadata"]["name"],
+            NAMESPACE,
+        ),
+    ]
+
+
+def rbac_collection(obj: dict[str, Any]) -> str:
+    kind = obj["kind"].lower() + "s"
+    ns = obj["metadata"].get("namespace")
+    return f"/apis/{RBAC_API}/v1" + (f"/namespaces/{ns}" if ns else "") + f"/{kind}"
 
 
 def webhook_configurations(
@@ -203,7 +241,11 @@ def manager_config(directory: Path, webhook_port: int, health_port: int) -> dict
             "certDir": str(directory / "certs"),
         },
         "leaderElection": {"leaderElect": False},
-        "internalCertManagement": {"enable": False},
+        "internalCertManagement": {
+            "enable": True,
+            "webhookServiceName": WEBHOOK_SERVICE,
+            "webhookSecretName": WEBHOOK_SECRET,
+        },
         "manageJobsWithoutQueueName": False,
         "integrations": {"frameworks": list(FRAMEWORKS)},
         "featureGates": {"VisibilityOnDemand": False},
@@ -251,16 +293,15 @@ def conversions(
     return out
 
 
-def install_api(c: Cluster, kueue_dir: Path, webhook_port: int) -> None:
-    """The namespace, the CRDs (with their conversion webhooks; Established) and the manager's
-    RBAC."""
+def install_api(c: Cluster, kueue_dir: Path, webhook_port: int, bundle: str) -> None:
+    """The namespace, the CRDs (with their conversion webhooks; Established), the manager's
+    RBAC; the CA of its webhooks is `bundle` (base64)."""
     create_or_replace(
         c,
         "/api/v1/namespaces",
         {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": NAMESPACE}},
     )
     names = []
-    bundle = base64.b64encode((c.pki / "ca.crt").read_bytes()).decode()
     converted = conversions(c, kueue_dir, webhook_port, bundle)
     for path in sorted((kueue_dir / "config/crd/bases").glob("*.yaml")):
         for crd in documents(c, path):
@@ -271,23 +312,62 @@ def install_api(c: Cluster, kueue_dir: Path, webhook_port: int) -> None:
     wait_for(
         f"{len(names)} Kueue CRDs Established", lambda: crds_established(c, names), CRD_TIMEOUT
     )
-    role, binding = manager_rbac(c, kueue_dir)
-    create_or_replace(c, "/apis/rbac.authorization.k8s.io/v1/clusterroles", role)
-    create_or_replace(c, "/apis/rbac.authorization.k8s.io/v1/clusterrolebindings", binding)
+    for obj in manager_rbac(c, kueue_dir):
+        create_or_replace(c, rbac_collection(obj), obj)
+
+
+def webhook_pki(directory: Path) -> Path:
+    """A CA of Kueue's own and its webhook's serving certificate, in the form Kueue's
+    certificate rotator accepts as valid (so it keeps them rather than making its own): the CA
+    valid for the name `kueue-ca`, the certificate for the webhook Service's DNS name, and for
+    127.0.0.1, where the API server reaches it. The directory."""
+    pki = directory / "pki"
+    pki.mkdir(parents=True, exist_ok=True)
+    os.chmod(pki, 0o700)
+    # The rotator reads the CA key as PKCS#1 RSA ("RSA PRIVATE KEY") only.
+    openssl("genrsa", "-traditional", "-out", str(pki / "ca.key"), "2048")
+    openssl(
+        "req", "-x509", "-key", str(pki / "ca.key"), "-out", str(pki / "ca.crt"),
+        "-days", "3650", "-subj", f"/O=kueue/CN={KUEUE_CA}",
+        "-addext", "basicConstraints=critical,CA:TRUE",
+        "-addext", "keyUsage=critical,keyCertSign,cRLSign,digitalSignature",
+        "-addext", f"subjectAltName=DNS:{KUEUE_CA}",
+    )  # fmt: skip
+    make_leaf(
+        pki, Leaf("tls", f"/CN={WEBHOOK_DNS}", "serverAuth", f"DNS:{WEBHOOK_DNS},IP:127.0.0.1")
+    )
+    for key in pki.glob("*.key"):
+        os.chmod(key, 0o600)
+    return pki
+
+
+def webhook_secret(pki: Path) -> dict[str, Any]:
+    """The rotator's Secret, holding our CA and certificate (see webhook_pki)."""
+    data = {
+        name: base64.b64encode((pki / name).read_bytes()).decode()
+        for name in ("ca.crt", "ca.key", "tls.crt", "tls.key")
+    }
+    return {
+        "apiVersion": "v1",
+        "kind": "Secret",
+        "metadata": {"name": WEBHOOK_SECRET, "namespace": NAMESPACE},
+        "type": "Opaque",
+        "data": data,
+    }
 
 
 def manager_files(c: Cluster, directory: Path, webhook_port: int, health_port: int) -> Path:
-    """The manager's certificates (serving, client), kubeconfig and config file; the config's
-    path."""
+    """The manager's client certificate (signed by the cluster CA), kubeconfig and config
+    file; the config's path."""
     directory.mkdir(parents=True, exist_ok=True)
-    make_leaf(c.pki, Leaf("kueue-webhook", "/CN=kueue-webhook", "serverAuth", "IP:127.0.0.1"))
     make_leaf(c.pki, Leaf("kueue", f"/CN={MANAGER_USER}", "clientAuth"))
-    for key in ("kueue-webhook.key", "kueue.key"):
-        os.chmod(c.pki / key, 0o600)
+    os.chmod(c.pki / "kueue.key", 0o600)
+    # The Secret's files where the webhook server reads them, as a pod's Secret volume would
+    # hold them (the rotator waits for them there).
     certs = directory / "certs"
     certs.mkdir(exist_ok=True)
-    (certs / "tls.crt").write_bytes((c.pki / "kueue-webhook.crt").read_bytes())
-    (certs / "tls.key").write_bytes((c.pki / "kueue-webhook.key").read_bytes())
+    for name in ("ca.crt", "tls.crt", "tls.key"):
+        (certs / name).write_bytes((directory / "pki" / name).read_bytes())
     os.chmod(certs / "tls.key", 0o600)
     kubeconfig = directory / "kubeconfig"
     kubeconfig.write_text(
@@ -354,7 +434,14 @@ def _start(c: Cluster, kueue_dir: Path) -> KueueManager:
     version = kueue_dir.name.removeprefix("kueue-")
     webhook_port, health_port = pick_ports(2, set(c.state["ports"].values()))
     directory = c.dir / "kueue"
-    install_api(c, kueue_dir, webhook_port)
+    # Everything Kueue's own installation has before its manager starts: its certificate
+    # rotator checks the Secret and fills in the webhooks' caBundle before anything else.
+    pki = webhook_pki(directory)
+    bundle = base64.b64encode((pki / "ca.crt").read_bytes()).decode()
+    install_api(c, kueue_dir, webhook_port, bundle)
+    create_or_replace(c, f"/api/v1/namespaces/{NAMESPACE}/secrets", webhook_secret(pki))
+    for hooks in webhook_configurations(c, kueue_dir, webhook_port, bundle):
+        create_or_replace(c, WEBHOOK_PATHS[hooks["kind"]], hooks)
     config = manager_files(c, directory, webhook_port, health_port)
     info(f"starting Kueue {version}...")
     argv = [str(kueue_dir / "bin" / "kueue"), f"--config={config}", "--zap-log-level=2"]
@@ -371,11 +458,8 @@ def _start(c: Cluster, kueue_dir: Path) -> KueueManager:
         component=PROCESS,
         alive=alive,
     )
-    ca = c.pki / "ca.crt"
+    ca = pki / "ca.crt"
     wait_for("Kueue's webhook server", lambda: webhook_serving(webhook_port, ca), READY_TIMEOUT)
-    bundle = base64.b64encode(ca.read_bytes()).decode()
-    for hooks in webhook_configurations(c, kueue_dir, webhook_port, bundle):
-        create_or_replace(c, WEBHOOK_PATHS[hooks["kind"]], hooks)
     record = {"version": version, "webhook_port": webhook_port, "health_port": health_port}
     record["log"] = str(c.logs / f"{PROCESS}.log")
     c.state["kueue"] = record

@@ -18,6 +18,9 @@ Fixtures (pytest finds them here; test modules request them by name and import o
   shared_syncer       session-scoped: one loopback syncer for the membership-only tests
   chart_operator_in   factory: the chart installed in a cluster, its operator running as the
                       chart's ServiceAccount
+  kueue_plane         session-scoped: a control plane of its own with Kueue running in it
+  kueue_cluster       query helpers bound to a fresh namespace of that cluster
+  kueue_operator      a running `diloco operator` watching that namespace
 
 ControlPlane, kubectl and polling come from hack/localcluster/harness.py, which the operator
 benchmark shares; waits.py holds the tests' pytest-flavoured waits (a timeout fails the test),
@@ -48,6 +51,7 @@ from .control_planes import (
     start_control_plane,
     stop_control_plane,
 )
+from .kueue_helpers import KueuePlane
 from .operator_helpers import (
     Cluster,
     LocalSyncer,
@@ -243,3 +247,41 @@ def chart_operator_in(
             op.stop()
         release.uninstall()
         cp.delete_namespace(release.namespace)
+
+
+# ------------------------------------------------------------------------------ Kueue
+
+
+@pytest.fixture(scope="session")
+def kueue_plane(make_control_plane: Callable[[str], ControlPlane]) -> KueuePlane:
+    """A control plane of its own ("kueue": Kueue's webhooks see every pod created in it) with
+    Kueue installed from its pinned module and its manager running (stopped with the cluster),
+    and the DiLoCoJob CRD."""
+    cp = make_control_plane("kueue")
+    try:
+        manager = harness.start_kueue(cp.dir)
+    except Exception as e:  # ClusterError: the message says what is missing
+        log = cp.logs_dir / "kueue.log"
+        tail = harness.tail_lines(log.read_text()) if log.exists() else ""
+        pytest.fail(f"starting Kueue failed: {e}\n{tail}")
+    cp.install_crd(harness.CRD_FILE, timeout="180s")
+    return KueuePlane(cp, manager)
+
+
+@pytest.fixture
+def kueue_cluster(kueue_plane: KueuePlane, request: pytest.FixtureRequest) -> Iterator[Cluster]:
+    """Query helpers bound to a fresh namespace of the Kueue cluster (deleted afterwards)."""
+    name = kueue_plane.cp.create_namespace(request.node.name)
+    yield Cluster(kueue_plane.cp, name)
+    kueue_plane.cp.delete_namespace(name)
+
+
+@pytest.fixture
+def kueue_operator(kueue_cluster: Cluster, tmp_path: Path) -> Iterator[OperatorProcess]:
+    """A running operator watching the Kueue cluster's test namespace (log tail on failure)."""
+    env = {**kueue_cluster.cp.env, "PYTHONUNBUFFERED": "1"}
+    op = OperatorProcess(env=env, namespace=kueue_cluster.ns, log_file=tmp_path / "operator.log")
+    op.start()
+    yield op
+    op.stop()
+    print("\n".join(op.log_text().splitlines()[-80:]))
