@@ -41,9 +41,10 @@ take_build_lock() {
 # these packages but iproute2 (ip), coreutils, util-linux and python3; the tests that look a need
 # up fail naming the make target that installs it. tests/unit/test_host_needs.py checks every
 # program and file the tiers look up against these lists.
-# runc, iptables, conntrack: containerd and kube-proxy; ip: the node's routes; busybox: the node
+# runc, iptables, conntrack: containerd and kube-proxy; ip: the node's routes; nft: the NetworkPolicy
+# enforcer's nftables table (checked at start, deleted by `down` if left); busybox: the node
 # tier's test image (a static build: the image holds nothing else).
-NODE_HOST_NEEDS=(runc:runc iptables:iptables conntrack:conntrack ip:iproute2
+NODE_HOST_NEEDS=(runc:runc iptables:iptables conntrack:conntrack ip:iproute2 nft:nftables
   /bin/busybox:busybox-static)
 # buildah, debootstrap: the image builds; umoci and runc: tests/node/test_images.py unpacks and runs
 # the archives.

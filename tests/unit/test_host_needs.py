@@ -39,6 +39,7 @@ FRESH_MACHINE = {
     "python3": "Debian python3",
     "ip": "Debian iproute2",
     "flock": "Debian util-linux",
+    "unshare": "Debian util-linux (the NetworkPolicy enforcer's mount namespace)",
     "apt-get": "Debian apt",
     "debootstrap": "looked up by build-images.sh only to say it is missing before installing it",
 }
