@@ -2,11 +2,12 @@
 
 Order: cordon and drain through the API while the kubelet still runs (it stops each pod's
 containers and sandbox, and CNI DEL removes the pod's veth, IP and iptables rules); stop
-kube-proxy, the kubelet and CoreDNS; kill whatever containers are left through containerd, then
-stop it and the shims it started (each named by our containerd's socket in its arguments);
-unmount everything under DIR/node; delete the bridge, kube-proxy's and our CNI network's
-iptables chains, the rules refusing the Service CIDR and the cgroup tree; restore the
-sysctls. Each step goes on when one fails: `down` must always get as far as it can.
+kube-proxy, the kubelet and CoreDNS, then the NetworkPolicy enforcer (it deletes its nftables
+table, or we do: left behind, its rules would drop pod traffic); kill whatever containers are
+left through containerd, then stop it and the shims it started (each named by our containerd's
+socket in its arguments); unmount everything under DIR/node; delete the bridge, kube-proxy's and
+our CNI network's iptables chains, the rules refusing the Service CIDR and the cgroup tree;
+restore the sysctls. Each step goes on when one fails: `down` must always get as far as it can.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from typing import Any
 
 from .errors import info
 from .mounts import unmount_all
+from .netpolicy import stop_network_policies
 from .nodeconfig import NodePaths
 from .processes import pid_matches, signal_group
 from .realnode import CLAIM_FILE, cgroup_dirs, ctr, read_claim, write_sysctl
@@ -209,6 +211,7 @@ def stop_real_node(c: Cluster) -> None:
     drain(c)
     for name in ("kube-proxy", "kubelet", "coredns"):
         c.stop(name)
+    stop_network_policies(c, "nft")
     if c.running("containerd"):
         kill_containers(paths, bin_dir)
     c.stop("containerd")

@@ -1,11 +1,13 @@
 """`up --real-node`: one real node beside the kwok ones (containerd + runc, kubelet, kube-proxy
-in iptables mode, CoreDNS as a host process behind the kube-dns Service).
+in iptables mode, CoreDNS as a host process behind the kube-dns Service, and the NetworkPolicy
+enforcer kube-network-policies: netpolicy.py).
 
 Host changes it makes, all recorded in state.json under "real_node" so `down` undoes them
 (nodeteardown.py): sysctls (ip_forward, bridge-nf-call-iptables, and those the kubelet sets:
 its kernel tunables, kube-proxy's route_localnet), a cgroup tree CGROUP_ROOT in every
 hierarchy, the CNI bridge NODE_BRIDGE, iptables chains (kube-proxy's KUBE-*, CNI's CNI-*),
-rules refusing un-DNATed traffic to the Service CIDR, and a machine-wide claim file (one real node
+rules refusing un-DNATed traffic to the Service CIDR, the enforcer's nftables table, and a
+machine-wide claim file (one real node
 per machine: port 53 on the node's IP, iptables and the kubelet's cgroups are the machine's).
 """
 
@@ -21,6 +23,8 @@ from typing import Any
 
 from .components import budget, built_bin_dir, https_ok, insecure_ctx
 from .errors import ClusterError, info
+from .netpolicy import rbac_objects as network_policies_rbac
+from .netpolicy import start_network_policies
 from .nodeconfig import (
     CGROUP_ROOT,
     NodePaths,
@@ -57,6 +61,7 @@ NODE_PORT_KEYS = [
     "coredns_health",
     "coredns_ready",
     "containerd_stream",
+    "network_policies_metrics",
 ]
 # Set by us (ip_forward: the pods' traffic to Services is routed back onto the bridge), by
 # the kubelet (its kernel tunables) and by kube-proxy; restored by `down`.
@@ -72,7 +77,7 @@ SYSCTLS = [
     "kernel/keys/root_maxbytes",
 ]
 CLAIM_FILE = Path("/run/diloco-real-node.json")
-HOST_TOOLS = ["runc", "iptables", "ip"]
+HOST_TOOLS = ["runc", "iptables", "ip", "nft", "unshare"]
 SERVICE_CIDR_COMMENT = "diloco real node: Service CIDR not DNATed by kube-proxy"
 
 
@@ -291,7 +296,7 @@ def start_real_node(c: Cluster, bin_dir: Path) -> None:
     CLAIM_FILE.write_text(
         json.dumps({"dir": str(c.dir), "pid": containerd["pid"], "start": containerd["start"]})
     )
-    create_objects(c, coredns_rbac() + kube_dns_objects(ip))
+    create_objects(c, coredns_rbac() + kube_dns_objects(ip) + network_policies_rbac())
     info("starting coredns...")
     c.start("coredns", [str(bin_dir / "coredns"), "-conf", str(paths.corefile)], env=env)
     wait_http(c, "coredns", f"http://127.0.0.1:{ports['coredns_ready']}/ready")
@@ -303,6 +308,11 @@ def start_real_node(c: Cluster, bin_dir: Path) -> None:
         env=env,
     )
     wait_http(c, "kube-proxy", f"http://127.0.0.1:{ports['kube_proxy_healthz']}/healthz")
+    tools = {"unshare": host_tool("unshare"), "nft": host_tool("nft")}
+    start_network_policies(
+        c, paths.root / "network-policies", bin_dir, tools,
+        ports["network_policies_metrics"], budget(c, NODE_TIMEOUT),
+    )  # fmt: skip
 
 
 def start_containerd(c: Cluster, paths: NodePaths, bin_dir: Path, env: dict[str, str]) -> None:
