@@ -363,21 +363,26 @@ class SyncerLink:
         return reply.state
 
     def close(self, *, leave: bool) -> None:
-        """Cancel everything in flight (optionally saying goodbye first) and stop the loop."""
+        """Cancel everything in flight, then (optionally) say goodbye to every shard, and stop
+        the loop."""
+
+        async def goodbye(client: SyncerClient) -> None:
+            try:
+                await asyncio.wait_for(client.leave(self.island), timeout=2.0)
+                log.info("left the syncer at %s", client.base_url)
+            except (TimeoutError, SyncerError) as err:
+                log.warning("could not say goodbye to the syncer: %s", err)
 
         async def shutdown() -> None:
-            if leave:
-                for client in self.clients:
-                    try:
-                        await asyncio.wait_for(client.leave(self.island), timeout=2.0)
-                        log.info("left the syncer at %s", client.base_url)
-                    except (TimeoutError, SyncerError) as err:
-                        log.warning("could not say goodbye to the syncer: %s", err)
+            # Heartbeats and syncs first: a heartbeat after the goodbye would make the island
+            # active again (a sign of life).
             me = asyncio.current_task()
             tasks = [t for t in asyncio.all_tasks() if t is not me]
             for t in tasks:
                 t.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
+            if leave:  # every shard at once
+                await asyncio.gather(*(goodbye(client) for client in self.clients))
             for client in self.clients:
                 await client.close()
 
