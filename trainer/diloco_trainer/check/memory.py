@@ -21,9 +21,12 @@ import os
 import re
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from diloco_trainer.api.spec import JobSpec
-from diloco_trainer.models.model import PRESETS, GPTConfig, gpt_parameters
+
+if TYPE_CHECKING:  # the model's module imports torch: a refused file should not wait for it
+    from diloco_trainer.models.model import GPTConfig
 
 FLOAT = 4
 PROCESS_BYTES = 400 * 2**20  # python, torch and the corpus of one process
@@ -44,6 +47,8 @@ class MemoryNeed:
 
 def gpt_config(spec: JobSpec, vocab_size: int) -> GPTConfig:
     """The built-in GPT's shape for this job (as models/model.build_model makes it)."""
+    from diloco_trainer.models.model import PRESETS
+
     return replace(PRESETS[spec.model.preset], block_size=spec.inner.seq_len, vocab_size=vocab_size)
 
 
@@ -55,6 +60,8 @@ def eval_rows(spec: JobSpec) -> int:
 
 def estimate(spec: JobSpec, vocab_size: int) -> MemoryNeed:
     """The estimates of the module docstring for the built-in GPT of `spec`."""
+    from diloco_trainer.models.model import gpt_parameters
+
     cfg = gpt_config(spec, vocab_size)
     params = gpt_parameters(cfg)
     c, v = cfg.n_embd, cfg.vocab_size
