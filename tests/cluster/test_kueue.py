@@ -115,15 +115,21 @@ def test_quota_for_two_of_three_islands_then_the_third_joins(
     manifest = queued_manifest("q3", queue, islands=3, quorum=2)
     with remote_syncer_for(cluster, manifest, tmp_path / "syncer") as syncer:
         cluster.apply(manifest)
-        (waiting,) = wait_until(
-            lambda: waiting_for_quota(cluster, "q3"), WAIT, message="one island waits for quota"
+        islands = ("island-0", "island-1", "island-2")
+
+        def two_run_one_waits() -> tuple[list[str], str] | None:
+            running = [i for i in islands if island_pods_running(cluster, "q3", i)]
+            gated_now = [i for i in islands if island_pods_gated(cluster, "q3", i)]
+            return (running, gated_now[0]) if len(running) == 2 and len(gated_now) == 1 else None
+
+        admitted_islands, waiting = wait_until(
+            two_run_one_waits, WAIT, message="two islands admitted, one gated"
         )
-        admitted_islands = [i for i in ("island-0", "island-1", "island-2") if i != waiting]
-        for island in admitted_islands:
-            wait_until(
-                lambda i=island: island_pods_running(cluster, "q3", i), WAIT, message=f"{island}"
-            )
-        assert island_pods_gated(cluster, "q3", waiting)
+        wait_until(
+            lambda: waiting_for_quota(cluster, "q3") == [waiting],
+            WAIT,
+            message=f"the job's status says {waiting} waits for quota",
+        )
         wait_until(
             lambda: syncer.island_state(waiting) == "dropped", WAIT, message=f"{waiting} dropped"
         )
@@ -256,4 +262,8 @@ def test_the_syncer_of_a_queued_job_is_outside_the_queue(
     assert not gated(pod) and QUEUE_LABEL not in pod["metadata"]["labels"]
     sts = cluster.get("statefulset", "own-island-0")
     assert sts is not None and sts["metadata"]["labels"][QUEUE_LABEL] == queue
-    assert waiting_for_quota(cluster, "own") == ["island-0"]
+    wait_until(
+        lambda: waiting_for_quota(cluster, "own") == ["island-0"],
+        WAIT,
+        message="the job's status says island-0 waits for quota",
+    )
