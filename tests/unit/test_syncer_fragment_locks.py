@@ -166,3 +166,19 @@ def test_pending_pushes_wait_on_disk_and_leave_with_their_round(tmp_path: Path) 
     (tmp_path / startup.PENDING_DIR / "left-over.safetensors").write_bytes(b"x")
     Syncer(make_spec(sync=TWO), job_name="unit", state_dir=tmp_path, clock=FakeClock())
     assert not (tmp_path / startup.PENDING_DIR).exists()
+
+
+def test_the_scheduler_ends_at_a_stop_even_without_its_cancel(tmp_path: Path) -> None:
+    """A stop marks the syncer stopping before it cancels the scheduler, so a scheduler whose
+    cancel was lost (Python 3.11's wait_for could swallow one: two benchmark syncers never
+    exited) still ends at its next pass. Here the stop is given no scheduler to cancel."""
+
+    async def scenario() -> bool:
+        syncer = await started(make_spec(sync=TWO), tmp_path, FakeClock())
+        scheduler = asyncio.create_task(syncer.run_scheduler())
+        await asyncio.sleep(0)  # the scheduler runs its first pass
+        await syncer.stop()
+        await asyncio.wait_for(scheduler, 30)
+        return scheduler.done() and not scheduler.cancelled()
+
+    assert run(scenario())

@@ -144,6 +144,7 @@ class Syncer:
         self.merging: asyncio.Lock | None = None
         self._fragment_locks: list[asyncio.Lock] = []
         self._poke: asyncio.Event | None = None
+        self._stopping = False
 
     # ----- start-up and shutdown ---------------------------------------------------------------
 
@@ -167,6 +168,7 @@ class Syncer:
     ) -> None:
         """Stop the scheduler once a running merge has finished, let scheduled jobs finish,
         write a checkpoint of what was merged since the last one, stop the worker."""
+        self._stopping = True  # the scheduler ends at its next pass even if a cancel is lost
         if scheduler is not None:
             if self.merging is not None:
                 async with self.merging:  # a merge holds it from its start to its publish
@@ -395,7 +397,7 @@ class Syncer:
         An exception in a merge marks the syncer failed (see `failure`) and ends the scheduler.
         """
         assert self._poke is not None
-        while True:
+        while not self._stopping:
             try:
                 deadline = await self.tick()
             except Exception as err:
@@ -406,8 +408,10 @@ class Syncer:
             wait = TICK_SECONDS
             if deadline is not None:
                 wait = min(wait, max(0.005, deadline - self.clock()))
-            with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(self._poke.wait(), wait)
+            # Not wait_for: 3.11's can swallow a cancel that comes as its timeout fires.
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(wait):
+                    await self._poke.wait()
             self._poke.clear()
 
     async def _merge(self, f: int) -> None:
