@@ -12,7 +12,7 @@ from diloco_operator.api import parse_job_spec
 from diloco_operator.kube import Kube
 from diloco_operator.resources import JobRef
 from diloco_operator.runtime import DELETED, JobRuntime
-from diloco_operator.sync import RESYNC_INTERVAL, resync_interval, sync_job
+from diloco_operator.sync import POD_READS, RESYNC_INTERVAL, resync_interval, sync_job
 
 from .operator_fakes import FakeKube, job_body, ready_pod
 
@@ -38,10 +38,15 @@ CHILDREN = {
 LISTED_KINDS = ["ConfigMap", "Deployment", "NetworkPolicy", "Pod", "Service", "StatefulSet"]
 
 
-def test_sync_job_first_sync_of_a_new_job_reads_each_child_once_and_creates_them() -> None:
+def test_sync_job_first_sync_of_a_new_job_reads_each_child_once_and_creates_them(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     body = job_body(syncer={})  # a generated token Secret: created on the first sync
     kube = FakeKube(body)
     rt = _runtime(body)
+    # This operator has read pods before (POD_READS is process-wide: set here so the test does
+    # not depend on which test ran first; unconfirmed, a new job's pods are listed on purpose).
+    monkeypatch.setattr(POD_READS, "confirmed", True)
     assert _sync(kube, rt, reconcile=True)
     # A job never synced (no status) has nothing of its own to list.
     assert "list_labelled" not in kube.methods()
