@@ -337,3 +337,20 @@ def test_outer_streamed_step_matches_the_whole_tensor_rule_over_many_slices(
     for n in shapes:
         assert torch.equal(tensors[n], state["m"][n])
         assert torch.equal(tensors["buffer/" + n], state["b"][n])
+
+
+def test_outer_load_state_tensors_takes_a_checkpoints_tensors_without_a_copy() -> None:
+    """take=True keeps the given fp32 tensors (a resume holds one momentum, not two); without
+    it the optimizer's state is its own copy; the steps after are the same either way."""
+    state = {"a": torch.full((4, 3), 0.5), "b": torch.full((5,), -0.25)}
+    took = OuterOptimizer(_params(), lr=0.7, momentum=0.9, nesterov=True)
+    took.load_state_tensors(state, take=True)
+    copied = OuterOptimizer(_params(), lr=0.7, momentum=0.9, nesterov=True)
+    copied.load_state_tensors(state)
+    assert took.state_tensors()["a"].data_ptr() == state["a"].data_ptr()
+    assert copied.state_tensors()["a"].data_ptr() != state["a"].data_ptr()
+    before = {n: t.clone() for n, t in state.items()}
+    copied.step(_grads(1))
+    assert all(torch.equal(state[n], before[n]) for n in state)  # a copy: the input untouched
+    took.step(_grads(1))
+    assert all(torch.equal(took.params[n], copied.params[n]) for n in state)

@@ -254,8 +254,10 @@ class OuterOptimizer:
         out.update({BUFFER_PREFIX + n: b.detach().contiguous() for n, b in self._b.items()})
         return out
 
-    def load_state_tensors(self, state: Mapping[str, Tensor]) -> None:
-        """Restore tensors saved by state_tensors() (names must be parameters)."""
+    def load_state_tensors(self, state: Mapping[str, Tensor], *, take: bool = False) -> None:
+        """Restore tensors saved by state_tensors() (names must be parameters); `take`: keep
+        the given fp32 tensors themselves (a checkpoint's, used nowhere else) instead of
+        copies, so a resume holds one momentum, not two."""
         parsed: list[tuple[dict[str, Tensor], str, Tensor]] = []
         for key, t in state.items():
             is_buf = key.startswith(BUFFER_PREFIX) and key[len(BUFFER_PREFIX) :] in self.params
@@ -270,4 +272,5 @@ class OuterOptimizer:
                 )
             parsed.append((self._b if is_buf else self._m, name, t))
         for target, name, t in parsed:
-            target[name] = t.detach().to(torch.float32).clone()
+            owned = take and t.dtype == torch.float32 and t.is_contiguous()
+            target[name] = t.detach() if owned else t.detach().to(torch.float32).clone()

@@ -226,9 +226,9 @@ class GlobalModel:
     def restore(self, loaded: ckpt.Checkpoint) -> None:
         """Load a checkpoint's tensors; ConfigError (nothing loaded) when they do not fit."""
         self._check_fits(loaded)
+        # The checkpoint's tensors are let go as they are copied (and its momentum taken as
+        # it is), so a resume holds little more than the running syncer.
         with torch.no_grad():
-            for name, t in loaded.weights.items():
-                self.weights[name].copy_(t)
             if self.kept_apart:
                 # θ_pub as learners hold it; a checkpoint without it (pull codec none, or an
                 # older syncer) gives θ_exact, and learners then get full weights once.
@@ -239,7 +239,11 @@ class GlobalModel:
                     source = loaded.weights
                 for name, t in source.items():
                     self.published[name].copy_(t)
-        self.outer.load_state_tensors(loaded.momentum)
+                if loaded.published is not None:
+                    loaded.published.clear()
+            for name in list(loaded.weights):
+                self.weights[name].copy_(loaded.weights.pop(name))
+        self.outer.load_state_tensors(loaded.momentum, take=True)
         progress = loaded.document.outer_progress
         if progress is None:  # written before rounds of work were counted: a merge was a round
             for f, version in enumerate(loaded.document.versions):
