@@ -15,8 +15,7 @@
 #   hack/build-images.sh --print-dir  print the archive dir of the current key (builds nothing)
 #   hack/build-images.sh --force      rebuild the operator and trainer images
 # Environment:
-#   TORCH_WHEELS=DIR   local torch wheels (default: ../shared/wheels beside the repository if that
-#                      directory exists; TORCH_WHEELS= (empty) means PyPI)
+#   TORCH_WHEELS=DIR   local torch wheels (unset or empty: PyPI; .ci/run passes the CI machine's)
 #   TORCH_VARIANT, TORCH_INDEX_URL  the Dockerfile's build arguments, when torch comes from an
 #                      index (with TORCH_WHEELS=): cpu, cu124, ... or an index URL
 #   DILOCO_IMAGE_TAG   tag of the images (default: dev)
@@ -45,9 +44,6 @@ die() { printf '[build-images] ERROR: %s\n' "$*" >&2; exit 1; }
 source "${HACK_DIR}/lib/build-common.sh"
 
 # --- torch: a local wheel directory or PyPI ------------------------------------------------
-if [[ -z "${TORCH_WHEELS+set}" && -d "${REPO_DIR}/../shared/wheels" ]]; then
-  TORCH_WHEELS=$(cd "${REPO_DIR}/../shared/wheels" && pwd)
-fi
 TORCH_WHEELS=${TORCH_WHEELS:-}
 TORCH_WHEEL=""
 if [[ -n "${TORCH_WHEELS}" ]]; then
