@@ -221,7 +221,13 @@ class Learner:
         info: Any = None
         try:
             if self.rank0 and not self.stop.is_set():
-                client = SyncerClient(self.env.syncer_url, self.env.token, self.env.ca_file)
+                client = SyncerClient(
+                    self.env.syncer_url,
+                    self.env.token,
+                    self.env.ca_file,
+                    # Each attempt's timeout grows with the body at the rate the spec sets.
+                    min_body_bytes_per_second=self.spec.syncer.limits.min_body_bytes_per_second,
+                )
                 self.link = SyncerLink(client, island=self.env.island, replicas=self.env.world_size)
                 self.sync = FragmentSync(
                     self.spec, self.env.island, self.link, self.params, self.stop
