@@ -11,8 +11,8 @@ answering.
   children, and once `a` is gone `a-b` gets its own.
 - kube-apiserver stopped (SIGSTOP: it accepts connections and never answers) makes the
   operator's /readyz fail while /healthz stays up; after SIGCONT it is ready and reconciles again.
-- The job's NetworkPolicy, as the API server stores it: exactly the job's pods (syncer port and
-  DDP port) and the operator's pods (syncer port), plus anyone on the syncer port when the
+- The job's NetworkPolicy, as the API server stores it: exactly the job's pods (any port: DDP
+  connects ranks on run-time ports) and the operator's pods (syncer port), plus anyone on the syncer port when the
   syncer's Service is a LoadBalancer; none when the job opts out. The local cluster has no CNI,
   so this checks the object, not its enforcement.
 
@@ -273,10 +273,8 @@ def test_security_network_policy_admits_only_the_jobs_pods_and_the_operator(
         "podSelector": {"matchLabels": {"diloco.dev/job": "np"}},  # the job's pods, all of them
         "policyTypes": ["Ingress"],
         "ingress": [
-            {  # the job's own pods: the syncer's port and the islands' DDP port
-                "from": [own],
-                "ports": [{"protocol": "TCP", "port": 9470}, {"protocol": "TCP", "port": 29500}],
-            },
+            # the job's own pods, any port: DDP connects ranks on ports chosen at run time
+            {"from": [own]},
             {"from": [operator_pods], "ports": [{"protocol": "TCP", "port": 9470}]},
         ],
     }
@@ -285,10 +283,7 @@ def test_security_network_policy_admits_only_the_jobs_pods_and_the_operator(
     exposed = wait_until(lambda: cluster.get("networkpolicy", "lb-network"), WAIT, message="lb")
     assert exposed["spec"]["podSelector"] == {"matchLabels": {"diloco.dev/job": "lb"}}
     assert exposed["spec"]["ingress"] == [
-        {
-            "from": [{"podSelector": {"matchLabels": {"diloco.dev/job": "lb"}}}],
-            "ports": [{"protocol": "TCP", "port": 8470}, {"protocol": "TCP", "port": 29500}],
-        },
+        {"from": [{"podSelector": {"matchLabels": {"diloco.dev/job": "lb"}}}]},
         {"from": [operator_pods], "ports": [{"protocol": "TCP", "port": 8470}]},
         # Other clusters' learners reach an exposed syncer (behind TLS and their credentials);
         # the DDP port stays closed to them.

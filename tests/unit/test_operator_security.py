@@ -117,7 +117,11 @@ def test_operator_security_island_tokens_secret_holds_each_islands_own() -> None
 
 
 def _rules(policy: dict[str, Any]) -> list[tuple[list[dict[str, Any]] | None, set[int]]]:
-    return [(r.get("from"), {p["port"] for p in r["ports"]}) for r in policy["spec"]["ingress"]]
+    # None for "any port" (a rule without ports).
+    return [
+        (r.get("from"), {p["port"] for p in r["ports"]} if "ports" in r else None)
+        for r in policy["spec"]["ingress"]
+    ]
 
 
 def test_operator_security_network_policy_admits_the_job_and_the_operator_only() -> None:
@@ -132,7 +136,9 @@ def test_operator_security_network_policy_admits_the_job_and_the_operator_only()
             "podSelector": {"matchLabels": {"app.kubernetes.io/name": "diloco-operator"}},
         }
     ]
-    assert _rules(policy) == [(own, {8470, contract.DEFAULT_MASTER_PORT}), (operator, {8470})]
+    # The job's own pods on any port (DDP's rank-to-rank connections use run-time ports); the
+    # operator on the syncer port only.
+    assert _rules(policy) == [(own, None), (operator, {8470})]
 
 
 def test_operator_security_network_policy_opens_an_exposed_syncer_port_only() -> None:
@@ -142,7 +148,11 @@ def test_operator_security_network_policy_opens_an_exposed_syncer_port_only() ->
     policy = _children(spec, network=OPERATOR)[("NetworkPolicy", "demo-network")]
     rules = _rules(policy)
     assert (None, {9000}) in rules  # anyone, syncer port only: TLS and credentials guard it
-    assert all(contract.DEFAULT_MASTER_PORT not in ports for src, ports in rules if src is None)
+    assert all(
+        ports is not None and contract.DEFAULT_MASTER_PORT not in ports
+        for src, ports in rules
+        if src is None
+    )
 
 
 def test_operator_security_network_policy_off_by_job_or_operator() -> None:

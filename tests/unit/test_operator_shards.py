@@ -92,10 +92,13 @@ def test_learners_route_by_every_shards_service_url() -> None:
 def test_network_policy_lets_the_job_and_operator_reach_every_shard() -> None:
     kids = _children(_sharded())
     (policy,) = [c for (kind, _), c in kids.items() if kind == "NetworkPolicy"]
-    # The policy selects every pod of the job (shards included) and lets the job's pods and the
-    # operator reach the syncer port on them.
+    # The policy selects every pod of the job (shards included) and lets the job's pods (any
+    # port) and the operator (the syncer port) reach them.
     assert policy["spec"]["podSelector"] == {"matchLabels": {"diloco.dev/job": "demo"}}
-    ports = [{p["port"] for p in rule["ports"]} for rule in policy["spec"]["ingress"]]
+    ports = [
+        {p["port"] for p in rule.get("ports", [{"port": 8470}])}
+        for rule in policy["spec"]["ingress"]
+    ]
     assert all(8470 in p for p in ports)
     for shard in (0, 1):
         pod_labels = kids[("Deployment", f"demo-syncer-{shard}")]["spec"]["template"]["metadata"]

@@ -126,13 +126,14 @@ def _port(number: int) -> dict[str, Any]:
 def build_network_policy(
     job: JobRef, spec: DiLoCoJobSpec, options: NetworkOptions
 ) -> dict[str, Any]:
-    """`NAME-network`: ingress to the job's pods only from the job's pods (syncer and DDP
-    ports) and the operator (syncer port), and from anywhere to an exposed syncer's port."""
+    """`NAME-network`: ingress to the job's pods only from the job's pods (any port) and the
+    operator (syncer port), and from anywhere to an exposed syncer's port."""
     own = {"podSelector": {"matchLabels": {JOB_LABEL: job.name}}}
     syncer_port = [_port(spec.syncer.port)]
-    ingress: list[dict[str, Any]] = [
-        {"from": [own], "ports": [*syncer_port, _port(contract.DEFAULT_MASTER_PORT)]}
-    ]
+    # The job's own pods on any port: gloo and NCCL rendezvous on the DDP port, then connect the
+    # ranks' pairs on ports chosen at run time; a port list here stalls every island of two or
+    # more ranks once a plugin enforces it (found by tests/node/test_network_policy.py).
+    ingress: list[dict[str, Any]] = [{"from": [own]}]
     if options.operator_namespace:
         operator = {
             "namespaceSelector": {
