@@ -12,7 +12,7 @@ from diloco_trainer.api.spec import parse_spec
 from diloco_trainer.check.memory import PROCESS_BYTES, estimate
 
 PEAK = r"""
-import json, resource, sys
+import json, sys
 import torch
 from diloco_trainer.api.spec import parse_spec
 from diloco_trainer.models.data import Batch
@@ -24,14 +24,22 @@ model = build_model(spec.model.preset, spec.inner.seq_len, 256)
 rows = int(sys.argv[2])
 x = torch.randint(0, 256, (rows, spec.inner.seq_len))
 opt = make_inner_optimizer(spec, model)
-base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+def status(field):
+    for line in open("/proc/self/status"):
+        if line.startswith(field + ":"):
+            return int(line.split()[1]) * 1024
+# The peak of this block alone: RSS now, then the high-water mark reset (ru_maxrss would keep an
+# earlier peak of the imports and the build, and under-count the block).
+base = status("VmRSS")
+with open("/proc/self/clear_refs", "w") as f:
+    f.write("5")
 if sys.argv[3] == "step":
     lm_loss(model, Batch(x, x, x.numel())).backward()
     opt.step()
 else:
     with torch.no_grad():
         lm_loss(model, Batch(x, x, x.numel()))
-print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - base)
+print(status("VmHWM") - base)
 """
 
 SPEC = {
