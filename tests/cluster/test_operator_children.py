@@ -146,6 +146,8 @@ def test_operator_kubectl_get_shows_printer_columns(
             "PHASE",
             "ISLANDS",
             "OUTER STEP",
+            "PROGRESS",
+            "ETA",
             "LOSS",
             "AGE",
         ]
