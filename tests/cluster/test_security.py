@@ -12,9 +12,10 @@ answering.
 - kube-apiserver stopped (SIGSTOP: it accepts connections and never answers) makes the
   operator's /readyz fail while /healthz stays up; after SIGCONT it is ready and reconciles again.
 - The job's NetworkPolicy, as the API server stores it: exactly the job's pods (any port: DDP
-  connects ranks on run-time ports) and the operator's pods (syncer port), plus anyone on the syncer port when the
-  syncer's Service is a LoadBalancer; none when the job opts out. The local cluster has no CNI,
-  so this checks the object, not its enforcement.
+  connects ranks on run-time ports) and the operator's pods (syncer port), plus anyone on the
+  syncer port when the syncer's Service is a LoadBalancer; none when the job opts out. The local
+  cluster has no CNI, so this checks the object; tests/node/test_network_policy.py checks its
+  enforcement on the real node.
 
 The TLS rules of the CRD are in test_operator_validation.py (refusals) and here (acceptances).
 """
