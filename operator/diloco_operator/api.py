@@ -118,6 +118,11 @@ class IslandStatus(StatusModel):
         None, description="When the syncer last accepted a pseudo-gradient from it (RFC 3339)."
     )
     restarts: int = Field(0, ge=0, description="Container restarts summed over the island's pods.")
+    waiting_for_quota: bool = Field(
+        False,
+        description="Kueue has not admitted the island's pods yet (its admission gate): the "
+        "island waits for quota, is not failed, and joins once admitted (docs/kueue.md).",
+    )
 
 
 class FinalCheckpoint(StatusModel):

@@ -139,6 +139,15 @@ def test_quota_for_two_of_three_islands_then_the_third_joins(
         assert status["phase"] != "Failed"
         entry = next(i for i in status["islandStatuses"] if i["name"] == waiting)
         assert entry["healthy"] is False and entry["readyPods"] == 0
+        # Its own entry says why: waiting for quota (the status patch may trail the drop).
+        wait_until(
+            lambda: any(
+                i["name"] == waiting and i.get("waitingForQuota") is True
+                for i in cluster.status("q3").get("islandStatuses", [])
+            ),
+            WAIT,
+            message=f"{waiting} waitingForQuota",
+        )
 
         for island in admitted_islands:
             syncer.start_learner(island, island_index(island))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 from diloco_operator.progress import (
     Completion,
@@ -50,6 +51,7 @@ def test_island_statuses_join_health_and_syncer_states() -> None:
     )
     assert first.last_push == "2025-01-01T00:00:00Z"
     assert (second.state, second.in_quorum, second.ready_pods) == ("dropped", False, 1)
+    assert not first.waiting_for_quota and not second.waiting_for_quota
     idle = island_statuses(observation(syncer=None), running=False)
     assert all(i.state == "unknown" and i.desired_pods == 0 for i in idle)
 
@@ -100,3 +102,13 @@ def test_job_completion_without_a_limit_or_a_syncer() -> None:
     stored = {"progress": "40%", "eta": "1m00s"}
     assert job_completion(StopAfterSpec(outer_steps=10), None, stored) == Completion("40%", None)
     assert job_completion(StopAfterSpec(outer_steps=10), None, None) == Completion(None, None)
+
+
+def test_island_statuses_an_island_kueue_has_not_admitted_waits_for_quota() -> None:
+    gated = replace(island("island-1", ready=0), gated=2, queued=True)
+    admitted_not_ready = replace(island("island-0", ready=1), queued=True)
+    first, second = island_statuses(observation(islands=[admitted_not_ready, gated]), running=True)
+    # Gated pods (Kueue's admission gate) and none Ready: waiting for quota, not failed.
+    assert second.waiting_for_quota and not second.healthy
+    # Pods admitted (no gate) but not Ready yet: an ordinary unhealthy island.
+    assert not first.waiting_for_quota
