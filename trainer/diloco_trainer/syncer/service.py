@@ -445,7 +445,8 @@ class Syncer:
                 self.publisher.record_update(f, result.update)
                 seconds = time.perf_counter() - started
                 entry = self.merger.record(self.state, merge, result, seconds)
-                if body[0] == self._body_keys()[f]:
+                # Not at the finish: _after_merge publishes it once, finished (else pulled twice).
+                if body[0] == self._body_keys()[f] and not self.stop_reached():
                     self.publisher.install(f, body)
             del body
         await asyncio.to_thread(self.merge_log.write, entry)
