@@ -142,6 +142,10 @@ class SyncState:
         self._merge_seconds: deque[float] = deque(maxlen=_WINDOW)
         # (island, fragment) -> seconds the syncer held that island's last merged push.
         self._held: dict[tuple[str, int], float] = {}
+        # (island, fragment) -> tokens of that island's pushes merged into the fragment: with
+        # the pending push's own tokens (its work since the last merged one), a floor of the
+        # island's tokens processed that a push proves before any heartbeat says so.
+        self._merged_by: dict[tuple[str, int], int] = {}
 
     # ----- views -------------------------------------------------------------------------------
 
@@ -196,6 +200,8 @@ class SyncState:
                 rnd.first_push_at = None
         if forgotten:
             self.answers.forget(island)
+            for key in [k for k in self._merged_by if k[0] == island]:
+                del self._merged_by[key]
 
     def membership_changed(self, now: float) -> None:
         """Re-evaluate every round's quorum after any change."""
@@ -264,6 +270,11 @@ class SyncState:
         self.membership.revive(rec, now)
         rec.last_push = now
         rec.pushes += 1
+        # The island has processed at least its merged and pending work on this fragment (a
+        # push replacing a pending one carries the older one's work too, so this never counts
+        # twice); heartbeats report the exact total and may raise it further.
+        pushed = self._merged_by.get((contribution.island, fragment), 0) + contribution.tokens
+        rec.tokens = max(rec.tokens, pushed)
         if contribution.loss is not None:
             rec.loss = contribution.loss
         if contribution.step_time:
@@ -379,6 +390,8 @@ class SyncState:
         self._merge_seconds.append(max(0.0, merge_seconds))
         for c in contributions:
             self._held[(c.island, fragment)] = max(0.0, now + merge_seconds - c.received_at)
+            key = (c.island, fragment)
+            self._merged_by[key] = self._merged_by.get(key, 0) + c.tokens
             rec = self.membership.islands.get(c.island)
             if rec is not None:
                 # Each fragment's merges count the island's tokens once, so F fragments see
