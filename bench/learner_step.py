@@ -206,7 +206,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     tokens_per_step = spec.inner.tokens_per_step
     seconds = {"learner": 0.0, "plain": 0.0}
     memory: dict[str, dict[str, float]] = {"learner": {}, "plain": {}}
-    sides = {"learner": learner_side, "plain": plain_side}
+    # --control: the "learner" side is a second plain loop (an A/A run), so the printed ratio is
+    # how far two identical loops differ on this machine: the noise floor of the real ratio.
+    sides = {"learner": plain_side if args.control else learner_side, "plain": plain_side}
     for r in range(args.rounds):
         # Alternate which side goes first, so a machine that speeds up or slows down over the
         # run does not favour one side.
@@ -233,6 +235,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "micro_batches": spec.inner.micro_batches,
         "seq_len": spec.inner.seq_len,
         "compile": spec.inner.compile,
+        "control": args.control,
         "activation_checkpointing": spec.model.activation_checkpointing,
         "steps_timed": total_steps,
         "torch": torch.__version__,
@@ -263,7 +266,7 @@ def report(result: dict[str, Any]) -> str:
         f"{result['precision']}, batch {result['batch_size']} x {result['micro_batches']} x "
         f"{result['seq_len']}, compile {result['compile']}, checkpointing "
         f"{result['activation_checkpointing']}, {result['steps_timed']} steps per side, torch "
-        f"{result['torch']}",
+        f"{result['torch']}" + (" (control: both sides are the plain loop)" if result["control"] else ""),
         f"{'side':8} {'steps/s':>9} {'tokens/s':>11} {'TFLOP/s':>8} {'peak GiB':>9}",
     ]
     for name in ("plain", "learner"):
@@ -290,6 +293,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--rounds", type=int, default=2, help="alternations of the two sides")
     p.add_argument("--compile", action="store_true", help="inner.compile on both sides")
     p.add_argument("--checkpointing", action="store_true", help="activation checkpointing")
+    p.add_argument(
+        "--control",
+        action="store_true",
+        help="time the plain loop against itself (A/A): the ratio's noise floor on this machine",
+    )
     p.add_argument("--data-batches", type=int, default=200)
     p.add_argument("--json", type=Path, help="also write the result here as JSON")
     return p.parse_args(argv)

@@ -9,6 +9,8 @@
 # Usage (from the repository root):
 #   OUT=/some/empty/dir hack/gpu-check.sh          # on the GPU machine, 5-7 minutes
 #   OUT=/tmp/gc DEVICE=cpu hack/gpu-check.sh       # a dry run here: tiny model, CPU, a minute
+#   MODE=overhead OUT=... hack/gpu-check.sh        # fp16, micro-batches with A/A controls, and the
+#                                                  # learner in a real job (4-5 minutes on a GPU)
 set -uo pipefail
 
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -38,6 +40,38 @@ if torch.cuda.is_available():
     p = torch.cuda.get_device_properties(0)
     print("gpu", p.name, f"{p.total_memory / 2**30:.1f} GiB", "bf16", torch.cuda.is_bf16_supported())
 EOF
+
+if [[ "${MODE:-full}" == overhead ]]; then
+    # The learner's overhead in the cases the full check left open: fp16 and micro-batches with
+    # more steps per side, each beside an A/A control (the plain loop against itself: the noise
+    # floor of the ratio), then the learner inside a real one-island job, pushes and pulls
+    # overlapped, against the plain loop (bench/learner_overlap.py).
+    if [[ "$DEVICE" == cuda ]]; then
+        PRESET=gpt-125m BENCH_ARGS=(--seq-len 1024 --steps 12 --rounds 6 --warmup 3)
+        OVERLAP=(--preset gpt-125m --precision bf16 --batch-size 16 --seq-len 1024
+                 --inner-steps 40 --outer-steps 8 --plain-steps 40)
+    else
+        PRESET=gpt-tiny BENCH_ARGS=(--seq-len 64 --steps 3 --rounds 2 --warmup 1)
+        OVERLAP=(--preset gpt-tiny --batch-size 8 --seq-len 64 --inner-steps 40 --outer-steps 4)
+    fi
+    for case in "bf16-control --precision bf16 --batch-size 16 --control" \
+                "bf16 --precision bf16 --batch-size 16" \
+                "fp16 --precision fp16 --batch-size 16" \
+                "bf16-micro4-control --precision bf16 --batch-size 8 --micro-batches 4 --control" \
+                "bf16-micro4 --precision bf16 --batch-size 8 --micro-batches 4"; do
+        read -r -a words <<<"$case"
+        [[ "$DEVICE" != cuda && "${words[2]}" == fp16 ]] && continue  # fp16 is CUDA-only
+        echo "== bench.learner_step $PRESET ${words[0]} on $DEVICE"
+        timeout 120 "$PY" -m bench.learner_step --device "$DEVICE" --preset "$PRESET" \
+            "${BENCH_ARGS[@]}" "${words[@]:1}" --json "$OUT/bench-$PRESET-${words[0]}.json" \
+            || echo "!! bench ${words[0]} failed or timed out (exit $?)"
+    done
+    echo "== bench.learner_overlap on $DEVICE"
+    timeout 240 "$PY" -m bench.learner_overlap --device "$DEVICE" "${OVERLAP[@]}" \
+        --json "$OUT/overlap.json" || echo "!! learner_overlap failed or timed out (exit $?)"
+    echo "== gpu-check (overhead) done $(date -u +%FT%TZ)"
+    exit 0
+fi
 
 if [[ "$DEVICE" == cuda ]]; then
     PRESET=gpt-125m BENCH_ARGS=(--batch-size 16 --seq-len 1024 --steps 8 --rounds 2 --warmup 3)
