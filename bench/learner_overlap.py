@@ -62,8 +62,16 @@ def job_windows(args: argparse.Namespace, workdir: Path) -> tuple[list[float], f
     env = dict(os.environ, DILOCO_DEVICE=args.device)
     start = time.perf_counter()
     done = subprocess.run(
-        [sys.executable, "-m", "diloco_trainer.cli", "run", str(config), "--quiet"]
-        + ["--workdir", str(workdir / "run")],
+        [
+            sys.executable,
+            "-m",
+            "diloco_trainer.cli",
+            "run",
+            str(config),
+            "--quiet",
+            "--workdir",
+            str(workdir / "run"),
+        ],
         env=env,
         timeout=args.job_timeout,
         check=False,

@@ -260,13 +260,16 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     return result
 
 
+CONTROL_NOTE = " (control: both sides are the plain loop)"
+
+
 def report(result: dict[str, Any]) -> str:
     lines = [
         f"{result['preset']} ({result['parameters'] / 1e6:.1f}M) on {result['device_name']}, "
         f"{result['precision']}, batch {result['batch_size']} x {result['micro_batches']} x "
         f"{result['seq_len']}, compile {result['compile']}, checkpointing "
         f"{result['activation_checkpointing']}, {result['steps_timed']} steps per side, torch "
-        f"{result['torch']}" + (" (control: both sides are the plain loop)" if result["control"] else ""),
+        f"{result['torch']}{CONTROL_NOTE if result['control'] else ''}",
         f"{'side':8} {'steps/s':>9} {'tokens/s':>11} {'TFLOP/s':>8} {'peak GiB':>9}",
     ]
     for name in ("plain", "learner"):
