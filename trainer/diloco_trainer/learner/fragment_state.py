@@ -2,6 +2,12 @@
 was last received, the weights and counters at its last push, and the push whose merged result is
 not applied yet.
 
+Step cap: a push carries every step since the base (when the push before it was lost, all of
+them), and the syncer refuses a push of more than core/push_bounds.max_push_steps (4 x H + τ) as
+steps_out_of_range, a refusal that counts towards dropping the island. So a fragment whose
+counters reach that bound holds the island's steps (at_step_cap) until a merge or a pull of it
+arrives: an island cut off from its syncer waits instead of making work that would be refused.
+
 Counters: the token-weighted merge weighs a push by the work it carries, so the counters sent
 with a push must describe exactly the inner steps its Δ contains. Δ = base − θ_local covers every
 step since the base was installed; because a received fragment keeps the steps taken after the
@@ -12,6 +18,7 @@ the ones counted since the push (FragmentCounters.since), never zero and never t
 from __future__ import annotations
 
 import concurrent.futures
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
 from torch import Tensor
@@ -105,3 +112,10 @@ class FragmentState:
         self.base = {n: t.to("cpu") for n, t in merged.items()}
         self.version = version
         return dict(self.base)
+
+
+def at_step_cap(fragments: Sequence[FragmentState], most: int) -> list[int]:
+    """The fragments whose counters already hold `most` steps (core/push_bounds.max_push_steps):
+    a push of one of them now is the largest the syncer accepts, and after one more inner step
+    it would be refused. The island takes no step while this is not empty."""
+    return [f for f, state in enumerate(fragments) if state.counters.steps >= most]

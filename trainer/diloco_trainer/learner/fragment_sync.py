@@ -3,8 +3,12 @@ collecting merged fragments and turning them into the weights the island continu
 moving the island's schedule into phase with its peers (schedule.py: "phase alignment").
 
 The training loop calls `after_step` once per inner step and gets back, per fragment to apply
-now, the fp32 weights every rank installs (rank 0 broadcasts them). Everything that talks to the
-syncer runs on the SyncerLink's thread; here we only submit work and wait on it, bounded.
+now, the fp32 weights every rank installs (rank 0 broadcasts them). When a fragment's steps since
+its base reach what one push may carry (fragment_state.at_step_cap), `after_step` holds: it
+returns only once a merge or pull of that fragment has arrived, so the island steps no further
+than the syncer accepts (it logs when it starts and stops holding; `held_since` says it).
+Everything that talks to the syncer runs on the SyncerLink's thread; here we only submit work and
+wait on it: bounded, except while holding.
 """
 
 from __future__ import annotations
@@ -22,7 +26,8 @@ from torch import Tensor, nn
 from diloco_trainer.api.protocol import PushMeta
 from diloco_trainer.api.spec import ConfigError, JobSpec
 from diloco_trainer.core import compress
-from diloco_trainer.learner.fragment_state import FragmentState, InFlight
+from diloco_trainer.core.push_bounds import max_push_steps
+from diloco_trainer.learner.fragment_state import FragmentState, InFlight, at_step_cap
 from diloco_trainer.learner.schedule import (
     StepPlan,
     blocks_for_merge,
@@ -74,6 +79,8 @@ class FragmentSync:
         self.phase_pending = 0  # steps still to delay (> 0) or advance (< 0)
         self.shifted_at = -math.inf  # time.monotonic() the last schedule shift began
         self.measured: dict[int, float | None] = {}  # per arrived fragment: InFlight.previous
+        self.most_steps = max_push_steps(spec)  # the syncer refuses a push of more steps
+        self.held_since: float | None = None  # time.monotonic() the island began to hold
         # EMA of the wall seconds per inner step, everything between two steps included: the
         # clock a schedule position runs at, and so the one phase alignment converts with.
         self.wall_step = 0.0
@@ -187,16 +194,51 @@ class FragmentSync:
                 target = self._receive(f)
                 if self.shards is None:  # sharded: every rank has installed its rows already
                     out[f] = target
+        self._hold(out)
         return out
 
-    def _plan(self, position: int) -> StepPlan:
+    def _abandoned(self) -> frozenset[int]:
+        """In-flight fragments whose merged result is overdue by more than the wait budget."""
         budget = wait_budget(self.round_times, self.spec.sync.heartbeat_timeout_seconds)
         now = time.monotonic()
-        abandoned = frozenset(
+        return frozenset(
             f
             for f, fl in self.inflight.items()
             if not fl.future.done() and now - fl.started > budget + self.overlap * self.step_time
         )
+
+    def _hold(self, out: dict[int, Weights]) -> None:
+        """Take no further step while a fragment is at the step cap: push it if nothing of it is
+        in flight (or what is was lost: overdue), and wait for its merge or pull; each one that
+        arrives is received into `out` like any other."""
+        while (capped := at_step_cap(self.fragments, self.most_steps)) and not (
+            self.stop.is_set() or self.finished()
+        ):
+            if self.held_since is None:
+                self.held_since = time.monotonic()
+                log.warning(
+                    "step %d: fragment(s) %s hold %d steps since their base, the most one push "
+                    "may carry (4 x inner.steps + sync.overlapSteps); holding inner steps until "
+                    "the syncer answers",
+                    self.position,
+                    capped,
+                    self.most_steps,
+                )
+            abandoned = self._abandoned()
+            for f in capped:
+                if f not in self.inflight or f in abandoned:
+                    self._push(f, self.position)
+                if self._collect(f, block=WAIT_SLICE_SECONDS):
+                    target = self._receive(f)
+                    if self.shards is None:
+                        out[f] = target
+        if self.held_since is not None:
+            held, self.held_since = time.monotonic() - self.held_since, None
+            self._last_step = self.clock()  # the hold is not a step's wall time
+            log.info("step %d: held %.1fs for the syncer; stepping on", self.position, held)
+
+    def _plan(self, position: int) -> StepPlan:
+        abandoned = self._abandoned()
         plan = plan_step(
             position,
             inner_steps=self.spec.inner.steps,

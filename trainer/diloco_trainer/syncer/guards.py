@@ -46,12 +46,10 @@ from torch import Tensor
 from diloco_trainer.api import protocol
 from diloco_trainer.api.spec import JobSpec
 from diloco_trainer.core.merge import contribution_weight
+from diloco_trainer.core.push_bounds import STEP_ROUNDS, max_push_steps  # the learner's too
 from diloco_trainer.syncer.direction import AGAINST, Directions, direction_sample
 from diloco_trainer.syncer.records import Contribution, Refused
 
-# A push may hold this many rounds of an island's steps (plus the overlap): a learner pushes each
-# fragment once per H steps, a little later after phase alignment or a slow merge.
-STEP_ROUNDS = 4
 # AdamW moves an element by at most about lr per step (|m̂/√v̂| <= ~1.2 for betas (0.9, 0.95));
 # the 'auto' cap allows four times that in every element at once.
 ADAM_STEP_BOUND = 4.0
@@ -128,11 +126,6 @@ def auto_norm_caps(
         lr * steps * (ADAM_STEP_BOUND * math.sqrt(n) + 2.0 * wd * w) * keep
         for n, w in zip(numels, weight_norms, strict=True)
     ]
-
-
-def max_push_steps(spec: JobSpec) -> int:
-    """The most inner steps one push may carry: STEP_ROUNDS x H + τ."""
-    return STEP_ROUNDS * spec.inner.steps + (spec.sync.overlap_steps or 0)
 
 
 @dataclass(frozen=True)
