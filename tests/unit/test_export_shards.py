@@ -8,7 +8,13 @@ from pathlib import Path
 import pytest
 import torch
 from diloco_trainer.api.sharding import shard_dirs, shard_state_dir
-from diloco_trainer.export import ExportError, final_weights_note, from_checkpoint
+from diloco_trainer.export import (
+    ExportError,
+    final_weights_note,
+    find_checkpoint,
+    from_checkpoint,
+)
+from diloco_trainer.syncer.checkpoint import load_checkpoint
 from diloco_trainer.syncer.service import Syncer
 
 from .test_syncer import FakeClock, body, delta, make_spec, run
@@ -63,9 +69,12 @@ def test_export_assembles_each_fragment_from_its_shard(tmp_path: Path) -> None:
         other = shards[1 - f]
         for name in owner.fragments[f]:
             assert torch.equal(weights[name], owner.model.weights[name])
-            # The other shard never merged it: its copy is the initial one, which differs.
-            assert not torch.equal(weights[name], other.model.weights[name])
-    assert set(weights) == set(shards[0].model.weights)
+            # The other shard holds none of it, in memory or in its checkpoint.
+            assert name not in other.model.weights
+        saved = load_checkpoint(find_checkpoint(shard_state_dir(state, f, 2)))
+        assert set(saved.weights) == set(owner.fragments[f]) == set(owner.model.weights)
+        assert set(saved.momentum) == set(owner.fragments[f])
+    assert set(weights) == {n for names in shards[0].fragments for n in names}
     assert meta["versions"] == "[2, 1]"
     assert meta["outerStep"] == "1"  # the least-merged fragment's
     assert meta["shards"] == "2"

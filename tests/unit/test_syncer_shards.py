@@ -8,6 +8,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
 from diloco_trainer.api import protocol
@@ -23,7 +24,15 @@ from diloco_trainer.syncer.shard_scope import (
     wrong_shard_middleware,
 )
 
-from .test_syncer import FakeClock, body, delta, make_spec, run
+from .test_syncer import FakeClock, body, make_spec, run
+
+
+def delta(syncer: Syncer, f: int, seed: int) -> dict[str, torch.Tensor]:
+    """A pseudo-gradient of fragment f by its shapes (a shard holds no tensor of another's)."""
+    g = torch.Generator().manual_seed(seed)
+    return {
+        n: 1e-2 * torch.randn(shape, generator=g) for n, shape in syncer.model.expected[f].items()
+    }
 
 
 def _policy() -> RoundPolicy:
@@ -130,3 +139,44 @@ def test_middleware_leaves_routes_without_a_fragment_alone() -> None:
             return (await client.get("/v1/status")).status
 
     assert run(scenario()) == 200
+
+
+def test_shard_holds_only_its_own_fragments_tensors(tmp_path: Path) -> None:
+    syncer = _shard_syncer(tmp_path, shard=1)
+    own, other = syncer.fragments[1], syncer.fragments[0]
+    assert set(syncer.model.weights) == set(own)
+    assert set(syncer.model.published) <= set(own)
+    # The module's other tensors are released (no elements), not just left out of the dicts.
+    params = dict(syncer.parts.model.named_parameters())
+    assert all(params[n].numel() == 0 for n in other)
+    assert all(params[n].numel() > 0 for n in own)
+    # No process holds the whole model: a shard evaluates nothing.
+    assert syncer.jobs.snapshot().eval_history == []
+
+
+def test_shard_resumes_its_own_tensors_from_a_whole_model_checkpoint(tmp_path: Path) -> None:
+    # A checkpoint with every tensor (a shard's from before shards held only theirs, or one
+    # syncer's with the same fragments): the shard takes its own fragments' and drops the rest.
+    whole = Syncer(
+        make_spec(islands={"count": 1}, sync={"quorum": 1, "graceSeconds": 0, "fragments": 2}),
+        job_name="unit",
+        state_dir=tmp_path,
+        clock=FakeClock(),
+    )
+
+    async def merge_both() -> None:
+        await whole.start()
+        await whole.join("island-0", 1)
+        for f in (0, 1):
+            await whole.receive_push(f, body(whole, f, "island-0", delta(whole, f, 5 + f)))
+            await whole.tick()
+        await whole.stop()
+
+    run(merge_both())
+    shard = _shard_syncer(tmp_path, shard=1)
+    assert shard.resumed_from is not None
+    assert set(shard.model.weights) == set(shard.fragments[1])
+    for name in shard.fragments[1]:
+        assert torch.equal(shard.model.weights[name], whole.model.weights[name])
+    assert set(shard.model.outer.state_tensors()) == set(shard.fragments[1])
+    assert shard.state.versions[1] == 1

@@ -21,16 +21,18 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from diloco_trainer.api.sharding import ERROR_WRONG_SHARD, WRONG_SHARD_STATUS
 from diloco_trainer.api.spec import ConfigError, JobSpec
 from diloco_trainer.core.compress import expected_encoded
 from diloco_trainer.core.contributions import Contributor, MergePlan, plan_merge
 from diloco_trainer.core.fragments import split_fragments
 from diloco_trainer.core.merge import merge_pseudo_gradients
-from diloco_trainer.core.outer import OuterOptimizer
+from diloco_trainer.core.outer import BUFFER_PREFIX, OuterOptimizer
 from diloco_trainer.core.published import UpdateWriter, WeightUpdate, publish_update
 from diloco_trainer.syncer import checkpoint as ckpt
 from diloco_trainer.syncer.folding import RoundFolds
 from diloco_trainer.syncer.guards import MergeInputError, check_merged
+from diloco_trainer.syncer.records import Refused
 from diloco_trainer.syncer.rounds import Contribution
 
 log = logging.getLogger("diloco.syncer")
@@ -82,28 +84,43 @@ class TensorSnapshot:
 class GlobalModel:
     """θ_exact, θ_pub, their fragments and the outer optimizer of one job."""
 
-    def __init__(self, spec: JobSpec, model: nn.Module, plain_merge_names: frozenset[str]) -> None:
+    def __init__(
+        self,
+        spec: JobSpec,
+        model: nn.Module,
+        plain_merge_names: frozenset[str],
+        owned: Sequence[int] | None = None,
+    ) -> None:
+        """`owned`: the fragments this process merges (one syncer shard's, shard_scope.py;
+        None: every fragment). The others' tensors are released from `model` (it can no longer
+        be evaluated) and held nowhere here: a shard holds only its own share of P."""
         self.rule = spec.sync.merge
         self.inner_steps = spec.inner.steps
         self.plain_merge_names = plain_merge_names
         model = model.float().cpu()  # in place: `model` keeps evaluating θ_exact
         model.requires_grad_(False)
-        self.weights: Tensors = dict(model.named_parameters())
+        every = dict(model.named_parameters())
         self.fragments = split_fragments(
-            {n: t.numel() * t.element_size() for n, t in self.weights.items()},
-            spec.sync.fragments,
+            {n: t.numel() * t.element_size() for n, t in every.items()}, spec.sync.fragments
         )
-        self.expected = [{n: self.weights[n].shape for n in names} for names in self.fragments]
+        # Names and shapes of every fragment (checks of pushes, limits, update histories);
+        # tensors only of the owned ones.
+        self.expected = [{n: every[n].shape for n in names} for names in self.fragments]
+        self.full_bytes = [
+            sum(every[n].numel() * every[n].element_size() for n in names)
+            for names in self.fragments
+        ]
+        self.owned = list(range(len(self.fragments))) if owned is None else sorted(owned)
+        mine = {n for f in self.owned for n in self.fragments[f]}
+        self.weights: Tensors = {n: t for n, t in every.items() if n in mine}
+        release_tensors([t for n, t in every.items() if n not in mine])
+        del every
         self.body_limits = [fragment_body_limit(e, spec.sync.compression) for e in self.expected]
         # θ_pub: what learners hold. With pull codec none it is θ_exact itself (no copy).
         self.pull_compression = spec.sync.effective_pull_compression
         self.published: Tensors = self.weights
         if self.pull_compression != "none":
             self.published = {n: t.clone() for n, t in self.weights.items()}
-        self.full_bytes = [
-            sum(self.weights[n].numel() * self.weights[n].element_size() for n in names)
-            for names in self.fragments
-        ]
         self.outer = OuterOptimizer(
             self.weights,
             lr=spec.outer.lr,
@@ -196,11 +213,29 @@ class GlobalModel:
                 )
         return MergeResult(plan, self.outer.rounds(f), self.outer.clock(f), update)
 
+    def owns(self, f: int) -> bool:
+        """Whether this process holds and merges fragment f (every fragment but on a shard)."""
+        return f in self.owned
+
+    def check_owned(self, f: int) -> None:
+        """Refused (421, wrong_shard) for a fragment another syncer shard owns (the HTTP edge
+        refuses it first: shard_scope.py; this keeps the service's own calls honest)."""
+        if not self.owns(f):
+            raise Refused(
+                WRONG_SHARD_STATUS, f"fragment {f} is another syncer shard's", ERROR_WRONG_SHARD
+            )
+
+    def numels(self) -> list[int]:
+        """The number of elements of each fragment (owned or not)."""
+        return [sum(shape.numel() for shape in e.values()) for e in self.expected]
+
     def fragment_norms(self) -> list[float]:
-        """The L2 norm of each fragment's weights (θ_exact)."""
+        """The L2 norm of each fragment's weights (θ_exact); 0 for one another shard owns."""
         return [
             math.sqrt(sum(float(self.weights[n].norm()) ** 2 for n in names))
-            for names in self.fragments
+            if self.owns(f)
+            else 0.0
+            for f, names in enumerate(self.fragments)
         ]
 
     # ----- digests, snapshots and checkpoints --------------------------------------------------
@@ -226,8 +261,16 @@ class GlobalModel:
     def restore(self, loaded: ckpt.Checkpoint) -> None:
         """Load a checkpoint's tensors; ConfigError (nothing loaded) when they do not fit."""
         self._check_fits(loaded)
-        # The checkpoint's tensors are let go as they are copied (and its momentum taken as
-        # it is), so a resume holds little more than the running syncer.
+        # Only this process's own tensors (a shard's checkpoint from before shards held only
+        # theirs has every tensor); the checkpoint's are let go as they are copied (and its
+        # momentum taken as it is), so a resume holds little more than the running syncer.
+        for part in (loaded.weights, loaded.published or {}):
+            for name in [n for n in part if n not in self.weights]:
+                del part[name]
+        for key in [
+            k for k in loaded.momentum if k.removeprefix(BUFFER_PREFIX) not in self.weights
+        ]:
+            del loaded.momentum[key]
         with torch.no_grad():
             if self.kept_apart:
                 # θ_pub as learners hold it; a checkpoint without it (pull codec none, or an
@@ -257,18 +300,28 @@ class GlobalModel:
                 f"checkpoint {loaded.path} splits the model into different fragments than "
                 f"sync.fragments={len(self.fragments)} does now; use a fresh state dir"
             )
-        missing = set(self.weights) ^ set(loaded.weights)
+        every = {n for names in self.fragments for n in names}
+        # It must hold every tensor this process owns, and nothing the model does not have.
+        missing = (set(self.weights) - set(loaded.weights)) | (set(loaded.weights) - every)
         if missing:
             raise ConfigError(
                 f"checkpoint {loaded.path} holds other tensors than the model "
                 f"(differences: {sorted(missing)[:5]}); was model.preset changed?"
             )
         for name, t in loaded.weights.items():
-            if t.shape != self.weights[name].shape:
+            if name in self.weights and t.shape != self.weights[name].shape:
                 raise ConfigError(
                     f"checkpoint {loaded.path}: {name} has shape {tuple(t.shape)}, the model "
                     f"{tuple(self.weights[name].shape)}"
                 )
+
+
+def release_tensors(tensors: Sequence[torch.Tensor]) -> None:
+    """Free the memory of tensors (parameters of a module that must keep its structure): each
+    keeps its dtype with no elements, so anything that still reads one fails loudly."""
+    with torch.no_grad():
+        for t in tensors:
+            t.data = torch.empty(0, dtype=t.dtype)
 
 
 def _same_shapes(a: Mapping[str, torch.Tensor], b: Mapping[str, torch.Tensor]) -> bool:

@@ -249,8 +249,12 @@ class BackgroundJobs:
         metrics: SyncerMetrics,
         clock: Callable[[], float],
         health: Health,
+        evaluates: bool = True,
     ) -> None:
+        """`evaluates`: False on a syncer shard, which holds only its own fragments (no
+        process holds the whole model to evaluate: evaluate the exported model instead)."""
         self.model = model
+        self.evaluates = evaluates
         self.eval_every = spec.syncer.eval_every_outer_steps
         self.checkpoint_every = spec.syncer.checkpoint.every_outer_steps
         self.queue = JobQueue()
@@ -274,13 +278,15 @@ class BackgroundJobs:
             checkpoint_step=self.checkpoints.last_step,
         )
 
-    def evaluate_initial(self, *, step: int, tokens: int) -> float:
-        """Evaluate the initial weights (a fresh start) and record it."""
+    def evaluate_initial(self, *, step: int, tokens: int) -> float | None:
+        """Evaluate the initial weights (a fresh start) and record it (None: no evaluation)."""
+        # The initial state is a pure function of the spec: nothing to checkpoint yet.
+        self.checkpoints.last_step = 0
+        if not self.evaluates:
+            return None
         loss = self.evaluations.evaluate_live()
         self.evaluations.initial_loss = loss
         self.evaluations.record(loss, step=step, tokens=tokens)
-        # The initial state is a pure function of the spec: nothing to checkpoint yet.
-        self.checkpoints.last_step = 0
         return loss
 
     def restore(self, manifest: CheckpointManifest, outer_step: int) -> None:
@@ -289,11 +295,14 @@ class BackgroundJobs:
         self.checkpoints.last_step = outer_step
         self.checkpoints.last_versions = list(manifest.versions)
 
+    def _eval_due(self, step: int) -> bool:
+        return self.evaluates and step > self.evaluations.last_step
+
     async def after_merge(self, step: int, tokens: int, snapshot: Snapshotter) -> None:
         """The evaluation and checkpoint due at outer step `step`, of the live weights (no copy
         of P): the caller keeps them still (the service's merge lock: the next merge waits,
         pushes, pulls and probes do not), the work runs in worker threads, off the loop."""
-        if step > self.evaluations.last_step and step % self.eval_every == 0:
+        if self._eval_due(step) and step % self.eval_every == 0:
             await self.queue.drain()  # jobs scheduled before land in evalHistory first
             loss = await asyncio.to_thread(self.evaluations.evaluate_live)
             self.evaluations.record(loss, step=step, tokens=tokens)
@@ -307,7 +316,7 @@ class BackgroundJobs:
         scheduled job; returns the eval loss computed here, if any."""
         await self.queue.drain()  # earlier evaluations land in evalHistory first
         loss = None
-        if step > self.evaluations.last_step:
+        if self._eval_due(step):
             loss = await asyncio.to_thread(self.evaluations.evaluate_live)
             self.evaluations.record(loss, step=step, tokens=tokens)
         await self.checkpoints.write(await snapshot())

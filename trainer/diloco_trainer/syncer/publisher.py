@@ -72,8 +72,13 @@ class Publisher:
     async def start(self, keys: list[BodyKey]) -> None:
         """Create the events and encode every fragment at `keys` (call on the serving loop)."""
         self._events = [asyncio.Event() for _ in self.model.fragments]
+        # Another shard's fragments (never served here: 421 at the edge) get an empty body
+        # that is never re-encoded.
         self._bodies = await asyncio.to_thread(
-            lambda: [self.encode(f, keys[f]) for f in range(len(self.model.fragments))]
+            lambda: [
+                self.encode(f, keys[f]) if self.model.owns(f) else (keys[f], b"")
+                for f in range(len(self.model.fragments))
+            ]
         )
 
     def record_update(self, f: int, update: WeightUpdate | None) -> None:
@@ -85,7 +90,7 @@ class Publisher:
         """Re-encode the fragments whose key changed and wake their pullers (lock held), one
         fragment at a time, new versions first: a merged fragment is pullable as soon as its
         own body is, not after the others whose outer step only changed."""
-        stale = [f for f in range(len(self.model.fragments)) if self._bodies[f][0] != keys[f]]
+        stale = [f for f in self.model.owned if self._bodies[f][0] != keys[f]]
         stale.sort(key=lambda f: self._bodies[f][0][0] == keys[f][0])  # new versions first
         for f in stale:
             self.install(f, await asyncio.to_thread(self.encode, f, keys[f]))
@@ -113,6 +118,8 @@ class Publisher:
         The body is the chain of updates since version `have` when there is one (see
         _chain_body), else the full published weights.
         """
+        if not self.model.owns(fragment):
+            raise ValueError(f"fragment {fragment} is another syncer shard's")
         deadline = time.monotonic() + max(0.0, min(wait, protocol.MAX_WAIT_SECONDS))
         while True:
             key, body = self._bodies[fragment]

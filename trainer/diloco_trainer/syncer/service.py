@@ -221,11 +221,11 @@ class Syncer:
     # ----- requests ----------------------------------------------------------------------------
 
     def check_fragment(self, fragment: int) -> None:
-        """Refused(404) unless the fragment exists."""
-        if not 0 <= fragment < len(self.model.fragments):
-            raise Refused(
-                404, f"fragment {fragment} does not exist (0..{len(self.model.fragments) - 1})"
-            )
+        """Refused(404) unless the fragment exists, 421 when another syncer shard owns it."""
+        n = len(self.model.fragments)
+        if not 0 <= fragment < n:
+            raise Refused(404, f"fragment {fragment} does not exist (0..{n - 1})")
+        self.model.check_owned(fragment)
 
     def push_limit(self, fragment: int) -> int:
         """The largest push body `fragment` accepts; Refused(404) when it does not exist."""

@@ -97,15 +97,24 @@ def build(
     metrics = SyncerMetrics()
     health = Health(clock, metrics.healthy)
     parts = build_parts(spec, shard_index=0, num_shards=spec.total_shards(), with_train=False)
-    model = GlobalModel(spec, parts.model, parts.plain_merge_names)
-    model.folds.spill_to(state_dir / PENDING_DIR)  # pending pushes on disk, not in memory
-    n = len(model.fragments)
-    publisher = Publisher(model, max_staleness=spec.staleness_bound(), metrics=metrics)
-    # One shard of several (shard_scope.py): its outer step and tokens count its own fragments.
+    n = spec.sync.fragments
+    # One shard of several (shard_scope.py): it holds only its own fragments' tensors, and its
+    # outer step and tokens count them; it evaluates nothing (no process holds the whole model).
     scope = ShardScope.of(spec, shard, n) if spec.syncer.shards > 1 else None
+    owned = None if scope is None else scope.owned
+    model = GlobalModel(spec, parts.model, parts.plain_merge_names, owned=owned)
+    model.folds.spill_to(state_dir / PENDING_DIR)  # pending pushes on disk, not in memory
+    publisher = Publisher(model, max_staleness=spec.staleness_bound(), metrics=metrics)
     merge_log = MergeLog(n, state_dir) if scope is None else scope.new_merge_log(n, state_dir)
     jobs = BackgroundJobs(
-        spec, parts, model, state_dir=state_dir, metrics=metrics, clock=clock, health=health
+        spec,
+        parts,
+        model,
+        state_dir=state_dir,
+        metrics=metrics,
+        clock=clock,
+        health=health,
+        evaluates=scope is None,
     )
     loaded = _newest_valid(spec, state_dir, health)
     spec_hash = ckpt.spec_hash(spec.to_json())
@@ -120,11 +129,10 @@ def build(
         rounds = [model.outer.rounds(f) for f in range(n)]
         state = new_state(policy, n, versions=loaded.document.versions, rounds=rounds)
     # The hard norm caps follow the weights the job starts from.
-    numels = [sum(model.weights[name].numel() for name in names) for names in model.fragments]
-    guard = make_guard(spec, numels, model.fragment_norms())
+    guard = make_guard(spec, model.numels(), model.fragment_norms())
     if loaded is None:
         loss = jobs.evaluate_initial(step=state.outer_step, tokens=merge_log.tokens)
-        log.info("fresh start: %d fragments, initial eval loss %.4f", n, loss)
+        log.info("fresh start: %d fragments, initial eval loss %s", n, loss)
     else:
         guard.history.restore(loaded.document.norm_history)
         _restore_counters(loaded, state, Admission.from_spec(spec), merge_log, jobs, now=clock())
