@@ -479,8 +479,9 @@ def parse_spec(data: dict[str, Any]) -> JobSpec:
 def load_spec(path: str | Path) -> JobSpec:
     """Load a JobSpec from YAML or JSON: either a whole DiLoCoJob manifest or a bare spec."""
     path = Path(path)
-    try:
-        doc = yaml.safe_load(path.read_text())
+    try:  # read from the file, so pyyaml's marks name it (not "<unicode string>") and a
+        with path.open("rb") as stream:  # non-UTF-8 file is a YAMLError, not a traceback
+            doc = yaml.safe_load(stream)
     except OSError as err:
         raise ConfigError(f"cannot read config {path}: {err.strerror}") from None
     except yaml.YAMLError as err:
