@@ -6,6 +6,7 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from diloco_trainer.api.preflight import model_vocab
 from diloco_trainer.api.spec import ConfigError, JobSpec
 from diloco_trainer.check.findings import (
     TokenFigures,
@@ -93,7 +94,7 @@ def check_job(spec: JobSpec, *, cluster: bool = False) -> Report:
             f"data.source {spec.data.source}: a path in the pods, not on this machine: not read "
             "(--data DIR reads a local copy of it)"
         )
-        vocab_size = _vocab_without_corpus(spec)
+        vocab_size = model_vocab(spec)
     else:
         vocab_size = _corpus(spec, report)
     if vocab_size is not None and report.ok:
@@ -103,12 +104,3 @@ def check_job(spec: JobSpec, *, cluster: bool = False) -> Report:
 
 def _readable_here(spec: JobSpec) -> bool:
     return spec.data.source.startswith("builtin:") or Path(spec.data.source).exists()
-
-
-def _vocab_without_corpus(spec: JobSpec) -> int | None:
-    """The model's vocabulary when the corpus is not read: bytes, or a BPE's vocabSize (a
-    tokenizer file's size is unknown until it is read)."""
-    kind = spec.data.tokenizer.type
-    if kind == "bytes":
-        return 256
-    return spec.data.tokenizer.vocab_size if kind == "bpe" else None

@@ -8,8 +8,27 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from diloco_trainer.api.preflight import (
+    MemoryNeed,
+    cluster_memory_errors,
+    gib,
+    round_tokens,
+    run_tokens,
+    schedule_warnings,
+)
 from diloco_trainer.api.spec import JobSpec
-from diloco_trainer.check.memory import MemoryNeed, gib, parse_quantity
+
+# The spec-only rules live in api/preflight.py (the operator runs them too); named here as well
+# because `diloco check` reads them as its findings.
+__all__ = [
+    "TokenFigures",
+    "cluster_memory_errors",
+    "local_memory_error",
+    "round_tokens",
+    "run_tokens",
+    "schedule_warnings",
+    "token_lines",
+]
 
 
 @dataclass(frozen=True)
@@ -18,41 +37,6 @@ class TokenFigures:
 
     train: int
     eval: int
-
-
-def round_tokens(spec: JobSpec) -> int:
-    """Tokens of one round of work: every island's ranks take inner.steps steps."""
-    ranks = sum(spec.islands.replicas_of(i) for i in range(spec.islands.count))
-    return ranks * spec.inner.tokens_per_step * spec.inner.steps
-
-
-def run_tokens(spec: JobSpec) -> int | None:
-    """Tokens the whole run merges (the nearer stop condition), None when it never stops."""
-    limits = []
-    if spec.stop_after.outer_steps:
-        limits.append(spec.stop_after.outer_steps * round_tokens(spec))
-    if spec.stop_after.tokens:
-        limits.append(spec.stop_after.tokens)
-    return min(limits) if limits else None
-
-
-def schedule_warnings(spec: JobSpec) -> list[str]:
-    """No stop condition; a warm-up longer than the run."""
-    out = []
-    if not spec.stop_after.outer_steps and not spec.stop_after.tokens:
-        out.append(
-            "stopAfter: neither outerSteps nor tokens is set: the job runs until it is stopped "
-            "(Ctrl-C, or deleting the DiLoCoJob)"
-        )
-    if spec.stop_after.outer_steps:
-        inner_total = spec.stop_after.outer_steps * spec.inner.steps
-        if spec.inner.warmup_steps > inner_total:
-            out.append(
-                f"inner.warmupSteps ({spec.inner.warmup_steps}) is longer than the whole run "
-                f"({spec.stop_after.outer_steps} outer steps x inner.steps {spec.inner.steps} = "
-                f"{inner_total} inner steps): the learning rate never reaches inner.lr"
-            )
-    return out
 
 
 def token_lines(spec: JobSpec, figures: TokenFigures) -> tuple[list[str], list[str], list[str]]:
@@ -106,33 +90,3 @@ def local_memory_error(spec: JobSpec, need: MemoryNeed, available: int, cuda: bo
         f"{who} need about {gib(total)}, and this machine has {gib(available)} available: "
         "lower inner.seqLen or inner.batchSize (or data.evalTokens)"
     )
-
-
-def _limit(resources: dict[str, object]) -> int | None:
-    limits = resources.get("limits")
-    if not isinstance(limits, dict) or "memory" not in limits:
-        return None
-    return parse_quantity(limits["memory"])
-
-
-def cluster_memory_errors(spec: JobSpec, need: MemoryNeed) -> list[str]:
-    """The estimates against the memory limits the pods get (a learner with a GPU is skipped:
-    its activations are on the GPU)."""
-    out = []
-    for i in range(spec.islands.count):
-        resources = spec.islands.resources_of(i)
-        limit = _limit(resources)
-        gpu = any("gpu" in str(k) for k in (resources.get("limits") or {}))
-        if limit is not None and not gpu and need.learner > limit:
-            out.append(
-                f"islands.resources.limits.memory ({gib(limit)}): a learner step needs about "
-                f"{gib(need.learner)} (inner.seqLen x inner.batchSize)"
-            )
-            break
-    limit = _limit(spec.syncer.resources)
-    if limit is not None and need.syncer > limit:
-        out.append(
-            f"syncer.resources.limits.memory ({gib(limit)}): the syncer's evaluation needs about "
-            f"{gib(need.syncer)} (inner.seqLen x inner.batchSize, data.evalTokens)"
-        )
-    return out
