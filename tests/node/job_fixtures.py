@@ -1,6 +1,7 @@
-"""What tests/node/test_job_on_node.py builds on: the chart installed with the operator image
-built here, a tiny DiLoCoJob pinned to the real node with a checkpoint volume, and reads of the
-job's status and of its syncer's /v1/status.
+"""What the node tier's job tests build on: the chart installed with the operator image built
+here (`chart_release`, the one release fixture every node test file uses), a tiny DiLoCoJob
+pinned to the real node with a checkpoint volume, and reads of the job's status and of its
+syncer's /v1/status.
 
 The node has no registry and no volume provisioner: the images are loaded into the node
 (conftest.node_images), pods never pull (`imagePullPolicy: Never`), and the checkpoint volume is
@@ -11,12 +12,15 @@ machine, so the test reads the final weights back from the same directory).
 from __future__ import annotations
 
 import base64
+import contextlib
 import json
 import urllib.request
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import pytest
 from chart.helm_tool import CHART, Helm
 
 from hack.localcluster.harness import ControlPlane
@@ -62,21 +66,59 @@ class Release:
     helm: Helm
     name: str
     namespace: str
+    installed: bool = False
 
     def install(self, values: dict[str, Any], values_file: Path) -> None:
         values_file.write_text(json.dumps(values))
         args = ["install", self.name, str(CHART), "-n", self.namespace, "-f", str(values_file)]
         result = self.helm.run(*args, "--wait", "--timeout", "300s", timeout=360)
         assert result.returncode == 0, f"helm install failed:\n{result.stderr}"
+        self.installed = True
 
     def uninstall(self) -> None:
         args = ["uninstall", self.name, "-n", self.namespace, "--wait", "--timeout", "180s"]
         result = self.helm.run(*args, timeout=240)
         assert result.returncode == 0, f"helm uninstall failed:\n{result.stderr}"
+        self.installed = False
 
     @property
     def selector(self) -> str:
         return f"app.kubernetes.io/instance={self.name}"
+
+
+@contextlib.contextmanager
+def chart_release(
+    cp: ControlPlane,
+    operator_image: str,
+    tmp_path_factory: pytest.TempPathFactory,
+    namespace: str,
+    values: dict[str, Any] | None = None,
+) -> Iterator[Release]:
+    """The chart's operator running as a pod on the real node: `helm install` (release
+    "diloco") into a fresh namespace named after `namespace`, with chart_values(operator_image)
+    updated by `values` (top-level keys replace the defaults'); on exit `helm uninstall` unless
+    a test already did, then the namespace is deleted. A module fixture is one `with` around it:
+
+        with chart_release(node_cluster, node_images["operator"], tmp_path_factory, "ns") as rel:
+            yield rel
+    """
+    home = tmp_path_factory.mktemp("helm")
+    try:
+        helm = Helm.located(home, env=cp.env)
+    except RuntimeError as err:
+        pytest.fail(f"helm is needed and could not be located or built: {err}")
+    rel = Release(helm, "diloco", cp.create_namespace(namespace))
+    try:
+        rel.install({**chart_values(operator_image), **(values or {})}, home / "values.json")
+        yield rel
+    finally:
+        try:
+            if rel.installed:
+                rel.uninstall()
+            else:  # a failed install may still have left objects: remove what helm recorded
+                helm.run("uninstall", rel.name, "-n", rel.namespace, "--wait", timeout=240)
+        finally:
+            cp.delete_namespace(rel.namespace)
 
 
 def checkpoint_volume(name: str, namespace: str, path: Path) -> list[dict[str, Any]]:

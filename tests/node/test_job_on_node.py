@@ -19,7 +19,6 @@ from typing import Any
 
 import pytest
 import torch
-from chart.helm_tool import Helm
 from diloco_operator.resources.pods import RUN_AS_USER
 from diloco_trainer.syncer.checkpoint import load_checkpoint
 from safetensors import safe_open
@@ -29,7 +28,7 @@ from hack.localcluster.settings import NODE_NAME
 
 from .job_fixtures import (
     Release,
-    chart_values,
+    chart_release,
     checkpoint_volume,
     job_status,
     syncer_pod,
@@ -94,17 +93,9 @@ def release(
     node_images: dict[str, str],
     tmp_path_factory: pytest.TempPathFactory,
 ) -> Iterator[Release]:
-    home = tmp_path_factory.mktemp("helm")
-    try:
-        helm = Helm.located(home, env=node_cluster.env)
-    except RuntimeError as err:
-        pytest.fail(f"helm is needed and could not be located or built: {err}")
-    rel = Release(helm, "diloco", node_cluster.create_namespace("diloco-system"))
-    rel.install(chart_values(node_images["operator"]), home / "values.json")
-    yield rel
-    # Only when a step failed before test_uninstall_leaves_nothing_behind.
-    helm.run("uninstall", rel.name, "-n", rel.namespace, "--wait", timeout=240)
-    node_cluster.delete_namespace(rel.namespace)
+    operator = node_images["operator"]
+    with chart_release(node_cluster, operator, tmp_path_factory, "diloco-system") as rel:
+        yield rel
 
 
 @pytest.fixture(scope="module")

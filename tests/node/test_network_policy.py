@@ -27,7 +27,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import pytest
-from chart.helm_tool import Helm
 from diloco_trainer.api.contract import DEFAULT_MASTER_PORT
 
 from hack.localcluster.harness import ControlPlane, poll_until
@@ -39,7 +38,7 @@ from .job_fixtures import (
     SYNCER_PORT,
     TOLERATION,
     Release,
-    chart_values,
+    chart_release,
     job_status,
     syncer_pod,
     syncer_status,
@@ -170,16 +169,9 @@ def release(
     tmp_path_factory: pytest.TempPathFactory,
 ) -> Iterator[Release]:
     """The chart's operator (networkPolicy.enabled: true, the chart's default) as a pod."""
-    home = tmp_path_factory.mktemp("helm")
-    try:
-        helm = Helm.located(home, env=node_cluster.env)
-    except RuntimeError as err:
-        pytest.fail(f"helm is needed and could not be located or built: {err}")
-    rel = Release(helm, "diloco", node_cluster.create_namespace("netpol-operator"))
-    rel.install(chart_values(node_images["operator"]), home / "values.json")
-    yield rel
-    rel.uninstall()
-    node_cluster.delete_namespace(rel.namespace)
+    operator = node_images["operator"]
+    with chart_release(node_cluster, operator, tmp_path_factory, "netpol-operator") as rel:
+        yield rel
 
 
 @pytest.fixture(scope="module")
