@@ -9,6 +9,7 @@ from __future__ import annotations
 from diloco_operator.api import Condition
 from diloco_operator.observation import ConditionsByType, Observation
 from diloco_operator.phase import LOST, NOT_YET_REACHED, Verdict
+from diloco_operator.preflight import CHECK_CONDITION
 from diloco_operator.queueing import quota_condition
 from diloco_operator.syncer_view import SyncerView
 from diloco_operator.times import rfc3339
@@ -109,10 +110,13 @@ def progressing(verdict: Verdict, obs: Observation) -> tuple[str, str]:
 
 
 def job_conditions(verdict: Verdict, obs: Observation, before: ConditionsByType) -> list[Condition]:
-    """The conditions of CONDITION_TYPES, in that order, then QUOTA_CONDITION for a job in
-    a Kueue queue whose islands should run."""
+    """The conditions of CONDITION_TYPES, in that order, then CHECK_CONDITION when the
+    pre-flight check ran, then QUOTA_CONDITION for a job in a Kueue queue whose islands should
+    run."""
     quota = quota_condition(obs.islands.values()) if verdict.running else None
     extra = [] if quota is None else [condition(before, QUOTA_CONDITION, *quota, obs)]
+    if obs.check is not None:  # the pre-flight check (preflight.py), before the quota
+        extra.insert(0, condition(before, CHECK_CONDITION, *obs.check.condition(), obs))
     return _standard_conditions(verdict, obs, before) + extra
 
 

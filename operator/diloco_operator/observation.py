@@ -9,6 +9,7 @@ from typing import Any
 
 from diloco_operator.api import DiLoCoJobSpec
 from diloco_operator.health import IslandHealth, PodView
+from diloco_operator.preflight import CheckResult
 from diloco_operator.syncer_view import SyncerView
 
 
@@ -26,6 +27,7 @@ class Observation:
     rolling: Sequence[str]  # island StatefulSets mid-rollout
     now: datetime
     conflicts: Sequence[str] = ()  # children left alone: another object holds their name
+    check: CheckResult | None = None  # the pre-flight check (preflight.py); None: not run
 
 
 ConditionsByType = Mapping[str, Mapping[str, Any]]

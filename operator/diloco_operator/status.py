@@ -9,6 +9,7 @@ of a stored status (should islands run, is the finished job past its TTL).
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import replace
 from datetime import datetime, timedelta
 from typing import Any
 
@@ -24,6 +25,8 @@ from diloco_operator.times import parse_time
 def compute_status(obs: Observation, previous: Mapping[str, Any] | None) -> DiLoCoJobStatus:
     """The new status, given the observation and the status currently stored (or None)."""
     verdict = decide_phase(obs, previous)
+    if obs.check is not None and obs.check.held:  # no children until the spec passes
+        verdict = replace(verdict, phase="Pending", message=obs.check.held_message(), failure=None)
     islands = island_statuses(obs, verdict.running)
     syncer = obs.syncer.status if obs.syncer is not None else None
     progress = carried_progress(syncer, previous)

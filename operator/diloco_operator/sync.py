@@ -42,6 +42,7 @@ from diloco_operator.observation import Observation
 from diloco_operator.observed import parse_version
 from diloco_operator.phase import FINAL_PHASES
 from diloco_operator.planner import MANAGED_KINDS, Key, owned_by, plan_changes
+from diloco_operator.preflight import CheckResult, check_job, post_check_event
 from diloco_operator.refusals import post_refusal_events
 from diloco_operator.resources import JobRef
 from diloco_operator.runtime import JobRuntime
@@ -95,11 +96,14 @@ async def sync_job(kube: Kube, rt: JobRuntime, *, reconcile: bool, poll_syncer: 
         spec = _valid_spec(rt, body)
         job = JobRef.from_body(body)
         status = dict(body.get("status") or {})
-        if reconcile or time.monotonic() - rt.last_reconcile >= RECONCILE_INTERVAL:
+        check = check_job(spec, status)  # a failing check holds a job that has not started
+        post_check_event(rt.notes, body, check)
+        reconcile_due = reconcile or time.monotonic() - rt.last_reconcile >= RECONCILE_INTERVAL
+        if reconcile_due and not check.held:
             await reconcile_children(kube, rt, job, spec, status, queued_at=queued_at)
-        if poll_syncer:
+        if poll_syncer and not check.held:
             await poll_syncer_status(kube, rt, job, spec)
-        new_status = await observe(kube, rt, job, body, spec, status)
+        new_status = await observe(kube, rt, job, body, spec, status, check)
         if new_status is None:
             return False
         post_weight_events(rt.notes, body, spec, new_status)
@@ -288,6 +292,7 @@ async def observe(
     body: dict[str, Any],
     spec: DiLoCoJobSpec,
     status: dict[str, Any],
+    check: CheckResult | None = None,
 ) -> dict[str, Any] | None:
     """Island health -> syncer membership, then write the status; the status written (None
     when the job is gone)."""
@@ -317,6 +322,7 @@ async def observe(
         rolling=rt.rollout,
         now=_now(),
         conflicts=rt.conflicts,
+        check=check,
     )
     new = compute_status(observation, status)
     patch = status_patch(new)
