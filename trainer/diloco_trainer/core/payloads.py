@@ -190,11 +190,51 @@ def encode_body_buffer(
     return out.numpy().data.toreadonly()
 
 
+@dataclass(frozen=True)
+class SplitBody:
+    """A safetensors body served in two parts, its prefix (length and JSON header, with the
+    metadata) and its data (the tensors' bytes), one after the other: the data may be memory
+    that other code reads as tensors (the syncer's published weights, body_data), so a new
+    prefix (a new outer step) needs no copy of it. bytes() gives the body whole."""
+
+    prefix: bytes
+    data: memoryview = field(repr=False)
+
+    def __len__(self) -> int:
+        return len(self.prefix) + self.data.nbytes
+
+    def __bytes__(self) -> bytes:
+        return self.prefix + self.data.tobytes()
+
+
+def body_data(template: Mapping[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """A new buffer laid out as the data part of a body of tensors like `template` (their
+    names, dtypes and shapes; body_layout), and one tensor per name viewing its place in it:
+    what is written through the views is the body's data (split_body serves it as it is)."""
+    layout = body_layout(template, {})
+    data = torch.empty(layout.data_bytes, dtype=torch.uint8)
+    views = {}
+    for name in layout.order:
+        begin, end = layout.offsets[name]
+        t = template[name]
+        views[name] = data[begin:end].view(t.dtype).view(t.shape)
+    return data, views
+
+
+def split_body(
+    data: torch.Tensor, template: Mapping[str, torch.Tensor], metadata: Mapping[str, Any]
+) -> SplitBody:
+    """The body of `data` (laid out by body_data for `template`) with this metadata, without a
+    copy of the data: the caller must not write it while the body is served."""
+    prefix = body_layout(template, metadata).prefix
+    return SplitBody(prefix, data.numpy().data.toreadonly())
+
+
 def decode_body(
-    body: bytes | bytearray | memoryview,
+    body: bytes | bytearray | memoryview | SplitBody,
 ) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
     """Parse a safetensors body into (tensors, metadata); ValueError for anything malformed."""
-    if not isinstance(body, bytes):  # a body the syncer built (encode_body_buffer)
+    if not isinstance(body, bytes):  # a body the syncer built (encode_body_buffer, SplitBody)
         body = bytes(body)
     meta = read_metadata(body)
     try:

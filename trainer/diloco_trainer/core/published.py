@@ -78,8 +78,12 @@ class UpdateWriter:
         names: Sequence[str],
         codec: str,
         version: int,
+        out: Mapping[str, Tensor] | None = None,
     ) -> None:
+        """`out`: where the new θ_pub of `names` goes (θ_pub's own tensors, in place, when
+        None): the syncer writes it into a new body's memory while the old one is served."""
         self.exact, self.published, self.names = exact, published, list(names)
+        self.out = published if out is None else out
         self.codec, self.version = codec, version
         shapes = {n: published[n].shape for n in self.names}
         self.encoded = {
@@ -91,7 +95,10 @@ class UpdateWriter:
         """Encode u = θ_exact − θ_pub on one slice of `name`, and θ_pub's slice += decode(q)."""
         pub = self.published[name].view(-1)[sl]
         one = encode_tensors({name: self.exact[name].reshape(-1)[sl] - pub}, self.codec)
-        pub.add_(decode_tensor(one, name, self.codec, pub.shape))
+        # the same fp32 add as the learner's in-place one, bit for bit
+        torch.add(
+            pub, decode_tensor(one, name, self.codec, pub.shape), out=self.out[name].view(-1)[sl]
+        )
         for key, part in one.items():
             target = self.encoded[key].view(-1)
             if key.endswith(SCALE_SUFFIX):  # one scale per block
@@ -108,7 +115,7 @@ class UpdateWriter:
             version=self.version,
             encoded=self.encoded,
             nbytes=encoded_nbytes(self.encoded),
-            checksum=weights_checksum({n: self.published[n] for n in self.names}),
+            checksum=weights_checksum({n: self.out[n] for n in self.names}),
         )
 
 
@@ -118,15 +125,17 @@ def publish_update(
     names: Sequence[str],
     codec: str,
     version: int,
+    out: Mapping[str, Tensor] | None = None,
 ) -> WeightUpdate:
-    """Move the published tensors `names` towards the exact ones by one encoded update (in place).
+    """Move the published tensors `names` towards the exact ones by one encoded update (in place,
+    or into `out`).
 
     The update is encoded from u = exact − published and decoded exactly as a learner decodes
     it, so published + decode(q) here equals the learner's result bit for bit. A slice at a
     time (UpdateWriter): the difference and its decoded form are a slice's size, not the
     fragment's, and the codecs give the same bytes as on whole tensors.
     """
-    writer = UpdateWriter(exact, published, names, codec, version)
+    writer = UpdateWriter(exact, published, names, codec, version, out)
     with torch.no_grad():
         for n in writer.names:
             for sl in slices(published[n].numel()):

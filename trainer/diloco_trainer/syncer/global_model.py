@@ -28,6 +28,7 @@ from diloco_trainer.core.contributions import Contributor, MergePlan, plan_merge
 from diloco_trainer.core.fragments import split_fragments
 from diloco_trainer.core.merge import merge_pseudo_gradients
 from diloco_trainer.core.outer import BUFFER_PREFIX, OuterOptimizer
+from diloco_trainer.core.payloads import body_data
 from diloco_trainer.core.published import UpdateWriter, WeightUpdate, publish_update
 from diloco_trainer.syncer import checkpoint as ckpt
 from diloco_trainer.syncer.folding import RoundFolds
@@ -117,10 +118,19 @@ class GlobalModel:
         del every
         self.body_limits = [fragment_body_limit(e, spec.sync.compression) for e in self.expected]
         # θ_pub: what learners hold. With pull codec none it is θ_exact itself (no copy).
+        # Otherwise each fragment's θ_pub lives in the data part of its full pull body
+        # (payloads.body_data: the publisher serves it as it is, no second copy), and a merge
+        # writes the new θ_pub into a new buffer while the old one is still served.
         self.pull_compression = spec.sync.effective_pull_compression
         self.published: Tensors = self.weights
+        self.published_data: dict[int, torch.Tensor] = {}
         if self.pull_compression != "none":
-            self.published = {n: t.clone() for n, t in self.weights.items()}
+            self.published = {}
+            for f in self.owned:
+                data, views = self._new_published(f)
+                for name, view in views.items():
+                    view.copy_(self.weights[name])
+                self._install_published(f, data, views)
         self.outer = OuterOptimizer(
             self.weights,
             lr=spec.outer.lr,
@@ -144,6 +154,15 @@ class GlobalModel:
     def published_fragment(self, f: int) -> Tensors:
         """Fragment f of θ_pub, the tensors a full pull serves."""
         return {n: self.published[n] for n in self.fragments[f]}
+
+    def _new_published(self, f: int) -> tuple[torch.Tensor, Tensors]:
+        """A new body buffer for fragment f's θ_pub and its views by name (not yet θ_pub)."""
+        return body_data({n: self.weights[n] for n in self.fragments[f]})
+
+    def _install_published(self, f: int, data: torch.Tensor, views: Tensors) -> None:
+        """Make a _new_published buffer fragment f's θ_pub."""
+        self.published.update(views)
+        self.published_data[f] = data
 
     # ----- the merge and outer step ------------------------------------------------------------
 
@@ -195,11 +214,14 @@ class GlobalModel:
         plan = prepared.plan
         names = self.fragments[f]
         update = None
-        if self.kept_apart and set(prepared.merged) == set(names):
+        # θ_pub moves into a new body buffer: the old one (the body being served) stays as
+        # it is until the publisher lets it go.
+        data, out = self._new_published(f) if self.kept_apart else (None, None)
+        if out is not None and set(prepared.merged) == set(names):
             # One pass: θ_pub's update follows the outer step a slice at a time, reading each
             # slice of θ_exact while it is in cache (core/published.UpdateWriter).
             writer = UpdateWriter(
-                self.weights, self.published, names, self.pull_compression, new_version
+                self.weights, self.published, names, self.pull_compression, new_version, out
             )
             self.outer.step(
                 prepared.merged, plan.fraction, group=f, complete=plan.complete, each=writer.slice
@@ -207,10 +229,12 @@ class GlobalModel:
             update = writer.finish()
         else:
             self.outer.step(prepared.merged, plan.fraction, group=f, complete=plan.complete)
-            if self.kept_apart:
+            if out is not None:
                 update = publish_update(
-                    self.weights, self.published, names, self.pull_compression, new_version
+                    self.weights, self.published, names, self.pull_compression, new_version, out
                 )
+        if data is not None and out is not None:
+            self._install_published(f, data, out)
         return MergeResult(plan, self.outer.rounds(f), self.outer.clock(f), update)
 
     def owns(self, f: int) -> bool:

@@ -19,12 +19,14 @@ import ssl
 from collections.abc import Awaitable, Callable
 from typing import Any, Protocol
 
-from aiohttp import web
+from aiohttp import payload, web
+from aiohttp.abc import AbstractStreamWriter
 
 from diloco_trainer.api import protocol
 from diloco_trainer.api.contract import SyncerEnv
 from diloco_trainer.api.credentials import Principal
 from diloco_trainer.api.documents import MembershipRequest
+from diloco_trainer.core.payloads import SplitBody
 from diloco_trainer.syncer.credentials import (
     PRINCIPAL,
     authenticate,
@@ -78,6 +80,28 @@ REFUSAL_REASON = {
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
+class SplitBodyPayload(payload.Payload):
+    """A SplitBody as aiohttp sends a body: its prefix, then its data, with no copy joining
+    them (the data is the syncer's published weights, P/F bytes)."""
+
+    _autoclose = True  # nothing to close: memory
+
+    def __init__(self, value: SplitBody) -> None:
+        super().__init__(value, content_type=protocol.SAFETENSORS_CONTENT_TYPE)
+        self._body = value
+        self._size = len(value)
+
+    def decode(self, encoding: str = "utf-8", errors: str = "strict") -> str:
+        return bytes(self._body).decode(encoding, errors)
+
+    async def as_bytes(self, encoding: str = "utf-8", errors: str = "strict") -> bytes:
+        return bytes(self._body)
+
+    async def write(self, writer: AbstractStreamWriter) -> None:
+        await writer.write(self._body.prefix)
+        await writer.write(self._body.data)
+
+
 class SyncerService(Protocol):
     """What the routes need of the syncer (service.Syncer)."""
 
@@ -95,7 +119,7 @@ class SyncerService(Protocol):
 
     async def pull(
         self, fragment: int, *, after: int, wait: float, have: int = -1
-    ) -> bytes | bytearray | memoryview | None: ...
+    ) -> bytes | bytearray | memoryview | SplitBody | None: ...
 
     async def receive_push(
         self, fragment: int, body: bytes, principal: Principal
@@ -244,7 +268,9 @@ class SyncerRoutes:
         body = await self.syncer.pull(fragment, after=after, wait=wait, have=have)
         if body is None:
             return web.Response(status=304)
-        return web.Response(body=body, content_type=protocol.SAFETENSORS_CONTENT_TYPE)
+        # A full body: its prefix, then its data as it is in memory.
+        sent = SplitBodyPayload(body) if isinstance(body, SplitBody) else body
+        return web.Response(body=sent, content_type=protocol.SAFETENSORS_CONTENT_TYPE)
 
     async def handle_push(self, request: web.Request) -> web.Response:
         """POST /v1/fragments/{f}/push: the body read under its limits, then the service's push

@@ -1,6 +1,7 @@
 """The publisher: what pullers get, and when.
 
-It keeps each fragment's encoded pull body (the full θ_pub fragment at its published version),
+It keeps each fragment's full pull body (the θ_pub fragment at its published version: θ_pub's
+own memory after a prefix, or a copy of θ_exact with pull codec none; see encode),
 the last few encoded updates of θ_pub per fragment (core/published.py) and the update-chain bodies
 built from them, and one event per fragment that long-polling pullers wait on. The service calls
 `publish` after a merge (lock held); `pull` serves and long-polls without the lock.
@@ -15,6 +16,8 @@ import asyncio
 import time
 from dataclasses import dataclass
 
+import torch
+
 from diloco_trainer.api import protocol
 from diloco_trainer.core import payloads
 from diloco_trainer.core.compress import expected_encoded
@@ -24,9 +27,11 @@ from diloco_trainer.syncer.metrics import SyncerMetrics
 
 # What a body was encoded at: (fragment version, outer step, finished).
 BodyKey = tuple[int, int, bool]
-# A pull body: built by torch copies into memory torch allocated (payloads.encode_body_buffer),
-# so building one in a worker thread never holds the interpreter lock for a P-sized copy.
-Body = bytes | bytearray | memoryview
+# A pull body: a full one is a SplitBody whose data is θ_pub's own memory (compressed pulls:
+# no copy) or a torch copy of θ_exact at its version (pull codec none), an update chain's is
+# built by torch copies (payloads.encode_update_chain_buffer): building one in a worker thread
+# never holds the interpreter lock for a P-sized copy.
+Body = bytes | bytearray | memoryview | payloads.SplitBody
 
 
 @dataclass(frozen=True)
@@ -64,6 +69,9 @@ class Publisher:
         self._bodies: list[tuple[BodyKey, Body]] = []
         # Update-chain bodies of the published version, by fragment and the puller's version.
         self._chains: list[dict[tuple[BodyKey, int], Body]] = [{} for _ in model.fragments]
+        # Pull codec none: each fragment's copy of θ_exact at a version (the live tensors move
+        # at its next merge, while the body may still be served), reused for a new outer step.
+        self._copies: dict[int, tuple[int, torch.Tensor]] = {}
 
     def snapshot(self) -> PullSnapshot:
         """Its figures as they are now."""
@@ -142,7 +150,17 @@ class Publisher:
                 return None
 
     def encode(self, f: int, key: BodyKey) -> tuple[BodyKey, Body]:
-        """Fragment f's full pull body at `key` (a worker thread: P/F-sized)."""
+        """Fragment f's full pull body at `key`: θ_pub's own memory with a new prefix, or with
+        pull codec none a copy of θ_exact made once per version (a worker thread: P/F-sized)."""
+        tensors = self.model.published_fragment(f)
+        data = self.model.published_data.get(f)
+        if data is None:  # θ_pub is θ_exact: its bytes at this version, copied once
+            version, data = self._copies.get(f, (-1, None))
+            if data is None or version != key[0]:
+                data, views = payloads.body_data(tensors)
+                for name, view in views.items():
+                    view.copy_(tensors[name])
+                self._copies[f] = (key[0], data)
         meta = {
             protocol.META_KIND: protocol.KIND_FULL,
             protocol.META_VERSION: key[0],
@@ -150,7 +168,7 @@ class Publisher:
             protocol.META_OUTER_STEP: key[1],
             protocol.META_FINISHED: key[2],
         }
-        return key, payloads.encode_body_buffer(self.model.published_fragment(f), meta)
+        return key, payloads.split_body(data, tensors, meta)
 
     async def _chain_body(self, f: int, key: BodyKey, have: int) -> Body | None:
         """The update-chain body from version `have` to the published `key`, when the history
