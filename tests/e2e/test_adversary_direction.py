@@ -47,11 +47,13 @@ def test_adversary_direction_check_refuses_no_honest_push(
     assert status["finished"] and status["outerStep"] >= 8
     pushes = sum(i["pushes"] for i in status["islands"].values())
     assert pushes >= 2 * ISLANDS * 8 // 2  # the check ran on many pushes, not a handful
-    # Neither the direction check nor the learned bound (both norm_outlier) refused a push.
-    # (Under heavy CPU load a learner held back for rounds can push more steps than one push may
-    # carry, steps_out_of_range: a work bound, not what this test is about.)
+    # Neither the direction check nor the learned bound (both norm_outlier) refused a push, and
+    # no learner held back for rounds pushed more steps than one push may carry (it holds at
+    # that cap instead: learner/fragment_state.at_step_cap).
     outliers = {i: r for i, r in status["refusals"].items() if protocol.ERROR_NORM_OUTLIER in r}
     assert outliers == {}
+    too_long = {i: r for i, r in status["refusals"].items() if protocol.ERROR_STEPS_RANGE in r}
+    assert too_long == {}
     states = {name: i["state"] for name, i in status["islands"].items()}
     assert set(states.values()) <= {protocol.STATE_ACTIVE, protocol.STATE_LEFT}, states
     assert status["evalLoss"] < status["initialEvalLoss"]
