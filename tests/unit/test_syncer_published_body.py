@@ -8,12 +8,14 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 import torch
 from aiohttp.test_utils import TestClient, TestServer
 from diloco_trainer.api import protocol
 from diloco_trainer.core import payloads
 from diloco_trainer.core.compress import encode_tensors
 from diloco_trainer.core.published import UpdateWriter, publish_update
+from diloco_trainer.syncer import http
 from diloco_trainer.syncer.http import build_app
 from diloco_trainer.syncer.service import Syncer
 
@@ -145,7 +147,13 @@ def test_pull_codec_none_serves_a_copy_of_the_exact_weights_once_per_version(
     assert merged[8:] != moved[8:]  # the outer step in the header differs
 
 
-def test_split_body_over_http_is_the_whole_body(tmp_path: Path) -> None:
+@pytest.mark.parametrize("piece", [http.SEND_PIECE_BYTES, 1000])
+def test_split_body_over_http_is_the_whole_body(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, piece: int
+) -> None:
+    # Sent a piece at a time (1000 bytes: hundreds of pieces, the last one short).
+    monkeypatch.setattr(http, "SEND_PIECE_BYTES", piece)
+
     async def scenario() -> tuple[bytes, bytes]:
         syncer = await started(_spec(), tmp_path, FakeClock())
         served = await syncer.pull(1, after=-1, wait=0)

@@ -80,6 +80,10 @@ REFUSAL_REASON = {
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
+# A full pull body's data is written this much at a time (SplitBodyPayload.write).
+SEND_PIECE_BYTES = 4 * 2**20
+
+
 class SplitBodyPayload(payload.Payload):
     """A SplitBody as aiohttp sends a body: its prefix, then its data, with no copy joining
     them (the data is the syncer's published weights, P/F bytes)."""
@@ -98,8 +102,13 @@ class SplitBodyPayload(payload.Payload):
         return bytes(self._body)
 
     async def write(self, writer: AbstractStreamWriter) -> None:
+        # A piece at a time: the transport copies what the socket does not take at once into
+        # its own buffer, and the writer drains it between pieces, so a pull holds at most a
+        # piece of its body's bytes, not a second copy of them (P/F per puller).
         await writer.write(self._body.prefix)
-        await writer.write(self._body.data)
+        data = self._body.data
+        for start in range(0, data.nbytes, SEND_PIECE_BYTES):
+            await writer.write(data[start : start + SEND_PIECE_BYTES])
 
 
 class SyncerService(Protocol):
