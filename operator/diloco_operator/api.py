@@ -77,8 +77,9 @@ class Condition(StatusModel):
     """A metav1.Condition-style observation about the job."""
 
     type: str = Field(
-        description="Ready, Progressing, Degraded, Suspended, Succeeded, Failed, SyncerReachable "
-        "or NameConflict."
+        description="Ready, Progressing, Degraded, Suspended, Succeeded, Failed, SyncerReachable, "
+        "NameConflict, SyncerHealthy, Checked (the pre-flight check of the spec, before any pod "
+        "is created) or WaitingForQuota."
     )
     status: ConditionStatus = Field(description="True, False or Unknown.")
     reason: str = Field(
