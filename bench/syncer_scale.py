@@ -18,6 +18,11 @@ pseudo-gradients, K = M (every island pushes every fragment each round). Measure
 
     python -m bench.syncer_scale --preset gpt-125m --islands 4 8 --fragments 2 --rounds 2
     (--fragments takes several values too: each M runs with each F)
+
+With --shards N the job has N syncer processes (syncer.shards), each owning fragments f with
+f mod N its index: the fake islands join every shard and push and pull each fragment at its
+owner, and each process's memory is a multiple of x = its own share of P x 4 (the fp32 bytes of
+its fragments); the figures are the largest over the shards.
 """
 
 from __future__ import annotations
@@ -43,6 +48,7 @@ from diloco_trainer import local as launch  # the local runner's public surface
 from diloco_trainer.api.protocol import ROUTE_HEALTHZ, PushMeta
 from diloco_trainer.api.spec import JobSpec, parse_spec
 from diloco_trainer.core.compress import encode_tensors
+from diloco_trainer.core.fragments import split_fragments
 from diloco_trainer.learner.syncer_client import SyncerClient
 from diloco_trainer.models.model import build_model
 
@@ -56,7 +62,7 @@ def model_shapes(preset: str) -> dict[str, torch.Size]:
     return {name: p.shape for name, p in model.named_parameters()}
 
 
-def job_spec(preset: str, islands: int, fragments: int, codec: str) -> JobSpec:
+def job_spec(preset: str, islands: int, fragments: int, codec: str, shards: int = 1) -> JobSpec:
     return parse_spec(
         {
             "model": {"preset": preset, "seed": 0},
@@ -71,7 +77,7 @@ def job_spec(preset: str, islands: int, fragments: int, codec: str) -> JobSpec:
                 "graceSeconds": 600,
             },
             "stopAfter": {"outerSteps": 1000},
-            "syncer": {"checkpoint": {"everyOuterSteps": 1000, "keep": 1}},
+            "syncer": {"checkpoint": {"everyOuterSteps": 1000, "keep": 1}, "shards": shards},
         }
     )
 
@@ -139,10 +145,13 @@ class CaseResult:
     islands: int
     fragments: int
     codec: str
+    shards: int
+    share_bytes: list[int]  # each shard's share of P x 4 (x below is each process's own)
     startup_s: float
     idle_x: float
     startup_hwm_x: float
     peak_x: float
+    peak_x_per_shard: list[float]
     to_pullable_s: list[float]
     sent_to_pullable_s: list[float]
     floor_s: list[float]
@@ -175,7 +184,9 @@ async def run_rounds(
     gen = torch.Generator().manual_seed(0)
     times: list[float] = []
     sent_times: list[float] = []
+    urls = url.split(",")  # one per syncer shard: fragment f is shard f mod N's
     async with SyncerClient(url, token, request_timeout=600) as client:
+        shards = client.shard_clients()
         info = [await client.join(name, 1) for name in islands][-1]
         versions = list(info.versions)
         for r in range(rounds):
@@ -198,12 +209,13 @@ async def run_rounds(
                     for name in islands
                 ]
                 # The pull waits for the new version from before the pushes start.
+                owner = f % len(urls)
                 pull = asyncio.ensure_future(
-                    pull_headers(url, token, f, after=versions[f], wait=600)
+                    pull_headers(urls[owner], token, f, after=versions[f], wait=600)
                 )
                 for meta in metas:
                     sent = time.perf_counter()
-                    await client.push_pseudo_gradient(f, encoded, meta)
+                    await shards[owner].push_pseudo_gradient(f, encoded, meta)
                 last = time.perf_counter()
                 pulled_at, version = await pull
                 times.append(pulled_at - last)
@@ -241,80 +253,125 @@ async def pull_headers(
     return await asyncio.to_thread(get)
 
 
+class Syncers:
+    """The job's syncer processes (one, or one per shard), started and stopped together."""
+
+    def __init__(self, files: Any, workdir: Path, shards: int) -> None:
+        self.files, self.workdir, self.shards = files, workdir, shards
+        self.ports = [launch.free_port() for _ in range(shards)]
+        self.procs: list[Any] = []
+
+    @property
+    def urls(self) -> list[str]:
+        return [f"http://127.0.0.1:{port}" for port in self.ports]
+
+    def start(self, label: str) -> float:
+        """Start every shard, one after the other (each builds the whole model once at
+        start-up: shards/docs), until each is ready; the seconds it took."""
+        t0 = time.perf_counter()
+        self.procs = []
+        for i, port in enumerate(self.ports):
+            state = self.workdir / "state" / (f"shard-{i}" if self.shards > 1 else "")
+            proc = launch.start_syncer(
+                self.files,
+                port=port,
+                state_dir=state,
+                job_name="bench",
+                log_file=self.workdir / f"syncer-{label}-{i}.log",
+                extra_env={"OMP_NUM_THREADS": "1"},
+                shard=i if self.shards > 1 else None,
+            )
+            self.procs.append(proc)
+            launch.wait_ready(self.urls[i], self.files.token, timeout=900, proc=proc)
+        return time.perf_counter() - t0
+
+    def stop(self) -> float:
+        """SIGTERM every shard at once (each writes a checkpoint of what it merged); the
+        seconds until every one exited."""
+        t0 = time.perf_counter()
+        for proc in self.procs:
+            proc.terminate()
+        for proc in self.procs:
+            proc.stop(timeout=900)
+        return time.perf_counter() - t0
+
+    def hwm(self) -> list[int]:
+        return [rss_bytes(proc.pid)[1] for proc in self.procs]
+
+
+def shard_shares(shapes: dict[str, torch.Size], fragments: int, shards: int) -> list[int]:
+    """Each shard's share of P x 4 bytes: the fp32 bytes of the fragments it owns."""
+    split = split_fragments({n: s.numel() * 4 for n, s in shapes.items()}, fragments)
+    return [
+        sum(shapes[n].numel() * 4 for f in range(i, fragments, shards) for n in split[f])
+        for i in range(shards)
+    ]
+
+
 def run_case(
-    preset: str, islands: int, fragments: int, codec: str, rounds: int, workdir: Path
+    preset: str,
+    islands: int,
+    fragments: int,
+    codec: str,
+    rounds: int,
+    workdir: Path,
+    shards: int = 1,
 ) -> CaseResult:
     shapes = model_shapes(preset)
     params = sum(s.numel() for s in shapes.values())
-    x = params * 4
-    spec = job_spec(preset, islands, fragments, codec)
+    shares = shard_shares(shapes, fragments, shards)
+    spec = job_spec(preset, islands, fragments, codec, shards)
     files = launch.write_job_files(spec, workdir / "job")
-    port = launch.free_port()
-    url = f"http://127.0.0.1:{port}"
-    t0 = time.perf_counter()
-    proc = launch.start_syncer(
-        files,
-        port=port,
-        state_dir=workdir / "state",
-        job_name="bench",
-        log_file=workdir / "syncer.log",
-        extra_env={"OMP_NUM_THREADS": "1"},
-    )
+    syncers = Syncers(files, workdir, shards)
+    url = ",".join(syncers.urls)
     try:
-        launch.wait_ready(url, files.token, timeout=900, proc=proc)
-        startup = time.perf_counter() - t0
-        pid = proc.pid
+        startup = syncers.start("first")
         time.sleep(1.0)
-        idle, startup_hwm = rss_bytes(pid)
-        sampler = Sampler(pid, url)
-        sampler.start()
+        idle = [rss_bytes(proc.pid) for proc in syncers.procs]
+        samplers = [
+            Sampler(proc.pid, u) for proc, u in zip(syncers.procs, syncers.urls, strict=True)
+        ]
+        for sampler in samplers:
+            sampler.start()
         names = [f"island-{i}" for i in range(islands)]
         times, sent_times = asyncio.run(run_rounds(url, files.token, names, shapes, codec, rounds))
-        sampler.done.set()
-        sampler.join()
-        peak = max(sampler.peak, rss_bytes(pid)[1])
+        for sampler in samplers:
+            sampler.done.set()
+            sampler.join()
+        peaks = [max(s.peak, hwm) for s, hwm in zip(samplers, syncers.hwm(), strict=True)]
         before = asyncio.run(versions_of(url, files.token))
-        t1 = time.perf_counter()
-        proc.stop(timeout=900)  # SIGTERM: a checkpoint of what was merged, then exit
-        stopped = time.perf_counter() - t1
-        t2 = time.perf_counter()
-        proc = launch.start_syncer(
-            files,
-            port=port,
-            state_dir=workdir / "state",
-            job_name="bench",
-            log_file=workdir / "syncer-resumed.log",
-            extra_env={"OMP_NUM_THREADS": "1"},
-        )
-        launch.wait_ready(url, files.token, timeout=900, proc=proc)
-        resumed = time.perf_counter() - t2
-        resume_hwm = rss_bytes(proc.pid)[1]
+        stopped = syncers.stop()
+        resumed = syncers.start("resumed")
+        resume_hwm = syncers.hwm()
         after = asyncio.run(versions_of(url, files.token))
     finally:
-        proc.stop(timeout=900)
+        syncers.stop()
     fragment_numel = params // fragments
     floors = [floor_seconds(fragment_numel, islands) for _ in range(2)]
-    probe = sorted(sampler.probe)
+    probe = sorted(p for s in samplers for p in s.probe)
     return CaseResult(
         preset=preset,
         params=params,
         islands=islands,
         fragments=fragments,
         codec=codec,
+        shards=shards,
+        share_bytes=shares,
         startup_s=startup,
-        idle_x=idle / x,
-        startup_hwm_x=startup_hwm / x,
-        peak_x=peak / x,
+        idle_x=max(i[0] / x for i, x in zip(idle, shares, strict=True)),
+        startup_hwm_x=max(i[1] / x for i, x in zip(idle, shares, strict=True)),
+        peak_x=max(p / x for p, x in zip(peaks, shares, strict=True)),
+        peak_x_per_shard=[p / x for p, x in zip(peaks, shares, strict=True)],
         to_pullable_s=times,
         sent_to_pullable_s=sent_times,
         floor_s=floors,
         healthz_p50_ms=1000 * probe[len(probe) // 2],
         healthz_p99_ms=1000 * probe[min(len(probe) - 1, int(len(probe) * 0.99))],
         healthz_max_ms=1000 * probe[-1],
-        healthz_failures=sampler.failures,
+        healthz_failures=sum(s.failures for s in samplers),
         stop_with_checkpoint_s=stopped,
         resume_s=resumed,
-        resume_hwm_x=resume_hwm / x,
+        resume_hwm_x=max(h / x for h, x in zip(resume_hwm, shares, strict=True)),
         resumed_versions=after,
         versions_before=before,
     )
@@ -327,6 +384,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--fragments", nargs="+", type=int, default=[2])
     p.add_argument("--codec", default="int8")
     p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--shards", type=int, default=1, help="syncer.shards (x: each one's share)")
     p.add_argument("--out", type=Path, default=None, help="write the results as JSON here")
     args = p.parse_args(argv)
     torch.set_num_threads(1)
@@ -337,12 +395,13 @@ def main(argv: list[str] | None = None) -> int:
     print(f"revision {rev}, load {Path('/proc/loadavg').read_text().split()[:3]}", flush=True)
     for m, f in [(m, f) for m in args.islands for f in args.fragments]:
         with tempfile.TemporaryDirectory(prefix="syncer-scale-") as tmp:
-            r = run_case(args.preset, m, f, args.codec, args.rounds, Path(tmp))
+            r = run_case(args.preset, m, f, args.codec, args.rounds, Path(tmp), args.shards)
         results.append(asdict(r))
         pullable = statistics.median(r.to_pullable_s)
         floor = statistics.median(r.floor_s)
         print(
-            f"{r.preset} ({r.params / 1e6:.0f}M) M={m} F={r.fragments} {r.codec}: "
+            f"{r.preset} ({r.params / 1e6:.0f}M) M={m} F={r.fragments} {r.codec} "
+            f"shards={r.shards} (x = each one's share; peaks {r.peak_x_per_shard}): "
             f"start-up {r.startup_s:.1f}s, idle {r.idle_x:.2f}x, start-up peak "
             f"{r.startup_hwm_x:.2f}x, peak {r.peak_x:.2f}x; last push -> pullable median "
             f"{pullable:.2f}s (max {max(r.to_pullable_s):.2f}s; from sending it "
