@@ -38,22 +38,30 @@ def stop_component(cluster_dir: Path, name: str) -> Stopped:
     """Stop one recorded component (SIGTERM, then SIGKILL: Cluster.stop) after reading how it
     was started from /proc."""
     c = Cluster(cluster_dir)
-    c.load()
-    record = c.processes().get(name)
-    if not record:
-        raise RuntimeError(f"{name} is not a running component of {cluster_dir}")
-    proc = Path("/proc") / str(record["pid"])
-    argv = _read_nul(proc / "cmdline")
-    env = dict(item.split("=", 1) for item in _read_nul(proc / "environ") if "=" in item)
-    c.stop(name)
+    lock = c.lock()  # state.json is the cluster's: no other command writes it meanwhile
+    try:
+        c.load()
+        record = c.processes().get(name)
+        if not record:
+            raise RuntimeError(f"{name} is not a running component of {cluster_dir}")
+        proc = Path("/proc") / str(record["pid"])
+        argv = _read_nul(proc / "cmdline")
+        env = dict(item.split("=", 1) for item in _read_nul(proc / "environ") if "=" in item)
+        c.stop(name)
+    finally:
+        os.close(lock)
     return Stopped(name, argv, env)
 
 
 def start_component(cluster_dir: Path, stopped: Stopped) -> None:
     """Start a component stopped by stop_component again, recorded in state.json."""
     c = Cluster(cluster_dir)
-    c.load()
-    c.start(stopped.name, stopped.argv, env=stopped.env)
+    lock = c.lock()
+    try:
+        c.load()
+        c.start(stopped.name, stopped.argv, env=stopped.env)
+    finally:
+        os.close(lock)
 
 
 def component_pid(cluster_dir: Path, name: str) -> int:
