@@ -137,7 +137,7 @@ def from_checkpoint(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, str]
     loss = _eval_loss_at(ckpt.document, ckpt.outer_step)
     if loss is not None:
         meta["evalLoss"] = repr(loss)
-    return ckpt.weights, meta
+    return dict(ckpt.weights), meta  # read from the file once
 
 
 async def pull_snapshot(

@@ -36,12 +36,12 @@ import logging
 import os
 import shutil
 import tempfile
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping, MutableMapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import safetensors.torch
+import safetensors
 import torch
 
 from diloco_trainer.api.manifest import CheckpointManifest
@@ -62,17 +62,56 @@ INTEGRITY_KEY = "integrity"
 _HASH_CHUNK = 1 << 20
 
 
+class FileTensors(MutableMapping[str, torch.Tensor]):
+    """The tensors of a safetensors file, each read from it when asked for (a resume then holds
+    one checkpoint tensor at a time beside the model, not the three files); deleting a name
+    only forgets it. Tensors set here are kept in memory."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        with safetensors.safe_open(str(path), framework="pt") as f:
+            self._names = dict.fromkeys(f.keys())
+        self._set: dict[str, torch.Tensor] = {}
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        if name in self._set:
+            return self._set[name]
+        if name not in self._names:
+            raise KeyError(name)
+        with safetensors.safe_open(str(self.path), framework="pt") as f:
+            return f.get_tensor(name)
+
+    def __setitem__(self, name: str, value: torch.Tensor) -> None:
+        self._names[name] = None
+        self._set[name] = value
+
+    def __delitem__(self, name: str) -> None:
+        del self._names[name]
+        self._set.pop(name, None)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(list(self._names))
+
+    def clear(self) -> None:
+        """Forget every tensor (without reading them, as MutableMapping's would)."""
+        self._names.clear()
+        self._set.clear()
+
+    def __len__(self) -> int:
+        return len(self._names)
+
+
 @dataclass
 class Checkpoint:
     """A loaded checkpoint: `manifest` is manifest.json as stored (its hashes are over these
     bytes), `document` the same typed (api/manifest.CheckpointManifest), which readers use."""
 
     path: Path
-    weights: dict[str, torch.Tensor]
-    momentum: dict[str, torch.Tensor]
+    weights: MutableMapping[str, torch.Tensor]  # read a tensor at a time (FileTensors)
+    momentum: MutableMapping[str, torch.Tensor]
     manifest: dict[str, Any]
     document: CheckpointManifest
-    published: dict[str, torch.Tensor] | None = None  # θ_pub, when it was kept apart
+    published: MutableMapping[str, torch.Tensor] | None = None  # θ_pub, when kept apart
 
     @property
     def outer_step(self) -> int:
@@ -341,11 +380,11 @@ def load_checkpoint(path: Path) -> Checkpoint:
         )
     try:
         _check_hashes(path, manifest)
-        weights = safetensors.torch.load_file(str(path / WEIGHTS_FILE))
-        momentum = safetensors.torch.load_file(str(path / OUTER_FILE))
+        weights = FileTensors(path / WEIGHTS_FILE)
+        momentum = FileTensors(path / OUTER_FILE)
         published = None
         if (path / PUBLISHED_FILE).is_file():
-            published = safetensors.torch.load_file(str(path / PUBLISHED_FILE))
+            published = FileTensors(path / PUBLISHED_FILE)
         for what, tensors in (("weight", weights), ("momentum", momentum)):
             _check_finite(tensors, what)
         _check_finite(published or {}, "published weight")
