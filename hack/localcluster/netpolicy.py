@@ -33,10 +33,10 @@ from typing import Any
 
 from .errors import ClusterError, info
 from .processes import pid_matches, wait_for
-from .settings import NODE_NAME
+from .settings import NETWORK_POLICIES, NODE_NAME
 from .state import Cluster
 
-NAME = "network-policies"
+NAME = NETWORK_POLICIES
 BINARY = "kube-network-policies"
 TABLE = ("inet", "kube-network-policies")
 # Any free queue number will do: one real node per machine, and nothing else here uses nfqueue.

@@ -22,8 +22,11 @@ BINARIES = [
 COMPONENTS = ["etcd", "kube-apiserver", "kube-controller-manager", "kube-scheduler", "kwok"]
 # The ports state.json records, one per listener.
 PORT_KEYS = ["etcd", "etcd_peer", "apiserver", "controller_manager", "scheduler", "kwok"]
+# The real node's NetworkPolicy enforcer (kube-network-policies, netpolicy.py): its process name.
+NETWORK_POLICIES = "network-policies"
 # The real node (`up --real-node`): its processes in start order (stopped before COMPONENTS).
-NODE_COMPONENTS = ["containerd", "coredns", "kubelet", "kube-proxy"]
+# `status` lists them, a reused cluster needs them all running, a start fails when one dies.
+NODE_COMPONENTS = ["containerd", "coredns", "kubelet", "kube-proxy", NETWORK_POLICIES]
 NODE_BINARIES = [
     "kubelet",
     "kube-proxy",
