@@ -173,3 +173,23 @@ def test_split_body_over_http_is_the_whole_body(
     assert got == want
     tensors, meta = payloads.decode_body(got)
     assert meta[protocol.META_KIND] == protocol.KIND_FULL and tensors
+
+
+def test_a_merge_writes_the_new_published_weights_in_its_folds_accumulator(
+    tmp_path: Path,
+) -> None:
+    async def scenario() -> tuple[int, int, Syncer]:
+        syncer = await started(_spec(), tmp_path, FakeClock())
+        await syncer.join("island-0", 1)
+        await syncer.receive_push(0, body(syncer, 0, "island-0", delta(syncer, 0, 1)))
+        folded = syncer.model.folds._folds[0]
+        assert folded is not None
+        acc = next(iter(folded.fold.acc.values())).untyped_storage().data_ptr()
+        await syncer.tick()
+        await syncer.stop()
+        return acc, syncer.model.published_data[0].data_ptr(), syncer
+
+    acc, published, syncer = run(scenario())
+    # The accumulator's memory became the new θ_pub and its pull body: no buffer of its own.
+    assert acc == published
+    assert syncer.state.versions[0] == 1

@@ -28,9 +28,17 @@ from torch import Tensor
 class MergeFold:
     """The running merge of one fragment's round (see the module docstring)."""
 
-    def __init__(self, rule: str, plain_names: frozenset[str] = frozenset()) -> None:
+    def __init__(
+        self,
+        rule: str,
+        plain_names: frozenset[str] = frozenset(),
+        buffer: Mapping[str, Tensor] | None = None,
+    ) -> None:
+        """`buffer`: fp32 tensors by name to accumulate in (zeroed at the first add) instead
+        of new ones: the syncer gives the memory its new pull body will be written in."""
         self.rule = rule
         self.plain_names = plain_names
+        self.buffer = buffer or {}
         self.acc: dict[str, Tensor] = {}
         self.radius: dict[str, float] = {}  # RDA's accumulated radius per tensor
         # Weights are folded relative to a power of two near the first non-zero one (`unit`):
@@ -60,7 +68,11 @@ class MergeFold:
                     )
         else:
             for name, v in vectors.items():
-                self.acc[name] = torch.zeros(v.shape, dtype=torch.float32, device=v.device)
+                held = self.buffer.get(name)
+                if held is not None and held.shape == v.shape and held.dtype == torch.float32:
+                    self.acc[name] = held.zero_()
+                else:
+                    self.acc[name] = torch.zeros(v.shape, dtype=torch.float32, device=v.device)
                 self.radius[name] = 0.0
         if weight and self.unit is None:
             self.unit = math.ldexp(1.0, math.frexp(weight)[1] - 1)

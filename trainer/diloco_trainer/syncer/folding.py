@@ -24,7 +24,7 @@ import logging
 import shutil
 import uuid
 import weakref
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -102,6 +102,9 @@ class RoundFolds:
         self.plain_names = plain_names
         self._folds: list[_Folded | None] = [None] * fragments
         self.spill_dir: Path | None = None  # where folded pushes' encoded tensors go (spill_to)
+        # Where a fragment's new fold accumulates (global_model.py: the memory its next pull
+        # body is written in); None: new tensors.
+        self.buffers: Callable[[int], Mapping[str, torch.Tensor]] | None = None
 
     def spill_to(self, directory: Path) -> None:
         """Spill each folded push's encoded tensors to a file under `directory` (emptied now:
@@ -135,7 +138,8 @@ class RoundFolds:
         try:
             weight, scale = self.weight_and_scale(contribution, lag_rounds)
             if folded is None:
-                folded = self._folds[f] = _Folded(MergeFold(self.rule, self.plain_names))
+                buffer = self.buffers(f) if self.buffers is not None else None
+                folded = self._folds[f] = _Folded(MergeFold(self.rule, self.plain_names, buffer))
             folded.fold.add(decoded, weight, scale)
         except (ValueError, OverflowError) as err:
             log.warning("fragment %d: not folded (%s); its merge reads the pushes again", f, err)

@@ -28,7 +28,7 @@ from diloco_trainer.core.contributions import Contributor, MergePlan, plan_merge
 from diloco_trainer.core.fragments import split_fragments
 from diloco_trainer.core.merge import merge_pseudo_gradients
 from diloco_trainer.core.outer import BUFFER_PREFIX, OuterOptimizer
-from diloco_trainer.core.payloads import body_data
+from diloco_trainer.core.payloads import body_data, body_layout
 from diloco_trainer.core.published import UpdateWriter, WeightUpdate, publish_update
 from diloco_trainer.syncer import checkpoint as ckpt
 from diloco_trainer.syncer.folding import RoundFolds
@@ -145,6 +145,8 @@ class GlobalModel:
             inner_steps=self.inner_steps,
             plain_names=plain_merge_names,
         )
+        if self.kept_apart:  # each round accumulates in its next pull body's memory
+            self.folds.buffers = lambda f: self._new_published(f)[1]
 
     @property
     def kept_apart(self) -> bool:
@@ -158,6 +160,28 @@ class GlobalModel:
     def _new_published(self, f: int) -> tuple[torch.Tensor, Tensors]:
         """A new body buffer for fragment f's θ_pub and its views by name (not yet θ_pub)."""
         return body_data({n: self.weights[n] for n in self.fragments[f]})
+
+    def _body_of(self, f: int, merged: Tensors) -> tuple[torch.Tensor, Tensors] | None:
+        """(buffer, merged) when the merged tensors are the views of one _new_published buffer
+        of fragment f (the fold's accumulator, RoundFolds.buffers), else None."""
+        names = self.fragments[f]
+        if set(merged) != set(names) or not names:
+            return None
+        storage = merged[names[0]].untyped_storage()
+        layout = body_layout({n: self.weights[n] for n in names}, {})
+        if storage.nbytes() != layout.data_bytes:
+            return None
+        for n in names:
+            t = merged[n]
+            if (
+                t.untyped_storage().data_ptr() != storage.data_ptr()
+                or t.data_ptr() != storage.data_ptr() + layout.offsets[n][0]
+                or t.dtype != self.weights[n].dtype
+                or t.shape != self.weights[n].shape
+                or not t.is_contiguous()
+            ):
+                return None
+        return torch.empty(0, dtype=torch.uint8).set_(storage), dict(merged)
 
     def _install_published(self, f: int, data: torch.Tensor, views: Tensors) -> None:
         """Make a _new_published buffer fragment f's θ_pub."""
@@ -215,8 +239,12 @@ class GlobalModel:
         names = self.fragments[f]
         update = None
         # θ_pub moves into a new body buffer: the old one (the body being served) stays as
-        # it is until the publisher lets it go.
-        data, out = self._new_published(f) if self.kept_apart else (None, None)
+        # it is until the publisher lets it go. The fold's accumulator is such a buffer: the
+        # new θ_pub overwrites each slice of the merged pseudo-gradient once the outer step
+        # has read it, so a merge adds no P/F buffer of its own.
+        data, out = (None, None)
+        if self.kept_apart:
+            data, out = self._body_of(f, prepared.merged) or self._new_published(f)
         if out is not None and set(prepared.merged) == set(names):
             # One pass: θ_pub's update follows the outer step a slice at a time, reading each
             # slice of θ_exact while it is in cache (core/published.UpdateWriter).
