@@ -112,14 +112,21 @@ def _all_finite(t: Tensor) -> bool:
     return bool(torch.isfinite(lo)) and bool(torch.isfinite(hi))
 
 
-def encode_tensors(tensors: Mapping[str, Tensor], codec: str) -> dict[str, Tensor]:
-    """Encode fp32 tensors for the wire: a flat, contiguous, safetensors-ready dict (on CPU)."""
+def encode_tensors(
+    tensors: Mapping[str, Tensor], codec: str, *, on: str | torch.device | None = "cpu"
+) -> dict[str, Tensor]:
+    """Encode fp32 tensors for the wire: a flat, contiguous, safetensors-ready dict.
+
+    on: where the encoding runs and the result stays: the CPU (the wire's side) by default, or
+    None for each tensor's own device, so a learner on a GPU quantises there and only the
+    encoded bytes (a quarter of fp32's for int8) cross to the host.
+    """
     _check_codec(codec)
     out: dict[str, Tensor] = {}
     for name, t in tensors.items():
         if Q_SUFFIX in name or SCALE_SUFFIX in name:
             raise ValueError(f"tensor name {name!r} may not contain '::'")
-        x = t.detach().to("cpu", torch.float32)
+        x = t.detach().to(torch.float32) if on is None else t.detach().to(on, torch.float32)
         if codec in _FLOAT_DTYPES:
             # Always a fresh tensor: the caller may reuse its buffer while the push is in flight,
             # and safetensors refuses tensors that share memory (e.g. views of a flat buffer).
@@ -242,9 +249,9 @@ class ErrorFeedback:
 
     def record(self, name: str, sent: Tensor, decoded: Tensor) -> None:
         """Store what the codec lost: the compensated delta minus what the syncer will decode."""
-        self.residuals[name] = (
-            sent.detach().to("cpu", torch.float32) - decoded.detach().to("cpu", torch.float32)
-        ).contiguous()
+        # Kept where the pushes are computed (a learner's GPU): compensate adds it there.
+        sent = sent.detach().to(torch.float32)
+        self.residuals[name] = (sent - decoded.detach().to(sent.device, torch.float32)).contiguous()
 
     def reset(self, names: list[str] | None = None) -> None:
         """Forget residuals (all, or the given names), e.g. after a rejoin."""

@@ -21,6 +21,7 @@ import concurrent.futures
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
+import torch
 from torch import Tensor
 
 from diloco_trainer.learner.mixing import pseudo_gradient, received_weights
@@ -77,6 +78,10 @@ class FragmentState:
     names: list[str]
     version: int = -1
     base: dict[str, Tensor] = field(default_factory=dict)  # fp32 CPU θ_global at `version`
+    # The same weights on the learner's device when that is a GPU, made at the first push after
+    # a receipt: Δ = base − local is then computed there (no host copy of the weights per push).
+    # The CPU `base` stays: compressed pulls are applied to it on the link's thread.
+    base_on_device: dict[str, Tensor] = field(default_factory=dict)
     counters: FragmentCounters = field(default_factory=FragmentCounters)
     last_sync_seconds: float = 0.0
     # fp32 CPU weights and counters when the unapplied push was made (None: nothing pushed).
@@ -88,15 +93,28 @@ class FragmentState:
         and the counters, for the receipt of the merge this push goes into."""
         self.at_push = local
         self.counters_at_push = replace(self.counters)
-        return pseudo_gradient(self.base, local)
+        return pseudo_gradient(self._base_beside(local), local)
+
+    def _base_beside(self, local: dict[str, Tensor]) -> dict[str, Tensor]:
+        """The base on the device of `local` (the CPU base itself when that is the CPU)."""
+        device = _device_of(local)
+        if device.type == "cpu":
+            return self.base
+        if not self.base_on_device:
+            self.base_on_device = {n: t.to(device) for n, t in self.base.items()}
+        return self.base_on_device
 
     def receive(
         self, merged: dict[str, Tensor], version: int, now: dict[str, Tensor], alpha: float
     ) -> dict[str, Tensor]:
         """Install a merged fragment as the new base; returns the weights the island continues
         from (the steps since the push kept), and keeps only the counters since the push."""
-        target = received_weights(merged, now, self.at_push, alpha)
+        device = _device_of(now)
+        # On a GPU: the merged weights cross to it once and serve as its base there too.
+        here = {n: t.to(device, torch.float32) for n, t in merged.items()}
+        target = received_weights(here, now, self.at_push, alpha)
         self.base = {n: t.to("cpu") for n, t in merged.items()}
+        self.base_on_device = here if device.type != "cpu" else {}
         self.version = version
         pushed = self.counters_at_push
         self.counters = self.counters.since(pushed) if pushed is not None else FragmentCounters()
@@ -110,8 +128,14 @@ class FragmentState:
         self.counters_at_push = None
         self.counters = FragmentCounters()
         self.base = {n: t.to("cpu") for n, t in merged.items()}
+        self.base_on_device = {}
         self.version = version
         return dict(self.base)
+
+
+def _device_of(tensors: dict[str, Tensor]) -> torch.device:
+    """Where a fragment's tensors are (the CPU for none: a sharded island's empty dicts)."""
+    return next(iter(tensors.values())).device if tensors else torch.device("cpu")
 
 
 def at_step_cap(fragments: Sequence[FragmentState], most: int) -> list[int]:

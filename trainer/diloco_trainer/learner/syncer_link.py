@@ -80,15 +80,22 @@ class SyncResult:
 def encode_delta(
     delta: Mapping[str, Tensor], codec: str, feedback: compress.ErrorFeedback | None
 ) -> dict[str, Tensor]:
-    """Encode a pseudo-gradient for the wire, carrying the codec's error forward when asked."""
+    """Encode a pseudo-gradient for the wire (CPU tensors), carrying the codec's error forward
+    when asked. The encoding, and error feedback's decode and residual, run where Δ is (a GPU
+    learner's device): only the encoded bytes are copied to the host."""
     if feedback is None:
-        return compress.encode_tensors(delta, codec)
+        return _on_host(compress.encode_tensors(delta, codec, on=None))
     sent = {n: feedback.compensate(n, d) for n, d in delta.items()}
-    encoded = compress.encode_tensors(sent, codec)
+    encoded = compress.encode_tensors(sent, codec, on=None)
     decoded = compress.decode_tensors(encoded, codec, {n: t.shape for n, t in sent.items()})
     for n, t in sent.items():
         feedback.record(n, t, decoded[n])
-    return encoded
+    return _on_host(encoded)
+
+
+def _on_host(encoded: dict[str, Tensor]) -> dict[str, Tensor]:
+    """The encoded tensors on the CPU, for the wire (no copy for those already there)."""
+    return {k: t.to("cpu") for k, t in encoded.items()}
 
 
 class SyncerLink:
