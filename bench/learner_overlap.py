@@ -22,6 +22,7 @@ import argparse
 import json
 import os
 import re
+import shutil
 import statistics
 import subprocess
 import sys
@@ -78,6 +79,9 @@ def job_windows(args: argparse.Namespace, workdir: Path) -> tuple[list[float], f
     )
     wall = time.perf_counter() - start
     log = workdir / "run" / "logs" / "island-0-rank0.log"
+    if args.logs is not None and log.exists():
+        args.logs.mkdir(parents=True, exist_ok=True)
+        shutil.copy(log, args.logs / log.name)
     if done.returncode != 0:
         tail = log.read_text()[-3000:] if log.exists() else "(no learner log)"
         raise SystemExit(f"the job exited {done.returncode}; learner log tail:\n{tail}")
@@ -155,6 +159,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=3, help="untimed plain steps first")
     p.add_argument("--job-timeout", type=float, default=600.0)
     p.add_argument("--json", type=Path, help="also write the result here as JSON")
+    p.add_argument("--logs", type=Path, help="keep a copy of the learner's log in this folder")
     args = p.parse_args(argv)
     # make_spec (bench.learner_step) reads these too.
     args.checkpointing, args.compile = False, False
