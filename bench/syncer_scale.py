@@ -178,9 +178,11 @@ async def run_rounds(
     shapes: dict[str, torch.Size],
     codec: str,
     rounds: int,
+    only: tuple[int, int] | None = None,
 ) -> tuple[list[float], list[float]]:
     """Every island pushes every fragment, `rounds` times; the times from the last push's answer
-    and from its sending to the new version being pullable."""
+    and from its sending to the new version being pullable. `only` = (shard, shards): `url` is
+    that one shard's, and only its fragments are pushed."""
     gen = torch.Generator().manual_seed(0)
     times: list[float] = []
     sent_times: list[float] = []
@@ -191,6 +193,8 @@ async def run_rounds(
         versions = list(info.versions)
         for r in range(rounds):
             for f, names in enumerate(info.fragments):
+                if only is not None and f % only[1] != only[0]:
+                    continue
                 # Bodies are encoded before the timed part (a real island does that on its side).
                 encoded = encode_tensors(
                     {n: torch.randn(shapes[n], generator=gen) * 1e-3 for n in names}, codec
@@ -209,7 +213,7 @@ async def run_rounds(
                     for name in islands
                 ]
                 # The pull waits for the new version from before the pushes start.
-                owner = f % len(urls)
+                owner = 0 if only is not None else f % len(urls)
                 pull = asyncio.ensure_future(
                     pull_headers(urls[owner], token, f, after=versions[f], wait=600)
                 )
@@ -265,12 +269,14 @@ class Syncers:
     def urls(self) -> list[str]:
         return [f"http://127.0.0.1:{port}" for port in self.ports]
 
-    def start(self, label: str) -> float:
-        """Start every shard, one after the other (each builds the whole model once at
-        start-up: shards/docs), until each is ready; the seconds it took."""
+    def start(self, label: str, only: int | None = None) -> float:
+        """Start every shard (or shard `only`), one after the other (each builds the whole model
+        once at start-up: docs/shards.md), until each is ready; the seconds it took."""
         t0 = time.perf_counter()
         self.procs = []
         for i, port in enumerate(self.ports):
+            if only is not None and i != only:
+                continue
             state = self.workdir / "state" / (f"shard-{i}" if self.shards > 1 else "")
             proc = launch.start_syncer(
                 self.files,
@@ -282,7 +288,7 @@ class Syncers:
                 shard=i if self.shards > 1 else None,
             )
             self.procs.append(proc)
-            launch.wait_ready(self.urls[i], self.files.token, timeout=900, proc=proc)
+            launch.wait_ready(self.urls[i], self.files.token, timeout=1800, proc=proc)
         return time.perf_counter() - t0
 
     def stop(self) -> float:
@@ -377,6 +383,66 @@ def run_case(
     )
 
 
+def run_serial_shards(
+    preset: str, islands: int, fragments: int, codec: str, rounds: int, workdir: Path, shards: int
+) -> list[dict[str, Any]]:
+    """Each shard of the job in turn, alone on the machine (for a model whose shards do not fit
+    in memory side by side here): its own fragments' rounds, its stop with a checkpoint and its
+    resume; one result per shard (x = its share)."""
+    shapes = model_shapes(preset)
+    shares = shard_shares(shapes, fragments, shards)
+    spec = job_spec(preset, islands, fragments, codec, shards)
+    files = launch.write_job_files(spec, workdir / "job")
+    syncers = Syncers(files, workdir, shards)
+    names = [f"island-{i}" for i in range(islands)]
+    out = []
+    for shard in range(shards):
+        url, x = syncers.urls[shard], shares[shard]
+        try:
+            startup = syncers.start(f"first-{shard}", only=shard)
+            time.sleep(1.0)
+            idle = rss_bytes(syncers.procs[0].pid)
+            sampler = Sampler(syncers.procs[0].pid, url)
+            sampler.start()
+            job = run_rounds(url, files.token, names, shapes, codec, rounds, (shard, shards))
+            times, sent = asyncio.run(job)
+            sampler.done.set()
+            sampler.join()
+            peak = max(sampler.peak, syncers.hwm()[0])
+            before = asyncio.run(versions_of(url, files.token))
+            stopped = syncers.stop()
+            resumed = syncers.start(f"resumed-{shard}", only=shard)
+            resume_hwm = syncers.hwm()[0]
+            after = asyncio.run(versions_of(url, files.token))
+        finally:
+            syncers.stop()
+        probe = sorted(sampler.probe)
+        out.append(
+            {
+                "shard": shard,
+                "share_bytes": x,
+                "startup_s": startup,
+                "idle_x": idle[0] / x,
+                "startup_hwm_x": idle[1] / x,
+                "peak_x": peak / x,
+                "to_pullable_s": times,
+                "sent_to_pullable_s": sent,
+                "floor_s": floor_seconds(
+                    sum(s.numel() for s in shapes.values()) // fragments, islands
+                ),
+                "healthz_p99_ms": 1000 * probe[min(len(probe) - 1, int(len(probe) * 0.99))],
+                "healthz_max_ms": 1000 * probe[-1],
+                "stop_with_checkpoint_s": stopped,
+                "resume_s": resumed,
+                "resume_hwm_x": resume_hwm / x,
+                "versions_before": before,
+                "resumed_versions": after,
+            }
+        )
+        print(json.dumps(out[-1]), flush=True)
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--preset", default="gpt-125m")
@@ -385,6 +451,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--codec", default="int8")
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--shards", type=int, default=1, help="syncer.shards (x: each one's share)")
+    p.add_argument(
+        "--serial-shards",
+        action="store_true",
+        help="run the shards one at a time (each alone: its fragments' rounds, stop, resume)",
+    )
     p.add_argument("--out", type=Path, default=None, help="write the results as JSON here")
     args = p.parse_args(argv)
     torch.set_num_threads(1)
@@ -393,6 +464,17 @@ def main(argv: list[str] | None = None) -> int:
     ).stdout.strip()
     results: list[dict[str, Any]] = []
     print(f"revision {rev}, load {Path('/proc/loadavg').read_text().split()[:3]}", flush=True)
+    if args.serial_shards:
+        for m, f in [(m, f) for m in args.islands for f in args.fragments]:
+            with tempfile.TemporaryDirectory(prefix="syncer-scale-") as tmp:
+                results.extend(
+                    run_serial_shards(
+                        args.preset, m, f, args.codec, args.rounds, Path(tmp), args.shards
+                    )
+                )
+        if args.out is not None:
+            args.out.write_text(json.dumps({"revision": rev, "results": results}, indent=1))
+        return 0
     for m, f in [(m, f) for m in args.islands for f in args.fragments]:
         with tempfile.TemporaryDirectory(prefix="syncer-scale-") as tmp:
             r = run_case(args.preset, m, f, args.codec, args.rounds, Path(tmp), args.shards)
