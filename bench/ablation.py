@@ -38,6 +38,13 @@ ALONE: dict[str, Knobs] = {
     "overlap 5": replace(BLOCKING, overlap=5),
     "token merge": replace(BLOCKING, merge="tokens"),
 }
+# Other rules, for --only (not in the default list).
+EXTRA: dict[str, Knobs] = {
+    "blocking + overlap 5, overwritten": replace(BLOCKING, overlap=5, keep=False),
+    "defaults, overlap overwritten": replace(DEFAULTS, keep=False),
+    "blocking + overlap 5, eager": replace(BLOCKING, overlap=5, eager=True),
+    "defaults, eager": replace(DEFAULTS, eager=True),
+}
 LEAVE_OUT: dict[str, Knobs] = {
     "defaults, fp32 pushes": replace(DEFAULTS, push="none"),
     "defaults, fp32 pulls": replace(DEFAULTS, pull="none"),
@@ -53,7 +60,7 @@ def variants(args: Any) -> dict[str, Knobs]:
     if args.leave_one_out:
         out.update(LEAVE_OUT)
     if args.only:
-        out = {k: v for k, v in out.items() if k in args.only}
+        out = {k: v for k, v in {**out, **LEAVE_OUT, **EXTRA}.items() if k in args.only}
     return out
 
 

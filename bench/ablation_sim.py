@@ -37,7 +37,7 @@ from diloco_trainer.core.fragments import fragment_offsets, fragments_due, split
 from diloco_trainer.core.merge import merge_pseudo_gradients
 from diloco_trainer.core.outer import OuterOptimizer
 from diloco_trainer.core.published import publish_update
-from diloco_trainer.learner.mixing import pseudo_gradient, received_weights
+from diloco_trainer.learner.mixing import eager_start, pseudo_gradient, received_weights
 from diloco_trainer.models.parts import (
     build_parts,
     evaluate,
@@ -58,6 +58,8 @@ class Knobs:
     overlap: int = 0  # sync.overlapSteps τ
     merge: str = "mean"
     error_feedback: bool = False
+    keep: bool = True  # keep the τ steps since the push (learner/mixing); False: overwrite
+    eager: bool = False  # overlap from mixing.eager_start instead of the weights at the push
 
 
 @dataclass
@@ -74,6 +76,7 @@ class Island:
     optimizer: torch.optim.Optimizer
     params: dict[str, Tensor]
     bases: list[dict[str, Tensor]]  # per fragment: θ_pub it last installed (fp32)
+    previous: list[dict[str, Tensor] | None]  # per fragment: the base before (one version back)
     steps: list[int]  # per fragment: steps its next Δ covers
     pending: list[Pending | None]
     feedback: ErrorFeedback | None
@@ -123,6 +126,7 @@ class Simulation:
                 optimizer=make_inner_optimizer(spec, p.model),
                 params=dict(p.model.named_parameters()),
                 bases=[_copy(self.published, f) for f in self.fragments],
+                previous=[None] * knobs.fragments,
                 steps=[0] * knobs.fragments,
                 pending=[None] * knobs.fragments,
                 feedback=ErrorFeedback() if knobs.error_feedback else None,
@@ -135,6 +139,12 @@ class Simulation:
         """Δ_f as the syncer decodes it; remembers the weights at the push."""
         local = _copy(island.params, self.fragments[f])
         delta = pseudo_gradient(island.bases[f], local)
+        previous = island.previous[f]
+        if self.knobs.eager and self.knobs.overlap and previous is not None:
+            local = eager_start(island.bases[f], previous)  # the τ steps start from there
+            with torch.no_grad():
+                for n, t in local.items():
+                    island.params[n].copy_(t)
         island.pending[f] = Pending(due=-1, at_push=local)
         if self.knobs.push == "none":
             return delta
@@ -171,12 +181,14 @@ class Simulation:
         names = self.fragments[f]
         merged = _copy(self.published, names)
         now = _copy(island.params, names)
-        target = received_weights(merged, now, pending.at_push)
+        target = received_weights(merged, now, pending.at_push if self.knobs.keep else None)
         with torch.no_grad():
             for n in names:
                 island.params[n].copy_(target[n])
+        island.previous[f] = island.bases[f]
         island.bases[f] = merged
-        island.steps[f] = self.knobs.overlap  # the steps since the push, in the next Δ
+        # The steps since the push are in the next Δ when kept; overwritten, they are lost.
+        island.steps[f] = self.knobs.overlap if self.knobs.keep else 0
         island.pending[f] = None
 
     def run(self, steps: int) -> float:
