@@ -142,3 +142,21 @@ def test_a_spilled_payload_reads_back_the_same_and_its_file_goes_with_it(
     del spilled
     gc.collect()
     assert not path.exists()
+
+
+def test_fold_result_notes_the_largest_magnitude_for_the_merge_check() -> None:
+    # Mean of [1, -6, 0] and [3, 2, 0] (weights 1 and 1): [2, -2, 0]; |x| max 2, in "b" (the
+    # larger of a's 1.5 and b's 2); a NaN anywhere is noted as not finite, with its tensor.
+    from diloco_trainer.core.fold import MergeFold
+
+    fold = MergeFold("mean")
+    fold.add({"a": torch.tensor([1.0, 2.0]), "b": torch.tensor([1.0, -6.0, 0.0])}, 1.0, 1.0)
+    fold.add({"a": torch.tensor([2.0, -1.0]), "b": torch.tensor([3.0, 2.0, 0.0])}, 1.0, 1.0)
+    out = fold.result()
+    assert torch.equal(out["a"], torch.tensor([1.5, 0.5]))
+    assert torch.equal(out["b"], torch.tensor([2.0, -2.0, 0.0]))
+    assert (fold.amax, fold.amax_name) == (2.0, "b")
+    bad = MergeFold("mean")
+    bad.add({"a": torch.tensor([float("nan"), 1.0]), "b": torch.tensor([9.0])}, 1.0, 1.0)
+    bad.result()
+    assert bad.amax != bad.amax and bad.amax_name == "a"  # NaN, noted at its tensor

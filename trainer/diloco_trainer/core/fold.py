@@ -24,6 +24,9 @@ from collections.abc import Mapping
 import torch
 from torch import Tensor
 
+# Elements of an accumulator finished at a time by result() (1 MiB of fp32: within L2).
+SLICE = 2**18
+
 
 class MergeFold:
     """The running merge of one fragment's round (see the module docstring)."""
@@ -46,6 +49,9 @@ class MergeFold:
         self.unit: float | None = None
         self.total = 0.0  # Σρ / unit
         self.count = 0
+        # Of the last result(): its largest |x| (nan/inf when not finite) and that tensor.
+        self.amax = 0.0
+        self.amax_name = ""
 
     def _rda(self, name: str) -> bool:
         return self.rule == "rda" and name not in self.plain_names
@@ -100,11 +106,28 @@ class MergeFold:
             raise ValueError("merge weights sum to zero: no contribution carries any weight")
         out, self.acc = self.acc, {}
         self.count = 0
+        self.amax, self.amax_name = 0.0, ""
         for name, t in out.items():
+            factor = None
             if self._rda(name):
                 dnorm = float(torch.linalg.vector_norm(t))
                 if dnorm != 0.0:  # else all zero, or directions cancel exactly: no update
-                    t.mul_(self.radius[name] / self.total / dnorm)
-            else:
-                t.div_(self.total)
+                    factor = self.radius[name] / self.total / dnorm
+            flat = t.view(-1)
+            # A slice at a time: the largest |x| (the merge's check) read while it is in cache.
+            for start in range(0, flat.numel(), SLICE):
+                piece = flat[start : start + SLICE]
+                if self._rda(name):
+                    if factor is not None:
+                        piece.mul_(factor)
+                else:
+                    piece.div_(self.total)
+                self._note_amax(name, float(torch.linalg.vector_norm(piece, ord=math.inf)))
         return out
+
+    def _note_amax(self, name: str, value: float) -> None:
+        """Keep the largest |x| of the result and its tensor (the first that is not finite)."""
+        if not math.isfinite(self.amax):
+            return
+        if not math.isfinite(value) or value > self.amax:
+            self.amax, self.amax_name = value, name

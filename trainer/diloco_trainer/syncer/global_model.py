@@ -32,7 +32,7 @@ from diloco_trainer.core.payloads import body_data, body_layout
 from diloco_trainer.core.published import UpdateWriter, WeightUpdate, publish_update
 from diloco_trainer.syncer import checkpoint as ckpt
 from diloco_trainer.syncer.folding import RoundFolds
-from diloco_trainer.syncer.guards import MergeInputError, check_merged
+from diloco_trainer.syncer.guards import MAX_MERGED_ABS, MergeInputError, check_merged
 from diloco_trainer.syncer.records import Refused
 from diloco_trainer.syncer.rounds import Contribution
 
@@ -217,8 +217,17 @@ class GlobalModel:
             complete=complete,
         )
         fold = self.folds.take(f, contributions, plan)
+        checked = False
         if fold is not None:
             merged = fold.result()
+            # result() found the largest |x| as it finished each slice: the check without a
+            # pass of its own (guards.check_merged's rule).
+            if not (math.isfinite(fold.amax) and fold.amax <= MAX_MERGED_ABS):
+                raise MergeInputError(
+                    f"merged pseudo-gradient of fragment {f} has |{fold.amax_name}| max "
+                    f"{fold.amax:.4g}"
+                )
+            checked = True
         else:  # the round changed in a way its fold could not follow: from the payloads
             merged = merge_pseudo_gradients(
                 [c.payload for c in contributions],
@@ -229,7 +238,8 @@ class GlobalModel:
             )
         if not (math.isfinite(plan.fraction) and plan.fraction >= 0):
             raise MergeInputError(f"work fraction {plan.fraction} of fragment {f}'s merge")
-        check_merged(f, merged)
+        if not checked:
+            check_merged(f, merged)
         return PreparedMerge(plan, merged)
 
     def commit_merge(self, f: int, prepared: PreparedMerge, *, new_version: int) -> MergeResult:
