@@ -44,6 +44,8 @@ EXTRA: dict[str, Knobs] = {
     "defaults, overlap overwritten": replace(DEFAULTS, keep=False),
     "blocking + overlap 5, eager": replace(BLOCKING, overlap=5, eager=True),
     "defaults, eager": replace(DEFAULTS, eager=True),
+    "blocking + 2 fragments, flushed": replace(BLOCKING, fragments=2, flush=True),
+    "defaults, flushed": replace(DEFAULTS, flush=True),
 }
 LEAVE_OUT: dict[str, Knobs] = {
     "defaults, fp32 pushes": replace(DEFAULTS, push="none"),

@@ -37,7 +37,7 @@ from diloco_trainer.core.fragments import fragment_offsets, fragments_due, split
 from diloco_trainer.core.merge import merge_pseudo_gradients
 from diloco_trainer.core.outer import OuterOptimizer
 from diloco_trainer.core.published import publish_update
-from diloco_trainer.learner.mixing import eager_start, pseudo_gradient, received_weights
+from diloco_trainer.learner.mixing import pseudo_gradient, received_weights
 from diloco_trainer.models.parts import (
     build_parts,
     evaluate,
@@ -59,7 +59,8 @@ class Knobs:
     merge: str = "mean"
     error_feedback: bool = False
     keep: bool = True  # keep the τ steps since the push (learner/mixing); False: overwrite
-    eager: bool = False  # overlap from mixing.eager_start instead of the weights at the push
+    eager: bool = False  # overlap from eager_start (below) instead of the weights at the push
+    flush: bool = False  # after the last step, push and merge every fragment with unmerged work
 
 
 @dataclass
@@ -80,6 +81,14 @@ class Island:
     steps: list[int]  # per fragment: steps its next Δ covers
     pending: list[Pending | None]
     feedback: ErrorFeedback | None
+
+
+def eager_start(base: dict[str, Tensor], previous: dict[str, Tensor]) -> dict[str, Tensor]:
+    """An eager update, tried and not adopted (bench/RESULTS.md, issue 23): right after a push
+    the island jumps to θ_base + (θ_base − θ_previous), the global weights moved once more by the
+    last update it saw (a guess of the merge its push goes into), and takes its τ overlapped
+    steps from there instead of from its own weights; they are kept on top of the real merge."""
+    return {n: 2.0 * base[n] - previous[n] for n in base}
 
 
 def _copy(tensors: dict[str, Tensor], names: list[str]) -> dict[str, Tensor]:
@@ -191,23 +200,30 @@ class Simulation:
         island.steps[f] = self.knobs.overlap if self.knobs.keep else 0
         island.pending[f] = None
 
+    def _sync(self, f: int, step: int) -> None:
+        """Every island pushes fragment f after `step`; the merge; installs due τ steps later."""
+        counted = [isl.steps[f] for isl in self.islands]
+        deltas = [self._push(isl, f) for isl in self.islands]
+        self._merge(f, deltas, counted)
+        for isl in self.islands:
+            pend = isl.pending[f]
+            assert pend is not None
+            pend.due = step + self.knobs.overlap
+
     def run(self, steps: int) -> float:
         for step in range(1, steps + 1):
             for island in self.islands:
                 _inner_step(self.spec, island, step - 1)
                 island.steps = [s + 1 for s in island.steps]
             for f in fragments_due(step, self.h, self.offsets):
-                if self.islands[0].pending[f] is not None:
-                    continue  # due while the previous push is unapplied: skipped
-                counted = [isl.steps[f] for isl in self.islands]
-                deltas = [self._push(isl, f) for isl in self.islands]
-                self._merge(f, deltas, counted)
-                for isl in self.islands:
-                    pend = isl.pending[f]
-                    assert pend is not None
-                    pend.due = step + self.knobs.overlap
+                if self.islands[0].pending[f] is None:  # else skipped: the last push is unapplied
+                    self._sync(f, step)
             for island in self.islands:
                 for f, pend in enumerate(island.pending):
                     if pend is not None and pend.due <= step:
                         self._install(island, f)
+        if self.knobs.flush:  # the work of a fragment past its last sync point, merged too
+            for f in range(self.knobs.fragments):
+                if self.islands[0].pending[f] is None and self.islands[0].steps[f] > 0:
+                    self._sync(f, steps)
         return evaluate(self.islands[0].parts, self.global_model)

@@ -59,19 +59,3 @@ def received_weights(
             target = alpha * cur + (1.0 - alpha) * target
         out[n] = target
     return out
-
-
-def eager_start(base: Mapping[str, Tensor], previous: Mapping[str, Tensor]) -> dict[str, Tensor]:
-    """Where an island continues from right after pushing a fragment, with eager updates (fp32).
-
-    θ_est = θ_base + (θ_base − θ_previous): the global weights it holds moved once more by the
-    last update it saw (consecutive versions of the fragment, `previous` then `base`). With the
-    outer Nesterov momentum, consecutive updates are close (the momentum term dominates), so
-    θ_est is a fair guess of the merge its push goes into. The τ overlapped steps are then taken
-    from there and kept on top of the real merge (received_weights with at_push = θ_est), where
-    taken from the island's own weights at the push they were gradients of a point the merge had
-    jumped far from (bench/ablation.py: the cost of overlap at K = M). The island's own progress
-    is not lost: it is in the pushed Δ. Without a `previous` one version apart (the first push,
-    after a join, or a version skipped) there is nothing to extrapolate: keep the weights.
-    """
-    return {n: 2.0 * base[n].to(torch.float32) - previous[n].to(torch.float32) for n in base}
