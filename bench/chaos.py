@@ -5,7 +5,8 @@ the same job calm to the same outer step; the table goes to bench/RESULTS.md.
 
 The node tier needs root and one real node per machine: run it under the machine's real-node
 lock when other tiers may be using the node, e.g. `flock LOCKFILE python -m bench.chaos`.
-`--rows FILE` renders a table from the rows an earlier run wrote instead of running it.
+`--rows FILE` renders a table from the rows an earlier run wrote instead of running it. The
+images are the node tier's (DILOCO_NODE_IMAGES_DIR names an already built directory).
 """
 
 from __future__ import annotations
@@ -37,7 +38,9 @@ def run_suite(rows_file: Path, log_file: Path) -> int:
     """pytest on the chaos module, its rows written to `rows_file`; its exit code."""
     env = {**os.environ, "DILOCO_CHAOS_RESULTS": str(rows_file)}
     with log_file.open("w") as log:
-        cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", TEST]
+        # The first test starts the cluster and loads the images: more than the default 900 s.
+        cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--timeout=1800"]
+        cmd.append(TEST)
         return subprocess.run(cmd, cwd=REPO_ROOT, env=env, stdout=log, stderr=log).returncode
 
 

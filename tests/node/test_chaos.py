@@ -204,6 +204,18 @@ def test_chaos_job_trains(run: Run) -> None:
     assert all_contribute_at(run.merges(), 0.0, ISLANDS) is not None
 
 
+def test_learner_network_cut(run: Run) -> None:
+    pid = chaos.pod_main_pid(run.pod_uid(f"{run.name}-island-0-0"), "learner")
+    row = fault(
+        run,
+        "learner network cut 60 s",
+        lambda: chaos.cut_pod_network(pid, cut=True),
+        lambda: chaos.cut_pod_network(pid, cut=False),
+    )
+    assert row["merges_lost"] == 0, row
+    assert "steps_out_of_range" not in row["refused"], row  # the learner held at the step cap
+
+
 def test_syncer_pod_deleted_after_a_merge(run: Run) -> None:
     pod = syncer_pod(run.cp, run.ns, run.name)
     assert pod is not None
@@ -231,18 +243,6 @@ def test_syncer_sigkilled_after_a_merge(run: Run) -> None:
         after_merge=True,
     )
     assert row["merges_lost"] <= 1, row  # checkpoints every outer step: at most the last merge
-
-
-def test_learner_network_cut(run: Run) -> None:
-    pid = chaos.pod_main_pid(run.pod_uid(f"{run.name}-island-0-0"), "learner")
-    row = fault(
-        run,
-        "learner network cut 60 s",
-        lambda: chaos.cut_pod_network(pid, cut=True),
-        lambda: chaos.cut_pod_network(pid, cut=False),
-    )
-    assert row["merges_lost"] == 0, row
-    assert "steps_out_of_range" not in row["refused"], row  # the learner held at the step cap
 
 
 def test_api_server_stopped(run: Run) -> None:
