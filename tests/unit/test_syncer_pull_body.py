@@ -60,3 +60,42 @@ def test_update_chain_body_matches_safetensors() -> None:
     assert sorted(got) == ["4/w::q", "4/w::scale", "5/w::q", "5/w::scale"]
     for name, t in want.items():
         assert torch.equal(got[name], t)
+
+
+def test_push_body_tensors_are_views_of_the_body_and_match_safetensors() -> None:
+    g = torch.Generator().manual_seed(2)
+    tensors = {
+        **encode_tensors({"w": torch.randn(600, generator=g)}, "int8"),
+        "e": torch.zeros(0),
+        "h": torch.randn(3, 2, generator=g).half(),
+    }
+    raw = bytearray(payloads.encode_body(tensors, {"kind": "push"}))
+    got = payloads.tensors_in_body(raw)
+    want = safetensors.torch.load(bytes(raw))
+    assert got.keys() == want.keys()
+    for name, t in want.items():
+        assert got[name].dtype == t.dtype and torch.equal(got[name], t)
+    # No copy: the tensors read the body's own memory.
+    start = 8 + _header_length(bytes(raw))
+    raw[start] ^= 0xFF
+    assert not torch.equal(payloads.tensors_in_body(raw)["w::scale"], want["w::scale"])
+
+
+@pytest.mark.parametrize(
+    ("entry", "message"),
+    [
+        ({"dtype": "F99", "shape": [2], "data_offsets": [0, 8]}, "no dtype"),
+        ({"dtype": "F32", "shape": [3], "data_offsets": [0, 8]}, "do not fit its shape"),
+        ({"dtype": "F32", "shape": [2], "data_offsets": [0, 16]}, "do not fit its shape"),
+        ({"dtype": "F32", "shape": [-2], "data_offsets": [0, 8]}, "shape must be"),
+        ({"dtype": "F32", "shape": [1], "data_offsets": [4, 8]}, "gap or overlap"),
+    ],
+)
+def test_push_body_with_bad_offsets_is_refused(entry: dict[str, object], message: str) -> None:
+    import json
+
+    header = json.dumps({"t": entry}).encode()
+    header += b" " * (-len(header) % 8)
+    raw = bytearray(len(header).to_bytes(8, "little") + header + bytes(8))
+    with pytest.raises(ValueError, match=message):
+        payloads.tensors_in_body(raw)

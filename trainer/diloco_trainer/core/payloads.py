@@ -230,6 +230,67 @@ def split_body(
     return SplitBody(prefix, data.numpy().data.toreadonly())
 
 
+_DTYPES_BY_NAME = {name: dtype for dtype, name in _DTYPE_NAMES.items()}
+
+
+def _entry(name: str, entry: Any, data_bytes: int) -> tuple[torch.dtype, list[int], int, int]:
+    """A header entry's dtype, shape and [begin, end), checked; ValueError naming the tensor."""
+    if not isinstance(entry, dict) or entry.get("dtype") not in _DTYPES_BY_NAME:
+        raise ValueError(f"tensor {name!r}: no dtype a body may hold")
+    dtype = _DTYPES_BY_NAME[entry["dtype"]]
+    shape, offsets = entry.get("shape"), entry.get("data_offsets")
+    if not (isinstance(shape, list) and all(type(d) is int and d >= 0 for d in shape)):
+        raise ValueError(f"tensor {name!r}: shape must be a list of sizes")
+    if not (
+        isinstance(offsets, list) and len(offsets) == 2 and all(type(o) is int for o in offsets)
+    ):
+        raise ValueError(f"tensor {name!r}: data_offsets must be two integers")
+    begin, end = offsets
+    numel = 1
+    for d in shape:
+        numel *= d
+    if not 0 <= begin <= end <= data_bytes or end - begin != numel * dtype.itemsize:
+        raise ValueError(f"tensor {name!r}: data_offsets {offsets} do not fit its shape")
+    return dtype, shape, begin, end
+
+
+def tensors_in_body(body: bytearray) -> dict[str, torch.Tensor]:
+    """A safetensors body's tensors as views of its own memory (no copy: safetensors' load
+    copies every tensor out of it), checked as safetensors checks them: known dtypes, offsets
+    that fit each shape and tile the data exactly. The tensors keep `body` alive and see any
+    change to it. ValueError for anything malformed."""
+    if len(body) < 8:
+        raise ValueError("body is too short to be safetensors")
+    n = int.from_bytes(body[:8], "little")
+    if 8 + n > len(body):
+        raise ValueError("safetensors header length is out of range")
+    try:
+        header = json.loads(body[8 : 8 + n])
+    except (UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise ValueError(f"safetensors header is not JSON: {err}") from None
+    if not isinstance(header, dict):
+        raise ValueError("safetensors header is not a JSON object")
+    start, data_bytes = 8 + n, len(body) - 8 - n
+    entries = {k: _entry(k, v, data_bytes) for k, v in header.items() if k != "__metadata__"}
+    covered = 0
+    for _, _, begin, end in sorted(entries.values(), key=lambda e: (e[2], e[3])):
+        if begin != covered:
+            raise ValueError("safetensors data offsets leave a gap or overlap")
+        covered = end
+    if covered != data_bytes:
+        raise ValueError("safetensors data offsets do not cover the body's data")
+    out = {}
+    for name, (dtype, shape, begin, end) in entries.items():
+        if end == begin:
+            out[name] = torch.empty(shape, dtype=dtype)
+            continue
+        flat = torch.frombuffer(
+            body, dtype=dtype, count=(end - begin) // dtype.itemsize, offset=start + begin
+        )
+        out[name] = flat.view(shape)
+    return out
+
+
 def decode_body(
     body: bytes | bytearray | memoryview | SplitBody,
 ) -> tuple[dict[str, torch.Tensor], dict[str, str]]:

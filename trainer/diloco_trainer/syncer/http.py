@@ -131,7 +131,7 @@ class SyncerService(Protocol):
     ) -> bytes | bytearray | memoryview | SplitBody | None: ...
 
     async def receive_push(
-        self, fragment: int, body: bytes, principal: Principal
+        self, fragment: int, body: bytes | bytearray, principal: Principal
     ) -> dict[str, Any]: ...
 
     async def heartbeat(
@@ -185,7 +185,9 @@ async def errors(request: web.Request, handler: Handler) -> web.StreamResponse:
         return error_response(500, "internal error in the syncer; see its log")
 
 
-async def read_limited(request: web.Request, limit: int, too_big: str, limits: HttpLimits) -> bytes:
+async def read_limited(
+    request: web.Request, limit: int, too_big: str, limits: HttpLimits
+) -> bytearray:
     """The whole request body, refusing (413) more than `limit` bytes whether or not the client
     declared a Content-Length (a chunked body is counted as it arrives), and (408) a body that
     pauses or takes too long (limits.read_body; how long follows `limit`: HttpLimits.body_time)."""
@@ -197,14 +199,15 @@ async def read_limited(request: web.Request, limit: int, too_big: str, limits: H
         too_big,
         pause=limits.header_timeout,
         total=limits.body_time(limit),
+        size=request.content_length,
     )
 
 
 async def json_object(request: web.Request, route: str, limits: HttpLimits) -> dict[str, Any]:
     """The request's JSON object body (at most JSON_LIMIT bytes, nested at most
     limits.MAX_JSON_DEPTH deep); Refused(400/408/413) otherwise."""
-    raw = await read_limited(
-        request, JSON_LIMIT, f"{route} body exceeds {JSON_LIMIT} bytes", limits
+    raw = bytes(
+        await read_limited(request, JSON_LIMIT, f"{route} body exceeds {JSON_LIMIT} bytes", limits)
     )
     if json_too_deep(raw):
         raise Refused(400, f"{route} body is nested too deep to be a {route} request")
@@ -301,7 +304,7 @@ class SyncerRoutes:
         self.syncer.metrics.pushes.labels(result).inc()
         return web.json_response(answer)
 
-    async def _read_push_body(self, request: web.Request, fragment: int) -> bytes:
+    async def _read_push_body(self, request: web.Request, fragment: int) -> bytearray:
         limit = self.syncer.push_limit(fragment)
         too_big = (
             f"push body for fragment {fragment} exceeds {limit} bytes, the most a "

@@ -128,32 +128,62 @@ def json_too_deep(raw: bytes | str, limit: int = MAX_JSON_DEPTH) -> bool:
 
 
 async def read_body(
-    content: StreamReader, limit: int, too_big: str, *, pause: float, total: float
-) -> bytes:
+    content: StreamReader,
+    limit: int,
+    too_big: str,
+    *,
+    pause: float,
+    total: float,
+    size: int | None = None,
+) -> bytearray:
     """A request body of at most `limit` bytes (413 `too_big` beyond), each chunk within `pause`
-    seconds and all of it within `total` (408 otherwise)."""
+    seconds and all of it within `total` (408 otherwise). With its declared `size`
+    (Content-Length, at most `limit`) the chunks are copied into one buffer of that size as they
+    come: no growing buffer copied as it grows, and the buffer itself is the body (no copy
+    of it at the end)."""
+    if size is not None and 0 <= size <= limit:
+        return await _read_sized(content, size, pause=pause, total=total)
     buf = bytearray()
     deadline = time.monotonic() + total
-    while True:
-        left = deadline - time.monotonic()
-        try:
-            async with asyncio.timeout(max(0.0, min(pause, left))):
-                chunk = await content.readany()
-        except TimeoutError:
-            why = "paused too long" if left > pause else f"took longer than {total:g}s"
-            raise Refused(
-                408, f"request body {why} (syncer.limits)", protocol.ERROR_TIMEOUT
-            ) from None
-        except ConnectionResetError:
-            # The client went away (a learner stopped or timed out): nothing the syncer did
-            # wrong, and nobody to answer; a line, not an internal error with a traceback.
-            log.info("a client closed its connection after %d bytes of its body", len(buf))
-            raise Refused(400, "the client closed the connection before its body ended") from None
-        if not chunk:
-            return bytes(buf)
+    while chunk := await _chunk(content, len(buf), pause=pause, total=total, deadline=deadline):
         buf += chunk
         if len(buf) > limit:
             raise Refused(413, too_big)
+    return buf
+
+
+async def _chunk(
+    content: StreamReader, got: int, *, pause: float, total: float, deadline: float
+) -> bytes:
+    """The next chunk of a body (b"" at its end), under read_body's time limits."""
+    left = deadline - time.monotonic()
+    try:
+        async with asyncio.timeout(max(0.0, min(pause, left))):
+            return await content.readany()
+    except TimeoutError:
+        why = "paused too long" if left > pause else f"took longer than {total:g}s"
+        raise Refused(408, f"request body {why} (syncer.limits)", protocol.ERROR_TIMEOUT) from None
+    except ConnectionResetError:
+        # The client went away (a learner stopped or timed out): nothing the syncer did
+        # wrong, and nobody to answer; a line, not an internal error with a traceback.
+        log.info("a client closed its connection after %d bytes of its body", got)
+        raise Refused(400, "the client closed the connection before its body ended") from None
+
+
+async def _read_sized(content: StreamReader, size: int, *, pause: float, total: float) -> bytearray:
+    """read_body of a body that declared its size: each chunk copied into place."""
+    buf = bytearray(size)
+    view = memoryview(buf)
+    got = 0
+    deadline = time.monotonic() + total
+    while chunk := await _chunk(content, got, pause=pause, total=total, deadline=deadline):
+        if got + len(chunk) > size:
+            raise Refused(400, f"request body is longer than its Content-Length ({size})")
+        view[got : got + len(chunk)] = chunk
+        got += len(chunk)
+    if got != size:
+        raise Refused(400, f"request body ended after {got} of its {size} bytes")
+    return buf
 
 
 class Slots:

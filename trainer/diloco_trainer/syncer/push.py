@@ -86,7 +86,9 @@ class PushPath:
         self.metrics = metrics
         self.bytes_in = 0  # the bodies of accepted pushes
 
-    async def receive(self, fragment: int, body: bytes, principal: Principal) -> PushAnswer:
+    async def receive(
+        self, fragment: int, body: bytes | bytearray, principal: Principal
+    ) -> PushAnswer:
         """Steps 1-5 (the module docstring); Refused, with nothing changed, on a problem."""
         raw_meta = read_push_header(body)
         require_push(principal, raw_meta)  # 1.

@@ -311,7 +311,7 @@ class Syncer:
         return MembershipAnswer(island=island, state=rec.state, reason=rec.reason).to_wire()
 
     async def receive_push(
-        self, fragment: int, body: bytes, principal: Principal = ROOT
+        self, fragment: int, body: bytes | bytearray, principal: Principal = ROOT
     ) -> dict[str, Any]:
         """A pushed pseudo-gradient, from its body to its round (push.py: the whole path);
         Refused, with nothing changed, on a problem. Returns the PushAnswer."""

@@ -15,6 +15,7 @@ import safetensors.torch
 import torch
 
 from diloco_trainer.api import protocol
+from diloco_trainer.core import payloads
 from diloco_trainer.core.compress import decode_tensors
 from diloco_trainer.syncer.guards import DeltaStats, delta_stats
 from diloco_trainer.syncer.limits import json_too_deep
@@ -135,20 +136,27 @@ def parse_push_meta(meta: dict[str, str], codec: str) -> protocol.PushMeta:
     )
 
 
-def read_push_header(body: bytes) -> dict[str, str]:
+def read_push_header(body: bytes | bytearray) -> dict[str, str]:
     """A push body's safetensors metadata, as strings (the one time it is read: who pushes is
     checked on it, then parse_push_meta types it)."""
+    n = int.from_bytes(body[:8], "little") if len(body) >= 8 else 0
+    # Only the header is copied (read_metadata reads bytes): its length is checked there.
+    head = bytes(body[: 8 + min(n, protocol.MAX_HEADER_BYTES + 1)])
     try:
-        return protocol.read_metadata(body)
+        return protocol.read_metadata(head)
     except ValueError as err:
         raise Refused(400, f"push body: {err}") from None
     except RecursionError:  # a header nested deeper than the JSON parser goes
         raise Refused(400, "push body: safetensors header is nested too deep") from None
 
 
-def read_push_tensors(body: bytes) -> dict[str, torch.Tensor]:
-    """A push body's (still encoded) tensors (its header was read by read_push_header)."""
+def read_push_tensors(body: bytes | bytearray) -> dict[str, torch.Tensor]:
+    """A push body's (still encoded) tensors (its header was read by read_push_header): views of
+    the body itself when it is the buffer the HTTP edge read it into (no copy of it), else
+    safetensors' copies."""
     try:
+        if isinstance(body, bytearray):
+            return payloads.tensors_in_body(body)
         return safetensors.torch.load(body)
     except Exception as err:  # the Rust parser raises its own error types
         raise Refused(400, f"push body: body is not valid safetensors: {err}") from None
