@@ -63,12 +63,13 @@ def fault_table(rows: list[dict[str, Any]]) -> Table:
     return table
 
 
-def outcome_notes(rows: list[dict[str, Any]], code: int) -> list[str]:
+def outcome_notes(rows: list[dict[str, Any]], code: int | None) -> list[str]:
     """The end of the chaos job and the calm comparison, said plainly (or that they are
     missing)."""
     by = {row["fault"]: row for row in rows}
     faults = [row for row in rows if not row["fault"].startswith("(")]
-    notes = [f"pytest exit code {code} ({TEST}); faults measured: {len(faults)}"]
+    ran = "rows of an earlier run" if code is None else f"pytest exit code {code} ({TEST})"
+    notes = [f"{ran}; faults measured: {len(faults)}"]
     end, calm = by.get("(end)"), by.get("(calm)")
     if end is None:
         notes.append("the chaos job did not reach its end: no success and no loss comparison")
@@ -94,7 +95,7 @@ def main() -> int:
     args = p.parse_args()
     with LoadMonitor() as load, workdir(args.workdir, "chaos-") as work:
         if args.rows is not None:
-            rows_file, code = args.rows, 0
+            rows_file, code = args.rows, None
         else:
             rows_file = work / "chaos-rows.json"
             code = run_suite(rows_file, work / "pytest.log")
@@ -111,7 +112,7 @@ def main() -> int:
         tables=[fault_table(rows)],
         notes=outcome_notes(rows, code),
     )
-    return publish(report, args, load) or code
+    return publish(report, args, load) or (code or 0)
 
 
 if __name__ == "__main__":
