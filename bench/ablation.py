@@ -46,6 +46,8 @@ EXTRA: dict[str, Knobs] = {
     "defaults, eager": replace(DEFAULTS, eager=True),
     "blocking + 2 fragments, flushed": replace(BLOCKING, fragments=2, flush=True),
     "defaults, flushed": replace(DEFAULTS, flush=True),
+    "blocking + overlap 1": replace(BLOCKING, overlap=1),
+    "defaults, overlap 1": replace(DEFAULTS, overlap=1),
 }
 LEAVE_OUT: dict[str, Knobs] = {
     "defaults, fp32 pushes": replace(DEFAULTS, push="none"),
