@@ -84,6 +84,28 @@ def test_page_steps_are_read_in_order() -> None:
         assert command in script, command
 
 
+def test_docker_stand_in_refuses_what_docker_would(tmp_path: Path) -> None:
+    """The stand-in fails a `docker build` naming a stage or build argument the Dockerfile lacks,
+    and a push of what was not built, as Docker would (so the page's commands are checked)."""
+    env = {**os.environ, "DILOCO_SHIM_DIR": str(tmp_path)}
+
+    def docker(*args: str) -> subprocess.CompletedProcess[str]:
+        argv = [sys.executable, str(DOCKER), *args]
+        return subprocess.run(argv, cwd=REPO_ROOT, env=env, capture_output=True, text=True)
+
+    bad_stage = docker("build", "--target", "trainr", "-t", "r/x:1", ".")
+    assert bad_stage.returncode == 1 and "has no stage trainr" in bad_stage.stderr
+    bad_arg = docker("build", "--target", "trainer", "--build-arg", "TORCH=cpu", "-t", "r/x:1", ".")
+    assert bad_arg.returncode == 1 and "has no ARG TORCH" in bad_arg.stderr
+    unbuilt = docker("push", "r/x:1")
+    assert unbuilt.returncode == 1 and "was not built here" in unbuilt.stderr
+    built = docker(
+        "build", "--target", "trainer", "--build-arg", "TORCH_VARIANT=cpu", "-t", "r/x:1", "."
+    )
+    assert built.returncode == 0, built.stderr
+    assert json.loads((tmp_path / "built.json").read_text()) == {"r/x:1": "trainer"}
+
+
 def copy_repository(dest: Path) -> Path:
     """The repository's files (tracked and new, not ignored) under dest, and its `.venv`."""
     listed = subprocess.run(
