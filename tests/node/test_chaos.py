@@ -172,6 +172,7 @@ def fault(
     if restore is not None:
         hold(FAULT_SECONDS)
         note = restore() or note
+    note = str(note or "")  # a row is JSON
     ended = time.time()
     back: float = poll_until(
         lambda: all_contribute_at(run.merges(), ended, ISLANDS) or 0.0,
@@ -191,7 +192,7 @@ def fault(
         ),
         "recovery_s": round(back - ended, 1),
         "restarts": run.restarts() - restarts,
-        "note": note or "",
+        "note": note,
     }
     run.record(row)
     return row
@@ -224,7 +225,7 @@ def test_syncer_pod_deleted_after_a_merge(run: Run) -> None:
         "syncer pod deleted",
         lambda: run.cp.kubectl(
             "delete", "pod", pod["metadata"]["name"], "-n", run.ns, "--wait=false"
-        ),
+        ).stdout.strip(),
         restarts_syncer=True,
         after_merge=True,
     )
