@@ -147,7 +147,7 @@ build_network_policies() {
   needs_build "${NETPOL_BIN}" kube-network-policies || return 0
   local t=${SECONDS} dir="${WORK_DIR}/network-policies" m=sigs.k8s.io/kube-network-policies
   local modfile nft_version nft_src
-  log "building kube-network-policies ${KUBE_NETWORK_POLICIES_VERSION} (first run only, ~2-5 min cold)..."
+  log "building kube-network-policies ${KUBE_NETWORK_POLICIES_VERSION} (first run only; ~15 min on 2 busy cores)..."
   mkdir -p "${dir}"
   modfile=$(cd "${dir}" && GOFLAGS='' retry "${GO}" mod download -json "${m}@${KUBE_NETWORK_POLICIES_VERSION}" \
     | sed -n 's/^[[:space:]]*"GoMod": "\(.*\)",\{0,1\}$/\1/p') \
