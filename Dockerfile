@@ -72,13 +72,15 @@ ARG TORCH_INDEX_URL=
 # `buildah bud -v DIR:/mnt:ro` does); the index still serves torch's dependencies.
 ARG TORCH_FIND_LINKS=
 # torch first, on its own, so the trainer extra below keeps it and does not pull the default
-# build; the extra is then installed with torch held at the version just installed.
+# build; the extra is then installed with torch held at the version just installed: the one its
+# metadata names (pip compares with that; torch.__version__ may add a local tag such as +cu132
+# that PyPI's metadata lacks, and `torch==2.x.y+cu132` is then found nowhere).
 RUN index="${TORCH_INDEX_URL:-${TORCH_VARIANT:+https://download.pytorch.org/whl/${TORCH_VARIANT}}}" \
  && pip install ${index:+--index-url "${index}"} \
       ${TORCH_FIND_LINKS:+--find-links "${TORCH_FIND_LINKS}"} "${TORCH_SPEC}"
 RUN --mount=type=bind,from=builder,source=/wheels,target=/wheels \
     pip install "$(ls /wheels/project/*.whl)[trainer]" \
-      "torch==$(python -c 'import torch; print(torch.__version__)')" \
+      "torch==$(python -c 'from importlib.metadata import version; print(version("torch"))')" \
  && diloco --version
 USER 65532:65532
 ENTRYPOINT ["diloco"]
