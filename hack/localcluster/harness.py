@@ -364,12 +364,18 @@ def start_control_plane(
     return ControlPlane.from_dir(directory, bin_dir), retried
 
 
+DOWN_TIMEOUT = 300.0
+
+
 def stop_control_plane(cp: ControlPlane, keep_logs: bool = True) -> str | None:
     """`hack/local-cluster down` (with --keep-logs its output goes to logs/down.log): a
     warning to show when it failed or warned, else None."""
     args = ["down", "--dir", str(cp.dir)] + (["--keep-logs"] if keep_logs else [])
     try:
-        result = run_local_cluster(*args)
+        # A real node's `down` drains it first (up to nodeteardown.DRAIN_TIMEOUT), then stops
+        # the kubelet, containerd and the control plane: run_local_cluster's 120 s was too short
+        # for that on a loaded machine (the node tier's teardown failed after its tests passed).
+        result = run_local_cluster(*args, timeout=DOWN_TIMEOUT)
     except subprocess.TimeoutExpired:
         return f"hack/local-cluster down --dir {cp.dir} timed out"
     if cp.logs_dir.is_dir():
