@@ -51,6 +51,10 @@ from .job_fixtures import (
     tiny_job,
 )
 
+# A benchmark more than a test tier (20 minutes of faults): `python -m bench.chaos` runs it
+# (`-m chaos`); pyproject's addopts leave it out of `make test`.
+pytestmark = pytest.mark.chaos
+
 ISLANDS = {"island-0", "island-1"}
 FAULT_SECONDS = 60.0
 MORE_STEPS = 3
