@@ -41,6 +41,7 @@ FRESH_MACHINE = {
     "flock": "Debian util-linux",
     "unshare": "Debian util-linux (the NetworkPolicy enforcer's mount namespace)",
     "apt-get": "Debian apt",
+    "git": "Debian git (the fresh machine's package list has it; CI clones with it)",
     "debootstrap": "looked up by build-images.sh only to say it is missing before installing it",
 }
 
