@@ -210,8 +210,10 @@ class StopAfterSpec(SpecModel):
     tokens: int | None = Field(
         None,
         ge=1,
-        description="Stop after this many tokens merged (every processed token is merged unless "
-        "its push is refused, e.g. older than sync.maxStaleness).",
+        description="Stop at the first merge after which this many tokens are merged (the mean "
+        "over fragments of the tokens each merged). Islands process more than that: the steps "
+        "taken while the last merges and the final evaluation run, up to half a round plus "
+        "sync.overlapSteps steps each.",
     )
 
 
