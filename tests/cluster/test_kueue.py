@@ -91,7 +91,7 @@ def test_kueue_gates_a_labelled_statefulset_until_quota_admits_it(
     assert pod is not None and gated(pod), dump(pod)
     assert pod["metadata"]["labels"][QUEUE_LABEL] == queue
     assert (pod.get("status") or {}).get("phase") == "Pending"
-    assert cpu_in_use(cluster.cp, f"cq-{cluster.ns}") == 1.0
+    wait_until(lambda: cpu_in_use(cluster.cp, f"cq-{cluster.ns}") == 1.0, WAIT, message="usage 1.0")
 
     cluster.cp.kubectl("delete", "statefulset", "first", "-n", cluster.ns)
     wait_until(lambda: _running(cluster, "second"), WAIT, message="second admitted once freed")
@@ -177,7 +177,9 @@ def test_quota_for_two_of_three_islands_then_the_third_joins(
             300,
             message=f"{waiting} contributes to a merge",
         )
-        assert cpu_in_use(cluster.cp, f"cq-{cluster.ns}") == 3.0
+        wait_until(
+            lambda: cpu_in_use(cluster.cp, f"cq-{cluster.ns}") == 3.0, WAIT, message="usage 3.0"
+        )
 
 
 def test_a_preempted_island_is_dropped_and_back_when_readmitted(
@@ -207,7 +209,9 @@ def test_a_preempted_island_is_dropped_and_back_when_readmitted(
         assert island_pods_running(cluster, "pre", survivor)
         assert syncer.island_state(survivor) != "dropped"
         assert cluster.status("pre")["phase"] != "Failed"
-        assert cpu_in_use(cluster.cp, f"cq-{cluster.ns}") == 2.0
+        wait_until(
+            lambda: cpu_in_use(cluster.cp, f"cq-{cluster.ns}") == 2.0, WAIT, message="usage 2.0"
+        )
 
         cluster.cp.kubectl("delete", "statefulset", "urgent", "-n", cluster.ns)
         wait_until(lambda: syncer.island_state(victim) == "active", WAIT, message=f"{victim} back")
@@ -232,7 +236,7 @@ def test_suspend_frees_all_quota_and_resume_loses_no_merge(
         for learner in learners:
             learner.stop()
         before = syncer_status(syncer, digest=True)
-        assert cpu_in_use(cluster.cp, cq) == 2.0
+        wait_until(lambda: cpu_in_use(cluster.cp, cq) == 2.0, WAIT, message="usage of 2 CPUs")
 
         cluster.patch_spec("sus", {"suspend": True})
         wait_until(lambda: cpu_in_use(cluster.cp, cq) == 0.0, WAIT, message="usage back to zero")
@@ -244,7 +248,9 @@ def test_suspend_frees_all_quota_and_resume_loses_no_merge(
 
         cluster.patch_spec("sus", {"suspend": False})
         wait_until(lambda: cluster.status("sus").get("phase") == "Running", WAIT, message="resumed")
-        assert cpu_in_use(cluster.cp, cq) == 2.0
+        # Kueue writes the ClusterQueue's usage after it admits: the islands may be Ready (and
+        # the job Running) a moment before the usage shows them.
+        wait_until(lambda: cpu_in_use(cluster.cp, cq) == 2.0, WAIT, message="usage back to 2")
         after = syncer_status(syncer, digest=True)
         assert after["outerStep"] == before["outerStep"] and after["digest"] == before["digest"]
 
