@@ -20,6 +20,7 @@ from __future__ import annotations
 import copy
 import json
 import os
+import shutil
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -127,6 +128,11 @@ def start_run(cp: ControlPlane, image: str, volume: Path, prefix: str, stop: int
 
 
 def end_run(run: Run) -> None:
+    if RESULTS and (run.volume / "merges.jsonl").is_file():
+        # The merge log beside the rows: what each run merged, for reading the comparison after.
+        shutil.copy(
+            run.volume / "merges.jsonl", Path(RESULTS).with_name(f"{run.name}-merges.jsonl")
+        )
     run.cp.delete_namespace(run.ns, wait=True)
     run.cp.kubectl("delete", "pv", f"{run.ns}-ckpt", "--ignore-not-found", "--wait=false")
     chaos.unmount(run.volume)
@@ -361,22 +367,42 @@ def final_eval(status: dict[str, Any]) -> dict[str, Any]:
     return {"tokens": tokens, "eval_loss": loss, "history": history}
 
 
-def test_chaos_job_succeeds_on_its_own(run: Run) -> None:
-    stop = int(run.syncer()["outerStep"]) + MORE_STEPS
+def stop_at(run: Run, stop: int) -> None:
+    """Tell the job to stop at outer step `stop` (stopAfter.outerSteps patched)."""
     patch = {"spec": {"stopAfter": {"outerSteps": stop}}}
     run.cp.kubectl("patch", "dj", run.name, "-n", run.ns, "--type=merge", "-p", json.dumps(patch))
+
+
+def test_chaos_job_succeeds_on_its_own(run: Run) -> None:
+    patched_at = int(run.syncer()["outerStep"])
+    stop = patched_at + MORE_STEPS
+    stop_at(run, stop)
     ended = finish(run)
-    run.record({"fault": "(end)", "succeeded": True, "outer_step": stop, **ended})
+    run.record(
+        {"fault": "(end)", "succeeded": True, "outer_step": stop, "patched_at": patched_at, **ended}
+    )
 
 
 def test_calm_run_baseline_at_equal_tokens(
     run: Run, node_images: dict[str, str], tmp_path_factory: pytest.TempPathFactory
 ) -> None:
+    """The calm run is the chaos run's job without the faults: the same spec (stopAfter
+    included: with stopAfter.outerSteps set the inner learning rate is a cosine over it, and
+    learners read it when they start, so a calm job started with the final outer step would
+    anneal where the chaos job ran at its peak rate) and told to stop the same way, at the
+    same outer step."""
     end = run.rows[-1]
     assert end["fault"] == "(end)", "the chaos job did not finish"
     volume = tmp_path_factory.mktemp("calm-volume")
-    calm = start_run(run.cp, node_images["trainer"], volume, "calm", end["outer_step"])
+    calm = start_run(run.cp, node_images["trainer"], volume, "calm", None)
     try:
+        poll_until(
+            lambda: int(calm.syncer()["outerStep"]) >= end["patched_at"],
+            timeout=6 * WAIT,
+            interval=0.5,
+            what=f"the calm run at outer step {end['patched_at']}",
+        )
+        stop_at(calm, end["outer_step"])
         base = finish(calm)
     finally:
         end_run(calm)
