@@ -113,10 +113,15 @@ class Kube:
         self._version = client.VersionApi(api_client)
         self._cache: dict[str, Any] = {}
 
-    def _resource(self, kind: str) -> Any:
-        # Looked up lazily: the CRD may be installed after the operator starts.
+    async def _resource(self, kind: str) -> Any:
+        """The API resource of `kind`, looked up once. Lazily, because the CRD may be installed
+        after the operator starts; and in an API thread, bounded like any call, because a lookup
+        the client has not cached asks the API server (discovery): never on the event loop."""
         if kind not in self._cache:
-            self._cache[kind] = self._dyn.resources.get(api_version=_API_VERSIONS[kind], kind=kind)
+            lookup = functools.partial(
+                self._dyn.resources.get, api_version=_API_VERSIONS[kind], kind=kind
+            )
+            self._cache[kind] = await self._in_thread(lookup)
         return self._cache[kind]
 
     @classmethod
@@ -126,8 +131,12 @@ class Kube:
 
     async def _run(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         kwargs.setdefault("_request_timeout", (CONNECT_TIMEOUT, READ_TIMEOUT))
+        return await self._in_thread(functools.partial(fn, *args, **kwargs))
+
+    async def _in_thread(self, call: Callable[[], T]) -> T:
+        """Run `call` in an API thread within CALL_DEADLINE, telling API_HEALTH whether the API
+        server answered."""
         try:
-            call = functools.partial(fn, *args, **kwargs)
             running = asyncio.get_running_loop().run_in_executor(_THREADS, call)
             result = await asyncio.wait_for(running, CALL_DEADLINE)
         except ApiException:
@@ -156,7 +165,7 @@ class Kube:
         """The DiLoCoJob, or None when it is gone."""
         metrics.API_READS.labels(verb="get", kind=api.KIND).inc()
         try:
-            obj = await self._call(self._dyn.get, self._resource(api.KIND), name, namespace)
+            obj = await self._call(self._dyn.get, await self._resource(api.KIND), name, namespace)
         except NotFoundError:
             return None
         return obj
@@ -166,7 +175,7 @@ class Kube:
     ) -> dict[str, Any] | None:
         """Merge-patch the status subresource (None values delete fields); the job as written,
         None when it is gone."""
-        resource = self._resource(api.KIND).subresources["status"]
+        resource = (await self._resource(api.KIND)).subresources["status"]
         try:
             obj = await self._call(
                 self._dyn.patch,
@@ -184,14 +193,16 @@ class Kube:
         """Delete the job itself (TTL), only if it is still the same object."""
         body = {"preconditions": {"uid": uid}, "propagationPolicy": "Background"}
         with contextlib.suppress(NotFoundError):
-            await self._call(self._dyn.delete, self._resource(api.KIND), name, namespace, body=body)
+            await self._call(
+                self._dyn.delete, await self._resource(api.KIND), name, namespace, body=body
+            )
 
     async def list_labelled(self, kind: str, namespace: str, job_name: str) -> Listing:
         """Every object of `kind` labelled with the job (owner checked by the caller)."""
         metrics.API_READS.labels(verb="list", kind=kind).inc()
         result = await self._call(
             self._dyn.get,
-            self._resource(kind),
+            await self._resource(kind),
             namespace=namespace,
             label_selector=f"{JOB_LABEL}={job_name}",
         )
@@ -206,7 +217,7 @@ class Kube:
         stored. `force` takes fields back from other managers: only for objects the job owns."""
         result = await self._call(
             self._dyn.server_side_apply,
-            self._resource(obj["kind"]),
+            await self._resource(obj["kind"]),
             body=obj,
             name=obj["metadata"]["name"],
             namespace=obj["metadata"]["namespace"],
@@ -220,14 +231,14 @@ class Kube:
     async def delete(self, kind: str, namespace: str, name: str) -> None:
         """Delete a child (foreground is not needed: its own children are GC'd)."""
         with contextlib.suppress(NotFoundError):
-            await self._call(self._dyn.delete, self._resource(kind), name, namespace)
+            await self._call(self._dyn.delete, await self._resource(kind), name, namespace)
 
     async def create(self, obj: dict[str, Any]) -> dict[str, Any] | None:
         """Create the object; the object as stored, None when one with its name exists."""
         try:
             result = await self._call(
                 self._dyn.create,
-                self._resource(obj["kind"]),
+                await self._resource(obj["kind"]),
                 body=obj,
                 namespace=obj["metadata"]["namespace"],
             )
@@ -241,7 +252,7 @@ class Kube:
         """The named object, None when there is none."""
         metrics.API_READS.labels(verb="get", kind=kind).inc()
         try:
-            obj = await self._call(self._dyn.get, self._resource(kind), name, namespace)
+            obj = await self._call(self._dyn.get, await self._resource(kind), name, namespace)
         except NotFoundError:
             return None
         stored = obj
@@ -252,7 +263,7 @@ class Kube:
         """Merge-patch a Secret (the generated root token, when it is rotated)."""
         await self._call(
             self._dyn.patch,
-            self._resource("Secret"),
+            await self._resource("Secret"),
             patch,
             name=name,
             namespace=namespace,

@@ -5,8 +5,12 @@ thread. Now each discovery request has the operator's connect and read timeouts.
 
 from __future__ import annotations
 
+import asyncio
+import http.server
+import json
 import socket
 import threading
+import time
 from collections.abc import Iterator
 
 import pytest
@@ -64,3 +68,94 @@ def test_kube_discovery_ends_against_a_server_that_never_answers(
     thread.join(timeout=20)
     assert not thread.is_alive(), "discovery still blocked on a server that never answers"
     assert len(outcome) == 1 and isinstance(outcome[0], kube._UNANSWERED), outcome
+
+
+# Discovery documents of a small API server: the core group and apps/v1 with StatefulSets.
+_DISCOVERY = {
+    "/version": {"major": "1", "minor": "36", "gitVersion": "v1.36.4"},
+    "/api": {"kind": "APIVersions", "versions": ["v1"]},
+    "/api/v1": {"kind": "APIResourceList", "groupVersion": "v1", "resources": []},
+    "/apis": {
+        "kind": "APIGroupList",
+        "groups": [
+            {
+                "name": "apps",
+                "versions": [{"groupVersion": "apps/v1", "version": "v1"}],
+                "preferredVersion": {"groupVersion": "apps/v1", "version": "v1"},
+            }
+        ],
+    },
+    "/apis/apps/v1": {
+        "kind": "APIResourceList",
+        "groupVersion": "apps/v1",
+        "resources": [
+            {
+                "name": "statefulsets",
+                "singularName": "statefulset",
+                "namespaced": True,
+                "kind": "StatefulSet",
+                "verbs": ["get", "list"],
+            }
+        ],
+    },
+}
+SLOW_PATH = "/apis/apps/v1"  # asked for when a StatefulSet's resource is first looked up
+HOLD_SECONDS = 10.0
+
+
+@pytest.fixture
+def slow_discovery() -> Iterator[tuple[int, list[float], threading.Event]]:
+    """A real HTTP server answering discovery; its answer to SLOW_PATH waits (up to HOLD_SECONDS)
+    until the test releases it. Yields (port, when SLOW_PATH was asked for, release)."""
+    asked: list[float] = []
+    release = threading.Event()
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            path = self.path.split("?")[0]
+            if path == SLOW_PATH:
+                asked.append(time.monotonic())
+                release.wait(HOLD_SECONDS)
+            doc = _DISCOVERY.get(path)
+            self.send_response(200 if doc else 404)
+            self.send_header("Content-Type", "application/json")
+            self.end_headers()
+            self.wfile.write(json.dumps(doc or {"kind": "Status", "code": 404}).encode())
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield server.server_address[1], asked, release
+    finally:
+        release.set()
+        server.shutdown()
+        server.server_close()
+
+
+def test_a_kinds_first_lookup_runs_off_the_event_loop(
+    slow_discovery: tuple[int, list[float], threading.Event],
+) -> None:
+    """The first call for a kind looks its resource up, which asks the API server. With the
+    answer held back, the event loop still runs: it notices the request within moments and
+    releases the answer itself. A lookup on the loop held it until the server gave up waiting
+    (HOLD_SECONDS), so the loop noticed only then."""
+    port, asked, release = slow_discovery
+    configuration = client.Configuration()
+    configuration.host = f"http://127.0.0.1:{port}"
+    k = kube.Kube(client.ApiClient(configuration))
+
+    async def look_up() -> tuple[float, object]:
+        call = asyncio.ensure_future(k.get("StatefulSet", "default", "absent"))
+        while not asked:  # the loop's own polling: it runs only while the loop is free
+            await asyncio.sleep(0.01)
+        noticed_after = time.monotonic() - asked[0]
+        release.set()
+        return noticed_after, await asyncio.wait_for(call, 60)
+
+    noticed_after, answer = asyncio.run(asyncio.wait_for(look_up(), 120))
+    assert noticed_after < HOLD_SECONDS / 2, f"the loop was held {noticed_after:.1f}s"
+    assert answer is None  # the server has no such StatefulSet: the kind was found, not the object
