@@ -13,6 +13,18 @@ that reason whether or not it was ever healthy, so neither the quorum nor the gr
 for it, and re-added like any dropped island once its pods are Ready (admitted, or re-admitted
 after a preemption).
 
+A pod on a node that stopped reporting (NotReady or Unknown) is not Ready in the API, but only
+because the node lifecycle controller says so: it sets the pod's Ready condition False and leaves
+ContainersReady as the kubelet last reported it (True), where a kubelet never reports a pod with
+ready containers not Ready (our pods have no readiness gates). The control plane has lost the
+kubelet, which says nothing of the learner and the syncer: a kubelet stopped or restarting, or a
+node cut from the control plane only, leaves the learner training and heartbeating the syncer.
+Such an island is not dropped: the syncer's own heartbeat timeout (sync.heartbeatTimeoutSeconds)
+takes out of the quorum an island that really stopped reaching it, sooner than the node controller
+marks a node NotReady, and takes it back when it heartbeats again; a drop here would only throw
+away the pushes of an island that kept working. Once the pods are evicted (deleted) or report not
+Ready themselves, the island is unhealthy as usual.
+
 The operator re-adds only what it dropped for pod health or quota. An island the syncer
 dropped itself for sending bad work again and again (its status says so:
 protocol.DROPPED_FOR_REFUSALS) is left out, however healthy its pods are, and is not dropped
@@ -46,6 +58,8 @@ class PodView:
     crash_looping: bool
     gated: bool = False  # held by Kueue's admission gate (queueing.py)
     queued: bool = False  # carries a Kueue queue label
+    # Not Ready only because its node stopped reporting (the module's docstring says how told).
+    node_unreported: bool = False
 
 
 def pod_view(pod: Mapping[str, Any]) -> PodView:
@@ -54,9 +68,8 @@ def pod_view(pod: Mapping[str, Any]) -> PodView:
     status = pod.get("status") or {}
     labels = meta.get("labels") or {}
     conditions = status.get("conditions") or []
-    ready_condition = any(
-        c.get("type") == "Ready" and c.get("status") == "True" for c in conditions
-    )
+    true = {c.get("type") for c in conditions if c.get("status") == "True"}
+    ready_condition = "Ready" in true
     ready = (
         ready_condition and status.get("phase") == "Running" and not meta.get("deletionTimestamp")
     )
@@ -75,6 +88,12 @@ def pod_view(pod: Mapping[str, Any]) -> PodView:
         crash_looping=crash,
         gated=pod_gated(pod),
         queued=pod_queued(pod),
+        node_unreported=(
+            not ready_condition
+            and "ContainersReady" in true
+            and status.get("phase") == "Running"
+            and not meta.get("deletionTimestamp")
+        ),
     )
 
 
@@ -91,6 +110,18 @@ class IslandHealth:
     not_ready: tuple[str, ...]  # expected pods that exist but are not Ready
     gated: int = 0  # pods Kueue has not admitted yet (its admission gate)
     queued: bool = False  # the island's pods are in a Kueue queue
+    unreported: tuple[str, ...] = ()  # not Ready only because their node stopped reporting
+
+    @property
+    def node_unreported(self) -> bool:
+        """Unhealthy only because the nodes of its not-Ready pods stopped reporting: every
+        expected pod exists and none is not Ready by its own kubelet's word."""
+        return (
+            not self.healthy
+            and not self.missing
+            and bool(self.not_ready)
+            and set(self.not_ready) == set(self.unreported)
+        )
 
     @property
     def waiting_for_quota(self) -> bool:
@@ -114,6 +145,8 @@ class IslandHealth:
             parts.append("missing: " + ", ".join(self.missing))
         if self.not_ready:
             parts.append("not Ready: " + ", ".join(self.not_ready))
+        if self.unreported:
+            parts.append("node not reporting: " + ", ".join(self.unreported))
         return "; ".join(parts)
 
 
@@ -139,6 +172,7 @@ def island_health(
             not_ready=tuple(p.name for p in present if not p.ready),
             gated=sum(p.gated for p in present),
             queued=any(p.queued for p in present),
+            unreported=tuple(p.name for p in present if not p.ready and p.node_unreported),
         )
     return out
 
@@ -209,6 +243,9 @@ class Membership:
                 # waits for it (a dropped island is not awaited), and it is not failing.
                 self.wanted[name] = DROPPED
                 reasons[name] = f"{WAITING_REASON}: " + island.describe()
+            elif island.node_unreported:
+                # Left to the syncer's heartbeat timeout (the module's docstring says why).
+                continue
             elif (
                 name in self.seen_healthy
                 or reported.get(name) == ACTIVE
