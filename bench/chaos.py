@@ -65,6 +65,21 @@ def fault_table(rows: list[dict[str, Any]]) -> Table:
     return table
 
 
+def along_table(rows: list[dict[str, Any]]) -> Table | None:
+    """The chaos and calm runs' eval losses at equal merged tokens along the run (the calm
+    row's `along`, written by the test), or None without a calm row."""
+    calm = next((row for row in rows if row["fault"] == "(calm)"), None)
+    if calm is None or not calm.get("along"):
+        return None
+    table = Table(
+        "Eval loss at equal merged tokens along the run",
+        ["merged tokens", "chaos", "calm", "chaos / calm"],
+    )
+    for tokens, chaos, base in calm["along"]:
+        table.add(f"{tokens:,}", f"{chaos:.4f}", f"{base:.4f}", f"{chaos / base:.3f}")
+    return table
+
+
 def outcome_notes(rows: list[dict[str, Any]], code: int | None) -> list[str]:
     """The end of the chaos job and the calm comparison, said plainly (or that they are
     missing)."""
@@ -111,7 +126,7 @@ def main() -> int:
             "injected once, the next only after both islands merged again. Merges lost: "
             "versions merged again after a restart from an older checkpoint."
         ),
-        tables=[fault_table(rows)],
+        tables=[t for t in (fault_table(rows), along_table(rows)) if t is not None],
         notes=outcome_notes(rows, code),
     )
     return publish(report, args, load) or (code or 0)

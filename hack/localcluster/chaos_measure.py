@@ -70,6 +70,24 @@ def loss_at_tokens(history: Sequence[tuple[int, float]], tokens: int) -> float:
     return points[-1][1]  # tokens equals the last point's
 
 
+def losses_at_equal_tokens(
+    chaos: Sequence[tuple[int, float]], calm: Sequence[tuple[int, float]], step: int
+) -> list[tuple[int, float, float]]:
+    """(tokens, chaos loss, calm loss) every `step` merged tokens where both histories reach,
+    and at the chaos run's last evaluation: where along the run a gap opened and whether it
+    closed (a gap at the end alone does not say which fault, or which rate, made it)."""
+    if step <= 0:
+        raise ValueError(f"step must be > 0, got {step}")
+    if not chaos or not calm:
+        return []
+    top = min(max(t for t, _ in chaos), max(t for t, _ in calm))
+    marks = list(range(step, top + 1, step))
+    last = sorted(chaos)[-1][0]
+    if last <= top and last not in marks:
+        marks.append(last)
+    return [(t, loss_at_tokens(chaos, t), loss_at_tokens(calm, t)) for t in marks]
+
+
 def refusal_delta(
     before: dict[str, dict[str, int]], after: dict[str, dict[str, int]], *, restarted: bool
 ) -> dict[str, int]:

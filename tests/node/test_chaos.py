@@ -35,6 +35,7 @@ from hack.localcluster import chaos
 from hack.localcluster.chaos_measure import (
     all_contribute_at,
     loss_at_tokens,
+    losses_at_equal_tokens,
     lost_merges,
     read_merges,
     refusal_delta,
@@ -62,6 +63,7 @@ MORE_STEPS = 3
 WAIT = float(os.environ.get("DILOCO_NODE_JOB_WAIT", "300"))
 RESULTS = os.environ.get("DILOCO_CHAOS_RESULTS")
 VOLUME_MB = 48
+TRAJECTORY_TOKENS = 100_000  # the two runs' losses compared every this many merged tokens
 
 
 def hold(seconds: float) -> None:
@@ -410,5 +412,6 @@ def test_calm_run_baseline_at_equal_tokens(
         ratio: float | None = end["eval_loss"] / loss_at_tokens(base["history"], end["tokens"])
     except ValueError:  # the chaos run's tokens are outside the calm run's history
         ratio = None
-    run.record({"fault": "(calm)", **base, "chaos_loss_ratio": ratio})
+    along = losses_at_equal_tokens(end["history"], base["history"], TRAJECTORY_TOKENS)
+    run.record({"fault": "(calm)", **base, "chaos_loss_ratio": ratio, "along": along})
     assert ratio is not None and ratio <= 1.05, (end, base)

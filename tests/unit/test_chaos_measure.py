@@ -10,6 +10,7 @@ import pytest
 from hack.localcluster.chaos_measure import (
     all_contribute_at,
     loss_at_tokens,
+    losses_at_equal_tokens,
     lost_merges,
     read_merges,
     refusal_delta,
@@ -57,6 +58,24 @@ def test_loss_at_tokens_interpolates_and_refuses_to_extrapolate() -> None:
     assert loss_at_tokens(history, 300) == 5.0
     with pytest.raises(ValueError, match="outside"):
         loss_at_tokens(history, 301)
+
+
+def test_losses_at_equal_tokens_every_step_and_at_the_chaos_runs_end() -> None:
+    chaos = [(0, 10.0), (100, 8.0), (250, 6.0)]
+    calm = [(0, 10.0), (200, 6.0), (300, 4.0)]
+    # Marks at 100 and 200 (both reach 250; 300 is past the chaos run), then the chaos end 250.
+    # chaos at 200: 8 + (6 - 8) * 100/150 = 6.666..; calm at 100: halfway 10 -> 6 = 8;
+    # calm at 250: halfway 6 -> 4 = 5.
+    got = losses_at_equal_tokens(chaos, calm, 100)
+    assert [t for t, _, _ in got] == [100, 200, 250]
+    assert got[0][1:] == pytest.approx((8.0, 8.0))
+    assert got[1][1:] == pytest.approx((6.0 + 2.0 / 3.0, 6.0))
+    assert got[2][1:] == pytest.approx((6.0, 5.0))
+    # A chaos run past the calm one's tokens: no mark beyond the calm history.
+    assert [t for t, _, _ in losses_at_equal_tokens(calm, chaos, 100)] == [100, 200]
+    assert losses_at_equal_tokens([], calm, 100) == []
+    with pytest.raises(ValueError, match="step"):
+        losses_at_equal_tokens(chaos, calm, 0)
 
 
 def test_refusal_delta_counts_new_refusals_and_all_after_a_restart() -> None:
