@@ -11,6 +11,8 @@
 #   OUT=/tmp/gc DEVICE=cpu hack/gpu-check.sh       # a dry run here: tiny model, CPU, a minute
 #   MODE=overhead OUT=... hack/gpu-check.sh        # fp16, micro-batches with A/A controls, and the
 #                                                  # learner in a real job (4-5 minutes on a GPU)
+#   MODE=presets OUT=... hack/gpu-check.sh         # the learner's step at gpt-350m and gpt-1b in
+#                                                  # bf16: step time, TFLOP/s, peak memory (2 min)
 set -uo pipefail
 
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -40,6 +42,28 @@ if torch.cuda.is_available():
     p = torch.cuda.get_device_properties(0)
     print("gpu", p.name, f"{p.total_memory / 2**30:.1f} GiB", "bf16", torch.cuda.is_bf16_supported())
 EOF
+
+if [[ "${MODE:-full}" == presets ]]; then
+    # The larger presets' step on one GPU (one learner, ddp of one rank): the figures docs/learner.md
+    # gives per rank, measured with activations, beside the plain loop. gpt-1b's activations at
+    # 4 x 1024 want activation checkpointing to leave room for the fp32 copies and AdamW.
+    if [[ "$DEVICE" == cuda ]]; then
+        CASES=("gpt-350m --batch-size 8 --seq-len 1024" "gpt-1b --batch-size 4 --seq-len 1024 --checkpointing")
+        STEPS=(--steps 6 --rounds 1 --warmup 2)
+    else
+        CASES=("gpt-tiny --batch-size 4 --seq-len 64")
+        STEPS=(--steps 2 --rounds 1 --warmup 1)
+    fi
+    for case in "${CASES[@]}"; do
+        read -r -a words <<<"$case"
+        echo "== bench.learner_step ${words[0]} bf16 on $DEVICE"
+        timeout 75 "$PY" -m bench.learner_step --device "$DEVICE" --preset "${words[@]}" \
+            --precision bf16 "${STEPS[@]}" --json "$OUT/bench-${words[0]}-bf16.json" \
+            || echo "!! bench ${words[0]} failed or timed out (exit $?)"
+    done
+    echo "== gpu-check (presets) done $(date -u +%FT%TZ)"
+    exit 0
+fi
 
 if [[ "${MODE:-full}" == overhead ]]; then
     # The learner's overhead in the cases the full check left open: fp16 and micro-batches with
