@@ -303,8 +303,8 @@ def test_outer_streamed_step_matches_the_whole_tensor_rule_over_many_slices(
     nesterov: bool,
 ) -> None:
     """Tensors of several slices and a ragged tail, merges that open, cross and close rounds
-    (φ = 0.4, 0.9, 1.7, a complete 0.3, 0, 0.5): the streamed step gives the same bits, momentum
-    and open-round buffers as the whole-tensor rule."""
+    (φ = 0.4, 0.9, 1.7, a complete 0.3, 0, 0.5, 0.5, a complete 1, 1, 2, 0.25): the streamed
+    step gives the same bits, momentum and open-round buffers as the whole-tensor rule."""
     from diloco_trainer.core.compress import SLICE
 
     gen = torch.Generator().manual_seed(3)
@@ -321,6 +321,11 @@ def test_outer_streamed_step_matches_the_whole_tensor_rule_over_many_slices(
         (0.3, True),
         (0.0, False),
         (0.5, False),
+        (0.5, False),  # closes the round with the open buffer (φ = 0.5 + 0.5)
+        (1.0, True),  # a K = M merge: g read as it is
+        (1.0, False),  # a whole round of work at once, closing at its end
+        (2.0, False),  # two folds in one merge
+        (0.25, False),  # a round left open: its buffer is kept
     ]:
         grads = {n: torch.randn(s, generator=gen) for n, s in shapes.items()}
         portions, accumulated = split_fraction(accumulated, fraction, complete=complete)

@@ -190,3 +190,31 @@ def test_published_update_streamed_by_slices_gives_the_whole_tensor_bytes(codec:
         assert torch.equal(published[n], reference[n]), n
     assert update.checksum == weights_checksum(reference)
     assert update.nbytes == sum(t.numel() * t.element_size() for t in want.values())
+
+
+@pytest.mark.parametrize("codec", ["int8", "int4"])
+def test_published_update_of_zero_and_flushed_blocks_is_the_codecs(codec: str) -> None:
+    """Blocks where θ_exact = θ_pub (u = 0), blocks of denormal differences (below
+    FLUSH_TO_ZERO: sent as zeros with scale 0) and a ragged last block: the slice-wise update
+    gives the codec's own bytes, and θ_pub moves exactly by their decoded values."""
+    from diloco_trainer.core.compress import BLOCK_SIZE, decode_tensors, encode_tensors
+
+    gen = torch.Generator().manual_seed(9)
+    n = 5 * BLOCK_SIZE + 3
+    published = {"w": torch.randn(n, generator=gen)}
+    exact = {"w": published["w"].clone()}
+    exact["w"][BLOCK_SIZE : 2 * BLOCK_SIZE] += 1e-2  # a live block
+    exact["w"][3 * BLOCK_SIZE] = published["w"][3 * BLOCK_SIZE] + 1e-3  # one value live
+    tiny = torch.zeros(n)
+    tiny[2 * BLOCK_SIZE : 3 * BLOCK_SIZE] = 1e-39  # a denormal block, flushed to zero
+    u = (exact["w"] - published["w"]) + tiny
+    exact["w"] = published["w"] + u
+    want = encode_tensors({"w": exact["w"] - published["w"]}, codec)
+    scales = want["w::scale"]
+    assert scales[0] == 0 and scales[2] == 0 and scales[1] > 0 and scales[5] == 0
+    moved = published["w"] + decode_tensors(want, codec, {"w": torch.Size([n])})["w"]
+    update = publish_update(exact, published, ["w"], codec, 1)
+    for key, t in want.items():
+        assert torch.equal(update.encoded[key], t), key
+    assert torch.equal(published["w"], moved)
+    assert torch.equal(published["w"][:BLOCK_SIZE], exact["w"][:BLOCK_SIZE])  # u = 0: no move

@@ -29,9 +29,11 @@ FLUSH_TO_ZERO = 1e-30  # blocks whose absmax is smaller are sent as zeros
 _QMAX = {"int8": 127, "int4": 7}
 # Elements per slice when the syncer streams a P-sized step (core/outer.py, core/published.py):
 # whole codec blocks, so a slice encodes exactly as its part of the whole tensor does, and small
-# enough (256 KiB of fp32) that its temporaries stay in cache and come from the heap instead of
-# fresh pages; each torch op on a slice releases the interpreter lock.
-SLICE = 512 * BLOCK_SIZE
+# enough (1 MiB of fp32) that its temporaries stay in cache (L2/L3) and come from the heap instead
+# of fresh pages, large enough that the dozen small per-block ops of each slice cost little
+# beside its element-wise passes (256 KiB slices spent a third of θ_pub's update on them); each
+# torch op on a slice releases the interpreter lock.
+SLICE = 2048 * BLOCK_SIZE
 
 
 def slices(n: int, size: int = SLICE) -> list[slice]:
@@ -71,17 +73,29 @@ def _blocks(x: Tensor) -> Tensor:
 def _quantise(x: Tensor, qmax: int) -> tuple[Tensor, Tensor]:
     """Per-block symmetric quantisation of a flat fp32 tensor: (q int8 (n,), scales fp32 (nb,))."""
     blocks = _blocks(x)  # (nb, BLOCK_SIZE)
+    scales, inv = block_scales(blocks, qmax)
+    # |x * inv| <= qmax up to one rounding, so round() stays in [-qmax, qmax] without a clamp.
+    q = (blocks * inv[:, None]).round_().to(torch.int8)
+    return q.view(-1)[: x.numel()], scales
+
+
+def block_scales(blocks: Tensor, qmax: int) -> tuple[Tensor, Tensor]:
+    """Each row's scale and its reciprocal's stand-in, (nb,) each: scale = max|row| / qmax and
+    inv = qmax / max|row|, both 0 for a row below FLUSH_TO_ZERO (the one rule of every encoder:
+    _quantise and core/published.UpdateWriter's slices)."""
     # max(amax, -amin) is |x|'s row maximum without materialising |x|; NaN propagates into the
     # scale, which decode then refuses.
     absmax = torch.maximum(blocks.amax(dim=1), blocks.amin(dim=1).neg_())  # (nb,)
     # Blocks below FLUSH_TO_ZERO (all-zero blocks, denormals whose reciprocal would overflow)
     # are sent as zeros with scale 0.
     live = absmax >= FLUSH_TO_ZERO
-    scales = torch.where(live, absmax / qmax, torch.zeros_like(absmax))
-    inv = torch.where(live, qmax / absmax, torch.zeros_like(absmax))
-    # |x * inv| <= qmax up to one rounding, so round() stays in [-qmax, qmax] without a clamp.
-    q = (blocks * inv[:, None]).round_().to(torch.int8)
-    return q.view(-1)[: x.numel()], scales
+    zeros = torch.zeros_like(absmax)
+    return torch.where(live, absmax / qmax, zeros), torch.where(live, qmax / absmax, zeros)
+
+
+def qmax(codec: str) -> int:
+    """The largest quantised magnitude of an integer codec (int8: 127, int4: 7)."""
+    return _QMAX[codec]
 
 
 def _dequantise(q: Tensor, scales: Tensor, n: int) -> Tensor:

@@ -28,6 +28,13 @@ from torch import Tensor
 SLICE = 2**18
 
 
+def abs_max(t: Tensor) -> float:
+    """max |x| of a non-empty tensor, nan when it holds one: torch.aminmax's one pass (several
+    times faster on the CPU than vector_norm's ord=inf, and exact either way)."""
+    lo, hi = torch.aminmax(t)
+    return float(torch.maximum(hi, lo.neg()))  # maximum propagates NaN
+
+
 class MergeFold:
     """The running merge of one fragment's round (see the module docstring)."""
 
@@ -122,7 +129,7 @@ class MergeFold:
                         piece.mul_(factor)
                 else:
                     piece.div_(self.total)
-                self._note_amax(name, float(torch.linalg.vector_norm(piece, ord=math.inf)))
+                self._note_amax(name, abs_max(piece))
         return out
 
     def _note_amax(self, name: str, value: float) -> None:

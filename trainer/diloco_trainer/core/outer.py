@@ -39,7 +39,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from diloco_trainer.core.compress import slices
+from diloco_trainer.core.compress import SLICE, slices
 
 # Buffers are saved beside the momentum under this prefix (one safetensors file, old checkpoints
 # with momentum only still load: their buffers are empty).
@@ -175,12 +175,20 @@ class OuterOptimizer:
         slice of θ is final (the published update reads it while it is in cache)."""
         self._check(grads)
         portions, after = split_fraction(self.accumulated(group), fraction, complete=complete)
+        # The gradient term's slice is written here, reused (one per call: merges of other
+        # fragments may step at the same time).
+        scratch = torch.empty(0)
         for name, g in grads.items():
             flat = g.detach().to(torch.float32).reshape(-1)
             param = self.params[name].view(-1)
             kept, fresh = self._b.get(name), None
             for sl in slices(param.numel()):
-                buf = self._step_slice(name, flat[sl], param[sl], sl, fraction, portions, kept)
+                if scratch.numel() < sl.stop - sl.start:
+                    scratch = torch.empty(SLICE)
+                work = scratch[: sl.stop - sl.start]
+                buf = self._step_slice(
+                    name, flat[sl], param[sl], sl, fraction, portions, kept, work
+                )
                 if buf is not None and (kept is None or not _same(buf, kept.view(-1)[sl])):
                     if fresh is None:  # the open round's new buffer: in the folded one's place
                         fresh = kept if kept is not None else torch.empty_like(param)
@@ -208,23 +216,37 @@ class OuterOptimizer:
         fraction: float,
         portions: list[tuple[float, bool]],
         kept: Tensor | None,
+        work: Tensor,
     ) -> Tensor | None:
         """One slice of step(): θ's slice moves; returns the open round's buffer slice left
-        (`kept`'s slice, or a new one the caller stores), None when every portion folded."""
+        (`kept`'s slice, or a new one the caller stores), None when every portion folded.
+        `work`: a slice-sized buffer for the gradient term."""
         beta = self.momentum
-        update = g.mul(fraction)  # the gradient term, lr·φ·g in all
+        # The gradient term, lr·φ·g in all: g·φ plus each fold's momentum term. g·1 is g bit
+        # for bit, so at φ = 1 (every merge of a K = M job) g is read as it is, not copied.
+        update: Tensor | None = None
         buf = kept.view(-1)[sl] if kept is not None else None
         for portion, closes in portions:
             if beta == 0.0:
                 continue
             if buf is None:
-                buf = g.mul(portion)
+                # a round closed at once reads g only (m += buf): no copy of it at φ = 1
+                buf = g if closes and portion == 1.0 else g.mul(portion)
             else:
                 buf.add_(g, alpha=portion)
             if closes:
                 term, coeff = self._fold(name, buf, sl)
-                update.add_(term, alpha=coeff)
+                if update is None:
+                    update = (
+                        torch.add(g, term, alpha=coeff, out=work)
+                        if fraction == 1.0
+                        else torch.mul(g, fraction, out=work).add_(term, alpha=coeff)
+                    )
+                else:
+                    update.add_(term, alpha=coeff)
                 buf = None
+        if update is None:
+            update = g if fraction == 1.0 else torch.mul(g, fraction, out=work)
         param.add_(update, alpha=-self.lr)
         return buf
 

@@ -45,6 +45,7 @@ from torch import Tensor
 
 from diloco_trainer.api import protocol
 from diloco_trainer.api.spec import JobSpec
+from diloco_trainer.core.fold import abs_max
 from diloco_trainer.core.merge import contribution_weight
 from diloco_trainer.core.push_bounds import STEP_ROUNDS, max_push_steps  # the learner's too
 from diloco_trainer.syncer.direction import AGAINST, Directions, direction_sample
@@ -103,7 +104,7 @@ def delta_stats(payload: Mapping[str, Tensor]) -> DeltaStats:
     for t in payload.values():
         if not t.numel():
             continue
-        amax = float(torch.linalg.vector_norm(t, ord=math.inf))
+        amax = abs_max(t)
         if not math.isfinite(amax):
             return DeltaStats(math.nan, False)
         if amax > 1e15:  # Σx² could overflow fp32; |x|max alone is beyond any cap
@@ -374,7 +375,7 @@ def check_merged(fragment: int, merged: Mapping[str, Tensor]) -> None:
     for name, t in merged.items():
         if not t.numel():
             continue
-        amax = float(torch.linalg.vector_norm(t, ord=math.inf))
+        amax = abs_max(t)
         if not (math.isfinite(amax) and amax <= MAX_MERGED_ABS):
             raise MergeInputError(
                 f"merged pseudo-gradient of fragment {fragment} has |{name}| max {amax:.4g}"
