@@ -7,9 +7,17 @@ fragments, the job defaults otherwise) and reads the learner's own tokens/s, whi
 20 steps over wall time, so each window holds everything the learner does between two steps:
 encoding and sending pushes, receiving pulls, mixing merged fragments in. The baseline is a plain
 loop (bench/learner_step's) of the same model, batch and precision in this process, timed before
-and after the job so a machine that drifts affects both sides alike.
+and after the job so a machine that drifts affects both sides alike; --control puts the plain
+loop's own 20-step windows in the job's place (an A/A run: the ratio's noise floor).
+
+The learner also splits each window's wall time (learner/step_costs.py): its inner steps, the
+DiLoCo work on its training thread (the sync path), and waiting for the syncer. Those shares are
+measured within the same windows, so a machine whose speed drifts between the plain loop's runs
+does not move them; the merge waits are listed beside the time the τ steps before each took.
 
     python -m bench.learner_overlap                                  # CPU, gpt-tiny
+    python -m bench.learner_overlap --preset gpt-mini --batch-size 16 --seq-len 128  # CPU
+    python -m bench.learner_overlap --preset gpt-mini --batch-size 16 --seq-len 128 --control
     python -m bench.learner_overlap --device cuda --preset gpt-125m --precision bf16 \
         --batch-size 16 --seq-len 1024 --inner-steps 40 --outer-steps 8
 
@@ -34,6 +42,16 @@ from typing import Any
 from bench.learner_step import make_spec, plain_side, time_side
 
 WINDOW = re.compile(r"\((\d+) tokens/s\)")
+# The learner's split of each window (learner/step_costs.WindowCosts).
+COSTS = re.compile(
+    r"\((\d+) tokens/s\); (\d+) steps: ([\d.]+)s training, ([\d.]+)s sync path, "
+    r"([\d.]+)s waiting for the syncer"
+)
+# A blocking learner's wait for the merge of its push, and how long its τ steps since it took.
+MERGE_WAIT = re.compile(
+    r"waited ([\d.]+)s for fragment \d+ "
+    r"\(the (\d+) overlapped steps since its push took ([\d.]+)s\)"
+)
 SKIP_WINDOWS = 2  # start-up: the first pull, allocator and autocast warm-up
 
 
@@ -56,8 +74,8 @@ syncer:
 """
 
 
-def job_windows(args: argparse.Namespace, workdir: Path) -> tuple[list[float], float]:
-    """Run the job; (the learner's tokens/s windows, the job's wall seconds)."""
+def job_windows(args: argparse.Namespace, workdir: Path) -> tuple[list[float], float, str]:
+    """Run the job; (the learner's tokens/s windows, the job's wall seconds, its log)."""
     config = workdir / "job.yaml"
     config.write_text(job_yaml(args))
     env = dict(os.environ, DILOCO_DEVICE=args.device)
@@ -85,7 +103,44 @@ def job_windows(args: argparse.Namespace, workdir: Path) -> tuple[list[float], f
     if done.returncode != 0:
         tail = log.read_text()[-3000:] if log.exists() else "(no learner log)"
         raise SystemExit(f"the job exited {done.returncode}; learner log tail:\n{tail}")
-    return [float(m.group(1)) for m in WINDOW.finditer(log.read_text())], wall
+    text = log.read_text()
+    return [float(m.group(1)) for m in WINDOW.finditer(text)], wall, text
+
+
+def split_of(text: str) -> dict[str, Any]:
+    """Where the learner's steady windows' wall time went (seconds summed over them), and each
+    wait for a merge against the time its overlapped steps took."""
+    rows = [tuple(float(g) for g in m.groups()[1:]) for m in COSTS.finditer(text)]
+    steady = rows[SKIP_WINDOWS:-1]
+    steps, training, sync_path, waiting = (sum(r[i] for r in steady) for i in range(4))
+    waits = [(float(m.group(1)), float(m.group(3))) for m in MERGE_WAIT.finditer(text)]
+    return {
+        "steps": int(steps),
+        "training_s": training,
+        "sync_path_s": sync_path,
+        "waiting_s": waiting,
+        # Shares of the learner's own wall time, both sides measured in the same windows.
+        "training_share": training / max(training + sync_path + waiting, 1e-9),
+        "step_path_share": training / max(training + sync_path, 1e-9),
+        "merge_waits_s": [w for w, _ in waits],
+        "overlap_s": [o for _, o in waits],
+    }
+
+
+def plain_windows(args: argparse.Namespace, count: int) -> list[float]:
+    """--control: the plain loop's tokens/s over `count` windows of 20 steps, the statistic the
+    job's windows give, so its distance from 1 is the ratio's noise floor on this machine."""
+    spec = make_spec(args)
+    side = plain_side(spec, args.device)
+    for _ in range(args.warmup):
+        side()
+    out = []
+    for _ in range(count):
+        start = time.perf_counter()
+        for _ in range(20):
+            side()
+        out.append(20 * spec.inner.tokens_per_step / (time.perf_counter() - start))
+    return out
 
 
 def plain_rate(args: argparse.Namespace) -> float:
@@ -100,7 +155,11 @@ def plain_rate(args: argparse.Namespace) -> float:
 def run(args: argparse.Namespace) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="learner-overlap-") as tmp:
         before = plain_rate(args)
-        windows, wall = job_windows(args, Path(tmp))
+        if args.control:
+            count = args.inner_steps * args.outer_steps // 20
+            windows, wall, text = plain_windows(args, count), 0.0, ""
+        else:
+            windows, wall, text = job_windows(args, Path(tmp))
         after = plain_rate(args)
     steady = windows[SKIP_WINDOWS:-1]  # the last window may hold the job's end
     if not steady:
@@ -125,6 +184,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "ratio_median": statistics.median(steady) / plain,
         "ratio_mean": statistics.fmean(steady) / plain,
         "job_wall_seconds": wall,
+        "control": args.control,
+        "split": split_of(text) if text else None,
     }
 
 
@@ -140,9 +201,31 @@ def report(r: dict[str, Any]) -> str:
             f"learner tokens/s windows (20 steps each; first {SKIP_WINDOWS} and last left out): "
             f"{windows}",
             f"learner in a job / plain: {r['ratio_median']:.3f} (median window), "
-            f"{r['ratio_mean']:.3f} (mean); job wall {r['job_wall_seconds']:.0f} s",
+            f"{r['ratio_mean']:.3f} (mean); job wall {r['job_wall_seconds']:.0f} s"
+            + (CONTROL_NOTE if r["control"] else ""),
+            *split_lines(r["split"]),
         ]
     )
+
+
+CONTROL_NOTE = " (control: the plain loop's own 20-step windows in place of the job)"
+
+
+def split_lines(split: dict[str, Any] | None) -> list[str]:
+    if not split:
+        return []
+    waits = ", ".join(
+        f"{w:.2f}s ({o:.2f}s overlapped)"
+        for w, o in zip(split["merge_waits_s"], split["overlap_s"], strict=True)
+    )
+    return [
+        f"learner's own split of its steady windows ({split['steps']} steps): "
+        f"{split['training_s']:.2f}s training, {split['sync_path_s']:.2f}s sync path, "
+        f"{split['waiting_s']:.2f}s waiting for the syncer",
+        f"training / all: {split['training_share']:.3f}; training / (training + sync path): "
+        f"{split['step_path_share']:.3f}",
+        f"merge waits: {waits or 'none'}",
+    ]
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -160,6 +243,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--job-timeout", type=float, default=600.0)
     p.add_argument("--json", type=Path, help="also write the result here as JSON")
     p.add_argument("--logs", type=Path, help="keep a copy of the learner's log in this folder")
+    p.add_argument(
+        "--control",
+        action="store_true",
+        help="A/A: time the plain loop in 20-step windows in place of the job (the noise floor)",
+    )
     args = p.parse_args(argv)
     # make_spec (bench.learner_step) reads these too.
     args.checkpointing, args.compile = False, False

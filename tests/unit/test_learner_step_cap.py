@@ -105,6 +105,7 @@ def test_an_unanswered_island_holds_at_the_cap_and_steps_on_after_the_merge() ->
     thread.join(timeout=30)
     assert not thread.is_alive()
     assert sync.held_since is None
+    assert sync.take_waited() > 0  # the hold is counted as time waiting for the syncer
     # Steps 19..22 were taken; the next push (due at 20) carries steps 5..20: 16 <= 18.
     assert sync.position == 22
     assert [meta.steps for _, meta, _ in link.pushes] == [4, 16]

@@ -81,6 +81,8 @@ class FragmentSync:
         self.measured: dict[int, float | None] = {}  # per arrived fragment: InFlight.previous
         self.most_steps = max_push_steps(spec)  # the syncer refuses a push of more steps
         self.held_since: float | None = None  # time.monotonic() the island began to hold
+        # Seconds blocked on the syncer (merge waits, step-cap holds) since take_waited.
+        self.waited = 0.0
         # EMA of the wall seconds per inner step, everything between two steps included: the
         # clock a schedule position runs at, and so the one phase alignment converts with.
         self.wall_step = 0.0
@@ -103,6 +105,11 @@ class FragmentSync:
 
     def finished(self) -> bool:
         return self.link.finished.is_set()
+
+    def take_waited(self) -> float:
+        """Seconds blocked on the syncer since the last call (the loop's WindowCosts)."""
+        waited, self.waited = self.waited, 0.0
+        return waited
 
     def wait(self, future: concurrent.futures.Future[Any], timeout: float) -> bool:
         """Block up to `timeout` for a future; give up early on SIGTERM or a finished job."""
@@ -234,6 +241,7 @@ class FragmentSync:
                         out[f] = target
         if self.held_since is not None:
             held, self.held_since = time.monotonic() - self.held_since, None
+            self.waited += held
             self._last_step = self.clock()  # the hold is not a step's wall time
             log.info("step %d: held %.1fs for the syncer; stepping on", self.position, held)
 
@@ -257,11 +265,24 @@ class FragmentSync:
         done = []
         for f in plan.wait:
             started = time.monotonic()
-            if self._collect(f, block=budget if self.blocking else 0.0):
+            # The τ steps since the push, in seconds: what the overlap hid of the merge's latency.
+            flight = self.inflight.get(f)
+            overlapped = started - flight.started if flight is not None else 0.0
+            got = self._collect(f, block=budget if self.blocking else 0.0)
+            waited = time.monotonic() - started
+            self.waited += waited
+            if got:
                 done.append(f)
-                waited = time.monotonic() - started
                 if waited > 0.05:
-                    log.info("step %d: waited %.2fs for fragment %d", self.position, waited, f)
+                    log.info(
+                        "step %d: waited %.2fs for fragment %d (the %d overlapped steps since "
+                        "its push took %.2fs)",
+                        self.position,
+                        waited,
+                        f,
+                        self.overlap,
+                        overlapped,
+                    )
             elif self.blocking and not self.stop.is_set() and not self.finished():
                 log.warning(
                     "step %d: fragment %d not merged within %.0fs; training on without it",

@@ -50,6 +50,7 @@ from diloco_trainer.learner.fragment_sync import FragmentSync
 from diloco_trainer.learner.inner_step import InnerStep, check_precision
 from diloco_trainer.learner.schedule import rewarm_factor, schedule_start
 from diloco_trainer.learner.shards import FragmentShards, local_rows, shard_model
+from diloco_trainer.learner.step_costs import WindowCosts
 from diloco_trainer.learner.syncer_client import SyncerClient
 from diloco_trainer.learner.syncer_link import SyncerLink
 from diloco_trainer.models.parts import build_parts, inner_lr, make_inner_optimizer, set_lr
@@ -287,8 +288,13 @@ class Learner:
     def _train(self) -> int:
         """Inner steps until the job finishes or a stop; rank 0 syncs after each."""
         window_tokens, window_start, loss_ema = 0, time.monotonic(), None
+        costs = WindowCosts()
         while True:
             loss, tokens, step_time = self._timed_step()
+            after = time.perf_counter()
+            # A progress line covers the wall time from the one before: this step's training and
+            # what followed the steps before it (WindowCosts).
+            costs.add_step(step_time)
             loss_ema = loss if loss_ema is None else 0.9 * loss_ema + 0.1 * loss
             window_tokens += tokens
             targets: dict[int, dict[str, torch.Tensor]] = {}
@@ -305,17 +311,20 @@ class Learner:
                 if self.steps_run % LOG_EVERY_STEPS == 0:
                     now = time.monotonic()
                     log.info(
-                        "step %d loss %.4f tokens %d (%.0f tokens/s)",
+                        "step %d loss %.4f tokens %d (%.0f tokens/s); %s",
                         self.sync.position,
                         loss_ema,
                         self.tokens,
                         window_tokens / max(now - window_start, 1e-9),
+                        costs.line(),
                     )
-                    window_tokens, window_start = 0, now
+                    window_tokens, window_start, costs = 0, now, WindowCosts()
                 targets = self.sync.after_step()
             self._end_commands()
             apply, finished, stopped = self._control(sorted(targets), self._finished())
             self._apply(apply, targets)
+            waited = self.sync.take_waited() if self.sync is not None else 0.0
+            costs.add_after(time.perf_counter() - after, waited)
             if finished or stopped:
                 log.info(
                     "%s after %d steps; weights digest %s%s",

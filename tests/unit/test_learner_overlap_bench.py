@@ -1,0 +1,50 @@
+"""bench/learner_overlap reads the learner's own split of its wall time from the progress lines
+the learner writes (learner/step_costs.WindowCosts.line) and its merge waits: the parser and the
+writer must agree, or the benchmark silently reports nothing."""
+
+from __future__ import annotations
+
+import pytest
+from bench import learner_overlap
+from diloco_trainer.learner.step_costs import WindowCosts
+
+
+def progress_line(step: int, tokens_per_s: int, costs: WindowCosts) -> str:
+    # The format of loop.Learner._train's progress line.
+    return f"step {step} loss 2.0000 tokens 100 ({tokens_per_s} tokens/s); {costs.line()}"
+
+
+def window(training: float, sync_path: float, waiting: float) -> WindowCosts:
+    costs = WindowCosts()
+    for _ in range(20):
+        costs.add_step(training / 20)
+        costs.add_after(sync_path / 20 + waiting / 20, waiting / 20)
+    return costs
+
+
+def test_split_of_sums_the_steady_windows_and_lists_the_merge_waits() -> None:
+    lines = [
+        progress_line(20, 50, window(9.0, 9.0, 9.0)),  # start-up: left out
+        progress_line(40, 60, window(9.0, 9.0, 9.0)),  # start-up: left out
+        progress_line(60, 100, window(2.0, 0.5, 1.5)),
+        "step 65: waited 1.50s for fragment 1 (the 5 overlapped steps since its push took 0.50s)",
+        progress_line(80, 120, window(2.0, 0.0, 0.0)),
+        progress_line(100, 10, window(9.0, 9.0, 9.0)),  # the last: may hold the job's end
+    ]
+    text = "\n".join(lines)
+    split = learner_overlap.split_of(text)
+    assert split["steps"] == 40
+    assert split["training_s"] == pytest.approx(4.0)
+    assert split["sync_path_s"] == pytest.approx(0.5)
+    assert split["waiting_s"] == pytest.approx(1.5)
+    assert split["training_share"] == pytest.approx(4.0 / 6.0)
+    assert split["step_path_share"] == pytest.approx(4.0 / 4.5)
+    assert split["merge_waits_s"] == [1.5] and split["overlap_s"] == [0.5]
+    # The windows' tokens/s are what the headline ratio is made of, unchanged by the split.
+    assert [float(m.group(1)) for m in learner_overlap.WINDOW.finditer(text)] == [
+        50,
+        60,
+        100,
+        120,
+        10,
+    ]

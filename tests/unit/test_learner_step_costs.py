@@ -1,0 +1,64 @@
+"""Where the learner's wall time goes (learner/step_costs.WindowCosts, and FragmentSync's count
+of seconds blocked on the syncer): the split the progress line reports and bench/learner_overlap
+reads."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+from diloco_trainer.learner.step_costs import WindowCosts
+
+from .test_learner_fragment_sync import FakeLink, make_spec, make_sync, step
+from .test_learner_step_cap import wait_for
+
+
+def test_a_window_splits_training_sync_path_and_waiting() -> None:
+    costs = WindowCosts()
+    costs.add_step(0.5)
+    costs.add_after(0.25, waited=0.0)  # a push: Δ and its encoding on the training thread
+    costs.add_step(0.5)
+    costs.add_after(2.0, waited=1.75)  # a blocking wait of 1.75 s inside 2 s after the step
+    assert costs.steps == 2
+    assert costs.training == pytest.approx(1.0)
+    assert costs.sync_path == pytest.approx(0.25 + 0.25)
+    assert costs.waiting == pytest.approx(1.75)
+    assert costs.line() == (
+        "2 steps: 1.00s training, 0.50s sync path, 1.75s waiting for the syncer"
+    )
+
+
+def test_a_wait_never_counts_for_more_than_the_time_after_the_step() -> None:
+    costs = WindowCosts()
+    costs.add_after(0.5, waited=0.75)  # clocks read at different moments: clamp, never negative
+    costs.add_after(0.25, waited=-0.1)
+    assert costs.waiting == pytest.approx(0.5)
+    assert costs.sync_path == pytest.approx(0.25)
+
+
+def test_a_blocking_learner_counts_its_wait_for_the_merge() -> None:
+    # K = M (quorum 2 of 2), H = 4, τ = 2: pushed after step 4, the merge is needed after step 6;
+    # it is held back and released 0.5 s after the learner reached step 6.
+    link = FakeLink(outer_lr=0.25)
+    sync, w = make_sync(make_spec(quorum=2), link)
+    assert sync.blocking
+    for _ in range(3):
+        step(sync, w)
+    assert sync.take_waited() == 0.0  # nothing awaited yet
+    link.hold = True
+    step(sync, w)  # step 4: the push, its merge held
+    link.hold = False
+    step(sync, w)  # step 5: in flight, nothing needed yet
+    assert sync.take_waited() == 0.0
+    started = time.monotonic()
+    thread = threading.Thread(target=lambda: step(sync, w), daemon=True)
+    thread.start()
+    wait_for(lambda: sync.position == 6, "step 6")
+    time.sleep(0.5)  # the merge's latency beyond the overlap (not synchronisation)
+    link.release()
+    thread.join(timeout=30)
+    elapsed = time.monotonic() - started
+    waited = sync.take_waited()
+    assert 0.25 <= waited <= elapsed
+    assert sync.take_waited() == 0.0  # taken once

@@ -1,0 +1,52 @@
+"""Where a learner's wall time goes between two progress lines: training, the DiLoCo work on the
+training thread, and waiting for the syncer.
+
+The learner logs its tokens/s every LOG_EVERY_STEPS steps over wall time, so a slow window says
+that DiLoCo cost something but not what. Each step's wall time is split three ways:
+
+- training: the inner step itself (forward, backward, AdamW; a deliberate straggler's sleep);
+- sync path: rank 0's work after the step on the training thread, waits left out: computing and
+  encoding Δ for a push, receiving a merged fragment and mixing it in, the island's control
+  all-reduce and broadcasts, the bookkeeping;
+- waiting: blocked on the syncer: a blocking learner (K = M, or τ = 0) waiting for the merge of
+  its own push τ steps after it, or an island holding at the step cap.
+
+Training is the plain loop's work; sync path is what DiLoCo costs the step path; waiting is what
+the syncer's push-to-merge latency costs when it exceeds the overlap (bench/learner_overlap reads
+the three from the log).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class WindowCosts:
+    """Seconds spent in each part since the last progress line."""
+
+    steps: int = 0
+    training: float = 0.0
+    sync_path: float = 0.0
+    waiting: float = 0.0
+
+    def add_step(self, training: float) -> None:
+        """One inner step of `training` seconds."""
+        self.steps += 1
+        self.training += training
+
+    def add_after(self, after_step: float, waited: float) -> None:
+        """What followed a step: `after_step` seconds on the training thread (waits included),
+        of which `waited` were blocked on the syncer."""
+        after_step = max(after_step, 0.0)
+        waited = min(max(waited, 0.0), after_step)
+        self.sync_path += after_step - waited
+        self.waiting += waited
+
+    def line(self) -> str:
+        """The progress line's tail, e.g. '20 steps: 1.20s training, 0.03s sync path, 3.75s
+        waiting for the syncer'."""
+        return (
+            f"{self.steps} steps: {self.training:.2f}s training, {self.sync_path:.2f}s sync path, "
+            f"{self.waiting:.2f}s waiting for the syncer"
+        )
