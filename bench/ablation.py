@@ -48,6 +48,12 @@ EXTRA: dict[str, Knobs] = {
     "defaults, flushed": replace(DEFAULTS, flush=True),
     "blocking + overlap 1": replace(BLOCKING, overlap=1),
     "defaults, overlap 1": replace(DEFAULTS, overlap=1),
+    # Why 2 fragments cost (issue 23): not staggered, split by layers, no half-round first push.
+    "blocking + 2 fragments, aligned": replace(BLOCKING, fragments=2, aligned=True),
+    "blocking + 2 fragments, by layers": replace(BLOCKING, fragments=2, split="layers"),
+    "blocking + 2 fragments, late start": replace(BLOCKING, fragments=2, late_start=True),
+    "defaults, by layers": replace(DEFAULTS, split="layers"),
+    "defaults, late start": replace(DEFAULTS, late_start=True),
 }
 LEAVE_OUT: dict[str, Knobs] = {
     "defaults, fp32 pushes": replace(DEFAULTS, push="none"),

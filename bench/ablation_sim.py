@@ -61,6 +61,10 @@ class Knobs:
     keep: bool = True  # keep the τ steps since the push (learner/mixing); False: overwrite
     eager: bool = False  # overlap from eager_start (below) instead of the weights at the push
     flush: bool = False  # after the last step, push and merge every fragment with unmerged work
+    # Why do 2 fragments cost (issue 23)? Each of these changes one thing about them:
+    split: str = "size"  # "size": core/fragments.split_fragments; "layers": contiguous_fragments
+    aligned: bool = False  # every fragment synced at the end of the round (no stagger)
+    late_start: bool = False  # a fragment's first sync point with under a round of work skipped
 
 
 @dataclass
@@ -89,6 +93,20 @@ def eager_start(base: dict[str, Tensor], previous: dict[str, Tensor]) -> dict[st
     last update it saw (a guess of the merge its push goes into), and takes its τ overlapped
     steps from there instead of from its own weights; they are kept on top of the real merge."""
     return {n: 2.0 * base[n] - previous[n] for n in base}
+
+
+def contiguous_fragments(sizes: dict[str, int], num_fragments: int) -> list[list[str]]:
+    """Fragments of consecutive tensors in model order (whole layers together, as Streaming
+    DiLoCo's), cut where the bytes so far pass f/F of the total: the alternative to the
+    product's size-balanced split, which spreads a layer's weight and bias over fragments."""
+    total = sum(sizes.values())
+    out: list[list[str]] = [[] for _ in range(num_fragments)]
+    filled = 0
+    for name, size in sizes.items():
+        f = min(num_fragments - 1, int(num_fragments * (filled + size / 2) / max(total, 1)))
+        out[f].append(name)
+        filled += size
+    return [f for f in out if f]
 
 
 def _copy(tensors: dict[str, Tensor], names: list[str]) -> dict[str, Tensor]:
@@ -120,8 +138,11 @@ class Simulation:
         names = list(self.exact)
         self.published = self.exact if knobs.pull == "none" else _copy(self.exact, names)
         sizes = {n: t.numel() * t.element_size() for n, t in self.exact.items()}
-        self.fragments = split_fragments(sizes, knobs.fragments)
-        self.offsets = fragment_offsets(self.h, knobs.fragments)
+        split = contiguous_fragments if knobs.split == "layers" else split_fragments
+        self.fragments = split(sizes, knobs.fragments)
+        self.offsets = (
+            [0] * knobs.fragments if knobs.aligned else fragment_offsets(self.h, knobs.fragments)
+        )
         self.outer = OuterOptimizer(
             self.exact,
             lr=spec.outer.lr,
@@ -216,6 +237,8 @@ class Simulation:
                 _inner_step(self.spec, island, step - 1)
                 island.steps = [s + 1 for s in island.steps]
             for f in fragments_due(step, self.h, self.offsets):
+                if self.knobs.late_start and self.islands[0].steps[f] < self.h:
+                    continue  # its first push would hold under a round: wait for the next one
                 if self.islands[0].pending[f] is None:  # else skipped: the last push is unapplied
                     self._sync(f, step)
             for island in self.islands:

@@ -15,6 +15,10 @@ Schedule (steps counted from 1, see `plan_step`):
   shifts its phase towards its peers' (see "phase alignment" below).
 - A fragment that is due while its previous push is still unapplied is skipped (its counters keep
   running), so a pseudo-gradient is never sent twice on the same base.
+- No fragment is pushed at a schedule position below H (plan_step says why): positions below H
+  are a fresh job's first round, where fragment f > 0 then first syncs at H + f·H/F with
+  1 + f/F rounds in its push. A learner that joins a running job starts at H or later
+  (schedule_start), so it meets the merges the others push to.
 
 Waiting policy: in a decoupled job (K < M, τ > 0) rank 0 never waits: it checks every step whether
 the merge of its push has arrived and applies it then (`blocks_for_merge`). Otherwise, at step t+τ
@@ -60,6 +64,12 @@ class StepPlan:
     poll: tuple[int, ...] = ()
 
 
+def starts_fresh(versions: Sequence[int]) -> bool:
+    """Whether a learner joining with these fragment versions starts with the job (nothing merged
+    yet), so that its first round is every island's first round (see plan_step)."""
+    return all(v == 0 for v in versions)
+
+
 def plan_step(
     step: int,
     *,
@@ -79,14 +89,22 @@ def plan_step(
     budget (e.g. the syncer restarted and lost the pending push): when one is due again it is
     pushed afresh (same base, counters since the last receipt; the syncer replaces an island's
     pending push) instead of skipped, so a lost push cannot stall the fragment for good.
+
+    A fragment due at a step below H is skipped: those steps are a fresh job's first round
+    (schedule_start starts every later join at H or later), so every island skips alike and each
+    fragment's first push holds its stagger plus a whole round (1 + f/F rounds). Pushed at its
+    first sync point, fragment f > 0 took an outer step on f/F of a round of a fresh model, and
+    that early step was the whole of what 2 streamed fragments cost at K = M in bench/ablation
+    (issue 23; docs/algorithm.md has the figures).
     """
     if step < 1:
         raise ValueError(f"inner steps are counted from 1, got {step}")
     if overlap < 0:
         raise ValueError(f"sync.overlapSteps must be >= 0, got {overlap}")
     due = fragments_due(step, inner_steps, offsets)
-    push = tuple(f for f in due if f not in pushed_at or f in abandoned)
-    skip = tuple(f for f in due if f in pushed_at and f not in abandoned)
+    early = step < inner_steps  # a fresh job's first round: no push yet
+    push = tuple(f for f in due if not early and (f not in pushed_at or f in abandoned))
+    skip = tuple(f for f in due if f not in push)
     apply_at = dict(pushed_at)
     apply_at.update({f: step for f in push})
     wait = tuple(sorted(f for f, s in apply_at.items() if s + overlap == step))
@@ -122,7 +140,12 @@ def schedule_start(versions: Sequence[int], inner_steps: int, offsets: Sequence[
     starts right after the preceding position, giving it a full slot of training before that
     push. Why it matters: with a quorum of every island and F > 1, an island out of phase would
     wait for fragment f while another waits for fragment g from it, each blocking the other until
-    the wait budget runs out. With F = 1, or everything at version v, the start is 0.
+    the wait budget runs out.
+
+    A join into a running job (some fragment merged: not `starts_fresh`) starts a round later in
+    the same phase, at H or later, so plan_step's first-round rule (no push below step H) is a
+    fresh job's alone: a joiner must push at the sync points the running islands push at. A
+    fresh job starts at 0; so, with F = 1 or everything at version v, does the phase.
     """
     if len(versions) != len(offsets):
         raise ValueError(f"{len(versions)} versions for {len(offsets)} fragments")
@@ -130,7 +153,8 @@ def schedule_start(versions: Sequence[int], inner_steps: int, offsets: Sequence[
     order = sorted(range(len(offsets)), key=lambda f: (positions[f], f))
     lowest = min(versions)
     nxt = next(f for f in order if versions[f] == lowest)
-    return max([0, *(p for p in positions if p < positions[nxt])])
+    start = max([0, *(p for p in positions if p < positions[nxt])])
+    return start if starts_fresh(versions) else start + inner_steps
 
 
 # --- phase alignment ----------------------------------------------------------------------------
