@@ -11,7 +11,9 @@ pseudo-gradients, K = M (every island pushes every fragment each round). Measure
   not counted);
 - /healthz latency (p50, p99, max) from a poller hitting it every 20 ms while the rounds run;
 - a plain-torch floor in the same run: one copy of the fragment's fp32 bytes plus the weighted sum
-  of M fp32 pseudo-gradients of that fragment (what a merge must at least do);
+  of M fp32 pseudo-gradients of that fragment (what a merge must at least do), timed right
+  before each round's pushes and right after its pull (both reported); each round's ratio is
+  its time over the faster of the two;
 - a checkpoint written and resumed: the syncer stopped (SIGTERM writes a checkpoint of what was
   merged; the time to its exit), then a new syncer on the same state dir until ready (resume
   time, its start-up peak) and whether it serves the same versions.
@@ -39,7 +41,7 @@ import time
 import urllib.error
 import urllib.request
 import uuid
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -122,20 +124,47 @@ class Sampler(threading.Thread):
             self.done.wait(0.01)
 
 
-def floor_seconds(numel: int, islands: int, repeats: int = 3) -> float:
-    """Plain torch: one copy of `numel` fp32 plus the weighted sum of `islands` fp32 vectors of
-    that size (median of repeats)."""
-    vs = [torch.full((numel,), 1e-3 * (i + 1)) for i in range(islands)]
-    out, copy = torch.empty(numel), torch.empty(numel)
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        copy.copy_(vs[0])
-        out.zero_()
-        for i, v in enumerate(vs):
-            out.add_(v, alpha=1.0 / (i + 1))
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+class Floor:
+    """Plain torch: one copy of a fragment's fp32 bytes plus the weighted sum of `islands` fp32
+    vectors of that size (what a merge must at least do). Its buffers are made once (touched, so
+    no page faults are timed) and it is timed right before each round's pushes and right after
+    its new version is pullable, so the floor and the syncer's time see the same load."""
+
+    def __init__(self, numel: int, islands: int) -> None:
+        self.vs = [torch.full((numel,), 1e-3 * (i + 1)) for i in range(islands)]
+        self.out, self.copy = torch.zeros(numel), torch.zeros(numel)
+
+    def seconds(self, numel: int, repeats: int = 3) -> float:
+        """The median of `repeats` timings over the first `numel` elements."""
+        times = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            out = self.out[:numel]
+            self.copy[:numel].copy_(self.vs[0][:numel])
+            out.zero_()
+            for i, v in enumerate(self.vs):
+                out.add_(v[:numel], alpha=1.0 / (i + 1))
+            times.append(time.perf_counter() - t0)
+        return statistics.median(times)
+
+
+@dataclass
+class Timings:
+    """Per round and fragment: last push answered -> pullable, push sent -> pullable, and the
+    floor timed right before the pushes and right after the pull."""
+
+    to_pullable: list[float] = field(default_factory=list)
+    sent_to_pullable: list[float] = field(default_factory=list)
+    floor_before: list[float] = field(default_factory=list)
+    floor_after: list[float] = field(default_factory=list)
+
+    def ratios(self) -> list[float]:
+        """Each round's time over the faster of its two floors (the after one may share the
+        machine with the syncer's evaluation: taking the faster never flatters the ratio)."""
+        return [
+            t / min(a, b)
+            for t, a, b in zip(self.to_pullable, self.floor_before, self.floor_after, strict=True)
+        ]
 
 
 @dataclass
@@ -154,7 +183,9 @@ class CaseResult:
     peak_x_per_shard: list[float]
     to_pullable_s: list[float]
     sent_to_pullable_s: list[float]
-    floor_s: list[float]
+    floor_before_s: list[float]  # timed right before each round's pushes
+    floor_after_s: list[float]  # and right after its pull
+    ratio_to_floor: list[float]  # each round's time over the faster of its two floors
     healthz_p50_ms: float
     healthz_p99_ms: float
     healthz_max_ms: float
@@ -179,18 +210,21 @@ async def run_rounds(
     codec: str,
     rounds: int,
     only: tuple[int, int] | None = None,
-) -> tuple[list[float], list[float]]:
+) -> Timings:
     """Every island pushes every fragment, `rounds` times; the times from the last push's answer
-    and from its sending to the new version being pullable. `only` = (shard, shards): `url` is
-    that one shard's, and only its fragments are pushed."""
+    and from its sending to the new version being pullable, and the floor right before and
+    right after each. `only` = (shard, shards): `url` is that one shard's, and only its
+    fragments are pushed."""
     gen = torch.Generator().manual_seed(0)
-    times: list[float] = []
-    sent_times: list[float] = []
+    out = Timings()
+    floor: Floor | None = None
     urls = url.split(",")  # one per syncer shard: fragment f is shard f mod N's
     async with SyncerClient(url, token, request_timeout=600) as client:
         shards = client.shard_clients()
         info = [await client.join(name, 1) for name in islands][-1]
         versions = list(info.versions)
+        numels = [sum(shapes[n].numel() for n in names) for names in info.fragments]
+        floor = Floor(max(numels), len(islands))
         for r in range(rounds):
             for f, names in enumerate(info.fragments):
                 if only is not None and f % only[1] != only[0]:
@@ -212,6 +246,7 @@ async def run_rounds(
                     )
                     for name in islands
                 ]
+                out.floor_before.append(floor.seconds(numels[f]))
                 # The pull waits for the new version from before the pushes start.
                 owner = 0 if only is not None else f % len(urls)
                 pull = asyncio.ensure_future(
@@ -222,16 +257,20 @@ async def run_rounds(
                     await shards[owner].push_pseudo_gradient(f, encoded, meta)
                 last = time.perf_counter()
                 pulled_at, version = await pull
-                times.append(pulled_at - last)
-                sent_times.append(pulled_at - sent)
+                out.floor_after.append(floor.seconds(numels[f]))
+                out.to_pullable.append(pulled_at - last)
+                out.sent_to_pullable.append(pulled_at - sent)
                 versions[f] = version
                 print(
                     f"  round {r} fragment {f}: pullable {pulled_at - last:.2f}s after the last "
-                    f"push's answer, {pulled_at - sent:.2f}s after it was sent",
+                    f"push's answer, {pulled_at - sent:.2f}s after it was sent; floor "
+                    f"{out.floor_before[-1]:.2f}s before, {out.floor_after[-1]:.2f}s after "
+                    f"({out.ratios()[-1]:.1f}x)",
                     flush=True,
                 )
                 del encoded
-    return times, sent_times
+    del floor
+    return out
 
 
 async def pull_headers(
@@ -340,7 +379,7 @@ def run_case(
         for sampler in samplers:
             sampler.start()
         names = [f"island-{i}" for i in range(islands)]
-        times, sent_times = asyncio.run(run_rounds(url, files.token, names, shapes, codec, rounds))
+        timed = asyncio.run(run_rounds(url, files.token, names, shapes, codec, rounds))
         for sampler in samplers:
             sampler.done.set()
             sampler.join()
@@ -352,8 +391,6 @@ def run_case(
         after = asyncio.run(versions_of(url, files.token))
     finally:
         syncers.stop()
-    fragment_numel = params // fragments
-    floors = [floor_seconds(fragment_numel, islands) for _ in range(2)]
     probe = sorted(p for s in samplers for p in s.probe)
     return CaseResult(
         preset=preset,
@@ -368,9 +405,11 @@ def run_case(
         startup_hwm_x=max(i[1] / x for i, x in zip(idle, shares, strict=True)),
         peak_x=max(p / x for p, x in zip(peaks, shares, strict=True)),
         peak_x_per_shard=[p / x for p, x in zip(peaks, shares, strict=True)],
-        to_pullable_s=times,
-        sent_to_pullable_s=sent_times,
-        floor_s=floors,
+        to_pullable_s=timed.to_pullable,
+        sent_to_pullable_s=timed.sent_to_pullable,
+        floor_before_s=timed.floor_before,
+        floor_after_s=timed.floor_after,
+        ratio_to_floor=timed.ratios(),
         healthz_p50_ms=1000 * probe[len(probe) // 2],
         healthz_p99_ms=1000 * probe[min(len(probe) - 1, int(len(probe) * 0.99))],
         healthz_max_ms=1000 * probe[-1],
@@ -405,7 +444,7 @@ def run_serial_shards(
             sampler = Sampler(syncers.procs[0].pid, url)
             sampler.start()
             job = run_rounds(url, files.token, names, shapes, codec, rounds, (shard, shards))
-            times, sent = asyncio.run(job)
+            timed = asyncio.run(job)
             sampler.done.set()
             sampler.join()
             peak = max(sampler.peak, syncers.hwm()[0])
@@ -425,11 +464,11 @@ def run_serial_shards(
                 "idle_x": idle[0] / x,
                 "startup_hwm_x": idle[1] / x,
                 "peak_x": peak / x,
-                "to_pullable_s": times,
-                "sent_to_pullable_s": sent,
-                "floor_s": floor_seconds(
-                    sum(s.numel() for s in shapes.values()) // fragments, islands
-                ),
+                "to_pullable_s": timed.to_pullable,
+                "sent_to_pullable_s": timed.sent_to_pullable,
+                "floor_before_s": timed.floor_before,
+                "floor_after_s": timed.floor_after,
+                "ratio_to_floor": timed.ratios(),
                 "healthz_p99_ms": 1000 * probe[min(len(probe) - 1, int(len(probe) * 0.99))],
                 "healthz_max_ms": 1000 * probe[-1],
                 "stop_with_checkpoint_s": stopped,
@@ -480,15 +519,16 @@ def main(argv: list[str] | None = None) -> int:
             r = run_case(args.preset, m, f, args.codec, args.rounds, Path(tmp), args.shards)
         results.append(asdict(r))
         pullable = statistics.median(r.to_pullable_s)
-        floor = statistics.median(r.floor_s)
         print(
             f"{r.preset} ({r.params / 1e6:.0f}M) M={m} F={r.fragments} {r.codec} "
             f"shards={r.shards} (x = each one's share; peaks {r.peak_x_per_shard}): "
             f"start-up {r.startup_s:.1f}s, idle {r.idle_x:.2f}x, start-up peak "
             f"{r.startup_hwm_x:.2f}x, peak {r.peak_x:.2f}x; last push -> pullable median "
             f"{pullable:.2f}s (max {max(r.to_pullable_s):.2f}s; from sending it "
-            f"{statistics.median(r.sent_to_pullable_s):.2f}s), floor {floor:.2f}s "
-            f"({pullable / floor:.1f}x); /healthz p50 {r.healthz_p50_ms:.0f} ms, p99 "
+            f"{statistics.median(r.sent_to_pullable_s):.2f}s), floor before/after median "
+            f"{statistics.median(r.floor_before_s):.2f}/{statistics.median(r.floor_after_s):.2f}s, "
+            f"ratio median {statistics.median(r.ratio_to_floor):.1f}x (max "
+            f"{max(r.ratio_to_floor):.1f}x); /healthz p50 {r.healthz_p50_ms:.0f} ms, p99 "
             f"{r.healthz_p99_ms:.0f} ms, max {r.healthz_max_ms:.0f} ms, "
             f"{r.healthz_failures} failed; stop with checkpoint {r.stop_with_checkpoint_s:.1f}s, "
             f"resume {r.resume_s:.1f}s (peak {r.resume_hwm_x:.2f}x), versions "
