@@ -303,6 +303,12 @@ class FragmentSync:
             n: self.params[n].detach().to(torch.float32, copy=True) for n in self.fragments[f].names
         }
 
+    def _current(self, f: int) -> Weights:
+        """Fragment f's weights as they are, without a copy: only read (the new weights are
+        computed into fresh tensors before any parameter is written), so a receipt costs the
+        training thread no copy of the fragment. The parameters are fp32 master weights."""
+        return {n: self.params[n].detach() for n in self.fragments[f].names}
+
     def _push(self, f: int, position: int) -> None:
         """Compute Δ_f = θ_global − θ_local (fp32, CPU), encode it and push it in the background."""
         state = self.fragments[f]
@@ -390,7 +396,7 @@ class FragmentSync:
             self.shards.receive(f, merged)
             target = state.receive({}, result.pulled.version, {}, self._alpha())
         else:
-            target = state.receive(merged, result.pulled.version, self._local(f), self._alpha())
+            target = state.receive(merged, result.pulled.version, self._current(f), self._alpha())
         state.last_sync_seconds = result.seconds
         self.round_times = [*self.round_times[-7:], result.seconds]
         log.info(
