@@ -222,3 +222,23 @@ def test_int_codecs_flush_denormal_blocks_to_zero(codec: str) -> None:
     out = decode_tensors(enc, codec, {"w": x.shape})["w"]
     assert torch.isfinite(out).all()
     assert out[0] == 0 and out[BLOCK_SIZE] == pytest.approx(1e-3)
+
+
+def test_decoded_slices_are_decode_tensor_bit_for_bit() -> None:
+    """compress.decoded_slices: consecutive slices covering the tensor, whose values are
+    decode_tensor's bit for bit, for every codec, with ragged tails and a one-element tensor."""
+    from diloco_trainer.core.compress import SLICE, decode_tensor, decoded_slices
+
+    shapes = {"big": torch.Size([2 * SLICE + 77]), "m": torch.Size([3, 43]), "one": torch.Size([1])}
+    gen = torch.Generator().manual_seed(11)
+    raw = {n: torch.randn(s, generator=gen) for n, s in shapes.items()}
+    for codec in ("int8", "int4", "fp16", "bf16", "none"):
+        flat = encode_tensors(raw, codec)
+        for name, shape in shapes.items():
+            want = decode_tensor(flat, name, codec, shape).reshape(-1)
+            end = 0
+            for sl, piece in decoded_slices(flat, name, codec, shape):
+                assert sl.start == end and piece.dtype == torch.float32
+                assert torch.equal(piece, want[sl]), (codec, name, sl)
+                end = sl.stop
+            assert end == shape.numel()

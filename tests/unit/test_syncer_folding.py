@@ -160,3 +160,73 @@ def test_fold_result_notes_the_largest_magnitude_for_the_merge_check() -> None:
     bad.add({"a": torch.tensor([float("nan"), 1.0]), "b": torch.tensor([9.0])}, 1.0, 1.0)
     bad.result()
     assert bad.amax != bad.amax and bad.amax_name == "a"  # NaN, noted at its tensor
+
+
+def _big_push(codec: str, seed: int) -> tuple[EncodedPayload, dict[str, torch.Tensor]]:
+    """A push of several 1 MiB slices with ragged tails, kept encoded, and its decoded values."""
+    from diloco_trainer.core.compress import SLICE
+
+    shapes = {
+        "big": torch.Size([2 * SLICE + 77]),
+        "mat": torch.Size([33, 130]),
+        "one": torch.Size([1]),
+    }
+    gen = torch.Generator().manual_seed(seed)
+    raw = {n: torch.randn(s, generator=gen) * 1e-2 for n, s in shapes.items()}
+    flat = encode_tensors(raw, codec)
+    return EncodedPayload(flat, codec, shapes), decode_tensors(flat, codec, shapes)
+
+
+def test_a_push_folds_a_slice_at_a_time_bit_for_bit_as_its_decoded_copy() -> None:
+    """MergeFold.add reads an EncodedPayload a slice at a time (no decoded copy): the
+    accumulator and the merge are the bits of folding the whole decoded tensors, for every
+    codec, through result()."""
+    from diloco_trainer.core.fold import MergeFold
+
+    for codec in ("int8", "int4", "bf16", "none"):
+        (p1, d1), (p2, d2) = _big_push(codec, 1), _big_push(codec, 2)
+        sliced, whole = MergeFold("tokens"), MergeFold("tokens")
+        sliced.add(p1, 3.0, 0.5)
+        sliced.add(p2, 1.0, 1.25)
+        whole.add(d1, 3.0, 0.5)
+        whole.add(d2, 1.0, 1.25)
+        for name in d1:
+            assert torch.equal(sliced.acc[name], whole.acc[name]), (codec, name)
+        got, want = sliced.result(), whole.result()
+        for name in d1:
+            assert torch.equal(got[name], want[name]), (codec, name)
+        assert sliced.amax == want_amax(want)
+
+
+def want_amax(merged: dict[str, torch.Tensor]) -> float:
+    return max(float(t.abs().max()) for t in merged.values())
+
+
+def test_push_stats_read_a_slice_at_a_time_are_the_decoded_ones() -> None:
+    """The guards' stats of a push kept encoded: finite, the same direction sample bit for
+    bit, and the norm of the decoded values (combined from slices: equal up to rounding)."""
+    from diloco_trainer.syncer.guards import delta_stats
+
+    payload, decoded = _big_push("int8", 3)
+    got, want = delta_stats(payload), delta_stats(decoded)
+    assert got.finite and want.finite
+    assert got.sample is not None and want.sample is not None
+    assert torch.equal(got.sample, want.sample)
+    full = float(torch.sqrt(sum((t.double() ** 2).sum() for t in decoded.values())))
+    assert abs(got.norm - full) <= 1e-5 * full and abs(want.norm - full) <= 1e-5 * full
+
+
+def test_push_stats_of_an_encoded_push_with_a_huge_or_infinite_scale() -> None:
+    """A scale that decodes past fp32 (inf) in the second slice: not finite; a huge finite
+    one: its norm is |x|max (beyond any cap)."""
+    from diloco_trainer.core.compress import SLICE
+    from diloco_trainer.syncer.guards import delta_stats
+
+    payload, _ = _big_push("int8", 4)
+    scales = payload.flat["big::scale"].clone()
+    scales[SLICE // 128 + 3] = 3e38  # q * 3e38 overflows to inf for |q| > 1
+    payload.flat["big::scale"] = scales
+    assert not delta_stats(payload).finite
+    scales[SLICE // 128 + 3] = 1e20
+    stats = delta_stats(payload)
+    assert stats.finite and stats.norm >= 1e20

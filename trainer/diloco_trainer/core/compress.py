@@ -18,7 +18,7 @@ Decoding always yields fp32, so merges accumulate in fp32 whatever the wire form
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 
 import torch
 from torch import Tensor
@@ -186,6 +186,15 @@ def decode_tensors(
     Raises ValueError naming the offending key when names are missing or unexpected, or a tensor
     has the wrong shape or dtype, or holds NaN/Inf (or, for int8, the unused value -128).
     """
+    check_encoded(flat, codec, expected)
+    return {name: decode_tensor(flat, name, codec, shape) for name, shape in expected.items()}
+
+
+def check_encoded(
+    flat: Mapping[str, Tensor], codec: str, expected: Mapping[str, torch.Size]
+) -> None:
+    """decode_tensors' checks without decoding: ValueError naming the offending key (see
+    there)."""
     want = expected_encoded(expected, codec)
     missing = set(want) - set(flat)
     extra = set(flat) - set(want)
@@ -213,7 +222,6 @@ def decode_tensors(
             raise ValueError(f"pseudo-gradient {key!r} contains NaN or Inf")
         if codec == "int8" and key.endswith(Q_SUFFIX) and t.numel() and int(t.min()) < -127:
             raise ValueError(f"pseudo-gradient {key!r} contains -128 (int8 range is [-127, 127])")
-    return {name: decode_tensor(flat, name, codec, shape) for name, shape in expected.items()}
 
 
 def decode_tensor(
@@ -230,6 +238,42 @@ def decode_tensor(
     if codec == "int4":
         q = _unpack_int4(q, n)
     return _dequantise(q, flat[name + SCALE_SUFFIX], n).view(shape)
+
+
+def decoded_slices(
+    flat: Mapping[str, Tensor],
+    name: str,
+    codec: str,
+    shape: torch.Size | tuple[int, ...],
+    work: Tensor | None = None,
+) -> Iterator[tuple[slice, Tensor]]:
+    """One tensor of a checked encoded dict decoded a slice (of whole blocks) at a time, as
+    (slice of the flattened tensor, its fp32 values): decode_tensor's values bit for bit, with
+    no fp32 copy of the whole tensor. The integer codecs decode into one buffer (`work`, or
+    one made here), so a slice's values are good until the next one is asked for."""
+    n = torch.Size(shape).numel()
+    if codec in _FLOAT_DTYPES:
+        src = flat[name].reshape(-1)
+        for sl in slices(n):
+            yield sl, src[sl].to(torch.float32)  # codec none: a view, no copy
+        return
+    q = flat[name + Q_SUFFIX].reshape(-1)
+    if codec == "int4":
+        q = _unpack_int4(q, n)  # int8, a quarter of the fp32 bytes
+    scales = flat[name + SCALE_SUFFIX]
+    need = min(_num_blocks(n) * BLOCK_SIZE, SLICE)
+    if work is None or work.numel() < need:
+        work = torch.empty(need)
+    for sl in slices(n):
+        m = sl.stop - sl.start
+        nb = _num_blocks(m)
+        w = work[: nb * BLOCK_SIZE]
+        w[:m].copy_(q[sl])  # int8 -> fp32, then times each block's scale (_dequantise's ops)
+        if m < nb * BLOCK_SIZE:
+            w[m:].zero_()
+        first = sl.start // BLOCK_SIZE
+        w.view(nb, BLOCK_SIZE).mul_(scales[first : first + nb, None])
+        yield sl, w[:m]
 
 
 def encoded_nbytes(flat: Mapping[str, Tensor]) -> int:

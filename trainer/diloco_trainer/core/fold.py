@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
+from typing import Protocol, runtime_checkable
 
 import torch
 from torch import Tensor
@@ -33,6 +34,43 @@ def abs_max(t: Tensor) -> float:
     times faster on the CPU than vector_norm's ord=inf, and exact either way)."""
     lo, hi = torch.aminmax(t)
     return float(torch.maximum(hi, lo.neg()))  # maximum propagates NaN
+
+
+@runtime_checkable
+class SlicedVectors(Protocol):
+    """A pseudo-gradient that adds itself into an accumulator a slice at a time (the syncer's
+    still-encoded push: syncer/folding.EncodedPayload), so folding it needs no decoded copy."""
+
+    def shapes(self) -> Mapping[str, torch.Size]:
+        """Each tensor's shape, by name (in the order the fold reads them)."""
+
+    def device(self, name: str) -> torch.device:
+        """Where the decoded values are (an accumulator made for them goes there)."""
+
+    def whole(self, name: str) -> Tensor:
+        """One tensor decoded whole (RDA needs its norm before adding it)."""
+
+    def add_to(self, name: str, acc: Tensor, alpha: float) -> None:
+        """acc += alpha · v for tensor `name`: each element as `acc.add_(v, alpha=alpha)`."""
+
+
+class _Whole:
+    """Tensors by name, read as SlicedVectors."""
+
+    def __init__(self, vectors: Mapping[str, Tensor]) -> None:
+        self.vectors = vectors
+
+    def shapes(self) -> Mapping[str, torch.Size]:
+        return {name: v.shape for name, v in self.vectors.items()}
+
+    def device(self, name: str) -> torch.device:
+        return self.vectors[name].device
+
+    def whole(self, name: str) -> Tensor:
+        return self.vectors[name]
+
+    def add_to(self, name: str, acc: Tensor, alpha: float) -> None:
+        acc.add_(self.vectors[name], alpha=alpha)
 
 
 class MergeFold:
@@ -63,46 +101,55 @@ class MergeFold:
     def _rda(self, name: str) -> bool:
         return self.rule == "rda" and name not in self.plain_names
 
-    def add(self, vectors: Mapping[str, Tensor], weight: float, scale: float) -> None:
+    def add(
+        self, vectors: Mapping[str, Tensor] | SlicedVectors, weight: float, scale: float
+    ) -> None:
         """Fold in one pseudo-gradient with mixing weight ρ and vector scale s (ValueError, with
-        nothing folded, for a bad weight, scale, name or shape)."""
+        nothing folded, for a bad weight, scale, name or shape). `vectors`: tensors by name, or
+        a SlicedVectors (the syncer's encoded push, decoded into the accumulator a slice at a
+        time: the same element-wise adds, no decoded copy of it)."""
         for what, value in (("weight", weight), ("scale", scale)):
             if not (math.isfinite(value) and value >= 0.0):
                 raise ValueError(f"merge {what} must be finite and >= 0, got {value}")
+        src = vectors if isinstance(vectors, SlicedVectors) else _Whole(vectors)
+        shapes = src.shapes()
         if self.acc:
-            if set(vectors) != set(self.acc):
-                diff = sorted(set(vectors) ^ set(self.acc))
+            if set(shapes) != set(self.acc):
+                diff = sorted(set(shapes) ^ set(self.acc))
                 raise ValueError(f"pseudo-gradient has different tensor names: {diff[:5]}")
-            for name, v in vectors.items():
-                if v.shape != self.acc[name].shape:
+            for name, shape in shapes.items():
+                if shape != self.acc[name].shape:
                     raise ValueError(
-                        f"pseudo-gradient tensor {name!r} has shape {tuple(v.shape)}, "
+                        f"pseudo-gradient tensor {name!r} has shape {tuple(shape)}, "
                         f"expected {tuple(self.acc[name].shape)}"
                     )
         else:
-            for name, v in vectors.items():
+            for name, shape in shapes.items():
                 held = self.buffer.get(name)
-                if held is not None and held.shape == v.shape and held.dtype == torch.float32:
+                if held is not None and held.shape == shape and held.dtype == torch.float32:
                     self.acc[name] = held.zero_()
                 else:
-                    self.acc[name] = torch.zeros(v.shape, dtype=torch.float32, device=v.device)
+                    self.acc[name] = torch.zeros(
+                        shape, dtype=torch.float32, device=src.device(name)
+                    )
                 self.radius[name] = 0.0
         if weight and self.unit is None:
             self.unit = math.ldexp(1.0, math.frexp(weight)[1] - 1)
         weight = weight / self.unit if weight and self.unit else 0.0
         self.total += weight
         self.count += 1
-        for name, v in vectors.items():
+        for name in shapes:
             if not weight:
                 continue  # a zero weight counts in Σρ only (as in the batch merge)
             if self._rda(name):
+                v = src.whole(name)
                 norm = float(torch.linalg.vector_norm(v, dtype=torch.float32))
                 if norm == 0.0 or scale == 0.0:
                     continue  # no direction; it adds 0 to the radius
                 self.radius[name] += weight * scale * norm
                 self.acc[name].add_(v, alpha=weight / norm)
             else:
-                self.acc[name].add_(v, alpha=weight * scale)
+                src.add_to(name, self.acc[name], weight * scale)
 
     def result(self) -> dict[str, Tensor]:
         """The merged pseudo-gradient, computed in place in the accumulators (the fold is used

@@ -31,9 +31,9 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from diloco_trainer.core.compress import decode_tensor, expected_encoded
+from diloco_trainer.core.compress import decode_tensor, decoded_slices, expected_encoded
 from diloco_trainer.core.contributions import Contributor, MergePlan, plan_merge
-from diloco_trainer.core.fold import MergeFold
+from diloco_trainer.core.fold import MergeFold, SlicedVectors
 from diloco_trainer.syncer.checkpoint import write_tensors
 from diloco_trainer.syncer.records import Contribution
 
@@ -63,13 +63,36 @@ class EncodedPayload(Mapping[str, torch.Tensor]):
         weakref.finalize(self, path.unlink, missing_ok=True)
         self.path, self.flat = path, {}
 
-    def __getitem__(self, name: str) -> torch.Tensor:
+    def _encoded(self, name: str) -> Mapping[str, torch.Tensor]:
+        """The encoded tensors of `name` (from the file once spilled)."""
         if self.path is None:
-            return decode_tensor(self.flat, name, self.codec, self.expected[name])
+            return self.flat
         keys = expected_encoded({name: self.expected[name]}, self.codec)
         with safe_open(str(self.path), framework="pt") as f:
-            one = {key: f.get_tensor(key) for key in keys}
-        return decode_tensor(one, name, self.codec, self.expected[name])
+            return {key: f.get_tensor(key) for key in keys}
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        return decode_tensor(self._encoded(name), name, self.codec, self.expected[name])
+
+    def slices(self, name: str) -> Iterator[tuple[slice, torch.Tensor]]:
+        """`name` decoded a slice at a time (compress.decoded_slices: one slice's buffer)."""
+        yield from decoded_slices(self._encoded(name), name, self.codec, self.expected[name])
+
+    # ----- core/fold.SlicedVectors: folded a slice at a time, with no decoded copy ------------
+
+    def shapes(self) -> Mapping[str, torch.Size]:
+        return self.expected
+
+    def device(self, name: str) -> torch.device:
+        return torch.device("cpu")
+
+    def whole(self, name: str) -> torch.Tensor:
+        return self[name]
+
+    def add_to(self, name: str, acc: torch.Tensor, alpha: float) -> None:
+        flat = acc.view(-1)
+        for sl, piece in self.slices(name):
+            flat[sl].add_(piece, alpha=alpha)
 
     def __iter__(self) -> Iterator[str]:
         return iter(self.expected)
@@ -128,10 +151,11 @@ class RoundFolds:
         self,
         f: int,
         contribution: Contribution,
-        decoded: Mapping[str, torch.Tensor],
+        decoded: Mapping[str, torch.Tensor] | SlicedVectors,
         lag_rounds: float,
     ) -> bool:
-        """Fold an accepted contribution's decoded pseudo-gradient into fragment f's round;
+        """Fold an accepted contribution's pseudo-gradient (decoded, or its EncodedPayload,
+        decoded a slice at a time into the accumulator) into fragment f's round;
         False when it cannot be (logged; the fold is dropped and the merge merges the encoded
         payloads, which meets the same error where the merge's guards can handle it)."""
         folded = self._folds[f]

@@ -37,7 +37,7 @@ from __future__ import annotations
 import math
 import statistics
 from collections import deque
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -48,7 +48,8 @@ from diloco_trainer.api.spec import JobSpec
 from diloco_trainer.core.fold import abs_max
 from diloco_trainer.core.merge import contribution_weight
 from diloco_trainer.core.push_bounds import STEP_ROUNDS, max_push_steps  # the learner's too
-from diloco_trainer.syncer.direction import AGAINST, Directions, direction_sample
+from diloco_trainer.syncer.direction import AGAINST, SAMPLE, Directions
+from diloco_trainer.syncer.folding import EncodedPayload
 from diloco_trainer.syncer.records import Contribution, Refused
 
 # AdamW moves an element by at most about lr per step (|m̂/√v̂| <= ~1.2 for betas (0.9, 0.95));
@@ -99,19 +100,47 @@ class DeltaStats:
 
 def delta_stats(payload: Mapping[str, Tensor]) -> DeltaStats:
     """The norm and finiteness of a decoded pseudo-gradient, without an fp64 copy: each tensor's
-    max |x| first (inf/nan when not finite), its fp32 norm only when that cannot overflow."""
+    max |x| first (inf/nan when not finite), its fp32 norm only when that cannot overflow, and
+    its direction sample (direction.direction_sample's positions). A push kept encoded
+    (folding.EncodedPayload) is read a slice at a time, with no decoded copy of it: its norm is
+    then the slices' norms combined (the same up to rounding)."""
     total = 0.0
-    for t in payload.values():
-        if not t.numel():
-            continue
-        amax = abs_max(t)
-        if not math.isfinite(amax):
-            return DeltaStats(math.nan, False)
-        if amax > 1e15:  # Σx² could overflow fp32; |x|max alone is beyond any cap
-            total += amax * amax
-            continue
-        total += float(torch.linalg.vector_norm(t.float())) ** 2
-    return DeltaStats(math.sqrt(total), True, direction_sample(payload))
+    numel = sum(t.numel() for t in _shapes(payload).values())
+    stride = max(1, math.ceil(numel / SAMPLE))
+    sample: list[Tensor] = []
+    for name in sorted(_shapes(payload)):
+        amax, sumsq = 0.0, 0.0
+        for sl, piece in _pieces(payload, name):
+            if not piece.numel():
+                continue
+            value = abs_max(piece)
+            if not math.isfinite(value):
+                return DeltaStats(math.nan, False)
+            amax = max(amax, value)
+            first = -(-sl.start // stride) * stride - sl.start  # the sample's positions
+            if first < piece.numel():
+                # a copy: an encoded push's slices share one buffer
+                sample.append(piece[first::stride].float().clone())
+            if amax <= 1e15:
+                sumsq += float(torch.linalg.vector_norm(piece.float())) ** 2
+        # Σx² could overflow fp32 beyond 1e15; |x|max alone is beyond any cap then
+        total += amax * amax if amax > 1e15 else sumsq
+    return DeltaStats(math.sqrt(total), True, torch.cat(sample) if sample else torch.zeros(0))
+
+
+def _shapes(payload: Mapping[str, Tensor]) -> Mapping[str, torch.Size]:
+    if isinstance(payload, EncodedPayload):
+        return payload.expected
+    return {name: t.shape for name, t in payload.items()}
+
+
+def _pieces(payload: Mapping[str, Tensor], name: str) -> Iterator[tuple[slice, Tensor]]:
+    """A tensor's decoded values: a slice at a time from an encoded push, else whole."""
+    if isinstance(payload, EncodedPayload):
+        yield from payload.slices(name)
+        return
+    t = payload[name]
+    yield slice(0, t.numel()), t.reshape(-1)
 
 
 def auto_norm_caps(

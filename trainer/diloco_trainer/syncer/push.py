@@ -9,9 +9,10 @@ In order (receive):
 3. admit: the island is known and not dropped, the push's base version neither stale nor ahead
    (rounds.check_push), unless the job finished or this pushId was answered already (the first
    answer again, marked duplicate);
-4. guard the work it claims (steps, tokens for its replicas; gate.check_work), then, decoded in a
-   worker thread off the lock, its values (finite, norm bounds; gate.check_delta), with 3 checked
-   again (a merge or a drop may have happened while it was decoded);
+4. guard the work it claims (steps, tokens for its replicas; gate.check_work), then, measured in
+   a worker thread off the lock (decoded a slice at a time: no decoded copy), its values (finite,
+   norm bounds; gate.check_delta), with 3 checked again (a merge or a drop may have happened
+   while it was measured);
 5. record it in the fragment's round (rounds.accept_push), which answers it, and fold it into
    the round's merge (folding.py, in a worker thread, holding the fragment's lock but not the
    service's): the round keeps it encoded.
@@ -40,7 +41,7 @@ from diloco_trainer.syncer.metrics import SyncerMetrics
 from diloco_trainer.syncer.records import Refused
 from diloco_trainer.syncer.rounds import SyncState
 from diloco_trainer.syncer.validation import (
-    decode_measured,
+    measure_push,
     parse_push_meta,
     push_contribution,
     read_push_header,
@@ -112,9 +113,9 @@ class PushPath:
                 return early
             self.state.check_push(fragment, meta.island, meta.base_version)  # 3.
             self.gate.check_work(members, meta.island, tokens=meta.tokens, steps=meta.steps)  # 4.
-        decoded, stats = await asyncio.to_thread(
-            decode_measured, fragment, flat, self.codec, self.model.expected[fragment]
-        )
+        # Kept encoded (folding.py): checked and measured, then folded, a slice at a time.
+        payload = EncodedPayload(flat, self.codec, self.model.expected[fragment])
+        stats = await asyncio.to_thread(measure_push, fragment, payload)
         async with host.fragment_lock(fragment):  # its fold, apart from its merge only
             async with host.locked():
                 early = self._finished_or_duplicate(fragment, meta)
@@ -123,8 +124,6 @@ class PushPath:
                 now = host.clock()
                 lag = self.state.check_push(fragment, meta.island, meta.base_version)  # 3. again
                 self.gate.check_delta(fragment, meta.island, stats)  # 4.
-                expected = self.model.expected[fragment]
-                payload = EncodedPayload(flat, self.codec, expected)  # kept encoded (folding.py)
                 contribution = push_contribution(meta, lag=lag, payload=payload, now=now)
                 answer = self.state.accept_push(fragment, contribution, now)  # 5.
                 self.gate.accepted(fragment, meta.island, stats)
@@ -135,9 +134,8 @@ class PushPath:
             # keeps its merge out until it is (a cancelled request too: the lock goes only once
             # the thread is done).
             folding = asyncio.ensure_future(
-                asyncio.to_thread(self.model.folds.add, fragment, contribution, decoded, lag_rounds)
+                asyncio.to_thread(self.model.folds.add, fragment, contribution, payload, lag_rounds)
             )
-            del decoded
             try:
                 await asyncio.shield(folding)
             except asyncio.CancelledError:

@@ -16,7 +16,8 @@ import torch
 
 from diloco_trainer.api import protocol
 from diloco_trainer.core import payloads
-from diloco_trainer.core.compress import decode_tensors
+from diloco_trainer.core.compress import check_encoded, decode_tensors
+from diloco_trainer.syncer.folding import EncodedPayload
 from diloco_trainer.syncer.guards import DeltaStats, delta_stats
 from diloco_trainer.syncer.limits import json_too_deep
 from diloco_trainer.syncer.records import Contribution, Refused
@@ -175,15 +176,14 @@ def decode_push(
         raise Refused(400, f"push to fragment {fragment}: {err}") from None
 
 
-def decode_measured(
-    fragment: int,
-    flat: dict[str, torch.Tensor],
-    codec: str,
-    expected: dict[str, torch.Size],
-) -> tuple[dict[str, torch.Tensor], DeltaStats]:
-    """decode_push and the decoded pseudo-gradient's stats for the guards (a worker thread)."""
-    decoded = decode_push(fragment, flat, codec, expected)
-    return decoded, delta_stats(decoded)
+def measure_push(fragment: int, payload: EncodedPayload) -> DeltaStats:
+    """decode_push's checks of a push kept encoded, and its stats for the guards, decoded a
+    slice at a time (a worker thread): no decoded copy of it (the fold reads it the same way)."""
+    try:
+        check_encoded(payload.flat, payload.codec, payload.expected)
+    except ValueError as err:
+        raise Refused(400, f"push to fragment {fragment}: {err}") from None
+    return delta_stats(payload)
 
 
 def push_contribution(
