@@ -6,6 +6,8 @@ optimizer and data), every variant trains in one process with the product's own 
 mean merge: torchft's DiLoCo computation), each default switched on alone (int8 pushes, int8
 pulls, 2 streamed fragments, overlap τ = 5 with the steps kept, token-weighted merge), and all of
 them (the job's defaults), on exactly equal tokens and free of timing noise, for several seeds.
+Fragments are pushed when learner/schedule.plan_step says: none in the job's first round since
+issue 23 ("..., first-round push" is the rule before it).
 `--leave-one-out` adds the defaults with one knob switched back off.
 
     python -m bench.ablation                      # seeds 0-2 and held-out 3, 4
@@ -48,12 +50,19 @@ EXTRA: dict[str, Knobs] = {
     "defaults, flushed": replace(DEFAULTS, flush=True),
     "blocking + overlap 1": replace(BLOCKING, overlap=1),
     "defaults, overlap 1": replace(DEFAULTS, overlap=1),
-    # Why 2 fragments cost (issue 23): not staggered, split by layers, no half-round first push.
-    "blocking + 2 fragments, aligned": replace(BLOCKING, fragments=2, aligned=True),
-    "blocking + 2 fragments, by layers": replace(BLOCKING, fragments=2, split="layers"),
-    "blocking + 2 fragments, late start": replace(BLOCKING, fragments=2, late_start=True),
+    # Why 2 fragments cost (issue 23): the rule before it (fragment f pushed from step f·H/F on,
+    # its first push f/F of a round), not staggered, split by layers.
+    "blocking + 2 fragments, first-round push": replace(
+        BLOCKING, fragments=2, first_round_push=True
+    ),
+    "defaults, first-round push": replace(DEFAULTS, first_round_push=True),
+    "blocking + 2 fragments, aligned": replace(
+        BLOCKING, fragments=2, aligned=True, first_round_push=True
+    ),
+    "blocking + 2 fragments, by layers": replace(
+        BLOCKING, fragments=2, split="layers", first_round_push=True
+    ),
     "defaults, by layers": replace(DEFAULTS, split="layers"),
-    "defaults, late start": replace(DEFAULTS, late_start=True),
 }
 LEAVE_OUT: dict[str, Knobs] = {
     "defaults, fp32 pushes": replace(DEFAULTS, push="none"),
@@ -176,7 +185,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             "Blocking: fp32 pushes and pulls, 1 fragment, no overlap, mean merge (the computation "
             "of torchft's DiLoCo in bench/decoupled_quality). Defaults: int8 pushes and pulls, "
             "2 fragments, overlap 5 with the steps kept, token merge (error feedback off, the "
-            "job's default).",
+            "job's default). Fragments sync when learner/schedule.plan_step says: none before "
+            "step H in the job (issue 23); 'first-round push' variants use the rule before it.",
         ],
     )
     return publish(report, args, load)

@@ -8,8 +8,9 @@ it, so a knob can be switched on alone:
   decode_tensors), and error feedback (compress.ErrorFeedback) when asked;
 - pull codec: the syncer's θ_pub, moved towards θ_exact by core/published.publish_update after
   every merge; islands install θ_pub (what they pull), never θ_exact;
-- fragments: core/fragments.split_fragments and fragment_offsets, each fragment pushed at its
-  own offset and stepped as its own group of the outer optimizer;
+- fragments: core/fragments.split_fragments and fragment_offsets, each fragment pushed when
+  learner/schedule.plan_step says (at its own offset, none in the job's first round) and stepped
+  as its own group of the outer optimizer;
 - overlap τ: the merged fragment is installed τ steps after the push with
   learner/mixing.received_weights (the τ steps kept), and the counters of the next push cover
   the steps since the push, as learner/fragment_state does;
@@ -38,6 +39,7 @@ from diloco_trainer.core.merge import merge_pseudo_gradients
 from diloco_trainer.core.outer import OuterOptimizer
 from diloco_trainer.core.published import publish_update
 from diloco_trainer.learner.mixing import pseudo_gradient, received_weights
+from diloco_trainer.learner.schedule import plan_step
 from diloco_trainer.models.parts import (
     build_parts,
     evaluate,
@@ -64,7 +66,9 @@ class Knobs:
     # Why do 2 fragments cost (issue 23)? Each of these changes one thing about them:
     split: str = "size"  # "size": core/fragments.split_fragments; "layers": contiguous_fragments
     aligned: bool = False  # every fragment synced at the end of the round (no stagger)
-    late_start: bool = False  # a fragment's first sync point with under a round of work skipped
+    # True: the rule before issue 23, fragment f pushed at every sync point from step f·H/F on
+    # (plan_step now skips those before step H).
+    first_round_push: bool = False
 
 
 @dataclass
@@ -231,16 +235,32 @@ class Simulation:
             assert pend is not None
             pend.due = step + self.knobs.overlap
 
+    def _due(self, step: int) -> tuple[int, ...]:
+        """Fragments every island pushes after `step` (lockstep: island 0's plan is everyone's)."""
+        pushed_at = {
+            f: p.due - self.knobs.overlap
+            for f, p in enumerate(self.islands[0].pending)
+            if p is not None
+        }
+        if self.knobs.first_round_push:
+            due = fragments_due(step, self.h, self.offsets)
+            return tuple(f for f in due if f not in pushed_at)
+        plan = plan_step(
+            step,
+            inner_steps=self.h,
+            offsets=self.offsets,
+            overlap=self.knobs.overlap,
+            pushed_at=pushed_at,
+        )
+        return plan.push
+
     def run(self, steps: int) -> float:
         for step in range(1, steps + 1):
             for island in self.islands:
                 _inner_step(self.spec, island, step - 1)
                 island.steps = [s + 1 for s in island.steps]
-            for f in fragments_due(step, self.h, self.offsets):
-                if self.knobs.late_start and self.islands[0].steps[f] < self.h:
-                    continue  # its first push would hold under a round: wait for the next one
-                if self.islands[0].pending[f] is None:  # else skipped: the last push is unapplied
-                    self._sync(f, step)
+            for f in self._due(step):
+                self._sync(f, step)
             for island in self.islands:
                 for f, pend in enumerate(island.pending):
                     if pend is not None and pend.due <= step:
