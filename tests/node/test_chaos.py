@@ -193,12 +193,21 @@ def fault(
         what=f"both islands merged again after {name}",
     )
     after = run.syncer()
-    lost = lost_merges(run.merges(), began - 1.0, back)
+    merges = run.merges()
+    lost = lost_merges(merges, began - 1.0, back)
+    # Merges without every island's push while it lasted: expected where an island cannot reach
+    # the syncer (its heartbeat times out); elsewhere an island was left out that could push.
+    partial = [
+        r
+        for r in merges
+        if began <= r["time"] < back and ISLANDS - {c["island"] for c in r["contributors"]}
+    ]
     row = {
         "fault": name,
         "seconds": round(ended - began, 1),
         "merges_lost": len(lost),
         "tokens_lost": sum(int(r.get("tokens", 0)) for r in lost),
+        "partial_merges": len(partial),
         "refused": refusal_delta(
             before.get("refusals", {}), after.get("refusals", {}), restarted=restarts_syncer
         ),
@@ -295,6 +304,14 @@ def test_kubelet_restarted(run: Run) -> None:
     assert row["merges_lost"] == 0, row
 
 
+def islands_dropped(run: Run) -> int:
+    """IslandDropped Events the operator posted in the job's namespace so far."""
+    events = run.cp.kubectl_json(
+        "get", "events", "-n", run.ns, "--field-selector", "reason=IslandDropped"
+    )["items"]
+    return sum(int(e.get("count") or 1) for e in events)
+
+
 def test_node_not_ready(run: Run) -> None:
     stopped: list[chaos.Stopped] = []
     began: list[float] = []
@@ -312,8 +329,14 @@ def test_node_not_ready(run: Run) -> None:
         poll_until(lambda: node_ready(run.cp), timeout=WAIT, what="the node Ready again")
         return f"NotReady {not_ready:.0f} s after the kubelet stopped; Ready again after restart"
 
+    dropped = islands_dropped(run)
     row = fault(run, "node NotReady (kubelet stopped)", inject, restore)
     assert row["merges_lost"] == 0, row
+    # The pods kept running and heartbeating the syncer: the operator leaves them to its
+    # heartbeat timeout instead of dropping them for the node controller's "not Ready"
+    # (operator/diloco_operator/health.py).
+    assert islands_dropped(run) == dropped, "the operator dropped an island for a node NotReady"
+    assert row["partial_merges"] == 0, row
 
 
 def conditions(run: Run) -> dict[str, str]:
