@@ -64,7 +64,9 @@ def model_shapes(preset: str) -> dict[str, torch.Size]:
     return {name: p.shape for name, p in model.named_parameters()}
 
 
-def job_spec(preset: str, islands: int, fragments: int, codec: str, shards: int = 1) -> JobSpec:
+def job_spec(
+    preset: str, islands: int, fragments: int, codec: str, shards: int = 1, eval_every: int = 1
+) -> JobSpec:
     return parse_spec(
         {
             "model": {"preset": preset, "seed": 0},
@@ -79,7 +81,11 @@ def job_spec(preset: str, islands: int, fragments: int, codec: str, shards: int 
                 "graceSeconds": 600,
             },
             "stopAfter": {"outerSteps": 1000},
-            "syncer": {"checkpoint": {"everyOuterSteps": 1000, "keep": 1}, "shards": shards},
+            "syncer": {
+                "checkpoint": {"everyOuterSteps": 1000, "keep": 1},
+                "shards": shards,
+                "evalEveryOuterSteps": eval_every,
+            },
         }
     )
 
@@ -361,11 +367,12 @@ def run_case(
     rounds: int,
     workdir: Path,
     shards: int = 1,
+    eval_every: int = 1,
 ) -> CaseResult:
     shapes = model_shapes(preset)
     params = sum(s.numel() for s in shapes.values())
     shares = shard_shares(shapes, fragments, shards)
-    spec = job_spec(preset, islands, fragments, codec, shards)
+    spec = job_spec(preset, islands, fragments, codec, shards, eval_every)
     files = launch.write_job_files(spec, workdir / "job")
     syncers = Syncers(files, workdir, shards)
     url = ",".join(syncers.urls)
@@ -495,6 +502,13 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="run the shards one at a time (each alone: its fragments' rounds, stop, resume)",
     )
+    p.add_argument(
+        "--eval-every",
+        type=int,
+        default=1,
+        help="syncer.evalEveryOuterSteps (1, the default: a merge after an outer step waits "
+        "for its evaluation, which reads the live weights under the merge lock)",
+    )
     p.add_argument("--out", type=Path, default=None, help="write the results as JSON here")
     args = p.parse_args(argv)
     torch.set_num_threads(1)
@@ -516,7 +530,9 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     for m, f in [(m, f) for m in args.islands for f in args.fragments]:
         with tempfile.TemporaryDirectory(prefix="syncer-scale-") as tmp:
-            r = run_case(args.preset, m, f, args.codec, args.rounds, Path(tmp), args.shards)
+            r = run_case(
+                args.preset, m, f, args.codec, args.rounds, Path(tmp), args.shards, args.eval_every
+            )
         results.append(asdict(r))
         pullable = statistics.median(r.to_pullable_s)
         print(
