@@ -55,6 +55,9 @@ def merges_after(run: LocalRun, versions: dict[int, int], skip: int = 0) -> list
     return [m for m in merge_log(run) if m["version"] > versions.get(m["fragment"], 0) + skip]
 
 
+RESUMED = re.compile(r"data: resuming at window (\d+) ")
+
+
 def joined_versions(log_file: Path) -> list[int]:
     """Versions of fragment 0 a learner took when it joined, one per (re)start, in order."""
     return [int(v) for v in JOINED.findall(log_file.read_text())]
@@ -96,7 +99,8 @@ def test_learner_restart_rounds_continue_and_it_rejoins_at_the_current_version(
     )
     assert all(VICTIM not in contributors(m) for m in down), [contributors(m) for m in down]
 
-    restarted_at = status_of(run)["outerStep"]
+    before = status_of(run)
+    restarted_at, merged_before = before["outerStep"], before["islands"][VICTIM]["mergedTokens"]
     (proc,) = run.start_island(1)
     status = wait_until(
         lambda: (s := status_of(run))["islands"][VICTIM]["joins"] == 2 and s,
@@ -121,6 +125,12 @@ def test_learner_restart_rounds_continue_and_it_rejoins_at_the_current_version(
         what="a merge with the restarted island",
     )
     assert proc.alive
+    # Its data goes on where its merged work ended (the syncer's record of it, seqLen 32 a
+    # window, one rank), not from its first batch again.
+    (resumed,) = RESUMED.findall(log_file.read_text())
+    merged_after = status_of(run)["islands"][VICTIM]["mergedTokens"]
+    assert merged_before // 32 <= int(resumed) <= merged_after // 32, (merged_before, resumed)
+    assert int(resumed) > 0
 
 
 def test_learner_rides_out_a_syncer_restart_and_the_job_finishes(

@@ -17,6 +17,7 @@ from diloco_trainer.models.data import (
     TokenStream,
     eval_batches,
     load_corpus,
+    resume_position,
 )
 from diloco_trainer.models.parts import build_parts
 from diloco_trainer.models.tokenizer import SubwordTokenizer
@@ -150,6 +151,33 @@ def test_token_stream_resumes_exactly_from_state_dict() -> None:
         got = b.next_batch()
         assert torch.equal(got.inputs, want.inputs)
     assert b.tokens_consumed == a.tokens_consumed
+
+
+def test_resume_position_counts_a_ranks_windows() -> None:
+    # 10,000 island tokens of 64-token windows over 2 ranks: 78.125 windows a rank, 78 taken.
+    assert resume_position(10_000, seq_len=64, world_size=2) == 78
+    assert resume_position(10_000, seq_len=64, world_size=1) == 156
+    assert resume_position(0, seq_len=64, world_size=4) == 0
+    with pytest.raises(ValueError):
+        resume_position(-1, seq_len=64, world_size=1)
+
+
+def test_a_rank_resumed_at_its_islands_tokens_takes_the_next_windows() -> None:
+    """Two ranks of an island train 3 steps (batch 4 x seqLen 8: 2 x 3 x 32 = 192 island
+    tokens); a restarted rank seeks to resume_position(192) = 12 windows and takes exactly the
+    batch the original rank 1 takes next."""
+    data = _byte_ramp(50_000)
+    ranks = [_stream(data, seed=5, rank=r, world_size=2) for r in range(2)]
+    for _ in range(3):
+        for stream in ranks:
+            stream.next_batch()
+    island_tokens = sum(stream.tokens_consumed for stream in ranks)
+    assert island_tokens == 192
+    restarted = _stream(data, seed=5, rank=1, world_size=2)
+    position = resume_position(island_tokens, seq_len=8, world_size=2)
+    assert position == 12
+    restarted.load_state_dict({"position": position, "tokens_consumed": position * 8})
+    assert torch.equal(restarted.next_batch().inputs, ranks[1].next_batch().inputs)
 
 
 def test_token_stream_seed_changes_order() -> None:

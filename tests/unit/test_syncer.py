@@ -205,6 +205,27 @@ def test_syncer_status_during_a_merge_shows_no_half_done_merge(tmp_path: Path) -
     assert after["islands"]["island-0"]["mergedTokens"] == 100
 
 
+def test_syncer_join_tells_an_island_its_merged_tokens(tmp_path: Path) -> None:
+    """A join answers the island's merged tokens (where a restarted learner's data resumes):
+    100 for an island whose 100-token push was merged, 0 for one that has not pushed."""
+
+    async def scenario() -> tuple[dict[str, Any], dict[str, Any]]:
+        clock = FakeClock()
+        syncer = await started(make_spec(islands={"count": 4}), tmp_path, clock)
+        for i in range(3):
+            await syncer.join(f"island-{i}", 1)
+            await syncer.receive_push(
+                0, body(syncer, 0, f"island-{i}", delta(syncer, 0, i), tokens=100)
+            )
+        clock.now += 10  # past the grace window the fourth island was awaited for
+        await syncer.tick()
+        return await syncer.join("island-0", 1), await syncer.join("island-3", 1)
+
+    again, new = run(scenario())
+    assert again["versions"] == [1]
+    assert again["islandTokens"] == 100 and new["islandTokens"] == 0
+
+
 def test_syncer_dropping_a_silent_island_completes_the_round(tmp_path: Path) -> None:
     async def scenario() -> Syncer:
         syncer = await started(make_spec(sync={"graceSeconds": 600}), tmp_path, FakeClock())

@@ -97,6 +97,10 @@ class JoinInfo(Document):
     codec: str
     pull_compression: str = "none"  # codec of pulled weight updates (older syncers: full weights)
     state: str = STATE_ACTIVE  # the island's membership state after the join
+    # The island's tokens merged into the global model so far (its record's mergedTokens): a
+    # learner restarted mid-job resumes its data stream there instead of replaying it from the
+    # first batch. 0 from older syncers and for a new island.
+    island_tokens: int = 0
 
     @model_validator(mode="after")
     def _one_version_per_fragment(self) -> JoinInfo:

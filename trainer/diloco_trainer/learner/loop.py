@@ -53,6 +53,7 @@ from diloco_trainer.learner.shards import FragmentShards, local_rows, shard_mode
 from diloco_trainer.learner.step_costs import WindowCosts
 from diloco_trainer.learner.syncer_client import SyncerClient
 from diloco_trainer.learner.syncer_link import SyncerLink
+from diloco_trainer.models.data import TokenStream, resume_position
 from diloco_trainer.models.parts import build_parts, inner_lr, make_inner_optimizer, set_lr
 
 log = logging.getLogger("diloco.learner")
@@ -127,20 +128,21 @@ class Learner:
     # -- collectives (every rank runs exactly the same sequence) --------------------------------
 
     def _exchange_start(
-        self, fragment_of: dict[str, int] | None, start: tuple[int, int]
-    ) -> tuple[list[list[str]], int, int]:
-        """Rank 0 knows the fragment of each parameter (from the syncer), the schedule start and
-        the learning-rate schedule offset; share them so every rank runs the same steps."""
+        self, fragment_of: dict[str, int] | None, start: tuple[int, int, int]
+    ) -> tuple[list[list[str]], int, int, int]:
+        """Rank 0 knows the fragment of each parameter (from the syncer), the schedule start,
+        the learning-rate schedule offset and the island's merged tokens; share them so every
+        rank runs the same steps on the data it would have reached."""
         names = list(self.params)
         owner = [fragment_of.get(n, -1) for n in names] if fragment_of is not None else []
         owner = owner or [-1] * len(names)
         word = torch.tensor([*start, *owner], dtype=torch.int64, device=self._comm_device())
         if self.distributed:
             dist.broadcast(word, src=0)
-        first, lr_offset, *owner = word.tolist()
+        first, lr_offset, island_tokens, *owner = word.tolist()
         num = max(owner, default=-1) + 1
         layout = [[n for n, f in zip(names, owner, strict=True) if f == g] for g in range(num)]
-        return layout, first, lr_offset
+        return layout, first, lr_offset, island_tokens
 
     def _control(self, apply: Sequence[int], finished: bool) -> tuple[list[int], bool, bool]:
         """All-reduce(MAX) of [stop, finished, apply mask...]: rank 0's plan, anyone's stop."""
@@ -245,16 +247,18 @@ class Learner:
         """Every rank: agree on the layout and schedule, take the global weights; False when
         there is nothing to train (stopped before joining, or the job has finished)."""
         inner_steps = self.spec.inner.steps
-        start, fragment_of = (0, 0), None
+        start, fragment_of = (0, 0, 0), None
         if info is not None:
             fragment_of = {n: f for f, names in enumerate(info.fragments) for n in names}
             offsets = fragment_offsets(inner_steps, len(info.fragments))
-            start = (schedule_start(info.versions, inner_steps, offsets), info.outer_step)
-        self.layout, first, outer_step = self._exchange_start(fragment_of, start)
+            first = schedule_start(info.versions, inner_steps, offsets)
+            start = (first, info.outer_step, info.island_tokens)
+        self.layout, first, outer_step, island_tokens = self._exchange_start(fragment_of, start)
         if not self.layout:  # rank 0 was stopped before it had joined: every rank gets []
             log.info("stopped before joining the syncer")
             return False
         self.lr_offset = outer_step * inner_steps
+        self._resume_data(island_tokens)
         if self.sharded:
             self.shards = FragmentShards(
                 self.params,
@@ -284,6 +288,24 @@ class Learner:
         if first:
             log.info("starting at schedule step %d, in phase with the other islands", first)
         return True
+
+    def _resume_data(self, island_tokens: int) -> None:
+        """A learner restarted mid-job goes on with its shard's data where the island's merged
+        work ended (the syncer's record, JoinInfo.island_tokens), not from the first batch,
+        which the model has already learned from. The steps lost in the restart (not merged)
+        are trained again on the same windows. Only the built-in TokenStream can seek: a stream
+        of one's own (model.entrypoint) starts where it starts."""
+        train = self.parts.train
+        if island_tokens <= 0 or not isinstance(train, TokenStream):
+            return
+        seq_len = self.spec.inner.seq_len
+        position = resume_position(island_tokens, seq_len=seq_len, world_size=self.env.world_size)
+        train.load_state_dict({"position": position, "tokens_consumed": position * seq_len})
+        log.info(
+            "data: resuming at window %d of this rank's part (the island's %d merged tokens)",
+            position,
+            island_tokens,
+        )
 
     def _train(self) -> int:
         """Inner steps until the job finishes or a stop; rank 0 syncs after each."""

@@ -219,6 +219,16 @@ class TokenStream:
         self.tokens_consumed = tokens
 
 
+def resume_position(island_tokens: int, *, seq_len: int, world_size: int) -> int:
+    """The window a rank's TokenStream resumes at after its island trained `island_tokens`
+    tokens: every rank of an island takes the same number of windows of seq_len tokens per
+    step, each from its own part of the shard, so a rank has taken island_tokens / (seq_len x
+    world_size) of them (rounded down: a partial window was never taken)."""
+    if island_tokens < 0 or seq_len < 1 or world_size < 1:
+        raise ValueError(f"resume_position({island_tokens}, {seq_len=}, {world_size=})")
+    return island_tokens // (seq_len * world_size)
+
+
 def eval_batches(
     data: Tensor,
     *,

@@ -258,6 +258,7 @@ class Syncer:
         async with self.locked():
             self.gate.admit(self.state.membership, island, self.clock())
             rec = self.state.membership.join(island, replicas, self.clock())
+            merged_tokens = round(rec.merged_tokens)  # read under the lock a merge takes
             self._update_gauges()
         self._wake()
         log.info(
@@ -271,6 +272,7 @@ class Syncer:
             codec=self.codec,
             pull_compression=self.model.pull_compression,
             state=rec.state,
+            island_tokens=merged_tokens,
         ).to_wire()
 
     async def heartbeat(
