@@ -5,8 +5,9 @@ writer must agree, or the benchmark silently reports nothing."""
 from __future__ import annotations
 
 import pytest
-from bench import learner_overlap
 from diloco_trainer.learner.step_costs import WindowCosts
+
+from bench import learner_overlap
 
 
 def progress_line(step: int, tokens_per_s: int, costs: WindowCosts) -> str:
