@@ -11,18 +11,18 @@ long-polling pullers, and evaluations and checkpoints run in the background (job
 (status.py). The HTTP edge is http.py, the process server.py.
 
 This module is the thin service that holds those parts behind one lock, answers the membership
-routes, and runs the two sequences that cross the parts: a push (push.py, the whole path in one
-place) and a merge (_merge, in merge.py's steps). Concurrency: HTTP handlers run on one
-asyncio loop; heavy work (decoding a push, merging, the outer step, evaluation, serialising
-fragments, checkpoints, digests) runs in worker threads. One asyncio lock (`lock`) makes every
-state change atomic and is held only for short, P-free steps; one lock per fragment
-(`fragment_lock`) keeps a fragment's fold and its merge apart: a push folds holding its own
-fragment's lock, a merge holds its fragment's from taking the round to publishing it, so a push
-never waits on another fragment's merge, and heartbeats, joins and status never wait on one.
-Merges run one at a time, in the scheduler (`merging`: a stop or a digest waits for the running
-one), so the whole-model steps after a merge (evaluation and checkpoint of the live weights,
-publishing the other fragments' outer step) see no merge half-applied. A request that fails
-validation changes nothing: size, safetensors, metadata, membership/staleness and tensor
+routes (membership_routes.py), and runs the two sequences that cross the parts: a push (push.py,
+the whole path in one place) and a merge (_merge, in merge.py's steps). Concurrency: HTTP
+handlers run on one asyncio loop; heavy work (decoding a push, merging, the outer step,
+evaluation, serialising fragments, checkpoints, digests) runs in worker threads. One asyncio
+lock (`lock`) makes every state change atomic and is held only for short, P-free steps; one lock
+per fragment (`fragment_lock`) keeps a fragment's fold and its merge apart: a push folds holding
+its own fragment's lock, a merge holds its fragment's from taking the round to publishing it, so
+a push never waits on another fragment's merge, and heartbeats, joins and status never wait on
+one. Merges run one at a time, in the scheduler (`merging`: a stop or a digest waits for the
+running one), so the whole-model steps after a merge (evaluation and checkpoint of the live
+weights, publishing the other fragments' outer step) see no merge half-applied. A request that
+fails validation changes nothing: size, safetensors, metadata, membership/staleness and tensor
 names/shapes/dtypes are all checked before the state is touched.
 
 Hostile and broken input (README's Security section; gate.py, merge.py): only the job's own island
@@ -50,15 +50,11 @@ from typing import Any
 
 from diloco_trainer.api import credentials
 from diloco_trainer.api.credentials import Principal
-from diloco_trainer.api.documents import (
-    HeartbeatAnswer,
-    JoinInfo,
-    MembershipAnswer,
-    SyncerStatus,
-)
+from diloco_trainer.api.documents import SyncerStatus
 from diloco_trainer.api.spec import JobSpec
 from diloco_trainer.syncer import server, startup
 from diloco_trainer.syncer.jobs import CheckpointSnapshot
+from diloco_trainer.syncer.membership_routes import MembershipRoutes
 from diloco_trainer.syncer.memory import return_freed_memory
 from diloco_trainer.syncer.merge import LeftOut
 from diloco_trainer.syncer.merge_log import describe_merge
@@ -128,6 +124,9 @@ class Syncer:
             model=self.model,
             codec=self.codec,
             metrics=self.metrics,
+        )
+        self.members = MembershipRoutes(
+            self, state=self.state, gate=self.gate, model=self.model, codec=self.codec
         )
         # Set when a merge failed half-way: the state can no longer be trusted, so the syncer
         # refuses work (503) and reports unhealthy until it is restarted from its checkpoint.
@@ -253,64 +252,27 @@ class Syncer:
         """The lock of one fragment's fold and merge (taken before `locked()`, never after)."""
         return self._fragment_locks[fragment]
 
+    # ----- membership (membership_routes.py) and pushes (push.py) -------------------------------
+
     async def join(self, island: str, replicas: int) -> dict[str, Any]:
-        """Register an island; returns the fragment layout and current versions (JoinInfo)."""
-        async with self.locked():
-            self.gate.admit(self.state.membership, island, self.clock())
-            rec = self.state.membership.join(island, replicas, self.clock())
-            merged_tokens = round(rec.merged_tokens)  # read under the lock a merge takes
-            self._update_gauges()
-        self._wake()
-        log.info(
-            "island %s joined (join %d, %d replicas, %s)", island, rec.joins, replicas, rec.state
-        )
-        return JoinInfo(
-            fragments=self.model.fragments,
-            versions=self.state.versions,
-            outer_step=self.state.outer_step,
-            finished=self.finished,
-            codec=self.codec,
-            pull_compression=self.model.pull_compression,
-            state=rec.state,
-            island_tokens=merged_tokens,
-        ).to_wire()
+        """Register an island (JoinInfo)."""
+        return await self.members.join(island, replicas)
 
     async def heartbeat(
         self, island: str, *, step: int, tokens: int, loss: float | None, step_time: float | None
     ) -> dict[str, Any]:
-        """A learner's sign of life; returns its membership state and whether the job finished
-        (HeartbeatAnswer)."""
-        async with self.locked():
-            rec = self.state.membership.heartbeat(
-                island, self.clock(), step=step, tokens=tokens, loss=loss, step_time=step_time
-            )
-            self._update_gauges()
-        self._wake()
-        answer = HeartbeatAnswer(
-            state=rec.state, finished=self.finished, versions=self.state.versions
+        """A learner's sign of life (HeartbeatAnswer)."""
+        return await self.members.heartbeat(
+            island, step=step, tokens=tokens, loss=loss, step_time=step_time
         )
-        return answer.to_wire()
 
     async def leave(self, island: str) -> dict[str, Any]:
         """An island says goodbye (MembershipAnswer)."""
-        async with self.locked():
-            rec = self.state.membership.leave(island, self.clock())
-            self._update_gauges()
-        self._wake()
-        log.info("island %s left", island)
-        return MembershipAnswer(island=island, state=rec.state).to_wire()
+        return await self.members.leave(island)
 
     async def set_membership(self, island: str, state: str, reason: str) -> dict[str, Any]:
         """Admin: mark an island active or dropped (MembershipAnswer)."""
-        async with self.locked():
-            members = self.state.membership
-            if island not in members.islands:
-                self.gate.admit(members, island, self.clock())
-            rec = members.set_state(island, state, reason, self.clock())
-            self._update_gauges()
-        self._wake()
-        log.info("island %s set %s by admin (%s)", island, state, reason or "no reason given")
-        return MembershipAnswer(island=island, state=rec.state, reason=rec.reason).to_wire()
+        return await self.members.set_membership(island, state, reason)
 
     async def receive_push(
         self, fragment: int, body: bytes | bytearray, principal: Principal = ROOT
