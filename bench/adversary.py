@@ -20,9 +20,12 @@ Every other run stops at the same stopAfter.tokens; an adversary's accepted clai
 it, so the honest islands' merged tokens T_h can fall short: each run's final eval loss is
 compared with the baseline's eval loss at T_h (piecewise linear between its evaluations, which
 run after every outer step), measured in the same invocation with the same seed. Target: within
-2%.
+2%, read on the mean of those ratios over the seeds, beside the honest rerun's mean, with its
+noise (bench/adversary_report.py: at 200 steps one run's ratio moves by about 1% from the merges'
+timing alone, so one seed cannot resolve 2%; five can). A run cut short goes on with the same
+--workdir; one whose runs are all there only reports.
 
-    python -m bench.adversary                    # 2 seeds, every adversary
+    python -m bench.adversary                    # 5 seeds, every adversary
     python -m bench.adversary --seeds 0 --variants none flood --no-record   # a smoke run
 """
 
@@ -38,7 +41,7 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -48,19 +51,15 @@ from diloco_trainer.api.spec import JobSpec, parse_spec
 from diloco_trainer.core import payloads
 from diloco_trainer.local import free_port, start_learner, start_syncer, wait_ready, write_job_files
 
+from bench.adversary_report import Outcome, report
 from bench.common import (
     LoadMonitor,
-    Report,
-    Table,
     base_parser,
-    fmt_ratio,
     install_signal_cleanup,
     publish,
     track,
-    verdict,
     workdir,
 )
-from bench.decoupled_quality_report import interp
 from bench.ours_harness import THREADS_ENV, OursRun
 
 VARIANTS = (
@@ -76,7 +75,6 @@ VARIANTS = (
 )
 HONEST = ("island-0", "island-1")
 ADVERSARY = "island-2"
-TARGET = 0.02  # eval loss within 2% of the baseline's at equal honest tokens
 ELSEWHERE = "127.0.0.3"  # the connection flood's own peer address
 START_ATTEMPTS = 3
 # The honest-only runs: the baseline and a second run of the same job, whose distance from the
@@ -260,21 +258,6 @@ class Adversary(threading.Thread):
         log_file.mkdir(parents=True)
 
 
-@dataclass
-class Outcome:
-    """One run: the honest islands' merged tokens, the final eval loss, what the attack got."""
-
-    variant: str
-    seed: int
-    honest_tokens: int
-    eval_loss: float
-    history: list[tuple[float, float]]  # (tokens merged, eval loss) after every outer step
-    answers: dict[str, int]
-    refusals: dict[str, dict[str, int]]
-    honest_states: list[str]
-    seconds: float
-
-
 def start_job(spec: JobSpec, where: Path, variant: str) -> OursRun:
     """The syncer, then the two honest islands' learners (the third island's slot is the
     adversary's, or empty)."""
@@ -379,73 +362,6 @@ def load_outcomes(path: Path) -> dict[tuple[int, str], Outcome]:
     return out
 
 
-def base_of(outcomes: list[Outcome], o: Outcome) -> Outcome:
-    """The baseline run of `o`'s seed."""
-    return next(b for b in outcomes if b.seed == o.seed and b.variant == "none")
-
-
-def report(outcomes: list[Outcome], args: argparse.Namespace) -> Report:
-    table = Table(
-        "Eval loss with one adversary of three islands, against the baseline at equal honest "
-        "tokens (same seed, same invocation)",
-        [
-            "seed",
-            "adversary",
-            "honest tokens",
-            "eval loss",
-            "baseline at those tokens",
-            "ratio",
-            "within 2%",
-            "adversary's answers",
-            "refused",
-            "honest islands",
-            "wall s",
-        ],
-    )
-    worst = 0.0
-    for o in outcomes:
-        base = base_of(outcomes, o)
-        at = interp(base.history, o.honest_tokens)
-        r = o.eval_loss / at
-        worst = max(worst, abs(r - 1.0))
-        refused = {k: v for d in o.refusals.values() for k, v in d.items()}
-        table.add(
-            o.seed,
-            o.variant,
-            o.honest_tokens,
-            f"{o.eval_loss:.4f}",
-            f"{at:.4f}",
-            fmt_ratio(r, 4),
-            verdict(abs(r - 1.0) <= TARGET),
-            ", ".join(f"{k}: {v}" for k, v in sorted(o.answers.items())) or "-",
-            ", ".join(f"{k}: {v}" for k, v in sorted(refused.items())) or "-",
-            "/".join(o.honest_states),
-            f"{o.seconds:.0f}",
-        )
-    control = [
-        abs(o.eval_loss / interp(base_of(outcomes, o).history, o.honest_tokens) - 1.0)
-        for o in outcomes
-        if o.variant == "none_again"
-    ]
-    noise = f"{100 * max(control):.2f}%" if control else "not measured"
-    summary = (
-        f"Two honest islands and one adversary ({', '.join(args.variants)}), {args.preset}, "
-        f"H={args.inner_steps}, {args.steps} steps per honest island, seeds {args.seeds}: the "
-        f"largest deviation from the baseline at equal honest tokens is {100 * worst:.2f}% "
-        f"(target {100 * TARGET:.0f}%: {verdict(worst <= TARGET)}); the same honest job run "
-        f"again deviates by up to {noise} (none_again: the run-to-run variation)."
-    )
-    notes = [
-        "Honest tokens: the two honest islands' merged tokens at the finish (status islands."
-        "mergedTokens); an adversary's accepted claims count towards stopAfter.tokens, so they "
-        "can be fewer than the baseline's, and the baseline's loss is read at them.",
-        "adversary's answers: its pushes accepted, else their HTTP statuses (200: answered after "
-        "the job finished; 403: after it was dropped); reopened: held connections the syncer "
-        "closed or answered, opened again.",
-    ]
-    return Report("bench/adversary.py", summary, [table], notes)
-
-
 def main() -> int:
     p = base_parser(
         __doc__ or "",
@@ -457,7 +373,7 @@ def main() -> int:
         inner_lr=3e-3,
         warmup=20,
         eval_tokens=8192,
-        seeds=[0, 1],
+        seeds=[0, 1, 2, 3, 4],
         timeout=900.0,
     )
     p.add_argument("--variants", nargs="+", choices=VARIANTS, default=list(VARIANTS))

@@ -1,0 +1,228 @@
+"""bench/adversary.py's outcomes and their report: each run against its seed's baseline at equal
+honest tokens, and per adversary the mean of those ratios over the seeds with its spread, beside
+the same figures of the honest rerun (none_again), which is what run-to-run noise alone gives.
+
+The verdict on a mean reads its noise too: with n seeds, sample standard deviation s and standard
+error se = s / sqrt(n), the mean is judged within the target only when |mean - 1| + 2 se <= target
+(resolved: met), outside only when |mean - 1| - 2 se > target (resolved: MISSED), and otherwise
+"not resolved": a target is never called met on a mean its own noise could carry past it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import statistics
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from bench.common import Report, Table, fmt_ratio, verdict
+from bench.decoupled_quality_report import interp
+
+TARGET = 0.02  # eval loss within 2% of the baseline's at equal honest tokens
+BASELINE = "none"
+CONTROL = "none_again"  # the honest job run again: run-to-run noise
+
+
+@dataclass
+class Outcome:
+    """One run: the honest islands' merged tokens, the final eval loss, what the attack got."""
+
+    variant: str
+    seed: int
+    honest_tokens: int
+    eval_loss: float
+    history: list[tuple[float, float]]  # (tokens merged, eval loss) after every outer step
+    answers: dict[str, int]
+    refusals: dict[str, dict[str, int]]
+    honest_states: list[str]
+    seconds: float
+
+
+@dataclass(frozen=True)
+class Spread:
+    """Ratios of one variant over seeds: their mean, standard error, least and most.
+
+    >>> s = Spread.of([1.01, 0.99, 1.03, 0.97])  # sd: sqrt(0.002 / 3), se: sd / 2
+    >>> round(s.mean, 6), s.n, round(s.sd, 6), round(s.se, 6), s.low, s.high
+    (1.0, 4, 0.02582, 0.01291, 0.97, 1.03)
+    >>> Spread.of([1.05]).se  # one seed: no estimate of its noise
+    nan
+    """
+
+    n: int
+    mean: float
+    sd: float  # sample standard deviation (n - 1)
+    low: float
+    high: float
+
+    @classmethod
+    def of(cls, ratios: Sequence[float]) -> Spread:
+        sd = statistics.stdev(ratios) if len(ratios) > 1 else math.nan
+        return cls(len(ratios), statistics.fmean(ratios), sd, min(ratios), max(ratios))
+
+    @property
+    def se(self) -> float:
+        return self.sd / math.sqrt(self.n)
+
+
+def judge(s: Spread, target: float = TARGET) -> str:
+    """The verdict on a mean ratio, its noise read (module docstring).
+
+    >>> judge(Spread(5, 1.005, 0.01, 0.99, 1.02))  # 0.5% + 2 x 0.45% <= 2%
+    'met'
+    >>> judge(Spread(5, 1.05, 0.01, 1.04, 1.06))  # 5% - 0.9% > 2%
+    'MISSED'
+    >>> judge(Spread(5, 1.015, 0.02, 0.99, 1.04))  # 1.5% + 1.8% > 2%, 1.5% - 1.8% < 2%
+    'not resolved'
+    >>> judge(Spread(1, 1.0, math.nan, 1.0, 1.0))
+    'not resolved'
+    """
+    off = abs(s.mean - 1.0)
+    if math.isnan(s.se):
+        return "not resolved"
+    if off + 2 * s.se <= target:
+        return verdict(True)
+    if off - 2 * s.se > target:
+        return verdict(False)
+    return "not resolved"
+
+
+def base_of(outcomes: Sequence[Outcome], o: Outcome) -> Outcome:
+    """The baseline run of `o`'s seed."""
+    return next(b for b in outcomes if b.seed == o.seed and b.variant == BASELINE)
+
+
+def ratio_of(outcomes: Sequence[Outcome], o: Outcome) -> tuple[float, float]:
+    """`o`'s final eval loss over its seed's baseline's at o's honest tokens; and that loss."""
+    at = interp(base_of(outcomes, o).history, o.honest_tokens)
+    return o.eval_loss / at, at
+
+
+def spreads(outcomes: Sequence[Outcome]) -> dict[str, Spread]:
+    """Per variant (the baseline's own ratio is 1 by construction: left out), its ratios over
+    the seeds whose baseline ran."""
+    seeds = {o.seed for o in outcomes if o.variant == BASELINE}
+    by: dict[str, list[float]] = {}
+    for o in outcomes:
+        if o.variant != BASELINE and o.seed in seeds:
+            by.setdefault(o.variant, []).append(ratio_of(outcomes, o)[0])
+    return {v: Spread.of(r) for v, r in by.items()}
+
+
+def _band(s: Spread) -> str:
+    return f"{fmt_ratio(s.mean, 4)} ± {100 * 2 * s.se:.2f}%"
+
+
+def per_run_table(outcomes: Sequence[Outcome]) -> tuple[Table, float]:
+    """Each run against its baseline; and the largest deviation of any one run."""
+    table = Table(
+        "Each run: eval loss with one adversary of three islands, against the baseline at equal "
+        "honest tokens (same seed, same invocation)",
+        [
+            "seed",
+            "adversary",
+            "honest tokens",
+            "eval loss",
+            "baseline at those tokens",
+            "ratio",
+            "adversary's answers",
+            "refused",
+            "honest islands",
+            "wall s",
+        ],
+    )
+    worst = 0.0
+    seeds = {o.seed for o in outcomes if o.variant == BASELINE}
+    for o in (o for o in outcomes if o.seed in seeds):  # a seed without its baseline: no ratio
+        r, at = ratio_of(outcomes, o)
+        worst = max(worst, abs(r - 1.0))
+        refused = {k: v for d in o.refusals.values() for k, v in d.items()}
+        table.add(
+            o.seed,
+            o.variant,
+            o.honest_tokens,
+            f"{o.eval_loss:.4f}",
+            f"{at:.4f}",
+            fmt_ratio(r, 4),
+            ", ".join(f"{k}: {v}" for k, v in sorted(o.answers.items())) or "-",
+            ", ".join(f"{k}: {v}" for k, v in sorted(refused.items())) or "-",
+            "/".join(o.honest_states),
+            f"{o.seconds:.0f}",
+        )
+    return table, worst
+
+
+def mean_table(by: dict[str, Spread]) -> Table:
+    """Per adversary: the mean ratio over seeds, its noise and spread, the honest rerun's."""
+    table = Table(
+        "Per adversary over the seeds: mean of the per-seed ratios (± 2 standard errors), their "
+        "range, and the honest rerun's (none_again) beside it",
+        [
+            "adversary",
+            "seeds",
+            "mean ratio ± 2 se",
+            "range",
+            "honest rerun: mean ± 2 se",
+            "honest rerun: range",
+            "within 2% (mean, its noise read)",
+        ],
+    )
+    control = by.get(CONTROL)
+    for variant, s in by.items():
+        table.add(
+            variant,
+            s.n,
+            _band(s),
+            f"{fmt_ratio(s.low, 4)} - {fmt_ratio(s.high, 4)}",
+            _band(control) if control else "not measured",
+            f"{fmt_ratio(control.low, 4)} - {fmt_ratio(control.high, 4)}" if control else "-",
+            judge(s),
+        )
+    return table
+
+
+def overall(verdicts: dict[str, str]) -> str:
+    """The target's verdict over every adversary's mean.
+
+    >>> overall({"flood": "met", "ratchet": "met"})
+    'met'
+    >>> overall({"flood": "met", "ratchet": "MISSED"})
+    'MISSED (ratchet)'
+    >>> overall({"flood": "not resolved", "ratchet": "met"})
+    'not resolved (flood)'
+    """
+    missed = [v for v, j in verdicts.items() if j == verdict(False)]
+    if missed:
+        return f"{verdict(False)} ({', '.join(missed)})"
+    open_ = [v for v, j in verdicts.items() if j != verdict(True)]
+    return f"not resolved ({', '.join(open_)})" if open_ else verdict(True)
+
+
+def report(outcomes: Sequence[Outcome], args: argparse.Namespace) -> Report:
+    runs, worst = per_run_table(outcomes)
+    by = spreads(outcomes)
+    attacks = {v: s for v, s in by.items() if v != CONTROL}
+    verdicts = {v: judge(s) for v, s in attacks.items()}
+    seeds = sorted({o.seed for o in outcomes if o.variant == BASELINE})
+    means = ", ".join(f"{v} {_band(s)} ({verdicts[v]})" for v, s in attacks.items())
+    control = f"; the honest rerun {_band(by[CONTROL])}" if CONTROL in by else ""
+    summary = (
+        f"Two honest islands and one adversary, {args.preset}, H={args.inner_steps}, "
+        f"{args.steps} steps per honest island, seeds {seeds}. Mean ratio over the seeds of the "
+        f"eval loss to the baseline's at equal honest tokens (± 2 standard errors): {means}"
+        f"{control}. Target, each mean within {100 * TARGET:.0f}% with its noise read: "
+        f"{overall(verdicts)}. Largest deviation of any single run: {100 * worst:.2f}%."
+    )
+    notes = [
+        "Honest tokens: the two honest islands' merged tokens at the finish (status islands."
+        "mergedTokens); an adversary's accepted claims count towards stopAfter.tokens, so they "
+        "can be fewer than the baseline's, and the baseline's loss is read at them.",
+        "adversary's answers: its pushes accepted, else their HTTP statuses (200: answered after "
+        "the job finished; 403: after it was dropped); reopened: held connections the syncer "
+        "closed or answered, opened again.",
+        "Verdict on a mean (bench/adversary_report.judge): met when |mean - 1| + 2 se <= 2%, "
+        "MISSED when |mean - 1| - 2 se > 2%, else not resolved; se = sample sd / sqrt(seeds). "
+        "Every ratio of a seed shares that seed's one baseline run, whose own noise is in them.",
+    ]
+    return Report("bench/adversary.py", summary, [mean_table(by), runs], notes)

@@ -1,0 +1,60 @@
+"""bench/adversary's report arithmetic: each run's ratio against its own seed's baseline at equal
+honest tokens, the mean over seeds and the verdict that reads the mean's noise (hand-worked)."""
+
+from __future__ import annotations
+
+import argparse
+import doctest
+
+from bench import adversary_report
+from bench.adversary_report import Outcome, spreads
+
+
+def outcome(variant: str, seed: int, tokens: int, loss: float) -> Outcome:
+    # The baseline's curve: 4.0 at 0 tokens, 2.0 at 100 (seed 0) or 3.0 at 100 (seed 1).
+    history = [(0.0, 4.0), (100.0, 2.0 + seed)] if variant == "none" else []
+    return Outcome(variant, seed, tokens, loss, history, {}, {}, ["active"] * 2, 1.0)
+
+
+def runs() -> list[Outcome]:
+    return [
+        outcome("none", 0, 100, 2.0),
+        outcome("none", 1, 100, 3.0),
+        # seed 0: the baseline at 50 tokens is 3.0 -> 3.3 / 3.0 = 1.1; seed 1: at 50, 3.5 ->
+        # 3.15 / 3.5 = 0.9
+        outcome("flood", 0, 50, 3.3),
+        outcome("flood", 1, 50, 3.15),
+        # no baseline of seed 2: left out of every mean
+        outcome("flood", 2, 50, 9.0),
+        outcome("none_again", 0, 100, 2.02),
+        outcome("none_again", 1, 100, 3.0),
+    ]
+
+
+def test_adversary_report_doctests_pass() -> None:
+    result = doctest.testmod(adversary_report)
+    assert result.attempted >= 10 and result.failed == 0, result
+
+
+def test_each_ratio_is_against_its_own_seeds_baseline_at_its_honest_tokens() -> None:
+    by = spreads(runs())
+    assert set(by) == {"flood", "none_again"}  # the baseline's own ratio is not a result
+    flood = by["flood"]
+    assert flood.n == 2
+    assert abs(flood.low - 0.9) < 1e-12 and abs(flood.high - 1.1) < 1e-12
+    assert abs(flood.mean - 1.0) < 1e-12
+    # sd of (1.1, 0.9): sqrt(2 x 0.01 / 1) = 0.1414; se = 0.1414 / sqrt 2 = 0.1
+    assert abs(flood.se - 0.1) < 1e-12
+    assert abs(by["none_again"].mean - 1.005) < 1e-12  # (1.01 + 1.0) / 2
+
+
+def test_a_mean_whose_noise_spans_the_target_is_not_called_met() -> None:
+    args = argparse.Namespace(preset="gpt-tiny", inner_steps=10, steps=200)
+    report = adversary_report.report(runs(), args)
+    # flood's mean is exactly 1.0, but ± 2 x 10% spans far past 2%.
+    assert "flood 1.0000x ± 20.00% (not resolved)" in report.summary
+    assert "not resolved (flood)" in report.summary
+    assert "the honest rerun 1.0050x" in report.summary
+    means, each = report.tables
+    assert [r[0] for r in means.rows] == ["flood", "none_again"]
+    assert len(each.rows) == len(runs()) - 1  # the seed without a baseline has no row
