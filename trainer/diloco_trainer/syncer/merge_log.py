@@ -12,7 +12,9 @@ Writing it fails soft: merges.jsonl is a record for people, not what a restart r
 skips its final checkpoint, which loses merges). An entry that cannot be written is kept (up to
 UNWRITTEN_ENTRIES, the oldest dropped and counted) and written with the next one that can;
 `problem` says what failed until then (merge.py reports it as the MERGE_LOG health problem), and
-a half-written line is cut off again so the file stays one JSON document a line.
+a half-written line is cut off again so the file stays one JSON document a line. At a stop,
+`close` writes the kept entries if the log can be written again, and otherwise says on the
+syncer's log (stderr) how many are lost with the process.
 """
 
 from __future__ import annotations
@@ -171,6 +173,43 @@ class MergeLog:
         if self.problem is not None:
             log.warning("%s is written again (%d bytes)", self.path, size)
         self.problem = None
+
+    def close(self) -> int:
+        """At a stop (blocking: call from a worker thread): write the entries kept while the log
+        could not be written, if it can be now; the number lost with the process (0 when none
+        was waiting or they were written), and an error line on the syncer's log saying so."""
+        if not self.unwritten and not self.dropped:
+            return 0
+        kept = len(self.unwritten)
+        try:
+            if kept:
+                self._append_unwritten()
+        except OSError as err:
+            lost = kept + self.dropped
+            log.error(
+                "stopping with %d merge log entries never written to %s (%d kept in memory, "
+                "%d dropped earlier): %s; the checkpoints hold the state",
+                lost,
+                self.path,
+                kept,
+                self.dropped,
+                err,
+            )
+            return lost
+        self.unwritten.clear()
+        self.problem = None
+        if self.dropped:
+            log.error(
+                "stopping: %d merge log entries kept were written to %s at stop, %d dropped "
+                "earlier are lost (more than %d waited)",
+                kept,
+                self.path,
+                self.dropped,
+                UNWRITTEN_ENTRIES,
+            )
+        else:
+            log.warning("stopping: %d merge log entries kept were written to %s", kept, self.path)
+        return self.dropped
 
     def _append_unwritten(self) -> int:
         """The waiting entries appended in one write; a failed write is cut back off."""
