@@ -259,6 +259,69 @@ def targets(args: Any, results: Results, budget: int, slowdown: float) -> Table:
     return t
 
 
+def per_seed_ratios(results: Results, label: str, ref: str, budget: int) -> list[tuple[int, float]]:
+    """(seed, loss of `label` / loss of `ref`) at the budget, for every seed both ran.
+
+    >>> run = lambda seed, loss: {"seed": seed, "history": [(0.0, 0.0, 5.0), (9.0, 100.0, loss)]}
+    >>> per_seed_ratios({"a": [run(0, 2.02), run(1, 1.98)], "b": [run(0, 2.0)]}, "a", "b", 100)
+    [(0, 1.01)]
+    """
+    mine = {r["seed"]: loss_at_tokens(r, budget) for r in results.get(label, [])}
+    theirs = {r["seed"]: loss_at_tokens(r, budget) for r in results.get(ref, [])}
+    return [(s, ratio(mine[s], theirs[s])) for s in mine if s in theirs]
+
+
+def fmt_per_seed(pairs: Sequence[tuple[int, float]]) -> str:
+    """Per-seed ratios, four digits each.
+
+    >>> fmt_per_seed([(0, 0.99284), (3, 1.0179)])
+    '0.9928 (seed 0); 1.0179 (seed 3)'
+    """
+    return "; ".join(f"{r:.4f} (seed {s})" for s, r in pairs)
+
+
+def parity_targets(args: Any, results: Results, budget: int) -> Table:
+    """Issue 23's targets, each seed on its own: ours at K = M at or below torchft's DiLoCo;
+    K = M/2 and K = 1 at most 1% above ours at K = M (and on the mean over seeds); bytes per
+    worker >= 100x fewer than DDP's pushed and, apart, pulled. A row whose variants did not
+    run (--only, --skip-torchft) is left out."""
+    m = args.islands
+    base, km, peer = "sync DP (baseline)", f"ours K={m}", f"torchft K={m}"
+    t = Table("Targets (issue 23, per seed)", ["target", "figure", "verdict"])
+    pairs = per_seed_ratios(results, km, peer, budget)
+    if pairs:
+        t.add(
+            f"ours K={m} at or below torchft K={m} on each seed",
+            fmt_per_seed(pairs),
+            verdict(all(r <= 1.0 for _, r in pairs)),
+        )
+    for k in sorted({max(1, m // 2), 1} - {m}, reverse=True):
+        pairs = per_seed_ratios(results, f"ours K={k}", km, budget)
+        if not pairs:
+            continue
+        t.add(
+            f"K={k} at most 1% above K={m} on each seed",
+            fmt_per_seed(pairs),
+            verdict(all(r <= 1.01 for _, r in pairs)),
+        )
+        mean = sum(r for _, r in pairs) / len(pairs)
+        t.add(
+            f"K={k} at most 1% above K={m}, mean of the seeds' ratios",
+            fmt_ratio(mean, 4),
+            verdict(mean <= 1.01),
+        )
+    if base in results and km in results:
+        ddp, ours = results[base][0], results[km]
+        push = ratio(ddp["push"], sum(r["push"] for r in ours) / len(ours))
+        pull = ratio(ddp["pull"], sum(r["pull"] for r in ours) / len(ours))
+        t.add(
+            f"K={m}: >= 100x fewer bytes per worker than DDP, pushed and pulled apart",
+            f"{push:.0f}x pushed, {pull:.0f}x pulled",
+            verdict(push >= 100 and pull >= 100),
+        )
+    return t
+
+
 def tables(
     args: Any, results: Results, budget: int, slowdown: float
 ) -> tuple[list[Table], list[str]]:
@@ -304,6 +367,7 @@ def tables(
         main_table(args, results, budget),
         straggler_rows(args, results, budget, slowdown),
         targets(args, results, budget, slowdown),
+        parity_targets(args, results, budget),
     ], notes
 
 

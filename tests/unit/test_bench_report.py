@@ -4,6 +4,8 @@ hand-worked doctests run with the unit tier, so a change of rule fails here."""
 from __future__ import annotations
 
 import doctest
+from types import SimpleNamespace
+from typing import Any
 
 from bench import decoupled_quality_report
 
@@ -11,3 +13,54 @@ from bench import decoupled_quality_report
 def test_bench_report_doctests_pass() -> None:
     result = doctest.testmod(decoupled_quality_report)
     assert result.attempted >= 5 and result.failed == 0, result
+
+
+def _run(seed: int, loss: float, push: float = 0.0, pull: float = 0.0) -> dict[str, Any]:
+    # One evaluation at the budget (100 tokens): the loss at the budget is `loss` exactly.
+    return {
+        "seed": seed,
+        "history": [(0.0, 0.0, 5.0), (9.0, 100.0, loss)],
+        "push": push,
+        "pull": pull,
+    }
+
+
+def test_parity_targets_judge_each_seed_and_bytes_each_way() -> None:
+    results = {
+        "sync DP (baseline)": [_run(0, 1.9, 1000.0, 1000.0), _run(1, 1.9, 1000.0, 1000.0)],
+        # 1000 / 9 = 111x pushed, 1000 / 11 = 91x pulled: pulled misses.
+        "ours K=4": [_run(0, 2.0, 9.0, 11.0), _run(1, 2.0, 9.0, 11.0)],
+        # K=4 / torchft: 2.0 / 2.0 = 1.0000 (met), 2.0 / 1.99 = 1.0050 (above): missed.
+        "torchft K=4": [_run(0, 2.0), _run(1, 1.99)],
+        # 2.02 / 2 = 1.0100, 1.98 / 2 = 0.9900: both at most 1% above; mean 1.0000.
+        "ours K=2": [_run(0, 2.02), _run(1, 1.98)],
+        # 2.04 / 2 = 1.0200 misses on seed 0 although the mean of the ratios is 1.0000.
+        "ours K=1": [_run(0, 2.04), _run(1, 1.96)],
+    }
+    table = decoupled_quality_report.parity_targets(SimpleNamespace(islands=4), results, 100)
+    rows = {row[0]: (row[1], row[2]) for row in table.rows}
+    assert rows == {
+        "ours K=4 at or below torchft K=4 on each seed": (
+            "1.0000 (seed 0); 1.0050 (seed 1)",
+            "MISSED",
+        ),
+        "K=2 at most 1% above K=4 on each seed": ("1.0100 (seed 0); 0.9900 (seed 1)", "met"),
+        "K=2 at most 1% above K=4, mean of the seeds' ratios": ("1.0000x", "met"),
+        "K=1 at most 1% above K=4 on each seed": ("1.0200 (seed 0); 0.9800 (seed 1)", "MISSED"),
+        "K=1 at most 1% above K=4, mean of the seeds' ratios": ("1.0000x", "met"),
+        "K=4: >= 100x fewer bytes per worker than DDP, pushed and pulled apart": (
+            "111x pushed, 91x pulled",
+            "MISSED",
+        ),
+    }
+
+
+def test_parity_targets_leave_out_variants_that_did_not_run() -> None:
+    results = {
+        "sync DP (baseline)": [_run(0, 1.9, 10.0, 10.0)],
+        "ours K=4": [_run(0, 2.0, 0.1, 0.1)],
+    }
+    table = decoupled_quality_report.parity_targets(SimpleNamespace(islands=4), results, 100)
+    assert [row[0] for row in table.rows] == [
+        "K=4: >= 100x fewer bytes per worker than DDP, pushed and pulled apart"
+    ]
