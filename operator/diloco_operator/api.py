@@ -124,6 +124,13 @@ class IslandStatus(StatusModel):
         description="Kueue has not admitted the island's pods yet (its admission gate): the "
         "island waits for quota, is not failed, and joins once admitted (docs/kueue.md).",
     )
+    holding: bool = Field(
+        False,
+        description="The island's learner holds its inner steps at the step cap: a fragment "
+        "carries the most steps one push may (4 x inner.steps + sync.overlapSteps) and the "
+        "syncer has not merged or answered it yet; it steps on once it does. As the syncer "
+        "last heard it from the island's heartbeats.",
+    )
 
 
 class FinalCheckpoint(StatusModel):

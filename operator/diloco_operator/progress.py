@@ -126,6 +126,7 @@ def island_statuses(obs: Observation, running: bool) -> list[IslandStatus]:
                 last_push=time_field(info.last_push) if info is not None else None,
                 restarts=island.restarts,
                 waiting_for_quota=island.waiting_for_quota,
+                holding=info is not None and info.holding,
             )
         )
     return out

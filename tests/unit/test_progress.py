@@ -62,6 +62,22 @@ def test_island_statuses_unknown_state_for_strange_values() -> None:
     assert entry.state == "unknown" and not entry.in_quorum
 
 
+def test_island_statuses_say_which_island_holds_at_the_step_cap() -> None:
+    """An island whose learner holds at the step cap (its heartbeats say so to the syncer) says
+    so on its own entry; a syncer that does not report it (older) reads as not holding."""
+    syncer = {
+        "islands": {
+            "island-0": {"state": "active", "holding": True},
+            "island-1": {"state": "active"},
+        }
+    }
+    first, second = island_statuses(observation(syncer=syncer), running=True)
+    assert first.holding and first.model_dump(by_alias=True)["holding"] is True
+    assert not second.holding
+    (idle, _) = island_statuses(observation(syncer=None), running=False)
+    assert not idle.holding
+
+
 def test_number_coercion() -> None:
     assert int_or_none("12") == 12 and int_or_none(-3) == 0 and int_or_none("x") is None
     assert float_or_none("2.5") == 2.5 and float_or_none(None) is None

@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 from diloco_trainer.api import credentials, protocol
-from diloco_trainer.api.documents import DocumentError, MergeRecord
+from diloco_trainer.api.documents import DocumentError, IslandStatus, MergeRecord
 from diloco_trainer.api.manifest import CheckpointManifest
 from diloco_trainer.core import payloads
 from diloco_trainer.syncer import checkpoint as ckpt
@@ -111,3 +111,12 @@ def test_syncer_documents_a_push_header_is_read_once(
 
     answer = run(scenario())
     assert answer["accepted"] is True and len(reads) == 1
+
+
+def test_island_status_holding_is_read_from_the_entry_and_absent_by_default() -> None:
+    """An island's `holding` (its learner at the step cap) is read when the syncer sends it; an
+    entry without it, or with anything but true, is not holding, and comes back as it was."""
+    assert IslandStatus.from_json({"state": "active", "holding": True}).holding
+    plain = IslandStatus.from_json({"state": "active"})
+    assert not plain.holding and "holding" not in plain.to_wire()
+    assert not IslandStatus.from_json({"state": "active", "holding": "yes"}).holding

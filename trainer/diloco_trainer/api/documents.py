@@ -167,6 +167,14 @@ class IslandStatus(Document):
     step_time: float | None = None
 
     @property
+    def holding(self) -> bool:
+        """Its learner holds its inner steps at the step cap (a fragment carries the most one
+        push may and the syncer has not answered it; learner/fragment_sync.py), as its latest
+        heartbeat said: the entry's `holding` key, read as an extra so that a syncer that does
+        not send it (not holding) gets its document back exactly; absent or not true: False."""
+        return (self.model_extra or {}).get("holding") is True
+
+    @property
     def known_state(self) -> IslandState | None:
         """The state when it is one this code knows, else None (a newer syncer's state)."""
         return self.state if self.state in ISLAND_STATES else None
