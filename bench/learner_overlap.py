@@ -3,12 +3,24 @@ once pushes, pulls and the mixing of merged fragments run beside the inner steps
 
 bench/learner_step times the inner step alone. This runs a real one-island job (`diloco run`: a
 syncer process on the CPU, one learner on --device, int8 pushes and pulls of 2 streamed
-fragments, the job defaults otherwise) and reads the learner's own tokens/s, which it logs every
-20 steps over wall time, so each window holds everything the learner does between two steps:
+fragments, the job defaults otherwise) and reads the learner's own progress lines, which it
+writes every 20 steps, so each window holds everything the learner does between two steps:
 encoding and sending pushes, receiving pulls, mixing merged fragments in. The baseline is a plain
-loop (bench/learner_step's) of the same model, batch and precision in this process, timed before
-and after the job so a machine that drifts affects both sides alike; --control puts the plain
-loop's own 20-step windows in the job's place (an A/A run: the ratio's noise floor).
+loop (bench/learner_step's) of the same model, batch and precision in this process: plain, job,
+plain, job, ..., plain (--rounds jobs), each job compared with the plain blocks either side of
+it, and each pair of neighbouring plain blocks an A/A control of the same run.
+
+Two clocks, both reported:
+- wall: tokens over the learner's windows' wall time against the plain block's. It includes
+  everything (waits for the syncer too), and on a machine shared with other work it also says
+  how loaded the machine was at each moment (last session's A/A runs gave 0.098 and 0.875 here).
+- CPU: tokens per CPU second of the learner's process (time.process_time over each window, as
+  the learner logs it: its intra-op threads and the syncer link's background threads
+  included; the syncer's own process, which runs elsewhere in a real job, left out) against
+  tokens per CPU second of this process over a plain block. Other processes' load does not
+  enter it, except through what contention costs a thread (caches, migrations); waits for the
+  syncer cost no CPU, so the wall split below is what shows them.
+--control puts the plain loop's own 20-step windows in the job's place (an A/A run).
 
 The learner also splits each window's wall time (learner/step_costs.py): its inner steps, the
 DiLoCo work on its training thread (the sync path), and waiting for the syncer. Those shares are
@@ -31,7 +43,6 @@ import json
 import os
 import re
 import shutil
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -39,20 +50,20 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench.learner_step import make_spec, plain_side, time_side
+from bench.learner_step import make_spec, plain_side
 
 WINDOW = re.compile(r"\((\d+) tokens/s\)")
-# The learner's split of each window (learner/step_costs.WindowCosts).
+# The learner's split of each window (learner/step_costs.WindowCosts), and its process's CPU
+# seconds over the window (absent in logs from before the learner wrote it).
 COSTS = re.compile(
     r"\((\d+) tokens/s\); (\d+) steps: ([\d.]+)s training, ([\d.]+)s sync path, "
-    r"([\d.]+)s waiting for the syncer"
+    r"([\d.]+)s waiting for the syncer(?:; ([\d.]+)s cpu)?"
 )
 # A blocking learner's wait for the merge of its push, and how long its τ steps since it took.
 MERGE_WAIT = re.compile(
     r"waited ([\d.]+)s for fragment \d+ "
     r"\(the (\d+) overlapped steps since its push took ([\d.]+)s\)"
 )
-SKIP_WINDOWS = 2  # start-up: the first pull, allocator and autocast warm-up
 
 
 def job_yaml(args: argparse.Namespace) -> str:
@@ -107,18 +118,28 @@ def job_windows(args: argparse.Namespace, workdir: Path) -> tuple[list[float], f
     return [float(m.group(1)) for m in WINDOW.finditer(text)], wall, text
 
 
-def split_of(text: str) -> dict[str, Any]:
-    """Where the learner's steady windows' wall time went (seconds summed over them), and each
-    wait for a merge against the time its overlapped steps took."""
-    rows = [tuple(float(g) for g in m.groups()[1:]) for m in COSTS.finditer(text)]
-    steady = rows[SKIP_WINDOWS:-1]
-    steps, training, sync_path, waiting = (sum(r[i] for r in steady) for i in range(4))
+def steady(rows: list[Any], args: argparse.Namespace) -> list[Any]:
+    """The windows left after the start-up (--skip-windows: the first pull, allocator warm-up)
+    and the last --drop-last (the job's end may fall in them)."""
+    return rows[args.skip_windows : len(rows) - args.drop_last]
+
+
+def split_of(text: str, args: argparse.Namespace) -> dict[str, Any]:
+    """Where the learner's steady windows' wall time went (seconds summed over them), its CPU
+    seconds over them, and each wait for a merge against the time its overlapped steps took."""
+    rows = [
+        tuple(float(g) if g is not None else float("nan") for g in m.groups()[1:])
+        for m in COSTS.finditer(text)
+    ]
+    kept = steady(rows, args)
+    steps, training, sync_path, waiting, cpu = (sum(r[i] for r in kept) for i in range(5))
     waits = [(float(m.group(1)), float(m.group(3))) for m in MERGE_WAIT.finditer(text)]
     return {
         "steps": int(steps),
         "training_s": training,
         "sync_path_s": sync_path,
         "waiting_s": waiting,
+        "cpu_s": cpu,
         # Shares of the learner's own wall time, both sides measured in the same windows.
         "training_share": training / max(training + sync_path + waiting, 1e-9),
         "step_path_share": training / max(training + sync_path, 1e-9),
@@ -127,47 +148,94 @@ def split_of(text: str) -> dict[str, Any]:
     }
 
 
-def plain_windows(args: argparse.Namespace, count: int) -> list[float]:
-    """--control: the plain loop's tokens/s over `count` windows of 20 steps, the statistic the
-    job's windows give, so its distance from 1 is the ratio's noise floor on this machine."""
+def timed(step: Any, steps: int) -> tuple[float, float]:
+    """(wall seconds, this process's CPU seconds) for `steps` calls of `step`."""
+    wall, cpu = time.perf_counter(), time.process_time()
+    for _ in range(steps):
+        step()
+    return time.perf_counter() - wall, time.process_time() - cpu
+
+
+def plain_block(args: argparse.Namespace) -> dict[str, float]:
+    """The plain loop, freshly built: tokens/s over wall time and tokens per CPU second of this
+    process (every thread of it) over --plain-steps steps after --warmup untimed ones."""
     spec = make_spec(args)
-    side = plain_side(spec, args.device)
+    step = plain_side(spec, args.device)
     for _ in range(args.warmup):
-        side()
-    out = []
-    for _ in range(count):
-        start = time.perf_counter()
-        for _ in range(20):
-            side()
-        out.append(20 * spec.inner.tokens_per_step / (time.perf_counter() - start))
-    return out
+        step()
+    wall, cpu = timed(step, args.plain_steps)
+    del step
+    tokens = args.plain_steps * spec.inner.tokens_per_step
+    return {
+        "wall_s": wall,
+        "cpu_s": cpu,
+        "tokens_per_s": tokens / wall,
+        "tokens_per_cpu_s": tokens / cpu,
+    }
 
 
-def plain_rate(args: argparse.Namespace) -> float:
-    """Tokens/s of the plain loop over --plain-steps steps after a warm-up."""
+def control_windows(args: argparse.Namespace) -> dict[str, Any]:
+    """--control: the plain loop's own 20-step windows in the job's place, read as the job's
+    are (an A/A run: the ratio's noise floor on this machine)."""
     spec = make_spec(args)
-    seconds = time_side(
-        plain_side, spec, args.device, warmup=args.warmup, steps=args.plain_steps, memory={}
-    )
-    return args.plain_steps * spec.inner.tokens_per_step / seconds
+    step = plain_side(spec, args.device)
+    for _ in range(args.warmup):
+        step()
+    rows = [timed(step, 20) for _ in range(args.inner_steps * args.outer_steps // 20)]
+    tokens = 20 * spec.inner.tokens_per_step
+    kept = steady(rows, args)
+    return {
+        "windows_tokens_per_s": [tokens / wall for wall, _ in rows],
+        "tokens_per_s": len(kept) * tokens / sum(w for w, _ in kept),
+        "tokens_per_cpu_s": len(kept) * tokens / sum(c for _, c in kept),
+        "wall_s": 0.0,
+        "split": None,
+    }
+
+
+def job_side(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
+    """The learner inside a real job, over its steady windows: tokens/s over wall time, tokens
+    per CPU second of the learner's process, and its own split of the wall time."""
+    windows, wall, text = job_windows(args, workdir)
+    split = split_of(text, args)
+    if not split["steps"]:
+        raise SystemExit(
+            f"only {len(windows)} progress windows in the learner's log: raise --outer-steps or "
+            "--inner-steps, or lower --skip-windows / --drop-last (a window is 20 steps)"
+        )
+    tokens = split["steps"] * make_spec(args).inner.tokens_per_step
+    wall_s = split["training_s"] + split["sync_path_s"] + split["waiting_s"]
+    return {
+        "windows_tokens_per_s": windows,
+        "tokens_per_s": tokens / wall_s,
+        "tokens_per_cpu_s": tokens / split["cpu_s"],
+        "wall_s": wall,
+        "split": split,
+    }
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
+    """Plain, job, plain, job, ..., plain (--rounds jobs): each job is compared with the plain
+    blocks either side of it, on both clocks, and each pair of neighbouring plain blocks is an
+    A/A control of the same run (how far the machine moved between them)."""
+    plains, jobs = [plain_block(args)], []
     with tempfile.TemporaryDirectory(prefix="learner-overlap-") as tmp:
-        before = plain_rate(args)
-        if args.control:
-            count = args.inner_steps * args.outer_steps // 20
-            windows, wall, text = plain_windows(args, count), 0.0, ""
-        else:
-            windows, wall, text = job_windows(args, Path(tmp))
-        after = plain_rate(args)
-    steady = windows[SKIP_WINDOWS:-1]  # the last window may hold the job's end
-    if not steady:
-        raise SystemExit(
-            f"only {len(windows)} tokens/s windows in the learner's log: raise --outer-steps or "
-            "--inner-steps (a window is 20 steps)"
-        )
-    plain = (before + after) / 2
+        for r in range(args.rounds):
+            if args.control:
+                jobs.append(control_windows(args))
+            else:
+                workdir = Path(tmp) / f"round-{r}"
+                workdir.mkdir()
+                jobs.append(job_side(args, workdir))
+            plains.append(plain_block(args))
+    rounds = []
+    for r, job in enumerate(jobs):
+        before, after = plains[r], plains[r + 1]
+        row: dict[str, Any] = {"job": job, "plain_before": before, "plain_after": after}
+        for clock in ("tokens_per_s", "tokens_per_cpu_s"):
+            row[f"ratio_{clock}"] = job[clock] / ((before[clock] + after[clock]) / 2)
+            row[f"aa_{clock}"] = after[clock] / before[clock]
+        rounds.append(row)
     return {
         "preset": args.preset,
         "device": args.device,
@@ -177,35 +245,36 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "seq_len": args.seq_len,
         "inner_steps": args.inner_steps,
         "outer_steps": args.outer_steps,
-        "plain_tokens_per_s": [before, after],
-        "learner_windows_tokens_per_s": windows,
-        "learner_steady_median": statistics.median(steady),
-        "learner_steady_mean": statistics.fmean(steady),
-        "ratio_median": statistics.median(steady) / plain,
-        "ratio_mean": statistics.fmean(steady) / plain,
-        "job_wall_seconds": wall,
+        "plain_steps": args.plain_steps,
         "control": args.control,
-        "split": split_of(text) if text else None,
+        "plains": plains,
+        "rounds": rounds,
     }
 
 
 def report(r: dict[str, Any]) -> str:
-    windows = ", ".join(f"{w:.0f}" for w in r["learner_windows_tokens_per_s"])
-    before, after = r["plain_tokens_per_s"]
-    return "\n".join(
-        [
-            f"{r['preset']} on {r['device']}, {r['precision']}, batch {r['batch_size']} x "
-            f"{r['micro_batches']} x {r['seq_len']}, H {r['inner_steps']}, "
-            f"{r['outer_steps']} outer steps, 2 fragments, int8",
-            f"plain loop tokens/s: {before:.0f} before the job, {after:.0f} after",
-            f"learner tokens/s windows (20 steps each; first {SKIP_WINDOWS} and last left out): "
-            f"{windows}",
-            f"learner in a job / plain: {r['ratio_median']:.3f} (median window), "
-            f"{r['ratio_mean']:.3f} (mean); job wall {r['job_wall_seconds']:.0f} s"
-            + (CONTROL_NOTE if r["control"] else ""),
-            *split_lines(r["split"]),
+    lines = [
+        f"{r['preset']} on {r['device']}, {r['precision']}, batch {r['batch_size']} x "
+        f"{r['micro_batches']} x {r['seq_len']}, H {r['inner_steps']}, "
+        f"{r['outer_steps']} outer steps, 2 fragments, int8; plain blocks of "
+        f"{r['plain_steps']} steps" + (CONTROL_NOTE if r["control"] else "")
+    ]
+    for i, row in enumerate(r["rounds"]):
+        job, before, after = row["job"], row["plain_before"], row["plain_after"]
+        windows = ", ".join(f"{w:.0f}" for w in job["windows_tokens_per_s"])
+        lines += [
+            f"round {i}: learner windows tokens/s {windows} (job wall {job['wall_s']:.0f} s)",
+            f"  wall: plain {before['tokens_per_s']:.0f} before, {after['tokens_per_s']:.0f} "
+            f"after; learner {job['tokens_per_s']:.0f} tokens/s; learner / plain "
+            f"{row['ratio_tokens_per_s']:.3f}; A/A (plain after / before) "
+            f"{row['aa_tokens_per_s']:.3f}",
+            f"  cpu:  plain {before['tokens_per_cpu_s']:.1f} before, "
+            f"{after['tokens_per_cpu_s']:.1f} after; learner {job['tokens_per_cpu_s']:.1f} "
+            f"tokens per CPU-s; learner / plain {row['ratio_tokens_per_cpu_s']:.3f}; "
+            f"A/A (plain after / before) {row['aa_tokens_per_cpu_s']:.3f}",
+            *split_lines(job["split"]),
         ]
-    )
+    return "\n".join(lines)
 
 
 CONTROL_NOTE = " (control: the plain loop's own 20-step windows in place of the job)"
@@ -219,12 +288,12 @@ def split_lines(split: dict[str, Any] | None) -> list[str]:
         for w, o in zip(split["merge_waits_s"], split["overlap_s"], strict=True)
     )
     return [
-        f"learner's own split of its steady windows ({split['steps']} steps): "
+        f"  learner's own split of its steady windows ({split['steps']} steps): "
         f"{split['training_s']:.2f}s training, {split['sync_path_s']:.2f}s sync path, "
-        f"{split['waiting_s']:.2f}s waiting for the syncer",
-        f"training / all: {split['training_share']:.3f}; training / (training + sync path): "
+        f"{split['waiting_s']:.2f}s waiting for the syncer; {split['cpu_s']:.2f} CPU-s",
+        f"  training / all: {split['training_share']:.3f}; training / (training + sync path): "
         f"{split['step_path_share']:.3f}",
-        f"merge waits: {waits or 'none'}",
+        f"  merge waits: {waits or 'none'}",
     ]
 
 
@@ -238,7 +307,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seq-len", type=int, default=64)
     p.add_argument("--inner-steps", type=int, default=40, help="H of the job")
     p.add_argument("--outer-steps", type=int, default=4, help="the job's stopAfter.outerSteps")
-    p.add_argument("--plain-steps", type=int, default=40, help="timed steps of the plain loop")
+    p.add_argument("--plain-steps", type=int, default=40, help="timed steps per plain block")
+    p.add_argument("--rounds", type=int, default=1, help="jobs, each between two plain blocks")
+    p.add_argument(
+        "--skip-windows", type=int, default=2, help="the learner's first windows left out"
+    )
+    p.add_argument("--drop-last", type=int, default=1, help="the learner's last windows left out")
     p.add_argument("--warmup", type=int, default=3, help="untimed plain steps first")
     p.add_argument("--job-timeout", type=float, default=600.0)
     p.add_argument("--json", type=Path, help="also write the result here as JSON")

@@ -15,8 +15,8 @@ def progress_line(step: int, tokens_per_s: int, costs: WindowCosts) -> str:
     return f"step {step} loss 2.0000 tokens 100 ({tokens_per_s} tokens/s); {costs.line()}"
 
 
-def window(training: float, sync_path: float, waiting: float) -> WindowCosts:
-    costs = WindowCosts()
+def window(training: float, sync_path: float, waiting: float, cpu: float = 9.0) -> WindowCosts:
+    costs = WindowCosts(cpu=cpu)
     for _ in range(20):
         costs.add_step(training / 20)
         costs.add_after(sync_path / 20 + waiting / 20, waiting / 20)
@@ -27,17 +27,18 @@ def test_split_of_sums_the_steady_windows_and_lists_the_merge_waits() -> None:
     lines = [
         progress_line(20, 50, window(9.0, 9.0, 9.0)),  # start-up: left out
         progress_line(40, 60, window(9.0, 9.0, 9.0)),  # start-up: left out
-        progress_line(60, 100, window(2.0, 0.5, 1.5)),
+        progress_line(60, 100, window(2.0, 0.5, 1.5, cpu=3.0)),
         "step 65: waited 1.50s for fragment 1 (the 5 overlapped steps since its push took 0.50s)",
-        progress_line(80, 120, window(2.0, 0.0, 0.0)),
+        progress_line(80, 120, window(2.0, 0.0, 0.0, cpu=1.5)),
         progress_line(100, 10, window(9.0, 9.0, 9.0)),  # the last: may hold the job's end
     ]
     text = "\n".join(lines)
-    split = learner_overlap.split_of(text)
+    split = learner_overlap.split_of(text, learner_overlap.parse_args([]))
     assert split["steps"] == 40
     assert split["training_s"] == pytest.approx(4.0)
     assert split["sync_path_s"] == pytest.approx(0.5)
     assert split["waiting_s"] == pytest.approx(1.5)
+    assert split["cpu_s"] == pytest.approx(3.0 + 1.5)  # the CPU seconds the two windows logged
     assert split["training_share"] == pytest.approx(4.0 / 6.0)
     assert split["step_path_share"] == pytest.approx(4.0 / 4.5)
     assert split["merge_waits_s"] == [1.5] and split["overlap_s"] == [0.5]
@@ -49,3 +50,16 @@ def test_split_of_sums_the_steady_windows_and_lists_the_merge_waits() -> None:
         120,
         10,
     ]
+
+
+def test_the_steady_windows_follow_skip_and_drop() -> None:
+    args = learner_overlap.parse_args(["--skip-windows", "1", "--drop-last", "0"])
+    assert learner_overlap.steady([1, 2, 3], args) == [2, 3]
+    args = learner_overlap.parse_args([])  # defaults: 2 start-up windows, the last one
+    assert learner_overlap.steady([1, 2, 3, 4, 5], args) == [3, 4]
+
+
+def test_a_log_from_before_the_cpu_column_still_parses() -> None:
+    old = "step 60 loss 2.0 tokens 1 (100 tokens/s); 20 steps: 2.00s training, 0.50s sync path, "
+    match = learner_overlap.COSTS.search(old + "0.00s waiting for the syncer")
+    assert match is not None and match.group(6) is None

@@ -310,7 +310,7 @@ class Learner:
     def _train(self) -> int:
         """Inner steps until the job finishes or a stop; rank 0 syncs after each."""
         window_tokens, window_start, loss_ema = 0, time.monotonic(), None
-        costs = WindowCosts()
+        costs, window_cpu = WindowCosts(), time.process_time()
         while True:
             loss, tokens, step_time = self._timed_step()
             after = time.perf_counter()
@@ -331,7 +331,8 @@ class Learner:
                     "step_time": self.step_time,
                 }
                 if self.steps_run % LOG_EVERY_STEPS == 0:
-                    now = time.monotonic()
+                    now, cpu_now = time.monotonic(), time.process_time()
+                    costs.cpu = cpu_now - window_cpu
                     log.info(
                         "step %d loss %.4f tokens %d (%.0f tokens/s); %s",
                         self.sync.position,
@@ -341,6 +342,7 @@ class Learner:
                         costs.line(),
                     )
                     window_tokens, window_start, costs = 0, now, WindowCosts()
+                    window_cpu = cpu_now
                 targets = self.sync.after_step()
             self._end_commands()
             apply, finished, stopped = self._control(sorted(targets), self._finished())

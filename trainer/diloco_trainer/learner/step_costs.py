@@ -14,6 +14,12 @@ that DiLoCo cost something but not what. Each step's wall time is split three wa
 Training is the plain loop's work; sync path is what DiLoCo costs the step path; waiting is what
 the syncer's push-to-merge latency costs when it exceeds the overlap (bench/learner_overlap reads
 the three from the log).
+
+Beside the wall-clock split, a window carries the learner process's CPU seconds over it
+(time.process_time: every thread of the process, the intra-op threads and the syncer link's
+background threads included; other processes' load left out, waits cost none). On a machine
+shared with other work, wall time says how loaded the machine was; CPU seconds per token is what
+the learner itself spent, so bench/learner_overlap compares it with the plain loop's.
 """
 
 from __future__ import annotations
@@ -29,6 +35,7 @@ class WindowCosts:
     training: float = 0.0
     sync_path: float = 0.0
     waiting: float = 0.0
+    cpu: float = 0.0  # the process's CPU seconds over the window, set by the loop
 
     def add_step(self, training: float) -> None:
         """One inner step of `training` seconds."""
@@ -45,8 +52,8 @@ class WindowCosts:
 
     def line(self) -> str:
         """The progress line's tail, e.g. '20 steps: 1.20s training, 0.03s sync path, 3.75s
-        waiting for the syncer'."""
+        waiting for the syncer; 2.41s cpu'."""
         return (
             f"{self.steps} steps: {self.training:.2f}s training, {self.sync_path:.2f}s sync path, "
-            f"{self.waiting:.2f}s waiting for the syncer"
+            f"{self.waiting:.2f}s waiting for the syncer; {self.cpu:.2f}s cpu"
         )
