@@ -33,26 +33,37 @@ from diloco_trainer.api.exposure import (
     exposure_problem,
 )
 from diloco_trainer.api.placement import ISLAND_OVERRIDES, IslandOverrides, IslandPlacement
+from diloco_trainer.api.sync_spec import (
+    Codec,
+    MergeRule,
+    MergeWait,
+    PullCompression,
+    SyncSpec,
+    default_overlap_steps,
+)
 from diloco_trainer.api.training import InnerSpec, ModelSpec, OuterSpec, Precision, Preset
 
 # The sections that live in their own modules, re-exported: `from diloco_trainer.api.spec import
 # InnerSpec` keeps working for every reader.
 __all__ = [
+    "Codec",
     "DataFormat",
     "DataSpec",
     "IncludePattern",
     "InnerSpec",
+    "MergeRule",
+    "MergeWait",
     "ModelSpec",
     "OuterSpec",
     "Precision",
     "Preset",
+    "PullCompression",
+    "SyncSpec",
     "TokenizerSpec",
     "TokenizerType",
+    "default_overlap_steps",
 ]
 
-Codec = Literal["none", "fp16", "bf16", "int8", "int4"]
-PullCompression = Literal["auto", "none", "fp16", "bf16", "int8", "int4"]
-MergeRule = Literal["tokens", "mean", "rda"]
 Parallelism = Literal["ddp", "fsdp"]
 
 # sync.maxStaleness "auto": versions per island of the job (at quorum 1, M versions are about one
@@ -112,89 +123,6 @@ class IslandsSpec(IslandPlacement, SpecModel):
         "tolerations, affinity, ...).",
     )
     overrides: IslandOverrides = ISLAND_OVERRIDES
-
-
-def default_overlap_steps(inner_steps: int) -> int:
-    """τ when sync.overlapSteps is unset: 5 steps (Streaming DiLoCo: about free), at most a
-    quarter of a round so a short H still leaves most of the round between apply and next push."""
-    return min(5, inner_steps // 4)
-
-
-class SyncSpec(SpecModel):
-    """How and when islands exchange pseudo-gradients."""
-
-    quorum: int = Field(
-        1, ge=1, le=512, description="K: islands whose pseudo-gradients open a merge."
-    )
-    grace_seconds: float | Literal["auto"] = Field(
-        "auto",
-        description="After the quorum, wait this long for more islands; 'auto' derives it from "
-        "measured step and sync times (Decoupled DiLoCo).",
-    )
-    fragments: int = Field(
-        2,
-        ge=1,
-        le=256,
-        description="F: parameter fragments synced at staggered steps (streaming; a model with a "
-        "single tensor needs 1).",
-    )
-    overlap_steps: int | None = Field(
-        None,
-        ge=0,
-        le=10000,
-        description="τ: inner steps that run while a sync is in flight; the steps are kept when "
-        "the merged fragment arrives. Unset: min(5, inner.steps // 4).",
-    )
-    compression: Codec = Field("int8", description="Codec for pseudo-gradients on the wire.")
-    pull_compression: PullCompression = Field(
-        "auto",
-        description="Codec for the global weights learners pull. 'none': every pull sends the "
-        "fragment's full fp32 weights. A codec: a learner gets the encoded weight updates since "
-        "the version it holds instead, when the syncer still keeps them and they are smaller "
-        "(what the codec drops is carried into the next update; a checksum guards each chain). "
-        "'auto': the same as sync.compression.",
-    )
-    merge: MergeRule = Field(
-        "tokens",
-        description="tokens: weighted by tokens x tokens-per-step; mean: plain mean; rda: "
-        "radial-directional averaging with token weights.",
-    )
-    max_staleness: Annotated[int, Field(ge=0, le=1000)] | Literal["auto"] = Field(
-        "auto",
-        description="A pseudo-gradient based on a version more than this many versions old is "
-        "refused (the learner pulls and goes on); 'auto': 4 x the job's islands, about four "
-        "rounds of work at quorum 1. Every fresher one is merged; staleness beyond one round of "
-        "work is discounted by (1 + excess rounds)^-1/2.",
-    )
-    mix_alpha: float = Field(
-        0.0,
-        ge=0,
-        lt=1,
-        description="On receiving a fragment: θ = α·θ_local + (1-α)·θ_global (0 overwrites).",
-    )
-    error_feedback: bool = Field(
-        False, description="Carry each island's quantisation error into its next push."
-    )
-    scale_partial_merges: bool = Field(
-        True,
-        description="Deprecated, ignored (kept so older manifests validate): every merge moves "
-        "the model by the share of a round of work it carries and the outer momentum is folded "
-        "once per round of work (Delayed Nesterov), whatever the quorum.",
-    )
-    heartbeat_timeout_seconds: float = Field(
-        30, gt=0, le=3600, description="An island silent this long leaves the quorum."
-    )
-
-    @property
-    def effective_pull_compression(self) -> str:
-        """The codec of pulled weight updates ('auto' resolved to sync.compression)."""
-        return self.compression if self.pull_compression == "auto" else self.pull_compression
-
-    @model_validator(mode="after")
-    def _grace_non_negative(self) -> SyncSpec:
-        if self.grace_seconds != "auto" and float(self.grace_seconds) < 0:
-            raise ValueError("sync.graceSeconds must be 'auto' or a number >= 0")
-        return self
 
 
 class StopAfterSpec(SpecModel):

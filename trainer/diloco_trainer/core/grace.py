@@ -47,6 +47,30 @@ def blocks_for_merge(*, quorum: int, islands: int, overlap: int) -> bool:
     return overlap == 0 or quorum >= islands
 
 
+MERGE_WAITS = ("overlap", "nextPush")  # sync.mergeWait
+
+
+def merge_wait_steps(*, merge_wait: str, overlap: int, inner_steps: int) -> int:
+    """Steps after a push at which a blocking learner (blocks_for_merge) waits for its merge.
+
+    "overlap" (the default): τ, the overlap. "nextPush": the last step before the fragment is due
+    again, max(τ, H − 1), so its next push still carries the merge of this one (K = M stays in
+    lock step) while a late merge costs max(0, L − (H − 1)·t) a round instead of max(0, L − τ·t).
+    Between τ and that step the learner only checks for the merge (applied at the first step it
+    is there, the steps since the push kept), so a merge that is on time is applied τ steps after
+    the push under both rules; a late one lands with up to H − 1 local steps kept on top of it.
+    """
+    if merge_wait not in MERGE_WAITS:
+        raise ValueError(
+            f"sync.mergeWait must be one of {', '.join(MERGE_WAITS)}, got {merge_wait!r}"
+        )
+    if overlap < 0 or inner_steps < 0:
+        raise ValueError(f"overlap and inner steps must be >= 0, got {overlap} and {inner_steps}")
+    if merge_wait == "overlap":
+        return overlap
+    return max(overlap, inner_steps - 1)
+
+
 def in_flight_steps(*, learners_block: bool, overlap_steps: int, inner_steps: int) -> int:
     """Steps a push may be in flight before its island loses a step: τ = overlap_steps when the
     learners block for their merge; H = inner_steps when they do not (the merge is needed only by

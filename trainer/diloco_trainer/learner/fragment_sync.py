@@ -26,6 +26,7 @@ from torch import Tensor, nn
 from diloco_trainer.api.protocol import PushMeta
 from diloco_trainer.api.spec import ConfigError, JobSpec
 from diloco_trainer.core import compress
+from diloco_trainer.core.grace import merge_wait_steps
 from diloco_trainer.core.push_bounds import max_push_steps
 from diloco_trainer.learner.fragment_state import FragmentState, InFlight, at_step_cap
 from diloco_trainer.learner.schedule import (
@@ -102,6 +103,18 @@ class FragmentSync:
         overlap = self.spec.sync.overlap_steps
         assert overlap is not None, "JobSpec resolves sync.overlapSteps"
         return overlap
+
+    @property
+    def deadline(self) -> int:
+        """Steps after a push at which a blocking learner waits for its merge (sync.mergeWait,
+        core/grace.merge_wait_steps); a learner that does not block only polls, from τ."""
+        if not self.blocking:
+            return self.overlap
+        return merge_wait_steps(
+            merge_wait=self.spec.sync.merge_wait,
+            overlap=self.overlap,
+            inner_steps=self.spec.inner.steps,
+        )
 
     def finished(self) -> bool:
         return self.link.finished.is_set()
@@ -211,7 +224,7 @@ class FragmentSync:
         return frozenset(
             f
             for f, fl in self.inflight.items()
-            if not fl.future.done() and now - fl.started > budget + self.overlap * self.step_time
+            if not fl.future.done() and now - fl.started > budget + self.deadline * self.step_time
         )
 
     def _hold(self, out: dict[int, Weights]) -> None:
@@ -254,6 +267,7 @@ class FragmentSync:
             overlap=self.overlap,
             pushed_at={f: fl.step for f, fl in self.inflight.items()},
             abandoned=abandoned,
+            deadline=self.deadline,
         )
         for f in plan.push:
             self._push(f, position)
@@ -265,7 +279,8 @@ class FragmentSync:
         done = []
         for f in plan.wait:
             started = time.monotonic()
-            # The τ steps since the push, in seconds: what the overlap hid of the merge's latency.
+            # The steps since the push (τ, or H - 1 with sync.mergeWait nextPush), in seconds:
+            # what the overlap hid of the merge's latency.
             flight = self.inflight.get(f)
             overlapped = started - flight.started if flight is not None else 0.0
             got = self._collect(f, block=budget if self.blocking else 0.0)
@@ -280,7 +295,7 @@ class FragmentSync:
                         self.position,
                         waited,
                         f,
-                        self.overlap,
+                        self.deadline,
                         overlapped,
                     )
             elif self.blocking and not self.stop.is_set() and not self.finished():

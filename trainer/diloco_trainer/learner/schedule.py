@@ -78,6 +78,7 @@ def plan_step(
     overlap: int,
     pushed_at: Mapping[int, int],
     abandoned: frozenset[int] = frozenset(),
+    deadline: int | None = None,
 ) -> StepPlan:
     """Decide what happens to each fragment after inner step `step` (counted from 1).
 
@@ -90,6 +91,11 @@ def plan_step(
     pushed afresh (same base, counters since the last receipt; the syncer replaces an island's
     pending push) instead of skipped, so a lost push cannot stall the fragment for good.
 
+    `deadline` (core/grace.merge_wait_steps; the overlap when None) is how many steps after its
+    push a fragment is waited for: from `overlap` steps after the push until then it is only
+    polled (applied if it has arrived), so sync.mergeWait "nextPush" waits for a late merge
+    just before the fragment is due again instead of τ steps after the push.
+
     A fragment due at a step below H is skipped: those steps are a fresh job's first round
     (schedule_start starts every later join at H or later), so every island skips alike and each
     fragment's first push holds its stagger plus a whole round (1 + f/F rounds). Pushed at its
@@ -101,14 +107,19 @@ def plan_step(
         raise ValueError(f"inner steps are counted from 1, got {step}")
     if overlap < 0:
         raise ValueError(f"sync.overlapSteps must be >= 0, got {overlap}")
+    deadline = overlap if deadline is None else deadline
+    if deadline < overlap:
+        raise ValueError(f"a merge's wait deadline ({deadline}) precedes the overlap ({overlap})")
     due = fragments_due(step, inner_steps, offsets)
     early = step < inner_steps  # a fresh job's first round: no push yet
     push = tuple(f for f in due if not early and (f not in pushed_at or f in abandoned))
     skip = tuple(f for f in due if f not in push)
     apply_at = dict(pushed_at)
     apply_at.update({f: step for f in push})
-    wait = tuple(sorted(f for f, s in apply_at.items() if s + overlap == step))
-    poll = tuple(sorted(f for f, s in apply_at.items() if s + overlap < step))
+    wait = tuple(sorted(f for f, s in apply_at.items() if s + deadline == step))
+    poll = tuple(
+        sorted(f for f, s in apply_at.items() if s + overlap <= step and s + deadline != step)
+    )
     return StepPlan(push=push, skip=skip, wait=wait, poll=poll)
 
 

@@ -1,0 +1,85 @@
+"""sync.mergeWait: when a learner that blocks for its merge (K = M, or τ = 0) waits for a late
+one. "overlap" (the default) waits τ steps after the push; "nextPush" only polls from τ on and
+waits at the last step before the fragment is due again, H - 1 steps after the push
+(core/grace.merge_wait_steps, learner/schedule.plan_step's deadline). Schedules derived by hand."""
+
+from __future__ import annotations
+
+import pytest
+from diloco_trainer.api.spec import ConfigError
+from diloco_trainer.core.grace import merge_wait_steps
+from diloco_trainer.learner.schedule import plan_step
+
+from .test_learner_fragment_sync import FakeLink, make_spec, make_sync
+
+
+def test_merge_wait_steps_is_the_overlap_or_the_step_before_the_next_push() -> None:
+    assert merge_wait_steps(merge_wait="overlap", overlap=2, inner_steps=8) == 2
+    assert merge_wait_steps(merge_wait="nextPush", overlap=2, inner_steps=8) == 7  # 8 - 1
+    # An overlap already past H - 1 is kept: nextPush never waits earlier than τ.
+    assert merge_wait_steps(merge_wait="nextPush", overlap=10, inner_steps=8) == 10
+    # τ = 0 (plain DiLoCo, blocking): nextPush still waits only before the next push.
+    assert merge_wait_steps(merge_wait="nextPush", overlap=0, inner_steps=8) == 7
+    assert merge_wait_steps(merge_wait="nextPush", overlap=0, inner_steps=1) == 0
+
+
+def test_an_unknown_rule_is_refused_with_its_name() -> None:
+    with pytest.raises(ValueError, match=r"sync\.mergeWait"):
+        merge_wait_steps(merge_wait="never", overlap=2, inner_steps=8)
+
+
+def plans(deadline: int | None) -> list[tuple[int, tuple[int, ...], tuple[int, ...]]]:
+    """(step, wait, poll) after steps 9..16 of one fragment (H = 8, τ = 2) pushed at step 8 whose
+    merge never arrives (so it stays in flight)."""
+    out = []
+    for step in range(9, 17):
+        p = plan_step(
+            step, inner_steps=8, offsets=[0], overlap=2, pushed_at={0: 8}, deadline=deadline
+        )
+        out.append((step, p.wait, p.poll))
+    return out
+
+
+def test_overlap_waits_tau_steps_after_the_push_then_polls() -> None:
+    expected = [(9, (), ()), (10, (0,), ())] + [(s, (), (0,)) for s in range(11, 17)]
+    assert plans(None) == expected
+    assert plans(2) == expected  # the default deadline is the overlap
+
+
+def test_next_push_polls_from_tau_and_waits_just_before_the_fragment_is_due_again() -> None:
+    expected = [
+        (9, (), ()),  # inside the overlap: nothing
+        (10, (), (0,)),  # τ after the push: applied if it is there, no wait
+        (11, (), (0,)),
+        (12, (), (0,)),
+        (13, (), (0,)),
+        (14, (), (0,)),
+        (15, (0,), ()),  # H - 1 after the push: wait (bounded) so the push at 16 carries it
+        (16, (), (0,)),  # still missing after the budget: skipped at 16 (below), polled on
+    ]
+    assert plans(7) == expected
+    at_16 = plan_step(16, inner_steps=8, offsets=[0], overlap=2, pushed_at={0: 8}, deadline=7)
+    assert at_16.skip == (0,) and at_16.push == ()
+
+
+def test_a_deadline_before_the_overlap_is_refused() -> None:
+    with pytest.raises(ValueError, match="deadline"):
+        plan_step(10, inner_steps=8, offsets=[0], overlap=2, pushed_at={0: 8}, deadline=1)
+
+
+def test_the_spec_knob_defaults_to_overlap_and_refuses_a_wrong_value_by_name() -> None:
+    assert make_spec().sync.merge_wait == "overlap"
+    assert make_spec(mergeWait="nextPush").sync.merge_wait == "nextPush"
+    with pytest.raises(ConfigError, match=r"sync\.mergeWait"):
+        make_spec(mergeWait="later")
+
+
+def test_the_learner_uses_the_deadline_only_when_it_blocks() -> None:
+    # make_spec: 2 islands, H = 4, τ = 2. K = M = 2 blocks: nextPush waits at H - 1 = 3.
+    blocking, _ = make_sync(make_spec(quorum=2, mergeWait="nextPush"), FakeLink(outer_lr=1.0))
+    assert blocking.blocking and blocking.deadline == 3
+    default, _ = make_sync(make_spec(quorum=2), FakeLink(outer_lr=1.0))
+    assert default.blocking and default.deadline == 2
+    # K < M never blocks: the rule has nothing to move, it polls from τ as before.
+    decoupled, _ = make_sync(make_spec(quorum=1, mergeWait="nextPush"), FakeLink(outer_lr=1.0))
+    assert not decoupled.blocking and decoupled.deadline == 2
