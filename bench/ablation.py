@@ -63,6 +63,14 @@ EXTRA: dict[str, Knobs] = {
         BLOCKING, fragments=2, split="layers", first_round_push=True
     ),
     "defaults, by layers": replace(DEFAULTS, split="layers"),
+    # sync.mergeWait nextPush (issue 21): the merge back L steps after the push; under the
+    # default rule ("defaults" at any L) the islands block at τ and install it after τ steps.
+    **{
+        f"defaults, merge {late} steps late, nextPush": replace(
+            DEFAULTS, late=late, merge_wait="nextPush"
+        )
+        for late in (10, 20, 29)
+    },
 }
 LEAVE_OUT: dict[str, Knobs] = {
     "defaults, fp32 pushes": replace(DEFAULTS, push="none"),

@@ -35,6 +35,7 @@ from diloco_trainer.api.spec import JobSpec
 from diloco_trainer.core.compress import ErrorFeedback, decode_tensors, encode_tensors
 from diloco_trainer.core.contributions import Contributor, plan_merge
 from diloco_trainer.core.fragments import fragment_offsets, fragments_due, split_fragments
+from diloco_trainer.core.grace import merge_wait_steps
 from diloco_trainer.core.merge import merge_pseudo_gradients
 from diloco_trainer.core.outer import OuterOptimizer
 from diloco_trainer.core.published import publish_update
@@ -69,14 +70,21 @@ class Knobs:
     # True: the rule before issue 23, fragment f pushed at every sync point from step f·H/F on
     # (plan_step now skips those before step H).
     first_round_push: bool = False
+    # A merge that is back `late` steps after its push (0: on time), and sync.mergeWait's rule
+    # for it. "overlap": the islands block at τ until it is there, so it is installed after
+    # τ steps whatever `late` is (the wait costs wall time, not steps). "nextPush": they train on
+    # and install it at the first step it is there, at the latest H - 1 steps after the push.
+    late: int = 0
+    merge_wait: str = "overlap"
 
 
 @dataclass
 class Pending:
     """A fragment an island pushed and has not installed yet."""
 
-    due: int  # the step after which it is installed (push step + τ)
+    due: int  # the step after which it is installed (push step + τ, or later: Knobs.late)
     at_push: dict[str, Tensor]
+    pushed: int = 0  # the step it was pushed after
 
 
 @dataclass
@@ -111,6 +119,16 @@ def contiguous_fragments(sizes: dict[str, int], num_fragments: int) -> list[list
         out[f].append(name)
         filled += size
     return [f for f in out if f]
+
+
+def install_after(knobs: Knobs, inner_steps: int) -> int:
+    """Steps from a push to its install: τ when the merge is on time or the islands block at τ
+    (sync.mergeWait overlap); under nextPush a late merge is installed at the first step it is
+    there, H - 1 steps after the push at the latest (core/grace.merge_wait_steps)."""
+    deadline = merge_wait_steps(
+        merge_wait=knobs.merge_wait, overlap=knobs.overlap, inner_steps=inner_steps
+    )
+    return min(max(knobs.overlap, knobs.late), deadline)
 
 
 def _copy(tensors: dict[str, Tensor], names: list[str]) -> dict[str, Tensor]:
@@ -168,6 +186,7 @@ class Simulation:
             for p in parts
         ]
         self.tokens_per_step = spec.inner.batch_size * spec.inner.seq_len
+        self.install_after = install_after(knobs, self.h)
 
     def _push(self, island: Island, f: int) -> dict[str, Tensor]:
         """Δ_f as the syncer decodes it; remembers the weights at the push."""
@@ -222,7 +241,7 @@ class Simulation:
         island.previous[f] = island.bases[f]
         island.bases[f] = merged
         # The steps since the push are in the next Δ when kept; overwritten, they are lost.
-        island.steps[f] = self.knobs.overlap if self.knobs.keep else 0
+        island.steps[f] = pending.due - pending.pushed if self.knobs.keep else 0
         island.pending[f] = None
 
     def _sync(self, f: int, step: int) -> None:
@@ -233,15 +252,11 @@ class Simulation:
         for isl in self.islands:
             pend = isl.pending[f]
             assert pend is not None
-            pend.due = step + self.knobs.overlap
+            pend.due, pend.pushed = step + self.install_after, step
 
     def _due(self, step: int) -> tuple[int, ...]:
         """Fragments every island pushes after `step` (lockstep: island 0's plan is everyone's)."""
-        pushed_at = {
-            f: p.due - self.knobs.overlap
-            for f, p in enumerate(self.islands[0].pending)
-            if p is not None
-        }
+        pushed_at = {f: p.pushed for f, p in enumerate(self.islands[0].pending) if p is not None}
         if self.knobs.first_round_push:
             due = fragments_due(step, self.h, self.offsets)
             return tuple(f for f in due if f not in pushed_at)

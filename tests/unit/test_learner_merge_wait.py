@@ -83,3 +83,14 @@ def test_the_learner_uses_the_deadline_only_when_it_blocks() -> None:
     # K < M never blocks: the rule has nothing to move, it polls from τ as before.
     decoupled, _ = make_sync(make_spec(quorum=1, mergeWait="nextPush"), FakeLink(outer_lr=1.0))
     assert not decoupled.blocking and decoupled.deadline == 2
+
+
+def test_the_ablation_installs_a_late_merge_where_each_rule_says() -> None:
+    from bench.ablation_sim import Knobs, install_after
+
+    # H = 30, τ = 5 (decoupled_quality's setup).
+    assert install_after(Knobs(overlap=5), 30) == 5  # on time
+    assert install_after(Knobs(overlap=5, late=20), 30) == 5  # blocks at τ: wall time, not steps
+    assert install_after(Knobs(overlap=5, late=3, merge_wait="nextPush"), 30) == 5
+    assert install_after(Knobs(overlap=5, late=20, merge_wait="nextPush"), 30) == 20
+    assert install_after(Knobs(overlap=5, late=40, merge_wait="nextPush"), 30) == 29  # H - 1
