@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-from diloco_trainer.syncer.memory import return_freed_memory
+from diloco_trainer.syncer.memory import return_freed_memory, trim
 
 
 def rss() -> int:
@@ -31,4 +31,26 @@ def test_freed_buffers_leave_the_process() -> None:
     after = rss()
     assert float(pin.sum()) == 16.0
     assert grown - before >= 100 * 2**20
+    assert after - before < 16 * 2**20
+
+
+def test_trim_hands_back_free_pages_between_live_blocks() -> None:
+    """Blocks below the threshold come from the heap; freed between live ones, their pages stay
+    with the process until trim() gives them back."""
+    assert return_freed_memory()
+    before = rss()
+    # 256 buffers of 256 KiB (below the 1 MiB threshold), each followed by a small live block
+    # that keeps the heap from shrinking at its top when the buffers are freed.
+    held, pins = [], []
+    for _ in range(256):
+        held.append(torch.ones(64 * 1024))
+        pins.append(torch.ones(16))
+    grown = rss()
+    del held
+    kept = rss()
+    assert trim()
+    after = rss()
+    assert sum(float(p.sum()) for p in pins) == 256 * 16.0
+    assert grown - before >= 48 * 2**20
+    assert kept - before >= 48 * 2**20  # free() alone gave the pages back: nothing to show
     assert after - before < 16 * 2**20

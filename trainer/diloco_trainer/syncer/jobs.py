@@ -37,6 +37,7 @@ from diloco_trainer.models.parts import TrainingParts, evaluate
 from diloco_trainer.syncer import checkpoint as ckpt
 from diloco_trainer.syncer.global_model import GlobalModel, Tensors, TensorSnapshot
 from diloco_trainer.syncer.health import CHECKPOINT, CORRUPT, Health
+from diloco_trainer.syncer.memory import trim
 from diloco_trainer.syncer.metrics import SyncerMetrics
 
 log = logging.getLogger("diloco.syncer")
@@ -124,8 +125,12 @@ class Evaluations:
         return self.history[-1]["evalLoss"] if self.history else None
 
     def evaluate_live(self) -> float:
-        """The eval loss of the live global weights (θ_exact; the caller holds them still)."""
-        return evaluate(self.parts)
+        """The eval loss of the live global weights (θ_exact; the caller holds them still);
+        the activations' heap pages go back to the system after it (memory.trim)."""
+        try:
+            return evaluate(self.parts)
+        finally:
+            trim()
 
     def evaluate_snapshot(self, weights: Tensors) -> float:
         """The eval loss of a copy of the weights, on the second model (its parameter slots

@@ -55,7 +55,7 @@ from diloco_trainer.api.spec import JobSpec
 from diloco_trainer.syncer import server, startup
 from diloco_trainer.syncer.jobs import CheckpointSnapshot
 from diloco_trainer.syncer.membership_routes import MembershipRoutes
-from diloco_trainer.syncer.memory import return_freed_memory
+from diloco_trainer.syncer.memory import return_freed_memory, trim
 from diloco_trainer.syncer.merge import LeftOut
 from diloco_trainer.syncer.merge_log import describe_merge
 from diloco_trainer.syncer.publisher import Body, BodyKey
@@ -414,6 +414,8 @@ class Syncer:
                     self.publisher.install(f, body)
             del body
         await asyncio.to_thread(self.merge_log.write, entry)
+        # The merge's small temporaries back to the system once it is pullable (memory.py).
+        await asyncio.to_thread(trim)
         self.merger.logged(seconds)
         self._update_gauges()
         evaluated = await self._after_merge()
