@@ -286,6 +286,8 @@ def variants(args: Any) -> list[tuple[str, str, int, bool]]:
             out.append((f"torchft K={m}{tag}", "torchft", m, slow))
     if args.only:
         out = [v for v in out if v[1] == "baseline" or any(o in v[0] for o in args.only)]
+    if args.skip_baseline:
+        out = [v for v in out if v[1] != "baseline"]
     return out
 
 
@@ -368,6 +370,12 @@ def parse_args(argv: Sequence[str] | None) -> Any:
         default=[],
         help="run only variants whose label contains one of these (e.g. 'K=1' 'K=4'; the "
         "baseline always runs); for focused --no-record checks",
+    )
+    p.add_argument(
+        "--skip-baseline",
+        action="store_true",
+        help="leave synchronous data-parallel out (it is deterministic for a seed: for reruns "
+        "that compare ours with itself; no ratio to it and no bytes against DDP then)",
     )
     p.add_argument("--quick", action="store_true", help="smoke run: M=2, H=8, 32 steps, 1 seed")
     args = p.parse_args(argv)

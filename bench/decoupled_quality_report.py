@@ -130,7 +130,9 @@ def main_table(args: Any, results: Results, budget: int) -> Table:
             "merges",
         ],
     )
-    ddp = results[base][0]["push"] + results[base][0]["pull"]
+    # --skip-baseline: no sync DP run, so no ratio to it and no DDP bytes to compare with.
+    has_base = base in results
+    ddp = results[base][0]["push"] + results[base][0]["pull"] if has_base else math.nan
     for label in results:
         group = next((g for g in groups if label in g), [])
         losses = per_seed(results, label, lambda r: loss_at_tokens(r, budget))
@@ -143,13 +145,13 @@ def main_table(args: Any, results: Results, budget: int) -> Table:
         table.add(
             label,
             fmt_ms(losses),
-            fmt_ratio(ratio(mean_spread(losses)[0], mean_spread(ref)[0]), 4),
+            fmt_ratio(ratio(mean_spread(losses)[0], mean_spread(ref)[0]), 4) if has_base else "—",
             fmt_ratio(ratio(mean_spread(losses)[0], mean_spread(kref)[0]), 4),
             fmt_ms(at_t) if group else "—",
             fmt_ms(per_seed(results, label, lambda r: r["wall"]), 0) + " s",
             fmt_bytes(sum(r["push"] for r in results[label]) / len(results[label])),
             fmt_bytes(sum(r["pull"] for r in results[label]) / len(results[label])),
-            "—" if label == base else f"{ratio(ddp, moved):.0f}x",
+            "—" if label == base or not has_base else f"{ratio(ddp, moved):.0f}x",
             fmt_ms(per_seed(results, label, lambda r: r["merges"]), 0),
         )
     return table
@@ -216,15 +218,16 @@ def targets(args: Any, results: Results, budget: int, slowdown: float) -> Table:
             fmt_ratio(r, 4),
             verdict(r <= 1.02),
         )
-    r = ratio(mean_loss(km), mean_loss(base))
-    t.add(f"K={m} within 2% of synchronous DP", fmt_ratio(r, 4), verdict(r <= 1.02))
-    ddp = results[base][0]["push"] + results[base][0]["pull"]
-    moved = sum(x["push"] + x["pull"] for x in results[km]) / len(results[km])
-    t.add(
-        f"K={m}: >= 100x fewer bytes than DDP (push + pull)",
-        f"{ddp / moved:.0f}x",
-        verdict(ddp / moved >= 100),
-    )
+    if base in results:  # not with --skip-baseline
+        r = ratio(mean_loss(km), mean_loss(base))
+        t.add(f"K={m} within 2% of synchronous DP", fmt_ratio(r, 4), verdict(r <= 1.02))
+        ddp = results[base][0]["push"] + results[base][0]["pull"]
+        moved = sum(x["push"] + x["pull"] for x in results[km]) / len(results[km])
+        t.add(
+            f"K={m}: >= 100x fewer bytes than DDP (push + pull)",
+            f"{ddp / moved:.0f}x",
+            verdict(ddp / moved >= 100),
+        )
     slow_km = results.get(km + tag, [])
     for k in sorted({max(1, m // 2), 1}, reverse=True):
         label = f"ours K={k}{tag}"

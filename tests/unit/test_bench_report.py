@@ -64,3 +64,33 @@ def test_parity_targets_leave_out_variants_that_did_not_run() -> None:
     assert [row[0] for row in table.rows] == [
         "K=4: >= 100x fewer bytes per worker than DDP, pushed and pulled apart"
     ]
+
+
+def test_skip_baseline_runs_ours_alone_and_the_tables_read_without_it() -> None:
+    from bench import decoupled_quality
+
+    args = decoupled_quality.parse_args(
+        ["--no-straggler", "--skip-torchft", "--only", "ours K=", "--skip-baseline"]
+    )
+    assert decoupled_quality.variants(args) == [
+        ("ours K=4", "ours", 4, False),
+        ("ours K=2", "ours", 2, False),
+        ("ours K=1", "ours", 1, False),
+    ]
+    run = {"wall": 1.0, "merges": 2}
+    results = {
+        "ours K=4": [{**_run(0, 2.0, 9.0, 11.0), **run}],
+        "ours K=2": [{**_run(0, 2.02), **run}],
+        "ours K=1": [{**_run(0, 2.04), **run}],
+    }
+    args.seeds = [0]
+    tables, _ = decoupled_quality_report.tables(args, results, 100, 3.0)
+    main = {row[0]: row for row in tables[0].rows}
+    # No sync DP: its ratio and the bytes against DDP read "—"; K=1 / K=4 = 2.04 / 2.0.
+    assert (main["ours K=1"][2], main["ours K=1"][3], main["ours K=1"][8]) == ("—", "1.0200x", "—")
+    assert [row[0] for row in tables[3].rows] == [
+        "K=2 at most 1% above K=4 on each seed",
+        "K=2 at most 1% above K=4, mean of the seeds' ratios",
+        "K=1 at most 1% above K=4 on each seed",
+        "K=1 at most 1% above K=4, mean of the seeds' ratios",
+    ]
