@@ -2,10 +2,16 @@
 honest tokens, and per adversary the mean of those ratios over the seeds with its spread, beside
 the same figures of the honest rerun (none_again), which is what run-to-run noise alone gives.
 
-The verdict on a mean reads its noise too: with n seeds, sample standard deviation s and standard
-error se = s / sqrt(n), the mean is judged within the target only when |mean - 1| + 2 se <= target
-(resolved: met), outside only when |mean - 1| - 2 se > target (resolved: MISSED), and otherwise
-"not resolved": a target is never called met on a mean its own noise could carry past it.
+The verdict on a mean reads its noise too: with n seeds, sample standard deviation s, standard
+error se = s / sqrt(n) and the half-width of its 95% interval w = t(n - 1) x se (Student's t: a
+handful of seeds estimates s poorly), the mean is judged within the target only when
+|mean - 1| + w <= target (resolved: met), outside only when |mean - 1| - w > target (resolved:
+MISSED), and otherwise "not resolved": a target is never called met on a mean its own noise could
+carry past it.
+
+Each seed has one baseline run, whose own noise is in every ratio of that seed; the adversary's
+ratio over the honest rerun's of the same seed (`paired`) cancels it and compares two runs that
+ended the same way (at the budget), one with the adversary and one without.
 """
 
 from __future__ import annotations
@@ -20,6 +26,9 @@ from bench.common import Report, Table, fmt_ratio, verdict
 from bench.decoupled_quality_report import interp
 
 TARGET = 0.02  # eval loss within 2% of the baseline's at equal honest tokens
+# Student's t, two-sided 95%, by degrees of freedom (seeds - 1); beyond 10, 10's (conservative).
+T95 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262}
+T95_MORE = 2.228
 BASELINE = "none"
 CONTROL = "none_again"  # the honest job run again: run-to-run noise
 
@@ -65,15 +74,24 @@ class Spread:
     def se(self) -> float:
         return self.sd / math.sqrt(self.n)
 
+    @property
+    def half_width(self) -> float:
+        """Of the mean's 95% interval: t(n - 1) x se (NaN for one seed).
+
+        >>> round(Spread.of([1.01, 0.99, 1.03, 0.97]).half_width, 6)  # 3.182 x 0.0129099
+        0.041079
+        """
+        return T95.get(self.n - 1, T95_MORE) * self.se
+
 
 def judge(s: Spread, target: float = TARGET) -> str:
     """The verdict on a mean ratio, its noise read (module docstring).
 
-    >>> judge(Spread(5, 1.005, 0.01, 0.99, 1.02))  # 0.5% + 2 x 0.45% <= 2%
+    >>> judge(Spread(5, 1.005, 0.01, 0.99, 1.02))  # w = 2.776 x 0.447% = 1.24%; 0.5% + w <= 2%
     'met'
-    >>> judge(Spread(5, 1.05, 0.01, 1.04, 1.06))  # 5% - 0.9% > 2%
+    >>> judge(Spread(5, 1.05, 0.01, 1.04, 1.06))  # 5% - 1.24% > 2%
     'MISSED'
-    >>> judge(Spread(5, 1.015, 0.02, 0.99, 1.04))  # 1.5% + 1.8% > 2%, 1.5% - 1.8% < 2%
+    >>> judge(Spread(5, 1.015, 0.01, 0.99, 1.04))  # 1.5% + 1.24% > 2%, 1.5% - 1.24% < 2%
     'not resolved'
     >>> judge(Spread(1, 1.0, math.nan, 1.0, 1.0))
     'not resolved'
@@ -81,9 +99,9 @@ def judge(s: Spread, target: float = TARGET) -> str:
     off = abs(s.mean - 1.0)
     if math.isnan(s.se):
         return "not resolved"
-    if off + 2 * s.se <= target:
+    if off + s.half_width <= target:
         return verdict(True)
-    if off - 2 * s.se > target:
+    if off - s.half_width > target:
         return verdict(False)
     return "not resolved"
 
@@ -110,8 +128,24 @@ def spreads(outcomes: Sequence[Outcome]) -> dict[str, Spread]:
     return {v: Spread.of(r) for v, r in by.items()}
 
 
+def paired(outcomes: Sequence[Outcome]) -> dict[str, Spread]:
+    """Per adversary, over the seeds that ran it, the honest rerun and the baseline: its ratio
+    over the honest rerun's (both against that seed's one baseline, so the baseline's own noise
+    cancels): how far the adversary's run is from a run without it that ended the same way."""
+    ratio = {(o.seed, o.variant): ratio_of(outcomes, o)[0] for o in outcomes if _based(outcomes, o)}
+    by: dict[str, list[float]] = {}
+    for (seed, variant), r in ratio.items():
+        if variant not in (BASELINE, CONTROL) and (seed, CONTROL) in ratio:
+            by.setdefault(variant, []).append(r / ratio[(seed, CONTROL)])
+    return {v: Spread.of(r) for v, r in by.items()}
+
+
+def _based(outcomes: Sequence[Outcome], o: Outcome) -> bool:
+    return any(b.seed == o.seed and b.variant == BASELINE for b in outcomes)
+
+
 def _band(s: Spread) -> str:
-    return f"{fmt_ratio(s.mean, 4)} ± {100 * 2 * s.se:.2f}%"
+    return f"{fmt_ratio(s.mean, 4)} ± {100 * s.half_width:.2f}%"
 
 
 def per_run_table(outcomes: Sequence[Outcome]) -> tuple[Table, float]:
@@ -153,31 +187,41 @@ def per_run_table(outcomes: Sequence[Outcome]) -> tuple[Table, float]:
     return table, worst
 
 
-def mean_table(by: dict[str, Spread]) -> Table:
-    """Per adversary: the mean ratio over seeds, its noise and spread, the honest rerun's."""
+def mean_table(by: dict[str, Spread], pairs: dict[str, Spread]) -> Table:
+    """Per adversary: the mean ratio over seeds, its noise and spread, the honest rerun's, and
+    its ratio to the honest rerun paired by seed."""
     table = Table(
-        "Per adversary over the seeds: mean of the per-seed ratios (± 2 standard errors), their "
-        "range, and the honest rerun's (none_again) beside it",
+        "Per adversary over the seeds: mean of the per-seed ratios to the baseline (± its 95% "
+        "interval) and their range, the honest rerun's (none_again) beside it, and the adversary's "
+        "run over the honest rerun of the same seed",
         [
             "adversary",
             "seeds",
-            "mean ratio ± 2 se",
+            "mean ratio ± 95%",
             "range",
-            "honest rerun: mean ± 2 se",
-            "honest rerun: range",
-            "within 2% (mean, its noise read)",
+            "honest rerun: mean ± 95% (range)",
+            "within 2% of the baseline",
+            "over the honest rerun: mean ± 95%",
+            "within 2% of the honest rerun",
         ],
     )
     control = by.get(CONTROL)
+    rerun = (
+        f"{_band(control)} ({fmt_ratio(control.low, 4)} - {fmt_ratio(control.high, 4)})"
+        if control
+        else "not measured"
+    )
     for variant, s in by.items():
+        pair = pairs.get(variant)
         table.add(
             variant,
             s.n,
             _band(s),
             f"{fmt_ratio(s.low, 4)} - {fmt_ratio(s.high, 4)}",
-            _band(control) if control else "not measured",
-            f"{fmt_ratio(control.low, 4)} - {fmt_ratio(control.high, 4)}" if control else "-",
+            rerun,
             judge(s),
+            _band(pair) if pair else "-",
+            judge(pair) if pair else "-",
         )
     return table
 
@@ -204,15 +248,20 @@ def report(outcomes: Sequence[Outcome], args: argparse.Namespace) -> Report:
     by = spreads(outcomes)
     attacks = {v: s for v, s in by.items() if v != CONTROL}
     verdicts = {v: judge(s) for v, s in attacks.items()}
+    pairs = paired(outcomes)
     seeds = sorted({o.seed for o in outcomes if o.variant == BASELINE})
     means = ", ".join(f"{v} {_band(s)} ({verdicts[v]})" for v, s in attacks.items())
     control = f"; the honest rerun {_band(by[CONTROL])}" if CONTROL in by else ""
+    over = ", ".join(f"{v} {_band(s)} ({judge(s)})" for v, s in pairs.items())
+    over_verdict = overall({v: judge(s) for v, s in pairs.items()})
     summary = (
         f"Two honest islands and one adversary, {args.preset}, H={args.inner_steps}, "
         f"{args.steps} steps per honest island, seeds {seeds}. Mean ratio over the seeds of the "
-        f"eval loss to the baseline's at equal honest tokens (± 2 standard errors): {means}"
+        f"eval loss to the baseline's at equal honest tokens (± its 95% interval): {means}"
         f"{control}. Target, each mean within {100 * TARGET:.0f}% with its noise read: "
-        f"{overall(verdicts)}. Largest deviation of any single run: {100 * worst:.2f}%."
+        f"{overall(verdicts)}. "
+        + (f"Over the honest rerun of the same seed: {over}; {over_verdict}. " if pairs else "")
+        + f"Largest deviation of any single run from the baseline: {100 * worst:.2f}%."
     )
     notes = [
         "Honest tokens: the two honest islands' merged tokens at the finish (status islands."
@@ -221,8 +270,9 @@ def report(outcomes: Sequence[Outcome], args: argparse.Namespace) -> Report:
         "adversary's answers: its pushes accepted, else their HTTP statuses (200: answered after "
         "the job finished; 403: after it was dropped); reopened: held connections the syncer "
         "closed or answered, opened again.",
-        "Verdict on a mean (bench/adversary_report.judge): met when |mean - 1| + 2 se <= 2%, "
-        "MISSED when |mean - 1| - 2 se > 2%, else not resolved; se = sample sd / sqrt(seeds). "
+        "Verdict on a mean (bench/adversary_report.judge): met when |mean - 1| + w <= 2%, "
+        "MISSED when |mean - 1| - w > 2%, else not resolved; w = t(seeds - 1) x sample sd / "
+        "sqrt(seeds), the 95% interval's half-width (Student's t). "
         "Every ratio of a seed shares that seed's one baseline run, whose own noise is in them.",
     ]
-    return Report("bench/adversary.py", summary, [mean_table(by), runs], notes)
+    return Report("bench/adversary.py", summary, [mean_table(by, paired(outcomes)), runs], notes)
