@@ -35,13 +35,14 @@ import argparse
 import contextlib
 import json
 import select
+import shutil
 import socket
 import threading
 import time
 import urllib.error
 import urllib.request
 from collections.abc import Callable
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -83,6 +84,8 @@ HONEST_ONLY = ("none", "none_again")
 # Merges of the fragment before an adversary starts.
 ATTACK_AFTER = 4
 OUTCOMES = "outcomes.jsonl"  # each finished run, in the workdir
+# Seconds a status poll answered 503 is asked again before the run counts as failed.
+STATUS_PATIENCE = 120.0
 # The baseline trains this much longer than the budget (its final loss is not compared).
 BASELINE_MARGIN = 1.25
 
@@ -258,11 +261,32 @@ class Adversary(threading.Thread):
         log_file.mkdir(parents=True)
 
 
-def start_job(spec: JobSpec, where: Path, variant: str) -> OursRun:
+@dataclass
+class ObservedRun(OursRun):
+    """The job, its status polled as an operator would: a 503 (the syncer busy, e.g. its
+    connections held by a flood) is counted and asked again, not a failed run."""
+
+    busy: int = 0  # status polls answered 503
+
+    def status(self) -> dict[str, Any]:
+        deadline = time.monotonic() + STATUS_PATIENCE
+        while True:
+            try:
+                return super().status()
+            except urllib.error.HTTPError as err:
+                if err.code != 503 or time.monotonic() > deadline:
+                    raise
+                self.busy += 1
+            time.sleep(0.5)
+
+
+def start_job(spec: JobSpec, where: Path, variant: str) -> ObservedRun:
     """The syncer, then the two honest islands' learners (the third island's slot is the
     adversary's, or empty)."""
-    job = OursRun(spec=spec, workdir=where, job_name=f"adversary-{variant}")
-    where.mkdir(parents=True, exist_ok=True)
+    job = ObservedRun(spec=spec, workdir=where, job_name=f"adversary-{variant}")
+    # A run cut short left its syncer's state (its stop checkpointed): a fresh job, not a resume.
+    shutil.rmtree(where, ignore_errors=True)
+    where.mkdir(parents=True)
     job.files = write_job_files(spec, where)
     for attempt in range(START_ATTEMPTS):
         job.port = free_port()  # another process may take it before the syncer binds: retry
@@ -346,6 +370,7 @@ def run_variant(args: argparse.Namespace, seed: int, variant: str, where: Path) 
         refusals=status.get("refusals") or {},
         honest_states=[islands[i]["state"] if i in islands else "-" for i in HONEST],
         seconds=time.monotonic() - began,
+        status_busy=job.busy,
     )
 
 

@@ -46,6 +46,7 @@ class Outcome:
     refusals: dict[str, dict[str, int]]
     honest_states: list[str]
     seconds: float
+    status_busy: int = 0  # the harness's status polls answered 503 (asked again)
 
 
 @dataclass(frozen=True)
@@ -163,6 +164,7 @@ def per_run_table(outcomes: Sequence[Outcome]) -> tuple[Table, float]:
             "adversary's answers",
             "refused",
             "honest islands",
+            "status polls 503",
             "wall s",
         ],
     )
@@ -182,6 +184,7 @@ def per_run_table(outcomes: Sequence[Outcome]) -> tuple[Table, float]:
             ", ".join(f"{k}: {v}" for k, v in sorted(o.answers.items())) or "-",
             ", ".join(f"{k}: {v}" for k, v in sorted(refused.items())) or "-",
             "/".join(o.honest_states),
+            o.status_busy,
             f"{o.seconds:.0f}",
         )
     return table, worst
