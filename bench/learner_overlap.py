@@ -110,7 +110,7 @@ def job_windows(args: argparse.Namespace, workdir: Path) -> tuple[list[float], f
     log = workdir / "run" / "logs" / "island-0-rank0.log"
     if args.logs is not None and log.exists():
         args.logs.mkdir(parents=True, exist_ok=True)
-        shutil.copy(log, args.logs / log.name)
+        shutil.copy(log, args.logs / f"{workdir.name}-{log.name}")  # one per round
     if done.returncode != 0:
         tail = log.read_text()[-3000:] if log.exists() else "(no learner log)"
         raise SystemExit(f"the job exited {done.returncode}; learner log tail:\n{tail}")
