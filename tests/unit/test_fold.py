@@ -113,3 +113,57 @@ def test_result_uses_the_fold_up() -> None:
     assert torch.equal(fold.result()["w"], t(2.0))
     with pytest.raises(ValueError, match="nothing to merge"):
         fold.result()
+
+
+def test_result_undivided_leaves_the_division_to_its_reader_by_hand() -> None:
+    # weights 1 and 3, scales 1 and 0.5: acc = [4, 8] + [3, -6] = [7, 2], Σρ = 4; the merge is
+    # acc / 4 = [1.75, 0.5], its largest |x| 1.75 = max|acc| / 4, found before any division.
+    fold = MergeFold("tokens")
+    fold.add({"w": t(4.0, 8.0)}, 1.0, 1.0)
+    fold.add({"w": t(2.0, -4.0)}, 3.0, 0.5)
+    out, divisors = fold.result_undivided()
+    assert torch.equal(out["w"], t(7.0, 2.0))
+    assert divisors == {"w": 4.0}
+    assert (fold.amax, fold.amax_name) == (1.75, "w")
+
+
+def test_result_undivided_then_divided_by_slices_is_result_bit_for_bit() -> None:
+    # Slices of another size than the fold's own, across several tensors, weights that make
+    # Σρ no power of two (division rounds); the largest |x| and its tensor the same too.
+    gen = torch.Generator().manual_seed(7)
+    shapes = {"a": (300_001,), "b": (517, 1031), "c": (5,)}
+    vs = [{n: torch.randn(s, generator=gen) for n, s in shapes.items()} for _ in range(3)]
+    vs[2]["b"][3, 7] = -40.0  # the largest |x|, negative, in the second tensor
+
+    def folded() -> MergeFold:
+        fold = MergeFold("tokens")
+        for v, w, s in zip(vs, [3.0, 5.0, 7.0], [1.0, 0.37, 2.1], strict=True):
+            fold.add(v, w, s)
+        return fold
+
+    eager = folded()
+    want = eager.result()
+    lazy = folded()
+    got, divisors = lazy.result_undivided()
+    assert set(divisors) == set(shapes)
+    for name, d in divisors.items():
+        flat = got[name].view(-1)
+        for start in range(0, flat.numel(), 100_000):
+            flat[start : start + 100_000].div_(d)
+        assert torch.equal(got[name], want[name])
+    assert (lazy.amax, lazy.amax_name) == (eager.amax, eager.amax_name) and lazy.amax_name == "b"
+
+
+def test_result_undivided_finds_a_nan_before_any_division() -> None:
+    fold = MergeFold("tokens")
+    fold.add({"a": t(1.0), "b": t(float("nan"), 2.0)}, 1.0, 1.0)
+    _, divisors = fold.result_undivided()
+    assert math.isnan(fold.amax) and fold.amax_name == "b" and divisors == {"a": 1.0, "b": 1.0}
+
+
+def test_rda_is_finished_at_once() -> None:
+    # RDA's scale needs the whole direction's norm: nothing of it is left to the reader.
+    fold = MergeFold("rda")
+    fold.add({"w": t(3.0, 4.0)}, 1.0, 1.0)
+    out, divisors = fold.result_undivided()
+    assert divisors == {} and torch.allclose(out["w"], t(3.0, 4.0))

@@ -154,6 +154,20 @@ class MergeFold:
     def result(self) -> dict[str, Tensor]:
         """The merged pseudo-gradient, computed in place in the accumulators (the fold is used
         up); ValueError when nothing was folded or the weights sum to zero."""
+        out, divisors = self.result_undivided()
+        for name, divisor in divisors.items():
+            flat = out[name].view(-1)
+            for start in range(0, flat.numel(), SLICE):
+                flat[start : start + SLICE].div_(divisor)
+        return out
+
+    def result_undivided(self) -> tuple[dict[str, Tensor], dict[str, float]]:
+        """result() but for its division: (tensors, divisor by name); each tensor named there
+        is the merge once divided by it (`t.div_(divisor)`, a slice at a time or whole: the
+        same values), so its reader can divide each slice as it reads it (the syncer's outer
+        step) instead of a pass of its own over the fragment. `amax` is the divided result's
+        already: x ↦ x / d (d > 0) rounds monotonically, so max|x| / d in fp32 is the largest
+        |x / d| bit for bit (and nan/inf stay so)."""
         if not self.count:
             raise ValueError("nothing to merge: no pseudo-gradients")
         if not (self.total > 0.0 and math.isfinite(self.total)):
@@ -161,23 +175,26 @@ class MergeFold:
         out, self.acc = self.acc, {}
         self.count = 0
         self.amax, self.amax_name = 0.0, ""
+        divisors: dict[str, float] = {}
         for name, t in out.items():
+            if not self._rda(name):
+                divisors[name] = self.total
+                # read only: max|acc| / Σρ is the divided tensor's (see above)
+                largest = torch.tensor([abs_max(t)] if t.numel() else [0.0]).div_(self.total)
+                self._note_amax(name, float(largest[0]))
+                continue
             factor = None
-            if self._rda(name):
-                dnorm = float(torch.linalg.vector_norm(t))
-                if dnorm != 0.0:  # else all zero, or directions cancel exactly: no update
-                    factor = self.radius[name] / self.total / dnorm
-            flat = t.view(-1)
+            dnorm = float(torch.linalg.vector_norm(t))
+            if dnorm != 0.0:  # else all zero, or directions cancel exactly: no update
+                factor = self.radius[name] / self.total / dnorm
             # A slice at a time: the largest |x| (the merge's check) read while it is in cache.
+            flat = t.view(-1)
             for start in range(0, flat.numel(), SLICE):
                 piece = flat[start : start + SLICE]
-                if self._rda(name):
-                    if factor is not None:
-                        piece.mul_(factor)
-                else:
-                    piece.div_(self.total)
+                if factor is not None:
+                    piece.mul_(factor)
                 self._note_amax(name, abs_max(piece))
-        return out
+        return out, divisors
 
     def _note_amax(self, name: str, value: float) -> None:
         """Keep the largest |x| of the result and its tensor (the first that is not finite)."""

@@ -164,6 +164,7 @@ class OuterOptimizer:
         *,
         complete: bool = False,
         each: Callable[[str, slice], None] | None = None,
+        before: Callable[[str, slice], None] | None = None,
     ) -> int:
         """Apply one merge carrying `fraction` of a round to exactly the named tensors (one
         fragment, `group`; `complete`: it holds every island's push, see the module docstring);
@@ -172,7 +173,9 @@ class OuterOptimizer:
         Streamed a slice of each tensor at a time (compress.slices): every value goes through
         the same float ops as on the whole tensor, so the result is the same bit for bit, with
         slice-sized temporaries instead of P-sized ones. `each(name, slice)` runs after every
-        slice of θ is final (the published update reads it while it is in cache)."""
+        slice of θ is final (the published update reads it while it is in cache);
+        `before(name, slice)` before the slice of `grads[name]` is read (the syncer finishes
+        the merge's division there, core/fold.result_undivided, instead of a pass of its own)."""
         self._check(grads)
         portions, after = split_fraction(self.accumulated(group), fraction, complete=complete)
         # The gradient term's slice is written here, reused (one per call: merges of other
@@ -186,6 +189,8 @@ class OuterOptimizer:
                 if scratch.numel() < sl.stop - sl.start:
                     scratch = torch.empty(SLICE)
                 work = scratch[: sl.stop - sl.start]
+                if before is not None:
+                    before(name, sl)
                 buf = self._step_slice(
                     name, flat[sl], param[sl], sl, fraction, portions, kept, work
                 )

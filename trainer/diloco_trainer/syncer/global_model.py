@@ -16,7 +16,7 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
@@ -25,6 +25,7 @@ from diloco_trainer.api.sharding import ERROR_WRONG_SHARD, WRONG_SHARD_STATUS
 from diloco_trainer.api.spec import ConfigError, JobSpec
 from diloco_trainer.core.compress import expected_encoded
 from diloco_trainer.core.contributions import Contributor, MergePlan, plan_merge
+from diloco_trainer.core.fold import SLICE as FOLD_SLICE
 from diloco_trainer.core.fragments import split_fragments
 from diloco_trainer.core.merge import merge_pseudo_gradients
 from diloco_trainer.core.outer import BUFFER_PREFIX, OuterOptimizer
@@ -70,7 +71,25 @@ class PreparedMerge:
     """A merge computed but not applied (GlobalModel.prepare_merge)."""
 
     plan: MergePlan
-    merged: Tensors  # the merged pseudo-gradient g
+    merged: Tensors  # the merged pseudo-gradient g, once divided by `divisors`
+    # Tensors of `merged` still to be divided by these (fold.result_undivided): commit_merge
+    # divides each slice as the outer step reads it; emptied once done.
+    divisors: dict[str, float] = field(default_factory=dict)
+
+    def divide(self, name: str, sl: slice) -> None:
+        """Finish one slice of `merged[name]` (core/outer.OuterOptimizer.step's `before`)."""
+        divisor = self.divisors.get(name)
+        if divisor is not None:
+            self.merged[name].view(-1)[sl].div_(divisor)
+
+    def finish(self) -> Tensors:
+        """`merged`, every tensor divided (once) as fold.result divides it."""
+        for name, divisor in self.divisors.items():
+            flat = self.merged[name].view(-1)
+            for start in range(0, flat.numel(), FOLD_SLICE):
+                flat[start : start + FOLD_SLICE].div_(divisor)
+        self.divisors.clear()
+        return self.merged
 
 
 @dataclass(frozen=True)
@@ -218,8 +237,10 @@ class GlobalModel:
         )
         fold = self.folds.take(f, contributions, plan)
         checked = False
+        divisors: dict[str, float] = {}
         if fold is not None:
-            merged = fold.result()
+            # The division is left to the outer step's slices (commit_merge): no pass of its own.
+            merged, divisors = fold.result_undivided()
             # result() found the largest |x| as it finished each slice: the check without a
             # pass of its own (guards.check_merged's rule).
             if not (math.isfinite(fold.amax) and fold.amax <= MAX_MERGED_ABS):
@@ -240,7 +261,7 @@ class GlobalModel:
             raise MergeInputError(f"work fraction {plan.fraction} of fragment {f}'s merge")
         if not checked:
             check_merged(f, merged)
-        return PreparedMerge(plan, merged)
+        return PreparedMerge(plan, merged, divisors)
 
     def commit_merge(self, f: int, prepared: PreparedMerge, *, new_version: int) -> MergeResult:
         """Apply a prepared merge: the outer step carrying φ, and θ_pub's update to
@@ -262,11 +283,17 @@ class GlobalModel:
                 self.weights, self.published, names, self.pull_compression, new_version, out
             )
             self.outer.step(
-                prepared.merged, plan.fraction, group=f, complete=plan.complete, each=writer.slice
+                prepared.merged,
+                plan.fraction,
+                group=f,
+                complete=plan.complete,
+                each=writer.slice,
+                before=prepared.divide,
             )
+            prepared.divisors.clear()
             update = writer.finish()
         else:
-            self.outer.step(prepared.merged, plan.fraction, group=f, complete=plan.complete)
+            self.outer.step(prepared.finish(), plan.fraction, group=f, complete=plan.complete)
             if out is not None:
                 update = publish_update(
                     self.weights, self.published, names, self.pull_compression, new_version, out
