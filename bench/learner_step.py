@@ -169,18 +169,23 @@ def time_side(
     warmup: int,
     steps: int,
     memory: dict[str, float],
+    cpu: dict[str, float] | None = None,
 ) -> float:
-    """Seconds for `steps` steps after `warmup` untimed ones, on a freshly built side."""
+    """Seconds for `steps` steps after `warmup` untimed ones, on a freshly built side; `cpu`
+    accumulates this process's CPU seconds over them ("seconds": every thread of the process, so
+    other processes' load enters only through what contention costs a thread)."""
     with peak_memory(device, memory):
         step = build(spec, device)
         for _ in range(warmup):
             step()
         sync(device)
-        start = time.perf_counter()
+        start, cpu_start = time.perf_counter(), time.process_time()
         for _ in range(steps):
             step()
         sync(device)
         elapsed = time.perf_counter() - start
+        if cpu is not None:
+            cpu["seconds"] = cpu.get("seconds", 0.0) + time.process_time() - cpu_start
         del step
     return elapsed
 
@@ -206,6 +211,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     tokens_per_step = spec.inner.tokens_per_step
     seconds = {"learner": 0.0, "plain": 0.0}
     memory: dict[str, dict[str, float]] = {"learner": {}, "plain": {}}
+    cpu: dict[str, dict[str, float]] = {"learner": {}, "plain": {}}
     # --control: the "learner" side is a second plain loop (an A/A run), so the printed ratio is
     # how far two identical loops differ on this machine: the noise floor of the real ratio.
     sides = {"learner": plain_side if args.control else learner_side, "plain": plain_side}
@@ -221,6 +227,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 warmup=args.warmup,
                 steps=args.steps,
                 memory=memory[name],
+                cpu=cpu[name],
             )
     with torch.device("meta"):
         params = count_parameters(build_model(spec.model.preset, spec.inner.seq_len))
@@ -253,9 +260,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "tokens_per_s": tokens_per_s,
             "model_tflops": tokens_per_s * flops_per_token / 1e12,
             "peak_memory_gib": memory[name]["peak_bytes"] / 2**30,
+            "tokens_per_cpu_s": total_steps * tokens_per_step / cpu[name]["seconds"],
         }
     result["ratio_learner_to_plain"] = (
         result["learner"]["tokens_per_s"] / result["plain"]["tokens_per_s"]
+    )
+    result["ratio_cpu_learner_to_plain"] = (
+        result["learner"]["tokens_per_cpu_s"] / result["plain"]["tokens_per_cpu_s"]
     )
     return result
 
@@ -279,6 +290,11 @@ def report(result: dict[str, Any]) -> str:
             f"{side['model_tflops']:8.2f} {side['peak_memory_gib']:9.2f}"
         )
     lines.append(f"learner / plain tokens/s: {result['ratio_learner_to_plain']:.3f}")
+    lines.append(
+        f"learner / plain tokens per CPU-s: {result['ratio_cpu_learner_to_plain']:.3f} "
+        f"({result['learner']['tokens_per_cpu_s']:.0f} against "
+        f"{result['plain']['tokens_per_cpu_s']:.0f})"
+    )
     lines.append(f"data stream alone: {result['data_tokens_per_s']:.0f} tokens/s")
     return "\n".join(lines)
 
