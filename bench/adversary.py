@@ -402,7 +402,14 @@ def main() -> int:
         timeout=900.0,
     )
     p.add_argument("--variants", nargs="+", choices=VARIANTS, default=list(VARIANTS))
+    p.add_argument(
+        "--report-only",
+        action="store_true",
+        help="run nothing: report the runs --workdir holds (of --seeds and --variants)",
+    )
     args = p.parse_args()
+    if args.report_only and args.workdir is None:
+        p.error("--report-only reads the runs of a --workdir")
     if "none" not in args.variants:
         args.variants = ["none", *args.variants]
     install_signal_cleanup()
@@ -411,6 +418,8 @@ def main() -> int:
         saved = load_outcomes(root / OUTCOMES)  # a run cut short goes on from these (--workdir)
         for seed in args.seeds:
             for variant in args.variants:
+                if args.report_only and (seed, variant) not in saved:
+                    continue
                 o = saved.get((seed, variant)) or run_variant(
                     args, seed, variant, root / f"{variant}-{seed}"
                 )

@@ -107,6 +107,26 @@ def judge(s: Spread, target: float = TARGET) -> str:
     return "not resolved"
 
 
+def seeds_to_resolve(s: Spread, target: float = TARGET, most: int = 100) -> int | None:
+    """The fewest seeds at which a mean this far from 1, with this spread, would be judged met
+    (t(n - 1) x sd / sqrt(n) <= target - |mean - 1|); None when the mean itself is past the
+    target, its spread unknown, or more than `most` would be needed.
+
+    >>> # margin 2% - 0.5% = 1.5%; n=4: 3.182 x 1% / 2 = 1.59% (no), n=5: 2.776 x 1% / 2.236 = 1.24%
+    >>> seeds_to_resolve(Spread(3, 1.005, 0.01, 0.99, 1.02))
+    5
+    >>> seeds_to_resolve(Spread(3, 1.025, 0.01, 1.01, 1.04)) is None
+    True
+    """
+    off = abs(s.mean - 1.0)
+    if off >= target or math.isnan(s.sd):
+        return None
+    for n in range(2, most + 1):
+        if T95.get(n - 1, T95_MORE) * s.sd / math.sqrt(n) <= target - off:
+            return n
+    return None
+
+
 def base_of(outcomes: Sequence[Outcome], o: Outcome) -> Outcome:
     """The baseline run of `o`'s seed."""
     return next(b for b in outcomes if b.seed == o.seed and b.variant == BASELINE)
@@ -139,6 +159,12 @@ def paired(outcomes: Sequence[Outcome]) -> dict[str, Spread]:
         if variant not in (BASELINE, CONTROL) and (seed, CONTROL) in ratio:
             by.setdefault(variant, []).append(r / ratio[(seed, CONTROL)])
     return {v: Spread.of(r) for v, r in by.items()}
+
+
+def _needed(s: Spread, pair: Spread | None) -> str:
+    """Seeds that would resolve the verdict against the baseline / against the honest rerun."""
+    ns = [seeds_to_resolve(x) if x is not None else None for x in (s, pair)]
+    return " / ".join("-" if n is None else str(n) for n in ns)
 
 
 def _based(outcomes: Sequence[Outcome], o: Outcome) -> bool:
@@ -206,6 +232,7 @@ def mean_table(by: dict[str, Spread], pairs: dict[str, Spread]) -> Table:
             "within 2% of the baseline",
             "over the honest rerun: mean ± 95%",
             "within 2% of the honest rerun",
+            "seeds that would resolve it (this spread)",
         ],
     )
     control = by.get(CONTROL)
@@ -225,6 +252,7 @@ def mean_table(by: dict[str, Spread], pairs: dict[str, Spread]) -> Table:
             judge(s),
             _band(pair) if pair else "-",
             judge(pair) if pair else "-",
+            _needed(s, pair),
         )
     return table
 
