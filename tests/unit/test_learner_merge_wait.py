@@ -6,11 +6,12 @@ waits at the last step before the fragment is due again, H - 1 steps after the p
 from __future__ import annotations
 
 import pytest
+import torch
 from diloco_trainer.api.spec import ConfigError
 from diloco_trainer.core.grace import merge_wait_steps
 from diloco_trainer.learner.schedule import plan_step
 
-from .test_learner_fragment_sync import FakeLink, make_spec, make_sync
+from .test_learner_fragment_sync import FakeLink, make_spec, make_sync, step
 
 
 def test_merge_wait_steps_is_the_overlap_or_the_step_before_the_next_push() -> None:
@@ -32,11 +33,11 @@ def plans(deadline: int | None) -> list[tuple[int, tuple[int, ...], tuple[int, .
     """(step, wait, poll) after steps 9..16 of one fragment (H = 8, τ = 2) pushed at step 8 whose
     merge never arrives (so it stays in flight)."""
     out = []
-    for step in range(9, 17):
+    for at in range(9, 17):
         p = plan_step(
-            step, inner_steps=8, offsets=[0], overlap=2, pushed_at={0: 8}, deadline=deadline
+            at, inner_steps=8, offsets=[0], overlap=2, pushed_at={0: 8}, deadline=deadline
         )
-        out.append((step, p.wait, p.poll))
+        out.append((at, p.wait, p.poll))
     return out
 
 
@@ -94,3 +95,27 @@ def test_the_ablation_installs_a_late_merge_where_each_rule_says() -> None:
     assert install_after(Knobs(overlap=5, late=3, merge_wait="nextPush"), 30) == 5
     assert install_after(Knobs(overlap=5, late=20, merge_wait="nextPush"), 30) == 20
     assert install_after(Knobs(overlap=5, late=40, merge_wait="nextPush"), 30) == 29  # H - 1
+
+
+def test_a_blocking_learner_with_next_push_trains_past_tau_and_applies_before_next_push() -> None:
+    # K = M (2 of 2), H = 4, τ = 2, nextPush: the merge of the push after step 4 is held back.
+    # Under "overlap" step 6 would block (up to the 2 s budget); here steps 5 and 6 only check.
+    link = FakeLink(outer_lr=0.25)
+    spec = make_spec(quorum=2, mergeWait="nextPush", heartbeatTimeoutSeconds=2)
+    sync, w = make_sync(spec, link)
+    assert sync.blocking and sync.deadline == 3
+    for _ in range(3):
+        step(sync, w)
+    link.hold = True
+    assert step(sync, w) == {}  # step 4: pushed (w = 4, Δ = -4: global 0 - 0.25 x -4 = 1)
+    assert step(sync, w) == {}  # step 5
+    assert step(sync, w) == {}  # step 6 = 4 + τ: checked, not there, no wait
+    assert sync.take_waited() == 0.0
+    assert 0 in sync.inflight
+    link.release()
+    assert step(sync, w) != {}  # step 7 = 4 + H - 1: there, applied before the push at 8
+    # global 1 + the 3 steps since the push at 4: w = 1 + (7 - 4) = 4.
+    assert torch.equal(w.detach(), torch.full((2,), 4.0))
+    assert sync.fragments[0].counters.steps == 3
+    step(sync, w)  # step 8: the fragment is due again and idle: pushed, not skipped
+    assert len(link.pushes) == 2
