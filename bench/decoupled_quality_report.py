@@ -146,7 +146,7 @@ def main_table(args: Any, results: Results, budget: int) -> Table:
             label,
             fmt_ms(losses),
             fmt_ratio(ratio(mean_spread(losses)[0], mean_spread(ref)[0]), 4) if has_base else "—",
-            fmt_ratio(ratio(mean_spread(losses)[0], mean_spread(kref)[0]), 4),
+            fmt_ratio(ratio(mean_spread(losses)[0], mean_spread(kref)[0]), 4) if kref else "—",
             fmt_ms(at_t) if group else "—",
             fmt_ms(per_seed(results, label, lambda r: r["wall"]), 0) + " s",
             fmt_bytes(sum(r["push"] for r in results[label]) / len(results[label])),

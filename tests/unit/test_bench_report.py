@@ -94,3 +94,11 @@ def test_skip_baseline_runs_ours_alone_and_the_tables_read_without_it() -> None:
         "K=1 at most 1% above K=4 on each seed",
         "K=1 at most 1% above K=4, mean of the seeds' ratios",
     ]
+
+
+def test_without_ours_at_k_m_the_ratio_to_it_reads_dash() -> None:
+    # --only 'ours K=2': no K=4 in the run, so no ratio to it (it read 0.0000x before).
+    args = SimpleNamespace(islands=4, preset="gpt-tiny", inner_steps=30, steps=600, seeds=[0])
+    results = {"ours K=2": [{**_run(0, 2.02), "wall": 1.0, "merges": 2}]}
+    row = decoupled_quality_report.main_table(args, results, 100).rows[0]
+    assert (row[1], row[2], row[3]) == ("2.0200 ± 0.0000", "—", "—")
