@@ -485,6 +485,32 @@ def test_guards_service_unwritable_merge_log_is_a_health_problem(tmp_path: Path)
     assert ckpt.list_checkpoints(tmp_path)[-1].name == ckpt.checkpoint_name(4)
 
 
+def test_guards_service_merge_log_lines_kept_are_written_at_stop(tmp_path: Path) -> None:
+    """Merge-log lines kept while merges.jsonl was unwritable are written by the stop when the
+    log can be written again, though no merge came after it healed (they were lost before)."""
+    spec = make_spec(sync=ALONE)
+    log_file = tmp_path / merge_log.MERGE_LOG_FILE
+
+    async def scenario() -> tuple[dict[str, Any], Syncer]:
+        syncer = await started(spec, tmp_path, FakeClock())
+        await syncer.join("island-0", 1)
+        await honest_round(syncer, seed=0)
+        log_file.unlink()
+        log_file.mkdir()
+        await honest_round(syncer, seed=1)
+        await honest_round(syncer, seed=2)
+        failing = (await syncer.status())["health"]
+        log_file.rmdir()  # healed, but no merge comes to write the two kept lines
+        await syncer.stop()
+        return failing, syncer
+
+    failing, syncer = run(scenario())
+    assert failing["problems"][0]["count"] == 2
+    assert not syncer.merge_log.unwritten
+    lines = log_file.read_text().splitlines()
+    assert [json.loads(line)["version"] for line in lines] == [2, 3]
+
+
 def test_guards_service_a_checkpoint_without_manifest_is_set_aside_and_reported(
     tmp_path: Path,
 ) -> None:

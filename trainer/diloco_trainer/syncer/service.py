@@ -180,6 +180,9 @@ class Syncer:
             timeout,
             final=None if self.failure else (self.state.versions, self._checkpoint_snapshot),
         )
+        # Merge-log lines kept in memory while the log was unwritable are written now if it can
+        # be again, else counted as lost on the log (the checkpoints hold the state either way).
+        await asyncio.to_thread(self.merge_log.close)
 
     # ----- derived figures ---------------------------------------------------------------------
 
