@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
 from pathlib import Path
 
 import torch
-from diloco_trainer.syncer.memory import return_freed_memory, trim
+from diloco_trainer.syncer.memory import return_freed_memory
 
 
 def rss() -> int:
@@ -34,23 +37,52 @@ def test_freed_buffers_leave_the_process() -> None:
     assert after - before < 16 * 2**20
 
 
+# Run in a fresh interpreter: in the test process, earlier tests leave free holes in the heap
+# that the small live blocks would fill, the buffers would end up contiguous at the heap's top,
+# and free() alone would trim them, leaving trim() nothing to show.
+_TRIM_SCENARIO = """
+import json
+from pathlib import Path
+
+import torch
+from diloco_trainer.syncer.memory import return_freed_memory, trim
+
+
+def rss():
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    raise AssertionError("no VmRSS")
+
+
+fixed = return_freed_memory()
+before = rss()
+# 256 buffers of 256 KiB (below the 1 MiB threshold), each followed by a small live block
+# that keeps the heap from shrinking at its top when the buffers are freed.
+held, pins = [], []
+for _ in range(256):
+    held.append(torch.ones(64 * 1024))
+    pins.append(torch.ones(16))
+grown = rss()
+del held
+kept = rss()
+trimmed = trim()
+after = rss()
+total = sum(float(p.sum()) for p in pins)
+print(json.dumps(dict(fixed=fixed, trimmed=trimmed, total=total, grown=grown - before,
+                      kept=kept - before, after=after - before)))
+"""
+
+
 def test_trim_hands_back_free_pages_between_live_blocks() -> None:
     """Blocks below the threshold come from the heap; freed between live ones, their pages stay
     with the process until trim() gives them back."""
-    assert return_freed_memory()
-    before = rss()
-    # 256 buffers of 256 KiB (below the 1 MiB threshold), each followed by a small live block
-    # that keeps the heap from shrinking at its top when the buffers are freed.
-    held, pins = [], []
-    for _ in range(256):
-        held.append(torch.ones(64 * 1024))
-        pins.append(torch.ones(16))
-    grown = rss()
-    del held
-    kept = rss()
-    assert trim()
-    after = rss()
-    assert sum(float(p.sum()) for p in pins) == 256 * 16.0
-    assert grown - before >= 48 * 2**20
-    assert kept - before >= 48 * 2**20  # free() alone gave the pages back: nothing to show
-    assert after - before < 16 * 2**20
+    out = subprocess.run(
+        [sys.executable, "-c", _TRIM_SCENARIO], check=True, capture_output=True, text=True
+    )
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    assert got["fixed"] and got["trimmed"]
+    assert got["total"] == 256 * 16.0
+    assert got["grown"] >= 48 * 2**20
+    assert got["kept"] >= 48 * 2**20  # free() alone gave the pages back: nothing to show
+    assert got["after"] < 16 * 2**20
