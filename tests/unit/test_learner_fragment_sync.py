@@ -36,6 +36,7 @@ class FakeLink:
         self.version = 0
         self.hold = False
         self.held: list[tuple[concurrent.futures.Future[Any], Any]] = []
+        self.progress: dict[str, Any] = {"holding": False}  # what heartbeats would carry
 
     def submit(self, coro: Coroutine[Any, Any, Any]) -> concurrent.futures.Future[Any]:
         future: concurrent.futures.Future[Any] = concurrent.futures.Future()

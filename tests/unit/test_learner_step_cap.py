@@ -96,6 +96,7 @@ def test_an_unanswered_island_holds_at_the_cap_and_steps_on_after_the_merge() ->
     # fragment holds 18 steps since its base: the learner takes no step 19.
     wait_for(lambda: sync.held_since is not None, "the learner to hold")
     assert thread.is_alive()
+    assert link.progress["holding"] is True  # what its heartbeats tell the syncer
     assert sync.fragments[0].counters.steps == MOST
     assert sync.position == MOST
     assert torch.equal(w.detach(), torch.full((2,), float(MOST)))  # w += 1 per step taken
@@ -104,7 +105,7 @@ def test_an_unanswered_island_holds_at_the_cap_and_steps_on_after_the_merge() ->
     link.release()  # the merge of the push at step 4 arrives
     thread.join(timeout=30)
     assert not thread.is_alive()
-    assert sync.held_since is None
+    assert sync.held_since is None and link.progress["holding"] is False
     assert sync.take_waited() > 0  # the hold is counted as time waiting for the syncer
     # Steps 19..22 were taken; the next push (due at 20) carries steps 5..20: 16 <= 18.
     assert sync.position == 22

@@ -115,8 +115,10 @@ def test_syncer_documents_a_push_header_is_read_once(
 
 def test_island_status_holding_is_read_from_the_entry_and_absent_by_default() -> None:
     """An island's `holding` (its learner at the step cap) is read when the syncer sends it; an
-    entry without it, or with anything but true, is not holding, and comes back as it was."""
+    entry without it (a syncer before the field) is not holding and comes back as it was; a
+    holding that is no JSON boolean makes the document malformed, naming the field."""
     assert IslandStatus.from_json({"state": "active", "holding": True}).holding
     plain = IslandStatus.from_json({"state": "active"})
     assert not plain.holding and "holding" not in plain.to_wire()
-    assert not IslandStatus.from_json({"state": "active", "holding": "yes"}).holding
+    with pytest.raises(DocumentError, match="holding"):
+        IslandStatus.from_json({"state": "active", "holding": "yes"})

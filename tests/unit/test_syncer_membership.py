@@ -89,3 +89,15 @@ def test_work_clocks_by_hand() -> None:
     restored = WorkClocks([4], [2], keep=3)
     restored.restore([[[3, 1.5], [4, 2.0], [5, 2.25]]])
     assert restored.to_json() == [[[3, 1.5], [4, 2.0]]]
+
+
+def test_membership_heartbeat_says_whether_the_island_holds() -> None:
+    """`holding` is what the island's latest heartbeat said (the learner at its step cap): set by
+    one that says so, cleared by the next that does not, and in the island's status entry."""
+    m = members(Heard())
+    m.join("island-0", 1, now=0.0)
+    assert not m.islands["island-0"].to_status().holding
+    m.heartbeat("island-0", 1.0, step=40, holding=True)
+    assert m.islands["island-0"].to_status().to_wire()["holding"] is True
+    m.heartbeat("island-0", 2.0, step=40)
+    assert m.islands["island-0"].to_status().to_wire()["holding"] is False

@@ -201,7 +201,9 @@ def test_wire_client_json_routes_send_the_documented_bodies() -> None:
         async with syncer_client.SyncerClient(url, "tok") as client:
             return [
                 await client.join("island-3", 2),
-                await client.heartbeat("island-3", step=7, tokens=99, loss=2.0, step_time=0.5),
+                await client.heartbeat(
+                    "island-3", step=7, tokens=99, loss=2.0, step_time=0.5, holding=True
+                ),
                 await client.set_membership("island-3", "dropped", "unhealthy"),
                 await client.leave("island-3"),
                 await client.status(digest=True),
@@ -231,6 +233,7 @@ def test_wire_client_json_routes_send_the_documented_bodies() -> None:
         "tokens": 99,
         "loss": 2.0,
         "stepTime": 0.5,
+        "holding": True,
     }
     assert bodies["membership"] == {"state": "dropped", "reason": "unhealthy"}
     assert bodies["leave"] == {"island": "island-3"}

@@ -21,7 +21,7 @@ import json
 from collections.abc import Mapping
 from typing import Any, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, ValidationError, model_validator
 from pydantic.alias_generators import to_camel
 
 from diloco_trainer.api.protocol import (
@@ -165,14 +165,10 @@ class IslandStatus(Document):
     loss: float | None = None
     step: int = 0
     step_time: float | None = None
-
-    @property
-    def holding(self) -> bool:
-        """Its learner holds its inner steps at the step cap (a fragment carries the most one
-        push may and the syncer has not answered it; learner/fragment_sync.py), as its latest
-        heartbeat said: the entry's `holding` key, read as an extra so that a syncer that does
-        not send it (not holding) gets its document back exactly; absent or not true: False."""
-        return (self.model_extra or {}).get("holding") is True
+    # Its learner holds its inner steps at the step cap (a fragment carries the most one push
+    # may and the syncer has not answered it; learner/fragment_sync.py), as its latest heartbeat
+    # said. Absent (a syncer before this field): not holding.
+    holding: StrictBool = False
 
     @property
     def known_state(self) -> IslandState | None:

@@ -236,6 +236,7 @@ class FragmentSync:
         ):
             if self.held_since is None:
                 self.held_since = time.monotonic()
+                self.link.progress["holding"] = True  # the heartbeats tell the syncer
                 log.warning(
                     "step %d: fragment(s) %s hold %d steps since their base, the most one push "
                     "may carry (4 x inner.steps + sync.overlapSteps); holding inner steps until "
@@ -254,6 +255,7 @@ class FragmentSync:
                         out[f] = target
         if self.held_since is not None:
             held, self.held_since = time.monotonic() - self.held_since, None
+            self.link.progress["holding"] = False
             self.waited += held
             self._last_step = self.clock()  # the hold is not a step's wall time
             log.info("step %d: held %.1fs for the syncer; stepping on", self.position, held)

@@ -113,7 +113,13 @@ class SyncerLink:
         self.replicas = replicas
         self.finished = threading.Event()
         # Latest figures for heartbeats; written by the training thread, read by the loop.
-        self.progress: dict[str, Any] = {"step": 0, "tokens": 0, "loss": None, "step_time": None}
+        self.progress: dict[str, Any] = {
+            "step": 0,
+            "tokens": 0,
+            "loss": None,
+            "step_time": None,
+            "holding": False,  # fragment_sync sets it while the island holds at the step cap
+        }
         # Pulls answered with a chain of updates, and chains that failed their check.
         self.pull_counts = {"updates": 0, "rebuildFailed": 0}
         self._loop = asyncio.new_event_loop()
@@ -357,6 +363,7 @@ class SyncerLink:
                 tokens=progress["tokens"],
                 loss=progress["loss"],
                 step_time=progress["step_time"],
+                holding=progress["holding"],
             )
         except SyncerError as err:
             log.warning("heartbeat failed: %s", err)

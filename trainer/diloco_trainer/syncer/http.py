@@ -135,7 +135,14 @@ class SyncerService(Protocol):
     ) -> dict[str, Any]: ...
 
     async def heartbeat(
-        self, island: str, *, step: int, tokens: int, loss: float | None, step_time: float | None
+        self,
+        island: str,
+        *,
+        step: int,
+        tokens: int,
+        loss: float | None,
+        step_time: float | None,
+        holding: bool = False,
     ) -> dict[str, Any]: ...
 
     async def leave(self, island: str) -> dict[str, Any]: ...
@@ -320,6 +327,7 @@ class SyncerRoutes:
         tokens = typed_field(doc, "tokens", "heartbeat", int, required=False) or 0
         loss = typed_field(doc, "loss", "heartbeat", float, required=False)
         step_time = typed_field(doc, "stepTime", "heartbeat", float, required=False)
+        holding = typed_field(doc, "holding", "heartbeat", bool, required=False) or False
         at_least(step, 0, "heartbeat", "step")
         at_least(tokens, 0, "heartbeat", "tokens")
         at_least(step_time, 0, "heartbeat", "stepTime")
@@ -327,7 +335,7 @@ class SyncerRoutes:
         at_most(tokens, MAX_WIRE_INT, "heartbeat", "tokens")
         at_most(step_time, MAX_SECONDS, "heartbeat", "stepTime")
         answer = await self.syncer.heartbeat(
-            island, step=step, tokens=tokens, loss=loss, step_time=step_time
+            island, step=step, tokens=tokens, loss=loss, step_time=step_time, holding=holding
         )
         return web.json_response(answer)
 

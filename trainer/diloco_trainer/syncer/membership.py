@@ -105,6 +105,7 @@ class Membership:
         tokens: int = 0,
         loss: float | None = None,
         step_time: float | None = None,
+        holding: bool = False,
     ) -> IslandRecord:
         """A sign of life with progress figures; Refused(404) if the island never joined."""
         rec = self.island(name)
@@ -116,6 +117,7 @@ class Membership:
             rec.loss = loss
         if step_time:
             rec.step_time = step_time
+        rec.holding = holding
         self._events.membership_changed(now)
         return rec
 

@@ -55,13 +55,26 @@ class MembershipRoutes:
         ).to_wire()
 
     async def heartbeat(
-        self, island: str, *, step: int, tokens: int, loss: float | None, step_time: float | None
+        self,
+        island: str,
+        *,
+        step: int,
+        tokens: int,
+        loss: float | None,
+        step_time: float | None,
+        holding: bool = False,
     ) -> dict[str, Any]:
         """A learner's sign of life; its membership state and whether the job finished
         (HeartbeatAnswer)."""
         async with self.host.locked():
             rec = self.state.membership.heartbeat(
-                island, self.host.clock(), step=step, tokens=tokens, loss=loss, step_time=step_time
+                island,
+                self.host.clock(),
+                step=step,
+                tokens=tokens,
+                loss=loss,
+                step_time=step_time,
+                holding=holding,
             )
         self.host.changed()
         answer = HeartbeatAnswer(

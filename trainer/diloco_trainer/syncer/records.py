@@ -83,6 +83,9 @@ class IslandRecord:
     loss: float | None = None
     step: int = 0
     step_time: float | None = None
+    # Its learner holds at the step cap, as its latest heartbeat said (not persisted: a restarted
+    # syncer hears it again with the next heartbeat).
+    holding: bool = False
     sync_time: float | None = None
     # Its latest net sync time (reported sync time minus what the syncer held the push; see
     # core/grace.py), not persisted.
@@ -107,6 +110,7 @@ class IslandRecord:
             loss=self.loss,
             step=self.step,
             step_time=self.step_time,
+            holding=self.holding,
         )
 
     @classmethod

@@ -262,11 +262,18 @@ class Syncer:
         return await self.members.join(island, replicas)
 
     async def heartbeat(
-        self, island: str, *, step: int, tokens: int, loss: float | None, step_time: float | None
+        self,
+        island: str,
+        *,
+        step: int,
+        tokens: int,
+        loss: float | None,
+        step_time: float | None,
+        holding: bool = False,
     ) -> dict[str, Any]:
         """A learner's sign of life (HeartbeatAnswer)."""
         return await self.members.heartbeat(
-            island, step=step, tokens=tokens, loss=loss, step_time=step_time
+            island, step=step, tokens=tokens, loss=loss, step_time=step_time, holding=holding
         )
 
     async def leave(self, island: str) -> dict[str, Any]:
