@@ -45,7 +45,8 @@ from diloco_trainer.api.contract import ContractError, LearnerEnv
 from diloco_trainer.api.protocol import SyncerError
 from diloco_trainer.api.spec import ConfigError, JobSpec, load_spec
 from diloco_trainer.core.fragments import fragment_offsets
-from diloco_trainer.learner.device import configure_threads, pick_device
+from diloco_trainer.cpus import configure_threads
+from diloco_trainer.learner.device import pick_device
 from diloco_trainer.learner.fragment_sync import FragmentSync
 from diloco_trainer.learner.inner_step import InnerStep, check_precision
 from diloco_trainer.learner.schedule import rewarm_factor, schedule_start

@@ -63,7 +63,11 @@ STATUS_TIMEOUT_SECONDS = 10.0
 LEARNER_EXIT_SECONDS = 30.0
 # Children get this long to exit after SIGTERM before their process groups are killed.
 STOP_SECONDS = 10.0
-SYNCER_READY_SECONDS = 120.0
+# The syncer listens once it has built its model, read its data and evaluated the initial
+# weights (or resumed a checkpoint): at gpt-125m on a loaded 2-core machine that took over 120 s.
+# The same budget as the operator's startup probe (10 minutes); a syncer that exits before it is
+# ready is reported at once, with its log, so the long budget only bounds a hang.
+SYNCER_READY_SECONDS = 600.0
 
 
 class RunError(RuntimeError):
@@ -91,7 +95,7 @@ def parse_slow_islands(values: Sequence[str], count: int) -> dict[int, float]:
 
 def threads_per_learner(total_ranks: int) -> int:
     """Share the CPU budget between the local learner processes (at least one thread each)."""
-    from diloco_trainer.learner.device import cpu_budget
+    from diloco_trainer.cpus import cpu_budget
 
     return max(1, cpu_budget() // max(1, total_ranks))
 

@@ -52,6 +52,7 @@ from diloco_trainer.api import credentials
 from diloco_trainer.api.credentials import Principal
 from diloco_trainer.api.documents import SyncerStatus
 from diloco_trainer.api.spec import JobSpec
+from diloco_trainer.cpus import configure_threads
 from diloco_trainer.syncer import server, startup
 from diloco_trainer.syncer.jobs import CheckpointSnapshot
 from diloco_trainer.syncer.membership_routes import MembershipRoutes
@@ -472,5 +473,7 @@ class Syncer:
 
 def main(args: argparse.Namespace) -> int:
     """`diloco syncer`: serve the job in $DILOCO_CONFIG_FILE until SIGTERM (exit 0), or exit 1
-    after a failed merge, or 2 for a bad environment or config (see server.py)."""
+    after a failed merge, or 2 for a bad environment or config (see server.py). Its torch
+    threads follow the pod's CPU limit (cpus.py), as a learner's do."""
+    configure_threads()
     return server.run(Syncer)
