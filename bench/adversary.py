@@ -22,10 +22,11 @@ compared with the baseline's eval loss at T_h (piecewise linear between its eval
 run after every outer step), measured in the same invocation with the same seed. Target: within
 2%, read on the mean of those ratios over the seeds, beside the honest rerun's mean, with its
 noise (bench/adversary_report.py: at 200 steps one run's ratio moves by about 1% from the merges'
-timing alone, so one seed cannot resolve 2%; five can). A run cut short goes on with the same
+timing alone, so one seed cannot resolve 2%; five resolved three adversaries of six, eight all
+six). A run cut short goes on with the same
 --workdir; one whose runs are all there only reports.
 
-    python -m bench.adversary                    # 5 seeds, every adversary
+    python -m bench.adversary                    # 8 seeds, every adversary
     python -m bench.adversary --seeds 0 --variants none flood --no-record   # a smoke run
 """
 
@@ -398,7 +399,7 @@ def main() -> int:
         inner_lr=3e-3,
         warmup=20,
         eval_tokens=8192,
-        seeds=[0, 1, 2, 3, 4],
+        seeds=[0, 1, 2, 3, 4, 5, 6, 7],
         timeout=900.0,
     )
     p.add_argument("--variants", nargs="+", choices=VARIANTS, default=list(VARIANTS))
