@@ -54,6 +54,7 @@ class DesiredChildren:
                 resources.build_children(
                     job, spec, islands_running=running, credential=credential, network=network
                 ),
+                islands_running=running,
             )
             self.shape = (job, copy.deepcopy(shape[1]), running, network)
             self.credential = credential

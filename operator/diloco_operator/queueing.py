@@ -42,13 +42,28 @@ def queue_name(job: JobRef) -> str | None:
     return value or None
 
 
-def queued_children(job: JobRef, children: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
+def queued_children(
+    job: JobRef, children: Iterable[dict[str, Any]], *, islands_running: bool = True
+) -> list[dict[str, Any]]:
     """The job's children with the queue applied: island StatefulSets labelled, the syncer's
-    pods unlabelled. Without a queue the same objects come back untouched."""
+    pods unlabelled. Without a queue the same objects come back untouched.
+
+    While a queued job's islands are down (suspended or finished) it has no island
+    StatefulSets at all: they are deleted, not scaled to zero. Kueue (v0.17.0, issue
+    kubernetes-sigs/kueue#12232) releases a scaled-to-zero StatefulSet's quota only if the
+    garbage collector deletes its Workload, and it removes the StatefulSet's owner reference
+    from the Workload when the replicas reach zero: if the pods were gone first (a loaded
+    control plane), the garbage collector had already dropped their references, so the Workload
+    is left with no owner, is never collected, and holds the job's quota for good (seen in CI:
+    a ClusterQueue's usage still 2 CPUs three minutes after a suspend). A deleted StatefulSet is
+    an owner that disappears, which the garbage collector always follows up: the Workload goes
+    once its pods have. Resuming creates them again under the same names."""
     queue = queue_name(job)
     out = list(children)
     if queue is None:
         return out
+    if not islands_running:
+        out = [child for child in out if child["kind"] != "StatefulSet"]
     inherited = {k: v for k, v in job.pod_labels if k in SYNCER_UNQUEUED}
     return [_queued(child, inherited) for child in out]
 

@@ -91,6 +91,26 @@ def test_queueing_changes_no_pod_template_hash_of_an_island() -> None:
     ]
 
 
+def test_a_queued_job_has_no_island_statefulsets_while_its_islands_are_down() -> None:
+    """Suspended or finished, a queued job's islands are deleted (Kueue's scale-to-zero can leave
+    a Workload holding quota: queueing.queued_children says why); the syncer and the islands'
+    Services stay, and a job without a queue keeps its StatefulSets at zero replicas."""
+    labels = {queueing.QUEUE_LABEL: "team-a"}
+
+    def down(job: JobRef) -> list[dict[str, Any]]:
+        return DesiredChildren().build(
+            job, SPEC, parse_job_spec(SPEC), running=False, credential="c", network=NO_NETWORK
+        )
+
+    queued, plain = down(_job(**labels)), down(_job())
+    assert _by_kind(queued, "StatefulSet") == []
+    assert len(_by_kind(queued, "Deployment")) == 1 and len(_by_kind(queued, "Service")) == 3
+    assert [s["spec"]["replicas"] for s in _by_kind(plain, "StatefulSet")] == [0, 0]
+    # Running again, the queued job's islands are back under the same names.
+    names = {c["metadata"]["name"] for c in _by_kind(_children(_job(**labels)), "StatefulSet")}
+    assert names == {"job-island-0", "job-island-1"}
+
+
 def _pod(name: str, island: str, *, gated: bool, ready: bool, queue: str = "q") -> dict[str, Any]:
     labels = {"app.kubernetes.io/component": "learner", "diloco.dev/island": island}
     if queue:
