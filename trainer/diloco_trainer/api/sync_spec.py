@@ -13,6 +13,7 @@ Codec = Literal["none", "fp16", "bf16", "int8", "int4"]
 PullCompression = Literal["auto", "none", "fp16", "bf16", "int8", "int4"]
 MergeRule = Literal["tokens", "mean", "rda"]
 MergeWait = Literal["overlap", "nextPush"]  # core/grace.MERGE_WAITS
+ApplyFrom = Literal["overlap", "arrival"]  # learner/schedule.APPLY_FROMS
 
 
 def default_overlap_steps(inner_steps: int) -> int:
@@ -54,6 +55,15 @@ class SyncSpec(SpecModel):
         "push), training on and checking every step until then; a merge on time is applied "
         "after overlapSteps steps under both, a late one keeps up to inner.steps - 1 local steps "
         "on top of it. Opt-in: docs/learner.md prices it.",
+    )
+    apply_from: ApplyFrom = Field(
+        "overlap",
+        description="From when a learner applies the merge of its push. overlap: from "
+        "overlapSteps steps after the push (a merge back sooner waits until then, and those "
+        "local steps are kept on top of it). arrival: from the step after the push, as soon as "
+        "it has arrived; overlapSteps is then only how many steps a learner that blocks for its "
+        "merge (K = M, with sync.mergeWait overlap) trains on before it waits, so a merge back "
+        "in 1-2 steps keeps only those. Opt-in: docs/learner.md prices it.",
     )
     compression: Codec = Field("int8", description="Codec for pseudo-gradients on the wire.")
     pull_compression: PullCompression = Field(

@@ -35,6 +35,7 @@ from diloco_trainer.learner.schedule import (
     phase_shift,
     plan_idle,
     plan_step,
+    poll_from_steps,
     schedule_positions,
     wait_budget,
 )
@@ -115,6 +116,12 @@ class FragmentSync:
             overlap=self.overlap,
             inner_steps=self.spec.inner.steps,
         )
+
+    @property
+    def poll_from(self) -> int:
+        """Steps after a push from which its merge is applied if it has arrived (sync.applyFrom,
+        schedule.poll_from_steps): τ, or the step after the push with "arrival"."""
+        return poll_from_steps(apply_from=self.spec.sync.apply_from, overlap=self.overlap)
 
     def finished(self) -> bool:
         return self.link.finished.is_set()
@@ -202,7 +209,10 @@ class FragmentSync:
         positions, self.phase_pending = schedule_positions(self.position, self.phase_pending)
         pushed_at = {f: fl.step for f, fl in self.inflight.items()}
         if not positions:
-            plans = [plan_idle(self.position, overlap=self.overlap, pushed_at=pushed_at)]
+            idle = plan_idle(
+                self.position, overlap=self.overlap, pushed_at=pushed_at, poll_from=self.poll_from
+            )
+            plans = [idle]
         else:
             plans = []
             for pos in positions:
@@ -270,6 +280,7 @@ class FragmentSync:
             pushed_at={f: fl.step for f, fl in self.inflight.items()},
             abandoned=abandoned,
             deadline=self.deadline,
+            poll_from=self.poll_from,
         )
         for f in plan.push:
             self._push(f, position)

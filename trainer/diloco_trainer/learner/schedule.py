@@ -10,7 +10,9 @@ Schedule (steps counted from 1, see `plan_step`):
 - Training goes on for τ = sync.overlapSteps steps. After step t+τ the merged fragment is applied,
   keeping the τ steps taken since the push: θ_f ← θ_global_f + (θ_f,now − θ_f,push) (mixing.py says
   why); θ_global_f becomes the new base and the fragment's counters keep only the steps since the
-  push (they are in the next Δ).
+  push (they are in the next Δ). With sync.applyFrom "arrival" it is applied after the first
+  step from t+1 at which it has arrived (`poll_from_steps`), keeping only the steps it took to
+  come back; τ is then only where a blocking learner starts to wait.
 - Steps are counted in schedule positions, which move one per inner step except while the island
   shifts its phase towards its peers' (see "phase alignment" below).
 - A fragment that is due while its previous push is still unapplied is skipped (its counters keep
@@ -42,6 +44,28 @@ from diloco_trainer.core.fragments import fragments_due
 from diloco_trainer.core.grace import blocks_for_merge
 
 __all__ = ["blocks_for_merge"]  # the learner's rule, kept in core so the syncer shares it
+
+APPLY_FROMS = ("overlap", "arrival")  # sync.applyFrom
+
+
+def poll_from_steps(*, apply_from: str, overlap: int) -> int:
+    """Steps after its push from which an arrived merge of a fragment is applied (sync.applyFrom).
+
+    "overlap" (the default): τ, so every merge keeps τ local steps on top of it, however early it
+    came back. "arrival": the step after the push (min(1, τ): with τ = 0 the push step itself
+    waits), so a merge back in L < τ steps keeps L steps, not τ. Why: at K = M on gpt-mini the τ = 5
+    kept steps cost 1.0-1.6% of the loss against τ = 1 (bench/RESULTS.md, decoupled_quality
+    14:10), while the merges came back in a step or two; τ stays the most a learner trains on
+    before it waits, so a slow syncer's latency is hidden as before.
+    """
+    if apply_from not in APPLY_FROMS:
+        raise ValueError(
+            f"sync.applyFrom must be one of {', '.join(APPLY_FROMS)}, got {apply_from!r}"
+        )
+    if overlap < 0:
+        raise ValueError(f"sync.overlapSteps must be >= 0, got {overlap}")
+    return overlap if apply_from == "overlap" else min(1, overlap)
+
 
 # How many times the recent push-to-merge time a learner waits before it trains on without the
 # merged fragment.
@@ -79,6 +103,7 @@ def plan_step(
     pushed_at: Mapping[int, int],
     abandoned: frozenset[int] = frozenset(),
     deadline: int | None = None,
+    poll_from: int | None = None,
 ) -> StepPlan:
     """Decide what happens to each fragment after inner step `step` (counted from 1).
 
@@ -96,6 +121,10 @@ def plan_step(
     polled (applied if it has arrived), so sync.mergeWait "nextPush" waits for a late merge
     just before the fragment is due again instead of τ steps after the push.
 
+    `poll_from` (poll_from_steps; the overlap when None) is how many steps after its push a
+    fragment is first polled: sync.applyFrom "arrival" polls from the step after the push, so a
+    merge that came back early is applied then, before the wait at `deadline`.
+
     A fragment due at a step below H is skipped: those steps are a fresh job's first round
     (schedule_start starts every later join at H or later), so every island skips alike and each
     fragment's first push holds its stagger plus a whole round (1 + f/F rounds). Pushed at its
@@ -110,6 +139,9 @@ def plan_step(
     deadline = overlap if deadline is None else deadline
     if deadline < overlap:
         raise ValueError(f"a merge's wait deadline ({deadline}) precedes the overlap ({overlap})")
+    poll_from = overlap if poll_from is None else poll_from
+    if not 0 <= poll_from <= overlap:
+        raise ValueError(f"a merge's first poll ({poll_from}) is not within 0..{overlap}")
     due = fragments_due(step, inner_steps, offsets)
     early = step < inner_steps  # a fresh job's first round: no push yet
     push = tuple(f for f in due if not early and (f not in pushed_at or f in abandoned))
@@ -118,15 +150,19 @@ def plan_step(
     apply_at.update({f: step for f in push})
     wait = tuple(sorted(f for f, s in apply_at.items() if s + deadline == step))
     poll = tuple(
-        sorted(f for f, s in apply_at.items() if s + overlap <= step and s + deadline != step)
+        sorted(f for f, s in apply_at.items() if s + poll_from <= step and s + deadline != step)
     )
     return StepPlan(push=push, skip=skip, wait=wait, poll=poll)
 
 
-def plan_idle(position: int, *, overlap: int, pushed_at: Mapping[int, int]) -> StepPlan:
+def plan_idle(
+    position: int, *, overlap: int, pushed_at: Mapping[int, int], poll_from: int | None = None
+) -> StepPlan:
     """The plan for an inner step that does not move the schedule (a phase delay): nothing is
-    due; fragments whose apply step has passed are applied if they have arrived (no waiting)."""
-    return StepPlan(poll=tuple(sorted(f for f, s in pushed_at.items() if s + overlap <= position)))
+    due; fragments from their first poll on (`poll_from` steps after the push, as in plan_step;
+    the overlap when None) are applied if they have arrived (no waiting)."""
+    start = overlap if poll_from is None else poll_from
+    return StepPlan(poll=tuple(sorted(f for f, s in pushed_at.items() if s + start <= position)))
 
 
 def wait_budget(round_times: Sequence[float], heartbeat_timeout: float) -> float:
