@@ -244,6 +244,8 @@ def test_suspend_frees_all_quota_and_resume_loses_no_merge(
             lambda: cluster.status("sus").get("phase") == "Suspended", WAIT, message="Suspended"
         )
         assert not cluster.items("pods", "diloco.dev/job=sus")
+        # Deleted, not scaled to zero (queueing.queued_children says why).
+        assert cluster.get("statefulset", "sus-island-0") is None
         assert syncer_status(syncer, digest=True)["digest"] == before["digest"]
 
         cluster.patch_spec("sus", {"suspend": False})
