@@ -146,7 +146,8 @@ def build_children(
     Secret is create-only, the island credentials are never listed).
 
     `islands_running` is False while the job is suspended or finished: islands scale to zero but
-    keep their StatefulSets, so resuming brings back the same names. `credential` is the
+    keep their StatefulSets, so resuming brings back the same names (a Kueue-queued job's are
+    then left out altogether: queueing.queued_children says why). `credential` is the
     fingerprint of the job's credential (pods restart when it changes); with `network`, the
     job's NetworkPolicy is among the children when both the operator and the job want one.
     """
