@@ -25,7 +25,6 @@ import math
 import zlib
 from collections import deque
 from collections.abc import Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import torch
@@ -58,95 +57,6 @@ def weights_checksum(tensors: Mapping[str, Tensor]) -> str:
         if t.numel():
             crc = zlib.crc32(t.reshape(-1).view(torch.uint8).numpy().data, crc)
     return f"{CHECKSUM_PREFIX}{crc:08x}"
-
-
-class RunningChecksum:
-    """weights_checksum(tensors), fed a slice at a time as each slice becomes final, the CRC
-    itself running on one worker thread (zlib releases the GIL) beside the caller's next
-    slices: a merge's CRC of θ_pub leaves its critical path wherever the process has a core to
-    spare, and reads each slice soon after it was written. The CRC is a chain in sorted name
-    order, so it follows only while slices arrive in that order (each tensor from its start, to
-    its end); anything else makes result() compute weights_checksum itself: the same value."""
-
-    def __init__(self, tensors: Mapping[str, Tensor]) -> None:
-        self.tensors = tensors
-        self.order = sorted(tensors)
-        self.follows = all(t.is_contiguous() and not t.is_cuda for t in tensors.values())
-        self._at, self._done = -1, 0  # the tensor being fed (index in order), its elements fed
-        self._crc = 0  # written by the worker only, read once it has stopped
-        self._pool: ThreadPoolExecutor | None = None
-
-    def feed(self, name: str, sl: slice) -> None:
-        """`tensors[name]`'s flattened slice `sl` is final."""
-        if not self.follows:
-            return
-        if self._at < 0 or self.order[self._at] != name:
-            self._next(name)
-            if not self.follows:
-                return
-        if sl.start != self._done:
-            self._stop()
-            return
-        self._done = sl.stop
-        if sl.stop > sl.start:
-            data = self.tensors[name].detach().reshape(-1)[sl].view(torch.uint8).numpy().data
-            self._submit(data)
-
-    def _next(self, name: str) -> None:
-        """Start tensor `name`: the current one is complete, and only empty tensors between."""
-        if self._at >= 0 and self._done != self.tensors[self.order[self._at]].numel():
-            self._stop()
-            return
-        self._at += 1
-        while self._at < len(self.order) and self.order[self._at] != name:
-            if self.tensors[self.order[self._at]].numel():
-                self._stop()
-                return
-            self._header(self.order[self._at])
-            self._at += 1
-        if self._at == len(self.order):
-            self._stop()
-            return
-        self._header(name)
-        self._done = 0
-
-    def _header(self, name: str) -> None:
-        t = self.tensors[name]
-        self._submit(f"{name}|{t.dtype}|{tuple(t.shape)}|".encode())
-
-    def _submit(self, data: bytes | memoryview) -> None:
-        if self._pool is None:
-            self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="checksum")
-        self._pool.submit(self._update, data)  # one worker: in order
-
-    def _update(self, data: bytes | memoryview) -> None:
-        self._crc = zlib.crc32(data, self._crc)
-
-    def _stop(self) -> None:
-        self.follows = False
-        self.close()
-
-    def close(self) -> None:
-        """Stop the worker (after what was fed); result() still answers."""
-        if self._pool is not None:
-            self._pool.shutdown(wait=True)
-            self._pool = None
-
-    def result(self) -> str:
-        """weights_checksum(tensors), once every slice was fed (else computed here)."""
-        rest = self.order[self._at + 1 :]
-        complete = (
-            self.follows
-            and self._at >= 0
-            and self._done == self.tensors[self.order[self._at]].numel()
-            and not any(self.tensors[n].numel() for n in rest)
-        )
-        if complete:
-            for name in rest:
-                self._header(name)
-        self.follows = complete
-        self.close()
-        return f"{CHECKSUM_PREFIX}{self._crc:08x}" if complete else weights_checksum(self.tensors)
 
 
 @dataclass(frozen=True)
@@ -185,15 +95,11 @@ class UpdateWriter:
             for key, (dtype, shape) in expected_encoded(shapes, codec).items()
         }
         self._work: Tensor | None = None  # a slice's fp32 buffer, reused (int8)
-        # θ_pub's CRC, a slice at a time on a worker thread as the slices become final (in
-        # sorted name order, as the syncer's outer step and publish_update go; else at finish)
-        self.checksum = RunningChecksum({n: self.out[n] for n in self.names})
 
     def slice(self, name: str, sl: slice) -> None:
         """Encode u = θ_exact − θ_pub on one slice of `name`, and θ_pub's slice += decode(q)."""
         if self.codec == "int8":
             self._slice_int8(name, sl)
-            self.checksum.feed(name, sl)
             return
         pub = self.published[name].view(-1)[sl]
         one = encode_tensors({name: self.exact[name].reshape(-1)[sl] - pub}, self.codec)
@@ -210,7 +116,6 @@ class UpdateWriter:
             else:
                 start = sl.start
             target[start : start + part.numel()].copy_(part.reshape(-1))
-        self.checksum.feed(name, sl)
 
     def _slice_int8(self, name: str, sl: builtins.slice) -> None:
         """slice() for int8 in one reused slice buffer and the update's own tensors: the same
@@ -247,12 +152,8 @@ class UpdateWriter:
             version=self.version,
             encoded=self.encoded,
             nbytes=encoded_nbytes(self.encoded),
-            checksum=self.checksum.result(),
+            checksum=weights_checksum({n: self.out[n] for n in self.names}),
         )
-
-    def close(self) -> None:
-        """Stop the checksum's worker of a writer that will not finish (its step failed)."""
-        self.checksum.close()
 
 
 def publish_update(
@@ -273,7 +174,7 @@ def publish_update(
     """
     writer = UpdateWriter(exact, published, names, codec, version, out)
     with torch.no_grad():
-        for n in sorted(writer.names):  # the checksum's order (RunningChecksum)
+        for n in writer.names:
             for sl in slices(published[n].numel()):
                 writer.slice(n, sl)
     return writer.finish()

@@ -282,18 +282,14 @@ class GlobalModel:
             writer = UpdateWriter(
                 self.weights, self.published, names, self.pull_compression, new_version, out
             )
-            try:
-                self.outer.step(  # in sorted name order: θ_pub's CRC follows the slices
-                    {n: prepared.merged[n] for n in sorted(prepared.merged)},
-                    plan.fraction,
-                    group=f,
-                    complete=plan.complete,
-                    each=writer.slice,
-                    before=prepared.divide,
-                )
-            except BaseException:
-                writer.close()
-                raise
+            self.outer.step(
+                prepared.merged,
+                plan.fraction,
+                group=f,
+                complete=plan.complete,
+                each=writer.slice,
+                before=prepared.divide,
+            )
             prepared.divisors.clear()
             update = writer.finish()
         else:
