@@ -68,6 +68,17 @@ def queued_children(
     return [_queued(child, inherited) for child in out]
 
 
+def queued_keys(
+    job: JobRef, keys: Iterable[tuple[str, str]], *, islands_running: bool
+) -> list[tuple[str, str]]:
+    """resources.child_keys as queued_children leaves them: a queued job whose islands are
+    down has no island StatefulSets, so none is read before the writes (a suspended job's
+    reconciles would otherwise look each one up, and find nothing, every time)."""
+    if islands_running or queue_name(job) is None:
+        return list(keys)
+    return [k for k in keys if k[0] != "StatefulSet"]
+
+
 def _queued(child: dict[str, Any], inherited: Mapping[str, str]) -> dict[str, Any]:
     """One child with the job's Kueue labels (`inherited`) applied as the module says."""
     if child["kind"] == "StatefulSet":

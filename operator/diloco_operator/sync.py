@@ -29,7 +29,7 @@ from typing import Any
 
 import kopf
 
-from diloco_operator import metrics, resources
+from diloco_operator import metrics, queueing, resources
 from diloco_operator.admission import FIRST_RECONCILES
 from diloco_operator.api import DiLoCoJobSpec, SpecError, parse_job_spec
 from diloco_operator.children import UNREAD, Conflict, read_children, write_children
@@ -241,7 +241,9 @@ async def _reconcile_children(
     started = time.monotonic()
     running = islands_should_run(spec, status)
     spec_data = (rt.body or {}).get("spec") or {}
-    keys = resources.child_keys(job, spec, network=rt.network)
+    keys = queueing.queued_keys(
+        job, resources.child_keys(job, spec, network=rt.network), islands_running=running
+    )
     # The credential, the children's listing and the reads of children the job may not own are
     # independent: one round trip, not three.
     issuer, _, read = await asyncio.gather(

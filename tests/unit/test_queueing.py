@@ -6,7 +6,7 @@ from __future__ import annotations
 import copy
 from typing import Any
 
-from diloco_operator import queueing
+from diloco_operator import queueing, resources
 from diloco_operator.api import parse_job_spec
 from diloco_operator.conditions import CONDITION_TYPES, QUOTA_CONDITION, job_conditions
 from diloco_operator.desired import DesiredChildren
@@ -106,6 +106,11 @@ def test_a_queued_job_has_no_island_statefulsets_while_its_islands_are_down() ->
     assert _by_kind(queued, "StatefulSet") == []
     assert len(_by_kind(queued, "Deployment")) == 1 and len(_by_kind(queued, "Service")) == 3
     assert [s["spec"]["replicas"] for s in _by_kind(plain, "StatefulSet")] == [0, 0]
+    # The keys read before the writes are those children's: no lookup of a deleted island.
+    for job, built in ((_job(**labels), queued), (_job(), plain)):
+        keys = resources.child_keys(job, parse_job_spec(SPEC), network=NO_NETWORK)
+        kept = queueing.queued_keys(job, keys, islands_running=False)
+        assert kept == [(c["kind"], c["metadata"]["name"]) for c in built]
     # Running again, the queued job's islands are back under the same names.
     names = {c["metadata"]["name"] for c in _by_kind(_children(_job(**labels)), "StatefulSet")}
     assert names == {"job-island-0", "job-island-1"}
