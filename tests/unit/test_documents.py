@@ -24,6 +24,7 @@ from diloco_trainer.api.documents import (
 from diloco_trainer.api.spec import parse_spec
 from diloco_trainer.core import payloads
 from diloco_trainer.core.compress import encode_tensors
+from diloco_trainer.syncer.records import Beat
 from diloco_trainer.syncer.service import Syncer
 
 SPEC: dict[str, Any] = {
@@ -91,7 +92,7 @@ def _real_answers(tmp_path: Path) -> dict[str, Any]:
         await syncer.receive_push(0, retried)
         out["duplicate"] = await syncer.receive_push(0, retried)
         out["heartbeat"] = await syncer.heartbeat(
-            "island-0", step=4, tokens=400, loss=2.5, step_time=0.01
+            "island-0", Beat(4, 400, loss=2.5, step_time=0.01)
         )
         clock.now += 5.0  # the grace window passes: the round of fragment 0 merges
         await syncer.tick()

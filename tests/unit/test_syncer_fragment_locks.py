@@ -14,6 +14,7 @@ from typing import Any
 import torch
 from diloco_trainer.core import payloads
 from diloco_trainer.syncer import startup
+from diloco_trainer.syncer.records import Beat
 from diloco_trainer.syncer.service import Syncer
 
 from .test_syncer import FakeClock, body, delta, make_spec, run, started
@@ -54,7 +55,7 @@ def test_a_merge_holds_only_its_own_fragment(tmp_path: Path) -> None:
         merge = asyncio.create_task(syncer.tick())
         assert await asyncio.to_thread(entered.wait, 30), "the merge never started"
         beat = await asyncio.wait_for(
-            syncer.heartbeat("island-0", step=4, tokens=100, loss=3.0, step_time=0.1), 5
+            syncer.heartbeat("island-0", Beat(4, 100, loss=3.0, step_time=0.1)), 5
         )
         other = await asyncio.wait_for(
             syncer.receive_push(1, body(syncer, 1, "island-0", delta(syncer, 1, 7))), 5

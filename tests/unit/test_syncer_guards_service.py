@@ -20,7 +20,7 @@ from diloco_trainer.syncer import gate as gate_module
 from diloco_trainer.syncer import jobs as jobs_module
 from diloco_trainer.syncer import merge_log
 from diloco_trainer.syncer.health import CHECKPOINT, CORRUPT, MERGE
-from diloco_trainer.syncer.records import Contribution
+from diloco_trainer.syncer.records import Beat, Contribution
 from diloco_trainer.syncer.rounds import Refused
 from diloco_trainer.syncer.service import Syncer
 
@@ -236,7 +236,7 @@ def test_guards_service_full_syncer_replaces_a_gone_island(tmp_path: Path) -> No
         await syncer.join("island-1", 1)  # the local island still has its record
         clock.now += 3
         for name in ("island-0", "island-1"):
-            await syncer.heartbeat(name, step=1, tokens=0, loss=None, step_time=None)
+            await syncer.heartbeat(name, Beat(step=1))
         clock.now += 3
         await syncer.tick()  # eu-island-0 times out
         await syncer.join("us-island-2", 1)  # and makes room on its side

@@ -44,7 +44,7 @@ from diloco_trainer.syncer.limits import (
 )
 from diloco_trainer.syncer.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from diloco_trainer.syncer.metrics import SyncerMetrics
-from diloco_trainer.syncer.records import Refused
+from diloco_trainer.syncer.records import Beat, Refused
 from diloco_trainer.syncer.validation import (
     MAX_REPLICAS,
     MAX_SECONDS,
@@ -134,16 +134,7 @@ class SyncerService(Protocol):
         self, fragment: int, body: bytes | bytearray, principal: Principal
     ) -> dict[str, Any]: ...
 
-    async def heartbeat(
-        self,
-        island: str,
-        *,
-        step: int,
-        tokens: int,
-        loss: float | None,
-        step_time: float | None,
-        holding: bool = False,
-    ) -> dict[str, Any]: ...
+    async def heartbeat(self, island: str, progress: Beat) -> dict[str, Any]: ...
 
     async def leave(self, island: str) -> dict[str, Any]: ...
 
@@ -335,7 +326,7 @@ class SyncerRoutes:
         at_most(tokens, MAX_WIRE_INT, "heartbeat", "tokens")
         at_most(step_time, MAX_SECONDS, "heartbeat", "stepTime")
         answer = await self.syncer.heartbeat(
-            island, step=step, tokens=tokens, loss=loss, step_time=step_time, holding=holding
+            island, Beat(step, tokens, loss=loss, step_time=step_time, holding=holding)
         )
         return web.json_response(answer)
 

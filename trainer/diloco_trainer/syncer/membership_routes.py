@@ -15,6 +15,7 @@ from diloco_trainer.api.documents import HeartbeatAnswer, JoinInfo, MembershipAn
 from diloco_trainer.syncer.gate import Gate
 from diloco_trainer.syncer.global_model import GlobalModel
 from diloco_trainer.syncer.push import PushHost
+from diloco_trainer.syncer.records import Beat
 from diloco_trainer.syncer.rounds import SyncState
 
 log = logging.getLogger("diloco.syncer")
@@ -54,27 +55,18 @@ class MembershipRoutes:
             island_tokens=merged_tokens,
         ).to_wire()
 
-    async def heartbeat(
-        self,
-        island: str,
-        *,
-        step: int,
-        tokens: int,
-        loss: float | None,
-        step_time: float | None,
-        holding: bool = False,
-    ) -> dict[str, Any]:
+    async def heartbeat(self, island: str, progress: Beat) -> dict[str, Any]:
         """A learner's sign of life; its membership state and whether the job finished
         (HeartbeatAnswer)."""
         async with self.host.locked():
             rec = self.state.membership.heartbeat(
                 island,
                 self.host.clock(),
-                step=step,
-                tokens=tokens,
-                loss=loss,
-                step_time=step_time,
-                holding=holding,
+                step=progress.step,
+                tokens=progress.tokens,
+                loss=progress.loss,
+                step_time=progress.step_time,
+                holding=progress.holding,
             )
         self.host.changed()
         answer = HeartbeatAnswer(

@@ -47,6 +47,18 @@ class Refused(Exception):
 
 
 @dataclass(frozen=True)
+class Beat:
+    """One heartbeat: what it reports of an island's training, as the route checked it (http.py):
+    handed down unchanged to the membership (service.py -> membership_routes.py)."""
+
+    step: int = 0
+    tokens: int = 0
+    loss: float | None = None
+    step_time: float | None = None
+    holding: bool = False  # held at the step cap (learner/fragment_sync.py)
+
+
+@dataclass(frozen=True)
 class RoundPolicy:
     """The sync settings the state machine needs (from JobSpec.sync)."""
 

@@ -61,7 +61,7 @@ from diloco_trainer.syncer.merge import LeftOut
 from diloco_trainer.syncer.merge_log import describe_merge
 from diloco_trainer.syncer.publisher import Body, BodyKey
 from diloco_trainer.syncer.push import PushPath
-from diloco_trainer.syncer.records import Refused
+from diloco_trainer.syncer.records import Beat, Refused
 from diloco_trainer.syncer.status import (
     Identity,
     Progress,
@@ -262,20 +262,9 @@ class Syncer:
         """Register an island (JoinInfo)."""
         return await self.members.join(island, replicas)
 
-    async def heartbeat(
-        self,
-        island: str,
-        *,
-        step: int,
-        tokens: int,
-        loss: float | None,
-        step_time: float | None,
-        holding: bool = False,
-    ) -> dict[str, Any]:
+    async def heartbeat(self, island: str, progress: Beat) -> dict[str, Any]:
         """A learner's sign of life (HeartbeatAnswer)."""
-        return await self.members.heartbeat(
-            island, step=step, tokens=tokens, loss=loss, step_time=step_time, holding=holding
-        )
+        return await self.members.heartbeat(island, progress)
 
     async def leave(self, island: str) -> dict[str, Any]:
         """An island says goodbye (MembershipAnswer)."""
