@@ -40,6 +40,7 @@ got lost.
 from __future__ import annotations
 
 import json
+import math
 import struct
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -126,6 +127,9 @@ META_VERSION = "version"
 META_FRAGMENT = "fragment"
 META_OUTER_STEP = "outerStep"
 META_FINISHED = "finished"
+# A pull body's seconds from its merge's start to the body (the version's mergeSeconds but the
+# body's install): what sync.overlapMode auto hides. Optional: absent from older syncers.
+META_MERGE_SECONDS = "mergeSeconds"
 META_KIND = "kind"  # KIND_FULL or KIND_UPDATES
 META_FROM_VERSION = "fromVersion"  # updates: the version they start from (the client's `have`)
 META_CHECKSUM = "checksum"  # updates: published.weights_checksum of the weights at `version`
@@ -233,6 +237,18 @@ def meta_int(meta: Mapping[str, str], key: str) -> int:
 
 def meta_bool(meta: Mapping[str, str], key: str) -> bool:
     return meta.get(key, "false") == "true"
+
+
+def meta_seconds(meta: Mapping[str, str], key: str) -> float | None:
+    """An optional non-negative duration; None when absent or not one (it only tunes a
+    schedule, so a bad value is ignored rather than refused)."""
+    try:
+        value = json.loads(meta[key])
+    except (KeyError, ValueError):
+        return None
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return None
+    return float(value) if math.isfinite(value) and value >= 0 else None
 
 
 def error_message(body: bytes) -> tuple[str, str]:

@@ -14,6 +14,7 @@ PullCompression = Literal["auto", "none", "fp16", "bf16", "int8", "int4"]
 MergeRule = Literal["tokens", "mean", "rda"]
 MergeWait = Literal["overlap", "nextPush"]  # core/grace.MERGE_WAITS
 ApplyFrom = Literal["overlap", "arrival"]  # learner/schedule.APPLY_FROMS
+OverlapMode = Literal["auto", "fixed"]  # learner/schedule.OVERLAP_MODES
 
 
 def default_overlap_steps(inner_steps: int) -> int:
@@ -45,7 +46,15 @@ class SyncSpec(SpecModel):
         ge=0,
         le=10000,
         description="τ: inner steps that run while a sync is in flight; the steps are kept when "
-        "the merged fragment arrives. Unset: min(5, inner.steps // 4).",
+        "the merged fragment arrives. Unset: min(5, inner.steps // 4). With sync.overlapMode "
+        "auto, the most a learner overlaps.",
+    )
+    overlap_mode: OverlapMode = Field(
+        "auto",
+        description="auto: each learner overlaps only the steps its measured sync latency needs "
+        "(its push, the syncer's merge, its pull), at most overlapSteps, and none while waiting "
+        "for the whole latency costs under 1% of its time; overlapSteps until the first merge is "
+        "measured. fixed: always overlapSteps. docs/learner.md prices both.",
     )
     merge_wait: MergeWait = Field(
         "overlap",

@@ -18,6 +18,17 @@ from diloco_trainer.api.protocol import UPDATE_SEPARATOR, encode_metadata, read_
 
 
 @dataclass(frozen=True)
+class PullCost:
+    """What a pull tells of the sync's latency (learner/schedule.sync_latency): the syncer's
+    mergeSeconds for the version (None: it did not say), the body's bytes, and the learner's
+    seconds rebuilding weights from an update chain."""
+
+    merge_seconds: float | None = None
+    body_bytes: int = 0
+    rebuild_seconds: float = 0.0
+
+
+@dataclass(frozen=True)
 class PulledFragment:
     """A fragment's fp32 global weights at `version`."""
 
@@ -26,6 +37,7 @@ class PulledFragment:
     outer_step: int
     finished: bool
     tensors: dict[str, torch.Tensor] = field(repr=False)
+    cost: PullCost = PullCost()
 
 
 @dataclass(frozen=True)
@@ -41,6 +53,7 @@ class PulledUpdates:
     codec: str
     checksum: str
     updates: list[dict[str, torch.Tensor]] = field(repr=False)
+    cost: PullCost = PullCost()
 
     @property
     def nbytes(self) -> int:

@@ -69,6 +69,8 @@ class InFlight:
     started: float  # time.monotonic() of the push
     future: concurrent.futures.Future[SyncResult]
     previous: float | None = None  # time.monotonic() of the fragment's push before this one
+    # (first poll, wait deadline) in steps after the push: those of the τ it was made with.
+    window: tuple[int, int] = (0, 0)
 
 
 @dataclass

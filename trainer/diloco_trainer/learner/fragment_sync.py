@@ -26,16 +26,16 @@ from torch import Tensor, nn
 from diloco_trainer.api.protocol import PushMeta
 from diloco_trainer.api.spec import ConfigError, JobSpec
 from diloco_trainer.core import compress
-from diloco_trainer.core.grace import merge_wait_steps
 from diloco_trainer.core.push_bounds import max_push_steps
 from diloco_trainer.learner.fragment_state import FragmentState, InFlight, at_step_cap
+from diloco_trainer.learner.overlap import OverlapFit
 from diloco_trainer.learner.schedule import (
     StepPlan,
+    Window,
     blocks_for_merge,
     phase_shift,
     plan_idle,
     plan_step,
-    poll_from_steps,
     schedule_positions,
     wait_budget,
 )
@@ -98,9 +98,11 @@ class FragmentSync:
         self.blocking = blocks_for_merge(
             quorum=spec.sync.quorum, islands=islands, overlap=self.overlap
         )
+        self.overlap_fit = OverlapFit(spec, blocking=self.blocking)
 
     @property
     def overlap(self) -> int:
+        """sync.overlapSteps: the most steps a push is overlapped with (overlap.py fits τ)."""
         overlap = self.spec.sync.overlap_steps
         assert overlap is not None, "JobSpec resolves sync.overlapSteps"
         return overlap
@@ -108,20 +110,15 @@ class FragmentSync:
     @property
     def deadline(self) -> int:
         """Steps after a push at which a blocking learner waits for its merge (sync.mergeWait,
-        core/grace.merge_wait_steps); a learner that does not block only polls, from τ."""
-        if not self.blocking:
-            return self.overlap
-        return merge_wait_steps(
-            merge_wait=self.spec.sync.merge_wait,
-            overlap=self.overlap,
-            inner_steps=self.spec.inner.steps,
-        )
+        core/grace.merge_wait_steps), for the τ of the latest push; a learner that does not
+        block only polls, from τ."""
+        return self.overlap_fit.window(self.overlap_fit.tau)[1]
 
     @property
     def poll_from(self) -> int:
         """Steps after a push from which its merge is applied if it has arrived (sync.applyFrom,
         schedule.poll_from_steps): τ, or the step after the push with "arrival"."""
-        return poll_from_steps(apply_from=self.spec.sync.apply_from, overlap=self.overlap)
+        return self.overlap_fit.window(self.overlap_fit.tau)[0]
 
     def finished(self) -> bool:
         return self.link.finished.is_set()
@@ -210,7 +207,11 @@ class FragmentSync:
         pushed_at = {f: fl.step for f, fl in self.inflight.items()}
         if not positions:
             idle = plan_idle(
-                self.position, overlap=self.overlap, pushed_at=pushed_at, poll_from=self.poll_from
+                self.position,
+                overlap=self.overlap,
+                pushed_at=pushed_at,
+                poll_from=self.poll_from,
+                windows={f: fl.window for f, fl in self.inflight.items()},
             )
             plans = [idle]
         else:
@@ -234,7 +235,7 @@ class FragmentSync:
         return frozenset(
             f
             for f, fl in self.inflight.items()
-            if not fl.future.done() and now - fl.started > budget + self.deadline * self.step_time
+            if not fl.future.done() and now - fl.started > budget + fl.window[1] * self.step_time
         )
 
     def _hold(self, out: dict[int, Weights]) -> None:
@@ -258,7 +259,7 @@ class FragmentSync:
             abandoned = self._abandoned()
             for f in capped:
                 if f not in self.inflight or f in abandoned:
-                    self._push(f, self.position)
+                    self._push(f, self.position, (self.poll_from, self.deadline))
                 if self._collect(f, block=WAIT_SLICE_SECONDS):
                     target = self._receive(f)
                     if self.shards is None:
@@ -272,18 +273,25 @@ class FragmentSync:
 
     def _plan(self, position: int) -> StepPlan:
         abandoned = self._abandoned()
+        # τ for a push now, fitted to the measured sync latency (sync.overlapMode); pushes in
+        # flight keep the window they were made with.
+        clock = self.wall_step or self.step_time
+        tau = self.overlap_fit.fit(clock)
+        window = self.overlap_fit.window(tau)
         plan = plan_step(
             position,
             inner_steps=self.spec.inner.steps,
             offsets=self.offsets,
-            overlap=self.overlap,
+            overlap=tau,
             pushed_at={f: fl.step for f, fl in self.inflight.items()},
             abandoned=abandoned,
-            deadline=self.deadline,
-            poll_from=self.poll_from,
+            deadline=window[1],
+            poll_from=window[0],
+            windows={f: fl.window for f, fl in self.inflight.items()},
         )
         for f in plan.push:
-            self._push(f, position)
+            self.overlap_fit.pushed(tau, clock, position)
+            self._push(f, position, window)
         return plan
 
     def _collect_plan(self, plan: StepPlan) -> list[int]:
@@ -308,7 +316,7 @@ class FragmentSync:
                         self.position,
                         waited,
                         f,
-                        self.deadline,
+                        flight.window[1] if flight is not None else self.deadline,
                         overlapped,
                     )
             elif self.blocking and not self.stop.is_set() and not self.finished():
@@ -337,8 +345,9 @@ class FragmentSync:
         training thread no copy of the fragment. The parameters are fp32 master weights."""
         return {n: self.params[n].detach() for n in self.fragments[f].names}
 
-    def _push(self, f: int, position: int) -> None:
-        """Compute Δ_f = θ_global − θ_local (fp32, CPU), encode it and push it in the background."""
+    def _push(self, f: int, position: int, window: Window) -> None:
+        """Compute Δ_f = θ_global − θ_local (fp32, CPU), encode it and push it in the background;
+        its merge is polled for and waited for at `window` (steps after the push)."""
         state = self.fragments[f]
         c = state.counters
         if self.shards is not None:
@@ -373,7 +382,11 @@ class FragmentSync:
         sync = self.link.sync_fragment(f, encoded, meta, held, within=not self.blocking)
         future = self.link.submit(sync)
         self.inflight[f] = InFlight(
-            step=position, started=self.last_push[f], future=future, previous=previous
+            step=position,
+            started=self.last_push[f],
+            future=future,
+            previous=previous,
+            window=window,
         )
         nbytes = sum(t.numel() * t.element_size() for t in encoded.values())
         log.info(
@@ -426,6 +439,7 @@ class FragmentSync:
         else:
             target = state.receive(merged, result.pulled.version, self._current(f), self._alpha())
         state.last_sync_seconds = result.seconds
+        self.overlap_fit.observe(result.latency)
         self.round_times = [*self.round_times[-7:], result.seconds]
         log.info(
             "step %d: fragment %d applied version %d (%s, %.2fs after the push)",

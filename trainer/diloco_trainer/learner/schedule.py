@@ -46,6 +46,8 @@ from diloco_trainer.core.grace import blocks_for_merge
 __all__ = ["blocks_for_merge"]  # the learner's rule, kept in core so the syncer shares it
 
 APPLY_FROMS = ("overlap", "arrival")  # sync.applyFrom
+# An in-flight fragment's (first poll, wait deadline) in steps after its push (plan_step).
+Window = tuple[int, int]
 
 
 def poll_from_steps(*, apply_from: str, overlap: int) -> int:
@@ -65,6 +67,67 @@ def poll_from_steps(*, apply_from: str, overlap: int) -> int:
     if overlap < 0:
         raise ValueError(f"sync.overlapSteps must be >= 0, got {overlap}")
     return overlap if apply_from == "overlap" else min(1, overlap)
+
+
+OVERLAP_MODES = ("auto", "fixed")  # sync.overlapMode
+# sync.overlapMode auto overlaps nothing while blocking for the whole sync latency, once per
+# fragment per round, costs at most this share of a round's inner steps.
+OVERLAP_FREE_SHARE = 0.01
+
+
+def fit_overlap(
+    *,
+    mode: str,
+    cap: int,
+    latency: float | None,
+    step_time: float,
+    inner_steps: int,
+    fragments: int,
+) -> int:
+    """τ for the next push (sync.overlapMode): the inner steps that hide the sync's latency.
+
+    `latency` is the seconds from a push to its merged fragment being back, less any wait for
+    peers: the push's own transfer, the syncer's merge (mergeSeconds) and the pull (None: not
+    measured yet). "fixed", or nothing measured yet: `cap` (sync.overlapSteps). "auto": 0 when
+    blocking for the whole latency, F times a round, costs at most OVERLAP_FREE_SHARE of the
+    round's H steps; else ceil(latency / step time), at most `cap`.
+
+    Why: every kept step is a step taken from a base the merge has moved, and on gpt-mini at
+    K = M the τ = 5 kept steps cost 1.1-3.1% of the loss at equal tokens against τ = 0, where the
+    merges came back within a step (bench/RESULTS.md, issue 23); on a GPU whose merges take many
+    steps the fit is the cap, as before.
+    """
+    if mode not in OVERLAP_MODES:
+        raise ValueError(
+            f"sync.overlapMode must be one of {', '.join(OVERLAP_MODES)}, got {mode!r}"
+        )
+    if cap < 0:
+        raise ValueError(f"sync.overlapSteps must be >= 0, got {cap}")
+    if mode == "fixed" or latency is None or not math.isfinite(latency) or step_time <= 0:
+        return cap
+    latency = max(0.0, latency)
+    if fragments * latency <= OVERLAP_FREE_SHARE * inner_steps * step_time:
+        return 0
+    return min(cap, max(1, math.ceil(latency / step_time)))
+
+
+def sync_latency(
+    *,
+    push_seconds: float,
+    push_bytes: int,
+    merge_seconds: float | None,
+    pull_bytes: int,
+    rebuild_seconds: float = 0.0,
+) -> float | None:
+    """A sync's latency less any wait for peers (what fit_overlap hides): the push's seconds
+    (its transfer and the syncer's fold), the syncer's mergeSeconds for the version, the pull's
+    transfer at the push's rate (pull_bytes / push_bytes of the push's time: a long-poll's own
+    time is mostly waiting, so it is not timed) and the learner's rebuild of an update chain.
+    None when the syncer did not say its mergeSeconds (an older syncer)."""
+    if merge_seconds is None:
+        return None
+    pull = push_seconds * pull_bytes / push_bytes if push_bytes > 0 else 0.0
+    return max(0.0, push_seconds) + max(0.0, merge_seconds) + pull + max(0.0, rebuild_seconds)
 
 
 # How many times the recent push-to-merge time a learner waits before it trains on without the
@@ -104,6 +167,7 @@ def plan_step(
     abandoned: frozenset[int] = frozenset(),
     deadline: int | None = None,
     poll_from: int | None = None,
+    windows: Mapping[int, Window] | None = None,
 ) -> StepPlan:
     """Decide what happens to each fragment after inner step `step` (counted from 1).
 
@@ -125,6 +189,10 @@ def plan_step(
     fragment is first polled: sync.applyFrom "arrival" polls from the step after the push, so a
     merge that came back early is applied then, before the wait at `deadline`.
 
+    `windows` gives an in-flight fragment its own (poll_from, deadline), those of the τ it was
+    pushed with (sync.overlapMode auto fits τ between pushes); a fragment pushed now, or one
+    not in it, has `poll_from` and `deadline`.
+
     A fragment due at a step below H is skipped: those steps are a fresh job's first round
     (schedule_start starts every later join at H or later), so every island skips alike and each
     fragment's first push holds its stagger plus a whole round (1 + f/F rounds). Pushed at its
@@ -142,27 +210,41 @@ def plan_step(
     poll_from = overlap if poll_from is None else poll_from
     if not 0 <= poll_from <= overlap:
         raise ValueError(f"a merge's first poll ({poll_from}) is not within 0..{overlap}")
+    for first, last in (windows or {}).values():
+        if not 0 <= first <= last:
+            raise ValueError(f"a merge's first poll ({first}) is not within 0..{last}")
     due = fragments_due(step, inner_steps, offsets)
     early = step < inner_steps  # a fresh job's first round: no push yet
     push = tuple(f for f in due if not early and (f not in pushed_at or f in abandoned))
     skip = tuple(f for f in due if f not in push)
     apply_at = dict(pushed_at)
     apply_at.update({f: step for f in push})
-    wait = tuple(sorted(f for f, s in apply_at.items() if s + deadline == step))
+    window = {f: (poll_from, deadline) for f in apply_at}
+    window.update({f: w for f, w in (windows or {}).items() if f in pushed_at and f not in push})
+    wait = tuple(sorted(f for f, s in apply_at.items() if s + window[f][1] == step))
     poll = tuple(
-        sorted(f for f, s in apply_at.items() if s + poll_from <= step and s + deadline != step)
+        sorted(
+            f for f, s in apply_at.items() if s + window[f][0] <= step and s + window[f][1] != step
+        )
     )
     return StepPlan(push=push, skip=skip, wait=wait, poll=poll)
 
 
 def plan_idle(
-    position: int, *, overlap: int, pushed_at: Mapping[int, int], poll_from: int | None = None
+    position: int,
+    *,
+    overlap: int,
+    pushed_at: Mapping[int, int],
+    poll_from: int | None = None,
+    windows: Mapping[int, Window] | None = None,
 ) -> StepPlan:
     """The plan for an inner step that does not move the schedule (a phase delay): nothing is
     due; fragments from their first poll on (`poll_from` steps after the push, as in plan_step;
-    the overlap when None) are applied if they have arrived (no waiting)."""
+    the overlap when None; an in-flight fragment's own from `windows`) are applied if they have
+    arrived (no waiting)."""
     start = overlap if poll_from is None else poll_from
-    return StepPlan(poll=tuple(sorted(f for f, s in pushed_at.items() if s + start <= position)))
+    first = {f: (windows or {}).get(f, (start, start))[0] for f in pushed_at}
+    return StepPlan(poll=tuple(sorted(f for f, s in pushed_at.items() if s + first[f] <= position)))
 
 
 def wait_budget(round_times: Sequence[float], heartbeat_timeout: float) -> float:

@@ -26,6 +26,7 @@ from diloco_trainer.api.protocol import (
     META_FRAGMENT,
     META_FROM_VERSION,
     META_KIND,
+    META_MERGE_SECONDS,
     META_OUTER_STEP,
     META_VERSION,
     ROUTE_FRAGMENT,
@@ -34,8 +35,10 @@ from diloco_trainer.api.protocol import (
     SyncerError,
     meta_bool,
     meta_int,
+    meta_seconds,
 )
 from diloco_trainer.core.payloads import (
+    PullCost,
     PulledFragment,
     PulledUpdates,
     decode_body,
@@ -99,6 +102,7 @@ class SyncerClient(SyncerJsonClient):
             return None
         tensors, meta = decode_body(body)
         version = meta_int(meta, META_VERSION)
+        cost = PullCost(merge_seconds=meta_seconds(meta, META_MERGE_SECONDS), body_bytes=len(body))
         if meta.get(META_KIND, KIND_FULL) == KIND_UPDATES:
             from_version = meta_int(meta, META_FROM_VERSION)
             return PulledUpdates(
@@ -110,6 +114,7 @@ class SyncerClient(SyncerJsonClient):
                 codec=meta.get(META_CODEC, ""),
                 checksum=meta.get(META_CHECKSUM, ""),
                 updates=split_update_chain(tensors, from_version, version),
+                cost=cost,
             )
         self._full_bytes[fragment] = len(body)  # the next pull's time follows its size
         return PulledFragment(
@@ -118,6 +123,7 @@ class SyncerClient(SyncerJsonClient):
             outer_step=meta_int(meta, META_OUTER_STEP),
             finished=meta_bool(meta, META_FINISHED),
             tensors=tensors,
+            cost=cost,
         )
 
     async def push_pseudo_gradient(

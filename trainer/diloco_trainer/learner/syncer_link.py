@@ -41,7 +41,7 @@ from diloco_trainer.api.sharding import merge_join, shard_of
 from diloco_trainer.core import compress
 from diloco_trainer.core.payloads import PulledFragment, PulledUpdates
 from diloco_trainer.core.published import apply_updates, weights_checksum
-from diloco_trainer.learner.schedule import lateness_within, merge_lateness
+from diloco_trainer.learner.schedule import lateness_within, merge_lateness, sync_latency
 from diloco_trainer.learner.syncer_client import SyncerClient
 
 # The learner's logger: the link runs inside the learner and its lines are part of that log.
@@ -75,6 +75,8 @@ class SyncResult:
     lateness: float | None = None
     # Whether `lateness` is instead of the previous push within its merge (lateness_within).
     lateness_within: bool = False
+    # The sync's latency less any wait for peers (schedule.sync_latency; None: not known).
+    latency: float | None = None
 
 
 def encode_delta(
@@ -200,8 +202,10 @@ class SyncerLink:
         outcome = "merged"
         after = meta.base_version
         lateness, within_reading = None, False
+        push_seconds: float | None = None
         try:
             reply = await self._client(fragment).push_pseudo_gradient(fragment, encoded, meta)
+            push_seconds = time.monotonic() - start
             log.debug("fragment %d push answered %s", fragment, reply)
             if reply.accepted:
                 after = max(after, reply.version)
@@ -218,12 +222,22 @@ class SyncerLink:
                 outcome = "rejoined the syncer"
             log.warning("fragment %d: %s; taking the current global fragment", fragment, outcome)
         pulled = await self._pull_newer(fragment, after, held)
+        latency = None
+        if push_seconds is not None and outcome == "merged":
+            latency = sync_latency(
+                push_seconds=push_seconds,
+                push_bytes=sum(t.numel() * t.element_size() for t in encoded.values()),
+                merge_seconds=pulled.cost.merge_seconds,
+                pull_bytes=pulled.cost.body_bytes,
+                rebuild_seconds=pulled.cost.rebuild_seconds,
+            )
         return SyncResult(
             pulled=pulled,
             outcome=outcome,
             seconds=time.monotonic() - start,
             lateness=lateness,
             lateness_within=within_reading,
+            latency=latency,
         )
 
     async def _lateness(
@@ -278,7 +292,12 @@ class SyncerLink:
                     have=held.version if held is not None else -1,
                 )
                 if isinstance(pulled, PulledUpdates):
-                    return self._pulled(fragment, await self._rebuild(fragment, pulled, held))
+                    began = time.monotonic()
+                    rebuilt = await self._rebuild(fragment, pulled, held)
+                    cost = dataclasses.replace(
+                        pulled.cost, rebuild_seconds=time.monotonic() - began
+                    )
+                    return self._pulled(fragment, dataclasses.replace(rebuilt, cost=cost))
                 if pulled is not None:
                     return self._pulled(fragment, pulled)
                 # A whole long-poll without a merge: if the syncer went back to an older

@@ -72,6 +72,9 @@ class Publisher:
         # Pull codec none: each fragment's copy of θ_exact at a version (the live tensors move
         # at its next merge, while the body may still be served), reused for a new outer step.
         self._copies: dict[int, tuple[int, torch.Tensor]] = {}
+        # Per fragment: its last merge's seconds from the round's take to its body (bodies say
+        # it: learners fit their overlap to it, learner/schedule.fit_overlap); None before one.
+        self._merge_seconds: list[float | None] = [None for _ in model.fragments]
 
     def snapshot(self) -> PullSnapshot:
         """Its figures as they are now."""
@@ -149,9 +152,14 @@ class Publisher:
             except TimeoutError:
                 return None
 
-    def encode(self, f: int, key: BodyKey) -> tuple[BodyKey, Body]:
+    def encode(
+        self, f: int, key: BodyKey, merge_seconds: float | None = None
+    ) -> tuple[BodyKey, Body]:
         """Fragment f's full pull body at `key`: θ_pub's own memory with a new prefix, or with
-        pull codec none a copy of θ_exact made once per version (a worker thread: P/F-sized)."""
+        pull codec none a copy of θ_exact made once per version (a worker thread: P/F-sized).
+        `merge_seconds`: the merge that made the version, so far (kept for later bodies)."""
+        if merge_seconds is not None:
+            self._merge_seconds[f] = merge_seconds
         tensors = self.model.published_fragment(f)
         data = self.model.published_data.get(f)
         if data is None:  # θ_pub is θ_exact: its bytes at this version, copied once
@@ -167,8 +175,13 @@ class Publisher:
             protocol.META_FRAGMENT: f,
             protocol.META_OUTER_STEP: key[1],
             protocol.META_FINISHED: key[2],
+            **self._timing(f),
         }
         return key, payloads.split_body(data, tensors, meta)
+
+    def _timing(self, f: int) -> dict[str, float]:
+        seconds = self._merge_seconds[f]
+        return {} if seconds is None else {protocol.META_MERGE_SECONDS: round(seconds, 6)}
 
     async def _chain_body(self, f: int, key: BodyKey, have: int) -> Body | None:
         """The update-chain body from version `have` to the published `key`, when the history
@@ -190,6 +203,7 @@ class Publisher:
             protocol.META_FINISHED: key[2],
             protocol.META_CODEC: self.model.pull_compression,
             protocol.META_CHECKSUM: chain[-1].checksum,
+            **self._timing(f),
         }
         body: Body = await asyncio.to_thread(
             payloads.encode_update_chain_buffer, [(u.version, u.encoded) for u in chain], meta

@@ -403,7 +403,10 @@ class Syncer:
             others = (r.rounds for g, r in enumerate(self.state.rounds) if g != f)
             outer_step = min([result.rounds, *others])
             body = await asyncio.to_thread(
-                self.publisher.encode, f, (new_version, outer_step, self.finished)
+                self.publisher.encode,
+                f,
+                (new_version, outer_step, self.finished),
+                time.perf_counter() - started,
             )
             async with self.locked():
                 self.publisher.record_update(f, result.update)

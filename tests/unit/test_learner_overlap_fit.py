@@ -1,0 +1,180 @@
+"""sync.overlapMode auto: τ fitted to the measured sync latency (schedule.fit_overlap,
+schedule.sync_latency, learner/overlap.py), each push planned with the τ it was made with
+(plan_step's windows), and a learner that applies a fast merge at its push step."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from typing import Any
+
+import pytest
+import torch
+from diloco_trainer.api.protocol import PushMeta
+from diloco_trainer.api.spec import parse_spec
+from diloco_trainer.learner.overlap import OverlapFit
+from diloco_trainer.learner.schedule import (
+    OVERLAP_FREE_SHARE,
+    fit_overlap,
+    plan_idle,
+    plan_step,
+    sync_latency,
+)
+from diloco_trainer.learner.syncer_link import SyncResult
+
+from .test_learner_fragment_sync import FakeLink, make_spec, make_sync, step
+
+
+def fit(latency: float | None, *, mode: str = "auto", cap: int = 5, step_time: float = 0.45) -> int:
+    return fit_overlap(
+        mode=mode, cap=cap, latency=latency, step_time=step_time, inner_steps=30, fragments=2
+    )
+
+
+def test_fit_overlap_hides_the_latency_and_overlaps_nothing_when_waiting_is_cheap() -> None:
+    # H = 30, F = 2, 0.45 s a step: waiting for the whole latency twice a round costs at most 1%
+    # of the round's 13.5 s while 2 L <= 0.135 s, i.e. L <= 0.0675 s.
+    assert OVERLAP_FREE_SHARE == 0.01
+    assert fit(0.06) == 0
+    assert fit(0.0675) == 0
+    assert fit(0.07) == 1  # ceil(0.07 / 0.45)
+    assert fit(0.45) == 1
+    assert fit(0.46) == 2
+    assert fit(1.0) == 3  # ceil(2.22)
+    assert fit(2.26) == 5  # ceil(5.02) = 6, at most the cap
+    assert fit(30.0) == 5
+    assert fit(30.0, cap=3) == 3
+    assert fit(1.0, cap=0) == 0  # sync.overlapSteps 0: never overlap
+
+
+def test_fit_overlap_keeps_the_cap_when_fixed_or_unmeasured() -> None:
+    assert fit(0.0, mode="fixed") == 5
+    assert fit(None) == 5
+    assert fit(float("nan")) == 5
+    assert fit(0.01, step_time=0.0) == 5  # no step measured yet
+    with pytest.raises(ValueError, match=r"sync\.overlapMode"):
+        fit(0.1, mode="eager")
+    with pytest.raises(ValueError, match=r"sync\.overlapSteps"):
+        fit(0.1, cap=-1)
+
+
+def test_sync_latency_adds_push_merge_pull_at_the_push_rate_and_rebuild() -> None:
+    # Push 1000 bytes in 0.2 s; the pull's 3000 bytes at that rate take 0.6 s.
+    got = sync_latency(
+        push_seconds=0.2, push_bytes=1000, merge_seconds=0.5, pull_bytes=3000, rebuild_seconds=0.1
+    )
+    assert got == pytest.approx(0.2 + 0.5 + 0.6 + 0.1)
+    assert sync_latency(push_seconds=0.2, push_bytes=0, merge_seconds=0.5, pull_bytes=10) == 0.7
+    # An older syncer says no mergeSeconds: nothing is known.
+    none = sync_latency(push_seconds=0.2, push_bytes=1000, merge_seconds=None, pull_bytes=3000)
+    assert none is None
+
+
+def test_plan_step_keeps_each_in_flight_push_at_its_own_window() -> None:
+    # H = 30, offsets 0 and 15. Fragment 0 was pushed at 30 with τ = 5; τ is 0 now.
+    common: dict[str, Any] = {"inner_steps": 30, "offsets": [0, 15], "overlap": 0}
+    inflight = {"pushed_at": {0: 30}, "windows": {0: (5, 5)}}
+    for s in range(31, 35):
+        assert plan_step(s, **common, **inflight).wait == ()
+        assert plan_step(s, **common, **inflight).poll == ()
+    assert plan_step(35, **common, **inflight).wait == (0,)
+    # Without its window the same push would be waited for at once (τ = 0) and then only polled.
+    assert plan_step(31, **common, pushed_at={0: 30}).poll == (0,)
+    # Fragment 1, pushed now at 45 with τ = 0, is waited for at its push step; fragment 0's
+    # window (pushed at 42, deadline 5) still holds.
+    plan = plan_step(45, **common, pushed_at={0: 42}, windows={0: (5, 5)})
+    assert plan.push == (1,) and plan.wait == (1,) and plan.poll == ()
+    assert plan_step(47, **common, pushed_at={0: 42}, windows={0: (5, 5)}).wait == (0,)
+    # A fragment pushed now takes the current window even if an old one is listed for it.
+    again = plan_step(60, **common, pushed_at={}, windows={0: (5, 5)})
+    assert again.push == (0,) and again.wait == (0,)
+    with pytest.raises(ValueError, match="first poll"):
+        plan_step(31, **common, pushed_at={0: 30}, windows={0: (3, 2)})
+
+
+def test_plan_idle_polls_each_push_from_its_own_first_poll() -> None:
+    assert plan_idle(32, overlap=1, pushed_at={0: 30}, windows={0: (5, 5)}).poll == ()
+    assert plan_idle(35, overlap=1, pushed_at={0: 30}, windows={0: (5, 5)}).poll == (0,)
+    assert plan_idle(31, overlap=1, pushed_at={0: 30}).poll == (0,)
+
+
+def test_overlap_fit_uses_the_slowest_recent_sync_and_the_spec_windows() -> None:
+    spec = parse_spec(
+        {"islands": {"count": 4}, "inner": {"steps": 30}, "sync": {"quorum": 4, "fragments": 2}}
+    )
+    assert spec.sync.overlap_mode == "auto" and spec.sync.overlap_steps == 5
+    fitter = OverlapFit(spec, blocking=True)
+    assert fitter.fit(0.45) == 5  # nothing measured yet: the cap
+    fitter.observe(None)
+    assert fitter.fit(0.45) == 5
+    fitter.observe(0.05)
+    assert fitter.fit(0.45) == 0 and fitter.window(0) == (0, 0)
+    fitter.observe(2.0)  # one slow merge: the cap again
+    assert fitter.fit(0.45) == 5
+    for _ in range(3):
+        fitter.observe(0.1)
+    assert fitter.fit(0.45) == 5  # 2.0 is still among the last 4
+    fitter.observe(0.1)
+    assert fitter.fit(0.45) == 1  # 2 x 0.1 s > 0.135 s: one step
+    assert fitter.window(1) == (1, 1)
+    late = parse_spec(
+        {
+            "islands": {"count": 4},
+            "inner": {"steps": 30},
+            "sync": {"quorum": 4, "mergeWait": "nextPush", "applyFrom": "arrival"},
+        }
+    )
+    assert OverlapFit(late, blocking=True).window(3) == (1, 29)
+    assert OverlapFit(late, blocking=False).window(3) == (1, 3)
+    fixed = parse_spec({"inner": {"steps": 30}, "sync": {"overlapMode": "fixed"}})
+    pinned = OverlapFit(fixed, blocking=True)
+    pinned.observe(0.0)
+    assert pinned.fit(0.45) == 5
+
+
+class TimedLink(FakeLink):
+    """FakeLink whose syncs report a measured latency."""
+
+    def __init__(self, latency: float) -> None:
+        super().__init__(outer_lr=0.25)
+        self.latency = latency
+
+    async def sync_fragment(
+        self,
+        f: int,
+        encoded: dict[str, torch.Tensor],
+        meta: PushMeta,
+        held: Any,
+        within: bool = False,
+    ) -> SyncResult:
+        result = await super().sync_fragment(f, encoded, meta, held, within)
+        return dataclasses.replace(result, latency=self.latency)
+
+
+@pytest.mark.parametrize(
+    ("mode", "latency", "applied"),
+    [
+        ("auto", 0.001, [6, 8, 12]),  # 0.001 s <= 1% of 4 steps of 0.1 s: τ = 0 after 1 merge
+        ("auto", 0.15, [6, 10, 14]),  # ceil(0.15 / 0.1) = 2 = the cap
+        ("fixed", 0.001, [6, 10, 14]),
+    ],
+)
+def test_a_blocking_learner_applies_a_fast_merge_at_its_push_step(
+    mode: str, latency: float, applied: list[int], caplog: pytest.LogCaptureFixture
+) -> None:
+    # H = 4, one fragment, overlapSteps 2, K = M = 2: the first push (step 4) is made with the
+    # cap, as nothing is measured; every later one with the τ its predecessor's latency gives.
+    caplog.set_level(logging.INFO, logger="diloco.learner")
+    link = TimedLink(latency)
+    sync, w = make_sync(make_spec(quorum=2, overlapMode=mode), link)
+    assert sync.blocking
+    got = [s for s in range(1, 15) if step(sync, w)]
+    assert got == applied
+    # Each push carries the 4 steps since the previous one (a receipt keeps the steps since its
+    # push in the counters), whatever τ was.
+    assert [meta.steps for _, meta, _ in link.pushes] == [4, 4, 4]
+    changes = [r.getMessage() for r in caplog.records if "this push overlaps" in r.getMessage()]
+    if applied[1] == 8:  # τ went from the cap to 0 once, at the push of step 8
+        assert len(changes) == 1 and changes[0].startswith("step 8: this push overlaps 0 step(s)")
+    else:
+        assert changes == []
