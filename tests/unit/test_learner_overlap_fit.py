@@ -31,20 +31,24 @@ def fit(latency: float | None, *, mode: str = "auto", cap: int = 5, step_time: f
     )
 
 
-def test_fit_overlap_hides_the_latency_and_overlaps_nothing_when_waiting_is_cheap() -> None:
-    # H = 30, F = 2, 0.45 s a step: waiting for the whole latency twice a round costs at most 1%
-    # of the round's 13.5 s while 2 L <= 0.135 s, i.e. L <= 0.0675 s.
+def test_fit_overlap_is_the_fewest_steps_that_leave_a_wait_under_1_percent() -> None:
+    # H = 30, F = 2, 0.45 s a step: a round is 13.5 s, 1% of it 0.135 s, so each of the two
+    # pushes may wait 0.0675 s: τ = ceil((L - 0.0675) / 0.45).
     assert OVERLAP_FREE_SHARE == 0.01
+    assert fit(0.0) == 0
     assert fit(0.06) == 0
-    assert fit(0.0675) == 0
-    assert fit(0.07) == 1  # ceil(0.07 / 0.45)
-    assert fit(0.45) == 1
-    assert fit(0.46) == 2
-    assert fit(1.0) == 3  # ceil(2.22)
-    assert fit(2.26) == 5  # ceil(5.02) = 6, at most the cap
+    assert fit(0.067) == 0
+    assert fit(0.07) == 1  # ceil(0.0025 / 0.45)
+    assert fit(0.5175) == 1  # (0.5175 - 0.0675) / 0.45 = 1 exactly: one step, no more
+    assert fit(0.52) == 2  # ceil(1.0056)
+    assert fit(1.0) == 3  # ceil(2.07)
+    assert fit(2.4) == 5  # ceil(5.18) = 6, at most the cap
     assert fit(30.0) == 5
     assert fit(30.0, cap=3) == 3
     assert fit(1.0, cap=0) == 0  # sync.overlapSteps 0: never overlap
+    # A GPU island (gpt-125m on the H200: 0.054 s a step, H = 40, merges back in 1.6 s): the cap.
+    gpu = fit_overlap(mode="auto", cap=5, latency=1.6, step_time=0.054, inner_steps=40, fragments=2)
+    assert gpu == 5
 
 
 def test_fit_overlap_keeps_the_cap_when_fixed_or_unmeasured() -> None:
@@ -115,7 +119,7 @@ def test_overlap_fit_uses_the_slowest_recent_sync_and_the_spec_windows() -> None
         fitter.observe(0.1)
     assert fitter.fit(0.45) == 5  # 2.0 is still among the last 4
     fitter.observe(0.1)
-    assert fitter.fit(0.45) == 1  # 2 x 0.1 s > 0.135 s: one step
+    assert fitter.fit(0.45) == 1  # ceil((0.1 - 0.0675) / 0.45)
     assert fitter.window(1) == (1, 1)
     late = parse_spec(
         {

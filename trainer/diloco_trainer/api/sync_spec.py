@@ -51,10 +51,10 @@ class SyncSpec(SpecModel):
     )
     overlap_mode: OverlapMode = Field(
         "auto",
-        description="auto: each learner overlaps only the steps its measured sync latency needs "
-        "(its push, the syncer's merge, its pull), at most overlapSteps, and none while waiting "
-        "for the whole latency costs under 1% of its time; overlapSteps until the first merge is "
-        "measured. fixed: always overlapSteps. docs/learner.md prices both.",
+        description="auto: each push overlaps the fewest steps that hide the learner's measured "
+        "sync latency (its push, the syncer's merge, its pull) up to a wait of 1% of a round, at "
+        "most overlapSteps (overlapSteps until a merge is measured). fixed: always overlapSteps. "
+        "docs/learner.md prices both.",
     )
     merge_wait: MergeWait = Field(
         "overlap",

@@ -70,8 +70,8 @@ def poll_from_steps(*, apply_from: str, overlap: int) -> int:
 
 
 OVERLAP_MODES = ("auto", "fixed")  # sync.overlapMode
-# sync.overlapMode auto overlaps nothing while blocking for the whole sync latency, once per
-# fragment per round, costs at most this share of a round's inner steps.
+# sync.overlapMode auto leaves a learner waiting for its merges at most this share of a round's
+# time: the overlap is the fewest steps that do.
 OVERLAP_FREE_SHARE = 0.01
 
 
@@ -84,18 +84,19 @@ def fit_overlap(
     inner_steps: int,
     fragments: int,
 ) -> int:
-    """τ for the next push (sync.overlapMode): the inner steps that hide the sync's latency.
+    """τ for the next push (sync.overlapMode): the fewest inner steps that hide the sync's
+    latency up to a wait of OVERLAP_FREE_SHARE of a round, at most `cap` (sync.overlapSteps).
 
     `latency` is the seconds from a push to its merged fragment being back, less any wait for
     peers: the push's own transfer, the syncer's merge (mergeSeconds) and the pull (None: not
-    measured yet). "fixed", or nothing measured yet: `cap` (sync.overlapSteps). "auto": 0 when
-    blocking for the whole latency, F times a round, costs at most OVERLAP_FREE_SHARE of the
-    round's H steps; else ceil(latency / step time), at most `cap`.
+    measured yet). A learner that blocks τ steps after each of its F pushes per round of H steps
+    waits F·max(0, L − τ·t) a round, so τ = ceil((L − share·H·t/F) / t), clamped to 0..cap.
+    "fixed", or nothing measured yet: `cap`.
 
     Why: every kept step is a step taken from a base the merge has moved, and on gpt-mini at
     K = M the τ = 5 kept steps cost 1.1-3.1% of the loss at equal tokens against τ = 0, where the
-    merges came back within a step (bench/RESULTS.md, issue 23); on a GPU whose merges take many
-    steps the fit is the cap, as before.
+    merges came back within a step or two (bench/RESULTS.md, issue 23); on a GPU whose merges
+    take many steps the fit is the cap, as before.
     """
     if mode not in OVERLAP_MODES:
         raise ValueError(
@@ -105,10 +106,10 @@ def fit_overlap(
         raise ValueError(f"sync.overlapSteps must be >= 0, got {cap}")
     if mode == "fixed" or latency is None or not math.isfinite(latency) or step_time <= 0:
         return cap
-    latency = max(0.0, latency)
-    if fragments * latency <= OVERLAP_FREE_SHARE * inner_steps * step_time:
-        return 0
-    return min(cap, max(1, math.ceil(latency / step_time)))
+    allowance = OVERLAP_FREE_SHARE * inner_steps * step_time / max(1, fragments)
+    steps = (max(0.0, latency) - allowance) / step_time
+    # A hair over a whole number is float noise, not a step more.
+    return min(cap, max(0, math.ceil(steps - 1e-9)))
 
 
 def sync_latency(
