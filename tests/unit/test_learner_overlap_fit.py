@@ -69,6 +69,16 @@ def test_sync_latency_adds_push_merge_pull_at_the_push_rate_and_rebuild() -> Non
     )
     assert got == pytest.approx(0.2 + 0.5 + 0.6 + 0.1)
     assert sync_latency(push_seconds=0.2, push_bytes=0, merge_seconds=0.5, pull_bytes=10) == 0.7
+    # The pull's own time measured (its time less the syncer's long-poll hold): taken as it is.
+    measured = sync_latency(
+        push_seconds=0.2,
+        push_bytes=1000,
+        merge_seconds=0.5,
+        pull_bytes=3000,
+        pull_seconds=0.05,
+        rebuild_seconds=0.1,
+    )
+    assert measured == pytest.approx(0.2 + 0.5 + 0.05 + 0.1)
     # An older syncer says no mergeSeconds: nothing is known.
     none = sync_latency(push_seconds=0.2, push_bytes=1000, merge_seconds=None, pull_bytes=3000)
     assert none is None

@@ -8,6 +8,7 @@ import asyncio
 from pathlib import Path
 from typing import Any
 
+import pytest
 from aiohttp.test_utils import TestServer
 from diloco_trainer.api import protocol
 from diloco_trainer.learner import syncer_client
@@ -54,6 +55,17 @@ def test_pull_bodies_carry_the_merge_seconds_and_the_client_reads_them(tmp_path:
     for kind, raw in (("client_full", got["full"]), ("client_chain", got["chain"])):
         cost = got[kind].cost
         assert cost.merge_seconds == seconds["full"] and cost.body_bytes == len(raw), kind
+        # The syncer said how long it held the request: the pull's own time is known.
+        assert cost.pull_seconds is not None and cost.pull_seconds >= 0, kind
+
+
+def test_pull_seconds_is_the_pull_less_the_syncers_hold() -> None:
+    header = protocol.HEADER_HELD_SECONDS
+    assert syncer_client.pull_seconds(0.5, {header: "0.3"}) == pytest.approx(0.2)
+    assert syncer_client.pull_seconds(0.5, {header.lower(): "0.125"}) == pytest.approx(0.375)
+    assert syncer_client.pull_seconds(0.2, {header: "0.3"}) == 0.0  # clocks apart: never < 0
+    assert syncer_client.pull_seconds(0.5, {}) is None  # an older syncer
+    assert syncer_client.pull_seconds(0.5, {header: "soon"}) is None
 
 
 def test_meta_seconds_ignores_what_is_not_a_duration() -> None:
@@ -96,6 +108,7 @@ def test_a_learner_sync_over_http_reports_its_latency(tmp_path: Path) -> None:
     result, elapsed = run(scenario())
     assert result.outcome == "merged" and result.pulled.version == 1
     assert result.pulled.cost.merge_seconds is not None
+    assert result.pulled.cost.pull_seconds is not None
     assert result.latency is not None
     # The push, the merge and the pull estimate: at least the merge, at most the whole sync
     # plus the pull estimate (a pull the size of the push, at the push's rate).

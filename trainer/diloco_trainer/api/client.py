@@ -163,9 +163,11 @@ class SyncerJsonClient:
         params: Mapping[str, str] | None = None,
         extra_timeout: float = 0.0,
         ok: tuple[int, ...] = (200,),
+        headers_out: dict[str, str] | None = None,
     ) -> tuple[int, bytes]:
         """(status, body) of the first answer whose status is in `ok`, under the retry policy
-        (module docstring). `data` is sent as a safetensors body, `json_body` as JSON."""
+        (module docstring). `data` is sent as a safetensors body, `json_body` as JSON;
+        `headers_out`, when given, gets that answer's headers."""
         url = self.base_url + path
         deadline = time.monotonic() + self.retry_deadline
         attempt = 0
@@ -186,6 +188,8 @@ class SyncerJsonClient:
                 ) as resp:
                     body = await resp.read()
                     if resp.status in ok:
+                        if headers_out is not None:
+                            headers_out.update(resp.headers)
                         return resp.status, body
                     if resp.status not in RETRY_STATUSES:
                         raise SyncerError(resp.status, *error_message(body))

@@ -130,6 +130,9 @@ META_FINISHED = "finished"
 # A pull body's seconds from its merge's start to the body (the version's mergeSeconds but the
 # body's install): what sync.overlapMode auto hides. Optional: absent from older syncers.
 META_MERGE_SECONDS = "mergeSeconds"
+# A pull answer's header: the seconds the syncer held the request before answering (its
+# long-poll wait and the body's building), so that the learner can tell the pull's own time.
+HEADER_HELD_SECONDS = "X-Diloco-Held-Seconds"
 META_KIND = "kind"  # KIND_FULL or KIND_UPDATES
 META_FROM_VERSION = "fromVersion"  # updates: the version they start from (the client's `have`)
 META_CHECKSUM = "checksum"  # updates: published.weights_checksum of the weights at `version`

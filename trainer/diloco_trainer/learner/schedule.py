@@ -118,16 +118,20 @@ def sync_latency(
     push_bytes: int,
     merge_seconds: float | None,
     pull_bytes: int,
+    pull_seconds: float | None = None,
     rebuild_seconds: float = 0.0,
 ) -> float | None:
     """A sync's latency less any wait for peers (what fit_overlap hides): the push's seconds
     (its transfer and the syncer's fold), the syncer's mergeSeconds for the version, the pull's
-    transfer at the push's rate (pull_bytes / push_bytes of the push's time: a long-poll's own
-    time is mostly waiting, so it is not timed) and the learner's rebuild of an update chain.
-    None when the syncer did not say its mergeSeconds (an older syncer)."""
+    own seconds (its time less the syncer's long-poll wait; when the syncer did not say it, its
+    transfer at the push's rate, pull_bytes / push_bytes of the push's time) and the learner's
+    rebuild of an update chain. None when the syncer did not say its mergeSeconds."""
     if merge_seconds is None:
         return None
-    pull = push_seconds * pull_bytes / push_bytes if push_bytes > 0 else 0.0
+    if pull_seconds is not None:
+        pull = pull_seconds
+    else:
+        pull = push_seconds * pull_bytes / push_bytes if push_bytes > 0 else 0.0
     return max(0.0, push_seconds) + max(0.0, merge_seconds) + pull + max(0.0, rebuild_seconds)
 
 

@@ -7,6 +7,7 @@ every route); this module only encodes and decodes safetensors bodies.
 
 from __future__ import annotations
 
+import time
 import uuid
 from collections.abc import Mapping
 from typing import Any
@@ -18,6 +19,7 @@ from diloco_trainer.api.client import SyncerJsonClient
 from diloco_trainer.api.documents import DocumentError, PushAnswer, parse_json_object
 from diloco_trainer.api.protocol import (
     ERROR_MALFORMED,
+    HEADER_HELD_SECONDS,
     KIND_FULL,
     KIND_UPDATES,
     META_CHECKSUM,
@@ -50,6 +52,15 @@ from diloco_trainer.core.payloads import (
 # many seconds on top of request_timeout, so a large model's fragments are not cut off at a
 # fixed 120 s (a push's answer also waits for its fold, and for its fragment's merge).
 MIN_BODY_BYTES_PER_SECOND = 4 * 2**20
+
+
+def pull_seconds(elapsed: float, headers: Mapping[str, str]) -> float | None:
+    """A pull's own seconds (request, transfer, decoding): its `elapsed` time less what the
+    syncer says it held the request (HEADER_HELD_SECONDS: the long-poll's wait for the merge);
+    None when it did not say (an older syncer)."""
+    named = {k.lower(): v for k, v in headers.items()}  # header names are case-insensitive
+    held = meta_seconds(named, HEADER_HELD_SECONDS.lower())
+    return None if held is None else max(0.0, elapsed - held)
 
 
 class SyncerClient(SyncerJsonClient):
@@ -91,18 +102,25 @@ class SyncerClient(SyncerJsonClient):
         params = {"after": str(after), "wait": str(wait)}
         if have >= 0:
             params["have"] = str(have)
+        headers: dict[str, str] = {}
+        began = time.monotonic()
         status, body = await self.request(
             "GET",
             ROUTE_FRAGMENT.format(fragment=fragment),
             params=params,
             extra_timeout=wait + self.body_seconds(self._full_bytes.get(fragment, 0)),
             ok=(200, 304),
+            headers_out=headers,
         )
         if status == 304:
             return None
         tensors, meta = decode_body(body)
         version = meta_int(meta, META_VERSION)
-        cost = PullCost(merge_seconds=meta_seconds(meta, META_MERGE_SECONDS), body_bytes=len(body))
+        cost = PullCost(
+            merge_seconds=meta_seconds(meta, META_MERGE_SECONDS),
+            body_bytes=len(body),
+            pull_seconds=pull_seconds(time.monotonic() - began, headers),
+        )
         if meta.get(META_KIND, KIND_FULL) == KIND_UPDATES:
             from_version = meta_int(meta, META_FROM_VERSION)
             return PulledUpdates(

@@ -229,6 +229,7 @@ class SyncerLink:
                 push_bytes=sum(t.numel() * t.element_size() for t in encoded.values()),
                 merge_seconds=pulled.cost.merge_seconds,
                 pull_bytes=pulled.cost.body_bytes,
+                pull_seconds=pulled.cost.pull_seconds,
                 rebuild_seconds=pulled.cost.rebuild_seconds,
             )
         return SyncResult(

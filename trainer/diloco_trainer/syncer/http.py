@@ -16,6 +16,7 @@ import json
 import logging
 import math
 import ssl
+import time
 from collections.abc import Awaitable, Callable
 from typing import Any, Protocol
 
@@ -275,12 +276,14 @@ class SyncerRoutes:
             raise Refused(400, "query after and have must be integers and wait a number") from None
         if not math.isfinite(wait) or wait < 0:
             raise Refused(400, f"query wait must be a number >= 0, got {wait}")
+        began = time.monotonic()
         body = await self.syncer.pull(fragment, after=after, wait=wait, have=have)
         if body is None:
             return web.Response(status=304)
         # A full body: its prefix, then its data as it is in memory.
         sent = SplitBodyPayload(body) if isinstance(body, SplitBody) else body
-        return web.Response(body=sent, content_type=protocol.SAFETENSORS_CONTENT_TYPE)
+        held = {protocol.HEADER_HELD_SECONDS: f"{time.monotonic() - began:.6f}"}
+        return web.Response(body=sent, content_type=protocol.SAFETENSORS_CONTENT_TYPE, headers=held)
 
     async def handle_push(self, request: web.Request) -> web.Response:
         """POST /v1/fragments/{f}/push: the body read under its limits, then the service's push
