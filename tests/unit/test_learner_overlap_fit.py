@@ -140,6 +140,10 @@ def test_overlap_fit_uses_the_slowest_recent_sync_and_the_spec_windows() -> None
     )
     assert OverlapFit(late, blocking=True).window(3) == (1, 29)
     assert OverlapFit(late, blocking=False).window(3) == (1, 3)
+    # A learner that never blocks (K < M) keeps the cap whatever it measured.
+    decoupled = OverlapFit(spec, blocking=False)
+    decoupled.observe(0.0)
+    assert decoupled.fit(0.45) == 5
     fixed = parse_spec({"inner": {"steps": 30}, "sync": {"overlapMode": "fixed"}})
     pinned = OverlapFit(fixed, blocking=True)
     pinned.observe(0.0)
@@ -166,22 +170,28 @@ class TimedLink(FakeLink):
 
 
 @pytest.mark.parametrize(
-    ("mode", "latency", "applied"),
+    ("mode", "quorum", "latency", "applied"),
     [
-        ("auto", 0.001, [6, 8, 12]),  # 0.001 s <= 1% of 4 steps of 0.1 s: τ = 0 after 1 merge
-        ("auto", 0.15, [6, 10, 14]),  # ceil(0.15 / 0.1) = 2 = the cap
-        ("fixed", 0.001, [6, 10, 14]),
+        ("auto", 2, 0.001, [6, 8, 12]),  # 0.001 s <= 1% of 4 steps of 0.1 s: τ = 0 after 1 merge
+        ("auto", 2, 0.15, [6, 10, 14]),  # ceil((0.15 - 0.004) / 0.1) = 2 = the cap
+        ("fixed", 2, 0.001, [6, 10, 14]),
+        ("auto", 1, 0.001, [6, 10, 14]),  # K < M: the learner never blocks and keeps the cap
     ],
 )
 def test_a_blocking_learner_applies_a_fast_merge_at_its_push_step(
-    mode: str, latency: float, applied: list[int], caplog: pytest.LogCaptureFixture
+    mode: str,
+    quorum: int,
+    latency: float,
+    applied: list[int],
+    caplog: pytest.LogCaptureFixture,
 ) -> None:
-    # H = 4, one fragment, overlapSteps 2, K = M = 2: the first push (step 4) is made with the
-    # cap, as nothing is measured; every later one with the τ its predecessor's latency gives.
+    # H = 4, one fragment, overlapSteps 2, K = M = 2 (or K = 1): the first push (step 4) is
+    # made with the cap, as nothing is measured; every later one with the τ its predecessor's
+    # latency gives.
     caplog.set_level(logging.INFO, logger="diloco.learner")
     link = TimedLink(latency)
-    sync, w = make_sync(make_spec(quorum=2, overlapMode=mode), link)
-    assert sync.blocking
+    sync, w = make_sync(make_spec(quorum=quorum, overlapMode=mode), link)
+    assert sync.blocking == (quorum == 2)
     got = [s for s in range(1, 15) if step(sync, w)]
     assert got == applied
     # Each push carries the 4 steps since the previous one (a receipt keeps the steps since its

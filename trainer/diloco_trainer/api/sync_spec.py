@@ -51,9 +51,10 @@ class SyncSpec(SpecModel):
     )
     overlap_mode: OverlapMode = Field(
         "auto",
-        description="auto: each push overlaps the fewest steps that hide the learner's measured "
-        "sync latency (its push, the syncer's merge, its pull) up to a wait of 1% of a round, at "
-        "most overlapSteps (overlapSteps until a merge is measured). fixed: always overlapSteps. "
+        description="auto: a learner that blocks for its merge (K = M) overlaps each push with "
+        "the fewest steps that hide its measured sync latency (its push, the syncer's merge, its "
+        "pull) up to a wait of 1% of a round, at most overlapSteps (overlapSteps until a merge "
+        "is measured); a decoupled one (K < M) keeps overlapSteps. fixed: always overlapSteps. "
         "docs/learner.md prices both.",
     )
     merge_wait: MergeWait = Field(

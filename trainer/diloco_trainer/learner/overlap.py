@@ -40,9 +40,13 @@ class OverlapFit:
             self.latencies.append(latency)
 
     def fit(self, step_time: float) -> int:
-        """τ for a push now (`step_time`: the wall seconds per inner step)."""
+        """τ for a push now (`step_time`: the wall seconds per inner step). A learner that does
+        not block for its merge (K < M) keeps the cap: it never waits, so there is no wait to
+        fit τ against, and its merges also wait out the syncer's grace window, which L leaves
+        out (on gpt-tiny at K = 1 and 2 a fitted τ was 0.5-4.9% behind the cap at equal tokens
+        in one run per seed: bench/RESULTS.md, issue 23)."""
         return fit_overlap(
-            mode=self.spec.sync.overlap_mode,
+            mode=self.spec.sync.overlap_mode if self.blocking else "fixed",
             cap=self.cap,
             latency=self.latency,
             step_time=step_time,
