@@ -142,7 +142,7 @@ def test_the_learner_polls_from_the_rule_whether_or_not_it_blocks() -> None:
 def test_a_blocking_learner_applies_a_merge_back_at_once_the_step_after_its_push() -> None:
     # K = M (2 of 2), H = 4, τ = 2, arrival; the fake syncer merges at once (outer lr 0.25).
     link = FakeLink(outer_lr=0.25)
-    sync, w = make_sync(make_spec(quorum=2, applyFrom="arrival"), link)
+    sync, w = make_sync(make_spec(quorum=2, applyFrom="arrival", overlapMode="fixed"), link)
     assert sync.blocking
     for _ in range(3):
         assert step(sync, w) == {}
@@ -164,7 +164,9 @@ def test_a_merge_back_after_two_steps_is_applied_then_not_at_tau() -> None:
     # K = M (2 of 2), H = 4, τ = 3, arrival: the merge of the push after step 4 is held back
     # over step 5 and released before step 6, one step before the wait at 4 + τ = 7.
     link = FakeLink(outer_lr=0.25)
-    sync, w = make_sync(make_spec(quorum=2, overlapSteps=3, applyFrom="arrival"), link)
+    sync, w = make_sync(
+        make_spec(quorum=2, overlapSteps=3, applyFrom="arrival", overlapMode="fixed"), link
+    )
     for _ in range(3):
         step(sync, w)
     link.hold = True

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import re
 from typing import Any
 
 import pytest
@@ -14,6 +15,7 @@ from diloco_trainer.api.protocol import PushMeta
 from diloco_trainer.api.spec import parse_spec
 from diloco_trainer.learner.overlap import OverlapFit
 from diloco_trainer.learner.schedule import (
+    FIRST_OVERLAP,
     OVERLAP_FREE_SHARE,
     fit_overlap,
     plan_idle,
@@ -51,11 +53,14 @@ def test_fit_overlap_is_the_fewest_steps_that_leave_a_wait_under_1_percent() -> 
     assert gpu == 5
 
 
-def test_fit_overlap_keeps_the_cap_when_fixed_or_unmeasured() -> None:
+def test_fit_overlap_is_the_cap_when_fixed_and_one_step_until_measured() -> None:
     assert fit(0.0, mode="fixed") == 5
-    assert fit(None) == 5
-    assert fit(float("nan")) == 5
-    assert fit(0.01, step_time=0.0) == 5  # no step measured yet
+    assert fit(None, mode="fixed") == 5
+    assert FIRST_OVERLAP == 1
+    assert fit(None) == 1  # a job's first pushes: nothing measured
+    assert fit(float("nan")) == 1
+    assert fit(0.01, step_time=0.0) == 1  # no step measured yet
+    assert fit(None, cap=0) == 0
     with pytest.raises(ValueError, match=r"sync\.overlapMode"):
         fit(0.1, mode="eager")
     with pytest.raises(ValueError, match=r"sync\.overlapSteps"):
@@ -118,9 +123,12 @@ def test_overlap_fit_uses_the_slowest_recent_sync_and_the_spec_windows() -> None
     )
     assert spec.sync.overlap_mode == "auto" and spec.sync.overlap_steps == 5
     fitter = OverlapFit(spec, blocking=True)
-    assert fitter.fit(0.45) == 5  # nothing measured yet: the cap
+    assert fitter.fit(0.45) == 1  # nothing measured yet: one step
+    assert fitter.latest == 5  # no push yet: the cap
+    fitter.pushed(1, 0.45, 30)
+    assert fitter.latest == 1
     fitter.observe(None)
-    assert fitter.fit(0.45) == 5
+    assert fitter.fit(0.45) == 1
     fitter.observe(0.05)
     assert fitter.fit(0.45) == 0 and fitter.window(0) == (0, 0)
     fitter.observe(2.0)  # one slow merge: the cap again
@@ -172,8 +180,9 @@ class TimedLink(FakeLink):
 @pytest.mark.parametrize(
     ("mode", "quorum", "latency", "applied"),
     [
-        ("auto", 2, 0.001, [6, 8, 12]),  # 0.001 s <= 1% of 4 steps of 0.1 s: τ = 0 after 1 merge
-        ("auto", 2, 0.15, [6, 10, 14]),  # ceil((0.15 - 0.004) / 0.1) = 2 = the cap
+        # First τ = 1 (nothing measured); then 0.001 s <= 1% of 4 steps of 0.1 s: τ = 0.
+        ("auto", 2, 0.001, [5, 8, 12]),
+        ("auto", 2, 0.15, [5, 10, 14]),  # then ceil((0.15 - 0.004) / 0.1) = 2 = the cap
         ("fixed", 2, 0.001, [6, 10, 14]),
         ("auto", 1, 0.001, [6, 10, 14]),  # K < M: the learner never blocks and keeps the cap
     ],
@@ -186,8 +195,8 @@ def test_a_blocking_learner_applies_a_fast_merge_at_its_push_step(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     # H = 4, one fragment, overlapSteps 2, K = M = 2 (or K = 1): the first push (step 4) is
-    # made with the cap, as nothing is measured; every later one with the τ its predecessor's
-    # latency gives.
+    # made with τ = 1 under auto, as nothing is measured (the cap under fixed or at K < M);
+    # every later one with the τ its predecessor's latency gives.
     caplog.set_level(logging.INFO, logger="diloco.learner")
     link = TimedLink(latency)
     sync, w = make_sync(make_spec(quorum=quorum, overlapMode=mode), link)
@@ -197,8 +206,10 @@ def test_a_blocking_learner_applies_a_fast_merge_at_its_push_step(
     # Each push carries the 4 steps since the previous one (a receipt keeps the steps since its
     # push in the counters), whatever τ was.
     assert [meta.steps for _, meta, _ in link.pushes] == [4, 4, 4]
-    changes = [r.getMessage() for r in caplog.records if "this push overlaps" in r.getMessage()]
-    if applied[1] == 8:  # τ went from the cap to 0 once, at the push of step 8
-        assert len(changes) == 1 and changes[0].startswith("step 8: this push overlaps 0 step(s)")
-    else:
-        assert changes == []
+    changes = [
+        (int(m.group(1)), int(m.group(2)))
+        for r in caplog.records
+        if (m := re.match(r"step (\d+): pushes overlap (\d+) step", r.getMessage()))
+    ]
+    taus = {4: applied[0] - 4, 8: applied[1] - 8}  # the τ of the pushes at 4 and 8
+    assert changes == [(4, taus[4])] + ([(8, taus[8])] if taus[8] != taus[4] else [])

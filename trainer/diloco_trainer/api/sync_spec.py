@@ -53,8 +53,8 @@ class SyncSpec(SpecModel):
         "auto",
         description="auto: a learner that blocks for its merge (K = M) overlaps each push with "
         "the fewest steps that hide its measured sync latency (its push, the syncer's merge, its "
-        "pull) up to a wait of 1% of a round, at most overlapSteps (overlapSteps until a merge "
-        "is measured); a decoupled one (K < M) keeps overlapSteps. fixed: always overlapSteps. "
+        "pull) up to a wait of 1% of a round, at most overlapSteps (one step until a sync is "
+        "measured); a decoupled one (K < M) keeps overlapSteps. fixed: always overlapSteps. "
         "docs/learner.md prices both.",
     )
     merge_wait: MergeWait = Field(

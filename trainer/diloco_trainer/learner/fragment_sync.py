@@ -111,14 +111,14 @@ class FragmentSync:
     def deadline(self) -> int:
         """Steps after a push at which a blocking learner waits for its merge (sync.mergeWait,
         core/grace.merge_wait_steps), for the τ of the latest push; a learner that does not
-        block only polls, from τ."""
-        return self.overlap_fit.window(self.overlap_fit.tau)[1]
+        block only polls, from τ (overlapSteps before any push)."""
+        return self.overlap_fit.window(self.overlap_fit.latest)[1]
 
     @property
     def poll_from(self) -> int:
         """Steps after a push from which its merge is applied if it has arrived (sync.applyFrom,
         schedule.poll_from_steps): τ, or the step after the push with "arrival"."""
-        return self.overlap_fit.window(self.overlap_fit.tau)[0]
+        return self.overlap_fit.window(self.overlap_fit.latest)[0]
 
     def finished(self) -> bool:
         return self.link.finished.is_set()
@@ -259,7 +259,8 @@ class FragmentSync:
             abandoned = self._abandoned()
             for f in capped:
                 if f not in self.inflight or f in abandoned:
-                    self._push(f, self.position, (self.poll_from, self.deadline))
+                    tau = self.overlap_fit.fit(self.wall_step or self.step_time)
+                    self._push(f, self.position, self.overlap_fit.window(tau))
                 if self._collect(f, block=WAIT_SLICE_SECONDS):
                     target = self._receive(f)
                     if self.shards is None:

@@ -32,7 +32,7 @@ class OverlapFit:
         self.cap = cap
         self.blocking = blocking
         self.latencies: deque[float] = deque(maxlen=RECENT_SYNCS)
-        self.tau = cap  # the τ of the latest push
+        self.tau: int | None = None  # the τ of the latest push
 
     def observe(self, latency: float | None) -> None:
         """A sync's latency (SyncResult.latency; None: not known, nothing changes)."""
@@ -55,6 +55,11 @@ class OverlapFit:
         )
 
     @property
+    def latest(self) -> int:
+        """The τ of the latest push (overlapSteps before the first)."""
+        return self.cap if self.tau is None else self.tau
+
+    @property
     def latency(self) -> float | None:
         """The slowest recent sync latency (None: none measured)."""
         return max(self.latencies) if self.latencies else None
@@ -62,16 +67,16 @@ class OverlapFit:
     def pushed(self, tau: int, step_time: float, position: int) -> None:
         """A push was made with τ: logged when it differs from the previous push's."""
         if tau != self.tau:
+            latency = self.latency
             log.info(
-                "step %d: this push overlaps %d step(s), the last one %d (sync latency %.3fs, "
-                "%.3fs a step, at most %d: sync.overlapMode %s)",
+                "step %d: pushes overlap %d step(s) from this one on (sync latency %s, %.3fs a "
+                "step, at most %d: sync.overlapMode %s)",
                 position,
                 tau,
-                self.tau,
-                self.latency or 0.0,
+                "not measured yet" if latency is None else f"{latency:.3f}s",
                 step_time,
                 self.cap,
-                self.spec.sync.overlap_mode,
+                self.spec.sync.overlap_mode if self.blocking else "fixed at K < M",
             )
             self.tau = tau
 
