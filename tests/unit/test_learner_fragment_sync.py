@@ -25,10 +25,13 @@ class FakeLink:
     """Runs the learner's coroutines at once; the 'syncer' applies an outer SGD step of
     `outer_lr` to each pushed Δ (one island: θ ← θ − lr·Δ)."""
 
-    def __init__(self, outer_lr: float, lateness: float | None = None) -> None:
+    def __init__(
+        self, outer_lr: float, lateness: float | None = None, latency: float | None = None
+    ) -> None:
         self.finished = threading.Event()
         self.outer_lr = outer_lr
         self.lateness = lateness
+        self.latency = latency  # each sync's SyncResult.latency (sync.overlapMode auto)
         self.pushes: list[tuple[int, PushMeta, dict[str, torch.Tensor]]] = []
         self.within: list[bool] = []  # the within flag of each push (merge_lateness)
         self.lateness_within = False
@@ -79,6 +82,7 @@ class FakeLink:
             seconds=0.01,
             lateness=self.lateness,
             lateness_within=self.lateness_within,
+            latency=self.latency,
         )
 
 

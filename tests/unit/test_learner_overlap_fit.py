@@ -4,14 +4,11 @@ schedule.sync_latency, learner/overlap.py), each push planned with the τ it was
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import re
 from typing import Any
 
 import pytest
-import torch
-from diloco_trainer.api.protocol import PushMeta
 from diloco_trainer.api.spec import parse_spec
 from diloco_trainer.learner.overlap import OverlapFit
 from diloco_trainer.learner.schedule import (
@@ -22,7 +19,6 @@ from diloco_trainer.learner.schedule import (
     plan_step,
     sync_latency,
 )
-from diloco_trainer.learner.syncer_link import SyncResult
 
 from .test_learner_fragment_sync import FakeLink, make_spec, make_sync, step
 
@@ -158,25 +154,6 @@ def test_overlap_fit_uses_the_slowest_recent_sync_and_the_spec_windows() -> None
     assert pinned.fit(0.45) == 5
 
 
-class TimedLink(FakeLink):
-    """FakeLink whose syncs report a measured latency."""
-
-    def __init__(self, latency: float) -> None:
-        super().__init__(outer_lr=0.25)
-        self.latency = latency
-
-    async def sync_fragment(
-        self,
-        f: int,
-        encoded: dict[str, torch.Tensor],
-        meta: PushMeta,
-        held: Any,
-        within: bool = False,
-    ) -> SyncResult:
-        result = await super().sync_fragment(f, encoded, meta, held, within)
-        return dataclasses.replace(result, latency=self.latency)
-
-
 @pytest.mark.parametrize(
     ("mode", "quorum", "latency", "applied"),
     [
@@ -198,7 +175,7 @@ def test_a_blocking_learner_applies_a_fast_merge_at_its_push_step(
     # made with τ = 1 under auto, as nothing is measured (the cap under fixed or at K < M);
     # every later one with the τ its predecessor's latency gives.
     caplog.set_level(logging.INFO, logger="diloco.learner")
-    link = TimedLink(latency)
+    link = FakeLink(outer_lr=0.25, latency=latency)
     sync, w = make_sync(make_spec(quorum=quorum, overlapMode=mode), link)
     assert sync.blocking == (quorum == 2)
     got = [s for s in range(1, 15) if step(sync, w)]

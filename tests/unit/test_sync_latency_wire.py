@@ -12,12 +12,12 @@ import pytest
 from aiohttp.test_utils import TestServer
 from diloco_trainer.api import protocol
 from diloco_trainer.learner import syncer_client
-from diloco_trainer.learner.syncer_link import HeldFragment, SyncerLink, encode_delta
+from diloco_trainer.learner.syncer_link import HeldFragment, encode_delta
 from diloco_trainer.syncer.http import build_app
 from diloco_trainer.syncer.service import Syncer
 
 from .test_syncer import FakeClock, delta, run
-from .test_syncer_pull import copy, merge_rounds, pull_spec
+from .test_syncer_pull import copy, merge_rounds, pull_spec, served_link
 
 
 def test_pull_bodies_carry_the_merge_seconds_and_the_client_reads_them(tmp_path: Path) -> None:
@@ -78,13 +78,7 @@ def test_meta_seconds_ignores_what_is_not_a_duration() -> None:
 
 def test_a_learner_sync_over_http_reports_its_latency(tmp_path: Path) -> None:
     async def scenario() -> tuple[Any, float]:
-        syncer = Syncer(pull_spec(), job_name="unit", state_dir=tmp_path, clock=FakeClock())
-        server = TestServer(build_app(syncer, "tok"), host="127.0.0.1")
-        await server.start_server()
-        url = str(server.make_url("")).rstrip("/")
-        link = SyncerLink(syncer_client.SyncerClient(url, "tok"), island="island-0", replicas=1)
-        try:
-            await syncer.join("island-0", 1)
+        async with served_link(tmp_path) as (syncer, link):
             names = syncer.fragments[0]
             held = HeldFragment(version=0, tensors=copy(syncer.model.published, names))
             encoded = encode_delta(delta(syncer, 0, 7), "int8", None)
@@ -101,9 +95,6 @@ def test_a_learner_sync_over_http_reports_its_latency(tmp_path: Path) -> None:
             future = link.submit(link.sync_fragment(0, encoded, meta, held))
             result = await asyncio.wrap_future(future)
             return result, asyncio.get_running_loop().time() - began
-        finally:
-            await asyncio.to_thread(link.close, leave=False)
-            await server.close()
 
     result, elapsed = run(scenario())
     assert result.outcome == "merged" and result.pulled.version == 1

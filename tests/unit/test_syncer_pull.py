@@ -6,8 +6,10 @@ the push-answer table survive a checkpoint."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -193,6 +195,22 @@ def test_syncer_retried_push_after_a_restart_counts_once(tmp_path: Path) -> None
     assert resumed.tokens == 100 and resumed.state.versions == [1]
 
 
+@contextlib.asynccontextmanager
+async def served_link(tmp_path: Path) -> AsyncIterator[tuple[Syncer, SyncerLink]]:
+    """A syncer (pull_spec, island-0 joined) behind a real HTTP server, and a learner's link."""
+    syncer = Syncer(pull_spec(), job_name="unit", state_dir=tmp_path, clock=FakeClock())
+    server = TestServer(build_app(syncer, "tok"), host="127.0.0.1")
+    await server.start_server()
+    url = str(server.make_url("")).rstrip("/")
+    link = SyncerLink(syncer_client.SyncerClient(url, "tok"), island="island-0", replicas=1)
+    try:
+        await syncer.join("island-0", 1)
+        yield syncer, link
+    finally:
+        await asyncio.to_thread(link.close, leave=False)
+        await server.close()
+
+
 def test_syncer_link_rebuilds_from_updates_and_falls_back_on_a_bad_checksum(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -201,13 +219,7 @@ def test_syncer_link_rebuilds_from_updates_and_falls_back_on_a_bad_checksum(
     caplog.set_level(logging.WARNING, logger="diloco.learner")
 
     async def scenario() -> tuple[Syncer, list[Any], dict[str, int]]:
-        syncer = Syncer(pull_spec(), job_name="unit", state_dir=tmp_path, clock=FakeClock())
-        server = TestServer(build_app(syncer, "tok"), host="127.0.0.1")
-        await server.start_server()
-        url = str(server.make_url("")).rstrip("/")
-        link = SyncerLink(syncer_client.SyncerClient(url, "tok"), island="island-0", replicas=1)
-        try:
-            await syncer.join("island-0", 1)
+        async with served_link(tmp_path) as (syncer, link):
             held = [copy(syncer.model.published, syncer.fragments[0])]
             await merge_rounds(syncer, 2, held)
             good = HeldFragment(version=1, tensors=held[1])
@@ -219,9 +231,6 @@ def test_syncer_link_rebuilds_from_updates_and_falls_back_on_a_bad_checksum(
                 future = link.submit(link._pull_newer(0, 1, h))
                 pulled.append(await asyncio.wrap_future(future))
             return syncer, pulled, dict(link.pull_counts)
-        finally:
-            await asyncio.to_thread(link.close, leave=False)
-            await server.close()
 
     syncer, (from_chain, from_full), counts = run(scenario())
     for got in (from_chain, from_full):
