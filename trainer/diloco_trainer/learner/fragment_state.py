@@ -68,9 +68,9 @@ class InFlight:
     step: int  # schedule position it was pushed at
     started: float  # time.monotonic() of the push
     future: concurrent.futures.Future[SyncResult]
-    previous: float | None = None  # time.monotonic() of the fragment's push before this one
     # (first poll, wait deadline) in steps after the push: those of the τ it was made with.
-    window: tuple[int, int] = (0, 0)
+    window: tuple[int, int]
+    previous: float | None = None  # time.monotonic() of the fragment's push before this one
 
 
 @dataclass
