@@ -41,7 +41,7 @@ def test_a_blocking_learner_counts_its_wait_for_the_merge() -> None:
     # K = M (quorum 2 of 2), H = 4, τ = 2: pushed after step 4, the merge is needed after step 6;
     # it is held back and released 0.5 s after the learner reached step 6.
     link = FakeLink(outer_lr=0.25)
-    sync, w = make_sync(make_spec(quorum=2), link)
+    sync, w = make_sync(make_spec(quorum=2, overlapMode="fixed"), link)
     assert sync.blocking
     for _ in range(3):
         step(sync, w)

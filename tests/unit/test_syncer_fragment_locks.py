@@ -123,10 +123,10 @@ def test_merge_seconds_run_until_the_new_version_is_pullable(tmp_path: Path) -> 
         entered, release = threading.Event(), threading.Event()
         real_encode = syncer.publisher.encode
 
-        def held_encode(f: int, key: Any) -> Any:
+        def held_encode(f: int, key: Any, merge_seconds: float | None = None) -> Any:
             entered.set()
             release.wait(30)
-            return real_encode(f, key)
+            return real_encode(f, key, merge_seconds)
 
         syncer.publisher.encode = held_encode  # type: ignore[method-assign]
         merge = asyncio.create_task(syncer.tick())
