@@ -47,7 +47,7 @@ from typing import Any
 
 import torch
 from diloco_trainer import local as launch  # the local runner's public surface
-from diloco_trainer.api.protocol import ROUTE_HEALTHZ, PushMeta
+from diloco_trainer.api.protocol import META_MERGE_SECONDS, ROUTE_HEALTHZ, PushMeta
 from diloco_trainer.api.spec import JobSpec, parse_spec
 from diloco_trainer.core.compress import encode_tensors
 from diloco_trainer.core.fragments import split_fragments
@@ -163,6 +163,8 @@ class Timings:
     sent_to_pullable: list[float] = field(default_factory=list)
     floor_before: list[float] = field(default_factory=list)
     floor_after: list[float] = field(default_factory=list)
+    # the syncer's own mergeSeconds (the pull body's metadata): round taken -> body built
+    merge_seconds: list[float] = field(default_factory=list)
 
     def ratios(self) -> list[float]:
         """Each round's time over the faster of its two floors (the after one may share the
@@ -192,6 +194,7 @@ class CaseResult:
     floor_before_s: list[float]  # timed right before each round's pushes
     floor_after_s: list[float]  # and right after its pull
     ratio_to_floor: list[float]  # each round's time over the faster of its two floors
+    merge_seconds: list[float]  # the syncer's own, per round (the pull body's mergeSeconds)
     healthz_p50_ms: float
     healthz_p99_ms: float
     healthz_max_ms: float
@@ -262,14 +265,16 @@ async def run_rounds(
                     sent = time.perf_counter()
                     await shards[owner].push_pseudo_gradient(f, encoded, meta)
                 last = time.perf_counter()
-                pulled_at, version = await pull
+                pulled_at, version, merge_seconds = await pull
                 out.floor_after.append(floor.seconds(numels[f]))
+                out.merge_seconds.append(merge_seconds)
                 out.to_pullable.append(pulled_at - last)
                 out.sent_to_pullable.append(pulled_at - sent)
                 versions[f] = version
                 print(
                     f"  round {r} fragment {f}: pullable {pulled_at - last:.2f}s after the last "
-                    f"push's answer, {pulled_at - sent:.2f}s after it was sent; floor "
+                    f"push's answer, {pulled_at - sent:.2f}s after it was sent (the syncer's "
+                    f"mergeSeconds {merge_seconds:.2f}s); floor "
                     f"{out.floor_before[-1]:.2f}s before, {out.floor_after[-1]:.2f}s after "
                     f"({out.ratios()[-1]:.1f}x)",
                     flush=True,
@@ -281,10 +286,11 @@ async def run_rounds(
 
 async def pull_headers(
     url: str, token: str, f: int, *, after: int, wait: float
-) -> tuple[float, int]:
-    """(when the answer's headers came, its version) of a long-polling pull of fragment f."""
+) -> tuple[float, int, float]:
+    """(when the answer's headers came, its version, the syncer's mergeSeconds from its body's
+    metadata) of a long-polling pull of fragment f."""
 
-    def get() -> tuple[float, int]:
+    def get() -> tuple[float, int, float]:
         req = urllib.request.Request(
             f"{url}/v1/fragments/{f}?after={after}&wait={wait}",
             headers={"Authorization": f"Bearer {token}"},
@@ -293,8 +299,10 @@ async def pull_headers(
             try:
                 with urllib.request.urlopen(req, timeout=wait + 60) as resp:
                     at = time.perf_counter()
+                    head = resp.read(8)
+                    meta = json.loads(resp.read(int.from_bytes(head, "little")))["__metadata__"]
                     resp.read()
-                return at, after + 1
+                return at, after + 1, float(meta.get(META_MERGE_SECONDS, "nan"))
             except urllib.error.HTTPError as err:
                 if err.code != 304:
                     raise
@@ -417,6 +425,7 @@ def run_case(
         floor_before_s=timed.floor_before,
         floor_after_s=timed.floor_after,
         ratio_to_floor=timed.ratios(),
+        merge_seconds=timed.merge_seconds,
         healthz_p50_ms=1000 * probe[len(probe) // 2],
         healthz_p99_ms=1000 * probe[min(len(probe) - 1, int(len(probe) * 0.99))],
         healthz_max_ms=1000 * probe[-1],
@@ -476,6 +485,7 @@ def run_serial_shards(
                 "floor_before_s": timed.floor_before,
                 "floor_after_s": timed.floor_after,
                 "ratio_to_floor": timed.ratios(),
+                "merge_seconds": timed.merge_seconds,
                 "healthz_p99_ms": 1000 * probe[min(len(probe) - 1, int(len(probe) * 0.99))],
                 "healthz_max_ms": 1000 * probe[-1],
                 "stop_with_checkpoint_s": stopped,
@@ -544,7 +554,9 @@ def main(argv: list[str] | None = None) -> int:
             f"{statistics.median(r.sent_to_pullable_s):.2f}s), floor before/after median "
             f"{statistics.median(r.floor_before_s):.2f}/{statistics.median(r.floor_after_s):.2f}s, "
             f"ratio median {statistics.median(r.ratio_to_floor):.1f}x (max "
-            f"{max(r.ratio_to_floor):.1f}x); /healthz p50 {r.healthz_p50_ms:.0f} ms, p99 "
+            f"{max(r.ratio_to_floor):.1f}x; the syncer's mergeSeconds median "
+            f"{statistics.median(r.merge_seconds):.2f}s); /healthz p50 "
+            f"{r.healthz_p50_ms:.0f} ms, p99 "
             f"{r.healthz_p99_ms:.0f} ms, max {r.healthz_max_ms:.0f} ms, "
             f"{r.healthz_failures} failed; stop with checkpoint {r.stop_with_checkpoint_s:.1f}s, "
             f"resume {r.resume_s:.1f}s (peak {r.resume_hwm_x:.2f}x), versions "
