@@ -8,7 +8,11 @@ pseudo-gradients, K = M (every island pushes every fragment each round). Measure
   both as a multiple of x = P x 4 bytes (one fp32 copy of the model);
 - last push -> pullable: from the answer to a round's last push of a fragment to a long-polling
   pull of that fragment answering with the new version (its headers; the body's transfer is
-  not counted);
+  not counted). That pull asks as a learner does, with `have=<previous version>`, so it gets
+  the one-update chain (publisher.py); after it, per round, a full-body pull (`have` left out)
+  and, once the fragment has 3 updates, a lagging learner's 3-update chain (have = version - 3:
+  the older updates read back from the syncer's state dir) are timed whole (headers to the
+  body's last byte) and their bytes reported, so the bodies of every kind are in the peak;
 - /healthz latency (p50, p99, max) from a poller hitting it every 20 ms while the rounds run;
 - a plain-torch floor in the same run: one copy of the fragment's fp32 bytes plus the weighted sum
   of M fp32 pseudo-gradients of that fragment (what a merge must at least do), timed right
@@ -18,7 +22,7 @@ pseudo-gradients, K = M (every island pushes every fragment each round). Measure
   merged; the time to its exit), then a new syncer on the same state dir until ready (resume
   time, its start-up peak) and whether it serves the same versions.
 
-    python -m bench.syncer_scale --preset gpt-125m --islands 4 8 --fragments 2 --rounds 2
+    python -m bench.syncer_scale --preset gpt-125m --islands 4 8 --fragments 2 --rounds 4
     (--fragments takes several values too: each M runs with each F)
 
 With --shards N the job has N syncer processes (syncer.shards), each owning fragments f with
@@ -47,7 +51,7 @@ from typing import Any
 
 import torch
 from diloco_trainer import local as launch  # the local runner's public surface
-from diloco_trainer.api.protocol import META_MERGE_SECONDS, ROUTE_HEALTHZ, PushMeta
+from diloco_trainer.api.protocol import META_KIND, META_MERGE_SECONDS, ROUTE_HEALTHZ, PushMeta
 from diloco_trainer.api.spec import JobSpec, parse_spec
 from diloco_trainer.core.compress import encode_tensors
 from diloco_trainer.core.fragments import split_fragments
@@ -165,6 +169,11 @@ class Timings:
     floor_after: list[float] = field(default_factory=list)
     # the syncer's own mergeSeconds (the pull body's metadata): round taken -> body built
     merge_seconds: list[float] = field(default_factory=list)
+    # Whole pulls by what was asked (chain: have = previous version, the timed long-poll one;
+    # full: no have; lag3: have = version - 3): (kind served, bytes, seconds headers..last byte)
+    pulls: dict[str, list[tuple[str, int, float]]] = field(
+        default_factory=lambda: {"chain": [], "full": [], "lag3": []}
+    )
 
     def ratios(self) -> list[float]:
         """Each round's time over the faster of its two floors (the after one may share the
@@ -195,6 +204,7 @@ class CaseResult:
     floor_after_s: list[float]  # and right after its pull
     ratio_to_floor: list[float]  # each round's time over the faster of its two floors
     merge_seconds: list[float]  # the syncer's own, per round (the pull body's mergeSeconds)
+    pulls: dict[str, list[tuple[str, int, float]]]  # Timings.pulls
     healthz_p50_ms: float
     healthz_p99_ms: float
     healthz_max_ms: float
@@ -259,13 +269,20 @@ async def run_rounds(
                 # The pull waits for the new version from before the pushes start.
                 owner = 0 if only is not None else f % len(urls)
                 pull = asyncio.ensure_future(
-                    pull_headers(urls[owner], token, f, after=versions[f], wait=600)
+                    pull_headers(
+                        urls[owner], token, f, after=versions[f], wait=600, have=versions[f]
+                    )
                 )
                 for meta in metas:
                     sent = time.perf_counter()
                     await shards[owner].push_pseudo_gradient(f, encoded, meta)
                 last = time.perf_counter()
-                pulled_at, version, merge_seconds = await pull
+                pulled_at, version, merge_seconds, chain = await pull
+                out.pulls["chain"].append(chain)
+                out.pulls["full"].append((await pull_headers(urls[owner], token, f))[3])
+                if version >= 3:  # a learner 3 versions behind: 2 of its updates from disk
+                    lag = await pull_headers(urls[owner], token, f, have=version - 3)
+                    out.pulls["lag3"].append(lag[3])
                 out.floor_after.append(floor.seconds(numels[f]))
                 out.merge_seconds.append(merge_seconds)
                 out.to_pullable.append(pulled_at - last)
@@ -276,7 +293,12 @@ async def run_rounds(
                     f"push's answer, {pulled_at - sent:.2f}s after it was sent (the syncer's "
                     f"mergeSeconds {merge_seconds:.2f}s); floor "
                     f"{out.floor_before[-1]:.2f}s before, {out.floor_after[-1]:.2f}s after "
-                    f"({out.ratios()[-1]:.1f}x)",
+                    f"({out.ratios()[-1]:.1f}x); pulls "
+                    + ", ".join(
+                        f"{what} {got[-1][0]} {got[-1][1] / 2**20:.1f} MiB {got[-1][2]:.2f}s"
+                        for what, got in out.pulls.items()
+                        if got and (what != "lag3" or version >= 3)
+                    ),
                     flush=True,
                 )
                 del encoded
@@ -285,14 +307,15 @@ async def run_rounds(
 
 
 async def pull_headers(
-    url: str, token: str, f: int, *, after: int, wait: float
-) -> tuple[float, int, float]:
+    url: str, token: str, f: int, *, after: int = -1, wait: float = 0, have: int = -1
+) -> tuple[float, int, float, tuple[str, int, float]]:
     """(when the answer's headers came, its version, the syncer's mergeSeconds from its body's
-    metadata) of a long-polling pull of fragment f."""
+    metadata, (the body's kind, its bytes, the seconds from the headers to its last byte)) of
+    a long-polling pull of fragment f, asking as a learner holding version `have` does."""
 
-    def get() -> tuple[float, int, float]:
+    def get() -> tuple[float, int, float, tuple[str, int, float]]:
         req = urllib.request.Request(
-            f"{url}/v1/fragments/{f}?after={after}&wait={wait}",
+            f"{url}/v1/fragments/{f}?after={after}&wait={wait}&have={have}",
             headers={"Authorization": f"Bearer {token}"},
         )
         while True:  # the syncer answers a long-poll 304 after at most 60 s: ask again
@@ -300,9 +323,11 @@ async def pull_headers(
                 with urllib.request.urlopen(req, timeout=wait + 60) as resp:
                     at = time.perf_counter()
                     head = resp.read(8)
-                    meta = json.loads(resp.read(int.from_bytes(head, "little")))["__metadata__"]
-                    resp.read()
-                return at, after + 1, float(meta.get(META_MERGE_SECONDS, "nan"))
+                    n = int.from_bytes(head, "little")
+                    meta = json.loads(resp.read(n))["__metadata__"]
+                    size = 8 + n + len(resp.read())
+                    whole = (meta[META_KIND], size, time.perf_counter() - at)
+                return at, after + 1, float(meta.get(META_MERGE_SECONDS, "nan")), whole
             except urllib.error.HTTPError as err:
                 if err.code != 304:
                     raise
@@ -426,6 +451,7 @@ def run_case(
         floor_after_s=timed.floor_after,
         ratio_to_floor=timed.ratios(),
         merge_seconds=timed.merge_seconds,
+        pulls=timed.pulls,
         healthz_p50_ms=1000 * probe[len(probe) // 2],
         healthz_p99_ms=1000 * probe[min(len(probe) - 1, int(len(probe) * 0.99))],
         healthz_max_ms=1000 * probe[-1],
@@ -486,6 +512,7 @@ def run_serial_shards(
                 "floor_after_s": timed.floor_after,
                 "ratio_to_floor": timed.ratios(),
                 "merge_seconds": timed.merge_seconds,
+                "pulls": timed.pulls,
                 "healthz_p99_ms": 1000 * probe[min(len(probe) - 1, int(len(probe) * 0.99))],
                 "healthz_max_ms": 1000 * probe[-1],
                 "stop_with_checkpoint_s": stopped,
@@ -505,7 +532,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--islands", nargs="+", type=int, default=[4, 8])
     p.add_argument("--fragments", nargs="+", type=int, default=[2])
     p.add_argument("--codec", default="int8")
-    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument(
+        "--rounds",
+        type=int,
+        default=4,
+        help="rounds of pushes (4, the default: from the third on every fragment's update "
+        "history is full, its steady state)",
+    )
     p.add_argument("--shards", type=int, default=1, help="syncer.shards (x: each one's share)")
     p.add_argument(
         "--serial-shards",
@@ -555,7 +588,14 @@ def main(argv: list[str] | None = None) -> int:
             f"{statistics.median(r.floor_before_s):.2f}/{statistics.median(r.floor_after_s):.2f}s, "
             f"ratio median {statistics.median(r.ratio_to_floor):.1f}x (max "
             f"{max(r.ratio_to_floor):.1f}x; the syncer's mergeSeconds median "
-            f"{statistics.median(r.merge_seconds):.2f}s); /healthz p50 "
+            f"{statistics.median(r.merge_seconds):.2f}s); pulls (kind, MiB, s median) "
+            + "; ".join(
+                f"{what} {got[-1][0]} {statistics.median(g[1] for g in got) / 2**20:.1f} "
+                f"{statistics.median(g[2] for g in got):.2f}"
+                for what, got in r.pulls.items()
+                if got
+            )
+            + "; /healthz p50 "
             f"{r.healthz_p50_ms:.0f} ms, p99 "
             f"{r.healthz_p99_ms:.0f} ms, max {r.healthz_max_ms:.0f} ms, "
             f"{r.healthz_failures} failed; stop with checkpoint {r.stop_with_checkpoint_s:.1f}s, "
