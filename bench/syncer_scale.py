@@ -10,9 +10,11 @@ pseudo-gradients, K = M (every island pushes every fragment each round). Measure
   pull of that fragment answering with the new version (its headers; the body's transfer is
   not counted). That pull asks as a learner does, with `have=<previous version>`, so it gets
   the one-update chain (publisher.py); after it, per round, a full-body pull (`have` left out)
-  and, once the fragment has 3 updates, a lagging learner's 3-update chain (have = version - 3:
-  the older updates read back from the syncer's state dir) are timed whole (headers to the
-  body's last byte) and their bytes reported, so the bodies of every kind are in the peak;
+  is timed whole (headers to the body's last byte) and its bytes reported; with --lagging also
+  a lagging learner's 3-update chain (have = version - 3: the older updates read back from the
+  syncer's state dir) once the fragment has 3 updates. That body (3 updates) is cached while
+  its version is published, so it adds to the peak: off by default, as the memory target
+  counts one update's body in flight;
 - /healthz latency (p50, p99, max) from a poller hitting it every 20 ms while the rounds run;
 - a plain-torch floor in the same run: one copy of the fragment's fp32 bytes plus the weighted sum
   of M fp32 pseudo-gradients of that fragment (what a merge must at least do), timed right
@@ -229,6 +231,7 @@ async def run_rounds(
     codec: str,
     rounds: int,
     only: tuple[int, int] | None = None,
+    lagging: bool = False,
 ) -> Timings:
     """Every island pushes every fragment, `rounds` times; the times from the last push's answer
     and from its sending to the new version being pullable, and the floor right before and
@@ -280,7 +283,9 @@ async def run_rounds(
                 pulled_at, version, merge_seconds, chain = await pull
                 out.pulls["chain"].append(chain)
                 out.pulls["full"].append((await pull_headers(urls[owner], token, f))[3])
-                if version >= 3:  # a learner 3 versions behind: 2 of its updates from disk
+                if (
+                    lagging and version >= 3
+                ):  # a learner 3 versions behind: 2 of its updates from disk
                     lag = await pull_headers(urls[owner], token, f, have=version - 3)
                     out.pulls["lag3"].append(lag[3])
                 out.floor_after.append(floor.seconds(numels[f]))
@@ -297,7 +302,7 @@ async def run_rounds(
                     + ", ".join(
                         f"{what} {got[-1][0]} {got[-1][1] / 2**20:.1f} MiB {got[-1][2]:.2f}s"
                         for what, got in out.pulls.items()
-                        if got and (what != "lag3" or version >= 3)
+                        if got and (what != "lag3" or (lagging and version >= 3))
                     ),
                     flush=True,
                 )
@@ -401,6 +406,7 @@ def run_case(
     workdir: Path,
     shards: int = 1,
     eval_every: int = 1,
+    lagging: bool = False,
 ) -> CaseResult:
     shapes = model_shapes(preset)
     params = sum(s.numel() for s in shapes.values())
@@ -419,7 +425,8 @@ def run_case(
         for sampler in samplers:
             sampler.start()
         names = [f"island-{i}" for i in range(islands)]
-        timed = asyncio.run(run_rounds(url, files.token, names, shapes, codec, rounds))
+        job = run_rounds(url, files.token, names, shapes, codec, rounds, lagging=lagging)
+        timed = asyncio.run(job)
         for sampler in samplers:
             sampler.done.set()
             sampler.join()
@@ -552,6 +559,12 @@ def main(argv: list[str] | None = None) -> int:
         help="syncer.evalEveryOuterSteps (1, the default: a merge after an outer step waits "
         "for its evaluation, which reads the live weights under the merge lock)",
     )
+    p.add_argument(
+        "--lagging",
+        action="store_true",
+        help="also pull a 3-behind update chain per round (read back from disk; cached while "
+        "its version is published, so in the peak)",
+    )
     p.add_argument("--out", type=Path, default=None, help="write the results as JSON here")
     args = p.parse_args(argv)
     torch.set_num_threads(1)
@@ -574,7 +587,15 @@ def main(argv: list[str] | None = None) -> int:
     for m, f in [(m, f) for m in args.islands for f in args.fragments]:
         with tempfile.TemporaryDirectory(prefix="syncer-scale-") as tmp:
             r = run_case(
-                args.preset, m, f, args.codec, args.rounds, Path(tmp), args.shards, args.eval_every
+                args.preset,
+                m,
+                f,
+                args.codec,
+                args.rounds,
+                Path(tmp),
+                args.shards,
+                args.eval_every,
+                args.lagging,
             )
         results.append(asdict(r))
         pullable = statistics.median(r.to_pullable_s)

@@ -130,7 +130,7 @@ def test_pull_codec_none_serves_a_copy_of_the_exact_weights_once_per_version(
         await syncer.tick()  # fragment 0's outer step moves, its weights do not
         moved = await syncer.pull(0, after=0, wait=0)
         assert isinstance(merged, payloads.SplitBody) and isinstance(moved, payloads.SplitBody)
-        same_data = merged.data.obj.ctypes.data == moved.data.obj.ctypes.data  # type: ignore[union-attr]
+        same_data = merged.parts[0].obj.ctypes.data == moved.parts[0].obj.ctypes.data  # type: ignore[union-attr]
         await syncer.stop()
         assert same_data
         return syncer, before, merged_bytes, bytes(moved)

@@ -207,19 +207,20 @@ def encode_body_buffer(
 
 @dataclass(frozen=True)
 class SplitBody:
-    """A safetensors body served in two parts, its prefix (length and JSON header, with the
-    metadata) and its data (the tensors' bytes), one after the other: the data may be memory
-    that other code reads as tensors (the syncer's published weights, body_data), so a new
-    prefix (a new outer step) needs no copy of it. bytes() gives the body whole."""
+    """A safetensors body served in parts, its prefix (length and JSON header, with the
+    metadata) and its data (the tensors' bytes, in one or more pieces), one after the other:
+    the data may be memory that other code reads as tensors (the syncer's published weights,
+    body_data; an update's own encoded tensors, update_body), so a new prefix (a new outer
+    step) needs no copy of it. bytes() gives the body whole."""
 
     prefix: bytes
-    data: memoryview = field(repr=False)
+    parts: tuple[memoryview, ...] = field(repr=False)
 
     def __len__(self) -> int:
-        return len(self.prefix) + self.data.nbytes
+        return len(self.prefix) + sum(part.nbytes for part in self.parts)
 
     def __bytes__(self) -> bytes:
-        return self.prefix + self.data.tobytes()
+        return self.prefix + b"".join(part.tobytes() for part in self.parts)
 
 
 def body_data(template: Mapping[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
@@ -242,7 +243,24 @@ def split_body(
     """The body of `data` (laid out by body_data for `template`) with this metadata, without a
     copy of the data: the caller must not write it while the body is served."""
     prefix = body_layout(template, metadata).prefix
-    return SplitBody(prefix, data.numpy().data.toreadonly())
+    return SplitBody(prefix, (data.numpy().data.toreadonly(),))
+
+
+def update_body(
+    version: int, encoded: Mapping[str, torch.Tensor], metadata: Mapping[str, Any]
+) -> SplitBody:
+    """The update chain of one update, as encode_update_chain_buffer gives it byte for byte,
+    served from the update's own encoded tensors (contiguous: the codecs make them so) after
+    a prefix, in body_layout's order: no copy of them. The caller must not write them while
+    the body is served."""
+    tensors = {f"{version}{UPDATE_SEPARATOR}{key}": t for key, t in encoded.items()}
+    layout = body_layout(tensors, metadata)
+    parts = tuple(
+        tensor_bytes(tensors[name]).numpy().data.toreadonly()
+        for name in layout.order
+        if tensors[name].numel()
+    )
+    return SplitBody(layout.prefix, parts)
 
 
 _DTYPES_BY_NAME = {name: dtype for dtype, name in _DTYPE_NAMES.items()}

@@ -86,8 +86,9 @@ SEND_PIECE_BYTES = 4 * 2**20
 
 
 class SplitBodyPayload(payload.Payload):
-    """A SplitBody as aiohttp sends a body: its prefix, then its data, with no copy joining
-    them (the data is the syncer's published weights, P/F bytes)."""
+    """A SplitBody as aiohttp sends a body: its prefix, then its data's parts, with no copy
+    joining them (the data is the syncer's published weights, P/F bytes, or the newest update's
+    encoded tensors)."""
 
     _autoclose = True  # nothing to close: memory
 
@@ -107,9 +108,9 @@ class SplitBodyPayload(payload.Payload):
         # its own buffer, and the writer drains it between pieces, so a pull holds at most a
         # piece of its body's bytes, not a second copy of them (P/F per puller).
         await writer.write(self._body.prefix)
-        data = self._body.data
-        for start in range(0, data.nbytes, SEND_PIECE_BYTES):
-            await writer.write(data[start : start + SEND_PIECE_BYTES])
+        for data in self._body.parts:
+            for start in range(0, data.nbytes, SEND_PIECE_BYTES):
+                await writer.write(data[start : start + SEND_PIECE_BYTES])
 
 
 class SyncerService(Protocol):
@@ -280,7 +281,7 @@ class SyncerRoutes:
         body = await self.syncer.pull(fragment, after=after, wait=wait, have=have)
         if body is None:
             return web.Response(status=304)
-        # A full body: its prefix, then its data as it is in memory.
+        # A full body or the one-update chain: its prefix, then its data as it is in memory.
         sent = SplitBodyPayload(body) if isinstance(body, SplitBody) else body
         held = {protocol.HEADER_HELD_SECONDS: f"{time.monotonic() - began:.6f}"}
         return web.Response(body=sent, content_type=protocol.SAFETENSORS_CONTENT_TYPE, headers=held)

@@ -2,35 +2,45 @@
 
 It keeps each fragment's full pull body (the θ_pub fragment at its published version: θ_pub's
 own memory after a prefix, or a copy of θ_exact with pull codec none; see encode),
-the last few encoded updates of θ_pub per fragment (core/published.py) and the update-chain bodies
-built from them, and one event per fragment that long-polling pullers wait on. The service calls
-`publish` after a merge (lock held); `pull` serves and long-polls without the lock.
+the last few encoded updates of θ_pub per fragment (update_history.py: the newest in memory, the
+older ones in files under the state dir) and the update-chain bodies built from them, and one
+event per fragment that long-polling pullers wait on. The service calls `publish` after a merge
+(lock held); `pull` serves and long-polls without the lock.
 
 A learner that says which version it holds (`have`) gets the updates since then instead of the
-full fragment when the history still holds them all and together they are smaller.
+full fragment when the history still holds them all and together they are smaller: the newest
+update alone (what every learner at K = M asks for) is served from its own tensors, a longer
+chain is built once per version and puller's version into a body of its own.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
+import shutil
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
 from diloco_trainer.api import protocol
 from diloco_trainer.core import payloads
 from diloco_trainer.core.compress import expected_encoded
-from diloco_trainer.core.published import UpdateHistory, WeightUpdate, history_length
+from diloco_trainer.core.published import WeightUpdate, history_length
 from diloco_trainer.syncer.global_model import GlobalModel
 from diloco_trainer.syncer.metrics import SyncerMetrics
+from diloco_trainer.syncer.update_history import Housekeeping, SpilledUpdateHistory, chain_body
+
+log = logging.getLogger("diloco.syncer")
 
 # What a body was encoded at: (fragment version, outer step, finished).
 BodyKey = tuple[int, int, bool]
 # A pull body: a full one is a SplitBody whose data is θ_pub's own memory (compressed pulls:
-# no copy) or a torch copy of θ_exact at its version (pull codec none), an update chain's is
-# built by torch copies (payloads.encode_update_chain_buffer): building one in a worker thread
-# never holds the interpreter lock for a P-sized copy.
+# no copy) or a torch copy of θ_exact at its version (pull codec none); an update chain's is
+# the newest update's own tensors (no copy), or for a longer chain a buffer written by torch
+# copies and file reads (update_history.chain_body): building one in a worker thread never
+# holds the interpreter lock for a P-sized copy.
 Body = bytes | bytearray | memoryview | payloads.SplitBody
 
 
@@ -45,11 +55,22 @@ class PullSnapshot:
 class Publisher:
     """Encoded pull bodies, update chains and long-poll wake-ups of one job's fragments."""
 
-    def __init__(self, model: GlobalModel, *, max_staleness: int, metrics: SyncerMetrics) -> None:
+    def __init__(
+        self,
+        model: GlobalModel,
+        *,
+        max_staleness: int,
+        metrics: SyncerMetrics,
+        history_dir: Path | None = None,
+    ) -> None:
+        """`history_dir`: where the older updates go, a folder per fragment (emptied now: what
+        a previous process left there is of versions it published); None: kept in memory."""
         self.model = model
         self.metrics = metrics
+        if history_dir is not None:
+            shutil.rmtree(history_dir, ignore_errors=True)
         self.history = [
-            UpdateHistory(
+            SpilledUpdateHistory(
                 history_length(
                     model.full_bytes[f],
                     sum(
@@ -57,10 +78,12 @@ class Publisher:
                         for dtype, shape in expected_encoded(e, model.pull_compression).values()
                     ),
                     max_staleness,
-                )
+                ),
+                None if history_dir is None else history_dir / f"fragment-{f}",
             )
             for f, e in enumerate(model.expected)
         ]
+        self._housekeeping: set[asyncio.Future[None]] = set()  # the histories' file work
         self.pulls = {protocol.KIND_FULL: 0, protocol.KIND_UPDATES: 0}
         self.bytes_out = 0
         self.closing = False
@@ -93,9 +116,31 @@ class Publisher:
         )
 
     def record_update(self, f: int, update: WeightUpdate | None) -> None:
-        """Keep θ_pub's update of fragment f (None: θ_pub is θ_exact, nothing to keep)."""
+        """Keep θ_pub's update of fragment f (None: θ_pub is θ_exact, nothing to keep); the
+        previous one goes to its file in a worker thread (served from memory until it is)."""
         if update is not None:
-            self.history[f].append(update)
+            self._in_background(self.history[f].append(update))
+
+    def _in_background(self, work: Housekeeping) -> None:
+        """Run a history's file work in a worker thread (inline without a running loop)."""
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            work()
+            return
+        task = loop.run_in_executor(None, work)
+        self._housekeeping.add(task)
+        task.add_done_callback(self._housekept)
+
+    def _housekept(self, task: asyncio.Future[None]) -> None:
+        self._housekeeping.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            log.error("update history file work failed", exc_info=task.exception())
+
+    async def housekeeping_done(self) -> None:
+        """Wait for the histories' file work in flight (tests, a stop)."""
+        while self._housekeeping:
+            await asyncio.gather(*list(self._housekeeping), return_exceptions=True)
 
     async def publish(self, keys: list[BodyKey]) -> None:
         """Re-encode the fragments whose key changed and wake their pullers (lock held), one
@@ -205,9 +250,11 @@ class Publisher:
             protocol.META_CHECKSUM: chain[-1].checksum,
             **self._timing(f),
         }
-        body: Body = await asyncio.to_thread(
-            payloads.encode_update_chain_buffer, [(u.version, u.encoded) for u in chain], meta
-        )
+        try:
+            body: Body = await asyncio.to_thread(chain_body, chain, meta)
+        except OSError as err:  # an older update's file went (it left the history) or failed
+            log.warning("fragment %d: no update chain from version %d (%s)", f, have, err)
+            return None
         if self._bodies[f][0] == key:  # still the published version: keep it for other pullers
             self._chains[f][(key, have)] = body
         return body

@@ -82,6 +82,9 @@ def corrupt_message(state_dir: str, corrupt: list[tuple[str, str]]) -> str:
 
 # Under the state dir: the encoded pushes of open rounds (folding.py), emptied at start.
 PENDING_DIR = "pending"
+# Under the state dir: θ_pub's older updates, served in update chains (update_history.py),
+# emptied at start.
+HISTORY_DIR = "history"
 
 
 def build(
@@ -104,7 +107,12 @@ def build(
     owned = None if scope is None else scope.owned
     model = GlobalModel(spec, parts.model, parts.plain_merge_names, owned=owned)
     model.folds.spill_to(state_dir / PENDING_DIR)  # pending pushes on disk, not in memory
-    publisher = Publisher(model, max_staleness=spec.staleness_bound(), metrics=metrics)
+    publisher = Publisher(  # θ_pub's older updates on disk, not in memory
+        model,
+        max_staleness=spec.staleness_bound(),
+        metrics=metrics,
+        history_dir=state_dir / HISTORY_DIR,
+    )
     merge_log = MergeLog(n, state_dir) if scope is None else scope.new_merge_log(n, state_dir)
     jobs = BackgroundJobs(
         spec,

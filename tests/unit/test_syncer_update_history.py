@@ -1,0 +1,180 @@
+"""θ_pub's update history off the syncer's heap (syncer/update_history.py, publisher.py): the
+newest update in memory and served with no copy, the older ones in files deleted as they leave,
+chains of 1, 2 and 3 updates byte for byte what payloads.encode_update_chain_buffer gives, and a
+learner rebuilding from them holds θ_pub bit for bit."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import numpy
+import pytest
+import torch
+from diloco_trainer.api import protocol
+from diloco_trainer.core import payloads
+from diloco_trainer.core.published import WeightUpdate, apply_updates, weights_checksum
+from diloco_trainer.syncer.startup import HISTORY_DIR
+from diloco_trainer.syncer.update_history import SpilledUpdateHistory, chain_body
+
+from .test_published import outer_steps
+from .test_syncer import FakeClock, run, started
+from .test_syncer_pull import chain_of, copy, merge_rounds, pull_spec
+
+META = {protocol.META_KIND: protocol.KIND_UPDATES, protocol.META_CODEC: "int8"}
+
+
+def appended(history: SpilledUpdateHistory, updates: list[WeightUpdate]) -> None:
+    """Append each update and run its file work at once (the publisher runs it in a thread)."""
+    for u in updates:
+        history.append(u)()
+
+
+def test_update_history_keeps_the_newest_in_memory_and_the_older_on_disk(tmp_path: Path) -> None:
+    _, updates, _ = outer_steps("int8", rounds=5)
+    history = SpilledUpdateHistory(3, tmp_path / "h")
+    appended(history, updates[:1])
+    assert history.held_bytes() == updates[0].nbytes and history.files() == []
+    appended(history, updates[1:])
+    # Versions 3, 4, 5 kept: 5 in memory, 3 and 4 in files; the files of 1 and 2 are gone.
+    assert [u.version for u in history.updates] == [3, 4, 5]
+    assert history.held_bytes() == updates[4].nbytes
+    assert [u.encoded() is None for u in history.updates] == [True, True, False]
+    on_disk = sorted((tmp_path / "h").iterdir())
+    assert on_disk == sorted(history.files()) and len(on_disk) == 2
+    assert [p.name.split("-")[0] for p in on_disk] == ["3", "4"]
+    history.clear()()
+    assert list((tmp_path / "h").iterdir()) == [] and not history.updates
+
+
+def test_update_history_restarts_after_a_gap_and_deletes_the_files(tmp_path: Path) -> None:
+    _, updates, _ = outer_steps("int8", rounds=4)
+    history = SpilledUpdateHistory(3, tmp_path)
+    appended(history, updates[:2])  # 1 on disk, 2 in memory
+    assert len(list(tmp_path.iterdir())) == 1
+    appended(history, updates[3:])  # version 3 missing: 1 and 2 cannot be chained to 4
+    assert [u.version for u in history.updates] == [4]
+    assert list(tmp_path.iterdir()) == []
+    assert history.chain(1, 4, full_bytes=10**9) is None
+
+
+@pytest.mark.parametrize("directory", [True, False])
+def test_update_history_chains_are_the_buffer_encoders_bytes(
+    tmp_path: Path, directory: bool
+) -> None:
+    published, updates, _ = outer_steps("int8", rounds=5)
+    history = SpilledUpdateHistory(3, tmp_path if directory else None)
+    appended(history, updates)
+    assert len(history.files()) == (2 if directory else 0)
+    for have, length in ((4, 1), (3, 2), (2, 3)):
+        chain = history.chain(have, 5, full_bytes=10**9)
+        assert chain is not None and [u.version for u in chain] == list(range(have + 1, 6))
+        meta = {**META, protocol.META_CHECKSUM: chain[-1].checksum}
+        body = chain_body(chain, meta)
+        want = payloads.encode_update_chain_buffer(
+            [(u.version, u.encoded) for u in updates[have:]], meta
+        )
+        assert bytes(body) == bytes(want) and len(body) == len(want)
+        # A learner holding θ_pub at `have` rebuilds version 5 bit for bit, checksum and all.
+        tensors, got_meta = payloads.decode_body(bytes(body))
+        received = payloads.split_update_chain(tensors, have, 5)
+        assert len(received) == length
+        rebuilt = apply_updates(published[have], received, "int8")
+        assert all(torch.equal(rebuilt[n], published[5][n]) for n in rebuilt)
+        assert weights_checksum(rebuilt) == got_meta[protocol.META_CHECKSUM] == updates[4].checksum
+
+
+def test_update_history_serves_the_newest_update_from_its_own_tensors(tmp_path: Path) -> None:
+    _, updates, _ = outer_steps("int8", rounds=2)
+    history = SpilledUpdateHistory(3, tmp_path)
+    appended(history, updates)
+    chain = history.chain(1, 2, full_bytes=10**9)
+    assert chain is not None
+    body = chain_body(chain, META)
+    # No copy: the body's data parts are the update's own tensors' memory.
+    own = {t.data_ptr() for t in updates[1].encoded.values() if t.numel()}
+    parts = {numpy.asarray(p).__array_interface__["data"][0] for p in body.parts}
+    assert parts == own
+
+
+def test_update_history_keeps_an_update_in_memory_when_its_file_cannot_be_written(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    blocker = tmp_path / "not-a-dir"
+    blocker.write_text("")  # a file where the directory should be: every write fails
+    _, updates, _ = outer_steps("int8", rounds=3)
+    history = SpilledUpdateHistory(3, blocker / "h")
+    with caplog.at_level(logging.WARNING, logger="diloco.syncer"):
+        appended(history, updates)
+    assert "kept in memory" in caplog.text
+    assert history.held_bytes() == sum(u.nbytes for u in updates)
+    chain = history.chain(0, 3, full_bytes=10**9)
+    assert chain is not None
+    want = payloads.encode_update_chain_buffer([(u.version, u.encoded) for u in updates], META)
+    assert bytes(chain_body(chain, META)) == bytes(want)
+
+
+def test_update_history_an_update_that_left_while_spilling_leaves_no_file(
+    tmp_path: Path,
+) -> None:
+    _, updates, _ = outer_steps("int8", rounds=4)
+    history = SpilledUpdateHistory(2, tmp_path)
+    work = [history.append(u) for u in updates]
+    for w in work:  # the file work runs late: versions 1 and 2 left before their spills ran
+        w()
+    assert [p.name.split("-")[0] for p in tmp_path.iterdir()] == ["3"]
+    assert [u.version for u in history.updates] == [3, 4]
+    assert history.held_bytes() == updates[3].nbytes
+    history.clear()()
+    # A chain whose older update's file went before it was read: OSError (a full pull).
+    history = SpilledUpdateHistory(2, tmp_path)
+    appended(history, updates[:2])
+    chain = history.chain(0, 2, full_bytes=10**9)
+    assert chain is not None
+    history.append(updates[2])()  # version 1 leaves: its file goes
+    with pytest.raises(OSError):
+        chain_body(chain, META)
+
+
+def test_syncer_history_on_disk_serves_chains_and_is_emptied_at_start(tmp_path: Path) -> None:
+    spec = pull_spec()
+
+    async def scenario() -> tuple[list[dict[str, torch.Tensor]], dict[int, bytes], object, int]:
+        syncer = await started(spec, tmp_path, FakeClock())
+        await syncer.join("island-0", 1)
+        held = [copy(syncer.model.published, syncer.fragments[0])]
+        await merge_rounds(syncer, 4, held)
+        await syncer.publisher.housekeeping_done()
+        newest = syncer.publisher.history[0].updates[-1]
+        bodies = {}
+        for have in (1, 2, 3):
+            got = await syncer.pull(0, after=have, wait=0, have=have)
+            assert got is not None
+            bodies[have] = got
+        one = bodies[3]
+        bodies = {h: bytes(b) for h, b in bodies.items()}  # type: ignore[arg-type]
+        await syncer.stop()
+        return held, bodies, one, newest.nbytes
+
+    held, bodies, one, newest_bytes = run(scenario())
+    files = sorted((tmp_path / HISTORY_DIR / "fragment-0").iterdir())
+    assert [p.name.split("-")[0] for p in files] == ["2", "3"]  # 4 in memory, 1 left
+    assert isinstance(one, payloads.SplitBody) and len(one) < newest_bytes + 2**16
+    for have, length in ((1, 3), (2, 2), (3, 1)):
+        meta, chain = chain_of(bodies[have])
+        assert len(chain) == length
+        rebuilt = apply_updates(held[have], chain, "int8")
+        assert all(torch.equal(rebuilt[n], held[4][n]) for n in rebuilt)
+        assert weights_checksum(rebuilt) == meta[protocol.META_CHECKSUM]
+
+    # A restart: the files of the old process's versions go, and it serves no chain from them.
+    async def restarted() -> bytes | None:
+        syncer = await started(spec, tmp_path, FakeClock())
+        assert not any((tmp_path / HISTORY_DIR).glob("**/*.safetensors"))
+        got = await syncer.pull(0, after=-1, wait=0, have=3)
+        await syncer.stop()
+        return None if got is None else bytes(got)  # type: ignore[arg-type]
+
+    full = run(restarted())
+    assert full is not None
+    assert protocol.read_metadata(full)[protocol.META_KIND] == protocol.KIND_FULL
