@@ -1,5 +1,6 @@
 """θ_pub's update history off the syncer's heap (syncer/update_history.py, publisher.py): the
-newest update in memory and served with no copy, the older ones in files deleted as they leave,
+newest update in memory and served with no copy (and written ahead to its file), the older ones
+only in files, deleted as they leave,
 chains of 1, 2 and 3 updates byte for byte what payloads.encode_update_chain_buffer gives, and a
 learner rebuilding from them holds θ_pub bit for bit."""
 
@@ -34,15 +35,16 @@ def test_update_history_keeps_the_newest_in_memory_and_the_older_on_disk(tmp_pat
     _, updates, _ = outer_steps("int8", rounds=5)
     history = SpilledUpdateHistory(3, tmp_path / "h")
     appended(history, updates[:1])
-    assert history.held_bytes() == updates[0].nbytes and history.files() == []
+    # The newest stays in memory, and is written ahead (its memory goes when a newer comes).
+    assert history.held_bytes() == updates[0].nbytes and len(history.files()) == 1
     appended(history, updates[1:])
-    # Versions 3, 4, 5 kept: 5 in memory, 3 and 4 in files; the files of 1 and 2 are gone.
+    # Versions 3, 4, 5 kept: 5 in memory, 3 and 4 only in files; the files of 1 and 2 are gone.
     assert [u.version for u in history.updates] == [3, 4, 5]
     assert history.held_bytes() == updates[4].nbytes
     assert [u.encoded() is None for u in history.updates] == [True, True, False]
     on_disk = sorted((tmp_path / "h").iterdir())
-    assert on_disk == sorted(history.files()) and len(on_disk) == 2
-    assert [p.name.split("-")[0] for p in on_disk] == ["3", "4"]
+    assert on_disk == sorted(history.files()) and len(on_disk) == 3
+    assert sorted(p.name.split("-")[0] for p in on_disk) == ["3", "4", "5"]
     history.clear()()
     assert list((tmp_path / "h").iterdir()) == [] and not history.updates
 
@@ -50,11 +52,11 @@ def test_update_history_keeps_the_newest_in_memory_and_the_older_on_disk(tmp_pat
 def test_update_history_restarts_after_a_gap_and_deletes_the_files(tmp_path: Path) -> None:
     _, updates, _ = outer_steps("int8", rounds=4)
     history = SpilledUpdateHistory(3, tmp_path)
-    appended(history, updates[:2])  # 1 on disk, 2 in memory
-    assert len(list(tmp_path.iterdir())) == 1
+    appended(history, updates[:2])  # 1 on disk, 2 in memory and on disk
+    assert len(list(tmp_path.iterdir())) == 2
     appended(history, updates[3:])  # version 3 missing: 1 and 2 cannot be chained to 4
     assert [u.version for u in history.updates] == [4]
-    assert list(tmp_path.iterdir()) == []
+    assert [p.name.split("-")[0] for p in tmp_path.iterdir()] == ["4"]
     assert history.chain(1, 4, full_bytes=10**9) is None
 
 
@@ -65,7 +67,10 @@ def test_update_history_chains_are_the_buffer_encoders_bytes(
     published, updates, _ = outer_steps("int8", rounds=5)
     history = SpilledUpdateHistory(3, tmp_path if directory else None)
     appended(history, updates)
-    assert len(history.files()) == (2 if directory else 0)
+    assert len(history.files()) == (3 if directory else 0)
+    assert history.held_bytes() == (
+        updates[4].nbytes if directory else sum(u.nbytes for u in updates[2:])
+    )
     for have, length in ((4, 1), (3, 2), (2, 3)):
         chain = history.chain(have, 5, full_bytes=10**9)
         assert chain is not None and [u.version for u in chain] == list(range(have + 1, 6))
@@ -122,7 +127,7 @@ def test_update_history_an_update_that_left_while_spilling_leaves_no_file(
     work = [history.append(u) for u in updates]
     for w in work:  # the file work runs late: versions 1 and 2 left before their spills ran
         w()
-    assert [p.name.split("-")[0] for p in tmp_path.iterdir()] == ["3"]
+    assert sorted(p.name.split("-")[0] for p in tmp_path.iterdir()) == ["3", "4"]
     assert [u.version for u in history.updates] == [3, 4]
     assert history.held_bytes() == updates[3].nbytes
     history.clear()()
@@ -158,7 +163,7 @@ def test_syncer_history_on_disk_serves_chains_and_is_emptied_at_start(tmp_path: 
 
     held, bodies, one, newest_bytes = run(scenario())
     files = sorted((tmp_path / HISTORY_DIR / "fragment-0").iterdir())
-    assert [p.name.split("-")[0] for p in files] == ["2", "3"]  # 4 in memory, 1 left
+    assert sorted(p.name.split("-")[0] for p in files) == ["2", "3", "4"]  # 1 left
     assert isinstance(one, payloads.SplitBody) and len(one) < newest_bytes + 2**16
     for have, length in ((1, 3), (2, 2), (3, 1)):
         meta, chain = chain_of(bodies[have])
@@ -178,3 +183,11 @@ def test_syncer_history_on_disk_serves_chains_and_is_emptied_at_start(tmp_path: 
     full = run(restarted())
     assert full is not None
     assert protocol.read_metadata(full)[protocol.META_KIND] == protocol.KIND_FULL
+
+
+def test_update_history_of_one_update_writes_no_file(tmp_path: Path) -> None:
+    # fp16 and bf16 keep one update (core/published.history_length): no chain ever needs a file.
+    _, updates, _ = outer_steps("fp16", rounds=3)
+    history = SpilledUpdateHistory(1, tmp_path)
+    appended(history, updates)
+    assert list(tmp_path.iterdir()) == [] and history.held_bytes() == updates[2].nbytes

@@ -6,13 +6,15 @@ core/published.py) instead of the full fragment, when every one is kept and toge
 smaller (core/published.history_length: 3 kept with int8 and the default staleness). Every
 learner at K = M asks for the newest update alone, so that one stays in memory, as the encoded
 tensors the merge made: the one-update chain is served from them after a prefix
-(payloads.update_body), no copy. The older ones are only for a learner that lags, so each goes
-to a file under the syncer's state dir once a newer one comes (`spill`: a worker thread, written
-from the tensors' memory by checkpoint.write_tensors), is read back straight into a chain body's
-buffer when such a learner asks (`chain_body`: a worker thread), and its file is deleted when it
-leaves the history. So a fragment's history costs one update of memory (int8: 0.26/F x), not
-three. Without a directory, or when a file cannot be written (a full disk: logged), an update
-stays in memory, as pending pushes do (folding.py).
+(payloads.update_body), no copy. The older ones are only for a learner that lags, so each is
+written to a file under the syncer's state dir as soon as it is kept (`spill`: a worker thread,
+from the tensors' memory by checkpoint.write_tensors, after its merge) and its memory let go
+the moment a newer one is kept (`supersede`: no write to wait for then); it is read back
+straight into a chain body's buffer when such a learner asks (`chain_body`: a worker thread),
+and its file is deleted when it leaves the history. So a fragment's history costs one update
+of memory (int8: 0.26/F x), not three. With a history of one (fp16, bf16) nothing is written.
+Without a directory, or when a file cannot be written (a full disk: logged), an update stays in
+memory, as pending pushes do (folding.py).
 
 Synchronous and thread-safe: `append` and `clear` run on the event loop and return the file
 work (`Housekeeping`) for the caller to run in a worker thread; spills, reads and deletions may
@@ -46,7 +48,8 @@ Housekeeping = Callable[[], None]
 
 
 class KeptUpdate:
-    """One kept update: its encoded tensors in memory, or in a file once spilled."""
+    """One kept update: its encoded tensors in memory (the newest), in a file once spilled,
+    or both (the newest, spilled ahead of its next one)."""
 
     def __init__(self, update: WeightUpdate) -> None:
         self.version = update.version
@@ -59,6 +62,7 @@ class KeptUpdate:
         self._encoded: Mapping[str, torch.Tensor] | None = update.encoded
         self.path: Path | None = None
         self._left = False  # it left the history: no file may stay behind
+        self._superseded = False  # a newer update came: its memory goes once it has a file
         self._lock = threading.Lock()  # held briefly, never for a file's bytes
 
     def encoded(self) -> Mapping[str, torch.Tensor] | None:
@@ -66,8 +70,8 @@ class KeptUpdate:
         return self._encoded
 
     def spill(self, directory: Path) -> None:
-        """Move the encoded tensors to a file in `directory` (a worker thread); on an OSError
-        (logged) they stay in memory."""
+        """Write the encoded tensors to a file in `directory` (a worker thread), let go of their
+        memory once superseded; on an OSError (logged) they stay in memory."""
         with self._lock:
             encoded = self._encoded
             if self._left or encoded is None:
@@ -83,9 +87,19 @@ class KeptUpdate:
             return
         with self._lock:
             if not self._left:
-                self.path, self._encoded = path, None
+                self.path = path
+                if self._superseded:
+                    self._encoded = None
                 return
         path.unlink(missing_ok=True)  # it left the history while being written
+
+    def supersede(self) -> None:
+        """A newer update came (on the loop, quick): the memory goes now if the file is written,
+        else once it is (bodies being served keep theirs)."""
+        with self._lock:
+            self._superseded = True
+            if self.path is not None:
+                self._encoded = None
 
     def leave(self) -> Path | None:
         """It left the history (on the loop, quick): its file, to delete, if it has one."""
@@ -131,18 +145,20 @@ class SpilledUpdateHistory:
 
     def append(self, update: WeightUpdate) -> Housekeeping:
         """Keep `update`, which must follow the newest kept one (else the history restarts);
-        returns the file work: the previous newest to its file, the files of those that left."""
+        returns the file work: the new one to its file (when older ones are kept), the files of
+        those that left deleted. The previous newest lets go of its memory."""
         left = []
         if self.updates and update.version != self.updates[-1].version + 1:
             left = list(self.updates)
             self.updates.clear()
-        older = self.updates[-1] if self.updates else None
-        self.updates.append(KeptUpdate(update))
+        if self.updates:
+            self.updates[-1].supersede()
+        newest = KeptUpdate(update)
+        self.updates.append(newest)
         while len(self.updates) > self.maxlen:
             left.append(self.updates.popleft())
         files = [p for p in (u.leave() for u in left) if p is not None]
-        spill = older if older is not None and older not in left else None
-        return lambda: self._housekeep(spill, files)
+        return lambda: self._housekeep(newest if self.maxlen > 1 else None, files)
 
     def clear(self) -> Housekeeping:
         """Forget every update; returns the deletion of their files."""
