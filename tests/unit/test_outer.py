@@ -359,3 +359,29 @@ def test_outer_load_state_tensors_takes_a_checkpoints_tensors_without_a_copy() -
     assert all(torch.equal(state[n], before[n]) for n in state)  # a copy: the input untouched
     took.step(_grads(1))
     assert all(torch.equal(took.params[n], copied.params[n]) for n in state)
+
+
+@pytest.mark.parametrize(("momentum", "nesterov"), [(0.9, True), (0.9, False), (0.0, False)])
+def test_reserved_momentum_is_a_first_fold_made_early(momentum: float, nesterov: bool) -> None:
+    # The syncer reserves a fragment's momentum when its first push is folded: the steps that
+    # follow are bit for bit those of an optimizer that made it at its first fold.
+    params, early = _params(), _params()
+    late = OuterOptimizer(params, lr=0.7, momentum=momentum, nesterov=nesterov)
+    reserved = OuterOptimizer(early, lr=0.7, momentum=momentum, nesterov=nesterov)
+    reserved.reserve(["a"])
+    if momentum:
+        assert set(reserved.state_tensors()) == {"a"}
+        assert torch.equal(reserved.state_tensors()["a"], torch.zeros(4, 3))
+        assert reserved.state_tensors()["a"].data_ptr() != early["a"].data_ptr()
+    else:  # plain SGD keeps no state, reserved or not
+        assert reserved.state_tensors() == {}
+    for step in range(3):
+        late.step({"a": _grads(step)["a"]})
+        reserved.step({"a": _grads(step)["a"]})
+    assert torch.equal(params["a"], early["a"])
+    momentum_after = {k: v.clone() for k, v in reserved.state_tensors().items()}
+    reserved.reserve(["a", "b"])  # a's momentum is kept as it is; b's is made
+    state = reserved.state_tensors()
+    for name, m in momentum_after.items():
+        assert torch.equal(state[name], m)
+    assert set(state) == ({"a", "b"} if momentum else set())

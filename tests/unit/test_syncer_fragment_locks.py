@@ -183,3 +183,27 @@ def test_the_scheduler_ends_at_a_stop_even_without_its_cancel(tmp_path: Path) ->
         return scheduler.done() and not scheduler.cancelled()
 
     assert run(scenario())
+
+
+def test_a_fragments_momentum_is_made_by_its_first_push_not_its_first_merge(
+    tmp_path: Path,
+) -> None:
+    # The outer momentum of a fragment (1/F x of zeroed pages) is made as its first push is
+    # folded, so the first merge's path to pullable does not allocate it; the other fragment
+    # has none until a push of its own.
+    async def scenario() -> tuple[set[str], set[str], set[str]]:
+        syncer = await started(make_spec(sync=TWO), tmp_path, FakeClock())
+        for i in range(3):
+            await syncer.join(f"island-{i}", 1)
+        before = set(syncer.model.outer.state_tensors())
+        answer = await syncer.receive_push(
+            0, body(syncer, 0, "island-0", delta(syncer, 0, 1), tokens=100)
+        )
+        assert answer["accepted"], answer
+        after_push = set(syncer.model.outer.state_tensors())
+        await syncer.stop()
+        return before, after_push, set(syncer.model.fragments[0])
+
+    before, after_push, fragment0 = run(scenario())
+    assert before == set()
+    assert after_push == fragment0

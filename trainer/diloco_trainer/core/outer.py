@@ -33,7 +33,7 @@ the tensors it is given.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import torch
@@ -142,6 +142,16 @@ class OuterOptimizer:
         """Set a group's completed rounds (a checkpoint from before rounds were counted: one per
         merge then)."""
         self._rounds[group] = int(rounds)
+
+    def reserve(self, names: Iterable[str]) -> None:
+        """Make the momentum of `names` now (zeros, as a first fold would), so that a group's
+        first step does not allocate and zero it on its path (the syncer reserves a fragment's
+        when its first push is folded, a worker thread's time). Nothing without momentum."""
+        if not self.momentum:
+            return
+        for name in names:
+            if name not in self._m:
+                self._m[name] = torch.zeros_like(self.params[name])
 
     # ----- the step ----------------------------------------------------------------------------
 

@@ -30,9 +30,14 @@ from diloco_trainer.core.fragments import split_fragments
 from diloco_trainer.core.merge import merge_pseudo_gradients
 from diloco_trainer.core.outer import BUFFER_PREFIX, OuterOptimizer
 from diloco_trainer.core.payloads import body_data, body_layout
-from diloco_trainer.core.published import UpdateWriter, WeightUpdate, publish_update
+from diloco_trainer.core.published import (
+    UpdateWriter,
+    WeightUpdate,
+    publish_update,
+    update_buffers,
+)
 from diloco_trainer.syncer import checkpoint as ckpt
-from diloco_trainer.syncer.folding import RoundFolds
+from diloco_trainer.syncer.folding import EncodedPayload, RoundFolds
 from diloco_trainer.syncer.guards import MAX_MERGED_ABS, MergeInputError, check_merged
 from diloco_trainer.syncer.records import Refused
 from diloco_trainer.syncer.rounds import Contribution
@@ -166,6 +171,8 @@ class GlobalModel:
         )
         if self.kept_apart:  # each round accumulates in its next pull body's memory
             self.folds.buffers = lambda f: self._new_published(f)[1]
+        # Per fragment: the tensors its next merge writes θ_pub's update into (fold_push).
+        self._spare_updates: dict[int, Tensors] = {}
 
     @property
     def kept_apart(self) -> bool:
@@ -263,6 +270,24 @@ class GlobalModel:
             check_merged(f, merged)
         return PreparedMerge(plan, merged, divisors)
 
+    def fold_push(
+        self, f: int, contribution: Contribution, payload: EncodedPayload, lag_rounds: float
+    ) -> None:
+        """Fold an accepted push into fragment f's round (folding.RoundFolds.add; a worker
+        thread, f's lock held). The fragment's outer momentum is made here if it has none yet
+        (its first round): 1/F x of fresh pages zeroed on the push path, where the round waits
+        for its other pushes anyway, not on the merge's path to pullable (0.05-1.7 s at
+        gpt-125m and gpt-350m, bench/RESULTS.md). The peak is the same: the momentum is in it
+        from the first merge on either way. So are the tensors of the merge's θ_pub update
+        (1/(4F) x for int8), made and touched here for the same reason: written fresh by the
+        merge, their page faults were a fifth of its int8 encoding's time."""
+        self.outer.reserve(self.fragments[f])
+        if self.kept_apart and f not in self._spare_updates:
+            self._spare_updates[f] = update_buffers(
+                self.expected[f], self.pull_compression, touched=True
+            )
+        self.folds.add(f, contribution, payload, lag_rounds)
+
     def commit_merge(self, f: int, prepared: PreparedMerge, *, new_version: int) -> MergeResult:
         """Apply a prepared merge: the outer step carrying φ, and θ_pub's update to
         `new_version`."""
@@ -280,7 +305,13 @@ class GlobalModel:
             # One pass: θ_pub's update follows the outer step a slice at a time, reading each
             # slice of θ_exact while it is in cache (core/published.UpdateWriter).
             writer = UpdateWriter(
-                self.weights, self.published, names, self.pull_compression, new_version, out
+                self.weights,
+                self.published,
+                names,
+                self.pull_compression,
+                new_version,
+                out,
+                self._spare_updates.pop(f, None),
             )
             self.outer.step(
                 prepared.merged,

@@ -134,7 +134,7 @@ class PushPath:
             # keeps its merge out until it is (a cancelled request too: the lock goes only once
             # the thread is done).
             folding = asyncio.ensure_future(
-                asyncio.to_thread(self.model.folds.add, fragment, contribution, payload, lag_rounds)
+                asyncio.to_thread(self.model.fold_push, fragment, contribution, payload, lag_rounds)
             )
             try:
                 await asyncio.shield(folding)
