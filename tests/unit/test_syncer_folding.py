@@ -230,3 +230,32 @@ def test_push_stats_of_an_encoded_push_with_a_huge_or_infinite_scale() -> None:
     scales[SLICE // 128 + 3] = 1e20
     stats = delta_stats(payload)
     assert stats.finite and stats.norm >= 1e20
+
+
+def test_the_merge_checks_max_is_read_at_fold_time_from_the_final_accumulator() -> None:
+    """EncodedPayload.add_to reads max |acc| as it writes each slice; the fold keeps the last
+    add's, so the merge check sees the final accumulator: a large value cancelled by a later
+    push no longer counts, and a NaN in a later slice of the last push is noted."""
+    from diloco_trainer.core.compress import SLICE
+    from diloco_trainer.core.fold import MergeFold
+
+    shapes = {"big": torch.Size([2 * SLICE + 5])}
+
+    def push(values: dict[int, float]) -> EncodedPayload:
+        t = torch.zeros(shapes["big"])
+        for i, v in values.items():
+            t[i] = v
+        return EncodedPayload(encode_tensors({"big": t}, "none"), "none", shapes)
+
+    fold = MergeFold("mean")
+    fold.add(push({3: 100.0, SLICE + 1: 2.0}), 1.0, 1.0)
+    fold.add(push({3: -100.0, 2 * SLICE + 4: -6.0}), 1.0, 1.0)
+    # acc: 0 at 3 (cancelled), 2 at SLICE + 1, -6 at 2·SLICE + 4; mean over Σρ = 2: max 3
+    out = fold.result()
+    assert (fold.amax, fold.amax_name) == (3.0, "big")
+    assert float(out["big"].abs().max()) == 3.0
+    bad = MergeFold("mean")
+    bad.add(push({0: 5.0}), 1.0, 1.0)
+    bad.add(push({2 * SLICE + 1: float("nan")}), 1.0, 1.0)
+    bad.result()
+    assert bad.amax != bad.amax and bad.amax_name == "big"

@@ -50,8 +50,21 @@ class SlicedVectors(Protocol):
     def whole(self, name: str) -> Tensor:
         """One tensor decoded whole (RDA needs its norm before adding it)."""
 
-    def add_to(self, name: str, acc: Tensor, alpha: float) -> None:
-        """acc += alpha · v for tensor `name`: each element as `acc.add_(v, alpha=alpha)`."""
+    def add_to(self, name: str, acc: Tensor, alpha: float) -> float | None:
+        """acc += alpha · v for tensor `name`: each element as `acc.add_(v, alpha=alpha)`;
+        returns max |acc| afterwards (abs_max's, read as each slice is written, while it is in
+        cache; nan or inf when acc holds one: largest() combines slices so), or None when it
+        was not read (result then reads it)."""
+
+
+def largest(a: float, b: float) -> float:
+    """The larger of two abs_max values, the first that is not finite winning (so a NaN in any
+    slice makes the whole tensor's value nan, as abs_max of the whole gives)."""
+    if not math.isfinite(a):
+        return a
+    if not math.isfinite(b) or b > a:
+        return b
+    return a
 
 
 class _Whole:
@@ -69,8 +82,9 @@ class _Whole:
     def whole(self, name: str) -> Tensor:
         return self.vectors[name]
 
-    def add_to(self, name: str, acc: Tensor, alpha: float) -> None:
+    def add_to(self, name: str, acc: Tensor, alpha: float) -> float | None:
         acc.add_(self.vectors[name], alpha=alpha)
+        return None  # whole tensors are out of cache: result reads acc once at the end
 
 
 class MergeFold:
@@ -89,6 +103,9 @@ class MergeFold:
         self.buffer = buffer or {}
         self.acc: dict[str, Tensor] = {}
         self.radius: dict[str, float] = {}  # RDA's accumulated radius per tensor
+        # max |acc| per weighted-mean tensor as its last add left it (add_to reads it while
+        # each slice is in cache): result's merge check needs no pass of its own over acc.
+        self.acc_amax: dict[str, float | None] = {}
         # Weights are folded relative to a power of two near the first non-zero one (`unit`):
         # tokens² weights stay near 1 in fp32, and scaling by a power of two is exact.
         self.unit: float | None = None
@@ -133,6 +150,7 @@ class MergeFold:
                         shape, dtype=torch.float32, device=src.device(name)
                     )
                 self.radius[name] = 0.0
+                self.acc_amax[name] = 0.0
         if weight and self.unit is None:
             self.unit = math.ldexp(1.0, math.frexp(weight)[1] - 1)
         weight = weight / self.unit if weight and self.unit else 0.0
@@ -149,7 +167,7 @@ class MergeFold:
                 self.radius[name] += weight * scale * norm
                 self.acc[name].add_(v, alpha=weight / norm)
             else:
-                src.add_to(name, self.acc[name], weight * scale)
+                self.acc_amax[name] = src.add_to(name, self.acc[name], weight * scale)
 
     def result(self) -> dict[str, Tensor]:
         """The merged pseudo-gradient, computed in place in the accumulators (the fold is used
@@ -173,15 +191,20 @@ class MergeFold:
         if not (self.total > 0.0 and math.isfinite(self.total)):
             raise ValueError("merge weights sum to zero: no contribution carries any weight")
         out, self.acc = self.acc, {}
+        acc_amax, self.acc_amax = self.acc_amax, {}
         self.count = 0
         self.amax, self.amax_name = 0.0, ""
         divisors: dict[str, float] = {}
         for name, t in out.items():
             if not self._rda(name):
                 divisors[name] = self.total
-                # read only: max|acc| / Σρ is the divided tensor's (see above)
-                largest = torch.tensor([abs_max(t)] if t.numel() else [0.0]).div_(self.total)
-                self._note_amax(name, float(largest[0]))
+                # max|acc| (as the last add found it) / Σρ is the divided tensor's (see above);
+                # fp32 as the tensor's, so the same value bit for bit
+                known = acc_amax.get(name)
+                if known is None:
+                    known = abs_max(t) if t.numel() else 0.0
+                value = torch.tensor([known], dtype=torch.float32).div_(self.total)
+                self._note_amax(name, float(value[0]))
                 continue
             factor = None
             dnorm = float(torch.linalg.vector_norm(t))

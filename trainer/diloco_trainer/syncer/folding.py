@@ -33,7 +33,7 @@ from safetensors import safe_open
 
 from diloco_trainer.core.compress import decode_tensor, decoded_slices, expected_encoded
 from diloco_trainer.core.contributions import Contributor, MergePlan, plan_merge
-from diloco_trainer.core.fold import MergeFold, SlicedVectors
+from diloco_trainer.core.fold import MergeFold, SlicedVectors, abs_max, largest
 from diloco_trainer.syncer.checkpoint import write_tensors
 from diloco_trainer.syncer.records import Contribution
 
@@ -89,10 +89,12 @@ class EncodedPayload(Mapping[str, torch.Tensor]):
     def whole(self, name: str) -> torch.Tensor:
         return self[name]
 
-    def add_to(self, name: str, acc: torch.Tensor, alpha: float) -> None:
-        flat = acc.view(-1)
+    def add_to(self, name: str, acc: torch.Tensor, alpha: float) -> float:
+        flat, amax = acc.view(-1), 0.0
         for sl, piece in self.slices(name):
-            flat[sl].add_(piece, alpha=alpha)
+            part = flat[sl].add_(piece, alpha=alpha)
+            amax = largest(amax, abs_max(part))  # in cache: the merge check's value (fold.py)
+        return amax
 
     def __iter__(self) -> Iterator[str]:
         return iter(self.expected)
