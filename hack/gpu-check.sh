@@ -4,7 +4,8 @@
 # with two learners sharing the GPU. Everything it writes goes to $OUT (logs, JSON results).
 #
 # The machine has python3 with torch, aiohttp, safetensors, rich, prometheus-client, pyyaml and
-# numpy; pydantic and its dependencies come as wheels in .whl/ (pip download ... -d .whl).
+# numpy; pydantic and its dependencies, and isal (the checksums' CRC-32), come as wheels in .whl/
+# (pip download ... -d .whl).
 #
 # Usage (from the repository root):
 #   OUT=/some/empty/dir hack/gpu-check.sh          # on the GPU machine, 5-7 minutes
