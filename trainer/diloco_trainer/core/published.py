@@ -72,19 +72,6 @@ class WeightUpdate:
     checksum: str  # of θ_pub at `version`
 
 
-def update_buffers(
-    shapes: Mapping[str, torch.Size], codec: str, *, touched: bool = False
-) -> dict[str, Tensor]:
-    """Uninitialised tensors for one encoded update of tensors of these shapes (UpdateWriter
-    fills every element); `touched`: zeroed now, so their pages are faulted in here and not
-    where they are written."""
-    make = torch.zeros if touched else torch.empty
-    return {
-        key: make(shape, dtype=dtype)
-        for key, (dtype, shape) in expected_encoded(shapes, codec).items()
-    }
-
-
 class UpdateWriter:
     """θ_pub's update written a slice at a time (compress.slices: whole codec blocks, so each
     slice encodes exactly as its part of the tensor does): `slice(name, sl)` once θ_exact's
@@ -99,22 +86,17 @@ class UpdateWriter:
         codec: str,
         version: int,
         out: Mapping[str, Tensor] | None = None,
-        encoded: Mapping[str, Tensor] | None = None,
     ) -> None:
         """`out`: where the new θ_pub of `names` goes (θ_pub's own tensors, in place, when
-        None): the syncer writes it into a new body's memory while the old one is served.
-        `encoded`: the update's tensors to write (update_buffers(); new ones when None): the
-        syncer makes them before the merge, so its path does not fault in fresh pages."""
+        None): the syncer writes it into a new body's memory while the old one is served."""
         self.exact, self.published, self.names = exact, published, list(names)
         self.out = published if out is None else out
         self.codec, self.version = codec, version
         shapes = {n: published[n].shape for n in self.names}
-        if encoded is None:
-            self.encoded = update_buffers(shapes, codec)
-        elif {k: (t.dtype, t.shape) for k, t in encoded.items()} == expected_encoded(shapes, codec):
-            self.encoded = dict(encoded)
-        else:
-            raise ValueError("the update's buffers do not fit its tensors and codec")
+        self.encoded = {
+            key: torch.empty(shape, dtype=dtype)
+            for key, (dtype, shape) in expected_encoded(shapes, codec).items()
+        }
         self._work: Tensor | None = None  # a slice's fp32 buffer, reused (int8)
 
     def slice(self, name: str, sl: slice) -> None:

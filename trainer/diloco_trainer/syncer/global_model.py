@@ -30,12 +30,7 @@ from diloco_trainer.core.fragments import split_fragments
 from diloco_trainer.core.merge import merge_pseudo_gradients
 from diloco_trainer.core.outer import BUFFER_PREFIX, OuterOptimizer
 from diloco_trainer.core.payloads import body_data, body_layout
-from diloco_trainer.core.published import (
-    UpdateWriter,
-    WeightUpdate,
-    publish_update,
-    update_buffers,
-)
+from diloco_trainer.core.published import UpdateWriter, WeightUpdate, publish_update
 from diloco_trainer.syncer import checkpoint as ckpt
 from diloco_trainer.syncer.folding import EncodedPayload, RoundFolds
 from diloco_trainer.syncer.guards import MAX_MERGED_ABS, MergeInputError, check_merged
@@ -171,8 +166,6 @@ class GlobalModel:
         )
         if self.kept_apart:  # each round accumulates in its next pull body's memory
             self.folds.buffers = lambda f: self._new_published(f)[1]
-        # Per fragment: the tensors its next merge writes θ_pub's update into (fold_push).
-        self._spare_updates: dict[int, Tensors] = {}
 
     @property
     def kept_apart(self) -> bool:
@@ -278,14 +271,11 @@ class GlobalModel:
         (its first round): 1/F x of fresh pages zeroed on the push path, where the round waits
         for its other pushes anyway, not on the merge's path to pullable (0.05-1.7 s at
         gpt-125m and gpt-350m, bench/RESULTS.md). The peak is the same: the momentum is in it
-        from the first merge on either way. So are the tensors of the merge's θ_pub update
-        (1/(4F) x for int8), made and touched here for the same reason: written fresh by the
-        merge, their page faults were a fifth of its int8 encoding's time."""
+        from the first merge on either way. (θ_pub's update tensors are not made here: written
+        fresh by the merge, their page faults cost it 0.04-0.06 s at gpt-125m, but made at the
+        first push they would be held beside the fragment's newest update while its round is
+        open, one update over the peak: bench/RESULTS.md.)"""
         self.outer.reserve(self.fragments[f])
-        if self.kept_apart and f not in self._spare_updates:
-            self._spare_updates[f] = update_buffers(
-                self.expected[f], self.pull_compression, touched=True
-            )
         self.folds.add(f, contribution, payload, lag_rounds)
 
     def commit_merge(self, f: int, prepared: PreparedMerge, *, new_version: int) -> MergeResult:
@@ -311,7 +301,6 @@ class GlobalModel:
                 self.pull_compression,
                 new_version,
                 out,
-                self._spare_updates.pop(f, None),
             )
             self.outer.step(
                 prepared.merged,
