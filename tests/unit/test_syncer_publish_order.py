@@ -1,13 +1,17 @@
 """syncer/publisher.py: a publish encodes and wakes one fragment at a time, the fragments with a
 new version first (a merged fragment is pullable before the others are re-encoded for their
-changed outer step)."""
+changed outer step); the bodies a publish replaces are let go off the loop."""
 
 from __future__ import annotations
 
 import asyncio
+import threading
+import weakref
 from pathlib import Path
 
+import torch
 from diloco_trainer.api.spec import parse_spec
+from diloco_trainer.core import payloads
 from diloco_trainer.syncer.publisher import BodyKey
 from diloco_trainer.syncer.service import Syncer
 
@@ -50,3 +54,28 @@ def test_new_versions_are_published_first_and_each_wakes_its_pullers(tmp_path: P
         [True, False, True],
         [True, True, True],
     ]
+
+
+def test_a_replaced_body_is_let_go_in_a_worker_thread_not_on_the_loop(tmp_path: Path) -> None:
+    # Freeing a P/F-sized body blocks the thread that frees it (munmap): on the loop it held up
+    # the long-polls its own publish had woken. install lets it go in a worker thread, and a
+    # one-update chain is served without a thread hop.
+    async def scenario() -> tuple[int, list[int]]:
+        syncer = Syncer(parse_spec(SPEC), job_name="unit", state_dir=tmp_path, clock=lambda: 1.0)
+        await syncer.start()
+        publisher = syncer.publisher
+        freed: list[int] = []
+        data = torch.ones(1024).numpy()  # a body's part is a view of such an array
+        weakref.finalize(data, lambda: freed.append(threading.get_ident()))
+        key = publisher.body_key(0)
+        publisher._bodies[0] = (key, payloads.SplitBody(b"", (data.data,)))
+        del data  # the replaced body holds the last reference
+        assert freed == []
+        publisher.install(0, publisher.encode(0, (key[0] + 1, key[1], key[2])))
+        await publisher.housekeeping_done()
+        await syncer.stop()
+        return threading.get_ident(), freed
+
+    loop_thread, freed = asyncio.run(scenario())
+    assert len(freed) == 1
+    assert freed[0] != loop_thread
