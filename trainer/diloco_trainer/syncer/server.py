@@ -32,6 +32,9 @@ from diloco_trainer.syncer.shard_scope import check_shard, wrong_shard_middlewar
 
 log = logging.getLogger("diloco.syncer")
 
+# The interpreter's thread switch interval in a syncer process (seconds; Python's default: 0.005).
+LOOP_SWITCH_INTERVAL = 0.0005
+
 
 class SyncerFactory(Protocol):
     """Builds the syncer of a job (service.Syncer); ConfigError when its state dir does not fit
@@ -83,6 +86,12 @@ def run(make_syncer: SyncerFactory) -> int:
         env.port,
         syncer.outer_step,
     )
+    # The event loop shares the interpreter lock with the worker threads that merge, spill and
+    # free (their Python between torch calls). At the default 5 ms switch interval each loop
+    # iteration that waited for the lock lost up to 5 ms to them: the long-polls a merge woke
+    # resumed 30-50 ms after it was pullable at gpt-125m. At 0.5 ms they resume within 1 ms
+    # (bench/RESULTS.md, syncer_scale).
+    sys.setswitchinterval(LOOP_SWITCH_INTERVAL)
     limits = HttpLimits.from_spec(spec)
     app = build_app(syncer, env.token, limits)
     if spec.syncer.shards > 1:  # requests for other shards' fragments: 421 (shard_scope.py)
