@@ -9,7 +9,6 @@ import pytest
 import torch
 from diloco_trainer.core import payloads
 from diloco_trainer.core.published import (
-    UpdateHistory,
     WeightUpdate,
     apply_updates,
     history_length,
@@ -105,43 +104,6 @@ def test_published_apply_updates_refuses_a_chain_for_other_shapes() -> None:
     base["w"] = torch.zeros(16, 47)
     with pytest.raises(ValueError, match="w"):
         apply_updates(base, [updates[0].encoded], "int8")
-
-
-def update(version: int, nbytes: int = 10) -> WeightUpdate:
-    return WeightUpdate(version=version, encoded={}, nbytes=nbytes, checksum=f"c{version}")
-
-
-def test_published_history_evicts_old_updates_so_far_behind_gets_full() -> None:
-    history = UpdateHistory(maxlen=3)
-    for v in range(1, 6):
-        history.append(update(v))
-    # Kept: 3, 4, 5. A learner at 2 needs 3..5: served; one at 1 needs 2..5: 2 was evicted.
-    chain = history.chain(2, 5, full_bytes=1000)
-    assert chain is not None and [u.version for u in chain] == [3, 4, 5]
-    assert history.chain(1, 5, full_bytes=1000) is None
-    # Only up to the published version, even when a newer update is already kept.
-    chain = history.chain(3, 4, full_bytes=1000)
-    assert chain is not None and [u.version for u in chain] == [4]
-    assert history.chain(5, 5, full_bytes=1000) is None  # nothing newer
-    assert history.chain(-1, 5, full_bytes=1000) is None  # holds nothing
-    assert history.chain(7, 5, full_bytes=1000) is None  # ahead (syncer restarted)
-
-
-def test_published_history_sends_a_chain_only_when_smaller_than_the_fragment() -> None:
-    history = UpdateHistory(maxlen=5)
-    for v in range(1, 4):
-        history.append(update(v, nbytes=30))
-    assert history.chain(2, 3, full_bytes=100) is not None  # 30 < 100
-    assert history.chain(0, 3, full_bytes=100) is not None  # 90 < 100
-    assert history.chain(0, 3, full_bytes=90) is None  # 90 is not smaller than 90
-
-
-def test_published_history_restarts_after_a_gap() -> None:
-    history = UpdateHistory(maxlen=5)
-    history.append(update(1))
-    history.append(update(3))  # version 2 missing: 1 cannot be chained to 3
-    assert [u.version for u in history.updates] == [3]
-    assert history.chain(0, 3, full_bytes=1000) is None
 
 
 @pytest.mark.parametrize(

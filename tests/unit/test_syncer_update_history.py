@@ -191,3 +191,43 @@ def test_update_history_of_one_update_writes_no_file(tmp_path: Path) -> None:
     history = SpilledUpdateHistory(1, tmp_path)
     appended(history, updates)
     assert list(tmp_path.iterdir()) == [] and history.held_bytes() == updates[2].nbytes
+
+
+# The chain rule (moved from core/published.UpdateHistory, which this history replaced).
+
+
+def bare_update(version: int, nbytes: int = 10) -> WeightUpdate:
+    return WeightUpdate(version=version, encoded={}, nbytes=nbytes, checksum=f"c{version}")
+
+
+def test_published_history_evicts_old_updates_so_far_behind_gets_full() -> None:
+    history = SpilledUpdateHistory(3, None)
+    for v in range(1, 6):
+        history.append(bare_update(v))
+    # Kept: 3, 4, 5. A learner at 2 needs 3..5: served; one at 1 needs 2..5: 2 was evicted.
+    chain = history.chain(2, 5, full_bytes=1000)
+    assert chain is not None and [u.version for u in chain] == [3, 4, 5]
+    assert history.chain(1, 5, full_bytes=1000) is None
+    # Only up to the published version, even when a newer update is already kept.
+    chain = history.chain(3, 4, full_bytes=1000)
+    assert chain is not None and [u.version for u in chain] == [4]
+    assert history.chain(5, 5, full_bytes=1000) is None  # nothing newer
+    assert history.chain(-1, 5, full_bytes=1000) is None  # holds nothing
+    assert history.chain(7, 5, full_bytes=1000) is None  # ahead (syncer restarted)
+
+
+def test_published_history_sends_a_chain_only_when_smaller_than_the_fragment() -> None:
+    history = SpilledUpdateHistory(5, None)
+    for v in range(1, 4):
+        history.append(bare_update(v, nbytes=30))
+    assert history.chain(2, 3, full_bytes=100) is not None  # 30 < 100
+    assert history.chain(0, 3, full_bytes=100) is not None  # 90 < 100
+    assert history.chain(0, 3, full_bytes=90) is None  # 90 is not smaller than 90
+
+
+def test_published_history_restarts_after_a_gap() -> None:
+    history = SpilledUpdateHistory(5, None)
+    history.append(bare_update(1))
+    history.append(bare_update(3))  # version 2 missing: 1 cannot be chained to 3
+    assert [u.version for u in history.updates] == [3]
+    assert history.chain(0, 3, full_bytes=1000) is None

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import builtins  # UpdateWriter.slice shadows the type's name in the class
 import math
-from collections import deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -212,35 +211,3 @@ def history_length(full_bytes: int, update_bytes: int, max_staleness: int) -> in
     wanted = max(2, max_staleness + 1)
     useful = math.ceil(full_bytes / update_bytes) - 1 if update_bytes > 0 else wanted
     return max(1, min(wanted, useful))
-
-
-class UpdateHistory:
-    """The last few updates of one fragment, oldest first."""
-
-    def __init__(self, maxlen: int) -> None:
-        if maxlen < 1:
-            raise ValueError(f"update history length must be >= 1, got {maxlen}")
-        self.updates: deque[WeightUpdate] = deque(maxlen=maxlen)
-
-    def append(self, update: WeightUpdate) -> None:
-        """Keep `update`, which must follow the newest kept one (else the history restarts)."""
-        if self.updates and update.version != self.updates[-1].version + 1:
-            self.updates.clear()
-        self.updates.append(update)
-
-    def clear(self) -> None:
-        self.updates.clear()
-
-    def chain(self, have: int, version: int, full_bytes: int) -> list[WeightUpdate] | None:
-        """Updates have+1..version when every one is kept and together they are smaller than
-        `full_bytes`; else None (send the full fragment)."""
-        if have < 0 or have >= version:
-            return None
-        kept = {u.version: u for u in self.updates}
-        chain = [kept.get(v) for v in range(have + 1, version + 1)]
-        if any(u is None for u in chain):
-            return None
-        picked = [u for u in chain if u is not None]
-        if sum(u.nbytes for u in picked) >= full_bytes:
-            return None
-        return picked

@@ -174,7 +174,7 @@ class SpilledUpdateHistory:
 
     def chain(self, have: int, version: int, full_bytes: int) -> list[KeptUpdate] | None:
         """Updates have+1..version when every one is kept and together they are smaller than
-        `full_bytes`; else None (send the full fragment). core/published.UpdateHistory's rule."""
+        `full_bytes`; else None (send the full fragment)."""
         if have < 0 or have >= version:
             return None
         kept = {u.version: u for u in self.updates}
