@@ -77,7 +77,12 @@ inner:
   seqLen: {args.seq_len}
   precision: {args.precision}
   warmupSteps: 0
-sync: {{quorum: 1, fragments: 2, compression: int8}}
+sync:
+  quorum: 1
+  fragments: 2
+  compression: int8
+  mergeWait: {args.merge_wait}
+  overlapMode: {args.overlap_mode}
 stopAfter: {{outerSteps: {args.outer_steps}}}
 syncer:
   evalEveryOuterSteps: {args.outer_steps}
@@ -246,6 +251,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "inner_steps": args.inner_steps,
         "outer_steps": args.outer_steps,
         "plain_steps": args.plain_steps,
+        "merge_wait": args.merge_wait,
+        "overlap_mode": args.overlap_mode,
         "control": args.control,
         "plains": plains,
         "rounds": rounds,
@@ -256,7 +263,8 @@ def report(r: dict[str, Any]) -> str:
     lines = [
         f"{r['preset']} on {r['device']}, {r['precision']}, batch {r['batch_size']} x "
         f"{r['micro_batches']} x {r['seq_len']}, H {r['inner_steps']}, "
-        f"{r['outer_steps']} outer steps, 2 fragments, int8; plain blocks of "
+        f"{r['outer_steps']} outer steps, 2 fragments, int8, mergeWait {r['merge_wait']}, "
+        f"overlapMode {r['overlap_mode']}; plain blocks of "
         f"{r['plain_steps']} steps" + (CONTROL_NOTE if r["control"] else "")
     ]
     for i, row in enumerate(r["rounds"]):
@@ -314,6 +322,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--drop-last", type=int, default=1, help="the learner's last windows left out")
     p.add_argument("--warmup", type=int, default=3, help="untimed plain steps first")
+    p.add_argument(
+        "--merge-wait",
+        default="overlap",
+        choices=["overlap", "nextPush"],
+        help="the job's sync.mergeWait (default overlap, the product's default)",
+    )
+    p.add_argument(
+        "--overlap-mode",
+        default="auto",
+        choices=["auto", "fixed"],
+        help="the job's sync.overlapMode (default auto, the product's default)",
+    )
     p.add_argument("--job-timeout", type=float, default=600.0)
     p.add_argument("--json", type=Path, help="also write the result here as JSON")
     p.add_argument("--logs", type=Path, help="keep a copy of the learner's log in this folder")

@@ -14,6 +14,9 @@
 #                                                  # learner in a real job (4-5 minutes on a GPU)
 #   MODE=presets OUT=... hack/gpu-check.sh         # the learner's step at gpt-350m and gpt-1b in
 #                                                  # bf16: step time, TFLOP/s, peak memory (2 min)
+#   MODE=injob OUT=... hack/gpu-check.sh           # the learner inside a real job against the plain
+#                                                  # loop at gpt-125m and gpt-mini in bf16, under
+#                                                  # sync.mergeWait overlap and nextPush (5-6 min)
 set -uo pipefail
 
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -63,6 +66,38 @@ if [[ "${MODE:-full}" == presets ]]; then
             || echo "!! bench ${words[0]} failed or timed out (exit $?)"
     done
     echo "== gpu-check (presets) done $(date -u +%FT%TZ)"
+    exit 0
+fi
+
+if [[ "${MODE:-full}" == injob ]]; then
+    # The done-when figure of the learner in a job (bench/learner_overlap.py): one island, K = M,
+    # the job's defaults (overlapMode auto) under both merge-wait rules; results and learner logs
+    # in one archive, so that what comes back stays a few files.
+    WORK_OUT="$OUT/injob"
+    mkdir -p "$WORK_OUT"
+    if [[ "$DEVICE" == cuda ]]; then
+        CASES=("gpt-125m-h40 --preset gpt-125m --batch-size 16 --seq-len 1024 --inner-steps 40 --outer-steps 8"
+               "gpt-mini-h40 --preset gpt-mini --batch-size 32 --seq-len 256 --inner-steps 40 --outer-steps 8"
+               "gpt-125m-h100 --preset gpt-125m --batch-size 16 --seq-len 1024 --inner-steps 100 --outer-steps 4")
+        LIMIT=150
+    else
+        CASES=("gpt-tiny-h40 --preset gpt-tiny --batch-size 8 --seq-len 64 --inner-steps 40 --outer-steps 4")
+        LIMIT=120
+    fi
+    for case in "${CASES[@]}"; do
+        read -r -a words <<<"$case"
+        for wait in overlap nextPush; do
+            [[ "${words[0]}" == *h100 && "$wait" == nextPush ]] && continue  # H = 100: the default rule only
+            name="${words[0]}-$wait"
+            echo "== bench.learner_overlap $name bf16 on $DEVICE"
+            timeout "$LIMIT" "$PY" -m bench.learner_overlap --device "$DEVICE" --precision bf16 \
+                "${words[@]:1}" --merge-wait "$wait" --plain-steps 40 \
+                --json "$WORK_OUT/$name.json" --logs "$WORK_OUT/logs-$name" \
+                || echo "!! learner_overlap $name failed or timed out (exit $?)"
+        done
+    done
+    tar -czf "$OUT/injob.tgz" -C "$OUT" injob && rm -rf "$WORK_OUT"
+    echo "== gpu-check (injob) done $(date -u +%FT%TZ)"
     exit 0
 fi
 
