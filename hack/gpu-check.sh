@@ -76,9 +76,22 @@ if [[ "${MODE:-full}" == injob ]]; then
     WORK_OUT="$OUT/injob"
     mkdir -p "$WORK_OUT"
     if [[ "$DEVICE" == cuda ]]; then
+        echo "== learner/device_copies on cuda: the copies against plain ones"
+        "$PY" - <<'PYEOF' || echo "!! device_copies check failed"
+import torch
+from diloco_trainer.learner.device_copies import DeviceStager, adopt, to_host
+x = {"a": torch.randn(4096, 1024, device="cuda"), "b": torch.randint(-128, 127, (999,), dtype=torch.int8, device="cuda")}
+host, ready = to_host(x)
+ready()
+assert all(host[k].is_pinned() and torch.equal(host[k], x[k].cpu()) for k in x)
+stager = DeviceStager("cuda")
+staged = adopt(stager.stage({"w": host["a"], "v": torch.arange(7.0)}))
+assert torch.equal(staged["w"], x["a"]) and staged["w"].dtype == torch.float32 and staged["v"].is_cuda
+print("device_copies: ok")
+PYEOF
         CASES=("gpt-125m-h40 --preset gpt-125m --batch-size 16 --seq-len 1024 --inner-steps 40 --outer-steps 8"
-               "gpt-mini-h40 --preset gpt-mini --batch-size 32 --seq-len 256 --inner-steps 40 --outer-steps 8"
-               "gpt-125m-h100 --preset gpt-125m --batch-size 16 --seq-len 1024 --inner-steps 100 --outer-steps 4")
+               "gpt-125m-h100 --preset gpt-125m --batch-size 16 --seq-len 1024 --inner-steps 100 --outer-steps 4"
+               "gpt-mini-h40 --preset gpt-mini --batch-size 32 --seq-len 256 --inner-steps 40 --outer-steps 8")
         LIMIT=150
     else
         CASES=("gpt-tiny-h40 --preset gpt-tiny --batch-size 8 --seq-len 64 --inner-steps 40 --outer-steps 4")
@@ -94,9 +107,10 @@ if [[ "${MODE:-full}" == injob ]]; then
                 "${words[@]:1}" --merge-wait "$wait" --plain-steps 40 \
                 --json "$WORK_OUT/$name.json" --logs "$WORK_OUT/logs-$name" \
                 || echo "!! learner_overlap $name failed or timed out (exit $?)"
+            tar -czf "$OUT/injob.tgz" -C "$OUT" injob  # after each case: a cut-off run keeps some
         done
     done
-    tar -czf "$OUT/injob.tgz" -C "$OUT" injob && rm -rf "$WORK_OUT"
+    rm -rf "$WORK_OUT"
     echo "== gpu-check (injob) done $(date -u +%FT%TZ)"
     exit 0
 fi

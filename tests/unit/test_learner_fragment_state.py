@@ -96,3 +96,16 @@ def test_every_step_lands_in_exactly_one_push() -> None:
     assert state.counters.steps == 2
     assert pushed_delta == 16.0
     assert w == -18.0
+
+
+def test_receive_computes_from_the_staged_weights_and_keeps_the_host_ones_as_base() -> None:
+    """A GPU learner's link stages the merged fragment on the device (device_copies): the new
+    weights come from those staged tensors, and the host ones become the base (what compressed
+    pulls are applied to). Told apart here by giving the two different values."""
+    state = joined(t(1.0, 1.0))
+    state.begin_push({"w": t(0.0, 2.0)})
+    staged = {"w": t(9.0, 9.0)}
+    out = state.receive({"w": t(5.0, 5.0)}, 4, {"w": t(0.5, 2.5)}, alpha=0.0, here=staged)
+    # 9 + (0.5 - 0) and 9 + (2.5 - 2), from the staged weights
+    assert torch.equal(out["w"], t(9.5, 9.5))
+    assert torch.equal(state.base["w"], t(5.0, 5.0))

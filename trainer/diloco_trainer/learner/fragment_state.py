@@ -107,13 +107,21 @@ class FragmentState:
         return self.base_on_device
 
     def receive(
-        self, merged: dict[str, Tensor], version: int, now: dict[str, Tensor], alpha: float
+        self,
+        merged: dict[str, Tensor],
+        version: int,
+        now: dict[str, Tensor],
+        alpha: float,
+        here: dict[str, Tensor] | None = None,
     ) -> dict[str, Tensor]:
-        """Install a merged fragment as the new base; returns the weights the island continues
-        from (the steps since the push kept), and keeps only the counters since the push."""
+        """Install a merged fragment (fp32, on the host) as the new base; returns the weights
+        the island continues from (the steps since the push kept), and keeps only the counters
+        since the push. `here`: the same weights already on `now`'s device (staged by the
+        syncer link), else they are copied there now."""
         device = _device_of(now)
         # On a GPU: the merged weights cross to it once and serve as its base there too.
-        here = {n: t.to(device, torch.float32) for n, t in merged.items()}
+        if here is None:
+            here = {n: t.to(device, torch.float32) for n, t in merged.items()}
         target = received_weights(here, now, self.at_push, alpha)
         self.base = {n: t.to("cpu") for n, t in merged.items()}
         self.base_on_device = here if device.type != "cpu" else {}

@@ -27,6 +27,7 @@ from diloco_trainer.api.protocol import PushMeta
 from diloco_trainer.api.spec import ConfigError, JobSpec
 from diloco_trainer.core import compress
 from diloco_trainer.core.push_bounds import max_push_steps
+from diloco_trainer.learner.device_copies import adopt
 from diloco_trainer.learner.fragment_state import FragmentState, InFlight, at_step_cap
 from diloco_trainer.learner.overlap import OverlapFit
 from diloco_trainer.learner.schedule import (
@@ -45,7 +46,7 @@ from diloco_trainer.learner.syncer_link import (
     HeldFragment,
     SyncerLink,
     SyncResult,
-    encode_delta,
+    encode_for_wire,
 )
 
 # The learner's logger: these lines are part of its log.
@@ -347,8 +348,10 @@ class FragmentSync:
         return {n: self.params[n].detach() for n in self.fragments[f].names}
 
     def _push(self, f: int, position: int, window: Window) -> None:
-        """Compute Δ_f = θ_global − θ_local (fp32, CPU), encode it and push it in the background;
-        its merge is polled for and waited for at `window` (steps after the push)."""
+        """Compute Δ_f = θ_global − θ_local (fp32, where the weights are), encode it and push it
+        in the background; its merge is polled for and waited for at `window` (steps after the
+        push)."""
+        began = time.perf_counter()
         state = self.fragments[f]
         c = state.counters
         if self.shards is not None:
@@ -357,7 +360,7 @@ class FragmentSync:
         else:
             delta = state.begin_push(self._local(f))
         codec = self.spec.sync.compression
-        encoded = encode_delta(delta, codec, self.error_feedback)
+        encoded, ready = encode_for_wire(delta, codec, self.error_feedback)
         meta = PushMeta(
             island=self.island,
             base_version=state.version,
@@ -380,7 +383,9 @@ class FragmentSync:
             HeldFragment(version=state.version, tensors=state.base) if self.shards is None else None
         )
         # Learners that do not block align their phase within merges too (merge_lateness).
-        sync = self.link.sync_fragment(f, encoded, meta, held, within=not self.blocking)
+        sync = self.link.sync_fragment(
+            f, encoded, meta, held, within=not self.blocking, ready=ready
+        )
         future = self.link.submit(sync)
         self.inflight[f] = InFlight(
             step=position,
@@ -391,7 +396,8 @@ class FragmentSync:
         )
         nbytes = sum(t.numel() * t.element_size() for t in encoded.values())
         log.info(
-            "step %d: fragment %d pushed (base version %d, %d bytes %s, %d tokens in %d steps)",
+            "step %d: fragment %d pushed (base version %d, %d bytes %s, %d tokens in %d steps; "
+            "%.3fs on the training thread)",
             position,
             f,
             state.version,
@@ -399,6 +405,7 @@ class FragmentSync:
             codec,
             c.tokens,
             c.steps,
+            time.perf_counter() - began,
         )
 
     def _collect(self, f: int, *, block: float) -> bool:
@@ -431,6 +438,7 @@ class FragmentSync:
 
     def _receive(self, f: int) -> Weights:
         """Install an arrived fragment as the new base; the weights the island continues from."""
+        began = time.perf_counter()
         result = self.arrived.pop(f)
         state = self.fragments[f]
         merged = self._checked(f, result)
@@ -438,17 +446,22 @@ class FragmentSync:
             self.shards.receive(f, merged)
             target = state.receive({}, result.pulled.version, {}, self._alpha())
         else:
-            target = state.receive(merged, result.pulled.version, self._current(f), self._alpha())
+            here = adopt(result.on_device) if result.on_device is not None else None
+            target = state.receive(
+                merged, result.pulled.version, self._current(f), self._alpha(), here=here
+            )
         state.last_sync_seconds = result.seconds
         self.overlap_fit.observe(result.latency)
         self.round_times = [*self.round_times[-7:], result.seconds]
         log.info(
-            "step %d: fragment %d applied version %d (%s, %.2fs after the push)",
+            "step %d: fragment %d applied version %d (%s, %.2fs after the push; %.3fs on the "
+            "training thread)",
             self.position,
             f,
             result.pulled.version,
             result.outcome,
             result.seconds,
+            time.perf_counter() - began,
         )
         if result.pulled.finished:
             self.link.finished.set()

@@ -61,6 +61,8 @@ log = logging.getLogger("diloco.learner")
 
 # Log a progress line every this many inner steps.
 LOG_EVERY_STEPS = 20
+# The interpreter's thread switch interval in a learner process (seconds; Python's default 0.005).
+TRAINING_SWITCH_INTERVAL = 0.0005
 
 
 def weights_digest(model: nn.Module) -> str:
@@ -232,7 +234,15 @@ class Learner:
                     # Each attempt's timeout grows with the body at the rate the spec sets.
                     min_body_bytes_per_second=self.spec.syncer.limits.min_body_bytes_per_second,
                 )
-                self.link = SyncerLink(client, island=self.env.island, replicas=self.env.world_size)
+                self.link = SyncerLink(
+                    client,
+                    island=self.env.island,
+                    replicas=self.env.world_size,
+                    # A sharded island applies merged rows on each rank from the host.
+                    stage_on=self.device
+                    if self.device.startswith("cuda") and not self.sharded
+                    else None,
+                )
                 self.sync = FragmentSync(
                     self.spec, self.env.island, self.link, self.params, self.stop
                 )
@@ -399,6 +409,11 @@ def main(args: argparse.Namespace) -> int:
         log.error("%s", err)
         return 2
     configure_threads(device)
+    # The training thread shares the interpreter lock with the syncer link's threads (HTTP,
+    # decoding, the copies' waits). At Python's default 5 ms switch interval each hand-over can
+    # hold the training thread's kernel launches for up to 5 ms while the GPU idles after a
+    # step's synchronize; the syncer runs at the same 0.5 ms for the same reason.
+    sys.setswitchinterval(TRAINING_SWITCH_INTERVAL)
     stop = threading.Event()
 
     def on_signal(signum: int, _frame: object) -> None:

@@ -29,7 +29,7 @@ import dataclasses
 import logging
 import threading
 import time
-from collections.abc import Coroutine, Mapping
+from collections.abc import Callable, Coroutine, Mapping
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -41,6 +41,7 @@ from diloco_trainer.api.sharding import merge_join, shard_of
 from diloco_trainer.core import compress
 from diloco_trainer.core.payloads import PulledFragment, PulledUpdates
 from diloco_trainer.core.published import apply_updates, weights_checksum
+from diloco_trainer.learner.device_copies import DeviceStager, to_host
 from diloco_trainer.learner.schedule import lateness_within, merge_lateness, sync_latency
 from diloco_trainer.learner.syncer_client import SyncerClient
 
@@ -77,27 +78,35 @@ class SyncResult:
     lateness_within: bool = False
     # The sync's latency less any wait for peers (schedule.sync_latency; None: not known).
     latency: float | None = None
+    # `pulled`'s tensors already on the learner's GPU (SyncerLink's stager), or None.
+    on_device: Mapping[str, Tensor] | None = None
 
 
 def encode_delta(
     delta: Mapping[str, Tensor], codec: str, feedback: compress.ErrorFeedback | None
 ) -> dict[str, Tensor]:
-    """Encode a pseudo-gradient for the wire (CPU tensors), carrying the codec's error forward
-    when asked. The encoding, and error feedback's decode and residual, run where Δ is (a GPU
-    learner's device): only the encoded bytes are copied to the host."""
+    """Encode a pseudo-gradient for the wire (CPU tensors, the copies finished): `encode_for_wire`
+    and its wait."""
+    encoded, ready = encode_for_wire(delta, codec, feedback)
+    ready()
+    return encoded
+
+
+def encode_for_wire(
+    delta: Mapping[str, Tensor], codec: str, feedback: compress.ErrorFeedback | None
+) -> tuple[dict[str, Tensor], Callable[[], None]]:
+    """Encode a pseudo-gradient for the wire, carrying the codec's error forward when asked: the
+    host tensors and the wait for their copies (device_copies.to_host; call it before reading
+    them). The encoding, and error feedback's decode and residual, run where Δ is (a GPU
+    learner's device): only the encoded bytes are copied to the host, without blocking."""
     if feedback is None:
-        return _on_host(compress.encode_tensors(delta, codec, on=None))
+        return to_host(compress.encode_tensors(delta, codec, on=None))
     sent = {n: feedback.compensate(n, d) for n, d in delta.items()}
     encoded = compress.encode_tensors(sent, codec, on=None)
     decoded = compress.decode_tensors(encoded, codec, {n: t.shape for n, t in sent.items()})
     for n, t in sent.items():
         feedback.record(n, t, decoded[n])
-    return _on_host(encoded)
-
-
-def _on_host(encoded: dict[str, Tensor]) -> dict[str, Tensor]:
-    """The encoded tensors on the CPU, for the wire (no copy for those already there)."""
-    return {k: t.to("cpu") for k, t in encoded.items()}
+    return to_host(encoded)
 
 
 class SyncerLink:
@@ -107,7 +116,17 @@ class SyncerLink:
     which it may wait on (bounded) or just check.
     """
 
-    def __init__(self, client: SyncerClient, *, island: str, replicas: int) -> None:
+    def __init__(
+        self,
+        client: SyncerClient,
+        *,
+        island: str,
+        replicas: int,
+        stage_on: str | None = None,
+    ) -> None:
+        """`stage_on`: a GPU device to copy each merged fragment to on the link's side (no
+        copy on the training thread; device_copies.DeviceStager); None: leave them on the host."""
+        self.stager = DeviceStager(stage_on) if stage_on is not None else None
         # One client per syncer shard (one: no shards); `client` itself when there is one.
         self.clients = client.shard_clients()
         self._finished_shards: set[int] = set()
@@ -187,6 +206,7 @@ class SyncerLink:
         meta: PushMeta,
         held: HeldFragment | None = None,
         within: bool = False,
+        ready: Callable[[], None] | None = None,
     ) -> SyncResult:
         """Push a pseudo-gradient, then long-poll for the merge that contains it.
 
@@ -197,8 +217,11 @@ class SyncerLink:
 
         A refused push (409 too stale, 403 dropped, 400/413 malformed) is logged and the current
         fragment is returned instead; an island the syncer forgot (404) joins again first.
+        `ready`: the wait for `encoded`'s copies to the host (encode_for_wire), called first.
         """
         start = time.monotonic()
+        if ready is not None:
+            await asyncio.to_thread(ready)
         outcome = "merged"
         after = meta.base_version
         lateness, within_reading = None, False
@@ -222,6 +245,11 @@ class SyncerLink:
                 outcome = "rejoined the syncer"
             log.warning("fragment %d: %s; taking the current global fragment", fragment, outcome)
         pulled = await self._pull_newer(fragment, after, held)
+        staged_at = time.monotonic()
+        on_device = None
+        if self.stager is not None:
+            on_device = await asyncio.to_thread(self.stager.stage, pulled.tensors)
+        staging = time.monotonic() - staged_at
         latency = None
         if push_seconds is not None and outcome == "merged":
             latency = sync_latency(
@@ -230,7 +258,7 @@ class SyncerLink:
                 merge_seconds=pulled.cost.merge_seconds,
                 pull_bytes=pulled.cost.body_bytes,
                 pull_seconds=pulled.cost.pull_seconds,
-                rebuild_seconds=pulled.cost.rebuild_seconds,
+                rebuild_seconds=pulled.cost.rebuild_seconds + staging,
             )
         return SyncResult(
             pulled=pulled,
@@ -239,6 +267,7 @@ class SyncerLink:
             lateness=lateness,
             lateness_within=within_reading,
             latency=latency,
+            on_device=on_device,
         )
 
     async def _lateness(
