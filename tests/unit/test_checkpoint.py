@@ -220,3 +220,7 @@ def test_checkpoint_files_are_streamed_from_the_tensors_and_hashed_as_written(
     loaded = safetensors.torch.load_file(str(path))
     for name, t in tensors.items():
         assert torch.equal(loaded[name], t)
+    # The unhashed writer (spilled updates and pending pushes) writes the same bytes.
+    unhashed = tmp_path / "u.safetensors"
+    assert ck.write_tensors_unhashed(unhashed, tensors) == len(raw)
+    assert unhashed.read_bytes() == raw

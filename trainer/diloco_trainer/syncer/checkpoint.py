@@ -36,7 +36,7 @@ import logging
 import os
 import shutil
 import tempfile
-from collections.abc import Iterator, Mapping, MutableMapping
+from collections.abc import Callable, Iterator, Mapping, MutableMapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -168,17 +168,35 @@ def write_tensors(path: Path, tensors: Mapping[str, torch.Tensor]) -> dict[str, 
     """Write tensors as a safetensors file straight from their memory (no copy of them first,
     no interpreter lock held for the bytes: file writes and sha256 release it), hashing the
     bytes as they are written; returns {bytes, sha256} as _file_digest would."""
+    h = hashlib.sha256()
+    size = _write_file(path, tensors, h.update)
+    return {"bytes": size, "sha256": h.hexdigest()}
+
+
+def write_tensors_unhashed(path: Path, tensors: Mapping[str, torch.Tensor]) -> int:
+    """write_tensors without the digest, for files nothing verifies (the publisher's spilled
+    updates: a chain built from them carries θ_pub's own checksum): sha256 of a 64-252 MB
+    update cost its worker thread as long as the write. Returns the bytes written."""
+    return _write_file(path, tensors, None)
+
+
+def _write_file(
+    path: Path, tensors: Mapping[str, torch.Tensor], seen: Callable[[Any], None] | None
+) -> int:
+    """The safetensors file of `tensors` at `path`, each chunk also given to `seen`."""
     layout = payloads.body_layout(tensors, {})
-    h = hashlib.sha256(layout.prefix)
     with path.open("wb") as f:
         f.write(layout.prefix)
+        if seen is not None:
+            seen(layout.prefix)
         for name in layout.order:
             raw = payloads.tensor_bytes(tensors[name])
             for start in range(0, raw.numel(), _WRITE_CHUNK):
                 piece = raw[start : start + _WRITE_CHUNK].numpy().data
                 f.write(piece)
-                h.update(piece)
-    return {"bytes": len(layout.prefix) + layout.data_bytes, "sha256": h.hexdigest()}
+                if seen is not None:
+                    seen(piece)
+    return len(layout.prefix) + layout.data_bytes
 
 
 def save_checkpoint(

@@ -34,7 +34,7 @@ from safetensors import safe_open
 from diloco_trainer.core.compress import decode_tensor, decoded_slices, expected_encoded
 from diloco_trainer.core.contributions import Contributor, MergePlan, plan_merge
 from diloco_trainer.core.fold import MergeFold, SlicedVectors, abs_max, largest
-from diloco_trainer.syncer.checkpoint import write_tensors
+from diloco_trainer.syncer.checkpoint import write_tensors_unhashed
 from diloco_trainer.syncer.records import Contribution
 
 log = logging.getLogger("diloco.syncer")
@@ -59,7 +59,7 @@ class EncodedPayload(Mapping[str, torch.Tensor]):
         their memory), so a pending push holds no memory while its round stays open."""
         directory.mkdir(parents=True, exist_ok=True)
         path = directory / f"{uuid.uuid4().hex}.safetensors"
-        write_tensors(path, self.flat)
+        write_tensors_unhashed(path, self.flat)
         weakref.finalize(self, path.unlink, missing_ok=True)
         self.path, self.flat = path, {}
 

@@ -181,6 +181,9 @@ class Syncer:
             timeout,
             final=None if self.failure else (self.state.versions, self._checkpoint_snapshot),
         )
+        # The update history's file work in flight (spills, deletions) ends before the process:
+        # a spill cut off would leave a partial file in the state dir until the next start.
+        await self.publisher.housekeeping_done()
         # Merge-log lines kept in memory while the log was unwritable are written now if it can
         # be again, else counted as lost on the log (the checkpoints hold the state either way).
         await asyncio.to_thread(self.merge_log.close)

@@ -8,8 +8,9 @@ learner at K = M asks for the newest update alone, so that one stays in memory, 
 tensors the merge made: the one-update chain is served from them after a prefix
 (payloads.update_body), no copy. The older ones are only for a learner that lags, so each is
 written to a file under the syncer's state dir as soon as it is kept (`spill`: a worker thread,
-from the tensors' memory by checkpoint.write_tensors, after its merge) and its memory let go
-the moment a newer one is kept (`supersede`: no write to wait for then); it is read back
+from the tensors' memory by checkpoint.write_tensors_unhashed, after its merge) and its memory
+let go the moment a newer one is kept (`supersede`: no write to wait for then; the memory is
+freed in the housekeeping's worker thread, not on the loop); it is read back
 straight into a chain body's buffer when such a learner asks (`chain_body`: a worker thread),
 and its file is deleted when it leaves the history. So a fragment's history costs one update
 of memory (int8: 0.26/F x), not three. With a history of one (fp16, bf16) nothing is written.
@@ -39,7 +40,7 @@ import torch
 from diloco_trainer.api.protocol import UPDATE_SEPARATOR
 from diloco_trainer.core import payloads
 from diloco_trainer.core.published import WeightUpdate
-from diloco_trainer.syncer.checkpoint import write_tensors
+from diloco_trainer.syncer.checkpoint import write_tensors_unhashed
 
 log = logging.getLogger("diloco.syncer")
 
@@ -79,7 +80,7 @@ class KeptUpdate:
         path = directory / f"{self.version}-{uuid.uuid4().hex}.safetensors"
         try:
             directory.mkdir(parents=True, exist_ok=True)
-            write_tensors(path, encoded)
+            write_tensors_unhashed(path, encoded)
         except OSError as err:
             log.warning("update %d of θ_pub kept in memory (%s)", self.version, err)
             with contextlib.suppress(OSError):
@@ -93,13 +94,17 @@ class KeptUpdate:
                 return
         path.unlink(missing_ok=True)  # it left the history while being written
 
-    def supersede(self) -> None:
+    def supersede(self) -> Mapping[str, torch.Tensor] | None:
         """A newer update came (on the loop, quick): the memory goes now if the file is written,
-        else once it is (bodies being served keep theirs)."""
+        else once it is (bodies being served keep theirs). Returns the tensors it let go of now,
+        for the caller to drop in a worker thread: freeing an update's memory blocks the thread
+        that does it (munmap: 10-40 ms at 64-252 MB), and on the loop that held up pulls."""
         with self._lock:
             self._superseded = True
-            if self.path is not None:
-                self._encoded = None
+            if self.path is None:
+                return None
+            released, self._encoded = self._encoded, None
+        return released
 
     def leave(self) -> Path | None:
         """It left the history (on the loop, quick): its file, to delete, if it has one."""
@@ -119,7 +124,7 @@ class KeptUpdate:
             return
         if path is None:
             raise FileNotFoundError(f"update {self.version} left the history")
-        layout = payloads.body_layout(self.layout, {})  # as write_tensors wrote it
+        layout = payloads.body_layout(self.layout, {})  # as write_tensors_unhashed wrote it
         start = len(layout.prefix)
         with path.open("rb") as f:
             for key, view in views.items():
@@ -151,22 +156,27 @@ class SpilledUpdateHistory:
         if self.updates and update.version != self.updates[-1].version + 1:
             left = list(self.updates)
             self.updates.clear()
-        if self.updates:
-            self.updates[-1].supersede()
+        # What leaves memory now is let go in the housekeeping's thread, not here on the loop.
+        released: list[object] = [self.updates[-1].supersede()] if self.updates else []
         newest = KeptUpdate(update)
         self.updates.append(newest)
         while len(self.updates) > self.maxlen:
             left.append(self.updates.popleft())
         files = [p for p in (u.leave() for u in left) if p is not None]
-        return lambda: self._housekeep(newest if self.maxlen > 1 else None, files)
+        released.extend(left)
+        return lambda: self._housekeep(newest if self.maxlen > 1 else None, files, released)
 
     def clear(self) -> Housekeeping:
         """Forget every update; returns the deletion of their files."""
         files = [p for p in (u.leave() for u in self.updates) if p is not None]
+        released: list[object] = list(self.updates)
         self.updates.clear()
-        return lambda: self._housekeep(None, files)
+        return lambda: self._housekeep(None, files, released)
 
-    def _housekeep(self, spill: KeptUpdate | None, files: Sequence[Path]) -> None:
+    def _housekeep(
+        self, spill: KeptUpdate | None, files: Sequence[Path], released: list[object]
+    ) -> None:
+        released.clear()  # the last references to memory that left the history (see append)
         for path in files:
             path.unlink(missing_ok=True)
         if spill is not None and self.directory is not None:
