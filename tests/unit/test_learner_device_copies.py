@@ -5,8 +5,8 @@ hack/gpu-check.sh's MODE=injob, where a GPU is lent: bench/RESULTS.md.)"""
 from __future__ import annotations
 
 import torch
-from diloco_trainer.learner.device_copies import adopt, to_host
-from diloco_trainer.learner.syncer_link import encode_delta, encode_for_wire
+from diloco_trainer.learner.device_copies import adopt, snapshot, to_host
+from diloco_trainer.learner.push_encoding import encode_delta, encode_for_wire
 
 
 def test_host_tensors_are_not_copied_and_need_no_wait() -> None:
@@ -30,3 +30,17 @@ def test_encode_for_wire_is_encode_delta_and_its_wait() -> None:
     for k in plain:
         assert torch.equal(encoded[k], plain[k])
         assert encoded[k].device.type == "cpu"
+
+
+def test_snapshot_copies_into_fresh_fp32_memory() -> None:
+    params = {
+        "a": torch.arange(6.0).reshape(2, 3),
+        "b": torch.tensor([1.5, -0.0], dtype=torch.bfloat16),
+    }
+    snap = snapshot(params)
+    assert snap["a"].shape == (2, 3) and snap["a"].dtype == torch.float32
+    assert torch.equal(snap["a"], params["a"]) and snap["b"].tolist() == [1.5, -0.0]
+    assert str(snap["b"][1].item()) == "-0.0"  # bits kept, sign of zero included
+    params["a"].add_(1.0)  # the parameters move on; the snapshot does not
+    assert snap["a"][0, 0].item() == 0.0
+    assert snapshot({}) == {}

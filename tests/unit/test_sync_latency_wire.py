@@ -12,7 +12,8 @@ import pytest
 from aiohttp.test_utils import TestServer
 from diloco_trainer.api import protocol
 from diloco_trainer.learner import syncer_client
-from diloco_trainer.learner.syncer_link import HeldFragment, encode_delta
+from diloco_trainer.learner.push_encoding import encode_delta
+from diloco_trainer.learner.syncer_link import HeldFragment
 from diloco_trainer.syncer.http import build_app
 from diloco_trainer.syncer.service import Syncer
 

@@ -12,6 +12,8 @@ import os
 
 import torch
 
+from diloco_trainer.api.contract import CPUS, parse_cpu_list
+
 # cgroup v2 (one file: "QUOTA PERIOD" or "max PERIOD"), then cgroup v1's cpu controller
 # (quota -1 without a limit): nodes still on cgroup v1 put a pod's CPU limit only there.
 CGROUP_V2_CPU_MAX = "/sys/fs/cgroup/cpu.max"
@@ -51,8 +53,12 @@ def cpu_budget() -> int:
 
 
 def configure_threads(device: str = "cpu") -> None:
-    """Intra-op threads: OMP_NUM_THREADS when set (diloco run sets it), else the CPU budget
-    (on a CPU device: a GPU's work does not run on these threads)."""
+    """Keep to DILOCO_CPUS when set (diloco run sets it), then intra-op threads: OMP_NUM_THREADS
+    when set (diloco run sets it), else the CPU budget (on a CPU device: a GPU's work does not
+    run on these threads)."""
+    keep = os.environ.get(CPUS, "")
+    if keep and hasattr(os, "sched_setaffinity"):
+        os.sched_setaffinity(0, parse_cpu_list(keep))
     raw = os.environ.get("OMP_NUM_THREADS", "")
     if raw.isdigit() and int(raw) > 0:
         torch.set_num_threads(int(raw))

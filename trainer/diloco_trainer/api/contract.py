@@ -37,6 +37,9 @@ TLS_KEY_FILE = "DILOCO_TLS_KEY_FILE"
 STATE_DIR = "DILOCO_STATE_DIR"  # syncer: checkpoints; learner: scratch
 SYNCER_PORT = "DILOCO_SYNCER_PORT"
 DEVICE = "DILOCO_DEVICE"  # auto | cpu | cuda
+# CPUs the process keeps to ("0-7,12"; parse_cpu_list): `diloco run` gives its GPU learners and
+# its syncer separate halves of the machine (local/run.py, cpu_split).
+CPUS = "DILOCO_CPUS"
 # Test and benchmark knob: multiply this learner's step time (a straggler on purpose).
 SLOWDOWN = "DILOCO_SLOWDOWN"
 
@@ -192,3 +195,32 @@ def read_token(path: Path) -> str:
 def island_name(prefix: str, index: int) -> str:
     """The name of island `index`: 'island-3', or 'eu-island-3' with a prefix."""
     return f"{prefix}-island-{index}" if prefix else f"island-{index}"
+
+
+def parse_cpu_list(text: str) -> frozenset[int]:
+    """ "0-3,8" -> {0, 1, 2, 3, 8}; ContractError naming the variable when it is not such a
+    list."""
+    out: set[int] = set()
+    try:
+        for part in filter(None, (p.strip() for p in text.split(","))):
+            lo, _, hi = part.partition("-")
+            first, last = int(lo), int(hi or lo)
+            if first < 0 or last < first:
+                raise ValueError
+            out.update(range(first, last + 1))
+    except ValueError:
+        raise ContractError(f"{CPUS}={text!r} is not a CPU list such as 0-3,8") from None
+    if not out:
+        raise ContractError(f"{CPUS}={text!r} names no CPU")
+    return frozenset(out)
+
+
+def format_cpu_list(cpus: frozenset[int]) -> str:
+    """{0, 1, 2, 3, 8} -> "0-3,8" (parse_cpu_list's inverse)."""
+    runs: list[list[int]] = []
+    for c in sorted(cpus):
+        if runs and c == runs[-1][1] + 1:
+            runs[-1][1] = c
+        else:
+            runs.append([c, c])
+    return ",".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)

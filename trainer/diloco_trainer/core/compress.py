@@ -55,14 +55,15 @@ def _shape(shape: torch.Size | tuple[int, ...]) -> str:
     return str(tuple(shape))
 
 
-def _num_blocks(n: int) -> int:
+def num_blocks(n: int) -> int:
+    """Codec blocks (and scales) of a tensor of n elements."""
     return -(-n // BLOCK_SIZE)
 
 
 def _blocks(x: Tensor) -> Tensor:
     """A flat tensor as (num_blocks, BLOCK_SIZE) rows, zero-padded only when needed."""
     n = x.numel()
-    nb = _num_blocks(n)
+    nb = num_blocks(n)
     if n == nb * BLOCK_SIZE:
         return x.view(nb, BLOCK_SIZE)  # no copy: the common case for weight matrices
     padded = x.new_zeros(nb * BLOCK_SIZE)
@@ -168,7 +169,7 @@ def expected_encoded(
         qn = -(-n // 2) if codec == "int4" else n
         qdtype = torch.uint8 if codec == "int4" else torch.int8
         spec[name + Q_SUFFIX] = (qdtype, torch.Size([qn]))
-        spec[name + SCALE_SUFFIX] = (torch.float32, torch.Size([_num_blocks(n)]))
+        spec[name + SCALE_SUFFIX] = (torch.float32, torch.Size([num_blocks(n)]))
     return spec
 
 
@@ -261,12 +262,12 @@ def decoded_slices(
     if codec == "int4":
         q = _unpack_int4(q, n)  # int8, a quarter of the fp32 bytes
     scales = flat[name + SCALE_SUFFIX]
-    need = min(_num_blocks(n) * BLOCK_SIZE, SLICE)
+    need = min(num_blocks(n) * BLOCK_SIZE, SLICE)
     if work is None or work.numel() < need:
         work = torch.empty(need)
     for sl in slices(n):
         m = sl.stop - sl.start
-        nb = _num_blocks(m)
+        nb = num_blocks(m)
         w = work[: nb * BLOCK_SIZE]
         w[:m].copy_(q[sl])  # int8 -> fp32, then times each block's scale (_dequantise's ops)
         if m < nb * BLOCK_SIZE:
@@ -294,16 +295,28 @@ class ErrorFeedback:
 
     def compensate(self, name: str, delta: Tensor) -> Tensor:
         """delta plus the residual left from the previous push of this name (fp32, new tensor)."""
-        residual = self.residuals.get(name)
+        residual = self.carried(name, delta)
         delta = delta.detach().to(torch.float32)
         if residual is None:
             return delta.clone()
+        return delta + residual
+
+    def carried(self, name: str, delta: Tensor) -> Tensor | None:
+        """The residual to add to this push of `name` (on delta's device), None when there is
+        none; ValueError when its shape is not delta's."""
+        residual = self.residuals.get(name)
+        if residual is None:
+            return None
         if residual.shape != delta.shape:
             raise ValueError(
                 f"error feedback for {name!r}: shape {_shape(delta.shape)} differs from the "
                 f"stored residual {_shape(residual.shape)}"
             )
-        return delta + residual.to(delta.device)
+        return residual.to(delta.device)
+
+    def keep(self, name: str, residual: Tensor) -> None:
+        """Store a residual computed elsewhere (learner/push_encoding's batched int8 path)."""
+        self.residuals[name] = residual
 
     def record(self, name: str, sent: Tensor, decoded: Tensor) -> None:
         """Store what the codec lost: the compensated delta minus what the syncer will decode."""

@@ -27,9 +27,10 @@ from diloco_trainer.api.protocol import PushMeta
 from diloco_trainer.api.spec import ConfigError, JobSpec
 from diloco_trainer.core import compress
 from diloco_trainer.core.push_bounds import max_push_steps
-from diloco_trainer.learner.device_copies import adopt
+from diloco_trainer.learner.device_copies import adopt, snapshot
 from diloco_trainer.learner.fragment_state import FragmentState, InFlight, at_step_cap
 from diloco_trainer.learner.overlap import OverlapFit
+from diloco_trainer.learner.push_encoding import encode_for_wire
 from diloco_trainer.learner.schedule import (
     StepPlan,
     Window,
@@ -46,7 +47,6 @@ from diloco_trainer.learner.syncer_link import (
     HeldFragment,
     SyncerLink,
     SyncResult,
-    encode_for_wire,
 )
 
 # The learner's logger: these lines are part of its log.
@@ -337,9 +337,7 @@ class FragmentSync:
         """Fragment f's current weights as fp32 copies on the parameters' device (never aliases
         of the parameters). On a GPU they stay there: Δ, its encoding and the received weights
         are computed on the device, in milliseconds, instead of on the host beside the steps."""
-        return {
-            n: self.params[n].detach().to(torch.float32, copy=True) for n in self.fragments[f].names
-        }
+        return snapshot({n: self.params[n] for n in self.fragments[f].names})
 
     def _current(self, f: int) -> Weights:
         """Fragment f's weights as they are, without a copy: only read (the new weights are

@@ -32,7 +32,15 @@ from torch import Tensor
 
 def pseudo_gradient(base: Mapping[str, Tensor], local: Mapping[str, Tensor]) -> dict[str, Tensor]:
     """Δ = θ_global − θ_local per tensor, in fp32 (the names of `base`)."""
-    return {n: base[n].to(torch.float32) - local[n].to(torch.float32) for n in base}
+    names = list(base)
+    if not names:
+        return {}
+    # One batched subtraction: the same per-element results, without a launch per tensor on a
+    # GPU learner's training thread.
+    out = torch._foreach_sub(
+        [base[n].to(torch.float32) for n in names], [local[n].to(torch.float32) for n in names]
+    )
+    return dict(zip(names, out, strict=True))
 
 
 def received_weights(

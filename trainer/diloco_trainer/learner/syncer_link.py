@@ -38,10 +38,9 @@ from torch import Tensor
 from diloco_trainer.api.documents import JoinInfo
 from diloco_trainer.api.protocol import PushMeta, SyncerError
 from diloco_trainer.api.sharding import merge_join, shard_of
-from diloco_trainer.core import compress
 from diloco_trainer.core.payloads import PulledFragment, PulledUpdates
 from diloco_trainer.core.published import apply_updates, weights_checksum
-from diloco_trainer.learner.device_copies import DeviceStager, to_host
+from diloco_trainer.learner.device_copies import DeviceStager
 from diloco_trainer.learner.schedule import lateness_within, merge_lateness, sync_latency
 from diloco_trainer.learner.syncer_client import SyncerClient
 
@@ -80,33 +79,6 @@ class SyncResult:
     latency: float | None = None
     # `pulled`'s tensors already on the learner's GPU (SyncerLink's stager), or None.
     on_device: Mapping[str, Tensor] | None = None
-
-
-def encode_delta(
-    delta: Mapping[str, Tensor], codec: str, feedback: compress.ErrorFeedback | None
-) -> dict[str, Tensor]:
-    """Encode a pseudo-gradient for the wire (CPU tensors, the copies finished): `encode_for_wire`
-    and its wait."""
-    encoded, ready = encode_for_wire(delta, codec, feedback)
-    ready()
-    return encoded
-
-
-def encode_for_wire(
-    delta: Mapping[str, Tensor], codec: str, feedback: compress.ErrorFeedback | None
-) -> tuple[dict[str, Tensor], Callable[[], None]]:
-    """Encode a pseudo-gradient for the wire, carrying the codec's error forward when asked: the
-    host tensors and the wait for their copies (device_copies.to_host; call it before reading
-    them). The encoding, and error feedback's decode and residual, run where Δ is (a GPU
-    learner's device): only the encoded bytes are copied to the host, without blocking."""
-    if feedback is None:
-        return to_host(compress.encode_tensors(delta, codec, on=None))
-    sent = {n: feedback.compensate(n, d) for n, d in delta.items()}
-    encoded = compress.encode_tensors(sent, codec, on=None)
-    decoded = compress.decode_tensors(encoded, codec, {n: t.shape for n, t in sent.items()})
-    for n, t in sent.items():
-        feedback.record(n, t, decoded[n])
-    return to_host(encoded)
 
 
 class SyncerLink:

@@ -1,0 +1,95 @@
+"""The batched int8 push encoder (learner/push_encoding.py) against the per-tensor one, bit for
+bit: the same q values, scales and error-feedback residuals over several pushes, for tensors
+whose sizes are and are not whole codec blocks, with all-zero and tiny blocks among them."""
+
+from __future__ import annotations
+
+import torch
+from diloco_trainer.core import compress
+from diloco_trainer.learner.push_encoding import (
+    encode_delta,
+    encode_int8_batched,
+)
+
+SHAPES = {
+    "wte": (7, 128),  # whole blocks
+    "ln.bias": (5,),  # one padded block
+    "attn.w": (3, 100),  # 300 values: 3 blocks, the last padded
+    "zeros": (130,),  # an all-zero block and a padded one
+    "tiny": (129,),  # values under FLUSH_TO_ZERO
+}
+
+
+def pushes(seed: int) -> list[dict[str, torch.Tensor]]:
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for k in range(3):
+        d = {n: torch.randn(s, generator=g) * (10.0**-k) for n, s in SHAPES.items()}
+        d["zeros"][:128] = 0.0
+        d["tiny"] = d["tiny"] * 1e-32
+        out.append(d)
+    return out
+
+
+def per_tensor(delta: dict[str, torch.Tensor], fb: compress.ErrorFeedback | None) -> dict:
+    """The rule the batched path must keep: compensate, encode each tensor, decode, record."""
+    sent = {n: fb.compensate(n, d) for n, d in delta.items()} if fb else dict(delta)
+    encoded = compress.encode_tensors(sent, "int8", on=None)
+    if fb is not None:
+        decoded = compress.decode_tensors(encoded, "int8", {n: t.shape for n, t in sent.items()})
+        for n, t in sent.items():
+            fb.record(n, t, decoded[n])
+    return encoded
+
+
+def assert_same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
+    assert a.keys() == b.keys()
+    for k in a:
+        assert a[k].dtype == b[k].dtype and a[k].shape == b[k].shape, k
+        # Bits, not values: -0.0 and 0.0 must not be taken for each other.
+        assert torch.equal(a[k].view(-1).view(torch.uint8), b[k].view(-1).view(torch.uint8)), k
+
+
+def batched(delta: dict[str, torch.Tensor], fb: compress.ErrorFeedback | None) -> dict:
+    """The GPU learner's path, run here on the CPU (the same ops; the CUDA run: gpu-check.sh)."""
+    encoded, ready = encode_int8_batched(delta, fb)
+    ready()
+    return encoded
+
+
+def test_batched_int8_is_the_per_tensor_encoding_bit_for_bit() -> None:
+    for delta in pushes(0):
+        assert_same(batched(delta, None), per_tensor(delta, None))
+        assert_same(encode_delta(delta, "int8", None), per_tensor(delta, None))
+
+
+def test_batched_int8_carries_the_same_residuals_over_pushes() -> None:
+    ours, theirs = compress.ErrorFeedback(), compress.ErrorFeedback()
+    for delta in pushes(1):
+        assert_same(batched(delta, ours), per_tensor(delta, theirs))
+        assert_same(ours.state_tensors(), theirs.state_tensors())
+    # The residuals are what the codec missed: nonzero somewhere, and as shaped as their tensors.
+    assert any(bool(r.abs().max() > 0) for r in ours.residuals.values())
+    assert {n: r.shape for n, r in ours.residuals.items()} == {
+        n: torch.Size(s) for n, s in SHAPES.items()
+    }
+
+
+def test_a_residual_of_another_shape_is_refused_with_its_name() -> None:
+    fb = compress.ErrorFeedback()
+    fb.keep("w", torch.zeros(4))
+    try:
+        encode_int8_batched({"w": torch.ones(5)}, fb)
+    except ValueError as err:
+        assert "'w'" in str(err) and "(5,)" in str(err)
+    else:
+        raise AssertionError("a residual of another shape was added")
+
+
+def test_the_encoded_tensors_decode_as_the_syncer_reads_them() -> None:
+    delta = pushes(2)[0]
+    encoded = batched(delta, None)
+    decoded = compress.decode_tensors(encoded, "int8", {n: t.shape for n, t in delta.items()})
+    for n, d in delta.items():
+        scale = encoded[n + compress.SCALE_SUFFIX].max()
+        assert float((decoded[n] - d).abs().max()) <= float(scale) / 2 + 1e-12, n

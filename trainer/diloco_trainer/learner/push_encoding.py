@@ -1,0 +1,110 @@
+"""A push's pseudo-gradient encoded for the wire where it was computed, in a handful of passes.
+
+Encoded one tensor at a time, a gpt-125m fragment (~75 tensors) cost an H100 learner's training
+thread 0.033-0.040 s per push (bench/RESULTS.md, "learner_overlap in a job on an NVIDIA H100"):
+about twenty kernel launches per tensor for the quantisation and error feedback's decode, and
+two device synchronisations per tensor in the checks of that decode, each draining the GPU's
+queue of the training steps behind it.
+
+On a GPU, the int8 codec (the default) is encoded here as one flat buffer instead: Δ (plus
+the carried residual) laid out tensor after tensor, each padded with zeros to whole codec blocks
+exactly as `compress._blocks` pads it alone, so every block, scale and rounding is the one the
+per-tensor encoder makes (bit for bit: tests/unit/test_learner_push_encoding.py). Then one pass
+each quantises it, decodes it for error feedback and leaves the residual in place, and two
+copies take the int8 values and the scales to the host without blocking. No step reads a value
+back, so the training thread never waits for the device. The learner's own encoding is not
+checked for NaN here: the syncer refuses a push that holds one (4xx), as it refuses anybody's.
+
+Other codecs keep the per-tensor path (they are one or two casts per tensor), with error
+feedback's decode unchecked for the same reason.
+
+Memory on the device while encoding a fragment of P_f values: the flat buffer (4 P_f bytes),
+which becomes error feedback's residual, one fp32 temporary (4 P_f) and the int8 values (P_f).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+
+import torch
+from torch import Tensor
+
+from diloco_trainer.core import compress
+from diloco_trainer.learner.device_copies import to_host
+
+
+def encode_delta(
+    delta: Mapping[str, Tensor], codec: str, feedback: compress.ErrorFeedback | None
+) -> dict[str, Tensor]:
+    """Encode a pseudo-gradient for the wire (CPU tensors, the copies finished): `encode_for_wire`
+    and its wait."""
+    encoded, ready = encode_for_wire(delta, codec, feedback)
+    ready()
+    return encoded
+
+
+def encode_for_wire(
+    delta: Mapping[str, Tensor], codec: str, feedback: compress.ErrorFeedback | None
+) -> tuple[dict[str, Tensor], Callable[[], None]]:
+    """Encode a pseudo-gradient for the wire, carrying the codec's error forward when asked: the
+    host tensors and the wait for their copies (device_copies.to_host; call it before reading
+    them). The encoding, and error feedback's decode and residual, run where Δ is (a GPU
+    learner's device): only the encoded bytes are copied to the host, without blocking."""
+    if codec == "int8" and delta and next(iter(delta.values())).is_cuda:
+        return encode_int8_batched(delta, feedback)
+    if feedback is None:
+        return to_host(compress.encode_tensors(delta, codec, on=None))
+    sent = {n: feedback.compensate(n, d) for n, d in delta.items()}
+    encoded = compress.encode_tensors(sent, codec, on=None)
+    for n, t in sent.items():
+        feedback.record(n, t, compress.decode_tensor(encoded, n, codec, t.shape))
+    return to_host(encoded)
+
+
+def encode_int8_batched(
+    delta: Mapping[str, Tensor], feedback: compress.ErrorFeedback | None
+) -> tuple[dict[str, Tensor], Callable[[], None]]:
+    """encode_for_wire for int8 over one flat, block-padded buffer (module docstring): what a
+    GPU learner's pushes use. On the CPU, where the cost is the passes over memory and not the
+    launches, the per-tensor path was the faster (0.70 s against 1.31 s for 42M values)."""
+    names = list(delta)
+    sizes = [delta[n].numel() for n in names]
+    first = [0]  # each tensor's first block in the buffer
+    for size in sizes:
+        first.append(first[-1] + compress.num_blocks(size))
+    first_block, total = first[:-1], first[-1]
+    at = [b * compress.BLOCK_SIZE for b in first_block]  # and its first element
+    # Zeros: the padding after each tensor is part of its last block, as compress._blocks pads.
+    flat = torch.zeros(
+        total * compress.BLOCK_SIZE, dtype=torch.float32, device=delta[names[0]].device
+    )
+    views = [flat[a : a + s] for a, s in zip(at, sizes, strict=True)]
+    torch._foreach_copy_(views, [delta[n].detach().reshape(-1) for n in names])
+    if feedback is not None:
+        carried = [feedback.carried(n, delta[n]) for n in names]
+        kept = [(v, r.reshape(-1)) for v, r in zip(views, carried, strict=True) if r is not None]
+        if kept:
+            torch._foreach_add_([v for v, _ in kept], [r for _, r in kept])
+    rows = flat.view(total, compress.BLOCK_SIZE)
+    scales, inv = compress.block_scales(rows, compress.qmax("int8"))
+    work = (rows * inv[:, None]).round_()  # |values| <= 127, so int8 holds them exactly
+    q = work.to(torch.int8)
+    if feedback is not None:
+        # Decode's own ops (int8 -> fp32, times the row's scale) into the temporary; what the
+        # codec missed is left in `flat`, whose views become the residuals.
+        flat.sub_(work.copy_(q).mul_(scales[:, None]).view(-1))
+        for v, n in zip(views, names, strict=True):
+            feedback.keep(n, v.view(delta[n].shape))
+    del work
+    (q_host, scales_host), ready = _pair_to_host(q.view(-1), scales)
+    out: dict[str, Tensor] = {}
+    for n, a, s, b in zip(names, at, sizes, first_block, strict=True):
+        out[n + compress.Q_SUFFIX] = q_host[a : a + s]
+        out[n + compress.SCALE_SUFFIX] = scales_host[b : b + compress.num_blocks(s)]
+    return out, ready
+
+
+def _pair_to_host(q: Tensor, scales: Tensor) -> tuple[tuple[Tensor, Tensor], Callable[[], None]]:
+    """Both buffers on the host (two copies, not one per tensor) and the wait for them."""
+    out, ready = to_host({"q": q, "scales": scales})
+    return (out["q"], out["scales"]), ready
