@@ -62,3 +62,15 @@ def test_received_weights_do_not_write_to_their_inputs() -> None:
     merged, now, at_push = {"w": t(10.0)}, {"w": t(3.0)}, {"w": t(1.0)}
     received_weights(merged, now, at_push, alpha=0.5)
     assert (merged["w"].item(), now["w"].item(), at_push["w"].item()) == (10.0, 3.0, 1.0)
+
+
+def test_received_weights_batched_are_the_per_tensor_rule_bit_for_bit() -> None:
+    g = torch.Generator().manual_seed(3)
+    shapes = {"a": (3, 5), "b": (7,), "c": (1,)}
+    merged, now, at = ({n: torch.randn(s, generator=g) for n, s in shapes.items()} for _ in "abc")
+    for alpha in (0.0, 0.3):
+        out = received_weights(merged, now, at, alpha)
+        for n in shapes:
+            want = merged[n] + (now[n] - at[n])
+            want = alpha * now[n] + (1.0 - alpha) * want if alpha else want
+            assert torch.equal(out[n].view(torch.int32), want.view(torch.int32)), (n, alpha)

@@ -54,3 +54,17 @@ def test_a_process_keeps_to_its_cpus_and_sizes_its_threads_by_them() -> None:
         check=True,
     )
     assert out.stdout.split() == [f"[{mine[-1]}]", "1"]
+
+
+def test_a_wrong_cpu_list_stops_the_syncer_with_exit_2_and_the_variable_named() -> None:
+    env = dict(os.environ, **{CPUS: "7-1"})
+    out = subprocess.run(
+        [sys.executable, "-m", "diloco_trainer.cli", "syncer"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert out.returncode == 2, out.stderr[-2000:]
+    assert CPUS in out.stderr and "Traceback" not in out.stderr

@@ -12,7 +12,7 @@ import os
 
 import torch
 
-from diloco_trainer.api.contract import CPUS, parse_cpu_list
+from diloco_trainer.api.contract import CPUS, format_cpu_list, parse_cpu_list
 
 # cgroup v2 (one file: "QUOTA PERIOD" or "max PERIOD"), then cgroup v1's cpu controller
 # (quota -1 without a limit): nodes still on cgroup v1 put a pod's CPU limit only there.
@@ -64,3 +64,10 @@ def configure_threads(device: str = "cpu") -> None:
         torch.set_num_threads(int(raw))
     elif device == "cpu":
         torch.set_num_threads(cpu_budget())
+
+
+def cpus_here() -> str:
+    """This process's CPUs as a list ("0-7"), for its log."""
+    if not hasattr(os, "sched_getaffinity"):
+        return f"0-{(os.cpu_count() or 1) - 1}"
+    return format_cpu_list(frozenset(os.sched_getaffinity(0)))

@@ -45,7 +45,7 @@ from diloco_trainer.api.contract import ContractError, LearnerEnv
 from diloco_trainer.api.protocol import SyncerError
 from diloco_trainer.api.spec import ConfigError, JobSpec, load_spec
 from diloco_trainer.core.fragments import fragment_offsets
-from diloco_trainer.cpus import configure_threads
+from diloco_trainer.cpus import configure_threads, cpus_here
 from diloco_trainer.learner.device import pick_device
 from diloco_trainer.learner.fragment_sync import FragmentSync
 from diloco_trainer.learner.inner_step import InnerStep, check_precision
@@ -166,6 +166,11 @@ class Learner:
         """Install each fragment's new weights, computed by rank 0 (FragmentSync), on every
         rank: θ_f ← target_f."""
         with torch.no_grad():
+            if not self.distributed:  # one batched copy, not a launch per tensor on a GPU
+                names = [n for f in fragments for n in self.layout[f]]
+                got = {n: t for f in fragments for n, t in targets[f].items()}
+                torch._foreach_copy_([self.params[n] for n in names], [got[n] for n in names])
+                return
             for f in fragments:
                 for name in self.layout[f]:
                     p = self.params[name]
@@ -405,10 +410,11 @@ def main(args: argparse.Namespace) -> int:
         spec = load_spec(env.config_file)
         device = pick_device(env.device)
         check_precision(spec.inner.precision, device)
+        configure_threads(device)
     except (ConfigError, ContractError) as err:
         log.error("%s", err)
         return 2
-    configure_threads(device)
+    log.info("torch threads: %d, on CPUs %s", torch.get_num_threads(), cpus_here())
     # The training thread shares the interpreter lock with the syncer link's threads (HTTP,
     # decoding, the copies' waits). At Python's default 5 ms switch interval each hand-over can
     # hold the training thread's kernel launches for up to 5 ms while the GPU idles after a

@@ -57,13 +57,20 @@ def received_weights(
     """
     if not 0.0 <= alpha < 1.0:
         raise ValueError(f"sync.mixAlpha must be in [0, 1), got {alpha}")
-    out = {}
-    for n, g in merged.items():
-        target = g.to(torch.float32)
-        cur = now[n].to(torch.float32)
-        if at_push is not None:
-            target = target + (cur - at_push[n].to(torch.float32))
-        if alpha:
-            target = alpha * cur + (1.0 - alpha) * target
-        out[n] = target
-    return out
+    names = list(merged)
+    if not names:
+        return {}
+    # Batched ops (one launch per op for the whole fragment on a GPU), each the per-tensor rule
+    # target = g + (cur − at_push), then alpha·cur + (1 − alpha)·target, element for element.
+    g = [merged[n].to(torch.float32) for n in names]
+    cur = [now[n].to(torch.float32) for n in names]
+    if at_push is None:
+        target = g
+    else:
+        kept = torch._foreach_sub(cur, [at_push[n].to(torch.float32) for n in names])
+        target = torch._foreach_add(g, kept)
+    if alpha:
+        target = torch._foreach_add(
+            torch._foreach_mul(cur, alpha), torch._foreach_mul(target, 1.0 - alpha)
+        )
+    return dict(zip(names, target, strict=True))

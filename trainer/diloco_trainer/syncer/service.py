@@ -43,12 +43,14 @@ import argparse
 import asyncio
 import contextlib
 import logging
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from diloco_trainer.api import credentials
+from diloco_trainer.api.contract import ContractError
 from diloco_trainer.api.credentials import Principal
 from diloco_trainer.api.documents import SyncerStatus
 from diloco_trainer.api.spec import JobSpec
@@ -470,5 +472,9 @@ def main(args: argparse.Namespace) -> int:
     """`diloco syncer`: serve the job in $DILOCO_CONFIG_FILE until SIGTERM (exit 0), or exit 1
     after a failed merge, or 2 for a bad environment or config (see server.py). Its torch
     threads follow the pod's CPU limit (cpus.py), as a learner's do."""
-    configure_threads()
+    try:
+        configure_threads()
+    except ContractError as err:
+        print(f"diloco syncer: {err}", file=sys.stderr)
+        return 2
     return server.run(Syncer)
