@@ -169,7 +169,8 @@ class Learner:
             if not self.distributed:  # one batched copy, not a launch per tensor on a GPU
                 names = [n for f in fragments for n in self.layout[f]]
                 got = {n: t for f in fragments for n, t in targets[f].items()}
-                torch._foreach_copy_([self.params[n] for n in names], [got[n] for n in names])
+                if names:
+                    torch._foreach_copy_([self.params[n] for n in names], [got[n] for n in names])
                 return
             for f in fragments:
                 for name in self.layout[f]:
