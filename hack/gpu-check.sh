@@ -16,7 +16,9 @@
 #                                                  # bf16: step time, TFLOP/s, peak memory (2 min)
 #   MODE=injob OUT=... hack/gpu-check.sh           # the learner inside a real job against the plain
 #                                                  # loop at gpt-125m and gpt-mini in bf16, under
-#                                                  # sync.mergeWait overlap and nextPush (5-6 min)
+#                                                  # sync.mergeWait overlap and nextPush (5-6 min);
+#                                                  # ONLY=GLOB runs the cases it matches
+#                                                  # (e.g. ONLY='gpt-125m-h40-nextPush')
 set -uo pipefail
 
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -151,6 +153,7 @@ PYEOF
         for wait in overlap nextPush; do
             [[ "${words[0]}" == *h100 && "$wait" == nextPush ]] && continue  # H = 100: the default rule only
             name="${words[0]}-$wait"
+            [[ -n "${ONLY:-}" && "$name" != $ONLY ]] && continue  # ONLY=GLOB: just those cases
             echo "== bench.learner_overlap $name bf16 on $DEVICE"
             timeout "$LIMIT" "$PY" -m bench.learner_overlap --device "$DEVICE" --precision bf16 \
                 "${words[@]:1}" --merge-wait "$wait" --plain-steps 40 \

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 from diloco_trainer.api.contract import CPUS, ContractError, format_cpu_list, parse_cpu_list
-from diloco_trainer.local.run import cpu_split
+from diloco_trainer.local.run import cpu_split, gpu_learner_threads
 
 
 def test_cpu_lists_read_and_write_ranges() -> None:
@@ -68,3 +68,7 @@ def test_a_wrong_cpu_list_stops_the_syncer_with_exit_2_and_the_variable_named() 
     )
     assert out.returncode == 2, out.stderr[-2000:]
     assert CPUS in out.stderr and "Traceback" not in out.stderr
+
+
+def test_a_gpu_learner_leaves_two_of_its_cpus_to_its_training_and_link_threads() -> None:
+    assert [gpu_learner_threads(n) for n in (1, 2, 3, 8)] == [1, 1, 1, 6]

@@ -159,7 +159,7 @@ class SyncerJsonClient:
         path: str,
         *,
         json_body: Any = None,
-        data: bytes | None = None,
+        data: bytes | memoryview | None = None,
         params: Mapping[str, str] | None = None,
         extra_timeout: float = 0.0,
         ok: tuple[int, ...] = (200,),
@@ -216,7 +216,7 @@ class SyncerJsonClient:
         path: str,
         *,
         json_body: Any = None,
-        data: bytes | None = None,
+        data: bytes | memoryview | None = None,
         params: Mapping[str, str] | None = None,
     ) -> D:
         """The answer to a request, parsed as `model`; SyncerError (code ERROR_MALFORMED, the

@@ -7,6 +7,7 @@ module adds what needs torch. Tensors travel as safetensors bytes, never pickle.
 from __future__ import annotations
 
 import json
+import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -287,23 +288,24 @@ def _entry(name: str, entry: Any, data_bytes: int) -> tuple[torch.dtype, list[in
     return dtype, shape, begin, end
 
 
-def tensors_in_body(body: bytearray) -> dict[str, torch.Tensor]:
+def tensors_in_body(body: bytearray | memoryview) -> dict[str, torch.Tensor]:
     """A safetensors body's tensors as views of its own memory (no copy: safetensors' load
     copies every tensor out of it), checked as safetensors checks them: known dtypes, offsets
     that fit each shape and tile the data exactly. The tensors keep `body` alive and see any
     change to it. ValueError for anything malformed."""
-    if len(body) < 8:
+    view = memoryview(body).cast("B")
+    if len(view) < 8:
         raise ValueError("body is too short to be safetensors")
-    n = int.from_bytes(body[:8], "little")
-    if 8 + n > len(body):
+    n = int.from_bytes(view[:8], "little")
+    if 8 + n > len(view):
         raise ValueError("safetensors header length is out of range")
     try:
-        header = json.loads(body[8 : 8 + n])
+        header = json.loads(bytes(view[8 : 8 + n]))
     except (UnicodeDecodeError, json.JSONDecodeError) as err:
         raise ValueError(f"safetensors header is not JSON: {err}") from None
     if not isinstance(header, dict):
         raise ValueError("safetensors header is not a JSON object")
-    start, data_bytes = 8 + n, len(body) - 8 - n
+    start, data_bytes = 8 + n, len(view) - 8 - n
     entries = {k: _entry(k, v, data_bytes) for k, v in header.items() if k != "__metadata__"}
     covered = 0
     for _, _, begin, end in sorted(entries.values(), key=lambda e: (e[2], e[3])):
@@ -322,6 +324,19 @@ def tensors_in_body(body: bytearray) -> dict[str, torch.Tensor]:
         )
         out[name] = flat.view(shape)
     return out
+
+
+def decode_body_unlocked(body: bytes) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """decode_body's tensors and metadata, the tensors views of one copy of `body` that torch
+    makes with the interpreter lock released. safetensors' load copies each tensor out under
+    the lock: 22 ms at a stretch for a gpt-125m fragment's int8 update, which a GPU learner's
+    training thread, waiting for the lock to launch its next kernels, spent idle."""
+    meta = read_metadata(body)
+    with warnings.catch_warnings():
+        # `body` is only read, by the clone: torch warns that it cannot write to bytes.
+        warnings.simplefilter("ignore", UserWarning)
+        source = torch.frombuffer(body, dtype=torch.uint8)
+    return tensors_in_body(source.clone().numpy().data), meta
 
 
 def decode_body(

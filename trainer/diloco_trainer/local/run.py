@@ -113,6 +113,14 @@ def cpu_split(cpus: frozenset[int], device: str) -> tuple[frozenset[int], frozen
     return frozenset(ordered[:half]), frozenset(ordered[half:])
 
 
+def gpu_learner_threads(cpus: int) -> int:
+    """Intra-op threads of a GPU learner with `cpus` CPUs of its own: two fewer, at least one.
+    Its CPU work is the link's (decoding pulls on the host, beside the steps); a pool as wide as
+    its CPUs would leave no core free for the training thread that feeds the GPU, nor for the
+    link's event loop."""
+    return max(1, cpus - 2)
+
+
 def island_changes(
     alive: Mapping[str, Sequence[bool]], dropped: set[str]
 ) -> tuple[list[str], list[str]]:
@@ -158,7 +166,7 @@ class LocalRun:
         if split is None:
             return {"OMP_NUM_THREADS": str(threads_per_learner(ranks))}
         cpus = split[0] if role == "learner" else split[1]
-        threads = max(1, len(cpus) // ranks) if role == "learner" else len(cpus)
+        threads = gpu_learner_threads(len(cpus) // ranks) if role == "learner" else len(cpus)
         return {"OMP_NUM_THREADS": str(threads), CPUS: format_cpu_list(cpus)}
 
     def _device(self) -> str:
