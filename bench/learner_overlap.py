@@ -76,6 +76,7 @@ inner:
   microBatches: {args.micro_batches}
   seqLen: {args.seq_len}
   precision: {args.precision}
+  compile: {str(args.compile).lower()}
   warmupSteps: 0
 sync:
   quorum: 1
@@ -342,9 +343,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         action="store_true",
         help="A/A: time the plain loop in 20-step windows in place of the job (the noise floor)",
     )
+    p.add_argument(
+        "--compile",
+        action="store_true",
+        help="inner.compile on both sides (torch.compile of the model's forward)",
+    )
     args = p.parse_args(argv)
-    # make_spec (bench.learner_step) reads these too.
-    args.checkpointing, args.compile = False, False
+    # make_spec (bench.learner_step) reads this too.
+    args.checkpointing = False
     return args
 
 

@@ -142,7 +142,8 @@ print(f"push on the calling thread, median of 5 behind a busy queue: per tensor 
 PYEOF
         CASES=("gpt-125m-h40 --preset gpt-125m --batch-size 16 --seq-len 1024 --inner-steps 40 --outer-steps 8"
                "gpt-125m-h100 --preset gpt-125m --batch-size 16 --seq-len 1024 --inner-steps 100 --outer-steps 4"
-               "gpt-mini-h40 --preset gpt-mini --batch-size 32 --seq-len 256 --inner-steps 40 --outer-steps 8")
+               "gpt-mini-h40 --preset gpt-mini --batch-size 32 --seq-len 256 --inner-steps 40 --outer-steps 8"
+               "gpt-125m-h40-compiled --preset gpt-125m --batch-size 16 --seq-len 1024 --inner-steps 40 --outer-steps 8 --compile")
         LIMIT=150
     else
         CASES=("gpt-tiny-h40 --preset gpt-tiny --batch-size 8 --seq-len 64 --inner-steps 40 --outer-steps 4")
@@ -152,6 +153,8 @@ PYEOF
         read -r -a words <<<"$case"
         for wait in overlap nextPush; do
             [[ "${words[0]}" == *h100 && "$wait" == nextPush ]] && continue  # H = 100: the default rule only
+            # Compiled: is a step that launches less moved less by the work beside it? nextPush only.
+            [[ "${words[0]}" == *compiled && "$wait" == overlap ]] && continue
             name="${words[0]}-$wait"
             [[ -n "${ONLY:-}" && "$name" != $ONLY ]] && continue  # ONLY=GLOB: just those cases
             echo "== bench.learner_overlap $name bf16 on $DEVICE"
