@@ -303,7 +303,8 @@ class GlobalModel:
                 out,
             )
             self.outer.step(
-                prepared.merged,
+                # In name order: θ_pub's checksum is then hashed as its slices are written.
+                {n: prepared.merged[n] for n in sorted(prepared.merged)},
                 plan.fraction,
                 group=f,
                 complete=plan.complete,
