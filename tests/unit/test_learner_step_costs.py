@@ -8,7 +8,7 @@ import threading
 import time
 
 import pytest
-from diloco_trainer.learner.step_costs import WindowCosts
+from diloco_trainer.learner.step_costs import WAIT_HINT_SHARE, WindowCosts, wait_hint
 
 from .test_learner_fragment_sync import FakeLink, make_spec, make_sync, step
 from .test_learner_step_cap import wait_for
@@ -62,3 +62,18 @@ def test_a_blocking_learner_counts_its_wait_for_the_merge() -> None:
     waited = sync.take_waited()
     assert 0.25 <= waited <= elapsed
     assert sync.take_waited() == 0.0  # taken once
+
+
+def test_a_window_mostly_waiting_gets_the_hint_once_worded_for_its_rule() -> None:
+    costs = WindowCosts()
+    for _ in range(20):
+        costs.add_step(0.05)  # 1.0 s training
+    costs.add_after(0.30, 0.25)  # 0.05 s sync path, 0.25 s waiting: 0.25 / 1.30 = 19%
+    assert costs.waiting_share() < WAIT_HINT_SHARE
+    assert wait_hint(costs, merge_wait="overlap", overlap_steps=5) is None
+    costs.add_after(0.05, 0.05)  # 0.30 / 1.35 = 22%
+    hint = wait_hint(costs, merge_wait="overlap", overlap_steps=5)
+    assert hint is not None and "22%" in hint and "5 steps" in hint and "nextPush" in hint
+    # nextPush already trains on: its waits are a syncer slower than a whole round.
+    assert wait_hint(costs, merge_wait="nextPush", overlap_steps=5) is None
+    assert WindowCosts().waiting_share() == 0.0

@@ -157,7 +157,7 @@ class UpdateWriter:
         self._slice(name, sl)
         self._checksum.add(name, sl)
 
-    def _slice(self, name: str, sl: slice) -> None:
+    def _slice(self, name: str, sl: builtins.slice) -> None:
         if self.codec == "int8":
             self._slice_int8(name, sl)
             return

@@ -51,7 +51,7 @@ from diloco_trainer.learner.fragment_sync import FragmentSync
 from diloco_trainer.learner.inner_step import InnerStep, check_precision
 from diloco_trainer.learner.schedule import rewarm_factor, schedule_start
 from diloco_trainer.learner.shards import FragmentShards, local_rows, shard_model
-from diloco_trainer.learner.step_costs import WindowCosts
+from diloco_trainer.learner.step_costs import WindowCosts, wait_hint
 from diloco_trainer.learner.syncer_client import SyncerClient
 from diloco_trainer.learner.syncer_link import SyncerLink
 from diloco_trainer.models.data import TokenStream, resume_position
@@ -85,6 +85,7 @@ class Learner:
         self.stop = stop
         self.rank0 = env.rank == 0
         self.distributed = env.world_size > 1
+        self.hinted = False  # wait_hint said once
         self.parts = build_parts(
             spec,
             shard_index=env.island_index,
@@ -306,6 +307,17 @@ class Learner:
             log.info("starting at schedule step %d, in phase with the other islands", first)
         return True
 
+    def _hint_waits(self, costs: WindowCosts) -> None:
+        """Say once a job what to change when merges keep the island waiting (wait_hint)."""
+        if self.hinted or self.sync is None:
+            return
+        hint = wait_hint(
+            costs, merge_wait=self.spec.sync.merge_wait, overlap_steps=self.sync.overlap
+        )
+        if hint is not None:
+            log.warning("step %d: %s", self.steps_run, hint)
+            self.hinted = True
+
     def _resume_data(self, island_tokens: int) -> None:
         """A learner restarted mid-job goes on with its shard's data where the island's merged
         work ended (the syncer's record, JoinInfo.island_tokens), not from the first batch,
@@ -358,6 +370,7 @@ class Learner:
                         window_tokens / max(now - window_start, 1e-9),
                         costs.line(),
                     )
+                    self._hint_waits(costs)
                     window_tokens, window_start, costs = 0, now, WindowCosts()
                     window_cpu = cpu_now
                 targets = self.sync.after_step()

@@ -24,7 +24,7 @@ default, keeps nothing of the pushed work locally).
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 import torch
 from torch import Tensor
@@ -64,6 +64,7 @@ def received_weights(
     # target = g + (cur − at_push), then alpha·cur + (1 − alpha)·target, element for element.
     g = [merged[n].to(torch.float32) for n in names]
     cur = [now[n].to(torch.float32) for n in names]
+    target: Sequence[Tensor]
     if at_push is None:
         target = g
     else:

@@ -57,3 +57,29 @@ class WindowCosts:
             f"{self.steps} steps: {self.training:.2f}s training, {self.sync_path:.2f}s sync path, "
             f"{self.waiting:.2f}s waiting for the syncer; {self.cpu:.2f}s cpu"
         )
+
+    def waiting_share(self) -> float:
+        """Waiting's share of the window's wall time (0 for an empty window)."""
+        total = self.training + self.sync_path + self.waiting
+        return self.waiting / total if total > 0 else 0.0
+
+
+# A window that waited this share of its time for merges gets the hint below (once a job).
+WAIT_HINT_SHARE = 0.2
+
+
+def wait_hint(costs: WindowCosts, *, merge_wait: str, overlap_steps: int) -> str | None:
+    """What to change when a blocking learner spends a large share of a window waiting for the
+    merges of its own pushes (its steps are faster than the syncer's round trip: a GPU island
+    beside a CPU syncer, bench/RESULTS.md), or None. Holds at the step cap are waits too, but
+    the hint is worded for the merge waits that the default rule makes."""
+    share = costs.waiting_share()
+    if share < WAIT_HINT_SHARE or merge_wait != "overlap":
+        return None
+    return (
+        f"this island waited {share:.0%} of its last {costs.steps} steps for the syncer's "
+        f"merges: they take longer than the {overlap_steps} steps it trains past each push "
+        "(sync.overlapSteps). To train on meanwhile: sync.mergeWait: nextPush (waits only when "
+        "the fragment is due again), a larger sync.overlapSteps, or sync.quorum below the "
+        "number of islands (docs/learner.md, 'On a GPU')"
+    )
