@@ -34,6 +34,8 @@ def test_gpu_learners_and_the_syncer_get_separate_halves() -> None:
 
 def test_cpu_learners_and_small_machines_share_every_cpu() -> None:
     assert cpu_split(frozenset(range(16)), "cpu") is None
+    assert cpu_split(frozenset(range(16)), "auto") is None  # may be the CPU: not split
+    assert cpu_split(frozenset(range(16)), "cuda:1") is not None
     assert cpu_split(frozenset(range(3)), "cuda") is None
 
 

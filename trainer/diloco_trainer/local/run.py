@@ -102,11 +102,12 @@ def threads_per_learner(total_ranks: int) -> int:
 
 def cpu_split(cpus: frozenset[int], device: str) -> tuple[frozenset[int], frozenset[int]] | None:
     """(the learners' CPUs, the syncer's) for a local job: separate halves when the learners
-    compute on a GPU and there are at least 4 CPUs, else None (all share every CPU: CPU learners
-    need them for their steps, and the syncer is idle between merges). A GPU learner's steps are
+    are told to compute on a GPU (DILOCO_DEVICE cuda or cuda:N) and there are at least 4 CPUs,
+    else None (all share every CPU: CPU learners need them for their steps, and the syncer is
+    idle between merges; `auto` may be either, so it is not split). A GPU learner's steps are
     fed by one Python thread; beside a syncer merging on every core, an H100's gpt-125m steps
     ran 7-12% slower (bench/RESULTS.md), where in a cluster the syncer has a pod of its own."""
-    if device == "cpu" or len(cpus) < 4:
+    if not device.startswith("cuda") or len(cpus) < 4:
         return None
     ordered = sorted(cpus)
     half = len(ordered) // 2
