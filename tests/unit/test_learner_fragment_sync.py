@@ -40,6 +40,7 @@ class FakeLink:
         self.hold = False
         self.held: list[tuple[concurrent.futures.Future[Any], Any]] = []
         self.progress: dict[str, Any] = {"holding": False}  # what heartbeats would carry
+        self.refuse = False  # answer each push as the syncer answers a malformed one
 
     def submit(self, coro: Coroutine[Any, Any, Any]) -> concurrent.futures.Future[Any]:
         future: concurrent.futures.Future[Any] = concurrent.futures.Future()
@@ -69,9 +70,10 @@ class FakeLink:
         self.pushes.append((f, meta, {n: t.clone() for n, t in encoded.items()}))
         self.within.append(within)
         shapes = {n: t.shape for n, t in self.global_weights.items()}
-        for n, d in compress.decode_tensors(encoded, meta.codec, shapes).items():
-            self.global_weights[n] = self.global_weights[n] - self.outer_lr * d
-        self.version += 1
+        if not self.refuse:
+            for n, d in compress.decode_tensors(encoded, meta.codec, shapes).items():
+                self.global_weights[n] = self.global_weights[n] - self.outer_lr * d
+            self.version += 1
         pulled = PulledFragment(
             fragment=f,
             version=self.version,
@@ -81,7 +83,7 @@ class FakeLink:
         )
         return SyncResult(
             pulled=pulled,
-            outcome="merged",
+            outcome="push refused (400 malformed)" if self.refuse else "merged",
             seconds=0.01,
             lateness=self.lateness,
             lateness_within=self.lateness_within,
@@ -292,3 +294,19 @@ def test_synchronous_learner_blocks_at_the_apply_step() -> None:
     assert link.within == [False]  # K = M: in lock step, no alignment within merges
     sync, _ = make_sync(make_spec(quorum=1, overlapSteps=0), FakeLink(outer_lr=0.25))
     assert sync.blocking
+
+
+@pytest.mark.parametrize("refuse", [False, True])
+def test_a_push_not_merged_leaves_no_residual_behind(refuse: bool) -> None:
+    link = FakeLink(outer_lr=0.0)
+    link.refuse = refuse
+    spec = make_spec(compression="int8", errorFeedback=True)
+    sync, w = make_sync(spec, link)
+    assert sync.error_feedback is not None
+    for _ in range(4):
+        step(sync, w)  # the push at H = 4
+    assert "w" in sync.error_feedback.residuals  # what int8 dropped of it, kept for the next
+    for _ in range(2):
+        step(sync, w)  # its merge (or the refusal) is received after τ = 2 steps
+    # Merged: the residual goes into the next push. Refused: it is forgotten with its push.
+    assert ("w" in sync.error_feedback.residuals) is not refuse

@@ -448,6 +448,10 @@ class FragmentSync:
             target = state.receive(
                 merged, result.pulled.version, self._current(f), self._alpha(), here=here
             )
+        if result.outcome != "merged" and self.error_feedback is not None:
+            # Not merged: the residual's push is gone, and one from a push the syncer refused
+            # (a NaN in it, say) would spoil every push after it.
+            self.error_feedback.reset(state.names)
         state.last_sync_seconds = result.seconds
         self.overlap_fit.observe(result.latency)
         self.round_times = [*self.round_times[-7:], result.seconds]

@@ -13,7 +13,9 @@ per-tensor encoder makes (bit for bit: tests/unit/test_learner_push_encoding.py)
 each quantises it, decodes it for error feedback and leaves the residual in place, and two
 copies take the int8 values and the scales to the host without blocking. No step reads a value
 back, so the training thread never waits for the device. The learner's own encoding is not
-checked for NaN here: the syncer refuses a push that holds one (4xx), as it refuses anybody's.
+checked for NaN here: the syncer refuses a push that holds one (4xx), as it refuses anybody's,
+and the learner then takes the current global fragment and forgets the fragment's residuals
+(fragment_sync), so one bad push does not spoil the ones after it.
 
 Other codecs keep the per-tensor path (they are one or two casts per tensor), with error
 feedback's decode unchecked for the same reason.
