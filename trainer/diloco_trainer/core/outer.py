@@ -78,6 +78,10 @@ def split_fraction(
     return portions, acc
 
 
+# fused(name, slice, g's slice, θ's slice, m's slice): a plain round's work on one slice.
+FusedSlice = Callable[[str, slice, Tensor, Tensor, Tensor], None]
+
+
 def _same(a: Tensor, b: Tensor) -> bool:
     """Whether two slices are the same memory."""
     return a.data_ptr() == b.data_ptr()
@@ -175,6 +179,7 @@ class OuterOptimizer:
         complete: bool = False,
         each: Callable[[str, slice], None] | None = None,
         before: Callable[[str, slice], None] | None = None,
+        fused: FusedSlice | None = None,
     ) -> int:
         """Apply one merge carrying `fraction` of a round to exactly the named tensors (one
         fragment, `group`; `complete`: it holds every island's push, see the module docstring);
@@ -185,8 +190,13 @@ class OuterOptimizer:
         slice-sized temporaries instead of P-sized ones. `each(name, slice)` runs after every
         slice of θ is final (the published update reads it while it is in cache);
         `before(name, slice)` before the slice of `grads[name]` is read (the syncer finishes
-        the merge's division there, core/fold.result_undivided, instead of a pass of its own)."""
+        the merge's division there, core/fold.result_undivided, instead of a pass of its own).
+        `fused(name, slice, g, θ, m)`, for a plain round (plain_round) only, replaces all of a
+        slice's work, `before` and `each` included (core/fused_update.py): the round's fold
+        m ← β·m + g and θ ← θ − lr·(g + β·m)."""
         self._check(grads)
+        if fused is not None and self.plain_round(grads, fraction, group, complete=complete):
+            return self._step_fused(grads, group, fused)
         portions, after = split_fraction(self.accumulated(group), fraction, complete=complete)
         # The gradient term's slice is written here, reused (one per call: merges of other
         # fragments may step at the same time).
@@ -221,6 +231,32 @@ class OuterOptimizer:
         self._rounds[group] = self.rounds(group) + folds
         self._accumulated[group] = after
         return folds
+
+    def plain_round(
+        self, grads: Mapping[str, Tensor], fraction: float, group: int = 0, *, complete: bool
+    ) -> bool:
+        """Whether step() would be one Nesterov fold of a whole round and nothing else: the
+        merge carries work fraction 1 and closes the round, which holds no open buffer of these
+        tensors (every merge of a K = M job)."""
+        if not (self.nesterov and fraction == 1.0) or any(n in self._b for n in grads):
+            return False
+        portions, _ = split_fraction(self.accumulated(group), fraction, complete=complete)
+        return portions == [(1.0, True)]
+
+    def _step_fused(self, grads: Mapping[str, Tensor], group: int, fused: FusedSlice) -> int:
+        """step() of a plain round, each slice by `fused`."""
+        for name, g in grads.items():
+            flat = g.detach().to(torch.float32).reshape(-1)
+            param = self.params[name].view(-1)
+            m = self._m.get(name)
+            if m is None:
+                m = self._m[name] = torch.zeros_like(self.params[name])
+            for sl in slices(param.numel()):
+                fused(name, sl, flat[sl], param[sl], m.view(-1)[sl])
+            self._b.pop(name, None)
+        self._rounds[group] = self.rounds(group) + 1
+        self._accumulated[group] = 0.0
+        return 1
 
     def _step_slice(
         self,

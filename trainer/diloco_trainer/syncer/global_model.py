@@ -15,8 +15,11 @@ from __future__ import annotations
 
 import logging
 import math
+import os
+import threading
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from types import ModuleType
 
 import torch
 from torch import nn
@@ -28,7 +31,7 @@ from diloco_trainer.core.contributions import Contributor, MergePlan, plan_merge
 from diloco_trainer.core.fold import SLICE as FOLD_SLICE
 from diloco_trainer.core.fragments import split_fragments
 from diloco_trainer.core.merge import merge_pseudo_gradients
-from diloco_trainer.core.outer import BUFFER_PREFIX, OuterOptimizer
+from diloco_trainer.core.outer import BUFFER_PREFIX, FusedSlice, OuterOptimizer
 from diloco_trainer.core.payloads import body_data, body_layout
 from diloco_trainer.core.published import UpdateWriter, WeightUpdate, publish_update
 from diloco_trainer.syncer import checkpoint as ckpt
@@ -38,6 +41,26 @@ from diloco_trainer.syncer.records import Refused
 from diloco_trainer.syncer.rounds import Contribution
 
 log = logging.getLogger("diloco.syncer")
+
+# Which merges of plain rounds run core/fused_update's compiled loop rather than the torch path
+# (the same bits): "auto" (the default) when a fragment this process merges holds at least
+# FUSED_MIN_VALUES values, "1" always, "0" never (a benchmark's baseline:
+# DILOCO_FUSED_MERGE=0 python -m bench.syncer_scale ...). Only with int8 pulls.
+FUSED_MERGE_ENV = "DILOCO_FUSED_MERGE"
+# Below this a merge takes milliseconds either way, and the loop's compile (about 1.5 s of CPU
+# at start-up, ~50 MB of memory) would not pay for itself.
+FUSED_MIN_VALUES = 1 << 22
+
+
+def use_fused_merge(pull_compression: str, largest_fragment: int, setting: str) -> bool:
+    """Whether plain rounds merge in the fused loop (FUSED_MERGE_ENV's rule); ConfigError for
+    a setting it does not know."""
+    if setting not in ("", "auto", "0", "1"):
+        raise ConfigError(f"{FUSED_MERGE_ENV}={setting!r}: use auto, 1 or 0")
+    if pull_compression != "int8" or setting == "0":
+        return False
+    return setting == "1" or largest_fragment >= FUSED_MIN_VALUES
+
 
 Tensors = dict[str, torch.Tensor]
 
@@ -141,6 +164,19 @@ class GlobalModel:
         # (payloads.body_data: the publisher serves it as it is, no second copy), and a merge
         # writes the new θ_pub into a new buffer while the old one is still served.
         self.pull_compression = spec.sync.effective_pull_compression
+        numels = self.numels()
+        largest = max((numels[f] for f in self.owned), default=0)
+        self.fused = use_fused_merge(
+            self.pull_compression, largest, os.environ.get(FUSED_MERGE_ENV, "auto")
+        )
+        self._fused_update: ModuleType | None = None
+        if self.fused:
+            # numba's import (~0.25 s, its LLVM library) only in a syncer that uses the loop.
+            from diloco_trainer.core import fused_update
+
+            self._fused_update = fused_update
+            # Compiled beside the start-up, not on the first merge's path (fused_update.py).
+            threading.Thread(target=fused_update.warm, name="fused-compile", daemon=True).start()
         self.published: Tensors = self.weights
         self.published_data: dict[int, torch.Tensor] = {}
         if self.pull_compression != "none":
@@ -310,6 +346,7 @@ class GlobalModel:
                 complete=plan.complete,
                 each=writer.slice,
                 before=prepared.divide,
+                fused=self._fused_slices(writer, prepared),
             )
             prepared.divisors.clear()
             update = writer.finish()
@@ -322,6 +359,25 @@ class GlobalModel:
         if data is not None and out is not None:
             self._install_published(f, data, out)
         return MergeResult(plan, self.outer.rounds(f), self.outer.clock(f), update)
+
+    def _fused_slices(self, writer: UpdateWriter, prepared: PreparedMerge) -> FusedSlice | None:
+        """A plain round's slices in one pass each (core/fused_update.py), for int8 pulls."""
+        kernels = self._fused_update
+        if kernels is None:
+            return None
+        beta, lr = self.outer.momentum, self.outer.lr
+
+        def fused(
+            name: str, sl: slice, g: torch.Tensor, theta: torch.Tensor, m: torch.Tensor
+        ) -> None:
+            published, out, q, scales = writer.int8_targets(name, sl)
+            divisor = prepared.divisors.get(name)
+            kernels.nesterov_int8_slice(
+                g, divisor, m, theta, published, out, q, scales, beta=beta, lr=lr
+            )
+            writer.written(name, sl)
+
+        return fused
 
     def owns(self, f: int) -> bool:
         """Whether this process holds and merges fragment f (every fragment but on a shard)."""
