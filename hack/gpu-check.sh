@@ -19,6 +19,12 @@
 #                                                  # sync.mergeWait overlap and nextPush (5-6 min);
 #                                                  # ONLY=GLOB runs the cases it matches
 #                                                  # (e.g. ONLY='gpt-125m-h40-nextPush')
+#   MODE=pull OUT=... hack/gpu-check.sh            # pulled updates applied on the GPU: the
+#                                                  # rebuild against the host's bit for bit, what
+#                                                  # each part of the link's work slows in the
+#                                                  # steps (bench.link_interference), then
+#                                                  # injob's gpt-125m cases under
+#                                                  # DILOCO_PULL_APPLY=device and host (5 min)
 set -uo pipefail
 
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -68,6 +74,54 @@ if [[ "${MODE:-full}" == presets ]]; then
             || echo "!! bench ${words[0]} failed or timed out (exit $?)"
     done
     echo "== gpu-check (presets) done $(date -u +%FT%TZ)"
+    exit 0
+fi
+
+if [[ "${MODE:-full}" == pull ]]; then
+    if [[ "$DEVICE" == cuda ]]; then
+        echo "== learner/device_copies on cuda: updates rebuilt on the GPU against the host's"
+        "$PY" - <<'PYEOF' || echo "!! rebuild check failed"
+import time, torch
+from diloco_trainer.core import compress, payloads
+from diloco_trainer.core.published import apply_updates, check_updates, weights_checksum
+from diloco_trainer.learner.device_copies import DeviceStager
+gen = torch.Generator().manual_seed(0)
+# A gpt-125m fragment's shapes, odd tails included, and a chain of two pulled updates.
+shapes = {f"h{i}.{k}": s for i in range(6) for k, s in {"ln.w": (768,), "qkv.w": (2304, 768), "fc.w": (3072, 768), "odd": (1001,)}.items()}
+held = {n: torch.randn(s, generator=gen) for n, s in shapes.items()}
+ups = [(v, compress.encode_tensors({n: 1e-3 * torch.randn(s, generator=gen) for n, s in shapes.items()}, "int8", on=None)) for v in (1, 2)]
+tensors, _ = payloads.decode_body_unlocked(payloads.encode_update_chain(ups, {}))
+chain = payloads.split_update_chain(tensors, 0, 2)
+want = apply_updates(held, chain, "int8")
+stager = DeviceStager("cuda")
+on_device = stager.stage(held)
+check_updates({n: t.shape for n, t in held.items()}, chain, "int8")
+for attempt in range(3):
+    t0 = time.perf_counter()
+    there, host = stager.rebuild(on_device, chain, "int8")
+    took = time.perf_counter() - t0
+    assert all(torch.equal(host[n], want[n]) and torch.equal(there[n].cpu(), want[n]) for n in shapes)
+    assert all(host[n].is_pinned() and there[n].is_cuda for n in shapes)
+assert weights_checksum(host) == weights_checksum(want)
+t0 = time.perf_counter(); apply_updates(held, chain, "int8"); on_host = time.perf_counter() - t0
+print(f"rebuild on cuda: bit for bit the host's over {sum(t.numel() for t in held.values()):,} values; {took:.3f}s (on the host: {on_host:.3f}s, then the staging)")
+PYEOF
+        echo "== bench.link_interference gpt-125m bf16"
+        timeout 150 "$PY" -m bench.link_interference --device cuda --preset gpt-125m \
+            --precision bf16 --batch-size 16 --seq-len 1024 --steps 12 --rounds 2 \
+            --json "$OUT/link-interference.json" || echo "!! link_interference failed (exit $?)"
+        # The new default under both merge-wait rules; the baseline under nextPush alone.
+        WANT_device=${ONLY:-'gpt-125m-h40-[no]*'} WANT_host=${ONLY:-'gpt-125m-h40-nextPush'}
+    else
+        timeout 120 "$PY" -m bench.link_interference --steps 4 --rounds 1 \
+            --json "$OUT/link-interference.json" || echo "!! link_interference failed (exit $?)"
+        WANT_device=${ONLY:-'*'} WANT_host=${ONLY:-'*-nextPush'}
+    fi
+    for pull in device host; do
+        want=WANT_$pull
+        DILOCO_PULL_APPLY=$pull MODE=injob ONLY="${!want}" OUT="$OUT/pull-$pull" bash "$0"
+    done
+    echo "== gpu-check (pull) done $(date -u +%FT%TZ)"
     exit 0
 fi
 

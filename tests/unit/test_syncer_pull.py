@@ -229,7 +229,9 @@ def test_syncer_link_rebuilds_from_updates_and_falls_back_on_a_bad_checksum(
             pulled = []
             for h in (good, bad):
                 future = link.submit(link._pull_newer(0, 1, h))
-                pulled.append(await asyncio.wrap_future(future))
+                got, on_device = await asyncio.wrap_future(future)
+                assert on_device is None  # a learner on the CPU holds no device copy
+                pulled.append(got)
             return syncer, pulled, dict(link.pull_counts)
 
     syncer, (from_chain, from_full), counts = run(scenario())

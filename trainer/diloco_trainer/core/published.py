@@ -8,8 +8,9 @@ The syncer keeps two copies of the global weights. θ_exact is what the outer op
 and keeps q as "update v" (v the fragment's new version). What the codec dropped stays in
 θ_exact − θ_pub and is part of the next u, so nothing is lost for good (error feedback without a
 separate residual). A learner holding θ_pub at version V rebuilds version W from updates
-V+1..W with the very float ops the syncer used (decode_tensors, then one fp32 add per update), so
-it holds θ_pub bit for bit, and checks that against the syncer's checksum of θ_pub at W.
+V+1..W with the very float ops the syncer used (each tensor decoded, then one fp32 add per
+update), so it holds θ_pub bit for bit, and checks that against the syncer's checksum of θ_pub at
+W.
 
 Checksum: CRC-32 of every tensor's bytes in name order. Unlike a float sum it does not depend
 on reduction order or thread count and it notices any changed, swapped or shifted value. It
@@ -39,8 +40,8 @@ from diloco_trainer.core.compress import (
     SCALE_SUFFIX,
     SLICE,
     block_scales,
+    check_encoded,
     decode_tensor,
-    decode_tensors,
     encode_tensors,
     encoded_nbytes,
     expected_encoded,
@@ -294,13 +295,31 @@ def apply_updates(
 
     ValueError when an update does not match the base's names, shapes or the codec.
     """
-    shapes = {n: t.shape for n, t in base.items()}
+    check_updates({n: t.shape for n, t in base.items()}, updates, codec)
     out = {n: t.detach().to(torch.float32).clone() for n, t in base.items()}
-    for encoded in updates:
-        decoded = decode_tensors(encoded, codec, shapes)
-        for n, t in out.items():
-            t.add_(decoded[n])
+    add_updates(out, updates, codec)
     return out
+
+
+def check_updates(
+    shapes: Mapping[str, torch.Size], updates: Sequence[Mapping[str, Tensor]], codec: str
+) -> None:
+    """apply_updates' checks of each encoded update against the held weights' shapes, alone:
+    ValueError naming the key (compress.check_encoded). A GPU learner runs them on the host
+    copy of an update before it crosses to the device."""
+    for encoded in updates:
+        check_encoded(encoded, codec, shapes)
+
+
+def add_updates(
+    out: Mapping[str, Tensor], updates: Sequence[Mapping[str, Tensor]], codec: str
+) -> None:
+    """Add checked encoded updates, in order, to the fp32 tensors `out` in place: the float ops
+    of apply_updates (each tensor decoded, then added), so the result is the same bit for bit
+    on any device."""
+    for encoded in updates:
+        for n, t in out.items():
+            t.add_(decode_tensor(encoded, n, codec, t.shape))
 
 
 def history_length(full_bytes: int, update_bytes: int, max_staleness: int) -> int:

@@ -13,16 +13,38 @@ H100 run's training thread (bench/RESULTS.md, "learner_overlap ... in a job on a
   fragment to the device on a stream of its own and waits for that stream there. The training
   thread then takes tensors that are already on the device (`adopt` makes the allocator wait for
   the training stream's use of them before it reuses their memory).
+- In, as compressed updates: `DeviceStager.rebuild` sends the int8 updates across (a quarter of
+  the fp32 bytes, one copy per body) and applies them on the device to the weights the learner
+  already holds there, with the float ops of published.apply_updates; the result comes back to
+  pinned host memory by DMA for the checksum and the host base. The link's thread then does no
+  per-value work on the host but the CRC: on an H200 the host rebuild and the 256 MB pageable
+  copy of a gpt-125m fragment beside the inner steps slowed them by 11% (bench/RESULTS.md,
+  "learner_overlap in a job on an NVIDIA H200").
 
 On the CPU all of it is the identity: no copies, nothing to wait for.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 
 import torch
 from torch import Tensor
+
+from diloco_trainer.api.spec import ConfigError
+from diloco_trainer.core.published import add_updates
+
+# Where a GPU learner applies pulled compressed updates: "device" (the default: int8 across,
+# applied on the GPU, DeviceStager.rebuild) or "host" (applied on the host, then the fp32
+# fragment staged: the path before, kept as the benchmark's baseline).
+PULL_APPLY_ENV = "DILOCO_PULL_APPLY"
+
+
+def apply_pulls_on_device(setting: str) -> bool:
+    """PULL_APPLY_ENV's rule; ConfigError for a setting it does not know."""
+    if setting not in ("", "device", "host"):
+        raise ConfigError(f"{PULL_APPLY_ENV}={setting!r}: use device or host")
+    return setting != "host"
 
 
 def _nothing() -> None:
@@ -62,6 +84,87 @@ class DeviceStager:
         self.stream.synchronize()
         return out
 
+    def rebuild(
+        self, held: Mapping[str, Tensor], updates: Sequence[Mapping[str, Tensor]], codec: str
+    ) -> tuple[dict[str, Tensor], dict[str, Tensor]]:
+        """θ_pub after `updates` (encoded, on the host, already checked: published.check_updates)
+        from `held` (fp32 on this device, never written to), computed on the device on the
+        stager's stream: (the weights on the device, the same in pinned host memory), every copy
+        finished. Blocks: call it off the training thread."""
+        with torch.cuda.device(self.device), torch.cuda.stream(self.stream):
+            # `held` was made on the training thread's stream: read it after that work.
+            self.stream.wait_stream(torch.cuda.default_stream(self.device))
+            out = rebuilt_on(held, updates, codec, self.device, pin=True)
+        self.stream.synchronize()
+        return out
+
+
+def rebuilt_on(
+    held: Mapping[str, Tensor],
+    updates: Sequence[Mapping[str, Tensor]],
+    codec: str,
+    device: torch.device,
+    *,
+    pin: bool,
+) -> tuple[dict[str, Tensor], dict[str, Tensor]]:
+    """DeviceStager.rebuild's work, queued on the current stream without waiting for it (the
+    CPU runs it too, for the tests): the updates cross to `device`, are added there to a copy of
+    `held` (published.add_updates: apply_updates' float ops), and the result is copied back to
+    the host (pinned memory with `pin`). (on `device`, on the host)"""
+    crossed = [crossed_to(u, device, pin=pin) for u in updates]
+    flat, out = flat_views(held, device)
+    torch._foreach_copy_(list(out.values()), [held[n] for n in out])
+    add_updates(out, crossed, codec)
+    host_flat, host = flat_views(held, torch.device("cpu"), pin=pin)
+    host_flat.copy_(flat, non_blocking=pin)
+    return out, host
+
+
+def crossed_to(
+    tensors: Mapping[str, Tensor], device: torch.device, *, pin: bool
+) -> dict[str, Tensor]:
+    """Host tensors on `device`, the same dtypes and shapes, the copies queued on the current
+    stream: they are packed into one host buffer (pinned with `pin`, so that its copy is a plain
+    DMA the driver need not stage through buffers of its own), which crosses in one copy, and
+    they become views of its copy. (A pulled body's ~150 tensors were as many copies.)"""
+    layout, at = {}, 0
+    for n, t in tensors.items():
+        layout[n] = at
+        at += -(-t.numel() * t.element_size() // _ALIGN) * _ALIGN
+    packed = torch.empty(at, dtype=torch.uint8, pin_memory=pin)
+    names = [n for n, t in tensors.items() if t.numel()]
+    torch._foreach_copy_(
+        [_view(packed, layout[n], tensors[n]) for n in names],
+        [tensors[n] for n in names],
+    )
+    there = packed.to(device, non_blocking=pin, copy=True)
+    return {n: _view(there, layout[n], t) for n, t in tensors.items()}
+
+
+# Byte alignment of each tensor in crossed_to's buffer: any dtype's, and a GPU's vector loads'.
+_ALIGN = 64
+
+
+def _view(buffer: Tensor, offset: int, like: Tensor) -> Tensor:
+    """The bytes of uint8 `buffer` from `offset` as a contiguous tensor of `like`'s dtype and
+    shape."""
+    nbytes = like.numel() * like.element_size()
+    return buffer[offset : offset + nbytes].view(like.dtype).view(like.shape)
+
+
+def flat_views(
+    like: Mapping[str, Tensor], device: torch.device, *, pin: bool = False
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """One fp32 buffer on `device` (pinned host memory with `pin`) and views of it shaped like
+    `like`'s tensors, in their order: a fragment copied or moved as one piece."""
+    total = sum(t.numel() for t in like.values())
+    flat = torch.empty(total, dtype=torch.float32, device=device, pin_memory=pin)
+    views, at = {}, 0
+    for n, t in like.items():
+        views[n] = flat[at : at + t.numel()].view(t.shape)
+        at += t.numel()
+    return flat, views
+
 
 def adopt(tensors: Mapping[str, Tensor]) -> dict[str, Tensor]:
     """Staged tensors taken into the training thread's stream: their memory, allocated on the
@@ -80,15 +183,7 @@ def snapshot(tensors: Mapping[str, Tensor]) -> dict[str, Tensor]:
     stores them as they are."""
     if not tensors:
         return {}
-    names = list(tensors)
     first = next(iter(tensors.values()))
-    flat = torch.empty(
-        sum(t.numel() for t in tensors.values()), dtype=torch.float32, device=first.device
-    )
-    out, at = {}, 0
-    for n in names:
-        t = tensors[n]
-        out[n] = flat[at : at + t.numel()].view(t.shape)
-        at += t.numel()
-    torch._foreach_copy_([out[n] for n in names], [tensors[n].detach() for n in names])
+    _, out = flat_views(tensors, first.device)
+    torch._foreach_copy_(list(out.values()), [t.detach() for t in tensors.values()])
     return out

@@ -378,7 +378,9 @@ class FragmentSync:
         # A sharded island holds no whole fragment to apply compressed updates to: it pulls
         # full fragments (held None).
         held = (
-            HeldFragment(version=state.version, tensors=state.base) if self.shards is None else None
+            HeldFragment(state.version, state.base, state.base_on_device or None)
+            if self.shards is None
+            else None
         )
         # Learners that do not block align their phase within merges too (merge_lateness).
         sync = self.link.sync_fragment(

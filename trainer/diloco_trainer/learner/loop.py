@@ -47,6 +47,7 @@ from diloco_trainer.api.spec import ConfigError, JobSpec, load_spec
 from diloco_trainer.core.fragments import fragment_offsets
 from diloco_trainer.cpus import configure_threads, cpus_here
 from diloco_trainer.learner.device import pick_device
+from diloco_trainer.learner.device_copies import PULL_APPLY_ENV, apply_pulls_on_device
 from diloco_trainer.learner.fragment_sync import FragmentSync
 from diloco_trainer.learner.inner_step import InnerStep, check_precision
 from diloco_trainer.learner.schedule import rewarm_factor, schedule_start
@@ -249,6 +250,7 @@ class Learner:
                     stage_on=self.device
                     if self.device.startswith("cuda") and not self.sharded
                     else None,
+                    apply_on_device=apply_pulls_on_device(os.environ.get(PULL_APPLY_ENV, "")),
                 )
                 self.sync = FragmentSync(
                     self.spec, self.env.island, self.link, self.params, self.stop

@@ -39,7 +39,7 @@ from diloco_trainer.api.documents import JoinInfo
 from diloco_trainer.api.protocol import PushMeta, SyncerError
 from diloco_trainer.api.sharding import merge_join, shard_of
 from diloco_trainer.core.payloads import PulledFragment, PulledUpdates
-from diloco_trainer.core.published import apply_updates, weights_checksum
+from diloco_trainer.core.published import apply_updates, check_updates, weights_checksum
 from diloco_trainer.learner.device_copies import DeviceStager
 from diloco_trainer.learner.schedule import lateness_within, merge_lateness, sync_latency
 from diloco_trainer.learner.syncer_client import SyncerClient
@@ -61,6 +61,9 @@ class HeldFragment:
 
     version: int
     tensors: Mapping[str, Tensor]
+    # The same weights on the learner's GPU, when it holds them there: the updates are then
+    # applied on the device (DeviceStager.rebuild).
+    on_device: Mapping[str, Tensor] | None = None
 
 
 @dataclass(frozen=True)
@@ -95,10 +98,19 @@ class SyncerLink:
         island: str,
         replicas: int,
         stage_on: str | None = None,
+        apply_on_device: bool = True,
     ) -> None:
         """`stage_on`: a GPU device to copy each merged fragment to on the link's side (no
-        copy on the training thread; device_copies.DeviceStager); None: leave them on the host."""
+        copy on the training thread; device_copies.DeviceStager); None: leave them on the host.
+        `apply_on_device`: with `stage_on`, apply compressed updates there (PULL_APPLY_ENV)."""
         self.stager = DeviceStager(stage_on) if stage_on is not None else None
+        self.apply_on_device = apply_on_device and self.stager is not None
+        if self.stager is not None:
+            log.info(
+                "merged fragments go to %s on the link's thread; compressed updates are applied %s",
+                self.stager.device,
+                "there" if self.apply_on_device else "on the host, then staged",
+            )
         # One client per syncer shard (one: no shards); `client` itself when there is one.
         self.clients = client.shard_clients()
         self._finished_shards: set[int] = set()
@@ -216,10 +228,9 @@ class SyncerLink:
                 await self._join_shard(shard, threading.Event())
                 outcome = "rejoined the syncer"
             log.warning("fragment %d: %s; taking the current global fragment", fragment, outcome)
-        pulled = await self._pull_newer(fragment, after, held)
+        pulled, on_device = await self._pull_newer(fragment, after, held)
         staged_at = time.monotonic()
-        on_device = None
-        if self.stager is not None:
+        if self.stager is not None and on_device is None:
             on_device = await asyncio.to_thread(self.stager.stage, pulled.tensors)
         staging = time.monotonic() - staged_at
         latency = None
@@ -277,14 +288,15 @@ class SyncerLink:
     async def resync(self, fragment: int) -> SyncResult:
         """The current global fragment, when a sync went wrong in a way a retry cannot fix."""
         start = time.monotonic()
-        pulled = await self._pull_newer(fragment, -1)
+        pulled, _ = await self._pull_newer(fragment, -1)
         return SyncResult(pulled=pulled, outcome="resynced", seconds=time.monotonic() - start)
 
     async def _pull_newer(
         self, fragment: int, after: int, held: HeldFragment | None = None
-    ) -> PulledFragment:
+    ) -> tuple[PulledFragment, Mapping[str, Tensor] | None]:
         """The fragment's global weights at a version > `after` (long-polling until there is
-        one); as updates to `held` when the syncer offers them."""
+        one); as updates to `held` when the syncer offers them. (The weights, the same on the
+        learner's GPU when they were rebuilt there, else None.)"""
         while True:
             try:
                 pulled = await self._client(fragment).pull_fragment(
@@ -295,13 +307,15 @@ class SyncerLink:
                 )
                 if isinstance(pulled, PulledUpdates):
                     began = time.monotonic()
-                    rebuilt = await self._rebuild(fragment, pulled, held)
+                    rebuilt, on_device = await self._rebuild(fragment, pulled, held)
                     cost = dataclasses.replace(
                         pulled.cost, rebuild_seconds=time.monotonic() - began
                     )
-                    return self._pulled(fragment, dataclasses.replace(rebuilt, cost=cost))
+                    return self._pulled(
+                        fragment, dataclasses.replace(rebuilt, cost=cost)
+                    ), on_device
                 if pulled is not None:
-                    return self._pulled(fragment, pulled)
+                    return self._pulled(fragment, pulled), None
                 # A whole long-poll without a merge: if the syncer went back to an older
                 # checkpoint our base is ahead of it, and waiting for "newer" could take long.
                 status = await self._client(fragment).status()
@@ -323,29 +337,30 @@ class SyncerLink:
 
     async def _rebuild(
         self, fragment: int, chain: PulledUpdates, held: HeldFragment | None
-    ) -> PulledFragment:
-        """The weights `chain` leads to from `held`, checked against the syncer's checksum; the
-        full fragment (pulled again) when they do not match or the chain is malformed."""
+    ) -> tuple[PulledFragment, Mapping[str, Tensor] | None]:
+        """The weights `chain` leads to from `held`, checked against the syncer's checksum, and
+        the same on the GPU when they were rebuilt there; the full fragment (pulled again) when
+        they do not match or the chain is malformed."""
+        on_device = None
         if held is None or chain.from_version != held.version:
             problem = f"they start from version {chain.from_version}, not the one held"
         else:
             try:
-                tensors = await asyncio.to_thread(
-                    apply_updates, held.tensors, chain.updates, chain.codec
-                )
+                on_device, tensors = await asyncio.to_thread(self._apply, held, chain)
                 checksum = await asyncio.to_thread(weights_checksum, tensors)
             except ValueError as err:
                 problem = str(err)
             else:
                 if checksum == chain.checksum:
                     self.pull_counts["updates"] += 1
-                    return PulledFragment(
+                    pulled = PulledFragment(
                         fragment=chain.fragment,
                         version=chain.version,
                         outer_step=chain.outer_step,
                         finished=chain.finished,
                         tensors=tensors,
                     )
+                    return pulled, on_device
                 problem = f"checksum {checksum} differs from the syncer's {chain.checksum}"
         self.pull_counts["rebuildFailed"] += 1
         log.warning(
@@ -359,7 +374,17 @@ class SyncerLink:
         )
         full = await self._client(fragment).pull_fragment(fragment, after=-1)
         assert isinstance(full, PulledFragment), "a pull without have is full"
-        return full
+        return full, None
+
+    def _apply(
+        self, held: HeldFragment, chain: PulledUpdates
+    ) -> tuple[Mapping[str, Tensor] | None, dict[str, Tensor]]:
+        """`chain` applied to `held` (on a worker thread): on the GPU when the learner holds
+        the weights there, else on the host. (on the GPU or None, on the host)"""
+        if self.stager is None or not self.apply_on_device or held.on_device is None:
+            return None, apply_updates(held.tensors, chain.updates, chain.codec)
+        check_updates({n: t.shape for n, t in held.tensors.items()}, chain.updates, chain.codec)
+        return self.stager.rebuild(held.on_device, chain.updates, chain.codec)
 
     async def heartbeats(self, interval: float) -> None:
         """Report progress to every shard every `interval` seconds, each shard on its own (one
