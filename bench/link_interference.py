@@ -12,12 +12,12 @@ in the same run, in alternation (`--rounds`):
 - `python`: a thread running Python and nothing else (what the interpreter lock alone costs);
 - `host-rebuild`: a pulled int8 update applied to the host copy of a fragment and its checksum
   (published.apply_updates, weights_checksum): the host half of the old path;
-- `stage`: the fragment's fp32 values copied from pageable host memory to the GPU on a stream of
-  their own (DeviceStager.stage): the device half of the old path;
-- `stage-pinned`: the same copy from pinned memory;
-- `host-path`: host-rebuild then stage, what the link did per pull before (DILOCO_PULL_APPLY=host);
+- `pageable`: the fragment's fp32 values copied from pageable host memory to the GPU on a stream
+  of their own: how DeviceStager.stage copied them before 2026-11-27;
+- `stage`: DeviceStager.stage now (packed into pinned memory, one copy);
+- `host-path`: host-rebuild then stage, what the link does per pull with DILOCO_PULL_APPLY=host;
 - `device-path`: the update's checks on the host, then DeviceStager.rebuild (int8 across, applied
-  on the GPU, the result back to pinned memory by DMA) and the checksum: the link's default now.
+  on the GPU, the result back to pinned memory by DMA) and the checksum: the link's default.
 
 The background work runs back to back, so its share of the time is higher than in a job (about
 three quarters of the link's time there). Each kind's seconds per repetition is reported too.
@@ -45,12 +45,13 @@ import torch
 from diloco_trainer.core import compress, payloads
 from diloco_trainer.core.published import apply_updates, check_updates, weights_checksum
 from diloco_trainer.learner.device_copies import DeviceStager
+from diloco_trainer.learner.loop import TRAINING_SWITCH_INTERVAL
 from diloco_trainer.models.model import build_model, count_parameters
 
 from bench.learner_step import corpus, make_spec, plain_side, sync
 
 HOST_KINDS = ("none", "python", "host-rebuild")
-DEVICE_KINDS = ("stage", "stage-pinned", "host-path", "device-path")
+DEVICE_KINDS = ("pageable", "stage", "host-path", "device-path")
 
 
 def fragment(values: int, tensors: int) -> dict[str, torch.Tensor]:
@@ -68,17 +69,22 @@ def pulled_update(held: dict[str, torch.Tensor]) -> list[dict[str, torch.Tensor]
     return payloads.split_update_chain(tensors, 0, 1)
 
 
-def work_of(kind: str, held: dict[str, torch.Tensor], device: str) -> Callable[[], None]:
+def work_of(kind: str, held: dict[str, torch.Tensor], device: str) -> Callable[[], object]:
     """One repetition of `kind`'s background work."""
     if kind == "python":
-        return lambda: sum(i * i for i in range(20000)) and None
+        return lambda: sum(i * i for i in range(20000))
     update = pulled_update(held)
     if kind == "host-rebuild":
-        return lambda: weights_checksum(apply_updates(held, update, "int8")) and None
+        return lambda: weights_checksum(apply_updates(held, update, "int8"))
     stager = DeviceStager(device)
-    pinned = {n: t.pin_memory() for n, t in held.items()}
     on_device = stager.stage(held)
     shapes = {n: t.shape for n, t in held.items()}
+
+    def pageable() -> None:
+        with torch.cuda.stream(stager.stream):
+            for t in held.values():
+                t.to(stager.device, non_blocking=True)
+        stager.stream.synchronize()
 
     def host_path() -> None:
         rebuilt = apply_updates(held, update, "int8")
@@ -91,29 +97,30 @@ def work_of(kind: str, held: dict[str, torch.Tensor], device: str) -> Callable[[
         weights_checksum(host)
 
     return {
-        "stage": lambda: stager.stage(held) and None,
-        "stage-pinned": lambda: stager.stage(pinned) and None,
+        "pageable": pageable,
+        "stage": lambda: stager.stage(held),
         "host-path": host_path,
         "device-path": device_path,
     }[kind]
 
 
 def timed_beside(
-    step: Callable[[], None], work: Callable[[], None] | None, steps: int, device: str
+    step: Callable[[], None], work: Callable[[], object] | None, steps: int, device: str
 ) -> tuple[list[float], float]:
     """Each of `steps` steps' seconds while `work` repeats on another thread; and the seconds
     per repetition of `work` (0 for none)."""
     stop, done = threading.Event(), [0, 0.0]
 
-    def background() -> None:
+    def background(work: Callable[[], object]) -> None:
         began = time.perf_counter()
         while not stop.is_set():
-            work()  # type: ignore[misc]
+            work()
             done[0] += 1
         done[1] = time.perf_counter() - began
 
-    thread = threading.Thread(target=background, daemon=True) if work is not None else None
-    if thread is not None:
+    thread = None
+    if work is not None:
+        thread = threading.Thread(target=background, args=(work,), daemon=True)
         thread.start()
     times = []
     for _ in range(steps):
@@ -128,12 +135,16 @@ def timed_beside(
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
+    # As in a learner: at Python's default 5 ms, a thread running Python holds each of the
+    # training thread's ~1500 lock hand-overs a step for up to that long.
+    sys.setswitchinterval(TRAINING_SWITCH_INTERVAL)
     spec = make_spec(args)
     step = plain_side(spec, args.device)
     for _ in range(args.warmup):
         step()
     sync(args.device)
     kinds = HOST_KINDS + (DEVICE_KINDS if args.device.startswith("cuda") else ())
+    kinds = tuple(k for k in kinds if k in args.kinds.split(",")) if args.kinds else kinds
     values = args.fragment_values or spec_values(args) // 2  # one of the job's 2 fragments
     held = fragment(values, args.tensors)
     works = {k: work_of(k, held, args.device) if k != "none" else None for k in kinds}
@@ -147,6 +158,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             times, op = timed_beside(step, works[k], args.steps, args.device)
             steps[k] += times[1:]  # the first step overlaps the thread's start
             per_op[k].append(op)
+            print(
+                f"  {k}: step median {statistics.median(times[1:]) * 1e3:.1f} ms, "
+                f"work {op * 1e3:.1f} ms per op",
+                file=sys.stderr,
+                flush=True,
+            )
         print(f"round {r + 1}/{args.rounds} done", file=sys.stderr, flush=True)
     base = statistics.median(steps["none"])
     return {
@@ -211,6 +228,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="values in the background fragment (default: half the preset's parameters)",
     )
     p.add_argument("--tensors", type=int, default=75, help="tensors in that fragment")
+    p.add_argument("--kinds", default="", help="comma-separated kinds to run (default: all)")
     p.add_argument("--json", type=Path, help="also write the result here as JSON")
     return p.parse_args(argv)
 

@@ -109,7 +109,8 @@ PYEOF
         echo "== bench.link_interference gpt-125m bf16"
         timeout 150 "$PY" -m bench.link_interference --device cuda --preset gpt-125m \
             --precision bf16 --batch-size 16 --seq-len 1024 --steps 12 --rounds 2 \
-            --json "$OUT/link-interference.json" || echo "!! link_interference failed (exit $?)"
+            --json "$OUT/link-interference.json" 2>&1 || echo "!! link_interference failed (exit $?)"
+        [[ -n "${SKIP_JOBS:-}" ]] && { echo "== gpu-check (pull) done $(date -u +%FT%TZ)"; exit 0; }
         # The new default under both merge-wait rules; the baseline under nextPush alone.
         WANT_device=${ONLY:-'gpt-125m-h40-[no]*'} WANT_host=${ONLY:-'gpt-125m-h40-nextPush'}
     else

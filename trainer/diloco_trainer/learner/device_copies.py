@@ -10,16 +10,21 @@ H100 run's training thread (bench/RESULTS.md, "learner_overlap ... in a job on a
 - Out: `to_host` queues the copies into pinned host memory on the training thread's stream and
   returns at once, with a `ready` wait that the syncer link's thread calls before it reads them.
 - In: `DeviceStager.stage` runs on a worker thread of the link: it copies the pulled fp32
-  fragment to the device on a stream of its own and waits for that stream there. The training
-  thread then takes tensors that are already on the device (`adopt` makes the allocator wait for
-  the training stream's use of them before it reuses their memory).
+  fragment to the device on a stream of its own, packed into one pinned buffer, and waits for
+  that stream there. The training thread then takes tensors that are already on the device
+  (`adopt` makes the allocator wait for the training stream's use of them before it reuses
+  their memory).
 - In, as compressed updates: `DeviceStager.rebuild` sends the int8 updates across (a quarter of
-  the fp32 bytes, one copy per body) and applies them on the device to the weights the learner
+  the fp32 bytes, one copy per update) and applies them on the device to the weights the learner
   already holds there, with the float ops of published.apply_updates; the result comes back to
   pinned host memory by DMA for the checksum and the host base. The link's thread then does no
-  per-value work on the host but the CRC: on an H200 the host rebuild and the 256 MB pageable
-  copy of a gpt-125m fragment beside the inner steps slowed them by 11% (bench/RESULTS.md,
-  "learner_overlap in a job on an NVIDIA H200").
+  per-value work on the host but the CRC.
+
+Why pinned: a copy to the GPU from pageable memory is staged by the driver through buffers of
+its own, and it held the training thread's kernel launches meanwhile. On an H200 at gpt-125m,
+a fragment's 256 MB copied so back to back made the inner steps 10x slower, from pinned memory
+1.3x, and the rebuild on the device 1.06x (bench.link_interference; bench/RESULTS.md). In a job
+the learner went from 0.891x of the plain loop to 0.949x.
 
 On the CPU all of it is the identity: no copies, nothing to wait for.
 """
@@ -76,11 +81,13 @@ class DeviceStager:
 
     def stage(self, tensors: Mapping[str, Tensor]) -> dict[str, Tensor]:
         """`tensors` as fp32 on the device, the copies finished. Blocks: call it off the
-        training thread."""
+        training thread. They cross packed into pinned memory (crossed_to): copied straight from
+        pageable memory, the driver staged them through its own buffers and held the training
+        thread's launches meanwhile; a gpt-125m fragment copied so, back to back, made an H200's
+        inner steps 10x slower, from pinned memory 1.3x (bench.link_interference)."""
         with torch.cuda.device(self.device), torch.cuda.stream(self.stream):
-            out = {
-                n: t.to(self.device, torch.float32, non_blocking=True) for n, t in tensors.items()
-            }
+            crossed = crossed_to(tensors, self.device, pin=True)
+            out = {n: t.to(torch.float32) for n, t in crossed.items()}
         self.stream.synchronize()
         return out
 
