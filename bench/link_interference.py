@@ -137,7 +137,16 @@ def timed_beside(
 def run(args: argparse.Namespace) -> dict[str, Any]:
     # As in a learner: at Python's default 5 ms, a thread running Python holds each of the
     # training thread's ~1500 lock hand-overs a step for up to that long.
+    previous = sys.getswitchinterval()
     sys.setswitchinterval(TRAINING_SWITCH_INTERVAL)
+    try:
+        return measure(args)
+    finally:
+        sys.setswitchinterval(previous)
+
+
+def measure(args: argparse.Namespace) -> dict[str, Any]:
+    """run's work, at the learner's switch interval."""
     spec = make_spec(args)
     step = plain_side(spec, args.device)
     for _ in range(args.warmup):
