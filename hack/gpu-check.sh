@@ -18,7 +18,9 @@
 #                                                  # loop at gpt-125m and gpt-mini in bf16, under
 #                                                  # sync.mergeWait overlap and nextPush (5-6 min);
 #                                                  # ONLY=GLOB runs the cases it matches
-#                                                  # (e.g. ONLY='gpt-125m-h40-nextPush')
+#                                                  # (e.g. ONLY='gpt-125m-h40-nextPush'), EXTRA
+#                                                  # adds arguments to each (EXTRA='--outer-steps
+#                                                  # 24'; then LIMIT=300 seconds a case)
 #   MODE=pull OUT=... hack/gpu-check.sh            # pulled updates applied on the GPU: the
 #                                                  # rebuild against the host's bit for bit, what
 #                                                  # each part of the link's work slows in the
@@ -199,7 +201,7 @@ PYEOF
                "gpt-125m-h100 --preset gpt-125m --batch-size 16 --seq-len 1024 --inner-steps 100 --outer-steps 4"
                "gpt-mini-h40 --preset gpt-mini --batch-size 32 --seq-len 256 --inner-steps 40 --outer-steps 8"
                "gpt-125m-h40-compiled --preset gpt-125m --batch-size 16 --seq-len 1024 --inner-steps 40 --outer-steps 8 --compile")
-        LIMIT=150
+        LIMIT=${LIMIT:-150}
     else
         CASES=("gpt-tiny-h40 --preset gpt-tiny --batch-size 8 --seq-len 64 --inner-steps 40 --outer-steps 4")
         LIMIT=120
@@ -213,8 +215,11 @@ PYEOF
             name="${words[0]}-$wait"
             [[ -n "${ONLY:-}" && "$name" != $ONLY ]] && continue  # ONLY=GLOB: just those cases
             echo "== bench.learner_overlap $name bf16 on $DEVICE"
+            # EXTRA: more arguments, after the case's own (e.g. EXTRA='--outer-steps 24': a
+            # longer job, whose start-up weighs less in its figure).
+            # shellcheck disable=SC2086
             timeout "$LIMIT" "$PY" -m bench.learner_overlap --device "$DEVICE" --precision bf16 \
-                "${words[@]:1}" --merge-wait "$wait" --plain-steps 40 \
+                "${words[@]:1}" ${EXTRA:-} --merge-wait "$wait" --plain-steps 40 \
                 --json "$WORK_OUT/$name.json" --logs "$WORK_OUT/logs-$name" \
                 || echo "!! learner_overlap $name failed or timed out (exit $?)"
             tar -czf "$OUT/injob.tgz" -C "$OUT" injob  # after each case: a cut-off run keeps some
