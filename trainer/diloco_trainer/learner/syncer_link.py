@@ -341,7 +341,6 @@ class SyncerLink:
         """The weights `chain` leads to from `held`, checked against the syncer's checksum, and
         the same on the GPU when they were rebuilt there; the full fragment (pulled again) when
         they do not match or the chain is malformed."""
-        on_device = None
         if held is None or chain.from_version != held.version:
             problem = f"they start from version {chain.from_version}, not the one held"
         else:
