@@ -39,7 +39,6 @@ Torch-only besides the trainer: it runs on a GPU machine with the trainer alone.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import re
 import shutil
@@ -50,7 +49,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench.learner_step import make_spec, plain_side
+from bench.learner_step import bench_main, make_spec, model_arguments, plain_side
 
 WINDOW = re.compile(r"\((\d+) tokens/s\)")
 # The learner's split of each window (learner/step_costs.WindowCosts), and its process's CPU
@@ -308,12 +307,7 @@ def split_lines(split: dict[str, Any] | None) -> list[str]:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--device", default="cpu", help="cpu or cuda (default cpu)")
-    p.add_argument("--preset", default="gpt-tiny")
-    p.add_argument("--precision", default="fp32", choices=["fp32", "bf16", "fp16"])
-    p.add_argument("--batch-size", type=int, default=8)
-    p.add_argument("--micro-batches", type=int, default=1)
-    p.add_argument("--seq-len", type=int, default=64)
+    model_arguments(p, preset="gpt-tiny", seq_len=64)
     p.add_argument("--inner-steps", type=int, default=40, help="H of the job")
     p.add_argument("--outer-steps", type=int, default=4, help="the job's stopAfter.outerSteps")
     p.add_argument("--plain-steps", type=int, default=40, help="timed steps per plain block")
@@ -355,12 +349,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
-    result = run(args)
-    print(report(result), flush=True)
-    if args.json:
-        args.json.write_text(json.dumps(result, indent=2, sort_keys=True))
-    return 0
+    return bench_main(parse_args(argv), run, report)
 
 
 if __name__ == "__main__":

@@ -299,14 +299,22 @@ def report(result: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def model_arguments(
+    p: argparse.ArgumentParser, *, preset: str, seq_len: int
+) -> argparse.ArgumentParser:
+    """The options the learner benchmarks share: device, model, precision and batch shape."""
     p.add_argument("--device", default="cpu", help="cpu or cuda (default cpu)")
-    p.add_argument("--preset", default="gpt-mini")
+    p.add_argument("--preset", default=preset)
     p.add_argument("--precision", default="fp32", choices=["fp32", "bf16", "fp16"])
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--micro-batches", type=int, default=1)
-    p.add_argument("--seq-len", type=int, default=128)
+    p.add_argument("--seq-len", type=int, default=seq_len)
+    return p
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    model_arguments(p, preset="gpt-mini", seq_len=128)
     p.add_argument("--steps", type=int, default=10, help="timed steps per side and round")
     p.add_argument("--warmup", type=int, default=2, help="untimed steps before each timing")
     p.add_argument("--rounds", type=int, default=2, help="alternations of the two sides")
@@ -322,8 +330,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
+def bench_main(
+    args: argparse.Namespace,
+    run: Callable[[argparse.Namespace], dict[str, Any]],
+    report: Callable[[dict[str, Any]], str],
+) -> int:
+    """The learner benchmarks' `main`: exit 2 for --device cuda without CUDA, else run, print
+    the report and write the result to --json when given."""
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         print("--device cuda: CUDA is not available", file=sys.stderr)
         return 2
@@ -332,6 +345,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         args.json.write_text(json.dumps(result, indent=2, sort_keys=True))
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    return bench_main(parse_args(argv), run, report)
 
 
 if __name__ == "__main__":

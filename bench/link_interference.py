@@ -32,7 +32,6 @@ Torch-only besides the trainer: it runs on a GPU machine with the trainer alone.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import threading
@@ -48,7 +47,7 @@ from diloco_trainer.learner.device_copies import DeviceStager
 from diloco_trainer.learner.loop import TRAINING_SWITCH_INTERVAL
 from diloco_trainer.models.model import build_model, count_parameters
 
-from bench.learner_step import corpus, make_spec, plain_side, sync
+from bench.learner_step import bench_main, corpus, make_spec, model_arguments, plain_side, sync
 
 HOST_KINDS = ("none", "python", "host-rebuild")
 DEVICE_KINDS = ("pageable", "stage", "host-path", "device-path")
@@ -219,12 +218,7 @@ def report(r: dict[str, Any]) -> str:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--device", default="cpu", help="cpu or cuda (default cpu)")
-    p.add_argument("--preset", default="gpt-tiny")
-    p.add_argument("--precision", default="fp32", choices=["fp32", "bf16", "fp16"])
-    p.add_argument("--batch-size", type=int, default=8)
-    p.add_argument("--micro-batches", type=int, default=1)
-    p.add_argument("--seq-len", type=int, default=64)
+    model_arguments(p, preset="gpt-tiny", seq_len=64)
     p.add_argument("--compile", action="store_true")
     p.add_argument("--checkpointing", action="store_true")
     p.add_argument("--steps", type=int, default=12, help="timed steps per kind and round")
@@ -243,15 +237,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
-    if args.device.startswith("cuda") and not torch.cuda.is_available():
-        print("--device cuda: CUDA is not available", file=sys.stderr)
-        return 2
-    result = run(args)
-    print(report(result), flush=True)
-    if args.json:
-        args.json.write_text(json.dumps(result, indent=2, sort_keys=True))
-    return 0
+    return bench_main(parse_args(argv), run, report)
 
 
 if __name__ == "__main__":
