@@ -4,10 +4,10 @@ and the straggler still contributes now and then."""
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable
 
 import pytest
+from diloco_trainer.api.documents import MergeRecord
 from diloco_trainer.api.spec import JobSpec
 from diloco_trainer.local.run import LocalRun
 
@@ -39,13 +39,18 @@ def test_slow_island_does_not_hold_back_the_quorum(
     status = run_to_finish(run, timeout=600)
 
     merges = [
-        json.loads(line)
+        MergeRecord.model_validate_json(line)
         for line in (run.workdir / "syncer" / "merges.jsonl").read_text().splitlines()
     ]
-    contributors = [{c["island"] for c in m["contributors"]} for m in merges]
+    contributors = [{c.island for c in m.contributors} for m in merges]
     without_slow = [c for c in contributors if SLOW not in c]
     with_slow = [c for c in contributors if SLOW in c]
-    assert status.outer_step == OUTER_STEPS
+    # The job stops at the first merge that completes OUTER_STEPS rounds of work. A merge
+    # carries its pushes' share of a round (core/outer.py), so one can complete two and the
+    # final outer step pass OUTER_STEPS by one: every merge before the last was short of it.
+    assert status.outer_step in (OUTER_STEPS, OUTER_STEPS + 1)
+    assert merges[-1].outer_step == status.outer_step
+    assert all(m.outer_step < OUTER_STEPS for m in merges[:-1]), [m.outer_step for m in merges]
     # Rounds completed at the fast islands' pace: most merges did not wait for the straggler
     # (lock-step with it would put it in every merge).
     assert len(without_slow) >= len(merges) // 2, contributors
