@@ -111,6 +111,26 @@ def test_learner_exits_2_for_fp16_on_cpu(
     assert "inner.precision fp16" in caplog.text
 
 
+def test_learner_exits_2_for_an_unknown_pull_apply_setting(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    config = tmp_path / "spec.json"
+    config.write_text(json.dumps(make_spec()))
+    token = tmp_path / "token"
+    token.write_text("t" * 32)
+    for name, value in {
+        contract.ISLAND: "island-0",
+        contract.SYNCER_URL: "http://127.0.0.1:1",
+        contract.TOKEN_FILE: str(token),
+        contract.CONFIG_FILE: str(config),
+        contract.DEVICE: "cpu",
+        "DILOCO_PULL_APPLY": "gpu",
+    }.items():
+        monkeypatch.setenv(name, value)
+    assert loop.main(argparse.Namespace()) == 2
+    assert "DILOCO_PULL_APPLY='gpu'" in caplog.text
+
+
 def test_compile_wraps_the_module_it_trains_and_keeps_its_parameters() -> None:
     model = torch.nn.Linear(3, 2)
     assert compiled(model, False) is model

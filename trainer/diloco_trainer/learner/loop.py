@@ -426,6 +426,7 @@ def main(args: argparse.Namespace) -> int:
         spec = load_spec(env.config_file)
         device = pick_device(env.device)
         check_precision(spec.inner.precision, device)
+        apply_pulls_on_device(os.environ.get(PULL_APPLY_ENV, ""))  # refused here: exit 2
         configure_threads(device)
     except (ConfigError, ContractError) as err:
         log.error("%s", err)
