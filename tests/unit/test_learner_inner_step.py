@@ -92,11 +92,12 @@ def test_fp16_is_refused_off_cuda_with_the_field_named() -> None:
     check_precision("fp32", "cpu")
 
 
-def test_learner_exits_2_for_fp16_on_cpu(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+def learner_environment(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, spec: dict[str, Any], **extra: str
 ) -> None:
+    """A learner's contract variables for `spec` on the CPU, a syncer nobody answers at."""
     config = tmp_path / "spec.json"
-    config.write_text(json.dumps(make_spec(precision="fp16")))
+    config.write_text(json.dumps(spec))
     token = tmp_path / "token"
     token.write_text("t" * 32)
     for name, value in {
@@ -105,8 +106,15 @@ def test_learner_exits_2_for_fp16_on_cpu(
         contract.TOKEN_FILE: str(token),
         contract.CONFIG_FILE: str(config),
         contract.DEVICE: "cpu",
+        **extra,
     }.items():
         monkeypatch.setenv(name, value)
+
+
+def test_learner_exits_2_for_fp16_on_cpu(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    learner_environment(tmp_path, monkeypatch, make_spec(precision="fp16"))
     assert loop.main(argparse.Namespace()) == 2
     assert "inner.precision fp16" in caplog.text
 
@@ -114,19 +122,7 @@ def test_learner_exits_2_for_fp16_on_cpu(
 def test_learner_exits_2_for_an_unknown_pull_apply_setting(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
-    config = tmp_path / "spec.json"
-    config.write_text(json.dumps(make_spec()))
-    token = tmp_path / "token"
-    token.write_text("t" * 32)
-    for name, value in {
-        contract.ISLAND: "island-0",
-        contract.SYNCER_URL: "http://127.0.0.1:1",
-        contract.TOKEN_FILE: str(token),
-        contract.CONFIG_FILE: str(config),
-        contract.DEVICE: "cpu",
-        "DILOCO_PULL_APPLY": "gpu",
-    }.items():
-        monkeypatch.setenv(name, value)
+    learner_environment(tmp_path, monkeypatch, make_spec(), DILOCO_PULL_APPLY="gpu")
     assert loop.main(argparse.Namespace()) == 2
     assert "DILOCO_PULL_APPLY='gpu'" in caplog.text
 
