@@ -314,6 +314,10 @@ def test_bad_requests_bad_heartbeat_and_pull_queries_are_400(
         "POST", "/v1/heartbeat", json_body={"island": "island-0", "holding": "yes"}
     )
     assert code == 400 and "heartbeat.holding" in doc["error"], doc
+    code, doc = syncer.request(
+        "POST", "/v1/heartbeat", json_body={"island": "island-0", "drained": 1}
+    )
+    assert code == 400 and "heartbeat.drained" in doc["error"], doc
     code, doc = syncer.request("GET", "/v1/fragments/0?wait=soon")
     assert code == 400 and "wait" in doc["error"], doc
     code, doc = syncer.request("GET", "/v1/fragments/0?have=latest")

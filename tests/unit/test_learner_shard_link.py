@@ -74,7 +74,9 @@ def test_link_routes_each_fragment_to_its_shard_and_finishes_with_both(tmp_path:
             info = await asyncio.wrap_future(link.submit(link.join(threading.Event())))
             seen["joined"] = [sorted(s.state.membership.islands) for s in shards]
             seen["join_versions"] = info.versions
-            link.progress.update(step=7, tokens=700)
+            link.progress["holding"] = True  # what fragment_sync sets at the step cap
+            link.report(step=7, tokens=700, loss=2.5, step_time=0.1)
+            seen["progress"] = dict(link.progress)
             link.submit(link.heartbeats(0.05))
             await _until(lambda: _reported(shards) == [7, 7], "heartbeats at both shards")
             one = shards[1]
@@ -89,6 +91,10 @@ def test_link_routes_each_fragment_to_its_shard_and_finishes_with_both(tmp_path:
             second = await asyncio.wrap_future(synced)
             seen["after_second"] = (second.pulled.version, second.pulled.finished)
             seen["finished_after_second"] = link.finished.is_set()
+            # The drain's heartbeat, sent at once and to every shard.
+            link.progress["drained"] = True
+            await asyncio.wrap_future(link.submit(link.report_now()))
+            seen["drained"] = [s.state.membership.islands["island-0"].drained for s in shards]
             return seen
         finally:
             await asyncio.to_thread(link.close, leave=True)
@@ -102,6 +108,16 @@ def test_link_routes_each_fragment_to_its_shard_and_finishes_with_both(tmp_path:
 
     seen = run(scenario())
     assert len(seen["clients"]) == 2
+    # report() keeps the flags beside the figures (heartbeats read every key).
+    assert seen["progress"] == {
+        "step": 7,
+        "tokens": 700,
+        "loss": 2.5,
+        "step_time": 0.1,
+        "holding": True,
+        "drained": False,
+    }
+    assert seen["drained"] == [True, True]
     # Both shards hold the membership.
     assert seen["joined"] == [["island-0"], ["island-0"]]
     assert seen["join_versions"] == [0, 0]

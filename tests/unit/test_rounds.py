@@ -483,3 +483,54 @@ def test_rounds_take_round_refuses_a_round_that_grew_during_its_merge() -> None:
     push(state, "island-1", 2.0)
     with pytest.raises(ValueError, match="gained a push"):
         state.take_round(0, 3.0, merged=merged)
+
+
+def drain(state: SyncState, island: str, now: float) -> None:
+    """What a drained learner's heartbeat does (learner/drain.py)."""
+    state.membership.heartbeat(island, now, drained=True)
+
+
+def test_rounds_a_drained_island_is_not_waited_for() -> None:
+    # K = M = 3 with a grace window of 600 s: without the drain, two pushes are no quorum.
+    state = make_state(quorum=3, islands=3, grace=600.0)
+    push(state, "island-0", 10.0)
+    push(state, "island-1", 10.0)
+    assert not state.merge_due(0, 11.0)
+    drain(state, "island-2", 12.0)
+    assert state.merge_due(0, 12.0)  # nobody else will push: due at once, no quorum
+    state.take_round(0, 12.0)
+    assert not state.merge_due(0, 13.0)  # an empty round is never due
+
+
+def test_rounds_a_round_still_waits_for_an_island_that_has_not_drained() -> None:
+    state = make_state(quorum=3, islands=3, grace=600.0)
+    drain(state, "island-0", 1.0)
+    push(state, "island-1", 10.0)
+    assert not state.merge_due(0, 11.0)  # island-2 trains on and will push
+    push(state, "island-2", 12.0)
+    assert state.merge_due(0, 12.0)
+
+
+def test_rounds_all_drained_needs_every_active_island_drained_and_nothing_pending() -> None:
+    state = make_state(quorum=3, islands=3)
+    assert not state.all_drained()
+    drain(state, "island-0", 1.0)
+    drain(state, "island-1", 1.0)
+    assert not state.all_drained()  # island-2 has not drained
+    push(state, "island-2", 2.0)
+    drain(state, "island-2", 3.0)
+    assert not state.all_drained()  # its push is still pending
+    state.take_round(0, 4.0)
+    assert state.all_drained()
+    # A heartbeat without the flag (the island trains on) undoes it.
+    state.membership.heartbeat("island-1", 5.0)
+    assert not state.all_drained()
+
+
+def test_rounds_all_drained_leaves_dropped_islands_out_but_needs_one_active() -> None:
+    state = make_state(quorum=2, islands=2)
+    drain(state, "island-0", 1.0)
+    state.membership.set_state("island-1", DROPPED, "gone", 2.0)
+    assert state.all_drained()  # the dropped island's share is not coming
+    state.membership.set_state("island-0", DROPPED, "gone too", 3.0)
+    assert not state.all_drained()  # nobody active: nothing was done, nothing finishes

@@ -122,3 +122,8 @@ def test_island_status_holding_is_read_from_the_entry_and_absent_by_default() ->
     assert not plain.holding and "holding" not in plain.to_wire()
     with pytest.raises(DocumentError, match="holding"):
         IslandStatus.from_json({"state": "active", "holding": "yes"})
+    # `drained` (learner/drain.py) the same way.
+    assert IslandStatus.from_json({"state": "active", "drained": True}).drained
+    assert not plain.drained and "drained" not in plain.to_wire()
+    with pytest.raises(DocumentError, match="drained"):
+        IslandStatus.from_json({"state": "active", "drained": 1})

@@ -101,3 +101,15 @@ def test_membership_heartbeat_says_whether_the_island_holds() -> None:
     assert m.islands["island-0"].to_status().to_wire()["holding"] is True
     m.heartbeat("island-0", 2.0, step=40)
     assert m.islands["island-0"].to_status().to_wire()["holding"] is False
+
+
+def test_membership_heartbeat_says_whether_the_island_drained() -> None:
+    """`drained` (learner/drain.py: its share done and merged) is what the latest heartbeat
+    said, as `holding`: a heartbeat without it (the island trains on) clears it."""
+    m = members(Heard())
+    m.join("island-0", 1, now=0.0)
+    assert not m.islands["island-0"].to_status().drained
+    m.heartbeat("island-0", 1.0, step=40, drained=True)
+    assert m.islands["island-0"].to_status().to_wire()["drained"] is True
+    m.heartbeat("island-0", 2.0, step=41)
+    assert m.islands["island-0"].to_status().to_wire()["drained"] is False

@@ -202,7 +202,13 @@ def test_wire_client_json_routes_send_the_documented_bodies() -> None:
             return [
                 await client.join("island-3", 2),
                 await client.heartbeat(
-                    "island-3", step=7, tokens=99, loss=2.0, step_time=0.5, holding=True
+                    "island-3",
+                    step=7,
+                    tokens=99,
+                    loss=2.0,
+                    step_time=0.5,
+                    holding=True,
+                    drained=True,
                 ),
                 await client.set_membership("island-3", "dropped", "unhealthy"),
                 await client.leave("island-3"),
@@ -234,6 +240,7 @@ def test_wire_client_json_routes_send_the_documented_bodies() -> None:
         "loss": 2.0,
         "stepTime": 0.5,
         "holding": True,
+        "drained": True,
     }
     assert bodies["membership"] == {"state": "dropped", "reason": "unhealthy"}
     assert bodies["leave"] == {"island": "island-3"}

@@ -246,20 +246,22 @@ class SyncerJsonClient:
         loss: float | None = None,
         step_time: float | None = None,
         holding: bool = False,
+        drained: bool = False,
     ) -> HeartbeatAnswer:
         """Tell the syncer the island is alive (how far it got, whether it holds at the step
-        cap); returns its state."""
+        cap, whether it has drained: its share done and merged); returns its state."""
         shards = self._fan_out()
         if shards is not None:
             answers = await asyncio.gather(
                 *(c.heartbeat(island, step=step, tokens=tokens, loss=loss, step_time=step_time,
-                              holding=holding)
+                              holding=holding, drained=drained)
                   for c in shards)
             )  # fmt: skip
             return merge_heartbeat(answers)
         body = {"island": island, "step": step, "tokens": tokens, "loss": loss}
         body["stepTime"] = step_time
         body["holding"] = holding
+        body["drained"] = drained
         return await self.document(HeartbeatAnswer, "POST", ROUTE_HEARTBEAT, json_body=body)
 
     async def leave(self, island: str) -> MembershipAnswer:

@@ -169,6 +169,9 @@ class IslandStatus(Document):
     # may and the syncer has not answered it; learner/fragment_sync.py), as its latest heartbeat
     # said. Absent (a syncer before this field): not holding.
     holding: StrictBool = False
+    # Its learner has trained its share of stopAfter and every push of it was merged: it pushes
+    # nothing more and waits for the finish (learner/drain.py). Absent: not drained.
+    drained: StrictBool = False
 
     @property
     def known_state(self) -> IslandState | None:

@@ -21,8 +21,8 @@ MembershipAnswer, SyncerStatus) and client.py is the one JSON client of these ro
 - ``POST /v1/fragments/{f}/push`` safetensors body of ``compress.encode_tensors(Δ_f, codec)`` with
   metadata {"island", "baseVersion", "tokens", "steps", "loss", "stepTime", "codec"} and the
   optional {"syncTime", "pushId"} -> {"accepted", "version", "pending"}.
-- ``POST /v1/heartbeat`` {"island", "step", "tokens", "loss", "stepTime"} -> {"state", "finished",
-  "versions"}.
+- ``POST /v1/heartbeat`` {"island", "step", "tokens", "loss", "stepTime"} and the optional
+  {"holding", "drained"} (JSON booleans) -> {"state", "finished", "versions"}.
 - ``POST /v1/leave`` {"island"} -> {"island", "state"}; ``GET /v1/status[?digest=1]`` -> the
   status document; ``PUT /v1/islands/{island}`` {"state", "reason"} -> {"island", "state",
   "reason"}; ``/healthz``, ``/readyz``, ``/metrics``.

@@ -18,7 +18,7 @@ the ones counted since the push (FragmentCounters.since), never zero and never t
 from __future__ import annotations
 
 import concurrent.futures
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 
 import torch
@@ -153,3 +153,17 @@ def at_step_cap(fragments: Sequence[FragmentState], most: int) -> list[int]:
     a push of one of them now is the largest the syncer accepts, and after one more inner step
     it would be refused. The island takes no step while this is not empty."""
     return [f for f, state in enumerate(fragments) if state.counters.steps >= most]
+
+
+def checked_fragment(
+    f: int, tensors: Mapping[str, Tensor], params: Mapping[str, Tensor], names: Sequence[str]
+) -> dict[str, Tensor]:
+    """A pulled fragment's tensors `names` in fp32, checked against the model's shapes
+    (ValueError naming the tensor)."""
+    for name in names:
+        if tuple(tensors[name].shape) != tuple(params[name].shape):
+            raise ValueError(
+                f"fragment {f}: tensor {name} has shape {tuple(tensors[name].shape)}, "
+                f"the model has {tuple(params[name].shape)}"
+            )
+    return {n: tensors[n].to(torch.float32) for n in names}

@@ -20,7 +20,6 @@ import threading
 import time
 from typing import Any
 
-import torch
 from torch import Tensor, nn
 
 from diloco_trainer.api.protocol import PushMeta
@@ -28,7 +27,12 @@ from diloco_trainer.api.spec import ConfigError, JobSpec
 from diloco_trainer.core import compress
 from diloco_trainer.core.push_bounds import max_push_steps
 from diloco_trainer.learner.device_copies import adopt, snapshot
-from diloco_trainer.learner.fragment_state import FragmentState, InFlight, at_step_cap
+from diloco_trainer.learner.fragment_state import (
+    FragmentState,
+    InFlight,
+    at_step_cap,
+    checked_fragment,
+)
 from diloco_trainer.learner.overlap import OverlapFit
 from diloco_trainer.learner.push_encoding import encode_for_wire
 from diloco_trainer.learner.schedule import (
@@ -177,7 +181,9 @@ class FragmentSync:
         ones, whatever sync.mixAlpha says)."""
         out = {}
         for f, result in sorted(self.arrived.items()):
-            merged = self._checked(f, result)
+            merged = checked_fragment(
+                f, result.pulled.tensors, self.params, self.fragments[f].names
+            )
             if self.shards is not None:
                 self.shards.joined(f, merged)
                 self.fragments[f].take_global({}, result.pulled.version)
@@ -223,7 +229,7 @@ class FragmentSync:
         out: dict[int, Weights] = {}
         for plan in plans:
             for f in self._collect_plan(plan):
-                target = self._receive(f)
+                target = self.receive(f)
                 if self.shards is None:  # sharded: every rank has installed its rows already
                     out[f] = target
         self._hold(out)
@@ -261,9 +267,9 @@ class FragmentSync:
             for f in capped:
                 if f not in self.inflight or f in abandoned:
                     tau = self.overlap_fit.fit(self.wall_step or self.step_time)
-                    self._push(f, self.position, self.overlap_fit.window(tau))
-                if self._collect(f, block=WAIT_SLICE_SECONDS):
-                    target = self._receive(f)
+                    self.push(f, self.position, self.overlap_fit.window(tau))
+                if self.collect(f, block=WAIT_SLICE_SECONDS):
+                    target = self.receive(f)
                     if self.shards is None:
                         out[f] = target
         if self.held_since is not None:
@@ -293,7 +299,7 @@ class FragmentSync:
         )
         for f in plan.push:
             self.overlap_fit.pushed(tau, clock, position)
-            self._push(f, position, window)
+            self.push(f, position, window)
         return plan
 
     def _collect_plan(self, plan: StepPlan) -> list[int]:
@@ -306,7 +312,7 @@ class FragmentSync:
             # what the overlap hid of the merge's latency.
             flight = self.inflight.get(f)
             overlapped = started - flight.started if flight is not None else 0.0
-            got = self._collect(f, block=budget if self.blocking else 0.0)
+            got = self.collect(f, block=budget if self.blocking else 0.0)
             waited = time.monotonic() - started
             self.waited += waited
             if got:
@@ -328,7 +334,7 @@ class FragmentSync:
                     f,
                     budget,
                 )
-        done.extend(f for f in plan.poll if f in self.inflight and self._collect(f, block=0.0))
+        done.extend(f for f in plan.poll if f in self.inflight and self.collect(f, block=0.0))
         return done
 
     # -- pushes and arrivals ---------------------------------------------------------------------
@@ -345,7 +351,7 @@ class FragmentSync:
         training thread no copy of the fragment. The parameters are fp32 master weights."""
         return {n: self.params[n].detach() for n in self.fragments[f].names}
 
-    def _push(self, f: int, position: int, window: Window) -> None:
+    def push(self, f: int, position: int, window: Window) -> None:
         """Compute Δ_f = θ_global − θ_local (fp32, where the weights are), encode it and push it
         in the background; its merge is polled for and waited for at `window` (steps after the
         push)."""
@@ -408,7 +414,7 @@ class FragmentSync:
             time.perf_counter() - began,
         )
 
-    def _collect(self, f: int, *, block: float) -> bool:
+    def collect(self, f: int, *, block: float) -> bool:
         """Has fragment f's sync finished (waiting up to `block` s)? Keeps the result."""
         flight = self.inflight[f]
         if not self.wait(flight.future, block):
@@ -425,23 +431,12 @@ class FragmentSync:
         del self.inflight[f]
         return True
 
-    def _checked(self, f: int, result: SyncResult) -> Weights:
-        """The pulled fragment's tensors in fp32, checked against the model's shapes."""
-        tensors = result.pulled.tensors
-        for name in self.fragments[f].names:
-            if tuple(tensors[name].shape) != tuple(self.params[name].shape):
-                raise ValueError(
-                    f"fragment {f}: tensor {name} has shape {tuple(tensors[name].shape)}, "
-                    f"the model has {tuple(self.params[name].shape)}"
-                )
-        return {n: tensors[n].to(torch.float32) for n in self.fragments[f].names}
-
-    def _receive(self, f: int) -> Weights:
+    def receive(self, f: int) -> Weights:
         """Install an arrived fragment as the new base; the weights the island continues from."""
         began = time.perf_counter()
         result = self.arrived.pop(f)
         state = self.fragments[f]
-        merged = self._checked(f, result)
+        merged = checked_fragment(f, result.pulled.tensors, self.params, self.fragments[f].names)
         if self.shards is not None:
             self.shards.receive(f, merged)
             target = state.receive({}, result.pulled.version, {}, self._alpha())

@@ -124,6 +124,7 @@ class SyncerLink:
             "loss": None,
             "step_time": None,
             "holding": False,  # fragment_sync sets it while the island holds at the step cap
+            "drained": False,  # drain.py sets it once the island's share is done and merged
         }
         # Pulls answered with a chain of updates, and chains that failed their check.
         self.pull_counts = {"updates": 0, "rebuildFailed": 0}
@@ -391,6 +392,20 @@ class SyncerLink:
         shards = range(len(self.clients))
         await asyncio.gather(*(self._heartbeats_to(shard, interval) for shard in shards))
 
+    def report(self, *, step: int, tokens: int, loss: float | None, step_time: float) -> None:
+        """The training thread's latest figures for the heartbeats. Updated in place: the flags
+        fragment_sync and drain.py keep in `progress` stay (a dict put in its place once lost
+        them, and every heartbeat after the first step failed)."""
+        self.progress.update(step=step, tokens=tokens, loss=loss, step_time=step_time)
+
+    async def report_now(self) -> None:
+        """One heartbeat to every shard now, outside the timer (a change the syncer should not
+        wait an interval for: the island drained)."""
+        progress = dict(self.progress)
+        await asyncio.gather(
+            *(self._heartbeat(s, progress, None) for s in range(len(self.clients)))
+        )
+
     async def _heartbeats_to(self, shard: int, interval: float) -> None:
         last_state = None
         while True:
@@ -409,6 +424,7 @@ class SyncerLink:
                 loss=progress["loss"],
                 step_time=progress["step_time"],
                 holding=progress["holding"],
+                drained=progress["drained"],
             )
         except SyncerError as err:
             log.warning("heartbeat failed: %s", err)

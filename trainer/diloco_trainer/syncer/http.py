@@ -323,6 +323,7 @@ class SyncerRoutes:
         loss = typed_field(doc, "loss", "heartbeat", float, required=False)
         step_time = typed_field(doc, "stepTime", "heartbeat", float, required=False)
         holding = typed_field(doc, "holding", "heartbeat", bool, required=False) or False
+        drained = typed_field(doc, "drained", "heartbeat", bool, required=False) or False
         at_least(step, 0, "heartbeat", "step")
         at_least(tokens, 0, "heartbeat", "tokens")
         at_least(step_time, 0, "heartbeat", "stepTime")
@@ -330,7 +331,8 @@ class SyncerRoutes:
         at_most(tokens, MAX_WIRE_INT, "heartbeat", "tokens")
         at_most(step_time, MAX_SECONDS, "heartbeat", "stepTime")
         answer = await self.syncer.heartbeat(
-            island, Beat(step, tokens, loss=loss, step_time=step_time, holding=holding)
+            island,
+            Beat(step, tokens, loss=loss, step_time=step_time, holding=holding, drained=drained),
         )
         return web.json_response(answer)
 

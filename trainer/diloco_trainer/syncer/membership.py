@@ -106,6 +106,7 @@ class Membership:
         loss: float | None = None,
         step_time: float | None = None,
         holding: bool = False,
+        drained: bool = False,
     ) -> IslandRecord:
         """A sign of life with progress figures; Refused(404) if the island never joined."""
         rec = self.island(name)
@@ -118,6 +119,7 @@ class Membership:
         if step_time:
             rec.step_time = step_time
         rec.holding = holding
+        rec.drained = drained
         self._events.membership_changed(now)
         return rec
 

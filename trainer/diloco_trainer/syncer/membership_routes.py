@@ -67,6 +67,7 @@ class MembershipRoutes:
                 loss=progress.loss,
                 step_time=progress.step_time,
                 holding=progress.holding,
+                drained=progress.drained,
             )
         self.host.changed()
         answer = HeartbeatAnswer(

@@ -56,6 +56,7 @@ class Beat:
     loss: float | None = None
     step_time: float | None = None
     holding: bool = False  # held at the step cap (learner/fragment_sync.py)
+    drained: bool = False  # its share done and merged, nothing more to push (learner/drain.py)
 
 
 @dataclass(frozen=True)
@@ -98,6 +99,9 @@ class IslandRecord:
     # Its learner holds at the step cap, as its latest heartbeat said (not persisted: a restarted
     # syncer hears it again with the next heartbeat).
     holding: bool = False
+    # Its learner has done its share of the job's budget and every push of it was merged: it
+    # pushes nothing more (learner/drain.py). Not persisted, as `holding`.
+    drained: bool = False
     sync_time: float | None = None
     # Its latest net sync time (reported sync time minus what the syncer held the push; see
     # core/grace.py), not persisted.
@@ -123,6 +127,7 @@ class IslandRecord:
             step=self.step,
             step_time=self.step_time,
             holding=self.holding,
+            drained=self.drained,
         )
 
     @classmethod

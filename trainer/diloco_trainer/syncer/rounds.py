@@ -18,6 +18,10 @@ the round's contributors reach it, the grace window starts; the round is due whe
 passed, when every island has contributed, or when no missing island is expected to push before
 the window closes (expected_push: last progress report and step time against the fragment's
 sync point; one with no report, overdue or not joined yet is waited for).
+The drain (learner/drain.py): an island that has trained its share of stopAfter and seen its
+last pushes merged says so in its heartbeats (drained). It is no longer waited for: a round whose
+other active islands have all pushed is due at once, quorum or not, and once every active island
+has drained with nothing pending (all_drained) the job's work is all merged and it finishes.
 Membership (membership.py, owned here) tells this machine of every change (MembershipEvents), which
 re-evaluates the quorum at once: dropping an island removes its pending contribution (which may
 undo the quorum) and shrinks the active set (which may complete the round).
@@ -312,10 +316,15 @@ class SyncState:
         push before the window closes. Islands not joined yet are waited for (the window only):
         a late starter otherwise trains on fragments a merge apart (an early loss spike at K<M)."""
         rnd = self.rounds[fragment]
+        # Drained islands (their share of the budget done and merged) push nothing more: the
+        # round waits for the others only, and the job's last work merges without a quorum.
+        drained = self.drained()
+        missing = self.membership.active() - rnd.pending.keys() - drained
+        awaited = self.membership.awaited()
+        if drained and rnd.pending and not missing and not awaited:
+            return True
         if rnd.quorum_since is None:
             return False
-        missing = self.membership.active() - rnd.pending.keys()
-        awaited = self.membership.awaited()
         if not missing and not awaited:
             return True
         closes = rnd.quorum_since + self.grace()
@@ -324,6 +333,20 @@ class SyncState:
         islands = self.membership.islands
         expected = [self.expected_push(islands[n], fragment, now) for n in missing]
         return all(t is not None and t > closes for t in expected)
+
+    def drained(self) -> set[str]:
+        """Active islands whose learners said they drained (learner/drain.py)."""
+        islands = self.membership.islands
+        return {n for n in self.membership.active() if islands[n].drained}
+
+    def all_drained(self) -> bool:
+        """Every active island has drained and no push is pending: all the work the islands
+        will do is merged. The job then finishes even short of stopAfter (a dropped island's
+        share is not coming); never with no active island (nobody has done anything)."""
+        active = self.membership.active()
+        if not active or self.membership.awaited() or not active <= self.drained():
+            return False
+        return not any(r.pending for r in self.rounds)
 
     def expected_push(self, rec: IslandRecord, fragment: int, now: float) -> float | None:
         """When `rec` should push fragment (clock time, never before `now`): its latest progress

@@ -29,12 +29,12 @@ Hostile and broken input (README's Security section; gate.py, merge.py): only th
 names join, a push passes the guards (finite, norm bounds, steps and tokens of one round) before
 it joins a round, and a merge whose input cannot be merged leaves out the contributions at fault.
 
-When stopAfter is reached, the syncer evaluates, writes a checkpoint, and only then reports
-finished=true; it keeps serving status and pulls afterwards. A stop (SIGTERM) lets a running merge
-finish and writes a checkpoint of what was merged since the last one. A merge that raises while
-applying the outer step (a bug: its input was checked) leaves the round half applied, so the
-syncer then refuses work with 503 and reports unhealthy on /healthz until it is restarted from its
-last checkpoint.
+When stopAfter is reached, or every active island has drained (rounds.py), the syncer
+evaluates, writes a checkpoint, and only then reports finished=true; it keeps serving status and
+pulls afterwards. A stop (SIGTERM) lets a running merge finish and writes a checkpoint of what
+was merged since the last one. A merge that raises while applying the outer step (a bug: its
+input was checked) leaves the round half applied, so the syncer then refuses work with 503 and
+reports unhealthy on /healthz until it is restarted from its last checkpoint.
 """
 
 from __future__ import annotations
@@ -215,7 +215,12 @@ class Syncer:
         return self.model.digest()
 
     def stop_reached(self) -> bool:
-        return startup.stop_reached(self.spec, outer_step=self.state.outer_step, tokens=self.tokens)
+        """Whether the job ends now: stopAfter is reached, or every active island has drained
+        (its share done and merged, learner/drain.py) so no more work is coming."""
+        reached = startup.stop_reached(
+            self.spec, outer_step=self.state.outer_step, tokens=self.tokens
+        )
+        return reached or self.state.all_drained()
 
     def _body_keys(self) -> list[BodyKey]:
         """What each fragment's pull body says now: (version, outer step, finished)."""
@@ -352,12 +357,18 @@ class Syncer:
                 log.warning("island %s timed out: %s", island, members.islands[island].reason)
                 self._update_gauges()
             due = [] if self.finished else self.state.due_fragments(now)
+            # Every island drained, nothing to merge (a heartbeat said so, or a drop): finish.
+            drained = not (self.finished or due) and self.state.all_drained()
         assert self.merging is not None
         for f in due:
             async with self.merging:
                 await self._merge(f)
             if self.finished:
                 break
+        if drained:
+            async with self.merging:
+                if not self.finished:
+                    await self._finish()
         return None if self.finished else self.state.next_deadline()
 
     async def run_scheduler(self) -> None:
@@ -443,10 +454,18 @@ class Syncer:
             await self.publisher.publish(self._body_keys())
             await self.jobs.after_merge(step, self.tokens, self._checkpoint_snapshot)
             return None
+        return await self._finish()
+
+    async def _finish(self) -> float | None:
+        """Evaluate and checkpoint the final state, then publish finished=true (merge lock
+        held); the final eval loss when computed here."""
+        step = self.state.outer_step
         loss = await self.jobs.finish(step, self.tokens, self._checkpoint_snapshot)
         self.finished = True
         await self.publisher.publish(self._body_keys())
-        log.info("finished at outer step %d with %d tokens", step, self.tokens)
+        short = not startup.stop_reached(self.spec, outer_step=step, tokens=self.tokens)
+        why = " (every active island drained short of stopAfter)" if short else ""
+        log.info("finished at outer step %d with %d tokens%s", step, self.tokens, why)
         return loss
 
     async def _checkpoint_snapshot(self) -> CheckpointSnapshot:

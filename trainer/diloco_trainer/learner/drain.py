@@ -1,0 +1,108 @@
+"""The end of a job at K = M: each island trains exactly its share of stopAfter, pushes the work
+its fragments still hold, and says when all of it is merged (drained), so the final weights hold
+every token the islands processed and stopAfter is met exactly.
+
+Why. Without it the syncer finishes at the first merge that reaches the budget, and the steps
+each island took after its last push of each fragment never reach the weights: the τ overlapped
+steps and, with F streamed fragments, the part of a round the later fragments' pushes are behind.
+On gpt-mini that was ~5% of the budget (648K tokens processed, 630K merged: bench/RESULTS.md,
+"gpt-mini at K = M read on two token axes").
+
+The share. Only where every merge needs every island (sync.quorum >= the islands): the islands
+then run in lock step, so each trains 1/M of the budget, `share_steps` inner steps counted over
+the island's life (its merged work at join plus the steps since). At K < M islands run at their
+own pace and an equal share would idle the fast ones behind a straggler; the syncer's own rule
+(the first merge that reaches the budget) stands there.
+
+The drain (rank 0, `drain`, in place of the step's `after_step`): take the merges of the pushes
+in flight (a push now, from the same base, would carry their work twice), push every fragment
+that holds steps since its base (a partial round: the syncer merges it at its work fraction,
+core/contributions.py), take those merges, then tell the syncer in a heartbeat that the island
+drained (syncer/rounds.py: it waits for drained islands no more, and finishes once every active
+island has drained). The island then waits for the finish; if it does not come within the wait
+budget (an island of the job is not draining: it restarted and lags, say), it says so, stops
+saying drained and trains on under the syncer's rule.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+
+from torch import Tensor
+
+from diloco_trainer.api.spec import JobSpec
+from diloco_trainer.learner.fragment_sync import FragmentSync
+from diloco_trainer.learner.schedule import wait_budget
+
+log = logging.getLogger("diloco.learner")
+Weights = dict[str, Tensor]
+
+
+def share_steps(spec: JobSpec, *, tokens_per_step: int) -> int | None:
+    """Inner steps one island trains before it drains: stopAfter.outerSteps x H, or
+    ceil(stopAfter.tokens / (M x the island's tokens per step)), the fewer; None when islands
+    keep no share (K < M, or no stopAfter)."""
+    islands = max(spec.islands.count, spec.total_shards())
+    if spec.sync.quorum < islands:
+        return None
+    stop = spec.stop_after
+    shares = []
+    if stop.outer_steps is not None:
+        shares.append(stop.outer_steps * spec.inner.steps)
+    if stop.tokens is not None:
+        shares.append(math.ceil(stop.tokens / (islands * max(1, tokens_per_step))))
+    return min(shares, default=None)
+
+
+def drain(sync: FragmentSync) -> dict[int, Weights]:
+    """Push what the island's fragments hold and take the merges (see the module docstring);
+    the weights of each fragment to apply now, as FragmentSync.after_step returns them. Then
+    wait for the finish, up to the wait budget."""
+    budget = wait_budget(sync.round_times, sync.spec.sync.heartbeat_timeout_seconds)
+    out: dict[int, Weights] = {}
+    _take_inflight(sync, budget, out)
+    pushed = [f for f, state in enumerate(sync.fragments) if state.counters.steps > 0]
+    for f in pushed:
+        sync.push(f, sync.position, (0, 0))
+    log.info(
+        "step %d: this island's share of stopAfter is done: draining (fragment(s) %s pushed)",
+        sync.position,
+        pushed,
+    )
+    merged = _take_inflight(sync, budget, out)
+    if merged and not sync.stop.is_set():
+        sync.link.progress["drained"] = True
+        sync.link.submit(sync.link.report_now())
+        _wait_finished(sync, budget)
+    return out
+
+
+def _take_inflight(sync: FragmentSync, budget: float, out: dict[int, Weights]) -> bool:
+    """Collect and receive every fragment in flight (up to `budget` s each) into `out`;
+    whether all of them came."""
+    for f in sorted(sync.inflight):
+        if not sync.collect(f, block=budget):
+            if not (sync.finished() or sync.stop.is_set()):
+                log.warning("fragment %d: its merge did not come within %.0fs", f, budget)
+            return False
+        target = sync.receive(f)
+        if sync.shards is None:  # sharded: every rank has installed its rows already
+            out[f] = target
+    return True
+
+
+def _wait_finished(sync: FragmentSync, budget: float) -> None:
+    """Wait for the finish; past `budget`, stop saying drained and train on."""
+    deadline = time.monotonic() + budget
+    while not (sync.finished() or sync.stop.is_set()) and time.monotonic() < deadline:
+        sync.link.finished.wait(timeout=0.2)
+    if sync.finished() or sync.stop.is_set():
+        return
+    sync.link.progress["drained"] = False
+    log.warning(
+        "drained, but the job did not finish within %.0fs (another island has not drained); "
+        "training on until the syncer finishes it",
+        budget,
+    )
