@@ -60,12 +60,12 @@ def test_fsdp_bf16_islands_reach_ddp_fp32_loss(
                 assert digests[0] and digests[1] and digests[0] != digests[1], digests
     ddp, fsdp = results["ddp"], results["fsdp"]
     # A round of work is both islands' H steps of 2 ranks x 2 micro-batches x 4 x 32 tokens.
-    # Fragment 1 of 2 first pushes 1.5 rounds (no push in a fresh job's first round:
-    # learner/schedule.py), so after ROUNDS merges of each the tokens, averaged over the two
-    # fragments, are ROUNDS + 1/4 rounds, the same in both jobs.
+    # At K = M each island trains its share, ROUNDS x H steps, and drains (learner/drain.py):
+    # fragment 1's last half round (its first push holds 1.5 rounds) is pushed and merged as
+    # a partial round, gathered from the shards, so both fragments hold exactly ROUNDS rounds.
     per_round = 2 * INNER_STEPS * 2 * 2 * 4 * 32
     assert ddp.tokens == fsdp.tokens, (ddp.tokens, fsdp.tokens)
-    assert fsdp.tokens == ROUNDS * per_round + per_round // 4, fsdp.tokens
+    assert fsdp.tokens == ROUNDS * per_round, fsdp.tokens
     assert ddp.eval_loss is not None and fsdp.eval_loss is not None
     assert ddp.initial_eval_loss is not None
     assert ddp.eval_loss < 0.6 * ddp.initial_eval_loss, "the ddp job did not train"
