@@ -1,6 +1,7 @@
-"""The drain at K = M (learner/drain.py): each island trains exactly its share of
-stopAfter.tokens, pushes what its two streamed fragments still hold (partial rounds) and the job
-finishes with every processed token merged: stopAfter.tokens met exactly, not overshot."""
+"""The drain (learner/drain.py): each island trains its part of stopAfter.tokens, pushes what its
+two streamed fragments still hold (partial rounds) and the job finishes with every processed
+token merged, stopAfter.tokens not overshot. At K = M the part is each island's share; at K < M
+the syncer's stop target, split by pace near the budget (syncer/targets.py)."""
 
 from __future__ import annotations
 
@@ -39,7 +40,8 @@ def test_drain_merges_every_processed_token_and_stops_at_the_budget(
     run = local_run(spec)
     start_synchronised(run)
     status = run_to_finish(run, timeout=600)
-    run.stop_all(timeout=30)  # the learners exit on the finish: their logs are complete
+    run.wait_learners(timeout=60)  # they exit on the finish: their logs are complete
+    run.stop_all(timeout=30)
 
     assert status.finished and status.tokens == budget  # exactly: nothing past the budget
     merges = [
@@ -59,3 +61,44 @@ def test_drain_merges_every_processed_token_and_stops_at_the_budget(
         assert re.search(r"step \d+: this island's share of stopAfter is done: draining", log)
         assert f"the job has finished: exiting after {STEPS} steps" in log
         assert status.islands[island].merged_tokens == STEPS * STEP_TOKENS
+
+
+def test_drain_at_k_below_m_stops_each_island_at_its_target(
+    make_spec: Callable[..., JobSpec],
+    local_run: Callable[..., LocalRun],  # noqa: F811
+) -> None:
+    # K = 1 of 2. Heartbeats every second (a quarter of the timeout): the syncer measures each
+    # island's pace from two of them and sets the targets 3 s before the budget (3 heartbeats),
+    # so the job must last longer than that: 300 steps an island, 5-10 s here.
+    budget = ISLANDS * 300 * STEP_TOKENS
+    spec = make_spec(
+        islands={"count": ISLANDS},
+        inner={"steps": 6},
+        sync={"quorum": 1, "fragments": 2, "heartbeatTimeoutSeconds": 4},
+        stopAfter={"outerSteps": None, "tokens": budget},
+    )
+    run = local_run(spec)
+    start_synchronised(run)
+    status = run_to_finish(run, timeout=600)
+    run.wait_learners(timeout=60)  # a drained learner hears of the finish in a heartbeat
+    run.stop_all(timeout=30)
+
+    syncer_log = (run.logs / "syncer.log").read_text()
+    assert "the budget is near: stop targets" in syncer_log
+    merges = [
+        MergeRecord.model_validate_json(line)
+        for line in (run.workdir / "syncer" / "merges.jsonl").read_text().splitlines()
+    ]
+    processed = 0
+    for island in (f"island-{i}" for i in range(ISLANDS)):
+        log = (run.logs / f"{island}-rank0.log").read_text()
+        assert "this island's share of stopAfter is done: draining" in log
+        steps = int(re.findall(r"the job has finished: exiting after (\d+) steps", log)[-1])
+        processed += steps * STEP_TOKENS
+        for f in (0, 1):  # every step it took is in both fragments' merges
+            merged = [c.steps for m in merges if m.fragment == f for c in m.contributors
+                      if c.island == island]  # fmt: skip
+            assert sum(merged) == steps, (island, f, merged)
+    # The targets are whole steps within the budget, each island's last ones merged.
+    assert status.tokens == processed <= budget, (status.tokens, processed)
+    assert processed > budget - ISLANDS * STEP_TOKENS, processed

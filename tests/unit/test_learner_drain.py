@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 from diloco_trainer.api.spec import parse_spec
-from diloco_trainer.learner.drain import share_steps
+from diloco_trainer.learner.drain import DrainTrigger, share_steps
 
 
 def spec_of(*, islands: int = 4, quorum: int = 4, **stop: Any) -> Any:
@@ -29,8 +29,8 @@ def spec_of(*, islands: int = 4, quorum: int = 4, **stop: Any) -> Any:
         ({"outerSteps": 20}, 512, 600),
         # 1,228,800 tokens / (4 islands x 512 a step) = 600 steps exactly.
         ({"tokens": 1_228_800}, 512, 600),
-        # 1,000,000 / 2048 = 488.28...: 489 steps, so the islands reach the budget.
-        ({"tokens": 1_000_000}, 512, 489),
+        # 1,000,000 / 2048 = 488.28...: 488 steps, so no merge passes the budget.
+        ({"tokens": 1_000_000}, 512, 488),
         # Two replicas: 1024 tokens an island step, half the steps.
         ({"tokens": 1_228_800}, 1024, 300),
         # Both set: the fewer steps (10 x 30 = 300 before 600).
@@ -46,3 +46,19 @@ def test_drain_share_at_k_equal_m(
 def test_drain_no_share_below_k_equal_m() -> None:
     # K < M: islands run at their own pace; an equal share would idle the fast ones.
     assert share_steps(spec_of(quorum=2, outerSteps=20), tokens_per_step=512) is None
+
+
+def test_drain_trigger_at_the_share_counting_merged_steps_once() -> None:
+    # A learner restarted with 100 steps of the island merged: 500 more to its share of 600.
+    trigger = DrainTrigger(share=600, steps_before=100)
+    assert not trigger.due(499, tokens=0, stop_at=None)
+    assert trigger.due(500, tokens=0, stop_at=None)
+    assert not trigger.due(501, tokens=0, stop_at=None)  # once: after it, it trains on
+
+
+def test_drain_trigger_at_the_syncers_stop_target() -> None:
+    trigger = DrainTrigger(share=None, steps_before=0)
+    assert not trigger.due(10, tokens=5_000, stop_at=None)  # no target yet
+    assert not trigger.due(11, tokens=5_500, stop_at=6_000)
+    assert trigger.due(12, tokens=6_000, stop_at=6_000)
+    assert not trigger.due(13, tokens=6_500, stop_at=6_000)

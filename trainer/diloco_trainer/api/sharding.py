@@ -104,12 +104,16 @@ def merge_join(infos: Sequence[JoinInfo]) -> JoinInfo:
 
 def merge_heartbeat(answers: Sequence[HeartbeatAnswer]) -> HeartbeatAnswer:
     """The heartbeat answers of every shard (in shard order) as one: the island's state at shard
-    0, each fragment's version from its owner, finished when every shard is."""
+    0, each fragment's version from its owner, finished when every shard is, the lowest stop
+    target."""
     shards = len(answers)
     first = answers[0]
     versions = [answers[shard_of(f, shards)].versions[f] for f in range(len(first.versions))]
     finished = all(a.finished for a in answers)
-    return first.model_copy(update={"versions": versions, "finished": finished})
+    # Each shard fixes its stop target from the same heartbeats: the earliest is kept.
+    stops = [a.stop_at for a in answers if a.stop_at is not None]
+    update = {"versions": versions, "finished": finished, "stop_at": min(stops, default=None)}
+    return first.model_copy(update=update)
 
 
 def _summed(maps: Sequence[dict[str, int]]) -> dict[str, int]:

@@ -1,6 +1,6 @@
-"""The end of a job at K = M: each island trains exactly its share of stopAfter, pushes the work
-its fragments still hold, and says when all of it is merged (drained), so the final weights hold
-every token the islands processed and stopAfter is met exactly.
+"""The end of a job: each island trains its part of stopAfter, pushes the work its fragments
+still hold, and says when all of it is merged (drained), so the final weights hold every token
+the islands processed and stopAfter is met to the step.
 
 Why. Without it the syncer finishes at the first merge that reaches the budget, and the steps
 each island took after its last push of each fragment never reach the weights: the τ overlapped
@@ -11,8 +11,12 @@ On gpt-mini that was ~5% of the budget (648K tokens processed, 630K merged: benc
 The share. Only where every merge needs every island (sync.quorum >= the islands): the islands
 then run in lock step, so each trains 1/M of the budget, `share_steps` inner steps counted over
 the island's life (its merged work at join plus the steps since). At K < M islands run at their
-own pace and an equal share would idle the fast ones behind a straggler; the syncer's own rule
-(the first merge that reaches the budget) stands there.
+own pace and an equal share would idle the fast ones behind a straggler: there the syncer,
+which hears every island's count, splits what is left of the budget by pace once it is near and
+sends each island its stop target in its heartbeat answers (syncer/targets.py); the island
+drains when its count reaches it. Without a target (an island that joined after they were set,
+or a budget reached before two heartbeats measured a pace) the syncer's own rule stands: the
+job ends at the first merge that reaches the budget.
 
 The drain (rank 0, `drain`, in place of the step's `after_step`): take the merges of the pushes
 in flight (a push now, from the same base, would carry their work twice), push every fragment
@@ -27,7 +31,6 @@ saying drained and trains on under the syncer's rule.
 from __future__ import annotations
 
 import logging
-import math
 import time
 
 from torch import Tensor
@@ -37,13 +40,17 @@ from diloco_trainer.learner.fragment_sync import FragmentSync
 from diloco_trainer.learner.schedule import wait_budget
 
 log = logging.getLogger("diloco.learner")
+# A drained island asks whether the job finished this often (one heartbeat each time).
+FINISH_POLL_SECONDS = 0.25
 Weights = dict[str, Tensor]
 
 
 def share_steps(spec: JobSpec, *, tokens_per_step: int) -> int | None:
     """Inner steps one island trains before it drains: stopAfter.outerSteps x H, or
-    ceil(stopAfter.tokens / (M x the island's tokens per step)), the fewer; None when islands
-    keep no share (K < M, or no stopAfter)."""
+    stopAfter.tokens / (M x the island's tokens per step) rounded down (at least 1), the fewer;
+    None when islands keep no share (K < M, or no stopAfter). Rounded down, the islands stay
+    within the budget: no merge reaches it before every island's last push is in, and the job
+    ends once all have drained (syncer/rounds.all_drained)."""
     islands = max(spec.islands.count, spec.total_shards())
     if spec.sync.quorum < islands:
         return None
@@ -52,8 +59,28 @@ def share_steps(spec: JobSpec, *, tokens_per_step: int) -> int | None:
     if stop.outer_steps is not None:
         shares.append(stop.outer_steps * spec.inner.steps)
     if stop.tokens is not None:
-        shares.append(math.ceil(stop.tokens / (islands * max(1, tokens_per_step))))
+        shares.append(max(1, stop.tokens // (islands * max(1, tokens_per_step))))
     return min(shares, default=None)
+
+
+class DrainTrigger:
+    """When rank 0 drains, once: at its share of stopAfter (K = M: `share` inner steps over
+    the island's life, `steps_before` of them merged before this process joined), or once its
+    count of processed tokens reaches the syncer's stop target (K < M, syncer/targets.py).
+    After a drain that did not end the job, never again: the island trains on."""
+
+    def __init__(self, *, share: int | None, steps_before: int) -> None:
+        self.share = share
+        self.steps_before = steps_before
+        self.done = False
+
+    def due(self, steps_run: int, tokens: int, stop_at: int | None) -> bool:
+        """After `steps_run` steps of this process and `tokens` processed (its count)."""
+        if self.done:
+            return False
+        shared = self.share is not None and self.steps_before + steps_run >= self.share
+        self.done = shared or (stop_at is not None and tokens >= stop_at)
+        return self.done
 
 
 def drain(sync: FragmentSync) -> dict[int, Weights]:
@@ -94,10 +121,13 @@ def _take_inflight(sync: FragmentSync, budget: float, out: dict[int, Weights]) -
 
 
 def _wait_finished(sync: FragmentSync, budget: float) -> None:
-    """Wait for the finish; past `budget`, stop saying drained and train on."""
+    """Wait for the finish, asking the syncer in a heartbeat every FINISH_POLL_SECONDS (its
+    answer says finished: a drained island has no pull in flight to hear it from); past
+    `budget`, stop saying drained and train on."""
     deadline = time.monotonic() + budget
     while not (sync.finished() or sync.stop.is_set()) and time.monotonic() < deadline:
-        sync.link.finished.wait(timeout=0.2)
+        if not sync.link.finished.wait(timeout=FINISH_POLL_SECONDS):
+            sync.link.submit(sync.link.report_now())
     if sync.finished() or sync.stop.is_set():
         return
     sync.link.progress["drained"] = False

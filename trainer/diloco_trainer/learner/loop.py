@@ -48,7 +48,7 @@ from diloco_trainer.core.fragments import fragment_offsets
 from diloco_trainer.cpus import configure_threads, cpus_here
 from diloco_trainer.learner.device import pick_device
 from diloco_trainer.learner.device_copies import PULL_APPLY_ENV, apply_pulls_on_device
-from diloco_trainer.learner.drain import drain, share_steps
+from diloco_trainer.learner.drain import DrainTrigger, drain, share_steps
 from diloco_trainer.learner.fragment_sync import FragmentSync
 from diloco_trainer.learner.inner_step import InnerStep, check_precision
 from diloco_trainer.learner.schedule import rewarm_factor, schedule_start
@@ -130,10 +130,8 @@ class Learner:
         self.step_time = 0.0
         self.steps_run = 0
         self.lr_offset = 0
-        # K = M: the island's share of stopAfter in inner steps, and the steps it had done
-        # (merged) before this process joined; rank 0 drains at the share (drain.py).
-        self.share: int | None = None
-        self.steps_before = 0
+        # When rank 0 drains: at its share of stopAfter (K = M) or its stop target (drain.py).
+        self.drain_at = DrainTrigger(share=None, steps_before=0)
 
     # -- collectives (every rank runs exactly the same sequence) --------------------------------
 
@@ -285,8 +283,10 @@ class Learner:
         self.lr_offset = outer_step * inner_steps
         self._resume_data(island_tokens)
         island_step_tokens = self.spec.inner.tokens_per_step * self.env.world_size
-        self.share = share_steps(self.spec, tokens_per_step=island_step_tokens)
-        self.steps_before = island_tokens // island_step_tokens
+        self.drain_at = DrainTrigger(
+            share=share_steps(self.spec, tokens_per_step=island_step_tokens),
+            steps_before=island_tokens // island_step_tokens,
+        )
         if self.sharded:
             self.shards = FragmentShards(
                 self.params,
@@ -383,11 +383,8 @@ class Learner:
                     self._hint_waits(costs)
                     window_tokens, window_start, costs = 0, now, WindowCosts()
                     window_cpu = cpu_now
-                if self.share is not None and self.steps_before + self.steps_run >= self.share:
-                    self.share = None  # once: after a drain that did not finish, train on
-                    targets = drain(self.sync)
-                else:
-                    targets = self.sync.after_step()
+                due = self.drain_at.due(self.steps_run, self.tokens, self.link.stop_at)
+                targets = drain(self.sync) if due else self.sync.after_step()
             self._end_commands()
             apply, finished, stopped = self._control(sorted(targets), self._finished())
             self._apply(apply, targets)

@@ -92,6 +92,9 @@ class Membership:
         rec.joins += 1
         rec.replicas = replicas
         rec.reported_step = rec.reported_at = None  # a restarted learner's schedule starts anew
+        # ...and its count of tokens: from the island's merged work (JoinInfo.island_tokens).
+        rec.reported_tokens, rec.first_report = None, None
+        rec.count_base = rec.merged_tokens
         self.revive(rec, now)
         self._events.membership_changed(now)
         return rec
@@ -114,6 +117,9 @@ class Membership:
         rec.step = max(rec.step, step)
         rec.reported_step, rec.reported_at = step, now
         rec.tokens = max(rec.tokens, tokens)
+        rec.reported_tokens = tokens
+        if rec.first_report is None:
+            rec.first_report = (tokens, now)
         if loss is not None:
             rec.loss = loss
         if step_time:

@@ -12,11 +12,19 @@ import logging
 from typing import Any
 
 from diloco_trainer.api.documents import HeartbeatAnswer, JoinInfo, MembershipAnswer
+from diloco_trainer.api.spec import JobSpec
 from diloco_trainer.syncer.gate import Gate
 from diloco_trainer.syncer.global_model import GlobalModel
 from diloco_trainer.syncer.push import PushHost
 from diloco_trainer.syncer.records import Beat
 from diloco_trainer.syncer.rounds import SyncState
+from diloco_trainer.syncer.targets import (
+    budget_tokens,
+    horizon_seconds,
+    merged_elsewhere,
+    pace_of,
+    stop_targets,
+)
 
 log = logging.getLogger("diloco.syncer")
 
@@ -25,13 +33,26 @@ class MembershipRoutes:
     """Join, heartbeat, leave and the admin's membership change of one job's syncer."""
 
     def __init__(
-        self, host: PushHost, *, state: SyncState, gate: Gate, model: GlobalModel, codec: str
+        self,
+        host: PushHost,
+        *,
+        state: SyncState,
+        gate: Gate,
+        model: GlobalModel,
+        codec: str,
+        spec: JobSpec,
     ) -> None:
         self.host = host
         self.state = state
         self.gate = gate
         self.model = model
         self.codec = codec
+        self.spec = spec
+        # K < M: each island's stop target once the budget is near (targets.py); K = M islands
+        # keep their own share (learner/drain.py).
+        islands = max(spec.islands.count, spec.total_shards())
+        self.budget = budget_tokens(spec) if spec.sync.quorum < islands else None
+        self.targets: dict[str, int] = {}
 
     async def join(self, island: str, replicas: int) -> dict[str, Any]:
         """Register an island; the fragment layout, current versions and the island's merged
@@ -69,11 +90,36 @@ class MembershipRoutes:
                 holding=progress.holding,
                 drained=progress.drained,
             )
+            self._set_targets()
         self.host.changed()
         answer = HeartbeatAnswer(
-            state=rec.state, finished=self.host.finished, versions=self.state.versions
+            state=rec.state,
+            finished=self.host.finished,
+            versions=self.state.versions,
+            stop_at=self.targets.get(island),
         )
         return answer.to_wire()
+
+    def _set_targets(self) -> None:
+        """Fix every active island's stop target once the budget is near (lock held)."""
+        if self.budget is None or self.targets or self.host.finished:
+            return
+        members = self.state.membership
+        active = members.active_records()
+        paces = {r.name: pace_of(r) for r in active}
+        if not active or None in paces.values():
+            return  # an island whose pace is not known yet would be left without a target
+        targets = stop_targets(
+            {n: p for n, p in paces.items() if p is not None},
+            done_elsewhere=merged_elsewhere(members.islands.values(), members.active()),
+            budget=self.budget,
+            step_tokens={r.name: self.spec.inner.tokens_per_step * r.replicas for r in active},
+            now=self.host.clock(),
+            horizon=horizon_seconds(self.spec.sync.heartbeat_timeout_seconds),
+        )
+        if targets is not None:
+            self.targets = targets
+            log.info("the budget is near: stop targets (tokens each learner counts) %s", targets)
 
     async def leave(self, island: str) -> dict[str, Any]:
         """An island says goodbye (MembershipAnswer)."""

@@ -110,6 +110,12 @@ class IslandRecord:
     # the next heartbeat before it predicts anything).
     reported_step: int | None = None
     reported_at: float | None = None
+    # Its pace for the stop targets (targets.py), not persisted: the tokens its learner counts
+    # (the latest heartbeat's), the merged tokens it had at its last join (where that count
+    # starts), and its first report since (tokens, time).
+    reported_tokens: int | None = None
+    count_base: float = 0.0
+    first_report: tuple[int, float] | None = None
 
     def to_status(self) -> IslandStatus:
         """The status/checkpoint form (IslandStatus: camelCase on the wire)."""

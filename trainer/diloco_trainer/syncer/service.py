@@ -129,7 +129,7 @@ class Syncer:
             metrics=self.metrics,
         )
         self.members = MembershipRoutes(
-            self, state=self.state, gate=self.gate, model=self.model, codec=self.codec
+            self, state=self.state, gate=self.gate, model=self.model, codec=self.codec, spec=spec
         )
         # Set when a merge failed half-way: the state can no longer be trusted, so the syncer
         # refuses work (503) and reports unhealthy until it is restarted from its checkpoint.
@@ -464,7 +464,7 @@ class Syncer:
         self.finished = True
         await self.publisher.publish(self._body_keys())
         short = not startup.stop_reached(self.spec, outer_step=step, tokens=self.tokens)
-        why = " (every active island drained short of stopAfter)" if short else ""
+        why = " (every active island drained: its part done)" if short else ""
         log.info("finished at outer step %d with %d tokens%s", step, self.tokens, why)
         return loss
 

@@ -1,0 +1,109 @@
+"""Stop targets at K < M (syncer/targets.py), by hand: what is left of the budget split among the
+active islands by pace once it is near, each target rounded down to a whole step of its island."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from diloco_trainer.api.documents import HeartbeatAnswer
+from diloco_trainer.api.sharding import merge_heartbeat
+from diloco_trainer.api.spec import parse_spec
+from diloco_trainer.syncer.records import IslandRecord
+from diloco_trainer.syncer.targets import (
+    Pace,
+    budget_tokens,
+    horizon_seconds,
+    merged_elsewhere,
+    pace_of,
+    stop_targets,
+)
+
+
+def spec_of(**stop: Any) -> Any:
+    return parse_spec(
+        {
+            "model": {"preset": "gpt-tiny"},
+            "islands": {"count": 4},
+            "inner": {"steps": 30, "batchSize": 8, "seqLen": 64},
+            "sync": {"quorum": 2},
+            "stopAfter": stop,
+        }
+    )
+
+
+def test_targets_budget_in_processed_tokens() -> None:
+    assert budget_tokens(spec_of(tokens=1_228_800)) == 1_228_800
+    # 20 rounds x 4 islands x 30 steps x 512 tokens a step.
+    assert budget_tokens(spec_of(outerSteps=20)) == 1_228_800
+    assert budget_tokens(spec_of(outerSteps=10, tokens=1_228_800)) == 614_400
+
+
+def test_targets_horizon_is_three_learner_heartbeats() -> None:
+    assert horizon_seconds(60.0) == 15.0  # every 5 s
+    assert horizon_seconds(10.0) == 7.5  # every 10 / 4 s
+
+
+def test_targets_pace_from_the_first_and_latest_report() -> None:
+    rec = IslandRecord(name="a", count_base=100.0)
+    assert pace_of(rec) is None
+    rec.first_report, rec.reported_tokens, rec.reported_at = (512, 10.0), 512, 10.0
+    assert pace_of(rec) is None  # one report: no pace yet
+    rec.reported_tokens, rec.reported_at = 5632, 20.0
+    assert pace_of(rec) == Pace(base=100.0, tokens=5632, at=20.0, rate=512.0)
+
+
+def test_targets_wait_until_the_budget_is_within_the_horizon() -> None:
+    # Two islands at 1000 and 500 tokens/s, 10,000 + 5,000 done: 15,000 of 30,000 left take
+    # 10 s at 1500 tokens/s, more than a horizon of 9 s.
+    paces = {"a": Pace(0.0, 10_000, 100.0, 1000.0), "b": Pace(0.0, 5_000, 100.0, 500.0)}
+    args: dict[str, Any] = {
+        "done_elsewhere": 0.0,
+        "budget": 30_000,
+        "step_tokens": {"a": 100, "b": 100},
+        "horizon": 9.0,
+    }
+    assert stop_targets(paces, now=100.0, **args) is None
+    # 1 s later each is projected on at its rate (11,000 and 5,500): 13,500 left, 9 s.
+    # Split by pace: a 11,000 + 9,000 = 20,000, b 5,500 + 4,500 = 10,000.
+    assert stop_targets(paces, now=101.0, **args) == {"a": 20_000, "b": 10_000}
+
+
+def test_targets_count_from_the_join_round_up_to_a_step_and_leave_out_the_dropped() -> None:
+    # a rejoined with 2,000 tokens merged before: its count is 2,000 behind what it did. A
+    # dropped island's 3,000 merged count too. 30,000 - (2,000 + 10,000 + 5,000 + 3,000) =
+    # 10,000 left, a's two thirds 6,666.7 -> 16,666.7 -> down to 16,600 (steps of 100); b's
+    # 3,333.3 -> 8,333.3 -> 8,200 (steps of 200).
+    paces = {"a": Pace(2_000.0, 10_000, 50.0, 1000.0), "b": Pace(0.0, 5_000, 50.0, 500.0)}
+    targets = stop_targets(
+        paces,
+        done_elsewhere=3_000.0,
+        budget=30_000,
+        step_tokens={"a": 100, "b": 200},
+        now=50.0,
+        horizon=60.0,
+    )
+    assert targets == {"a": 16_600, "b": 8_200}
+
+
+def test_targets_past_the_budget_drain_at_once() -> None:
+    paces = {"a": Pace(0.0, 40_000, 10.0, 1000.0)}
+    targets = stop_targets(
+        paces, done_elsewhere=0.0, budget=30_000, step_tokens={"a": 100}, now=10.0, horizon=1.0
+    )
+    assert targets == {"a": 40_000}
+
+
+def test_targets_merged_elsewhere_counts_inactive_islands_only() -> None:
+    records = [IslandRecord(name="a", merged_tokens=5.0), IslandRecord(name="b", merged_tokens=7.0)]
+    assert merged_elsewhere(records, {"a"}) == pytest.approx(7.0)
+
+
+def test_targets_shards_answers_keep_the_lowest_target() -> None:
+    answers = [
+        HeartbeatAnswer(state="active", finished=False, versions=[1, 0], stop_at=900),
+        HeartbeatAnswer(state="active", finished=False, versions=[0, 2], stop_at=800),
+    ]
+    assert merge_heartbeat(answers).stop_at == 800
+    answers[1] = answers[1].model_copy(update={"stop_at": None})
+    assert merge_heartbeat(answers).stop_at == 900
