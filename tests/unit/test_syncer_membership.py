@@ -91,25 +91,15 @@ def test_work_clocks_by_hand() -> None:
     assert restored.to_json() == [[[3, 1.5], [4, 2.0]]]
 
 
-def test_membership_heartbeat_says_whether_the_island_holds() -> None:
-    """`holding` is what the island's latest heartbeat said (the learner at its step cap): set by
-    one that says so, cleared by the next that does not, and in the island's status entry."""
+@pytest.mark.parametrize("flag", ["holding", "drained"])
+def test_membership_heartbeat_says_whether_the_island_holds_or_drained(flag: str) -> None:
+    """`holding` (the learner at its step cap) and `drained` (its part of stopAfter done and
+    merged, learner/drain.py) are what the island's latest heartbeat said: set by one that says
+    so, cleared by the next that does not, and in the island's status entry."""
     m = members(Heard())
     m.join("island-0", 1, now=0.0)
-    assert not m.islands["island-0"].to_status().holding
-    m.heartbeat("island-0", 1.0, step=40, holding=True)
-    assert m.islands["island-0"].to_status().to_wire()["holding"] is True
+    assert not getattr(m.islands["island-0"].to_status(), flag)
+    m.heartbeat("island-0", 1.0, step=40, **{flag: True})
+    assert m.islands["island-0"].to_status().to_wire()[flag] is True
     m.heartbeat("island-0", 2.0, step=40)
-    assert m.islands["island-0"].to_status().to_wire()["holding"] is False
-
-
-def test_membership_heartbeat_says_whether_the_island_drained() -> None:
-    """`drained` (learner/drain.py: its share done and merged) is what the latest heartbeat
-    said, as `holding`: a heartbeat without it (the island trains on) clears it."""
-    m = members(Heard())
-    m.join("island-0", 1, now=0.0)
-    assert not m.islands["island-0"].to_status().drained
-    m.heartbeat("island-0", 1.0, step=40, drained=True)
-    assert m.islands["island-0"].to_status().to_wire()["drained"] is True
-    m.heartbeat("island-0", 2.0, step=41)
-    assert m.islands["island-0"].to_status().to_wire()["drained"] is False
+    assert m.islands["island-0"].to_status().to_wire()[flag] is False
