@@ -83,7 +83,8 @@ def test_quorum_1_lands_within_5_percent_of_quorum_3_at_equal_tokens(
     one = final_loss(1, make_spec, local_run)
     for status in (full, one):
         assert status["finished"]
-        assert status["tokens"] >= BUDGET
+        # The budget, to within a step an island (the drain rounds each part down).
+        assert status["tokens"] > BUDGET - ISLANDS * BATCH * SEQ, status["tokens"]
         assert status["evalLoss"] < 0.8 * status["initialEvalLoss"], "did not train"
     k1, k3 = one["evalLoss"], full["evalLoss"]
     assert abs(k1 - k3) <= TOLERANCE * k3, (

@@ -32,11 +32,13 @@ def spec_of(**stop: Any) -> Any:
     )
 
 
-def test_targets_budget_in_processed_tokens() -> None:
+def test_targets_only_for_a_token_budget_that_ends_the_job() -> None:
     assert budget_tokens(spec_of(tokens=1_228_800)) == 1_228_800
-    # 20 rounds x 4 islands x 30 steps x 512 tokens a step.
-    assert budget_tokens(spec_of(outerSteps=20)) == 1_228_800
-    assert budget_tokens(spec_of(outerSteps=10, tokens=1_228_800)) == 614_400
+    assert budget_tokens(spec_of(outerSteps=20)) is None  # rounds of work: no targets
+    # 20 rounds x 4 islands x 30 steps x 512 tokens a step = 1,228,800: 21 rounds come after
+    # the token budget, 10 before it.
+    assert budget_tokens(spec_of(outerSteps=21, tokens=1_228_800)) == 1_228_800
+    assert budget_tokens(spec_of(outerSteps=10, tokens=1_228_800)) is None
 
 
 def test_targets_horizon_is_three_learner_heartbeats() -> None:

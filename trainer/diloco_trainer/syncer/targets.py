@@ -46,15 +46,19 @@ class Pace:
 
 
 def budget_tokens(spec: JobSpec) -> int | None:
-    """stopAfter in tokens processed by all islands: stopAfter.tokens, or outerSteps rounds of
-    M x H steps of each island's tokens (the spec's replicas), the fewer; None without either."""
+    """stopAfter.tokens when it is what ends the job (before stopAfter.outerSteps' rounds of
+    M x H steps of the spec's island tokens would); None otherwise. An outer-step budget keeps
+    no targets at K < M: its rounds are the outer optimizer's folds of partial merges, which
+    targets rounded to whole steps could leave a fraction short of the last one."""
     stop = spec.stop_after
-    islands = max(spec.islands.count, spec.total_shards())
-    step_tokens = spec.inner.tokens_per_step * spec.islands.replicas
-    budgets = [] if stop.tokens is None else [stop.tokens]
+    if stop.tokens is None:
+        return None
     if stop.outer_steps is not None:
-        budgets.append(stop.outer_steps * islands * spec.inner.steps * step_tokens)
-    return min(budgets, default=None)
+        islands = max(spec.islands.count, spec.total_shards())
+        step_tokens = spec.inner.tokens_per_step * spec.islands.replicas
+        if stop.outer_steps * islands * spec.inner.steps * step_tokens <= stop.tokens:
+            return None
+    return stop.tokens
 
 
 def horizon_seconds(heartbeat_timeout: float) -> float:
