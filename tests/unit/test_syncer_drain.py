@@ -1,11 +1,13 @@
 """The syncer's side of the drain (learner/drain.py), in-process: an island that says it drained
-is not waited for, and the job finishes once every active island has drained, evaluated and
-checkpointed, even short of stopAfter (a dropped island's share is not coming)."""
+is not waited for, and once every active island has drained the job finishes, evaluated and
+checkpointed, if what was merged is stopAfter.tokens but for the rounding of each island's part
+to whole steps; short by more (work lost), it does not."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 from diloco_trainer.syncer import checkpoint as ckpt
 from diloco_trainer.syncer.records import Beat
 from diloco_trainer.syncer.service import Syncer
@@ -36,8 +38,20 @@ def test_syncer_merges_without_waiting_for_a_drained_island(tmp_path: Path) -> N
     assert run(syncer.status())["islands"]["island-2"]["drained"] is True
 
 
-def test_syncer_finishes_once_every_active_island_drained(tmp_path: Path) -> None:
-    spec = make_spec(sync={"quorum": 3, "graceSeconds": 600}, stopAfter={"outerSteps": 100})
+@pytest.mark.parametrize(
+    ("budget", "finishes"),
+    [
+        # 200 tokens merged; a step of each active island is 8 x 16 = 128 tokens.
+        (456, True),  # short by 256: the drain's rounding of two islands' parts
+        (457, False),  # short by more: work was lost, the learners train on
+    ],
+)
+def test_syncer_finishes_once_every_active_island_drained_at_the_budget(
+    tmp_path: Path, budget: int, finishes: bool
+) -> None:
+    spec = make_spec(
+        sync={"quorum": 3, "graceSeconds": 600}, stopAfter={"outerSteps": None, "tokens": budget}
+    )
 
     async def scenario() -> tuple[Syncer, list[bool]]:
         syncer = await started(spec, tmp_path, FakeClock())
@@ -58,8 +72,8 @@ def test_syncer_finishes_once_every_active_island_drained(tmp_path: Path) -> Non
         return syncer, seen
 
     syncer, seen = run(scenario())
-    assert seen == [False, False, False, True]
-    assert syncer.state.versions == [1] and syncer.outer_step == 1  # far short of 100
-    # The finish evaluated and checkpointed the final weights, as one at stopAfter does.
-    assert [e["outerStep"] for e in syncer.jobs.evaluations.history][-1] == 1
-    assert [p.name for p in ckpt.list_checkpoints(tmp_path)][-1] == ckpt.checkpoint_name(1)
+    assert seen == [False, False, False, finishes]
+    assert syncer.state.versions == [1] and syncer.tokens == 200
+    if finishes:  # the finish evaluated and checkpointed the final weights, as at stopAfter
+        assert [e["outerStep"] for e in syncer.jobs.evaluations.history][-1] == 1
+        assert [p.name for p in ckpt.list_checkpoints(tmp_path)][-1] == ckpt.checkpoint_name(1)

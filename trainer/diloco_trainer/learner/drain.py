@@ -23,9 +23,10 @@ in flight (a push now, from the same base, would carry their work twice), push e
 that holds steps since its base (a partial round: the syncer merges it at its work fraction,
 core/contributions.py), take those merges, then tell the syncer in a heartbeat that the island
 drained (syncer/rounds.py: it waits for drained islands no more, and finishes once every active
-island has drained). The island then waits for the finish; if it does not come within the wait
-budget (an island of the job is not draining: it restarted and lags, say), it says so, stops
-saying drained and trains on under the syncer's rule.
+island has drained at the budget). The island then waits for the finish; if it does not come
+within the wait budget (work was lost: the syncer restarted from an older checkpoint, an island
+was dropped with its part undone; or an island is not draining), it says so, stops saying
+drained and trains on under the syncer's rule, until stopAfter is reached.
 """
 
 from __future__ import annotations
@@ -50,7 +51,7 @@ def share_steps(spec: JobSpec, *, tokens_per_step: int) -> int | None:
     stopAfter.tokens / (M x the island's tokens per step) rounded down (at least 1), the fewer;
     None when islands keep no share (K < M, or no stopAfter). Rounded down, the islands stay
     within the budget: no merge reaches it before every island's last push is in, and the job
-    ends once all have drained (syncer/rounds.all_drained)."""
+    ends once all have drained (syncer/targets.drained_at_budget)."""
     islands = max(spec.islands.count, spec.total_shards())
     if spec.sync.quorum < islands:
         return None

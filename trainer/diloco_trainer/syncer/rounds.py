@@ -20,8 +20,9 @@ the window closes (expected_push: last progress report and step time against the
 sync point; one with no report, overdue or not joined yet is waited for).
 The drain (learner/drain.py): an island that has trained its share of stopAfter and seen its
 last pushes merged says so in its heartbeats (drained). It is no longer waited for: a round whose
-other active islands have all pushed is due at once, quorum or not, and once every active island
-has drained with nothing pending (all_drained) the job's work is all merged and it finishes.
+other active islands have all pushed is due at once, quorum or not; once every active island
+has drained with nothing pending (all_drained), the job's work is all merged, and the service
+finishes the job if that is stopAfter but for the drain's rounding (targets.drained_at_budget).
 Membership (membership.py, owned here) tells this machine of every change (MembershipEvents), which
 re-evaluates the quorum at once: dropping an island removes its pending contribution (which may
 undo the quorum) and shrinks the active set (which may complete the round).
@@ -341,8 +342,8 @@ class SyncState:
 
     def all_drained(self) -> bool:
         """Every active island has drained and no push is pending: all the work the islands
-        will do is merged. The job then finishes even short of stopAfter (a dropped island's
-        share is not coming); never with no active island (nobody has done anything)."""
+        will do is merged (the service then checks it against stopAfter); never with no active
+        island (nobody has done anything)."""
         active = self.membership.active()
         if not active or self.membership.awaited() or not active <= self.drained():
             return False

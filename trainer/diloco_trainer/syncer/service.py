@@ -29,12 +29,12 @@ Hostile and broken input (README's Security section; gate.py, merge.py): only th
 names join, a push passes the guards (finite, norm bounds, steps and tokens of one round) before
 it joins a round, and a merge whose input cannot be merged leaves out the contributions at fault.
 
-When stopAfter is reached, or every active island has drained (rounds.py), the syncer
-evaluates, writes a checkpoint, and only then reports finished=true; it keeps serving status and
-pulls afterwards. A stop (SIGTERM) lets a running merge finish and writes a checkpoint of what
-was merged since the last one. A merge that raises while applying the outer step (a bug: its
-input was checked) leaves the round half applied, so the syncer then refuses work with 503 and
-reports unhealthy on /healthz until it is restarted from its last checkpoint.
+When stopAfter is reached (or all but the drain's rounding, every island drained: targets.py),
+the syncer evaluates, writes a checkpoint, and only then reports finished=true; it keeps serving
+status and pulls afterwards. A stop (SIGTERM) lets a running merge finish and writes a checkpoint
+of what was merged since the last one. A merge that raises while applying the outer step (a bug:
+its input was checked) leaves the round half applied, so the syncer then refuses work with 503
+and reports unhealthy on /healthz until it is restarted from its last checkpoint.
 """
 
 from __future__ import annotations
@@ -70,6 +70,7 @@ from diloco_trainer.syncer.status import (
     checkpoint_manifest,
     status_document,
 )
+from diloco_trainer.syncer.targets import drained_at_budget
 
 __all__ = ["Syncer", "main"]
 
@@ -215,12 +216,12 @@ class Syncer:
         return self.model.digest()
 
     def stop_reached(self) -> bool:
-        """Whether the job ends now: stopAfter is reached, or every active island has drained
-        (its share done and merged, learner/drain.py) so no more work is coming."""
-        reached = startup.stop_reached(
-            self.spec, outer_step=self.state.outer_step, tokens=self.tokens
-        )
-        return reached or self.state.all_drained()
+        """Whether the job ends now: stopAfter is reached, or but for the drain's rounding with
+        every active island drained (learner/drain.py, targets.drained_at_budget)."""
+        if startup.stop_reached(self.spec, outer_step=self.state.outer_step, tokens=self.tokens):
+            return True
+        active = self.state.membership.active_records()
+        return self.state.all_drained() and drained_at_budget(self.spec, self.tokens, active)
 
     def _body_keys(self) -> list[BodyKey]:
         """What each fragment's pull body says now: (version, outer step, finished)."""
@@ -358,7 +359,7 @@ class Syncer:
                 self._update_gauges()
             due = [] if self.finished else self.state.due_fragments(now)
             # Every island drained, nothing to merge (a heartbeat said so, or a drop): finish.
-            drained = not (self.finished or due) and self.state.all_drained()
+            drained = not (self.finished or due) and self.stop_reached()
         assert self.merging is not None
         for f in due:
             async with self.merging:
@@ -464,7 +465,7 @@ class Syncer:
         self.finished = True
         await self.publisher.publish(self._body_keys())
         short = not startup.stop_reached(self.spec, outer_step=step, tokens=self.tokens)
-        why = " (every active island drained: its part done)" if short else ""
+        why = " (every island drained, the budget less its rounding to steps)" if short else ""
         log.info("finished at outer step %d with %d tokens%s", step, self.tokens, why)
         return loss
 

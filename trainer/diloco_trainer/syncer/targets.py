@@ -11,8 +11,10 @@ pace once it is close: when what is left takes the islands less than `horizon` s
 their pace (a few heartbeat intervals, so each learner hears its target before it reaches it).
 The targets are fixed then (a later change of pace moves nothing), sent in each heartbeat
 answer (`stopAt`, in the learner's own count), and a learner drains once its count reaches its
-target. An island dropped after that leaves its remainder undone (the job finishes once every
-active island has drained, rounds.all_drained); one that joins after it gets no target and
+target. Once every active island has drained the job finishes if the merged tokens are the
+budget but for that rounding (drained_at_budget); an island dropped after the targets were set
+leaves its remainder undone, so the others, drained short of the budget, train on after their
+wait (learner/drain.py) until it is reached. One that joins after the targets gets none and
 trains on until the finish.
 
 Pure: the service calls `stop_targets` with the islands' records under its lock.
@@ -115,3 +117,16 @@ def stop_targets(
 def merged_elsewhere(records: Iterable[IslandRecord], active: set[str]) -> float:
     """Tokens merged from islands that are not active (their work counts towards the budget)."""
     return sum(r.merged_tokens for r in records if r.name not in active)
+
+
+def drained_at_budget(spec: JobSpec, tokens: int, active: Iterable[IslandRecord]) -> bool:
+    """Whether `tokens` merged are stopAfter.tokens but for the drain's rounding: short of it by
+    at most a step of each active island (shares and targets are rounded down to whole steps).
+    Every active island having drained ends the job only then: short by more, work was lost (a
+    syncer restarted from an older checkpoint, an island dropped with its share undone) and the
+    learners, drained, train on after their wait (learner/drain.py) until stopAfter is reached."""
+    budget = spec.stop_after.tokens
+    if budget is None:
+        return False
+    slack = sum(spec.inner.tokens_per_step * max(1, r.replicas) for r in active)
+    return budget - tokens <= slack
