@@ -77,3 +77,29 @@ def test_syncer_finishes_once_every_active_island_drained_at_the_budget(
     if finishes:  # the finish evaluated and checkpointed the final weights, as at stopAfter
         assert [e["outerStep"] for e in syncer.jobs.evaluations.history][-1] == 1
         assert [p.name for p in ckpt.list_checkpoints(tmp_path)][-1] == ckpt.checkpoint_name(1)
+
+
+def test_syncer_sets_stop_targets_near_the_budget_and_drops_a_rejoiners(tmp_path: Path) -> None:
+    # K = 2 of 3, 3,000 tokens; a step is 8 x 16 = 128 tokens. Each island reports 0 tokens,
+    # then 640 a second later: 640 tokens/s each, 1,920 done, 1,080 left, far within the
+    # horizon (3 heartbeats). Each gets a third: 640 + 360 = 1,000, down to 7 steps = 896.
+    spec = make_spec(sync={"quorum": 2}, stopAfter={"outerSteps": None, "tokens": 3000})
+    clock = FakeClock()
+
+    async def scenario() -> list[dict[str, object]]:
+        syncer = await started(spec, tmp_path, clock)
+        islands = [f"island-{i}" for i in range(3)]
+        for name in islands:
+            await syncer.join(name, 1)
+            await syncer.heartbeat(name, Beat(step=0, tokens=0, step_time=0.2))
+        clock.now += 1.0
+        answers = [await syncer.heartbeat(n, Beat(step=5, tokens=640)) for n in islands]
+        await syncer.join("island-0", 1)  # restarted: its count starts from zero again
+        answers += [await syncer.heartbeat(n, Beat(step=1, tokens=128)) for n in islands[:2]]
+        return answers
+
+    answers = run(scenario())
+    # No target until every island's pace is known (the third island's second report).
+    assert [a.get("stopAt") for a in answers[:3]] == [None, None, 896]
+    assert answers[3].get("stopAt") is None  # the rejoined island trains on without one
+    assert answers[4]["stopAt"] == 896

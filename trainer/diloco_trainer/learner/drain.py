@@ -133,7 +133,7 @@ def _wait_finished(sync: FragmentSync, budget: float) -> None:
         return
     sync.link.progress["drained"] = False
     log.warning(
-        "drained, but the job did not finish within %.0fs (another island has not drained); "
-        "training on until the syncer finishes it",
+        "drained, but the job did not finish within %.0fs (work was lost to a syncer restart "
+        "or a dropped island, or an island has not drained); training on until stopAfter",
         budget,
     )

@@ -60,6 +60,9 @@ class MembershipRoutes:
         async with self.host.locked():
             self.gate.admit(self.state.membership, island, self.host.clock())
             rec = self.state.membership.join(island, replicas, self.host.clock())
+            # A restarted learner counts its tokens from zero again: its target (in the old
+            # count) would let it train far past the budget. It trains on without one.
+            self.targets.pop(island, None)
             merged_tokens = round(rec.merged_tokens)  # read under the lock a merge takes
         self.host.changed()
         log.info(
