@@ -20,7 +20,8 @@
 #                                                  # ONLY=GLOB runs the cases it matches
 #                                                  # (e.g. ONLY='gpt-125m-h40-nextPush'), EXTRA
 #                                                  # adds arguments to each (EXTRA='--outer-steps
-#                                                  # 24'; then LIMIT=300 seconds a case)
+#                                                  # 24'; then LIMIT=300 seconds a case), PLAIN
+#                                                  # the plain blocks' steps (default 40)
 #   MODE=pull OUT=... hack/gpu-check.sh            # pulled updates applied on the GPU: the
 #                                                  # rebuild against the host's bit for bit, what
 #                                                  # each part of the link's work slows in the
@@ -134,7 +135,7 @@ if [[ "${MODE:-full}" == injob ]]; then
     # in one archive, so that what comes back stays a few files.
     WORK_OUT="$OUT/injob"
     mkdir -p "$WORK_OUT"
-    if [[ "$DEVICE" == cuda ]]; then
+    if [[ "$DEVICE" == cuda && -z "${SKIP_CHECKS:-}" ]]; then  # SKIP_CHECKS=1: the jobs alone
         echo "== learner/device_copies on cuda: the copies against plain ones"
         "$PY" - <<'PYEOF' || echo "!! device_copies check failed"
 import torch
@@ -197,9 +198,12 @@ old = calling_thread(lambda: per_tensor({n: base[n] - params[n].detach().to(torc
 new = calling_thread(lambda: batched(pseudo_gradient(base, snapshot(params)), fb2))
 print(f"push on the calling thread, median of 5 behind a busy queue: per tensor {old:.4f}s, batched {new:.4f}s")
 PYEOF
+    fi
+    if [[ "$DEVICE" == cuda ]]; then
         CASES=("gpt-125m-h40 --preset gpt-125m --batch-size 16 --seq-len 1024 --inner-steps 40 --outer-steps 8"
                "gpt-125m-h100 --preset gpt-125m --batch-size 16 --seq-len 1024 --inner-steps 100 --outer-steps 4"
                "gpt-mini-h40 --preset gpt-mini --batch-size 32 --seq-len 256 --inner-steps 40 --outer-steps 8"
+               "gpt-mini-h200 --preset gpt-mini --batch-size 32 --seq-len 256 --inner-steps 200 --outer-steps 8"
                "gpt-125m-h40-compiled --preset gpt-125m --batch-size 16 --seq-len 1024 --inner-steps 40 --outer-steps 8 --compile")
         LIMIT=${LIMIT:-150}
     else
@@ -219,7 +223,7 @@ PYEOF
             # longer job, whose start-up weighs less in its figure).
             # shellcheck disable=SC2086
             timeout "$LIMIT" "$PY" -m bench.learner_overlap --device "$DEVICE" --precision bf16 \
-                "${words[@]:1}" ${EXTRA:-} --merge-wait "$wait" --plain-steps 40 \
+                "${words[@]:1}" ${EXTRA:-} --merge-wait "$wait" --plain-steps "${PLAIN:-40}" \
                 --json "$WORK_OUT/$name.json" --logs "$WORK_OUT/logs-$name" \
                 || echo "!! learner_overlap $name failed or timed out (exit $?)"
             tar -czf "$OUT/injob.tgz" -C "$OUT" injob  # after each case: a cut-off run keeps some
