@@ -131,6 +131,13 @@ class IslandStatus(StatusModel):
         "syncer has not merged or answered it yet; it steps on once it does. As the syncer "
         "last heard it from the island's heartbeats.",
     )
+    drained: bool = Field(
+        False,
+        description="The island's learner has trained its share of stopAfter, pushed all of "
+        "it and seen it merged, and waits for the job to finish (docs/algorithm.md, the "
+        "drain); it trains on if the finish does not come within its wait budget. As the "
+        "syncer last heard it from the island's heartbeats.",
+    )
 
 
 class FinalCheckpoint(StatusModel):

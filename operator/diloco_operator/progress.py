@@ -127,6 +127,7 @@ def island_statuses(obs: Observation, running: bool) -> list[IslandStatus]:
                 restarts=island.restarts,
                 waiting_for_quota=island.waiting_for_quota,
                 holding=info is not None and info.holding,
+                drained=info is not None and info.drained,
             )
         )
     return out

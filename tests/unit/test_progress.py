@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 from dataclasses import replace
 
+import pytest
 from diloco_operator.progress import (
     Completion,
     carried_progress,
@@ -62,20 +63,24 @@ def test_island_statuses_unknown_state_for_strange_values() -> None:
     assert entry.state == "unknown" and not entry.in_quorum
 
 
-def test_island_statuses_say_which_island_holds_at_the_step_cap() -> None:
-    """An island whose learner holds at the step cap (its heartbeats say so to the syncer) says
-    so on its own entry; a syncer that does not report it (older) reads as not holding."""
+@pytest.mark.parametrize("flag", ["holding", "drained"])
+def test_island_statuses_carry_the_learners_flags(flag: str) -> None:
+    """An island whose learner holds at the step cap, or has drained its share of stopAfter
+    (its heartbeats say so to the syncer), says so on its own entry; a syncer that does not
+    report the flag (older) reads as not set."""
     syncer = {
         "islands": {
-            "island-0": {"state": "active", "holding": True},
+            "island-0": {"state": "active", flag: True},
             "island-1": {"state": "active"},
         }
     }
     first, second = island_statuses(observation(syncer=syncer), running=True)
-    assert first.holding and first.model_dump(by_alias=True)["holding"] is True
-    assert not second.holding
+    assert getattr(first, flag) and first.model_dump(by_alias=True)[flag] is True
+    other = "drained" if flag == "holding" else "holding"
+    assert not getattr(first, other)
+    assert not getattr(second, flag)
     (idle, _) = island_statuses(observation(syncer=None), running=False)
-    assert not idle.holding
+    assert not getattr(idle, flag)
 
 
 def test_number_coercion() -> None:

@@ -103,3 +103,34 @@ def test_syncer_sets_stop_targets_near_the_budget_and_drops_a_rejoiners(tmp_path
     assert [a.get("stopAt") for a in answers[:3]] == [None, None, 896]
     assert answers[3].get("stopAt") is None  # the rejoined island trains on without one
     assert answers[4]["stopAt"] == 896
+
+
+def test_the_finish_evaluates_merges_that_completed_no_outer_step(tmp_path: Path) -> None:
+    """The final weights are evaluated even when the merges since the latest evaluation did not
+    complete an outer step (a partial round at K < M, the drain's last pushes): the final eval
+    loss is never that of older weights. Island-0's lone push is half a round (4 of 2 x 4
+    steps), so the outer step stays 0, the start's evaluated step."""
+    spec = make_spec(
+        islands={"count": 2},
+        sync={"quorum": 1, "graceSeconds": 0},
+        stopAfter={"outerSteps": None, "tokens": 300},
+    )
+
+    async def scenario() -> Syncer:
+        syncer = await started(spec, tmp_path, FakeClock())
+        for i in range(2):
+            await syncer.join(f"island-{i}", 1)
+        await syncer.receive_push(0, body(syncer, 0, "island-0", delta(syncer, 0, 0)))
+        await syncer.tick()
+        assert syncer.state.versions == [1] and syncer.state.outer_step == 0
+        for i in range(2):
+            await syncer.heartbeat(f"island-{i}", DRAINED)
+        await syncer.tick()
+        return syncer
+
+    syncer = run(scenario())
+    assert syncer.finished  # 100 of 300 tokens: short by 200, under a step of each island
+    history = syncer.jobs.evaluations.history
+    assert [(e["outerStep"], e["tokens"]) for e in history] == [(0, 0), (0, 100)]
+    assert history[-1]["evalLoss"] != history[0]["evalLoss"]
+    assert run(syncer.status())["evalHistory"][-1]["tokens"] == 100

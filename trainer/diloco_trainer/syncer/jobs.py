@@ -10,7 +10,9 @@ status document, a metric) until the next one succeeds. The JobQueue runs any jo
 it one at a time, in order.
 
 Evaluation runs at start, every syncer.evalEveryOuterSteps outer steps and at the finish (its
-evalHistory entry appears shortly after the merge it follows); checkpoints every
+evalHistory entry appears shortly after the merge it follows), the finish's also when its outer
+step was evaluated already but merges since then moved the weights (partial rounds at K < M,
+the drain's last pushes: the same outer step twice, with more tokens); checkpoints every
 syncer.checkpoint.everyOuterSteps outer steps, at the finish and when the syncer stops (SIGTERM)
 with merges since the last one. evalHistory keeps the first evaluation and the last
 EVAL_HISTORY - 1.
@@ -105,6 +107,10 @@ class Evaluations:
         self.history: list[dict[str, Any]] = []
         self.initial_loss: float | None = None
         self.last_step = -1
+        # Merged tokens of the latest evaluation: the finish evaluates the final weights when
+        # merges since then moved them without completing an outer step (partial rounds at K < M
+        # or the drain's last pushes), so the final eval loss is never of older weights.
+        self.last_tokens = -1
         # A second model to evaluate weight snapshots on while merges go on: a copy of the
         # module that shares the live parameters (no copy of P), whose parameter slots take a
         # snapshot's tensors for the length of one evaluation.
@@ -153,6 +159,7 @@ class Evaluations:
         if len(self.history) > EVAL_HISTORY:  # the start of the curve stays, the middle goes
             del self.history[1 : len(self.history) - EVAL_HISTORY + 1]
         self.last_step = max(self.last_step, step)
+        self.last_tokens = max(self.last_tokens, tokens)
         self.metrics.eval_loss.set(loss)
 
     def restore(self, manifest: CheckpointManifest, outer_step: int) -> None:
@@ -160,6 +167,7 @@ class Evaluations:
         self.history = history[:1] + history[1:][-(EVAL_HISTORY - 1) :]
         self.initial_loss = manifest.initial_eval_loss
         self.last_step = outer_step
+        self.last_tokens = int(history[-1]["tokens"]) if history else -1
 
 
 @dataclass(frozen=True)
@@ -317,11 +325,12 @@ class BackgroundJobs:
             self.checkpoints.last_step = step
 
     async def finish(self, step: int, tokens: int, snapshot: Snapshotter) -> float | None:
-        """Evaluate (unless done at this step) and checkpoint the final state, after every
-        scheduled job; returns the eval loss computed here, if any."""
+        """Evaluate (unless the latest evaluation is of these weights: this step and these
+        tokens) and checkpoint the final state, after every scheduled job; returns the eval
+        loss computed here, if any."""
         await self.queue.drain()  # earlier evaluations land in evalHistory first
         loss = None
-        if self._eval_due(step):
+        if self._eval_due(step) or (self.evaluates and tokens > self.evaluations.last_tokens):
             loss = await asyncio.to_thread(self.evaluations.evaluate_live)
             self.evaluations.record(loss, step=step, tokens=tokens)
         await self.checkpoints.write(await snapshot())
