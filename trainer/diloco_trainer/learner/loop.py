@@ -53,6 +53,7 @@ from diloco_trainer.learner.fragment_sync import FragmentSync
 from diloco_trainer.learner.inner_step import InnerStep, check_precision
 from diloco_trainer.learner.schedule import rewarm_factor, schedule_start
 from diloco_trainer.learner.shards import FragmentShards, local_rows, shard_model
+from diloco_trainer.learner.start_together import starts_together, wait_for_peers
 from diloco_trainer.learner.step_costs import WindowCosts, wait_hint
 from diloco_trainer.learner.syncer_client import SyncerClient
 from diloco_trainer.learner.syncer_link import SyncerLink
@@ -313,6 +314,9 @@ class Learner:
             assert self.link is not None
             interval = min(5.0, self.spec.sync.heartbeat_timeout_seconds / 4)
             self.link.submit(self.link.heartbeats(interval))
+            if starts_together(info.versions, blocking=self.sync.blocking):
+                budget = self.spec.sync.heartbeat_timeout_seconds
+                wait_for_peers(self.link, budget=budget, stop=self.stop)
         if first:
             log.info("starting at schedule step %d, in phase with the other islands", first)
         return True

@@ -401,6 +401,11 @@ class SyncerLink:
         them, and every heartbeat after the first step failed)."""
         self.progress.update(step=step, tokens=tokens, loss=loss, step_time=step_time)
 
+    async def awaited(self) -> int:
+        """Islands of the job the syncer has not heard of yet (shard 0's status: every island
+        joins every shard); learner/start_together.py."""
+        return (await self.clients[0].status()).awaited_islands
+
     async def report_now(self) -> None:
         """One heartbeat to every shard now, outside the timer (a change the syncer should not
         wait an interval for: the island drained)."""
