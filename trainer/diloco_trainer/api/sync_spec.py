@@ -112,7 +112,12 @@ class SyncSpec(SpecModel):
         "once per round of work (Delayed Nesterov), whatever the quorum.",
     )
     heartbeat_timeout_seconds: float = Field(
-        30, gt=0, le=3600, description="An island silent this long leaves the quorum."
+        30,
+        gt=0,
+        le=3600,
+        description="An island silent this long leaves the quorum. Also the longest a fresh "
+        "job's islands wait for each other before their first step when learners do not "
+        "block (quorum < islands): they start together so their pushes meet in one merge.",
     )
 
     @property
