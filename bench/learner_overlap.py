@@ -42,6 +42,7 @@ import argparse
 import os
 import re
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -242,6 +243,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             row[f"aa_{clock}"] = after[clock] / before[clock]
         rounds.append(row)
     return {
+        "summary": summary(plains, jobs, rounds),
         "preset": args.preset,
         "device": args.device,
         "precision": args.precision,
@@ -256,6 +258,27 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "control": args.control,
         "plains": plains,
         "rounds": rounds,
+    }
+
+
+def summary(
+    plains: list[dict[str, float]], jobs: list[dict[str, Any]], rounds: list[dict[str, Any]]
+) -> dict[str, float]:
+    """Across rounds (wall clock): the median of the rounds' ratios and of their A/A controls,
+    and the jobs' mean tokens/s over the mean of every plain block. On a machine whose plain
+    loop drifts between blocks (an H200 moved 52-68 ms a step within minutes), one round's
+    ratio is as much the drift as the learner; several rounds and their median are the figure."""
+    ratios = sorted(r["ratio_tokens_per_s"] for r in rounds)
+    controls = sorted(r["aa_tokens_per_s"] for r in rounds)
+    plain = statistics.fmean(p["tokens_per_s"] for p in plains)
+    return {
+        "median_ratio": statistics.median(ratios),
+        "min_ratio": ratios[0],
+        "max_ratio": ratios[-1],
+        "median_aa": statistics.median(controls),
+        "min_aa": controls[0],
+        "max_aa": controls[-1],
+        "pooled_ratio": statistics.fmean(j["tokens_per_s"] for j in jobs) / plain,
     }
 
 
@@ -282,6 +305,15 @@ def report(r: dict[str, Any]) -> str:
             f"A/A (plain after / before) {row['aa_tokens_per_cpu_s']:.3f}",
             *split_lines(job["split"]),
         ]
+    if len(r["rounds"]) > 1:
+        m = r["summary"]
+        lines.append(
+            f"over {len(r['rounds'])} rounds (wall): learner / plain median "
+            f"{m['median_ratio']:.3f} "
+            f"({m['min_ratio']:.3f}-{m['max_ratio']:.3f}); A/A median {m['median_aa']:.3f} "
+            f"({m['min_aa']:.3f}-{m['max_aa']:.3f}); the jobs' mean over every plain block's "
+            f"{m['pooled_ratio']:.3f}"
+        )
     return "\n".join(lines)
 
 

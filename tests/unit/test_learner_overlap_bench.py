@@ -63,3 +63,20 @@ def test_a_log_from_before_the_cpu_column_still_parses() -> None:
     old = "step 60 loss 2.0 tokens 1 (100 tokens/s); 20 steps: 2.00s training, 0.50s sync path, "
     match = learner_overlap.COSTS.search(old + "0.00s waiting for the syncer")
     assert match is not None and match.group(6) is None
+
+
+def test_summary_over_rounds_takes_medians_and_pools_the_plain_blocks() -> None:
+    """Three rounds between four plain blocks (tokens/s 100, 120, 80, 100): the rounds' ratios
+    1.0, 0.8 and 1.25 have median 1.0; their A/A controls 1.2, 2/3 and 1.25 median 1.2; the
+    jobs' mean (100) over every plain block's mean (100) is 1.0."""
+    plains = [{"tokens_per_s": t} for t in (100.0, 120.0, 80.0, 100.0)]
+    jobs = [{"tokens_per_s": t} for t in (110.0, 80.0, 110.0)]
+    rounds = [
+        {"ratio_tokens_per_s": 1.0, "aa_tokens_per_s": 1.2},
+        {"ratio_tokens_per_s": 0.8, "aa_tokens_per_s": 80 / 120},
+        {"ratio_tokens_per_s": 1.25, "aa_tokens_per_s": 1.25},
+    ]
+    got = learner_overlap.summary(plains, jobs, rounds)
+    assert got["median_ratio"] == 1.0 and (got["min_ratio"], got["max_ratio"]) == (0.8, 1.25)
+    assert got["median_aa"] == 1.2 and got["min_aa"] == pytest.approx(2 / 3)
+    assert got["pooled_ratio"] == pytest.approx(1.0)
