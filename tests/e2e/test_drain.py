@@ -58,7 +58,7 @@ def test_drain_merges_every_processed_token_and_stops_at_the_budget(
             assert sum(steps) == STEPS, (island, f, steps)
             assert steps[-1] < spec.inner.steps, (island, f, steps)
         log = (run.logs / f"{island}-rank0.log").read_text()
-        assert re.search(r"step \d+: this island's share of stopAfter is done: draining", log)
+        assert re.search(r"step \d+: this island's part of the job is done", log)
         assert f"the job has finished: exiting after {STEPS} steps" in log
         assert status.islands[island].merged_tokens == STEPS * STEP_TOKENS
 
@@ -92,7 +92,7 @@ def test_drain_at_k_below_m_stops_each_island_at_its_target(
     processed = 0
     for island in (f"island-{i}" for i in range(ISLANDS)):
         log = (run.logs / f"{island}-rank0.log").read_text()
-        assert "this island's share of stopAfter is done: draining" in log
+        assert "this island's part of the job is done (its share of stopAfter" in log
         steps = int(re.findall(r"the job has finished: exiting after (\d+) steps", log)[-1])
         processed += steps * STEP_TOKENS
         for f in (0, 1):  # every step it took is in both fragments' merges

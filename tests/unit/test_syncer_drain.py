@@ -5,6 +5,7 @@ to whole steps; short by more (work lost), it does not."""
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 import pytest
@@ -105,7 +106,9 @@ def test_syncer_sets_stop_targets_near_the_budget_and_drops_a_rejoiners(tmp_path
     assert answers[4]["stopAt"] == 896
 
 
-def test_the_finish_evaluates_merges_that_completed_no_outer_step(tmp_path: Path) -> None:
+def test_the_finish_evaluates_merges_that_completed_no_outer_step(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     """The final weights are evaluated even when the merges since the latest evaluation did not
     complete an outer step (a partial round at K < M, the drain's last pushes): the final eval
     loss is never that of older weights. Island-0's lone push is half a round (4 of 2 x 4
@@ -128,9 +131,13 @@ def test_the_finish_evaluates_merges_that_completed_no_outer_step(tmp_path: Path
         await syncer.tick()
         return syncer
 
-    syncer = run(scenario())
+    with caplog.at_level(logging.INFO, logger="diloco.syncer"):
+        syncer = run(scenario())
     assert syncer.finished  # 100 of 300 tokens: short by 200, under a step of each island
     history = syncer.jobs.evaluations.history
     assert [(e["outerStep"], e["tokens"]) for e in history] == [(0, 0), (0, 100)]
     assert history[-1]["evalLoss"] != history[0]["evalLoss"]
+    # No merge line follows this finish: the final evaluation has its own line.
+    loss = history[-1]["evalLoss"]
+    assert f"final eval at outer step 0 (100 tokens): loss {loss:.4f}" in caplog.text
     assert run(syncer.status())["evalHistory"][-1]["tokens"] == 100

@@ -95,7 +95,8 @@ def drain(sync: FragmentSync) -> dict[int, Weights]:
     for f in pushed:
         sync.push(f, sync.position, (0, 0))
     log.info(
-        "step %d: this island's share of stopAfter is done: draining (fragment(s) %s pushed)",
+        "step %d: this island's part of the job is done (its share of stopAfter, or at K < M "
+        "the syncer's stop target): draining (fragment(s) %s pushed)",
         sync.position,
         pushed,
     )

@@ -333,6 +333,8 @@ class BackgroundJobs:
         if self._eval_due(step) or (self.evaluates and tokens > self.evaluations.last_tokens):
             loss = await asyncio.to_thread(self.evaluations.evaluate_live)
             self.evaluations.record(loss, step=step, tokens=tokens)
+            # Logged here: a finish after every island drained follows no merge line to carry it.
+            log.info("final eval at outer step %d (%d tokens): loss %.4f", step, tokens, loss)
         await self.checkpoints.write(await snapshot())
         self.checkpoints.last_step = step
         return loss
