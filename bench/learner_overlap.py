@@ -39,6 +39,7 @@ Torch-only besides the trainer: it runs on a GPU machine with the trainer alone.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import re
 import shutil
@@ -47,8 +48,12 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
+
+import torch
+from diloco_trainer.api.contract import SYNCER_CPUS, format_cpu_list, parse_cpu_list
 
 from bench.learner_step import bench_main, make_spec, model_arguments, plain_side
 
@@ -96,6 +101,8 @@ def job_windows(args: argparse.Namespace, workdir: Path) -> tuple[list[float], f
     config = workdir / "job.yaml"
     config.write_text(job_yaml(args))
     env = dict(os.environ, DILOCO_DEVICE=args.device)
+    if args.syncer_cpus:
+        env[SYNCER_CPUS] = args.syncer_cpus
     start = time.perf_counter()
     done = subprocess.run(
         [
@@ -162,15 +169,39 @@ def timed(step: Any, steps: int) -> tuple[float, float]:
     return time.perf_counter() - wall, time.process_time() - cpu
 
 
+@contextlib.contextmanager
+def plain_cpus(args: argparse.Namespace) -> Iterator[None]:
+    """With --syncer-cpus: this process on the learner's CPUs (every other one) and, on a CPU,
+    with as many intra-op threads, as `diloco run` gives its one learner; else as it is."""
+    if not args.syncer_cpus:
+        yield
+        return
+    mine, threads = frozenset(os.sched_getaffinity(0)), torch.get_num_threads()
+    learner = mine - parse_cpu_list(args.syncer_cpus, SYNCER_CPUS)
+    if not learner:
+        raise SystemExit(
+            f"--syncer-cpus {args.syncer_cpus} leaves no CPU of {format_cpu_list(mine)}"
+        )
+    os.sched_setaffinity(0, learner)
+    if args.device == "cpu":
+        torch.set_num_threads(len(learner))
+    try:
+        yield
+    finally:
+        os.sched_setaffinity(0, mine)
+        torch.set_num_threads(threads)
+
+
 def plain_block(args: argparse.Namespace) -> dict[str, float]:
     """The plain loop, freshly built: tokens/s over wall time and tokens per CPU second of this
     process (every thread of it) over --plain-steps steps after --warmup untimed ones."""
     spec = make_spec(args)
-    step = plain_side(spec, args.device)
-    for _ in range(args.warmup):
-        step()
-    wall, cpu = timed(step, args.plain_steps)
-    del step
+    with plain_cpus(args):
+        step = plain_side(spec, args.device)
+        for _ in range(args.warmup):
+            step()
+        wall, cpu = timed(step, args.plain_steps)
+        del step
     tokens = args.plain_steps * spec.inner.tokens_per_step
     return {
         "wall_s": wall,
@@ -184,10 +215,11 @@ def control_windows(args: argparse.Namespace) -> dict[str, Any]:
     """--control: the plain loop's own 20-step windows in the job's place, read as the job's
     are (an A/A run: the ratio's noise floor on this machine)."""
     spec = make_spec(args)
-    step = plain_side(spec, args.device)
-    for _ in range(args.warmup):
-        step()
-    rows = [timed(step, 20) for _ in range(args.inner_steps * args.outer_steps // 20)]
+    with plain_cpus(args):
+        step = plain_side(spec, args.device)
+        for _ in range(args.warmup):
+            step()
+        rows = [timed(step, 20) for _ in range(args.inner_steps * args.outer_steps // 20)]
     tokens = 20 * spec.inner.tokens_per_step
     kept = steady(rows, args)
     return {
@@ -256,6 +288,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "merge_wait": args.merge_wait,
         "overlap_mode": args.overlap_mode,
         "control": args.control,
+        "syncer_cpus": args.syncer_cpus,
         "plains": plains,
         "rounds": rounds,
     }
@@ -288,7 +321,13 @@ def report(r: dict[str, Any]) -> str:
         f"{r['micro_batches']} x {r['seq_len']}, H {r['inner_steps']}, "
         f"{r['outer_steps']} outer steps, 2 fragments, int8, mergeWait {r['merge_wait']}, "
         f"overlapMode {r['overlap_mode']}; plain blocks of "
-        f"{r['plain_steps']} steps" + (CONTROL_NOTE if r["control"] else "")
+        f"{r['plain_steps']} steps"
+        + (CONTROL_NOTE if r["control"] else "")
+        + (
+            f"; syncer on CPUs {r['syncer_cpus']}, learner and plain loop on the rest"
+            if r.get("syncer_cpus")
+            else ""
+        )
     ]
     for i, row in enumerate(r["rounds"]):
         job, before, after = row["job"], row["plain_before"], row["plain_after"]
@@ -329,8 +368,8 @@ def split_lines(split: dict[str, Any] | None) -> list[str]:
     )
     return [
         f"  learner's own split of its steady windows ({split['steps']} steps): "
-        f"{split['training_s']:.2f}s training, {split['sync_path_s']:.2f}s sync path, "
-        f"{split['waiting_s']:.2f}s waiting for the syncer; {split['cpu_s']:.2f} CPU-s",
+        f"{split['training_s']:.3f}s training, {split['sync_path_s']:.3f}s sync path, "
+        f"{split['waiting_s']:.3f}s waiting for the syncer; {split['cpu_s']:.2f} CPU-s",
         f"  training / all: {split['training_share']:.3f}; training / (training + sync path): "
         f"{split['step_path_share']:.3f}",
         f"  merge waits: {waits or 'none'}",
@@ -368,6 +407,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--control",
         action="store_true",
         help="A/A: time the plain loop in 20-step windows in place of the job (the noise floor)",
+    )
+    p.add_argument(
+        "--syncer-cpus",
+        default="",
+        help="the job's syncer on these CPUs (DILOCO_SYNCER_CPUS, e.g. 1) and its learner, and "
+        "the plain loop, on the rest: the learner timed without the syncer's merges on its "
+        "cores, as in a cluster where the syncer has a pod of its own",
     )
     p.add_argument(
         "--compile",

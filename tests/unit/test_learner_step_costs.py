@@ -25,7 +25,7 @@ def test_a_window_splits_training_sync_path_and_waiting() -> None:
     assert costs.sync_path == pytest.approx(0.25 + 0.25)
     assert costs.waiting == pytest.approx(1.75)
     assert costs.line() == (
-        "2 steps: 1.00s training, 0.50s sync path, 1.75s waiting for the syncer; 0.00s cpu"
+        "2 steps: 1.000s training, 0.500s sync path, 1.750s waiting for the syncer; 0.00s cpu"
     )
 
 

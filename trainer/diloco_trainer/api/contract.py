@@ -38,8 +38,11 @@ STATE_DIR = "DILOCO_STATE_DIR"  # syncer: checkpoints; learner: scratch
 SYNCER_PORT = "DILOCO_SYNCER_PORT"
 DEVICE = "DILOCO_DEVICE"  # auto | cpu | cuda
 # CPUs the process keeps to ("0-7,12"; parse_cpu_list): `diloco run` gives its GPU learners and
-# its syncer separate halves of the machine (local/run.py, cpu_split).
+# its syncer separate halves of the machine (local/cpu_plan.py, cpu_split).
 CPUS = "DILOCO_CPUS"
+# `diloco run` only: CPUs its syncer keeps to, the rest going to its learners, on any device (a
+# benchmark's learner on cores of its own, as a cluster's syncer pod leaves it).
+SYNCER_CPUS = "DILOCO_SYNCER_CPUS"
 # Test and benchmark knob: multiply this learner's step time (a straggler on purpose).
 SLOWDOWN = "DILOCO_SLOWDOWN"
 
@@ -197,9 +200,9 @@ def island_name(prefix: str, index: int) -> str:
     return f"{prefix}-island-{index}" if prefix else f"island-{index}"
 
 
-def parse_cpu_list(text: str) -> frozenset[int]:
-    """ "0-3,8" -> {0, 1, 2, 3, 8}; ContractError naming the variable when it is not such a
-    list."""
+def parse_cpu_list(text: str, name: str = CPUS) -> frozenset[int]:
+    """ "0-3,8" -> {0, 1, 2, 3, 8}; ContractError naming the variable (`name`) when it is not
+    such a list."""
     out: set[int] = set()
     try:
         for part in filter(None, (p.strip() for p in text.split(","))):
@@ -209,9 +212,9 @@ def parse_cpu_list(text: str) -> frozenset[int]:
                 raise ValueError
             out.update(range(first, last + 1))
     except ValueError:
-        raise ContractError(f"{CPUS}={text!r} is not a CPU list such as 0-3,8") from None
+        raise ContractError(f"{name}={text!r} is not a CPU list such as 0-3,8") from None
     if not out:
-        raise ContractError(f"{CPUS}={text!r} names no CPU")
+        raise ContractError(f"{name}={text!r} names no CPU")
     return frozenset(out)
 
 

@@ -32,10 +32,11 @@ from rich.console import Console
 from rich.live import Live
 
 from diloco_trainer.api.client import SyncerJsonClient
-from diloco_trainer.api.contract import CPUS, DEVICE, format_cpu_list, island_name
+from diloco_trainer.api.contract import DEVICE, ContractError, island_name
 from diloco_trainer.api.documents import SyncerStatus
 from diloco_trainer.api.protocol import STATE_ACTIVE, STATE_DROPPED, SyncerError
 from diloco_trainer.api.spec import ConfigError, JobSpec
+from diloco_trainer.local.cpu_plan import cpu_split, process_threads, syncer_cpus_wanted
 from diloco_trainer.local.job import (
     check_before_start,
     load_job,
@@ -93,35 +94,6 @@ def parse_slow_islands(values: Sequence[str], count: int) -> dict[int, float]:
     return out
 
 
-def threads_per_learner(total_ranks: int) -> int:
-    """Share the CPU budget between the local learner processes (at least one thread each)."""
-    from diloco_trainer.cpus import cpu_budget
-
-    return max(1, cpu_budget() // max(1, total_ranks))
-
-
-def cpu_split(cpus: frozenset[int], device: str) -> tuple[frozenset[int], frozenset[int]] | None:
-    """(the learners' CPUs, the syncer's) for a local job: separate halves when the learners
-    are told to compute on a GPU (DILOCO_DEVICE cuda or cuda:N) and there are at least 4 CPUs,
-    else None (all share every CPU: CPU learners need them for their steps, and the syncer is
-    idle between merges; `auto` may be either, so it is not split). A GPU learner's steps are
-    fed by one Python thread; beside a syncer merging on every core, an H100's gpt-125m steps
-    ran 7-12% slower (bench/RESULTS.md), where in a cluster the syncer has a pod of its own."""
-    if not device.startswith("cuda") or len(cpus) < 4:
-        return None
-    ordered = sorted(cpus)
-    half = len(ordered) // 2
-    return frozenset(ordered[:half]), frozenset(ordered[half:])
-
-
-def gpu_learner_threads(cpus: int) -> int:
-    """Intra-op threads of a GPU learner with `cpus` CPUs of its own: two fewer, at least one.
-    Its CPU work is the link's (decoding pulls on the host, beside the steps); a pool as wide as
-    its CPUs would leave no core free for the training thread that feeds the GPU, nor for the
-    link's event loop."""
-    return max(1, cpus - 2)
-
-
 def island_changes(
     alive: Mapping[str, Sequence[bool]], dropped: set[str]
 ) -> tuple[list[str], list[str]]:
@@ -149,6 +121,7 @@ class LocalRun:
     dropped: set[str] = field(default_factory=set)  # islands this run dropped at the syncer
     url: str = ""
     files: JobFiles | None = None
+    syncer_cpus: frozenset[int] | None = None  # DILOCO_SYNCER_CPUS (cpu_plan.py)
 
     @property
     def logs(self) -> Path:
@@ -161,14 +134,11 @@ class LocalRun:
             self.start_island(i)
 
     def _threads(self, role: str = "syncer") -> dict[str, str]:
-        """A process's threads, and its CPUs when the run splits them (cpu_split)."""
+        """A process's threads, and its CPUs when the run splits them (cpu_plan.py)."""
         ranks = sum(self.spec.islands.replicas_of(i) for i in range(self.spec.islands.count))
-        split = cpu_split(frozenset(os.sched_getaffinity(0)), self._device())
-        if split is None:
-            return {"OMP_NUM_THREADS": str(threads_per_learner(ranks))}
-        cpus = split[0] if role == "learner" else split[1]
-        threads = gpu_learner_threads(len(cpus) // ranks) if role == "learner" else len(cpus)
-        return {"OMP_NUM_THREADS": str(threads), CPUS: format_cpu_list(cpus)}
+        return process_threads(
+            role, self._device(), ranks, frozenset(os.sched_getaffinity(0)), self.syncer_cpus
+        )
 
     def _device(self) -> str:
         return os.environ.get(DEVICE) or "cpu"
@@ -394,7 +364,10 @@ def main(args: argparse.Namespace) -> int:
     try:
         name, spec = load_job(args.config)
         slowdowns = parse_slow_islands(args.slow_island, spec.islands.count)
-    except (ConfigError, ValueError) as err:
+        syncer_cpus = syncer_cpus_wanted()
+        if syncer_cpus is not None:  # refused here, before anything starts
+            cpu_split(frozenset(os.sched_getaffinity(0)), "cpu", syncer_cpus)
+    except (ConfigError, ValueError, ContractError) as err:
         print(f"diloco run: {err}", file=sys.stderr)
         return 2
     if spec.syncer.endpoint:
@@ -407,7 +380,9 @@ def main(args: argparse.Namespace) -> int:
     if not report.ok:
         return 2
     workdir = Path(args.workdir or tempfile.mkdtemp(prefix="diloco-run-")).resolve()
-    run = LocalRun(name, spec, workdir, slowdowns, console, quiet=args.quiet)
+    run = LocalRun(
+        name, spec, workdir, slowdowns, console, quiet=args.quiet, syncer_cpus=syncer_cpus
+    )
     # Ctrl-C and SIGTERM raise KeyboardInterrupt wherever the main thread is (children are in
     # their own process groups). Not asyncio.run's Ctrl-C, which only cancels the watch task: a
     # cancellation that anything on the way absorbs leaves the run going, and once (a CI run
