@@ -358,9 +358,11 @@ def _close_loop(loop: asyncio.AbstractEventLoop) -> None:
     loop.close()
 
 
-def main(args: argparse.Namespace) -> int:
-    """`diloco run`: exit 0 when the job finished, 1 on failure, 2 on bad input, 130 on Ctrl-C."""
-    console = Console(stderr=False)
+def _read_job(
+    args: argparse.Namespace,
+) -> tuple[str, JobSpec, dict[int, float], frozenset[int] | None] | None:
+    """The job, its deliberate stragglers (--slow-island) and the syncer's CPUs
+    (DILOCO_SYNCER_CPUS); None, with the reason on stderr, when any of them is wrong."""
     try:
         name, spec = load_job(args.config)
         slowdowns = parse_slow_islands(args.slow_island, spec.islands.count)
@@ -369,12 +371,22 @@ def main(args: argparse.Namespace) -> int:
             cpu_split(frozenset(os.sched_getaffinity(0)), "cpu", syncer_cpus)
     except (ConfigError, ValueError, ContractError) as err:
         print(f"diloco run: {err}", file=sys.stderr)
-        return 2
+        return None
     if spec.syncer.endpoint:
         print(
             "diloco run: syncer.endpoint is set; a local run starts its own syncer", file=sys.stderr
         )
+        return None
+    return name, spec, slowdowns, syncer_cpus
+
+
+def main(args: argparse.Namespace) -> int:
+    """`diloco run`: exit 0 when the job finished, 1 on failure, 2 on bad input, 130 on Ctrl-C."""
+    console = Console(stderr=False)
+    read = _read_job(args)
+    if read is None:
         return 2
+    name, spec, slowdowns, syncer_cpus = read
     console.print(f"diloco run: job {name}, {spec.islands.count} island(s); checking it first")
     report = check_before_start(spec, args.config)
     if not report.ok:
