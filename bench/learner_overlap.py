@@ -256,7 +256,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     """Plain, job, plain, job, ..., plain (--rounds jobs): each job is compared with the plain
     blocks either side of it, on both clocks, and each pair of neighbouring plain blocks is an
     A/A control of the same run (how far the machine moved between them)."""
-    plains, jobs = [plain_block(args)], []
+    baseline = plain_block if args.baseline == "block" else control_windows
+    plains, jobs = [baseline(args)], []
     with tempfile.TemporaryDirectory(prefix="learner-overlap-") as tmp:
         for r in range(args.rounds):
             if args.control:
@@ -265,7 +266,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 workdir = Path(tmp) / f"round-{r}"
                 workdir.mkdir()
                 jobs.append(job_side(args, workdir))
-            plains.append(plain_block(args))
+            plains.append(baseline(args))
     rounds = []
     for r, job in enumerate(jobs):
         before, after = plains[r], plains[r + 1]
@@ -289,6 +290,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "overlap_mode": args.overlap_mode,
         "control": args.control,
         "syncer_cpus": args.syncer_cpus,
+        "baseline": args.baseline,
         "plains": plains,
         "rounds": rounds,
     }
@@ -320,8 +322,12 @@ def report(r: dict[str, Any]) -> str:
         f"{r['preset']} on {r['device']}, {r['precision']}, batch {r['batch_size']} x "
         f"{r['micro_batches']} x {r['seq_len']}, H {r['inner_steps']}, "
         f"{r['outer_steps']} outer steps, 2 fragments, int8, mergeWait {r['merge_wait']}, "
-        f"overlapMode {r['overlap_mode']}; plain blocks of "
-        f"{r['plain_steps']} steps"
+        f"overlapMode {r['overlap_mode']}; "
+        + (
+            "plain blocks: the job's steps, read in its steady windows"
+            if r.get("baseline") == "windows"
+            else f"plain blocks of {r['plain_steps']} steps"
+        )
         + (CONTROL_NOTE if r["control"] else "")
         + (
             f"; syncer on CPUs {r['syncer_cpus']}, learner and plain loop on the rest"
@@ -407,6 +413,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--control",
         action="store_true",
         help="A/A: time the plain loop in 20-step windows in place of the job (the noise floor)",
+    )
+    p.add_argument(
+        "--baseline",
+        default="block",
+        choices=["block", "windows"],
+        help="block: the plain loop's --plain-steps steps after --warmup, freshly built; "
+        "windows: the plain loop over the job's own steps (inner x outer), freshly built, read "
+        "in the same steady 20-step windows as the learner's (the same step range on both sides)",
     )
     p.add_argument(
         "--syncer-cpus",

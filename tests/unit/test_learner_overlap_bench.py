@@ -4,6 +4,8 @@ writer must agree, or the benchmark silently reports nothing."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 from diloco_trainer.learner.step_costs import WindowCosts
 
@@ -80,3 +82,18 @@ def test_summary_over_rounds_takes_medians_and_pools_the_plain_blocks() -> None:
     assert got["median_ratio"] == 1.0 and (got["min_ratio"], got["max_ratio"]) == (0.8, 1.25)
     assert got["median_aa"] == 1.2 and got["min_aa"] == pytest.approx(2 / 3)
     assert got["pooled_ratio"] == pytest.approx(1.0)
+
+
+def test_the_windows_baseline_runs_the_jobs_steps_on_the_learners_cpus() -> None:
+    """--baseline windows: each plain block covers the job's inner x outer steps (3 windows of
+    20) read in the same steady windows; after a run with --syncer-cpus (the plain loop kept
+    off the syncer's CPU) the process has every CPU it had back."""
+    mine = sorted(os.sched_getaffinity(0))
+    argv = ["--batch-size", "2", "--seq-len", "16", "--inner-steps", "20", "--outer-steps", "3"]
+    argv += ["--warmup", "1", "--control", "--baseline", "windows", "--skip-windows", "1"]
+    if len(mine) > 1:
+        argv += ["--syncer-cpus", str(mine[-1])]
+    result = learner_overlap.run(learner_overlap.parse_args(argv))
+    assert [len(p["windows_tokens_per_s"]) for p in result["plains"]] == [3, 3]
+    assert sorted(os.sched_getaffinity(0)) == mine
+    assert "the job's steps, read in its steady windows" in learner_overlap.report(result)
