@@ -21,6 +21,14 @@ Two clocks, both reported:
   enter it, except through what contention costs a thread (caches, migrations); waits for the
   syncer cost no CPU, so the wall split below is what shows them.
 --control puts the plain loop's own 20-step windows in the job's place (an A/A run).
+--baseline windows runs each plain block over the job's own steps and reads it in the same
+steady windows, so both sides cover the same step range of a freshly built model (a fresh
+60-step block against a 160-step job's steps 40-140 is not); --syncer-cpus puts the job's
+syncer on CPUs of its own (DILOCO_SYNCER_CPUS) and the learner and the plain loop on the rest,
+as in a cluster where the syncer has a pod: on a 2-core machine its merges otherwise run on the
+cores the learner steps on, which the plain loop never has beside it.
+--plain-process runs each plain block in a fresh process, as the learner is in each job: built
+one after another in this process, a gpt-125m plain loop on a CPU ran 6% slower each block.
 
 The learner also splits each window's wall time (learner/step_costs.py): its inner steps, the
 DiLoCo work on its training thread (the sync path), and waiting for the syncer. Those shares are
@@ -30,6 +38,8 @@ does not move them; the merge waits are listed beside the time the τ steps befo
     python -m bench.learner_overlap                                  # CPU, gpt-tiny
     python -m bench.learner_overlap --preset gpt-mini --batch-size 16 --seq-len 128  # CPU
     python -m bench.learner_overlap --preset gpt-mini --batch-size 16 --seq-len 128 --control
+    python -m bench.learner_overlap --preset gpt-mini --batch-size 16 --seq-len 128 \
+        --outer-steps 4 --rounds 6 --baseline windows --syncer-cpus 1   # CPU, like for like
     python -m bench.learner_overlap --device cuda --preset gpt-125m --precision bf16 \
         --batch-size 16 --seq-len 1024 --inner-steps 40 --outer-steps 8
 
@@ -40,6 +50,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import os
 import re
 import shutil
@@ -231,6 +242,28 @@ def control_windows(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
+def baseline_block(args: argparse.Namespace) -> dict[str, Any]:
+    """One plain block of the kind --baseline names, in this process."""
+    return plain_block(args) if args.baseline == "block" else control_windows(args)
+
+
+def plain_side_block(args: argparse.Namespace) -> dict[str, Any]:
+    """One plain block: in this process, or with --plain-process in a fresh one, as the
+    learner is in each job (a gpt-125m plain loop on a CPU slowed 6% a block over four blocks
+    built in one long-lived process)."""
+    if not args.plain_process:
+        return baseline_block(args)
+    with tempfile.TemporaryDirectory(prefix="learner-overlap-plain-") as tmp:
+        out = Path(tmp) / "plain.json"
+        argv = [a for a in args.argv if a != "--plain-process"]
+        cmd = [sys.executable, "-m", "bench.learner_overlap", *argv, "--plain-block-json", str(out)]
+        done = subprocess.run(cmd, timeout=args.job_timeout, check=False)
+        if done.returncode != 0:
+            raise SystemExit(f"the plain block's process exited {done.returncode}")
+        result: dict[str, Any] = json.loads(out.read_text())
+        return result
+
+
 def job_side(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
     """The learner inside a real job, over its steady windows: tokens/s over wall time, tokens
     per CPU second of the learner's process, and its own split of the wall time."""
@@ -256,8 +289,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     """Plain, job, plain, job, ..., plain (--rounds jobs): each job is compared with the plain
     blocks either side of it, on both clocks, and each pair of neighbouring plain blocks is an
     A/A control of the same run (how far the machine moved between them)."""
-    baseline = plain_block if args.baseline == "block" else control_windows
-    plains, jobs = [baseline(args)], []
+    plains, jobs = [plain_side_block(args)], []
     with tempfile.TemporaryDirectory(prefix="learner-overlap-") as tmp:
         for r in range(args.rounds):
             if args.control:
@@ -266,7 +298,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 workdir = Path(tmp) / f"round-{r}"
                 workdir.mkdir()
                 jobs.append(job_side(args, workdir))
-            plains.append(baseline(args))
+            plains.append(plain_side_block(args))
     rounds = []
     for r, job in enumerate(jobs):
         before, after = plains[r], plains[r + 1]
@@ -291,6 +323,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "control": args.control,
         "syncer_cpus": args.syncer_cpus,
         "baseline": args.baseline,
+        "plain_process": args.plain_process,
         "plains": plains,
         "rounds": rounds,
     }
@@ -329,6 +362,7 @@ def report(r: dict[str, Any]) -> str:
             else f"plain blocks of {r['plain_steps']} steps"
         )
         + (CONTROL_NOTE if r["control"] else "")
+        + ("; each plain block in a fresh process" if r.get("plain_process") else "")
         + (
             f"; syncer on CPUs {r['syncer_cpus']}, learner and plain loop on the rest"
             if r.get("syncer_cpus")
@@ -423,6 +457,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "in the same steady 20-step windows as the learner's (the same step range on both sides)",
     )
     p.add_argument(
+        "--plain-process",
+        action="store_true",
+        help="each plain block in a fresh process of its own, as the learner is in each job",
+    )
+    p.add_argument("--plain-block-json", type=Path, help=argparse.SUPPRESS)  # one block, then exit
+    p.add_argument(
         "--syncer-cpus",
         default="",
         help="the job's syncer on these CPUs (DILOCO_SYNCER_CPUS, e.g. 1) and its learner, and "
@@ -435,13 +475,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="inner.compile on both sides (torch.compile of the model's forward)",
     )
     args = p.parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)  # for --plain-process's blocks
     # make_spec (bench.learner_step) reads this too.
     args.checkpointing = False
     return args
 
 
 def main(argv: list[str] | None = None) -> int:
-    return bench_main(parse_args(argv), run, report)
+    args = parse_args(argv)
+    if args.plain_block_json is not None:  # a --plain-process block
+        args.plain_block_json.write_text(json.dumps({**baseline_block(args), "pid": os.getpid()}))
+        return 0
+    return bench_main(args, run, report)
 
 
 if __name__ == "__main__":

@@ -97,3 +97,16 @@ def test_the_windows_baseline_runs_the_jobs_steps_on_the_learners_cpus() -> None
     assert [len(p["windows_tokens_per_s"]) for p in result["plains"]] == [3, 3]
     assert sorted(os.sched_getaffinity(0)) == mine
     assert "the job's steps, read in its steady windows" in learner_overlap.report(result)
+
+
+def test_plain_process_runs_each_plain_block_in_a_process_of_its_own() -> None:
+    argv = ["--batch-size", "2", "--seq-len", "16", "--inner-steps", "20", "--outer-steps", "2"]
+    argv += ["--warmup", "1", "--control", "--baseline", "windows", "--skip-windows", "1"]
+    argv += ["--drop-last", "0", "--plain-process"]
+    result = learner_overlap.run(learner_overlap.parse_args(argv))
+    # Each block's JSON came back from its own process: two windows of the job's 40 steps.
+    assert [len(p["windows_tokens_per_s"]) for p in result["plains"]] == [2, 2]
+    assert all(p["tokens_per_s"] > 0 for p in result["plains"])
+    pids = {p["pid"] for p in result["plains"]}
+    assert len(pids) == 2 and os.getpid() not in pids
+    assert "each plain block in a fresh process" in learner_overlap.report(result)
