@@ -83,6 +83,10 @@ RUN_EPILOG = """examples:
   .venv/bin/diloco run examples/local.yaml --plot loss.png --summary run.json
   .venv/bin/diloco run examples/local.yaml --slow-island 1:3   watch decoupling
 
+environment:
+  DILOCO_DEVICE=cuda        every learner on this machine's GPU (default cpu; docs/learner.md)
+  DILOCO_SYNCER_CPUS=6-7    the syncer on these CPUs, the learners on the rest
+
 exit codes:
   0    the job finished (stopAfter reached)
   1    the run failed (the syncer died, every learner exited): the log's tail is printed
