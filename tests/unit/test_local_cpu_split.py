@@ -65,18 +65,22 @@ def test_a_process_keeps_to_its_cpus_and_sizes_its_threads_by_them() -> None:
     assert out.stdout.split() == [f"[{mine[-1]}]", "1"]
 
 
-def test_a_wrong_cpu_list_stops_the_syncer_with_exit_2_and_the_variable_named() -> None:
-    env = dict(os.environ, **{CPUS: "7-1"})
+def assert_refused(args: list[str], variable: str, value: str) -> None:
+    """`diloco ARGS` with `variable` set to `value` exits 2 naming it, without a traceback."""
     out = subprocess.run(
-        [sys.executable, "-m", "diloco_trainer.cli", "syncer"],
-        env=env,
+        [sys.executable, "-m", "diloco_trainer.cli", *args],
+        env=dict(os.environ, **{variable: value}),
         capture_output=True,
         text=True,
         timeout=120,
         check=False,
     )
     assert out.returncode == 2, out.stderr[-2000:]
-    assert CPUS in out.stderr and "Traceback" not in out.stderr
+    assert variable in out.stderr and "Traceback" not in out.stderr
+
+
+def test_a_wrong_cpu_list_stops_the_syncer_with_exit_2_and_the_variable_named() -> None:
+    assert_refused(["syncer"], CPUS, "7-1")
 
 
 def test_a_gpu_learner_leaves_two_of_its_cpus_to_its_training_and_link_threads() -> None:
@@ -112,13 +116,4 @@ def test_diloco_run_refuses_wrong_syncer_cpus_with_exit_2_and_the_variable_named
     with open(config, "w") as f:
         f.write("model: {preset: gpt-tiny}\n")
     for bad in ("x-1", format_cpu_list(frozenset(mine)), str(max(mine) + 1)):
-        out = subprocess.run(
-            [sys.executable, "-m", "diloco_trainer.cli", "run", config],
-            env=dict(os.environ, **{SYNCER_CPUS: bad}),
-            capture_output=True,
-            text=True,
-            timeout=120,
-            check=False,
-        )
-        assert out.returncode == 2, out.stderr[-2000:]
-        assert SYNCER_CPUS in out.stderr and "Traceback" not in out.stderr
+        assert_refused(["run", config], SYNCER_CPUS, bad)
