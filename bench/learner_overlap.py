@@ -39,7 +39,7 @@ does not move them; the merge waits are listed beside the time the τ steps befo
     python -m bench.learner_overlap --preset gpt-mini --batch-size 16 --seq-len 128  # CPU
     python -m bench.learner_overlap --preset gpt-mini --batch-size 16 --seq-len 128 --control
     python -m bench.learner_overlap --preset gpt-mini --batch-size 16 --seq-len 128 \
-        --outer-steps 4 --rounds 6 --baseline windows --syncer-cpus 1   # CPU, like for like
+        --outer-steps 4 --rounds 6 --baseline windows --plain-process --syncer-cpus 1  # CPU
     python -m bench.learner_overlap --device cuda --preset gpt-125m --precision bf16 \
         --batch-size 16 --seq-len 1024 --inner-steps 40 --outer-steps 8
 
