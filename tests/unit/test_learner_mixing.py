@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from diloco_trainer.learner.mixing import pseudo_gradient, received_weights
+from diloco_trainer.core.compress import SLICE
+from diloco_trainer.learner.mixing import pseudo_gradient, received_weights, received_weights_into
 
 
 def t(*values: float) -> torch.Tensor:
@@ -74,3 +75,26 @@ def test_received_weights_batched_are_the_per_tensor_rule_bit_for_bit() -> None:
             want = merged[n] + (now[n] - at[n])
             want = alpha * now[n] + (1.0 - alpha) * want if alpha else want
             assert torch.equal(out[n].view(torch.int32), want.view(torch.int32)), (n, alpha)
+
+
+def test_received_weights_into_the_push_copies_are_the_batched_rule_bit_for_bit() -> None:
+    g = torch.Generator().manual_seed(5)
+    # Two slices and a short last one (compress.SLICE), and tensors under one slice.
+    shapes = {"big": (SLICE + 300,), "a": (3, 5), "c": (1,)}
+    for alpha in (0.0, 0.3):
+        merged, now, at = (
+            {n: torch.randn(s, generator=g) for n, s in shapes.items()} for _ in "abc"
+        )
+        want = received_weights(merged, now, at, alpha)
+        kept = {n: x.clone() for n, x in merged.items()}, {n: x.clone() for n, x in now.items()}
+        out = received_weights_into(merged, now, at, alpha)
+        for n in shapes:
+            assert torch.equal(out[n].view(torch.int32), want[n].view(torch.int32)), (n, alpha)
+            # Written over at_push's memory; merged and now only read.
+            assert out[n].data_ptr() == at[n].data_ptr()
+            assert torch.equal(merged[n], kept[0][n]) and torch.equal(now[n], kept[1][n])
+
+
+def test_received_weights_into_refuse_alpha_outside_0_1() -> None:
+    with pytest.raises(ValueError, match="mixAlpha"):
+        received_weights_into({"w": t(1.0)}, {"w": t(1.0)}, {"w": t(1.0)}, alpha=-0.1)

@@ -1,14 +1,19 @@
 """The batched int8 push encoder (learner/push_encoding.py) against the per-tensor one, bit for
 bit: the same q values, scales and error-feedback residuals over several pushes, for tensors
-whose sizes are and are not whole codec blocks, with all-zero and tiny blocks among them."""
+whose sizes are and are not whole codec blocks, with all-zero and tiny blocks among them. And a
+host learner's one-pass push (snapshot_and_encode_int8) against the copy, Δ and encoding it
+replaces."""
 
 from __future__ import annotations
 
 import torch
 from diloco_trainer.core import compress
+from diloco_trainer.learner.device_copies import snapshot
+from diloco_trainer.learner.mixing import pseudo_gradient
 from diloco_trainer.learner.push_encoding import (
     encode_delta,
     encode_int8_batched,
+    snapshot_and_encode_int8,
 )
 
 SHAPES = {
@@ -93,3 +98,41 @@ def test_the_encoded_tensors_decode_as_the_syncer_reads_them() -> None:
     for n, d in delta.items():
         scale = encoded[n + compress.SCALE_SUFFIX].max()
         assert float((decoded[n] - d).abs().max()) <= float(scale) / 2 + 1e-12, n
+
+
+# A host learner's one-pass push: two slices and a short, padded last one (compress.SLICE).
+HOST_SHAPES = {**SHAPES, "big": (compress.SLICE + 300,)}
+
+
+def test_a_host_push_is_the_copy_delta_and_encoding_it_replaces_bit_for_bit() -> None:
+    g = torch.Generator().manual_seed(4)
+    params = {n: torch.randn(s, generator=g) for n, s in HOST_SHAPES.items()}
+    params["zeros"][:128] = 0.0
+    params["tiny"] = params["tiny"] * 1e-32
+    ours, theirs = compress.ErrorFeedback(), compress.ErrorFeedback()
+    for k, fb in enumerate([(None, None), (ours, theirs), (ours, theirs)]):
+        base = {n: p + torch.randn(p.shape, generator=g) * 10.0**-k for n, p in params.items()}
+        base["zeros"][:128] = 0.0
+        base["tiny"] = params["tiny"] * 2.0  # Δ under FLUSH_TO_ZERO: sent as zeros
+        local, encoded = snapshot_and_encode_int8(params, base, fb[0])
+        want_local = snapshot(params)
+        assert_same(local, want_local)
+        assert_same(encoded, per_tensor(pseudo_gradient(base, want_local), fb[1]))
+        if fb[0] is not None:
+            assert_same(ours.state_tensors(), theirs.state_tensors())
+        # Copies, not aliases: the steps after the push do not move them.
+        for p in params.values():
+            p.add_(1.0)
+        assert_same(local, want_local)
+    assert any(bool(r.abs().max() > 0) for r in ours.residuals.values())
+
+
+def test_a_host_push_refuses_a_residual_of_another_shape_with_its_name() -> None:
+    fb = compress.ErrorFeedback()
+    fb.keep("w", torch.zeros(4))
+    try:
+        snapshot_and_encode_int8({"w": torch.ones(5)}, {"w": torch.zeros(5)}, fb)
+    except ValueError as err:
+        assert "'w'" in str(err) and "(5,)" in str(err)
+    else:
+        raise AssertionError("a residual of another shape was added")

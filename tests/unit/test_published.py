@@ -8,6 +8,7 @@ import itertools
 import pytest
 import torch
 from diloco_trainer.core import payloads
+from diloco_trainer.core.compress import SLICE, decode_tensor, encode_tensors
 from diloco_trainer.core.published import (
     WeightUpdate,
     apply_updates,
@@ -180,3 +181,23 @@ def test_published_update_of_zero_and_flushed_blocks_is_the_codecs(codec: str) -
         assert torch.equal(update.encoded[key], t), key
     assert torch.equal(published["w"], moved)
     assert torch.equal(published["w"][:BLOCK_SIZE], exact["w"][:BLOCK_SIZE])  # u = 0: no move
+
+
+@pytest.mark.parametrize("codec", ["int8", "int4", "none"])
+def test_published_apply_updates_on_the_host_by_slices_is_the_whole_tensor_sum(codec: str) -> None:
+    # Two slices and a short, padded last one (compress.SLICE), a matrix and a scalar.
+    shapes = {"big": (SLICE + 300,), "w": (16, 48), "gain": ()}
+    g = torch.Generator().manual_seed(6)
+    base = {n: torch.randn(s, generator=g) for n, s in shapes.items()}
+    chain = [
+        encode_tensors({n: 1e-2 * torch.randn(s, generator=g) for n, s in shapes.items()}, codec)
+        for _ in range(2)
+    ]
+    want = {n: t.clone() for n, t in base.items()}
+    for encoded in chain:
+        for n, t in want.items():
+            t.add_(decode_tensor(encoded, n, codec, t.shape))
+    rebuilt = apply_updates(base, chain, codec)
+    for n in shapes:
+        assert torch.equal(rebuilt[n].view(torch.int32), want[n].view(torch.int32)), n
+        assert not torch.equal(rebuilt[n], base[n]), n  # the updates moved every tensor

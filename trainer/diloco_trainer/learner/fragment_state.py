@@ -18,13 +18,16 @@ the ones counted since the push (FragmentCounters.since), never zero and never t
 from __future__ import annotations
 
 import concurrent.futures
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 
 import torch
 from torch import Tensor
 
-from diloco_trainer.learner.mixing import pseudo_gradient, received_weights
+from diloco_trainer.core.compress import ErrorFeedback
+from diloco_trainer.learner.device_copies import snapshot
+from diloco_trainer.learner.mixing import pseudo_gradient, received_weights, received_weights_into
+from diloco_trainer.learner.push_encoding import encode_for_wire, snapshot_and_encode_int8
 from diloco_trainer.learner.syncer_link import SyncResult
 
 
@@ -91,11 +94,28 @@ class FragmentState:
     counters_at_push: FragmentCounters | None = None
 
     def begin_push(self, local: dict[str, Tensor]) -> dict[str, Tensor]:
-        """Δ = base − local for a push now; remembers `local` (fp32 CPU, not written to later)
-        and the counters, for the receipt of the merge this push goes into."""
+        """Δ = base − local for a push now; remembers `local` (fp32, on the weights' device,
+        owned here: the receipt writes the new weights over it) and the counters, for the
+        receipt of the merge this push goes into."""
+        self._remember(local)
+        return pseudo_gradient(self._base_beside(local), local)
+
+    def encode_push(
+        self, weights: dict[str, Tensor], codec: str, feedback: ErrorFeedback | None
+    ) -> tuple[dict[str, Tensor], Callable[[], None]]:
+        """begin_push on copies of `weights` (the fragment's parameters, only read) and Δ
+        encoded for the wire (push_encoding.encode_for_wire: the host tensors and the wait for
+        their copies). A host learner's int8 push is made in one sliced pass instead
+        (push_encoding.snapshot_and_encode_int8: the same bytes)."""
+        if codec == "int8" and _device_of(weights).type == "cpu":
+            local, encoded = snapshot_and_encode_int8(weights, self.base, feedback)
+            self._remember(local)
+            return encoded, _nothing
+        return encode_for_wire(self.begin_push(snapshot(weights)), codec, feedback)
+
+    def _remember(self, local: dict[str, Tensor]) -> None:
         self.at_push = local
         self.counters_at_push = replace(self.counters)
-        return pseudo_gradient(self._base_beside(local), local)
 
     def _base_beside(self, local: dict[str, Tensor]) -> dict[str, Tensor]:
         """The base on the device of `local` (the CPU base itself when that is the CPU)."""
@@ -122,7 +142,12 @@ class FragmentState:
         # On a GPU: the merged weights cross to it once and serve as its base there too.
         if here is None:
             here = {n: t.to(device, torch.float32) for n, t in merged.items()}
-        target = received_weights(here, now, self.at_push, alpha)
+        if device.type == "cpu" and self.at_push is not None:
+            # Written over the push's copies, which nothing reads after this (begin_push): no
+            # fragment-sized temporaries on a host learner's training thread.
+            target = received_weights_into(here, now, self.at_push, alpha)
+        else:
+            target = received_weights(here, now, self.at_push, alpha)
         self.base = {n: t.to("cpu") for n, t in merged.items()}
         self.base_on_device = here if device.type != "cpu" else {}
         self.version = version
@@ -141,6 +166,10 @@ class FragmentState:
         self.base_on_device = {}
         self.version = version
         return dict(self.base)
+
+
+def _nothing() -> None:
+    """The wait of a push whose bytes are on the host already."""
 
 
 def _device_of(tensors: dict[str, Tensor]) -> torch.device:

@@ -26,7 +26,7 @@ from diloco_trainer.api.protocol import PushMeta
 from diloco_trainer.api.spec import ConfigError, JobSpec
 from diloco_trainer.core import compress
 from diloco_trainer.core.push_bounds import max_push_steps
-from diloco_trainer.learner.device_copies import adopt, snapshot
+from diloco_trainer.learner.device_copies import adopt
 from diloco_trainer.learner.fragment_state import (
     FragmentState,
     InFlight,
@@ -339,16 +339,12 @@ class FragmentSync:
 
     # -- pushes and arrivals ---------------------------------------------------------------------
 
-    def _local(self, f: int) -> Weights:
-        """Fragment f's current weights as fp32 copies on the parameters' device (never aliases
-        of the parameters). On a GPU they stay there: Δ, its encoding and the received weights
-        are computed on the device, in milliseconds, instead of on the host beside the steps."""
-        return snapshot({n: self.params[n] for n in self.fragments[f].names})
-
     def _current(self, f: int) -> Weights:
-        """Fragment f's weights as they are, without a copy: only read (the new weights are
-        computed into fresh tensors before any parameter is written), so a receipt costs the
-        training thread no copy of the fragment. The parameters are fp32 master weights."""
+        """Fragment f's weights as they are, without a copy: only read. A push copies them
+        (FragmentState.encode_push; on a GPU the copies, Δ and its encoding stay there), and a
+        receipt computes the new weights over that push's copies before any parameter is
+        written, so it costs the training thread no further copy. They are fp32 master
+        weights."""
         return {n: self.params[n].detach() for n in self.fragments[f].names}
 
     def push(self, f: int, position: int, window: Window) -> None:
@@ -358,13 +354,13 @@ class FragmentSync:
         began = time.perf_counter()
         state = self.fragments[f]
         c = state.counters
+        codec = self.spec.sync.compression
         if self.shards is not None:
             state.begin_push({})  # the counters at the push; the tensors are the shards'
             delta = self.shards.gather_pseudo_gradient(f)
+            encoded, ready = encode_for_wire(delta, codec, self.error_feedback)
         else:
-            delta = state.begin_push(self._local(f))
-        codec = self.spec.sync.compression
-        encoded, ready = encode_for_wire(delta, codec, self.error_feedback)
+            encoded, ready = state.encode_push(self._current(f), codec, self.error_feedback)
         meta = PushMeta(
             island=self.island,
             base_version=state.version,
