@@ -8,8 +8,9 @@ import itertools
 import pytest
 import torch
 from diloco_trainer.core import payloads
-from diloco_trainer.core.compress import SLICE, decode_tensor, encode_tensors
+from diloco_trainer.core.compress import decode_tensor, encode_tensors
 from diloco_trainer.core.published import (
+    SLICED_ADD,
     WeightUpdate,
     apply_updates,
     history_length,
@@ -185,8 +186,9 @@ def test_published_update_of_zero_and_flushed_blocks_is_the_codecs(codec: str) -
 
 @pytest.mark.parametrize("codec", ["int8", "int4", "none"])
 def test_published_apply_updates_on_the_host_by_slices_is_the_whole_tensor_sum(codec: str) -> None:
-    # Two slices and a short, padded last one (compress.SLICE), a matrix and a scalar.
-    shapes = {"big": (SLICE + 300,), "w": (16, 48), "gain": ()}
+    # Over SLICED_ADD, in slices and a short, padded last one (compress.SLICE); under it, a
+    # matrix and a scalar, decoded whole.
+    shapes = {"big": (SLICED_ADD + 300,), "w": (16, 48), "gain": ()}
     g = torch.Generator().manual_seed(6)
     base = {n: torch.randn(s, generator=g) for n, s in shapes.items()}
     chain = [

@@ -1,0 +1,166 @@
+"""A host learner's sync path, a pass at a time: what a CPU learner's training thread (and its
+link's worker thread) spends per fragment on a push, a receipt and a compressed pull, against
+the ops they replaced and a copy of the same bytes, all measured in this run.
+
+The fragment is the preset's --fragment of --fragments (core/fragments.split_fragments over the
+model's parameters, as a job splits it), its weights the model's initial ones, its base and the
+syncer's update small random moves of them. Each case runs --repeats times; the median and the
+fastest are printed (old and new in turn), with the ratio of the old path's median to the new one's. Both paths give
+the same bytes (tests/unit/test_learner_push_encoding.py, test_learner_mixing.py,
+test_published.py); this measures only their time.
+
+    python -m bench.host_sync_path                        # gpt-125m, 2 fragments, one thread
+    python -m bench.host_sync_path --fragment 1           # the one with the embedding
+    taskset -c 0 python -m bench.host_sync_path --threads 1
+    THP_MEM_ALLOC_ENABLE=1 python -m bench.host_sync_path # torch's allocations in huge pages
+
+Torch-only besides the trainer.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+from diloco_trainer.core import compress
+from diloco_trainer.core.fragments import split_fragments
+from diloco_trainer.core.published import apply_updates
+from diloco_trainer.learner.device_copies import snapshot
+from diloco_trainer.learner.mixing import pseudo_gradient, received_weights, received_weights_into
+from diloco_trainer.learner.push_encoding import snapshot_and_encode_int8
+from diloco_trainer.models.model import build_model
+
+
+def timed(cases: list[Callable[[], object]], repeats: int) -> list[dict[str, float]]:
+    """Median and fastest wall seconds of each of `cases` over `repeats` runs, taken in turn
+    (old, new, old, new, ...) after one untimed run each, so that a drift of the machine or of
+    the allocator's state between them falls on both."""
+    for fn in cases:
+        fn()
+    times: list[list[float]] = [[] for _ in cases]
+    for _ in range(repeats):
+        for fn, mine in zip(cases, times, strict=True):
+            began = time.perf_counter()
+            fn()
+            mine.append(time.perf_counter() - began)
+    return [{"median": statistics.median(t), "fastest": min(t)} for t in times]
+
+
+def old_push(params: dict[str, torch.Tensor], base: dict[str, torch.Tensor]) -> object:
+    """The three passes the one-pass push replaced: snapshot, Δ, the per-tensor int8 encoding."""
+    local = snapshot(params)
+    return local, compress.encode_tensors(pseudo_gradient(base, local), "int8", on=None)
+
+
+def old_rebuild(base: dict[str, torch.Tensor], update: dict[str, torch.Tensor]) -> object:
+    """A pull's rebuild with each tensor decoded whole, then added."""
+    out = {n: t.clone() for n, t in base.items()}
+    for n, t in out.items():
+        t.add_(compress.decode_tensor(update, n, "int8", t.shape))
+    return out
+
+
+def install(params: dict[str, torch.Tensor], target: dict[str, torch.Tensor]) -> None:
+    """The loop's copy of the received weights into the parameters (Learner._apply)."""
+    names = list(params)
+    torch._foreach_copy_([params[n] for n in names], [target[n] for n in names])
+
+
+def measure(args: argparse.Namespace) -> dict[str, Any]:
+    torch.manual_seed(args.seed)
+    model = build_model(args.preset, args.seq_len)
+    named = {n: p.detach() for n, p in model.named_parameters()}
+    names = split_fragments({n: t.numel() for n, t in named.items()}, args.fragments)
+    params = {n: named[n].clone() for n in names[args.fragment]}
+    del model, named
+    g = torch.Generator().manual_seed(args.seed)
+    base = {n: p + 1e-3 * torch.randn(p.shape, generator=g) for n, p in params.items()}
+    update = compress.encode_tensors(
+        {n: 1e-4 * torch.randn(p.shape, generator=g) for n, p in params.items()}, "int8"
+    )
+    merged = apply_updates(base, [update], "int8")
+    pushed = snapshot(params)
+    # The new receipt writes over the push's copies; run again, it reads the copies it wrote
+    # (other values, the same work: no value here is near a denormal).
+    cases: dict[str, list[Callable[[], object]]] = {
+        "copy of the fragment (floor)": [lambda: snapshot(params)],
+        "push": [
+            lambda: old_push(params, base),
+            lambda: snapshot_and_encode_int8(params, base, None),
+        ],
+        "receipt and install": [
+            lambda: install(params, received_weights(merged, params, pushed)),
+            lambda: install(params, received_weights_into(merged, params, pushed)),
+        ],
+        "pull rebuild (link thread)": [
+            lambda: old_rebuild(base, update),
+            lambda: apply_updates(base, [update], "int8"),
+        ],
+    }
+    rows = {
+        name: dict(zip(("old", "new"), timed(fns, args.repeats), strict=False))
+        for name, fns in cases.items()
+    }
+    sizes = [params[n].numel() for n in params]
+    return {
+        "preset": args.preset,
+        "fragment": args.fragment,
+        "fragment_values": sum(sizes),
+        "tensors": len(sizes),
+        "largest_tensor": max(sizes),
+        "threads": torch.get_num_threads(),
+        "repeats": args.repeats,
+        "thp": os.environ.get("THP_MEM_ALLOC_ENABLE", ""),
+        "cases": rows,
+    }
+
+
+def report(result: dict[str, Any]) -> str:
+    lines = [
+        f"{result['preset']}: fragment {result['fragment']}, {result['fragment_values']:,} values "
+        f"in {result['tensors']} tensors (the largest {result['largest_tensor']:,}); "
+        f"{result['threads']} thread(s); THP_MEM_ALLOC_ENABLE={result['thp'] or 'unset'}; "
+        f"{result['repeats']} runs each, in turn (median / fastest, s)"
+    ]
+    for name, row in result["cases"].items():
+        old = row["old"]
+        text = f"  {name:30s} old {old['median']:.3f} / {old['fastest']:.3f}"
+        if "new" in row:
+            new = row["new"]
+            text += (
+                f"   new {new['median']:.3f} / {new['fastest']:.3f}"
+                f"   old / new {old['median'] / new['median']:.2f}"
+            )
+        lines.append(text)
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--preset", default="gpt-125m")
+    p.add_argument("--seq-len", type=int, default=128)
+    p.add_argument("--fragments", type=int, default=2, help="the job's sync.fragments")
+    p.add_argument("--fragment", type=int, default=0, help="which fragment to time")
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", type=Path, help="also write the result here as JSON")
+    args = p.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    result = measure(args)
+    print(report(result))
+    if args.json:
+        args.json.write_text(json.dumps(result, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
