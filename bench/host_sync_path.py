@@ -2,12 +2,12 @@
 link's worker thread) spends per fragment on a push, a receipt and a compressed pull, against
 the ops they replaced and a copy of the same bytes, all measured in this run.
 
-The fragment is the preset's --fragment of --fragments (core/fragments.split_fragments over the
-model's parameters, as a job splits it), its weights the model's initial ones, its base and the
-syncer's update small random moves of them. Each case runs --repeats times; the median and the
-fastest are printed (old and new in turn), with the ratio of the old path's median to the new one's. Both paths give
-the same bytes (tests/unit/test_learner_push_encoding.py, test_learner_mixing.py,
-test_published.py); this measures only their time.
+The fragment is the preset's --fragment of --fragments (core/fragments.split_fragments over
+the model's parameters, as a job splits it), its weights the model's initial ones, its base and
+the syncer's update small random moves of them. Each case runs --repeats times, old and new in
+turn; the median and the fastest are printed, with the ratio of the old path's median to the
+new one's. Both paths give the same bytes (tests/unit/test_learner_push_encoding.py,
+test_learner_mixing.py, test_published.py); this measures only their time.
 
     python -m bench.host_sync_path                        # gpt-125m, 2 fragments, one thread
     python -m bench.host_sync_path --fragment 1           # the one with the embedding
