@@ -342,9 +342,8 @@ class FragmentSync:
     def _current(self, f: int) -> Weights:
         """Fragment f's weights as they are, without a copy: only read. A push copies them
         (FragmentState.encode_push; on a GPU the copies, Δ and its encoding stay there), and a
-        receipt computes the new weights over that push's copies before any parameter is
-        written, so it costs the training thread no further copy. They are fp32 master
-        weights."""
+        receipt computes the new weights (on the host, over that push's copies) before any
+        parameter is written. They are fp32 master weights."""
         return {n: self.params[n].detach() for n in self.fragments[f].names}
 
     def push(self, f: int, position: int, window: Window) -> None:

@@ -90,7 +90,7 @@ def received_weights_into(
     each element, tests/unit/test_learner_mixing.py).
 
     The batched ops made two fragment-sized temporaries (θ_now − θ_push, then the sum): 0.3 s
-    or more of a one-core learner's training thread per 67M-value gpt-125m fragment, mostly
+    or more of a one-core learner's training thread per 64M-value gpt-125m fragment, mostly
     first touches of fresh pages. Here each slice (compress.SLICE) is computed through one
     slice-sized buffer while it is in cache."""
     if not 0.0 <= alpha < 1.0:

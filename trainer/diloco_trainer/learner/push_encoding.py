@@ -123,12 +123,12 @@ def snapshot_and_encode_int8(
     and encode_for_wire (tests/unit/test_learner_push_encoding.py).
 
     Those ran one whole-fragment pass each and made Δ and the quantisation's temporaries as
-    fresh fragment-sized tensors: 0.5 s of a one-core learner's training thread per 67M-value
-    gpt-125m fragment, much of it first touches of new pages. Here each slice of whole codec
-    blocks (compress.SLICE) is copied, subtracted and quantised while it is in cache, through
-    two slice-sized buffers, so the only fragment-sized writes are the copies (needed: the
-    receipt of this push's merge keeps the steps since it, mixing.received_weights) and the
-    int8 values."""
+    fresh fragment-sized tensors: about 0.5 s of a one-core learner's training thread per
+    64M-value gpt-125m fragment, much of it first touches of new pages. Here each slice of
+    whole codec blocks (compress.SLICE) is copied, subtracted and quantised while it is in
+    cache, through two slice-sized buffers, so the only fragment-sized writes are the copies
+    (needed: the receipt of this push's merge keeps the steps since it,
+    mixing.received_weights) and the int8 values."""
     _, local = flat_views(params, torch.device("cpu"))
     work = torch.empty(compress.SLICE)
     scaled = torch.empty(compress.SLICE)
