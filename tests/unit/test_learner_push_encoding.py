@@ -2,17 +2,21 @@
 bit: the same q values, scales and error-feedback residuals over several pushes, for tensors
 whose sizes are and are not whole codec blocks, with all-zero and tiny blocks among them. And a
 host learner's one-pass push (snapshot_and_encode_int8) against the copy, Δ and encoding it
-replaces."""
+replaces, and which of the two a host fragment's push takes (ONE_PASS_FROM)."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 from diloco_trainer.core import compress
 from diloco_trainer.learner.device_copies import snapshot
+from diloco_trainer.learner.fragment_state import FragmentState
 from diloco_trainer.learner.mixing import pseudo_gradient
 from diloco_trainer.learner.push_encoding import (
+    ONE_PASS_FROM,
     encode_delta,
     encode_int8_batched,
+    one_pass,
     snapshot_and_encode_int8,
 )
 
@@ -136,3 +140,35 @@ def test_a_host_push_refuses_a_residual_of_another_shape_with_its_name() -> None
         assert "'w'" in str(err) and "(5,)" in str(err)
     else:
         raise AssertionError("a residual of another shape was added")
+
+
+def test_a_host_push_is_made_in_one_pass_only_above_one_pass_from_values() -> None:
+    at_most = {"w": torch.zeros(ONE_PASS_FROM - 1), "b": torch.zeros(1)}
+    above = {"w": torch.zeros(ONE_PASS_FROM), "b": torch.zeros(1)}
+    assert not one_pass(at_most, "int8")
+    assert one_pass(above, "int8")
+    assert not one_pass(above, "int4") and not one_pass(above, "none")  # per tensor, as before
+    assert not one_pass({}, "int8")
+
+
+@pytest.mark.parametrize("extra", [-300, 300])
+def test_a_host_fragments_push_is_the_per_tensor_rule_either_side_of_one_pass_from(
+    extra: int,
+) -> None:
+    g = torch.Generator().manual_seed(5)
+    sizes = {"a": ONE_PASS_FROM + extra - 500, "b": 500}
+    params = {n: torch.randn(s, generator=g) for n, s in sizes.items()}
+    assert one_pass(params, "int8") == (extra > 0)
+    base = {n: p + 0.1 * torch.randn(p.shape, generator=g) for n, p in params.items()}
+    state = FragmentState(names=list(params), base=base)
+    ours, theirs = compress.ErrorFeedback(), compress.ErrorFeedback()
+    for _ in range(2):
+        encoded, ready = state.encode_push(params, "int8", ours)
+        ready()
+        want_local = snapshot(params)
+        assert_same(encoded, per_tensor(pseudo_gradient(base, want_local), theirs))
+        assert state.at_push is not None
+        assert_same(state.at_push, want_local)
+        assert_same(ours.state_tensors(), theirs.state_tensors())
+        for p in params.values():
+            p.add_(0.01)

@@ -27,7 +27,11 @@ from torch import Tensor
 from diloco_trainer.core.compress import ErrorFeedback
 from diloco_trainer.learner.device_copies import snapshot
 from diloco_trainer.learner.mixing import pseudo_gradient, received_weights, received_weights_into
-from diloco_trainer.learner.push_encoding import encode_for_wire, snapshot_and_encode_int8
+from diloco_trainer.learner.push_encoding import (
+    encode_for_wire,
+    one_pass,
+    snapshot_and_encode_int8,
+)
 from diloco_trainer.learner.syncer_link import SyncResult
 
 
@@ -105,9 +109,9 @@ class FragmentState:
     ) -> tuple[dict[str, Tensor], Callable[[], None]]:
         """begin_push on copies of `weights` (the fragment's parameters, only read) and Δ
         encoded for the wire (push_encoding.encode_for_wire: the host tensors and the wait for
-        their copies). A host learner's int8 push is made in one sliced pass instead
-        (push_encoding.snapshot_and_encode_int8: the same bytes)."""
-        if codec == "int8" and _device_of(weights).type == "cpu":
+        their copies). A host learner's int8 push of a large fragment is made in one sliced
+        pass instead (push_encoding.one_pass, snapshot_and_encode_int8: the same bytes)."""
+        if one_pass(weights, codec):
             local, encoded = snapshot_and_encode_int8(weights, self.base, feedback)
             self._remember(local)
             return encoded, _nothing

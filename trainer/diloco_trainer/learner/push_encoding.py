@@ -6,12 +6,13 @@ about twenty kernel launches per tensor for the quantisation and error feedback'
 two device synchronisations per tensor in the checks of that decode, each draining the GPU's
 queue of the training steps behind it.
 
-On a GPU, the int8 codec (the default) is encoded here as one flat buffer instead: Δ (plus
-the carried residual) laid out tensor after tensor, each padded with zeros to whole codec blocks
-exactly as `compress._blocks` pads it alone, so every block, scale and rounding is the one the
-per-tensor encoder makes (bit for bit: tests/unit/test_learner_push_encoding.py). Then one pass
-each quantises it, decodes it for error feedback and leaves the residual in place, and two
-copies take the int8 values and the scales to the host without blocking. No step reads a value
+On a GPU, and for a small fragment on the host (ONE_PASS_FROM), the int8 codec (the default)
+is encoded here as one flat buffer instead: Δ (plus the carried residual) laid out tensor after
+tensor, each padded with zeros to whole codec blocks exactly as `compress._blocks` pads it
+alone, so every block, scale and rounding is the one the per-tensor encoder makes (bit for bit:
+tests/unit/test_learner_push_encoding.py). Then one pass each quantises it, decodes it for
+error feedback and leaves the residual in place, and two copies take the int8 values and the
+scales to the host without blocking (on the host: nothing to copy). No step reads a value
 back, so the training thread never waits for the device. The learner's own encoding is not
 checked for NaN here: the syncer refuses a push that holds one (4xx), as it refuses anybody's,
 and the learner then takes the current global fragment and forgets the fragment's residuals
@@ -34,6 +35,21 @@ from torch import Tensor
 from diloco_trainer.core import compress
 from diloco_trainer.learner.device_copies import flat_views, to_host
 
+# A host learner's int8 push of more values than this is made in one sliced pass
+# (snapshot_and_encode_int8), a smaller one over one flat buffer (encode_int8_batched), whose
+# few whole-fragment ops beat the sliced pass's dozen small ones per tensor and slice there. On
+# one core, error feedback on: 1.1 ms against 3.1 ms for gpt-tiny's 70K-value fragment, 3.4
+# against 7.6 ms for gpt-mini's 0.44M; about even at 1M values; 33 against 22 ms at 4.2M and
+# 190 against 103 ms at 16.8M (bench/RESULTS.md, "a learner's training thread call by call").
+ONE_PASS_FROM = 4 * compress.SLICE
+
+
+def one_pass(weights: Mapping[str, Tensor], codec: str) -> bool:
+    """Whether a push of `weights` is made by snapshot_and_encode_int8 (ONE_PASS_FROM)."""
+    if codec != "int8" or not weights or next(iter(weights.values())).is_cuda:
+        return False
+    return sum(t.numel() for t in weights.values()) > ONE_PASS_FROM
+
 
 def encode_delta(
     delta: Mapping[str, Tensor], codec: str, feedback: compress.ErrorFeedback | None
@@ -51,9 +67,11 @@ def encode_for_wire(
     """Encode a pseudo-gradient for the wire, carrying the codec's error forward when asked: the
     host tensors and the wait for their copies (device_copies.to_host; call it before reading
     them). The encoding, and error feedback's decode and residual, run where Δ is (a GPU
-    learner's device): only the encoded bytes are copied to the host, without blocking."""
-    if codec == "int8" and delta and next(iter(delta.values())).is_cuda:
-        return encode_int8_batched(delta, feedback)
+    learner's device): only the encoded bytes are copied to the host, without blocking. int8
+    over one flat buffer on a GPU and for a host fragment of at most ONE_PASS_FROM values, else
+    tensor by tensor."""
+    if codec == "int8" and delta and not one_pass(delta, codec):
+        return encode_int8_batched(delta, feedback)  # a GPU's, or a small host fragment
     if feedback is None:
         return to_host(compress.encode_tensors(delta, codec, on=None))
     sent = {n: feedback.compensate(n, d) for n, d in delta.items()}
@@ -67,8 +85,9 @@ def encode_int8_batched(
     delta: Mapping[str, Tensor], feedback: compress.ErrorFeedback | None
 ) -> tuple[dict[str, Tensor], Callable[[], None]]:
     """encode_for_wire for int8 over one flat, block-padded buffer (module docstring): what a
-    GPU learner's pushes use. On the CPU, where the cost is the passes over memory and not the
-    launches, the per-tensor path was the faster (0.70 s against 1.31 s for 42M values)."""
+    GPU learner's pushes use, and a host learner's of at most ONE_PASS_FROM values. On the CPU,
+    where the cost of a large fragment is the passes over memory and not the launches, the
+    per-tensor path was the faster (0.70 s against 1.31 s for 42M values)."""
     names = list(delta)
     sizes = [delta[n].numel() for n in names]
     first = [0]  # each tensor's first block in the buffer
