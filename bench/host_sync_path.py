@@ -1,16 +1,19 @@
 """A host learner's sync path, a pass at a time: what a CPU learner's training thread (and its
 link's worker thread) spends per fragment on a push, a receipt and a compressed pull, against
-the ops they replaced and a copy of the same bytes, all measured in this run.
+the ops they replaced and a copy of the same bytes, all measured in this run; and a push made
+in one sliced pass against the same push over one flat buffer, which a host learner uses for a
+fragment of at most push_encoding.ONE_PASS_FROM values.
 
 The fragment is the preset's --fragment of --fragments (core/fragments.split_fragments over
 the model's parameters, as a job splits it), its weights the model's initial ones, its base and
 the syncer's update small random moves of them. Each case runs --repeats times, old and new in
-turn; the median and the fastest are printed, with the ratio of the old path's median to the
-new one's. Both paths give the same bytes (tests/unit/test_learner_push_encoding.py,
+turn; the median and the fastest are printed, with the ratio of the first path's median to the
+second's (old / new). Both paths give the same bytes (tests/unit/test_learner_push_encoding.py,
 test_learner_mixing.py, test_published.py); this measures only their time.
 
     python -m bench.host_sync_path                        # gpt-125m, 2 fragments, one thread
     python -m bench.host_sync_path --fragment 1           # the one with the embedding
+    python -m bench.host_sync_path --preset gpt-mini      # a fragment under ONE_PASS_FROM
     taskset -c 0 python -m bench.host_sync_path --threads 1
     THP_MEM_ALLOC_ENABLE=1 python -m bench.host_sync_path # torch's allocations in huge pages
 
@@ -35,7 +38,7 @@ from diloco_trainer.core.fragments import split_fragments
 from diloco_trainer.core.published import apply_updates
 from diloco_trainer.learner.device_copies import snapshot
 from diloco_trainer.learner.mixing import pseudo_gradient, received_weights, received_weights_into
-from diloco_trainer.learner.push_encoding import snapshot_and_encode_int8
+from diloco_trainer.learner.push_encoding import encode_int8_batched, snapshot_and_encode_int8
 from diloco_trainer.models.model import build_model
 
 
@@ -88,25 +91,32 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     )
     merged = apply_updates(base, [update], "int8")
     pushed = snapshot(params)
+    feedback = (compress.ErrorFeedback(), compress.ErrorFeedback())  # one for each path
     # The new receipt writes over the push's copies; run again, it reads the copies it wrote
     # (other values, the same work: no value here is near a denormal).
-    cases: dict[str, list[Callable[[], object]]] = {
-        "copy of the fragment (floor)": [lambda: snapshot(params)],
-        "push": [
-            lambda: old_push(params, base),
-            lambda: snapshot_and_encode_int8(params, base, None),
-        ],
-        "receipt and install": [
-            lambda: install(params, received_weights(merged, params, pushed)),
-            lambda: install(params, received_weights_into(merged, params, pushed)),
-        ],
-        "pull rebuild (link thread)": [
-            lambda: old_rebuild(base, update),
-            lambda: apply_updates(base, [update], "int8"),
-        ],
+    cases: dict[str, dict[str, Callable[[], object]]] = {
+        "copy of the fragment (floor)": {"old": lambda: snapshot(params)},
+        "push": {
+            "old": lambda: old_push(params, base),
+            "new": lambda: snapshot_and_encode_int8(params, base, None),
+        },
+        "push, error feedback on": {
+            "one pass": lambda: snapshot_and_encode_int8(params, base, feedback[0]),
+            "flat buffer": lambda: encode_int8_batched(
+                pseudo_gradient(base, snapshot(params)), feedback[1]
+            ),
+        },
+        "receipt and install": {
+            "old": lambda: install(params, received_weights(merged, params, pushed)),
+            "new": lambda: install(params, received_weights_into(merged, params, pushed)),
+        },
+        "pull rebuild (link thread)": {
+            "old": lambda: old_rebuild(base, update),
+            "new": lambda: apply_updates(base, [update], "int8"),
+        },
     }
     rows = {
-        name: dict(zip(("old", "new"), timed(fns, args.repeats), strict=False))
+        name: dict(zip(fns, timed(list(fns.values()), args.repeats), strict=True))
         for name, fns in cases.items()
     }
     sizes = [params[n].numel() for n in params]
@@ -131,14 +141,12 @@ def report(result: dict[str, Any]) -> str:
         f"{result['repeats']} runs each, in turn (median / fastest, s)"
     ]
     for name, row in result["cases"].items():
-        old = row["old"]
-        text = f"  {name:30s} old {old['median']:.3f} / {old['fastest']:.3f}"
-        if "new" in row:
-            new = row["new"]
-            text += (
-                f"   new {new['median']:.3f} / {new['fastest']:.3f}"
-                f"   old / new {old['median'] / new['median']:.2f}"
-            )
+        text = f"  {name:30s}" + "".join(
+            f"   {label} {t['median']:.4f} / {t['fastest']:.4f}" for label, t in row.items()
+        )
+        if len(row) == 2:
+            first, second = row.values()
+            text += f"   {' / '.join(row)} {first['median'] / second['median']:.2f}"
         lines.append(text)
     return "\n".join(lines)
 
