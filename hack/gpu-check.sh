@@ -21,7 +21,9 @@
 #                                                  # (e.g. ONLY='gpt-125m-h40-nextPush'), EXTRA
 #                                                  # adds arguments to each (EXTRA='--outer-steps
 #                                                  # 24'; then LIMIT=300 seconds a case), PLAIN
-#                                                  # the plain blocks' steps (default 40)
+#                                                  # the plain blocks' steps (default 40);
+#                                                  # CALLS=1 also runs bench.learner_calls on
+#                                                  # each case (the training thread call by call)
 #   MODE=pull OUT=... hack/gpu-check.sh            # pulled updates applied on the GPU: the
 #                                                  # rebuild against the host's bit for bit, what
 #                                                  # each part of the link's work slows in the
@@ -226,6 +228,14 @@ PYEOF
                 "${words[@]:1}" ${EXTRA:-} --merge-wait "$wait" --plain-steps "${PLAIN:-40}" \
                 --json "$WORK_OUT/$name.json" --logs "$WORK_OUT/logs-$name" \
                 || echo "!! learner_overlap $name failed or timed out (exit $?)"
+            if [[ -n "${CALLS:-}" ]]; then  # CALLS=1: the same job's training thread call by call
+                echo "== bench.learner_calls $name bf16 on $DEVICE"
+                # shellcheck disable=SC2086
+                timeout "$LIMIT" "$PY" -m bench.learner_calls --device "$DEVICE" --precision bf16 \
+                    "${words[@]:1}" ${EXTRA:-} --merge-wait "$wait" \
+                    --json "$WORK_OUT/calls-$name.json" \
+                    || echo "!! learner_calls $name failed or timed out (exit $?)"
+            fi
             tar -czf "$OUT/injob.tgz" -C "$OUT" injob  # after each case: a cut-off run keeps some
         done
     done
