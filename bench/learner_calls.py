@@ -15,8 +15,9 @@ How: `diloco run` starts the learner with this process's environment, so a `site
 module on PYTHONPATH (written to a temporary folder) wraps the named methods in the learner
 process only, and writes their totals as JSON when it exits. Nothing of the trainer changes;
 each wrapper costs about a microsecond a call (0.9 µs measured), some 15-20 µs a step over the
-rows, which the learner's own split then also counts. The job's flags are bench/learner_overlap's (its
-plain-block flags, --rounds, --baseline and the like, do nothing here).
+rows, which the learner's own split then also counts. The job's flags are
+bench/learner_overlap's (its plain-block flags, --rounds, --baseline and the like, do nothing
+here).
 
     python -m bench.learner_calls --preset gpt-tiny --batch-size 8 --seq-len 64 \
         --inner-steps 40 --outer-steps 60 --syncer-cpus 1                       # CPU
