@@ -27,7 +27,6 @@ import json
 import os
 import statistics
 import sys
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -41,20 +40,15 @@ from diloco_trainer.learner.mixing import pseudo_gradient, received_weights, rec
 from diloco_trainer.learner.push_encoding import encode_int8_batched, snapshot_and_encode_int8
 from diloco_trainer.models.model import build_model
 
+from bench.in_turn import times_in_turn
+
 
 def timed(cases: list[Callable[[], object]], repeats: int) -> list[dict[str, float]]:
     """Median and fastest wall seconds of each of `cases` over `repeats` runs, taken in turn
-    (old, new, old, new, ...) after one untimed run each, so that a drift of the machine or of
-    the allocator's state between them falls on both."""
-    for fn in cases:
-        fn()
-    times: list[list[float]] = [[] for _ in cases]
-    for _ in range(repeats):
-        for fn, mine in zip(cases, times, strict=True):
-            began = time.perf_counter()
-            fn()
-            mine.append(time.perf_counter() - began)
-    return [{"median": statistics.median(t), "fastest": min(t)} for t in times]
+    (bench/in_turn.py)."""
+    return [
+        {"median": statistics.median(t), "fastest": min(t)} for t in times_in_turn(cases, repeats)
+    ]
 
 
 def old_push(params: dict[str, torch.Tensor], base: dict[str, torch.Tensor]) -> object:

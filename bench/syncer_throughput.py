@@ -18,7 +18,6 @@ step. Ratios: ours / plain torch, and ours / copy bandwidth.
 from __future__ import annotations
 
 import statistics
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -40,6 +39,7 @@ from bench.common import (
     ratio,
     save_figure,
 )
+from bench.in_turn import times_in_turn
 
 SEQ_LEN = 256  # only sets the position-table size; the syncer holds what the learners train
 COPY_PROBE_BYTES = 256 * 2**20  # far larger than any CPU cache
@@ -74,15 +74,7 @@ def interleaved_medians(fns: Sequence[Callable[[], object]], repeats: int) -> li
 
     Taking turns exposes both to the same background load, which matters on a shared machine.
     """
-    for fn in fns:
-        fn()
-    times: list[list[float]] = [[] for _ in fns]
-    for _ in range(repeats):
-        for fn, ts in zip(fns, times, strict=True):
-            t0 = time.perf_counter()
-            fn()
-            ts.append(time.perf_counter() - t0)
-    return [statistics.median(ts) for ts in times]
+    return [statistics.median(ts) for ts in times_in_turn(fns, repeats)]
 
 
 class OursPath:
