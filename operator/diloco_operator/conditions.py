@@ -61,7 +61,7 @@ def unreachable_reason(before: ConditionsByType) -> str:
     return NOT_YET_REACHED
 
 
-# The syncer's health problem kinds (syncer/health.py) the operator names; anything else is
+# The syncer's health problem kinds (syncer/state/problems.py) the operator names; anything else is
 # reported as "Other". Only these words and counts reach the job's status, never the syncer's
 # own text: a remote syncer's answers are not copied into the job (issue 10).
 HEALTH_KINDS = {

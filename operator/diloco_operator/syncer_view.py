@@ -9,8 +9,8 @@ dropped now counts as out of the quorum now), so they are kept beside the docume
 as the syncer wrote it, and laid over its islands here.
 
 The document's `health` is not one of SyncerStatus's fields (the syncer has sent it since
-syncer/health.py, older syncers do not): SyncerHealth types it from the document's extra keys,
-forgiving what it cannot read, since a syncer's health problems must not make its status
+syncer/state/problems.py, older syncers do not): SyncerHealth types it from the document's extra
+keys, forgiving what it cannot read, since a syncer's health problems must not make its status
 unreadable.
 """
 
@@ -31,7 +31,7 @@ from pydantic import (
     WrapValidator,
 )
 
-HEALTH_KEY = "health"  # the status document's key for syncer/health.py's report
+HEALTH_KEY = "health"  # the status document's key for syncer/state/problems.py's report
 
 
 def _none_if_unreadable(value: Any, handler: ValidatorFunctionWrapHandler) -> Any:
@@ -56,8 +56,8 @@ def _empty_if_unreadable(value: Any, handler: ValidatorFunctionWrapHandler) -> A
 
 
 class HealthProblem(Document):
-    """One problem of the syncer's health report: its kind (syncer/health.py) and how often it
-    happened; None where the syncer sent something else. Its free text is never read."""
+    """One problem of the syncer's health report: its kind (syncer/state/problems.py) and how often
+    it happened; None where the syncer sent something else. Its free text is never read."""
 
     kind: Annotated[StrictStr | None, WrapValidator(_none_if_unreadable)] = None
     count: Annotated[StrictInt | None, WrapValidator(_none_if_unreadable)] = None

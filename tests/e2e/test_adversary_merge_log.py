@@ -27,7 +27,7 @@ from .test_adversary import HONEST, SPEC, honest_active, honest_round, join_all,
 
 pytestmark = pytest.mark.e2e
 
-MERGE_LOG = "mergeLog"  # syncer/merge_log.py's health problem kind
+MERGE_LOG = "mergeLog"  # syncer/merging/merge_log.py's health problem kind
 
 
 @pytest.fixture

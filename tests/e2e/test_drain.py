@@ -1,7 +1,7 @@
 """The drain (learner/drain.py): each island trains its part of stopAfter.tokens, pushes what its
 two streamed fragments still hold (partial rounds) and the job finishes with every processed
 token merged, stopAfter.tokens not overshot. At K = M the part is each island's share; at K < M
-the syncer's stop target, split by pace near the budget (syncer/targets.py)."""
+the syncer's stop target, split by pace near the budget (syncer/state/targets.py)."""
 
 from __future__ import annotations
 

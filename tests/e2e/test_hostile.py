@@ -27,7 +27,7 @@ from diloco_trainer.core.compress import encode_tensors
 from diloco_trainer.learner import syncer_client
 from diloco_trainer.local import launch
 from diloco_trainer.local.run import LocalRun
-from diloco_trainer.syncer import checkpoint as ckpt
+from diloco_trainer.syncer.storage import checkpoint as ckpt
 
 from .conftest import TINY_SPEC, SyncerHandle, deep_merge, http_request, wait_until
 from .test_convergence import local_run  # noqa: F401  (a fixture)

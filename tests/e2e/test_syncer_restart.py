@@ -17,7 +17,7 @@ from diloco_trainer.api.documents import PushAnswer
 from diloco_trainer.api.spec import JobSpec
 from diloco_trainer.core.compress import encode_tensors
 from diloco_trainer.learner import syncer_client
-from diloco_trainer.syncer import checkpoint as ckpt
+from diloco_trainer.syncer.storage import checkpoint as ckpt
 
 from .conftest import SyncerHandle, wait_until
 

@@ -20,7 +20,7 @@ from typing import Any
 import pytest
 import torch
 from diloco_operator.resources.pods import RUN_AS_USER
-from diloco_trainer.syncer.checkpoint import load_checkpoint
+from diloco_trainer.syncer.storage.checkpoint import load_checkpoint
 from safetensors import safe_open
 
 from hack.localcluster.harness import ControlPlane, poll_until

@@ -74,7 +74,7 @@ def test_the_syncer_sets_its_threads_before_it_serves(monkeypatch: pytest.Monkey
     """`diloco syncer` sizes torch's threads to its pod's CPU limit before it builds anything
     (torch's default is the node's core count). The quota itself cannot be set here, so the two
     calls are recorded in their order."""
-    from diloco_trainer.syncer import service
+    from diloco_trainer.syncer.service import service
 
     calls: list[str] = []
     monkeypatch.setattr(service, "configure_threads", lambda: calls.append("threads"))

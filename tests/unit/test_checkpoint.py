@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from diloco_trainer.syncer import checkpoint as ck
+from diloco_trainer.syncer.storage import checkpoint as ck
 
 
 def tensors(seed: int) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:

@@ -9,8 +9,8 @@ from typing import Any
 
 from aiohttp import web
 from diloco_trainer.api import credentials, protocol
-from diloco_trainer.syncer.http import SyncerRoutes
-from diloco_trainer.syncer.service import Syncer
+from diloco_trainer.syncer.edge.http import SyncerRoutes
+from diloco_trainer.syncer.service.service import Syncer
 
 from .test_syncer import body, delta
 from .test_syncer_http_handlers import TOKEN, Handler, answer, request, state_of, with_syncer

@@ -24,8 +24,8 @@ from diloco_trainer.api.documents import (
 from diloco_trainer.api.spec import parse_spec
 from diloco_trainer.core import payloads
 from diloco_trainer.core.compress import encode_tensors
-from diloco_trainer.syncer.records import Beat
-from diloco_trainer.syncer.service import Syncer
+from diloco_trainer.syncer.service.service import Syncer
+from diloco_trainer.syncer.state.records import Beat
 
 SPEC: dict[str, Any] = {
     "model": {"preset": "gpt-tiny"},

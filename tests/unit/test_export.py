@@ -13,7 +13,7 @@ from diloco_trainer.cli import main as cli_main
 from diloco_trainer.export import final_weights_note, find_checkpoint
 from diloco_trainer.models.model import build_model
 from diloco_trainer.models.parts import build_parts, evaluate
-from diloco_trainer.syncer import checkpoint as ckpt
+from diloco_trainer.syncer.storage import checkpoint as ckpt
 
 SPEC = {"inner": {"batchSize": 4, "seqLen": 32}, "data": {"evalTokens": 1024}}
 

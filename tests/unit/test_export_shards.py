@@ -14,8 +14,8 @@ from diloco_trainer.export import (
     find_checkpoint,
     from_checkpoint,
 )
-from diloco_trainer.syncer.checkpoint import load_checkpoint
-from diloco_trainer.syncer.service import Syncer
+from diloco_trainer.syncer.service.service import Syncer
+from diloco_trainer.syncer.storage.checkpoint import load_checkpoint
 
 from .test_syncer import FakeClock, body, delta, make_spec, run
 

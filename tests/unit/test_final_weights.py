@@ -18,7 +18,7 @@ from diloco_operator.final_weights import (
 from diloco_operator.status import compute_status, status_patch
 from diloco_trainer.api import contract
 from diloco_trainer.api.documents import DocumentError, SyncerStatus
-from diloco_trainer.syncer import checkpoint as ckpt
+from diloco_trainer.syncer.storage import checkpoint as ckpt
 
 from .observations import SYNCER, observation, syncer_status
 from .test_syncer import FakeClock, body, delta, make_spec, run, started

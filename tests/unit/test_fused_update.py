@@ -14,8 +14,8 @@ from diloco_trainer.core.compress import SLICE
 from diloco_trainer.core.fused_update import nesterov_int8_slice
 from diloco_trainer.core.outer import OuterOptimizer
 from diloco_trainer.core.published import UpdateWriter
-from diloco_trainer.syncer import global_model
-from diloco_trainer.syncer.service import Syncer
+from diloco_trainer.syncer.merging import global_model
+from diloco_trainer.syncer.service.service import Syncer
 
 from .test_syncer import FakeClock, body, delta, make_spec, run, started
 

@@ -3,7 +3,7 @@ progress report (step, step time) predicts when it reaches the fragment's sync p
 
 from __future__ import annotations
 
-from diloco_trainer.syncer.rounds import Contribution, RoundPolicy, SyncState
+from diloco_trainer.syncer.state.rounds import Contribution, RoundPolicy, SyncState
 
 H = 20
 

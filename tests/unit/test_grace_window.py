@@ -95,7 +95,7 @@ def test_auto_grace_of_a_decoupled_job_is_sized_from_h_steps() -> None:
     block, so slack = 30·0.05 − 0.1 = 1.4 s and the window is all of it (γ = 1): 1.4 s; at K = M
     (blocking) slack = 5·0.05 − 0.1 = 0.15 s and the window ½·0.15 = 0.075 s."""
     from diloco_trainer.api.spec import parse_spec
-    from diloco_trainer.syncer.records import round_policy
+    from diloco_trainer.syncer.state.records import round_policy
 
     def policy(quorum: int):  # type: ignore[no-untyped-def]
         spec = parse_spec(

@@ -18,9 +18,9 @@ from diloco_trainer.api.sharding import join_urls
 from diloco_trainer.core.compress import encode_tensors
 from diloco_trainer.learner import syncer_client
 from diloco_trainer.learner.syncer_link import SyncerLink
-from diloco_trainer.syncer.http import build_app
-from diloco_trainer.syncer.service import Syncer
-from diloco_trainer.syncer.shard_scope import wrong_shard_middleware
+from diloco_trainer.syncer.edge.http import build_app
+from diloco_trainer.syncer.edge.shard_scope import wrong_shard_middleware
+from diloco_trainer.syncer.service.service import Syncer
 
 from .test_syncer import FakeClock, delta, make_spec, run
 

@@ -16,7 +16,7 @@ from diloco_trainer.api.spec import JobSpec, parse_spec
 from diloco_trainer.core.push_bounds import STEP_ROUNDS, max_push_steps
 from diloco_trainer.learner.fragment_state import FragmentCounters, FragmentState, at_step_cap
 from diloco_trainer.learner.fragment_sync import FragmentSync
-from diloco_trainer.syncer import guards
+from diloco_trainer.syncer.intake import guards
 from torch import nn
 
 from .test_learner_fragment_sync import FakeLink, make_sync, step

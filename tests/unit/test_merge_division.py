@@ -10,7 +10,7 @@ from diloco_trainer.core.compress import SLICE
 from diloco_trainer.core.fold import MergeFold
 from diloco_trainer.core.outer import OuterOptimizer
 from diloco_trainer.core.published import UpdateWriter
-from diloco_trainer.syncer.global_model import PreparedMerge
+from diloco_trainer.syncer.merging.global_model import PreparedMerge
 
 SHAPES = {"a": (2 * SLICE + 1000,), "b": (300, 129), "c": (3,)}  # several slices, odd tails
 

@@ -10,7 +10,7 @@ from diloco_operator.health import PodView, island_health
 from diloco_operator.resources import JobRef
 from diloco_trainer.api import contract
 from diloco_trainer.api.spec import ConfigError, parse_spec
-from diloco_trainer.syncer.admission import Admission
+from diloco_trainer.syncer.intake.admission import Admission
 
 JOB = JobRef(name="demo", namespace="ns1", uid="uid-1")
 

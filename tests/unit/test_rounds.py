@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import pytest
 from diloco_trainer.api.protocol import DROPPED_FOR_REFUSALS
-from diloco_trainer.syncer.rounds import (
+from diloco_trainer.syncer.errors import Refused
+from diloco_trainer.syncer.state.rounds import (
     ACTIVE,
     DROPPED,
     LEFT,
     TIMED_OUT,
     Contribution,
-    Refused,
     RoundPolicy,
     SyncState,
 )

@@ -1,15 +1,15 @@
-"""Awaited islands (syncer/rounds.py, records.py): islands of the job that have not joined hold the
-quorum until they join or are dropped, however slowly they start; only the long start-up timeout
-(islands.startupTimeoutSeconds) gives up on them when nobody says anything. The heartbeat timeout
-is for islands that went silent, not for slow starts (issue 9: a quorum 2 of 2 job merged on one
-island because five processes took longer than heartbeatTimeoutSeconds to start)."""
+"""Awaited islands (syncer/state/rounds.py, records.py): islands of the job that have not joined
+hold the quorum until they join or are dropped, however slowly they start; only the long start-up
+timeout (islands.startupTimeoutSeconds) gives up on them when nobody says anything. The heartbeat
+timeout is for islands that went silent, not for slow starts (issue 9: a quorum 2 of 2 job merged on
+one island because five processes took longer than heartbeatTimeoutSeconds to start)."""
 
 from __future__ import annotations
 
 import pytest
 from diloco_trainer.api.spec import ConfigError, parse_spec
-from diloco_trainer.syncer.records import round_policy
-from diloco_trainer.syncer.rounds import (
+from diloco_trainer.syncer.state.records import round_policy
+from diloco_trainer.syncer.state.rounds import (
     ACTIVE,
     DROPPED,
     TIMED_OUT,

@@ -6,7 +6,7 @@ whose heartbeat had not come yet) showed 0 tokens processed.
 
 from __future__ import annotations
 
-from diloco_trainer.syncer.rounds import Contribution, RoundPolicy, SyncState
+from diloco_trainer.syncer.state.rounds import Contribution, RoundPolicy, SyncState
 
 
 def make_state(fragments: int = 1) -> SyncState:

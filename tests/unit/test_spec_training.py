@@ -8,7 +8,7 @@ import pytest
 from diloco_trainer.api import protocol
 from diloco_trainer.api.spec import ConfigError, InnerSpec, ModelSpec, parse_spec
 from diloco_trainer.api.training import InnerSpec as TrainingInnerSpec
-from diloco_trainer.syncer.guards import ContributionRefused, WorkBounds
+from diloco_trainer.syncer.intake.guards import ContributionRefused, WorkBounds
 
 
 def test_training_fields_default_to_todays_behaviour() -> None:

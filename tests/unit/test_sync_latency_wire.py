@@ -14,8 +14,8 @@ from diloco_trainer.api import protocol
 from diloco_trainer.learner import syncer_client
 from diloco_trainer.learner.push_encoding import encode_delta
 from diloco_trainer.learner.syncer_link import HeldFragment
-from diloco_trainer.syncer.http import build_app
-from diloco_trainer.syncer.service import Syncer
+from diloco_trainer.syncer.edge.http import build_app
+from diloco_trainer.syncer.service.service import Syncer
 
 from .test_syncer import FakeClock, delta, run
 from .test_syncer_pull import copy, merge_rounds, pull_spec, served_link

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from diloco_trainer.syncer import checkpoint as ck
+from diloco_trainer.syncer.storage import checkpoint as ck
 
 
 def _saved(tmp_path: Path) -> dict[str, torch.Tensor]:

@@ -8,7 +8,7 @@ from __future__ import annotations
 import asyncio
 
 from aiohttp import web
-from diloco_trainer.syncer.limits import ConnectionCap, GuardedSite, HttpLimits, reserve_of
+from diloco_trainer.syncer.edge.limits import ConnectionCap, GuardedSite, HttpLimits, reserve_of
 
 FLOOD, PROBE = "127.0.0.2", "127.0.0.1"
 # A reply's end: each answer here is small, and the busy one closes its connection.

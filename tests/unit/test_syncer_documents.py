@@ -14,9 +14,9 @@ from diloco_trainer.api import credentials, protocol
 from diloco_trainer.api.documents import DocumentError, IslandStatus, MergeRecord
 from diloco_trainer.api.manifest import CheckpointManifest
 from diloco_trainer.core import payloads
-from diloco_trainer.syncer import checkpoint as ckpt
-from diloco_trainer.syncer.merge_log import MERGE_LOG_FILE
-from diloco_trainer.syncer.service import Syncer
+from diloco_trainer.syncer.merging.merge_log import MERGE_LOG_FILE
+from diloco_trainer.syncer.service.service import Syncer
+from diloco_trainer.syncer.storage import checkpoint as ckpt
 
 from .test_syncer import FakeClock, body, delta, make_spec, run, started
 

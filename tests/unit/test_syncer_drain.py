@@ -9,9 +9,9 @@ import logging
 from pathlib import Path
 
 import pytest
-from diloco_trainer.syncer import checkpoint as ckpt
-from diloco_trainer.syncer.records import Beat
-from diloco_trainer.syncer.service import Syncer
+from diloco_trainer.syncer.service.service import Syncer
+from diloco_trainer.syncer.state.records import Beat
+from diloco_trainer.syncer.storage import checkpoint as ckpt
 
 from .test_syncer import FakeClock, body, delta, make_spec, run, started
 

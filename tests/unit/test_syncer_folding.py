@@ -1,4 +1,4 @@
-"""syncer/folding.py: rounds folded as pushes arrive, pushes kept encoded, and the merge's
+"""syncer/merging/folding.py: rounds folded as pushes arrive, pushes kept encoded, and the merge's
 fallback to the encoded payloads when the round changed in a way a fold cannot follow."""
 
 from __future__ import annotations
@@ -10,8 +10,9 @@ import torch
 from diloco_trainer.core.compress import decode_tensors, encode_tensors
 from diloco_trainer.core.contributions import Contributor, MergePlan, plan_merge
 from diloco_trainer.core.merge import merge_pseudo_gradients
-from diloco_trainer.syncer.folding import EncodedPayload, RoundFolds
-from diloco_trainer.syncer.records import Contribution
+from diloco_trainer.syncer.intake.payload import EncodedPayload
+from diloco_trainer.syncer.merging.folding import RoundFolds
+from diloco_trainer.syncer.state.records import Contribution
 
 SHAPES = {"a": torch.Size([4, 8]), "b": torch.Size([64])}
 
@@ -205,7 +206,7 @@ def want_amax(merged: dict[str, torch.Tensor]) -> float:
 def test_push_stats_read_a_slice_at_a_time_are_the_decoded_ones() -> None:
     """The guards' stats of a push kept encoded: finite, the same direction sample bit for
     bit, and the norm of the decoded values (combined from slices: equal up to rounding)."""
-    from diloco_trainer.syncer.guards import delta_stats
+    from diloco_trainer.syncer.intake.guards import delta_stats
 
     payload, decoded = _big_push("int8", 3)
     got, want = delta_stats(payload), delta_stats(decoded)
@@ -220,7 +221,7 @@ def test_push_stats_of_an_encoded_push_with_a_huge_or_infinite_scale() -> None:
     """A scale that decodes past fp32 (inf) in the second slice: not finite; a huge finite
     one: its norm is |x|max (beyond any cap)."""
     from diloco_trainer.core.compress import SLICE
-    from diloco_trainer.syncer.guards import delta_stats
+    from diloco_trainer.syncer.intake.guards import delta_stats
 
     payload, _ = _big_push("int8", 4)
     scales = payload.flat["big::scale"].clone()

@@ -13,9 +13,9 @@ from typing import Any
 
 import torch
 from diloco_trainer.core import payloads
-from diloco_trainer.syncer import startup
-from diloco_trainer.syncer.records import Beat
-from diloco_trainer.syncer.service import Syncer
+from diloco_trainer.syncer.service import startup
+from diloco_trainer.syncer.service.service import Syncer
+from diloco_trainer.syncer.state.records import Beat
 
 from .test_syncer import FakeClock, body, delta, make_spec, run, started
 

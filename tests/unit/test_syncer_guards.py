@@ -19,13 +19,21 @@ from diloco_trainer.api.credentials import Principal
 from diloco_trainer.api.documents import IslandStatus, PushAnswer
 from diloco_trainer.api.spec import parse_spec
 from diloco_trainer.core.compress import decode_tensors, encode_tensors
-from diloco_trainer.syncer import guards
-from diloco_trainer.syncer.admission import Admission, admitted_records, evictable
-from diloco_trainer.syncer.health import CHECKPOINT, Health
-from diloco_trainer.syncer.limits import HttpLimits, Slots, json_too_deep, push_share, read_body
-from diloco_trainer.syncer.merge_log import rotate
-from diloco_trainer.syncer.records import LEFT, TIMED_OUT, Contribution, IslandRecord, Refused
-from diloco_trainer.syncer.replay import PushAnswers, push_window
+from diloco_trainer.syncer.edge.limits import (
+    HttpLimits,
+    Slots,
+    push_share,
+    read_body,
+)
+from diloco_trainer.syncer.errors import Refused
+from diloco_trainer.syncer.intake import guards
+from diloco_trainer.syncer.intake.admission import Admission, admitted_records, evictable
+from diloco_trainer.syncer.intake.validation import json_too_deep
+from diloco_trainer.syncer.merging import merge_checks
+from diloco_trainer.syncer.merging.merge_log import rotate
+from diloco_trainer.syncer.state.problems import CHECKPOINT, Health
+from diloco_trainer.syncer.state.records import LEFT, TIMED_OUT, Contribution, IslandRecord
+from diloco_trainer.syncer.state.replay import PushAnswers, push_window
 
 SPEC: dict[str, Any] = {
     "islands": {"count": 2, "replicas": 2},
@@ -247,15 +255,15 @@ def contribution(island: str, tokens: int, payload: dict[str, torch.Tensor]) -> 
 
 
 def test_guards_merge_checks_and_offenders() -> None:
-    guards.check_merged(0, {"w": torch.ones(3)})
-    for bad in (math.inf, math.nan, 2 * guards.MAX_MERGED_ABS):
-        with pytest.raises(guards.MergeInputError):
-            guards.check_merged(0, {"w": torch.tensor([1.0, bad])})
+    merge_checks.check_merged(0, {"w": torch.ones(3)})
+    for bad in (math.inf, math.nan, 2 * merge_checks.MAX_MERGED_ABS):
+        with pytest.raises(merge_checks.MergeInputError):
+            merge_checks.check_merged(0, {"w": torch.tensor([1.0, bad])})
     fine = contribution("island-0", 100, {"w": torch.ones(3)})
     heavy = contribution("island-1", 10**200, {"w": torch.ones(3)})  # weight overflows to inf
     broken = contribution("island-2", 100, {"w": torch.tensor([math.inf, 0.0, 0.0])})
-    assert guards.offenders([fine, heavy, broken], "tokens") == ["island-1", "island-2"]
-    assert guards.offenders([fine], "tokens") == []
+    assert merge_checks.offenders([fine, heavy, broken], "tokens") == ["island-1", "island-2"]
+    assert merge_checks.offenders([fine], "tokens") == []
 
 
 # ----- islands ---------------------------------------------------------------------------------

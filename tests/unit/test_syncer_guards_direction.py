@@ -8,8 +8,8 @@ import math
 import pytest
 import torch
 from diloco_trainer.api import protocol
-from diloco_trainer.syncer import guards
-from diloco_trainer.syncer.direction import Directions, consensus, cosine, direction_sample
+from diloco_trainer.syncer.intake import guards
+from diloco_trainer.syncer.intake.direction import Directions, consensus, cosine, direction_sample
 
 from .test_syncer_guards import guard, refusal_code
 

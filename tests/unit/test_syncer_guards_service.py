@@ -15,14 +15,14 @@ import pytest
 import torch
 from diloco_trainer.api import protocol
 from diloco_trainer.api.spec import ConfigError
-from diloco_trainer.syncer import checkpoint as ckpt
-from diloco_trainer.syncer import gate as gate_module
-from diloco_trainer.syncer import jobs as jobs_module
-from diloco_trainer.syncer import merge_log
-from diloco_trainer.syncer.health import CHECKPOINT, CORRUPT, MERGE
-from diloco_trainer.syncer.records import Beat, Contribution
-from diloco_trainer.syncer.rounds import Refused
-from diloco_trainer.syncer.service import Syncer
+from diloco_trainer.syncer.intake import gate as gate_module
+from diloco_trainer.syncer.merging import merge_log
+from diloco_trainer.syncer.service import jobs as jobs_module
+from diloco_trainer.syncer.service.service import Syncer
+from diloco_trainer.syncer.state.problems import CHECKPOINT, CORRUPT, MERGE
+from diloco_trainer.syncer.state.records import Beat, Contribution
+from diloco_trainer.syncer.state.rounds import Refused
+from diloco_trainer.syncer.storage import checkpoint as ckpt
 
 from .test_syncer import FakeClock, body, delta, make_spec, run, started
 

@@ -9,9 +9,9 @@ import logging
 
 import pytest
 from aiohttp import web
-from diloco_trainer.syncer.http import errors, read_limited
-from diloco_trainer.syncer.limits import HttpLimits
-from diloco_trainer.syncer.records import Refused
+from diloco_trainer.syncer.edge.http import errors, read_limited
+from diloco_trainer.syncer.edge.limits import HttpLimits
+from diloco_trainer.syncer.errors import Refused
 
 
 def test_a_client_gone_mid_body_is_an_info_line_not_an_internal_error(

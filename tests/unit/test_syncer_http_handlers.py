@@ -17,10 +17,10 @@ from aiohttp import payload, streams, web
 from aiohttp.test_utils import make_mocked_request
 from diloco_trainer.api import credentials, protocol
 from diloco_trainer.api.credentials import Principal
-from diloco_trainer.syncer import limits
-from diloco_trainer.syncer.credentials import PRINCIPAL
-from diloco_trainer.syncer.http import SyncerRoutes, errors
-from diloco_trainer.syncer.service import Syncer
+from diloco_trainer.syncer.edge import limits
+from diloco_trainer.syncer.edge.access import PRINCIPAL
+from diloco_trainer.syncer.edge.http import SyncerRoutes, errors
+from diloco_trainer.syncer.service.service import Syncer
 
 from .test_syncer import FakeClock, body, delta, make_spec, started
 

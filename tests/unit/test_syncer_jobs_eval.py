@@ -1,5 +1,5 @@
-"""syncer/jobs.py's evaluations of snapshots: on a second module that shares the live parameters
-(no copy of P), the snapshot's tensors in its slots only while it evaluates."""
+"""syncer/service/jobs.py's evaluations of snapshots: on a second module that shares the live
+parameters (no copy of P), the snapshot's tensors in its slots only while it evaluates."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 from diloco_trainer.api.spec import parse_spec
-from diloco_trainer.syncer.service import Syncer
+from diloco_trainer.syncer.service.service import Syncer
 
 SPEC = {
     "model": {"preset": "gpt-tiny"},

@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import pytest
 from diloco_trainer.api.protocol import DROPPED_FOR_REFUSALS
-from diloco_trainer.syncer.clocks import WorkClocks
-from diloco_trainer.syncer.membership import Membership
-from diloco_trainer.syncer.records import ACTIVE, DROPPED, LEFT, TIMED_OUT, Refused
+from diloco_trainer.syncer.errors import Refused
+from diloco_trainer.syncer.state.clocks import WorkClocks
+from diloco_trainer.syncer.state.membership import Membership
+from diloco_trainer.syncer.state.records import ACTIVE, DROPPED, LEFT, TIMED_OUT
 
 
 class Heard:

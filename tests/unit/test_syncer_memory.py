@@ -1,4 +1,5 @@
-"""syncer/memory.py: glibc's mmap threshold fixed, so a freed large buffer leaves the process."""
+"""syncer/merging/heap.py: glibc's mmap threshold fixed, so a freed large buffer leaves the
+process."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import sys
 from pathlib import Path
 
 import torch
-from diloco_trainer.syncer.memory import return_freed_memory
+from diloco_trainer.syncer.merging.heap import return_freed_memory
 
 
 def rss() -> int:
@@ -45,7 +46,7 @@ import json
 from pathlib import Path
 
 import torch
-from diloco_trainer.syncer.memory import return_freed_memory, trim
+from diloco_trainer.syncer.merging.heap import return_freed_memory, trim
 
 
 def rss():

@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 from diloco_trainer.api.documents import MergeRecord
-from diloco_trainer.syncer import merge_log
-from diloco_trainer.syncer.merge_log import MERGE_LOG_FILE, MergeLog
+from diloco_trainer.syncer.merging import merge_log
+from diloco_trainer.syncer.merging.merge_log import MERGE_LOG_FILE, MergeLog
 
 
 def versions(path: Path) -> list[int]:

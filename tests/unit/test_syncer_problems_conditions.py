@@ -10,8 +10,8 @@ from pathlib import Path
 from typing import Any
 
 from diloco_operator.conditions import syncer_health
-from diloco_trainer.syncer import checkpoint as ckpt
-from diloco_trainer.syncer import merge_log
+from diloco_trainer.syncer.merging import merge_log
+from diloco_trainer.syncer.storage import checkpoint as ckpt
 
 from .observations import syncer_view
 from .test_syncer import FakeClock, make_spec, run, started

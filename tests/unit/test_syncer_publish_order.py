@@ -1,5 +1,5 @@
-"""syncer/publisher.py: a publish encodes and wakes one fragment at a time, the fragments with a
-new version first (a merged fragment is pullable before the others are re-encoded for their
+"""syncer/serving/publisher.py: a publish encodes and wakes one fragment at a time, the fragments
+with a new version first (a merged fragment is pullable before the others are re-encoded for their
 changed outer step); the bodies a publish replaces are let go off the loop."""
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ from pathlib import Path
 import torch
 from diloco_trainer.api.spec import parse_spec
 from diloco_trainer.core import payloads
-from diloco_trainer.syncer.publisher import BodyKey
-from diloco_trainer.syncer.service import Syncer
+from diloco_trainer.syncer.service.service import Syncer
+from diloco_trainer.syncer.serving.publisher import BodyKey
 
 SPEC = {
     "model": {"preset": "gpt-tiny"},

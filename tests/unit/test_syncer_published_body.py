@@ -15,9 +15,9 @@ from diloco_trainer.api import protocol
 from diloco_trainer.core import payloads
 from diloco_trainer.core.compress import encode_tensors
 from diloco_trainer.core.published import UpdateWriter, publish_update
-from diloco_trainer.syncer import http
-from diloco_trainer.syncer.http import build_app
-from diloco_trainer.syncer.service import Syncer
+from diloco_trainer.syncer.edge import http
+from diloco_trainer.syncer.edge.http import build_app
+from diloco_trainer.syncer.service.service import Syncer
 
 from .test_syncer import FakeClock, body, delta, make_spec, run, started
 

@@ -22,9 +22,9 @@ from diloco_trainer.core import payloads
 from diloco_trainer.core.published import apply_updates, weights_checksum
 from diloco_trainer.learner import syncer_client
 from diloco_trainer.learner.syncer_link import HeldFragment, SyncerLink
-from diloco_trainer.syncer import checkpoint as ckpt
-from diloco_trainer.syncer.http import build_app
-from diloco_trainer.syncer.service import Syncer
+from diloco_trainer.syncer.edge.http import build_app
+from diloco_trainer.syncer.service.service import Syncer
+from diloco_trainer.syncer.storage import checkpoint as ckpt
 
 from .test_syncer import FakeClock, body, delta, make_spec, run, started
 

@@ -14,8 +14,8 @@ from diloco_trainer.api import protocol
 from diloco_trainer.api.spec import JobSpec, parse_spec
 from diloco_trainer.core import payloads
 from diloco_trainer.core.compress import encode_tensors
-from diloco_trainer.syncer import checkpoint as ckpt
-from diloco_trainer.syncer.service import Syncer
+from diloco_trainer.syncer.service.service import Syncer
+from diloco_trainer.syncer.storage import checkpoint as ckpt
 
 T = TypeVar("T")
 H = 4

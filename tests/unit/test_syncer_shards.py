@@ -1,5 +1,5 @@
-"""One syncer shard (syncer/shard_scope.py): its outer step and tokens count its own fragments, a
-request for another shard's fragment is refused 421 naming the owner before any body is read,
+"""One syncer shard (syncer/edge/shard_scope.py): its outer step and tokens count its own fragments,
+a request for another shard's fragment is refused 421 naming the owner before any body is read,
 and a shard out of range is a config error naming the variable."""
 
 from __future__ import annotations
@@ -14,15 +14,15 @@ from aiohttp.test_utils import TestClient, TestServer
 from diloco_trainer.api import protocol
 from diloco_trainer.api.sharding import ERROR_WRONG_SHARD
 from diloco_trainer.api.spec import ConfigError
-from diloco_trainer.syncer.http import build_app
-from diloco_trainer.syncer.rounds import RoundPolicy, SyncState
-from diloco_trainer.syncer.service import Syncer
-from diloco_trainer.syncer.shard_scope import (
+from diloco_trainer.syncer.edge.http import build_app
+from diloco_trainer.syncer.edge.shard_scope import (
     ShardScope,
     ShardState,
     check_shard,
     wrong_shard_middleware,
 )
+from diloco_trainer.syncer.service.service import Syncer
+from diloco_trainer.syncer.state.rounds import RoundPolicy, SyncState
 
 from .test_syncer import FakeClock, body, make_spec, run
 

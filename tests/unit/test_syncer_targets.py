@@ -1,5 +1,6 @@
-"""Stop targets at K < M (syncer/targets.py), by hand: what is left of the budget split among the
-active islands by pace once it is near, each target rounded down to a whole step of its island."""
+"""Stop targets at K < M (syncer/state/targets.py), by hand: what is left of the budget split among
+the active islands by pace once it is near, each target rounded down to a whole step of its
+island."""
 
 from __future__ import annotations
 
@@ -9,8 +10,8 @@ import pytest
 from diloco_trainer.api.documents import HeartbeatAnswer
 from diloco_trainer.api.sharding import merge_heartbeat
 from diloco_trainer.api.spec import parse_spec
-from diloco_trainer.syncer.records import IslandRecord
-from diloco_trainer.syncer.targets import (
+from diloco_trainer.syncer.state.records import IslandRecord
+from diloco_trainer.syncer.state.targets import (
     Pace,
     budget_tokens,
     horizon_seconds,

@@ -13,8 +13,8 @@ from aiohttp import web
 from diloco_trainer.api.protocol import PushMeta, SyncerError
 from diloco_trainer.api.spec import parse_spec
 from diloco_trainer.learner.syncer_client import SyncerClient
-from diloco_trainer.syncer.http import errors, read_limited
-from diloco_trainer.syncer.limits import HttpLimits
+from diloco_trainer.syncer.edge.http import errors, read_limited
+from diloco_trainer.syncer.edge.limits import HttpLimits
 
 MIB = 2**20
 

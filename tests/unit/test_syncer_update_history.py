@@ -1,5 +1,5 @@
-"""θ_pub's update history off the syncer's heap (syncer/update_history.py, publisher.py): the
-newest update in memory and served with no copy (and written ahead to its file), the older ones
+"""θ_pub's update history off the syncer's heap (syncer/serving/update_history.py, publisher.py):
+the newest update in memory and served with no copy (and written ahead to its file), the older ones
 only in files, deleted as they leave,
 chains of 1, 2 and 3 updates byte for byte what payloads.encode_update_chain_buffer gives, and a
 learner rebuilding from them holds θ_pub bit for bit."""
@@ -18,8 +18,8 @@ import torch
 from diloco_trainer.api import protocol
 from diloco_trainer.core import payloads
 from diloco_trainer.core.published import WeightUpdate, apply_updates, weights_checksum
-from diloco_trainer.syncer.startup import HISTORY_DIR
-from diloco_trainer.syncer.update_history import SpilledUpdateHistory, chain_body
+from diloco_trainer.syncer.service.startup import HISTORY_DIR
+from diloco_trainer.syncer.serving.update_history import SpilledUpdateHistory, chain_body
 
 from .test_published import outer_steps
 from .test_syncer import FakeClock, run, started

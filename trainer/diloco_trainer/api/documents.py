@@ -129,7 +129,7 @@ class HeartbeatAnswer(Document):
     finished: bool
     versions: list[int] = Field(default_factory=list)
     # K < M, near the budget: the count of processed tokens (the learner's own, as it reports
-    # them) at which the island drains (syncer/targets.py). Absent: none yet.
+    # them) at which the island drains (syncer/state/targets.py). Absent: none yet.
     stop_at: int | None = None
 
 

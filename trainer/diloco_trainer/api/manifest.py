@@ -1,10 +1,10 @@
 """The manifest of a syncer checkpoint (ckpt-*/manifest.json), typed (torch-free).
 
-The syncer assembles it as a CheckpointManifest (syncer/status.py) and every reader parses it
-with CheckpointManifest.from_json: the syncer's start-up (syncer/startup.py) and `diloco export`.
-The file on disk is the model's wire form plus what syncer/checkpoint.py stamps on it when it
-writes it (formatVersion, outerStep, integrity: hashes over the raw JSON, so they are checked
-against the file's own bytes, not against this model).
+The syncer assembles it as a CheckpointManifest (syncer/service/status_document.py) and every reader
+parses it with CheckpointManifest.from_json: the syncer's start-up (syncer/service/startup.py) and
+`diloco export`. The file on disk is the model's wire form plus what syncer/storage/checkpoint.py
+stamps on it when it writes it (formatVersion, outerStep, integrity: hashes over the raw JSON, so
+they are checked against the file's own bytes, not against this model).
 
 Checkpoints written by older syncers lack some fields: each of those has the default that makes
 the older behaviour (no work clocks, no outer progress: a merge counted as a round; no saved push
@@ -43,7 +43,7 @@ class CheckpointManifest(Document):
     outer_progress: dict[str, dict[str, float]] | None = None
     # Per fragment, [version, work clock] pairs (the staleness of pushes in rounds of work).
     work_clocks: list[list[list[float]]] = Field(default_factory=list)
-    # The merge log's counters (syncer/merge_log.py).
+    # The merge log's counters (syncer/merging/merge_log.py).
     fragment_tokens: list[float] | None = None
     tokens: int = 0
     loss: float | None = None

@@ -78,7 +78,7 @@ ERROR_STALE = "stale"  # 409: baseVersion older than maxStaleness allows: pull, 
 ERROR_AHEAD = "ahead"  # 409: baseVersion newer than the syncer's (it restarted from a checkpoint)
 ERROR_UNKNOWN_ISLAND = "unknown_island"  # 404: join first (e.g. the syncer lost its state)
 ERROR_DROPPED = "dropped"  # 403: the operator dropped this island
-# 422: a contribution the syncer refused to merge (syncer/guards.py): each names its reason.
+# 422: a contribution the syncer refused to merge (syncer/intake/guards.py): each names its reason.
 ERROR_NON_FINITE = "non_finite"  # decoded values overflow (e.g. an int8 scale near fp32's max)
 ERROR_NORM_CAP = "norm_above_cap"  # Δ's norm above syncer.guards.maxDeltaNorm
 ERROR_NORM_OUTLIER = "norm_outlier"  # Δ's norm above normFactor x the fragment's median
@@ -102,7 +102,7 @@ REFUSAL_REASONS = (*CONTRIBUTION_REFUSALS, REFUSAL_INVALID)
 # reason starts with this code and ": ". The operator re-adds islands it dropped for their pods'
 # health, never these (the island keeps sending bad work; only the admin route brings it back).
 DROPPED_FOR_REFUSALS = "refused_pushes"
-# Joins and island names (syncer/admission.py).
+# Joins and island names (syncer/intake/admission.py).
 ERROR_NOT_JOB_ISLAND = "not_job_island"  # 403: not an island name of this job ([prefix-]island-N)
 ERROR_NOT_ADMITTED = "not_admitted"  # 503: a name or replicas the job does not have (yet)
 # 503 with Retry-After: the syncer is at its limit of concurrent push bodies or connections.

@@ -39,7 +39,8 @@ def abs_max(t: Tensor) -> float:
 @runtime_checkable
 class SlicedVectors(Protocol):
     """A pseudo-gradient that adds itself into an accumulator a slice at a time (the syncer's
-    still-encoded push: syncer/folding.EncodedPayload), so folding it needs no decoded copy."""
+    still-encoded push: syncer/intake/payload.EncodedPayload), so folding it needs no decoded
+    copy."""
 
     def shapes(self) -> Mapping[str, torch.Size]:
         """Each tensor's shape, by name (in the order the fold reads them)."""

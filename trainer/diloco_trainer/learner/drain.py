@@ -13,7 +13,7 @@ then run in lock step, so each trains 1/M of the budget, `share_steps` inner ste
 the island's life (its merged work at join plus the steps since). At K < M islands run at their
 own pace and an equal share would idle the fast ones behind a straggler: there the syncer,
 which hears every island's count, splits what is left of the budget by pace once it is near and
-sends each island its stop target in its heartbeat answers (syncer/targets.py); the island
+sends each island its stop target in its heartbeat answers (syncer/state/targets.py); the island
 drains when its count reaches it. Without a target (an island that joined after they were set,
 or a budget reached before two heartbeats measured a pace) the syncer's own rule stands: the
 job ends at the first merge that reaches the budget.
@@ -22,8 +22,8 @@ The drain (rank 0, `drain`, in place of the step's `after_step`): take the merge
 in flight (a push now, from the same base, would carry their work twice), push every fragment
 that holds steps since its base (a partial round: the syncer merges it at its work fraction,
 core/contributions.py), take those merges, then tell the syncer in a heartbeat that the island
-drained (syncer/rounds.py: it waits for drained islands no more, and finishes once every active
-island has drained at the budget). The island then waits for the finish; if it does not come
+drained (syncer/state/rounds.py: it waits for drained islands no more, and finishes once every
+active island has drained at the budget). The island then waits for the finish; if it does not come
 within the wait budget (work was lost: the syncer restarted from an older checkpoint, an island
 was dropped with its part undone; or an island is not draining), it says so, stops saying
 drained and trains on under the syncer's rule, until stopAfter is reached.
@@ -67,7 +67,7 @@ def share_steps(spec: JobSpec, *, tokens_per_step: int) -> int | None:
 class DrainTrigger:
     """When rank 0 drains, once: at its share of stopAfter (K = M: `share` inner steps over
     the island's life, `steps_before` of them merged before this process joined), or once its
-    count of processed tokens reaches the syncer's stop target (K < M, syncer/targets.py).
+    count of processed tokens reaches the syncer's stop target (K < M, syncer/state/targets.py).
     After a drain that did not end the job, never again: the island trains on."""
 
     def __init__(self, *, share: int | None, steps_before: int) -> None:

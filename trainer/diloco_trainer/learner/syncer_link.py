@@ -118,7 +118,7 @@ class SyncerLink:
         self.replicas = replicas
         self.finished = threading.Event()
         # K < M: the count of processed tokens at which the island drains, once the syncer set
-        # it (syncer/targets.py; drain.py).
+        # it (syncer/state/targets.py; drain.py).
         self.stop_at: int | None = None
         # Latest figures for heartbeats; written by the training thread, read by the loop.
         self.progress: dict[str, Any] = {
@@ -440,7 +440,7 @@ class SyncerLink:
                 await self._join_shard(shard, threading.Event())
             return last_state
         self._shard_says(shard, reply.finished)
-        if reply.stop_at is not None:  # K < M near the budget (syncer/targets.py): the lowest
+        if reply.stop_at is not None:  # K < M near the budget (syncer/state/targets.py): the lowest
             self.stop_at = min(reply.stop_at, self.stop_at or reply.stop_at)
         if reply.state != last_state:
             where = f" (syncer shard {shard})" if len(self.clients) > 1 else ""

@@ -1,0 +1,380 @@
+"""What the syncer's HTTP server allows any client (syncer.limits): time, connections, memory.
+
+- Headers: a request's headers must arrive within headerTimeoutSeconds of the connection opening
+  or of its previous response (aiohttp's keep-alive timer, which closes a connection whose next
+  request has not been parsed by then; idle keep-alive connections close then too). A TLS
+  handshake gets as long.
+- Bodies (read_body): no pause longer than headerTimeoutSeconds, and the whole body within
+  bodyTimeoutSeconds, else 408 and the connection is closed: a client trickling one byte every
+  few seconds cannot hold a connection and its buffer for ever.
+- Connections (ConnectionCap): at most maxConnections at once, counted from the TCP accept (so TLS
+  handshakes count); one more is answered 503 with Retry-After and closed. One peer address holds
+  all but reserve_of(maxConnections) of them (16, at most an eighth of the cap): a flood of idle
+  connections from one client leaves room for /healthz (the kubelet restarts a syncer whose
+  probe fails, losing the merges since its last checkpoint), the operator's calls and the
+  learners.
+- Push bodies (Slots): at most maxConcurrentPushes read at once (each up to a fragment's encoded
+  size), and at most push_share of them for one credential (an island's: PUSHES_PER_ISLAND, so
+  one island trickling bodies cannot hold every slot); one more is answered 503 with Retry-After
+  before its body is read. The learners' client retries 503s.
+- JSON (json_too_deep): bodies nested deeper than MAX_JSON_DEPTH are refused (400) before they
+  are parsed (Python's parser would raise RecursionError, a 500).
+
+`serve` runs the application like aiohttp's run_app, on a GuardedSite.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import ssl
+import time
+from collections.abc import Hashable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+from aiohttp import web
+from aiohttp.streams import StreamReader
+
+from diloco_trainer.api import credentials, protocol
+from diloco_trainer.api.credentials import Principal
+from diloco_trainer.api.spec import JobSpec
+from diloco_trainer.syncer.errors import Refused
+
+log = logging.getLogger("diloco.syncer")
+
+# Connections no single peer address can take (ConnectionCap): room for the kubelet's probes
+# and the operator's calls however many connections one client holds.
+RESERVE_CONNECTIONS = 16
+# Push bodies one island's credential may have read at once: two fragments' pushes overlapping
+# (the 'auto' maxConcurrentPushes has room for two per island).
+PUSHES_PER_ISLAND = 2
+# Seconds a client is asked to wait when the syncer is at one of its limits.
+BUSY_RETRY_AFTER = 2.0
+_BUSY_BODY = b'{"error": "the syncer has too many connections open", "code": "busy"}'
+_BUSY_RESPONSE = (
+    b"HTTP/1.1 503 Service Unavailable\r\nRetry-After: 2\r\nContent-Type: application/json\r\n"
+    b"Connection: close\r\nContent-Length: %d\r\n\r\n%s" % (len(_BUSY_BODY), _BUSY_BODY)
+)
+
+
+@dataclass(frozen=True)
+class HttpLimits:
+    """syncer.limits, resolved."""
+
+    header_timeout: float = 30.0
+    body_timeout: float = 600.0
+    max_connections: int = 512
+    max_pushes: int = 8
+    min_body_rate: float = 4 * 2**20  # bytes a second (syncer.limits.minBodyBytesPerSecond)
+
+    def body_time(self, limit: int) -> float:
+        """Seconds a body of up to `limit` bytes may take: bodyTimeoutSeconds, or longer when
+        the body is so large that the slowest allowed transfer needs longer."""
+        return max(self.body_timeout, limit / self.min_body_rate)
+
+    @classmethod
+    def from_spec(cls, spec: JobSpec) -> HttpLimits:
+        lim = spec.syncer.limits
+        pushes = lim.max_concurrent_pushes
+        return cls(
+            header_timeout=lim.header_timeout_seconds,
+            body_timeout=lim.body_timeout_seconds,
+            max_connections=lim.max_connections,
+            max_pushes=2 * spec.total_shards() + 2 if pushes == "auto" else int(pushes),
+            min_body_rate=float(lim.min_body_bytes_per_second),
+        )
+
+
+def push_share(principal: Principal, size: int) -> int:
+    """The push slots of `size` one credential may hold: an island's PUSHES_PER_ISLAND, a
+    region's (another cluster's islands) all but that many, so the local islands keep room, the
+    root's all. Refused(403) for a credential that may push as no island (admin): checked before
+    a slot is taken, so it cannot hold one."""
+    if principal.kind == credentials.ROOT:
+        return size
+    if principal.kind == credentials.ISLAND:
+        return min(PUSHES_PER_ISLAND, size)
+    if principal.kind == credentials.REGION:
+        return max(1, size - PUSHES_PER_ISLAND)
+    raise Refused(403, f"{principal.describe()} may not push")
+
+
+async def read_body(
+    content: StreamReader,
+    limit: int,
+    too_big: str,
+    *,
+    pause: float,
+    total: float,
+    size: int | None = None,
+) -> bytearray:
+    """A request body of at most `limit` bytes (413 `too_big` beyond), each chunk within `pause`
+    seconds and all of it within `total` (408 otherwise). With its declared `size`
+    (Content-Length, at most `limit`) the chunks are copied into one buffer of that size as they
+    come: no growing buffer copied as it grows, and the buffer itself is the body (no copy
+    of it at the end)."""
+    if size is not None and 0 <= size <= limit:
+        return await _read_sized(content, size, pause=pause, total=total)
+    buf = bytearray()
+    deadline = time.monotonic() + total
+    while chunk := await _chunk(content, len(buf), pause=pause, total=total, deadline=deadline):
+        buf += chunk
+        if len(buf) > limit:
+            raise Refused(413, too_big)
+    return buf
+
+
+async def _chunk(
+    content: StreamReader, got: int, *, pause: float, total: float, deadline: float
+) -> bytes:
+    """The next chunk of a body (b"" at its end), under read_body's time limits."""
+    left = deadline - time.monotonic()
+    try:
+        async with asyncio.timeout(max(0.0, min(pause, left))):
+            return await content.readany()
+    except TimeoutError:
+        why = "paused too long" if left > pause else f"took longer than {total:g}s"
+        raise Refused(408, f"request body {why} (syncer.limits)", protocol.ERROR_TIMEOUT) from None
+    except ConnectionResetError:
+        # The client went away (a learner stopped or timed out): nothing the syncer did
+        # wrong, and nobody to answer; a line, not an internal error with a traceback.
+        log.info("a client closed its connection after %d bytes of its body", got)
+        raise Refused(400, "the client closed the connection before its body ended") from None
+
+
+async def _read_sized(content: StreamReader, size: int, *, pause: float, total: float) -> bytearray:
+    """read_body of a body that declared its size: each chunk copied into place."""
+    buf = bytearray(size)
+    view = memoryview(buf)
+    got = 0
+    deadline = time.monotonic() + total
+    while chunk := await _chunk(content, got, pause=pause, total=total, deadline=deadline):
+        if got + len(chunk) > size:
+            raise Refused(400, f"request body is longer than its Content-Length ({size})")
+        view[got : got + len(chunk)] = chunk
+        got += len(chunk)
+    if got != size:
+        raise Refused(400, f"request body ended after {got} of its {size} bytes")
+    return buf
+
+
+class Slots:
+    """At most `size` of something at once, and at most `most` of them for one owner (one event
+    loop: no lock needed)."""
+
+    def __init__(self, size: int, what: str) -> None:
+        self.size = size
+        self.what = what
+        self.used = 0
+        self.owners: dict[Hashable, int] = {}  # slots held per owner; only owners holding one
+
+    @contextlib.contextmanager
+    def take(self, owner: Hashable = None, most: int | None = None) -> Iterator[None]:
+        """Hold a slot; Refused(503, busy, Retry-After) when none is free, or `owner` holds
+        `most` already."""
+        held = self.owners.get(owner, 0)
+        if self.used >= self.size or (most is not None and held >= most):
+            mine = f" ({held} of them for this credential, its most)" if held else ""
+            raise Refused(
+                503,
+                f"the syncer is reading {self.used} {self.what} already{mine} (syncer.limits); "
+                "retry",
+                protocol.ERROR_BUSY,
+                retry_after=BUSY_RETRY_AFTER,
+            )
+        self.used += 1
+        self.owners[owner] = held + 1
+        try:
+            yield
+        finally:
+            self.used -= 1
+            left = self.owners[owner] - 1
+            if left:
+                self.owners[owner] = left
+            else:
+                del self.owners[owner]
+
+
+class _Busy(asyncio.Protocol):
+    """Answers 503 and closes: a connection beyond the cap."""
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        assert isinstance(transport, asyncio.WriteTransport)
+        transport.write(_BUSY_RESPONSE)
+        transport.close()
+
+
+class _Counted(asyncio.Protocol):
+    """A connection's real protocol (aiohttp's request handler, made once its peer is
+    admitted), counted by its ConnectionCap from accept to close."""
+
+    def __init__(self, cap: ConnectionCap) -> None:
+        self.cap = cap
+        self.inner: Any = None  # None: refused (its peer holds its share), or not made yet
+        self.peer = ""
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        peer = transport.get_extra_info("peername")
+        self.peer = str(peer[0]) if isinstance(peer, tuple) and peer else ""
+        if not self.cap.admit_peer(self.peer):
+            _Busy().connection_made(transport)
+            return
+        self.inner = self.cap.server()
+        self.inner.connection_made(transport)
+
+    def data_received(self, data: bytes) -> None:
+        if self.inner is not None:
+            self.inner.data_received(data)
+
+    def eof_received(self) -> bool | None:
+        return self.inner.eof_received() if self.inner is not None else None
+
+    def pause_writing(self) -> None:
+        if self.inner is not None:
+            self.inner.pause_writing()
+
+    def resume_writing(self) -> None:
+        if self.inner is not None:
+            self.inner.resume_writing()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.cap.open -= 1
+        if self.inner is not None:
+            self.cap.release_peer(self.peer)
+            self.inner.connection_lost(exc)
+
+
+class ConnectionCap:
+    """Protocol factory: aiohttp's server for up to `size` open connections, _Busy beyond; one
+    peer address holds at most `size` - reserve_of(size) of them, so a flood from one address
+    leaves the reserve to every other (the kubelet's probes, the operator, the learners)."""
+
+    def __init__(self, server: web.Server, size: int) -> None:
+        self.server = server
+        self.size = size
+        self.per_peer = max(1, size - reserve_of(size))
+        self.open = 0
+        self.refused = 0
+        self.peers: dict[str, int] = {}  # admitted connections per peer address, when open
+
+    def __call__(self) -> asyncio.Protocol:
+        if self.open >= self.size:
+            self._refuse(f"{self.open} connections open")
+            return _Busy()
+        self.open += 1
+        return _Counted(self)
+
+    def admit_peer(self, peer: str) -> bool:
+        """Count a connection of `peer`; False (not counted) when it holds its share."""
+        held = self.peers.get(peer, 0)
+        if held >= self.per_peer:
+            self._refuse(f"{held} connections open from {peer}")
+            return False
+        self.peers[peer] = held + 1
+        return True
+
+    def release_peer(self, peer: str) -> None:
+        left = self.peers.get(peer, 1) - 1
+        if left > 0:
+            self.peers[peer] = left
+        else:
+            self.peers.pop(peer, None)
+
+    def _refuse(self, why: str) -> None:
+        self.refused += 1
+        if self.refused == 1 or self.refused % 1000 == 0:
+            log.warning("%s: refusing more (syncer.limits)", why)
+
+
+def reserve_of(size: int) -> int:
+    """The connections one peer address cannot take: RESERVE_CONNECTIONS, at most an eighth of
+    the cap (a small cap keeps most of it for the one client it may have: the connections it
+    closed are counted until the server has seen them close)."""
+    return min(RESERVE_CONNECTIONS, size // 8)
+
+
+class GuardedSite(web.BaseSite):
+    """A TCP site whose connections go through a ConnectionCap, with a TLS handshake timeout."""
+
+    def __init__(
+        self,
+        runner: web.BaseRunner,
+        host: str,
+        port: int,
+        *,
+        limits: HttpLimits,
+        ssl_context: ssl.SSLContext | None = None,
+    ) -> None:
+        super().__init__(runner, ssl_context=ssl_context)
+        self.host, self.port, self.limits = host, port, limits
+        self.cap: ConnectionCap | None = None
+
+    @property
+    def name(self) -> str:
+        return f"{'https' if self._ssl_context else 'http'}://{self.host}:{self.port}"
+
+    async def start(self) -> None:
+        await super().start()
+        server = self._runner.server
+        assert server is not None
+        self.cap = ConnectionCap(server, self.limits.max_connections)
+        self._server = await asyncio.get_running_loop().create_server(
+            self.cap,
+            self.host,
+            self.port,
+            ssl=self._ssl_context,
+            ssl_handshake_timeout=self.limits.header_timeout if self._ssl_context else None,
+            reuse_address=True,
+        )
+
+
+def serve(
+    app: web.Application,
+    *,
+    host: str,
+    port: int,
+    limits: HttpLimits,
+    ssl_context: ssl.SSLContext | None,
+    shutdown_timeout: float,
+) -> None:
+    """Run `app` until SIGTERM/SIGINT (as aiohttp's run_app does) on a GuardedSite; the
+    keep-alive timeout is the header timeout."""
+    runner = web.AppRunner(
+        app,
+        handle_signals=True,
+        shutdown_timeout=shutdown_timeout,
+        access_log=None,
+        keepalive_timeout=limits.header_timeout,
+    )
+
+    async def main() -> None:
+        await runner.setup()
+        try:
+            await GuardedSite(runner, host, port, limits=limits, ssl_context=ssl_context).start()
+            while True:
+                await asyncio.sleep(3600)
+        finally:
+            await runner.cleanup()
+
+    loop = asyncio.new_event_loop()
+    asyncio.set_event_loop(loop)
+    task = loop.create_task(main())
+    try:
+        loop.run_until_complete(task)
+    except (web.GracefulExit, KeyboardInterrupt):
+        pass
+    finally:
+        try:
+            if not task.done():
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    loop.run_until_complete(task)
+        finally:
+            left = asyncio.all_tasks(loop)
+            for t in left:
+                t.cancel()
+            loop.run_until_complete(asyncio.gather(*left, return_exceptions=True))
+            loop.run_until_complete(loop.shutdown_asyncgens())
+            loop.close()

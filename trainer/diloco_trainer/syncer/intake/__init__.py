@@ -1,0 +1,1 @@
+"""The syncer's intake."""

@@ -1,0 +1,199 @@
+"""The syncer's gate: who may be an island (admission.py) and what work may enter a round
+(guards.py), applied to the membership with the service's lock held. What a merge does with work
+that passed the gate but cannot be merged is merge.py's.
+
+- admit: a join (or an admin route naming a new island) is refused unless the job admits the
+  name; a refusal that may be stale (503: the job may have grown) re-reads the
+  spec's `islands` from the mounted config first (at most every RELOAD_SECONDS). When the syncer
+  already holds as many island records of the new island's side (own, or other regions') as the
+  job has there, a new one takes the place of one of that side that timed out or left.
+- check_work / check_delta / accepted: the guards, with the replicas each island's work counts
+  for (what it joined with, at most what the job admits; a push whose tokens need more re-reads
+  `islands` first, as a join does).
+- refused: a refused push of a known island is logged and counted per island and reason
+  (protocol.REFUSAL_REASONS: the status document's `refusals`, the operator's Events, the
+  refused_contributions metric); maxRefusals in a row drop the island with a reason that starts
+  with protocol.DROPPED_FOR_REFUSALS, so the operator does not re-add it for healthy pods (the
+  admin route can: its next pushes are checked like any). A refusal by the learned bound counts
+  only when the push is an outlier by the island's own history too (guards.py): the bound over
+  islands is one no island can be dropped for, so no island can get another dropped.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from diloco_trainer.api import protocol
+from diloco_trainer.api.spec import ConfigError, JobSpec, load_spec
+from diloco_trainer.syncer.errors import Refused
+from diloco_trainer.syncer.intake.admission import RETRY_AFTER, Admission, evictable
+from diloco_trainer.syncer.intake.guards import (
+    ContributionGuard,
+    ContributionRefused,
+    DeltaStats,
+)
+from diloco_trainer.syncer.state.gauges import SyncerMetrics
+from diloco_trainer.syncer.state.membership import Membership
+from diloco_trainer.syncer.state.records import DROPPED
+
+log = logging.getLogger("diloco.syncer")
+
+# A join the syncer does not admit re-reads the config's islands at most this often.
+RELOAD_SECONDS = 5.0
+
+
+def refusal_reason(err: Refused) -> str:
+    """The reason a refused push is counted under: the guards' code, else REFUSAL_INVALID (a
+    400 from decoding the body)."""
+    return err.code if err.code in protocol.CONTRIBUTION_REFUSALS else protocol.REFUSAL_INVALID
+
+
+class Gate:
+    """Admission and guards of one job's syncer (not thread-safe: the caller locks)."""
+
+    def __init__(
+        self,
+        spec: JobSpec,
+        *,
+        guard: ContributionGuard,
+        metrics: SyncerMetrics,
+        config_file: Path | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.admission = Admission.from_spec(spec)
+        self.guard = guard
+        self.metrics = metrics
+        self.config_file = config_file  # where `islands` can be re-read from; None: never
+        self._reloaded_at = -RELOAD_SECONDS
+        self.clock = clock  # wall-clock seconds for the work rate (guards.WorkRate)
+        # Refused pushes since the start, {island: {reason: count}}: only islands the syncer
+        # holds a record of (the job's own names), only protocol.REFUSAL_REASONS: bounded.
+        self.refusals: dict[str, dict[str, int]] = {}
+
+    # ----- islands -----------------------------------------------------------------------------
+
+    def admit(self, members: Membership, island: str, now: float) -> None:
+        """Refused unless the job admits `island`; makes room for a new island by forgetting
+        one that timed out or left when the syncer holds `cap` of them."""
+        refusal = self.admission.refusal(island)
+        if refusal is not None and refusal.status == 503 and self._reload_islands():
+            refusal = self.admission.refusal(island)
+        # Counted per side (admission.cap_for): other regions cannot take the local records.
+        side = self.admission.same_side(members.islands, island)
+        full = island not in members.islands and len(side) >= self.admission.cap_for(island)
+        if refusal is None and full:
+            gone = evictable(side)
+            if gone is None:
+                where = "here" if self.admission.is_own(island) else "in other regions"
+                refusal = Refused(
+                    503,
+                    f"the syncer already knows {len(side)} islands {where}, as many as the job "
+                    "has there, and none of them timed out or left",
+                    protocol.ERROR_NOT_ADMITTED,
+                    retry_after=RETRY_AFTER,
+                )
+            else:
+                log.warning(
+                    "island %s (%s) makes room for %s", gone, members.islands[gone].state, island
+                )
+                members.forget(gone, now)
+        if refusal is not None:
+            self.metrics.refused_joins.labels(refusal.code).inc()
+            log.warning("refused island %r: %s", island[:80], refusal.message)
+            raise refusal
+
+    def _reload_islands(self) -> bool:
+        """Re-read `islands` from the config file (scaling changes it without restarting the
+        syncer), at most every RELOAD_SECONDS; True when the admission changed."""
+        now = time.monotonic()
+        if self.config_file is None or now - self._reloaded_at < RELOAD_SECONDS:
+            return False
+        self._reloaded_at = now
+        try:
+            islands = load_spec(self.config_file).islands
+        except ConfigError as err:
+            log.warning("cannot re-read the job's islands from %s: %s", self.config_file, err)
+            return False
+        admission = Admission.from_islands(islands, self.admission.remote_replicas)
+        if admission == self.admission:
+            return False
+        log.info("the job's islands changed: %s -> %s", self.admission, admission)
+        self.admission = admission
+        return True
+
+    # ----- pushes ------------------------------------------------------------------------------
+
+    def replicas(self, members: Membership, island: str) -> int:
+        """The replicas an island's work counts for: what it joined with, at most what the job
+        admits (a record restored from an older spec may say more)."""
+        rec = members.islands.get(island)
+        declared = rec.replicas if rec is not None else 1
+        return max(1, min(declared, self.admission.replicas_for(island)))
+
+    def check_work(self, members: Membership, island: str, *, tokens: int, steps: int) -> None:
+        """The guards' bounds on the work a push claims (steps, tokens for its replicas), and
+        its steps from the island's credit over time (at the step time it last reported)."""
+        self._check_one_push(members, island, tokens=tokens, steps=steps)
+        rec = members.islands.get(island)
+        others = [r.step_time for r in members.islands.values() if r.step_time]
+        step_time = self.guard.rate.step_time(rec.step_time if rec else None, others)
+        self.guard.take_steps(island, steps, step_time, self.clock())
+
+    def _check_one_push(self, members: Membership, island: str, *, tokens: int, steps: int) -> None:
+        replicas = self.replicas(members, island)
+        try:
+            self.guard.check_work(tokens=tokens, steps=steps, replicas=replicas)
+        except ContributionRefused as err:
+            rec = members.islands.get(island)
+            undercounted = rec is not None and rec.replicas > replicas
+            if err.code != protocol.ERROR_TOKENS_RANGE or not undercounted:
+                raise
+            if not self._reload_islands():  # islands.replicas may have grown
+                raise
+            replicas = self.replicas(members, island)
+            self.guard.check_work(tokens=tokens, steps=steps, replicas=replicas)
+
+    def check_delta(self, fragment: int, island: str, stats: DeltaStats) -> None:
+        """The guards' checks of `island`'s decoded pseudo-gradient (finite, norm bounds)."""
+        self.guard.check_delta(fragment, island, stats)
+
+    def accepted(self, fragment: int, island: str, stats: DeltaStats) -> None:
+        """An accepted push: its norm joins the history and its island's refusals reset."""
+        self.guard.accepted(fragment, island, stats)
+
+    def refused(
+        self, members: Membership, fragment: int, island: str, err: Refused, now: float
+    ) -> str | None:
+        """Count a refused push of a known island; returns the reason when this refusal drops
+        it (maxRefusals in a row)."""
+        log.warning("refused push of %s to fragment %d: %s", island, fragment, err.message)
+        rec = members.islands.get(island)
+        if rec is None:
+            return None
+        self._count(island, refusal_reason(err))
+        if rec.state == DROPPED or not self.guard.refused(island, err):
+            return None
+        reason = (
+            f"{protocol.DROPPED_FOR_REFUSALS}: {self.guard.max_refusals} pushes refused in a row "
+            f"(syncer.guards.maxRefusals); the last: {err.message}"
+        )[:500]
+        members.set_state(island, DROPPED, reason, now)
+        self.metrics.dropped_islands.inc()
+        log.warning("island %s dropped: %s", island, reason)
+        return reason
+
+    def _count(self, island: str, reason: str) -> None:
+        counts = self.refusals.setdefault(island, {})
+        counts[reason] = counts.get(reason, 0) + 1
+        self.metrics.refused_contributions.labels(island, reason).inc()
+
+    def norm_history(self) -> list[list[float]]:
+        """The guards' recent accepted norms per fragment, for checkpoints."""
+        return self.guard.history.to_json()
+
+    def refusals_json(self) -> dict[str, dict[str, int]]:
+        """The status document's `refusals`: {island: {reason: count}} since the start."""
+        return {island: dict(counts) for island, counts in sorted(self.refusals.items())}

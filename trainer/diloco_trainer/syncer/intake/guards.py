@@ -1,0 +1,390 @@
+"""Checks every pushed pseudo-gradient passes before it can touch the global model.
+
+Any holder of the job's token, or an island whose training diverged, can push. A push that is
+well formed (validation.py) is still refused, with 422 and a code naming the reason
+(protocol.CONTRIBUTION_REFUSALS), when
+
+- its decoded values are not finite: a codec's finite scale (int8 with 3e38) can decode to inf;
+- its L2 norm is above the fragment's hard cap: syncer.guards.maxDeltaNorm, or 'auto', the most
+  AdamW can move the fragment in one round (auto_norm_caps);
+- its norm is above normFactor x the median over islands of each island's own median of recent
+  accepted norms, once the fragment has warmupPushes of them, and above the floor of one honest
+  AdamW round (norm_floors): a bound learned from the job's own history (NormHistory), so a
+  blown-up Δ is refused long before it reaches the hard cap, and one a minority of islands
+  cannot move: a flood of near-zero pushes cannot make honest pushes outliers, a ratchet cannot
+  raise the bound the others are judged by;
+- it points against the other islands' recent pushes: its cosine with the sum of their latest
+  pushes' directions (one vote per island, sampled at fixed positions: direction.py) is below
+  direction.AGAINST, so no island can push the negation of the merged update up to the bound;
+- it claims more inner steps than one round of an island holds (STEP_ROUNDS x H + τ), or more
+  tokens than those steps can carry (steps x batch x seqLen x the island's replicas): the merge
+  weight grows with tokens² / steps, so an unbounded claim would take the whole merge;
+- it claims more steps than the island can have taken by now (WorkRate: its wall-clock share at
+  its step time, which a lie cannot make much shorter than the median island's), so no island
+  can end a job early by claiming work back to back.
+
+An island is not punished for one refusal (a diverging learner takes the global fragment and
+recovers); maxRefusals refusals in a row drop it with the reason. Only refusals by rules no other
+island moves count (the spec's caps and work bounds, non-finite values, and the learned bound
+only when the push is an outlier by the island's own history as well), so no island can get
+another dropped. The merge itself checks its
+result (check_merged) before the outer step commits anything, and a merge that cannot be done
+names the contributions it has to leave out (offenders) so the round goes on without them.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections import deque
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+from diloco_trainer.api import protocol
+from diloco_trainer.api.spec import JobSpec
+from diloco_trainer.core.fold import abs_max
+from diloco_trainer.core.push_bounds import STEP_ROUNDS, max_push_steps  # the learner's too
+from diloco_trainer.syncer.errors import Refused
+from diloco_trainer.syncer.intake.direction import AGAINST, SAMPLE, Directions
+from diloco_trainer.syncer.intake.payload import EncodedPayload
+
+# AdamW moves an element by at most about lr per step (|m̂/√v̂| <= ~1.2 for betas (0.9, 0.95));
+# the 'auto' cap allows four times that in every element at once.
+ADAM_STEP_BOUND = 4.0
+# Accepted norms remembered per fragment and island for the learned bound (recent behaviour
+# matters); an island's own median counts once it has OWN_MIN of them (one odd push cannot set a
+# median of three).
+ISLAND_WINDOW = 16
+OWN_MIN = 3
+REFUSED_STATUS = 422
+# An island's claimed steps may run ahead of its step time by this factor (its stepTime is a
+# recent average: warm-up, compiles and overlap make it uneven) ...
+RATE_ALLOWANCE = 1.5
+# ... and its step time counts as no less than the median island's over FASTEST (a claimed
+# stepTime is the island's word; the median over islands is an honest majority's), nor less
+# than MIN_STEP_TIME seconds (no island has reported one yet).
+FASTEST = 4.0
+MIN_STEP_TIME = 1e-3
+# The most pushes (of a push's most steps) an island may claim at once per fragment.
+BURST_PUSHES = 2
+
+
+class ContributionRefused(Refused):
+    """A well-formed push the guards refuse (422, code = the reason)."""
+
+    def __init__(self, code: str, message: str, *, own_fault: bool = True) -> None:
+        super().__init__(REFUSED_STATUS, message, code)
+        # False: refused by a bound other islands' pushes set (gate.refused does not count it).
+        self.own_fault = own_fault
+
+
+@dataclass(frozen=True)
+class DeltaStats:
+    """What the guards need of a decoded pseudo-gradient."""
+
+    norm: float  # L2 norm over every tensor (a lower bound when huge); nan when not finite
+    finite: bool
+    sample: Tensor | None = None  # direction.direction_sample when finite (None: not checked)
+
+
+def delta_stats(payload: Mapping[str, Tensor]) -> DeltaStats:
+    """The norm and finiteness of a decoded pseudo-gradient, without an fp64 copy: each tensor's
+    max |x| first (inf/nan when not finite), its fp32 norm only when that cannot overflow, and
+    its direction sample (direction.direction_sample's positions). A push kept encoded
+    (payload.EncodedPayload) is read a slice at a time, with no decoded copy of it: its norm is
+    then the slices' norms combined (the same up to rounding)."""
+    total = 0.0
+    numel = sum(t.numel() for t in _shapes(payload).values())
+    stride = max(1, math.ceil(numel / SAMPLE))
+    sample: list[Tensor] = []
+    for name in sorted(_shapes(payload)):
+        amax, sumsq = 0.0, 0.0
+        for sl, piece in _pieces(payload, name):
+            if not piece.numel():
+                continue
+            value = abs_max(piece)
+            if not math.isfinite(value):
+                return DeltaStats(math.nan, False)
+            amax = max(amax, value)
+            first = -(-sl.start // stride) * stride - sl.start  # the sample's positions
+            if first < piece.numel():
+                # a copy: an encoded push's slices share one buffer
+                sample.append(piece[first::stride].float().clone())
+            if amax <= 1e15:
+                sumsq += float(torch.linalg.vector_norm(piece.float())) ** 2
+        # Σx² could overflow fp32 beyond 1e15; |x|max alone is beyond any cap then
+        total += amax * amax if amax > 1e15 else sumsq
+    return DeltaStats(math.sqrt(total), True, torch.cat(sample) if sample else torch.zeros(0))
+
+
+def _shapes(payload: Mapping[str, Tensor]) -> Mapping[str, torch.Size]:
+    if isinstance(payload, EncodedPayload):
+        return payload.expected
+    return {name: t.shape for name, t in payload.items()}
+
+
+def _pieces(payload: Mapping[str, Tensor], name: str) -> Iterator[tuple[slice, Tensor]]:
+    """A tensor's decoded values: a slice at a time from an encoded push, else whole."""
+    if isinstance(payload, EncodedPayload):
+        yield from payload.slices(name)
+        return
+    t = payload[name]
+    yield slice(0, t.numel()), t.reshape(-1)
+
+
+def auto_norm_caps(
+    spec: JobSpec, numels: Sequence[int], weight_norms: Sequence[float]
+) -> list[float]:
+    """Per fragment, the most AdamW can move it in one push: lr per step and element
+    (ADAM_STEP_BOUND x), for STEP_ROUNDS x H + τ steps, plus weight decay of up to twice the
+    fragment's weights, over 1 - mixAlpha (mixing keeps that share of the old deviation)."""
+    steps = max_push_steps(spec)
+    lr, wd = spec.inner.lr, spec.inner.weight_decay
+    keep = 1.0 / (1.0 - spec.sync.mix_alpha)
+    return [
+        lr * steps * (ADAM_STEP_BOUND * math.sqrt(n) + 2.0 * wd * w) * keep
+        for n, w in zip(numels, weight_norms, strict=True)
+    ]
+
+
+@dataclass(frozen=True)
+class WorkBounds:
+    """The work one push of an island may claim."""
+
+    max_steps: int
+    tokens_per_step: int  # batch x microBatches x seqLen, per replica
+
+    @classmethod
+    def from_spec(cls, spec: JobSpec) -> WorkBounds:
+        return cls(max_push_steps(spec), spec.inner.tokens_per_step)
+
+    def check(self, *, tokens: int, steps: int, replicas: int) -> None:
+        """ContributionRefused when steps or tokens are more than one round allows."""
+        if steps > self.max_steps:
+            raise ContributionRefused(
+                protocol.ERROR_STEPS_RANGE,
+                f"metadata.steps {steps} is more than one push may carry ({self.max_steps}: "
+                f"{STEP_ROUNDS} x inner.steps + sync.overlapSteps)",
+            )
+        most = steps * self.tokens_per_step * max(1, replicas)
+        if tokens > most:
+            raise ContributionRefused(
+                protocol.ERROR_TOKENS_RANGE,
+                f"metadata.tokens {tokens} is more than {steps} steps of {max(1, replicas)} "
+                f"replica(s) can process ({most}: steps x inner.batchSize x inner.microBatches x "
+                "inner.seqLen x replicas)",
+            )
+
+
+class WorkRate:
+    """The steps each island may still claim: claims within one push's bounds, pushed back to
+    back, would end a job (stopAfter) in seconds. A bucket per island holds BURST_PUSHES
+    pushes' most per fragment (a learner cut off for a while sends its held pushes back to
+    back) and fills at RATE_ALLOWANCE steps per step time of the island: what it last said
+    (stepTime), but never less than the median island's over FASTEST, so a lie about its speed
+    buys at most FASTEST x RATE_ALLOWANCE the median island's rate."""
+
+    def __init__(self, burst: int, fragments: int) -> None:
+        self.burst = float(BURST_PUSHES * burst * fragments)
+        self.fragments = fragments  # each fragment's pushes carry the island's steps again
+        self.buckets: dict[str, tuple[float, float]] = {}  # island -> (steps left, at)
+
+    def step_time(self, claimed: float | None, islands: Sequence[float]) -> float:
+        """The step time an island's credit fills at (seconds)."""
+        known = [t for t in islands if t > 0]
+        floor = statistics.median(known) / FASTEST if known else MIN_STEP_TIME
+        return max(claimed or 0.0, floor, MIN_STEP_TIME)
+
+    def take(self, island: str, steps: int, step_time: float, now: float) -> None:
+        """ContributionRefused when `steps` is more than the island's credit; else spent."""
+        left, at = self.buckets.get(island, (self.burst, now))
+        rate = RATE_ALLOWANCE * self.fragments / step_time
+        left = min(self.burst, left + max(0.0, now - at) * rate)
+        if steps > left:
+            raise ContributionRefused(
+                protocol.ERROR_STEPS_RANGE,
+                f"metadata.steps {steps} is more than the island can have taken by now: "
+                f"{left:.1f} steps of credit left, filling at {rate:.3g} steps/s "
+                f"({RATE_ALLOWANCE:g} x {self.fragments} fragment(s) / {step_time:.3g} s a step)",
+            )
+        self.buckets[island] = (left - steps, now)
+
+
+class NormHistory:
+    """Recent accepted norms per fragment and island, and the robust median they give.
+
+    Each island's window holds only its own accepted norms, and the job's statistic is the median
+    over islands of each island's own median: with f of M islands (f < M/2) pushing whatever
+    they like, it stays between the smallest and the largest honest island's median, so a flood
+    of near-zero norms cannot lower it and a ratchet cannot raise it. Medians restored from a
+    checkpoint stand in until the live islands have `warmup` norms again.
+    """
+
+    def __init__(self, fragments: int, window: int = ISLAND_WINDOW) -> None:
+        self.window = window
+        self.norms: list[dict[str, deque[float]]] = [{} for _ in range(fragments)]
+        self.restored: list[list[float]] = [[] for _ in range(fragments)]
+
+    def median(self, fragment: int, warmup: int) -> float | None:
+        """The median over islands of each island's median, once the fragment has `warmup`
+        norms (else the restored medians, else None)."""
+        islands = [d for d in self.norms[fragment].values() if d]
+        if sum(len(d) for d in islands) >= warmup:
+            return statistics.median(statistics.median(d) for d in islands)
+        restored = self.restored[fragment]
+        return statistics.median(restored) if restored else None
+
+    def own_median(self, fragment: int, island: str) -> float | None:
+        """The island's own median, once it has OWN_MIN norms of the fragment."""
+        own = self.norms[fragment].get(island)
+        return statistics.median(own) if own is not None and len(own) >= OWN_MIN else None
+
+    def record(self, fragment: int, island: str, norm: float) -> None:
+        own = self.norms[fragment].setdefault(island, deque(maxlen=self.window))
+        own.append(norm)
+
+    def to_json(self) -> list[list[float]]:
+        """Per fragment, each island's median (sorted by island), or the restored medians when
+        no island has pushed since the start: what `median` needs after a restart."""
+        out = []
+        for f, islands in enumerate(self.norms):
+            live = [statistics.median(islands[i]) for i in sorted(islands) if islands[i]]
+            out.append(live or list(self.restored[f]))
+        return out
+
+    def restore(self, doc: Sequence[Sequence[float]]) -> None:
+        """Load to_json() (or an older checkpoint's recent norms: the same median's input)."""
+        for f, norms in enumerate(doc[: len(self.restored)]):
+            self.restored[f] = [float(x) for x in norms if math.isfinite(float(x)) and x >= 0]
+
+
+@dataclass
+class ContributionGuard:
+    """The checks of one job: work bounds, norm caps, the learned bound, refusal streaks."""
+
+    work: WorkBounds
+    caps: list[float]  # hard cap per fragment
+    floors: list[float]  # the learned bound never goes below these (norm_floors)
+    norm_factor: float
+    warmup: int
+    max_refusals: int
+    history: NormHistory = field(init=False)
+    rate: WorkRate = field(init=False)
+    directions: Directions = field(init=False)
+    streaks: dict[str, int] = field(default_factory=dict)  # refusals in a row per island
+
+    def __post_init__(self) -> None:
+        self.history = NormHistory(len(self.caps))
+        self.rate = WorkRate(self.work.max_steps, len(self.caps))
+        self.directions = Directions(len(self.caps))
+
+    def check_work(self, *, tokens: int, steps: int, replicas: int) -> None:
+        self.work.check(tokens=tokens, steps=steps, replicas=replicas)
+
+    def take_steps(self, island: str, steps: int, step_time: float, now: float) -> None:
+        """The island's claimed steps from its credit over time (WorkRate)."""
+        self.rate.take(island, steps, step_time, now)
+
+    def learned_bound(self, fragment: int) -> float | None:
+        """normFactor x the median over islands, never below the fragment's floor; None
+        before warm-up."""
+        median = self.history.median(fragment, self.warmup)
+        if median is None:
+            return None
+        return max(self.norm_factor * median, self.floors[fragment])
+
+    def check_delta(self, fragment: int, island: str, stats: DeltaStats) -> None:
+        """ContributionRefused unless the pseudo-gradient is finite and its norm within both
+        the hard cap and the learned bound."""
+        if not stats.finite:
+            raise ContributionRefused(
+                protocol.ERROR_NON_FINITE,
+                f"push to fragment {fragment} decodes to NaN or Inf (a scale too large for fp32?)",
+            )
+        cap = self.caps[fragment]
+        if stats.norm > cap:
+            raise ContributionRefused(
+                protocol.ERROR_NORM_CAP,
+                f"push to fragment {fragment}: pseudo-gradient norm {stats.norm:.4g} is above the "
+                f"cap {cap:.4g} (syncer.guards.maxDeltaNorm)",
+            )
+        learned = self.learned_bound(fragment)
+        if learned is not None and stats.norm > learned:
+            own = self.history.own_median(fragment, island)
+            own_bound = None if own is None else max(self.norm_factor * own, self.floors[fragment])
+            raise ContributionRefused(
+                protocol.ERROR_NORM_OUTLIER,
+                f"push to fragment {fragment}: pseudo-gradient norm {stats.norm:.4g} is above "
+                f"{learned:.4g}: {self.norm_factor:g} x the median over islands of their recent "
+                f"pushes (syncer.guards.normFactor), at least {self.floors[fragment]:.4g} (one "
+                "round of AdamW at inner.lr per step and element)",
+                # Only the island's own history can make this refusal count towards a drop:
+                # the bound over islands is one no island can be dropped for alone.
+                own_fault=own_bound is not None and stats.norm > own_bound,
+            )
+        self.check_direction(fragment, island, stats)
+
+    def check_direction(self, fragment: int, island: str, stats: DeltaStats) -> None:
+        """ContributionRefused when the push points against the other islands' recent pushes
+        (direction.py); never counted towards a drop: the others' pushes decide it."""
+        if stats.sample is None:
+            return
+        cos = self.directions.against_others(fragment, island, stats.sample)
+        if cos is not None and cos < AGAINST:
+            raise ContributionRefused(
+                protocol.ERROR_NORM_OUTLIER,
+                f"push to fragment {fragment} points against the other islands' recent pushes "
+                f"(cosine {cos:.3f}, below {AGAINST:g}): not a descent they share",
+                own_fault=False,
+            )
+
+    def accepted(self, fragment: int, island: str, stats: DeltaStats) -> None:
+        self.history.record(fragment, island, stats.norm)
+        if stats.sample is not None:
+            self.directions.record(fragment, island, stats.sample)
+        self.streaks.pop(island, None)
+
+    def refused(self, island: str, err: Refused) -> bool:
+        """Count a refusal; True when the island has now been refused maxRefusals times in a
+        row (the caller drops it, and the streak starts again). A refusal by a bound other
+        islands' pushes set (ContributionRefused.own_fault False) neither counts nor resets."""
+        if isinstance(err, ContributionRefused) and not err.own_fault:
+            return False
+        streak = self.streaks.get(island, 0) + 1
+        if self.max_refusals and streak >= self.max_refusals:
+            self.streaks.pop(island, None)
+            return True
+        self.streaks[island] = streak
+        return False
+
+
+def norm_floors(spec: JobSpec, numels: Sequence[int], caps: Sequence[float]) -> list[float]:
+    """Per fragment, the least the learned bound can be: one round of AdamW (inner.steps) moving
+    every element by inner.lr per step, lr x H x sqrt(numel), at most the hard cap. An honest
+    round moves an element by at most about that (|m̂/√v̂| <= ~1), so no flood of small norms
+    can make an honest push an outlier, and what the bound lets through is no more than one
+    honest round could move."""
+    lr, steps = spec.inner.lr, spec.inner.steps
+    return [min(lr * steps * math.sqrt(n), cap) for n, cap in zip(numels, caps, strict=True)]
+
+
+def make_guard(
+    spec: JobSpec, numels: Sequence[int], weight_norms: Sequence[float]
+) -> ContributionGuard:
+    """The guard of a job whose fragments hold `numels` elements of norms `weight_norms`."""
+    g = spec.syncer.guards
+    if g.max_delta_norm == "auto":
+        caps = auto_norm_caps(spec, numels, weight_norms)
+    else:
+        caps = [float(g.max_delta_norm)] * len(numels)
+    return ContributionGuard(
+        work=WorkBounds.from_spec(spec),
+        caps=caps,
+        floors=norm_floors(spec, numels, caps),
+        norm_factor=g.norm_factor,
+        warmup=g.warmup_pushes,
+        max_refusals=g.max_refusals,
+    )

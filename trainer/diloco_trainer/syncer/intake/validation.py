@@ -1,0 +1,233 @@
+"""Validation of what clients send the syncer: typed fields, island names, and a push from its
+body and metadata to the round's Contribution. Each check raises Refused(400) naming the bad
+field, before any state is touched. Numbers are bounded too (MAX_WIRE_INT: what JSON and int64
+carry exactly), so a self-reported count can never overflow what it is copied into."""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from collections.abc import Mapping
+from typing import Any
+
+import safetensors.torch
+import torch
+
+from diloco_trainer.api import protocol
+from diloco_trainer.core import payloads
+from diloco_trainer.core.compress import check_encoded, decode_tensors
+from diloco_trainer.syncer.errors import Refused
+from diloco_trainer.syncer.intake.guards import DeltaStats, delta_stats
+from diloco_trainer.syncer.intake.payload import EncodedPayload
+from diloco_trainer.syncer.state.records import Contribution
+
+ISLAND_NAME = re.compile(r"^[A-Za-z0-9]([-A-Za-z0-9_.]{0,251}[A-Za-z0-9])?$")
+# The largest count a client may report: 2**53 - 1 (exact in JSON numbers, within int64).
+MAX_WIRE_INT = 2**53 - 1
+# The longest step or sync time a client may report (a day).
+MAX_SECONDS = 86400.0
+# The most replicas an island may have (islands.replicas' bound).
+MAX_REPLICAS = 1024
+
+
+def typed_field(
+    doc: dict[str, Any], key: str, where: str, kind: type, *, required: bool = True
+) -> Any:
+    """doc[key] as `kind` (an int is taken for a float; a bool is no int); None when absent and
+    not required."""
+    if key not in doc or doc[key] is None:
+        if required:
+            raise Refused(400, f"{where}.{key} is required")
+        return None
+    value = doc[key]
+    if kind is float and isinstance(value, int) and not isinstance(value, bool):
+        value = float(value)
+    if (kind is int and isinstance(value, bool)) or not isinstance(value, kind):
+        raise Refused(400, f"{where}.{key} must be {kind.__name__}, got {type(value).__name__}")
+    if isinstance(value, float) and not math.isfinite(value):
+        raise Refused(400, f"{where}.{key} must be a finite number, got {value}")
+    return value
+
+
+def at_least(value: float | None, minimum: float, where: str, key: str) -> None:
+    """Refused(400) when a present value is below `minimum`."""
+    if value is not None and value < minimum:
+        raise Refused(400, f"{where}.{key} must be >= {minimum}, got {value}")
+
+
+def at_most(value: float | None, maximum: float, where: str, key: str) -> None:
+    """Refused(400) when a present value is above `maximum`."""
+    if value is not None and value > maximum:
+        shown = (
+            str(value)
+            if len(str(value)) <= 24
+            else f"{str(value)[:12]}... ({len(str(value))} digits)"
+        )
+        raise Refused(400, f"{where}.{key} must be <= {maximum:g}, got {shown}")
+
+
+def island_name(value: Any, where: str) -> str:
+    """The island name, when it is a DNS-label-like name of 1-253 characters."""
+    if not isinstance(value, str) or not ISLAND_NAME.match(value):
+        raise Refused(
+            400,
+            f"{where}.island must be 1-253 letters, digits, '-', '_' or '.', starting and ending "
+            f"with a letter or digit; got {value!r}",
+        )
+    return value
+
+
+def parse_push_meta(meta: dict[str, str], codec: str) -> protocol.PushMeta:
+    """Validate a push's safetensors metadata; Refused(400) naming the field."""
+    doc: dict[str, Any] = {}
+    for key, raw in meta.items():
+        if (
+            key == protocol.META_ISLAND
+            or key == protocol.META_CODEC
+            or key == protocol.META_PUSH_ID
+        ):
+            doc[key] = raw
+            continue
+        try:
+            if json_too_deep(raw):
+                raise ValueError("nested too deep")
+            doc[key] = json.loads(raw)
+        except (ValueError, RecursionError):
+            raise Refused(400, f"metadata.{key} is not a JSON value: {raw[:50]!r}") from None
+    where = "metadata"
+    island = island_name(doc.get(protocol.META_ISLAND), where)
+    base = typed_field(doc, protocol.META_BASE_VERSION, where, int)
+    tokens = typed_field(doc, protocol.META_TOKENS, where, int)
+    steps = typed_field(doc, protocol.META_STEPS, where, int)
+    loss = typed_field(doc, protocol.META_LOSS, where, float, required=False)
+    step_time = typed_field(doc, protocol.META_STEP_TIME, where, float, required=False)
+    sync_time = typed_field(doc, protocol.META_SYNC_TIME, where, float, required=False)
+    at_least(base, 0, where, protocol.META_BASE_VERSION)
+    at_least(tokens, 1, where, protocol.META_TOKENS)
+    at_least(steps, 1, where, protocol.META_STEPS)
+    at_least(step_time, 0, where, protocol.META_STEP_TIME)
+    at_least(sync_time, 0, where, protocol.META_SYNC_TIME)
+    for key, value in (
+        (protocol.META_BASE_VERSION, base),
+        (protocol.META_TOKENS, tokens),
+        (protocol.META_STEPS, steps),
+    ):
+        at_most(value, MAX_WIRE_INT, where, key)
+    at_most(step_time, MAX_SECONDS, where, protocol.META_STEP_TIME)
+    at_most(sync_time, MAX_SECONDS, where, protocol.META_SYNC_TIME)
+    got_codec = doc.get(protocol.META_CODEC, "")
+    if got_codec != codec:
+        raise Refused(
+            400, f"metadata.codec {got_codec!r} does not match the job's sync.compression {codec!r}"
+        )
+    push_id = doc.get(protocol.META_PUSH_ID, "")
+    if len(push_id) > 128:
+        raise Refused(400, "metadata.pushId is longer than 128 characters")
+    return protocol.PushMeta(
+        island=island,
+        base_version=base,
+        tokens=tokens,
+        steps=steps,
+        loss=loss if loss is not None else float("nan"),
+        step_time=step_time or 0.0,
+        codec=codec,
+        sync_time=sync_time or 0.0,
+        push_id=push_id,
+    )
+
+
+def read_push_header(body: bytes | bytearray) -> dict[str, str]:
+    """A push body's safetensors metadata, as strings (the one time it is read: who pushes is
+    checked on it, then parse_push_meta types it)."""
+    n = int.from_bytes(body[:8], "little") if len(body) >= 8 else 0
+    # Only the header is copied (read_metadata reads bytes): its length is checked there.
+    head = bytes(body[: 8 + min(n, protocol.MAX_HEADER_BYTES + 1)])
+    try:
+        return protocol.read_metadata(head)
+    except ValueError as err:
+        raise Refused(400, f"push body: {err}") from None
+    except RecursionError:  # a header nested deeper than the JSON parser goes
+        raise Refused(400, "push body: safetensors header is nested too deep") from None
+
+
+def read_push_tensors(body: bytes | bytearray) -> dict[str, torch.Tensor]:
+    """A push body's (still encoded) tensors (its header was read by read_push_header): views of
+    the body itself when it is the buffer the HTTP edge read it into (no copy of it), else
+    safetensors' copies."""
+    try:
+        if isinstance(body, bytearray):
+            return payloads.tensors_in_body(body)
+        return safetensors.torch.load(body)
+    except Exception as err:  # the Rust parser raises its own error types
+        raise Refused(400, f"push body: body is not valid safetensors: {err}") from None
+
+
+def decode_push(
+    fragment: int,
+    flat: dict[str, torch.Tensor],
+    codec: str,
+    expected: dict[str, torch.Size],
+) -> dict[str, torch.Tensor]:
+    """The pushed pseudo-gradient, checked against the fragment's tensor names and shapes."""
+    try:
+        return decode_tensors(flat, codec, expected)
+    except ValueError as err:
+        raise Refused(400, f"push to fragment {fragment}: {err}") from None
+
+
+def measure_push(fragment: int, payload: EncodedPayload) -> DeltaStats:
+    """decode_push's checks of a push kept encoded, and its stats for the guards, decoded a
+    slice at a time (a worker thread): no decoded copy of it (the fold reads it the same way)."""
+    try:
+        check_encoded(payload.flat, payload.codec, payload.expected)
+    except ValueError as err:
+        raise Refused(400, f"push to fragment {fragment}: {err}") from None
+    return delta_stats(payload)
+
+
+def push_contribution(
+    meta: protocol.PushMeta, *, lag: int, payload: Mapping[str, torch.Tensor], now: float
+) -> Contribution:
+    """A validated push as a round contribution."""
+    return Contribution(
+        island=meta.island,
+        base_version=meta.base_version,
+        lag=lag,
+        tokens=meta.tokens,
+        steps=meta.steps,
+        loss=meta.loss if math.isfinite(meta.loss) else None,
+        received_at=now,
+        push_id=meta.push_id,
+        payload=payload,
+        step_time=meta.step_time or None,
+        sync_time=meta.sync_time or None,
+    )
+
+
+# Deepest JSON nesting accepted in a request body or a push's metadata values.
+MAX_JSON_DEPTH = 32
+
+
+def json_too_deep(raw: bytes | str, limit: int = MAX_JSON_DEPTH) -> bool:
+    """Whether JSON text nests arrays/objects deeper than `limit` (strings are skipped; the text
+    need not be valid JSON: the parser judges that afterwards)."""
+    text = raw.decode("utf-8", "replace") if isinstance(raw, bytes) else raw
+    depth, in_string, escaped = 0, False, False
+    for ch in text:
+        if in_string:
+            if escaped:
+                escaped = False
+            elif ch == "\\":
+                escaped = True
+            elif ch == '"':
+                in_string = False
+        elif ch == '"':
+            in_string = True
+        elif ch in "[{":
+            depth += 1
+            if depth > limit:
+                return True
+        elif ch in "]}":
+            depth -= 1
+    return False

@@ -1,0 +1,144 @@
+"""The syncer's membership answers: an island joins, beats, leaves, or the admin sets its state.
+
+Each is one short, P-free change of the membership (membership.py) under the service's lock,
+admitted by the gate (gate.py: only the job's own island names), then the service's gauges and
+merge scheduler are told (a join or a drop can complete a round). The service (service.Syncer)
+answers the routes by delegating here; pushes have their own path (push.py).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from diloco_trainer.api.documents import HeartbeatAnswer, JoinInfo, MembershipAnswer
+from diloco_trainer.api.spec import JobSpec
+from diloco_trainer.syncer.intake.gate import Gate
+from diloco_trainer.syncer.merging.global_model import GlobalModel
+from diloco_trainer.syncer.service.push import PushHost
+from diloco_trainer.syncer.state.records import Beat
+from diloco_trainer.syncer.state.rounds import SyncState
+from diloco_trainer.syncer.state.targets import (
+    budget_tokens,
+    horizon_seconds,
+    merged_elsewhere,
+    pace_of,
+    stop_targets,
+)
+
+log = logging.getLogger("diloco.syncer")
+
+
+class MembershipRoutes:
+    """Join, heartbeat, leave and the admin's membership change of one job's syncer."""
+
+    def __init__(
+        self,
+        host: PushHost,
+        *,
+        state: SyncState,
+        gate: Gate,
+        model: GlobalModel,
+        codec: str,
+        spec: JobSpec,
+    ) -> None:
+        self.host = host
+        self.state = state
+        self.gate = gate
+        self.model = model
+        self.codec = codec
+        self.spec = spec
+        # K < M: each island's stop target once the budget is near (targets.py); K = M islands
+        # keep their own share (learner/drain.py).
+        islands = max(spec.islands.count, spec.total_shards())
+        self.budget = budget_tokens(spec) if spec.sync.quorum < islands else None
+        self.targets: dict[str, int] = {}
+
+    async def join(self, island: str, replicas: int) -> dict[str, Any]:
+        """Register an island; the fragment layout, current versions and the island's merged
+        tokens (JoinInfo)."""
+        async with self.host.locked():
+            self.gate.admit(self.state.membership, island, self.host.clock())
+            rec = self.state.membership.join(island, replicas, self.host.clock())
+            # A restarted learner counts its tokens from zero again: its target (in the old
+            # count) would let it train far past the budget. It trains on without one.
+            self.targets.pop(island, None)
+            merged_tokens = round(rec.merged_tokens)  # read under the lock a merge takes
+        self.host.changed()
+        log.info(
+            "island %s joined (join %d, %d replicas, %s)", island, rec.joins, replicas, rec.state
+        )
+        return JoinInfo(
+            fragments=self.model.fragments,
+            versions=self.state.versions,
+            outer_step=self.state.outer_step,
+            finished=self.host.finished,
+            codec=self.codec,
+            pull_compression=self.model.pull_compression,
+            state=rec.state,
+            island_tokens=merged_tokens,
+        ).to_wire()
+
+    async def heartbeat(self, island: str, progress: Beat) -> dict[str, Any]:
+        """A learner's sign of life; its membership state and whether the job finished
+        (HeartbeatAnswer)."""
+        async with self.host.locked():
+            rec = self.state.membership.heartbeat(
+                island,
+                self.host.clock(),
+                step=progress.step,
+                tokens=progress.tokens,
+                loss=progress.loss,
+                step_time=progress.step_time,
+                holding=progress.holding,
+                drained=progress.drained,
+            )
+            self._set_targets()
+        self.host.changed()
+        answer = HeartbeatAnswer(
+            state=rec.state,
+            finished=self.host.finished,
+            versions=self.state.versions,
+            stop_at=self.targets.get(island),
+        )
+        return answer.to_wire()
+
+    def _set_targets(self) -> None:
+        """Fix every active island's stop target once the budget is near (lock held)."""
+        if self.budget is None or self.targets or self.host.finished:
+            return
+        members = self.state.membership
+        active = members.active_records()
+        paces = {r.name: pace_of(r) for r in active}
+        if not active or None in paces.values():
+            return  # an island whose pace is not known yet would be left without a target
+        targets = stop_targets(
+            {n: p for n, p in paces.items() if p is not None},
+            done_elsewhere=merged_elsewhere(members.islands.values(), members.active()),
+            budget=self.budget,
+            step_tokens={r.name: self.spec.inner.tokens_per_step * r.replicas for r in active},
+            now=self.host.clock(),
+            horizon=horizon_seconds(self.spec.sync.heartbeat_timeout_seconds),
+        )
+        if targets is not None:
+            self.targets = targets
+            log.info("the budget is near: stop targets (tokens each learner counts) %s", targets)
+
+    async def leave(self, island: str) -> dict[str, Any]:
+        """An island says goodbye (MembershipAnswer)."""
+        async with self.host.locked():
+            rec = self.state.membership.leave(island, self.host.clock())
+        self.host.changed()
+        log.info("island %s left", island)
+        return MembershipAnswer(island=island, state=rec.state).to_wire()
+
+    async def set_membership(self, island: str, state: str, reason: str) -> dict[str, Any]:
+        """Admin: mark an island active or dropped (MembershipAnswer)."""
+        async with self.host.locked():
+            members = self.state.membership
+            if island not in members.islands:
+                self.gate.admit(members, island, self.host.clock())
+            rec = members.set_state(island, state, reason, self.host.clock())
+        self.host.changed()
+        log.info("island %s set %s by admin (%s)", island, state, reason or "no reason given")
+        return MembershipAnswer(island=island, state=rec.state, reason=rec.reason).to_wire()

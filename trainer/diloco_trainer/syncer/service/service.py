@@ -1,0 +1,502 @@
+"""The syncer: a CPU service that merges islands' pseudo-gradients into the global model.
+
+Each fragment runs rounds (rounds.py, with membership.py): pushes are validated against the
+model, collected per island (a newer push from an island replaces its pending one), and merged
+once a quorum has reported and the grace window has passed (or every active island has
+reported): the merge (merge.py) merges the round in the global model (global_model.py), takes an
+outer step (Delayed Nesterov, folded per round of work) on that fragment, version + 1, and records
+it in the merge log (merge_log.py); the publisher (publisher.py) re-encodes the fragment and wakes
+long-polling pullers, and evaluations and checkpoints run in the background (jobs.py). Start-up
+(startup.py) builds those parts; the status and checkpoint manifest are assembled from them
+(status.py). The HTTP edge is http.py, the process server.py.
+
+This module is the thin service that holds those parts behind one lock, answers the membership
+routes (membership_routes.py), and runs the two sequences that cross the parts: a push (push.py,
+the whole path in one place) and a merge (_merge, in merge.py's steps). Concurrency: HTTP
+handlers run on one asyncio loop; heavy work (decoding a push, merging, the outer step,
+evaluation, serialising fragments, checkpoints, digests) runs in worker threads. One asyncio
+lock (`lock`) makes every state change atomic and is held only for short, P-free steps; one lock
+per fragment (`fragment_lock`) keeps a fragment's fold and its merge apart: a push folds holding
+its own fragment's lock, a merge holds its fragment's from taking the round to publishing it, so
+a push never waits on another fragment's merge, and heartbeats, joins and status never wait on
+one. Merges run one at a time, in the scheduler (`merging`: a stop or a digest waits for the
+running one), so the whole-model steps after a merge (evaluation and checkpoint of the live
+weights, publishing the other fragments' outer step) see no merge half-applied. A request that
+fails validation changes nothing: size, safetensors, metadata, membership/staleness and tensor
+names/shapes/dtypes are all checked before the state is touched.
+
+Hostile and broken input (README's Security section; gate.py, merge.py): only the job's own island
+names join, a push passes the guards (finite, norm bounds, steps and tokens of one round) before
+it joins a round, and a merge whose input cannot be merged leaves out the contributions at fault.
+
+When stopAfter is reached (or all but the drain's rounding, every island drained: targets.py),
+the syncer evaluates, writes a checkpoint, and only then reports finished=true; it keeps serving
+status and pulls afterwards. A stop (SIGTERM) lets a running merge finish and writes a checkpoint
+of what was merged since the last one. A merge that raises while applying the outer step (a bug:
+its input was checked) leaves the round half applied, so the syncer then refuses work with 503
+and reports unhealthy on /healthz until it is restarted from its last checkpoint.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import logging
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from diloco_trainer.api import credentials
+from diloco_trainer.api.contract import ContractError
+from diloco_trainer.api.credentials import Principal
+from diloco_trainer.api.documents import SyncerStatus
+from diloco_trainer.api.spec import JobSpec
+from diloco_trainer.cpus import configure_threads
+from diloco_trainer.syncer.edge import server
+from diloco_trainer.syncer.errors import Refused
+from diloco_trainer.syncer.merging.heap import return_freed_memory, trim
+from diloco_trainer.syncer.merging.merge_log import describe_merge
+from diloco_trainer.syncer.merging.merger import LeftOut
+from diloco_trainer.syncer.service import startup
+from diloco_trainer.syncer.service.island_calls import MembershipRoutes
+from diloco_trainer.syncer.service.jobs import CheckpointSnapshot
+from diloco_trainer.syncer.service.push import PushPath
+from diloco_trainer.syncer.service.status_document import (
+    Identity,
+    Progress,
+    checkpoint_manifest,
+    status_document,
+)
+from diloco_trainer.syncer.serving.publisher import Body, BodyKey
+from diloco_trainer.syncer.state.records import Beat
+from diloco_trainer.syncer.state.targets import drained_at_budget, stop_reached
+
+__all__ = ["Syncer", "main"]
+
+log = logging.getLogger("diloco.syncer")
+
+# The merge scheduler re-checks timeouts at least this often.
+TICK_SECONDS = 0.5
+# Who an in-process caller (a test, a tool) pushes as: the job's root credential.
+ROOT = Principal(credentials.ROOT)
+
+
+class Syncer:
+    """One job's syncer: the parts start-up built (startup.SyncerParts: the global model, rounds
+    and membership, the merge, the publisher, the merge log and the background jobs), behind one
+    asyncio lock."""
+
+    def __init__(
+        self,
+        spec: JobSpec,
+        *,
+        job_name: str,
+        state_dir: Path,
+        clock: Callable[[], float] = time.time,
+        config_file: Path | None = None,
+        shard: int = 0,  # which of syncer.shards (shard_scope.py)
+    ) -> None:
+        """Build the parts (startup.build: ConfigError when every checkpoint on disk is corrupt)
+        and take them over."""
+        return_freed_memory()  # before the first P-sized buffer (memory.py)
+        built = startup.build(
+            spec, state_dir=state_dir, clock=clock, config_file=config_file, shard=shard
+        )
+        self.spec = spec
+        self.job_name = job_name
+        self.state_dir = state_dir
+        self.clock = clock
+        self.codec: str = spec.sync.compression  # the routes read it as a plain str
+        self.metrics = built.metrics
+        self.health = built.health
+        self.parts = built.parts  # the model, data and evaluation (models/parts.py)
+        self.model = built.model
+        self.publisher = built.publisher
+        self.state = built.state
+        self.merge_log = built.merge_log
+        self.merger = built.merger
+        self.jobs = built.jobs
+        self.gate = built.gate
+        self.spec_hash = built.spec_hash
+        self.resumed_from = built.resumed_from
+        self.finished = built.finished
+        self.pushes = PushPath(
+            self,
+            state=self.state,
+            gate=self.gate,
+            model=self.model,
+            codec=self.codec,
+            metrics=self.metrics,
+        )
+        self.members = MembershipRoutes(
+            self, state=self.state, gate=self.gate, model=self.model, codec=self.codec, spec=spec
+        )
+        # Set when a merge failed half-way: the state can no longer be trusted, so the syncer
+        # refuses work (503) and reports unhealthy until it is restarted from its checkpoint.
+        self.failure: str | None = None
+        self.identity = Identity(
+            job_name=job_name,
+            codec=self.codec,
+            pull_compression=self.model.pull_compression,
+            fragments=len(self.model.fragments),
+            spec_hash=self.spec_hash,
+        )
+        # Created on the serving loop (start()); see the module docstring.
+        self.lock: asyncio.Lock | None = None
+        self.merging: asyncio.Lock | None = None
+        self._fragment_locks: list[asyncio.Lock] = []
+        self._poke: asyncio.Event | None = None
+        self._stopping = False
+
+    # ----- start-up and shutdown ---------------------------------------------------------------
+
+    async def start(self) -> None:
+        """Create the loop-bound primitives and the pull bodies (call on the serving loop)."""
+        self.lock = asyncio.Lock()
+        self.merging = asyncio.Lock()
+        self._fragment_locks = [asyncio.Lock() for _ in self.model.fragments]
+        self._poke = asyncio.Event()
+        self.jobs.start()
+        await self.publisher.start(self._body_keys())
+        # Every island of the job (all regions) holds the quorum until it joins or times out.
+        self.state.membership.expect(self.spec.total_shards(), self.clock())
+
+    def close_waiters(self) -> None:
+        """Answer every long-poll now (304): the server is shutting down."""
+        self.publisher.close_waiters()
+
+    async def stop(
+        self, timeout: float = 30.0, scheduler: asyncio.Task[None] | None = None
+    ) -> None:
+        """Stop the scheduler once a running merge has finished, let scheduled jobs finish,
+        write a checkpoint of what was merged since the last one, stop the worker."""
+        self._stopping = True  # the scheduler ends at its next pass even if a cancel is lost
+        if scheduler is not None:
+            if self.merging is not None:
+                async with self.merging:  # a merge holds it from its start to its publish
+                    scheduler.cancel()
+            else:
+                scheduler.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await scheduler
+        await self.jobs.stop(
+            timeout,
+            final=None if self.failure else (self.state.versions, self._checkpoint_snapshot),
+        )
+        # The update history's file work in flight (spills, deletions) ends before the process:
+        # a spill cut off would leave a partial file in the state dir until the next start.
+        await self.publisher.housekeeping_done()
+        # Merge-log lines kept in memory while the log was unwritable are written now if it can
+        # be again, else counted as lost on the log (the checkpoints hold the state either way).
+        await asyncio.to_thread(self.merge_log.close)
+
+    # ----- derived figures ---------------------------------------------------------------------
+
+    @property
+    def fragments(self) -> list[list[str]]:
+        return self.model.fragments
+
+    @property
+    def outer_step(self) -> int:
+        return self.state.outer_step
+
+    @property
+    def bytes_in(self) -> int:
+        """Bytes of accepted push bodies."""
+        return self.pushes.bytes_in
+
+    @property
+    def tokens(self) -> int:
+        """Tokens merged into the global model (each fragment's merges, averaged over fragments)."""
+        return self.merge_log.tokens
+
+    def digest(self) -> str:
+        """sha256 of the global weights and the outer momentum (and θ_pub when kept apart)."""
+        return self.model.digest()
+
+    def stop_reached(self) -> bool:
+        """Whether the job ends now: stopAfter is reached, or but for the drain's rounding with
+        every active island drained (learner/drain.py, targets.drained_at_budget)."""
+        if stop_reached(self.spec, outer_step=self.state.outer_step, tokens=self.tokens):
+            return True
+        active = self.state.membership.active_records()
+        return self.state.all_drained() and drained_at_budget(self.spec, self.tokens, active)
+
+    def _body_keys(self) -> list[BodyKey]:
+        """What each fragment's pull body says now: (version, outer step, finished)."""
+        return [(v, self.state.outer_step, self.finished) for v in self.state.versions]
+
+    def _update_gauges(self) -> None:
+        self.metrics.active_islands.set(len(self.state.membership.active()))
+        self.metrics.outer_step.set(self.state.outer_step)
+        self.metrics.tokens.set(self.tokens)
+
+    # ----- requests ----------------------------------------------------------------------------
+
+    def check_fragment(self, fragment: int) -> None:
+        """Refused(404) unless the fragment exists, 421 when another syncer shard owns it."""
+        n = len(self.model.fragments)
+        if not 0 <= fragment < n:
+            raise Refused(404, f"fragment {fragment} does not exist (0..{n - 1})")
+        self.model.check_owned(fragment)
+
+    def push_limit(self, fragment: int) -> int:
+        """The largest push body `fragment` accepts; Refused(404) when it does not exist."""
+        self.check_fragment(fragment)
+        return self.model.body_limits[fragment]
+
+    def _wake(self) -> None:
+        if self._poke is not None:
+            self._poke.set()
+
+    def changed(self) -> None:
+        """Membership or rounds changed (a push was recorded, an island dropped): gauges, and
+        the merge scheduler looks again."""
+        self._update_gauges()
+        self._wake()
+
+    def locked(self) -> asyncio.Lock:
+        """The lock every state change holds; Refused(503) once the syncer failed."""
+        assert self.lock is not None, "Syncer.start() was not called"
+        if self.failure:
+            raise Refused(503, f"the syncer failed and must be restarted: {self.failure}")
+        return self.lock
+
+    def fragment_lock(self, fragment: int) -> asyncio.Lock:
+        """The lock of one fragment's fold and merge (taken before `locked()`, never after)."""
+        return self._fragment_locks[fragment]
+
+    # ----- membership (membership_routes.py) and pushes (push.py) -------------------------------
+
+    async def join(self, island: str, replicas: int) -> dict[str, Any]:
+        """Register an island (JoinInfo)."""
+        return await self.members.join(island, replicas)
+
+    async def heartbeat(self, island: str, progress: Beat) -> dict[str, Any]:
+        """A learner's sign of life (HeartbeatAnswer)."""
+        return await self.members.heartbeat(island, progress)
+
+    async def leave(self, island: str) -> dict[str, Any]:
+        """An island says goodbye (MembershipAnswer)."""
+        return await self.members.leave(island)
+
+    async def set_membership(self, island: str, state: str, reason: str) -> dict[str, Any]:
+        """Admin: mark an island active or dropped (MembershipAnswer)."""
+        return await self.members.set_membership(island, state, reason)
+
+    async def receive_push(
+        self, fragment: int, body: bytes | bytearray, principal: Principal = ROOT
+    ) -> dict[str, Any]:
+        """A pushed pseudo-gradient, from its body to its round (push.py: the whole path);
+        Refused, with nothing changed, on a problem. Returns the PushAnswer."""
+        self.check_fragment(fragment)
+        answer = await self.pushes.receive(fragment, body, principal)
+        return answer.to_wire()
+
+    async def pull(self, fragment: int, *, after: int, wait: float, have: int = -1) -> Body | None:
+        """Fragment bytes once its version is > after (or the job finished); None after `wait`.
+        The body is the chain of updates since version `have` when the publisher has one."""
+        self.check_fragment(fragment)
+        return await self.publisher.pull(fragment, after=after, wait=wait, have=have)
+
+    async def status(self, *, digest: bool = False) -> dict[str, Any]:
+        """The status document (SyncerStatus; see api/protocol.py for the route).
+
+        Without the digest it is read without waiting for a running merge; that is consistent
+        because a merge changes versions, rounds and token counts together after its arithmetic
+        (see merge.py). With the digest it waits for a running merge, so the weights match the
+        versions.
+        """
+        if not digest:
+            return self._status().to_wire()
+        self.locked()  # Refused(503) once failed
+        assert self.merging is not None
+        async with self.merging:
+            doc = self._status()
+            weights = await asyncio.to_thread(self.digest)
+        return doc.model_copy(update={"digest": weights}).to_wire()
+
+    def _status(self) -> SyncerStatus:
+        progress = Progress(
+            finished=self.finished,
+            failure=self.failure,
+            bytes_in=self.bytes_in,
+            resumed_from=self.resumed_from,
+        )
+        return status_document(
+            self.identity,
+            progress,
+            rounds=self.state.snapshot(),
+            merges=self.merge_log.snapshot(),
+            pulls=self.publisher.snapshot(),
+            jobs=self.jobs.snapshot(),
+            refusals=self.gate.refusals_json(),
+            health=self.health.to_json(),
+            time=self.clock(),
+        )
+
+    # ----- merging -----------------------------------------------------------------------------
+
+    async def tick(self) -> float | None:
+        """One scheduler pass: expire silent islands, merge every due round (one at a time, the
+        lock not held). Returns the next grace deadline (clock time), if a round is waiting."""
+        async with self.locked():
+            now = self.clock()
+            members = self.state.membership
+            awaited = members.awaited()
+            expired = members.expire(now)
+            if awaited and not members.awaited():
+                log.warning(
+                    "%d island(s) of %d never joined within islands.startupTimeoutSeconds "
+                    "(%.0fs) of the syncer's start, and nobody dropped them: merging without them",
+                    awaited,
+                    self.spec.total_shards(),
+                    self.spec.islands.startup_timeout_seconds,
+                )
+            for island in expired:
+                log.warning("island %s timed out: %s", island, members.islands[island].reason)
+                self._update_gauges()
+            due = [] if self.finished else self.state.due_fragments(now)
+            # Every island drained, nothing to merge (a heartbeat said so, or a drop): finish.
+            drained = not (self.finished or due) and self.stop_reached()
+        assert self.merging is not None
+        for f in due:
+            async with self.merging:
+                await self._merge(f)
+            if self.finished:
+                break
+        if drained:
+            async with self.merging:
+                if not self.finished:
+                    await self._finish()
+        return None if self.finished else self.state.next_deadline()
+
+    async def run_scheduler(self) -> None:
+        """tick() whenever something changed, a grace window ends, or TICK_SECONDS passed.
+
+        An exception in a merge marks the syncer failed (see `failure`) and ends the scheduler.
+        """
+        assert self._poke is not None
+        while not self._stopping:
+            try:
+                deadline = await self.tick()
+            except Exception as err:
+                self.failure = f"merge failed: {type(err).__name__}: {err}"
+                self.metrics.healthy.set(0)
+                log.exception("%s; refusing work until restarted from the last checkpoint", err)
+                return
+            wait = TICK_SECONDS
+            if deadline is not None:
+                wait = min(wait, max(0.005, deadline - self.clock()))
+            # Not wait_for: 3.11's can swallow a cancel that comes as its timeout fires.
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(wait):
+                    await self._poke.wait()
+            self._poke.clear()
+
+    async def _merge(self, f: int) -> None:
+        """Merge fragment f's round in merge.py's steps, holding f's lock throughout and the
+        service's lock for the steps that change state; then publish. mergeSeconds runs from
+        the round's take to its new version being pullable."""
+        async with self.fragment_lock(f):
+            async with self.locked():
+                now = self.clock()
+                if self.finished or not self.state.merge_due(f, now):
+                    return  # the round changed since the scheduler looked (a drop)
+                started = time.perf_counter()
+                merge = self.merger.take(self.state, f, now)
+            prepared = await asyncio.to_thread(self.merger.prepare, merge)
+            if isinstance(prepared, LeftOut):
+                async with self.locked():
+                    self.merger.recover(self.state, merge, prepared)
+                return
+            new_version = self.state.versions[f] + 1  # only this merge moves f's version
+            result = await asyncio.to_thread(self.merger.commit, merge, prepared, new_version)
+            del prepared  # the merged pseudo-gradient (1/F x) goes before the new body comes
+            # f's new pull body, built before the round closes so that it is pullable the
+            # moment the version moves; its key is checked again then (publish re-encodes it
+            # if the outer step came out otherwise).
+            others = (r.rounds for g, r in enumerate(self.state.rounds) if g != f)
+            outer_step = min([result.rounds, *others])
+            body = await asyncio.to_thread(
+                self.publisher.encode,
+                f,
+                (new_version, outer_step, self.finished),
+                time.perf_counter() - started,
+            )
+            async with self.locked():
+                self.publisher.record_update(f, result.update)
+                seconds = time.perf_counter() - started
+                entry = self.merger.record(self.state, merge, result, seconds)
+                # Not at the finish: _after_merge publishes it once, finished (else pulled twice).
+                if body[0] == self._body_keys()[f] and not self.stop_reached():
+                    self.publisher.install(f, body)
+            del body
+        await asyncio.to_thread(self.merge_log.write, entry)
+        # The merge's small temporaries back to the system once it is pullable (memory.py).
+        await asyncio.to_thread(trim)
+        self.merger.logged(seconds)
+        self._update_gauges()
+        evaluated = await self._after_merge()
+        eval_note = f"; eval loss {evaluated:.4f}" if evaluated is not None else ""
+        log.info("%s%s", describe_merge(entry), eval_note)
+
+    async def _after_merge(self) -> float | None:
+        """Publish, evaluate, checkpoint and finish as due (merge lock held); returns an eval
+        loss when one was computed here (the finish), else None.
+
+        Normally the merged fragments are published first, then the evaluation and checkpoint
+        read the live weights (jobs.py): learners never wait for them, the next merge does. At
+        the finish, evaluation and checkpoint complete before finished=true is published.
+        """
+        step = self.state.outer_step
+        if not self.stop_reached():
+            await self.publisher.publish(self._body_keys())
+            await self.jobs.after_merge(step, self.tokens, self._checkpoint_snapshot)
+            return None
+        return await self._finish()
+
+    async def _finish(self) -> float | None:
+        """Evaluate and checkpoint the final state, then publish finished=true (merge lock
+        held); the final eval loss when computed here."""
+        step = self.state.outer_step
+        loss = await self.jobs.finish(step, self.tokens, self._checkpoint_snapshot)
+        self.finished = True
+        await self.publisher.publish(self._body_keys())
+        short = not stop_reached(self.spec, outer_step=step, tokens=self.tokens)
+        why = " (every island drained, the budget less its rounding to steps)" if short else ""
+        log.info("finished at outer step %d with %d tokens%s", step, self.tokens, why)
+        return loss
+
+    async def _checkpoint_snapshot(self) -> CheckpointSnapshot:
+        """Everything a checkpoint of the current state needs (merge lock held, or at a stop no
+        merge left to run): the manifest, and the live tensors, which no merge moves until the
+        checkpoint is written (jobs.py)."""
+        manifest = checkpoint_manifest(
+            self.identity,
+            rounds=self.state.saved(),
+            fragments=self.model.fragments,
+            outer_progress=self.model.outer.progress_json(),
+            merge_counters=self.merge_log.manifest(),
+            initial_eval_loss=self.jobs.snapshot().initial_eval_loss,
+            norm_history=self.gate.norm_history(),
+            time=self.clock(),
+        )
+        outer_step = self.state.outer_step
+        tensors = self.model.live_tensors()
+        return CheckpointSnapshot(outer_step=outer_step, tensors=tensors, manifest=manifest)
+
+
+def main(args: argparse.Namespace) -> int:
+    """`diloco syncer`: serve the job in $DILOCO_CONFIG_FILE until SIGTERM (exit 0), or exit 1
+    after a failed merge, or 2 for a bad environment or config (see server.py). Its torch
+    threads follow the pod's CPU limit (cpus.py), as a learner's do."""
+    try:
+        configure_threads()
+    except ContractError as err:
+        print(f"diloco syncer: {err}", file=sys.stderr)
+        return 2
+    return server.run(Syncer)

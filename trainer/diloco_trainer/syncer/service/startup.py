@@ -1,0 +1,201 @@
+"""A syncer's start: build() makes every part of the service from the newest valid checkpoint of
+its state dir, or afresh, and hands them over (service.Syncer takes them; nothing here reaches
+into a built service).
+
+Checkpoints on disk that are corrupt (checkpoint.py: hashes, readability, finite tensors) are
+never resumed. When a valid one remains, the syncer resumes from the newest valid one and sets the
+corrupt newer ones aside (so pruning and the next checkpoint's name are not confused by them).
+When checkpoints are present and none is valid, the syncer refuses to start (ConfigError naming
+each and what is wrong with it: exit code 2), unless syncer.checkpoint.allowFreshStartOnCorrupt
+is set: then it sets them all aside and starts afresh. Either way the corrupt checkpoints are a
+health problem until the next checkpoint is written.
+
+The checkpoint's manifest is read through its model (api/manifest.CheckpointManifest). Island
+records of a checkpoint are restored only for the job's own island names, at most as many as the
+job has (admission.py), so islands created by a flood of joins do not come back. The guards'
+hard norm caps are derived from the weights the job starts from (resumed or initial).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from diloco_trainer.api.spec import ConfigError, JobSpec
+from diloco_trainer.models.parts import TrainingParts, build_parts
+from diloco_trainer.syncer.edge.shard_scope import ShardScope
+from diloco_trainer.syncer.intake.admission import Admission, admitted_records
+from diloco_trainer.syncer.intake.gate import Gate
+from diloco_trainer.syncer.intake.guards import make_guard
+from diloco_trainer.syncer.merging.global_model import GlobalModel
+from diloco_trainer.syncer.merging.merge_log import MergeLog
+from diloco_trainer.syncer.merging.merger import Merger
+from diloco_trainer.syncer.service.jobs import BackgroundJobs
+from diloco_trainer.syncer.serving.publisher import Publisher
+from diloco_trainer.syncer.state.gauges import SyncerMetrics
+from diloco_trainer.syncer.state.problems import CORRUPT, Health
+from diloco_trainer.syncer.state.records import round_policy
+from diloco_trainer.syncer.state.rounds import SyncState
+from diloco_trainer.syncer.state.targets import stop_reached
+from diloco_trainer.syncer.storage import checkpoint as ckpt
+
+log = logging.getLogger("diloco.syncer")
+
+
+@dataclass
+class SyncerParts:
+    """What a syncer is made of, built by build() (see service.Syncer for what each does)."""
+
+    metrics: SyncerMetrics
+    health: Health
+    parts: TrainingParts
+    model: GlobalModel
+    publisher: Publisher
+    state: SyncState
+    merge_log: MergeLog
+    merger: Merger
+    jobs: BackgroundJobs
+    gate: Gate
+    spec_hash: str
+    resumed_from: str | None  # the checkpoint it resumed from, None for a fresh start
+    finished: bool  # stopAfter was reached before the start (a restart after the finish)
+
+
+def corrupt_message(state_dir: str, corrupt: list[tuple[str, str]]) -> str:
+    """The error of a state dir whose checkpoints are all corrupt."""
+    lines = "; ".join(f"{path}: {why}" for path, why in corrupt)
+    return (
+        f"every checkpoint in {state_dir} is corrupt ({lines}); refusing to start afresh over "
+        "them: restore a checkpoint, or set syncer.checkpoint.allowFreshStartOnCorrupt to start "
+        "the job from scratch"
+    )
+
+
+# Under the state dir: the encoded pushes of open rounds (folding.py), emptied at start.
+PENDING_DIR = "pending"
+# Under the state dir: θ_pub's older updates, served in update chains (update_history.py),
+# emptied at start.
+HISTORY_DIR = "history"
+
+
+def build(
+    spec: JobSpec,
+    *,
+    state_dir: Path,
+    clock: Callable[[], float],
+    config_file: Path | None = None,
+    shard: int = 0,
+) -> SyncerParts:
+    """Every part of a syncer, from the newest valid checkpoint or afresh (see the module
+    docstring); ConfigError when every checkpoint on disk is corrupt or one does not fit."""
+    metrics = SyncerMetrics()
+    health = Health(clock, metrics.healthy)
+    parts = build_parts(spec, shard_index=0, num_shards=spec.total_shards(), with_train=False)
+    n = spec.sync.fragments
+    # One shard of several (shard_scope.py): it holds only its own fragments' tensors, and its
+    # outer step and tokens count them; it evaluates nothing (no process holds the whole model).
+    scope = ShardScope.of(spec, shard, n) if spec.syncer.shards > 1 else None
+    owned = None if scope is None else scope.owned
+    model = GlobalModel(spec, parts.model, parts.plain_merge_names, owned=owned)
+    model.folds.spill_to(state_dir / PENDING_DIR)  # pending pushes on disk, not in memory
+    publisher = Publisher(  # θ_pub's older updates on disk, not in memory
+        model,
+        max_staleness=spec.staleness_bound(),
+        metrics=metrics,
+        history_dir=state_dir / HISTORY_DIR,
+    )
+    merge_log = MergeLog(n, state_dir) if scope is None else scope.new_merge_log(n, state_dir)
+    jobs = BackgroundJobs(
+        spec,
+        parts,
+        model,
+        state_dir=state_dir,
+        metrics=metrics,
+        clock=clock,
+        health=health,
+        evaluates=scope is None,
+    )
+    loaded = _newest_valid(spec, state_dir, health)
+    spec_hash = ckpt.spec_hash(spec.to_json())
+    if loaded is not None and loaded.document.spec_hash != spec_hash:
+        log.warning("the job spec changed since checkpoint %s; resuming anyway", loaded.path)
+    policy = round_policy(spec, n)
+    new_state = SyncState if scope is None else scope.new_state
+    if loaded is None:
+        state = new_state(policy, n)
+    else:
+        model.restore(loaded)  # ConfigError when it does not fit the model
+        rounds = [model.outer.rounds(f) for f in range(n)]
+        state = new_state(policy, n, versions=loaded.document.versions, rounds=rounds)
+    # The hard norm caps follow the weights the job starts from.
+    guard = make_guard(spec, model.numels(), model.fragment_norms())
+    if loaded is None:
+        loss = jobs.evaluate_initial(step=state.outer_step, tokens=merge_log.tokens)
+        log.info("fresh start: %d fragments, initial eval loss %s", n, loss)
+    else:
+        guard.history.restore(loaded.document.norm_history)
+        _restore_counters(loaded, state, Admission.from_spec(spec), merge_log, jobs, now=clock())
+    gate = Gate(spec, guard=guard, metrics=metrics, config_file=config_file)
+    metrics.outer_step.set(state.outer_step)
+    return SyncerParts(
+        metrics=metrics,
+        health=health,
+        parts=parts,
+        model=model,
+        publisher=publisher,
+        state=state,
+        merge_log=merge_log,
+        merger=Merger(model, merge_log, rule=spec.sync.merge, health=health, metrics=metrics),
+        jobs=jobs,
+        gate=gate,
+        spec_hash=spec_hash,
+        resumed_from=None if loaded is None else str(loaded.path),
+        finished=stop_reached(spec, outer_step=state.outer_step, tokens=merge_log.tokens),
+    )
+
+
+def _newest_valid(spec: JobSpec, state_dir: Path, health: Health) -> ckpt.Checkpoint | None:
+    """The newest valid checkpoint, with the corrupt ones set aside (or ConfigError: see the
+    module docstring)."""
+    found = ckpt.load_newest_valid(state_dir)
+    if found.corrupt:
+        if found.checkpoint is None and not spec.syncer.checkpoint.allow_fresh_start_on_corrupt:
+            raise ConfigError(
+                corrupt_message(str(state_dir), [(str(p), w) for p, w in found.corrupt])
+            )
+        for path, why in found.corrupt:
+            aside = ckpt.set_aside(path)
+            log.error("checkpoint %s is corrupt (%s); set aside as %s", path, why, aside.name)
+        names = ", ".join(p.name for p, _ in found.corrupt)
+        health.report(CORRUPT, f"corrupt checkpoints set aside at start: {names}")
+    return found.checkpoint
+
+
+def _restore_counters(
+    loaded: ckpt.Checkpoint,
+    state: SyncState,
+    admission: Admission,
+    merge_log: MergeLog,
+    jobs: BackgroundJobs,
+    *,
+    now: float,
+) -> None:
+    """Load what a checkpoint's manifest holds besides the tensors into the parts being built."""
+    m = loaded.document
+    state.clocks.restore(m.work_clocks)
+    islands, left_out = admitted_records(admission, m.islands)
+    if left_out:
+        log.warning("not restoring islands that are not this job's: %s", ", ".join(left_out[:20]))
+    state.membership.restore(islands, now=now)
+    state.restore_answers(m.push_answers)
+    merge_log.restore(m)
+    jobs.restore(m, loaded.outer_step)
+    log.info(
+        "resumed from %s: %d fragments, outer step %d, versions %s",
+        loaded.path,
+        len(state.rounds),
+        loaded.outer_step,
+        state.versions,
+    )

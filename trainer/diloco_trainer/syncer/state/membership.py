@@ -1,0 +1,201 @@
+"""Island membership at the syncer: who is in the job, who counts towards the quorum, and who
+is still awaited (pure: no I/O, no clock, no torch; every method takes `now` from the caller).
+
+The states and what moves an island between them are described in records.py. This room keeps
+the records and applies those transitions; the round machine (rounds.py) owns it and is told of
+every change through MembershipEvents, so a quorum is re-evaluated at once (a drop may undo a
+quorum, a shrinking active set may complete a round) without this room knowing about rounds.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Protocol
+
+from diloco_trainer.api.documents import IslandStatus
+from diloco_trainer.api.protocol import dropped_for_refusals
+from diloco_trainer.syncer.errors import Refused
+from diloco_trainer.syncer.state.records import (
+    ACTIVE,
+    DROPPED,
+    LEFT,
+    TIMED_OUT,
+    IslandRecord,
+)
+
+
+class MembershipEvents(Protocol):
+    """What the owner of the membership (the round machine) hears of its changes."""
+
+    def withdrawn(self, island: str, now: float, *, forgotten: bool) -> None:
+        """An island's pending work must leave the open rounds: an admin drop, or its record
+        was forgotten to make room for another island (`forgotten`)."""
+
+    def membership_changed(self, now: float) -> None:
+        """Something that counts towards the quorum changed."""
+
+
+class Membership:
+    """The island records of one job's syncer. Not thread-safe: the caller locks."""
+
+    def __init__(
+        self, *, heartbeat_timeout: float, startup_timeout: float, events: MembershipEvents
+    ) -> None:
+        self.heartbeat_timeout = heartbeat_timeout
+        self.startup_timeout = startup_timeout
+        self.islands: dict[str, IslandRecord] = {}
+        self._events = events
+        # Islands the job has but the syncer has not heard of yet (see expect()).
+        self._expected = 0
+        self._expect_until = 0.0
+
+    # ----- views -------------------------------------------------------------------------------
+
+    def active(self) -> set[str]:
+        """Islands that count towards the quorum."""
+        return {n for n, r in self.islands.items() if r.state == ACTIVE and r.joins > 0}
+
+    def active_records(self) -> list[IslandRecord]:
+        """The records of the active islands."""
+        active = self.active()
+        return [r for n, r in self.islands.items() if n in active]
+
+    def awaited(self) -> int:
+        """Islands of the job not joined yet nor dropped, until the start-up timeout (records)."""
+        heard = sum(1 for r in self.islands.values() if r.joins > 0 or r.state == DROPPED)
+        return max(0, self._expected - heard)
+
+    def island(self, name: str) -> IslandRecord:
+        """A known island; Refused(404) for one that never joined."""
+        rec = self.islands.get(name)
+        if rec is None or rec.joins == 0:
+            raise Refused(
+                404, f"island {name!r} has not joined; POST /v1/join first", "unknown_island"
+            )
+        return rec
+
+    # ----- transitions -------------------------------------------------------------------------
+
+    def revive(self, rec: IslandRecord, now: float) -> None:
+        """A sign of life (a heartbeat, join or push): timedOut and left islands are active
+        again."""
+        rec.last_seen = now
+        if rec.state in (TIMED_OUT, LEFT):
+            rec.state = ACTIVE
+            rec.reason = ""
+
+    def expect(self, count: int, now: float) -> None:
+        """The job has `count` islands: the ones that have not joined count towards the quorum
+        as if active until they join or are dropped, so the first island up does not merge alone
+        when K > 1 just because its peers are slower to start, however slow. Only if nobody
+        drops them are they given up on, the start-up timeout after `now` (expire)."""
+        self._expected = count
+        self._expect_until = now + self.startup_timeout
+        self._events.membership_changed(now)
+
+    def join(self, name: str, replicas: int, now: float) -> IslandRecord:
+        """An island (re)starts: counts a join and makes it active unless an admin dropped it."""
+        rec = self.islands.setdefault(name, IslandRecord(name=name))
+        rec.joins += 1
+        rec.replicas = replicas
+        rec.reported_step = rec.reported_at = None  # a restarted learner's schedule starts anew
+        # ...and its count of tokens: from the island's merged work (JoinInfo.island_tokens).
+        rec.reported_tokens, rec.first_report = None, None
+        rec.count_base = rec.merged_tokens
+        self.revive(rec, now)
+        self._events.membership_changed(now)
+        return rec
+
+    def heartbeat(
+        self,
+        name: str,
+        now: float,
+        *,
+        step: int = 0,
+        tokens: int = 0,
+        loss: float | None = None,
+        step_time: float | None = None,
+        holding: bool = False,
+        drained: bool = False,
+    ) -> IslandRecord:
+        """A sign of life with progress figures; Refused(404) if the island never joined."""
+        rec = self.island(name)
+        self.revive(rec, now)
+        rec.step = max(rec.step, step)
+        rec.reported_step, rec.reported_at = step, now
+        rec.tokens = max(rec.tokens, tokens)
+        rec.reported_tokens = tokens
+        if rec.first_report is None:
+            rec.first_report = (tokens, now)
+        if loss is not None:
+            rec.loss = loss
+        if step_time:
+            rec.step_time = step_time
+        rec.holding = holding
+        rec.drained = drained
+        self._events.membership_changed(now)
+        return rec
+
+    def leave(self, name: str, now: float) -> IslandRecord:
+        """The island says goodbye (e.g. it finished); it stops counting towards the quorum."""
+        rec = self.island(name)
+        rec.last_seen = now
+        if rec.state != DROPPED:
+            rec.state = LEFT
+            rec.reason = "left"
+        self._events.membership_changed(now)
+        return rec
+
+    def set_state(self, name: str, state: str, reason: str, now: float) -> IslandRecord:
+        """Admin: mark an island active or dropped (pre-registering one that never joined).
+        Dropping takes its pending contributions out of the open rounds. An admin drop keeps
+        the syncer's own drop reason for refused pushes (the operator reads it)."""
+        if state not in (ACTIVE, DROPPED):
+            raise Refused(400, f"state must be 'active' or 'dropped', got {state!r}")
+        rec = self.islands.setdefault(name, IslandRecord(name=name, last_seen=now))
+        if not (state == DROPPED and dropped_for_refusals(rec.state, rec.reason)):
+            rec.reason = reason
+        rec.state = state
+        if state == DROPPED:
+            self._events.withdrawn(name, now, forgotten=False)
+        else:
+            rec.last_seen = now  # the timeout clock restarts when an admin re-adds it
+        self._events.membership_changed(now)
+        return rec
+
+    def forget(self, name: str, now: float) -> None:
+        """Remove an island's record (a new island takes its place; admission.evictable)."""
+        self.islands.pop(name, None)
+        self._events.withdrawn(name, now, forgotten=True)
+        self._events.membership_changed(now)
+
+    def expire(self, now: float) -> list[str]:
+        """Mark active islands silent for longer than the heartbeat timeout as timedOut (and,
+        after the start-up timeout, stop awaiting islands that never joined)."""
+        gone = []
+        if self._expected and now > self._expect_until:
+            self._expected = 0
+            self._events.membership_changed(now)
+        for name, rec in self.islands.items():
+            silent = now - rec.last_seen
+            if rec.state == ACTIVE and rec.joins > 0 and silent > self.heartbeat_timeout:
+                rec.state = TIMED_OUT
+                rec.reason = f"no heartbeat or push for {silent:.1f}s"
+                gone.append(name)
+        if gone:
+            self._events.membership_changed(now)
+        return gone
+
+    # ----- persistence -------------------------------------------------------------------------
+
+    def statuses(self) -> dict[str, IslandStatus]:
+        """Per-island records for status and checkpoints."""
+        return {n: r.to_status() for n, r in sorted(self.islands.items())}
+
+    def restore(self, doc: Mapping[str, IslandStatus], now: float) -> None:
+        """Load island records from a checkpoint; their timeout clocks restart at `now`."""
+        for name, status in doc.items():
+            rec = IslandRecord.from_status(name, status)
+            rec.last_seen = now
+            self.islands[name] = rec
+        self._events.membership_changed(now)

@@ -1,0 +1,191 @@
+"""The syncer's records: island membership states, the round policy, what it knows of each
+island, pending contributions and open rounds (plain data; the transitions are membership.py,
+the round state machine rounds.py).
+
+Membership. States: active, dropped (by the admin route; stays dropped until re-added), timedOut
+(no heartbeat, join or push for heartbeatTimeoutSeconds; active again on its next sign of life),
+left (said goodbye; active again when it joins). Only islands that have joined count as active:
+the admin route may pre-register an island, but it joins the quorum when it first joins.
+
+Awaited islands. Islands of the job that have not joined yet and were not dropped (expect():
+count minus the records that joined or were dropped) hold the quorum, not the grace window, until
+they join or are dropped, however long their processes take to start: the operator drops islands
+whose pods fail, `diloco run` islands whose processes all exited. Only if nobody says anything
+are they given up on, islands.startupTimeoutSeconds after the syncer's start (a safety net, not a
+start-up budget: the heartbeat timeout is for islands that went silent, not for slow starts).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from diloco_trainer.api.documents import IslandStatus
+from diloco_trainer.api.spec import JobSpec
+from diloco_trainer.core.fragments import fragment_offsets
+from diloco_trainer.core.grace import blocks_for_merge
+
+ACTIVE = "active"
+DROPPED = "dropped"
+TIMED_OUT = "timedOut"
+LEFT = "left"
+
+
+@dataclass(frozen=True)
+class Beat:
+    """One heartbeat: what it reports of an island's training, as the route checked it (http.py):
+    handed down unchanged to the membership (service.py -> membership_routes.py)."""
+
+    step: int = 0
+    tokens: int = 0
+    loss: float | None = None
+    step_time: float | None = None
+    holding: bool = False  # held at the step cap (learner/fragment_sync.py)
+    drained: bool = False  # its share done and merged, nothing more to push (learner/drain.py)
+
+
+@dataclass(frozen=True)
+class RoundPolicy:
+    """The sync settings the state machine needs (from JobSpec.sync)."""
+
+    quorum: int
+    max_staleness: int
+    heartbeat_timeout: float
+    grace_seconds: float | None  # None means "auto"
+    # How long islands that never joined (and were not dropped) hold the quorum; see above.
+    startup_timeout: float = 600.0
+    overlap_steps: int = 0
+    # The learners' schedule (H and each fragment's sync offset), for predicting when a missing
+    # island will push; inner_steps 0 turns the prediction off.
+    inner_steps: int = 0
+    offsets: tuple[int, ...] = ()
+    # Whether the learners block for their merge (core/grace.blocks_for_merge): if not, a push may
+    # be in flight for H steps at no cost, and the auto grace window is sized from that.
+    learners_block: bool = True
+
+
+@dataclass
+class IslandRecord:
+    """What the syncer knows about one island (also persisted in checkpoints)."""
+
+    name: str
+    state: str = ACTIVE
+    reason: str = ""
+    joins: int = 0
+    replicas: int = 0
+    last_seen: float = 0.0
+    last_push: float | None = None
+    pushes: int = 0
+    tokens: int = 0  # tokens the island reports having consumed in all (heartbeats)
+    merged_tokens: float = 0.0  # its merged tokens, averaged over fragments (see take_round)
+    loss: float | None = None
+    step: int = 0
+    step_time: float | None = None
+    # Its learner holds at the step cap, as its latest heartbeat said (not persisted: a restarted
+    # syncer hears it again with the next heartbeat).
+    holding: bool = False
+    # Its learner has done its share of the job's budget and every push of it was merged: it
+    # pushes nothing more (learner/drain.py). Not persisted, as `holding`.
+    drained: bool = False
+    sync_time: float | None = None
+    # Its latest net sync time (reported sync time minus what the syncer held the push; see
+    # core/grace.py), not persisted.
+    transfer_time: float | None = None
+    # The latest progress report and when it came (not persisted: a restarted syncer waits for
+    # the next heartbeat before it predicts anything).
+    reported_step: int | None = None
+    reported_at: float | None = None
+    # Its pace for the stop targets (targets.py), not persisted: the tokens its learner counts
+    # (the latest heartbeat's), the merged tokens it had at its last join (where that count
+    # starts), and its first report since (tokens, time).
+    reported_tokens: int | None = None
+    count_base: float = 0.0
+    first_report: tuple[int, float] | None = None
+
+    def to_status(self) -> IslandStatus:
+        """The status/checkpoint form (IslandStatus: camelCase on the wire)."""
+        return IslandStatus(
+            state=self.state,
+            reason=self.reason,
+            joins=self.joins,
+            replicas=self.replicas,
+            last_seen=self.last_seen,
+            last_push=self.last_push,
+            pushes=self.pushes,
+            tokens=self.tokens,
+            merged_tokens=round(self.merged_tokens),
+            loss=self.loss,
+            step=self.step,
+            step_time=self.step_time,
+            holding=self.holding,
+            drained=self.drained,
+        )
+
+    @classmethod
+    def from_status(cls, name: str, doc: IslandStatus) -> IslandRecord:
+        """The record saved by to_status() (a checkpoint's `islands`)."""
+        return cls(
+            name=name,
+            state=doc.state,
+            reason=doc.reason,
+            joins=doc.joins,
+            replicas=doc.replicas,
+            last_seen=doc.last_seen,
+            last_push=doc.last_push,
+            pushes=doc.pushes,
+            tokens=doc.tokens,
+            merged_tokens=float(doc.merged_tokens),
+            loss=doc.loss,
+            step=doc.step,
+            step_time=doc.step_time,
+        )
+
+
+@dataclass
+class Contribution:
+    """One island's pending pseudo-gradient for one fragment."""
+
+    island: str
+    base_version: int
+    lag: int
+    tokens: int
+    steps: int
+    loss: float | None
+    received_at: float
+    push_id: str = ""
+    step_time: float | None = None
+    sync_time: float | None = None
+    # Its pseudo-gradient as a name -> tensor mapping (opaque here): the syncer keeps it encoded
+    # (payload.EncodedPayload) and folds the decoded values into the round as it arrives.
+    payload: Any = field(default=None, repr=False)
+
+
+@dataclass
+class FragmentRound:
+    """The open round of one fragment."""
+
+    version: int = 0
+    rounds: int = 0  # rounds of work merged into the fragment (outer-optimizer folds)
+    pending: dict[str, Contribution] = field(default_factory=dict)
+    first_push_at: float | None = None
+    quorum_since: float | None = None
+
+
+def round_policy(spec: JobSpec, fragments: int) -> RoundPolicy:
+    """The round state machine's settings for a job split into `fragments`."""
+    grace = spec.sync.grace_seconds
+    return RoundPolicy(
+        quorum=spec.sync.quorum,
+        max_staleness=spec.staleness_bound(),
+        heartbeat_timeout=spec.sync.heartbeat_timeout_seconds,
+        grace_seconds=None if grace == "auto" else float(grace),
+        startup_timeout=spec.islands.startup_timeout_seconds,
+        overlap_steps=spec.sync.overlap_steps or 0,  # None only before the spec fills it in
+        inner_steps=spec.inner.steps,
+        offsets=tuple(fragment_offsets(spec.inner.steps, fragments)),
+        learners_block=blocks_for_merge(
+            quorum=spec.sync.quorum,
+            islands=max(spec.islands.count, spec.total_shards()),
+            overlap=spec.sync.overlap_steps or 0,
+        ),
+    )

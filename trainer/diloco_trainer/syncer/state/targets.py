@@ -1,0 +1,140 @@
+"""Stop targets at K < M: how many tokens each island processes before it drains, so that the
+islands together process stopAfter and every token of it is merged (learner/drain.py).
+
+At K = M the islands run in lock step and each trains its share, 1/M of the budget, on its own
+(drain.share_steps). At K < M they run at their own pace: an equal share would idle the fast
+islands behind a straggler, and without a stop the job ends at the first merge that reaches the
+budget, the work each island did after its last merged push lost (up to half a round plus τ
+steps an island). So the syncer, which hears every island's count of processed tokens in its
+heartbeats, splits what is left of the budget among the active islands in proportion to their
+pace once it is close: when what is left takes the islands less than `horizon` seconds at
+their pace (a few heartbeat intervals, so each learner hears its target before it reaches it).
+The targets are fixed then (a later change of pace moves nothing), sent in each heartbeat
+answer (`stopAt`, in the learner's own count), and a learner drains once its count reaches its
+target. Once every active island has drained the job finishes if the merged tokens are the
+budget but for that rounding (drained_at_budget); an island dropped after the targets were set
+leaves its remainder undone, so the others, drained short of the budget, train on after their
+wait (learner/drain.py) until it is reached. One that joins after the targets gets none and
+trains on until the finish.
+
+Pure: the service calls `stop_targets` with the islands' records under its lock.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from diloco_trainer.api.spec import JobSpec
+from diloco_trainer.syncer.state.records import IslandRecord
+
+# Learners heartbeat every min(LEARNER_BEAT_SECONDS, heartbeatTimeoutSeconds / 4) seconds
+# (learner/loop.py); targets are set this many such intervals before the budget is reached.
+LEARNER_BEAT_SECONDS = 5.0
+HORIZON_BEATS = 3
+# A split that is a whole number of steps but for float rounding stays that number.
+ROUNDING = 1e-6
+
+
+@dataclass(frozen=True)
+class Pace:
+    """An island's processed tokens at a time, and its rate (tokens per second)."""
+
+    base: float  # the merged tokens its learner's count starts from (its last join)
+    tokens: int  # its learner's count at `at`
+    at: float
+    rate: float
+
+
+def budget_tokens(spec: JobSpec) -> int | None:
+    """stopAfter.tokens when it is what ends the job (before stopAfter.outerSteps' rounds of
+    M x H steps of the spec's island tokens would); None otherwise. An outer-step budget keeps
+    no targets at K < M: its rounds are the outer optimizer's folds of partial merges, which
+    targets rounded to whole steps could leave a fraction short of the last one."""
+    stop = spec.stop_after
+    if stop.tokens is None:
+        return None
+    if stop.outer_steps is not None:
+        islands = max(spec.islands.count, spec.total_shards())
+        step_tokens = spec.inner.tokens_per_step * spec.islands.replicas
+        if stop.outer_steps * islands * spec.inner.steps * step_tokens <= stop.tokens:
+            return None
+    return stop.tokens
+
+
+def horizon_seconds(heartbeat_timeout: float) -> float:
+    """How long before the budget is reached the targets are set."""
+    return HORIZON_BEATS * min(LEARNER_BEAT_SECONDS, heartbeat_timeout / 4)
+
+
+def pace_of(rec: IslandRecord) -> Pace | None:
+    """The island's pace from its first and latest reports since it joined; None before two."""
+    if rec.first_report is None or rec.reported_tokens is None or rec.reported_at is None:
+        return None
+    first_tokens, first_at = rec.first_report
+    if rec.reported_at <= first_at or rec.reported_tokens <= first_tokens:
+        return None
+    rate = (rec.reported_tokens - first_tokens) / (rec.reported_at - first_at)
+    return Pace(rec.count_base, rec.reported_tokens, rec.reported_at, rate)
+
+
+def stop_targets(
+    paces: dict[str, Pace],
+    *,
+    done_elsewhere: float,
+    budget: int,
+    step_tokens: dict[str, int],
+    now: float,
+    horizon: float,
+) -> dict[str, int] | None:
+    """Each island's target in its learner's count, or None while the islands are more than
+    `horizon` seconds from the budget at their pace.
+
+    `paces`: the active islands'; `done_elsewhere`: tokens merged from islands not among them
+    (dropped, left). Each island is projected to `now` at its rate; what is left of the budget
+    is split in proportion to the rates and each target rounded down to a whole step of that
+    island (`step_tokens`): together they stay within the budget, so no merge reaches it before
+    every island's last push is in (the job then ends once all have drained). An island already
+    past the budget's split gets its projected count: it drains at once.
+    """
+    rate = sum(p.rate for p in paces.values())
+    if not paces or rate <= 0:
+        return None
+    projected = {n: p.tokens + p.rate * max(0.0, now - p.at) for n, p in paces.items()}
+    done = done_elsewhere + sum(p.base + projected[n] for n, p in paces.items())
+    left = budget - done
+    if left > horizon * rate:
+        return None
+    targets = {}
+    for n, p in paces.items():
+        count = projected[n] + max(0.0, left) * p.rate / rate
+        step = max(1, step_tokens[n])
+        targets[n] = step * math.floor(count / step + ROUNDING)
+    return targets
+
+
+def merged_elsewhere(records: Iterable[IslandRecord], active: set[str]) -> float:
+    """Tokens merged from islands that are not active (their work counts towards the budget)."""
+    return sum(r.merged_tokens for r in records if r.name not in active)
+
+
+def drained_at_budget(spec: JobSpec, tokens: int, active: Iterable[IslandRecord]) -> bool:
+    """Whether `tokens` merged are stopAfter.tokens but for the drain's rounding: short of it by
+    at most a step of each active island (shares and targets are rounded down to whole steps).
+    Every active island having drained ends the job only then: short by more, work was lost (a
+    syncer restarted from an older checkpoint, an island dropped with its share undone) and the
+    learners, drained, train on after their wait (learner/drain.py) until stopAfter is reached."""
+    budget = spec.stop_after.tokens
+    if budget is None:
+        return False
+    slack = sum(spec.inner.tokens_per_step * max(1, r.replicas) for r in active)
+    return budget - tokens <= slack
+
+
+def stop_reached(spec: JobSpec, *, outer_step: int, tokens: int) -> bool:
+    """Whether the job's stopAfter is reached at `outer_step` with `tokens` merged."""
+    stop = spec.stop_after
+    if stop.outer_steps is not None and outer_step >= stop.outer_steps:
+        return True
+    return stop.tokens is not None and tokens >= stop.tokens
