@@ -43,7 +43,7 @@ def _json(path: str, doc: Any) -> tuple[str, str, bytes]:
 
 def test_credentials_syncer_island_token_acts_only_as_its_island(tmp_path: Any) -> None:
     async def scenario(syncer: Syncer, routes: SyncerRoutes) -> list[int]:
-        await syncer.join("island-0", 1)
+        await syncer.islands.join("island-0", 1)
         before = await state_of(syncer)
         mine = island("island-2")
         codes = [
@@ -70,8 +70,8 @@ def test_credentials_syncer_island_token_acts_only_as_its_island(tmp_path: Any) 
 
 def test_credentials_syncer_membership_route_is_the_operators(tmp_path: Any) -> None:
     async def scenario(syncer: Syncer, routes: SyncerRoutes) -> list[tuple[str, int]]:
-        await syncer.join("island-0", 1)
-        await syncer.join("island-1", 1)
+        await syncer.islands.join("island-0", 1)
+        await syncer.islands.join("island-1", 1)
         drop = json.dumps({"state": "dropped", "reason": "test"}).encode()
         tries = [
             ("island", island("island-0"), "island-0"),

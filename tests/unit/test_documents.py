@@ -83,21 +83,23 @@ def _real_answers(tmp_path: Path) -> dict[str, Any]:
         clock = FakeClock()
         syncer = Syncer(parse_spec(SPEC), job_name="docs", state_dir=tmp_path, clock=clock)
         await syncer.start()
-        join = await syncer.join("island-0", 2)
+        join = await syncer.islands.join("island-0", 2)
         out: dict[str, Any] = {"join": join}
-        await syncer.join("island-1", 1)
-        await syncer.join("island-2", 1)
+        await syncer.islands.join("island-1", 1)
+        await syncer.islands.join("island-2", 1)
         out["push"] = await syncer.receive_push(0, await _push_body(syncer, join, 0, "island-0"))
         retried = await _push_body(syncer, join, 0, "island-1")
         await syncer.receive_push(0, retried)
         out["duplicate"] = await syncer.receive_push(0, retried)
-        out["heartbeat"] = await syncer.heartbeat(
+        out["heartbeat"] = await syncer.islands.heartbeat(
             "island-0", Beat(4, 400, loss=2.5, step_time=0.01)
         )
         clock.now += 5.0  # the grace window passes: the round of fragment 0 merges
         await syncer.tick()
-        out["membership"] = await syncer.set_membership("island-2", "dropped", "pods not Ready")
-        out["leave"] = await syncer.leave("island-1")
+        out["membership"] = await syncer.islands.set_membership(
+            "island-2", "dropped", "pods not Ready"
+        )
+        out["leave"] = await syncer.islands.leave("island-1")
         out["status"] = await syncer.status()
         out["digest"] = await syncer.status(digest=True)
         return {k: _wire(v) for k, v in out.items()}

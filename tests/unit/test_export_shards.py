@@ -54,7 +54,7 @@ def test_export_assembles_each_fragment_from_its_shard(tmp_path: Path) -> None:
 
     async def merge_and_stop(syncer: Syncer, fragment: int, rounds: int) -> None:
         await syncer.start()
-        await syncer.join("island-0", 1)
+        await syncer.islands.join("island-0", 1)
         for r in range(rounds):
             d = delta(syncer, fragment, 10 * fragment + r)
             await syncer.receive_push(fragment, body(syncer, fragment, "island-0", d))

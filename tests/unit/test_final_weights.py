@@ -44,7 +44,7 @@ def test_syncer_status_names_its_final_checkpoint_and_keeps_it_after_a_restart(
     async def finish() -> dict[str, Any]:
         syncer = await started(spec, tmp_path, FakeClock())
         assert (await syncer.status())["checkpoint"] is None  # a fresh start has none
-        await syncer.join("island-0", 1)
+        await syncer.islands.join("island-0", 1)
         for r in range(3):
             pushed = body(syncer, 0, "island-0", delta(syncer, 0, r), tokens=100)
             await syncer.receive_push(0, pushed)

@@ -171,7 +171,7 @@ def test_a_syncers_merges_are_the_same_with_and_without_the_fused_loop(
         monkeypatch.setenv(global_model.FUSED_MERGE_ENV, fused)
         syncer = await started(_spec(), path, FakeClock())
         for island in ("island-0", "island-1"):
-            await syncer.join(island, 1)
+            await syncer.islands.join(island, 1)
         for rnd in range(2):
             for i, island in enumerate(("island-0", "island-1")):
                 for f in (0, 1):

@@ -28,7 +28,7 @@ def test_pull_bodies_carry_the_merge_seconds_and_the_client_reads_them(tmp_path:
         await server.start_server()
         client = syncer_client.SyncerClient(str(server.make_url("")).rstrip("/"), "tok")
         try:
-            await syncer.join("island-0", 1)
+            await syncer.islands.join("island-0", 1)
             out: dict[str, Any] = {"start": bytes(await syncer.pull(0, after=-1, wait=0, have=-1))}
             held = [copy(syncer.model.published, syncer.fragments[0])]
             await merge_rounds(syncer, 2, held)

@@ -100,7 +100,7 @@ def test_syncer_merge_is_reproducible_from_its_log(tmp_path: Path) -> None:
         initial = {n: t.clone() for n, t in syncer.model.weights.items()}
         deltas = [delta(syncer, 0, s) for s in (1, 2)]
         for i in range(3):
-            await syncer.join(f"island-{i}", 1)
+            await syncer.islands.join(f"island-{i}", 1)
         await syncer.receive_push(0, body(syncer, 0, "island-0", deltas[0], tokens=300, steps=4))
         clock.now += 0.5
         await syncer.receive_push(0, body(syncer, 0, "island-1", deltas[1], tokens=100, steps=4))
@@ -141,7 +141,7 @@ def test_syncer_replaced_and_retried_pushes_count_once(tmp_path: Path) -> None:
     async def scenario() -> tuple[Syncer, list[dict[str, Any]]]:
         syncer = await started(make_spec(), tmp_path, FakeClock())
         for i in range(3):
-            await syncer.join(f"island-{i}", 1)
+            await syncer.islands.join(f"island-{i}", 1)
         answers = [
             await syncer.receive_push(
                 0, body(syncer, 0, "island-0", delta(syncer, 0, 1), tokens=100)
@@ -177,7 +177,7 @@ def test_syncer_status_during_a_merge_shows_no_half_done_merge(tmp_path: Path) -
     async def scenario() -> tuple[dict[str, Any], dict[str, Any]]:
         syncer = await started(make_spec(), tmp_path, FakeClock())
         for i in range(3):
-            await syncer.join(f"island-{i}", 1)
+            await syncer.islands.join(f"island-{i}", 1)
             await syncer.receive_push(
                 0, body(syncer, 0, f"island-{i}", delta(syncer, 0, i), tokens=100)
             )
@@ -213,13 +213,13 @@ def test_syncer_join_tells_an_island_its_merged_tokens(tmp_path: Path) -> None:
         clock = FakeClock()
         syncer = await started(make_spec(islands={"count": 4}), tmp_path, clock)
         for i in range(3):
-            await syncer.join(f"island-{i}", 1)
+            await syncer.islands.join(f"island-{i}", 1)
             await syncer.receive_push(
                 0, body(syncer, 0, f"island-{i}", delta(syncer, 0, i), tokens=100)
             )
         clock.now += 10  # past the grace window the fourth island was awaited for
         await syncer.tick()
-        return await syncer.join("island-0", 1), await syncer.join("island-3", 1)
+        return await syncer.islands.join("island-0", 1), await syncer.islands.join("island-3", 1)
 
     again, new = run(scenario())
     assert again["versions"] == [1]
@@ -230,12 +230,12 @@ def test_syncer_dropping_a_silent_island_completes_the_round(tmp_path: Path) -> 
     async def scenario() -> Syncer:
         syncer = await started(make_spec(sync={"graceSeconds": 600}), tmp_path, FakeClock())
         for i in range(3):
-            await syncer.join(f"island-{i}", 1)
+            await syncer.islands.join(f"island-{i}", 1)
         for i in (0, 1):
             await syncer.receive_push(0, body(syncer, 0, f"island-{i}", delta(syncer, 0, i)))
         await syncer.tick()
         assert syncer.state.versions == [0]
-        await syncer.set_membership("island-2", "dropped", "pod crash-looping")
+        await syncer.islands.set_membership("island-2", "dropped", "pod crash-looping")
         await syncer.tick()
         return syncer
 
@@ -249,7 +249,7 @@ def test_syncer_dropping_a_silent_island_completes_the_round(tmp_path: Path) -> 
 def test_syncer_refusal_after_decode_changes_nothing(tmp_path: Path) -> None:
     async def scenario() -> tuple[Syncer, str, str]:
         syncer = await started(make_spec(), tmp_path, FakeClock())
-        await syncer.join("island-0", 1)
+        await syncer.islands.join("island-0", 1)
         before = syncer.digest()
         bad = delta(syncer, 0, 1)
         bad[next(iter(bad))] = torch.zeros(2, 2)
@@ -274,7 +274,7 @@ def test_syncer_finishes_on_tokens_with_eval_and_checkpoint(tmp_path: Path) -> N
 
     async def scenario() -> tuple[Syncer, dict[str, Any]]:
         syncer = await started(spec, tmp_path, FakeClock())
-        await syncer.join("island-0", 1)
+        await syncer.islands.join("island-0", 1)
         for r in range(3):
             await syncer.receive_push(
                 0, body(syncer, 0, "island-0", delta(syncer, 0, r), tokens=100)
@@ -314,7 +314,7 @@ def test_syncer_resumes_from_its_checkpoint(tmp_path: Path) -> None:
 
     async def first() -> tuple[str, list[int]]:
         syncer = await started(spec, tmp_path, FakeClock())
-        await syncer.join("island-0", 1)
+        await syncer.islands.join("island-0", 1)
         for r in range(2):
             await syncer.receive_push(0, body(syncer, 0, "island-0", delta(syncer, 0, r)))
             await syncer.tick()
@@ -337,7 +337,7 @@ def test_syncer_refuses_a_checkpoint_of_another_fragment_layout(tmp_path: Path) 
 
     async def first() -> None:
         syncer = await started(spec, tmp_path, FakeClock())
-        await syncer.join("island-0", 1)
+        await syncer.islands.join("island-0", 1)
         await syncer.receive_push(0, body(syncer, 0, "island-0", delta(syncer, 0, 0)))
         await syncer.tick()
         await syncer.stop()

@@ -25,7 +25,7 @@ def _two_merges(tmp_path: Path) -> Syncer:
     async def scenario() -> Syncer:
         spec = make_spec(islands={"count": 1}, sync={"quorum": 1})
         syncer = await started(spec, tmp_path, FakeClock())
-        await syncer.join("island-0", 1)
+        await syncer.islands.join("island-0", 1)
         for seed in range(2):
             pushed = body(syncer, 0, "island-0", delta(syncer, 0, seed), push_id=f"p{seed}")
             await syncer.receive_push(0, pushed)
@@ -102,7 +102,7 @@ def test_syncer_documents_a_push_header_is_read_once(
 
     async def scenario() -> dict[str, Any]:
         syncer = await started(make_spec(), tmp_path, FakeClock())
-        await syncer.join("island-0", 1)
+        await syncer.islands.join("island-0", 1)
         island = credentials.Principal(credentials.ISLAND, "island-0")
         pushed = body(syncer, 0, "island-0", delta(syncer, 0, 1))
         answer = await syncer.receive_push(0, pushed, island)

@@ -24,12 +24,12 @@ def test_syncer_merges_without_waiting_for_a_drained_island(tmp_path: Path) -> N
     async def scenario() -> Syncer:
         syncer = await started(spec, tmp_path, FakeClock())
         for i in range(3):
-            await syncer.join(f"island-{i}", 1)
+            await syncer.islands.join(f"island-{i}", 1)
         for i in (0, 1):
             await syncer.receive_push(0, body(syncer, 0, f"island-{i}", delta(syncer, 0, i)))
         await syncer.tick()
         assert syncer.state.versions == [0]  # two of three: no quorum
-        await syncer.heartbeat("island-2", DRAINED)
+        await syncer.islands.heartbeat("island-2", DRAINED)
         await syncer.tick()
         return syncer
 
@@ -57,16 +57,16 @@ def test_syncer_finishes_once_every_active_island_drained_at_the_budget(
     async def scenario() -> tuple[Syncer, list[bool]]:
         syncer = await started(spec, tmp_path, FakeClock())
         for i in range(3):
-            await syncer.join(f"island-{i}", 1)
-        await syncer.set_membership("island-2", "dropped", "node lost")
+            await syncer.islands.join(f"island-{i}", 1)
+        await syncer.islands.set_membership("island-2", "dropped", "node lost")
         for i in (0, 1):
             await syncer.receive_push(0, body(syncer, 0, f"island-{i}", delta(syncer, 0, i)))
         await syncer.tick()
         seen = [syncer.finished]
-        await syncer.heartbeat("island-0", DRAINED)
+        await syncer.islands.heartbeat("island-0", DRAINED)
         await syncer.tick()
         seen.append(syncer.finished)  # island-1 has not drained
-        answer = await syncer.heartbeat("island-1", DRAINED)
+        answer = await syncer.islands.heartbeat("island-1", DRAINED)
         seen.append(answer["finished"])  # said before the scheduler ran
         await syncer.tick()
         seen.append(syncer.finished)
@@ -91,12 +91,14 @@ def test_syncer_sets_stop_targets_near_the_budget_and_drops_a_rejoiners(tmp_path
         syncer = await started(spec, tmp_path, clock)
         islands = [f"island-{i}" for i in range(3)]
         for name in islands:
-            await syncer.join(name, 1)
-            await syncer.heartbeat(name, Beat(step=0, tokens=0, step_time=0.2))
+            await syncer.islands.join(name, 1)
+            await syncer.islands.heartbeat(name, Beat(step=0, tokens=0, step_time=0.2))
         clock.now += 1.0
-        answers = [await syncer.heartbeat(n, Beat(step=5, tokens=640)) for n in islands]
-        await syncer.join("island-0", 1)  # restarted: its count starts from zero again
-        answers += [await syncer.heartbeat(n, Beat(step=1, tokens=128)) for n in islands[:2]]
+        answers = [await syncer.islands.heartbeat(n, Beat(step=5, tokens=640)) for n in islands]
+        await syncer.islands.join("island-0", 1)  # restarted: its count starts from zero again
+        answers += [
+            await syncer.islands.heartbeat(n, Beat(step=1, tokens=128)) for n in islands[:2]
+        ]
         return answers
 
     answers = run(scenario())
@@ -122,12 +124,12 @@ def test_the_finish_evaluates_merges_that_completed_no_outer_step(
     async def scenario() -> Syncer:
         syncer = await started(spec, tmp_path, FakeClock())
         for i in range(2):
-            await syncer.join(f"island-{i}", 1)
+            await syncer.islands.join(f"island-{i}", 1)
         await syncer.receive_push(0, body(syncer, 0, "island-0", delta(syncer, 0, 0)))
         await syncer.tick()
         assert syncer.state.versions == [1] and syncer.state.outer_step == 0
         for i in range(2):
-            await syncer.heartbeat(f"island-{i}", DRAINED)
+            await syncer.islands.heartbeat(f"island-{i}", DRAINED)
         await syncer.tick()
         return syncer
 

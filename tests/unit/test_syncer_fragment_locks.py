@@ -49,13 +49,13 @@ def test_a_merge_holds_only_its_own_fragment(tmp_path: Path) -> None:
     async def scenario() -> dict[str, Any]:
         syncer = await started(make_spec(sync=TWO), tmp_path, FakeClock())
         for i in range(3):
-            await syncer.join(f"island-{i}", 1)
+            await syncer.islands.join(f"island-{i}", 1)
         await _round_of_three(syncer, 0)
         entered, release = _hold(syncer)
         merge = asyncio.create_task(syncer.tick())
         assert await asyncio.to_thread(entered.wait, 30), "the merge never started"
         beat = await asyncio.wait_for(
-            syncer.heartbeat("island-0", Beat(4, 100, loss=3.0, step_time=0.1)), 5
+            syncer.islands.heartbeat("island-0", Beat(4, 100, loss=3.0, step_time=0.1)), 5
         )
         other = await asyncio.wait_for(
             syncer.receive_push(1, body(syncer, 1, "island-0", delta(syncer, 1, 7))), 5
@@ -93,12 +93,12 @@ def test_an_island_dropped_mid_merge_leaves_the_round_not_the_merge(tmp_path: Pa
     async def scenario() -> dict[str, Any]:
         syncer = await started(make_spec(sync=TWO), tmp_path, FakeClock())
         for i in range(3):
-            await syncer.join(f"island-{i}", 1)
+            await syncer.islands.join(f"island-{i}", 1)
         await _round_of_three(syncer, 0)
         entered, release = _hold(syncer)
         merge = asyncio.create_task(syncer.tick())
         assert await asyncio.to_thread(entered.wait, 30), "the merge never started"
-        await syncer.set_membership("island-2", "dropped", "test")
+        await syncer.islands.set_membership("island-2", "dropped", "test")
         release.set()
         await merge
         doc = await syncer.status()
@@ -117,7 +117,7 @@ def test_merge_seconds_run_until_the_new_version_is_pullable(tmp_path: Path) -> 
     async def scenario() -> tuple[float, float, bytes | bytearray | memoryview | None, int]:
         syncer = await started(make_spec(sync=TWO), tmp_path, FakeClock())
         for i in range(3):
-            await syncer.join(f"island-{i}", 1)
+            await syncer.islands.join(f"island-{i}", 1)
         await _round_of_three(syncer, 0)
         # Hold the new pull body's encoding: the time it is held belongs to mergeSeconds.
         entered, release = threading.Event(), threading.Event()
@@ -156,7 +156,7 @@ def test_pending_pushes_wait_on_disk_and_leave_with_their_round(tmp_path: Path) 
     async def scenario() -> tuple[int, int]:
         syncer = await started(make_spec(sync=TWO), tmp_path, FakeClock())
         for i in range(3):
-            await syncer.join(f"island-{i}", 1)
+            await syncer.islands.join(f"island-{i}", 1)
         await _round_of_three(syncer, 0)
         waiting = len(list((tmp_path / startup.PENDING_DIR).iterdir()))
         await syncer.tick()
@@ -194,7 +194,7 @@ def test_a_fragments_momentum_is_made_by_its_first_push_not_its_first_merge(
     async def scenario() -> tuple[set[str], set[str], set[str]]:
         syncer = await started(make_spec(sync=TWO), tmp_path, FakeClock())
         for i in range(3):
-            await syncer.join(f"island-{i}", 1)
+            await syncer.islands.join(f"island-{i}", 1)
         before = set(syncer.model.outer.state_tensors())
         answer = await syncer.receive_push(
             0, body(syncer, 0, "island-0", delta(syncer, 0, 1), tokens=100)

@@ -57,8 +57,8 @@ def test_guards_service_hostile_pushes_change_nothing_and_honest_work_merges(
 
     async def scenario() -> tuple[list[tuple[int, str]], dict[str, Any], dict[str, Any], Syncer]:
         syncer = await started(spec, tmp_path, FakeClock())
-        await syncer.join("island-0", 1)
-        await syncer.join("island-1", 1)
+        await syncer.islands.join("island-0", 1)
+        await syncer.islands.join("island-1", 1)
         before = await syncer.status(digest=True)
         huge = {n: torch.full_like(t, 3e38) for n, t in delta(syncer, 0, 1).items()}
         cases = [
@@ -110,7 +110,7 @@ def test_guards_service_learned_bound_refuses_a_diverging_island(tmp_path: Path)
 
     async def scenario() -> tuple[Refused, Syncer]:
         syncer = await started(spec, tmp_path, FakeClock())
-        await syncer.join("island-0", 1)
+        await syncer.islands.join("island-0", 1)
         for seed in range(3):
             await honest_round(syncer, seed=seed)
         blown = {n: 30 * t for n, t in delta(syncer, 0, 9).items()}
@@ -129,8 +129,8 @@ def test_guards_service_island_refused_again_and_again_is_dropped(tmp_path: Path
 
     async def scenario() -> tuple[list[int], Syncer]:
         syncer = await started(spec, tmp_path, FakeClock())
-        await syncer.join("island-0", 1)
-        await syncer.join("island-1", 1)
+        await syncer.islands.join("island-0", 1)
+        await syncer.islands.join("island-1", 1)
         nan = {n: torch.full_like(t, float("nan")) for n, t in delta(syncer, 0, 1).items()}
         codes = []
         for _ in range(4):
@@ -163,7 +163,7 @@ def test_guards_service_merge_leaves_out_what_it_cannot_take_and_goes_on(tmp_pat
     async def scenario() -> tuple[Syncer, dict[str, Any]]:
         syncer = await started(spec, tmp_path, FakeClock())
         for i in range(3):
-            await syncer.join(f"island-{i}", 1)
+            await syncer.islands.join(f"island-{i}", 1)
         await syncer.receive_push(0, body(syncer, 0, "island-0", delta(syncer, 0, 0)))
         # A contribution that bypassed the guards (a bug, or checks changed under it): its
         # weight is infinite, so the merge cannot be computed.
@@ -194,16 +194,16 @@ def test_guards_service_only_the_jobs_islands_exist(tmp_path: Path) -> None:
         codes = []
         for name in ("evil", "island-3", "eu-island-0", "island-01"):
             try:
-                await syncer.join(name, 1)
+                await syncer.islands.join(name, 1)
             except Refused as err:
                 codes.append((err.status, err.code))
         for i in range(3, 3000):
             with pytest.raises(Refused):
-                await syncer.join(f"island-{i}", 1)
+                await syncer.islands.join(f"island-{i}", 1)
         with pytest.raises(Refused):
-            await syncer.set_membership("island-77", "active", "pre-register")
+            await syncer.islands.set_membership("island-77", "active", "pre-register")
         for i in range(3):
-            await syncer.join(f"island-{i}", 1)
+            await syncer.islands.join(f"island-{i}", 1)
         return codes, size, len(json.dumps(await syncer.status())), syncer
 
     codes, before, after, syncer = run(scenario())
@@ -226,20 +226,20 @@ def test_guards_service_full_syncer_replaces_a_gone_island(tmp_path: Path) -> No
 
     async def scenario() -> tuple[list[int], Syncer]:
         syncer = await started(spec, tmp_path, clock)
-        await syncer.join("island-0", 1)
-        await syncer.join("eu-island-0", 1)
+        await syncer.islands.join("island-0", 1)
+        await syncer.islands.join("eu-island-0", 1)
         refused = []
         for name in ("eu-island-1", "us-island-2"):  # other regions' one record is taken
             with pytest.raises(Refused) as err:
-                await syncer.join(name, 1)
+                await syncer.islands.join(name, 1)
             refused.append(err.value.status)
-        await syncer.join("island-1", 1)  # the local island still has its record
+        await syncer.islands.join("island-1", 1)  # the local island still has its record
         clock.now += 3
         for name in ("island-0", "island-1"):
-            await syncer.heartbeat(name, Beat(step=1))
+            await syncer.islands.heartbeat(name, Beat(step=1))
         clock.now += 3
         await syncer.tick()  # eu-island-0 times out
-        await syncer.join("us-island-2", 1)  # and makes room on its side
+        await syncer.islands.join("us-island-2", 1)  # and makes room on its side
         return refused, syncer
 
     refused, syncer = run(scenario())
@@ -259,9 +259,9 @@ def test_guards_service_rereads_the_islands_of_a_scaled_job(
         syncer = Syncer(spec, job_name="unit", state_dir=tmp_path / "s", config_file=config)
         await syncer.start()
         with pytest.raises(Refused) as err:
-            await syncer.join("island-2", 1)
+            await syncer.islands.join("island-2", 1)
         config.write_text(make_spec(islands={"count": 3}).to_json())  # the operator scaled it
-        await syncer.join("island-2", 1)
+        await syncer.islands.join("island-2", 1)
         return err.value.status, syncer
 
     status, syncer = run(scenario())
@@ -274,10 +274,9 @@ def checkpointed(tmp_path: Path, rounds: int, keep: int = 3) -> str:
 
     async def scenario() -> str:
         syncer = await started(spec, tmp_path, FakeClock())
-        await syncer.join("island-0", 1)
+        await syncer.islands.join("island-0", 1)
         for seed in range(rounds):
             await honest_round(syncer, seed=seed)
-        await syncer.jobs.queue.drain()
         digest = syncer.digest()
         await syncer.stop()
         return digest
@@ -334,7 +333,7 @@ def test_guards_service_stop_writes_what_was_merged_since_the_last_checkpoint(
 
     async def first() -> tuple[str, list[int]]:
         syncer = await started(spec, tmp_path, FakeClock())
-        await syncer.join("island-0", 1)
+        await syncer.islands.join("island-0", 1)
         for seed in range(3):
             await honest_round(syncer, seed=seed)
         scheduler = asyncio.create_task(syncer.run_scheduler())
@@ -358,14 +357,12 @@ def test_guards_service_checkpoint_failure_is_a_health_problem(
 
     async def scenario() -> tuple[dict[str, Any], dict[str, Any], Syncer]:
         syncer = await started(spec, tmp_path, FakeClock())
-        await syncer.join("island-0", 1)
+        await syncer.islands.join("island-0", 1)
         monkeypatch.setattr(ckpt, "save_checkpoint", full_disk)
         await honest_round(syncer)
-        await syncer.jobs.queue.drain()
         failing = await syncer.status()
         monkeypatch.setattr(ckpt, "save_checkpoint", real_save)
         await honest_round(syncer, seed=1)
-        await syncer.jobs.queue.drain()
         recovered = await syncer.status()
         await syncer.stop()
         return failing, recovered, syncer
@@ -389,7 +386,7 @@ def test_guards_service_eval_history_is_bounded(
 
     async def scenario() -> list[int]:
         syncer = await started(spec, tmp_path, FakeClock())
-        await syncer.join("island-0", 1)
+        await syncer.islands.join("island-0", 1)
         for seed in range(5):
             await honest_round(syncer, seed=seed)
         await syncer.stop()
@@ -403,7 +400,7 @@ def test_guards_service_older_push_replayed_is_a_duplicate(tmp_path: Path) -> No
 
     async def scenario() -> tuple[dict[str, Any], str, str]:
         syncer = await started(spec, tmp_path, FakeClock())
-        await syncer.join("island-0", 1)
+        await syncer.islands.join("island-0", 1)
         first = body(syncer, 0, "island-0", delta(syncer, 0, 0), push_id="p-0")
         await syncer.receive_push(0, first)
         await syncer.tick()
@@ -430,7 +427,7 @@ def test_guards_service_claims_back_to_back_cannot_outrun_the_clock(tmp_path: Pa
     async def scenario() -> tuple[list[int | str], Syncer]:
         syncer = await started(spec, tmp_path, clock)
         syncer.gate.clock = clock  # the work rate's clock, frozen between the pushes below
-        await syncer.join("island-0", 1)
+        await syncer.islands.join("island-0", 1)
         got: list[int | str] = []
         for advance in (0.0, 0.0, 0.0, 1.0):
             clock.now += advance
@@ -459,7 +456,7 @@ def test_guards_service_unwritable_merge_log_is_a_health_problem(tmp_path: Path)
 
     async def scenario() -> tuple[list[Any], Syncer]:
         syncer = await started(spec, tmp_path, FakeClock())
-        await syncer.join("island-0", 1)
+        await syncer.islands.join("island-0", 1)
         await honest_round(syncer, seed=0)
         log_file.unlink()
         log_file.mkdir()  # unwritable even as root (a full or read-only disk alike)
@@ -493,7 +490,7 @@ def test_guards_service_merge_log_lines_kept_are_written_at_stop(tmp_path: Path)
 
     async def scenario() -> tuple[dict[str, Any], Syncer]:
         syncer = await started(spec, tmp_path, FakeClock())
-        await syncer.join("island-0", 1)
+        await syncer.islands.join("island-0", 1)
         await honest_round(syncer, seed=0)
         log_file.unlink()
         log_file.mkdir()

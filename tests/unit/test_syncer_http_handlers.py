@@ -123,7 +123,7 @@ def test_syncer_http_join_answers_the_layout(tmp_path: Path) -> None:
 
 def test_syncer_http_push_refusals_change_nothing_and_are_counted(tmp_path: Path) -> None:
     async def scenario(syncer: Syncer, routes: SyncerRoutes) -> list[int]:
-        await syncer.join("island-0", 1)
+        await syncer.islands.join("island-0", 1)
         good = body(syncer, 0, "island-0", delta(syncer, 0, 1))
         path = "/v1/fragments/0/push"
         before = await state_of(syncer)
@@ -170,7 +170,7 @@ def test_syncer_http_pull_checks_its_query_and_long_polls(tmp_path: Path) -> Non
 
 def test_syncer_http_heartbeat_and_membership_refusals_keep_the_island(tmp_path: Path) -> None:
     async def scenario(syncer: Syncer, routes: SyncerRoutes) -> list[int]:
-        await syncer.join("island-0", 1)
+        await syncer.islands.join("island-0", 1)
         before = await state_of(syncer)
         island = {"island": "island-0"}
         codes = [
@@ -198,7 +198,7 @@ def test_syncer_http_probes_report_a_failed_syncer(tmp_path: Path) -> None:
     async def scenario(syncer: Syncer, routes: SyncerRoutes) -> list[tuple[int, Any]]:
         probes = [routes.healthz, routes.readyz]
         ok = [await answer(p, request("GET", "/healthz")) for p in probes]
-        syncer.failure = "merge failed: boom"
+        syncer.control.failure = "merge failed: boom"
         failed = [await answer(p, request("GET", "/healthz")) for p in probes]
         code, doc = await answer(routes.join, json_request("/", {"island": "island-0"}))
         assert code == 503 and "boom" in doc["error"]
@@ -244,8 +244,8 @@ def test_syncer_http_push_slots_per_credential_checked_before_a_slot(tmp_path: P
     bodies could hold every push slot; the permission was checked after a slot was taken."""
 
     async def scenario(syncer: Syncer, routes: SyncerRoutes) -> list[tuple[int, str]]:
-        await syncer.join("island-0", 1)
-        await syncer.join("island-1", 1)
+        await syncer.islands.join("island-0", 1)
+        await syncer.islands.join("island-1", 1)
         path, fragment = "/v1/fragments/0/push", {"fragment": "0"}
         island_1 = Principal(credentials.ISLAND, "island-1")
         size = routes.push_slots.size

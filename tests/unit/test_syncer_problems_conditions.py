@@ -23,9 +23,8 @@ def test_syncer_disk_problems_reach_the_job_as_a_condition(tmp_path: Path) -> No
 
     async def scenario() -> dict[str, Any]:
         syncer = await started(spec, tmp_path, FakeClock())
-        await syncer.join("island-0", 1)
+        await syncer.islands.join("island-0", 1)
         await honest_round(syncer, seed=0)
-        await syncer.jobs.queue.drain()
         # Real faults, as a full or read-only disk gives them (root included): neither the
         # merge log nor a checkpoint folder can be created where a file or folder stands.
         (tmp_path / merge_log.MERGE_LOG_FILE).unlink()
@@ -34,7 +33,6 @@ def test_syncer_disk_problems_reach_the_job_as_a_condition(tmp_path: Path) -> No
         (tmp_path / ckpt.CHECKPOINTS_DIR).write_text("not a folder")
         await honest_round(syncer, seed=1)
         await honest_round(syncer, seed=2)
-        await syncer.jobs.queue.drain()
         doc = await syncer.status()
         await syncer.stop()
         return doc

@@ -81,7 +81,7 @@ def test_published_weights_are_the_served_body_and_a_merge_leaves_the_old_one(
 ) -> None:
     async def scenario() -> tuple[Syncer, list[object], list[bytes], list[int]]:
         syncer = await started(_spec(), tmp_path, FakeClock())
-        await syncer.join("island-0", 1)
+        await syncer.islands.join("island-0", 1)
         first = await syncer.pull(0, after=-1, wait=0)
         old_bytes = bytes(first)  # type: ignore[arg-type]
         ptrs = [syncer.model.published_data[0].data_ptr()]
@@ -120,7 +120,7 @@ def test_pull_codec_none_serves_a_copy_of_the_exact_weights_once_per_version(
 ) -> None:
     async def scenario() -> tuple[Syncer, bytes, bytes, bytes]:
         syncer = await started(_spec("none"), tmp_path, FakeClock())
-        await syncer.join("island-0", 1)
+        await syncer.islands.join("island-0", 1)
         before = bytes(await syncer.pull(0, after=-1, wait=0))  # type: ignore[arg-type]
         await syncer.receive_push(0, body(syncer, 0, "island-0", delta(syncer, 0, 1)))
         await syncer.tick()
@@ -180,7 +180,7 @@ def test_a_merge_writes_the_new_published_weights_in_its_folds_accumulator(
 ) -> None:
     async def scenario() -> tuple[int, int, Syncer]:
         syncer = await started(_spec(), tmp_path, FakeClock())
-        await syncer.join("island-0", 1)
+        await syncer.islands.join("island-0", 1)
         await syncer.receive_push(0, body(syncer, 0, "island-0", delta(syncer, 0, 1)))
         folded = syncer.model.folds._folds[0]
         assert folded is not None

@@ -72,7 +72,7 @@ def chain_of(raw: bytes) -> tuple[dict[str, str], list[Tensors]]:
 def test_syncer_pull_update_chains_rebuild_the_published_weights(tmp_path: Path) -> None:
     async def scenario() -> tuple[Syncer, list[Tensors], dict[int, bytes]]:
         syncer = await started(pull_spec(), tmp_path, FakeClock())
-        await syncer.join("island-0", 1)
+        await syncer.islands.join("island-0", 1)
         held = [copy(syncer.model.published, syncer.fragments[0])]
         await merge_rounds(syncer, 4, held)
         bodies = {}
@@ -110,7 +110,7 @@ def test_syncer_pull_update_chains_rebuild_the_published_weights(tmp_path: Path)
 def test_syncer_pull_compression_none_publishes_the_exact_weights(tmp_path: Path) -> None:
     async def scenario() -> tuple[Syncer, bytes | None]:
         syncer = await started(pull_spec(pullCompression="none"), tmp_path, FakeClock())
-        await syncer.join("island-0", 1)
+        await syncer.islands.join("island-0", 1)
         await merge_rounds(syncer, 1, [])
         got = await syncer.pull(0, after=0, wait=0, have=0)
         await syncer.stop()
@@ -128,7 +128,7 @@ def test_syncer_pull_checkpoint_keeps_the_published_weights(tmp_path: Path) -> N
 
     async def first() -> tuple[str, list[Tensors]]:
         syncer = await started(spec, tmp_path, FakeClock())
-        await syncer.join("island-0", 1)
+        await syncer.islands.join("island-0", 1)
         held = [copy(syncer.model.published, syncer.fragments[0])]
         await merge_rounds(syncer, 2, held)
         await syncer.stop()  # the checkpoint is written in the background
@@ -175,7 +175,7 @@ def test_syncer_retried_push_after_a_restart_counts_once(tmp_path: Path) -> None
 
     async def first() -> tuple[bytes, dict[str, Any]]:
         syncer = await started(spec, tmp_path, FakeClock())
-        await syncer.join("island-0", 1)
+        await syncer.islands.join("island-0", 1)
         raw = body(syncer, 0, "island-0", delta(syncer, 0, 1), tokens=100, push_id="p-1")
         answer = await syncer.receive_push(0, raw)
         await syncer.tick()
@@ -204,7 +204,7 @@ async def served_link(tmp_path: Path) -> AsyncIterator[tuple[Syncer, SyncerLink]
     url = str(server.make_url("")).rstrip("/")
     link = SyncerLink(syncer_client.SyncerClient(url, "tok"), island="island-0", replicas=1)
     try:
-        await syncer.join("island-0", 1)
+        await syncer.islands.join("island-0", 1)
         yield syncer, link
     finally:
         await asyncio.to_thread(link.close, leave=False)

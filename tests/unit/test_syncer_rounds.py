@@ -72,7 +72,7 @@ def test_syncer_one_island_merges_count_a_round_per_m_merges(tmp_path: Path) -> 
         syncer = Syncer(make_spec(), job_name="unit", state_dir=tmp_path, clock=FakeClock())
         await syncer.start()
         for i in range(3):
-            await syncer.join(f"island-{i}", 1)
+            await syncer.islands.join(f"island-{i}", 1)
         for i in range(3):
             await push(syncer, f"island-{i}")
             assert syncer.state.outer_step == (1 if i == 2 else 0)
@@ -100,7 +100,7 @@ def test_syncer_a_merge_of_every_island_closes_the_round_whatever_its_work(
         syncer = Syncer(spec, job_name="unit", state_dir=tmp_path, clock=FakeClock())
         await syncer.start()
         for i in range(3):
-            await syncer.join(f"island-{i}", 1)
+            await syncer.islands.join(f"island-{i}", 1)
         for i in range(3):
             await push(syncer, f"island-{i}", steps=3)
         await syncer.stop()
@@ -123,7 +123,7 @@ def test_syncer_merges_stale_work_with_a_discount(tmp_path: Path) -> None:
         syncer = Syncer(make_spec(), job_name="unit", state_dir=tmp_path, clock=FakeClock())
         await syncer.start()
         for i in range(2):
-            await syncer.join(f"island-{i}", 1)
+            await syncer.islands.join(f"island-{i}", 1)
         for _ in range(5):
             await push(syncer, "island-0")
         await push(syncer, "island-1", base=0)
@@ -150,7 +150,7 @@ def test_syncer_checkpoint_keeps_the_open_round(tmp_path: Path) -> None:
         syncer = Syncer(spec, job_name="unit", state_dir=tmp_path, clock=FakeClock())
         await syncer.start()
         for i in range(3):
-            await syncer.join(f"island-{i}", 1)
+            await syncer.islands.join(f"island-{i}", 1)
         await push(syncer, "island-0", steps=2 * H)
         await push(syncer, "island-1", steps=2 * H)
         await syncer.stop()
@@ -174,7 +174,7 @@ def test_syncer_resumes_an_older_checkpoint_counting_a_round_per_merge(tmp_path:
     async def first() -> None:
         syncer = Syncer(spec, job_name="unit", state_dir=tmp_path, clock=FakeClock())
         await syncer.start()
-        await syncer.join("island-0", 1)
+        await syncer.islands.join("island-0", 1)
         for _ in range(2):
             await push(syncer, "island-0")  # alone: φ = 1, a round each
         await syncer.stop()

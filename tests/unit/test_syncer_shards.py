@@ -81,7 +81,7 @@ def test_syncer_shard_counts_only_its_fragments(tmp_path: Path) -> None:
 
     async def scenario() -> None:
         await syncer.start()
-        await syncer.join("island-0", 1)
+        await syncer.islands.join("island-0", 1)
         assert syncer.outer_step == 0
         await syncer.receive_push(1, body(syncer, 1, "island-0", delta(syncer, 1, 7)))
         await syncer.tick()
@@ -166,7 +166,7 @@ def test_shard_resumes_its_own_tensors_from_a_whole_model_checkpoint(tmp_path: P
 
     async def merge_both() -> None:
         await whole.start()
-        await whole.join("island-0", 1)
+        await whole.islands.join("island-0", 1)
         for f in (0, 1):
             await whole.receive_push(f, body(whole, f, "island-0", delta(whole, f, 5 + f)))
             await whole.tick()

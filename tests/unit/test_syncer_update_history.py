@@ -174,7 +174,7 @@ def test_syncer_history_on_disk_serves_chains_and_is_emptied_at_start(tmp_path: 
 
     async def scenario() -> tuple[list[dict[str, torch.Tensor]], dict[int, bytes], object, int]:
         syncer = await started(spec, tmp_path, FakeClock())
-        await syncer.join("island-0", 1)
+        await syncer.islands.join("island-0", 1)
         held = [copy(syncer.model.published, syncer.fragments[0])]
         await merge_rounds(syncer, 4, held)
         await syncer.publisher.housekeeping_done()

@@ -114,20 +114,35 @@ class SplitBodyPayload(payload.Payload):
                 await writer.write(data[start : start + SEND_PIECE_BYTES])
 
 
+class IslandRoutes(Protocol):
+    """What the membership routes need (service/island_calls.IslandCalls)."""
+
+    async def join(self, island: str, replicas: int) -> dict[str, Any]: ...
+
+    async def heartbeat(self, island: str, progress: Beat) -> dict[str, Any]: ...
+
+    async def leave(self, island: str) -> dict[str, Any]: ...
+
+    async def set_membership(self, island: str, state: str, reason: str) -> dict[str, Any]: ...
+
+
 class SyncerService(Protocol):
     """What the routes need of the syncer (service.Syncer)."""
 
     codec: str
-    failure: str | None
     metrics: SyncerMetrics
     health: Health
+
+    @property
+    def islands(self) -> IslandRoutes: ...
+
+    @property
+    def failure(self) -> str | None: ...
 
     @property
     def outer_step(self) -> int: ...
 
     def push_limit(self, fragment: int) -> int: ...
-
-    async def join(self, island: str, replicas: int) -> dict[str, Any]: ...
 
     async def pull(
         self, fragment: int, *, after: int, wait: float, have: int = -1
@@ -136,12 +151,6 @@ class SyncerService(Protocol):
     async def receive_push(
         self, fragment: int, body: bytes | bytearray, principal: Principal
     ) -> dict[str, Any]: ...
-
-    async def heartbeat(self, island: str, progress: Beat) -> dict[str, Any]: ...
-
-    async def leave(self, island: str) -> dict[str, Any]: ...
-
-    async def set_membership(self, island: str, state: str, reason: str) -> dict[str, Any]: ...
 
     async def status(self, *, digest: bool = False) -> dict[str, Any]: ...
 
@@ -266,7 +275,7 @@ class SyncerRoutes:
         replicas = typed_field(doc, "replicas", "join", int, required=False) or 1
         at_least(replicas, 1, "join", "replicas")
         at_most(replicas, MAX_REPLICAS, "join", "replicas")
-        return web.json_response(await self.syncer.join(island, replicas))
+        return web.json_response(await self.syncer.islands.join(island, replicas))
 
     async def pull(self, request: web.Request) -> web.Response:
         fragment = fragment_arg(request)
@@ -331,7 +340,7 @@ class SyncerRoutes:
         at_most(step, MAX_WIRE_INT, "heartbeat", "step")
         at_most(tokens, MAX_WIRE_INT, "heartbeat", "tokens")
         at_most(step_time, MAX_SECONDS, "heartbeat", "stepTime")
-        answer = await self.syncer.heartbeat(
+        answer = await self.syncer.islands.heartbeat(
             island,
             Beat(step, tokens, loss=loss, step_time=step_time, holding=holding, drained=drained),
         )
@@ -341,7 +350,7 @@ class SyncerRoutes:
         doc = await json_object(request, "leave", self.limits)
         island = island_name(doc.get("island"), "leave")
         require_island(principal_of(request), island, "leave")
-        return web.json_response(await self.syncer.leave(island))
+        return web.json_response(await self.syncer.islands.leave(island))
 
     async def membership(self, request: web.Request) -> web.Response:
         island = island_name(request.match_info["island"], "path")
@@ -354,7 +363,7 @@ class SyncerRoutes:
             )
         reason = typed_field(doc, "reason", "membership", str, required=False) or ""
         wanted = MembershipRequest(state=state, reason=reason[:500])
-        answer = await self.syncer.set_membership(island, wanted.state, wanted.reason)
+        answer = await self.syncer.islands.set_membership(island, wanted.state, wanted.reason)
         return web.json_response(answer)
 
     async def status(self, request: web.Request) -> web.Response:

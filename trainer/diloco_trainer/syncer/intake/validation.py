@@ -16,7 +16,7 @@ import torch
 
 from diloco_trainer.api import protocol
 from diloco_trainer.core import payloads
-from diloco_trainer.core.compress import check_encoded, decode_tensors
+from diloco_trainer.core.compress import check_encoded
 from diloco_trainer.syncer.errors import Refused
 from diloco_trainer.syncer.intake.guards import DeltaStats, delta_stats
 from diloco_trainer.syncer.intake.payload import EncodedPayload
@@ -163,22 +163,10 @@ def read_push_tensors(body: bytes | bytearray) -> dict[str, torch.Tensor]:
         raise Refused(400, f"push body: body is not valid safetensors: {err}") from None
 
 
-def decode_push(
-    fragment: int,
-    flat: dict[str, torch.Tensor],
-    codec: str,
-    expected: dict[str, torch.Size],
-) -> dict[str, torch.Tensor]:
-    """The pushed pseudo-gradient, checked against the fragment's tensor names and shapes."""
-    try:
-        return decode_tensors(flat, codec, expected)
-    except ValueError as err:
-        raise Refused(400, f"push to fragment {fragment}: {err}") from None
-
-
 def measure_push(fragment: int, payload: EncodedPayload) -> DeltaStats:
-    """decode_push's checks of a push kept encoded, and its stats for the guards, decoded a
-    slice at a time (a worker thread): no decoded copy of it (the fold reads it the same way)."""
+    """The checks of a push kept encoded (names, shapes, encodings against the fragment), and its
+    stats for the guards, decoded a slice at a time (a worker thread): no decoded copy of it (the
+    fold reads it the same way)."""
     try:
         check_encoded(payload.flat, payload.codec, payload.expected)
     except ValueError as err:

@@ -412,10 +412,6 @@ class GlobalModel:
         published = self.published if self.kept_apart else None
         return ckpt.state_digest(self.weights, self.outer.state_tensors(), published)
 
-    def snapshot(self) -> Tensors:
-        """A copy of θ_exact (to evaluate while merges go on)."""
-        return {n: t.detach().clone() for n, t in self.weights.items()}
-
     def live_tensors(self) -> TensorSnapshot:
         """Everything a checkpoint holds of the model, by reference (no copy: the caller keeps
         them still while it writes them)."""

@@ -1,9 +1,9 @@
 """The syncer's membership answers: an island joins, beats, leaves, or the admin sets its state.
 
 Each is one short, P-free change of the membership (membership.py) under the service's lock,
-admitted by the gate (gate.py: only the job's own island names), then the service's gauges and
-merge scheduler are told (a join or a drop can complete a round). The service (service.Syncer)
-answers the routes by delegating here; pushes have their own path (push.py).
+admitted by the gate (gate.py: only the job's own island names), then the merge scheduler is
+told (a join or a drop can complete a round). The routes (edge/http.py) call
+these on `Syncer.islands`; pushes have their own path (push.py).
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from diloco_trainer.api.documents import HeartbeatAnswer, JoinInfo, MembershipAn
 from diloco_trainer.api.spec import JobSpec
 from diloco_trainer.syncer.intake.gate import Gate
 from diloco_trainer.syncer.merging.global_model import GlobalModel
-from diloco_trainer.syncer.service.push import PushHost
+from diloco_trainer.syncer.service.control import Control
 from diloco_trainer.syncer.state.records import Beat
 from diloco_trainer.syncer.state.rounds import SyncState
 from diloco_trainer.syncer.state.targets import (
@@ -29,12 +29,12 @@ from diloco_trainer.syncer.state.targets import (
 log = logging.getLogger("diloco.syncer")
 
 
-class MembershipRoutes:
+class IslandCalls:
     """Join, heartbeat, leave and the admin's membership change of one job's syncer."""
 
     def __init__(
         self,
-        host: PushHost,
+        control: Control,
         *,
         state: SyncState,
         gate: Gate,
@@ -42,7 +42,7 @@ class MembershipRoutes:
         codec: str,
         spec: JobSpec,
     ) -> None:
-        self.host = host
+        self.control = control
         self.state = state
         self.gate = gate
         self.model = model
@@ -57,14 +57,14 @@ class MembershipRoutes:
     async def join(self, island: str, replicas: int) -> dict[str, Any]:
         """Register an island; the fragment layout, current versions and the island's merged
         tokens (JoinInfo)."""
-        async with self.host.locked():
-            self.gate.admit(self.state.membership, island, self.host.clock())
-            rec = self.state.membership.join(island, replicas, self.host.clock())
+        async with self.control.locked():
+            self.gate.admit(self.state.membership, island, self.control.clock())
+            rec = self.state.membership.join(island, replicas, self.control.clock())
             # A restarted learner counts its tokens from zero again: its target (in the old
             # count) would let it train far past the budget. It trains on without one.
             self.targets.pop(island, None)
             merged_tokens = round(rec.merged_tokens)  # read under the lock a merge takes
-        self.host.changed()
+        self.control.wake()
         log.info(
             "island %s joined (join %d, %d replicas, %s)", island, rec.joins, replicas, rec.state
         )
@@ -72,7 +72,7 @@ class MembershipRoutes:
             fragments=self.model.fragments,
             versions=self.state.versions,
             outer_step=self.state.outer_step,
-            finished=self.host.finished,
+            finished=self.control.finished,
             codec=self.codec,
             pull_compression=self.model.pull_compression,
             state=rec.state,
@@ -82,10 +82,10 @@ class MembershipRoutes:
     async def heartbeat(self, island: str, progress: Beat) -> dict[str, Any]:
         """A learner's sign of life; its membership state and whether the job finished
         (HeartbeatAnswer)."""
-        async with self.host.locked():
+        async with self.control.locked():
             rec = self.state.membership.heartbeat(
                 island,
-                self.host.clock(),
+                self.control.clock(),
                 step=progress.step,
                 tokens=progress.tokens,
                 loss=progress.loss,
@@ -94,10 +94,10 @@ class MembershipRoutes:
                 drained=progress.drained,
             )
             self._set_targets()
-        self.host.changed()
+        self.control.wake()
         answer = HeartbeatAnswer(
             state=rec.state,
-            finished=self.host.finished,
+            finished=self.control.finished,
             versions=self.state.versions,
             stop_at=self.targets.get(island),
         )
@@ -105,7 +105,7 @@ class MembershipRoutes:
 
     def _set_targets(self) -> None:
         """Fix every active island's stop target once the budget is near (lock held)."""
-        if self.budget is None or self.targets or self.host.finished:
+        if self.budget is None or self.targets or self.control.finished:
             return
         members = self.state.membership
         active = members.active_records()
@@ -117,7 +117,7 @@ class MembershipRoutes:
             done_elsewhere=merged_elsewhere(members.islands.values(), members.active()),
             budget=self.budget,
             step_tokens={r.name: self.spec.inner.tokens_per_step * r.replicas for r in active},
-            now=self.host.clock(),
+            now=self.control.clock(),
             horizon=horizon_seconds(self.spec.sync.heartbeat_timeout_seconds),
         )
         if targets is not None:
@@ -126,19 +126,19 @@ class MembershipRoutes:
 
     async def leave(self, island: str) -> dict[str, Any]:
         """An island says goodbye (MembershipAnswer)."""
-        async with self.host.locked():
-            rec = self.state.membership.leave(island, self.host.clock())
-        self.host.changed()
+        async with self.control.locked():
+            rec = self.state.membership.leave(island, self.control.clock())
+        self.control.wake()
         log.info("island %s left", island)
         return MembershipAnswer(island=island, state=rec.state).to_wire()
 
     async def set_membership(self, island: str, state: str, reason: str) -> dict[str, Any]:
         """Admin: mark an island active or dropped (MembershipAnswer)."""
-        async with self.host.locked():
+        async with self.control.locked():
             members = self.state.membership
             if island not in members.islands:
-                self.gate.admit(members, island, self.host.clock())
-            rec = members.set_state(island, state, reason, self.host.clock())
-        self.host.changed()
+                self.gate.admit(members, island, self.control.clock())
+            rec = members.set_state(island, state, reason, self.control.clock())
+        self.control.wake()
         log.info("island %s set %s by admin (%s)", island, state, reason or "no reason given")
         return MembershipAnswer(island=island, state=rec.state, reason=rec.reason).to_wire()

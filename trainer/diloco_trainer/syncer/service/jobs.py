@@ -6,8 +6,7 @@ after a merge with its merge lock held, so the next merge waits for them; pushes
 and heartbeats do not. The work runs in worker threads, and a checkpoint's files are written
 and hashed a piece at a time (checkpoint.write_tensors). A failed job is logged and skipped: a
 full disk must not stop training. A failed checkpoint write is a health problem (health.py, the
-status document, a metric) until the next one succeeds. The JobQueue runs any job scheduled on
-it one at a time, in order.
+status document, a metric) until the next one succeeds.
 
 Evaluation runs at start, every syncer.evalEveryOuterSteps outer steps and at the finish (its
 evalHistory entry appears shortly after the merge it follows), the finish's also when its outer
@@ -21,22 +20,17 @@ EVAL_HISTORY - 1.
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import copy
 import logging
-from collections.abc import Awaitable, Callable, Coroutine
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
-
-import torch
-from torch import nn
 
 from diloco_trainer.api.documents import CheckpointRef
 from diloco_trainer.api.manifest import CheckpointManifest
 from diloco_trainer.api.spec import JobSpec
 from diloco_trainer.models.parts import TrainingParts, evaluate
-from diloco_trainer.syncer.merging.global_model import GlobalModel, Tensors, TensorSnapshot
+from diloco_trainer.syncer.merging.global_model import GlobalModel, TensorSnapshot
 from diloco_trainer.syncer.merging.heap import trim
 from diloco_trainer.syncer.state.gauges import SyncerMetrics
 from diloco_trainer.syncer.state.problems import CHECKPOINT, CORRUPT, Health
@@ -46,53 +40,6 @@ log = logging.getLogger("diloco.syncer")
 
 # Evaluations kept in evalHistory (status and checkpoints): the first and the latest ones.
 EVAL_HISTORY = 1000
-
-
-class JobQueue:
-    """Coroutines run one at a time, in order, by one worker task on the serving loop."""
-
-    def __init__(self) -> None:
-        # Created on the serving loop (start()).
-        self._jobs: asyncio.Queue[Coroutine[Any, Any, object]] | None = None
-        self._worker: asyncio.Task[None] | None = None
-
-    def start(self) -> None:
-        """Create the queue and its worker (call on the serving loop)."""
-        self._jobs = asyncio.Queue()
-        self._worker = asyncio.create_task(self._run())
-
-    def schedule(self, job: Coroutine[Any, Any, object]) -> None:
-        assert self._jobs is not None
-        self._jobs.put_nowait(job)
-
-    async def _run(self) -> None:
-        """Run scheduled jobs until cancelled; a failed one is logged and skipped."""
-        assert self._jobs is not None
-        while True:
-            job = await self._jobs.get()
-            try:
-                await job
-            except Exception:
-                log.exception("background evaluation or checkpoint failed")
-            finally:
-                self._jobs.task_done()
-
-    async def drain(self) -> None:
-        """Wait until every scheduled job has finished."""
-        if self._jobs is not None:
-            await self._jobs.join()
-
-    async def stop(self, timeout: float) -> None:
-        """Let scheduled jobs finish (a checkpoint being written completes); stop the worker."""
-        if self._worker is None:
-            return
-        try:
-            await asyncio.wait_for(self.drain(), timeout)
-        except TimeoutError:
-            log.warning("stopping with evaluations or checkpoints still unfinished")
-        self._worker.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await self._worker
 
 
 class Evaluations:
@@ -111,20 +58,6 @@ class Evaluations:
         # merges since then moved them without completing an outer step (partial rounds at K < M
         # or the drain's last pushes), so the final eval loss is never of older weights.
         self.last_tokens = -1
-        # A second model to evaluate weight snapshots on while merges go on: a copy of the
-        # module that shares the live parameters (no copy of P), whose parameter slots take a
-        # snapshot's tensors for the length of one evaluation.
-        live = parts.model
-        names: dict[int, str] = {}
-        for name, p in live.named_parameters(remove_duplicate=False):
-            names.setdefault(id(p), name)
-        self._eval_model = copy.deepcopy(live, memo={id(p): p for p in live.parameters()})
-        self._slots = [
-            (module, attr, names[id(p)])
-            for module in self._eval_model.modules()
-            for attr, p in module._parameters.items()
-            if p is not None
-        ]
 
     @property
     def latest(self) -> float | None:
@@ -137,19 +70,6 @@ class Evaluations:
             return evaluate(self.parts)
         finally:
             trim()
-
-    def evaluate_snapshot(self, weights: Tensors) -> float:
-        """The eval loss of a copy of the weights, on the second model (its parameter slots
-        hold the copy's tensors while it evaluates, the live parameters again after)."""
-        held = [(module, attr, module._parameters[attr]) for module, attr, _ in self._slots]
-        try:
-            for module, attr, name in self._slots:
-                module._parameters[attr] = nn.Parameter(weights[name], requires_grad=False)
-            with torch.no_grad():
-                return evaluate(self.parts, self._eval_model)
-        finally:
-            for module, attr, p in held:
-                module._parameters[attr] = p
 
     def record(self, loss: float, *, step: int, tokens: int) -> None:
         """Append an evalHistory entry for outer step `step`."""
@@ -212,7 +132,6 @@ class Checkpoints:
     async def write(self, snap: CheckpointSnapshot) -> bool:
         """Write a checkpoint of `snap`; False (reported, not raised) when it failed."""
         step = snap.outer_step
-        # Evaluations queued before this checkpoint have finished (jobs run in order).
         history = [e for e in self.evaluations.history if e["outerStep"] <= step]
         try:
             path = await asyncio.to_thread(
@@ -249,8 +168,8 @@ class JobsSnapshot:
 
 
 class BackgroundJobs:
-    """Evaluations and checkpoints of the global model: when they are due, and the queue they
-    run on. The service calls these with its lock held."""
+    """Evaluations and checkpoints of the global model: when they are due, run in worker
+    threads. The service calls these with its lock held."""
 
     def __init__(
         self,
@@ -270,15 +189,10 @@ class BackgroundJobs:
         self.evaluates = evaluates
         self.eval_every = spec.syncer.eval_every_outer_steps
         self.checkpoint_every = spec.syncer.checkpoint.every_outer_steps
-        self.queue = JobQueue()
         self.evaluations = Evaluations(parts, metrics, clock)
         self.checkpoints = Checkpoints(
             state_dir, spec.syncer.checkpoint.keep, self.evaluations, health, metrics
         )
-
-    def start(self) -> None:
-        """Start the worker the jobs run on (on the serving loop)."""
-        self.queue.start()
 
     def snapshot(self) -> JobsSnapshot:
         """Their figures as they are now."""
@@ -316,7 +230,6 @@ class BackgroundJobs:
         of P): the caller keeps them still (the service's merge lock: the next merge waits,
         pushes, pulls and probes do not), the work runs in worker threads, off the loop."""
         if self._eval_due(step) and step % self.eval_every == 0:
-            await self.queue.drain()  # jobs scheduled before land in evalHistory first
             loss = await asyncio.to_thread(self.evaluations.evaluate_live)
             self.evaluations.record(loss, step=step, tokens=tokens)
             log.info("eval at outer step %d (%d tokens): loss %.4f", step, tokens, loss)
@@ -326,9 +239,8 @@ class BackgroundJobs:
 
     async def finish(self, step: int, tokens: int, snapshot: Snapshotter) -> float | None:
         """Evaluate (unless the latest evaluation is of these weights: this step and these
-        tokens) and checkpoint the final state, after every scheduled job; returns the eval
+        tokens) and checkpoint the final state; returns the eval
         loss computed here, if any."""
-        await self.queue.drain()  # earlier evaluations land in evalHistory first
         loss = None
         if self._eval_due(step) or (self.evaluates and tokens > self.evaluations.last_tokens):
             loss = await asyncio.to_thread(self.evaluations.evaluate_live)
@@ -340,9 +252,8 @@ class BackgroundJobs:
         return loss
 
     async def final_checkpoint(self, versions: list[int], snapshot: Snapshotter) -> bool:
-        """At a stop, after every scheduled job: a checkpoint when anything was merged since the
+        """At a stop: a checkpoint when anything was merged since the
         last one (so a restart loses nothing merged); True when one was written."""
-        await self.queue.drain()
         if versions == self.checkpoints.last_versions or not any(versions):
             return False
         return await self.checkpoints.write(await snapshot())
@@ -353,11 +264,10 @@ class BackgroundJobs:
         final: tuple[list[int], Snapshotter] | None = None,
     ) -> None:
         """Write the final checkpoint (`final`: the versions and their snapshot; each step
-        within `timeout`), let scheduled jobs finish and stop the worker."""
+        within `timeout`)."""
         if final is not None:
             try:
                 if await asyncio.wait_for(self.final_checkpoint(*final), timeout):
                     log.info("checkpoint of versions %s written at stop", final[0])
             except TimeoutError:
                 log.warning("stopping without a final checkpoint: it took over %gs", timeout)
-        await self.queue.stop(timeout)

@@ -26,7 +26,6 @@ nothing until 5.
 from __future__ import annotations
 
 import asyncio
-from typing import Protocol
 
 import torch
 
@@ -45,25 +44,9 @@ from diloco_trainer.syncer.intake.validation import (
     read_push_tensors,
 )
 from diloco_trainer.syncer.merging.global_model import GlobalModel
+from diloco_trainer.syncer.service.control import Control
 from diloco_trainer.syncer.state.gauges import SyncerMetrics
 from diloco_trainer.syncer.state.rounds import SyncState
-
-
-class PushHost(Protocol):
-    """What the push path needs of the service it runs in (service.Syncer)."""
-
-    finished: bool
-
-    def locked(self) -> asyncio.Lock:
-        """The service's lock; Refused(503) when the syncer failed."""
-
-    def fragment_lock(self, fragment: int) -> asyncio.Lock:
-        """The lock of one fragment's fold and merge (taken before `locked()`)."""
-
-    def clock(self) -> float: ...
-
-    def changed(self) -> None:
-        """Membership or rounds changed: update the gauges and wake the merge scheduler."""
 
 
 class PushPath:
@@ -71,7 +54,7 @@ class PushPath:
 
     def __init__(
         self,
-        host: PushHost,
+        control: Control,
         *,
         state: SyncState,
         gate: Gate,
@@ -79,7 +62,7 @@ class PushPath:
         codec: str,
         metrics: SyncerMetrics,
     ) -> None:
-        self.host = host
+        self.control = control
         self.state = state
         self.gate = gate
         self.model = model
@@ -106,8 +89,8 @@ class PushPath:
         self, fragment: int, flat: dict[str, torch.Tensor], meta: PushMeta, size: int
     ) -> PushAnswer:
         """Steps 3-5."""
-        host, members = self.host, self.state.membership
-        async with host.locked():
+        control, members = self.control, self.state.membership
+        async with control.locked():
             early = self._finished_or_duplicate(fragment, meta)
             if early is not None:
                 return early
@@ -116,12 +99,12 @@ class PushPath:
         # Kept encoded (folding.py): checked and measured, then folded, a slice at a time.
         payload = EncodedPayload(flat, self.codec, self.model.expected[fragment])
         stats = await asyncio.to_thread(measure_push, fragment, payload)
-        async with host.fragment_lock(fragment):  # its fold, apart from its merge only
-            async with host.locked():
+        async with control.fragment_lock(fragment):  # its fold, apart from its merge only
+            async with control.locked():
                 early = self._finished_or_duplicate(fragment, meta)
                 if early is not None:
                     return early
-                now = host.clock()
+                now = control.clock()
                 lag = self.state.check_push(fragment, meta.island, meta.base_version)  # 3. again
                 self.gate.check_delta(fragment, meta.island, stats)  # 4.
                 contribution = push_contribution(meta, lag=lag, payload=payload, now=now)
@@ -141,18 +124,18 @@ class PushPath:
             except asyncio.CancelledError:
                 await folding
                 raise
-        host.changed()
+        control.wake()
         return answer
 
     async def _refused(self, fragment: int, island: str, err: Refused) -> None:
-        async with self.host.locked():
+        async with self.control.locked():
             members = self.state.membership
-            dropped = self.gate.refused(members, fragment, island, err, self.host.clock())
+            dropped = self.gate.refused(members, fragment, island, err, self.control.clock())
         if dropped:
-            self.host.changed()
+            self.control.wake()
 
     def _finished_or_duplicate(self, fragment: int, meta: PushMeta) -> PushAnswer | None:
-        if self.host.finished:
+        if self.control.finished:
             return PushAnswer(
                 accepted=False,
                 finished=True,

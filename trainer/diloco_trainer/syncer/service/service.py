@@ -61,7 +61,8 @@ from diloco_trainer.syncer.merging.heap import return_freed_memory, trim
 from diloco_trainer.syncer.merging.merge_log import describe_merge
 from diloco_trainer.syncer.merging.merger import LeftOut
 from diloco_trainer.syncer.service import startup
-from diloco_trainer.syncer.service.island_calls import MembershipRoutes
+from diloco_trainer.syncer.service.control import Control
+from diloco_trainer.syncer.service.island_calls import IslandCalls
 from diloco_trainer.syncer.service.jobs import CheckpointSnapshot
 from diloco_trainer.syncer.service.push import PushPath
 from diloco_trainer.syncer.service.status_document import (
@@ -71,7 +72,6 @@ from diloco_trainer.syncer.service.status_document import (
     status_document,
 )
 from diloco_trainer.syncer.serving.publisher import Body, BodyKey
-from diloco_trainer.syncer.state.records import Beat
 from diloco_trainer.syncer.state.targets import drained_at_budget, stop_reached
 
 __all__ = ["Syncer", "main"]
@@ -122,21 +122,28 @@ class Syncer:
         self.gate = built.gate
         self.spec_hash = built.spec_hash
         self.resumed_from = built.resumed_from
-        self.finished = built.finished
+        self.control = Control(len(self.model.fragments), clock, finished=built.finished)
         self.pushes = PushPath(
-            self,
+            self.control,
             state=self.state,
             gate=self.gate,
             model=self.model,
             codec=self.codec,
             metrics=self.metrics,
         )
-        self.members = MembershipRoutes(
-            self, state=self.state, gate=self.gate, model=self.model, codec=self.codec, spec=spec
+        self.islands = IslandCalls(
+            self.control,
+            state=self.state,
+            gate=self.gate,
+            model=self.model,
+            codec=self.codec,
+            spec=spec,
         )
-        # Set when a merge failed half-way: the state can no longer be trusted, so the syncer
-        # refuses work (503) and reports unhealthy until it is restarted from its checkpoint.
-        self.failure: str | None = None
+        # Read when /metrics is scraped: always the current figures, and no sequence has to
+        # remember to update them.
+        self.metrics.active_islands.set_function(lambda: len(self.state.membership.active()))
+        self.metrics.outer_step.set_function(lambda: self.state.outer_step)
+        self.metrics.tokens.set_function(lambda: self.tokens)
         self.identity = Identity(
             job_name=job_name,
             codec=self.codec,
@@ -144,22 +151,12 @@ class Syncer:
             fragments=len(self.model.fragments),
             spec_hash=self.spec_hash,
         )
-        # Created on the serving loop (start()); see the module docstring.
-        self.lock: asyncio.Lock | None = None
-        self.merging: asyncio.Lock | None = None
-        self._fragment_locks: list[asyncio.Lock] = []
-        self._poke: asyncio.Event | None = None
-        self._stopping = False
 
     # ----- start-up and shutdown ---------------------------------------------------------------
 
     async def start(self) -> None:
         """Create the loop-bound primitives and the pull bodies (call on the serving loop)."""
-        self.lock = asyncio.Lock()
-        self.merging = asyncio.Lock()
-        self._fragment_locks = [asyncio.Lock() for _ in self.model.fragments]
-        self._poke = asyncio.Event()
-        self.jobs.start()
+        self.control.start()
         await self.publisher.start(self._body_keys())
         # Every island of the job (all regions) holds the quorum until it joins or times out.
         self.state.membership.expect(self.spec.total_shards(), self.clock())
@@ -173,7 +170,7 @@ class Syncer:
     ) -> None:
         """Stop the scheduler once a running merge has finished, let scheduled jobs finish,
         write a checkpoint of what was merged since the last one, stop the worker."""
-        self._stopping = True  # the scheduler ends at its next pass even if a cancel is lost
+        self.control.stopping = True  # the scheduler ends at its next pass, cancel lost or not
         if scheduler is not None:
             if self.merging is not None:
                 async with self.merging:  # a merge holds it from its start to its publish
@@ -194,6 +191,19 @@ class Syncer:
         await asyncio.to_thread(self.merge_log.close)
 
     # ----- derived figures ---------------------------------------------------------------------
+
+    @property
+    def finished(self) -> bool:
+        return self.control.finished
+
+    @property
+    def failure(self) -> str | None:
+        """Why a merge failed half-way (the syncer then refuses work until restarted)."""
+        return self.control.failure
+
+    @property
+    def merging(self) -> asyncio.Lock | None:
+        return self.control.merging
 
     @property
     def fragments(self) -> list[list[str]]:
@@ -229,11 +239,6 @@ class Syncer:
         """What each fragment's pull body says now: (version, outer step, finished)."""
         return [(v, self.state.outer_step, self.finished) for v in self.state.versions]
 
-    def _update_gauges(self) -> None:
-        self.metrics.active_islands.set(len(self.state.membership.active()))
-        self.metrics.outer_step.set(self.state.outer_step)
-        self.metrics.tokens.set(self.tokens)
-
     # ----- requests ----------------------------------------------------------------------------
 
     def check_fragment(self, fragment: int) -> None:
@@ -247,45 +252,6 @@ class Syncer:
         """The largest push body `fragment` accepts; Refused(404) when it does not exist."""
         self.check_fragment(fragment)
         return self.model.body_limits[fragment]
-
-    def _wake(self) -> None:
-        if self._poke is not None:
-            self._poke.set()
-
-    def changed(self) -> None:
-        """Membership or rounds changed (a push was recorded, an island dropped): gauges, and
-        the merge scheduler looks again."""
-        self._update_gauges()
-        self._wake()
-
-    def locked(self) -> asyncio.Lock:
-        """The lock every state change holds; Refused(503) once the syncer failed."""
-        assert self.lock is not None, "Syncer.start() was not called"
-        if self.failure:
-            raise Refused(503, f"the syncer failed and must be restarted: {self.failure}")
-        return self.lock
-
-    def fragment_lock(self, fragment: int) -> asyncio.Lock:
-        """The lock of one fragment's fold and merge (taken before `locked()`, never after)."""
-        return self._fragment_locks[fragment]
-
-    # ----- membership (membership_routes.py) and pushes (push.py) -------------------------------
-
-    async def join(self, island: str, replicas: int) -> dict[str, Any]:
-        """Register an island (JoinInfo)."""
-        return await self.members.join(island, replicas)
-
-    async def heartbeat(self, island: str, progress: Beat) -> dict[str, Any]:
-        """A learner's sign of life (HeartbeatAnswer)."""
-        return await self.members.heartbeat(island, progress)
-
-    async def leave(self, island: str) -> dict[str, Any]:
-        """An island says goodbye (MembershipAnswer)."""
-        return await self.members.leave(island)
-
-    async def set_membership(self, island: str, state: str, reason: str) -> dict[str, Any]:
-        """Admin: mark an island active or dropped (MembershipAnswer)."""
-        return await self.members.set_membership(island, state, reason)
 
     async def receive_push(
         self, fragment: int, body: bytes | bytearray, principal: Principal = ROOT
@@ -312,7 +278,7 @@ class Syncer:
         """
         if not digest:
             return self._status().to_wire()
-        self.locked()  # Refused(503) once failed
+        self.control.locked()  # Refused(503) once failed
         assert self.merging is not None
         async with self.merging:
             doc = self._status()
@@ -343,7 +309,7 @@ class Syncer:
     async def tick(self) -> float | None:
         """One scheduler pass: expire silent islands, merge every due round (one at a time, the
         lock not held). Returns the next grace deadline (clock time), if a round is waiting."""
-        async with self.locked():
+        async with self.control.locked():
             now = self.clock()
             members = self.state.membership
             awaited = members.awaited()
@@ -358,7 +324,6 @@ class Syncer:
                 )
             for island in expired:
                 log.warning("island %s timed out: %s", island, members.islands[island].reason)
-                self._update_gauges()
             due = [] if self.finished else self.state.due_fragments(now)
             # Every island drained, nothing to merge (a heartbeat said so, or a drop): finish.
             drained = not (self.finished or due) and self.stop_reached()
@@ -379,12 +344,13 @@ class Syncer:
 
         An exception in a merge marks the syncer failed (see `failure`) and ends the scheduler.
         """
-        assert self._poke is not None
-        while not self._stopping:
+        poke = self.control.poke
+        assert poke is not None
+        while not self.control.stopping:
             try:
                 deadline = await self.tick()
             except Exception as err:
-                self.failure = f"merge failed: {type(err).__name__}: {err}"
+                self.control.failure = f"merge failed: {type(err).__name__}: {err}"
                 self.metrics.healthy.set(0)
                 log.exception("%s; refusing work until restarted from the last checkpoint", err)
                 return
@@ -394,15 +360,15 @@ class Syncer:
             # Not wait_for: 3.11's can swallow a cancel that comes as its timeout fires.
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(wait):
-                    await self._poke.wait()
-            self._poke.clear()
+                    await poke.wait()
+            poke.clear()
 
     async def _merge(self, f: int) -> None:
         """Merge fragment f's round in merge.py's steps, holding f's lock throughout and the
         service's lock for the steps that change state; then publish. mergeSeconds runs from
         the round's take to its new version being pullable."""
-        async with self.fragment_lock(f):
-            async with self.locked():
+        async with self.control.fragment_lock(f):
+            async with self.control.locked():
                 now = self.clock()
                 if self.finished or not self.state.merge_due(f, now):
                     return  # the round changed since the scheduler looked (a drop)
@@ -410,7 +376,7 @@ class Syncer:
                 merge = self.merger.take(self.state, f, now)
             prepared = await asyncio.to_thread(self.merger.prepare, merge)
             if isinstance(prepared, LeftOut):
-                async with self.locked():
+                async with self.control.locked():
                     self.merger.recover(self.state, merge, prepared)
                 return
             new_version = self.state.versions[f] + 1  # only this merge moves f's version
@@ -427,7 +393,7 @@ class Syncer:
                 (new_version, outer_step, self.finished),
                 time.perf_counter() - started,
             )
-            async with self.locked():
+            async with self.control.locked():
                 self.publisher.record_update(f, result.update)
                 seconds = time.perf_counter() - started
                 entry = self.merger.record(self.state, merge, result, seconds)
@@ -439,7 +405,6 @@ class Syncer:
         # The merge's small temporaries back to the system once it is pullable (memory.py).
         await asyncio.to_thread(trim)
         self.merger.logged(seconds)
-        self._update_gauges()
         evaluated = await self._after_merge()
         eval_note = f"; eval loss {evaluated:.4f}" if evaluated is not None else ""
         log.info("%s%s", describe_merge(entry), eval_note)
@@ -464,7 +429,7 @@ class Syncer:
         held); the final eval loss when computed here."""
         step = self.state.outer_step
         loss = await self.jobs.finish(step, self.tokens, self._checkpoint_snapshot)
-        self.finished = True
+        self.control.finished = True
         await self.publisher.publish(self._body_keys())
         short = not stop_reached(self.spec, outer_step=step, tokens=self.tokens)
         why = " (every island drained, the budget less its rounding to steps)" if short else ""

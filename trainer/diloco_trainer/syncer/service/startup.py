@@ -138,7 +138,6 @@ def build(
         guard.history.restore(loaded.document.norm_history)
         _restore_counters(loaded, state, Admission.from_spec(spec), merge_log, jobs, now=clock())
     gate = Gate(spec, guard=guard, metrics=metrics, config_file=config_file)
-    metrics.outer_step.set(state.outer_step)
     return SyncerParts(
         metrics=metrics,
         health=health,

@@ -29,7 +29,6 @@ written before integrity was recorded load without the hash checks.
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import json
 import logging
@@ -453,13 +452,3 @@ def load_latest(state_dir: Path) -> Checkpoint | None:
 def spec_hash(spec_json: str) -> str:
     """A short hash of the job spec JSON, stored in manifests to notice a changed spec."""
     return hashlib.sha256(spec_json.encode()).hexdigest()[:16]
-
-
-def append_jsonl(path: Path, entry: Mapping[str, Any]) -> None:
-    """Append one JSON line and flush it to the OS (the merge log)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with path.open("a") as f:
-        f.write(json.dumps(entry, sort_keys=True) + "\n")
-        f.flush()
-        with contextlib.suppress(OSError):
-            os.fsync(f.fileno())
