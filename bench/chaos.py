@@ -18,7 +18,15 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from bench.common import REPO_ROOT, LoadMonitor, Report, Table, base_parser, publish, workdir
+from bench.harness.common import (
+    REPO_ROOT,
+    LoadMonitor,
+    Report,
+    Table,
+    base_parser,
+    publish,
+    workdir,
+)
 
 TEST = "tests/node/test_chaos.py"
 # Container restarts are expected where a fault kills or deletes a process: the syncer's own.

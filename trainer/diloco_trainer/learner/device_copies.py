@@ -23,7 +23,7 @@ H100 run's training thread (bench/RESULTS.md, "learner_overlap ... in a job on a
 Why pinned: a copy to the GPU from pageable memory is staged by the driver through buffers of
 its own, and it held the training thread's kernel launches meanwhile. On an H200 at gpt-125m,
 a fragment's 256 MB copied so back to back made the inner steps 10x slower, from pinned memory
-1.3x, and the rebuild on the device 1.06x (bench.link_interference; bench/RESULTS.md). In a job
+1.3x, and the rebuild on the device 1.06x (bench.studies.link_interference; bench/RESULTS.md). In a job
 the learner went from 0.891x of the plain loop to 0.949x.
 
 On the CPU all of it is the identity: no copies, nothing to wait for.
@@ -84,7 +84,7 @@ class DeviceStager:
         training thread. They cross packed into pinned memory (crossed_to): copied straight from
         pageable memory, the driver staged them through its own buffers and held the training
         thread's launches meanwhile; a gpt-125m fragment copied so, back to back, made an H200's
-        inner steps 10x slower, from pinned memory 1.3x (bench.link_interference)."""
+        inner steps 10x slower, from pinned memory 1.3x (bench.studies.link_interference)."""
         with torch.cuda.device(self.device), torch.cuda.stream(self.stream):
             crossed = crossed_to(tensors, self.device, pin=True)
             out = {n: t.to(torch.float32) for n, t in crossed.items()}

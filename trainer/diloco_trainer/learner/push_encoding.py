@@ -38,7 +38,7 @@ from diloco_trainer.learner.device_copies import flat_views, to_host
 # A host learner's int8 push of more values than this is made in one sliced pass
 # (snapshot_and_encode_int8), a smaller one over one flat buffer (encode_int8_batched), whose
 # few whole-fragment ops beat the sliced pass's dozen small ones per tensor and slice there. On
-# one core, error feedback on (bench.host_sync_path; bench/RESULTS.md, "a learner's training
+# one core, error feedback on (bench.studies.host_sync_path; bench/RESULTS.md, "a learner's training
 # thread call by call"): 0.8 ms against 1.5 ms for gpt-tiny's 70K-value fragment, 2.5 against
 # 3.2 ms for gpt-mini's 0.44M, about even near 1M values, 45 against 34 ms for gpt-small's 5.5M
 # and 1.97 against 0.40 s for gpt-125m's 64M.

@@ -22,8 +22,8 @@ in the same run, in alternation (`--rounds`):
 The background work runs back to back, so its share of the time is higher than in a job (about
 three quarters of the link's time there). Each kind's seconds per repetition is reported too.
 
-    python -m bench.link_interference                 # CPU, gpt-tiny: the host kinds only
-    python -m bench.link_interference --device cuda --preset gpt-125m --precision bf16 \
+    python -m bench.studies.link_interference                 # CPU, gpt-tiny: the host kinds only
+    python -m bench.studies.link_interference --device cuda --preset gpt-125m --precision bf16 \
         --batch-size 16 --seq-len 1024
 
 Torch-only besides the trainer: it runs on a GPU machine with the trainer alone.
