@@ -1,7 +1,7 @@
 """Chaos on the real node (issue 22): runs tests/node/test_chaos.py, which trains one tiny job on
 the real node while faults are injected one at a time and measures each (merges lost, their
 tokens, pushes refused, seconds until both islands merge again, container restarts), then runs
-the same job calm to the same outer step; the table goes to bench/RESULTS.md.
+the same job calm to the same outer step; the table goes to the log (bench/log/DAY.md).
 
 The node tier needs root and one real node per machine: run it under the machine's real-node
 lock when other tiers may be using the node, e.g. `flock LOCKFILE python -m bench.chaos`.

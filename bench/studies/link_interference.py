@@ -2,8 +2,8 @@
 
 A GPU learner's link thread pulls each merged fragment, rebuilds it and hands it to the device
 while the training thread steps. In a job on an H200 the inner steps ran 11% slower in windows
-with a push and a pull than in those without (bench/RESULTS.md, "learner_overlap in a job on an
-NVIDIA H200"), and that job could not say which part of the link's work did it. This runs the
+with a push and a pull than in those without (bench/log/2026-11-27.md, "learner_overlap in a job on
+an NVIDIA H200"), and that job could not say which part of the link's work did it. This runs the
 plain training loop (bench/learner_step's) in this process while a second thread repeats one kind
 of that work without pause, and reports each kind's step time against the loop alone, measured
 in the same run, in alternation (`--rounds`):
