@@ -59,7 +59,7 @@ lint: $(STAMP)
 	$(BIN)/mypy
 	$(BIN)/lint-imports
 
-## bench: every benchmark with its CPU defaults (each <= 15 min on 2 cores); appends to bench/RESULTS.md
+## bench: every benchmark with its CPU defaults (each <= 15 min on 2 cores); appends to bench/log/DAY.md
 BENCH_STAMP := $(VENV)/.installed-bench
 $(BENCH_STAMP): pyproject.toml | $(BIN)/python
 	$(BIN)/pip install --quiet -e '.[bench]'

@@ -20,11 +20,10 @@ Every other run stops at the same stopAfter.tokens; an adversary's accepted clai
 it, so the honest islands' merged tokens T_h can fall short: each run's final eval loss is
 compared with the baseline's eval loss at T_h (piecewise linear between its evaluations, which
 run after every outer step), measured in the same invocation with the same seed. Target: within
-2%, read on the mean of those ratios over the seeds, beside the honest rerun's mean, with its
-noise (bench/adversary_report.py: at 200 steps one run's ratio moves by about 1% from the merges'
-timing alone, so one seed cannot resolve 2%; five resolved three adversaries of six, eight all
-six). A run cut short goes on with the same
---workdir; one whose runs are all there only reports.
+2%, read on the mean of those ratios over the seeds, beside the honest rerun's mean, with its noise
+(bench/harness/adversary_report.py: at 200 steps one run's ratio moves by about 1% from the merges'
+timing alone, so one seed cannot resolve 2%; five resolved three adversaries of six, eight all six).
+A run cut short goes on with the same --workdir; one whose runs are all there only reports.
 
     python -m bench.adversary                    # 8 seeds, every adversary
     python -m bench.adversary --seeds 0 --variants none flood --no-record   # a smoke run
@@ -53,8 +52,8 @@ from diloco_trainer.api.spec import JobSpec, parse_spec
 from diloco_trainer.core import payloads
 from diloco_trainer.local import free_port, start_learner, start_syncer, wait_ready, write_job_files
 
-from bench.adversary_report import Outcome, report
-from bench.common import (
+from bench.harness.adversary_report import Outcome, report
+from bench.harness.common import (
     LoadMonitor,
     base_parser,
     install_signal_cleanup,
@@ -62,7 +61,7 @@ from bench.common import (
     track,
     workdir,
 )
-from bench.ours_harness import THREADS_ENV, OursRun
+from bench.harness.ours_harness import THREADS_ENV, OursRun
 
 VARIANTS = (
     "none",

@@ -1,11 +1,11 @@
 """Bandwidth: compute utilisation of ours and torchft's DiLoCo over a slow link (1/10/100 Mbit/s).
 
-Ours: every island reaches the syncer through one rate-limiting relay (bench.relay: token bucket,
-one bucket for both directions, plus an added one-way latency), so all sync traffic shares one
-link of the given rate. torchft: its gloo ring connects replicas directly (addresses exchanged
+Ours: every island reaches the syncer through one rate-limiting relay (bench.harness.relay: token
+bucket, one bucket for both directions, plus an added one-way latency), so all sync traffic shares
+one link of the given rate. torchft: its gloo ring connects replicas directly (addresses exchanged
 through a store), which no relay can sit in; instead the lighthouse and every replica run in a
-network namespace whose loopback is limited to the same rate with tc tbf (bench.netns). The kernel
-here has no netem, so torchft's link gets the rate but not the added latency.
+network namespace whose loopback is limited to the same rate with tc tbf (bench.harness.netns). The
+kernel here has no netem, so torchft's link gets the rate but not the added latency.
 
 For each system, link and overlap setting, training is measured over a window that opens after
 the first sync and lasts at least --seconds and --rounds further syncs, and we report
@@ -34,8 +34,8 @@ from typing import Any
 from diloco_trainer.api.spec import JobSpec
 from diloco_trainer.local import Proc, free_port
 
-from bench import netns
-from bench.common import (
+from bench.harness import netns
+from bench.harness.common import (
     LoadMonitor,
     Report,
     Table,
@@ -52,11 +52,11 @@ from bench.common import (
     training_spec,
     workdir,
 )
-from bench.flags import TRAINING
-from bench.measure import StatusSampler, ours_islands, torchft_replica
-from bench.ours_harness import OursRun
-from bench.peer_training import read_progress
-from bench.torchft_harness import TorchftJob, start_job
+from bench.harness.flags import TRAINING
+from bench.harness.measure import StatusSampler, ours_islands, torchft_replica
+from bench.harness.ours_harness import OursRun
+from bench.harness.peer_training import read_progress
+from bench.harness.torchft_harness import TorchftJob, start_job
 
 
 @dataclass(frozen=True)
@@ -95,7 +95,7 @@ def start_relay(
     args = ["--listen", str(port), "--target", f"127.0.0.1:{target_port}", "--duplex", "shared"]
     args += ["--rate-mbit", str(rate or 0), "--latency-ms", str(latency_ms)]
     args += ["--stats", str(wd / "relay-stats.json")]
-    proc = start_module("relay", "bench.relay", args, log_file=wd / "relay.log")
+    proc = start_module("relay", "bench.harness.relay", args, log_file=wd / "relay.log")
     poll_until(lambda: "listening" in proc.log_text() or not proc.alive, timeout=60, what="relay")
     if not proc.alive:
         raise RuntimeError("relay exited:\n" + proc.log_text()[-2000:])

@@ -1,7 +1,7 @@
 """Chaos on the real node (issue 22): runs tests/node/test_chaos.py, which trains one tiny job on
 the real node while faults are injected one at a time and measures each (merges lost, their
 tokens, pushes refused, seconds until both islands merge again, container restarts), then runs
-the same job calm to the same outer step; the table goes to bench/RESULTS.md.
+the same job calm to the same outer step; the table goes to the log (bench/log/DAY.md).
 
 The node tier needs root and one real node per machine: run it under the machine's real-node
 lock when other tiers may be using the node, e.g. `flock LOCKFILE python -m bench.chaos`.
@@ -18,7 +18,15 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from bench.common import REPO_ROOT, LoadMonitor, Report, Table, base_parser, publish, workdir
+from bench.harness.common import (
+    REPO_ROOT,
+    LoadMonitor,
+    Report,
+    Table,
+    base_parser,
+    publish,
+    workdir,
+)
 
 TEST = "tests/node/test_chaos.py"
 # Container restarts are expected where a fault kills or deletes a process: the syncer's own.

@@ -3,9 +3,9 @@
 One model, data and token budget (M workers x S inner steps x batch x seqLen tokens), trained by:
 (a) one process with synchronous data-parallel semantics over M simulated workers (the baseline,
     diloco_trainer.models.reference.train_synchronous);
-(b) plain torch DDP, gloo, M real processes on loopback (bench.ddp_worker);
+(b) plain torch DDP, gloo, M real processes on loopback (bench.harness.ddp_worker);
 (c) torchft 0.2.0's DiLoCo: lighthouse + M replica groups, same H and optimizers
-    (bench.torchft_worker);
+    (bench.harness.torchft_worker);
 (d) ours: a syncer + M islands as processes, quorum K = M and K = M-1, codecs none/int8/int4.
 
 Reported: eval loss (same held-out batches for all) and its ratio to (a); bytes sent per worker
@@ -29,7 +29,7 @@ from diloco_trainer.api.spec import JobSpec, parse_spec
 from diloco_trainer.local import free_port
 from diloco_trainer.models.reference import train_synchronous
 
-from bench.common import (
+from bench.harness.common import (
     LoadMonitor,
     Report,
     Table,
@@ -47,9 +47,9 @@ from bench.common import (
     wait_all,
     workdir,
 )
-from bench.flags import INNER_OPTIMIZER, TRAINING, inner_section
-from bench.ours_harness import OursRun
-from bench.torchft_harness import TorchftJob, read_result, start_job
+from bench.harness.flags import INNER_OPTIMIZER, TRAINING, inner_section
+from bench.harness.ours_harness import OursRun
+from bench.harness.torchft_harness import TorchftJob, read_result, start_job
 
 CODECS = ("none", "int8", "int4")
 
@@ -90,7 +90,7 @@ def run_ddp(spec: JobSpec, m: int, steps: int, wd: Path) -> dict[str, Any]:
     procs = [
         start_module(
             f"ddp-rank{r}",
-            "bench.ddp_worker",
+            "bench.harness.ddp_worker",
             ["--spec", str(spec_file), "--steps", str(steps), "--out", str(out)],
             env={
                 "RANK": str(r),

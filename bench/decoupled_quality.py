@@ -40,7 +40,7 @@ from diloco_trainer.api.spec import JobSpec, parse_spec
 from diloco_trainer.models.parts import build_parts, evaluate
 from diloco_trainer.models.reference import train_synchronous
 
-from bench.common import (
+from bench.harness.common import (
     LoadMonitor,
     Report,
     base_parser,
@@ -50,11 +50,11 @@ from bench.common import (
     wait_all,
     workdir,
 )
-from bench.decoupled_quality_report import interp, loss_at_tokens, plot, tables
-from bench.flags import INNER_OPTIMIZER, TRAINING, inner_section
-from bench.ours_harness import OursRun
-from bench.peer_training import read_progress
-from bench.torchft_harness import TorchftJob, read_result, start_job
+from bench.harness.decoupled_quality_report import interp, loss_at_tokens, plot, tables
+from bench.harness.flags import INNER_OPTIMIZER, TRAINING, inner_section
+from bench.harness.ours_harness import OursRun
+from bench.harness.peer_training import read_progress
+from bench.harness.torchft_harness import TorchftJob, read_result, start_job
 
 SLOWDOWN = 3.0
 # A learner's log lines that tell its tokens processed: joining (0), its progress line every

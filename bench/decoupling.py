@@ -2,8 +2,8 @@
 
 For ours (quorum K = M-1) and torchft's DiLoCo (which syncs every replica group each round), one
 island is made a straggler (ours: DILOCO_SLOWDOWN; torchft: the same sleep-after-compute rule in
-bench.torchft_worker) and the run is compared with the same system without a straggler, over a
-window of W seconds starting at the first completed sync:
+bench.harness.torchft_worker) and the run is compared with the same system without a straggler,
+over a window of W seconds starting at the first completed sync:
 - the other islands' inner-step throughput relative to the no-straggler run, measured two ways:
   steps/s, and utilisation (time in inner steps / wall time). On a machine with fewer cores than
   processes a sleeping straggler frees CPU for the others, which inflates their steps/s; the
@@ -29,7 +29,7 @@ from diloco_trainer.api.contract import island_name
 from diloco_trainer.api.spec import JobSpec
 from diloco_trainer.models.parts import build_parts, evaluate
 
-from bench.common import (
+from bench.harness.common import (
     LoadMonitor,
     Report,
     Table,
@@ -46,11 +46,11 @@ from bench.common import (
     verdict,
     workdir,
 )
-from bench.flags import TRAINING, WALL_CLOCK
-from bench.measure import StatusSampler, ours_islands, torchft_replica
-from bench.ours_harness import OursRun
-from bench.peer_training import read_progress
-from bench.torchft_harness import TorchftJob, start_job
+from bench.harness.flags import TRAINING, WALL_CLOCK
+from bench.harness.measure import StatusSampler, ours_islands, torchft_replica
+from bench.harness.ours_harness import OursRun
+from bench.harness.peer_training import read_progress
+from bench.harness.torchft_harness import TorchftJob, start_job
 
 
 def make_spec(args: Any, quorum: int) -> JobSpec:

@@ -33,7 +33,7 @@ from typing import Any
 from diloco_trainer.api.spec import JobSpec
 from diloco_trainer.models.parts import build_parts, evaluate
 
-from bench.common import (
+from bench.harness.common import (
     LoadMonitor,
     Report,
     Table,
@@ -48,11 +48,11 @@ from bench.common import (
     verdict,
     workdir,
 )
-from bench.flags import TRAINING, WALL_CLOCK
-from bench.measure import StatusSampler, torchft_replica
-from bench.ours_harness import OursRun
-from bench.peer_training import read_progress
-from bench.torchft_harness import TorchftJob, start_lighthouse, start_replica
+from bench.harness.flags import TRAINING, WALL_CLOCK
+from bench.harness.measure import StatusSampler, torchft_replica
+from bench.harness.ours_harness import OursRun
+from bench.harness.peer_training import read_progress
+from bench.harness.torchft_harness import TorchftJob, start_lighthouse, start_replica
 
 
 @dataclass(frozen=True)

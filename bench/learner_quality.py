@@ -37,7 +37,7 @@ from diloco_trainer.local import (
     write_job_files,
 )
 
-from bench.common import (
+from bench.harness.common import (
     LoadMonitor,
     Report,
     Table,
@@ -49,7 +49,7 @@ from bench.common import (
     verdict,
     workdir,
 )
-from bench.flags import inner_section
+from bench.harness.flags import inner_section
 
 # The two learners compared: (islands.parallelism, inner.precision).
 BASELINE = ("ddp", "fp32")

@@ -18,7 +18,7 @@ together), and the data stream's own tokens/s (batches drawn, nothing trained).
     python -m bench.learner_step --device cuda --preset gpt-125m --precision bf16 \
         --batch-size 16 --seq-len 1024
 
-Torch-only and self-contained (no bench.common): it runs on a GPU machine with the trainer alone.
+Torch-only and self-contained (no bench.harness): it runs on a GPU machine with the trainer alone.
 """
 
 from __future__ import annotations

@@ -14,13 +14,13 @@ hack/localcluster/harness.py like the cluster tests do. Run it from the reposito
    we time until the syncer reports the island dropped. Baseline: how long a plain watch in this
    process takes to see the pod change, plus one direct admin call to the syncer.
 3. Load: N jobs x M islands (default 100 x 8) created one after another as fast as the API server
-   takes them (bench/operator_load.py). Reported: time until every job has all its children,
+   takes them (bench/harness/operator_load.py). Reported: time until every job has all its children,
    latency percentiles per job (its create -> its last child seen by watches running from the
    first create on), the operator's own reconcile-time percentiles (timed from each reconcile's
    start of work) beside its first reconciles' wait for a slot (both its Prometheus histograms),
    errors, and its memory (RSS) before and at peak.
-0. Floor of the load (bench/operator_floor.py), run first, before the operator starts: the same
-   burst of jobs, each job's objects (built by the operator's own builders) created by a plain
+0. Floor of the load (bench/harness/operator_floor.py), run first, before the operator starts: the
+   same burst of jobs, each job's objects (built by the operator's own builders) created by a plain
    client with the operator's concurrency. The load's latencies are reported as ratios to it
    beside the absolute targets; a floor above a target says the target is beyond this API
    server for that burst.
@@ -57,7 +57,7 @@ from diloco_trainer.api.credentials import Issuer
 from diloco_trainer.api.spec import parse_spec
 from diloco_trainer.local import free_port, start_syncer, wait_ready, write_job_files
 
-from bench.common import (
+from bench.harness.common import (
     LoadMonitor,
     Report,
     Table,
@@ -71,7 +71,7 @@ from bench.common import (
     verdict,
     workdir,
 )
-from bench.kube_cluster import (
+from bench.harness.kube_cluster import (
     Api,
     PodWatch,
     operator_process,
@@ -79,8 +79,8 @@ from bench.kube_cluster import (
     start_cluster,
     stop_cluster,
 )
-from bench.operator_floor import floor_rows, floor_targets, measure_floor, settle
-from bench.operator_load import load_table, measure_load, pct
+from bench.harness.operator_floor import floor_rows, floor_targets, measure_floor, settle
+from bench.harness.operator_load import load_table, measure_load, pct
 from hack.localcluster.harness import (
     TINY_TRAINING,
     OperatorProcess,
@@ -265,7 +265,7 @@ def measure_drop(k: Api, ns: str, wd: Path, repeats: int) -> dict[str, Any]:
 
 
 def measure_floor_phase(args: argparse.Namespace, cluster: Any, k: Api, ns: str) -> dict[str, Any]:
-    """The load's floor (bench/operator_floor.py) before any operator runs, then a wait until
+    """The load's floor (bench/harness/operator_floor.py) before any operator runs, then a wait till
     the controller-manager made its pods, so that the operator's load starts on a quiet API."""
     print(f"0. floor: {args.load_jobs} jobs x {args.load_islands} islands, no operator", flush=True)
     network = network_options(cluster.env)  # the operator process gets the same environment

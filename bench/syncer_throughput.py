@@ -27,7 +27,7 @@ from diloco_trainer.core.merge import contribution_weight, merge_pseudo_gradient
 from diloco_trainer.core.outer import OuterOptimizer
 from diloco_trainer.models.model import build_model
 
-from bench.common import (
+from bench.harness.common import (
     LoadMonitor,
     Report,
     Table,
@@ -39,7 +39,7 @@ from bench.common import (
     ratio,
     save_figure,
 )
-from bench.in_turn import times_in_turn
+from bench.harness.in_turn import times_in_turn
 
 SEQ_LEN = 256  # only sets the position-table size; the syncer holds what the learners train
 COPY_PROBE_BYTES = 256 * 2**20  # far larger than any CPU cache

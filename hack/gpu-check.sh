@@ -22,12 +22,12 @@
 #                                                  # adds arguments to each (EXTRA='--outer-steps
 #                                                  # 24'; then LIMIT=300 seconds a case), PLAIN
 #                                                  # the plain blocks' steps (default 40);
-#                                                  # CALLS=1 also runs bench.learner_calls on
+#                                                  # CALLS=1 also runs bench.studies.learner_calls on
 #                                                  # each case (the training thread call by call)
 #   MODE=pull OUT=... hack/gpu-check.sh            # pulled updates applied on the GPU: the
 #                                                  # rebuild against the host's bit for bit, what
 #                                                  # each part of the link's work slows in the
-#                                                  # steps (bench.link_interference), then
+#                                                  # steps (bench.studies.link_interference), then
 #                                                  # injob's gpt-125m cases under
 #                                                  # DILOCO_PULL_APPLY=device and host (5 min)
 set -uo pipefail
@@ -111,15 +111,15 @@ assert weights_checksum(host) == weights_checksum(want)
 t0 = time.perf_counter(); apply_updates(held, chain, "int8"); on_host = time.perf_counter() - t0
 print(f"rebuild on cuda: bit for bit the host's over {sum(t.numel() for t in held.values()):,} values; {took:.3f}s (on the host: {on_host:.3f}s, then the staging)")
 PYEOF
-        echo "== bench.link_interference gpt-125m bf16"
-        timeout 150 "$PY" -m bench.link_interference --device cuda --preset gpt-125m \
+        echo "== bench.studies.link_interference gpt-125m bf16"
+        timeout 150 "$PY" -m bench.studies.link_interference --device cuda --preset gpt-125m \
             --precision bf16 --batch-size 16 --seq-len 1024 --steps 12 --rounds 2 \
             --json "$OUT/link-interference.json" 2>&1 || echo "!! link_interference failed (exit $?)"
         [[ -n "${SKIP_JOBS:-}" ]] && { echo "== gpu-check (pull) done $(date -u +%FT%TZ)"; exit 0; }
         # The new default under both merge-wait rules; the baseline under nextPush alone.
         WANT_device=${ONLY:-'gpt-125m-h40-[no]*'} WANT_host=${ONLY:-'gpt-125m-h40-nextPush'}
     else
-        timeout 120 "$PY" -m bench.link_interference --steps 4 --rounds 1 \
+        timeout 120 "$PY" -m bench.studies.link_interference --steps 4 --rounds 1 \
             --json "$OUT/link-interference.json" || echo "!! link_interference failed (exit $?)"
         WANT_device=${ONLY:-'*'} WANT_host=${ONLY:-'*-nextPush'}
     fi
@@ -229,9 +229,9 @@ PYEOF
                 --json "$WORK_OUT/$name.json" --logs "$WORK_OUT/logs-$name" \
                 || echo "!! learner_overlap $name failed or timed out (exit $?)"
             if [[ -n "${CALLS:-}" ]]; then  # CALLS=1: the same job's training thread call by call
-                echo "== bench.learner_calls $name bf16 on $DEVICE"
+                echo "== bench.studies.learner_calls $name bf16 on $DEVICE"
                 # shellcheck disable=SC2086
-                timeout "$LIMIT" "$PY" -m bench.learner_calls --device "$DEVICE" --precision bf16 \
+                timeout "$LIMIT" "$PY" -m bench.studies.learner_calls --device "$DEVICE" --precision bf16 \
                     "${words[@]:1}" ${EXTRA:-} --merge-wait "$wait" \
                     --json "$WORK_OUT/calls-$name.json" \
                     || echo "!! learner_calls $name failed or timed out (exit $?)"

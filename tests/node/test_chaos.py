@@ -10,7 +10,7 @@ the baseline its eval loss is compared with at equal merged tokens.
 Per fault: merges lost (versions merged again after a restart), their tokens, pushes refused
 while it lasted, seconds from the fault's end until a merge holds both islands' pushes again,
 container restarts. Each row is written as it is measured to $DILOCO_CHAOS_RESULTS (JSON) when
-set: bench/chaos.py runs this file under the real-node lock and renders bench/RESULTS.md.
+set: bench/chaos.py runs this file under the real-node lock and renders its section in bench/log/.
 
 The tests run in file order and share one job (module fixtures), like test_job_on_node.py.
 """

@@ -6,8 +6,8 @@ from __future__ import annotations
 import argparse
 import doctest
 
-from bench import adversary_report
-from bench.adversary_report import Outcome, spreads
+from bench.harness import adversary_report
+from bench.harness.adversary_report import Outcome, spreads
 
 
 def outcome(variant: str, seed: int, tokens: int, loss: float) -> Outcome:

@@ -1,5 +1,6 @@
-"""The benchmarks' command line: the shared flags (bench/flags.py) through common.base_parser,
-and common.publish, the end of every benchmark's main (print only, or append to --results)."""
+"""The benchmarks' command line: the shared flags (bench/harness/flags.py) through
+common.base_parser, and common.publish, the end of every benchmark's main (print only, or append to
+--results)."""
 
 from __future__ import annotations
 
@@ -8,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from bench.common import LoadMonitor, Report, Table, base_parser, publish
-from bench.flags import INNER_OPTIMIZER, TRAINING, inner_section
+from bench.harness.common import LoadMonitor, Report, Table, base_parser, publish
+from bench.harness.flags import INNER_OPTIMIZER, TRAINING, inner_section
 
 
 def test_base_parser_shared_flags_take_each_benchmarks_defaults() -> None:

@@ -1,9 +1,9 @@
-"""bench/in_turn times functions in turn after one warm-up run each: the order is what makes a
-drifting machine fall on every function alike."""
+"""bench/harness/in_turn times functions in turn after one warm-up run each: the order is what makes
+a drifting machine fall on every function alike."""
 
 from __future__ import annotations
 
-from bench.in_turn import times_in_turn
+from bench.harness.in_turn import times_in_turn
 
 
 def test_functions_are_warmed_up_once_then_timed_in_turn() -> None:

@@ -7,7 +7,7 @@ import doctest
 from types import SimpleNamespace
 from typing import Any
 
-from bench import decoupled_quality_report
+from bench.harness import decoupled_quality_report
 
 
 def test_bench_report_doctests_pass() -> None:

@@ -1,4 +1,4 @@
-"""bench/learner_calls names the learner's methods it times: each must still exist, or the
+"""bench/studies/learner_calls names the learner's methods it times: each must still exist, or the
 benchmark would fail in the learner's process at start-up. Its timers count the calls of one
 thread only, with the calls they make inside them."""
 
@@ -8,7 +8,7 @@ import importlib
 import itertools
 import threading
 
-from bench import learner_calls
+from bench.studies import learner_calls
 
 
 def test_every_timed_method_exists_and_the_rows_nest_under_their_caller() -> None:

@@ -87,7 +87,7 @@ def test_the_learner_uses_the_deadline_only_when_it_blocks() -> None:
 
 
 def test_the_ablation_installs_a_late_merge_where_each_rule_says() -> None:
-    from bench.ablation_sim import Knobs, install_after
+    from bench.studies.ablation_sim import Knobs, install_after
 
     # H = 30, τ = 5 (decoupled_quality's setup).
     assert install_after(Knobs(overlap=5), 30) == 5  # on time

@@ -1,12 +1,12 @@
-"""bench/link_interference on the CPU, small: every host kind is timed against the loop alone,
-and the pulled update it applies is a real one (the rebuild moves every value)."""
+"""bench/studies/link_interference on the CPU, small: every host kind is timed against the loop
+alone, and the pulled update it applies is a real one (the rebuild moves every value)."""
 
 from __future__ import annotations
 
 import torch
 from diloco_trainer.core.published import apply_updates
 
-from bench import link_interference
+from bench.studies import link_interference
 
 
 def test_the_host_kinds_run_and_are_read_against_the_loop_alone() -> None:

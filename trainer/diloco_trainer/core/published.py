@@ -315,7 +315,7 @@ def check_updates(
 # Tensors of more values than this are decoded and added a slice at a time on the host. On one
 # core a 38.6M-value embedding's decoded copy cost more in fresh pages (0.31 s against 0.19 s for
 # a fragment holding one), while gpt-125m's fragments, 64M values in tensors of at most 2.4M,
-# took as long either way (0.08-0.26 s, bench/host_sync_path.py): the allocator reuses memory
+# took as long either way (0.08-0.26 s, bench.studies.host_sync_path): the allocator reuses memory
 # of that size.
 SLICED_ADD = 16 * SLICE
 
@@ -333,7 +333,7 @@ def add_updates(
                 t.add_(decode_tensor(encoded, n, codec, t.shape))
                 continue
             # A large tensor on the host: a slice at a time (decoded_slices: the same values),
-            # without a decoded fp32 copy of it (bench/host_sync_path.py).
+            # without a decoded fp32 copy of it (bench/studies/host_sync_path.py).
             if work is None:
                 work = torch.empty(SLICE)
             flat = t.view(-1)

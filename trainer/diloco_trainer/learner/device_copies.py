@@ -5,7 +5,7 @@ A push's encoded Δ is made on the device and has to reach the host for the wire
 fragment arrives on the host and has to reach the device. Done as plain copies on the training
 thread, both waited for the transfer: at gpt-125m (64 MB of int8 out, 256 MB of fp32 in per
 fragment, pageable memory) they were most of the 0.03-0.08 s each push and each receipt cost the
-H100 run's training thread (bench/RESULTS.md, "learner_overlap ... in a job on an NVIDIA H100").
+H100 run's training thread (bench/log/2026-11-27.md, "learner_overlap in a job on an NVIDIA H100").
 
 - Out: `to_host` queues the copies into pinned host memory on the training thread's stream and
   returns at once, with a `ready` wait that the syncer link's thread calls before it reads them.
@@ -20,11 +20,12 @@ H100 run's training thread (bench/RESULTS.md, "learner_overlap ... in a job on a
   pinned host memory by DMA for the checksum and the host base. The link's thread then does no
   per-value work on the host but the CRC.
 
-Why pinned: a copy to the GPU from pageable memory is staged by the driver through buffers of
-its own, and it held the training thread's kernel launches meanwhile. On an H200 at gpt-125m,
-a fragment's 256 MB copied so back to back made the inner steps 10x slower, from pinned memory
-1.3x, and the rebuild on the device 1.06x (bench.link_interference; bench/RESULTS.md). In a job
-the learner went from 0.891x of the plain loop to 0.949x.
+Why pinned: a copy to the GPU from pageable memory is staged by the driver through buffers of its
+own, and it held the training thread's kernel launches meanwhile. On an H200 at gpt-125m, a
+fragment's 256 MB copied so back to back made the inner steps 10x slower, from pinned memory 1.3x,
+and the rebuild on the device 1.06x (bench.studies.link_interference; bench/log/2026-11-27.md,
+"learner_overlap and link_interference on an NVIDIA H200"). In a job the learner went from 0.891x of
+the plain loop to 0.949x.
 
 On the CPU all of it is the identity: no copies, nothing to wait for.
 """
@@ -84,7 +85,7 @@ class DeviceStager:
         training thread. They cross packed into pinned memory (crossed_to): copied straight from
         pageable memory, the driver staged them through its own buffers and held the training
         thread's launches meanwhile; a gpt-125m fragment copied so, back to back, made an H200's
-        inner steps 10x slower, from pinned memory 1.3x (bench.link_interference)."""
+        inner steps 10x slower, from pinned memory 1.3x (bench.studies.link_interference)."""
         with torch.cuda.device(self.device), torch.cuda.stream(self.stream):
             crossed = crossed_to(tensors, self.device, pin=True)
             out = {n: t.to(torch.float32) for n, t in crossed.items()}

@@ -5,7 +5,7 @@ the islands processed and stopAfter is met to the step.
 Why. Without it the syncer finishes at the first merge that reaches the budget, and the steps
 each island took after its last push of each fragment never reach the weights: the τ overlapped
 steps and, with F streamed fragments, the part of a round the later fragments' pushes are behind.
-On gpt-mini that was ~5% of the budget (648K tokens processed, 630K merged: bench/RESULTS.md,
+On gpt-mini that was ~5% of the budget (648K tokens processed, 630K merged: bench/log/2026-11-27.md,
 "gpt-mini at K = M read on two token axes").
 
 The share. Only where every merge needs every island (sync.quorum >= the islands): the islands

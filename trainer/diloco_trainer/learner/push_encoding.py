@@ -1,9 +1,9 @@
 """A push's pseudo-gradient encoded for the wire where it was computed, in a handful of passes.
 
 Encoded one tensor at a time, a gpt-125m fragment (~75 tensors) cost an H100 learner's training
-thread 0.033-0.040 s per push (bench/RESULTS.md, "learner_overlap in a job on an NVIDIA H100"):
-about twenty kernel launches per tensor for the quantisation and error feedback's decode, and
-two device synchronisations per tensor in the checks of that decode, each draining the GPU's
+thread 0.033-0.040 s per push (bench/log/2026-11-27.md, "learner_overlap in a job on an NVIDIA
+H100"): about twenty kernel launches per tensor for the quantisation and error feedback's decode,
+and two device synchronisations per tensor in the checks of that decode, each draining the GPU's
 queue of the training steps behind it.
 
 On a GPU, and for a small fragment on the host (ONE_PASS_FROM), the int8 codec (the default)
@@ -38,10 +38,10 @@ from diloco_trainer.learner.device_copies import flat_views, to_host
 # A host learner's int8 push of more values than this is made in one sliced pass
 # (snapshot_and_encode_int8), a smaller one over one flat buffer (encode_int8_batched), whose
 # few whole-fragment ops beat the sliced pass's dozen small ones per tensor and slice there. On
-# one core, error feedback on (bench.host_sync_path; bench/RESULTS.md, "a learner's training
-# thread call by call"): 0.8 ms against 1.5 ms for gpt-tiny's 70K-value fragment, 2.5 against
-# 3.2 ms for gpt-mini's 0.44M, about even near 1M values, 45 against 34 ms for gpt-small's 5.5M
-# and 1.97 against 0.40 s for gpt-125m's 64M.
+# one core, error feedback on (bench.studies.host_sync_path; bench/log/2026-11-28.md, "a learner's
+# training thread call by call"): 0.8 ms against 1.5 ms for gpt-tiny's 70K-value fragment, 2.5
+# against 3.2 ms for gpt-mini's 0.44M, about even near 1M values, 45 against 34 ms for gpt-small's
+# 5.5M and 1.97 against 0.40 s for gpt-125m's 64M.
 ONE_PASS_FROM = 4 * compress.SLICE
 
 

@@ -209,7 +209,7 @@ def plan_step(
     (schedule_start starts every later join at H or later), so every island skips alike and each
     fragment's first push holds its stagger plus a whole round (1 + f/F rounds). Pushed at its
     first sync point, fragment f > 0 took an outer step on f/F of a round of a fresh model, and
-    that early step was the whole of what 2 streamed fragments cost at K = M in bench/ablation
+    that early step was all that 2 streamed fragments cost at K = M in bench/studies/ablation
     (issue 23; docs/algorithm.md has the figures).
     """
     if step < 1:

@@ -1,4 +1,4 @@
-"""A rate-limiting TCP relay for loopback: `python -m bench.relay --listen P --target H:P ...`.
+"""A rate-limiting TCP relay for loopback: `python -m bench.harness.relay --listen P ...`.
 
 It stands between learners and the syncer (point DILOCO_SYNCER_URL at it) and makes the path look
 like a wide-area link: a token bucket limits the rate, and every chunk is delivered a fixed

@@ -19,9 +19,9 @@ rows, which the learner's own split then also counts. The job's flags are
 bench/learner_overlap's (its plain-block flags, --rounds, --baseline and the like, do nothing
 here).
 
-    python -m bench.learner_calls --preset gpt-tiny --batch-size 8 --seq-len 64 \
+    python -m bench.studies.learner_calls --preset gpt-tiny --batch-size 8 --seq-len 64 \
         --inner-steps 40 --outer-steps 60 --syncer-cpus 1                       # CPU
-    python -m bench.learner_calls --device cuda --preset gpt-mini --precision bf16 \
+    python -m bench.studies.learner_calls --device cuda --preset gpt-mini --precision bf16 \
         --batch-size 32 --seq-len 256 --inner-steps 40 --outer-steps 24 --merge-wait nextPush
 """
 
@@ -119,12 +119,12 @@ def hook_from_env() -> None:
     atexit.register(lambda: out.write_text(json.dumps(timers.to_json())))
 
 
-SITECUSTOMIZE = "from bench.learner_calls import hook_from_env\nhook_from_env()\n"
+SITECUSTOMIZE = "from bench.studies.learner_calls import hook_from_env\nhook_from_env()\n"
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     """One job with the timers in its learner: their totals and the learner's own split."""
-    root = Path(__file__).resolve().parent.parent
+    root = Path(__file__).resolve().parents[2]
     with tempfile.TemporaryDirectory(prefix="learner-calls-") as tmp:
         hook, timers, workdir = Path(tmp, "hook"), Path(tmp, "timers"), Path(tmp, "job")
         for folder in (hook, timers, workdir):

@@ -1,9 +1,9 @@
-"""One torchft replica group running DiLoCo (torchft 0.2.0): `python -m bench.torchft_worker`.
+"""One torchft replica group running DiLoCo (torchft 0.2.0): `-m bench.harness.torchft_worker`.
 
 This is the peer we measure against, used as torchft's own examples use it: a Manager with a
 ProcessGroupGloo talks to a lighthouse, and `torchft.local_sgd.DiLoCo` hooks the pseudo-gradient
 all-reduce and the outer step into the inner optimizer's `step()`. The model, data shard, inner
-AdamW and schedule, and outer Nesterov SGD are ours (bench.peer_training), so only the
+AdamW and schedule, and outer Nesterov SGD are ours (bench.harness.peer_training), so only the
 synchronisation differs. One process = one replica group of one rank.
 
 Instrumentation, none of which changes what torchft does:
@@ -32,8 +32,8 @@ from torchft.local_sgd import DiLoCo
 from torchft.manager import Manager
 from torchft.process_group import ProcessGroupGloo
 
-from bench.common import ring_allreduce_bytes
-from bench.peer_training import (
+from bench.harness.common import ring_allreduce_bytes
+from bench.harness.peer_training import (
     Progress,
     ProgressLog,
     Throttle,

@@ -10,8 +10,8 @@ rates, momenta and H, against synchronous data-parallel on the same tokens
 `bench.decoupled_quality`. Its row at the job's default outer settings is the same computation as
 torchft's DiLoCo there (same seed, same loss to 4 digits), which checks the harness.
 
-    python -m bench.outer_sweep                 # the grid below, seeds 0 and 1
-    python -m bench.outer_sweep --grid 0.7,0.9,30 --seeds 0 --no-record
+    python -m bench.studies.outer_sweep                 # the grid below, seeds 0 and 1
+    python -m bench.studies.outer_sweep --grid 0.7,0.9,30 --seeds 0 --no-record
 """
 
 from __future__ import annotations
@@ -36,7 +36,8 @@ from diloco_trainer.models.parts import (
 )
 from diloco_trainer.models.reference import train_synchronous
 
-from bench.common import (
+from bench.decoupled_quality import make_spec as quality_spec
+from bench.harness.common import (
     LoadMonitor,
     Report,
     Table,
@@ -45,8 +46,7 @@ from bench.common import (
     publish,
     ratio,
 )
-from bench.decoupled_quality import make_spec as quality_spec
-from bench.flags import INNER_OPTIMIZER, TRAINING
+from bench.harness.flags import INNER_OPTIMIZER, TRAINING
 
 # (outer lr, momentum, H): the job's default first, then the neighbours a user would try, and
 # plain averaging (lr 1, no momentum: local SGD / FedAvg).

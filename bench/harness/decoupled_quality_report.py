@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from bench.common import Table, fmt_bytes, fmt_pct, fmt_ratio, ratio, save_figure, verdict
+from bench.harness.common import Table, fmt_bytes, fmt_pct, fmt_ratio, ratio, save_figure, verdict
 
 Results = dict[str, list[dict[str, Any]]]
 

@@ -18,7 +18,7 @@ from typing import Any
 
 from diloco_operator import api as op_api
 
-from bench.common import track
+from bench.harness.common import track
 from hack.localcluster.harness import (
     ControlPlane,
     OperatorProcess,

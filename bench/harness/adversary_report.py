@@ -22,8 +22,8 @@ import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from bench.common import Report, Table, fmt_ratio, verdict
-from bench.decoupled_quality_report import interp
+from bench.harness.common import Report, Table, fmt_ratio, verdict
+from bench.harness.decoupled_quality_report import interp
 
 TARGET = 0.02  # eval loss within 2% of the baseline's at equal honest tokens
 # Student's t, two-sided 95%, by degrees of freedom (seeds - 1); beyond 10, 10's (conservative).
@@ -301,7 +301,7 @@ def report(outcomes: Sequence[Outcome], args: argparse.Namespace) -> Report:
         "adversary's answers: its pushes accepted, else their HTTP statuses (200: answered after "
         "the job finished; 403: after it was dropped); reopened: held connections the syncer "
         "closed or answered, opened again.",
-        "Verdict on a mean (bench/adversary_report.judge): met when |mean - 1| + w <= 2%, "
+        "Verdict on a mean (bench/harness/adversary_report.judge): met when |mean - 1| + w <= 2%, "
         "MISSED when |mean - 1| - w > 2%, else not resolved; w = t(seeds - 1) x sample sd / "
         "sqrt(seeds), the 95% interval's half-width (Student's t). "
         "Every ratio of a seed shares that seed's one baseline run, whose own noise is in them.",

@@ -1,6 +1,6 @@
-"""The job's sync rules at K = M, in one process, on exactly equal tokens (bench/ablation.py).
+"""The job's sync rules at K = M, in one process, on exactly equal tokens (bench.studies.ablation).
 
-M islands (each its own model, AdamW and data shard, as bench/outer_sweep.py) step in lockstep;
+M islands (each its own model, AdamW and data shard, as bench.studies.outer_sweep) step in lockstep;
 everything between them is the product's own code, called as the syncer and the learners call
 it, so a knob can be switched on alone:
 

@@ -1,4 +1,4 @@
-"""One rank of the plain torch DDP baseline (gloo, loopback): `python -m bench.ddp_worker`.
+"""One rank of the plain torch DDP baseline (gloo, loopback): `python -m bench.harness.ddp_worker`.
 
 Every rank trains on its own data shard (shard = rank of M, as an island would) and DDP averages
 the gradients every step: synchronous data-parallel training over real processes. A communication
@@ -24,8 +24,8 @@ from diloco_trainer.models.parts import build_parts, evaluate, make_inner_optimi
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 from torch.nn.parallel import DistributedDataParallel
 
-from bench.common import ring_allreduce_bytes
-from bench.peer_training import forward_backward
+from bench.harness.common import ring_allreduce_bytes
+from bench.harness.peer_training import forward_backward
 
 
 class CountingAllreduce:

@@ -2,8 +2,8 @@
 
 A GPU learner's link thread pulls each merged fragment, rebuilds it and hands it to the device
 while the training thread steps. In a job on an H200 the inner steps ran 11% slower in windows
-with a push and a pull than in those without (bench/RESULTS.md, "learner_overlap in a job on an
-NVIDIA H200"), and that job could not say which part of the link's work did it. This runs the
+with a push and a pull than in those without (bench/log/2026-11-27.md, "learner_overlap in a job on
+an NVIDIA H200"), and that job could not say which part of the link's work did it. This runs the
 plain training loop (bench/learner_step's) in this process while a second thread repeats one kind
 of that work without pause, and reports each kind's step time against the loop alone, measured
 in the same run, in alternation (`--rounds`):
@@ -22,8 +22,8 @@ in the same run, in alternation (`--rounds`):
 The background work runs back to back, so its share of the time is higher than in a job (about
 three quarters of the link's time there). Each kind's seconds per repetition is reported too.
 
-    python -m bench.link_interference                 # CPU, gpt-tiny: the host kinds only
-    python -m bench.link_interference --device cuda --preset gpt-125m --precision bf16 \
+    python -m bench.studies.link_interference                 # CPU, gpt-tiny: the host kinds only
+    python -m bench.studies.link_interference --device cuda --preset gpt-125m --precision bf16 \
         --batch-size 16 --seq-len 1024
 
 Torch-only besides the trainer: it runs on a GPU machine with the trainer alone.

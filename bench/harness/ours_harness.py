@@ -27,7 +27,7 @@ from diloco_trainer.local import (
     write_job_files,
 )
 
-from bench.common import track
+from bench.harness.common import track
 
 # One intra-op thread per process: M learners and the syncer share a few cores, as peers do.
 THREADS_ENV = {"OMP_NUM_THREADS": "1"}

@@ -2,16 +2,16 @@
 
 On decoupled_quality's setup (gpt-tiny, M = 4, H = 30, 600 steps per island, the same inner
 optimizer and data), every variant trains in one process with the product's own sync code
-(bench/ablation_sim.py): the blocking configuration (fp32 both ways, one fragment, no overlap,
-mean merge: torchft's DiLoCo computation), each default switched on alone (int8 pushes, int8
-pulls, 2 streamed fragments, overlap τ = 5 with the steps kept, token-weighted merge), and all of
-them (the job's defaults), on exactly equal tokens and free of timing noise, for several seeds.
+(bench/studies/ablation_sim.py): the blocking configuration (fp32 both ways, one fragment, no
+overlap, mean merge: torchft's DiLoCo computation), each default switched on alone (int8 pushes,
+int8 pulls, 2 streamed fragments, overlap τ = 5 with the steps kept, token-weighted merge), and all
+of them (the job's defaults), on exactly equal tokens and free of timing noise, for several seeds.
 Fragments are pushed when learner/schedule.plan_step says: none in the job's first round since
 issue 23 ("..., first-round push" is the rule before it).
 `--leave-one-out` adds the defaults with one knob switched back off.
 
-    python -m bench.ablation                      # seeds 0-2 and held-out 3, 4
-    python -m bench.ablation --seeds 0 --only blocking defaults --no-record
+    python -m bench.studies.ablation                      # seeds 0-2 and held-out 3, 4
+    python -m bench.studies.ablation --seeds 0 --only blocking defaults --no-record
 """
 
 from __future__ import annotations
@@ -26,10 +26,10 @@ from typing import Any
 
 import torch
 
-from bench.ablation_sim import Knobs, Simulation
-from bench.common import LoadMonitor, Report, Table, base_parser, fmt_ratio, publish
 from bench.decoupled_quality import make_spec
-from bench.flags import INNER_OPTIMIZER, TRAINING
+from bench.harness.common import LoadMonitor, Report, Table, base_parser, fmt_ratio, publish
+from bench.harness.flags import INNER_OPTIMIZER, TRAINING
+from bench.studies.ablation_sim import Knobs, Simulation
 
 BLOCKING = Knobs()
 DEFAULTS = Knobs(push="int8", pull="int8", fragments=2, overlap=5, merge="tokens")

@@ -8,8 +8,8 @@ file's own `stopAfter.outerSteps` rounds process (M x steps x batch x seqLen per
 quorums train on the same number of tokens (the syncer's merged-token count, what
 `stopAfter.tokens` counts).
 
-    python -m bench.example_quorum                     # seeds 0 and 1
-    python -m bench.example_quorum --seeds 0 --no-record
+    python -m bench.studies.example_quorum                     # seeds 0 and 1
+    python -m bench.studies.example_quorum --seeds 0 --no-record
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from typing import Any
 
 import yaml
 
-from bench.common import (
+from bench.harness.common import (
     REPO_ROOT,
     LoadMonitor,
     Report,

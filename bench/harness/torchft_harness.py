@@ -15,7 +15,7 @@ from pathlib import Path
 
 from diloco_trainer.local import Proc, free_port
 
-from bench.common import poll_until, start_module
+from bench.harness.common import poll_until, start_module
 
 
 def lighthouse_binary() -> str:
@@ -70,7 +70,7 @@ def start_lighthouse(job: TorchftJob) -> Proc:
         job.port = free_port()
     import subprocess
 
-    from bench.common import track
+    from bench.harness.common import track
 
     log = job.workdir / "torchft-lighthouse.log"
     with log.open("ab") as out:
@@ -142,7 +142,7 @@ def start_replica(
         args += ["--save-dir", str(job.save_dir(replica))]
     return start_module(
         f"torchft-replica{replica}",
-        "bench.torchft_worker",
+        "bench.harness.torchft_worker",
         args,
         env={"RUST_LOG": "warn", "OMP_NUM_THREADS": "1"},
         log_file=job.workdir / f"torchft-replica{replica}.{incarnation}.log",

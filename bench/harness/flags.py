@@ -1,6 +1,6 @@
 """The flags several benchmarks share, each written once: its name, type and help here, its
 default in the benchmark that uses it (`base_parser(__doc__, islands=4, inner_steps=20, ...)` in
-bench/common.py), because the defaults are what makes each benchmark fit its time budget."""
+bench/harness/common.py), because the defaults are what makes each benchmark fit its time budget."""
 
 from __future__ import annotations
 

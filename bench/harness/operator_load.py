@@ -18,8 +18,8 @@ from diloco_operator.resources import JOB_LABEL
 from kubernetes import watch
 from kubernetes.client.exceptions import ApiException
 
-from bench.common import Table, fmt_bytes, fmt_ratio, ratio, verdict
-from bench.kube_cluster import Api, histogram_buckets, histogram_quantile, metric_value
+from bench.harness.common import Table, fmt_bytes, fmt_ratio, ratio, verdict
+from bench.harness.kube_cluster import Api, histogram_buckets, histogram_quantile, metric_value
 from hack.localcluster.harness import OperatorProcess
 
 RECONCILE = "diloco_operator_reconcile_seconds"

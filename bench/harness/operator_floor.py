@@ -1,13 +1,13 @@
 """The floor of the many-job load: the same burst, with no operator, created by a plain client.
 
-What the API server (and the controller-manager making pods behind it) costs for a burst of N
-jobs on this machine, measured in the same run as the operator's load (bench/operator_load.py):
-the jobs are created one after another exactly as in the load, and each job's objects (the
-exact ones the operator would write for it, from its own pure builders) are created directly by
-this process with the operator's concurrency: FIRST_RECONCILE_SLOTS jobs at a time in arrival
-order, each job's objects at once over API_THREADS threads. No operator runs while it does;
-the namespace is one the operator never watches. Each job's latency is timed the same way as
-the load's (its create answered -> the first watch event of its last expected child).
+What the API server (and the controller-manager making pods behind it) costs for a burst of N jobs
+on this machine, measured in the same run as the operator's load (bench/harness/operator_load.py):
+the jobs are created one after another exactly as in the load, and each job's objects (the exact
+ones the operator would write for it, from its own pure builders) are created directly by this
+process with the operator's concurrency: FIRST_RECONCILE_SLOTS jobs at a time in arrival order, each
+job's objects at once over API_THREADS threads. No operator runs while it does; the namespace is one
+the operator never watches. Each job's latency is timed the same way as the load's (its create
+answered -> the first watch event of its last expected child).
 
 The operator's figures are then reported as ratios to this floor: a ratio near 1 means the
 operator adds little to what the API server needs anyway for that burst.
@@ -28,9 +28,9 @@ from diloco_operator.kube import API_THREADS
 from kubernetes import client
 from kubernetes.dynamic import DynamicClient
 
-from bench.common import Table, fmt_ratio, ratio
-from bench.kube_cluster import Api
-from bench.operator_load import ChildWatch, pct
+from bench.harness.common import Table, fmt_ratio, ratio
+from bench.harness.kube_cluster import Api
+from bench.harness.operator_load import ChildWatch, pct
 
 Objects = Callable[[dict[str, Any]], list[dict[str, Any]]]
 

@@ -13,9 +13,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from bench.common import poll_until
-from bench.ours_harness import OursRun
-from bench.peer_training import read_progress
+from bench.harness.common import poll_until
+from bench.harness.ours_harness import OursRun
+from bench.harness.peer_training import read_progress
 
 
 class StatusSampler:

@@ -11,11 +11,11 @@ turn; the median and the fastest are printed, with the ratio of the first path's
 second's (old / new). Both paths give the same bytes (tests/unit/test_learner_push_encoding.py,
 test_learner_mixing.py, test_published.py); this measures only their time.
 
-    python -m bench.host_sync_path                        # gpt-125m, 2 fragments, one thread
-    python -m bench.host_sync_path --fragment 1           # the one with the embedding
-    python -m bench.host_sync_path --preset gpt-mini      # a fragment under ONE_PASS_FROM
-    taskset -c 0 python -m bench.host_sync_path --threads 1
-    THP_MEM_ALLOC_ENABLE=1 python -m bench.host_sync_path # torch's allocations in huge pages
+    python -m bench.studies.host_sync_path                       # gpt-125m, 2 fragments, one thread
+    python -m bench.studies.host_sync_path --fragment 1           # the one with the embedding
+    python -m bench.studies.host_sync_path --preset gpt-mini      # a fragment under ONE_PASS_FROM
+    taskset -c 0 python -m bench.studies.host_sync_path --threads 1
+    THP_MEM_ALLOC_ENABLE=1 python -m bench.studies.host_sync_path  # torch's allocations, huge pages
 
 Torch-only besides the trainer.
 """
@@ -40,12 +40,12 @@ from diloco_trainer.learner.mixing import pseudo_gradient, received_weights, rec
 from diloco_trainer.learner.push_encoding import encode_int8_batched, snapshot_and_encode_int8
 from diloco_trainer.models.model import build_model
 
-from bench.in_turn import times_in_turn
+from bench.harness.in_turn import times_in_turn
 
 
 def timed(cases: list[Callable[[], object]], repeats: int) -> list[dict[str, float]]:
     """Median and fastest wall seconds of each of `cases` over `repeats` runs, taken in turn
-    (bench/in_turn.py)."""
+    (bench/harness/in_turn.py)."""
     return [
         {"median": statistics.median(t), "fastest": min(t)} for t in times_in_turn(cases, repeats)
     ]

@@ -1,4 +1,4 @@
-"""What every benchmark shares: machine facts, git revision, ratios, tables, RESULTS.md, processes.
+"""What every benchmark shares: machine facts, git revision, ratios, tables, the log, processes.
 
 Every figure a benchmark reports is a ratio against a baseline measured in the same run, because
 the machines these run on are shared and noisy; the absolute numbers are printed too, for context.
@@ -26,20 +26,29 @@ from typing import Any
 
 from diloco_trainer.local import Proc
 
-from bench.flags import add_shared_flags
+from bench.harness.flags import add_shared_flags
 from hack.localcluster import harness
 
-BENCH_DIR = Path(__file__).resolve().parent
+BENCH_DIR = Path(__file__).resolve().parents[1]
 REPO_ROOT = BENCH_DIR.parent
-RESULTS_PATH = BENCH_DIR / "RESULTS.md"
+# Every run appends its dated section to the log, one file a day (bench/log/README.md); the
+# one-page summary, bench/RESULTS.md, is updated by hand from it.
+LOG_DIR = BENCH_DIR / "log"
 
-RESULTS_HEADER = """# Benchmark results
+RESULTS_HEADER = """# Benchmark results of {day} (log)
 
-Appended by the scripts in `bench/` (see bench/README.md): one section per run, newest last, each
-with the command, the git revision and the machine it ran on. Every figure is a ratio against a
-baseline measured in the same run; absolute numbers are given for context only. The load average
-says how contended the (shared) machine was while the run took place.
+Appended by the scripts in `bench/` (see bench/README.md and bench/log/README.md): one section per
+run, newest last, each with the command, the git revision and the machine it ran on. Every figure
+is a ratio against a baseline measured in the same run; absolute numbers are given for context
+only. The load average says how contended the (shared) machine was while the run took place. The
+latest figures of each product benchmark are copied by hand into bench/RESULTS.md.
 """
+
+
+def log_path(day: dt.date | None = None) -> Path:
+    """The log file a run started on `day` (default: today, UTC) appends to: bench/log/DAY.md."""
+    day = day or dt.datetime.now(dt.UTC).date()
+    return LOG_DIR / f"{day.isoformat()}.md"
 
 
 @dataclass(frozen=True)
@@ -55,7 +64,7 @@ class Machine:
     kernel: str
 
     def describe(self) -> str:
-        """One line for RESULTS.md."""
+        """One line for the run's log section."""
         return (
             f"{self.cpu_model}, {self.usable_cores} usable of {self.cores} cores, "
             f"{self.ram_gib:.1f} GiB RAM, torch {self.torch}, Python {self.python}, "
@@ -130,8 +139,12 @@ def git_revision(repo: Path = REPO_ROOT) -> str:
 
 def command_line() -> str:
     """The command that reproduces this run."""
-    module = Path(sys.argv[0]).stem
-    return shlex.join(["python", "-m", f"bench.{module}", *sys.argv[1:]])
+    script = Path(sys.argv[0]).resolve()
+    try:  # bench/studies/ablation.py -> bench.studies.ablation
+        module = ".".join(script.relative_to(REPO_ROOT).with_suffix("").parts)
+    except ValueError:
+        module = f"bench.{script.stem}"
+    return shlex.join(["python", "-m", module, *sys.argv[1:]])
 
 
 def ratio(value: float, baseline: float) -> float:
@@ -169,7 +182,7 @@ def verdict(met: bool) -> str:
 
 @dataclass
 class Table:
-    """A result table: printed with rich on the terminal, written as Markdown to RESULTS.md."""
+    """A result table: printed with rich on the terminal, written as Markdown to the log."""
 
     title: str
     columns: Sequence[str]
@@ -241,7 +254,7 @@ class LoadMonitor:
 
 @dataclass
 class Report:
-    """Everything one benchmark run appends to RESULTS.md."""
+    """Everything one benchmark run appends to the log (bench/log/DAY.md)."""
 
     script: str
     summary: str
@@ -277,9 +290,11 @@ class Report:
 
 
 def append_results(
-    report: Report, *, load: LoadMonitor, path: Path = RESULTS_PATH, command: str | None = None
+    report: Report, *, load: LoadMonitor, path: Path | None = None, command: str | None = None
 ) -> str:
-    """Print the report's tables and append its section (never replacing earlier runs) to `path`."""
+    """Print the report's tables and append its section (never replacing earlier runs) to `path`
+    (default: today's log file, bench/log/DAY.md)."""
+    path = path or log_path()
     for table in report.tables:
         table.print()
     for note in report.notes:
@@ -292,7 +307,9 @@ def append_results(
         base=path.parent,
     )
     if not path.exists() or not path.read_text().strip():
-        path.write_text(RESULTS_HEADER + "\n")
+        path.parent.mkdir(parents=True, exist_ok=True)
+        day = dt.datetime.now(dt.UTC).date().isoformat()
+        path.write_text(RESULTS_HEADER.format(day=day) + "\n")
     with path.open("a") as f:
         f.write("\n" + text)
     print(f"appended to {path}")
@@ -301,7 +318,8 @@ def append_results(
 
 def publish(report: Report, args: argparse.Namespace, load: LoadMonitor) -> int:
     """The end of a benchmark's main: its tables, notes and plots printed, and with recording
-    on (no --no-record) its section appended to --results. Returns the exit code."""
+    on (no --no-record) its section appended to --results (default: today's log file).
+    Returns the exit code."""
     if not args.no_record:
         append_results(report, load=load, path=args.results)
         return 0
@@ -315,8 +333,8 @@ def publish(report: Report, args: argparse.Namespace, load: LoadMonitor) -> int:
 
 
 def plot_file(args: argparse.Namespace, name: str) -> Path:
-    """Where a run's plot goes: plots/ beside the results file, or a temp file with --no-record
-    (so a trial run never overwrites a recorded plot)."""
+    """Where a run's plot goes: plots/ beside the results file (bench/log/plots/ by default), or a
+    temp file with --no-record (so a trial run never overwrites a recorded plot)."""
     if args.no_record:
         import tempfile
 
@@ -367,13 +385,14 @@ def save_figure(fig: Any, path: Path) -> None:
 
 def base_parser(description: str, **shared: Any) -> argparse.ArgumentParser:
     """An argument parser with the flags every benchmark has, and the shared flags of
-    bench/flags.py named by `shared` (flag name -> this benchmark's default)."""
+    bench/harness/flags.py named by `shared` (flag name -> this benchmark's default)."""
     p = argparse.ArgumentParser(description=description)
     p.add_argument(
         "--results",
         type=Path,
-        default=RESULTS_PATH,
-        help="Markdown file the run's section is appended to (default: bench/RESULTS.md)",
+        default=log_path(),
+        help="Markdown file the run's section is appended to (default: today's log file, "
+        "bench/log/YYYY-MM-DD.md; bench/RESULTS.md is updated by hand from the log)",
     )
     p.add_argument("--no-record", action="store_true", help="print only; do not append")
     p.add_argument(

@@ -1,0 +1,1 @@
+"""The benchmarks' shared harness: machine facts, recording, peers, slow links, the cluster."""
