@@ -227,15 +227,15 @@ def test_guards_no_island_is_dropped_for_a_bound_it_did_not_set() -> None:
 def test_guards_steps_and_tokens_of_one_round() -> None:
     g = guard()
     most_steps = guards.STEP_ROUNDS * 10 + 2
-    g.check_work(tokens=most_steps * 4 * 16 * 2, steps=most_steps, replicas=2)
-    assert refusal_code(g.check_work, tokens=1, steps=most_steps + 1, replicas=2) == (
+    g.work.check(tokens=most_steps * 4 * 16 * 2, steps=most_steps, replicas=2)
+    assert refusal_code(g.work.check, tokens=1, steps=most_steps + 1, replicas=2) == (
         protocol.ERROR_STEPS_RANGE
     )
-    assert refusal_code(g.check_work, tokens=10 * 4 * 16 + 1, steps=10, replicas=1) == (
+    assert refusal_code(g.work.check, tokens=10 * 4 * 16 + 1, steps=10, replicas=1) == (
         protocol.ERROR_TOKENS_RANGE
     )
     # 10**19 tokens (larger than int64) over one step: refused, not merged with all the weight.
-    assert refusal_code(g.check_work, tokens=10**19, steps=1, replicas=2) == (
+    assert refusal_code(g.work.check, tokens=10**19, steps=1, replicas=2) == (
         protocol.ERROR_TOKENS_RANGE
     )
 

@@ -8,11 +8,9 @@ refusal is a 403 naming the credential and what it may not do; the island's stat
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-
 from aiohttp import web
 
-from diloco_trainer.api import credentials, protocol
+from diloco_trainer.api import credentials
 from diloco_trainer.api.credentials import Principal
 from diloco_trainer.syncer.errors import Refused
 
@@ -25,12 +23,6 @@ def authenticate(root: str, token: str) -> Principal:
     if principal is None:
         raise Refused(403, "invalid bearer token")
     return principal
-
-
-def require_island(principal: Principal, island: str, route: str) -> None:
-    """Refused(403) unless `principal` may act as `island` (join, push, heartbeat, leave)."""
-    if not principal.may_act_as(island):
-        raise Refused(403, f"{principal.describe()} may not {route} as island {island!r}")
 
 
 def require_membership(principal: Principal, island: str) -> None:
@@ -47,15 +39,3 @@ def principal_of(request: web.Request) -> Principal:
     """The principal the auth middleware stored on the request (root when there is none: the
     handlers called directly, without the middleware, in unit tests)."""
     return request.get(PRINCIPAL) or Principal(credentials.ROOT)
-
-
-def require_push(principal: Principal, meta: Mapping[str, str]) -> None:
-    """Refused(403) unless `principal` may push as the island a push's metadata (its header,
-    read once: validation.read_push_header) names; 400 when it names none. The root may push
-    anything: the push path checks the metadata itself."""
-    if principal.kind == credentials.ROOT:
-        return
-    island = meta.get(protocol.META_ISLAND)
-    if not island:
-        raise Refused(400, f"push metadata has no {protocol.META_ISLAND!r}")
-    require_island(principal, island, "push")

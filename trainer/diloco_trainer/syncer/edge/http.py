@@ -32,7 +32,6 @@ from diloco_trainer.syncer.edge.access import (
     PRINCIPAL,
     authenticate,
     principal_of,
-    require_island,
     require_membership,
 )
 from diloco_trainer.syncer.edge.limits import (
@@ -42,6 +41,7 @@ from diloco_trainer.syncer.edge.limits import (
     read_body,
 )
 from diloco_trainer.syncer.errors import Refused
+from diloco_trainer.syncer.intake.rights import require_island
 from diloco_trainer.syncer.intake.validation import (
     MAX_REPLICAS,
     MAX_SECONDS,

@@ -27,6 +27,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from diloco_trainer.api import protocol
+from diloco_trainer.api.protocol import PushMeta
 from diloco_trainer.api.spec import ConfigError, JobSpec, load_spec
 from diloco_trainer.syncer.errors import Refused
 from diloco_trainer.syncer.intake.admission import RETRY_AFTER, Admission, evictable
@@ -35,9 +36,12 @@ from diloco_trainer.syncer.intake.guards import (
     ContributionRefused,
     DeltaStats,
 )
+from diloco_trainer.syncer.intake.payload import EncodedPayload
+from diloco_trainer.syncer.intake.validation import push_contribution
 from diloco_trainer.syncer.state.gauges import SyncerMetrics
 from diloco_trainer.syncer.state.membership import Membership
-from diloco_trainer.syncer.state.records import DROPPED
+from diloco_trainer.syncer.state.records import DROPPED, Contribution
+from diloco_trainer.syncer.state.rounds import SyncState
 
 log = logging.getLogger("diloco.syncer")
 
@@ -145,7 +149,7 @@ class Gate:
     def _check_one_push(self, members: Membership, island: str, *, tokens: int, steps: int) -> None:
         replicas = self.replicas(members, island)
         try:
-            self.guard.check_work(tokens=tokens, steps=steps, replicas=replicas)
+            self.guard.work.check(tokens=tokens, steps=steps, replicas=replicas)
         except ContributionRefused as err:
             rec = members.islands.get(island)
             undercounted = rec is not None and rec.replicas > replicas
@@ -154,15 +158,30 @@ class Gate:
             if not self._reload_islands():  # islands.replicas may have grown
                 raise
             replicas = self.replicas(members, island)
-            self.guard.check_work(tokens=tokens, steps=steps, replicas=replicas)
+            self.guard.work.check(tokens=tokens, steps=steps, replicas=replicas)
 
-    def check_delta(self, fragment: int, island: str, stats: DeltaStats) -> None:
-        """The guards' checks of `island`'s decoded pseudo-gradient (finite, norm bounds)."""
-        self.guard.check_delta(fragment, island, stats)
+    def admit_push(self, state: SyncState, fragment: int, meta: PushMeta) -> None:
+        """Admit a push before its values are read: the island known and not dropped, its base
+        version neither stale nor ahead (rounds.check_push), the work it claims within the
+        guards' bounds (check_work). Refused, with nothing changed, otherwise."""
+        state.check_push(fragment, meta.island, meta.base_version)
+        self.check_work(state.membership, meta.island, tokens=meta.tokens, steps=meta.steps)
 
-    def accepted(self, fragment: int, island: str, stats: DeltaStats) -> None:
-        """An accepted push: its norm joins the history and its island's refusals reset."""
-        self.guard.accepted(fragment, island, stats)
+    def judge_push(
+        self,
+        state: SyncState,
+        fragment: int,
+        meta: PushMeta,
+        payload: EncodedPayload,
+        stats: DeltaStats,
+        now: float,
+    ) -> Contribution:
+        """A measured push as its round's contribution: admitted again (a merge or a drop may
+        have happened while it was measured), its values within the guards' bounds (finite,
+        norm bounds). Refused, with nothing changed, otherwise."""
+        lag = state.check_push(fragment, meta.island, meta.base_version)
+        self.guard.check_delta(fragment, meta.island, stats)
+        return push_contribution(meta, lag=lag, payload=payload, now=now)
 
     def refused(
         self, members: Membership, fragment: int, island: str, err: Refused, now: float

@@ -281,9 +281,6 @@ class ContributionGuard:
         self.rate = WorkRate(self.work.max_steps, len(self.caps))
         self.directions = Directions(len(self.caps))
 
-    def check_work(self, *, tokens: int, steps: int, replicas: int) -> None:
-        self.work.check(tokens=tokens, steps=steps, replicas=replicas)
-
     def take_steps(self, island: str, steps: int, step_time: float, now: float) -> None:
         """The island's claimed steps from its credit over time (WorkRate)."""
         self.rate.take(island, steps, step_time, now)

@@ -9,17 +9,20 @@ import json
 import math
 import re
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import safetensors.torch
 import torch
 
 from diloco_trainer.api import protocol
+from diloco_trainer.api.credentials import Principal
 from diloco_trainer.core import payloads
 from diloco_trainer.core.compress import check_encoded
 from diloco_trainer.syncer.errors import Refused
 from diloco_trainer.syncer.intake.guards import DeltaStats, delta_stats
 from diloco_trainer.syncer.intake.payload import EncodedPayload
+from diloco_trainer.syncer.intake.rights import require_push
 from diloco_trainer.syncer.state.records import Contribution
 
 ISLAND_NAME = re.compile(r"^[A-Za-z0-9]([-A-Za-z0-9_.]{0,251}[A-Za-z0-9])?$")
@@ -161,6 +164,26 @@ def read_push_tensors(body: bytes | bytearray) -> dict[str, torch.Tensor]:
         return safetensors.torch.load(body)
     except Exception as err:  # the Rust parser raises its own error types
         raise Refused(400, f"push body: body is not valid safetensors: {err}") from None
+
+
+@dataclass(frozen=True)
+class IncomingPush:
+    """A push's body as read: its typed metadata, its still-encoded tensors and its size."""
+
+    meta: protocol.PushMeta
+    flat: dict[str, torch.Tensor]
+    size: int
+
+
+def read_push(body: bytes | bytearray, principal: Principal, codec: str) -> IncomingPush:
+    """A push's body read in order: the safetensors header once, the credential allowed to push
+    as the island it names (rights.require_push), the metadata parsed into typed, bounded
+    fields, the encoded tensors taken (P-sized: a worker thread calls this). Refused (400, 403),
+    with nothing changed, at the first problem."""
+    raw_meta = read_push_header(body)
+    require_push(principal, raw_meta)
+    meta = parse_push_meta(raw_meta, codec)
+    return IncomingPush(meta=meta, flat=read_push_tensors(body), size=len(body))
 
 
 def measure_push(fragment: int, payload: EncodedPayload) -> DeltaStats:

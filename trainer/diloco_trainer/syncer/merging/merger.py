@@ -116,10 +116,6 @@ class Merger:
         self.metrics.merge_failures.inc(len(left.islands))
         state.discard(merge.fragment, left.islands, merge.now)
 
-    def commit(self, merge: MergeInput, prepared: PreparedMerge, new_version: int) -> MergeResult:
-        """Step 4 (worker thread, the fragment's lock held): apply the merge to the global model."""
-        return self.model.commit_merge(merge.fragment, prepared, new_version=new_version)
-
     def record(
         self, state: SyncState, merge: MergeInput, result: MergeResult, seconds: float
     ) -> MergeRecord:

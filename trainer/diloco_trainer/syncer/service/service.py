@@ -380,7 +380,9 @@ class Syncer:
                     self.merger.recover(self.state, merge, prepared)
                 return
             new_version = self.state.versions[f] + 1  # only this merge moves f's version
-            result = await asyncio.to_thread(self.merger.commit, merge, prepared, new_version)
+            result = await asyncio.to_thread(
+                self.model.commit_merge, f, prepared, new_version=new_version
+            )
             del prepared  # the merged pseudo-gradient (1/F x) goes before the new body comes
             # f's new pull body, built before the round closes so that it is pullable the
             # moment the version moves; its key is checked again then (publish re-encodes it
