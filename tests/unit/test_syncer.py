@@ -18,8 +18,7 @@ from diloco_trainer.core import payloads
 from diloco_trainer.core.compress import encode_tensors
 from diloco_trainer.core.merge import merge_pseudo_gradients
 from diloco_trainer.core.outer import OuterOptimizer
-from diloco_trainer.syncer.intake.validation import parse_push_meta
-from diloco_trainer.syncer.merging.global_model import fragment_body_limit
+from diloco_trainer.syncer.intake.validation import fragment_body_limit, parse_push_meta
 from diloco_trainer.syncer.service.service import Syncer
 from diloco_trainer.syncer.state.rounds import Refused
 from diloco_trainer.syncer.storage import checkpoint as ckpt

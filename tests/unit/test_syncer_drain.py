@@ -143,3 +143,29 @@ def test_the_finish_evaluates_merges_that_completed_no_outer_step(
     loss = history[-1]["evalLoss"]
     assert f"final eval at outer step 0 (100 tokens): loss {loss:.4f}" in caplog.text
     assert run(syncer.status())["evalHistory"][-1]["tokens"] == 100
+
+
+def test_a_merge_that_reaches_the_stop_logs_the_final_evaluation_once(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The merge that reaches stopAfter evaluates the final weights: its loss is logged on one
+    line, not again on the merge's own line (it was logged twice)."""
+    spec = make_spec(
+        islands={"count": 1},
+        sync={"quorum": 1, "graceSeconds": 0},
+        stopAfter={"outerSteps": 1, "tokens": None},
+    )
+
+    async def scenario() -> Syncer:
+        syncer = await started(spec, tmp_path, FakeClock())
+        await syncer.islands.join("island-0", 1)
+        await syncer.receive_push(0, body(syncer, 0, "island-0", delta(syncer, 0, 0)))
+        await syncer.tick()
+        return syncer
+
+    with caplog.at_level(logging.INFO, logger="diloco.syncer"):
+        syncer = run(scenario())
+    assert syncer.finished and syncer.state.outer_step == 1
+    loss = syncer.jobs.evaluations.history[-1]["evalLoss"]
+    assert caplog.text.count(f"{loss:.4f}") == 1
+    assert "final eval at outer step 1 (" in caplog.text

@@ -59,7 +59,7 @@ def _cmd_learner(args: argparse.Namespace) -> int:
 def _cmd_syncer(args: argparse.Namespace) -> int:
     if not require_trainer("syncer"):
         return MISSING_EXTRA
-    from diloco_trainer.syncer.service.service import main as syncer_main
+    from diloco_trainer.syncer.service import main as syncer_main
 
     return syncer_main(args)
 

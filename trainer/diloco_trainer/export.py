@@ -40,7 +40,7 @@ from diloco_trainer.api.manifest import CheckpointManifest
 from diloco_trainer.api.protocol import SyncerError
 from diloco_trainer.api.sharding import fragments_of, shard_dirs, shard_of
 from diloco_trainer.api.spec import ConfigError, load_spec
-from diloco_trainer.syncer.storage.checkpoint import (
+from diloco_trainer.syncer.storage import (
     CHECKPOINTS_DIR,
     MANIFEST_FILE,
     list_checkpoints,

@@ -41,8 +41,7 @@ from diloco_trainer.syncer.edge.limits import (
     read_body,
 )
 from diloco_trainer.syncer.errors import Refused
-from diloco_trainer.syncer.intake.rights import require_island
-from diloco_trainer.syncer.intake.validation import (
+from diloco_trainer.syncer.intake import (
     MAX_REPLICAS,
     MAX_SECONDS,
     MAX_WIRE_INT,
@@ -50,12 +49,11 @@ from diloco_trainer.syncer.intake.validation import (
     at_most,
     island_name,
     json_too_deep,
+    require_island,
     typed_field,
 )
-from diloco_trainer.syncer.state.gauges import CONTENT_TYPE as METRICS_CONTENT_TYPE
-from diloco_trainer.syncer.state.gauges import SyncerMetrics
-from diloco_trainer.syncer.state.problems import Health
-from diloco_trainer.syncer.state.records import Beat
+from diloco_trainer.syncer.state import CONTENT_TYPE as METRICS_CONTENT_TYPE
+from diloco_trainer.syncer.state import Beat, Health, SyncerMetrics
 
 log = logging.getLogger("diloco.syncer")
 

@@ -30,9 +30,8 @@ from diloco_trainer.api.sharding import (
 )
 from diloco_trainer.api.spec import ConfigError, JobSpec
 from diloco_trainer.syncer.errors import Refused
-from diloco_trainer.syncer.merging.merge_log import MergeLog
-from diloco_trainer.syncer.state.records import RoundPolicy
-from diloco_trainer.syncer.state.rounds import SyncState
+from diloco_trainer.syncer.merging import MergeLog
+from diloco_trainer.syncer.state import RoundPolicy, SyncState
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 

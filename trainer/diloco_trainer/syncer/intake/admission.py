@@ -32,7 +32,7 @@ from diloco_trainer.api import protocol
 from diloco_trainer.api.documents import IslandStatus
 from diloco_trainer.api.spec import IslandsSpec, JobSpec
 from diloco_trainer.syncer.errors import Refused
-from diloco_trainer.syncer.state.records import LEFT, TIMED_OUT, IslandRecord
+from diloco_trainer.syncer.state import LEFT, TIMED_OUT, IslandRecord
 
 NAME = re.compile(
     r"^(?:(?P<prefix>[a-z0-9](?:[-a-z0-9]{0,18}[a-z0-9])?)-)?island-(?P<index>0|[1-9]\d{0,5})$"

@@ -38,10 +38,7 @@ from diloco_trainer.syncer.intake.guards import (
 )
 from diloco_trainer.syncer.intake.payload import EncodedPayload
 from diloco_trainer.syncer.intake.validation import push_contribution
-from diloco_trainer.syncer.state.gauges import SyncerMetrics
-from diloco_trainer.syncer.state.membership import Membership
-from diloco_trainer.syncer.state.records import DROPPED, Contribution
-from diloco_trainer.syncer.state.rounds import SyncState
+from diloco_trainer.syncer.state import DROPPED, Contribution, Membership, SyncerMetrics, SyncState
 
 log = logging.getLogger("diloco.syncer")
 

@@ -14,7 +14,7 @@ from safetensors import safe_open
 
 from diloco_trainer.core.compress import decode_tensor, decoded_slices, expected_encoded
 from diloco_trainer.core.fold import abs_max, largest
-from diloco_trainer.syncer.storage.checkpoint import write_tensors_unhashed
+from diloco_trainer.syncer.storage import write_tensors_unhashed
 
 
 class EncodedPayload(Mapping[str, torch.Tensor]):

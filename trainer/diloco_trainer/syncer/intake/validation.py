@@ -18,12 +18,12 @@ import torch
 from diloco_trainer.api import protocol
 from diloco_trainer.api.credentials import Principal
 from diloco_trainer.core import payloads
-from diloco_trainer.core.compress import check_encoded
+from diloco_trainer.core.compress import check_encoded, expected_encoded
 from diloco_trainer.syncer.errors import Refused
 from diloco_trainer.syncer.intake.guards import DeltaStats, delta_stats
 from diloco_trainer.syncer.intake.payload import EncodedPayload
 from diloco_trainer.syncer.intake.rights import require_push
-from diloco_trainer.syncer.state.records import Contribution
+from diloco_trainer.syncer.state import Contribution
 
 ISLAND_NAME = re.compile(r"^[A-Za-z0-9]([-A-Za-z0-9_.]{0,251}[A-Za-z0-9])?$")
 # The largest count a client may report: 2**53 - 1 (exact in JSON numbers, within int64).
@@ -242,3 +242,22 @@ def json_too_deep(raw: bytes | str, limit: int = MAX_JSON_DEPTH) -> bool:
         elif ch in "]}":
             depth -= 1
     return False
+
+
+# Push size limit: exact encoded payload, plus 5%, plus header room (per-tensor JSON entries and
+# metadata). Anything larger cannot be a valid push for this fragment.
+BODY_SLACK_RATIO = 1.05
+
+
+BODY_SLACK_BYTES = 64 * 1024
+
+
+HEADER_BYTES_PER_KEY = 256
+
+
+def fragment_body_limit(expected: dict[str, torch.Size], codec: str) -> int:
+    """The largest push body accepted for a fragment with these tensors under `codec`."""
+    spec = expected_encoded(expected, codec)
+    payload = sum(shape.numel() * dtype.itemsize for dtype, shape in spec.values())
+    header = HEADER_BYTES_PER_KEY * len(spec) + BODY_SLACK_BYTES
+    return int(payload * BODY_SLACK_RATIO) + header

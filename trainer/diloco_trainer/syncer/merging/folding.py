@@ -30,8 +30,8 @@ import torch
 
 from diloco_trainer.core.contributions import Contributor, MergePlan, plan_merge
 from diloco_trainer.core.fold import MergeFold, SlicedVectors
-from diloco_trainer.syncer.intake.payload import EncodedPayload
-from diloco_trainer.syncer.state.records import Contribution
+from diloco_trainer.syncer.intake import EncodedPayload
+from diloco_trainer.syncer.state import Contribution
 
 log = logging.getLogger("diloco.syncer")
 

@@ -24,9 +24,7 @@ from types import ModuleType
 import torch
 from torch import nn
 
-from diloco_trainer.api.sharding import ERROR_WRONG_SHARD, WRONG_SHARD_STATUS
 from diloco_trainer.api.spec import ConfigError, JobSpec
-from diloco_trainer.core.compress import expected_encoded
 from diloco_trainer.core.contributions import Contributor, MergePlan, plan_merge
 from diloco_trainer.core.fold import SLICE as FOLD_SLICE
 from diloco_trainer.core.fragments import split_fragments
@@ -34,11 +32,10 @@ from diloco_trainer.core.merge import merge_pseudo_gradients
 from diloco_trainer.core.outer import BUFFER_PREFIX, FusedSlice, OuterOptimizer
 from diloco_trainer.core.payloads import body_data, body_layout
 from diloco_trainer.core.published import UpdateWriter, WeightUpdate, publish_update
-from diloco_trainer.syncer.errors import Refused
-from diloco_trainer.syncer.intake.payload import EncodedPayload
+from diloco_trainer.syncer.intake import EncodedPayload
 from diloco_trainer.syncer.merging.folding import RoundFolds
 from diloco_trainer.syncer.merging.merge_checks import MAX_MERGED_ABS, MergeInputError, check_merged
-from diloco_trainer.syncer.state.rounds import Contribution
+from diloco_trainer.syncer.state import Contribution
 from diloco_trainer.syncer.storage import checkpoint as ckpt
 
 log = logging.getLogger("diloco.syncer")
@@ -64,20 +61,6 @@ def use_fused_merge(pull_compression: str, largest_fragment: int, setting: str) 
 
 
 Tensors = dict[str, torch.Tensor]
-
-# Push size limit: exact encoded payload, plus 5%, plus header room (per-tensor JSON entries and
-# metadata). Anything larger cannot be a valid push for this fragment.
-BODY_SLACK_RATIO = 1.05
-BODY_SLACK_BYTES = 64 * 1024
-HEADER_BYTES_PER_KEY = 256
-
-
-def fragment_body_limit(expected: dict[str, torch.Size], codec: str) -> int:
-    """The largest push body accepted for a fragment with these tensors under `codec`."""
-    spec = expected_encoded(expected, codec)
-    payload = sum(shape.numel() * dtype.itemsize for dtype, shape in spec.values())
-    header = HEADER_BYTES_PER_KEY * len(spec) + BODY_SLACK_BYTES
-    return int(payload * BODY_SLACK_RATIO) + header
 
 
 @dataclass(frozen=True)
@@ -159,7 +142,6 @@ class GlobalModel:
         self.weights: Tensors = {n: t for n, t in every.items() if n in mine}
         release_tensors([t for n, t in every.items() if n not in mine])
         del every
-        self.body_limits = [fragment_body_limit(e, spec.sync.compression) for e in self.expected]
         # θ_pub: what learners hold. With pull codec none it is θ_exact itself (no copy).
         # Otherwise each fragment's θ_pub lives in the data part of its full pull body
         # (payloads.body_data: the publisher serves it as it is, no second copy), and a merge
@@ -383,14 +365,6 @@ class GlobalModel:
     def owns(self, f: int) -> bool:
         """Whether this process holds and merges fragment f (every fragment but on a shard)."""
         return f in self.owned
-
-    def check_owned(self, f: int) -> None:
-        """Refused (421, wrong_shard) for a fragment another syncer shard owns (the HTTP edge
-        refuses it first: shard_scope.py; this keeps the service's own calls honest)."""
-        if not self.owns(f):
-            raise Refused(
-                WRONG_SHARD_STATUS, f"fragment {f} is another syncer shard's", ERROR_WRONG_SHARD
-            )
 
     def numels(self) -> list[int]:
         """The number of elements of each fragment (owned or not)."""

@@ -11,8 +11,8 @@ from torch import Tensor
 
 from diloco_trainer.core.fold import abs_max
 from diloco_trainer.core.merge import contribution_weight
-from diloco_trainer.syncer.intake.guards import delta_stats
-from diloco_trainer.syncer.state.records import Contribution
+from diloco_trainer.syncer.intake import delta_stats
+from diloco_trainer.syncer.state import Contribution
 
 # A merged pseudo-gradient with an element beyond this is refused before the outer step: with
 # finite weights and momentum the step then cannot overflow fp32 (max 3.4e38).

@@ -32,7 +32,7 @@ from typing import Any
 from diloco_trainer.api.documents import MergeContributor, MergeRecord
 from diloco_trainer.api.manifest import CheckpointManifest
 from diloco_trainer.syncer.merging.global_model import MergeResult
-from diloco_trainer.syncer.state.records import Contribution
+from diloco_trainer.syncer.state import Contribution
 
 MERGE_LOG_FILE = "merges.jsonl"
 RECENT_MERGES = 20

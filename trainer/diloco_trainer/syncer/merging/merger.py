@@ -26,10 +26,7 @@ from diloco_trainer.api.documents import MergeRecord
 from diloco_trainer.syncer.merging.global_model import GlobalModel, MergeResult, PreparedMerge
 from diloco_trainer.syncer.merging.merge_checks import offenders
 from diloco_trainer.syncer.merging.merge_log import MERGE_LOG, MergeLog
-from diloco_trainer.syncer.state.gauges import SyncerMetrics
-from diloco_trainer.syncer.state.problems import MERGE, Health
-from diloco_trainer.syncer.state.records import Contribution
-from diloco_trainer.syncer.state.rounds import SyncState
+from diloco_trainer.syncer.state import MERGE, Contribution, Health, SyncerMetrics, SyncState
 
 log = logging.getLogger("diloco.syncer")
 

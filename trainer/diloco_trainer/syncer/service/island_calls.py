@@ -13,12 +13,12 @@ from typing import Any
 
 from diloco_trainer.api.documents import HeartbeatAnswer, JoinInfo, MembershipAnswer
 from diloco_trainer.api.spec import JobSpec
-from diloco_trainer.syncer.intake.gate import Gate
-from diloco_trainer.syncer.merging.global_model import GlobalModel
+from diloco_trainer.syncer.intake import Gate
+from diloco_trainer.syncer.merging import GlobalModel
 from diloco_trainer.syncer.service.control import Control
-from diloco_trainer.syncer.state.records import Beat
-from diloco_trainer.syncer.state.rounds import SyncState
-from diloco_trainer.syncer.state.targets import (
+from diloco_trainer.syncer.state import (
+    Beat,
+    SyncState,
     budget_tokens,
     horizon_seconds,
     merged_elsewhere,

@@ -30,10 +30,8 @@ from diloco_trainer.api.documents import CheckpointRef
 from diloco_trainer.api.manifest import CheckpointManifest
 from diloco_trainer.api.spec import JobSpec
 from diloco_trainer.models.parts import TrainingParts, evaluate
-from diloco_trainer.syncer.merging.global_model import GlobalModel, TensorSnapshot
-from diloco_trainer.syncer.merging.heap import trim
-from diloco_trainer.syncer.state.gauges import SyncerMetrics
-from diloco_trainer.syncer.state.problems import CHECKPOINT, CORRUPT, Health
+from diloco_trainer.syncer.merging import GlobalModel, TensorSnapshot, trim
+from diloco_trainer.syncer.state import CHECKPOINT, CORRUPT, Health, SyncerMetrics
 from diloco_trainer.syncer.storage import checkpoint as ckpt
 
 log = logging.getLogger("diloco.syncer")
@@ -245,7 +243,8 @@ class BackgroundJobs:
         if self._eval_due(step) or (self.evaluates and tokens > self.evaluations.last_tokens):
             loss = await asyncio.to_thread(self.evaluations.evaluate_live)
             self.evaluations.record(loss, step=step, tokens=tokens)
-            # Logged here: a finish after every island drained follows no merge line to carry it.
+            # Every evaluation's line is logged here, the final one once (the merge's own line
+            # does not repeat it).
             log.info("final eval at outer step %d (%d tokens): loss %.4f", step, tokens, loss)
         await self.checkpoints.write(await snapshot())
         self.checkpoints.last_step = step

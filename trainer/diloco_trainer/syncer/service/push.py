@@ -34,15 +34,17 @@ from diloco_trainer.api.credentials import Principal
 from diloco_trainer.api.documents import PushAnswer
 from diloco_trainer.api.protocol import PushMeta
 from diloco_trainer.syncer.errors import Refused
-from diloco_trainer.syncer.intake.gate import Gate
-from diloco_trainer.syncer.intake.guards import DeltaStats
-from diloco_trainer.syncer.intake.payload import EncodedPayload
-from diloco_trainer.syncer.intake.validation import IncomingPush, measure_push, read_push
-from diloco_trainer.syncer.merging.global_model import GlobalModel
+from diloco_trainer.syncer.intake import (
+    DeltaStats,
+    EncodedPayload,
+    Gate,
+    IncomingPush,
+    measure_push,
+    read_push,
+)
+from diloco_trainer.syncer.merging import GlobalModel
 from diloco_trainer.syncer.service.control import Control
-from diloco_trainer.syncer.state.gauges import SyncerMetrics
-from diloco_trainer.syncer.state.records import Contribution
-from diloco_trainer.syncer.state.rounds import SyncState
+from diloco_trainer.syncer.state import Contribution, SyncerMetrics, SyncState
 
 
 class PushPath:

@@ -53,13 +53,13 @@ from diloco_trainer.api import credentials
 from diloco_trainer.api.contract import ContractError
 from diloco_trainer.api.credentials import Principal
 from diloco_trainer.api.documents import SyncerStatus
+from diloco_trainer.api.sharding import ERROR_WRONG_SHARD, WRONG_SHARD_STATUS
 from diloco_trainer.api.spec import JobSpec
 from diloco_trainer.cpus import configure_threads
 from diloco_trainer.syncer.edge import server
 from diloco_trainer.syncer.errors import Refused
-from diloco_trainer.syncer.merging.heap import return_freed_memory, trim
-from diloco_trainer.syncer.merging.merge_log import describe_merge
-from diloco_trainer.syncer.merging.merger import LeftOut
+from diloco_trainer.syncer.intake import fragment_body_limit
+from diloco_trainer.syncer.merging import LeftOut, describe_merge, return_freed_memory, trim
 from diloco_trainer.syncer.service import startup
 from diloco_trainer.syncer.service.control import Control
 from diloco_trainer.syncer.service.island_calls import IslandCalls
@@ -71,8 +71,8 @@ from diloco_trainer.syncer.service.status_document import (
     checkpoint_manifest,
     status_document,
 )
-from diloco_trainer.syncer.serving.publisher import Body, BodyKey
-from diloco_trainer.syncer.state.targets import drained_at_budget, stop_reached
+from diloco_trainer.syncer.serving import Body, BodyKey
+from diloco_trainer.syncer.state import drained_at_budget, stop_reached
 
 __all__ = ["Syncer", "main"]
 
@@ -122,6 +122,8 @@ class Syncer:
         self.gate = built.gate
         self.spec_hash = built.spec_hash
         self.resumed_from = built.resumed_from
+        # The largest push body each fragment accepts (validation.fragment_body_limit).
+        self.body_limits = [fragment_body_limit(e, self.codec) for e in self.model.expected]
         self.control = Control(len(self.model.fragments), clock, finished=built.finished)
         self.pushes = PushPath(
             self.control,
@@ -246,12 +248,17 @@ class Syncer:
         n = len(self.model.fragments)
         if not 0 <= fragment < n:
             raise Refused(404, f"fragment {fragment} does not exist (0..{n - 1})")
-        self.model.check_owned(fragment)
+        if not self.model.owns(fragment):  # the HTTP edge refuses it first (shard_scope.py)
+            raise Refused(
+                WRONG_SHARD_STATUS,
+                f"fragment {fragment} is another syncer shard's",
+                ERROR_WRONG_SHARD,
+            )
 
     def push_limit(self, fragment: int) -> int:
         """The largest push body `fragment` accepts; Refused(404) when it does not exist."""
         self.check_fragment(fragment)
-        return self.model.body_limits[fragment]
+        return self.body_limits[fragment]
 
     async def receive_push(
         self, fragment: int, body: bytes | bytearray, principal: Principal = ROOT
@@ -407,13 +414,12 @@ class Syncer:
         # The merge's small temporaries back to the system once it is pullable (memory.py).
         await asyncio.to_thread(trim)
         self.merger.logged(seconds)
-        evaluated = await self._after_merge()
-        eval_note = f"; eval loss {evaluated:.4f}" if evaluated is not None else ""
-        log.info("%s%s", describe_merge(entry), eval_note)
+        log.info("%s", describe_merge(entry))
+        await self._after_merge()
 
-    async def _after_merge(self) -> float | None:
-        """Publish, evaluate, checkpoint and finish as due (merge lock held); returns an eval
-        loss when one was computed here (the finish), else None.
+    async def _after_merge(self) -> None:
+        """Publish, evaluate, checkpoint and finish as due (merge lock held). Every evaluation
+        logs its own line (jobs.py), the final one once, whether a merge or a drain ends the job.
 
         Normally the merged fragments are published first, then the evaluation and checkpoint
         read the live weights (jobs.py): learners never wait for them, the next merge does. At
@@ -423,20 +429,19 @@ class Syncer:
         if not self.stop_reached():
             await self.publisher.publish(self._body_keys())
             await self.jobs.after_merge(step, self.tokens, self._checkpoint_snapshot)
-            return None
-        return await self._finish()
+            return
+        await self._finish()
 
-    async def _finish(self) -> float | None:
+    async def _finish(self) -> None:
         """Evaluate and checkpoint the final state, then publish finished=true (merge lock
-        held); the final eval loss when computed here."""
+        held)."""
         step = self.state.outer_step
-        loss = await self.jobs.finish(step, self.tokens, self._checkpoint_snapshot)
+        await self.jobs.finish(step, self.tokens, self._checkpoint_snapshot)
         self.control.finished = True
         await self.publisher.publish(self._body_keys())
         short = not stop_reached(self.spec, outer_step=step, tokens=self.tokens)
         why = " (every island drained, the budget less its rounding to steps)" if short else ""
         log.info("finished at outer step %d with %d tokens%s", step, self.tokens, why)
-        return loss
 
     async def _checkpoint_snapshot(self) -> CheckpointSnapshot:
         """Everything a checkpoint of the current state needs (merge lock held, or at a stop no

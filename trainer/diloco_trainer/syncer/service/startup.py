@@ -25,20 +25,19 @@ from pathlib import Path
 
 from diloco_trainer.api.spec import ConfigError, JobSpec
 from diloco_trainer.models.parts import TrainingParts, build_parts
-from diloco_trainer.syncer.edge.shard_scope import ShardScope
-from diloco_trainer.syncer.intake.admission import Admission, admitted_records
-from diloco_trainer.syncer.intake.gate import Gate
-from diloco_trainer.syncer.intake.guards import make_guard
-from diloco_trainer.syncer.merging.global_model import GlobalModel
-from diloco_trainer.syncer.merging.merge_log import MergeLog
-from diloco_trainer.syncer.merging.merger import Merger
+from diloco_trainer.syncer.edge import ShardScope
+from diloco_trainer.syncer.intake import Admission, Gate, admitted_records, make_guard
+from diloco_trainer.syncer.merging import GlobalModel, MergeLog, Merger
 from diloco_trainer.syncer.service.jobs import BackgroundJobs
-from diloco_trainer.syncer.serving.publisher import Publisher
-from diloco_trainer.syncer.state.gauges import SyncerMetrics
-from diloco_trainer.syncer.state.problems import CORRUPT, Health
-from diloco_trainer.syncer.state.records import round_policy
-from diloco_trainer.syncer.state.rounds import SyncState
-from diloco_trainer.syncer.state.targets import stop_reached
+from diloco_trainer.syncer.serving import Publisher
+from diloco_trainer.syncer.state import (
+    CORRUPT,
+    Health,
+    SyncerMetrics,
+    SyncState,
+    round_policy,
+    stop_reached,
+)
 from diloco_trainer.syncer.storage import checkpoint as ckpt
 
 log = logging.getLogger("diloco.syncer")

@@ -11,10 +11,10 @@ from typing import Any
 
 from diloco_trainer.api.documents import CheckpointRef, SyncerStatus
 from diloco_trainer.api.manifest import CheckpointManifest
-from diloco_trainer.syncer.merging.merge_log import MergeLogSnapshot
+from diloco_trainer.syncer.merging import MergeLogSnapshot
 from diloco_trainer.syncer.service.jobs import JobsSnapshot
-from diloco_trainer.syncer.serving.publisher import PullSnapshot
-from diloco_trainer.syncer.state.rounds import RoundsSnapshot, SavedRounds
+from diloco_trainer.syncer.serving import PullSnapshot
+from diloco_trainer.syncer.state import RoundsSnapshot, SavedRounds
 
 
 @dataclass(frozen=True)

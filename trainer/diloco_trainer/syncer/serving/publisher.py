@@ -28,13 +28,13 @@ from diloco_trainer.api import protocol
 from diloco_trainer.core import payloads
 from diloco_trainer.core.compress import expected_encoded
 from diloco_trainer.core.published import WeightUpdate, history_length
-from diloco_trainer.syncer.merging.global_model import GlobalModel
+from diloco_trainer.syncer.merging import GlobalModel
 from diloco_trainer.syncer.serving.update_history import (
     Housekeeping,
     SpilledUpdateHistory,
     chain_body,
 )
-from diloco_trainer.syncer.state.gauges import SyncerMetrics
+from diloco_trainer.syncer.state import SyncerMetrics
 
 log = logging.getLogger("diloco.syncer")
 

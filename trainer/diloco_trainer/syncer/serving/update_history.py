@@ -40,7 +40,7 @@ import torch
 from diloco_trainer.api.protocol import UPDATE_SEPARATOR
 from diloco_trainer.core import payloads
 from diloco_trainer.core.published import WeightUpdate
-from diloco_trainer.syncer.storage.checkpoint import write_tensors_unhashed
+from diloco_trainer.syncer.storage import write_tensors_unhashed
 
 log = logging.getLogger("diloco.syncer")
 

@@ -1,1 +1,59 @@
-"""The syncer's state."""
+"""The syncer's state: island records and membership, each fragment's rounds and work clocks,
+the push answers kept for replays, stop targets, health problems and the metrics. Plain,
+synchronous data and transitions (no event loop, no HTTP).
+
+This face is what the other sub-packages use; the modules inside import each other directly."""
+
+from __future__ import annotations
+
+from diloco_trainer.syncer.state.gauges import CONTENT_TYPE, SyncerMetrics
+from diloco_trainer.syncer.state.membership import Membership
+from diloco_trainer.syncer.state.problems import CHECKPOINT, CORRUPT, MERGE, Health
+from diloco_trainer.syncer.state.records import (
+    DROPPED,
+    LEFT,
+    TIMED_OUT,
+    Beat,
+    Contribution,
+    IslandRecord,
+    RoundPolicy,
+    round_policy,
+)
+from diloco_trainer.syncer.state.rounds import RoundsSnapshot, SavedRounds, SyncState
+from diloco_trainer.syncer.state.targets import (
+    budget_tokens,
+    drained_at_budget,
+    horizon_seconds,
+    merged_elsewhere,
+    pace_of,
+    stop_reached,
+    stop_targets,
+)
+
+__all__ = [
+    "CHECKPOINT",
+    "CONTENT_TYPE",
+    "CORRUPT",
+    "DROPPED",
+    "LEFT",
+    "MERGE",
+    "TIMED_OUT",
+    "Beat",
+    "Contribution",
+    "Health",
+    "IslandRecord",
+    "Membership",
+    "RoundPolicy",
+    "RoundsSnapshot",
+    "SavedRounds",
+    "SyncState",
+    "SyncerMetrics",
+    "budget_tokens",
+    "drained_at_budget",
+    "horizon_seconds",
+    "merged_elsewhere",
+    "pace_of",
+    "round_policy",
+    "stop_reached",
+    "stop_targets",
+]
