@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import torch
+from diloco_trainer.syncer.merging import heap
 from diloco_trainer.syncer.merging.heap import return_freed_memory
 
 
@@ -40,13 +41,20 @@ def test_freed_buffers_leave_the_process() -> None:
 
 # Run in a fresh interpreter: in the test process, earlier tests leave free holes in the heap
 # that the small live blocks would fill, the buffers would end up contiguous at the heap's top,
-# and free() alone would trim them, leaving trim() nothing to show.
+# and free() alone would trim them, leaving trim() nothing to show. For the same reason the
+# module is loaded from its file, not through its package's face, whose imports (the global
+# model, numba, safetensors) leave such holes too.
 _TRIM_SCENARIO = """
+import importlib.util
 import json
 from pathlib import Path
 
 import torch
-from diloco_trainer.syncer.merging.heap import return_freed_memory, trim
+
+_spec = importlib.util.spec_from_file_location("heap", HEAP_FILE)
+heap = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(heap)
+return_freed_memory, trim = heap.return_freed_memory, heap.trim
 
 
 def rss():
@@ -79,7 +87,10 @@ def test_trim_hands_back_free_pages_between_live_blocks() -> None:
     """Blocks below the threshold come from the heap; freed between live ones, their pages stay
     with the process until trim() gives them back."""
     out = subprocess.run(
-        [sys.executable, "-c", _TRIM_SCENARIO], check=True, capture_output=True, text=True
+        [sys.executable, "-c", _TRIM_SCENARIO.replace("HEAP_FILE", repr(heap.__file__))],
+        check=True,
+        capture_output=True,
+        text=True,
     )
     got = json.loads(out.stdout.strip().splitlines()[-1])
     assert got["fixed"] and got["trimmed"]
