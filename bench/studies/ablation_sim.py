@@ -100,10 +100,11 @@ class Island:
 
 
 def eager_start(base: dict[str, Tensor], previous: dict[str, Tensor]) -> dict[str, Tensor]:
-    """An eager update, tried and not adopted (bench/RESULTS.md, issue 23): right after a push
-    the island jumps to θ_base + (θ_base − θ_previous), the global weights moved once more by the
-    last update it saw (a guess of the merge its push goes into), and takes its τ overlapped
-    steps from there instead of from its own weights; they are kept on top of the real merge."""
+    """An eager update, tried and not adopted (bench/log/2026-11-26.md, "ablation (issue 23): which
+    sync default costs quality"): right after a push the island jumps to θ_base + (θ_base −
+    θ_previous), the global weights moved once more by the last update it saw (a guess of the merge
+    its push goes into), and takes its τ overlapped steps from there instead of from its own
+    weights; they are kept on top of the real merge."""
     return {n: 2.0 * base[n] - previous[n] for n in base}
 
 

@@ -1,4 +1,4 @@
-"""What fp16 with fsdp relies on (docs/learner.md, "fp16 and fsdp"): torch.amp.GradScaler on
+"""What fp16 with fsdp relies on (docs/learner-design.md, "fp16 and fsdp"): torch.amp.GradScaler on
 FSDP2's sharded (DTensor) gradients agrees across an island's ranks whether a step overflowed.
 
 Each rank checks only its own rows of every gradient, so an inf on one rank must skip the

@@ -1,7 +1,8 @@
 """A GPU learner's host/device copies (learner/device_copies.py) on the CPU, where they are the
 identity: host tensors come back as they are, with nothing to wait for. (The CUDA side runs in
-hack/gpu-check.sh's MODE=injob and MODE=pull, where a GPU is lent: bench/RESULTS.md.) The device
-rebuild of a compressed pull is run here on the CPU: the same ops, without pinned memory."""
+hack/gpu-check.sh's MODE=injob and MODE=pull, where a GPU is lent: bench/log/2026-11-27.md,
+"compressed pulls applied on the GPU".) The device rebuild of a compressed pull is run here on the
+CPU: the same ops, without pinned memory."""
 
 from __future__ import annotations
 

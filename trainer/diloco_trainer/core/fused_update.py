@@ -6,8 +6,9 @@ about twenty element-wise passes over each 1 MiB slice: the merge's division, m 
 gradient term, θ's move, θ − θ_pub, each block's max |x|, the quantise, the int8 write and its
 read-back, the scales, θ_pub's add. Each is quick in cache but they add up: one syncer thread
 spent 0.36-0.55 s on a gpt-125m fragment (64M values) against 0.15 s for the floor of the
-syncer benchmark (bench/syncer_scale.py, bench/RESULTS.md). This loop does the same arithmetic
-per 128-value block, with the same roundings:
+syncer benchmark (bench/syncer_scale.py, bench/log/2026-11-27.md, "a plain round merged in one
+compiled loop a slice"). This loop does the same arithmetic per 128-value block, with the same
+roundings:
 
     g = acc / d                        (torch: acc.div_(d); d = 1 when the fold divided nothing)
     m = m·β + g                        (m.mul_(β), then m.add_(g): two roundings, no FMA)

@@ -92,8 +92,9 @@ def share_of_slack(*, learners_block: bool) -> float:
     identical islands across merges, for good: on two shared cores islands pushed 0.3-0.5 s apart
     while ½ of the slack was 0.27 s, and K = 2 and K = 1 merged two or three islands' work for
     rounds on end (1.023x and 1.015x K = M's loss over 3 seeds; with a 0.6 s window, every merge
-    was a whole round and both were within 1%; bench/RESULTS.md, decoupled_quality). The window
-    still closes early when every island expected before it has pushed (expected_push_time).
+    was a whole round and both were within 1%; bench/log/2026-11-24.md, "decoupled_quality —
+    2026-11-24 08:38"). The window still closes early when every island expected before it has
+    pushed (expected_push_time).
     """
     return GAMMA if learners_block else GAMMA_DECOUPLED
 

@@ -18,8 +18,8 @@ guards against bugs and mixed-up bases (a learner from before a syncer restart),
 attacker: the channel is authenticated already. It is computed by ISA-L (the `isal` package:
 zlib's CRC-32, the same polynomial and values, folded with carry-less multiplies): 7.4 GB/s on
 this project's CPU machine against 3.0 GB/s for the zlib Python links, where a merge's checksum
-of θ_pub was a sixth of the path from its last push to pullable (bench/RESULTS.md). It releases
-the interpreter lock as zlib's does.
+of θ_pub was a sixth of the path from its last push to pullable (bench/log/2026-11-26.md, "the merge
+path's passes, tried one at a time"). It releases the interpreter lock as zlib's does.
 """
 
 from __future__ import annotations

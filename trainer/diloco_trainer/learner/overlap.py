@@ -44,7 +44,7 @@ class OverlapFit:
         not block for its merge (K < M) keeps the cap: it never waits, so there is no wait to
         fit τ against, and its merges also wait out the syncer's grace window, which L leaves
         out (on gpt-tiny at K = 1 and 2 a fitted τ was 0.5-4.9% behind the cap at equal tokens
-        in one run per seed: bench/RESULTS.md, issue 23)."""
+        in one run per seed: bench/log/2026-11-26.md, "sync.overlapMode auto")."""
         return fit_overlap(
             mode=self.spec.sync.overlap_mode if self.blocking else "fixed",
             cap=self.cap,

@@ -56,9 +56,10 @@ def poll_from_steps(*, apply_from: str, overlap: int) -> int:
     "overlap" (the default): τ, so every merge keeps τ local steps on top of it, however early it
     came back. "arrival": the step after the push (min(1, τ): with τ = 0 the push step itself
     waits), so a merge back in L < τ steps keeps L steps, not τ. Why: at K = M on gpt-mini the τ = 5
-    kept steps cost 1.0-1.6% of the loss against τ = 1 (bench/RESULTS.md, decoupled_quality
-    14:10), while the merges came back in a step or two; τ stays the most a learner trains on
-    before it waits, so a slow syncer's latency is hidden as before.
+    kept steps cost 1.0-1.6% of the loss against τ = 1 (bench/log/2026-11-26.md, "gpt-mini against
+    torchft in real processes") (figure not found in the log), while the merges came back in a
+    step or two; τ stays the most a learner trains on before it waits, so a slow syncer's latency
+    is hidden as before.
     """
     if apply_from not in APPLY_FROMS:
         raise ValueError(
@@ -98,10 +99,10 @@ def fit_overlap(
     round, where the weights change fastest, cost most (gpt-mini at K = M, seeds 0 and 1: 1.0095x
     and 1.0014x of torchft's loss with the cap there, 1.0030x / 0.9990x and 0.9960x with one step).
 
-    Why: every kept step is a step taken from a base the merge has moved, and on gpt-mini at
-    K = M the τ = 5 kept steps cost 1.1-3.1% of the loss at equal tokens against τ = 0, where the
-    merges came back within a step or two (bench/RESULTS.md, issue 23); on a GPU whose merges
-    take many steps the fit is the cap, as before.
+    Why: every kept step is a step taken from a base the merge has moved, and on gpt-mini at K = M
+    the τ = 5 kept steps cost 1.1-3.1% of the loss at equal tokens against τ = 0, where the merges
+    came back within a step or two (bench/log/2026-11-26.md, "overlapSteps 0 on gpt-mini"); on a GPU
+    whose merges take many steps the fit is the cap, as before.
     """
     if mode not in OVERLAP_MODES:
         raise ValueError(
@@ -422,10 +423,11 @@ def lateness_within(
 # there is once islands are in phase: on two shared cores they jitter by 1-6 steps a round at
 # H = 30 (0.02-0.17 s at 0.027 s a step), and correcting each one made identical islands chase
 # each other (advance 6, delay 1, delay 2, advance 4, ...), their work per push 24-33 steps, and
-# K = 1 ended 1.5-4% behind K = M (bench/RESULTS.md, 09:48). An offset under an eighth of a round
-# costs the islands ahead at most that many steps of staleness on the merge they apply; the
-# offset the rule exists for (a start-up lag of 10-18 steps of 50 in examples/local.yaml) is well
-# above it. Readings of a missed merge (merge_lateness) have no dead band: missing one is news.
+# K = 1 ended 1.5-4% behind K = M (bench/log/2026-11-24.md, "decoupled_quality — 2026-11-24 09:48").
+# An offset under an eighth of a round costs the islands ahead at most that many steps of staleness
+# on the merge they apply; the offset the rule exists for (a start-up lag of 10-18 steps of 50 in
+# examples/local.yaml) is well above it. Readings of a missed merge (merge_lateness) have no dead
+# band: missing one is news.
 WITHIN_DEADBAND = 1 / 8
 
 

@@ -7,7 +7,8 @@ round, until phase alignment (schedule.py) has moved it a few steps at a time. W
 short that is whole rounds: in bench/decoupled_quality (gpt-tiny, rounds of about a second on two
 shared cores) two of four islands joined 2.9 s after the others, the first merges held two
 islands' work, the late two pushed 60 and 90 steps at once, and K = 2 ended 3.6% behind K = M,
-where its runs whose islands joined together were within 1% (bench/RESULTS.md, 2026-11-27).
+where its runs whose islands joined together were within 1% (bench/log/2026-11-27.md, "a fresh
+job's islands started together").
 
 So in a fresh job (every fragment at version 0) rank 0 waits, once it has joined and taken the
 global weights, until the syncer has heard of every island of the job (its status's

@@ -54,7 +54,8 @@ class WindowCosts:
         """The progress line's tail, e.g. '20 steps: 1.200s training, 0.031s sync path, 3.750s
         waiting for the syncer; 2.41s cpu'. Milliseconds: a GPU's 20 steps of gpt-mini take
         0.28 s and their sync path 5-15 ms, which two decimals rounded to 0.01 s, a share
-        between 2% and 5% (bench/RESULTS.md, 2026-11-27 15:35)."""
+        between 2% and 5% (bench/log/2026-11-27.md, "learner_overlap on an NVIDIA H200 (issue
+        21): longer jobs")."""
         return (
             f"{self.steps} steps: {self.training:.3f}s training, {self.sync_path:.3f}s sync "
             f"path, {self.waiting:.3f}s waiting for the syncer; {self.cpu:.2f}s cpu"
@@ -73,8 +74,9 @@ WAIT_HINT_SHARE = 0.2
 def wait_hint(costs: WindowCosts, *, merge_wait: str, overlap_steps: int) -> str | None:
     """What to change when a blocking learner spends a large share of a window waiting for the
     merges of its own pushes (its steps are faster than the syncer's round trip: a GPU island
-    beside a CPU syncer, bench/RESULTS.md), or None. Holds at the step cap are waits too, but
-    the hint is worded for the merge waits that the default rule makes."""
+    beside a CPU syncer, bench/log/2026-11-27.md, "learner_overlap in a job on an NVIDIA H100"), or
+    None. Holds at the step cap are waits too, but the hint is worded for the merge waits that the
+    default rule makes."""
     share = costs.waiting_share()
     if share < WAIT_HINT_SHARE or merge_wait != "overlap":
         return None

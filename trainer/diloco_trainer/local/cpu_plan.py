@@ -33,7 +33,8 @@ def cpu_split(
     else None (all share every CPU: CPU learners need them for their steps, and the syncer is
     idle between merges; `auto` may be either, so it is not split). A GPU learner's steps are
     fed by one Python thread; beside a syncer merging on every core, an H100's gpt-125m steps
-    ran 7-12% slower (bench/RESULTS.md), where in a cluster the syncer has a pod of its own."""
+    ran 7-12% slower (bench/log/2026-11-27.md, "learner_overlap in a job on an NVIDIA H100"), where
+    in a cluster the syncer has a pod of its own."""
     if syncer is not None:
         if not syncer <= cpus or not cpus - syncer:
             raise ContractError(

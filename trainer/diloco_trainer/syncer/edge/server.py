@@ -90,7 +90,7 @@ def run(make_syncer: SyncerFactory) -> int:
     # free (their Python between torch calls). At the default 5 ms switch interval each loop
     # iteration that waited for the lock lost up to 5 ms to them: the long-polls a merge woke
     # resumed 30-50 ms after it was pullable at gpt-125m. At 0.5 ms they resume within 1 ms
-    # (bench/RESULTS.md, syncer_scale).
+    # (bench/log/2026-11-26.md, "syncer_scale — 2026-11-26 23:08").
     sys.setswitchinterval(LOOP_SWITCH_INTERVAL)
     limits = HttpLimits.from_spec(spec)
     app = build_app(syncer, env.token, limits)

@@ -289,11 +289,12 @@ class GlobalModel:
         thread, f's lock held). The fragment's outer momentum is made here if it has none yet
         (its first round): 1/F x of fresh pages zeroed on the push path, where the round waits
         for its other pushes anyway, not on the merge's path to pullable (0.05-1.7 s at
-        gpt-125m and gpt-350m, bench/RESULTS.md). The peak is the same: the momentum is in it
-        from the first merge on either way. (θ_pub's update tensors are not made here: written
-        fresh by the merge, their page faults cost it 0.04-0.06 s at gpt-125m, but made at the
-        first push they would be held beside the fragment's newest update while its round is
-        open, one update over the peak: bench/RESULTS.md.)"""
+        gpt-125m and gpt-350m, bench/log/2026-11-26.md, "syncer_scale — 2026-11-26 17:12"). The peak
+        is the same: the momentum is in it from the first merge on either way. (θ_pub's update
+        tensors are not made here: written fresh by the merge, their page faults cost it 0.04-0.06 s
+        at gpt-125m, but made at the first push they would be held beside the fragment's newest
+        update while its round is open, one update over the peak: bench/log/2026-11-26.md,
+        "syncer_scale — 2026-11-26 23:08".)"""
         self.outer.reserve(self.fragments[f])
         self.folds.add(f, contribution, payload, lag_rounds)
 

@@ -9,7 +9,8 @@ Blocks below the threshold (an evaluation's activations, a merge's small tempora
 to the heap of the thread that made them, where the free ones between live ones stay with the
 process: `trim()` after an evaluation and a merge hands their pages back (glibc's malloc_trim,
 which releases free pages inside the heaps too, not only at their tops). At gpt-125m they
-were the 0.01-0.02x that put the syncer's peak over its bound (bench/RESULTS.md)."""
+were the 0.01-0.02x that put the syncer's peak over its bound (bench/log/2026-11-26.md,
+"issue 20, fifth part: the heaps trimmed")."""
 
 from __future__ import annotations
 

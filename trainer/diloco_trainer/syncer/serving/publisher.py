@@ -60,8 +60,8 @@ class _Dropped:
     """The last references to bodies a publish replaced, let go where it runs (a worker
     thread): freeing P/F-sized memory blocks the thread that frees it (munmap: 40 ms for 256 MB
     here), and on the event loop, where install runs, that held up every long-poll its publish
-    had just woken (the merge's path to pullable, bench/RESULTS.md). A body still being sent
-    goes with its last response instead."""
+    had just woken (the merge's path to pullable, bench/log/2026-11-26.md, "syncer_scale —
+    2026-11-26 23:08"). A body still being sent goes with its last response instead."""
 
     def __init__(self, *held: object) -> None:
         self.held = list(held)
