@@ -4,16 +4,23 @@
   from the admin credential (which may not push at all: the slot was taken before that was
   checked), and every other island got 503 busy. Now one island's credential holds at most
   PUSHES_PER_ISLAND slots, and a credential that may not push is refused before it takes one.
-- Connection flood (finding 4): idle connections from one client filled maxConnections and
-  /healthz answered 503 (the kubelet restarts the syncer, losing merges). Now one peer address
-  holds all but a reserve of them; /healthz and the honest islands, from other addresses, answer.
+- Connection flood (finding 4; issue 46): idle connections from one client, then from two and
+  four addresses, filled maxConnections and /healthz answered 503 (the kubelet restarts the
+  syncer, losing merges). Now an unauthenticated connection is the first to go: a new connection
+  takes the place of the oldest unauthenticated one of its address or /24 at their share, or of
+  anybody's once all are taken, so /healthz and the honest islands get in and answer, from the
+  flood's own network too; one that finds no room still gets its probe answered.
 """
 
 from __future__ import annotations
 
 import http.client
 import json
+import select
 import socket
+import subprocess
+import sys
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -155,13 +162,13 @@ class FromAddress(SyncerHandle):
 def test_adversary_connection_flood_leaves_healthz_and_islands_room(syncer: SyncerHandle) -> None:
     shapes = join_all(syncer)
     honest_round(syncer, shapes)
-    elsewhere = FromAddress(**vars(syncer))
+    elsewhere = FromAddress(**vars(syncer))  # another address of the flood's /24
     flood: list[socket.socket] = []
     try:
         for _ in range(MAX_CONNECTIONS + 16):  # idle: not a byte sent
             flood.append(socket.create_connection(("127.0.0.1", syncer.port), timeout=20))
-        # The last ones were answered busy at once: the flood's address holds all it may.
-        assert read_head(flood[-1].makefile("rb")).startswith(b"HTTP/1.1 503")
+        # The newest took the oldest's place: the first was closed by the syncer, not answered.
+        assert flood[0].recv(1) == b""
         assert elsewhere.request("GET", protocol.ROUTE_HEALTHZ, token=None) == (200, {"ok": True})
         for _ in range(2):
             honest_round(elsewhere, shapes)
@@ -169,3 +176,91 @@ def test_adversary_connection_flood_leaves_healthz_and_islands_room(syncer: Sync
     finally:
         for sock in flood:
             sock.close()
+
+
+# Opens N idle connections from one source address as fast as it can, prints "open" once all
+# were attempted, and holds them until its stdin closes.
+FLOOD_SCRIPT = """
+import socket, sys
+source, port, n = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+held = []
+for _ in range(n):
+    try:
+        held.append(socket.create_connection(("127.0.0.1", port), timeout=20,
+                                             source_address=(source, 0)))
+    except OSError:
+        pass
+print("open", len(held), flush=True)
+sys.stdin.read()
+"""
+FLOOD_ADDRESSES = ("127.0.0.2", "127.0.0.3", "127.0.0.4", "127.0.0.5")
+FLOOD_CONNECTIONS = 1000  # each: 4,000 in all against the default maxConnections, 512
+PROBE_SOURCES = ("127.0.0.1", "127.0.0.2")  # the kubelet elsewhere, and from a flood address
+
+
+def timed_healthz(handle: SyncerHandle, source: str) -> tuple[float, int]:
+    """One liveness probe from `source`, as the kubelet sends it: (seconds, status)."""
+    started = time.perf_counter()
+    conn = http.client.HTTPConnection(
+        "127.0.0.1", handle.port, timeout=10, source_address=(source, 0)
+    )
+    try:
+        conn.request("GET", protocol.ROUTE_HEALTHZ)
+        status = conn.getresponse().status
+    finally:
+        conn.close()
+    return time.perf_counter() - started, status
+
+
+def test_adversary_flood_of_four_addresses_never_starves_healthz(tmp_path: Path) -> None:
+    """Issue 46's done-when: /healthz answers within 1 s throughout a flood of 4 addresses x
+    1,000 connections, at the default limits; the honest islands merge beside it."""
+    handle = start_syncer(tmp_path, SPEC, "adversary-flood")
+    floods: list[subprocess.Popen[str]] = []
+    try:
+        shapes = join_all(handle)
+        per_address = FLOOD_CONNECTIONS
+        floods = [
+            subprocess.Popen(
+                [
+                    sys.executable,
+                    "-c",
+                    FLOOD_SCRIPT,
+                    source,
+                    str(handle.port),
+                    str(per_address),
+                ],
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                text=True,
+            )
+            for source in FLOOD_ADDRESSES
+        ]
+        probes: list[tuple[float, int]] = []
+        opened = [False] * len(floods)
+        while not all(opened):  # probe throughout the flood's opening
+            probes += [timed_healthz(handle, source) for source in PROBE_SOURCES]
+            opened = [
+                o or f.poll() is not None or _ready(f) for o, f in zip(opened, floods, strict=True)
+            ]
+        # The flood holds what it could: probes and an honest round against it.
+        probes += [timed_healthz(handle, source) for _ in range(5) for source in PROBE_SOURCES]
+        honest = FromAddress(**vars(handle), source="127.0.0.6")
+        honest_round(honest, shapes)
+        probes += [timed_healthz(handle, source) for source in PROBE_SOURCES]
+    finally:
+        for f in floods:
+            if f.stdin is not None:
+                f.stdin.close()
+            f.wait(timeout=30)
+        handle.proc.stop(timeout=10)
+    assert len(probes) >= 14
+    assert [s for _, s in probes] == [200] * len(probes)
+    assert max(seconds for seconds, _ in probes) < 1.0, sorted(s for s, _ in probes)[-5:]
+
+
+def _ready(flood: subprocess.Popen[str]) -> bool:
+    """Whether the flood process said it has opened its connections (a line on its stdout)."""
+    assert flood.stdout is not None
+    ready, _, _ = select.select([flood.stdout], [], [], 0)
+    return bool(ready) and flood.stdout.readline().startswith("open")

@@ -1,26 +1,82 @@
-"""The syncer's connection cap keeps a reserve no single client can take (issue 22, finding 4):
-~530 idle connections from one client made /healthz answer 503 for as long as they were held,
-and a kubelet restarts a syncer whose liveness probe fails. A real GuardedSite on loopback; the
-flood comes from 127.0.0.2, the probe from 127.0.0.1."""
+"""The syncer's connection cap (syncer/edge/limits.py) against idle floods (issue 22, finding 4;
+issue 46): ~530 idle connections from one client, then from two addresses, made /healthz
+answer 503 for as long as they were held, and a kubelet restarts a syncer whose liveness probe
+fails. Now an unauthenticated connection is the first to go: a new one takes the place of the
+oldest unauthenticated one of its address or network prefix at their share, or of anybody's
+when every connection is taken; one finding no room still gets its probe answered. A real
+GuardedSite on loopback."""
 
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Awaitable, Callable
+from typing import Any
 
+import pytest
 from aiohttp import web
-from diloco_trainer.syncer.edge.limits import ConnectionCap, GuardedSite, HttpLimits, reserve_of
+from diloco_trainer.syncer.edge.limits import (
+    PROBE_KEY,
+    ConnectionCap,
+    GuardedSite,
+    HttpLimits,
+    mark_authenticated,
+    prefix_of,
+    reserve_of,
+)
 
-FLOOD, PROBE = "127.0.0.2", "127.0.0.1"
-# A reply's end: each answer here is small, and the busy one closes its connection.
+FLOOD, NEIGHBOUR, PROBE = "127.0.0.2", "127.0.0.3", "127.0.0.1"  # one /24
+# A reply's end: each answer here is small, and the server closes the connections read to end.
 READ_TIMEOUT = 30.0
+GET_HEALTHZ = b"GET /healthz HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"
 
 
 async def healthz(request: web.Request) -> web.Response:
     return web.json_response({"ok": True})
 
 
+async def authed(request: web.Request) -> web.Response:
+    """Stands in for a route behind the bearer-token check (http.py's auth middleware)."""
+    mark_authenticated(request.transport)
+    return web.json_response({"authenticated": True})
+
+
+def probe(route: str, strict: bool) -> tuple[int, dict[str, Any]]:
+    return 200, {"ok": True, "route": route, "strict": strict}
+
+
 async def open_from(port: int, source: str) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
     return await asyncio.open_connection("127.0.0.1", port, local_addr=(source, 0))
+
+
+async def ask(port: int, source: str, request: bytes) -> bytes:
+    reader, writer = await open_from(port, source)
+    writer.write(request)
+    try:
+        return await asyncio.wait_for(reader.read(), READ_TIMEOUT)
+    finally:
+        writer.close()
+
+
+def serving(limits: HttpLimits, scenario: Callable[[int, ConnectionCap], Awaitable[Any]]) -> Any:
+    """Run `scenario(port, cap)` against a GuardedSite with /healthz, /auth and the probe."""
+
+    async def main() -> Any:
+        app = web.Application()
+        app.router.add_get("/healthz", healthz)
+        app.router.add_get("/auth", authed)
+        app[PROBE_KEY] = probe
+        runner = web.AppRunner(app, access_log=None)
+        await runner.setup()
+        site = GuardedSite(runner, "127.0.0.1", 0, limits=limits)
+        await site.start()
+        try:
+            server = site._server
+            assert isinstance(server, asyncio.Server) and isinstance(site.cap, ConnectionCap)
+            return await scenario(server.sockets[0].getsockname()[1], site.cap)
+        finally:
+            await runner.cleanup()
+
+    return asyncio.run(main())
 
 
 def test_limits_reserve_sizes() -> None:
@@ -28,35 +84,76 @@ def test_limits_reserve_sizes() -> None:
     assert [reserve_of(n) for n in (1, 8, 16, 64, 512)] == [0, 1, 2, 8, 16]
 
 
-def test_limits_one_client_cannot_take_the_probe_reserve() -> None:
-    async def scenario() -> tuple[list[bytes], bytes, dict[str, int]]:
-        app = web.Application()
-        app.router.add_get("/healthz", healthz)
-        runner = web.AppRunner(app, access_log=None)
-        await runner.setup()
-        site = GuardedSite(runner, "127.0.0.1", 0, limits=HttpLimits(max_connections=8))
-        await site.start()
-        try:
-            server = site._server
-            assert isinstance(server, asyncio.Server)
-            port = server.sockets[0].getsockname()[1]
-            cap = site.cap
-            assert isinstance(cap, ConnectionCap) and cap.per_peer == 7  # 8 - reserve 1
-            held = [await open_from(port, FLOOD) for _ in range(8)]  # idle: no request sent
-            # The 8th is answered busy and closed (read to the end: closed server-side).
-            busy = [await asyncio.wait_for(reader.read(), READ_TIMEOUT) for reader, _ in held[7:]]
-            reader, writer = await open_from(port, PROBE)
-            writer.write(b"GET /healthz HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
-            probe = await asyncio.wait_for(reader.read(), READ_TIMEOUT)
-            writer.close()
-            peers = dict(cap.peers)
-            for _, w in held:
-                w.close()
-            return busy, probe, peers
-        finally:
-            await runner.cleanup()
+@pytest.mark.parametrize(
+    ("peer", "prefix"),
+    [
+        ("10.1.2.3", "10.1.2.0/24"),
+        ("127.0.0.200", "127.0.0.0/24"),
+        ("::ffff:10.1.2.3", "10.1.2.0/24"),  # IPv4-mapped: its IPv4 network
+        ("2001:db8:1:2:3:4:5:6", "2001:db8:1:2::/64"),
+        ("", ""),  # no address (a Unix socket): its own
+    ],
+)
+def test_limits_a_peer_shares_its_room_with_its_network(peer: str, prefix: str) -> None:
+    assert prefix_of(peer) == prefix
 
-    busy, probe, peers = asyncio.run(scenario())
-    assert all(b.startswith(b"HTTP/1.1 503") and b'"busy"' in b for b in busy), busy
-    assert probe.startswith(b"HTTP/1.1 200") and b'{"ok": true}' in probe, probe
-    assert peers == {FLOOD: 7}  # the probe's connection was closed by then
+
+def test_limits_an_idle_flood_makes_room_from_its_own_oldest() -> None:
+    async def scenario(port: int, cap: ConnectionCap) -> tuple[bytes, bytes, bytes, dict[str, int]]:
+        assert cap.per_peer == 7  # 8 - reserve 1
+        held = [await open_from(port, FLOOD) for _ in range(8)]  # idle: no request sent
+        # The 8th took the place of the first (closed by the server: read to its end).
+        first = await asyncio.wait_for(held[0][0].read(), READ_TIMEOUT)
+        # A neighbour of the flood's /24 shares its room: it takes the oldest's place too.
+        neighbour = await ask(port, NEIGHBOUR, GET_HEALTHZ)
+        second = await asyncio.wait_for(held[1][0].read(), READ_TIMEOUT)
+        peers = dict(cap.peers)
+        for _, w in held:
+            w.close()
+        return first, neighbour, second, peers
+
+    first, neighbour, second, peers = serving(HttpLimits(max_connections=8), scenario)
+    assert first == b"" and second == b""  # evicted, not answered
+    assert neighbour.startswith(b"HTTP/1.1 200") and b'{"ok": true}' in neighbour, neighbour
+    assert peers == {FLOOD: 6}  # the neighbour's connection was closed by then
+
+
+def test_limits_a_full_cap_of_authenticated_connections_still_answers_probes() -> None:
+    async def scenario(port: int, cap: ConnectionCap) -> tuple[bytes, bytes, bytes]:
+        reader, writer = await open_from(port, FLOOD)  # authenticated, kept alive: no room left
+        writer.write(b"GET /auth HTTP/1.1\r\nHost: x\r\n\r\n")
+        assert (await asyncio.wait_for(reader.readuntil(b"}"), READ_TIMEOUT)).startswith(
+            b"HTTP/1.1 200"
+        )
+        assert cap.open == 1 and not cap.waiting
+        busy_probe = await ask(port, PROBE, b"GET /healthz?strict=1 HTTP/1.1\r\nHost: x\r\n\r\n")
+        busy_other = await ask(port, PROBE, b"GET /auth HTTP/1.1\r\nHost: x\r\n\r\n")
+        silent = await ask(port, PROBE, b"")  # no request line: busy after PROBE_WAIT
+        writer.close()
+        return busy_probe, busy_other, silent
+
+    busy_probe, busy_other, silent = serving(HttpLimits(max_connections=1), scenario)
+    assert busy_probe.startswith(b"HTTP/1.1 200"), busy_probe
+    assert busy_probe.endswith(b'{"ok": true, "route": "/healthz", "strict": true}')
+    assert busy_other.startswith(b"HTTP/1.1 503") and b'"busy"' in busy_other, busy_other
+    assert silent.startswith(b"HTTP/1.1 503") and b'"busy"' in silent, silent
+
+
+def test_limits_an_unauthenticated_connection_is_closed_after_its_time() -> None:
+    async def scenario(port: int, cap: ConnectionCap) -> tuple[bytes, bytes, int]:
+        cap.unauthenticated_seconds = 0.2
+        kept_reader, kept = await open_from(port, PROBE)
+        kept.write(b"GET /auth HTTP/1.1\r\nHost: x\r\n\r\n")
+        await asyncio.wait_for(kept_reader.readuntil(b"}"), READ_TIMEOUT)
+        idle_reader, idle = await open_from(port, FLOOD)
+        closed = await asyncio.wait_for(idle_reader.read(), READ_TIMEOUT)  # the server closed it
+        # The authenticated one outlived it and still answers.
+        kept.write(b"GET /auth HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+        again = await asyncio.wait_for(kept_reader.read(), READ_TIMEOUT)
+        idle.close()
+        kept.close()
+        return closed, again, cap.silent
+
+    closed, again, silent = serving(HttpLimits(max_connections=8), scenario)
+    assert closed == b"" and silent == 1
+    assert again.startswith(b"HTTP/1.1 200"), again

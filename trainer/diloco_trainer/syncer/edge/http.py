@@ -35,8 +35,10 @@ from diloco_trainer.syncer.edge.access import (
     require_membership,
 )
 from diloco_trainer.syncer.edge.limits import (
+    PROBE_KEY,
     HttpLimits,
     Slots,
+    mark_authenticated,
     push_share,
     read_body,
 )
@@ -264,6 +266,7 @@ class SyncerRoutes:
         if scheme.lower() != "bearer" or not given.strip():
             raise Refused(401, "malformed Authorization header: expected 'Bearer <token>'")
         request[PRINCIPAL] = authenticate(self._root, given.strip())
+        mark_authenticated(request.transport)  # no longer the first to go (limits.py)
         return await handler(request)
 
     async def join(self, request: web.Request) -> web.Response:
@@ -368,22 +371,34 @@ class SyncerRoutes:
         digest = request.query.get("digest", "0") not in ("", "0", "false")
         return web.json_response(await self.syncer.status(digest=digest))
 
-    async def healthz(self, request: web.Request) -> web.Response:
-        """503 when the syncer failed (a restart is needed). Problems a restart does not fix
-        (checkpoints failing: a restart would lose what was merged since the last one) are
-        listed with 200, or 503 with ?strict=1 (for monitoring rather than liveness)."""
-        if self.syncer.failure:
-            return web.json_response({"ok": False, "error": self.syncer.failure}, status=503)
+    def probe(self, route: str, strict: bool) -> tuple[int, dict[str, Any]]:
+        """A probe's answer, (status, document), for its route: the routes below, and a
+        connection that found no room (limits._Busy), answer the same.
+
+        /healthz: 503 when the syncer failed (a restart is needed). Problems a restart does not
+        fix (checkpoints failing: a restart would lose what was merged since the last one) are
+        listed with 200, or 503 with ?strict=1 (for monitoring rather than liveness).
+        /readyz: 503 when the syncer failed, else ready with its outer step."""
+        failure = self.syncer.failure
+        if route == protocol.ROUTE_READYZ:
+            if failure:
+                return 503, {"ready": False, "error": failure}
+            return 200, {"ready": True, "outerStep": self.syncer.outer_step}
+        if failure:
+            return 503, {"ok": False, "error": failure}
         health = self.syncer.health.to_json()
         if health["healthy"]:
-            return web.json_response({"ok": True})
+            return 200, {"ok": True}
+        return (503 if strict else 200), {"ok": True, **health}
+
+    async def healthz(self, request: web.Request) -> web.Response:
         strict = request.query.get("strict", "0") not in ("", "0", "false")
-        return web.json_response({"ok": True, **health}, status=503 if strict else 200)
+        status, doc = self.probe(protocol.ROUTE_HEALTHZ, strict)
+        return web.json_response(doc, status=status)
 
     async def readyz(self, request: web.Request) -> web.Response:
-        if self.syncer.failure:
-            return web.json_response({"ready": False, "error": self.syncer.failure}, status=503)
-        return web.json_response({"ready": True, "outerStep": self.syncer.outer_step})
+        status, doc = self.probe(protocol.ROUTE_READYZ, False)
+        return web.json_response(doc, status=status)
 
     async def metrics(self, request: web.Request) -> web.Response:
         return web.Response(
@@ -420,6 +435,7 @@ def build_app(
     app.router.add_get(protocol.ROUTE_HEALTHZ, routes.healthz)
     app.router.add_get(protocol.ROUTE_READYZ, routes.readyz)
     app.router.add_get(protocol.ROUTE_METRICS, routes.metrics)
+    app[PROBE_KEY] = routes.probe  # also answered to connections that find no room
     app.on_startup.append(routes.on_startup)
     app.on_shutdown.append(routes.on_shutdown)
     app.on_cleanup.append(routes.on_cleanup)

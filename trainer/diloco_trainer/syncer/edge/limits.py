@@ -8,11 +8,19 @@
   bodyTimeoutSeconds, else 408 and the connection is closed: a client trickling one byte every
   few seconds cannot hold a connection and its buffer for ever.
 - Connections (ConnectionCap): at most maxConnections at once, counted from the TCP accept (so TLS
-  handshakes count); one more is answered 503 with Retry-After and closed. One peer address holds
-  all but reserve_of(maxConnections) of them (16, at most an eighth of the cap): a flood of idle
-  connections from one client leaves room for /healthz (the kubelet restarts a syncer whose
-  probe fails, losing the merges since its last checkpoint), the operator's calls and the
-  learners.
+  handshakes count). A connection is *unauthenticated* until one of its requests passes the
+  bearer-token check; an unauthenticated one is closed UNAUTHENTICATED_SECONDS after it opened,
+  and is the first to go when room is needed: a new connection takes the place of the oldest
+  unauthenticated one of its own address or network prefix (/24, /64) once that address or
+  prefix holds all but reserve_of(maxConnections) of them (16, at most an eighth of the cap), and
+  of the oldest unauthenticated one of anybody's once every connection is taken. So N addresses
+  of a network cannot take what one cannot, and no flood of idle or trickling connections keeps
+  a new one out: the kubelet's probes (it restarts a syncer whose probe fails, losing the
+  merges since its last checkpoint), the operator's calls and the learners get in. One address
+  also holds at most all but the reserve of them however it authenticated. A connection that
+  finds no room (every one taken and authenticated, or its address at its share with none of
+  its own to replace) is answered 503 with Retry-After and closed, unless it is a liveness or
+  readiness probe: that is answered as the route would (_Busy), so no traffic starves them.
 - Push bodies (Slots): at most maxConcurrentPushes read at once (each up to a fragment's encoded
   size), and at most push_share of them for one credential (an island's: PUSHES_PER_ISLAND, so
   one island trickling bodies cannot hold every slot); one more is answered 503 with Retry-After
@@ -27,10 +35,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ipaddress
+import json
 import logging
 import ssl
 import time
-from collections.abc import Hashable, Iterator
+from collections import Counter
+from collections.abc import Callable, Hashable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -47,6 +58,20 @@ log = logging.getLogger("diloco.syncer")
 # Connections no single peer address can take (ConnectionCap): room for the kubelet's probes
 # and the operator's calls however many connections one client holds.
 RESERVE_CONNECTIONS = 16
+# Seconds a connection stays open with no request that passed the bearer-token check (at most
+# the header timeout): an honest client sends one at once, the kubelet's probes are done by then.
+UNAUTHENTICATED_SECONDS = 5.0
+# Seconds a connection that found no room waits for its request line: a probe is answered.
+PROBE_WAIT = 1.0
+# Connections the kernel queues for accept (capped by net.core.somaxconn): a burst of new
+# connections beyond it has its SYNs dropped, and a probe among them retries only after a second.
+LISTEN_BACKLOG = 4096
+# The network prefixes whose addresses share one address's room for unauthenticated connections.
+IPV4_PREFIX = 24
+IPV6_PREFIX = 64
+# A liveness or readiness probe's answer: (status, JSON document) for a route and `strict`.
+Probe = Callable[[str, bool], tuple[int, dict[str, Any]]]
+PROBE_KEY: web.AppKey[Probe] = web.AppKey("probe")
 # Push bodies one island's credential may have read at once: two fragments' pushes overlapping
 # (the 'auto' maxConcurrentPushes has room for two per island).
 PUSHES_PER_ISLAND = 2
@@ -197,36 +222,133 @@ class Slots:
                 del self.owners[owner]
 
 
+def prefix_of(peer: str) -> str:
+    """The network a peer address shares its room with: its /24 (IPv4, also IPv4-mapped IPv6)
+    or /64 (IPv6); anything else (no address) is its own."""
+    try:
+        addr = ipaddress.ip_address(peer)
+    except ValueError:
+        return peer
+    if isinstance(addr, ipaddress.IPv6Address) and addr.ipv4_mapped is not None:
+        addr = addr.ipv4_mapped
+    bits = IPV4_PREFIX if addr.version == 4 else IPV6_PREFIX
+    return str(ipaddress.ip_network(f"{addr}/{bits}", strict=False))
+
+
+def probe_response(status: int, doc: dict[str, Any]) -> bytes:
+    """A whole HTTP/1.1 answer with a JSON body, closing the connection."""
+    body = json.dumps(doc).encode()
+    reason = "OK" if status == 200 else "Service Unavailable"
+    return b"HTTP/1.1 %d %s\r\nContent-Type: application/json\r\nConnection: close\r\n" % (
+        status,
+        reason.encode(),
+    ) + b"Content-Length: %d\r\n\r\n%s" % (len(body), body)
+
+
 class _Busy(asyncio.Protocol):
-    """Answers 503 and closes: a connection beyond the cap."""
+    """A connection that found no room: a liveness or readiness probe (its request line within
+    PROBE_WAIT) is answered as its route would answer it, anything else 503 busy; closed either
+    way."""
+
+    def __init__(self, probe: Probe | None = None) -> None:
+        self.probe = probe
+        self.transport: asyncio.WriteTransport | None = None
+        self.head = b""
+        self.timer: asyncio.TimerHandle | None = None
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         assert isinstance(transport, asyncio.WriteTransport)
-        transport.write(_BUSY_RESPONSE)
-        transport.close()
+        self.transport = transport
+        if self.probe is None:
+            self._answer(b"")
+            return
+        self.timer = asyncio.get_running_loop().call_later(PROBE_WAIT, self._answer, b"")
+
+    def data_received(self, data: bytes) -> None:
+        self.head += data
+        if b"\n" in self.head or len(self.head) > 1024:
+            self._answer(self.head.split(b"\n", 1)[0])
+
+    def _answer(self, line: bytes) -> None:
+        if self.transport is None or self.transport.is_closing():
+            return
+        if self.timer is not None:
+            self.timer.cancel()
+        answer = _BUSY_RESPONSE
+        parts = line.split()
+        if self.probe is not None and len(parts) >= 2 and parts[0] == b"GET":
+            route, _, query = parts[1].decode("latin-1").partition("?")
+            if route in protocol.PUBLIC_ROUTES:
+                strict = any(
+                    q.startswith("strict=") and q[7:] not in ("", "0", "false")
+                    for q in query.split("&")
+                )
+                answer = probe_response(*self.probe(route, strict))
+        self.transport.write(answer)
+        self.transport.close()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if self.timer is not None:
+            self.timer.cancel()
 
 
 class _Counted(asyncio.Protocol):
     """A connection's real protocol (aiohttp's request handler, made once its peer is
-    admitted), counted by its ConnectionCap from accept to close."""
+    admitted), counted by its ConnectionCap from accept to close; _Busy's when it found no room.
+    """
 
     def __init__(self, cap: ConnectionCap) -> None:
         self.cap = cap
-        self.inner: Any = None  # None: refused (its peer holds its share), or not made yet
+        self.inner: Any = None  # aiohttp's handler once admitted; else `busy` answers
+        self.busy: _Busy | None = None
+        self.transport: asyncio.BaseTransport | None = None
         self.peer = ""
+        self.prefix = ""
+        self.authenticated = False
+        self.evicted = False
+        self.timer: asyncio.TimerHandle | None = None
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         peer = transport.get_extra_info("peername")
         self.peer = str(peer[0]) if isinstance(peer, tuple) and peer else ""
-        if not self.cap.admit_peer(self.peer):
-            _Busy().connection_made(transport)
+        self.prefix = prefix_of(self.peer)
+        self.transport = transport
+        if not self.cap.admit(self):
+            self.busy = _Busy(self.cap.probe)
+            self.busy.connection_made(transport)
             return
         self.inner = self.cap.server()
         self.inner.connection_made(transport)
+        self.timer = asyncio.get_running_loop().call_later(
+            self.cap.unauthenticated_seconds, self._silent
+        )
+
+    def mark_authenticated(self) -> None:
+        """One of its requests passed the bearer-token check: no longer the first to go."""
+        if self.inner is not None and not self.authenticated and not self.evicted:
+            self.authenticated = True
+            self.cap.authenticated(self)
+            if self.timer is not None:
+                self.timer.cancel()
+
+    def _silent(self) -> None:
+        if not self.authenticated and self.transport is not None:
+            self.cap.silent += 1
+            self.transport.close()
+
+    def evict(self) -> None:
+        """Make room for a newer connection: closed now, no longer counted."""
+        self.evicted = True
+        if self.timer is not None:
+            self.timer.cancel()
+        if self.transport is not None:
+            self.transport.abort()  # type: ignore[attr-defined]
 
     def data_received(self, data: bytes) -> None:
         if self.inner is not None:
             self.inner.data_received(data)
+        elif self.busy is not None:
+            self.busy.data_received(data)
 
     def eof_received(self) -> bool | None:
         return self.inner.eof_received() if self.inner is not None else None
@@ -240,52 +362,122 @@ class _Counted(asyncio.Protocol):
             self.inner.resume_writing()
 
     def connection_lost(self, exc: Exception | None) -> None:
-        self.cap.open -= 1
+        if self.timer is not None:
+            self.timer.cancel()
         if self.inner is not None:
-            self.cap.release_peer(self.peer)
+            self.cap.closed(self)
             self.inner.connection_lost(exc)
+        elif self.busy is not None:
+            self.busy.connection_lost(exc)
 
 
 class ConnectionCap:
-    """Protocol factory: aiohttp's server for up to `size` open connections, _Busy beyond; one
-    peer address holds at most `size` - reserve_of(size) of them, so a flood from one address
-    leaves the reserve to every other (the kubelet's probes, the operator, the learners)."""
+    """Protocol factory: aiohttp's server for up to `size` open connections, counted per peer
+    address and network prefix (the module docstring says who makes room for whom); _Busy for a
+    connection that finds none."""
 
-    def __init__(self, server: web.Server, size: int) -> None:
+    def __init__(
+        self,
+        server: web.Server,
+        size: int,
+        *,
+        probe: Probe | None = None,
+        unauthenticated_seconds: float = UNAUTHENTICATED_SECONDS,
+    ) -> None:
         self.server = server
         self.size = size
+        self.probe = probe
+        self.unauthenticated_seconds = unauthenticated_seconds
         self.per_peer = max(1, size - reserve_of(size))
         self.open = 0
         self.refused = 0
-        self.peers: dict[str, int] = {}  # admitted connections per peer address, when open
+        self.evictions = 0  # unauthenticated connections closed to make room
+        self.silent = 0  # unauthenticated connections closed for their time
+        self.peers: Counter[str] = Counter()  # admitted connections per peer address
+        # Unauthenticated connections, oldest first, and their number per address and prefix.
+        self.waiting: dict[_Counted, None] = {}
+        self.unauthenticated: Counter[str] = Counter()
 
     def __call__(self) -> asyncio.Protocol:
-        if self.open >= self.size:
-            self._refuse(f"{self.open} connections open")
-            return _Busy()
-        self.open += 1
         return _Counted(self)
 
-    def admit_peer(self, peer: str) -> bool:
-        """Count a connection of `peer`; False (not counted) when it holds its share."""
-        held = self.peers.get(peer, 0)
-        if held >= self.per_peer:
-            self._refuse(f"{held} connections open from {peer}")
+    def admit(self, conn: _Counted) -> bool:
+        """Count `conn`, making room as the module docstring says; False when there is none."""
+        for key in {conn.peer, conn.prefix}:
+            if self.unauthenticated[key] >= self.per_peer:
+                self._evict_oldest(_of(key))
+        if self.peers[conn.peer] >= self.per_peer and not self._evict_oldest(
+            lambda c: c.peer == conn.peer
+        ):
+            self._refuse(f"{self.peers[conn.peer]} connections open from {conn.peer}")
             return False
-        self.peers[peer] = held + 1
+        if self.open >= self.size and not self._evict_oldest(lambda c: True):
+            self._refuse(f"{self.open} connections open, all authenticated")
+            return False
+        self.open += 1
+        self.peers[conn.peer] += 1
+        self.waiting[conn] = None
+        for key in {conn.peer, conn.prefix}:
+            self.unauthenticated[key] += 1
         return True
 
-    def release_peer(self, peer: str) -> None:
-        left = self.peers.get(peer, 1) - 1
-        if left > 0:
-            self.peers[peer] = left
-        else:
-            self.peers.pop(peer, None)
+    def authenticated(self, conn: _Counted) -> None:
+        self._forget_waiting(conn)
+
+    def closed(self, conn: _Counted) -> None:
+        """`conn` closed (after its eviction too: it was uncounted then)."""
+        if conn.evicted:
+            return
+        self._uncount(conn)
+
+    def _uncount(self, conn: _Counted) -> None:
+        self.open -= 1
+        self.peers[conn.peer] -= 1
+        if self.peers[conn.peer] <= 0:
+            del self.peers[conn.peer]
+        self._forget_waiting(conn)
+
+    def _forget_waiting(self, conn: _Counted) -> None:
+        if self.waiting.pop(conn, False) is None:
+            for key in {conn.peer, conn.prefix}:
+                self.unauthenticated[key] -= 1
+                if self.unauthenticated[key] <= 0:
+                    del self.unauthenticated[key]
+
+    def _evict_oldest(self, which: Callable[[_Counted], bool]) -> bool:
+        """Close the oldest unauthenticated connection `which` accepts; False when none."""
+        victim = next((c for c in self.waiting if which(c)), None)
+        if victim is None:
+            return False
+        self._uncount(victim)
+        victim.evict()
+        self.evictions += 1
+        if self.evictions == 1 or self.evictions % 1000 == 0:
+            log.warning(
+                "%d unauthenticated connections closed to make room (the latest from %s; "
+                "syncer.limits)",
+                self.evictions,
+                victim.peer,
+            )
+        return True
 
     def _refuse(self, why: str) -> None:
         self.refused += 1
         if self.refused == 1 or self.refused % 1000 == 0:
             log.warning("%s: refusing more (syncer.limits)", why)
+
+
+def _of(key: str) -> Callable[[_Counted], bool]:
+    """Whether a connection is of an address or prefix."""
+    return lambda conn: key in (conn.peer, conn.prefix)
+
+
+def mark_authenticated(transport: asyncio.BaseTransport | None) -> None:
+    """The connection of a request that passed the bearer-token check is authenticated (its
+    protocol is the ConnectionCap's, also under TLS: the TLS transport hands it the same)."""
+    proto = transport.get_protocol() if transport is not None else None
+    if isinstance(proto, _Counted):
+        proto.mark_authenticated()
 
 
 def reserve_of(size: int) -> int:
@@ -319,7 +511,13 @@ class GuardedSite(web.BaseSite):
         await super().start()
         server = self._runner.server
         assert server is not None
-        self.cap = ConnectionCap(server, self.limits.max_connections)
+        app = getattr(self._runner, "app", None)
+        self.cap = ConnectionCap(
+            server,
+            self.limits.max_connections,
+            probe=app.get(PROBE_KEY) if app is not None else None,
+            unauthenticated_seconds=min(UNAUTHENTICATED_SECONDS, self.limits.header_timeout),
+        )
         self._server = await asyncio.get_running_loop().create_server(
             self.cap,
             self.host,
@@ -327,6 +525,7 @@ class GuardedSite(web.BaseSite):
             ssl=self._ssl_context,
             ssl_handshake_timeout=self.limits.header_timeout if self._ssl_context else None,
             reuse_address=True,
+            backlog=LISTEN_BACKLOG,
         )
 
 
