@@ -42,7 +42,7 @@ from typing import Any
 
 from diloco_operator import api as op_api
 from diloco_operator.api import parse_job_spec
-from diloco_operator.credentials import new_root
+from diloco_operator.credential_secrets import new_root
 from diloco_operator.options import network_options
 from diloco_operator.resources import (
     JOB_LABEL,
@@ -116,14 +116,14 @@ def expected_children(body: dict[str, Any]) -> set[tuple[str, str]]:
 
 
 def operator_objects(body: dict[str, Any], network: NetworkOptions) -> list[dict[str, Any]]:
-    """Every object the operator writes for a new job (sync.py and credentials.py), built with
-    its own pure builders: the token Secret, the island credentials Secret, the children."""
+    """Every object the operator writes for a new job (sync.py and credential_secrets.py), built
+    with its own pure builders: the token Secret, the island credentials Secret, the children."""
     ref = JobRef.from_body(body)
     spec = parse_job_spec(body["spec"])
     token = new_root()
     issuer = Issuer.of(token)
     secret = build_token_secret(ref, token)
-    secret["metadata"]["annotations"][ROTATE_CREDENTIALS] = ""  # as credentials.py writes it
+    secret["metadata"]["annotations"][ROTATE_CREDENTIALS] = ""  # as credential_secrets.py writes it
     return [
         secret,
         build_island_tokens_secret(ref, spec, issuer),

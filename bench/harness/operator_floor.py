@@ -23,8 +23,8 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor, wait
 from typing import Any
 
-from diloco_operator.admission import FIRST_RECONCILE_SLOTS
 from diloco_operator.kube import API_THREADS
+from diloco_operator.reconcile_slots import FIRST_RECONCILE_SLOTS
 from kubernetes import client
 from kubernetes.dynamic import DynamicClient
 

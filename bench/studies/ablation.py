@@ -6,7 +6,7 @@ optimizer and data), every variant trains in one process with the product's own 
 overlap, mean merge: torchft's DiLoCo computation), each default switched on alone (int8 pushes,
 int8 pulls, 2 streamed fragments, overlap τ = 5 with the steps kept, token-weighted merge), and all
 of them (the job's defaults), on exactly equal tokens and free of timing noise, for several seeds.
-Fragments are pushed when learner/schedule.plan_step says: none in the job's first round since
+Fragments are pushed when learner/step_plan.plan_step says: none in the job's first round since
 issue 23 ("..., first-round push" is the rule before it).
 `--leave-one-out` adds the defaults with one knob switched back off.
 
@@ -193,7 +193,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             "Blocking: fp32 pushes and pulls, 1 fragment, no overlap, mean merge (the computation "
             "of torchft's DiLoCo in bench/decoupled_quality). Defaults: int8 pushes and pulls, "
             "2 fragments, overlap 5 with the steps kept, token merge (error feedback off, the "
-            "job's default). Fragments sync when learner/schedule.plan_step says: none before "
+            "job's default). Fragments sync when learner/step_plan.plan_step says: none before "
             "step H in the job (issue 23); 'first-round push' variants use the rule before it.",
         ],
     )

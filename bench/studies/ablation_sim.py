@@ -9,7 +9,7 @@ it, so a knob can be switched on alone:
 - pull codec: the syncer's θ_pub, moved towards θ_exact by core/published.publish_update after
   every merge; islands install θ_pub (what they pull), never θ_exact;
 - fragments: core/fragments.split_fragments and fragment_offsets, each fragment pushed when
-  learner/schedule.plan_step says (at its own offset, none in the job's first round) and stepped
+  learner/step_plan.plan_step says (at its own offset, none in the job's first round) and stepped
   as its own group of the outer optimizer;
 - overlap τ: the merged fragment is installed τ steps after the push with
   learner/mixing.received_weights (the τ steps kept), and the counters of the next push cover
@@ -40,7 +40,7 @@ from diloco_trainer.core.merge import merge_pseudo_gradients
 from diloco_trainer.core.outer import OuterOptimizer
 from diloco_trainer.core.published import publish_update
 from diloco_trainer.learner.mixing import pseudo_gradient, received_weights
-from diloco_trainer.learner.schedule import plan_step
+from diloco_trainer.learner.step_plan import plan_step
 from diloco_trainer.models.parts import (
     build_parts,
     evaluate,

@@ -192,7 +192,7 @@ class MembershipChange:
 
 
 @dataclass
-class Membership:
+class MembershipDecisions:
     """What the operator decided and what the syncer acknowledged, per island (per job).
 
     Kept in the operator's memory. After an operator restart it is empty and is rebuilt from the

@@ -19,7 +19,7 @@ RECONCILE_SECONDS = Histogram(
 RECONCILE_QUEUE_SECONDS = Histogram(
     "diloco_operator_reconcile_queue_seconds",
     "Time a job's first reconcile waited before starting its work: from the start of its sync "
-    "(the job's lock included) until it held a first-reconcile slot (admission.py).",
+    "(the job's lock included) until it held a first-reconcile slot (reconcile_slots.py).",
     buckets=_BUCKETS,
 )
 CHILD_CHANGES = Counter(

@@ -18,7 +18,7 @@ from typing import Any
 from diloco_operator.resources import SPEC_HASH, TEMPLATE_HASH
 
 # Kinds the reconciler lists and may delete when no longer desired. The Secrets are absent on
-# purpose (the operator may not list Secrets): credentials.py writes them, garbage collection
+# purpose (the operator may not list Secrets): credential_secrets.py writes them, garbage collection
 # deletes them with the job.
 MANAGED_KINDS = ("ConfigMap", "Service", "StatefulSet", "Deployment", "NetworkPolicy")
 

@@ -20,7 +20,7 @@ from diloco_trainer.api.documents import SyncerStatus
 
 from diloco_operator import api
 from diloco_operator.desired import DesiredChildren
-from diloco_operator.health import Membership, PodView, pod_view
+from diloco_operator.health import MembershipDecisions, PodView, pod_view
 from diloco_operator.kube import Kube
 from diloco_operator.observed import ObjectCache, child_view, resource_version
 from diloco_operator.resources import NetworkOptions
@@ -32,7 +32,7 @@ DELETED = "DELETED"
 
 
 @dataclass
-class SyncerLink:
+class SyncerConnection:
     """The job's syncer as last seen: the HTTP client, its status document or the error."""
 
     client: SyncerJsonClient | None = None
@@ -75,7 +75,7 @@ class SyncerLink:
 
 @dataclass
 class JobCredentials:
-    """The job's credential as last read (credentials.py), and what was derived from it."""
+    """The job's credential as last read (credential_secrets.py), and what was derived from it."""
 
     checked: bool = False  # read since the last resync (or the last failed syncer call)
     issuer: Issuer | None = None
@@ -109,8 +109,8 @@ class JobRuntime:
     network: NetworkOptions = field(default_factory=NetworkOptions)  # the operator's options
     conflicts: list[str] = field(default_factory=list)  # children whose names others hold
     resynced_at: float = field(default_factory=time.monotonic)
-    membership: Membership = field(default_factory=Membership)
-    syncer: SyncerLink = field(default_factory=SyncerLink)
+    membership: MembershipDecisions = field(default_factory=MembershipDecisions)
+    syncer: SyncerConnection = field(default_factory=SyncerConnection)
     syncer_pods_ready: int = 0  # the job's own syncer pods Ready at the last sync
     rollout: list[str] = field(default_factory=list)  # island StatefulSets rolling or held
     last_reconcile: float = 0.0  # time.monotonic() of the last reconcile of the children
@@ -149,9 +149,9 @@ class JobRuntime:
         return True
 
     async def _start_over(self) -> None:
-        self.membership = Membership()
+        self.membership = MembershipDecisions()
         await self.syncer.drop_client()
-        self.syncer, self.syncer_pods_ready = SyncerLink(), 0
+        self.syncer, self.syncer_pods_ready = SyncerConnection(), 0
         self.rollout, self.spec_error, self.phase, self.refusals = [], None, None, None
         self.credentials, self.conflicts = JobCredentials(), []
         self.last_reconcile = 0.0

@@ -5,8 +5,8 @@ delivered (runtime.JobRuntime), so running it again after any failure finishes t
 API server is read only where the watches cannot help: a job's pods and children are listed on
 its first sync and again about every RESYNC_INTERVAL (a safety net for missed events), and the
 token Secret (not watched: the operator may not list Secrets) is read on the same schedule
-(credentials.py). A job that was never synced (no status yet) is not listed on its first sync:
-it cannot have pods or children of its own yet, and each child it wants is read before it is
+(credential_secrets.py). A job that was never synced (no status yet) is not listed on its first
+sync: it cannot have pods or children of its own yet, and each child it wants is read before it is
 written anyway (its pods are listed all the same until the operator has once read pods:
 POD_READS). A child whose name an object the job does not own already has is left alone and
 reported (children.py: a NameConflict condition and an Event).
@@ -30,10 +30,9 @@ from typing import Any
 import kopf
 
 from diloco_operator import metrics, queueing, resources
-from diloco_operator.admission import FIRST_RECONCILES
 from diloco_operator.api import DiLoCoJobSpec, SpecError, parse_job_spec
 from diloco_operator.children import UNREAD, Conflict, read_children, write_children
-from diloco_operator.credentials import ensure_credentials, read_credential
+from diloco_operator.credential_secrets import ensure_credentials, read_credential
 from diloco_operator.events import post_event
 from diloco_operator.final_weights import post_weight_events
 from diloco_operator.health import island_health, syncer_pods
@@ -43,6 +42,7 @@ from diloco_operator.observed import parse_version
 from diloco_operator.phase import FINAL_PHASES
 from diloco_operator.planner import MANAGED_KINDS, Key, owned_by, plan_changes
 from diloco_operator.preflight import CheckResult, check_job, post_check_event
+from diloco_operator.reconcile_slots import FIRST_RECONCILES
 from diloco_operator.refusals import post_refusal_events
 from diloco_operator.resources import JobRef
 from diloco_operator.runtime import JobRuntime
@@ -209,7 +209,7 @@ async def reconcile_children(
 ) -> None:
     """Create, update and delete children until they match the spec (one rollout at a time).
 
-    A job's first reconcile (it writes every child) waits for a slot first (admission.py);
+    A job's first reconcile (it writes every child) waits for a slot first (reconcile_slots.py);
     later ones change little and run at once.
     """
     if rt.last_reconcile:

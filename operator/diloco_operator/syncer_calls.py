@@ -1,11 +1,11 @@
 """The operator's calls to a job's syncer: read its status, tell it which islands count.
 
-Island health -> membership: the pure decision is health.Membership.decide; this module sends
-what it decides (PUT /v1/islands/{island}) and keeps the job's SyncerLink (client, last status,
-last error) up to date. The syncer is polled by the job's timer, never waited for: a failed call
-is recorded (SyncerReachable=False, with a fixed message per class of failure: syncer_errors.py)
-and tried again on the next pass. The operator calls the syncer with the admin credential (or
-its region's): credentials.py.
+Island health -> membership: the pure decision is health.MembershipDecisions.decide; this module
+sends what it decides (PUT /v1/islands/{island}) and keeps the job's SyncerConnection (client,
+last status, last error) up to date. The syncer is polled by the job's timer, never waited for:
+a failed call is recorded (SyncerReachable=False, with a fixed message per class of failure:
+syncer_errors.py) and tried again on the next pass. The operator calls the syncer with the admin
+credential (or its region's): credential_secrets.py.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from diloco_trainer.api.protocol import SyncerError
 
 from diloco_operator import metrics, resources
 from diloco_operator.api import DiLoCoJobSpec
-from diloco_operator.credentials import job_issuer
+from diloco_operator.credential_secrets import job_issuer
 from diloco_operator.events import post_event
 from diloco_operator.health import DROPPED, IslandHealth, MembershipChange
 from diloco_operator.kube import Kube
@@ -92,7 +92,7 @@ def poll_backoff(failures: int) -> float:
 
 
 async def poll_syncer_status(kube: Kube, rt: JobRuntime, job: JobRef, spec: DiLoCoJobSpec) -> None:
-    """Read the syncer's /v1/status into the job's SyncerLink (or the error why not).
+    """Read the syncer's /v1/status into the job's SyncerConnection (or the error why not).
 
     A syncer that does not answer is polled less and less often (poll_backoff), so that jobs
     whose syncers are down do not each cost a few seconds of retries every pass; the error

@@ -24,6 +24,7 @@ from diloco_trainer.learner import syncer_client
 from diloco_trainer.local import launch
 
 from hack.localcluster.harness import deep_merge
+from hack.localcluster.ports import pick_ports
 
 # A job that trains in seconds on one CPU core: gpt-tiny, short sequences, few inner steps.
 TINY_SPEC: dict[str, Any] = {
@@ -43,6 +44,14 @@ TINY_SPEC: dict[str, Any] = {
     "stopAfter": {"outerSteps": 3},
     "syncer": {"checkpoint": {"everyOuterSteps": 1, "keep": 2}},
 }
+
+
+def restart_safe_port() -> int:
+    """A free loopback port outside the kernel's ephemeral range, for a server a test stops and
+    starts again on the same port (hack/localcluster/ports.py). A port the kernel handed out
+    (bind to 0) is in that range, where any outgoing connection may take it while the server is
+    down: on a loaded machine one did, between a syncer's stop and its restart."""
+    return pick_ports(1, set())[0]
 
 
 @pytest.fixture
@@ -191,7 +200,8 @@ def syncer_proc(workdir: Path) -> Iterator[Callable[..., SyncerHandle]]:
     started is stopped (SIGTERM, then SIGKILL of its process group) at teardown.
 
     Restarting on the same state_dir (after handle.proc.kill()) resumes from its checkpoints; pass
-    token=handle.token (and port=handle.port to come back on the same address). With
+    token=handle.token (and port=handle.port to come back on the same address: the default port
+    is a restart_safe_port, outside the ephemeral range, so it is still free then). With
     tls=TLSFiles the syncer serves HTTPS and handle.ca_file verifies it.
     """
     started: list[launch.Proc] = []
@@ -211,7 +221,7 @@ def syncer_proc(workdir: Path) -> Iterator[Callable[..., SyncerHandle]]:
         nonlocal count
         count += 1
         files = launch.write_job_files(spec, workdir / f"job-{count}", token=token)
-        port = port or launch.free_port()
+        port = port or restart_safe_port()
         state_dir = state_dir or workdir / "syncer-state"
         log_file = workdir / f"syncer-{count}.log"
         env = {"OMP_NUM_THREADS": "1", **(extra_env or {})}

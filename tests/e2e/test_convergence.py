@@ -103,9 +103,9 @@ def prejoin(run: LocalRun) -> None:
     asyncio.run(join_all())
 
 
-def start_synchronised(run: LocalRun) -> None:
-    """Syncer, pre-joined islands, then every learner."""
-    run.start_syncer()
+def start_synchronised(run: LocalRun, port: int | None = None) -> None:
+    """Syncer (on `port`; None: a free one), pre-joined islands, then every learner."""
+    run.start_syncer(port)
     prejoin(run)
     for i in range(run.spec.islands.count):
         run.start_island(i)

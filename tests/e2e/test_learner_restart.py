@@ -14,7 +14,7 @@ import pytest
 from diloco_trainer.api.spec import JobSpec
 from diloco_trainer.local.run import LocalRun
 
-from .conftest import wait_until
+from .conftest import restart_safe_port, wait_until
 from .test_convergence import (  # noqa: F401  (local_run is a fixture)
     local_run,
     run_to_finish,
@@ -145,10 +145,10 @@ def test_learner_rides_out_a_syncer_restart_and_the_job_finishes(
         syncer={"checkpoint": {"everyOuterSteps": 2, "keep": 2}, "evalEveryOuterSteps": 1000},
     )
     run = local_run(spec)
-    start_synchronised(run)
+    port = restart_safe_port()  # still free when the syncer comes back on it
+    start_synchronised(run, port)
     wait_until(lambda: status_of(run)["outerStep"] >= 4, timeout=300, what="four outer steps")
     assert run.syncer is not None
-    port = int(run.url.rsplit(":", 1)[1])
     run.syncer.kill()
     run.syncer.wait()
     run.start_syncer(port=port)

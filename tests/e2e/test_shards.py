@@ -18,11 +18,11 @@ from diloco_trainer.api.spec import JobSpec
 from diloco_trainer.core.payloads import PulledFragment
 from diloco_trainer.export import from_checkpoint, pull_snapshot
 from diloco_trainer.learner.syncer_client import SyncerClient
-from diloco_trainer.local import launch
+from diloco_trainer.local import launch, syncer_shards
 from diloco_trainer.local.run import LocalRun
 from diloco_trainer.local.syncer_shards import SyncerShards
 
-from .conftest import http_request, wait_until
+from .conftest import http_request, restart_safe_port, wait_until
 from .test_convergence import (  # noqa: F401  (local_run is a fixture)
     local_run,
     run_to_finish,
@@ -128,7 +128,10 @@ def test_two_shards_merge_their_fragments_and_export_assembles_them(
 def test_a_shard_killed_and_restarted_loses_at_most_its_cadence_while_the_other_merges(
     make_spec: Callable[..., JobSpec],
     local_run: Callable[..., LocalRun],  # noqa: F811
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
+    # The shards' ports outside the ephemeral range, so shard 1's is still free when it restarts.
+    monkeypatch.setattr(syncer_shards, "free_port", restart_safe_port)
     cadence = 2
     spec = shard_spec(
         make_spec,

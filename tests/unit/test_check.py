@@ -17,7 +17,7 @@ from diloco_trainer.check.findings import (
     schedule_warnings,
     token_lines,
 )
-from diloco_trainer.check.memory import estimate, parse_quantity
+from diloco_trainer.check.memory_estimate import estimate, parse_quantity
 from diloco_trainer.local.job import DEFAULT_SPEC
 
 GIB = 2**30

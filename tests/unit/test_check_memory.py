@@ -1,5 +1,5 @@
-"""check/memory.py's estimates against the peak memory of a real step and a real evaluation of
-the built-in GPT (a child process each, so the peak is its own)."""
+"""check/memory_estimate.py's estimates against the peak memory of a real step and a real
+evaluation of the built-in GPT (a child process each, so the peak is its own)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import sys
 
 import pytest
 from diloco_trainer.api.spec import parse_spec
-from diloco_trainer.check.memory import PROCESS_BYTES, estimate
+from diloco_trainer.check.memory_estimate import PROCESS_BYTES, estimate
 
 PEAK = r"""
 import json, sys

@@ -7,7 +7,7 @@ from typing import Any
 from diloco_operator.health import (
     ACTIVE,
     DROPPED,
-    Membership,
+    MembershipDecisions,
     island_health,
     pod_view,
     syncer_pods,
@@ -100,14 +100,14 @@ def _ready(*islands: str) -> dict:
 
 
 def test_membership_never_healthy_island_is_left_alone() -> None:
-    m = Membership()
+    m = MembershipDecisions()
     assert m.decide(_ready("island-0"), {}, islands_running=True) == []
 
 
 def test_membership_crash_looping_island_that_never_joined_is_dropped_then_readded() -> None:
     """A pod in CrashLoopBackOff has failed, not started slowly: the syncer's quorum must stop
     waiting for the island (it awaits islands that have not joined); Pending pods are waited for."""
-    m = Membership()
+    m = MembershipDecisions()
     pending = _health(_pod("job-island-1-0", "island-1", ready=False, phase="Pending"))
     assert m.decide(pending, {}, islands_running=True) == []
     crash = _pod("job-island-1-0", "island-1", ready=False, waiting="CrashLoopBackOff")
@@ -121,7 +121,7 @@ def test_membership_crash_looping_island_that_never_joined_is_dropped_then_readd
 
 
 def test_membership_drop_then_readd() -> None:
-    m = Membership()
+    m = MembershipDecisions()
     assert m.decide(_ready("island-0", "island-1"), None, islands_running=True) == []
     (change,) = m.decide(_ready("island-0"), None, islands_running=True)
     assert (change.island, change.state) == ("island-1", DROPPED)
@@ -139,7 +139,7 @@ def test_membership_drop_then_readd() -> None:
 
 
 def test_membership_after_operator_restart_uses_syncer_states() -> None:
-    m = Membership()  # fresh memory: the syncer's view tells what was active
+    m = MembershipDecisions()  # fresh memory: the syncer's view tells what was active
     changes = m.decide(
         _ready("island-0"), {"island-0": DROPPED, "island-1": ACTIVE}, islands_running=True
     )
@@ -147,7 +147,7 @@ def test_membership_after_operator_restart_uses_syncer_states() -> None:
 
 
 def test_membership_resends_when_syncer_contradicts() -> None:
-    m = Membership()
+    m = MembershipDecisions()
     m.decide(_ready("island-0", "island-1"), None, islands_running=True)
     (change,) = m.decide(_ready("island-0"), None, islands_running=True)
     m.acknowledge(change)
@@ -157,7 +157,7 @@ def test_membership_resends_when_syncer_contradicts() -> None:
 
 
 def test_membership_removed_island_dropped_once_then_forgotten() -> None:
-    m = Membership()
+    m = MembershipDecisions()
     m.decide(_ready("island-0", "island-1"), None, islands_running=True)
     only0 = {"island-0": _ready("island-0")["island-0"]}
     (change,) = m.decide(only0, {"island-1": ACTIVE}, islands_running=True, is_own_island=_own)
@@ -172,14 +172,14 @@ def test_membership_removed_island_dropped_once_then_forgotten() -> None:
 
 
 def test_membership_other_clusters_islands_untouched() -> None:
-    m = Membership()
+    m = MembershipDecisions()
     only0 = {"island-0": _ready("island-0")["island-0"]}
     states = {"island-0": ACTIVE, "eu-island-0": ACTIVE}
     assert m.decide(only0, states, islands_running=True, is_own_island=_own) == []
 
 
 def test_membership_suspended_job_changes_nothing() -> None:
-    m = Membership()
+    m = MembershipDecisions()
     m.decide(_ready("island-0", "island-1"), None, islands_running=True)
     assert m.decide(_ready(), {"island-0": ACTIVE}, islands_running=False) == []
 
@@ -215,7 +215,7 @@ def test_syncer_dropped_islands_reads_the_reason_code() -> None:
 def test_membership_island_the_syncer_dropped_is_not_readded_while_healthy() -> None:
     """Before the fix, the second decide re-added island-1 (its pods are Ready, the syncer says
     dropped): the operator undid the syncer's drop every 5 s."""
-    m = Membership()
+    m = MembershipDecisions()
     both = _ready("island-0", "island-1")
     assert m.decide(both, {"island-0": ACTIVE, "island-1": ACTIVE}, islands_running=True) == []
     states = {"island-0": ACTIVE, "island-1": DROPPED}
@@ -233,7 +233,7 @@ def test_membership_syncer_drop_overrides_the_operators_own_readd() -> None:
     """The operator dropped island-1 for its pods and re-added it (acknowledged active); then
     the syncer dropped it for bad work. The acknowledged 'active' is not sent again as a
     contradiction."""
-    m = Membership()
+    m = MembershipDecisions()
     both = _ready("island-0", "island-1")
     m.decide(both, None, islands_running=True)
     (drop,) = m.decide(_ready("island-0"), None, islands_running=True)
@@ -248,7 +248,7 @@ def test_membership_syncer_drop_overrides_the_operators_own_readd() -> None:
 def test_membership_island_the_operator_dropped_is_readded_once_healthy() -> None:
     """The same syncer view with the operator's reason: the island comes back (after an
     operator restart too, from the syncer's states alone)."""
-    m = Membership()
+    m = MembershipDecisions()
     states = {"island-0": ACTIVE, "island-1": DROPPED}
     banned = _dropped(island_0=(ACTIVE, ""), island_1=(DROPPED, UNHEALTHY))
     assert banned == set()

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from diloco_operator.health import ACTIVE, DROPPED, Membership, island_health, pod_view
+from diloco_operator.health import ACTIVE, DROPPED, MembershipDecisions, island_health, pod_view
 
 STS = {"island-0": "job-island-0", "island-1": "job-island-1"}
 
@@ -100,7 +100,7 @@ def test_island_health_unreported_only_when_every_not_ready_pod_is() -> None:
 def test_membership_node_not_ready_drops_nothing_then_a_real_failure_drops() -> None:
     """The chaos run's node NotReady: both islands' pods kept running and heartbeating the syncer,
     which reported both active; before this rule both were dropped for '0/1 pods Ready'."""
-    m = Membership()
+    m = MembershipDecisions()
     both_active = {"island-0": ACTIVE, "island-1": ACTIVE}
     calm = _health(running("job-island-0-0", "island-0"), running("job-island-1-0", "island-1"))
     assert m.decide(calm, both_active, islands_running=True) == []
@@ -120,7 +120,7 @@ def test_membership_node_not_ready_drops_nothing_then_a_real_failure_drops() -> 
 def test_membership_evicted_from_a_not_ready_node_is_dropped() -> None:
     """The taint manager evicts pods of a node NotReady for longer than their toleration: a
     pod being deleted is gone, and the island is dropped."""
-    m = Membership()
+    m = MembershipDecisions()
     both_active = {"island-0": ACTIVE, "island-1": ACTIVE}
     calm = _health(running("job-island-0-0", "island-0"), running("job-island-1-0", "island-1"))
     assert m.decide(calm, both_active, islands_running=True) == []

@@ -1,7 +1,7 @@
 """sync.applyFrom: from when a learner applies the merge of its push. "overlap" (the default)
 applies it from τ steps after the push; "arrival" from the step after the push, as soon as it has
 arrived, with τ (or sync.mergeWait's deadline) still the step a blocking learner waits at
-(learner/schedule.poll_from_steps, plan_step's and plan_idle's poll_from). Schedules derived by
+(learner/step_plan.poll_from_steps, plan_step's and plan_idle's poll_from). Schedules derived by
 hand."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 from diloco_trainer.api.spec import ConfigError
-from diloco_trainer.learner.schedule import plan_idle, plan_step, poll_from_steps
+from diloco_trainer.learner.step_plan import plan_idle, plan_step, poll_from_steps
 
 from .test_learner_fragment_sync import FakeLink, make_spec, make_sync, step
 

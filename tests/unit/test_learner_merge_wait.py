@@ -1,7 +1,7 @@
 """sync.mergeWait: when a learner that blocks for its merge (K = M, or τ = 0) waits for a late
 one. "overlap" (the default) waits τ steps after the push; "nextPush" only polls from τ on and
 waits at the last step before the fragment is due again, H - 1 steps after the push
-(core/grace.merge_wait_steps, learner/schedule.plan_step's deadline). Schedules derived by hand."""
+(core/grace.merge_wait_steps, learner/step_plan.plan_step's deadline). Schedules derived by hand."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import pytest
 import torch
 from diloco_trainer.api.spec import ConfigError
 from diloco_trainer.core.grace import merge_wait_steps
-from diloco_trainer.learner.schedule import plan_step
+from diloco_trainer.learner.step_plan import plan_step
 
 from .test_learner_fragment_sync import FakeLink, make_spec, make_sync, step
 

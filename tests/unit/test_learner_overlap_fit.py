@@ -1,5 +1,5 @@
-"""sync.overlapMode auto: τ fitted to the measured sync latency (schedule.fit_overlap,
-schedule.sync_latency, learner/overlap.py), each push planned with the τ it was made with
+"""sync.overlapMode auto: τ fitted to the measured sync latency (overlap.fit_overlap,
+overlap.sync_latency, overlap.OverlapFit), each push planned with the τ it was made with
 (plan_step's windows), and a learner that applies a fast merge at its push step."""
 
 from __future__ import annotations
@@ -10,15 +10,14 @@ from typing import Any
 
 import pytest
 from diloco_trainer.api.spec import parse_spec
-from diloco_trainer.learner.overlap import OverlapFit
-from diloco_trainer.learner.schedule import (
+from diloco_trainer.learner.overlap import (
     FIRST_OVERLAP,
     OVERLAP_FREE_SHARE,
+    OverlapFit,
     fit_overlap,
-    plan_idle,
-    plan_step,
     sync_latency,
 )
+from diloco_trainer.learner.step_plan import plan_idle, plan_step
 
 from .test_learner_fragment_sync import FakeLink, make_spec, make_sync, step
 

@@ -1,21 +1,18 @@
 """Phase alignment, schedule positions and the re-warm-up after a mid-job join
-(learner/schedule.py), with hand-derived values."""
+(learner/phase_alignment.py, learner/step_plan.py), with hand-derived values."""
 
 from __future__ import annotations
 
 from typing import Any
 
 import pytest
-from diloco_trainer.learner.schedule import (
-    StepPlan,
-    blocks_for_merge,
+from diloco_trainer.learner.phase_alignment import (
     lateness_within,
     merge_lateness,
     phase_shift,
-    plan_idle,
-    rewarm_factor,
     schedule_positions,
 )
+from diloco_trainer.learner.step_plan import StepPlan, blocks_for_merge, plan_idle, rewarm_factor
 
 
 def status(*merges: dict[str, Any], now: float = 100.0) -> dict[str, Any]:

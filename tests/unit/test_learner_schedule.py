@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 from diloco_trainer.core.fragments import fragment_offsets, fragments_due
-from diloco_trainer.learner.schedule import (
+from diloco_trainer.learner.step_plan import (
     ROUND_TIME_FACTOR,
     StepPlan,
     plan_step,

@@ -9,8 +9,8 @@ import time
 from typing import cast
 
 from diloco_operator import metrics
-from diloco_operator.admission import Admission
 from diloco_operator.kube import Kube
+from diloco_operator.reconcile_slots import ReconcileSlots
 from diloco_operator.runtime import JobRuntime, Registry
 from diloco_operator.sync import sync_job
 from diloco_operator.syncer_calls import POLL_BACKOFF_CAP, forget_client, poll_backoff
@@ -27,7 +27,7 @@ def _queue_count() -> float:
 
 
 def test_operator_admission_bounds_and_keeps_arrival_order() -> None:
-    admission = Admission(2)
+    admission = ReconcileSlots(2)
     running, most, entered = 0, 0, []
 
     async def one(i: int, gate: asyncio.Event) -> None:
@@ -56,7 +56,7 @@ def test_operator_admission_bounds_and_keeps_arrival_order() -> None:
 
 
 def test_operator_admission_works_across_event_loops() -> None:
-    admission = Admission(1)
+    admission = ReconcileSlots(1)
 
     async def enter() -> bool:
         async with admission.slot(time.monotonic()):

@@ -1,4 +1,4 @@
-"""The job's credentials in the cluster (operator credentials.py): the generated root, its
+"""The job's credentials in the cluster (operator credential_secrets.py): the generated root, its
 rotation, a user's root or region credential, and what the operator calls the syncer with."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from typing import Any, cast
 import pytest
 from diloco_operator import resources
 from diloco_operator.api import parse_job_spec
-from diloco_operator.credentials import ensure_credentials, job_issuer, read_credential
+from diloco_operator.credential_secrets import ensure_credentials, job_issuer, read_credential
 from diloco_operator.kube import Kube
 from diloco_operator.resources import JobRef
 from diloco_operator.runtime import JobRuntime

@@ -10,7 +10,7 @@ from diloco_operator import queueing, resources
 from diloco_operator.api import parse_job_spec
 from diloco_operator.conditions import CONDITION_TYPES, QUOTA_CONDITION, job_conditions
 from diloco_operator.desired import DesiredChildren
-from diloco_operator.health import ACTIVE, DROPPED, Membership, island_health, pod_view
+from diloco_operator.health import ACTIVE, DROPPED, MembershipDecisions, island_health, pod_view
 from diloco_operator.phase import decide_phase
 from diloco_operator.resources import SPEC_HASH, TEMPLATE_HASH, JobRef, NetworkOptions
 
@@ -158,7 +158,7 @@ def test_gated_pods_make_an_island_wait_for_quota() -> None:
 def test_an_island_waiting_for_quota_is_dropped_though_it_never_joined() -> None:
     """Never healthy, never crash-looping: without quota it would be left alone, and the
     syncer's quorum would wait for it; waiting for quota, it is dropped with that reason."""
-    m = Membership()
+    m = MembershipDecisions()
     (change,) = m.decide(_health(island1_gated=True), {}, islands_running=True)
     assert change.island == "island-1" and change.state == DROPPED
     assert change.reason.startswith(queueing.WAITING_REASON)
@@ -172,7 +172,7 @@ def test_an_island_waiting_for_quota_is_dropped_though_it_never_joined() -> None
 
 
 def test_a_preempted_island_is_dropped_for_quota_and_back_when_readmitted() -> None:
-    m = Membership()
+    m = MembershipDecisions()
     reported = {"island-0": ACTIVE, "island-1": ACTIVE}
     assert m.decide(_health(False, True), reported, islands_running=True) == []
     (drop,) = m.decide(_health(island1_gated=True), reported, islands_running=True)

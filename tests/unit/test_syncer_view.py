@@ -1,5 +1,5 @@
-"""The operator's view of a syncer (syncer_view.py, runtime.SyncerLink): the typed status as read,
-the island states set since laid over it, and the health report read forgivingly."""
+"""The operator's view of a syncer (syncer_view.py, runtime.SyncerConnection): the typed status as
+read, the island states set since laid over it, and the health report read forgivingly."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 from diloco_operator.progress import island_statuses
-from diloco_operator.runtime import SyncerLink
+from diloco_operator.runtime import SyncerConnection
 from diloco_operator.syncer_view import SyncerHealth, SyncerView
 from diloco_trainer.api.documents import IslandStatus
 
@@ -47,7 +47,7 @@ def test_syncer_view_dropped_for_refusals_reads_state_and_reason_as_last_set() -
 
 
 def test_syncer_link_keeps_acknowledged_states_until_the_next_read() -> None:
-    link = SyncerLink()
+    link = SyncerConnection()
     assert link.view is None and link.error == "not contacted yet"
     link.acknowledge("island-0", "dropped")  # nothing read yet: nothing to lay it over
     link.read(syncer_status({"islands": ISLANDS}))

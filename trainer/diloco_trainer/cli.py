@@ -22,6 +22,7 @@ from diloco_trainer.cli_help import (
     RUN_EPILOG,
     SYNCER_EPILOG,
     described,
+    require_local,
     require_trainer,
 )
 
@@ -33,7 +34,7 @@ COMMANDS = "diloco.commands"
 
 
 def _cmd_run(args: argparse.Namespace) -> int:
-    if not require_trainer("run"):
+    if not require_trainer("run") or not require_local("run", plot=bool(args.plot)):
         return MISSING_EXTRA
     from diloco_trainer.local.run import main as run_main
 

@@ -14,8 +14,13 @@ import textwrap
 from diloco_trainer.api import contract as c
 
 # Top-level modules of the [trainer] extra that every trainer command imports.
-TRAINER_IMPORTS = ("torch", "safetensors", "aiohttp", "rich", "prometheus_client", "numpy")
+TRAINER_IMPORTS = ("torch", "safetensors", "aiohttp", "prometheus_client", "numpy")
 INSTALL_TRAINER = "pip install 'diloco-operator[trainer]'"
+# Top-level modules of the [local] extra, which only `diloco run` imports: its live view and
+# summary (always), its plot (with --plot). The trainer image leaves them out.
+LOCAL_IMPORTS = ("rich",)
+PLOT_IMPORTS = ("matplotlib",)
+INSTALL_LOCAL = "pip install 'diloco-operator[local]'"
 WIDTH = 88  # help text is wrapped by hand (the raw formatter keeps the table's columns)
 
 _SHARED = [
@@ -124,6 +129,21 @@ def require_trainer(command: str) -> bool:
     print(
         f"diloco {command} needs the [trainer] extra ({', '.join(missing)} missing): "
         f"{INSTALL_TRAINER}",
+        file=sys.stderr,
+    )
+    return False
+
+
+def require_local(command: str, *, plot: bool = False) -> bool:
+    """True when the [local] extra's modules `command` needs are installed (matplotlib only
+    with `plot`); else say so on stderr in one line (naming what is missing and how to install
+    it) and return False."""
+    needed = LOCAL_IMPORTS + (PLOT_IMPORTS if plot else ())
+    missing = [name for name in needed if importlib.util.find_spec(name) is None]
+    if not missing:
+        return True
+    print(
+        f"diloco {command} needs the [local] extra ({', '.join(missing)} missing): {INSTALL_LOCAL}",
         file=sys.stderr,
     )
     return False

@@ -13,8 +13,8 @@ Codec = Literal["none", "fp16", "bf16", "int8", "int4"]
 PullCompression = Literal["auto", "none", "fp16", "bf16", "int8", "int4"]
 MergeRule = Literal["tokens", "mean", "rda"]
 MergeWait = Literal["overlap", "nextPush"]  # core/grace.MERGE_WAITS
-ApplyFrom = Literal["overlap", "arrival"]  # learner/schedule.APPLY_FROMS
-OverlapMode = Literal["auto", "fixed"]  # learner/schedule.OVERLAP_MODES
+ApplyFrom = Literal["overlap", "arrival"]  # learner/step_plan.APPLY_FROMS
+OverlapMode = Literal["auto", "fixed"]  # learner/overlap.OVERLAP_MODES
 
 
 def default_overlap_steps(inner_steps: int) -> int:

@@ -15,7 +15,7 @@ from diloco_trainer.check.findings import (
     schedule_warnings,
     token_lines,
 )
-from diloco_trainer.check.memory import available_bytes, estimate, gib
+from diloco_trainer.check.memory_estimate import available_bytes, estimate, gib
 
 
 @dataclass

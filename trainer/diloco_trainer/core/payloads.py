@@ -20,7 +20,7 @@ from diloco_trainer.api.protocol import UPDATE_SEPARATOR, encode_metadata, read_
 
 @dataclass(frozen=True)
 class PullCost:
-    """What a pull tells of the sync's latency (learner/schedule.sync_latency): the syncer's
+    """What a pull tells of the sync's latency (learner/overlap.sync_latency): the syncer's
     mergeSeconds for the version (None: it did not say), the body's bytes, the pull's own
     seconds without the syncer's long-poll wait (None: not known), and the learner's seconds
     rebuilding weights from an update chain."""

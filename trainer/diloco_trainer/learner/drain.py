@@ -38,7 +38,7 @@ from torch import Tensor
 
 from diloco_trainer.api.spec import JobSpec
 from diloco_trainer.learner.fragment_sync import FragmentSync
-from diloco_trainer.learner.schedule import wait_budget
+from diloco_trainer.learner.step_plan import wait_budget
 
 log = logging.getLogger("diloco.learner")
 # A drained island asks whether the job finished this often (one heartbeat each time).

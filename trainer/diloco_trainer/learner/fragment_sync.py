@@ -1,6 +1,6 @@
 """Rank 0's side of the syncer protocol for the training loop: joining, pushing pseudo-gradients,
 collecting merged fragments and turning them into the weights the island continues from, and
-moving the island's schedule into phase with its peers (schedule.py: "phase alignment").
+moving the island's schedule into phase with its peers (phase_alignment.py).
 
 The training loop calls `after_step` once per inner step and gets back, per fragment to apply
 now, the fp32 weights every rank installs (rank 0 broadcasts them). When a fragment's steps since
@@ -34,18 +34,17 @@ from diloco_trainer.learner.fragment_state import (
     checked_fragment,
 )
 from diloco_trainer.learner.overlap import OverlapFit
+from diloco_trainer.learner.phase_alignment import phase_shift, schedule_positions
 from diloco_trainer.learner.push_encoding import encode_for_wire
-from diloco_trainer.learner.schedule import (
+from diloco_trainer.learner.shards import FragmentShards
+from diloco_trainer.learner.step_plan import (
     StepPlan,
     Window,
     blocks_for_merge,
-    phase_shift,
     plan_idle,
     plan_step,
-    schedule_positions,
     wait_budget,
 )
-from diloco_trainer.learner.shards import FragmentShards
 from diloco_trainer.learner.syncer_link import (
     WAIT_SLICE_SECONDS,
     HeldFragment,
@@ -122,7 +121,7 @@ class FragmentSync:
     @property
     def poll_from(self) -> int:
         """Steps after a push from which its merge is applied if it has arrived (sync.applyFrom,
-        schedule.poll_from_steps): τ, or the step after the push with "arrival"."""
+        step_plan.poll_from_steps): τ, or the step after the push with "arrival"."""
         return self.overlap_fit.window(self.overlap_fit.latest)[0]
 
     def finished(self) -> bool:
@@ -470,7 +469,7 @@ class FragmentSync:
 
     def _align(self, f: int, lateness: float | None, *, within: bool = False) -> None:
         """Start moving the schedule onto the leader's phase (one shift at a time); `within`:
-        the reading is of a merge that held this island's push (schedule.WITHIN_DEADBAND)."""
+        the reading is of a merge that held this island's push (phase_alignment.WITHIN_DEADBAND)."""
         if lateness is None or self.phase_pending:
             return
         step = self.wall_step or self.step_time

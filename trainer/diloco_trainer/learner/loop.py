@@ -4,10 +4,11 @@ An island runs H inner AdamW steps on its data shard between syncs of each param
 talks only to the syncer (rank 0 does; with WORLD_SIZE > 1 the ranks are a DDP group and rank 0
 broadcasts what it receives).
 
-The step schedule and phase alignment are in schedule.py, rank 0's side of syncing (pushes,
-arrivals, the weights a received fragment leaves) in fragment_sync.py with its per-fragment
-bookkeeping in fragment_state.py and the arithmetic in mixing.py, the link to the syncer (join,
-pushes, pulls, heartbeats) in syncer_link.py and the device and thread choice in device.py.
+The step plan is in step_plan.py, phase alignment in phase_alignment.py, rank 0's side of
+syncing (pushes, arrivals, the weights a received fragment leaves) in fragment_sync.py with its
+per-fragment bookkeeping in fragment_state.py and the arithmetic in mixing.py, the link to the
+syncer (join, pushes, pulls, heartbeats) in syncer_link.py and the device and thread choice in
+device.py.
 
 Inner optimizer: one AdamW per process, kept across rounds (DiLoCo: resetting it hurts); receiving
 a fragment writes the weights in place and leaves the optimizer state alone, and so does joining the
@@ -16,7 +17,7 @@ syncer again in the same process (a syncer that forgot the island).
 Restarts: a learner process that restarts simply joins again and takes the current global weights.
 Its AdamW state starts fresh (the Decoupled DiLoCo paper keeps stale state; we have none to keep
 since learners hold no checkpoint), so it gets the job's linear warm-up (inner.warmupSteps) again
-on top of the learning-rate schedule, which continues from outerStep·H (schedule.rewarm_factor).
+on top of the learning-rate schedule, which continues from outerStep·H (step_plan.rewarm_factor).
 
 DDP: every rank runs the same steps. After each inner step all ranks take part in one all-reduce
 (MAX) of a small int tensor: rank 0 fills in which fragments apply now and whether the job finished,
@@ -51,10 +52,10 @@ from diloco_trainer.learner.device_copies import PULL_APPLY_ENV, apply_pulls_on_
 from diloco_trainer.learner.drain import DrainTrigger, drain, share_steps
 from diloco_trainer.learner.fragment_sync import FragmentSync
 from diloco_trainer.learner.inner_step import InnerStep, check_precision
-from diloco_trainer.learner.schedule import rewarm_factor, schedule_start
 from diloco_trainer.learner.shards import FragmentShards, local_rows, shard_model
 from diloco_trainer.learner.start_together import starts_together, wait_for_peers
 from diloco_trainer.learner.step_costs import WindowCosts, wait_hint
+from diloco_trainer.learner.step_plan import rewarm_factor, schedule_start
 from diloco_trainer.learner.syncer_client import SyncerClient
 from diloco_trainer.learner.syncer_link import SyncerLink
 from diloco_trainer.models.data import TokenStream, resume_position

@@ -1,20 +1,96 @@
 """How many steps a learner overlaps a push with (sync.overlapMode), fitted to the sync
-latencies it measured, and the steps after a push at which it polls for and waits for the merge.
+latencies it measured, and the steps after a push at which it polls for and waits for the merge:
+the pure rule (`fit_overlap`, and `sync_latency`: the latency it hides) and its keeper per
+learner (`OverlapFit`).
 
-Each push is planned with the τ fitted when it was made (schedule.plan_step's windows), so a τ
+Each push is planned with the τ fitted when it was made (step_plan.plan_step's windows), so a τ
 that changes while another fragment is in flight moves no merge already planned.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 from collections import deque
 
 from diloco_trainer.api.spec import JobSpec
 from diloco_trainer.core.grace import merge_wait_steps
-from diloco_trainer.learner.schedule import Window, fit_overlap, poll_from_steps
+from diloco_trainer.learner.step_plan import Window, poll_from_steps
 
 log = logging.getLogger("diloco.learner")
+
+OVERLAP_MODES = ("auto", "fixed")  # sync.overlapMode
+# sync.overlapMode auto leaves a learner waiting for its merges at most this share of a round's
+# time: the overlap is the fewest steps that do.
+OVERLAP_FREE_SHARE = 0.01
+# sync.overlapMode auto's τ before any sync latency is measured (fit_overlap says why).
+FIRST_OVERLAP = 1
+
+
+def fit_overlap(
+    *,
+    mode: str,
+    cap: int,
+    latency: float | None,
+    step_time: float,
+    inner_steps: int,
+    fragments: int,
+) -> int:
+    """τ for the next push (sync.overlapMode): the fewest inner steps that hide the sync's
+    latency up to a wait of OVERLAP_FREE_SHARE of a round, at most `cap` (sync.overlapSteps).
+
+    `latency` is the seconds from a push to its merged fragment being back, less any wait for
+    peers: the push's own transfer, the syncer's merge (mergeSeconds) and the pull (None: not
+    measured yet). A learner that blocks τ steps after each of its F pushes per round of H steps
+    waits F·max(0, L − τ·t) a round, so τ = ceil((L − share·H·t/F) / t), clamped to 0..cap.
+    "fixed": `cap`. "auto" with nothing measured yet (a job's first pushes): one step, at most
+    `cap`: a wait for a slow first merge costs once per fragment, while kept steps in the first
+    round, where the weights change fastest, cost most (gpt-mini at K = M, seeds 0 and 1: 1.0095x
+    and 1.0014x of torchft's loss with the cap there, 1.0030x / 0.9990x and 0.9960x with one step).
+
+    Why: every kept step is a step taken from a base the merge has moved, and on gpt-mini at
+    K = M the τ = 5 kept steps cost 1.1-3.1% of the loss at equal tokens against τ = 0, where the
+    merges came back within a step or two (bench/log/2026-11-26.md, "overlapSteps 0 on gpt-mini"); on a GPU whose merges
+    take many steps the fit is the cap, as before.
+    """
+    if mode not in OVERLAP_MODES:
+        raise ValueError(
+            f"sync.overlapMode must be one of {', '.join(OVERLAP_MODES)}, got {mode!r}"
+        )
+    if cap < 0:
+        raise ValueError(f"sync.overlapSteps must be >= 0, got {cap}")
+    if mode == "fixed":
+        return cap
+    if latency is None or not math.isfinite(latency) or step_time <= 0:
+        return min(cap, FIRST_OVERLAP)
+    allowance = OVERLAP_FREE_SHARE * inner_steps * step_time / max(1, fragments)
+    steps = (max(0.0, latency) - allowance) / step_time
+    # A hair over a whole number is float noise, not a step more.
+    return min(cap, max(0, math.ceil(steps - 1e-9)))
+
+
+def sync_latency(
+    *,
+    push_seconds: float,
+    push_bytes: int,
+    merge_seconds: float | None,
+    pull_bytes: int,
+    pull_seconds: float | None = None,
+    rebuild_seconds: float = 0.0,
+) -> float | None:
+    """A sync's latency less any wait for peers (what fit_overlap hides): the push's seconds
+    (its transfer and the syncer's fold), the syncer's mergeSeconds for the version, the pull's
+    own seconds (its time less the syncer's long-poll wait; when the syncer did not say it, its
+    transfer at the push's rate, pull_bytes / push_bytes of the push's time) and the learner's
+    rebuild of an update chain. None when the syncer did not say its mergeSeconds."""
+    if merge_seconds is None:
+        return None
+    if pull_seconds is not None:
+        pull = pull_seconds
+    else:
+        pull = push_seconds * pull_bytes / push_bytes if push_bytes > 0 else 0.0
+    return max(0.0, push_seconds) + max(0.0, merge_seconds) + pull + max(0.0, rebuild_seconds)
+
 
 # The latencies fit_overlap sees: the slowest of the learner's last few syncs (two rounds at
 # F = 2), so one quick merge does not undo a τ a slow one needed.

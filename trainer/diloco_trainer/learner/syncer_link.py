@@ -41,7 +41,8 @@ from diloco_trainer.api.sharding import merge_join, shard_of
 from diloco_trainer.core.payloads import PulledFragment, PulledUpdates
 from diloco_trainer.core.published import apply_updates, check_updates, weights_checksum
 from diloco_trainer.learner.device_copies import DeviceStager
-from diloco_trainer.learner.schedule import lateness_within, merge_lateness, sync_latency
+from diloco_trainer.learner.overlap import sync_latency
+from diloco_trainer.learner.phase_alignment import lateness_within, merge_lateness
 from diloco_trainer.learner.syncer_client import SyncerClient
 
 # The learner's logger: the link runs inside the learner and its lines are part of that log.
@@ -74,11 +75,11 @@ class SyncResult:
     outcome: str  # "merged", or why the current fragment was taken instead
     seconds: float  # push sent to merged fragment received
     # Seconds the push came after a merge of its fragment by peers it was not part of
-    # (schedule.merge_lateness); None when there was none.
+    # (phase_alignment.merge_lateness); None when there was none.
     lateness: float | None = None
     # Whether `lateness` is instead of the previous push within its merge (lateness_within).
     lateness_within: bool = False
-    # The sync's latency less any wait for peers (schedule.sync_latency; None: not known).
+    # The sync's latency less any wait for peers (overlap.sync_latency; None: not known).
     latency: float | None = None
     # `pulled`'s tensors already on the learner's GPU (SyncerLink's stager), or None.
     on_device: Mapping[str, Tensor] | None = None
@@ -261,8 +262,9 @@ class SyncerLink:
         self, fragment: int, meta: PushMeta, accepted: int, answered: float, *, within: bool
     ) -> tuple[float | None, bool]:
         """Merges of the fragment happened between our base and our push: how late were we?
-        Else, `within`: how late was our previous push in its merge (schedule.lateness_within)?
-        One status read; a failure only skips phase alignment once. (lateness, whether within)"""
+        Else, `within`: how late was our previous push in its merge
+        (phase_alignment.lateness_within)? One status read; a failure only skips phase alignment
+        once. (lateness, whether within)"""
         try:
             status = await self._client(fragment).status()
         except SyncerError as err:

@@ -114,7 +114,7 @@ class Publisher:
         # at its next merge, while the body may still be served), reused for a new outer step.
         self._copies: dict[int, tuple[int, torch.Tensor]] = {}
         # Per fragment: its last merge's seconds from the round's take to its body (bodies say
-        # it: learners fit their overlap to it, learner/schedule.fit_overlap); None before one.
+        # it: learners fit their overlap to it, learner/overlap.fit_overlap); None before one.
         self._merge_seconds: list[float | None] = [None for _ in model.fragments]
 
     def snapshot(self) -> PullSnapshot:

@@ -24,7 +24,7 @@ from diloco_operator import metrics
 FIRST_RECONCILE_SLOTS = 8
 
 
-class Admission:
+class ReconcileSlots:
     """A semaphore made for the running event loop (tests run several loops in one process)."""
 
     def __init__(self, slots: int) -> None:
@@ -47,4 +47,4 @@ class Admission:
             yield
 
 
-FIRST_RECONCILES = Admission(FIRST_RECONCILE_SLOTS)
+FIRST_RECONCILES = ReconcileSlots(FIRST_RECONCILE_SLOTS)
