@@ -29,7 +29,14 @@ from diloco_trainer.local import launch
 from diloco_trainer.local.run import LocalRun
 from diloco_trainer.syncer.storage import checkpoint as ckpt
 
-from .conftest import TINY_SPEC, SyncerHandle, deep_merge, http_request, wait_until
+from .conftest import (
+    TINY_SPEC,
+    SyncerHandle,
+    deep_merge,
+    http_request,
+    restart_safe_port,
+    wait_until,
+)
 from .test_convergence import local_run  # noqa: F401  (a fixture)
 
 pytestmark = pytest.mark.e2e
@@ -70,7 +77,7 @@ TOKENS_PER_STEP = 2 * 32
 
 def start(workdir: Path, spec: dict[str, Any], name: str) -> SyncerHandle:
     files = launch.write_job_files(parse_spec(spec), workdir)
-    port = launch.free_port()
+    port = restart_safe_port()  # outside the ephemeral range (floods take many of those)
     log_file = workdir / "syncer.log"
     proc = launch.start_syncer(
         files,

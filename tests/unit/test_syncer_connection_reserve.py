@@ -101,6 +101,7 @@ def test_limits_a_peer_shares_its_room_with_its_network(peer: str, prefix: str) 
 def test_limits_an_idle_flood_makes_room_from_its_own_oldest() -> None:
     async def scenario(port: int, cap: ConnectionCap) -> tuple[bytes, bytes, bytes, dict[str, int]]:
         assert cap.per_peer == 7  # 8 - reserve 1
+        cap.min_age = 0.0  # any age may be replaced (the next test keeps the young ones)
         held = [await open_from(port, FLOOD) for _ in range(8)]  # idle: no request sent
         # The 8th took the place of the first (closed by the server: read to its end).
         first = await asyncio.wait_for(held[0][0].read(), READ_TIMEOUT)
@@ -157,3 +158,21 @@ def test_limits_an_unauthenticated_connection_is_closed_after_its_time() -> None
     closed, again, silent = serving(HttpLimits(max_connections=8), scenario)
     assert closed == b"" and silent == 1
     assert again.startswith(b"HTTP/1.1 200"), again
+
+
+def test_limits_a_young_connection_is_not_replaced() -> None:
+    """A connection younger than MIN_AGE keeps its place (a probe's request may still be on its
+    way behind a burst): one more from the full address is answered busy instead."""
+
+    async def scenario(port: int, cap: ConnectionCap) -> tuple[bytes, int]:
+        assert cap.min_age == 1.0
+        held = [await open_from(port, FLOOD) for _ in range(8)]
+        busy = await asyncio.wait_for(held[7][0].read(), READ_TIMEOUT)
+        evictions = cap.evictions
+        for _, w in held:
+            w.close()
+        return busy, evictions
+
+    busy, evictions = serving(HttpLimits(max_connections=8), scenario)
+    assert busy.startswith(b"HTTP/1.1 503") and b'"busy"' in busy, busy
+    assert evictions == 0

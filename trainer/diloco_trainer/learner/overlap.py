@@ -50,8 +50,8 @@ def fit_overlap(
 
     Why: every kept step is a step taken from a base the merge has moved, and on gpt-mini at
     K = M the τ = 5 kept steps cost 1.1-3.1% of the loss at equal tokens against τ = 0, where the
-    merges came back within a step or two (bench/log/2026-11-26.md, "overlapSteps 0 on gpt-mini"); on a GPU whose merges
-    take many steps the fit is the cap, as before.
+    merges came back within a step or two (bench/log/2026-11-26.md, "overlapSteps 0 on gpt-mini");
+    on a GPU whose merges take many steps the fit is the cap, as before.
     """
     if mode not in OVERLAP_MODES:
         raise ValueError(

@@ -129,10 +129,11 @@ def lateness_within(
 # there is once islands are in phase: on two shared cores they jitter by 1-6 steps a round at
 # H = 30 (0.02-0.17 s at 0.027 s a step), and correcting each one made identical islands chase
 # each other (advance 6, delay 1, delay 2, advance 4, ...), their work per push 24-33 steps, and
-# K = 1 ended 1.5-4% behind K = M (bench/log/2026-11-24.md, "decoupled_quality — 2026-11-24 09:48"). An offset under an eighth of a round
-# costs the islands ahead at most that many steps of staleness on the merge they apply; the
-# offset the rule exists for (a start-up lag of 10-18 steps of 50 in examples/local.yaml) is well
-# above it. Readings of a missed merge (merge_lateness) have no dead band: missing one is news.
+# K = 1 ended 1.5-4% behind K = M (bench/log/2026-11-24.md, "decoupled_quality — 2026-11-24 09:48").
+# An offset under an eighth of a round costs the islands ahead at most that many steps of staleness
+# on the merge they apply; the offset the rule exists for (a start-up lag of 10-18 steps of 50 in
+# examples/local.yaml) is well above it. Readings of a missed merge (merge_lateness) have no dead
+# band: missing one is news.
 WITHIN_DEADBAND = 1 / 8
 
 

@@ -3,9 +3,9 @@
 Learners that do not block for their merges (K < M with overlap: core/grace.blocks_for_merge)
 keep the phase they start with: each times its pushes by its own step count, so an island whose
 processes started seconds after the others' pushes every fragment that much later, round after
-round, until phase alignment (phase_alignment.py) has moved it a few steps at a time. Where rounds are
-short that is whole rounds: in bench/decoupled_quality (gpt-tiny, rounds of about a second on two
-shared cores) two of four islands joined 2.9 s after the others, the first merges held two
+round, until phase alignment (phase_alignment.py) has moved it a few steps at a time. Where rounds
+are short that is whole rounds: in bench/decoupled_quality (gpt-tiny, rounds of about a second on
+two shared cores) two of four islands joined 2.9 s after the others, the first merges held two
 islands' work, the late two pushed 60 and 90 steps at once, and K = 2 ended 3.6% behind K = M,
 where its runs whose islands joined together were within 1% (bench/log/2026-11-27.md, "a fresh
 job's islands started together").

@@ -58,8 +58,9 @@ def poll_from_steps(*, apply_from: str, overlap: int) -> int:
     came back. "arrival": the step after the push (min(1, τ): with τ = 0 the push step itself
     waits), so a merge back in L < τ steps keeps L steps, not τ. Why: at K = M on gpt-mini the τ = 5
     kept steps cost 1.0-1.6% of the loss against τ = 1 (bench/log/2026-11-26.md, "gpt-mini against
-    torchft in real processes") (figure not found in the log), while the merges came back in a step or two; τ stays the most a learner trains on
-    before it waits, so a slow syncer's latency is hidden as before.
+    torchft in real processes") (figure not found in the log), while the merges came back in a step
+    or two; τ stays the most a learner trains on before it waits, so a slow syncer's latency is
+    hidden as before.
     """
     if apply_from not in APPLY_FROMS:
         raise ValueError(

@@ -10,9 +10,10 @@
 - Connections (ConnectionCap): at most maxConnections at once, counted from the TCP accept (so TLS
   handshakes count). A connection is *unauthenticated* until one of its requests passes the
   bearer-token check; an unauthenticated one is closed UNAUTHENTICATED_SECONDS after it opened,
-  and is the first to go when room is needed: a new connection takes the place of the oldest
-  unauthenticated one of its own address or network prefix (/24, /64) once that address or
-  prefix holds all but reserve_of(maxConnections) of them (16, at most an eighth of the cap), and
+  and is the first to go when room is needed (one that sent nothing yet, at least MIN_AGE old; one
+  that did, a probe's request on its way, is left to be served): a new connection takes the place of
+  the oldest unauthenticated one of its own address or network prefix (/24, /64) once that address
+  or prefix holds all but reserve_of(maxConnections) of them (16, at most an eighth of the cap), and
   of the oldest unauthenticated one of anybody's once every connection is taken. So N addresses
   of a network cannot take what one cannot, and no flood of idle or trickling connections keeps
   a new one out: the kubelet's probes (it restarts a syncer whose probe fails, losing the
@@ -61,6 +62,9 @@ RESERVE_CONNECTIONS = 16
 # Seconds a connection stays open with no request that passed the bearer-token check (at most
 # the header timeout): an honest client sends one at once, the kubelet's probes are done by then.
 UNAUTHENTICATED_SECONDS = 5.0
+# Seconds a new connection is safe from being replaced: a probe's request reaches the server
+# even behind a burst of thousands of connections accepted in one turn of the event loop.
+MIN_AGE = 1.0
 # Seconds a connection that found no room waits for its request line: a probe is answered.
 PROBE_WAIT = 1.0
 # Connections the kernel queues for accept (capped by net.core.somaxconn): a burst of new
@@ -305,6 +309,8 @@ class _Counted(asyncio.Protocol):
         self.peer = ""
         self.prefix = ""
         self.authenticated = False
+        self.heard = False  # any bytes arrived
+        self.opened = 0.0  # loop time of its accept
         self.evicted = False
         self.timer: asyncio.TimerHandle | None = None
 
@@ -313,6 +319,7 @@ class _Counted(asyncio.Protocol):
         self.peer = str(peer[0]) if isinstance(peer, tuple) and peer else ""
         self.prefix = prefix_of(self.peer)
         self.transport = transport
+        self.opened = asyncio.get_running_loop().time()
         if not self.cap.admit(self):
             self.busy = _Busy(self.cap.probe)
             self.busy.connection_made(transport)
@@ -346,6 +353,9 @@ class _Counted(asyncio.Protocol):
 
     def data_received(self, data: bytes) -> None:
         if self.inner is not None:
+            if not self.heard:
+                self.heard = True
+                self.cap.heard(self)
             self.inner.data_received(data)
         elif self.busy is not None:
             self.busy.data_received(data)
@@ -388,14 +398,18 @@ class ConnectionCap:
         self.size = size
         self.probe = probe
         self.unauthenticated_seconds = unauthenticated_seconds
+        self.min_age = MIN_AGE
         self.per_peer = max(1, size - reserve_of(size))
         self.open = 0
         self.refused = 0
         self.evictions = 0  # unauthenticated connections closed to make room
         self.silent = 0  # unauthenticated connections closed for their time
         self.peers: Counter[str] = Counter()  # admitted connections per peer address
-        # Unauthenticated connections, oldest first, and their number per address and prefix.
+        # Unauthenticated connections, oldest first: those that sent nothing yet, those that
+        # did (a probe's request on its way; they go second), and their number per address and
+        # prefix.
         self.waiting: dict[_Counted, None] = {}
+        self.talking: dict[_Counted, None] = {}
         self.unauthenticated: Counter[str] = Counter()
 
     def __call__(self) -> asyncio.Protocol:
@@ -404,8 +418,9 @@ class ConnectionCap:
     def admit(self, conn: _Counted) -> bool:
         """Count `conn`, making room as the module docstring says; False when there is none."""
         for key in {conn.peer, conn.prefix}:
-            if self.unauthenticated[key] >= self.per_peer:
-                self._evict_oldest(_of(key))
+            if self.unauthenticated[key] >= self.per_peer and not self._evict_oldest(_of(key)):
+                self._refuse(f"{self.unauthenticated[key]} unauthenticated connections from {key}")
+                return False
         if self.peers[conn.peer] >= self.per_peer and not self._evict_oldest(
             lambda c: c.peer == conn.peer
         ):
@@ -437,16 +452,26 @@ class ConnectionCap:
             del self.peers[conn.peer]
         self._forget_waiting(conn)
 
-    def _forget_waiting(self, conn: _Counted) -> None:
+    def heard(self, conn: _Counted) -> None:
+        """`conn`'s first bytes arrived: it goes after the silent ones."""
         if self.waiting.pop(conn, False) is None:
+            self.talking[conn] = None
+
+    def _forget_waiting(self, conn: _Counted) -> None:
+        if self.waiting.pop(conn, False) is None or self.talking.pop(conn, False) is None:
             for key in {conn.peer, conn.prefix}:
                 self.unauthenticated[key] -= 1
                 if self.unauthenticated[key] <= 0:
                     del self.unauthenticated[key]
 
     def _evict_oldest(self, which: Callable[[_Counted], bool]) -> bool:
-        """Close the oldest unauthenticated connection `which` accepts; False when none."""
-        victim = next((c for c in self.waiting if which(c)), None)
+        """Close the oldest silent unauthenticated connection `which` accepts, of those at
+        least MIN_AGE old; False when none. One that sent something (a probe's request on its
+        way) is never replaced: it is served or closed at its time."""
+        now = asyncio.get_running_loop().time()
+        victim = next(
+            (c for c in self.waiting if now - c.opened >= self.min_age and which(c)), None
+        )
         if victim is None:
             return False
         self._uncount(victim)
