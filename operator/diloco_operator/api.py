@@ -102,7 +102,7 @@ class IslandCounts(StatusModel):
     active: int = Field(0, ge=0, description="Islands the syncer counts as active members.")
 
 
-class IslandStatus(StatusModel):
+class IslandEntry(StatusModel):
     """One island as seen from its pods and from the syncer."""
 
     name: str = Field(description="Island name, e.g. island-0 or eu-island-0.")
@@ -170,7 +170,7 @@ class DiLoCoJobStatus(StatusModel):
     )
     islands: IslandCounts = Field(default_factory=IslandCounts)
     islands_summary: str = Field("0/0", description="'ready/desired' islands, for kubectl get.")
-    island_statuses: list[IslandStatus] = Field(
+    island_statuses: list[IslandEntry] = Field(
         default_factory=list, description="Per-island state, one entry per desired island."
     )
     outer_step: int | None = Field(

@@ -18,7 +18,7 @@ from diloco_operator.conditions import job_conditions
 from diloco_operator.final_weights import final_checkpoint
 from diloco_operator.observation import Observation, conditions_by_type
 from diloco_operator.phase import FINAL_PHASES, decide_phase, finished_time
-from diloco_operator.progress import carried_progress, island_statuses, job_completion
+from diloco_operator.status_progress import carried_progress, island_statuses, job_completion
 from diloco_operator.times import parse_time
 
 

@@ -47,7 +47,7 @@ def test_api_status_round_trips_camel_case() -> None:
         phase="Running",
         islands=api.IslandCounts(desired=4, ready=3, active=3),
         islands_summary="3/4",
-        island_statuses=[api.IslandStatus(name="island-0", ready_pods=2, in_quorum=True)],
+        island_statuses=[api.IslandEntry(name="island-0", ready_pods=2, in_quorum=True)],
         outer_step=7,
     )
     wire = status.model_dump(by_alias=True, exclude_none=True)

@@ -3,7 +3,7 @@ job's status instead of making every status patch fail."""
 
 from __future__ import annotations
 
-from diloco_operator.progress import INT64_MAX, carried_progress, int_or_none
+from diloco_operator.status_progress import INT64_MAX, carried_progress, int_or_none
 from diloco_operator.times import time_field
 
 from .observations import syncer_status

@@ -6,7 +6,7 @@ import math
 from dataclasses import replace
 
 import pytest
-from diloco_operator.progress import (
+from diloco_operator.status_progress import (
     Completion,
     carried_progress,
     duration,

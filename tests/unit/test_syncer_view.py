@@ -7,8 +7,8 @@ import dataclasses
 from typing import Any
 
 import pytest
-from diloco_operator.progress import island_statuses
 from diloco_operator.runtime import SyncerConnection
+from diloco_operator.status_progress import island_statuses
 from diloco_operator.syncer_view import SyncerHealth, SyncerView
 from diloco_trainer.api.documents import IslandStatus
 

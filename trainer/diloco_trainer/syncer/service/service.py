@@ -67,7 +67,7 @@ from diloco_trainer.syncer.service.jobs import CheckpointSnapshot
 from diloco_trainer.syncer.service.push import PushPath
 from diloco_trainer.syncer.service.status_document import (
     Identity,
-    Progress,
+    RunState,
     checkpoint_manifest,
     status_document,
 )
@@ -293,7 +293,7 @@ class Syncer:
         return doc.model_copy(update={"digest": weights}).to_wire()
 
     def _status(self) -> SyncerStatus:
-        progress = Progress(
+        progress = RunState(
             finished=self.finished,
             failure=self.failure,
             bytes_in=self.bytes_in,

@@ -29,7 +29,7 @@ class Identity:
 
 
 @dataclass(frozen=True)
-class Progress:
+class RunState:
     """What the service itself keeps: whether the job finished or the syncer failed, bytes
     received, and the checkpoint it resumed from."""
 
@@ -41,7 +41,7 @@ class Progress:
 
 def status_document(
     identity: Identity,
-    progress: Progress,
+    progress: RunState,
     *,
     rounds: RoundsSnapshot,
     merges: MergeLogSnapshot,

@@ -14,7 +14,7 @@ from typing import Any
 from diloco_trainer.api.documents import SyncerStatus
 from diloco_trainer.api.spec import StopAfterSpec
 
-from diloco_operator.api import IslandStatus
+from diloco_operator.api import IslandEntry
 from diloco_operator.health import ACTIVE
 from diloco_operator.observation import Observation
 from diloco_operator.times import time_field
@@ -109,14 +109,14 @@ def duration(seconds: float) -> str:
     return f"{minutes}m{secs:02d}s" if minutes else f"{secs}s"
 
 
-def island_statuses(obs: Observation, running: bool) -> list[IslandStatus]:
+def island_statuses(obs: Observation, running: bool) -> list[IslandEntry]:
     """One entry per desired island: its pods (from health) and its state at the syncer."""
     out = []
     for name, island in obs.islands.items():
         info = obs.syncer.island(name) if obs.syncer is not None else None
         state = (info.known_state if info is not None else None) or UNKNOWN_STATE
         out.append(
-            IslandStatus(
+            IslandEntry(
                 name=name,
                 ready_pods=island.ready_pods,
                 desired_pods=island.desired_pods if running else 0,
