@@ -32,8 +32,6 @@ the interpreter lock.
 
 from __future__ import annotations
 
-import ctypes
-
 import numpy as np
 import torch
 from llvmlite import ir
@@ -170,8 +168,8 @@ def nesterov_int8_slice(
 
 
 def warm() -> None:
-    """Compile the loop now (on a tiny slice: the types a merge passes), then give back the
-    compiler's pages (release_compiler_pages)."""
+    """Compile the loop now (on a tiny slice: the types a merge passes); the syncer then gives
+    back the compiler's pages (syncer/merging/heap.release_compiler_pages)."""
     n = BLOCK_SIZE + 3
     x = torch.linspace(-1.0, 1.0, n)
     nesterov_int8_slice(
@@ -186,31 +184,3 @@ def warm() -> None:
         beta=0.9,
         lr=0.7,
     )
-    release_compiler_pages()
-
-
-# madvise(2)'s MADV_PAGEOUT (Linux 5.4): reclaim these pages now; touched again, they come back.
-_MADV_PAGEOUT = 21
-
-
-def release_compiler_pages() -> int:
-    """Ask the kernel to reclaim the pages of LLVM's library (llvmlite's, ~80-100 MB of its code
-    and data read in at import and while compiling; the compiled loop lives elsewhere and runs
-    without it): the syncer's RSS then carries ~50 MB for the compiler, not ~150 MB. Advisory and
-    safe: a page that is needed again is read back in (file pages) or was never dropped (private
-    pages without swap). Returns the mappings advised; 0 where there is no /proc or madvise."""
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        madvise = libc.madvise
-        with open("/proc/self/maps") as f:
-            maps = f.read().splitlines()
-    except (OSError, AttributeError):
-        return 0
-    madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-    advised = 0
-    for line in maps:
-        parts = line.split()
-        if len(parts) >= 6 and "llvmlite" in parts[5]:
-            lo, hi = (int(x, 16) for x in parts[0].split("-"))
-            advised += madvise(lo, hi - lo, _MADV_PAGEOUT) == 0
-    return advised

@@ -1,4 +1,6 @@
-"""TODO docstring."""
+"""The syncer's one error type: a request refused, with the HTTP status the edge answers and a
+machine-readable code clients act on. Every sub-package raises it; the edge turns it into an
+error body (edge/http.py)."""
 
 from __future__ import annotations
 

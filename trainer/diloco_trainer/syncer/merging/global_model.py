@@ -34,6 +34,7 @@ from diloco_trainer.core.payloads import body_data, body_layout
 from diloco_trainer.core.published import UpdateWriter, WeightUpdate, publish_update
 from diloco_trainer.syncer.intake import EncodedPayload
 from diloco_trainer.syncer.merging.folding import RoundFolds
+from diloco_trainer.syncer.merging.heap import release_compiler_pages
 from diloco_trainer.syncer.merging.merge_checks import MAX_MERGED_ABS, MergeInputError, check_merged
 from diloco_trainer.syncer.state import Contribution
 from diloco_trainer.syncer.storage import checkpoint as ckpt
@@ -159,7 +160,7 @@ class GlobalModel:
 
             self._fused_update = fused_update
             # Compiled beside the start-up, not on the first merge's path (fused_update.py).
-            threading.Thread(target=fused_update.warm, name="fused-compile", daemon=True).start()
+            threading.Thread(target=_compile_fused, name="fused-compile", daemon=True).start()
         self.published: Tensors = self.weights
         self.published_data: dict[int, torch.Tensor] = {}
         if self.pull_compression != "none":
@@ -464,3 +465,11 @@ def release_tensors(tensors: Sequence[torch.Tensor]) -> None:
 
 def _same_shapes(a: Mapping[str, torch.Tensor], b: Mapping[str, torch.Tensor]) -> bool:
     return a.keys() == b.keys() and all(a[n].shape == b[n].shape for n in a)
+
+
+def _compile_fused() -> None:
+    """Compile the fused loop beside the start-up, then give back the compiler's pages."""
+    from diloco_trainer.core import fused_update
+
+    fused_update.warm()
+    release_compiler_pages()
