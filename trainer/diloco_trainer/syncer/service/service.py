@@ -1,40 +1,39 @@
 """The syncer: a CPU service that merges islands' pseudo-gradients into the global model.
 
-Each fragment runs rounds (rounds.py, with membership.py): pushes are validated against the
-model, collected per island (a newer push from an island replaces its pending one), and merged
-once a quorum has reported and the grace window has passed (or every active island has
-reported): the merge (merge.py) merges the round in the global model (global_model.py), takes an
-outer step (Delayed Nesterov, folded per round of work) on that fragment, version + 1, and records
-it in the merge log (merge_log.py); the publisher (publisher.py) re-encodes the fragment and wakes
-long-polling pullers, and evaluations and checkpoints run in the background (jobs.py). Start-up
-(startup.py) builds those parts; the status and checkpoint manifest are assembled from them
-(status.py). The HTTP edge is http.py, the process server.py.
+One job's `Syncer` holds the parts start-up built (startup.py): the state (state/: records,
+membership, rounds, clocks), the gate on what enters (intake/), the global model and the merge
+(merging/), what learners pull (serving/), the checkpoints (storage/) and the background
+evaluations and checkpoints (jobs.py). The HTTP edge (edge/http.py) calls it; it runs the two
+sequences that cross the parts: a push (push.py: read, admit, measure, judge, record, fold) and
+a merge (`_merge`: take, prepare, commit, encode, record, serve), ARCHITECTURE.md's "The path of
+a push" in twelve calls. The island calls (join, heartbeat, leave, the admin's membership
+change) are island_calls.py's, on `Syncer.islands`.
 
-This module is the thin service that holds those parts behind one lock, answers the membership
-routes (membership_routes.py), and runs the two sequences that cross the parts: a push (push.py,
-the whole path in one place) and a merge (_merge, in merge.py's steps). Concurrency: HTTP
-handlers run on one asyncio loop; heavy work (decoding a push, merging, the outer step,
-evaluation, serialising fragments, checkpoints, digests) runs in worker threads. One asyncio
-lock (`lock`) makes every state change atomic and is held only for short, P-free steps; one lock
-per fragment (`fragment_lock`) keeps a fragment's fold and its merge apart: a push folds holding
-its own fragment's lock, a merge holds its fragment's from taking the round to publishing it, so
-a push never waits on another fragment's merge, and heartbeats, joins and status never wait on
-one. Merges run one at a time, in the scheduler (`merging`: a stop or a digest waits for the
-running one), so the whole-model steps after a merge (evaluation and checkpoint of the live
+Concurrency (control.py): HTTP handlers run on one asyncio loop; heavy work (decoding a push,
+merging, the outer step, evaluation, serialising fragments, checkpoints, digests) runs in worker
+threads. Three kinds of lock: one asyncio lock (`Control.locked()`) makes every state change
+atomic and is held only for short, P-free steps; one lock per fragment (`fragment_lock`) keeps a
+fragment's fold and its merge apart (a push folds holding its own fragment's lock, a merge holds
+its fragment's from taking the round to publishing it, so a push never waits on another
+fragment's merge, and heartbeats, joins and status never wait on one); and `merging`, which the
+scheduler holds for each merge, so merges run one at a time and a stop or a digest waits for the
+running one, and the whole-model steps after a merge (evaluation and checkpoint of the live
 weights, publishing the other fragments' outer step) see no merge half-applied. A request that
 fails validation changes nothing: size, safetensors, metadata, membership/staleness and tensor
 names/shapes/dtypes are all checked before the state is touched.
 
-Hostile and broken input (README's Security section; gate.py, merge.py): only the job's own island
-names join, a push passes the guards (finite, norm bounds, steps and tokens of one round) before
-it joins a round, and a merge whose input cannot be merged leaves out the contributions at fault.
+Hostile and broken input (README's Security section; intake/gate.py, merging/merger.py): only the
+job's own island names join, a push passes the guards (finite, norm bounds, steps and tokens of
+one round) before it joins a round, and a merge whose input cannot be merged leaves out the
+contributions at fault.
 
-When stopAfter is reached (or all but the drain's rounding, every island drained: targets.py),
-the syncer evaluates, writes a checkpoint, and only then reports finished=true; it keeps serving
-status and pulls afterwards. A stop (SIGTERM) lets a running merge finish and writes a checkpoint
-of what was merged since the last one. A merge that raises while applying the outer step (a bug:
-its input was checked) leaves the round half applied, so the syncer then refuses work with 503
-and reports unhealthy on /healthz until it is restarted from its last checkpoint.
+When stopAfter is reached (or all but the drain's rounding, every island drained:
+state/targets.py), the syncer evaluates, writes a checkpoint, and only then reports
+finished=true; it keeps serving status and pulls afterwards. A stop (SIGTERM) lets a running
+merge finish and writes a checkpoint of what was merged since the last one. A merge that raises
+while applying the outer step (a bug: its input was checked) leaves the round half applied, so
+the syncer then refuses work with 503 and reports unhealthy on /healthz until it is restarted
+from its last checkpoint.
 """
 
 from __future__ import annotations
@@ -371,23 +370,24 @@ class Syncer:
             poke.clear()
 
     async def _merge(self, f: int) -> None:
-        """Merge fragment f's round in merge.py's steps, holding f's lock throughout and the
-        service's lock for the steps that change state; then publish. mergeSeconds runs from
-        the round's take to its new version being pullable."""
+        """Merge fragment f's round, steps 7-12 of a push's path (ARCHITECTURE.md, "The path of
+        a push"; merging/merger.py's steps), holding f's lock throughout and the service's lock
+        for the steps that change state; then log, evaluate and checkpoint as due. mergeSeconds
+        runs from the round's take to its new version being pullable (12)."""
         async with self.control.fragment_lock(f):
             async with self.control.locked():
                 now = self.clock()
                 if self.finished or not self.state.merge_due(f, now):
                     return  # the round changed since the scheduler looked (a drop)
                 started = time.perf_counter()
-                merge = self.merger.take(self.state, f, now)
-            prepared = await asyncio.to_thread(self.merger.prepare, merge)
+                merge = self.merger.take(self.state, f, now)  # 7.
+            prepared = await asyncio.to_thread(self.merger.prepare, merge)  # 8.
             if isinstance(prepared, LeftOut):
                 async with self.control.locked():
                     self.merger.recover(self.state, merge, prepared)
                 return
             new_version = self.state.versions[f] + 1  # only this merge moves f's version
-            result = await asyncio.to_thread(
+            result = await asyncio.to_thread(  # 9.
                 self.model.commit_merge, f, prepared, new_version=new_version
             )
             del prepared  # the merged pseudo-gradient (1/F x) goes before the new body comes
@@ -396,22 +396,21 @@ class Syncer:
             # if the outer step came out otherwise).
             others = (r.rounds for g, r in enumerate(self.state.rounds) if g != f)
             outer_step = min([result.rounds, *others])
-            body = await asyncio.to_thread(
+            body = await asyncio.to_thread(  # 10.
                 self.publisher.encode,
                 f,
                 (new_version, outer_step, self.finished),
                 time.perf_counter() - started,
             )
             async with self.control.locked():
-                self.publisher.record_update(f, result.update)
                 seconds = time.perf_counter() - started
-                entry = self.merger.record(self.state, merge, result, seconds)
+                entry = self.merger.record(self.state, merge, result, seconds)  # 11.
                 # Not at the finish: _after_merge publishes it once, finished (else pulled twice).
-                if body[0] == self._body_keys()[f] and not self.stop_reached():
-                    self.publisher.install(f, body)
+                fits = body[0] == self._body_keys()[f] and not self.stop_reached()
+                self.publisher.merged(f, result.update, body if fits else None)  # 12.
             del body
         await asyncio.to_thread(self.merge_log.write, entry)
-        # The merge's small temporaries back to the system once it is pullable (memory.py).
+        # The merge's small temporaries back to the system once it is pullable (merging/heap.py).
         await asyncio.to_thread(trim)
         self.merger.logged(seconds)
         log.info("%s", describe_merge(entry))

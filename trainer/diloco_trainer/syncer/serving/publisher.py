@@ -173,6 +173,16 @@ class Publisher:
         """The key fragment f's served body was encoded at."""
         return self._bodies[f][0]
 
+    def merged(
+        self, f: int, update: WeightUpdate | None, body: tuple[BodyKey, Body] | None
+    ) -> None:
+        """A merge of fragment f, on the loop: its θ_pub update kept (record_update) and its
+        new body served now (install), unless `body` is None (published later: the finish, or
+        a body whose key no longer fits)."""
+        self.record_update(f, update)
+        if body is not None:
+            self.install(f, body)
+
     def install(self, f: int, body: tuple[BodyKey, Body]) -> None:
         """Serve a body built by `encode` as fragment f's (on the loop) and wake its pullers.
         The bodies it replaces are let go in a worker thread (_Dropped)."""
