@@ -128,3 +128,77 @@ def test_architecture_the_face_checker_finds_an_import_past_a_face(tmp_path: Pat
         found.append(face_violations([probe]))
     past = "probe0.py:1 imports diloco_trainer.syncer.state.rounds (past the face)"
     assert found == [[past], ["probe1.py:1 imports not_exported (not in state's face)"], []]
+
+
+def shared_names() -> set[str]:
+    """The module names ARCHITECTURE.md's "Shared names" allows in both packages."""
+    text = (ROOT / "ARCHITECTURE.md").read_text()
+    section = text.split("## Shared names", 1)[1].split("\n## ", 1)[0]
+    return set(re.findall(r"^- `([^`]+\.py)`", section, flags=re.M))
+
+
+def test_architecture_one_meaning_per_module_and_class_name() -> None:
+    packages = [ROOT / "trainer" / "diloco_trainer", ROOT / "operator" / "diloco_operator"]
+    modules: dict[str, list[str]] = {}
+    classes: dict[str, list[str]] = {}
+    for package in packages:
+        for path in sorted(package.rglob("*.py")):
+            rel = path.relative_to(ROOT).as_posix()
+            if path.name != "__init__.py":
+                modules.setdefault(path.name, []).append(rel)
+            for node in ast.parse(path.read_text()).body:
+                if isinstance(node, ast.ClassDef):
+                    classes.setdefault(node.name, []).append(rel)
+    shared = {name for name, where in modules.items() if len(where) > 1}
+    assert shared == shared_names(), {
+        n: modules[n] for n in shared ^ shared_names() if n in modules
+    }
+    assert {name: where for name, where in classes.items() if len(where) > 1} == {}
+
+
+# The path of a push (ARCHITECTURE.md): its numbered steps, each "`call`" first on its line.
+PATH_STEP = re.compile(r"^\s*\d+\. `([A-Za-z_]+)`", flags=re.M)
+
+
+def path_of_a_push() -> list[str]:
+    text = (ROOT / "ARCHITECTURE.md").read_text()
+    section = text.split("### The path of a push", 1)[1].split("\n## ", 1)[0]
+    return PATH_STEP.findall(section)
+
+
+def calls_in_order(path: Path, cls: str, method: str) -> list[str]:
+    """The names a method calls, in source order (a callable handed to asyncio.to_thread
+    counts as called there)."""
+    tree = ast.parse(path.read_text())
+    found = next(
+        f
+        for c in tree.body
+        if isinstance(c, ast.ClassDef) and c.name == cls
+        for f in c.body
+        if isinstance(f, ast.AsyncFunctionDef | ast.FunctionDef) and f.name == method
+    )
+    names: list[tuple[int, int, str]] = []
+    for node in ast.walk(found):
+        if not isinstance(node, ast.Call):
+            continue
+        func = node.func
+        if isinstance(func, ast.Attribute) and func.attr == "to_thread" and node.args:
+            func = node.args[0]  # type: ignore[assignment]
+        name = func.attr if isinstance(func, ast.Attribute) else getattr(func, "id", "")
+        names.append((node.lineno, node.col_offset, name))
+    return [name for _, _, name in sorted(names)]
+
+
+def test_architecture_the_path_of_a_push_is_the_code_s() -> None:
+    steps = path_of_a_push()
+    assert len(steps) <= 12, steps
+    service = SYNCER / "service"
+    made = calls_in_order(service / "push.py", "PushPath", "receive") + calls_in_order(
+        service / "service.py", "Syncer", "_merge"
+    )
+    order = [made.index(step) for step in steps if step in made]
+    assert [s for s in steps if s not in made] == []
+    assert order == sorted(order), list(zip(steps, order, strict=True))
+    # The push path holds the service's Control, never the service.
+    source = (service / "push.py").read_text()
+    assert not re.search(r"\bSyncer\b|service\.service|service import", source)
