@@ -385,10 +385,17 @@ def test_limits_slots_refuse_beyond_size_with_retry_after() -> None:
 
 
 def test_limits_push_share_per_credential() -> None:
-    # Of 8 slots: an island's credential 2, a region's (another cluster) 8 - 2, the root all.
+    # Of 8 slots: an island's credential 2, the root all.
     assert push_share(Principal(credentials.ISLAND, "island-1"), 8) == 2
-    assert push_share(Principal(credentials.REGION, "eu"), 8) == 6
-    assert push_share(Principal(credentials.REGION, "eu"), 2) == 1
+    # A region's (issue 46: it held 8 - 2): 2 x the records it holds (at least one island's),
+    # never the 2 x local slots of the syncer's own islands, at least 1.
+    eu = Principal(credentials.REGION, "eu")
+    assert push_share(eu, 8) == 2  # no record: one island's
+    assert push_share(eu, 10, region=2, local=2) == 4  # 2 x 2, within 10 - 2 x 2 = 6
+    assert push_share(eu, 10, region=4, local=2) == 6  # 2 x 4 = 8, but 10 - 4 = 6
+    assert push_share(eu, 10, region=3, local=0) == 6  # the syncer's own prefix: 2 x 3
+    assert push_share(eu, 4, region=2, local=2) == 1  # 4 - 4 = 0 left: at least 1
+    assert push_share(eu, 2) == 2
     assert push_share(Principal(credentials.ROOT), 8) == 8
     assert push_share(Principal(credentials.ISLAND, "island-1"), 1) == 1
     with pytest.raises(Refused) as err:  # may push as no island: refused, no slot to take

@@ -9,7 +9,13 @@ import pytest
 import torch
 from diloco_trainer.api import protocol
 from diloco_trainer.syncer.intake import guards
-from diloco_trainer.syncer.intake.direction import Directions, consensus, cosine, direction_sample
+from diloco_trainer.syncer.intake.direction import (
+    Directions,
+    Verdict,
+    consensus,
+    cosine,
+    direction_sample,
+)
 
 from .test_syncer_guards import guard, refusal_code
 
@@ -65,8 +71,15 @@ def test_guards_direction_check_refuses_against_the_others_never_counts() -> Non
     g.accepted(0, "island-2", pushed(0, 1))
     g.check_delta(0, "island-0", pushed(-1, 0.5))  # -0.316: a different view, accepted
     g.check_delta(0, "island-0", pushed(1, -1))  # 0: orthogonal, accepted
-    code = refusal_code(g.check_delta, 0, "island-0", pushed(-1, 0))  # -0.707 < -0.5
+    # Against (1, 0) and (0, 1) each (one vote's threshold -0.5 / sqrt 2 = -0.354) and their
+    # sum: (-1, -0.5) -> -1/1.118 = -0.894 and -0.5/1.118 = -0.447, both below; sum
+    # -1.5 / (1.118 x 1.414) = -0.949 < -0.5: refused.
+    code = refusal_code(g.check_delta, 0, "island-0", pushed(-1, -0.5))
     assert code == protocol.ERROR_NORM_OUTLIER
+    # (-1, 0) is -0.707 against the sum, but against one of the two only (-1 and 0): that one
+    # may be an adversary pushing against an honest island (issue 46), accepted. It was refused
+    # before; this is the rule the issue changes.
+    g.check_delta(0, "island-0", pushed(-1, 0))
     with pytest.raises(guards.ContributionRefused) as err:
         g.check_delta(0, "island-0", pushed(-1, -1))
     assert err.value.own_fault is False
@@ -87,3 +100,45 @@ def test_guards_direction_one_island_flooding_has_one_vote() -> None:
     # (1,0.8)/1.281 = (0.848, 0.564): cosine with (1, 1) is +0.98.
     assert g.directions.against_others(0, "island-0", v(1, 1)) == pytest.approx(0.9803, abs=1e-4)
     g.check_delta(0, "island-0", pushed(1, 1))
+
+
+def test_direction_verdict_needs_a_majority_of_the_others_each_against() -> None:
+    """Issue 46: an island knowing an honest island's direction pushes against it; its one vote
+    must not get the honest island's pushes refused. Hand-derived, n others, one vote's
+    threshold -0.5 / sqrt(n)."""
+    d = Directions(fragments=1)
+    d.record(0, "honest-b", v(0, 1))
+    # The adversary: (-1, 0.3) against honest-a's (1, 0); against the others' sum (1, 0) + (0, 1)
+    # it is (-1 + 0.3) / (1.044 x 1.414) = -0.474, above -0.5: accepted itself.
+    d.record(0, "adversary", v(-1, 0.3))
+    verdict = d.judge(0, "honest-a", v(1, 0))
+    assert verdict is not None
+    # honest-a against (0, 1) + (-1, 0.3)/1.044 = (-0.958, 1.287): -0.958 / 1.605 = -0.597 <
+    # -0.5 (the old rule refused it), but only the adversary (-0.958) is below -0.354; honest-b
+    # is at 0: 1 of 2 is no majority.
+    assert verdict.cosine == pytest.approx(-0.958 / 1.6045, abs=1e-3)
+    assert (verdict.against, verdict.others, verdict.refused) == (1, 2, False)
+    assert verdict.one_against == pytest.approx(-0.5 / math.sqrt(2))
+    # The sign flip of both honest islands is still refused: against (1, 0) and (0, 1),
+    # (-1, -1) is -0.707 each, -1 against the sum.
+    d.record(0, "honest-a", v(1, 0))
+    flip = d.judge(0, "adversary", v(-1, -1))
+    assert flip is not None and (flip.against, flip.others, flip.refused) == (2, 2, True)
+    # Four others, threshold -0.25: a flip of three orthogonal honest votes (1,0,0), (0,1,0),
+    # (0,0,1) is -1/sqrt 3 = -0.577 against each; a fourth vote (the adversary's accomplice)
+    # along it is +1. Sum (1,1,1) + (-1,-1,-1)/1.732 = 0.423 x (1,1,1): cosine -1. 3 of 4: refused.
+    e = Directions(fragments=1)
+    for name, s in [("a", v(1, 0, 0)), ("b", v(0, 1, 0)), ("c", v(0, 0, 1)), ("x", v(-1, -1, -1))]:
+        e.record(0, name, s)
+    four = e.judge(0, "y", v(-1, -1, -1))
+    assert four is not None and (four.against, four.others, four.refused) == (3, 4, True)
+    assert four.cosine == pytest.approx(-1.0)
+    # Two adversaries of five (f < M/2) against honest "a": others b, c (honest, orthogonal to a)
+    # and x, y at (-1, 0, 0): sum (0, 1, 1) + 2 x (-1, 0, 0) = (-2, 1, 1), cosine -2 / 2.449 =
+    # -0.816 < -0.5, but 2 of 4 each below -0.25 is no strict majority: accepted.
+    e.record(0, "x", v(-1, 0, 0))
+    e.record(0, "y", v(-1, 0, 0))
+    honest = e.judge(0, "a", v(1, 0, 0))
+    assert honest is not None and honest.cosine == pytest.approx(-2 / math.sqrt(6))
+    assert (honest.against, honest.others, honest.refused) == (2, 4, False)
+    assert Verdict(cosine=-0.49, against=4, others=4).refused is False  # the sum's rule too

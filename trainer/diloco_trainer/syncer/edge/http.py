@@ -23,7 +23,7 @@ from typing import Any, Protocol
 from aiohttp import payload, web
 from aiohttp.abc import AbstractStreamWriter
 
-from diloco_trainer.api import protocol
+from diloco_trainer.api import credentials, protocol
 from diloco_trainer.api.contract import SyncerEnv
 from diloco_trainer.api.credentials import Principal
 from diloco_trainer.api.documents import MembershipRequest
@@ -143,6 +143,8 @@ class SyncerService(Protocol):
     def outer_step(self) -> int: ...
 
     def push_limit(self, fragment: int) -> int: ...
+
+    def region_islands(self, prefix: str) -> tuple[int, int]: ...
 
     async def pull(
         self, fragment: int, *, after: int, wait: float, have: int = -1
@@ -304,7 +306,7 @@ class SyncerRoutes:
         principal = principal_of(request)
         try:
             # Who may push, and how many bodies at once, before a slot is taken (limits.py).
-            share = push_share(principal, self.push_slots.size)
+            share = self._push_share(principal)
             with self.push_slots.take(principal, share):
                 body = await self._read_push_body(request, fragment)
                 answer = await self.syncer.receive_push(fragment, body, principal)
@@ -316,6 +318,13 @@ class SyncerRoutes:
         result = "accepted" if answer.get("accepted") else "finished"
         self.syncer.metrics.pushes.labels(result).inc()
         return web.json_response(answer)
+
+    def _push_share(self, principal: Principal) -> int:
+        """limits.push_share, with a region's island records and the local islands."""
+        if principal.kind != credentials.REGION:
+            return push_share(principal, self.push_slots.size)
+        region, local = self.syncer.region_islands(principal.scope)
+        return push_share(principal, self.push_slots.size, region=region, local=local)
 
     async def _read_push_body(self, request: web.Request, fragment: int) -> bytearray:
         limit = self.syncer.push_limit(fragment)

@@ -24,7 +24,8 @@
   readiness probe: that is answered as the route would (_Busy), so no traffic starves them.
 - Push bodies (Slots): at most maxConcurrentPushes read at once (each up to a fragment's encoded
   size), and at most push_share of them for one credential (an island's: PUSHES_PER_ISLAND, so
-  one island trickling bodies cannot hold every slot); one more is answered 503 with Retry-After
+  one island trickling bodies cannot hold every slot; a region's: PUSHES_PER_ISLAND x the island
+  records it holds, never the local islands' slots); one more is answered 503 with Retry-After
   before its body is read. The learners' client retries 503s.
 - JSON (json_too_deep): bodies nested deeper than MAX_JSON_DEPTH are refused (400) before they
   are parsed (Python's parser would raise RecursionError, a 500).
@@ -116,17 +117,20 @@ class HttpLimits:
         )
 
 
-def push_share(principal: Principal, size: int) -> int:
-    """The push slots of `size` one credential may hold: an island's PUSHES_PER_ISLAND, a
-    region's (another cluster's islands) all but that many, so the local islands keep room, the
-    root's all. Refused(403) for a credential that may push as no island (admin): checked before
-    a slot is taken, so it cannot hold one."""
+def push_share(principal: Principal, size: int, *, region: int = 0, local: int = 0) -> int:
+    """The push slots of `size` one credential may hold: an island's PUSHES_PER_ISLAND; a
+    region's PUSHES_PER_ISLAND x the island records it holds (`region`, at least one island's:
+    admission.py bounds them by its fair share of the other regions' records), and never the
+    PUSHES_PER_ISLAND x `local` slots of the syncer's own islands (`local`: 0 when the region is
+    the syncer's own prefix), at least 1; the root's all. Refused(403) for a credential that may
+    push as no island (admin): checked before a slot is taken, so it cannot hold one."""
     if principal.kind == credentials.ROOT:
         return size
     if principal.kind == credentials.ISLAND:
         return min(PUSHES_PER_ISLAND, size)
     if principal.kind == credentials.REGION:
-        return max(1, size - PUSHES_PER_ISLAND)
+        own = PUSHES_PER_ISLAND * max(1, region)
+        return max(1, min(own, size - PUSHES_PER_ISLAND * local))
     raise Refused(403, f"{principal.describe()} may not push")
 
 

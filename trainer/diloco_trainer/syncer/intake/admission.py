@@ -8,10 +8,23 @@ islands.namePrefix 'eu'. A syncer accepts a join of
   other cluster's prefix with i < totalShards;
 
 and keeps at most that many island records (max(count, total shards)), counted per side: at most
-`count` of its own prefix and at most total - count of other clusters' (cap_for), so other regions
-cannot fill the records and lock out a local island. When a side's records are all taken, a new
-island of that side takes the place of one of the same side that timed out or left, never of an
-active or dropped one.
+`count` of its own prefix and at most R = total - count of other clusters' (cap_for), so other
+regions cannot fill the records and lock out a local island. When a side's records are all taken
+(room_for):
+
+- own side: a new island takes the place of one of its own side that timed out or left, never of
+  an active or dropped one (evictable);
+- other regions' side, shared by every other region's credential: the spec does not say how many
+  of the R records each region has, so they are split fairly among the regions that hold them
+  (max-min: filled as they come, nobody's taken while someone needs it less). A new island of
+  region p takes, in order, (1) a record that is gone: timed out, left, or dropped by the admin
+  route (not one the syncer dropped for refused pushes), p's own first, then one of the region
+  holding the most, the longest silent first; else (2) a record of a region q that holds at
+  least two more than p does (held(q) >= held(p) + 2: q holds more than an equal split would
+  leave it), the one silent the longest of the region holding the most; else it is refused
+  (503). So one region's credential can hold all R only while no other region asks, and gives
+  back down to an equal split when one does; a region of n_p islands keeps
+  min(n_p, its equal share) however another region pushes, joins or leaves.
 The replicas an island's work counts for (replicas_for: islands.replicas, or
 syncer.guards.remoteIslandReplicas for another cluster's island) bound the tokens of its pushes
 (guards.py), whatever it declared when it joined.
@@ -25,6 +38,7 @@ mounted config and the learner retries until the syncer knows the new island.
 from __future__ import annotations
 
 import re
+from collections import Counter
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -32,13 +46,27 @@ from diloco_trainer.api import protocol
 from diloco_trainer.api.documents import IslandStatus
 from diloco_trainer.api.spec import IslandsSpec, JobSpec
 from diloco_trainer.syncer.errors import Refused
-from diloco_trainer.syncer.state import LEFT, TIMED_OUT, IslandRecord
+from diloco_trainer.syncer.state import DROPPED, LEFT, TIMED_OUT, IslandRecord
 
 NAME = re.compile(
     r"^(?:(?P<prefix>[a-z0-9](?:[-a-z0-9]{0,18}[a-z0-9])?)-)?island-(?P<index>0|[1-9]\d{0,5})$"
 )
 # Seconds a client is asked to wait before it retries a join the syncer does not admit yet.
 RETRY_AFTER = 10.0
+
+
+@dataclass(frozen=True)
+class Room:
+    """Admission.room_for's answer."""
+
+    full: bool  # the new island's side holds as many records as the job has there
+    replaces: str | None  # when full: the record it takes the place of (None: refused)
+
+
+def region(name: str) -> str | None:
+    """The prefix of an island name ('' for 'island-N'); None for anything else."""
+    match = NAME.match(name)
+    return None if match is None else match.group("prefix") or ""
 
 
 @dataclass(frozen=True)
@@ -92,6 +120,20 @@ class Admission:
         own = self.is_own(name)
         return {n: r for n, r in records.items() if self.is_own(n) == own}
 
+    def held_by(self, records: Mapping[str, IslandRecord], prefix: str) -> int:
+        """The island records region `prefix` holds (any state)."""
+        return sum(1 for n in records if region(n) == prefix)
+
+    def room_for(self, records: Mapping[str, IslandRecord], name: str) -> Room:
+        """Whether `name` (not yet known) finds its side full, and the record it takes the
+        place of then (None: no room; see the module's docstring)."""
+        side = self.same_side(records, name)
+        if name in records or len(side) < self.cap_for(name):
+            return Room(full=False, replaces=None)
+        if self.is_own(name):
+            return Room(full=True, replaces=evictable(side))
+        return Room(full=True, replaces=_remote_room(side, region(name) or ""))
+
     def refusal(self, name: str) -> Refused | None:
         """Why `name` may not join (403 not an island name of the job, 503 not admitted now),
         or None when it may."""
@@ -133,14 +175,59 @@ def evictable(records: Mapping[str, IslandRecord]) -> str | None:
     return min(gone, key=lambda r: (r.last_seen, r.name)).name if gone else None
 
 
+def gone_remote(rec: IslandRecord) -> bool:
+    """Whether another region's record may be taken by any region's new island: timed out,
+    left, or dropped by the admin route (a drop for refused pushes keeps its record: a new join
+    of the same name would forget it)."""
+    if rec.state in (TIMED_OUT, LEFT):
+        return True
+    return rec.state == DROPPED and not protocol.dropped_for_refusals(rec.state, rec.reason)
+
+
+def _remote_room(side: Mapping[str, IslandRecord], prefix: str) -> str | None:
+    """The record of the other regions' full side that a new island of region `prefix` takes:
+    a gone one (its own region's first, then the fullest region's, the longest silent first),
+    else one of a region holding at least two more than `prefix` does; None: no room."""
+    held = Counter(region(n) or "" for n in side)
+    gone = [r for r in side.values() if gone_remote(r)]
+    if gone:
+        best = min(
+            gone,
+            key=lambda r: (
+                region(r.name) != prefix,
+                -held[region(r.name) or ""],
+                r.last_seen,
+                r.name,
+            ),
+        )
+        return best.name
+    mine = held.get(prefix, 0)
+    over = {q: h for q, h in held.items() if q != prefix and h >= mine + 2}
+    if not over:
+        return None
+    most = max(over.values())
+    fullest = [r for r in side.values() if over.get(region(r.name) or "") == most]
+    return min(fullest, key=lambda r: (r.state != DROPPED, r.last_seen, r.name)).name
+
+
 def admitted_records(
     admission: Admission, doc: Mapping[str, IslandStatus]
 ) -> tuple[dict[str, IslandStatus], list[str]]:
     """The island records of a checkpoint this job admits (names of the job, at most cap_for of
-    each side, the most recently seen first), and the names left out."""
+    each side, the most recently seen first; other regions' split fairly among them), and the
+    names left out."""
     named = {n: d for n, d in doc.items() if NAME.match(n) and admission.refusal(n) is None}
     newest = sorted(named, key=lambda n: -named[n].last_seen)
     own = [n for n in newest if admission.is_own(n)][: admission.count]
-    other = [n for n in newest if not admission.is_own(n)][: admission.total - admission.count]
+    # Other regions' records split as room_for splits them: each region's newest first, one
+    # region after another (a region's k-th newest before any region's (k+1)-th).
+    rank: Counter[str] = Counter()
+    order: dict[str, tuple[int, float, str]] = {}
+    for n in newest:
+        if not admission.is_own(n):
+            prefix = region(n) or ""
+            order[n] = (rank[prefix], -named[n].last_seen, n)
+            rank[prefix] += 1
+    other = sorted(order, key=order.__getitem__)[: admission.total - admission.count]
     kept = {n: named[n] for n in sorted(own + other)}
     return kept, sorted(set(doc) - set(kept))

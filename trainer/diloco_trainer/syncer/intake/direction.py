@@ -8,18 +8,35 @@ direction: the cosine of one island's push with the others' is positive, near ze
 training, and never anywhere near -1.
 
 The check is cheap: each push is sampled at SAMPLE fixed positions (every stride-th element of
-each tensor, in name order: the same positions for every push of a fragment), and its cosine is
-taken against the sum of the unit samples of the other islands' latest accepted pushes (one vote
-per island, however often it pushes, so a flooding island cannot become the reference). A push
-is refused when that cosine is below AGAINST, and only with MIN_OTHERS other islands' recent
-pushes to compare with. A refusal by this check is one other islands' pushes decide, so it never
-counts towards dropping the island (guards.ContributionRefused.own_fault).
+each tensor, in name order: the same positions for every push of a fragment), and compared with
+the n other islands' latest accepted pushes (one vote per island, however often it pushes, so a
+flooding island cannot become the reference), only with n >= MIN_OTHERS of them. A push is
+refused when both
+
+- its cosine with the sum of their unit samples (the consensus) is below AGAINST, and
+- a strict majority of them (more than n / 2) point against it each on its own: its cosine with
+  that island's sample is below AGAINST / sqrt(n) (what each of n orthogonal votes sees of a
+  push at exactly AGAINST to their sum: cos(p, sum) = sum of cos(p, u_i) / sqrt(n)).
+
+The second rule is the one that keeps the check from being turned against an honest island: an
+adversary that knows an island's direction can push against it (cosine near -1 with that island
+alone) while staying above AGAINST against the consensus itself; with n = 2 its one vote then
+pulled the honest island's consensus below AGAINST, and every push of that island was refused.
+A majority of the others that excludes the island judged must now point against it, and with
+f < M/2 adversaries (at most n / 2 of the n others) such a majority holds at least one honest
+island pointing against it on its own: an adversary's votes alone never refuse anybody. A sign
+flip of the others' descent still is refused: against each of n_h honest votes it is at about
+-1/sqrt(n_h) or below, under AGAINST / sqrt(n) for n_h >= n / 2 (and -0.707 for n = 2).
+
+A refusal by this check is one other islands' pushes decide, so it never counts towards dropping
+the island (guards.ContributionRefused.own_fault).
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
@@ -79,14 +96,51 @@ class Directions:
     def record(self, fragment: int, island: str, sample: Tensor) -> None:
         self.latest[fragment][island] = sample
 
-    def against_others(self, fragment: int, island: str, sample: Tensor) -> float | None:
-        """The push's cosine with the other islands' recent pushes, or None with fewer than
-        MIN_OTHERS of them."""
-        others = [
+    def others(self, fragment: int, island: str, sample: Tensor) -> list[Tensor]:
+        """The other islands' latest samples of the same shape as `sample`."""
+        return [
             s
             for name, s in self.latest[fragment].items()
             if name != island and s.shape == sample.shape
         ]
+
+    def against_others(self, fragment: int, island: str, sample: Tensor) -> float | None:
+        """The push's cosine with the other islands' recent pushes, or None with fewer than
+        MIN_OTHERS of them."""
+        others = self.others(fragment, island, sample)
         if len(others) < MIN_OTHERS:
             return None
         return cosine(sample, consensus(others))
+
+    def judge(self, fragment: int, island: str, sample: Tensor) -> Verdict | None:
+        """The push against the other islands (the module's two rules), or None with fewer than
+        MIN_OTHERS of them."""
+        others = self.others(fragment, island, sample)
+        if len(others) < MIN_OTHERS:
+            return None
+        each = [cosine(sample, s) for s in others]
+        one = AGAINST / math.sqrt(len(others))
+        return Verdict(
+            cosine=cosine(sample, consensus(others)),
+            against=sum(1 for c in each if c < one),
+            others=len(others),
+        )
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """A push's direction against the n other islands' latest pushes."""
+
+    cosine: float  # with their consensus (the sum of their unit samples)
+    against: int  # how many of them point against it on their own (below AGAINST / sqrt(n))
+    others: int  # n
+
+    @property
+    def refused(self) -> bool:
+        """Below AGAINST against the consensus, and a strict majority of them against it."""
+        return self.cosine < AGAINST and 2 * self.against > self.others
+
+    @property
+    def one_against(self) -> float:
+        """The threshold of one vote: AGAINST / sqrt(n)."""
+        return AGAINST / math.sqrt(self.others)

@@ -6,7 +6,9 @@ that passed the gate but cannot be merged is merge.py's.
   name; a refusal that may be stale (503: the job may have grown) re-reads the
   spec's `islands` from the mounted config first (at most every RELOAD_SECONDS). When the syncer
   already holds as many island records of the new island's side (own, or other regions') as the
-  job has there, a new one takes the place of one of that side that timed out or left.
+  job has there, a new one takes the place of one of that side that timed out or left (or, on
+  the other regions' side, was dropped by the admin, or is a region's beyond an equal share:
+  admission.room_for).
 - check_work / check_delta / accepted: the guards, with the replicas each island's work counts
   for (what it joined with, at most what the job admits; a push whose tokens need more re-reads
   `islands` first, as a join does).
@@ -30,7 +32,7 @@ from diloco_trainer.api import protocol
 from diloco_trainer.api.protocol import PushMeta
 from diloco_trainer.api.spec import ConfigError, JobSpec, load_spec
 from diloco_trainer.syncer.errors import Refused
-from diloco_trainer.syncer.intake.admission import RETRY_AFTER, Admission, evictable
+from diloco_trainer.syncer.intake.admission import RETRY_AFTER, Admission
 from diloco_trainer.syncer.intake.guards import (
     ContributionGuard,
     ContributionRefused,
@@ -82,21 +84,23 @@ class Gate:
         refusal = self.admission.refusal(island)
         if refusal is not None and refusal.status == 503 and self._reload_islands():
             refusal = self.admission.refusal(island)
-        # Counted per side (admission.cap_for): other regions cannot take the local records.
-        side = self.admission.same_side(members.islands, island)
-        full = island not in members.islands and len(side) >= self.admission.cap_for(island)
-        if refusal is None and full:
-            gone = evictable(side)
-            if gone is None:
+        # Counted per side (admission.cap_for): other regions cannot take the local records,
+        # and share theirs fairly (admission.room_for).
+        room = self.admission.room_for(members.islands, island)
+        if refusal is None and room.full:
+            if room.replaces is None:
+                side = self.admission.same_side(members.islands, island)
                 where = "here" if self.admission.is_own(island) else "in other regions"
                 refusal = Refused(
                     503,
                     f"the syncer already knows {len(side)} islands {where}, as many as the job "
-                    "has there, and none of them timed out or left",
+                    "has there, and none it may replace (timed out, left, dropped by the "
+                    "admin, or another region's beyond an equal share)",
                     protocol.ERROR_NOT_ADMITTED,
                     retry_after=RETRY_AFTER,
                 )
             else:
+                gone = room.replaces
                 log.warning(
                     "island %s (%s) makes room for %s", gone, members.islands[gone].state, island
                 )

@@ -15,7 +15,9 @@ well formed (validation.py) is still refused, with 422 and a code naming the rea
   raise the bound the others are judged by;
 - it points against the other islands' recent pushes: its cosine with the sum of their latest
   pushes' directions (one vote per island, sampled at fixed positions: direction.py) is below
-  direction.AGAINST, so no island can push the negation of the merged update up to the bound;
+  direction.AGAINST and a majority of them point against it each on its own, so no island can
+  push the negation of the merged update up to the bound, and no minority can get an honest
+  island's pushes refused by pushing against it;
 - it claims more inner steps than one round of an island holds (STEP_ROUNDS x H + τ), or more
   tokens than those steps can carry (steps x batch x seqLen x the island's replicas): the merge
   weight grows with tokens² / steps, so an unbounded claim would take the whole merge;
@@ -326,15 +328,18 @@ class ContributionGuard:
 
     def check_direction(self, fragment: int, island: str, stats: DeltaStats) -> None:
         """ContributionRefused when the push points against the other islands' recent pushes
-        (direction.py); never counted towards a drop: the others' pushes decide it."""
+        and a majority of them against it on their own (direction.py); never counted towards a
+        drop: the others' pushes decide it."""
         if stats.sample is None:
             return
-        cos = self.directions.against_others(fragment, island, stats.sample)
-        if cos is not None and cos < AGAINST:
+        verdict = self.directions.judge(fragment, island, stats.sample)
+        if verdict is not None and verdict.refused:
             raise ContributionRefused(
                 protocol.ERROR_NORM_OUTLIER,
                 f"push to fragment {fragment} points against the other islands' recent pushes "
-                f"(cosine {cos:.3f}, below {AGAINST:g}): not a descent they share",
+                f"(cosine {verdict.cosine:.3f}, below {AGAINST:g}; {verdict.against} of "
+                f"{verdict.others} each below {verdict.one_against:.3f}): not a descent they "
+                "share",
                 own_fault=False,
             )
 

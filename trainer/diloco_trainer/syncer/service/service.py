@@ -259,6 +259,14 @@ class Syncer:
         self.check_fragment(fragment)
         return self.body_limits[fragment]
 
+    def region_islands(self, prefix: str) -> tuple[int, int]:
+        """For a region credential's push slots (edge/limits.push_share): the island records
+        region `prefix` holds, and the syncer's own islands whose slots it must leave (0 when
+        `prefix` is the syncer's own)."""
+        admission = self.gate.admission
+        local = 0 if prefix == admission.prefix else admission.count
+        return admission.held_by(self.state.membership.islands, prefix), local
+
     async def receive_push(
         self, fragment: int, body: bytes | bytearray, principal: Principal = ROOT
     ) -> dict[str, Any]:
