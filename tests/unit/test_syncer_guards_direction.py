@@ -11,7 +11,7 @@ from diloco_trainer.api import protocol
 from diloco_trainer.syncer.intake import guards
 from diloco_trainer.syncer.intake.direction import (
     Directions,
-    Verdict,
+    DirectionVerdict,
     consensus,
     cosine,
     direction_sample,
@@ -141,4 +141,6 @@ def test_direction_verdict_needs_a_majority_of_the_others_each_against() -> None
     honest = e.judge(0, "a", v(1, 0, 0))
     assert honest is not None and honest.cosine == pytest.approx(-2 / math.sqrt(6))
     assert (honest.against, honest.others, honest.refused) == (2, 4, False)
-    assert Verdict(cosine=-0.49, against=4, others=4).refused is False  # the sum's rule too
+    assert (
+        DirectionVerdict(cosine=-0.49, against=4, others=4).refused is False
+    )  # the sum's rule too

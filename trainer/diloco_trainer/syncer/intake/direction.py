@@ -112,7 +112,7 @@ class Directions:
             return None
         return cosine(sample, consensus(others))
 
-    def judge(self, fragment: int, island: str, sample: Tensor) -> Verdict | None:
+    def judge(self, fragment: int, island: str, sample: Tensor) -> DirectionVerdict | None:
         """The push against the other islands (the module's two rules), or None with fewer than
         MIN_OTHERS of them."""
         others = self.others(fragment, island, sample)
@@ -120,7 +120,7 @@ class Directions:
             return None
         each = [cosine(sample, s) for s in others]
         one = AGAINST / math.sqrt(len(others))
-        return Verdict(
+        return DirectionVerdict(
             cosine=cosine(sample, consensus(others)),
             against=sum(1 for c in each if c < one),
             others=len(others),
@@ -128,7 +128,7 @@ class Directions:
 
 
 @dataclass(frozen=True)
-class Verdict:
+class DirectionVerdict:
     """A push's direction against the n other islands' latest pushes."""
 
     cosine: float  # with their consensus (the sum of their unit samples)
