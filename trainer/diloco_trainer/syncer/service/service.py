@@ -58,7 +58,7 @@ from diloco_trainer.api.spec import JobSpec
 from diloco_trainer.cpus import configure_threads
 from diloco_trainer.syncer.edge import server
 from diloco_trainer.syncer.errors import Refused
-from diloco_trainer.syncer.intake import fragment_body_limit
+from diloco_trainer.syncer.intake import fragment_body_limit, step_time_limit
 from diloco_trainer.syncer.merging import LeftOut, describe_merge, return_freed_memory, trim
 from diloco_trainer.syncer.service import startup
 from diloco_trainer.syncer.service.control import Control
@@ -133,6 +133,7 @@ class Syncer:
             codec=self.codec,
             metrics=self.metrics,
         )
+        self.pushes.max_step_time = step_time_limit(spec.sync.heartbeat_timeout_seconds)
         self.islands = IslandCalls(
             self.control,
             state=self.state,
