@@ -69,6 +69,7 @@ from diloco_trainer.syncer.service.status_document import (
     Identity,
     Progress,
     checkpoint_manifest,
+    finite_only,
     status_document,
 )
 from diloco_trainer.syncer.serving import Body, BodyKey
@@ -285,13 +286,13 @@ class Syncer:
         versions.
         """
         if not digest:
-            return self._status().to_wire()
+            return finite_only(self._status().to_wire())
         self.control.locked()  # Refused(503) once failed
         assert self.merging is not None
         async with self.merging:
             doc = self._status()
             weights = await asyncio.to_thread(self.digest)
-        return doc.model_copy(update={"digest": weights}).to_wire()
+        return finite_only(doc.model_copy(update={"digest": weights}).to_wire())
 
     def _status(self) -> SyncerStatus:
         progress = Progress(
