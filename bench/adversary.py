@@ -14,7 +14,7 @@ tests/e2e/test_adversary*.py (issues 22 and 46):
   push points against the honest islands' pseudo-gradients (the direction check's case);
 - step_time_claim: heartbeats claiming `stepTime: 86400` (refused) and the most the job's range
   allows (20 heartbeat timeouts), to raise the honest islands' work-rate floor (issue 46);
-- paced_ratchet: pushes in one fixed direction, one step each, paced at a push per 0.2 s (inside
+- paced_ratchet: pushes in one fixed direction, one step each, paced at a push per 0.05 s (inside
   any work rate), 1.5 times larger after each accepted push and half after each refused one: it
   rides the learned bound as high as the bound lets it (issue 46's two-island ratchet).
 
@@ -88,7 +88,7 @@ ISLANDS = (2, 3, 5)  # --islands: the job's islands, the adversary's included
 HONEST: tuple[str, ...] = ("island-0", "island-1")
 ADVERSARY = "island-2"
 # The paced ratchet's pace (seconds between pushes) and its factors up and down.
-PACE, GROW, SHRINK = 0.2, 1.5, 0.5
+PACE, GROW, SHRINK = 0.05, 1.5, 0.5
 
 
 def set_islands(count: int) -> None:
@@ -446,15 +446,10 @@ def main() -> int:
         eval_tokens=8192,
         seeds=[0, 1, 2, 3, 4, 5, 6, 7],
         timeout=900.0,
+        islands=3,  # the adversary's included: M - 1 honest learners (2, 3 or 5)
     )
     p.add_argument("--variants", nargs="+", choices=VARIANTS, default=list(VARIANTS))
-    p.add_argument(
-        "--islands",
-        type=int,
-        choices=ISLANDS,
-        default=3,
-        help="the job's islands, the adversary's included (M - 1 honest learners)",
-    )
+
     p.add_argument(
         "--report-only",
         action="store_true",
@@ -463,6 +458,8 @@ def main() -> int:
     args = p.parse_args()
     if args.report_only and args.workdir is None:
         p.error("--report-only reads the runs of a --workdir")
+    if args.islands not in ISLANDS:
+        p.error(f"--islands is one of {list(ISLANDS)}, got {args.islands}")
     if "none" not in args.variants:
         args.variants = ["none", *args.variants]
     set_islands(args.islands)
