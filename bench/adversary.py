@@ -1,7 +1,8 @@
 """Adversaries against honest islands: does the model keep its quality at equal honest tokens?
 
-Two honest islands (real learner processes) train one job while a third participant attacks the
-live syncer with its own island credential, as in tests/e2e/test_adversary*.py (issue 22):
+M - 1 honest islands (real learner processes; --islands M, 3 by default, 2 and 5 too) train one
+job while the M-th participant attacks the live syncer with its own island credential, as in
+tests/e2e/test_adversary*.py (issues 22 and 46):
 
 - flood: back-to-back near-zero pushes (1e-12 an element), to pull the learned norm bound down;
 - ratchet: pushes in one fixed direction, five times larger every 30 pushes, up to the hard cap;
@@ -10,7 +11,12 @@ live syncer with its own island credential, as in tests/e2e/test_adversary*.py (
 - connection_flood: every connection one peer address may open, held idle (another address);
 - merge_log: no participant, but the merge log unwritable (a directory) for the whole run;
 - sign_flip: after every merge, three times the last merged update of the global weights, so the
-  push points against the honest islands' pseudo-gradients (the direction check's case).
+  push points against the honest islands' pseudo-gradients (the direction check's case);
+- step_time_claim: heartbeats claiming `stepTime: 86400` (refused) and the most the job's range
+  allows (20 heartbeat timeouts), to raise the honest islands' work-rate floor (issue 46);
+- paced_ratchet: pushes in one fixed direction, one step each, paced at a push per 0.05 s (inside
+  any work rate), 1.5 times larger after each accepted push and half after each refused one: it
+  rides the learned bound as high as the bound lets it (issue 46's two-island ratchet).
 
 The baseline ('none') is the same job with the third island never joining, trained 25% longer;
 'none_again' runs it again at the budget: its distance from the baseline is the run-to-run
@@ -27,6 +33,7 @@ A run cut short goes on with the same --workdir; one whose runs are all there on
 
     python -m bench.adversary                    # 8 seeds, every adversary
     python -m bench.adversary --seeds 0 --variants none flood --no-record   # a smoke run
+    python -m bench.adversary --islands 2 --variants none none_again paced_ratchet
 """
 
 from __future__ import annotations
@@ -73,9 +80,24 @@ VARIANTS = (
     "connection_flood",
     "merge_log",
     "sign_flip",
+    "step_time_claim",
+    "paced_ratchet",
 )
-HONEST = ("island-0", "island-1")
+ISLANDS = (2, 3, 5)  # --islands: the job's islands, the adversary's included
+# The honest islands and the adversary of a job of M islands (set by main from --islands).
+HONEST: tuple[str, ...] = ("island-0", "island-1")
 ADVERSARY = "island-2"
+# The paced ratchet's pace (seconds between pushes) and its factors up and down.
+PACE, GROW, SHRINK = 0.05, 1.5, 0.5
+
+
+def set_islands(count: int) -> None:
+    """HONEST and ADVERSARY for a job of `count` islands: the last is the adversary's."""
+    global HONEST, ADVERSARY
+    HONEST = tuple(f"island-{i}" for i in range(count - 1))
+    ADVERSARY = f"island-{count - 1}"
+
+
 ELSEWHERE = "127.0.0.3"  # the connection flood's own peer address
 START_ATTEMPTS = 3
 # The honest-only runs: the baseline and a second run of the same job, whose distance from the
@@ -98,7 +120,7 @@ def job_spec(args: argparse.Namespace, seed: int, variant: str) -> JobSpec:
         {
             "model": {"preset": args.preset, "seed": seed},
             "data": {"evalTokens": args.eval_tokens, "seed": seed},
-            "islands": {"count": 3},
+            "islands": {"count": len(HONEST) + 1},
             "inner": {
                 "lr": args.inner_lr,
                 "warmupSteps": args.warmup,
@@ -106,9 +128,9 @@ def job_spec(args: argparse.Namespace, seed: int, variant: str) -> JobSpec:
                 "batchSize": args.batch_size,
                 "seqLen": args.seq_len,
             },
-            # fp32 pushes (the adversary writes them by hand); one fragment; a round of the two
-            # honest islands (the third is awaited, or the adversary).
-            "sync": {"fragments": 1, "quorum": 2, "compression": "none"},
+            # fp32 pushes (the adversary writes them by hand); one fragment; a round of the
+            # honest islands (the last is awaited, or the adversary).
+            "sync": {"fragments": 1, "quorum": len(HONEST), "compression": "none"},
             "stopAfter": {"tokens": budget},
             "syncer": {"evalEveryOuterSteps": 1, "checkpoint": {"everyOuterSteps": 100000}},
         }
@@ -141,7 +163,7 @@ class Adversary(threading.Thread):
         except urllib.error.HTTPError as err:
             return err.code, err.read()
 
-    def push(self, tensors: dict[str, torch.Tensor], **meta: Any) -> None:
+    def push(self, tensors: dict[str, torch.Tensor], **meta: Any) -> bool:
         base = self.job.status()["versions"][0]
         # A loss of its own each time: the same body again would be answered as a replay.
         self.sent += 1
@@ -151,7 +173,9 @@ class Adversary(threading.Thread):
         body = payloads.encode_body(tensors, full)
         code, raw = self.request("POST", "/v1/fragments/0/push", body, self.token)
         # 200 is also the answer once the job has finished: only "accepted" counts as taken.
-        self.count("accepted" if code == 200 and b'"accepted": true' in raw else str(code))
+        accepted = code == 200 and b'"accepted": true' in raw
+        self.count("accepted" if accepted else str(code))
+        return accepted
 
     def shapes(self) -> dict[str, torch.Tensor]:
         join = b'{"island": "%s", "replicas": 1}' % ADVERSARY.encode()
@@ -181,6 +205,28 @@ class Adversary(threading.Thread):
             value = 1e-4 * 5 ** min(k // 30, 6)  # up to 1.56 an element: past the hard cap
             self.push({n: value * s for n, s in sign.items()})
             k += 1
+
+    def paced_ratchet(self) -> None:
+        gen = torch.Generator().manual_seed(0)
+        sign = {
+            n: torch.sign(torch.randn(t.shape, generator=gen)) for n, t in self.shapes().items()
+        }
+        value = 1e-4
+        while not self.stop.wait(PACE):
+            if self.push({n: value * s for n, s in sign.items()}):
+                value *= GROW
+            else:
+                value *= SHRINK
+
+    def step_time_claim(self) -> None:
+        self.shapes()
+        most = 20 * self.job.spec.sync.heartbeat_timeout_seconds  # validation.step_time_limit
+        while not self.stop.wait(0.5):
+            for claim in (86400.0, min(most, 86400.0)):
+                doc = {"island": ADVERSARY, "step": 1, "tokens": 1, "stepTime": claim}
+                raw = json.dumps(doc).encode()
+                code, _ = self.request("POST", "/v1/heartbeat", raw, self.token)
+                self.count(f"heartbeat {code}")
 
     def weights(self) -> dict[str, torch.Tensor]:
         code, raw = self.request("GET", "/v1/fragments/0?after=-1", None, self.token)
@@ -400,8 +446,10 @@ def main() -> int:
         eval_tokens=8192,
         seeds=[0, 1, 2, 3, 4, 5, 6, 7],
         timeout=900.0,
+        islands=3,  # the adversary's included: M - 1 honest learners (2, 3 or 5)
     )
     p.add_argument("--variants", nargs="+", choices=VARIANTS, default=list(VARIANTS))
+
     p.add_argument(
         "--report-only",
         action="store_true",
@@ -410,8 +458,11 @@ def main() -> int:
     args = p.parse_args()
     if args.report_only and args.workdir is None:
         p.error("--report-only reads the runs of a --workdir")
+    if args.islands not in ISLANDS:
+        p.error(f"--islands is one of {list(ISLANDS)}, got {args.islands}")
     if "none" not in args.variants:
         args.variants = ["none", *args.variants]
+    set_islands(args.islands)
     install_signal_cleanup()
     outcomes = []
     with LoadMonitor() as load, workdir(args.workdir, "adversary") as root:

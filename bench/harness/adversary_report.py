@@ -178,8 +178,8 @@ def _band(s: Spread) -> str:
 def per_run_table(outcomes: Sequence[Outcome]) -> tuple[Table, float]:
     """Each run against its baseline; and the largest deviation of any one run."""
     table = Table(
-        "Each run: eval loss with one adversary of three islands, against the baseline at equal "
-        "honest tokens (same seed, same invocation)",
+        "Each run: eval loss with one adversary of the job's islands, against the baseline at "
+        "equal honest tokens (same seed, same invocation)",
         [
             "seed",
             "adversary",
@@ -286,7 +286,8 @@ def report(outcomes: Sequence[Outcome], args: argparse.Namespace) -> Report:
     over = ", ".join(f"{v} {_band(s)} ({judge(s)})" for v, s in pairs.items())
     over_verdict = overall({v: judge(s) for v, s in pairs.items()})
     summary = (
-        f"Two honest islands and one adversary, {args.preset}, H={args.inner_steps}, "
+        f"{getattr(args, 'islands', 3) - 1} honest island(s) and one adversary, {args.preset}, "
+        f"H={args.inner_steps}, "
         f"{args.steps} steps per honest island, seeds {seeds}. Mean ratio over the seeds of the "
         f"eval loss to the baseline's at equal honest tokens (± its 95% interval): {means}"
         f"{control}. Target, each mean within {100 * TARGET:.0f}% with its noise read: "
@@ -295,7 +296,7 @@ def report(outcomes: Sequence[Outcome], args: argparse.Namespace) -> Report:
         + f"Largest deviation of any single run from the baseline: {100 * worst:.2f}%."
     )
     notes = [
-        "Honest tokens: the two honest islands' merged tokens at the finish (status islands."
+        "Honest tokens: the honest islands' merged tokens at the finish (status islands."
         "mergedTokens); an adversary's accepted claims count towards stopAfter.tokens, so they "
         "can be fewer than the baseline's, and the baseline's loss is read at them.",
         "adversary's answers: its pushes accepted, else their HTTP statuses (200: answered after "

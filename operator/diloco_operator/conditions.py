@@ -71,6 +71,9 @@ HEALTH_KINDS = {
     # The merge log (merges.jsonl) cannot be written (a full or read-only disk): the syncer goes
     # on, the checkpoints hold the state, but the same disk will fail them next (issue 22).
     "mergeLog": "MergeLogFailing",
+    # An island's pushes all sit at the learned norm bound (a ratchet, or an island spending
+    # what the bound allows): in a job of two the bound holds it, this names it (issue 46).
+    "islandAtBound": "IslandPushesAtBound",
 }
 
 

@@ -16,6 +16,10 @@ metric. An Event names the island, the reason code and the counts only, never th
 
 An island the syncer dropped for refused pushes gets one Warning Event `IslandDroppedBySyncer`
 (again after it was re-added and dropped anew): the operator does not re-add it (health.py).
+
+While the syncer reports the health problem `islandAtBound` (an island's pushes all sit at the
+learned norm bound: a ratchet, issue 46) the job gets one Warning Event `IslandPushesAtBound`
+(again once it cleared and came back); the SyncerHealthy condition names it too (conditions.py).
 """
 
 from __future__ import annotations
@@ -32,6 +36,12 @@ from diloco_operator.syncer_view import SyncerView
 
 REFUSED = "ContributionRefused"
 DROPPED_BY_SYNCER = "IslandDroppedBySyncer"
+AT_BOUND = "IslandPushesAtBound"
+AT_BOUND_KIND = "islandAtBound"  # the syncer's health problem kind (syncer/state/problems.py)
+AT_BOUND_MESSAGE = (
+    "the syncer reports an island whose pushes all sit at the learned norm bound (a ratchet, or "
+    "an island pushing as far as the bound lets it); its status document's health names it"
+)
 # A reason this operator does not know (a newer syncer's): counted, never quoted.
 OTHER = "other"
 # Counts beyond this are not believed (int64, as everywhere in the job's status).
@@ -118,4 +128,10 @@ def post_refusal_events(
         elif key not in posted:
             posted[key] = dropped_message(island)
             post_event(body, "Warning", DROPPED_BY_SYNCER, posted[key])
+    key = f"{uid}/{AT_BOUND}"
+    if not any(p.kind == AT_BOUND_KIND for p in syncer.health().problems):
+        posted.pop(key, None)  # cleared: a later report is news again
+    elif key not in posted:
+        posted[key] = AT_BOUND_MESSAGE
+        post_event(body, "Warning", AT_BOUND, AT_BOUND_MESSAGE)
     return counts

@@ -58,3 +58,25 @@ def test_a_mean_whose_noise_spans_the_target_is_not_called_met() -> None:
     means, each = report.tables
     assert [r[0] for r in means.rows] == ["flood", "none_again"]
     assert len(each.rows) == len(runs()) - 1  # the seed without a baseline has no row
+
+
+def test_adversary_bench_islands_flag_sets_the_honest_islands_and_the_job() -> None:
+    """bench/adversary.py --islands M: M - 1 honest learners and the adversary as island M-1; the
+    job has M islands, a round waits for the honest ones, the budget is theirs (issue 46)."""
+    from bench import adversary
+
+    args = argparse.Namespace(
+        preset="gpt-tiny", inner_steps=10, steps=100, batch_size=8, seq_len=64, inner_lr=3e-3,
+        warmup=20, eval_tokens=8192,
+    )  # fmt: skip
+    try:
+        for m in (2, 5):
+            adversary.set_islands(m)
+            assert tuple(f"island-{i}" for i in range(m - 1)) == adversary.HONEST
+            assert f"island-{m - 1}" == adversary.ADVERSARY
+            spec = adversary.job_spec(args, 0, "paced_ratchet")
+            assert (spec.islands.count, spec.sync.quorum) == (m, m - 1)
+            assert spec.stop_after.tokens == (m - 1) * 100 * 8 * 64
+    finally:
+        adversary.set_islands(3)
+    assert adversary.HONEST == ("island-0", "island-1") and adversary.ADVERSARY == "island-2"

@@ -8,6 +8,8 @@ from typing import Any
 import pytest
 from diloco_operator import metrics
 from diloco_operator.refusals import (
+    AT_BOUND,
+    AT_BOUND_MESSAGE,
     DROPPED_BY_SYNCER,
     OTHER,
     REFUSED,
@@ -136,3 +138,19 @@ def test_post_refusal_events_island_dropped_by_the_syncer_once_per_drop(
     assert len(drops) == 2  # the first drop, and the one after the re-add
     assert drops[0] == f"{DROPPED_BY_SYNCER} {dropped_message('island-1')}"
     assert "the last" not in drops[0]  # the syncer's own text stays out
+
+
+def test_post_refusal_events_island_at_bound_once_per_report(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Issue 46: the syncer's islandAtBound health problem is one Warning Event per report (not
+    the syncer's text), again after it cleared."""
+    caplog.set_level("INFO", logger="diloco_operator")
+    notes: dict[str, str] = {}
+    problem = {"kind": "islandAtBound", "count": 3, "message": "island-1's last 8 pushes ..."}
+    sick = syncer_view({"islands": {}, "health": {"healthy": False, "problems": [problem]}})
+    well = syncer_view({"islands": {}, "health": {"healthy": True, "problems": []}})
+    for status in (sick, sick, well, sick):
+        post_refusal_events(JOB, status, OWN, {}, notes)
+    posted = [m for m in _posted(caplog) if m.startswith(AT_BOUND)]
+    assert posted == [f"{AT_BOUND} {AT_BOUND_MESSAGE}"] * 2

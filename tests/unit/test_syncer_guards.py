@@ -156,13 +156,16 @@ def test_guards_near_zero_flood_cannot_make_honest_pushes_outliers() -> None:
     # The median over islands of their medians: median(1, 1, 1e-10) = 1 -> bound 10.
     assert g.learned_bound(0) == pytest.approx(10.0)
     g.check_delta(0, "a", stats(1.0))
-    # Two islands, one flooding: median(1, 1e-10) = 0.5 -> 5, an honest push is still in.
+    # Two islands, one flooding: no majority, so the smaller median, 1e-10 -> 1e-9, held at
+    # the floor 0.1 (one AdamW round of fragment 0): a push of one honest round is still in
+    # (issue 46: the median of two was half the larger, which a ratchet climbed).
     pair = guard(maxDeltaNorm=1e6, normFactor=10, warmupPushes=3)
     for _ in range(3):
         pair.accepted(0, "a", stats(1.0))
     for _ in range(70):
         pair.accepted(0, "c", stats(1e-10))
-    assert pair.learned_bound(0) == pytest.approx(5.0)
+    assert pair.learned_bound(0) == pytest.approx(0.1)
+    pair.check_delta(0, "a", stats(0.1))
     # The flooder alone (or a majority of flooders): the bound falls to the floor, 0.1 (one
     # AdamW round of fragment 0), and no lower.
     alone = guard(maxDeltaNorm=1e6, normFactor=10, warmupPushes=3)
@@ -492,7 +495,9 @@ def test_guards_work_rate_bounds_claims_over_time() -> None:
     assert rate.step_time(0.1, [0.1, 0.1, 0.1]) == pytest.approx(0.1)
     assert rate.step_time(1e-9, [1e-9, 0.1, 0.1]) == pytest.approx(0.025)
     assert rate.step_time(None, []) == pytest.approx(guards.MIN_STEP_TIME)
-    assert rate.step_time(0.0, [0.2, 0.4]) == pytest.approx(0.3 / 4)
+    assert rate.step_time(0.0, [0.2, 0.4, 0.3]) == pytest.approx(0.3 / 4)
+    # Fewer than three claims (a job of two): no floor from the other's claim (issue 46).
+    assert rate.step_time(0.0, [0.2, 0.4]) == pytest.approx(guards.MIN_STEP_TIME)
     # Back to back at t = 0: four pushes of 42 steps (the burst), not a fifth.
     for _ in range(4):
         g.take_steps("liar", 42, 0.025, now=0.0)

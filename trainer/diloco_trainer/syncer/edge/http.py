@@ -49,6 +49,7 @@ from diloco_trainer.syncer.intake import (
     MAX_WIRE_INT,
     at_least,
     at_most,
+    bounded_loss,
     island_name,
     json_too_deep,
     require_island,
@@ -349,7 +350,8 @@ class SyncerRoutes:
         at_least(step_time, 0, "heartbeat", "stepTime")
         at_most(step, MAX_WIRE_INT, "heartbeat", "step")
         at_most(tokens, MAX_WIRE_INT, "heartbeat", "tokens")
-        at_most(step_time, MAX_SECONDS, "heartbeat", "stepTime")
+        at_most(step_time, MAX_SECONDS, "heartbeat", "stepTime")  # the job's limit: islands
+        bounded_loss(loss, "heartbeat")
         answer = await self.syncer.islands.heartbeat(
             island,
             Beat(step, tokens, loss=loss, step_time=step_time, holding=holding, drained=drained),

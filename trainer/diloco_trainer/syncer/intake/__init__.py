@@ -18,11 +18,13 @@ from diloco_trainer.syncer.intake.validation import (
     IncomingPush,
     at_least,
     at_most,
+    bounded_loss,
     fragment_body_limit,
     island_name,
     json_too_deep,
     measure_push,
     read_push,
+    step_time_limit,
     typed_field,
 )
 
@@ -38,6 +40,7 @@ __all__ = [
     "admitted_records",
     "at_least",
     "at_most",
+    "bounded_loss",
     "delta_stats",
     "fragment_body_limit",
     "island_name",
@@ -46,5 +49,6 @@ __all__ = [
     "measure_push",
     "read_push",
     "require_island",
+    "step_time_limit",
     "typed_field",
 ]

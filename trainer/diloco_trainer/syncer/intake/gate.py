@@ -19,6 +19,9 @@ that passed the gate but cannot be merged is merge.py's.
   admin route can: its next pushes are checked like any). A refusal by the learned bound counts
   only when the push is an outlier by the island's own history too (guards.py): the bound over
   islands is one no island can be dropped for, so no island can get another dropped.
+- watch: the guards' detection (ContributionGuard.suspects: an island whose pushes all sit at
+  the learned bound) as the health problem AT_BOUND, which the operator turns into the job's
+  SyncerHealthy condition (IslandPushesAtBound); it clears when no island is suspect.
 """
 
 from __future__ import annotations
@@ -40,7 +43,15 @@ from diloco_trainer.syncer.intake.guards import (
 )
 from diloco_trainer.syncer.intake.payload import EncodedPayload
 from diloco_trainer.syncer.intake.validation import push_contribution
-from diloco_trainer.syncer.state import DROPPED, Contribution, Membership, SyncerMetrics, SyncState
+from diloco_trainer.syncer.state import (
+    AT_BOUND,
+    DROPPED,
+    Contribution,
+    Health,
+    Membership,
+    SyncerMetrics,
+    SyncState,
+)
 
 log = logging.getLogger("diloco.syncer")
 
@@ -65,6 +76,7 @@ class Gate:
         metrics: SyncerMetrics,
         config_file: Path | None = None,
         clock: Callable[[], float] = time.monotonic,
+        health: Health | None = None,
     ) -> None:
         self.admission = Admission.from_spec(spec)
         self.guard = guard
@@ -72,6 +84,7 @@ class Gate:
         self.config_file = config_file  # where `islands` can be re-read from; None: never
         self._reloaded_at = -RELOAD_SECONDS
         self.clock = clock  # wall-clock seconds for the work rate (guards.WorkRate)
+        self.health = health  # where the guards' detection is reported (watch)
         # Refused pushes since the start, {island: {reason: count}}: only islands the syncer
         # holds a record of (the job's own names), only protocol.REFUSAL_REASONS: bounded.
         self.refusals: dict[str, dict[str, int]] = {}
@@ -181,7 +194,10 @@ class Gate:
         have happened while it was measured), its values within the guards' bounds (finite,
         norm bounds). Refused, with nothing changed, otherwise."""
         lag = state.check_push(fragment, meta.island, meta.base_version)
-        self.guard.check_delta(fragment, meta.island, stats)
+        try:
+            self.guard.check_delta(fragment, meta.island, stats)
+        finally:
+            self.watch()
         return push_contribution(meta, lag=lag, payload=payload, now=now)
 
     def refused(
@@ -201,9 +217,21 @@ class Gate:
             f"(syncer.guards.maxRefusals); the last: {err.message}"
         )[:500]
         members.set_state(island, DROPPED, reason, now)
+        self.guard.forget(island)
+        self.watch()
         self.metrics.dropped_islands.inc()
         log.warning("island %s dropped: %s", island, reason)
         return reason
+
+    def watch(self) -> None:
+        """Report the guards' suspects as the health problem AT_BOUND, or clear it."""
+        if self.health is None:
+            return
+        suspects = self.guard.suspects()
+        if suspects:
+            self.health.report(AT_BOUND, "; ".join(suspects.values()))
+        elif AT_BOUND in self.health.problems:
+            self.health.clear(AT_BOUND)
 
     def _count(self, island: str, reason: str) -> None:
         counts = self.refusals.setdefault(island, {})

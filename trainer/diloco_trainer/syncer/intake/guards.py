@@ -66,10 +66,24 @@ REFUSED_STATUS = 422
 # recent average: warm-up, compiles and overlap make it uneven) ...
 RATE_ALLOWANCE = 1.5
 # ... and its step time counts as no less than the median island's over FASTEST (a claimed
-# stepTime is the island's word; the median over islands is an honest majority's), nor less
-# than MIN_STEP_TIME seconds (no island has reported one yet).
+# stepTime is the island's word; the median over islands is an honest majority's once at least
+# MAJORITY_CLAIMS islands claim one: the median of two is half the liar's), nor less than
+# MIN_STEP_TIME seconds. With fewer claims (a job of two) no island's claim moves another's bound.
 FASTEST = 4.0
 MIN_STEP_TIME = 1e-3
+MAJORITY_CLAIMS = 3
+# The learned norm bound is the median over islands of their own medians once at least
+# MAJORITY_ISLANDS islands have norms of the fragment (f < M/2 cannot move it beyond the honest
+# ones'); with fewer (a job of two: its median of two is half the attacker's) it is the smallest
+# island's median, never below the floor of one AdamW round: one island of two can then push at
+# most normFactor x the other's median (or the floor), so a ratchet gains nothing, and a
+# near-zero flood lowers the other's bound to the floor only (an honest round's most).
+MAJORITY_ISLANDS = 3
+# Detection: an island whose last AT_BOUND_PUSHES judged pushes of a fragment were all at
+# AT_BOUND x the learned bound or above it (refused) is reported (a health problem), the
+# pattern of a ratchet or of an island spending the bound: honest pushes sit near the median.
+AT_BOUND = 0.8
+AT_BOUND_PUSHES = 8
 # The most pushes (of a push's most steps) an island may claim at once per fragment.
 BURST_PUSHES = 2
 
@@ -187,7 +201,11 @@ class WorkRate:
     pushes' most per fragment (a learner cut off for a while sends its held pushes back to
     back) and fills at RATE_ALLOWANCE steps per step time of the island: what it last said
     (stepTime), but never less than the median island's over FASTEST, so a lie about its speed
-    buys at most FASTEST x RATE_ALLOWANCE the median island's rate."""
+    buys at most FASTEST x RATE_ALLOWANCE the median island's rate. The median counts once
+    MAJORITY_CLAIMS islands claim a step time (own included): with f < M/2 it lies between
+    honest claims, so a slow lie (stepTime 86400) cannot raise an honest island's floor above
+    an honest claim / FASTEST; in a job of two it would be half the liar's, so there the floor
+    is MIN_STEP_TIME only (README "Security": what M = 2 cannot promise)."""
 
     def __init__(self, burst: int, fragments: int) -> None:
         self.burst = float(BURST_PUSHES * burst * fragments)
@@ -197,7 +215,8 @@ class WorkRate:
     def step_time(self, claimed: float | None, islands: Sequence[float]) -> float:
         """The step time an island's credit fills at (seconds)."""
         known = [t for t in islands if t > 0]
-        floor = statistics.median(known) / FASTEST if known else MIN_STEP_TIME
+        majority = len(known) >= MAJORITY_CLAIMS
+        floor = statistics.median(known) / FASTEST if majority else MIN_STEP_TIME
         return max(claimed or 0.0, floor, MIN_STEP_TIME)
 
     def take(self, island: str, steps: int, step_time: float, now: float) -> None:
@@ -232,12 +251,18 @@ class NormHistory:
 
     def median(self, fragment: int, warmup: int) -> float | None:
         """The median over islands of each island's median, once the fragment has `warmup`
-        norms (else the restored medians, else None)."""
+        norms (else the restored medians, else None); with fewer than MAJORITY_ISLANDS islands
+        the smallest island's median (no majority: the median of two is half the larger)."""
         islands = [d for d in self.norms[fragment].values() if d]
         if sum(len(d) for d in islands) >= warmup:
-            return statistics.median(statistics.median(d) for d in islands)
+            medians = [statistics.median(d) for d in islands]
+            if len(medians) < MAJORITY_ISLANDS:
+                return min(medians)
+            return statistics.median(medians)
         restored = self.restored[fragment]
-        return statistics.median(restored) if restored else None
+        if not restored:
+            return None
+        return min(restored) if len(restored) < MAJORITY_ISLANDS else statistics.median(restored)
 
     def own_median(self, fragment: int, island: str) -> float | None:
         """The island's own median, once it has OWN_MIN norms of the fragment."""
@@ -277,6 +302,9 @@ class ContributionGuard:
     rate: WorkRate = field(init=False)
     directions: Directions = field(init=False)
     streaks: dict[str, int] = field(default_factory=dict)  # refusals in a row per island
+    # Per (fragment, island): whether each of its last AT_BOUND_PUSHES judged pushes was at the
+    # learned bound (AT_BOUND x it or above): the detection of suspects().
+    at_bound: dict[tuple[int, str], deque[bool]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.history = NormHistory(len(self.caps))
@@ -303,6 +331,10 @@ class ContributionGuard:
                 protocol.ERROR_NON_FINITE,
                 f"push to fragment {fragment} decodes to NaN or Inf (a scale too large for fp32?)",
             )
+        learned = self.learned_bound(fragment)
+        if learned is not None:
+            seen = self.at_bound.setdefault((fragment, island), deque(maxlen=AT_BOUND_PUSHES))
+            seen.append(stats.norm >= AT_BOUND * learned)
         cap = self.caps[fragment]
         if stats.norm > cap:
             raise ContributionRefused(
@@ -342,6 +374,26 @@ class ContributionGuard:
                 "share",
                 own_fault=False,
             )
+
+    def suspects(self) -> dict[str, str]:
+        """Islands whose last AT_BOUND_PUSHES judged pushes of a fragment were all at AT_BOUND x
+        the learned bound or above it, each with what it did: a ratchet, or an island spending
+        the bound the others' history gives it (honest pushes sit near the median, a tenth of
+        the bound at normFactor 10). In a job of two the bound holds it, this names it."""
+        out: dict[str, str] = {}
+        for (fragment, island), seen in sorted(self.at_bound.items()):
+            if island not in out and len(seen) == AT_BOUND_PUSHES and all(seen):
+                out[island] = (
+                    f"island {island}'s last {AT_BOUND_PUSHES} pushes to fragment {fragment} were "
+                    f"all at {AT_BOUND:g} x the learned norm bound or above it (a ratchet, or an "
+                    "island pushing as far as the bound lets it)"
+                )
+        return out
+
+    def forget(self, island: str) -> None:
+        """An island dropped or gone: its detection starts again when it is back."""
+        for key in [k for k in self.at_bound if k[1] == island]:
+            del self.at_bound[key]
 
     def accepted(self, fragment: int, island: str, stats: DeltaStats) -> None:
         self.history.record(fragment, island, stats.norm)

@@ -30,6 +30,14 @@ ISLAND_NAME = re.compile(r"^[A-Za-z0-9]([-A-Za-z0-9_.]{0,251}[A-Za-z0-9])?$")
 MAX_WIRE_INT = 2**53 - 1
 # The longest step or sync time a client may report (a day).
 MAX_SECONDS = 86400.0
+# A claimed step time may be at most this many heartbeat timeouts (sync.heartbeatTimeoutSeconds:
+# 600 s at its default of 30 s), and a day at most (step_time_limit): a longer claim is no step
+# a learner of the job takes, only a lever on the work-rate bounds.
+STEP_TIME_HEARTBEATS = 20.0
+# The largest |loss| a client may report (a heartbeat's, a push's): a language model's
+# cross-entropy is tens at most, a diverged one's beyond this is not finite in practice; a
+# larger finite value (1e308) only overflows what is computed from it (status, means).
+MAX_LOSS = 1e9
 # The most replicas an island may have (islands.replicas' bound).
 MAX_REPLICAS = 1024
 
@@ -70,6 +78,18 @@ def at_most(value: float | None, maximum: float, where: str, key: str) -> None:
         raise Refused(400, f"{where}.{key} must be <= {maximum:g}, got {shown}")
 
 
+def step_time_limit(heartbeat_timeout: float) -> float:
+    """The longest step time a client may claim (seconds): STEP_TIME_HEARTBEATS heartbeat
+    timeouts of the job, at most MAX_SECONDS."""
+    return min(MAX_SECONDS, STEP_TIME_HEARTBEATS * heartbeat_timeout)
+
+
+def bounded_loss(value: float | None, where: str) -> None:
+    """Refused(400) when a present loss is beyond ±MAX_LOSS."""
+    if value is not None and abs(value) > MAX_LOSS:
+        raise Refused(400, f"{where}.loss must be within ±{MAX_LOSS:g}, got {value:.4g}")
+
+
 def island_name(value: Any, where: str) -> str:
     """The island name, when it is a DNS-label-like name of 1-253 characters."""
     if not isinstance(value, str) or not ISLAND_NAME.match(value):
@@ -81,8 +101,11 @@ def island_name(value: Any, where: str) -> str:
     return value
 
 
-def parse_push_meta(meta: dict[str, str], codec: str) -> protocol.PushMeta:
-    """Validate a push's safetensors metadata; Refused(400) naming the field."""
+def parse_push_meta(
+    meta: dict[str, str], codec: str, max_step_time: float = MAX_SECONDS
+) -> protocol.PushMeta:
+    """Validate a push's safetensors metadata; Refused(400) naming the field. A step time above
+    `max_step_time` (step_time_limit) is refused."""
     doc: dict[str, Any] = {}
     for key, raw in meta.items():
         if (
@@ -117,8 +140,9 @@ def parse_push_meta(meta: dict[str, str], codec: str) -> protocol.PushMeta:
         (protocol.META_STEPS, steps),
     ):
         at_most(value, MAX_WIRE_INT, where, key)
-    at_most(step_time, MAX_SECONDS, where, protocol.META_STEP_TIME)
+    at_most(step_time, min(MAX_SECONDS, max_step_time), where, protocol.META_STEP_TIME)
     at_most(sync_time, MAX_SECONDS, where, protocol.META_SYNC_TIME)
+    bounded_loss(loss, where)
     got_codec = doc.get(protocol.META_CODEC, "")
     if got_codec != codec:
         raise Refused(
@@ -175,14 +199,19 @@ class IncomingPush:
     size: int
 
 
-def read_push(body: bytes | bytearray, principal: Principal, codec: str) -> IncomingPush:
+def read_push(
+    body: bytes | bytearray,
+    principal: Principal,
+    codec: str,
+    max_step_time: float = MAX_SECONDS,
+) -> IncomingPush:
     """A push's body read in order: the safetensors header once, the credential allowed to push
     as the island it names (rights.require_push), the metadata parsed into typed, bounded
     fields, the encoded tensors taken (P-sized: a worker thread calls this). Refused (400, 403),
     with nothing changed, at the first problem."""
     raw_meta = read_push_header(body)
     require_push(principal, raw_meta)
-    meta = parse_push_meta(raw_meta, codec)
+    meta = parse_push_meta(raw_meta, codec, max_step_time)
     return IncomingPush(meta=meta, flat=read_push_tensors(body), size=len(body))
 
 

@@ -13,7 +13,7 @@ from typing import Any
 
 from diloco_trainer.api.documents import HeartbeatAnswer, JoinInfo, MembershipAnswer
 from diloco_trainer.api.spec import JobSpec
-from diloco_trainer.syncer.intake import Gate
+from diloco_trainer.syncer.intake import Gate, at_most, step_time_limit
 from diloco_trainer.syncer.merging import GlobalModel
 from diloco_trainer.syncer.service.control import Control
 from diloco_trainer.syncer.state import (
@@ -53,6 +53,8 @@ class IslandCalls:
         islands = max(spec.islands.count, spec.total_shards())
         self.budget = budget_tokens(spec) if spec.sync.quorum < islands else None
         self.targets: dict[str, int] = {}
+        # The longest step time a heartbeat may claim (validation.step_time_limit).
+        self.max_step_time = step_time_limit(spec.sync.heartbeat_timeout_seconds)
 
     async def join(self, island: str, replicas: int) -> dict[str, Any]:
         """Register an island; the fragment layout, current versions and the island's merged
@@ -81,7 +83,9 @@ class IslandCalls:
 
     async def heartbeat(self, island: str, progress: Beat) -> dict[str, Any]:
         """A learner's sign of life; its membership state and whether the job finished
-        (HeartbeatAnswer)."""
+        (HeartbeatAnswer). A step time beyond the job's limit is refused (400): it is no step
+        the job's learners take, only a lever on the work-rate bounds (guards.WorkRate)."""
+        at_most(progress.step_time, self.max_step_time, "heartbeat", "stepTime")
         async with self.control.locked():
             rec = self.state.membership.heartbeat(
                 island,

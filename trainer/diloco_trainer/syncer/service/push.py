@@ -35,6 +35,7 @@ from diloco_trainer.api.documents import PushAnswer
 from diloco_trainer.api.protocol import PushMeta
 from diloco_trainer.syncer.errors import Refused
 from diloco_trainer.syncer.intake import (
+    MAX_SECONDS,
     DeltaStats,
     EncodedPayload,
     Gate,
@@ -67,12 +68,16 @@ class PushPath:
         self.codec = codec
         self.metrics = metrics
         self.bytes_in = 0  # the bodies of accepted pushes
+        # The longest stepTime a push may claim (validation.step_time_limit; the service sets it).
+        self.max_step_time = MAX_SECONDS
 
     async def receive(
         self, fragment: int, body: bytes | bytearray, principal: Principal
     ) -> PushAnswer:
         """Steps 1-6 (the module docstring); Refused, with nothing changed, on a problem."""
-        push = await asyncio.to_thread(read_push, body, principal, self.codec)  # 1. P-sized
+        push = await asyncio.to_thread(
+            read_push, body, principal, self.codec, self.max_step_time
+        )  # 1. P-sized
         meta = push.meta
         control = self.control
         try:

@@ -57,7 +57,7 @@ from diloco_trainer.api.spec import JobSpec
 from diloco_trainer.cpus import configure_threads
 from diloco_trainer.syncer.edge import server
 from diloco_trainer.syncer.errors import Refused
-from diloco_trainer.syncer.intake import fragment_body_limit
+from diloco_trainer.syncer.intake import fragment_body_limit, step_time_limit
 from diloco_trainer.syncer.merging import LeftOut, describe_merge, return_freed_memory, trim
 from diloco_trainer.syncer.service import startup
 from diloco_trainer.syncer.service.control import Control
@@ -68,6 +68,7 @@ from diloco_trainer.syncer.service.status_document import (
     Identity,
     RunState,
     checkpoint_manifest,
+    finite_only,
     status_document,
 )
 from diloco_trainer.syncer.serving import Body, BodyKey
@@ -132,6 +133,7 @@ class Syncer:
             codec=self.codec,
             metrics=self.metrics,
         )
+        self.pushes.max_step_time = step_time_limit(spec.sync.heartbeat_timeout_seconds)
         self.islands = IslandCalls(
             self.control,
             state=self.state,
@@ -291,13 +293,13 @@ class Syncer:
         versions.
         """
         if not digest:
-            return self._status().to_wire()
+            return finite_only(self._status().to_wire())
         self.control.locked()  # Refused(503) once failed
         assert self.merging is not None
         async with self.merging:
             doc = self._status()
             weights = await asyncio.to_thread(self.digest)
-        return doc.model_copy(update={"digest": weights}).to_wire()
+        return finite_only(doc.model_copy(update={"digest": weights}).to_wire())
 
     def _status(self) -> SyncerStatus:
         progress = RunState(

@@ -136,7 +136,7 @@ def build(
     else:
         guard.history.restore(loaded.document.norm_history)
         _restore_counters(loaded, state, Admission.from_spec(spec), merge_log, jobs, now=clock())
-    gate = Gate(spec, guard=guard, metrics=metrics, config_file=config_file)
+    gate = Gate(spec, guard=guard, metrics=metrics, config_file=config_file, health=health)
     return SyncerParts(
         metrics=metrics,
         health=health,

@@ -6,6 +6,7 @@ together, so it reads no part's insides and knows nothing of the service."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -88,6 +89,20 @@ def status_document(
         health=health,
         time=time,
     )
+
+
+def finite_only(value: Any) -> Any:
+    """A JSON document with every non-finite number (inf, -inf, nan) replaced by None: the
+    status document is read by JSON parsers that refuse `Infinity` and `NaN` (issue 46: a push
+    loss of 1e308 summed to inf). The edge bounds what comes in (validation.MAX_LOSS); this
+    keeps whatever is computed from it out of the document too."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: finite_only(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [finite_only(v) for v in value]
+    return value
 
 
 def latest_checkpoint(jobs: JobsSnapshot, resumed_from: str | None) -> CheckpointRef | None:

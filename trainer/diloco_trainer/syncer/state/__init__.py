@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from diloco_trainer.syncer.state.gauges import CONTENT_TYPE, SyncerMetrics
 from diloco_trainer.syncer.state.membership import Membership
-from diloco_trainer.syncer.state.problems import CHECKPOINT, CORRUPT, MERGE, Health
+from diloco_trainer.syncer.state.problems import AT_BOUND, CHECKPOINT, CORRUPT, MERGE, Health
 from diloco_trainer.syncer.state.records import (
     DROPPED,
     LEFT,
@@ -31,6 +31,7 @@ from diloco_trainer.syncer.state.targets import (
 )
 
 __all__ = [
+    "AT_BOUND",
     "CHECKPOINT",
     "CONTENT_TYPE",
     "CORRUPT",

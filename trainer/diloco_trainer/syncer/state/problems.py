@@ -3,9 +3,11 @@ and /healthz?strict=1.
 
 A problem has a kind (CHECKPOINT: the last checkpoint write failed; CORRUPT: corrupt checkpoints
 were found at start and set aside; MERGE: the last merge of a fragment could not take some
-contributions), a message, since when and how often it happened; it clears when the thing works
-again (a checkpoint is written, a merge succeeds). A failure that does stop the syncer (a merge
-that broke half-way) is the service's `failure` instead: /healthz answers 503 for it.
+contributions; AT_BOUND: an island's pushes are all at the learned norm bound, guards.py's
+detection of a ratchet), a message, since when and how often it happened; it clears when the
+thing works again (a checkpoint is written, a merge succeeds, no island is at the bound). A failure
+that does stop the syncer (a merge that broke half-way) is the service's `failure` instead: /healthz
+answers 503 for it.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from prometheus_client import Gauge
 CHECKPOINT = "checkpoint"
 CORRUPT = "corruptCheckpoints"
 MERGE = "merge"
+AT_BOUND = "islandAtBound"
 
 
 class Health:

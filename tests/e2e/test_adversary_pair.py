@@ -1,0 +1,133 @@
+"""One bad island of two, on a live `diloco syncer` with each island's own credential (issue 46).
+
+- A heartbeat claiming `stepTime: 86400` raised every island's work-rate floor to 10,800 s (the
+  median of two claims over 4): the honest island's pushes were refused `steps_out_of_range` and
+  it was dropped. Now a claim beyond the job's range (20 heartbeat timeouts) is refused 400 naming
+  the field, and one within it moves no other island's floor (the median of claims counts only
+  with three islands claiming).
+- A ratchet inside the learned bound climbed to the hard cap: with two islands the median of
+  their medians was half the attacker's. Now the bound of fewer than three islands is the
+  smaller median: the attacker gets no further than normFactor x the honest median, and its
+  pushes at the bound are named (the health problem islandAtBound).
+- A push `loss` of 1e308 made `/v1/status` say `Infinity`: now refused 400, and no non-finite
+  number reaches the status document.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from diloco_trainer.api import credentials, protocol
+
+from .conftest import SyncerHandle, deep_merge, wait_until
+from .test_adversary import HONEST_VALUE, NORM_FACTOR, RATCHET, SPEC, filled, join_all, push_as
+from .test_adversary import start_syncer as start_syncer_of
+from .test_hostile import push_body
+
+pytestmark = pytest.mark.e2e
+
+HONEST = "island-0"
+ADVERSARY = "island-1"
+WARMUP = 4
+PER_LEVEL = 12  # more than AT_BOUND_PUSHES (8) at each level the bound refuses
+PAIR = deep_merge(SPEC, {"islands": {"count": 2}})
+# sync.heartbeatTimeoutSeconds 3600 in SPEC: the longest stepTime claim is 20 x 3600 = 72000 s.
+STEP_TIME_LIMIT = 72000.0
+
+
+@pytest.fixture
+def syncer(tmp_path: Path) -> Iterator[SyncerHandle]:
+    handle = start_syncer_of(tmp_path, PAIR, "adversary-pair")
+    try:
+        yield handle
+    finally:
+        handle.proc.stop(timeout=10)
+
+
+def heartbeat(handle: SyncerHandle, island: str, **fields: Any) -> tuple[int, Any]:
+    token = credentials.island_token(handle.token, island)
+    doc = {"island": island, "step": 1, "tokens": 64, **fields}
+    return handle.request("POST", "/v1/heartbeat", json_body=doc, token=token)
+
+
+def honest_push(handle: SyncerHandle, shapes: dict[str, torch.Tensor], **meta: Any) -> None:
+    """The honest island pushes once, accepted, and fragment 0 merges (quorum 1)."""
+    version = handle.status()["versions"][0]
+    code, doc = push_as(handle, HONEST, filled(shapes, HONEST_VALUE), **meta)
+    assert code == 200 and doc["accepted"] is True, (code, doc)
+    wait_until(lambda: handle.status()["versions"][0] > version, timeout=60, what="honest merge")
+
+
+def test_adversary_pair_step_time_claim_moves_no_other_floor(syncer: SyncerHandle) -> None:
+    shapes = join_all(syncer, (HONEST, ADVERSARY))
+    code, doc = heartbeat(syncer, ADVERSARY, stepTime=86400.0)
+    assert code == 400 and "heartbeat.stepTime" in doc["error"], doc
+    code, doc = heartbeat(syncer, ADVERSARY, stepTime=STEP_TIME_LIMIT)  # the most: accepted
+    assert code == 200, doc
+    assert heartbeat(syncer, HONEST, stepTime=0.01)[0] == 200
+    # 12 pushes of 4 steps: 48 steps, more than the burst of 2 x 16 = 32. Before, the floor was
+    # median(0.01, 72000) / 4 = 9000 s, so the 9th push was refused steps_out_of_range; the
+    # honest island's own 0.01 s fills 150 steps a second.
+    for _ in range(12):
+        honest_push(syncer, shapes, steps=4, tokens=4 * 64, step_time=0.01)
+    status = syncer.status()
+    assert status["refusals"] == {}
+    assert status["islands"][HONEST]["state"] == protocol.STATE_ACTIVE
+    # A push claiming beyond the range is refused 400 as well, naming the field.
+    code, doc = push_as(syncer, ADVERSARY, filled(shapes, HONEST_VALUE), step_time=86400.0)
+    assert code == 400 and "metadata.stepTime" in doc["error"], doc
+
+
+def test_adversary_pair_ratchet_is_held_and_named(syncer: SyncerHandle) -> None:
+    shapes = join_all(syncer, (HONEST, ADVERSARY))
+    for _ in range(WARMUP):
+        honest_push(syncer, shapes)
+    accepted: dict[float, int] = {}
+    named = False
+    for value in RATCHET:
+        codes = []
+        for _ in range(PER_LEVEL):
+            code, doc = push_as(syncer, ADVERSARY, filled(shapes, value))
+            assert code in (200, 403, 422), (code, doc)  # 403: dropped
+            codes.append(code)
+        accepted[value] = codes.count(200)
+        kinds = {p["kind"]: p["message"] for p in syncer.status()["health"]["problems"]}
+        named = named or ADVERSARY in kinds.get("islandAtBound", "")
+        honest_push(syncer, shapes)  # the honest island merges at every level
+    # The bound is NORM_FACTOR x the smaller median, the honest 1e-3 per element: 1e-2. The
+    # levels 1e-3 and 5e-3 are in; 2.5e-2 (before: within 10 x the mean of 1e-3 and 5e-3 = 3e-2)
+    # and beyond never are.
+    bound = NORM_FACTOR * HONEST_VALUE
+    assert {v: n for v, n in accepted.items() if v > bound} == {v: 0 for v in RATCHET if v > bound}
+    assert accepted[RATCHET[0]] == PER_LEVEL and accepted[RATCHET[1]] == PER_LEVEL
+    assert named  # its pushes at the bound were reported
+    doc = syncer.status()
+    assert doc["islands"][HONEST]["state"] == protocol.STATE_ACTIVE
+    assert set(doc["refusals"]) == {ADVERSARY}  # the honest island: never refused
+
+
+def test_adversary_pair_extreme_loss_never_reaches_status(syncer: SyncerHandle) -> None:
+    shapes = join_all(syncer, (HONEST, ADVERSARY))
+    token = credentials.island_token(syncer.token, ADVERSARY)
+    for loss in (1e308, -1e308):
+        body = push_body(
+            filled(shapes, HONEST_VALUE), island=ADVERSARY, baseVersion=0, loss=loss, steps=1,
+            tokens=64,
+        )  # fmt: skip
+        code, doc = syncer.request("POST", "/v1/fragments/0/push", body=body, token=token)
+        assert code == 400 and "metadata.loss" in doc["error"], doc
+        code, doc = heartbeat(syncer, ADVERSARY, loss=loss)
+        assert code == 400 and "heartbeat.loss" in doc["error"], doc
+    # The most a loss may be is taken, and whatever is computed from it stays finite.
+    assert heartbeat(syncer, ADVERSARY, loss=1e9)[0] == 200
+    body = push_body(
+        filled(shapes, HONEST_VALUE), island=ADVERSARY, baseVersion=0, loss=1e9, steps=1, tokens=64
+    )
+    assert syncer.request("POST", "/v1/fragments/0/push", body=body, token=token)[0] == 200
+    honest_push(syncer, shapes)
+    json.dumps(syncer.status(), allow_nan=False)  # no Infinity, no NaN anywhere
