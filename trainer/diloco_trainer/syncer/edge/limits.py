@@ -301,13 +301,15 @@ class _Busy(asyncio.Protocol):
 
 
 class _Counted(asyncio.Protocol):
-    """A connection's real protocol (aiohttp's request handler, made once its peer is
-    admitted), counted by its ConnectionCap from accept to close; _Busy's when it found no room.
-    """
+    """A connection counted by its ConnectionCap from accept to close: once admitted, its real
+    protocol (aiohttp's request handler) is made when its first bytes arrive, so a silent one
+    costs a count and a timer, not a handler (a flood of thousands is accepted on one event loop
+    beside the probes); _Busy's when it found no room."""
 
     def __init__(self, cap: ConnectionCap) -> None:
         self.cap = cap
-        self.inner: Any = None  # aiohttp's handler once admitted; else `busy` answers
+        self.admitted = False
+        self.inner: Any = None  # aiohttp's handler, from its first bytes; else `busy` answers
         self.busy: _Busy | None = None
         self.transport: asyncio.BaseTransport | None = None
         self.peer = ""
@@ -328,8 +330,7 @@ class _Counted(asyncio.Protocol):
             self.busy = _Busy(self.cap.probe)
             self.busy.connection_made(transport)
             return
-        self.inner = self.cap.server()
-        self.inner.connection_made(transport)
+        self.admitted = True
         self.timer = asyncio.get_running_loop().call_later(
             self.cap.unauthenticated_seconds, self._silent
         )
@@ -356,10 +357,12 @@ class _Counted(asyncio.Protocol):
             self.transport.abort()  # type: ignore[attr-defined]
 
     def data_received(self, data: bytes) -> None:
-        if self.inner is not None:
-            if not self.heard:
+        if self.admitted and not self.evicted:
+            if self.inner is None:
                 self.heard = True
                 self.cap.heard(self)
+                self.inner = self.cap.server()
+                self.inner.connection_made(self.transport)
             self.inner.data_received(data)
         elif self.busy is not None:
             self.busy.data_received(data)
@@ -378,9 +381,10 @@ class _Counted(asyncio.Protocol):
     def connection_lost(self, exc: Exception | None) -> None:
         if self.timer is not None:
             self.timer.cancel()
-        if self.inner is not None:
+        if self.admitted:
             self.cap.closed(self)
-            self.inner.connection_lost(exc)
+            if self.inner is not None:
+                self.inner.connection_lost(exc)
         elif self.busy is not None:
             self.busy.connection_lost(exc)
 

@@ -1,0 +1,179 @@
+"""/healthz against connection floods on a live `diloco syncer` (issue 46's done-when: it
+answers within 1 s throughout a flood of 4 addresses x 1,000 connections).
+
+Per round: a syncer at the job's default limits (maxConnections 512), then A flood processes,
+each opening N idle connections from its own loopback address as fast as it can and holding
+them, while the kubelet's probe (a fresh connection per GET /healthz, as it sends them) runs
+from an address outside the flood and from one of the flood's own addresses, until every flood
+has opened its connections and for `--after` probes more. Reported: probes, those not answered
+200, and the probe latency's median, 99th percentile and maximum (connect to answer), against
+the same probes with no flood in the same run (the floor).
+
+    python -m bench.healthz_flood                      # 4 x 1000, 3 rounds
+    python -m bench.healthz_flood --addresses 2 --connections 600
+"""
+
+from __future__ import annotations
+
+import http.client
+import select
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from diloco_trainer.api import protocol
+from diloco_trainer.api.spec import parse_spec
+from diloco_trainer.local import free_port, start_syncer, wait_ready, write_job_files
+
+from bench.harness.common import (
+    LoadMonitor,
+    Report,
+    Table,
+    base_parser,
+    install_signal_cleanup,
+    publish,
+    track,
+    workdir,
+)
+
+SPEC = {
+    "model": {"preset": "gpt-tiny"},
+    "data": {"evalTokens": 1024},  # the start evaluates: a short one
+    "islands": {"count": 2},
+    "inner": {"steps": 4, "batchSize": 2, "seqLen": 16},
+    "sync": {"quorum": 1},
+}
+# Opens N idle connections from one source address as fast as it can, prints "open" once all
+# were attempted, and holds them until its stdin closes.
+FLOOD = """
+import socket, sys
+source, port, n = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+held = []
+for _ in range(n):
+    try:
+        held.append(socket.create_connection(("127.0.0.1", port), timeout=20,
+                                             source_address=(source, 0)))
+    except OSError:
+        pass
+print("open", len(held), flush=True)
+sys.stdin.read()
+"""
+# One probe: (seconds from connect to answer, its status or the error it met).
+Probe = tuple[float, int | str]
+KUBELET = "127.0.0.1"  # the probe outside the flood; the other from the flood's first address
+
+
+def probe(port: int, source: str) -> Probe:
+    """One GET /healthz on a fresh connection from `source`: (seconds, status or error)."""
+    started = time.perf_counter()
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10, source_address=(source, 0))
+    try:
+        conn.request("GET", protocol.ROUTE_HEALTHZ)
+        status: int | str = conn.getresponse().status
+    except OSError as err:
+        status = type(err).__name__
+    finally:
+        conn.close()
+    return time.perf_counter() - started, status
+
+
+def flood_round(
+    port: int, addresses: list[str], connections: int, after: int
+) -> list[tuple[float, int | str]]:
+    """Probes from KUBELET and the first flood address while the floods open, then `after` more
+    rounds of probes while they hold their connections."""
+    floods = [
+        subprocess.Popen(
+            [sys.executable, "-c", FLOOD, source, str(port), str(connections)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        for source in addresses
+    ]
+    sources = [KUBELET, addresses[0]]
+    probes: list[Probe] = []
+    opened = [False] * len(floods)
+    try:
+        while not all(opened):
+            probes += [probe(port, s) for s in sources]
+            for i, f in enumerate(floods):
+                assert f.stdout is not None
+                ready, _, _ = select.select([f.stdout], [], [], 0)
+                opened[i] = opened[i] or f.poll() is not None or bool(ready)
+        probes += [probe(port, s) for _ in range(after) for s in sources]
+    finally:
+        for f in floods:
+            if f.stdin is not None:
+                f.stdin.close()
+            f.wait(timeout=60)
+    return probes
+
+
+def summary(probes: list[Probe]) -> tuple[int, int, float, float, float]:
+    """(probes, not 200, median, p99, max) with latencies in seconds."""
+    seconds = sorted(s for s, _ in probes)
+    p99 = seconds[min(len(seconds) - 1, round(0.99 * (len(seconds) - 1)))]
+    bad = sum(1 for _, status in probes if status != 200)
+    return len(probes), bad, statistics.median(seconds), p99, seconds[-1]
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = base_parser(__doc__.split("\n\n")[0])
+    p.add_argument("--addresses", type=int, default=4, help="flood source addresses (127.0.0.2..)")
+    p.add_argument("--connections", type=int, default=1000, help="connections each address opens")
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--after", type=int, default=10, help="probe rounds once the floods are open")
+    args = p.parse_args(argv)
+    install_signal_cleanup()
+    load = LoadMonitor()
+    addresses = [f"127.0.0.{2 + i}" for i in range(args.addresses)]
+    table = Table(
+        f"/healthz during a flood of {args.addresses} addresses x {args.connections} idle "
+        "connections (maxConnections 512)",
+        ["round", "flood", "probes", "not 200", "median s", "p99 s", "max s", "max < 1 s"],
+    )
+    with workdir(args.workdir, "healthz-flood") as work:
+        files = write_job_files(parse_spec(SPEC), work / "job")
+        for r in range(args.rounds):
+            port = free_port()
+            proc = track(
+                start_syncer(
+                    files,
+                    port=port,
+                    state_dir=work / f"state-{r}",
+                    job_name="healthz-flood",
+                    log_file=work / f"syncer-{r}.log",
+                )
+            )
+            try:
+                wait_ready(f"http://127.0.0.1:{port}", files.token, proc=proc)
+                calm = [probe(port, s) for _ in range(args.after) for s in (KUBELET, addresses[0])]
+                flooded = flood_round(port, addresses, args.connections, args.after)
+            finally:
+                proc.stop(timeout=10)
+            for label, probes in (("none (floor)", calm), ("flood", flooded)):
+                n, bad, med, p99, worst = summary(probes)
+                table.add(
+                    r,
+                    label,
+                    n,
+                    bad,
+                    f"{med:.4f}",
+                    f"{p99:.4f}",
+                    f"{worst:.3f}",
+                    "yes" if worst < 1.0 and not bad else "MISSED",
+                )
+    report = Report(
+        script="healthz_flood",
+        summary="the kubelet's probe of a syncer under connection floods, against no flood",
+        tables=[table],
+        notes=[f"work dir: {Path(args.workdir) if args.workdir else 'temporary'}"],
+    )
+    return publish(report, args, load)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
