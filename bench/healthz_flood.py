@@ -25,7 +25,7 @@ from pathlib import Path
 
 from diloco_trainer.api import protocol
 from diloco_trainer.api.spec import parse_spec
-from diloco_trainer.local import free_port, start_syncer, wait_ready, write_job_files
+from diloco_trainer.local import start_syncer, wait_ready, write_job_files
 
 from bench.harness.common import (
     LoadMonitor,
@@ -37,6 +37,7 @@ from bench.harness.common import (
     track,
     workdir,
 )
+from hack.localcluster.harness import pick_ports
 
 SPEC = {
     "model": {"preset": "gpt-tiny"},
@@ -138,7 +139,9 @@ def main(argv: list[str] | None = None) -> int:
     with workdir(args.workdir, "healthz-flood") as work:
         files = write_job_files(parse_spec(SPEC), work / "job")
         for r in range(args.rounds):
-            port = free_port()
+            # Outside the ephemeral range: the last round's floods closed thousands of sockets
+            # there, and their ports are not all free yet.
+            port = pick_ports(1, set())[0]
             proc = track(
                 start_syncer(
                     files,

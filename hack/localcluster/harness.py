@@ -42,6 +42,7 @@ from .operator_process import (
     with_ports,
 )
 from .polling import StoppedHolding, WaitTimeout, holds_for, poll_until
+from .ports import pick_ports
 from .settings import ENTRY_POINT, HACK_DIR
 
 __all__ = [
@@ -60,6 +61,7 @@ __all__ = [
     "condition_status",
     "holds_for",
     "islands_ready",
+    "pick_ports",
     "pod_ready",
     "poll_until",
     "ready_patch",

@@ -476,10 +476,14 @@ class ConnectionCap:
         """Close the oldest silent unauthenticated connection `which` accepts, of those at
         least MIN_AGE old; False when none. One that sent something (a probe's request on its
         way) is never replaced: it is served or closed at its time."""
-        now = asyncio.get_running_loop().time()
-        victim = next(
-            (c for c in self.waiting if now - c.opened >= self.min_age and which(c)), None
-        )
+        too_young = asyncio.get_running_loop().time() - self.min_age
+        victim = None
+        for c in self.waiting:  # oldest first: stop at the first one too young
+            if c.opened > too_young:
+                break
+            if which(c):
+                victim = c
+                break
         if victim is None:
             return False
         self._uncount(victim)
