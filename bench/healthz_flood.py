@@ -129,14 +129,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--after", type=int, default=10, help="probe rounds once the floods are open")
     args = p.parse_args(argv)
     install_signal_cleanup()
-    load = LoadMonitor()
     addresses = [f"127.0.0.{2 + i}" for i in range(args.addresses)]
     table = Table(
         f"/healthz during a flood of {args.addresses} addresses x {args.connections} idle "
         "connections (maxConnections 512)",
         ["round", "flood", "probes", "not 200", "median s", "p99 s", "max s", "max < 1 s"],
     )
-    with workdir(args.workdir, "healthz-flood") as work:
+    with LoadMonitor() as load, workdir(args.workdir, "healthz-flood") as work:
         files = write_job_files(parse_spec(SPEC), work / "job")
         for r in range(args.rounds):
             # Outside the ephemeral range: the last round's floods closed thousands of sockets
