@@ -372,11 +372,6 @@ def _read_job(
     except (ConfigError, ValueError, ContractError) as err:
         print(f"diloco run: {err}", file=sys.stderr)
         return None
-    if spec.syncer.endpoint:
-        print(
-            "diloco run: syncer.endpoint is set; a local run starts its own syncer", file=sys.stderr
-        )
-        return None
     return name, spec, slowdowns, syncer_cpus
 
 
