@@ -46,6 +46,7 @@ LEARNER_ENV = [
 SYNCER_ENV = [
     *_SHARED,
     (c.SYNCER_PORT, str(c.DEFAULT_SYNCER_PORT), "port to serve on"),
+    (c.SYNCER_HOST, c.DEFAULT_SYNCER_HOST, "address to listen on (diloco run: 127.0.0.1)"),
     (c.STATE_DIR, c.STATE_MOUNT, "checkpoints (resumed from at start), merges.jsonl"),
     (c.TLS_CERT_FILE, "unset", "serving certificate: HTTPS (with the key)"),
     (c.TLS_KEY_FILE, "unset", "its private key"),

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import signal
@@ -32,7 +33,13 @@ from rich.console import Console
 from rich.live import Live
 
 from diloco_trainer.api.client import SyncerJsonClient
-from diloco_trainer.api.contract import DEVICE, ContractError, island_name
+from diloco_trainer.api.contract import (
+    DEVICE,
+    RUN_PID,
+    SYNCER_HOST,
+    ContractError,
+    island_name,
+)
 from diloco_trainer.api.documents import SyncerStatus
 from diloco_trainer.api.protocol import STATE_ACTIVE, STATE_DROPPED, SyncerError
 from diloco_trainer.api.spec import ConfigError, JobSpec
@@ -56,6 +63,7 @@ from diloco_trainer.local.summary import make_summary, summary_table
 from diloco_trainer.local.syncer_shards import SyncerShards, start_syncer_shards
 
 POLL_SECONDS = 0.5
+LOOPBACK = "127.0.0.1"  # where the local syncer listens (DILOCO_SYNCER_HOST)
 # One status request: tried for this long (the syncer may be restarting) before the watch loop
 # looks at the children to tell whether the syncer died; one attempt is cut at the timeout.
 STATUS_DEADLINE_SECONDS = 5.0
@@ -64,6 +72,8 @@ STATUS_TIMEOUT_SECONDS = 10.0
 LEARNER_EXIT_SECONDS = 30.0
 # Children get this long to exit after SIGTERM before their process groups are killed.
 STOP_SECONDS = 10.0
+# After SIGHUP (a closed terminal) each group gets this long before SIGKILL.
+HANGUP_STOP_SECONDS = 1.5
 # The syncer listens once it has built its model, read its data and evaluated the initial
 # weights (or resumed a checkpoint): at gpt-125m on a loaded 2-core machine that took over 120 s.
 # The same budget as the operator's startup probe (10 minutes); a syncer that exits before it is
@@ -134,11 +144,16 @@ class LocalRun:
             self.start_island(i)
 
     def _threads(self, role: str = "syncer") -> dict[str, str]:
-        """A process's threads, and its CPUs when the run splits them (cpu_plan.py)."""
+        """A process's threads, and its CPUs when the run splits them (cpu_plan.py); the run
+        that owns it, so it dies with this process (launch.py); the syncer on loopback."""
         ranks = sum(self.spec.islands.replicas_of(i) for i in range(self.spec.islands.count))
-        return process_threads(
+        threads = process_threads(
             role, self._device(), ranks, frozenset(os.sched_getaffinity(0)), self.syncer_cpus
         )
+        owned = {RUN_PID: str(os.getpid())}
+        if role == "syncer":
+            owned[SYNCER_HOST] = LOOPBACK
+        return {**threads, **owned}
 
     def _device(self) -> str:
         return os.environ.get(DEVICE) or "cpu"
@@ -165,7 +180,7 @@ class LocalRun:
             self.syncer, self.url = shards, shards.url
             return shards
         port = port or free_port()
-        self.url = f"http://127.0.0.1:{port}"
+        self.url = f"http://{LOOPBACK}:{port}"
         self.syncer = start_syncer(
             self.files,
             port=port,
@@ -210,17 +225,25 @@ class LocalRun:
         assert self.syncer is not None
         if not self.syncer.alive:
             tail = "\n".join(self.syncer.log_text().splitlines()[-30:])
+            error = self.syncer.error_line()
             raise RunError(
-                f"the syncer exited with code {self.syncer.returncode}; last lines of "
-                f"{self.syncer.log_file}:\n{tail}"
+                f"the syncer exited with code {self.syncer.returncode}"
+                + (f": {error}" if error else "")
+                + f"\nlast lines of {self.syncer.log_file}:\n{tail}"
             )
         for proc in self.learners:
             if not proc.alive and proc.name not in self.dead:
                 self.dead[proc.name] = proc.returncode or 0
                 if not finished:
+                    error = proc.error_line()
                     self.console.print(
-                        f"[yellow]learner {proc.name} exited with code {proc.returncode}; "
-                        f"going on without it (log: {proc.log_file})[/yellow]"
+                        f"learner {proc.name} exited with code {proc.returncode}"
+                        + (f": {error}" if error else "")
+                        + f"; going on without it (log: {proc.log_file})",
+                        style="yellow",
+                        markup=False,
+                        highlight=False,
+                        soft_wrap=True,
                     )
         return bool(self.learners) and len(self.dead) == len(self.learners)
 
@@ -340,8 +363,27 @@ class LocalRun:
                 p.wait()
 
 
-def _raise_keyboard_interrupt(signum: int, frame: FrameType | None) -> None:
-    raise KeyboardInterrupt
+class Interrupted(KeyboardInterrupt):
+    """Ctrl-C, SIGTERM or SIGHUP (a closed terminal): the run stops every child."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+def _raise_interrupted(signum: int, frame: FrameType | None) -> None:
+    raise Interrupted(signum)
+
+
+# The signals that stop a run (its children with it): Ctrl-C, `kill`, a closed terminal.
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+
+
+def interrupted_code(err: KeyboardInterrupt) -> int:
+    """130 after Ctrl-C or SIGTERM, 129 after SIGHUP (128 + the signal, as a shell reports)."""
+    if isinstance(err, Interrupted) and err.signum == signal.SIGHUP:
+        return 128 + signal.SIGHUP
+    return 130
 
 
 # After Ctrl-C, tasks still pending get this long to finish cancelling before the loop closes.
@@ -375,9 +417,26 @@ def _read_job(
     return name, spec, slowdowns, syncer_cpus
 
 
+def _say(console: Console, text: str, style: str | None = None) -> None:
+    """A line on the console as it is (no markup), unless the console is gone (a closed
+    terminal after SIGHUP)."""
+    with contextlib.suppress(OSError, ValueError):
+        console.print(text, style=style, markup=False, highlight=False, soft_wrap=True)
+
+
+def resume_note(args: argparse.Namespace, workdir: Path) -> str:
+    """How to go on from the last checkpoint: the same command with this --workdir."""
+    config = f" {args.config}" if args.config else ""
+    return runnable(
+        f"resume from the last checkpoint with:\n  diloco run{config} --workdir {workdir}"
+    )
+
+
 def main(args: argparse.Namespace) -> int:
-    """`diloco run`: exit 0 when the job finished, 1 on failure, 2 on bad input, 130 on Ctrl-C."""
-    console = Console(stderr=False)
+    """`diloco run`: exit 0 when the job finished, 1 on failure, 2 on bad input, 130 on Ctrl-C
+    or SIGTERM, 129 on SIGHUP."""
+    # In a pipe or a log file, lines are not cut at rich's default 80 columns.
+    console = Console(stderr=False, soft_wrap=not sys.stdout.isatty())
     read = _read_job(args)
     if read is None:
         return 2
@@ -390,13 +449,16 @@ def main(args: argparse.Namespace) -> int:
     run = LocalRun(
         name, spec, workdir, slowdowns, console, quiet=args.quiet, syncer_cpus=syncer_cpus
     )
-    # Ctrl-C and SIGTERM raise KeyboardInterrupt wherever the main thread is (children are in
-    # their own process groups). Not asyncio.run's Ctrl-C, which only cancels the watch task: a
-    # cancellation that anything on the way absorbs leaves the run going, and once (a CI run
-    # under load) `diloco run` sat through 120 s after SIGINT with every child training on. For
-    # the same reason the children are stopped before the event loop is cleaned up.
-    signal.signal(signal.SIGINT, _raise_keyboard_interrupt)
-    signal.signal(signal.SIGTERM, _raise_keyboard_interrupt)
+    # Ctrl-C, SIGTERM and SIGHUP (a closed terminal, a dropped SSH session) raise
+    # KeyboardInterrupt wherever the main thread is (children are in their own process groups,
+    # so a terminal's signals reach only this process). Not asyncio.run's Ctrl-C, which only
+    # cancels the watch task: a cancellation that anything on the way absorbs leaves the run
+    # going, and once (a CI run under load) `diloco run` sat through 120 s after SIGINT with
+    # every child training on. For the same reason the children are stopped before the event
+    # loop is cleaned up. A SIGKILL cannot be caught: the kernel kills the children then
+    # (launch.die_with).
+    for sig in STOP_SIGNALS:
+        signal.signal(sig, _raise_interrupted)
     started = time.monotonic()
     loop = asyncio.new_event_loop()
     try:
@@ -404,20 +466,24 @@ def main(args: argparse.Namespace) -> int:
         run.start()
         status = loop.run_until_complete(run.watch(started))
         run.wait_learners(LEARNER_EXIT_SECONDS)
-    except KeyboardInterrupt:
-        # A second Ctrl-C must not cut the stop short and leave children training.
-        signal.signal(signal.SIGINT, signal.SIG_IGN)
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)
-        console.print(f"interrupted: stopping every process (logs in {run.logs})")
-        run.stop_all()
-        return 130
+    except KeyboardInterrupt as err:
+        # A second Ctrl-C must not cut the stop short and leave children training; the
+        # children are stopped first (after SIGHUP the console may be gone).
+        for sig in STOP_SIGNALS:
+            signal.signal(sig, signal.SIG_IGN)
+        _say(console, f"interrupted: stopping every process (logs in {run.logs})")
+        # After SIGHUP nobody watches: the children get a short while to leave on their own.
+        hangup = interrupted_code(err) == 128 + signal.SIGHUP
+        run.stop_all(HANGUP_STOP_SECONDS if hangup else STOP_SECONDS)
+        _say(console, resume_note(args, workdir))
+        return interrupted_code(err)
     except (RunError, TimeoutError, RuntimeError) as err:
-        console.print(f"[red]diloco run failed:[/red] {err}")
         run.stop_all()
+        _say(console, f"diloco run failed: {err}", style="red")
         return 1
     finally:
+        run.stop_all()  # whatever else went wrong (a console gone: OSError), no child is left
         _close_loop(loop)
-    run.stop_all()
     summary = make_summary(
         status,
         spec=spec,
