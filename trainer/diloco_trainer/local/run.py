@@ -22,7 +22,6 @@ import json
 import os
 import signal
 import sys
-import tempfile
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -58,11 +57,27 @@ from diloco_trainer.local.launch import (
     wait_ready,
     write_job_files,
 )
-from diloco_trainer.local.progress import progress_key, progress_line, status_view
+from diloco_trainer.local.progress import (
+    PROGRESS_SECONDS,
+    progress_key,
+    progress_line,
+    status_view,
+    trained_tokens,
+)
+from diloco_trainer.local.run_folder import (
+    PLOT_FILE,
+    SUMMARY_FILE,
+    SYNCER_DIR,
+    Ledger,
+    default_folder,
+    has_checkpoints,
+    move_aside,
+)
 from diloco_trainer.local.summary import make_summary, summary_table
 from diloco_trainer.local.syncer_shards import SyncerShards, start_syncer_shards
 
 POLL_SECONDS = 0.5
+LEDGER_SECONDS = 5.0  # the run folder's run.json is brought up to date this often
 LOOPBACK = "127.0.0.1"  # where the local syncer listens (DILOCO_SYNCER_HOST)
 # One status request: tried for this long (the syncer may be restarting) before the watch loop
 # looks at the children to tell whether the syncer died; one attempt is cut at the timeout.
@@ -132,6 +147,17 @@ class LocalRun:
     url: str = ""
     files: JobFiles | None = None
     syncer_cpus: frozenset[int] | None = None  # DILOCO_SYNCER_CPUS (cpu_plan.py)
+    earlier: Ledger = field(default_factory=Ledger)  # the job's earlier sessions (run_folder.py)
+    last_status: SyncerStatus | None = None
+
+    def __post_init__(self) -> None:
+        self.earlier = Ledger.load(self.workdir)
+
+    def save_ledger(self, started: float, status: SyncerStatus | None = None) -> None:
+        """The earlier sessions plus this one so far, in the run folder."""
+        status = status or self.last_status
+        pushed, pulled = (status.bytes_in, status.bytes_out) if status else (0, 0)
+        self.earlier.plus(time.monotonic() - started, pushed, pulled).save(self.workdir)
 
     @property
     def logs(self) -> Path:
@@ -251,6 +277,9 @@ class LocalRun:
         """Poll the syncer until it reports the job finished; returns its last status."""
         assert self.files is not None
         status: SyncerStatus | None = None
+        saved = printed = time.monotonic()
+        base: int | None = None  # trained tokens at this session's first status
+        since = started  # ... and when it was read: rates and ETAs are this session's
         last_key: tuple[int, int | None] | None = None
         live: Live | None = None
         if not self.quiet and self.console.is_terminal:
@@ -266,6 +295,7 @@ class LocalRun:
                 while True:
                     try:
                         status = await client.status()
+                        self.last_status = status
                     except SyncerError as err:
                         # The syncer may be going down; _check_children tells.
                         self.console.print(f"[yellow]status: {err}[/yellow]")
@@ -280,21 +310,30 @@ class LocalRun:
                         continue
                     if not status.finished:
                         await self._sync_membership(client)
+                    if time.monotonic() - saved > LEDGER_SECONDS:
+                        saved = time.monotonic()
+                        self.save_ledger(started)
+                    if base is None:  # a resumed job's earlier tokens: not this session's
+                        base, since = trained_tokens(status), time.monotonic()
                     if live is not None:
                         live.update(
                             status_view(
                                 self.spec,
                                 status,
-                                started=started,
+                                started=since,
                                 slowdowns=self.slowdowns,
                                 dead=self.dead,
+                                base=base,
                             )
                         )
-                    elif not self.quiet and progress_key(status) != last_key:
-                        last_key = progress_key(status)
-                        elapsed = time.monotonic() - started
-                        line = progress_line(status, elapsed, self.spec)
-                        self.console.print(line, soft_wrap=True, highlight=False)
+                    elif not self.quiet and (
+                        progress_key(status) != last_key
+                        or time.monotonic() - printed >= PROGRESS_SECONDS
+                    ):
+                        last_key, printed = progress_key(status), time.monotonic()
+                        elapsed = time.monotonic() - since
+                        line = progress_line(status, elapsed, self.spec, base)
+                        self.console.print(line, soft_wrap=True, highlight=False, markup=False)
                     if status.finished:
                         return status
                     await asyncio.sleep(POLL_SECONDS)
@@ -425,10 +464,12 @@ def _say(console: Console, text: str, style: str | None = None) -> None:
 
 
 def resume_note(args: argparse.Namespace, workdir: Path) -> str:
-    """How to go on from the last checkpoint: the same command with this --workdir."""
+    """How to go on from the last checkpoint: the same command (its run folder resumes)."""
     config = f" {args.config}" if args.config else ""
+    folder = f" --workdir {shown(workdir)}" if args.workdir else ""
     return runnable(
-        f"resume from the last checkpoint with:\n  diloco run{config} --workdir {workdir}"
+        f"resume from the last checkpoint with:\n  diloco run{config}{folder}\n"
+        f"(the run folder {shown(workdir)} keeps it; --fresh starts over)"
     )
 
 
@@ -445,7 +486,7 @@ def main(args: argparse.Namespace) -> int:
     report = check_before_start(spec, args.config)
     if not report.ok:
         return 2
-    workdir = Path(args.workdir or tempfile.mkdtemp(prefix="diloco-run-")).resolve()
+    workdir = _run_folder(args, name, console)
     run = LocalRun(
         name, spec, workdir, slowdowns, console, quiet=args.quiet, syncer_cpus=syncer_cpus
     )
@@ -475,6 +516,7 @@ def main(args: argparse.Namespace) -> int:
         # After SIGHUP nobody watches: the children get a short while to leave on their own.
         hangup = interrupted_code(err) == 128 + signal.SIGHUP
         run.stop_all(HANGUP_STOP_SECONDS if hangup else STOP_SECONDS)
+        run.save_ledger(started)
         _say(console, resume_note(args, workdir))
         return interrupted_code(err)
     except (RunError, TimeoutError, RuntimeError) as err:
@@ -484,31 +526,76 @@ def main(args: argparse.Namespace) -> int:
     finally:
         run.stop_all()  # whatever else went wrong (a console gone: OSError), no child is left
         _close_loop(loop)
+    run.save_ledger(started, status)
     summary = make_summary(
         status,
         spec=spec,
         wall_seconds=time.monotonic() - started,
         workdir=workdir,
         parameters=report.parameters,
+        earlier=run.earlier,
     )
     console.print(summary_table(summary))
-    if args.summary:
-        Path(args.summary).write_text(json.dumps(summary, indent=2) + "\n")
-        console.print(f"summary written to {args.summary}")
-    if args.plot:
+    summary_file = Path(args.summary) if args.summary else workdir / SUMMARY_FILE
+    summary_file.write_text(json.dumps(summary, indent=2) + "\n")
+    _say(console, f"summary written to {summary_file}")
+    plot_file = Path(args.plot) if args.plot else workdir / PLOT_FILE
+    if args.plot or plot_available():
         from diloco_trainer.local.plot import plot_eval_history
 
         plot_eval_history(
             summary["eval_history"],
-            args.plot,
+            plot_file,
             title=f"{name}: eval loss",
             tokenizer=None if spec.model.entrypoint else report.tokenizer,
         )
-        console.print(f"loss plot written to {args.plot}")
-    console.print(f"logs in {run.logs}")
+        _say(console, f"loss plot written to {plot_file}")
+    _say(console, f"logs in {run.logs}")
     from diloco_trainer.export import final_weights_note
 
-    note = final_weights_note(workdir / "syncer")  # the syncer's state dir (start_syncer)
-    if note is not None:
-        console.print(runnable(note), markup=False, highlight=False, soft_wrap=True)
+    if final_weights_note(workdir / SYNCER_DIR) is not None:  # the syncer left a checkpoint
+        _say(
+            console,
+            runnable(
+                f"final weights: the syncer's last checkpoint in {workdir / SYNCER_DIR}; write "
+                f"them as one safetensors file with\n  diloco export {shown(workdir)} -o "
+                "model.safetensors"
+            ),
+        )
     return 0
+
+
+def plot_available() -> bool:
+    """Whether matplotlib (the [local] extra's plot) is installed: the default plot is skipped
+    without it (an explicit --plot is refused at start instead: cli_help.require_local)."""
+    import importlib.util
+
+    return importlib.util.find_spec("matplotlib") is not None
+
+
+def shown(path: Path) -> str:
+    """`path` relative to the current directory when it is below it (runs/NAME), else whole."""
+    try:
+        return str(path.relative_to(Path.cwd()))
+    except ValueError:
+        return str(path)
+
+
+def _run_folder(args: argparse.Namespace, name: str, console: Console) -> Path:
+    """The job's folder: --workdir, else runs/NAME; moved aside first with --fresh. Says
+    whether the run resumes from a checkpoint there."""
+    folder = Path(args.workdir) if args.workdir else default_folder(name)
+    if args.fresh:
+        aside = move_aside(folder)
+        if aside is not None:
+            _say(console, f"diloco run: --fresh: the previous run folder is now {aside}")
+    folder = folder.resolve()
+    folder.mkdir(parents=True, exist_ok=True)
+    if has_checkpoints(folder):
+        _say(
+            console,
+            f"diloco run: resuming from the checkpoints in {shown(folder)} (--fresh starts over)",
+        )
+    else:
+        _say(console, f"diloco run: run folder {shown(folder)} (weights, logs, summary, plot)")
+    return folder
