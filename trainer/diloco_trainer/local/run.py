@@ -42,6 +42,7 @@ from diloco_trainer.api.contract import (
 from diloco_trainer.api.documents import SyncerStatus
 from diloco_trainer.api.protocol import STATE_ACTIVE, STATE_DROPPED, SyncerError
 from diloco_trainer.api.spec import ConfigError, JobSpec
+from diloco_trainer.check import Report
 from diloco_trainer.local.cpu_plan import cpu_split, process_threads, syncer_cpus_wanted
 from diloco_trainer.local.job import (
     check_before_start,
@@ -527,10 +528,24 @@ def main(args: argparse.Namespace) -> int:
         run.stop_all()  # whatever else went wrong (a console gone: OSError), no child is left
         _close_loop(loop)
     run.save_ledger(started, status)
+    _results(run, status, time.monotonic() - started, report, args)
+    return 0
+
+
+def _results(
+    run: LocalRun,
+    status: SyncerStatus,
+    wall_seconds: float,
+    report: Report,
+    args: argparse.Namespace,
+) -> None:
+    """The end of a finished run: the summary (shown and written), the plot, where the logs and
+    the weights are, all in the run folder unless --summary or --plot say otherwise."""
+    console, spec, workdir = run.console, run.spec, run.workdir
     summary = make_summary(
         status,
         spec=spec,
-        wall_seconds=time.monotonic() - started,
+        wall_seconds=wall_seconds,
         workdir=workdir,
         parameters=report.parameters,
         earlier=run.earlier,
@@ -546,7 +561,7 @@ def main(args: argparse.Namespace) -> int:
         plot_eval_history(
             summary["eval_history"],
             plot_file,
-            title=f"{name}: eval loss",
+            title=f"{run.name}: eval loss",
             tokenizer=None if spec.model.entrypoint else report.tokenizer,
         )
         _say(console, f"loss plot written to {plot_file}")
@@ -562,7 +577,6 @@ def main(args: argparse.Namespace) -> int:
                 "model.safetensors"
             ),
         )
-    return 0
 
 
 def plot_available() -> bool:
