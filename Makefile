@@ -14,10 +14,11 @@ $(STAMP): pyproject.toml | $(BIN)/python
 	$(BIN)/pip install --quiet -e '.[dev]'
 	touch $(STAMP)
 
-## demo: run the shipped example locally (syncer + islands as processes); no cluster needed
+## demo: run the shipped example locally (syncer + islands as processes); no cluster needed.
+## Everything lands in runs/local-demo/ (weights, logs, summary.json, loss.png); --fresh: a new
+## demo each time (the previous folder is moved aside)
 demo: $(STAMP)
-	mkdir -p runs
-	$(BIN)/diloco run examples/local.yaml --summary runs/summary.json --plot runs/loss.png
+	$(BIN)/diloco run examples/local.yaml --fresh
 
 ## test: lint, build what the tiers need (control plane, real node, images: cached by version),
 ## then every test tier (unit, e2e processes, real control plane, real node; kind where Docker is)

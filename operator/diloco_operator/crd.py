@@ -352,10 +352,12 @@ def _printer_columns() -> list[dict[str, str]]:
             "description": "Time left at the pace since the syncer started.",
         },
         {
-            "name": "Loss",
+            "name": "Eval Loss",
             "type": "number",
-            "jsonPath": ".status.loss",
-            "description": "Latest training loss.",
+            "jsonPath": ".status.evalLoss",
+            "description": "Latest evaluation loss: the global weights' loss on the held-out "
+            "split (data.evalTokens), as the syncer last measured it; the islands' training "
+            "loss is status.loss.",
         },
         {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
     ]

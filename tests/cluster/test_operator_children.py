@@ -148,7 +148,7 @@ def test_operator_kubectl_get_shows_printer_columns(
             "OUTER STEP",
             "PROGRESS",
             "ETA",
-            "LOSS",
+            "EVAL LOSS",
             "AGE",
         ]
         row = lines[1].split()

@@ -134,7 +134,9 @@ def test_bad_input_entrypoint_build_raises(tmp_path: Path, command: str) -> None
         "def build(spec, **kwargs):\n"
         "    raise ValueError('tokenizer.json not found: my own words')\n"
     )
-    config = write_job(tmp_path, manifest(model={"entrypoint": "userbuild:build"}))
+    doc = manifest(model={"entrypoint": "userbuild:build"})
+    del doc["spec"]["model"]["preset"]  # one or the other (issue 48)
+    config = write_job(tmp_path, doc)
     result = diloco(command, config, tmp_path, PYTHONPATH=str(tmp_path))
     first = refused(result, tmp_path)
     assert first.endswith(
@@ -204,3 +206,68 @@ def test_bad_input_warnings_warm_up_eval_tokens_and_no_stop(tmp_path: Path) -> N
     # What was read is shown, with the token counts against evalTokens and a round's need.
     assert "read 1 file(s), 1 document(s)" in result.stdout
     assert "one round of work reads 512" in result.stdout
+
+
+# Issue 48: configs `diloco check` used to pass and `diloco run` then failed on or misread.
+# (spec sections laid over manifest(), or a whole document; what the first line must say)
+ISSUE_48_ROWS: dict[str, tuple[Any, list[str]]] = {
+    "fp16-on-cpu": (
+        manifest(inner={"precision": "fp16"}),
+        ["inner.precision fp16 needs a CUDA device", "use bf16 or fp32"],
+    ),
+    "fragments-above-tensors": (
+        manifest(sync={"fragments": 200}),
+        ["sync.fragments (200) is more than the model's 29 tensors", "lower sync.fragments"],
+    ),
+    "overlap-above-inner-steps": (
+        manifest(sync={"overlapSteps": 50}),
+        ["sync.overlapSteps (50) must be <= inner.steps (4)", "lower sync.overlapSteps"],
+    ),
+    "preset-and-entrypoint": (
+        manifest(model={"entrypoint": "userbuild:build"}),
+        ["model.preset (gpt-tiny) and model.entrypoint (userbuild:build) are both set"],
+    ),
+    "tokens-1e25": (
+        yaml.safe_dump(manifest()).replace(
+            "outerSteps: 3", "outerSteps: 3\n    tokens: 10000000000000000000000000"
+        ),
+        ["spec.stopAfter.tokens: 1e+25 is out of range", "from 1 to 1e18"],
+    ),
+    "tokens-1e300": (
+        manifest(stopAfter={"tokens": 1e300}),
+        ["spec.stopAfter.tokens: 1e+300 is out of range", "from 1 to 1e18"],
+    ),
+    "bad-name": (
+        {**manifest(), "metadata": {"name": "Bad_Name!"}},
+        ["metadata.name: 'Bad_Name!' is not a valid name", "lowercase letters, digits and '-'"],
+    ),
+    "no-metadata": (
+        {k: v for k, v in manifest().items() if k != "metadata"},
+        ["metadata.name: missing", "metadata: {name: my-job}"],
+    ),
+}
+
+
+@pytest.mark.parametrize("row", sorted(ISSUE_48_ROWS))
+@pytest.mark.parametrize("command", [*COMMANDS, "check --cluster"])
+def test_bad_input_issue_48_rows_refused_by_check_and_run(
+    tmp_path: Path, command: str, row: str
+) -> None:
+    doc, wanted = ISSUE_48_ROWS[row]
+    if command == "check --cluster" and row == "fp16-on-cpu":
+        pytest.skip("a cluster's pods may have GPUs: a warning there (tests/unit)")
+    config = write_job(tmp_path, doc)
+    if command == "check --cluster":
+        result = subprocess.run(
+            [sys.executable, "-m", "diloco_trainer.cli", "check", str(config), "--cluster"],
+            cwd=tmp_path,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+    else:
+        result = diloco(command, config, tmp_path)
+    first = refused(result, tmp_path)
+    assert str(config) in first, first
+    for words in wanted:
+        assert words in result.stderr, result.stderr

@@ -249,7 +249,7 @@ def test_page_commands_build_install_train_and_export(
     # Step 4's check passed; step 5's table has the columns the page names.
     assert f"diloco check: examples/{JOB}/job.yaml: ok" in page_result.stderr + out
     header = next(line for line in out.splitlines() if line.split()[:2] == ["NAME", "PHASE"])
-    for column in ("PHASE", "ISLANDS", "OUTER STEP", "PROGRESS", "ETA", "LOSS"):
+    for column in ("PHASE", "ISLANDS", "OUTER STEP", "PROGRESS", "ETA", "EVAL LOSS"):
         assert column in header, header
     # The syncer read the ConfigMap's files, copied into /data by the init step (the learners'
     # pods are gone: a finished job's islands are scaled to zero).

@@ -64,9 +64,12 @@ def test_crd_printer_columns() -> None:
         "Outer Step": ".status.outerStep",
         "Progress": ".status.progress",
         "ETA": ".status.eta",
-        "Loss": ".status.loss",
+        "Eval Loss": ".status.evalLoss",
         "Age": ".metadata.creationTimestamp",
     }
+    # Issue 48: the column said "Latest training loss"; it shows the evaluation loss.
+    described = {c["name"]: c.get("description", "") for c in columns}
+    assert described["Eval Loss"].startswith("Latest evaluation loss")
 
 
 def test_crd_every_field_is_typed_and_described() -> None:

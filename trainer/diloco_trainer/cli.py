@@ -89,9 +89,28 @@ def _add_run(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         help="DiLoCoJob manifest or its spec (YAML); relative paths in it are taken from its "
         "folder (default: the built-in demo, examples/local.yaml)",
     )
-    run.add_argument("--summary", metavar="FILE", help="write a JSON summary to FILE")
-    run.add_argument("--plot", metavar="FILE", help="write a PNG of eval loss against tokens")
-    run.add_argument("--workdir", metavar="DIR", help="checkpoints and logs (default: temp dir)")
+    run.add_argument(
+        "--summary",
+        metavar="FILE",
+        help="write the JSON summary to FILE (default: DIR/summary.json)",
+    )
+    run.add_argument(
+        "--plot",
+        metavar="FILE",
+        help="write the PNG of eval loss to FILE (default: DIR/loss.png, with matplotlib)",
+    )
+    run.add_argument(
+        "--workdir",
+        metavar="DIR",
+        help="the run folder: weights (the syncer's checkpoints), logs, summary, plot (default: "
+        "runs/NAME, NAME the job's metadata.name); a folder with checkpoints is resumed",
+    )
+    run.add_argument(
+        "--fresh",
+        action="store_true",
+        help="start over: move an existing run folder aside (DIR.previous-DATE) instead of "
+        "resuming from it",
+    )
     run.add_argument(
         "--slow-island",
         action="append",
@@ -157,8 +176,9 @@ def _add_export(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> Non
     )
     export.add_argument(
         "source",
-        help="a syncer state dir, its checkpoints/ dir or one ckpt-* dir; or a running syncer's "
-        "URL (http[s]://HOST:PORT)",
+        help="a run folder of diloco run (runs/NAME), a syncer state dir, its checkpoints/ dir or "
+        "one ckpt-* dir; or a running syncer's URL (http[s]://HOST:PORT). The file's metadata "
+        "records the preset, seqLen and tokenizer (from the run folder's spec.json or --config)",
     )
     export.add_argument("-o", "--output", required=True, metavar="FILE", help="file to write")
     export.add_argument(

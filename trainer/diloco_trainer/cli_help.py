@@ -46,6 +46,7 @@ LEARNER_ENV = [
 SYNCER_ENV = [
     *_SHARED,
     (c.SYNCER_PORT, str(c.DEFAULT_SYNCER_PORT), "port to serve on"),
+    (c.SYNCER_HOST, c.DEFAULT_SYNCER_HOST, "address to listen on (diloco run: 127.0.0.1)"),
     (c.STATE_DIR, c.STATE_MOUNT, "checkpoints (resumed from at start), merges.jsonl"),
     (c.TLS_CERT_FILE, "unset", "serving certificate: HTTPS (with the key)"),
     (c.TLS_KEY_FILE, "unset", "its private key"),
@@ -85,8 +86,15 @@ RUN_DESCRIPTION = textwrap.fill(
 )
 RUN_EPILOG = """examples:
   .venv/bin/diloco run                          the built-in demo (examples/local.yaml)
-  .venv/bin/diloco run examples/local.yaml --plot loss.png --summary run.json
+  .venv/bin/diloco run examples/local.yaml      into runs/local-demo/ (resumed if it is there)
+  .venv/bin/diloco run examples/local.yaml --fresh   start over (the old folder moved aside)
   .venv/bin/diloco run examples/local.yaml --slow-island 1:3   watch decoupling
+  .venv/bin/diloco export runs/local-demo -o model.safetensors   the trained weights
+
+the run folder (--workdir, default runs/NAME):
+  syncer/ (checkpoints: the weights), logs/, summary.json, loss.png, run.json. Run the same
+  command again after Ctrl-C (or a closed terminal) and it resumes from the last checkpoint;
+  the summary then covers the whole job (every session's time and bytes).
 
 environment:
   DILOCO_DEVICE=cuda        every learner on this machine's GPU (default cpu; docs/learner.md)
@@ -96,7 +104,9 @@ exit codes:
   0    the job finished (stopAfter reached)
   1    the run failed (the syncer died, every learner exited): the log's tail is printed
   2    bad input: the file, field or option is named; nothing was started
-  130  interrupted (Ctrl-C or SIGTERM): every process was stopped"""
+  129  the terminal closed (SIGHUP): every process was stopped
+  130  interrupted (Ctrl-C or SIGTERM): every process was stopped
+  (a `diloco run` killed outright takes its processes with it: they die with it)"""
 
 CHECK_DESCRIPTION = textwrap.fill(
     "Check a DiLoCoJob before running it: the file is a DiLoCoJob (or its spec) and its fields "

@@ -20,6 +20,10 @@ says otherwise, and metadata (job, outer step, versions, eval loss) that `safete
 `model.load_state_dict(safetensors.torch.load_file(path))` restores a model built as the job
 built it. With --config JOB, a job with a subword tokenizer (data.tokenizer) also gets its
 tokenizer.json written beside the weights.
+
+A run folder of `diloco run` (runs/NAME/: spec.json and syncer/) is a source too. The metadata
+then also holds what loading the weights needs (job_metadata: the preset or entrypoint,
+inner.seqLen, the tokenizer, the whole spec), from the run's spec.json (or --config).
 """
 
 from __future__ import annotations
@@ -235,6 +239,47 @@ def write_tokenizer(config: Path, out: Path) -> Path | None:
     return path
 
 
+# A run folder of `diloco run` (runs/NAME/): the syncer's state dir and the job's spec in it.
+RUN_SYNCER_DIR = "syncer"
+RUN_SPEC_FILE = "spec.json"
+
+
+def run_folder_state_dir(path: Path) -> Path:
+    """The syncer state dir `path` names: a run folder's syncer/ (runs/NAME/), else itself."""
+    inner = path / RUN_SYNCER_DIR
+    if (path / RUN_SPEC_FILE).is_file() and inner.is_dir():
+        return inner
+    return path
+
+
+def find_spec(path: Path) -> Path | None:
+    """The job's spec.json beside a checkpoint: in the run folder above a ckpt-* dir, its
+    checkpoints/ dir, the state dir or the run folder itself (None when there is none)."""
+    for folder in (path, *list(path.resolve().parents)[:3]):
+        candidate = folder / RUN_SPEC_FILE
+        if candidate.is_file():
+            return candidate
+    return None
+
+
+def job_metadata(config: Path) -> dict[str, str]:
+    """What loading the weights needs, from the job's spec: the model (preset or entrypoint),
+    inner.seqLen (the position table's size), the tokenizer, and the whole spec as JSON."""
+    spec = load_spec(config)
+    meta = {
+        "seqLen": str(spec.inner.seq_len),
+        "tokenizer": spec.data.tokenizer.type,
+        "spec": spec.to_json(),
+    }
+    if spec.model.entrypoint:
+        meta["entrypoint"] = spec.model.entrypoint
+    else:
+        meta["preset"] = spec.model.preset
+    if spec.data.tokenizer.type != "bytes":
+        meta["tokenizerFile"] = "MODEL.tokenizer.json (diloco export --config JOB)"
+    return meta
+
+
 def _token(args: argparse.Namespace) -> str:
     path = args.token_file or os.environ.get(TOKEN_FILE)
     if not path:
@@ -258,7 +303,13 @@ def main(args: argparse.Namespace) -> int:
             if not Path(source).exists():
                 print(f"diloco export: {source} does not exist", file=sys.stderr)
                 return 2
-            weights, meta = from_checkpoint(Path(source))
+            state_dir = run_folder_state_dir(Path(source))
+            weights, meta = from_checkpoint(state_dir)
+            spec_file = Path(args.config) if args.config else find_spec(state_dir)
+            if spec_file is not None:
+                meta.update(job_metadata(spec_file))
+        if source.startswith(("http://", "https://")) and args.config:
+            meta.update(job_metadata(Path(args.config)))
         write_weights(weights, out, meta, DTYPES[args.dtype])
         tokenizer = write_tokenizer(Path(args.config), out) if args.config else None
     except ConfigError as err:
@@ -272,6 +323,10 @@ def main(args: argparse.Namespace) -> int:
         f"wrote {out}: {len(weights)} tensors, {count:,} parameters ({args.dtype}), "
         f"outer step {meta['outerStep']} from {meta['source']}"
     )
+    if "preset" in meta:
+        print(
+            f"model: {meta['preset']}, inner.seqLen {meta['seqLen']}, tokens: {meta['tokenizer']}"
+        )
     if tokenizer is not None:
         print(f"wrote {tokenizer}: the job's tokenizer (tokenizers.Tokenizer.from_file)")
     return 0

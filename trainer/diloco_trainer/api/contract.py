@@ -36,6 +36,8 @@ TLS_CERT_FILE = "DILOCO_TLS_CERT_FILE"  # syncer serving certificate (enables HT
 TLS_KEY_FILE = "DILOCO_TLS_KEY_FILE"
 STATE_DIR = "DILOCO_STATE_DIR"  # syncer: checkpoints; learner: scratch
 SYNCER_PORT = "DILOCO_SYNCER_PORT"
+# The address the syncer listens on: every interface in a pod; loopback in `diloco run`.
+SYNCER_HOST = "DILOCO_SYNCER_HOST"
 DEVICE = "DILOCO_DEVICE"  # auto | cpu | cuda
 # CPUs the process keeps to ("0-7,12"; parse_cpu_list): `diloco run` gives its GPU learners and
 # its syncer separate halves of the machine (local/cpu_plan.py, cpu_split).
@@ -43,6 +45,9 @@ CPUS = "DILOCO_CPUS"
 # `diloco run` only: CPUs its syncer keeps to, the rest going to its learners, on any device (a
 # benchmark's learner on cores of its own, as a cluster's syncer pod leaves it).
 SYNCER_CPUS = "DILOCO_SYNCER_CPUS"
+# `diloco run` only: the pid of the `diloco run` that started this process, which dies with it
+# (local/launch.py: the kernel kills it when its parent goes, however the parent went).
+RUN_PID = "DILOCO_RUN_PID"
 # Test and benchmark knob: multiply this learner's step time (a straggler on purpose).
 SLOWDOWN = "DILOCO_SLOWDOWN"
 
@@ -57,6 +62,7 @@ CA_MOUNT = "/etc/diloco/ca"
 TLS_MOUNT = "/etc/diloco/tls"
 STATE_MOUNT = "/var/lib/diloco"
 DEFAULT_SYNCER_PORT = 8470
+DEFAULT_SYNCER_HOST = "0.0.0.0"
 DEFAULT_MASTER_PORT = 29500
 
 
@@ -165,6 +171,7 @@ class SyncerEnv:
     tls_cert_file: Path | None
     tls_key_file: Path | None
     shard: int = 0  # which of syncer.shards this process is (api/sharding.py)
+    host: str = DEFAULT_SYNCER_HOST  # the address it listens on
 
     @classmethod
     def from_env(cls, env: dict[str, str] | None = None) -> SyncerEnv:
@@ -181,6 +188,7 @@ class SyncerEnv:
             tls_cert_file=Path(cert) if cert else None,
             tls_key_file=Path(key) if key else None,
             shard=_int(env, SYNCER_SHARD, 0),
+            host=env.get(SYNCER_HOST, "") or DEFAULT_SYNCER_HOST,
         )
 
 

@@ -189,10 +189,24 @@ def model_vocab(spec: JobSpec) -> int | None:
     return spec.data.tokenizer.vocab_size if kind == "bpe" else None
 
 
+def schedule_errors(spec: JobSpec) -> list[str]:
+    """What the spec alone says cannot run as written: an overlap longer than a round."""
+    out = []
+    tau = spec.sync.overlap_steps or 0
+    if tau > spec.inner.steps:
+        out.append(
+            f"sync.overlapSteps ({tau}) must be <= inner.steps ({spec.inner.steps}): a sync in "
+            "flight for longer than a round makes each round the syncer counts hold more than "
+            "inner.steps steps, and the job trains several times the tokens stopAfter "
+            "announces; lower sync.overlapSteps or raise inner.steps"
+        )
+    return out
+
+
 def spec_findings(spec: JobSpec) -> Findings:
-    """The schedule's warnings, and the memory estimates against the pods' limits when the
-    model's size is known from the spec."""
-    found = Findings(warnings=schedule_warnings(spec))
+    """The schedule's warnings and errors, and the memory estimates against the pods' limits
+    when the model's size is known from the spec."""
+    found = Findings(warnings=schedule_warnings(spec), errors=schedule_errors(spec))
     vocab = model_vocab(spec)
     if vocab is not None:
         found.errors += cluster_memory_errors(spec, estimate(spec, vocab))

@@ -10,11 +10,12 @@ Field names are snake_case in Python and camelCase on the wire (YAML/JSON), like
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import Field, ValidationError, model_validator
+from pydantic import Field, ValidationError, field_validator, model_validator
 from pydantic.alias_generators import to_camel
 
 from diloco_trainer.api.base import SpecModel
@@ -69,6 +70,9 @@ Parallelism = Literal["ddp", "fsdp"]
 # sync.maxStaleness "auto": versions per island of the job (at quorum 1, M versions are about one
 # round of work, so pushes about four rounds behind are refused as ancient).
 STALE_VERSIONS_PER_ISLAND = 4
+
+# stopAfter.tokens at most: a quintillion (an int64 in the CRD, and far beyond any job).
+MAX_STOP_TOKENS = 10**18
 
 # A DNS-1123 label fragment: island names become parts of pod and Service names.
 DNS_PREFIX_PATTERN = r"^([a-z0-9]([-a-z0-9]*[a-z0-9])?)?$"
@@ -138,11 +142,38 @@ class StopAfterSpec(SpecModel):
     tokens: int | None = Field(
         None,
         ge=1,
+        le=MAX_STOP_TOKENS,
         description="Stop at the first merge after which this many tokens are merged (the mean "
         "over fragments of the tokens each merged). Islands process more than that: the steps "
         "taken while the last merges and the final evaluation run, up to half a round plus "
         "sync.overlapSteps steps each.",
     )
+
+    @field_validator("tokens", mode="before")
+    @classmethod
+    def _tokens_in_range(cls, value: Any) -> Any:
+        """1e25 or 1e300 written as a number (or as YAML's string 1e25) is refused with the
+        range, not with pydantic's integer-parsing message."""
+        if isinstance(value, bool) or value is None:
+            return value
+        if isinstance(value, int):
+            number: float = value  # pydantic refuses one below 1
+        else:
+            try:
+                number = float(value)
+            except (TypeError, ValueError):
+                return value  # pydantic names the type
+        if not math.isfinite(number) or number > MAX_STOP_TOKENS:
+            raise ValueError(
+                f"{value:g} is out of range: a whole number of tokens from 1 to 1e18 expected"
+                if isinstance(value, (int, float))
+                else f"{value} is out of range: a whole number of tokens from 1 to 1e18 expected"
+            )
+        if isinstance(value, int):
+            return value
+        if number != int(number):
+            raise ValueError(f"{value} is not a whole number of tokens")
+        return int(number)
 
 
 class CheckpointSpec(SpecModel):
@@ -393,8 +424,9 @@ def format_validation_error(err: ValidationError, prefix: str = "spec") -> str:
         parts = [to_camel(str(p)) for p in e["loc"] if not _is_union_tag(p)]
         loc = ".".join([prefix, *parts])
         msgs = problems.setdefault(loc, [])
-        if e["msg"] not in msgs:
-            msgs.append(e["msg"])
+        msg = e["msg"].removeprefix("Value error, ")
+        if msg not in msgs:
+            msgs.append(msg)
     return "\n".join(f"{loc}: {'; or '.join(msgs)}" for loc, msgs in problems.items())
 
 

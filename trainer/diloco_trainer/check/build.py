@@ -25,9 +25,9 @@ def user_frame(err: BaseException) -> str | None:
     return f"{last.filename}:{last.lineno} in {last.name}"
 
 
-def build_once(spec: JobSpec) -> int:
-    """Build the entrypoint's parts for island 0, rank 0 on the CPU; the model's parameter
-    count. ConfigError (first line: the user's exception) when it raises."""
+def build_once(spec: JobSpec) -> dict[str, int]:
+    """Build the entrypoint's parts for island 0, rank 0 on the CPU; the model's tensors and
+    their elements. ConfigError (first line: the user's exception) when it raises."""
     from diloco_trainer.models.parts import build_parts
 
     entry = spec.model.entrypoint
@@ -41,4 +41,4 @@ def build_once(spec: JobSpec) -> int:
         if where is not None:
             lines.append(f"  at {where}")
         raise ConfigError("\n".join(lines)) from None
-    return sum(p.numel() for p in parts.model.parameters())
+    return {name: p.numel() for name, p in parts.model.named_parameters()}

@@ -6,6 +6,7 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from diloco_trainer.api.contract import DEVICE
 from diloco_trainer.api.preflight import model_vocab
 from diloco_trainer.api.spec import ConfigError, JobSpec
 from diloco_trainer.check.findings import (
@@ -16,6 +17,13 @@ from diloco_trainer.check.findings import (
     token_lines,
 )
 from diloco_trainer.check.memory_estimate import available_bytes, estimate, gib
+from diloco_trainer.check.start_rules import (
+    builtin_tensor_sizes,
+    cluster_device_warnings,
+    device_problems,
+    fragment_problem,
+    spec_problems,
+)
 
 
 @dataclass
@@ -67,27 +75,44 @@ def _memory(spec: JobSpec, vocab_size: int, report: Report, *, cluster: bool) ->
     if available is None:
         report.warnings.append("memory: cannot tell how much this machine has; not checked")
         return
-    cuda = os.environ.get("DILOCO_DEVICE", "cpu") == "cuda"
+    cuda = local_device().startswith("cuda")
     problem = local_memory_error(spec, need, available, cuda)
     if problem is not None:
         report.errors.append(problem)
 
 
+def local_device() -> str:
+    """The learners' device in a local run: DILOCO_DEVICE of this environment, cpu when unset
+    (local/run.py gives the learners the same)."""
+    return os.environ.get(DEVICE) or "cpu"
+
+
 def check_job(spec: JobSpec, *, cluster: bool = False) -> Report:
-    """Every check of one job: its schedule, its data (read as the learners will), the memory
-    of the built-in GPT against this machine (or with `cluster`, the pods' limits), and an
-    entrypoint's build called once."""
-    report = Report(warnings=schedule_warnings(spec))
+    """Every check of one job: what its processes refuse at start (start_rules.py), its
+    schedule, its data (read as the learners will), the memory of the built-in GPT against this
+    machine (or with `cluster`, the pods' limits), and an entrypoint's build called once."""
+    report = Report(warnings=schedule_warnings(spec), errors=spec_problems(spec))
+    if cluster:
+        report.warnings += cluster_device_warnings(spec)
+    else:
+        report.errors += device_problems(spec, local_device())
+        if spec.syncer.remote:
+            report.errors.append(
+                "syncer.endpoint (or syncer.shardEndpoints) is set: a local run (diloco run) "
+                "starts its own syncer; remove it, or check the job with --cluster"
+            )
     if spec.model.entrypoint:
         from diloco_trainer.check.build import build_once
 
         try:
-            params = build_once(spec)
+            elements = build_once(spec)
         except ConfigError as err:
             report.errors.append(str(err))
             return report
+        params = sum(elements.values())
         report.parameters = params
         report.info.append(f"model: {spec.model.entrypoint} built, {params:,} parameters")
+        _fragments(spec, {n: 4 * e for n, e in elements.items()}, report)
         return report
     if cluster and not _readable_here(spec):
         report.warnings.append(
@@ -97,9 +122,17 @@ def check_job(spec: JobSpec, *, cluster: bool = False) -> Report:
         vocab_size = model_vocab(spec)
     else:
         vocab_size = _corpus(spec, report)
+    # The tensors (not their sizes) are the same whatever the vocabulary: bytes' when unknown.
+    _fragments(spec, builtin_tensor_sizes(spec, vocab_size or 256), report)
     if vocab_size is not None and report.ok:
         _memory(spec, vocab_size, report, cluster=cluster)
     return report
+
+
+def _fragments(spec: JobSpec, sizes: dict[str, int], report: Report) -> None:
+    problem = fragment_problem(sizes, spec)
+    if problem is not None:
+        report.errors.append(problem)
 
 
 def _readable_here(spec: JobSpec) -> bool:

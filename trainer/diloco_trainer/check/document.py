@@ -10,6 +10,7 @@ learners run in another directory).
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -23,6 +24,10 @@ API_VERSION = "diloco.dev/v1alpha1"
 KIND = "DiLoCoJob"
 MANIFEST_HINT = f"apiVersion: {API_VERSION}, kind: {KIND}, metadata.name and spec"
 _DEFAULTS = JobSpec()  # the values of the fields a user leaves out
+# metadata.name as the CRD's rule has it (operator/diloco_operator/crd.py, _ROOT_RULES): it names
+# Services and StatefulSets, NAME[-PREFIX]-island-I within 52 characters (I < 512).
+NAME_PATTERN = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
+MAX_NAME = 52 - len("-island-511")
 
 
 @dataclass(frozen=True)
@@ -64,7 +69,7 @@ def spec_document(path: Path, doc: Any) -> tuple[str, dict[str, Any]]:
         )
     kind = doc.get("kind")
     if kind is None and not ({"apiVersion", "metadata", "spec"} & doc.keys()):
-        return path.stem, doc  # a bare spec
+        return bare_spec_name(path), doc  # a bare spec
     if kind != KIND:
         got = repr(kind) if kind is not None else "missing"
         raise ConfigError(f"{path}: kind: {got} is not a {KIND} (expected {MANIFEST_HINT})")
@@ -79,7 +84,41 @@ def spec_document(path: Path, doc: Any) -> tuple[str, dict[str, Any]]:
         raise ConfigError(f"{path}: spec: expected a mapping, got a {type(spec).__name__}")
     metadata = doc.get("metadata")
     name = metadata.get("name") if isinstance(metadata, dict) else None
-    return str(name or path.stem), spec
+    if name is None or name == "":
+        raise ConfigError(
+            f"{path}: metadata.name: missing; a {KIND} needs a name (lowercase letters, digits "
+            "and '-', starting with a letter), e.g. metadata: {name: my-job}"
+        )
+    problem = name_problem(name, spec)
+    if problem is not None:
+        raise ConfigError(f"{path}: {problem}")
+    return str(name), spec
+
+
+def name_problem(name: object, spec: dict[str, Any]) -> str | None:
+    """metadata.name against the rules the cluster applies to it (the CRD's), None when fine."""
+    if not isinstance(name, str) or not NAME_PATTERN.match(name):
+        return (
+            f"metadata.name: {name!r} is not a valid name: use lowercase letters, digits and "
+            "'-', starting with a letter and ending with a letter or digit (it names the "
+            "job's Services and pods; e.g. 'my-job')"
+        )
+    prefix = _section(spec, "islands").get("namePrefix") or ""
+    size = len(name) + (len(prefix) + 1 if isinstance(prefix, str) and prefix else 0)
+    if size > MAX_NAME:
+        return (
+            f"metadata.name: {name!r} is too long: metadata.name plus islands.namePrefix may "
+            f"have {MAX_NAME} characters (pods are named NAME[-PREFIX]-island-I)"
+        )
+    return None
+
+
+def bare_spec_name(path: Path) -> str:
+    """A bare spec's job name: its file's stem made a valid name ('My_Job.yaml' -> 'my-job');
+    'job' when nothing of it is left."""
+    name = re.sub(r"[^a-z0-9-]+", "-", path.stem.lower())
+    name = re.sub(r"^[^a-z]+", "", name).rstrip("-")[:MAX_NAME].rstrip("-")
+    return name or "job"
 
 
 def _section(spec: dict[str, Any], key: str) -> dict[str, Any]:
@@ -121,11 +160,23 @@ def resolve_paths(spec: JobSpec, folder: Path) -> JobSpec:
     return spec
 
 
+def model_problem(spec: dict[str, Any]) -> str | None:
+    """model.preset and model.entrypoint both set: the preset would be ignored."""
+    model = _section(spec, "model")
+    if model.get("entrypoint") and model.get("preset") is not None:
+        return (
+            f"model.preset ({model['preset']}) and model.entrypoint ({model['entrypoint']}) are "
+            "both set: the entrypoint builds the model and the preset would be ignored; remove "
+            "one of them"
+        )
+    return None
+
+
 def load_job_file(config: str | Path) -> JobFile:
     """The job in `config`, checked as a document (not yet its data or model)."""
     path = Path(config)
     name, raw = spec_document(path, read_yaml(path))
-    problem = quorum_problem(raw)
+    problem = quorum_problem(raw) or model_problem(raw)
     if problem is not None:
         raise ConfigError(f"{path}: {problem}")
     try:

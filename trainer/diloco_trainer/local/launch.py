@@ -3,12 +3,18 @@
 Every process is `python -m diloco_trainer.cli syncer|learner` in its own process group (so a kill
 reaches its children too, e.g. DDP workers), with stdout and stderr in a log file, and its
 environment built from the names in contract.py: a local run takes the same code path as a pod.
+
+A process whose environment names its owner (DILOCO_RUN_PID, which `diloco run` sets) dies with
+that owner: on Linux the kernel sends it SIGKILL when its parent exits (PR_SET_PDEATHSIG), so a
+`diloco run` killed with SIGKILL, or one whose terminal closed, leaves nothing behind.
 """
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import os
+import re
 import secrets
 import signal
 import socket
@@ -17,7 +23,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -200,6 +206,45 @@ class Proc:
         except OSError:
             return ""
 
+    def error_line(self) -> str | None:
+        """The last error line of the process's log (last_error_line)."""
+        return last_error_line(self.log_text())
+
+
+# A logged error ("... ERROR island-0/0 name: message"), a traceback's last line ("ValueError:
+# message"), or a command's own refusal ("diloco learner: ...").
+_ERROR_LINE = re.compile(
+    r"( (ERROR|CRITICAL) )|(^[A-Za-z_][\w.]*(Error|Exception|Interrupt|Exit)\b)|(^diloco \w+: )"
+)
+
+
+def last_error_line(text: str) -> str | None:
+    """The last line of a log that says what went wrong, None when none does."""
+    for line in reversed(text.splitlines()):
+        if _ERROR_LINE.search(line.strip()):
+            return line.strip()
+    return None
+
+
+PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+
+
+def die_with(owner: int) -> Callable[[], None] | None:
+    """A preexec function binding the child's life to its parent `owner` (this process): the
+    kernel SIGKILLs the child when the parent exits; a parent already gone ends it at once.
+    None where there is no prctl (not Linux): the owner's signal handlers stop its children."""
+    if not sys.platform.startswith("linux"):
+        return None
+    libc = ctypes.CDLL(None, use_errno=True)  # loaded here: nothing to load after the fork
+    prctl = libc.prctl
+
+    def bind() -> None:
+        prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+        if os.getppid() != owner:  # it died between the fork and prctl
+            os._exit(1)
+
+    return bind
+
 
 def start_process(
     name: str,
@@ -209,9 +254,12 @@ def start_process(
     log_file: Path,
     extra_env: Mapping[str, str] | None = None,
 ) -> Proc:
-    """Start `python -m diloco_trainer.cli COMMAND` in a new session (own process group)."""
+    """Start `python -m diloco_trainer.cli COMMAND` in a new session (own process group); with
+    DILOCO_RUN_PID in its environment naming this process, it dies with this process."""
     full_env = {**os.environ, **env, **(extra_env or {})}
     full_env.setdefault("PYTHONUNBUFFERED", "1")
+    owner = full_env.get(contract.RUN_PID)
+    bind = die_with(os.getpid()) if owner == str(os.getpid()) else None
     log_file.parent.mkdir(parents=True, exist_ok=True)
     with log_file.open("ab") as out:
         popen = subprocess.Popen(
@@ -221,6 +269,7 @@ def start_process(
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
             start_new_session=True,
+            preexec_fn=bind,  # only prctl and getppid run in the child before exec
         )
     return Proc(name, popen, log_file)
 
@@ -304,8 +353,11 @@ def wait_ready(
     deadline = time.monotonic() + timeout
     while True:
         if proc is not None and not proc.alive:
+            error = proc.error_line()
             raise RuntimeError(
-                f"{proc.name} exited with {proc.returncode} before it was ready:\n"
+                f"{proc.name} exited with {proc.returncode} before it was ready"
+                + (f": {error}" if error else "")
+                + f"\nlast lines of {proc.log_file}:\n"
                 + proc.log_text()[-3000:]
             )
         try:

@@ -17,7 +17,11 @@ from rich.table import Table
 from rich.text import Text
 
 from diloco_trainer.api.documents import IslandStatus, SyncerStatus
+from diloco_trainer.api.preflight import run_tokens
 from diloco_trainer.api.spec import JobSpec
+
+# In a pipe, a progress line at least this often (besides one per outer step and evaluation).
+PROGRESS_SECONDS = 10.0
 
 
 def human_bytes(n: float) -> str:
@@ -107,18 +111,56 @@ def step_of(spec: JobSpec | None, status: SyncerStatus) -> str:
     return f"{status.outer_step}/{limit}" if limit else str(status.outer_step)
 
 
-def progress_line(status: SyncerStatus, elapsed: float, spec: JobSpec | None = None) -> str:
-    """The line printed when the live view is off (not a terminal): once per outer step and
-    once per new evaluation, the eval loss named by the step it was measured at."""
-    line = f"outer step {step_of(spec, status)}  tokens {status.tokens:,}  "
-    line += f"eval loss {eval_text(status)}"
-    if elapsed > 0:
-        line += f"  {status.tokens / elapsed:,.0f} tok/s"
-    if spec is not None:
-        frac, _ = progress_fraction(spec, status)
-        eta = eta_seconds(frac, elapsed)
-        if eta is not None:
-            line += f"  ETA {duration(eta)}"
+def trained_tokens(status: SyncerStatus) -> int:
+    """Tokens the islands have trained on: their heartbeats' counts (island_tokens), which
+    move every few steps, not only when a merge lands; at least the merged ones."""
+    reported = sum(island_tokens(info) for info in status.islands.values())
+    return max(status.tokens, reported)
+
+
+def token_rate(status: SyncerStatus, elapsed: float, base: int = 0) -> float | None:
+    """Tokens per second trained in this session (`base`: the trained tokens when it began,
+    a resumed job's earlier ones), None before any."""
+    done = trained_tokens(status) - base
+    if elapsed <= 0 or done <= 0:
+        return None
+    return done / elapsed
+
+
+def eta(spec: JobSpec | None, status: SyncerStatus, elapsed: float, base: int = 0) -> float | None:
+    """Seconds left at this session's pace: how far the job is (the merged fraction, or the
+    tokens the islands trained against those the run trains, api/preflight.run_tokens,
+    whichever is further: trained tokens move from the first steps, merges once a round) since
+    this session began (`base`: the trained tokens then)."""
+    if spec is None:
+        return None
+    frac, _ = progress_fraction(spec, status)
+    start = 0.0
+    total = run_tokens(spec)
+    if total:
+        frac = max(frac, min(1.0, trained_tokens(status) / total))
+        start = min(frac, base / total)
+    if frac <= start or elapsed <= 0:
+        return None
+    return elapsed * (1 - frac) / (frac - start)
+
+
+def progress_line(
+    status: SyncerStatus, elapsed: float, spec: JobSpec | None = None, base: int = 0
+) -> str:
+    """The line printed when the live view is off (a pipe, a log file): once per outer step,
+    once per new evaluation and every PROGRESS_SECONDS, with the tokens the islands trained
+    (their heartbeats'), this session's tokens per second, the eval loss named by the step it
+    was measured at, and the ETA."""
+    line = f"outer step {step_of(spec, status)}  tokens {trained_tokens(status):,}"
+    if status.tokens != trained_tokens(status):
+        line += f" ({status.tokens:,} merged)"
+    line += f"  eval loss {eval_text(status)}"
+    rate = token_rate(status, elapsed, base)
+    line += f"  {rate or 0:,.0f} tok/s"
+    left = eta(spec, status, elapsed, base)
+    if left is not None:
+        line += f"  ETA {duration(left)}"
     return line + f"  ({elapsed:.0f}s)"
 
 
@@ -152,16 +194,16 @@ def progress_fraction(spec: JobSpec, status: SyncerStatus) -> tuple[float, str]:
     return min(1.0, frac), label
 
 
-def headline(spec: JobSpec, status: SyncerStatus, elapsed: float) -> Text:
+def headline(spec: JobSpec, status: SyncerStatus, elapsed: float, base: int = 0) -> Text:
     """The figures of the whole job: N of total, tokens and their rate, losses, bytes, time."""
-    frac, _ = progress_fraction(spec, status)
     total = spec.stop_after.tokens
+    rate = token_rate(status, elapsed, base)
     return Text.assemble(
         ("outer step ", "bold"),
         step_of(spec, status),
         ("  tokens ", "bold"),
-        f"{status.tokens:,}" + (f"/{total:,}" if total else ""),
-        f" ({status.tokens / elapsed:,.0f}/s)" if elapsed > 0 else "",
+        f"{trained_tokens(status):,}" + (f"/{total:,}" if total else ""),
+        f" ({rate:,.0f}/s)" if rate else "",
         ("  loss ", "bold"),
         fmt_or_dash(status.loss),
         ("  eval ", "bold"),
@@ -173,7 +215,7 @@ def headline(spec: JobSpec, status: SyncerStatus, elapsed: float) -> Text:
         ("  elapsed ", "bold"),
         duration(elapsed),
         ("  ETA ", "bold"),
-        duration(eta_seconds(frac, elapsed)),
+        duration(eta(spec, status, elapsed, base)),
     )
 
 
@@ -187,6 +229,7 @@ def status_view(
     started: float,
     slowdowns: Mapping[int, float],
     dead: Mapping[str, int],
+    base: int = 0,
 ) -> RenderableType:
     """The live view: one progress line, the headline figures, and a row per island."""
     frac, label = progress_fraction(spec, status)
@@ -215,4 +258,4 @@ def status_view(
             f"{now - info.last_push:.0f}s ago" if info.last_push else "-",
             ", ".join(notes),
         )
-    return Group(bar, headline(spec, status, time.monotonic() - started), islands)
+    return Group(bar, headline(spec, status, time.monotonic() - started, base), islands)

@@ -17,11 +17,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import signal
 import sys
-import tempfile
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -32,10 +32,17 @@ from rich.console import Console
 from rich.live import Live
 
 from diloco_trainer.api.client import SyncerJsonClient
-from diloco_trainer.api.contract import DEVICE, ContractError, island_name
+from diloco_trainer.api.contract import (
+    DEVICE,
+    RUN_PID,
+    SYNCER_HOST,
+    ContractError,
+    island_name,
+)
 from diloco_trainer.api.documents import SyncerStatus
 from diloco_trainer.api.protocol import STATE_ACTIVE, STATE_DROPPED, SyncerError
 from diloco_trainer.api.spec import ConfigError, JobSpec
+from diloco_trainer.check import Report
 from diloco_trainer.local.cpu_plan import cpu_split, process_threads, syncer_cpus_wanted
 from diloco_trainer.local.job import (
     check_before_start,
@@ -51,11 +58,28 @@ from diloco_trainer.local.launch import (
     wait_ready,
     write_job_files,
 )
-from diloco_trainer.local.progress import progress_key, progress_line, status_view
+from diloco_trainer.local.progress import (
+    PROGRESS_SECONDS,
+    progress_key,
+    progress_line,
+    status_view,
+    trained_tokens,
+)
+from diloco_trainer.local.run_folder import (
+    PLOT_FILE,
+    SUMMARY_FILE,
+    SYNCER_DIR,
+    Ledger,
+    default_folder,
+    has_checkpoints,
+    move_aside,
+)
 from diloco_trainer.local.summary import make_summary, summary_table
 from diloco_trainer.local.syncer_shards import SyncerShards, start_syncer_shards
 
 POLL_SECONDS = 0.5
+LEDGER_SECONDS = 5.0  # the run folder's run.json is brought up to date this often
+LOOPBACK = "127.0.0.1"  # where the local syncer listens (DILOCO_SYNCER_HOST)
 # One status request: tried for this long (the syncer may be restarting) before the watch loop
 # looks at the children to tell whether the syncer died; one attempt is cut at the timeout.
 STATUS_DEADLINE_SECONDS = 5.0
@@ -64,6 +88,8 @@ STATUS_TIMEOUT_SECONDS = 10.0
 LEARNER_EXIT_SECONDS = 30.0
 # Children get this long to exit after SIGTERM before their process groups are killed.
 STOP_SECONDS = 10.0
+# After SIGHUP (a closed terminal) each group gets this long before SIGKILL.
+HANGUP_STOP_SECONDS = 1.5
 # The syncer listens once it has built its model, read its data and evaluated the initial
 # weights (or resumed a checkpoint): at gpt-125m on a loaded 2-core machine that took over 120 s.
 # The same budget as the operator's startup probe (10 minutes); a syncer that exits before it is
@@ -122,6 +148,17 @@ class LocalRun:
     url: str = ""
     files: JobFiles | None = None
     syncer_cpus: frozenset[int] | None = None  # DILOCO_SYNCER_CPUS (cpu_plan.py)
+    earlier: Ledger = field(default_factory=Ledger)  # the job's earlier sessions (run_folder.py)
+    last_status: SyncerStatus | None = None
+
+    def __post_init__(self) -> None:
+        self.earlier = Ledger.load(self.workdir)
+
+    def save_ledger(self, started: float, status: SyncerStatus | None = None) -> None:
+        """The earlier sessions plus this one so far, in the run folder."""
+        status = status or self.last_status
+        pushed, pulled = (status.bytes_in, status.bytes_out) if status else (0, 0)
+        self.earlier.plus(time.monotonic() - started, pushed, pulled).save(self.workdir)
 
     @property
     def logs(self) -> Path:
@@ -134,11 +171,16 @@ class LocalRun:
             self.start_island(i)
 
     def _threads(self, role: str = "syncer") -> dict[str, str]:
-        """A process's threads, and its CPUs when the run splits them (cpu_plan.py)."""
+        """A process's threads, and its CPUs when the run splits them (cpu_plan.py); the run
+        that owns it, so it dies with this process (launch.py); the syncer on loopback."""
         ranks = sum(self.spec.islands.replicas_of(i) for i in range(self.spec.islands.count))
-        return process_threads(
+        threads = process_threads(
             role, self._device(), ranks, frozenset(os.sched_getaffinity(0)), self.syncer_cpus
         )
+        owned = {RUN_PID: str(os.getpid())}
+        if role == "syncer":
+            owned[SYNCER_HOST] = LOOPBACK
+        return {**threads, **owned}
 
     def _device(self) -> str:
         return os.environ.get(DEVICE) or "cpu"
@@ -165,7 +207,7 @@ class LocalRun:
             self.syncer, self.url = shards, shards.url
             return shards
         port = port or free_port()
-        self.url = f"http://127.0.0.1:{port}"
+        self.url = f"http://{LOOPBACK}:{port}"
         self.syncer = start_syncer(
             self.files,
             port=port,
@@ -210,17 +252,25 @@ class LocalRun:
         assert self.syncer is not None
         if not self.syncer.alive:
             tail = "\n".join(self.syncer.log_text().splitlines()[-30:])
+            error = self.syncer.error_line()
             raise RunError(
-                f"the syncer exited with code {self.syncer.returncode}; last lines of "
-                f"{self.syncer.log_file}:\n{tail}"
+                f"the syncer exited with code {self.syncer.returncode}"
+                + (f": {error}" if error else "")
+                + f"\nlast lines of {self.syncer.log_file}:\n{tail}"
             )
         for proc in self.learners:
             if not proc.alive and proc.name not in self.dead:
                 self.dead[proc.name] = proc.returncode or 0
                 if not finished:
+                    error = proc.error_line()
                     self.console.print(
-                        f"[yellow]learner {proc.name} exited with code {proc.returncode}; "
-                        f"going on without it (log: {proc.log_file})[/yellow]"
+                        f"learner {proc.name} exited with code {proc.returncode}"
+                        + (f": {error}" if error else "")
+                        + f"; going on without it (log: {proc.log_file})",
+                        style="yellow",
+                        markup=False,
+                        highlight=False,
+                        soft_wrap=True,
                     )
         return bool(self.learners) and len(self.dead) == len(self.learners)
 
@@ -228,6 +278,9 @@ class LocalRun:
         """Poll the syncer until it reports the job finished; returns its last status."""
         assert self.files is not None
         status: SyncerStatus | None = None
+        saved = printed = time.monotonic()
+        base: int | None = None  # trained tokens at this session's first status
+        since = started  # ... and when it was read: rates and ETAs are this session's
         last_key: tuple[int, int | None] | None = None
         live: Live | None = None
         if not self.quiet and self.console.is_terminal:
@@ -243,6 +296,7 @@ class LocalRun:
                 while True:
                     try:
                         status = await client.status()
+                        self.last_status = status
                     except SyncerError as err:
                         # The syncer may be going down; _check_children tells.
                         self.console.print(f"[yellow]status: {err}[/yellow]")
@@ -257,21 +311,30 @@ class LocalRun:
                         continue
                     if not status.finished:
                         await self._sync_membership(client)
+                    if time.monotonic() - saved > LEDGER_SECONDS:
+                        saved = time.monotonic()
+                        self.save_ledger(started)
+                    if base is None:  # a resumed job's earlier tokens: not this session's
+                        base, since = trained_tokens(status), time.monotonic()
                     if live is not None:
                         live.update(
                             status_view(
                                 self.spec,
                                 status,
-                                started=started,
+                                started=since,
                                 slowdowns=self.slowdowns,
                                 dead=self.dead,
+                                base=base,
                             )
                         )
-                    elif not self.quiet and progress_key(status) != last_key:
-                        last_key = progress_key(status)
-                        elapsed = time.monotonic() - started
-                        line = progress_line(status, elapsed, self.spec)
-                        self.console.print(line, soft_wrap=True, highlight=False)
+                    elif not self.quiet and (
+                        progress_key(status) != last_key
+                        or time.monotonic() - printed >= PROGRESS_SECONDS
+                    ):
+                        last_key, printed = progress_key(status), time.monotonic()
+                        elapsed = time.monotonic() - since
+                        line = progress_line(status, elapsed, self.spec, base)
+                        self.console.print(line, soft_wrap=True, highlight=False, markup=False)
                     if status.finished:
                         return status
                     await asyncio.sleep(POLL_SECONDS)
@@ -340,8 +403,27 @@ class LocalRun:
                 p.wait()
 
 
-def _raise_keyboard_interrupt(signum: int, frame: FrameType | None) -> None:
-    raise KeyboardInterrupt
+class Interrupted(KeyboardInterrupt):
+    """Ctrl-C, SIGTERM or SIGHUP (a closed terminal): the run stops every child."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+def _raise_interrupted(signum: int, frame: FrameType | None) -> None:
+    raise Interrupted(signum)
+
+
+# The signals that stop a run (its children with it): Ctrl-C, `kill`, a closed terminal.
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+
+
+def interrupted_code(err: KeyboardInterrupt) -> int:
+    """130 after Ctrl-C or SIGTERM, 129 after SIGHUP (128 + the signal, as a shell reports)."""
+    if isinstance(err, Interrupted) and err.signum == signal.SIGHUP:
+        return 128 + signal.SIGHUP
+    return 130
 
 
 # After Ctrl-C, tasks still pending get this long to finish cancelling before the loop closes.
@@ -372,17 +454,31 @@ def _read_job(
     except (ConfigError, ValueError, ContractError) as err:
         print(f"diloco run: {err}", file=sys.stderr)
         return None
-    if spec.syncer.endpoint:
-        print(
-            "diloco run: syncer.endpoint is set; a local run starts its own syncer", file=sys.stderr
-        )
-        return None
     return name, spec, slowdowns, syncer_cpus
 
 
+def _say(console: Console, text: str, style: str | None = None) -> None:
+    """A line on the console as it is (no markup), unless the console is gone (a closed
+    terminal after SIGHUP)."""
+    with contextlib.suppress(OSError, ValueError):
+        console.print(text, style=style, markup=False, highlight=False, soft_wrap=True)
+
+
+def resume_note(args: argparse.Namespace, workdir: Path) -> str:
+    """How to go on from the last checkpoint: the same command (its run folder resumes)."""
+    config = f" {args.config}" if args.config else ""
+    folder = f" --workdir {shown(workdir)}" if args.workdir else ""
+    return runnable(
+        f"resume from the last checkpoint with:\n  diloco run{config}{folder}\n"
+        f"(the run folder {shown(workdir)} keeps it; --fresh starts over)"
+    )
+
+
 def main(args: argparse.Namespace) -> int:
-    """`diloco run`: exit 0 when the job finished, 1 on failure, 2 on bad input, 130 on Ctrl-C."""
-    console = Console(stderr=False)
+    """`diloco run`: exit 0 when the job finished, 1 on failure, 2 on bad input, 130 on Ctrl-C
+    or SIGTERM, 129 on SIGHUP."""
+    # In a pipe or a log file, lines are not cut at rich's default 80 columns.
+    console = Console(stderr=False, soft_wrap=not sys.stdout.isatty())
     read = _read_job(args)
     if read is None:
         return 2
@@ -391,17 +487,20 @@ def main(args: argparse.Namespace) -> int:
     report = check_before_start(spec, args.config)
     if not report.ok:
         return 2
-    workdir = Path(args.workdir or tempfile.mkdtemp(prefix="diloco-run-")).resolve()
+    workdir = _run_folder(args, name, console)
     run = LocalRun(
         name, spec, workdir, slowdowns, console, quiet=args.quiet, syncer_cpus=syncer_cpus
     )
-    # Ctrl-C and SIGTERM raise KeyboardInterrupt wherever the main thread is (children are in
-    # their own process groups). Not asyncio.run's Ctrl-C, which only cancels the watch task: a
-    # cancellation that anything on the way absorbs leaves the run going, and once (a CI run
-    # under load) `diloco run` sat through 120 s after SIGINT with every child training on. For
-    # the same reason the children are stopped before the event loop is cleaned up.
-    signal.signal(signal.SIGINT, _raise_keyboard_interrupt)
-    signal.signal(signal.SIGTERM, _raise_keyboard_interrupt)
+    # Ctrl-C, SIGTERM and SIGHUP (a closed terminal, a dropped SSH session) raise
+    # KeyboardInterrupt wherever the main thread is (children are in their own process groups,
+    # so a terminal's signals reach only this process). Not asyncio.run's Ctrl-C, which only
+    # cancels the watch task: a cancellation that anything on the way absorbs leaves the run
+    # going, and once (a CI run under load) `diloco run` sat through 120 s after SIGINT with
+    # every child training on. For the same reason the children are stopped before the event
+    # loop is cleaned up. A SIGKILL cannot be caught: the kernel kills the children then
+    # (launch.die_with).
+    for sig in STOP_SIGNALS:
+        signal.signal(sig, _raise_interrupted)
     started = time.monotonic()
     loop = asyncio.new_event_loop()
     try:
@@ -409,45 +508,108 @@ def main(args: argparse.Namespace) -> int:
         run.start()
         status = loop.run_until_complete(run.watch(started))
         run.wait_learners(LEARNER_EXIT_SECONDS)
-    except KeyboardInterrupt:
-        # A second Ctrl-C must not cut the stop short and leave children training.
-        signal.signal(signal.SIGINT, signal.SIG_IGN)
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)
-        console.print(f"interrupted: stopping every process (logs in {run.logs})")
-        run.stop_all()
-        return 130
+    except KeyboardInterrupt as err:
+        # A second Ctrl-C must not cut the stop short and leave children training; the
+        # children are stopped first (after SIGHUP the console may be gone).
+        for sig in STOP_SIGNALS:
+            signal.signal(sig, signal.SIG_IGN)
+        _say(console, f"interrupted: stopping every process (logs in {run.logs})")
+        # After SIGHUP nobody watches: the children get a short while to leave on their own.
+        hangup = interrupted_code(err) == 128 + signal.SIGHUP
+        run.stop_all(HANGUP_STOP_SECONDS if hangup else STOP_SECONDS)
+        run.save_ledger(started)
+        _say(console, resume_note(args, workdir))
+        return interrupted_code(err)
     except (RunError, TimeoutError, RuntimeError) as err:
-        console.print(f"[red]diloco run failed:[/red] {err}")
         run.stop_all()
+        _say(console, f"diloco run failed: {err}", style="red")
         return 1
     finally:
+        run.stop_all()  # whatever else went wrong (a console gone: OSError), no child is left
         _close_loop(loop)
-    run.stop_all()
+    run.save_ledger(started, status)
+    _results(run, status, time.monotonic() - started, report, args)
+    return 0
+
+
+def _results(
+    run: LocalRun,
+    status: SyncerStatus,
+    wall_seconds: float,
+    report: Report,
+    args: argparse.Namespace,
+) -> None:
+    """The end of a finished run: the summary (shown and written), the plot, where the logs and
+    the weights are, all in the run folder unless --summary or --plot say otherwise."""
+    console, spec, workdir = run.console, run.spec, run.workdir
     summary = make_summary(
         status,
         spec=spec,
-        wall_seconds=time.monotonic() - started,
+        wall_seconds=wall_seconds,
         workdir=workdir,
         parameters=report.parameters,
+        earlier=run.earlier,
     )
     console.print(summary_table(summary))
-    if args.summary:
-        Path(args.summary).write_text(json.dumps(summary, indent=2) + "\n")
-        console.print(f"summary written to {args.summary}")
-    if args.plot:
+    summary_file = Path(args.summary) if args.summary else workdir / SUMMARY_FILE
+    summary_file.write_text(json.dumps(summary, indent=2) + "\n")
+    _say(console, f"summary written to {summary_file}")
+    plot_file = Path(args.plot) if args.plot else workdir / PLOT_FILE
+    if args.plot or plot_available():
         from diloco_trainer.local.plot import plot_eval_history
 
         plot_eval_history(
             summary["eval_history"],
-            args.plot,
-            title=f"{name}: eval loss",
+            plot_file,
+            title=f"{run.name}: eval loss",
             tokenizer=None if spec.model.entrypoint else report.tokenizer,
         )
-        console.print(f"loss plot written to {args.plot}")
-    console.print(f"logs in {run.logs}")
+        _say(console, f"loss plot written to {plot_file}")
+    _say(console, f"logs in {run.logs}")
     from diloco_trainer.export import final_weights_note
 
-    note = final_weights_note(workdir / "syncer")  # the syncer's state dir (start_syncer)
-    if note is not None:
-        console.print(runnable(note), markup=False, highlight=False, soft_wrap=True)
-    return 0
+    if final_weights_note(workdir / SYNCER_DIR) is not None:  # the syncer left a checkpoint
+        _say(
+            console,
+            runnable(
+                f"final weights: the syncer's last checkpoint in {workdir / SYNCER_DIR}; write "
+                f"them as one safetensors file with\n  diloco export {shown(workdir)} -o "
+                "model.safetensors"
+            ),
+        )
+
+
+def plot_available() -> bool:
+    """Whether matplotlib (the [local] extra's plot) is installed: the default plot is skipped
+    without it (an explicit --plot is refused at start instead: cli_help.require_local)."""
+    import importlib.util
+
+    return importlib.util.find_spec("matplotlib") is not None
+
+
+def shown(path: Path) -> str:
+    """`path` relative to the current directory when it is below it (runs/NAME), else whole."""
+    try:
+        return str(path.relative_to(Path.cwd()))
+    except ValueError:
+        return str(path)
+
+
+def _run_folder(args: argparse.Namespace, name: str, console: Console) -> Path:
+    """The job's folder: --workdir, else runs/NAME; moved aside first with --fresh. Says
+    whether the run resumes from a checkpoint there."""
+    folder = Path(args.workdir) if args.workdir else default_folder(name)
+    if args.fresh:
+        aside = move_aside(folder)
+        if aside is not None:
+            _say(console, f"diloco run: --fresh: the previous run folder is now {aside}")
+    folder = folder.resolve()
+    folder.mkdir(parents=True, exist_ok=True)
+    if has_checkpoints(folder):
+        _say(
+            console,
+            f"diloco run: resuming from the checkpoints in {shown(folder)} (--fresh starts over)",
+        )
+    else:
+        _say(console, f"diloco run: run folder {shown(folder)} (weights, logs, summary, plot)")
+    return folder

@@ -12,6 +12,7 @@ from rich.table import Table
 from diloco_trainer.api.documents import SyncerStatus
 from diloco_trainer.api.spec import JobSpec
 from diloco_trainer.local.progress import fmt_or_dash, human_bytes
+from diloco_trainer.local.run_folder import Ledger
 
 FP32 = 4
 
@@ -34,10 +35,15 @@ def make_summary(
     wall_seconds: float,
     workdir: Path,
     parameters: int | None = None,
+    earlier: Ledger | None = None,
 ) -> dict[str, Any]:
-    """The JSON summary of a finished run, from the syncer's final status."""
+    """The JSON summary of a finished run, from the syncer's final status: of the whole job,
+    its earlier sessions (`earlier`, a resumed run's: run_folder.py) included."""
+    earlier = earlier or Ledger()
     islands = spec.islands.count
-    per_worker = (status.bytes_in + status.bytes_out) / max(1, islands)
+    pushed = earlier.bytes_pushed + status.bytes_in
+    pulled = earlier.bytes_pulled + status.bytes_out
+    per_worker = (pushed + pulled) / max(1, islands)
     ddp = ddp_bytes_per_worker(spec, status.tokens, parameters) if parameters else None
     return {
         "job": status.job_name,
@@ -47,12 +53,14 @@ def make_summary(
         "tokens": status.tokens,
         "initial_eval_loss": status.initial_eval_loss,
         "final_eval_loss": status.eval_loss,
-        "bytes_pushed": status.bytes_in,
-        "bytes_pulled": status.bytes_out,
+        "bytes_pushed": pushed,
+        "bytes_pulled": pulled,
         "parameters": parameters,
         "bytes_per_island": round(per_worker),
         "ddp_bytes_per_worker": None if ddp is None else round(ddp),
-        "wall_seconds": round(wall_seconds, 3),
+        "wall_seconds": round(earlier.wall_seconds + wall_seconds, 3),
+        "sessions": earlier.sessions + 1,
+        "session_seconds": round(wall_seconds, 3),
         "eval_history": [point.to_json() for point in status.eval_history],
         "island_stats": {name: info.to_json() for name, info in status.islands.items()},
         "workdir": str(workdir),
@@ -85,6 +93,8 @@ def summary_table(summary: Mapping[str, Any]) -> Table:
         ("bytes per island vs a DDP worker", against_ddp(summary)),
         ("wall time", f"{summary['wall_seconds']:.1f}s"),
     ]
+    if summary.get("sessions", 1) > 1:
+        rows.append(("sessions (resumed)", str(summary["sessions"])))
     for what, value in rows:
         table.add_row(what, value)
     return table

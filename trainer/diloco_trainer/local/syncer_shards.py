@@ -79,6 +79,11 @@ class SyncerShards:
         dead = self._first_dead()
         return (dead or self.procs[0]).log_text()
 
+    def error_line(self) -> str | None:
+        """The last error line of the first shard that exited (else shard 0's)."""
+        dead = self._first_dead()
+        return (dead or self.procs[0]).error_line()
+
     def terminate(self) -> None:
         for p in self.procs:
             p.terminate()

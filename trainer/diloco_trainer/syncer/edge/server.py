@@ -99,7 +99,7 @@ def run(make_syncer: SyncerFactory) -> int:
         log.info("syncer shard %d of %d", env.shard, spec.syncer.shards)
     serve(
         app,
-        host="0.0.0.0",
+        host=env.host,
         port=env.port,
         limits=limits,
         ssl_context=tls,
