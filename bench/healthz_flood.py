@@ -21,6 +21,7 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from diloco_trainer.api import protocol
@@ -81,10 +82,15 @@ def probe(port: int, source: str) -> Probe:
 
 
 def flood_round(
-    port: int, addresses: list[str], connections: int, after: int
-) -> list[tuple[float, int | str]]:
+    port: int,
+    addresses: Sequence[str],
+    connections: int,
+    after: int,
+    while_held: Callable[[], None] | None = None,
+) -> list[Probe]:
     """Probes from KUBELET and the first flood address while the floods open, then `after` more
-    rounds of probes while they hold their connections."""
+    rounds of probes while they hold their connections, `while_held` (e.g. an honest round)
+    and one more round of probes."""
     floods = [
         subprocess.Popen(
             [sys.executable, "-c", FLOOD, source, str(port), str(connections)],
@@ -105,6 +111,9 @@ def flood_round(
                 ready, _, _ = select.select([f.stdout], [], [], 0)
                 opened[i] = opened[i] or f.poll() is not None or bool(ready)
         probes += [probe(port, s) for _ in range(after) for s in sources]
+        if while_held is not None:
+            while_held()
+            probes += [probe(port, s) for s in sources]
     finally:
         for f in floods:
             if f.stdin is not None:

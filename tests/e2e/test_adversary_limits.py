@@ -16,10 +16,7 @@ from __future__ import annotations
 
 import http.client
 import json
-import select
 import socket
-import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -28,6 +25,8 @@ from typing import Any, BinaryIO
 
 import pytest
 from diloco_trainer.api import credentials, protocol
+
+from bench.healthz_flood import flood_round
 
 from .conftest import SyncerHandle, deep_merge
 from .test_adversary import (
@@ -186,41 +185,8 @@ def test_adversary_connection_flood_leaves_healthz_and_islands_room(syncer: Sync
             sock.close()
 
 
-# Opens N idle connections from one source address as fast as it can, prints "open" once all
-# were attempted, and holds them until its stdin closes.
-FLOOD_SCRIPT = """
-import socket, sys
-source, port, n = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
-held = []
-for _ in range(n):
-    try:
-        held.append(socket.create_connection(("127.0.0.1", port), timeout=20,
-                                             source_address=(source, 0)))
-    except OSError:
-        pass
-print("open", len(held), flush=True)
-sys.stdin.read()
-"""
 FLOOD_ADDRESSES = ("127.0.0.2", "127.0.0.3", "127.0.0.4", "127.0.0.5")
 FLOOD_CONNECTIONS = 1000  # each: 4,000 in all against the default maxConnections, 512
-PROBE_SOURCES = ("127.0.0.1", "127.0.0.2")  # the kubelet elsewhere, and from a flood address
-
-
-def healthz(handle: SyncerHandle, source: str) -> int | str:
-    """One liveness probe from `source`, as the kubelet sends it: its status, or the error it
-    met (the kubelet counts that a failed probe)."""
-    conn = http.client.HTTPConnection(
-        "127.0.0.1", handle.port, timeout=10, source_address=(source, 0)
-    )
-    status: int | str
-    try:
-        conn.request("GET", protocol.ROUTE_HEALTHZ)
-        status = conn.getresponse().status
-    except OSError as err:
-        status = f"{source}: {type(err).__name__}: {err}"
-    finally:
-        conn.close()
-    return status
 
 
 def test_adversary_flood_of_four_addresses_never_starves_healthz(tmp_path: Path) -> None:
@@ -229,50 +195,19 @@ def test_adversary_flood_of_four_addresses_never_starves_healthz(tmp_path: Path)
     beside it. How fast it answers (within 1 s, the done-when) is measured by
     `python -m bench.healthz_flood` against the same probes with no flood, not timed here."""
     handle = start_syncer(tmp_path, SPEC, "adversary-flood")
-    floods: list[subprocess.Popen[str]] = []
     try:
         shapes = join_all(handle)
-        per_address = FLOOD_CONNECTIONS
-        floods = [
-            subprocess.Popen(
-                [
-                    sys.executable,
-                    "-c",
-                    FLOOD_SCRIPT,
-                    source,
-                    str(handle.port),
-                    str(per_address),
-                ],
-                stdin=subprocess.PIPE,
-                stdout=subprocess.PIPE,
-                text=True,
-            )
-            for source in FLOOD_ADDRESSES
-        ]
-        probes: list[int | str] = []
-        opened = [False] * len(floods)
-        while not all(opened):  # probe throughout the flood's opening
-            probes += [healthz(handle, source) for source in PROBE_SOURCES]
-            opened = [
-                o or f.poll() is not None or _ready(f) for o, f in zip(opened, floods, strict=True)
-            ]
-        # The flood holds what it could: probes and an honest round against it.
-        probes += [healthz(handle, source) for _ in range(5) for source in PROBE_SOURCES]
         honest = FromAddress(**vars(handle), source="127.0.0.6")
-        honest_round(honest, shapes)
-        probes += [healthz(handle, source) for source in PROBE_SOURCES]
+        # The kubelet's probes from outside the flood and from its first address, while the
+        # floods open and while they hold, an honest round in between (bench.healthz_flood).
+        probes = flood_round(
+            handle.port,
+            FLOOD_ADDRESSES,
+            FLOOD_CONNECTIONS,
+            after=5,
+            while_held=lambda: honest_round(honest, shapes),
+        )
     finally:
-        for f in floods:
-            if f.stdin is not None:
-                f.stdin.close()
-            f.wait(timeout=30)
         handle.proc.stop(timeout=10)
     assert len(probes) >= 14
-    assert probes == [200] * len(probes)
-
-
-def _ready(flood: subprocess.Popen[str]) -> bool:
-    """Whether the flood process said it has opened its connections (a line on its stdout)."""
-    assert flood.stdout is not None
-    ready, _, _ = select.select([flood.stdout], [], [], 0)
-    return bool(ready) and flood.stdout.readline().startswith("open")
+    assert [status for _, status in probes] == [200] * len(probes)
