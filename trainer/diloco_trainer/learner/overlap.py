@@ -69,6 +69,22 @@ def fit_overlap(
     return min(cap, max(0, math.ceil(steps - 1e-9)))
 
 
+def auto_overlap_cap(*, overlap_steps: int, inner_steps: int) -> int:
+    """The most steps sync.overlapMode auto overlaps a blocking learner's push with: H − 1 (the
+    merge is then still back before the fragment is due again), or sync.overlapSteps if larger;
+    0 when sync.overlapSteps is 0 (no overlap asked for: plain DiLoCo).
+
+    Why not overlapSteps (min(5, H/4) by default), as before issue 45: on a GPU a merge took
+    10-20 steps, and over a slow link a sync may take most of a round, so five steps left a
+    blocking learner idle 31-38% of the time (bench/RESULTS.md). The fit still takes the fewest
+    steps that hide the measured latency, so a fast sync keeps few steps."""
+    if overlap_steps < 0 or inner_steps < 1:
+        raise ValueError(
+            f"overlap steps must be >= 0 and inner steps >= 1, got {overlap_steps}, {inner_steps}"
+        )
+    return max(overlap_steps, inner_steps - 1) if overlap_steps else 0
+
+
 def sync_latency(
     *,
     push_seconds: float,
@@ -107,6 +123,8 @@ class OverlapFit:
         self.spec = spec
         self.cap = cap
         self.blocking = blocking
+        # sync.overlapMode auto's cap for a learner that blocks (auto_overlap_cap).
+        self.auto_cap = auto_overlap_cap(overlap_steps=cap, inner_steps=spec.inner.steps)
         self.latencies: deque[float] = deque(maxlen=RECENT_SYNCS)
         self.tau: int | None = None  # the τ of the latest push
 
@@ -120,10 +138,12 @@ class OverlapFit:
         not block for its merge (K < M) keeps the cap: it never waits, so there is no wait to
         fit τ against, and its merges also wait out the syncer's grace window, which L leaves
         out (on gpt-tiny at K = 1 and 2 a fitted τ was 0.5-4.9% behind the cap at equal tokens
-        in one run per seed: bench/log/2026-11-26.md, "sync.overlapMode auto")."""
+        in one run per seed: bench/log/2026-11-26.md, "sync.overlapMode auto"). A blocking
+        learner's auto fit goes up to auto_overlap_cap (H − 1), not overlapSteps."""
+        mode = self.spec.sync.overlap_mode if self.blocking else "fixed"
         return fit_overlap(
-            mode=self.spec.sync.overlap_mode if self.blocking else "fixed",
-            cap=self.cap,
+            mode=mode,
+            cap=self.auto_cap if mode == "auto" else self.cap,
             latency=self.latency,
             step_time=step_time,
             inner_steps=self.spec.inner.steps,
@@ -151,7 +171,9 @@ class OverlapFit:
                 tau,
                 "not measured yet" if latency is None else f"{latency:.3f}s",
                 step_time,
-                self.cap,
+                self.auto_cap
+                if self.blocking and self.spec.sync.overlap_mode == "auto"
+                else self.cap,
                 self.spec.sync.overlap_mode if self.blocking else "fixed at K < M",
             )
             self.tau = tau
