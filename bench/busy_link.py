@@ -195,6 +195,23 @@ def bytes_per_round(samples: Sequence[tuple[int, int]]) -> float:
     return (b1 - b0) / (s1 - s0)
 
 
+def run_retrying_a_taken_port(spec: JobSpec, wd: Path, **kw: Any) -> dict[str, Any]:
+    """run_over_link, started again (in a fresh directory) when the syncer could not bind the
+    port it was given because another process on this shared machine took it meanwhile."""
+    for attempt in range(3):
+        try:
+            return run_over_link(
+                spec, wd if not attempt else wd.with_name(f"{wd.name}-{attempt}"), **kw
+            )
+        except RuntimeError as err:
+            if "address already in use" not in str(err) or attempt == 2:
+                raise
+            print(
+                f"  the syncer's port was taken meanwhile; starting again ({err!s:.60})", flush=True
+            )
+    raise AssertionError("unreachable")
+
+
 def round_seconds(splits: Sequence[Split], inner_steps: int) -> float:
     """A round's compute time: H x the median over islands of training seconds per step."""
     per_step = [s.training / s.steps for s in splits if s.steps]
@@ -241,7 +258,7 @@ def run_all(args: Any, wd: Path) -> dict[tuple[int, int, float], dict[str, Any]]
                     rate = link_rate(calib["bytes"], calib["round"], share / 100)
                 name = f"seed{seed}-k{k}-L{share:g}"
                 print(f"{name}: link {mbit(rate)}", flush=True)
-                r = run_over_link(
+                r = run_retrying_a_taken_port(
                     spec,
                     wd / name,
                     rate=rate,
