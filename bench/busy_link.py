@@ -37,6 +37,7 @@ from __future__ import annotations
 import json
 import math
 import re
+import socket
 import statistics
 import time
 from collections.abc import Sequence
@@ -45,7 +46,7 @@ from pathlib import Path
 from typing import Any
 
 from diloco_trainer.api.spec import JobSpec
-from diloco_trainer.local import Proc
+from diloco_trainer.local import Proc, start_syncer, wait_ready, write_job_files
 
 from bench.bandwidth import start_relay
 from bench.decoupled_quality import budget, island_progress, make_spec
@@ -59,12 +60,13 @@ from bench.harness.common import (
     install_signal_cleanup,
     publish,
     ratio,
+    track,
     verdict,
     workdir,
 )
 from bench.harness.decoupled_quality_report import interp, loss_at_tokens, time_to_loss
 from bench.harness.flags import INNER_OPTIMIZER, TRAINING
-from bench.harness.ours_harness import OursRun
+from bench.harness.ours_harness import THREADS_ENV, OursRun
 
 # A learner's progress line's split of its window (learner/step_costs.WindowCosts.line).
 COSTS = re.compile(
@@ -133,6 +135,37 @@ def relay_bytes(wd: Path) -> int:
     return int(carried.get("up", 0)) + int(carried.get("down", 0))
 
 
+def wildcard_free_port() -> int:
+    """A TCP port free on every address a moment ago (the syncer binds 0.0.0.0). One free on
+    127.0.0.1 only (local.free_port) was taken three times in a row on a machine with thousands
+    of TIME-WAIT connections of other engineers' tests."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("0.0.0.0", 0))
+        return int(s.getsockname()[1])
+
+
+class LinkRun(OursRun):
+    """OursRun whose syncer gets a port free on every address (wildcard_free_port)."""
+
+    def start(self) -> None:
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        self.files = write_job_files(self.spec, self.workdir)
+        self.port = wildcard_free_port()
+        self.syncer = track(
+            start_syncer(
+                self.files,
+                port=self.port,
+                state_dir=self.workdir / "syncer",
+                job_name=self.job_name,
+                log_file=self.workdir / "syncer.log",
+                extra_env=THREADS_ENV,
+            )
+        )
+        wait_ready(self.url, self.files.token, 120, proc=self.syncer)
+        for i in range(self.spec.islands.count):
+            self.start_island(i)
+
+
 def run_over_link(
     spec: JobSpec, wd: Path, *, rate: float | None, latency_ms: float, timeout: float
 ) -> dict[str, Any]:
@@ -148,7 +181,7 @@ def run_over_link(
             )
         return f"http://127.0.0.1:{relay['port']}"
 
-    run = OursRun(spec=spec, workdir=wd, route=route)
+    run = LinkRun(spec=spec, workdir=wd, route=route)
     run.start()
     t0 = time.time()
     samples: list[tuple[int, int]] = []  # (outer step, relay bytes) at each status poll

@@ -48,7 +48,7 @@ class LateSimulation(Simulation):
     def _sync(self, f: int, step: int) -> None:
         counted = [isl.steps[f] for isl in self.islands]
         super()._sync(f, step)
-        if self.knobs.rule != "eager" or not self.knobs.overlap:
+        if self.knobs.rule == "keep" or not self.knobs.overlap:
             return
         outer = self.spec.outer
         for isl, steps in zip(self.islands, counted, strict=True):
@@ -65,6 +65,7 @@ class LateSimulation(Simulation):
                 momentum=outer.momentum,
                 nesterov=outer.nesterov,
                 work=steps / self.h,
+                own=self.knobs.rule == "eager",
             )
             with torch.no_grad():
                 for n, t in proxy.items():
@@ -148,7 +149,9 @@ def parse_args(argv: Sequence[str] | None) -> Any:
         seeds=[0, 1, 2],
     )
     p.add_argument("--late", type=int, nargs="+", default=[5, 10, 15, 20, 29], help="L, in steps")
-    p.add_argument("--rules", nargs="+", default=["keep", "eager"], choices=["keep", "eager"])
+    p.add_argument(
+        "--rules", nargs="+", default=["keep", "eager"], choices=["keep", "eager", "momentum"]
+    )
     p.add_argument("--jobs", type=int, default=2, help="variants trained at a time (processes)")
     return p.parse_args(argv)
 

@@ -33,6 +33,9 @@ def test_eager_proxy_by_hand() -> None:
     # Heavy ball: θ_base − 0.7·Δ − 0.9·u = (1 − 0.35 − 0.09, 2 + 0.35 − 0.18)
     out = eager_proxy(base, at_push, last, lr=0.7, momentum=0.9, nesterov=False, work=1.0)
     assert torch.allclose(out["w"], t(0.56, 2.17), atol=1e-6)
+    # Only the momentum's part guessed (own=False): θ_push − 0.81·u = (0.5 − 0.081, 2.5 − 0.162)
+    out = eager_proxy(base, at_push, last, lr=0.7, momentum=0.9, nesterov=True, work=1.5, own=False)
+    assert torch.allclose(out["w"], t(0.419, 2.338), atol=1e-6)
     with pytest.raises(ValueError):
         eager_proxy(base, at_push, None, lr=0.7, momentum=0.9, nesterov=True, work=0.0)
 

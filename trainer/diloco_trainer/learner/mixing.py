@@ -140,6 +140,7 @@ def eager_proxy(
     momentum: float,
     nesterov: bool,
     work: float,
+    own: bool = True,
 ) -> dict[str, Tensor]:
     """sync.lateMergeRule eager: the weights a learner continues from right after a push, its
     guess of the merge the push goes into: θ_proxy = θ_base − P̂, with Δ = θ_base − θ_push,
@@ -150,10 +151,15 @@ def eager_proxy(
     at_push = θ_proxy): the steps taken meanwhile are kept, and they were taken from about where
     the merge put the fragment rather than from θ_push, which the outer step (its momentum
     above all) has moved far from (Kale, Douillard, Donchev 2025, "Eager updates": the local
-    outer gradient as a proxy of the others' until theirs arrives)."""
+    outer gradient as a proxy of the others' until theirs arrives).
+
+    `own` False: only the momentum's part of the step is guessed, θ_proxy = θ_push − c_u·u_prev
+    (the island's own Δ is taken once, as it is, not as the outer step would scale it)."""
     if work <= 0:
         raise ValueError(f"a push's work must be > 0 rounds, got {work}")
     c_delta, c_update = outer_proxy_coefficients(lr=lr, momentum=momentum, nesterov=nesterov)
+    if not own:
+        c_delta, work = 1.0, 1.0
     out: dict[str, Tensor] = {}
     for n, b in base.items():
         b32 = b.to(torch.float32)
