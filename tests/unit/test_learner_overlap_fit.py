@@ -218,3 +218,35 @@ def test_auto_fits_a_blocking_learner_up_to_h_minus_one_not_overlap_steps() -> N
     pinned = OverlapFit(fixed, blocking=True)
     pinned.observe(100.0)
     assert pinned.fit(0.45) == 5
+
+
+def test_covered_latency_is_the_own_sync_or_the_whole_push_to_merge_time() -> None:
+    from diloco_trainer.learner.overlap import covered_latency
+
+    assert covered_latency(covers="sync", latency=0.3, seconds=0.8) == 0.3
+    assert covered_latency(covers="merge", latency=0.3, seconds=0.8) == 0.8
+    assert covered_latency(covers="merge", latency=0.3, seconds=0.2) == 0.3  # never below
+    assert covered_latency(covers="merge", latency=None, seconds=0.8) is None
+    with pytest.raises(ValueError):
+        covered_latency(covers="all", latency=0.3, seconds=0.8)
+
+
+def test_a_blocking_learner_fits_the_whole_merge_time_under_overlap_covers_merge() -> None:
+    import dataclasses
+
+    class SlowMerge(FakeLink):
+        """Each merge back 0.75 s after the push, 0.15 s of it the learner's own sync."""
+
+        async def sync_fragment(self, *args: Any, **kwargs: Any) -> Any:
+            result = await super().sync_fragment(*args, **kwargs)
+            return dataclasses.replace(result, seconds=0.75)
+
+    # At 0.1 s a step (H = 4, F = 1: an allowance of 0.004 s), "sync" fits ceil(1.46) = 2
+    # steps, "merge" ceil(7.46) = 8, capped at H - 1 = 3.
+    for covers, seen, tau in (("sync", 0.15, 2), ("merge", 0.75, 3)):
+        link = SlowMerge(outer_lr=0.25, latency=0.15)
+        sync, w = make_sync(make_spec(quorum=2, overlapCovers=covers), link)
+        for _ in range(5):  # pushed at step 4 with τ = 1 (nothing measured), received at 5
+            step(sync, w)
+        assert sync.overlap_fit.latency == seen
+        assert sync.overlap_fit.fit(0.1) == tau

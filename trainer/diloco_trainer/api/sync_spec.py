@@ -16,6 +16,7 @@ MergeWait = Literal["overlap", "nextPush"]  # core/grace.MERGE_WAITS
 ApplyFrom = Literal["overlap", "arrival"]  # learner/step_plan.APPLY_FROMS
 OverlapMode = Literal["auto", "fixed"]  # learner/overlap.OVERLAP_MODES
 LateMergeRule = Literal["keep", "eager"]  # learner/mixing.LATE_MERGE_RULES
+OverlapCovers = Literal["sync", "merge"]  # learner/overlap.OVERLAP_COVERS
 
 
 def default_overlap_steps(inner_steps: int) -> int:
@@ -59,6 +60,14 @@ class SyncSpec(SpecModel):
         "pull) up to a wait of 1% of a round, at most inner.steps - 1 or overlapSteps if larger "
         "(one step until a sync is measured); a decoupled one (K < M) keeps overlapSteps. fixed: "
         "always overlapSteps. docs/learner.md prices both.",
+    )
+    overlap_covers: OverlapCovers = Field(
+        "sync",
+        description="What sync.overlapMode auto fits a blocking learner's overlap to. sync: its "
+        "own measured sync latency (its push, the syncer's merge, its pull), without the wait "
+        "for its peers' pushes. merge: the whole time from its push to the merged fragment, "
+        "that wait included (over a link the islands share, mostly the link carrying the other "
+        "pushes). docs/learner.md prices both.",
     )
     merge_wait: MergeWait = Field(
         "overlap",

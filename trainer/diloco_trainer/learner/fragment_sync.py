@@ -34,7 +34,7 @@ from diloco_trainer.learner.fragment_state import (
     at_step_cap,
     checked_fragment,
 )
-from diloco_trainer.learner.overlap import OverlapFit
+from diloco_trainer.learner.overlap import OverlapFit, covered_latency
 from diloco_trainer.learner.phase_alignment import phase_shift, schedule_positions
 from diloco_trainer.learner.push_encoding import encode_for_wire
 from diloco_trainer.learner.shards import FragmentShards
@@ -476,7 +476,13 @@ class FragmentSync:
             # (a NaN in it, say) would spoil every push after it.
             self.error_feedback.reset(state.names)
         state.last_sync_seconds = result.seconds
-        self.overlap_fit.observe(result.latency)
+        self.overlap_fit.observe(
+            covered_latency(
+                covers=self.spec.sync.overlap_covers,
+                latency=result.latency,
+                seconds=result.seconds,
+            )
+        )
         self.round_times = [*self.round_times[-7:], result.seconds]
         log.info(
             "step %d: fragment %d applied version %d (%s, %.2fs after the push; %.3fs on the "

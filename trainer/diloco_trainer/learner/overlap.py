@@ -20,6 +20,7 @@ from diloco_trainer.learner.step_plan import Window, poll_from_steps
 log = logging.getLogger("diloco.learner")
 
 OVERLAP_MODES = ("auto", "fixed")  # sync.overlapMode
+OVERLAP_COVERS = ("sync", "merge")  # sync.overlapCovers
 # sync.overlapMode auto leaves a learner waiting for its merges at most this share of a round's
 # time: the overlap is the fewest steps that do.
 OVERLAP_FREE_SHARE = 0.01
@@ -106,6 +107,23 @@ def sync_latency(
     else:
         pull = push_seconds * pull_bytes / push_bytes if push_bytes > 0 else 0.0
     return max(0.0, push_seconds) + max(0.0, merge_seconds) + pull + max(0.0, rebuild_seconds)
+
+
+def covered_latency(*, covers: str, latency: float | None, seconds: float) -> float | None:
+    """The latency sync.overlapMode auto fits τ to (sync.overlapCovers), from a sync's
+    SyncResult: "sync", its own latency without any wait for peers (`latency`: push, merge,
+    pull; sync_latency), the rule of issue 21; "merge", the whole push-to-merge time
+    (`seconds`), the wait for the peers' pushes included, which over a link the islands share
+    (a syncer's ingress) is mostly the link carrying the other pushes before the merge can run
+    (bench/busy_link). None when the syncer did not say its merge time (latency None), as
+    before."""
+    if covers not in OVERLAP_COVERS:
+        raise ValueError(
+            f"sync.overlapCovers must be one of {', '.join(OVERLAP_COVERS)}, got {covers!r}"
+        )
+    if latency is None:
+        return None
+    return latency if covers == "sync" else max(latency, seconds)
 
 
 # The latencies fit_overlap sees: the slowest of the learner's last few syncs (two rounds at
