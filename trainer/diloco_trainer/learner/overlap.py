@@ -77,8 +77,9 @@ def auto_overlap_cap(*, overlap_steps: int, inner_steps: int) -> int:
 
     Why not overlapSteps (min(5, H/4) by default), as before issue 45: on a GPU a merge took
     10-20 steps, and over a slow link a sync may take most of a round, so five steps left a
-    blocking learner idle 31-38% of the time (bench/RESULTS.md). The fit still takes the fewest
-    steps that hide the measured latency, so a fast sync keeps few steps."""
+    blocking learner idle 31-38% of the time (issue 45, gpt-125m bf16 on an H200). The fit
+    still takes the fewest steps that hide the measured latency, so a fast sync keeps few
+    steps."""
     if overlap_steps < 0 or inner_steps < 1:
         raise ValueError(
             f"overlap steps must be >= 0 and inner steps >= 1, got {overlap_steps}, {inner_steps}"
