@@ -14,6 +14,7 @@ from diloco_trainer.learner.overlap import (
     FIRST_OVERLAP,
     OVERLAP_FREE_SHARE,
     OverlapFit,
+    auto_overlap_cap,
     fit_overlap,
     sync_latency,
 )
@@ -126,7 +127,7 @@ def test_overlap_fit_uses_the_slowest_recent_sync_and_the_spec_windows() -> None
     assert fitter.fit(0.45) == 1
     fitter.observe(0.05)
     assert fitter.fit(0.45) == 0 and fitter.window(0) == (0, 0)
-    fitter.observe(2.0)  # one slow merge: the cap again
+    fitter.observe(2.0)  # one slow merge: ceil((2.0 - 0.0675) / 0.45) = 5
     assert fitter.fit(0.45) == 5
     for _ in range(3):
         fitter.observe(0.1)
@@ -158,7 +159,7 @@ def test_overlap_fit_uses_the_slowest_recent_sync_and_the_spec_windows() -> None
     [
         # First τ = 1 (nothing measured); then 0.001 s <= 1% of 4 steps of 0.1 s: τ = 0.
         ("auto", 2, 0.001, [5, 8, 12]),
-        ("auto", 2, 0.15, [5, 10, 14]),  # then ceil((0.15 - 0.004) / 0.1) = 2 = the cap
+        ("auto", 2, 0.15, [5, 10, 14]),  # then ceil((0.15 - 0.004) / 0.1) = 2
         ("fixed", 2, 0.001, [6, 10, 14]),
         ("auto", 1, 0.001, [6, 10, 14]),  # K < M: the learner never blocks and keeps the cap
     ],
@@ -189,3 +190,63 @@ def test_a_blocking_learner_applies_a_fast_merge_at_its_push_step(
     ]
     taus = {4: applied[0] - 4, 8: applied[1] - 8}  # the τ of the pushes at 4 and 8
     assert changes == [(4, taus[4])] + ([(8, taus[8])] if taus[8] != taus[4] else [])
+
+
+def test_auto_fits_a_blocking_learner_up_to_h_minus_one_not_overlap_steps() -> None:
+    """Issue 45: a sync may take most of a round; auto's cap is H − 1 (overlapSteps if larger)."""
+    assert auto_overlap_cap(overlap_steps=5, inner_steps=30) == 29
+    assert auto_overlap_cap(overlap_steps=40, inner_steps=30) == 40
+    assert auto_overlap_cap(overlap_steps=1, inner_steps=1) == 1
+    assert auto_overlap_cap(overlap_steps=0, inner_steps=30) == 0  # no overlap asked for
+    with pytest.raises(ValueError):
+        auto_overlap_cap(overlap_steps=-1, inner_steps=30)
+    spec = parse_spec(
+        {"islands": {"count": 4}, "inner": {"steps": 30}, "sync": {"quorum": 4, "fragments": 2}}
+    )
+    fitter = OverlapFit(spec, blocking=True)
+    fitter.observe(5.0)
+    # allowance 0.01 x 30 x 0.45 / 2 = 0.0675 s: ceil((5.0 - 0.0675) / 0.45) = ceil(10.96) = 11,
+    # where the old cap (overlapSteps, 5) stopped at 5.
+    assert fitter.fit(0.45) == 11
+    fitter.observe(100.0)
+    assert fitter.fit(0.45) == 29  # at most H - 1
+    # fixed and a learner that does not block keep overlapSteps.
+    decoupled = OverlapFit(spec, blocking=False)
+    decoupled.observe(100.0)
+    assert decoupled.fit(0.45) == 5
+    fixed = parse_spec({"inner": {"steps": 30}, "sync": {"quorum": 1, "overlapMode": "fixed"}})
+    pinned = OverlapFit(fixed, blocking=True)
+    pinned.observe(100.0)
+    assert pinned.fit(0.45) == 5
+
+
+def test_covered_latency_is_the_own_sync_or_the_whole_push_to_merge_time() -> None:
+    from diloco_trainer.learner.overlap import covered_latency
+
+    assert covered_latency(covers="sync", latency=0.3, seconds=0.8) == 0.3
+    assert covered_latency(covers="merge", latency=0.3, seconds=0.8) == 0.8
+    assert covered_latency(covers="merge", latency=0.3, seconds=0.2) == 0.3  # never below
+    assert covered_latency(covers="merge", latency=None, seconds=0.8) is None
+    with pytest.raises(ValueError):
+        covered_latency(covers="all", latency=0.3, seconds=0.8)
+
+
+def test_a_blocking_learner_fits_the_whole_merge_time_under_overlap_covers_merge() -> None:
+    import dataclasses
+
+    class SlowMerge(FakeLink):
+        """Each merge back 0.75 s after the push, 0.15 s of it the learner's own sync."""
+
+        async def sync_fragment(self, *args: Any, **kwargs: Any) -> Any:
+            result = await super().sync_fragment(*args, **kwargs)
+            return dataclasses.replace(result, seconds=0.75)
+
+    # At 0.1 s a step (H = 4, F = 1: an allowance of 0.004 s), "sync" fits ceil(1.46) = 2
+    # steps, "merge" ceil(7.46) = 8, capped at H - 1 = 3.
+    for covers, seen, tau in (("sync", 0.15, 2), ("merge", 0.75, 3)):
+        link = SlowMerge(outer_lr=0.25, latency=0.15)
+        sync, w = make_sync(make_spec(quorum=2, overlapCovers=covers), link)
+        for _ in range(5):  # pushed at step 4 with τ = 1 (nothing measured), received at 5
+            step(sync, w)
+        assert sync.overlap_fit.latency == seen
+        assert sync.overlap_fit.fit(0.1) == tau

@@ -15,6 +15,8 @@ MergeRule = Literal["tokens", "mean", "rda"]
 MergeWait = Literal["overlap", "nextPush"]  # core/grace.MERGE_WAITS
 ApplyFrom = Literal["overlap", "arrival"]  # learner/step_plan.APPLY_FROMS
 OverlapMode = Literal["auto", "fixed"]  # learner/overlap.OVERLAP_MODES
+LateMergeRule = Literal["keep", "eager"]  # learner/mixing.LATE_MERGE_RULES
+OverlapCovers = Literal["sync", "merge"]  # learner/overlap.OVERLAP_COVERS
 
 
 def default_overlap_steps(inner_steps: int) -> int:
@@ -46,16 +48,26 @@ class SyncSpec(SpecModel):
         ge=0,
         le=10000,
         description="τ: inner steps that run while a sync is in flight; the steps are kept when "
-        "the merged fragment arrives. Unset: min(5, inner.steps // 4). With sync.overlapMode "
-        "auto, the most a learner overlaps.",
+        "the merged fragment arrives. Unset: min(5, inner.steps // 4). The τ of "
+        "sync.overlapMode fixed and of a decoupled learner (K < M); with auto, a learner that "
+        "blocks for its merge fits τ up to inner.steps - 1 (or this, if larger; 0 is no "
+        "overlap in every mode).",
     )
     overlap_mode: OverlapMode = Field(
         "auto",
         description="auto: a learner that blocks for its merge (K = M) overlaps each push with "
         "the fewest steps that hide its measured sync latency (its push, the syncer's merge, its "
-        "pull) up to a wait of 1% of a round, at most overlapSteps (one step until a sync is "
-        "measured); a decoupled one (K < M) keeps overlapSteps. fixed: always overlapSteps. "
-        "docs/learner.md prices both.",
+        "pull) up to a wait of 1% of a round, at most inner.steps - 1 or overlapSteps if larger "
+        "(one step until a sync is measured); a decoupled one (K < M) keeps overlapSteps. fixed: "
+        "always overlapSteps. docs/learner.md prices both.",
+    )
+    overlap_covers: OverlapCovers = Field(
+        "sync",
+        description="What sync.overlapMode auto fits a blocking learner's overlap to. sync: its "
+        "own measured sync latency (its push, the syncer's merge, its pull), without the wait "
+        "for its peers' pushes. merge: the whole time from its push to the merged fragment, "
+        "that wait included (over a link the islands share, mostly the link carrying the other "
+        "pushes). docs/learner.md prices both.",
     )
     merge_wait: MergeWait = Field(
         "overlap",
@@ -74,6 +86,16 @@ class SyncSpec(SpecModel):
         "it has arrived; overlapSteps is then only how many steps a learner that blocks for its "
         "merge (K = M, with sync.mergeWait overlap) trains on before it waits, so a merge back "
         "in 1-2 steps keeps only those. Opt-in: docs/learner.md prices it.",
+    )
+    late_merge_rule: LateMergeRule = Field(
+        "keep",
+        description="Where a learner trains from while its push is merged. keep: on from its "
+        "own weights at the push; the merge installs θ_global + (θ_now − θ_push). eager: right "
+        "after the push it moves the fragment to its guess of the merge, θ_proxy = θ_base − "
+        "(lr·(1+β)·Δ/w + β²·u), from its own per-round Δ/w and the last update u it received "
+        "(sync outer lr and momentum; lr·Δ/w + β·u without Nesterov), and the merge installs "
+        "θ_global + (θ_now − θ_proxy), so the steps it keeps were taken near the merged weights. "
+        "Not with islands.parallelism fsdp (keep). docs/algorithm.md derives and prices it.",
     )
     compression: Codec = Field("int8", description="Codec for pseudo-gradients on the wire.")
     pull_compression: PullCompression = Field(

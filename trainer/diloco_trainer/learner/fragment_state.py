@@ -26,7 +26,12 @@ from torch import Tensor
 
 from diloco_trainer.core.compress import ErrorFeedback
 from diloco_trainer.learner.device_copies import snapshot
-from diloco_trainer.learner.mixing import pseudo_gradient, received_weights, received_weights_into
+from diloco_trainer.learner.mixing import (
+    eager_proxy,
+    pseudo_gradient,
+    received_weights,
+    received_weights_into,
+)
 from diloco_trainer.learner.push_encoding import (
     encode_for_wire,
     one_pass,
@@ -96,6 +101,31 @@ class FragmentState:
     # fp32 CPU weights and counters when the unapplied push was made (None: nothing pushed).
     at_push: dict[str, Tensor] | None = None
     counters_at_push: FragmentCounters | None = None
+    # sync.lateMergeRule eager: keep the last update received, u = θ_base_before − θ_base (fp32,
+    # on the host: 4P/F more per fragment), for the proxy of the coming outer step (eager_jump).
+    track_update: bool = False
+    last_update: dict[str, Tensor] | None = None
+
+    def eager_jump(
+        self, *, lr: float, momentum: float, nesterov: bool, inner_steps: int
+    ) -> dict[str, Tensor]:
+        """sync.lateMergeRule eager, right after begin_push/encode_push: the weights to continue
+        from, θ_proxy = mixing.eager_proxy(θ_base, θ_push, u), which also replace the weights
+        at the push, so the receipt keeps θ_now − θ_proxy. `inner_steps`: H (the push's work is
+        its steps / H rounds)."""
+        assert self.at_push is not None and self.counters_at_push is not None, "push first"
+        steps = self.counters_at_push.steps
+        proxy = eager_proxy(
+            self._base_beside(self.at_push),
+            self.at_push,
+            self.last_update,
+            lr=lr,
+            momentum=momentum,
+            nesterov=nesterov,
+            work=max(steps, 1) / inner_steps,
+        )
+        self.at_push = proxy
+        return {n: t.clone() for n, t in proxy.items()}
 
     def begin_push(self, local: dict[str, Tensor]) -> dict[str, Tensor]:
         """Δ = base − local for a push now; remembers `local` (fp32, on the weights' device,
@@ -152,7 +182,10 @@ class FragmentState:
             target = received_weights_into(here, now, self.at_push, alpha)
         else:
             target = received_weights(here, now, self.at_push, alpha)
-        self.base = {n: t.to("cpu") for n, t in merged.items()}
+        new_base = {n: t.to("cpu") for n, t in merged.items()}
+        if self.track_update and self.base:
+            self.last_update = {n: self.base[n] - new_base[n] for n in new_base}
+        self.base = new_base
         self.base_on_device = here if device.type != "cpu" else {}
         self.version = version
         pushed = self.counters_at_push
@@ -166,6 +199,7 @@ class FragmentState:
         self.at_push = None
         self.counters_at_push = None
         self.counters = FragmentCounters()
+        self.last_update = None
         self.base = {n: t.to("cpu") for n, t in merged.items()}
         self.base_on_device = {}
         self.version = version

@@ -20,6 +20,7 @@ import threading
 import time
 from typing import Any
 
+import torch
 from torch import Tensor, nn
 
 from diloco_trainer.api.protocol import PushMeta
@@ -33,7 +34,7 @@ from diloco_trainer.learner.fragment_state import (
     at_step_cap,
     checked_fragment,
 )
-from diloco_trainer.learner.overlap import OverlapFit
+from diloco_trainer.learner.overlap import OverlapFit, covered_latency
 from diloco_trainer.learner.phase_alignment import phase_shift, schedule_positions
 from diloco_trainer.learner.push_encoding import encode_for_wire
 from diloco_trainer.learner.shards import FragmentShards
@@ -103,6 +104,9 @@ class FragmentSync:
             quorum=spec.sync.quorum, islands=islands, overlap=self.overlap
         )
         self.overlap_fit = OverlapFit(spec, blocking=self.blocking)
+        # sync.lateMergeRule eager: the proxies rank 0 moved fragments to at this step's pushes
+        # (after_step returns them, so every rank installs them).
+        self.jumps: dict[int, Weights] = {}
 
     @property
     def overlap(self) -> int:
@@ -161,7 +165,10 @@ class FragmentSync:
         pulled_future = self.link.submit(self.link.pull_all(len(info.fragments)))
         if not self.wait(pulled_future, float("inf")):
             return None
-        self.fragments = [FragmentState(names=list(frag)) for frag in info.fragments]
+        eager = self.spec.sync.late_merge_rule == "eager"
+        self.fragments = [
+            FragmentState(names=list(frag), track_update=eager) for frag in info.fragments
+        ]
         for f, pulled in enumerate(pulled_future.result()):
             self.arrived[f] = SyncResult(pulled=pulled, outcome="joined", seconds=0.0)
         log.info(
@@ -231,6 +238,10 @@ class FragmentSync:
                 target = self.receive(f)
                 if self.shards is None:  # sharded: every rank has installed its rows already
                     out[f] = target
+        # An eager jump not overtaken by a receipt in this call (which started from it).
+        for f, proxy in self.jumps.items():
+            out.setdefault(f, proxy)
+        self.jumps = {}
         self._hold(out)
         return out
 
@@ -299,7 +310,28 @@ class FragmentSync:
         for f in plan.push:
             self.overlap_fit.pushed(tau, clock, position)
             self.push(f, position, window)
+            if tau > 0:
+                self._eager_jump(f)
         return plan
+
+    def _eager_jump(self, f: int) -> None:
+        """sync.lateMergeRule eager, after a push overlapped with τ > 0 steps: move fragment f to
+        the proxy of its coming merge (FragmentState.eager_jump). Rank 0's weights move at once
+        (a receipt later in the same call computes from them); after_step hands the proxy to
+        every rank. A sharded island keeps its weights (the rule is keep there)."""
+        if self.spec.sync.late_merge_rule != "eager" or self.shards is not None:
+            return
+        outer = self.spec.outer
+        proxy = self.fragments[f].eager_jump(
+            lr=outer.lr,
+            momentum=outer.momentum,
+            nesterov=outer.nesterov,
+            inner_steps=self.spec.inner.steps,
+        )
+        with torch.no_grad():
+            for n, t in proxy.items():
+                self.params[n].copy_(t)
+        self.jumps[f] = proxy
 
     def _collect_plan(self, plan: StepPlan) -> list[int]:
         """Wait (bounded) for the fragments the plan needs, check the ones it may apply."""
@@ -444,7 +476,13 @@ class FragmentSync:
             # (a NaN in it, say) would spoil every push after it.
             self.error_feedback.reset(state.names)
         state.last_sync_seconds = result.seconds
-        self.overlap_fit.observe(result.latency)
+        self.overlap_fit.observe(
+            covered_latency(
+                covers=self.spec.sync.overlap_covers,
+                latency=result.latency,
+                seconds=result.seconds,
+            )
+        )
         self.round_times = [*self.round_times[-7:], result.seconds]
         log.info(
             "step %d: fragment %d applied version %d (%s, %.2fs after the push; %.3fs on the "

@@ -109,3 +109,63 @@ def received_weights_into(
                 target[sl].mul_(1.0 - alpha).add_(w)
         out[n] = at_push[n]
     return out
+
+
+LATE_MERGE_RULES = ("keep", "eager")  # sync.lateMergeRule
+
+
+def outer_proxy_coefficients(*, lr: float, momentum: float, nesterov: bool) -> tuple[float, float]:
+    """(c_Δ, c_u) of the proxy of the coming outer step, P̂ = c_Δ·Δ/w + c_u·u_prev (eager_proxy).
+
+    The syncer's step on a merge of every island's round (core/outer.py) is, with g the merged
+    per-round pseudo-gradient and m the momentum before it,
+        Nesterov:   m' = β·m + g,  θ' = θ − lr·(g + β·m') = θ − lr·((1 + β)·g + β²·m)
+        heavy ball: m' = β·m + g,  θ' = θ − lr·m'         = θ − lr·(g + β·m).
+    A learner knows neither g nor m. It stands in its own per-round Δ/w for g (the eager
+    update's proxy) and lr·m ≈ u_prev, the last update it received (θ_base_before − θ_base):
+    exact for heavy ball (u_prev = lr·m), and for Nesterov in a steady state (g constant:
+    m = g/(1 − β), u = lr·(g + β·m) = lr·m). So P̂ = lr·(1 + β)·Δ/w + β²·u_prev (Nesterov) or
+    lr·Δ/w + β·u_prev (heavy ball)."""
+    if nesterov:
+        return lr * (1.0 + momentum), momentum * momentum
+    return lr, momentum
+
+
+def eager_proxy(
+    base: Mapping[str, Tensor],
+    at_push: Mapping[str, Tensor],
+    last_update: Mapping[str, Tensor] | None,
+    *,
+    lr: float,
+    momentum: float,
+    nesterov: bool,
+    work: float,
+    own: bool = True,
+) -> dict[str, Tensor]:
+    """sync.lateMergeRule eager: the weights a learner continues from right after a push, its
+    guess of the merge the push goes into: θ_proxy = θ_base − P̂, with Δ = θ_base − θ_push,
+    P̂ = c_Δ·Δ/work + c_u·u_prev (outer_proxy_coefficients; `work` = the push's steps / H, the
+    rounds of work Δ holds, as the syncer divides by; `last_update` None: no update received yet,
+    u_prev = 0). The push's own weights θ_push are left: its work is in Δ, which the merge
+    applies. On arrival the learner installs θ_global + (θ_now − θ_proxy) (received_weights with
+    at_push = θ_proxy): the steps taken meanwhile are kept, and they were taken from about where
+    the merge put the fragment rather than from θ_push, which the outer step (its momentum
+    above all) has moved far from (Kale, Douillard, Donchev 2025, "Eager updates": the local
+    outer gradient as a proxy of the others' until theirs arrives).
+
+    `own` False: only the momentum's part of the step is guessed, θ_proxy = θ_push − c_u·u_prev
+    (the island's own Δ is taken once, as it is, not as the outer step would scale it)."""
+    if work <= 0:
+        raise ValueError(f"a push's work must be > 0 rounds, got {work}")
+    c_delta, c_update = outer_proxy_coefficients(lr=lr, momentum=momentum, nesterov=nesterov)
+    if not own:
+        c_delta, work = 1.0, 1.0
+    out: dict[str, Tensor] = {}
+    for n, b in base.items():
+        b32 = b.to(torch.float32)
+        delta = b32 - at_push[n].to(device=b32.device, dtype=torch.float32)
+        proxy = b32 - delta * (c_delta / work)
+        if last_update is not None:
+            proxy -= last_update[n].to(device=b32.device, dtype=torch.float32) * c_update
+        out[n] = proxy
+    return out

@@ -20,6 +20,7 @@ from diloco_trainer.learner.step_plan import Window, poll_from_steps
 log = logging.getLogger("diloco.learner")
 
 OVERLAP_MODES = ("auto", "fixed")  # sync.overlapMode
+OVERLAP_COVERS = ("sync", "merge")  # sync.overlapCovers
 # sync.overlapMode auto leaves a learner waiting for its merges at most this share of a round's
 # time: the overlap is the fewest steps that do.
 OVERLAP_FREE_SHARE = 0.01
@@ -69,6 +70,23 @@ def fit_overlap(
     return min(cap, max(0, math.ceil(steps - 1e-9)))
 
 
+def auto_overlap_cap(*, overlap_steps: int, inner_steps: int) -> int:
+    """The most steps sync.overlapMode auto overlaps a blocking learner's push with: H − 1 (the
+    merge is then still back before the fragment is due again), or sync.overlapSteps if larger;
+    0 when sync.overlapSteps is 0 (no overlap asked for: plain DiLoCo).
+
+    Why not overlapSteps (min(5, H/4) by default), as before issue 45: on a GPU a merge took
+    10-20 steps, and over a slow link a sync may take most of a round, so five steps left a
+    blocking learner idle 31-38% of the time (issue 45, gpt-125m bf16 on an H200). The fit
+    still takes the fewest steps that hide the measured latency, so a fast sync keeps few
+    steps."""
+    if overlap_steps < 0 or inner_steps < 1:
+        raise ValueError(
+            f"overlap steps must be >= 0 and inner steps >= 1, got {overlap_steps}, {inner_steps}"
+        )
+    return max(overlap_steps, inner_steps - 1) if overlap_steps else 0
+
+
 def sync_latency(
     *,
     push_seconds: float,
@@ -92,6 +110,23 @@ def sync_latency(
     return max(0.0, push_seconds) + max(0.0, merge_seconds) + pull + max(0.0, rebuild_seconds)
 
 
+def covered_latency(*, covers: str, latency: float | None, seconds: float) -> float | None:
+    """The latency sync.overlapMode auto fits τ to (sync.overlapCovers), from a sync's
+    SyncResult: "sync", its own latency without any wait for peers (`latency`: push, merge,
+    pull; sync_latency), the rule of issue 21; "merge", the whole push-to-merge time
+    (`seconds`), the wait for the peers' pushes included, which over a link the islands share
+    (a syncer's ingress) is mostly the link carrying the other pushes before the merge can run
+    (bench/busy_link). None when the syncer did not say its merge time (latency None), as
+    before."""
+    if covers not in OVERLAP_COVERS:
+        raise ValueError(
+            f"sync.overlapCovers must be one of {', '.join(OVERLAP_COVERS)}, got {covers!r}"
+        )
+    if latency is None:
+        return None
+    return latency if covers == "sync" else max(latency, seconds)
+
+
 # The latencies fit_overlap sees: the slowest of the learner's last few syncs (two rounds at
 # F = 2), so one quick merge does not undo a τ a slow one needed.
 RECENT_SYNCS = 4
@@ -107,6 +142,8 @@ class OverlapFit:
         self.spec = spec
         self.cap = cap
         self.blocking = blocking
+        # sync.overlapMode auto's cap for a learner that blocks (auto_overlap_cap).
+        self.auto_cap = auto_overlap_cap(overlap_steps=cap, inner_steps=spec.inner.steps)
         self.latencies: deque[float] = deque(maxlen=RECENT_SYNCS)
         self.tau: int | None = None  # the τ of the latest push
 
@@ -120,10 +157,12 @@ class OverlapFit:
         not block for its merge (K < M) keeps the cap: it never waits, so there is no wait to
         fit τ against, and its merges also wait out the syncer's grace window, which L leaves
         out (on gpt-tiny at K = 1 and 2 a fitted τ was 0.5-4.9% behind the cap at equal tokens
-        in one run per seed: bench/log/2026-11-26.md, "sync.overlapMode auto")."""
+        in one run per seed: bench/log/2026-11-26.md, "sync.overlapMode auto"). A blocking
+        learner's auto fit goes up to auto_overlap_cap (H − 1), not overlapSteps."""
+        mode = self.spec.sync.overlap_mode if self.blocking else "fixed"
         return fit_overlap(
-            mode=self.spec.sync.overlap_mode if self.blocking else "fixed",
-            cap=self.cap,
+            mode=mode,
+            cap=self.auto_cap if mode == "auto" else self.cap,
             latency=self.latency,
             step_time=step_time,
             inner_steps=self.spec.inner.steps,
@@ -151,7 +190,9 @@ class OverlapFit:
                 tau,
                 "not measured yet" if latency is None else f"{latency:.3f}s",
                 step_time,
-                self.cap,
+                self.auto_cap
+                if self.blocking and self.spec.sync.overlap_mode == "auto"
+                else self.cap,
                 self.spec.sync.overlap_mode if self.blocking else "fixed at K < M",
             )
             self.tau = tau

@@ -1,0 +1,494 @@
+"""Busy link: is the accelerator busy, and the model as good, when a sync takes a share of a round?
+
+Real training (a syncer and M learner processes, as `diloco run` starts them: bench/harness/
+ours_harness.py) with every learner-syncer connection through one rate/latency relay
+(bench/harness/relay.py, both directions in one token bucket: one link all islands share). The link
+is chosen so that a round's sync traffic takes L = 0, 25, 50 and 100% of a round's compute time:
+
+1. per seed, the L = 0 run at K = M goes first, over the relay with no limit and no added latency;
+   it gives the round's compute time T = H x the learners' median training seconds per step (their
+   own progress lines) and the bytes a round puts on the link, B: the relay's bytes per outer step
+   after the first (pushes, pulls and heartbeats of every island together; the joins' full pulls
+   left out);
+2. every other run's link has the rate B / (L x T) (Mbit/s in the table) and, for L > 0, an added
+   one-way latency (--latency-ms, RTT twice that); the share each run actually saw (its own bytes
+   per round / rate / its own round's compute time) is reported beside the nominal L.
+
+Per run, read from the learners' own progress lines (training / sync path / waiting, every 20
+steps) and the syncer's evaluations:
+- utilisation: time in inner steps / wall time, summed over the islands' windows (their start-up
+  and the final evaluation left out); and the waiting and sync-path shares;
+- eval loss at exactly equal tokens processed (interpolated at the budget, as
+  bench/decoupled_quality reads it), and its ratio to the same quorum's L = 0 run;
+- wall time until an evaluation first reaches the L = 0 blocking (K = M) run's loss at the budget,
+  as a multiple of that run's own time to it (every run trains on past the budget, to
+  --past-budget x it, so that one a little behind at the budget still gets there).
+Quorums: K = M and the job's default (1). Sync settings are the job's defaults (`--sync KEY=VALUE`
+overrides one, as in bench/decoupled_quality). torchft's DiLoCo is not run here: its gloo ring
+cannot go through the relay (bench/bandwidth shapes it with tc in a network namespace, as root).
+
+    python -m bench.busy_link                       # gpt-tiny, M=4, H=30, 300 steps, seed 0
+    python -m bench.busy_link --seeds 0 1 2 --sync lateMergeRule=keep
+    python -m bench.busy_link --quick --no-record   # smoke run: M=2, H=10, 60 steps, L=0, 50
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import socket
+import statistics
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from diloco_trainer.api.spec import JobSpec
+from diloco_trainer.local import Proc, start_syncer, wait_ready, write_job_files
+
+from bench.bandwidth import start_relay
+from bench.decoupled_quality import budget, island_progress, make_spec
+from bench.harness.common import (
+    LoadMonitor,
+    Report,
+    Table,
+    base_parser,
+    fmt_pct,
+    fmt_ratio,
+    install_signal_cleanup,
+    publish,
+    ratio,
+    track,
+    verdict,
+    workdir,
+)
+from bench.harness.decoupled_quality_report import interp, loss_at_tokens, time_to_loss
+from bench.harness.flags import INNER_OPTIMIZER, TRAINING
+from bench.harness.ours_harness import THREADS_ENV, OursRun
+
+# A learner's progress line's split of its window (learner/step_costs.WindowCosts.line).
+COSTS = re.compile(
+    r"(\d+) steps: ([\d.]+)s training, ([\d.]+)s sync path, ([\d.]+)s waiting for the syncer"
+)
+
+
+@dataclass(frozen=True)
+class Split:
+    """Seconds of a learner's progress windows: training, sync path, waiting."""
+
+    steps: int = 0
+    training: float = 0.0
+    sync_path: float = 0.0
+    waiting: float = 0.0
+
+    @property
+    def wall(self) -> float:
+        return self.training + self.sync_path + self.waiting
+
+    @property
+    def utilisation(self) -> float:
+        """Time in inner steps / wall time (NaN for no windows)."""
+        return self.training / self.wall if self.wall > 0 else math.nan
+
+    def __add__(self, other: Split) -> Split:
+        return Split(
+            self.steps + other.steps,
+            self.training + other.training,
+            self.sync_path + other.sync_path,
+            self.waiting + other.waiting,
+        )
+
+
+def window_split(log_text: str, *, skip_first: int = 1) -> Split:
+    """The sum of a learner's progress windows, the first `skip_first` left out (start-up: the
+    first round's window holds the join and the first compile of the step)."""
+    windows = [
+        Split(int(m[1]), float(m[2]), float(m[3]), float(m[4])) for m in COSTS.finditer(log_text)
+    ]
+    return sum(windows[skip_first:], Split())
+
+
+def link_rate(bytes_per_round: float, round_seconds: float, share: float) -> float | None:
+    """Bytes/s of a link on which a round's `bytes_per_round` take `share` of `round_seconds`
+    (None: share 0, an unlimited link)."""
+    if share < 0 or round_seconds <= 0 or bytes_per_round <= 0:
+        raise ValueError(
+            f"share ({share}) must be >= 0, round seconds ({round_seconds}) and bytes "
+            f"({bytes_per_round}) > 0"
+        )
+    return None if share == 0 else bytes_per_round / (share * round_seconds)
+
+
+def mbit(rate_bytes: float | None) -> str:
+    """A rate in bytes/s as Mbit/s for the table ('unlimited' for None)."""
+    return "unlimited" if rate_bytes is None else f"{rate_bytes * 8 / 1e6:.3g} Mbit/s"
+
+
+def relay_bytes(wd: Path) -> int:
+    """Bytes the run's relay carried, both ways (its --stats file; 0 if none)."""
+    stats = wd / "relay-stats.json"
+    if not stats.exists():
+        return 0
+    carried = json.loads(stats.read_text())
+    return int(carried.get("up", 0)) + int(carried.get("down", 0))
+
+
+def wildcard_free_port() -> int:
+    """A TCP port free on every address a moment ago (the syncer binds 0.0.0.0). One free on
+    127.0.0.1 only (local.free_port) was taken three times in a row on a machine with thousands
+    of TIME-WAIT connections of other engineers' tests."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("0.0.0.0", 0))
+        return int(s.getsockname()[1])
+
+
+class LinkRun(OursRun):
+    """OursRun whose syncer gets a port free on every address (wildcard_free_port)."""
+
+    def start(self) -> None:
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        self.files = write_job_files(self.spec, self.workdir)
+        self.port = wildcard_free_port()
+        self.syncer = track(
+            start_syncer(
+                self.files,
+                port=self.port,
+                state_dir=self.workdir / "syncer",
+                job_name=self.job_name,
+                log_file=self.workdir / "syncer.log",
+                extra_env=THREADS_ENV,
+            )
+        )
+        wait_ready(self.url, self.files.token, 120, proc=self.syncer)
+        for i in range(self.spec.islands.count):
+            self.start_island(i)
+
+
+def run_over_link(
+    spec: JobSpec, wd: Path, *, rate: float | None, latency_ms: float, timeout: float
+) -> dict[str, Any]:
+    """One job of ours with every island behind one relay; its history (seconds, tokens
+    processed, eval loss), the islands' window splits, the relay's bytes and the rounds run."""
+    relay: dict[str, Any] = {}
+
+    def route(_i: int, url: str) -> str:
+        if not relay:
+            target = int(url.rsplit(":", 1)[1])
+            relay["proc"], relay["port"] = start_relay(
+                wd, target, None if rate is None else rate * 8 / 1e6, latency_ms
+            )
+        return f"http://127.0.0.1:{relay['port']}"
+
+    run = LinkRun(spec=spec, workdir=wd, route=route)
+    run.start()
+    t0 = time.time()
+    samples: list[tuple[int, int]] = []  # (outer step, relay bytes) at each status poll
+    try:
+        st = run.wait_finished(
+            timeout=timeout,
+            on_status=lambda st: samples.append((int(st["outerStep"]), relay_bytes(wd))),
+        )
+        for proc in run.learners.values():
+            proc.wait(120)  # learners exit once they see finished=true
+        wall = time.time() - t0
+    finally:
+        run.stop()
+        if relay:
+            proc_: Proc = relay["proc"]
+            proc_.stop()
+    step_tokens = spec.inner.batch_size * spec.inner.seq_len
+    progress = {i: island_progress(p.log_file, step_tokens) for i, p in run.learners.items()}
+
+    def processed(t: float) -> float:
+        return sum(interp([(a, float(b)) for a, b in pts], t) for pts in progress.values())
+
+    history = [(0.0, 0.0, float(st["initialEvalLoss"]))]
+    history += [(h["time"] - t0, processed(h["time"]), h["evalLoss"]) for h in st["evalHistory"]]
+    splits = [window_split(p.log_text()) for p in run.learners.values()]
+    return {
+        "history": history,
+        "wall": wall,
+        "splits": splits,
+        "bytes_per_round": bytes_per_round(samples),
+        "merges": int(st.get("mergeCount", 0)),
+        "rounds": int(st["outerStep"]),
+    }
+
+
+def bytes_per_round(samples: Sequence[tuple[int, int]]) -> float:
+    """The link's bytes per round in steady state: the slope of the relay's bytes over outer
+    steps, from the first poll after the first outer step (the joins' full pulls before it left
+    out) to the last poll (NaN with fewer than two outer steps between them)."""
+    later = [s for s in samples if s[0] >= 1]
+    if len(later) < 2 or later[-1][0] <= later[0][0]:
+        return math.nan
+    (s0, b0), (s1, b1) = later[0], later[-1]
+    return (b1 - b0) / (s1 - s0)
+
+
+def run_retrying_a_taken_port(spec: JobSpec, wd: Path, **kw: Any) -> dict[str, Any]:
+    """run_over_link, started again (in a fresh directory) when the syncer could not bind the
+    port it was given because another process on this shared machine took it meanwhile."""
+    for attempt in range(3):
+        try:
+            return run_over_link(
+                spec, wd if not attempt else wd.with_name(f"{wd.name}-{attempt}"), **kw
+            )
+        except RuntimeError as err:
+            if "address already in use" not in str(err) or attempt == 2:
+                raise
+            print(
+                f"  the syncer's port was taken meanwhile; starting again ({err!s:.60})", flush=True
+            )
+    raise AssertionError("unreachable")
+
+
+def round_seconds(splits: Sequence[Split], inner_steps: int) -> float:
+    """A round's compute time: H x the median over islands of training seconds per step."""
+    per_step = [s.training / s.steps for s in splits if s.steps]
+    if not per_step:
+        raise ValueError("no progress windows to time a round from")
+    return inner_steps * statistics.median(per_step)
+
+
+def seen_share(r: dict[str, Any], rate: float | None, inner_steps: int) -> float:
+    """The share of a round's compute time the run's link was busy: its bytes per round / rate
+    / its own round's compute time; 0 on an unlimited link."""
+    if rate is None:
+        return 0.0
+    return r["bytes_per_round"] / rate / round_seconds(r["splits"], inner_steps)
+
+
+def utilisation(r: dict[str, Any]) -> Split:
+    """Every island's windows together."""
+    return sum(r["splits"], Split())
+
+
+def quorums(args: Any) -> list[int]:
+    """K = M first (the L = 0 blocking run calibrates the link), then the job's default."""
+    return list(dict.fromkeys([args.islands, *args.quorums]))
+
+
+def run_all(args: Any, wd: Path) -> dict[tuple[int, int, float], dict[str, Any]]:
+    """{(seed, quorum, share): result}; the L = 0 K = M run of each seed first."""
+    out: dict[tuple[int, int, float], dict[str, Any]] = {}
+    shares = sorted(set(args.shares))
+    for seed in args.seeds:
+        calib: dict[str, float] = {}
+        for k in quorums(args):
+            for share in shares:
+                # Past the budget (--past-budget), so that a run a little behind at the budget
+                # still shows when it reaches the K = M, L = 0 run's loss there.
+                limit = math.ceil(args.past_budget * budget(args))
+                spec = make_spec(args, seed=seed, quorum=k, tokens=limit)
+                if share == 0:
+                    rate = None
+                else:
+                    if not calib:
+                        raise SystemExit("--shares must include 0 (the calibration run)")
+                    rate = link_rate(calib["bytes"], calib["round"], share / 100)
+                name = f"seed{seed}-k{k}-L{share:g}"
+                print(f"{name}: link {mbit(rate)}", flush=True)
+                r = run_retrying_a_taken_port(
+                    spec,
+                    wd / name,
+                    rate=rate,
+                    latency_ms=args.latency_ms if share else 0.0,
+                    timeout=args.timeout,
+                )
+                r["rate"] = rate
+                if share == 0 and k == args.islands:
+                    calib["round"] = round_seconds(r["splits"], args.inner_steps)
+                    calib["bytes"] = r["bytes_per_round"]
+                    print(
+                        f"  calibration: a round {calib['round']:.2f}s of compute, "
+                        f"{calib['bytes'] / 1e6:.2f} MB on the link",
+                        flush=True,
+                    )
+                r["calib"] = dict(calib)
+                out[(seed, k, share)] = r
+                u = utilisation(r)
+                print(
+                    f"  -> utilisation {u.utilisation:.3f} (waiting {u.waiting / u.wall:.3f}), "
+                    f"loss {loss_at_tokens(r, budget(args)):.4f} at the budget, "
+                    f"{r['wall']:.0f}s",
+                    flush=True,
+                )
+    return out
+
+
+def fmt_spread(values: Sequence[float], fmt: Any) -> str:
+    """Mean (and the range over seeds when there are several)."""
+    vals = [v for v in values if v == v]
+    if not vals:
+        return "n/a"
+    if len(vals) == 1:
+        return fmt(vals[0])
+    return f"{fmt(statistics.mean(vals))} ({fmt(min(vals))}-{fmt(max(vals))})"
+
+
+def tables(args: Any, results: dict[tuple[int, int, float], dict[str, Any]]) -> list[Table]:
+    b = budget(args)
+    m = args.islands
+    seeds = args.seeds
+    shares = sorted(set(args.shares))
+    main = Table(
+        f"Utilisation and eval loss over a link that a round's sync takes L of ({args.preset}, "
+        f"M = {m}, H = {args.inner_steps}, {args.steps} steps per island, seeds "
+        f"{', '.join(map(str, seeds))}; mean (range) over seeds)",
+        [
+            "K",
+            "L (nominal)",
+            "link",
+            "L seen",
+            "utilisation",
+            "waiting",
+            "sync path",
+            "loss at equal tokens",
+            "/ same K at L=0",
+            "time to K=M L=0's loss / its own",
+        ],
+    )
+    verdicts = Table(
+        "Issue 45's targets in this run",
+        ["K", "L", "target", "figure", "verdict"],
+    )
+    for k in quorums(args):
+        for share in shares:
+            rs = [results[(s, k, share)] for s in seeds if (s, k, share) in results]
+            if not rs:
+                continue
+            us = [utilisation(r) for r in rs]
+            losses = [loss_at_tokens(r, b) for r in rs]
+            base = [loss_at_tokens(results[(s, k, 0)], b) for s in seeds if (s, k, 0) in results]
+            rel = [ratio(x, y) for x, y in zip(losses, base, strict=False)]
+            ref = [results[(s, m, 0)] for s in seeds if (s, m, 0) in results]
+            to_target = []
+            for r, r0 in zip(rs, ref, strict=False):
+                target = loss_at_tokens(r0, b)
+                to_target.append(ratio(time_to_loss(r, target), time_to_loss(r0, target)))
+            rates = {r["rate"] for r in rs}
+            main.add(
+                f"{k}{' (= M)' if k == m else ''}",
+                f"{share:g}%",
+                ", ".join(sorted(mbit(x) for x in rates))
+                + (f", RTT {2 * args.latency_ms:g} ms" if share else ""),
+                fmt_spread([seen_share(r, r["rate"], args.inner_steps) for r in rs], fmt_pct),
+                fmt_spread([u.utilisation for u in us], lambda x: f"{x:.3f}"),
+                fmt_spread([u.waiting / u.wall for u in us], fmt_pct),
+                fmt_spread([u.sync_path / u.wall for u in us], fmt_pct),
+                fmt_spread(losses, lambda x: f"{x:.4f}"),
+                fmt_spread(rel, fmt_ratio),
+                fmt_spread(to_target, lambda x: "never" if x == math.inf else fmt_ratio(x)),
+            )
+            util = min(u.utilisation for u in us)
+            need = 0.97 if share <= 50 else 0.90
+            verdicts.add(
+                k,
+                f"{share:g}%",
+                f"utilisation >= {need}",
+                f"{util:.3f} (worst seed)",
+                verdict(util >= need),
+            )
+            if share and share <= 50:
+                worst = max(rel)
+                verdicts.add(
+                    k,
+                    f"{share:g}%",
+                    "loss <= 1.005x L=0",
+                    fmt_ratio(worst, 4),
+                    verdict(worst <= 1.005),
+                )
+                slow = max(to_target)
+                verdicts.add(
+                    k,
+                    f"{share:g}%",
+                    "time to target <= 1.05x",
+                    "never" if slow == math.inf else fmt_ratio(slow),
+                    verdict(slow <= 1.05),
+                )
+    return [main, verdicts]
+
+
+def parse_args(argv: Sequence[str] | None) -> Any:
+    p = base_parser(
+        __doc__ or "",
+        **TRAINING,
+        **INNER_OPTIMIZER,
+        islands=4,
+        inner_steps=30,
+        steps=300,
+        eval_tokens=4096,
+        seeds=[0],
+        timeout=1200,
+    )
+    p.add_argument(
+        "--shares",
+        type=float,
+        nargs="+",
+        default=[0, 25, 50, 100],
+        help="L: % of a round's compute time a round's sync traffic takes (0 must be in it)",
+    )
+    p.add_argument(
+        "--quorums", type=int, nargs="*", default=[1], help="quorums besides K = M (default: 1)"
+    )
+    p.add_argument(
+        "--latency-ms", type=float, default=10.0, help="one-way latency added where L > 0"
+    )
+    p.add_argument(
+        "--sync",
+        action="append",
+        metavar="KEY=VALUE",
+        help="a spec.sync setting for every run instead of its default (repeatable)",
+    )
+    p.add_argument(
+        "--past-budget",
+        type=float,
+        default=1.25,
+        help="every run trains up to this multiple of the token budget (S steps per island), to "
+        "time when it reaches the K = M, L = 0 run's loss at the budget; equal-token figures are "
+        "read at the budget",
+    )
+    p.add_argument("--quick", action="store_true", help="smoke run: M=2, H=10, 60 steps, L=0,50")
+    args = p.parse_args(argv)
+    if args.quick:
+        args.islands, args.inner_steps, args.steps = 2, 10, 60
+        args.shares, args.seeds, args.quorums = [0, 50], [0], [1]
+    return args
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    install_signal_cleanup()
+    with LoadMonitor() as load, workdir(args.workdir, "busy-link") as wd:
+        results = run_all(args, wd)
+    calib = next(iter(results.values()))["calib"]
+    report = Report(
+        "busy_link",
+        "Utilisation (time in inner steps / wall), eval loss at equal tokens and wall time to "
+        "the L = 0 blocking run's loss, with every learner-syncer connection through one "
+        "relay whose rate makes a round's sync traffic take L of a round's compute time.",
+        tables=tables(args, results),
+        notes=[
+            f"Calibration (seed {args.seeds[0]}, K = M, L = 0): a round is "
+            f"{calib.get('round', math.nan):.2f}s of compute (H x the median training seconds "
+            f"a step) and puts {calib.get('bytes', math.nan) / 1e6:.2f} MB on the link (the "
+            "relay's bytes per outer step after the first, both directions, every island); "
+            "rate = bytes / (L x round).",
+            "Utilisation, waiting and sync path: shares of the learners' progress windows "
+            "(their own split, every 20 steps; the first window, with the join, left out).",
+            "Loss at equal tokens: interpolated at the budget of tokens processed (the "
+            "learners' own counts); time to target: the first evaluation at or below the "
+            "K = M, L = 0 run's loss at the budget, over that run's own time to it.",
+            "Sync settings: the job defaults but the quorum"
+            + (f" and {', '.join(args.sync)}" if args.sync else "")
+            + "; torchft not run (its ring cannot go through the relay).",
+        ],
+    )
+    return publish(report, args, load)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,64 @@
+"""bench/busy_link's pure parts: reading the learners' window splits, the link's rate for a share
+of a round, the steady bytes per round and the round's compute time."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from bench.busy_link import (
+    Split,
+    bytes_per_round,
+    link_rate,
+    mbit,
+    round_seconds,
+    seen_share,
+    window_split,
+)
+
+PREFIX = "2026-11-28 10:00:00,000 INFO x diloco.learner: step 19 loss 3.1 tokens 1 (9 tokens/s); "
+LOG = "\n".join(
+    PREFIX + f"20 steps: {t}s training, {p}s sync path, {w}s waiting for the syncer; 1.00s cpu"
+    for t, p, w in [
+        ("9.000", "0.500", "0.500"),
+        ("4.000", "0.250", "0.750"),
+        ("4.500", "0.250", "0.250"),
+    ]
+)
+
+
+def test_window_split_leaves_the_first_window_out_and_sums_the_rest() -> None:
+    s = window_split(LOG)
+    assert s == Split(40, 8.5, 0.5, 1.0)
+    assert s.wall == pytest.approx(10.0)
+    assert s.utilisation == pytest.approx(0.85)
+    assert window_split(LOG, skip_first=0).steps == 60
+    assert math.isnan(window_split("").utilisation)
+
+
+def test_link_rate_makes_a_round_of_bytes_take_the_share() -> None:
+    # 1 MB a round, a 2 s round: at 50% the link moves 1 MB in 1 s.
+    assert link_rate(1e6, 2.0, 0.5) == pytest.approx(1e6)
+    assert link_rate(1e6, 2.0, 1.0) == pytest.approx(5e5)
+    assert link_rate(1e6, 2.0, 0.0) is None
+    assert mbit(1e6) == "8 Mbit/s" and mbit(None) == "unlimited"
+    with pytest.raises(ValueError):
+        link_rate(0, 2.0, 0.5)
+
+
+def test_bytes_per_round_is_the_slope_after_the_first_outer_step() -> None:
+    # The joins' 5 MB before step 1 stay out; then 2 MB a step.
+    samples = [(0, 0), (0, 5_000_000), (1, 6_000_000), (2, 8_000_000), (4, 12_000_000)]
+    assert bytes_per_round(samples) == pytest.approx(2e6)
+    assert math.isnan(bytes_per_round([(0, 0), (1, 5)]))
+
+
+def test_round_seconds_and_the_share_a_run_saw() -> None:
+    splits = [Split(20, 2.0, 0, 0), Split(20, 4.0, 0, 0), Split(20, 3.0, 0, 0)]
+    assert round_seconds(splits, 30) == pytest.approx(4.5)  # H x the median 0.15 s a step
+    run = {"bytes_per_round": 9e5, "splits": splits}
+    assert seen_share(run, 4e5, 30) == pytest.approx(0.5)  # 9e5 B at 4e5 B/s: 2.25 s of 4.5 s
+    assert seen_share(run, None, 30) == 0.0
+    with pytest.raises(ValueError):
+        round_seconds([Split()], 30)
