@@ -15,10 +15,10 @@ pytestmark = pytest.mark.cluster
 
 def _columns(cluster: Cluster, name: str) -> dict[str, str]:
     """`kubectl get dj NAME`'s columns by header (headers and values are single words, but
-    'OUTER STEP', whose header is two)."""
+    'OUTER STEP' and 'EVAL LOSS', whose headers are two)."""
     out = cluster.cp.kubectl("get", "dj", name, "-n", cluster.ns).stdout
     header, row = out.strip().splitlines()
-    names = header.replace("OUTER STEP", "OUTER_STEP").split()
+    names = header.replace("OUTER STEP", "OUTER_STEP").replace("EVAL LOSS", "EVAL_LOSS").split()
     return dict(zip(names, row.split(), strict=True))
 
 
