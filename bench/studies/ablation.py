@@ -20,7 +20,7 @@ import multiprocessing
 import signal
 import statistics
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import replace
 from typing import Any
 
@@ -91,19 +91,28 @@ def variants(args: Any) -> dict[str, Knobs]:
     return out
 
 
-def run_one(job: tuple[Any, int, str, Knobs]) -> tuple[int, str, float, float]:
+def run_one(
+    job: tuple[Any, int, str, Knobs, type[Simulation]],
+) -> tuple[int, str, float, float]:
     """(seed, label, eval loss, seconds) of one variant on one seed (a worker process)."""
-    args, seed, label, knobs = job
+    args, seed, label, knobs, simulation = job
     torch.set_num_threads(1)
     t0 = time.monotonic()
     spec = make_spec(args, seed=seed, quorum=args.islands)
-    loss = Simulation(spec, knobs, args.islands).run(args.steps)
+    loss = simulation(spec, knobs, args.islands).run(args.steps)
     return seed, label, loss, time.monotonic() - t0
 
 
-def run_all(args: Any) -> dict[str, dict[int, float]]:
-    """{label: {seed: loss}}, `--jobs` variants at a time, seeds first in the given order."""
-    jobs = [(args, s, label, k) for s in args.seeds for label, k in variants(args).items()]
+def run_all(
+    args: Any,
+    runs: Mapping[str, Knobs] | None = None,
+    simulation: type[Simulation] = Simulation,
+) -> dict[str, dict[int, float]]:
+    """{label: {seed: loss}} of `runs` (default: this study's variants) on `simulation`,
+    `--jobs` variants at a time, seeds first in the given order (bench.studies.late_merge runs
+    its own variants on its own simulation here too)."""
+    runs = variants(args) if runs is None else runs
+    jobs = [(args, s, label, k, simulation) for s in args.seeds for label, k in runs.items()]
     out: dict[str, dict[int, float]] = {}
     ctx = multiprocessing.get_context("spawn")
     with ctx.Pool(args.jobs) as pool:

@@ -16,10 +16,8 @@ The reference is the same job with its merges back at once (τ = 0: the unlimite
 
 from __future__ import annotations
 
-import multiprocessing
 import signal
 import statistics
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Any
@@ -27,9 +25,9 @@ from typing import Any
 import torch
 from diloco_trainer.learner.mixing import eager_proxy
 
-from bench.decoupled_quality import make_spec
 from bench.harness.common import LoadMonitor, Report, Table, base_parser, fmt_ratio, publish
 from bench.harness.flags import INNER_OPTIMIZER, TRAINING
+from bench.studies import ablation
 from bench.studies.ablation_sim import Knobs, Simulation
 
 DEFAULTS = Knobs(push="int8", pull="int8", fragments=2, overlap=0, merge="tokens")
@@ -85,24 +83,9 @@ def variants(args: Any) -> dict[str, LateKnobs]:
     return out
 
 
-def run_one(job: tuple[Any, int, str, LateKnobs]) -> tuple[int, str, float, float]:
-    args, seed, label, knobs = job
-    torch.set_num_threads(1)
-    t0 = time.monotonic()
-    spec = make_spec(args, seed=seed, quorum=args.islands)
-    loss = LateSimulation(spec, knobs, args.islands).run(args.steps)
-    return seed, label, loss, time.monotonic() - t0
-
-
 def run_all(args: Any) -> dict[str, dict[int, float]]:
-    jobs = [(args, s, label, k) for s in args.seeds for label, k in variants(args).items()]
-    out: dict[str, dict[int, float]] = {}
-    ctx = multiprocessing.get_context("spawn")
-    with ctx.Pool(args.jobs) as pool:
-        for seed, label, loss, secs in pool.imap_unordered(run_one, jobs):
-            out.setdefault(label, {})[seed] = loss
-            print(f"seed {seed}: {label}: {loss:.4f} ({secs:.0f}s)", flush=True)
-    return out
+    """{label: {seed: loss}} of this study's variants, on ablation's runner."""
+    return ablation.run_all(args, variants(args), LateSimulation)
 
 
 def table(args: Any, results: dict[str, dict[int, float]]) -> Table:
