@@ -17,7 +17,6 @@ from __future__ import annotations
 import http.client
 import json
 import socket
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,7 +27,7 @@ from diloco_trainer.api import credentials, protocol
 
 from bench.healthz_flood import flood_round
 
-from .conftest import SyncerHandle, deep_merge
+from .conftest import SyncerHandle, deep_merge, wait_until
 from .test_adversary import (
     ADVERSARY,
     HONEST,
@@ -59,8 +58,10 @@ LIMITS_SPEC = deep_merge(
     },
 )
 ELSEWHERE = "127.0.0.2"
-# Answers of 503 busy a request from another address retries after their Retry-After.
-BUSY_RETRIES = 5  # another peer address on loopback (the kubelet, another island)
+# A request from another address answered 503 busy is sent again at the syncer's Retry-After
+# (limits.BUSY_RETRY_AFTER), for at most BUSY_WAIT seconds.
+BUSY_RETRY_AFTER = 2.0
+BUSY_WAIT = 30.0  # another peer address on loopback (the kubelet, another island)
 
 
 @pytest.fixture
@@ -146,7 +147,10 @@ class FromAddress(SyncerHandle):
         headers = {"Content-Type": "application/octet-stream"} if body is not None else {}
         if token is not None:
             headers["Authorization"] = f"Bearer {self.token if token == '' else token}"
-        for _ in range(BUSY_RETRIES):  # as the learners' client does: 503 busy, Retry-After
+
+        def answered() -> tuple[http.client.HTTPResponse, bytes] | None:
+            """The answer, or None for 503 busy with Retry-After (the learners' client retries
+            those, at that pace)."""
             conn = http.client.HTTPConnection(
                 "127.0.0.1", self.port, timeout=timeout, source_address=(self.source, 0)
             )
@@ -156,10 +160,12 @@ class FromAddress(SyncerHandle):
                 raw = resp.read()
             finally:
                 conn.close()
-            retry_after = resp.getheader("Retry-After")
-            if resp.status != 503 or retry_after is None:
-                break
-            time.sleep(float(retry_after))  # the protocol's back-off, not a synchronisation
+            busy = resp.status == 503 and resp.getheader("Retry-After") is not None
+            return None if busy else (resp, raw)
+
+        resp, raw = wait_until(
+            answered, timeout=BUSY_WAIT, interval=BUSY_RETRY_AFTER, what=f"{path} not busy"
+        )
         if "json" in resp.getheader("Content-Type", ""):
             return resp.status, json.loads(raw)
         return resp.status, raw

@@ -14,7 +14,6 @@ import re
 import signal
 import subprocess
 import sys
-import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -105,12 +104,13 @@ def wait_training(workdir: Path, run_pid: int) -> list[int]:
 
 def gone_within(pids: list[int], seconds: float) -> list[int]:
     """The pids of `pids` still alive after `seconds` (an empty list once all are gone)."""
-    deadline = time.monotonic() + seconds
-    left = pids
-    while left and time.monotonic() < deadline:
-        time.sleep(0.1)
-        left = [p for p in left if Path(f"/proc/{p}").exists() and not _zombie(p)]
-    return left
+
+    def alive() -> list[int]:
+        return [p for p in pids if Path(f"/proc/{p}").exists() and not _zombie(p)]
+
+    with contextlib.suppress(AssertionError):  # timed out: the caller names who is left
+        wait_until(lambda: not alive(), timeout=seconds, interval=0.1, what="the children gone")
+    return alive()
 
 
 def _zombie(pid: int) -> bool:
