@@ -46,7 +46,7 @@ from pathlib import Path
 from typing import Any
 
 from diloco_trainer.api.spec import JobSpec
-from diloco_trainer.local import Proc, start_syncer, wait_ready, write_job_files
+from diloco_trainer.local import Proc
 
 from bench.bandwidth import start_relay
 from bench.decoupled_quality import budget, island_progress, make_spec
@@ -60,13 +60,12 @@ from bench.harness.common import (
     install_signal_cleanup,
     publish,
     ratio,
-    track,
     verdict,
     workdir,
 )
 from bench.harness.decoupled_quality_report import interp, loss_at_tokens, time_to_loss
 from bench.harness.flags import INNER_OPTIMIZER, TRAINING
-from bench.harness.ours_harness import THREADS_ENV, OursRun
+from bench.harness.ours_harness import OursRun
 
 # A learner's progress line's split of its window (learner/step_costs.WindowCosts.line).
 COSTS = re.compile(
@@ -147,23 +146,8 @@ def wildcard_free_port() -> int:
 class LinkRun(OursRun):
     """OursRun whose syncer gets a port free on every address (wildcard_free_port)."""
 
-    def start(self) -> None:
-        self.workdir.mkdir(parents=True, exist_ok=True)
-        self.files = write_job_files(self.spec, self.workdir)
-        self.port = wildcard_free_port()
-        self.syncer = track(
-            start_syncer(
-                self.files,
-                port=self.port,
-                state_dir=self.workdir / "syncer",
-                job_name=self.job_name,
-                log_file=self.workdir / "syncer.log",
-                extra_env=THREADS_ENV,
-            )
-        )
-        wait_ready(self.url, self.files.token, 120, proc=self.syncer)
-        for i in range(self.spec.islands.count):
-            self.start_island(i)
+    def pick_port(self) -> int:
+        return wildcard_free_port()
 
 
 def run_over_link(
@@ -429,7 +413,7 @@ def parse_args(argv: Sequence[str] | None) -> Any:
         type=float,
         nargs="+",
         default=[0, 25, 50, 100],
-        help="L: % of a round's compute time a round's sync traffic takes (0 must be in it)",
+        help="L: %% of a round's compute time a round's sync traffic takes (0 must be in it)",
     )
     p.add_argument(
         "--quorums", type=int, nargs="*", default=[1], help="quorums besides K = M (default: 1)"

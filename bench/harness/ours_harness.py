@@ -57,7 +57,7 @@ class OursRun:
         """Start the syncer, wait until it is ready, then every island."""
         self.workdir.mkdir(parents=True, exist_ok=True)
         self.files = write_job_files(self.spec, self.workdir)
-        self.port = free_port()
+        self.port = self.pick_port()
         self.syncer = track(
             start_syncer(
                 self.files,
@@ -71,6 +71,10 @@ class OursRun:
         wait_ready(self.url, self.files.token, 120, proc=self.syncer)
         for i in range(self.spec.islands.count):
             self.start_island(i)
+
+    def pick_port(self) -> int:
+        """The syncer's port: one free on loopback."""
+        return free_port()
 
     def island_url(self, i: int) -> str:
         return self.route(i, self.url) if self.route else self.url
