@@ -74,6 +74,10 @@ HEALTH_KINDS = {
     # An island's pushes all sit at the learned norm bound (a ratchet, or an island spending
     # what the bound allows): in a job of two the bound holds it, this names it (issue 46).
     "islandAtBound": "IslandPushesAtBound",
+    # The syncer's quality guard ended the job: its eval loss kept rising above the best it had
+    # reached (syncer.qualityGuard; one bad island of two, issue 46). The job's final checkpoint
+    # is the best-evaluated one.
+    "evalLossRose": "EvalLossRose",
 }
 
 

@@ -20,6 +20,8 @@ An island the syncer dropped for refused pushes gets one Warning Event `IslandDr
 While the syncer reports the health problem `islandAtBound` (an island's pushes all sit at the
 learned norm bound: a ratchet, issue 46) the job gets one Warning Event `IslandPushesAtBound`
 (again once it cleared and came back); the SyncerHealthy condition names it too (conditions.py).
+Likewise the health problem `evalLossRose` (the syncer's quality guard ended the job: its eval
+loss kept rising above the best) gets one Warning Event `EvalLossRose`.
 """
 
 from __future__ import annotations
@@ -42,6 +44,19 @@ AT_BOUND_MESSAGE = (
     "the syncer reports an island whose pushes all sit at the learned norm bound (a ratchet, or "
     "an island pushing as far as the bound lets it); its status document's health names it"
 )
+EVAL_LOSS_ROSE = "EvalLossRose"
+EVAL_LOSS_ROSE_KIND = "evalLossRose"  # syncer/state/problems.py
+EVAL_LOSS_ROSE_MESSAGE = (
+    "the syncer's quality guard ended the job: its eval loss rose above syncer.qualityGuard's "
+    "margin over the best for patience evaluations in a row (a bad island, or training that "
+    "diverged); merging stopped and the final checkpoint is the best-evaluated one"
+)
+# The syncer's health problems that each get one Warning Event while reported (again once they
+# cleared and came back): kind -> (Event reason, message).
+PROBLEM_EVENTS = {
+    AT_BOUND_KIND: (AT_BOUND, AT_BOUND_MESSAGE),
+    EVAL_LOSS_ROSE_KIND: (EVAL_LOSS_ROSE, EVAL_LOSS_ROSE_MESSAGE),
+}
 # A reason this operator does not know (a newer syncer's): counted, never quoted.
 OTHER = "other"
 # Counts beyond this are not believed (int64, as everywhere in the job's status).
@@ -128,10 +143,12 @@ def post_refusal_events(
         elif key not in posted:
             posted[key] = dropped_message(island)
             post_event(body, "Warning", DROPPED_BY_SYNCER, posted[key])
-    key = f"{uid}/{AT_BOUND}"
-    if not any(p.kind == AT_BOUND_KIND for p in syncer.health().problems):
-        posted.pop(key, None)  # cleared: a later report is news again
-    elif key not in posted:
-        posted[key] = AT_BOUND_MESSAGE
-        post_event(body, "Warning", AT_BOUND, AT_BOUND_MESSAGE)
+    kinds = {p.kind for p in syncer.health().problems}
+    for kind, (reason, message) in PROBLEM_EVENTS.items():
+        key = f"{uid}/{reason}"
+        if kind not in kinds:
+            posted.pop(key, None)  # cleared: a later report is news again
+        elif key not in posted:
+            posted[key] = message
+            post_event(body, "Warning", reason, message)
     return counts

@@ -225,6 +225,32 @@ class GuardsSpec(SpecModel):
     )
 
 
+class QualityGuardSpec(SpecModel):
+    """The syncer's check of its own evaluations: a model whose eval loss keeps rising above the
+    best it reached ends the job (syncer/state/quality.py; issue 46: one bad island of two)."""
+
+    margin: float = Field(
+        0.05,
+        gt=0,
+        le=10,
+        description="An evaluation counts as a rise when its eval loss is above (1 + margin) x "
+        "the best eval loss before it (0.05: 5%).",
+    )
+    patience: int = Field(
+        3,
+        ge=0,
+        le=100000,
+        description="After this many evaluations in a row that are rises, the syncer stops "
+        "merging and ends the job (finished, the health problem evalLossRose, its final "
+        "checkpoint the best-evaluated one); 0 turns the guard off. While on, an evaluation that "
+        "is the best so far writes a checkpoint (kept beside syncer.checkpoint.keep's).",
+    )
+
+    @property
+    def enabled(self) -> bool:
+        return self.patience > 0
+
+
 class LimitsSpec(SpecModel):
     """What the syncer's HTTP server allows any client."""
 
@@ -303,6 +329,7 @@ class SyncerSpec(SpecModel):
         1, ge=1, description="Evaluate the global weights every N outer steps."
     )
     guards: GuardsSpec = Field(default_factory=GuardsSpec)
+    quality_guard: QualityGuardSpec = Field(default_factory=QualityGuardSpec)
     limits: LimitsSpec = Field(default_factory=LimitsSpec)
     shards: int = Field(
         1,

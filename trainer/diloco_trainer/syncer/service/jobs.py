@@ -15,6 +15,15 @@ the drain's last pushes: the same outer step twice, with more tokens); checkpoin
 syncer.checkpoint.everyOuterSteps outer steps, at the finish and when the syncer stops (SIGTERM)
 with merges since the last one. evalHistory keeps the first evaluation and the last
 EVAL_HISTORY - 1.
+
+The quality guard (syncer.qualityGuard, state/quality.py) reads these evaluations: while it is on,
+an evaluation with the lowest loss so far writes a checkpoint of those weights at once (the
+*best*; the pruning of syncer.checkpoint.keep neither counts nor deletes it, so the disk holds
+at most keep + 1 checkpoints), and after `patience` evaluations in a row above (1 + margin) x
+the best, `after_merge` returns the Trip and the service ends the job with the best as its final
+checkpoint. Memory: the best is on disk only, never another copy of the model in memory (the
+checkpoint is written from the live tensors, as every checkpoint is). The best is remembered by
+this process: a restarted syncer starts a new best at its next evaluation.
 """
 
 from __future__ import annotations
@@ -31,7 +40,7 @@ from diloco_trainer.api.manifest import CheckpointManifest
 from diloco_trainer.api.spec import JobSpec
 from diloco_trainer.models.parts import TrainingParts, evaluate
 from diloco_trainer.syncer.merging import GlobalModel, TensorSnapshot, trim
-from diloco_trainer.syncer.state import CHECKPOINT, CORRUPT, Health, SyncerMetrics
+from diloco_trainer.syncer.state import CHECKPOINT, CORRUPT, Health, SyncerMetrics, Trip, tripped
 from diloco_trainer.syncer.storage import checkpoint as ckpt
 
 log = logging.getLogger("diloco.syncer")
@@ -126,6 +135,9 @@ class Checkpoints:
         # {path, outerStep} of the newest checkpoint written: the status names it (the final
         # weights once the job finished).
         self.latest: dict[str, Any] | None = None
+        # {path, outerStep} of the quality guard's best checkpoint (jobs.py's docstring), which
+        # the pruning leaves alone.
+        self.best: dict[str, Any] | None = None
 
     async def write(self, snap: CheckpointSnapshot) -> bool:
         """Write a checkpoint of `snap`; False (reported, not raised) when it failed."""
@@ -141,6 +153,7 @@ class Checkpoints:
                 manifest={**snap.manifest.to_wire(), "evalHistory": history},
                 keep=self.keep,
                 published=snap.tensors.published,
+                protect=None if self.best is None else Path(self.best["path"]),
             )
         except Exception as err:  # a full or read-only disk must not stop training
             log.exception("checkpoint at outer step %d failed", step)
@@ -188,6 +201,12 @@ class BackgroundJobs:
         self.eval_every = spec.syncer.eval_every_outer_steps
         self.checkpoint_every = spec.syncer.checkpoint.every_outer_steps
         self.evaluations = Evaluations(parts, metrics, clock)
+        self.guard = spec.syncer.quality_guard
+        # The best eval loss of this process's evaluations (the quality guard's reference).
+        self.best_loss: float | None = None
+        # The eval losses since that best (the last `patience` of them are what is judged).
+        self.since_best: list[float] = []
+        self.tripped = False
         self.checkpoints = Checkpoints(
             state_dir, spec.syncer.checkpoint.keep, self.evaluations, health, metrics
         )
@@ -212,6 +231,8 @@ class BackgroundJobs:
         loss = self.evaluations.evaluate_live()
         self.evaluations.initial_loss = loss
         self.evaluations.record(loss, step=step, tokens=tokens)
+        if self.guard.enabled:
+            self.best_loss = loss  # the initial weights: a function of the spec, no checkpoint
         return loss
 
     def restore(self, manifest: CheckpointManifest, outer_step: int) -> None:
@@ -223,17 +244,47 @@ class BackgroundJobs:
     def _eval_due(self, step: int) -> bool:
         return self.evaluates and step > self.evaluations.last_step
 
-    async def after_merge(self, step: int, tokens: int, snapshot: Snapshotter) -> None:
+    async def after_merge(self, step: int, tokens: int, snapshot: Snapshotter) -> Trip | None:
         """The evaluation and checkpoint due at outer step `step`, of the live weights (no copy
         of P): the caller keeps them still (the service's merge lock: the next merge waits,
-        pushes, pulls and probes do not), the work runs in worker threads, off the loop."""
+        pushes, pulls and probes do not), the work runs in worker threads, off the loop.
+        Returns the quality guard's Trip when this evaluation tripped it (nothing is
+        checkpointed then: the caller ends the job with the best checkpoint)."""
         if self._eval_due(step) and step % self.eval_every == 0:
             loss = await asyncio.to_thread(self.evaluations.evaluate_live)
             self.evaluations.record(loss, step=step, tokens=tokens)
             log.info("eval at outer step %d (%d tokens): loss %.4f", step, tokens, loss)
+            trip = await self._judge(loss, step, snapshot)
+            if trip is not None:
+                return trip
         if step > self.checkpoints.last_step and step % self.checkpoint_every == 0:
             await self.checkpoints.write(await snapshot())
             self.checkpoints.last_step = step
+        return None
+
+    async def _judge(self, loss: float, step: int, snapshot: Snapshotter) -> Trip | None:
+        """The quality guard on the evaluation just recorded: a new best is checkpointed now
+        (and protected from pruning), else it and the evaluations since the best are judged
+        (state/quality.tripped)."""
+        if not self.guard.enabled:
+            return None
+        if self.best_loss is None or loss < self.best_loss:
+            self.best_loss, self.since_best = loss, []
+            if step > 0 and await self.checkpoints.write(await snapshot()):
+                self.checkpoints.best = self.checkpoints.latest
+                self.checkpoints.last_step = max(self.checkpoints.last_step, step)
+            return None
+        self.since_best = [*self.since_best, loss][-self.guard.patience :]
+        losses = [self.best_loss, *self.since_best]
+        return tripped(losses, margin=self.guard.margin, patience=self.guard.patience)
+
+    def end_tripped(self) -> None:
+        """After a trip: the status names the best checkpoint as the final one (None when no
+        evaluation after the start was the best: the initial weights, a function of the
+        spec), and a stop writes no checkpoint of the weights that rose."""
+        self.checkpoints.latest = self.checkpoints.best
+        self.checkpoints.last_versions = None
+        self.tripped = True
 
     async def finish(self, step: int, tokens: int, snapshot: Snapshotter) -> float | None:
         """Evaluate (unless the latest evaluation is of these weights: this step and these
@@ -252,8 +303,9 @@ class BackgroundJobs:
 
     async def final_checkpoint(self, versions: list[int], snapshot: Snapshotter) -> bool:
         """At a stop: a checkpoint when anything was merged since the
-        last one (so a restart loses nothing merged); True when one was written."""
-        if versions == self.checkpoints.last_versions or not any(versions):
+        last one (so a restart loses nothing merged); True when one was written. None after
+        the quality guard tripped: the weights that rose are not the job's to keep."""
+        if self.tripped or versions == self.checkpoints.last_versions or not any(versions):
             return False
         return await self.checkpoints.write(await snapshot())
 

@@ -72,7 +72,7 @@ from diloco_trainer.syncer.service.status_document import (
     status_document,
 )
 from diloco_trainer.syncer.serving import Body, BodyKey
-from diloco_trainer.syncer.state import drained_at_budget, stop_reached
+from diloco_trainer.syncer.state import EVAL_LOSS_ROSE, Trip, drained_at_budget, stop_reached
 
 __all__ = ["Syncer", "main"]
 
@@ -437,9 +437,28 @@ class Syncer:
         step = self.state.outer_step
         if not self.stop_reached():
             await self.publisher.publish(self._body_keys())
-            await self.jobs.after_merge(step, self.tokens, self._checkpoint_snapshot)
+            trip = await self.jobs.after_merge(step, self.tokens, self._checkpoint_snapshot)
+            if trip is not None:
+                await self._end_degraded(trip)
             return
         await self._finish()
+
+    async def _end_degraded(self, trip: Trip) -> None:
+        """The quality guard tripped (jobs.py, state/quality.py): stop merging and end the job
+        (finished=true, so learners stop) with the best-evaluated checkpoint as its final one
+        (the status's `checkpoint`, which the operator names as the job's finalCheckpoint), and
+        the health problem evalLossRose, which never clears (merge lock held)."""
+        message = trip.message(self.spec.syncer.quality_guard.margin)
+        self.health.report(EVAL_LOSS_ROSE, message)
+        self.jobs.end_tripped()
+        self.control.finished = True
+        await self.publisher.publish(self._body_keys())
+        best = self.jobs.snapshot().checkpoint
+        log.error(
+            "quality guard: %s; final checkpoint %s",
+            message,
+            best.path if best is not None else "none (the initial weights were the best)",
+        )
 
     async def _finish(self) -> None:
         """Evaluate and checkpoint the final state, then publish finished=true (merge lock

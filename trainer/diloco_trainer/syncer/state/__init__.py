@@ -8,7 +8,15 @@ from __future__ import annotations
 
 from diloco_trainer.syncer.state.gauges import CONTENT_TYPE, SyncerMetrics
 from diloco_trainer.syncer.state.membership import Membership
-from diloco_trainer.syncer.state.problems import AT_BOUND, CHECKPOINT, CORRUPT, MERGE, Health
+from diloco_trainer.syncer.state.problems import (
+    AT_BOUND,
+    CHECKPOINT,
+    CORRUPT,
+    EVAL_LOSS_ROSE,
+    MERGE,
+    Health,
+)
+from diloco_trainer.syncer.state.quality import Trip, tripped
 from diloco_trainer.syncer.state.records import (
     DROPPED,
     LEFT,
@@ -36,9 +44,11 @@ __all__ = [
     "CONTENT_TYPE",
     "CORRUPT",
     "DROPPED",
+    "EVAL_LOSS_ROSE",
     "LEFT",
     "MERGE",
     "TIMED_OUT",
+    "Trip",
     "Beat",
     "Contribution",
     "Health",
@@ -57,4 +67,5 @@ __all__ = [
     "round_policy",
     "stop_reached",
     "stop_targets",
+    "tripped",
 ]

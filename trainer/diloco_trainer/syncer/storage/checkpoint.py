@@ -207,11 +207,13 @@ def save_checkpoint(
     manifest: Mapping[str, Any],
     keep: int,
     published: Mapping[str, torch.Tensor] | None = None,
+    protect: Path | None = None,
 ) -> Path:
     """Write a checkpoint atomically, then keep only the newest `keep`; returns its directory.
 
     `manifest` is stored with formatVersion and outerStep added. A checkpoint at the same outer
     step as an existing one replaces it. `published` (θ_pub) is written only when given.
+    `protect`: a checkpoint the pruning neither counts nor deletes (the quality guard's best).
     """
     root = state_dir / CHECKPOINTS_DIR
     root.mkdir(parents=True, exist_ok=True)
@@ -243,7 +245,7 @@ def save_checkpoint(
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    prune_checkpoints(state_dir, keep)
+    prune_checkpoints(state_dir, keep, protect=protect)
     return final
 
 
@@ -260,8 +262,9 @@ def list_checkpoints(state_dir: Path) -> list[Path]:
     return sorted(dirs, key=lambda p: p.name)
 
 
-def prune_checkpoints(state_dir: Path, keep: int) -> list[Path]:
-    """Delete all but the newest `keep` intact checkpoints; returns the deleted directories.
+def prune_checkpoints(state_dir: Path, keep: int, protect: Path | None = None) -> list[Path]:
+    """Delete all but the newest `keep` intact checkpoints, `protect` (when given) neither
+    counted nor deleted; returns the deleted directories.
 
     A checkpoint whose files do not match its manifest (sizes; the hashes are checked at load)
     is set aside, not counted: a corrupt newer one never pushes a valid one out.
@@ -280,7 +283,8 @@ def prune_checkpoints(state_dir: Path, keep: int) -> list[Path]:
                 problem,
                 set_aside(path).name,
             )
-    doomed = intact[:-keep]
+    doomed = [p for p in intact if p != protect]
+    doomed = doomed[:-keep]
     for path in doomed:
         shutil.rmtree(path, ignore_errors=True)
     return doomed

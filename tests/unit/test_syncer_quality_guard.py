@@ -1,0 +1,145 @@
+"""Issue 46, the quality guard (syncer.qualityGuard, syncer/state/quality.py) with hand-derived
+values: `patience` evaluations in a row above (1 + margin) x the best before them trip it; the
+pruning keeps the best checkpoint; an in-process syncer whose global model is pushed uphill ends
+the job with the best checkpoint as its final one and the health problem evalLossRose, which the
+operator shows as SyncerHealthy False (EvalLossRose) and one Warning Event."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from diloco_operator.conditions import syncer_health
+from diloco_operator.refusals import EVAL_LOSS_ROSE, EVAL_LOSS_ROSE_MESSAGE, post_refusal_events
+from diloco_trainer.api.spec import parse_spec
+from diloco_trainer.syncer.state.problems import EVAL_LOSS_ROSE as KIND
+from diloco_trainer.syncer.state.quality import Trip, tripped
+from diloco_trainer.syncer.storage import checkpoint as ckpt
+
+from .observations import syncer_view
+from .test_operator_refusals import JOB, OWN, _posted
+from .test_syncer import FakeClock, body, make_spec, run, started
+
+# margin 0.25 over a best of 2.0: the limit is 2.5 exactly in binary floating point.
+M = 0.25
+
+
+def test_trip_after_patience_rises_in_a_row() -> None:
+    # 2.0 is the best; 2.6, 2.7, 2.51 are each above 2.5: three rises, patience 3.
+    assert tripped([3.0, 2.0, 2.6, 2.7, 2.51], margin=M, patience=3) == Trip(
+        best=2.0, rises=(2.6, 2.7, 2.51)
+    )
+    # One short of patience: two rises after the best.
+    assert tripped([3.0, 2.0, 2.6, 2.7], margin=M, patience=3) is None
+    # The best is the lowest before the tail, wherever it is: 1.9 (limit 2.375) -> 2.4 rises.
+    assert tripped([1.9, 2.0, 2.4, 2.4], margin=M, patience=2) == Trip(best=1.9, rises=(2.4, 2.4))
+
+
+def test_trip_is_strict_and_reset_by_a_loss_within_the_margin() -> None:
+    # 2.5 is exactly the limit: no rise, so no trip.
+    assert tripped([2.0, 2.6, 2.5, 2.6], margin=M, patience=3) is None
+    # A loss within the margin in the middle breaks the run of rises.
+    assert tripped([2.0, 2.6, 2.1, 2.6], margin=M, patience=3) is None
+    # patience 1: a single rise trips; 5% over 2.0 is 2.1, and 2.2 is above it.
+    assert tripped([2.0, 2.2], margin=0.05, patience=1) == Trip(best=2.0, rises=(2.2,))
+
+
+def test_trip_needs_a_reference_and_is_off_at_patience_zero() -> None:
+    assert tripped([9.0], margin=M, patience=1) is None  # nothing before it
+    assert tripped([], margin=M, patience=1) is None
+    assert tripped([2.0, 9.0, 9.0, 9.0], margin=M, patience=0) is None
+
+
+def test_trip_message_names_the_best_and_the_rises() -> None:
+    text = Trip(best=2.0, rises=(2.6, 2.7)).message(0.05)
+    assert "1.05 x the best (2.0000)" in text
+    assert "2 evaluations in a row (latest 2.7000, worst 2.7000)" in text
+
+
+def test_quality_guard_spec_defaults_and_field_errors() -> None:
+    guard = parse_spec({}).syncer.quality_guard
+    assert (guard.margin, guard.patience, guard.enabled) == (0.05, 3, True)
+    assert not parse_spec({"syncer": {"qualityGuard": {"patience": 0}}}).syncer.quality_guard.enabled
+    with pytest.raises(ValueError, match="margin"):
+        parse_spec({"syncer": {"qualityGuard": {"margin": 0}}})
+
+
+def test_pruning_leaves_the_protected_checkpoint(tmp_path: Path) -> None:
+    weights = {"w": torch.zeros(2)}
+    paths = [
+        ckpt.save_checkpoint(
+            tmp_path, outer_step=s, weights=weights, momentum={}, manifest={}, keep=5
+        )
+        for s in (1, 2, 3, 4)
+    ]
+    doomed = ckpt.prune_checkpoints(tmp_path, 2, protect=paths[0])
+    # keep 2 of the others (3, 4): 2 goes; 1 is protected, neither counted nor deleted.
+    assert doomed == [paths[1]]
+    assert ckpt.list_checkpoints(tmp_path) == [paths[0], paths[2], paths[3]]
+
+
+def _uphill_scenario(tmp_path: Path) -> tuple[list[dict[str, Any]], list[Path]]:
+    """Two islands, quorum 1, patience 2 and margin 5%: island-0 shrinks the weights (lower
+    eval loss at the random start: logits nearer uniform), island-1 then pushes one fixed
+    random direction, large, twice; each push is an outer step (evaluated)."""
+    spec = make_spec(
+        islands={"count": 2},
+        sync={"quorum": 1, "graceSeconds": 0},
+        syncer={
+            "qualityGuard": {"margin": 0.05, "patience": 2},
+            "guards": {"warmupPushes": 1000, "maxDeltaNorm": 1e6, "maxRefusals": 0},
+            "checkpoint": {"everyOuterSteps": 100, "keep": 1},
+        },
+    )
+
+    async def scenario() -> list[dict[str, Any]]:
+        syncer = await started(spec, tmp_path, FakeClock())
+        for island in ("island-0", "island-1"):
+            await syncer.islands.join(island, 1)
+        names = syncer.fragments[0]
+        shrink = {n: 0.2 * syncer.model.weights[n].clone() for n in names}
+        g = torch.Generator().manual_seed(0)
+        uphill = {n: 3.0 * torch.randn(syncer.model.weights[n].shape, generator=g) for n in names}
+        seen = []
+        for island, d in (("island-0", shrink), ("island-1", uphill), ("island-1", uphill)):
+            # Two rounds of work each (8 steps of H = 4): one push is an outer step of two islands.
+            await syncer.receive_push(0, body(syncer, 0, island, d, steps=8, tokens=200))
+            await syncer.tick()
+            seen.append(await syncer.status())
+        await syncer.stop()
+        return seen
+
+    seen = run(scenario())
+    return seen, ckpt.list_checkpoints(tmp_path)
+
+
+def test_uphill_pushes_end_the_job_with_the_best_checkpoint(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    seen, on_disk = _uphill_scenario(tmp_path)
+    losses = [e["evalLoss"] for e in seen[-1]["evalHistory"]]
+    # Preconditions of the scenario: the shrink lowered the loss (the best, at outer step 1),
+    # the uphill pushes raised it above 1.05 x that best twice.
+    assert losses[1] < losses[0]
+    assert losses[2] > 1.05 * losses[1] and losses[3] > 1.05 * losses[1]
+    first, rose_once, ended = seen
+    assert first["checkpoint"]["outerStep"] == 1  # the new best was checkpointed at once
+    assert not rose_once["finished"] and rose_once["health"]["healthy"]
+    assert ended["finished"]
+    assert [p["kind"] for p in ended["health"]["problems"]] == [KIND]
+    assert f"best ({losses[1]:.4f})" in ended["health"]["problems"][0]["message"]
+    # The final checkpoint is the best (outer step 1), not the weights that rose; with keep 1
+    # the pruning kept it, and the stop wrote none of the later weights.
+    assert ended["checkpoint"] == first["checkpoint"]
+    assert on_disk == [Path(first["checkpoint"]["path"])]
+    # The operator: SyncerHealthy False with reason EvalLossRose, one Warning Event.
+    healthy, reason, _ = syncer_health(syncer_view(ended))
+    assert (healthy, reason) == (False, "EvalLossRose")
+    caplog.set_level("INFO", logger="diloco_operator")
+    notes: dict[str, str] = {}
+    for _ in range(2):
+        post_refusal_events(JOB, syncer_view(ended), OWN, {}, notes)
+    posted = [m for m in _posted(caplog) if m.startswith(EVAL_LOSS_ROSE)]
+    assert posted == [f"{EVAL_LOSS_ROSE} {EVAL_LOSS_ROSE_MESSAGE}"]

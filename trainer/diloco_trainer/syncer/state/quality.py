@@ -1,0 +1,51 @@
+"""The quality guard: the syncer's own evaluations say when merging must stop (issue 46).
+
+With one bad island of two (f >= M/2) no aggregator is robust: a bad island pushing within every
+bound, in one fixed direction, still moves the model away from what the honest island trains.
+This guard needs no trust in either island: it reads only the eval loss of the global weights,
+which the syncer computes itself on held-out data (jobs.py). An evaluation is a *rise* when its
+loss is above (1 + margin) x the best loss of the evaluations before it; after `patience` rises
+in a row the guard trips, and the service ends the job with the best-evaluated checkpoint as its
+final one (service.py, the health problem evalLossRose).
+
+Honest training is noisy early (the outer step's first rounds, warmup): the measured honest runs
+of bench/adversary.py rose up to 9% above the best once, and at most two evaluations in a row
+above 3% (bench/log/2026-11-29.md, "quality guard"); the defaults (5%, three in a row) leave that
+room. The rule is a pure function of the losses (`tripped`), so its every case is a unit test.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Trip:
+    """Why the guard tripped: the best loss before the rises, and the rises' losses."""
+
+    best: float
+    rises: tuple[float, ...]
+
+    def message(self, margin: float) -> str:
+        worst = max(self.rises)
+        return (
+            f"eval loss rose above {1 + margin:g} x the best ({self.best:.4f}) in "
+            f"{len(self.rises)} evaluations in a row (latest {self.rises[-1]:.4f}, worst "
+            f"{worst:.4f}): merging stopped, the job ends with the best-evaluated checkpoint"
+        )
+
+
+def tripped(losses: Sequence[float], *, margin: float, patience: int) -> Trip | None:
+    """Whether the last `patience` losses are all rises: each above (1 + margin) x the lowest
+    loss before it. The comparison is strict (a loss at exactly the limit is no rise). None
+    when the guard is off (patience 0) or there are not patience + 1 losses yet (the first one
+    is the reference: nothing rises above an empty history)."""
+    if patience < 1 or len(losses) < patience + 1:
+        return None
+    tail = losses[-patience:]
+    best = min(losses[:-patience])
+    # Every rise is above the best, so none of the tail lowers the best before the next one.
+    if all(loss > (1 + margin) * best for loss in tail):
+        return Trip(best=best, rises=tuple(tail))
+    return None
