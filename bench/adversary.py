@@ -132,7 +132,9 @@ def job_spec(args: argparse.Namespace, seed: int, variant: str) -> JobSpec:
             # honest islands (the last is awaited, or the adversary).
             "sync": {"fragments": 1, "quorum": len(HONEST), "compression": "none"},
             "stopAfter": {"tokens": budget},
-            "syncer": {"evalEveryOuterSteps": 1, "checkpoint": {"everyOuterSteps": 100000}},
+            # Checkpoints every 5 outer steps: the cadence at which the syncer's quality guard
+            # keeps its best-evaluated model (jobs.py), which a job it ends exports.
+            "syncer": {"evalEveryOuterSteps": 1, "checkpoint": {"everyOuterSteps": 5}},
         }
     )
 
@@ -402,11 +404,12 @@ def run_variant(args: argparse.Namespace, seed: int, variant: str, where: Path) 
             adversary.join(timeout=30)
         job.stop()
     islands = status["islands"]
+    eval_loss, ended = kept_model(status)
     return Outcome(
         variant=variant,
         seed=seed,
         honest_tokens=sum(int(islands[i]["mergedTokens"]) for i in HONEST if i in islands),
-        eval_loss=float(status["evalHistory"][-1]["evalLoss"]),
+        eval_loss=eval_loss,
         history=sorted(
             (float(p["tokens"]), float(p["evalLoss"]))
             for p in status["evalHistory"]
@@ -417,7 +420,22 @@ def run_variant(args: argparse.Namespace, seed: int, variant: str, where: Path) 
         honest_states=[islands[i]["state"] if i in islands else "-" for i in HONEST],
         seconds=time.monotonic() - began,
         status_busy=job.busy,
+        ended=ended,
     )
+
+
+def kept_model(status: dict[str, Any]) -> tuple[float, str]:
+    """The eval loss of the model the job keeps, and how it ended ("" at its budget): the
+    final evaluation's, or after the syncer's quality guard ended the job (health problem
+    evalLossRose) the evaluation of the checkpoint it kept (its final one, the exported one)."""
+    history = status["evalHistory"]
+    problems = (status.get("health") or {}).get("problems") or []
+    if not any(p.get("kind") == "evalLossRose" for p in problems):
+        return float(history[-1]["evalLoss"]), ""
+    kept = status.get("checkpoint")
+    step = 0 if kept is None else int(kept["outerStep"])
+    loss = min(float(e["evalLoss"]) for e in history if int(e["outerStep"]) == step)
+    return loss, f"quality guard at outer step {status['outerStep']} (kept {step})"
 
 
 def load_outcomes(path: Path) -> dict[tuple[int, str], Outcome]:

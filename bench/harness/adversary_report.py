@@ -47,6 +47,9 @@ class Outcome:
     honest_states: list[str]
     seconds: float
     status_busy: int = 0  # the harness's status polls answered 503 (asked again)
+    # How the job ended when not at its budget: the syncer's quality guard (issue 46) names the
+    # outer step of the checkpoint it kept; eval_loss is then that checkpoint's, the one exported.
+    ended: str = ""
 
 
 @dataclass(frozen=True)
@@ -192,6 +195,7 @@ def per_run_table(outcomes: Sequence[Outcome]) -> tuple[Table, float]:
             "honest islands",
             "status polls 503",
             "wall s",
+            "ended by",
         ],
     )
     worst = 0.0
@@ -212,6 +216,7 @@ def per_run_table(outcomes: Sequence[Outcome]) -> tuple[Table, float]:
             "/".join(o.honest_states),
             o.status_busy,
             f"{o.seconds:.0f}",
+            o.ended or "budget",
         )
     return table, worst
 

@@ -18,8 +18,9 @@ EVAL_HISTORY - 1.
 
 The quality guard (syncer.qualityGuard, state/quality.py) reads these evaluations: while it is on,
 an evaluation with the lowest loss so far writes a checkpoint of those weights at once (the
-*best*; the pruning of syncer.checkpoint.keep neither counts nor deletes it, so the disk holds
-at most keep + 1 checkpoints), and after `patience` evaluations in a row above (1 + margin) x
+*best*), unless the best on disk is under syncer.checkpoint.everyOuterSteps outer steps old (at
+most one extra checkpoint per interval; `_best_due`); the pruning of syncer.checkpoint.keep
+neither counts nor deletes the best, so the disk holds at most keep + 1 checkpoints; and after `patience` evaluations in a row above (1 + margin) x
 the best, `after_merge` returns the Trip and the service ends the job with the best as its final
 checkpoint. Memory: the best is on disk only, never another copy of the model in memory (the
 checkpoint is written from the live tensors, as every checkpoint is). The best is remembered by
@@ -270,13 +271,24 @@ class BackgroundJobs:
             return None
         if self.best_loss is None or loss < self.best_loss:
             self.best_loss, self.since_best = loss, []
-            if step > 0 and await self.checkpoints.write(await snapshot()):
+            if step > 0 and self._best_due(step) and await self.checkpoints.write(await snapshot()):
                 self.checkpoints.best = self.checkpoints.latest
                 self.checkpoints.last_step = max(self.checkpoints.last_step, step)
             return None
         self.since_best = [*self.since_best, loss][-self.guard.patience :]
         losses = [self.best_loss, *self.since_best]
         return tripped(losses, margin=self.guard.margin, patience=self.guard.patience)
+
+    def _best_due(self, step: int) -> bool:
+        """Whether a new best at `step` is checkpointed: when a checkpoint is due here anyway
+        (it is the best), or the best on disk is syncer.checkpoint.everyOuterSteps or more
+        outer steps old (or there is none). So the guard writes at most one checkpoint per
+        checkpoint interval beyond the regular ones, and the model kept is the best evaluation
+        of that cadence (the very best, or one of the interval before it)."""
+        best = self.checkpoints.best
+        if step % self.checkpoint_every == 0 or best is None:
+            return True
+        return step - int(best["outerStep"]) >= self.checkpoint_every
 
     def end_tripped(self) -> None:
         """After a trip: the status names the best checkpoint as the final one (None when no

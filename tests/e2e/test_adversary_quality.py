@@ -1,0 +1,117 @@
+"""One bad island of two ratchets in one fixed direction, on a live `diloco syncer`, and the job
+stops before it degrades (issue 46: with f >= M/2 no aggregator is robust, so the promise is
+bounded damage and detection).
+
+The honest island's one push lowers the eval loss (it shrinks the weights of the random start:
+logits nearer uniform), so that model is the best and is checkpointed at once. The bad island
+then pushes one fixed random direction at 0.9 x the learned bound of a job of two (normFactor x
+the honest median): every push is accepted, and the eval loss climbs. After
+syncer.qualityGuard's patience (3) evaluations above 1.05 x the best, the syncer stops merging
+and ends the job: finished, the health problem evalLossRose, and its final checkpoint the best
+one, not the weights that rose.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+from diloco_trainer.syncer.storage import checkpoint as ckpt
+
+from .conftest import SyncerHandle, deep_merge, wait_until
+from .test_adversary import SPEC, join_all, push_as
+from .test_adversary import start_syncer as start_syncer_of
+
+pytestmark = pytest.mark.e2e
+
+HONEST = "island-0"
+ADVERSARY = "island-1"
+NORM_FACTOR = 10
+# Two islands, each push two rounds of work (8 steps of H = 4): every merge is an outer step,
+# evaluated; the guard at 5% and three in a row.
+QUALITY = deep_merge(
+    SPEC,
+    {
+        "islands": {"count": 2},
+        "syncer": {
+            "evalEveryOuterSteps": 1,
+            "qualityGuard": {"margin": 0.05, "patience": 3},
+            "guards": {"warmupPushes": 1, "normFactor": NORM_FACTOR, "maxDeltaNorm": 1e6},
+        },
+    },
+)
+STEPS = 8
+TOKENS = STEPS * 2 * 32  # batchSize x seqLen
+MAX_PUSHES = 40
+
+
+@pytest.fixture
+def syncer(tmp_path: Path) -> Iterator[SyncerHandle]:
+    handle = start_syncer_of(tmp_path, QUALITY, "adversary-quality")
+    try:
+        yield handle
+    finally:
+        handle.proc.stop(timeout=10)
+
+
+def norm(tensors: dict[str, torch.Tensor]) -> float:
+    return math.sqrt(sum(float((t * t).sum()) for t in tensors.values()))
+
+
+def test_bad_island_of_two_ratchets_and_the_job_stops_at_its_best(syncer: SyncerHandle) -> None:
+    weights = join_all(syncer, (HONEST, ADVERSARY))  # fp32 pulls: fragment 0's weights
+    shrink = {n: 0.2 * t for n, t in weights.items()}
+    code, doc = push_as(syncer, HONEST, shrink, steps=STEPS, tokens=TOKENS)
+    assert code == 200 and doc["accepted"], doc
+    best = wait_until(
+        lambda: (s := syncer.status())["checkpoint"] and s["checkpoint"], timeout=60, what="best"
+    )
+    gen = torch.Generator().manual_seed(0)
+    direction = {n: torch.randn(t.shape, generator=gen) for n, t in weights.items()}
+    scale = 0.9 * NORM_FACTOR * norm(shrink) / norm(direction)  # inside the bound of a pair
+    ratchet = {n: scale * t for n, t in direction.items()}
+    accepted = 0
+    for _ in range(MAX_PUSHES):
+        if syncer.status()["finished"]:
+            break
+        version = syncer.status()["versions"][0]
+        code, doc = push_as(syncer, ADVERSARY, ratchet, steps=STEPS, tokens=TOKENS)
+        if code == 200 and doc.get("accepted"):
+            accepted += 1
+            wait_until(
+                lambda v=version: (s := syncer.status())["versions"][0] > v or s["finished"],
+                timeout=60,
+                what="the adversary's merge",
+            )
+    status = wait_until(
+        lambda: (s := syncer.status())["finished"] and s, timeout=60, what="the job's end"
+    )
+    losses = [e["evalLoss"] for e in status["evalHistory"]]
+    # The honest push was the best; the adversary's accepted pushes raised the loss, and the
+    # guard ended the job after three evaluations above 1.05 x that best (not at its budget:
+    # stopAfter is 100000 outer steps).
+    assert best["outerStep"] == 1 and losses[1] < losses[0]
+    # Every merged push was an outer step, evaluated (the last one accepted may have come in
+    # while the trip's evaluation ran: never merged); the last three rose above the limit, and
+    # the three before them did not all (the guard ended the job at its first chance).
+    limit = 1.05 * losses[1]
+    assert status["outerStep"] == len(losses) - 1 >= 4, losses
+    assert accepted in (status["outerStep"] - 1, status["outerStep"]), (accepted, losses)
+    assert all(x > limit for x in losses[-3:]), losses
+    assert not all(x > limit for x in losses[-4:-1]), losses
+    kinds = {p["kind"]: p["message"] for p in status["health"]["problems"]}
+    assert "evalLossRose" in kinds and f"best ({losses[1]:.4f})" in kinds["evalLossRose"]
+    # The final checkpoint (the operator's finalCheckpoint, the exported model) is the best,
+    # on disk and intact; no checkpoint of the weights that rose was written.
+    assert status["checkpoint"] == best
+    kept = ckpt.load_checkpoint(Path(best["path"]))
+    assert kept.outer_step == 1
+    assert [p.name for p in ckpt.list_checkpoints(Path(best["path"]).parents[1])] == [
+        Path(best["path"]).name
+    ]
+    # Merging stopped: a push after the end moves nothing.
+    push_as(syncer, ADVERSARY, ratchet, steps=STEPS, tokens=TOKENS)
+    assert syncer.status()["versions"] == status["versions"]
