@@ -2,7 +2,8 @@
 
 Phase rules, in order (the first that applies wins):
 
-1. Succeeded: the syncer reports `finished: true` (stopAfter reached). Sticky.
+1. Succeeded: the syncer reports `finished: true` (stopAfter reached, or its quality guard ended
+   the job: the health problem evalLossRose, which the message says). Sticky.
 2. Failed (sticky), when one of:
    - the syncer pod is in CrashLoopBackOff with at least CRASH_LOOP_LIMIT restarts;
    - every desired island has a pod in CrashLoopBackOff with at least CRASH_LOOP_LIMIT restarts
@@ -26,6 +27,7 @@ from datetime import datetime
 from typing import Any
 
 from diloco_operator.observation import ConditionsByType, Observation, conditions_by_type
+from diloco_operator.syncer_view import SyncerView
 from diloco_operator.times import parse_time, rfc3339
 
 CRASH_LOOP_LIMIT = 5
@@ -34,6 +36,20 @@ FINAL_PHASES = ("Succeeded", "Failed")
 # Reasons of SyncerReachable=False: lost after an answer, or never reached.
 LOST = "SyncerUnreachable"
 NOT_YET_REACHED = "NotYetReached"
+
+
+# The message of a job the syncer's quality guard ended (syncer.qualityGuard; issue 46).
+GUARD_KIND = "evalLossRose"
+GUARD_ENDED = (
+    "the syncer's quality guard ended the job before spec.stopAfter: its eval loss rose above "
+    "syncer.qualityGuard's margin over the best for patience evaluations in a row "
+    "(SyncerHealthy: EvalLossRose); finalCheckpoint is the best-evaluated model"
+)
+
+
+def guard_ended(syncer: SyncerView) -> bool:
+    """Whether the syncer reports that its quality guard ended the job."""
+    return any(p.kind == GUARD_KIND for p in syncer.health().problems)
 
 
 @dataclass(frozen=True)
@@ -115,7 +131,9 @@ def decide_phase(obs: Observation, previous: Mapping[str, Any] | None) -> Verdic
     # none, so the summary never reads "2/0".
     ready = sum(i.healthy for i in obs.islands.values()) if running else 0
     counts = f"{ready}/{desired} islands ready"
-    if finished:
+    if finished and syncer is not None and guard_ended(syncer):
+        phase, message = "Succeeded", GUARD_ENDED
+    elif finished:
         phase, message = "Succeeded", "the syncer reached spec.stopAfter"
     elif failure:
         phase, message = "Failed", failure.message

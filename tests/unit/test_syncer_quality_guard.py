@@ -11,14 +11,15 @@ from typing import Any
 
 import pytest
 import torch
-from diloco_operator.conditions import syncer_health
+from diloco_operator.conditions import job_conditions, syncer_health
+from diloco_operator.phase import GUARD_ENDED, decide_phase
 from diloco_operator.refusals import EVAL_LOSS_ROSE, EVAL_LOSS_ROSE_MESSAGE, post_refusal_events
 from diloco_trainer.api.spec import parse_spec
 from diloco_trainer.syncer.state.problems import EVAL_LOSS_ROSE as KIND
 from diloco_trainer.syncer.state.quality import Trip, tripped
 from diloco_trainer.syncer.storage import checkpoint as ckpt
 
-from .observations import syncer_view
+from .observations import SYNCER, observation, syncer_view
 from .test_operator_refusals import JOB, OWN, _posted
 from .test_syncer import FakeClock, body, make_spec, run, started
 
@@ -61,7 +62,8 @@ def test_trip_message_names_the_best_and_the_rises() -> None:
 def test_quality_guard_spec_defaults_and_field_errors() -> None:
     guard = parse_spec({}).syncer.quality_guard
     assert (guard.margin, guard.patience, guard.enabled) == (0.05, 3, True)
-    assert not parse_spec({"syncer": {"qualityGuard": {"patience": 0}}}).syncer.quality_guard.enabled
+    off = parse_spec({"syncer": {"qualityGuard": {"patience": 0}}})
+    assert not off.syncer.quality_guard.enabled
     with pytest.raises(ValueError, match="margin"):
         parse_spec({"syncer": {"qualityGuard": {"margin": 0}}})
 
@@ -143,3 +145,18 @@ def test_uphill_pushes_end_the_job_with_the_best_checkpoint(
         post_refusal_events(JOB, syncer_view(ended), OWN, {}, notes)
     posted = [m for m in _posted(caplog) if m.startswith(EVAL_LOSS_ROSE)]
     assert posted == [f"{EVAL_LOSS_ROSE} {EVAL_LOSS_ROSE_MESSAGE}"]
+
+
+def test_operator_phase_and_conditions_of_a_job_the_guard_ended() -> None:
+    """The job the quality guard ended is Succeeded (the syncer finished; islands scale to zero)
+    with a message that says so, not "reached spec.stopAfter", and SyncerHealthy False with
+    reason EvalLossRose; a job that reached its budget keeps the old message."""
+    problem = {"kind": KIND, "count": 1, "message": "eval loss rose ..."}
+    ended = {**SYNCER, "finished": True, "health": {"healthy": False, "problems": [problem]}}
+    verdict = decide_phase(observation(syncer=ended), {"phase": "Running"})
+    assert (verdict.phase, verdict.message) == ("Succeeded", GUARD_ENDED)
+    conditions = {c.type: c for c in job_conditions(verdict, observation(syncer=ended), {})}
+    healthy = conditions["SyncerHealthy"]
+    assert (healthy.status, healthy.reason) == ("False", "EvalLossRose")
+    budget = decide_phase(observation(syncer={**SYNCER, "finished": True}), {"phase": "Running"})
+    assert budget.message == "the syncer reached spec.stopAfter"

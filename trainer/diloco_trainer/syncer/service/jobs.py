@@ -20,11 +20,12 @@ The quality guard (syncer.qualityGuard, state/quality.py) reads these evaluation
 an evaluation with the lowest loss so far writes a checkpoint of those weights at once (the
 *best*), unless the best on disk is under syncer.checkpoint.everyOuterSteps outer steps old (at
 most one extra checkpoint per interval; `_best_due`); the pruning of syncer.checkpoint.keep
-neither counts nor deletes the best, so the disk holds at most keep + 1 checkpoints; and after `patience` evaluations in a row above (1 + margin) x
-the best, `after_merge` returns the Trip and the service ends the job with the best as its final
-checkpoint. Memory: the best is on disk only, never another copy of the model in memory (the
-checkpoint is written from the live tensors, as every checkpoint is). The best is remembered by
-this process: a restarted syncer starts a new best at its next evaluation.
+neither counts nor deletes the best, so the disk holds at most keep + 1 checkpoints; and after
+`patience` evaluations in a row above (1 + margin) x the best, `after_merge` returns the Trip and
+the service ends the job with the best as its final checkpoint. Memory: the best is on disk
+only, never another copy of the model in memory (the checkpoint is written from the live
+tensors, as every checkpoint is). The best is remembered by this process: a restarted syncer
+starts a new best at its next evaluation.
 """
 
 from __future__ import annotations

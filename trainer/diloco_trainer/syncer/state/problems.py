@@ -4,8 +4,9 @@ and /healthz?strict=1.
 A problem has a kind (CHECKPOINT: the last checkpoint write failed; CORRUPT: corrupt checkpoints
 were found at start and set aside; MERGE: the last merge of a fragment could not take some
 contributions; AT_BOUND: an island's pushes are all at the learned norm bound, guards.py's
-detection of a ratchet; EVAL_LOSS_ROSE: the quality guard ended the job), a message, since when and how often it happened; it clears when the
-thing works again (a checkpoint is written, a merge succeeds, no island is at the bound). A failure
+detection of a ratchet; EVAL_LOSS_ROSE: the quality guard ended the job), a message, since
+when and how often it happened; it clears when the thing works again (a checkpoint is written, a
+merge succeeds, no island is at the bound; EVAL_LOSS_ROSE never clears). A failure
 that does stop the syncer (a merge that broke half-way) is the service's `failure` instead: /healthz
 answers 503 for it.
 """
