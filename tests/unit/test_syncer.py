@@ -268,7 +268,8 @@ def test_syncer_finishes_on_tokens_with_eval_and_checkpoint(tmp_path: Path) -> N
     spec = make_spec(
         sync={"quorum": 1, "graceSeconds": 0},
         stopAfter={"outerSteps": None, "tokens": 250},
-        syncer={"evalEveryOuterSteps": 2},
+        # The quality guard off: its best checkpoints are test_syncer_quality_guard.py's.
+        syncer={"evalEveryOuterSteps": 2, "qualityGuard": {"patience": 0}},
     )
 
     async def scenario() -> tuple[Syncer, dict[str, Any]]:

@@ -119,7 +119,10 @@ def test_pair_detection_reaches_health_and_the_operator_condition(tmp_path: Path
     spec = make_spec(
         sync={"quorum": 1, "graceSeconds": 0},
         syncer={
-            "guards": {"warmupPushes": 3, "normFactor": 10, "maxRefusals": 0, "maxDeltaNorm": 1e6}
+            "guards": {"warmupPushes": 3, "normFactor": 10, "maxRefusals": 0, "maxDeltaNorm": 1e6},
+            # Pushes at 0.9 x the bound raise the eval loss: the quality guard (off here) would
+            # end the job (test_syncer_quality_guard.py); this test is the detection's.
+            "qualityGuard": {"patience": 0},
         },
     )
 

@@ -272,8 +272,10 @@ class BackgroundJobs:
             return None
         if self.best_loss is None or loss < self.best_loss:
             self.best_loss, self.since_best = loss, []
-            if step > 0 and self._best_due(step) and await self.checkpoints.write(await snapshot()):
-                self.checkpoints.best = self.checkpoints.latest
+            if step > 0 and self._best_due(step):
+                if await self.checkpoints.write(await snapshot()):
+                    self.checkpoints.best = self.checkpoints.latest
+                # Written or failed (reported), as the regular checkpoint's: not tried twice.
                 self.checkpoints.last_step = max(self.checkpoints.last_step, step)
             return None
         self.since_best = [*self.since_best, loss][-self.guard.patience :]
