@@ -41,9 +41,10 @@ NOT_YET_REACHED = "NotYetReached"
 # The message of a job the syncer's quality guard ended (syncer.qualityGuard; issue 46).
 GUARD_KIND = "evalLossRose"
 GUARD_ENDED = (
-    "the syncer's quality guard ended the job before spec.stopAfter: its eval loss rose above "
-    "syncer.qualityGuard's margin over the best for patience evaluations in a row "
-    "(SyncerHealthy: EvalLossRose); finalCheckpoint is the best-evaluated model"
+    "the syncer's quality guard judged the model: its eval loss rose above syncer.qualityGuard's "
+    "margin over the best (patience evaluations in a row: the job ended before spec.stopAfter; "
+    "or at the finish); SyncerHealthy says EvalLossRose, finalCheckpoint is the best-evaluated "
+    "model"
 )
 
 

@@ -82,15 +82,18 @@ def test_pruning_leaves_the_protected_checkpoint(tmp_path: Path) -> None:
     assert ckpt.list_checkpoints(tmp_path) == [paths[0], paths[2], paths[3]]
 
 
-def _uphill_scenario(tmp_path: Path) -> tuple[list[dict[str, Any]], list[Path]]:
+def _uphill_scenario(
+    tmp_path: Path, *, patience: int = 2, outer_steps: int = 100
+) -> tuple[list[dict[str, Any]], list[Path]]:
     """Two islands, quorum 1, patience 2 and margin 5%: island-0 shrinks the weights (lower
     eval loss at the random start: logits nearer uniform), island-1 then pushes one fixed
     random direction, large, twice; each push is an outer step (evaluated)."""
     spec = make_spec(
         islands={"count": 2},
         sync={"quorum": 1, "graceSeconds": 0},
+        stopAfter={"outerSteps": outer_steps},
         syncer={
-            "qualityGuard": {"margin": 0.05, "patience": 2},
+            "qualityGuard": {"margin": 0.05, "patience": patience},
             "guards": {"warmupPushes": 1000, "maxDeltaNorm": 1e6, "maxRefusals": 0},
             "checkpoint": {"everyOuterSteps": 100, "keep": 1},
         },
@@ -160,3 +163,21 @@ def test_operator_phase_and_conditions_of_a_job_the_guard_ended() -> None:
     assert (healthy.status, healthy.reason) == ("False", "EvalLossRose")
     budget = decide_phase(observation(syncer={**SYNCER, "finished": True}), {"phase": "Running"})
     assert budget.message == "the syncer reached spec.stopAfter"
+
+
+def test_a_finish_after_a_rise_keeps_the_best_checkpoint(tmp_path: Path) -> None:
+    """The budget (3 outer steps) runs out after two rises, fewer than patience 3: the final
+    evaluation is above 1.05 x the best checkpoint's, so the final checkpoint is the best one
+    and evalLossRose is reported; the job ended at its budget all the same."""
+    seen, on_disk = _uphill_scenario(tmp_path, patience=3, outer_steps=3)
+    first, _, ended = seen
+    losses = [e["evalLoss"] for e in ended["evalHistory"]]
+    assert ended["finished"] and ended["outerStep"] == 3
+    assert losses[-1] > 1.05 * losses[1]
+    assert ended["checkpoint"] == first["checkpoint"]  # outer step 1, the best
+    problem = ended["health"]["problems"][0]
+    assert problem["kind"] == KIND
+    assert f"final eval loss {losses[-1]:.4f} above 1.05 x" in problem["message"]
+    # The finish's own checkpoint (of outer step 3) is written, for a restart; keep 1 beside
+    # the protected best.
+    assert [p.name for p in on_disk] == [ckpt.checkpoint_name(1), ckpt.checkpoint_name(3)]

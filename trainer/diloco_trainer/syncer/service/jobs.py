@@ -42,7 +42,15 @@ from diloco_trainer.api.manifest import CheckpointManifest
 from diloco_trainer.api.spec import JobSpec
 from diloco_trainer.models.parts import TrainingParts, evaluate
 from diloco_trainer.syncer.merging import GlobalModel, TensorSnapshot, trim
-from diloco_trainer.syncer.state import CHECKPOINT, CORRUPT, Health, SyncerMetrics, Trip, tripped
+from diloco_trainer.syncer.state import (
+    CHECKPOINT,
+    CORRUPT,
+    EVAL_LOSS_ROSE,
+    Health,
+    SyncerMetrics,
+    Trip,
+    tripped,
+)
 from diloco_trainer.syncer.storage import checkpoint as ckpt
 
 log = logging.getLogger("diloco.syncer")
@@ -208,6 +216,8 @@ class BackgroundJobs:
         self.best_loss: float | None = None
         # The eval losses since that best (the last `patience` of them are what is judged).
         self.since_best: list[float] = []
+        # The eval loss of the best checkpoint (Checkpoints.best).
+        self.best_kept: float | None = None
         self.tripped = False
         self.checkpoints = Checkpoints(
             state_dir, spec.syncer.checkpoint.keep, self.evaluations, health, metrics
@@ -274,7 +284,7 @@ class BackgroundJobs:
             self.best_loss, self.since_best = loss, []
             if step > 0 and self._best_due(step):
                 if await self.checkpoints.write(await snapshot()):
-                    self.checkpoints.best = self.checkpoints.latest
+                    self.checkpoints.best, self.best_kept = self.checkpoints.latest, loss
                 # Written or failed (reported), as the regular checkpoint's: not tried twice.
                 self.checkpoints.last_step = max(self.checkpoints.last_step, step)
             return None
@@ -314,7 +324,24 @@ class BackgroundJobs:
             log.info("final eval at outer step %d (%d tokens): loss %.4f", step, tokens, loss)
         await self.checkpoints.write(await snapshot())
         self.checkpoints.last_step = step
+        self._keep_best_at_finish()
         return loss
+
+    def _keep_best_at_finish(self) -> None:
+        """At the budget's finish, with the guard on: a final eval loss above (1 + margin) x
+        the best checkpoint's (a run of rises shorter than patience when the budget ran out)
+        makes the best checkpoint the final one, with the health problem evalLossRose; so a
+        job's final checkpoint is never above (1 + margin) x its best kept one."""
+        final, best = self.evaluations.latest, self.best_kept
+        limit = 1 + self.guard.margin
+        if not self.guard.enabled or final is None or best is None or not final > limit * best:
+            return
+        self.checkpoints.latest = self.checkpoints.best
+        self.checkpoints.health.report(
+            EVAL_LOSS_ROSE,
+            f"final eval loss {final:.4f} above {limit:g} x the best checkpoint's ({best:.4f}): "
+            "the final checkpoint is the best-evaluated one",
+        )
 
     async def final_checkpoint(self, versions: list[int], snapshot: Snapshotter) -> bool:
         """At a stop: a checkpoint when anything was merged since the
