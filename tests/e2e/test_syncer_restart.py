@@ -31,7 +31,9 @@ def restart_spec(make_spec: Callable[..., JobSpec]) -> JobSpec:
         # run_rounds pushes fp32 pseudo-gradients ("none"), whatever the default codec is.
         sync={"fragments": 2, "quorum": 1, "graceSeconds": 0.1, "compression": "none"},
         stopAfter={"outerSteps": 1000},
-        syncer={"checkpoint": {"everyOuterSteps": 1, "keep": 2}},
+        # The quality guard off: its best checkpoint would stay beside these (random pushes
+        # need not improve the loss); test_adversary_quality.py is its test.
+        syncer={"checkpoint": {"everyOuterSteps": 1, "keep": 2}, "qualityGuard": {"patience": 0}},
     )
 
 
@@ -168,7 +170,9 @@ def test_syncer_restart_for_a_syncer_side_field_change_loses_no_merge(
         return make_spec(
             sync={"fragments": 2, "quorum": 1, "graceSeconds": grace, "compression": "none"},
             stopAfter={"outerSteps": 1000},
-            syncer={"checkpoint": {"everyOuterSteps": 1000}},
+            # The guard off: its first best is checkpointed at once (no checkpoint before the
+            # stop is this test's premise).
+            syncer={"checkpoint": {"everyOuterSteps": 1000}, "qualityGuard": {"patience": 0}},
         )
 
     first = syncer_proc(spec(0.1))
