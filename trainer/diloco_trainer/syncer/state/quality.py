@@ -9,9 +9,10 @@ in a row the guard trips, and the service ends the job with the best-evaluated c
 final one (service.py, the health problem evalLossRose).
 
 Honest training is noisy early (the outer step's first rounds, warmup): the measured honest runs
-of bench/adversary.py rose up to 9% above the best once, and at most two evaluations in a row
-above 3% (bench/log/2026-11-29.md, "quality guard"); the defaults (5%, three in a row) leave that
-room. The rule is a pure function of the losses (`tripped`), so its every case is a unit test.
+of bench/adversary.py rose up to 10% above the best once, never more than two evaluations in a
+row above 3% nor more than one above 5% (bench/log/2026-11-29.md, "quality guard: the honest
+runs' rises over the best"); the defaults (5%, three in a row) leave that room. The rule is a
+pure function of the losses (`tripped`), so its every case is a unit test.
 """
 
 from __future__ import annotations
