@@ -40,6 +40,9 @@ QUALITY = deep_merge(
             "evalEveryOuterSteps": 1,
             "qualityGuard": {"margin": 0.05, "patience": 3},
             "guards": {"warmupPushes": 1, "normFactor": NORM_FACTOR, "maxDeltaNorm": 1e6},
+            # Regular checkpoints every 2 outer steps, keep 1: the pruning must leave the best,
+            # and the trip set aside the ones after it.
+            "checkpoint": {"everyOuterSteps": 2, "keep": 1},
         },
     },
 )
@@ -105,13 +108,18 @@ def test_bad_island_of_two_ratchets_and_the_job_stops_at_its_best(syncer: Syncer
     kinds = {p["kind"]: p["message"] for p in status["health"]["problems"]}
     assert "evalLossRose" in kinds and f"best ({losses[1]:.4f})" in kinds["evalLossRose"]
     # The final checkpoint (the operator's finalCheckpoint, the exported model) is the best,
-    # on disk and intact; no checkpoint of the weights that rose was written.
+    # on disk and intact, and the newest there: the regular ones after it (their weights rose)
+    # were set aside, so a restart or an export of the state dir takes the best too.
     assert status["checkpoint"] == best
     kept = ckpt.load_checkpoint(Path(best["path"]))
     assert kept.outer_step == 1
-    assert [p.name for p in ckpt.list_checkpoints(Path(best["path"]).parents[1])] == [
-        Path(best["path"]).name
-    ]
+    state_dir = Path(best["path"]).parents[1]
+    assert [p.name for p in ckpt.list_checkpoints(state_dir)] == [Path(best["path"]).name]
+    # keep 1: of the regular ones (2, 4, ...) only the newest was left to set aside
+    aside = sorted(p.name for p in (state_dir / "checkpoints").iterdir())
+    # (none is written at the trip's own step)
+    newest = ckpt.checkpoint_name((status["outerStep"] - 1) // 2 * 2)
+    assert aside == [Path(best["path"]).name, ckpt.ROSE_PREFIX + newest], aside
     # Merging stopped: a push after the end moves nothing.
     push_as(syncer, ADVERSARY, ratchet, steps=STEPS, tokens=TOKENS)
     assert syncer.status()["versions"] == status["versions"]

@@ -68,7 +68,9 @@ def test_quality_guard_spec_defaults_and_field_errors() -> None:
         parse_spec({"syncer": {"qualityGuard": {"margin": 0}}})
 
 
-def test_pruning_leaves_the_protected_checkpoint(tmp_path: Path) -> None:
+def test_pruning_leaves_the_protected_checkpoint_and_a_trip_sets_the_newer_aside(
+    tmp_path: Path,
+) -> None:
     weights = {"w": torch.zeros(2)}
     paths = [
         ckpt.save_checkpoint(
@@ -80,6 +82,11 @@ def test_pruning_leaves_the_protected_checkpoint(tmp_path: Path) -> None:
     # keep 2 of the others (3, 4): 2 goes; 1 is protected, neither counted nor deleted.
     assert doomed == [paths[1]]
     assert ckpt.list_checkpoints(tmp_path) == [paths[0], paths[2], paths[3]]
+    # After a trip that kept step 1: 3 and 4 are set aside (never loaded, pruned or listed).
+    moved = ckpt.set_aside_after(tmp_path, 1)
+    assert [p.name for p in moved] == ["rose-ckpt-000000003", "rose-ckpt-000000004"]
+    assert ckpt.list_checkpoints(tmp_path) == [paths[0]]
+    assert ckpt.outer_step_of(paths[3]) == 4
 
 
 def _uphill_scenario(
@@ -178,6 +185,8 @@ def test_a_finish_after_a_rise_keeps_the_best_checkpoint(tmp_path: Path) -> None
     problem = ended["health"]["problems"][0]
     assert problem["kind"] == KIND
     assert f"final eval loss {losses[-1]:.4f} above 1.05 x" in problem["message"]
-    # The finish's own checkpoint (of outer step 3) is written, for a restart; keep 1 beside
-    # the protected best.
-    assert [p.name for p in on_disk] == [ckpt.checkpoint_name(1), ckpt.checkpoint_name(3)]
+    # The finish's own checkpoint (of outer step 3) was written, then set aside: the newest
+    # on disk is the best (a restart resumes from it, an export of the state dir takes it).
+    assert [p.name for p in on_disk] == [ckpt.checkpoint_name(1)]
+    aside = sorted(p.name for p in on_disk[0].parent.iterdir())
+    assert aside == [ckpt.checkpoint_name(1), ckpt.ROSE_PREFIX + ckpt.checkpoint_name(3)]

@@ -22,10 +22,12 @@ an evaluation with the lowest loss so far writes a checkpoint of those weights a
 most one extra checkpoint per interval; `_best_due`); the pruning of syncer.checkpoint.keep
 neither counts nor deletes the best, so the disk holds at most keep + 1 checkpoints; and after
 `patience` evaluations in a row above (1 + margin) x the best, `after_merge` returns the Trip and
-the service ends the job with the best as its final checkpoint. Memory: the best is on disk
+the service ends the job with the best as its final checkpoint, the ones after it set aside
+(`rose-ckpt-*`: the newest on disk is the best). Memory: the best is on disk
 only, never another copy of the model in memory (the checkpoint is written from the live
 tensors, as every checkpoint is). The best is remembered by this process: a restarted syncer
-starts a new best at its next evaluation.
+(which resumes from the newest checkpoint; after a trip, the best) starts a new best at its
+next evaluation, and does not know the job ended (the operator's phase stays Succeeded).
 """
 
 from __future__ import annotations
@@ -176,6 +178,19 @@ class Checkpoints:
         log.info("checkpoint %s written", path)
         return True
 
+    async def set_aside_after_best(self) -> None:
+        """Set aside the checkpoints after the best (all of them with no best: the initial
+        weights were the best); a failure is reported, not raised."""
+        step = 0 if self.best is None else int(self.best["outerStep"])
+        try:
+            moved = await asyncio.to_thread(ckpt.set_aside_after, self.state_dir, step)
+        except OSError as err:
+            log.exception("setting aside the checkpoints after outer step %d failed", step)
+            self.health.report(CHECKPOINT, f"setting aside checkpoints after the best: {err}")
+            return
+        for path in moved:
+            log.warning("checkpoint set aside as %s: its weights rose above the best", path.name)
+
 
 @dataclass(frozen=True)
 class JobsSnapshot:
@@ -303,13 +318,16 @@ class BackgroundJobs:
             return True
         return step - int(best["outerStep"]) >= self.checkpoint_every
 
-    def end_tripped(self) -> None:
+    async def end_tripped(self) -> None:
         """After a trip: the status names the best checkpoint as the final one (None when no
         evaluation after the start was the best: the initial weights, a function of the
-        spec), and a stop writes no checkpoint of the weights that rose."""
+        spec), the checkpoints after it are set aside (the newest on disk is the best: a
+        restart resumes from it, `diloco export` of the state dir takes it), and a stop writes
+        no checkpoint of the weights that rose."""
         self.checkpoints.latest = self.checkpoints.best
         self.checkpoints.last_versions = None
         self.tripped = True
+        await self.checkpoints.set_aside_after_best()
 
     async def finish(self, step: int, tokens: int, snapshot: Snapshotter) -> float | None:
         """Evaluate (unless the latest evaluation is of these weights: this step and these
@@ -324,10 +342,10 @@ class BackgroundJobs:
             log.info("final eval at outer step %d (%d tokens): loss %.4f", step, tokens, loss)
         await self.checkpoints.write(await snapshot())
         self.checkpoints.last_step = step
-        self._keep_best_at_finish()
+        await self._keep_best_at_finish()
         return loss
 
-    def _keep_best_at_finish(self) -> None:
+    async def _keep_best_at_finish(self) -> None:
         """At the budget's finish, with the guard on: a final eval loss above (1 + margin) x
         the best checkpoint's (a run of rises shorter than patience when the budget ran out)
         makes the best checkpoint the final one, with the health problem evalLossRose; so a
@@ -337,6 +355,7 @@ class BackgroundJobs:
         if not self.guard.enabled or final is None or best is None or not final > limit * best:
             return
         self.checkpoints.latest = self.checkpoints.best
+        await self.checkpoints.set_aside_after_best()
         self.checkpoints.health.report(
             EVAL_LOSS_ROSE,
             f"final eval loss {final:.4f} above {limit:g} x the best checkpoint's ({best:.4f}): "

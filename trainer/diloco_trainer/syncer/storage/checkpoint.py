@@ -57,6 +57,8 @@ OUTER_FILE = "outer.safetensors"
 MANIFEST_FILE = "manifest.json"
 PUBLISHED_FILE = "published.safetensors"
 CORRUPT_PREFIX = "corrupt-"
+# Checkpoints newer than the best after the quality guard ended a job (their weights rose).
+ROSE_PREFIX = "rose-"
 INTEGRITY_KEY = "integrity"
 _HASH_CHUNK = 1 << 20
 
@@ -120,6 +122,11 @@ class Checkpoint:
 def checkpoint_name(outer_step: int) -> str:
     """Directory name of the checkpoint at `outer_step` (sorts by step as text)."""
     return f"{PREFIX}{outer_step:09d}"
+
+
+def outer_step_of(path: Path) -> int:
+    """The outer step a checkpoint directory's name says (checkpoint_name's inverse)."""
+    return int(path.name.removeprefix(PREFIX))
 
 
 def state_digest(
@@ -290,15 +297,28 @@ def prune_checkpoints(state_dir: Path, keep: int, protect: Path | None = None) -
     return doomed
 
 
-def set_aside(path: Path) -> Path:
-    """Rename a corrupt checkpoint to corrupt-<name> (never loaded, pruned or overwritten)."""
-    target = path.with_name(CORRUPT_PREFIX + path.name)
+def set_aside(path: Path, prefix: str = CORRUPT_PREFIX) -> Path:
+    """Rename a checkpoint to <prefix><name> (never loaded, pruned or overwritten): a corrupt
+    one, or one the quality guard would not keep (`set_aside_after`)."""
+    target = path.with_name(prefix + path.name)
     n = 1
     while target.exists():
-        target = path.with_name(f"{CORRUPT_PREFIX}{path.name}.{n}")
+        target = path.with_name(f"{prefix}{path.name}.{n}")
         n += 1
     path.rename(target)
     return target
+
+
+def set_aside_after(state_dir: Path, outer_step: int) -> list[Path]:
+    """Set aside (ROSE_PREFIX) every checkpoint of an outer step after `outer_step`: after the
+    quality guard kept the best of that step, the newest checkpoint on disk is the best, so a
+    restart resumes from it and `diloco export` of the state dir takes it. Returns the new
+    paths."""
+    return [
+        set_aside(p, ROSE_PREFIX)
+        for p in list_checkpoints(state_dir)
+        if outer_step_of(p) > outer_step
+    ]
 
 
 def clean_partial(state_dir: Path) -> list[Path]:
