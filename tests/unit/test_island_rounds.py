@@ -123,3 +123,16 @@ def test_bad_limits_name_the_field(inner: dict[str, object], field: str) -> None
 def test_a_bad_pin_names_the_field() -> None:
     with pytest.raises(ConfigError, match=r"spec\.islands\.overrides\.0\.innerSteps"):
         parse_spec({"islands": {"overrides": [{"islands": [0], "innerSteps": 0}]}})
+
+
+def test_adopt_round_only_at_a_round_boundary() -> None:
+    from diloco_trainer.learner.step_plan import adopt_round
+
+    assert adopt_round(30, 30, 10) == 10  # round 1's end: 1 x 10
+    assert adopt_round(90, 30, 10) == 30  # round 3's end: 3 x 10
+    assert adopt_round(40, 10, 30) == 120  # longer again: round 4's end, 4 x 30
+    assert adopt_round(45, 30, 10) is None  # mid-round
+    assert adopt_round(0, 30, 10) is None  # a fresh job's first round
+    assert adopt_round(15, 30, 10) is None
+    assert adopt_round(60, 30, 30) is None  # no change
+    assert adopt_round(60, 30, None) is None  # the syncer named none

@@ -19,6 +19,7 @@ from diloco_trainer.syncer.state.records import (
     RoundPolicy,
     round_policy,
 )
+from diloco_trainer.syncer.state.round_sizes import RoundSizes
 from diloco_trainer.syncer.state.rounds import RoundsSnapshot, SavedRounds, SyncState
 from diloco_trainer.syncer.state.targets import (
     budget_tokens,
@@ -45,6 +46,7 @@ __all__ = [
     "IslandRecord",
     "Membership",
     "RoundPolicy",
+    "RoundSizes",
     "RoundsSnapshot",
     "SavedRounds",
     "SyncState",
