@@ -239,7 +239,7 @@ def report(
             " ".join(fmt_pct(r["utilisation"][n]) for n in islands),
             " ".join(fmt_ratio(s, 2) for s in shares),
         )
-        if name.split(",")[0].endswith("auto"):
+        if " auto, " in name:
             reached = t is not None and alone_time is not None and t <= alone_time
             targets.add(
                 f"{name}: fast islands keep >= 97% of equal-speed utilisation",

@@ -44,9 +44,10 @@ def test_target_steps_hand_derived() -> None:
     assert h(1.0) == 30  # 30 / 1
     assert h(3.0) == 10  # 30 / 3
     assert h(2.0) == 15
-    assert h(4.0) == 8  # 7.5 rounds to 8
+    assert h(4.0) == 7  # 7.5 rounded down: its round ends before the reference's
+    assert h(2.9) == 10  # 10.34 rounded down
     assert h(0.5) == 30  # 60, capped at the ceiling H
-    assert h(100.0) == 4  # 0.3 rounds to 0: the floor
+    assert h(100.0) == 4  # 0.3 rounded down is 0: the floor
     assert h(None) == 30  # no reading yet: H
     assert h(3.0, reference=None) == 30
     assert target_steps(inner_steps=30, reference=1.0, own=0.5, floor=4, ceiling=45) == 45
@@ -70,20 +71,30 @@ def test_a_mid_job_slowdown_shrinks_the_round_after_two_readings() -> None:
     assert _schedule(30, [30, 30, 10, 10, 10, 10]) == [30, 30, 30, 10, 10, 10]
 
 
+def test_the_first_reading_sets_a_slow_islands_round_at_once() -> None:
+    # a fresh island (no reading yet) 3x slower: its first reading's target 10 is taken at once
+    assert _schedule(30, [10, 10, 10]) == [10, 10, 10]
+    # a first reading within 20% makes it no longer fresh: a later change needs two readings
+    assert _schedule(30, [30, 10, 10]) == [30, 30, 10]
+
+
 def test_a_recovery_waits_for_the_cooldown() -> None:
-    # At 10 since reading 2 (readings 1, 2 confirm 10). Speed back at reading 3: targets 30 at
-    # readings 3, 4 are confirmed by reading 4, but only 2 readings since the change (< 3);
-    # reading 5 is the third: H_i = 30 from reading 5.
-    assert _schedule(30, [10, 10, 30, 30, 30, 30]) == [30, 10, 10, 10, 30, 30]
+    # The first reading (fresh) sets 10 at once (since 0). Speed back at reading 3: targets 30
+    # at readings 3, 4 are confirmed by reading 4 (since 3 >= 3): H_i = 30 from reading 4. Had
+    # it come back at reading 2, reading 3 would confirm it only 2 readings after the change,
+    # and reading 4 is the first one the cooldown allows.
+    assert _schedule(30, [10, 10, 30, 30, 30, 30]) == [10, 10, 10, 30, 30, 30]
+    assert _schedule(30, [10, 30, 30, 30, 30]) == [10, 10, 10, 30, 30]
 
 
 def test_no_oscillation_under_noise_or_alternating_readings() -> None:
     # within 20% of 30 (24..36): never a change
     assert _schedule(30, [26, 34, 35, 25, 36, 24, 30]) == [30] * 7
-    # a reading beyond 20% between two within it: each resets the count, never confirmed
-    assert _schedule(30, [10, 30, 10, 30, 10, 30, 10]) == [30] * 7
+    # after a first reading within 20%: a reading beyond it between two within it resets the
+    # count each time, never confirmed
+    assert _schedule(30, [30, 10, 30, 10, 30, 10, 30, 10]) == [30] * 8
     # beyond it on both sides in turn: the direction flips, never two in a row the same way
-    assert _schedule(30, [10, 50, 10, 50, 10, 50]) == [30] * 6
+    assert _schedule(30, [30, 10, 50, 10, 50, 10, 50]) == [30] * 7
 
 
 def test_limits_from_the_spec() -> None:
@@ -132,7 +143,7 @@ def test_adopt_round_only_at_a_round_boundary() -> None:
     assert adopt_round(90, 30, 10) == 30  # round 3's end: 3 x 10
     assert adopt_round(40, 10, 30) == 120  # longer again: round 4's end, 4 x 30
     assert adopt_round(45, 30, 10) is None  # mid-round
-    assert adopt_round(0, 30, 10) is None  # a fresh job's first round
-    assert adopt_round(15, 30, 10) is None
+    assert adopt_round(0, 30, 10) == 0  # a fresh job's first round: at once, in place
+    assert adopt_round(15, 30, 10) == 15
     assert adopt_round(60, 30, 30) is None  # no change
     assert adopt_round(60, 30, None) is None  # the syncer named none

@@ -313,13 +313,11 @@ def test_a_push_not_merged_leaves_no_residual_behind(refuse: bool) -> None:
     assert ("w" in sync.error_feedback.residuals) is not refuse
 
 
-def test_the_round_the_syncer_names_is_adopted_at_the_next_round_boundary() -> None:
+def test_the_round_the_syncer_names_is_adopted_in_a_fresh_jobs_first_round() -> None:
     # H = 8 (inner.stepsPerIsland auto); the syncer names H_i = 4 for this (slow) island from
-    # the start. The fresh job's first round is still 8 steps (no push below position H); at
-    # the boundary after the push at position 8 the schedule becomes rounds of 4: position 8 is
-    # round 1's end, i.e. 1 x 4 = 4 in the new length, and the push in flight moves with it (its
-    # merge applied τ = 2 steps after it, at process step 10). Pushes then follow every 4 steps:
-    # after process steps 8, 12 and 16, carrying 8, 4 and 4 steps.
+    # the start: taken at once, in place (nothing pushed yet), so the first push comes at
+    # position 4 and then every 4 steps, each carrying 4 steps; each merge applied τ = 2 steps
+    # after its push.
     spec = parse_spec(
         {
             "islands": {"count": 2},
@@ -337,20 +335,22 @@ def test_the_round_the_syncer_names_is_adopted_at_the_next_round_boundary() -> N
             applied_at.append(n)
         if len(link.pushes) > before:
             pushed_at.append(n)
-    assert pushed_at == [8, 12, 16]
-    assert [meta.steps for _, meta, _ in link.pushes] == [8, 4, 4]
-    assert applied_at == [10, 14]
+    assert pushed_at == [4, 8, 12, 16]
+    assert [meta.steps for _, meta, _ in link.pushes] == [4, 4, 4, 4]
+    assert applied_at == [6, 10, 14]
     assert sync.round_steps == 4
     # τ stays below the round; the step cap is 4 x the longer of the two rounds + overlapSteps
     assert sync.overlap_fit.cap == 2
     assert sync.most_steps == 4 * 8 + 2
-    # the drain's count in units of inner.steps' rounds: 8 steps at H, 8 at H / H_i = 2 each
-    assert sync.round_work == 8 + 8 * 2
+    # the drain's count in units of inner.steps' rounds: 16 steps at H / H_i = 2 each (the
+    # first one counted before the round was adopted: at H, 1)
+    assert sync.round_work == 1 + 15 * 2
 
 
 def test_a_round_is_not_adopted_mid_round() -> None:
     # H = 8, H_i = 4 named after the first push: position 9..15 are no boundary of the 8-step
-    # round; the next is 16, where the schedule becomes rounds of 4 (position 16 -> 8).
+    # round; the next is 16, where the schedule becomes rounds of 4 (position 16 -> 8), and the
+    # pushes carry 8, 8, then 4 steps.
     spec = parse_spec(
         {
             "islands": {"count": 2},

@@ -40,9 +40,9 @@ def test_a_slow_island_gets_a_third_of_the_round_after_two_readings() -> None:
     sizes.read(slow, recs, now=0.0)  # starts its clock
     sizes.read(slow, recs, now=29.0)  # too soon: no reading
     assert slow.round is not None and slow.round.pending == 0
-    sizes.read(slow, recs, now=30.0)  # reading 1: target 30 / 3 = 10, pending
-    assert sizes.steps_of(slow, slow.name) == 30
-    sizes.read(slow, recs, now=60.0)  # reading 2 confirms: H_i = 10
+    sizes.read(slow, recs, now=30.0)  # reading 1 (its first): target 30 / 3 = 10 at once
+    assert sizes.steps_of(slow, slow.name) == 10
+    sizes.read(slow, recs, now=60.0)  # reading 2 agrees
     assert sizes.steps_of(slow, slow.name) == 10
     # its pushes may carry 4 x the longer of its two last rounds + overlapSteps: 4 x 30 + 5
     assert sizes.max_push_steps(slow, slow.name) == 125

@@ -7,7 +7,12 @@ wall time (Async Local-SGD, Liu et al. 2024, arXiv 2401.09135: "dynamic local up
 steps proportional to a worker's speed; the merge already weighs each push by its tokens):
 
     T   = H x t_ref                     the round's wall time (H = inner.steps)
-    H_i = clamp(round(T / t_i), floor, ceiling)
+    H_i = clamp(floor(T / t_i), floor, ceiling)
+
+rounded down, so that a slow island's round ends no later than the reference's: at K = M the
+islands at the reference speed never wait for it (speeds 1,1,1,3 and H = 20: 6 steps of 3 = 18
+of the others' 20; rounded to nearest, 7 steps = 21 made every fast island wait a step each round,
+5% of its time), and the slow island idles under one of its steps a round instead.
 
 t_i is island i's measured step time (its heartbeats' stepTime) and t_ref a robust reference
 step time of the job (reference_step_time): the lower median of the islands' step times once
@@ -32,9 +37,14 @@ Hysteresis (next_round): step times are noisy (warm-up, compiles, a shared machi
 H that follows every reading makes islands' phases and the merges' work fractions jump. A new
 H_i is taken only when CONFIRMATIONS readings in a row differ from the current one by more than
 CHANGE_FRACTION in the same direction, and at most once per COOLDOWN_READINGS readings (one
-reading per round of the island, so the new H has run a few rounds before it can change again).
+reading per reference round, so the new H has run a few rounds before it can change again).
 An island that slows down for good mid-job (a preempted node replaced by an older one) so gets
-its smaller round two readings after its first slow one.
+its smaller round two readings after its first slow one. The one exception is an island's very
+first reading, which sets its round at once when it is beyond CHANGE_FRACTION: a mixed job's
+slow islands start at H, and at K = M every fast island waits for each of their long rounds
+until they change (two readings and a round boundary later, in bench/hetero's 15-round job
+that was 16% of the fast islands' time); the learner adopts a round even in a fresh job's first
+round (learner/step_plan.adopt_round).
 
 `inner.stepsPerIsland: fixed` turns all this off (every island H), and
 `islands.overrides[i].innerSteps` pins an island's H_i.
@@ -74,14 +84,14 @@ def reference_step_time(step_times: Sequence[float]) -> float | None:
 def target_steps(
     *, inner_steps: int, reference: float | None, own: float | None, floor: int, ceiling: int
 ) -> int:
-    """H_i for an island of step time `own` beside the reference: clamp(round(H x t_ref / t_i),
+    """H_i for an island of step time `own` beside the reference: clamp(floor(H x t_ref / t_i),
     floor, ceiling). Without both times, H (clamped too)."""
     if floor < 1 or ceiling < floor:
         raise ValueError(f"need 1 <= floor <= ceiling, got {floor}, {ceiling}")
     if reference is None or own is None or own <= 0 or not math.isfinite(own):
         raw = inner_steps
     else:
-        raw = round(inner_steps * reference / own)
+        raw = math.floor(inner_steps * reference / own + 1e-9)  # 1e-9: 30 x 0.3 / 0.1 is 90
     return min(ceiling, max(floor, raw))
 
 
@@ -92,19 +102,21 @@ class IslandRound:
     steps: int  # H_i now
     pending: int = 0  # readings in a row beyond CHANGE_FRACTION: > 0 longer, < 0 shorter
     since_change: int = COOLDOWN_READINGS  # readings since H_i last changed (a fresh one may)
+    fresh: bool = True  # no reading yet: the first one beyond CHANGE_FRACTION sets H_i at once
 
 
 def next_round(current: IslandRound, target: int) -> IslandRound:
     """The island's round after one reading whose target H_i is `target` (target_steps)."""
     since = current.since_change + 1
     if abs(target - current.steps) <= CHANGE_FRACTION * current.steps:
-        return IslandRound(current.steps, 0, since)
+        return IslandRound(current.steps, 0, since, fresh=False)
     direction = 1 if target > current.steps else -1
     same = current.pending * direction > 0
     pending = current.pending + direction if same else direction
-    if abs(pending) >= CONFIRMATIONS and since >= COOLDOWN_READINGS:
-        return IslandRound(target, 0, 0)
-    return IslandRound(current.steps, pending, since)
+    needed = 1 if current.fresh else CONFIRMATIONS
+    if abs(pending) >= needed and since >= COOLDOWN_READINGS:
+        return IslandRound(target, 0, 0, fresh=False)
+    return IslandRound(current.steps, pending, since, fresh=False)
 
 
 @dataclass(frozen=True)

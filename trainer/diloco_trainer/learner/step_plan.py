@@ -231,15 +231,20 @@ def adopt_round(position: int, current: int, offered: int | None) -> int | None:
     """The schedule position from which a learner whose rounds are `current` inner steps goes on
     with rounds of `offered` (its H_i from the syncer, inner.stepsPerIsland), or None: not now.
 
-    Only at a round boundary (a position at which fragment 0 is due, `current` or later: never in a
-    fresh job's first round) and to the same round count k in the new length: position k·H
-    becomes k·H_i, so every fragment's next sync point stays at its place in the round (offset
-    f·H_i/F after it) and no position falls below H_i again (plan_step's first-round rule). The
-    pushes in flight move by the same number of positions (their apply windows are relative).
+    At a round boundary (a position at which fragment 0 is due, `current` or later) and to the
+    same round count k in the new length: position k·H becomes k·H_i, so every fragment's next
+    sync point stays at its place in the round (offset f·H_i/F after it) and no position falls
+    below H_i again (plan_step's first-round rule). The pushes in flight move by the same
+    number of positions (their apply windows are relative). In a fresh job's first round
+    (position below `current`, nothing pushed yet) at once and in place: its first push comes at
+    the first multiple of H_i from there, so a slow island's first round is short too (at K = M
+    every other island waits for it).
     """
     if offered is None or offered < 1 or offered == current:
         return None
-    if position < current or position % current:
+    if position < current:
+        return position
+    if position % current:
         return None
     return position // current * offered
 
