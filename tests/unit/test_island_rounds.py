@@ -78,6 +78,13 @@ def test_the_first_reading_sets_a_slow_islands_round_at_once() -> None:
     assert _schedule(30, [30, 10, 10]) == [30, 30, 10]
 
 
+def test_one_step_is_never_a_change() -> None:
+    # at 3 steps a round, 4 is 33% away but only one step: noise, never taken
+    assert _schedule(3, [4, 4, 4, 2, 2, 4]) == [3] * 6
+    # two steps are: from 3 to 5 on the first (fresh) reading
+    assert _schedule(3, [5]) == [5]
+
+
 def test_a_recovery_waits_for_the_cooldown() -> None:
     # The first reading (fresh) sets 10 at once (since 0). Speed back at reading 3: targets 30
     # at readings 3, 4 are confirmed by reading 4 (since 3 >= 3): H_i = 30 from reading 4. Had
@@ -144,6 +151,9 @@ def test_adopt_round_only_at_a_round_boundary() -> None:
     assert adopt_round(40, 10, 30) == 120  # longer again: round 4's end, 4 x 30
     assert adopt_round(45, 30, 10) is None  # mid-round
     assert adopt_round(0, 30, 10) == 0  # a fresh job's first round: at once, in place
-    assert adopt_round(15, 30, 10) == 15
+    assert adopt_round(9, 30, 10) == 9  # still below H_i
+    assert adopt_round(10, 30, 10) is None  # past it: fragment 1 would sync before fragment 0
+    assert adopt_round(15, 30, 10) is None
+    assert adopt_round(15, 30, 40) == 15  # a longer round: below it
     assert adopt_round(60, 30, 30) is None  # no change
     assert adopt_round(60, 30, None) is None  # the syncer named none
