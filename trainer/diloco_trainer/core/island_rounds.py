@@ -44,8 +44,9 @@ its smaller round two readings after its first slow one. The one exception is an
 first reading, which sets its round at once when it is beyond CHANGE_FRACTION: a mixed job's
 slow islands start at H, and at K = M every fast island waits for each of their long rounds
 until they change (two readings and a round boundary later, in bench/hetero's 15-round job
-that was 16% of the fast islands' time); the learner adopts a round even in a fresh job's first
-round while it is still below the new H_i (learner/step_plan.adopt_round).
+that was 16% of the fast islands' time: bench/log/2026-11-29.md, "hetero — 2026-11-29 02:13");
+the learner adopts a round even in a fresh job's first round while it is still below the new
+H_i (learner/step_plan.adopt_round).
 
 `inner.stepsPerIsland: fixed` turns all this off (every island H), and
 `islands.overrides[i].innerSteps` pins an island's H_i.
