@@ -138,6 +138,20 @@ class IslandEntry(StatusModel):
         "drain); it trains on if the finish does not come within its wait budget. As the "
         "syncer last heard it from the island's heartbeats.",
     )
+    step_time: float | None = Field(
+        None,
+        ge=0,
+        description="Seconds per inner step of the island's learner, as its heartbeats last "
+        "told the syncer (a recent average).",
+    )
+    inner_steps: int | None = Field(
+        None,
+        ge=1,
+        description="The island's round H_i: inner steps between two pushes of a fragment. "
+        "inner.steps, or with inner.stepsPerIsland auto what the syncer sized from the "
+        "island's step time (islands.overrides[].innerSteps pins it); its learner adopts it at "
+        "its next round boundary.",
+    )
 
 
 class FinalCheckpoint(StatusModel):
@@ -170,6 +184,11 @@ class DiLoCoJobStatus(StatusModel):
     )
     islands: IslandCounts = Field(default_factory=IslandCounts)
     islands_summary: str = Field("0/0", description="'ready/desired' islands, for kubectl get.")
+    rounds_summary: str | None = Field(
+        None,
+        description="Each island's round, in island order, for kubectl get -o wide: 'H_i@step "
+        "time' (e.g. '30@0.05s 10@0.15s'), '-' for what the syncer has not reported.",
+    )
     island_statuses: list[IslandEntry] = Field(
         default_factory=list, description="Per-island state, one entry per desired island."
     )

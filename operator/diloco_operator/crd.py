@@ -319,7 +319,7 @@ def build_crd() -> dict[str, Any]:
     }
 
 
-def _printer_columns() -> list[dict[str, str]]:
+def _printer_columns() -> list[dict[str, Any]]:
     return [
         {
             "name": "Phase",
@@ -360,6 +360,14 @@ def _printer_columns() -> list[dict[str, str]]:
             "loss is status.loss.",
         },
         {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
+        {
+            "name": "Rounds",
+            "type": "string",
+            "jsonPath": ".status.roundsSummary",
+            "description": "Each island's round (inner steps between pushes) and step time, "
+            "in island order: 'H_i@seconds'.",
+            "priority": 1,
+        },
     ]
 
 

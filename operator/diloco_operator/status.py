@@ -18,7 +18,12 @@ from diloco_operator.conditions import job_conditions
 from diloco_operator.final_weights import final_checkpoint
 from diloco_operator.observation import Observation, conditions_by_type
 from diloco_operator.phase import FINAL_PHASES, decide_phase, finished_time
-from diloco_operator.status_progress import carried_progress, island_statuses, job_completion
+from diloco_operator.status_progress import (
+    carried_progress,
+    island_statuses,
+    job_completion,
+    rounds_summary,
+)
 from diloco_operator.times import parse_time
 
 
@@ -41,6 +46,7 @@ def compute_status(obs: Observation, previous: Mapping[str, Any] | None) -> DiLo
             active=sum(i.in_quorum for i in islands),
         ),
         islands_summary=f"{verdict.ready}/{verdict.desired}",
+        rounds_summary=rounds_summary(islands),
         island_statuses=islands,
         outer_step=progress.outer_step,
         tokens=progress.tokens,

@@ -128,9 +128,24 @@ def island_statuses(obs: Observation, running: bool) -> list[IslandEntry]:
                 waiting_for_quota=island.waiting_for_quota,
                 holding=info is not None and info.holding,
                 drained=info is not None and info.drained,
+                step_time=float_or_none(info.step_time) if info is not None else None,
+                inner_steps=info.inner_steps if info is not None else None,
             )
         )
     return out
+
+
+def rounds_summary(islands: list[IslandEntry]) -> str | None:
+    """Each island's round and step time as one string for kubectl's wide output: 'H_i@t' per
+    island ('30@0.05s 10@0.15s'), '-' for a figure not reported; None with no island."""
+    if not islands:
+        return None
+    parts = []
+    for entry in islands:
+        steps = "-" if entry.inner_steps is None else str(entry.inner_steps)
+        time = "-" if entry.step_time is None else f"{entry.step_time:.3g}s"
+        parts.append(f"{steps}@{time}")
+    return " ".join(parts)
 
 
 # Kubernetes stores integers as int64: a larger one would make the API server refuse the patch.

@@ -135,3 +135,18 @@ def test_check_memory_against_the_pods_limits() -> None:
     assert errors[1].startswith("syncer.resources.limits.memory (0.10 GiB)")
     assert parse_quantity("2Gi") == 2 * GIB and parse_quantity("1.5G") == 1_500_000_000
     assert parse_quantity("512Mi") == 512 * 2**20 and parse_quantity("lots") is None
+
+
+def test_check_refuses_bad_round_limits_naming_the_fields(tmp_path: Path) -> None:
+    """Issue 47's knobs: what `diloco check` and `diloco run` read (load_job_file) names each
+    bad field: a minSteps above inner.steps, a pinned innerSteps of 0."""
+    job = tmp_path / "job.yaml"
+    job.write_text(
+        "inner: {steps: 30, stepsPerIsland: auto, minSteps: 40}\n"
+        "islands: {overrides: [{islands: [0], innerSteps: 0}]}\n"
+    )
+    with pytest.raises(ConfigError) as err:
+        load_job_file(job)
+    text = str(err.value)
+    assert "spec.islands.overrides.0.innerSteps" in text
+    assert "inner.minSteps (40) must be <= inner.steps (30)" in text

@@ -66,7 +66,11 @@ def test_crd_printer_columns() -> None:
         "ETA": ".status.eta",
         "Eval Loss": ".status.evalLoss",
         "Age": ".metadata.creationTimestamp",
+        "Rounds": ".status.roundsSummary",
     }
+    # Issue 47: each island's round and step time only in the wide output (priority 1)
+    priority = {c["name"]: c.get("priority", 0) for c in columns}
+    assert {n for n, p in priority.items() if p} == {"Rounds"}
     # Issue 48: the column said "Latest training loss"; it shows the evaluation loss.
     described = {c["name"]: c.get("description", "") for c in columns}
     assert described["Eval Loss"].startswith("Latest evaluation loss")

@@ -41,6 +41,7 @@ class FakeLink:
         self.held: list[tuple[concurrent.futures.Future[Any], Any]] = []
         self.progress: dict[str, Any] = {"holding": False}  # what heartbeats would carry
         self.refuse = False  # answer each push as the syncer answers a malformed one
+        self.inner_steps: int | None = None  # the island's H_i the syncer names (stepsPerIsland)
 
     def submit(self, coro: Coroutine[Any, Any, Any]) -> concurrent.futures.Future[Any]:
         future: concurrent.futures.Future[Any] = concurrent.futures.Future()
@@ -310,3 +311,60 @@ def test_a_push_not_merged_leaves_no_residual_behind(refuse: bool) -> None:
         step(sync, w)  # its merge (or the refusal) is received after τ = 2 steps
     # Merged: the residual goes into the next push. Refused: it is forgotten with its push.
     assert ("w" in sync.error_feedback.residuals) is not refuse
+
+
+def test_the_round_the_syncer_names_is_adopted_in_a_fresh_jobs_first_round() -> None:
+    # H = 8 (inner.stepsPerIsland auto); the syncer names H_i = 4 for this (slow) island from
+    # the start: taken at once, in place (nothing pushed yet), so the first push comes at
+    # position 4 and then every 4 steps, each carrying 4 steps; each merge applied τ = 2 steps
+    # after its push.
+    spec = parse_spec(
+        {
+            "islands": {"count": 2},
+            "inner": {"steps": 8, "stepsPerIsland": "auto"},
+            "sync": {"fragments": 1, "overlapSteps": 2, "compression": "none"},
+        }
+    )
+    link = FakeLink(outer_lr=0.25)
+    link.inner_steps = 4
+    sync, w = make_sync(spec, link)
+    applied_at, pushed_at = [], []
+    for n in range(1, 17):
+        before = len(link.pushes)
+        if step(sync, w):
+            applied_at.append(n)
+        if len(link.pushes) > before:
+            pushed_at.append(n)
+    assert pushed_at == [4, 8, 12, 16]
+    assert [meta.steps for _, meta, _ in link.pushes] == [4, 4, 4, 4]
+    assert applied_at == [6, 10, 14]
+    assert sync.round_steps == 4
+    # τ stays below the round; the step cap is 4 x the longer of the two rounds + overlapSteps
+    assert sync.overlap_fit.cap == 2
+    assert sync.most_steps == 4 * 8 + 2
+    # the drain's count in units of inner.steps' rounds: 16 steps at H / H_i = 2 each (the
+    # first one counted before the round was adopted: at H, 1)
+    assert sync.round_work == 1 + 15 * 2
+
+
+def test_a_round_is_not_adopted_mid_round() -> None:
+    # H = 8, H_i = 4 named after the first push: position 9..15 are no boundary of the 8-step
+    # round; the next is 16, where the schedule becomes rounds of 4 (position 16 -> 8), and the
+    # pushes carry 8, 8, then 4 steps.
+    spec = parse_spec(
+        {
+            "islands": {"count": 2},
+            "inner": {"steps": 8, "stepsPerIsland": "auto"},
+            "sync": {"fragments": 1, "overlapSteps": 2, "compression": "none"},
+        }
+    )
+    link = FakeLink(outer_lr=0.25)
+    sync, w = make_sync(spec, link)
+    for n in range(1, 21):
+        if n == 9:
+            link.inner_steps = 4
+        step(sync, w)
+        if n < 16:
+            assert sync.round_steps == 8, n
+    assert sync.round_steps == 4
+    assert [meta.steps for _, meta, _ in link.pushes] == [8, 8, 4]

@@ -133,3 +133,27 @@ def test_island_statuses_an_island_kueue_has_not_admitted_waits_for_quota() -> N
     assert second.waiting_for_quota and not second.healthy
     # Pods admitted (no gate) but not Ready yet: an ordinary unhealthy island.
     assert not first.waiting_for_quota
+
+
+def test_island_statuses_carry_each_islands_round_and_step_time() -> None:
+    """The syncer's stepTime and innerSteps (inner.stepsPerIsland) on each island's entry, and
+    the wide column's summary in island order; an older syncer's status without them reads as
+    not reported ('-')."""
+    from diloco_operator.status_progress import rounds_summary
+
+    syncer = {
+        "islands": {
+            "island-0": {"state": "active", "stepTime": 0.05, "innerSteps": 30},
+            "island-1": {"state": "active", "stepTime": 0.15, "innerSteps": 10},
+        }
+    }
+    first, second = island_statuses(observation(syncer=syncer), running=True)
+    assert (first.step_time, first.inner_steps) == (0.05, 30)
+    assert (second.step_time, second.inner_steps) == (0.15, 10)
+    dumped = second.model_dump(by_alias=True)
+    assert (dumped["stepTime"], dumped["innerSteps"]) == (0.15, 10)
+    assert rounds_summary([first, second]) == "30@0.05s 10@0.15s"
+    old = island_statuses(observation(syncer={"islands": {"island-0": {"state": "active"}}}), True)
+    assert (old[0].step_time, old[0].inner_steps) == (None, None)
+    assert rounds_summary(old).startswith("-@- ")
+    assert rounds_summary([]) is None

@@ -101,6 +101,9 @@ class JoinInfo(Document):
     # learner restarted mid-job resumes its data stream there instead of replaying it from the
     # first batch. 0 from older syncers and for a new island.
     island_tokens: int = 0
+    # The island's round H_i (inner steps between pushes of a fragment: inner.stepsPerIsland);
+    # its learner adopts it at its next round boundary. Absent (older syncers): inner.steps.
+    inner_steps: int | None = Field(None, ge=1)
 
     @model_validator(mode="after")
     def _one_version_per_fragment(self) -> JoinInfo:
@@ -120,6 +123,7 @@ class PushAnswer(Document):
     duplicate: bool = False  # a retry of a push already answered (this is that first answer)
     finished: bool = False  # the job has finished: nothing is accepted any more
     reason: str = ""  # why it was not accepted
+    inner_steps: int | None = Field(None, ge=1)  # the island's H_i now (as in JoinInfo)
 
 
 class HeartbeatAnswer(Document):
@@ -131,6 +135,7 @@ class HeartbeatAnswer(Document):
     # K < M, near the budget: the count of processed tokens (the learner's own, as it reports
     # them) at which the island drains (syncer/state/targets.py). Absent: none yet.
     stop_at: int | None = None
+    inner_steps: int | None = Field(None, ge=1)  # the island's H_i now (as in JoinInfo)
 
 
 class MembershipAnswer(Document):
@@ -175,6 +180,9 @@ class IslandStatus(Document):
     # Its learner has trained its share of stopAfter and every push of it was merged: it pushes
     # nothing more and waits for the finish (learner/drain.py). Absent: not drained.
     drained: StrictBool = False
+    # Its round H_i as the syncer measured it (inner.stepsPerIsland auto): absent until the
+    # first change from inner.steps, and with stepsPerIsland fixed.
+    inner_steps: int | None = Field(None, ge=1)
 
     @property
     def known_state(self) -> IslandState | None:

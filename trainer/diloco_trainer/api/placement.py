@@ -41,6 +41,14 @@ class IslandOverride(SpecModel):
         le=1024,
         description="Pods (DDP ranks) of these islands; unset: islands.replicas.",
     )
+    inner_steps: int | None = Field(
+        None,
+        ge=1,
+        le=1_000_000,
+        description="Pins these islands' rounds to this many inner steps between pushes of a "
+        "fragment (H_i), whatever inner.stepsPerIsland says; unset: inner.steps, or measured "
+        "with inner.stepsPerIsland auto.",
+    )
     resources: dict[str, Any] = Field(
         default_factory=dict,
         description="Resource requirements of these islands' learner containers, instead of "

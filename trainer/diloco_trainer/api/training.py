@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from diloco_trainer.api.base import SpecModel
 
@@ -48,6 +48,30 @@ class InnerSpec(SpecModel):
     weight_decay: float = Field(0.1, ge=0, le=10, description="AdamW weight decay.")
     warmup_steps: int = Field(0, ge=0, description="Linear warm-up, in inner steps.")
     steps: int = Field(500, ge=1, le=1_000_000, description="H: inner steps per outer round.")
+    steps_per_island: Literal["auto", "fixed"] = Field(
+        "fixed",
+        description="Each island's round: fixed (every island takes inner.steps between pushes "
+        "of a fragment) or auto (the syncer sizes island i's round H_i from its measured step "
+        "time, so that islands of different speeds push at about the same wall time: H_i = "
+        "round(inner.steps x t_ref / t_i), t_ref the lower median of the islands' step times, "
+        "within inner.minSteps..inner.maxSteps, changed only after two readings in a row more "
+        "than 20% away; docs/algorithm.md). islands.overrides[].innerSteps pins an island's.",
+    )
+    min_steps: int | None = Field(
+        None,
+        ge=1,
+        le=1_000_000,
+        description="With stepsPerIsland auto: the fewest inner steps an island's round is given "
+        "(unset: inner.steps / 8, rounded up). At most inner.steps.",
+    )
+    max_steps: int | None = Field(
+        None,
+        ge=1,
+        le=1_000_000,
+        description="With stepsPerIsland auto: the most inner steps an island's round is given "
+        "(unset: inner.steps, so only islands slower than the reference get shorter rounds). "
+        "At least inner.steps.",
+    )
     batch_size: int = Field(32, ge=1, le=65536, description="Sequences per rank per micro-batch.")
     micro_batches: int = Field(
         1,
@@ -71,6 +95,28 @@ class InnerSpec(SpecModel):
         description="Run the model's forward and backward through torch.compile (the first "
         "steps are slower while it compiles; needs a C++ compiler, and Triton on CUDA).",
     )
+
+    @model_validator(mode="after")
+    def _round_limits(self) -> InnerSpec:
+        if self.min_steps is not None and self.min_steps > self.steps:
+            raise ValueError(
+                f"inner.minSteps ({self.min_steps}) must be <= inner.steps ({self.steps})"
+            )
+        if self.max_steps is not None and self.max_steps < self.steps:
+            raise ValueError(
+                f"inner.maxSteps ({self.max_steps}) must be >= inner.steps ({self.steps})"
+            )
+        return self
+
+    @property
+    def min_steps_resolved(self) -> int:
+        """The floor of an island's round: minSteps, else ceil(H / 8)."""
+        return self.min_steps if self.min_steps is not None else max(1, -(-self.steps // 8))
+
+    @property
+    def max_steps_resolved(self) -> int:
+        """The ceiling of an island's round: maxSteps, else H."""
+        return self.max_steps if self.max_steps is not None else self.steps
 
     @property
     def tokens_per_step(self) -> int:

@@ -26,7 +26,8 @@ from torch import Tensor, nn
 from diloco_trainer.api.protocol import PushMeta
 from diloco_trainer.api.spec import ConfigError, JobSpec
 from diloco_trainer.core import compress
-from diloco_trainer.core.push_bounds import max_push_steps
+from diloco_trainer.core.fragments import fragment_offsets
+from diloco_trainer.core.push_bounds import STEP_ROUNDS, max_push_steps
 from diloco_trainer.learner.device_copies import adopt
 from diloco_trainer.learner.fragment_state import (
     FragmentState,
@@ -41,6 +42,7 @@ from diloco_trainer.learner.shards import FragmentShards
 from diloco_trainer.learner.step_plan import (
     StepPlan,
     Window,
+    adopt_round,
     blocks_for_merge,
     plan_idle,
     plan_step,
@@ -87,6 +89,13 @@ class FragmentSync:
         self.shifted_at = -math.inf  # time.monotonic() the last schedule shift began
         self.measured: dict[int, float | None] = {}  # per arrived fragment: InFlight.previous
         self.most_steps = max_push_steps(spec)  # the syncer refuses a push of more steps
+        # The island's round H_i (inner.stepsPerIsland): inner.steps until the syncer names
+        # another, adopted at a round boundary (_adopt_round).
+        self.round_steps = spec.inner.steps
+        # This process's steps in units of inner.steps' rounds (each step H / H_i): what the
+        # K = M drain counts its share in, since islands at K = M run the same number of rounds
+        # whatever their H_i (drain.DrainTrigger).
+        self.round_work = 0.0
         self.held_since: float | None = None  # time.monotonic() the island began to hold
         # Seconds blocked on the syncer (merge waits, step-cap holds) since take_waited.
         self.waited = 0.0
@@ -207,6 +216,7 @@ class FragmentSync:
         """One inner step's work, on every fragment's counters."""
         for state in self.fragments:
             state.counters.add(tokens, loss, step_time)
+        self.round_work += self.spec.inner.steps / self.round_steps
 
     def after_step(self) -> dict[int, Weights]:
         """After an inner step: push what is due, collect what is needed; the weights of each
@@ -232,6 +242,7 @@ class FragmentSync:
             for pos in positions:
                 self.position = pos
                 plans.append(self._plan(pos))
+            self._adopt_round()
         out: dict[int, Weights] = {}
         for plan in plans:
             for f in self._collect_plan(plan):
@@ -244,6 +255,32 @@ class FragmentSync:
         self.jumps = {}
         self._hold(out)
         return out
+
+    def _adopt_round(self) -> None:
+        """At a round boundary, go on with the round the syncer named for this island (its H_i,
+        inner.stepsPerIsland: step_plan.adopt_round): the schedule, the pushes in flight, τ's
+        cap and the step cap follow."""
+        if self.phase_pending:
+            return  # a phase shift in progress counts positions of the current round
+        old = self.round_steps
+        moved = adopt_round(self.position, old, self.link.inner_steps)
+        if moved is None or self.link.inner_steps is None:
+            return
+        new = self.link.inner_steps
+        delta, self.position = moved - self.position, moved
+        for fl in self.inflight.values():
+            fl.step += delta
+        self.round_steps = new
+        self.offsets = fragment_offsets(new, len(self.fragments))
+        self.overlap_fit.set_round(new)
+        self.most_steps = STEP_ROUNDS * max(old, new) + self.overlap
+        log.info(
+            "step %d: rounds of %d inner steps from here (the syncer's for this island: it "
+            "pushes at about its peers' pace; was %d)",
+            self.position,
+            new,
+            old,
+        )
 
     def _abandoned(self) -> frozenset[int]:
         """In-flight fragments whose merged result is overdue by more than the wait budget."""
@@ -298,7 +335,7 @@ class FragmentSync:
         window = self.overlap_fit.window(tau)
         plan = plan_step(
             position,
-            inner_steps=self.spec.inner.steps,
+            inner_steps=self.round_steps,
             offsets=self.offsets,
             overlap=tau,
             pushed_at={f: fl.step for f, fl in self.inflight.items()},
@@ -511,9 +548,7 @@ class FragmentSync:
         if lateness is None or self.phase_pending:
             return
         step = self.wall_step or self.step_time
-        shift = phase_shift(
-            lateness, inner_steps=self.spec.inner.steps, step_time=step, within=within
-        )
+        shift = phase_shift(lateness, inner_steps=self.round_steps, step_time=step, within=within)
         if shift:
             self.phase_pending = shift
             self.shifted_at = time.monotonic()

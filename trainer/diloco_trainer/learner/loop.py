@@ -30,6 +30,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import logging
+import math
 import os
 import signal
 import sys
@@ -388,7 +389,9 @@ class Learner:
                     self._hint_waits(costs)
                     window_tokens, window_start, costs = 0, now, WindowCosts()
                     window_cpu = cpu_now
-                due = self.drain_at.due(self.steps_run, self.tokens, self.link.stop_at)
+                # K = M: the share counts rounds (a step is H / H_i of inner.steps' units)
+                work = math.floor(self.sync.round_work + 1e-9)
+                due = self.drain_at.due(work, self.tokens, self.link.stop_at)
                 targets = drain(self.sync) if due else self.sync.after_step()
             self._end_commands()
             apply, finished, stopped = self._control(sorted(targets), self._finished())

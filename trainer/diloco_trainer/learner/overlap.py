@@ -140,12 +140,23 @@ class OverlapFit:
         cap = spec.sync.overlap_steps
         assert cap is not None, "JobSpec resolves sync.overlapSteps"
         self.spec = spec
+        self.spec_cap = cap
         self.cap = cap
         self.blocking = blocking
+        # The island's round H_i (inner.stepsPerIsland; set_round), inner.steps at first.
+        self.inner_steps = spec.inner.steps
         # sync.overlapMode auto's cap for a learner that blocks (auto_overlap_cap).
         self.auto_cap = auto_overlap_cap(overlap_steps=cap, inner_steps=spec.inner.steps)
         self.latencies: deque[float] = deque(maxlen=RECENT_SYNCS)
         self.tau: int | None = None  # the τ of the latest push
+
+    def set_round(self, inner_steps: int) -> None:
+        """The island's round is now `inner_steps` (H_i): τ stays below it, so a push's merge is
+        applied before the fragment is due again (overlapSteps larger than a short round: H_i −
+        1; none stays none)."""
+        self.inner_steps = inner_steps
+        self.cap = min(self.spec_cap, max(0, inner_steps - 1))
+        self.auto_cap = auto_overlap_cap(overlap_steps=self.cap, inner_steps=inner_steps)
 
     def observe(self, latency: float | None) -> None:
         """A sync's latency (SyncResult.latency; None: not known, nothing changes)."""
@@ -165,7 +176,7 @@ class OverlapFit:
             cap=self.auto_cap if mode == "auto" else self.cap,
             latency=self.latency,
             step_time=step_time,
-            inner_steps=self.spec.inner.steps,
+            inner_steps=self.inner_steps,
             fragments=self.spec.sync.fragments,
         )
 
@@ -205,5 +216,5 @@ class OverlapFit:
         if not self.blocking:
             return first, tau
         return first, merge_wait_steps(
-            merge_wait=self.spec.sync.merge_wait, overlap=tau, inner_steps=self.spec.inner.steps
+            merge_wait=self.spec.sync.merge_wait, overlap=tau, inner_steps=self.inner_steps
         )

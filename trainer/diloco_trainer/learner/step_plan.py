@@ -227,6 +227,31 @@ def schedule_start(versions: Sequence[int], inner_steps: int, offsets: Sequence[
     return start if starts_fresh(versions) else start + inner_steps
 
 
+def adopt_round(position: int, current: int, offered: int | None) -> int | None:
+    """The schedule position from which a learner whose rounds are `current` inner steps goes on
+    with rounds of `offered` (its H_i from the syncer, inner.stepsPerIsland), or None: not now.
+
+    At a round boundary (a position at which fragment 0 is due, `current` or later) and to the
+    same round count k in the new length: position k·H becomes k·H_i, so every fragment's next
+    sync point stays at its place in the round (offset f·H_i/F after it) and no position falls
+    below H_i again (plan_step's first-round rule). The pushes in flight move by the same
+    number of positions (their apply windows are relative). In a fresh job's first round
+    (position below `current`, nothing pushed yet) at once and in place while the position is
+    still below H_i, so a slow island's first round is short too (at K = M every other island
+    waits for it); past H_i only at the round's end: in place there, fragment 1's sync point
+    (H_i·(1 + 1/F) and on) could come before fragment 0's first, the islands' fragments out of
+    phase, and at K = M each island then waits for a fragment the other pushes only after its
+    own wait (bench/hetero, 1,1,2,4: waits of 12-15 s, a wait budget each).
+    """
+    if offered is None or offered < 1 or offered == current:
+        return None
+    if position < current:
+        return position if position < offered else None
+    if position % current:
+        return None
+    return position // current * offered
+
+
 def rewarm_factor(steps_run: int, *, warmup_steps: int, joined_mid_job: bool) -> float:
     """Multiplier on the inner learning rate after a learner (re)joins a running job.
 

@@ -121,6 +121,9 @@ class SyncerLink:
         # K < M: the count of processed tokens at which the island drains, once the syncer set
         # it (syncer/state/targets.py; drain.py).
         self.stop_at: int | None = None
+        # The island's round H_i as syncer shard 0 last named it (join and heartbeat answers;
+        # inner.stepsPerIsland), None until it does: fragment_sync adopts it at a round boundary.
+        self.inner_steps: int | None = None
         # Latest figures for heartbeats; written by the training thread, read by the loop.
         self.progress: dict[str, Any] = {
             "step": 0,
@@ -177,6 +180,8 @@ class SyncerLink:
                 log.warning("syncer still unreachable, trying again: %s", err)
                 continue
             self._shard_says(shard, info.finished)
+            if shard == 0 and info.inner_steps is not None:
+                self.inner_steps = info.inner_steps
             return info
 
     async def pull_all(self, num_fragments: int) -> list[PulledFragment]:
@@ -442,6 +447,8 @@ class SyncerLink:
                 await self._join_shard(shard, threading.Event())
             return last_state
         self._shard_says(shard, reply.finished)
+        if shard == 0 and reply.inner_steps is not None:
+            self.inner_steps = reply.inner_steps
         if reply.stop_at is not None:  # K < M near the budget (syncer/state/targets.py): the lowest
             self.stop_at = min(reply.stop_at, self.stop_at or reply.stop_at)
         if reply.state != last_state:

@@ -29,6 +29,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 
 from diloco_trainer.api import protocol
@@ -49,6 +50,7 @@ from diloco_trainer.syncer.state import (
     Contribution,
     Health,
     Membership,
+    RoundSizes,
     SyncerMetrics,
     SyncState,
 )
@@ -80,6 +82,8 @@ class Gate:
     ) -> None:
         self.admission = Admission.from_spec(spec)
         self.guard = guard
+        # Each island's round H_i (inner.stepsPerIsland) and the push bounds it gives.
+        self.rounds = RoundSizes(spec)
         self.metrics = metrics
         self.config_file = config_file  # where `islands` can be re-read from; None: never
         self._reloaded_at = -RELOAD_SECONDS
@@ -162,8 +166,11 @@ class Gate:
 
     def _check_one_push(self, members: Membership, island: str, *, tokens: int, steps: int) -> None:
         replicas = self.replicas(members, island)
+        # The island's own round: STEP_ROUNDS x its H_i + τ (round_sizes.RoundSizes).
+        most = self.rounds.max_push_steps(members.islands.get(island), island)
+        work = replace(self.guard.work, max_steps=most)
         try:
-            self.guard.work.check(tokens=tokens, steps=steps, replicas=replicas)
+            work.check(tokens=tokens, steps=steps, replicas=replicas)
         except ContributionRefused as err:
             rec = members.islands.get(island)
             undercounted = rec is not None and rec.replicas > replicas
@@ -172,7 +179,7 @@ class Gate:
             if not self._reload_islands():  # islands.replicas may have grown
                 raise
             replicas = self.replicas(members, island)
-            self.guard.work.check(tokens=tokens, steps=steps, replicas=replicas)
+            work.check(tokens=tokens, steps=steps, replicas=replicas)
 
     def admit_push(self, state: SyncState, fragment: int, meta: PushMeta) -> None:
         """Admit a push before its values are read: the island known and not dropped, its base

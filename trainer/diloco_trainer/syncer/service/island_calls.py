@@ -62,6 +62,9 @@ class IslandCalls:
         async with self.control.locked():
             self.gate.admit(self.state.membership, island, self.control.clock())
             rec = self.state.membership.join(island, replicas, self.control.clock())
+            rounds = self.gate.rounds
+            rounds.joined(rec)
+            inner_steps = rounds.steps_of(rec, island)
             # A restarted learner counts its tokens from zero again: its target (in the old
             # count) would let it train far past the budget. It trains on without one.
             self.targets.pop(island, None)
@@ -79,6 +82,7 @@ class IslandCalls:
             pull_compression=self.model.pull_compression,
             state=rec.state,
             island_tokens=merged_tokens,
+            inner_steps=inner_steps,
         ).to_wire()
 
     async def heartbeat(self, island: str, progress: Beat) -> dict[str, Any]:
@@ -97,6 +101,10 @@ class IslandCalls:
                 holding=progress.holding,
                 drained=progress.drained,
             )
+            members = self.state.membership
+            rounds = self.gate.rounds
+            rounds.read(rec, members.active_records(), self.control.clock())
+            inner_steps = rounds.steps_of(rec, island)
             self._set_targets()
         self.control.wake()
         answer = HeartbeatAnswer(
@@ -104,6 +112,7 @@ class IslandCalls:
             finished=self.control.finished,
             versions=self.state.versions,
             stop_at=self.targets.get(island),
+            inner_steps=inner_steps,
         )
         return answer.to_wire()
 

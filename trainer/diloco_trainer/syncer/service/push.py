@@ -117,8 +117,11 @@ class PushPath:
     ) -> PushAnswer:
         """Step 5 (the service's lock held): the round takes the contribution and answers it;
         the guards' history takes its norm and the island's refusals in a row reset."""
-        answer = self.state.accept_push(fragment, contribution, now)
-        self.gate.guard.accepted(fragment, push.meta.island, stats)
+        island = push.meta.island
+        # the island's round now, in its answer (a replay of the answer says the same)
+        inner_steps = self.gate.rounds.steps_of(self.state.membership.islands.get(island), island)
+        answer = self.state.accept_push(fragment, contribution, now, inner_steps=inner_steps)
+        self.gate.guard.accepted(fragment, island, stats)
         self.bytes_in += push.size
         self.metrics.bytes_in.inc(push.size)
         return answer

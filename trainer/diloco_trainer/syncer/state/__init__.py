@@ -27,6 +27,7 @@ from diloco_trainer.syncer.state.records import (
     RoundPolicy,
     round_policy,
 )
+from diloco_trainer.syncer.state.round_sizes import RoundSizes
 from diloco_trainer.syncer.state.rounds import RoundsSnapshot, SavedRounds, SyncState
 from diloco_trainer.syncer.state.targets import (
     budget_tokens,
@@ -54,6 +55,7 @@ __all__ = [
     "IslandRecord",
     "Membership",
     "RoundPolicy",
+    "RoundSizes",
     "RoundsSnapshot",
     "SavedRounds",
     "SyncState",

@@ -24,6 +24,7 @@ from diloco_trainer.api.documents import IslandStatus
 from diloco_trainer.api.spec import JobSpec
 from diloco_trainer.core.fragments import fragment_offsets
 from diloco_trainer.core.grace import blocks_for_merge
+from diloco_trainer.core.island_rounds import IslandRound
 
 ACTIVE = "active"
 DROPPED = "dropped"
@@ -101,6 +102,12 @@ class IslandRecord:
     reported_tokens: int | None = None
     count_base: float = 0.0
     first_report: tuple[int, float] | None = None
+    # Its round (H_i, inner.stepsPerIsland: round_sizes.py), the H_i before its last change (its
+    # learner may run it until its next round boundary) and when its step time was last read.
+    # H_i is persisted (innerSteps), the rest not: a restarted syncer reads afresh.
+    round: IslandRound | None = None
+    round_before: int | None = None
+    round_read_at: float | None = None
 
     def to_status(self) -> IslandStatus:
         """The status/checkpoint form (IslandStatus: camelCase on the wire)."""
@@ -119,6 +126,7 @@ class IslandRecord:
             step_time=self.step_time,
             holding=self.holding,
             drained=self.drained,
+            inner_steps=self.round.steps if self.round is not None else None,
         )
 
     @classmethod
@@ -138,6 +146,7 @@ class IslandRecord:
             loss=doc.loss,
             step=doc.step,
             step_time=doc.step_time,
+            round=IslandRound(doc.inner_steps) if doc.inner_steps else None,
         )
 
 

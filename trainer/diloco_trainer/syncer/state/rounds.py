@@ -262,9 +262,17 @@ class SyncState:
             )
         return lag
 
-    def accept_push(self, fragment: int, contribution: Contribution, now: float) -> PushAnswer:
-        """Record a checked contribution (replacing the island's pending one); returns the answer.
-        The caller ran check_push under the same lock, so this cannot fail."""
+    def accept_push(
+        self,
+        fragment: int,
+        contribution: Contribution,
+        now: float,
+        *,
+        inner_steps: int | None = None,
+    ) -> PushAnswer:
+        """Record a checked contribution (replacing the island's pending one); returns the answer
+        (with the island's round H_i, `inner_steps`, when given). The caller ran check_push under
+        the same lock, so this cannot fail."""
         rnd = self.rounds[fragment]
         rec = self.membership.islands[contribution.island]
         replaced = rnd.pending.get(contribution.island)
@@ -294,6 +302,7 @@ class SyncState:
             version=rnd.version,
             pending=len(rnd.pending),
             replaced=replaced is not None,
+            inner_steps=inner_steps,
         )
         self.answers.put(contribution.island, fragment, contribution.push_id, answer)
         return answer

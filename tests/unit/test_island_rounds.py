@@ -1,0 +1,159 @@
+"""Each island's round sized to its speed (core/island_rounds.py): the reference step time, the
+target H_i, the hysteresis, and what the spec fixes. Every expected value is derived by hand in
+the comment beside it."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+from diloco_trainer.api.spec import ConfigError, parse_spec
+from diloco_trainer.core.island_rounds import (
+    IslandRound,
+    RoundLimits,
+    next_round,
+    reference_step_time,
+    target_steps,
+)
+
+
+def test_reference_is_the_lower_median_of_three_or_more_claims() -> None:
+    assert reference_step_time([1.0, 1.0, 1.0, 3.0]) == 1.0  # sorted 1,1,1,3: lower median 1
+    assert reference_step_time([4.0, 2.0, 1.0, 1.0]) == 1.0  # sorted 1,1,2,4: lower median 1
+    assert reference_step_time([1.0, 2.0, 3.0]) == 2.0  # odd count: the median itself
+    # a liar claiming a tiny step time moves it only to the next honest claim
+    assert reference_step_time([1e-6, 1.0, 1.0, 3.0]) == 1.0
+    assert reference_step_time([1e-6, 1.0, 2.0, 4.0]) == 1.0
+    # so does a liar claiming a huge one
+    assert reference_step_time([1.0, 1.0, 3.0, 86400.0]) == 1.0
+
+
+def test_reference_with_fewer_than_three_claims_is_the_fastest() -> None:
+    assert reference_step_time([1.0, 3.0]) == 1.0
+    assert reference_step_time([2.0]) == 2.0
+    # zero, negative and non-finite claims are no claims
+    assert reference_step_time([0.0, -1.0, math.nan, math.inf, 2.0]) == 2.0
+    assert reference_step_time([]) is None
+
+
+def test_target_steps_hand_derived() -> None:
+    # H = 30, t_ref = 1 s: T = 30 s
+    def h(own: float | None, reference: float | None = 1.0) -> int:
+        return target_steps(inner_steps=30, reference=reference, own=own, floor=4, ceiling=30)
+
+    assert h(1.0) == 30  # 30 / 1
+    assert h(3.0) == 10  # 30 / 3
+    assert h(2.0) == 15
+    assert h(4.0) == 7  # 7.5 rounded down: its round ends before the reference's
+    assert h(2.9) == 10  # 10.34 rounded down
+    assert h(0.5) == 30  # 60, capped at the ceiling H
+    assert h(100.0) == 4  # 0.3 rounded down is 0: the floor
+    assert h(None) == 30  # no reading yet: H
+    assert h(3.0, reference=None) == 30
+    assert target_steps(inner_steps=30, reference=1.0, own=0.5, floor=4, ceiling=45) == 45
+    with pytest.raises(ValueError):
+        target_steps(inner_steps=30, reference=1.0, own=1.0, floor=0, ceiling=30)
+
+
+def _schedule(start: int, targets: list[int]) -> list[int]:
+    state = IslandRound(start)
+    out = []
+    for target in targets:
+        state = next_round(state, target)
+        out.append(state.steps)
+    return out
+
+
+def test_a_mid_job_slowdown_shrinks_the_round_after_two_readings() -> None:
+    # H = 30; the island's node is replaced by one 3x slower before its third reading: targets
+    # 30, 30, then 10. Reading 3 is the first beyond 20% (pending -1), reading 4 confirms it
+    # (pending -2, a fresh island has no cooldown): H_i = 10 from reading 4 on.
+    assert _schedule(30, [30, 30, 10, 10, 10, 10]) == [30, 30, 30, 10, 10, 10]
+
+
+def test_the_first_reading_sets_a_slow_islands_round_at_once() -> None:
+    # a fresh island (no reading yet) 3x slower: its first reading's target 10 is taken at once
+    assert _schedule(30, [10, 10, 10]) == [10, 10, 10]
+    # a first reading within 20% makes it no longer fresh: a later change needs two readings
+    assert _schedule(30, [30, 10, 10]) == [30, 30, 10]
+
+
+def test_one_step_is_never_a_change() -> None:
+    # at 3 steps a round, 4 is 33% away but only one step: noise, never taken
+    assert _schedule(3, [4, 4, 4, 2, 2, 4]) == [3] * 6
+    # two steps are: from 3 to 5 on the first (fresh) reading
+    assert _schedule(3, [5]) == [5]
+
+
+def test_a_recovery_waits_for_the_cooldown() -> None:
+    # The first reading (fresh) sets 10 at once (since 0). Speed back at reading 3: targets 30
+    # at readings 3, 4 are confirmed by reading 4 (since 3 >= 3): H_i = 30 from reading 4. Had
+    # it come back at reading 2, reading 3 would confirm it only 2 readings after the change,
+    # and reading 4 is the first one the cooldown allows.
+    assert _schedule(30, [10, 10, 30, 30, 30, 30]) == [10, 10, 10, 30, 30, 30]
+    assert _schedule(30, [10, 30, 30, 30, 30]) == [10, 10, 10, 30, 30]
+
+
+def test_no_oscillation_under_noise_or_alternating_readings() -> None:
+    # within 20% of 30 (24..36): never a change
+    assert _schedule(30, [26, 34, 35, 25, 36, 24, 30]) == [30] * 7
+    # after a first reading within 20%: a reading beyond it between two within it resets the
+    # count each time, never confirmed
+    assert _schedule(30, [30, 10, 30, 10, 30, 10, 30, 10]) == [30] * 8
+    # beyond it on both sides in turn: the direction flips, never two in a row the same way
+    assert _schedule(30, [30, 10, 50, 10, 50, 10, 50]) == [30] * 7
+
+
+def test_limits_from_the_spec() -> None:
+    spec = parse_spec(
+        {
+            "inner": {"steps": 30, "stepsPerIsland": "auto"},
+            "islands": {"count": 4, "overrides": [{"islands": [2], "innerSteps": 12}]},
+        }
+    )
+    limits = RoundLimits.from_spec(spec)
+    assert (limits.floor, limits.ceiling) == (4, 30)  # ceil(30 / 8) = 4, H
+    assert limits.steps_of(2, IslandRound(20)) == 12  # pinned wins
+    assert limits.steps_of(1, IslandRound(20)) == 20  # measured
+    assert limits.steps_of(1, None) == 30  # no reading yet
+    assert limits.most_steps() == 30
+    fixed = RoundLimits.from_spec(parse_spec({"inner": {"steps": 30}}))
+    assert fixed.steps_of(1, IslandRound(10)) == 30  # stepsPerIsland fixed: always H
+    wide = RoundLimits.from_spec(
+        parse_spec({"inner": {"steps": 30, "minSteps": 10, "maxSteps": 60}})
+    )
+    assert (wide.floor, wide.ceiling, wide.most_steps()) == (10, 60, 60)
+
+
+@pytest.mark.parametrize(
+    ("inner", "field"),
+    [
+        ({"steps": 30, "minSteps": 31}, "inner.minSteps"),
+        ({"steps": 30, "maxSteps": 29}, "inner.maxSteps"),
+        ({"steps": 30, "stepsPerIsland": "fast"}, "spec.inner.stepsPerIsland"),
+    ],
+)
+def test_bad_limits_name_the_field(inner: dict[str, object], field: str) -> None:
+    with pytest.raises(ConfigError, match=field.replace(".", r"\.")):
+        parse_spec({"inner": inner})
+
+
+def test_a_bad_pin_names_the_field() -> None:
+    with pytest.raises(ConfigError, match=r"spec\.islands\.overrides\.0\.innerSteps"):
+        parse_spec({"islands": {"overrides": [{"islands": [0], "innerSteps": 0}]}})
+
+
+def test_adopt_round_only_at_a_round_boundary() -> None:
+    from diloco_trainer.learner.step_plan import adopt_round
+
+    assert adopt_round(30, 30, 10) == 10  # round 1's end: 1 x 10
+    assert adopt_round(90, 30, 10) == 30  # round 3's end: 3 x 10
+    assert adopt_round(40, 10, 30) == 120  # longer again: round 4's end, 4 x 30
+    assert adopt_round(45, 30, 10) is None  # mid-round
+    assert adopt_round(0, 30, 10) == 0  # a fresh job's first round: at once, in place
+    assert adopt_round(9, 30, 10) == 9  # still below H_i
+    assert adopt_round(10, 30, 10) is None  # past it: fragment 1 would sync before fragment 0
+    assert adopt_round(15, 30, 10) is None
+    assert adopt_round(15, 30, 40) == 15  # a longer round: below it
+    assert adopt_round(60, 30, 30) is None  # no change
+    assert adopt_round(60, 30, None) is None  # the syncer named none

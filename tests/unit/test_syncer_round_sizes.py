@@ -1,0 +1,87 @@
+"""The syncer's side of each island's round (syncer/state/round_sizes.py): readings once per
+reference round, H_i from the island's own step time, the push bound that follows, and a liar
+that moves only its own round. Expected values derived by hand in the comments."""
+
+from __future__ import annotations
+
+from diloco_trainer.api.spec import parse_spec
+from diloco_trainer.syncer.state import IslandRecord, RoundSizes
+from diloco_trainer.syncer.state.round_sizes import island_index
+
+
+def _job(**inner: object) -> RoundSizes:
+    spec = parse_spec(
+        {
+            "inner": {"steps": 30, "stepsPerIsland": "auto", **inner},
+            "islands": {"count": 4, "overrides": [{"islands": [2], "innerSteps": 12}]},
+            "sync": {"overlapSteps": 5},
+        }
+    )
+    return RoundSizes(spec)
+
+
+def _islands(times: list[float]) -> list[IslandRecord]:
+    return [IslandRecord(name=f"island-{i}", step_time=t) for i, t in enumerate(times)]
+
+
+def test_island_index() -> None:
+    assert island_index("island-3") == 3
+    assert island_index("eu-island-12") == 12
+    assert island_index("node-3") is None
+
+
+def test_a_slow_island_gets_a_third_of_the_round_after_two_readings() -> None:
+    sizes = _job()
+    recs = _islands([1.0, 1.0, 1.0, 3.0])
+    slow = recs[3]
+    sizes.joined(slow)
+    assert sizes.steps_of(slow, slow.name) == 30  # H until measured
+    # t_ref = lower median of 1,1,1,3 = 1 s; a reading every H x t_ref = 30 s
+    sizes.read(slow, recs, now=0.0)  # starts its clock
+    sizes.read(slow, recs, now=29.0)  # too soon: no reading
+    assert slow.round is not None and slow.round.pending == 0
+    sizes.read(slow, recs, now=30.0)  # reading 1 (its first): target 30 / 3 = 10 at once
+    assert sizes.steps_of(slow, slow.name) == 10
+    sizes.read(slow, recs, now=60.0)  # reading 2 agrees
+    assert sizes.steps_of(slow, slow.name) == 10
+    # its pushes may carry 4 x the longer of its two last rounds + overlapSteps: 4 x 30 + 5
+    assert sizes.max_push_steps(slow, slow.name) == 125
+    # a fast island keeps H
+    fast = recs[0]
+    sizes.joined(fast)
+    for now in (0.0, 30.0, 60.0, 90.0):
+        sizes.read(fast, recs, now=now)
+    assert sizes.steps_of(fast, fast.name) == 30
+    assert sizes.max_push_steps(fast, fast.name) == 4 * 30 + 5
+
+
+def test_a_liar_moves_only_its_own_round() -> None:
+    sizes = _job()
+    # island-3 claims a step time of 1 microsecond: the lower median of 1e-6, 1, 1, 2 is 1
+    recs = _islands([1.0, 1.0, 2.0, 1e-6])
+    honest = recs[0]
+    sizes.joined(honest)
+    for now in (0.0, 30.0, 60.0, 90.0, 120.0):
+        sizes.read(honest, recs, now=now)
+    assert sizes.steps_of(honest, honest.name) == 30  # its own 1 s against t_ref 1 s
+
+
+def test_a_pinned_island_is_never_read() -> None:
+    sizes = _job()
+    recs = _islands([1.0, 1.0, 5.0, 1.0])
+    pinned = recs[2]
+    sizes.joined(pinned)
+    for now in (0.0, 30.0, 60.0, 90.0):
+        sizes.read(pinned, recs, now=now)
+    assert sizes.steps_of(pinned, pinned.name) == 12
+    assert sizes.max_push_steps(pinned, pinned.name) == 4 * 12 + 5
+
+
+def test_fixed_rounds_are_never_read() -> None:
+    sizes = _job(stepsPerIsland="fixed")
+    recs = _islands([1.0, 1.0, 1.0, 3.0])
+    slow = recs[3]
+    sizes.joined(slow)
+    for now in (0.0, 30.0, 60.0, 90.0):
+        sizes.read(slow, recs, now=now)
+    assert sizes.steps_of(slow, slow.name) == 30

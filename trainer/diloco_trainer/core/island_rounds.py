@@ -1,0 +1,168 @@
+"""Each island's round (its H_i inner steps between pushes of a fragment), sized to its speed.
+
+A job may mix hardware: an island three times slower than the others that takes H steps per
+round pushes every third of their rounds, so at K = M everyone waits for it and at K < M its
+pushes arrive stale. Here each island's round is sized so that islands push at about the same
+wall time (Async Local-SGD, Liu et al. 2024, arXiv 2401.09135: "dynamic local updates", local
+steps proportional to a worker's speed; the merge already weighs each push by its tokens):
+
+    T   = H x t_ref                     the round's wall time (H = inner.steps)
+    H_i = clamp(floor(T / t_i), floor, ceiling)
+
+rounded down, so that a slow island's round ends no later than the reference's: at K = M the
+islands at the reference speed never wait for it (speeds 1,1,1,3 and H = 20: 6 steps of 3 = 18
+of the others' 20; rounded to nearest, 7 steps = 21 made every fast island wait a step each round,
+5% of its time), and the slow island idles under one of its steps a round instead.
+
+t_i is island i's measured step time (its heartbeats' stepTime) and t_ref a robust reference
+step time of the job (reference_step_time): the lower median of the islands' step times once
+MAJORITY_CLAIMS islands report one. Why not the fastest island's: a step time is the island's
+own word, and one island claiming a tiny step time would shrink every other island's H to the
+floor (more pushes, less work in each). The lower median lies between two honest claims while
+fewer than half the islands lie, so a liar moves only its own H; the lower rather than the
+plain median so that with an even count the reference is an island's own time, e.g. speeds
+1,1,2,4 give t_ref = 1 and rounds H, H, H/2, H/4 that all take H x 1 s, where the plain median
+(1.5) would give the 2x island 0.75 H steps and a round 1.5x the fast islands'. With fewer claims
+(a job of one or two islands) there is no majority to lean on, and t_ref is the fastest claim:
+an island of two that lies about its speed can then shrink the other's round down to the floor,
+no further (README "Security": what M = 2 cannot promise).
+
+The ceiling is H by default (inner.maxSteps): an island at or above the reference speed keeps the
+round the user chose, since a longer round changes the optimisation (DiLoCo's loss per token
+grows with H); slow islands take fewer steps. The floor (inner.minSteps, default H/8 rounded up)
+keeps a very slow island's pushes from carrying a handful of steps each (its Δ is then mostly
+noise at a full sync's cost).
+
+Hysteresis (next_round): step times are noisy (warm-up, compiles, a shared machine's load), and an
+H that follows every reading makes islands' phases and the merges' work fractions jump. A new
+H_i is taken only when CONFIRMATIONS readings in a row differ from the current one by more than
+CHANGE_FRACTION (and by more than one step) in the same direction, and at most once per
+COOLDOWN_READINGS readings (one reading per reference round, so the new H has run a few rounds
+before it can change again).
+An island that slows down for good mid-job (a preempted node replaced by an older one) so gets
+its smaller round two readings after its first slow one. The one exception is an island's very
+first reading, which sets its round at once when it is beyond CHANGE_FRACTION: a mixed job's
+slow islands start at H, and at K = M every fast island waits for each of their long rounds
+until they change (two readings and a round boundary later, in bench/hetero's 15-round job
+that was 16% of the fast islands' time: bench/log/2026-11-29.md, "hetero — 2026-11-29 02:13");
+the learner adopts a round even in a fresh job's first round while it is still below the new
+H_i (learner/step_plan.adopt_round).
+
+`inner.stepsPerIsland: fixed` turns all this off (every island H), and
+`islands.overrides[i].innerSteps` pins an island's H_i.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from diloco_trainer.api.spec import JobSpec
+
+# The lower median counts as the reference once this many islands report a step time (a
+# majority of honest claims then brackets it); with fewer, the fastest claim.
+MAJORITY_CLAIMS = 3
+# A reading moves H_i only when it differs from the current H_i by more than this share ...
+CHANGE_FRACTION = 0.2
+# ... in this many readings in a row, in the same direction ...
+CONFIRMATIONS = 2
+# ... and at least this many readings after H_i last changed.
+COOLDOWN_READINGS = 3
+
+
+def reference_step_time(step_times: Sequence[float]) -> float | None:
+    """The job's reference step time t_ref: the lower median of the positive, finite claims
+    once MAJORITY_CLAIMS islands report one; with fewer, the smallest; None with none."""
+    known = sorted(t for t in step_times if t > 0 and math.isfinite(t))
+    if not known:
+        return None
+    if len(known) < MAJORITY_CLAIMS:
+        return known[0]
+    return statistics.median_low(known)
+
+
+def target_steps(
+    *, inner_steps: int, reference: float | None, own: float | None, floor: int, ceiling: int
+) -> int:
+    """H_i for an island of step time `own` beside the reference: clamp(floor(H x t_ref / t_i),
+    floor, ceiling). Without both times, H (clamped too)."""
+    if floor < 1 or ceiling < floor:
+        raise ValueError(f"need 1 <= floor <= ceiling, got {floor}, {ceiling}")
+    if reference is None or own is None or own <= 0 or not math.isfinite(own):
+        raw = inner_steps
+    else:
+        raw = math.floor(inner_steps * reference / own + 1e-9)  # 1e-9: 30 x 0.3 / 0.1 is 90
+    return min(ceiling, max(floor, raw))
+
+
+@dataclass(frozen=True)
+class IslandRound:
+    """One island's round size and the readings that may change it."""
+
+    steps: int  # H_i now
+    pending: int = 0  # readings in a row beyond CHANGE_FRACTION: > 0 longer, < 0 shorter
+    since_change: int = COOLDOWN_READINGS  # readings since H_i last changed (a fresh one may)
+    fresh: bool = True  # no reading yet: the first one beyond CHANGE_FRACTION sets H_i at once
+
+
+def next_round(current: IslandRound, target: int) -> IslandRound:
+    """The island's round after one reading whose target H_i is `target` (target_steps)."""
+    since = current.since_change + 1
+    # one step is always within the band: at a few steps a round 20% is less than a step, and
+    # H_i flipped 3 <-> 4 with the load's noise (bench/hetero, 1,1,2,4)
+    if abs(target - current.steps) <= max(1.0, CHANGE_FRACTION * current.steps):
+        return IslandRound(current.steps, 0, since, fresh=False)
+    direction = 1 if target > current.steps else -1
+    same = current.pending * direction > 0
+    pending = current.pending + direction if same else direction
+    needed = 1 if current.fresh else CONFIRMATIONS
+    if abs(pending) >= needed and since >= COOLDOWN_READINGS:
+        return IslandRound(target, 0, 0, fresh=False)
+    return IslandRound(current.steps, pending, since, fresh=False)
+
+
+@dataclass(frozen=True)
+class RoundLimits:
+    """What the spec fixes of every island's round (inner.*, islands.overrides[].innerSteps)."""
+
+    inner_steps: int  # H
+    auto: bool  # inner.stepsPerIsland == auto
+    floor: int
+    ceiling: int
+    pinned: dict[int, int]  # island index -> its override's innerSteps
+
+    @classmethod
+    def from_spec(cls, spec: JobSpec) -> RoundLimits:
+        inner = spec.inner
+        pinned = {
+            i: entry.inner_steps
+            for entry in spec.islands.overrides
+            if entry.inner_steps is not None
+            for i in entry.islands
+        }
+        return cls(
+            inner_steps=inner.steps,
+            auto=inner.steps_per_island == "auto",
+            floor=inner.min_steps_resolved,
+            ceiling=inner.max_steps_resolved,
+            pinned=pinned,
+        )
+
+    def fixed_steps(self, index: int | None) -> int | None:
+        """H_i when the spec fixes it (a pin, or stepsPerIsland fixed); None when measured."""
+        if index is not None and index in self.pinned:
+            return self.pinned[index]
+        return None if self.auto else self.inner_steps
+
+    def steps_of(self, index: int | None, current: IslandRound | None) -> int:
+        """The island's H_i now: the spec's when it fixes one, else its round's (H at first)."""
+        fixed = self.fixed_steps(index)
+        if fixed is not None:
+            return fixed
+        return current.steps if current is not None else self.inner_steps
+
+    def most_steps(self) -> int:
+        """The longest round any island may be given (the push bounds' H)."""
+        return max([self.inner_steps, self.ceiling, *self.pinned.values()])

@@ -1,0 +1,89 @@
+"""Each island's round at the syncer (inner.stepsPerIsland, core/island_rounds.py): readings of
+the islands' step times, taken from their heartbeats once per reference round, and the H_i each
+island is told in its join, heartbeat and push answers (innerSteps), adopted by its learner at its
+next round boundary (learner/fragment_sync.py).
+
+Plain state with the caller's clock, under the service's lock. An island's H_i reads only its
+own step time and the job's reference (the lower median of every active island's: a minority of
+liars moves it only between honest claims, core/island_rounds.py), and the push bounds that
+follow from it (STEP_ROUNDS x H_i + τ) are the island's alone.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable
+
+from diloco_trainer.api.spec import JobSpec
+from diloco_trainer.core.island_rounds import (
+    IslandRound,
+    RoundLimits,
+    next_round,
+    reference_step_time,
+    target_steps,
+)
+from diloco_trainer.core.push_bounds import STEP_ROUNDS
+from diloco_trainer.syncer.state.records import IslandRecord
+
+_INDEX = re.compile(r"(?:^|-)island-(\d+)$")
+
+
+def island_index(name: str) -> int | None:
+    """The index in an island's name ('eu-island-3' -> 3; islands.overrides name islands by
+    it), None for another name."""
+    match = _INDEX.search(name)
+    return int(match.group(1)) if match else None
+
+
+class RoundSizes:
+    """The job's round limits and each island's H_i (kept on its IslandRecord)."""
+
+    def __init__(self, spec: JobSpec) -> None:
+        self.limits = RoundLimits.from_spec(spec)
+        self.overlap = spec.sync.overlap_steps or 0
+
+    def steps_of(self, rec: IslandRecord | None, name: str) -> int:
+        """The island's H_i now."""
+        return self.limits.steps_of(island_index(name), rec.round if rec is not None else None)
+
+    def joined(self, rec: IslandRecord) -> None:
+        """A join: the island's round is what it had (a rejoin keeps it), else the spec's."""
+        if rec.round is None:
+            rec.round = IslandRound(self.steps_of(rec, rec.name))
+        rec.round_read_at = None  # a restarted learner's first steps are warm-up again
+
+    def max_push_steps(self, rec: IslandRecord | None, name: str) -> int:
+        """The most steps one push of the island may carry: STEP_ROUNDS x its H_i (or the one
+        before its last change, which its learner may still run until its round boundary) +
+        sync.overlapSteps."""
+        steps = self.steps_of(rec, name)
+        if rec is not None and rec.round_before is not None:
+            steps = max(steps, rec.round_before)
+        return STEP_ROUNDS * steps + self.overlap
+
+    def read(self, rec: IslandRecord, active: Iterable[IslandRecord], now: float) -> None:
+        """After a heartbeat: one reading of the island's step time once a reference round
+        (H x t_ref seconds) has passed since its last reading; H_i moves by next_round."""
+        if self.limits.fixed_steps(island_index(rec.name)) is not None or not rec.step_time:
+            return
+        reference = reference_step_time([r.step_time for r in active if r.step_time])
+        if reference is None:
+            return
+        if rec.round_read_at is None:
+            rec.round_read_at = now  # its first report starts its clock: warm-up is no reading
+            return
+        if now - rec.round_read_at < self.limits.inner_steps * reference:
+            return
+        rec.round_read_at = now
+        current = rec.round or IslandRound(self.limits.inner_steps)
+        target = target_steps(
+            inner_steps=self.limits.inner_steps,
+            reference=reference,
+            own=rec.step_time,
+            floor=self.limits.floor,
+            ceiling=self.limits.ceiling,
+        )
+        after = next_round(current, target)
+        if after.steps != current.steps:
+            rec.round_before = current.steps
+        rec.round = after
