@@ -20,6 +20,8 @@ from diloco_trainer.cli_help import (
     LEARNER_EPILOG,
     RUN_DESCRIPTION,
     RUN_EPILOG,
+    SAMPLE_DESCRIPTION,
+    SAMPLE_EPILOG,
     SYNCER_EPILOG,
     described,
     require_local,
@@ -71,6 +73,14 @@ def _cmd_export(args: argparse.Namespace) -> int:
     from diloco_trainer.export import main as export_main
 
     return export_main(args)
+
+
+def _cmd_sample(args: argparse.Namespace) -> int:
+    if not require_trainer("sample"):
+        return MISSING_EXTRA
+    from diloco_trainer.sample import main as sample_main
+
+    return sample_main(args)
 
 
 def _add_run(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -199,6 +209,51 @@ def _add_export(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> Non
     export.set_defaults(func=_cmd_export)
 
 
+def _add_sample(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """`diloco sample`."""
+    sample = sub.add_parser(
+        "sample",
+        help="generate text from a trained built-in model (a run folder or an export)",
+        description=SAMPLE_DESCRIPTION,
+        epilog=SAMPLE_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    sample.add_argument(
+        "source",
+        help="a run folder of diloco run (runs/NAME), a syncer state dir or ckpt-* dir, or an "
+        "export file of diloco export (MODEL.safetensors) or a folder holding one",
+    )
+    sample.add_argument(
+        "--prompt",
+        metavar="TEXT",
+        help="text to continue (default: the start of a document, a blank line)",
+    )
+    sample.add_argument(
+        "--tokens", type=int, default=200, metavar="N", help="tokens to generate (default 200)"
+    )
+    sample.add_argument(
+        "--temperature",
+        type=float,
+        default=0.8,
+        metavar="T",
+        help="softmax temperature; 0 picks the most likely token each time (greedy; default 0.8)",
+    )
+    sample.add_argument(
+        "--top-k",
+        type=int,
+        default=40,
+        metavar="K",
+        help="draw only among the K most likely tokens; 0: among all (default 40)",
+    )
+    sample.add_argument(
+        "--seed", type=int, default=0, metavar="S", help="seed of the draws (default 0)"
+    )
+    sample.add_argument(
+        "--device", default="cpu", help="torch device to run the model on (default cpu)"
+    )
+    sample.set_defaults(func=_cmd_sample)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="diloco", description="Decoupled DiLoCo training: local runs, pods and the operator."
@@ -206,7 +261,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"diloco {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    for add in (_add_run, _add_check, _add_processes, _add_export):
+    for add in (_add_run, _add_check, _add_processes, _add_export, _add_sample):
         add(sub)
     for command in sorted(entry_points(group=COMMANDS), key=lambda e: e.name):
         command.load()(sub)

@@ -124,6 +124,29 @@ exit codes:
   0    the job can run (warnings, if any, are printed)
   2    it cannot: each problem is printed naming the file and the field"""
 
+SAMPLE_DESCRIPTION = textwrap.fill(
+    "Generate text from a trained built-in model (model.preset): the newest checkpoint of a run "
+    "folder, or a file of `diloco export`. The model's shape and tokenizer come from the job "
+    "(the run folder's spec.json, or the export's metadata); each token is drawn from the top-k "
+    "of softmax(logits / temperature), greedy at temperature 0. The text goes to stdout, a "
+    "header line to stderr; the same seed gives the same text.",
+    WIDTH,
+)
+SAMPLE_EPILOG = """examples:
+  .venv/bin/diloco sample runs/local-demo
+  .venv/bin/diloco sample runs/local-demo --prompt 'def main(' --tokens 300 --seed 7
+  .venv/bin/diloco sample model.safetensors --temperature 0     greedy
+  .venv/bin/diloco sample exported/                             a folder of diloco export --job
+
+a subword tokenizer (data.tokenizer) is read from MODEL.tokenizer.json beside an export
+(diloco export --config JOB writes it), else data.tokenizer.path, else trained again on the
+corpus (type bpe: data.source must be readable here).
+
+exit codes:
+  0    the text was written
+  2    bad input: no weights in the folder, a model.entrypoint (your own model: sample it with
+       your code), a tokenizer that cannot be found, a bad option; the message names it"""
+
 
 def missing_trainer_modules() -> list[str]:
     """The [trainer] extra's modules that cannot be imported here."""
