@@ -147,6 +147,24 @@ exit codes:
   2    bad input: no weights in the folder, a model.entrypoint (your own model: sample it with
        your code), a tokenizer that cannot be found, a bad option; the message names it"""
 
+SUBMIT_DESCRIPTION = textwrap.fill(
+    "Submit a DiLoCoJob to the cluster of kubectl's context: the job is checked as `diloco check "
+    "--cluster` checks it (refused: exit 2, nothing created), its images moved from the "
+    "placeholder registry to --registry, the text of --data put into the ConfigMap its pods "
+    "mount, and the job applied; then it prints how to watch it and fetch the model.",
+    WIDTH,
+)
+SUBMIT_EPILOG = """examples:
+  .venv/bin/diloco submit examples/gpt-on-my-text/job.yaml --registry $REGISTRY \
+      --data examples/byo/sample-corpus
+  .venv/bin/diloco export --job gpt-on-my-text     waits, copies the model into gpt-on-my-text/
+  .venv/bin/diloco sample gpt-on-my-text/
+
+exit codes:
+  0    applied
+  1    kubectl failed (its message is printed)
+  2    refused: the file, field or option is named; nothing was created"""
+
 
 def missing_trainer_modules() -> list[str]:
     """The [trainer] extra's modules that cannot be imported here."""
