@@ -10,7 +10,7 @@ RUN_STAMP := $(VENV)/.installed-run
 # wheel, as CI passes), so no CUDA build lands on a CPU machine.
 INSTALL := $(BIN)/python hack/venv_install.py
 
-.PHONY: demo test test-unit test-e2e test-cluster test-node lint crd bench clean binaries node images
+.PHONY: push-images demo test test-unit test-e2e test-cluster test-node lint crd bench clean binaries node images
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -50,6 +50,12 @@ node:
 ## buildah, debootstrap): OCI archives under ~/.cache/diloco-operator/images, cached by content
 images:
 	bash hack/build-images.sh
+
+## push-images: build both images (as `images`) and push them to REGISTRY=registry.example.com/you
+## as REGISTRY/diloco-{operator,trainer}:<chart appVersion>; LOAD=kind or LOAD=node loads them
+## into kind or the local real node instead (root; hack/push-images.sh)
+push-images:
+	REGISTRY="$(REGISTRY)" LOAD="$(LOAD)" bash hack/push-images.sh
 
 ## test-node: the control plane with one real node (root), the tier alone
 test-node: $(STAMP) binaries node
