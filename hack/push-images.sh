@@ -11,8 +11,8 @@
 #               DILOCO_CLUSTER_DIR: its --dir)
 # The images keep the REGISTRY/... names there, and pods (imagePullPolicy IfNotPresent) find them.
 #
-# Copies with skopeo when it is installed, else with buildah (which hack/build-images.sh
-# installs). Pushing to a registry that wants a login: `buildah login REGISTRY` (or skopeo's) first.
+# Copies with buildah (which hack/build-images.sh installs). A registry that wants a login:
+# `buildah login REGISTRY` first.
 # Root, as hack/build-images.sh.
 set -euo pipefail
 
@@ -38,16 +38,13 @@ bh() {
   buildah --root "${STORAGE}/root" --runroot "${STORAGE}/run" \
     --storage-driver "${DILOCO_BUILDAH_DRIVER:-vfs}" "$@"
 }
-# copy SRC DEST: one image between transports (oci-archive:, docker://, docker-archive:).
+# copy SRC DEST: one image between transports (oci-archive:, docker://, docker-archive:),
+# through buildah's storage (the image is removed from it afterwards).
 copy() {
-  if command -v skopeo >/dev/null; then
-    skopeo copy --quiet "$1" "$2"
-  else
-    local id
-    id=$(bh pull --quiet "$1")
-    bh push --quiet "${id}" "$2"
-    bh rmi "${id}" >/dev/null
-  fi
+  local id
+  id=$(bh pull --quiet "$1")
+  bh push --quiet "${id}" "$2"
+  bh rmi "${id}" >/dev/null
 }
 
 WORK=$(mktemp -d)
