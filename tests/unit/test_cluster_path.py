@@ -27,12 +27,14 @@ class Recorder:
 
     def __init__(self, answers: dict[str, bytes] | None = None) -> None:
         self.calls: list[tuple[list[str], bytes | None]] = []
+        self.timeouts: list[float | None] = []
         self.answers = answers or {}
 
     def __call__(
-        self, args: Sequence[str], stdin: bytes | None
+        self, args: Sequence[str], stdin: bytes | None, timeout: float | None
     ) -> subprocess.CompletedProcess[bytes]:
         self.calls.append((list(args), stdin))
+        self.timeouts.append(timeout)
         key = " ".join(args)
         out = next((v for k, v in self.answers.items() if k in key), b"")
         return subprocess.CompletedProcess(list(args), 0, out, b"")
@@ -143,6 +145,8 @@ def test_export_job_runs_the_export_in_the_syncer_pod_and_copies_it(
     calls = [c[0] for c in kubectl.calls]
     assert calls[0] == ["get", "dj", "j", "-o", "name"]
     assert calls[1][:2] == ["wait", "dj/j"] and "--timeout=1h" in calls[1]
+    # The wait is bounded by --wait alone (a job trains for longer than one kubectl call's limit).
+    assert kubectl.timeouts[1] is None and kubectl.timeouts[0] == cp.KUBECTL_TIMEOUT_S
     export = next(c for c in calls if "diloco" in c)
     assert export[:5] == ["exec", "j-syncer-abc", "-c", "syncer", "--"]
     assert export[5:] == [
@@ -160,6 +164,16 @@ def test_export_job_without_a_running_syncer_says_so(capsys: pytest.CaptureFixtu
     assert cp.export_job(args, kubectl) == 1
     assert "no running syncer pod" in capsys.readouterr().err
     assert not any(c[0][0] == "wait" for c in kubectl.calls)  # --wait 0s: no wait
+
+
+def test_a_kubectl_that_does_not_answer_is_named(capsys: pytest.CaptureFixture[str]) -> None:
+    # A real process that outlives the limit: the error names the call, no traceback.
+    def slow(args: Sequence[str], stdin: bytes | None, timeout: float | None) -> Any:
+        return subprocess.run(["sleep", "5"], timeout=0.2, check=False)
+
+    args = argparse.Namespace(job="j", namespace=None, output=None, wait="0s", dtype="float32")
+    assert cp.export_job(args, slow) == 1
+    assert "kubectl get dj j -o name gave no answer" in capsys.readouterr().err
 
 
 def test_export_job_wants_a_folder(capsys: pytest.CaptureFixture[str]) -> None:

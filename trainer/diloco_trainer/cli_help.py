@@ -155,8 +155,7 @@ SUBMIT_DESCRIPTION = textwrap.fill(
     WIDTH,
 )
 SUBMIT_EPILOG = """examples:
-  .venv/bin/diloco submit examples/gpt-on-my-text/job.yaml --registry $REGISTRY \
-      --data examples/byo/sample-corpus
+  .venv/bin/diloco submit examples/gpt-on-my-text/job.yaml --registry $REGISTRY --data DIR
   .venv/bin/diloco export --job gpt-on-my-text     waits, copies the model into gpt-on-my-text/
   .venv/bin/diloco sample gpt-on-my-text/
 

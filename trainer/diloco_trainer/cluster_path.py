@@ -24,9 +24,9 @@ import shlex
 import shutil
 import subprocess
 import sys
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import yaml
 
@@ -41,7 +41,13 @@ EXPORT_DIR = f"{STATE_MOUNT}/export"  # in the syncer pod: beside its checkpoint
 SYNCER_LABELS = "app.kubernetes.io/component=syncer"
 KUBECTL_TIMEOUT_S = 120.0  # one kubectl call (an export of a large model included)
 
-Kubectl = Callable[[Sequence[str], bytes | None], subprocess.CompletedProcess[bytes]]
+
+class Kubectl(Protocol):
+    """How kubectl is run: ARGS, stdin, a limit in seconds (None: kubectl's own --timeout)."""
+
+    def __call__(
+        self, args: Sequence[str], stdin: bytes | None, timeout: float | None
+    ) -> subprocess.CompletedProcess[bytes]: ...
 
 
 class PathError(RuntimeError):
@@ -49,16 +55,24 @@ class PathError(RuntimeError):
 
 
 def run_kubectl(
-    args: Sequence[str], stdin: bytes | None = None
+    args: Sequence[str], stdin: bytes | None = None, timeout: float | None = KUBECTL_TIMEOUT_S
 ) -> subprocess.CompletedProcess[bytes]:
     """kubectl ARGS with the user's kubeconfig; stdout as bytes (an exported file is binary)."""
     return subprocess.run(
-        ["kubectl", *args], input=stdin, capture_output=True, timeout=KUBECTL_TIMEOUT_S, check=False
+        ["kubectl", *args], input=stdin, capture_output=True, timeout=timeout, check=False
     )
 
 
-def _checked(kubectl: Kubectl, args: Sequence[str], stdin: bytes | None = None) -> bytes:
-    result = kubectl(args, stdin)
+def _checked(
+    kubectl: Kubectl,
+    args: Sequence[str],
+    stdin: bytes | None = None,
+    timeout: float | None = KUBECTL_TIMEOUT_S,
+) -> bytes:
+    try:
+        result = kubectl(args, stdin, timeout)
+    except subprocess.TimeoutExpired:
+        raise PathError(f"kubectl {shlex.join(args)} gave no answer in {timeout:.0f} s") from None
     if result.returncode != 0:
         err = result.stderr.decode(errors="replace").strip()
         raise PathError(f"kubectl {shlex.join(args)} failed: {err}")
@@ -238,17 +252,9 @@ def export_job(args: argparse.Namespace, kubectl: Kubectl = run_kubectl) -> int:
         _checked(kubectl, ["get", "dj", job, *_ns(ns), "-o", "name"], None)
         if args.wait not in ("", "0", "0s"):
             print(f"waiting for job {job} to succeed (--wait {args.wait})", flush=True)
-            _checked(
-                kubectl,
-                [
-                    "wait",
-                    f"dj/{job}",
-                    *_ns(ns),
-                    "--for=jsonpath={.status.phase}=Succeeded",
-                    f"--timeout={args.wait}",
-                ],
-                None,
-            )
+            # No limit of ours: kubectl wait's --timeout is the user's --wait.
+            wait = ["wait", f"dj/{job}", *_ns(ns), "--for=jsonpath={.status.phase}=Succeeded"]
+            _checked(kubectl, [*wait, f"--timeout={args.wait}"], None, timeout=None)
         pod = syncer_pod(kubectl, job, ns)
         config = f"{CONFIG_MOUNT}/{CONFIG_KEY}"
         remote = f"{EXPORT_DIR}/{EXPORT_NAME}"
