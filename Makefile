@@ -3,21 +3,32 @@ PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
+# What `diloco run` needs and nothing else (no dev tools): the demo's install.
+RUN_STAMP := $(VENV)/.installed-run
+# Installs go through hack/venv_install.py: torch's CPU build first where the platform allows
+# (Linux x86_64: the PyTorch CPU index, PyPI when it cannot be reached; TORCH_WHEELS=DIR: a local
+# wheel, as CI passes), so no CUDA build lands on a CPU machine.
+INSTALL := $(BIN)/python hack/venv_install.py
 
-.PHONY: demo test test-unit test-e2e test-cluster test-node lint crd bench clean binaries node images
+.PHONY: push-images demo test test-unit test-e2e test-cluster test-node lint crd bench clean binaries node images
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
 
-$(STAMP): pyproject.toml | $(BIN)/python
-	$(BIN)/pip install --quiet -e '.[dev]'
-	touch $(STAMP)
+$(RUN_STAMP): pyproject.toml hack/venv_install.py | $(BIN)/python
+	$(INSTALL) trainer,local
+	touch $(RUN_STAMP)
+
+$(STAMP): pyproject.toml hack/venv_install.py | $(BIN)/python
+	$(INSTALL) dev
+	touch $(STAMP) $(RUN_STAMP)
 
 ## demo: run the shipped example locally (syncer + islands as processes); no cluster needed.
+## Installs only what `diloco run` needs ([trainer,local], torch's CPU build).
 ## Everything lands in runs/local-demo/ (weights, logs, summary.json, loss.png); --fresh: a new
 ## demo each time (the previous folder is moved aside)
-demo: $(STAMP)
+demo: $(RUN_STAMP)
 	$(BIN)/diloco run examples/local.yaml --fresh
 
 ## test: lint, build what the tiers need (control plane, real node, images: cached by version),
@@ -39,6 +50,12 @@ node:
 ## buildah, debootstrap): OCI archives under ~/.cache/diloco-operator/images, cached by content
 images:
 	bash hack/build-images.sh
+
+## push-images: build both images (as `images`) and push them to REGISTRY=registry.example.com/you
+## as REGISTRY/diloco-{operator,trainer}:<chart appVersion>; LOAD=kind or LOAD=node loads them
+## into kind or the local real node instead (root; hack/push-images.sh)
+push-images:
+	REGISTRY="$(REGISTRY)" LOAD="$(LOAD)" bash hack/push-images.sh
 
 ## test-node: the control plane with one real node (root), the tier alone
 test-node: $(STAMP) binaries node
@@ -62,8 +79,8 @@ lint: $(STAMP)
 
 ## bench: every benchmark with its CPU defaults (each <= 15 min on 2 cores); appends to bench/log/DAY.md
 BENCH_STAMP := $(VENV)/.installed-bench
-$(BENCH_STAMP): pyproject.toml | $(BIN)/python
-	$(BIN)/pip install --quiet -e '.[bench]'
+$(BENCH_STAMP): pyproject.toml hack/venv_install.py | $(BIN)/python
+	$(INSTALL) bench
 	touch $(BENCH_STAMP)
 
 bench: $(BENCH_STAMP)

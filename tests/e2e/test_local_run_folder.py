@@ -1,6 +1,7 @@
 """`diloco run` into its run folder, resumed, and exported from it (issue 48): runs/NAME holds the
 weights, logs, summary and plot; running the same command again resumes and the summary covers
-both sessions; `diloco export runs/NAME` writes the weights with what loading them needs."""
+both sessions; `diloco export runs/NAME` writes the weights with what loading them needs, and
+`diloco sample` generates text from either."""
 
 from __future__ import annotations
 
@@ -69,3 +70,13 @@ def test_run_folder_resume_and_export(workdir: Path, make_spec: Callable[..., Jo
         meta = f.metadata()
     assert (meta["preset"], meta["seqLen"], meta["tokenizer"]) == ("gpt-tiny", "32", "bytes")
     assert meta["job"] == "folder-test"
+
+    # `diloco sample` generates from the run folder and from its export alike (one seed, one
+    # text), the prompt continued with bytes of the trained model.
+    args = ["--prompt", "def ", "--tokens", "40", "--seed", "3"]
+    from_folder = diloco(["sample", "runs/folder-test", *args], workdir)
+    assert from_folder.returncode == 0, from_folder.stderr
+    assert from_folder.stdout.startswith("def ") and len(from_folder.stdout) > len("def ")
+    assert "gpt-tiny from" in from_folder.stderr
+    from_file = diloco(["sample", "model.safetensors", *args], workdir)
+    assert (from_file.returncode, from_file.stdout) == (0, from_folder.stdout), from_file.stderr

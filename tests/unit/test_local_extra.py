@@ -35,13 +35,15 @@ def test_run_needs_matplotlib_only_for_its_plot(monkeypatch: pytest.MonkeyPatch)
 
 
 def test_pod_commands_import_neither_rich_nor_matplotlib() -> None:
-    # What `diloco learner`, `diloco syncer` and `diloco check` import, in a process where the
-    # [local] extra's packages cannot be imported (as in the trainer image, which leaves it out).
+    # What `diloco learner`, `diloco syncer`, `diloco check` and `diloco sample` import, in a
+    # process where the [local] extra's packages cannot be imported (as in the trainer image,
+    # which leaves it out).
     code = (
         "import sys\n"
         f"for name in {LOCAL_MODULES!r}: sys.modules[name] = None\n"
         "import diloco_trainer.learner.loop, diloco_trainer.syncer.service\n"
-        "import diloco_trainer.check.command, diloco_trainer.export, diloco_trainer.local\n"
+        "import diloco_trainer.check.command, diloco_trainer.export, diloco_trainer.sample\n"
+        "import diloco_trainer.local\n"
         "from diloco_trainer.cli_help import require_trainer\n"
         "assert require_trainer('learner')\n"
         "print('imported without the [local] extra')\n"

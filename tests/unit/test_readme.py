@@ -35,17 +35,20 @@ def test_relative_links_resolve_inside_the_repository(doc: Path) -> None:
 
 
 def test_kubernetes_commands_name_the_job_the_example_creates() -> None:
-    example = yaml.safe_load((ROOT / "examples/job.yaml").read_text())
+    # The cluster path's example (README, "Run on Kubernetes").
+    example = yaml.safe_load((ROOT / "examples/gpt-on-my-text/job.yaml").read_text())
     name = example["metadata"]["name"]
     text = README.read_text()
     named = re.findall(r"kubectl (?:describe|get|scale|delete) dj (\S+)", text)
     named += re.findall(r"deploy/(\S+)-syncer", text)
     named += re.findall(r"diloco\.dev/job=([\w-]+)", text)
+    named += re.findall(r"diloco export --job ([\w-]+)", text)
     # NAME is a placeholder in prose; every concrete name is the example's.
     assert named and set(named) - {"NAME"} == {name}, named
-    # The quick start replaces the example's placeholder registry with the user's.
+    # The path replaces the example's placeholder registry with the user's.
+    assert "diloco submit examples/gpt-on-my-text/job.yaml --registry $REGISTRY" in text
     registry = example["spec"]["image"].rsplit("/", 1)[0]
-    assert f'sed "s|{registry}|$REGISTRY|" examples/job.yaml' in text
+    assert registry == "ghcr.io/diloco-operator" and f"`{registry}`" in text
 
 
 def test_layout_names_what_is_in_the_tree() -> None:

@@ -20,6 +20,10 @@ from diloco_trainer.cli_help import (
     LEARNER_EPILOG,
     RUN_DESCRIPTION,
     RUN_EPILOG,
+    SAMPLE_DESCRIPTION,
+    SAMPLE_EPILOG,
+    SUBMIT_DESCRIPTION,
+    SUBMIT_EPILOG,
     SYNCER_EPILOG,
     described,
     require_local,
@@ -66,11 +70,29 @@ def _cmd_syncer(args: argparse.Namespace) -> int:
 
 
 def _cmd_export(args: argparse.Namespace) -> int:
+    if args.job is not None:  # from the cluster: kubectl, no torch needed here
+        from diloco_trainer.cluster_path import export_job, kubectl_missing
+
+        if args.source is not None:
+            print("diloco export: --job NAME takes no SOURCE", file=sys.stderr)
+            return MISSING_EXTRA
+        return MISSING_EXTRA if kubectl_missing("diloco export") else export_job(args)
+    if args.source is None or args.output is None:
+        print("diloco export: SOURCE and -o FILE are needed (or --job NAME)", file=sys.stderr)
+        return MISSING_EXTRA
     if not require_trainer("export"):
         return MISSING_EXTRA
     from diloco_trainer.export import main as export_main
 
     return export_main(args)
+
+
+def _cmd_sample(args: argparse.Namespace) -> int:
+    if not require_trainer("sample"):
+        return MISSING_EXTRA
+    from diloco_trainer.sample import main as sample_main
+
+    return sample_main(args)
 
 
 def _add_run(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -176,11 +198,32 @@ def _add_export(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> Non
     )
     export.add_argument(
         "source",
+        nargs="?",
         help="a run folder of diloco run (runs/NAME), a syncer state dir, its checkpoints/ dir or "
         "one ckpt-* dir; or a running syncer's URL (http[s]://HOST:PORT). The file's metadata "
         "records the preset, seqLen and tokenizer (from the run folder's spec.json or --config)",
     )
-    export.add_argument("-o", "--output", required=True, metavar="FILE", help="file to write")
+    export.add_argument(
+        "-o",
+        "--output",
+        metavar="FILE",
+        help="file to write (with --job: the folder to copy the model into, default NAME/)",
+    )
+    export.add_argument(
+        "--job",
+        metavar="NAME",
+        help="fetch the model of DiLoCoJob NAME from the cluster (kubectl's context): exported in "
+        "its syncer pod with the job's spec, copied into -o DIR (default NAME/), which diloco "
+        "sample reads",
+    )
+    export.add_argument("-n", "--namespace", help="with --job: the job's namespace")
+    export.add_argument(
+        "--wait",
+        default="1h",
+        metavar="DURATION",
+        help="with --job: wait this long for the job to succeed (kubectl wait's --timeout; 0s: "
+        "do not wait, export the newest checkpoint now; default 1h)",
+    )
     export.add_argument(
         "--token-file", metavar="FILE", help="a URL's bearer token (default $DILOCO_TOKEN_FILE)"
     )
@@ -199,6 +242,85 @@ def _add_export(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> Non
     export.set_defaults(func=_cmd_export)
 
 
+def _cmd_submit(args: argparse.Namespace) -> int:
+    if not require_trainer("submit"):
+        return MISSING_EXTRA
+    from diloco_trainer.cluster_path import kubectl_missing, submit
+
+    return MISSING_EXTRA if kubectl_missing("diloco submit") else submit(args)
+
+
+def _add_submit(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """`diloco submit`."""
+    submit = sub.add_parser(
+        "submit",
+        help="check a DiLoCoJob, hand its text to the pods and apply it to the cluster (kubectl)",
+        description=SUBMIT_DESCRIPTION,
+        epilog=SUBMIT_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    submit.add_argument("config", help="DiLoCoJob manifest (YAML)")
+    submit.add_argument(
+        "--registry",
+        metavar="REGISTRY",
+        help="where make push-images pushed the images: replaces the placeholder "
+        "ghcr.io/diloco-operator in the manifest's images",
+    )
+    submit.add_argument(
+        "--data",
+        metavar="DIR",
+        help="your text: checked here, and put (its files) into the one ConfigMap the job's pods "
+        "mount (created or replaced)",
+    )
+    submit.add_argument("-n", "--namespace", help="the namespace (default: kubectl's context)")
+    submit.set_defaults(func=_cmd_submit)
+
+
+def _add_sample(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """`diloco sample`."""
+    sample = sub.add_parser(
+        "sample",
+        help="generate text from a trained built-in model (a run folder or an export)",
+        description=SAMPLE_DESCRIPTION,
+        epilog=SAMPLE_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    sample.add_argument(
+        "source",
+        help="a run folder of diloco run (runs/NAME), a syncer state dir or ckpt-* dir, or an "
+        "export file of diloco export (MODEL.safetensors) or a folder holding one",
+    )
+    sample.add_argument(
+        "--prompt",
+        metavar="TEXT",
+        help="text to continue (default: the start of a document, a blank line)",
+    )
+    sample.add_argument(
+        "--tokens", type=int, default=200, metavar="N", help="tokens to generate (default 200)"
+    )
+    sample.add_argument(
+        "--temperature",
+        type=float,
+        default=0.8,
+        metavar="T",
+        help="softmax temperature; 0 picks the most likely token each time (greedy; default 0.8)",
+    )
+    sample.add_argument(
+        "--top-k",
+        type=int,
+        default=40,
+        metavar="K",
+        help="draw only among the K most likely tokens; 0: among all (default 40)",
+    )
+    sample.add_argument(
+        "--seed", type=int, default=0, metavar="S", help="seed of the draws (default 0)"
+    )
+    sample.add_argument(
+        "--device", default="cpu", help="torch device to run the model on (default cpu)"
+    )
+    sample.set_defaults(func=_cmd_sample)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="diloco", description="Decoupled DiLoCo training: local runs, pods and the operator."
@@ -206,7 +328,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"diloco {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    for add in (_add_run, _add_check, _add_processes, _add_export):
+    for add in (_add_run, _add_check, _add_processes, _add_export, _add_sample, _add_submit):
         add(sub)
     for command in sorted(entry_points(group=COMMANDS), key=lambda e: e.name):
         command.load()(sub)

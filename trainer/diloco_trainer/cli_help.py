@@ -124,6 +124,46 @@ exit codes:
   0    the job can run (warnings, if any, are printed)
   2    it cannot: each problem is printed naming the file and the field"""
 
+SAMPLE_DESCRIPTION = textwrap.fill(
+    "Generate text from a trained built-in model (model.preset): the newest checkpoint of a run "
+    "folder, or a file of `diloco export`. The model's shape and tokenizer come from the job "
+    "(the run folder's spec.json, or the export's metadata); each token is drawn from the top-k "
+    "of softmax(logits / temperature), greedy at temperature 0. The text goes to stdout, a "
+    "header line to stderr; the same seed gives the same text.",
+    WIDTH,
+)
+SAMPLE_EPILOG = """examples:
+  .venv/bin/diloco sample runs/local-demo
+  .venv/bin/diloco sample runs/local-demo --prompt 'def main(' --tokens 300 --seed 7
+  .venv/bin/diloco sample model.safetensors --temperature 0     greedy
+  .venv/bin/diloco sample exported/                             a folder of diloco export --job
+
+a subword tokenizer (data.tokenizer) is read from MODEL.tokenizer.json beside an export
+(diloco export --config JOB writes it), else data.tokenizer.path, else trained again on the
+corpus (type bpe: data.source must be readable here).
+
+exit codes:
+  0    the text was written
+  2    bad input: no weights in the folder, a model.entrypoint (your own model: sample it with
+       your code), a tokenizer that cannot be found, a bad option; the message names it"""
+
+SUBMIT_DESCRIPTION = textwrap.fill(
+    "Submit a DiLoCoJob to the cluster of kubectl's context: the job is checked as `diloco check "
+    "--cluster` checks it (refused: exit 2, nothing created), its images moved from the "
+    "placeholder registry to --registry, the text of --data put into the ConfigMap its pods "
+    "mount, and the job applied; then it prints how to watch it and fetch the model.",
+    WIDTH,
+)
+SUBMIT_EPILOG = """examples:
+  .venv/bin/diloco submit examples/gpt-on-my-text/job.yaml --registry $REGISTRY --data DIR
+  .venv/bin/diloco export --job gpt-on-my-text     waits, copies the model into gpt-on-my-text/
+  .venv/bin/diloco sample gpt-on-my-text/
+
+exit codes:
+  0    applied
+  1    kubectl failed (its message is printed)
+  2    refused: the file, field or option is named; nothing was created"""
+
 
 def missing_trainer_modules() -> list[str]:
     """The [trainer] extra's modules that cannot be imported here."""
