@@ -51,6 +51,7 @@ from diloco_trainer.learner.device import pick_device
 from diloco_trainer.learner.device_copies import PULL_APPLY_ENV, apply_pulls_on_device
 from diloco_trainer.learner.drain import DrainTrigger, drain, share_steps
 from diloco_trainer.learner.fragment_sync import FragmentSync
+from diloco_trainer.learner.emulated_step import EmulatedStep
 from diloco_trainer.learner.inner_step import InnerStep, check_precision
 from diloco_trainer.learner.shards import FragmentShards, local_rows, shard_model
 from diloco_trainer.learner.start_together import starts_together, wait_for_peers
@@ -117,7 +118,7 @@ class Learner:
         # One AdamW for the life of the process: its state carries across rounds (applying a
         # merged fragment writes the weights in place and never touches it).
         self.optimizer = make_inner_optimizer(spec, self.model)
-        self.step = InnerStep(
+        self.step: InnerStep | EmulatedStep = InnerStep(
             spec,
             params=list(self.params.values()),
             train_model=self.train_model,
@@ -125,6 +126,14 @@ class Learner:
             optimizer=self.optimizer,
             device=device,
         )
+        if env.emulate_step > 0:  # benchmarks only: bench/busy_emulated.py
+            log.info("inner steps emulated: %.3fs of wall time each", env.emulate_step)
+            self.step = EmulatedStep(
+                list(self.params.values()),
+                seconds=env.emulate_step,
+                steps_per_round=spec.inner.steps,
+                tokens_per_step=spec.inner.tokens_per_step,
+            )
         self.layout: list[list[str]] = []
         self.sync: FragmentSync | None = None
         self.link: SyncerLink | None = None
