@@ -32,7 +32,7 @@ L has rate B / (L x T) and an added one-way latency (--latency-ms).
 
     python -m bench.busy_emulated                                   # gpt-125m and gpt-350m
     python -m bench.busy_emulated --presets gpt-125m --shares 0 50 --rounds 5
-    python -m bench.busy_emulated --quick --no-record               # smoke: gpt-tiny, 6 rounds of 10
+    python -m bench.busy_emulated --quick --no-record    # smoke: gpt-tiny, 6 rounds of 10
 """
 
 from __future__ import annotations
@@ -177,7 +177,9 @@ def tables(args: Any, results: dict[str, dict[float, dict[str, Any]]]) -> list[T
             "rounds",
         ],
     )
-    verdicts = Table("Issue 45's utilisation targets in this run", ["preset", "L", "target", "figure", "verdict"])
+    verdicts = Table(
+        "Issue 45's utilisation targets in this run", ["preset", "L", "target", "figure", "verdict"]
+    )
     for preset, runs in results.items():
         for share, r in sorted(runs.items()):
             u = utilisation(r)
@@ -197,7 +199,10 @@ def tables(args: Any, results: dict[str, dict[float, dict[str, Any]]]) -> list[T
             )
             need = 0.97 if share <= 50 else 0.90
             verdicts.add(
-                preset, f"{share:g}%", f">= {need}", f"{u.utilisation:.3f}",
+                preset,
+                f"{share:g}%",
+                f">= {need}",
+                f"{u.utilisation:.3f}",
                 verdict(u.utilisation >= need),
             )
     return [main, verdicts]
@@ -205,14 +210,25 @@ def tables(args: Any, results: dict[str, dict[float, dict[str, Any]]]) -> list[T
 
 def parse_args(argv: Sequence[str] | None) -> Any:
     p = base_parser(__doc__.split("\n\n", 1)[0])
-    p.add_argument("--presets", nargs="+", default=["gpt-125m", "gpt-350m"], choices=sorted(STEP_MS))
-    p.add_argument("--shares", nargs="+", type=float, default=[0, 50, 100],
-                   help="L: the link's share of a round, %% (0 = unlimited, the calibration)")
+    p.add_argument(
+        "--presets", nargs="+", default=["gpt-125m", "gpt-350m"], choices=sorted(STEP_MS)
+    )
+    p.add_argument(
+        "--shares",
+        nargs="+",
+        type=float,
+        default=[0, 50, 100],
+        help="L: the link's share of a round, %% (0 = unlimited, the calibration)",
+    )
     p.add_argument("--rounds", type=int, default=6, help="rounds an island trains")
     p.add_argument("--inner-steps", type=int, default=30, help="H")
     p.add_argument("--seq-len", type=int, default=128, help="tokens a step reports")
-    p.add_argument("--step-ms", type=float, default=None,
-                   help="an emulated step's wall time (default: per preset, STEP_MS)")
+    p.add_argument(
+        "--step-ms",
+        type=float,
+        default=None,
+        help="an emulated step's wall time (default: per preset, STEP_MS)",
+    )
     p.add_argument("--islands", type=int, default=None, help="default: per preset (ISLANDS)")
     p.add_argument("--latency-ms", type=float, default=10.0, help="one-way, where L > 0")
     p.add_argument("--timeout", type=float, default=1800.0, help="per run, seconds")
@@ -252,7 +268,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     report = Report(
         script="busy_emulated",
-        summary="Emulated accelerator steps, the real sync path at real sizes over a relay (issue 45, part 2)",
+        summary="Emulated accelerator steps, the real sync path at real sizes over a relay "
+        "(issue 45, part 2)",
         tables=tables(args, results),
         notes=notes,
     )

@@ -50,8 +50,8 @@ from diloco_trainer.cpus import configure_threads, cpus_here
 from diloco_trainer.learner.device import pick_device
 from diloco_trainer.learner.device_copies import PULL_APPLY_ENV, apply_pulls_on_device
 from diloco_trainer.learner.drain import DrainTrigger, drain, share_steps
-from diloco_trainer.learner.fragment_sync import FragmentSync
 from diloco_trainer.learner.emulated_step import EmulatedStep
+from diloco_trainer.learner.fragment_sync import FragmentSync
 from diloco_trainer.learner.inner_step import InnerStep, check_precision
 from diloco_trainer.learner.shards import FragmentShards, local_rows, shard_model
 from diloco_trainer.learner.start_together import starts_together, wait_for_peers
@@ -183,8 +183,15 @@ class Learner:
         rank: θ_f ← target_f."""
         with torch.no_grad():
             if not self.distributed:  # one batched copy, not a launch per tensor on a GPU
-                names = [n for f in fragments for n in self.layout[f]]
                 got = {n: t for f in fragments for n, t in targets[f].items()}
+                # A host receipt may have written the parameters in place already
+                # (FragmentState.receive, added_into): nothing to copy for those.
+                names = [
+                    n
+                    for f in fragments
+                    for n in self.layout[f]
+                    if got[n].data_ptr() != self.params[n].data_ptr()
+                ]
                 if names:
                     torch._foreach_copy_([self.params[n] for n in names], [got[n] for n in names])
                 return
