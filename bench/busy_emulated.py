@@ -14,15 +14,18 @@ tokens/s, gpt-1b 57k tokens/s in bf16): gpt-350m 280 ms, gpt-1b 500 ms (57k toke
 500 is the issue's upper end); gpt-125m 100 ms (6 P tokens FLOP at the 350m run's 29% MFU of an
 H100's 989 TFLOP/s: 85 ms, rounded up).
 
-Memory (ARCHITECTURE.md's memory model; x = one fp32 copy, 4P bytes): an emulated learner holds
-its weights and its fp32 Δ base (2x; no gradients or AdamW state: no backward, no optimizer step)
-and while it pushes the int8 values (P/F bytes); the syncer api/preflight's estimate, 5x
-(θ_exact, the outer momentum, θ_pub, the pull bodies, the eval copy), and a fold's accumulator
-(1/F x) per fragment with pushes pending. With F = 2: M islands take (2M + 6) x + M P/2 bytes.
-A preset whose estimate exceeds 90% of this machine's available memory is left out, and said so:
-gpt-1b (4.0 GB a copy) needs 32.8 GB at one island, against 24 GiB in all on this project's CPU
-machine; gpt-350m (1.4 GB) 14.5 GB at two islands; gpt-125m (0.51 GB) 5.3 GB at two. bf16 does
-not help: a learner's copies stay fp32 (inner.precision is autocast only).
+Memory (x = one fp32 copy, 4P bytes). By ARCHITECTURE.md's memory model an emulated learner
+holds its weights and its fp32 Δ base (2x; no gradients or AdamW state: no backward, no optimizer
+step), a push's copies and int8 values and a pull's new base per fragment in flight (up to 2x
+more at F = 2); measured, a gpt-350m learner's resident memory reached 8.5 GB, 6.0x, when the
+kernel's OOM killer took it (two islands and the syncer, 4.8 GB, beside other engineers' work on
+a 24 GiB machine; bench/log/2026-11-29.md, "busy_emulated"). So the estimate is 6x a learner
+(LEARNER_COPIES) and api/preflight's 5x for the syncer (θ_exact, the outer momentum, θ_pub, the
+pull bodies, the eval copy) plus a fold's accumulator, 1x at most: (6M + 6) x. A preset whose
+estimate exceeds 90% of the memory available at the start is left out, and said so: gpt-125m
+(0.51 GB a copy) needs 9.2 GB at two islands; gpt-350m (1.41 GB) 25 GB at two and 17 GB at one;
+gpt-1b (4.0 GB) 48 GB at one. bf16 does not help: a learner's copies stay fp32
+(inner.precision is autocast only).
 
 Per run, from the learners' own progress lines: utilisation (time in inner steps / wall, their
 start-up window left out), and where the rest went: waiting for the syncer (a merge) and the sync
@@ -71,7 +74,9 @@ from bench.harness.common import (
 STEP_MS = {"gpt-tiny": 50, "gpt-mini": 50, "gpt-125m": 100, "gpt-350m": 280, "gpt-1b": 500}
 # Islands per preset: 2 where they fit this machine's memory with the syncer, else 1.
 ISLANDS = {"gpt-tiny": 2, "gpt-mini": 2, "gpt-125m": 2, "gpt-350m": 2, "gpt-1b": 1}
-FRAGMENTS = 2  # sync.fragments' default
+# An emulated learner's peak resident memory in fp32 copies of the model, measured: a gpt-350m
+# learner reached 8.5 GB (6.0 copies of 1.41 GB) before the kernel killed it (module docstring).
+LEARNER_COPIES = 6
 VOCAB = 256  # the built-in GPT's byte-level vocabulary (builtin:stdlib-text)
 
 
@@ -80,13 +85,12 @@ def params_of(preset: str, seq_len: int) -> int:
     return gpt_parameters(preset, seq_len, VOCAB)
 
 
-def memory_estimate(params: int, islands: int, fragments: int = FRAGMENTS) -> float:
-    """Bytes an emulated job holds at its peak: per learner 2 fp32 copies (weights, Δ base) and
-    its int8 push (P/F bytes); the syncer api/preflight's SYNCER_COPIES (θ_exact, momentum, the
-    pull bodies, the eval copy, θ_pub) and a fold's accumulator per fragment (1/F each, every
-    fragment pending at once at worst: one copy)."""
+def memory_estimate(params: int, islands: int) -> float:
+    """Bytes an emulated job holds at its peak: per learner LEARNER_COPIES fp32 copies (measured:
+    the module docstring), the syncer api/preflight's SYNCER_COPIES and a fold's accumulator per
+    fragment (1/F each, every fragment pending at once at worst: one copy)."""
     copy = 4.0 * params
-    return islands * (2 * copy + params / fragments) + (SYNCER_COPIES + 1) * copy
+    return islands * LEARNER_COPIES * copy + (SYNCER_COPIES + 1) * copy
 
 
 def available_memory() -> float:
