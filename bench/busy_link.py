@@ -151,7 +151,13 @@ class LinkRun(OursRun):
 
 
 def run_over_link(
-    spec: JobSpec, wd: Path, *, rate: float | None, latency_ms: float, timeout: float
+    spec: JobSpec,
+    wd: Path,
+    *,
+    rate: float | None,
+    latency_ms: float,
+    timeout: float,
+    learner_env: dict[str, str] | None = None,
 ) -> dict[str, Any]:
     """One job of ours with every island behind one relay; its history (seconds, tokens
     processed, eval loss), the islands' window splits, the relay's bytes and the rounds run."""
@@ -165,7 +171,7 @@ def run_over_link(
             )
         return f"http://127.0.0.1:{relay['port']}"
 
-    run = LinkRun(spec=spec, workdir=wd, route=route)
+    run = LinkRun(spec=spec, workdir=wd, route=route, learner_env=dict(learner_env or {}))
     run.start()
     t0 = time.time()
     samples: list[tuple[int, int]] = []  # (outer step, relay bytes) at each status poll

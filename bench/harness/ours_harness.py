@@ -48,6 +48,8 @@ class OursRun:
     learners: dict[int, Proc] = field(default_factory=dict)
     port: int = 0
     restarts: dict[int, int] = field(default_factory=dict)
+    # Added to every learner's environment (e.g. DILOCO_EMULATE_STEP_SECONDS).
+    learner_env: dict[str, str] = field(default_factory=dict)
 
     @property
     def url(self) -> str:
@@ -94,7 +96,7 @@ class OursRun:
                 master_port=free_port(),
                 slowdown=self.slowdowns.get(i, 1.0),
                 job_name=self.job_name,
-                extra_env=THREADS_ENV,
+                extra_env={**THREADS_ENV, **self.learner_env},
             )
         )
         self.learners[i] = proc

@@ -109,3 +109,73 @@ def test_receive_computes_from_the_staged_weights_and_keeps_the_host_ones_as_bas
     # 9 + (0.5 - 0) and 9 + (2.5 - 2), from the staged weights
     assert torch.equal(out["w"], t(9.5, 9.5))
     assert torch.equal(state.base["w"], t(5.0, 5.0))
+
+
+def test_merge_offset_then_added_into_is_the_received_weights_rule() -> None:
+    from diloco_trainer.learner.mixing import added_into, merge_offset_into
+
+    # θ_global = [1, 2], θ_push = [0.5, 0.5], θ_now = [0.75, 1]: the kept steps moved the
+    # weights by [0.25, 0.5], so the new weights are θ_global + that = [1.25, 2.5].
+    at_push = {"w": t(0.5, 0.5)}
+    merge_offset_into({"w": t(1.0, 2.0)}, at_push)
+    assert torch.equal(at_push["w"], t(0.5, 1.5))  # θ_global − θ_push
+    now = {"w": t(0.75, 1.0)}
+    out = added_into(now, at_push)
+    assert torch.equal(now["w"], t(1.25, 2.5)) and out["w"] is now["w"]  # in place
+
+
+def big_state(seed: int) -> tuple[FragmentState, dict[str, torch.Tensor], torch.Generator]:
+    from diloco_trainer.learner.push_encoding import ONE_PASS_FROM
+
+    g = torch.Generator().manual_seed(seed)
+    params = {"a": torch.randn(ONE_PASS_FROM + 300, generator=g), "b": torch.randn(7, generator=g)}
+    state = FragmentState(names=list(params))
+    state.take_global(
+        {n: p + 0.1 * torch.randn(p.shape, generator=g) for n, p in params.items()}, 1
+    )
+    return state, params, g
+
+
+def test_a_prepared_host_receipt_writes_the_weights_in_place_as_the_rule_gives() -> None:
+    """issue 45: the link's thread turns the push's copies into θ_global − θ_push once the
+    merge is pulled; the receipt then adds it to the weights in place (one pass), the same
+    weights as the unprepared receipt up to rounding."""
+    for prepared in (True, False):
+        state, params, g = big_state(7)
+        _, ready = state.encode_push(params, "int8", None)
+        ready()
+        at_push = {n: c.clone() for n, c in state.at_push.items()}  # type: ignore[union-attr]
+        for p in params.values():
+            p.add_(0.01)  # the overlapped steps
+        merged = {n: p + 0.2 * torch.randn(p.shape, generator=g) for n, p in params.items()}
+        want = {n: merged[n] + (params[n] - at_push[n]) for n in params}
+        prepare = state.receipt_preparer()
+        assert prepare is not None
+        if prepared:
+            prepare(merged)
+            assert state.prepared is state.at_push
+        got = state.receive(merged, 2, params, 0.0)
+        for n in params:
+            assert torch.allclose(got[n], want[n], atol=1e-6), n
+            # prepared: the parameters themselves were written; not: a new tensor to copy in
+            assert (got[n].data_ptr() == params[n].data_ptr()) == prepared, n
+        assert state.prepared is None and state.at_push is None and state.version == 2
+
+
+def test_a_preparer_does_nothing_for_another_push_or_other_shapes() -> None:
+    state, params, _ = big_state(8)
+    state.encode_push(params, "int8", None)[1]()
+    stale = state.receipt_preparer()
+    assert stale is not None
+    state.encode_push(params, "int8", None)[1]()  # pushed again (overdue): a new at_push
+    stale({n: p.clone() for n, p in params.items()})
+    assert state.prepared is None
+    fresh = state.receipt_preparer()
+    assert fresh is not None
+    fresh({"a": torch.zeros(3), "b": torch.zeros(7)})  # not the fragment's shapes
+    assert state.prepared is None
+    # A small fragment's receipt is not prepared (it costs little on the training thread).
+    small = FragmentState(names=["w"])
+    small.take_global({"w": t(1.0, 2.0)}, 1)
+    small.encode_push({"w": t(0.0, 0.0)}, "int8", None)[1]()
+    assert small.receipt_preparer() is None

@@ -65,6 +65,7 @@ class FakeLink:
         held: Any,
         within: bool = False,
         ready: Any = None,
+        prepare: Any = None,
     ) -> SyncResult:
         if ready is not None:  # the real link waits for the host copies before reading them
             ready()
@@ -82,6 +83,8 @@ class FakeLink:
             finished=False,
             tensors={n: t.clone() for n, t in self.global_weights.items()},
         )
+        if prepare is not None:  # as the real link: on the pulled tensors, before handing back
+            prepare(pulled.tensors)
         return SyncResult(
             pulled=pulled,
             outcome="push refused (400 malformed)" if self.refuse else "merged",

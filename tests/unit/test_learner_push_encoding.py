@@ -16,6 +16,7 @@ from diloco_trainer.learner.push_encoding import (
     ONE_PASS_FROM,
     encode_delta,
     encode_int8_batched,
+    int8_bytes,
     one_pass,
     snapshot_and_encode_int8,
 )
@@ -172,3 +173,40 @@ def test_a_host_fragments_push_is_the_per_tensor_rule_either_side_of_one_pass_fr
         assert_same(ours.state_tensors(), theirs.state_tensors())
         for p in params.values():
             p.add_(0.01)
+
+
+def test_a_deferred_host_push_encodes_the_weights_at_the_push_off_the_training_thread() -> None:
+    """FragmentState.encode_push's deferred push (issue 45): the training thread makes only the
+    copy; the encoding, done later by `ready` (the link's thread), is of the weights at the push,
+    bit for bit snapshot_and_encode_int8's, even when steps moved the weights meanwhile."""
+    g = torch.Generator().manual_seed(6)
+    sizes = {"a": ONE_PASS_FROM + 300, "b": 500}
+    params = {n: torch.randn(s, generator=g) for n, s in sizes.items()}
+    base = {n: p + 0.1 * torch.randn(p.shape, generator=g) for n, p in params.items()}
+    state = FragmentState(names=list(params), base=base)
+    assert state.defer_host_encoding
+    ours, theirs = compress.ErrorFeedback(), compress.ErrorFeedback()
+    for _ in range(2):
+        want_local, want = snapshot_and_encode_int8(params, base, theirs)
+        encoded, ready = state.encode_push(params, "int8", ours)
+        assert encoded == {}  # nothing encoded on the training thread
+        assert state.at_push is not None
+        assert_same(state.at_push, want_local)
+        for p in params.values():
+            p.add_(0.5)  # the steps after the push, before the link's thread encodes
+        ready()
+        assert_same(encoded, want)
+        assert_same(ours.state_tensors(), theirs.state_tensors())
+        assert sum(t.numel() * t.element_size() for t in encoded.values()) == int8_bytes(params)
+    # A GPU's or a small fragment's push is not deferred: encoded on the spot.
+    small = {"w": torch.randn(1000, generator=g)}
+    encoded, ready = FragmentState(names=["w"], base={"w": torch.zeros(1000)}).encode_push(
+        small, "int8", None
+    )
+    assert encoded
+
+
+def test_int8_bytes_is_a_byte_a_value_and_four_a_block() -> None:
+    # 1000 values: 1000 bytes and ceil(1000 / BLOCK_SIZE) scales of 4 bytes.
+    blocks = -(-1000 // compress.BLOCK_SIZE)
+    assert int8_bytes({"w": torch.zeros(1000)}) == 1000 + 4 * blocks

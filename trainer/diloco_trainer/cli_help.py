@@ -41,6 +41,7 @@ LEARNER_ENV = [
     (c.CA_FILE, "unset", "CA bundle to verify an https:// syncer"),
     (c.DEVICE, "auto", "auto, cpu or cuda"),
     (c.SLOWDOWN, "1", "test knob: multiply this learner's step time"),
+    (c.EMULATE_STEP, "0", "benchmark knob: each inner step is N s of an emulated accelerator"),
 ]
 
 SYNCER_ENV = [

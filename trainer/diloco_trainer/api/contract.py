@@ -50,6 +50,9 @@ SYNCER_CPUS = "DILOCO_SYNCER_CPUS"
 RUN_PID = "DILOCO_RUN_PID"
 # Test and benchmark knob: multiply this learner's step time (a straggler on purpose).
 SLOWDOWN = "DILOCO_SLOWDOWN"
+# Benchmark knob (bench/busy_emulated.py): each inner step is this many wall seconds of an
+# emulated accelerator instead of a real step (learner/emulated_step.py); unset or 0: real steps.
+EMULATE_STEP = "DILOCO_EMULATE_STEP_SECONDS"
 
 # Conventional mount points in pods
 CONFIG_MOUNT = "/etc/diloco/config"
@@ -104,6 +107,7 @@ class LearnerEnv:
     ca_file: Path | None
     device: str
     slowdown: float
+    emulate_step: float = 0.0
 
     @classmethod
     def from_env(cls, env: dict[str, str] | None = None) -> LearnerEnv:
@@ -115,10 +119,19 @@ class LearnerEnv:
             raise ContractError(f"{SLOWDOWN}={slowdown_raw!r} is not a number") from None
         if slowdown < 1:
             raise ContractError(f"{SLOWDOWN} must be >= 1, got {slowdown}")
+        emulate_raw = env.get(EMULATE_STEP, "") or "0"
+        try:
+            emulate_step = float(emulate_raw)
+        except ValueError:
+            raise ContractError(f"{EMULATE_STEP}={emulate_raw!r} is not a number") from None
+        if not 0 <= emulate_step <= 60:
+            raise ContractError(f"{EMULATE_STEP} must be in [0, 60] seconds, got {emulate_step}")
         rank = _int(env, RANK, 0)
         world_size = _int(env, WORLD_SIZE, 1)
         if not 0 <= rank < world_size:
             raise ContractError(f"{RANK}={rank} must be in [0, {WORLD_SIZE}={world_size})")
+        if emulate_step and world_size > 1:
+            raise ContractError(f"{EMULATE_STEP} emulates single-rank islands ({WORLD_SIZE}=1)")
         ca = env.get(CA_FILE, "")
         return cls(
             job_name=env.get(JOB_NAME, "local"),
@@ -134,6 +147,7 @@ class LearnerEnv:
             ca_file=Path(ca) if ca else None,
             device=env.get(DEVICE, "auto") or "auto",
             slowdown=slowdown,
+            emulate_step=emulate_step,
         )
 
     @classmethod

@@ -18,6 +18,7 @@ the ones counted since the push (FragmentCounters.since), never zero and never t
 from __future__ import annotations
 
 import concurrent.futures
+import threading
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 
@@ -27,15 +28,20 @@ from torch import Tensor
 from diloco_trainer.core.compress import ErrorFeedback
 from diloco_trainer.learner.device_copies import snapshot
 from diloco_trainer.learner.mixing import (
+    added_into,
     eager_proxy,
+    merge_offset_into,
     pseudo_gradient,
     received_weights,
     received_weights_into,
 )
 from diloco_trainer.learner.push_encoding import (
+    ONE_PASS_FROM,
     encode_for_wire,
+    encode_int8_from_snapshot,
     one_pass,
     snapshot_and_encode_int8,
+    snapshot_for_push,
 )
 from diloco_trainer.learner.syncer_link import SyncResult
 
@@ -105,6 +111,14 @@ class FragmentState:
     # on the host: 4P/F more per fragment), for the proxy of the coming outer step (eager_jump).
     track_update: bool = False
     last_update: dict[str, Tensor] | None = None
+    # A host learner's large int8 push (push_encoding.one_pass) encoded on the syncer link's
+    # thread, only its copy on the training thread (issue 45: at gpt-125m on an emulated
+    # accelerator the encoding was 0.8-1.0 s of a 3.3 s round's training thread, per fragment).
+    defer_host_encoding: bool = True
+    # The at_push whose values the link's thread has turned into θ_global − θ_push
+    # (receipt_preparer; None: at_push holds θ_push), and the lock that orders the two threads.
+    prepared: dict[str, Tensor] | None = None
+    lock: threading.Lock = field(default_factory=threading.Lock)
 
     def eager_jump(
         self, *, lr: float, momentum: float, nesterov: bool, inner_steps: int
@@ -142,9 +156,23 @@ class FragmentState:
         their copies). A host learner's int8 push of a large fragment is made in one sliced
         pass instead (push_encoding.one_pass, snapshot_and_encode_int8: the same bytes)."""
         if one_pass(weights, codec):
-            local, encoded = snapshot_and_encode_int8(weights, self.base, feedback)
+            if not self.defer_host_encoding:
+                local, encoded = snapshot_and_encode_int8(weights, self.base, feedback)
+                self._remember(local)
+                return encoded, _nothing
+            # Deferred: only the copy on the training thread; Δ and int8 on the syncer link's
+            # thread (its `ready`, called before the push is sent), beside the next steps. The
+            # base is this one even if a receipt replaces self.base meanwhile (it cannot: the
+            # merge this push answers comes after the push is sent).
+            local = snapshot_for_push(weights)
             self._remember(local)
-            return encoded, _nothing
+            base = self.base
+            deferred: dict[str, Tensor] = {}
+
+            def encode() -> None:
+                deferred.update(encode_int8_from_snapshot(local, base, feedback))
+
+            return deferred, encode
         return encode_for_wire(self.begin_push(snapshot(weights)), codec, feedback)
 
     def _remember(self, local: dict[str, Tensor]) -> None:
@@ -176,7 +204,13 @@ class FragmentState:
         # On a GPU: the merged weights cross to it once and serve as its base there too.
         if here is None:
             here = {n: t.to(device, torch.float32) for n, t in merged.items()}
-        if device.type == "cpu" and self.at_push is not None:
+        with self.lock:
+            offset = self.prepared if self.prepared is self.at_push else None
+            self.prepared = None
+        if offset is not None and not alpha:
+            # θ_global − θ_push made on the link's thread (receipt_preparer): one pass here.
+            target = added_into(now, offset)
+        elif device.type == "cpu" and self.at_push is not None:
             # Written over the push's copies, which nothing reads after this (begin_push): no
             # fragment-sized temporaries on a host learner's training thread.
             target = received_weights_into(here, now, self.at_push, alpha)
@@ -193,6 +227,33 @@ class FragmentState:
         self.at_push = None
         self.counters_at_push = None
         return target
+
+    def receipt_preparer(self) -> Callable[[Mapping[str, Tensor]], None] | None:
+        """For the push just made (at_push), on a host learner: what the syncer link's thread
+        runs on the pulled fragment, turning at_push into θ_global − θ_push
+        (mixing.merge_offset_into) so that the receipt is one pass of the training thread
+        (added_into). It does nothing once at_push is another push's, or when the pulled
+        tensors are not this fragment's shapes (the receipt refuses them). None: not deferred
+        (a GPU's receipt is its device's; a small fragment's costs little)."""
+        at = self.at_push
+        if at is None or not self.defer_host_encoding or _device_of(at).type != "cpu":
+            return None
+        if sum(t.numel() for t in at.values()) <= ONE_PASS_FROM:
+            return None
+
+        def prepare(merged: Mapping[str, Tensor]) -> None:
+            with self.lock:
+                if self.at_push is not at or self.prepared is at:
+                    return
+                if any(
+                    n not in merged or tuple(merged[n].shape) != tuple(t.shape)
+                    for n, t in at.items()
+                ):
+                    return
+                merge_offset_into({n: merged[n] for n in at}, at)
+                self.prepared = at
+
+        return prepare
 
     def take_global(self, merged: dict[str, Tensor], version: int) -> dict[str, Tensor]:
         """Start over from the global fragment (joining): overwrite, counters from zero."""

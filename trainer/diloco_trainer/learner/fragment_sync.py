@@ -37,7 +37,7 @@ from diloco_trainer.learner.fragment_state import (
 )
 from diloco_trainer.learner.overlap import OverlapFit, covered_latency
 from diloco_trainer.learner.phase_alignment import phase_shift, schedule_positions
-from diloco_trainer.learner.push_encoding import encode_for_wire
+from diloco_trainer.learner.push_encoding import encode_for_wire, int8_bytes
 from diloco_trainer.learner.shards import FragmentShards
 from diloco_trainer.learner.step_plan import (
     StepPlan,
@@ -452,8 +452,11 @@ class FragmentSync:
             else None
         )
         # Learners that do not block align their phase within merges too (merge_lateness).
+        # A host learner's receipt: its θ_global − θ_push made on the link's thread as soon as
+        # the merge is pulled (FragmentState.receipt_preparer; mixAlpha 0 only).
+        prepare = state.receipt_preparer() if self.shards is None and not self._alpha() else None
         sync = self.link.sync_fragment(
-            f, encoded, meta, held, within=not self.blocking, ready=ready
+            f, encoded, meta, held, within=not self.blocking, ready=ready, prepare=prepare
         )
         future = self.link.submit(sync)
         self.inflight[f] = InFlight(
@@ -463,7 +466,11 @@ class FragmentSync:
             previous=previous,
             window=window,
         )
-        nbytes = sum(t.numel() * t.element_size() for t in encoded.values())
+        # A deferred host push (FragmentState.encode_push) is encoded on the link's thread: its
+        # bytes are the int8 format's, known from the sizes.
+        nbytes = sum(t.numel() * t.element_size() for t in encoded.values()) or int8_bytes(
+            self._current(f)
+        )
         log.info(
             "step %d: fragment %d pushed (base version %d, %d bytes %s, %d tokens in %d steps; "
             "%.3fs on the training thread)",

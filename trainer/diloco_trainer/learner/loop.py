@@ -51,6 +51,7 @@ from diloco_trainer.cpus import configure_threads, cpus_here
 from diloco_trainer.learner.device import pick_device
 from diloco_trainer.learner.device_copies import PULL_APPLY_ENV, apply_pulls_on_device
 from diloco_trainer.learner.drain import DrainTrigger, drain, share_steps
+from diloco_trainer.learner.emulated_step import EmulatedStep
 from diloco_trainer.learner.fragment_sync import FragmentSync
 from diloco_trainer.learner.inner_step import InnerStep, check_precision
 from diloco_trainer.learner.shards import FragmentShards, local_rows, shard_model
@@ -118,7 +119,7 @@ class Learner:
         # One AdamW for the life of the process: its state carries across rounds (applying a
         # merged fragment writes the weights in place and never touches it).
         self.optimizer = make_inner_optimizer(spec, self.model)
-        self.step = InnerStep(
+        self.step: InnerStep | EmulatedStep = InnerStep(
             spec,
             params=list(self.params.values()),
             train_model=self.train_model,
@@ -126,6 +127,14 @@ class Learner:
             optimizer=self.optimizer,
             device=device,
         )
+        if env.emulate_step > 0:  # benchmarks only: bench/busy_emulated.py
+            log.info("inner steps emulated: %.3fs of wall time each", env.emulate_step)
+            self.step = EmulatedStep(
+                list(self.params.values()),
+                seconds=env.emulate_step,
+                steps_per_round=spec.inner.steps,
+                tokens_per_step=spec.inner.tokens_per_step,
+            )
         self.layout: list[list[str]] = []
         self.sync: FragmentSync | None = None
         self.link: SyncerLink | None = None
@@ -175,8 +184,15 @@ class Learner:
         rank: θ_f ← target_f."""
         with torch.no_grad():
             if not self.distributed:  # one batched copy, not a launch per tensor on a GPU
-                names = [n for f in fragments for n in self.layout[f]]
                 got = {n: t for f in fragments for n, t in targets[f].items()}
+                # A host receipt may have written the parameters in place already
+                # (FragmentState.receive, added_into): nothing to copy for those.
+                names = [
+                    n
+                    for f in fragments
+                    for n in self.layout[f]
+                    if got[n].data_ptr() != self.params[n].data_ptr()
+                ]
                 if names:
                     torch._foreach_copy_([self.params[n] for n in names], [got[n] for n in names])
                 return

@@ -111,6 +111,27 @@ def received_weights_into(
     return out
 
 
+def merge_offset_into(merged: Mapping[str, Tensor], at_push: Mapping[str, Tensor]) -> None:
+    """at_push ← θ_global − θ_push, in place, a slice at a time (host fp32 tensors): the half
+    of received_weights that does not need the weights now. A host learner computes it on its
+    syncer link's thread as soon as the merged fragment is pulled (FragmentState's
+    receipt_preparer), so that its training thread only adds it (added_into)."""
+    for n, g_t in merged.items():
+        target = at_push[n].view(-1)
+        g = g_t.to(torch.float32).reshape(-1)
+        for sl in slices(target.numel()):
+            torch.sub(g[sl], target[sl], out=target[sl])
+
+
+def added_into(now: Mapping[str, Tensor], offset: Mapping[str, Tensor]) -> dict[str, Tensor]:
+    """θ_now + (θ_global − θ_push) written into `now` (the fragment's parameters, in place) and
+    returned: received_weights with mixAlpha 0, one pass over the weights, equal to it up to
+    float rounding (the same three values summed in another order)."""
+    for n, t in now.items():
+        t.add_(offset[n].view(t.shape))
+    return dict(now)
+
+
 LATE_MERGE_RULES = ("keep", "eager")  # sync.lateMergeRule
 
 

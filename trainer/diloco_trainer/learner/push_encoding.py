@@ -52,6 +52,11 @@ def one_pass(weights: Mapping[str, Tensor], codec: str) -> bool:
     return sum(t.numel() for t in weights.values()) > ONE_PASS_FROM
 
 
+def int8_bytes(weights: Mapping[str, Tensor]) -> int:
+    """The bytes of `weights` encoded int8: a byte a value and an fp32 scale a codec block."""
+    return sum(t.numel() + 4 * compress.num_blocks(t.numel()) for t in weights.values())
+
+
 def encode_delta(
     delta: Mapping[str, Tensor], codec: str, feedback: compress.ErrorFeedback | None
 ) -> dict[str, Tensor]:
@@ -150,12 +155,48 @@ def snapshot_and_encode_int8(
     (needed: the receipt of this push's merge keeps the steps since it,
     mixing.received_weights) and the int8 values."""
     _, local = flat_views(params, torch.device("cpu"))
+    return local, _encode_int8_sliced(params, local, base, feedback)
+
+
+def snapshot_for_push(params: Mapping[str, Tensor]) -> dict[str, Tensor]:
+    """fp32 host copies of `params` in one buffer (as snapshot_and_encode_int8 makes them),
+    copied a slice at a time: all a deferred push (encode_int8_from_snapshot) takes of the
+    training thread."""
+    _, local = flat_views(params, torch.device("cpu"))
+    for n, p in params.items():
+        src, mine = p.detach().reshape(-1), local[n].view(-1)
+        for sl in compress.slices(p.numel()):
+            mine[sl].copy_(src[sl])
+    return local
+
+
+def encode_int8_from_snapshot(
+    local: Mapping[str, Tensor],
+    base: Mapping[str, Tensor],
+    feedback: compress.ErrorFeedback | None,
+) -> dict[str, Tensor]:
+    """Δ = base − `local` (snapshot_for_push's copies) encoded int8 in one sliced pass, error
+    feedback's residuals kept: the encoded half of snapshot_and_encode_int8, bit for bit, with
+    no copy. A host learner runs it on its syncer link's thread (FragmentState.encode_push's
+    deferred push), beside the inner steps."""
+    return _encode_int8_sliced(local, None, base, feedback)
+
+
+def _encode_int8_sliced(
+    params: Mapping[str, Tensor],
+    local: Mapping[str, Tensor] | None,
+    base: Mapping[str, Tensor],
+    feedback: compress.ErrorFeedback | None,
+) -> dict[str, Tensor]:
+    """The sliced pass of snapshot_and_encode_int8: each slice of `params` copied into `local`
+    (None: `params` are copies already, read as they are), Δ = base − it, quantised."""
     work = torch.empty(compress.SLICE)
     scaled = torch.empty(compress.SLICE)
     out: dict[str, Tensor] = {}
     for n, p in params.items():
         size = p.numel()
-        src, mine, ref = p.detach().reshape(-1), local[n].view(-1), base[n].reshape(-1)
+        src, ref = p.detach().reshape(-1), base[n].reshape(-1)
+        mine = local[n].view(-1) if local is not None else src
         carried = feedback.carried(n, p) if feedback is not None else None
         residual = torch.empty(size) if feedback is not None else None
         q = torch.empty(size, dtype=torch.int8)
@@ -163,7 +204,8 @@ def snapshot_and_encode_int8(
         for sl in compress.slices(size):
             m = sl.stop - sl.start
             nb = compress.num_blocks(m)
-            mine[sl].copy_(src[sl])
+            if local is not None:
+                mine[sl].copy_(src[sl])
             w = work[: nb * compress.BLOCK_SIZE]
             torch.sub(ref[sl], mine[sl], out=w[:m])  # Δ (pseudo_gradient's op)
             if carried is not None:
@@ -185,4 +227,4 @@ def snapshot_and_encode_int8(
         out[n + compress.SCALE_SUFFIX] = scales
         if feedback is not None and residual is not None:
             feedback.keep(n, residual.view(p.shape))
-    return local, out
+    return out

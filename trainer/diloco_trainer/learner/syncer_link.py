@@ -201,6 +201,7 @@ class SyncerLink:
         held: HeldFragment | None = None,
         within: bool = False,
         ready: Callable[[], None] | None = None,
+        prepare: Callable[[Mapping[str, Tensor]], None] | None = None,
     ) -> SyncResult:
         """Push a pseudo-gradient, then long-poll for the merge that contains it.
 
@@ -211,7 +212,10 @@ class SyncerLink:
 
         A refused push (409 too stale, 403 dropped, 400/413 malformed) is logged and the current
         fragment is returned instead; an island the syncer forgot (404) joins again first.
-        `ready`: the wait for `encoded`'s copies to the host (encode_for_wire), called first.
+        `ready`: the wait for `encoded`'s copies to the host (encode_for_wire), or a host
+        learner's deferred encoding, called first (in a worker thread). `prepare`: run (in a
+        worker thread) on the pulled fragment's host tensors before the result is handed back
+        (a host learner's receipt made ready: FragmentState.receipt_preparer).
         """
         start = time.monotonic()
         if ready is not None:
@@ -242,6 +246,8 @@ class SyncerLink:
         staged_at = time.monotonic()
         if self.stager is not None and on_device is None:
             on_device = await asyncio.to_thread(self.stager.stage, pulled.tensors)
+        if prepare is not None and on_device is None:
+            await asyncio.to_thread(prepare, pulled.tensors)
         staging = time.monotonic() - staged_at
         latency = None
         if push_seconds is not None and outcome == "merged":
