@@ -9,6 +9,7 @@ import argparse
 import base64
 import json
 import subprocess
+import sys
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -169,7 +170,9 @@ def test_export_job_without_a_running_syncer_says_so(capsys: pytest.CaptureFixtu
 def test_a_kubectl_that_does_not_answer_is_named(capsys: pytest.CaptureFixture[str]) -> None:
     # A real process that outlives the limit: the error names the call, no traceback.
     def slow(args: Sequence[str], stdin: bytes | None, timeout: float | None) -> Any:
-        return subprocess.run(["sleep", "5"], timeout=0.2, check=False)
+        return subprocess.run(
+            [sys.executable, "-c", "import time; time.sleep(5)"], timeout=0.2, check=False
+        )
 
     args = argparse.Namespace(job="j", namespace=None, output=None, wait="0s", dtype="float32")
     assert cp.export_job(args, slow) == 1
