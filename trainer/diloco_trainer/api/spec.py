@@ -78,6 +78,24 @@ MAX_STOP_TOKENS = 10**18
 DNS_PREFIX_PATTERN = r"^([a-z0-9]([-a-z0-9]*[a-z0-9])?)?$"
 
 
+class RegionSpec(SpecModel):
+    """Another cluster of a multi-region job, as the syncer's cluster sees it: its islands'
+    name prefix and how many islands it runs (its share of the other regions' records)."""
+
+    name_prefix: str = Field(
+        max_length=20,
+        pattern=DNS_PREFIX_PATTERN,
+        description="That cluster's islands.namePrefix (its islands are PREFIX-island-N).",
+    )
+    count: int = Field(
+        ge=1,
+        le=512,
+        description="Island records the syncer keeps for that cluster (its islands.count): at "
+        "most this many of its islands are known at once, and its region credential holds 2 "
+        "push slots per record.",
+    )
+
+
 class IslandsSpec(IslandPlacement, SpecModel):
     """The M islands of compute (what each one gets: IslandPlacement's lookups)."""
 
@@ -127,6 +145,40 @@ class IslandsSpec(IslandPlacement, SpecModel):
         "tolerations, affinity, ...).",
     )
     overrides: IslandOverrides = ISLAND_OVERRIDES
+    regions: list[RegionSpec] = Field(
+        default_factory=list,
+        max_length=64,
+        description="Multi-region, read by the syncer's cluster: the other clusters' island "
+        "counts by namePrefix, each one's quota of the totalShards - count records the other "
+        "regions share (at most that many in all; a region not listed is not admitted). "
+        "Empty: those records are split max-min fair among the regions that ask.",
+    )
+
+    @model_validator(mode="after")
+    def _regions(self) -> IslandsSpec:
+        if not self.regions:
+            return self
+        prefixes = [r.name_prefix for r in self.regions]
+        if self.name_prefix in prefixes:
+            raise ValueError(
+                f"islands.regions names this cluster's own prefix {self.name_prefix!r}: it "
+                "lists the other clusters only (their namePrefix)"
+            )
+        if len(set(prefixes)) != len(prefixes):
+            raise ValueError(f"islands.regions names a prefix twice: {prefixes}")
+        others = self.other_regions_records()
+        listed = sum(r.count for r in self.regions)
+        if listed > others:
+            raise ValueError(
+                f"islands.regions counts {listed} islands in all, more than the other regions "
+                f"have: totalShards - count = {others} (totalShards 0: shardOffset)"
+            )
+        return self
+
+    def other_regions_records(self) -> int:
+        """R: the island records of the other clusters of the job (total shards - count)."""
+        total = self.total_shards or (self.shard_offset + self.count)
+        return max(0, total - self.count)
 
 
 class StopAfterSpec(SpecModel):

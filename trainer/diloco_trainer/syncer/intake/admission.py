@@ -25,6 +25,14 @@ regions cannot fill the records and lock out a local island. When a side's recor
   (503). So one region's credential can hold all R only while no other region asks, and gives
   back down to an equal split when one does; a region of n_p islands keeps
   min(n_p, its equal share) however another region pushes, joins or leaves.
+
+  With islands.regions set (each other region's island count), the split is the spec's, not
+  max-min: region p keeps at most quota(p) records (a region not listed none: it is not
+  admitted, 503). A new island of p below its quota takes a free record, else (records left
+  over from an older spec) one of a region above its quota, a gone one first; at its quota it
+  takes only one of its own gone records (timed out, left, dropped by the admin route). So no
+  region's credential can take a record of another region's quota, and a region's push slots
+  (2 per record) follow its quota.
 The replicas an island's work counts for (replicas_for: islands.replicas, or
 syncer.guards.remoteIslandReplicas for another cluster's island) bound the tokens of its pushes
 (guards.py), whatever it declared when it joined.
@@ -78,6 +86,8 @@ class Admission:
     total: int  # islands of the whole job (all clusters)
     replicas: int  # islands.replicas, or more for an island with an override
     remote_replicas: int  # replicas of another cluster's island
+    # islands.regions: (prefix, island count) of each other region; empty: the max-min split
+    quotas: tuple[tuple[str, int], ...] = ()
 
     @classmethod
     def from_spec(cls, spec: JobSpec) -> Admission:
@@ -92,7 +102,15 @@ class Admission:
             total=max(total, islands.count),
             replicas=islands.max_replicas(),
             remote_replicas=remote_replicas or islands.replicas,
+            quotas=tuple((r.name_prefix, r.count) for r in islands.regions),
         )
+
+    def quota(self, prefix: str) -> int | None:
+        """The records region `prefix` (another cluster's) may hold by islands.regions (0 when
+        not listed); None without islands.regions (the max-min split)."""
+        if not self.quotas:
+            return None
+        return dict(self.quotas).get(prefix, 0)
 
     @property
     def multi_region(self) -> bool:
@@ -128,11 +146,33 @@ class Admission:
         """Whether `name` (not yet known) finds its side full, and the record it takes the
         place of then (None: no room; see the module's docstring)."""
         side = self.same_side(records, name)
-        if name in records or len(side) < self.cap_for(name):
+        if name in records:
+            return Room(full=False, replaces=None)
+        quota = None if self.is_own(name) else self.quota(region(name) or "")
+        if quota is not None:
+            return self._quota_room(side, region(name) or "", quota)
+        if len(side) < self.cap_for(name):
             return Room(full=False, replaces=None)
         if self.is_own(name):
             return Room(full=True, replaces=evictable(side))
         return Room(full=True, replaces=_remote_room(side, region(name) or ""))
+
+    def _quota_room(self, side: Mapping[str, IslandRecord], prefix: str, quota: int) -> Room:
+        """room_for with islands.regions: `prefix` below its quota takes a free record, else one
+        of a region above its quota; at its quota, only one of its own gone records."""
+        held = Counter(region(n) or "" for n in side)
+        if held[prefix] >= quota:
+            mine = [r for r in side.values() if region(r.name) == prefix and gone_remote(r)]
+            return Room(full=True, replaces=_longest_silent(mine))
+        if len(side) < self.total - self.count:
+            return Room(full=False, replaces=None)
+        over = [
+            r
+            for r in side.values()
+            if held[region(r.name) or ""] > (self.quota(region(r.name) or "") or 0)
+        ]
+        gone = [r for r in over if gone_remote(r)]
+        return Room(full=True, replaces=_longest_silent(gone or over))
 
     def refusal(self, name: str) -> Refused | None:
         """Why `name` may not join (403 not an island name of the job, 503 not admitted now),
@@ -151,6 +191,8 @@ class Admission:
             why = f"this job's islands are named {self._own(0)} .. {self._own(self.count - 1)}"
         elif index >= (self.count if own else self.total):
             why = f"the job has {self.count if own else self.total} islands here"
+        elif not own and self.quota(prefix) == 0:
+            why = f"islands.regions does not list region {prefix!r}"
         else:
             return None
         return Refused(
@@ -173,6 +215,11 @@ def evictable(records: Mapping[str, IslandRecord]) -> str | None:
     silent the longest among those that timed out or left (active and dropped ones stay)."""
     gone = [r for r in records.values() if r.state in (TIMED_OUT, LEFT)]
     return min(gone, key=lambda r: (r.last_seen, r.name)).name if gone else None
+
+
+def _longest_silent(records: list[IslandRecord]) -> str | None:
+    """The name of the record silent the longest (None for none)."""
+    return min(records, key=lambda r: (r.last_seen, r.name)).name if records else None
 
 
 def gone_remote(rec: IslandRecord) -> bool:
@@ -214,7 +261,8 @@ def admitted_records(
     admission: Admission, doc: Mapping[str, IslandStatus]
 ) -> tuple[dict[str, IslandStatus], list[str]]:
     """The island records of a checkpoint this job admits (names of the job, at most cap_for of
-    each side, the most recently seen first; other regions' split fairly among them), and the
+    each side, the most recently seen first; other regions' split fairly among them, or at most
+    each one's islands.regions count), and the
     names left out."""
     named = {n: d for n, d in doc.items() if NAME.match(n) and admission.refusal(n) is None}
     newest = sorted(named, key=lambda n: -named[n].last_seen)
@@ -226,6 +274,9 @@ def admitted_records(
     for n in newest:
         if not admission.is_own(n):
             prefix = region(n) or ""
+            quota = admission.quota(prefix)
+            if quota is not None and rank[prefix] >= quota:
+                continue  # islands.regions: a region's newest quota(p) only
             order[n] = (rank[prefix], -named[n].last_seen, n)
             rank[prefix] += 1
     other = sorted(order, key=order.__getitem__)[: admission.total - admission.count]

@@ -36,7 +36,7 @@ from diloco_trainer.api import protocol
 from diloco_trainer.api.protocol import PushMeta
 from diloco_trainer.api.spec import ConfigError, JobSpec, load_spec
 from diloco_trainer.syncer.errors import Refused
-from diloco_trainer.syncer.intake.admission import RETRY_AFTER, Admission
+from diloco_trainer.syncer.intake.admission import RETRY_AFTER, Admission, region
 from diloco_trainer.syncer.intake.guards import (
     ContributionGuard,
     ContributionRefused,
@@ -108,11 +108,24 @@ class Gate:
             if room.replaces is None:
                 side = self.admission.same_side(members.islands, island)
                 where = "here" if self.admission.is_own(island) else "in other regions"
+                prefix = region(island) or ""
+                quota = None if self.admission.is_own(island) else self.admission.quota(prefix)
+                if quota is not None:  # islands.regions: the region's own count is full
+                    held = self.admission.held_by(members.islands, prefix)
+                    why = (
+                        f"region {prefix!r} holds {held} island records, its islands.regions "
+                        f"count is {quota}, and none of them is gone (timed out, left, dropped "
+                        "by the admin)"
+                    )
+                else:
+                    why = (
+                        f"the syncer already knows {len(side)} islands {where}, as many as the "
+                        "job has there, and none it may replace (timed out, left, dropped by "
+                        "the admin, or another region's beyond an equal share)"
+                    )
                 refusal = Refused(
                     503,
-                    f"the syncer already knows {len(side)} islands {where}, as many as the job "
-                    "has there, and none it may replace (timed out, left, dropped by the "
-                    "admin, or another region's beyond an equal share)",
+                    why,
                     protocol.ERROR_NOT_ADMITTED,
                     retry_after=RETRY_AFTER,
                 )

@@ -267,7 +267,11 @@ class Syncer:
         `prefix` is the syncer's own)."""
         admission = self.gate.admission
         local = 0 if prefix == admission.prefix else admission.count
-        return admission.held_by(self.state.membership.islands, prefix), local
+        held = admission.held_by(self.state.membership.islands, prefix)
+        quota = None if prefix == admission.prefix else admission.quota(prefix)
+        # islands.regions: never more than its count's slots, even with records left over from
+        # an older spec that gave it more.
+        return (held if quota is None else min(held, quota)), local
 
     async def receive_push(
         self, fragment: int, body: bytes | bytearray, principal: Principal = ROOT
