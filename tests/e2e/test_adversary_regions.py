@@ -6,6 +6,9 @@ and island's own credential over real sockets.
   other regions' records are split fairly (admission.room_for): 'ap' gets one back at once,
   the admin's drop and a left record go to whoever asks, and 'eu' cannot take more back than an
   equal split.
+- islands.regions: with each region's count in the spec, a region of 1 cannot take a second
+  record while a region of 2 can, its credential holds 2 push slots per record, and an admin
+  drop frees a record for its own region only.
 - Push slots: a region's credential held all push slots but two (8 of 10) and the local islands'
   pushes got 503. Now it holds 2 x the island records it has, never the local islands' slots.
 - Direction: an island that knows an honest island's direction pushes against it (accepted:
@@ -175,3 +178,64 @@ def test_adversary_cannot_turn_the_direction_check_against_an_honest_island(
         assert set(doc["refusals"]) == {ADVERSARY}
     finally:
         handle.proc.stop(timeout=10)
+
+
+# islands.regions: two local islands of a job of five, the other regions' R = 3 records are
+# eu's 2 and ap's 1 by the spec; 'auto' push slots 2 x 5 + 2 = 12.
+QUOTA_SPEC = deep_merge(
+    REGIONS_SPEC,
+    {
+        "islands": {
+            "totalShards": 5,
+            "regions": [{"namePrefix": "eu", "count": 2}, {"namePrefix": "ap", "count": 1}],
+        }
+    },
+)
+
+
+@pytest.fixture
+def quotas(tmp_path: Path) -> Iterator[SyncerHandle]:
+    handle = start_syncer(tmp_path, QUOTA_SPEC, "adversary-region-quotas")
+    try:
+        yield handle
+    finally:
+        handle.proc.stop(timeout=10)
+
+
+def test_adversary_region_keeps_to_its_islands_regions_count(quotas: SyncerHandle) -> None:
+    eu = credentials.region_token(quotas.token, "eu")
+    ap = credentials.region_token(quotas.token, "ap")
+    xx = credentials.region_token(quotas.token, "xx")
+    admin = credentials.admin_token(quotas.token)
+    # ap (count 1) cannot take a second record although one is free; eu (count 2) can.
+    assert join(quotas, "ap-island-0", ap) == 200
+    assert join(quotas, "ap-island-1", ap) == 503
+    assert [join(quotas, f"eu-island-{i}", eu) for i in range(3)] == [200, 200, 503]
+    assert join(quotas, "xx-island-0", xx) == 503  # a region islands.regions does not list
+    assert remote_records(quotas) == ["ap-island-0", "eu-island-0", "eu-island-1"]
+    # ap's credential holds 2 push slots for its 1 record (it would get 12 - 2 x 2 = 8 with
+    # all of R): the third is refused before its body is read.
+    held: list[socket.socket | BinaryIO] = []
+    try:
+        for i in range(3):
+            sock, reader = start_push(quotas, ap)
+            held += [reader, sock]
+            if i < 2:
+                sock.sendall(b"\0")  # its slot stays taken
+            else:
+                answer = read_head(reader)
+                assert answer.startswith(b"HTTP/1.1 503"), answer
+    finally:
+        for sock in held:
+            sock.close()
+    # The admin's drop frees ap's record for ap, never for eu (at its count).
+    code, doc = quotas.request(
+        "PUT",
+        "/v1/islands/ap-island-0",
+        json_body={"state": "dropped", "reason": "squat"},
+        token=admin,
+    )
+    assert code == 200, doc
+    assert join(quotas, "eu-island-2", eu) == 503
+    assert join(quotas, "ap-island-1", ap) == 200
+    assert remote_records(quotas) == ["ap-island-1", "eu-island-0", "eu-island-1"]

@@ -79,8 +79,7 @@ DNS_PREFIX_PATTERN = r"^([a-z0-9]([-a-z0-9]*[a-z0-9])?)?$"
 
 
 class RegionSpec(SpecModel):
-    """Another cluster of a multi-region job, as the syncer's cluster sees it: its islands'
-    name prefix and how many islands it runs (its share of the other regions' records)."""
+    """Another cluster of a multi-region job: its islands' name prefix and island count."""
 
     name_prefix: str = Field(
         max_length=20,
