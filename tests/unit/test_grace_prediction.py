@@ -3,6 +3,7 @@ progress report (step, step time) predicts when it reaches the fragment's sync p
 
 from __future__ import annotations
 
+from diloco_trainer.core.island_rounds import IslandRound
 from diloco_trainer.syncer.state.rounds import Contribution, RoundPolicy, SyncState
 
 H = 20
@@ -138,3 +139,33 @@ def test_grace_prediction_knows_a_merged_push_from_one_in_flight() -> None:
     state.take_round(0, 9.5)
     quorum_of_two_at(state, 10.0)  # the next round's quorum, without island-2
     assert state.merge_due(0, 10.0)  # H more steps at 1 s/step: far beyond the 5 s window
+
+
+def test_grace_prediction_counts_in_the_islands_own_round() -> None:
+    """inner.stepsPerIsland: island-2 runs rounds of H_i = 6 (round_sizes.py), and its
+    learner's positions count in its own round: fragment 0 is due after step 12. At step 8 and
+    1 s/step, reported at t = 10: 4 steps, at 14 s, before the window closes at 15 s: wait.
+    Counted in the job's H = 20 it would be 12 steps, at 22 s, beyond it: no wait."""
+    state = make_state()
+    state.membership.islands["island-2"].round = IslandRound(6)
+    state.membership.heartbeat("island-2", 10.0, step=8, step_time=1.0)
+    quorum_of_two_at(state, 10.0)
+    assert not state.merge_due(0, 10.0)  # expected at 14 s
+    assert state.merge_due(0, 15.0)
+
+    state = make_state()  # the same island on the job's H: 12 steps of 1 s, beyond the window
+    state.membership.heartbeat("island-2", 10.0, step=8, step_time=1.0)
+    quorum_of_two_at(state, 10.0)
+    assert state.merge_due(0, 10.0)
+
+
+def test_grace_prediction_uses_the_offsets_of_the_islands_round() -> None:
+    """Two fragments: the job's offsets are 0 and 10 (H = 20); an island on H_i = 8 syncs
+    fragment 1 at positions with p % 8 == 4 (fragment_offsets(8, 2) = [0, 4]). At step 2 and
+    2 s/step: fragment 1 is 2 steps = 4 s away (inside the 5 s window: wait); on the job's
+    offsets it would be 8 steps = 16 s away (no wait)."""
+    state = make_state(fragments=2)
+    state.membership.islands["island-2"].round = IslandRound(8)
+    state.membership.heartbeat("island-2", 10.0, step=2, step_time=2.0)
+    quorum_of_two_at(state, 10.0, fragment=1)
+    assert not state.merge_due(1, 10.0)

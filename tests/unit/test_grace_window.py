@@ -3,7 +3,12 @@
 from __future__ import annotations
 
 import pytest
-from diloco_trainer.core.grace import expected_push_time, grace_window, net_sync_time
+from diloco_trainer.core.grace import (
+    expected_push_time,
+    grace_window,
+    in_flight_seconds,
+    net_sync_time,
+)
 
 
 def window(**kw: float) -> float:
@@ -119,3 +124,33 @@ def test_auto_grace_of_a_decoupled_job_is_sized_from_h_steps() -> None:
         assert window(
             step_time=0.05, overlap_steps=tau, sync_net=0.1, gamma=gamma
         ) == pytest.approx(expected)
+
+
+def test_in_flight_seconds_per_island_round() -> None:
+    """τ·t_step island by island (inner.stepsPerIsland), the median of τ_i·t_i."""
+    # K < M, τ = 5: islands at 0.1 s on H = 20 and one at 0.3 s on H_i = 6: spans 20·0.1 = 2 s
+    # (x3) and 6·0.3 = 1.8 s; the median (of 1.8, 2, 2, 2) is 2 s. τ = H = 20 of the median
+    # step time (0.1) gives the same here, but with two slow islands of four: spans 1.8, 1.8, 2,
+    # 2 -> 1.9 s, where 20 x the median step time (0.2) would claim 4 s.
+    rounds = [(20, 0.1), (20, 0.1), (20, 0.1), (6, 0.3)]
+    assert in_flight_seconds(learners_block=False, overlap_steps=5, rounds=rounds) == pytest.approx(
+        2.0
+    )
+    two_slow = [(20, 0.1), (20, 0.1), (6, 0.3), (6, 0.3)]
+    assert in_flight_seconds(
+        learners_block=False, overlap_steps=5, rounds=two_slow
+    ) == pytest.approx(1.9)
+    # Blocking learners: τ = the overlap, 5 steps each: 0.5, 0.5, 1.5, 1.5 -> 1.0 s (5 x 0.2).
+    assert in_flight_seconds(
+        learners_block=True, overlap_steps=5, rounds=two_slow
+    ) == pytest.approx(1.0)
+    # An island's τ is never below the overlap: H_i = 3 < τ = 5 -> 5 steps of 0.3 = 1.5 s.
+    assert in_flight_seconds(
+        learners_block=False, overlap_steps=5, rounds=[(3, 0.3)]
+    ) == pytest.approx(1.5)
+    assert in_flight_seconds(learners_block=False, overlap_steps=5, rounds=[]) is None
+
+
+def test_grace_window_takes_the_per_island_span() -> None:
+    # span 1.9 s − (0.1 + 0.3) = 1.5 s of slack, all of it (γ = 1): 1.5 s, whatever τ·t_step.
+    assert window(in_flight=1.9, quorum_wait=0.1, sync_net=0.3, gamma=1.0) == pytest.approx(1.5)

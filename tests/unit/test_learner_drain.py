@@ -62,3 +62,30 @@ def test_drain_trigger_at_the_syncers_stop_target() -> None:
     assert not trigger.due(11, tokens=5_500, stop_at=6_000)
     assert trigger.due(12, tokens=6_000, stop_at=6_000)
     assert not trigger.due(13, tokens=6_500, stop_at=6_000)
+
+
+def rounds_spec(inner: dict[str, Any], overrides: list[dict[str, Any]], **stop: Any) -> Any:
+    return parse_spec(
+        {
+            "model": {"preset": "gpt-tiny"},
+            "islands": {"count": 4, "overrides": overrides},
+            "inner": {"steps": 30, "batchSize": 8, "seqLen": 64, **inner},
+            "sync": {"quorum": 4},
+            "stopAfter": stop,
+        }
+    )
+
+
+def test_drain_no_token_share_when_rounds_may_differ() -> None:
+    """inner.stepsPerIsland auto (or a pinned H_i other than H): 1/M of the token budget each
+    assumed rounds of H, so the syncer's stop target ends the island's part instead."""
+    auto = {"stepsPerIsland": "auto"}
+    assert share_steps(rounds_spec(auto, [], tokens=1_228_800), tokens_per_step=512) is None
+    # stopAfter.outerSteps is counted in rounds (round_work), exact whatever H_i: 20 x 30.
+    both = rounds_spec(auto, [], outerSteps=20, tokens=10**9)
+    assert share_steps(both, tokens_per_step=512) == 600
+    pinned = [{"islands": [3], "innerSteps": 10}]
+    assert share_steps(rounds_spec({}, pinned, tokens=1_228_800), tokens_per_step=512) is None
+    # a pin equal to H changes nothing: 1,228,800 / (4 x 512) = 600 steps each
+    same = [{"islands": [3], "innerSteps": 30}]
+    assert share_steps(rounds_spec({}, same, tokens=1_228_800), tokens_per_step=512) == 600

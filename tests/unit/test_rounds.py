@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 from diloco_trainer.api.protocol import DROPPED_FOR_REFUSALS
+from diloco_trainer.core.island_rounds import IslandRound
 from diloco_trainer.syncer.errors import Refused
 from diloco_trainer.syncer.state.rounds import (
     ACTIVE,
@@ -534,3 +535,26 @@ def test_rounds_all_drained_leaves_dropped_islands_out_but_needs_one_active() ->
     assert state.all_drained()  # the dropped island's share is not coming
     state.membership.set_state("island-0", DROPPED, "gone too", 3.0)
     assert not state.all_drained()  # nobody active: nothing was done, nothing finishes
+
+
+def test_rounds_auto_grace_of_a_decoupled_job_counts_each_islands_round() -> None:
+    """inner.stepsPerIsland: τ·t_step is each island's H_i x its own step time (the median).
+    Islands at 0.5 s on H = 20 and at 1.5 s on H_i = 6: spans 10 s and 9 s, median 9.5 s, all of
+    it (γ = 1). On the job's H it was 20 x median(0.5, 1.5) = 20 s."""
+    policy = RoundPolicy(
+        quorum=1,
+        max_staleness=2,
+        heartbeat_timeout=30.0,
+        grace_seconds=None,
+        overlap_steps=5,
+        inner_steps=20,
+        offsets=(0,),
+        learners_block=False,
+    )
+    state = SyncState(policy, 1)
+    for i in range(2):
+        state.membership.join(f"island-{i}", 1, now=0.0)
+    state.membership.islands["island-1"].round = IslandRound(6)
+    push(state, "island-0", 0.0, step_time=0.5)
+    push(state, "island-1", 0.0, step_time=1.5)
+    assert state.grace() == pytest.approx(9.5)

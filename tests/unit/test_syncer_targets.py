@@ -15,6 +15,7 @@ from diloco_trainer.syncer.state.targets import (
     Pace,
     budget_tokens,
     horizon_seconds,
+    lock_step_weights,
     merged_elsewhere,
     pace_of,
     stop_targets,
@@ -110,3 +111,28 @@ def test_targets_shards_answers_keep_the_lowest_target() -> None:
     assert merge_heartbeat(answers).stop_at == 800
     answers[1] = answers[1].model_copy(update={"stop_at": None})
     assert merge_heartbeat(answers).stop_at == 900
+
+
+def test_targets_at_k_equal_m_split_by_tokens_per_round() -> None:
+    """K = M, inner.stepsPerIsland: H = 20, 512 tokens a step, island d on H_i = 6. Tokens per
+    round: a, b, c 20 x 512 = 10,240, d 6 x 512 = 3,072; 33,792 a round in all."""
+    weights = lock_step_weights({"a": 20, "b": 20, "c": 20, "d": 6}, dict.fromkeys("abcd", 512))
+    assert weights == {"a": 10_240.0, "b": 10_240.0, "c": 10_240.0, "d": 3_072.0}
+    # After 10 rounds: a, b, c at 102,400, d at 30,720; 337,920 done. A budget of 422,400
+    # leaves 84,480 = 2.5 rounds: a, b, c 102,400 + 25,600 = 128,000 (250 steps), d 30,720 +
+    # 7,680 = 38,400 (75 steps); together the budget exactly. The measured paces (equal here,
+    # as noise could make them) decide only when; by them d would get a quarter of 84,480.
+    paces = {n: Pace(0.0, 102_400, 50.0, 1000.0) for n in "abc"}
+    paces["d"] = Pace(0.0, 30_720, 50.0, 1000.0)
+    targets = stop_targets(
+        paces,
+        done_elsewhere=0.0,
+        budget=422_400,
+        step_tokens=dict.fromkeys("abcd", 512),
+        now=50.0,
+        horizon=600.0,
+        weights=weights,
+    )
+    assert targets == {"a": 128_000, "b": 128_000, "c": 128_000, "d": 38_400}
+    # The old share, 1/M each counted in rounds of H: 422,400 / (4 x 512) = 206 steps of H,
+    # 10.3 rounds for every island, 10.3 x 33,792 = 348,058 merged: 74,342 short.

@@ -10,7 +10,10 @@ it. With τ = overlap there (5 steps of 47 ms in bench/decoupled_quality) the wi
 step, while identical islands time-sharing two cores pushed 0.3-0.8 s apart: every merge at K = 1
 was one or two islands', never the round (1.07x K=M's loss). What goes in:
 
-- t_step: the learners' median inner-step time (they report it);
+- t_step: the learners' median inner-step time (they report it); with per-island rounds
+  (inner.stepsPerIsland) τ·t_step is taken island by island, τ_i·t_i, and its median used
+  (in_flight_seconds): at K < M τ_i = H_i, so a slow island's short round counts as the wall
+  time it takes, not as H of the median step time;
 - t_quorum: the syncer's own measure, from a round's first push to its quorum;
 - t_sync: the NET sync time, transfers plus the merge, never the wait: the learners' reported
   sync time (push sent to merged fragment received) minus what the syncer held that push
@@ -80,6 +83,29 @@ def in_flight_steps(*, learners_block: bool, overlap_steps: int, inner_steps: in
     return max(overlap_steps, inner_steps)
 
 
+def in_flight_seconds(
+    *, learners_block: bool, overlap_steps: int, rounds: Sequence[tuple[int, float]]
+) -> float | None:
+    """τ·t_step in seconds with each island's own round (inner.stepsPerIsland): the median over
+    the islands of in_flight_steps(H_i) x t_i, for `rounds` of (H_i, t_i) with t_i > 0; None
+    with none.
+
+    With every H_i = H it is τ x the median step time, as before. With per-island rounds a
+    decoupled job's slow island is in flight for its own H_i steps of its own t_i (about
+    H x t_ref, the same wall time as the others' rounds): τ = H times the median step time
+    would overstate it for a job whose islands are mostly slow, by t_median / t_ref."""
+    spans = sorted(
+        in_flight_steps(learners_block=learners_block, overlap_steps=overlap_steps, inner_steps=h)
+        * t
+        for h, t in rounds
+        if t > 0 and math.isfinite(t)
+    )
+    if not spans:
+        return None
+    middle = len(spans) // 2
+    return spans[middle] if len(spans) % 2 else (spans[middle - 1] + spans[middle]) / 2
+
+
 def share_of_slack(*, learners_block: bool) -> float:
     """γ, the share of the slack the auto window may use: ½ when learners block for their merge,
     all of it when they do not.
@@ -113,9 +139,12 @@ def grace_window(
     cap: float,
     default: float,
     gamma: float = GAMMA,
+    in_flight: float | None = None,
 ) -> float:
     """min(cap, max(step_time, γ·max(0, τ·t_step − (t_quorum + t_sync_net)))); see the module
-    docstring. `default` (capped) when no step time is known."""
+    docstring. `default` (capped) when no step time is known. `in_flight`, when given, is
+    τ·t_step in seconds measured per island (in_flight_seconds) and stands in for
+    overlap_steps x step_time."""
     for name, value in (("quorum_wait", quorum_wait), ("sync_net", sync_net), ("cap", cap)):
         if not (math.isfinite(value) and value >= 0.0):
             raise ValueError(f"{name} must be finite and >= 0, got {value}")
@@ -123,7 +152,8 @@ def grace_window(
         raise ValueError(f"overlap steps must be >= 0, got {overlap_steps}")
     if not step_time or step_time <= 0.0:
         return min(default, cap)
-    slack = overlap_steps * step_time - (quorum_wait + sync_net)
+    span = overlap_steps * step_time if in_flight is None else in_flight
+    slack = span - (quorum_wait + sync_net)
     return min(cap, max(step_time, gamma * max(slack, 0.0)))
 
 

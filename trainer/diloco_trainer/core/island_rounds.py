@@ -150,6 +150,13 @@ class RoundLimits:
             pinned=pinned,
         )
 
+    @property
+    def varies(self) -> bool:
+        """Whether islands may run rounds of different lengths (stepsPerIsland auto, or an
+        override pinning an H_i other than H): the K = M drain's shares then come from the
+        syncer (syncer/state/targets.py), which knows every island's H_i."""
+        return self.auto or any(h != self.inner_steps for h in self.pinned.values())
+
     def fixed_steps(self, index: int | None) -> int | None:
         """H_i when the spec fixes it (a pin, or stepsPerIsland fixed); None when measured."""
         if index is not None and index in self.pinned:

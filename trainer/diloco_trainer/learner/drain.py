@@ -37,6 +37,7 @@ import time
 from torch import Tensor
 
 from diloco_trainer.api.spec import JobSpec
+from diloco_trainer.core.island_rounds import RoundLimits
 from diloco_trainer.learner.fragment_sync import FragmentSync
 from diloco_trainer.learner.step_plan import wait_budget
 
@@ -49,7 +50,10 @@ Weights = dict[str, Tensor]
 def share_steps(spec: JobSpec, *, tokens_per_step: int) -> int | None:
     """Inner steps one island trains before it drains: stopAfter.outerSteps x H, or
     stopAfter.tokens / (M x the island's tokens per step) rounded down (at least 1), the fewer;
-    None when islands keep no share (K < M, or no stopAfter). Rounded down, the islands stay
+    None when islands keep no share (K < M, or no stopAfter). With rounds of different lengths
+    (RoundLimits.varies) no token share: the syncer's stop target ends the island's part.
+    Counted in rounds of H (the loop's round_work), the outer-step share is exact whatever the
+    H_i. Rounded down, the islands stay
     within the budget: no merge reaches it before every island's last push is in, and the job
     ends once all have drained (syncer/targets.drained_at_budget)."""
     islands = max(spec.islands.count, spec.total_shards())
@@ -59,7 +63,10 @@ def share_steps(spec: JobSpec, *, tokens_per_step: int) -> int | None:
     shares = []
     if stop.outer_steps is not None:
         shares.append(stop.outer_steps * spec.inner.steps)
-    if stop.tokens is not None:
+    # Rounds of different lengths (inner.stepsPerIsland): 1/M of the budget each would assume
+    # rounds of H; the syncer, which knows every island's H_i, sends each its stop target
+    # instead (syncer/state/targets.py, split by tokens per round).
+    if stop.tokens is not None and not RoundLimits.from_spec(spec).varies:
         shares.append(max(1, stop.tokens // (islands * max(1, tokens_per_step))))
     return min(shares, default=None)
 

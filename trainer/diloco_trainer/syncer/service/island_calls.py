@@ -13,6 +13,7 @@ from typing import Any
 
 from diloco_trainer.api.documents import HeartbeatAnswer, JoinInfo, MembershipAnswer
 from diloco_trainer.api.spec import JobSpec
+from diloco_trainer.core.island_rounds import RoundLimits
 from diloco_trainer.syncer.intake import Gate, at_most, step_time_limit
 from diloco_trainer.syncer.merging import GlobalModel
 from diloco_trainer.syncer.service.control import Control
@@ -21,6 +22,7 @@ from diloco_trainer.syncer.state import (
     SyncState,
     budget_tokens,
     horizon_seconds,
+    lock_step_weights,
     merged_elsewhere,
     pace_of,
     stop_targets,
@@ -49,9 +51,12 @@ class IslandCalls:
         self.codec = codec
         self.spec = spec
         # K < M: each island's stop target once the budget is near (targets.py); K = M islands
-        # keep their own share (learner/drain.py).
+        # keep their own share (learner/drain.py) unless their rounds may differ
+        # (inner.stepsPerIsland): then targets too, split by tokens per round.
         islands = max(spec.islands.count, spec.total_shards())
-        self.budget = budget_tokens(spec) if spec.sync.quorum < islands else None
+        self.lock_step = spec.sync.quorum >= islands
+        varies = RoundLimits.from_spec(spec).varies
+        self.budget = budget_tokens(spec) if not self.lock_step or varies else None
         self.targets: dict[str, int] = {}
         # The longest step time a heartbeat may claim (validation.step_time_limit).
         self.max_step_time = step_time_limit(spec.sync.heartbeat_timeout_seconds)
@@ -125,13 +130,19 @@ class IslandCalls:
         paces = {r.name: pace_of(r) for r in active}
         if not active or None in paces.values():
             return  # an island whose pace is not known yet would be left without a target
+        step_tokens = {r.name: self.spec.inner.tokens_per_step * r.replicas for r in active}
+        weights = None
+        if self.lock_step:
+            rounds = {r.name: self.gate.rounds.steps_of(r, r.name) for r in active}
+            weights = lock_step_weights(rounds, step_tokens)
         targets = stop_targets(
             {n: p for n, p in paces.items() if p is not None},
             done_elsewhere=merged_elsewhere(members.islands.values(), members.active()),
             budget=self.budget,
-            step_tokens={r.name: self.spec.inner.tokens_per_step * r.replicas for r in active},
+            step_tokens=step_tokens,
             now=self.control.clock(),
             horizon=horizon_seconds(self.spec.sync.heartbeat_timeout_seconds),
+            weights=weights,
         )
         if targets is not None:
             self.targets = targets

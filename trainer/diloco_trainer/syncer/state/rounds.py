@@ -47,6 +47,7 @@ from dataclasses import dataclass
 from diloco_trainer.api.documents import IslandStatus, PushAnswer
 from diloco_trainer.api.manifest import SavedAnswer
 from diloco_trainer.core import grace as window_rules
+from diloco_trainer.core.fragments import fragment_offsets
 from diloco_trainer.syncer.errors import Refused
 from diloco_trainer.syncer.state.clocks import WorkClocks
 from diloco_trainer.syncer.state.membership import Membership
@@ -175,6 +176,12 @@ class SyncState:
             return self.policy.grace_seconds
         active = self.membership.active_records()
         transfer = _median([r.transfer_time for r in active if r.transfer_time is not None])
+        # τ·t_step island by island: each in flight for its own H_i steps of its own step time
+        in_flight = window_rules.in_flight_seconds(
+            learners_block=self.policy.learners_block,
+            overlap_steps=self.policy.overlap_steps,
+            rounds=[(self._round_steps(r), r.step_time) for r in active if r.step_time],
+        )
         return window_rules.grace_window(
             step_time=_median([r.step_time for r in active if r.step_time]),
             overlap_steps=window_rules.in_flight_steps(
@@ -182,6 +189,7 @@ class SyncState:
                 overlap_steps=self.policy.overlap_steps,
                 inner_steps=self.policy.inner_steps,
             ),
+            in_flight=in_flight,
             quorum_wait=_median(list(self._quorum_waits)) or 0.0,
             sync_net=(transfer or 0.0) + (_median(list(self._merge_seconds)) or 0.0),
             cap=self.policy.heartbeat_timeout,
@@ -369,9 +377,14 @@ class SyncState:
         """
         if rec.reported_step is None or rec.reported_at is None or not rec.step_time:
             return None
+        steps = self._round_steps(rec)
+        offsets = self.policy.offsets
+        if steps != self.policy.inner_steps and offsets:
+            # its learner's schedule in its own round (learner/fragment_sync._adopt_round)
+            offsets = tuple(fragment_offsets(steps, len(offsets)))
         return window_rules.expected_push_time(
-            inner_steps=self.policy.inner_steps,
-            offsets=self.policy.offsets,
+            inner_steps=steps,
+            offsets=offsets,
             fragment=fragment,
             reported_step=rec.reported_step,
             reported_at=rec.reported_at,
@@ -379,6 +392,15 @@ class SyncState:
             pushed_since_report=rec.last_push is not None and rec.last_push >= rec.reported_at,
             now=now,
         )
+
+    def _round_steps(self, rec: IslandRecord) -> int:
+        """The island's H_i as the syncer named it last (round_sizes.py), else the job's H.
+        Without a schedule (policy.inner_steps 0: prediction off) 0. Right after a change its
+        learner may still run the previous H_i to its round boundary: a wrong guess there only
+        moves its work to the next round (expected_push)."""
+        if self.policy.inner_steps < 1 or rec.round is None:
+            return self.policy.inner_steps
+        return rec.round.steps
 
     def due_fragments(self, now: float) -> list[int]:
         """Fragments whose rounds should merge now."""

@@ -1,8 +1,14 @@
-"""Stop targets at K < M: how many tokens each island processes before it drains, so that the
-islands together process stopAfter and every token of it is merged (learner/drain.py).
+"""Stop targets at K < M (and at K = M with per-island rounds): how many tokens each island
+processes before it drains, so that the islands together process stopAfter and every token of
+it is merged (learner/drain.py).
 
 At K = M the islands run in lock step and each trains its share, 1/M of the budget, on its own
-(drain.share_steps). At K < M they run at their own pace: an equal share would idle the fast
+(drain.share_steps), when every island's round is H. When rounds may differ
+(inner.stepsPerIsland auto, or an override's innerSteps) 1/M each would leave the job short of
+the budget at the drain: there the syncer sets targets at K = M too, splitting what is left by
+each island's tokens per round, H_i x its tokens per step (lock_step_weights).
+
+At K < M they run at their own pace: an equal share would idle the fast
 islands behind a straggler, and without a stop the job ends at the first merge that reaches the
 budget, the work each island did after its last merged push lost (up to half a round plus τ
 steps an island). So the syncer, which hears every island's count of processed tokens in its
@@ -87,6 +93,7 @@ def stop_targets(
     step_tokens: dict[str, int],
     now: float,
     horizon: float,
+    weights: dict[str, float] | None = None,
 ) -> dict[str, int] | None:
     """Each island's target in its learner's count, or None while the islands are more than
     `horizon` seconds from the budget at their pace.
@@ -97,6 +104,9 @@ def stop_targets(
     island (`step_tokens`): together they stay within the budget, so no merge reaches it before
     every island's last push is in (the job then ends once all have drained). An island already
     past the budget's split gets its projected count: it drains at once.
+
+    `weights` (K = M, lock_step_weights): split what is left in these proportions instead of
+    the rates; when is still judged by the rates.
     """
     rate = sum(p.rate for p in paces.values())
     if not paces or rate <= 0:
@@ -106,12 +116,26 @@ def stop_targets(
     left = budget - done
     if left > horizon * rate:
         return None
+    shares = {n: p.rate for n, p in paces.items()} if weights is None else weights
+    total = sum(shares[n] for n in paces)
+    if total <= 0:
+        return None
     targets = {}
-    for n, p in paces.items():
-        count = projected[n] + max(0.0, left) * p.rate / rate
+    for n in paces:
+        count = projected[n] + max(0.0, left) * shares[n] / total
         step = max(1, step_tokens[n])
         targets[n] = step * math.floor(count / step + ROUNDING)
     return targets
+
+
+def lock_step_weights(round_steps: dict[str, int], step_tokens: dict[str, int]) -> dict[str, float]:
+    """K = M with rounds of different lengths (inner.stepsPerIsland): each island's tokens per
+    round, H_i x its tokens per step. Every merge there needs every island, so the islands run
+    the same number of rounds, and what is left of the budget takes each island
+    left x H_i·b_i / Σ_j H_j·b_j tokens: all of them reach their targets in the same round.
+    (A split by measured pace is the same in expectation, but noisy; 1/M each assumed rounds of
+    H and left a job whose slow islands run shorter rounds short of the budget at the drain.)"""
+    return {n: float(max(1, round_steps[n]) * max(1, step_tokens[n])) for n in round_steps}
 
 
 def merged_elsewhere(records: Iterable[IslandRecord], active: set[str]) -> float:
