@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import base64
 import json
+import os
 import subprocess
 import sys
 from collections.abc import Sequence
@@ -168,11 +169,20 @@ def test_export_job_without_a_running_syncer_says_so(capsys: pytest.CaptureFixtu
 
 
 def test_a_kubectl_that_does_not_answer_is_named(capsys: pytest.CaptureFixture[str]) -> None:
-    # A real process that outlives the limit: the error names the call, no traceback.
+    # A real process that never answers (it reads a pipe whose writing end this test holds
+    # open) is killed at the limit: the error names the call, no traceback.
     def slow(args: Sequence[str], stdin: bytes | None, timeout: float | None) -> Any:
-        return subprocess.run(
-            [sys.executable, "-c", "import time; time.sleep(5)"], timeout=0.2, check=False
-        )
+        read_end, write_end = os.pipe()
+        try:
+            return subprocess.run(
+                [sys.executable, "-c", "import sys; sys.stdin.read()"],
+                stdin=read_end,
+                timeout=0.2,
+                check=False,
+            )
+        finally:
+            os.close(read_end)
+            os.close(write_end)
 
     args = argparse.Namespace(job="j", namespace=None, output=None, wait="0s", dtype="float32")
     assert cp.export_job(args, slow) == 1
