@@ -28,7 +28,6 @@ import json
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Protocol
 
 import safetensors
 import safetensors.torch
@@ -39,9 +38,11 @@ from diloco_trainer.api.spec import ConfigError, JobSpec, load_spec, parse_spec
 from diloco_trainer.export import ExportError, find_spec, from_checkpoint, run_folder_state_dir
 from diloco_trainer.models.model import GPT, build_model
 from diloco_trainer.models.sources import DOC_SEPARATOR
-
-if TYPE_CHECKING:
-    import tokenizers
+from diloco_trainer.models.tokenizer import (
+    ByteTokenizer,
+    SubwordTokenizer,
+    load_tokenizer_file,
+)
 
 EXPORT_SUFFIX = ".safetensors"
 TOKENIZER_SUFFIX = ".tokenizer.json"  # what `diloco export --config` writes beside MODEL
@@ -50,44 +51,6 @@ TOKENIZER_SUFFIX = ".tokenizer.json"  # what `diloco export --config` writes bes
 class SampleError(ValueError):
     """The source cannot be sampled (missing weights, a user model, a lost tokenizer); the
     message names what and how to fix it. Exit 2: the input is the problem."""
-
-
-class TextCodec(Protocol):
-    """Text to token ids and back."""
-
-    def encode(self, text: str) -> list[int]: ...
-
-    def decode(self, ids: list[int]) -> str: ...
-
-
-class ByteCodec:
-    """The default tokenizer: one token per UTF-8 byte."""
-
-    def encode(self, text: str) -> list[int]:
-        return list(text.encode())
-
-    def decode(self, ids: list[int]) -> str:
-        # A draw may cut a multi-byte character: shown as U+FFFD, not an error.
-        return bytes(ids).decode("utf-8", errors="replace")
-
-
-class SubwordCodec:
-    """A `tokenizers.Tokenizer` (the job's data.tokenizer)."""
-
-    def __init__(self, tok: tokenizers.Tokenizer) -> None:
-        self.tok = tok
-
-    @classmethod
-    def from_file(cls, path: Path) -> SubwordCodec:
-        from diloco_trainer.models.tokenizer import load_tokenizer_file
-
-        return cls(load_tokenizer_file(str(path)).tok)
-
-    def encode(self, text: str) -> list[int]:
-        return list(self.tok.encode(text, add_special_tokens=False).ids)
-
-    def decode(self, ids: list[int]) -> str:
-        return str(self.tok.decode(ids))
 
 
 @dataclass
@@ -159,13 +122,13 @@ def load_source(source: Path) -> SampleSource:
     return _from_checkpoints(source)
 
 
-def codec_for(loaded: SampleSource) -> TextCodec:
+def codec_for(loaded: SampleSource) -> ByteTokenizer | SubwordTokenizer:
     """The job's tokenizer (module docstring: where a subword one is found)."""
     tok = loaded.spec.data.tokenizer
     if tok.type == "bytes":
-        return ByteCodec()
+        return ByteTokenizer()
     if loaded.tokenizer_file is not None:
-        return SubwordCodec.from_file(loaded.tokenizer_file)
+        return load_tokenizer_file(str(loaded.tokenizer_file))
     if tok.type == "file":
         assert tok.path is not None  # the spec validates this
         if not Path(tok.path).is_file():
@@ -173,10 +136,9 @@ def codec_for(loaded: SampleSource) -> TextCodec:
                 f"data.tokenizer.path: {tok.path} is not readable here; export with --config "
                 "JOB to write MODEL.tokenizer.json beside the weights"
             )
-        return SubwordCodec.from_file(Path(tok.path))
+        return load_tokenizer_file(tok.path)
     # A BPE trained on the corpus: trained again on it, exactly as the job's processes did.
     from diloco_trainer.models.data import corpus_for
-    from diloco_trainer.models.tokenizer import SubwordTokenizer
 
     try:
         trained = corpus_for(loaded.spec.data).tokenizer
@@ -186,7 +148,7 @@ def codec_for(loaded: SampleSource) -> TextCodec:
             "export with --config JOB where it can, to write MODEL.tokenizer.json"
         ) from None
     assert isinstance(trained, SubwordTokenizer)
-    return SubwordCodec(trained.tok)
+    return trained
 
 
 def build_sampler_model(loaded: SampleSource, device: str = "cpu") -> GPT:
@@ -278,7 +240,7 @@ def main(args: argparse.Namespace) -> int:
         codec = codec_for(loaded)
         # Default prompt: the start of a document (the separator the corpus puts between them).
         prompt_text = args.prompt if args.prompt is not None else DOC_SEPARATOR.decode()
-        prompt = codec.encode(prompt_text)
+        prompt = codec.encode_text(prompt_text)
         new = generate(
             model,
             prompt,

@@ -52,6 +52,15 @@ class ByteTokenizer:
         joined = DOC_SEPARATOR.join(docs)
         return torch.frombuffer(bytearray(joined), dtype=torch.uint8)
 
+    def encode_text(self, text: str) -> list[int]:
+        """Token ids of one text (for a prompt: `diloco sample`)."""
+        return list(text.encode())
+
+    def decode(self, ids: Sequence[int]) -> str:
+        """Text of token ids (for people reading samples); a draw may cut a multi-byte
+        character: shown as U+FFFD, not an error."""
+        return bytes(ids).decode("utf-8", errors="replace")
+
     def describe(self) -> str:
         return "bytes (256 tokens)"
 
@@ -89,9 +98,13 @@ class SubwordTokenizer:
 
         return torch.from_numpy(flat)
 
+    def encode_text(self, text: str) -> list[int]:
+        """Token ids of one text (for a prompt: `diloco sample`)."""
+        return self._encode([text])[0]
+
     def decode(self, ids: Sequence[int]) -> str:
         """Text of token ids (for people reading samples)."""
-        return self.tok.decode(list(ids))
+        return str(self.tok.decode(list(ids)))
 
     def save(self, path: str | Path) -> None:
         """Write the tokenizer as tokenizer.json (what `type: file` reads)."""
