@@ -38,7 +38,7 @@ QUALITY = deep_merge(
         "islands": {"count": 2},
         "syncer": {
             "evalEveryOuterSteps": 1,
-            "qualityGuard": {"margin": 0.05, "patience": 3},
+            "qualityGuard": {"margin": 0.05, "patience": 3, "warmupOuterSteps": 0},
             "guards": {"warmupPushes": 1, "normFactor": NORM_FACTOR, "maxDeltaNorm": 1e6},
             # Regular checkpoints every 2 outer steps, keep 1: the pruning must leave the best,
             # and the trip set aside the ones after it.

@@ -192,6 +192,9 @@ def tiny_job(name: str, image: str, claim: str, outer_steps: int) -> dict[str, A
                 "resources": small,
                 "checkpoint": {"claimName": claim, "everyOuterSteps": 1, "keep": 2},
                 "evalEveryOuterSteps": 1,
+                # These tests are the operator's mechanics: an honest overshoot of this tiny
+                # job must not end it (the guard is tests/e2e/test_adversary_quality.py's).
+                "qualityGuard": {"patience": 0},
                 "template": pinned("syncer"),
             },
         },

@@ -16,7 +16,7 @@ from diloco_operator.phase import GUARD_ENDED, decide_phase
 from diloco_operator.refusals import EVAL_LOSS_ROSE, EVAL_LOSS_ROSE_MESSAGE, post_refusal_events
 from diloco_trainer.api.spec import parse_spec
 from diloco_trainer.syncer.state.problems import EVAL_LOSS_ROSE as KIND
-from diloco_trainer.syncer.state.quality import Trip, tripped
+from diloco_trainer.syncer.state.quality import Trip, judged, tripped
 from diloco_trainer.syncer.storage import checkpoint as ckpt
 
 from .observations import SYNCER, observation, syncer_view
@@ -53,6 +53,12 @@ def test_trip_needs_a_reference_and_is_off_at_patience_zero() -> None:
     assert tripped([2.0, 9.0, 9.0, 9.0], margin=M, patience=0) is None
 
 
+def test_evaluations_of_the_warm_up_are_never_judged() -> None:
+    # warmupOuterSteps 20: outer step 20 is still the warm-up's, 21 the first judged.
+    assert not judged(20, 20) and judged(21, 20)
+    assert judged(1, 0) and not judged(0, 0)
+
+
 def test_trip_message_names_the_best_and_the_rises() -> None:
     text = Trip(best=2.0, rises=(2.6, 2.7)).message(0.05)
     assert "1.05 x the best (2.0000)" in text
@@ -62,6 +68,7 @@ def test_trip_message_names_the_best_and_the_rises() -> None:
 def test_quality_guard_spec_defaults_and_field_errors() -> None:
     guard = parse_spec({}).syncer.quality_guard
     assert (guard.margin, guard.patience, guard.enabled) == (0.05, 3, True)
+    assert guard.warmup_outer_steps == 20
     off = parse_spec({"syncer": {"qualityGuard": {"patience": 0}}})
     assert not off.syncer.quality_guard.enabled
     with pytest.raises(ValueError, match="margin"):
@@ -90,7 +97,7 @@ def test_pruning_leaves_the_protected_checkpoint_and_a_trip_sets_the_newer_aside
 
 
 def _uphill_scenario(
-    tmp_path: Path, *, patience: int = 2, outer_steps: int = 100
+    tmp_path: Path, *, patience: int = 2, outer_steps: int = 100, warmup: int = 0
 ) -> tuple[list[dict[str, Any]], list[Path]]:
     """Two islands, quorum 1, patience 2 and margin 5%: island-0 shrinks the weights (lower
     eval loss at the random start: logits nearer uniform), island-1 then pushes one fixed
@@ -100,7 +107,11 @@ def _uphill_scenario(
         sync={"quorum": 1, "graceSeconds": 0},
         stopAfter={"outerSteps": outer_steps},
         syncer={
-            "qualityGuard": {"margin": 0.05, "patience": patience},
+            "qualityGuard": {
+                "margin": 0.05,
+                "patience": patience,
+                "warmupOuterSteps": warmup,
+            },
             "guards": {"warmupPushes": 1000, "maxDeltaNorm": 1e6, "maxRefusals": 0},
             "checkpoint": {"everyOuterSteps": 100, "keep": 1},
         },
@@ -155,6 +166,17 @@ def test_uphill_pushes_end_the_job_with_the_best_checkpoint(
         post_refusal_events(JOB, syncer_view(ended), OWN, {}, notes)
     posted = [m for m in _posted(caplog) if m.startswith(EVAL_LOSS_ROSE)]
     assert posted == [f"{EVAL_LOSS_ROSE} {EVAL_LOSS_ROSE_MESSAGE}"]
+
+
+def test_rises_inside_the_warm_up_do_not_end_the_job(tmp_path: Path) -> None:
+    """The same uphill pushes with warmupOuterSteps 2: the rise at outer step 2 is not judged,
+    the one at step 3 is one rise, short of patience 2; the best (step 1) was still kept."""
+    seen, _ = _uphill_scenario(tmp_path, warmup=2)
+    first, _, last = seen
+    losses = [e["evalLoss"] for e in last["evalHistory"]]
+    assert losses[2] > 1.05 * losses[1] and losses[3] > 1.05 * losses[1]  # both rose
+    assert not last["finished"] and last["health"]["healthy"]
+    assert first["checkpoint"]["outerStep"] == 1
 
 
 def test_operator_phase_and_conditions_of_a_job_the_guard_ended() -> None:

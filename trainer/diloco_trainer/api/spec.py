@@ -297,6 +297,18 @@ class QualityGuardSpec(SpecModel):
         "is the best so far writes a checkpoint (kept beside syncer.checkpoint.keep's).",
     )
 
+    warmup_outer_steps: int = Field(
+        20,
+        ge=0,
+        le=1_000_000,
+        description="Evaluations at outer steps up to this one are never rises (they still set "
+        "the best, and a new best is checkpointed): early honest training overshoots under the "
+        "outer Nesterov momentum (0.9 carries about 1 / (1 - 0.9) = 10 outer steps; a tiny "
+        "honest job rose 13% over its best for 3 evaluations at outer steps 8-10), and the "
+        "final checkpoint of a trip is the best one whenever it came, so waiting costs compute, "
+        "not the model.",
+    )
+
     @property
     def enabled(self) -> bool:
         return self.patience > 0

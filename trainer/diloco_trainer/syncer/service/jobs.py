@@ -51,6 +51,7 @@ from diloco_trainer.syncer.state import (
     Health,
     SyncerMetrics,
     Trip,
+    judged,
     tripped,
 )
 from diloco_trainer.syncer.storage import checkpoint as ckpt
@@ -303,6 +304,8 @@ class BackgroundJobs:
                 # Written or failed (reported), as the regular checkpoint's: not tried twice.
                 self.checkpoints.last_step = max(self.checkpoints.last_step, step)
             return None
+        if not judged(step, self.guard.warmup_outer_steps):
+            return None  # the outer momentum's early overshoot (state/quality.py)
         self.since_best = [*self.since_best, loss][-self.guard.patience :]
         losses = [self.best_loss, *self.since_best]
         return tripped(losses, margin=self.guard.margin, patience=self.guard.patience)

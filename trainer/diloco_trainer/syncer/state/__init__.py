@@ -16,7 +16,7 @@ from diloco_trainer.syncer.state.problems import (
     MERGE,
     Health,
 )
-from diloco_trainer.syncer.state.quality import Trip, tripped
+from diloco_trainer.syncer.state.quality import Trip, judged, tripped
 from diloco_trainer.syncer.state.records import (
     DROPPED,
     LEFT,
@@ -65,6 +65,7 @@ __all__ = [
     "budget_tokens",
     "drained_at_budget",
     "horizon_seconds",
+    "judged",
     "lock_step_weights",
     "merged_elsewhere",
     "pace_of",

@@ -13,6 +13,13 @@ of bench/adversary.py rose up to 10% above the best once, never more than two ev
 row above 3% nor more than one above 5% (bench/log/2026-11-29.md, "quality guard: the honest
 runs' rises over the best"); the defaults (5%, three in a row) leave that room. The rule is a
 pure function of the losses (`tripped`), so its every case is a unit test.
+
+The outer momentum's first rounds overshoot more than that: a tiny honest job of the cluster
+tests (gpt-tiny, 64 tokens a step, outer lr 0.7, momentum 0.9) rose to 1.13 x its best for three
+evaluations in a row at outer steps 8-10, and the guard ended it. So evaluations up to
+`warmupOuterSteps` (20: twice the momentum's reach of 1 / (1 - 0.9) outer steps) are never
+rises (`judged`); they still set the best, and the best is checkpointed, so a bad island from
+the start is stopped later with the same final checkpoint.
 """
 
 from __future__ import annotations
@@ -35,6 +42,11 @@ class Trip:
             f"{len(self.rises)} evaluations in a row (latest {self.rises[-1]:.4f}, worst "
             f"{worst:.4f}): merging stopped, the job ends with the best-evaluated checkpoint"
         )
+
+
+def judged(step: int, warmup_outer_steps: int) -> bool:
+    """Whether an evaluation at outer step `step` may count as a rise: only after the warm-up."""
+    return step > warmup_outer_steps
 
 
 def tripped(losses: Sequence[float], *, margin: float, patience: int) -> Trip | None:
