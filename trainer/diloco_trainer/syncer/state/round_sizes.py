@@ -18,6 +18,7 @@ from diloco_trainer.api.spec import JobSpec
 from diloco_trainer.core.island_rounds import (
     IslandRound,
     RoundLimits,
+    first_reading_now,
     next_round,
     reference_step_time,
     target_steps,
@@ -63,19 +64,27 @@ class RoundSizes:
 
     def read(self, rec: IslandRecord, active: Iterable[IslandRecord], now: float) -> None:
         """After a heartbeat: one reading of the island's step time once a reference round
-        (H x t_ref seconds) has passed since its last reading; H_i moves by next_round."""
+        (H x t_ref seconds) has passed since its last reading, or at once for a fresh island's
+        first report once every active island has reported (first_reading_now: its learner's
+        report leaves its warm-up out); H_i moves by next_round."""
         if self.limits.fixed_steps(island_index(rec.name)) is not None or not rec.step_time:
             return
-        reference = reference_step_time([r.step_time for r in active if r.step_time])
+        members = list(active)
+        reference = reference_step_time([r.step_time for r in members if r.step_time])
         if reference is None:
             return
+        current = rec.round or IslandRound(self.limits.inner_steps)
         if rec.round_read_at is None:
-            rec.round_read_at = now  # its first report starts its clock: warm-up is no reading
-            return
-        if now - rec.round_read_at < self.limits.inner_steps * reference:
+            reported = sum(1 for r in members if r.step_time)
+            if not first_reading_now(fresh=current.fresh, reported=reported, active=len(members)):
+                # a rejoin's first steps are warm-up again (its learner's report may include
+                # them), and a fresh island's reference waits for its peers' reports: its
+                # first report starts its clock, and it is read a reference round later
+                rec.round_read_at = now
+                return
+        elif now - rec.round_read_at < self.limits.inner_steps * reference:
             return
         rec.round_read_at = now
-        current = rec.round or IslandRound(self.limits.inner_steps)
         target = target_steps(
             inner_steps=self.limits.inner_steps,
             reference=reference,
