@@ -49,15 +49,13 @@ class InnerSpec(SpecModel):
     warmup_steps: int = Field(0, ge=0, description="Linear warm-up, in inner steps.")
     steps: int = Field(500, ge=1, le=1_000_000, description="H: inner steps per outer round.")
     steps_per_island: Literal["auto", "fixed"] = Field(
-        "auto",
-        description="Each island's round: auto (the default: the syncer sizes island i's round "
-        "H_i from its measured step time, so that islands of different speeds push at about "
-        "the same wall time: H_i = floor(inner.steps x t_ref / t_i), t_ref the lower median of "
-        "the islands' step times, within inner.minSteps..inner.maxSteps; the first from a "
-        "learner's first steps, later ones only after two readings in a row more than 20% "
-        "away; identical islands keep inner.steps; docs/algorithm.md) or fixed (every island "
-        "takes inner.steps between pushes of a fragment). islands.overrides[].innerSteps pins "
-        "an island's.",
+        "fixed",
+        description="Each island's round: fixed (every island takes inner.steps between pushes "
+        "of a fragment) or auto (the syncer sizes island i's round H_i from its measured step "
+        "time, so that islands of different speeds push at about the same wall time: H_i = "
+        "round(inner.steps x t_ref / t_i), t_ref the lower median of the islands' step times, "
+        "within inner.minSteps..inner.maxSteps, changed only after two readings in a row more "
+        "than 20% away; docs/algorithm.md). islands.overrides[].innerSteps pins an island's.",
     )
     min_steps: int | None = Field(
         None,
