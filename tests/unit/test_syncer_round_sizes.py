@@ -117,3 +117,16 @@ def test_a_rejoined_island_is_read_a_reference_round_after_its_first_report() ->
     sizes.read(slow, recs, now=101.0)
     assert slow.round is not None and slow.round.pending == 0
     assert sizes.steps_of(slow, slow.name) == 10
+
+
+def test_a_probe_near_the_reference_waits_for_the_regular_reading() -> None:
+    sizes = _job()
+    recs = _islands([1.0, 1.0, 1.0, 1.5])  # target 30 x 1 / 1.5 = 20: more than half of 30
+    noisy = recs[3]
+    sizes.joined(noisy)
+    sizes.read(noisy, recs, now=0.0)  # every island reported, but the probe is no reading
+    assert sizes.steps_of(noisy, noisy.name) == 30
+    recs[3].step_time = 1.1  # its regular reading, H x t_ref = 30 s later: target 27, within 20%
+    sizes.read(noisy, recs, now=30.0)
+    assert sizes.steps_of(noisy, noisy.name) == 30
+    assert noisy.round is not None and not noisy.round.fresh

@@ -51,14 +51,15 @@ H_i (learner/step_plan.adopt_round).
 The first reading comes early (issue 47: at K = M the fast islands waited for the slow island's
 first three rounds at H, 2.2 s of their 3.3 s of waits in a 13 s job, in a diagnosis run of
 bench/hetero's 1,1,1,3: the first reading came a reference round after the first heartbeat, and
-heartbeats come every heartbeatTimeoutSeconds / 4): a learner reports no step time until it has one clear of its
-warm-up (probe_step_time: the mean of PROBE_STEPS steps after WARMUP_STEPS, then an EMA seeded
-from it, StepTimeReport), sends that report at once rather than at its next heartbeat, and the
-syncer reads a fresh island's first report at once when every active island has reported one
-(first_reading_now: before that the reference could be the slow island's own time, which would
-spend its one quick reading on "keep H"). Its learner, still within its first round, adopts the
-new H_i in place (learner/step_plan.adopt_round), so a 3x slower island's first round is H/3 steps
-too, not H.
+heartbeats come every heartbeatTimeoutSeconds / 4): a learner reports no step time until it has
+one clear of its warm-up (probe_step_time: the mean of PROBE_STEPS steps after WARMUP_STEPS,
+then an EMA seeded from it, StepTimeReport) and sends that report at once rather than at its
+next heartbeat; the syncer reads a fresh island's first report at once when every active island
+has reported one (first_reading_now: before that the reference could be the slow island's own
+time, which would spend its one quick reading on "keep H") and takes it only when it at least
+halves the round (probe_moves: an island nearer the reference waits for its regular reading, as
+before). Its learner, still within its first round, adopts the new H_i in place
+(learner/step_plan.adopt_round), so a 3x slower island's first round is H/3 steps too, not H.
 
 `inner.stepsPerIsland: fixed` turns all this off (every island H), and
 `islands.overrides[i].innerSteps` pins an island's H_i.
@@ -91,6 +92,11 @@ WARMUP_STEPS = 1
 PROBE_STEPS = 2
 # The reported step time's EMA weight of each step after the probe (as the learner's own EMA).
 REPORT_EMA = 0.1
+# The probe's reading moves a fresh island's round only to at most this share of it (the island
+# at least 1 / PROBE_MOVE_SHARE times slower than the reference): two steps on a shared machine
+# are noisy, and an identical island shrunk on noise runs short rounds until the hysteresis
+# brings it back; a nearer target waits for the regular first reading, a reference round later.
+PROBE_MOVE_SHARE = 0.5
 
 
 def reference_step_time(step_times: Sequence[float]) -> float | None:
@@ -142,6 +148,12 @@ def first_reading_now(*, fresh: bool, reported: int, active: int) -> bool:
     islands have `reported` a step time, so that the reference is the job's and not one built
     from whoever reported first (alone, a slow island is its own reference: target H)."""
     return fresh and active > 0 and reported >= active
+
+
+def probe_moves(current: int, target: int) -> bool:
+    """Whether a fresh island's probe reading (first_reading_now) is taken: only when its
+    target is at most PROBE_MOVE_SHARE of its round; else it waits for the regular reading."""
+    return target <= PROBE_MOVE_SHARE * current
 
 
 def target_steps(

@@ -20,6 +20,7 @@ from diloco_trainer.core.island_rounds import (
     RoundLimits,
     first_reading_now,
     next_round,
+    probe_moves,
     reference_step_time,
     target_steps,
 )
@@ -65,8 +66,9 @@ class RoundSizes:
     def read(self, rec: IslandRecord, active: Iterable[IslandRecord], now: float) -> None:
         """After a heartbeat: one reading of the island's step time once a reference round
         (H x t_ref seconds) has passed since its last reading, or at once for a fresh island's
-        first report once every active island has reported (first_reading_now: its learner's
-        report leaves its warm-up out); H_i moves by next_round."""
+        first report once every active island has reported and it at least halves the round
+        (first_reading_now, probe_moves: its learner's report leaves its warm-up out); H_i
+        moves by next_round."""
         if self.limits.fixed_steps(island_index(rec.name)) is not None or not rec.step_time:
             return
         members = list(active)
@@ -74,17 +76,6 @@ class RoundSizes:
         if reference is None:
             return
         current = rec.round or IslandRound(self.limits.inner_steps)
-        if rec.round_read_at is None:
-            reported = sum(1 for r in members if r.step_time)
-            if not first_reading_now(fresh=current.fresh, reported=reported, active=len(members)):
-                # a rejoin's first steps are warm-up again (its learner's report may include
-                # them), and a fresh island's reference waits for its peers' reports: its
-                # first report starts its clock, and it is read a reference round later
-                rec.round_read_at = now
-                return
-        elif now - rec.round_read_at < self.limits.inner_steps * reference:
-            return
-        rec.round_read_at = now
         target = target_steps(
             inner_steps=self.limits.inner_steps,
             reference=reference,
@@ -92,6 +83,21 @@ class RoundSizes:
             floor=self.limits.floor,
             ceiling=self.limits.ceiling,
         )
+        if rec.round_read_at is None:
+            reported = sum(1 for r in members if r.step_time)
+            rec.round_read_at = now
+            if not (
+                first_reading_now(fresh=current.fresh, reported=reported, active=len(members))
+                and probe_moves(current.steps, target)
+            ):
+                # a rejoin's first steps are warm-up again (its learner's report may include
+                # them), a fresh island's reference waits for its peers' reports, and a probe
+                # near the reference is noise as likely as speed: its first report starts its
+                # clock, and it is read a reference round later (still fresh)
+                return
+        elif now - rec.round_read_at < self.limits.inner_steps * reference:
+            return
+        rec.round_read_at = now
         after = next_round(current, target)
         if after.steps != current.steps:
             rec.round_before = current.steps
