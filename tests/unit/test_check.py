@@ -93,6 +93,26 @@ def test_check_schedule_warnings() -> None:
     assert schedule_warnings(fine) == []
 
 
+def test_check_warns_a_sharded_job_of_two_has_no_quality_guard() -> None:
+    stop = {"stopAfter": {"outerSteps": 20}}
+    two = parse_spec(
+        {**stop, "islands": {"count": 2}, "sync": {"fragments": 2}, "syncer": {"shards": 2}}
+    )
+    (warning,) = schedule_warnings(two)
+    assert warning.startswith("syncer.qualityGuard: a sharded syncer (syncer.shards 2)")
+    assert "with 2 islands" in warning
+    # Three islands (robust aggregation), one syncer, or the guard turned off: no warning.
+    three = parse_spec(
+        {**stop, "islands": {"count": 3}, "sync": {"fragments": 2}, "syncer": {"shards": 2}}
+    )
+    one = parse_spec({**stop, "islands": {"count": 2}})
+    off = parse_spec(
+        {**stop, "islands": {"count": 2}, "sync": {"fragments": 2},
+         "syncer": {"shards": 2, "qualityGuard": {"patience": 0}}}
+    )  # fmt: skip
+    assert schedule_warnings(three) == schedule_warnings(one) == schedule_warnings(off) == []
+
+
 def test_check_token_counts_against_eval_tokens_and_a_round() -> None:
     spec = parse_spec(DEFAULT_SPEC)
     # 3 islands x 50 steps x 8 x 64 tokens.

@@ -130,7 +130,8 @@ def run_tokens(spec: JobSpec) -> int | None:
 
 
 def schedule_warnings(spec: JobSpec) -> list[str]:
-    """No stop condition; a warm-up longer than the run."""
+    """No stop condition; a warm-up longer than the run; a job of two whose quality guard
+    cannot run."""
     out = []
     if not spec.stop_after.outer_steps and not spec.stop_after.tokens:
         out.append(
@@ -145,6 +146,16 @@ def schedule_warnings(spec: JobSpec) -> list[str]:
                 f"({spec.stop_after.outer_steps} outer steps x inner.steps {spec.inner.steps} = "
                 f"{inner_total} inner steps): the learning rate never reaches inner.lr"
             )
+    islands = max(spec.islands.count, spec.islands.total_shards)
+    if spec.syncer.shards > 1 and spec.syncer.quality_guard.enabled and islands < 3:
+        # With one bad island of two no aggregator is robust: the guard is that job's defence
+        # (docs/adversaries.md), and no shard holds the whole model to evaluate it.
+        out.append(
+            f"syncer.qualityGuard: a sharded syncer (syncer.shards {spec.syncer.shards}) "
+            "evaluates nothing (no shard holds the whole model), so the quality guard is off; "
+            f"with {islands} islands it is the job's only defence against a bad island: run "
+            "one syncer (syncer.shards 1) or three islands or more"
+        )
     return out
 
 
