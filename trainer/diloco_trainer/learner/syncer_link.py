@@ -224,9 +224,11 @@ class SyncerLink:
         after = meta.base_version
         lateness, within_reading = None, False
         push_seconds: float | None = None
+        push_bytes = 0
         try:
             reply = await self._client(fragment).push_pseudo_gradient(fragment, encoded, meta)
             push_seconds = time.monotonic() - start
+            push_bytes = sum(t.numel() * t.element_size() for t in encoded.values())
             log.debug("fragment %d push answered %s", fragment, reply)
             if reply.accepted:
                 after = max(after, reply.version)
@@ -242,6 +244,10 @@ class SyncerLink:
                 await self._join_shard(shard, threading.Event())
                 outcome = "rejoined the syncer"
             log.warning("fragment %d: %s; taking the current global fragment", fragment, outcome)
+        # The push's encoded bytes (P/F int8 values a fragment) are not needed while its merge
+        # is awaited and pulled: let them go now, not when the sync ends (`ready`, a deferred
+        # encoding's closure, holds them too). ARCHITECTURE.md, "A learner's memory".
+        del encoded, ready
         pulled, on_device = await self._pull_newer(fragment, after, held)
         staged_at = time.monotonic()
         if self.stager is not None and on_device is None:
@@ -253,7 +259,7 @@ class SyncerLink:
         if push_seconds is not None and outcome == "merged":
             latency = sync_latency(
                 push_seconds=push_seconds,
-                push_bytes=sum(t.numel() * t.element_size() for t in encoded.values()),
+                push_bytes=push_bytes,
                 merge_seconds=pulled.cost.merge_seconds,
                 pull_bytes=pulled.cost.body_bytes,
                 pull_seconds=pulled.cost.pull_seconds,
