@@ -26,10 +26,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from diloco_trainer.api.contract import EMULATE_STEP, LearnerEnv
+from diloco_trainer.api.contract import LearnerEnv
+from diloco_trainer.api.credentials import island_token
 from diloco_trainer.api.spec import parse_spec
 from diloco_trainer.learner.loop import Learner
-from diloco_trainer.local import launch
+from diloco_trainer.local import free_port, start_syncer, wait_ready, write_job_files
 
 from bench.harness.common import (
     LoadMonitor,
@@ -40,7 +41,6 @@ from bench.harness.common import (
     publish,
     workdir,
 )
-from hack.localcluster.ports import pick_ports
 
 
 def rss_bytes() -> int:
@@ -112,9 +112,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     torch.set_num_threads(1)
     with load, workdir(args.workdir, "learner-copies") as wd:
-        files = launch.write_job_files(spec, wd / "job")
-        port = pick_ports(1, set())[0]
-        syncer = launch.start_syncer(
+        files = write_job_files(spec, wd / "job")
+        port = free_port()
+        syncer = start_syncer(
             files,
             port=port,
             state_dir=wd / "state",
@@ -124,18 +124,24 @@ def main(argv: list[str] | None = None) -> int:
         )
         try:
             url = f"http://127.0.0.1:{port}"
-            launch.wait_ready(url, files.token, timeout=600, proc=syncer)
-            variables = launch.learner_env(
-                files,
-                syncer_url=url,
+            wait_ready(url, files.token, timeout=600, proc=syncer)
+            env = LearnerEnv(
+                job_name="copies",
                 island="island-0",
                 island_index=0,
                 rank=0,
                 world_size=1,
+                master_addr="127.0.0.1",
                 master_port=1,
+                syncer_url=url,
+                token=island_token(files.token, "island-0"),
+                config_file=files.config_file,
+                ca_file=None,
+                device="cpu",
+                slowdown=1.0,
+                emulate_step=args.step_ms / 1000,
             )
-            variables[EMULATE_STEP] = str(args.step_ms / 1000)
-            learner = Learner(spec, LearnerEnv.from_env(variables), "cpu", threading.Event())
+            learner = Learner(spec, env, "cpu", threading.Event())
             copy = 4 * sum(p.numel() for p in learner.params.values())
             code: dict[str, int] = {}
             runner = threading.Thread(target=lambda: code.setdefault("rc", learner.run()))
