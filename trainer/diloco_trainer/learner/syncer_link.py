@@ -40,6 +40,7 @@ from diloco_trainer.api.protocol import PushMeta, SyncerError
 from diloco_trainer.api.sharding import merge_join, shard_of
 from diloco_trainer.core.payloads import PulledFragment, PulledUpdates
 from diloco_trainer.core.published import apply_updates, check_updates, weights_checksum
+from diloco_trainer.host_memory import trim
 from diloco_trainer.learner.device_copies import DeviceStager
 from diloco_trainer.learner.overlap import sync_latency
 from diloco_trainer.learner.phase_alignment import lateness_within, merge_lateness
@@ -255,6 +256,9 @@ class SyncerLink:
         if prepare is not None and on_device is None:
             await asyncio.to_thread(prepare, pulled.tensors)
         staging = time.monotonic() - staged_at
+        # This sync's freed buffers (its push, the pulled body) and the last receipt's (the
+        # replaced base, the weights at that push) back to the system (host_memory.py).
+        await asyncio.to_thread(trim)
         latency = None
         if push_seconds is not None and outcome == "merged":
             latency = sync_latency(
