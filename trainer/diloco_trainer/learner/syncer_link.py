@@ -249,16 +249,7 @@ class SyncerLink:
         # is awaited and pulled: let them go now, not when the sync ends (`ready`, a deferred
         # encoding's closure, holds them too). ARCHITECTURE.md, "A learner's memory".
         del encoded, ready
-        pulled, on_device = await self._pull_newer(fragment, after, held)
-        staged_at = time.monotonic()
-        if self.stager is not None and on_device is None:
-            on_device = await asyncio.to_thread(self.stager.stage, pulled.tensors)
-        if prepare is not None and on_device is None:
-            await asyncio.to_thread(prepare, pulled.tensors)
-        staging = time.monotonic() - staged_at
-        # This sync's freed buffers (its push, the pulled body) and the last receipt's (the
-        # replaced base, the weights at that push) back to the system (host_memory.py).
-        await asyncio.to_thread(trim)
+        pulled, on_device, staging = await self._take_merge(fragment, after, held, prepare)
         latency = None
         if push_seconds is not None and outcome == "merged":
             latency = sync_latency(
@@ -278,6 +269,27 @@ class SyncerLink:
             latency=latency,
             on_device=on_device,
         )
+
+    async def _take_merge(
+        self,
+        fragment: int,
+        after: int,
+        held: HeldFragment | None,
+        prepare: Callable[[Mapping[str, Tensor]], None] | None,
+    ) -> tuple[PulledFragment, Mapping[str, Tensor] | None, float]:
+        """sync_fragment's pull of the merge after `after`: the fragment, its copy on the GPU
+        (or None) and the seconds spent staging and preparing it."""
+        pulled, on_device = await self._pull_newer(fragment, after, held)
+        staged_at = time.monotonic()
+        if self.stager is not None and on_device is None:
+            on_device = await asyncio.to_thread(self.stager.stage, pulled.tensors)
+        if prepare is not None and on_device is None:
+            await asyncio.to_thread(prepare, pulled.tensors)
+        staging = time.monotonic() - staged_at
+        # This sync's freed buffers (its push, the pulled body) and the last receipt's (the
+        # replaced base, the weights at that push) back to the system (host_memory.py).
+        await asyncio.to_thread(trim)
+        return pulled, on_device, staging
 
     async def _lateness(
         self, fragment: int, meta: PushMeta, accepted: int, answered: float, *, within: bool
