@@ -14,19 +14,23 @@ tokens/s, gpt-1b 57k tokens/s in bf16): gpt-350m 280 ms, gpt-1b 500 ms (57k toke
 500 is the issue's upper end); gpt-125m 100 ms (6 P tokens FLOP at the 350m run's 29% MFU of an
 H100's 989 TFLOP/s: 85 ms, rounded up).
 
-Memory (x = one fp32 copy, 4P bytes). By ARCHITECTURE.md's memory model an emulated learner
-holds its weights and its fp32 Δ base (2x; no gradients or AdamW state: no backward, no optimizer
-step), a push's copies and int8 values and a pull's new base per fragment in flight (up to 2x
-more at F = 2); measured, a gpt-125m learner's resident memory peaked at 7.0x and a gpt-350m
-one's reached 6.0x (8.5 GB) when the kernel's OOM killer took it (two islands and the syncer,
-4.8 GB, beside other engineers' work on a 24 GiB machine; bench/log/2026-11-29.md,
-"busy_emulated (issue 45, part 2): before the host sync path left the training thread"). So the
-estimate is 7x a learner (LEARNER_COPIES) and api/preflight's 5x for the syncer (θ_exact, the
-outer momentum, θ_pub, the pull bodies, the eval copy) plus a fold's accumulator, 1x at most:
-(7M + 6) x. A preset whose estimate exceeds 90% of the memory available at the start is left
-out, and said so: gpt-125m (0.51 GB a copy) needs 10.2 GB at two islands; gpt-350m (1.41 GB)
-28 GB at two and 18 GB at one; gpt-1b (4.0 GB) 52 GB at one. bf16 does not help: a learner's
-copies stay fp32 (inner.precision is autocast only).
+Memory (x = one fp32 copy, 4P bytes). By ARCHITECTURE.md's memory model ("A learner's
+memory") an emulated learner holds its weights and its fp32 Δ base (2x; no gradients or AdamW
+state: no backward, no optimizer step), the weights at each push in flight and a merged fragment
+before its receipt (at most 1.5x more at F = 2), and the link's transients (a push's int8 bytes
+and body, a pulled body and its decoded copy: up to ~1/F during a full pull), its own count
+logged at exit ("held at most N copies"). Measured, a gpt-125m learner's resident memory peaked
+at 7.0x at two islands on two loaded cores and a gpt-350m one reached 6.0x (8.5 GB) when the
+kernel's OOM killer took it (two islands and the syncer, 4.8 GB, beside other engineers' work on
+a 24 GiB machine; bench/log/2026-11-29.md, "busy_emulated (issue 45, part 2): before the host
+sync path left the training thread"); at one island, with a push's int8 bytes let go once sent,
+5.2-5.8x at gpt-125m, ~0.7x of it torch and the corpus (bench/log/2026-11-29.md, "a learner's
+copies of the model"). So the estimate is 6x a learner (LEARNER_COPIES) and api/preflight's 5x
+for the syncer (θ_exact, the outer momentum, θ_pub, the pull bodies, the eval copy) plus a fold's
+accumulator, 1x at most: (6M + 6) x. A preset whose estimate exceeds 90% of the memory available
+at the start is left out, and said so: gpt-125m (0.51 GB a copy) needs 9.2 GB at two islands;
+gpt-350m (1.41 GB) 25 GB at two and 17 GB at one (`--islands 1`); gpt-1b (4.0 GB) 48 GB at one.
+bf16 does not help: a learner's copies stay fp32 (inner.precision is autocast only).
 
 Per run, from the learners' own progress lines: utilisation (time in inner steps / wall, their
 start-up window left out), and where the rest went: waiting for the syncer (a merge) and the sync
@@ -73,12 +77,16 @@ from bench.harness.common import (
 
 # A GPU's step of 32 x 1024 tokens an island, in ms (the module's docstring says why).
 STEP_MS = {"gpt-tiny": 50, "gpt-mini": 50, "gpt-125m": 100, "gpt-350m": 280, "gpt-1b": 500}
-# Islands per preset: 2 where they fit this machine's memory with the syncer, else 1.
-ISLANDS = {"gpt-tiny": 2, "gpt-mini": 2, "gpt-125m": 2, "gpt-350m": 2, "gpt-1b": 1}
+# Islands per preset: 2 where they fit this machine's memory with the syncer, else 1 (gpt-350m:
+# 25 GB at two by memory_estimate, 17 GB at one; 24 GiB here).
+ISLANDS = {"gpt-tiny": 2, "gpt-mini": 2, "gpt-125m": 2, "gpt-350m": 1, "gpt-1b": 1}
 # An emulated learner's peak resident memory in fp32 copies of the model, measured: a gpt-125m
-# learner peaked at 3.6 GB (7.0 copies of 0.51 GB), a gpt-350m one reached 8.5 GB (6.0 copies)
-# before the kernel killed it (module docstring).
-LEARNER_COPIES = 7
+# learner peaked at 3.6 GB (7.0 copies of 0.51 GB) at two islands on two loaded cores, a
+# gpt-350m one reached 8.5 GB (6.0 copies) before the kernel killed it (module docstring); at one
+# island, its push's int8 bytes let go once sent, 5.2-5.8 copies at gpt-125m, of which ~0.7 are
+# the runtime (torch, the corpus: ~0.35 GB, less of a copy at larger sizes). ARCHITECTURE.md, "A
+# learner's memory": 3 + 1/F copies held at most, plus the link's transients.
+LEARNER_COPIES = 6
 VOCAB = 256  # the built-in GPT's byte-level vocabulary (builtin:stdlib-text)
 
 

@@ -81,5 +81,5 @@ def test_the_emulated_step_is_read_and_refused_for_several_ranks(tmp_path) -> No
 
 
 def test_memory_estimate_counts_the_copies() -> None:
-    # P = 1000 values (4000 bytes a copy), 2 islands: learners 2 x 7 copies, syncer 5 + 1.
-    assert memory_estimate(1000, 2) == 2 * 28000 + 24000
+    # P = 1000 values (4000 bytes a copy), 2 islands: learners 2 x 6 copies, syncer 5 + 1.
+    assert memory_estimate(1000, 2) == 2 * 24000 + 24000

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import threading
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 
 import torch
@@ -274,6 +274,26 @@ def _nothing() -> None:
 def _device_of(tensors: dict[str, Tensor]) -> torch.device:
     """Where a fragment's tensors are (the CPU for none: a sharded island's empty dicts)."""
     return next(iter(tensors.values())).device if tensors else torch.device("cpu")
+
+
+def storage_bytes(groups: Mapping[str, Iterable[Tensor]]) -> dict[str, int]:
+    """Bytes of memory held by each group of tensors, counted by storage: a tensor that views
+    memory counted already (the weights' copy in a flat buffer, a base that is the pulled body)
+    adds nothing, and a storage in two groups counts in the first. The learner's own tally of
+    its copies of the model (FragmentSync.held_copies), whatever the allocator does."""
+    seen: set[tuple[str, int]] = set()
+    out: dict[str, int] = {}
+    for group, tensors in groups.items():
+        total = 0
+        for t in tensors:
+            storage = t.untyped_storage()
+            key = (str(t.device), storage.data_ptr())
+            if key in seen or storage.nbytes() == 0:
+                continue
+            seen.add(key)
+            total += storage.nbytes()
+        out[group] = total
+    return out
 
 
 def at_step_cap(fragments: Sequence[FragmentState], most: int) -> list[int]:

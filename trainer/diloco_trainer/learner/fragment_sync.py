@@ -34,6 +34,7 @@ from diloco_trainer.learner.fragment_state import (
     InFlight,
     at_step_cap,
     checked_fragment,
+    storage_bytes,
 )
 from diloco_trainer.learner.overlap import OverlapFit, covered_latency
 from diloco_trainer.learner.phase_alignment import phase_shift, schedule_positions
@@ -116,6 +117,10 @@ class FragmentSync:
         # sync.lateMergeRule eager: the proxies rank 0 moved fragments to at this step's pushes
         # (after_step returns them, so every rank installs them).
         self.jumps: dict[int, Weights] = {}
+        # The most copies of the model (held_copies, in units of the weights' bytes) this rank
+        # held at a push or a receipt, the points where copies are made: logged at exit, and
+        # what tests/e2e/test_learner_memory.py holds to ARCHITECTURE.md's memory model.
+        self.peak_copies: dict[str, int] = {}
 
     @property
     def overlap(self) -> int:
@@ -154,6 +159,35 @@ class FragmentSync:
                 return False
             concurrent.futures.wait([future], timeout=min(remaining, WAIT_SLICE_SECONDS))
         return True
+
+    # -- memory ----------------------------------------------------------------------------------
+
+    def held_copies(self) -> dict[str, int]:
+        """Bytes of each copy of the model this rank's DiLoCo state holds now (storage_bytes):
+        the weights, the Δ bases (and their GPU mirrors), the weights at the pushes in flight,
+        merged fragments arrived and not yet applied, eager's last updates and error feedback's
+        residuals. A push's encoded bytes and a pull's body are the link's, held only while
+        they are sent or decoded (ARCHITECTURE.md, "A learner's memory")."""
+        states = self.fragments
+        arrived = [t for r in self.arrived.values() for t in r.pulled.tensors.values()]
+        residuals = self.error_feedback.residuals.values() if self.error_feedback else []
+        return storage_bytes(
+            {
+                "weights": list(self.params.values()),
+                "base": [t for s in states for t in s.base.values()],
+                "base_on_device": [t for s in states for t in s.base_on_device.values()],
+                "at_push": [t for s in states for t in (s.at_push or {}).values()],
+                "arrived": arrived,
+                "last_update": [t for s in states for t in (s.last_update or {}).values()],
+                "residuals": list(residuals),
+            }
+        )
+
+    def _note_copies(self) -> None:
+        """Keep the largest held_copies seen (by their total)."""
+        now = self.held_copies()
+        if sum(now.values()) > sum(self.peak_copies.values()):
+            self.peak_copies = now
 
     # -- joining ---------------------------------------------------------------------------------
 
@@ -455,6 +489,8 @@ class FragmentSync:
         # A host learner's receipt: its θ_global − θ_push made on the link's thread as soon as
         # the merge is pulled (FragmentState.receipt_preparer; mixAlpha 0 only).
         prepare = state.receipt_preparer() if self.shards is None and not self._alpha() else None
+        if self.shards is None:
+            self._note_copies()
         sync = self.link.sync_fragment(
             f, encoded, meta, held, within=not self.blocking, ready=ready, prepare=prepare
         )
@@ -504,6 +540,8 @@ class FragmentSync:
     def receive(self, f: int) -> Weights:
         """Install an arrived fragment as the new base; the weights the island continues from."""
         began = time.perf_counter()
+        if self.shards is None:
+            self._note_copies()  # the merged fragment beside the base it replaces
         result = self.arrived.pop(f)
         state = self.fragments[f]
         merged = checked_fragment(f, result.pulled.tensors, self.params, self.fragments[f].names)

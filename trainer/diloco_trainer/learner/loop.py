@@ -429,7 +429,22 @@ class Learner:
                     weights_digest(self.model),
                     self._peak_memory(),
                 )
+                self._log_copies()
                 return 0
+
+    def _log_copies(self) -> None:
+        """Rank 0: the most copies of the model its DiLoCo state held (FragmentSync.held_copies,
+        at a push or a receipt), in units of the weights' bytes: ARCHITECTURE.md's memory
+        model, as measured by the learner itself."""
+        if self.sync is None or not self.sync.peak_copies:
+            return
+        peak = self.sync.peak_copies
+        unit = max(peak.get("weights", 0), 1)
+        log.info(
+            "held at most %.2f copies of the model's weights: %s",
+            sum(peak.values()) / unit,
+            ", ".join(f"{k} {v / unit:.2f}" for k, v in peak.items() if v),
+        )
 
     def _peak_memory(self) -> str:
         """'; peak GPU memory N GiB' on CUDA (what a rank needed), else nothing."""

@@ -40,6 +40,7 @@ from diloco_trainer.api.protocol import PushMeta, SyncerError
 from diloco_trainer.api.sharding import merge_join, shard_of
 from diloco_trainer.core.payloads import PulledFragment, PulledUpdates
 from diloco_trainer.core.published import apply_updates, check_updates, weights_checksum
+from diloco_trainer.host_memory import trim
 from diloco_trainer.learner.device_copies import DeviceStager
 from diloco_trainer.learner.overlap import sync_latency
 from diloco_trainer.learner.phase_alignment import lateness_within, merge_lateness
@@ -224,9 +225,11 @@ class SyncerLink:
         after = meta.base_version
         lateness, within_reading = None, False
         push_seconds: float | None = None
+        push_bytes = 0
         try:
             reply = await self._client(fragment).push_pseudo_gradient(fragment, encoded, meta)
             push_seconds = time.monotonic() - start
+            push_bytes = sum(t.numel() * t.element_size() for t in encoded.values())
             log.debug("fragment %d push answered %s", fragment, reply)
             if reply.accepted:
                 after = max(after, reply.version)
@@ -242,18 +245,16 @@ class SyncerLink:
                 await self._join_shard(shard, threading.Event())
                 outcome = "rejoined the syncer"
             log.warning("fragment %d: %s; taking the current global fragment", fragment, outcome)
-        pulled, on_device = await self._pull_newer(fragment, after, held)
-        staged_at = time.monotonic()
-        if self.stager is not None and on_device is None:
-            on_device = await asyncio.to_thread(self.stager.stage, pulled.tensors)
-        if prepare is not None and on_device is None:
-            await asyncio.to_thread(prepare, pulled.tensors)
-        staging = time.monotonic() - staged_at
+        # The push's encoded bytes (P/F int8 values a fragment) are not needed while its merge
+        # is awaited and pulled: let them go now, not when the sync ends (`ready`, a deferred
+        # encoding's closure, holds them too). ARCHITECTURE.md, "A learner's memory".
+        del encoded, ready
+        pulled, on_device, staging = await self._take_merge(fragment, after, held, prepare)
         latency = None
         if push_seconds is not None and outcome == "merged":
             latency = sync_latency(
                 push_seconds=push_seconds,
-                push_bytes=sum(t.numel() * t.element_size() for t in encoded.values()),
+                push_bytes=push_bytes,
                 merge_seconds=pulled.cost.merge_seconds,
                 pull_bytes=pulled.cost.body_bytes,
                 pull_seconds=pulled.cost.pull_seconds,
@@ -268,6 +269,27 @@ class SyncerLink:
             latency=latency,
             on_device=on_device,
         )
+
+    async def _take_merge(
+        self,
+        fragment: int,
+        after: int,
+        held: HeldFragment | None,
+        prepare: Callable[[Mapping[str, Tensor]], None] | None,
+    ) -> tuple[PulledFragment, Mapping[str, Tensor] | None, float]:
+        """sync_fragment's pull of the merge after `after`: the fragment, its copy on the GPU
+        (or None) and the seconds spent staging and preparing it."""
+        pulled, on_device = await self._pull_newer(fragment, after, held)
+        staged_at = time.monotonic()
+        if self.stager is not None and on_device is None:
+            on_device = await asyncio.to_thread(self.stager.stage, pulled.tensors)
+        if prepare is not None and on_device is None:
+            await asyncio.to_thread(prepare, pulled.tensors)
+        staging = time.monotonic() - staged_at
+        # This sync's freed buffers (its push, the pulled body) and the last receipt's (the
+        # replaced base, the weights at that push) back to the system (host_memory.py).
+        await asyncio.to_thread(trim)
+        return pulled, on_device, staging
 
     async def _lateness(
         self, fragment: int, meta: PushMeta, accepted: int, answered: float, *, within: bool
