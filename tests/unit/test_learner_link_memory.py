@@ -6,20 +6,17 @@ one island pushes), so the link waits in its long-poll for the whole test."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import weakref
 from pathlib import Path
 
-from aiohttp.test_utils import TestServer
 from diloco_trainer.api import protocol
 from diloco_trainer.core.compress import encode_tensors
-from diloco_trainer.learner import syncer_client
-from diloco_trainer.learner.syncer_link import SyncerLink
-from diloco_trainer.syncer.edge.http import build_app
-from diloco_trainer.syncer.service.service import Syncer
 
-from .test_syncer import FakeClock, delta, make_spec, run
+from .test_syncer import delta, make_spec, run
+from .test_syncer_pull import served_link
 
-# Long enough for a loaded machine's HTTP round trip; the loop below ends as soon as it can.
+# Long enough for a loaded machine's HTTP round trip; the wait ends as soon as the last is freed.
 PUSH_ANSWERED_WITHIN = 30.0
 
 
@@ -30,16 +27,21 @@ def test_a_push_s_encoded_bytes_are_let_go_while_its_merge_is_awaited(tmp_path: 
     )
 
     async def scenario() -> tuple[bool, bool, int]:
-        syncer = Syncer(spec, job_name="unit", state_dir=tmp_path, clock=FakeClock())
-        server = TestServer(build_app(syncer, "tok"), host="127.0.0.1")
-        await server.start_server()
-        url = str(server.make_url("")).rstrip("/")
-        link = SyncerLink(syncer_client.SyncerClient(url, "tok"), island="island-0", replicas=1)
-        try:
-            await syncer.islands.join("island-0", 1)
-            await syncer.islands.join("island-1", 1)
+        async with served_link(tmp_path, spec, ("island-0", "island-1")) as (syncer, link):
             encoded = encode_tensors(delta(syncer, 0, 7), "int8")
-            held = [weakref.ref(t) for t in encoded.values()]
+            # Each tensor's finalizer counts down; the last one freed (on whichever thread
+            # lets it go) wakes this loop, which also serves the syncer.
+            loop = asyncio.get_running_loop()
+            freed = asyncio.Event()
+            left = [len(encoded)]
+
+            def one_freed() -> None:
+                left[0] -= 1
+                if left[0] == 0:
+                    loop.call_soon_threadsafe(freed.set)
+
+            # (A comprehension: a loop variable would keep the last tensor alive here.)
+            watched = [weakref.finalize(t, one_freed) for t in encoded.values()]
             meta = protocol.PushMeta(
                 island="island-0",
                 base_version=syncer.state.versions[0],
@@ -51,19 +53,15 @@ def test_a_push_s_encoded_bytes_are_let_go_while_its_merge_is_awaited(tmp_path: 
             )
             future = link.submit(link.sync_fragment(0, encoded, meta))
             del encoded  # the learner keeps none of it (FragmentSync.push)
-            loop = asyncio.get_running_loop()
-            deadline = loop.time() + PUSH_ANSWERED_WITHIN
-            # Polled on this loop, which also serves the syncer (wait_until would block it).
-            while any(r() is not None for r in held) and loop.time() < deadline:
-                await asyncio.sleep(0.02)
-            let_go = all(r() is None for r in held)
+            # A timeout is reported below: the link still holds them.
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(freed.wait(), PUSH_ANSWERED_WITHIN)
+            let_go = freed.is_set()
             pending = not future.done()  # still waiting for the merge: no second island pushed
             folded = syncer.state.versions[0]
             future.cancel()
+            assert len(watched) == 2 * len(delta(syncer, 0, 7))  # int8: values and scales
             return let_go, pending, folded
-        finally:
-            await asyncio.to_thread(link.close, leave=False)
-            await server.close()
 
     let_go, pending, version = run(scenario())
     assert pending, "the merge came: nothing to wait for, the test proves nothing"

@@ -196,15 +196,19 @@ def test_syncer_retried_push_after_a_restart_counts_once(tmp_path: Path) -> None
 
 
 @contextlib.asynccontextmanager
-async def served_link(tmp_path: Path) -> AsyncIterator[tuple[Syncer, SyncerLink]]:
-    """A syncer (pull_spec, island-0 joined) behind a real HTTP server, and a learner's link."""
-    syncer = Syncer(pull_spec(), job_name="unit", state_dir=tmp_path, clock=FakeClock())
+async def served_link(
+    tmp_path: Path, spec: JobSpec | None = None, joined: tuple[str, ...] = ("island-0",)
+) -> AsyncIterator[tuple[Syncer, SyncerLink]]:
+    """A syncer (`spec`, default pull_spec; `joined` islands joined) behind a real HTTP server,
+    and island-0's learner link."""
+    syncer = Syncer(spec or pull_spec(), job_name="unit", state_dir=tmp_path, clock=FakeClock())
     server = TestServer(build_app(syncer, "tok"), host="127.0.0.1")
     await server.start_server()
     url = str(server.make_url("")).rstrip("/")
     link = SyncerLink(syncer_client.SyncerClient(url, "tok"), island="island-0", replicas=1)
     try:
-        await syncer.islands.join("island-0", 1)
+        for island in joined:
+            await syncer.islands.join(island, 1)
         yield syncer, link
     finally:
         await asyncio.to_thread(link.close, leave=False)
