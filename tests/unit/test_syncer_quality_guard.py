@@ -116,7 +116,14 @@ def _uphill_spec(*, patience: int = 2, outer_steps: int = 100, warmup: int = 0) 
                 "patience": patience,
                 "warmupOuterSteps": warmup,
             },
-            "guards": {"warmupPushes": 1000, "maxDeltaNorm": 1e6, "maxRefusals": 0},
+            # No movement cap: these pushes are far from AdamW's, and the guard is judged
+            # alone (test_syncer_movement_cap.py is the cap's).
+            "guards": {
+                "warmupPushes": 1000,
+                "maxDeltaNorm": 1e6,
+                "maxRefusals": 0,
+                "movementFactor": 0,
+            },
             "checkpoint": {"everyOuterSteps": 100, "keep": 1},
         },
     )
