@@ -43,7 +43,13 @@ QUALITY = deep_merge(
         "syncer": {
             "evalEveryOuterSteps": 1,
             "qualityGuard": {"margin": 0.05, "patience": 3, "warmupOuterSteps": 0},
-            "guards": {"warmupPushes": 1, "normFactor": NORM_FACTOR, "maxDeltaNorm": 1e6},
+            # No movement cap: the shrink is no AdamW round, and the guard is judged alone.
+            "guards": {
+                "warmupPushes": 1,
+                "normFactor": NORM_FACTOR,
+                "maxDeltaNorm": 1e6,
+                "movementFactor": 0,
+            },
             # Regular checkpoints every 2 outer steps, keep 1: the pruning must leave the best,
             # and the trip set aside the ones after it.
             "checkpoint": {"everyOuterSteps": 2, "keep": 1},

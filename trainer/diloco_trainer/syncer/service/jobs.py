@@ -56,8 +56,13 @@ from diloco_trainer.syncer.state import (
     judged,
     tripped,
 )
+from diloco_trainer.syncer.storage import (
+    FINAL_ROSE,
+    TRIPPED,
+    GuardEnd,
+    write_guard_end,
+)
 from diloco_trainer.syncer.storage import checkpoint as ckpt
-from diloco_trainer.syncer.storage.guard_end import FINAL_ROSE, TRIPPED, GuardEnd, write_guard_end
 
 log = logging.getLogger("diloco.syncer")
 

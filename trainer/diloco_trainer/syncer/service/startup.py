@@ -45,8 +45,8 @@ from diloco_trainer.syncer.state import (
     round_policy,
     stop_reached,
 )
+from diloco_trainer.syncer.storage import GuardEnd, read_guard_end
 from diloco_trainer.syncer.storage import checkpoint as ckpt
-from diloco_trainer.syncer.storage.guard_end import GuardEnd, read_guard_end
 
 log = logging.getLogger("diloco.syncer")
 
@@ -151,11 +151,7 @@ def build(
         _restore_counters(loaded, state, Admission.from_spec(spec), merge_log, jobs, now=clock())
     gate = Gate(spec, guard=guard, metrics=metrics, config_file=config_file, health=health)
     if end is not None:
-        jobs.restore_end(end)
-        health.report(EVAL_LOSS_ROSE, end.message)
-        if end.best is not None and (loaded is None or loaded.path.name != end.best):
-            # The best was deleted or is corrupt: the job stays ended all the same.
-            log.error("the quality guard's best checkpoint %s is not the one resumed", end.best)
+        _restore_the_end(end, loaded, jobs, health)
     return SyncerParts(
         metrics=metrics,
         health=health,
@@ -180,6 +176,17 @@ def _keep_the_end(end: GuardEnd, state_dir: Path) -> None:
     for path in ckpt.set_aside_after(state_dir, end.best_step if end.best is not None else 0):
         log.warning("checkpoint set aside as %s: the quality guard ended the job", path.name)
     log.warning("the quality guard ended this job: %s", end.message)
+
+
+def _restore_the_end(
+    end: GuardEnd, loaded: ckpt.Checkpoint | None, jobs: BackgroundJobs, health: Health
+) -> None:
+    """The job stays ended as the quality guard ended it: its final checkpoint and problem."""
+    jobs.restore_end(end)
+    health.report(EVAL_LOSS_ROSE, end.message)
+    if end.best is not None and (loaded is None or loaded.path.name != end.best):
+        # The best was deleted or is corrupt: the job stays ended all the same.
+        log.error("the quality guard's best checkpoint %s is not the one resumed", end.best)
 
 
 def _newest_valid(spec: JobSpec, state_dir: Path, health: Health) -> ckpt.Checkpoint | None:
