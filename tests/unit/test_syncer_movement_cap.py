@@ -53,6 +53,10 @@ def test_merged_norm_divides_each_tensor_by_its_divisor() -> None:
     assert merged_norm({"a": torch.tensor([3.0, 4.0])}, {"a": 2.0}) == 2.5
     both = merged_norm({"a": torch.tensor([3.0, 4.0]), "b": torch.tensor([12.0])}, {"a": 2.0})
     assert both == pytest.approx(math.sqrt(2.5**2 + 144.0), rel=1e-12)
+    # Four elements of 1e30: their fp32 sum of squares (4e60) overflows, the fp64 one does not:
+    # sqrt(4 x 1e60) = 2e30 (1e30 in fp32 is 1e30 to 1e-7).
+    huge = merged_norm({"a": torch.full((4,), 1e30)}, {})
+    assert huge == pytest.approx(2e30, rel=1e-6)
 
 
 def _movement(tmp_path: Path, *, islands: int, factor: float, value: float) -> torch.Tensor:
