@@ -11,7 +11,11 @@ from diloco_trainer.api.spec import ConfigError, parse_spec
 from diloco_trainer.core.island_rounds import (
     IslandRound,
     RoundLimits,
+    StepTimeReport,
+    first_reading_now,
     next_round,
+    probe_moves,
+    probe_step_time,
     reference_step_time,
     target_steps,
 )
@@ -117,8 +121,10 @@ def test_limits_from_the_spec() -> None:
     assert limits.steps_of(1, IslandRound(20)) == 20  # measured
     assert limits.steps_of(1, None) == 30  # no reading yet
     assert limits.most_steps() == 30
-    fixed = RoundLimits.from_spec(parse_spec({"inner": {"steps": 30}}))
+    fixed = RoundLimits.from_spec(parse_spec({"inner": {"steps": 30, "stepsPerIsland": "fixed"}}))
     assert fixed.steps_of(1, IslandRound(10)) == 30  # stepsPerIsland fixed: always H
+    default = RoundLimits.from_spec(parse_spec({"inner": {"steps": 30}}))
+    assert not default.auto and default.steps_of(1, IslandRound(10)) == 30  # fixed by default
     wide = RoundLimits.from_spec(
         parse_spec({"inner": {"steps": 30, "minSteps": 10, "maxSteps": 60}})
     )
@@ -157,3 +163,35 @@ def test_adopt_round_only_at_a_round_boundary() -> None:
     assert adopt_round(15, 30, 40) == 15  # a longer round: below it
     assert adopt_round(60, 30, 30) is None  # no change
     assert adopt_round(60, 30, None) is None  # the syncer named none
+
+
+def test_probe_step_time_leaves_the_warm_up_out() -> None:
+    # WARMUP_STEPS = 1, PROBE_STEPS = 2: the mean of steps 2 and 3
+    assert probe_step_time([]) is None
+    assert probe_step_time([5.0, 1.0]) is None
+    assert probe_step_time([5.0, 1.0, 2.0]) == 1.5
+    assert probe_step_time([5.0, 1.0, 2.0, 9.0]) == 1.5
+
+
+def test_step_time_report_probes_then_averages() -> None:
+    report = StepTimeReport()
+    assert report.add(5.0) is False and report.value is None  # warm-up
+    assert report.add(1.0) is False and report.value is None
+    assert report.add(2.0) is True and report.value == 1.5  # the probe: report it now
+    assert report.add(2.5) is False
+    assert report.value == pytest.approx(0.9 * 1.5 + 0.1 * 2.5)  # 1.6
+
+
+def test_first_reading_now_needs_every_active_islands_report() -> None:
+    assert first_reading_now(fresh=True, reported=4, active=4) is True
+    assert first_reading_now(fresh=True, reported=3, active=4) is False
+    assert first_reading_now(fresh=False, reported=4, active=4) is False  # a rejoin
+    assert first_reading_now(fresh=True, reported=0, active=0) is False
+
+
+def test_a_probe_moves_a_round_only_when_it_at_least_halves_it() -> None:
+    # PROBE_MOVE_SHARE = 0.5 of a round of 20: targets up to 10
+    assert probe_moves(20, 6) is True  # 3x slower: 20 / 3 -> 6
+    assert probe_moves(20, 10) is True  # exactly half
+    assert probe_moves(20, 11) is False  # 1.8x: the regular reading decides
+    assert probe_moves(20, 20) is False  # as fast as the reference

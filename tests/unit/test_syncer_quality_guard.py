@@ -76,7 +76,7 @@ def test_trip_message_names_the_best_and_the_rises() -> None:
 
 def test_quality_guard_spec_defaults_and_field_errors() -> None:
     guard = parse_spec({}).syncer.quality_guard
-    assert (guard.margin, guard.patience, guard.enabled) == (0.05, 3, True)
+    assert (guard.margin, guard.patience, guard.enabled) == (0.25, 5, True)
     assert guard.warmup_outer_steps == 20
     off = parse_spec({"syncer": {"qualityGuard": {"patience": 0}}})
     assert not off.syncer.quality_guard.enabled

@@ -30,19 +30,22 @@ def test_island_index() -> None:
     assert island_index("node-3") is None
 
 
-def test_a_slow_island_gets_a_third_of_the_round_after_two_readings() -> None:
+def test_a_slow_island_gets_a_third_of_the_round_at_its_first_report() -> None:
     sizes = _job()
     recs = _islands([1.0, 1.0, 1.0, 3.0])
     slow = recs[3]
     sizes.joined(slow)
     assert sizes.steps_of(slow, slow.name) == 30  # H until measured
-    # t_ref = lower median of 1,1,1,3 = 1 s; a reading every H x t_ref = 30 s
-    sizes.read(slow, recs, now=0.0)  # starts its clock
-    sizes.read(slow, recs, now=29.0)  # too soon: no reading
-    assert slow.round is not None and slow.round.pending == 0
-    sizes.read(slow, recs, now=30.0)  # reading 1 (its first): target 30 / 3 = 10 at once
+    # every island has reported: its first report is read at once; t_ref = lower median of
+    # 1,1,1,3 = 1 s, target 30 x 1 / 3 = 10, taken at once (fresh)
+    sizes.read(slow, recs, now=0.0)
     assert sizes.steps_of(slow, slow.name) == 10
-    sizes.read(slow, recs, now=60.0)  # reading 2 agrees
+    # the next reading only a reference round (H x t_ref = 30 s) later
+    recs[3].step_time = 6.0  # target 5: would count as a reading
+    sizes.read(slow, recs, now=29.0)
+    assert slow.round is not None and slow.round.pending == 0
+    recs[3].step_time = 3.0
+    sizes.read(slow, recs, now=30.0)  # reading 2 agrees
     assert sizes.steps_of(slow, slow.name) == 10
     # its pushes may carry 4 x the longer of its two last rounds + overlapSteps: 4 x 30 + 5
     assert sizes.max_push_steps(slow, slow.name) == 125
@@ -85,3 +88,45 @@ def test_fixed_rounds_are_never_read() -> None:
     for now in (0.0, 30.0, 60.0, 90.0):
         sizes.read(slow, recs, now=now)
     assert sizes.steps_of(slow, slow.name) == 30
+
+
+def test_a_fresh_islands_first_report_waits_for_its_peers_reports() -> None:
+    sizes = _job()
+    recs = _islands([1.0, 0.0, 1.0, 3.0])  # island-1 has not reported yet
+    slow = recs[3]
+    sizes.joined(slow)
+    # 3 of 4 reported: the reference (lower median of 1, 1, 3 = 1) is not the job's yet, so
+    # the first report only starts the clock, as for a rejoin
+    sizes.read(slow, recs, now=0.0)
+    assert sizes.steps_of(slow, slow.name) == 30
+    sizes.read(slow, recs, now=29.0)  # H x t_ref = 30 s not passed: no reading
+    assert sizes.steps_of(slow, slow.name) == 30
+    sizes.read(slow, recs, now=30.0)  # reading 1, still fresh: 10 at once
+    assert sizes.steps_of(slow, slow.name) == 10
+
+
+def test_a_rejoined_island_is_read_a_reference_round_after_its_first_report() -> None:
+    sizes = _job()
+    recs = _islands([1.0, 1.0, 1.0, 3.0])
+    slow = recs[3]
+    sizes.joined(slow)
+    sizes.read(slow, recs, now=0.0)  # first reading: 10
+    sizes.joined(slow)  # its learner restarted: its round stays, its clock restarts
+    recs[3].step_time = 1.0  # target 30 (a warm-up figure, say)
+    sizes.read(slow, recs, now=100.0)  # starts the clock: no reading
+    sizes.read(slow, recs, now=101.0)
+    assert slow.round is not None and slow.round.pending == 0
+    assert sizes.steps_of(slow, slow.name) == 10
+
+
+def test_a_probe_near_the_reference_waits_for_the_regular_reading() -> None:
+    sizes = _job()
+    recs = _islands([1.0, 1.0, 1.0, 1.5])  # target 30 x 1 / 1.5 = 20: more than half of 30
+    noisy = recs[3]
+    sizes.joined(noisy)
+    sizes.read(noisy, recs, now=0.0)  # every island reported, but the probe is no reading
+    assert sizes.steps_of(noisy, noisy.name) == 30
+    recs[3].step_time = 1.1  # its regular reading, H x t_ref = 30 s later: target 27, within 20%
+    sizes.read(noisy, recs, now=30.0)
+    assert sizes.steps_of(noisy, noisy.name) == 30
+    assert noisy.round is not None and not noisy.round.fresh

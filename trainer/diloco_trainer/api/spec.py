@@ -292,14 +292,17 @@ class QualityGuardSpec(SpecModel):
     best it reached ends the job (syncer/state/quality.py; issue 46: one bad island of two)."""
 
     margin: float = Field(
-        0.05,
+        0.25,
         gt=0,
         le=10,
         description="An evaluation counts as a rise when its eval loss is above (1 + margin) x "
-        "the best eval loss before it (0.05: 5%).",
+        "the best eval loss before it (0.25: 25%). It must sit above the job's honest swings: "
+        "small noisy jobs (gpt-tiny, 64 tokens a step, outer momentum 0.9) swung up to 20% "
+        "above their best mid-run, above 10% for 6 evaluations in a row; a bad island that "
+        "holds the loss under the margin is not detected.",
     )
     patience: int = Field(
-        3,
+        5,
         ge=0,
         le=100000,
         description="After this many evaluations in a row that are rises, the syncer stops "

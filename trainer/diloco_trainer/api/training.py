@@ -53,8 +53,9 @@ class InnerSpec(SpecModel):
         description="Each island's round: fixed (every island takes inner.steps between pushes "
         "of a fragment) or auto (the syncer sizes island i's round H_i from its measured step "
         "time, so that islands of different speeds push at about the same wall time: H_i = "
-        "round(inner.steps x t_ref / t_i), t_ref the lower median of the islands' step times, "
-        "within inner.minSteps..inner.maxSteps, changed only after two readings in a row more "
+        "floor(inner.steps x t_ref / t_i), t_ref the lower median of the islands' step times, "
+        "within inner.minSteps..inner.maxSteps; the first from a learner's first steps when "
+        "they show it at least twice as slow, later ones only after two readings in a row more "
         "than 20% away; docs/algorithm.md). islands.overrides[].innerSteps pins an island's.",
     )
     min_steps: int | None = Field(

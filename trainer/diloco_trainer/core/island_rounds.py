@@ -48,6 +48,19 @@ that was 16% of the fast islands' time: bench/log/2026-11-29.md, "hetero — 202
 the learner adopts a round even in a fresh job's first round while it is still below the new
 H_i (learner/step_plan.adopt_round).
 
+The first reading comes early (issue 47: at K = M the fast islands waited for the slow island's
+first three rounds at H, 2.2 s of their 3.3 s of waits in a 13 s job, in a diagnosis run of
+bench/hetero's 1,1,1,3: the first reading came a reference round after the first heartbeat, and
+heartbeats come every heartbeatTimeoutSeconds / 4): a learner reports no step time until it has
+one clear of its warm-up (probe_step_time: the mean of PROBE_STEPS steps after WARMUP_STEPS,
+then an EMA seeded from it, StepTimeReport) and sends that report at once rather than at its
+next heartbeat; the syncer reads a fresh island's first report at once when every active island
+has reported one (first_reading_now: before that the reference could be the slow island's own
+time, which would spend its one quick reading on "keep H") and takes it only when it at least
+halves the round (probe_moves: an island nearer the reference waits for its regular reading, as
+before). Its learner, still within its first round, adopts the new H_i in place
+(learner/step_plan.adopt_round), so a 3x slower island's first round is H/3 steps too, not H.
+
 `inner.stepsPerIsland: fixed` turns all this off (every island H), and
 `islands.overrides[i].innerSteps` pins an island's H_i.
 """
@@ -70,6 +83,20 @@ CHANGE_FRACTION = 0.2
 CONFIRMATIONS = 2
 # ... and at least this many readings after H_i last changed.
 COOLDOWN_READINGS = 3
+# A learner's first steps are warm-up (allocations, caches, the first batches): its reported step
+# time leaves out this many ...
+WARMUP_STEPS = 1
+# ... and is the mean of the next this many until an EMA takes over. Two: a 4x slower island's
+# round at H = 20 is 5 steps, and its H_i must arrive (report, heartbeat answer) before its
+# position reaches it for the first round to be cut in place.
+PROBE_STEPS = 2
+# The reported step time's EMA weight of each step after the probe (as the learner's own EMA).
+REPORT_EMA = 0.1
+# The probe's reading moves a fresh island's round only to at most this share of it (the island
+# at least 1 / PROBE_MOVE_SHARE times slower than the reference): two steps on a shared machine
+# are noisy, and an identical island shrunk on noise runs short rounds until the hysteresis
+# brings it back; a nearer target waits for the regular first reading, a reference round later.
+PROBE_MOVE_SHARE = 0.5
 
 
 def reference_step_time(step_times: Sequence[float]) -> float | None:
@@ -81,6 +108,52 @@ def reference_step_time(step_times: Sequence[float]) -> float | None:
     if len(known) < MAJORITY_CLAIMS:
         return known[0]
     return statistics.median_low(known)
+
+
+def probe_step_time(times: Sequence[float]) -> float | None:
+    """A learner's first reported step time from its first steps' `times` (seconds, in order):
+    the mean of PROBE_STEPS steps after WARMUP_STEPS; None until there are that many."""
+    if len(times) < WARMUP_STEPS + PROBE_STEPS:
+        return None
+    probe = times[WARMUP_STEPS : WARMUP_STEPS + PROBE_STEPS]
+    return sum(probe) / len(probe)
+
+
+@dataclass
+class StepTimeReport:
+    """The step time a learner reports in its heartbeats: None through its probe, then
+    probe_step_time, then an EMA (REPORT_EMA) seeded from it. The learner's own step-time EMA
+    (overlap, waits) still counts every step; this one leaves the warm-up out, since the syncer
+    reads a fresh island's first report at once (first_reading_now)."""
+
+    value: float | None = None
+    first: list[float] | None = None  # the steps so far, until the probe is complete
+
+    def add(self, seconds: float) -> bool:
+        """One step's seconds; True when this step completes the probe (report it now)."""
+        if self.value is not None:
+            self.value = (1 - REPORT_EMA) * self.value + REPORT_EMA * seconds
+            return False
+        self.first = [*(self.first or []), seconds]
+        self.value = probe_step_time(self.first)
+        if self.value is None:
+            return False
+        self.first = None
+        return True
+
+
+def first_reading_now(*, fresh: bool, reported: int, active: int) -> bool:
+    """Whether the syncer reads an island's first report at once rather than a reference round
+    later: a fresh island's (no reading yet, its learner reports no warm-up) once all `active`
+    islands have `reported` a step time, so that the reference is the job's and not one built
+    from whoever reported first (alone, a slow island is its own reference: target H)."""
+    return fresh and active > 0 and reported >= active
+
+
+def probe_moves(current: int, target: int) -> bool:
+    """Whether a fresh island's probe reading (first_reading_now) is taken: only when its
+    target is at most PROBE_MOVE_SHARE of its round; else it waits for the regular reading."""
+    return target <= PROBE_MOVE_SHARE * current
 
 
 def target_steps(

@@ -47,6 +47,7 @@ from diloco_trainer.api.contract import ContractError, LearnerEnv
 from diloco_trainer.api.protocol import SyncerError
 from diloco_trainer.api.spec import ConfigError, JobSpec, load_spec
 from diloco_trainer.core.fragments import fragment_offsets
+from diloco_trainer.core.island_rounds import StepTimeReport
 from diloco_trainer.cpus import configure_threads, cpus_here
 from diloco_trainer.learner.device import pick_device
 from diloco_trainer.learner.device_copies import PULL_APPLY_ENV, apply_pulls_on_device
@@ -140,6 +141,9 @@ class Learner:
         self.link: SyncerLink | None = None
         self.tokens = 0
         self.step_time = 0.0
+        # What the heartbeats report: no step time until one clear of warm-up, sent at once
+        # then (the syncer sizes a fresh island's round from it: core/island_rounds.py).
+        self.reported = StepTimeReport()
         self.steps_run = 0
         self.lr_offset = 0
         # When rank 0 drains: at its share of stopAfter (K = M) or its stop target (drain.py).
@@ -385,12 +389,15 @@ class Learner:
                 assert self.link is not None
                 self.sync.step_time = self.step_time
                 self.sync.count(tokens, loss, step_time)
+                probed = self.reported.add(step_time)
                 self.link.report(
                     step=self.sync.position,
                     tokens=self.tokens,
                     loss=loss_ema,
-                    step_time=self.step_time,
+                    step_time=self.reported.value,
                 )
+                if probed:  # the syncer sizes this island's first round from it: no timer wait
+                    self.link.submit(self.link.report_now())
                 if self.steps_run % LOG_EVERY_STEPS == 0:
                     now, cpu_now = time.monotonic(), time.process_time()
                     costs.cpu = cpu_now - window_cpu

@@ -408,7 +408,9 @@ class SyncerLink:
         shards = range(len(self.clients))
         await asyncio.gather(*(self._heartbeats_to(shard, interval) for shard in shards))
 
-    def report(self, *, step: int, tokens: int, loss: float | None, step_time: float) -> None:
+    def report(
+        self, *, step: int, tokens: int, loss: float | None, step_time: float | None
+    ) -> None:
         """The training thread's latest figures for the heartbeats. Updated in place: the flags
         fragment_sync and drain.py keep in `progress` stay (a dict put in its place once lost
         them, and every heartbeat after the first step failed)."""

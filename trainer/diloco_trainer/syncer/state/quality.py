@@ -8,18 +8,20 @@ loss is above (1 + margin) x the best loss of the evaluations before it; after `
 in a row the guard trips, and the service ends the job with the best-evaluated checkpoint as its
 final one (service.py, the health problem evalLossRose).
 
-Honest training is noisy early (the outer step's first rounds, warmup): the measured honest runs
-of bench/adversary.py rose up to 10% above the best once, never more than two evaluations in a
-row above 3% nor more than one above 5% (bench/log/2026-11-29.md, "quality guard: the honest
-runs' rises over the best"); the defaults (5%, three in a row) leave that room. The rule is a
-pure function of the losses (`tripped`), so its every case is a unit test.
-
-The outer momentum's first rounds overshoot more than that: a tiny honest job of the cluster
-tests (gpt-tiny, 64 tokens a step, outer lr 0.7, momentum 0.9) rose to 1.13 x its best for three
-evaluations in a row at outer steps 8-10, and the guard ended it. So evaluations up to
-`warmupOuterSteps` (20: twice the momentum's reach of 1 / (1 - 0.9) outer steps) are never
-rises (`judged`); they still set the best, and the best is checkpointed, so a bad island from
-the start is stopped later with the same final checkpoint.
+Honest training swings. The measured honest runs of bench/adversary.py rose up to 10% above the
+best once, never more than two evaluations in a row above 3% nor more than one above 5%
+(bench/log/2026-11-29.md, "quality guard: the honest runs' rises over the best"); small noisy
+jobs swing far more. Eight honest gpt-tiny jobs of the test tiers' shape (64 tokens a step, outer
+lr 0.7, momentum 0.9, 80-120 outer steps; bench/log/2026-11-29.md, "quality guard: honest
+swings of tiny jobs") rose to 1.01-2.56x their best in their first 20 outer steps (one such
+job was ended by the guard in CI), and one of them later to 1.20x, above 1.1x for 6 evaluations
+in a row (outer steps 50-55): 5% and three in a row (the first defaults) would have ended 6 of
+the 8, and 5 of them even with the warm-up below. So the defaults are 25% and five in
+a row, and evaluations up to `warmupOuterSteps` (20: twice the momentum's reach of 1 / (1 - 0.9)
+outer steps) are never rises (`judged`); they still set the best, and the best is checkpointed,
+so a bad island from the start is stopped later with the same final checkpoint. The price: a
+bad island that holds the loss under the margin is not detected. The rule is a pure function of
+the losses (`tripped`), so its every case is a unit test.
 """
 
 from __future__ import annotations

@@ -18,7 +18,9 @@ from diloco_trainer.api.spec import JobSpec
 from diloco_trainer.core.island_rounds import (
     IslandRound,
     RoundLimits,
+    first_reading_now,
     next_round,
+    probe_moves,
     reference_step_time,
     target_steps,
 )
@@ -63,18 +65,16 @@ class RoundSizes:
 
     def read(self, rec: IslandRecord, active: Iterable[IslandRecord], now: float) -> None:
         """After a heartbeat: one reading of the island's step time once a reference round
-        (H x t_ref seconds) has passed since its last reading; H_i moves by next_round."""
+        (H x t_ref seconds) has passed since its last reading, or at once for a fresh island's
+        first report once every active island has reported and it at least halves the round
+        (first_reading_now, probe_moves: its learner's report leaves its warm-up out); H_i
+        moves by next_round."""
         if self.limits.fixed_steps(island_index(rec.name)) is not None or not rec.step_time:
             return
-        reference = reference_step_time([r.step_time for r in active if r.step_time])
+        members = list(active)
+        reference = reference_step_time([r.step_time for r in members if r.step_time])
         if reference is None:
             return
-        if rec.round_read_at is None:
-            rec.round_read_at = now  # its first report starts its clock: warm-up is no reading
-            return
-        if now - rec.round_read_at < self.limits.inner_steps * reference:
-            return
-        rec.round_read_at = now
         current = rec.round or IslandRound(self.limits.inner_steps)
         target = target_steps(
             inner_steps=self.limits.inner_steps,
@@ -83,6 +83,21 @@ class RoundSizes:
             floor=self.limits.floor,
             ceiling=self.limits.ceiling,
         )
+        if rec.round_read_at is None:
+            reported = sum(1 for r in members if r.step_time)
+            rec.round_read_at = now
+            if not (
+                first_reading_now(fresh=current.fresh, reported=reported, active=len(members))
+                and probe_moves(current.steps, target)
+            ):
+                # a rejoin's first steps are warm-up again (its learner's report may include
+                # them), a fresh island's reference waits for its peers' reports, and a probe
+                # near the reference is noise as likely as speed: its first report starts its
+                # clock, and it is read a reference round later (still fresh)
+                return
+        elif now - rec.round_read_at < self.limits.inner_steps * reference:
+            return
+        rec.round_read_at = now
         after = next_round(current, target)
         if after.steps != current.steps:
             rec.round_before = current.steps
