@@ -11,11 +11,16 @@
   pushes at the bound are named (the health problem islandAtBound).
 - A push `loss` of 1e308 made `/v1/status` say `Infinity`: now refused 400, and no non-finite
   number reaches the status document.
+- A push of one claimed step at the learned bound was scaled to a round of work (x H) in the
+  merge: ten honest rounds' movement in one merge. Now a job of two clips each merge's
+  pseudo-gradient per round to syncer.guards.movementFactor x one honest AdamW round.
 """
 
 from __future__ import annotations
 
 import json
+import math
+import re
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -131,3 +136,29 @@ def test_adversary_pair_extreme_loss_never_reaches_status(syncer: SyncerHandle) 
     assert syncer.request("POST", "/v1/fragments/0/push", body=body, token=token)[0] == 200
     honest_push(syncer, shapes)
     json.dumps(syncer.status(), allow_nan=False)  # no Infinity, no NaN anywhere
+
+
+def test_adversary_pair_push_at_the_bound_is_clipped_to_an_adamw_round(
+    syncer: SyncerHandle,
+) -> None:
+    """Honest pushes of one step at 1e-3 an element are a g of 4e-3 per element per round
+    (H = 4), within the cap 1.5 x inner.lr 1e-3 x H 4 = 6e-3 per element: never clipped. The
+    adversary's push of one step at 9e-3 an element (0.9 x the learned bound, accepted) is a g
+    of 3.6e-2 per element: the syncer clips it to 6e-3 x sqrt(numel), a sixth."""
+    shapes = join_all(syncer, (HONEST, ADVERSARY))
+    numel = sum(t.numel() for t in shapes.values())
+    for _ in range(WARMUP):
+        honest_push(syncer, shapes)
+    version = syncer.status()["versions"][0]
+    value = 0.9 * NORM_FACTOR * HONEST_VALUE
+    code, doc = push_as(syncer, ADVERSARY, filled(shapes, value))
+    assert code == 200 and doc["accepted"] is True, (code, doc)
+    wait_until(lambda: syncer.status()["versions"][0] > version, timeout=60, what="its merge")
+    pattern = re.compile(r"pseudo-gradient per round (\S+) clipped to (\S+)")
+    clips = wait_until(
+        lambda: pattern.findall(syncer.log_file.read_text()), timeout=30, what="the clip's line"
+    )
+    assert len(clips) == 1, clips  # the honest merges: none
+    norm, cap = (float(x) for x in clips[0])
+    assert norm == pytest.approx(4 * value * math.sqrt(numel), rel=1e-3)
+    assert cap == pytest.approx(1.5 * 1e-3 * 4 * math.sqrt(numel), rel=1e-3)

@@ -8,17 +8,20 @@ then pushes one fixed random direction at 0.9 x the learned bound of a job of tw
 the honest median): every push is accepted, and the eval loss climbs. After
 syncer.qualityGuard's patience (3) evaluations above 1.05 x the best, the syncer stops merging
 and ends the job: finished, the health problem evalLossRose, and its final checkpoint the best
-one, not the weights that rose.
+one, not the weights that rose. The `diloco syncer` process restarted on the same state dir (and
+port) stays finished: the same final checkpoint and problem, no merge (storage/guard_end.py).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch
+from diloco_trainer.local import launch
 from diloco_trainer.syncer.storage import checkpoint as ckpt
 
 from .conftest import SyncerHandle, deep_merge, wait_until
@@ -27,6 +30,7 @@ from .test_adversary import start_syncer as start_syncer_of
 
 pytestmark = pytest.mark.e2e
 
+JOB = "adversary-quality"
 HONEST = "island-0"
 ADVERSARY = "island-1"
 NORM_FACTOR = 10
@@ -39,7 +43,13 @@ QUALITY = deep_merge(
         "syncer": {
             "evalEveryOuterSteps": 1,
             "qualityGuard": {"margin": 0.05, "patience": 3, "warmupOuterSteps": 0},
-            "guards": {"warmupPushes": 1, "normFactor": NORM_FACTOR, "maxDeltaNorm": 1e6},
+            # No movement cap: the shrink is no AdamW round, and the guard is judged alone.
+            "guards": {
+                "warmupPushes": 1,
+                "normFactor": NORM_FACTOR,
+                "maxDeltaNorm": 1e6,
+                "movementFactor": 0,
+            },
             # Regular checkpoints every 2 outer steps, keep 1: the pruning must leave the best,
             # and the trip set aside the ones after it.
             "checkpoint": {"everyOuterSteps": 2, "keep": 1},
@@ -53,11 +63,32 @@ MAX_PUSHES = 40
 
 @pytest.fixture
 def syncer(tmp_path: Path) -> Iterator[SyncerHandle]:
-    handle = start_syncer_of(tmp_path, QUALITY, "adversary-quality")
+    handle = start_syncer_of(tmp_path, QUALITY, JOB)
     try:
         yield handle
     finally:
         handle.proc.stop(timeout=10)
+
+
+def restart(handle: SyncerHandle) -> SyncerHandle:
+    """Stop the syncer (SIGTERM) and start `diloco syncer` again on its state dir and port (a
+    restart_safe_port: still free); the caller stops the new one."""
+    handle.proc.stop(timeout=30)
+    log_file = handle.log_file.with_name("syncer-restarted.log")
+    proc = launch.start_syncer(
+        handle.files,
+        port=handle.port,
+        state_dir=handle.state_dir,
+        job_name=JOB,
+        log_file=log_file,
+        extra_env={"OMP_NUM_THREADS": "1"},
+    )
+    try:
+        launch.wait_ready(handle.url, handle.token, timeout=90, proc=proc)
+    except BaseException:
+        proc.stop(timeout=5)
+        raise
+    return dataclasses.replace(handle, proc=proc, log_file=log_file)
 
 
 def norm(tensors: dict[str, torch.Tensor]) -> float:
@@ -123,3 +154,19 @@ def test_bad_island_of_two_ratchets_and_the_job_stops_at_its_best(syncer: Syncer
     # Merging stopped: a push after the end moves nothing.
     push_as(syncer, ADVERSARY, ratchet, steps=STEPS, tokens=TOKENS)
     assert syncer.status()["versions"] == status["versions"]
+    # A restart on the same state dir remembers the end: it resumed from the best (outer step
+    # 1), is finished, names the same final checkpoint and problem, and merges nothing.
+    again = restart(syncer)
+    try:
+        after = again.status()
+        assert after["finished"] and after["checkpoint"] == best
+        assert after["resumedFrom"] == best["path"] and after["outerStep"] == 1
+        problems = {p["kind"]: p["message"] for p in after["health"]["problems"]}
+        assert problems == {"evalLossRose": kinds["evalLossRose"]}
+        join_all(again, (ADVERSARY,))
+        code, doc = push_as(again, ADVERSARY, ratchet, steps=STEPS, tokens=TOKENS)
+        assert code == 200 and doc["finished"] and not doc["accepted"], doc
+        assert again.status()["versions"] == after["versions"]
+        assert [p.name for p in ckpt.list_checkpoints(state_dir)] == [Path(best["path"]).name]
+    finally:
+        again.proc.stop(timeout=10)

@@ -6,6 +6,7 @@ operator shows as SyncerHealthy False (EvalLossRose) and one Warning Event."""
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -14,10 +15,18 @@ import torch
 from diloco_operator.conditions import job_conditions, syncer_health
 from diloco_operator.phase import GUARD_ENDED, decide_phase
 from diloco_operator.refusals import EVAL_LOSS_ROSE, EVAL_LOSS_ROSE_MESSAGE, post_refusal_events
-from diloco_trainer.api.spec import parse_spec
+from diloco_trainer.api.spec import ConfigError, JobSpec, parse_spec
 from diloco_trainer.syncer.state.problems import EVAL_LOSS_ROSE as KIND
 from diloco_trainer.syncer.state.quality import Trip, judged, tripped
 from diloco_trainer.syncer.storage import checkpoint as ckpt
+from diloco_trainer.syncer.storage.guard_end import (
+    FINAL_ROSE,
+    GUARD_END_FILE,
+    TRIPPED,
+    GuardEnd,
+    read_guard_end,
+    write_guard_end,
+)
 
 from .observations import SYNCER, observation, syncer_view
 from .test_operator_refusals import JOB, OWN, _posted
@@ -96,13 +105,8 @@ def test_pruning_leaves_the_protected_checkpoint_and_a_trip_sets_the_newer_aside
     assert ckpt.outer_step_of(paths[3]) == 4
 
 
-def _uphill_scenario(
-    tmp_path: Path, *, patience: int = 2, outer_steps: int = 100, warmup: int = 0
-) -> tuple[list[dict[str, Any]], list[Path]]:
-    """Two islands, quorum 1, patience 2 and margin 5%: island-0 shrinks the weights (lower
-    eval loss at the random start: logits nearer uniform), island-1 then pushes one fixed
-    random direction, large, twice; each push is an outer step (evaluated)."""
-    spec = make_spec(
+def _uphill_spec(*, patience: int = 2, outer_steps: int = 100, warmup: int = 0) -> JobSpec:
+    return make_spec(
         islands={"count": 2},
         sync={"quorum": 1, "graceSeconds": 0},
         stopAfter={"outerSteps": outer_steps},
@@ -112,10 +116,26 @@ def _uphill_scenario(
                 "patience": patience,
                 "warmupOuterSteps": warmup,
             },
-            "guards": {"warmupPushes": 1000, "maxDeltaNorm": 1e6, "maxRefusals": 0},
+            # No movement cap: these pushes are far from AdamW's, and the guard is judged
+            # alone (test_syncer_movement_cap.py is the cap's).
+            "guards": {
+                "warmupPushes": 1000,
+                "maxDeltaNorm": 1e6,
+                "maxRefusals": 0,
+                "movementFactor": 0,
+            },
             "checkpoint": {"everyOuterSteps": 100, "keep": 1},
         },
     )
+
+
+def _uphill_scenario(
+    tmp_path: Path, *, patience: int = 2, outer_steps: int = 100, warmup: int = 0
+) -> tuple[list[dict[str, Any]], list[Path]]:
+    """Two islands, quorum 1, patience 2 and margin 5%: island-0 shrinks the weights (lower
+    eval loss at the random start: logits nearer uniform), island-1 then pushes one fixed
+    random direction, large, twice; each push is an outer step (evaluated)."""
+    spec = _uphill_spec(patience=patience, outer_steps=outer_steps, warmup=warmup)
 
     async def scenario() -> list[dict[str, Any]]:
         syncer = await started(spec, tmp_path, FakeClock())
@@ -212,3 +232,109 @@ def test_a_finish_after_a_rise_keeps_the_best_checkpoint(tmp_path: Path) -> None
     assert [p.name for p in on_disk] == [ckpt.checkpoint_name(1)]
     aside = sorted(p.name for p in on_disk[0].parent.iterdir())
     assert aside == [ckpt.checkpoint_name(1), ckpt.ROSE_PREFIX + ckpt.checkpoint_name(3)]
+
+
+def _restarted(tmp_path: Path, spec: JobSpec) -> tuple[dict[str, Any], dict[str, Any]]:
+    """A syncer started again on the state dir: its status, then its answer to a push of
+    island-1 (with a tick after it, so a due merge would run) and the status after."""
+
+    async def scenario() -> tuple[dict[str, Any], dict[str, Any]]:
+        syncer = await started(spec, tmp_path, FakeClock())
+        before = await syncer.status()
+        await syncer.islands.join("island-1", 1)
+        names = syncer.fragments[0]
+        d = {n: 0.1 * torch.ones_like(syncer.model.weights[n]) for n in names}
+        answer = await syncer.receive_push(0, body(syncer, 0, "island-1", d, steps=8, tokens=200))
+        await syncer.tick()
+        after = await syncer.status()
+        await syncer.stop()
+        assert after["versions"] == before["versions"]  # nothing merged
+        return before, answer
+
+    return run(scenario())
+
+
+def test_a_syncer_restarted_after_a_trip_stays_finished(tmp_path: Path) -> None:
+    """The trip's end is on disk (quality-guard-end.json): the restarted syncer is finished,
+    names the same best checkpoint as the final one, reports evalLossRose with the same
+    message, resumed from the best, and answers a push `finished` without merging it."""
+    seen, _ = _uphill_scenario(tmp_path)
+    ended = seen[-1]
+    end = read_guard_end(tmp_path)
+    assert end is not None and end.kind == TRIPPED
+    assert (end.best, end.best_step) == (ckpt.checkpoint_name(1), 1)
+    assert end.message == ended["health"]["problems"][0]["message"]
+    status, answer = _restarted(tmp_path, _uphill_spec())
+    assert status["finished"] and status["checkpoint"] == ended["checkpoint"]
+    assert status["resumedFrom"] == ended["checkpoint"]["path"]
+    assert status["outerStep"] == 1  # the best's: the weights that rose were never kept
+    assert [(p["kind"], p["message"]) for p in status["health"]["problems"]] == [
+        (KIND, end.message)
+    ]
+    assert answer["finished"] and not answer["accepted"]
+    # A second restart finds the same (the record is not consumed by a start).
+    again, _ = _restarted(tmp_path, _uphill_spec())
+    assert again["finished"] and again["checkpoint"] == ended["checkpoint"]
+
+
+def test_a_syncer_restarted_after_a_finish_that_rose_stays_finished(tmp_path: Path) -> None:
+    """The budget's finish whose final evaluation rose (outer step 3) set its checkpoint aside:
+    the restart resumes from the best (outer step 1, short of the budget of 3) and still does
+    not merge: the end on disk says the job is over."""
+    seen, _ = _uphill_scenario(tmp_path, patience=3, outer_steps=3)
+    ended = seen[-1]
+    end = read_guard_end(tmp_path)
+    assert end is not None and end.kind == FINAL_ROSE and end.best_step == 1
+    status, answer = _restarted(tmp_path, _uphill_spec(patience=3, outer_steps=3))
+    assert status["finished"] and status["outerStep"] == 1
+    assert status["checkpoint"] == ended["checkpoint"]
+    assert status["health"]["problems"][0]["message"].startswith("final eval loss")
+    assert answer["finished"]
+
+
+def test_a_start_after_a_crash_before_the_setting_aside_sets_them_aside(tmp_path: Path) -> None:
+    """The end was written but the process died before setting aside the checkpoints after
+    the best: the start sets them aside and resumes from the best."""
+    seen, _ = _uphill_scenario(tmp_path)
+    best = Path(seen[-1]["checkpoint"]["path"])
+    # As if the crash came before the setting aside: a later checkpoint is still listed.
+    later = best.with_name(ckpt.checkpoint_name(3))
+    (best.parent / (ckpt.ROSE_PREFIX + ckpt.checkpoint_name(3))).mkdir()
+    shutil.copytree(best, later)
+    status, _ = _restarted(tmp_path, _uphill_spec())
+    assert status["finished"] and status["resumedFrom"] == str(best)
+    assert ckpt.list_checkpoints(tmp_path) == [best]
+    assert (best.parent / f"{ckpt.ROSE_PREFIX}{later.name}.1").is_dir()
+
+
+def test_guard_end_record_round_trips_and_a_bad_one_is_a_config_error(tmp_path: Path) -> None:
+    end = GuardEnd(TRIPPED, "rose", ckpt.checkpoint_name(12), 12, 5.0)
+    write_guard_end(tmp_path, end)
+    assert read_guard_end(tmp_path) == end
+    assert [p.name for p in tmp_path.iterdir()] == [GUARD_END_FILE]  # no temporary left
+    none = GuardEnd(FINAL_ROSE, "rose", None, 0, 5.0)
+    write_guard_end(tmp_path, none)  # replaces the old one
+    assert read_guard_end(tmp_path) == none
+    assert read_guard_end(tmp_path / "elsewhere") is None
+    path = tmp_path / GUARD_END_FILE
+    bad = [
+        ("{", "not a valid record"),
+        ('{"formatVersion": 2}', "formatVersion 1"),
+        ('{"formatVersion": 1, "kind": "x", "message": "m", "best": null, "time": 1}', "kind"),
+        # A name outside the checkpoints, or a step that is not the name's.
+        (
+            '{"formatVersion": 1, "kind": "tripped", "message": "m", "time": 1,'
+            ' "best": {"checkpoint": "../x", "outerStep": 1}}',
+            "not a checkpoint name",
+        ),
+        (
+            '{"formatVersion": 1, "kind": "tripped", "message": "m", "time": 1,'
+            ' "best": {"checkpoint": "ckpt-000000012", "outerStep": 11}}',
+            "outerStep 11",
+        ),
+    ]
+    for text, why in bad:
+        path.write_text(text)
+        with pytest.raises(ConfigError, match=why) as err:
+            read_guard_end(tmp_path)
+        assert GUARD_END_FILE in str(err.value)

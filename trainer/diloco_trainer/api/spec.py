@@ -274,6 +274,17 @@ class GuardsSpec(SpecModel):
         description="Replicas an island of another cluster (multi-region) may report; unset: "
         "islands.replicas.",
     )
+    movement_factor: float = Field(
+        1.5,
+        ge=0,
+        le=1000,
+        description="In a job of fewer than three islands (no majority to learn a bound from), "
+        "each merge's pseudo-gradient per round of work is clipped (shortened, its direction "
+        "kept) to this many times the most one honest round of AdamW moves the fragment: "
+        "inner.lr x inner.steps x sqrt(numel) / (1 - sync.mixAlpha). No island's word moves "
+        "it, so a bad island of two moves the model per round of claimed work by at most that; "
+        "an honest round stays within it. 0 turns it off.",
+    )
 
 
 class QualityGuardSpec(SpecModel):

@@ -8,7 +8,13 @@ from __future__ import annotations
 
 from diloco_trainer.syncer.intake.admission import Admission, admitted_records
 from diloco_trainer.syncer.intake.gate import Gate
-from diloco_trainer.syncer.intake.guards import DeltaStats, delta_stats, make_guard
+from diloco_trainer.syncer.intake.guards import (
+    DeltaStats,
+    clip_scale,
+    delta_stats,
+    make_guard,
+    movement_caps,
+)
 from diloco_trainer.syncer.intake.payload import EncodedPayload
 from diloco_trainer.syncer.intake.rights import require_island
 from diloco_trainer.syncer.intake.validation import (
@@ -41,12 +47,14 @@ __all__ = [
     "at_least",
     "at_most",
     "bounded_loss",
+    "clip_scale",
     "delta_stats",
     "fragment_body_limit",
     "island_name",
     "json_too_deep",
     "make_guard",
     "measure_push",
+    "movement_caps",
     "read_push",
     "require_island",
     "step_time_limit",

@@ -425,6 +425,38 @@ def norm_floors(spec: JobSpec, numels: Sequence[int], caps: Sequence[float]) -> 
     return [min(lr * steps * math.sqrt(n), cap) for n, cap in zip(numels, caps, strict=True)]
 
 
+def movement_caps(spec: JobSpec, numels: Sequence[int]) -> list[float] | None:
+    """Per fragment, the most a merge's pseudo-gradient per round of work (g, which the outer
+    step applies as lr x φ x g: core/contributions.py) may be in a job of fewer than
+    MAJORITY_ISLANDS islands: syncer.guards.movementFactor x one honest round of AdamW at its
+    most, inner.lr x inner.steps x sqrt(numel) / (1 - sync.mixAlpha) (every element moved by
+    lr each step, all in one direction; mixing keeps that share of the old deviation). None when
+    the job has a majority to learn bounds from (three or more islands) or the factor is 0.
+
+    Why the spec and not the job's history: with two islands either may be the bad one, so no
+    statistic of their pushes is the honest one's (the smaller median can be flooded down, the
+    larger ratcheted up); what one round of AdamW can move is the spec's, no island's word, and
+    an honest round is within it (|m/sqrt(v)| <= ~1 per element, mostly far less: a tenth to a
+    quarter measured). A bad island's push of one claimed step whose norm is at the learned
+    bound is a g of H x that bound (its vector is scaled to one round of work): the clip bounds
+    what each claimed round of its work moves the model to what an honest round can."""
+    factor = spec.syncer.guards.movement_factor
+    if factor <= 0 or spec.total_shards() >= MAJORITY_ISLANDS:
+        return None
+    lr, steps = spec.inner.lr, spec.inner.steps
+    keep = 1.0 / (1.0 - spec.sync.mix_alpha)
+    return [factor * lr * steps * math.sqrt(n) * keep for n in numels]
+
+
+def clip_scale(norm: float, cap: float) -> float:
+    """What a merged pseudo-gradient of `norm` is multiplied by to be at most `cap`: 1 when it
+    is within (or its norm is 0), cap / norm above it; 0 for a norm that is not finite (its
+    elements are bounded: merge_checks.MAX_MERGED_ABS, so only their sum of squares overflowed)."""
+    if not math.isfinite(norm):
+        return 0.0
+    return 1.0 if norm <= cap else cap / norm
+
+
 def make_guard(
     spec: JobSpec, numels: Sequence[int], weight_norms: Sequence[float]
 ) -> ContributionGuard:

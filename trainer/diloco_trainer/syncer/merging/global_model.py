@@ -7,6 +7,11 @@ fragment's round of pseudo-gradients as core/contributions.py plans it, applies 
 (Delayed Nesterov folded per round of work, core/outer.py) to θ_exact and moves θ_pub towards it
 by one encoded update (see core/published.py).
 
+In a job of fewer than three islands each merge's pseudo-gradient per round of work is clipped
+to syncer.guards.movementFactor x one honest AdamW round (intake/guards.movement_caps, issue 46):
+its norm is read in slices once the merge is computed, and the clip is one more divisor of each
+tensor, applied where the outer step reads each slice (no pass, no buffer of its own).
+
 Synchronous and free of asyncio and HTTP: the service calls it while holding its lock, the heavy
 methods (prepare_merge, digest, snapshots) from a worker thread.
 """
@@ -32,7 +37,7 @@ from diloco_trainer.core.merge import merge_pseudo_gradients
 from diloco_trainer.core.outer import BUFFER_PREFIX, FusedSlice, OuterOptimizer
 from diloco_trainer.core.payloads import body_data, body_layout
 from diloco_trainer.core.published import UpdateWriter, WeightUpdate, publish_update
-from diloco_trainer.syncer.intake import EncodedPayload
+from diloco_trainer.syncer.intake import EncodedPayload, clip_scale, movement_caps
 from diloco_trainer.syncer.merging.folding import RoundFolds
 from diloco_trainer.syncer.merging.heap import release_compiler_pages
 from diloco_trainer.syncer.merging.merge_checks import MAX_MERGED_ABS, MergeInputError, check_merged
@@ -80,9 +85,11 @@ class PreparedMerge:
 
     plan: MergePlan
     merged: Tensors  # the merged pseudo-gradient g, once divided by `divisors`
-    # Tensors of `merged` still to be divided by these (fold.result_undivided): commit_merge
-    # divides each slice as the outer step reads it; emptied once done.
+    # Tensors of `merged` still to be divided by these (fold.result_undivided, and the movement
+    # clip): commit_merge divides each slice as the outer step reads it; emptied once done.
     divisors: dict[str, float] = field(default_factory=dict)
+    # What the movement clip multiplied g by (1: not clipped; intake/guards.movement_caps).
+    movement_scale: float = 1.0
 
     def divide(self, name: str, sl: slice) -> None:
         """Finish one slice of `merged[name]` (core/outer.OuterOptimizer.step's `before`)."""
@@ -138,6 +145,8 @@ class GlobalModel:
             sum(every[n].numel() * every[n].element_size() for n in names)
             for names in self.fragments
         ]
+        # Per fragment, the most a merge's g may be in a job of two (None: no clip).
+        self.movement_caps = movement_caps(spec, self.numels())
         self.owned = list(range(len(self.fragments))) if owned is None else sorted(owned)
         mine = {n for f in self.owned for n in self.fragments[f]}
         self.weights: Tensors = {n: t for n, t in every.items() if n in mine}
@@ -281,7 +290,21 @@ class GlobalModel:
             raise MergeInputError(f"work fraction {plan.fraction} of fragment {f}'s merge")
         if not checked:
             check_merged(f, merged)
-        return PreparedMerge(plan, merged, divisors)
+        scale = 1.0
+        if self.movement_caps is not None:
+            norm = merged_norm(merged, divisors)
+            scale = clip_scale(norm, self.movement_caps[f])
+            if scale < 1.0:
+                for name in merged:  # a divisor of inf makes every (bounded) element 0
+                    divisors[name] = divisors.get(name, 1.0) / scale if scale else math.inf
+                log.info(
+                    "merge of fragment %d: pseudo-gradient per round %.4g clipped to %.4g "
+                    "(syncer.guards.movementFactor)",
+                    f,
+                    norm,
+                    self.movement_caps[f],
+                )
+        return PreparedMerge(plan, merged, divisors, scale)
 
     def fold_push(
         self, f: int, contribution: Contribution, payload: EncodedPayload, lag_rounds: float
@@ -453,6 +476,25 @@ class GlobalModel:
                     f"checkpoint {loaded.path}: {name} has shape {tuple(t.shape)}, the model "
                     f"{tuple(self.weights[name].shape)}"
                 )
+
+
+def merged_norm(merged: Mapping[str, torch.Tensor], divisors: Mapping[str, float]) -> float:
+    """The L2 norm of the merged pseudo-gradient g, each tensor of `merged` divided by its
+    divisor (1 when it has none), read a fold slice at a time: in fp32 (no copy; a quarter of
+    fp64's time), and a slice again in fp64 when its fp32 sum of squares overflowed (elements
+    up to merge_checks.MAX_MERGED_ABS)."""
+    total = 0.0
+    for name, t in merged.items():
+        flat = t.reshape(-1)
+        squares = 0.0
+        for start in range(0, flat.numel(), FOLD_SLICE):
+            piece = flat[start : start + FOLD_SLICE]
+            norm = float(torch.linalg.vector_norm(piece))
+            if not math.isfinite(norm):
+                norm = float(torch.linalg.vector_norm(piece, dtype=torch.float64))
+            squares += norm**2
+        total += squares / divisors.get(name, 1.0) ** 2
+    return math.sqrt(total)
 
 
 def release_tensors(tensors: Sequence[torch.Tensor]) -> None:

@@ -25,9 +25,11 @@ neither counts nor deletes the best, so the disk holds at most keep + 1 checkpoi
 the service ends the job with the best as its final checkpoint, the ones after it set aside
 (`rose-ckpt-*`: the newest on disk is the best). Memory: the best is on disk
 only, never another copy of the model in memory (the checkpoint is written from the live
-tensors, as every checkpoint is). The best is remembered by this process: a restarted syncer
-(which resumes from the newest checkpoint; after a trip, the best) starts a new best at its
-next evaluation, and does not know the job ended (the operator's phase stays Succeeded).
+tensors, as every checkpoint is). The guard's end of the job (a trip, or a finish whose final
+evaluation rose) is written to the state dir before the checkpoints are set aside
+(storage/guard_end.py), so a restarted syncer stays finished with the same final checkpoint and
+problem (`restore_end`, called by startup.py). Before an end, the best is remembered by this
+process only: a restarted syncer starts a new best at its next evaluation.
 """
 
 from __future__ import annotations
@@ -53,6 +55,12 @@ from diloco_trainer.syncer.state import (
     Trip,
     judged,
     tripped,
+)
+from diloco_trainer.syncer.storage import (
+    FINAL_ROSE,
+    TRIPPED,
+    GuardEnd,
+    write_guard_end,
 )
 from diloco_trainer.syncer.storage import checkpoint as ckpt
 
@@ -178,6 +186,37 @@ class Checkpoints:
         self.latest = {"path": str(path), "outerStep": step}
         log.info("checkpoint %s written", path)
         return True
+
+    async def end_at_best(self, kind: str, message: str, now: float) -> None:
+        """The quality guard ended the job: the best is the final checkpoint. Its end is
+        written to the state dir first (storage/guard_end.py: a restart stays finished), then
+        the checkpoints after the best are set aside; a failure of either is reported (the
+        health problem checkpoint), not raised: this process ends the job all the same."""
+        self.latest = self.best
+        best = None if self.best is None else Path(self.best["path"])
+        end = GuardEnd(
+            kind=kind,
+            message=message,
+            best=None if best is None else best.name,
+            best_step=0 if self.best is None else int(self.best["outerStep"]),
+            time=now,
+        )
+        try:
+            await asyncio.to_thread(write_guard_end, self.state_dir, end)
+        except OSError as err:
+            log.exception("writing the quality guard's end of the job failed")
+            self.health.report(
+                CHECKPOINT, f"the quality guard's end of the job was not written: {err}"
+            )
+        await self.set_aside_after_best()
+
+    def restore_end(self, end: GuardEnd) -> None:
+        """A restart after the guard's end (startup.py): the best is the final checkpoint
+        again (None: the initial weights)."""
+        best = end.best_path(self.state_dir)
+        self.best = None if best is None else {"path": str(best), "outerStep": end.best_step}
+        self.latest = self.best
+        self.last_versions = None
 
     async def set_aside_after_best(self) -> None:
         """Set aside the checkpoints after the best (all of them with no best: the initial
@@ -321,16 +360,22 @@ class BackgroundJobs:
             return True
         return step - int(best["outerStep"]) >= self.checkpoint_every
 
-    async def end_tripped(self) -> None:
+    async def end_tripped(self, message: str) -> None:
         """After a trip: the status names the best checkpoint as the final one (None when no
         evaluation after the start was the best: the initial weights, a function of the
-        spec), the checkpoints after it are set aside (the newest on disk is the best: a
-        restart resumes from it, `diloco export` of the state dir takes it), and a stop writes
-        no checkpoint of the weights that rose."""
-        self.checkpoints.latest = self.checkpoints.best
+        spec), the end is written to the state dir and the checkpoints after the best are set
+        aside (the newest on disk is the best: a restart resumes from it and stays finished,
+        `diloco export` of the state dir takes it), and a stop writes no checkpoint of the
+        weights that rose."""
         self.checkpoints.last_versions = None
         self.tripped = True
-        await self.checkpoints.set_aside_after_best()
+        await self.checkpoints.end_at_best(TRIPPED, message, self.evaluations.clock())
+
+    def restore_end(self, end: GuardEnd) -> None:
+        """A restart after the guard ended the job (startup.py): finished as before, its final
+        checkpoint the best, and a stop writes no checkpoint."""
+        self.checkpoints.restore_end(end)
+        self.tripped = True
 
     async def finish(self, step: int, tokens: int, snapshot: Snapshotter) -> float | None:
         """Evaluate (unless the latest evaluation is of these weights: this step and these
@@ -357,13 +402,12 @@ class BackgroundJobs:
         limit = 1 + self.guard.margin
         if not self.guard.enabled or final is None or best is None or not final > limit * best:
             return
-        self.checkpoints.latest = self.checkpoints.best
-        await self.checkpoints.set_aside_after_best()
-        self.checkpoints.health.report(
-            EVAL_LOSS_ROSE,
+        message = (
             f"final eval loss {final:.4f} above {limit:g} x the best checkpoint's ({best:.4f}): "
-            "the final checkpoint is the best-evaluated one",
+            "the final checkpoint is the best-evaluated one"
         )
+        await self.checkpoints.end_at_best(FINAL_ROSE, message, self.evaluations.clock())
+        self.checkpoints.health.report(EVAL_LOSS_ROSE, message)
 
     async def final_checkpoint(self, versions: list[int], snapshot: Snapshotter) -> bool:
         """At a stop: a checkpoint when anything was merged since the

@@ -454,7 +454,7 @@ class Syncer:
         the health problem evalLossRose, which never clears (merge lock held)."""
         message = trip.message(self.spec.syncer.quality_guard.margin)
         self.health.report(EVAL_LOSS_ROSE, message)
-        await self.jobs.end_tripped()
+        await self.jobs.end_tripped(message)
         self.control.finished = True
         await self.publisher.publish(self._body_keys())
         best = self.jobs.snapshot().checkpoint

@@ -14,6 +14,12 @@ The checkpoint's manifest is read through its model (api/manifest.CheckpointMani
 records of a checkpoint are restored only for the job's own island names, at most as many as the
 job has (admission.py), so islands created by a flood of joins do not come back. The guards'
 hard norm caps are derived from the weights the job starts from (resumed or initial).
+
+A state dir where the quality guard ended the job (storage/guard_end.py's record) starts
+finished: the checkpoints after the best are set aside again (a crash may have come between the
+record and the setting aside), so the syncer resumes from the best (or, when the initial weights
+were the best, afresh: a function of the spec); the status names the best as the final
+checkpoint, the health problem evalLossRose carries the recorded message, and no push is merged.
 """
 
 from __future__ import annotations
@@ -32,12 +38,14 @@ from diloco_trainer.syncer.service.jobs import BackgroundJobs
 from diloco_trainer.syncer.serving import Publisher
 from diloco_trainer.syncer.state import (
     CORRUPT,
+    EVAL_LOSS_ROSE,
     Health,
     SyncerMetrics,
     SyncState,
     round_policy,
     stop_reached,
 )
+from diloco_trainer.syncer.storage import GuardEnd, read_guard_end
 from diloco_trainer.syncer.storage import checkpoint as ckpt
 
 log = logging.getLogger("diloco.syncer")
@@ -59,7 +67,9 @@ class SyncerParts:
     gate: Gate
     spec_hash: str
     resumed_from: str | None  # the checkpoint it resumed from, None for a fresh start
-    finished: bool  # stopAfter was reached before the start (a restart after the finish)
+    # stopAfter was reached before the start (a restart after the finish), or the quality guard
+    # ended the job (storage/guard_end.py)
+    finished: bool
 
 
 def corrupt_message(state_dir: str, corrupt: list[tuple[str, str]]) -> str:
@@ -116,6 +126,9 @@ def build(
         health=health,
         evaluates=scope is None,
     )
+    end = read_guard_end(state_dir)  # ConfigError when unreadable
+    if end is not None:
+        _keep_the_end(end, state_dir)
     loaded = _newest_valid(spec, state_dir, health)
     spec_hash = ckpt.spec_hash(spec.to_json())
     if loaded is not None and loaded.document.spec_hash != spec_hash:
@@ -137,6 +150,8 @@ def build(
         guard.history.restore(loaded.document.norm_history)
         _restore_counters(loaded, state, Admission.from_spec(spec), merge_log, jobs, now=clock())
     gate = Gate(spec, guard=guard, metrics=metrics, config_file=config_file, health=health)
+    if end is not None:
+        _restore_the_end(end, loaded, jobs, health)
     return SyncerParts(
         metrics=metrics,
         health=health,
@@ -150,8 +165,28 @@ def build(
         gate=gate,
         spec_hash=spec_hash,
         resumed_from=None if loaded is None else str(loaded.path),
-        finished=stop_reached(spec, outer_step=state.outer_step, tokens=merge_log.tokens),
+        finished=end is not None
+        or stop_reached(spec, outer_step=state.outer_step, tokens=merge_log.tokens),
     )
+
+
+def _keep_the_end(end: GuardEnd, state_dir: Path) -> None:
+    """The quality guard ended this job before the start: set aside the checkpoints after its
+    best, so that the syncer resumes from the best (see the module docstring)."""
+    for path in ckpt.set_aside_after(state_dir, end.best_step if end.best is not None else 0):
+        log.warning("checkpoint set aside as %s: the quality guard ended the job", path.name)
+    log.warning("the quality guard ended this job: %s", end.message)
+
+
+def _restore_the_end(
+    end: GuardEnd, loaded: ckpt.Checkpoint | None, jobs: BackgroundJobs, health: Health
+) -> None:
+    """The job stays ended as the quality guard ended it: its final checkpoint and problem."""
+    jobs.restore_end(end)
+    health.report(EVAL_LOSS_ROSE, end.message)
+    if end.best is not None and (loaded is None or loaded.path.name != end.best):
+        # The best was deleted or is corrupt: the job stays ended all the same.
+        log.error("the quality guard's best checkpoint %s is not the one resumed", end.best)
 
 
 def _newest_valid(spec: JobSpec, state_dir: Path, health: Health) -> ckpt.Checkpoint | None:
