@@ -126,7 +126,7 @@ def test_limits_from_the_spec() -> None:
     fixed = RoundLimits.from_spec(parse_spec({"inner": {"steps": 30, "stepsPerIsland": "fixed"}}))
     assert fixed.steps_of(1, IslandRound(10)) == 30  # stepsPerIsland fixed: always H
     default = RoundLimits.from_spec(parse_spec({"inner": {"steps": 30}}))
-    assert default.auto and default.steps_of(1, IslandRound(10)) == 10  # auto by default
+    assert not default.auto and default.steps_of(1, IslandRound(10)) == 30  # fixed by default
     wide = RoundLimits.from_spec(
         parse_spec({"inner": {"steps": 30, "minSteps": 10, "maxSteps": 60}})
     )

@@ -49,7 +49,7 @@ class InnerSpec(SpecModel):
     warmup_steps: int = Field(0, ge=0, description="Linear warm-up, in inner steps.")
     steps: int = Field(500, ge=1, le=1_000_000, description="H: inner steps per outer round.")
     steps_per_island: Literal["auto", "fixed"] = Field(
-        "auto",
+        "fixed",
         description="Each island's round: fixed (every island takes inner.steps between pushes "
         "of a fragment) or auto (the syncer sizes island i's round H_i from its measured step "
         "time, so that islands of different speeds push at about the same wall time: H_i = "
