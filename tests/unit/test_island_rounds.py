@@ -13,10 +13,12 @@ from diloco_trainer.core.island_rounds import (
     RoundLimits,
     StepTimeReport,
     first_reading_now,
+    in_band,
     next_round,
     probe_moves,
     probe_step_time,
     reference_step_time,
+    split_budget,
     target_steps,
 )
 
@@ -70,15 +72,15 @@ def _schedule(start: int, targets: list[int]) -> list[int]:
 
 def test_a_mid_job_slowdown_shrinks_the_round_after_two_readings() -> None:
     # H = 30; the island's node is replaced by one 3x slower before its third reading: targets
-    # 30, 30, then 10. Reading 3 is the first beyond 20% (pending -1), reading 4 confirms it
-    # (pending -2, a fresh island has no cooldown): H_i = 10 from reading 4 on.
+    # 30, 30, then 10. Reading 3 is the first beyond the band (20.4..42, pending -1), reading
+    # 4 confirms it (pending -2, a fresh island has no cooldown): H_i = 10 from reading 4 on.
     assert _schedule(30, [30, 30, 10, 10, 10, 10]) == [30, 30, 30, 10, 10, 10]
 
 
 def test_the_first_reading_sets_a_slow_islands_round_at_once() -> None:
     # a fresh island (no reading yet) 3x slower: its first reading's target 10 is taken at once
     assert _schedule(30, [10, 10, 10]) == [10, 10, 10]
-    # a first reading within 20% makes it no longer fresh: a later change needs two readings
+    # a first reading within the band makes it no longer fresh: a later change needs two readings
     assert _schedule(30, [30, 10, 10]) == [30, 30, 10]
 
 
@@ -99,9 +101,9 @@ def test_a_recovery_waits_for_the_cooldown() -> None:
 
 
 def test_no_oscillation_under_noise_or_alternating_readings() -> None:
-    # within 20% of 30 (24..36): never a change
+    # within the band of 30 (30 / 1.4 - 1 = 20.4 .. 30 x 1.4 = 42): never a change
     assert _schedule(30, [26, 34, 35, 25, 36, 24, 30]) == [30] * 7
-    # after a first reading within 20%: a reading beyond it between two within it resets the
+    # after a first reading within the band: a reading beyond it between two within it resets the
     # count each time, never confirmed
     assert _schedule(30, [30, 10, 30, 10, 30, 10, 30, 10]) == [30] * 8
     # beyond it on both sides in turn: the direction flips, never two in a row the same way
@@ -195,3 +197,61 @@ def test_a_probe_moves_a_round_only_when_it_at_least_halves_it() -> None:
     assert probe_moves(20, 10) is True  # exactly half
     assert probe_moves(20, 11) is False  # 1.8x: the regular reading decides
     assert probe_moves(20, 20) is False  # as fast as the reference
+
+
+def test_band_is_forty_percent_of_step_time_less_the_rounding_step() -> None:
+    # H_i = 20: low = min(19, 20 / 1.4 - 1 = 13.29), high = max(21, 20 x 1.4 = 28)
+    assert in_band(20, 14) and not in_band(20, 13)
+    assert in_band(20, 28) and not in_band(20, 29)
+    # H_i = 10: low = min(9, 10 / 1.4 - 1 = 6.14), high = max(11, 14)
+    assert in_band(10, 7) and not in_band(10, 6)
+    assert in_band(10, 14) and not in_band(10, 15)
+    # H_i = 3: one step either way is always inside (low = min(2, 1.14), high = max(4, 4.2))
+    assert in_band(3, 2) and in_band(3, 4) and not in_band(3, 1) and not in_band(3, 5)
+
+
+def test_equal_islands_keep_h_under_loaded_machine_noise() -> None:
+    """Identical islands on a loaded 2-core machine: an island's step-time readings ±30% beside
+    the reference's (the lower median, itself noisy). H = 20, floor 3, ceiling 20. Targets by
+    hand, floor(20 x t_ref / t_i): 20 x 1.0 / 1.3 = 15.38 -> 15; 20 x 0.8 / 1.1 = 14.55 -> 14;
+    20 x 1.0 / 1.4 = 14.29 -> 14; 20 x 1.0 / 1.25 = 16; 20 x 0.7 / 0.98 = 14.29 -> 14;
+    20 x 1.0 / 0.7 = 28.6 -> the ceiling 20. Every one is within the band (>= 13.29): H_i stays
+    20 throughout, from the first (fresh) reading on. The band of 20% of the steps it replaced
+    (|target - 20| <= 4) had taken 15 at the first reading and shrunk the round to it."""
+    readings = [
+        (1.0, 1.3),
+        (1.0, 1.3),
+        (0.8, 1.1),
+        (1.0, 1.4),
+        (1.0, 1.25),
+        (0.7, 0.98),
+        (1.0, 0.7),
+        (1.0, 1.3),
+        (1.0, 1.3),
+        (1.0, 1.4),
+    ]
+    targets = [
+        target_steps(inner_steps=20, reference=ref, own=own, floor=3, ceiling=20)
+        for ref, own in readings
+    ]
+    assert targets == [15, 15, 14, 14, 16, 14, 20, 15, 15, 14]
+    assert _schedule(20, targets) == [20] * len(targets)
+
+
+def test_a_one_and_a_half_times_slower_island_is_beyond_the_band() -> None:
+    # 20 x 1.0 / 1.5 = 13.33 -> 13 < 13.29: a fresh island takes it at once; the mixes
+    # 1,1,2,4 (targets 10 and 5) are far beyond it too
+    assert target_steps(inner_steps=20, reference=1.0, own=1.5, floor=3, ceiling=20) == 13
+    assert _schedule(20, [13, 13]) == [13, 13]
+    assert _schedule(20, [10]) == [10] and _schedule(20, [5]) == [5]
+
+
+def test_split_budget_once_any_round_differs_from_h() -> None:
+    # every round H (= 20): each island keeps its share, as stepsPerIsland fixed
+    assert not split_budget(inner_steps=20, rounds=[20, 20, 20, 20], split=False)
+    assert not split_budget(inner_steps=20, rounds=[], split=False)
+    # one island at 6 (3x slower): split
+    assert split_budget(inner_steps=20, rounds=[20, 20, 20, 6], split=False)
+    # back to H everywhere: still split (the shares counted rounds of H, the budget was spent
+    # unevenly meanwhile)
+    assert split_budget(inner_steps=20, rounds=[20, 20, 20, 20], split=True)

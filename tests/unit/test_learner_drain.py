@@ -64,6 +64,19 @@ def test_drain_trigger_at_the_syncers_stop_target() -> None:
     assert not trigger.due(13, tokens=6_500, stop_at=6_000)
 
 
+def test_drain_trigger_share_is_off_once_the_budget_is_split() -> None:
+    """K = M, rounds differ (the syncer says split): a share of 600 steps with 100 merged
+    before is not taken at 500 steps run; the stop target (6,000 tokens) ends the part."""
+    trigger = DrainTrigger(share=600, steps_before=100)
+    assert not trigger.due(500, tokens=5_000, stop_at=None, split=True)  # share off
+    assert not trigger.due(510, tokens=5_900, stop_at=6_000, split=True)
+    assert trigger.due(520, tokens=6_000, stop_at=6_000, split=True)
+    # not split: the same trigger state drains at the share, 100 + 500 = 600, as fixed does
+    same = DrainTrigger(share=600, steps_before=100)
+    assert not same.due(499, tokens=0, stop_at=None, split=False)
+    assert same.due(500, tokens=0, stop_at=None, split=False)
+
+
 def rounds_spec(inner: dict[str, Any], overrides: list[dict[str, Any]], **stop: Any) -> Any:
     return parse_spec(
         {
@@ -76,11 +89,15 @@ def rounds_spec(inner: dict[str, Any], overrides: list[dict[str, Any]], **stop: 
     )
 
 
-def test_drain_no_token_share_when_rounds_may_differ() -> None:
-    """inner.stepsPerIsland auto (or a pinned H_i other than H): 1/M of the token budget each
-    assumed rounds of H, so the syncer's stop target ends the island's part instead."""
+def test_drain_token_share_with_auto_rounds_and_none_with_differing_pins() -> None:
+    """inner.stepsPerIsland auto keeps the share of fixed (1,228,800 / (4 x 512) = 600 steps
+    each): it counts while every round is H (DrainTrigger.due's split). A pinned H_i other than
+    H: 1/M of the budget each assumed rounds of H, so the syncer's stop target ends the island's
+    part instead."""
     auto = {"stepsPerIsland": "auto"}
-    assert share_steps(rounds_spec(auto, [], tokens=1_228_800), tokens_per_step=512) is None
+    assert share_steps(rounds_spec(auto, [], tokens=1_228_800), tokens_per_step=512) == 600
+    fixed = {"stepsPerIsland": "fixed"}
+    assert share_steps(rounds_spec(fixed, [], tokens=1_228_800), tokens_per_step=512) == 600
     # stopAfter.outerSteps is counted in rounds (round_work), exact whatever H_i: 20 x 30.
     both = rounds_spec(auto, [], outerSteps=20, tokens=10**9)
     assert share_steps(both, tokens_per_step=512) == 600

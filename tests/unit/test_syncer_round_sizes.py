@@ -130,3 +130,32 @@ def test_a_probe_near_the_reference_waits_for_the_regular_reading() -> None:
     sizes.read(noisy, recs, now=30.0)
     assert sizes.steps_of(noisy, noisy.name) == 30
     assert noisy.round is not None and not noisy.round.fresh
+
+
+def test_the_budget_is_split_once_a_round_moves_and_stays_split() -> None:
+    """No pin: while every island's round is H, no split (each island keeps its share of 1/M,
+    as with stepsPerIsland fixed); the slow island's round moving to 10 splits it for good."""
+    spec = parse_spec({"inner": {"steps": 30, "stepsPerIsland": "auto"}, "islands": {"count": 4}})
+    sizes = RoundSizes(spec)
+    recs = _islands([1.0, 1.0, 1.0, 1.0])
+    for rec in recs:
+        sizes.joined(rec)
+    # equal islands, readings within the band (target 30 x 1 / 1.3 = 23): all keep H, no split
+    recs[3].step_time = 1.3
+    for now in (0.0, 30.0, 60.0, 90.0):
+        sizes.read(recs[3], recs, now=now)
+    assert sizes.steps_of(recs[3], recs[3].name) == 30 and not sizes.split
+    # island-3 slows to 3 s: target 10, beyond the band twice in a row -> 10, and split
+    recs[3].step_time = 3.0
+    sizes.read(recs[3], recs, now=120.0)
+    sizes.read(recs[3], recs, now=150.0)
+    assert sizes.steps_of(recs[3], recs[3].name) == 10 and sizes.split
+    # it recovers (target 30, confirmed after the cooldown): its round is H again, still split
+    recs[3].step_time = 1.0
+    for now in (180.0, 210.0, 240.0, 270.0):
+        sizes.read(recs[3], recs, now=now)
+    assert sizes.steps_of(recs[3], recs[3].name) == 30 and sizes.split
+
+
+def test_a_pin_other_than_h_splits_the_budget_from_the_start() -> None:
+    assert _job().split  # island 2 pinned at 12, H = 30

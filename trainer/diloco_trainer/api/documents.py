@@ -104,6 +104,9 @@ class JoinInfo(Document):
     # The island's round H_i (inner steps between pushes of a fragment: inner.stepsPerIsland);
     # its learner adopts it at its next round boundary. Absent (older syncers): inner.steps.
     inner_steps: int | None = Field(None, ge=1)
+    # K = M: the token budget is split per island by stop targets, not 1/M each (the islands'
+    # rounds differ or did: core/island_rounds.split_budget). Once true, true for the job.
+    split_budget: bool = False
 
     @model_validator(mode="after")
     def _one_version_per_fragment(self) -> JoinInfo:
@@ -136,6 +139,7 @@ class HeartbeatAnswer(Document):
     # them) at which the island drains (syncer/state/targets.py). Absent: none yet.
     stop_at: int | None = None
     inner_steps: int | None = Field(None, ge=1)  # the island's H_i now (as in JoinInfo)
+    split_budget: bool = False  # as in JoinInfo
 
 
 class MembershipAnswer(Document):

@@ -55,8 +55,10 @@ class InnerSpec(SpecModel):
         "time, so that islands of different speeds push at about the same wall time: H_i = "
         "floor(inner.steps x t_ref / t_i), t_ref the lower median of the islands' step times, "
         "within inner.minSteps..inner.maxSteps; the first from a learner's first steps when "
-        "they show it at least twice as slow, later ones only after two readings in a row more "
-        "than 20% away; docs/algorithm.md). islands.overrides[].innerSteps pins an island's.",
+        "they show it at least twice as slow, later ones only after two readings in a row whose "
+        "step time is more than 40% off what its round assumes; at K = M each island keeps its "
+        "1/M share of stopAfter.tokens while every round is inner.steps, as with fixed; "
+        "docs/algorithm.md). islands.overrides[].innerSteps pins an island's.",
     )
     min_steps: int | None = Field(
         None,

@@ -50,8 +50,10 @@ Weights = dict[str, Tensor]
 def share_steps(spec: JobSpec, *, tokens_per_step: int) -> int | None:
     """Inner steps one island trains before it drains: stopAfter.outerSteps x H, or
     stopAfter.tokens / (M x the island's tokens per step) rounded down (at least 1), the fewer;
-    None when islands keep no share (K < M, or no stopAfter). With rounds of different lengths
-    (RoundLimits.varies) no token share: the syncer's stop target ends the island's part.
+    None when islands keep no share (K < M, or no stopAfter). With an override pinning a round
+    other than H (RoundLimits.pins_differ) no token share: the syncer's stop target ends the
+    island's part. inner.stepsPerIsland auto keeps it, as fixed does: it counts only while every
+    island's round is H, which the syncer says (split_budget, DrainTrigger.due).
     Counted in rounds of H (the loop's round_work), the outer-step share is exact whatever the
     H_i. Rounded down, the islands stay
     within the budget: no merge reaches it before every island's last push is in, and the job
@@ -63,30 +65,36 @@ def share_steps(spec: JobSpec, *, tokens_per_step: int) -> int | None:
     shares = []
     if stop.outer_steps is not None:
         shares.append(stop.outer_steps * spec.inner.steps)
-    # Rounds of different lengths (inner.stepsPerIsland): 1/M of the budget each would assume
-    # rounds of H; the syncer, which knows every island's H_i, sends each its stop target
-    # instead (syncer/state/targets.py, split by tokens per round).
-    if stop.tokens is not None and not RoundLimits.from_spec(spec).varies:
+    # Pinned rounds of different lengths: 1/M of the budget each would assume rounds of H; the
+    # syncer, which knows every island's H_i, sends each its stop target instead
+    # (syncer/state/targets.py, split by tokens per round). Measured ones (auto) may stay H.
+    if stop.tokens is not None and not RoundLimits.from_spec(spec).pins_differ:
         shares.append(max(1, stop.tokens // (islands * max(1, tokens_per_step))))
     return min(shares, default=None)
 
 
 class DrainTrigger:
     """When rank 0 drains, once: at its share of stopAfter (K = M: `share` inner steps over
-    the island's life, `steps_before` of them merged before this process joined), or once its
-    count of processed tokens reaches the syncer's stop target (K < M, syncer/state/targets.py).
-    After a drain that did not end the job, never again: the island trains on."""
+    the island's life, `steps_before` of them merged before this process joined) unless the
+    syncer split the budget (`split`: the islands' rounds differ, core/island_rounds.
+    split_budget), or once its count of processed tokens reaches the syncer's stop target (K < M,
+    or K = M split; syncer/state/targets.py). After a drain that did not end the job, never
+    again: the island trains on."""
 
     def __init__(self, *, share: int | None, steps_before: int) -> None:
         self.share = share
         self.steps_before = steps_before
         self.done = False
 
-    def due(self, steps_run: int, tokens: int, stop_at: int | None) -> bool:
-        """After `steps_run` steps of this process and `tokens` processed (its count)."""
+    def due(self, steps_run: int, tokens: int, stop_at: int | None, *, split: bool = False) -> bool:
+        """After `steps_run` steps of this process and `tokens` processed (its count); `split`:
+        the syncer said the budget is split per island (its share is then off: a fast island
+        beside a slower one's short rounds has more than 1/M of the budget to train)."""
         if self.done:
             return False
-        shared = self.share is not None and self.steps_before + steps_run >= self.share
+        shared = (
+            not split and self.share is not None and self.steps_before + steps_run >= self.share
+        )
         self.done = shared or (stop_at is not None and tokens >= stop_at)
         return self.done
 

@@ -414,7 +414,9 @@ class Learner:
                     window_cpu = cpu_now
                 # K = M: the share counts rounds (a step is H / H_i of inner.steps' units)
                 work = math.floor(self.sync.round_work + 1e-9)
-                due = self.drain_at.due(work, self.tokens, self.link.stop_at)
+                due = self.drain_at.due(
+                    work, self.tokens, self.link.stop_at, split=self.link.split_budget
+                )
                 targets = drain(self.sync) if due else self.sync.after_step()
             self._end_commands()
             apply, finished, stopped = self._control(sorted(targets), self._finished())

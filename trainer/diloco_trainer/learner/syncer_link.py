@@ -125,6 +125,9 @@ class SyncerLink:
         # The island's round H_i as syncer shard 0 last named it (join and heartbeat answers;
         # inner.stepsPerIsland), None until it does: fragment_sync adopts it at a round boundary.
         self.inner_steps: int | None = None
+        # K = M: whether syncer shard 0 said the budget is split per island (the islands' rounds
+        # differ: core/island_rounds.split_budget); the island's share is then off (drain.py).
+        self.split_budget = False
         # Latest figures for heartbeats; written by the training thread, read by the loop.
         self.progress: dict[str, Any] = {
             "step": 0,
@@ -183,6 +186,8 @@ class SyncerLink:
             self._shard_says(shard, info.finished)
             if shard == 0 and info.inner_steps is not None:
                 self.inner_steps = info.inner_steps
+            if shard == 0:
+                self.split_budget = self.split_budget or info.split_budget
             return info
 
     async def pull_all(self, num_fragments: int) -> list[PulledFragment]:
@@ -479,6 +484,8 @@ class SyncerLink:
         self._shard_says(shard, reply.finished)
         if shard == 0 and reply.inner_steps is not None:
             self.inner_steps = reply.inner_steps
+        if shard == 0:  # once split, split for the job (island_rounds.split_budget)
+            self.split_budget = self.split_budget or reply.split_budget
         if reply.stop_at is not None:  # K < M near the budget (syncer/state/targets.py): the lowest
             self.stop_at = min(reply.stop_at, self.stop_at or reply.stop_at)
         if reply.state != last_state:

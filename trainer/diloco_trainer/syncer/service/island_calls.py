@@ -51,8 +51,8 @@ class IslandCalls:
         self.codec = codec
         self.spec = spec
         # K < M: each island's stop target once the budget is near (targets.py); K = M islands
-        # keep their own share (learner/drain.py) unless their rounds may differ
-        # (inner.stepsPerIsland): then targets too, split by tokens per round.
+        # keep their own share (learner/drain.py) while every round is H, and get targets too,
+        # split by tokens per round, once rounds differ (rounds.split; split_budget).
         islands = max(spec.islands.count, spec.total_shards())
         self.lock_step = spec.sync.quorum >= islands
         varies = RoundLimits.from_spec(spec).varies
@@ -88,6 +88,7 @@ class IslandCalls:
             state=rec.state,
             island_tokens=merged_tokens,
             inner_steps=inner_steps,
+            split_budget=rounds.split,
         ).to_wire()
 
     async def heartbeat(self, island: str, progress: Beat) -> dict[str, Any]:
@@ -110,6 +111,7 @@ class IslandCalls:
             rounds = self.gate.rounds
             rounds.read(rec, members.active_records(), self.control.clock())
             inner_steps = rounds.steps_of(rec, island)
+            split = rounds.split
             self._set_targets()
         self.control.wake()
         answer = HeartbeatAnswer(
@@ -118,6 +120,7 @@ class IslandCalls:
             versions=self.state.versions,
             stop_at=self.targets.get(island),
             inner_steps=inner_steps,
+            split_budget=split,
         )
         return answer.to_wire()
 
@@ -125,6 +128,8 @@ class IslandCalls:
         """Fix every active island's stop target once the budget is near (lock held)."""
         if self.budget is None or self.targets or self.control.finished:
             return
+        if self.lock_step and not self.gate.rounds.split:
+            return  # every round is H: each island keeps its share of 1/M (learner/drain.py)
         members = self.state.membership
         active = members.active_records()
         paces = {r.name: pace_of(r) for r in active}

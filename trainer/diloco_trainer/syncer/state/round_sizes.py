@@ -22,6 +22,7 @@ from diloco_trainer.core.island_rounds import (
     next_round,
     probe_moves,
     reference_step_time,
+    split_budget,
     target_steps,
 )
 from diloco_trainer.core.push_bounds import STEP_ROUNDS
@@ -43,6 +44,9 @@ class RoundSizes:
     def __init__(self, spec: JobSpec) -> None:
         self.limits = RoundLimits.from_spec(spec)
         self.overlap = spec.sync.overlap_steps or 0
+        # Whether any island's round differs or differed from H (core/island_rounds.
+        # split_budget): at K = M the token budget is then split by stop targets, not shares.
+        self.split = self.limits.pins_differ
 
     def steps_of(self, rec: IslandRecord | None, name: str) -> int:
         """The island's H_i now."""
@@ -52,6 +56,7 @@ class RoundSizes:
         """A join: the island's round is what it had (a rejoin keeps it), else the spec's."""
         if rec.round is None:
             rec.round = IslandRound(self.steps_of(rec, rec.name))
+        self._seen(rec)
         rec.round_read_at = None  # a restarted learner's first steps are warm-up again
 
     def max_push_steps(self, rec: IslandRecord | None, name: str) -> int:
@@ -102,3 +107,11 @@ class RoundSizes:
         if after.steps != current.steps:
             rec.round_before = current.steps
         rec.round = after
+        self._seen(rec)
+
+    def _seen(self, rec: IslandRecord) -> None:
+        self.split = split_budget(
+            inner_steps=self.limits.inner_steps,
+            rounds=[self.steps_of(rec, rec.name)],
+            split=self.split,
+        )

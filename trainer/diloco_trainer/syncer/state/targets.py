@@ -3,10 +3,11 @@ processes before it drains, so that the islands together process stopAfter and e
 it is merged (learner/drain.py).
 
 At K = M the islands run in lock step and each trains its share, 1/M of the budget, on its own
-(drain.share_steps), when every island's round is H. When rounds may differ
-(inner.stepsPerIsland auto, or an override's innerSteps) 1/M each would leave the job short of
-the budget at the drain: there the syncer sets targets at K = M too, splitting what is left by
-each island's tokens per round, H_i x its tokens per step (lock_step_weights).
+(drain.share_steps), while every island's round is H (inner.stepsPerIsland fixed, or auto
+before any island's H_i moved). Once rounds differ (auto moved one, or an override's innerSteps
+pins one: core/island_rounds.split_budget, for the rest of the job) 1/M each would leave the job
+short of the budget at the drain: there the syncer sets targets at K = M too, splitting what is
+left by each island's tokens per round, H_i x its tokens per step (lock_step_weights).
 
 At K < M they run at their own pace: an equal share would idle the fast
 islands behind a straggler, and without a stop the job ends at the first merge that reaches the
