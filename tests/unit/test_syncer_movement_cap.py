@@ -20,21 +20,24 @@ from .test_syncer import FakeClock, body, make_spec, run, started
 
 
 def test_movement_caps_are_the_spec_round_of_adamw_in_a_job_of_two() -> None:
-    spec = make_spec(islands={"count": 2}, inner={"steps": 4, "lr": 1e-3})
+    on = {"guards": {"movementFactor": 1.5}}
+    spec = make_spec(islands={"count": 2}, inner={"steps": 4, "lr": 1e-3}, syncer=on)
     # 1.5 x 1e-3 x 4 x sqrt(100) = 0.06; sqrt(400) = 20: 0.12.
     caps = movement_caps(spec, [100, 400])
     assert caps == pytest.approx([0.06, 0.12], rel=1e-12)
     # mixAlpha 0.5 keeps half the old deviation: twice as much, 1 / (1 - 0.5).
-    mixed = make_spec(islands={"count": 2}, inner={"steps": 4, "lr": 1e-3}, sync={"mixAlpha": 0.5})
+    mixed = make_spec(
+        islands={"count": 2}, inner={"steps": 4, "lr": 1e-3}, sync={"mixAlpha": 0.5}, syncer=on
+    )
     assert movement_caps(mixed, [100]) == pytest.approx([0.12], rel=1e-12)
     # Three islands: the learned bound has a majority; factor 0: off.
-    assert movement_caps(make_spec(islands={"count": 3}), [100]) is None
+    assert movement_caps(make_spec(islands={"count": 3}, syncer=on), [100]) is None
     off = make_spec(islands={"count": 2}, syncer={"guards": {"movementFactor": 0}})
     assert movement_caps(off, [100]) is None
 
 
 def test_movement_factor_spec_default_and_field_error() -> None:
-    assert parse_spec({}).syncer.guards.movement_factor == 1.5
+    assert parse_spec({}).syncer.guards.movement_factor == 0.0  # opt-in: docs/adversaries.md
     with pytest.raises(ValueError, match="movementFactor"):
         parse_spec({"syncer": {"guards": {"movementFactor": -1}}})
 

@@ -275,7 +275,7 @@ class GuardsSpec(SpecModel):
         "islands.replicas.",
     )
     movement_factor: float = Field(
-        1.5,
+        0.0,
         ge=0,
         le=1000,
         description="In a job of fewer than three islands (no majority to learn a bound from), "
@@ -283,7 +283,9 @@ class GuardsSpec(SpecModel):
         "kept) to this many times the most one honest round of AdamW moves the fragment: "
         "inner.lr x inner.steps x sqrt(numel) / (1 - sync.mixAlpha). No island's word moves "
         "it, so a bad island of two moves the model per round of claimed work by at most that; "
-        "an honest round stays within it. 0 turns it off.",
+        "1.5 is the measured setting (docs/adversaries.md). 0 (the default) turns it off: an "
+        "honest push is clipped too when its pseudo-gradient holds more than its steps' "
+        "movement (a drain's last push of one step was 3.4x over the cap in the e2e tier).",
     )
 
 
