@@ -1,7 +1,7 @@
 """Compressed pulls end to end: two int8 runs (real syncer and learner processes), one pulling
 full fp32 weights (sync.pullCompression none) and one pulling int8 weight updates
-(pullCompression auto). The second pulls at least 3x fewer bytes and ends within 1% of the first's
-eval loss, the tolerance of the int8 push codec test."""
+(pullCompression auto). The second pulls at least 3x fewer bytes and ends within 2% of the first's
+eval loss (the runs' own spread under load is about 1%: see the assertion)."""
 
 from __future__ import annotations
 
@@ -90,7 +90,11 @@ def test_pull_compression_int8_updates_pull_3x_fewer_bytes_at_the_same_loss(
     # Pushes are int8 in both runs (their headers' numbers may differ in length).
     assert updates.bytes_in == pytest.approx(full.bytes_in, rel=1e-3)
     assert updates.eval_loss < 0.6 * updates.initial_eval_loss, "the run did not train"
-    assert abs(updates.eval_loss - full.eval_loss) <= 0.01 * full.eval_loss, (
+    # 2%: the runs are not bit-for-bit repeatable under load (each codec's final loss over
+    # eight runs, six of them three side by side: none 2.7317-2.7446, int8 updates
+    # 2.7164-2.7453, at this revision and at 9926a4c alike; the CI rehearsal's pair differed by
+    # 1.03%), so 1% judged the noise; a broken update chain is far off.
+    assert abs(updates.eval_loss - full.eval_loss) <= 0.02 * full.eval_loss, (
         updates.eval_loss,
         full.eval_loss,
     )
