@@ -12,8 +12,10 @@ their sum Σρ normalises, so a round can hold one accumulator instead:
   scale cancels, the radius divides by Σρ once).
 
 merge.merge_pseudo_gradients is this fold over its inputs in order, so a batch merge in the
-order the pushes came gives the syncer's bits (fp sums depend on their order). The same checks
-hold: weights and scales finite and >= 0, Σρ > 0, names and shapes as the first contribution's.
+order the syncer folded the pushes gives its bits (fp sums depend on their order: the syncer
+folds a K = M round by island, whatever the arrival order, syncer/merging/folding.py). The
+same checks hold: weights and scales finite and >= 0, Σρ > 0, names and shapes as the first
+contribution's.
 """
 
 from __future__ import annotations

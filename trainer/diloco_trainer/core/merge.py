@@ -81,8 +81,8 @@ def merge_pseudo_gradients(
     ss = [1.0] * len(ws) if scales is None else [float(s) for s in scales]
     if len(ss) != len(ws) or any(not (s >= 0.0) or s == float("inf") for s in ss):
         raise ValueError(f"merge scales must be one finite value >= 0 per island, got {ss}")
-    # The same arithmetic as a round folded push by push (the syncer), so a merge replayed from
-    # its log in the order the pushes came gives the syncer's bits.
+    # The same arithmetic as a round folded push by push (the syncer), so a merge replayed in
+    # the order the syncer folded (by island at K = M, else as the pushes came) gives its bits.
     fold = MergeFold(rule, plain_names)
     for i, (d, w, s) in enumerate(zip(deltas, weights, ss, strict=True)):
         try:

@@ -14,7 +14,19 @@ and scales; otherwise (a push replaced by its island's newer one, contributions 
 failed merge, a fold that failed) it merges the encoded payloads again the batch way, decoding a
 tensor at a time. Either way the result is the batch merge's, up to rounding.
 
-Synchronous: the push path folds in a worker thread with the service's lock held, the merge
+The order of the sum: fp32 addition is not associative, so a fold's bits depend on the order
+its pushes are added. A round that will hold every island it spans (K = M: the push path gives
+`order`, SyncState.fold_order) is folded in that fixed order (by island name, the order of
+SyncState.peek_round and so of the batch merge), never in arrival order: a push that comes
+before an island ahead of it in that order is kept encoded (as every folded push is) and folded
+as soon as the islands ahead of it are, the rest at the merge. So a K = M merge's bits are a
+function of its pushes alone, whatever their timing (docs/algorithm.md, "What a seed
+repeats"). The cost: the pushes that came before an island ahead of them are folded after it
+arrives, on the merge's path (with random arrival, (M + 1) / 2 folds on average instead of 1).
+A round that may merge any K of them (K < M) is folded in arrival order: which pushes a merge
+holds depends on timing there anyway, and folding each at once keeps the merge's path short.
+
+Synchronous: the push path folds in a worker thread with the fragment's lock held, the merge
 takes the fold with the same lock held.
 """
 
@@ -35,12 +47,19 @@ from diloco_trainer.syncer.state import Contribution
 
 log = logging.getLogger("diloco.syncer")
 
+_Vectors = Mapping[str, torch.Tensor] | SlicedVectors
+
 
 @dataclass
 class _Folded:
     fold: MergeFold
     # What went in, in order: the contributions (by identity) and their weight and scale.
     items: list[tuple[Contribution, float, float]] = field(default_factory=list)
+    # Folded in a fixed order of islands (a K = M round), not in arrival order.
+    ordered: bool = False
+    # Of an ordered fold: the pushes waiting for an island ahead of them, by island (their
+    # pseudo-gradient still encoded, their weight and scale).
+    deferred: dict[str, tuple[Contribution, _Vectors, float, float]] = field(default_factory=dict)
 
 
 class RoundFolds:
@@ -83,47 +102,92 @@ class RoundFolds:
         contribution: Contribution,
         decoded: Mapping[str, torch.Tensor] | SlicedVectors,
         lag_rounds: float,
+        order: Sequence[str] | None = None,
     ) -> bool:
         """Fold an accepted contribution's pseudo-gradient (decoded, or its EncodedPayload,
         decoded a slice at a time into the accumulator) into fragment f's round;
         False when it cannot be (logged; the fold is dropped and the merge merges the encoded
-        payloads, which meets the same error where the merge's guards can handle it)."""
+        payloads, which meets the same error where the merge's guards can handle it).
+
+        `order`: the islands the round will hold, in the order its fold sums them (a K = M
+        round, SyncState.fold_order): the push waits, kept encoded, until every island ahead
+        of it is folded (the module docstring). None: folded at once (arrival order)."""
         folded = self._folds[f]
         try:
             weight, scale = self.weight_and_scale(contribution, lag_rounds)
             if folded is None:
                 buffer = self.buffers(f) if self.buffers is not None else None
-                folded = self._folds[f] = _Folded(MergeFold(self.rule, self.plain_names, buffer))
-            folded.fold.add(decoded, weight, scale)
+                folded = self._folds[f] = _Folded(
+                    MergeFold(self.rule, self.plain_names, buffer), ordered=order is not None
+                )
+            if folded.ordered:
+                folded.deferred[contribution.island] = (contribution, decoded, weight, scale)
+                self._fold_in_order(folded, order or ())
+            else:
+                folded.fold.add(decoded, weight, scale)
+                folded.items.append((contribution, weight, scale))
+            # after its fold, if it was folded now: read from memory, not back from the file
+            self._spill(f, contribution)
         except (ValueError, OverflowError) as err:
             log.warning("fragment %d: not folded (%s); its merge reads the pushes again", f, err)
             self._folds[f] = None
             return False
-        folded.items.append((contribution, weight, scale))
+        return True
+
+    def _spill(self, f: int, contribution: Contribution) -> None:
         payload = contribution.payload
         if self.spill_dir is not None and isinstance(payload, EncodedPayload):
             try:
                 payload.spill(self.spill_dir)
             except OSError as err:  # a full disk: the push stays in memory, nothing is lost
                 log.warning("fragment %d: a push kept in memory (%s)", f, err)
-        return True
+
+    @staticmethod
+    def _fold_in_order(folded: _Folded, order: Sequence[str]) -> None:
+        """Fold the waiting pushes of an ordered fold that are next in `order`, up to the first
+        island that has not pushed (ValueError as MergeFold.add)."""
+        done = {c.island for c, _, _ in folded.items}
+        for island in order:
+            if island in done:
+                continue
+            waiting = folded.deferred.pop(island, None)
+            if waiting is None:
+                return
+            contribution, vectors, weight, scale = waiting
+            folded.fold.add(vectors, weight, scale)
+            folded.items.append((contribution, weight, scale))
 
     def take(
         self, f: int, contributions: Sequence[Contribution], plan: MergePlan
     ) -> MergeFold | None:
-        """Fragment f's fold when it holds exactly `contributions` (by identity, any order) with
-        `plan`'s weights and scales; None otherwise. The fold leaves either way: a round is
-        merged from it once, or from the encoded payloads."""
+        """Fragment f's fold when it holds exactly `contributions` (by identity) with `plan`'s
+        weights and scales; None otherwise. An ordered fold (a K = M round) must have folded a
+        prefix of `contributions` in their order, and folds the rest now in that order, so its
+        bits are the batch merge's of `contributions` (core/merge.py); an arrival-order fold
+        may hold them in any order. The fold leaves either way: a round is merged from it
+        once, or from the encoded payloads."""
         folded, self._folds[f] = self._folds[f], None
-        if folded is None or len(folded.items) != len(contributions):
+        if folded is None or len(folded.items) + len(folded.deferred) != len(contributions):
             return None
         planned = {
             id(c): (w, s) for c, w, s in zip(contributions, plan.weights, plan.scales, strict=True)
         }
-        for c, w, s in folded.items:
+        held = [(c, w, s) for c, w, s in folded.items]
+        held += [(c, w, s) for c, _, w, s in folded.deferred.values()]
+        for c, w, s in held:
             if planned.get(id(c)) != (w, s):
                 return None
-        return folded.fold
+        if not folded.ordered:
+            return folded.fold
+        n = len(folded.items)
+        if [id(c) for c, _, _ in folded.items] != [id(c) for c in contributions[:n]]:
+            return None  # folded out of this order (an island joined ahead of them): batch
+        try:
+            self._fold_in_order(folded, [c.island for c in contributions])
+        except (ValueError, OverflowError) as err:
+            log.warning("fragment %d: not folded (%s); its merge reads the pushes again", f, err)
+            return None
+        return folded.fold if not folded.deferred else None
 
     def drop(self, f: int) -> None:
         """Forget fragment f's fold (its round changed in a way a fold cannot follow)."""

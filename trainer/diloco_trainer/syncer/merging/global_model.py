@@ -307,10 +307,16 @@ class GlobalModel:
         return PreparedMerge(plan, merged, divisors, scale)
 
     def fold_push(
-        self, f: int, contribution: Contribution, payload: EncodedPayload, lag_rounds: float
+        self,
+        f: int,
+        contribution: Contribution,
+        payload: EncodedPayload,
+        lag_rounds: float,
+        order: Sequence[str] | None = None,
     ) -> None:
-        """Fold an accepted push into fragment f's round (folding.RoundFolds.add; a worker
-        thread, f's lock held). The fragment's outer momentum is made here if it has none yet
+        """Fold an accepted push into fragment f's round (folding.RoundFolds.add, in
+        `order` when given: a K = M round's fixed order of islands; a worker thread, f's lock
+        held). The fragment's outer momentum is made here if it has none yet
         (its first round): 1/F x of fresh pages zeroed on the push path, where the round waits
         for its other pushes anyway, not on the merge's path to pullable (0.05-1.7 s at
         gpt-125m and gpt-350m, bench/log/2026-11-26.md, "syncer_scale — 2026-11-26 17:12"). The peak
@@ -320,7 +326,7 @@ class GlobalModel:
         update while its round is open, one update over the peak: bench/log/2026-11-26.md,
         "syncer_scale — 2026-11-26 23:08".)"""
         self.outer.reserve(self.fragments[f])
-        self.folds.add(f, contribution, payload, lag_rounds)
+        self.folds.add(f, contribution, payload, lag_rounds, order)
 
     def commit_merge(self, f: int, prepared: PreparedMerge, *, new_version: int) -> MergeResult:
         """Apply a prepared merge: the outer step carrying φ, and θ_pub's update to

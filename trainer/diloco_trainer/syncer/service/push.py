@@ -18,7 +18,8 @@ push", lists it with the merge that makes it pullable):
 5. record (rounds.accept_push): the round takes it and answers it; the guards' history takes
    its norm;
 6. fold (global_model.fold_push, a worker thread, holding the fragment's lock but not the
-   service's): folded into the round's merge, kept encoded.
+   service's): folded into the round's merge, kept encoded; in a K = M round in island order,
+   not arrival order (SyncState.fold_order, merging/folding.py), so its merge is repeatable.
 
 A refusal of its content (400 from decoding, 422 from the guards) counts towards the island's
 refusals in a row (gate.refused: maxRefusals in a row drop it); a refusal of the body or its
@@ -99,7 +100,8 @@ class PushPath:
                     )
                     answer = self._record(fragment, push, contribution, stats, now)  # 5.
                     lag_rounds = self.state.lag_rounds(fragment, meta.base_version)
-                await self._fold(fragment, contribution, payload, lag_rounds)  # 6.
+                    order = self.state.fold_order(fragment)
+                await self._fold(fragment, contribution, payload, lag_rounds, order)  # 6.
         except Refused as err:
             if err.status in (400, 422):
                 await self._refused(fragment, meta.island, err)
@@ -127,13 +129,20 @@ class PushPath:
         return answer
 
     async def _fold(
-        self, fragment: int, contribution: Contribution, payload: EncodedPayload, lag_rounds: float
+        self,
+        fragment: int,
+        contribution: Contribution,
+        payload: EncodedPayload,
+        lag_rounds: float,
+        order: list[str] | None,
     ) -> None:
         """Step 6, off the loop and off the service's lock; the fragment's lock (held by the
         caller) keeps its merge out until it is done (a cancelled request too: the lock goes
         only once the thread is done)."""
         folding = asyncio.ensure_future(
-            asyncio.to_thread(self.model.fold_push, fragment, contribution, payload, lag_rounds)
+            asyncio.to_thread(
+                self.model.fold_push, fragment, contribution, payload, lag_rounds, order
+            )
         )
         try:
             await asyncio.shield(folding)

@@ -416,6 +416,16 @@ class SyncState:
         rnd = self.rounds[fragment]
         return [rnd.pending[k] for k in sorted(rnd.pending)]
 
+    def fold_order(self, fragment: int) -> list[str] | None:
+        """The order in which fragment's round folds its pushes (merging/folding.py): by
+        island, as peek_round lists them, when the round will hold every island it spans (the
+        quorum is all of them: K = M), so the merge's bits do not depend on when each push came;
+        None (arrival order) when a merge may hold any K of them."""
+        spans = self.membership.active() | set(self.rounds[fragment].pending)
+        if self.effective_quorum() < len(spans):
+            return None
+        return sorted(spans)
+
     def take_round(
         self,
         fragment: int,
