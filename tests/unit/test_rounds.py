@@ -558,3 +558,16 @@ def test_rounds_auto_grace_of_a_decoupled_job_counts_each_islands_round() -> Non
     push(state, "island-0", 0.0, step_time=0.5)
     push(state, "island-1", 0.0, step_time=1.5)
     assert state.grace() == pytest.approx(9.5)
+
+
+def test_a_round_of_every_island_folds_in_island_order_a_partial_quorum_as_pushes_come() -> None:
+    """SyncState.fold_order: at K = M the islands the round spans, sorted (island-10 before
+    island-2: names compare as text); at K < M None (arrival order)."""
+    state = make_state(quorum=3, islands=3)
+    assert state.fold_order(0) == ["island-0", "island-1", "island-2"]
+    state.membership.join("island-10", 1, now=0.0)  # a fourth island: K = 3 < 4 now
+    assert state.fold_order(0) is None
+    every = make_state(quorum=4, islands=3)
+    every.membership.join("island-10", 1, now=0.0)
+    assert every.fold_order(0) == ["island-0", "island-1", "island-10", "island-2"]
+    assert make_state(quorum=2, islands=3).fold_order(0) is None

@@ -260,3 +260,99 @@ def test_the_merge_checks_max_is_read_at_fold_time_from_the_final_accumulator() 
     bad.add(push({2 * SLICE + 1: float("nan")}), 1.0, 1.0)
     bad.result()
     assert bad.amax != bad.amax and bad.amax_name == "big"
+
+
+# ----- a K = M round folded in island order, whatever the arrival order ----------------------
+
+
+def _exact_push(island: str, value: float) -> tuple[Contribution, dict[str, torch.Tensor]]:
+    """A push of one fp32 value, a whole round (4 of H = 4 steps): weight 1, scale 1 under
+    "mean"."""
+    c = Contribution(
+        island=island, base_version=0, lag=0, tokens=8, steps=4, loss=None, received_at=0.0
+    )
+    return c, {"x": torch.tensor([value], dtype=torch.float32)}
+
+
+# fp32 sums depend on their order: 1e8 + 1 rounds to 1e8 (the spacing there is 8), so
+# (1e8 + -1e8) + 1 = 1 but (1e8 + 1) + -1e8 = 0.
+VALUES = {"i0": 1e8, "i1": -1e8, "i2": 1.0}
+ORDER = ["i0", "i1", "i2"]
+
+
+def _fold_in(arrival: list[str], order: list[str] | None) -> torch.Tensor:
+    rf = RoundFolds(1, rule="mean", inner_steps=4, plain_names=frozenset())
+    pushed = {name: _exact_push(name, VALUES[name]) for name in ORDER}
+    for name in arrival:
+        c, decoded = pushed[name]
+        assert rf.add(0, c, decoded, 0.0, order)
+    cs = [pushed[name][0] for name in ORDER]  # the merge's order: SyncState.peek_round's
+    fold = rf.take(0, cs, plan_of_mean(cs))
+    assert fold is not None
+    return fold.result()["x"]
+
+
+def plan_of_mean(cs: list[Contribution]) -> MergePlan:
+    return plan_merge(
+        [Contributor(c.tokens, c.steps, 0.0) for c in cs],
+        rule="mean",
+        inner_steps=4,
+        islands=len(cs),
+    )
+
+
+def test_an_ordered_round_sums_in_island_order_whatever_the_arrival_order() -> None:
+    """A K = M round (the push path gives the order) sums (1e8 + -1e8) + 1 = 1, over Σρ = 3:
+    fp32(1/3), in every arrival order; folded as the pushes came (K < M), the order i0, i2, i1
+    sums (1e8 + 1) + -1e8 = 0 instead."""
+    third = torch.tensor([1.0], dtype=torch.float32) / 3
+    for arrival in (["i0", "i1", "i2"], ["i2", "i0", "i1"], ["i1", "i2", "i0"], ["i2", "i1", "i0"]):
+        got = _fold_in(arrival, ORDER)
+        assert torch.equal(got, third), arrival
+    assert torch.equal(_fold_in(["i0", "i2", "i1"], None), torch.zeros(1))
+    assert torch.equal(_fold_in(["i0", "i1", "i2"], None), third)
+    # the batch merge (a round its fold could not follow) in the merge's order: the same bits
+    batch = merge_pseudo_gradients([_exact_push(n, VALUES[n])[1] for n in ORDER], [1.0] * 3, "mean")
+    assert torch.equal(batch["x"], third)
+
+
+def test_an_ordered_push_waits_for_the_islands_ahead_of_it() -> None:
+    """i2 first: kept (nothing folded); i0: folded; i1: folded, then the waiting i2."""
+    rf = RoundFolds(1, rule="mean", inner_steps=4, plain_names=frozenset())
+    pushed = {name: _exact_push(name, VALUES[name]) for name in ORDER}
+
+    def folded() -> list[str]:
+        held = rf._folds[0]
+        assert held is not None
+        return [c.island for c, _, _ in held.items]
+
+    rf.add(0, *pushed["i2"], 0.0, ORDER)
+    assert folded() == [] and rf.held_bytes() == 0
+    rf.add(0, *pushed["i0"], 0.0, ORDER)
+    assert folded() == ["i0"]
+    rf.add(0, *pushed["i1"], 0.0, ORDER)
+    assert folded() == ["i0", "i1", "i2"]
+
+
+def test_an_ordered_round_merged_without_an_island_folds_the_waiting_pushes_at_the_take() -> None:
+    """i1 never pushed (it left): i2 waited for it, and the merge of i0 and i2 folds it then,
+    in order: (1e8 + 1) / 2 in fp32 = 5e7 (1e8 + 1 rounds to 1e8)."""
+    rf = RoundFolds(1, rule="mean", inner_steps=4, plain_names=frozenset())
+    pushed = {name: _exact_push(name, VALUES[name]) for name in ORDER}
+    rf.add(0, *pushed["i2"], 0.0, ORDER)
+    rf.add(0, *pushed["i0"], 0.0, ORDER)
+    cs = [pushed["i0"][0], pushed["i2"][0]]
+    fold = rf.take(0, cs, plan_of_mean(cs))
+    assert fold is not None
+    assert torch.equal(fold.result()["x"], torch.tensor([5e7]))
+
+
+def test_an_ordered_fold_out_of_the_merges_order_is_not_taken() -> None:
+    """i1 folded while i0 was not yet a member (it joined later, ahead of it in the order): the
+    fold is not the merge's order, so the merge reads the encoded payloads again (None)."""
+    rf = RoundFolds(1, rule="mean", inner_steps=4, plain_names=frozenset())
+    pushed = {name: _exact_push(name, VALUES[name]) for name in ORDER}
+    rf.add(0, *pushed["i1"], 0.0, ["i1"])
+    rf.add(0, *pushed["i0"], 0.0, ["i0", "i1"])
+    cs = [pushed["i0"][0], pushed["i1"][0]]
+    assert rf.take(0, cs, plan_of_mean(cs)) is None
