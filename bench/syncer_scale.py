@@ -407,6 +407,7 @@ def run_case(
     shards: int = 1,
     eval_every: int = 1,
     lagging: bool = False,
+    reverse: bool = False,
 ) -> CaseResult:
     shapes = model_shapes(preset)
     params = sum(s.numel() for s in shapes.values())
@@ -425,6 +426,8 @@ def run_case(
         for sampler in samplers:
             sampler.start()
         names = [f"island-{i}" for i in range(islands)]
+        if reverse:  # island-0 last: a K = M round folds every push after it (folding.py)
+            names.reverse()
         job = run_rounds(url, files.token, names, shapes, codec, rounds, lagging=lagging)
         timed = asyncio.run(job)
         for sampler in samplers:
@@ -565,6 +568,14 @@ def main(argv: list[str] | None = None) -> int:
         help="also pull a 3-behind update chain per round (read back from disk; cached while "
         "its version is published, so in the peak)",
     )
+    p.add_argument(
+        "--push-order",
+        choices=["ids", "reverse"],
+        default="ids",
+        help="the order each round's pushes come in: ids (island-0 first: a K = M round, folded "
+        "in island order, folds each push as it comes) or reverse (island-0 last: every fold "
+        "waits for it, the worst case for the merge's path)",
+    )
     p.add_argument("--out", type=Path, default=None, help="write the results as JSON here")
     args = p.parse_args(argv)
     torch.set_num_threads(1)
@@ -596,6 +607,7 @@ def main(argv: list[str] | None = None) -> int:
                 args.shards,
                 args.eval_every,
                 args.lagging,
+                reverse=args.push_order == "reverse",
             )
         results.append(asdict(r))
         pullable = statistics.median(r.to_pullable_s)
