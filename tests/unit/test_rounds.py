@@ -26,6 +26,7 @@ def make_state(
     timeout: float = 30.0,
     fragments: int = 1,
     overlap: int = 0,
+    ordered_folds: bool = False,
 ) -> SyncState:
     policy = RoundPolicy(
         quorum=quorum,
@@ -33,6 +34,7 @@ def make_state(
         heartbeat_timeout=timeout,
         grace_seconds=grace,
         overlap_steps=overlap,
+        ordered_folds=ordered_folds,
     )
     state = SyncState(policy, fragments)
     for i in range(islands):
@@ -562,12 +564,46 @@ def test_rounds_auto_grace_of_a_decoupled_job_counts_each_islands_round() -> Non
 
 def test_a_round_of_every_island_folds_in_island_order_a_partial_quorum_as_pushes_come() -> None:
     """SyncState.fold_order: at K = M the islands the round spans, sorted (island-10 before
-    island-2: names compare as text); at K < M None (arrival order)."""
-    state = make_state(quorum=3, islands=3)
+    island-2: names compare as text); at K < M, or when the learners' apply steps depend on
+    timing (RoundPolicy.ordered_folds off), None (arrival order)."""
+
+    def ordered(quorum: int, islands: int) -> SyncState:
+        return make_state(quorum=quorum, islands=islands, ordered_folds=True)
+
+    state = ordered(quorum=3, islands=3)
     assert state.fold_order(0) == ["island-0", "island-1", "island-2"]
     state.membership.join("island-10", 1, now=0.0)  # a fourth island: K = 3 < 4 now
     assert state.fold_order(0) is None
-    every = make_state(quorum=4, islands=3)
+    every = ordered(quorum=4, islands=3)
     every.membership.join("island-10", 1, now=0.0)
     assert every.fold_order(0) == ["island-0", "island-1", "island-10", "island-2"]
-    assert make_state(quorum=2, islands=3).fold_order(0) is None
+    assert ordered(quorum=2, islands=3).fold_order(0) is None
+    assert make_state(quorum=3, islands=3).fold_order(0) is None  # ordered_folds off
+
+
+def test_only_learners_that_apply_merges_at_fixed_steps_get_ordered_folds() -> None:
+    """round_policy's ordered_folds (records.merges_applied_at_fixed_steps): τ = 0, or a fixed
+    τ applied from τ steps after the push, waited for there, every island's round H; not the
+    fitted τ (the default), applyFrom arrival (τ > 0), mergeWait nextPush, stepsPerIsland auto."""
+    from diloco_trainer.api.spec import parse_spec
+    from diloco_trainer.syncer.state.records import round_policy
+
+    def ordered(sync: dict, inner: dict | None = None) -> bool:
+        spec = parse_spec(
+            {
+                "model": {"preset": "gpt-tiny"},
+                "islands": {"count": 3},
+                "inner": {"steps": 20, **(inner or {})},
+                "sync": {"quorum": 3, **sync},
+            }
+        )
+        return round_policy(spec, 2).ordered_folds
+
+    assert ordered({"overlapSteps": 0})
+    assert ordered({"overlapSteps": 0, "applyFrom": "arrival"})  # τ = 0: the same rule
+    assert ordered({"overlapSteps": 3, "overlapMode": "fixed"})
+    assert not ordered({})  # overlapMode auto: τ fitted to measured latency
+    assert not ordered({"overlapSteps": 3})
+    assert not ordered({"overlapSteps": 3, "overlapMode": "fixed", "applyFrom": "arrival"})
+    assert not ordered({"overlapSteps": 0, "mergeWait": "nextPush"})
+    assert not ordered({"overlapSteps": 0}, {"stepsPerIsland": "auto"})

@@ -19,7 +19,8 @@ push", lists it with the merge that makes it pullable):
    its norm;
 6. fold (global_model.fold_push, a worker thread, holding the fragment's lock but not the
    service's): folded into the round's merge, kept encoded; in a K = M round in island order,
-   not arrival order (SyncState.fold_order, merging/folding.py), so its merge is repeatable.
+   not arrival order, when its learners apply merges at fixed steps (SyncState.fold_order,
+   merging/folding.py), so its merge is repeatable.
 
 A refusal of its content (400 from decoding, 422 from the guards) counts towards the island's
 refusals in a row (gate.refused: maxRefusals in a row drop it); a refusal of the body or its

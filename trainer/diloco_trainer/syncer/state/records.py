@@ -63,6 +63,10 @@ class RoundPolicy:
     # Whether the learners block for their merge (core/grace.blocks_for_merge): if not, a push may
     # be in flight for H steps at no cost, and the auto grace window is sized from that.
     learners_block: bool = True
+    # Fold a round of every island in island order, not arrival order (SyncState.fold_order):
+    # for jobs whose learners apply each merge at a fixed step (merges_applied_at_fixed_steps),
+    # the only ones a seed can repeat; the others keep the shorter merge path.
+    ordered_folds: bool = False
 
 
 @dataclass
@@ -180,6 +184,20 @@ class FragmentRound:
     quorum_since: float | None = None
 
 
+def merges_applied_at_fixed_steps(spec: JobSpec) -> bool:
+    """Whether every learner applies each merge at a step its schedule fixes, whenever the merge
+    comes back: no overlap, or a fixed one (sync.overlapMode fixed, applied from τ steps after
+    the push), waited for there (sync.mergeWait overlap), with every island's round H
+    (inner.stepsPerIsland fixed). Measured latencies (the fitted τ, applyFrom arrival,
+    mergeWait nextPush, H_i) decide the step otherwise, so such a job cannot repeat."""
+    sync = spec.sync
+    if sync.merge_wait != "overlap" or spec.inner.steps_per_island != "fixed":
+        return False
+    return sync.overlap_steps == 0 or (
+        sync.overlap_mode == "fixed" and sync.apply_from == "overlap"
+    )
+
+
 def round_policy(spec: JobSpec, fragments: int) -> RoundPolicy:
     """The round state machine's settings for a job split into `fragments`."""
     grace = spec.sync.grace_seconds
@@ -197,4 +215,5 @@ def round_policy(spec: JobSpec, fragments: int) -> RoundPolicy:
             islands=max(spec.islands.count, spec.total_shards()),
             overlap=spec.sync.overlap_steps or 0,
         ),
+        ordered_folds=merges_applied_at_fixed_steps(spec),
     )

@@ -419,8 +419,12 @@ class SyncState:
     def fold_order(self, fragment: int) -> list[str] | None:
         """The order in which fragment's round folds its pushes (merging/folding.py): by
         island, as peek_round lists them, when the round will hold every island it spans (the
-        quorum is all of them: K = M), so the merge's bits do not depend on when each push came;
-        None (arrival order) when a merge may hold any K of them."""
+        quorum is all of them: K = M) in a job whose learners apply merges at fixed steps
+        (RoundPolicy.ordered_folds), so the merge's bits do not depend on when each push came;
+        None (arrival order) when a merge may hold any K of them, or when the learners'
+        timing makes the job unrepeatable anyway."""
+        if not self.policy.ordered_folds:
+            return None
         spans = self.membership.active() | set(self.rounds[fragment].pending)
         if self.effective_quorum() < len(spans):
             return None
