@@ -71,7 +71,13 @@ def model_shapes(preset: str) -> dict[str, torch.Size]:
 
 
 def job_spec(
-    preset: str, islands: int, fragments: int, codec: str, shards: int = 1, eval_every: int = 1
+    preset: str,
+    islands: int,
+    fragments: int,
+    codec: str,
+    shards: int = 1,
+    eval_every: int = 1,
+    overlap_steps: int | None = None,
 ) -> JobSpec:
     return parse_spec(
         {
@@ -85,6 +91,8 @@ def job_spec(
                 "compression": codec,
                 "heartbeatTimeoutSeconds": 3600,
                 "graceSeconds": 600,
+                # 0: learners apply merges at fixed steps, so K = M rounds fold in island order
+                **({} if overlap_steps is None else {"overlapSteps": overlap_steps}),
             },
             "stopAfter": {"outerSteps": 1000},
             "syncer": {
@@ -408,11 +416,12 @@ def run_case(
     eval_every: int = 1,
     lagging: bool = False,
     reverse: bool = False,
+    overlap_steps: int | None = None,
 ) -> CaseResult:
     shapes = model_shapes(preset)
     params = sum(s.numel() for s in shapes.values())
     shares = shard_shares(shapes, fragments, shards)
-    spec = job_spec(preset, islands, fragments, codec, shards, eval_every)
+    spec = job_spec(preset, islands, fragments, codec, shards, eval_every, overlap_steps)
     files = launch.write_job_files(spec, workdir / "job")
     syncers = Syncers(files, workdir, shards)
     url = ",".join(syncers.urls)
@@ -572,9 +581,17 @@ def main(argv: list[str] | None = None) -> int:
         "--push-order",
         choices=["ids", "reverse"],
         default="ids",
-        help="the order each round's pushes come in: ids (island-0 first: a K = M round, folded "
-        "in island order, folds each push as it comes) or reverse (island-0 last: every fold "
-        "waits for it, the worst case for the merge's path)",
+        help="the order each round's pushes come in: ids (island-0 first: a K = M round folded "
+        "in island order folds each push as it comes) or reverse (island-0 last: with "
+        "--overlap-steps 0 every fold waits for it, the worst case for the merge's path)",
+    )
+    p.add_argument(
+        "--overlap-steps",
+        type=int,
+        default=None,
+        help="sync.overlapSteps of the job (default: the job default, its fitted overlap); 0: "
+        "learners that apply merges at fixed steps, whose K = M rounds the syncer folds in "
+        'island order, not arrival order (docs/algorithm.md, "What a seed repeats")',
     )
     p.add_argument("--out", type=Path, default=None, help="write the results as JSON here")
     args = p.parse_args(argv)
@@ -608,6 +625,7 @@ def main(argv: list[str] | None = None) -> int:
                 args.eval_every,
                 args.lagging,
                 reverse=args.push_order == "reverse",
+                overlap_steps=args.overlap_steps,
             )
         results.append(asdict(r))
         pullable = statistics.median(r.to_pullable_s)
