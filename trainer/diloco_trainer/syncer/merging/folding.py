@@ -16,18 +16,18 @@ tensor at a time. Either way the result is the batch merge's, up to rounding.
 
 The order of the sum: fp32 addition is not associative, so a fold's bits depend on the order
 its pushes are added. A round that will hold every island it spans (K = M), in a job whose
-learners apply each merge at a fixed step (the push path gives `order`, SyncState.fold_order),
-is folded in that fixed order (by island name, the order of
-SyncState.peek_round and so of the batch merge), never in arrival order: a push that comes
-before an island ahead of it in that order is kept encoded (as every folded push is) and folded
-as soon as the islands ahead of it are, the rest at the merge. So a K = M merge's bits are a
-function of its pushes alone, whatever their timing (docs/algorithm.md, "What a seed
-repeats"). The cost: the pushes that came before an island ahead of them are folded after it
-arrives, on the merge's path (with random arrival, (M + 1) / 2 folds on average instead of 1).
-A round that may merge any K of them (K < M) is folded in arrival order: which pushes a merge
-holds depends on timing there anyway, and folding each at once keeps the merge's path short; so
-is a K = M round of learners whose apply steps depend on measured latencies (the default fitted
-overlap): such a job cannot repeat, and the order would only cost time.
+learners apply each merge at a fixed step (the push path gives `order`: SyncState.fold_order),
+is folded in that fixed order, by island name (the order of SyncState.peek_round, and so of
+the batch merge), never in arrival order: a push that comes before an island ahead of it is
+kept encoded (as every folded push is) and folded as soon as the islands ahead of it are, the
+rest at the merge. So such a merge's bits are a function of its pushes alone, whatever their
+timing (docs/algorithm.md, "What a seed repeats"). The cost: the pushes that came before an
+island ahead of them are folded after it arrives, on the merge's path (with random arrival,
+(M + 1) / 2 folds on average instead of 1). A round that may merge any K of them (K < M) is
+folded in arrival order: which pushes a merge holds depends on timing there anyway, and folding
+each at once keeps the merge's path short; so is a K = M round of learners whose apply steps
+depend on measured latencies (the default fitted overlap): such a job cannot repeat, and the
+order would only cost time.
 
 Synchronous: the push path folds in a worker thread with the fragment's lock held, the merge
 takes the fold with the same lock held.
