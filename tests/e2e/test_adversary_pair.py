@@ -40,7 +40,7 @@ HONEST = "island-0"
 ADVERSARY = "island-1"
 WARMUP = 4
 PER_LEVEL = 12  # more than AT_BOUND_PUSHES (8) at each level the bound refuses
-# The movement cap is opt-in (syncer.guards.movementFactor); these attacks meet it on.
+# The movement cap (syncer.guards.movementFactor, 1.5 by default) set as these attacks meet it.
 PAIR = deep_merge(SPEC, {"islands": {"count": 2}, "syncer": {"guards": {"movementFactor": 1.5}}})
 # sync.heartbeatTimeoutSeconds 3600 in SPEC: the longest stepTime claim is 20 x 3600 = 72000 s.
 STEP_TIME_LIMIT = 72000.0

@@ -48,6 +48,9 @@ def test_drain_merges_every_processed_token_and_stops_at_the_budget(
         MergeRecord.model_validate_json(line)
         for line in (run.workdir / "syncer" / "merges.jsonl").read_text().splitlines()
     ]
+    # The movement cap (on by default in a job of two) clipped no honest merge, the partial
+    # rounds' included (each push's Δ holds only its own steps: issue 46).
+    assert [m.clip for m in merges] == [1.0] * len(merges)
     for island in (f"island-{i}" for i in range(ISLANDS)):
         # Every step the island took is in both fragments' merges, the last of each a partial
         # round (20 = 3 x 6 + 2 for fragment 0; 20 = 9 + 6 + 5 for fragment 1, whose first
@@ -88,6 +91,11 @@ def test_drain_at_k_below_m_stops_each_island_at_its_target(
     merges = [
         MergeRecord.model_validate_json(line)
         for line in (run.workdir / "syncer" / "merges.jsonl").read_text().splitlines()
+    ]
+    # The movement cap clipped no honest merge: a drain's last push of one step used to be 3.4x
+    # over it (its Δ held the merge it took just before, issue 46).
+    assert [m.clip for m in merges] == [1.0] * len(merges), [
+        (m.fragment, m.movement, [c.steps for c in m.contributors]) for m in merges if m.clip < 1
     ]
     processed = 0
     for island in (f"island-{i}" for i in range(ISLANDS)):

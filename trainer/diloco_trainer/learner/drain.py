@@ -19,7 +19,8 @@ or a budget reached before two heartbeats measured a pace) the syncer's own rule
 job ends at the first merge that reaches the budget.
 
 The drain (rank 0, `drain`, in place of the step's `after_step`): take the merges of the pushes
-in flight (a push now, from the same base, would carry their work twice), push every fragment
+in flight (a push now, from the same base, would carry their work twice) and install their
+weights on rank 0 (its push reads them; every rank gets them from the caller), push every fragment
 that holds steps since its base (a partial round: the syncer merges it at its work fraction,
 core/contributions.py), take those merges, then tell the syncer in a heartbeat that the island
 drained (syncer/state/rounds.py: it waits for drained islands no more, and finishes once every
@@ -106,6 +107,12 @@ def drain(sync: FragmentSync) -> dict[int, Weights]:
     budget = wait_budget(sync.round_times, sync.spec.sync.heartbeat_timeout_seconds)
     out: dict[int, Weights] = {}
     _take_inflight(sync, budget, out)
+    # A push reads Δ = θ_global − θ_local from the parameters, so the receipts' weights
+    # (θ_global + the steps since each push) must be in them first. Pushed from the weights
+    # before the receipts, the drain's Δ also held θ_global − θ_push, the merge's own move,
+    # while its counters held only the steps since the push: a push of one step carried a
+    # round or more of movement (5.6x one AdamW step in tests/e2e/test_drain.py, issue 46).
+    sync.install(out)
     pushed = [f for f, state in enumerate(sync.fragments) if state.counters.steps > 0]
     for f in pushed:
         sync.push(f, sync.position, (0, 0))

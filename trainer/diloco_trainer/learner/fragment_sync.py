@@ -404,6 +404,16 @@ class FragmentSync:
                 self.params[n].copy_(t)
         self.jumps[f] = proxy
 
+    def install(self, targets: dict[int, Weights]) -> None:
+        """Write receipts' weights (receive's) into rank 0's parameters now, for a push that
+        follows in the same call (the drain); the caller still hands them to every rank. A host
+        receipt that wrote the parameters in place already (FragmentState.receive) is skipped."""
+        with torch.no_grad():
+            for weights in targets.values():
+                for n, t in weights.items():
+                    if t.data_ptr() != self.params[n].data_ptr():
+                        self.params[n].copy_(t)
+
     def _collect_plan(self, plan: StepPlan) -> list[int]:
         """Wait (bounded) for the fragments the plan needs, check the ones it may apply."""
         budget = wait_budget(self.round_times, self.spec.sync.heartbeat_timeout_seconds)

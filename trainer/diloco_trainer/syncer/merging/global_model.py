@@ -77,6 +77,10 @@ class MergeResult:
     rounds: int  # the fragment's completed rounds of work after the merge
     clock: float  # its rounds of work merged so far (rounds + the open round's fraction)
     update: WeightUpdate | None  # θ_pub's encoded update; None when θ_pub is θ_exact
+    # The merged pseudo-gradient per round's norm (None: not read, no movement cap) and what
+    # the movement clip multiplied it by (1: not clipped), for the merge log.
+    movement: float | None = None
+    clip: float = 1.0
 
 
 @dataclass(frozen=True)
@@ -90,6 +94,7 @@ class PreparedMerge:
     divisors: dict[str, float] = field(default_factory=dict)
     # What the movement clip multiplied g by (1: not clipped; intake/guards.movement_caps).
     movement_scale: float = 1.0
+    movement: float | None = None  # g's norm per round before the clip (None: not read)
 
     def divide(self, name: str, sl: slice) -> None:
         """Finish one slice of `merged[name]` (core/outer.OuterOptimizer.step's `before`)."""
@@ -290,7 +295,7 @@ class GlobalModel:
             raise MergeInputError(f"work fraction {plan.fraction} of fragment {f}'s merge")
         if not checked:
             check_merged(f, merged)
-        scale = 1.0
+        scale, norm = 1.0, None
         if self.movement_caps is not None:
             norm = merged_norm(merged, divisors)
             scale = clip_scale(norm, self.movement_caps[f])
@@ -304,7 +309,7 @@ class GlobalModel:
                     norm,
                     self.movement_caps[f],
                 )
-        return PreparedMerge(plan, merged, divisors, scale)
+        return PreparedMerge(plan, merged, divisors, scale, norm)
 
     def fold_push(
         self,
@@ -372,7 +377,14 @@ class GlobalModel:
                 )
         if data is not None and out is not None:
             self._install_published(f, data, out)
-        return MergeResult(plan, self.outer.rounds(f), self.outer.clock(f), update)
+        return MergeResult(
+            plan,
+            self.outer.rounds(f),
+            self.outer.clock(f),
+            update,
+            movement=prepared.movement,
+            clip=prepared.movement_scale,
+        )
 
     def _fused_slices(self, writer: UpdateWriter, prepared: PreparedMerge) -> FusedSlice | None:
         """A plain round's slices in one pass each (core/fused_update.py), for int8 pulls."""

@@ -114,6 +114,8 @@ class MergeLog:
             rounds=result.rounds,
             tokens=tokens,
             merge_seconds=seconds,
+            movement=result.movement,
+            clip=result.clip,
             contributors=[
                 MergeContributor(
                     island=c.island,
