@@ -145,7 +145,7 @@ def test_limits_from_the_spec() -> None:
     fixed = RoundLimits.from_spec(parse_spec({"inner": {"steps": 30, "stepsPerIsland": "fixed"}}))
     assert fixed.steps_of(1, IslandRound(10)) == 30  # stepsPerIsland fixed: always H
     default = RoundLimits.from_spec(parse_spec({"inner": {"steps": 30}}))
-    assert not default.auto and default.steps_of(1, IslandRound(10)) == 30  # fixed by default
+    assert default.auto and default.steps_of(1, IslandRound(10)) == 10  # auto by default
     wide = RoundLimits.from_spec(
         parse_spec({"inner": {"steps": 30, "minSteps": 10, "maxSteps": 60}})
     )
