@@ -86,9 +86,10 @@ def test_no_single_reading_moves_a_round_not_even_the_first() -> None:
     assert _schedule(30, [10, 10, 10]) == [30, 10, 10]
     # one reading beyond the band between readings within it: never a change
     assert _schedule(30, [10, 30, 30]) == [30, 30, 30]
-    # a probe is two readings (confirmed: both its steps that slow): taken at once, and it
-    # starts no cooldown (since_change stays at COOLDOWN_READINGS = 3)
-    assert next_round(IslandRound(30), 10, confirmed=True) == IslandRound(10, 0, 3, fresh=False)
+    # a probe is two readings (confirmed: both its steps that slow): taken at once; it starts
+    # no cooldown (since_change stays at COOLDOWN_READINGS = 3) and leaves one reading shorter
+    # pending (-1)
+    assert next_round(IslandRound(30), 10, confirmed=True) == IslandRound(10, -1, 3, fresh=False)
     # ... unless within the band, or within the cooldown of a change
     assert next_round(IslandRound(30), 25, confirmed=True).steps == 30
     assert next_round(IslandRound(10, since_change=0), 4, confirmed=True).steps == 10
@@ -117,6 +118,18 @@ def test_a_probes_cut_goes_back_at_two_contrary_readings() -> None:
     assert _schedule(30, [10, 30, 30, 30], probe=True) == [10, 10, 30, 30]
     # a genuinely slow island's readings agree with its probe: it stays
     assert _schedule(30, [10, 10, 11, 9, 10], probe=True) == [10] * 5
+
+
+def test_a_probes_cut_is_sized_further_by_one_regular_reading() -> None:
+    # the probe cut 30 to 10 (the faster of two steps under-reads a slow island); the first
+    # regular reading, target 5, is beyond 10's band (below min(9, 10 / 1.4 - 1 = 6.14)) in the
+    # probe's direction: with the probe's pending -1 it is the second reading, taken at once
+    assert _schedule(30, [10, 5, 5, 5], probe=True) == [10, 5, 5, 5]
+    # after that regular change the cooldown holds again: a way back needs since >= 3
+    assert _schedule(30, [10, 5, 10, 10, 10], probe=True) == [10, 5, 5, 5, 10]
+    # a regular change leaves nothing pending and starts the cooldown: 10 at reading 2 (since
+    # 0), target 5 at readings 3, 4 (pending -2 at since 2 < 3), taken at reading 5
+    assert _schedule(30, [10, 10, 5, 5, 5, 5]) == [30, 10, 10, 10, 5, 5]
 
 
 def test_no_oscillation_under_noise_or_alternating_readings() -> None:

@@ -38,13 +38,15 @@ def test_a_slow_island_gets_a_third_of_the_round_at_its_first_report() -> None:
     sizes.joined(slow)
     assert sizes.steps_of(slow, slow.name) == 30  # H until measured
     # every island has reported: its first report is read at once; t_ref = lower median of
-    # 1,1,1,3 = 1 s, target 30 x 1 / 3 = 10, taken at once (fresh)
+    # 1,1,1,3 = 1 s, target 30 x 1 / 3 = 10 <= half of 30 with 4 claims: a probe, taken at once
     sizes.read(slow, recs, now=0.0)
     assert sizes.steps_of(slow, slow.name) == 10
-    # the next reading only a reference round (H x t_ref = 30 s) later
-    recs[3].step_time = 6.0  # target 5: would count as a reading
+    # the next reading only a reference round (H x t_ref = 30 s) later; the probe's cut left
+    # one reading shorter pending (-1), so a reading of target 5 would cut to 5 at once
+    assert slow.round is not None and slow.round.pending == -1
+    recs[3].step_time = 6.0
     sizes.read(slow, recs, now=29.0)
-    assert slow.round is not None and slow.round.pending == 0
+    assert slow.round.pending == -1 and sizes.steps_of(slow, slow.name) == 10
     recs[3].step_time = 3.0
     sizes.read(slow, recs, now=30.0)  # reading 2 agrees
     assert sizes.steps_of(slow, slow.name) == 10
@@ -118,7 +120,8 @@ def test_a_rejoined_island_is_read_a_reference_round_after_its_first_report() ->
     recs[3].step_time = 1.0  # target 30 (a warm-up figure, say)
     sizes.read(slow, recs, now=100.0)  # starts the clock: no reading
     sizes.read(slow, recs, now=101.0)
-    assert slow.round is not None and slow.round.pending == 0
+    # no reading: the probe's pending -1 is as it was (a reading of target 30 sets +1)
+    assert slow.round is not None and slow.round.pending == -1
     assert sizes.steps_of(slow, slow.name) == 10
 
 

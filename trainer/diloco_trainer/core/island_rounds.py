@@ -66,9 +66,11 @@ probe at once when every active island has reported one (first_reading_now: befo
 reference could be the slow island's own time) and takes it, as two readings, only when its
 target at least halves the round (probe_moves: an island nearer the reference waits for its
 regular readings) and at least MAJORITY_CLAIMS islands report: in a job of two the reference is
-the other island's own probe and nothing brackets it, so there a probe never acts. Its learner,
-still within its first round, adopts the new H_i in place (learner/step_plan.adopt_round), so a
-3x slower island's first round is H/3 steps too, not H.
+the other island's own probe and nothing brackets it, so there a probe never acts. A probe's
+cut starts no cooldown and leaves a reading in its direction pending (next_round): the fastest
+of two steps under-reads a slow island, and its first regular reading may cut it further alone.
+Its learner, still within its first round, adopts the new H_i in place (learner/step_plan.
+adopt_round), so a 3x slower island's first round is H/3 steps too, not H.
 
 `inner.stepsPerIsland: fixed` turns all this off (every island H), and
 `islands.overrides[i].innerSteps` pins an island's H_i.
@@ -236,8 +238,8 @@ def next_round(current: IslandRound, target: int, *, confirmed: bool = False) ->
     COOLDOWN_READINGS since the last change; a fresh island's first reading is no exception (it
     was, until issue 47: identical FSDP islands under load, island-0's first regular reading
     alone cut it to 5 of 10). `confirmed`: the reading is already two (a probe, whose steps
-    each show the target: probe_step_time, probe_moves), so it counts as the CONFIRMATIONS,
-    and the change it makes starts no cooldown."""
+    each show the target: probe_step_time, probe_moves), so it counts as the CONFIRMATIONS;
+    the change it makes starts no cooldown and leaves one reading in its direction pending."""
     since = current.since_change + 1
     if in_band(current.steps, target):
         return IslandRound(current.steps, 0, since, fresh=False)
@@ -247,10 +249,17 @@ def next_round(current: IslandRound, target: int, *, confirmed: bool = False) ->
     if confirmed:
         pending = direction * max(abs(pending), CONFIRMATIONS)
     if abs(pending) >= CONFIRMATIONS and since >= COOLDOWN_READINGS:
-        # a probe's change starts no cooldown: should two regular readings in a row disagree
-        # (two steps of a long warm-up cut an island of a job of three or more), the round
-        # goes back at the second, two reference rounds on rather than three
-        return IslandRound(target, 0, COOLDOWN_READINGS if confirmed else 0, fresh=False)
+        if confirmed:
+            # A probe's change starts no cooldown: should two regular readings in a row
+            # disagree (two steps of a long warm-up cut an island of a job of three or more),
+            # the round goes back at the second, two reference rounds on rather than three.
+            # And it leaves one reading in its direction pending: the probe has shown the island
+            # slow, and the first regular reading (a reference round of steps, where the probe
+            # is two: bench/hetero's 3x island probed 2.2x under load, cut to 9 of 20, and ran
+            # two readings at 9 before its regular readings took it to 5) may size it further
+            # that way alone.
+            return IslandRound(target, direction, COOLDOWN_READINGS, fresh=False)
+        return IslandRound(target, 0, 0, fresh=False)
     return IslandRound(current.steps, pending, since, fresh=False)
 
 
