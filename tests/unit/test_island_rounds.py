@@ -199,20 +199,24 @@ def test_adopt_round_only_at_a_round_boundary() -> None:
     assert adopt_round(60, 30, None) is None  # the syncer named none
 
 
-def test_probe_step_time_leaves_the_warm_up_out_and_takes_the_faster_step() -> None:
-    # WARMUP_STEPS = 1, PROBE_STEPS = 2: the faster of steps 2 and 3 (each a reading; a slow
-    # probe needs both slow)
+def test_probe_step_time_is_the_mean_capped_at_the_band_above_the_faster_step() -> None:
+    # WARMUP_STEPS = 1, PROBE_STEPS = 2: the mean of steps 2 and 3, at most 1.4 x the faster
     assert probe_step_time([]) is None
     assert probe_step_time([5.0, 1.0]) is None
-    assert probe_step_time([5.0, 1.0, 2.0]) == 1.0
-    assert probe_step_time([5.0, 2.0, 1.0, 0.1]) == 1.0
+    assert probe_step_time([5.0, 1.0, 1.2]) == pytest.approx(1.1)  # the mean (cap 1.4)
+    assert probe_step_time([5.0, 3.0, 2.5, 9.0]) == pytest.approx(2.75)  # the mean (cap 3.5)
+    # one noisy step (6x) beside a normal one: the mean 3.5 is capped at 1.4 x 1.0, so against
+    # a reference of 1.0 its target is within the band, far from halving the round
+    assert probe_step_time([5.0, 6.0, 1.0]) == pytest.approx(1.4)
+    assert target_steps(inner_steps=20, reference=1.0, own=1.4, floor=3, ceiling=20) == 14
+    assert in_band(20, 14)
 
 
 def test_step_time_report_probes_then_averages_the_steps_after_it() -> None:
     report = StepTimeReport()
     assert report.add(5.0) is False and report.value is None  # warm-up
     assert report.add(1.0) is False and report.value is None
-    assert report.add(2.0) is True and report.value == 1.0  # the probe: report it now
+    assert report.add(2.0) is True and report.value == 1.4  # the probe: min(1.5, 1.4 x 1.0)
     # after it: the mean of the steps since the probe (the probe left out) ...
     assert report.add(2.5) is False and report.value == pytest.approx(2.5)
     report.add(1.5)

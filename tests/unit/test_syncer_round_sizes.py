@@ -204,9 +204,9 @@ FAST, SLOW, WARM = 0.25, 0.75, 1.0
 
 
 def test_a_genuinely_slow_island_of_four_is_cut_by_its_probe() -> None:
-    """1,1,1,3 at H = 20 (floor 3): every island's step 1 is warm-up (1 s). The fast islands'
-    probes (the faster of steps 2, 3: 0.25 s) come at 1.5 s, island-3's (0.75) at 2.5 s, when
-    all four have reported: t_ref = lower median of 0.25 x 3, 0.75 = 0.25, target
+    """1,1,1,3 at H = 20 (floor 3): every island's step 1 is warm-up (1 s). The fast islands' probes
+    (the mean of steps 2, 3, at most 1.4 x the faster: 0.25 s) come at 1.5 s, island-3's (0.75) at
+    2.5 s, when all four have reported: t_ref = lower median of 0.25 x 3, 0.75 = 0.25, target
     floor(20 x 0.25 / 0.75) = 6 <= 10 with 4 claims: cut to 6 at its step 3 (in place in its
     first round). Its regular readings (every 20 x 0.25 = 5 s) read 0.75 again: target 6, in
     the band; the fast islands' read target 20: they keep H."""
@@ -218,9 +218,10 @@ def test_a_genuinely_slow_island_of_four_is_cut_by_its_probe() -> None:
 
 def test_a_noisy_then_normal_island_of_four_is_not_cut() -> None:
     """Identical islands; island-3's step 2 is 6x slow (1.5 s, a warm-up on a shared CPU),
-    then it runs at 0.25 s like the others. Its probe is the faster of steps 2, 3: 0.25 s,
-    target 20: no cut (the mean of the two, 0.875 s, was target floor(20 x 0.25 / 0.875) = 5
-    and cut it at once before issue 47's confirmation). Its later reports are the mean of the
+    then it runs at 0.25 s like the others. Its probe is the mean of steps 2, 3 (0.875 s)
+    capped at 1.4 x the faster (0.35 s): target floor(20 x 0.25 / 0.35) = 14, not half the
+    round, no cut (the plain mean, target floor(20 x 0.25 / 0.875) = 5, cut it at once before
+    issue 47's confirmation). Its later reports are the mean of the
     steps after the probe, 0.25 s: H throughout."""
     fast = [WARM] + [FAST] * 80
     noisy = [WARM, 1.5] + [FAST] * 74
@@ -229,27 +230,29 @@ def test_a_noisy_then_normal_island_of_four_is_not_cut() -> None:
 
 
 def test_a_long_warm_up_cut_of_an_island_of_four_goes_back_at_two_readings() -> None:
-    """Island-3's steps 2 and 3 both slow (1.5 s, 1.25 s), then 0.25 s. Its probe (1.25 s, at
-    4.75 s) confirms itself: target floor(20 x 0.25 / 1.25) = 4, cut at step 3. A probe's cut
+    """Island-3's steps 2 and 3 both slow (1.5 s, 1.25 s), then 0.25 s. Its probe (the mean
+    1.375 s, under 1.4 x 1.25; at 3.75 s) confirms itself: target floor(20 x 0.25 / 1.375) = 3,
+    cut at step 3; it leaves one reading shorter pending. A probe's cut
     starts no cooldown, and its reports after it are the mean of the steps since (0.25 s, the
     probe left out): its first regular reading, at the first heartbeat 5 s after the probe
-    (9.75 s, its step 23), has target 20, beyond 4's band (up to max(5, 5.6)): pending; the
-    second (14.75 s, step 43) confirms it: back to 20. The fast islands keep H."""
+    (8.75 s, its step 23), has target 20, beyond 3's band (up to max(4, 4.2)): pending +1 in
+    place of the probe's -1; the second (13.75 s, step 43) confirms it: back to 20. The fast
+    islands keep H."""
     fast = [WARM] + [FAST] * 80
     noisy = [WARM, 1.5, 1.25] + [FAST] * 60
     changes = _steps_to_rounds(4, 20, [fast, fast, fast, noisy])
-    assert changes == {0: [], 1: [], 2: [], 3: [(3, 4), (43, 20)]}
+    assert changes == {0: [], 1: [], 2: [], 3: [(3, 3), (43, 20)]}
 
 
 def test_in_a_job_of_two_a_noisy_warm_up_never_cuts() -> None:
-    """tests/e2e/test_fsdp_island.py's failure by hand: identical islands of a job of two at
-    H = 10 (floor 2), island-1's steps 2 and 3 slow (1.5 s, 1.25 s: FSDP's warm-up on a shared
-    CPU), then 0.25 s. Its probe (1.25 s at 3.75 s; island-0's 0.25 s came at 1.5 s) has
-    target floor(10 x 0.25 / 1.25) = 2, but with 2 claims a probe never acts: it starts the
-    clock. Its regular readings, every 10 x 0.25 = 2.5 s, read the mean of its steps after the
-    probe, 0.25 s: target 10, in the band. (An EMA seeded from the probe read 0.25 + 0.9^10 x 1
-    = 0.60 s ten steps on, target 4, and 0.25 + 0.9^20 x 1 = 0.37 s ten more on, target 6 <
-    10 / 1.4 - 1 = 6.14: two readings in a row beyond the band, a cut.) Island-0 is never
+    """tests/e2e/test_fsdp_island.py's failure by hand: identical islands of a job of two at H = 10
+    (floor 2), island-1's steps 2 and 3 slow (1.5 s, 1.25 s: FSDP's warm-up on a shared CPU), then
+    0.25 s. Its probe (1.375 s at 3.75 s; island-0's 0.25 s came at 1.5 s) has target floor(10 x
+    0.25 / 1.375) = 1, the floor 2, but with 2 claims a probe never acts: it starts the clock. Its
+    regular readings, every 10 x 0.25 = 2.5 s, read the mean of its steps after the
+    probe, 0.25 s: target 10, in the band. (An EMA seeded from the probe read 0.25 + 0.9^10 x
+    1.125 = 0.64 s ten steps on, target 3, and 0.25 + 0.9^20 x 1.125 = 0.39 s ten more on,
+    target 6 < 10 / 1.4 - 1 = 6.14: two readings in a row beyond the band, a cut.) Island-0 is never
     beyond the band either: its own 0.25 s against t_ref = min(0.25, island-1's claim)."""
     fast = [WARM] + [FAST] * 60
     noisy = [WARM, 1.5, 1.25] + [FAST] * 50

@@ -55,22 +55,23 @@ test_fsdp_island.py's identical FSDP bf16 islands of a job of two were cut under
 to 2 of 10 on its probe at step 2 and island-0 to 5 on its first regular reading at step 10).
 
 A slow island's first round is still short: a mixed job's slow islands start at H, and at K = M
-every fast island waits for each of their long rounds until they change (bench/log/
-2026-11-29.md, "hetero — 2026-11-29 02:13": 16% of the fast islands' time with two readings and
-a round boundary to wait for; "03:59": 2.2 s of their 3.3 s of waits, the first reading a
-reference round after the first heartbeat). So a learner reports no step time until it has
-PROBE_STEPS steps clear of its warm-up, and then the fastest of them (probe_step_time: each step
-a reading, so the report is slow only when every one is), at once rather than at its next
-heartbeat (StepTimeReport; an EMA seeded from it after). The syncer reads a fresh island's
-probe at once when every active island has reported one (first_reading_now: before that the
-reference could be the slow island's own time) and takes it, as two readings, only when its
-target at least halves the round (probe_moves: an island nearer the reference waits for its
-regular readings) and at least MAJORITY_CLAIMS islands report: in a job of two the reference is
-the other island's own probe and nothing brackets it, so there a probe never acts. A probe's
-cut starts no cooldown and leaves a reading in its direction pending (next_round): the fastest
-of two steps under-reads a slow island, and its first regular reading may cut it further alone.
-Its learner, still within its first round, adopts the new H_i in place (learner/step_plan.
-adopt_round), so a 3x slower island's first round is H/3 steps too, not H.
+every fast island waits for each of their long rounds until they change
+(bench/log/2026-11-29.md, "hetero — 2026-11-29 02:13": 16% of the fast islands' time with two
+readings and a round boundary to wait for; "03:59": 2.2 s of their 3.3 s of waits, the first
+reading a reference round after the first heartbeat). So a learner reports no step time until it
+has PROBE_STEPS steps clear of its warm-up, and then their mean, but at most 1.4 times the
+fastest (probe_step_time: each step a reading, so a probe that cuts has every step beyond the
+band), at once rather than at its next heartbeat (StepTimeReport; then the mean of the steps
+after it, the probe left out). The syncer reads a fresh island's probe at once when every active
+island has reported one (first_reading_now: before that the reference could be the slow island's
+own time) and takes it, as two readings, only when its target at least halves the round
+(probe_moves: an island nearer the reference waits for its regular readings) and at least
+MAJORITY_CLAIMS islands report: in a job of two the reference is the other island's own probe
+and nothing brackets it, so there a probe never acts. A probe's cut starts no cooldown and
+leaves a reading in its direction pending (next_round): two steps may under-read a slow island,
+and its first regular reading may cut it further alone. Its learner, still within its first
+round, adopts the new H_i in place (learner/step_plan. adopt_round), so a 3x slower island's
+first round is H/3 steps too, not H.
 
 `inner.stepsPerIsland: fixed` turns all this off (every island H), and
 `islands.overrides[i].innerSteps` pins an island's H_i.
@@ -98,17 +99,18 @@ COOLDOWN_READINGS = 3
 # A learner's first steps are warm-up (allocations, caches, the first batches): its reported step
 # time leaves out this many ...
 WARMUP_STEPS = 1
-# ... and its first report (the probe) is the fastest of the next this many steps, each a reading
-# of its own (probe_step_time). Two: a probe that cuts a round needs both to be slow, the second
-# step confirming the first (issue 47: one noisy early reading cut identical FSDP islands under
-# load), and a 4x slower island's round at H = 20 is 5 steps, so its H_i must arrive (report,
-# heartbeat answer) before its position reaches it for the first round to be cut in place: the
-# probe completes at step 3, as the mean of steps 2-3 it replaced did.
+# ... and its first report (the probe) is read from the next this many steps, each a reading of
+# its own (probe_step_time). Two: a probe that cuts a round needs both slow, the second step
+# confirming the first (issue 47: one noisy early reading cut identical FSDP islands under load),
+# and a 4x slower island's round at H = 20 is 5 steps, so its H_i must arrive (report, heartbeat
+# answer) before its position reaches it for the first round to be cut in place: the probe
+# completes at step 3, as the plain mean of steps 2-3 it replaced did.
 PROBE_STEPS = 2
 # The reported step time's EMA weight of each step after the probe (as the learner's own EMA).
 REPORT_EMA = 0.1
 # The probe's reading moves a fresh island's round only to at most this share of it (the island
-# at least 1 / PROBE_MOVE_SHARE times slower than the reference in both its probe steps): two
+# at least 1 / PROBE_MOVE_SHARE times slower than the reference, every probe step beyond the
+# band: probe_step_time): two
 # steps on a shared machine are noisy, and an identical island shrunk on noise runs short rounds
 # until the hysteresis brings it back; a nearer target waits for the regular readings.
 PROBE_MOVE_SHARE = 0.5
@@ -127,16 +129,20 @@ def reference_step_time(step_times: Sequence[float]) -> float | None:
 
 def probe_step_time(times: Sequence[float]) -> float | None:
     """A learner's first reported step time from its first steps' `times` (seconds, in order):
-    the fastest of the PROBE_STEPS steps after WARMUP_STEPS; None until there are that many.
+    the mean of the PROBE_STEPS steps after WARMUP_STEPS, but at most 1 + CHANGE_FRACTION times
+    the fastest of them; None until there are that many.
 
-    The fastest, not the mean: each probe step is a reading, and a probe that cuts a round
-    (probe_moves: at least twice the reference) must be that slow in every one of them, so one
-    noisy step never cuts an island (issue 47: tests/e2e/test_fsdp_island.py's identical FSDP
-    islands under load, island-1's mean of steps 2-3 over 5x the other's). A genuinely slow
-    island is slow in both (bench/hetero's 3x island read 3-4.5x)."""
+    Each probe step is a reading. A probe cuts a round when it is at least twice the reference
+    (probe_moves), so with the cap only when the steps' mean is (the size: the fastest step
+    alone under-read bench/hetero's 3x island as under 2x under load, and it waited for two
+    regular readings at H) *and* every step is beyond the band, at least 2 / 1.4 = 1.43 times
+    the reference: one noisy step beside a normal one never cuts an island (issue 47:
+    tests/e2e/test_fsdp_island.py's identical FSDP islands under load, island-1's mean of steps
+    2-3 over 5x the other's)."""
     if len(times) < WARMUP_STEPS + PROBE_STEPS:
         return None
-    return min(times[WARMUP_STEPS : WARMUP_STEPS + PROBE_STEPS])
+    probe = times[WARMUP_STEPS : WARMUP_STEPS + PROBE_STEPS]
+    return min(sum(probe) / len(probe), (1 + CHANGE_FRACTION) * min(probe))
 
 
 @dataclass
@@ -185,11 +191,11 @@ def first_reading_now(*, fresh: bool, reported: int, active: int) -> bool:
 
 
 def probe_moves(current: int, target: int, *, claims: int) -> bool:
-    """Whether a fresh island's probe reading (first_reading_now) is taken at once: only when
-    its target is at most PROBE_MOVE_SHARE of its round (both probe steps that slow:
-    probe_step_time) and at least MAJORITY_CLAIMS islands report a step time (`claims`). With
-    fewer, the reference is the other island's own probe, itself two noisy steps, with no
-    majority to bracket it: in a job of two a probe never acts, and the island's round moves
+    """Whether a fresh island's probe reading (first_reading_now) is taken at once: only when its
+    target is at most PROBE_MOVE_SHARE of its round (the probe steps' mean that slow and every one
+    beyond the band: probe_step_time) and at least MAJORITY_CLAIMS islands report a step time
+    (`claims`). With fewer, the reference is the other island's own probe, itself two noisy steps,
+    with no majority to bracket it: in a job of two a probe never acts, and the island's round moves
     only on regular readings (two in a row, next_round). Else its report starts its clock."""
     return claims >= MAJORITY_CLAIMS and target <= PROBE_MOVE_SHARE * current
 
