@@ -18,6 +18,7 @@ from diloco_trainer.core.island_rounds import (
     probe_moves,
     probe_step_time,
     reference_step_time,
+    report_weight,
     split_budget,
     target_steps,
 )
@@ -61,11 +62,12 @@ def test_target_steps_hand_derived() -> None:
         target_steps(inner_steps=30, reference=1.0, own=1.0, floor=0, ceiling=30)
 
 
-def _schedule(start: int, targets: list[int]) -> list[int]:
+def _schedule(start: int, targets: list[int], *, probe: bool = False) -> list[int]:
+    """H_i after each reading of `targets`; with `probe`, the first is a probe (confirmed)."""
     state = IslandRound(start)
     out = []
-    for target in targets:
-        state = next_round(state, target)
+    for i, target in enumerate(targets):
+        state = next_round(state, target, confirmed=probe and i == 0)
         out.append(state.steps)
     return out
 
@@ -77,27 +79,57 @@ def test_a_mid_job_slowdown_shrinks_the_round_after_two_readings() -> None:
     assert _schedule(30, [30, 30, 10, 10, 10, 10]) == [30, 30, 30, 10, 10, 10]
 
 
-def test_the_first_reading_sets_a_slow_islands_round_at_once() -> None:
-    # a fresh island (no reading yet) 3x slower: its first reading's target 10 is taken at once
-    assert _schedule(30, [10, 10, 10]) == [10, 10, 10]
-    # a first reading within the band makes it no longer fresh: a later change needs two readings
-    assert _schedule(30, [30, 10, 10]) == [30, 30, 10]
+def test_no_single_reading_moves_a_round_not_even_the_first() -> None:
+    # a fresh island (no reading yet) 3x slower: its first regular reading's target 10 is one
+    # reading (pending -1), the second confirms it (issue 47: island-0 of the FSDP job of two
+    # was cut to 5 of 10 on its first regular reading alone)
+    assert _schedule(30, [10, 10, 10]) == [30, 10, 10]
+    # one reading beyond the band between readings within it: never a change
+    assert _schedule(30, [10, 30, 30]) == [30, 30, 30]
+    # a probe is two readings (confirmed: both its steps that slow): taken at once; it starts
+    # no cooldown (since_change stays at COOLDOWN_READINGS = 3) and leaves one reading shorter
+    # pending (-1)
+    assert next_round(IslandRound(30), 10, confirmed=True) == IslandRound(10, -1, 3, fresh=False)
+    # ... unless within the band, or within the cooldown of a change
+    assert next_round(IslandRound(30), 25, confirmed=True).steps == 30
+    assert next_round(IslandRound(10, since_change=0), 4, confirmed=True).steps == 10
 
 
 def test_one_step_is_never_a_change() -> None:
     # at 3 steps a round, 4 is 33% away but only one step: noise, never taken
     assert _schedule(3, [4, 4, 4, 2, 2, 4]) == [3] * 6
-    # two steps are: from 3 to 5 on the first (fresh) reading
-    assert _schedule(3, [5]) == [5]
+    # two steps are: from 3 to 5 on the second reading
+    assert _schedule(3, [5, 5]) == [3, 5]
 
 
 def test_a_recovery_waits_for_the_cooldown() -> None:
-    # The first reading (fresh) sets 10 at once (since 0). Speed back at reading 3: targets 30
-    # at readings 3, 4 are confirmed by reading 4 (since 3 >= 3): H_i = 30 from reading 4. Had
-    # it come back at reading 2, reading 3 would confirm it only 2 readings after the change,
-    # and reading 4 is the first one the cooldown allows.
-    assert _schedule(30, [10, 10, 30, 30, 30, 30]) == [10, 10, 10, 30, 30, 30]
-    assert _schedule(30, [10, 30, 30, 30, 30]) == [10, 10, 10, 30, 30]
+    # Readings 1, 2 at target 10 set 10 at reading 2 (since 0). Speed back at reading 4:
+    # targets 30 at readings 4, 5 are confirmed by reading 5 (since 3 >= 3): H_i = 30 from
+    # reading 5. Had it come back at reading 3, reading 4 would confirm it only 2 readings after
+    # the change, and reading 5 is the first one the cooldown allows.
+    assert _schedule(30, [10, 10, 10, 30, 30, 30, 30]) == [30, 10, 10, 10, 30, 30, 30]
+    assert _schedule(30, [10, 10, 30, 30, 30, 30]) == [30, 10, 10, 10, 30, 30]
+
+
+def test_a_probes_cut_goes_back_at_two_contrary_readings() -> None:
+    # the probe (reading 1, confirmed) sets 10 with no cooldown: readings 2, 3 at target 30
+    # take it back at reading 3 (two in a row; since 2 < 3 would have held it after a regular
+    # change)
+    assert _schedule(30, [10, 30, 30, 30], probe=True) == [10, 10, 30, 30]
+    # a genuinely slow island's readings agree with its probe: it stays
+    assert _schedule(30, [10, 10, 11, 9, 10], probe=True) == [10] * 5
+
+
+def test_a_probes_cut_is_sized_further_by_one_regular_reading() -> None:
+    # the probe cut 30 to 10 (the faster of two steps under-reads a slow island); the first
+    # regular reading, target 5, is beyond 10's band (below min(9, 10 / 1.4 - 1 = 6.14)) in the
+    # probe's direction: with the probe's pending -1 it is the second reading, taken at once
+    assert _schedule(30, [10, 5, 5, 5], probe=True) == [10, 5, 5, 5]
+    # after that regular change the cooldown holds again: a way back needs since >= 3
+    assert _schedule(30, [10, 5, 10, 10, 10], probe=True) == [10, 5, 5, 5, 10]
+    # a regular change leaves nothing pending and starts the cooldown: 10 at reading 2 (since
+    # 0), target 5 at readings 3, 4 (pending -2 at since 2 < 3), taken at reading 5
+    assert _schedule(30, [10, 10, 5, 5, 5, 5]) == [30, 10, 10, 10, 5, 5]
 
 
 def test_no_oscillation_under_noise_or_alternating_readings() -> None:
@@ -126,7 +158,7 @@ def test_limits_from_the_spec() -> None:
     fixed = RoundLimits.from_spec(parse_spec({"inner": {"steps": 30, "stepsPerIsland": "fixed"}}))
     assert fixed.steps_of(1, IslandRound(10)) == 30  # stepsPerIsland fixed: always H
     default = RoundLimits.from_spec(parse_spec({"inner": {"steps": 30}}))
-    assert not default.auto and default.steps_of(1, IslandRound(10)) == 30  # fixed by default
+    assert default.auto and default.steps_of(1, IslandRound(10)) == 10  # auto by default
     wide = RoundLimits.from_spec(
         parse_spec({"inner": {"steps": 30, "minSteps": 10, "maxSteps": 60}})
     )
@@ -167,21 +199,36 @@ def test_adopt_round_only_at_a_round_boundary() -> None:
     assert adopt_round(60, 30, None) is None  # the syncer named none
 
 
-def test_probe_step_time_leaves_the_warm_up_out() -> None:
-    # WARMUP_STEPS = 1, PROBE_STEPS = 2: the mean of steps 2 and 3
+def test_probe_step_time_is_the_mean_capped_at_the_band_above_the_faster_step() -> None:
+    # WARMUP_STEPS = 1, PROBE_STEPS = 2: the mean of steps 2 and 3, at most 1.4 x the faster
     assert probe_step_time([]) is None
     assert probe_step_time([5.0, 1.0]) is None
-    assert probe_step_time([5.0, 1.0, 2.0]) == 1.5
-    assert probe_step_time([5.0, 1.0, 2.0, 9.0]) == 1.5
+    assert probe_step_time([5.0, 1.0, 1.2]) == pytest.approx(1.1)  # the mean (cap 1.4)
+    assert probe_step_time([5.0, 3.0, 2.5, 9.0]) == pytest.approx(2.75)  # the mean (cap 3.5)
+    # one noisy step (6x) beside a normal one: the mean 3.5 is capped at 1.4 x 1.0, so against
+    # a reference of 1.0 its target is within the band, far from halving the round
+    assert probe_step_time([5.0, 6.0, 1.0]) == pytest.approx(1.4)
+    assert target_steps(inner_steps=20, reference=1.0, own=1.4, floor=3, ceiling=20) == 14
+    assert in_band(20, 14)
 
 
-def test_step_time_report_probes_then_averages() -> None:
+def test_step_time_report_probes_then_averages_the_steps_after_it() -> None:
     report = StepTimeReport()
     assert report.add(5.0) is False and report.value is None  # warm-up
     assert report.add(1.0) is False and report.value is None
-    assert report.add(2.0) is True and report.value == 1.5  # the probe: report it now
-    assert report.add(2.5) is False
-    assert report.value == pytest.approx(0.9 * 1.5 + 0.1 * 2.5)  # 1.6
+    assert report.add(2.0) is True and report.value == 1.4  # the probe: min(1.5, 1.4 x 1.0)
+    # after it: the mean of the steps since the probe (the probe left out) ...
+    assert report.add(2.5) is False and report.value == pytest.approx(2.5)
+    report.add(1.5)
+    assert report.value == pytest.approx(2.0)  # (2.5 + 1.5) / 2
+    for _ in range(8):
+        report.add(2.0)
+    assert report.value == pytest.approx(2.0)  # the mean of ten steps of 2 on average
+    # ... an EMA from the tenth step on: weight max(1/11, 0.1) = 0.1
+    report.add(3.0)
+    assert report.value == pytest.approx(0.9 * 2.0 + 0.1 * 3.0)  # 2.1
+    assert report_weight(1) == 1.0 and report_weight(4) == 0.25
+    assert report_weight(10) == pytest.approx(0.1) and report_weight(50) == pytest.approx(0.1)
 
 
 def test_first_reading_now_needs_every_active_islands_report() -> None:
@@ -192,11 +239,19 @@ def test_first_reading_now_needs_every_active_islands_report() -> None:
 
 
 def test_a_probe_moves_a_round_only_when_it_at_least_halves_it() -> None:
-    # PROBE_MOVE_SHARE = 0.5 of a round of 20: targets up to 10
-    assert probe_moves(20, 6) is True  # 3x slower: 20 / 3 -> 6
-    assert probe_moves(20, 10) is True  # exactly half
-    assert probe_moves(20, 11) is False  # 1.8x: the regular reading decides
-    assert probe_moves(20, 20) is False  # as fast as the reference
+    # PROBE_MOVE_SHARE = 0.5 of a round of 20: targets up to 10, with 3 or more claims
+    assert probe_moves(20, 6, claims=4) is True  # 3x slower: 20 / 3 -> 6
+    assert probe_moves(20, 10, claims=3) is True  # exactly half
+    assert probe_moves(20, 11, claims=4) is False  # 1.8x: the regular readings decide
+    assert probe_moves(20, 20, claims=4) is False  # as fast as the reference
+
+
+def test_in_a_job_of_two_a_probe_never_acts() -> None:
+    # two claims: the reference is the other island's own probe (the faster claim); even a
+    # target at the floor waits for the regular readings
+    assert probe_moves(10, 2, claims=2) is False
+    assert probe_moves(20, 6, claims=2) is False
+    assert probe_moves(20, 6, claims=1) is False
 
 
 def test_band_is_forty_percent_of_step_time_less_the_rounding_step() -> None:
@@ -239,11 +294,11 @@ def test_equal_islands_keep_h_under_loaded_machine_noise() -> None:
 
 
 def test_a_one_and_a_half_times_slower_island_is_beyond_the_band() -> None:
-    # 20 x 1.0 / 1.5 = 13.33 -> 13 < 13.29: a fresh island takes it at once; the mixes
+    # 20 x 1.0 / 1.5 = 13.33 -> 13 < 13.29: taken at the second reading; the mixes
     # 1,1,2,4 (targets 10 and 5) are far beyond it too
     assert target_steps(inner_steps=20, reference=1.0, own=1.5, floor=3, ceiling=20) == 13
-    assert _schedule(20, [13, 13]) == [13, 13]
-    assert _schedule(20, [10]) == [10] and _schedule(20, [5]) == [5]
+    assert _schedule(20, [13, 13]) == [20, 13]
+    assert _schedule(20, [10, 10]) == [20, 10] and _schedule(20, [5, 5]) == [20, 5]
 
 
 def test_split_budget_once_any_round_differs_from_h() -> None:

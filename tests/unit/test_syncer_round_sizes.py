@@ -5,6 +5,7 @@ that moves only its own round. Expected values derived by hand in the comments."
 from __future__ import annotations
 
 from diloco_trainer.api.spec import parse_spec
+from diloco_trainer.core.island_rounds import StepTimeReport
 from diloco_trainer.syncer.state import IslandRecord, RoundSizes
 from diloco_trainer.syncer.state.round_sizes import island_index
 
@@ -37,13 +38,15 @@ def test_a_slow_island_gets_a_third_of_the_round_at_its_first_report() -> None:
     sizes.joined(slow)
     assert sizes.steps_of(slow, slow.name) == 30  # H until measured
     # every island has reported: its first report is read at once; t_ref = lower median of
-    # 1,1,1,3 = 1 s, target 30 x 1 / 3 = 10, taken at once (fresh)
+    # 1,1,1,3 = 1 s, target 30 x 1 / 3 = 10 <= half of 30 with 4 claims: a probe, taken at once
     sizes.read(slow, recs, now=0.0)
     assert sizes.steps_of(slow, slow.name) == 10
-    # the next reading only a reference round (H x t_ref = 30 s) later
-    recs[3].step_time = 6.0  # target 5: would count as a reading
+    # the next reading only a reference round (H x t_ref = 30 s) later; the probe's cut left
+    # one reading shorter pending (-1), so a reading of target 5 would cut to 5 at once
+    assert slow.round is not None and slow.round.pending == -1
+    recs[3].step_time = 6.0
     sizes.read(slow, recs, now=29.0)
-    assert slow.round is not None and slow.round.pending == 0
+    assert slow.round.pending == -1 and sizes.steps_of(slow, slow.name) == 10
     recs[3].step_time = 3.0
     sizes.read(slow, recs, now=30.0)  # reading 2 agrees
     assert sizes.steps_of(slow, slow.name) == 10
@@ -101,7 +104,9 @@ def test_a_fresh_islands_first_report_waits_for_its_peers_reports() -> None:
     assert sizes.steps_of(slow, slow.name) == 30
     sizes.read(slow, recs, now=29.0)  # H x t_ref = 30 s not passed: no reading
     assert sizes.steps_of(slow, slow.name) == 30
-    sizes.read(slow, recs, now=30.0)  # reading 1, still fresh: 10 at once
+    sizes.read(slow, recs, now=30.0)  # reading 1: target 10, one reading (pending)
+    assert sizes.steps_of(slow, slow.name) == 30
+    sizes.read(slow, recs, now=60.0)  # reading 2 confirms it
     assert sizes.steps_of(slow, slow.name) == 10
 
 
@@ -115,7 +120,8 @@ def test_a_rejoined_island_is_read_a_reference_round_after_its_first_report() ->
     recs[3].step_time = 1.0  # target 30 (a warm-up figure, say)
     sizes.read(slow, recs, now=100.0)  # starts the clock: no reading
     sizes.read(slow, recs, now=101.0)
-    assert slow.round is not None and slow.round.pending == 0
+    # no reading: the probe's pending -1 is as it was (a reading of target 30 sets +1)
+    assert slow.round is not None and slow.round.pending == -1
     assert sizes.steps_of(slow, slow.name) == 10
 
 
@@ -159,3 +165,106 @@ def test_the_budget_is_split_once_a_round_moves_and_stays_split() -> None:
 
 def test_a_pin_other_than_h_splits_the_budget_from_the_start() -> None:
     assert _job().split  # island 2 pinned at 12, H = 30
+
+
+def _steps_to_rounds(
+    count: int, inner_steps: int, steps: list[list[float]]
+) -> dict[int, list[tuple[int, int]]]:
+    """A job of `count` islands at inner.steps `inner_steps` (stepsPerIsland auto, floor
+    ceil(H/8), ceiling H) whose learners take `steps` (island -> each step's seconds, from one
+    start): each step's report (the learner's StepTimeReport) reaches the syncer in a heartbeat
+    at the step's end, in time order, and is read (RoundSizes.read). Returns each island's
+    changes of H_i, as (its step at the heartbeat that made it, the new H_i)."""
+    spec = parse_spec(
+        {"inner": {"steps": inner_steps, "stepsPerIsland": "auto"}, "islands": {"count": count}}
+    )
+    sizes = RoundSizes(spec)
+    recs = _islands([0.0] * count)
+    for rec in recs:
+        rec.step_time = None
+        sizes.joined(rec)
+    reports = [StepTimeReport() for _ in recs]
+    beats = sorted(
+        (sum(times[: k + 1]), i, k + 1) for i, times in enumerate(steps) for k in range(len(times))
+    )
+    changes: dict[int, list[tuple[int, int]]] = {i: [] for i in range(count)}
+    for now, i, step in beats:
+        reports[i].add(steps[i][step - 1])
+        recs[i].step_time = reports[i].value  # membership.heartbeat keeps the last report
+        before = sizes.steps_of(recs[i], recs[i].name)
+        sizes.read(recs[i], recs, now)
+        after = sizes.steps_of(recs[i], recs[i].name)
+        if after != before:
+            changes[i].append((step, after))
+    return changes
+
+
+# Times are binary fractions (0.25, 0.75, ...) so the hand-derived clock is exact.
+FAST, SLOW, WARM = 0.25, 0.75, 1.0
+
+
+def test_a_genuinely_slow_island_of_four_is_cut_by_its_probe() -> None:
+    """1,1,1,3 at H = 20 (floor 3): every island's step 1 is warm-up (1 s). The fast islands' probes
+    (the mean of steps 2, 3, at most 1.4 x the faster: 0.25 s) come at 1.5 s, island-3's (0.75) at
+    2.5 s, when all four have reported: t_ref = lower median of 0.25 x 3, 0.75 = 0.25, target
+    floor(20 x 0.25 / 0.75) = 6 <= 10 with 4 claims: cut to 6 at its step 3 (in place in its
+    first round). Its regular readings (every 20 x 0.25 = 5 s) read 0.75 again: target 6, in
+    the band; the fast islands' read target 20: they keep H."""
+    fast = [WARM] + [FAST] * 80
+    slow = [WARM] + [SLOW] * 27
+    changes = _steps_to_rounds(4, 20, [fast, fast, fast, slow])
+    assert changes == {0: [], 1: [], 2: [], 3: [(3, 6)]}
+
+
+def test_a_noisy_then_normal_island_of_four_is_not_cut() -> None:
+    """Identical islands; island-3's step 2 is 6x slow (1.5 s, a warm-up on a shared CPU),
+    then it runs at 0.25 s like the others. Its probe is the mean of steps 2, 3 (0.875 s)
+    capped at 1.4 x the faster (0.35 s): target floor(20 x 0.25 / 0.35) = 14, not half the
+    round, no cut (the plain mean, target floor(20 x 0.25 / 0.875) = 5, cut it at once before
+    issue 47's confirmation). Its later reports are the mean of the
+    steps after the probe, 0.25 s: H throughout."""
+    fast = [WARM] + [FAST] * 80
+    noisy = [WARM, 1.5] + [FAST] * 74
+    changes = _steps_to_rounds(4, 20, [fast, fast, fast, noisy])
+    assert changes == {0: [], 1: [], 2: [], 3: []}
+
+
+def test_a_long_warm_up_cut_of_an_island_of_four_goes_back_at_two_readings() -> None:
+    """Island-3's steps 2 and 3 both slow (1.5 s, 1.25 s), then 0.25 s. Its probe (the mean
+    1.375 s, under 1.4 x 1.25; at 3.75 s) confirms itself: target floor(20 x 0.25 / 1.375) = 3,
+    cut at step 3; it leaves one reading shorter pending. A probe's cut
+    starts no cooldown, and its reports after it are the mean of the steps since (0.25 s, the
+    probe left out): its first regular reading, at the first heartbeat 5 s after the probe
+    (8.75 s, its step 23), has target 20, beyond 3's band (up to max(4, 4.2)): pending +1 in
+    place of the probe's -1; the second (13.75 s, step 43) confirms it: back to 20. The fast
+    islands keep H."""
+    fast = [WARM] + [FAST] * 80
+    noisy = [WARM, 1.5, 1.25] + [FAST] * 60
+    changes = _steps_to_rounds(4, 20, [fast, fast, fast, noisy])
+    assert changes == {0: [], 1: [], 2: [], 3: [(3, 3), (43, 20)]}
+
+
+def test_in_a_job_of_two_a_noisy_warm_up_never_cuts() -> None:
+    """tests/e2e/test_fsdp_island.py's failure by hand: identical islands of a job of two at H = 10
+    (floor 2), island-1's steps 2 and 3 slow (1.5 s, 1.25 s: FSDP's warm-up on a shared CPU), then
+    0.25 s. Its probe (1.375 s at 3.75 s; island-0's 0.25 s came at 1.5 s) has target floor(10 x
+    0.25 / 1.375) = 1, the floor 2, but with 2 claims a probe never acts: it starts the clock. Its
+    regular readings, every 10 x 0.25 = 2.5 s, read the mean of its steps after the
+    probe, 0.25 s: target 10, in the band. (An EMA seeded from the probe read 0.25 + 0.9^10 x
+    1.125 = 0.64 s ten steps on, target 3, and 0.25 + 0.9^20 x 1.125 = 0.39 s ten more on,
+    target 6 < 10 / 1.4 - 1 = 6.14: two readings in a row beyond the band, a cut.) Island-0 is never
+    beyond the band either: its own 0.25 s against t_ref = min(0.25, island-1's claim)."""
+    fast = [WARM] + [FAST] * 60
+    noisy = [WARM, 1.5, 1.25] + [FAST] * 50
+    assert _steps_to_rounds(2, 10, [fast, noisy]) == {0: [], 1: []}
+
+
+def test_in_a_job_of_two_a_slow_island_is_cut_at_its_second_regular_reading() -> None:
+    """A job of two at H = 10 (floor 2), island-1 3x slower (0.75 s). Its probe (0.75 s at
+    2.5 s) has target floor(10 x 0.25 / 0.75) = 3 but does not act (2 claims): it starts the
+    clock. Readings every 10 x 0.25 = 2.5 s at its heartbeats (steps end at 1 + 0.75 (k - 1)):
+    the first at 5.5 s (step 7: 5.5 - 2.5 >= 2.5), target 3, pending; the second at 8.5 s
+    (step 11), confirmed: cut to 3. Island-0 keeps H."""
+    fast = [WARM] + [FAST] * 60
+    slow = [WARM] + [SLOW] * 20
+    assert _steps_to_rounds(2, 10, [fast, slow]) == {0: [], 1: [(11, 3)]}

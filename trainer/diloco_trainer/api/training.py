@@ -49,14 +49,16 @@ class InnerSpec(SpecModel):
     warmup_steps: int = Field(0, ge=0, description="Linear warm-up, in inner steps.")
     steps: int = Field(500, ge=1, le=1_000_000, description="H: inner steps per outer round.")
     steps_per_island: Literal["auto", "fixed"] = Field(
-        "fixed",
+        "auto",
         description="Each island's round: fixed (every island takes inner.steps between pushes "
         "of a fragment) or auto (the syncer sizes island i's round H_i from its measured step "
         "time, so that islands of different speeds push at about the same wall time: H_i = "
         "floor(inner.steps x t_ref / t_i), t_ref the lower median of the islands' step times, "
         "within inner.minSteps..inner.maxSteps; the first from a learner's first steps when "
-        "they show it at least twice as slow, later ones only after two readings in a row whose "
-        "step time is more than 40% off what its round assumes; at K = M each island keeps its "
+        "they show it at least twice as slow (each beyond 1.4x) in a job of three or more "
+        "islands, every other "
+        "change only after two readings in a row whose step time is more than 40% off what "
+        "its round assumes; at K = M each island keeps its "
         "1/M share of stopAfter.tokens while every round is inner.steps, as with fixed; "
         "docs/algorithm.md). islands.overrides[].innerSteps pins an island's.",
     )

@@ -49,26 +49,29 @@ baseline). The price: an island up to 1.4x slower keeps H, and at K = M the othe
 beyond the band (one reading per reference round, so the new H has run a few rounds
 before it can change again).
 An island that slows down for good mid-job (a preempted node replaced by an older one) so gets
-its smaller round two readings after its first slow one. The one exception is an island's very
-first reading, which sets its round at once when it is beyond CHANGE_FRACTION: a mixed job's
-slow islands start at H, and at K = M every fast island waits for each of their long rounds
-until they change (two readings and a round boundary later, in bench/hetero's 15-round job
-that was 16% of the fast islands' time: bench/log/2026-11-29.md, "hetero — 2026-11-29 02:13");
-the learner adopts a round even in a fresh job's first round while it is still below the new
-H_i (learner/step_plan.adopt_round).
+its smaller round two readings after its first slow one. No single reading moves a round, an
+island's first included (issue 47: with inner.stepsPerIsland auto, tests/e2e/
+test_fsdp_island.py's identical FSDP bf16 islands of a job of two were cut under load, island-1
+to 2 of 10 on its probe at step 2 and island-0 to 5 on its first regular reading at step 10).
 
-The first reading comes early (issue 47: at K = M the fast islands waited for the slow island's
-first three rounds at H, 2.2 s of their 3.3 s of waits in a 13 s job, in a diagnosis run of
-bench/hetero's 1,1,1,3: the first reading came a reference round after the first heartbeat, and
-heartbeats come every heartbeatTimeoutSeconds / 4): a learner reports no step time until it has
-one clear of its warm-up (probe_step_time: the mean of PROBE_STEPS steps after WARMUP_STEPS,
-then an EMA seeded from it, StepTimeReport) and sends that report at once rather than at its
-next heartbeat; the syncer reads a fresh island's first report at once when every active island
-has reported one (first_reading_now: before that the reference could be the slow island's own
-time, which would spend its one quick reading on "keep H") and takes it only when it at least
-halves the round (probe_moves: an island nearer the reference waits for its regular reading, as
-before). Its learner, still within its first round, adopts the new H_i in place
-(learner/step_plan.adopt_round), so a 3x slower island's first round is H/3 steps too, not H.
+A slow island's first round is still short: a mixed job's slow islands start at H, and at K = M
+every fast island waits for each of their long rounds until they change
+(bench/log/2026-11-29.md, "hetero — 2026-11-29 02:13": 16% of the fast islands' time with two
+readings and a round boundary to wait for; "03:59": 2.2 s of their 3.3 s of waits, the first
+reading a reference round after the first heartbeat). So a learner reports no step time until it
+has PROBE_STEPS steps clear of its warm-up, and then their mean, but at most 1.4 times the
+fastest (probe_step_time: each step a reading, so a probe that cuts has every step beyond the
+band), at once rather than at its next heartbeat (StepTimeReport; then the mean of the steps
+after it, the probe left out). The syncer reads a fresh island's probe at once when every active
+island has reported one (first_reading_now: before that the reference could be the slow island's
+own time) and takes it, as two readings, only when its target at least halves the round
+(probe_moves: an island nearer the reference waits for its regular readings) and at least
+MAJORITY_CLAIMS islands report: in a job of two the reference is the other island's own probe
+and nothing brackets it, so there a probe never acts. A probe's cut starts no cooldown and
+leaves a reading in its direction pending (next_round): two steps may under-read a slow island,
+and its first regular reading may cut it further alone. Its learner, still within its first
+round, adopts the new H_i in place (learner/step_plan. adopt_round), so a 3x slower island's
+first round is H/3 steps too, not H.
 
 `inner.stepsPerIsland: fixed` turns all this off (every island H), and
 `islands.overrides[i].innerSteps` pins an island's H_i.
@@ -96,16 +99,20 @@ COOLDOWN_READINGS = 3
 # A learner's first steps are warm-up (allocations, caches, the first batches): its reported step
 # time leaves out this many ...
 WARMUP_STEPS = 1
-# ... and is the mean of the next this many until an EMA takes over. Two: a 4x slower island's
-# round at H = 20 is 5 steps, and its H_i must arrive (report, heartbeat answer) before its
-# position reaches it for the first round to be cut in place.
+# ... and its first report (the probe) is read from the next this many steps, each a reading of
+# its own (probe_step_time). Two: a probe that cuts a round needs both slow, the second step
+# confirming the first (issue 47: one noisy early reading cut identical FSDP islands under load),
+# and a 4x slower island's round at H = 20 is 5 steps, so its H_i must arrive (report, heartbeat
+# answer) before its position reaches it for the first round to be cut in place: the probe
+# completes at step 3, as the plain mean of steps 2-3 it replaced did.
 PROBE_STEPS = 2
 # The reported step time's EMA weight of each step after the probe (as the learner's own EMA).
 REPORT_EMA = 0.1
 # The probe's reading moves a fresh island's round only to at most this share of it (the island
-# at least 1 / PROBE_MOVE_SHARE times slower than the reference): two steps on a shared machine
-# are noisy, and an identical island shrunk on noise runs short rounds until the hysteresis
-# brings it back; a nearer target waits for the regular first reading, a reference round later.
+# at least 1 / PROBE_MOVE_SHARE times slower than the reference, every probe step beyond the
+# band: probe_step_time): two
+# steps on a shared machine are noisy, and an identical island shrunk on noise runs short rounds
+# until the hysteresis brings it back; a nearer target waits for the regular readings.
 PROBE_MOVE_SHARE = 0.5
 
 
@@ -122,27 +129,43 @@ def reference_step_time(step_times: Sequence[float]) -> float | None:
 
 def probe_step_time(times: Sequence[float]) -> float | None:
     """A learner's first reported step time from its first steps' `times` (seconds, in order):
-    the mean of PROBE_STEPS steps after WARMUP_STEPS; None until there are that many."""
+    the mean of the PROBE_STEPS steps after WARMUP_STEPS, but at most 1 + CHANGE_FRACTION times
+    the fastest of them; None until there are that many.
+
+    Each probe step is a reading. A probe cuts a round when it is at least twice the reference
+    (probe_moves), so with the cap only when the steps' mean is (the size: the fastest step
+    alone under-read bench/hetero's 3x island as under 2x under load, and it waited for two
+    regular readings at H) *and* every step is beyond the band, at least 2 / 1.4 = 1.43 times
+    the reference: one noisy step beside a normal one never cuts an island (issue 47:
+    tests/e2e/test_fsdp_island.py's identical FSDP islands under load, island-1's mean of steps
+    2-3 over 5x the other's)."""
     if len(times) < WARMUP_STEPS + PROBE_STEPS:
         return None
     probe = times[WARMUP_STEPS : WARMUP_STEPS + PROBE_STEPS]
-    return sum(probe) / len(probe)
+    return min(sum(probe) / len(probe), (1 + CHANGE_FRACTION) * min(probe))
 
 
 @dataclass
 class StepTimeReport:
     """The step time a learner reports in its heartbeats: None through its probe, then
-    probe_step_time, then an EMA (REPORT_EMA) seeded from it. The learner's own step-time EMA
-    (overlap, waits) still counts every step; this one leaves the warm-up out, since the syncer
-    reads a fresh island's first report at once (first_reading_now)."""
+    probe_step_time, then the mean of the steps after the probe, an EMA (REPORT_EMA) once it has
+    1 / REPORT_EMA of them (report_weight). The learner's own step-time EMA (overlap, waits)
+    still counts every step; this one leaves the warm-up out, since the syncer reads a fresh
+    island's first report at once (first_reading_now), and the probe out of what follows it,
+    so the syncer's next readings are readings of their own: an EMA seeded from a probe slowed
+    by warm-up kept 0.9^10 = 35% of it ten steps on, enough for two readings in a row beyond
+    the band (test_island_rounds.py)."""
 
     value: float | None = None
     first: list[float] | None = None  # the steps so far, until the probe is complete
+    after: int = 0  # steps since the probe
 
     def add(self, seconds: float) -> bool:
         """One step's seconds; True when this step completes the probe (report it now)."""
         if self.value is not None:
-            self.value = (1 - REPORT_EMA) * self.value + REPORT_EMA * seconds
+            self.after += 1
+            weight = report_weight(self.after)
+            self.value = (1 - weight) * self.value + weight * seconds
             return False
         self.first = [*(self.first or []), seconds]
         self.value = probe_step_time(self.first)
@@ -150,6 +173,13 @@ class StepTimeReport:
             return False
         self.first = None
         return True
+
+
+def report_weight(after: int) -> float:
+    """The weight of the `after`-th step since the probe in the reported step time: 1 / after
+    (a plain mean of those steps, the probe's value replaced by the first) until that is below
+    REPORT_EMA, then REPORT_EMA."""
+    return max(1.0 / after, REPORT_EMA) if after >= 1 else 1.0
 
 
 def first_reading_now(*, fresh: bool, reported: int, active: int) -> bool:
@@ -160,10 +190,14 @@ def first_reading_now(*, fresh: bool, reported: int, active: int) -> bool:
     return fresh and active > 0 and reported >= active
 
 
-def probe_moves(current: int, target: int) -> bool:
-    """Whether a fresh island's probe reading (first_reading_now) is taken: only when its
-    target is at most PROBE_MOVE_SHARE of its round; else it waits for the regular reading."""
-    return target <= PROBE_MOVE_SHARE * current
+def probe_moves(current: int, target: int, *, claims: int) -> bool:
+    """Whether a fresh island's probe reading (first_reading_now) is taken at once: only when its
+    target is at most PROBE_MOVE_SHARE of its round (the probe steps' mean that slow and every one
+    beyond the band: probe_step_time) and at least MAJORITY_CLAIMS islands report a step time
+    (`claims`). With fewer, the reference is the other island's own probe, itself two noisy steps,
+    with no majority to bracket it: in a job of two a probe never acts, and the island's round moves
+    only on regular readings (two in a row, next_round). Else its report starts its clock."""
+    return claims >= MAJORITY_CLAIMS and target <= PROBE_MOVE_SHARE * current
 
 
 def target_steps(
@@ -187,7 +221,7 @@ class IslandRound:
     steps: int  # H_i now
     pending: int = 0  # readings in a row beyond CHANGE_FRACTION: > 0 longer, < 0 shorter
     since_change: int = COOLDOWN_READINGS  # readings since H_i last changed (a fresh one may)
-    fresh: bool = True  # no reading yet: the first one beyond CHANGE_FRACTION sets H_i at once
+    fresh: bool = True  # no reading yet: its probe may be read at once (first_reading_now)
 
 
 def in_band(steps: int, target: int) -> bool:
@@ -203,16 +237,34 @@ def in_band(steps: int, target: int) -> bool:
     return low - 1e-9 <= target <= high + 1e-9
 
 
-def next_round(current: IslandRound, target: int) -> IslandRound:
-    """The island's round after one reading whose target H_i is `target` (target_steps)."""
+def next_round(current: IslandRound, target: int, *, confirmed: bool = False) -> IslandRound:
+    """The island's round after one reading whose target H_i is `target` (target_steps).
+
+    A change needs CONFIRMATIONS readings in a row beyond the band in the same direction, and
+    COOLDOWN_READINGS since the last change; a fresh island's first reading is no exception (it
+    was, until issue 47: identical FSDP islands under load, island-0's first regular reading
+    alone cut it to 5 of 10). `confirmed`: the reading is already two (a probe, whose steps
+    each show the target: probe_step_time, probe_moves), so it counts as the CONFIRMATIONS;
+    the change it makes starts no cooldown and leaves one reading in its direction pending."""
     since = current.since_change + 1
     if in_band(current.steps, target):
         return IslandRound(current.steps, 0, since, fresh=False)
     direction = 1 if target > current.steps else -1
     same = current.pending * direction > 0
     pending = current.pending + direction if same else direction
-    needed = 1 if current.fresh else CONFIRMATIONS
-    if abs(pending) >= needed and since >= COOLDOWN_READINGS:
+    if confirmed:
+        pending = direction * max(abs(pending), CONFIRMATIONS)
+    if abs(pending) >= CONFIRMATIONS and since >= COOLDOWN_READINGS:
+        if confirmed:
+            # A probe's change starts no cooldown: should two regular readings in a row
+            # disagree (two steps of a long warm-up cut an island of a job of three or more),
+            # the round goes back at the second, two reference rounds on rather than three.
+            # And it leaves one reading in its direction pending: the probe has shown the island
+            # slow, and the first regular reading (a reference round of steps, where the probe
+            # is two: bench/hetero's 3x island probed 2.2x under load, cut to 9 of 20, and ran
+            # two readings at 9 before its regular readings took it to 5) may size it further
+            # that way alone.
+            return IslandRound(target, direction, COOLDOWN_READINGS, fresh=False)
         return IslandRound(target, 0, 0, fresh=False)
     return IslandRound(current.steps, pending, since, fresh=False)
 

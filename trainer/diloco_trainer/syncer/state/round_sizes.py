@@ -70,10 +70,11 @@ class RoundSizes:
 
     def read(self, rec: IslandRecord, active: Iterable[IslandRecord], now: float) -> None:
         """After a heartbeat: one reading of the island's step time once a reference round
-        (H x t_ref seconds) has passed since its last reading, or at once for a fresh island's
-        first report once every active island has reported and it at least halves the round
-        (first_reading_now, probe_moves: its learner's report leaves its warm-up out); H_i
-        moves by next_round."""
+        (H x t_ref seconds) has passed since its last reading; H_i moves by next_round, on two
+        readings in a row beyond the band. A fresh island's first report (its learner's probe,
+        the fastest of two steps clear of warm-up) is read at once, as those two readings, when
+        every active island has reported, at least three of them, and it at least halves the
+        round (first_reading_now, probe_moves); else it starts the island's clock."""
         if self.limits.fixed_steps(island_index(rec.name)) is not None or not rec.step_time:
             return
         members = list(active)
@@ -93,17 +94,20 @@ class RoundSizes:
             rec.round_read_at = now
             if not (
                 first_reading_now(fresh=current.fresh, reported=reported, active=len(members))
-                and probe_moves(current.steps, target)
+                and probe_moves(current.steps, target, claims=reported)
             ):
                 # a rejoin's first steps are warm-up again (its learner's report may include
-                # them), a fresh island's reference waits for its peers' reports, and a probe
-                # near the reference is noise as likely as speed: its first report starts its
-                # clock, and it is read a reference round later (still fresh)
+                # them), a fresh island's reference waits for its peers' reports, a probe near
+                # the reference is noise as likely as speed, and in a job of two the reference
+                # is the other island's own probe: its first report starts its clock, and it is
+                # read a reference round later (still fresh)
                 return
+            after = next_round(current, target, confirmed=True)
         elif now - rec.round_read_at < self.limits.inner_steps * reference:
             return
+        else:
+            after = next_round(current, target)
         rec.round_read_at = now
-        after = next_round(current, target)
         if after.steps != current.steps:
             rec.round_before = current.steps
         rec.round = after
