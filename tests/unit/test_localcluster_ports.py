@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import socket
 import time
 from pathlib import Path
 
 import pytest
+from diloco_trainer.local import launch
 
 from hack.localcluster import ports
 from hack.localcluster.errors import ClusterError
@@ -81,3 +83,14 @@ def test_free_port_can_be_bound_and_a_bound_port_is_not_free() -> None:
         s.bind(("127.0.0.1", port))
         s.listen()
         assert not ports.port_is_free(port)
+
+
+def test_a_local_runs_ports_leave_out_the_ephemeral_range() -> None:
+    # `diloco run` picks its syncer and rendezvous ports here; the kernel's own choice (port 0)
+    # lies in the ephemeral range, where an outgoing connection can take it before the bind.
+    low, high = 32768, 60999
+    with contextlib.suppress(OSError, ValueError):
+        low, high = map(int, launch.EPHEMERAL_RANGE_FILE.read_text().split())
+    picked = {launch.free_port() for _ in range(50)}
+    assert not any(low <= p <= high for p in picked), sorted(picked)
+    assert all(10000 <= p <= 65535 for p in picked)

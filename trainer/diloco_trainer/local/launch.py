@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import os
+import random
 import re
 import secrets
 import signal
@@ -30,9 +31,43 @@ from pathlib import Path
 from diloco_trainer.api import contract, credentials
 from diloco_trainer.api.spec import JobSpec
 
+EPHEMERAL_RANGE_FILE = Path("/proc/sys/net/ipv4/ip_local_port_range")
+
+
+def port_candidates(range_file: Path = EPHEMERAL_RANGE_FILE) -> list[range]:
+    """Port ranges to pick from: 10000-65535 minus the kernel's ephemeral range.
+
+    Outgoing connections take their local port from the ephemeral range
+    (/proc/sys/net/ipv4/ip_local_port_range, usually 32768-60999), so a port chosen there
+    could be grabbed by any connection between our check and the component's bind.
+    """
+    low, high = 32768, 60999
+    with contextlib.suppress(OSError, ValueError):
+        low, high = map(int, range_file.read_text().split())
+    ranges = [range(10000, min(low, 65536)), range(max(high + 1, 10000), 65536)]
+    ranges = [r for r in ranges if len(r) > 0]
+    return ranges or [range(10000, 65536)]
+
 
 def free_port() -> int:
-    """A TCP port that was free on loopback a moment ago."""
+    """A TCP port that was free on loopback a moment ago, outside the ephemeral range.
+
+    The kernel's own choice (bind to port 0) lies in the ephemeral range, where another
+    process's outgoing connection can take it before the syncer or torch's rendezvous binds
+    it: two local runs side by side on a busy machine lost a rendezvous port that way
+    (EADDRINUSE). A random port outside that range is taken only by a deliberate bind.
+    """
+    rng = random.SystemRandom()
+    ranges = port_candidates()
+    weights = [len(r) for r in ranges]
+    for _ in range(1000):
+        port = rng.choice(rng.choices(ranges, weights)[0])
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        return port
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
