@@ -216,4 +216,4 @@ def test_adversary_flood_of_four_addresses_never_starves_healthz(tmp_path: Path)
     finally:
         handle.proc.stop(timeout=10)
     assert len(probes) >= 14
-    assert [status for _, status in probes] == [200] * len(probes)
+    assert [status for _, _, status in probes] == [200] * len(probes)
