@@ -141,8 +141,10 @@ class HealthListener:
 
     def opened(self, conn: _ProbeConnection) -> None:
         self.open[conn] = None
-        if len(self.open) > MAX_OPEN:
-            next(iter(self.open)).close()
+        if len(self.open) > MAX_OPEN:  # forgotten now: the next one over closes the next oldest
+            oldest = next(iter(self.open))
+            del self.open[oldest]
+            oldest.close()
 
     def closed(self, conn: _ProbeConnection) -> None:
         self.open.pop(conn, None)
