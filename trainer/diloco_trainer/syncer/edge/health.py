@@ -14,8 +14,9 @@ that has not turned for LOOP_STALL_SECONDS fails both probes (503, code "loop_st
 loop fails liveness here as a probe on the syncer port would by timing out. Any other path: 404.
 Each connection gets one answer and is closed; one whose request line has not come within
 PROBE_WAIT seconds is closed unanswered, and at most MAX_OPEN are open at once (the oldest goes
-to make room), so a client of this port cannot hold it either. The NetworkPolicy
-(resources/security.py) lets only the job's own pods reach it; the kubelet probes from the node.
+to make room), so idle connections hold none of it for long. The job's NetworkPolicy (when on,
+operator resources/security.py) lets only the job's own pods reach this port and the Service
+does not carry it: the kubelet probes from the node.
 """
 
 from __future__ import annotations
