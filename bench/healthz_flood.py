@@ -2,15 +2,15 @@
 answers within 1 s throughout a flood of 4 addresses x 1,000 connections).
 
 Per round: a syncer at the job's default limits (maxConnections 512) with its probe listener
-(DILOCO_SYNCER_HEALTH_PORT, as in a pod: syncer/edge/health.py), then A flood processes, each
-opening N idle connections to the syncer port from its own loopback address as fast as it can
-and holding them, while the kubelet's probe (a fresh connection per GET /healthz, as it sends
-them) runs from an address outside the flood and from one of the flood's own addresses, to the
-probe port (where a pod's kubelet probes) and to the syncer port (where the flood is, the
-baseline), until every flood has opened its connections and for `--after` probes more.
-Reported per port: probes, those not answered 200, and the probe latency's median, 99th
-percentile and maximum (connect to answer), against the same probes with no flood in the same
-run (the floor). The target is judged on the probe port.
+(DILOCO_SYNCER_HEALTH_PORT, as in a pod: syncer/edge/probe_listener.py), then A flood processes,
+each opening N idle connections to the syncer port from its own loopback address as fast as it
+can and holding them, while the kubelet's probe (a fresh connection per GET /healthz, as it
+sends them) runs from an address outside the flood and from one of the flood's own addresses, to
+the probe port (where a pod's kubelet probes) and to the syncer port (where the flood is, the
+baseline), until every flood has opened its connections and for `--after` probes more. Reported
+per port: probes, those not answered 200, and the probe latency's median, 99th percentile and
+maximum (connect to answer), against the same probes with no flood in the same run (the floor).
+The target is judged on the probe port.
 
     python -m bench.healthz_flood                      # 4 x 1000, 3 rounds
     python -m bench.healthz_flood --addresses 2 --connections 600

@@ -1,6 +1,6 @@
-"""The syncer's probe listener (syncer/edge/health.py, issue 46): which port it is on in a pod,
-what it answers for each route and a stalled event loop, served by a real listener over a real
-socket."""
+"""The syncer's probe listener (syncer/edge/probe_listener.py, issue 46): which port it is on in a
+pod, what it answers for each route and a stalled event loop, served by a real listener over a
+real socket."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 from diloco_trainer.api import contract, protocol
-from diloco_trainer.syncer.edge import health
+from diloco_trainer.syncer.edge import probe_listener as health
 
 from hack.localcluster.ports import pick_ports
 
@@ -129,14 +129,17 @@ def test_listener_stop_ends_its_thread_and_frees_the_port() -> None:
         _get(port, "/healthz")
 
 
-def test_listener_closes_the_oldest_connection_beyond_max_open(listener: Any) -> None:
-    _, port, _ = listener
-    held = [socket.create_connection(("127.0.0.1", port), timeout=10)]
+def test_listener_closes_the_oldest_connection_beyond_max_open() -> None:
+    port = pick_ports(1, set())[0]
+    # Idle connections wait for their request line longer than the test: only the cap closes one.
+    probes = health.HealthListener(_route_answer, "127.0.0.1", port, wait=60.0)
+    probes.start()
+    held = [socket.create_connection(("127.0.0.1", port), timeout=30)]
     try:
         # The first is open (a byte short of a request line keeps it waiting, unanswered) ...
         held[0].sendall(b"GET /hea")
         held += [
-            socket.create_connection(("127.0.0.1", port), timeout=10)
+            socket.create_connection(("127.0.0.1", port), timeout=30)
             for _ in range(health.MAX_OPEN)
         ]
         # ... until one more than MAX_OPEN are: closed without an answer, the newest kept.
@@ -147,6 +150,7 @@ def test_listener_closes_the_oldest_connection_beyond_max_open(listener: Any) ->
     finally:
         for sock in held:
             sock.close()
+        probes.stop()
 
 
 def test_listener_closes_a_connection_without_a_request_line(listener: Any) -> None:

@@ -36,8 +36,9 @@ TLS_CERT_FILE = "DILOCO_TLS_CERT_FILE"  # syncer serving certificate (enables HT
 TLS_KEY_FILE = "DILOCO_TLS_KEY_FILE"
 STATE_DIR = "DILOCO_STATE_DIR"  # syncer: checkpoints; learner: scratch
 SYNCER_PORT = "DILOCO_SYNCER_PORT"
-# The port of the syncer's own liveness/readiness listener (edge/health.py): /healthz and /readyz
-# served on a thread of their own, so no flood of the syncer port delays the kubelet's probes.
+# The port of the syncer's own liveness/readiness listener (edge/probe_listener.py): /healthz and
+# /readyz served on a thread of their own, so no flood of the syncer port delays the kubelet's
+# probes.
 # Unset or 0 (`diloco run`): none, the probes are answered on the syncer port only.
 SYNCER_HEALTH_PORT = "DILOCO_SYNCER_HEALTH_PORT"
 # The address the syncer listens on: every interface in a pod; loopback in `diloco run`.

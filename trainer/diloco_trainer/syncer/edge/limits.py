@@ -528,7 +528,7 @@ def reserve_of(size: int) -> int:
 
 
 class ProbeListener(Protocol):
-    """What serve runs beside the site (edge/health.py's HealthListener)."""
+    """What serve runs beside the site (edge/probe_listener.py's HealthListener)."""
 
     def start(self) -> None: ...
     def beat(self) -> None: ...
@@ -588,7 +588,7 @@ def serve(
     probes: ProbeListener | None = None,
 ) -> None:
     """Run `app` until SIGTERM/SIGINT (as aiohttp's run_app does) on a GuardedSite; the
-    keep-alive timeout is the header timeout. `probes` (edge/health.py), when given, starts
+    keep-alive timeout is the header timeout. `probes` (edge/probe_listener.py), when given, starts
     listening once the site does (after the application's startup, as the site) and is told
     every BEAT_SECONDS that this event loop turns."""
     runner = web.AppRunner(

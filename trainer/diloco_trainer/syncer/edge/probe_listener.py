@@ -85,7 +85,7 @@ class _ProbeConnection(asyncio.Protocol):
         assert isinstance(transport, asyncio.WriteTransport)
         self.transport = transport
         self.listener.opened(self)
-        self.timer = asyncio.get_running_loop().call_later(PROBE_WAIT, self.close)
+        self.timer = asyncio.get_running_loop().call_later(self.listener.wait, self.close)
 
     def data_received(self, data: bytes) -> None:
         self.head += data
@@ -124,9 +124,11 @@ class HealthListener:
         *,
         ssl_context: ssl.SSLContext | None = None,
         clock: Callable[[], float] = time.monotonic,
+        wait: float = PROBE_WAIT,
     ) -> None:
         self.probe, self.host, self.port, self.ssl_context = probe, host, port, ssl_context
         self.clock = clock
+        self.wait = wait  # seconds a connection has to send its request line
         self.last_beat = clock()
         self.open: dict[_ProbeConnection, None] = {}  # oldest first
         self.loop: asyncio.AbstractEventLoop | None = None
@@ -182,7 +184,7 @@ class HealthListener:
             self.host,
             self.port,
             ssl=self.ssl_context,
-            ssl_handshake_timeout=PROBE_WAIT if self.ssl_context else None,
+            ssl_handshake_timeout=self.wait if self.ssl_context else None,
             reuse_address=True,
             backlog=BACKLOG,
         )
