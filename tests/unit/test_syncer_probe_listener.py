@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import http.client
 import socket
+import ssl
+import subprocess
 from typing import Any
 
 import pytest
@@ -129,6 +131,13 @@ def test_listener_stop_ends_its_thread_and_frees_the_port() -> None:
         _get(port, "/healthz")
 
 
+def _closed_unanswered(sock: socket.socket) -> bool:
+    try:
+        return sock.recv(1024) == b""
+    except ConnectionResetError:
+        return True
+
+
 def test_listener_closes_the_oldest_connection_beyond_max_open() -> None:
     port = pick_ports(1, set())[0]
     # Idle connections wait for their request line longer than the test: only the cap closes one.
@@ -142,8 +151,9 @@ def test_listener_closes_the_oldest_connection_beyond_max_open() -> None:
             socket.create_connection(("127.0.0.1", port), timeout=30)
             for _ in range(health.MAX_OPEN)
         ]
-        # ... until one more than MAX_OPEN are: closed without an answer, the newest kept.
-        assert held[0].recv(1024) == b""
+        # ... until one more than MAX_OPEN are: closed without an answer (a reset when its bytes
+        # were still unread), the newest kept.
+        assert _closed_unanswered(held[0])
         held[-1].sendall(b"GET /readyz HTTP/1.1\r\n\r\n")
         assert held[-1].recv(1024).startswith(b"HTTP/1.1 200 OK")
         assert _get(port, "/healthz")[0] == 200
@@ -157,4 +167,33 @@ def test_listener_closes_a_connection_without_a_request_line(listener: Any) -> N
     _, port, _ = listener
     with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
         sock.sendall(b"GET /healthz")  # no line end: closed unanswered after PROBE_WAIT
-        assert sock.recv(1024) == b""
+        assert _closed_unanswered(sock)
+
+
+def test_listener_serves_https_with_the_syncer_port_certificate(tmp_path: Any) -> None:
+    """With TLS the pod's probes keep their HTTPS scheme: the listener takes the syncer port's
+    context."""
+    cert, key = tmp_path / "tls.crt", tmp_path / "tls.key"
+    subprocess.run(
+        [
+            *("openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1"),
+            *("-subj", "/CN=127.0.0.1", "-addext", "subjectAltName=IP:127.0.0.1"),
+            *("-keyout", str(key), "-out", str(cert)),
+        ],
+        check=True,
+        capture_output=True,
+    )
+    server_side = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    server_side.load_cert_chain(str(cert), str(key))
+    port = pick_ports(1, set())[0]
+    probes = health.HealthListener(_route_answer, "127.0.0.1", port, ssl_context=server_side)
+    probes.start()
+    try:
+        client = ssl.create_default_context(cafile=str(cert))
+        conn = http.client.HTTPSConnection("127.0.0.1", port, timeout=10, context=client)
+        conn.request("GET", "/readyz")
+        answer = conn.getresponse()
+        assert (answer.status, answer.read()) == (200, b'{"route": "/readyz", "strict": false}')
+        conn.close()
+    finally:
+        probes.stop()
