@@ -59,9 +59,11 @@ SPEC = deep_merge(
 )
 
 
-def start_syncer(tmp_path: Path, spec: dict[str, Any], name: str) -> SyncerHandle:
+def start_syncer(
+    tmp_path: Path, spec: dict[str, Any], name: str, extra_env: dict[str, str] | None = None
+) -> SyncerHandle:
     """A live syncer of `spec` (stopped by the caller)."""
-    return start(tmp_path, spec, name)
+    return start(tmp_path, spec, name, extra_env)
 
 
 @pytest.fixture

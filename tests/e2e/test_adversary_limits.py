@@ -23,11 +23,11 @@ from pathlib import Path
 from typing import Any, BinaryIO
 
 import pytest
-from diloco_trainer.api import credentials, protocol
+from diloco_trainer.api import contract, credentials, protocol
 
 from bench.healthz_flood import flood_round
 
-from .conftest import SyncerHandle, deep_merge, wait_until
+from .conftest import SyncerHandle, deep_merge, restart_safe_port, wait_until
 from .test_adversary import (
     ADVERSARY,
     HONEST,
@@ -198,10 +198,17 @@ FLOOD_CONNECTIONS = 1000  # each: 4,000 in all against the default maxConnection
 def test_adversary_flood_of_four_addresses_never_starves_healthz(tmp_path: Path) -> None:
     """Issue 46: /healthz answers throughout a flood of 4 addresses x 1,000 connections, at the
     default limits, from outside the flood and from a flood address; the honest islands merge
-    beside it. How fast it answers (within 1 s, the done-when) is measured by
-    `python -m bench.healthz_flood` against the same probes with no flood, not timed here."""
-    handle = start_syncer(tmp_path, SPEC, "adversary-flood")
+    beside it; on the syncer port and on its probe listener (DILOCO_SYNCER_HEALTH_PORT, where a
+    pod's kubelet probes), which serves nothing but the probes. How fast it answers (within 1 s,
+    the done-when) is measured by `python -m bench.healthz_flood` against the same probes with
+    no flood, not timed here."""
+    probe_port = restart_safe_port()
+    env = {contract.SYNCER_HEALTH_PORT: str(probe_port)}
+    handle = start_syncer(tmp_path, SPEC, "adversary-flood", env)
     try:
+        on_probe_port = FromAddress(**{**vars(handle), "port": probe_port})
+        assert on_probe_port.request("GET", protocol.ROUTE_READYZ, token=None)[0] == 200
+        assert on_probe_port.request("GET", protocol.ROUTE_STATUS)[0] == 404
         shapes = join_all(handle)
         honest = FromAddress(**vars(handle), source="127.0.0.6")
         # The kubelet's probes from outside the flood and from its first address, while the
@@ -212,8 +219,10 @@ def test_adversary_flood_of_four_addresses_never_starves_healthz(tmp_path: Path)
             FLOOD_CONNECTIONS,
             after=5,
             while_held=lambda: honest_round(honest, shapes),
+            probe_ports=[probe_port],
         )
     finally:
         handle.proc.stop(timeout=10)
-    assert len(probes) >= 14
-    assert [status for _, status in probes] == [200] * len(probes)
+    assert len(probes) >= 28
+    assert {port for port, _, _ in probes} == {handle.port, probe_port}
+    assert [status for _, _, status in probes] == [200] * len(probes)

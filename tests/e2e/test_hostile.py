@@ -75,7 +75,9 @@ SPEC = deep_merge(
 TOKENS_PER_STEP = 2 * 32
 
 
-def start(workdir: Path, spec: dict[str, Any], name: str) -> SyncerHandle:
+def start(
+    workdir: Path, spec: dict[str, Any], name: str, extra_env: dict[str, str] | None = None
+) -> SyncerHandle:
     files = launch.write_job_files(parse_spec(spec), workdir)
     port = restart_safe_port()  # outside the ephemeral range (floods take many of those)
     log_file = workdir / "syncer.log"
@@ -85,7 +87,7 @@ def start(workdir: Path, spec: dict[str, Any], name: str) -> SyncerHandle:
         state_dir=workdir / "state",
         job_name=name,
         log_file=log_file,
-        extra_env={"OMP_NUM_THREADS": "1"},
+        extra_env={"OMP_NUM_THREADS": "1", **(extra_env or {})},
     )
     url = f"http://127.0.0.1:{port}"
     try:

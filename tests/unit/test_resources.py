@@ -118,6 +118,13 @@ def test_build_syncer_deployment_probes_and_checkpoint() -> None:
     assert container["readinessProbe"]["httpGet"]["path"] == "/readyz"
     assert container["livenessProbe"]["httpGet"]["path"] == "/healthz"
     assert _env(container)[contract.SYNCER_PORT] == "9000"
+    # The probes go to the syncer's probe listener, the port after the syncer port, which the
+    # pod declares by the name the probes use (issue 46: a flood cannot queue them).
+    assert _env(container)[contract.SYNCER_HEALTH_PORT] == "9001"
+    ports = {p["name"]: p["containerPort"] for p in container["ports"]}
+    assert ports == {"http": 9000, "probes": 9001}
+    for kind in ("readinessProbe", "startupProbe", "livenessProbe"):
+        assert container[kind]["httpGet"]["port"] == "probes"
     volumes = {v["name"]: v for v in dep["spec"]["template"]["spec"]["volumes"]}
     assert volumes["state"] == {"name": "state", "persistentVolumeClaim": {"claimName": "ckpt"}}
     svc = resources.build_syncer_service(JOB, spec)

@@ -27,6 +27,9 @@ LEARNER_CONTAINER = "learner"
 SYNCER_CONTAINER = "syncer"
 DIST_PORT_NAME = "dist"
 SYNCER_PORT_NAME = "http"
+# The syncer's probe listener (contract.SYNCER_HEALTH_PORT; syncer/edge/probe_listener.py): the
+# kubelet's probes there cannot queue behind a flood of the syncer port.
+SYNCER_PROBE_PORT_NAME = "probes"
 # The trainer image's user (the Dockerfile's USER 65532:65532, distroless "nonroot"): a
 # volume prepared for the image's user (a hostPath, a pre-provisioned disk: fsGroup does not
 # reach those) is writable by the job's pods only when they run as that same uid.

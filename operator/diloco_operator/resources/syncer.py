@@ -31,6 +31,7 @@ from diloco_operator.resources.placement import job_fragment, with_user_fragment
 from diloco_operator.resources.pods import (
     SYNCER_CONTAINER,
     SYNCER_PORT_NAME,
+    SYNCER_PROBE_PORT_NAME,
     common_mounts,
     common_volumes,
     container_security_context,
@@ -53,6 +54,7 @@ def _syncer_container(job: JobRef, spec: DiLoCoJobSpec, shard: int | None) -> di
     env = [
         env_var(contract.JOB_NAME, job.name),
         env_var(contract.SYNCER_PORT, spec.syncer.port),
+        env_var(contract.SYNCER_HEALTH_PORT, contract.health_port_of(spec.syncer.port)),
         *file_env(),
     ]
     mounts = common_mounts()
@@ -73,22 +75,28 @@ def _syncer_container(job: JobRef, spec: DiLoCoJobSpec, shard: int | None) -> di
         "image": spec.image,
         "command": ["diloco", "syncer"],
         "env": env,
-        "ports": [{"name": SYNCER_PORT_NAME, "containerPort": spec.syncer.port}],
+        "ports": [
+            {"name": SYNCER_PORT_NAME, "containerPort": spec.syncer.port},
+            {
+                "name": SYNCER_PROBE_PORT_NAME,
+                "containerPort": contract.health_port_of(spec.syncer.port),
+            },
+        ],
         "readinessProbe": {
-            "httpGet": {"path": "/readyz", "port": SYNCER_PORT_NAME, "scheme": scheme},
+            "httpGet": {"path": "/readyz", "port": SYNCER_PROBE_PORT_NAME, "scheme": scheme},
             "periodSeconds": 5,
             "timeoutSeconds": PROBE_TIMEOUT_SECONDS,
         },
         # The syncer listens only once it has read its data, evaluated the initial weights or
         # resumed from a checkpoint: minutes on a busy node. Liveness starts after that.
         "startupProbe": {
-            "httpGet": {"path": "/healthz", "port": SYNCER_PORT_NAME, "scheme": scheme},
+            "httpGet": {"path": "/healthz", "port": SYNCER_PROBE_PORT_NAME, "scheme": scheme},
             "periodSeconds": 5,
             "timeoutSeconds": PROBE_TIMEOUT_SECONDS,
             "failureThreshold": STARTUP_PROBE_FAILURES,
         },
         "livenessProbe": {
-            "httpGet": {"path": "/healthz", "port": SYNCER_PORT_NAME, "scheme": scheme},
+            "httpGet": {"path": "/healthz", "port": SYNCER_PROBE_PORT_NAME, "scheme": scheme},
             "periodSeconds": 10,
             "timeoutSeconds": PROBE_TIMEOUT_SECONDS,
             "failureThreshold": 6,

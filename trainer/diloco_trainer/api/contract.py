@@ -36,6 +36,11 @@ TLS_CERT_FILE = "DILOCO_TLS_CERT_FILE"  # syncer serving certificate (enables HT
 TLS_KEY_FILE = "DILOCO_TLS_KEY_FILE"
 STATE_DIR = "DILOCO_STATE_DIR"  # syncer: checkpoints; learner: scratch
 SYNCER_PORT = "DILOCO_SYNCER_PORT"
+# The port of the syncer's own liveness/readiness listener (edge/probe_listener.py): /healthz and
+# /readyz served on a thread of their own, so no flood of the syncer port delays the kubelet's
+# probes.
+# Unset or 0 (`diloco run`): none, the probes are answered on the syncer port only.
+SYNCER_HEALTH_PORT = "DILOCO_SYNCER_HEALTH_PORT"
 # The address the syncer listens on: every interface in a pod; loopback in `diloco run`.
 SYNCER_HOST = "DILOCO_SYNCER_HOST"
 DEVICE = "DILOCO_DEVICE"  # auto | cpu | cuda
@@ -186,6 +191,7 @@ class SyncerEnv:
     tls_key_file: Path | None
     shard: int = 0  # which of syncer.shards this process is (api/sharding.py)
     host: str = DEFAULT_SYNCER_HOST  # the address it listens on
+    health_port: int = 0  # its probe listener's port (SYNCER_HEALTH_PORT); 0: none
 
     @classmethod
     def from_env(cls, env: dict[str, str] | None = None) -> SyncerEnv:
@@ -203,7 +209,14 @@ class SyncerEnv:
             tls_key_file=Path(key) if key else None,
             shard=_int(env, SYNCER_SHARD, 0),
             host=env.get(SYNCER_HOST, "") or DEFAULT_SYNCER_HOST,
+            health_port=_int(env, SYNCER_HEALTH_PORT, 0),
         )
+
+
+def health_port_of(port: int) -> int:
+    """The port of a syncer pod's probe listener (SYNCER_HEALTH_PORT): the one after its syncer
+    port, or the one before the last port (no CRD field: a pod has its ports to itself)."""
+    return port + 1 if port < 65535 else port - 1
 
 
 def read_token(path: Path) -> str:

@@ -387,7 +387,13 @@ class SyncerSpec(SpecModel):
         "When set, this job runs only its islands. https:// unless on loopback or a cluster "
         "Service name (or with tls.allowInsecureEndpoint).",
     )
-    port: int = Field(8470, ge=1, le=65535, description="Syncer HTTP port.")
+    port: int = Field(
+        8470,
+        ge=1,
+        le=65535,
+        description="Syncer HTTP port. In a pod the kubelet's probes (/healthz, /readyz) go to "
+        "the next port (the one before for 65535), served apart from this one's traffic.",
+    )
     resources: dict[str, Any] = Field(
         default_factory=dict, description="Kubernetes resource requirements for the syncer."
     )

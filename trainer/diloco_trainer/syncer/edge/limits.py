@@ -45,7 +45,8 @@ import time
 from collections import Counter
 from collections.abc import Callable, Hashable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from http import HTTPStatus
+from typing import Any, Protocol
 
 from aiohttp import web
 from aiohttp.streams import StreamReader
@@ -74,6 +75,8 @@ LISTEN_BACKLOG = 4096
 # The network prefixes whose addresses share one address's room for unauthenticated connections.
 IPV4_PREFIX = 24
 IPV6_PREFIX = 64
+# How often serve's event loop tells a ProbeListener that it turns (seconds).
+BEAT_SECONDS = 0.5
 # A liveness or readiness probe's answer: (status, JSON document) for a route and `strict`.
 Probe = Callable[[str, bool], tuple[int, dict[str, Any]]]
 PROBE_KEY: web.AppKey[Probe] = web.AppKey("probe")
@@ -246,7 +249,7 @@ def prefix_of(peer: str) -> str:
 def probe_response(status: int, doc: dict[str, Any]) -> bytes:
     """A whole HTTP/1.1 answer with a JSON body, closing the connection."""
     body = json.dumps(doc).encode()
-    reason = "OK" if status == 200 else "Service Unavailable"
+    reason = HTTPStatus(status).phrase
     return b"HTTP/1.1 %d %s\r\nContent-Type: application/json\r\nConnection: close\r\n" % (
         status,
         reason.encode(),
@@ -524,6 +527,14 @@ def reserve_of(size: int) -> int:
     return min(RESERVE_CONNECTIONS, size // 8)
 
 
+class ProbeListener(Protocol):
+    """What serve runs beside the site (edge/probe_listener.py's HealthListener)."""
+
+    def start(self) -> None: ...
+    def beat(self) -> None: ...
+    def stop(self) -> None: ...
+
+
 class GuardedSite(web.BaseSite):
     """A TCP site whose connections go through a ConnectionCap, with a TLS handshake timeout."""
 
@@ -574,9 +585,12 @@ def serve(
     limits: HttpLimits,
     ssl_context: ssl.SSLContext | None,
     shutdown_timeout: float,
+    probes: ProbeListener | None = None,
 ) -> None:
     """Run `app` until SIGTERM/SIGINT (as aiohttp's run_app does) on a GuardedSite; the
-    keep-alive timeout is the header timeout."""
+    keep-alive timeout is the header timeout. `probes` (edge/probe_listener.py), when given, starts
+    listening once the site does (after the application's startup, as the site) and is told
+    every BEAT_SECONDS that this event loop turns."""
     runner = web.AppRunner(
         app,
         handle_signals=True,
@@ -589,9 +603,15 @@ def serve(
         await runner.setup()
         try:
             await GuardedSite(runner, host, port, limits=limits, ssl_context=ssl_context).start()
+            if probes is not None:
+                probes.start()
             while True:
-                await asyncio.sleep(3600)
+                if probes is not None:
+                    probes.beat()
+                await asyncio.sleep(BEAT_SECONDS if probes is not None else 3600)
         finally:
+            if probes is not None:
+                probes.stop()
             await runner.cleanup()
 
     loop = asyncio.new_event_loop()

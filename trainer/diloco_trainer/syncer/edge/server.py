@@ -9,7 +9,9 @@ pushes the learners make again. What a crash can lose is what happened since the
 checkpoint is written): islands that pushed into the lost rounds notice the syncer's older
 versions (a 409 with code "ahead", or versions in status/join) and continue from them.
 
-The server runs under syncer.limits (limits.py: header and body timeouts, a connection cap). A
+The server runs under syncer.limits (limits.py: header and body timeouts, a connection cap); with
+DILOCO_SYNCER_HEALTH_PORT set (a pod's), /healthz and /readyz are also served on that port by a
+thread of their own (probe_listener.py), where no flood of the syncer port delays them. A
 state dir whose checkpoints are all corrupt is a bad config (exit 2, see startup.py).
 
 service.main runs it with the Syncer class; taking that as an argument keeps this module (and
@@ -27,7 +29,8 @@ from typing import Protocol
 from diloco_trainer.api.contract import ContractError, SyncerEnv
 from diloco_trainer.api.spec import ConfigError, JobSpec, load_spec
 from diloco_trainer.syncer.edge.http import SHUTDOWN_TIMEOUT, SyncerService, build_app, ssl_context
-from diloco_trainer.syncer.edge.limits import HttpLimits, serve
+from diloco_trainer.syncer.edge.limits import PROBE_KEY, HttpLimits, serve
+from diloco_trainer.syncer.edge.probe_listener import HealthListener
 from diloco_trainer.syncer.edge.shard_scope import check_shard, wrong_shard_middleware
 
 log = logging.getLogger("diloco.syncer")
@@ -97,6 +100,10 @@ def run(make_syncer: SyncerFactory) -> int:
     if spec.syncer.shards > 1:  # requests for other shards' fragments: 421 (shard_scope.py)
         app.middlewares.append(wrong_shard_middleware(env.shard, spec.syncer.shards))
         log.info("syncer shard %d of %d", env.shard, spec.syncer.shards)
+    probes = None
+    if env.health_port:  # the probes on a listener of their own (probe_listener.py)
+        probes = HealthListener(app[PROBE_KEY], env.host, env.health_port, ssl_context=tls)
+        log.info("probes (/healthz, /readyz) also served on port %d", env.health_port)
     serve(
         app,
         host=env.host,
@@ -104,6 +111,7 @@ def run(make_syncer: SyncerFactory) -> int:
         limits=limits,
         ssl_context=tls,
         shutdown_timeout=SHUTDOWN_TIMEOUT,
+        probes=probes,
     )
     if syncer.failure:
         log.error("syncer stopped after a failure: %s", syncer.failure)

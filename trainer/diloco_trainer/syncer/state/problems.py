@@ -62,4 +62,8 @@ class Health:
 
     def to_json(self) -> dict[str, Any]:
         """{"healthy", "problems": [...]} for status and /healthz."""
-        return {"healthy": self.healthy, "problems": [dict(p) for p in self.problems.values()]}
+        # list() copies the values in one step under the interpreter lock: the probe listener's
+        # thread (edge/probe_listener.py) reads this while the event loop records problems. Each
+        # value is replaced whole, never changed in place.
+        problems = list(self.problems.values())
+        return {"healthy": not problems, "problems": [dict(p) for p in problems]}
