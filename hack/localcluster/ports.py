@@ -13,10 +13,10 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-from diloco_trainer.local.launch import port_candidates
-
 from .errors import ClusterError
 from .settings import PORT_LEASE_FILE, PORT_LEASE_SECONDS
+
+EPHEMERAL_RANGE_FILE = Path("/proc/sys/net/ipv4/ip_local_port_range")
 
 
 def port_is_free(port: int) -> bool:
@@ -33,6 +33,24 @@ def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+def port_candidates(range_file: Path = EPHEMERAL_RANGE_FILE) -> list[range]:
+    """Port ranges to pick from: 10000-65535 minus the kernel's ephemeral range.
+
+    Outgoing connections take their local port from the ephemeral range
+    (/proc/sys/net/ipv4/ip_local_port_range, usually 32768-60999), so a port chosen there
+    could be grabbed by any connection between our check and the component's bind.
+    The trainer's `diloco run` follows the same rule (diloco_trainer.local.launch); this
+    copy stays here because the local-cluster command line imports only the standard library
+    (tests/unit/test_localcluster_cli.py).
+    """
+    low, high = 32768, 60999
+    with contextlib.suppress(OSError, ValueError):
+        low, high = map(int, range_file.read_text().split())
+    ranges = [range(10000, min(low, 65536)), range(max(high + 1, 10000), 65536)]
+    ranges = [r for r in ranges if len(r) > 0]
+    return ranges or [range(10000, 65536)]
 
 
 def pick_ports(count: int, taken: set[int]) -> list[int]:

@@ -22,11 +22,19 @@ pytestmark = pytest.mark.e2e
 
 
 def k_equals_m_job(make_spec: Callable[..., JobSpec]) -> JobSpec:
-    """Three islands, every one in every merge (quorum 3), no overlap, int8 on the wire (its
-    pushes folded from their encoded bytes, as the default codec's are), two fragments."""
+    """Three islands, every one in every merge (quorum 3), no overlap, rounds of H, int8 on the
+    wire (its pushes folded from their encoded bytes, as the default codec's are), two
+    fragments."""
     return make_spec(
         islands={"count": 3, "replicas": 1},
-        inner={"steps": 4, "batchSize": 2, "seqLen": 32, "lr": 3e-3, "warmupSteps": 2},
+        inner={
+            "steps": 4,
+            "batchSize": 2,
+            "seqLen": 32,
+            "lr": 3e-3,
+            "warmupSteps": 2,
+            "stepsPerIsland": "fixed",  # auto sizes rounds from measured step times
+        },
         sync={
             "quorum": 3,
             "fragments": 2,

@@ -593,7 +593,7 @@ def test_only_learners_that_apply_merges_at_fixed_steps_get_ordered_folds() -> N
             {
                 "model": {"preset": "gpt-tiny"},
                 "islands": {"count": 3},
-                "inner": {"steps": 20, **(inner or {})},
+                "inner": {"steps": 20, "stepsPerIsland": "fixed", **(inner or {})},
                 "sync": {"quorum": 3, **sync},
             }
         )
