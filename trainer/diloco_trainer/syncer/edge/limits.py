@@ -530,6 +530,8 @@ def reserve_of(size: int) -> int:
 class ProbeListener(Protocol):
     """What serve runs beside the site (edge/probe_listener.py's HealthListener)."""
 
+    port: int
+
     def start(self) -> None: ...
     def beat(self) -> None: ...
     def stop(self) -> None: ...
@@ -577,6 +579,11 @@ class GuardedSite(web.BaseSite):
         )
 
 
+class ListenError(Exception):
+    """The syncer could not bind its port or its probe port (taken, not permitted): said in one
+    line and exit 1 by the command (edge/server.py), not a traceback."""
+
+
 def serve(
     app: web.Application,
     *,
@@ -602,9 +609,19 @@ def serve(
     async def main() -> None:
         await runner.setup()
         try:
-            await GuardedSite(runner, host, port, limits=limits, ssl_context=ssl_context).start()
+            try:
+                site = GuardedSite(runner, host, port, limits=limits, ssl_context=ssl_context)
+                await site.start()
+            except OSError as err:
+                raise ListenError(f"cannot listen on {host}:{port}: {err.strerror or err}") from err
             if probes is not None:
-                probes.start()
+                try:
+                    probes.start()
+                except OSError as err:
+                    raise ListenError(
+                        f"cannot listen on {host}:{probes.port} (the probe port,"
+                        f" DILOCO_SYNCER_HEALTH_PORT): {err.strerror or err}"
+                    ) from err
             while True:
                 if probes is not None:
                     probes.beat()

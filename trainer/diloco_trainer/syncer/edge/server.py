@@ -29,7 +29,7 @@ from typing import Protocol
 from diloco_trainer.api.contract import ContractError, SyncerEnv
 from diloco_trainer.api.spec import ConfigError, JobSpec, load_spec
 from diloco_trainer.syncer.edge.http import SHUTDOWN_TIMEOUT, SyncerService, build_app, ssl_context
-from diloco_trainer.syncer.edge.limits import PROBE_KEY, HttpLimits, serve
+from diloco_trainer.syncer.edge.limits import PROBE_KEY, HttpLimits, ListenError, serve
 from diloco_trainer.syncer.edge.probe_listener import HealthListener
 from diloco_trainer.syncer.edge.shard_scope import check_shard, wrong_shard_middleware
 
@@ -104,15 +104,19 @@ def run(make_syncer: SyncerFactory) -> int:
     if env.health_port:  # the probes on a listener of their own (probe_listener.py)
         probes = HealthListener(app[PROBE_KEY], env.host, env.health_port, ssl_context=tls)
         log.info("probes (/healthz, /readyz) also served on port %d", env.health_port)
-    serve(
-        app,
-        host=env.host,
-        port=env.port,
-        limits=limits,
-        ssl_context=tls,
-        shutdown_timeout=SHUTDOWN_TIMEOUT,
-        probes=probes,
-    )
+    try:
+        serve(
+            app,
+            host=env.host,
+            port=env.port,
+            limits=limits,
+            ssl_context=tls,
+            shutdown_timeout=SHUTDOWN_TIMEOUT,
+            probes=probes,
+        )
+    except ListenError as err:
+        print(f"diloco syncer: {err}", file=sys.stderr)
+        return 1
     if syncer.failure:
         log.error("syncer stopped after a failure: %s", syncer.failure)
         return 1
