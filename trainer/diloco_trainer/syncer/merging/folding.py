@@ -175,7 +175,7 @@ class RoundFolds:
         planned = {
             id(c): (w, s) for c, w, s in zip(contributions, plan.weights, plan.scales, strict=True)
         }
-        held = [(c, w, s) for c, w, s in folded.items]
+        held = list(folded.items)
         held += [(c, w, s) for c, _, w, s in folded.deferred.values()]
         for c, w, s in held:
             if planned.get(id(c)) != (w, s):
