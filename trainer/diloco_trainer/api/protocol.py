@@ -84,12 +84,15 @@ ERROR_NORM_CAP = "norm_above_cap"  # Δ's norm above syncer.guards.maxDeltaNorm
 ERROR_NORM_OUTLIER = "norm_outlier"  # Δ's norm above normFactor x the fragment's median
 ERROR_STEPS_RANGE = "steps_out_of_range"  # more inner steps than one round of the island allows
 ERROR_TOKENS_RANGE = "tokens_out_of_range"  # more tokens than its steps x batch x seq x replicas
+# Δ moved far less per claimed step than the other island's pushes do (a job of two: guards.py)
+ERROR_UNSUPPORTED_WORK = "work_unsupported"
 CONTRIBUTION_REFUSALS = (
     ERROR_NON_FINITE,
     ERROR_NORM_CAP,
     ERROR_NORM_OUTLIER,
     ERROR_STEPS_RANGE,
     ERROR_TOKENS_RANGE,
+    ERROR_UNSUPPORTED_WORK,
 )
 # A push of a known island whose body does not decode to the fragment's tensors (400: NaN, a
 # wrong shape or codec). Not an error code of a body: a reason in the status document's

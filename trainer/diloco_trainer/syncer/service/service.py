@@ -394,7 +394,9 @@ class Syncer:
                 if self.finished or not self.state.merge_due(f, now):
                     return  # the round changed since the scheduler looked (a drop)
                 started = time.perf_counter()
-                merge = self.merger.take(self.state, f, now)  # 7.
+                merge = self.merger.take(
+                    self.state, f, now, idle=self.gate.unsupported_islands()
+                )  # 7.
             prepared = await asyncio.to_thread(self.merger.prepare, merge)  # 8.
             if isinstance(prepared, LeftOut):
                 async with self.control.locked():

@@ -14,6 +14,7 @@ from diloco_trainer.syncer.state.problems import (
     CORRUPT,
     EVAL_LOSS_ROSE,
     MERGE,
+    WORK_UNSUPPORTED,
     Health,
 )
 from diloco_trainer.syncer.state.quality import Trip, judged, tripped
@@ -50,6 +51,7 @@ __all__ = [
     "LEFT",
     "MERGE",
     "TIMED_OUT",
+    "WORK_UNSUPPORTED",
     "Beat",
     "Contribution",
     "Health",
