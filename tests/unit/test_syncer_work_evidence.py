@@ -136,6 +136,25 @@ def test_eight_unsupported_pushes_name_the_island_and_the_operator_condition() -
     assert (healthy, reason) == (False, "IslandWorkUnsupported")
 
 
+def test_faint_pushes_above_the_bar_are_merged_but_named() -> None:
+    g = pair_guard()
+    for _ in range(3):
+        g.accepted(0, "honest", stats(0.01), 4)  # reference 0.0015 per step (the cap share)
+    assert guards.FAINT_RATIO == 4.0
+    # 16 claimed steps: refused below 16 x 0.0015 / 32 = 0.00075, named below 16 x 0.0015 / 4
+    # = 0.006. Pushes at 0.0015 (1/16 of the reference per step, bench faint_claims' twice the
+    # bar) are accepted, and eight in a row name the island without leaving it out of rounds.
+    for i in range(guards.AT_BOUND_PUSHES):
+        assert g.faint() == {}, i
+        assert not refused(g, "bad", 0.0015, 16)
+    assert list(g.faint()) == ["bad"] and "1/4" in g.faint()["bad"]
+    assert g.unsupported() == {}  # none was refused: it still spans the rounds it pushes to
+    assert not refused(g, "bad", 0.0061, 16)  # one push carrying more than 1/4: no longer
+    assert g.faint() == {}
+    g.forget("bad")  # dropped or gone: its detection starts again
+    assert (0, "bad") not in g.carried
+
+
 def test_syncer_refuses_zero_claims_and_leaves_the_island_out_of_the_round(
     tmp_path: Path,
 ) -> None:

@@ -253,7 +253,8 @@ class Gate:
             return
         for kind, found in (
             (AT_BOUND, self.guard.suspects()),
-            (WORK_UNSUPPORTED, self.guard.unsupported()),
+            # refused at 1/32 (unsupported) or named at 1/4 (faint): one message per island
+            (WORK_UNSUPPORTED, self.guard.faint() | self.guard.unsupported()),
         ):
             if found:
                 self.health.report(kind, "; ".join(found.values()))
