@@ -52,6 +52,7 @@ from diloco_trainer.learner.step_plan import (
 from diloco_trainer.learner.syncer_link import (
     WAIT_SLICE_SECONDS,
     HeldFragment,
+    PushLost,
     SyncerLink,
     SyncResult,
 )
@@ -82,6 +83,10 @@ class FragmentSync:
         self.last_push: dict[int, float] = {}  # time.monotonic() of each fragment's latest push
         self.inflight: dict[int, InFlight] = {}
         self.arrived: dict[int, SyncResult] = {}
+        # Fragments whose push a restarted syncer refused (SyncResult.restarted), received from
+        # it: pushed again as soon as their receipt is installed (after_step), unless a push
+        # came first (the drain's).
+        self.push_again: set[int] = set()
         self.round_times: list[float] = []
         self.error_feedback = compress.ErrorFeedback() if spec.sync.error_feedback else None
         self.step_time = 0.0  # EMA of the inner step time, kept by the loop
@@ -151,13 +156,17 @@ class FragmentSync:
         return waited
 
     def wait(self, future: concurrent.futures.Future[Any], timeout: float) -> bool:
-        """Block up to `timeout` for a future; give up early on SIGTERM or a finished job."""
+        """Block up to `timeout` for a future; give up early on SIGTERM or a finished job.
+        Meanwhile every push a restarted syncer lost is pushed again (resend_lost), whichever
+        fragment this waits for: at K = M the merge waited for may need a peer's push that
+        waits, in turn, for one of this island's lost ones."""
         deadline = time.monotonic() + timeout
         while not future.done():
             remaining = deadline - time.monotonic()
             if remaining <= 0 or self.stop.is_set() or self.finished():
                 return False
             concurrent.futures.wait([future], timeout=min(remaining, WAIT_SLICE_SECONDS))
+            self.resend_lost()
         return True
 
     # -- memory ----------------------------------------------------------------------------------
@@ -261,6 +270,7 @@ class FragmentSync:
             self.wall_step = 0.9 * self.wall_step + 0.1 * dt if self.wall_step else dt
         self._last_step = now
         positions, self.phase_pending = schedule_positions(self.position, self.phase_pending)
+        self.resend_lost()
         pushed_at = {f: fl.step for f, fl in self.inflight.items()}
         if not positions:
             idle = plan_idle(
@@ -283,12 +293,30 @@ class FragmentSync:
                 target = self.receive(f)
                 if self.shards is None:  # sharded: every rank has installed its rows already
                     out[f] = target
+        self._push_again(out)
         # An eager jump not overtaken by a receipt in this call (which started from it).
         for f, proxy in self.jumps.items():
             out.setdefault(f, proxy)
         self.jumps = {}
         self._hold(out)
         return out
+
+    def _push_again(self, out: dict[int, Weights]) -> None:
+        """Push each fragment in push_again now, from the restarted syncer's fragment just
+        received (installed on rank 0 first: the push reads the parameters; `out` still hands
+        the weights to every rank). Its Δ holds the steps since the refused push, the work it
+        carried being lost with the syncer's merges (the 409 ahead rule), and it lands in the
+        restarted syncer's open round beside its peers' pushes of the same sync point:
+        resend_lost says why that matters at K = M."""
+        if not self.push_again:
+            return
+        self.install({f: out[f] for f in self.push_again if f in out})
+        for f in sorted(self.push_again):
+            if f in self.inflight:
+                continue  # pushed already (the push cleared it) or a resent one in flight
+            tau = self.overlap_fit.fit(self.wall_step or self.step_time)
+            self.push(f, self.position, self.overlap_fit.window(tau), again=True)
+        self.push_again.clear()
 
     def _adopt_round(self) -> None:
         """At a round boundary, go on with the round the syncer named for this island (its H_i,
@@ -458,10 +486,12 @@ class FragmentSync:
         parameter is written. They are fp32 master weights."""
         return {n: self.params[n].detach() for n in self.fragments[f].names}
 
-    def push(self, f: int, position: int, window: Window) -> None:
+    def push(self, f: int, position: int, window: Window, *, again: bool = False) -> None:
         """Compute Δ_f = θ_global − θ_local (fp32, where the weights are), encode it and push it
         in the background; its merge is polled for and waited for at `window` (steps after the
-        push)."""
+        push at `position`). `again`: a push a restarted syncer lost, sent again now in its
+        place (resend_lost): `position` is then the lost push's, so its merge is polled for and
+        waited for where that one's would have been."""
         began = time.perf_counter()
         state = self.fragments[f]
         c = state.counters
@@ -482,10 +512,11 @@ class FragmentSync:
             codec=codec,
             sync_time=state.last_sync_seconds,
         )
+        self.push_again.discard(f)
         old = self.inflight.get(f)
         previous = self.last_push.get(f)
         self.last_push[f] = time.monotonic()
-        if old is not None:
+        if old is not None and not again:
             old.future.cancel()
             log.warning("step %d: fragment %d overdue, pushing it again", position, f)
         # A sharded island holds no whole fragment to apply compressed updates to: it pulls
@@ -518,10 +549,11 @@ class FragmentSync:
             self._current(f)
         )
         log.info(
-            "step %d: fragment %d pushed (base version %d, %d bytes %s, %d tokens in %d steps; "
+            "step %d: fragment %d pushed%s (base version %d, %d bytes %s, %d tokens in %d steps; "
             "%.3fs on the training thread)",
-            position,
+            self.position if again else position,
             f,
+            " again" if again else "",
             state.version,
             nbytes,
             codec,
@@ -531,10 +563,20 @@ class FragmentSync:
         )
 
     def collect(self, f: int, *, block: float) -> bool:
-        """Has fragment f's sync finished (waiting up to `block` s)? Keeps the result."""
-        flight = self.inflight[f]
-        if not self.wait(flight.future, block):
-            return False
+        """Has fragment f's sync finished (waiting up to `block` s)? Keeps the result. A push
+        lost to a syncer restart is pushed again (resend_lost) and its merge waited for in the
+        time left."""
+        deadline = time.monotonic() + block
+        while True:
+            flight = self.inflight[f]
+            done = self.wait(flight.future, max(0.0, deadline - time.monotonic()))
+            if self.inflight.get(f) is not flight:
+                continue  # pushed again meanwhile (wait's resend_lost): wait for that one
+            if not done:
+                return False
+            if not _lost(flight.future):
+                break
+            self.resend_lost()
         try:
             self.arrived[f] = flight.future.result()
             self.measured[f] = flight.previous
@@ -546,6 +588,29 @@ class FragmentSync:
             return False
         del self.inflight[f]
         return True
+
+    def resend_lost(self) -> None:
+        """Push again, at once, every fragment whose push a restarted syncer lost (its sync
+        ended in PushLost). The new push carries the same base and all the work since it (as an
+        overdue push does) and keeps the lost one's place in the schedule.
+
+        Why at once: the restarted syncer's open round of the fragment may already hold a
+        peer's push of the same sync point (one that reached it after the restart), and at K = M
+        its merge waits for this island's. Pushed only at the fragment's next sync point (or
+        after a wait budget, as an overdue push), this island's pushes would from then on meet
+        its peers' pushes of the sync point before: each learner waits at every sync point for
+        a merge that needs the other's next push of the other fragment, and only wait budgets
+        free the rounds, for the rest of the job (docs/algorithm.md, "A syncer restart")."""
+        for f, flight in list(self.inflight.items()):
+            if not _lost(flight.future):
+                continue
+            log.warning(
+                "step %d: fragment %d: %s; pushing it again now",
+                self.position,
+                f,
+                flight.future.exception(),
+            )
+            self.push(f, flight.step, flight.window, again=True)
 
     def receive(self, f: int) -> Weights:
         """Install an arrived fragment as the new base; the weights the island continues from."""
@@ -575,7 +640,12 @@ class FragmentSync:
                 seconds=result.seconds,
             )
         )
-        self.round_times = [*self.round_times[-7:], result.seconds]
+        if result.restarted:
+            self.push_again.add(f)
+        else:
+            # A sync that rode out a syncer restart took the outage's time: kept, it would
+            # raise the wait budget (3x the recent times) for the next rounds.
+            self.round_times = [*self.round_times[-7:], result.seconds]
         log.info(
             "step %d: fragment %d applied version %d (%s, %.2fs after the push; %.3fs on the "
             "training thread)",
@@ -614,3 +684,8 @@ class FragmentSync:
                 "delaying" if shift > 0 else "advancing",
                 abs(shift),
             )
+
+
+def _lost(future: concurrent.futures.Future[Any]) -> bool:
+    """Whether a finished sync ended because a restarted syncer lost its push."""
+    return future.done() and not future.cancelled() and isinstance(future.exception(), PushLost)
