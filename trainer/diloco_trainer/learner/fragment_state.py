@@ -89,6 +89,10 @@ class InFlight:
     # (first poll, wait deadline) in steps after the push: those of the τ it was made with.
     window: tuple[int, int]
     previous: float | None = None  # time.monotonic() of the fragment's push before this one
+    # Pushed again after a syncer restart (FragmentSync.resend_lost, _push_again, _make_up):
+    # out of schedule, so its merge is waited for at the fragment's next sync point rather
+    # than skipping that push (FragmentSync._plan).
+    again: bool = False
 
 
 @dataclass

@@ -26,7 +26,7 @@ from torch import Tensor, nn
 from diloco_trainer.api.protocol import PushMeta
 from diloco_trainer.api.spec import ConfigError, JobSpec
 from diloco_trainer.core import compress
-from diloco_trainer.core.fragments import fragment_offsets
+from diloco_trainer.core.fragments import fragment_offsets, fragments_due
 from diloco_trainer.core.push_bounds import STEP_ROUNDS, max_push_steps
 from diloco_trainer.learner.device_copies import adopt
 from diloco_trainer.learner.fragment_state import (
@@ -87,6 +87,11 @@ class FragmentSync:
         # it: pushed again as soon as their receipt is installed (after_step), unless a push
         # came first (the drain's).
         self.push_again: set[int] = set()
+        # Set when a sync shows that the syncer restarted (a lost push, a push refused as
+        # ahead): the next after_step makes up the merges it lost (_make_up).
+        self.restart_seen = False
+        # Receipts of pushes made again, taken at the fragment's sync point (_plan) for after_step.
+        self.early: dict[int, Weights] = {}
         self.round_times: list[float] = []
         self.error_feedback = compress.ErrorFeedback() if spec.sync.error_feedback else None
         self.step_time = 0.0  # EMA of the inner step time, kept by the loop
@@ -157,9 +162,9 @@ class FragmentSync:
 
     def wait(self, future: concurrent.futures.Future[Any], timeout: float) -> bool:
         """Block up to `timeout` for a future; give up early on SIGTERM or a finished job.
-        Meanwhile every push a restarted syncer lost is pushed again (resend_lost), whichever
-        fragment this waits for: at K = M the merge waited for may need a peer's push that
-        waits, in turn, for one of this island's lost ones."""
+        Meanwhile every push a restarted syncer lost is pushed again (resend_lost) and the merges
+        it lost are made up (_make_up), whichever fragment this waits for: at K = M the merge
+        waited for may need a peer's push that waits, in turn, for one of this island's."""
         deadline = time.monotonic() + timeout
         while not future.done():
             remaining = deadline - time.monotonic()
@@ -167,6 +172,7 @@ class FragmentSync:
                 return False
             concurrent.futures.wait([future], timeout=min(remaining, WAIT_SLICE_SECONDS))
             self.resend_lost()
+            self._make_up()
         return True
 
     # -- memory ----------------------------------------------------------------------------------
@@ -271,6 +277,7 @@ class FragmentSync:
         self._last_step = now
         positions, self.phase_pending = schedule_positions(self.position, self.phase_pending)
         self.resend_lost()
+        self._make_up()
         pushed_at = {f: fl.step for f, fl in self.inflight.items()}
         if not positions:
             idle = plan_idle(
@@ -287,13 +294,14 @@ class FragmentSync:
                 self.position = pos
                 plans.append(self._plan(pos))
             self._adopt_round()
-        out: dict[int, Weights] = {}
+        out, self.early = self.early, {}
         for plan in plans:
             for f in self._collect_plan(plan):
                 target = self.receive(f)
                 if self.shards is None:  # sharded: every rank has installed its rows already
                     out[f] = target
         self._push_again(out)
+        self._make_up()
         # An eager jump not overtaken by a receipt in this call (which started from it).
         for f, proxy in self.jumps.items():
             out.setdefault(f, proxy)
@@ -317,6 +325,40 @@ class FragmentSync:
             tau = self.overlap_fit.fit(self.wall_step or self.step_time)
             self.push(f, self.position, self.overlap_fit.window(tau), again=True)
         self.push_again.clear()
+
+    def _make_up(self) -> None:
+        """After a syncer restart (restart_seen): each fragment with no push in flight whose
+        base is a version the restarted syncer does not have (it received merges the syncer
+        lost with its restart) is pushed now, its base counted as the syncer's version.
+
+        Why: a peer whose push of the same sync point went unmerged (lost, or refused as
+        ahead) pushes it again at once (resend_lost, _push_again), so that push opens the
+        restarted syncer's round; this island's push of that sync point is the one already
+        merged, and at K = M the round would wait for its next one: the phase slip resend_lost
+        describes. Counting the base as the syncer's version (no pull) gives the Δ a pull
+        keeping the steps since the base would: base − θ_now, the steps since its receipt."""
+        if not self.restart_seen:
+            return
+        self.restart_seen = False
+        future = self.link.submit(self.link.versions(len(self.fragments)))
+        budget = wait_budget(self.round_times, self.spec.sync.heartbeat_timeout_seconds)
+        if not self.wait(future, budget) or future.exception() is not None:
+            return  # unreachable again: its next refusal says so once more
+        tau = self.overlap_fit.fit(self.wall_step or self.step_time)
+        for f, version in enumerate(future.result()):
+            state = self.fragments[f]
+            if f in self.inflight or state.version <= version:
+                continue
+            log.warning(
+                "step %d: fragment %d: the restarted syncer is at version %d, behind this "
+                "island's base %d; pushing the steps since the base now, on its version",
+                self.position,
+                f,
+                version,
+                state.version,
+            )
+            state.version = version
+            self.push(f, self.position, self.overlap_fit.window(tau), again=True, rebased=True)
 
     def _adopt_round(self) -> None:
         """At a round boundary, go on with the round the syncer named for this island (its H_i,
@@ -389,6 +431,7 @@ class FragmentSync:
             log.info("step %d: held %.1fs for the syncer; stepping on", self.position, held)
 
     def _plan(self, position: int) -> StepPlan:
+        self._take_again(position)
         abandoned = self._abandoned()
         # τ for a push now, fitted to the measured sync latency (sync.overlapMode); pushes in
         # flight keep the window they were made with.
@@ -412,6 +455,27 @@ class FragmentSync:
             if tau > 0:
                 self._eager_jump(f)
         return plan
+
+    def _take_again(self, position: int) -> None:
+        """At a fragment's sync point, the merge of its push made again after a syncer restart
+        (InFlight.again) is waited for (blocking as any merge wait: sync.quorum, overlap) and
+        received first, so the push due now is made (plan_step skips a fragment in flight).
+        Why: that push stands for the sync point before; skipping this one put the island a
+        sync point behind its peers for the rest of the job (resend_lost says what that costs
+        at K = M)."""
+        if position < self.round_steps:
+            return  # a fresh job's first round pushes nothing (plan_step)
+        budget = wait_budget(self.round_times, self.spec.sync.heartbeat_timeout_seconds)
+        for f in fragments_due(position, self.round_steps, self.offsets):
+            flight = self.inflight.get(f)
+            if flight is None or not flight.again:
+                continue
+            if not self.collect(f, block=budget if self.blocking else 0.0):
+                continue  # not back: skipped as any push in flight
+            target = self.receive(f)
+            if self.shards is None:
+                self.install({f: target})  # the push below reads the parameters
+                self.early[f] = target
 
     def _eager_jump(self, f: int) -> None:
         """sync.lateMergeRule eager, after a push overlapped with τ > 0 steps: move fragment f to
@@ -486,12 +550,16 @@ class FragmentSync:
         parameter is written. They are fp32 master weights."""
         return {n: self.params[n].detach() for n in self.fragments[f].names}
 
-    def push(self, f: int, position: int, window: Window, *, again: bool = False) -> None:
+    def push(
+        self, f: int, position: int, window: Window, *, again: bool = False, rebased: bool = False
+    ) -> None:
         """Compute Δ_f = θ_global − θ_local (fp32, where the weights are), encode it and push it
         in the background; its merge is polled for and waited for at `window` (steps after the
         push at `position`). `again`: a push a restarted syncer lost, sent again now in its
         place (resend_lost): `position` is then the lost push's, so its merge is polled for and
-        waited for where that one's would have been."""
+        waited for where that one's would have been. `rebased`: the base's version was counted
+        as the syncer's (_make_up), so its weights are not that version's: the merge is pulled
+        whole, not as updates to them."""
         began = time.perf_counter()
         state = self.fragments[f]
         c = state.counters
@@ -523,7 +591,7 @@ class FragmentSync:
         # full fragments (held None).
         held = (
             HeldFragment(state.version, state.base, state.base_on_device or None)
-            if self.shards is None
+            if self.shards is None and not rebased
             else None
         )
         # Learners that do not block align their phase within merges too (merge_lateness).
@@ -542,6 +610,7 @@ class FragmentSync:
             future=future,
             previous=previous,
             window=window,
+            again=again,
         )
         # A deferred host push (FragmentState.encode_push) is encoded on the link's thread: its
         # bytes are the int8 format's, known from the sizes.
@@ -604,6 +673,7 @@ class FragmentSync:
         for f, flight in list(self.inflight.items()):
             if not _lost(flight.future):
                 continue
+            self.restart_seen = True
             log.warning(
                 "step %d: fragment %d: %s; pushing it again now",
                 self.position,
@@ -642,6 +712,7 @@ class FragmentSync:
         )
         if result.restarted:
             self.push_again.add(f)
+            self.restart_seen = True
         else:
             # A sync that rode out a syncer restart took the outage's time: kept, it would
             # raise the wait budget (3x the recent times) for the next rounds.

@@ -348,6 +348,12 @@ class SyncerLink:
         )
         return of_previous, of_previous is not None
 
+    async def versions(self, num_fragments: int) -> list[int]:
+        """Each fragment's version at the syncer shard that owns it (one status read a shard):
+        after a restart, what it resumed from (fragment_sync.FragmentSync._make_up)."""
+        docs = await asyncio.gather(*(client.status() for client in self.clients))
+        return [docs[shard_of(f, len(self.clients))].versions[f] for f in range(num_fragments)]
+
     async def resync(self, fragment: int) -> SyncResult:
         """The current global fragment, when a sync went wrong in a way a retry cannot fix."""
         start = time.monotonic()
