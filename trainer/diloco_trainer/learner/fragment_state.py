@@ -79,6 +79,47 @@ class FragmentCounters:
         return self.time_sum / self.steps if self.steps else 0.0
 
 
+# Versions of each fragment whose merged steps an island keeps (MergedSteps): a syncer restart
+# that goes back further is counted at a round of steps per merge.
+KEPT_VERSIONS = 64
+
+
+class MergedSteps:
+    """One fragment's count of this island's inner steps merged into it, at each version it
+    received, for what a syncer restart takes back (`rolled_back`).
+
+    Why: at K = M an island drains at its share of stopAfter counted in its own steps; a
+    syncer that resumed from an older checkpoint lost the merges since, and an island that
+    drained at its share then waited a whole wait budget for a finish that could not come
+    (the work was short), then trained on (tests/e2e/test_learner_restart.py: 20 s each time).
+    The steps the restart took back are added to the share instead (FragmentSync.lost_work,
+    loop.py)."""
+
+    def __init__(self, version: int) -> None:
+        self.total = 0  # steps merged up to the newest version received
+        self.at: dict[int, int] = {version: 0}
+
+    def merged(self, version: int, steps: int) -> None:
+        """A merge of this island's push of `steps` steps received as `version`."""
+        self.total += steps
+        self.at[version] = self.total
+        for old in sorted(self.at)[:-KEPT_VERSIONS]:
+            del self.at[old]
+
+    def rolled_back(self, version: int, *, held: int, round_steps: int) -> int:
+        """Steps lost when the syncer went back from the version held (`held`) to `version`:
+        those merged after it. A version no longer kept (or from before this process joined)
+        counts a round of steps (`round_steps`) per merge taken back."""
+        if version >= held:
+            return 0
+        before = self.at.get(version, self.total - (held - version) * round_steps)
+        lost = max(0, self.total - before)
+        self.total -= lost
+        self.at = {v: n for v, n in self.at.items() if v < version}
+        self.at[version] = self.total
+        return lost
+
+
 @dataclass
 class InFlight:
     """A pushed fragment whose merged result is not applied yet."""

@@ -32,6 +32,7 @@ from diloco_trainer.learner.device_copies import adopt
 from diloco_trainer.learner.fragment_state import (
     FragmentState,
     InFlight,
+    MergedSteps,
     at_step_cap,
     checked_fragment,
     storage_bytes,
@@ -92,6 +93,12 @@ class FragmentSync:
         self.restart_seen = False
         # Receipts of pushes made again, taken at the fragment's sync point (_plan) for after_step.
         self.early: dict[int, Weights] = {}
+        # Fragments made up after a restart (_make_up): their next sync point's push is made.
+        self.skip_once: set[int] = set()
+        # Per fragment: this island's steps merged into it (drain.py's share counts steps),
+        # and those a syncer restart took back (lost_work).
+        self.merged_steps: list[MergedSteps] = []
+        self.lost_steps: list[int] = []
         self.round_times: list[float] = []
         self.error_feedback = compress.ErrorFeedback() if spec.sync.error_feedback else None
         self.step_time = 0.0  # EMA of the inner step time, kept by the loop
@@ -244,6 +251,8 @@ class FragmentSync:
         """The global weights of every fragment fetched on joining (they overwrite the local
         ones, whatever sync.mixAlpha says)."""
         out = {}
+        self.merged_steps = [MergedSteps(r.pulled.version) for _, r in sorted(self.arrived.items())]
+        self.lost_steps = [0] * len(self.merged_steps)
         for f, result in sorted(self.arrived.items()):
             merged = checked_fragment(
                 f, result.pulled.tensors, self.params, self.fragments[f].names
@@ -322,21 +331,27 @@ class FragmentSync:
         for f in sorted(self.push_again):
             if f in self.inflight:
                 continue  # pushed already (the push cleared it) or a resent one in flight
+            if not self.fragments[f].counters.steps:
+                continue  # refused as soon as pushed: pushed after the next step (a push of
+                # no steps is refused as malformed)
             tau = self.overlap_fit.fit(self.wall_step or self.step_time)
             self.push(f, self.position, self.overlap_fit.window(tau), again=True)
-        self.push_again.clear()
 
     def _make_up(self) -> None:
         """After a syncer restart (restart_seen): each fragment with no push in flight whose
         base is a version the restarted syncer does not have (it received merges the syncer
-        lost with its restart) is pushed now, its base counted as the syncer's version.
+        lost with its restart) is pushed now, its base counted as the syncer's version, and
+        that push stands for the fragment's next sync point (skip_once: not pushed there).
 
-        Why: a peer whose push of the same sync point went unmerged (lost, or refused as
-        ahead) pushes it again at once (resend_lost, _push_again), so that push opens the
-        restarted syncer's round; this island's push of that sync point is the one already
-        merged, and at K = M the round would wait for its next one: the phase slip resend_lost
-        describes. Counting the base as the syncer's version (no pull) gives the Δ a pull
-        keeping the steps since the base would: base − θ_now, the steps since its receipt."""
+        Why: each island must put one push of each sync point into the restarted syncer's
+        rounds, or at K = M the rounds pair one island's push with another's push of the next
+        sync point for the rest of the job (resend_lost). An island whose push of that sync
+        point was made before the restart had it refused as ahead, and pushes it again at
+        once (_push_again); one that had not reached it would push only at the sync point,
+        after its peer's wait for the merge (and, at K = M, its own wait for a merge needing
+        that peer's next push). The push now takes its place. Counting the base as the
+        syncer's version (no pull) gives the Δ a pull keeping the steps since the base would:
+        base − θ_now, the steps since its receipt."""
         if not self.restart_seen:
             return
         self.restart_seen = False
@@ -357,8 +372,11 @@ class FragmentSync:
                 version,
                 state.version,
             )
+            if self.merged_steps:
+                self._lost(f, state.version, version)
             state.version = version
-            self.push(f, self.position, self.overlap_fit.window(tau), again=True, rebased=True)
+            self.push(f, self.position, self.overlap_fit.window(tau), rebased=True)
+            self.skip_once.add(f)
 
     def _adopt_round(self) -> None:
         """At a round boundary, go on with the round the syncer named for this island (its H_i,
@@ -448,7 +466,9 @@ class FragmentSync:
             deadline=window[1],
             poll_from=window[0],
             windows={f: fl.window for f, fl in self.inflight.items()},
+            skip_once=frozenset(self.skip_once),
         )
+        self.skip_once -= set(plan.skip)
         for f in plan.push:
             self.overlap_fit.pushed(tau, clock, position)
             self.push(f, position, window)
@@ -674,13 +694,19 @@ class FragmentSync:
             if not _lost(flight.future):
                 continue
             self.restart_seen = True
-            log.warning(
-                "step %d: fragment %d: %s; pushing it again now",
-                self.position,
-                f,
-                flight.future.exception(),
-            )
-            self.push(f, flight.step, flight.window, again=True)
+            err = flight.future.exception()
+            log.warning("step %d: fragment %d: %s; pushing it again now", self.position, f, err)
+            # Its base may be a version the restarted syncer lost too (it resumed from an older
+            # checkpoint): counted as the syncer's version, as _make_up does, so the push is
+            # taken, not refused as ahead, and carries all the work since the base.
+            state = self.fragments[f]
+            version = err.version if isinstance(err, PushLost) else -1
+            rebased = 0 <= version < state.version
+            if rebased:
+                if self.merged_steps:
+                    self._lost(f, state.version, version)
+                state.version = version
+            self.push(f, flight.step, flight.window, again=True, rebased=rebased)
 
     def receive(self, f: int) -> Weights:
         """Install an arrived fragment as the new base; the weights the island continues from."""
@@ -689,6 +715,7 @@ class FragmentSync:
             self._note_copies()  # the merged fragment beside the base it replaces
         result = self.arrived.pop(f)
         state = self.fragments[f]
+        held, carried = state.version, state.counters_at_push
         merged = checked_fragment(f, result.pulled.tensors, self.params, self.fragments[f].names)
         if self.shards is not None:
             self.shards.receive(f, merged)
@@ -710,6 +737,7 @@ class FragmentSync:
                 seconds=result.seconds,
             )
         )
+        self._count_merged(f, result, held, carried.steps if carried is not None else 0)
         if result.restarted:
             self.push_again.add(f)
             self.restart_seen = True
@@ -734,6 +762,31 @@ class FragmentSync:
             return target  # a reading of a push from before our last shift: already corrected
         self._align(f, result.lateness, within=result.lateness_within)
         return target
+
+    def _count_merged(self, f: int, result: SyncResult, held: int, carried: int) -> None:
+        """Keep the count of this island's steps merged into fragment f (MergedSteps) after a
+        receipt of `result` (the base was version `held`, the push carried `carried` steps):
+        a merge adds them; a restarted syncer's fragment takes back the merges it lost, and
+        the refused push's steps are lost too (its receipt keeps only the steps since)."""
+        if not self.merged_steps:
+            return
+        if result.outcome == "merged":
+            self.merged_steps[f].merged(result.pulled.version, carried)
+        elif result.restarted:
+            self._lost(f, held, result.pulled.version, carried)
+
+    def _lost(self, f: int, held: int, version: int, carried: int = 0) -> None:
+        """Fragment f went back from version `held` to the restarted syncer's `version`."""
+        back = self.merged_steps[f].rolled_back(version, held=held, round_steps=self.round_steps)
+        self.lost_steps[f] += back + carried
+
+    @property
+    def lost_work(self) -> float:
+        """This island's work (in round_work's units) that syncer restarts took back from
+        the fragment that lost the most: at K = M the drain's share counts round_work, and the
+        job's outer step is its least merged fragment's, so the island trains that much more
+        before it drains (loop.py; MergedSteps says why)."""
+        return max(self.lost_steps, default=0) * self.spec.inner.steps / self.round_steps
 
     def _alpha(self) -> float:
         return self.spec.sync.mix_alpha

@@ -60,7 +60,12 @@ WAIT_SLICE_SECONDS = 0.2
 
 class PushLost(RuntimeError):
     """A sync's push was accepted by a syncer run that has since restarted without merging it
-    (pending pushes are not checkpointed): no merge will carry it, so it must be pushed again."""
+    (pending pushes are not checkpointed): no merge will carry it, so it must be pushed again.
+    `version`: the fragment's version at the restarted syncer (-1: not known)."""
+
+    def __init__(self, message: str, version: int) -> None:
+        super().__init__(message)
+        self.version = version
 
 
 @dataclass(frozen=True)
@@ -348,6 +353,13 @@ class SyncerLink:
         )
         return of_previous, of_previous is not None
 
+    async def _version(self, fragment: int) -> int:
+        """The fragment's version at its shard now; -1 when the status cannot be read."""
+        try:
+            return (await self._client(fragment).status()).versions[fragment]
+        except SyncerError:
+            return -1
+
     async def versions(self, num_fragments: int) -> list[int]:
         """Each fragment's version at the syncer shard that owns it (one status read a shard):
         after a restart, what it resumed from (fragment_sync.FragmentSync._make_up)."""
@@ -402,7 +414,7 @@ class SyncerLink:
                     after = -1
             except SyncerError as err:
                 if err.code == ERROR_RESTARTED:
-                    raise PushLost(err.message) from err
+                    raise PushLost(err.message, await self._version(fragment)) from err
                 # Unreachable past the client's retry deadline, or refused: keep trying, slowly;
                 # the training loop goes on meanwhile.
                 log.warning("fragment %d: pull failed (%s), trying again", fragment, err)
