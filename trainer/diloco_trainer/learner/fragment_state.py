@@ -108,13 +108,14 @@ class MergedSteps:
 
     def rolled_back(self, version: int, *, held: int, round_steps: int) -> int:
         """Steps lost when the syncer went back from the version held (`held`) to `version`:
-        those merged after it. A version no longer kept (or from before this process joined)
-        counts a round of steps (`round_steps`) per merge taken back."""
+        those merged after it. Versions no longer kept (or from before this process joined)
+        count a round of steps (`round_steps`) per merge taken back."""
         if version >= held:
             return 0
-        before = self.at.get(version, self.total - (held - version) * round_steps)
-        lost = max(0, self.total - before)
-        self.total -= lost
+        oldest = min((v for v in self.at if v >= version), default=held)
+        known = self.total - self.at.get(oldest, self.total)
+        lost = known + (oldest - version) * round_steps
+        self.total = max(0, self.total - lost)
         self.at = {v: n for v, n in self.at.items() if v < version}
         self.at[version] = self.total
         return lost
