@@ -321,10 +321,8 @@ class FragmentSync:
     def _push_again(self, out: dict[int, Weights]) -> None:
         """Push each fragment in push_again now, from the restarted syncer's fragment just
         received (installed on rank 0 first: the push reads the parameters; `out` still hands
-        the weights to every rank). Its Δ holds the steps since the refused push, the work it
-        carried being lost with the syncer's merges (the 409 ahead rule), and it lands in the
-        restarted syncer's open round beside its peers' pushes of the same sync point:
-        resend_lost says why that matters at K = M."""
+        it to every rank): the steps since the refused push, into the syncer's open round
+        beside its peers' pushes of that sync point (docs/algorithm.md, "A syncer restart")."""
         if not self.push_again:
             return
         self.install({f: out[f] for f in self.push_again if f in out})
@@ -339,19 +337,10 @@ class FragmentSync:
 
     def _make_up(self) -> None:
         """After a syncer restart (restart_seen): each fragment with no push in flight whose
-        base is a version the restarted syncer does not have (it received merges the syncer
-        lost with its restart) is pushed now, its base counted as the syncer's version, and
-        that push stands for the fragment's next sync point (skip_once: not pushed there).
-
-        Why: each island must put one push of each sync point into the restarted syncer's
-        rounds, or at K = M the rounds pair one island's push with another's push of the next
-        sync point for the rest of the job (resend_lost). An island whose push of that sync
-        point was made before the restart had it refused as ahead, and pushes it again at
-        once (_push_again); one that had not reached it would push only at the sync point,
-        after its peer's wait for the merge (and, at K = M, its own wait for a merge needing
-        that peer's next push). The push now takes its place. Counting the base as the
-        syncer's version (no pull) gives the Δ a pull keeping the steps since the base would:
-        base − θ_now, the steps since its receipt."""
+        base is a version the restarted syncer lost is pushed now, its base counted as the
+        syncer's version (the Δ a pull keeping the steps since the base would give), and that
+        push stands for its next sync point (skip_once): a peer that pushed that sync point
+        before the restart pushes it again (docs/algorithm.md, "A syncer restart", rule 3)."""
         if not self.restart_seen:
             return
         self.restart_seen = False
@@ -478,11 +467,8 @@ class FragmentSync:
 
     def _take_again(self, position: int) -> None:
         """At a fragment's sync point, the merge of its push made again after a syncer restart
-        (InFlight.again) is waited for (blocking as any merge wait: sync.quorum, overlap) and
-        received first, so the push due now is made (plan_step skips a fragment in flight).
-        Why: that push stands for the sync point before; skipping this one put the island a
-        sync point behind its peers for the rest of the job (resend_lost says what that costs
-        at K = M)."""
+        (InFlight.again) is waited for (as any merge wait) and received first, so the push due
+        now is made, not skipped (docs/algorithm.md, "A syncer restart", rule 2)."""
         if position < self.round_steps:
             return  # a fresh job's first round pushes nothing (plan_step)
         budget = wait_budget(self.round_times, self.spec.sync.heartbeat_timeout_seconds)
@@ -680,16 +666,10 @@ class FragmentSync:
 
     def resend_lost(self) -> None:
         """Push again, at once, every fragment whose push a restarted syncer lost (its sync
-        ended in PushLost). The new push carries the same base and all the work since it (as an
-        overdue push does) and keeps the lost one's place in the schedule.
-
-        Why at once: the restarted syncer's open round of the fragment may already hold a
-        peer's push of the same sync point (one that reached it after the restart), and at K = M
-        its merge waits for this island's. Pushed only at the fragment's next sync point (or
-        after a wait budget, as an overdue push), this island's pushes would from then on meet
-        its peers' pushes of the sync point before: each learner waits at every sync point for
-        a merge that needs the other's next push of the other fragment, and only wait budgets
-        free the rounds, for the rest of the job (docs/algorithm.md, "A syncer restart")."""
+        ended in PushLost): the same base (or the syncer's version when that is behind it) and
+        all the work since, in the lost push's place in the schedule. Pushed only at its next
+        sync point, it met its peers' pushes of the sync point before for the rest of the job
+        (docs/algorithm.md, "A syncer restart", rule 1)."""
         for f, flight in list(self.inflight.items()):
             if not _lost(flight.future):
                 continue

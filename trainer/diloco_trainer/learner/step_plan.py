@@ -135,11 +135,8 @@ def plan_step(
     pushed with (sync.overlapMode auto fits τ between pushes); a fragment pushed now, or one
     not in it, has `poll_from` and `deadline`.
 
-    `skip_once` are fragments whose push at this sync point was made already, out of schedule:
-    a push that made up for merges a restarted syncer lost (fragment_sync._make_up) stands for
-    the fragment's next sync point, as a peer's push of that sync point refused by the
-    restarted syncer and pushed again does; they are skipped when due (the caller forgets them
-    then).
+    `skip_once`: due fragments not pushed now, their push made already (one made up after a
+    syncer restart stands for the next sync point: fragment_sync._make_up).
 
     A fragment due at a step below H is skipped: those steps are a fresh job's first round
     (schedule_start starts every later join at H or later), so every island skips alike and each
@@ -163,11 +160,8 @@ def plan_step(
             raise ValueError(f"a merge's first poll ({first}) is not within 0..{last}")
     due = fragments_due(step, inner_steps, offsets)
     early = step < inner_steps  # a fresh job's first round: no push yet
-    push = tuple(
-        f
-        for f in due
-        if not early and f not in skip_once and (f not in pushed_at or f in abandoned)
-    )
+    held = {f for f in pushed_at if f not in abandoned} | skip_once
+    push = tuple(f for f in due if not early and f not in held)
     skip = tuple(f for f in due if f not in push)
     apply_at = dict(pushed_at)
     apply_at.update({f: step for f in push})
