@@ -11,7 +11,9 @@ from pathlib import Path
 
 import pytest
 from diloco_trainer.api import protocol
+from diloco_trainer.api.protocol import SyncerError
 from diloco_trainer.learner.syncer_link import PushLost
+from diloco_trainer.syncer.edge.http import MAX_RUN_CHARS
 from diloco_trainer.syncer.errors import Refused
 from diloco_trainer.syncer.state import lost_with_restart
 
@@ -78,3 +80,16 @@ def test_the_link_ends_a_sync_whose_push_a_restart_lost(tmp_path: Path) -> None:
 
     lost = run(scenario())
     assert lost.version == 0
+
+
+def test_a_pull_naming_an_overlong_run_is_refused_400(tmp_path: Path) -> None:
+    async def scenario() -> tuple[SyncerError, list[int]]:
+        async with served_link(tmp_path) as (syncer, link):
+            client = link.clients[0]
+            with pytest.raises(SyncerError) as refused:
+                await client.pull_fragment(0, after=0, wait=0, run="r" * (MAX_RUN_CHARS + 1))
+            return refused.value, syncer.state.versions
+
+    refused, versions = run(scenario())
+    assert refused.status == 400 and "run" in refused.message
+    assert versions == [0]
