@@ -561,11 +561,11 @@ class FragmentSync:
     ) -> None:
         """Compute Δ_f = θ_global − θ_local (fp32, where the weights are), encode it and push it
         in the background; its merge is polled for and waited for at `window` (steps after the
-        push at `position`). `again`: a push a restarted syncer lost, sent again now in its
-        place (resend_lost): `position` is then the lost push's, so its merge is polled for and
-        waited for where that one's would have been. `rebased`: the base's version was counted
-        as the syncer's (_make_up), so its weights are not that version's: the merge is pulled
-        whole, not as updates to them."""
+        push at `position`). `again`: a push made again after a syncer restart (resend_lost:
+        `position` is the lost push's, so its merge is polled for and waited for where that
+        one's would have been; _push_again), whose merge is taken at the next sync point.
+        `rebased`: the base's version was counted as the syncer's (_make_up), so its weights
+        are not that version's: the merge is pulled whole, not as updates to them."""
         began = time.perf_counter()
         state = self.fragments[f]
         c = state.counters
@@ -649,7 +649,7 @@ class FragmentSync:
                 continue  # pushed again meanwhile (wait's resend_lost): wait for that one
             if not done:
                 return False
-            if not _lost(flight.future):
+            if not _push_lost(flight.future):
                 break
             self.resend_lost()
         try:
@@ -671,7 +671,7 @@ class FragmentSync:
         sync point, it met its peers' pushes of the sync point before for the rest of the job
         (docs/algorithm.md, "A syncer restart", rule 1)."""
         for f, flight in list(self.inflight.items()):
-            if not _lost(flight.future):
+            if not _push_lost(flight.future):
                 continue
             self.restart_seen = True
             err = flight.future.exception()
@@ -790,6 +790,6 @@ class FragmentSync:
             )
 
 
-def _lost(future: concurrent.futures.Future[Any]) -> bool:
+def _push_lost(future: concurrent.futures.Future[Any]) -> bool:
     """Whether a finished sync ended because a restarted syncer lost its push."""
     return future.done() and not future.cancelled() and isinstance(future.exception(), PushLost)
