@@ -341,6 +341,45 @@ def add_updates(
                 flat[sl].add_(values)
 
 
+def checksum_after_updates(
+    base: Mapping[str, Tensor], updates: Sequence[Mapping[str, Tensor]], codec: str
+) -> str:
+    """weights_checksum(apply_updates(base, updates, codec)), without that copy: each tensor's
+    result is made a slice at a time (compress.SLICE) in one buffer, hashed and let go, and
+    `base` (fp32, contiguous, on the host) is only read. The same float ops on each element as
+    add_updates (base, then each update's decoded value added in order), so the same bytes
+    and the same checksum. A learner checks a pulled chain with it before it adds the chain
+    into the weights it holds, in place (learner/syncer_link.py): what fails the check never
+    wrote them. The updates must be checked already (check_updates)."""
+    crc = 0
+    work = torch.empty(0)
+    # The integer codecs' decoded slices, one buffer an update (decoded_slices).
+    decode_work = [torch.empty(SLICE) for _ in updates]
+    for name in sorted(base):
+        t = base[name]
+        if t.dtype != torch.float32 or not t.is_contiguous() or t.device.type != "cpu":
+            raise ValueError(f"tensor {name!r}: not a contiguous fp32 host tensor")
+        crc = crc32(_checksum_header(name, t), crc)
+        n = t.numel()
+        if not n:
+            continue
+        if work.numel() < min(n, SLICE):
+            work = torch.empty(min(n, SLICE))
+        flat = t.view(-1)
+        streams = [
+            decoded_slices(u, name, codec, t.shape, w)
+            for u, w in zip(updates, decode_work, strict=True)
+        ]
+        for sl in slices(n):
+            w = work[: sl.stop - sl.start]
+            w.copy_(flat[sl])
+            for stream in streams:
+                _, values = next(stream)
+                w.add_(values)
+            crc = crc32(w.view(torch.uint8).numpy().data, crc)
+    return f"{CHECKSUM_PREFIX}{crc:08x}"
+
+
 def history_length(full_bytes: int, update_bytes: int, max_staleness: int) -> int:
     """How many updates of a fragment the syncer keeps (at least 1).
 

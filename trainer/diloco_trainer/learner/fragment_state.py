@@ -43,7 +43,7 @@ from diloco_trainer.learner.push_encoding import (
     snapshot_and_encode_int8,
     snapshot_for_push,
 )
-from diloco_trainer.learner.syncer_link import SyncResult
+from diloco_trainer.learner.syncer_link import BaseWriter, SyncResult
 
 
 @dataclass
@@ -165,6 +165,12 @@ class FragmentState:
     # (receipt_preparer; None: at_push holds θ_push), and the lock that orders the two threads.
     prepared: dict[str, Tensor] | None = None
     lock: threading.Lock = field(default_factory=threading.Lock)
+    # A compressed pull is added into `base` in place by the syncer link (base_writer), once
+    # its checksum is verified. The push whose sync may do so (its token; None: none may), and
+    # the version such a write left `base` at before the receipt installs it (None: `base` holds
+    # `version`; BASE_SPOILED: the write failed half way, and only a full pull replaces it).
+    write_token: object | None = None
+    rewritten_to: int | None = None
 
     def eager_jump(
         self, *, lr: float, momentum: float, nesterov: bool, inner_steps: int
@@ -265,7 +271,8 @@ class FragmentState:
         new_base = {n: t.to("cpu") for n, t in merged.items()}
         if self.track_update and self.base:
             self.last_update = {n: self.base[n] - new_base[n] for n in new_base}
-        self.base = new_base
+        self.base = new_base  # the base itself when the link added the updates into it
+        self._base_replaced()
         self.base_on_device = here if device.type != "cpu" else {}
         self.version = version
         pushed = self.counters_at_push
@@ -273,6 +280,54 @@ class FragmentState:
         self.at_push = None
         self.counters_at_push = None
         return target
+
+    def base_writer(self) -> BaseWriter | None:
+        """For a push now (the training thread): what its sync on the syncer link calls to add
+        the merge's pulled updates into `base` in place (the merged fragment, not a second copy
+        beside the base: ARCHITECTURE.md, "A learner's memory"), as `write(version, add)`:
+        `add()` runs under `lock` unless the write was revoked (base_rewritten: a push of this
+        fragment again reads the base), and whether it ran. None where the base must stay as it
+        is: eager keeps the old base for its last update (receive), and a sharded island holds
+        none. Nothing else reads the base meanwhile: the next push of the fragment comes after
+        this one's receipt, and one before it (overdue) revokes the write first."""
+        if self.track_update or not self.base:
+            return None
+        token = object()
+        with self.lock:
+            self.write_token = token
+
+        def write(version: int, add: Callable[[], None]) -> bool:
+            with self.lock:
+                if self.write_token is not token:
+                    return False
+                self.write_token = None
+                self.rewritten_to = BASE_SPOILED  # until the last tensor is written
+                try:
+                    add()
+                except Exception as err:
+                    # Not a ValueError (the link's refusal of a chain, which pulls the full
+                    # fragment and may retry the chain on the spoiled base): the sync fails,
+                    # and the learner resyncs from a full pull (FragmentSync.collect).
+                    raise BaseSpoiled(f"the base was left half written: {err}") from err
+                self.rewritten_to = version
+            return True
+
+        return write
+
+    def base_rewritten(self) -> bool:
+        """Before a push of this fragment while its last one is in flight (overdue): revoke that
+        sync's write of `base` (waiting for one under way to end); whether it wrote the base
+        already. Then the push must not be made: `base` no longer holds `version` (it holds the
+        merge about to be received, or half of one: only a full pull replaces that)."""
+        with self.lock:
+            self.write_token = None
+            return self.rewritten_to is not None
+
+    def _base_replaced(self) -> None:
+        """A receipt or a join replaced `base`: no earlier sync may write it, none has."""
+        with self.lock:
+            self.write_token = None
+            self.rewritten_to = None
 
     def receipt_preparer(self) -> Callable[[Mapping[str, Tensor]], None] | None:
         """For the push just made (at_push), on a host learner: what the syncer link's thread
@@ -308,9 +363,18 @@ class FragmentState:
         self.counters = FragmentCounters()
         self.last_update = None
         self.base = {n: t.to("cpu") for n, t in merged.items()}
+        self._base_replaced()
         self.base_on_device = {}
         self.version = version
         return dict(self.base)
+
+
+# FragmentState.rewritten_to of a base whose in-place write failed half way.
+BASE_SPOILED = -2
+
+
+class BaseSpoiled(RuntimeError):
+    """An in-place write of a pulled chain into the base failed half way (base_writer)."""
 
 
 def _nothing() -> None:

@@ -568,6 +568,16 @@ class FragmentSync:
         are not that version's: the merge is pulled whole, not as updates to them."""
         began = time.perf_counter()
         state = self.fragments[f]
+        if f in self.inflight and self.shards is None and state.base_rewritten():
+            # The overdue sync's merge came after all, and is added into the base already (the
+            # push would read a base that no longer holds state.version): it is received at the
+            # next collect instead (FragmentState.base_rewritten).
+            log.warning(
+                "step %d: fragment %d's overdue merge is arriving; not pushing it again",
+                position,
+                f,
+            )
+            return
         c = state.counters
         codec = self.spec.sync.compression
         if self.shards is not None:
@@ -596,7 +606,9 @@ class FragmentSync:
         # A sharded island holds no whole fragment to apply compressed updates to: it pulls
         # full fragments (held None).
         held = (
-            HeldFragment(state.version, state.base, state.base_on_device or None)
+            HeldFragment(
+                state.version, state.base, state.base_on_device or None, state.base_writer()
+            )
             if self.shards is None and not rebased
             else None
         )

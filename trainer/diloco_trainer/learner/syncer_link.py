@@ -4,10 +4,17 @@ goes on.
 
 Compressed pulls (sync.pullCompression): rank 0 tells the syncer which version of a fragment it
 holds, and may get the encoded weight updates since then instead of the full fragment; it applies
-them to the weights it holds with the syncer's own float ops (published.apply_updates), so it ends
+them to the weights it holds with the syncer's own float ops (published.add_updates), so it ends
 up with the syncer's published weights bit for bit, and checks the syncer's checksum. On a mismatch
 (or a malformed chain) it logs a warning and pulls the full fragment. The other ranks receive the
 rebuilt fp32 weights by broadcast, as before.
+
+On the host the chain is added into the held weights in place (HeldFragment.write), not into a
+copy of them: its checksum is computed first without writing anything
+(published.checksum_after_updates, a slice at a time), and only a chain that matches is added.
+So a chain that fails its check, or a pull that fails before it, leaves the held weights as they
+were; a write revoked by a push of the fragment again (FragmentState.base_rewritten) rebuilds into
+a copy as before.
 
 Syncer shards (syncer.shards, api/sharding.py): with several shard URLs in DILOCO_SYNCER_URL the
 link talks to each through its own client; each fragment's push, pull and phase-alignment status
@@ -35,13 +42,20 @@ from collections.abc import Callable, Coroutine, Mapping
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
+import torch
 from torch import Tensor
 
 from diloco_trainer.api.documents import JoinInfo
 from diloco_trainer.api.protocol import ERROR_AHEAD, ERROR_RESTARTED, PushMeta, SyncerError
 from diloco_trainer.api.sharding import merge_join, shard_of
 from diloco_trainer.core.payloads import PulledFragment, PulledUpdates
-from diloco_trainer.core.published import apply_updates, check_updates, weights_checksum
+from diloco_trainer.core.published import (
+    add_updates,
+    apply_updates,
+    check_updates,
+    checksum_after_updates,
+    weights_checksum,
+)
 from diloco_trainer.host_memory import trim
 from diloco_trainer.learner.device_copies import DeviceStager
 from diloco_trainer.learner.overlap import sync_latency
@@ -68,16 +82,24 @@ class PushLost(RuntimeError):
         self.version = version
 
 
+# write(version, add): run `add` (which writes the held tensors) if the holder still allows it,
+# and say whether it ran (FragmentState.base_writer).
+BaseWriter = Callable[[int, Callable[[], None]], bool]
+
+
 @dataclass(frozen=True)
 class HeldFragment:
     """The global weights of a fragment that rank 0 holds (its Δ base) and their version: what
-    a chain of pulled updates is applied to. The tensors are never written to."""
+    a chain of pulled updates is applied to. The tensors are written only through `write`."""
 
     version: int
     tensors: Mapping[str, Tensor]
     # The same weights on the learner's GPU, when it holds them there: the updates are then
     # applied on the device (DeviceStager.rebuild).
     on_device: Mapping[str, Tensor] | None = None
+    # How a verified chain is added into `tensors` in place; None: they are never written, and
+    # a chain is rebuilt into a copy of them.
+    write: BaseWriter | None = None
 
 
 @dataclass(frozen=True)
@@ -430,8 +452,7 @@ class SyncerLink:
             problem = f"they start from version {chain.from_version}, not the one held"
         else:
             try:
-                on_device, tensors = await asyncio.to_thread(self._apply, held, chain)
-                checksum = await asyncio.to_thread(weights_checksum, tensors)
+                on_device, tensors, checksum = await asyncio.to_thread(self._apply, held, chain)
             except ValueError as err:
                 problem = str(err)
             else:
@@ -462,13 +483,25 @@ class SyncerLink:
 
     def _apply(
         self, held: HeldFragment, chain: PulledUpdates
-    ) -> tuple[Mapping[str, Tensor] | None, dict[str, Tensor]]:
+    ) -> tuple[Mapping[str, Tensor] | None, dict[str, Tensor], str]:
         """`chain` applied to `held` (on a worker thread): on the GPU when the learner holds
-        the weights there, else on the host. (on the GPU or None, on the host)"""
-        if self.stager is None or not self.apply_on_device or held.on_device is None:
-            return None, apply_updates(held.tensors, chain.updates, chain.codec)
+        the weights there, else on the host, into `held`'s own tensors when it allows it and
+        the result's checksum is the syncer's (else nothing is written). (on the GPU or None, on
+        the host, the host tensors' checksum)"""
         check_updates({n: t.shape for n, t in held.tensors.items()}, chain.updates, chain.codec)
-        return self.stager.rebuild(held.on_device, chain.updates, chain.codec)
+        if self.stager is not None and self.apply_on_device and held.on_device is not None:
+            on_device, host = self.stager.rebuild(held.on_device, chain.updates, chain.codec)
+            return on_device, host, weights_checksum(host)
+        if held.write is not None and all(in_place_ok(t) for t in held.tensors.values()):
+            checksum = checksum_after_updates(held.tensors, chain.updates, chain.codec)
+            if checksum != chain.checksum:
+                return None, {}, checksum  # refused: the held weights are as they were
+            if held.write(
+                chain.version, lambda: add_updates(held.tensors, chain.updates, chain.codec)
+            ):
+                return None, dict(held.tensors), checksum
+        tensors = apply_updates(held.tensors, chain.updates, chain.codec)
+        return None, tensors, weights_checksum(tensors)
 
     async def heartbeats(self, interval: float) -> None:
         """Report progress to every shard every `interval` seconds, each shard on its own (one
@@ -564,3 +597,9 @@ class SyncerLink:
             log.warning("syncer link did not shut down cleanly: %s", err)
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(timeout=5.0)
+
+
+def in_place_ok(t: Tensor) -> bool:
+    """Whether a held tensor can take a chain in place: fp32, contiguous, on the host (what
+    published.checksum_after_updates reads and apply_updates' result is)."""
+    return t.dtype == torch.float32 and t.is_contiguous() and t.device.type == "cpu"
