@@ -704,7 +704,7 @@ class FragmentSync:
         """Install an arrived fragment as the new base; the weights the island continues from."""
         began = time.perf_counter()
         if self.shards is None:
-            self._note_copies()  # the merged fragment beside the base it replaces
+            self._note_copies()  # a full merged fragment beside the base (a chain is in it)
         result = self.arrived.pop(f)
         state = self.fragments[f]
         held, carried = state.version, state.counters_at_push
