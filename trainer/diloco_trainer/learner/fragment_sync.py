@@ -568,15 +568,7 @@ class FragmentSync:
         are not that version's: the merge is pulled whole, not as updates to them."""
         began = time.perf_counter()
         state = self.fragments[f]
-        if f in self.inflight and self.shards is None and state.base_rewritten():
-            # The overdue sync's merge came after all, and is added into the base already (the
-            # push would read a base that no longer holds state.version): it is received at the
-            # next collect instead (FragmentState.base_rewritten).
-            log.warning(
-                "step %d: fragment %d's overdue merge is arriving; not pushing it again",
-                position,
-                f,
-            )
+        if self._merge_written(f, position):
             return
         c = state.counters
         codec = self.spec.sync.compression
@@ -648,6 +640,20 @@ class FragmentSync:
             c.steps,
             time.perf_counter() - began,
         )
+
+    def _merge_written(self, f: int, position: int) -> bool:
+        """Before a push of fragment f: whether its sync in flight (overdue) added its merge into
+        the base already, when the push must not be made (it would read a base that no longer
+        holds the fragment's version): the merge is received at the next collect instead. Else
+        that sync may no longer write the base (FragmentState.base_rewritten)."""
+        if f not in self.inflight or self.shards is not None:
+            return False
+        if not self.fragments[f].base_rewritten():
+            return False
+        log.warning(
+            "step %d: fragment %d's overdue merge is arriving; not pushing it again", position, f
+        )
+        return True
 
     def collect(self, f: int, *, block: float) -> bool:
         """Has fragment f's sync finished (waiting up to `block` s)? Keeps the result. A push
