@@ -82,10 +82,33 @@ def live_tensors(learner: Learner) -> Counter[str]:
             storage = obj.untyped_storage()
             if storage.nbytes():
                 storages[storage.data_ptr()] = storage.nbytes()
-    names = named_storages(learner)
+    return attributed(storages, named_storages(learner))
+
+
+def attributed(storages: dict[int, int], names: dict[int, str]) -> Counter[str]:
+    """Bytes by name of storages (address -> bytes), each byte once: a storage that lies inside
+    another (torch.frombuffer's tensors inside the buffer of a decoded body, which that buffer's
+    own tensor keeps alive) is counted under its own name when it has one and is left out of
+    the buffer's; inside nothing, under its name or 'link or runtime'. (A learner's base made
+    from a pulled body is such a view: counted as the body too, it read 1x more than there
+    was.)"""
     out: Counter[str] = Counter()
-    for ptr, nbytes in storages.items():
-        out[names.get(ptr, "link or runtime")] += nbytes
+    items = sorted(storages.items())
+    i = 0
+    while i < len(items):
+        ptr, nbytes = items[i]
+        end = ptr + nbytes
+        named_inside = 0
+        j = i + 1
+        while j < len(items) and items[j][0] < end:
+            inner, inner_bytes = items[j]
+            if inner in names:
+                part = min(inner_bytes, end - inner)
+                out[names[inner]] += part
+                named_inside += part
+            j += 1
+        out[names.get(ptr, "link or runtime")] += nbytes - named_inside
+        i = j
     return out
 
 
