@@ -18,6 +18,7 @@ the ones counted since the push (FragmentCounters.since), never zero and never t
 from __future__ import annotations
 
 import concurrent.futures
+import logging
 import threading
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
@@ -43,7 +44,10 @@ from diloco_trainer.learner.push_encoding import (
     snapshot_and_encode_int8,
     snapshot_for_push,
 )
-from diloco_trainer.learner.syncer_link import BaseWriter, SyncResult
+from diloco_trainer.learner.syncer_link import BaseWriter, HeldFragment, SyncResult
+
+# The learner's logger: these lines are part of its log.
+log = logging.getLogger("diloco.learner")
 
 
 @dataclass
@@ -313,6 +317,25 @@ class FragmentState:
             return True
 
         return write
+
+    def held(self) -> HeldFragment:
+        """The base as the syncer link holds it for a push now: what a pulled chain of updates
+        is added into (in place, through base_writer), with its version and GPU mirror."""
+        return HeldFragment(
+            self.version, self.base, self.base_on_device or None, self.base_writer()
+        )
+
+    def merge_written(self, in_flight: bool, f: int, position: int) -> bool:
+        """Before a push of this fragment (f): whether its sync in flight (overdue) added its
+        merge into the base already, when the push must not be made (it would read a base that
+        no longer holds `version`): the merge is received at the next collect instead. Else
+        that sync may no longer write the base (base_rewritten)."""
+        if not in_flight or not self.base_rewritten():
+            return False
+        log.warning(
+            "step %d: fragment %d's overdue merge is arriving; not pushing it again", position, f
+        )
+        return True
 
     def base_rewritten(self) -> bool:
         """Before a push of this fragment while its last one is in flight (overdue): revoke that

@@ -52,7 +52,6 @@ from diloco_trainer.learner.step_plan import (
 )
 from diloco_trainer.learner.syncer_link import (
     WAIT_SLICE_SECONDS,
-    HeldFragment,
     PushLost,
     SyncerLink,
     SyncResult,
@@ -568,7 +567,7 @@ class FragmentSync:
         are not that version's: the merge is pulled whole, not as updates to them."""
         began = time.perf_counter()
         state = self.fragments[f]
-        if self._merge_written(f, position):
+        if self.shards is None and state.merge_written(f in self.inflight, f, position):
             return
         c = state.counters
         codec = self.spec.sync.compression
@@ -597,13 +596,7 @@ class FragmentSync:
             log.warning("step %d: fragment %d overdue, pushing it again", position, f)
         # A sharded island holds no whole fragment to apply compressed updates to: it pulls
         # full fragments (held None).
-        held = (
-            HeldFragment(
-                state.version, state.base, state.base_on_device or None, state.base_writer()
-            )
-            if self.shards is None and not rebased
-            else None
-        )
+        held = state.held() if self.shards is None and not rebased else None
         # Learners that do not block align their phase within merges too (merge_lateness).
         # A host learner's receipt: its θ_global − θ_push made on the link's thread as soon as
         # the merge is pulled (FragmentState.receipt_preparer; mixAlpha 0 only).
@@ -640,20 +633,6 @@ class FragmentSync:
             c.steps,
             time.perf_counter() - began,
         )
-
-    def _merge_written(self, f: int, position: int) -> bool:
-        """Before a push of fragment f: whether its sync in flight (overdue) added its merge into
-        the base already, when the push must not be made (it would read a base that no longer
-        holds the fragment's version): the merge is received at the next collect instead. Else
-        that sync may no longer write the base (FragmentState.base_rewritten)."""
-        if f not in self.inflight or self.shards is not None:
-            return False
-        if not self.fragments[f].base_rewritten():
-            return False
-        log.warning(
-            "step %d: fragment %d's overdue merge is arriving; not pushing it again", position, f
-        )
-        return True
 
     def collect(self, f: int, *, block: float) -> bool:
         """Has fragment f's sync finished (waiting up to `block` s)? Keeps the result. A push
