@@ -93,19 +93,36 @@ def test_fixed_rounds_are_never_read() -> None:
     assert sizes.steps_of(slow, slow.name) == 30
 
 
-def test_a_fresh_islands_first_report_waits_for_its_peers_reports() -> None:
+def test_a_fresh_islands_first_report_before_its_peers_is_one_reading() -> None:
     sizes = _job()
     recs = _islands([1.0, 0.0, 1.0, 3.0])  # island-1 has not reported yet
     slow = recs[3]
     sizes.joined(slow)
     # 3 of 4 reported: the reference (lower median of 1, 1, 3 = 1) is not the job's yet, so
-    # the first report only starts the clock, as for a rejoin
+    # the probe is not taken at once; with 3 claims it is one reading: target 10, beyond the
+    # band (below min(29, 30 / 1.4 - 1 = 20.4)), pending -1
     sizes.read(slow, recs, now=0.0)
     assert sizes.steps_of(slow, slow.name) == 30
+    assert slow.round is not None and slow.round.pending == -1 and not slow.round.fresh
     sizes.read(slow, recs, now=29.0)  # H x t_ref = 30 s not passed: no reading
     assert sizes.steps_of(slow, slow.name) == 30
-    sizes.read(slow, recs, now=30.0)  # reading 1: target 10, one reading (pending)
-    assert sizes.steps_of(slow, slow.name) == 30
+    sizes.read(slow, recs, now=30.0)  # the first regular reading confirms it: -2, cut to 10
+    assert sizes.steps_of(slow, slow.name) == 10
+    # a regular change starts the cooldown: nothing pending, 0 readings since
+    assert slow.round.pending == 0 and slow.round.since_change == 0
+
+
+def test_a_fresh_islands_first_report_in_a_job_of_two_starts_its_clock() -> None:
+    """Two of four reported (a job of two's case): the probe is no reading at all, the first
+    regular reading is one (pending), the second moves it."""
+    sizes = _job()
+    recs = _islands([1.0, 0.0, 0.0, 3.0])
+    slow = recs[3]
+    sizes.joined(slow)
+    sizes.read(slow, recs, now=0.0)  # t_ref = the fastest of 1, 3 = 1: target 10, no reading
+    assert slow.round is not None and slow.round.pending == 0 and slow.round.fresh
+    sizes.read(slow, recs, now=30.0)  # reading 1: pending -1
+    assert sizes.steps_of(slow, slow.name) == 30 and slow.round.pending == -1
     sizes.read(slow, recs, now=60.0)  # reading 2 confirms it
     assert sizes.steps_of(slow, slow.name) == 10
 

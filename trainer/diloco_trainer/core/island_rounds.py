@@ -200,6 +200,33 @@ def probe_moves(current: int, target: int, *, claims: int) -> bool:
     return claims >= MAJORITY_CLAIMS and target <= PROBE_MOVE_SHARE * current
 
 
+def probe_readings(
+    current: int, target: int, *, fresh: bool, reported: int, active: int
+) -> int:
+    """How many readings a fresh island's first report (its learner's probe) counts as at the
+    syncer: 2 when it is taken at once (first_reading_now and probe_moves: every active island
+    has reported, at least MAJORITY_CLAIMS, and it at least halves the round); else 1 when at
+    least MAJORITY_CLAIMS islands report a step time (a reading like a regular one: beyond the
+    band it is one reading pending, and the island's first regular reading a reference round
+    later, if beyond the band the same way, moves the round); else 0, its report only starts
+    its clock (a rejoin, whose first steps are warm-up again; a job of two, whose reference is
+    the other island's own probe, issue 47's tests/e2e/test_fsdp_island.py).
+
+    Why a probe that does not act still counts (issue 47): under load a 3x slower island's two
+    probe steps read 2-2.5x against its peers' probes (their steps slowed by the others'
+    start-up), short of probe_moves' half, and with two regular readings to wait for its change
+    came after its first round's end (3 reference rounds), so it ran its second round at H too
+    and at K = M every merge of that round waited for it (fast islands' utilisation 0.80-0.89x
+    of equal speeds, bench/RESULTS.md "hetero"). With the probe as the first of the two, its
+    first regular reading (1-1.6 reference rounds in) decides, before that boundary. Two steps
+    both beyond the band (probe_step_time's cap) and a reference round of steps beyond it the
+    same way are still two readings in a row."""
+    if not fresh or reported < MAJORITY_CLAIMS:
+        return 0
+    now = first_reading_now(fresh=fresh, reported=reported, active=active)
+    return 2 if now and probe_moves(current, target, claims=reported) else 1
+
+
 def target_steps(
     *, inner_steps: int, reference: float | None, own: float | None, floor: int, ceiling: int
 ) -> int:

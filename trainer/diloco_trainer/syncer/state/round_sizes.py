@@ -18,9 +18,8 @@ from diloco_trainer.api.spec import JobSpec
 from diloco_trainer.core.island_rounds import (
     IslandRound,
     RoundLimits,
-    first_reading_now,
     next_round,
-    probe_moves,
+    probe_readings,
     reference_step_time,
     split_budget,
     target_steps,
@@ -71,10 +70,11 @@ class RoundSizes:
     def read(self, rec: IslandRecord, active: Iterable[IslandRecord], now: float) -> None:
         """After a heartbeat: one reading of the island's step time once a reference round
         (H x t_ref seconds) has passed since its last reading; H_i moves by next_round, on two
-        readings in a row beyond the band. A fresh island's first report (its learner's probe,
-        the fastest of two steps clear of warm-up) is read at once, as those two readings, when
-        every active island has reported, at least three of them, and it at least halves the
-        round (first_reading_now, probe_moves); else it starts the island's clock."""
+        readings in a row beyond the band. A fresh island's first report (its learner's probe:
+        the mean of two steps clear of warm-up, capped) is read at once (probe_readings): as
+        those two readings when every active island has reported, at least three of them, and
+        it at least halves the round; else, with at least three reporting, as one; else (a job
+        of two, a rejoin) it starts the island's clock."""
         if self.limits.fixed_steps(island_index(rec.name)) is not None or not rec.step_time:
             return
         members = list(active)
@@ -92,17 +92,22 @@ class RoundSizes:
         if rec.round_read_at is None:
             reported = sum(1 for r in members if r.step_time)
             rec.round_read_at = now
-            if not (
-                first_reading_now(fresh=current.fresh, reported=reported, active=len(members))
-                and probe_moves(current.steps, target, claims=reported)
-            ):
+            readings = probe_readings(
+                current.steps,
+                target,
+                fresh=current.fresh,
+                reported=reported,
+                active=len(members),
+            )
+            if readings == 0:
                 # a rejoin's first steps are warm-up again (its learner's report may include
-                # them), a fresh island's reference waits for its peers' reports, a probe near
-                # the reference is noise as likely as speed, and in a job of two the reference
-                # is the other island's own probe: its first report starts its clock, and it is
-                # read a reference round later (still fresh)
+                # them), and in a job of two the reference is the other island's own probe:
+                # its first report starts its clock, and it is read a reference round later
+                # (still fresh)
                 return
-            after = next_round(current, target, confirmed=True)
+            # a probe that at least halves the round with every island reporting is two
+            # readings; else one, which a regular reading a reference round later confirms
+            after = next_round(current, target, confirmed=readings == 2)
         elif now - rec.round_read_at < self.limits.inner_steps * reference:
             return
         else:
