@@ -200,9 +200,7 @@ def probe_moves(current: int, target: int, *, claims: int) -> bool:
     return claims >= MAJORITY_CLAIMS and target <= PROBE_MOVE_SHARE * current
 
 
-def probe_readings(
-    current: int, target: int, *, fresh: bool, reported: int, active: int
-) -> int:
+def probe_readings(current: int, target: int, *, fresh: bool, reported: int, active: int) -> int:
     """How many readings a fresh island's first report (its learner's probe) counts as at the
     syncer: 2 when it is taken at once (first_reading_now and probe_moves: every active island
     has reported, at least MAJORITY_CLAIMS, and it at least halves the round); else 1 when at
