@@ -285,3 +285,45 @@ def test_in_a_job_of_two_a_slow_island_is_cut_at_its_second_regular_reading() ->
     fast = [WARM] + [FAST] * 60
     slow = [WARM] + [SLOW] * 20
     assert _steps_to_rounds(2, 10, [fast, slow]) == {0: [], 1: [(11, 3)]}
+
+
+def test_a_slow_islands_probe_before_a_late_peers_report_is_one_reading() -> None:
+    """1,1,1,3 at H = 20 (floor 3) with island-2 started late (its step 1 ends at 4 s: a process
+    start on a loaded machine); the others' step 1 is warm-up (1 s). Island-3's probe (0.75 s,
+    the mean of its steps 2, 3) comes at 2.5 s, before island-2 has reported: 3 of 4 claims,
+    so it is not taken at once (first_reading_now), but with 3 claims it is one reading: t_ref
+    = lower median of 0.25, 0.25, 0.75 = 0.25, target floor(20 x 0.25 / 0.75) = 6, beyond the
+    band (below 20 / 1.4 - 1 = 13.3): pending. Its first regular reading is at its first
+    heartbeat a reference round (20 x 0.25 = 5 s) after the probe, at 7.5 s or later: its steps
+    end at 1 + 0.75 (k - 1), so step 10 (7.75 s), reading 0.75 s (the mean of steps 4-10),
+    target 6 again: confirmed, cut to 6 at step 10, before its first round's end (step 20).
+    Before the probe counted (a clock start only) the second regular reading, at 12.75 s or
+    later, cut it: step 17 (13 s); under load, with heartbeats a second apart and a reference
+    round of 1.6 s, that came after step 20 and the island ran its second round at H. The fast
+    islands keep H."""
+    fast = [WARM] + [FAST] * 80
+    late = [4.0] + [FAST] * 70
+    slow = [WARM] + [SLOW] * 27
+    changes = _steps_to_rounds(4, 20, [fast, fast, late, slow])
+    assert changes == {0: [], 1: [], 2: [], 3: [(10, 6)]}
+
+
+def test_a_probe_slowed_less_than_half_is_one_reading() -> None:
+    """1,1,1,3 at H = 20, every island reporting, but the fast islands' first steps slowed by
+    the others' start-up (0.5 s for steps 2-5, then 0.25 s) so that island-3's probe (0.75 s at
+    2.5 s) reads only 1.5x: at 2.5 s the fast islands' reports are their probes' 0.5 s followed
+    by their step 4 (0.5 s; their heartbeats at 2.5 s come before island-3's), t_ref 0.5, target
+    floor(20 x 0.5 / 0.75) = 13, not half the round (no cut at once) but beyond the band (below
+    13.29): one reading pending. Its next reading needs a reference round. The fast islands'
+    steps end at 3 + 0.25 (k - 5) from step 5; their report is the mean of steps 4..k through
+    step 13 ((2 x 0.5 + 8 x 0.25) / 10 = 0.3), then an EMA (0.1): 0.25 + 0.05 x 0.9^(k - 13).
+    Island-3's steps end at 1 + 0.75 (k - 1): at its step 9 (7 s) the fast islands are at step
+    21, t_ref 0.25 + 0.05 x 0.9^8 = 0.2715, a reference round of 5.43 s, 7 - 2.5 = 4.5 short of
+    it; step 10 (7.75 s): fast step 24, t_ref 0.2657, 5.31 s, 5.25 short; step 11 (8.5 s): fast
+    step 27, t_ref 0.2614, 5.23 s, 6 s past: reading 0.75 (its mean of steps 4-11), target
+    floor(20 x 0.2614 / 0.75) = floor(6.97) = 6, confirmed: cut to 6 at step 11, before its
+    first round's end. Its later readings (target 6) are in 6's band."""
+    fast = [WARM] + [2 * FAST] * 4 + [FAST] * 80
+    slow = [WARM] + [SLOW] * 30
+    changes = _steps_to_rounds(4, 20, [fast, fast, fast, slow])
+    assert changes == {0: [], 1: [], 2: [], 3: [(11, 6)]}
