@@ -16,9 +16,11 @@ from diloco_trainer.core.island_rounds import (
     in_band,
     next_round,
     probe_moves,
+    probe_readings,
     probe_step_time,
     reference_step_time,
     report_weight,
+    sized_steps,
     split_budget,
     target_steps,
 )
@@ -310,3 +312,66 @@ def test_split_budget_once_any_round_differs_from_h() -> None:
     # back to H everywhere: still split (the shares counted rounds of H, the budget was spent
     # unevenly meanwhile)
     assert split_budget(inner_steps=20, rounds=[20, 20, 20, 20], split=True)
+
+
+def test_a_probe_is_two_readings_one_or_none() -> None:
+    # every one of 4 reported and the target at most half the round: taken at once
+    assert probe_readings(20, 6, fresh=True, reported=4, active=4) == 2
+    # 3 of 4 reported (a peer started late): one reading, whatever the target
+    assert probe_readings(20, 6, fresh=True, reported=3, active=4) == 1
+    # every one reported, target 13 > 10 (the probe read 1.5x): one reading
+    assert probe_readings(20, 13, fresh=True, reported=4, active=4) == 1
+    # a job of two, or two of four reported: no majority brackets the reference, no reading
+    assert probe_readings(10, 2, fresh=True, reported=2, active=2) == 0
+    assert probe_readings(20, 6, fresh=True, reported=2, active=4) == 0
+    # a rejoin's first report: warm-up again, no reading
+    assert probe_readings(20, 6, fresh=False, reported=4, active=4) == 0
+
+
+def test_a_probe_of_one_reading_is_confirmed_by_the_next_reading_only() -> None:
+    # probe target 13 of 20: beyond the band (below 20 / 1.4 - 1 = 13.29), pending -1
+    probed = next_round(IslandRound(20), 13)
+    assert probed == IslandRound(20, -1, 4, fresh=False)
+    # the next reading, target 6: -2 and 5 readings since the last change (>= 3): cut to 6
+    assert next_round(probed, 6) == IslandRound(6, 0, 0, fresh=False)
+    # or the next reading in the band (target 18): nothing pending, H kept
+    assert next_round(probed, 18) == IslandRound(20, 0, 5, fresh=False)
+
+
+def test_sized_steps_leaves_a_slow_island_room_at_k_equals_m() -> None:
+    def sized(own: float, room: float = 0.1) -> int:
+        return sized_steps(
+            inner_steps=20, reference=0.25, own=own, floor=3, ceiling=20, room=room
+        )
+
+    assert sized(0.75) == 6  # 3x: 20 / 3 = 6.67, x 0.9 = 6.0 -> 6 (target_steps: 6 too)
+    assert sized(1.0) == 4  # 4x: 5, x 0.9 = 4.5 -> 4 (target_steps: 5, as long as the reference)
+    assert sized(0.5) == 9  # 2x: 10 x 0.9 = 9 (target_steps: 10)
+    assert sized(0.3) == 15  # 1.2x: 16.67 x 0.9 = 15 (target_steps: 16)
+    assert sized(0.25) == 20  # at the reference: 20, the ceiling, no room taken
+    assert sized(0.2) == 20  # faster: 25, the ceiling
+    assert sized(8.0) == 3  # 32x: 0.625 x 0.9 -> 0, the floor 3
+    assert sized(1.0, room=0.0) == 5  # K < M: target_steps
+    assert sized_steps(inner_steps=20, reference=None, own=1.0, floor=3, ceiling=20, room=0.1) == 20
+
+
+def test_a_change_sets_the_sized_round_and_a_later_reading_keeps_it() -> None:
+    # two readings of target 5 (a 4x island) at K = M, sized 4: the change sets 4
+    one = next_round(IslandRound(20), 5, sized=4)
+    assert one == IslandRound(20, -1, 4, fresh=False)
+    assert next_round(one, 5, sized=4) == IslandRound(4, 0, 0, fresh=False)
+    # a probe's change (confirmed) too
+    assert next_round(IslandRound(20), 5, confirmed=True, sized=4) == IslandRound(
+        4, -1, 3, fresh=False
+    )
+    # later readings of the same speed (target 5) are inside 4's band (up to max(5, 5.6)):
+    # the room never moves a round by itself
+    later = next_round(IslandRound(4, 0, 0, fresh=False), 5, sized=4)
+    assert later == IslandRound(4, 0, 1, fresh=False)
+    # for every x the room's round floor(0.9 x) keeps floor(x) inside its band
+    for tenth in range(10, 400):
+        x = tenth / 10
+        assert in_band(max(1, math.floor(0.9 * x + 1e-9)), math.floor(x)), x
+    # a sized round that does not move the way the target does is ignored (the target's taken)
+    up = next_round(IslandRound(4, 1, 3, fresh=False), 7, sized=4)
+    assert up == IslandRound(7, 0, 0, fresh=False)

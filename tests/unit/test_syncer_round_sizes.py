@@ -185,15 +185,19 @@ def test_a_pin_other_than_h_splits_the_budget_from_the_start() -> None:
 
 
 def _steps_to_rounds(
-    count: int, inner_steps: int, steps: list[list[float]]
+    count: int, inner_steps: int, steps: list[list[float]], quorum: int = 1
 ) -> dict[int, list[tuple[int, int]]]:
     """A job of `count` islands at inner.steps `inner_steps` (stepsPerIsland auto, floor
     ceil(H/8), ceiling H) whose learners take `steps` (island -> each step's seconds, from one
-    start): each step's report (the learner's StepTimeReport) reaches the syncer in a heartbeat
+    start, sync.quorum `quorum`): each step's report (the learner's StepTimeReport) reaches the syncer in a heartbeat
     at the step's end, in time order, and is read (RoundSizes.read). Returns each island's
     changes of H_i, as (its step at the heartbeat that made it, the new H_i)."""
     spec = parse_spec(
-        {"inner": {"steps": inner_steps, "stepsPerIsland": "auto"}, "islands": {"count": count}}
+        {
+            "inner": {"steps": inner_steps, "stepsPerIsland": "auto"},
+            "islands": {"count": count},
+            "sync": {"quorum": quorum},
+        }
     )
     sizes = RoundSizes(spec)
     recs = _islands([0.0] * count)
@@ -327,3 +331,37 @@ def test_a_probe_slowed_less_than_half_is_one_reading() -> None:
     slow = [WARM] + [SLOW] * 30
     changes = _steps_to_rounds(4, 20, [fast, fast, fast, slow])
     assert changes == {0: [], 1: [], 2: [], 3: [(11, 6)]}
+
+
+def test_at_k_equals_m_a_slow_island_round_leaves_room() -> None:
+    """1,1,1,4 at H = 20 (floor 3), K = M = 4. Island-3's probe (1.0 s, the mean of its steps 2,
+    3) at 3 s, the fast islands' reports 0.25 s: t_ref 0.25, target floor(20 x 0.25 / 1.0) = 5
+    <= 10, taken at once; at K = M the round it sets is floor(5 x 0.9) = 4 (4 s against the
+    reference round's 5 s), at step 3. Its regular readings (target 5) are inside 4's band (up
+    to max(5, 5.6)): 4 throughout. At K = 1 the same schedule sets 5 (no room: a late push
+    delays no one)."""
+    fast = [WARM] + [FAST] * 80
+    slow = [WARM] + [1.0] * 20
+    assert _steps_to_rounds(4, 20, [fast, fast, fast, slow], quorum=4) == {
+        0: [],
+        1: [],
+        2: [],
+        3: [(3, 4)],
+    }
+    assert _steps_to_rounds(4, 20, [fast, fast, fast, slow]) == {0: [], 1: [], 2: [], 3: [(3, 5)]}
+
+
+def test_at_k_equals_m_identical_islands_keep_h() -> None:
+    """The room changes only the round a change sets, never whether a reading changes it:
+    identical islands at K = M with island-3 reading 1.3125x (0.328125 s: target floor(20 /
+    1.3125) = floor(15.24) = 15, inside H's band down to 13.29, where floor(15.24 x 0.9) = 13
+    would be beyond it) keep H; its steps read as they are (its probe and reports their
+    mean)."""
+    fast = [WARM] + [FAST] * 80
+    noisy = [WARM] + [0.328125] * 64
+    assert _steps_to_rounds(4, 20, [fast, fast, fast, noisy], quorum=4) == {
+        0: [],
+        1: [],
+        2: [],
+        3: [],
+    }

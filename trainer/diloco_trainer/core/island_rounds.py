@@ -106,6 +106,10 @@ WARMUP_STEPS = 1
 # answer) before its position reaches it for the first round to be cut in place: the probe
 # completes at step 3, as the plain mean of steps 2-3 it replaced did.
 PROBE_STEPS = 2
+# At K = M every merge waits for the last island's push: a change sizes a slow island's round to
+# end at least this share of the reference round early (sized_steps), room for the noise of its
+# round's wall time against the others'.
+LOCK_STEP_ROOM = 0.1
 # The reported step time's EMA weight of each step after the probe (as the learner's own EMA).
 REPORT_EMA = 0.1
 # The probe's reading moves a fresh island's round only to at most this share of it (the island
@@ -239,6 +243,40 @@ def target_steps(
     return min(ceiling, max(floor, raw))
 
 
+def sized_steps(
+    *,
+    inner_steps: int,
+    reference: float | None,
+    own: float | None,
+    floor: int,
+    ceiling: int,
+    room: float,
+) -> int:
+    """The H_i a change of an island's round sets (next_round's `sized`): target_steps, but for an
+    island slower than the ceiling allows, floor(H x t_ref / t_i x (1 - room)), so that its
+    round's wall time is at most 1 - room of the reference round's. `room` is LOCK_STEP_ROOM at
+    K = M and 0 at K < M.
+
+    Why (issue 47): at K = M every merge waits for the last push, and target_steps' rounding
+    down leaves a slow island no room when H x t_ref / t_i is just above a whole number: under
+    load bench/hetero's 3x island ran about 4x (it sleeps 2x its compute, and its compute is
+    contended too), was given 5 of 20 steps, a round as long as the reference round, and pushed
+    last in 16 of 37 merges, by 0.94 s in all (fast islands' utilisation 0.936x of equal speeds;
+    bench/log/2026-11-29.md, "hetero"). The readings that decide a change are still
+    target_steps' (the band is unchanged), and a reading of the same step time after the change
+    is inside the band of the round it set (floor(x) <= max(floor(0.9 x) + 1, 1.4 floor(0.9
+    x)) for every x >= 1), so the room never moves a round by itself."""
+    target = target_steps(
+        inner_steps=inner_steps, reference=reference, own=own, floor=floor, ceiling=ceiling
+    )
+    if reference is None or own is None or own <= 0 or not math.isfinite(own) or room <= 0:
+        return target
+    exact = inner_steps * reference / own
+    if exact >= ceiling:
+        return ceiling
+    return min(ceiling, max(floor, math.floor(exact * (1 - room) + 1e-9)))
+
+
 @dataclass(frozen=True)
 class IslandRound:
     """One island's round size and the readings that may change it."""
@@ -262,7 +300,9 @@ def in_band(steps: int, target: int) -> bool:
     return low - 1e-9 <= target <= high + 1e-9
 
 
-def next_round(current: IslandRound, target: int, *, confirmed: bool = False) -> IslandRound:
+def next_round(
+    current: IslandRound, target: int, *, confirmed: bool = False, sized: int | None = None
+) -> IslandRound:
     """The island's round after one reading whose target H_i is `target` (target_steps).
 
     A change needs CONFIRMATIONS readings in a row beyond the band in the same direction, and
@@ -270,7 +310,9 @@ def next_round(current: IslandRound, target: int, *, confirmed: bool = False) ->
     was, until issue 47: identical FSDP islands under load, island-0's first regular reading
     alone cut it to 5 of 10). `confirmed`: the reading is already two (a probe, whose steps
     each show the target: probe_step_time, probe_moves), so it counts as the CONFIRMATIONS;
-    the change it makes starts no cooldown and leaves one reading in its direction pending."""
+    the change it makes starts no cooldown and leaves one reading in its direction pending.
+    `sized` (sized_steps): the round a change sets, where it differs from the target that
+    decides it (K = M's room); never past the current round the other way."""
     since = current.since_change + 1
     if in_band(current.steps, target):
         return IslandRound(current.steps, 0, since, fresh=False)
@@ -280,6 +322,8 @@ def next_round(current: IslandRound, target: int, *, confirmed: bool = False) ->
     if confirmed:
         pending = direction * max(abs(pending), CONFIRMATIONS)
     if abs(pending) >= CONFIRMATIONS and since >= COOLDOWN_READINGS:
+        if sized is not None and (sized - current.steps) * direction > 0:
+            target = sized
         if confirmed:
             # A probe's change starts no cooldown: should two regular readings in a row
             # disagree (two steps of a long warm-up cut an island of a job of three or more),

@@ -16,11 +16,13 @@ from collections.abc import Iterable
 
 from diloco_trainer.api.spec import JobSpec
 from diloco_trainer.core.island_rounds import (
+    LOCK_STEP_ROOM,
     IslandRound,
     RoundLimits,
     next_round,
     probe_readings,
     reference_step_time,
+    sized_steps,
     split_budget,
     target_steps,
 )
@@ -43,6 +45,10 @@ class RoundSizes:
     def __init__(self, spec: JobSpec) -> None:
         self.limits = RoundLimits.from_spec(spec)
         self.overlap = spec.sync.overlap_steps or 0
+        # K = M: every merge waits for the last push, so a change leaves a slow island's round
+        # room to end early (core/island_rounds.sized_steps)
+        islands = max(spec.islands.count, spec.total_shards())
+        self.room = LOCK_STEP_ROOM if spec.sync.quorum >= islands else 0.0
         # Whether any island's round differs or differed from H (core/island_rounds.
         # split_budget): at K = M the token budget is then split by stop targets, not shares.
         self.split = self.limits.pins_differ
@@ -82,12 +88,21 @@ class RoundSizes:
         if reference is None:
             return
         current = rec.round or IslandRound(self.limits.inner_steps)
+        limits = self.limits
         target = target_steps(
-            inner_steps=self.limits.inner_steps,
+            inner_steps=limits.inner_steps,
             reference=reference,
             own=rec.step_time,
-            floor=self.limits.floor,
-            ceiling=self.limits.ceiling,
+            floor=limits.floor,
+            ceiling=limits.ceiling,
+        )
+        sized = sized_steps(
+            inner_steps=limits.inner_steps,
+            reference=reference,
+            own=rec.step_time,
+            floor=limits.floor,
+            ceiling=limits.ceiling,
+            room=self.room,
         )
         if rec.round_read_at is None:
             reported = sum(1 for r in members if r.step_time)
@@ -107,11 +122,11 @@ class RoundSizes:
                 return
             # a probe that at least halves the round with every island reporting is two
             # readings; else one, which a regular reading a reference round later confirms
-            after = next_round(current, target, confirmed=readings == 2)
+            after = next_round(current, target, confirmed=readings == 2, sized=sized)
         elif now - rec.round_read_at < self.limits.inner_steps * reference:
             return
         else:
-            after = next_round(current, target)
+            after = next_round(current, target, sized=sized)
         rec.round_read_at = now
         if after.steps != current.steps:
             rec.round_before = current.steps
