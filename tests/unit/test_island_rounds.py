@@ -340,9 +340,7 @@ def test_a_probe_of_one_reading_is_confirmed_by_the_next_reading_only() -> None:
 
 def test_sized_steps_leaves_a_slow_island_room_at_k_equals_m() -> None:
     def sized(own: float, room: float = 0.1) -> int:
-        return sized_steps(
-            inner_steps=20, reference=0.25, own=own, floor=3, ceiling=20, room=room
-        )
+        return sized_steps(inner_steps=20, reference=0.25, own=own, floor=3, ceiling=20, room=room)
 
     assert sized(0.75) == 6  # 3x: 20 / 3 = 6.67, x 0.9 = 6.0 -> 6 (target_steps: 6 too)
     assert sized(1.0) == 4  # 4x: 5, x 0.9 = 4.5 -> 4 (target_steps: 5, as long as the reference)

@@ -188,9 +188,10 @@ def _steps_to_rounds(
     count: int, inner_steps: int, steps: list[list[float]], quorum: int = 1
 ) -> dict[int, list[tuple[int, int]]]:
     """A job of `count` islands at inner.steps `inner_steps` (stepsPerIsland auto, floor
-    ceil(H/8), ceiling H) whose learners take `steps` (island -> each step's seconds, from one
-    start, sync.quorum `quorum`): each step's report (the learner's StepTimeReport) reaches the syncer in a heartbeat
-    at the step's end, in time order, and is read (RoundSizes.read). Returns each island's
+    ceil(H/8), ceiling H, sync.quorum `quorum`) whose learners take `steps` (island -> each
+    step's seconds, from one start): each step's report (the learner's StepTimeReport) reaches
+    the syncer in a heartbeat at the step's end, in time order, and is read
+    (RoundSizes.read). Returns each island's
     changes of H_i, as (its step at the heartbeat that made it, the new H_i)."""
     spec = parse_spec(
         {
