@@ -12,7 +12,10 @@ steps proportional to a worker's speed; the merge already weighs each push by it
 rounded down, so that a slow island's round ends no later than the reference's: at K = M the
 islands at the reference speed never wait for it (speeds 1,1,1,3 and H = 20: 6 steps of 3 = 18
 of the others' 20; rounded to nearest, 7 steps = 21 made every fast island wait a step each round,
-5% of its time), and the slow island idles under one of its steps a round instead.
+5% of its time), and the slow island idles under one of its steps a round instead. At K = M a
+change leaves it more room (sized_steps, LOCK_STEP_ROOM): its round at most 90% of the
+reference round's time, since every merge waits for the last push and a round that rounding
+down left as long as the others' was late half the time under load.
 
 t_i is island i's measured step time (its heartbeats' stepTime) and t_ref a robust reference
 step time of the job (reference_step_time): the lower median of the islands' step times once
@@ -65,8 +68,8 @@ band), at once rather than at its next heartbeat (StepTimeReport; then the mean 
 after it, the probe left out). The syncer reads a fresh island's probe at once when every active
 island has reported one (first_reading_now: before that the reference could be the slow island's
 own time) and takes it, as two readings, only when its target at least halves the round
-(probe_moves: an island nearer the reference waits for its regular readings) and at least
-MAJORITY_CLAIMS islands report: in a job of two the reference is the other island's own probe
+(probe_moves: an island nearer the reference counts it as one reading, probe_readings, and its
+first regular reading may confirm it) and at least MAJORITY_CLAIMS islands report: in a job of two the reference is the other island's own probe
 and nothing brackets it, so there a probe never acts. A probe's cut starts no cooldown and
 leaves a reading in its direction pending (next_round): two steps may under-read a slow island,
 and its first regular reading may cut it further alone. Its learner, still within its first
