@@ -68,9 +68,11 @@ band), at once rather than at its next heartbeat (StepTimeReport; then the mean 
 after it, the probe left out). The syncer reads a fresh island's probe at once when every active
 island has reported one (first_reading_now: before that the reference could be the slow island's
 own time) and takes it, as two readings, only when its target at least halves the round
-(probe_moves: an island nearer the reference counts it as one reading, probe_readings, and its
-first regular reading may confirm it) and at least MAJORITY_CLAIMS islands report: in a job of two the reference is the other island's own probe
-and nothing brackets it, so there a probe never acts. A probe's cut starts no cooldown and
+(probe_moves) and at least MAJORITY_CLAIMS islands report; else, with that many reporting, as
+one reading, which its first regular reading may confirm (probe_readings: under load a 3x
+island's probe read under 2x, or came before a late peer's, and two regular readings came
+after its first round's end). In a job of two the reference is the other island's own probe
+and nothing brackets it, so there a probe is no reading at all. A probe's cut starts no cooldown and
 leaves a reading in its direction pending (next_round): two steps may under-read a slow island,
 and its first regular reading may cut it further alone. Its learner, still within its first
 round, adopts the new H_i in place (learner/step_plan. adopt_round), so a 3x slower island's
