@@ -306,7 +306,12 @@ def in_band(steps: int, target: int) -> bool:
 
 
 def next_round(
-    current: IslandRound, target: int, *, confirmed: bool = False, sized: int | None = None
+    current: IslandRound,
+    target: int,
+    *,
+    confirmed: bool = False,
+    sized: int | None = None,
+    late: bool = False,
 ) -> IslandRound:
     """The island's round after one reading whose target H_i is `target` (target_steps).
 
@@ -317,9 +322,10 @@ def next_round(
     each show the target: probe_step_time, probe_moves), so it counts as the CONFIRMATIONS;
     the change it makes starts no cooldown and leaves one reading in its direction pending.
     `sized` (sized_steps): the round a change sets, where it differs from the target that
-    decides it (K = M's room); never past the current round the other way."""
+    decides it (K = M's room); never past the current round the other way. `late`
+    (late_is_beyond): any target below the current round is beyond the band."""
     since = current.since_change + 1
-    if in_band(current.steps, target):
+    if in_band(current.steps, target) and not (late and target < current.steps):
         return IslandRound(current.steps, 0, since, fresh=False)
     direction = 1 if target > current.steps else -1
     same = current.pending * direction > 0
@@ -341,6 +347,21 @@ def next_round(
             return IslandRound(target, direction, COOLDOWN_READINGS, fresh=False)
         return IslandRound(target, 0, 0, fresh=False)
     return IslandRound(current.steps, pending, since, fresh=False)
+
+
+def late_is_beyond(*, room: float, steps: int, ceiling: int) -> bool:
+    """Whether a reading whose target is below the island's round `steps` counts as beyond the
+    band (next_round's `late`): at K = M (`room` > 0, sized_steps) for an island already below
+    the ceiling. Such a target says its round takes longer than the reference round
+    (floor(H x t_ref / t_i) < H_i: H_i x t_i > H x t_ref), and at K = M every merge waits for it
+    that long; the band's 1.4x let it: bench/hetero's 3x island, cut to 6 of 20 by a probe
+    that read 3x, ran 3.3-3.6x under load (target 5, inside 6's band down to 3.3) and pushed
+    last in 24 of 36 merges, 2.0 s of the fast islands' waits (0.875x of equal speeds;
+    bench/log/2026-11-29.md, "hetero — 2026-11-29 11:16 UTC"). Two readings in a row are still
+    needed, and a change sets sized_steps' round, at most 90% of the reference round's, which
+    a reading of the same speed leaves alone (its target is at least that round). An island at
+    the ceiling keeps the band: identical islands read ±30% apart."""
+    return room > 0 and steps < ceiling
 
 
 @dataclass(frozen=True)

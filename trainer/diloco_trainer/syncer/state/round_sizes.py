@@ -19,6 +19,7 @@ from diloco_trainer.core.island_rounds import (
     LOCK_STEP_ROOM,
     IslandRound,
     RoundLimits,
+    late_is_beyond,
     next_round,
     probe_readings,
     reference_step_time,
@@ -104,6 +105,7 @@ class RoundSizes:
             ceiling=limits.ceiling,
             room=self.room,
         )
+        late = late_is_beyond(room=self.room, steps=current.steps, ceiling=limits.ceiling)
         if rec.round_read_at is None:
             reported = sum(1 for r in members if r.step_time)
             rec.round_read_at = now
@@ -122,11 +124,11 @@ class RoundSizes:
                 return
             # a probe that at least halves the round with every island reporting is two
             # readings; else one, which a regular reading a reference round later confirms
-            after = next_round(current, target, confirmed=readings == 2, sized=sized)
+            after = next_round(current, target, confirmed=readings == 2, sized=sized, late=late)
         elif now - rec.round_read_at < self.limits.inner_steps * reference:
             return
         else:
-            after = next_round(current, target, sized=sized)
+            after = next_round(current, target, sized=sized, late=late)
         rec.round_read_at = now
         if after.steps != current.steps:
             rec.round_before = current.steps
