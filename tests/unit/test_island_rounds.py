@@ -14,6 +14,7 @@ from diloco_trainer.core.island_rounds import (
     StepTimeReport,
     first_reading_now,
     in_band,
+    late_is_beyond,
     next_round,
     probe_moves,
     probe_readings,
@@ -373,3 +374,22 @@ def test_a_change_sets_the_sized_round_and_a_later_reading_keeps_it() -> None:
     # a sized round that does not move the way the target does is ignored (the target's taken)
     up = next_round(IslandRound(4, 1, 3, fresh=False), 7, sized=4)
     assert up == IslandRound(7, 0, 0, fresh=False)
+
+
+def test_at_k_equals_m_a_round_below_the_ceiling_is_beyond_the_band_when_late() -> None:
+    assert late_is_beyond(room=0.1, steps=6, ceiling=20) is True  # K = M, cut already
+    assert late_is_beyond(room=0.1, steps=20, ceiling=20) is False  # at the ceiling: the band
+    assert late_is_beyond(room=0.0, steps=6, ceiling=20) is False  # K < M
+    # a round of 6 read at target 5 (3.5x: 20 / 3.5 = 5.71): inside 6's band (down to 3.29)
+    # but late: one reading pending, then the second sets sized 5 (floor(5.71 x 0.9) = 5)
+    one = next_round(IslandRound(6, 0, 5, fresh=False), 5, sized=5, late=True)
+    assert one == IslandRound(6, -1, 6, fresh=False)
+    assert next_round(one, 5, sized=5, late=True) == IslandRound(5, 0, 0, fresh=False)
+    # without `late` the band keeps 6
+    assert next_round(IslandRound(6, 0, 5, fresh=False), 5, sized=5) == IslandRound(
+        6, 0, 6, fresh=False
+    )
+    # a target at the round (or above it, inside the band) is not late: nothing pending
+    assert next_round(IslandRound(5, -1, 5, fresh=False), 5, sized=4, late=True) == IslandRound(
+        5, 0, 6, fresh=False
+    )

@@ -366,3 +366,19 @@ def test_at_k_equals_m_identical_islands_keep_h() -> None:
         2: [],
         3: [],
     }
+
+
+def test_at_k_equals_m_a_slow_island_that_slows_further_is_cut_at_one_reading() -> None:
+    """1,1,1,3 at H = 20, K = M = 4; island-3's steps 2, 3 take 0.75 s (3x), then 0.875 s
+    (3.5x). Its probe (0.75 s at 2.5 s) has target floor(20 x 0.25 / 0.75) = 6 <= 10: cut at
+    step 3 to sized floor(6.67 x 0.9) = 6, one reading shorter left pending. Its first regular
+    reading, at its first heartbeat 20 x 0.25 = 5 s after the probe (its steps end at 2.5 +
+    0.875 (k - 3): step 9, 7.75 s), reads 0.875 s (its mean of steps 4-9): 20 x 0.25 / 0.875 =
+    5.71, target 5, inside 6's band (down to 3.29) but below it, late at K = M: with the
+    pending one, two readings, cut to sized floor(5.71 x 0.9) = 5 at step 9. Later readings
+    (target 5) leave 5. At K = 1 the band keeps 6."""
+    fast = [WARM] + [FAST] * 80
+    slower = [WARM, SLOW, SLOW] + [0.875] * 20
+    lock_step = _steps_to_rounds(4, 20, [fast, fast, fast, slower], quorum=4)
+    assert lock_step == {0: [], 1: [], 2: [], 3: [(3, 6), (9, 5)]}
+    assert _steps_to_rounds(4, 20, [fast, fast, fast, slower]) == {0: [], 1: [], 2: [], 3: [(3, 6)]}

@@ -357,7 +357,7 @@ def late_is_beyond(*, room: float, steps: int, ceiling: int) -> bool:
     that long; the band's 1.4x let it: bench/hetero's 3x island, cut to 6 of 20 by a probe
     that read 3x, ran 3.3-3.6x under load (target 5, inside 6's band down to 3.3) and pushed
     last in 24 of 36 merges, 2.0 s of the fast islands' waits (0.875x of equal speeds;
-    bench/log/2026-11-29.md, "hetero — 2026-11-29 11:16 UTC"). Two readings in a row are still
+    bench/log/2026-11-29.md, "hetero — 2026-11-29 11:17 UTC"). Two readings in a row are still
     needed, and a change sets sized_steps' round, at most 90% of the reference round's, which
     a reading of the same speed leaves alone (its target is at least that round). An island at
     the ceiling keeps the band: identical islands read ±30% apart."""
