@@ -359,9 +359,10 @@ def test_a_change_sets_the_sized_round_and_a_later_reading_keeps_it() -> None:
     one = next_round(IslandRound(20), 5, sized=4)
     assert one == IslandRound(20, -1, 4, fresh=False)
     assert next_round(one, 5, sized=4) == IslandRound(4, 0, 0, fresh=False)
-    # a probe's change (confirmed) too
+    # a probe's change (confirmed) sets the target, 5: its learner takes it in place only
+    # while below it, and its position is 3 or 4 when the answer comes
     assert next_round(IslandRound(20), 5, confirmed=True, sized=4) == IslandRound(
-        4, -1, 3, fresh=False
+        5, -1, 3, fresh=False
     )
     # later readings of the same speed (target 5) are inside 4's band (up to max(5, 5.6)):
     # the room never moves a round by itself
@@ -389,7 +390,11 @@ def test_at_k_equals_m_a_round_below_the_ceiling_is_beyond_the_band_when_late() 
     assert next_round(IslandRound(6, 0, 5, fresh=False), 5, sized=5) == IslandRound(
         6, 0, 6, fresh=False
     )
-    # a target at the round (or above it, inside the band) is not late: nothing pending
+    # late is the sized round below the round: a 4x island's 5 (exact 5, target 5) sizes 4:
+    # with one pending, cut to 4; a 3.3x island's (exact 6.06, sized 5) round of 5 is not late
     assert next_round(IslandRound(5, -1, 5, fresh=False), 5, sized=4, late=True) == IslandRound(
+        4, 0, 0, fresh=False
+    )
+    assert next_round(IslandRound(5, -1, 5, fresh=False), 6, sized=5, late=True) == IslandRound(
         5, 0, 6, fresh=False
     )

@@ -337,9 +337,11 @@ def test_a_probe_slowed_less_than_half_is_one_reading() -> None:
 def test_at_k_equals_m_a_slow_island_round_leaves_room() -> None:
     """1,1,1,4 at H = 20 (floor 3), K = M = 4. Island-3's probe (1.0 s, the mean of its steps 2,
     3) at 3 s, the fast islands' reports 0.25 s: t_ref 0.25, target floor(20 x 0.25 / 1.0) = 5
-    <= 10, taken at once; at K = M the round it sets is floor(5 x 0.9) = 4 (4 s against the
-    reference round's 5 s), at step 3. Its regular readings (target 5) are inside 4's band (up
-    to max(5, 5.6)): 4 throughout. At K = 1 the same schedule sets 5 (no room: a late push
+    <= 10, taken at once and set as it is (5, in place while the learner is below it), one
+    reading shorter pending. Its first regular reading, at its first heartbeat a reference
+    round (5 s) on (its steps end at k s: step 8), target 5, sized floor(5 x 0.9) = 4 < 5: late
+    at K = M, with the pending one two readings: 4 (4 s against the reference round's 5 s).
+    Later readings (sized 4) leave it. At K = 1 the same schedule keeps 5 (no room: a late push
     delays no one)."""
     fast = [WARM] + [FAST] * 80
     slow = [WARM] + [1.0] * 20
@@ -347,7 +349,7 @@ def test_at_k_equals_m_a_slow_island_round_leaves_room() -> None:
         0: [],
         1: [],
         2: [],
-        3: [(3, 4)],
+        3: [(3, 5), (8, 4)],
     }
     assert _steps_to_rounds(4, 20, [fast, fast, fast, slow]) == {0: [], 1: [], 2: [], 3: [(3, 5)]}
 

@@ -321,19 +321,25 @@ def next_round(
     alone cut it to 5 of 10). `confirmed`: the reading is already two (a probe, whose steps
     each show the target: probe_step_time, probe_moves), so it counts as the CONFIRMATIONS;
     the change it makes starts no cooldown and leaves one reading in its direction pending.
-    `sized` (sized_steps): the round a change sets, where it differs from the target that
-    decides it (K = M's room); never past the current round the other way. `late`
-    (late_is_beyond): any target below the current round is beyond the band."""
+    `sized` (sized_steps): the round a regular change sets, where it differs from the target
+    that decides it (K = M's room), never past the current round the other way; a probe's
+    change sets the target (its learner takes it in place only while its position is below it,
+    a step or two after the probe: a 4x island's 5 of 20 in place, where the room's 4 came a
+    step late and it ran its first round at H). `late` (late_is_beyond): a sized round below
+    the current one is beyond the band, however near."""
     since = current.since_change + 1
-    if in_band(current.steps, target) and not (late and target < current.steps):
+    if not in_band(current.steps, target):
+        direction = 1 if target > current.steps else -1
+    elif late and sized is not None and sized < current.steps:
+        direction = -1
+    else:
         return IslandRound(current.steps, 0, since, fresh=False)
-    direction = 1 if target > current.steps else -1
     same = current.pending * direction > 0
     pending = current.pending + direction if same else direction
     if confirmed:
         pending = direction * max(abs(pending), CONFIRMATIONS)
     if abs(pending) >= CONFIRMATIONS and since >= COOLDOWN_READINGS:
-        if sized is not None and (sized - current.steps) * direction > 0:
+        if not confirmed and sized is not None and (sized - current.steps) * direction > 0:
             target = sized
         if confirmed:
             # A probe's change starts no cooldown: should two regular readings in a row
@@ -350,17 +356,17 @@ def next_round(
 
 
 def late_is_beyond(*, room: float, steps: int, ceiling: int) -> bool:
-    """Whether a reading whose target is below the island's round `steps` counts as beyond the
-    band (next_round's `late`): at K = M (`room` > 0, sized_steps) for an island already below
-    the ceiling. Such a target says its round takes longer than the reference round
-    (floor(H x t_ref / t_i) < H_i: H_i x t_i > H x t_ref), and at K = M every merge waits for it
-    that long; the band's 1.4x let it: bench/hetero's 3x island, cut to 6 of 20 by a probe
-    that read 3x, ran 3.3-3.6x under load (target 5, inside 6's band down to 3.3) and pushed
-    last in 24 of 36 merges, 2.0 s of the fast islands' waits (0.875x of equal speeds;
-    bench/log/2026-11-29.md, "hetero — 2026-11-29 11:17 UTC"). Two readings in a row are still
-    needed, and a change sets sized_steps' round, at most 90% of the reference round's, which
-    a reading of the same speed leaves alone (its target is at least that round). An island at
-    the ceiling keeps the band: identical islands read ±30% apart."""
+    """Whether a reading whose sized round (sized_steps) is below the island's round `steps`
+    counts as beyond the band (next_round's `late`): at K = M (`room` > 0) for an island
+    already below the ceiling. Such a reading says its round takes more than 1 - room of the
+    reference round (floor(0.9 H x t_ref / t_i) < H_i), and at K = M every merge waits for
+    whatever it runs past the reference round; the band's 1.4x let it: bench/hetero's 3x
+    island, cut to 6 of 20 by a probe that read 3x, ran 3.3-3.6x under load (target 5, inside
+    6's band down to 3.3) and pushed last in 24 of 36 merges, 2.0 s of the fast islands' waits
+    (0.875x of equal speeds; bench/log/2026-11-29.md, "hetero — 2026-11-29 11:17 UTC"). Two
+    readings in a row are still needed, and a change sets the sized round, which a reading of
+    the same speed leaves alone (its sized round is that round). An island at the ceiling
+    keeps the band: identical islands read ±30% apart."""
     return room > 0 and steps < ceiling
 
 
