@@ -398,3 +398,15 @@ def test_at_k_equals_m_a_round_below_the_ceiling_is_beyond_the_band_when_late() 
     assert next_round(IslandRound(5, -1, 5, fresh=False), 6, sized=5, late=True) == IslandRound(
         5, 0, 6, fresh=False
     )
+
+
+def test_the_second_probe_is_reported_at_once_and_capped() -> None:
+    report = StepTimeReport()
+    report.add(5.0)  # warm-up
+    report.add(1.0)
+    assert report.add(1.0) is True and report.value == 1.0  # the probe
+    # the second probe: steps 4-5 (3.0, 1.0), mean 2.0 capped at 1.4 x 1.0: reported at once
+    assert report.add(3.0) is False and report.value == pytest.approx(3.0)
+    assert report.add(1.0) is True and report.value == pytest.approx(1.4)
+    # then the running mean of the steps since the probe again: (3 + 1 + 2) / 3
+    assert report.add(2.0) is False and report.value == pytest.approx(2.0)

@@ -213,6 +213,7 @@ def _steps_to_rounds(
     for now, i, step in beats:
         reports[i].add(steps[i][step - 1])
         recs[i].step_time = reports[i].value  # membership.heartbeat keeps the last report
+        recs[i].reported_step = step - 1  # its learner reports its position before it moves
         before = sizes.steps_of(recs[i], recs[i].name)
         sizes.read(recs[i], recs, now)
         after = sizes.steps_of(recs[i], recs[i].name)
@@ -298,19 +299,18 @@ def test_a_slow_islands_probe_before_a_late_peers_report_is_one_reading() -> Non
     the mean of its steps 2, 3) comes at 2.5 s, before island-2 has reported: 3 of 4 claims,
     so it is not taken at once (first_reading_now), but with 3 claims it is one reading: t_ref
     = lower median of 0.25, 0.25, 0.75 = 0.25, target floor(20 x 0.25 / 0.75) = 6, beyond the
-    band (below 20 / 1.4 - 1 = 13.3): pending. Its first regular reading is at its first
-    heartbeat a reference round (20 x 0.25 = 5 s) after the probe, at 7.5 s or later: its steps
-    end at 1 + 0.75 (k - 1), so step 10 (7.75 s), reading 0.75 s (the mean of steps 4-10),
-    target 6 again: confirmed, cut to 6 at step 10, before its first round's end (step 20).
-    Before the probe counted (a clock start only) the second regular reading, at 12.75 s or
-    later, cut it: step 17 (13 s); under load, with heartbeats a second apart and a reference
-    round of 1.6 s, that came after step 20 and the island ran its second round at H. The fast
-    islands keep H."""
+    band (below 20 / 1.4 - 1 = 13.3): pending, and its next report from its reported position 2
+    + 2 = 4 on (its step 5, 4 s: its second probe, steps 4-5, 0.75 s) is read at once: t_ref
+    still 0.25 (island-2's step 1 ends at 4 s, no report), target 6, confirmed: cut to 6 at
+    step 5, in place (its position below 6). Before the probe counted (a clock start only) two
+    regular readings a reference round (5 s) apart cut it at step 17 (13 s); under load, with
+    heartbeats a second apart, that came after its step 20, and it ran its second round at H.
+    The fast islands keep H."""
     fast = [WARM] + [FAST] * 80
     late = [4.0] + [FAST] * 70
     slow = [WARM] + [SLOW] * 27
     changes = _steps_to_rounds(4, 20, [fast, fast, late, slow])
-    assert changes == {0: [], 1: [], 2: [], 3: [(10, 6)]}
+    assert changes == {0: [], 1: [], 2: [], 3: [(5, 6)]}
 
 
 def test_a_probe_slowed_less_than_half_is_one_reading() -> None:
@@ -319,19 +319,16 @@ def test_a_probe_slowed_less_than_half_is_one_reading() -> None:
     2.5 s) reads only 1.5x: at 2.5 s the fast islands' reports are their probes' 0.5 s followed
     by their step 4 (0.5 s; their heartbeats at 2.5 s come before island-3's), t_ref 0.5, target
     floor(20 x 0.5 / 0.75) = 13, not half the round (no cut at once) but beyond the band (below
-    13.29): one reading pending. Its next reading needs a reference round. The fast islands'
-    steps end at 3 + 0.25 (k - 5) from step 5; their report is the mean of steps 4..k through
-    step 13 ((2 x 0.5 + 8 x 0.25) / 10 = 0.3), then an EMA (0.1): 0.25 + 0.05 x 0.9^(k - 13).
-    Island-3's steps end at 1 + 0.75 (k - 1): at its step 9 (7 s) the fast islands are at step
-    21, t_ref 0.25 + 0.05 x 0.9^8 = 0.2715, a reference round of 5.43 s, 7 - 2.5 = 4.5 short of
-    it; step 10 (7.75 s): fast step 24, t_ref 0.2657, 5.31 s, 5.25 short; step 11 (8.5 s): fast
-    step 27, t_ref 0.2614, 5.23 s, 6 s past: reading 0.75 (its mean of steps 4-11), target
-    floor(20 x 0.2614 / 0.75) = floor(6.97) = 6, confirmed: cut to 6 at step 11, before its
-    first round's end. Its later readings (target 6) are in 6's band."""
+    13.29): one reading pending. Its second probe (steps 4-5, 0.75 s) at 4 s is read at once:
+    the fast islands' steps end at 3 + 0.25 (k - 5) from step 5, at step 9 then, their report
+    the mean of steps 4-9 ((2 x 0.5 + 4 x 0.25) / 6 = 0.333), t_ref 0.333, target floor(20 x
+    0.333 / 0.75) = floor(8.9) = 8, beyond the band the same way: cut to 8 at step 5, in place.
+    Its later readings (t_ref falling to 0.25, target 6) stay in 8's band (down to 4.71) at
+    K = 1. Waiting for two regular readings instead cut it at step 18."""
     fast = [WARM] + [2 * FAST] * 4 + [FAST] * 80
     slow = [WARM] + [SLOW] * 30
     changes = _steps_to_rounds(4, 20, [fast, fast, fast, slow])
-    assert changes == {0: [], 1: [], 2: [], 3: [(11, 6)]}
+    assert changes == {0: [], 1: [], 2: [], 3: [(5, 8)]}
 
 
 def test_at_k_equals_m_a_slow_island_round_leaves_room() -> None:
@@ -384,3 +381,18 @@ def test_at_k_equals_m_a_slow_island_that_slows_further_is_cut_at_one_reading() 
     lock_step = _steps_to_rounds(4, 20, [fast, fast, fast, slower], quorum=4)
     assert lock_step == {0: [], 1: [], 2: [], 3: [(3, 6), (9, 5)]}
     assert _steps_to_rounds(4, 20, [fast, fast, fast, slower]) == {0: [], 1: [], 2: [], 3: [(3, 6)]}
+
+
+def test_a_second_probe_in_the_band_clears_the_first() -> None:
+    """Identical islands at H = 20; island-3's steps 2-3 slow (0.375 s), then 0.25 s. Its probe
+    (0.375 s at 1.75 s, every island reporting) has target floor(20 x 0.25 / 0.375) = 13, beyond
+    the band (below 13.29), not half: one reading pending. Its second probe (steps 4-5, 0.25 s,
+    at 2.25 s) has target 20, in the band: nothing pending, no cut, then or later."""
+    fast = [WARM] + [FAST] * 80
+    noisy = [WARM, 0.375, 0.375] + [FAST] * 78
+    assert _steps_to_rounds(4, 20, [fast, fast, fast, noisy], quorum=4) == {
+        0: [],
+        1: [],
+        2: [],
+        3: [],
+    }

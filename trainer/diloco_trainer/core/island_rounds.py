@@ -168,14 +168,30 @@ class StepTimeReport:
     value: float | None = None
     first: list[float] | None = None  # the steps so far, until the probe is complete
     after: int = 0  # steps since the probe
+    running: float = 0.0  # their mean, then EMA
+    second: list[float] | None = None  # the steps after the probe, until the second probe
 
     def add(self, seconds: float) -> bool:
-        """One step's seconds; True when this step completes the probe (report it now)."""
+        """One step's seconds; True when this step completes the probe or the second probe
+        (report it now).
+
+        The second probe: the PROBE_STEPS steps after the probe, capped as the probe is
+        (probe_step_time), reported at once; the syncer reads it at once when the probe was one
+        reading pending (probe_readings, RoundSizes.read), as the second of the two a change
+        needs. Afterwards the report is the running mean again (the cap only in that report)."""
         if self.value is not None:
             self.after += 1
             weight = report_weight(self.after)
-            self.value = (1 - weight) * self.value + weight * seconds
-            return False
+            self.running = (1 - weight) * self.running + weight * seconds
+            self.value = self.running
+            if self.after > PROBE_STEPS:
+                return False
+            self.second = [*(self.second or []), seconds]
+            if self.after < PROBE_STEPS:
+                return False
+            self.value = probe_step_time([0.0] * WARMUP_STEPS + self.second)
+            self.second = None
+            return True
         self.first = [*(self.first or []), seconds]
         self.value = probe_step_time(self.first)
         if self.value is None:
@@ -290,6 +306,9 @@ class IslandRound:
     pending: int = 0  # readings in a row beyond CHANGE_FRACTION: > 0 longer, < 0 shorter
     since_change: int = COOLDOWN_READINGS  # readings since H_i last changed (a fresh one may)
     fresh: bool = True  # no reading yet: its probe may be read at once (first_reading_now)
+    # The reported step from which its next report is read at once (its learner's second
+    # probe, StepTimeReport), set when its probe was one reading pending (probe_readings)
+    confirm_at: int | None = None
 
 
 def in_band(steps: int, target: int) -> bool:

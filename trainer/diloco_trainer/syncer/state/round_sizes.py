@@ -13,10 +13,12 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterable
+from dataclasses import replace
 
 from diloco_trainer.api.spec import JobSpec
 from diloco_trainer.core.island_rounds import (
     LOCK_STEP_ROOM,
+    PROBE_STEPS,
     IslandRound,
     RoundLimits,
     late_is_beyond,
@@ -125,6 +127,15 @@ class RoundSizes:
             # a probe that at least halves the round with every island reporting is two
             # readings; else one, which a regular reading a reference round later confirms
             after = next_round(current, target, confirmed=readings == 2, sized=sized, late=late)
+            if readings == 1 and after.pending:
+                # its learner's second probe, PROBE_STEPS steps on, is read at once: a
+                # reference round of wall time is a heartbeat or two, and under load a slow
+                # island's first round ended before it (bench/log/2026-11-29.md, "hetero —
+                # 2026-11-29 11:20 UTC": its second round at H too)
+                step = rec.reported_step if rec.reported_step is not None else rec.step
+                after = replace(after, confirm_at=step + PROBE_STEPS)
+        elif current.confirm_at is not None and (rec.reported_step or 0) >= current.confirm_at:
+            after = next_round(current, target, sized=sized, late=late)  # its second probe
         elif now - rec.round_read_at < self.limits.inner_steps * reference:
             return
         else:
