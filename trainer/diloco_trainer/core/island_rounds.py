@@ -69,9 +69,10 @@ after it, the probe left out). The syncer reads a fresh island's probe at once w
 island has reported one (first_reading_now: before that the reference could be the slow island's
 own time) and takes it, as two readings, only when its target at least halves the round
 (probe_moves) and at least MAJORITY_CLAIMS islands report; else, with that many reporting, as
-one reading, which its first regular reading may confirm (probe_readings: under load a 3x
-island's probe read under 2x, or came before a late peer's, and two regular readings came
-after its first round's end). In a job of two the reference is the other island's own probe
+one reading, which its learner's second probe (the next PROBE_STEPS steps, reported and read
+at once: StepTimeReport, IslandRound.confirm_at) confirms or clears (probe_readings: under load
+a 3x island's probe read under 2x, or came before a late peer's, and the regular readings,
+heartbeats a second apart, came after its first round's end). In a job of two the reference is the other island's own probe
 and nothing brackets it, so there a probe is no reading at all. A probe's cut starts no cooldown and
 leaves a reading in its direction pending (next_round): two steps may under-read a slow island,
 and its first regular reading may cut it further alone. Its learner, still within its first
