@@ -72,10 +72,11 @@ own time) and takes it, as two readings, only when its target at least halves th
 one reading, which its learner's second probe (the next PROBE_STEPS steps, reported and read
 at once: StepTimeReport, IslandRound.confirm_at) confirms or clears (probe_readings: under load
 a 3x island's probe read under 2x, or came before a late peer's, and the regular readings,
-heartbeats a second apart, came after its first round's end). In a job of two the reference is the other island's own probe
-and nothing brackets it, so there a probe is no reading at all. A probe's cut starts no cooldown and
-leaves a reading in its direction pending (next_round): two steps may under-read a slow island,
-and its first regular reading may cut it further alone. Its learner, still within its first
+heartbeats a second apart, came after its first round's end). In a job of two the reference
+is the other island's own probe and nothing brackets it, so there a probe is no reading at all.
+A probe's cut starts no cooldown and leaves a reading in its direction pending (next_round):
+two steps may under-read a slow island, and its first regular reading may cut it further
+alone. Its learner, still within its first
 round, adopts the new H_i in place (learner/step_plan. adopt_round), so a 3x slower island's
 first round is H/3 steps too, not H.
 
