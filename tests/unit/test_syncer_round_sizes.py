@@ -112,19 +112,25 @@ def test_a_fresh_islands_first_report_before_its_peers_is_one_reading() -> None:
     assert slow.round.pending == 0 and slow.round.since_change == 0
 
 
-def test_a_fresh_islands_first_report_in_a_job_of_two_starts_its_clock() -> None:
-    """Two of four reported (a job of two's case): the probe is no reading at all, the first
-    regular reading is one (pending), the second moves it."""
+def test_a_fresh_islands_first_report_before_two_claims_waits_for_its_second_probe() -> None:
+    """Two of four reported: with fewer than three claims no probe is a reading, and in a job
+    of four it starts no clock either: the report from its position + 2 on is read as its
+    first (its learner's second probe)."""
     sizes = _job()
     recs = _islands([1.0, 0.0, 0.0, 3.0])
     slow = recs[3]
     sizes.joined(slow)
+    slow.reported_step = 2
     sizes.read(slow, recs, now=0.0)  # t_ref = the fastest of 1, 3 = 1: target 10, no reading
-    assert slow.round is not None and slow.round.pending == 0 and slow.round.fresh
-    sizes.read(slow, recs, now=30.0)  # reading 1: pending -1
-    assert sizes.steps_of(slow, slow.name) == 30 and slow.round.pending == -1
-    sizes.read(slow, recs, now=60.0)  # reading 2 confirms it
-    assert sizes.steps_of(slow, slow.name) == 10
+    assert slow.round is not None and slow.round.fresh and slow.round.confirm_at == 4
+    assert slow.round_read_at is None and sizes.steps_of(slow, slow.name) == 30
+    slow.reported_step = 3
+    sizes.read(slow, recs, now=0.5)  # not its second probe yet
+    assert slow.round.fresh and slow.round_read_at is None
+    recs[1].step_time = recs[2].step_time = 1.0  # its peers report
+    slow.reported_step = 4  # its second probe: 4 of 4 claims, target 10 <= 15: taken at once
+    sizes.read(slow, recs, now=1.0)
+    assert sizes.steps_of(slow, slow.name) == 10 and not slow.round.fresh
 
 
 def test_a_rejoined_island_is_read_a_reference_round_after_its_first_report() -> None:
@@ -396,3 +402,21 @@ def test_a_second_probe_in_the_band_clears_the_first() -> None:
         2: [],
         3: [],
     }
+
+
+def test_a_slow_island_that_reports_before_its_peers_is_read_at_its_second_probe() -> None:
+    """1,1,1,3 at H = 20; the fast islands start late (their step 1 ends at 3 s), island-3
+    first (1 s). Its probe (0.75 s) at 2.5 s finds 1 claim, its own: no reading, but in a job
+    of four not the clock's start either: its next report from its reported position 2 + 2 = 4
+    on is read as its first. Step 4 (3.25 s, position 3): not yet. Step 5 (4 s): its second
+    probe (steps 4-5, 0.75 s); the fast islands' steps end at 3 + 0.25 (k - 1), their probe at
+    3.5 s, their step 5 at 4 s (their second probe, 0.25 s, read before island-3's): 4 of 4
+    claims, t_ref 0.25, target 6 <= 10: taken at once, cut to 6 at step 5, in place. Before
+    (the probe starting its clock), two regular readings cut it at step 17, after a first
+    round at H under load."""
+    fast = [3.0] + [FAST] * 80
+    slow = [WARM] + [SLOW] * 27
+    assert _steps_to_rounds(4, 20, [fast, fast, fast, slow]) == {0: [], 1: [], 2: [], 3: [(5, 6)]}
+    # in a job of two the probe before its peer's report starts its clock as before: two
+    # regular readings (10 x 0.25 = 2.5 s apart, from 2.5 s: steps 7 and 11) cut it to 3
+    assert _steps_to_rounds(2, 10, [[3.0] + [FAST] * 60, slow]) == {0: [], 1: [(11, 3)]}

@@ -18,6 +18,7 @@ from dataclasses import replace
 from diloco_trainer.api.spec import JobSpec
 from diloco_trainer.core.island_rounds import (
     LOCK_STEP_ROOM,
+    MAJORITY_CLAIMS,
     PROBE_STEPS,
     IslandRound,
     RoundLimits,
@@ -50,8 +51,8 @@ class RoundSizes:
         self.overlap = spec.sync.overlap_steps or 0
         # K = M: every merge waits for the last push, so a change leaves a slow island's round
         # room to end early (core/island_rounds.sized_steps)
-        islands = max(spec.islands.count, spec.total_shards())
-        self.room = LOCK_STEP_ROOM if spec.sync.quorum >= islands else 0.0
+        self.islands = max(spec.islands.count, spec.total_shards())
+        self.room = LOCK_STEP_ROOM if spec.sync.quorum >= self.islands else 0.0
         # Whether any island's round differs or differed from H (core/island_rounds.
         # split_budget): at K = M the token budget is then split by stop targets, not shares.
         self.split = self.limits.pins_differ
@@ -110,6 +111,9 @@ class RoundSizes:
         late = late_is_beyond(room=self.room, steps=current.steps, ceiling=limits.ceiling)
         if rec.round_read_at is None:
             reported = sum(1 for r in members if r.step_time)
+            step = rec.reported_step if rec.reported_step is not None else rec.step
+            if current.fresh and current.confirm_at is not None and step < current.confirm_at:
+                return  # its probe came before its peers': its second probe is read instead
             rec.round_read_at = now
             readings = probe_readings(
                 current.steps,
@@ -119,6 +123,19 @@ class RoundSizes:
                 active=len(members),
             )
             if readings == 0:
+                if (
+                    current.fresh
+                    and self.islands >= MAJORITY_CLAIMS
+                    and step + PROBE_STEPS < limits.inner_steps
+                ):
+                    # a job of three or more whose other islands have not reported yet (they
+                    # joined later: a process start on a loaded machine): its next report
+                    # PROBE_STEPS steps on (its learner's second probe) is read as its first,
+                    # within its first round (bench/log/2026-11-29.md, "hetero — 2026-11-29
+                    # 11:43 UTC": a 3x island that joined first ran two rounds at H)
+                    rec.round_read_at = None
+                    rec.round = replace(current, confirm_at=step + PROBE_STEPS)
+                    return
                 # a rejoin's first steps are warm-up again (its learner's report may include
                 # them), and in a job of two the reference is the other island's own probe:
                 # its first report starts its clock, and it is read a reference round later
@@ -132,7 +149,6 @@ class RoundSizes:
                 # reference round of wall time is a heartbeat or two, and under load a slow
                 # island's first round ended before it (bench/log/2026-11-29.md, "hetero —
                 # 2026-11-29 11:20 UTC": its second round at H too)
-                step = rec.reported_step if rec.reported_step is not None else rec.step
                 after = replace(after, confirm_at=step + PROBE_STEPS)
         elif current.confirm_at is not None and (rec.reported_step or 0) >= current.confirm_at:
             after = next_round(current, target, sized=sized, late=late)  # its second probe
