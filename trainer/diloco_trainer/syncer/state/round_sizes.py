@@ -111,45 +111,19 @@ class RoundSizes:
         late = late_is_beyond(room=self.room, steps=current.steps, ceiling=limits.ceiling)
         if rec.round_read_at is None:
             reported = sum(1 for r in members if r.step_time)
-            step = rec.reported_step if rec.reported_step is not None else rec.step
-            if current.fresh and current.confirm_at is not None and step < current.confirm_at:
-                return  # its probe came before its peers': its second probe is read instead
-            rec.round_read_at = now
-            readings = probe_readings(
-                current.steps,
+            first = self._first_report(
+                rec,
+                current,
                 target,
-                fresh=current.fresh,
+                sized=sized,
+                late=late,
                 reported=reported,
+                now=now,
                 active=len(members),
             )
-            if readings == 0:
-                if (
-                    current.fresh
-                    and self.islands >= MAJORITY_CLAIMS
-                    and step + PROBE_STEPS < limits.inner_steps
-                ):
-                    # a job of three or more whose other islands have not reported yet (they
-                    # joined later: a process start on a loaded machine): its next report
-                    # PROBE_STEPS steps on (its learner's second probe) is read as its first,
-                    # within its first round (bench/log/2026-11-29.md, "hetero — 2026-11-29
-                    # 11:43 UTC": a 3x island that joined first ran two rounds at H)
-                    rec.round_read_at = None
-                    rec.round = replace(current, confirm_at=step + PROBE_STEPS)
-                    return
-                # a rejoin's first steps are warm-up again (its learner's report may include
-                # them), and in a job of two the reference is the other island's own probe:
-                # its first report starts its clock, and it is read a reference round later
-                # (still fresh)
+            if first is None:
                 return
-            # a probe that at least halves the round with every island reporting is two
-            # readings; else one, which a regular reading a reference round later confirms
-            after = next_round(current, target, confirmed=readings == 2, sized=sized, late=late)
-            if readings == 1 and after.pending:
-                # its learner's second probe, PROBE_STEPS steps on, is read at once: a
-                # reference round of wall time is a heartbeat or two, and under load a slow
-                # island's first round ended before it (bench/log/2026-11-29.md, "hetero —
-                # 2026-11-29 11:20 UTC": its second round at H too)
-                after = replace(after, confirm_at=step + PROBE_STEPS)
+            after = first
         elif current.confirm_at is not None and (rec.reported_step or 0) >= current.confirm_at:
             after = next_round(current, target, sized=sized, late=late)  # its second probe
         elif now - rec.round_read_at < self.limits.inner_steps * reference:
@@ -161,6 +135,56 @@ class RoundSizes:
             rec.round_before = current.steps
         rec.round = after
         self._seen(rec)
+
+    def _first_report(
+        self,
+        rec: IslandRecord,
+        current: IslandRound,
+        target: int,
+        *,
+        sized: int,
+        late: bool,
+        reported: int,
+        active: int,
+        now: float,
+    ) -> IslandRound | None:
+        """The island's round after its first report since it (re)joined (read's first
+        branch), or None: not read (its clock started, or its second probe awaited)."""
+        step = rec.reported_step if rec.reported_step is not None else rec.step
+        if current.fresh and current.confirm_at is not None and step < current.confirm_at:
+            return None  # its probe came before its peers': its second probe is read instead
+        rec.round_read_at = now
+        readings = probe_readings(
+            current.steps, target, fresh=current.fresh, reported=reported, active=active
+        )
+        if readings == 0:
+            if (
+                current.fresh
+                and self.islands >= MAJORITY_CLAIMS
+                and step + PROBE_STEPS < self.limits.inner_steps
+            ):
+                # a job of three or more whose other islands have not reported yet (they
+                # joined later: a process start on a loaded machine): its next report
+                # PROBE_STEPS steps on (its learner's second probe) is read as its first,
+                # within its first round (bench/log/2026-11-29.md, "hetero — 2026-11-29
+                # 11:43 UTC": a 3x island that joined first ran two rounds at H)
+                rec.round_read_at = None
+                rec.round = replace(current, confirm_at=step + PROBE_STEPS)
+            # else a rejoin's first steps are warm-up again (its learner's report may include
+            # them), and in a job of two the reference is the other island's own probe: its
+            # first report starts its clock, and it is read a reference round later (still
+            # fresh)
+            return None
+        # a probe that at least halves the round with every island reporting is two readings;
+        # else one, which its learner's second probe confirms or clears
+        after = next_round(current, target, confirmed=readings == 2, sized=sized, late=late)
+        if readings == 1 and after.pending:
+            # its second probe, PROBE_STEPS steps on, is read at once: a reference round of
+            # wall time is a heartbeat or two, and under load a slow island's first round ended
+            # before it (bench/log/2026-11-29.md, "hetero — 2026-11-29 11:20 UTC": its second
+            # round at H too)
+            after = replace(after, confirm_at=step + PROBE_STEPS)
+        return after
 
     def _seen(self, rec: IslandRecord) -> None:
         self.split = split_budget(
