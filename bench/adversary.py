@@ -7,6 +7,10 @@ tests/e2e/test_adversary*.py (issues 22 and 46):
 - flood: back-to-back near-zero pushes (1e-12 an element), to pull the learned norm bound down;
 - ratchet: pushes in one fixed direction, five times larger every 30 pushes, up to the hard cap;
 - fast_claims: zero pushes claiming one push's most steps and tokens at a 1 ms step time;
+- faint_claims: the same claims, each push a fresh random sign vector of twice the least norm the
+  work evidence of a job of two accepts for them (guards.WorkEvidence at its cap: the claimed
+  steps x movementFactor 1.5 x 0.1 x inner.lr per element / 32): what an attacker that knows the
+  rule pushes instead of zeros;
 - slot_holding: six push bodies trickled by the island's credential and six by the admin's;
 - connection_flood: every connection one peer address may open, held idle (another address);
 - merge_log: no participant, but the merge log unwritable (a directory) for the whole run;
@@ -82,6 +86,7 @@ VARIANTS = (
     "sign_flip",
     "step_time_claim",
     "paced_ratchet",
+    "faint_claims",
 )
 ISLANDS = (2, 3, 5)  # --islands: the job's islands, the adversary's included
 # The honest islands and the adversary of a job of M islands (set by main from --islands).
@@ -254,6 +259,22 @@ class Adversary(threading.Thread):
         tokens = steps * spec.inner.tokens_per_step
         while not self.stop.is_set():
             self.push(zero, steps=steps, tokens=tokens, stepTime=0.001)
+
+    def faint_claims(self) -> None:
+        spec = self.job.spec
+        shapes = self.shapes()
+        steps = 4 * spec.inner.steps
+        tokens = steps * spec.inner.tokens_per_step
+        # guards.WorkEvidence's bar at its highest (its step cap: movementFactor x 0.1 x lr per
+        # element and step), over EVIDENCE_RATIO 32, twice over.
+        factor = spec.syncer.guards.movement_factor
+        value = 2.0 * steps * factor * 0.1 * spec.inner.lr / 32.0
+        gen = torch.Generator().manual_seed(1)
+        while not self.stop.is_set():
+            noise = {n: torch.sign(torch.randn(t.shape, generator=gen)) for n, t in shapes.items()}
+            self.push(
+                {n: value * s for n, s in noise.items()}, steps=steps, tokens=tokens, stepTime=0.001
+            )
 
     def slot_holding(self) -> None:
         self.shapes()

@@ -74,6 +74,10 @@ HEALTH_KINDS = {
     # An island's pushes all sit at the learned norm bound (a ratchet, or an island spending
     # what the bound allows): in a job of two the bound holds it, this names it (issue 46).
     "islandAtBound": "IslandPushesAtBound",
+    # An island's pushes all move far less than the other island's per claimed step: work it
+    # claims and does not carry (zero pushes claiming a round's most steps, a job of two, issue
+    # 46); refused, and its claims leave the merges.
+    "islandWorkUnsupported": "IslandWorkUnsupported",
     # The syncer's quality guard ended the job: its eval loss kept rising above the best it had
     # reached (syncer.qualityGuard; one bad island of two, issue 46). The job's final checkpoint
     # is the best-evaluated one.

@@ -20,8 +20,10 @@ An island the syncer dropped for refused pushes gets one Warning Event `IslandDr
 While the syncer reports the health problem `islandAtBound` (an island's pushes all sit at the
 learned norm bound: a ratchet, issue 46) the job gets one Warning Event `IslandPushesAtBound`
 (again once it cleared and came back); the SyncerHealthy condition names it too (conditions.py).
-Likewise the health problem `evalLossRose` (the syncer's quality guard ended the job: its eval
-loss kept rising above the best) gets one Warning Event `EvalLossRose`.
+Likewise the health problem `islandWorkUnsupported` (an island's pushes all move far less than
+the other island's per claimed step: zero pushes claiming work) gets one Warning Event
+`IslandWorkUnsupported`, and the health problem `evalLossRose` (the syncer's quality guard
+ended the job: its eval loss kept rising above the best) one Warning Event `EvalLossRose`.
 """
 
 from __future__ import annotations
@@ -44,6 +46,13 @@ AT_BOUND_MESSAGE = (
     "the syncer reports an island whose pushes all sit at the learned norm bound (a ratchet, or "
     "an island pushing as far as the bound lets it); its status document's health names it"
 )
+WORK_UNSUPPORTED = "IslandWorkUnsupported"
+WORK_UNSUPPORTED_KIND = "islandWorkUnsupported"  # syncer/state/problems.py
+WORK_UNSUPPORTED_MESSAGE = (
+    "the syncer reports an island whose pushes all move far less than the other island's per "
+    "claimed step (work claimed that its pushes do not carry); they are refused and its claims "
+    "leave the merges; its status document's health names it"
+)
 EVAL_LOSS_ROSE = "EvalLossRose"
 EVAL_LOSS_ROSE_KIND = "evalLossRose"  # syncer/state/problems.py
 EVAL_LOSS_ROSE_MESSAGE = (
@@ -55,6 +64,7 @@ EVAL_LOSS_ROSE_MESSAGE = (
 # cleared and came back): kind -> (Event reason, message).
 PROBLEM_EVENTS = {
     AT_BOUND_KIND: (AT_BOUND, AT_BOUND_MESSAGE),
+    WORK_UNSUPPORTED_KIND: (WORK_UNSUPPORTED, WORK_UNSUPPORTED_MESSAGE),
     EVAL_LOSS_ROSE_KIND: (EVAL_LOSS_ROSE, EVAL_LOSS_ROSE_MESSAGE),
 }
 # A reason this operator does not know (a newer syncer's): counted, never quoted.

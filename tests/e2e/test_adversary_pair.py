@@ -14,6 +14,10 @@
 - A push of one claimed step at the learned bound was scaled to a round of work (x H) in the
   merge: ten honest rounds' movement in one merge. Now a job of two clips each merge's
   pseudo-gradient per round to syncer.guards.movementFactor x one honest AdamW round.
+- Zero pushes claiming a push's most steps at a 1 ms step time took merge weight, work fraction
+  and 73% of stopAfter.tokens. Now a push must carry its claimed work (the work evidence): one
+  that moved less than 1/32 of the reference per claimed step is refused `work_unsupported` and
+  eight in a row name the island; faint pushes above that bar are merged, and named.
 """
 
 from __future__ import annotations
@@ -163,3 +167,58 @@ def test_adversary_pair_push_at_the_bound_is_clipped_to_an_adamw_round(
     norm, cap = (float(x) for x in clips[0])
     assert norm == pytest.approx(4 * value * math.sqrt(numel), rel=1e-3)
     assert cap == pytest.approx(1.5 * 1e-3 * 4 * math.sqrt(numel), rel=1e-3)
+
+
+def test_adversary_pair_zero_claims_carry_no_work_and_are_named(syncer: SyncerHandle) -> None:
+    """Issue 46's fast claims at M = 2: zero pushes claiming a push's most steps (4 x H = 16)
+    at a 1 ms step time took merge weight, work fraction and 73% of stopAfter.tokens. The honest
+    pushes move 1e-3 an element in one step; the bar per claimed step is 1/32 of that, at most
+    1/32 of the cap's share 1.5 x 0.1 x lr 1e-3: a zero push is refused `work_unsupported`
+    (never towards a drop), credits no token, and eight in a row name the adversary
+    (islandWorkUnsupported); the honest island's next merge is then complete alone (fraction
+    1: the adversary no longer spans the round)."""
+    shapes = join_all(syncer, (HONEST, ADVERSARY))
+    for _ in range(WARMUP):
+        honest_push(syncer, shapes)
+    zero = filled(shapes, 0.0)
+    unsupported = 0
+    for _ in range(60):  # the work rate may refuse a few first (steps_out_of_range)
+        code, doc = push_as(syncer, ADVERSARY, zero, steps=16, tokens=16 * 64, step_time=0.001)
+        assert code == 422, (code, doc)
+        assert doc["code"] in (protocol.ERROR_UNSUPPORTED_WORK, protocol.ERROR_STEPS_RANGE), doc
+        unsupported += doc["code"] == protocol.ERROR_UNSUPPORTED_WORK
+        if unsupported == 8:
+            break
+    assert unsupported == 8
+    doc = syncer.status()
+    kinds = {p["kind"]: p["message"] for p in doc["health"]["problems"]}
+    assert ADVERSARY in kinds.get("islandWorkUnsupported", ""), kinds
+    assert doc["islands"][ADVERSARY]["state"] == protocol.STATE_ACTIVE  # not dropped
+    assert doc["islands"][ADVERSARY]["mergedTokens"] == 0
+    assert doc["refusals"][ADVERSARY][protocol.ERROR_UNSUPPORTED_WORK] == 8
+    honest_push(syncer, shapes)
+    merges = [json.loads(x) for x in (syncer.state_dir / "merges.jsonl").read_text().splitlines()]
+    assert all(c["island"] == HONEST for m in merges for c in m["contributors"])
+    assert [m["fraction"] for m in merges[:WARMUP]] == [pytest.approx(0.5 / 4)] * WARMUP
+    assert merges[-1]["complete"] is True
+    assert merges[-1]["fraction"] == pytest.approx(1 / 4)  # one step of H = 4, alone
+
+
+def test_adversary_pair_faint_claims_are_merged_but_named(syncer: SyncerHandle) -> None:
+    """The rule's limit, on a live syncer: pushes of 4 claimed steps at 3.75e-5 an element move
+    1/16 of the reference per claimed step (the cap's share, 1.5 x 0.1 x lr 1e-3 = 1.5e-4 an
+    element, below the honest 1e-3): above the bar (1/32) they are accepted and merged, and
+    eight in a row name the island (islandWorkUnsupported at 1/4), which stays active."""
+    shapes = join_all(syncer, (HONEST, ADVERSARY))
+    for _ in range(WARMUP):
+        honest_push(syncer, shapes)
+    faint = filled(shapes, 4 * 1.5e-4 / 16)
+    for _ in range(8):
+        code, doc = push_as(syncer, ADVERSARY, faint, steps=4, tokens=4 * 64, step_time=0.001)
+        assert code == 200 and doc["accepted"] is True, (code, doc)
+    doc = syncer.status()
+    kinds = {p["kind"]: p["message"] for p in doc["health"]["problems"]}
+    assert ADVERSARY in kinds.get("islandWorkUnsupported", ""), kinds
+    assert "1/4 " in kinds["islandWorkUnsupported"]
+    assert doc["islands"][ADVERSARY]["state"] == protocol.STATE_ACTIVE
+    assert ADVERSARY not in doc["refusals"]

@@ -56,6 +56,11 @@ def merges_after(run: LocalRun, versions: dict[int, int], skip: int = 0) -> list
 
 
 RESUMED = re.compile(r"data: resuming at window (\d+) ")
+# A learner's lines for a merge wait that its wait budget ended, a push it made again because
+# that wait ran out, and a drain that waited a budget for a finish that could not come.
+BUDGET_WAITS = re.compile(
+    r"not merged within \d+s|overdue, pushing it again|drained, but the job did not finish"
+)
 
 
 def joined_versions(log_file: Path) -> list[int]:
@@ -165,3 +170,11 @@ def test_learner_rides_out_a_syncer_restart_and_the_job_finishes(
     # ...and leave on their own once it says finished.
     run.wait_learners(120)
     assert [p.returncode for p in run.learners] == [0, 0]
+    # With no wait budget spent: at K = M a push the restarted syncer lost or refused is pushed
+    # again at once and the merges it lost are made up, so each island's push of a sync point
+    # meets the other's in one round (before, an island's pushes met its peer's pushes of the
+    # sync point before for the rest of the job, every round freed by a budget: 20, 60, 181 s),
+    # and each island trains the work the restart took back before it drains (before, both
+    # waited a budget for a finish that could not come).
+    waits = {p.name: BUDGET_WAITS.findall(p.log_file.read_text()) for p in run.learners}
+    assert waits == {p.name: [] for p in run.learners}, waits

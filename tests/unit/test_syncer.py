@@ -296,6 +296,7 @@ def test_syncer_finishes_on_tokens_with_eval_and_checkpoint(tmp_path: Path) -> N
         "version": 3,
         "pending": 0,
         "reason": "the job has finished",
+        "run": syncer.run,
     }
     pulled = run(_pull_after_finish(syncer))
     assert pulled is not None

@@ -190,7 +190,9 @@ def test_syncer_retried_push_after_a_restart_counts_once(tmp_path: Path) -> None
 
     raw, answer = run(first())
     resumed, retried = run(second(raw))
-    assert retried == {**answer, "duplicate": True}
+    # The first answer again, named by the run that gives it (its merge is this run's version)
+    assert retried == {**answer, "duplicate": True, "run": resumed.run}
+    assert resumed.run != answer["run"]
     assert resumed.state.rounds[0].pending == {}
     assert resumed.tokens == 100 and resumed.state.versions == [1]
 

@@ -127,6 +127,10 @@ class PushAnswer(Document):
     finished: bool = False  # the job has finished: nothing is accepted any more
     reason: str = ""  # why it was not accepted
     inner_steps: int | None = Field(None, ge=1)  # the island's H_i now (as in JoinInfo)
+    # The syncer run that answered (made at its start-up; a restart is a new run): a learner
+    # names it when it pulls the merge of this push, so that a restarted syncer, which lost the
+    # push with its pending rounds, says so at once (protocol.ERROR_RESTARTED). Absent: older.
+    run: str = ""
 
 
 class HeartbeatAnswer(Document):
@@ -293,6 +297,7 @@ class SyncerStatus(Document):
     # reasons from protocol.REFUSAL_REASONS (older syncers: none).
     refusals: dict[str, dict[str, int]] = Field(default_factory=dict)
     resumed_from: str | None = None  # the checkpoint the syncer resumed from
+    run: str = ""  # this run of the syncer (PushAnswer.run): a restart is a new one
     checkpoint: CheckpointRef | None = None  # the newest checkpoint written or resumed from
     failure: str | None = None  # why the syncer stopped taking work (it must be restarted)
     time: float = 0.0  # the syncer's clock when it wrote the document

@@ -7,7 +7,7 @@ MembershipAnswer, SyncerStatus) and client.py is the one JSON client of these ro
 
 - ``POST /v1/join`` JSON {"island", "replicas"} -> {"fragments", "versions", "outerStep",
   "finished", "codec", "pullCompression", "state"}.
-- ``GET /v1/fragments/{f}?after=V&wait=S[&have=H]`` -> safetensors body of fragment f's fp32
+- ``GET /v1/fragments/{f}?after=V&wait=S[&have=H][&run=R]`` -> safetensors body of fragment f's fp32
   global weights (the published copy, see published.py), header metadata {"kind": "full",
   "version", "fragment", "outerStep", "finished"}; long-polls up to S seconds (capped at
   MAX_WAIT_SECONDS) for a version > V, then 304. A client that holds version H of the fragment
@@ -18,9 +18,12 @@ MembershipAnswer, SyncerStatus) and client.py is the one JSON client of these ro
   above. The client applies them in order (published.apply_updates) and checks the checksum;
   leaving out ``have`` (or have=-1) always gets the full weights. ``after`` is not the held
   version: a learner waits for the merge that carries its push, which may be newer than its base.
+  ``run`` is the syncer run that accepted that push (PushAnswer.run): another run whose version is
+  still at most V answers 409 ``restarted`` at once, since pending pushes are not checkpointed and
+  the merge waited for can never carry it (the learner pushes it again: docs/algorithm.md).
 - ``POST /v1/fragments/{f}/push`` safetensors body of ``compress.encode_tensors(Δ_f, codec)`` with
   metadata {"island", "baseVersion", "tokens", "steps", "loss", "stepTime", "codec"} and the
-  optional {"syncTime", "pushId"} -> {"accepted", "version", "pending"}.
+  optional {"syncTime", "pushId"} -> {"accepted", "version", "pending", "run"}.
 - ``POST /v1/heartbeat`` {"island", "step", "tokens", "loss", "stepTime"} and the optional
   {"holding", "drained"} (JSON booleans) -> {"state", "finished", "versions"}.
 - ``POST /v1/leave`` {"island"} -> {"island", "state"}; ``GET /v1/status[?digest=1]`` -> the
@@ -76,6 +79,9 @@ ADMIN_STATES: tuple[IslandState, ...] = (STATE_ACTIVE, STATE_DROPPED)
 # Machine-readable "code" in some error bodies ({"error": message, "code": code}).
 ERROR_STALE = "stale"  # 409: baseVersion older than maxStaleness allows: pull, then push again
 ERROR_AHEAD = "ahead"  # 409: baseVersion newer than the syncer's (it restarted from a checkpoint)
+# 409: a pull for the merge of a push that an earlier run of the syncer accepted, from a run that
+# has not merged past it: the push was lost with that run's pending rounds; push it again.
+ERROR_RESTARTED = "restarted"
 ERROR_UNKNOWN_ISLAND = "unknown_island"  # 404: join first (e.g. the syncer lost its state)
 ERROR_DROPPED = "dropped"  # 403: the operator dropped this island
 # 422: a contribution the syncer refused to merge (syncer/intake/guards.py): each names its reason.
@@ -84,12 +90,15 @@ ERROR_NORM_CAP = "norm_above_cap"  # Δ's norm above syncer.guards.maxDeltaNorm
 ERROR_NORM_OUTLIER = "norm_outlier"  # Δ's norm above normFactor x the fragment's median
 ERROR_STEPS_RANGE = "steps_out_of_range"  # more inner steps than one round of the island allows
 ERROR_TOKENS_RANGE = "tokens_out_of_range"  # more tokens than its steps x batch x seq x replicas
+# Δ moved far less per claimed step than the other island's pushes do (a job of two: guards.py)
+ERROR_UNSUPPORTED_WORK = "work_unsupported"
 CONTRIBUTION_REFUSALS = (
     ERROR_NON_FINITE,
     ERROR_NORM_CAP,
     ERROR_NORM_OUTLIER,
     ERROR_STEPS_RANGE,
     ERROR_TOKENS_RANGE,
+    ERROR_UNSUPPORTED_WORK,
 )
 # A push of a known island whose body does not decode to the fragment's tensors (400: NaN, a
 # wrong shape or codec). Not an error code of a body: a reason in the status document's

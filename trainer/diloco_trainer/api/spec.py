@@ -285,7 +285,10 @@ class GuardsSpec(SpecModel):
         "it, so a bad island of two moves the model per round of claimed work by at most that. "
         "An honest push of any length is within it: a step of the inner AdamW (betas 0.9, "
         "0.95) moves an element by at most about 1.17 x lr (docs/adversaries.md). Each merge "
-        "record says the norm and the clip (movement, clip). 0 turns it off.",
+        "record says the norm and the clip (movement, clip). With it on, a job of two also "
+        "refuses a push whose pseudo-gradient moved less than 1/32 of the other island's "
+        "movement per claimed step (work_unsupported: claimed work it does not carry; "
+        "docs/algorithm.md). 0 turns both off.",
     )
 
 

@@ -25,9 +25,11 @@ that holds steps since its base (a partial round: the syncer merges it at its wo
 core/contributions.py), take those merges, then tell the syncer in a heartbeat that the island
 drained (syncer/state/rounds.py: it waits for drained islands no more, and finishes once every
 active island has drained at the budget). The island then waits for the finish; if it does not come
-within the wait budget (work was lost: the syncer restarted from an older checkpoint, an island
-was dropped with its part undone; or an island is not draining), it says so, stops saying
-drained and trains on under the syncer's rule, until stopAfter is reached.
+within the wait budget (work was lost: an island was dropped with its part undone; or an
+island is not draining), it says so, stops saying drained and trains on under the syncer's rule,
+until stopAfter is reached. Work a syncer restart took back (it resumed from an older
+checkpoint) is trained before the drain instead: the loop leaves FragmentSync.lost_work out of
+the share's count (fragment_state.MergedSteps).
 """
 
 from __future__ import annotations

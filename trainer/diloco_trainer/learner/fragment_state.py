@@ -79,6 +79,48 @@ class FragmentCounters:
         return self.time_sum / self.steps if self.steps else 0.0
 
 
+# Versions of each fragment whose merged steps an island keeps (MergedSteps): a syncer restart
+# that goes back further is counted at a round of steps per merge.
+KEPT_VERSIONS = 64
+
+
+class MergedSteps:
+    """One fragment's count of this island's inner steps merged into it, at each version it
+    received, for what a syncer restart takes back (`rolled_back`).
+
+    Why: at K = M an island drains at its share of stopAfter counted in its own steps; a
+    syncer that resumed from an older checkpoint lost the merges since, and an island that
+    drained at its share then waited a whole wait budget for a finish that could not come
+    (the work was short), then trained on (tests/e2e/test_learner_restart.py: 20 s each time).
+    The steps the restart took back are added to the share instead (FragmentSync.lost_work,
+    loop.py)."""
+
+    def __init__(self, version: int) -> None:
+        self.total = 0  # steps merged up to the newest version received
+        self.at: dict[int, int] = {version: 0}
+
+    def merged(self, version: int, steps: int) -> None:
+        """A merge of this island's push of `steps` steps received as `version`."""
+        self.total += steps
+        self.at[version] = self.total
+        for old in sorted(self.at)[:-KEPT_VERSIONS]:
+            del self.at[old]
+
+    def rolled_back(self, version: int, *, held: int, round_steps: int) -> int:
+        """Steps lost when the syncer went back from the version held (`held`) to `version`:
+        those merged after it. Versions no longer kept (or from before this process joined)
+        count a round of steps (`round_steps`) per merge taken back."""
+        if version >= held:
+            return 0
+        oldest = min((v for v in self.at if v >= version), default=held)
+        known = self.total - self.at.get(oldest, self.total)
+        lost = known + (oldest - version) * round_steps
+        self.total = max(0, self.total - lost)
+        self.at = {v: n for v, n in self.at.items() if v < version}
+        self.at[version] = self.total
+        return lost
+
+
 @dataclass
 class InFlight:
     """A pushed fragment whose merged result is not applied yet."""
@@ -89,6 +131,10 @@ class InFlight:
     # (first poll, wait deadline) in steps after the push: those of the τ it was made with.
     window: tuple[int, int]
     previous: float | None = None  # time.monotonic() of the fragment's push before this one
+    # Pushed again after a syncer restart (FragmentSync.resend_lost, _push_again, _make_up):
+    # out of schedule, so its merge is waited for at the fragment's next sync point rather
+    # than skipping that push (FragmentSync._plan).
+    again: bool = False
 
 
 @dataclass

@@ -26,12 +26,13 @@ from torch import Tensor, nn
 from diloco_trainer.api.protocol import PushMeta
 from diloco_trainer.api.spec import ConfigError, JobSpec
 from diloco_trainer.core import compress
-from diloco_trainer.core.fragments import fragment_offsets
+from diloco_trainer.core.fragments import fragment_offsets, fragments_due
 from diloco_trainer.core.push_bounds import STEP_ROUNDS, max_push_steps
 from diloco_trainer.learner.device_copies import adopt
 from diloco_trainer.learner.fragment_state import (
     FragmentState,
     InFlight,
+    MergedSteps,
     at_step_cap,
     checked_fragment,
     storage_bytes,
@@ -52,6 +53,7 @@ from diloco_trainer.learner.step_plan import (
 from diloco_trainer.learner.syncer_link import (
     WAIT_SLICE_SECONDS,
     HeldFragment,
+    PushLost,
     SyncerLink,
     SyncResult,
 )
@@ -82,6 +84,21 @@ class FragmentSync:
         self.last_push: dict[int, float] = {}  # time.monotonic() of each fragment's latest push
         self.inflight: dict[int, InFlight] = {}
         self.arrived: dict[int, SyncResult] = {}
+        # Fragments whose push a restarted syncer refused (SyncResult.restarted), received from
+        # it: pushed again as soon as their receipt is installed (after_step), unless a push
+        # came first (the drain's).
+        self.push_again: set[int] = set()
+        # Set when a sync shows that the syncer restarted (a lost push, a push refused as
+        # ahead): the next after_step makes up the merges it lost (_make_up).
+        self.restart_seen = False
+        # Receipts of pushes made again, taken at the fragment's sync point (_plan) for after_step.
+        self.early: dict[int, Weights] = {}
+        # Fragments made up after a restart (_make_up): their next sync point's push is made.
+        self.skip_once: set[int] = set()
+        # Per fragment: this island's steps merged into it (drain.py's share counts steps),
+        # and those a syncer restart took back (lost_work).
+        self.merged_steps: list[MergedSteps] = []
+        self.lost_steps: list[int] = []
         self.round_times: list[float] = []
         self.error_feedback = compress.ErrorFeedback() if spec.sync.error_feedback else None
         self.step_time = 0.0  # EMA of the inner step time, kept by the loop
@@ -151,13 +168,18 @@ class FragmentSync:
         return waited
 
     def wait(self, future: concurrent.futures.Future[Any], timeout: float) -> bool:
-        """Block up to `timeout` for a future; give up early on SIGTERM or a finished job."""
+        """Block up to `timeout` for a future; give up early on SIGTERM or a finished job.
+        Meanwhile every push a restarted syncer lost is pushed again (resend_lost) and the merges
+        it lost are made up (_make_up), whichever fragment this waits for: at K = M the merge
+        waited for may need a peer's push that waits, in turn, for one of this island's."""
         deadline = time.monotonic() + timeout
         while not future.done():
             remaining = deadline - time.monotonic()
             if remaining <= 0 or self.stop.is_set() or self.finished():
                 return False
             concurrent.futures.wait([future], timeout=min(remaining, WAIT_SLICE_SECONDS))
+            self.resend_lost()
+            self._make_up()
         return True
 
     # -- memory ----------------------------------------------------------------------------------
@@ -229,6 +251,8 @@ class FragmentSync:
         """The global weights of every fragment fetched on joining (they overwrite the local
         ones, whatever sync.mixAlpha says)."""
         out = {}
+        self.merged_steps = [MergedSteps(r.pulled.version) for _, r in sorted(self.arrived.items())]
+        self.lost_steps = [0] * len(self.merged_steps)
         for f, result in sorted(self.arrived.items()):
             merged = checked_fragment(
                 f, result.pulled.tensors, self.params, self.fragments[f].names
@@ -261,6 +285,8 @@ class FragmentSync:
             self.wall_step = 0.9 * self.wall_step + 0.1 * dt if self.wall_step else dt
         self._last_step = now
         positions, self.phase_pending = schedule_positions(self.position, self.phase_pending)
+        self.resend_lost()
+        self._make_up()
         pushed_at = {f: fl.step for f, fl in self.inflight.items()}
         if not positions:
             idle = plan_idle(
@@ -277,18 +303,69 @@ class FragmentSync:
                 self.position = pos
                 plans.append(self._plan(pos))
             self._adopt_round()
-        out: dict[int, Weights] = {}
+        out, self.early = self.early, {}
         for plan in plans:
             for f in self._collect_plan(plan):
                 target = self.receive(f)
                 if self.shards is None:  # sharded: every rank has installed its rows already
                     out[f] = target
+        self._push_again(out)
+        self._make_up()
         # An eager jump not overtaken by a receipt in this call (which started from it).
         for f, proxy in self.jumps.items():
             out.setdefault(f, proxy)
         self.jumps = {}
         self._hold(out)
         return out
+
+    def _push_again(self, out: dict[int, Weights]) -> None:
+        """Push each fragment in push_again now, from the restarted syncer's fragment just
+        received (installed on rank 0 first: the push reads the parameters; `out` still hands
+        it to every rank): the steps since the refused push, into the syncer's open round
+        beside its peers' pushes of that sync point (docs/algorithm.md, "A syncer restart")."""
+        if not self.push_again:
+            return
+        self.install({f: out[f] for f in self.push_again if f in out})
+        for f in sorted(self.push_again):
+            if f in self.inflight:
+                continue  # pushed already (the push cleared it) or a resent one in flight
+            if not self.fragments[f].counters.steps:
+                continue  # refused as soon as pushed: pushed after the next step (a push of
+                # no steps is refused as malformed)
+            tau = self.overlap_fit.fit(self.wall_step or self.step_time)
+            self.push(f, self.position, self.overlap_fit.window(tau), again=True)
+
+    def _make_up(self) -> None:
+        """After a syncer restart (restart_seen): each fragment with no push in flight whose
+        base is a version the restarted syncer lost is pushed now, its base counted as the
+        syncer's version (the Δ a pull keeping the steps since the base would give), and that
+        push stands for its next sync point (skip_once): a peer that pushed that sync point
+        before the restart pushes it again (docs/algorithm.md, "A syncer restart", rule 3)."""
+        if not self.restart_seen:
+            return
+        self.restart_seen = False
+        future = self.link.submit(self.link.versions(len(self.fragments)))
+        budget = wait_budget(self.round_times, self.spec.sync.heartbeat_timeout_seconds)
+        if not self.wait(future, budget) or future.exception() is not None:
+            return  # unreachable again: its next refusal says so once more
+        tau = self.overlap_fit.fit(self.wall_step or self.step_time)
+        for f, version in enumerate(future.result()):
+            state = self.fragments[f]
+            if f in self.inflight or state.version <= version:
+                continue
+            log.warning(
+                "step %d: fragment %d: the restarted syncer is at version %d, behind this "
+                "island's base %d; pushing the steps since the base now, on its version",
+                self.position,
+                f,
+                version,
+                state.version,
+            )
+            if self.merged_steps:
+                self._lost(f, state.version, version)
+            state.version = version
+            self.push(f, self.position, self.overlap_fit.window(tau), rebased=True)
+            self.skip_once.add(f)
 
     def _adopt_round(self) -> None:
         """At a round boundary, go on with the round the syncer named for this island (its H_i,
@@ -361,6 +438,7 @@ class FragmentSync:
             log.info("step %d: held %.1fs for the syncer; stepping on", self.position, held)
 
     def _plan(self, position: int) -> StepPlan:
+        self._take_again(position)
         abandoned = self._abandoned()
         # τ for a push now, fitted to the measured sync latency (sync.overlapMode); pushes in
         # flight keep the window they were made with.
@@ -377,13 +455,33 @@ class FragmentSync:
             deadline=window[1],
             poll_from=window[0],
             windows={f: fl.window for f, fl in self.inflight.items()},
+            skip_once=frozenset(self.skip_once),
         )
+        self.skip_once -= set(plan.skip)
         for f in plan.push:
             self.overlap_fit.pushed(tau, clock, position)
             self.push(f, position, window)
             if tau > 0:
                 self._eager_jump(f)
         return plan
+
+    def _take_again(self, position: int) -> None:
+        """At a fragment's sync point, the merge of its push made again after a syncer restart
+        (InFlight.again) is waited for (as any merge wait) and received first, so the push due
+        now is made, not skipped (docs/algorithm.md, "A syncer restart", rule 2)."""
+        if position < self.round_steps:
+            return  # a fresh job's first round pushes nothing (plan_step)
+        budget = wait_budget(self.round_times, self.spec.sync.heartbeat_timeout_seconds)
+        for f in fragments_due(position, self.round_steps, self.offsets):
+            flight = self.inflight.get(f)
+            if flight is None or not flight.again:
+                continue
+            if not self.collect(f, block=budget if self.blocking else 0.0):
+                continue  # not back: skipped as any push in flight
+            target = self.receive(f)
+            if self.shards is None:
+                self.install({f: target})  # the push below reads the parameters
+                self.early[f] = target
 
     def _eager_jump(self, f: int) -> None:
         """sync.lateMergeRule eager, after a push overlapped with τ > 0 steps: move fragment f to
@@ -458,10 +556,16 @@ class FragmentSync:
         parameter is written. They are fp32 master weights."""
         return {n: self.params[n].detach() for n in self.fragments[f].names}
 
-    def push(self, f: int, position: int, window: Window) -> None:
+    def push(
+        self, f: int, position: int, window: Window, *, again: bool = False, rebased: bool = False
+    ) -> None:
         """Compute Δ_f = θ_global − θ_local (fp32, where the weights are), encode it and push it
         in the background; its merge is polled for and waited for at `window` (steps after the
-        push)."""
+        push at `position`). `again`: a push made again after a syncer restart (resend_lost:
+        `position` is the lost push's, so its merge is polled for and waited for where that
+        one's would have been; _push_again), whose merge is taken at the next sync point.
+        `rebased`: the base's version was counted as the syncer's (_make_up), so its weights
+        are not that version's: the merge is pulled whole, not as updates to them."""
         began = time.perf_counter()
         state = self.fragments[f]
         c = state.counters
@@ -482,17 +586,18 @@ class FragmentSync:
             codec=codec,
             sync_time=state.last_sync_seconds,
         )
+        self.push_again.discard(f)
         old = self.inflight.get(f)
         previous = self.last_push.get(f)
         self.last_push[f] = time.monotonic()
-        if old is not None:
+        if old is not None and not again:
             old.future.cancel()
             log.warning("step %d: fragment %d overdue, pushing it again", position, f)
         # A sharded island holds no whole fragment to apply compressed updates to: it pulls
         # full fragments (held None).
         held = (
             HeldFragment(state.version, state.base, state.base_on_device or None)
-            if self.shards is None
+            if self.shards is None and not rebased
             else None
         )
         # Learners that do not block align their phase within merges too (merge_lateness).
@@ -511,6 +616,7 @@ class FragmentSync:
             future=future,
             previous=previous,
             window=window,
+            again=again,
         )
         # A deferred host push (FragmentState.encode_push) is encoded on the link's thread: its
         # bytes are the int8 format's, known from the sizes.
@@ -518,10 +624,11 @@ class FragmentSync:
             self._current(f)
         )
         log.info(
-            "step %d: fragment %d pushed (base version %d, %d bytes %s, %d tokens in %d steps; "
+            "step %d: fragment %d pushed%s (base version %d, %d bytes %s, %d tokens in %d steps; "
             "%.3fs on the training thread)",
-            position,
+            self.position if again else position,
             f,
+            " again" if again else "",
             state.version,
             nbytes,
             codec,
@@ -531,10 +638,20 @@ class FragmentSync:
         )
 
     def collect(self, f: int, *, block: float) -> bool:
-        """Has fragment f's sync finished (waiting up to `block` s)? Keeps the result."""
-        flight = self.inflight[f]
-        if not self.wait(flight.future, block):
-            return False
+        """Has fragment f's sync finished (waiting up to `block` s)? Keeps the result. A push
+        lost to a syncer restart is pushed again (resend_lost) and its merge waited for in the
+        time left."""
+        deadline = time.monotonic() + block
+        while True:
+            flight = self.inflight[f]
+            done = self.wait(flight.future, max(0.0, deadline - time.monotonic()))
+            if self.inflight.get(f) is not flight:
+                continue  # pushed again meanwhile (wait's resend_lost): wait for that one
+            if not done:
+                return False
+            if not _push_lost(flight.future):
+                break
+            self.resend_lost()
         try:
             self.arrived[f] = flight.future.result()
             self.measured[f] = flight.previous
@@ -547,6 +664,30 @@ class FragmentSync:
         del self.inflight[f]
         return True
 
+    def resend_lost(self) -> None:
+        """Push again, at once, every fragment whose push a restarted syncer lost (its sync
+        ended in PushLost): the same base (or the syncer's version when that is behind it) and
+        all the work since, in the lost push's place in the schedule. Pushed only at its next
+        sync point, it met its peers' pushes of the sync point before for the rest of the job
+        (docs/algorithm.md, "A syncer restart", rule 1)."""
+        for f, flight in list(self.inflight.items()):
+            if not _push_lost(flight.future):
+                continue
+            self.restart_seen = True
+            err = flight.future.exception()
+            log.warning("step %d: fragment %d: %s; pushing it again now", self.position, f, err)
+            # Its base may be a version the restarted syncer lost too (it resumed from an older
+            # checkpoint): counted as the syncer's version, as _make_up does, so the push is
+            # taken, not refused as ahead, and carries all the work since the base.
+            state = self.fragments[f]
+            version = err.version if isinstance(err, PushLost) else -1
+            rebased = 0 <= version < state.version
+            if rebased:
+                if self.merged_steps:
+                    self._lost(f, state.version, version)
+                state.version = version
+            self.push(f, flight.step, flight.window, again=True, rebased=rebased)
+
     def receive(self, f: int) -> Weights:
         """Install an arrived fragment as the new base; the weights the island continues from."""
         began = time.perf_counter()
@@ -554,6 +695,7 @@ class FragmentSync:
             self._note_copies()  # the merged fragment beside the base it replaces
         result = self.arrived.pop(f)
         state = self.fragments[f]
+        held, carried = state.version, state.counters_at_push
         merged = checked_fragment(f, result.pulled.tensors, self.params, self.fragments[f].names)
         if self.shards is not None:
             self.shards.receive(f, merged)
@@ -575,7 +717,14 @@ class FragmentSync:
                 seconds=result.seconds,
             )
         )
-        self.round_times = [*self.round_times[-7:], result.seconds]
+        self._count_merged(f, result, held, carried.steps if carried is not None else 0)
+        if result.restarted:
+            self.push_again.add(f)
+            self.restart_seen = True
+        else:
+            # A sync that rode out a syncer restart took the outage's time: kept, it would
+            # raise the wait budget (3x the recent times) for the next rounds.
+            self.round_times = [*self.round_times[-7:], result.seconds]
         log.info(
             "step %d: fragment %d applied version %d (%s, %.2fs after the push; %.3fs on the "
             "training thread)",
@@ -593,6 +742,31 @@ class FragmentSync:
             return target  # a reading of a push from before our last shift: already corrected
         self._align(f, result.lateness, within=result.lateness_within)
         return target
+
+    def _count_merged(self, f: int, result: SyncResult, held: int, carried: int) -> None:
+        """Keep the count of this island's steps merged into fragment f (MergedSteps) after a
+        receipt of `result` (the base was version `held`, the push carried `carried` steps):
+        a merge adds them; a restarted syncer's fragment takes back the merges it lost, and
+        the refused push's steps are lost too (its receipt keeps only the steps since)."""
+        if not self.merged_steps:
+            return
+        if result.outcome == "merged":
+            self.merged_steps[f].merged(result.pulled.version, carried)
+        elif result.restarted:
+            self._lost(f, held, result.pulled.version, carried)
+
+    def _lost(self, f: int, held: int, version: int, carried: int = 0) -> None:
+        """Fragment f went back from version `held` to the restarted syncer's `version`."""
+        back = self.merged_steps[f].rolled_back(version, held=held, round_steps=self.round_steps)
+        self.lost_steps[f] += back + carried
+
+    @property
+    def lost_work(self) -> float:
+        """This island's work (in round_work's units) that syncer restarts took back from
+        the fragment that lost the most: at K = M the drain's share counts round_work, and the
+        job's outer step is its least merged fragment's, so the island trains that much more
+        before it drains (loop.py; MergedSteps says why)."""
+        return max(self.lost_steps, default=0) * self.spec.inner.steps / self.round_steps
 
     def _alpha(self) -> float:
         return self.spec.sync.mix_alpha
@@ -614,3 +788,8 @@ class FragmentSync:
                 "delaying" if shift > 0 else "advancing",
                 abs(shift),
             )
+
+
+def _push_lost(future: concurrent.futures.Future[Any]) -> bool:
+    """Whether a finished sync ended because a restarted syncer lost its push."""
+    return future.done() and not future.cancelled() and isinstance(future.exception(), PushLost)

@@ -412,8 +412,9 @@ class Learner:
                     self._hint_waits(costs)
                     window_tokens, window_start, costs = 0, now, WindowCosts()
                     window_cpu = cpu_now
-                # K = M: the share counts rounds (a step is H / H_i of inner.steps' units)
-                work = math.floor(self.sync.round_work + 1e-9)
+                # K = M: the share counts rounds (a step is H / H_i of inner.steps' units), but
+                # not the work a syncer restart took back (FragmentSync.lost_work)
+                work = math.floor(self.sync.round_work - self.sync.lost_work + 1e-9)
                 due = self.drain_at.due(
                     work, self.tokens, self.link.stop_at, split=self.link.split_budget
                 )

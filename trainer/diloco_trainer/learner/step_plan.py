@@ -109,6 +109,7 @@ def plan_step(
     deadline: int | None = None,
     poll_from: int | None = None,
     windows: Mapping[int, Window] | None = None,
+    skip_once: frozenset[int] = frozenset(),
 ) -> StepPlan:
     """Decide what happens to each fragment after inner step `step` (counted from 1).
 
@@ -134,6 +135,9 @@ def plan_step(
     pushed with (sync.overlapMode auto fits τ between pushes); a fragment pushed now, or one
     not in it, has `poll_from` and `deadline`.
 
+    `skip_once`: due fragments not pushed now, their push made already (one made up after a
+    syncer restart stands for the next sync point: fragment_sync._make_up).
+
     A fragment due at a step below H is skipped: those steps are a fresh job's first round
     (schedule_start starts every later join at H or later), so every island skips alike and each
     fragment's first push holds its stagger plus a whole round (1 + f/F rounds). Pushed at its
@@ -156,7 +160,8 @@ def plan_step(
             raise ValueError(f"a merge's first poll ({first}) is not within 0..{last}")
     due = fragments_due(step, inner_steps, offsets)
     early = step < inner_steps  # a fresh job's first round: no push yet
-    push = tuple(f for f in due if not early and (f not in pushed_at or f in abandoned))
+    held = {f for f in pushed_at if f not in abandoned} | skip_once
+    push = tuple(f for f in due if not early and f not in held)
     skip = tuple(f for f in due if f not in push)
     apply_at = dict(pushed_at)
     apply_at.update({f: step for f in push})

@@ -91,17 +91,22 @@ class SyncerClient(SyncerJsonClient):
         return nbytes / self.min_body_rate
 
     async def pull_fragment(
-        self, fragment: int, *, after: int = -1, wait: float = 0, have: int = -1
+        self, fragment: int, *, after: int = -1, wait: float = 0, have: int = -1, run: str = ""
     ) -> PulledFragment | PulledUpdates | None:
         """Fragment `fragment`'s global weights if its version is > `after`, waiting up to `wait`
         seconds for one; None when nothing newer came in time.
 
         With `have` >= 0 (the version this client holds) the syncer may answer with the chain of
         updates since then (PulledUpdates) instead of the full weights (PulledFragment).
+        `run`: the syncer run that accepted the push whose merge this waits for
+        (PushAnswer.run): a restarted syncer refuses the pull at once (409 restarted) when it
+        has not merged past `after`, since it lost that push.
         """
         params = {"after": str(after), "wait": str(wait)}
         if have >= 0:
             params["have"] = str(have)
+        if run:
+            params["run"] = run
         headers: dict[str, str] = {}
         began = time.monotonic()
         status, body = await self.request(

@@ -18,7 +18,9 @@ the job is finished once every shard has said so (a pulled fragment reads finish
 Refusals: a push refused as too stale (409) or from a dropped island (403) is discarded and the
 current global fragment is pulled and applied in its place. A syncer that forgot the island (404,
 e.g. restarted without it) is joined again. Connection errors are retried by the client with
-backoff.
+backoff. A push that a syncer accepted and then lost by restarting (the restarted syncer refuses
+the pull for its merge: 409 restarted) ends its sync with PushLost at once: the training loop
+pushes the fragment again (fragment_sync.py; docs/algorithm.md, "A syncer restart").
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ from typing import Any, TypeVar
 from torch import Tensor
 
 from diloco_trainer.api.documents import JoinInfo
-from diloco_trainer.api.protocol import PushMeta, SyncerError
+from diloco_trainer.api.protocol import ERROR_AHEAD, ERROR_RESTARTED, PushMeta, SyncerError
 from diloco_trainer.api.sharding import merge_join, shard_of
 from diloco_trainer.core.payloads import PulledFragment, PulledUpdates
 from diloco_trainer.core.published import apply_updates, check_updates, weights_checksum
@@ -54,6 +56,16 @@ T = TypeVar("T")
 LONG_POLL_SECONDS = 20.0
 # Seconds the training loop blocks at a time while it waits, so SIGTERM is noticed promptly.
 WAIT_SLICE_SECONDS = 0.2
+
+
+class PushLost(RuntimeError):
+    """A sync's push was accepted by a syncer run that has since restarted without merging it
+    (pending pushes are not checkpointed): no merge will carry it, so it must be pushed again.
+    `version`: the fragment's version at the restarted syncer (-1: not known)."""
+
+    def __init__(self, message: str, version: int) -> None:
+        super().__init__(message)
+        self.version = version
 
 
 @dataclass(frozen=True)
@@ -84,6 +96,11 @@ class SyncResult:
     latency: float | None = None
     # `pulled`'s tensors already on the learner's GPU (SyncerLink's stager), or None.
     on_device: Mapping[str, Tensor] | None = None
+    # The push was refused because the syncer restarted: its base is ahead of a syncer that
+    # resumed from an older checkpoint (409 ahead), or the syncer forgot the island (404).
+    # `pulled` is the restarted syncer's fragment; the learner pushes again from it at once
+    # (fragment_sync.FragmentSync.receive; docs/algorithm.md, "A syncer restart").
+    restarted: bool = False
 
 
 class SyncerLink:
@@ -231,6 +248,8 @@ class SyncerLink:
         lateness, within_reading = None, False
         push_seconds: float | None = None
         push_bytes = 0
+        restarted = False
+        run = ""  # the syncer run that accepted the push (PushAnswer.run)
         try:
             reply = await self._client(fragment).push_pseudo_gradient(fragment, encoded, meta)
             push_seconds = time.monotonic() - start
@@ -238,6 +257,7 @@ class SyncerLink:
             log.debug("fragment %d push answered %s", fragment, reply)
             if reply.accepted:
                 after = max(after, reply.version)
+                run = reply.run
                 if after > meta.base_version or within:
                     lateness, within_reading = await self._lateness(
                         fragment, meta, after, time.monotonic(), within=within
@@ -245,6 +265,7 @@ class SyncerLink:
         except SyncerError as err:
             after = -1
             outcome = f"push refused ({err})"
+            restarted = err.code == ERROR_AHEAD or err.status == 404
             if err.status == 404:
                 shard = shard_of(fragment, len(self.clients))
                 await self._join_shard(shard, threading.Event())
@@ -254,7 +275,7 @@ class SyncerLink:
         # is awaited and pulled: let them go now, not when the sync ends (`ready`, a deferred
         # encoding's closure, holds them too). ARCHITECTURE.md, "A learner's memory".
         del encoded, ready
-        pulled, on_device, staging = await self._take_merge(fragment, after, held, prepare)
+        pulled, on_device, staging = await self._take_merge(fragment, after, held, prepare, run)
         latency = None
         if push_seconds is not None and outcome == "merged":
             latency = sync_latency(
@@ -273,6 +294,7 @@ class SyncerLink:
             lateness_within=within_reading,
             latency=latency,
             on_device=on_device,
+            restarted=restarted,
         )
 
     async def _take_merge(
@@ -281,10 +303,12 @@ class SyncerLink:
         after: int,
         held: HeldFragment | None,
         prepare: Callable[[Mapping[str, Tensor]], None] | None,
+        run: str = "",
     ) -> tuple[PulledFragment, Mapping[str, Tensor] | None, float]:
-        """sync_fragment's pull of the merge after `after`: the fragment, its copy on the GPU
-        (or None) and the seconds spent staging and preparing it."""
-        pulled, on_device = await self._pull_newer(fragment, after, held)
+        """sync_fragment's pull of the merge after `after` (of a push syncer run `run`
+        accepted): the fragment, its copy on the GPU (or None) and the seconds spent staging
+        and preparing it."""
+        pulled, on_device = await self._pull_newer(fragment, after, held, run)
         staged_at = time.monotonic()
         if self.stager is not None and on_device is None:
             on_device = await asyncio.to_thread(self.stager.stage, pulled.tensors)
@@ -329,6 +353,19 @@ class SyncerLink:
         )
         return of_previous, of_previous is not None
 
+    async def _version(self, fragment: int) -> int:
+        """The fragment's version at its shard now; -1 when the status cannot be read."""
+        try:
+            return (await self._client(fragment).status()).versions[fragment]
+        except SyncerError:
+            return -1
+
+    async def versions(self, num_fragments: int) -> list[int]:
+        """Each fragment's version at the syncer shard that owns it (one status read a shard):
+        after a restart, what it resumed from (fragment_sync.FragmentSync._make_up)."""
+        docs = await asyncio.gather(*(client.status() for client in self.clients))
+        return [docs[shard_of(f, len(self.clients))].versions[f] for f in range(num_fragments)]
+
     async def resync(self, fragment: int) -> SyncResult:
         """The current global fragment, when a sync went wrong in a way a retry cannot fix."""
         start = time.monotonic()
@@ -336,11 +373,12 @@ class SyncerLink:
         return SyncResult(pulled=pulled, outcome="resynced", seconds=time.monotonic() - start)
 
     async def _pull_newer(
-        self, fragment: int, after: int, held: HeldFragment | None = None
+        self, fragment: int, after: int, held: HeldFragment | None = None, run: str = ""
     ) -> tuple[PulledFragment, Mapping[str, Tensor] | None]:
         """The fragment's global weights at a version > `after` (long-polling until there is
         one); as updates to `held` when the syncer offers them. (The weights, the same on the
-        learner's GPU when they were rebuilt there, else None.)"""
+        learner's GPU when they were rebuilt there, else None.) `run`: the syncer run that
+        accepted the push this waits for; PushLost when a restarted syncer says it lost it."""
         while True:
             try:
                 pulled = await self._client(fragment).pull_fragment(
@@ -348,6 +386,7 @@ class SyncerLink:
                     after=after,
                     wait=LONG_POLL_SECONDS,
                     have=held.version if held is not None else -1,
+                    run=run,
                 )
                 if isinstance(pulled, PulledUpdates):
                     began = time.monotonic()
@@ -374,6 +413,8 @@ class SyncerLink:
                     )
                     after = -1
             except SyncerError as err:
+                if err.code == ERROR_RESTARTED:
+                    raise PushLost(err.message, await self._version(fragment)) from err
                 # Unreachable past the client's retry deadline, or refused: keep trying, slowly;
                 # the training loop goes on meanwhile.
                 log.warning("fragment %d: pull failed (%s), trying again", fragment, err)

@@ -81,6 +81,8 @@ REFUSAL_REASON = {
 }
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+# The longest `run` a pull may name (PushAnswer.run: service.Syncer.run, 16 hex digits).
+MAX_RUN_CHARS = 64
 
 
 # A full pull body's data is written this much at a time (SplitBodyPayload.write).
@@ -148,7 +150,7 @@ class SyncerService(Protocol):
     def region_islands(self, prefix: str) -> tuple[int, int]: ...
 
     async def pull(
-        self, fragment: int, *, after: int, wait: float, have: int = -1
+        self, fragment: int, *, after: int, wait: float, have: int = -1, run: str = ""
     ) -> bytes | bytearray | memoryview | SplitBody | None: ...
 
     async def receive_push(
@@ -291,8 +293,11 @@ class SyncerRoutes:
             raise Refused(400, "query after and have must be integers and wait a number") from None
         if not math.isfinite(wait) or wait < 0:
             raise Refused(400, f"query wait must be a number >= 0, got {wait}")
+        run = request.query.get("run", "")
+        if len(run) > MAX_RUN_CHARS:
+            raise Refused(400, f"query run must be at most {MAX_RUN_CHARS} characters")
         began = time.monotonic()
-        body = await self.syncer.pull(fragment, after=after, wait=wait, have=have)
+        body = await self.syncer.pull(fragment, after=after, wait=wait, have=have, run=run)
         if body is None:
             return web.Response(status=304)
         # A full body or the one-update chain: its prefix, then its data as it is in memory.

@@ -21,7 +21,9 @@ that passed the gate but cannot be merged is merge.py's.
   islands is one no island can be dropped for, so no island can get another dropped.
 - watch: the guards' detection (ContributionGuard.suspects: an island whose pushes all sit at
   the learned bound) as the health problem AT_BOUND, which the operator turns into the job's
-  SyncerHealthy condition (IslandPushesAtBound); it clears when no island is suspect.
+  SyncerHealthy condition (IslandPushesAtBound); it clears when no island is suspect. Likewise
+  an island whose pushes all fall below the work evidence's bar (ContributionGuard.unsupported:
+  zero pushes claiming work) as WORK_UNSUPPORTED (IslandWorkUnsupported).
 """
 
 from __future__ import annotations
@@ -47,6 +49,7 @@ from diloco_trainer.syncer.intake.validation import push_contribution
 from diloco_trainer.syncer.state import (
     AT_BOUND,
     DROPPED,
+    WORK_UNSUPPORTED,
     Contribution,
     Health,
     Membership,
@@ -215,7 +218,7 @@ class Gate:
         norm bounds). Refused, with nothing changed, otherwise."""
         lag = state.check_push(fragment, meta.island, meta.base_version)
         try:
-            self.guard.check_delta(fragment, meta.island, stats)
+            self.guard.check_delta(fragment, meta.island, stats, meta.steps)
         finally:
             self.watch()
         return push_contribution(meta, lag=lag, payload=payload, now=now)
@@ -244,14 +247,25 @@ class Gate:
         return reason
 
     def watch(self) -> None:
-        """Report the guards' suspects as the health problem AT_BOUND, or clear it."""
+        """Report the guards' suspects as the health problem AT_BOUND and the islands whose
+        pushes carry no evidence of their claimed work as WORK_UNSUPPORTED, or clear them."""
         if self.health is None:
             return
-        suspects = self.guard.suspects()
-        if suspects:
-            self.health.report(AT_BOUND, "; ".join(suspects.values()))
-        elif AT_BOUND in self.health.problems:
-            self.health.clear(AT_BOUND)
+        for kind, found in (
+            (AT_BOUND, self.guard.suspects()),
+            # refused at 1/32 (unsupported) or named at 1/4 (faint): one message per island
+            (WORK_UNSUPPORTED, self.guard.faint() | self.guard.unsupported()),
+        ):
+            if found:
+                self.health.report(kind, "; ".join(found.values()))
+            elif kind in self.health.problems:
+                self.health.clear(kind)
+
+    def unsupported_islands(self) -> frozenset[str]:
+        """Islands whose recent pushes all claimed work they do not carry (guards.py's work
+        evidence): a merge does not count them among the islands its round spans
+        (merging/merger.py), as if they were idle, until a push of theirs is accepted."""
+        return frozenset(self.guard.unsupported())
 
     def _count(self, island: str, reason: str) -> None:
         counts = self.refusals.setdefault(island, {})

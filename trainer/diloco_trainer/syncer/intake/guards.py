@@ -23,7 +23,11 @@ well formed (validation.py) is still refused, with 422 and a code naming the rea
   weight grows with tokens² / steps, so an unbounded claim would take the whole merge;
 - it claims more steps than the island can have taken by now (WorkRate: its wall-clock share at
   its step time, which a lie cannot make much shorter than the median island's), so no island
-  can end a job early by claiming work back to back.
+  can end a job early by claiming work back to back;
+- in a job of fewer than MAJORITY_ISLANDS islands (with the movement cap on), its Δ moved less
+  per claimed step than 1/EVIDENCE_RATIO of the other island's recent pushes do (WorkEvidence):
+  what a push carries is evidence of the work it claims, so zero pushes that claim a round's
+  most steps at a 1 ms step time earn no merge weight, no work fraction and no stopAfter tokens.
 
 An island is not punished for one refusal (a diverging learner takes the global fragment and
 recovers); maxRefusals refusals in a row drop it with the reason. Only refusals by rules no other
@@ -86,6 +90,25 @@ AT_BOUND = 0.8
 AT_BOUND_PUSHES = 8
 # The most pushes (of a push's most steps) an island may claim at once per fragment.
 BURST_PUSHES = 2
+# Work evidence (a job of fewer than MAJORITY_ISLANDS islands with the movement cap on): a push
+# whose Δ moved less than 1 / EVIDENCE_RATIO of the reference per claimed step is refused. The
+# reference is the other islands' smallest median movement per claimed step, at most the movement
+# cap's per-step share at MIN_LR_SHARE x inner.lr (the least a cosine schedule reaches:
+# models/parts.MIN_LR_RATIO), so an island that pushes as much as the cap allows per claimed step
+# cannot lift the bar the honest island is judged by above 1.5 x 0.1 / 32 = 0.0047 x lr per
+# element and step: an honest AdamW step moves an element a tenth to a quarter of its lr (docs/
+# adversaries.md), at least 0.01 x lr at the cosine's floor, twice that. Honest islands of one
+# job move within a few times each other's figure per step; 32 leaves room for that.
+EVIDENCE_RATIO = 32.0
+MIN_LR_SHARE = 0.1
+# An island whose last AT_BOUND_PUSHES judged pushes all moved less than 1 / FAINT_RATIO of the
+# reference per claimed step is named too (the same health problem), though those above the bar
+# are merged: an island that knows the bar can push faint noise just above it with its claims
+# credited in full (bench/adversary.py's faint_claims). Naming only: two honest islands at one
+# time move within a few times each other's figure; an island pushing at the cap lifts the
+# reference to 0.15 x lr per element and step, and an honest push at the cosine's floor (0.01 x
+# lr) is then named under attack, never refused.
+FAINT_RATIO = 4.0
 
 
 class ContributionRefused(Refused):
@@ -234,6 +257,49 @@ class WorkRate:
         self.buckets[island] = (left - steps, now)
 
 
+class WorkEvidence:
+    """Each island's recent movement per claimed step (the norm of its accepted pushes' Δ over
+    their steps), per fragment, and the bar a push's movement must clear for the steps it claims.
+
+    At M = 2 a claimed step time is the island's own word, so its claimed work cannot be
+    refuted by a vote; what its push carries can be: a Δ that moved nothing claimed work it did
+    not do. The bar for island i is set by the other islands' figures (its own history cannot
+    catch one that moved nothing from the start), capped by the spec's physics (`step_caps`), so
+    no island can raise it above what the cap allows (class constants above); and a refusal by
+    it never counts towards a drop (ContributionRefused.own_fault False): another island set it.
+    """
+
+    def __init__(self, step_caps: Sequence[float], window: int = ISLAND_WINDOW) -> None:
+        self.step_caps = list(step_caps)
+        self.window = window
+        self.rates: list[dict[str, deque[float]]] = [{} for _ in self.step_caps]
+
+    def reference(self, fragment: int, island: str) -> float | None:
+        """The movement per step island is judged against: the smallest of the other islands'
+        own medians (each with OWN_MIN pushes), at most the fragment's step cap; None before."""
+        others = [
+            statistics.median(d)
+            for name, d in self.rates[fragment].items()
+            if name != island and len(d) >= OWN_MIN
+        ]
+        if not others:
+            return None
+        return min(min(others), self.step_caps[fragment])
+
+    def bar(self, fragment: int, island: str, steps: int) -> float | None:
+        """The least norm a push of `steps` claimed steps must have: steps x the reference /
+        EVIDENCE_RATIO; None when nothing is judged (no reference yet, or no steps claimed)."""
+        ref = self.reference(fragment, island)
+        if ref is None or steps <= 0:
+            return None
+        return steps * ref / EVIDENCE_RATIO
+
+    def record(self, fragment: int, island: str, norm: float, steps: int) -> None:
+        if steps > 0:
+            own = self.rates[fragment].setdefault(island, deque(maxlen=self.window))
+            own.append(norm / steps)
+
+
 class NormHistory:
     """Recent accepted norms per fragment and island, and the robust median they give.
 
@@ -301,10 +367,15 @@ class ContributionGuard:
     history: NormHistory = field(init=False)
     rate: WorkRate = field(init=False)
     directions: Directions = field(init=False)
+    # Work evidence (a job of two with the movement cap on), else None.
+    evidence: WorkEvidence | None = None
     streaks: dict[str, int] = field(default_factory=dict)  # refusals in a row per island
     # Per (fragment, island): whether each of its last AT_BOUND_PUSHES judged pushes was at the
     # learned bound (AT_BOUND x it or above): the detection of suspects().
     at_bound: dict[tuple[int, str], deque[bool]] = field(default_factory=dict)
+    # Per (fragment, island): each of its last AT_BOUND_PUSHES judged pushes' movement per
+    # claimed step over the work evidence's reference: the detection of unsupported().
+    carried: dict[tuple[int, str], deque[float]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.history = NormHistory(len(self.caps))
@@ -323,9 +394,9 @@ class ContributionGuard:
             return None
         return max(self.norm_factor * median, self.floors[fragment])
 
-    def check_delta(self, fragment: int, island: str, stats: DeltaStats) -> None:
-        """ContributionRefused unless the pseudo-gradient is finite and its norm within both
-        the hard cap and the learned bound."""
+    def check_delta(self, fragment: int, island: str, stats: DeltaStats, steps: int = 0) -> None:
+        """ContributionRefused unless the pseudo-gradient is finite, its norm within both the
+        hard cap and the learned bound, and (work evidence) enough for its `steps`."""
         if not stats.finite:
             raise ContributionRefused(
                 protocol.ERROR_NON_FINITE,
@@ -356,7 +427,27 @@ class ContributionGuard:
                 # the bound over islands is one no island can be dropped for alone.
                 own_fault=own_bound is not None and stats.norm > own_bound,
             )
+        self.check_evidence(fragment, island, stats.norm, steps)
         self.check_direction(fragment, island, stats)
+
+    def check_evidence(self, fragment: int, island: str, norm: float, steps: int) -> None:
+        """ContributionRefused when the push moved less than the work evidence's bar for the
+        steps it claims (WorkEvidence); never counted towards a drop: the other islands' pushes
+        set the bar."""
+        bar = None if self.evidence is None else self.evidence.bar(fragment, island, steps)
+        if bar is None:
+            return
+        seen = self.carried.setdefault((fragment, island), deque(maxlen=AT_BOUND_PUSHES))
+        # the share of the reference it moved per claimed step (bar x ratio = steps x reference)
+        seen.append(norm / (bar * EVIDENCE_RATIO) if bar > 0 else math.inf)
+        if norm < bar:
+            raise ContributionRefused(
+                protocol.ERROR_UNSUPPORTED_WORK,
+                f"push to fragment {fragment}: pseudo-gradient norm {norm:.4g} is below "
+                f"{bar:.4g}, 1/{EVIDENCE_RATIO:g} of what the other island's pushes move in the "
+                f"{steps} steps it claims: the work it claims is not in what it carries",
+                own_fault=False,
+            )
 
     def check_direction(self, fragment: int, island: str, stats: DeltaStats) -> None:
         """ContributionRefused when the push points against the other islands' recent pushes
@@ -390,13 +481,44 @@ class ContributionGuard:
                 )
         return out
 
+    def unsupported(self, ratio: float = EVIDENCE_RATIO) -> dict[str, str]:
+        """Islands whose last AT_BOUND_PUSHES judged pushes of a fragment all moved less than
+        1 / `ratio` of the work evidence's reference per claimed step, each with what it did: it
+        claims work its pushes do not carry (zero pushes with a round's most steps, issue 46's
+        fast claims at M = 2). At EVIDENCE_RATIO each of those pushes was refused; at
+        FAINT_RATIO (faint()) those above the bar were merged."""
+        out: dict[str, str] = {}
+        for (fragment, island), seen in sorted(self.carried.items()):
+            if island in out or len(seen) < AT_BOUND_PUSHES or max(seen) >= 1.0 / ratio:
+                continue
+            refused = ratio >= EVIDENCE_RATIO
+            out[island] = (
+                f"island {island}'s last {AT_BOUND_PUSHES} pushes to fragment {fragment} moved "
+                f"less than 1/{ratio:g} of the other island's movement per claimed step (work "
+                "claimed that its pushes do not carry); "
+                + (
+                    "refused, and it is left out of the islands a round spans"
+                    if refused
+                    else "those above 1/32 of it are merged with the weight their claims earn"
+                )
+            )
+        return out
+
+    def faint(self) -> dict[str, str]:
+        """Islands whose recent pushes all moved less than 1/FAINT_RATIO of the reference per
+        claimed step (named only, not refused: unsupported's bar is 1/EVIDENCE_RATIO)."""
+        return self.unsupported(FAINT_RATIO)
+
     def forget(self, island: str) -> None:
         """An island dropped or gone: its detection starts again when it is back."""
-        for key in [k for k in self.at_bound if k[1] == island]:
-            del self.at_bound[key]
+        for table in (self.at_bound, self.carried):
+            for key in [k for k in table if k[1] == island]:
+                del table[key]
 
-    def accepted(self, fragment: int, island: str, stats: DeltaStats) -> None:
+    def accepted(self, fragment: int, island: str, stats: DeltaStats, steps: int = 0) -> None:
         self.history.record(fragment, island, stats.norm)
+        if self.evidence is not None:
+            self.evidence.record(fragment, island, stats.norm, steps)
         if stats.sample is not None:
             self.directions.record(fragment, island, stats.sample)
         self.streaks.pop(island, None)
@@ -466,6 +588,7 @@ def make_guard(
         caps = auto_norm_caps(spec, numels, weight_norms)
     else:
         caps = [float(g.max_delta_norm)] * len(numels)
+    moves = movement_caps(spec, numels)
     return ContributionGuard(
         work=WorkBounds.from_spec(spec),
         caps=caps,
@@ -473,4 +596,11 @@ def make_guard(
         norm_factor=g.norm_factor,
         warmup=g.warmup_pushes,
         max_refusals=g.max_refusals,
+        evidence=None if moves is None else WorkEvidence(evidence_step_caps(spec, moves)),
     )
+
+
+def evidence_step_caps(spec: JobSpec, moves: Sequence[float]) -> list[float]:
+    """Per fragment, the most the work evidence's reference per step can be: the movement cap
+    of a round (movement_caps) per step, at MIN_LR_SHARE of inner.lr."""
+    return [MIN_LR_SHARE * cap / spec.inner.steps for cap in moves]

@@ -124,7 +124,7 @@ class PushPath:
         # the island's round now, in its answer (a replay of the answer says the same)
         inner_steps = self.gate.rounds.steps_of(self.state.membership.islands.get(island), island)
         answer = self.state.accept_push(fragment, contribution, now, inner_steps=inner_steps)
-        self.gate.guard.accepted(fragment, island, stats)
+        self.gate.guard.accepted(fragment, island, stats, push.meta.steps)
         self.bytes_in += push.size
         self.metrics.bytes_in.inc(push.size)
         return answer

@@ -42,6 +42,7 @@ import argparse
 import asyncio
 import contextlib
 import logging
+import secrets
 import sys
 import time
 from collections.abc import Callable
@@ -52,6 +53,7 @@ from diloco_trainer.api import credentials
 from diloco_trainer.api.contract import ContractError
 from diloco_trainer.api.credentials import Principal
 from diloco_trainer.api.documents import SyncerStatus
+from diloco_trainer.api.protocol import ERROR_RESTARTED
 from diloco_trainer.api.sharding import ERROR_WRONG_SHARD, WRONG_SHARD_STATUS
 from diloco_trainer.api.spec import JobSpec
 from diloco_trainer.cpus import configure_threads
@@ -72,7 +74,13 @@ from diloco_trainer.syncer.service.status_document import (
     status_document,
 )
 from diloco_trainer.syncer.serving import Body, BodyKey
-from diloco_trainer.syncer.state import EVAL_LOSS_ROSE, Trip, drained_at_budget, stop_reached
+from diloco_trainer.syncer.state import (
+    EVAL_LOSS_ROSE,
+    Trip,
+    drained_at_budget,
+    lost_with_restart,
+    stop_reached,
+)
 
 __all__ = ["Syncer", "main"]
 
@@ -122,6 +130,9 @@ class Syncer:
         self.gate = built.gate
         self.spec_hash = built.spec_hash
         self.resumed_from = built.resumed_from
+        # This run of the syncer: named in every push answer, so a learner waiting for the merge
+        # of its push can tell a restarted syncer (which lost it) from the one that took it.
+        self.run = secrets.token_hex(8)
         # The largest push body each fragment accepts (validation.fragment_body_limit).
         self.body_limits = [fragment_body_limit(e, self.codec) for e in self.model.expected]
         self.control = Control(len(self.model.fragments), clock, finished=built.finished)
@@ -280,12 +291,30 @@ class Syncer:
         Refused, with nothing changed, on a problem. Returns the PushAnswer."""
         self.check_fragment(fragment)
         answer = await self.pushes.receive(fragment, body, principal)
-        return answer.to_wire()
+        # This run's name on every answer, a replayed one too: a push answered again after a
+        # restart (merged before it: saved answers) is waited for from this run.
+        return answer.model_copy(update={"run": self.run}).to_wire()
 
-    async def pull(self, fragment: int, *, after: int, wait: float, have: int = -1) -> Body | None:
+    async def pull(
+        self, fragment: int, *, after: int, wait: float, have: int = -1, run: str = ""
+    ) -> Body | None:
         """Fragment bytes once its version is > after (or the job finished); None after `wait`.
-        The body is the chain of updates since version `have` when the publisher has one."""
+        The body is the chain of updates since version `have` when the publisher has one.
+
+        `run`: the syncer run that accepted the push whose merge the caller waits for (its
+        PushAnswer.run). From another run (this syncer restarted since) that has not merged past
+        `after`, the merge can never carry the push: pending pushes are not checkpointed. Refused
+        409 `restarted` at once, so the learner pushes it again into this run's open round now,
+        not after a wait budget and a round late (docs/algorithm.md, "A syncer restart")."""
         self.check_fragment(fragment)
+        if lost_with_restart(run, self.run, after=after, version=self.state.versions[fragment]):
+            raise Refused(
+                409,
+                f"fragment {fragment}'s push accepted by syncer run {run} was lost when the "
+                f"syncer restarted (this is run {self.run}, at version "
+                f"{self.state.versions[fragment]}); push it again",
+                ERROR_RESTARTED,
+            )
         return await self.publisher.pull(fragment, after=after, wait=wait, have=have)
 
     async def status(self, *, digest: bool = False) -> dict[str, Any]:
@@ -311,6 +340,7 @@ class Syncer:
             failure=self.failure,
             bytes_in=self.bytes_in,
             resumed_from=self.resumed_from,
+            run=self.run,
         )
         return status_document(
             self.identity,
@@ -394,7 +424,9 @@ class Syncer:
                 if self.finished or not self.state.merge_due(f, now):
                     return  # the round changed since the scheduler looked (a drop)
                 started = time.perf_counter()
-                merge = self.merger.take(self.state, f, now)  # 7.
+                merge = self.merger.take(
+                    self.state, f, now, idle=self.gate.unsupported_islands()
+                )  # 7.
             prepared = await asyncio.to_thread(self.merger.prepare, merge)  # 8.
             if isinstance(prepared, LeftOut):
                 async with self.control.locked():

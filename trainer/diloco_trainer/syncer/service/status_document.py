@@ -32,12 +32,13 @@ class Identity:
 @dataclass(frozen=True)
 class RunState:
     """What the service itself keeps: whether the job finished or the syncer failed, bytes
-    received, and the checkpoint it resumed from."""
+    received, the checkpoint it resumed from and the name of this run (Syncer.run)."""
 
     finished: bool
     failure: str | None
     bytes_in: int
     resumed_from: str | None
+    run: str = ""
 
 
 def status_document(
@@ -82,6 +83,7 @@ def status_document(
         merges=merges.recent,
         refusals=refusals,
         resumed_from=progress.resumed_from,
+        run=progress.run,
         checkpoint=latest_checkpoint(jobs, progress.resumed_from),
         failure=progress.failure,
         # Not a SyncerStatus field (its readers keep it as an extra): the syncer's health

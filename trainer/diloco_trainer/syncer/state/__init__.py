@@ -14,6 +14,7 @@ from diloco_trainer.syncer.state.problems import (
     CORRUPT,
     EVAL_LOSS_ROSE,
     MERGE,
+    WORK_UNSUPPORTED,
     Health,
 )
 from diloco_trainer.syncer.state.quality import Trip, judged, tripped
@@ -28,7 +29,12 @@ from diloco_trainer.syncer.state.records import (
     round_policy,
 )
 from diloco_trainer.syncer.state.round_sizes import RoundSizes
-from diloco_trainer.syncer.state.rounds import RoundsSnapshot, SavedRounds, SyncState
+from diloco_trainer.syncer.state.rounds import (
+    RoundsSnapshot,
+    SavedRounds,
+    SyncState,
+    lost_with_restart,
+)
 from diloco_trainer.syncer.state.targets import (
     budget_tokens,
     drained_at_budget,
@@ -50,6 +56,7 @@ __all__ = [
     "LEFT",
     "MERGE",
     "TIMED_OUT",
+    "WORK_UNSUPPORTED",
     "Beat",
     "Contribution",
     "Health",
@@ -67,6 +74,7 @@ __all__ = [
     "horizon_seconds",
     "judged",
     "lock_step_weights",
+    "lost_with_restart",
     "merged_elsewhere",
     "pace_of",
     "round_policy",

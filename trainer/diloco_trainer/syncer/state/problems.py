@@ -4,9 +4,11 @@ and /healthz?strict=1.
 A problem has a kind (CHECKPOINT: the last checkpoint write failed; CORRUPT: corrupt checkpoints
 were found at start and set aside; MERGE: the last merge of a fragment could not take some
 contributions; AT_BOUND: an island's pushes are all at the learned norm bound, guards.py's
-detection of a ratchet; EVAL_LOSS_ROSE: the quality guard ended the job), a message, since
-when and how often it happened; it clears when the thing works again (a checkpoint is written, a
-merge succeeds, no island is at the bound; EVAL_LOSS_ROSE never clears). A failure
+detection of a ratchet; WORK_UNSUPPORTED: an island's pushes all move too little for the
+work they claim, its work evidence; EVAL_LOSS_ROSE: the quality guard ended the job), a
+message, since when and how often it happened; it clears when the thing works again (a
+checkpoint is written, a merge succeeds, no island is at the bound or below the work evidence's
+bar; EVAL_LOSS_ROSE never clears). A failure
 that does stop the syncer (a merge that broke half-way) is the service's `failure` instead: /healthz
 answers 503 for it.
 """
@@ -22,6 +24,8 @@ CHECKPOINT = "checkpoint"
 CORRUPT = "corruptCheckpoints"
 MERGE = "merge"
 AT_BOUND = "islandAtBound"
+# An island's recent pushes all claimed work they do not carry (intake/guards.py's work evidence).
+WORK_UNSUPPORTED = "islandWorkUnsupported"
 # The quality guard tripped (quality.py): merging stopped, the job ended; it never clears.
 EVAL_LOSS_ROSE = "evalLossRose"
 

@@ -105,6 +105,16 @@ class SavedRounds:
     push_answers: list[SavedAnswer]
 
 
+def lost_with_restart(accepted_by: str, this_run: str, *, after: int, version: int) -> bool:
+    """Whether the push that a pull for the merge after version `after` waits for was lost: a
+    syncer run `accepted_by` (PushAnswer.run; "": not said, an older learner) accepted it into
+    the round that makes version after + 1, and this run (a restart) has not merged that far
+    (`version` <= `after`). Pending pushes are not checkpointed (SavedRounds), so this run's
+    round can hold the push only if it was sent to it again; a version past `after` may carry
+    it (merged before the checkpoint this run resumed from) and is served as usual."""
+    return bool(accepted_by) and accepted_by != this_run and version <= after
+
+
 def _median(values: list[float]) -> float | None:
     return statistics.median(values) if values else None
 
