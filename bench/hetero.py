@@ -46,6 +46,7 @@ from bench.harness.common import (
 )
 from bench.harness.flags import TRAINING
 from bench.harness.measure import StatusSampler, ours_islands
+from bench.harness.merge_waits import run_waits
 from bench.harness.ours_harness import OursRun
 
 # The mixed-speed runs' budget against the equal-speed run's: room to reach its final loss.
@@ -98,6 +99,7 @@ def run_one(args: Any, spec: JobSpec, speeds: list[float], wd: Path) -> dict[str
         run.stop()
     windows = ours_islands(sampler, t1, end)
     names = [island_name(spec.islands.name_prefix, i) for i in range(len(speeds))]
+    waits = run_waits(wd, names) if spec.sync.quorum >= len(speeds) else None
     islands = final.get("islands", {})
     merged = {n: float(islands.get(n, {}).get("mergedTokens") or 0) for n in names}
     return {
@@ -107,6 +109,7 @@ def run_one(args: Any, spec: JobSpec, speeds: list[float], wd: Path) -> dict[str
         "merged": merged,
         "inner_steps": {n: islands.get(n, {}).get("innerSteps") for n in names},
         "final_loss": float(final["evalLoss"]),
+        "waits": waits,
     }
 
 
@@ -211,6 +214,7 @@ def report(
             "fast islands' utilisation vs equal",
             "utilisation per island",
             "merged-token share / compute share per island",
+            "K = M merges' waits for each island alone",
         ],
     )
     targets = Table("Targets (issue 47)", ["target", "figure", "verdict"])
@@ -238,6 +242,7 @@ def report(
             fmt_ratio(kept),
             " ".join(fmt_pct(r["utilisation"][n]) for n in islands),
             " ".join(fmt_ratio(s, 2) for s in shares),
+            "-" if r["waits"] is None else " ".join(f"{r['waits'][n]:.2f}s" for n in islands),
         )
         if " auto, " in name:
             reached = t is not None and alone_time is not None and t <= alone_time
@@ -268,6 +273,10 @@ def report(
         "islands' utilisation is the figure judged (it counts only time lost waiting).",
         "Time to target counts from the processes' start (start-up is the same in every run).",
         "The equal-tokens loss of the mixes is at the equal-speed run's budget of merged tokens.",
+        "K = M merges' waits: per island, the seconds between the second-last push of a merge "
+        "and its own when it pushed last, summed over the run's merges but the first "
+        "(bench/harness/merge_waits.py, from the learners' logs): whose rounds the others "
+        "waited for.",
     ]
     rep = Report(
         "hetero",

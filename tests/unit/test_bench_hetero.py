@@ -1,10 +1,14 @@
 """bench/hetero's readings of an eval history: time to a target loss and loss at equal tokens,
-interpolated between evaluations (hand-derived values)."""
+interpolated between evaluations, and the K = M merges' waits for each island (hand-derived
+values)."""
 
 from __future__ import annotations
 
 import math
 
+import pytest
+
+from bench.harness.merge_waits import pushes_in, waits_alone
 from bench.hetero import loss_at, parse_mix, time_to
 
 EVALS = [
@@ -29,3 +33,32 @@ def test_loss_at_equal_tokens_interpolates_over_tokens() -> None:
 
 def test_parse_mix() -> None:
     assert parse_mix("1,1,2,4") == [1.0, 1.0, 2.0, 4.0]
+
+
+def test_merge_waits_are_the_last_push_less_the_second_last() -> None:
+    """Three islands, three merges (fragment, base version) with every island's push; the first
+    merge (the earliest to complete) is left out. Merge (0, 1): a at 10.0, b at 10.5, c at 12.0:
+    waited 1.5 s for c alone. Merge (1, 1): c 13.0, a 13.25, b 14.0: 0.75 s for b. Merge (0, 0),
+    complete at 5.0, is the first: left out. (1, 0) lacks c's push: not a merge of all."""
+    pushes = {
+        "a": {(0, 0): 4.0, (0, 1): 10.0, (1, 1): 13.25, (1, 0): 6.0},
+        "b": {(0, 0): 4.5, (0, 1): 10.5, (1, 1): 14.0, (1, 0): 7.0},
+        "c": {(0, 0): 5.0, (0, 1): 12.0, (1, 1): 13.0},
+    }
+    assert waits_alone(pushes) == {"a": 0.0, "b": 0.75, "c": 1.5}
+    assert waits_alone({"a": {(0, 0): 1.0}}) == {"a": 0.0}
+
+
+def test_pushes_are_read_from_a_learners_log_lines() -> None:
+    text = (
+        "2026-11-29 11:09:07,448 INFO island-0/0 diloco.learner: step 20: fragment 0 pushed "
+        "(base version 0, 278528 bytes none, 10240 tokens in 20 steps; 0.006s on the training "
+        "thread)\n"
+        "2026-11-29 11:09:07,496 INFO island-0/0 diloco.learner: step 21: fragment 0 applied "
+        "version 1 (merged, 0.04s after the push)\n"
+        "2026-11-29 11:09:07,774 INFO island-0/0 diloco.learner: step 30: fragment 1 pushed "
+        "(base version 0, 269312 bytes none, 15360 tokens in 30 steps)\n"
+    )
+    got = pushes_in(text)
+    assert list(got) == [(0, 0), (1, 0)]
+    assert got[(1, 0)] - got[(0, 0)] == pytest.approx(0.326)

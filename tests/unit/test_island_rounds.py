@@ -14,11 +14,14 @@ from diloco_trainer.core.island_rounds import (
     StepTimeReport,
     first_reading_now,
     in_band,
+    late_is_beyond,
     next_round,
     probe_moves,
+    probe_readings,
     probe_step_time,
     reference_step_time,
     report_weight,
+    sized_steps,
     split_budget,
     target_steps,
 )
@@ -310,3 +313,100 @@ def test_split_budget_once_any_round_differs_from_h() -> None:
     # back to H everywhere: still split (the shares counted rounds of H, the budget was spent
     # unevenly meanwhile)
     assert split_budget(inner_steps=20, rounds=[20, 20, 20, 20], split=True)
+
+
+def test_a_probe_is_two_readings_one_or_none() -> None:
+    # every one of 4 reported and the target at most half the round: taken at once
+    assert probe_readings(20, 6, fresh=True, reported=4, active=4) == 2
+    # 3 of 4 reported (a peer started late): one reading, whatever the target
+    assert probe_readings(20, 6, fresh=True, reported=3, active=4) == 1
+    # every one reported, target 13 > 10 (the probe read 1.5x): one reading
+    assert probe_readings(20, 13, fresh=True, reported=4, active=4) == 1
+    # a job of two, or two of four reported: no majority brackets the reference, no reading
+    assert probe_readings(10, 2, fresh=True, reported=2, active=2) == 0
+    assert probe_readings(20, 6, fresh=True, reported=2, active=4) == 0
+    # a rejoin's first report: warm-up again, no reading
+    assert probe_readings(20, 6, fresh=False, reported=4, active=4) == 0
+
+
+def test_a_probe_of_one_reading_is_confirmed_by_the_next_reading_only() -> None:
+    # probe target 13 of 20: beyond the band (below 20 / 1.4 - 1 = 13.29), pending -1
+    probed = next_round(IslandRound(20), 13)
+    assert probed == IslandRound(20, -1, 4, fresh=False)
+    # the next reading, target 6: -2 and 5 readings since the last change (>= 3): cut to 6
+    assert next_round(probed, 6) == IslandRound(6, 0, 0, fresh=False)
+    # or the next reading in the band (target 18): nothing pending, H kept
+    assert next_round(probed, 18) == IslandRound(20, 0, 5, fresh=False)
+
+
+def test_sized_steps_leaves_a_slow_island_room_at_k_equals_m() -> None:
+    def sized(own: float, room: float = 0.1) -> int:
+        return sized_steps(inner_steps=20, reference=0.25, own=own, floor=3, ceiling=20, room=room)
+
+    assert sized(0.75) == 6  # 3x: 20 / 3 = 6.67, x 0.9 = 6.0 -> 6 (target_steps: 6 too)
+    assert sized(1.0) == 4  # 4x: 5, x 0.9 = 4.5 -> 4 (target_steps: 5, as long as the reference)
+    assert sized(0.5) == 9  # 2x: 10 x 0.9 = 9 (target_steps: 10)
+    assert sized(0.3) == 15  # 1.2x: 16.67 x 0.9 = 15 (target_steps: 16)
+    assert sized(0.25) == 20  # at the reference: 20, the ceiling, no room taken
+    assert sized(0.2) == 20  # faster: 25, the ceiling
+    assert sized(8.0) == 3  # 32x: 0.625 x 0.9 -> 0, the floor 3
+    assert sized(1.0, room=0.0) == 5  # K < M: target_steps
+    assert sized_steps(inner_steps=20, reference=None, own=1.0, floor=3, ceiling=20, room=0.1) == 20
+
+
+def test_a_change_sets_the_sized_round_and_a_later_reading_keeps_it() -> None:
+    # two readings of target 5 (a 4x island) at K = M, sized 4: the change sets 4
+    one = next_round(IslandRound(20), 5, sized=4)
+    assert one == IslandRound(20, -1, 4, fresh=False)
+    assert next_round(one, 5, sized=4) == IslandRound(4, 0, 0, fresh=False)
+    # a probe's change (confirmed) sets the target, 5: its learner takes it in place only
+    # while below it, and its position is 3 or 4 when the answer comes
+    assert next_round(IslandRound(20), 5, confirmed=True, sized=4) == IslandRound(
+        5, -1, 3, fresh=False
+    )
+    # later readings of the same speed (target 5) are inside 4's band (up to max(5, 5.6)):
+    # the room never moves a round by itself
+    later = next_round(IslandRound(4, 0, 0, fresh=False), 5, sized=4)
+    assert later == IslandRound(4, 0, 1, fresh=False)
+    # for every x the room's round floor(0.9 x) keeps floor(x) inside its band
+    for tenth in range(10, 400):
+        x = tenth / 10
+        assert in_band(max(1, math.floor(0.9 * x + 1e-9)), math.floor(x)), x
+    # a sized round that does not move the way the target does is ignored (the target's taken)
+    up = next_round(IslandRound(4, 1, 3, fresh=False), 7, sized=4)
+    assert up == IslandRound(7, 0, 0, fresh=False)
+
+
+def test_at_k_equals_m_a_round_below_the_ceiling_is_beyond_the_band_when_late() -> None:
+    assert late_is_beyond(room=0.1, steps=6, ceiling=20) is True  # K = M, cut already
+    assert late_is_beyond(room=0.1, steps=20, ceiling=20) is False  # at the ceiling: the band
+    assert late_is_beyond(room=0.0, steps=6, ceiling=20) is False  # K < M
+    # a round of 6 read at target 5 (3.5x: 20 / 3.5 = 5.71): inside 6's band (down to 3.29)
+    # but late: one reading pending, then the second sets sized 5 (floor(5.71 x 0.9) = 5)
+    one = next_round(IslandRound(6, 0, 5, fresh=False), 5, sized=5, late=True)
+    assert one == IslandRound(6, -1, 6, fresh=False)
+    assert next_round(one, 5, sized=5, late=True) == IslandRound(5, 0, 0, fresh=False)
+    # without `late` the band keeps 6
+    assert next_round(IslandRound(6, 0, 5, fresh=False), 5, sized=5) == IslandRound(
+        6, 0, 6, fresh=False
+    )
+    # late is the sized round below the round: a 4x island's 5 (exact 5, target 5) sizes 4:
+    # with one pending, cut to 4; a 3.3x island's (exact 6.06, sized 5) round of 5 is not late
+    assert next_round(IslandRound(5, -1, 5, fresh=False), 5, sized=4, late=True) == IslandRound(
+        4, 0, 0, fresh=False
+    )
+    assert next_round(IslandRound(5, -1, 5, fresh=False), 6, sized=5, late=True) == IslandRound(
+        5, 0, 6, fresh=False
+    )
+
+
+def test_the_second_probe_is_reported_at_once_and_capped() -> None:
+    report = StepTimeReport()
+    report.add(5.0)  # warm-up
+    report.add(1.0)
+    assert report.add(1.0) is True and report.value == 1.0  # the probe
+    # the second probe: steps 4-5 (3.0, 1.0), mean 2.0 capped at 1.4 x 1.0: reported at once
+    assert report.add(3.0) is False and report.value == pytest.approx(3.0)
+    assert report.add(1.0) is True and report.value == pytest.approx(1.4)
+    # then the running mean of the steps since the probe again: (3 + 1 + 2) / 3
+    assert report.add(2.0) is False and report.value == pytest.approx(2.0)

@@ -93,21 +93,44 @@ def test_fixed_rounds_are_never_read() -> None:
     assert sizes.steps_of(slow, slow.name) == 30
 
 
-def test_a_fresh_islands_first_report_waits_for_its_peers_reports() -> None:
+def test_a_fresh_islands_first_report_before_its_peers_is_one_reading() -> None:
     sizes = _job()
     recs = _islands([1.0, 0.0, 1.0, 3.0])  # island-1 has not reported yet
     slow = recs[3]
     sizes.joined(slow)
     # 3 of 4 reported: the reference (lower median of 1, 1, 3 = 1) is not the job's yet, so
-    # the first report only starts the clock, as for a rejoin
+    # the probe is not taken at once; with 3 claims it is one reading: target 10, beyond the
+    # band (below min(29, 30 / 1.4 - 1 = 20.4)), pending -1
     sizes.read(slow, recs, now=0.0)
     assert sizes.steps_of(slow, slow.name) == 30
+    assert slow.round is not None and slow.round.pending == -1 and not slow.round.fresh
     sizes.read(slow, recs, now=29.0)  # H x t_ref = 30 s not passed: no reading
     assert sizes.steps_of(slow, slow.name) == 30
-    sizes.read(slow, recs, now=30.0)  # reading 1: target 10, one reading (pending)
-    assert sizes.steps_of(slow, slow.name) == 30
-    sizes.read(slow, recs, now=60.0)  # reading 2 confirms it
+    sizes.read(slow, recs, now=30.0)  # the first regular reading confirms it: -2, cut to 10
     assert sizes.steps_of(slow, slow.name) == 10
+    # a regular change starts the cooldown: nothing pending, 0 readings since
+    assert slow.round.pending == 0 and slow.round.since_change == 0
+
+
+def test_a_fresh_islands_first_report_before_two_claims_waits_for_its_second_probe() -> None:
+    """Two of four reported: with fewer than three claims no probe is a reading, and in a job
+    of four it starts no clock either: the report from its position + 2 on is read as its
+    first (its learner's second probe)."""
+    sizes = _job()
+    recs = _islands([1.0, 0.0, 0.0, 3.0])
+    slow = recs[3]
+    sizes.joined(slow)
+    slow.reported_step = 2
+    sizes.read(slow, recs, now=0.0)  # t_ref = the fastest of 1, 3 = 1: target 10, no reading
+    assert slow.round is not None and slow.round.fresh and slow.round.confirm_at == 4
+    assert slow.round_read_at is None and sizes.steps_of(slow, slow.name) == 30
+    slow.reported_step = 3
+    sizes.read(slow, recs, now=0.5)  # not its second probe yet
+    assert slow.round.fresh and slow.round_read_at is None
+    recs[1].step_time = recs[2].step_time = 1.0  # its peers report
+    slow.reported_step = 4  # its second probe: 4 of 4 claims, target 10 <= 15: taken at once
+    sizes.read(slow, recs, now=1.0)
+    assert sizes.steps_of(slow, slow.name) == 10 and not slow.round.fresh
 
 
 def test_a_rejoined_island_is_read_a_reference_round_after_its_first_report() -> None:
@@ -168,15 +191,20 @@ def test_a_pin_other_than_h_splits_the_budget_from_the_start() -> None:
 
 
 def _steps_to_rounds(
-    count: int, inner_steps: int, steps: list[list[float]]
+    count: int, inner_steps: int, steps: list[list[float]], quorum: int = 1
 ) -> dict[int, list[tuple[int, int]]]:
     """A job of `count` islands at inner.steps `inner_steps` (stepsPerIsland auto, floor
-    ceil(H/8), ceiling H) whose learners take `steps` (island -> each step's seconds, from one
-    start): each step's report (the learner's StepTimeReport) reaches the syncer in a heartbeat
-    at the step's end, in time order, and is read (RoundSizes.read). Returns each island's
+    ceil(H/8), ceiling H, sync.quorum `quorum`) whose learners take `steps` (island -> each
+    step's seconds, from one start): each step's report (the learner's StepTimeReport) reaches
+    the syncer in a heartbeat at the step's end, in time order, and is read
+    (RoundSizes.read). Returns each island's
     changes of H_i, as (its step at the heartbeat that made it, the new H_i)."""
     spec = parse_spec(
-        {"inner": {"steps": inner_steps, "stepsPerIsland": "auto"}, "islands": {"count": count}}
+        {
+            "inner": {"steps": inner_steps, "stepsPerIsland": "auto"},
+            "islands": {"count": count},
+            "sync": {"quorum": quorum},
+        }
     )
     sizes = RoundSizes(spec)
     recs = _islands([0.0] * count)
@@ -191,6 +219,7 @@ def _steps_to_rounds(
     for now, i, step in beats:
         reports[i].add(steps[i][step - 1])
         recs[i].step_time = reports[i].value  # membership.heartbeat keeps the last report
+        recs[i].reported_step = step - 1  # its learner reports its position before it moves
         before = sizes.steps_of(recs[i], recs[i].name)
         sizes.read(recs[i], recs, now)
         after = sizes.steps_of(recs[i], recs[i].name)
@@ -268,3 +297,126 @@ def test_in_a_job_of_two_a_slow_island_is_cut_at_its_second_regular_reading() ->
     fast = [WARM] + [FAST] * 60
     slow = [WARM] + [SLOW] * 20
     assert _steps_to_rounds(2, 10, [fast, slow]) == {0: [], 1: [(11, 3)]}
+
+
+def test_a_slow_islands_probe_before_a_late_peers_report_is_one_reading() -> None:
+    """1,1,1,3 at H = 20 (floor 3) with island-2 started late (its step 1 ends at 4 s: a process
+    start on a loaded machine); the others' step 1 is warm-up (1 s). Island-3's probe (0.75 s,
+    the mean of its steps 2, 3) comes at 2.5 s, before island-2 has reported: 3 of 4 claims,
+    so it is not taken at once (first_reading_now), but with 3 claims it is one reading: t_ref
+    = lower median of 0.25, 0.25, 0.75 = 0.25, target floor(20 x 0.25 / 0.75) = 6, beyond the
+    band (below 20 / 1.4 - 1 = 13.3): pending, and its next report from its reported position 2
+    + 2 = 4 on (its step 5, 4 s: its second probe, steps 4-5, 0.75 s) is read at once: t_ref
+    still 0.25 (island-2's step 1 ends at 4 s, no report), target 6, confirmed: cut to 6 at
+    step 5, in place (its position below 6). Before the probe counted (a clock start only) two
+    regular readings a reference round (5 s) apart cut it at step 17 (13 s); under load, with
+    heartbeats a second apart, that came after its step 20, and it ran its second round at H.
+    The fast islands keep H."""
+    fast = [WARM] + [FAST] * 80
+    late = [4.0] + [FAST] * 70
+    slow = [WARM] + [SLOW] * 27
+    changes = _steps_to_rounds(4, 20, [fast, fast, late, slow])
+    assert changes == {0: [], 1: [], 2: [], 3: [(5, 6)]}
+
+
+def test_a_probe_slowed_less_than_half_is_one_reading() -> None:
+    """1,1,1,3 at H = 20, every island reporting, but the fast islands' first steps slowed by
+    the others' start-up (0.5 s for steps 2-5, then 0.25 s) so that island-3's probe (0.75 s at
+    2.5 s) reads only 1.5x: at 2.5 s the fast islands' reports are their probes' 0.5 s followed
+    by their step 4 (0.5 s; their heartbeats at 2.5 s come before island-3's), t_ref 0.5, target
+    floor(20 x 0.5 / 0.75) = 13, not half the round (no cut at once) but beyond the band (below
+    13.29): one reading pending. Its second probe (steps 4-5, 0.75 s) at 4 s is read at once:
+    the fast islands' steps end at 3 + 0.25 (k - 5) from step 5, at step 9 then, their report
+    the mean of steps 4-9 ((2 x 0.5 + 4 x 0.25) / 6 = 0.333), t_ref 0.333, target floor(20 x
+    0.333 / 0.75) = floor(8.9) = 8, beyond the band the same way: cut to 8 at step 5, in place.
+    Its later readings (t_ref falling to 0.25, target 6) stay in 8's band (down to 4.71) at
+    K = 1. Waiting for two regular readings instead cut it at step 18."""
+    fast = [WARM] + [2 * FAST] * 4 + [FAST] * 80
+    slow = [WARM] + [SLOW] * 30
+    changes = _steps_to_rounds(4, 20, [fast, fast, fast, slow])
+    assert changes == {0: [], 1: [], 2: [], 3: [(5, 8)]}
+
+
+def test_at_k_equals_m_a_slow_island_round_leaves_room() -> None:
+    """1,1,1,4 at H = 20 (floor 3), K = M = 4. Island-3's probe (1.0 s, the mean of its steps 2,
+    3) at 3 s, the fast islands' reports 0.25 s: t_ref 0.25, target floor(20 x 0.25 / 1.0) = 5
+    <= 10, taken at once and set as it is (5, in place while the learner is below it), one
+    reading shorter pending. Its first regular reading, at its first heartbeat a reference
+    round (5 s) on (its steps end at k s: step 8), target 5, sized floor(5 x 0.9) = 4 < 5: late
+    at K = M, with the pending one two readings: 4 (4 s against the reference round's 5 s).
+    Later readings (sized 4) leave it. At K = 1 the same schedule keeps 5 (no room: a late push
+    delays no one)."""
+    fast = [WARM] + [FAST] * 80
+    slow = [WARM] + [1.0] * 20
+    assert _steps_to_rounds(4, 20, [fast, fast, fast, slow], quorum=4) == {
+        0: [],
+        1: [],
+        2: [],
+        3: [(3, 5), (8, 4)],
+    }
+    assert _steps_to_rounds(4, 20, [fast, fast, fast, slow]) == {0: [], 1: [], 2: [], 3: [(3, 5)]}
+
+
+def test_at_k_equals_m_identical_islands_keep_h() -> None:
+    """The room changes only the round a change sets, never whether a reading changes it:
+    identical islands at K = M with island-3 reading 1.3125x (0.328125 s: target floor(20 /
+    1.3125) = floor(15.24) = 15, inside H's band down to 13.29, where floor(15.24 x 0.9) = 13
+    would be beyond it) keep H; its steps read as they are (its probe and reports their
+    mean)."""
+    fast = [WARM] + [FAST] * 80
+    noisy = [WARM] + [0.328125] * 64
+    assert _steps_to_rounds(4, 20, [fast, fast, fast, noisy], quorum=4) == {
+        0: [],
+        1: [],
+        2: [],
+        3: [],
+    }
+
+
+def test_at_k_equals_m_a_slow_island_that_slows_further_is_cut_at_one_reading() -> None:
+    """1,1,1,3 at H = 20, K = M = 4; island-3's steps 2, 3 take 0.75 s (3x), then 0.875 s
+    (3.5x). Its probe (0.75 s at 2.5 s) has target floor(20 x 0.25 / 0.75) = 6 <= 10: cut at
+    step 3 to sized floor(6.67 x 0.9) = 6, one reading shorter left pending. Its first regular
+    reading, at its first heartbeat 20 x 0.25 = 5 s after the probe (its steps end at 2.5 +
+    0.875 (k - 3): step 9, 7.75 s), reads 0.875 s (its mean of steps 4-9): 20 x 0.25 / 0.875 =
+    5.71, target 5, inside 6's band (down to 3.29) but below it, late at K = M: with the
+    pending one, two readings, cut to sized floor(5.71 x 0.9) = 5 at step 9. Later readings
+    (target 5) leave 5. At K = 1 the band keeps 6."""
+    fast = [WARM] + [FAST] * 80
+    slower = [WARM, SLOW, SLOW] + [0.875] * 20
+    lock_step = _steps_to_rounds(4, 20, [fast, fast, fast, slower], quorum=4)
+    assert lock_step == {0: [], 1: [], 2: [], 3: [(3, 6), (9, 5)]}
+    assert _steps_to_rounds(4, 20, [fast, fast, fast, slower]) == {0: [], 1: [], 2: [], 3: [(3, 6)]}
+
+
+def test_a_second_probe_in_the_band_clears_the_first() -> None:
+    """Identical islands at H = 20; island-3's steps 2-3 slow (0.375 s), then 0.25 s. Its probe
+    (0.375 s at 1.75 s, every island reporting) has target floor(20 x 0.25 / 0.375) = 13, beyond
+    the band (below 13.29), not half: one reading pending. Its second probe (steps 4-5, 0.25 s,
+    at 2.25 s) has target 20, in the band: nothing pending, no cut, then or later."""
+    fast = [WARM] + [FAST] * 80
+    noisy = [WARM, 0.375, 0.375] + [FAST] * 78
+    assert _steps_to_rounds(4, 20, [fast, fast, fast, noisy], quorum=4) == {
+        0: [],
+        1: [],
+        2: [],
+        3: [],
+    }
+
+
+def test_a_slow_island_that_reports_before_its_peers_is_read_at_its_second_probe() -> None:
+    """1,1,1,3 at H = 20; the fast islands start late (their step 1 ends at 3 s), island-3
+    first (1 s). Its probe (0.75 s) at 2.5 s finds 1 claim, its own: no reading, but in a job
+    of four not the clock's start either: its next report from its reported position 2 + 2 = 4
+    on is read as its first. Step 4 (3.25 s, position 3): not yet. Step 5 (4 s): its second
+    probe (steps 4-5, 0.75 s); the fast islands' steps end at 3 + 0.25 (k - 1), their probe at
+    3.5 s, their step 5 at 4 s (their second probe, 0.25 s, read before island-3's): 4 of 4
+    claims, t_ref 0.25, target 6 <= 10: taken at once, cut to 6 at step 5, in place. Before
+    (the probe starting its clock), two regular readings cut it at step 17, after a first
+    round at H under load."""
+    fast = [3.0] + [FAST] * 80
+    slow = [WARM] + [SLOW] * 27
+    assert _steps_to_rounds(4, 20, [fast, fast, fast, slow]) == {0: [], 1: [], 2: [], 3: [(5, 6)]}
+    # in a job of two the probe before its peer's report starts its clock as before: two
+    # regular readings (10 x 0.25 = 2.5 s apart, from 2.5 s: steps 7 and 11) cut it to 3
+    assert _steps_to_rounds(2, 10, [[3.0] + [FAST] * 60, slow]) == {0: [], 1: [(11, 3)]}

@@ -54,11 +54,13 @@ class InnerSpec(SpecModel):
         "of a fragment) or auto (the syncer sizes island i's round H_i from its measured step "
         "time, so that islands of different speeds push at about the same wall time: H_i = "
         "floor(inner.steps x t_ref / t_i), t_ref the lower median of the islands' step times, "
-        "within inner.minSteps..inner.maxSteps; the first from a learner's first steps when "
-        "they show it at least twice as slow (each beyond 1.4x) in a job of three or more "
-        "islands, every other "
-        "change only after two readings in a row whose step time is more than 40% off what "
-        "its round assumes; at K = M each island keeps its "
+        "within inner.minSteps..inner.maxSteps; the first from a learner's first steps in a "
+        "job of three or more islands: at once when two show it at least twice as slow (each "
+        "beyond 1.4x), or when two and the next two both show it more than 1.4x slower; every "
+        "other change only after two readings in a row whose step time is more than 40% off "
+        "what its round assumes, or at K = M that show a shortened round taking more than 90% "
+        "of the others' (a change at K = M leaves that 10% room); at K = M each island keeps "
+        "its "
         "1/M share of stopAfter.tokens while every round is inner.steps, as with fixed; "
         "docs/algorithm.md). islands.overrides[].innerSteps pins an island's.",
     )

@@ -12,7 +12,10 @@ steps proportional to a worker's speed; the merge already weighs each push by it
 rounded down, so that a slow island's round ends no later than the reference's: at K = M the
 islands at the reference speed never wait for it (speeds 1,1,1,3 and H = 20: 6 steps of 3 = 18
 of the others' 20; rounded to nearest, 7 steps = 21 made every fast island wait a step each round,
-5% of its time), and the slow island idles under one of its steps a round instead.
+5% of its time), and the slow island idles under one of its steps a round instead. At K = M a
+change leaves it more room (sized_steps, LOCK_STEP_ROOM): its round at most 90% of the
+reference round's time, since every merge waits for the last push and a round that rounding
+down left as long as the others' was late half the time under load.
 
 t_i is island i's measured step time (its heartbeats' stepTime) and t_ref a robust reference
 step time of the job (reference_step_time): the lower median of the islands' step times once
@@ -65,11 +68,15 @@ band), at once rather than at its next heartbeat (StepTimeReport; then the mean 
 after it, the probe left out). The syncer reads a fresh island's probe at once when every active
 island has reported one (first_reading_now: before that the reference could be the slow island's
 own time) and takes it, as two readings, only when its target at least halves the round
-(probe_moves: an island nearer the reference waits for its regular readings) and at least
-MAJORITY_CLAIMS islands report: in a job of two the reference is the other island's own probe
-and nothing brackets it, so there a probe never acts. A probe's cut starts no cooldown and
-leaves a reading in its direction pending (next_round): two steps may under-read a slow island,
-and its first regular reading may cut it further alone. Its learner, still within its first
+(probe_moves) and at least MAJORITY_CLAIMS islands report; else, with that many reporting, as
+one reading, which its learner's second probe (the next PROBE_STEPS steps, reported and read
+at once: StepTimeReport, IslandRound.confirm_at) confirms or clears (probe_readings: under load
+a 3x island's probe read under 2x, or came before a late peer's, and the regular readings,
+heartbeats a second apart, came after its first round's end). In a job of two the reference
+is the other island's own probe and nothing brackets it, so there a probe is no reading at all.
+A probe's cut starts no cooldown and leaves a reading in its direction pending (next_round):
+two steps may under-read a slow island, and its first regular reading may cut it further
+alone. Its learner, still within its first
 round, adopts the new H_i in place (learner/step_plan. adopt_round), so a 3x slower island's
 first round is H/3 steps too, not H.
 
@@ -106,6 +113,10 @@ WARMUP_STEPS = 1
 # answer) before its position reaches it for the first round to be cut in place: the probe
 # completes at step 3, as the plain mean of steps 2-3 it replaced did.
 PROBE_STEPS = 2
+# At K = M every merge waits for the last island's push: a change sizes a slow island's round to
+# end at least this share of the reference round early (sized_steps), room for the noise of its
+# round's wall time against the others'.
+LOCK_STEP_ROOM = 0.1
 # The reported step time's EMA weight of each step after the probe (as the learner's own EMA).
 REPORT_EMA = 0.1
 # The probe's reading moves a fresh island's round only to at most this share of it (the island
@@ -159,14 +170,30 @@ class StepTimeReport:
     value: float | None = None
     first: list[float] | None = None  # the steps so far, until the probe is complete
     after: int = 0  # steps since the probe
+    running: float = 0.0  # their mean, then EMA
+    second: list[float] | None = None  # the steps after the probe, until the second probe
 
     def add(self, seconds: float) -> bool:
-        """One step's seconds; True when this step completes the probe (report it now)."""
+        """One step's seconds; True when this step completes the probe or the second probe
+        (report it now).
+
+        The second probe: the PROBE_STEPS steps after the probe, capped as the probe is
+        (probe_step_time), reported at once; the syncer reads it at once when the probe was one
+        reading pending (probe_readings, RoundSizes.read), as the second of the two a change
+        needs. Afterwards the report is the running mean again (the cap only in that report)."""
         if self.value is not None:
             self.after += 1
             weight = report_weight(self.after)
-            self.value = (1 - weight) * self.value + weight * seconds
-            return False
+            self.running = (1 - weight) * self.running + weight * seconds
+            self.value = self.running
+            if self.after > PROBE_STEPS:
+                return False
+            self.second = [*(self.second or []), seconds]
+            if self.after < PROBE_STEPS:
+                return False
+            self.value = probe_step_time([0.0] * WARMUP_STEPS + self.second)
+            self.second = None
+            return True
         self.first = [*(self.first or []), seconds]
         self.value = probe_step_time(self.first)
         if self.value is None:
@@ -200,6 +227,31 @@ def probe_moves(current: int, target: int, *, claims: int) -> bool:
     return claims >= MAJORITY_CLAIMS and target <= PROBE_MOVE_SHARE * current
 
 
+def probe_readings(current: int, target: int, *, fresh: bool, reported: int, active: int) -> int:
+    """How many readings a fresh island's first report (its learner's probe) counts as at the
+    syncer: 2 when it is taken at once (first_reading_now and probe_moves: every active island
+    has reported, at least MAJORITY_CLAIMS, and it at least halves the round); else 1 when at
+    least MAJORITY_CLAIMS islands report a step time (a reading like a regular one: beyond the
+    band it is one reading pending, and the island's first regular reading a reference round
+    later, if beyond the band the same way, moves the round); else 0, its report only starts
+    its clock (a rejoin, whose first steps are warm-up again; a job of two, whose reference is
+    the other island's own probe, issue 47's tests/e2e/test_fsdp_island.py).
+
+    Why a probe that does not act still counts (issue 47): under load a 3x slower island's two
+    probe steps read 2-2.5x against its peers' probes (their steps slowed by the others'
+    start-up), short of probe_moves' half, and with two regular readings to wait for its change
+    came after its first round's end (3 reference rounds), so it ran its second round at H too
+    and at K = M every merge of that round waited for it (fast islands' utilisation 0.80-0.89x
+    of equal speeds, bench/RESULTS.md "hetero"). With the probe as the first of the two, its
+    first regular reading (1-1.6 reference rounds in) decides, before that boundary. Two steps
+    both beyond the band (probe_step_time's cap) and a reference round of steps beyond it the
+    same way are still two readings in a row."""
+    if not fresh or reported < MAJORITY_CLAIMS:
+        return 0
+    now = first_reading_now(fresh=fresh, reported=reported, active=active)
+    return 2 if now and probe_moves(current, target, claims=reported) else 1
+
+
 def target_steps(
     *, inner_steps: int, reference: float | None, own: float | None, floor: int, ceiling: int
 ) -> int:
@@ -214,6 +266,40 @@ def target_steps(
     return min(ceiling, max(floor, raw))
 
 
+def sized_steps(
+    *,
+    inner_steps: int,
+    reference: float | None,
+    own: float | None,
+    floor: int,
+    ceiling: int,
+    room: float,
+) -> int:
+    """The H_i a change of an island's round sets (next_round's `sized`): target_steps, but for an
+    island slower than the ceiling allows, floor(H x t_ref / t_i x (1 - room)), so that its
+    round's wall time is at most 1 - room of the reference round's. `room` is LOCK_STEP_ROOM at
+    K = M and 0 at K < M.
+
+    Why (issue 47): at K = M every merge waits for the last push, and target_steps' rounding
+    down leaves a slow island no room when H x t_ref / t_i is just above a whole number: under
+    load bench/hetero's 3x island ran about 4x (it sleeps 2x its compute, and its compute is
+    contended too), was given 5 of 20 steps, a round as long as the reference round, and pushed
+    last in 16 of 37 merges, by 0.94 s in all (fast islands' utilisation 0.936x of equal speeds;
+    bench/log/2026-11-29.md, "hetero"). The readings that decide a change are still
+    target_steps' (the band is unchanged), and a reading of the same step time after the change
+    is inside the band of the round it set (floor(x) <= max(floor(0.9 x) + 1, 1.4 floor(0.9
+    x)) for every x >= 1), so the room never moves a round by itself."""
+    target = target_steps(
+        inner_steps=inner_steps, reference=reference, own=own, floor=floor, ceiling=ceiling
+    )
+    if reference is None or own is None or own <= 0 or not math.isfinite(own) or room <= 0:
+        return target
+    exact = inner_steps * reference / own
+    if exact >= ceiling:
+        return ceiling
+    return min(ceiling, max(floor, math.floor(exact * (1 - room) + 1e-9)))
+
+
 @dataclass(frozen=True)
 class IslandRound:
     """One island's round size and the readings that may change it."""
@@ -222,6 +308,9 @@ class IslandRound:
     pending: int = 0  # readings in a row beyond CHANGE_FRACTION: > 0 longer, < 0 shorter
     since_change: int = COOLDOWN_READINGS  # readings since H_i last changed (a fresh one may)
     fresh: bool = True  # no reading yet: its probe may be read at once (first_reading_now)
+    # The reported step from which its next report is read at once (its learner's second
+    # probe, StepTimeReport), set when its probe was one reading pending (probe_readings)
+    confirm_at: int | None = None
 
 
 def in_band(steps: int, target: int) -> bool:
@@ -237,7 +326,14 @@ def in_band(steps: int, target: int) -> bool:
     return low - 1e-9 <= target <= high + 1e-9
 
 
-def next_round(current: IslandRound, target: int, *, confirmed: bool = False) -> IslandRound:
+def next_round(
+    current: IslandRound,
+    target: int,
+    *,
+    confirmed: bool = False,
+    sized: int | None = None,
+    late: bool = False,
+) -> IslandRound:
     """The island's round after one reading whose target H_i is `target` (target_steps).
 
     A change needs CONFIRMATIONS readings in a row beyond the band in the same direction, and
@@ -245,16 +341,27 @@ def next_round(current: IslandRound, target: int, *, confirmed: bool = False) ->
     was, until issue 47: identical FSDP islands under load, island-0's first regular reading
     alone cut it to 5 of 10). `confirmed`: the reading is already two (a probe, whose steps
     each show the target: probe_step_time, probe_moves), so it counts as the CONFIRMATIONS;
-    the change it makes starts no cooldown and leaves one reading in its direction pending."""
+    the change it makes starts no cooldown and leaves one reading in its direction pending.
+    `sized` (sized_steps): the round a regular change sets, where it differs from the target
+    that decides it (K = M's room), never past the current round the other way; a probe's
+    change sets the target (its learner takes it in place only while its position is below it,
+    a step or two after the probe: a 4x island's 5 of 20 in place, where the room's 4 came a
+    step late and it ran its first round at H). `late` (late_is_beyond): a sized round below
+    the current one is beyond the band, however near."""
     since = current.since_change + 1
-    if in_band(current.steps, target):
+    if not in_band(current.steps, target):
+        direction = 1 if target > current.steps else -1
+    elif late and sized is not None and sized < current.steps:
+        direction = -1
+    else:
         return IslandRound(current.steps, 0, since, fresh=False)
-    direction = 1 if target > current.steps else -1
     same = current.pending * direction > 0
     pending = current.pending + direction if same else direction
     if confirmed:
         pending = direction * max(abs(pending), CONFIRMATIONS)
     if abs(pending) >= CONFIRMATIONS and since >= COOLDOWN_READINGS:
+        if not confirmed and sized is not None and (sized - current.steps) * direction > 0:
+            target = sized
         if confirmed:
             # A probe's change starts no cooldown: should two regular readings in a row
             # disagree (two steps of a long warm-up cut an island of a job of three or more),
@@ -267,6 +374,21 @@ def next_round(current: IslandRound, target: int, *, confirmed: bool = False) ->
             return IslandRound(target, direction, COOLDOWN_READINGS, fresh=False)
         return IslandRound(target, 0, 0, fresh=False)
     return IslandRound(current.steps, pending, since, fresh=False)
+
+
+def late_is_beyond(*, room: float, steps: int, ceiling: int) -> bool:
+    """Whether a reading whose sized round (sized_steps) is below the island's round `steps`
+    counts as beyond the band (next_round's `late`): at K = M (`room` > 0) for an island
+    already below the ceiling. Such a reading says its round takes more than 1 - room of the
+    reference round (floor(0.9 H x t_ref / t_i) < H_i), and at K = M every merge waits for
+    whatever it runs past the reference round; the band's 1.4x let it: bench/hetero's 3x
+    island, cut to 6 of 20 by a probe that read 3x, ran 3.3-3.6x under load (target 5, inside
+    6's band down to 3.3) and pushed last in 24 of 36 merges, 2.0 s of the fast islands' waits
+    (0.875x of equal speeds; bench/log/2026-11-29.md, "hetero — 2026-11-29 11:17 UTC"). Two
+    readings in a row are still needed, and a change sets the sized round, which a reading of
+    the same speed leaves alone (its sized round is that round). An island at the ceiling
+    keeps the band: identical islands read ±30% apart."""
+    return room > 0 and steps < ceiling
 
 
 @dataclass(frozen=True)

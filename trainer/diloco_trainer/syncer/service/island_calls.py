@@ -109,8 +109,19 @@ class IslandCalls:
             )
             members = self.state.membership
             rounds = self.gate.rounds
+            before = rounds.steps_of(rec, island)
             rounds.read(rec, members.active_records(), self.control.clock())
             inner_steps = rounds.steps_of(rec, island)
+            if inner_steps != before:
+                # the readings behind a round's change (bench/hetero reads them from this log)
+                log.info(
+                    "%s: rounds of %d inner steps (was %d) at its step %d, step time %.4fs",
+                    island,
+                    inner_steps,
+                    before,
+                    progress.step,
+                    progress.step_time or 0.0,
+                )
             split = rounds.split
             self._set_targets()
         self.control.wake()

@@ -13,15 +13,20 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterable
+from dataclasses import replace
 
 from diloco_trainer.api.spec import JobSpec
 from diloco_trainer.core.island_rounds import (
+    LOCK_STEP_ROOM,
+    MAJORITY_CLAIMS,
+    PROBE_STEPS,
     IslandRound,
     RoundLimits,
-    first_reading_now,
+    late_is_beyond,
     next_round,
-    probe_moves,
+    probe_readings,
     reference_step_time,
+    sized_steps,
     split_budget,
     target_steps,
 )
@@ -44,6 +49,10 @@ class RoundSizes:
     def __init__(self, spec: JobSpec) -> None:
         self.limits = RoundLimits.from_spec(spec)
         self.overlap = spec.sync.overlap_steps or 0
+        # K = M: every merge waits for the last push, so a change leaves a slow island's round
+        # room to end early (core/island_rounds.sized_steps)
+        self.islands = max(spec.islands.count, spec.total_shards())
+        self.room = LOCK_STEP_ROOM if spec.sync.quorum >= self.islands else 0.0
         # Whether any island's round differs or differed from H (core/island_rounds.
         # split_budget): at K = M the token budget is then split by stop targets, not shares.
         self.split = self.limits.pins_differ
@@ -71,10 +80,11 @@ class RoundSizes:
     def read(self, rec: IslandRecord, active: Iterable[IslandRecord], now: float) -> None:
         """After a heartbeat: one reading of the island's step time once a reference round
         (H x t_ref seconds) has passed since its last reading; H_i moves by next_round, on two
-        readings in a row beyond the band. A fresh island's first report (its learner's probe,
-        the fastest of two steps clear of warm-up) is read at once, as those two readings, when
-        every active island has reported, at least three of them, and it at least halves the
-        round (first_reading_now, probe_moves); else it starts the island's clock."""
+        readings in a row beyond the band. A fresh island's first report (its learner's probe:
+        the mean of two steps clear of warm-up, capped) is read at once (probe_readings): as
+        those two readings when every active island has reported, at least three of them, and
+        it at least halves the round; else, with at least three reporting, as one; else (a job
+        of two, a rejoin) it starts the island's clock."""
         if self.limits.fixed_steps(island_index(rec.name)) is not None or not rec.step_time:
             return
         members = list(active)
@@ -82,36 +92,99 @@ class RoundSizes:
         if reference is None:
             return
         current = rec.round or IslandRound(self.limits.inner_steps)
+        limits = self.limits
         target = target_steps(
-            inner_steps=self.limits.inner_steps,
+            inner_steps=limits.inner_steps,
             reference=reference,
             own=rec.step_time,
-            floor=self.limits.floor,
-            ceiling=self.limits.ceiling,
+            floor=limits.floor,
+            ceiling=limits.ceiling,
         )
+        sized = sized_steps(
+            inner_steps=limits.inner_steps,
+            reference=reference,
+            own=rec.step_time,
+            floor=limits.floor,
+            ceiling=limits.ceiling,
+            room=self.room,
+        )
+        late = late_is_beyond(room=self.room, steps=current.steps, ceiling=limits.ceiling)
         if rec.round_read_at is None:
             reported = sum(1 for r in members if r.step_time)
-            rec.round_read_at = now
-            if not (
-                first_reading_now(fresh=current.fresh, reported=reported, active=len(members))
-                and probe_moves(current.steps, target, claims=reported)
-            ):
-                # a rejoin's first steps are warm-up again (its learner's report may include
-                # them), a fresh island's reference waits for its peers' reports, a probe near
-                # the reference is noise as likely as speed, and in a job of two the reference
-                # is the other island's own probe: its first report starts its clock, and it is
-                # read a reference round later (still fresh)
+            first = self._first_report(
+                rec,
+                current,
+                target,
+                sized=sized,
+                late=late,
+                reported=reported,
+                now=now,
+                active=len(members),
+            )
+            if first is None:
                 return
-            after = next_round(current, target, confirmed=True)
+            after = first
+        elif current.confirm_at is not None and (rec.reported_step or 0) >= current.confirm_at:
+            after = next_round(current, target, sized=sized, late=late)  # its second probe
         elif now - rec.round_read_at < self.limits.inner_steps * reference:
             return
         else:
-            after = next_round(current, target)
+            after = next_round(current, target, sized=sized, late=late)
         rec.round_read_at = now
         if after.steps != current.steps:
             rec.round_before = current.steps
         rec.round = after
         self._seen(rec)
+
+    def _first_report(
+        self,
+        rec: IslandRecord,
+        current: IslandRound,
+        target: int,
+        *,
+        sized: int,
+        late: bool,
+        reported: int,
+        active: int,
+        now: float,
+    ) -> IslandRound | None:
+        """The island's round after its first report since it (re)joined (read's first
+        branch), or None: not read (its clock started, or its second probe awaited)."""
+        step = rec.reported_step if rec.reported_step is not None else rec.step
+        if current.fresh and current.confirm_at is not None and step < current.confirm_at:
+            return None  # its probe came before its peers': its second probe is read instead
+        rec.round_read_at = now
+        readings = probe_readings(
+            current.steps, target, fresh=current.fresh, reported=reported, active=active
+        )
+        if readings == 0:
+            if (
+                current.fresh
+                and self.islands >= MAJORITY_CLAIMS
+                and step + PROBE_STEPS < self.limits.inner_steps
+            ):
+                # a job of three or more whose other islands have not reported yet (they
+                # joined later: a process start on a loaded machine): its next report
+                # PROBE_STEPS steps on (its learner's second probe) is read as its first,
+                # within its first round (bench/log/2026-11-29.md, "hetero — 2026-11-29
+                # 11:43 UTC": a 3x island that joined first ran two rounds at H)
+                rec.round_read_at = None
+                rec.round = replace(current, confirm_at=step + PROBE_STEPS)
+            # else a rejoin's first steps are warm-up again (its learner's report may include
+            # them), and in a job of two the reference is the other island's own probe: its
+            # first report starts its clock, and it is read a reference round later (still
+            # fresh)
+            return None
+        # a probe that at least halves the round with every island reporting is two readings;
+        # else one, which its learner's second probe confirms or clears
+        after = next_round(current, target, confirmed=readings == 2, sized=sized, late=late)
+        if readings == 1 and after.pending:
+            # its second probe, PROBE_STEPS steps on, is read at once: a reference round of
+            # wall time is a heartbeat or two, and under load a slow island's first round ended
+            # before it (bench/log/2026-11-29.md, "hetero — 2026-11-29 11:20 UTC": its second
+            # round at H too)
+            after = replace(after, confirm_at=step + PROBE_STEPS)
+        return after
 
     def _seen(self, rec: IslandRecord) -> None:
         self.split = split_budget(
