@@ -242,6 +242,9 @@ class MergeRecord(Document):
     grace: float = 0.0
     rule: str = ""
     fraction: float = 1.0  # the share of a round of work it carried (core/contributions.py)
+    # The share of it that entered the outer momentum (core/contributions.momentum_share: below
+    # 1 only when a contributor's base was stale).
+    momentum: float = 1.0
     complete: bool = False  # it held every island's push, so it closed the round (core/outer.py)
     rounds: int = 0  # the fragment's completed rounds of work after it
     tokens: int = 0

@@ -14,6 +14,9 @@ generalised from "every N-th arrival" to work fractions:
   momentum, m ← β·m + b, b ← 0, and θ moves by lr·β·m (Nesterov; lr·β·m_old for heavy ball).
   A fraction that crosses 1 is split: the part up to 1 closes the round, the rest starts the
   next one (a merge with φ ≥ 2 folds more than once);
+- a merge's `momentum_share` s (core/contributions.momentum_share: below 1 only when a
+  contributor is stale) scales what it adds to the buffer, s·φ·g, and not its gradient term:
+  a stale Δ moves θ once but does not act again through the momentum;
 - a *complete* merge, one that holds a push of every island the round spans, closes the open
   round with all of its work (one fold, the buffer then empty) whatever its φ. That is the
   paper's own unit (a fold every N arrivals, N the workers): work fractions stand in for it
@@ -177,13 +180,15 @@ class OuterOptimizer:
         group: int = 0,
         *,
         complete: bool = False,
+        momentum_share: float = 1.0,
         each: Callable[[str, slice], None] | None = None,
         before: Callable[[str, slice], None] | None = None,
         fused: FusedSlice | None = None,
     ) -> int:
         """Apply one merge carrying `fraction` of a round to exactly the named tensors (one
         fragment, `group`; `complete`: it holds every island's push, see the module docstring);
-        returns how many rounds it completed (folds).
+        returns how many rounds it completed (folds). `momentum_share`: the share of φ·g that
+        enters the buffer (the module docstring; 1: all of it, as torch.optim.SGD).
 
         Streamed a slice of each tensor at a time (compress.slices): every value goes through
         the same float ops as on the whole tensor, so the result is the same bit for bit, with
@@ -195,7 +200,12 @@ class OuterOptimizer:
         slice's work, `before` and `each` included (core/fused_update.py): the round's fold
         m ← β·m + g and θ ← θ − lr·(g + β·m)."""
         self._check(grads)
-        if fused is not None and self.plain_round(grads, fraction, group, complete=complete):
+        if not (math.isfinite(momentum_share) and 0.0 <= momentum_share <= 1.0):
+            raise ValueError(f"momentum share must be in [0, 1], got {momentum_share}")
+        plain = momentum_share == 1.0 and self.plain_round(
+            grads, fraction, group, complete=complete
+        )
+        if fused is not None and plain:
             return self._step_fused(grads, group, fused)
         portions, after = split_fraction(self.accumulated(group), fraction, complete=complete)
         # The gradient term's slice is written here, reused (one per call: merges of other
@@ -212,7 +222,7 @@ class OuterOptimizer:
                 if before is not None:
                     before(name, sl)
                 buf = self._step_slice(
-                    name, flat[sl], param[sl], sl, fraction, portions, kept, work
+                    name, flat[sl], param[sl], sl, fraction, portions, kept, work, momentum_share
                 )
                 if buf is not None and (kept is None or not _same(buf, kept.view(-1)[sl])):
                     if fresh is None:  # the open round's new buffer: in the folded one's place
@@ -268,10 +278,12 @@ class OuterOptimizer:
         portions: list[tuple[float, bool]],
         kept: Tensor | None,
         work: Tensor,
+        share: float = 1.0,
     ) -> Tensor | None:
         """One slice of step(): θ's slice moves; returns the open round's buffer slice left
         (`kept`'s slice, or a new one the caller stores), None when every portion folded.
-        `work`: a slice-sized buffer for the gradient term."""
+        `work`: a slice-sized buffer for the gradient term; `share`: step()'s momentum_share,
+        on what each portion adds to the buffer."""
         beta = self.momentum
         # The gradient term, lr·φ·g in all: g·φ plus each fold's momentum term. g·1 is g bit
         # for bit, so at φ = 1 (every merge of a K = M job) g is read as it is, not copied.
@@ -280,11 +292,12 @@ class OuterOptimizer:
         for portion, closes in portions:
             if beta == 0.0:
                 continue
+            into = portion * share
             if buf is None:
                 # a round closed at once reads g only (m += buf): no copy of it at φ = 1
-                buf = g if closes and portion == 1.0 else g.mul(portion)
+                buf = g if closes and into == 1.0 else g.mul(into)
             else:
-                buf.add_(g, alpha=portion)
+                buf.add_(g, alpha=into)
             if closes:
                 term, coeff = self._fold(name, buf, sl)
                 if update is None:

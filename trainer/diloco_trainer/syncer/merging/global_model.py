@@ -363,6 +363,7 @@ class GlobalModel:
                 plan.fraction,
                 group=f,
                 complete=plan.complete,
+                momentum_share=plan.momentum,
                 each=writer.slice,
                 before=prepared.divide,
                 fused=self._fused_slices(writer, prepared),
@@ -370,7 +371,13 @@ class GlobalModel:
             prepared.divisors.clear()
             update = writer.finish()
         else:
-            self.outer.step(prepared.finish(), plan.fraction, group=f, complete=plan.complete)
+            self.outer.step(
+                prepared.finish(),
+                plan.fraction,
+                group=f,
+                complete=plan.complete,
+                momentum_share=plan.momentum,
+            )
             if out is not None:
                 update = publish_update(
                     self.weights, self.published, names, self.pull_compression, new_version, out

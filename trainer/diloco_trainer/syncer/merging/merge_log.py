@@ -110,6 +110,7 @@ class MergeLog:
             grace=grace,
             rule=rule,
             fraction=plan.fraction,
+            momentum=plan.momentum,
             complete=plan.complete,
             rounds=result.rounds,
             tokens=tokens,
@@ -271,6 +272,7 @@ def describe_merge(entry: MergeRecord) -> str:
     parts = ", ".join(f"{c.island} w={c.weight:.3f} lag={c.lag}" for c in entry.contributors)
     return (
         f"merged fragment {entry.fragment} -> version {entry.version} (outer step "
-        f"{entry.outer_step}, {entry.fraction:.3f} of a round, {entry.tokens} tokens, "
-        f"{entry.merge_seconds:.3f}s): {parts}"
+        f"{entry.outer_step}, {entry.fraction:.3f} of a round"
+        + (f" ({entry.momentum:.3f} of it into the momentum)" if entry.momentum < 1.0 else "")
+        + f", {entry.tokens} tokens, {entry.merge_seconds:.3f}s): {parts}"
     )
