@@ -269,6 +269,8 @@ def run_all(args: Any, wd: Path) -> dict[tuple[int, int, float], dict[str, Any]]
         calib: dict[str, float] = {}
         for k in quorums(args):
             for share in shares:
+                if k == args.islands and share and share not in (args.m_shares or shares):
+                    continue  # --m-shares: K = M only at these (L = 0 always: calibration)
                 # Past the budget (--past-budget), so that a run a little behind at the budget
                 # still shows when it reaches the K = M, L = 0 run's loss there.
                 limit = math.ceil(args.past_budget * budget(args))
@@ -440,6 +442,13 @@ def parse_args(argv: Sequence[str] | None) -> Any:
         help="every run trains up to this multiple of the token budget (S steps per island), to "
         "time when it reaches the K = M, L = 0 run's loss at the budget; equal-token figures are "
         "read at the budget",
+    )
+    p.add_argument(
+        "--m-shares",
+        type=float,
+        nargs="+",
+        default=None,
+        help="the shares K = M runs at (default: --shares; L = 0, the calibration, always)",
     )
     p.add_argument("--quick", action="store_true", help="smoke run: M=2, H=10, 60 steps, L=0,50")
     args = p.parse_args(argv)
