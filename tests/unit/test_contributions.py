@@ -10,6 +10,7 @@ import torch
 from diloco_trainer.api.spec import parse_spec
 from diloco_trainer.core.contributions import (
     Contributor,
+    momentum_share,
     plan_merge,
     staleness_discount,
     work_share,
@@ -111,3 +112,37 @@ def test_staleness_bound_auto_is_four_versions_per_island_of_the_job() -> None:
     # Multi-region: every region's islands count (totalShards).
     assert parse_spec({"islands": {"count": 2, "totalShards": 5}}).staleness_bound() == 20
     assert parse_spec({"sync": {"maxStaleness": 2}}).staleness_bound() == 2
+
+
+def test_momentum_share_is_inverse_square_of_one_plus_the_lag() -> None:
+    assert momentum_share(0.0) == 1.0  # fresh: all of it (K = M's merges unchanged)
+    assert momentum_share(0.5) == pytest.approx(1 / 2.25)  # (1 + 0.5)^-2
+    assert momentum_share(1.0) == 0.25  # (1 + 1)^-2
+    assert momentum_share(3.0) == 1 / 16  # (1 + 3)^-2
+    with pytest.raises(ValueError, match=">= 0"):
+        momentum_share(-0.1)
+    with pytest.raises(ValueError, match="finite"):
+        momentum_share(math.inf)
+
+
+def test_plan_merge_momentum_share_is_the_contributors_weighted_by_rho() -> None:
+    fresh = [Contributor(300, 30), Contributor(300, 30)]
+    assert plan_merge(fresh, rule="tokens", inner_steps=30, islands=4).momentum == 1.0
+    # One island's push a round stale, alone (K = 1): (1 + 1)^-2; its discount is 1 (the first
+    # round of lag is free), so φ is still 30/30 / 4.
+    lone = plan_merge([Contributor(300, 30, 1.0)], rule="tokens", inner_steps=30, islands=4)
+    assert lone.momentum == 0.25
+    assert lone.fraction == 0.25
+    # Two equal pushes (ρ alike: same tokens and steps, discount 1 at lags 0 and 1):
+    # (1 + 0.25) / 2.
+    mixed = [Contributor(300, 30, 0.0), Contributor(300, 30, 1.0)]
+    assert plan_merge(mixed, rule="tokens", inner_steps=30, islands=4).momentum == 0.625
+    # Lag 3 rounds: discount (1 + 2)^-1/2 = 0.577 in ρ; shares 1 and 1/16:
+    # (1 + 0.5774 / 16) / (1 + 0.5774) = 0.6569.
+    old = [Contributor(300, 30, 0.0), Contributor(300, 30, 3.0)]
+    d = 3**-0.5
+    expected = (1 + d / 16) / (1 + d)
+    assert plan_merge(old, rule="tokens", inner_steps=30, islands=4).momentum == pytest.approx(
+        expected
+    )
+    assert expected == pytest.approx(0.6569, abs=1e-4)

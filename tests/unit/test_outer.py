@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 
 import pytest
@@ -385,3 +386,46 @@ def test_reserved_momentum_is_a_first_fold_made_early(momentum: float, nesterov:
     for name, m in momentum_after.items():
         assert torch.equal(state[name], m)
     assert set(state) == ({"a", "b"} if momentum else set())
+
+
+def test_a_stale_merge_feeds_the_momentum_only_its_share() -> None:
+    # θ = 1, g = 2, lr 0.5, β 0.9, Nesterov, a merge closing a round with momentum share 0.25:
+    # buffer 0.25·2 = 0.5, m = 0.9·0 + 0.5 = 0.5, θ ← 1 − 0.5·(2 + 0.9·0.5) = −0.225
+    # (all of g into the momentum, as before: m = 2, θ ← 1 − 0.5·(2 + 1.8) = −0.9).
+    p = {"w": torch.tensor([1.0])}
+    outer = OuterOptimizer(p, lr=0.5, momentum=0.9, nesterov=True)
+    assert outer.step({"w": torch.tensor([2.0])}, momentum_share=0.25) == 1
+    assert p["w"].item() == pytest.approx(-0.225)
+    assert outer.state_tensors()["w"].item() == pytest.approx(0.5)
+
+
+def test_a_stale_partial_merge_buffers_its_share_and_moves_theta_by_all_of_it() -> None:
+    # lr 0.5, β 0.9, θ = 1. Merge 1: φ 0.5, g 2, share 0.5: θ ← 1 − 0.5·0.5·2 = 0.5, buffer
+    # 0.5·0.5·2 = 0.5. Merge 2: φ 0.5, g 4, fresh (share 1), closes the round: buffer 0.5 + 2 =
+    # 2.5 = m, θ ← 0.5 − 0.5·(0.5·4 + 0.9·2.5) = −1.625 (share 1 both times: −1.85).
+    p = {"w": torch.tensor([1.0])}
+    outer = OuterOptimizer(p, lr=0.5, momentum=0.9, nesterov=True)
+    assert outer.step({"w": torch.tensor([2.0])}, 0.5, momentum_share=0.5) == 0
+    assert p["w"].item() == pytest.approx(0.5)
+    assert outer.step({"w": torch.tensor([4.0])}, 0.5) == 1
+    assert p["w"].item() == pytest.approx(-1.625)
+    assert outer.state_tensors()["w"].item() == pytest.approx(2.5)
+
+
+def test_heavy_ball_momentum_share_leaves_the_gradient_term() -> None:
+    # Heavy ball, lr 0.5, β 0.9, after a fresh round with g = 2 (m = 2, θ = 1 − 0.5·2 = 0):
+    # a stale one with g = 2, share 0.25: θ ← 0 − 0.5·(2 + 0.9·2) = −1.9 (the term is β·m_old),
+    # m = 0.9·2 + 0.5 = 2.3.
+    p = {"w": torch.tensor([1.0])}
+    outer = OuterOptimizer(p, lr=0.5, momentum=0.9, nesterov=False)
+    outer.step({"w": torch.tensor([2.0])})
+    outer.step({"w": torch.tensor([2.0])}, momentum_share=0.25)
+    assert p["w"].item() == pytest.approx(-1.9)
+    assert outer.state_tensors()["w"].item() == pytest.approx(2.3)
+
+
+@pytest.mark.parametrize("share", [-0.1, 1.5, math.nan])
+def test_outer_step_refuses_a_momentum_share_outside_0_1(share: float) -> None:
+    outer = OuterOptimizer({"w": torch.tensor([1.0])}, lr=0.5, momentum=0.9, nesterov=True)
+    with pytest.raises(ValueError, match="momentum share"):
+        outer.step({"w": torch.tensor([2.0])}, momentum_share=share)
