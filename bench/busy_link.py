@@ -65,6 +65,7 @@ from bench.harness.common import (
 )
 from bench.harness.decoupled_quality_report import interp, loss_at_tokens, time_to_loss
 from bench.harness.flags import INNER_OPTIMIZER, TRAINING
+from bench.harness.merge_stats import merge_staleness
 from bench.harness.ours_harness import OursRun
 
 # A learner's progress line's split of its window (learner/step_costs.WindowCosts.line).
@@ -203,6 +204,7 @@ def run_over_link(
         "splits": splits,
         "bytes_per_round": bytes_per_round(samples),
         "merges": int(st.get("mergeCount", 0)),
+        "staleness": merge_staleness(wd / "syncer", [p.log_file for p in run.learners.values()]),
         "rounds": int(st["outerStep"]),
     }
 
@@ -341,6 +343,7 @@ def tables(args: Any, results: dict[tuple[int, int, float], dict[str, Any]]) -> 
             "loss at equal tokens",
             "/ same K at L=0",
             "time to K=M L=0's loss / its own",
+            "merges: lag mean/max (versions), alone, least momentum share",
         ],
     )
     verdicts = Table(
@@ -374,6 +377,7 @@ def tables(args: Any, results: dict[tuple[int, int, float], dict[str, Any]]) -> 
                 fmt_spread(losses, lambda x: f"{x:.4f}"),
                 fmt_spread(rel, fmt_ratio),
                 fmt_spread(to_target, lambda x: "never" if x == math.inf else fmt_ratio(x)),
+                " | ".join(r["staleness"].cell() for r in rs),
             )
             util = min(u.utilisation for u in us)
             need = 0.97 if share <= 50 else 0.90

@@ -138,6 +138,10 @@ def test_syncer_merges_stale_work_with_a_discount(tmp_path: Path) -> None:
     assert stale["discount"] == pytest.approx(2.5**-0.5)
     assert stale["weight"] == 1.0  # alone in its merge, but not renormalised away:
     assert entry["fraction"] == pytest.approx(0.5 * 2.5**-0.5)
+    # It feeds the outer momentum only (1 + 2.5)^-2 = 1/12.25 of its Δ (core/contributions.
+    # momentum_share); island-0's fresh pushes all of theirs.
+    assert entry["momentum"] == pytest.approx(1 / 12.25)
+    assert all(r.momentum == 1.0 for r in list(syncer.merge_log.recent)[:-1])
 
 
 def test_syncer_checkpoint_keeps_the_open_round(tmp_path: Path) -> None:
