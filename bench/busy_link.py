@@ -377,7 +377,7 @@ def tables(args: Any, results: dict[tuple[int, int, float], dict[str, Any]]) -> 
                 fmt_spread(losses, lambda x: f"{x:.4f}"),
                 fmt_spread(rel, fmt_ratio),
                 fmt_spread(to_target, lambda x: "never" if x == math.inf else fmt_ratio(x)),
-                " | ".join(r["staleness"].cell() for r in rs),
+                "; ".join(r["staleness"].cell() for r in rs),
             )
             util = min(u.utilisation for u in us)
             need = 0.97 if share <= 50 else 0.90
