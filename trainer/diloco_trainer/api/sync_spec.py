@@ -116,7 +116,8 @@ class SyncSpec(SpecModel):
         description="A pseudo-gradient based on a version more than this many versions old is "
         "refused (the learner pulls and goes on); 'auto': 4 x the job's islands, about four "
         "rounds of work at quorum 1. Every fresher one is merged; staleness beyond one round of "
-        "work is discounted by (1 + excess rounds)^-1/2.",
+        "work is discounted by (1 + excess rounds)^-1/2, and a stale one feeds the outer "
+        "momentum only (1 + lag in rounds)^-2 of its pseudo-gradient (docs/algorithm.md).",
     )
     mix_alpha: float = Field(
         0.0,
