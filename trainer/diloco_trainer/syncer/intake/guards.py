@@ -43,13 +43,15 @@ from __future__ import annotations
 import math
 import statistics
 from collections import deque
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 import torch
 from torch import Tensor
 
 from diloco_trainer.api import protocol
+from diloco_trainer.api.manifest import SavedGuards
 from diloco_trainer.api.spec import JobSpec
 from diloco_trainer.core.fold import abs_max
 from diloco_trainer.core.push_bounds import STEP_ROUNDS, max_push_steps  # the learner's too
@@ -60,6 +62,8 @@ from diloco_trainer.syncer.intake.payload import EncodedPayload
 # AdamW moves an element by at most about lr per step (|m̂/√v̂| <= ~1.2 for betas (0.9, 0.95));
 # the 'auto' cap allows four times that in every element at once.
 ADAM_STEP_BOUND = 4.0
+_T = TypeVar("_T")
+
 # Accepted norms remembered per fragment and island for the learned bound (recent behaviour
 # matters); an island's own median counts once it has OWN_MIN of them (one odd push cannot set a
 # median of three).
@@ -109,6 +113,9 @@ MIN_LR_SHARE = 0.1
 # reference to 0.15 x lr per element and step, and an honest push at the cosine's floor (0.01 x
 # lr) is then named under attack, never refused.
 FAINT_RATIO = 4.0
+# A saved figure is at most this (JSON has no infinity: a push judged against a reference of 0
+# moved infinitely more than it); any figure that large reads the same to every rule here.
+SAVED_MAX = 1e12
 
 
 class ContributionRefused(Refused):
@@ -298,6 +305,17 @@ class WorkEvidence:
         if steps > 0:
             own = self.rates[fragment].setdefault(island, deque(maxlen=self.window))
             own.append(norm / steps)
+
+    def saved(self) -> list[dict[str, list[float]]]:
+        """Per fragment, each island's window (for checkpoints: SavedGuards.movement)."""
+        return [{i: _saved(d) for i, d in sorted(f.items())} for f in self.rates]
+
+    def restore(
+        self, doc: Sequence[Mapping[str, Sequence[float]]], islands: Collection[str]
+    ) -> None:
+        """Load saved() (of `islands` only, each window's newest entries)."""
+        for rates, saved in zip(self.rates, doc, strict=False):
+            rates.update(_windows(saved, islands, self.window))
 
 
 class NormHistory:
@@ -515,6 +533,38 @@ class ContributionGuard:
             for key in [k for k in table if k[1] == island]:
                 del table[key]
 
+    def saved(self) -> SavedGuards:
+        """The per-island figures a restart must keep (api/manifest.SavedGuards): the work
+        evidence's movement, the detection's windows and the refusal streaks."""
+        fragments = len(self.caps)
+        return SavedGuards(
+            movement=[] if self.evidence is None else self.evidence.saved(),
+            carried=_by_fragment(self.carried, fragments, _saved),
+            at_bound=_by_fragment(self.at_bound, fragments, list),
+            streaks=dict(sorted(self.streaks.items())),
+        )
+
+    def restore(self, saved: SavedGuards | None, islands: Collection[str]) -> None:
+        """Load saved() from a checkpoint whose island records are `islands` (an island the
+        checkpoint has no record of is no island of the job's); None (an older checkpoint):
+        nothing, the figures start afresh."""
+        if saved is None:
+            return
+        if self.evidence is not None:
+            self.evidence.restore(saved.movement, islands)
+        for fragment, windows in enumerate(saved.carried[: len(self.caps)]):
+            for island, d in _windows(windows, islands, AT_BOUND_PUSHES).items():
+                self.carried[(fragment, island)] = d
+        for fragment, flags in enumerate(saved.at_bound[: len(self.caps)]):
+            for island, seen in flags.items():
+                if island in islands:
+                    self.at_bound[(fragment, island)] = deque(
+                        (bool(x) for x in seen), maxlen=AT_BOUND_PUSHES
+                    )
+        self.streaks.update(
+            {i: n for i, n in saved.streaks.items() if i in islands and 0 < n < self.max_refusals}
+        )
+
     def accepted(self, fragment: int, island: str, stats: DeltaStats, steps: int = 0) -> None:
         self.history.record(fragment, island, stats.norm)
         if self.evidence is not None:
@@ -535,6 +585,35 @@ class ContributionGuard:
             return True
         self.streaks[island] = streak
         return False
+
+
+def _saved(window: Sequence[float]) -> list[float]:
+    """A window of figures as JSON can hold them (SAVED_MAX for an infinite one)."""
+    return [min(float(x), SAVED_MAX) for x in window]
+
+
+def _by_fragment(
+    table: Mapping[tuple[int, str], Sequence[float]],
+    fragments: int,
+    saved: Callable[[Sequence[float]], list[_T]],
+) -> list[dict[str, list[_T]]]:
+    """A (fragment, island) table as SavedGuards keeps it: per fragment, island -> window."""
+    out: list[dict[str, list[_T]]] = [{} for _ in range(fragments)]
+    for (fragment, island), window in sorted(table.items()):
+        out[fragment][island] = saved(window)
+    return out
+
+
+def _windows(
+    doc: Mapping[str, Sequence[float]], islands: Collection[str], length: int
+) -> dict[str, deque[float]]:
+    """Saved windows of the job's `islands` only, each its newest `length` figures of at
+    least 0 (a negative or NaN one, which no syncer writes, is left out), at most SAVED_MAX."""
+    return {
+        island: deque(_saved([x for x in window if float(x) >= 0]), maxlen=length)
+        for island, window in doc.items()
+        if island in islands
+    }
 
 
 def norm_floors(spec: JobSpec, numels: Sequence[int], caps: Sequence[float]) -> list[float]:
