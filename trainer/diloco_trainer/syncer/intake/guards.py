@@ -109,11 +109,11 @@ EVIDENCE_RATIO = 32.0
 MIN_LR_SHARE = 0.1
 # An island whose last AT_BOUND_PUSHES judged pushes all moved less than 1 / FAINT_RATIO of the
 # reference per claimed step is named too (the same health problem), though those above the bar
-# are merged: an island that knows the bar can push faint noise just above it with its claims
-# credited in full (bench/adversary.py's faint_claims). Naming only: two honest islands at one
-# time move within a few times each other's figure; an island pushing at the cap lifts the
-# reference to 0.15 x lr per element and step, and an honest push at the cosine's floor (0.01 x
-# lr) is then named under attack, never refused.
+# are merged: an island that knows the bar can push faint noise just above it (bench/
+# adversary.py's faint_claims), credited only in part (CREDIT_RATIO below). Naming only: two
+# honest islands at one time move within a few times each other's figure; an island pushing at
+# the cap lifts the reference to 0.15 x lr per element and step, and an honest push at the
+# cosine's floor (0.01 x lr) is then named under attack, never refused.
 FAINT_RATIO = 4.0
 # Partial credit (the same job of two): a push is credited the claimed steps its movement
 # supports at CREDIT_RATIO x its movement per claimed step over the reference, at most all of
