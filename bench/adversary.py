@@ -11,6 +11,9 @@ tests/e2e/test_adversary*.py (issues 22 and 46):
   work evidence of a job of two accepts for them (guards.WorkEvidence at its cap: the claimed
   steps x movementFactor 1.5 x 0.1 x inner.lr per element / 32): what an attacker that knows the
   rule pushes instead of zeros;
+- credited_noise: the same, at the least norm the partial credit of a job of two credits in full
+  (guards.CREDIT_RATIO: 1/4 of that reference per claimed step, eight times faint_claims'): what
+  an attacker that knows the partial credit pushes;
 - slot_holding: six push bodies trickled by the island's credential and six by the admin's;
 - connection_flood: every connection one peer address may open, held idle (another address);
 - merge_log: no participant, but the merge log unwritable (a directory) for the whole run;
@@ -87,6 +90,7 @@ VARIANTS = (
     "step_time_claim",
     "paced_ratchet",
     "faint_claims",
+    "credited_noise",
 )
 ISLANDS = (2, 3, 5)  # --islands: the job's islands, the adversary's included
 # The honest islands and the adversary of a job of M islands (set by main from --islands).
@@ -260,21 +264,24 @@ class Adversary(threading.Thread):
         while not self.stop.is_set():
             self.push(zero, steps=steps, tokens=tokens, stepTime=0.001)
 
-    def faint_claims(self) -> None:
+    def faint_claims(self, share: float = 2.0 / 32.0) -> None:
         spec = self.job.spec
         shapes = self.shapes()
         steps = 4 * spec.inner.steps
         tokens = steps * spec.inner.tokens_per_step
-        # guards.WorkEvidence's bar at its highest (its step cap: movementFactor x 0.1 x lr per
-        # element and step), over EVIDENCE_RATIO 32, twice over.
+        # `share` of guards.WorkEvidence's reference at its highest (its step cap: movementFactor
+        # x 0.1 x lr per element and step): twice its bar (EVIDENCE_RATIO 32) by default.
         factor = spec.syncer.guards.movement_factor
-        value = 2.0 * steps * factor * 0.1 * spec.inner.lr / 32.0
+        value = share * steps * factor * 0.1 * spec.inner.lr
         gen = torch.Generator().manual_seed(1)
         while not self.stop.is_set():
             noise = {n: torch.sign(torch.randn(t.shape, generator=gen)) for n, t in shapes.items()}
             self.push(
                 {n: value * s for n, s in noise.items()}, steps=steps, tokens=tokens, stepTime=0.001
             )
+
+    def credited_noise(self) -> None:
+        self.faint_claims(share=1.0 / 4.0)  # guards.CREDIT_RATIO: credited in full
 
     def slot_holding(self) -> None:
         self.shapes()

@@ -36,12 +36,14 @@ from diloco_trainer.api import credentials, protocol
 from .conftest import SyncerHandle, deep_merge, wait_until
 from .test_adversary import HONEST_VALUE, NORM_FACTOR, RATCHET, SPEC, filled, join_all, push_as
 from .test_adversary import start_syncer as start_syncer_of
+from .test_adversary_quality import restart
 from .test_hostile import push_body
 
 pytestmark = pytest.mark.e2e
 
 HONEST = "island-0"
 ADVERSARY = "island-1"
+JOB = "adversary-pair"
 WARMUP = 4
 PER_LEVEL = 12  # more than AT_BOUND_PUSHES (8) at each level the bound refuses
 # The movement cap (syncer.guards.movementFactor, 1.5 by default) set as these attacks meet it.
@@ -52,7 +54,7 @@ STEP_TIME_LIMIT = 72000.0
 
 @pytest.fixture
 def syncer(tmp_path: Path) -> Iterator[SyncerHandle]:
-    handle = start_syncer_of(tmp_path, PAIR, "adversary-pair")
+    handle = start_syncer_of(tmp_path, PAIR, JOB)
     try:
         yield handle
     finally:
@@ -202,6 +204,24 @@ def test_adversary_pair_zero_claims_carry_no_work_and_are_named(syncer: SyncerHa
     assert [m["fraction"] for m in merges[:WARMUP]] == [pytest.approx(0.5 / 4)] * WARMUP
     assert merges[-1]["complete"] is True
     assert merges[-1]["fraction"] == pytest.approx(1 / 4)  # one step of H = 4, alone
+    # A restart is no clean slate (the guards' figures are in the checkpoint a stop writes):
+    # the adversary is named from the start, its next zero push refused against the honest
+    # island's restored movement (before, nothing was judged until three honest pushes), and
+    # the honest island's next merge is still complete alone.
+    again = restart(syncer, JOB)
+    try:
+        doc = again.status()
+        kinds = {p["kind"]: p["message"] for p in doc["health"]["problems"]}
+        assert ADVERSARY in kinds.get("islandWorkUnsupported", ""), kinds
+        assert doc["islands"][ADVERSARY]["state"] == protocol.STATE_ACTIVE
+        code, doc = push_as(again, ADVERSARY, zero, steps=4, tokens=4 * 64, step_time=0.001)
+        assert (code, doc["code"]) == (422, protocol.ERROR_UNSUPPORTED_WORK), (code, doc)
+        honest_push(again, shapes)
+        last = json.loads((again.state_dir / "merges.jsonl").read_text().splitlines()[-1])
+        assert [c["island"] for c in last["contributors"]] == [HONEST]
+        assert last["complete"] is True and last["fraction"] == pytest.approx(1 / 4)
+    finally:
+        again.proc.stop(timeout=10)
 
 
 def test_adversary_pair_faint_claims_are_merged_but_named(syncer: SyncerHandle) -> None:
@@ -222,3 +242,20 @@ def test_adversary_pair_faint_claims_are_merged_but_named(syncer: SyncerHandle) 
     assert "1/4 " in kinds["islandWorkUnsupported"]
     assert doc["islands"][ADVERSARY]["state"] == protocol.STATE_ACTIVE
     assert ADVERSARY not in doc["refusals"]
+
+    # Partial credit: each is credited 4 x 1/16 of its 4 claimed steps, one step of 64 tokens
+    # (a job of two: the steps its movement supports); the honest pushes their full claim.
+    def contributors() -> list[tuple[str, float, int, int]]:
+        merges = syncer.status()["merges"]  # the recent ones, as merges.jsonl has them
+        return [(c["island"], c["credit"], c["steps"], c["tokens"]) for m in merges
+                for c in m["contributors"]]  # fmt: skip
+
+    # pushes back to back replace each other while pending: at least the last one merges
+    credited = wait_until(
+        lambda: (got := contributors()) and any(x[0] == ADVERSARY for x in got) and got,
+        timeout=60,
+        what="a merge of the adversary's push",
+    )
+    assert {x for x in credited if x[0] == HONEST} == {(HONEST, 1.0, 1, 64)}
+    bad = [x for x in credited if x[0] == ADVERSARY]
+    assert bad and all(x[1:] == (pytest.approx(0.25, rel=1e-4), 1, 64) for x in bad), bad

@@ -70,16 +70,16 @@ def syncer(tmp_path: Path) -> Iterator[SyncerHandle]:
         handle.proc.stop(timeout=10)
 
 
-def restart(handle: SyncerHandle) -> SyncerHandle:
-    """Stop the syncer (SIGTERM) and start `diloco syncer` again on its state dir and port (a
-    restart_safe_port: still free); the caller stops the new one."""
+def restart(handle: SyncerHandle, job: str = JOB) -> SyncerHandle:
+    """Stop the syncer (SIGTERM: its final checkpoint) and start `diloco syncer` of `job` again
+    on its state dir and port (a restart_safe_port: still free); the caller stops the new one."""
     handle.proc.stop(timeout=30)
     log_file = handle.log_file.with_name("syncer-restarted.log")
     proc = launch.start_syncer(
         handle.files,
         port=handle.port,
         state_dir=handle.state_dir,
-        job_name=JOB,
+        job_name=job,
         log_file=log_file,
         extra_env={"OMP_NUM_THREADS": "1"},
     )

@@ -8,8 +8,8 @@ they are checked against the file's own bytes, not against this model).
 
 Checkpoints written by older syncers lack some fields: each of those has the default that makes
 the older behaviour (no work clocks, no outer progress: a merge counted as a round; no saved push
-answers or norm history). A field of the wrong type makes the checkpoint unreadable (a
-DocumentError, which the loader treats as a corrupt checkpoint).
+answers, norm history or guard figures). A field of the wrong type makes the checkpoint
+unreadable (a DocumentError, which the loader treats as a corrupt checkpoint).
 """
 
 from __future__ import annotations
@@ -28,6 +28,23 @@ class SavedAnswer(Document):
     fragment: int
     push_id: str
     answer: PushAnswer
+
+
+class SavedGuards(Document):
+    """The guards' per-island figures a restart must not forget (syncer/intake/guards.py), so
+    that an island cannot get a clean slate by waiting for the syncer to restart: the work
+    evidence's movement per claimed step of each island's recent accepted pushes, and the
+    detection's windows (each island's last judged pushes: their movement over the reference,
+    whether each sat at the learned bound), from which who is named islandWorkUnsupported and
+    islandAtBound follows; and each island's refusals in a row towards maxRefusals. Per fragment
+    a map of island to its window, oldest first. The reader keeps only the islands the
+    checkpoint has records of and each window's newest entries up to its length, so the
+    figures stay as bounded as the running syncer's."""
+
+    movement: list[dict[str, list[float]]] = Field(default_factory=list)
+    carried: list[dict[str, list[float]]] = Field(default_factory=list)
+    at_bound: list[dict[str, list[bool]]] = Field(default_factory=list)
+    streaks: dict[str, int] = Field(default_factory=dict)
 
 
 class CheckpointManifest(Document):
@@ -57,6 +74,8 @@ class CheckpointManifest(Document):
     pull_compression: str = "none"
     push_answers: list[SavedAnswer] = Field(default_factory=list)
     norm_history: list[list[float]] = Field(default_factory=list)  # per fragment (guards.py)
+    # None: a checkpoint from before the guards' figures were kept (they start afresh).
+    guards: SavedGuards | None = None
     time: float = 0.0
     # Hashes of the files and of the manifest itself (checkpoint.py checks them on the raw JSON).
     integrity: dict[str, Any] | None = None

@@ -9,6 +9,7 @@ from __future__ import annotations
 from diloco_trainer.syncer.intake.admission import Admission, admitted_records
 from diloco_trainer.syncer.intake.gate import Gate
 from diloco_trainer.syncer.intake.guards import (
+    ContributionGuard,
     DeltaStats,
     clip_scale,
     delta_stats,
@@ -39,6 +40,7 @@ __all__ = [
     "MAX_SECONDS",
     "MAX_WIRE_INT",
     "Admission",
+    "ContributionGuard",
     "DeltaStats",
     "EncodedPayload",
     "Gate",

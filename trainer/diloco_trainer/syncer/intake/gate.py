@@ -35,6 +35,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from diloco_trainer.api import protocol
+from diloco_trainer.api.manifest import SavedGuards
 from diloco_trainer.api.protocol import PushMeta
 from diloco_trainer.api.spec import ConfigError, JobSpec, load_spec
 from diloco_trainer.syncer.errors import Refused
@@ -43,6 +44,7 @@ from diloco_trainer.syncer.intake.guards import (
     ContributionGuard,
     ContributionRefused,
     DeltaStats,
+    credited_work,
 )
 from diloco_trainer.syncer.intake.payload import EncodedPayload
 from diloco_trainer.syncer.intake.validation import push_contribution
@@ -221,7 +223,11 @@ class Gate:
             self.guard.check_delta(fragment, meta.island, stats, meta.steps)
         finally:
             self.watch()
-        return push_contribution(meta, lag=lag, payload=payload, now=now)
+        self.update_unsupported(state, now)  # an accepted push ends its island's naming
+        # its claim cut to what its movement supports (guards.CREDIT_RATIO; 1 but in a pair)
+        credit = self.guard.credit(fragment, meta.island, stats.norm, meta.steps)
+        work = credited_work(meta.tokens, meta.steps, credit)
+        return push_contribution(meta, lag=lag, payload=payload, now=now, work=work, credit=credit)
 
     def refused(
         self, members: Membership, fragment: int, island: str, err: Refused, now: float
@@ -263,9 +269,14 @@ class Gate:
 
     def unsupported_islands(self) -> frozenset[str]:
         """Islands whose recent pushes all claimed work they do not carry (guards.py's work
-        evidence): a merge does not count them among the islands its round spans
-        (merging/merger.py), as if they were idle, until a push of theirs is accepted."""
+        evidence): no merge's round spans them and no quorum counts them (SyncState.
+        set_unsupported), until a push of theirs is accepted."""
         return frozenset(self.guard.unsupported())
+
+    def update_unsupported(self, state: SyncState, now: float) -> bool:
+        """Tell the rounds which islands are unsupported now (after a push was judged, an
+        island dropped, a restart); True when that changed (a round may be due now)."""
+        return state.set_unsupported(self.unsupported_islands(), now)
 
     def _count(self, island: str, reason: str) -> None:
         counts = self.refusals.setdefault(island, {})
@@ -275,6 +286,10 @@ class Gate:
     def norm_history(self) -> list[list[float]]:
         """The guards' recent accepted norms per fragment, for checkpoints."""
         return self.guard.history.to_json()
+
+    def saved_guards(self) -> SavedGuards:
+        """The guards' per-island figures (work evidence, detection, streaks), for checkpoints."""
+        return self.guard.saved()
 
     def refusals_json(self) -> dict[str, dict[str, int]]:
         """The status document's `refusals`: {island: {reason: count}} since the start."""

@@ -27,7 +27,9 @@ well formed (validation.py) is still refused, with 422 and a code naming the rea
 - in a job of fewer than MAJORITY_ISLANDS islands (with the movement cap on), its Δ moved less
   per claimed step than 1/EVIDENCE_RATIO of the other island's recent pushes do (WorkEvidence):
   what a push carries is evidence of the work it claims, so zero pushes that claim a round's
-  most steps at a 1 ms step time earn no merge weight, no work fraction and no stopAfter tokens.
+  most steps at a 1 ms step time earn no merge weight, no work fraction and no stopAfter tokens;
+  one above that bar is credited the steps its movement supports (CREDIT_RATIO: credited_work),
+  so faint noise just above it earns a fraction of its claim.
 
 An island is not punished for one refusal (a diverging learner takes the global fragment and
 recovers); maxRefusals refusals in a row drop it with the reason. Only refusals by rules no other
@@ -43,13 +45,15 @@ from __future__ import annotations
 import math
 import statistics
 from collections import deque
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 import torch
 from torch import Tensor
 
 from diloco_trainer.api import protocol
+from diloco_trainer.api.manifest import SavedGuards
 from diloco_trainer.api.spec import JobSpec
 from diloco_trainer.core.fold import abs_max
 from diloco_trainer.core.push_bounds import STEP_ROUNDS, max_push_steps  # the learner's too
@@ -60,6 +64,8 @@ from diloco_trainer.syncer.intake.payload import EncodedPayload
 # AdamW moves an element by at most about lr per step (|m̂/√v̂| <= ~1.2 for betas (0.9, 0.95));
 # the 'auto' cap allows four times that in every element at once.
 ADAM_STEP_BOUND = 4.0
+_T = TypeVar("_T")
+
 # Accepted norms remembered per fragment and island for the learned bound (recent behaviour
 # matters); an island's own median counts once it has OWN_MIN of them (one odd push cannot set a
 # median of three).
@@ -103,12 +109,23 @@ EVIDENCE_RATIO = 32.0
 MIN_LR_SHARE = 0.1
 # An island whose last AT_BOUND_PUSHES judged pushes all moved less than 1 / FAINT_RATIO of the
 # reference per claimed step is named too (the same health problem), though those above the bar
-# are merged: an island that knows the bar can push faint noise just above it with its claims
-# credited in full (bench/adversary.py's faint_claims). Naming only: two honest islands at one
-# time move within a few times each other's figure; an island pushing at the cap lifts the
-# reference to 0.15 x lr per element and step, and an honest push at the cosine's floor (0.01 x
-# lr) is then named under attack, never refused.
+# are merged: an island that knows the bar can push faint noise just above it (bench/
+# adversary.py's faint_claims), credited only in part (CREDIT_RATIO below). Naming only: two
+# honest islands at one time move within a few times each other's figure; an island pushing at
+# the cap lifts the reference to 0.15 x lr per element and step, and an honest push at the
+# cosine's floor (0.01 x lr) is then named under attack, never refused.
 FAINT_RATIO = 4.0
+# Partial credit (the same job of two): a push is credited the claimed steps its movement
+# supports at CREDIT_RATIO x its movement per claimed step over the reference, at most all of
+# them: in full while it moves at least 1/CREDIT_RATIO of the reference per claimed step (the
+# line FAINT_RATIO names), less below it, so faint noise above the bar no longer earns a full
+# claim's merge weight, work fraction and stopAfter tokens. Honest islands of one job move
+# within a few times each other's figure per step (one schedule; an island 3x faster at an H_i
+# three times the other's moves at least 1/sqrt(3) of its figure per step): full credit.
+CREDIT_RATIO = FAINT_RATIO
+# A saved figure is at most this (JSON has no infinity: a push judged against a reference of 0
+# moved infinitely more than it); any figure that large reads the same to every rule here.
+SAVED_MAX = 1e12
 
 
 class ContributionRefused(Refused):
@@ -294,10 +311,29 @@ class WorkEvidence:
             return None
         return steps * ref / EVIDENCE_RATIO
 
+    def credit(self, fragment: int, island: str, norm: float, steps: int) -> float:
+        """The share of its claimed steps a push of `norm` is credited (CREDIT_RATIO): 1 when
+        nothing is judged (no reference yet, no steps claimed, a reference of 0)."""
+        ref = self.reference(fragment, island)
+        if ref is None or ref <= 0 or steps <= 0:
+            return 1.0
+        return min(1.0, CREDIT_RATIO * norm / (steps * ref))
+
     def record(self, fragment: int, island: str, norm: float, steps: int) -> None:
         if steps > 0:
             own = self.rates[fragment].setdefault(island, deque(maxlen=self.window))
             own.append(norm / steps)
+
+    def saved(self) -> list[dict[str, list[float]]]:
+        """Per fragment, each island's window (for checkpoints: SavedGuards.movement)."""
+        return [{i: _saved(d) for i, d in sorted(f.items())} for f in self.rates]
+
+    def restore(
+        self, doc: Sequence[Mapping[str, Sequence[float]]], islands: Collection[str]
+    ) -> None:
+        """Load saved() (of `islands` only, each window's newest entries)."""
+        for rates, saved in zip(self.rates, doc, strict=False):
+            rates.update(_windows(saved, islands, self.window))
 
 
 class NormHistory:
@@ -449,6 +485,13 @@ class ContributionGuard:
                 own_fault=False,
             )
 
+    def credit(self, fragment: int, island: str, norm: float, steps: int) -> float:
+        """The share of its claimed work an accepted push is credited (WorkEvidence.credit in a
+        job of two with the movement cap on, else 1)."""
+        if self.evidence is None:
+            return 1.0
+        return self.evidence.credit(fragment, island, norm, steps)
+
     def check_direction(self, fragment: int, island: str, stats: DeltaStats) -> None:
         """ContributionRefused when the push points against the other islands' recent pushes
         and a majority of them against it on their own (direction.py); never counted towards a
@@ -515,6 +558,38 @@ class ContributionGuard:
             for key in [k for k in table if k[1] == island]:
                 del table[key]
 
+    def saved(self) -> SavedGuards:
+        """The per-island figures a restart must keep (api/manifest.SavedGuards): the work
+        evidence's movement, the detection's windows and the refusal streaks."""
+        fragments = len(self.caps)
+        return SavedGuards(
+            movement=[] if self.evidence is None else self.evidence.saved(),
+            carried=_by_fragment(self.carried, fragments, _saved),
+            at_bound=_by_fragment(self.at_bound, fragments, list),
+            streaks=dict(sorted(self.streaks.items())),
+        )
+
+    def restore(self, saved: SavedGuards | None, islands: Collection[str]) -> None:
+        """Load saved() from a checkpoint whose island records are `islands` (an island the
+        checkpoint has no record of is no island of the job's); None (an older checkpoint):
+        nothing, the figures start afresh."""
+        if saved is None:
+            return
+        if self.evidence is not None:
+            self.evidence.restore(saved.movement, islands)
+        for fragment, windows in enumerate(saved.carried[: len(self.caps)]):
+            for island, d in _windows(windows, islands, AT_BOUND_PUSHES).items():
+                self.carried[(fragment, island)] = d
+        for fragment, flags in enumerate(saved.at_bound[: len(self.caps)]):
+            for island, seen in flags.items():
+                if island in islands:
+                    self.at_bound[(fragment, island)] = deque(
+                        (bool(x) for x in seen), maxlen=AT_BOUND_PUSHES
+                    )
+        self.streaks.update(
+            {i: n for i, n in saved.streaks.items() if i in islands and 0 < n < self.max_refusals}
+        )
+
     def accepted(self, fragment: int, island: str, stats: DeltaStats, steps: int = 0) -> None:
         self.history.record(fragment, island, stats.norm)
         if self.evidence is not None:
@@ -535,6 +610,45 @@ class ContributionGuard:
             return True
         self.streaks[island] = streak
         return False
+
+
+def credited_work(tokens: int, steps: int, credit: float) -> tuple[int, int]:
+    """A push's claimed tokens and steps cut to `credit` (a share in (0, 1]): its steps rounded
+    to whole steps, at least one of any claimed, and its tokens in the same proportion (so its
+    tokens per step, the merge weight's quality term, stay what it claimed)."""
+    if credit >= 1.0 or steps <= 0:
+        return tokens, steps
+    kept = max(1, min(steps, round(steps * credit)))
+    return tokens * kept // steps, kept
+
+
+def _saved(window: Sequence[float]) -> list[float]:
+    """A window of figures as JSON can hold them (SAVED_MAX for an infinite one)."""
+    return [min(float(x), SAVED_MAX) for x in window]
+
+
+def _by_fragment(
+    table: Mapping[tuple[int, str], Sequence[float]],
+    fragments: int,
+    saved: Callable[[Sequence[float]], list[_T]],
+) -> list[dict[str, list[_T]]]:
+    """A (fragment, island) table as SavedGuards keeps it: per fragment, island -> window."""
+    out: list[dict[str, list[_T]]] = [{} for _ in range(fragments)]
+    for (fragment, island), window in sorted(table.items()):
+        out[fragment][island] = saved(window)
+    return out
+
+
+def _windows(
+    doc: Mapping[str, Sequence[float]], islands: Collection[str], length: int
+) -> dict[str, deque[float]]:
+    """Saved windows of the job's `islands` only, each its newest `length` figures of at
+    least 0 (a negative or NaN one, which no syncer writes, is left out), at most SAVED_MAX."""
+    return {
+        island: deque(_saved([x for x in window if float(x) >= 0]), maxlen=length)
+        for island, window in doc.items()
+        if island in islands
+    }
 
 
 def norm_floors(spec: JobSpec, numels: Sequence[int], caps: Sequence[float]) -> list[float]:

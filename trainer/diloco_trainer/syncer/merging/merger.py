@@ -71,15 +71,13 @@ class Merger:
         self.health = health
         self.metrics = metrics
 
-    def take(
-        self, state: SyncState, f: int, now: float, idle: frozenset[str] = frozenset()
-    ) -> MergeInput:
-        """Step 1 (lock held): fragment f's round as a merge's input; the round stays open.
-        `idle`: active islands that count as idle (intake's work evidence: every recent push of
-        theirs claimed work it did not carry), not among the islands the round spans."""
+    def take(self, state: SyncState, f: int, now: float) -> MergeInput:
+        """Step 1 (lock held): fragment f's round as a merge's input; the round stays open. The
+        islands it spans: the active ones but those named unsupported (SyncState.spanning: every
+        recent push of theirs claimed work it did not carry), and those that pushed."""
         contributions = state.peek_round(f)
         pushed = {c.island for c in contributions}
-        spans = (state.membership.active() - idle) | pushed
+        spans = state.spanning() | pushed
         return MergeInput(
             fragment=f,
             contributions=contributions,

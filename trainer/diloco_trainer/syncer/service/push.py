@@ -154,8 +154,11 @@ class PushPath:
     async def _refused(self, fragment: int, island: str, err: Refused) -> None:
         async with self.control.locked():
             members = self.state.membership
-            dropped = self.gate.refused(members, fragment, island, err, self.control.clock())
-        if dropped:
+            now = self.control.clock()
+            dropped = self.gate.refused(members, fragment, island, err, now)
+            # this refusal may have named its island unsupported: the quorum no longer counts it
+            left_out = self.gate.update_unsupported(self.state, now)
+        if dropped or left_out:
             self.control.wake()
 
     def _finished_or_duplicate(self, fragment: int, meta: PushMeta) -> PushAnswer | None:

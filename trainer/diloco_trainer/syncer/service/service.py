@@ -424,9 +424,7 @@ class Syncer:
                 if self.finished or not self.state.merge_due(f, now):
                     return  # the round changed since the scheduler looked (a drop)
                 started = time.perf_counter()
-                merge = self.merger.take(
-                    self.state, f, now, idle=self.gate.unsupported_islands()
-                )  # 7.
+                merge = self.merger.take(self.state, f, now)  # 7.
             prepared = await asyncio.to_thread(self.merger.prepare, merge)  # 8.
             if isinstance(prepared, LeftOut):
                 async with self.control.locked():
@@ -519,6 +517,7 @@ class Syncer:
             merge_counters=self.merge_log.manifest(),
             initial_eval_loss=self.jobs.snapshot().initial_eval_loss,
             norm_history=self.gate.norm_history(),
+            guards=self.gate.saved_guards(),
             time=self.clock(),
         )
         outer_step = self.state.outer_step

@@ -32,7 +32,13 @@ from pathlib import Path
 from diloco_trainer.api.spec import ConfigError, JobSpec
 from diloco_trainer.models.parts import TrainingParts, build_parts
 from diloco_trainer.syncer.edge import ShardScope
-from diloco_trainer.syncer.intake import Admission, Gate, admitted_records, make_guard
+from diloco_trainer.syncer.intake import (
+    Admission,
+    ContributionGuard,
+    Gate,
+    admitted_records,
+    make_guard,
+)
 from diloco_trainer.syncer.merging import GlobalModel, MergeLog, Merger
 from diloco_trainer.syncer.service.jobs import BackgroundJobs
 from diloco_trainer.syncer.serving import Publisher
@@ -141,15 +147,15 @@ def build(
         model.restore(loaded)  # ConfigError when it does not fit the model
         rounds = [model.outer.rounds(f) for f in range(n)]
         state = new_state(policy, n, versions=loaded.document.versions, rounds=rounds)
-    # The hard norm caps follow the weights the job starts from.
-    guard = make_guard(spec, model.numels(), model.fragment_norms())
+    guard = _guard(spec, model, loaded)
     if loaded is None:
         loss = jobs.evaluate_initial(step=state.outer_step, tokens=merge_log.tokens)
         log.info("fresh start: %d fragments, initial eval loss %s", n, loss)
     else:
-        guard.history.restore(loaded.document.norm_history)
         _restore_counters(loaded, state, Admission.from_spec(spec), merge_log, jobs, now=clock())
     gate = Gate(spec, guard=guard, metrics=metrics, config_file=config_file, health=health)
+    gate.watch()  # the restored naming is reported at once, not at the next push
+    gate.update_unsupported(state, clock())
     if end is not None:
         _restore_the_end(end, loaded, jobs, health)
     return SyncerParts(
@@ -168,6 +174,17 @@ def build(
         finished=end is not None
         or stop_reached(spec, outer_step=state.outer_step, tokens=merge_log.tokens),
     )
+
+
+def _guard(spec: JobSpec, model: GlobalModel, loaded: ckpt.Checkpoint | None) -> ContributionGuard:
+    """The guards, with the checkpoint's figures: the norm history, and who was named and on
+    what figures (an island cannot wait for a restart to get a clean slate). The hard norm caps
+    follow the weights the job starts from."""
+    guard = make_guard(spec, model.numels(), model.fragment_norms())
+    if loaded is not None:
+        guard.history.restore(loaded.document.norm_history)
+        guard.restore(loaded.document.guards, islands=loaded.document.islands.keys())
+    return guard
 
 
 def _keep_the_end(end: GuardEnd, state_dir: Path) -> None:

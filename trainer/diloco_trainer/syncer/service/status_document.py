@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from diloco_trainer.api.documents import CheckpointRef, SyncerStatus
-from diloco_trainer.api.manifest import CheckpointManifest
+from diloco_trainer.api.manifest import CheckpointManifest, SavedGuards
 from diloco_trainer.syncer.merging import MergeLogSnapshot
 from diloco_trainer.syncer.service.jobs import JobsSnapshot
 from diloco_trainer.syncer.serving import PullSnapshot
@@ -126,6 +126,7 @@ def checkpoint_manifest(
     merge_counters: dict[str, Any],
     initial_eval_loss: float | None,
     norm_history: list[list[float]],
+    guards: SavedGuards,
     time: float,
 ) -> CheckpointManifest:
     """The manifest of a checkpoint of the syncer as it is now (lock held); the checkpoint
@@ -146,5 +147,6 @@ def checkpoint_manifest(
         pull_compression=identity.pull_compression,
         push_answers=rounds.push_answers,
         norm_history=norm_history,
+        guards=guards,
         time=time,
     )

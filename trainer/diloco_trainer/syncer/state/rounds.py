@@ -154,6 +154,10 @@ class SyncState:
         # (island, fragment) -> recent pushIds and answers: a retry gets its first answer again.
         self.answers = PushAnswers(push_window(policy.max_staleness))
         self._quorum_waits: deque[float] = deque(maxlen=_WINDOW)
+        # Active islands whose recent pushes all claimed work they did not carry (intake's work
+        # evidence, a job of two): set by the gate (set_unsupported), not counted towards the
+        # quorum nor waited for, until a push of theirs is accepted.
+        self.unsupported: frozenset[str] = frozenset()
         self._merge_seconds: deque[float] = deque(maxlen=_WINDOW)
         # (island, fragment) -> seconds the syncer held that island's last merged push.
         self._held: dict[tuple[str, int], float] = {}
@@ -175,9 +179,30 @@ class SyncState:
         return min(r.rounds for r in self.rounds)
 
     def effective_quorum(self) -> int:
-        """min(K, active + awaited islands), at least 1: a round can always complete."""
+        """min(K, active + awaited islands), at least 1: a round can always complete. An island
+        the gate named unsupported (set_unsupported) does not count: it is no island of the
+        rounds, as a drained or dropped one is not."""
         members = self.membership
-        return max(1, min(self.policy.quorum, len(members.active()) + members.awaited()))
+        counted = len(self.spanning()) + members.awaited()
+        return max(1, min(self.policy.quorum, counted))
+
+    def spanning(self) -> set[str]:
+        """The active islands a round spans: those not named unsupported (set_unsupported)."""
+        return self.membership.active() - self.unsupported
+
+    def set_unsupported(self, islands: frozenset[str], now: float) -> bool:
+        """The active islands whose recent pushes all claimed work they did not carry (the
+        gate's work evidence: every one of its last pushes refused `work_unsupported`). Like a
+        drained island they are not waited for and do not count towards the quorum (at K = M
+        the other islands' merges would otherwise wait for a push that the gate refuses), and
+        like an idle one the rounds do not span them (merger.take): dropped they are not (the
+        other island set the bar), and the first push of theirs the gate accepts ends it.
+        True when the set changed (the quorum is re-evaluated then)."""
+        if islands == self.unsupported:
+            return False
+        self.unsupported = islands
+        self._refresh(now)
+        return True
 
     def grace(self) -> float:
         """The grace window in seconds: fixed, or auto from measured timings that exclude the
@@ -346,7 +371,7 @@ class SyncState:
         # Drained islands (their share of the budget done and merged) push nothing more: the
         # round waits for the others only, and the job's last work merges without a quorum.
         drained = self.drained()
-        missing = self.membership.active() - rnd.pending.keys() - drained
+        missing = self.spanning() - rnd.pending.keys() - drained
         awaited = self.membership.awaited()
         if drained and rnd.pending and not missing and not awaited:
             return True
@@ -435,7 +460,7 @@ class SyncState:
         timing makes the job unrepeatable anyway."""
         if not self.policy.ordered_folds:
             return None
-        spans = self.membership.active() | set(self.rounds[fragment].pending)
+        spans = self.spanning() | set(self.rounds[fragment].pending)
         if self.effective_quorum() < len(spans):
             return None
         return sorted(spans)
