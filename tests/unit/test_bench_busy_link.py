@@ -1,5 +1,6 @@
 """bench/busy_link's pure parts: reading the learners' window splits, the link's rate for a share
-of a round, the steady bytes per round and the round's compute time."""
+of a round, the steady bytes per round and the round's compute time; torchft's side: its delays,
+its replicas' windows and its ring's bytes a round."""
 
 from __future__ import annotations
 
@@ -12,8 +13,12 @@ from bench.busy_link import (
     bytes_per_round,
     link_rate,
     mbit,
+    parse_args,
+    ring_bytes_per_round,
     round_seconds,
     seen_share,
+    torchft_delays,
+    torchft_split,
     window_split,
 )
 
@@ -62,3 +67,45 @@ def test_round_seconds_and_the_share_a_run_saw() -> None:
     assert seen_share(run, None, 30) == 0.0
     with pytest.raises(ValueError):
         round_seconds([Split()], 30)
+
+
+def test_torchft_delays_stay_below_a_fragment_s_steps_and_keep_half_of_them() -> None:
+    # One fragment, H = 30: d < 30, so 29 at most; half of the 30 steps kept: 15.
+    assert torchft_delays(30) == (29, 15)
+    # Three fragments: one synced every 10 steps, d < 10; 5 keeps half.
+    assert torchft_delays(30, 3) == (9, 5)
+    assert torchft_delays(10) == (9, 5)
+    with pytest.raises(ValueError):
+        torchft_delays(30, 4)  # 30 steps do not split into 4 fragments
+
+
+def test_busy_link_defaults_to_delays_0_and_half_of_h_and_refuses_one_torchft_refuses() -> None:
+    assert parse_args([]).torchft_delays == [0, 15]
+    assert parse_args(["--quick"]).torchft_delays == [0, 5]  # H = 10
+    assert parse_args(["--torchft-delays", "29"]).torchft_delays == [29]
+    with pytest.raises(SystemExit):
+        parse_args(["--torchft-delays", "30"])
+
+
+def test_torchft_split_opens_at_the_first_commit_and_counts_the_rest_as_waiting() -> None:
+    records = [
+        {"time": 100.0, "commits": 0, "steps": 10, "compute_seconds": 5.0},
+        {"time": 104.0, "commits": 1, "steps": 30, "compute_seconds": 12.0},
+        {"time": 110.0, "commits": 1, "steps": 45, "compute_seconds": 16.0},
+        {"time": 114.0, "commits": 2, "steps": 60, "compute_seconds": 20.0},
+    ]
+    # From 104 s to 114 s: 30 steps, 8 s of compute, the other 2 s blocked in the sync.
+    s = torchft_split(records)
+    assert s == Split(30, 8.0, 0.0, 2.0)
+    assert s.utilisation == pytest.approx(0.8)
+    assert torchft_split(records[:1]) == Split()
+
+
+def test_ring_bytes_per_round_sums_the_replicas_per_commit() -> None:
+    # Two replicas, 3 commits each sending 1.5 MB: 2 x 4.5 MB / 3 = 3 MB a round.
+    results = [
+        {"outer_steps": 3, "bytes_per_worker": 4.5e6},
+        {"outer_steps": 3, "bytes_per_worker": 4.5e6},
+    ]
+    assert ring_bytes_per_round(results) == pytest.approx(3e6)
+    assert math.isnan(ring_bytes_per_round([{"outer_steps": 0, "bytes_per_worker": 0}]))
