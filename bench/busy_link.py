@@ -425,6 +425,47 @@ def fmt_spread(values: Sequence[float], fmt: Any) -> str:
     return f"{fmt(statistics.mean(vals))} ({fmt(min(vals))}-{fmt(max(vals))})"
 
 
+def figures(
+    rs: Sequence[dict[str, Any]],
+    base: Sequence[dict[str, Any]],
+    ref: Sequence[dict[str, Any]],
+    tokens: float,
+) -> tuple[list[Split], list[float], list[float], list[float]]:
+    """Per seed: a row's runs' utilisation splits, losses at `tokens`, those losses over their
+    `base` runs' (the same system at L = 0), and their times to the `ref` runs' loss (ours'
+    K = M at L = 0) over the ref runs' own."""
+    us = [utilisation(r) for r in rs]
+    losses = [loss_at_tokens(r, tokens) for r in rs]
+    rel = [ratio(x, loss_at_tokens(r0, tokens)) for x, r0 in zip(losses, base, strict=False)]
+    to_target = []
+    for r, r0 in zip(rs, ref, strict=False):
+        target = loss_at_tokens(r0, tokens)
+        to_target.append(ratio(time_to_loss(r, target), time_to_loss(r0, target)))
+    return us, losses, rel, to_target
+
+
+def cells(
+    rs: Sequence[dict[str, Any]],
+    us: Sequence[Split],
+    losses: Sequence[float],
+    rel: Sequence[float],
+    to_target: Sequence[float],
+    inner_steps: int,
+    *,
+    sync_path: bool = True,
+) -> list[str]:
+    """A row's cells from "L seen" on (torchft's has no sync path of its own: '-')."""
+    return [
+        fmt_spread([seen_share(r, r["rate"], inner_steps) for r in rs], fmt_pct),
+        fmt_spread([u.utilisation for u in us], lambda x: f"{x:.3f}"),
+        fmt_spread([u.waiting / u.wall for u in us], fmt_pct),
+        fmt_spread([u.sync_path / u.wall for u in us], fmt_pct) if sync_path else "-",
+        fmt_spread(list(losses), lambda x: f"{x:.4f}"),
+        fmt_spread(list(rel), fmt_ratio),
+        fmt_spread(list(to_target), lambda x: "never" if x == math.inf else fmt_ratio(x)),
+    ]
+
+
 def tables(
     args: Any,
     results: dict[tuple[int, int, float], dict[str, Any]],
@@ -461,28 +502,19 @@ def tables(
             rs = [results[(s, k, share)] for s in seeds if (s, k, share) in results]
             if not rs:
                 continue
-            us = [utilisation(r) for r in rs]
-            losses = [loss_at_tokens(r, b) for r in rs]
-            base = [loss_at_tokens(results[(s, k, 0)], b) for s in seeds if (s, k, 0) in results]
-            rel = [ratio(x, y) for x, y in zip(losses, base, strict=False)]
-            ref = [results[(s, m, 0)] for s in seeds if (s, m, 0) in results]
-            to_target = []
-            for r, r0 in zip(rs, ref, strict=False):
-                target = loss_at_tokens(r0, b)
-                to_target.append(ratio(time_to_loss(r, target), time_to_loss(r0, target)))
+            us, losses, rel, to_target = figures(
+                rs,
+                [results[(s, k, 0)] for s in seeds if (s, k, 0) in results],
+                [results[(s, m, 0)] for s in seeds if (s, m, 0) in results],
+                b,
+            )
             rates = {r["rate"] for r in rs}
             main.add(
                 f"{k}{' (= M)' if k == m else ''}",
                 f"{share:g}%",
                 ", ".join(sorted(mbit(x) for x in rates))
                 + (f", RTT {2 * args.latency_ms:g} ms" if share else ""),
-                fmt_spread([seen_share(r, r["rate"], args.inner_steps) for r in rs], fmt_pct),
-                fmt_spread([u.utilisation for u in us], lambda x: f"{x:.3f}"),
-                fmt_spread([u.waiting / u.wall for u in us], fmt_pct),
-                fmt_spread([u.sync_path / u.wall for u in us], fmt_pct),
-                fmt_spread(losses, lambda x: f"{x:.4f}"),
-                fmt_spread(rel, fmt_ratio),
-                fmt_spread(to_target, lambda x: "never" if x == math.inf else fmt_ratio(x)),
+                *cells(rs, us, losses, rel, to_target, args.inner_steps),
             )
             util = min(u.utilisation for u in us)
             need = 0.97 if share <= 50 else 0.90
@@ -535,26 +567,18 @@ def tables(
             rs = [tft[(s, delay, share)] for s in seeds if (s, delay, share) in tft]
             if not rs:
                 continue
-            us = [utilisation(r) for r in rs]
-            losses = [loss_at_tokens(r, b) for r in rs]
-            base = [loss_at_tokens(tft[(s, delay, 0)], b) for s in seeds if (s, delay, 0) in tft]
-            ref = [results[(s, m, 0)] for s in seeds if (s, delay, share) in tft]
-            to_target = []
-            for r, r0 in zip(rs, ref, strict=False):
-                target = loss_at_tokens(r0, b)
-                to_target.append(ratio(time_to_loss(r, target), time_to_loss(r0, target)))
+            us, losses, rel, to_target = figures(
+                rs,
+                [tft[(s, delay, 0)] for s in seeds if (s, delay, 0) in tft],
+                [results[(s, m, 0)] for s in seeds if (s, delay, share) in tft],
+                b,
+            )
             main.add(
                 f"torchft {m}, delay {delay}",
                 f"{share:g}%",
                 ", ".join(sorted({mbit(r["rate"]) for r in rs}))
                 + (", tc tbf, no added RTT" if share else ""),
-                fmt_spread([seen_share(r, r["rate"], args.inner_steps) for r in rs], fmt_pct),
-                fmt_spread([u.utilisation for u in us], lambda x: f"{x:.3f}"),
-                fmt_spread([u.waiting / u.wall for u in us], fmt_pct),
-                "-",
-                fmt_spread(losses, lambda x: f"{x:.4f}"),
-                fmt_spread([ratio(x, y) for x, y in zip(losses, base, strict=False)], fmt_ratio),
-                fmt_spread(to_target, lambda x: "never" if x == math.inf else fmt_ratio(x)),
+                *cells(rs, us, losses, rel, to_target, args.inner_steps, sync_path=False),
             )
     return [main, verdicts]
 
