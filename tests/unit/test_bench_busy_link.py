@@ -109,3 +109,42 @@ def test_ring_bytes_per_round_sums_the_replicas_per_commit() -> None:
     ]
     assert ring_bytes_per_round(results) == pytest.approx(3e6)
     assert math.isnan(ring_bytes_per_round([{"outer_steps": 0, "bytes_per_worker": 0}]))
+
+
+def run(loss: float, budget: float, split: Split, rate: float | None) -> dict[str, object]:
+    """A run's result as busy_link keeps it: `loss` at the budget after 10 s, 0.1 lower at
+    1.25x it after 20 s."""
+    history = [(0.0, 0.0, 5.0), (10.0, budget, loss), (20.0, 1.25 * budget, loss - 0.1)]
+    return {"history": history, "splits": [split], "rate": rate, "bytes_per_round": 1e6}
+
+
+def test_tables_put_torchft_beside_ours_and_judge_both_verdicts() -> None:
+    from bench.busy_link import tables
+    from bench.decoupled_quality import budget
+
+    args = parse_args(["--quorums", "--shares", "0", "50", "--torchft-delays", "0"])
+    b = budget(args)
+    ours = {
+        (0, 4, 0.0): run(3.0, b, Split(20, 9.0, 0.5, 0.5), None),
+        (0, 4, 50.0): run(3.03, b, Split(20, 8.0, 1.0, 1.0), 2e6),
+    }
+    tft = {
+        (0, 0, 0.0): run(2.95, b, Split(20, 9.5, 0.0, 0.5), None),
+        (0, 0, 50.0): run(2.95, b, Split(20, 6.0, 0.0, 4.0), 2e6),
+    }
+    main, verdicts = tables(args, ours, tft)
+    rows = {(r[0], r[1]): r for r in main.rows}
+    # torchft at 50%: 6 of 10 s training; its loss as at L = 0; it reaches ours' L = 0 loss
+    # (3.0) at its budget evaluation, 10 s, as ours' own run did.
+    assert rows[("torchft 4, delay 0", "50%")][4:] == [
+        "0.600", "40.0%", "-", "2.9500", "1.000x", "1.000x"
+    ]  # fmt: skip
+    judged = {(r[0], r[1], r[2]): (r[3], r[4]) for r in verdicts.rows}
+    # L = 0: ours 0.900 against torchft's 0.950, behind; L = 50%: 0.800 against 0.600, ahead.
+    assert judged[("4", "0%", "utilisation ahead of torchft's")] == (
+        "0.900 vs 0.950 (delay 0)", "MISSED"
+    )  # fmt: skip
+    assert judged[("4", "50%", "utilisation ahead of torchft's")][1] == "met"
+    assert judged[("4", "50%", "loss at or below torchft's")] == (
+        "3.0300 vs 2.9500 (delay 0)", "MISSED"
+    )  # fmt: skip
