@@ -38,7 +38,8 @@ fragment; --torchft-delays overrides), fragment_update_alpha 0 (its default). Pe
 as bench/bandwidth measures it (its replicas' compute seconds / wall, from each replica's first
 commit to its end), its loss at equal tokens (its global weights saved at every commit and
 evaluated afterwards, as bench/decoupled_quality reads them) against the same delay at L = 0, and
-its wall time to ours' K = M, L = 0 loss against that run's own time.
+its wall time to ours' K = M, L = 0 loss against that run's own time. This process holds one copy
+of the model at a time (evaluating torchft's saved weights one commit after another).
 
     python -m bench.busy_link                       # gpt-tiny, M=4, H=30, 300 steps, seed 0
     python -m bench.busy_link --seeds 0 1 2 --sync lateMergeRule=keep --skip-torchft
@@ -380,10 +381,14 @@ def torchft_unavailable(args: Any) -> str | None:
 
 
 def run_torchft_rows(
-    args: Any, wd: Path, ours: dict[tuple[int, int, float], dict[str, Any]]
+    args: Any,
+    wd: Path,
+    ours: dict[tuple[int, int, float], dict[str, Any]],
+    failed: list[str],
 ) -> dict[tuple[int, int, float], dict[str, Any]]:
     """{(seed, fragment_sync_delay, share): result}: torchft's DiLoCo at K = M for every seed,
-    delay and share, at the link rate ours had at that share (its calibration)."""
+    delay and share, at the link rate ours had at that share (its calibration). A run that
+    fails is left out and named in `failed`."""
     out: dict[tuple[int, int, float], dict[str, Any]] = {}
     m = args.islands
     for seed in args.seeds:
@@ -396,10 +401,17 @@ def run_torchft_rows(
                 name = f"seed{seed}-torchft-d{delay}-L{share:g}"
                 print(f"{name}: link {mbit(rate)} (tc tbf, no added latency)", flush=True)
                 rate_mbit = None if rate is None else rate * 8 / 1e6
-                with netns.shaped_namespace(f"bl-d{delay}", rate_mbit) as prefix:
-                    r = run_torchft(
-                        args, spec, False, wd / name, True, sync_delay=delay, prefix=prefix
-                    )
+                try:
+                    with netns.shaped_namespace(f"bl-d{delay}", rate_mbit) as prefix:
+                        r = run_torchft(
+                            args, spec, False, wd / name, True, sync_delay=delay, prefix=prefix
+                        )
+                except (RuntimeError, TimeoutError) as err:
+                    # Ours' rows, minutes of runs already done, still get reported: the row
+                    # is left out and the run's note says why.
+                    print(f"  -> failed, left out: {err!s:.300}", flush=True)
+                    failed.append(f"{name}: {(str(err).splitlines() or [type(err).__name__])[0]}")
+                    continue
                 job = r["job"]
                 r["splits"] = [torchft_split(read_progress(job.progress_file(i))) for i in range(m)]
                 r["bytes_per_round"] = ring_bytes_per_round(r["results"])
@@ -675,7 +687,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"torchft's rows left out: {why_not}", flush=True)
     with LoadMonitor() as load, workdir(args.workdir, "busy-link") as wd:
         results = run_all(args, wd)
-        tft = {} if why_not else run_torchft_rows(args, wd, results)
+        failed: list[str] = []
+        tft = {} if why_not else run_torchft_rows(args, wd, results, failed)
     calib = next(iter(results.values()))["calib"]
     report = Report(
         "busy_link",
@@ -713,6 +726,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 "weights (alpha 0). Loss at equal tokens: its saved global weights per commit; "
                 "the time to ours' K = M, L = 0 loss counts from its lighthouse's start."
             ),
+            *(f"torchft run failed, its row left out: {f}" for f in failed),
         ],
     )
     return publish(report, args, load)
