@@ -32,9 +32,10 @@ preset, M, H, steps, token budget and past-budget limit, every replica group in 
 at each L's link rate. Its gloo ring connects the replicas directly, so no relay can sit in it:
 the lighthouse and replicas run in a network namespace whose loopback is limited to the same rate
 with tc tbf (bench/harness/netns.py, as bench/bandwidth does; root). That link has no added
-latency (no netem in this kernel): ours' RTT is 2 x --latency-ms where L > 0, torchft's ~0. It runs
-with fragment_sync_delay 0 and with the largest sensible delay (torchft_delays: H/2 with its one
-fragment; --torchft-delays overrides), fragment_update_alpha 0 (its default). Per run: utilisation
+latency (no netem in this kernel): ours' RTT is 2 x --latency-ms where L > 0, torchft's ~0
+(--latency-ms 0 compares like with like). It runs with fragment_sync_delay 0 and with the largest
+sensible delay (torchft_delays: H/2 with its one fragment; --torchft-delays overrides),
+fragment_update_alpha 0 (its default). Per run: utilisation
 as bench/bandwidth measures it (its replicas' compute seconds / wall, from each replica's first
 commit to its end), its loss at equal tokens (its global weights saved at every commit and
 evaluated afterwards, as bench/decoupled_quality reads them) against the same delay at L = 0, and
