@@ -24,11 +24,26 @@ steps) and the syncer's evaluations:
   as a multiple of that run's own time to it (every run trains on past the budget, to
   --past-budget x it, so that one a little behind at the budget still gets there).
 Quorums: K = M and the job's default (1). Sync settings are the job's defaults (`--sync KEY=VALUE`
-overrides one, as in bench/decoupled_quality). torchft's DiLoCo is not run here: its gloo ring
-cannot go through the relay (bench/bandwidth shapes it with tc in a network namespace, as root).
+overrides one, as in bench/decoupled_quality).
+
+torchft 0.2.0's DiLoCo, side by side in the same run (after each seed's runs of ours; skipped with
+--skip-torchft, or where a shaped network namespace cannot be made, the reason printed): the same
+preset, M, H, steps, token budget and past-budget limit, every replica group in every sync (K = M),
+at each L's link rate. Its gloo ring connects the replicas directly, so no relay can sit in it:
+the lighthouse and replicas run in a network namespace whose loopback is limited to the same rate
+with tc tbf (bench/harness/netns.py, as bench/bandwidth does; root). That link has no added
+latency (no netem in this kernel): ours' RTT is 2 x --latency-ms where L > 0, torchft's ~0
+(--latency-ms 0 compares like with like). It runs with fragment_sync_delay 0 and with the largest
+sensible delay (torchft_delays: H/2 with its one fragment; --torchft-delays overrides),
+fragment_update_alpha 0 (its default). Per run: utilisation
+as bench/bandwidth measures it (its replicas' compute seconds / wall, from each replica's first
+commit to its end), its loss at equal tokens (its global weights saved at every commit and
+evaluated afterwards, as bench/decoupled_quality reads them) against the same delay at L = 0, and
+its wall time to ours' K = M, L = 0 loss against that run's own time. This process holds one copy
+of the model at a time (evaluating torchft's saved weights one commit after another).
 
     python -m bench.busy_link                       # gpt-tiny, M=4, H=30, 300 steps, seed 0
-    python -m bench.busy_link --seeds 0 1 2 --sync lateMergeRule=keep
+    python -m bench.busy_link --seeds 0 1 2 --sync lateMergeRule=keep --skip-torchft
     python -m bench.busy_link --quick --no-record   # smoke run: M=2, H=10, 60 steps, L=0, 50
 """
 
@@ -49,7 +64,8 @@ from diloco_trainer.api.spec import JobSpec
 from diloco_trainer.local import Proc
 
 from bench.bandwidth import start_relay
-from bench.decoupled_quality import budget, island_progress, make_spec
+from bench.decoupled_quality import budget, island_progress, make_spec, run_torchft
+from bench.harness import netns
 from bench.harness.common import (
     LoadMonitor,
     Report,
@@ -65,8 +81,10 @@ from bench.harness.common import (
 )
 from bench.harness.decoupled_quality_report import interp, loss_at_tokens, time_to_loss
 from bench.harness.flags import INNER_OPTIMIZER, TRAINING
+from bench.harness.measure import value_at
 from bench.harness.merge_stats import merge_staleness
 from bench.harness.ours_harness import OursRun
+from bench.harness.peer_training import read_progress
 
 # A learner's progress line's split of its window (learner/step_costs.WindowCosts.line).
 COSTS = re.compile(
@@ -313,6 +331,107 @@ def run_all(args: Any, wd: Path) -> dict[tuple[int, int, float], dict[str, Any]]
     return out
 
 
+def torchft_delays(inner_steps: int, fragments: int = 1) -> tuple[int, int]:
+    """(the largest, the largest sensible) fragment_sync_delay of torchft 0.2.0's DiLoCo.
+
+    It syncs one of its F fragments every H / F inner steps (H a multiple of F), snapshots the
+    fragment's pseudo-gradient and starts its all-reduce d steps before that, and waits for it
+    at the H / F-th step, so d < H / F (local_sgd.DiLoCo raises otherwise). With
+    fragment_update_alpha 0, its default, the d steps trained after the snapshot are then
+    replaced by the new global weights: a delay d throws away d of every H / F steps' progress.
+    The largest sensible delay keeps at least half of them, (H / F) // 2 (bench/bandwidth's
+    torchft τ = H/2 too); the largest, H / F - 1, would keep one step's work a round."""
+    if fragments < 1 or inner_steps < fragments or inner_steps % fragments:
+        raise ValueError(
+            f"inner steps ({inner_steps}) must be a multiple of fragments ({fragments}) >= 1"
+        )
+    per_sync = inner_steps // fragments
+    return per_sync - 1, per_sync // 2
+
+
+def torchft_split(records: Sequence[dict[str, Any]]) -> Split:
+    """A torchft replica's progress records as one window, measured as bench/bandwidth does:
+    from its first commit (start-up and the first round's join left out, as ours' first window
+    is) to its last record. Training: its measured compute seconds (forward, backward and the
+    inner update); waiting: the rest of the window (blocked in DiLoCo's step hook: the quorum,
+    the all-reduce's wait, the outer step). Empty before a first commit."""
+    committed = [r for r in records if r["commits"] >= 1]
+    if not committed:
+        return Split()
+    t1, t2 = float(committed[0]["time"]), float(records[-1]["time"])
+    compute = value_at(records, t2, "compute_seconds") - value_at(records, t1, "compute_seconds")
+    steps = value_at(records, t2, "steps") - value_at(records, t1, "steps")
+    return Split(int(steps), compute, 0.0, max(0.0, t2 - t1 - compute))
+
+
+def ring_bytes_per_round(results: Sequence[dict[str, Any]]) -> float:
+    """Bytes torchft's ring puts on the shared loopback a round: what every replica sent over
+    its commits (its result's bytes_per_worker, 2(M-1)/M of its all-reduced payload), summed
+    over replicas, per commit (NaN before one)."""
+    commits = min(int(r["outer_steps"]) for r in results) if results else 0
+    if commits < 1:
+        return math.nan
+    return sum(float(r["bytes_per_worker"]) for r in results) / commits
+
+
+def torchft_unavailable(args: Any) -> str | None:
+    """Why torchft's rows are left out of this run (None: they run)."""
+    if args.skip_torchft:
+        return "skipped (--skip-torchft)"
+    try:
+        import torchft  # noqa: F401
+    except ImportError:
+        return "torchft is not installed (pip install -e '.[bench]')"
+    return netns.unavailable_reason()
+
+
+def run_torchft_rows(
+    args: Any,
+    wd: Path,
+    ours: dict[tuple[int, int, float], dict[str, Any]],
+    failed: list[str],
+) -> dict[tuple[int, int, float], dict[str, Any]]:
+    """{(seed, fragment_sync_delay, share): result}: torchft's DiLoCo at K = M for every seed,
+    delay and share, at the link rate ours had at that share (its calibration). A run that
+    fails is left out and named in `failed`."""
+    out: dict[tuple[int, int, float], dict[str, Any]] = {}
+    m = args.islands
+    for seed in args.seeds:
+        calib = ours[(seed, m, 0)]["calib"]
+        limit = math.ceil(args.past_budget * budget(args))
+        spec = make_spec(args, seed=seed, quorum=m, tokens=limit)
+        for delay in args.torchft_delays:
+            for share in sorted(set(args.shares)):
+                rate = link_rate(calib["bytes"], calib["round"], share / 100)
+                name = f"seed{seed}-torchft-d{delay}-L{share:g}"
+                print(f"{name}: link {mbit(rate)} (tc tbf, no added latency)", flush=True)
+                rate_mbit = None if rate is None else rate * 8 / 1e6
+                try:
+                    with netns.shaped_namespace(f"bl-d{delay}", rate_mbit) as prefix:
+                        r = run_torchft(
+                            args, spec, False, wd / name, True, sync_delay=delay, prefix=prefix
+                        )
+                except (RuntimeError, TimeoutError) as err:
+                    # Ours' rows, minutes of runs already done, still get reported: the row
+                    # is left out and the run's note says why.
+                    print(f"  -> failed, left out: {err!s:.300}", flush=True)
+                    failed.append(f"{name}: {(str(err).splitlines() or [type(err).__name__])[0]}")
+                    continue
+                job = r["job"]
+                r["splits"] = [torchft_split(read_progress(job.progress_file(i))) for i in range(m)]
+                r["bytes_per_round"] = ring_bytes_per_round(r["results"])
+                r["rate"] = rate
+                out[(seed, delay, share)] = r
+                u = utilisation(r)
+                print(
+                    f"  -> utilisation {u.utilisation:.3f}, loss "
+                    f"{loss_at_tokens(r, budget(args)):.4f} at the budget, "
+                    f"{r['ran_wall']:.0f}s",
+                    flush=True,
+                )
+    return out
+
+
 def fmt_spread(values: Sequence[float], fmt: Any) -> str:
     """Mean (and the range over seeds when there are several)."""
     vals = [v for v in values if v == v]
@@ -323,7 +442,53 @@ def fmt_spread(values: Sequence[float], fmt: Any) -> str:
     return f"{fmt(statistics.mean(vals))} ({fmt(min(vals))}-{fmt(max(vals))})"
 
 
-def tables(args: Any, results: dict[tuple[int, int, float], dict[str, Any]]) -> list[Table]:
+def figures(
+    rs: Sequence[dict[str, Any]],
+    base: Sequence[dict[str, Any]],
+    ref: Sequence[dict[str, Any]],
+    tokens: float,
+) -> tuple[list[Split], list[float], list[float], list[float]]:
+    """Per seed: a row's runs' utilisation splits, losses at `tokens`, those losses over their
+    `base` runs' (the same system at L = 0), and their times to the `ref` runs' loss (ours'
+    K = M at L = 0) over the ref runs' own."""
+    us = [utilisation(r) for r in rs]
+    losses = [loss_at_tokens(r, tokens) for r in rs]
+    rel = [ratio(x, loss_at_tokens(r0, tokens)) for x, r0 in zip(losses, base, strict=False)]
+    to_target = []
+    for r, r0 in zip(rs, ref, strict=False):
+        target = loss_at_tokens(r0, tokens)
+        to_target.append(ratio(time_to_loss(r, target), time_to_loss(r0, target)))
+    return us, losses, rel, to_target
+
+
+def cells(
+    rs: Sequence[dict[str, Any]],
+    us: Sequence[Split],
+    losses: Sequence[float],
+    rel: Sequence[float],
+    to_target: Sequence[float],
+    inner_steps: int,
+    *,
+    sync_path: bool = True,
+) -> list[str]:
+    """A row's cells from "L seen" on (torchft's has no sync path of its own: '-')."""
+    return [
+        fmt_spread([seen_share(r, r["rate"], inner_steps) for r in rs], fmt_pct),
+        fmt_spread([u.utilisation for u in us], lambda x: f"{x:.3f}"),
+        fmt_spread([u.waiting / u.wall for u in us], fmt_pct),
+        fmt_spread([u.sync_path / u.wall for u in us], fmt_pct) if sync_path else "-",
+        fmt_spread(list(losses), lambda x: f"{x:.4f}"),
+        fmt_spread(list(rel), fmt_ratio),
+        fmt_spread(list(to_target), lambda x: "never" if x == math.inf else fmt_ratio(x)),
+    ]
+
+
+def tables(
+    args: Any,
+    results: dict[tuple[int, int, float], dict[str, Any]],
+    tft: dict[tuple[int, int, float], dict[str, Any]] | None = None,
+) -> list[Table]:
+    tft = tft or {}
     b = budget(args)
     m = args.islands
     seeds = args.seeds
@@ -355,28 +520,19 @@ def tables(args: Any, results: dict[tuple[int, int, float], dict[str, Any]]) -> 
             rs = [results[(s, k, share)] for s in seeds if (s, k, share) in results]
             if not rs:
                 continue
-            us = [utilisation(r) for r in rs]
-            losses = [loss_at_tokens(r, b) for r in rs]
-            base = [loss_at_tokens(results[(s, k, 0)], b) for s in seeds if (s, k, 0) in results]
-            rel = [ratio(x, y) for x, y in zip(losses, base, strict=False)]
-            ref = [results[(s, m, 0)] for s in seeds if (s, m, 0) in results]
-            to_target = []
-            for r, r0 in zip(rs, ref, strict=False):
-                target = loss_at_tokens(r0, b)
-                to_target.append(ratio(time_to_loss(r, target), time_to_loss(r0, target)))
+            us, losses, rel, to_target = figures(
+                rs,
+                [results[(s, k, 0)] for s in seeds if (s, k, 0) in results],
+                [results[(s, m, 0)] for s in seeds if (s, m, 0) in results],
+                b,
+            )
             rates = {r["rate"] for r in rs}
             main.add(
                 f"{k}{' (= M)' if k == m else ''}",
                 f"{share:g}%",
                 ", ".join(sorted(mbit(x) for x in rates))
                 + (f", RTT {2 * args.latency_ms:g} ms" if share else ""),
-                fmt_spread([seen_share(r, r["rate"], args.inner_steps) for r in rs], fmt_pct),
-                fmt_spread([u.utilisation for u in us], lambda x: f"{x:.3f}"),
-                fmt_spread([u.waiting / u.wall for u in us], fmt_pct),
-                fmt_spread([u.sync_path / u.wall for u in us], fmt_pct),
-                fmt_spread(losses, lambda x: f"{x:.4f}"),
-                fmt_spread(rel, fmt_ratio),
-                fmt_spread(to_target, lambda x: "never" if x == math.inf else fmt_ratio(x)),
+                *cells(rs, us, losses, rel, to_target, args.inner_steps),
                 "; ".join(r["staleness"].cell() for r in rs),
             )
             util = min(u.utilisation for u in us)
@@ -388,6 +544,26 @@ def tables(args: Any, results: dict[tuple[int, int, float], dict[str, Any]]) -> 
                 f"{util:.3f} (worst seed)",
                 verdict(util >= need),
             )
+            peers = torchft_at(args, tft, share)
+            if peers:
+                best_u, best_d = max((mean_util(rs_), d) for d, rs_ in peers.items())
+                ours_u = statistics.mean(u.utilisation for u in us)
+                verdicts.add(
+                    k,
+                    f"{share:g}%",
+                    "utilisation ahead of torchft's",
+                    f"{ours_u:.3f} vs {best_u:.3f} (delay {best_d})",
+                    verdict(ours_u > best_u),
+                )
+                best_l, best_ld = min((mean_loss(rs_, b), d) for d, rs_ in peers.items())
+                ours_l = statistics.mean(losses)
+                verdicts.add(
+                    k,
+                    f"{share:g}%",
+                    "loss at or below torchft's",
+                    f"{ours_l:.4f} vs {best_l:.4f} (delay {best_ld})",
+                    verdict(ours_l <= best_l),
+                )
             if share and share <= 50:
                 worst = max(rel)
                 verdicts.add(
@@ -405,7 +581,45 @@ def tables(args: Any, results: dict[tuple[int, int, float], dict[str, Any]]) -> 
                     "never" if slow == math.inf else fmt_ratio(slow),
                     verdict(slow <= 1.05),
                 )
+    for delay in args.torchft_delays if tft else []:
+        for share in shares:
+            rs = [tft[(s, delay, share)] for s in seeds if (s, delay, share) in tft]
+            if not rs:
+                continue
+            us, losses, rel, to_target = figures(
+                rs,
+                [tft[(s, delay, 0)] for s in seeds if (s, delay, 0) in tft],
+                [results[(s, m, 0)] for s in seeds if (s, delay, share) in tft],
+                b,
+            )
+            main.add(
+                f"torchft {m}, delay {delay}",
+                f"{share:g}%",
+                ", ".join(sorted({mbit(r["rate"]) for r in rs}))
+                + (", tc tbf, no added RTT" if share else ""),
+                *cells(rs, us, losses, rel, to_target, args.inner_steps, sync_path=False),
+                "-",  # no merge log: torchft's sync is an all-reduce
+            )
     return [main, verdicts]
+
+
+def torchft_at(
+    args: Any, tft: dict[tuple[int, int, float], dict[str, Any]], share: float
+) -> dict[int, list[dict[str, Any]]]:
+    """torchft's runs at one share, by fragment_sync_delay (every seed's)."""
+    out: dict[int, list[dict[str, Any]]] = {}
+    for (seed, delay, sh), r in tft.items():
+        if sh == share and seed in args.seeds:
+            out.setdefault(delay, []).append(r)
+    return out
+
+
+def mean_util(rs: Sequence[dict[str, Any]]) -> float:
+    return statistics.mean(utilisation(r).utilisation for r in rs)
+
+
+def mean_loss(rs: Sequence[dict[str, Any]], tokens: float) -> float:
+    return statistics.mean(loss_at_tokens(r, tokens) for r in rs)
 
 
 def parse_args(argv: Sequence[str] | None) -> Any:
@@ -454,26 +668,49 @@ def parse_args(argv: Sequence[str] | None) -> Any:
         default=None,
         help="the shares K = M runs at (default: --shares; L = 0, the calibration, always)",
     )
+    p.add_argument(
+        "--skip-torchft",
+        action="store_true",
+        help="leave out torchft's DiLoCo rows (they need root, tc and torchft)",
+    )
+    p.add_argument(
+        "--torchft-delays",
+        type=int,
+        nargs="+",
+        default=None,
+        help="torchft's fragment_sync_delay values (default: 0 and the largest sensible, H/2)",
+    )
     p.add_argument("--quick", action="store_true", help="smoke run: M=2, H=10, 60 steps, L=0,50")
     args = p.parse_args(argv)
     if args.quick:
         args.islands, args.inner_steps, args.steps = 2, 10, 60
         args.shares, args.seeds, args.quorums = [0, 50], [0], [1]
+    largest, sensible = torchft_delays(args.inner_steps)
+    if args.torchft_delays is None:
+        args.torchft_delays = [0, sensible]
+    bad = [d for d in args.torchft_delays if not 0 <= d <= largest]
+    if bad:
+        p.error(f"--torchft-delays: {bad} outside 0..{largest} (torchft needs delay < H)")
     return args
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     install_signal_cleanup()
+    why_not = torchft_unavailable(args)
+    if why_not:
+        print(f"torchft's rows left out: {why_not}", flush=True)
     with LoadMonitor() as load, workdir(args.workdir, "busy-link") as wd:
         results = run_all(args, wd)
+        failed: list[str] = []
+        tft = {} if why_not else run_torchft_rows(args, wd, results, failed)
     calib = next(iter(results.values()))["calib"]
     report = Report(
         "busy_link",
         "Utilisation (time in inner steps / wall), eval loss at equal tokens and wall time to "
         "the L = 0 blocking run's loss, with every learner-syncer connection through one "
         "relay whose rate makes a round's sync traffic take L of a round's compute time.",
-        tables=tables(args, results),
+        tables=tables(args, results, tft),
         notes=[
             f"Calibration (seed {args.seeds[0]}, K = M, L = 0): a round is "
             f"{calib.get('round', math.nan):.2f}s of compute (H x the median training seconds "
@@ -487,7 +724,24 @@ def main(argv: Sequence[str] | None = None) -> int:
             "K = M, L = 0 run's loss at the budget, over that run's own time to it.",
             "Sync settings: the job defaults but the quorum"
             + (f" and {', '.join(args.sync)}" if args.sync else "")
-            + "; torchft not run (its ring cannot go through the relay).",
+            + ".",
+            (
+                f"torchft's rows left out: {why_not}."
+                if why_not
+                else "torchft 0.2.0's DiLoCo (fp32 ring all-reduce, one fragment, "
+                "fragment_update_alpha 0, K = M): the lighthouse and replicas in a network "
+                "namespace whose loopback tc tbf limits to the same rate as ours at that L, "
+                "every byte of every replica in one bucket as in ours' shared relay; no latency "
+                f"can be added there (no netem), so its RTT is ~0 against ours' "
+                f"{2 * args.latency_ms:g} ms. Utilisation: its replicas' compute seconds / wall "
+                "from the first commit (bench/bandwidth's measure); waiting: the rest. Its L "
+                "seen: its ring's bytes a round (2(M-1)/M of the payload per replica) / rate / "
+                "its own round's compute. With a delay d, the d steps after the pseudo-gradient's "
+                "snapshot are trained, counted as utilisation, then replaced by the new global "
+                "weights (alpha 0). Loss at equal tokens: its saved global weights per commit; "
+                "the time to ours' K = M, L = 0 loss counts from its lighthouse's start."
+            ),
+            *(f"torchft run failed, its row left out: {f}" for f in failed),
         ],
     )
     return publish(report, args, load)

@@ -187,10 +187,22 @@ def island_rate(points: Sequence[tuple[float, int]]) -> float:
     return (lines[-1][1] - lines[0][1]) / (lines[-1][0] - lines[0][0])
 
 
-def run_torchft(args: Any, spec: JobSpec, slow: bool, wd: Path, extend: bool) -> dict[str, Any]:
+def run_torchft(
+    args: Any,
+    spec: JobSpec,
+    slow: bool,
+    wd: Path,
+    extend: bool,
+    *,
+    sync_delay: int = 0,
+    prefix: Sequence[str] = (),
+) -> dict[str, Any]:
     """torchft DiLoCo at K = M for S / H commits (ceil(--past-budget x S / H) with `extend`);
     its history from the saved global weights. Past the budget, bytes and merges are those of
-    the S / H commits of the budget and the wall to budget is the time of commit S / H."""
+    the S / H commits of the budget and the wall to budget is the time of commit S / H.
+    `sync_delay`: its fragment_sync_delay; `prefix`: the command prefix every process of the
+    job runs under (bench/busy_link: a shaped network namespace). The result also holds the job
+    (its progress files) and every replica's result file, for utilisation and bytes."""
     m = spec.islands.count
     wd.mkdir(parents=True, exist_ok=True)
     spec_file = wd / "spec.json"
@@ -204,7 +216,9 @@ def run_torchft(args: Any, spec: JobSpec, slow: bool, wd: Path, extend: bool) ->
         min_replicas=m,
         outer_steps=run_rounds,
         slowdowns={m - 1: SLOWDOWN} if slow else {},
+        sync_delay=sync_delay,
         timeout=300,
+        prefix=prefix,
     )
     t0 = time.time()
     lighthouse, replicas = start_job(job, evaluate_replica=None, save_replica=0)
@@ -249,6 +263,8 @@ def run_torchft(args: Any, spec: JobSpec, slow: bool, wd: Path, extend: bool) ->
         "merges": min(done, rounds),
         "outer_steps": min(done, rounds),
         "rates": {i: island_rate(pts) for i, pts in progress.items()},
+        "job": job,
+        "results": results,
     }
 
 

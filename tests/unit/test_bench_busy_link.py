@@ -1,5 +1,6 @@
 """bench/busy_link's pure parts: reading the learners' window splits, the link's rate for a share
-of a round, the steady bytes per round and the round's compute time."""
+of a round, the steady bytes per round and the round's compute time; torchft's side: its delays,
+its replicas' windows and its ring's bytes a round."""
 
 from __future__ import annotations
 
@@ -12,8 +13,12 @@ from bench.busy_link import (
     bytes_per_round,
     link_rate,
     mbit,
+    parse_args,
+    ring_bytes_per_round,
     round_seconds,
     seen_share,
+    torchft_delays,
+    torchft_split,
     window_split,
 )
 
@@ -62,3 +67,84 @@ def test_round_seconds_and_the_share_a_run_saw() -> None:
     assert seen_share(run, None, 30) == 0.0
     with pytest.raises(ValueError):
         round_seconds([Split()], 30)
+
+
+def test_torchft_delays_stay_below_a_fragment_s_steps_and_keep_half_of_them() -> None:
+    # One fragment, H = 30: d < 30, so 29 at most; half of the 30 steps kept: 15.
+    assert torchft_delays(30) == (29, 15)
+    # Three fragments: one synced every 10 steps, d < 10; 5 keeps half.
+    assert torchft_delays(30, 3) == (9, 5)
+    assert torchft_delays(10) == (9, 5)
+    with pytest.raises(ValueError):
+        torchft_delays(30, 4)  # 30 steps do not split into 4 fragments
+
+
+def test_busy_link_defaults_to_delays_0_and_half_of_h_and_refuses_one_torchft_refuses() -> None:
+    assert parse_args([]).torchft_delays == [0, 15]
+    assert parse_args(["--quick"]).torchft_delays == [0, 5]  # H = 10
+    assert parse_args(["--torchft-delays", "29"]).torchft_delays == [29]
+    with pytest.raises(SystemExit):
+        parse_args(["--torchft-delays", "30"])
+
+
+def test_torchft_split_opens_at_the_first_commit_and_counts_the_rest_as_waiting() -> None:
+    records = [
+        {"time": 100.0, "commits": 0, "steps": 10, "compute_seconds": 5.0},
+        {"time": 104.0, "commits": 1, "steps": 30, "compute_seconds": 12.0},
+        {"time": 110.0, "commits": 1, "steps": 45, "compute_seconds": 16.0},
+        {"time": 114.0, "commits": 2, "steps": 60, "compute_seconds": 20.0},
+    ]
+    # From 104 s to 114 s: 30 steps, 8 s of compute, the other 2 s blocked in the sync.
+    s = torchft_split(records)
+    assert s == Split(30, 8.0, 0.0, 2.0)
+    assert s.utilisation == pytest.approx(0.8)
+    assert torchft_split(records[:1]) == Split()
+
+
+def test_ring_bytes_per_round_sums_the_replicas_per_commit() -> None:
+    # Two replicas, 3 commits each sending 1.5 MB: 2 x 4.5 MB / 3 = 3 MB a round.
+    results = [
+        {"outer_steps": 3, "bytes_per_worker": 4.5e6},
+        {"outer_steps": 3, "bytes_per_worker": 4.5e6},
+    ]
+    assert ring_bytes_per_round(results) == pytest.approx(3e6)
+    assert math.isnan(ring_bytes_per_round([{"outer_steps": 0, "bytes_per_worker": 0}]))
+
+
+def run(loss: float, budget: float, split: Split, rate: float | None) -> dict[str, object]:
+    """A run's result as busy_link keeps it: `loss` at the budget after 10 s, 0.1 lower at
+    1.25x it after 20 s."""
+    history = [(0.0, 0.0, 5.0), (10.0, budget, loss), (20.0, 1.25 * budget, loss - 0.1)]
+    return {"history": history, "splits": [split], "rate": rate, "bytes_per_round": 1e6}
+
+
+def test_tables_put_torchft_beside_ours_and_judge_both_verdicts() -> None:
+    from bench.busy_link import tables
+    from bench.decoupled_quality import budget
+
+    args = parse_args(["--quorums", "--shares", "0", "50", "--torchft-delays", "0"])
+    b = budget(args)
+    ours = {
+        (0, 4, 0.0): run(3.0, b, Split(20, 9.0, 0.5, 0.5), None),
+        (0, 4, 50.0): run(3.03, b, Split(20, 8.0, 1.0, 1.0), 2e6),
+    }
+    tft = {
+        (0, 0, 0.0): run(2.95, b, Split(20, 9.5, 0.0, 0.5), None),
+        (0, 0, 50.0): run(2.95, b, Split(20, 6.0, 0.0, 4.0), 2e6),
+    }
+    main, verdicts = tables(args, ours, tft)
+    rows = {(r[0], r[1]): r for r in main.rows}
+    # torchft at 50%: 6 of 10 s training; its loss as at L = 0; it reaches ours' L = 0 loss
+    # (3.0) at its budget evaluation, 10 s, as ours' own run did.
+    assert rows[("torchft 4, delay 0", "50%")][4:] == [
+        "0.600", "40.0%", "-", "2.9500", "1.000x", "1.000x"
+    ]  # fmt: skip
+    judged = {(r[0], r[1], r[2]): (r[3], r[4]) for r in verdicts.rows}
+    # L = 0: ours 0.900 against torchft's 0.950, behind; L = 50%: 0.800 against 0.600, ahead.
+    assert judged[("4", "0%", "utilisation ahead of torchft's")] == (
+        "0.900 vs 0.950 (delay 0)", "MISSED"
+    )  # fmt: skip
+    assert judged[("4", "50%", "utilisation ahead of torchft's")][1] == "met"
+    assert judged[("4", "50%", "loss at or below torchft's")] == (
+        "3.0300 vs 2.9500 (delay 0)", "MISSED"
+    )  # fmt: skip
