@@ -28,6 +28,7 @@ fast islands' utilisation against the baselines' mean with its 95% interval.
 from __future__ import annotations
 
 import itertools
+import math
 import os
 import time
 from collections.abc import Sequence
@@ -51,7 +52,13 @@ from bench.harness.common import (
     workdir,
 )
 from bench.harness.flags import TRAINING
-from bench.harness.hetero_figures import compute_shares, kept_utilisation, speed_ratios
+from bench.harness.hetero_figures import (
+    Kept,
+    compute_shares,
+    kept_utilisation,
+    repeats_to_resolve,
+    speed_ratios,
+)
 from bench.harness.measure import StatusSampler, ours_islands
 from bench.harness.merge_waits import run_waits
 from bench.harness.ours_harness import OursRun
@@ -326,7 +333,7 @@ def add_targets(
     targets.add(
         f"{key}: fast islands keep >= 97% of equal-speed utilisation ({len(rows)} run(s) "
         f"against {len(base_utils)} baseline(s), 95% interval)",
-        kept.describe(),
+        kept.describe() + resolve_note(kept),
         kept.verdict,
     )
     times = [x["t"] for x in rows]
@@ -354,6 +361,15 @@ def add_targets(
         + " the fast islands')",
         all_or_none([w <= 0.10 for w in worst]),
     )
+
+
+def resolve_note(kept: Kept) -> str:
+    """What a "not resolved" would take at this noise (repeats_to_resolve)."""
+    if kept.verdict != "not resolved" or math.isnan(kept.half_width):
+        return ""
+    n = repeats_to_resolve(kept)
+    at = "over 100" if n is None else str(n)
+    return f"; at this noise and mean, {at} runs a side would resolve it"
 
 
 NOTES = [

@@ -123,3 +123,22 @@ def kept_utilisation(mixed: Sequence[float], baselines: Sequence[float]) -> Kept
         per_run=tuple(x / b for x in mixed),
         baselines=tuple(x / b for x in baselines),
     )
+
+
+def repeats_to_resolve(kept: Kept, most: int = 100) -> int | None:
+    """The fewest runs a side (as many baselines as mixed runs) at which a ratio this far from
+    KEPT_TARGET, with this run-to-run noise, would be resolved: ratio x t(2n - 2) x s x
+    sqrt(2 / n) < |ratio - KEPT_TARGET|, with s the relative noise of one run that
+    kept_utilisation pooled (read back from its half-width). None without a noise estimate,
+    with the ratio on the target, or past `most`: how far a "not resolved" is from a verdict,
+    never one itself (the mean may move with more runs)."""
+    margin = abs(kept.ratio - KEPT_TARGET)
+    n_m, n_b = len(kept.per_run), len(kept.baselines)
+    if math.isnan(kept.half_width) or margin == 0 or kept.ratio <= 0:
+        return None
+    t_now = T95.get(n_m + n_b - 2, T95_MORE)
+    s = kept.half_width / (kept.ratio * t_now * math.sqrt(1 / n_m + 1 / n_b))
+    for n in range(2, most + 1):
+        if kept.ratio * T95.get(2 * n - 2, T95_MORE) * s * math.sqrt(2 / n) < margin:
+            return n
+    return None

@@ -13,6 +13,7 @@ from bench.harness.hetero_figures import (
     Kept,
     compute_shares,
     kept_utilisation,
+    repeats_to_resolve,
     speed_ratios,
 )
 
@@ -82,3 +83,19 @@ def test_kept_refuses_no_runs() -> None:
         kept_utilisation([], [1.0])
     with pytest.raises(ValueError, match="positive"):
         kept_utilisation([0.5], [0.0])
+
+
+def test_repeats_to_resolve_reads_the_noise_back_from_the_interval() -> None:
+    """One run's relative noise s = 0.05 over 3 + 3 runs: half-width 1.0 x t(4) = 2.776 x 0.05 x
+    sqrt(2/3) = 0.113329. At ratio 1.0 the margin to 0.97 is 0.03: t(2n - 2) x 0.05 x sqrt(2/n)
+    < 0.03, i.e. t x sqrt(2/n) < 0.6; past 10 degrees of freedom t is taken as 2.228: n = 27
+    gives 2.228 x 0.27217 = 0.6064 (no), n = 28 gives 2.228 x 0.26726 = 0.5955 (yes)."""
+    half = 2.776 * 0.05 * math.sqrt(2 / 3)
+    assert repeats_to_resolve(Kept(1.0, half, (1.0,) * 3, (1.0,) * 3)) == 28
+    # s = 0.02 at ratio 1.02 (margin 0.05): n = 2, t(2) = 4.303 x 0.02 x 1 x 1.02 = 0.0878 (no);
+    # n = 3, 2.776 x 0.02 x 0.8165 x 1.02 = 0.0462 (yes)
+    half = 1.02 * 2.776 * 0.02 * math.sqrt(2 / 3)
+    assert repeats_to_resolve(Kept(1.02, half, (1.0,) * 3, (1.0,) * 3)) == 3
+    assert repeats_to_resolve(Kept(1.0, math.nan, (1.0,), (1.0,))) is None
+    assert repeats_to_resolve(Kept(0.97, 0.01, (1.0,) * 3, (1.0,) * 3)) is None  # on the target
+    assert repeats_to_resolve(Kept(1.0, half * 10, (1.0,) * 3, (1.0,) * 3), most=5) is None
