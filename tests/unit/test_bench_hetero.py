@@ -10,7 +10,15 @@ import math
 import pytest
 
 from bench.harness.merge_waits import pushes_in, waits_alone
-from bench.hetero import all_or_none, fast_utilisation, loss_at, parse_mix, plan_runs, time_to
+from bench.hetero import (
+    all_or_none,
+    fast_utilisation,
+    loss_at,
+    mean_reached,
+    parse_mix,
+    plan_runs,
+    time_to,
+)
 
 EVALS = [
     {"tokens": 0, "evalLoss": 4.0, "time": 100.0},
@@ -66,9 +74,9 @@ def test_pushes_are_read_from_a_learners_log_lines() -> None:
 
 
 def test_repeats_interleave_baselines_and_mixed_runs() -> None:
-    """--repeats 2, one mix at K = 4 and 1, auto only: baseline, the fast islands alone (once),
-    the mixed runs, then the baseline and the mixed runs again; the 1,1,1,3 mix's fast islands
-    alone are 3, and every repeat of a configuration shares its key."""
+    """--repeats 2, one mix at K = 4 and 1, auto only: baseline, the fast islands alone, the
+    mixed runs, then all of them again; the 1,1,1,3 mix's fast islands alone are 3, and every
+    repeat of a configuration shares its key."""
     args = argparse.Namespace(
         repeats=2,
         quorums=[4, 1],
@@ -83,10 +91,11 @@ def test_repeats_interleave_baselines_and_mixed_runs() -> None:
     runs = plan_runs(args, [parse_mix("1,1,1,3")], budget=1000, extra=1500)
     assert [(name, key) for name, key, _, _ in runs] == [
         ("equal speeds, K=4 #1", "equal speeds, K=4"),
-        ("3 fast islands alone, K=3", "3 fast islands alone, K=3"),
+        ("3 fast islands alone, K=3 #1", "3 fast islands alone, K=3"),
         ("1,1,1,3 auto, K=4 #1", "1,1,1,3 auto, K=4"),
         ("1,1,1,3 auto, K=1 #1", "1,1,1,3 auto, K=1"),
         ("equal speeds, K=4 #2", "equal speeds, K=4"),
+        ("3 fast islands alone, K=3 #2", "3 fast islands alone, K=3"),
         ("1,1,1,3 auto, K=4 #2", "1,1,1,3 auto, K=4"),
         ("1,1,1,3 auto, K=1 #2", "1,1,1,3 auto, K=1"),
     ]
@@ -107,3 +116,5 @@ def test_fast_utilisation_and_verdicts_over_repeats() -> None:
     assert all_or_none([True, True]) == "met"
     assert all_or_none([False, False]) == "MISSED"
     assert all_or_none([True, False, True]) == "met in 2 of 3"
+    assert mean_reached([30.0, None, 40.0]) == 35.0  # a run that never reached it is left out
+    assert mean_reached([None]) is None
