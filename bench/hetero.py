@@ -14,15 +14,23 @@ The mixed-speed runs get 1.5x the budget so that they can reach the target. Figu
 - eval loss at the equal-speed run's token budget (interpolated over merged tokens);
 - each island's utilisation (inner steps x its step time / wall time, from the first merge
   until 80% of the budget is merged), the fast islands' against the equal-speed run's;
-- each island's share of merged tokens against its share of compute (1/factor over the sum).
+- each island's share of merged tokens against its share of compute, read from its measured
+  step time in the same run ((1 / t_i) / sum_j (1 / t_j): an emulated 3x island runs slower than
+  3x on a shared machine, bench/harness/hetero_figures.py).
+--repeats N runs the equal-speed baseline and the mixed runs N times, interleaved, and judges the
+fast islands' utilisation against the baselines' mean with its 95% interval (and the time to
+target against the mean of the fast islands alone, run each repeat too).
 
     python -m bench.hetero                                   # M = 4: speeds 1,1,1,3 and 1,1,2,4
     python -m bench.hetero --mixes 1,1,1,3 --quorums 4       # one mix, K = M only
+    python -m bench.hetero --mixes 1,1,1,3 --no-fixed --repeats 3   # judged against 3 baselines
 """
 
 from __future__ import annotations
 
 import itertools
+import math
+import os
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -45,6 +53,13 @@ from bench.harness.common import (
     workdir,
 )
 from bench.harness.flags import TRAINING
+from bench.harness.hetero_figures import (
+    Kept,
+    compute_shares,
+    kept_utilisation,
+    repeats_to_resolve,
+    speed_ratios,
+)
 from bench.harness.measure import StatusSampler, ours_islands
 from bench.harness.merge_waits import run_waits
 from bench.harness.ours_harness import OursRun
@@ -106,6 +121,7 @@ def run_one(args: Any, spec: JobSpec, speeds: list[float], wd: Path) -> dict[str
         "started": started,
         "evals": [e for e in final.get("evalHistory", []) if e.get("evalLoss") is not None],
         "utilisation": {n: windows[n].utilisation if n in windows else 0.0 for n in names},
+        "step_time": {n: windows[n].step_time if n in windows else 0.0 for n in names},
         "merged": merged,
         "inner_steps": {n: islands.get(n, {}).get("innerSteps") for n in names},
         "final_loss": float(final["evalLoss"]),
@@ -141,6 +157,38 @@ def parse_mix(text: str) -> list[float]:
     return [float(x) for x in text.split(",")]
 
 
+def plan_runs(
+    args: Any, mixes: list[list[float]], budget: int, extra: int
+) -> list[tuple[str, str, list[float], JobSpec]]:
+    """The runs in order: (name, key, speeds, spec). Each repeat runs the equal-speed baseline
+    and the fast islands alone and then every mixed run, so baselines and mixed runs interleave
+    (baseline, alone, mixed, baseline, alone, mixed ...) and share the machine's drift in load
+    (one fast-alone run took 34-78 s from one command to the next at load 10-15, bench/RESULTS.md,
+    "hetero"). `key` groups the repeats of one configuration; the name numbers them when there
+    are several."""
+    m = len(mixes[0])
+    fast = min(sum(1 for f in mix if f == 1.0) for mix in mixes)
+    equal = f"equal speeds, K={m}"
+    out: list[tuple[str, str, list[float], JobSpec]] = []
+    for r in range(args.repeats):
+        tag = f" #{r + 1}" if args.repeats > 1 else ""
+        spec = make_spec(args, islands=m, quorum=m, mode="fixed", tokens=budget)
+        out.append((equal + tag, equal, [1.0] * m, spec))
+        alone = f"{fast} fast islands alone, K={fast}"
+        spec = make_spec(args, islands=fast, quorum=fast, mode="fixed", tokens=extra)
+        out.append((alone + tag, alone, [1.0] * fast, spec))
+        for mix in mixes:
+            label = ",".join(f"{f:g}" for f in mix)
+            for k in args.quorums:
+                for mode in ("auto",) if args.no_fixed else ("auto", "fixed"):
+                    if mode == "fixed" and k != m:
+                        continue  # today's behaviour: at K = M only
+                    key = f"{label} {mode}, K={k}"
+                    spec = make_spec(args, islands=m, quorum=k, mode=mode, tokens=extra)
+                    out.append((key + tag, key, mix, spec))
+    return out
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     p = base_parser(__doc__ or "", **TRAINING, inner_steps=20, eval_tokens=4096, timeout=900)
     p.add_argument("--mixes", nargs="+", default=["1,1,1,3", "1,1,2,4"], help="slowdowns")
@@ -148,62 +196,78 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--rounds", type=int, default=10, help="equal-speed budget in rounds")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-fixed", action="store_true", help="leave the fixed-H mixes out")
+    p.add_argument(
+        "--repeats",
+        type=int,
+        default=1,
+        help="run the equal-speed baseline and every mixed run this many times, interleaved "
+        "(baseline, mixed, baseline, mixed ...); the fast islands' utilisation is judged against "
+        "the baselines' mean with the 95%% interval of the ratio (one: no interval, not resolved)",
+    )
     args = p.parse_args(argv)
+    if args.repeats < 1:
+        p.error(f"--repeats must be at least 1, got {args.repeats}")
     install_signal_cleanup()
     mixes = [parse_mix(m) for m in args.mixes]
     m = len(mixes[0])
     step_tokens = args.batch_size * args.seq_len
     budget = args.rounds * m * args.inner_steps * step_tokens
     extra = int(budget * EXTRA_BUDGET)
-    runs: dict[str, tuple[list[float], JobSpec]] = {
-        f"equal speeds, K={m}": (
-            [1.0] * m,
-            make_spec(args, islands=m, quorum=m, mode="fixed", tokens=budget),
-        ),
-    }
-    fast = min(sum(1 for f in mix if f == 1.0) for mix in mixes)
-    runs[f"{fast} fast islands alone, K={fast}"] = (
-        [1.0] * fast,
-        make_spec(args, islands=fast, quorum=fast, mode="fixed", tokens=extra),
-    )
-    for mix in mixes:
-        label = ",".join(f"{f:g}" for f in mix)
-        for k in args.quorums:
-            for mode in ("auto",) if args.no_fixed else ("auto", "fixed"):
-                if mode == "fixed" and k != m:
-                    continue  # today's behaviour: at K = M only
-                runs[f"{label} {mode}, K={k}"] = (
-                    mix,
-                    make_spec(args, islands=m, quorum=k, mode=mode, tokens=extra),
-                )
+    runs = plan_runs(args, mixes, budget, extra)
     results: dict[str, dict[str, Any]] = {}
     with LoadMonitor() as load, workdir(args.workdir, "hetero") as wd:
-        for n, (name, (speeds, spec)) in enumerate(runs.items()):
+        for n, (name, _key, speeds, spec) in enumerate(runs):
             print(f"{name}", flush=True)
             results[name] = run_one(args, spec, speeds, wd / f"run-{n}")
             print(
                 f"  -> final {results[name]['final_loss']:.4f}, H_i {results[name]['inner_steps']}",
+                f"load {os.getloadavg()[0]:.1f}",
                 flush=True,
             )
     return report(args, runs, results, budget, load)
 
 
+def fast_utilisation(r: dict[str, Any], speeds: Sequence[float]) -> float:
+    """The mean utilisation of a run's islands that are not slowed (factor 1)."""
+    fast = [u for u, f in zip(r["utilisation"].values(), speeds, strict=True) if f == 1]
+    return sum(fast) / max(1, len(fast))
+
+
+def mean_reached(times: Sequence[float | None]) -> float | None:
+    """The mean of the times that reached the target; None when none did."""
+    reached = [t for t in times if t is not None]
+    return sum(reached) / len(reached) if reached else None
+
+
+def all_or_none(flags: Sequence[bool]) -> str:
+    """A verdict over repeats: met when every run met it, MISSED when none did."""
+    if all(flags):
+        return verdict(True)
+    return verdict(False) if not any(flags) else f"met in {sum(flags)} of {len(flags)}"
+
+
 def report(
     args: Any,
-    runs: dict[str, tuple[list[float], JobSpec]],
+    runs: list[tuple[str, str, list[float], JobSpec]],
     results: dict[str, dict[str, Any]],
     budget: int,
     load: LoadMonitor,
 ) -> int:
-    names = list(runs)
-    base, alone = results[names[0]], results[names[1]]
-    target = base["final_loss"]
-    alone_time = time_to(alone["evals"], target, alone["started"])
-    base_util = sum(base["utilisation"].values()) / len(base["utilisation"])
+    equal_key, alone_key = runs[0][1], runs[1][1]
+    baselines = [results[name] for name, key, _, _ in runs if key == equal_key]
+    target = sum(b["final_loss"] for b in baselines) / len(baselines)
+    alone_times = [
+        time_to(results[name]["evals"], target, results[name]["started"])
+        for name, key, _, _ in runs
+        if key == alone_key
+    ]
+    alone_time = mean_reached(alone_times)
+    base_utils = [fast_utilisation(b, [1.0] * len(b["utilisation"])) for b in baselines]
+    base_util = sum(base_utils) / len(base_utils)
     table = Table(
         f"Mixed speeds ({args.preset}, H={args.inner_steps}, budget {budget} tokens = "
         f"{args.rounds} rounds of the equal-speed job, mixes {EXTRA_BUDGET:g}x; target "
-        f"{target:.4f})",
+        f"{target:.4f}, the mean final loss of {len(baselines)} equal-speed run(s))",
         [
             "run",
             "H_i",
@@ -211,27 +275,34 @@ def report(
             "vs fast alone",
             f"loss at {budget} tokens",
             "vs equal",
-            "fast islands' utilisation vs equal",
+            "fast islands' utilisation vs equal (baselines' mean)",
             "utilisation per island",
-            "merged-token share / compute share per island",
+            "measured step time per island / fast islands'",
+            "merged-token share / measured compute share per island",
             "K = M merges' waits for each island alone",
         ],
     )
-    targets = Table("Targets (issue 47)", ["target", "figure", "verdict"])
-    for name in names:
-        speeds, _ = runs[name]
+    by_key: dict[str, list[dict[str, Any]]] = {}
+    for name, key, speeds, _ in runs:
         r = results[name]
         islands = list(r["utilisation"])
         t = time_to(r["evals"], target, r["started"])
-        fast_util = [r["utilisation"][n] for n, f in zip(islands, speeds, strict=True) if f == 1]
-        kept = ratio(sum(fast_util) / max(1, len(fast_util)), base_util)
-        compute = [1 / f for f in speeds]
+        steps = [r["step_time"][n] for n in islands]
         total_merged = sum(r["merged"].values()) or 1.0
         shares = [
-            ratio(r["merged"][n] / total_merged, c / sum(compute))
-            for n, c in zip(islands, compute, strict=True)
+            ratio(r["merged"][n] / total_merged, c)
+            for n, c in zip(islands, compute_shares(steps), strict=True)
         ]
         loss = loss_at(r["evals"], budget)
+        by_key.setdefault(key, []).append(
+            {
+                "util": fast_utilisation(r, speeds),
+                "t": t,
+                "loss": ratio(loss, target),
+                "shares": shares,
+                "speeds": speed_ratios(steps, speeds),
+            }
+        )
         table.add(
             name,
             " ".join(str(r["inner_steps"][n] or "-") for n in islands),
@@ -239,53 +310,103 @@ def report(
             "n/a" if t is None or alone_time is None else fmt_ratio(t / alone_time),
             f"{loss:.4f}",
             fmt_ratio(ratio(loss, target), 4),
-            fmt_ratio(kept),
+            fmt_ratio(ratio(fast_utilisation(r, speeds), base_util)),
             " ".join(fmt_pct(r["utilisation"][n]) for n in islands),
-            " ".join(fmt_ratio(s, 2) for s in shares),
+            " ".join(fmt_ratio(x, 2) for x in speed_ratios(steps, speeds)),
+            " ".join(fmt_ratio(x, 2) for x in shares),
             "-" if r["waits"] is None else " ".join(f"{r['waits'][n]:.2f}s" for n in islands),
         )
-        if " auto, " in name:
-            reached = t is not None and alone_time is not None and t <= alone_time
-            targets.add(
-                f"{name}: fast islands keep >= 97% of equal-speed utilisation",
-                fmt_ratio(kept),
-                verdict(kept >= 0.97),
-            )
-            targets.add(
-                f"{name}: target loss no later than the fast islands alone",
-                "n/a" if t is None or alone_time is None else fmt_ratio(t / alone_time),
-                verdict(reached),
-            )
-            targets.add(
-                f"{name}: loss at equal tokens within 1% (one seed)",
-                fmt_ratio(ratio(loss, target), 4),
-                verdict(abs(ratio(loss, target) - 1) <= 0.01),
-            )
-            worst = max(abs(s - 1) for s in shares)
-            targets.add(
-                f"{name}: each island's merged-token share within 10% of its compute share",
-                f"worst {worst:.1%}",
-                verdict(worst <= 0.10),
-            )
-    notes = [
-        "Slow islands sleep (factor - 1) x their compute after each step; on a machine with "
-        "fewer cores than processes a sleeping island frees CPU for the others, so the fast "
-        "islands' utilisation is the figure judged (it counts only time lost waiting).",
-        "Time to target counts from the processes' start (start-up is the same in every run).",
-        "The equal-tokens loss of the mixes is at the equal-speed run's budget of merged tokens.",
-        "K = M merges' waits: per island, the seconds between the second-last push of a merge "
-        "and its own when it pushed last, summed over the run's merges but the first "
-        "(bench/harness/merge_waits.py, from the learners' logs): whose rounds the others "
-        "waited for.",
-    ]
+    targets = Table("Targets (issue 47)", ["target", "figure", "verdict"])
+    for key, rows in by_key.items():
+        if " auto, " in key:
+            add_targets(targets, key, rows, base_utils, alone_times, seed=args.seed)
     rep = Report(
         "hetero",
         "Islands of different speeds (issue 47): rounds sized per island (stepsPerIsland auto) "
         "against a fixed H, equal speeds and the fast islands alone.",
         tables=[table, targets],
-        notes=notes,
+        notes=NOTES,
     )
     return publish(rep, args, load)
+
+
+def add_targets(
+    targets: Table,
+    key: str,
+    rows: list[dict[str, Any]],
+    base_utils: list[float],
+    alone_times: list[float | None],
+    *,
+    seed: int,
+) -> None:
+    """Issue 47's targets for one configuration's repeats."""
+    alone_time = mean_reached(alone_times)
+    kept = kept_utilisation([x["util"] for x in rows], base_utils)
+    targets.add(
+        f"{key}: fast islands keep >= 97% of equal-speed utilisation ({len(rows)} run(s) "
+        f"against {len(base_utils)} baseline(s), 95% interval)",
+        kept.describe() + resolve_note(kept),
+        kept.verdict,
+    )
+    times = [x["t"] for x in rows]
+    reached = [t is not None and alone_time is not None and t <= alone_time for t in times]
+    spread = ", ".join("not reached" if t is None else f"{t:.1f}s" for t in alone_times)
+    targets.add(
+        f"{key}: target loss no later than the fast islands alone (against the mean of their "
+        f"{len(alone_times)} run(s): {spread})",
+        ", ".join(
+            "n/a" if t is None or alone_time is None else fmt_ratio(t / alone_time) for t in times
+        ),
+        all_or_none(reached),
+    )
+    losses = [x["loss"] for x in rows]
+    targets.add(
+        f"{key}: loss at equal tokens within 1% (seed {seed})",
+        ", ".join(fmt_ratio(v, 4) for v in losses),
+        all_or_none([abs(v - 1) <= 0.01 for v in losses]),
+    )
+    worst = [max(abs(v - 1) for v in x["shares"]) for x in rows]
+    slow = [max(x["speeds"]) for x in rows]
+    targets.add(
+        f"{key}: each island's merged-token share within 10% of its measured compute share",
+        ", ".join(f"worst {w:.1%}" for w in worst)
+        + " (slowest island's step time "
+        + ", ".join(f"{v:.2f}x" for v in slow)
+        + " the fast islands')",
+        all_or_none([w <= 0.10 for w in worst]),
+    )
+
+
+def resolve_note(kept: Kept) -> str:
+    """What a "not resolved" would take at this noise (repeats_to_resolve)."""
+    if kept.verdict != "not resolved" or math.isnan(kept.half_width):
+        return ""
+    n = repeats_to_resolve(kept)
+    at = "over 100" if n is None else str(n)
+    return f"; at this noise and mean, {at} runs a side would resolve it"
+
+
+NOTES = [
+    "Slow islands sleep (factor - 1) x their compute after each step; on a machine with "
+    "fewer cores than processes a sleeping island frees CPU for the others, so the fast "
+    "islands' utilisation is the figure judged (it counts only time lost waiting).",
+    "Time to target counts from the processes' start (start-up is the same in every run).",
+    "The equal-tokens loss of the mixes is at the equal-speed run's budget of merged tokens; "
+    "the target loss is the mean final loss of the equal-speed runs.",
+    "Measured step time: the time-mean of an island's reported stepTime (its learner's "
+    "average inner-step wall time, the slowdown's sleep included) over the window from the "
+    "first merge to 80% of the budget, sampled each second; shown over the mean of the "
+    "fast (factor 1) islands' in the same run. Measured compute share: (1 / t_i) / "
+    "sum_j (1 / t_j) (bench/harness/hetero_figures.py); merged tokens over the whole run.",
+    "Fast islands' utilisation: each mixed run's mean over the factor-1 islands, over the "
+    "mean of the equal-speed baselines'; with --repeats the verdict reads the 95% interval "
+    "of the ratio of the means (variance pooled from both sides, Student's t): met when the "
+    "whole interval is >= 0.97, MISSED when it is all below, else not resolved.",
+    "K = M merges' waits: per island, the seconds between the second-last push of a merge "
+    "and its own when it pushed last, summed over the run's merges but the first "
+    "(bench/harness/merge_waits.py, from the learners' logs): whose rounds the others "
+    "waited for.",
+]
 
 
 if __name__ == "__main__":

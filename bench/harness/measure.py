@@ -72,6 +72,7 @@ class IslandWindow:
 
     steps_per_s: float
     utilisation: float  # time in inner steps / wall time
+    step_time: float = 0.0  # the time-mean of its reported step time over the window (s)
 
 
 def ours_islands(sampler: StatusSampler, t1: float, t2: float) -> dict[str, IslandWindow]:
@@ -93,7 +94,7 @@ def ours_islands(sampler: StatusSampler, t1: float, t2: float) -> dict[str, Isla
             if name in st["islands"] and st["islands"][name].get("stepTime")
         ]
         step_time = sum(times) / len(times) if times else 0.0
-        out[name] = IslandWindow(d_steps / dt, min(1.0, d_steps * step_time / dt))
+        out[name] = IslandWindow(d_steps / dt, min(1.0, d_steps * step_time / dt), step_time)
     return out
 
 

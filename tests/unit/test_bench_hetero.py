@@ -4,12 +4,21 @@ values)."""
 
 from __future__ import annotations
 
+import argparse
 import math
 
 import pytest
 
 from bench.harness.merge_waits import pushes_in, waits_alone
-from bench.hetero import loss_at, parse_mix, time_to
+from bench.hetero import (
+    all_or_none,
+    fast_utilisation,
+    loss_at,
+    mean_reached,
+    parse_mix,
+    plan_runs,
+    time_to,
+)
 
 EVALS = [
     {"tokens": 0, "evalLoss": 4.0, "time": 100.0},
@@ -62,3 +71,50 @@ def test_pushes_are_read_from_a_learners_log_lines() -> None:
     got = pushes_in(text)
     assert list(got) == [(0, 0), (1, 0)]
     assert got[(1, 0)] - got[(0, 0)] == pytest.approx(0.326)
+
+
+def test_repeats_interleave_baselines_and_mixed_runs() -> None:
+    """--repeats 2, one mix at K = 4 and 1, auto only: baseline, the fast islands alone, the
+    mixed runs, then all of them again; the 1,1,1,3 mix's fast islands alone are 3, and every
+    repeat of a configuration shares its key."""
+    args = argparse.Namespace(
+        repeats=2,
+        quorums=[4, 1],
+        no_fixed=True,
+        preset="gpt-tiny",
+        seed=0,
+        eval_tokens=4096,
+        inner_steps=20,
+        batch_size=4,
+        seq_len=64,
+    )
+    runs = plan_runs(args, [parse_mix("1,1,1,3")], budget=1000, extra=1500)
+    assert [(name, key) for name, key, _, _ in runs] == [
+        ("equal speeds, K=4 #1", "equal speeds, K=4"),
+        ("3 fast islands alone, K=3 #1", "3 fast islands alone, K=3"),
+        ("1,1,1,3 auto, K=4 #1", "1,1,1,3 auto, K=4"),
+        ("1,1,1,3 auto, K=1 #1", "1,1,1,3 auto, K=1"),
+        ("equal speeds, K=4 #2", "equal speeds, K=4"),
+        ("3 fast islands alone, K=3 #2", "3 fast islands alone, K=3"),
+        ("1,1,1,3 auto, K=4 #2", "1,1,1,3 auto, K=4"),
+        ("1,1,1,3 auto, K=1 #2", "1,1,1,3 auto, K=1"),
+    ]
+    equal, alone, mixed = runs[0], runs[1], runs[3]
+    assert equal[2] == [1.0] * 4 and equal[3].stop_after.tokens == 1000
+    assert equal[3].sync.quorum == 4 and equal[3].inner.steps_per_island == "fixed"
+    assert alone[3].islands.count == 3 and alone[3].stop_after.tokens == 1500
+    assert mixed[2] == [1.0, 1.0, 1.0, 3.0] and mixed[3].sync.quorum == 1
+    assert mixed[3].inner.steps_per_island == "auto"
+    args.repeats = 1  # the default: names carry no number
+    names = [name for name, *_ in plan_runs(args, [[1.0, 1.0, 1.0, 3.0]], 1000, 1500)]
+    assert names[:3] == ["equal speeds, K=4", "3 fast islands alone, K=3", "1,1,1,3 auto, K=4"]
+
+
+def test_fast_utilisation_and_verdicts_over_repeats() -> None:
+    run = {"utilisation": {"a": 0.9, "b": 0.8, "c": 0.2}}
+    assert fast_utilisation(run, [1, 1, 3]) == pytest.approx(0.85)  # the slowed island left out
+    assert all_or_none([True, True]) == "met"
+    assert all_or_none([False, False]) == "MISSED"
+    assert all_or_none([True, False, True]) == "met in 2 of 3"
+    assert mean_reached([30.0, None, 40.0]) == 35.0  # a run that never reached it is left out
+    assert mean_reached([None]) is None

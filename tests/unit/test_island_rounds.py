@@ -195,8 +195,14 @@ def test_adopt_round_only_at_a_round_boundary() -> None:
     assert adopt_round(45, 30, 10) is None  # mid-round
     assert adopt_round(0, 30, 10) == 0  # a fresh job's first round: at once, in place
     assert adopt_round(9, 30, 10) == 9  # still below H_i
-    assert adopt_round(10, 30, 10) is None  # past it: fragment 1 would sync before fragment 0
-    assert adopt_round(15, 30, 10) is None
+    # at or past it: back to H_i - 1 = 9, so the next step, 10, is fragment 0's first sync point
+    # (in place, fragment 1's at 15 would come before fragment 0's at 20)
+    assert adopt_round(10, 30, 10) == 9
+    assert adopt_round(15, 30, 10) == 9
+    assert adopt_round(29, 30, 10) == 9
+    assert adopt_round(5, 20, 3) == 2  # a 4x island's probe answered at its step 5: push at 3
+    assert adopt_round(4, 20, 1) == 0  # H_i 1: the next step, 1, pushes
+    assert adopt_round(30, 30, 10) == 10  # the first round's end is a boundary (above)
     assert adopt_round(15, 30, 40) == 15  # a longer round: below it
     assert adopt_round(60, 30, 30) is None  # no change
     assert adopt_round(60, 30, None) is None  # the syncer named none

@@ -400,3 +400,34 @@ def test_a_round_is_not_adopted_mid_round() -> None:
             assert sync.round_steps == 8, n
     assert sync.round_steps == 4
     assert [meta.steps for _, meta, _ in link.pushes] == [8, 8, 4]
+
+
+def test_a_round_named_past_its_end_in_the_first_round_is_cut_at_the_next_step() -> None:
+    # H = 8, H_i = 3 named after step 5 (a probe's answer a step or two late): the first round
+    # is cut at once, position 6 back to H_i - 1 = 2, so step 7 is position 3, fragment 0's
+    # first sync point, and its push carries the 7 steps run; then a push every 3 steps, each
+    # of 3, every merge applied τ = 2 steps after its push. Before issue 47's fix it waited for
+    # the first round's end: a push of 8 steps at step 8.
+    spec = parse_spec(
+        {
+            "islands": {"count": 2},
+            "inner": {"steps": 8, "stepsPerIsland": "auto"},
+            "sync": {"fragments": 1, "overlapSteps": 2, "compression": "none"},
+        }
+    )
+    link = FakeLink(outer_lr=0.25)
+    sync, w = make_sync(spec, link)
+    applied_at, pushed_at = [], []
+    for n in range(1, 17):
+        if n == 6:
+            link.inner_steps = 3
+        before = len(link.pushes)
+        if step(sync, w):
+            applied_at.append(n)
+        if len(link.pushes) > before:
+            pushed_at.append(n)
+    assert pushed_at == [7, 10, 13, 16]
+    assert [meta.steps for _, meta, _ in link.pushes] == [7, 3, 3, 3]
+    assert applied_at == [9, 12, 15]
+    assert sync.round_steps == 3
+    assert sync.position == 12  # step 16 is position 12: 4 rounds of 3

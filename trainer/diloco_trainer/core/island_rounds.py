@@ -77,8 +77,8 @@ is the other island's own probe and nothing brackets it, so there a probe is no 
 A probe's cut starts no cooldown and leaves a reading in its direction pending (next_round):
 two steps may under-read a slow island, and its first regular reading may cut it further
 alone. Its learner, still within its first
-round, adopts the new H_i in place (learner/step_plan. adopt_round), so a 3x slower island's
-first round is H/3 steps too, not H.
+round, adopts the new H_i at once (learner/step_plan.adopt_round: in place below it, else its next
+step ends the round), so a 3x slower island's first round is about H/3 steps too, not H.
 
 `inner.stepsPerIsland: fixed` turns all this off (every island H), and
 `islands.overrides[i].innerSteps` pins an island's H_i.
@@ -344,9 +344,10 @@ def next_round(
     the change it makes starts no cooldown and leaves one reading in its direction pending.
     `sized` (sized_steps): the round a regular change sets, where it differs from the target
     that decides it (K = M's room), never past the current round the other way; a probe's
-    change sets the target (its learner takes it in place only while its position is below it,
-    a step or two after the probe: a 4x island's 5 of 20 in place, where the room's 4 came a
-    step late and it ran its first round at H). `late` (late_is_beyond): a sized round below
+    change sets the target (chosen while its learner took a cut in place only below it, a step
+    or two after the probe: a 4x island's 5 of 20 in place, where the room's 4 came a step late
+    and it ran its first round at H; since, a cut heard past it ends the first round at the next
+    step, step_plan.adopt_round). `late` (late_is_beyond): a sized round below
     the current one is beyond the band, however near."""
     since = current.since_change + 1
     if not in_band(current.steps, target):

@@ -241,17 +241,26 @@ def adopt_round(position: int, current: int, offered: int | None) -> int | None:
     sync point stays at its place in the round (offset f·H_i/F after it) and no position falls
     below H_i again (plan_step's first-round rule). The pushes in flight move by the same
     number of positions (their apply windows are relative). In a fresh job's first round
-    (position below `current`, nothing pushed yet) at once and in place while the position is
+    (position below `current`, nothing pushed yet) at once: in place while the position is
     still below H_i, so a slow island's first round is short too (at K = M every other island
-    waits for it); past H_i only at the round's end: in place there, fragment 1's sync point
-    (H_i·(1 + 1/F) and on) could come before fragment 0's first, the islands' fragments out of
-    phase, and at K = M each island then waits for a fragment the other pushes only after its
-    own wait (bench/hetero, 1,1,2,4: waits of 12-15 s, a wait budget each).
+    waits for it); at or past H_i, back to H_i - 1, so that the next step is H_i, fragment 0's
+    first sync point, and every other fragment's follows it in its place (left in place there,
+    fragment 1's sync point, H_i·(1 + 1/F) and on, could come before fragment 0's first, the
+    islands' fragments out of phase, and at K = M each island then waits for a fragment the
+    other pushes only after its own wait: bench/hetero, 1,1,2,4, waits of 12-15 s, a wait
+    budget each). Its first push then carries the steps it ran, a few more than H_i.
+
+    Why not wait for the round's end there (issue 47): a slow island's probe completes at step
+    3 and the syncer's answer reaches its learner a step or two later, so a cut to H_i of 3-5
+    (a 4-6x slower island; H = 20, the floor 3) came past H_i and the island ran its whole
+    first round at H, 20 steps at 4x, which every island waited for at K = M
+    (bench/log/2026-11-29.md, "hetero — 2026-11-29 14:30 UTC": cut to 3 at its step 2, taken
+    at its step 20).
     """
     if offered is None or offered < 1 or offered == current:
         return None
     if position < current:
-        return position if position < offered else None
+        return min(position, offered - 1)
     if position % current:
         return None
     return position // current * offered
