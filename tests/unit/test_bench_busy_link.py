@@ -21,6 +21,7 @@ from bench.busy_link import (
     torchft_split,
     window_split,
 )
+from bench.harness.merge_stats import MergeStaleness
 
 PREFIX = "2026-11-28 10:00:00,000 INFO x diloco.learner: step 19 loss 3.1 tokens 1 (9 tokens/s); "
 LOG = "\n".join(
@@ -115,7 +116,13 @@ def run(loss: float, budget: float, split: Split, rate: float | None) -> dict[st
     """A run's result as busy_link keeps it: `loss` at the budget after 10 s, 0.1 lower at
     1.25x it after 20 s."""
     history = [(0.0, 0.0, 5.0), (10.0, budget, loss), (20.0, 1.25 * budget, loss - 0.1)]
-    return {"history": history, "splits": [split], "rate": rate, "bytes_per_round": 1e6}
+    return {
+        "history": history,
+        "splits": [split],
+        "rate": rate,
+        "bytes_per_round": 1e6,
+        "staleness": MergeStaleness(),  # ours' merge log had no merges: "n/a"
+    }
 
 
 def test_tables_put_torchft_beside_ours_and_judge_both_verdicts() -> None:
@@ -137,8 +144,9 @@ def test_tables_put_torchft_beside_ours_and_judge_both_verdicts() -> None:
     # torchft at 50%: 6 of 10 s training; its loss as at L = 0; it reaches ours' L = 0 loss
     # (3.0) at its budget evaluation, 10 s, as ours' own run did.
     assert rows[("torchft 4, delay 0", "50%")][4:] == [
-        "0.600", "40.0%", "-", "2.9500", "1.000x", "1.000x"
+        "0.600", "40.0%", "-", "2.9500", "1.000x", "1.000x", "-"
     ]  # fmt: skip
+    assert rows[("4 (= M)", "50%")][-1] == "n/a"
     judged = {(r[0], r[1], r[2]): (r[3], r[4]) for r in verdicts.rows}
     # L = 0: ours 0.900 against torchft's 0.950, behind; L = 50%: 0.800 against 0.600, ahead.
     assert judged[("4", "0%", "utilisation ahead of torchft's")] == (
