@@ -8,16 +8,14 @@ elements: the step cap is 0.1 x 1.5 x 1e-3 x sqrt(100) = 0.0015)."""
 
 from __future__ import annotations
 
-import json
 import math
 from pathlib import Path
 
 import pytest
-import torch
 from diloco_trainer.syncer.intake import guards
 
 from .test_syncer import FakeClock, body, make_spec, run, started
-from .test_syncer_work_evidence import PAIR, pair_guard, stats
+from .test_syncer_work_evidence import PAIR, filled, join_pair, merge_log, pair_guard, stats
 
 NO_CAP = {"syncer": {"guards": {"movementFactor": 1.5, "maxDeltaNorm": 1e6}}}
 
@@ -85,11 +83,8 @@ def test_syncer_merges_a_faint_push_with_its_credited_work(tmp_path: Path) -> No
     async def scenario() -> None:
         syncer = await started(spec, tmp_path, FakeClock())
         try:
-            for island in ("island-0", "island-1"):
-                await syncer.islands.join(island, 1)
-            names = syncer.fragments[0]
-            honest = {n: torch.full_like(syncer.model.weights[n], 1e-3) for n in names}
-            faint = {n: torch.full_like(syncer.model.weights[n], 1.5e-4) for n in names}
+            await join_pair(syncer)
+            honest, faint = filled(syncer, 1e-3), filled(syncer, 1.5e-4)
             for _ in range(3):
                 answer = await syncer.receive_push(
                     0, body(syncer, 0, "island-0", honest, steps=4, tokens=256)
@@ -101,8 +96,7 @@ def test_syncer_merges_a_faint_push_with_its_credited_work(tmp_path: Path) -> No
             )
             assert answer["accepted"], answer
             await syncer.tick()
-            lines = (tmp_path / "merges.jsonl").read_text().splitlines()
-            merges = [json.loads(x) for x in lines]
+            merges = merge_log(tmp_path)
             assert [c["credit"] for m in merges[:3] for c in m["contributors"]] == [1.0] * 3
             (last,) = merges[-1]["contributors"]
             assert last["island"] == "island-1"

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -38,6 +39,21 @@ def pair_guard(**sections: dict[str, object]) -> guards.ContributionGuard:
 
 def stats(norm: float) -> guards.DeltaStats:
     return guards.DeltaStats(norm, True)
+
+
+def merge_log(state_dir: Path) -> list[dict[str, Any]]:
+    """The syncer's merges.jsonl in `state_dir`, one document a merge."""
+    return [json.loads(x) for x in (state_dir / "merges.jsonl").read_text().splitlines()]
+
+
+async def join_pair(syncer: Any) -> None:
+    for island in ("island-0", "island-1"):
+        await syncer.islands.join(island, 1)
+
+
+def filled(syncer: Any, value: float) -> dict[str, torch.Tensor]:
+    """A Δ of fragment 0 with every element at `value`."""
+    return {n: torch.full_like(syncer.model.weights[n], value) for n in syncer.fragments[0]}
 
 
 def refused(g: guards.ContributionGuard, island: str, norm: float, steps: int) -> bool:
@@ -167,25 +183,18 @@ def test_syncer_refuses_zero_claims_and_leaves_the_island_out_of_the_round(
         sync={"fragments": 1, "quorum": 1, "graceSeconds": 0},
     )
 
-    def log() -> list[dict[str, object]]:
-        lines = (tmp_path / "merges.jsonl").read_text().splitlines()
-        return [json.loads(x) for x in lines]
-
     async def scenario() -> None:
         syncer = await started(spec, tmp_path, FakeClock())
         try:
-            for island in ("island-0", "island-1"):
-                await syncer.islands.join(island, 1)
-            names = syncer.fragments[0]
-            honest = {n: torch.full_like(syncer.model.weights[n], 1e-3) for n in names}
-            zero = {n: torch.zeros_like(syncer.model.weights[n]) for n in names}
+            await join_pair(syncer)
+            honest, zero = filled(syncer, 1e-3), filled(syncer, 0.0)
             for _ in range(3):
                 meta = {"steps": 4, "tokens": 32}
                 answer = await syncer.receive_push(0, body(syncer, 0, "island-0", honest, **meta))
                 assert answer["accepted"], answer
                 await syncer.tick()
-            assert [e["fraction"] for e in log()] == [pytest.approx(0.5)] * 3
-            assert not any(e["complete"] for e in log())  # island-1 is awaited
+            assert [e["fraction"] for e in merge_log(tmp_path)] == [pytest.approx(0.5)] * 3
+            assert not any(e["complete"] for e in merge_log(tmp_path))  # island-1 is awaited
             for _ in range(guards.AT_BOUND_PUSHES):
                 with pytest.raises(guards.ContributionRefused) as err:
                     meta = {"steps": 4, "tokens": 32, "stepTime": 0.001}
@@ -198,7 +207,7 @@ def test_syncer_refuses_zero_claims_and_leaves_the_island_out_of_the_round(
                 0, body(syncer, 0, "island-0", honest, steps=4, tokens=32)
             )
             await syncer.tick()
-            last = log()[-1]
+            last = merge_log(tmp_path)[-1]
             assert last["fraction"] == pytest.approx(1.0) and last["complete"] is True
             problems = {p["kind"] for p in syncer.health.to_json()["problems"]}
             assert WORK_UNSUPPORTED in problems

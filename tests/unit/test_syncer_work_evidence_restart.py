@@ -17,7 +17,6 @@ import math
 from pathlib import Path
 
 import pytest
-import torch
 from diloco_trainer.api import protocol
 from diloco_trainer.api.manifest import CheckpointManifest, SavedGuards
 from diloco_trainer.syncer.intake import guards
@@ -26,7 +25,15 @@ from diloco_trainer.syncer.storage import checkpoint as ckpt
 
 from .test_rounds import make_state, push
 from .test_syncer import FakeClock, body, make_spec, run, started
-from .test_syncer_work_evidence import PAIR, pair_guard, refused, stats
+from .test_syncer_work_evidence import (
+    PAIR,
+    filled,
+    join_pair,
+    merge_log,
+    pair_guard,
+    refused,
+    stats,
+)
 
 
 def named_guard() -> guards.ContributionGuard:
@@ -136,30 +143,22 @@ def test_syncer_named_island_survives_a_restart_and_holds_no_round(tmp_path: Pat
     next push merges alone at once."""
     spec = make_spec(**PAIR, sync={"fragments": 1, "quorum": 2, "graceSeconds": 0})
 
-    def log() -> list[dict[str, object]]:
-        lines = (tmp_path / "merges.jsonl").read_text().splitlines()
-        return [json.loads(x) for x in lines]
-
     async def scenario() -> None:
         syncer = await started(spec, tmp_path, FakeClock())
         try:
-            for island in ("island-0", "island-1"):
-                await syncer.islands.join(island, 1)
-            names = syncer.fragments[0]
-            honest = {n: torch.full_like(syncer.model.weights[n], 1e-3) for n in names}
-            zero = {n: torch.zeros_like(syncer.model.weights[n]) for n in names}
-            carried = {n: torch.full_like(syncer.model.weights[n], 1e-3) for n in names}
+            await join_pair(syncer)
+            honest, zero, carried = filled(syncer, 1e-3), filled(syncer, 0.0), filled(syncer, 1e-3)
             # Three rounds of both islands: the reference of each needs three pushes (OWN_MIN).
             for _ in range(3):
                 for island, d in (("island-0", honest), ("island-1", carried)):
                     answer = await syncer.receive_push(0, body(syncer, 0, island, d, steps=4))
                     assert answer["accepted"], answer
                 await syncer.tick()
-            assert [e["complete"] for e in log()] == [True] * 3
+            assert [e["complete"] for e in merge_log(tmp_path)] == [True] * 3
             answer = await syncer.receive_push(0, body(syncer, 0, "island-0", honest, steps=4))
             assert answer["accepted"], answer
             await syncer.tick()
-            assert len(log()) == 3  # K = M: it waits for island-1
+            assert len(merge_log(tmp_path)) == 3  # K = M: it waits for island-1
             for _ in range(guards.AT_BOUND_PUSHES):
                 with pytest.raises(guards.ContributionRefused) as err:
                     await syncer.receive_push(0, body(syncer, 0, "island-1", zero, steps=4))
@@ -167,8 +166,10 @@ def test_syncer_named_island_survives_a_restart_and_holds_no_round(tmp_path: Pat
             assert syncer.state.unsupported == {"island-1"}
             assert syncer.state.effective_quorum() == 1
             await syncer.tick()
-            last = log()[-1]
-            assert len(log()) == 4 and [c["island"] for c in last["contributors"]] == ["island-0"]
+            last = merge_log(tmp_path)[-1]
+            assert len(merge_log(tmp_path)) == 4 and [
+                c["island"] for c in last["contributors"]
+            ] == ["island-0"]
             assert last["fraction"] == pytest.approx(1.0) and last["complete"] is True
         finally:
             await syncer.stop()  # the final checkpoint
@@ -190,8 +191,10 @@ def test_syncer_named_island_survives_a_restart_and_holds_no_round(tmp_path: Pat
             answer = await again.receive_push(0, body(again, 0, "island-0", honest, steps=4))
             assert answer["accepted"], answer
             await again.tick()
-            last = log()[-1]
-            assert len(log()) == 5 and [c["island"] for c in last["contributors"]] == ["island-0"]
+            last = merge_log(tmp_path)[-1]
+            assert len(merge_log(tmp_path)) == 5 and [
+                c["island"] for c in last["contributors"]
+            ] == ["island-0"]
             assert last["complete"] is True
         finally:
             await again.stop()
