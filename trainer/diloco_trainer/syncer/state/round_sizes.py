@@ -203,6 +203,10 @@ class RoundSizes:
                 # 11:43 UTC": a 3x island that joined first ran two rounds at H)
                 rec.round_read_at = None
                 rec.round = replace(current, confirm_at=step + PROBE_STEPS)
+            elif current.confirm_at is not None:
+                # its clock starts: its next reading a reference round on, not the next report
+                # as a second probe
+                rec.round = replace(current, confirm_at=None)
             # else a rejoin's first steps are warm-up again (its learner's report may include
             # them), and in a job of two the reference is the other island's own probe: its
             # first report starts its clock, and it is read a reference round later (still
