@@ -16,6 +16,7 @@ from diloco_trainer.core.island_rounds import (
     in_band,
     late_is_beyond,
     next_round,
+    outgrown,
     probe_moves,
     probe_readings,
     probe_step_time,
@@ -416,3 +417,25 @@ def test_the_second_probe_is_reported_at_once_and_capped() -> None:
     assert report.add(1.0) is True and report.value == pytest.approx(1.4)
     # then the running mean of the steps since the probe again: (3 + 1 + 2) / 3
     assert report.add(2.0) is False and report.value == pytest.approx(2.0)
+
+
+def test_a_longer_round_needs_a_reading_beyond_the_band_of_the_one_that_set_it() -> None:
+    # 3.6 x 1.4 = 5.04 > 4.8: not outgrown; 3.42 x 1.4 = 4.788 <= 4.8 and 3.0 x 1.4 = 4.2: are
+    assert not outgrown(4.8, 3.6)
+    assert outgrown(4.8, 3.42) and outgrown(4.8, 3.0)
+    assert outgrown(None, 3.6) and outgrown(4.8, None)  # unknown: the band alone, as before
+    # a round of 3 set at 4.8x: a reading of 3.6x (target 5, beyond 3's band up to 4.2) is no
+    # reading for a longer round; nothing pending, the anchor kept
+    held = next_round(IslandRound(3, since_change=3, anchor=4.8), 5, ratio=3.6)
+    assert (held.steps, held.pending, held.anchor) == (3, 0, 4.8)
+    # 3.0x is: pending +1, then the second in a row takes it, and 3.0 anchors the new round
+    first = next_round(IslandRound(3, since_change=3, anchor=4.8), 6, ratio=3.0)
+    assert (first.steps, first.pending) == (3, 1)
+    second = next_round(first, 6, ratio=3.0)
+    assert (second.steps, second.pending, second.anchor) == (6, 0, 3.0)
+    # a shorter round never asks the anchor: 6 set at 3.0x, 6.0x twice (target 3, below
+    # min(5, 6 / 1.4 - 1 = 3.29)) cuts it to 3, anchored at 6.0
+    down = next_round(
+        next_round(IslandRound(6, since_change=3, anchor=3.0), 3, ratio=6.0), 3, ratio=6.0
+    )
+    assert (down.steps, down.anchor) == (3, 6.0)

@@ -51,6 +51,10 @@ baseline). The price: an island up to 1.4x slower keeps H, and at K = M the othe
 (up to 29% of their time); the mixes the benchmark measures (1,1,1,3 and 1,1,2,4) are far
 beyond the band (one reading per reference round, so the new H has run a few rounds
 before it can change again).
+A longer round also needs the reading to have outgrown the one that set the current round
+(IslandRound.anchor, outgrown): below the ceiling at K = M a round moves down on any reading that
+says it is late (late_is_beyond) and, at a few steps, back up on one only 1.15x faster, and under
+load a 3x island's H_i went 20, 6, 4, 3, 5, 3 within 30 s (bench/hetero, load 12).
 An island that slows down for good mid-job (a preempted node replaced by an older one) so gets
 its smaller round two readings after its first slow one. No single reading moves a round, an
 island's first included (issue 47: with inner.stepsPerIsland auto, tests/e2e/
@@ -311,6 +315,10 @@ class IslandRound:
     # The reported step from which its next report is read at once (its learner's second
     # probe, StepTimeReport), set when its probe was one reading pending (probe_readings)
     confirm_at: int | None = None
+    # The step time over the reference (t_i / t_ref) of the reading that set `steps`, None
+    # while no reading has (H, a pin, a restarted syncer's innerSteps): a longer round needs a
+    # reading beyond the band of it (outgrown), not only of the round it set
+    anchor: float | None = None
 
 
 def in_band(steps: int, target: int) -> bool:
@@ -326,6 +334,23 @@ def in_band(steps: int, target: int) -> bool:
     return low - 1e-9 <= target <= high + 1e-9
 
 
+def outgrown(anchor: float | None, ratio: float | None) -> bool:
+    """Whether a reading of step time `ratio` (t_i / t_ref) may lengthen a round that a reading
+    of `anchor` set: only when the island is faster than that reading beyond the band
+    (ratio x (1 + CHANGE_FRACTION) <= anchor); always when either is unknown.
+
+    Why (issue 47): a round below the ceiling moves down on any reading that says it is late at
+    K = M (late_is_beyond: no band below), while the band of its steps lets it up on a reading
+    only 1.15x faster at a few steps (3 -> 5 needs target 5 > 4.2: t_i / t_ref <= 4 where 4.8
+    set 3). Under load a 3x island's readings spread over 3.5-5x, and its H_i went 20, 6, 4,
+    3, 5, 3 within 30 s (bench/hetero, load 12): every move down was followed by one up on the
+    next fast pair of readings. Measured against the reading that set the round, a move up
+    needs the island to have sped up beyond the band, as a move off H always did."""
+    if anchor is None or ratio is None:
+        return True
+    return ratio * (1 + CHANGE_FRACTION) <= anchor + 1e-9
+
+
 def next_round(
     current: IslandRound,
     target: int,
@@ -333,6 +358,7 @@ def next_round(
     confirmed: bool = False,
     sized: int | None = None,
     late: bool = False,
+    ratio: float | None = None,
 ) -> IslandRound:
     """The island's round after one reading whose target H_i is `target` (target_steps).
 
@@ -348,14 +374,19 @@ def next_round(
     or two after the probe: a 4x island's 5 of 20 in place, where the room's 4 came a step late
     and it ran its first round at H; since, a cut heard past it ends the first round at the next
     step, step_plan.adopt_round). `late` (late_is_beyond): a sized round below
-    the current one is beyond the band, however near."""
+    the current one is beyond the band, however near. `ratio`: the reading's t_i / t_ref; a
+    reading for a longer round counts only when it has outgrown the one that set the current
+    round (outgrown), and a change keeps its ratio as the new round's anchor."""
     since = current.since_change + 1
+    direction = 0
     if not in_band(current.steps, target):
         direction = 1 if target > current.steps else -1
     elif late and sized is not None and sized < current.steps:
         direction = -1
-    else:
-        return IslandRound(current.steps, 0, since, fresh=False)
+    if direction > 0 and not outgrown(current.anchor, ratio):
+        direction = 0
+    if direction == 0:
+        return IslandRound(current.steps, 0, since, fresh=False, anchor=current.anchor)
     same = current.pending * direction > 0
     pending = current.pending + direction if same else direction
     if confirmed:
@@ -372,9 +403,9 @@ def next_round(
             # is two: bench/hetero's 3x island probed 2.2x under load, cut to 9 of 20, and ran
             # two readings at 9 before its regular readings took it to 5) may size it further
             # that way alone.
-            return IslandRound(target, direction, COOLDOWN_READINGS, fresh=False)
-        return IslandRound(target, 0, 0, fresh=False)
-    return IslandRound(current.steps, pending, since, fresh=False)
+            return IslandRound(target, direction, COOLDOWN_READINGS, fresh=False, anchor=ratio)
+        return IslandRound(target, 0, 0, fresh=False, anchor=ratio)
+    return IslandRound(current.steps, pending, since, fresh=False, anchor=current.anchor)
 
 
 def late_is_beyond(*, room: float, steps: int, ceiling: int) -> bool:

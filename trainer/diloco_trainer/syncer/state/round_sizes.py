@@ -43,6 +43,27 @@ def island_index(name: str) -> int | None:
     return int(match.group(1)) if match else None
 
 
+def comparable(peer: IslandRecord, rec: IslandRecord) -> bool:
+    """Whether `peer`'s step time may be a reference for `rec`'s probe: its first report came
+    after `rec` joined, so its readings were made while `rec` ran too (or either time is
+    unknown: a record this syncer never read).
+
+    Why (issue 47): on a shared machine (a user's `diloco run`, a loaded node) islands that
+    start first have the cores to themselves. bench/busy_link's 4 equal islands: the two that
+    started late probed (steps 2-4) while all four competed, about 2x the early ones' readings
+    made alone, and were cut to 12-13 of H = 30 (bench/log/2026-11-29.md, "busy_link (issue
+    45): K = 1 over a slow link, before and with the momentum share (busy6)"). This is
+    first_reading_now's rule carried to time: a probe is read against the job's readings of
+    the same load, not whoever reported first. A probe with fewer than MAJORITY_CLAIMS such
+    readings is no reading (probe_readings), and its round moves on regular readings, a
+    reference round apart, by when the early islands' reports (a mean, then an EMA of their
+    recent steps) are of the shared load too. The price: a slow island that joins after its
+    peers' probes waits for those (two in a row) rather than being cut in its first round."""
+    if peer is rec or rec.round_joined_at is None or peer.reading_since is None:
+        return True
+    return peer.reading_since >= rec.round_joined_at
+
+
 class RoundSizes:
     """The job's round limits and each island's H_i (kept on its IslandRecord)."""
 
@@ -61,12 +82,14 @@ class RoundSizes:
         """The island's H_i now."""
         return self.limits.steps_of(island_index(name), rec.round if rec is not None else None)
 
-    def joined(self, rec: IslandRecord) -> None:
-        """A join: the island's round is what it had (a rejoin keeps it), else the spec's."""
+    def joined(self, rec: IslandRecord, now: float | None = None) -> None:
+        """A join at `now`: the island's round is what it had (a rejoin keeps it), else the
+        spec's."""
         if rec.round is None:
             rec.round = IslandRound(self.steps_of(rec, rec.name))
         self._seen(rec)
         rec.round_read_at = None  # a restarted learner's first steps are warm-up again
+        rec.round_joined_at, rec.reading_since = now, None
 
     def max_push_steps(self, rec: IslandRecord | None, name: str) -> int:
         """The most steps one push of the island may carry: STEP_ROUNDS x its H_i (or the one
@@ -85,13 +108,21 @@ class RoundSizes:
         those two readings when every active island has reported, at least three of them, and
         it at least halves the round; else, with at least three reporting, as one; else (a job
         of two, a rejoin) it starts the island's clock."""
+        if rec.step_time and rec.reading_since is None:
+            rec.reading_since = now
         if self.limits.fixed_steps(island_index(rec.name)) is not None or not rec.step_time:
             return
-        members = list(active)
+        current = rec.round or IslandRound(self.limits.inner_steps)
+        everyone = list(active)
+        members = everyone
+        second = current.confirm_at is not None and (rec.reported_step or 0) >= current.confirm_at
+        if rec.round_read_at is None or second:
+            # its probe (or second probe) beside the readings made while it ran
+            members = [r for r in everyone if comparable(r, rec)]
         reference = reference_step_time([r.step_time for r in members if r.step_time])
         if reference is None:
             return
-        current = rec.round or IslandRound(self.limits.inner_steps)
+        ratio = rec.step_time / reference
         limits = self.limits
         target = target_steps(
             inner_steps=limits.inner_steps,
@@ -119,17 +150,18 @@ class RoundSizes:
                 late=late,
                 reported=reported,
                 now=now,
-                active=len(members),
+                active=len(everyone),
+                ratio=ratio,
             )
             if first is None:
                 return
             after = first
-        elif current.confirm_at is not None and (rec.reported_step or 0) >= current.confirm_at:
-            after = next_round(current, target, sized=sized, late=late)  # its second probe
+        elif second:
+            after = next_round(current, target, sized=sized, late=late, ratio=ratio)
         elif now - rec.round_read_at < self.limits.inner_steps * reference:
             return
         else:
-            after = next_round(current, target, sized=sized, late=late)
+            after = next_round(current, target, sized=sized, late=late, ratio=ratio)
         rec.round_read_at = now
         if after.steps != current.steps:
             rec.round_before = current.steps
@@ -147,6 +179,7 @@ class RoundSizes:
         reported: int,
         active: int,
         now: float,
+        ratio: float,
     ) -> IslandRound | None:
         """The island's round after its first report since it (re)joined (read's first
         branch), or None: not read (its clock started, or its second probe awaited)."""
@@ -170,6 +203,10 @@ class RoundSizes:
                 # 11:43 UTC": a 3x island that joined first ran two rounds at H)
                 rec.round_read_at = None
                 rec.round = replace(current, confirm_at=step + PROBE_STEPS)
+            elif current.confirm_at is not None:
+                # its clock starts: its next reading a reference round on, not the next report
+                # as a second probe
+                rec.round = replace(current, confirm_at=None)
             # else a rejoin's first steps are warm-up again (its learner's report may include
             # them), and in a job of two the reference is the other island's own probe: its
             # first report starts its clock, and it is read a reference round later (still
@@ -177,7 +214,9 @@ class RoundSizes:
             return None
         # a probe that at least halves the round with every island reporting is two readings;
         # else one, which its learner's second probe confirms or clears
-        after = next_round(current, target, confirmed=readings == 2, sized=sized, late=late)
+        after = next_round(
+            current, target, confirmed=readings == 2, sized=sized, late=late, ratio=ratio
+        )
         if readings == 1 and after.pending:
             # its second probe, PROBE_STEPS steps on, is read at once: a reference round of
             # wall time is a heartbeat or two, and under load a slow island's first round ended
