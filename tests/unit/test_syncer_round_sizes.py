@@ -444,67 +444,6 @@ def _report(
     return sizes.steps_of(recs[i], recs[i].name)
 
 
-def test_equal_islands_that_start_late_are_not_cut_against_readings_made_before_them() -> None:
-    """bench/busy_link's 4 equal islands at H = 30 (floor 4, K = 1) on a shared machine:
-    islands 0, 1 join at 0 s and report 1.0 s at 2 s (the cores to themselves); islands 2, 3
-    join at 5 s and probe 2.2 s at 8 s, all four competing, while 0, 1 still report 1.0.
-    Before, island-2's probe (3 of 4 claims, t_ref = lower median of 1, 1, 2.2 = 1.0, target
-    floor(30 / 2.2) = 13) was one reading pending, and island-3's (4 of 4, target 13 <= 15)
-    was taken at once: cut to 13, as measured (12-13 of 30). Now 0's and 1's first reports (2
-    s) came before 2 and 3 joined (5 s): no reference for their probes; each late island has
-    itself and the other, 2 comparable claims < 3: no reading, its second probe (position 2 +
-    2 = 4) read as its first, and so on while position + 2 < 30. Then its clock starts, and
-    its regular readings (every 30 x t_ref) compare everyone's reports of the shared load:
-    2.2 s each, target 30: H throughout."""
-    sizes, recs = _job_of_four(30)
-    for i in (0, 1):
-        sizes.joined(recs[i], now=0.0)
-    for i in (0, 1):
-        assert _report(sizes, recs, i, 1.0, 2, now=2.0) == 30
-    for i in (2, 3):
-        sizes.joined(recs[i], now=5.0)
-    assert _report(sizes, recs, 2, 2.2, 2, now=8.0) == 30
-    assert _report(sizes, recs, 3, 2.2, 2, now=8.0) == 30
-    late = recs[3].round
-    assert late is not None and late.fresh and late.confirm_at == 4 and late.pending == 0
-    # their second probes: 0, 1 have caught up only to 1.3 s, still made partly alone
-    recs[0].step_time = recs[1].step_time = 1.3
-    assert _report(sizes, recs, 2, 2.2, 4, now=9.0) == 30
-    assert _report(sizes, recs, 3, 2.2, 4, now=9.0) == 30
-    # every report of the shared load from now on: 2.2 s each
-    recs[0].step_time = recs[1].step_time = 2.2
-    now = 9.0
-    for step in range(6, 30, 2):
-        now += 1.0
-        for i in (2, 3):
-            assert _report(sizes, recs, i, 2.2, step, now=now) == 30
-    late = recs[3].round
-    assert late is not None and recs[3].round_read_at == now  # step 28: 28 + 2 < 30 no more
-    for k in (1, 2, 3):  # regular readings, 30 x 2.2 = 66 s apart: target 30, in the band
-        assert _report(sizes, recs, 3, 2.2, 28 + 30 * k, now=now + 66.0 * k) == 30
-
-
-def test_a_slow_island_that_starts_late_is_cut_by_its_regular_readings() -> None:
-    """The price of the rule above: islands 0-2 report 1.0 s at 2 s, island-3 (3x) joins at 5 s
-    and probes 3.0 s at 8 s. Its probe has one comparable claim, its own: no reading, nor its
-    second probes; its clock starts at position 18 (18 + 2 < 20 no more, at 13 s). Its regular
-    readings, 20 x t_ref = 20 s apart (t_ref = lower median of 1, 1, 1, 3 = 1): target
-    floor(20 / 3) = 6 at 33 s (pending -1) and 53 s: cut to 6 at the second."""
-    sizes, recs = _job_of_four(20)
-    for i in (0, 1, 2):
-        sizes.joined(recs[i], now=0.0)
-        assert _report(sizes, recs, i, 1.0, 2, now=2.0) == 20
-    sizes.joined(recs[3], now=5.0)
-    now = 8.0
-    for step in range(2, 20, 2):
-        assert _report(sizes, recs, 3, 3.0, step, now=now) == 20
-        now += 1.0
-    assert recs[3].round_read_at == 16.0  # position 18
-    assert _report(sizes, recs, 3, 3.0, 20, now=36.0) == 20
-    assert recs[3].round is not None and recs[3].round.pending == -1
-    assert _report(sizes, recs, 3, 3.0, 26, now=56.0) == 6
-
-
 def test_at_k_equals_m_a_slow_islands_noisy_readings_do_not_oscillate() -> None:
     """1,1,1,3 at H = 20 (floor 3), K = M = 4, the fast islands at 1.0 s; island-3's readings
     (its step time over t_ref = 1.0, one per 20 s) spread over 3.6-4.8x, as a 3x island's did

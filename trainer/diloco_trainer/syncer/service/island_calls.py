@@ -68,7 +68,7 @@ class IslandCalls:
             self.gate.admit(self.state.membership, island, self.control.clock())
             rec = self.state.membership.join(island, replicas, self.control.clock())
             rounds = self.gate.rounds
-            rounds.joined(rec, self.control.clock())
+            rounds.joined(rec)
             inner_steps = rounds.steps_of(rec, island)
             # A restarted learner counts its tokens from zero again: its target (in the old
             # count) would let it train far past the budget. It trains on without one.

@@ -112,10 +112,6 @@ class IslandRecord:
     round: IslandRound | None = None
     round_before: int | None = None
     round_read_at: float | None = None
-    # When it last joined and when its first step time since came (round_sizes.comparable: a
-    # probe is compared only with readings made while it ran), not persisted.
-    round_joined_at: float | None = None
-    reading_since: float | None = None
 
     def to_status(self) -> IslandStatus:
         """The status/checkpoint form (IslandStatus: camelCase on the wire)."""

@@ -43,27 +43,6 @@ def island_index(name: str) -> int | None:
     return int(match.group(1)) if match else None
 
 
-def comparable(peer: IslandRecord, rec: IslandRecord) -> bool:
-    """Whether `peer`'s step time may be a reference for `rec`'s probe: its first report came
-    after `rec` joined, so its readings were made while `rec` ran too (or either time is
-    unknown: a record this syncer never read).
-
-    Why (issue 47): on a shared machine (a user's `diloco run`, a loaded node) islands that
-    start first have the cores to themselves. bench/busy_link's 4 equal islands: the two that
-    started late probed (steps 2-4) while all four competed, about 2x the early ones' readings
-    made alone, and were cut to 12-13 of H = 30 (bench/log/2026-11-29.md, "busy_link (issue
-    45): K = 1 over a slow link, before and with the momentum share (busy6)"). This is
-    first_reading_now's rule carried to time: a probe is read against the job's readings of
-    the same load, not whoever reported first. A probe with fewer than MAJORITY_CLAIMS such
-    readings is no reading (probe_readings), and its round moves on regular readings, a
-    reference round apart, by when the early islands' reports (a mean, then an EMA of their
-    recent steps) are of the shared load too. The price: a slow island that joins after its
-    peers' probes waits for those (two in a row) rather than being cut in its first round."""
-    if peer is rec or rec.round_joined_at is None or peer.reading_since is None:
-        return True
-    return peer.reading_since >= rec.round_joined_at
-
-
 class RoundSizes:
     """The job's round limits and each island's H_i (kept on its IslandRecord)."""
 
@@ -82,14 +61,12 @@ class RoundSizes:
         """The island's H_i now."""
         return self.limits.steps_of(island_index(name), rec.round if rec is not None else None)
 
-    def joined(self, rec: IslandRecord, now: float | None = None) -> None:
-        """A join at `now`: the island's round is what it had (a rejoin keeps it), else the
-        spec's."""
+    def joined(self, rec: IslandRecord) -> None:
+        """A join: the island's round is what it had (a rejoin keeps it), else the spec's."""
         if rec.round is None:
             rec.round = IslandRound(self.steps_of(rec, rec.name))
         self._seen(rec)
         rec.round_read_at = None  # a restarted learner's first steps are warm-up again
-        rec.round_joined_at, rec.reading_since = now, None
 
     def max_push_steps(self, rec: IslandRecord | None, name: str) -> int:
         """The most steps one push of the island may carry: STEP_ROUNDS x its H_i (or the one
@@ -108,17 +85,11 @@ class RoundSizes:
         those two readings when every active island has reported, at least three of them, and
         it at least halves the round; else, with at least three reporting, as one; else (a job
         of two, a rejoin) it starts the island's clock."""
-        if rec.step_time and rec.reading_since is None:
-            rec.reading_since = now
         if self.limits.fixed_steps(island_index(rec.name)) is not None or not rec.step_time:
             return
         current = rec.round or IslandRound(self.limits.inner_steps)
-        everyone = list(active)
-        members = everyone
+        members = list(active)
         second = current.confirm_at is not None and (rec.reported_step or 0) >= current.confirm_at
-        if rec.round_read_at is None or second:
-            # its probe (or second probe) beside the readings made while it ran
-            members = [r for r in everyone if comparable(r, rec)]
         reference = reference_step_time([r.step_time for r in members if r.step_time])
         if reference is None:
             return
@@ -150,7 +121,7 @@ class RoundSizes:
                 late=late,
                 reported=reported,
                 now=now,
-                active=len(everyone),
+                active=len(members),
                 ratio=ratio,
             )
             if first is None:
