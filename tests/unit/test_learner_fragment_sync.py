@@ -345,18 +345,24 @@ def test_a_push_not_merged_leaves_no_residual_behind(refuse: bool) -> None:
     assert ("w" in sync.error_feedback.residuals) is not refuse
 
 
-def test_the_round_the_syncer_names_is_adopted_in_a_fresh_jobs_first_round() -> None:
-    # H = 8 (inner.stepsPerIsland auto); the syncer names H_i = 4 for this (slow) island from
-    # the start: taken at once, in place (nothing pushed yet), so the first push comes at
-    # position 4 and then every 4 steps, each carrying 4 steps; each merge applied τ = 2 steps
-    # after its push.
-    spec = parse_spec(
+def auto_rounds_spec() -> JobSpec:
+    """Two islands, H = 8 sized per island by the syncer (inner.stepsPerIsland auto), one
+    fragment, τ = 2, no compression."""
+    return parse_spec(
         {
             "islands": {"count": 2},
             "inner": {"steps": 8, "stepsPerIsland": "auto"},
             "sync": {"fragments": 1, "overlapSteps": 2, "compression": "none"},
         }
     )
+
+
+def test_the_round_the_syncer_names_is_adopted_in_a_fresh_jobs_first_round() -> None:
+    # H = 8 (inner.stepsPerIsland auto); the syncer names H_i = 4 for this (slow) island from
+    # the start: taken at once, in place (nothing pushed yet), so the first push comes at
+    # position 4 and then every 4 steps, each carrying 4 steps; each merge applied τ = 2 steps
+    # after its push.
+    spec = auto_rounds_spec()
     link = FakeLink(outer_lr=0.25)
     link.inner_steps = 4
     sync, w = make_sync(spec, link)
@@ -383,13 +389,7 @@ def test_a_round_is_not_adopted_mid_round() -> None:
     # H = 8, H_i = 4 named after the first push: position 9..15 are no boundary of the 8-step
     # round; the next is 16, where the schedule becomes rounds of 4 (position 16 -> 8), and the
     # pushes carry 8, 8, then 4 steps.
-    spec = parse_spec(
-        {
-            "islands": {"count": 2},
-            "inner": {"steps": 8, "stepsPerIsland": "auto"},
-            "sync": {"fragments": 1, "overlapSteps": 2, "compression": "none"},
-        }
-    )
+    spec = auto_rounds_spec()
     link = FakeLink(outer_lr=0.25)
     sync, w = make_sync(spec, link)
     for n in range(1, 21):
@@ -408,13 +408,7 @@ def test_a_round_named_past_its_end_in_the_first_round_is_cut_at_the_next_step()
     # first sync point, and its push carries the 7 steps run; then a push every 3 steps, each
     # of 3, every merge applied τ = 2 steps after its push. Before issue 47's fix it waited for
     # the first round's end: a push of 8 steps at step 8.
-    spec = parse_spec(
-        {
-            "islands": {"count": 2},
-            "inner": {"steps": 8, "stepsPerIsland": "auto"},
-            "sync": {"fragments": 1, "overlapSteps": 2, "compression": "none"},
-        }
-    )
+    spec = auto_rounds_spec()
     link = FakeLink(outer_lr=0.25)
     sync, w = make_sync(spec, link)
     applied_at, pushed_at = [], []
