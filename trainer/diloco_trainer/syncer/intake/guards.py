@@ -27,9 +27,7 @@ well formed (validation.py) is still refused, with 422 and a code naming the rea
 - in a job of fewer than MAJORITY_ISLANDS islands (with the movement cap on), its Δ moved less
   per claimed step than 1/EVIDENCE_RATIO of the other island's recent pushes do (WorkEvidence):
   what a push carries is evidence of the work it claims, so zero pushes that claim a round's
-  most steps at a 1 ms step time earn no merge weight, no work fraction and no stopAfter tokens;
-  one above that bar is credited the steps its movement supports (CREDIT_RATIO: credited_work),
-  so faint noise just above it earns a fraction of its claim.
+  most steps at a 1 ms step time earn no merge weight, no work fraction and no stopAfter tokens.
 
 An island is not punished for one refusal (a diverging learner takes the global fragment and
 recovers); maxRefusals refusals in a row drop it with the reason. Only refusals by rules no other
@@ -110,19 +108,12 @@ MIN_LR_SHARE = 0.1
 # An island whose last AT_BOUND_PUSHES judged pushes all moved less than 1 / FAINT_RATIO of the
 # reference per claimed step is named too (the same health problem), though those above the bar
 # are merged: an island that knows the bar can push faint noise just above it (bench/
-# adversary.py's faint_claims), credited only in part (CREDIT_RATIO below). Naming only: two
+# adversary.py's faint_claims; partial credit was built and taken out: docs/algorithm.md).
+# Naming only: two
 # honest islands at one time move within a few times each other's figure; an island pushing at
 # the cap lifts the reference to 0.15 x lr per element and step, and an honest push at the
 # cosine's floor (0.01 x lr) is then named under attack, never refused.
 FAINT_RATIO = 4.0
-# Partial credit (the same job of two): a push is credited the claimed steps its movement
-# supports at CREDIT_RATIO x its movement per claimed step over the reference, at most all of
-# them: in full while it moves at least 1/CREDIT_RATIO of the reference per claimed step (the
-# line FAINT_RATIO names), less below it, so faint noise above the bar no longer earns a full
-# claim's merge weight, work fraction and stopAfter tokens. Honest islands of one job move
-# within a few times each other's figure per step (one schedule; an island 3x faster at an H_i
-# three times the other's moves at least 1/sqrt(3) of its figure per step): full credit.
-CREDIT_RATIO = FAINT_RATIO
 # A saved figure is at most this (JSON has no infinity: a push judged against a reference of 0
 # moved infinitely more than it); any figure that large reads the same to every rule here.
 SAVED_MAX = 1e12
@@ -311,14 +302,6 @@ class WorkEvidence:
             return None
         return steps * ref / EVIDENCE_RATIO
 
-    def credit(self, fragment: int, island: str, norm: float, steps: int) -> float:
-        """The share of its claimed steps a push of `norm` is credited (CREDIT_RATIO): 1 when
-        nothing is judged (no reference yet, no steps claimed, a reference of 0)."""
-        ref = self.reference(fragment, island)
-        if ref is None or ref <= 0 or steps <= 0:
-            return 1.0
-        return min(1.0, CREDIT_RATIO * norm / (steps * ref))
-
     def record(self, fragment: int, island: str, norm: float, steps: int) -> None:
         if steps > 0:
             own = self.rates[fragment].setdefault(island, deque(maxlen=self.window))
@@ -485,13 +468,6 @@ class ContributionGuard:
                 own_fault=False,
             )
 
-    def credit(self, fragment: int, island: str, norm: float, steps: int) -> float:
-        """The share of its claimed work an accepted push is credited (WorkEvidence.credit in a
-        job of two with the movement cap on, else 1)."""
-        if self.evidence is None:
-            return 1.0
-        return self.evidence.credit(fragment, island, norm, steps)
-
     def check_direction(self, fragment: int, island: str, stats: DeltaStats) -> None:
         """ContributionRefused when the push points against the other islands' recent pushes
         and a majority of them against it on their own (direction.py); never counted towards a
@@ -610,16 +586,6 @@ class ContributionGuard:
             return True
         self.streaks[island] = streak
         return False
-
-
-def credited_work(tokens: int, steps: int, credit: float) -> tuple[int, int]:
-    """A push's claimed tokens and steps cut to `credit` (a share in (0, 1]): its steps rounded
-    to whole steps, at least one of any claimed, and its tokens in the same proportion (so its
-    tokens per step, the merge weight's quality term, stay what it claimed)."""
-    if credit >= 1.0 or steps <= 0:
-        return tokens, steps
-    kept = max(1, min(steps, round(steps * credit)))
-    return tokens * kept // steps, kept
 
 
 def _saved(window: Sequence[float]) -> list[float]:
