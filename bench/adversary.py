@@ -11,9 +11,9 @@ tests/e2e/test_adversary*.py (issues 22 and 46):
   work evidence of a job of two accepts for them (guards.WorkEvidence at its cap: the claimed
   steps x movementFactor 1.5 x 0.1 x inner.lr per element / 32): what an attacker that knows the
   rule pushes instead of zeros;
-- credited_noise: the same, at the least norm the partial credit of a job of two credits in full
-  (guards.CREDIT_RATIO: 1/4 of that reference per claimed step, eight times faint_claims'): what
-  an attacker that knows the partial credit pushes;
+- credited_noise: the same at 1/4 of that reference per claimed step (eight times faint_claims'):
+  the line a partial credit of a job of two credited in full (built and taken out again:
+  docs/algorithm.md), kept to price any such rule;
 - slot_holding: six push bodies trickled by the island's credential and six by the admin's;
 - connection_flood: every connection one peer address may open, held idle (another address);
 - merge_log: no participant, but the merge log unwritable (a directory) for the whole run;
@@ -281,7 +281,7 @@ class Adversary(threading.Thread):
             )
 
     def credited_noise(self) -> None:
-        self.faint_claims(share=1.0 / 4.0)  # guards.CREDIT_RATIO: credited in full
+        self.faint_claims(share=1.0 / 4.0)  # the taken-out partial credit's full-credit line
 
     def slot_holding(self) -> None:
         self.shapes()
