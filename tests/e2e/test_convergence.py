@@ -40,6 +40,11 @@ CONVERGENCE_SPEC: dict[str, Any] = {
         "seqLen": 32,
         "lr": 3e-3,
         "warmupSteps": 10,
+        # Every island's round H, as the baseline's workers: with the default (auto) the syncer
+        # sizes rounds from measured step times, and on a loaded 2-core CI machine four identical
+        # islands read far enough apart that a round was cut (84,992 of 102,400 tokens at K = 4).
+        # Round sizing has its own tests and bench/hetero.
+        "stepsPerIsland": "fixed",
     },
     "outer": {"lr": 0.5, "momentum": 0.5, "nesterov": True},
     # One fragment and no overlap (the defaults stream 2 fragments with overlap): plain blocking
