@@ -227,15 +227,24 @@ def measure_push(fragment: int, payload: EncodedPayload) -> DeltaStats:
 
 
 def push_contribution(
-    meta: protocol.PushMeta, *, lag: int, payload: Mapping[str, torch.Tensor], now: float
+    meta: protocol.PushMeta,
+    *,
+    lag: int,
+    payload: Mapping[str, torch.Tensor],
+    now: float,
+    work: tuple[int, int] | None = None,
+    credit: float = 1.0,
 ) -> Contribution:
-    """A validated push as a round contribution."""
+    """A validated push as a round contribution; `work`: the (tokens, steps) it is credited,
+    the `credit` share of its claim (guards.credited_work), else its claim."""
+    tokens, steps = work if work is not None else (meta.tokens, meta.steps)
     return Contribution(
         island=meta.island,
         base_version=meta.base_version,
         lag=lag,
-        tokens=meta.tokens,
-        steps=meta.steps,
+        tokens=tokens,
+        steps=steps,
+        credit=credit,
         loss=meta.loss if math.isfinite(meta.loss) else None,
         received_at=now,
         push_id=meta.push_id,
