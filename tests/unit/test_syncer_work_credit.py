@@ -166,6 +166,10 @@ def test_a_step_down_in_the_lr_cuts_nothing_the_old_median_would_cut() -> None:
     for _ in range(4):
         ev.record(0, "b", 4.0, 2)
     assert ev.places[0]["b"] == (8, 2)
+    ev.joined("b", 4)  # a join never moves an island back in the schedule ...
+    assert ev.places[0]["b"] == (8, 2)
+    ev.joined("c", 6)  # ... and places a new one at the job's outer step x H
+    assert ev.places[0]["c"] == (6, 0)
     assert ev.reference(0, "a") == pytest.approx(2.0)
     assert ev.credit_reference(0, "a") == pytest.approx(0.2)
     assert guards.push_credit(0.4, 2, ev.reference(0, "a")) == pytest.approx(0.4)  # old: cut

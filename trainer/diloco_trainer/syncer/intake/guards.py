@@ -354,10 +354,13 @@ class WorkEvidence:
         return push_credit(norm, steps, self.credit_reference(fragment, island))
 
     def joined(self, island: str, start: int) -> None:
-        """The island (re)joined at inner step `start` of the schedule (outer step x H, the
-        learner's lr offset): its next pushes' steps start there."""
+        """The island (re)joined at inner step `start` of the schedule (outer step x H, a new
+        learner's lr offset): its next pushes' steps start there, or where its claims already
+        took it if that is later (a running learner that joins again, after a syncer restart,
+        keeps its own schedule; a restarted one starts at outer step x H, no earlier)."""
         for places in self.places:
-            places[island] = (start, places.get(island, (start, 0))[1])
+            at, last = places.get(island, (start, 0))
+            places[island] = (max(at, start), last)
 
     def record(self, fragment: int, island: str, norm: float, steps: int) -> None:
         if steps <= 0:
