@@ -51,8 +51,6 @@ def test_drain_merges_every_processed_token_and_stops_at_the_budget(
     # The movement cap (on by default in a job of two) clipped no honest merge, the partial
     # rounds' included (each push's Δ holds only its own steps: issue 46).
     assert [m.clip for m in merges] == [1.0] * len(merges)
-    # The work evidence's partial credit cut no honest push: each is credited its claim.
-    assert {c.credit for m in merges for c in m.contributors} == {1.0}
     for island in (f"island-{i}" for i in range(ISLANDS)):
         # Every step the island took is in both fragments' merges, the last of each a partial
         # round (20 = 3 x 6 + 2 for fragment 0; 20 = 9 + 6 + 5 for fragment 1, whose first
@@ -98,13 +96,6 @@ def test_drain_at_k_below_m_stops_each_island_at_its_target(
     # over it (its Δ held the merge it took just before, issue 46).
     assert [m.clip for m in merges] == [1.0] * len(merges), [
         (m.fragment, m.movement, [c.steps for c in m.contributors]) for m in merges if m.clip < 1
-    ]
-    # The work evidence's partial credit cut no honest push (the drain's short ones included).
-    assert {c.credit for m in merges for c in m.contributors} == {1.0}, [
-        (m.fragment, c.island, c.steps, c.credit)
-        for m in merges
-        for c in m.contributors
-        if c.credit < 1
     ]
     processed = 0
     for island in (f"island-{i}" for i in range(ISLANDS)):

@@ -16,7 +16,6 @@ from .test_convergence import (  # noqa: F401  (local_run is a fixture)
     CONVERGENCE_SPEC,
     INNER_STEPS,
     ROUNDS,
-    cut_credits,
     local_run,
     run_to_finish,
     start_synchronised,
@@ -51,8 +50,6 @@ def test_fsdp_bf16_islands_reach_ddp_fp32_loss(
         status = run_to_finish(run, timeout=600)
         run.stop_all(timeout=5)
         assert status.outer_step == ROUNDS
-        # The partial credit (a job of two) cut no honest push, late in the cosine included.
-        assert cut_credits(run) == []
         results[parallelism] = status
         if parallelism == "fsdp":
             # Each rank of a sharded island trained its own half: the digests differ.

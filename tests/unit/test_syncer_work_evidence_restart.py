@@ -110,9 +110,7 @@ def test_a_checkpoint_without_guard_figures_still_loads() -> None:
     assert older.guards is None
     g = pair_guard()
     g.restore(older.guards, islands={"a"})
-    assert g.saved() == SavedGuards(
-        movement=[{}], per_lr=[{}], places=[{}], carried=[{}], at_bound=[{}], streaks={}
-    )
+    assert g.saved() == SavedGuards(movement=[{}], carried=[{}], at_bound=[{}], streaks={})
 
 
 def test_a_named_island_no_longer_counts_towards_the_quorum() -> None:

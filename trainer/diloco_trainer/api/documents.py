@@ -219,13 +219,10 @@ class MergeContributor(Document):
     island: str
     base_version: int = 0
     lag: int = 0
-    tokens: int = 0  # credited: its claim, or the share of it its movement supports (credit)
-    steps: int = 0  # credited, likewise
+    tokens: int = 0
+    steps: int = 0
     loss: float | None = None
     received_at: float | None = None  # when the syncer took the push (its clock; phase alignment)
-    # The share of its claimed steps and tokens credited: 1 but in a job of two whose push moved
-    # less than 1/4 of the other island's movement per claimed step (syncer/intake/guards.py).
-    credit: float = 1.0
     work: float = 0.0  # its work in rounds (core/contributions.py)
     discount: float = 1.0  # its staleness discount
     scale: float = 1.0  # the scale applied to its pseudo-gradient

@@ -42,10 +42,6 @@ class SavedGuards(Document):
     figures stay as bounded as the running syncer's."""
 
     movement: list[dict[str, list[float]]] = Field(default_factory=list)
-    # The partial credit's schedule-following figures: each island's movement per unit of inner
-    # lr, and its place in the schedule [next push's first inner step, last push's steps].
-    per_lr: list[dict[str, list[float]]] = Field(default_factory=list)
-    places: list[dict[str, list[int]]] = Field(default_factory=list)
     carried: list[dict[str, list[float]]] = Field(default_factory=list)
     at_bound: list[dict[str, list[bool]]] = Field(default_factory=list)
     streaks: dict[str, int] = Field(default_factory=dict)

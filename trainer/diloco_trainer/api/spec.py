@@ -288,11 +288,7 @@ class GuardsSpec(SpecModel):
         "record says the norm and the clip (movement, clip). With it on, a job of two also "
         "refuses a push whose pseudo-gradient moved less than 1/32 of the other island's "
         "movement per claimed step (work_unsupported: claimed work it does not carry; "
-        "docs/algorithm.md), and credits a push above that the claimed steps and tokens its "
-        "movement supports, in full down to 1/4 of the other island's movement per step as of "
-        "now (its movement per unit of inner lr x the lr of its next steps: the reference "
-        "follows the lr schedule; each merge record's contributors say their credit). 0 turns "
-        "all three off.",
+        "docs/algorithm.md). 0 turns both off.",
     )
 
 

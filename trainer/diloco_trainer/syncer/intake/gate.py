@@ -44,7 +44,6 @@ from diloco_trainer.syncer.intake.guards import (
     ContributionGuard,
     ContributionRefused,
     DeltaStats,
-    credited_work,
 )
 from diloco_trainer.syncer.intake.payload import EncodedPayload
 from diloco_trainer.syncer.intake.validation import push_contribution
@@ -224,10 +223,7 @@ class Gate:
         finally:
             self.watch()
         self.update_unsupported(state, now)  # an accepted push ends its island's naming
-        # its claim cut to what its movement supports (guards.CREDIT_RATIO; 1 but in a pair)
-        credit = self.guard.credit(fragment, meta.island, stats.norm, meta.steps)
-        work = credited_work(meta.tokens, meta.steps, credit)
-        return push_contribution(meta, lag=lag, payload=payload, now=now, work=work, credit=credit)
+        return push_contribution(meta, lag=lag, payload=payload, now=now)
 
     def refused(
         self, members: Membership, fragment: int, island: str, err: Refused, now: float

@@ -27,9 +27,7 @@ well formed (validation.py) is still refused, with 422 and a code naming the rea
 - in a job of fewer than MAJORITY_ISLANDS islands (with the movement cap on), its Δ moved less
   per claimed step than 1/EVIDENCE_RATIO of the other island's recent pushes do (WorkEvidence):
   what a push carries is evidence of the work it claims, so zero pushes that claim a round's
-  most steps at a 1 ms step time earn no merge weight, no work fraction and no stopAfter tokens;
-  one above that bar is credited the steps its movement supports (CREDIT_RATIO: credited_work),
-  so faint noise just above it earns a fraction of its claim.
+  most steps at a 1 ms step time earn no merge weight, no work fraction and no stopAfter tokens.
 
 An island is not punished for one refusal (a diverging learner takes the global fragment and
 recovers); maxRefusals refusals in a row drop it with the reason. Only refusals by rules no other
@@ -42,7 +40,6 @@ names the contributions it has to leave out (offenders) so the round goes on wit
 
 from __future__ import annotations
 
-import functools
 import math
 import statistics
 from collections import deque
@@ -58,7 +55,6 @@ from diloco_trainer.api.manifest import SavedGuards
 from diloco_trainer.api.spec import JobSpec
 from diloco_trainer.core.fold import abs_max
 from diloco_trainer.core.push_bounds import STEP_ROUNDS, max_push_steps  # the learner's too
-from diloco_trainer.models.parts import inner_lr  # the learners' schedule
 from diloco_trainer.syncer.errors import Refused
 from diloco_trainer.syncer.intake.direction import AGAINST, SAMPLE, Directions
 from diloco_trainer.syncer.intake.payload import EncodedPayload
@@ -112,23 +108,12 @@ MIN_LR_SHARE = 0.1
 # An island whose last AT_BOUND_PUSHES judged pushes all moved less than 1 / FAINT_RATIO of the
 # reference per claimed step is named too (the same health problem), though those above the bar
 # are merged: an island that knows the bar can push faint noise just above it (bench/
-# adversary.py's faint_claims), credited only in part (CREDIT_RATIO below). Naming only: two
+# adversary.py's faint_claims; partial credit was built and taken out: docs/algorithm.md).
+# Naming only: two
 # honest islands at one time move within a few times each other's figure; an island pushing at
 # the cap lifts the reference to 0.15 x lr per element and step, and an honest push at the
 # cosine's floor (0.01 x lr) is then named under attack, never refused.
 FAINT_RATIO = 4.0
-# Partial credit (the same job of two): a push is credited the claimed steps its movement
-# supports at CREDIT_RATIO x its movement per claimed step over the credit's reference, at most
-# all of them: in full while it moves at least 1/CREDIT_RATIO of it per claimed step, less below
-# it, so faint noise above the bar no longer earns a full claim's merge weight, work fraction and
-# stopAfter tokens. The credit's reference follows the schedule (WorkEvidence.credit_reference):
-# the other island's movement per unit of inner lr (each of its pushes' norm over the lr summed
-# over the steps it claimed, at its own place in the schedule) times the lr of its next steps,
-# so an honest push late in a cosine is judged by what the other island moves now, not by its
-# window's median from higher lr (docs/algorithm.md, "Partial credit": the derivation and the
-# margin). Honest islands of one schedule move within a few times each other's figure per unit
-# of lr (an island 3x faster at an H_i three times the other's at least 1/sqrt(3)): full credit.
-CREDIT_RATIO = FAINT_RATIO
 # A saved figure is at most this (JSON has no infinity: a push judged against a reference of 0
 # moved infinitely more than it); any figure that large reads the same to every rule here.
 SAVED_MAX = 1e12
@@ -292,25 +277,10 @@ class WorkEvidence:
     it never counts towards a drop (ContributionRefused.own_fault False): another island set it.
     """
 
-    def __init__(
-        self,
-        step_caps: Sequence[float],
-        lr_at: Callable[[int], float] | None = None,
-        window: int = ISLAND_WINDOW,
-    ) -> None:
+    def __init__(self, step_caps: Sequence[float], window: int = ISLAND_WINDOW) -> None:
         self.step_caps = list(step_caps)
-        # The spec's inner learning rate at a 0-based inner step (models/parts.inner_lr); None:
-        # a flat schedule (the credit's reference is then the plain median's).
-        self.lr_at: Callable[[int], float] = lr_at if lr_at is not None else _flat
         self.window = window
         self.rates: list[dict[str, deque[float]]] = [{} for _ in self.step_caps]
-        # Per fragment, each island's movement per unit of lr of its recent accepted pushes
-        # (norm / lr_sum over the steps each claimed), and its place in the schedule: (the inner
-        # step its next push starts at, the steps its last push claimed). An island whose place
-        # is unknown (restored from a checkpoint that did not keep it) has no per-lr figures
-        # until it joins again: it sets no credit reference. Only joined() places an island.
-        self.per_lr: list[dict[str, deque[float]]] = [{} for _ in self.step_caps]
-        self.places: list[dict[str, tuple[int, int]]] = [{} for _ in self.step_caps]
 
     def reference(self, fragment: int, island: str) -> float | None:
         """The movement per step island is judged against: the smallest of the other islands'
@@ -324,22 +294,6 @@ class WorkEvidence:
             return None
         return min(min(others), self.step_caps[fragment])
 
-    def credit_reference(self, fragment: int, island: str) -> float | None:
-        """The movement per step the credit judges island's push by: for each other island with
-        OWN_MIN per-lr figures, their median times the mean lr of its next steps (as many as its
-        last push claimed, from its place: followed_reference); the smallest, at most the step
-        cap; None before. It follows the schedule: the other island's lag through its window
-        (16 pushes of a falling cosine) no longer raises it."""
-        others = []
-        for name, d in self.per_lr[fragment].items():
-            if name == island or len(d) < OWN_MIN or name not in self.places[fragment]:
-                continue
-            start, steps = self.places[fragment][name]
-            others.append(followed_reference(d, mean_lr(self.lr_at, start, max(1, steps))))
-        if not others:
-            return None
-        return min(min(others), self.step_caps[fragment])
-
     def bar(self, fragment: int, island: str, steps: int) -> float | None:
         """The least norm a push of `steps` claimed steps must have: steps x the reference /
         EVIDENCE_RATIO; None when nothing is judged (no reference yet, or no steps claimed)."""
@@ -348,65 +302,21 @@ class WorkEvidence:
             return None
         return steps * ref / EVIDENCE_RATIO
 
-    def credit(self, fragment: int, island: str, norm: float, steps: int) -> float:
-        """The share of its claimed steps a push of `norm` is credited (push_credit against
-        credit_reference): 1 when nothing is judged."""
-        return push_credit(norm, steps, self.credit_reference(fragment, island))
-
-    def joined(self, island: str, start: int) -> None:
-        """The island (re)joined at inner step `start` of the schedule (outer step x H, a new
-        learner's lr offset): its next pushes' steps start there, or where its claims already
-        took it if that is later (a running learner that joins again, after a syncer restart,
-        keeps its own schedule; a restarted one starts at outer step x H, no earlier)."""
-        for places in self.places:
-            at, last = places.get(island, (start, 0))
-            places[island] = (max(at, start), last)
-
     def record(self, fragment: int, island: str, norm: float, steps: int) -> None:
-        if steps <= 0:
-            return
-        own = self.rates[fragment].setdefault(island, deque(maxlen=self.window))
-        own.append(norm / steps)
-        if island not in self.places[fragment]:
-            return  # its place in the schedule is unknown (joined(), restore())
-        start, _ = self.places[fragment][island]
-        total = lr_sum(self.lr_at, start, steps)
-        if total > 0:
-            mine = self.per_lr[fragment].setdefault(island, deque(maxlen=self.window))
-            mine.append(norm / total)
-        self.places[fragment][island] = (start + steps, steps)
+        if steps > 0:
+            own = self.rates[fragment].setdefault(island, deque(maxlen=self.window))
+            own.append(norm / steps)
 
     def saved(self) -> list[dict[str, list[float]]]:
         """Per fragment, each island's window (for checkpoints: SavedGuards.movement)."""
         return [{i: _saved(d) for i, d in sorted(f.items())} for f in self.rates]
 
-    def saved_schedule(self) -> tuple[list[dict[str, list[float]]], list[dict[str, list[int]]]]:
-        """Per fragment, each island's per-lr window and its place (SavedGuards.per_lr and
-        places)."""
-        per_lr = [{i: _saved(d) for i, d in sorted(f.items())} for f in self.per_lr]
-        places = [{i: list(p) for i, p in sorted(f.items())} for f in self.places]
-        return per_lr, places
-
     def restore(
-        self,
-        doc: Sequence[Mapping[str, Sequence[float]]],
-        islands: Collection[str],
-        per_lr: Sequence[Mapping[str, Sequence[float]]] = (),
-        places: Sequence[Mapping[str, Sequence[int]]] = (),
+        self, doc: Sequence[Mapping[str, Sequence[float]]], islands: Collection[str]
     ) -> None:
-        """Load saved() and saved_schedule() (of `islands` only, each window's newest entries).
-        An island without a saved place (an older checkpoint) has none until it joins."""
+        """Load saved() (of `islands` only, each window's newest entries)."""
         for rates, saved in zip(self.rates, doc, strict=False):
             rates.update(_windows(saved, islands, self.window))
-        for mine, saved in zip(self.per_lr, per_lr, strict=False):
-            mine.update(_windows(saved, islands, self.window))
-        for fragment, saved_places in enumerate(places[: len(self.places)]):
-            for island, place in saved_places.items():
-                if island in islands and len(place) == 2 and min(place) >= 0:
-                    self.places[fragment][island] = (int(place[0]), int(place[1]))
-        for mine, placed in zip(self.per_lr, self.places, strict=True):
-            for island in [i for i in mine if i not in placed]:
-                del mine[island]  # figures whose schedule place is unknown judge nothing
 
 
 class NormHistory:
@@ -558,18 +468,6 @@ class ContributionGuard:
                 own_fault=False,
             )
 
-    def joined(self, island: str, start: int) -> None:
-        """The island (re)joined at inner step `start` of the schedule (WorkEvidence.joined)."""
-        if self.evidence is not None:
-            self.evidence.joined(island, start)
-
-    def credit(self, fragment: int, island: str, norm: float, steps: int) -> float:
-        """The share of its claimed work an accepted push is credited (WorkEvidence.credit in a
-        job of two with the movement cap on, else 1)."""
-        if self.evidence is None:
-            return 1.0
-        return self.evidence.credit(fragment, island, norm, steps)
-
     def check_direction(self, fragment: int, island: str, stats: DeltaStats) -> None:
         """ContributionRefused when the push points against the other islands' recent pushes
         and a majority of them against it on their own (direction.py); never counted towards a
@@ -640,11 +538,8 @@ class ContributionGuard:
         """The per-island figures a restart must keep (api/manifest.SavedGuards): the work
         evidence's movement, the detection's windows and the refusal streaks."""
         fragments = len(self.caps)
-        per_lr, places = ([], []) if self.evidence is None else self.evidence.saved_schedule()
         return SavedGuards(
             movement=[] if self.evidence is None else self.evidence.saved(),
-            per_lr=per_lr,
-            places=places,
             carried=_by_fragment(self.carried, fragments, _saved),
             at_bound=_by_fragment(self.at_bound, fragments, list),
             streaks=dict(sorted(self.streaks.items())),
@@ -657,7 +552,7 @@ class ContributionGuard:
         if saved is None:
             return
         if self.evidence is not None:
-            self.evidence.restore(saved.movement, islands, saved.per_lr, saved.places)
+            self.evidence.restore(saved.movement, islands)
         for fragment, windows in enumerate(saved.carried[: len(self.caps)]):
             for island, d in _windows(windows, islands, AT_BOUND_PUSHES).items():
                 self.carried[(fragment, island)] = d
@@ -691,50 +586,6 @@ class ContributionGuard:
             return True
         self.streaks[island] = streak
         return False
-
-
-def credited_work(tokens: int, steps: int, credit: float) -> tuple[int, int]:
-    """A push's claimed tokens and steps cut to `credit` (a share in (0, 1]): its steps rounded
-    to whole steps, at least one of any claimed, and its tokens in the same proportion (so its
-    tokens per step, the merge weight's quality term, stay what it claimed)."""
-    if credit >= 1.0 or steps <= 0:
-        return tokens, steps
-    kept = max(1, min(steps, round(steps * credit)))
-    return tokens * kept // steps, kept
-
-
-def lr_sum(lr_at: Callable[[int], float], start: int, steps: int) -> float:
-    """The inner learning rate summed over the `steps` inner steps from `start` (0-based): what
-    AdamW's updates over them scale with (each moves an element by about lr x |m/sqrt(v)|)."""
-    return math.fsum(lr_at(s) for s in range(max(0, start), max(0, start) + max(0, steps)))
-
-
-def mean_lr(lr_at: Callable[[int], float], start: int, steps: int) -> float:
-    """The mean inner learning rate over `steps` inner steps from `start` (at least one)."""
-    steps = max(1, steps)
-    return lr_sum(lr_at, start, steps) / steps
-
-
-def followed_reference(per_lr: Sequence[float], next_lr: float) -> float:
-    """An island's movement per step as of now: the median of its movement per unit of lr
-    (its pushes' norm over their lr_sum) times the mean lr of its next steps. At one speed the
-    median per-lr figure is the schedule-free part of what an honest island moves; the lr is
-    where the schedule has got to."""
-    return statistics.median(per_lr) * next_lr
-
-
-def push_credit(norm: float, steps: int, reference: float | None) -> float:
-    """The share of its `steps` claimed steps a push of `norm` is credited: CREDIT_RATIO x its
-    movement per claimed step over `reference` (movement per step), at most 1; 1 when nothing is
-    judged (no reference, a reference of 0, no steps claimed)."""
-    if reference is None or reference <= 0 or steps <= 0:
-        return 1.0
-    return min(1.0, CREDIT_RATIO * norm / (steps * reference))
-
-
-def _flat(_step: int) -> float:
-    """A flat schedule (lr 1 at every step): WorkEvidence without the spec's."""
-    return 1.0
 
 
 def _saved(window: Sequence[float]) -> list[float]:
@@ -825,9 +676,7 @@ def make_guard(
         norm_factor=g.norm_factor,
         warmup=g.warmup_pushes,
         max_refusals=g.max_refusals,
-        evidence=None
-        if moves is None
-        else WorkEvidence(evidence_step_caps(spec, moves), functools.partial(inner_lr, spec)),
+        evidence=None if moves is None else WorkEvidence(evidence_step_caps(spec, moves)),
     )
 
 

@@ -227,24 +227,15 @@ def measure_push(fragment: int, payload: EncodedPayload) -> DeltaStats:
 
 
 def push_contribution(
-    meta: protocol.PushMeta,
-    *,
-    lag: int,
-    payload: Mapping[str, torch.Tensor],
-    now: float,
-    work: tuple[int, int] | None = None,
-    credit: float = 1.0,
+    meta: protocol.PushMeta, *, lag: int, payload: Mapping[str, torch.Tensor], now: float
 ) -> Contribution:
-    """A validated push as a round contribution; `work`: the (tokens, steps) it is credited,
-    the `credit` share of its claim (guards.credited_work), else its claim."""
-    tokens, steps = work if work is not None else (meta.tokens, meta.steps)
+    """A validated push as a round contribution."""
     return Contribution(
         island=meta.island,
         base_version=meta.base_version,
         lag=lag,
-        tokens=tokens,
-        steps=steps,
-        credit=credit,
+        tokens=meta.tokens,
+        steps=meta.steps,
         loss=meta.loss if math.isfinite(meta.loss) else None,
         received_at=now,
         push_id=meta.push_id,

@@ -126,7 +126,6 @@ class MergeLog:
                     steps=c.steps,
                     loss=c.loss,
                     received_at=c.received_at,
-                    credit=c.credit,
                     work=work,
                     discount=discount,
                     scale=scale,

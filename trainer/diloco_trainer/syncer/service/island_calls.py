@@ -69,10 +69,6 @@ class IslandCalls:
             rec = self.state.membership.join(island, replicas, self.control.clock())
             rounds = self.gate.rounds
             rounds.joined(rec)
-            # its learner's lr schedule restarts at outer step x H (learner/loop.py lr_offset):
-            # the partial credit's reference follows it (guards.WorkEvidence.joined)
-            outer_step = self.state.outer_step
-            self.gate.guard.joined(island, outer_step * self.spec.inner.steps)
             inner_steps = rounds.steps_of(rec, island)
             # A restarted learner counts its tokens from zero again: its target (in the old
             # count) would let it train far past the budget. It trains on without one.
@@ -85,7 +81,7 @@ class IslandCalls:
         return JoinInfo(
             fragments=self.model.fragments,
             versions=self.state.versions,
-            outer_step=outer_step,  # the one its place in the schedule was set from
+            outer_step=self.state.outer_step,
             finished=self.control.finished,
             codec=self.codec,
             pull_compression=self.model.pull_compression,

@@ -168,9 +168,6 @@ class Contribution:
     push_id: str = ""
     step_time: float | None = None
     sync_time: float | None = None
-    # The share of its claimed work it is credited (intake's work evidence in a job of two):
-    # tokens and steps above are the credited ones.
-    credit: float = 1.0
     # Its pseudo-gradient as a name -> tensor mapping (opaque here): the syncer keeps it encoded
     # (payload.EncodedPayload) and folds the decoded values into the round as it arrives.
     payload: Any = field(default=None, repr=False)
