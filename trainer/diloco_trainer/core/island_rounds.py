@@ -129,6 +129,11 @@ REPORT_EMA = 0.1
 # steps on a shared machine are noisy, and an identical island shrunk on noise runs short rounds
 # until the hysteresis brings it back; a nearer target waits for the regular readings.
 PROBE_MOVE_SHARE = 0.5
+# A fresh island's first reports are judged only against peers' step times that reflect the load
+# since it joined (aged_past_join): a peer's report counts once it has taken this many steps
+# since the join (its reported step time is the mean of its steps since its probe, an EMA of
+# weight REPORT_EMA from the tenth: after 1 / REPORT_EMA steps, 65% of it is theirs) ...
+AGE_STEPS = 10
 
 
 def reference_step_time(step_times: Sequence[float]) -> float | None:
@@ -140,6 +145,28 @@ def reference_step_time(step_times: Sequence[float]) -> float | None:
     if len(known) < MAJORITY_CLAIMS:
         return known[0]
     return statistics.median_low(known)
+
+
+def aged_past_join(*, mark: int | None, step: int | None, idle: bool) -> bool:
+    """Whether a peer's reported step time may judge a fresh island's first reports: it reflects
+    the load since the island joined. `mark`: the peer's reported step when the island joined
+    (None: it had reported no step time then, so all it reports came after); `step`: its
+    reported step now; `idle`: its reports since the join show it not stepping (it waits for a
+    merge at K = M, and loads no core).
+
+    Why (issue 47): on a shared host the islands that start first have the cores to
+    themselves, and the ones that start late run their first steps beside the early ones and
+    the later ones' start-ups. Against the early islands' probes a late island's read ~2x
+    (tests/e2e/test_identical_rounds.py: island-1's probe read 1.96x and its second probe 1.83x
+    the reference, an identical island cut to 4 of 10; bench/busy_link: equal islands cut to
+    12-13 of 30). A peer still stepping counts after AGE_STEPS steps since the join; an idle
+    one at once (a slow island that joins last at K = M finds its peers waiting for it: they
+    load nothing, and its first round is the one to cut)."""
+    if mark is None:
+        return True
+    if step is None:
+        return False
+    return idle or step - mark >= AGE_STEPS
 
 
 def probe_step_time(times: Sequence[float]) -> float | None:
