@@ -78,6 +78,22 @@ at once: StepTimeReport, IslandRound.confirm_at) confirms or clears (probe_readi
 a 3x island's probe read under 2x, or came before a late peer's, and the regular readings,
 heartbeats a second apart, came after its first round's end). In a job of two the reference
 is the other island's own probe and nothing brackets it, so there a probe is no reading at all.
+A fresh island's first reports (its probes) are judged only against peers' step times aged past
+its join (aged_past_join, RoundSizes._aged): a peer that had a step time when it joined counts
+once it has stepped AGE_STEPS steps since (its report, the mean of its steps since its probe or
+an EMA of weight 0.1, then mostly of the load since the join), or while idle (its reports since
+the join at one step: it waits for a merge at K = M and loads no core); a peer that had none
+counts at once. The reading is held back while a peer is not aged, a reference round after the
+join at most, then made against the aged ones alone. Why (issue 47): on a shared host the
+islands that start first have the cores to themselves, and a late island's first steps, beside
+them and the later ones' start-ups, read ~2x their probes: identical islands were cut
+(tests/e2e/test_identical_rounds.py; 4 of 10 at K = 4 under load 12, 12-13 of 30 in
+bench/busy_link). Idle peers count so that a slow island that joins last at K = M, whose peers
+wait for its first push, is still cut in its first round (counting only peers whose readings
+began after the join ran it at H: bench/log/2026-11-29.md, "hetero — 2026-11-29 15:44 UTC").
+The price: a first cut comes a peer's heartbeat or two later (heartbeats are
+min(5 s, heartbeatTimeoutSeconds / 4) apart), and an idle peer's step time is as old as its
+last steps (a late island contended by others' start-ups can still read slow against it).
 A probe's cut starts no cooldown and leaves a reading in its direction pending (next_round):
 two steps may under-read a slow island, and its first regular reading may cut it further
 alone. Its learner, still within its first
