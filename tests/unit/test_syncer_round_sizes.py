@@ -572,7 +572,7 @@ def test_a_slow_island_joining_last_at_k_equal_m_is_cut_at_its_probe_against_idl
     their 0.05 s count at once. Its probe (0.15 s, step 3): t_ref = lower median of 0.05 x 3,
     0.15 = 0.05, target floor(10 / 3) = 3 <= 5 with 4 of 4 reporting: cut to 3 at its probe (the
     rule of last session that counted only peers whose readings began after the join left it at
-    H: bench/log/2026-11-29.md, "hetero — 15:44 UTC")."""
+    H: bench/log/2026-11-29.md, "hetero — 2026-11-29 15:44 UTC")."""
     sizes = _k4()
     recs = [IslandRecord(name=f"island-{i}") for i in range(4)]
     for i in range(3):
