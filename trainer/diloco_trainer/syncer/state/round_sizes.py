@@ -101,7 +101,9 @@ class RoundSizes:
         the mean of two steps clear of warm-up, capped) is read at once (probe_readings): as
         those two readings when every active island has reported, at least three of them, and
         it at least halves the round; else, with at least three reporting, as one; else (a job
-        of two, a rejoin) it starts the island's clock."""
+        of two, a rejoin) it starts the island's clock. A fresh island's first reports (and its
+        second probe) count only peers' step times aged past its join (_aged), and wait unread
+        while a peer's is not, a reference round after the join at most."""
         if self.limits.fixed_steps(island_index(rec.name)) is not None or not rec.step_time:
             return
         current = rec.round or IslandRound(self.limits.inner_steps)
