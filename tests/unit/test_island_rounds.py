@@ -9,9 +9,11 @@ import math
 import pytest
 from diloco_trainer.api.spec import ConfigError, parse_spec
 from diloco_trainer.core.island_rounds import (
+    AGE_STEPS,
     IslandRound,
     RoundLimits,
     StepTimeReport,
+    aged_past_join,
     first_reading_now,
     in_band,
     late_is_beyond,
@@ -439,3 +441,16 @@ def test_a_longer_round_needs_a_reading_beyond_the_band_of_the_one_that_set_it()
         next_round(IslandRound(6, since_change=3, anchor=3.0), 3, ratio=6.0), 3, ratio=6.0
     )
     assert (down.steps, down.anchor) == (3, 6.0)
+
+
+def test_a_peers_step_time_judges_a_fresh_island_once_aged_past_its_join() -> None:
+    """aged_past_join (issue 47): a peer with no step time at the join (mark None) reports only
+    of the load since; one that had counts after AGE_STEPS = 10 steps since, or when idle."""
+    assert AGE_STEPS == 10
+    assert aged_past_join(mark=None, step=None, idle=False)  # all it reports came after
+    assert aged_past_join(mark=None, step=3, idle=False)
+    assert not aged_past_join(mark=3, step=None, idle=False)  # no report since its rejoin
+    assert not aged_past_join(mark=3, step=3, idle=False)  # no step since the join
+    assert not aged_past_join(mark=3, step=12, idle=False)  # 9 steps: 0.9^9 = 39% before it
+    assert aged_past_join(mark=3, step=13, idle=False)  # 10 steps
+    assert aged_past_join(mark=3, step=5, idle=True)  # waiting (K = M): it loads no core

@@ -469,3 +469,120 @@ def test_at_k_equals_m_a_slow_islands_noisy_readings_do_not_oscillate() -> None:
         _report(sizes, recs, 3, r, 2 + 20 * k, now=20.0 * k) for k, r in enumerate(readings)
     ]
     assert schedule == [6, 4, 4, 4, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 6]
+
+
+def _k4(inner_steps: int = 10) -> RoundSizes:
+    return RoundSizes(
+        parse_spec(
+            {
+                "inner": {"steps": inner_steps, "stepsPerIsland": "auto"},
+                "islands": {"count": 4},
+                "sync": {"quorum": 4},
+            }
+        )
+    )
+
+
+def _beat(rec: IslandRecord, step: int, step_time: float, now: float) -> None:
+    """What membership.heartbeat keeps of a report (its step, when it changed, the time)."""
+    if step != rec.reported_step:
+        rec.reported_since = now
+    rec.reported_step, rec.reported_at, rec.step_time = step, now, step_time
+
+
+def test_a_late_identical_islands_probe_waits_for_peers_aged_past_its_join() -> None:
+    """Issue 47's failure (tests/e2e/test_identical_rounds.py, the same schedule at 1/100 of
+    the time): 4 identical islands, K = 4, H = 10. island-0 and island-2 probe (step 3) at 0.05
+    and 0.0625 s with the cores to themselves; island-1 joins at 1.0 s (marks: 3, 3; island-3 no
+    step time: None), probes 0.125 s at 1.3 s; island-3 (joined at 1.1 s) 0.0875 s at 1.35 s.
+
+    Joined without its peers (the rule before), island-1's probe is judged against every
+    report: lower median of 0.05, 0.0625, 0.125 = 0.0625, target 5, 3 of 4 reported: one reading
+    pending; its second probe at 1.5 s (0.1125) against 0.05, 0.0625, 0.0875, 0.1125 -> 0.0625,
+    target 5 beyond the band (below 6.14): cut to floor(0.9 x 5.56) = 5.
+
+    Joined with its peers (the service's join): island-0's and island-2's reports predate the
+    join (marks 3, no step since): not aged; its reports wait unread while 1.3 - 1.0 and 1.5 -
+    1.0 s are under the reference round 10 x 0.0625 = 0.625 s. At 1.6 s both peers have stepped
+    10 steps past their marks (step 13, 0.1 and 0.1125 s: the load since the join): t_ref =
+    lower median of 0.1125, 0.1, 0.1125, 0.0875 = 0.1, target floor(10 x 0.1 / 0.1125) = 8,
+    inside the band: H."""
+    for production in (False, True):
+        sizes = _k4()
+        recs = [IslandRecord(name=f"island-{i}") for i in range(4)]
+        late = recs[1]
+        sizes.joined(recs[0], recs, now=0.0)
+        sizes.joined(recs[2], recs, now=0.1)
+        _beat(recs[0], 3, 0.05, 0.3)
+        _beat(recs[2], 3, 0.0625, 0.4)
+        sizes.joined(late, recs, now=1.0) if production else sizes.joined(late)
+        sizes.joined(recs[3], recs, now=1.1)
+        _beat(late, 3, 0.125, 1.3)
+        sizes.read(late, recs, 1.3)
+        _beat(recs[3], 3, 0.0875, 1.35)
+        _beat(late, 5, 0.1125, 1.5)
+        sizes.read(late, recs, 1.5)
+        if not production:
+            assert sizes.steps_of(late, late.name) == 5
+            continue
+        assert late.round is not None and late.round.fresh and late.round_read_at is None
+        assert sizes.steps_of(late, late.name) == 10
+        _beat(recs[0], 13, 0.1, 1.55)
+        _beat(recs[2], 13, 0.1125, 1.56)
+        _beat(late, 6, 0.1125, 1.6)
+        sizes.read(late, recs, 1.6)
+        assert not late.round.fresh and late.round.pending == 0
+        assert sizes.steps_of(late, late.name) == 10
+
+
+def test_a_fresh_islands_reports_are_read_a_reference_round_after_its_join_at_the_latest() -> None:
+    """Peers that neither step nor report again (a heartbeat every 5 s, say) hold a fresh island's
+    first reading back at most a reference round: island-3 joins at 1.0 s beside three peers
+    whose probes (0.05 s, marks 3) are not aged; its probe (0.15 s) at 1.2 s waits (0.2 s < 10 x
+    0.05); at 1.6 s, 0.6 s after the join, it is read against the aged claims alone: its own,
+    1 claim, fewer than three: no reading; in a job of four its report at step 5 + 2 = 7 is read
+    as its first (confirm_at) rather than a reference round on."""
+    sizes = _k4()
+    recs = [IslandRecord(name=f"island-{i}") for i in range(4)]
+    for i in range(3):
+        sizes.joined(recs[i], recs, now=0.0)
+        _beat(recs[i], 3, 0.05, 0.5)
+    slow = recs[3]
+    sizes.joined(slow, recs, now=1.0)
+    _beat(slow, 3, 0.15, 1.2)
+    sizes.read(slow, recs, 1.2)
+    assert slow.round is not None and slow.round.fresh and slow.round.confirm_at is None
+    _beat(slow, 5, 0.15, 1.6)
+    sizes.read(slow, recs, 1.6)
+    assert slow.round.fresh and slow.round.confirm_at == 7 and slow.round_read_at is None
+    # its peers wait at their round's end (step 10: a report at a new step, then the same step
+    # again, idle) and it reports from step 7: t_ref = lower median of 0.05 x 3, 0.15 = 0.05,
+    # target floor(10 x 0.05 / 0.15) = 3 <= 5, all four reporting: cut to 3 at once
+    for i in range(3):
+        _beat(recs[i], 10, 0.05, 1.7)
+        _beat(recs[i], 10, 0.05, 1.8)
+    _beat(slow, 7, 0.15, 1.9)
+    sizes.read(slow, recs, 1.9)
+    assert sizes.steps_of(slow, slow.name) == 3
+
+
+def test_a_slow_island_joining_last_at_k_equal_m_is_cut_at_its_probe_against_idle_peers() -> None:
+    """1,1,1,3 at K = M, H = 10: the fast islands ran their first round and wait at its end
+    (step 10) for the slow island's push; they report step 10 again after its join (idle):
+    their 0.05 s count at once. Its probe (0.15 s, step 3): t_ref = lower median of 0.05 x 3,
+    0.15 = 0.05, target floor(10 / 3) = 3 <= 5 with 4 of 4 reporting: cut to 3 at its probe (the
+    rule of last session that counted only peers whose readings began after the join left it at
+    H: bench/log/2026-11-29.md, "hetero — 2026-11-29 15:44 UTC")."""
+    sizes = _k4()
+    recs = [IslandRecord(name=f"island-{i}") for i in range(4)]
+    for i in range(3):
+        sizes.joined(recs[i], recs, now=0.0)
+        _beat(recs[i], 3, 0.05, 0.2)
+        _beat(recs[i], 10, 0.05, 0.6)
+    slow = recs[3]
+    sizes.joined(slow, recs, now=1.0)
+    for i in range(3):
+        _beat(recs[i], 10, 0.05, 1.1)
+    _beat(slow, 3, 0.15, 1.2)
+    sizes.read(slow, recs, 1.2)
+    assert sizes.steps_of(slow, slow.name) == 3

@@ -78,6 +78,22 @@ at once: StepTimeReport, IslandRound.confirm_at) confirms or clears (probe_readi
 a 3x island's probe read under 2x, or came before a late peer's, and the regular readings,
 heartbeats a second apart, came after its first round's end). In a job of two the reference
 is the other island's own probe and nothing brackets it, so there a probe is no reading at all.
+A fresh island's first reports (its probes) are judged only against peers' step times aged past
+its join (aged_past_join, RoundSizes._aged): a peer that had a step time when it joined counts
+once it has stepped AGE_STEPS steps since (its report, the mean of its steps since its probe or
+an EMA of weight 0.1, then mostly of the load since the join), or while idle (its reports since
+the join at one step: it waits for a merge at K = M and loads no core); a peer that had none
+counts at once. The reading is held back while a peer is not aged, a reference round after the
+join at most, then made against the aged ones alone. Why (issue 47): on a shared host the
+islands that start first have the cores to themselves, and a late island's first steps, beside
+them and the later ones' start-ups, read ~2x their probes: identical islands were cut
+(tests/e2e/test_identical_rounds.py; 4 of 10 at K = 4 under load 12, 12-13 of 30 in
+bench/busy_link). Idle peers count so that a slow island that joins last at K = M, whose peers
+wait for its first push, is still cut in its first round (counting only peers whose readings
+began after the join ran it at H: bench/log/2026-11-29.md, "hetero — 2026-11-29 15:44 UTC").
+The price: a first cut comes a peer's heartbeat or two later (heartbeats are
+min(5 s, heartbeatTimeoutSeconds / 4) apart), and an idle peer's step time is as old as its
+last steps (a late island contended by others' start-ups can still read slow against it).
 A probe's cut starts no cooldown and leaves a reading in its direction pending (next_round):
 two steps may under-read a slow island, and its first regular reading may cut it further
 alone. Its learner, still within its first
@@ -129,6 +145,11 @@ REPORT_EMA = 0.1
 # steps on a shared machine are noisy, and an identical island shrunk on noise runs short rounds
 # until the hysteresis brings it back; a nearer target waits for the regular readings.
 PROBE_MOVE_SHARE = 0.5
+# A fresh island's first reports are judged only against peers' step times that reflect the load
+# since it joined (aged_past_join): a peer's report counts once it has taken this many steps
+# since the join (its reported step time is the mean of its steps since its probe, an EMA of
+# weight REPORT_EMA from the tenth: after 1 / REPORT_EMA steps, 65% of it is theirs) ...
+AGE_STEPS = 10
 
 
 def reference_step_time(step_times: Sequence[float]) -> float | None:
@@ -140,6 +161,28 @@ def reference_step_time(step_times: Sequence[float]) -> float | None:
     if len(known) < MAJORITY_CLAIMS:
         return known[0]
     return statistics.median_low(known)
+
+
+def aged_past_join(*, mark: int | None, step: int | None, idle: bool) -> bool:
+    """Whether a peer's reported step time may judge a fresh island's first reports: it reflects
+    the load since the island joined. `mark`: the peer's reported step when the island joined
+    (None: it had reported no step time then, so all it reports came after); `step`: its
+    reported step now; `idle`: its reports since the join show it not stepping (it waits for a
+    merge at K = M, and loads no core).
+
+    Why (issue 47): on a shared host the islands that start first have the cores to
+    themselves, and the ones that start late run their first steps beside the early ones and
+    the later ones' start-ups. Against the early islands' probes a late island's read ~2x
+    (tests/e2e/test_identical_rounds.py: island-1's probe read 1.96x and its second probe 1.83x
+    the reference, an identical island cut to 4 of 10; bench/busy_link: equal islands cut to
+    12-13 of 30). A peer still stepping counts after AGE_STEPS steps since the join; an idle
+    one at once (a slow island that joins last at K = M finds its peers waiting for it: they
+    load nothing, and its first round is the one to cut)."""
+    if mark is None:
+        return True
+    if step is None:
+        return False
+    return idle or step - mark >= AGE_STEPS
 
 
 def probe_step_time(times: Sequence[float]) -> float | None:

@@ -68,7 +68,7 @@ class IslandCalls:
             self.gate.admit(self.state.membership, island, self.control.clock())
             rec = self.state.membership.join(island, replicas, self.control.clock())
             rounds = self.gate.rounds
-            rounds.joined(rec)
+            rounds.joined(rec, self.state.membership.active_records(), self.control.clock())
             inner_steps = rounds.steps_of(rec, island)
             # A restarted learner counts its tokens from zero again: its target (in the old
             # count) would let it train far past the budget. It trains on without one.
@@ -110,17 +110,22 @@ class IslandCalls:
             members = self.state.membership
             rounds = self.gate.rounds
             before = rounds.steps_of(rec, island)
+            rounds.last_rule = ""
             rounds.read(rec, members.active_records(), self.control.clock())
             inner_steps = rounds.steps_of(rec, island)
-            if inner_steps != before:
+            if inner_steps != before or "probe" in rounds.last_rule:
                 # the readings behind a round's change (bench/hetero reads them from this log)
                 log.info(
-                    "%s: rounds of %d inner steps (was %d) at its step %d, step time %.4fs",
+                    "%s: rounds of %d inner steps (was %d) at its step %d, step time %.4fs "
+                    "(%s; reference %.4fs; active islands' step times %s)",
                     island,
                     inner_steps,
                     before,
                     progress.step,
                     progress.step_time or 0.0,
+                    rounds.last_rule,
+                    rounds.last_reference or 0.0,
+                    {r.name: round(r.step_time or 0.0, 4) for r in members.active_records()},
                 )
             split = rounds.split
             self._set_targets()

@@ -122,6 +122,8 @@ class Membership:
         rec = self.island(name)
         self.revive(rec, now)
         rec.step = max(rec.step, step)
+        if step != rec.reported_step:
+            rec.reported_since = now
         rec.reported_step, rec.reported_at = step, now
         rec.tokens = max(rec.tokens, tokens)
         rec.reported_tokens = tokens

@@ -112,6 +112,12 @@ class IslandRecord:
     round: IslandRound | None = None
     round_before: int | None = None
     round_read_at: float | None = None
+    # Since when its reported step has been what it is (a peer idle since another island's
+    # join: core/island_rounds.aged_past_join), and, for its own first reports, when it last
+    # joined and its peers' reported steps then (None: judged against every peer), not persisted.
+    reported_since: float | None = None
+    joined_at: float | None = None
+    peer_marks: dict[str, int | None] | None = None
 
     def to_status(self) -> IslandStatus:
         """The status/checkpoint form (IslandStatus: camelCase on the wire)."""

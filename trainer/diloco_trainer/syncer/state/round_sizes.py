@@ -22,6 +22,7 @@ from diloco_trainer.core.island_rounds import (
     PROBE_STEPS,
     IslandRound,
     RoundLimits,
+    aged_past_join,
     late_is_beyond,
     next_round,
     probe_readings,
@@ -56,17 +57,33 @@ class RoundSizes:
         # Whether any island's round differs or differed from H (core/island_rounds.
         # split_budget): at K = M the token budget is then split by stop targets, not shares.
         self.split = self.limits.pins_differ
+        # The rule behind the latest reading and what it read (the syncer's log names them when
+        # a round changes: which rule cut, against which peers' step times).
+        self.last_rule = ""
+        self.last_reference: float | None = None
 
     def steps_of(self, rec: IslandRecord | None, name: str) -> int:
         """The island's H_i now."""
         return self.limits.steps_of(island_index(name), rec.round if rec is not None else None)
 
-    def joined(self, rec: IslandRecord) -> None:
-        """A join: the island's round is what it had (a rejoin keeps it), else the spec's."""
+    def joined(
+        self, rec: IslandRecord, active: Iterable[IslandRecord] = (), now: float | None = None
+    ) -> None:
+        """A join: the island's round is what it had (a rejoin keeps it), else the spec's. With
+        the `active` islands and the time (the service's join), its first reports are judged
+        only against peers' step times aged past this join (_aged)."""
         if rec.round is None:
             rec.round = IslandRound(self.steps_of(rec, rec.name))
         self._seen(rec)
         rec.round_read_at = None  # a restarted learner's first steps are warm-up again
+        rec.joined_at = now
+        rec.peer_marks = None
+        if now is not None:
+            rec.peer_marks = {
+                r.name: (r.reported_step or 0) if r.step_time else None
+                for r in active
+                if r.name != rec.name
+            }
 
     def max_push_steps(self, rec: IslandRecord | None, name: str) -> int:
         """The most steps one push of the island may carry: STEP_ROUNDS x its H_i (or the one
@@ -84,7 +101,9 @@ class RoundSizes:
         the mean of two steps clear of warm-up, capped) is read at once (probe_readings): as
         those two readings when every active island has reported, at least three of them, and
         it at least halves the round; else, with at least three reporting, as one; else (a job
-        of two, a rejoin) it starts the island's clock."""
+        of two, a rejoin) it starts the island's clock. A fresh island's first reports (and its
+        second probe) count only peers' step times aged past its join (_aged), and wait unread
+        while a peer's is not, a reference round after the join at most."""
         if self.limits.fixed_steps(island_index(rec.name)) is not None or not rec.step_time:
             return
         current = rec.round or IslandRound(self.limits.inner_steps)
@@ -93,6 +112,13 @@ class RoundSizes:
         reference = reference_step_time([r.step_time for r in members if r.step_time])
         if reference is None:
             return
+        reported = sum(1 for r in members if r.step_time)
+        if (current.fresh and rec.round_read_at is None) or second:
+            aged = self._aged(rec, members, now, reference)
+            if aged is None:
+                return  # not read: a peer's step time is not yet aged past the island's join
+            reference, reported = aged
+        self.last_reference = reference
         ratio = rec.step_time / reference
         limits = self.limits
         target = target_steps(
@@ -112,7 +138,6 @@ class RoundSizes:
         )
         late = late_is_beyond(room=self.room, steps=current.steps, ceiling=limits.ceiling)
         if rec.round_read_at is None:
-            reported = sum(1 for r in members if r.step_time)
             first = self._first_report(
                 rec,
                 current,
@@ -128,16 +153,54 @@ class RoundSizes:
                 return
             after = first
         elif second:
+            self.last_rule = "second probe"
             after = next_round(current, target, sized=sized, late=late, ratio=ratio)
         elif now - rec.round_read_at < self.limits.inner_steps * reference:
             return
         else:
+            self.last_rule = "regular reading"
             after = next_round(current, target, sized=sized, late=late, ratio=ratio)
         rec.round_read_at = now
         if after.steps != current.steps:
             rec.round_before = current.steps
         rec.round = after
         self._seen(rec)
+
+    def _aged(
+        self, rec: IslandRecord, members: list[IslandRecord], now: float, reference: float
+    ) -> tuple[float, int] | None:
+        """The reference and the count of claims a fresh island's first reports are judged
+        against: its own step time and its peers' aged past its join (core/island_rounds.
+        aged_past_join), or None, not read yet, while a peer with a step time is not, until a
+        reference round (H x t_ref) after the join; then the aged ones alone.
+
+        Why (issue 47): on a shared host a late island's first steps run beside the early
+        islands and the later ones' start-ups, and against the early islands' probes they read
+        ~2x: identical islands were cut (tests/e2e/test_identical_rounds.py). Judged against
+        peers' readings taken while it ran, they read as fast. Joined without its peers (a
+        syncer's unit tests), every peer counts, as before."""
+        if rec.peer_marks is None or rec.joined_at is None or not rec.step_time:
+            return reference, sum(1 for r in members if r.step_time)
+        claims = [rec.step_time]
+        waiting = False
+        for peer in members:
+            if peer.name == rec.name or not peer.step_time:
+                continue
+            idle = (
+                peer.reported_at is not None
+                and peer.reported_since is not None
+                and peer.reported_at > max(peer.reported_since, rec.joined_at)
+            )
+            if aged_past_join(
+                mark=rec.peer_marks.get(peer.name), step=peer.reported_step, idle=idle
+            ):
+                claims.append(peer.step_time)
+            else:
+                waiting = True
+        if waiting and now - rec.joined_at < self.limits.inner_steps * reference:
+            return None
+        aged = reference_step_time(claims)
+        return None if aged is None else (aged, len(claims))
 
     def _first_report(
         self,
@@ -185,6 +248,7 @@ class RoundSizes:
             return None
         # a probe that at least halves the round with every island reporting is two readings;
         # else one, which its learner's second probe confirms or clears
+        self.last_rule = f"probe as {readings} reading{'s' if readings > 1 else ''}"
         after = next_round(
             current, target, confirmed=readings == 2, sized=sized, late=late, ratio=ratio
         )
