@@ -41,6 +41,7 @@ from diloco_trainer.learner.overlap import OverlapFit, covered_latency
 from diloco_trainer.learner.phase_alignment import phase_shift, schedule_positions
 from diloco_trainer.learner.push_encoding import encode_for_wire, int8_bytes
 from diloco_trainer.learner.shards import FragmentShards
+from diloco_trainer.learner.step_costs import SyncPathPhases
 from diloco_trainer.learner.step_plan import (
     StepPlan,
     Window,
@@ -137,6 +138,9 @@ class FragmentSync:
         # held at a push or a receipt, the points where copies are made: logged at exit, and
         # what tests/e2e/test_learner_memory.py holds to ARCHITECTURE.md's memory model.
         self.peak_copies: dict[str, int] = {}
+        # The training thread's sync path part by part (push and receipt counted here, the rest
+        # by the loop), logged when the learner exits.
+        self.phases = SyncPathPhases()
 
     @property
     def overlap(self) -> int:
@@ -633,6 +637,7 @@ class FragmentSync:
             c.steps,
             time.perf_counter() - began,
         )
+        self.phases.add("push", time.perf_counter() - began)
 
     def collect(self, f: int, *, block: float) -> bool:
         """Has fragment f's sync finished (waiting up to `block` s)? Keeps the result. A push
@@ -688,6 +693,12 @@ class FragmentSync:
     def receive(self, f: int) -> Weights:
         """Install an arrived fragment as the new base; the weights the island continues from."""
         began = time.perf_counter()
+        try:
+            return self._receive(f, began)
+        finally:
+            self.phases.add("receipt", time.perf_counter() - began)
+
+    def _receive(self, f: int, began: float) -> Weights:
         if self.shards is None:
             self._note_copies()  # a full merged fragment beside the base (a chain is in it)
         result = self.arrived.pop(f)
