@@ -8,7 +8,12 @@ import threading
 import time
 
 import pytest
-from diloco_trainer.learner.step_costs import WAIT_HINT_SHARE, WindowCosts, wait_hint
+from diloco_trainer.learner.step_costs import (
+    WAIT_HINT_SHARE,
+    SyncPathPhases,
+    WindowCosts,
+    wait_hint,
+)
 
 from .test_learner_fragment_sync import FakeLink, make_spec, make_sync, step
 from .test_learner_step_cap import wait_for
@@ -77,3 +82,24 @@ def test_a_window_mostly_waiting_gets_the_hint_once_worded_for_its_rule() -> Non
     # nextPush already trains on: its waits are a syncer slower than a whole round.
     assert wait_hint(costs, merge_wait="nextPush", overlap_steps=5) is None
     assert WindowCosts().waiting_share() == 0.0
+
+
+def test_the_sync_path_by_part_sums_each_part_and_names_the_per_step_cost() -> None:
+    """SyncPathPhases (issue 45): seconds and calls per part; the line gives each part's total,
+    calls and milliseconds a call, and the whole per step, by hand: push 2 calls of 3 and 5 ms
+    = 8 ms, 4.00 ms each; plan 1 ms; all 9 ms over 3 steps = 3.00 ms a step."""
+    phases = SyncPathPhases()
+    phases.add("push", 0.003)
+    phases.add("push", 0.005)
+    phases.add("plan", 0.001)
+    phases.add("apply", -0.5)  # a clock going back counts as nothing
+    assert phases.seconds["push"] == pytest.approx(0.008) and phases.calls["push"] == 2
+    assert phases.total() == pytest.approx(0.009)
+    line = phases.line(3)
+    assert "push 0.008s (2 calls, 4.00 ms each)" in line
+    assert "plan 0.001s (1 calls, 1.00 ms each)" in line
+    assert "apply 0.000s (1 calls, 0.00 ms each)" in line
+    assert "receipt" not in line  # parts never called are left out
+    assert line.endswith("in all 0.009s (3.00 ms a step)")
+    with pytest.raises(ValueError, match="no sync path phase 'pull'"):
+        phases.add("pull", 0.1)

@@ -175,6 +175,7 @@ class FragmentSync:
         Meanwhile every push a restarted syncer lost is pushed again (resend_lost) and the merges
         it lost are made up (_make_up), whichever fragment this waits for: at K = M the merge
         waited for may need a peer's push that waits, in turn, for one of this island's."""
+        self.link.start_deferred()  # a push deferred to the next step is started first
         deadline = time.monotonic() + timeout
         while not future.done():
             remaining = deadline - time.monotonic()
@@ -183,6 +184,7 @@ class FragmentSync:
             concurrent.futures.wait([future], timeout=min(remaining, WAIT_SLICE_SECONDS))
             self.resend_lost()
             self._make_up()
+            self.link.start_deferred()  # what those pushed again, started now
         return True
 
     # -- memory ----------------------------------------------------------------------------------
@@ -610,7 +612,9 @@ class FragmentSync:
         sync = self.link.sync_fragment(
             f, encoded, meta, held, within=not self.blocking, ready=ready, prepare=prepare
         )
-        future = self.link.submit(sync)
+        # Started just before the next backward pass (SyncerLink.submit_later), or at the
+        # first wait on it, whichever comes first.
+        future = self.link.submit_later(sync)
         self.inflight[f] = InFlight(
             step=position,
             started=self.last_push[f],

@@ -237,7 +237,10 @@ class Learner:
         )
         set_lr(self.optimizer, lr)
         assert self.parts.train is not None
-        loss, tokens = self.step.run(self.parts.train)
+        # The pushes made after the step before start just before this step's backward pass
+        # (SyncerLink.submit_later: the link's first burst of Python overlaps it).
+        hand_over = self.link.start_deferred if self.link is not None else None
+        loss, tokens = self.step.run(self.parts.train, before_backward=hand_over)
         self.steps_run += 1
         return loss, tokens * self.env.world_size
 
