@@ -12,6 +12,7 @@ from diloco_trainer.learner.step_costs import (
     WAIT_HINT_SHARE,
     SyncPathPhases,
     WindowCosts,
+    timed_part,
     wait_hint,
 )
 
@@ -103,3 +104,22 @@ def test_the_sync_path_by_part_sums_each_part_and_names_the_per_step_cost() -> N
     assert line.endswith("in all 0.009s (3.00 ms a step)")
     with pytest.raises(ValueError, match="no sync path phase 'pull'"):
         phases.add("pull", 0.1)
+
+
+def test_a_timed_part_counts_each_call_returned_or_raised() -> None:
+    class Holder:
+        def __init__(self) -> None:
+            self.phases = SyncPathPhases()
+
+        @timed_part("receipt")
+        def receive(self, fail: bool) -> int:
+            if fail:
+                raise ValueError("refused")
+            return 7
+
+    h = Holder()
+    assert h.receive(False) == 7
+    with pytest.raises(ValueError, match="refused"):
+        h.receive(True)
+    assert h.phases.calls["receipt"] == 2 and h.phases.calls["push"] == 0
+    assert h.phases.seconds["receipt"] >= 0.0

@@ -41,7 +41,7 @@ from diloco_trainer.learner.overlap import OverlapFit, covered_latency
 from diloco_trainer.learner.phase_alignment import phase_shift, schedule_positions
 from diloco_trainer.learner.push_encoding import encode_for_wire, int8_bytes
 from diloco_trainer.learner.shards import FragmentShards
-from diloco_trainer.learner.step_costs import SyncPathPhases
+from diloco_trainer.learner.step_costs import SyncPathPhases, timed_part
 from diloco_trainer.learner.step_plan import (
     StepPlan,
     Window,
@@ -138,8 +138,7 @@ class FragmentSync:
         # held at a push or a receipt, the points where copies are made: logged at exit, and
         # what tests/e2e/test_learner_memory.py holds to ARCHITECTURE.md's memory model.
         self.peak_copies: dict[str, int] = {}
-        # The training thread's sync path part by part (push and receipt counted here, the rest
-        # by the loop), logged when the learner exits.
+        # The sync path by part (push and receipt timed here, the rest by the loop).
         self.phases = SyncPathPhases()
 
     @property
@@ -561,6 +560,7 @@ class FragmentSync:
         parameter is written. They are fp32 master weights."""
         return {n: self.params[n].detach() for n in self.fragments[f].names}
 
+    @timed_part("push")
     def push(
         self, f: int, position: int, window: Window, *, again: bool = False, rebased: bool = False
     ) -> None:
@@ -612,9 +612,7 @@ class FragmentSync:
         sync = self.link.sync_fragment(
             f, encoded, meta, held, within=not self.blocking, ready=ready, prepare=prepare
         )
-        # Started just before the next backward pass (SyncerLink.submit_later), or at the
-        # first wait on it, whichever comes first.
-        future = self.link.submit_later(sync)
+        future = self.link.submit_later(sync)  # started before the next backward, or a wait
         self.inflight[f] = InFlight(
             step=position,
             started=self.last_push[f],
@@ -641,7 +639,6 @@ class FragmentSync:
             c.steps,
             time.perf_counter() - began,
         )
-        self.phases.add("push", time.perf_counter() - began)
 
     def collect(self, f: int, *, block: float) -> bool:
         """Has fragment f's sync finished (waiting up to `block` s)? Keeps the result. A push
@@ -694,15 +691,10 @@ class FragmentSync:
                 state.version = version
             self.push(f, flight.step, flight.window, again=True, rebased=rebased)
 
+    @timed_part("receipt")
     def receive(self, f: int) -> Weights:
         """Install an arrived fragment as the new base; the weights the island continues from."""
         began = time.perf_counter()
-        try:
-            return self._receive(f, began)
-        finally:
-            self.phases.add("receipt", time.perf_counter() - began)
-
-    def _receive(self, f: int, began: float) -> Weights:
         if self.shards is None:
             self._note_copies()  # a full merged fragment beside the base (a chain is in it)
         result = self.arrived.pop(f)

@@ -24,7 +24,13 @@ the learner itself spent, so bench/learner_overlap compares it with the plain lo
 
 from __future__ import annotations
 
+import functools
+import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+T = TypeVar("T")
 
 
 @dataclass
@@ -128,6 +134,24 @@ class SyncPathPhases:
             f"sync path by part over {steps} steps: {', '.join(parts) or 'none'}; in all "
             f"{self.total():.3f}s ({per_step:.2f} ms a step)"
         )
+
+
+def timed_part(part: str) -> Callable[[Callable[..., T]], Callable[..., T]]:
+    """A method of an object with a `phases` (SyncPathPhases) counted as one call of `part`,
+    however it returns or raises (FragmentSync.push, FragmentSync.receive)."""
+
+    def wrap(method: Callable[..., T]) -> Callable[..., T]:
+        @functools.wraps(method)
+        def timed(self: Any, *args: Any, **kwargs: Any) -> T:
+            began = time.perf_counter()
+            try:
+                return method(self, *args, **kwargs)
+            finally:
+                self.phases.add(part, time.perf_counter() - began)
+
+        return timed
+
+    return wrap
 
 
 # A window that waited this share of its time for merges gets the hint below (once a job).
