@@ -174,8 +174,25 @@ def test_a_preparer_does_nothing_for_another_push_or_other_shapes() -> None:
     assert fresh is not None
     fresh({"a": torch.zeros(3), "b": torch.zeros(7)})  # not the fragment's shapes
     assert state.prepared is None
-    # A small fragment's receipt is not prepared (it costs little on the training thread).
+    # Not deferred (defer_host_encoding off): no preparer.
+    kept = FragmentState(names=["w"], defer_host_encoding=False)
+    kept.take_global({"w": t(1.0, 2.0)}, 1)
+    kept.encode_push({"w": t(0.0, 0.0)}, "int8", None)[1]()
+    assert kept.receipt_preparer() is None
+
+
+def test_a_small_host_fragments_receipt_is_prepared_too() -> None:
+    """issue 45: gpt-tiny's receipt was a fixed cost of its few-ms steps; a small host
+    fragment's is prepared on the link's thread too, and the receipt adds θ_global − θ_push to
+    the weights in place: θ_now + (θ_global − θ_push), by hand 0.75 + (1.0 − 0.5) = 1.25 and
+    1.0 + (2.0 − 0.5) = 2.5 (the push's copies 0.5, 0.5)."""
     small = FragmentState(names=["w"])
-    small.take_global({"w": t(1.0, 2.0)}, 1)
-    small.encode_push({"w": t(0.0, 0.0)}, "int8", None)[1]()
-    assert small.receipt_preparer() is None
+    small.take_global({"w": t(0.0, 0.0)}, 1)
+    small.encode_push({"w": t(0.5, 0.5)}, "int8", None)[1]()
+    prepare = small.receipt_preparer()
+    assert prepare is not None
+    prepare({"w": t(1.0, 2.0)})
+    now = {"w": t(0.75, 1.0)}
+    got = small.receive({"w": t(1.0, 2.0)}, 2, now, 0.0)
+    assert torch.equal(got["w"], t(1.25, 2.5)) and got["w"].data_ptr() == now["w"].data_ptr()
+    assert torch.equal(small.base["w"], t(1.0, 2.0)) and small.version == 2

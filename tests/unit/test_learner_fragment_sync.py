@@ -53,6 +53,14 @@ class FakeLink:
             future.set_result(result)
         return future
 
+    def submit_later(self, coro: Coroutine[Any, Any, Any]) -> concurrent.futures.Future[Any]:
+        """A push's hand-over: here at once (the real link's deferral to the next backward pass
+        is tests/unit/test_learner_deferred_push.py's)."""
+        return self.submit(coro)
+
+    def start_deferred(self) -> None:
+        """Nothing is deferred here."""
+
     async def report_now(self) -> None:
         """A heartbeat now (the drain's 'drained'): nothing to send here."""
 

@@ -15,6 +15,7 @@ from diloco_trainer.learner.mixing import pseudo_gradient
 from diloco_trainer.learner.push_encoding import (
     ONE_PASS_FROM,
     encode_delta,
+    encode_for_wire,
     encode_int8_batched,
     int8_bytes,
     one_pass,
@@ -198,11 +199,41 @@ def test_a_deferred_host_push_encodes_the_weights_at_the_push_off_the_training_t
         assert_same(encoded, want)
         assert_same(ours.state_tensors(), theirs.state_tensors())
         assert sum(t.numel() * t.element_size() for t in encoded.values()) == int8_bytes(params)
-    # A GPU's or a small fragment's push is not deferred: encoded on the spot.
+    # A codec other than int8 is not deferred: encoded on the spot.
     small = {"w": torch.randn(1000, generator=g)}
     encoded, ready = FragmentState(names=["w"], base={"w": torch.zeros(1000)}).encode_push(
-        small, "int8", None
+        small, "fp16", None
     )
+    assert encoded
+
+
+def test_a_small_host_push_is_deferred_too_and_its_bytes_are_the_flat_buffers() -> None:
+    """issue 45: a small host fragment's int8 push (at most ONE_PASS_FROM values: gpt-tiny's
+    70K) takes only the copy of the weights on the training thread too; `ready` (the link's
+    thread) encodes the weights at the push over the flat buffer, bit for bit what the training
+    thread made before (encode_for_wire of Δ = base − snapshot), error feedback's residuals
+    included, even when steps moved the weights meanwhile."""
+    g = torch.Generator().manual_seed(7)
+    params = {"a": torch.randn(700, generator=g), "b": torch.randn(3, 50, generator=g)}
+    assert not one_pass(params, "int8")
+    base = {n: p + 0.1 * torch.randn(p.shape, generator=g) for n, p in params.items()}
+    state = FragmentState(names=list(params), base=base)
+    ours, theirs = compress.ErrorFeedback(), compress.ErrorFeedback()
+    for _ in range(2):
+        want_local = snapshot(params)
+        want, _ = encode_for_wire(pseudo_gradient(base, want_local), "int8", theirs)
+        encoded, ready = state.encode_push(params, "int8", ours)
+        assert encoded == {}  # nothing encoded on the training thread
+        assert state.at_push is not None
+        assert_same(state.at_push, want_local)
+        for p in params.values():
+            p.add_(0.5)  # the steps after the push, before the link's thread encodes
+        ready()
+        assert_same(encoded, want)
+        assert_same(ours.state_tensors(), theirs.state_tensors())
+    # Not deferred (defer_host_encoding off): the same bytes on the spot.
+    state = FragmentState(names=list(params), base=base, defer_host_encoding=False)
+    encoded, ready = state.encode_push(params, "int8", None)
     assert encoded
 
 

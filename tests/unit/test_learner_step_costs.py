@@ -8,7 +8,13 @@ import threading
 import time
 
 import pytest
-from diloco_trainer.learner.step_costs import WAIT_HINT_SHARE, WindowCosts, wait_hint
+from diloco_trainer.learner.step_costs import (
+    WAIT_HINT_SHARE,
+    SyncPathPhases,
+    WindowCosts,
+    timed_part,
+    wait_hint,
+)
 
 from .test_learner_fragment_sync import FakeLink, make_spec, make_sync, step
 from .test_learner_step_cap import wait_for
@@ -77,3 +83,43 @@ def test_a_window_mostly_waiting_gets_the_hint_once_worded_for_its_rule() -> Non
     # nextPush already trains on: its waits are a syncer slower than a whole round.
     assert wait_hint(costs, merge_wait="nextPush", overlap_steps=5) is None
     assert WindowCosts().waiting_share() == 0.0
+
+
+def test_the_sync_path_by_part_sums_each_part_and_names_the_per_step_cost() -> None:
+    """SyncPathPhases (issue 45): seconds and calls per part; the line gives each part's total,
+    calls and milliseconds a call, and the whole per step, by hand: push 2 calls of 3 and 5 ms
+    = 8 ms, 4.00 ms each; plan 1 ms; all 9 ms over 3 steps = 3.00 ms a step."""
+    phases = SyncPathPhases()
+    phases.add("push", 0.003)
+    phases.add("push", 0.005)
+    phases.add("plan", 0.001)
+    phases.add("apply", -0.5)  # a clock going back counts as nothing
+    assert phases.seconds["push"] == pytest.approx(0.008) and phases.calls["push"] == 2
+    assert phases.total() == pytest.approx(0.009)
+    line = phases.line(3)
+    assert "push 0.008s (2 calls, 4.00 ms each)" in line
+    assert "plan 0.001s (1 calls, 1.00 ms each)" in line
+    assert "apply 0.000s (1 calls, 0.00 ms each)" in line
+    assert "receipt" not in line  # parts never called are left out
+    assert line.endswith("in all 0.009s (3.00 ms a step)")
+    with pytest.raises(ValueError, match="no sync path phase 'pull'"):
+        phases.add("pull", 0.1)
+
+
+def test_a_timed_part_counts_each_call_returned_or_raised() -> None:
+    class Holder:
+        def __init__(self) -> None:
+            self.phases = SyncPathPhases()
+
+        @timed_part("receipt")
+        def receive(self, fail: bool) -> int:
+            if fail:
+                raise ValueError("refused")
+            return 7
+
+    h = Holder()
+    assert h.receive(False) == 7
+    with pytest.raises(ValueError, match="refused"):
+        h.receive(True)
+    assert h.phases.calls["receipt"] == 2 and h.phases.calls["push"] == 0
+    assert h.phases.seconds["receipt"] >= 0.0

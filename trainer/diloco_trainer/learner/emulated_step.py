@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -80,11 +81,16 @@ class EmulatedStep:
         self.per_step = math.ceil(sum(self.sizes) / max(1, steps_per_round))
         self.cursor = 0
 
-    def run(self, stream: TrainStream) -> tuple[float, int]:
+    def run(
+        self, stream: TrainStream, before_backward: Callable[[], None] | None = None
+    ) -> tuple[float, int]:
         """One emulated step: the next slice of the ring scaled, then sleep out the step's
-        wall time; (the constant loss, the tokens a real step would have processed)."""
+        wall time; (the constant loss, the tokens a real step would have processed).
+        `before_backward` (InnerStep.run's) is called first: the whole step stands for one."""
         del stream  # no batch is read: an emulated step has no forward
         t0 = time.perf_counter()
+        if before_backward is not None:
+            before_backward()
         with torch.no_grad():
             for i, lo, hi in ring_slices(self.sizes, self.cursor, self.per_step):
                 self.flat[i][lo:hi].mul_(1.0 - DRIFT)

@@ -37,7 +37,7 @@ from diloco_trainer.learner.mixing import (
     received_weights_into,
 )
 from diloco_trainer.learner.push_encoding import (
-    ONE_PASS_FROM,
+    encode_delta,
     encode_for_wire,
     encode_int8_from_snapshot,
     one_pass,
@@ -210,23 +210,33 @@ class FragmentState:
         """begin_push on copies of `weights` (the fragment's parameters, only read) and Δ
         encoded for the wire (push_encoding.encode_for_wire: the host tensors and the wait for
         their copies). A host learner's int8 push of a large fragment is made in one sliced
-        pass instead (push_encoding.one_pass, snapshot_and_encode_int8: the same bytes)."""
-        if one_pass(weights, codec):
-            if not self.defer_host_encoding:
-                local, encoded = snapshot_and_encode_int8(weights, self.base, feedback)
-                self._remember(local)
-                return encoded, _nothing
+        pass instead (push_encoding.one_pass, snapshot_and_encode_int8: the same bytes). With
+        defer_host_encoding (the default), a host learner's int8 push takes only the copy of
+        the weights on the training thread; its Δ and encoding run in the returned wait, which
+        the syncer link calls on its own thread before sending."""
+        large = one_pass(weights, codec)
+        if large and not self.defer_host_encoding:
+            local, encoded = snapshot_and_encode_int8(weights, self.base, feedback)
+            self._remember(local)
+            return encoded, _nothing
+        if self.defer_host_encoding and (large or _host_int8(weights, codec)):
             # Deferred: only the copy on the training thread; Δ and int8 on the syncer link's
-            # thread (its `ready`, called before the push is sent), beside the next steps. The
-            # base is this one even if a receipt replaces self.base meanwhile (it cannot: the
-            # merge this push answers comes after the push is sent).
-            local = snapshot_for_push(weights)
+            # thread (its `ready`, called before the push is sent), beside the next steps: the
+            # sliced pass for a large fragment, the flat buffer for a small one, the same bytes
+            # as on the training thread (issue 45: at gpt-tiny's few-ms steps a small push's
+            # Δ and encoding were a fixed cost of the training thread). The base is this one
+            # even if a receipt replaces self.base meanwhile (it cannot: the merge this push
+            # answers comes after the push is sent).
+            local = snapshot_for_push(weights) if large else snapshot(weights)
             self._remember(local)
             base = self.base
             deferred: dict[str, Tensor] = {}
 
             def encode() -> None:
-                deferred.update(encode_int8_from_snapshot(local, base, feedback))
+                if large:
+                    deferred.update(encode_int8_from_snapshot(local, base, feedback))
+                else:
+                    deferred.update(encode_delta(pseudo_gradient(base, local), codec, feedback))
 
             return deferred, encode
         return encode_for_wire(self.begin_push(snapshot(weights)), codec, feedback)
@@ -358,12 +368,13 @@ class FragmentState:
         (mixing.merge_offset_into) so that the receipt is one pass of the training thread
         (added_into). It does nothing once at_push is another push's, or when the pulled
         tensors are not this fragment's shapes (the receipt refuses them). None: not deferred
-        (a GPU's receipt is its device's; a small fragment's costs little)."""
+        (a GPU's receipt is its device's). A small host fragment's is deferred too (issue 45:
+        gpt-tiny's receipt was a fixed cost of its few-ms steps)."""
         at = self.at_push
         if at is None or not self.defer_host_encoding or _device_of(at).type != "cpu":
             return None
-        if sum(t.numel() for t in at.values()) <= ONE_PASS_FROM:
-            return None
+        if self.track_update:
+            return None  # eager: the jump right after the push replaces at_push with its proxy
 
         def prepare(merged: Mapping[str, Tensor]) -> None:
             with self.lock:
@@ -402,6 +413,11 @@ class BaseSpoiled(RuntimeError):
 
 def _nothing() -> None:
     """The wait of a push whose bytes are on the host already."""
+
+
+def _host_int8(weights: Mapping[str, Tensor], codec: str) -> bool:
+    """Whether `weights` are a host fragment pushed int8 (the default codec)."""
+    return codec == "int8" and _device_of(dict(weights)).type == "cpu"
 
 
 def _device_of(tensors: dict[str, Tensor]) -> torch.device:

@@ -41,6 +41,7 @@ from diloco_trainer.learner.overlap import OverlapFit, covered_latency
 from diloco_trainer.learner.phase_alignment import phase_shift, schedule_positions
 from diloco_trainer.learner.push_encoding import encode_for_wire, int8_bytes
 from diloco_trainer.learner.shards import FragmentShards
+from diloco_trainer.learner.step_costs import SyncPathPhases, timed_part
 from diloco_trainer.learner.step_plan import (
     StepPlan,
     Window,
@@ -137,6 +138,8 @@ class FragmentSync:
         # held at a push or a receipt, the points where copies are made: logged at exit, and
         # what tests/e2e/test_learner_memory.py holds to ARCHITECTURE.md's memory model.
         self.peak_copies: dict[str, int] = {}
+        # The sync path by part (push and receipt timed here, the rest by the loop).
+        self.phases = SyncPathPhases()
 
     @property
     def overlap(self) -> int:
@@ -171,6 +174,7 @@ class FragmentSync:
         Meanwhile every push a restarted syncer lost is pushed again (resend_lost) and the merges
         it lost are made up (_make_up), whichever fragment this waits for: at K = M the merge
         waited for may need a peer's push that waits, in turn, for one of this island's."""
+        self.link.start_deferred()  # a push deferred to the next step is started first
         deadline = time.monotonic() + timeout
         while not future.done():
             remaining = deadline - time.monotonic()
@@ -179,6 +183,7 @@ class FragmentSync:
             concurrent.futures.wait([future], timeout=min(remaining, WAIT_SLICE_SECONDS))
             self.resend_lost()
             self._make_up()
+            self.link.start_deferred()  # what those pushed again, started now
         return True
 
     # -- memory ----------------------------------------------------------------------------------
@@ -555,6 +560,7 @@ class FragmentSync:
         parameter is written. They are fp32 master weights."""
         return {n: self.params[n].detach() for n in self.fragments[f].names}
 
+    @timed_part("push")
     def push(
         self, f: int, position: int, window: Window, *, again: bool = False, rebased: bool = False
     ) -> None:
@@ -606,7 +612,7 @@ class FragmentSync:
         sync = self.link.sync_fragment(
             f, encoded, meta, held, within=not self.blocking, ready=ready, prepare=prepare
         )
-        future = self.link.submit(sync)
+        future = self.link.submit_later(sync)  # started before the next backward, or a wait
         self.inflight[f] = InFlight(
             step=position,
             started=self.last_push[f],
@@ -685,6 +691,7 @@ class FragmentSync:
                 state.version = version
             self.push(f, flight.step, flight.window, again=True, rebased=rebased)
 
+    @timed_part("receipt")
     def receive(self, f: int) -> Weights:
         """Install an arrived fragment as the new base; the weights the island continues from."""
         began = time.perf_counter()

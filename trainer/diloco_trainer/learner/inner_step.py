@@ -114,9 +114,13 @@ class InnerStep:
         self.scaler = torch.amp.GradScaler("cuda") if self.precision == "fp16" else None
         self.clip = clip or (lambda ps, c: nn.utils.clip_grad_norm_(ps, c))
 
-    def run(self, stream: TrainStream) -> tuple[float, int]:
+    def run(
+        self, stream: TrainStream, before_backward: Callable[[], None] | None = None
+    ) -> tuple[float, int]:
         """One optimizer step over microBatches batches of the stream; (mean loss, tokens of
-        this rank)."""
+        this rank). `before_backward`: called once, just before the first backward pass, which
+        runs without the interpreter lock (the learner starts its deferred pushes there:
+        SyncerLink.submit_later)."""
         self.optimizer.zero_grad(set_to_none=True)
         total: Tensor | None = None
         tokens = 0
@@ -125,6 +129,8 @@ class InnerStep:
             with self._sync(i == self.micro_batches - 1):
                 with autocast_for(self.precision, self.device):
                     loss = self.loss_fn(self.train_model, batch) / self.micro_batches
+                if i == 0 and before_backward is not None:
+                    before_backward()
                 (self.scaler.scale(loss) if self.scaler is not None else loss).backward()
             total = loss.detach() if total is None else total + loss.detach()
             tokens += batch.tokens

@@ -57,7 +57,7 @@ from diloco_trainer.learner.fragment_sync import FragmentSync
 from diloco_trainer.learner.inner_step import InnerStep, check_precision
 from diloco_trainer.learner.shards import FragmentShards, local_rows, shard_model
 from diloco_trainer.learner.start_together import starts_together, wait_for_peers
-from diloco_trainer.learner.step_costs import WindowCosts, wait_hint
+from diloco_trainer.learner.step_costs import SyncPathPhases, WindowCosts, wait_hint
 from diloco_trainer.learner.step_plan import rewarm_factor, schedule_start
 from diloco_trainer.learner.syncer_client import SyncerClient
 from diloco_trainer.learner.syncer_link import SyncerLink
@@ -237,7 +237,10 @@ class Learner:
         )
         set_lr(self.optimizer, lr)
         assert self.parts.train is not None
-        loss, tokens = self.step.run(self.parts.train)
+        # The pushes made after the step before start just before this step's backward pass
+        # (SyncerLink.submit_later: the link's first burst of Python overlaps it).
+        hand_over = self.link.start_deferred if self.link is not None else None
+        loss, tokens = self.step.run(self.parts.train, before_backward=hand_over)
         self.steps_run += 1
         return loss, tokens * self.env.world_size
 
@@ -376,6 +379,8 @@ class Learner:
         """Inner steps until the job finishes or a stop; rank 0 syncs after each."""
         window_tokens, window_start, loss_ema = 0, time.monotonic(), None
         costs, window_cpu = WindowCosts(), time.process_time()
+        # The sync path part by part over the job (push and receipt are FragmentSync's).
+        phases = self.sync.phases if self.sync is not None else SyncPathPhases()
         while True:
             loss, tokens, step_time = self._timed_step()
             after = time.perf_counter()
@@ -398,6 +403,8 @@ class Learner:
                 )
                 if probed:  # the syncer sizes this island's first round from it: no timer wait
                     self.link.submit(self.link.report_now())
+                mark = time.perf_counter()
+                phases.add("report", mark - after)
                 if self.steps_run % LOG_EVERY_STEPS == 0:
                     now, cpu_now = time.monotonic(), time.process_time()
                     costs.cpu = cpu_now - window_cpu
@@ -412,16 +419,16 @@ class Learner:
                     self._hint_waits(costs)
                     window_tokens, window_start, costs = 0, now, WindowCosts()
                     window_cpu = cpu_now
-                # K = M: the share counts rounds (a step is H / H_i of inner.steps' units), but
-                # not the work a syncer restart took back (FragmentSync.lost_work)
-                work = math.floor(self.sync.round_work - self.sync.lost_work + 1e-9)
-                due = self.drain_at.due(
-                    work, self.tokens, self.link.stop_at, split=self.link.split_budget
-                )
-                targets = drain(self.sync) if due else self.sync.after_step()
+                    mark, done = time.perf_counter(), mark
+                    phases.add("progress", mark - done)
+                targets = self._sync_after_step(phases, mark)
+            mark = time.perf_counter()
             self._end_commands()
             apply, finished, stopped = self._control(sorted(targets), self._finished())
+            done, mark = mark, time.perf_counter()
+            phases.add("control", mark - done)
             self._apply(apply, targets)
+            phases.add("apply", time.perf_counter() - mark)
             waited = self.sync.take_waited() if self.sync is not None else 0.0
             costs.add_after(time.perf_counter() - after, waited)
             if finished or stopped:
@@ -432,8 +439,30 @@ class Learner:
                     weights_digest(self.model),
                     self._peak_memory(),
                 )
+                if self.sync is not None:
+                    log.info("%s", phases.line(self.steps_run))
                 self._log_copies()
                 return 0
+
+    def _sync_after_step(self, phases: SyncPathPhases, began: float) -> dict[int, Any]:
+        """Rank 0 after a step: drain when due, else push and collect what the plan says
+        (FragmentSync.after_step); the weights to apply. Its time less the pushes, receipts and
+        waits in it is the plan's part of the sync path (SyncPathPhases); a drain's, all of
+        it, is the drain's."""
+        assert self.sync is not None and self.link is not None
+        inside = self.sync.phases.seconds
+        before = inside["push"] + inside["receipt"] + self.sync.waited
+        # K = M: the share counts rounds (a step is H / H_i of inner.steps' units), but
+        # not the work a syncer restart took back (FragmentSync.lost_work)
+        work = math.floor(self.sync.round_work - self.sync.lost_work + 1e-9)
+        due = self.drain_at.due(work, self.tokens, self.link.stop_at, split=self.link.split_budget)
+        targets = drain(self.sync) if due else self.sync.after_step()
+        if due:
+            phases.add("drain", time.perf_counter() - began)
+            return targets
+        counted = inside["push"] + inside["receipt"] + self.sync.waited - before
+        phases.add("plan", time.perf_counter() - began - counted)
+        return targets
 
     def _log_copies(self) -> None:
         """Rank 0: the most copies of the model its DiLoCo state held (FragmentSync.held_copies,

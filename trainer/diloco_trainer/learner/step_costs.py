@@ -24,7 +24,13 @@ the learner itself spent, so bench/learner_overlap compares it with the plain lo
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import functools
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+T = TypeVar("T")
 
 
 @dataclass
@@ -65,6 +71,87 @@ class WindowCosts:
         """Waiting's share of the window's wall time (0 for an empty window)."""
         total = self.training + self.sync_path + self.waiting
         return self.waiting / total if total > 0 else 0.0
+
+
+# The parts of the sync path that SyncPathPhases names, in the order its line gives them.
+SYNC_PATH_PHASES = (
+    "push",
+    "receipt",
+    "plan",
+    "report",
+    "progress",
+    "control",
+    "apply",
+    "drain",
+)
+
+
+@dataclass
+class SyncPathPhases:
+    """The whole job's sync path on the training thread, part by part (issue 45: at gpt-tiny's
+    few-ms steps a fixed cost per step or per sync weighs a share of the step, and the window
+    split says only that the sync path took it, not which part):
+
+    - push: making a push (its Δ and encoding, or the copy a deferred encoding starts from, and
+      its hand-over to the syncer link), `FragmentSync.push`;
+    - receipt: installing an arrived merge as the base and the weights to go on from,
+      `FragmentSync.receive`;
+    - plan: the rest of `after_step` and the drain check: the schedule, the plan of the step,
+      polling for merges (the waits left out: they are waiting, not sync path);
+    - report: the step's counters and the heartbeat figures handed to the link;
+    - progress: the progress line every LOG_EVERY_STEPS steps;
+    - control: the island's control all-reduce (one rank alone: nothing to exchange);
+    - apply: installing the merged fragments' weights in the parameters (every rank);
+    - drain: the end of the island's part of the job (drain.py), its waits for the last merges
+      and the finish included (no progress line follows it).
+
+    Seconds and calls of each; the learner logs `line()` once, when it exits."""
+
+    seconds: dict[str, float] = field(default_factory=lambda: dict.fromkeys(SYNC_PATH_PHASES, 0.0))
+    calls: dict[str, int] = field(default_factory=lambda: dict.fromkeys(SYNC_PATH_PHASES, 0))
+
+    def add(self, phase: str, seconds: float) -> None:
+        """One call of `phase` that took `seconds` (a negative clock difference counts as 0)."""
+        if phase not in self.seconds:
+            raise ValueError(f"no sync path phase {phase!r} (known: {SYNC_PATH_PHASES})")
+        self.seconds[phase] += max(seconds, 0.0)
+        self.calls[phase] += 1
+
+    def total(self) -> float:
+        return sum(self.seconds.values())
+
+    def line(self, steps: int) -> str:
+        """E.g. 'sync path by part over 240 steps: push 0.031s (16 calls, 1.94 ms each), ...,
+        in all 0.052s (0.22 ms a step)': what a user reads to see which part to look at."""
+        parts = [
+            f"{phase} {self.seconds[phase]:.3f}s ({self.calls[phase]} calls, "
+            f"{1e3 * self.seconds[phase] / self.calls[phase]:.2f} ms each)"
+            for phase in SYNC_PATH_PHASES
+            if self.calls[phase]
+        ]
+        per_step = 1e3 * self.total() / steps if steps > 0 else 0.0
+        return (
+            f"sync path by part over {steps} steps: {', '.join(parts) or 'none'}; in all "
+            f"{self.total():.3f}s ({per_step:.2f} ms a step)"
+        )
+
+
+def timed_part(part: str) -> Callable[[Callable[..., T]], Callable[..., T]]:
+    """A method of an object with a `phases` (SyncPathPhases) counted as one call of `part`,
+    however it returns or raises (FragmentSync.push, FragmentSync.receive)."""
+
+    def wrap(method: Callable[..., T]) -> Callable[..., T]:
+        @functools.wraps(method)
+        def timed(self: Any, *args: Any, **kwargs: Any) -> T:
+            began = time.perf_counter()
+            try:
+                return method(self, *args, **kwargs)
+            finally:
+                self.phases.add(part, time.perf_counter() - began)
+
+        return timed
+
+    return wrap
 
 
 # A window that waited this share of its time for merges gets the hint below (once a job).

@@ -35,6 +35,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import dataclasses
+import functools
 import logging
 import threading
 import time
@@ -178,6 +179,8 @@ class SyncerLink:
         }
         # Pulls answered with a chain of updates, and chains that failed their check.
         self.pull_counts = {"updates": 0, "rebuildFailed": 0}
+        # Coroutines submit_later deferred, with their futures, until start_deferred.
+        self._deferred: list[tuple[Coroutine[Any, Any, Any], Any]] = []
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(
             target=self._loop.run_forever, name="syncer-link", daemon=True
@@ -187,6 +190,43 @@ class SyncerLink:
     def submit(self, coro: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:
         """Run a coroutine on the link's loop."""
         return asyncio.run_coroutine_threadsafe(coro, self._loop)
+
+    def submit_later(self, coro: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:
+        """A coroutine to run on the link's loop from the next `start_deferred` on; its future
+        now (a future cancelled before then never starts it).
+
+        Why (issue 45): waking the link's thread hands it the interpreter lock, and its first
+        burst of Python (the push's task, its HTTP request) then held the training thread's
+        Python in the sync path at every push: 8-12 ms of gpt-tiny's few-ms steps on two
+        shared cores, most of the push's time there. The training loop starts what it deferred
+        just before the next step's backward pass, which runs without the lock: the link's
+        burst overlaps the backward instead of stopping the training thread."""
+        future: concurrent.futures.Future[T] = concurrent.futures.Future()
+        self._deferred.append((coro, future))
+        return future
+
+    def start_deferred(self) -> None:
+        """Start what submit_later deferred, with one wake of the link's thread (the training
+        thread: before a backward pass, and before it waits on any future)."""
+        if not self._deferred:
+            return
+        batch, self._deferred = self._deferred, []
+        self._loop.call_soon_threadsafe(self._start_batch, batch)
+
+    def _start_batch(self, batch: list[tuple[Coroutine[Any, Any, Any], Any]]) -> None:
+        """On the loop: a task per deferred coroutine, its outcome copied to its future and a
+        cancel of the future passed on to the task (as run_coroutine_threadsafe does)."""
+        for coro, future in batch:
+            if future.cancelled():
+                coro.close()
+                continue
+            task = self._loop.create_task(coro)
+            task.add_done_callback(functools.partial(_settle, future))
+            future.add_done_callback(functools.partial(self._cancel_task, task))
+
+    def _cancel_task(self, task: asyncio.Task[Any], future: concurrent.futures.Future[Any]) -> None:
+        if future.cancelled() and not self._loop.is_closed():
+            self._loop.call_soon_threadsafe(task.cancel)
 
     def _client(self, fragment: int) -> SyncerClient:
         """The client of the shard that owns `fragment`."""
@@ -591,6 +631,10 @@ class SyncerLink:
             for client in self.clients:
                 await client.close()
 
+        for coro, future in self._deferred:  # never started: nothing of them to cancel
+            coro.close()
+            future.cancel()
+        self._deferred = []
         try:
             self.submit(shutdown()).result(timeout=15.0)
         except (concurrent.futures.TimeoutError, RuntimeError) as err:
@@ -603,3 +647,19 @@ def in_place_ok(t: Tensor) -> bool:
     """Whether a held tensor can take a chain in place: fp32, contiguous, on the host (what
     published.checksum_after_updates reads and apply_updates' result is)."""
     return t.dtype == torch.float32 and t.is_contiguous() and t.device.type == "cpu"
+
+
+def _settle(future: concurrent.futures.Future[Any], task: asyncio.Task[Any]) -> None:
+    """Copy a finished task's outcome to its future (SyncerLink.submit_later's), unless the
+    future was cancelled meanwhile."""
+    if future.cancelled():
+        return
+    try:
+        if task.cancelled():
+            future.cancel()
+        elif task.exception() is not None:
+            future.set_exception(task.exception())
+        else:
+            future.set_result(task.result())
+    except concurrent.futures.InvalidStateError:
+        pass  # cancelled by the training thread between the check and the set
