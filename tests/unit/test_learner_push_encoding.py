@@ -6,6 +6,8 @@ replaces, and which of the two a host fragment's push takes (ONE_PASS_FROM)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
+
 import pytest
 import torch
 from diloco_trainer.core import compress
@@ -186,22 +188,13 @@ def test_a_deferred_host_push_encodes_the_weights_at_the_push_off_the_training_t
     base = {n: p + 0.1 * torch.randn(p.shape, generator=g) for n, p in params.items()}
     state = FragmentState(names=list(params), base=base)
     assert state.defer_host_encoding
-    ours, theirs = compress.ErrorFeedback(), compress.ErrorFeedback()
-    for _ in range(2):
-        want_local, want = snapshot_and_encode_int8(params, base, theirs)
-        encoded, ready = state.encode_push(params, "int8", ours)
-        assert encoded == {}  # nothing encoded on the training thread
-        assert state.at_push is not None
-        assert_same(state.at_push, want_local)
-        for p in params.values():
-            p.add_(0.5)  # the steps after the push, before the link's thread encodes
-        ready()
-        assert_same(encoded, want)
-        assert_same(ours.state_tensors(), theirs.state_tensors())
+    for encoded in _deferred_pushes(
+        state, params, lambda ef: snapshot_and_encode_int8(params, base, ef)
+    ):
         assert sum(t.numel() * t.element_size() for t in encoded.values()) == int8_bytes(params)
     # A codec other than int8 is not deferred: encoded on the spot.
     small = {"w": torch.randn(1000, generator=g)}
-    encoded, ready = FragmentState(names=["w"], base={"w": torch.zeros(1000)}).encode_push(
+    encoded, _ready = FragmentState(names=["w"], base={"w": torch.zeros(1000)}).encode_push(
         small, "fp16", None
     )
     assert encoded
@@ -218,10 +211,39 @@ def test_a_small_host_push_is_deferred_too_and_its_bytes_are_the_flat_buffers() 
     assert not one_pass(params, "int8")
     base = {n: p + 0.1 * torch.randn(p.shape, generator=g) for n, p in params.items()}
     state = FragmentState(names=list(params), base=base)
+
+    def expected(
+        ef: compress.ErrorFeedback,
+    ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+        local = snapshot(params)
+        return local, encode_for_wire(pseudo_gradient(base, local), "int8", ef)[0]
+
+    list(_deferred_pushes(state, params, expected))
+    # Not deferred (defer_host_encoding off): the same bytes on the spot.
+    state = FragmentState(names=list(params), base=base, defer_host_encoding=False)
+    encoded, _ready = state.encode_push(params, "int8", None)
+    assert encoded
+
+
+def test_int8_bytes_is_a_byte_a_value_and_four_a_block() -> None:
+    # 1000 values: 1000 bytes and ceil(1000 / BLOCK_SIZE) scales of 4 bytes.
+    blocks = -(-1000 // compress.BLOCK_SIZE)
+    assert int8_bytes({"w": torch.zeros(1000)}) == 1000 + 4 * blocks
+
+
+def _deferred_pushes(
+    state: FragmentState,
+    params: dict[str, torch.Tensor],
+    expected: Callable[
+        [compress.ErrorFeedback], tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]
+    ],
+) -> Iterator[dict[str, torch.Tensor]]:
+    """Two deferred int8 pushes of `params`: nothing encoded on the training thread, the copy at
+    the push `expected`'s weights, and the bytes `ready` (the link's thread) makes after steps
+    moved the weights `expected`'s too, error feedback's residuals included; each push's bytes."""
     ours, theirs = compress.ErrorFeedback(), compress.ErrorFeedback()
     for _ in range(2):
-        want_local = snapshot(params)
-        want, _ = encode_for_wire(pseudo_gradient(base, want_local), "int8", theirs)
+        want_local, want = expected(theirs)
         encoded, ready = state.encode_push(params, "int8", ours)
         assert encoded == {}  # nothing encoded on the training thread
         assert state.at_push is not None
@@ -231,13 +253,4 @@ def test_a_small_host_push_is_deferred_too_and_its_bytes_are_the_flat_buffers() 
         ready()
         assert_same(encoded, want)
         assert_same(ours.state_tensors(), theirs.state_tensors())
-    # Not deferred (defer_host_encoding off): the same bytes on the spot.
-    state = FragmentState(names=list(params), base=base, defer_host_encoding=False)
-    encoded, ready = state.encode_push(params, "int8", None)
-    assert encoded
-
-
-def test_int8_bytes_is_a_byte_a_value_and_four_a_block() -> None:
-    # 1000 values: 1000 bytes and ceil(1000 / BLOCK_SIZE) scales of 4 bytes.
-    blocks = -(-1000 // compress.BLOCK_SIZE)
-    assert int8_bytes({"w": torch.zeros(1000)}) == 1000 + 4 * blocks
+        yield encoded
