@@ -6,7 +6,6 @@ learner's step calls the start after its forward and before its backward."""
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import threading
 from collections.abc import Iterator
 
@@ -37,8 +36,10 @@ def test_a_deferred_coroutine_runs_only_once_started_and_its_result_comes_back(
         return value * 2
 
     first, second = link.submit_later(work(3)), link.submit_later(work(5))
-    done, _ = concurrent.futures.wait([first, second], timeout=0.3)
-    assert not done and not ran.is_set()  # nothing starts before start_deferred
+    # Nothing starts before start_deferred: a coroutine submitted now has run once the loop has
+    # gone round, so the deferred ones had the same chance to start, and did not.
+    link.submit(asyncio.sleep(0)).result(timeout=10)
+    assert not first.done() and not second.done() and not ran.is_set()
     link.start_deferred()
     assert first.result(timeout=10) == 6 and second.result(timeout=10) == 10
     link.start_deferred()  # nothing left: a no-op
@@ -67,7 +68,7 @@ def test_a_cancel_before_the_start_never_runs_it_and_after_it_cancels_the_task(
     async def long() -> None:
         started.set()
         try:
-            await asyncio.sleep(60)
+            await asyncio.Event().wait()  # runs until cancelled
         except asyncio.CancelledError:
             cancelled.set()
             raise
