@@ -124,6 +124,35 @@ class SyncResult:
     # `pulled` is the restarted syncer's fragment; the learner pushes again from it at once
     # (fragment_sync.FragmentSync.receive; docs/algorithm.md, "A syncer restart").
     restarted: bool = False
+    # Where the pull of the merge went, on the link's side (None: not a push's merge).
+    pull_path: PullPath | None = None
+
+
+@dataclass(frozen=True)
+class PullPath:
+    """The path of a merge from the syncer's answer to the result handed to the training thread
+    (issue 45: at K = M a blocking learner waits through all of it). Seconds, and the wall time
+    the result was ready (time.time()); `answered_at` = ready_at less the parts: about when the
+    syncer answered the long-poll (a merge's record time at the syncer is the same clock on one
+    machine)."""
+
+    pull: float  # the answer's transfer and decoding (PullCost.pull_seconds; 0: not known)
+    pull_bytes: int  # the answer's body
+    rebuild: float  # a chain of updates added into the held weights, its checksum checked
+    prepare: float  # the receipt made ready (θ_global − θ_push) or staged on the GPU
+    trim: float  # freed memory given back (host_memory.trim) before the result was handed on
+    ready_at: float
+
+    @property
+    def answered_at(self) -> float:
+        return self.ready_at - self.pull - self.rebuild - self.prepare - self.trim
+
+    def describe(self) -> str:
+        """E.g. 'pull 0.012s, rebuild 0.002s, ready 0.001s' for the receipt's log line."""
+        return (
+            f"pull {self.pull:.3f}s ({self.pull_bytes} bytes), rebuild {self.rebuild:.3f}s, receipt ready "
+            f"{self.prepare:.3f}s, trim {self.trim:.3f}s"
+        )
 
 
 class SyncerLink:
@@ -337,7 +366,17 @@ class SyncerLink:
         # is awaited and pulled: let them go now, not when the sync ends (`ready`, a deferred
         # encoding's closure, holds them too). ARCHITECTURE.md, "A learner's memory".
         del encoded, ready
-        pulled, on_device, staging = await self._take_merge(fragment, after, held, prepare, run)
+        pulled, on_device, staging, trimmed = await self._take_merge(
+            fragment, after, held, prepare, run
+        )
+        pull_path = PullPath(
+            pull=pulled.cost.pull_seconds or 0.0,
+            pull_bytes=pulled.cost.body_bytes,
+            rebuild=pulled.cost.rebuild_seconds,
+            prepare=staging,
+            trim=trimmed,
+            ready_at=time.time(),
+        )
         latency = None
         if push_seconds is not None and outcome == "merged":
             latency = sync_latency(
@@ -357,6 +396,7 @@ class SyncerLink:
             latency=latency,
             on_device=on_device,
             restarted=restarted,
+            pull_path=pull_path,
         )
 
     async def _take_merge(
@@ -366,10 +406,10 @@ class SyncerLink:
         held: HeldFragment | None,
         prepare: Callable[[Mapping[str, Tensor]], None] | None,
         run: str = "",
-    ) -> tuple[PulledFragment, Mapping[str, Tensor] | None, float]:
+    ) -> tuple[PulledFragment, Mapping[str, Tensor] | None, float, float]:
         """sync_fragment's pull of the merge after `after` (of a push syncer run `run`
-        accepted): the fragment, its copy on the GPU (or None) and the seconds spent staging
-        and preparing it."""
+        accepted): the fragment, its copy on the GPU (or None), the seconds spent staging
+        and preparing it and the seconds of the trim."""
         pulled, on_device = await self._pull_newer(fragment, after, held, run)
         staged_at = time.monotonic()
         if self.stager is not None and on_device is None:
@@ -379,8 +419,9 @@ class SyncerLink:
         staging = time.monotonic() - staged_at
         # This sync's freed buffers (its push, the pulled body) and the last receipt's (the
         # replaced base, the weights at that push) back to the system (host_memory.py).
+        trimmed_at = time.monotonic()
         await asyncio.to_thread(trim)
-        return pulled, on_device, staging
+        return pulled, on_device, staging, time.monotonic() - trimmed_at
 
     async def _lateness(
         self, fragment: int, meta: PushMeta, accepted: int, answered: float, *, within: bool

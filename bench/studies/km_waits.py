@@ -1,0 +1,223 @@
+"""K = M's waits, part by part: `python -m bench.studies.km_waits RUN_DIR ...` (issue 45).
+
+Reads runs of bench/busy_link (each `--workdir`'s `seed*-k*-L*` folders, or such folders named
+directly): the syncer's merge records (`syncer/merges.jsonl`: each push's arrival, the merge's
+record time) and the learners' logs (each wait for a merge, each receipt's pull path:
+`learner/syncer_link.PullPath` on the "applied version" line). Every blocking wait of a learner
+is split, by the merge it waited for, at the moments that merge passed on its way:
+
+1. peer: until its last push arrived at the syncer (the slowest peer; 0 when it was in first);
+2. fold: until the syncer took the round to merge (the last push's checks and fold, the
+   scheduler's wake: the merge record's `time`);
+3. merge: until the merge was pullable (its `time` + `mergeSeconds`);
+4. answer: until the learner's long-poll was answered (PullPath.answered_at: the syncer's wake
+   and its body ready, less the request's one-way trip);
+5. pull: the answer's transfer through the link and its decoding;
+6. apply: the chain added into the held weights, the receipt made ready and the trim;
+7. hand-over: from the result ready on the link's thread to the training thread's wait ending.
+
+Island-seconds, summed over the run (the first merge of each fragment left out: start-up). Per
+merge as well, whether waited for or not: the seconds from the merge's record to the pull's
+answer, the pull, and the spread of the four islands' pulls of one merge (do they share the
+link: each pull takes as long as all of them?). Nothing here is timed: it only reads logs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import statistics
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from datetime import datetime
+from pathlib import Path
+
+PARTS = ("peer", "fold", "merge", "answer", "pull", "apply", "hand-over")
+
+_WAITED = re.compile(r"^(\S+ \S+) .*step \d+: waited ([\d.]+)s for fragment (\d+)")
+_APPLIED = re.compile(
+    r"^(\S+ \S+) .*step \d+: fragment (\d+) applied version (\d+) \(merged, .*pull ([\d.]+)s"
+    r"(?: \((\d+) bytes\))?, rebuild ([\d.]+)s, receipt ready ([\d.]+)s"
+    r"(?:, trim ([\d.]+)s)?, ready at ([\d.]+)\)"
+)
+
+
+def _stamp(text: str) -> float:
+    return datetime.strptime(text, "%Y-%m-%d %H:%M:%S,%f").timestamp()
+
+
+@dataclass(frozen=True)
+class Receipt:
+    """One merge as a learner received it (its "applied version" line)."""
+
+    fragment: int
+    version: int
+    pull: float
+    pull_bytes: int
+    apply: float  # rebuild + receipt ready + trim
+    ready_at: float
+    logged_at: float
+
+    @property
+    def answered_at(self) -> float:
+        return self.ready_at - self.apply - self.pull
+
+
+@dataclass(frozen=True)
+class Wait:
+    fragment: int
+    seconds: float
+    ended_at: float
+    version: int  # the merge it waited for (the receipt that followed it)
+
+
+def receipts_and_waits(text: str) -> tuple[dict[tuple[int, int], Receipt], list[Wait]]:
+    """A learner log's receipts by (fragment, version) and its waits, each tied to the receipt
+    of the same fragment that came after it (waits with none are left out)."""
+    receipts: dict[tuple[int, int], Receipt] = {}
+    pending: list[tuple[int, float, float]] = []
+    waits: list[Wait] = []
+    for line in text.splitlines():
+        if m := _WAITED.match(line):
+            pending.append((int(m[3]), float(m[2]), _stamp(m[1])))
+            continue
+        if m := _APPLIED.match(line):
+            f, v = int(m[2]), int(m[3])
+            apply = float(m[6]) + float(m[7]) + float(m[8] or 0.0)
+            receipts[(f, v)] = Receipt(
+                f, v, float(m[4]), int(m[5] or 0), apply, float(m[9]), _stamp(m[1])
+            )
+            for w in [w for w in pending if w[0] == f]:
+                waits.append(Wait(f, w[1], w[2], v))
+                pending.remove(w)
+    return receipts, waits
+
+
+def split_wait(start: float, end: float, marks: Sequence[float]) -> list[float]:
+    """[start, end] cut at `marks` (each clipped into the interval, and to no earlier than the
+    mark before it: two clocks' stamps a few ms apart may cross): the seconds before the first
+    mark, between each two, and after the last (len(marks) + 1 parts, summing to end - start)."""
+    clipped: list[float] = []
+    for m in marks:
+        clipped.append(min(max(m, start, *clipped[-1:]), end))
+    edges = [start, *clipped, end]
+    return [b - a for a, b in zip(edges, edges[1:], strict=False)]
+
+
+@dataclass
+class RunSplit:
+    """One run's waits by part (island-seconds) and its merges' paths."""
+
+    waits: dict[str, float] = field(default_factory=lambda: dict.fromkeys(PARTS, 0.0))
+    answer_after_merge: list[float] = field(default_factory=list)
+    pulls: list[float] = field(default_factory=list)
+    pull_bytes: list[int] = field(default_factory=list)
+    applies: list[float] = field(default_factory=list)
+    pull_spans: list[float] = field(default_factory=list)  # first answer to last pull's end
+
+    @property
+    def waited(self) -> float:
+        return sum(self.waits.values())
+
+
+def split_run(
+    merges: Mapping[tuple[int, int], Mapping[str, object]],
+    logs: Iterable[str],
+) -> RunSplit:
+    """RunSplit of one run: `merges` by (fragment, version) (merges.jsonl records), `logs` the
+    learners' log texts."""
+    out = RunSplit()
+    firsts = {f: min(v for g, v in merges if g == f) for f, _ in merges}
+    by_merge: dict[tuple[int, int], list[Receipt]] = {}
+    for text in logs:
+        receipts, waits = receipts_and_waits(text)
+        for key, r in receipts.items():
+            by_merge.setdefault(key, []).append(r)
+        for w in waits:
+            rec, got = merges.get((w.fragment, w.version)), receipts.get((w.fragment, w.version))
+            if rec is None or got is None or w.version <= firsts[w.fragment]:
+                continue
+            last_push = max(float(c["receivedAt"]) for c in rec["contributors"])  # type: ignore[attr-defined]
+            marks = [
+                last_push,
+                float(rec["time"]),  # type: ignore[arg-type]
+                pullable(rec),
+                got.answered_at,
+                got.answered_at + got.pull,
+                got.ready_at,
+            ]
+            for part, s in zip(PARTS, split_wait(w.ended_at - w.seconds, w.ended_at, marks), strict=True):
+                out.waits[part] += s
+    for key, rs in by_merge.items():
+        rec = merges.get(key)
+        if rec is None or key[1] <= firsts[key[0]]:
+            continue
+        for r in rs:
+            out.answer_after_merge.append(r.answered_at - pullable(rec))
+            out.pulls.append(r.pull)
+            out.pull_bytes.append(r.pull_bytes)
+            out.applies.append(r.apply)
+        if len(rs) > 1:
+            out.pull_spans.append(max(r.answered_at + r.pull for r in rs) - min(r.answered_at for r in rs))
+    return out
+
+
+def pullable(rec: Mapping[str, object]) -> float:
+    """When a merge's new version was pullable: its record's time is when the round was taken
+    (merger.take), and its mergeSeconds run from there to pullable."""
+    return float(rec["time"]) + float(rec.get("mergeSeconds", 0.0))  # type: ignore[arg-type]
+
+
+def read_run(folder: Path) -> RunSplit:
+    merges: dict[tuple[int, int], dict[str, object]] = {}
+    for line in (folder / "syncer" / "merges.jsonl").read_text().splitlines():
+        rec = json.loads(line)
+        merges[(int(rec["fragment"]), int(rec["version"]))] = rec
+    logs = [p.read_text(errors="replace") for p in sorted(folder.glob("island-*.log"))]
+    return split_run(merges, logs)
+
+
+def _runs(paths: Sequence[Path]) -> list[Path]:
+    out: list[Path] = []
+    for p in paths:
+        if (p / "syncer" / "merges.jsonl").exists():
+            out.append(p)
+        else:
+            out.extend(sorted(q for q in p.glob("seed*-k*-L*") if (q / "syncer").is_dir()))
+    return out
+
+
+def _ms(values: Sequence[float]) -> str:
+    if not values:
+        return "-"
+    return f"{statistics.median(values) * 1e3:.0f} ({min(values) * 1e3:.0f}-{max(values) * 1e3:.0f})"
+
+
+def table(paths: Sequence[Path]) -> str:
+    """Markdown: per run, its waits by part and its merges' paths."""
+    head = "| run | waits (island-s) | " + " | ".join(PARTS) + " | pullable -> answer ms | pull ms (bytes) | apply ms | 4 pulls' span ms |"
+    rows = [head, "|" + "---|" * (len(PARTS) + 6)]
+    for folder in _runs(paths):
+        s = read_run(folder)
+        w = s.waited or float("nan")
+        parts = " | ".join(f"{s.waits[p]:.2f} ({s.waits[p] / w:.0%})" for p in PARTS)
+        size = statistics.median(s.pull_bytes) if s.pull_bytes else 0
+        rows.append(
+            f"| {folder.parent.name}/{folder.name} | {s.waited:.2f} | {parts} | "
+            f"{_ms(s.answer_after_merge)} | {_ms(s.pulls)} ({size:.0f}) | {_ms(s.applies)} | "
+            f"{_ms(s.pull_spans)} |"
+        )
+    return "\n".join(rows)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("runs", type=Path, nargs="+", help="busy_link workdirs or run folders")
+    args = p.parse_args(argv)
+    print(table(args.runs))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
