@@ -25,6 +25,7 @@ link: each pull takes as long as all of them?). Nothing here is timed: it only r
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import re
 import statistics
@@ -102,7 +103,7 @@ def split_wait(start: float, end: float, marks: Sequence[float]) -> list[float]:
     for m in marks:
         clipped.append(min(max(m, start, *clipped[-1:]), end))
     edges = [start, *clipped, end]
-    return [b - a for a, b in zip(edges, edges[1:], strict=False)]
+    return [b - a for a, b in itertools.pairwise(edges)]
 
 
 @dataclass
@@ -147,7 +148,8 @@ def split_run(
                 got.answered_at + got.pull,
                 got.ready_at,
             ]
-            for part, s in zip(PARTS, split_wait(w.ended_at - w.seconds, w.ended_at, marks), strict=True):
+            parts = split_wait(w.ended_at - w.seconds, w.ended_at, marks)
+            for part, s in zip(PARTS, parts, strict=True):
                 out.waits[part] += s
     for key, rs in by_merge.items():
         rec = merges.get(key)
@@ -159,7 +161,8 @@ def split_run(
             out.pull_bytes.append(r.pull_bytes)
             out.applies.append(r.apply)
         if len(rs) > 1:
-            out.pull_spans.append(max(r.answered_at + r.pull for r in rs) - min(r.answered_at for r in rs))
+            last = max(r.answered_at + r.pull for r in rs)
+            out.pull_spans.append(last - min(r.answered_at for r in rs))
     return out
 
 
@@ -191,12 +194,17 @@ def _runs(paths: Sequence[Path]) -> list[Path]:
 def _ms(values: Sequence[float]) -> str:
     if not values:
         return "-"
-    return f"{statistics.median(values) * 1e3:.0f} ({min(values) * 1e3:.0f}-{max(values) * 1e3:.0f})"
+    low, mid, high = (x * 1e3 for x in (min(values), statistics.median(values), max(values)))
+    return f"{mid:.0f} ({low:.0f}-{high:.0f})"
 
 
 def table(paths: Sequence[Path]) -> str:
     """Markdown: per run, its waits by part and its merges' paths."""
-    head = "| run | waits (island-s) | " + " | ".join(PARTS) + " | pullable -> answer ms | pull ms (bytes) | apply ms | 4 pulls' span ms |"
+    head = (
+        "| run | waits (island-s) | "
+        + " | ".join(PARTS)
+        + " | pullable -> answer ms | pull ms (bytes) | apply ms | 4 pulls' span ms |"
+    )
     rows = [head, "|" + "---|" * (len(PARTS) + 6)]
     for folder in _runs(paths):
         s = read_run(folder)

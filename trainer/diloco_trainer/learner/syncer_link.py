@@ -138,20 +138,22 @@ class PullPath:
 
     pull: float  # the answer's transfer and decoding (PullCost.pull_seconds; 0: not known)
     pull_bytes: int  # the answer's body
-    rebuild: float  # a chain of updates added into the held weights, its checksum checked
-    prepare: float  # the receipt made ready (θ_global − θ_push) or staged on the GPU
-    trim: float  # freed memory given back (host_memory.trim) before the result was handed on
+    # A chain of updates added into the held weights, its checksum checked (and, on a host,
+    # the receipt made ready in the same worker thread).
+    rebuild: float
+    prepare: float  # the receipt made ready (θ_global − θ_push) apart, or staged on the GPU
     ready_at: float
 
     @property
     def answered_at(self) -> float:
-        return self.ready_at - self.pull - self.rebuild - self.prepare - self.trim
+        return self.ready_at - self.pull - self.rebuild - self.prepare
 
     def describe(self) -> str:
-        """E.g. 'pull 0.012s, rebuild 0.002s, ready 0.001s' for the receipt's log line."""
+        """E.g. 'pull 0.012s (73048 bytes), rebuild 0.002s, receipt ready 0.001s' for the
+        receipt's log line."""
         return (
-            f"pull {self.pull:.3f}s ({self.pull_bytes} bytes), rebuild {self.rebuild:.3f}s, receipt ready "
-            f"{self.prepare:.3f}s, trim {self.trim:.3f}s"
+            f"pull {self.pull:.3f}s ({self.pull_bytes} bytes), rebuild {self.rebuild:.3f}s, "
+            f"receipt ready {self.prepare:.3f}s"
         )
 
 
@@ -208,6 +210,9 @@ class SyncerLink:
         }
         # Pulls answered with a chain of updates, and chains that failed their check.
         self.pull_counts = {"updates": 0, "rebuildFailed": 0}
+        # The link's trim of freed memory (_trim_soon) and whether one more was asked for.
+        self._trim_task: asyncio.Task[None] | None = None
+        self._trim_again = False
         # Coroutines submit_later deferred, with their futures, until start_deferred.
         self._deferred: list[tuple[Coroutine[Any, Any, Any], Any]] = []
         self._loop = asyncio.new_event_loop()
@@ -366,15 +371,12 @@ class SyncerLink:
         # is awaited and pulled: let them go now, not when the sync ends (`ready`, a deferred
         # encoding's closure, holds them too). ARCHITECTURE.md, "A learner's memory".
         del encoded, ready
-        pulled, on_device, staging, trimmed = await self._take_merge(
-            fragment, after, held, prepare, run
-        )
+        pulled, on_device, staging = await self._take_merge(fragment, after, held, prepare, run)
         pull_path = PullPath(
             pull=pulled.cost.pull_seconds or 0.0,
             pull_bytes=pulled.cost.body_bytes,
             rebuild=pulled.cost.rebuild_seconds,
             prepare=staging,
-            trim=trimmed,
             ready_at=time.time(),
         )
         latency = None
@@ -406,22 +408,46 @@ class SyncerLink:
         held: HeldFragment | None,
         prepare: Callable[[Mapping[str, Tensor]], None] | None,
         run: str = "",
-    ) -> tuple[PulledFragment, Mapping[str, Tensor] | None, float, float]:
+    ) -> tuple[PulledFragment, Mapping[str, Tensor] | None, float]:
         """sync_fragment's pull of the merge after `after` (of a push syncer run `run`
-        accepted): the fragment, its copy on the GPU (or None), the seconds spent staging
-        and preparing it and the seconds of the trim."""
-        pulled, on_device = await self._pull_newer(fragment, after, held, run)
+        accepted): the fragment, its copy on the GPU (or None) and the seconds spent staging
+        and preparing it (a chain's receipt is made ready in its rebuild's worker thread:
+        counted there).
+
+        Why so (issue 45): at K = M a blocking learner waits through everything between the
+        merge and this result, and on two loaded cores each hop to a worker thread and back
+        cost a few ms (gpt-tiny, L = 0: rebuild, receipt and trim 24 ms a merge, median, 18% of
+        the waits): the receipt is made ready in the rebuild's hop, and the trim runs after
+        the result is handed on."""
+        once = _Once(prepare) if prepare is not None and self.stager is None else None
+        pulled, on_device = await self._pull_newer(fragment, after, held, run, prepare=once)
         staged_at = time.monotonic()
         if self.stager is not None and on_device is None:
             on_device = await asyncio.to_thread(self.stager.stage, pulled.tensors)
-        if prepare is not None and on_device is None:
-            await asyncio.to_thread(prepare, pulled.tensors)
+        if once is not None and not once.ran:
+            await asyncio.to_thread(once, pulled.tensors)
         staging = time.monotonic() - staged_at
         # This sync's freed buffers (its push, the pulled body) and the last receipt's (the
-        # replaced base, the weights at that push) back to the system (host_memory.py).
-        trimmed_at = time.monotonic()
-        await asyncio.to_thread(trim)
-        return pulled, on_device, staging, time.monotonic() - trimmed_at
+        # replaced base, the weights at that push) back to the system (host_memory.py), after
+        # the result is handed on: nothing waits for it.
+        self._trim_soon()
+        return pulled, on_device, staging
+
+    def _trim_soon(self) -> None:
+        """host_memory.trim in a worker thread, off every sync's path; one at a time (a trim
+        asked for while one runs runs once after it, for the buffers freed meanwhile)."""
+        if self._trim_task is not None and not self._trim_task.done():
+            self._trim_again = True
+            return
+
+        async def trims() -> None:
+            while True:
+                self._trim_again = False
+                await asyncio.to_thread(trim)
+                if not self._trim_again:
+                    return
+
+        self._trim_task = self._loop.create_task(trims())
 
     async def _lateness(
         self, fragment: int, meta: PushMeta, accepted: int, answered: float, *, within: bool
@@ -476,12 +502,20 @@ class SyncerLink:
         return SyncResult(pulled=pulled, outcome="resynced", seconds=time.monotonic() - start)
 
     async def _pull_newer(
-        self, fragment: int, after: int, held: HeldFragment | None = None, run: str = ""
+        self,
+        fragment: int,
+        after: int,
+        held: HeldFragment | None = None,
+        run: str = "",
+        *,
+        prepare: _Once | None = None,
     ) -> tuple[PulledFragment, Mapping[str, Tensor] | None]:
         """The fragment's global weights at a version > `after` (long-polling until there is
         one); as updates to `held` when the syncer offers them. (The weights, the same on the
         learner's GPU when they were rebuilt there, else None.) `run`: the syncer run that
-        accepted the push this waits for; PushLost when a restarted syncer says it lost it."""
+        accepted the push this waits for; PushLost when a restarted syncer says it lost it.
+        `prepare`: run on a rebuilt chain's host weights in the rebuild's worker thread, once
+        they match the syncer's checksum (not run otherwise: `prepare.ran` says)."""
         while True:
             try:
                 pulled = await self._client(fragment).pull_fragment(
@@ -493,7 +527,7 @@ class SyncerLink:
                 )
                 if isinstance(pulled, PulledUpdates):
                     began = time.monotonic()
-                    rebuilt, on_device = await self._rebuild(fragment, pulled, held)
+                    rebuilt, on_device = await self._rebuild(fragment, pulled, held, prepare)
                     cost = dataclasses.replace(
                         pulled.cost, rebuild_seconds=time.monotonic() - began
                     )
@@ -524,7 +558,11 @@ class SyncerLink:
                 await asyncio.sleep(WAIT_SLICE_SECONDS * 25)
 
     async def _rebuild(
-        self, fragment: int, chain: PulledUpdates, held: HeldFragment | None
+        self,
+        fragment: int,
+        chain: PulledUpdates,
+        held: HeldFragment | None,
+        prepare: _Once | None = None,
     ) -> tuple[PulledFragment, Mapping[str, Tensor] | None]:
         """The weights `chain` leads to from `held`, checked against the syncer's checksum, and
         the same on the GPU when they were rebuilt there; the full fragment (pulled again) when
@@ -533,7 +571,9 @@ class SyncerLink:
             problem = f"they start from version {chain.from_version}, not the one held"
         else:
             try:
-                on_device, tensors, checksum = await asyncio.to_thread(self._apply, held, chain)
+                on_device, tensors, checksum = await asyncio.to_thread(
+                    self._apply, held, chain, prepare
+                )
             except ValueError as err:
                 problem = str(err)
             else:
@@ -563,16 +603,18 @@ class SyncerLink:
         return full, None
 
     def _apply(
-        self, held: HeldFragment, chain: PulledUpdates
+        self, held: HeldFragment, chain: PulledUpdates, prepare: _Once | None = None
     ) -> tuple[Mapping[str, Tensor] | None, dict[str, Tensor], str]:
         """`chain` applied to `held` (on a worker thread): on the GPU when the learner holds
         the weights there, else on the host, into `held`'s own tensors when it allows it and
-        the result's checksum is the syncer's (else nothing is written). (on the GPU or None, on
-        the host, the host tensors' checksum)"""
+        the result's checksum is the syncer's (else nothing is written); then, on the host and
+        only when the checksum is the syncer's, `prepare` on the result in the same thread. (on
+        the GPU or None, on the host, the host tensors' checksum)"""
         check_updates({n: t.shape for n, t in held.tensors.items()}, chain.updates, chain.codec)
         if self.stager is not None and self.apply_on_device and held.on_device is not None:
             on_device, host = self.stager.rebuild(held.on_device, chain.updates, chain.codec)
             return on_device, host, weights_checksum(host)
+        tensors: dict[str, Tensor] | None = None
         if held.write is not None and all(in_place_ok(t) for t in held.tensors.values()):
             checksum = checksum_after_updates(held.tensors, chain.updates, chain.codec)
             if checksum != chain.checksum:
@@ -580,9 +622,13 @@ class SyncerLink:
             if held.write(
                 chain.version, lambda: add_updates(held.tensors, chain.updates, chain.codec)
             ):
-                return None, dict(held.tensors), checksum
-        tensors = apply_updates(held.tensors, chain.updates, chain.codec)
-        return None, tensors, weights_checksum(tensors)
+                tensors = dict(held.tensors)
+        if tensors is None:
+            tensors = apply_updates(held.tensors, chain.updates, chain.codec)
+            checksum = weights_checksum(tensors)
+        if prepare is not None and checksum == chain.checksum:
+            prepare(tensors)
+        return None, tensors, checksum
 
     async def heartbeats(self, interval: float) -> None:
         """Report progress to every shard every `interval` seconds, each shard on its own (one
@@ -682,6 +728,19 @@ class SyncerLink:
             log.warning("syncer link did not shut down cleanly: %s", err)
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(timeout=5.0)
+
+
+class _Once:
+    """A receipt's preparer (FragmentState.receipt_preparer) that says whether it ran: the
+    link runs it in a chain's rebuild hop when it can, else in a hop of its own."""
+
+    def __init__(self, prepare: Callable[[Mapping[str, Tensor]], None]) -> None:
+        self.prepare = prepare
+        self.ran = False
+
+    def __call__(self, tensors: Mapping[str, Tensor]) -> None:
+        self.prepare(tensors)
+        self.ran = True
 
 
 def in_place_ok(t: Tensor) -> bool:

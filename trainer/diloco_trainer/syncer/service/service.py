@@ -425,27 +425,18 @@ class Syncer:
                     return  # the round changed since the scheduler looked (a drop)
                 started = time.perf_counter()
                 merge = self.merger.take(self.state, f, now)  # 7.
-            prepared = await asyncio.to_thread(self.merger.prepare, merge)  # 8.
-            if isinstance(prepared, LeftOut):
-                async with self.control.locked():
-                    self.merger.recover(self.state, merge, prepared)
-                return
             new_version = self.state.versions[f] + 1  # only this merge moves f's version
-            result = await asyncio.to_thread(  # 9.
-                self.model.commit_merge, f, prepared, new_version=new_version
-            )
-            del prepared  # the merged pseudo-gradient (1/F x) goes before the new body comes
-            # f's new pull body, built before the round closes so that it is pullable the
-            # moment the version moves; its key is checked again then (publish re-encodes it
-            # if the outer step came out otherwise).
-            others = (r.rounds for g, r in enumerate(self.state.rounds) if g != f)
-            outer_step = min([result.rounds, *others])
-            body = await asyncio.to_thread(  # 10.
-                self.publisher.encode,
-                f,
-                (new_version, outer_step, self.finished),
-                time.perf_counter() - started,
-            )
+            # The other fragments' rounds, for the new body's outer step: no other merge runs
+            # meanwhile (the merging lock), so they are read here, on the loop.
+            others = [r.rounds for g, r in enumerate(self.state.rounds) if g != f]
+            worked = await asyncio.to_thread(
+                self._merge_work, merge, new_version, others, started
+            )  # 8.-10.
+            if isinstance(worked, LeftOut):
+                async with self.control.locked():
+                    self.merger.recover(self.state, merge, worked)
+                return
+            result, body = worked
             async with self.control.locked():
                 seconds = time.perf_counter() - started
                 entry = self.merger.record(self.state, merge, result, seconds)  # 11.
@@ -459,6 +450,29 @@ class Syncer:
         self.merger.logged(seconds)
         log.info("%s", describe_merge(entry))
         await self._after_merge()
+
+    def _merge_work(
+        self, merge: Any, new_version: int, others: list[int], started: float
+    ) -> LeftOut | tuple[Any, Any]:
+        """Steps 8-10 of a merge of fragment `merge`'s round, in one worker thread: prepare
+        (LeftOut: an offender left out, nothing committed), commit, and f's new pull body,
+        built before the round closes so that it is pullable the moment the version moves (its
+        key is checked again then: publish re-encodes it if the outer step came out otherwise).
+
+        One thread, not one per step (issue 45): at K = M every island waits through the merge,
+        and on two loaded cores each hop from the loop to a worker thread and back cost a few
+        ms of it."""
+        prepared = self.merger.prepare(merge)  # 8.
+        if isinstance(prepared, LeftOut):
+            return prepared
+        f = merge.fragment
+        result = self.model.commit_merge(f, prepared, new_version=new_version)  # 9.
+        del prepared  # the merged pseudo-gradient (1/F x) goes before the new body comes
+        outer_step = min([result.rounds, *others])
+        body = self.publisher.encode(  # 10.
+            f, (new_version, outer_step, self.finished), time.perf_counter() - started
+        )
+        return result, body
 
     async def _after_merge(self) -> None:
         """Publish, evaluate, checkpoint and finish as due (merge lock held). Every evaluation
