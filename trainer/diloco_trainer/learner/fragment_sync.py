@@ -729,7 +729,6 @@ class FragmentSync:
             # A sync that rode out a syncer restart took the outage's time: kept, it would
             # raise the wait budget (3x the recent times) for the next rounds.
             self.round_times = [*self.round_times[-7:], result.seconds]
-        path = result.pull_path
         log.info(
             "step %d: fragment %d applied version %d (%s, %.2fs after the push; %.3fs on the "
             "training thread%s)",
@@ -739,7 +738,7 @@ class FragmentSync:
             result.outcome,
             result.seconds,
             time.perf_counter() - began,
-            "" if path is None else f"; {path.describe()}, ready at {path.ready_at:.3f}",
+            "" if result.pull_path is None else f"; {result.pull_path.describe()}",
         )
         if result.pulled.finished:
             self.link.finished.set()

@@ -149,11 +149,11 @@ class PullPath:
         return self.ready_at - self.pull - self.rebuild - self.prepare
 
     def describe(self) -> str:
-        """E.g. 'pull 0.012s (73048 bytes), rebuild 0.002s, receipt ready 0.001s' for the
-        receipt's log line."""
+        """E.g. 'pull 0.012s (73048 bytes), rebuild 0.002s, receipt ready 0.001s, ready at
+        1795986391.041' for the receipt's log line."""
         return (
             f"pull {self.pull:.3f}s ({self.pull_bytes} bytes), rebuild {self.rebuild:.3f}s, "
-            f"receipt ready {self.prepare:.3f}s"
+            f"receipt ready {self.prepare:.3f}s, ready at {self.ready_at:.3f}"
         )
 
 
@@ -371,24 +371,10 @@ class SyncerLink:
         # is awaited and pulled: let them go now, not when the sync ends (`ready`, a deferred
         # encoding's closure, holds them too). ARCHITECTURE.md, "A learner's memory".
         del encoded, ready
-        pulled, on_device, staging = await self._take_merge(fragment, after, held, prepare, run)
-        pull_path = PullPath(
-            pull=pulled.cost.pull_seconds or 0.0,
-            pull_bytes=pulled.cost.body_bytes,
-            rebuild=pulled.cost.rebuild_seconds,
-            prepare=staging,
-            ready_at=time.time(),
-        )
+        pulled, on_device, path = await self._take_merge(fragment, after, held, prepare, run)
         latency = None
         if push_seconds is not None and outcome == "merged":
-            latency = sync_latency(
-                push_seconds=push_seconds,
-                push_bytes=push_bytes,
-                merge_seconds=pulled.cost.merge_seconds,
-                pull_bytes=pulled.cost.body_bytes,
-                pull_seconds=pulled.cost.pull_seconds,
-                rebuild_seconds=pulled.cost.rebuild_seconds + staging,
-            )
+            latency = _latency(push_seconds, push_bytes, pulled, path)
         return SyncResult(
             pulled=pulled,
             outcome=outcome,
@@ -398,7 +384,7 @@ class SyncerLink:
             latency=latency,
             on_device=on_device,
             restarted=restarted,
-            pull_path=pull_path,
+            pull_path=path,
         )
 
     async def _take_merge(
@@ -408,11 +394,11 @@ class SyncerLink:
         held: HeldFragment | None,
         prepare: Callable[[Mapping[str, Tensor]], None] | None,
         run: str = "",
-    ) -> tuple[PulledFragment, Mapping[str, Tensor] | None, float]:
+    ) -> tuple[PulledFragment, Mapping[str, Tensor] | None, PullPath]:
         """sync_fragment's pull of the merge after `after` (of a push syncer run `run`
-        accepted): the fragment, its copy on the GPU (or None) and the seconds spent staging
-        and preparing it (a chain's receipt is made ready in its rebuild's worker thread:
-        counted there).
+        accepted): the fragment, its copy on the GPU (or None) and where the time went (its
+        `prepare`: staging and preparing it; a chain's receipt is made ready in its rebuild's
+        worker thread, counted there).
 
         Why so (issue 45): at K = M a blocking learner waits through everything between the
         merge and this result, and on two loaded cores each hop to a worker thread and back
@@ -431,7 +417,14 @@ class SyncerLink:
         # replaced base, the weights at that push) back to the system (host_memory.py), after
         # the result is handed on: nothing waits for it.
         self._trim_soon()
-        return pulled, on_device, staging
+        path = PullPath(
+            pull=pulled.cost.pull_seconds or 0.0,
+            pull_bytes=pulled.cost.body_bytes,
+            rebuild=pulled.cost.rebuild_seconds,
+            prepare=staging,
+            ready_at=time.time(),
+        )
+        return pulled, on_device, path
 
     def _trim_soon(self) -> None:
         """host_memory.trim in a worker thread, off every sync's path; one at a time (a trim
@@ -728,6 +721,21 @@ class SyncerLink:
             log.warning("syncer link did not shut down cleanly: %s", err)
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(timeout=5.0)
+
+
+def _latency(
+    push_seconds: float, push_bytes: int, pulled: PulledFragment, path: PullPath
+) -> float | None:
+    """A merged sync's latency less any wait for peers (overlap.sync_latency): what
+    sync.overlapMode auto fits τ to; the receipt made ready or staged counts with the rebuild."""
+    return sync_latency(
+        push_seconds=push_seconds,
+        push_bytes=push_bytes,
+        merge_seconds=pulled.cost.merge_seconds,
+        pull_bytes=pulled.cost.body_bytes,
+        pull_seconds=pulled.cost.pull_seconds,
+        rebuild_seconds=pulled.cost.rebuild_seconds + path.prepare,
+    )
 
 
 class _Once:
