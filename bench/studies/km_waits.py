@@ -27,12 +27,15 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import math
 import re
 import statistics
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
+
+from bench.harness.merge_waits import pushes_in
 
 PARTS = ("peer", "fold", "merge", "answer", "pull", "apply", "hand-over")
 
@@ -111,6 +114,7 @@ class RunSplit:
     """One run's waits by part (island-seconds) and its merges' paths."""
 
     waits: dict[str, float] = field(default_factory=lambda: dict.fromkeys(PARTS, 0.0))
+    first: float = 0.0  # island-seconds waited for each fragment's first merge (left out above)
     answer_after_merge: list[float] = field(default_factory=list)
     pulls: list[float] = field(default_factory=list)
     pull_bytes: list[int] = field(default_factory=list)
@@ -137,7 +141,10 @@ def split_run(
             by_merge.setdefault(key, []).append(r)
         for w in waits:
             rec, got = merges.get((w.fragment, w.version)), receipts.get((w.fragment, w.version))
-            if rec is None or got is None or w.version <= firsts[w.fragment]:
+            if rec is None or got is None:
+                continue
+            if w.version <= firsts[w.fragment]:
+                out.first += w.seconds
                 continue
             last_push = max(float(c["receivedAt"]) for c in rec["contributors"])  # type: ignore[attr-defined]
             marks = [
@@ -164,6 +171,16 @@ def split_run(
             last = max(r.answered_at + r.pull for r in rs)
             out.pull_spans.append(last - min(r.answered_at for r in rs))
     return out
+
+
+def windows_wall(folder: Path) -> float:
+    """The wall seconds of every island's progress windows as bench/busy_link reads them (its
+    utilisation's denominator: the first window left out)."""
+    total = 0.0
+    for log in folder.glob("island-*.log"):
+        for m in list(_WINDOW.finditer(log.read_text(errors="replace")))[1:]:
+            total += float(m[2]) + float(m[3]) + float(m[4])
+    return total or float("nan")
 
 
 def pullable(rec: Mapping[str, object]) -> float:
@@ -201,20 +218,97 @@ def _ms(values: Sequence[float]) -> str:
 def table(paths: Sequence[Path]) -> str:
     """Markdown: per run, its waits by part and its merges' paths."""
     head = (
-        "| run | waits (island-s) | "
+        "| run | first merges' waits (island-s, % of windows) | later waits | "
         + " | ".join(PARTS)
         + " | pullable -> answer ms | pull ms (bytes) | apply ms | 4 pulls' span ms |"
     )
-    rows = [head, "|" + "---|" * (len(PARTS) + 6)]
+    rows = [head, "|" + "---|" * (len(PARTS) + 7)]
     for folder in _runs(paths):
         s = read_run(folder)
         w = s.waited or float("nan")
+        wall = windows_wall(folder)
         parts = " | ".join(f"{s.waits[p]:.2f} ({s.waits[p] / w:.0%})" for p in PARTS)
         size = statistics.median(s.pull_bytes) if s.pull_bytes else 0
         rows.append(
-            f"| {folder.parent.name}/{folder.name} | {s.waited:.2f} | {parts} | "
+            f"| {folder.parent.name}/{folder.name} | {s.first:.2f} ({s.first / wall:.1%}) | "
+            f"{s.waited:.2f} ({s.waited / wall:.1%}) | {parts} | "
             f"{_ms(s.answer_after_merge)} | {_ms(s.pulls)} ({size:.0f}) | {_ms(s.applies)} | "
             f"{_ms(s.pull_spans)} |"
+        )
+    return "\n".join(rows)
+
+
+_WINDOW = re.compile(
+    r"(\d+) steps: ([\d.]+)s training, ([\d.]+)s sync path, ([\d.]+)s waiting for the syncer"
+)
+_STEP_TIME = re.compile(r"(\d+) steps: ([\d.]+)s training")
+
+
+@dataclass(frozen=True)
+class Drift:
+    """The slowest peer's drift at K = M in one run (task: is it step-time noise, a start-up
+    offset that never closes, or round sizing?). Spreads: the last push of a merge less the
+    first, seconds."""
+
+    first_spread: float  # the first merge's (the islands' start-up offset)
+    spreads: list[float]  # every later merge's
+    last_shares: dict[str, float]  # island -> share of the later merges it pushed last
+    step_times: dict[str, float]  # island -> its median training seconds a step (its windows)
+    steps_between: float  # the median steps between an island's two pushes
+
+    @property
+    def speed_spread(self) -> float:
+        """What steady speed differences alone would put between two pushes: the slowest
+        island's median step time less the fastest's, times the steps between pushes."""
+        times = list(self.step_times.values())
+        return (max(times) - min(times)) * self.steps_between if times else math.nan
+
+
+def drift(pushes: Mapping[str, Mapping[tuple[int, int], float]], logs: Mapping[str, str]) -> Drift:
+    """Drift of one run from its islands' pushes ((fragment, base version) -> time,
+    merge_waits.pushes_in) and log texts."""
+    names = list(pushes)
+    keys = set.intersection(*(set(p) for p in pushes.values())) if names else set()
+    merges = sorted(
+        (sorted((pushes[n][k], n) for n in names) for k in keys), key=lambda ts: ts[-1][0]
+    )
+    spreads = [ts[-1][0] - ts[0][0] for ts in merges]
+    later = merges[1:]
+    last = dict.fromkeys(names, 0.0)
+    for ts in later:
+        last[ts[-1][1]] += 1 / len(later)
+    step_times = {}
+    for name, text in logs.items():
+        per = [float(m[2]) / int(m[1]) for m in _STEP_TIME.finditer(text)][1:]
+        if per:
+            step_times[name] = statistics.median(per)
+    gaps = []
+    for p in pushes.values():
+        times = sorted(p.values())
+        gaps += [b - a for a, b in itertools.pairwise(times)]
+    per_step = statistics.median(step_times.values()) if step_times else math.nan
+    between = statistics.median(gaps) / per_step if gaps and per_step > 0 else math.nan
+    return Drift(spreads[0] if spreads else math.nan, spreads[1:], last, step_times, between)
+
+
+def drift_table(paths: Sequence[Path]) -> str:
+    """Markdown: per run, the drift's size and its candidates' sizes."""
+    rows = [
+        "| run | first merge's spread s | later spreads s, median (max) | last pusher: most "
+        "often (share) | step time ms by island | steady speed gap x steps between pushes s |",
+        "|---|---|---|---|---|---|",
+    ]
+    for folder in _runs(paths):
+        logs: dict[str, str] = {}
+        for log in sorted(folder.glob("island-*.log")):
+            logs[log.name.split(".")[0]] = log.read_text(errors="replace")
+        d = drift({n: pushes_in(t) for n, t in logs.items()}, logs)
+        who, share = max(d.last_shares.items(), key=lambda kv: kv[1])
+        times = ", ".join(f"{t * 1e3:.0f}" for t in d.step_times.values())
+        later = f"{statistics.median(d.spreads):.3f} ({max(d.spreads):.3f})" if d.spreads else "-"
+        rows.append(
+            f"| {folder.parent.name}/{folder.name} | {d.first_spread:.3f} | {later} | {who} "
+            f"({share:.0%}) | {times} | {d.speed_spread:.3f} |"
         )
     return "\n".join(rows)
 
@@ -222,8 +316,9 @@ def table(paths: Sequence[Path]) -> str:
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("runs", type=Path, nargs="+", help="busy_link workdirs or run folders")
+    p.add_argument("--drift", action="store_true", help="the slowest peer's drift instead")
     args = p.parse_args(argv)
-    print(table(args.runs))
+    print(drift_table(args.runs) if args.drift else table(args.runs))
     return 0
 
 

@@ -17,7 +17,7 @@ from diloco_trainer.learner.syncer_client import SyncerClient
 from diloco_trainer.learner.syncer_link import HeldFragment, PullPath, SyncerLink, _Once
 from torch import Tensor
 
-from bench.studies.km_waits import receipts_and_waits, split_run, split_wait
+from bench.studies.km_waits import drift, receipts_and_waits, split_run, split_wait
 
 from .test_learner_pull_in_place import chain_for, small_base
 
@@ -156,3 +156,27 @@ def test_km_waits_splits_a_wait_by_its_merge_s_path() -> None:
         abs=2e-3,  # the log's stamps are to the ms
     )
     assert s.waited == pytest.approx(0.5)
+
+
+def test_km_waits_drift_reads_the_start_up_offset_apart_from_later_spreads() -> None:
+    # Three merges of two islands: the first 2.0 s apart (b started late; a waits for it),
+    # then 0.1 s and 0.3 s, b last in both; a's steps 10 ms, b's 12 ms (windows after the
+    # first).
+    pushes = {
+        "a": {(0, 0): 10.0, (1, 0): 12.165, (0, 1): 12.33},
+        "b": {(0, 0): 12.0, (1, 0): 12.265, (0, 1): 12.63},
+    }
+    window = "20 steps: {t}s training, 0.0s sync path, 0.0s waiting for the syncer\n"
+    logs = {
+        "a": window.format(t=9.9) + window.format(t=0.2) * 2,
+        "b": window.format(t=9.9) + window.format(t=0.24) * 2,
+    }
+    d = drift(pushes, logs)
+    assert d.first_spread == pytest.approx(2.0)
+    assert d.spreads == pytest.approx([0.1, 0.3])
+    assert d.last_shares == {"a": 0.0, "b": 1.0}
+    assert d.step_times == pytest.approx({"a": 0.010, "b": 0.012})
+    # Gaps between an island's pushes: a 2.165, 0.165; b 0.265, 0.365: median 0.315 s over
+    # the median step 0.011 s; the speed gap 2 ms a step over those steps.
+    assert d.steps_between == pytest.approx(0.315 / 0.011)
+    assert d.speed_spread == pytest.approx(0.002 * 0.315 / 0.011)
