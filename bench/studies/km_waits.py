@@ -120,6 +120,9 @@ class RunSplit:
     pull_bytes: list[int] = field(default_factory=list)
     applies: list[float] = field(default_factory=list)
     pull_spans: list[float] = field(default_factory=list)  # first answer to last pull's end
+    # Each receipt's result ready on the link less its merge's last push at the syncer: what
+    # an island that waits for the slowest peer waits after that peer's push came.
+    after_last_push: list[float] = field(default_factory=list)
 
     @property
     def waited(self) -> float:
@@ -162,7 +165,9 @@ def split_run(
         rec = merges.get(key)
         if rec is None or key[1] <= firsts[key[0]]:
             continue
+        last_push = max(float(c["receivedAt"]) for c in rec["contributors"])  # type: ignore[attr-defined]
         for r in rs:
+            out.after_last_push.append(r.ready_at - last_push)
             out.answer_after_merge.append(r.answered_at - pullable(rec))
             out.pulls.append(r.pull)
             out.pull_bytes.append(r.pull_bytes)
@@ -220,9 +225,10 @@ def table(paths: Sequence[Path]) -> str:
     head = (
         "| run | first merges' waits (island-s, % of windows) | later waits | "
         + " | ".join(PARTS)
-        + " | pullable -> answer ms | pull ms (bytes) | apply ms | 4 pulls' span ms |"
+        + " | pullable -> answer ms | pull ms (bytes) | apply ms | 4 pulls' span ms "
+        + "| last push -> ready ms |"
     )
-    rows = [head, "|" + "---|" * (len(PARTS) + 7)]
+    rows = [head, "|" + "---|" * (len(PARTS) + 8)]
     for folder in _runs(paths):
         s = read_run(folder)
         w = s.waited or float("nan")
@@ -233,7 +239,7 @@ def table(paths: Sequence[Path]) -> str:
             f"| {folder.parent.name}/{folder.name} | {s.first:.2f} ({s.first / wall:.1%}) | "
             f"{s.waited:.2f} ({s.waited / wall:.1%}) | {parts} | "
             f"{_ms(s.answer_after_merge)} | {_ms(s.pulls)} ({size:.0f}) | {_ms(s.applies)} | "
-            f"{_ms(s.pull_spans)} |"
+            f"{_ms(s.pull_spans)} | {_ms(s.after_last_push)} |"
         )
     return "\n".join(rows)
 
