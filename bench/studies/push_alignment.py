@@ -63,8 +63,8 @@ CASES: dict[str, tuple[float, int]] = {
     "1:3/K=1": (3.0, 1),
     "1:3/K=M": (3.0, 2),
 }
-HONEST_COLUMNS = ("case", "reference", "pushes", "n", "min z", "1st pct z", "median z")
-HONEST_COLUMNS += ("min |z|", "1st pct |z|")
+HONEST_COLUMNS: tuple[str, ...] = ("case", "reference", "pushes", "n", "min z", "1st pct z")
+HONEST_COLUMNS += ("median z", "min |z|", "1st pct |z|")
 RECORDS_ENV = "DILOCO_STUDY_ALIGNMENT_FILE"  # where the child syncer writes its records
 
 
