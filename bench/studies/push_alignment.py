@@ -110,7 +110,10 @@ def cos(a: torch.Tensor, b: torch.Tensor | None) -> float | None:
 
 
 class Recorder:
-    """The references per fragment and the records, shared by the hooked methods."""
+    """The references per fragment and the records, shared by the hooked methods. It holds no
+    copy of the model: per island and fragment RECENT + 2 direction samples (at most
+    direction.SAMPLE values each, fp64) and one per fragment for the last update, whatever the
+    model's size."""
 
     def __init__(self, path: Path) -> None:
         self.out = path.open("a", buffering=1)
