@@ -58,14 +58,15 @@ class Api:
     """Thin wrapper over the kubernetes client for what this benchmark does."""
 
     def __init__(self, cluster: ControlPlane) -> None:
+        from diloco_operator.kube import TimedDynamicClient
         from kubernetes import client
-        from kubernetes.dynamic import DynamicClient
 
         self.api_client = cluster.api_client()
         self.core = client.CoreV1Api(self.api_client)
         self.apps = client.AppsV1Api(self.api_client)
         self.custom = client.CustomObjectsApi(self.api_client)
-        self.dynamic = DynamicClient(self.api_client)
+        # Discovery from this cluster, not a cache file a cluster once at this address left.
+        self.dynamic = TimedDynamicClient(self.api_client)
 
     def namespace(self, name: str) -> None:
         self.core.create_namespace({"metadata": {"name": name}})

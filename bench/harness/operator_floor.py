@@ -23,10 +23,9 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor, wait
 from typing import Any
 
-from diloco_operator.kube import API_THREADS
+from diloco_operator.kube import API_THREADS, TimedDynamicClient
 from diloco_operator.reconcile_slots import FIRST_RECONCILE_SLOTS
 from kubernetes import client
-from kubernetes.dynamic import DynamicClient
 
 from bench.harness.common import Table, fmt_ratio, ratio
 from bench.harness.kube_cluster import Api
@@ -43,7 +42,8 @@ class FloorCreator:
     """Creates each queued job's objects: `slots` jobs at a time, their objects at once."""
 
     def __init__(self, api_client: client.ApiClient, slots: int, threads: int) -> None:
-        self._dyn = DynamicClient(api_client)
+        # The operator's client: discovery from this server, not a cache file another run left.
+        self._dyn = TimedDynamicClient(api_client)
         self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="floor-api")
         self._jobs: queue.Queue[tuple[str, list[dict[str, Any]]] | None] = queue.Queue()
         self.done: dict[str, float] = {}  # job -> when its last create was answered

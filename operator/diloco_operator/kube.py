@@ -11,8 +11,11 @@ Every call has a deadline: a connect and a read timeout on the request itself, a
 over the whole call. The client's API discovery passes no timeout of its own, so its requests get
 the same connect and read timeouts (TimedDynamicClient): against a server that accepts and never
 answers, discovery ends with an error instead of holding its thread for ever, one more thread
-for every retry. Each outcome tells probes.API_HEALTH whether the API server answers, which the
-operator's readiness reports.
+for every retry. Discovery is held in memory only (MemoryDiscoverer): the client's default reads
+and writes a file named by the API server's URL in the shared temporary directory, so a file left
+by another process (an earlier operator, another server once at that address) answered discovery
+in place of the server. Each outcome tells probes.API_HEALTH whether the API server answers,
+which the operator's readiness reports.
 """
 
 from __future__ import annotations
@@ -21,6 +24,9 @@ import asyncio
 import base64
 import contextlib
 import functools
+import os
+import tempfile
+import uuid
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -30,6 +36,7 @@ import urllib3
 from kubernetes import client, config
 from kubernetes.client.exceptions import ApiException
 from kubernetes.dynamic import DynamicClient
+from kubernetes.dynamic.discovery import LazyDiscoverer
 from kubernetes.dynamic.exceptions import ConflictError, NotFoundError
 
 from diloco_operator import api, metrics
@@ -79,10 +86,32 @@ def _as_dict(_client: Any, data: Any) -> Any:
     return data
 
 
+class MemoryDiscoverer(LazyDiscoverer):
+    """The client's lazy discovery, cached in this process's memory only: it never writes its
+    cache file, and it is given one no process has written (`_unwritten_cache_file`), so every
+    operator process discovers from the API server it talks to. (A read-only container could not
+    write the file anyway.)"""
+
+    def _write_cache(self) -> None:
+        return None
+
+
+def _unwritten_cache_file() -> str:
+    """A cache path that does not exist and is never written (MemoryDiscoverer): the client
+    reads a cache file when its path exists."""
+    return os.path.join(tempfile.gettempdir(), f"diloco-operator-discovery-{uuid.uuid4().hex}")
+
+
 class TimedDynamicClient(DynamicClient):
     """DynamicClient whose every request has the connect and read timeouts of the operator's
     calls unless the caller gives its own: discovery (at construction and when a kind is first
-    looked up) calls `request` without one, and urllib3 would then wait for ever."""
+    looked up) calls `request` without one, and urllib3 would then wait for ever. Its discovery
+    is the process's own (MemoryDiscoverer)."""
+
+    def __init__(self, api_client: client.ApiClient) -> None:
+        super().__init__(
+            api_client, cache_file=_unwritten_cache_file(), discoverer=MemoryDiscoverer
+        )
 
     def request(self, method: str, path: str, body: Any = None, **params: Any) -> Any:
         params.setdefault("_request_timeout", (CONNECT_TIMEOUT, READ_TIMEOUT))

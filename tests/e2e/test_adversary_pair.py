@@ -178,20 +178,20 @@ def test_adversary_pair_zero_claims_carry_no_work_and_are_named(syncer: SyncerHa
     1/32 of the cap's share 1.5 x 0.1 x lr 1e-3: a zero push is refused `work_unsupported`
     (never towards a drop), credits no token, and eight in a row name the adversary
     (islandWorkUnsupported); the honest island's next merge is then complete alone (fraction
-    1: the adversary no longer spans the round)."""
+    1: the adversary no longer spans the round).
+
+    The pushes claim a round (H = 4 steps) each, not 16: the work rate's burst holds two pushes'
+    most (2 x 16 steps), so eight of 4 pass it whatever the machine's speed. Claims of 16 back to
+    back are also refused `steps_out_of_range` whenever they come faster than the bucket fills
+    (16 steps at 1.5 / 1 ms: 10.7 ms), and those refusals are the island's own and count towards
+    maxRefusals (5 here): on a fast host they dropped it before the eighth evidence refusal."""
     shapes = join_all(syncer, (HONEST, ADVERSARY))
     for _ in range(WARMUP):
         honest_push(syncer, shapes)
     zero = filled(shapes, 0.0)
-    unsupported = 0
-    for _ in range(60):  # the work rate may refuse a few first (steps_out_of_range)
-        code, doc = push_as(syncer, ADVERSARY, zero, steps=16, tokens=16 * 64, step_time=0.001)
-        assert code == 422, (code, doc)
-        assert doc["code"] in (protocol.ERROR_UNSUPPORTED_WORK, protocol.ERROR_STEPS_RANGE), doc
-        unsupported += doc["code"] == protocol.ERROR_UNSUPPORTED_WORK
-        if unsupported == 8:
-            break
-    assert unsupported == 8
+    for _ in range(8):
+        code, doc = push_as(syncer, ADVERSARY, zero, steps=4, tokens=4 * 64, step_time=0.001)
+        assert (code, doc["code"]) == (422, protocol.ERROR_UNSUPPORTED_WORK), (code, doc)
     doc = syncer.status()
     kinds = {p["kind"]: p["message"] for p in doc["health"]["problems"]}
     assert ADVERSARY in kinds.get("islandWorkUnsupported", ""), kinds

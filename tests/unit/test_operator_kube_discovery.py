@@ -6,16 +6,20 @@ thread. Now each discovery request has the operator's connect and read timeouts.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import http.server
 import json
 import socket
+import tempfile
 import threading
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 from diloco_operator import kube
 from kubernetes import client
+from kubernetes.dynamic import DynamicClient
 
 
 @pytest.fixture
@@ -68,6 +72,42 @@ def test_kube_discovery_ends_against_a_server_that_never_answers(
     thread.join(timeout=20)
     assert not thread.is_alive(), "discovery still blocked on a server that never answers"
     assert len(outcome) == 1 and isinstance(outcome[0], kube._UNANSWERED), outcome
+
+
+def _library_cache_file(host: str) -> Path:
+    """Where the client's default discovery keeps its cache for `host` (kubernetes.dynamic)."""
+    digest = hashlib.md5(host.encode("utf-8"), usedforsecurity=False).hexdigest()
+    return Path(tempfile.gettempdir()) / f"osrcp-{digest}.json"
+
+
+def test_kube_discovery_asks_the_server_whatever_cache_file_another_process_left(
+    silent_server: int,
+    slow_discovery: tuple[int, list[float], threading.Event],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The client's default discovery reads a cache file named by the server's URL in the shared
+    temporary directory: one an earlier process left for the same address answered discovery
+    without a request, so building the client against a server that never answers succeeded
+    (the test above flaked when a port came round again). Here the library itself writes that
+    file (discovery from a server that answers, moved to the silent server's name): its own
+    client then builds against the silent server; the operator's asks the server and fails."""
+    served, _, _ = slow_discovery
+    answering = client.Configuration()
+    answering.host = f"http://127.0.0.1:{served}"
+    DynamicClient(client.ApiClient(answering))  # the library's default: writes its cache file
+    silent = client.Configuration()
+    silent.host = f"http://127.0.0.1:{silent_server}"
+    silent.retries = 1
+    stale = _library_cache_file(silent.host)
+    _library_cache_file(answering.host).replace(stale)
+    monkeypatch.setattr(kube, "READ_TIMEOUT", 0.2)
+    try:
+        DynamicClient(client.ApiClient(silent))  # answered by the file: no request made
+        with pytest.raises(kube._UNANSWERED):
+            kube.Kube(client.ApiClient(silent))
+        assert not list(Path(tempfile.gettempdir()).glob("diloco-operator-discovery-*"))
+    finally:
+        stale.unlink(missing_ok=True)
 
 
 # Discovery documents of a small API server: the core group and apps/v1 with StatefulSets.

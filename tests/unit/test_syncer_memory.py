@@ -8,9 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-import torch
 from diloco_trainer.syncer.merging import heap
-from diloco_trainer.syncer.merging.heap import return_freed_memory
 
 
 def rss() -> int:
@@ -21,22 +19,31 @@ def rss() -> int:
 
 
 def test_freed_buffers_leave_the_process() -> None:
-    assert return_freed_memory()  # this test runs on glibc Linux
-    # 64 buffers of 2 MiB (above the 1 MiB threshold, below glibc's default 32 MiB ceiling).
-    # Without the fixed threshold, the first 2 MiB freed raises glibc's threshold above 2 MiB,
-    # the buffers then come from the heap, and a small block after them pins it: all 128 MiB
-    # stay with the process after the free (measured: 128 MiB kept, 0 with the threshold).
-    warm = torch.ones(512 * 1024)
-    del warm
-    before = rss()
-    held = [torch.ones(512 * 1024) for _ in range(64)]
-    pin = torch.ones(16)
-    grown = rss()
-    del held
-    after = rss()
-    assert float(pin.sum()) == 16.0
-    assert grown - before >= 100 * 2**20
-    assert after - before < 16 * 2**20
+    """64 buffers of 2 MiB (above the 1 MiB threshold, below glibc's default 32 MiB ceiling).
+    Without the fixed threshold, a 4 MiB buffer freed first raises glibc's threshold to 4 MiB,
+    the buffers then come from the heap, and a small block after them pins it: all 128 MiB stay
+    with the process after the free (measured: 128 MiB kept, 0 with the threshold). In a fresh
+    interpreter (_FREE_SCENARIO): the process's resident size is every thread's, and threads
+    earlier tests left in the test process (a server's, a pool's) grew it by 18 MiB between the
+    two readings on a loaded host."""
+    got = _run_scenario(_FREE_SCENARIO)
+    assert got["fixed"]  # this test runs on glibc Linux
+    assert got["total"] == 16.0
+    assert got["grown"] >= 100 * 2**20
+    assert got["after"] < 16 * 2**20
+
+
+def _run_scenario(scenario: str) -> dict[str, float]:
+    """Run a scenario of this file in a fresh interpreter, heap.py loaded from its file; its last
+    line of output, a JSON object."""
+    out = subprocess.run(
+        [sys.executable, "-c", scenario.replace("HEAP_FILE", repr(heap.__file__))],
+        check=True,
+        capture_output=True,
+        text=True,
+    )
+    got: dict[str, float] = json.loads(out.stdout.strip().splitlines()[-1])
+    return got
 
 
 # Run in a fresh interpreter: in the test process, earlier tests leave free holes in the heap
@@ -44,7 +51,7 @@ def test_freed_buffers_leave_the_process() -> None:
 # and free() alone would trim them, leaving trim() nothing to show. For the same reason the
 # module is loaded from its file, not through its package's face, whose imports (the global
 # model, numba, safetensors) leave such holes too.
-_TRIM_SCENARIO = """
+_PRELUDE = """
 import importlib.util
 import json
 from pathlib import Path
@@ -64,6 +71,30 @@ def rss():
     raise AssertionError("no VmRSS")
 
 
+"""
+
+_FREE_SCENARIO = (
+    _PRELUDE
+    + """
+fixed = return_freed_memory()
+# 4 MiB freed: without the fixed threshold glibc raises it to 4 MiB, so 2 MiB buffers come
+# from the heap (in the test process earlier tests' frees had raised it already).
+warm = torch.ones(1024 * 1024)
+del warm
+before = rss()
+held = [torch.ones(512 * 1024) for _ in range(64)]
+pin = torch.ones(16)
+grown = rss()
+del held
+after = rss()
+print(json.dumps(dict(fixed=fixed, total=float(pin.sum()), grown=grown - before,
+                      after=after - before)))
+"""
+)
+
+_TRIM_SCENARIO = (
+    _PRELUDE
+    + """
 fixed = return_freed_memory()
 before = rss()
 # 256 buffers of 256 KiB (below the 1 MiB threshold), each followed by a small live block
@@ -81,18 +112,13 @@ total = sum(float(p.sum()) for p in pins)
 print(json.dumps(dict(fixed=fixed, trimmed=trimmed, total=total, grown=grown - before,
                       kept=kept - before, after=after - before)))
 """
+)
 
 
 def test_trim_hands_back_free_pages_between_live_blocks() -> None:
     """Blocks below the threshold come from the heap; freed between live ones, their pages stay
     with the process until trim() gives them back."""
-    out = subprocess.run(
-        [sys.executable, "-c", _TRIM_SCENARIO.replace("HEAP_FILE", repr(heap.__file__))],
-        check=True,
-        capture_output=True,
-        text=True,
-    )
-    got = json.loads(out.stdout.strip().splitlines()[-1])
+    got = _run_scenario(_TRIM_SCENARIO)
     assert got["fixed"] and got["trimmed"]
     assert got["total"] == 256 * 16.0
     assert got["grown"] >= 48 * 2**20
