@@ -1,0 +1,109 @@
+"""A slow island's merge waits at K = M filled with steps (learner/step_plan.fills_wait, issue 47):
+hand-derived schedules in units of a fast island's step (H = 20, merges every 20)."""
+
+from __future__ import annotations
+
+import pytest
+from diloco_trainer.core.island_rounds import LOCK_STEP_ROOM
+from diloco_trainer.learner.step_plan import (
+    FillFragment,
+    fills_wait,
+    merge_period,
+    steps_to_due,
+)
+
+ROOM = LOCK_STEP_ROOM  # 0.1: 2 of a 20 s merge period
+
+
+def test_merge_period_is_the_median_of_the_latest_intervals() -> None:
+    assert merge_period([]) is None
+    assert merge_period([5.0]) is None
+    assert merge_period([0.0, 10.0]) == 10.0
+    # gaps 20, 20.5, 19.5, 20: sorted 19.5 20 20 20.5, median 20
+    assert merge_period([0.0, 20.0, 40.5, 60.0, 80.0]) == 20.0
+    # one late merge (30) moves a median of four by none
+    assert merge_period([0.0, 20.0, 40.0, 70.0, 90.0]) == 20.0
+    # only the last four gaps: the first (100) is left out; 20, 20, 20, 22 -> 20
+    assert merge_period([0.0, 100.0, 120.0, 140.0, 160.0, 182.0]) == 20.0
+    assert merge_period([0.0, 100.0, 120.0, 140.0, 162.0]) == 21.0  # 20 20 22 100
+    assert merge_period([0.0, 0.0]) is None  # no increase: no period
+
+
+def test_steps_to_due() -> None:
+    # H_i = 3, fragment 0 due at 3, 6, 9; fragment 1 (offset 1) at 4, 7, 10
+    assert steps_to_due(4, 3, 0) == 2  # 6
+    assert steps_to_due(4, 3, 1) == 3  # 7
+    assert steps_to_due(6, 3, 0) == 3  # 9: due at 6 itself is behind
+    assert steps_to_due(5, 3, 0) == 1
+    with pytest.raises(ValueError):
+        steps_to_due(1, 0, 0)
+
+
+def _fill(now: float, t: float, frags: list[FillFragment], waited: int = 0) -> bool:
+    return fills_wait(
+        now=now, step_time=t, period=20.0, room=ROOM, fragments=frags, waited=frags[waited]
+    )
+
+
+def test_a_5x_island_fills_one_step_a_round() -> None:
+    """5x, H = 20: H_i = floor(0.9 x 4) = 3, a 15 s round of the 20 s merge period; one fragment,
+    τ = 1: pushed at position 3 (t = 15), waits at 4 (t = 20) for the merge due at 20."""
+    wait = FillFragment(due_in=2, last_arrival=0.0, in_flight=True)
+    # its next push, a fill step and 2 positions on, at 20 + 3 x 5 = 35 <= 40 - 2
+    assert _fill(20.0, 5.0, [wait])
+    # the merge not there after the fill step (t = 25): overdue by more than the room (22)
+    assert not _fill(25.0, 5.0, [wait])
+    # with 3 positions to its push (an H_i of 4 steps, 20 s): 20 + 20 = 40 > 38, no fill
+    assert not _fill(20.0, 5.0, [FillFragment(due_in=3, last_arrival=0.0, in_flight=True)])
+
+
+def test_a_3x_island_steps_through_its_whole_period() -> None:
+    """3x, H = 20: H_i = floor(0.9 x 6.67) = 6, 18 s of the 20 s period; τ = 1. Applied at M = 0,
+    pushed at position 6 (t = 15), waits at 7 (t = 18): its push 5 positions on."""
+    assert _fill(18.0, 3.0, [FillFragment(due_in=5, last_arrival=0.0, in_flight=True)])
+    # 18 + 3 x 6 = 36 <= 38. The fill step ends at 21 (merge applied), the push at 36; the wait
+    # at 39 for the merge at 40: 39 + 18 = 57 <= 58, fills; the next, at 60 with the merge
+    # not in yet: 60 + 18 = 78 <= 80 - 2 (the room, exactly): fills
+    assert _fill(39.0, 3.0, [FillFragment(due_in=5, last_arrival=20.0, in_flight=True)])
+    assert _fill(60.0, 3.0, [FillFragment(due_in=5, last_arrival=40.0, in_flight=True)])
+    # a step of 3.1 there: 60 + 18.6 = 78.6 > 78, blocks
+    assert not _fill(60.0, 3.1, [FillFragment(due_in=5, last_arrival=40.0, in_flight=True)])
+
+
+def test_every_fragments_next_push_must_stay_on_time() -> None:
+    """Two fragments, 5x, H_i = 3 (offsets 0, 1), τ = 1; fast islands' merges of fragment 0 at
+    0, 20, 40 and of fragment 1 at 10, 30."""
+    # t = 20: fragment 0 waited (pushed at 15, its merge due at 20: next push 2 on, merge 40);
+    # fragment 1 just pushed (merge 30, its next push 3 on feeds the merge at 50):
+    # 20 + 15 = 35 <= 38 and 20 + 20 = 40 <= 48
+    f0 = FillFragment(due_in=2, last_arrival=0.0, in_flight=True)
+    f1 = FillFragment(due_in=3, last_arrival=10.0, in_flight=True)
+    assert _fill(20.0, 5.0, [f0, f1], waited=0)
+    # t = 30: fragment 1 waited (merge due 30); fragment 0 applied at 20.1, due 1 on and its
+    # push feeds the merge at 40.1: 30 + 10 = 40 > 38.1, no fill (its push would be late)
+    f0 = FillFragment(due_in=1, last_arrival=20.1, in_flight=False)
+    f1 = FillFragment(due_in=2, last_arrival=10.0, in_flight=True)
+    assert not _fill(30.0, 5.0, [f0, f1], waited=1)
+    # the same with fragment 0 a step further off: 30 + 15 = 45 > 38.1 still; with its merge
+    # at 25.1 (its next at 45.1): 30 + 10 = 40 <= 43.1, fills
+    f0 = FillFragment(due_in=1, last_arrival=25.1, in_flight=False)
+    assert _fill(30.0, 5.0, [f0, f1], waited=1)
+
+
+def test_no_fill_without_a_step_time_or_a_period() -> None:
+    wait = FillFragment(due_in=2, last_arrival=0.0, in_flight=True)
+    for step_time, period, room in ((0.0, 20.0, ROOM), (5.0, 0.0, ROOM), (5.0, 20.0, 1.0)):
+        assert not fills_wait(
+            now=20.0, step_time=step_time, period=period, room=room, fragments=[wait], waited=wait
+        )
+
+
+def test_a_drift_mid_job_stops_the_fills() -> None:
+    """The 5x island slows to 6x mid-job (a node replaced by an older one) before its syncer
+    cuts its round: 3 steps of 6 = 18 of the 20 s period, and a fill step would put its push at
+    20 + 3 x 6 = 38 ... with 2 positions on; at 7x (21 s a round, late already) none."""
+    wait = FillFragment(due_in=2, last_arrival=0.0, in_flight=True)
+    assert _fill(20.0, 5.0, [wait])
+    assert _fill(20.0, 6.0, [wait])  # 20 + 18 = 38 <= 38
+    assert not _fill(20.0, 6.5, [wait])  # 39.5 > 38
+    assert not _fill(21.0, 7.0, [wait])
