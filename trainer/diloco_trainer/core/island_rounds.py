@@ -15,7 +15,9 @@ of the others' 20; rounded to nearest, 7 steps = 21 made every fast island wait 
 5% of its time), and the slow island idles under one of its steps a round instead. At K = M a
 change leaves it more room (sized_steps, LOCK_STEP_ROOM): its round at most 90% of the
 reference round's time, since every merge waits for the last push and a round that rounding
-down left as long as the others' was late half the time under load.
+down left as long as the others' was late half the time under load. What the rounding and the
+room leave idle, its learner fills with steps that count in its next push, when they delay no
+push past the room (learner/step_plan.fills_wait).
 
 t_i is island i's measured step time (its heartbeats' stepTime) and t_ref a robust reference
 step time of the job (reference_step_time): the lower median of the islands' step times once

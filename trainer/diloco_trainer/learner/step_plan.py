@@ -32,7 +32,9 @@ syncer's heartbeat timeout (after which a dead island no longer holds a quorum b
 times the recently measured push-to-merge time. If nothing arrived by then the learner keeps
 training and applies the fragment after the first later step at which it has arrived (a
 non-blocking check every step). So a learner never deadlocks on a syncer that is down or a quorum
-that cannot form; it just trains locally until the syncer answers.
+that cannot form; it just trains locally until the syncer answers. A slow island at K = M (its
+round H_i below H) whose merge has not come may instead take a fill step (`fills_wait`): a step
+that moves no position, so that the idle end of its round counts in its next pushes.
 """
 
 from __future__ import annotations
