@@ -3,14 +3,20 @@ hand-derived schedules in units of a fast island's step (H = 20, merges every 20
 
 from __future__ import annotations
 
+import concurrent.futures
+
 import pytest
 from diloco_trainer.core.island_rounds import LOCK_STEP_ROOM
+from diloco_trainer.learner.fragment_sync import FragmentSync
 from diloco_trainer.learner.step_plan import (
     FillFragment,
     fills_wait,
     merge_period,
     steps_to_due,
 )
+from torch import nn
+
+from .test_learner_fragment_sync import FakeLink, make_spec, make_sync, step
 
 ROOM = LOCK_STEP_ROOM  # 0.1: 2 of a 20 s merge period
 
@@ -107,3 +113,59 @@ def test_a_drift_mid_job_stops_the_fills() -> None:
     assert _fill(20.0, 6.0, [wait])  # 20 + 18 = 38 <= 38
     assert not _fill(20.0, 6.5, [wait])  # 39.5 > 38
     assert not _fill(21.0, 7.0, [wait])
+
+
+def _slow_island() -> tuple[FragmentSync, FakeLink, nn.Parameter, list[float]]:
+    """A learner at K = M (2 of 2), H = 8, τ = 1, one fragment, whose syncer names H_i = 4;
+    its clock for fill steps is `now[0]`, steps of 1 s, merges every 10 s (the last at 20)."""
+    spec = make_spec(quorum=2, overlapSteps=1, overlapMode="fixed")
+    spec = spec.model_copy(update={"inner": spec.inner.model_copy(update={"steps": 8})})
+    link = FakeLink(outer_lr=1.0)
+    link.inner_steps = 4
+    sync, w = make_sync(spec, link)
+    sync.step_time = 1.0
+    now = [0.0]
+    sync.monotonic = lambda: now[0]
+    sync.arrivals = {0: [0.0, 10.0, 20.0]}
+    return sync, link, w, now
+
+
+def test_a_slow_island_fills_its_merge_wait_and_its_next_push_carries_the_fill_steps() -> None:
+    sync, link, w, now = _slow_island()
+    for _ in range(3):
+        step(sync, w)
+    assert sync.round_steps == 4  # adopted in its first round (step_plan.adopt_round)
+    link.hold = True  # the merge of the push at position 4 is not back until release()
+    step(sync, w)
+    assert [meta.steps for _, meta, _ in link.pushes] == [4]
+    now[0] = 25.0  # step 5, τ after the push: its wait. Its next push 3 positions on:
+    step(sync, w)  # 25 + 1 x 4 = 29 <= (max(20 + 10, 25) + 10) - 0.1 x 10 = 39: a fill step
+    assert (sync.position, sync.fill_next, sync.filling) == (5, True, {0})
+    now[0] = 26.0
+    step(sync, w)  # the fill step (position 5 still); not back: 30 <= 39, fills again
+    assert (sync.position, sync.fill_steps) == (5, 2)
+    link.release()
+    now[0] = 27.0
+    assert step(sync, w) != {}  # the second fill step; the merge polled and applied
+    assert (sync.position, sync.fill_next, sync.filling) == (5, False, set())
+    for _ in range(3):  # positions 6, 7, 8: pushed at 8
+        step(sync, w)
+    # the push carries τ's step, the two fill steps and the round's 3: 6 steps
+    assert [meta.steps for _, meta, _ in link.pushes] == [4, 6]
+    # the fill steps are no part of a round: step 1 at 8 / 8 (before the adoption), steps 2-5
+    # and 8-10 at 8 / 4 each: 1 + 7 x 2 = 15 (with the fill steps counted it would be 19)
+    assert sync.round_work == 15.0
+
+
+def test_an_overdue_merge_is_waited_for_and_an_island_at_h_never_fills() -> None:
+    sync, link, w, now = _slow_island()
+    for _ in range(4):
+        step(sync, w)
+    now[0] = 31.5  # the merge due at 30 is overdue by more than the room (1 s)
+    link.hold = True
+    sync.inflight[0].future = concurrent.futures.Future()  # not back
+    assert not sync._fills(0)
+    now[0] = 25.0
+    assert sync._fills(0)
+    sync.round_steps = 8  # H: a fast island (or fixed rounds) blocks as before
+    assert not sync._fills(0)

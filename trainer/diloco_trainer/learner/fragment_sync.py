@@ -145,6 +145,7 @@ class FragmentSync:
         self.filling: set[int] = set()
         self.fill_next = False
         self.fill_steps = 0  # fill steps taken (logged at exit)
+        self.monotonic = time.monotonic  # the clock of fill steps (a test may replace it)
         # sync.lateMergeRule eager: the proxies rank 0 moved fragments to at this step's pushes
         # (after_step returns them, so every rank installs them).
         self.jumps: dict[int, Weights] = {}
@@ -627,7 +628,7 @@ class FragmentSync:
                 )
             )
         return fills_wait(
-            now=time.monotonic(),
+            now=self.monotonic(),
             step_time=step_time,
             period=period,
             room=LOCK_STEP_ROOM,
