@@ -27,7 +27,6 @@ from diloco_trainer.api.protocol import PushMeta
 from diloco_trainer.api.spec import ConfigError, JobSpec
 from diloco_trainer.core import compress
 from diloco_trainer.core.fragments import fragment_offsets, fragments_due
-from diloco_trainer.core.island_rounds import LOCK_STEP_ROOM
 from diloco_trainer.core.push_bounds import STEP_ROUNDS, max_push_steps
 from diloco_trainer.learner.device_copies import adopt
 from diloco_trainer.learner.fragment_state import (
@@ -44,6 +43,7 @@ from diloco_trainer.learner.push_encoding import encode_for_wire, int8_bytes
 from diloco_trainer.learner.shards import FragmentShards
 from diloco_trainer.learner.step_costs import SyncPathPhases, timed_part
 from diloco_trainer.learner.step_plan import (
+    FILL_ROOM,
     PERIOD_SAMPLES,
     FillFragment,
     StepPlan,
@@ -631,7 +631,7 @@ class FragmentSync:
             now=self.monotonic(),
             step_time=step_time,
             period=period,
-            room=LOCK_STEP_ROOM,
+            room=FILL_ROOM,
             fragments=fragments,
             waited=fragments[f],
         )

@@ -283,21 +283,28 @@ def rewarm_factor(steps_run: int, *, warmup_steps: int, joined_mid_job: bool) ->
     return (steps_run + 1) / warmup_steps
 
 
-# A merge period (merge_period) is the median of at most this many intervals between a
-# fragment's latest merges: one late merge (a peer's hiccup) moves a median of four by none.
+# A merge period (merge_period) is the shortest of at most this many intervals between a
+# fragment's latest merges.
 PERIOD_SAMPLES = 4
+# A fill step leaves every push at least this share of a merge period early (fills_wait): twice
+# the room a slow island's round is sized with at K = M (core/island_rounds.LOCK_STEP_ROOM).
+FILL_ROOM = 0.2
 
 
 def merge_period(arrivals: Sequence[float]) -> float | None:
     """The wall seconds between a fragment's merges, from the times its latest merges arrived
-    (in order; time.monotonic()): the median of the last PERIOD_SAMPLES intervals, None before
-    two arrivals or when they do not increase."""
+    (in order; time.monotonic()): the shortest of the last PERIOD_SAMPLES intervals, None before
+    two arrivals or when they do not increase.
+
+    The shortest, not a median (tried first): a fill step that makes a merge late lengthens the
+    interval it ends, and a median of intervals so lengthened let the next fill steps make the
+    merges later still (bench/hetero 1,1,2,4 at K = 4, both slow islands filling: the fast
+    islands' utilisation 0.843x and 0.921x of equal speeds against 0.996x and 0.999x on main's
+    code; bench/log/2026-11-29.md, "hetero (hetero9): fill steps on the median period"). A late
+    merge never shortens an interval (the fast islands wait for it, then run a whole round)."""
     recent = list(arrivals)[-(PERIOD_SAMPLES + 1) :]
-    gaps = sorted(b - a for a, b in itertools.pairwise(recent) if b > a)
-    if not gaps:
-        return None
-    mid = len(gaps) // 2
-    return gaps[mid] if len(gaps) % 2 else (gaps[mid - 1] + gaps[mid]) / 2
+    gaps = [b - a for a, b in itertools.pairwise(recent) if b > a]
+    return min(gaps) if gaps else None
 
 
 def steps_to_due(position: int, inner_steps: int, offset: int) -> int:
@@ -337,16 +344,20 @@ def fills_wait(
     `due_in` positions on feeds the merge expected at: its in-flight merge's expected arrival,
     max(last_arrival + period, now), plus a period; or, with nothing in flight, last_arrival +
     period. A fill step delays every push by one step, so it is taken only when each push, one
-    step later, still comes at least room x period before that merge:
+    step later, still comes at least room x period before that merge (`room`: FILL_ROOM, twice
+    the room of the island's round):
 
         now + step_time x (1 + due_in_g) <= expected merge_g - room x period, for every g,
 
     and only while the merge waited for (`waited`, among `fragments`) is not overdue by more
     than room x period (a peer late or gone: the learner blocks, up to its wait budget, as
-    before). So at the reference pace a fill step never makes a push later than the room the
-    round was sized with: the fast islands wait for no fill step on average (their expected
-    wait is the noise beyond the room, as before), and the slow island steps through what was
-    its idle wait, one or more steps a round, its merged-token share nearer its compute share
+    before). So at the reference pace a fill step leaves every push twice the room the round
+    was sized with: it takes only the slack that rounding the round down left beyond that, and
+    the fast islands wait for none on average (their expected wait is the noise beyond the
+    room, as before; with the room alone, 0.1, and a median period, two slow islands filling
+    were late for 1.9-3.3 s of a run's merges against 0.2-1.0 s without fill steps,
+    bench/log/2026-11-29.md, "hetero (hetero9): fill steps on the median period"). The slow
+    island steps through what was its idle wait, its merged-token share nearer its compute share
     (issue 47: at K = M a 5x island's 3 of 20 steps, 15 of the fast islands' 20 step times,
     merged 0.76-0.93x its compute share; bench/RESULTS.md "hetero")."""
     if step_time <= 0 or period <= 0 or not (0 <= room < 1):
