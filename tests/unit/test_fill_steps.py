@@ -126,8 +126,8 @@ def _slow_island() -> tuple[FragmentSync, FakeLink, nn.Parameter, list[float]]:
     sync, w = make_sync(spec, link)
     sync.step_time = 1.0
     now = [0.0]
-    sync.monotonic = lambda: now[0]
-    sync.arrivals = {0: [0.0, 10.0, 20.0]}
+    sync.fill.clock = lambda: now[0]
+    sync.fill.arrivals = {0: [0.0, 10.0, 20.0]}
     return sync, link, w, now
 
 
@@ -141,14 +141,14 @@ def test_a_slow_island_fills_its_merge_wait_and_its_next_push_carries_the_fill_s
     assert [meta.steps for _, meta, _ in link.pushes] == [4]
     now[0] = 25.0  # step 5, τ after the push: its wait. Its next push 3 positions on:
     step(sync, w)  # 25 + 1 x 4 = 29 <= (max(20 + 10, 25) + 10) - 0.2 x 10 = 38: a fill step
-    assert (sync.position, sync.fill_next, sync.filling) == (5, True, {0})
+    assert (sync.position, sync.fill.next, sync.fill.filling) == (5, True, {0})
     now[0] = 26.0
     step(sync, w)  # the fill step (position 5 still); not back: 30 <= 38, fills again
-    assert (sync.position, sync.fill_steps) == (5, 2)
+    assert (sync.position, sync.fill.steps) == (5, 2)
     link.release()
     now[0] = 27.0
     assert step(sync, w) != {}  # the second fill step; the merge polled and applied
-    assert (sync.position, sync.fill_next, sync.filling) == (5, False, set())
+    assert (sync.position, sync.fill.next, sync.fill.filling) == (5, False, set())
     for _ in range(3):  # positions 6, 7, 8: pushed at 8
         step(sync, w)
     # the push carries τ's step, the two fill steps and the round's 3: 6 steps
@@ -165,8 +165,8 @@ def test_an_overdue_merge_is_waited_for_and_an_island_at_h_never_fills() -> None
     now[0] = 32.5  # the merge due at 30 is overdue by more than the room (2 s)
     link.hold = True
     sync.inflight[0].future = concurrent.futures.Future()  # not back
-    assert not sync._fills(0)
+    assert not sync.fill.fills(sync, 0)
     now[0] = 25.0
-    assert sync._fills(0)
+    assert sync.fill.fills(sync, 0)
     sync.round_steps = 8  # H: a fast island (or fixed rounds) blocks as before
-    assert not sync._fills(0)
+    assert not sync.fill.fills(sync, 0)

@@ -29,6 +29,7 @@ from diloco_trainer.core import compress
 from diloco_trainer.core.fragments import fragment_offsets, fragments_due
 from diloco_trainer.core.push_bounds import STEP_ROUNDS, max_push_steps
 from diloco_trainer.learner.device_copies import adopt
+from diloco_trainer.learner.fill_steps import FillSteps
 from diloco_trainer.learner.fragment_state import (
     FragmentState,
     InFlight,
@@ -38,23 +39,17 @@ from diloco_trainer.learner.fragment_state import (
     storage_bytes,
 )
 from diloco_trainer.learner.overlap import OverlapFit, covered_latency
-from diloco_trainer.learner.phase_alignment import phase_shift, schedule_positions
+from diloco_trainer.learner.phase_alignment import phase_shift
 from diloco_trainer.learner.push_encoding import encode_for_wire, int8_bytes
 from diloco_trainer.learner.shards import FragmentShards
 from diloco_trainer.learner.step_costs import SyncPathPhases, timed_part
 from diloco_trainer.learner.step_plan import (
-    FILL_ROOM,
-    PERIOD_SAMPLES,
-    FillFragment,
     StepPlan,
     Window,
     adopt_round,
     blocks_for_merge,
-    fills_wait,
-    merge_period,
     plan_idle,
     plan_step,
-    steps_to_due,
     wait_budget,
 )
 from diloco_trainer.learner.syncer_link import (
@@ -113,16 +108,14 @@ class FragmentSync:
         self.shifted_at = -math.inf  # time.monotonic() the last schedule shift began
         self.measured: dict[int, float | None] = {}  # per arrived fragment: InFlight.previous
         self.most_steps = max_push_steps(spec)  # the syncer refuses a push of more steps
-        # The island's round H_i (inner.stepsPerIsland): inner.steps until the syncer names
-        # another, adopted at a round boundary (_adopt_round).
+        # H_i (inner.stepsPerIsland): inner.steps until the syncer names another (_adopt_round).
         self.round_steps = spec.inner.steps
         # This process's steps in units of inner.steps' rounds (each step H / H_i): what the
         # K = M drain counts its share in, since islands at K = M run the same number of rounds
         # whatever their H_i (drain.DrainTrigger).
         self.round_work = 0.0
         self.held_since: float | None = None  # time.monotonic() the island began to hold
-        # Seconds blocked on the syncer (merge waits, step-cap holds) since take_waited.
-        self.waited = 0.0
+        self.waited = 0.0  # s blocked on the syncer (merge waits, holds) since take_waited
         # EMA of the wall seconds per inner step, everything between two steps included: the
         # clock a schedule position runs at, and so the one phase alignment converts with.
         self.wall_step = 0.0
@@ -137,15 +130,7 @@ class FragmentSync:
             quorum=spec.sync.quorum, islands=islands, overlap=self.overlap
         )
         self.overlap_fit = OverlapFit(spec, blocking=self.blocking)
-        # K = M: a slow island's merge waits may be filled with steps (step_plan.fills_wait):
-        # per fragment, when its latest merges arrived (time.monotonic()); the fragments whose
-        # wait a fill step is taking; whether the next step is one (it moves no position).
-        self.lock_step = spec.sync.quorum >= islands
-        self.arrivals: dict[int, list[float]] = {}
-        self.filling: set[int] = set()
-        self.fill_next = False
-        self.fill_steps = 0  # fill steps taken (logged at exit)
-        self.monotonic = time.monotonic  # the clock of fill steps (a test may replace it)
+        self.fill = FillSteps(spec)  # a slow island's merge waits at K = M (fill_steps.py)
         # sync.lateMergeRule eager: the proxies rank 0 moved fragments to at this step's pushes
         # (after_step returns them, so every rank installs them).
         self.jumps: dict[int, Weights] = {}
@@ -293,11 +278,7 @@ class FragmentSync:
         """One inner step's work, on every fragment's counters."""
         for state in self.fragments:
             state.counters.add(tokens, loss, step_time)
-        if not self.fill_next:
-            # a fill step is no part of a round: the K = M drain counts rounds, and a slow
-            # island's fill steps must not bring its drain forward (its targets are the
-            # syncer's, and it fills no more once it has one: _fills)
-            self.round_work += self.spec.inner.steps / self.round_steps
+        self.round_work += self.fill.round_share(self.spec.inner.steps / self.round_steps)
 
     def after_step(self) -> dict[int, Weights]:
         """After an inner step: push what is due, collect what is needed; the weights of each
@@ -307,11 +288,7 @@ class FragmentSync:
             dt = now - self._last_step
             self.wall_step = 0.9 * self.wall_step + 0.1 * dt if self.wall_step else dt
         self._last_step = now
-        if self.fill_next:  # a fill step (_fills): the schedule stays where the wait was
-            self.fill_next = False
-            positions: list[int] = []
-        else:
-            positions, self.phase_pending = schedule_positions(self.position, self.phase_pending)
+        positions, self.phase_pending = self.fill.positions(self.position, self.phase_pending)
         self.resend_lost()
         self._make_up()
         pushed_at = {f: fl.step for f, fl in self.inflight.items()}
@@ -540,101 +517,39 @@ class FragmentSync:
                         self.params[n].copy_(t)
 
     def _collect_plan(self, plan: StepPlan) -> list[int]:
-        """Wait (bounded) for the fragments the plan needs, check the ones it may apply. A wait
-        a fill step may take (_fills) is not blocked on: the next step moves no position, and
-        the fragment is polled after it, then filled again or waited for."""
+        """Wait (bounded) for the fragments the plan needs, check the ones it may apply."""
         budget = wait_budget(self.round_times, self.spec.sync.heartbeat_timeout_seconds)
         done = []
-        for f in plan.wait:
-            if f in self.inflight and self.collect(f, block=0.0):
+        for f in self.fill.unfilled(self, plan.wait):
+            started = time.monotonic()
+            # The steps since the push (τ, or H - 1 with sync.mergeWait nextPush), in seconds:
+            # what the overlap hid of the merge's latency.
+            flight = self.inflight.get(f)
+            overlapped = started - flight.started if flight is not None else 0.0
+            got = self.collect(f, block=budget if self.blocking else 0.0)
+            waited = time.monotonic() - started
+            self.waited += waited
+            if got:
                 done.append(f)
-            elif self._fills(f):
-                self.filling.add(f)
-            elif self._wait_for(f, budget):
-                done.append(f)
-        done.extend(f for f in plan.poll if f in self.inflight and self.collect(f, block=0.0))
-        for f in sorted(self.filling):
-            if f in done or f not in self.inflight:
-                self.filling.discard(f)  # arrived: applied with the fill steps kept
-            elif not self._fills(f):
-                self.filling.discard(f)
-                if self._wait_for(f, budget):
-                    done.append(f)
-        if self.filling:
-            self.fill_next = True
-            self.fill_steps += 1
-        return done
-
-    def _wait_for(self, f: int, budget: float) -> bool:
-        """Block up to `budget` (a learner that blocks) for fragment f's merge."""
-        started = time.monotonic()
-        # The steps since the push (τ, or H - 1 with sync.mergeWait nextPush), in seconds:
-        # what the overlap hid of the merge's latency.
-        flight = self.inflight.get(f)
-        overlapped = started - flight.started if flight is not None else 0.0
-        got = self.collect(f, block=budget if self.blocking else 0.0)
-        waited = time.monotonic() - started
-        self.waited += waited
-        if got:
-            if waited > 0.05:
-                log.info(
-                    "step %d: waited %.2fs for fragment %d (the %d overlapped steps since "
-                    "its push took %.2fs)",
+                if waited > 0.05:
+                    log.info(
+                        "step %d: waited %.2fs for fragment %d (the %d overlapped steps since "
+                        "its push took %.2fs)",
+                        self.position,
+                        waited,
+                        f,
+                        flight.window[1] if flight is not None else self.deadline,
+                        overlapped,
+                    )
+            elif self.blocking and not self.stop.is_set() and not self.finished():
+                log.warning(
+                    "step %d: fragment %d not merged within %.0fs; training on without it",
                     self.position,
-                    waited,
                     f,
-                    flight.window[1] if flight is not None else self.deadline,
-                    overlapped,
+                    budget,
                 )
-        elif self.blocking and not self.stop.is_set() and not self.finished():
-            log.warning(
-                "step %d: fragment %d not merged within %.0fs; training on without it",
-                self.position,
-                f,
-                budget,
-            )
-        return got
-
-    def _fills(self, f: int) -> bool:
-        """Whether the wait for fragment f's merge (not arrived) is filled with a step rather
-        than blocked on (step_plan.fills_wait): only a slow island at K = M (its round below
-        inner.steps), with every fragment's merge period known, no phase shift, syncer
-        restart or stop target under way (the drain's targets split the budget by H_i)."""
-        if (
-            not self.blocking
-            or not self.lock_step
-            or self.round_steps >= self.spec.inner.steps
-            or self.phase_pending
-            or self.push_again
-            or self.link.stop_at is not None
-            or f not in self.inflight
-            or any(fl.again for fl in self.inflight.values())
-        ):
-            return False
-        step_time = self.step_time or self.wall_step
-        period = merge_period(self.arrivals.get(f, []))
-        if period is None or step_time <= 0:
-            return False
-        fragments = []
-        for g in range(len(self.fragments)):
-            arrivals = self.arrivals.get(g)
-            if not arrivals:
-                return False
-            fragments.append(
-                FillFragment(
-                    due_in=steps_to_due(self.position, self.round_steps, self.offsets[g]),
-                    last_arrival=arrivals[-1],
-                    in_flight=g in self.inflight,
-                )
-            )
-        return fills_wait(
-            now=self.monotonic(),
-            step_time=step_time,
-            period=period,
-            room=FILL_ROOM,
-            fragments=fragments,
-            waited=fragments[f],
-        )
+        done.extend(f for f in plan.poll if f in self.inflight and self.collect(f, block=0.0))
+        return done + self.fill.settle(self, done, budget)
 
     # -- pushes and arrivals ---------------------------------------------------------------------
 
@@ -743,11 +658,7 @@ class FragmentSync:
         try:
             self.arrived[f] = flight.future.result()
             self.measured[f] = flight.previous
-            # when the merge came back (its sync's seconds after the push): the merge period
-            # a fill step is judged by (_fills)
-            arrivals = self.arrivals.setdefault(f, [])
-            arrivals.append(flight.started + self.arrived[f].seconds)
-            del arrivals[: -(PERIOD_SAMPLES + 1)]
+            self.fill.arrived(f, flight.started + self.arrived[f].seconds)
         except (concurrent.futures.CancelledError, Exception) as err:
             # The sync task only ends in an exception on a bug or a refused pull (auth): start
             # over from the current global fragment rather than train on alone for ever.
