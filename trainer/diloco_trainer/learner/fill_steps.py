@@ -14,10 +14,11 @@ rounds (`round_share`). No tensors: a few floats a fragment.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable
-from typing import TYPE_CHECKING
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Protocol
 
 from diloco_trainer.api.spec import JobSpec
+from diloco_trainer.learner.fragment_state import InFlight
 from diloco_trainer.learner.phase_alignment import schedule_positions
 from diloco_trainer.learner.step_plan import (
     FILL_ROOM,
@@ -28,8 +29,44 @@ from diloco_trainer.learner.step_plan import (
     steps_to_due,
 )
 
-if TYPE_CHECKING:
-    from diloco_trainer.learner.fragment_sync import FragmentSync
+
+class StopTarget(Protocol):
+    """What a fill step reads of the learner's link: its stop target (the drain's)."""
+
+    @property
+    def stop_at(self) -> int | None: ...
+
+
+class Waiting(Protocol):
+    """What a fill step reads of rank 0's FragmentSync (typed here: fragment_sync imports this
+    module, and the rooms' modules import in one direction)."""
+
+    waited: float
+
+    @property
+    def blocking(self) -> bool: ...
+    @property
+    def round_steps(self) -> int: ...
+    @property
+    def phase_pending(self) -> int: ...
+    @property
+    def push_again(self) -> set[int]: ...
+    @property
+    def link(self) -> StopTarget: ...
+    @property
+    def inflight(self) -> Mapping[int, InFlight]: ...
+    @property
+    def step_time(self) -> float: ...
+    @property
+    def wall_step(self) -> float: ...
+    @property
+    def fragments(self) -> Sequence[object]: ...
+    @property
+    def position(self) -> int: ...
+    @property
+    def offsets(self) -> Sequence[int]: ...
+
+    def collect(self, f: int, *, block: float) -> bool: ...
 
 
 class FillSteps:
@@ -65,7 +102,7 @@ class FillSteps:
         counts rounds, and a slow island's fill steps must not bring its drain forward."""
         return 0.0 if self.next else share
 
-    def unfilled(self, sync: FragmentSync, waits: Iterable[int]) -> list[int]:
+    def unfilled(self, sync: Waiting, waits: Iterable[int]) -> list[int]:
         """Of the fragments a plan waits for, those to wait for (or take, if back) now; the
         others' waits are filled (`fills`)."""
         out = []
@@ -77,7 +114,7 @@ class FillSteps:
                 out.append(f)
         return out
 
-    def settle(self, sync: FragmentSync, done: list[int], budget: float) -> list[int]:
+    def settle(self, sync: Waiting, done: list[int], budget: float) -> list[int]:
         """After the plan's polls (`done`: the fragments taken): each fragment whose wait was
         filled and is still not back is filled again or waited for (up to `budget`, as any
         merge wait); the ones taken now. The next step is a fill step while any is filled."""
@@ -95,7 +132,7 @@ class FillSteps:
         self.steps += self.next
         return took
 
-    def fills(self, sync: FragmentSync, f: int) -> bool:
+    def fills(self, sync: Waiting, f: int) -> bool:
         """Whether the wait for fragment f's merge (in flight, not back) is filled with a step
         (step_plan.fills_wait): only a slow island at K = M (its round below inner.steps), with
         every fragment's merge period known, no phase shift, syncer restart or stop target
