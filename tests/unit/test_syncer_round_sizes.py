@@ -535,6 +535,17 @@ def test_a_late_identical_islands_probe_waits_for_peers_aged_past_its_join() -> 
         assert sizes.steps_of(late, late.name) == 10
 
 
+def _joins_after_three_probes(sizes: RoundSizes) -> tuple[list[IslandRecord], IslandRecord]:
+    """Three islands join at 0 s and probe (0.05 s a step, at marks 3, reported at 0.5 s); the
+    fourth joins at 1.0 s, before any of them has aged past its join. The records and the fourth."""
+    recs = [IslandRecord(name=f"island-{i}") for i in range(4)]
+    for i in range(3):
+        sizes.joined(recs[i], recs, now=0.0)
+        _beat(recs[i], 3, 0.05, 0.5)
+    sizes.joined(recs[3], recs, now=1.0)
+    return recs, recs[3]
+
+
 def test_a_fresh_islands_reports_are_read_a_reference_round_after_its_join_at_the_latest() -> None:
     """Peers that neither step nor report again (a heartbeat every 5 s, say) hold a fresh island's
     first reading back at most a reference round: island-3 joins at 1.0 s beside three peers
@@ -543,12 +554,7 @@ def test_a_fresh_islands_reports_are_read_a_reference_round_after_its_join_at_th
     1 claim, fewer than three: no reading; in a job of four its report at step 5 + 2 = 7 is read
     as its first (confirm_at) rather than a reference round on."""
     sizes = _k4()
-    recs = [IslandRecord(name=f"island-{i}") for i in range(4)]
-    for i in range(3):
-        sizes.joined(recs[i], recs, now=0.0)
-        _beat(recs[i], 3, 0.05, 0.5)
-    slow = recs[3]
-    sizes.joined(slow, recs, now=1.0)
+    recs, slow = _joins_after_three_probes(sizes)
     _beat(slow, 3, 0.15, 1.2)
     sizes.read(slow, recs, 1.2)
     assert slow.round is not None and slow.round.fresh and slow.round.confirm_at is None
@@ -605,12 +611,7 @@ def test_at_k_equal_m_a_clear_slowdown_is_read_without_waiting_for_peers_to_age(
                 }
             )
         )
-        recs = [IslandRecord(name=f"island-{i}") for i in range(4)]
-        for i in range(3):
-            sizes.joined(recs[i], recs, now=0.0)
-            _beat(recs[i], 3, 0.05, 0.5)
-        slow = recs[3]
-        sizes.joined(slow, recs, now=1.0)
+        recs, slow = _joins_after_three_probes(sizes)
         _beat(slow, 3, step_time, 1.2)
         sizes.read(slow, recs, 1.2)
         assert sizes.steps_of(slow, slow.name) == expected, (step_time, quorum)
