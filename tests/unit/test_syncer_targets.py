@@ -170,6 +170,22 @@ def test_targets_at_k_equal_m_count_a_drained_islands_tokens_as_final() -> None:
     # 147,456). Merged at the drain: 307,200 + 159,232 + 147,456 = 613,888, 512 short: one
     # step, within drained_at_budget's slack (a step of each active island, 2,048).
     assert targets == {"a": 159_232, "d": 147_456}
-    # Split over all four as if b and c trained on (each projected at 153,600 + its share of
-    # 17,920 by 30/108): their 300 steps fall 2 x 4,977.8 short, with a and d's smaller targets
-    # 2 x 4,977 + the rounding: more than the slack, and the job stalls at the drain.
+    # Split over all four as if b and c trained on (at K = M on main): 30/108 of 17,920 each
+    # for a, b, c -> b and c 153,600 + 4,977.8 -> 309 steps (158,208); they drained at their
+    # share, 300 steps: 2 x 4,608 undone, more than the slack, and the job stalled at the drain.
+    everyone = {
+        **paces,
+        "b": Pace(0.0, 153_600, 50.0, 5000.0),
+        "c": Pace(0.0, 153_600, 50.0, 5000.0),
+    }
+    old = stop_targets(
+        everyone,
+        done_elsewhere=0.0,
+        budget=614_400,
+        step_tokens=dict.fromkeys("abcd", 512),
+        now=50.0,
+        horizon=15.0,
+        weights=lock_step_weights({"a": 30, "b": 30, "c": 30, "d": 18}, dict.fromkeys("abcd", 512)),
+    )
+    assert old is not None and old["b"] == old["c"] == 158_208
+    assert 614_400 - (old["a"] + old["d"] + 2 * 153_600) > 4 * 512
