@@ -14,7 +14,9 @@ the island's life (its merged work at join plus the steps since). At K < M islan
 own pace and an equal share would idle the fast ones behind a straggler: there the syncer,
 which hears every island's count, splits what is left of the budget by pace once it is near and
 sends each island its stop target in its heartbeat answers (syncer/state/targets.py); the island
-drains when its count reaches it. Without a target (an island that joined after they were set,
+drains when its count reaches it; at K = M, once the budget is split, past its share and
+without a target yet, it asks for one every FINISH_POLL_SECONDS (DrainTrigger.asks_now: the
+syncer sets them once every island still training has heard of the split). Without a target (an island that joined after they were set,
 or a budget reached before two heartbeats measured a pace) the syncer's own rule stands: the
 job ends at the first merge that reaches the budget.
 

@@ -7,7 +7,13 @@ At K = M the islands run in lock step and each trains its share, 1/M of the budg
 before any island's H_i moved). Once rounds differ (auto moved one, or an override's innerSteps
 pins one: core/island_rounds.split_budget, for the rest of the job) 1/M each would leave the job
 short of the budget at the drain: there the syncer sets targets at K = M too, splitting what is
-left by each island's tokens per round, H_i x its tokens per step (lock_step_weights).
+left by each island's tokens per round, H_i x its tokens per step (lock_step_weights). An
+island hears of the split in its next answer, up to a heartbeat interval later, and drains at
+its share until then: the targets wait until every island still training has heard
+(ready_to_split), and one that drained is final, its merged tokens done and no target split to
+it (running_islands); a split over all of them at once counted on the drained ones training on,
+and the job stalled at the drain (issues 45/47; docs/algorithm.md, "A split in the job's last
+seconds").
 
 At K < M they run at their own pace: an equal share would idle the fast
 islands behind a straggler, and without a stop the job ends at the first merge that reaches the
