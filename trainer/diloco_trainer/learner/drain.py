@@ -16,9 +16,9 @@ which hears every island's count, splits what is left of the budget by pace once
 sends each island its stop target in its heartbeat answers (syncer/state/targets.py); the island
 drains when its count reaches it; at K = M, once the budget is split, past its share and
 without a target yet, it asks for one every FINISH_POLL_SECONDS (DrainTrigger.asks_now: the
-syncer sets them once every island still training has heard of the split). Without a target (an island that joined after they were set,
-or a budget reached before two heartbeats measured a pace) the syncer's own rule stands: the
-job ends at the first merge that reaches the budget.
+syncer sets them once every island still training has heard of the split). Without a target
+(an island that joined after they were set, or a budget reached before two heartbeats measured
+a pace) the syncer's own rule stands: the job ends at the first merge that reaches the budget.
 
 The drain (rank 0, `drain`, in place of the step's `after_step`): take the merges of the pushes
 in flight (a push now, from the same base, would carry their work twice) and install their
