@@ -10,10 +10,12 @@ import pytest
 from diloco_trainer.api.spec import ConfigError, parse_spec
 from diloco_trainer.core.island_rounds import (
     AGE_STEPS,
+    JOIN_LOAD_RATIO,
     IslandRound,
     RoundLimits,
     StepTimeReport,
     aged_past_join,
+    clear_of_join_load,
     first_reading_now,
     in_band,
     late_is_beyond,
@@ -454,3 +456,14 @@ def test_a_peers_step_time_judges_a_fresh_island_once_aged_past_its_join() -> No
     assert not aged_past_join(mark=3, step=12, idle=False)  # 9 steps: 0.9^9 = 39% before it
     assert aged_past_join(mark=3, step=13, idle=False)  # 10 steps
     assert aged_past_join(mark=3, step=5, idle=True)  # waiting (K = M): it loads no core
+
+
+def test_a_clear_slowdown_is_read_at_once_only_at_k_equal_m() -> None:
+    """clear_of_join_load: 4x the reference or more, at K = M (room > 0); the join's load read
+    identical islands up to 2.5x."""
+    assert JOIN_LOAD_RATIO == 4.0
+    assert clear_of_join_load(ratio=4.0, room=0.1)
+    assert clear_of_join_load(ratio=6.0, room=0.1)
+    assert not clear_of_join_load(ratio=3.99, room=0.1)
+    assert not clear_of_join_load(ratio=2.5, room=0.1)
+    assert not clear_of_join_load(ratio=6.0, room=0.0)  # K < M: as before

@@ -43,6 +43,7 @@ class FakeLink:
         self.progress: dict[str, Any] = {"holding": False}  # what heartbeats would carry
         self.refuse = False  # answer each push as the syncer answers a malformed one
         self.inner_steps: int | None = None  # the island's H_i the syncer names (stepsPerIsland)
+        self.stop_at: int | None = None  # the drain's stop target the syncer names (K = M)
 
     def submit(self, coro: Coroutine[Any, Any, Any]) -> concurrent.futures.Future[Any]:
         future: concurrent.futures.Future[Any] = concurrent.futures.Future()

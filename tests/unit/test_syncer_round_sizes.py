@@ -586,3 +586,32 @@ def test_a_slow_island_joining_last_at_k_equal_m_is_cut_at_its_probe_against_idl
     _beat(slow, 3, 0.15, 1.2)
     sizes.read(slow, recs, 1.2)
     assert sizes.steps_of(slow, slow.name) == 3
+
+
+def test_at_k_equal_m_a_clear_slowdown_is_read_without_waiting_for_peers_to_age() -> None:
+    """core/island_rounds.clear_of_join_load: the schedule above (island-3 joins at 1.0 s beside
+    three peers whose probes, 0.05 s at marks 3, are not aged; its probe at 1.2 s). At 0.2 s it
+    reads 4x the lower median of every claim (0.05, 0.05, 0.05, 0.2 -> 0.05): read at once at
+    K = M, target floor(10 x 0.05 / 0.2) = 2 (the floor, ceil(10 / 8) = 2) <= 5 with 4 of 4
+    reporting: cut to 2 at its probe. At 0.195 s (3.9x) it waits as before (the 3x island above
+    waits too); at K = 1 (no room) a 4x report waits as well."""
+    for step_time, quorum, expected in ((0.2, 4, 2), (0.195, 4, 10), (0.2, 1, 10)):
+        sizes = RoundSizes(
+            parse_spec(
+                {
+                    "inner": {"steps": 10, "stepsPerIsland": "auto"},
+                    "islands": {"count": 4},
+                    "sync": {"quorum": quorum},
+                }
+            )
+        )
+        recs = [IslandRecord(name=f"island-{i}") for i in range(4)]
+        for i in range(3):
+            sizes.joined(recs[i], recs, now=0.0)
+            _beat(recs[i], 3, 0.05, 0.5)
+        slow = recs[3]
+        sizes.joined(slow, recs, now=1.0)
+        _beat(slow, 3, step_time, 1.2)
+        sizes.read(slow, recs, 1.2)
+        assert sizes.steps_of(slow, slow.name) == expected, (step_time, quorum)
+        assert slow.round is not None and slow.round.fresh == (expected == 10)

@@ -15,7 +15,9 @@ of the others' 20; rounded to nearest, 7 steps = 21 made every fast island wait 
 5% of its time), and the slow island idles under one of its steps a round instead. At K = M a
 change leaves it more room (sized_steps, LOCK_STEP_ROOM): its round at most 90% of the
 reference round's time, since every merge waits for the last push and a round that rounding
-down left as long as the others' was late half the time under load.
+down left as long as the others' was late half the time under load. What the rounding and the
+room leave idle, its learner fills with steps that count in its next push, when they delay no
+push past the room (learner/step_plan.fills_wait).
 
 t_i is island i's measured step time (its heartbeats' stepTime) and t_ref a robust reference
 step time of the job (reference_step_time): the lower median of the islands' step times once
@@ -94,6 +96,9 @@ began after the join ran it at H: bench/log/2026-11-29.md, "hetero — 2026-11-2
 The price: a first cut comes a peer's heartbeat or two later (heartbeats are
 min(5 s, heartbeatTimeoutSeconds / 4) apart), and an idle peer's step time is as old as its
 last steps (a late island contended by others' start-ups can still read slow against it).
+At K = M a report that reads JOIN_LOAD_RATIO (4x) or more against every claim is read at once
+all the same (clear_of_join_load): beyond any join's load seen, and a slow island's late first
+cut made every fast island wait for its long rounds.
 A probe's cut starts no cooldown and leaves a reading in its direction pending (next_round):
 two steps may under-read a slow island, and its first regular reading may cut it further
 alone. Its learner, still within its first
@@ -150,6 +155,10 @@ PROBE_MOVE_SHARE = 0.5
 # since the join (its reported step time is the mean of its steps since its probe, an EMA of
 # weight REPORT_EMA from the tenth: after 1 / REPORT_EMA steps, 65% of it is theirs) ...
 AGE_STEPS = 10
+# ... but at K = M a fresh island whose report reads at least this many times the reference of
+# every claim, aged or not, is read at once (clear_of_join_load): beyond what a join's load
+# made identical islands read.
+JOIN_LOAD_RATIO = 4.0
 
 
 def reference_step_time(step_times: Sequence[float]) -> float | None:
@@ -183,6 +192,25 @@ def aged_past_join(*, mark: int | None, step: int | None, idle: bool) -> bool:
     if step is None:
         return False
     return idle or step - mark >= AGE_STEPS
+
+
+def clear_of_join_load(*, ratio: float, room: float) -> bool:
+    """Whether a fresh island's report, read `ratio` (t_i / t_ref) against every claim, aged past
+    its join or not, is read at once at K = M (`room` > 0) rather than wait for its peers to age
+    (aged_past_join): at least JOIN_LOAD_RATIO.
+
+    Why (issue 47): waiting cost a slow island that joined last at K = M its first cut; in
+    bench/hetero ("hetero — 2026-11-29 18:16 UTC") a 3x island that joined 0.4-0.9 s after its
+    peers waited for a peer to age, was cut first at its step 13 (to 8 of 20), then 5, 4, 3 by
+    step 54, and the fast islands waited for those rounds: 0.00-1.72 s of K = M merge waits a
+    run, mean 0.79 s, against 0.08 s before the aged reference. The join's load made identical
+    islands read at most 2.5x (tests/e2e/test_identical_rounds.py: 2.0x the lower median, 2.5x
+    the fastest; bench/busy_link cut equal islands to 12-13 of 30, about 2.4x): 4x is 1.6x
+    beyond the worst of those, so an identical island still waits, and a slow island's deep
+    cut, if the early peers' probes flattered them, costs it only idle time that its learner
+    fills at K = M (learner/step_plan.fills_wait). At K < M no one waits for a late push, and
+    the rule is as before."""
+    return room > 0 and ratio >= JOIN_LOAD_RATIO - 1e-9
 
 
 def probe_step_time(times: Sequence[float]) -> float | None:

@@ -29,6 +29,7 @@ from diloco_trainer.core import compress
 from diloco_trainer.core.fragments import fragment_offsets, fragments_due
 from diloco_trainer.core.push_bounds import STEP_ROUNDS, max_push_steps
 from diloco_trainer.learner.device_copies import adopt
+from diloco_trainer.learner.fill_steps import FillSteps
 from diloco_trainer.learner.fragment_state import (
     FragmentState,
     InFlight,
@@ -38,7 +39,7 @@ from diloco_trainer.learner.fragment_state import (
     storage_bytes,
 )
 from diloco_trainer.learner.overlap import OverlapFit, covered_latency
-from diloco_trainer.learner.phase_alignment import phase_shift, schedule_positions
+from diloco_trainer.learner.phase_alignment import phase_shift
 from diloco_trainer.learner.push_encoding import encode_for_wire, int8_bytes
 from diloco_trainer.learner.shards import FragmentShards
 from diloco_trainer.learner.step_costs import SyncPathPhases, timed_part
@@ -107,16 +108,14 @@ class FragmentSync:
         self.shifted_at = -math.inf  # time.monotonic() the last schedule shift began
         self.measured: dict[int, float | None] = {}  # per arrived fragment: InFlight.previous
         self.most_steps = max_push_steps(spec)  # the syncer refuses a push of more steps
-        # The island's round H_i (inner.stepsPerIsland): inner.steps until the syncer names
-        # another, adopted at a round boundary (_adopt_round).
+        # H_i (inner.stepsPerIsland): inner.steps until the syncer names another (_adopt_round).
         self.round_steps = spec.inner.steps
         # This process's steps in units of inner.steps' rounds (each step H / H_i): what the
         # K = M drain counts its share in, since islands at K = M run the same number of rounds
         # whatever their H_i (drain.DrainTrigger).
         self.round_work = 0.0
         self.held_since: float | None = None  # time.monotonic() the island began to hold
-        # Seconds blocked on the syncer (merge waits, step-cap holds) since take_waited.
-        self.waited = 0.0
+        self.waited = 0.0  # s blocked on the syncer (merge waits, holds) since take_waited
         # EMA of the wall seconds per inner step, everything between two steps included: the
         # clock a schedule position runs at, and so the one phase alignment converts with.
         self.wall_step = 0.0
@@ -131,6 +130,7 @@ class FragmentSync:
             quorum=spec.sync.quorum, islands=islands, overlap=self.overlap
         )
         self.overlap_fit = OverlapFit(spec, blocking=self.blocking)
+        self.fill = FillSteps(spec)  # a slow island's merge waits at K = M (fill_steps.py)
         # sync.lateMergeRule eager: the proxies rank 0 moved fragments to at this step's pushes
         # (after_step returns them, so every rank installs them).
         self.jumps: dict[int, Weights] = {}
@@ -278,7 +278,7 @@ class FragmentSync:
         """One inner step's work, on every fragment's counters."""
         for state in self.fragments:
             state.counters.add(tokens, loss, step_time)
-        self.round_work += self.spec.inner.steps / self.round_steps
+        self.round_work += self.fill.round_share(self.spec.inner.steps / self.round_steps)
 
     def after_step(self) -> dict[int, Weights]:
         """After an inner step: push what is due, collect what is needed; the weights of each
@@ -288,7 +288,7 @@ class FragmentSync:
             dt = now - self._last_step
             self.wall_step = 0.9 * self.wall_step + 0.1 * dt if self.wall_step else dt
         self._last_step = now
-        positions, self.phase_pending = schedule_positions(self.position, self.phase_pending)
+        positions, self.phase_pending = self.fill.positions(self.position, self.phase_pending)
         self.resend_lost()
         self._make_up()
         pushed_at = {f: fl.step for f, fl in self.inflight.items()}
@@ -520,7 +520,7 @@ class FragmentSync:
         """Wait (bounded) for the fragments the plan needs, check the ones it may apply."""
         budget = wait_budget(self.round_times, self.spec.sync.heartbeat_timeout_seconds)
         done = []
-        for f in plan.wait:
+        for f in self.fill.unfilled(self, plan.wait):
             started = time.monotonic()
             # The steps since the push (τ, or H - 1 with sync.mergeWait nextPush), in seconds:
             # what the overlap hid of the merge's latency.
@@ -549,7 +549,7 @@ class FragmentSync:
                     budget,
                 )
         done.extend(f for f in plan.poll if f in self.inflight and self.collect(f, block=0.0))
-        return done
+        return done + self.fill.settle(self, done, budget)
 
     # -- pushes and arrivals ---------------------------------------------------------------------
 
@@ -658,6 +658,7 @@ class FragmentSync:
         try:
             self.arrived[f] = flight.future.result()
             self.measured[f] = flight.previous
+            self.fill.arrived(f, flight.started + self.arrived[f].seconds)
         except (concurrent.futures.CancelledError, Exception) as err:
             # The sync task only ends in an exception on a bug or a refused pull (auth): start
             # over from the current global fragment rather than train on alone for ever.

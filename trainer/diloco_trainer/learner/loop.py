@@ -441,6 +441,11 @@ class Learner:
                 )
                 if self.sync is not None:
                     log.info("%s", phases.line(self.steps_run))
+                    if self.sync.fill.steps:
+                        log.info(
+                            "%d fill steps (merge waits filled: step_plan.fills_wait)",
+                            self.sync.fill.steps,
+                        )
                 self._log_copies()
                 return 0
 

@@ -32,11 +32,14 @@ syncer's heartbeat timeout (after which a dead island no longer holds a quorum b
 times the recently measured push-to-merge time. If nothing arrived by then the learner keeps
 training and applies the fragment after the first later step at which it has arrived (a
 non-blocking check every step). So a learner never deadlocks on a syncer that is down or a quorum
-that cannot form; it just trains locally until the syncer answers.
+that cannot form; it just trains locally until the syncer answers. A slow island at K = M (its
+round H_i below H) whose merge has not come may instead take a fill step (`fills_wait`): a step
+that moves no position, so that the idle end of its round counts in its next pushes.
 """
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -278,3 +281,92 @@ def rewarm_factor(steps_run: int, *, warmup_steps: int, joined_mid_job: bool) ->
     if not joined_mid_job or warmup_steps <= 0 or steps_run >= warmup_steps:
         return 1.0
     return (steps_run + 1) / warmup_steps
+
+
+# A merge period (merge_period) is the shortest of at most this many intervals between a
+# fragment's latest merges.
+PERIOD_SAMPLES = 4
+# A fill step leaves every push at least this share of a merge period early (fills_wait): twice
+# the room a slow island's round is sized with at K = M (core/island_rounds.LOCK_STEP_ROOM).
+FILL_ROOM = 0.2
+
+
+def merge_period(arrivals: Sequence[float]) -> float | None:
+    """The wall seconds between a fragment's merges, from the times its latest merges arrived
+    (in order; time.monotonic()): the shortest of the last PERIOD_SAMPLES intervals, None before
+    two arrivals or when they do not increase.
+
+    The shortest, not a median (tried first): a fill step that makes a merge late lengthens the
+    interval it ends, and a median of intervals so lengthened let the next fill steps make the
+    merges later still (bench/hetero 1,1,2,4 at K = 4, both slow islands filling: the fast
+    islands' utilisation 0.843x and 0.921x of equal speeds against 0.996x and 0.999x on main's
+    code; bench/log/2026-11-29.md, "hetero (hetero9): fill steps on the median period"). A late
+    merge never shortens an interval (the fast islands wait for it, then run a whole round)."""
+    recent = list(arrivals)[-(PERIOD_SAMPLES + 1) :]
+    gaps = [b - a for a, b in itertools.pairwise(recent) if b > a]
+    return min(gaps) if gaps else None
+
+
+def steps_to_due(position: int, inner_steps: int, offset: int) -> int:
+    """How many positions after `position` a fragment of this `offset` is next due (>= 1;
+    fragments_due: step % H == offset % H)."""
+    if inner_steps < 1:
+        raise ValueError(f"inner steps must be >= 1, got {inner_steps}")
+    return (offset - position - 1) % inner_steps + 1
+
+
+@dataclass(frozen=True)
+class FillFragment:
+    """What fills_wait needs of one fragment: steps until it is next due, when its latest merge
+    arrived (time.monotonic()), and whether a push of it is in flight (its merge not applied)."""
+
+    due_in: int
+    last_arrival: float
+    in_flight: bool
+
+
+def fills_wait(
+    *,
+    now: float,
+    step_time: float,
+    period: float,
+    room: float,
+    fragments: Sequence[FillFragment],
+    waited: FillFragment,
+) -> bool:
+    """Whether a learner at a merge wait whose merge has not arrived takes a *fill step* (an
+    inner step that moves no schedule position; its tokens count in the fragments' next pushes)
+    rather than block: a slow island at K = M (inner.stepsPerIsland auto, its round H_i below
+    H), whose round ends early by design (core/island_rounds.sized_steps: at most 1 - room of the
+    reference round, and rounded down) and idled the rest of every round.
+
+    Merges come every `period` seconds (merge_period). The push of fragment g that comes
+    `due_in` positions on feeds the merge expected at: its in-flight merge's expected arrival,
+    max(last_arrival + period, now), plus a period; or, with nothing in flight, last_arrival +
+    period. A fill step delays every push by one step, so it is taken only when each push, one
+    step later, still comes at least room x period before that merge (`room`: FILL_ROOM, twice
+    the room of the island's round):
+
+        now + step_time x (1 + due_in_g) <= expected merge_g - room x period, for every g,
+
+    and only while the merge waited for (`waited`, among `fragments`) is not overdue by more
+    than room x period (a peer late or gone: the learner blocks, up to its wait budget, as
+    before). So at the reference pace a fill step leaves every push twice the room the round
+    was sized with: it takes only the slack that rounding the round down left beyond that, and
+    the fast islands wait for none on average (their expected wait is the noise beyond the
+    room, as before; with the room alone, 0.1, and a median period, two slow islands filling
+    were late for 1.9-3.3 s of a run's merges against 0.2-1.0 s without fill steps,
+    bench/log/2026-11-29.md, "hetero (hetero9): fill steps on the median period"). The slow
+    island steps through what was its idle wait, its merged-token share nearer its compute share
+    (issue 47: at K = M a 5x island's 3 of 20 steps, 15 of the fast islands' 20 step times,
+    merged 0.76-0.93x its compute share; bench/RESULTS.md "hetero")."""
+    if step_time <= 0 or period <= 0 or not (0 <= room < 1):
+        return False
+    if waited.in_flight and now > waited.last_arrival + period * (1 + room):
+        return False
+    for g in fragments:
+        expected = max(g.last_arrival + period, now) if g.in_flight else g.last_arrival
+        merge = expected + period
+        if now + step_time * (1 + g.due_in) > merge - room * period + 1e-9:
+            return False
+    return True

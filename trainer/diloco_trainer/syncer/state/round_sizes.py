@@ -23,6 +23,7 @@ from diloco_trainer.core.island_rounds import (
     IslandRound,
     RoundLimits,
     aged_past_join,
+    clear_of_join_load,
     late_is_beyond,
     next_round,
     probe_readings,
@@ -115,9 +116,11 @@ class RoundSizes:
         reported = sum(1 for r in members if r.step_time)
         if (current.fresh and rec.round_read_at is None) or second:
             aged = self._aged(rec, members, now, reference)
-            if aged is None:
+            if aged is not None:
+                reference, reported = aged
+            elif not clear_of_join_load(ratio=rec.step_time / reference, room=self.room):
                 return  # not read: a peer's step time is not yet aged past the island's join
-            reference, reported = aged
+            # else read against every claim: a clear slowdown at K = M
         self.last_reference = reference
         ratio = rec.step_time / reference
         limits = self.limits

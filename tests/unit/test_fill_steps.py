@@ -1,0 +1,172 @@
+"""A slow island's merge waits at K = M filled with steps (learner/step_plan.fills_wait, issue 47):
+hand-derived schedules in units of a fast island's step (H = 20, merges every 20)."""
+
+from __future__ import annotations
+
+import concurrent.futures
+
+import pytest
+from diloco_trainer.learner.fragment_sync import FragmentSync
+from diloco_trainer.learner.step_plan import (
+    FILL_ROOM,
+    FillFragment,
+    fills_wait,
+    merge_period,
+    steps_to_due,
+)
+from torch import nn
+
+from .test_learner_fragment_sync import FakeLink, make_spec, make_sync, step
+
+ROOM = FILL_ROOM  # 0.2: 4 of a 20 s merge period
+
+
+def test_merge_period_is_the_shortest_of_the_latest_intervals() -> None:
+    assert merge_period([]) is None
+    assert merge_period([5.0]) is None
+    assert merge_period([0.0, 10.0]) == 10.0
+    # gaps 20, 20.5, 19.5, 20: the shortest, 19.5
+    assert merge_period([0.0, 20.0, 40.5, 60.0, 80.0]) == 19.5
+    # a late merge (a gap of 30, a fill step's lateness, say) does not lengthen it (a median
+    # of 20, 30, 30, 30 would be 30: fills feeding on their own lateness)
+    assert merge_period([0.0, 20.0, 40.0, 70.0, 90.0]) == 20.0
+    assert merge_period([0.0, 20.0, 50.0, 80.0, 110.0]) == 20.0
+    # only the last four gaps: 10, then 20, 20, 20, 22 -> 20
+    assert merge_period([0.0, 10.0, 30.0, 50.0, 70.0, 92.0]) == 20.0
+    assert merge_period([0.0, 0.0]) is None  # no increase: no period
+
+
+def test_steps_to_due() -> None:
+    # H_i = 3, fragment 0 due at 3, 6, 9; fragment 1 (offset 1) at 4, 7, 10
+    assert steps_to_due(4, 3, 0) == 2  # 6
+    assert steps_to_due(4, 3, 1) == 3  # 7
+    assert steps_to_due(6, 3, 0) == 3  # 9: due at 6 itself is behind
+    assert steps_to_due(5, 3, 0) == 1
+    with pytest.raises(ValueError):
+        steps_to_due(1, 0, 0)
+
+
+def _fill(now: float, t: float, frags: list[FillFragment], waited: int = 0) -> bool:
+    return fills_wait(
+        now=now, step_time=t, period=20.0, room=ROOM, fragments=frags, waited=frags[waited]
+    )
+
+
+def test_a_5x_island_fills_one_step_a_round() -> None:
+    """5x, H = 20: H_i = floor(0.9 x 4) = 3, a 15 s round of the 20 s merge period; one fragment,
+    τ = 1: pushed at position 3 (t = 15), waits at 4 (t = 20) for the merge due at 20."""
+    wait = FillFragment(due_in=2, last_arrival=0.0, in_flight=True)
+    # its next push, a fill step and 2 positions on, at 20 + 3 x 5 = 35 <= 40 - 0.2 x 20 = 36
+    assert _fill(20.0, 5.0, [wait])
+    # the merge not there after the fill step (t = 25): overdue by more than the room (24)
+    assert not _fill(25.0, 5.0, [wait])
+    # with 3 positions to its push (an H_i of 4 steps, 20 s): 20 + 20 = 40 > 36, no fill
+    assert not _fill(20.0, 5.0, [FillFragment(due_in=3, last_arrival=0.0, in_flight=True)])
+
+
+def test_a_3x_island_fills_every_other_period() -> None:
+    """3x, H = 20: H_i = floor(0.9 x 6.67) = 6, 18 s of the 20 s period; τ = 1. Applied at M = 0,
+    pushed at position 6 (t = 15), waits at 7 (t = 18): its push 5 positions on."""
+    assert _fill(18.0, 3.0, [FillFragment(due_in=5, last_arrival=0.0, in_flight=True)])
+    # 18 + 3 x 6 = 36 <= 40 - 4 (the fill room, exactly). The fill step ends at 21 (the merge
+    # applied), the push at 36, the wait at 39 for the merge at 40: 39 + 18 = 57 > 56, it
+    # blocks; applied at 40, its wait at 58: 58 + 18 = 76 <= 76, fills again: 6.5 steps a
+    # period of its 6.67
+    assert not _fill(39.0, 3.0, [FillFragment(due_in=5, last_arrival=20.0, in_flight=True)])
+    assert _fill(58.0, 3.0, [FillFragment(due_in=5, last_arrival=40.0, in_flight=True)])
+    # a step of 3.1 at 18: 18 + 18.6 = 36.6 > 36, blocks
+    assert not _fill(18.0, 3.1, [FillFragment(due_in=5, last_arrival=0.0, in_flight=True)])
+
+
+def test_every_fragments_next_push_must_stay_on_time() -> None:
+    """Two fragments, 5x, H_i = 3 (offsets 0, 1), τ = 1; fast islands' merges of fragment 0 at
+    0, 20, 40 and of fragment 1 at 10, 30."""
+    # t = 20: fragment 0 waited (pushed at 15, its merge due at 20: next push 2 on, merge 40);
+    # fragment 1 just pushed (merge 30, its next push 3 on feeds the merge at 50):
+    # 20 + 15 = 35 <= 40 - 4 and 20 + 20 = 40 <= 50 - 4
+    f0 = FillFragment(due_in=2, last_arrival=0.0, in_flight=True)
+    f1 = FillFragment(due_in=3, last_arrival=10.0, in_flight=True)
+    assert _fill(20.0, 5.0, [f0, f1], waited=0)
+    # t = 30: fragment 1 waited (merge due 30); fragment 0 applied at 20.1, due 1 on and its
+    # push feeds the merge at 40.1: 30 + 10 = 40 > 36.1, no fill (its push would be late)
+    f0 = FillFragment(due_in=1, last_arrival=20.1, in_flight=False)
+    f1 = FillFragment(due_in=2, last_arrival=10.0, in_flight=True)
+    assert not _fill(30.0, 5.0, [f0, f1], waited=1)
+    # with its merge at 25.1 (its next at 45.1): 30 + 10 = 40 <= 41.1, fills
+    f0 = FillFragment(due_in=1, last_arrival=25.1, in_flight=False)
+    assert _fill(30.0, 5.0, [f0, f1], waited=1)
+
+
+def test_no_fill_without_a_step_time_or_a_period() -> None:
+    wait = FillFragment(due_in=2, last_arrival=0.0, in_flight=True)
+    for step_time, period, room in ((0.0, 20.0, ROOM), (5.0, 0.0, ROOM), (5.0, 20.0, 1.0)):
+        assert not fills_wait(
+            now=20.0, step_time=step_time, period=period, room=room, fragments=[wait], waited=wait
+        )
+
+
+def test_a_drift_mid_job_stops_the_fills() -> None:
+    """The 5x island slows mid-job (a node replaced by an older one) before its syncer cuts its
+    round: a fill step puts its push, 2 positions on, at 20 + 3 t against 36; at 7x (21 s a
+    round, late already) none."""
+    wait = FillFragment(due_in=2, last_arrival=0.0, in_flight=True)
+    assert _fill(20.0, 5.0, [wait])
+    assert _fill(20.0, 16 / 3, [wait])  # 20 + 16 = 36 <= 36
+    assert not _fill(20.0, 5.5, [wait])  # 36.5 > 36
+    assert not _fill(21.0, 7.0, [wait])
+
+
+def _slow_island() -> tuple[FragmentSync, FakeLink, nn.Parameter, list[float]]:
+    """A learner at K = M (2 of 2), H = 8, τ = 1, one fragment, whose syncer names H_i = 4;
+    its clock for fill steps is `now[0]`, steps of 1 s, merges every 10 s (the last at 20)."""
+    spec = make_spec(quorum=2, overlapSteps=1, overlapMode="fixed")
+    spec = spec.model_copy(update={"inner": spec.inner.model_copy(update={"steps": 8})})
+    link = FakeLink(outer_lr=1.0)
+    link.inner_steps = 4
+    sync, w = make_sync(spec, link)
+    sync.step_time = 1.0
+    now = [0.0]
+    sync.fill.clock = lambda: now[0]
+    sync.fill.arrivals = {0: [0.0, 10.0, 20.0]}
+    return sync, link, w, now
+
+
+def test_a_slow_island_fills_its_merge_wait_and_its_next_push_carries_the_fill_steps() -> None:
+    sync, link, w, now = _slow_island()
+    for _ in range(3):
+        step(sync, w)
+    assert sync.round_steps == 4  # adopted in its first round (step_plan.adopt_round)
+    link.hold = True  # the merge of the push at position 4 is not back until release()
+    step(sync, w)
+    assert [meta.steps for _, meta, _ in link.pushes] == [4]
+    now[0] = 25.0  # step 5, τ after the push: its wait. Its next push 3 positions on:
+    step(sync, w)  # 25 + 1 x 4 = 29 <= (max(20 + 10, 25) + 10) - 0.2 x 10 = 38: a fill step
+    assert (sync.position, sync.fill.next, sync.fill.filling) == (5, True, {0})
+    now[0] = 26.0
+    step(sync, w)  # the fill step (position 5 still); not back: 30 <= 38, fills again
+    assert (sync.position, sync.fill.steps) == (5, 2)
+    link.release()
+    now[0] = 27.0
+    assert step(sync, w) != {}  # the second fill step; the merge polled and applied
+    assert (sync.position, sync.fill.next, sync.fill.filling) == (5, False, set())
+    for _ in range(3):  # positions 6, 7, 8: pushed at 8
+        step(sync, w)
+    # the push carries τ's step, the two fill steps and the round's 3: 6 steps
+    assert [meta.steps for _, meta, _ in link.pushes] == [4, 6]
+    # the fill steps are no part of a round: step 1 at 8 / 8 (before the adoption), steps 2-5
+    # and 8-10 at 8 / 4 each: 1 + 7 x 2 = 15 (with the fill steps counted it would be 19)
+    assert sync.round_work == 15.0
+
+
+def test_an_overdue_merge_is_waited_for_and_an_island_at_h_never_fills() -> None:
+    sync, link, w, now = _slow_island()
+    for _ in range(4):
+        step(sync, w)
+    now[0] = 32.5  # the merge due at 30 is overdue by more than the room (2 s)
+    link.hold = True
+    sync.inflight[0].future = concurrent.futures.Future()  # not back
+    assert not sync.fill.fills(sync, 0)
+    now[0] = 25.0
+    assert sync.fill.fills(sync, 0)
+    sync.round_steps = 8  # H: a fast island (or fixed rounds) blocks as before
+    assert not sync.fill.fills(sync, 0)

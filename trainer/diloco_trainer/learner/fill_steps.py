@@ -1,0 +1,173 @@
+"""Fill steps: a slow island at K = M steps through its merge waits (learner/step_plan.fills_wait,
+docs/algorithm.md "Fill steps at K = M").
+
+At K = M an island whose round H_i is below inner.steps (a slow island, inner.stepsPerIsland auto)
+ends each round early by design (core/island_rounds.sized_steps: rounded down, with room) and
+waited the rest of it for the merge. Here, while the merge it waits for has not come and a step
+more delays none of its next pushes past the room, it takes a *fill step*: an inner step that
+moves no schedule position, whose tokens count in the fragments' next pushes (the steps since a
+push are kept when its merge is applied), then polls again. FragmentSync calls it at its waits
+(`unfilled`), after its polls (`settle`), to move its schedule (`positions`) and to count its
+rounds (`round_share`). No tensors: a few floats a fragment.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Protocol
+
+from diloco_trainer.api.spec import JobSpec
+from diloco_trainer.learner.fragment_state import InFlight
+from diloco_trainer.learner.phase_alignment import schedule_positions
+from diloco_trainer.learner.step_plan import (
+    FILL_ROOM,
+    PERIOD_SAMPLES,
+    FillFragment,
+    fills_wait,
+    merge_period,
+    steps_to_due,
+)
+
+
+class StopTarget(Protocol):
+    """What a fill step reads of the learner's link: its stop target (the drain's)."""
+
+    @property
+    def stop_at(self) -> int | None: ...
+
+
+class Waiting(Protocol):
+    """What a fill step reads of rank 0's FragmentSync (typed here: fragment_sync imports this
+    module, and the rooms' modules import in one direction)."""
+
+    waited: float
+
+    @property
+    def blocking(self) -> bool: ...
+    @property
+    def round_steps(self) -> int: ...
+    @property
+    def phase_pending(self) -> int: ...
+    @property
+    def push_again(self) -> set[int]: ...
+    @property
+    def link(self) -> StopTarget: ...
+    @property
+    def inflight(self) -> Mapping[int, InFlight]: ...
+    @property
+    def step_time(self) -> float: ...
+    @property
+    def wall_step(self) -> float: ...
+    @property
+    def fragments(self) -> Sequence[object]: ...
+    @property
+    def position(self) -> int: ...
+    @property
+    def offsets(self) -> Sequence[int]: ...
+
+    def collect(self, f: int, *, block: float) -> bool: ...
+
+
+class FillSteps:
+    """One learner's fill steps: its merges' arrival times, the waits being filled, and whether
+    the next inner step is a fill step."""
+
+    def __init__(self, spec: JobSpec) -> None:
+        islands = max(spec.islands.count, spec.total_shards())
+        self.lock_step = spec.sync.quorum >= islands  # K = M
+        self.inner_steps = spec.inner.steps
+        self.arrivals: dict[int, list[float]] = {}  # per fragment, time.monotonic()
+        self.filling: set[int] = set()  # fragments whose wait a fill step is taking
+        self.next = False  # the next inner step is a fill step
+        self.steps = 0  # fill steps taken (logged at exit)
+        self.clock = time.monotonic  # a test may replace it
+
+    def arrived(self, f: int, at: float) -> None:
+        """Fragment f's merge came back at `at` (its push's time plus its sync's seconds)."""
+        arrivals = self.arrivals.setdefault(f, [])
+        arrivals.append(at)
+        del arrivals[: -(PERIOD_SAMPLES + 1)]
+
+    def positions(self, position: int, pending: int) -> tuple[list[int], int]:
+        """The schedule positions the step just taken passes through (schedule_positions), none
+        for a fill step; and the phase shift still pending."""
+        if self.next:
+            self.next = False
+            return [], pending
+        return schedule_positions(position, pending)
+
+    def round_share(self, share: float) -> float:
+        """A step's part of a round (`share`, H / H_i), none for a fill step: the K = M drain
+        counts rounds, and a slow island's fill steps must not bring its drain forward."""
+        return 0.0 if self.next else share
+
+    def unfilled(self, sync: Waiting, waits: Iterable[int]) -> list[int]:
+        """Of the fragments a plan waits for, those to wait for (or take, if back) now; the
+        others' waits are filled (`fills`)."""
+        out = []
+        for f in waits:
+            flight = sync.inflight.get(f)
+            if flight is not None and not flight.future.done() and self.fills(sync, f):
+                self.filling.add(f)
+            else:
+                out.append(f)
+        return out
+
+    def settle(self, sync: Waiting, done: list[int], budget: float) -> list[int]:
+        """After the plan's polls (`done`: the fragments taken): each fragment whose wait was
+        filled and is still not back is filled again or waited for (up to `budget`, as any
+        merge wait); the ones taken now. The next step is a fill step while any is filled."""
+        took = []
+        for f in sorted(self.filling):
+            if f in done or f not in sync.inflight:
+                self.filling.discard(f)  # back: applied with the fill steps kept
+            elif not self.fills(sync, f):
+                self.filling.discard(f)
+                started = time.monotonic()
+                if sync.collect(f, block=budget if sync.blocking else 0.0):
+                    took.append(f)
+                sync.waited += time.monotonic() - started
+        self.next = bool(self.filling)
+        self.steps += self.next
+        return took
+
+    def fills(self, sync: Waiting, f: int) -> bool:
+        """Whether the wait for fragment f's merge (in flight, not back) is filled with a step
+        (step_plan.fills_wait): only a slow island at K = M (its round below inner.steps), with
+        every fragment's merge period known, no phase shift, syncer restart or stop target
+        under way (the drain's targets split the budget by H_i x tokens per step)."""
+        if (
+            not (sync.blocking and self.lock_step)
+            or sync.round_steps >= self.inner_steps
+            or sync.phase_pending
+            or sync.push_again
+            or sync.link.stop_at is not None
+            or f not in sync.inflight
+            or any(fl.again for fl in sync.inflight.values())
+        ):
+            return False
+        step_time = sync.step_time or sync.wall_step
+        period = merge_period(self.arrivals.get(f, []))
+        if period is None or step_time <= 0:
+            return False
+        fragments = []
+        for g in range(len(sync.fragments)):
+            arrivals = self.arrivals.get(g)
+            if not arrivals:
+                return False
+            fragments.append(
+                FillFragment(
+                    due_in=steps_to_due(sync.position, sync.round_steps, sync.offsets[g]),
+                    last_arrival=arrivals[-1],
+                    in_flight=g in sync.inflight,
+                )
+            )
+        return fills_wait(
+            now=self.clock(),
+            step_time=step_time,
+            period=period,
+            room=FILL_ROOM,
+            fragments=fragments,
+            waited=fragments[f],
+        )
