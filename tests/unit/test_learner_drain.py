@@ -77,6 +77,22 @@ def test_drain_trigger_share_is_off_once_the_budget_is_split() -> None:
     assert same.due(500, tokens=0, stop_at=None, split=False)
 
 
+def test_drain_trigger_asks_for_its_target_past_the_share_once_split() -> None:
+    """K = M, split: a share of 600 with 100 merged before. Past the share without a target
+    the island heartbeats outside the timer, every FINISH_POLL_SECONDS (0.25 s), until its
+    target comes; never before its share, unsplit, or once it has a target or drained."""
+    trigger = DrainTrigger(share=600, steps_before=100)
+    assert not trigger.asks_now(499, None, split=True, now=10.0)  # before the share
+    assert not trigger.asks_now(500, None, split=False, now=10.0)  # unsplit: drains on it
+    assert trigger.asks_now(500, None, split=True, now=10.0)
+    assert not trigger.asks_now(501, None, split=True, now=10.2)  # 0.2 s later: not yet
+    assert trigger.asks_now(502, None, split=True, now=10.25)
+    assert not trigger.asks_now(503, 6_000, split=True, now=11.0)  # it has its target
+    assert trigger.due(504, tokens=6_000, stop_at=6_000, split=True)
+    assert not trigger.asks_now(505, None, split=True, now=12.0)  # drained
+    assert not DrainTrigger(share=None, steps_before=0).asks_now(9, None, split=True, now=1.0)
+
+
 def rounds_spec(inner: dict[str, Any], overrides: list[dict[str, Any]], **stop: Any) -> Any:
     return parse_spec(
         {

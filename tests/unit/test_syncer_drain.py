@@ -9,6 +9,7 @@ import logging
 from pathlib import Path
 
 import pytest
+from diloco_trainer.core.island_rounds import IslandRound
 from diloco_trainer.syncer.service.service import Syncer
 from diloco_trainer.syncer.state.records import Beat
 from diloco_trainer.syncer.storage import checkpoint as ckpt
@@ -169,3 +170,53 @@ def test_a_merge_that_reaches_the_stop_logs_the_final_evaluation_once(
     loss = syncer.jobs.evaluations.history[-1]["evalLoss"]
     assert caplog.text.count(f"{loss:.4f}") == 1
     assert "final eval at outer step 1 (" in caplog.text
+
+
+def test_k_equal_m_targets_wait_until_every_running_island_heard_the_split(
+    tmp_path: Path,
+) -> None:
+    """K = M = 3, H = 4, 128 tokens a step, stopAfter 15,360 tokens: a share of 1/M is 40 steps
+    (5,120 tokens). Islands 1 and 2 report 36 steps (4,608) at t = 1; then island-0's round is
+    cut to 2 steps (the budget is split from now on) and it reports 32 steps (4,096), the
+    reading that carried its new round to it.
+
+    Split at once over all three by tokens per round (2 x 128 against 4 x 128): 2,048 left,
+    island-0 4,096 + 409.6 -> 35 steps (4,480), islands 1 and 2 4,608 + 819.2 -> 42 steps
+    (5,376) each. But islands 1 and 2 have not heard the split: they drain on their share, 40
+    steps. Merged: 4,480 + 2 x 5,120 = 14,720, 640 short: five steps, more than the slack of a
+    step an island (384), so the job never finishes at the drain (issues 45/47).
+
+    Waiting until every island still training has heard it: islands 1 and 2 drain on their
+    share first (5,120 merged each, final); island-0 then gets what is left, 15,360 - 10,240 -
+    4,096 = 1,024 more: 5,120 (40 steps), and the drain ends at the budget exactly."""
+    spec = make_spec(
+        islands={"count": 3},
+        sync={"quorum": 3, "graceSeconds": 600},
+        stopAfter={"outerSteps": None, "tokens": 15_360},
+    )
+    clock = FakeClock()
+
+    async def scenario() -> list[object]:
+        syncer = await started(spec, tmp_path, clock)
+        names = [f"island-{i}" for i in range(3)]
+        for name in names:
+            await syncer.islands.join(name, 1)
+            await syncer.islands.heartbeat(name, Beat(step=0, tokens=0))
+        clock.now += 1.0
+        seen: list[object] = []
+        for name in names[1:]:
+            answer = await syncer.islands.heartbeat(name, Beat(step=36, tokens=4608))
+            seen.append(answer.get("splitBudget", False))
+        # island-0's round cut to 2 steps, as round_sizes' reading of its step time does
+        syncer.state.membership.islands["island-0"].round = IslandRound(2)
+        syncer.gate.rounds.split = True
+        first = await syncer.islands.heartbeat("island-0", Beat(step=32, tokens=4096))
+        seen += [first.get("splitBudget", False), first.get("stopAt")]
+        for name in names[1:]:  # at their share, each with its 40 steps merged
+            syncer.state.membership.islands[name].merged_tokens = 5120.0
+            await syncer.islands.heartbeat(name, Beat(step=40, tokens=5120, drained=True))
+        later = await syncer.islands.heartbeat("island-0", Beat(step=32, tokens=4096))
+        seen.append(later.get("stopAt"))
+        return seen
+
+    assert run(scenario()) == [False, False, True, None, 5120]

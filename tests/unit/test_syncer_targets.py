@@ -18,6 +18,8 @@ from diloco_trainer.syncer.state.targets import (
     lock_step_weights,
     merged_elsewhere,
     pace_of,
+    ready_to_split,
+    running_islands,
     stop_targets,
 )
 
@@ -136,3 +138,54 @@ def test_targets_at_k_equal_m_split_by_tokens_per_round() -> None:
     assert targets == {"a": 128_000, "b": 128_000, "c": 128_000, "d": 38_400}
     # The old share, 1/M each counted in rounds of H: 422,400 / (4 x 512) = 206 steps of H,
     # 10.3 rounds for every island, 10.3 x 33,792 = 348,058 merged: 74,342 short.
+
+
+def test_targets_leave_out_drained_islands_and_wait_for_the_running_to_hear_the_split() -> None:
+    a, b, c = (IslandRecord(name=n) for n in "abc")
+    c.drained = True
+    assert [r.name for r in running_islands([a, b, c])] == ["a", "b"]
+    assert ready_to_split([a, b], {"a", "b"})
+    assert not ready_to_split([a, b], {"a"})  # b may still drain on its share of 1/M
+    assert ready_to_split([a], {"a"})  # c drained before it heard: final, not waited for
+
+
+def test_targets_at_k_equal_m_count_a_drained_islands_tokens_as_final() -> None:
+    """The schedule of bench/log/2026-11-29.md's stalled run, K = M = 4, H = 30, 512 tokens a
+    step, stopAfter 614,400 tokens: a share of 1/M is 614,400 / (4 x 512) = 300 steps. Island d
+    is resized to 18-step rounds; b and c drained on their share (300 steps, 153,600 tokens)
+    before they heard the split. What is left is split among a (H = 30) and d (H = 18) only."""
+    paces = {"a": Pace(0.0, 148_480, 50.0, 5000.0), "d": Pace(0.0, 140_800, 50.0, 4000.0)}
+    weights = lock_step_weights({"a": 30, "d": 18}, {"a": 512, "d": 512})
+    targets = stop_targets(
+        paces,
+        done_elsewhere=2 * 153_600.0,  # b and c: merged_elsewhere of the islands not running
+        budget=614_400,
+        step_tokens={"a": 512, "d": 512},
+        now=50.0,
+        horizon=15.0,
+        weights=weights,
+    )
+    # Left: 614,400 - 307,200 - 148,480 - 140,800 = 17,920; a 30/48 of it = 11,200 -> 159,680
+    # (311.9 steps, down to 311 = 159,232), d 18/48 = 6,720 -> 147,520 (288.1 steps, 288 =
+    # 147,456). Merged at the drain: 307,200 + 159,232 + 147,456 = 613,888, 512 short: one
+    # step, within drained_at_budget's slack (a step of each active island, 2,048).
+    assert targets == {"a": 159_232, "d": 147_456}
+    # Split over all four as if b and c trained on (at K = M on main): 30/108 of 17,920 each
+    # for a, b, c -> b and c 153,600 + 4,977.8 -> 309 steps (158,208); they drained at their
+    # share, 300 steps: 2 x 4,608 undone, more than the slack, and the job stalled at the drain.
+    everyone = {
+        **paces,
+        "b": Pace(0.0, 153_600, 50.0, 5000.0),
+        "c": Pace(0.0, 153_600, 50.0, 5000.0),
+    }
+    old = stop_targets(
+        everyone,
+        done_elsewhere=0.0,
+        budget=614_400,
+        step_tokens=dict.fromkeys("abcd", 512),
+        now=50.0,
+        horizon=15.0,
+        weights=lock_step_weights({"a": 30, "b": 30, "c": 30, "d": 18}, dict.fromkeys("abcd", 512)),
+    )
+    assert old is not None and old["b"] == old["c"] == 158_208
+    assert 614_400 - (old["a"] + old["d"] + 2 * 153_600) > 4 * 512

@@ -14,9 +14,11 @@ the island's life (its merged work at join plus the steps since). At K < M islan
 own pace and an equal share would idle the fast ones behind a straggler: there the syncer,
 which hears every island's count, splits what is left of the budget by pace once it is near and
 sends each island its stop target in its heartbeat answers (syncer/state/targets.py); the island
-drains when its count reaches it. Without a target (an island that joined after they were set,
-or a budget reached before two heartbeats measured a pace) the syncer's own rule stands: the
-job ends at the first merge that reaches the budget.
+drains when its count reaches it; at K = M, once the budget is split, past its share and
+without a target yet, it asks for one every FINISH_POLL_SECONDS (DrainTrigger.asks_now: the
+syncer sets them once every island still training has heard of the split). Without a target
+(an island that joined after they were set, or a budget reached before two heartbeats measured
+a pace) the syncer's own rule stands: the job ends at the first merge that reaches the budget.
 
 The drain (rank 0, `drain`, in place of the step's `after_step`): take the merges of the pushes
 in flight (a push now, from the same base, would carry their work twice) and install their
@@ -35,6 +37,7 @@ the share's count (fragment_state.MergedSteps).
 from __future__ import annotations
 
 import logging
+import math
 import time
 
 from torch import Tensor
@@ -88,6 +91,21 @@ class DrainTrigger:
         self.share = share
         self.steps_before = steps_before
         self.done = False
+        self.asked_at = -math.inf  # when it last asked the syncer for its target (asks_now)
+
+    def asks_now(self, steps_run: int, stop_at: int | None, *, split: bool, now: float) -> bool:
+        """Whether to heartbeat now, outside the timer: the budget is split (K = M, rounds
+        that differ), this island is past its share and has no stop target yet. The syncer
+        sets the targets once every island still training has heard of the split
+        (syncer/state/targets.ready_to_split); heard at the timer's next beat, up to
+        LEARNER_BEAT_SECONDS later, the island trains on past what is left meanwhile. Asked
+        every FINISH_POLL_SECONDS, its target comes within one. `now`: time.monotonic()."""
+        if self.done or not split or stop_at is not None or self.share is None:
+            return False
+        if self.steps_before + steps_run < self.share or now - self.asked_at < FINISH_POLL_SECONDS:
+            return False
+        self.asked_at = now
+        return True
 
     def due(self, steps_run: int, tokens: int, stop_at: int | None, *, split: bool = False) -> bool:
         """After `steps_run` steps of this process and `tokens` processed (its count); `split`:

@@ -460,7 +460,10 @@ class Learner:
         # K = M: the share counts rounds (a step is H / H_i of inner.steps' units), but
         # not the work a syncer restart took back (FragmentSync.lost_work)
         work = math.floor(self.sync.round_work - self.sync.lost_work + 1e-9)
-        due = self.drain_at.due(work, self.tokens, self.link.stop_at, split=self.link.split_budget)
+        split, stop_at = self.link.split_budget, self.link.stop_at
+        if self.drain_at.asks_now(work, stop_at, split=split, now=time.monotonic()):
+            self.link.submit(self.link.report_now())  # its target, soon (DrainTrigger.asks_now)
+        due = self.drain_at.due(work, self.tokens, stop_at, split=split)
         targets = drain(self.sync) if due else self.sync.after_step()
         if due:
             phases.add("drain", time.perf_counter() - began)

@@ -25,6 +25,8 @@ from diloco_trainer.syncer.state import (
     lock_step_weights,
     merged_elsewhere,
     pace_of,
+    ready_to_split,
+    running_islands,
     stop_targets,
 )
 
@@ -58,6 +60,10 @@ class IslandCalls:
         varies = RoundLimits.from_spec(spec).varies
         self.budget = budget_tokens(spec) if not self.lock_step or varies else None
         self.targets: dict[str, int] = {}
+        # K = M: the islands whose answers said the budget is split (join or heartbeat since
+        # rounds.split). One that has not heard it yet drains on its share of 1/M
+        # (learner/drain.py); targets wait until every island still training has (ready_to_split).
+        self.heard_split: set[str] = set()
         # The longest step time a heartbeat may claim (validation.step_time_limit).
         self.max_step_time = step_time_limit(spec.sync.heartbeat_timeout_seconds)
 
@@ -73,6 +79,8 @@ class IslandCalls:
             # A restarted learner counts its tokens from zero again: its target (in the old
             # count) would let it train far past the budget. It trains on without one.
             self.targets.pop(island, None)
+            if rounds.split:
+                self.heard_split.add(island)  # its JoinInfo says so
             merged_tokens = round(rec.merged_tokens)  # read under the lock a merge takes
         self.control.wake()
         log.info(
@@ -128,6 +136,8 @@ class IslandCalls:
                     {r.name: round(r.step_time or 0.0, 4) for r in members.active_records()},
                 )
             split = rounds.split
+            if split:
+                self.heard_split.add(island)  # this answer says so
             self._set_targets()
         self.control.wake()
         answer = HeartbeatAnswer(
@@ -141,24 +151,32 @@ class IslandCalls:
         return answer.to_wire()
 
     def _set_targets(self) -> None:
-        """Fix every active island's stop target once the budget is near (lock held)."""
+        """Fix every active island's stop target once the budget is near (lock held).
+
+        An island that said it drained is done: its merged tokens count as final and it gets
+        no target; what is left is split among those still training (running_islands). At
+        K = M that waits until each of them has heard that the budget is split: until then it
+        may drain on its share, which a target above the share would count on (the stall at
+        the drain of issues 45/47: docs/algorithm.md, "The drain")."""
         if self.budget is None or self.targets or self.control.finished:
             return
         if self.lock_step and not self.gate.rounds.split:
             return  # every round is H: each island keeps its share of 1/M (learner/drain.py)
         members = self.state.membership
-        active = members.active_records()
-        paces = {r.name: pace_of(r) for r in active}
-        if not active or None in paces.values():
+        running = running_islands(members.active_records())
+        if self.lock_step and not ready_to_split(running, self.heard_split):
+            return
+        paces = {r.name: pace_of(r) for r in running}
+        if not running or None in paces.values():
             return  # an island whose pace is not known yet would be left without a target
-        step_tokens = {r.name: self.spec.inner.tokens_per_step * r.replicas for r in active}
+        step_tokens = {r.name: self.spec.inner.tokens_per_step * r.replicas for r in running}
         weights = None
         if self.lock_step:
-            rounds = {r.name: self.gate.rounds.steps_of(r, r.name) for r in active}
+            rounds = {r.name: self.gate.rounds.steps_of(r, r.name) for r in running}
             weights = lock_step_weights(rounds, step_tokens)
         targets = stop_targets(
             {n: p for n, p in paces.items() if p is not None},
-            done_elsewhere=merged_elsewhere(members.islands.values(), members.active()),
+            done_elsewhere=merged_elsewhere(members.islands.values(), set(paces)),
             budget=self.budget,
             step_tokens=step_tokens,
             now=self.control.clock(),

@@ -42,6 +42,8 @@ from diloco_trainer.syncer.state.targets import (
     lock_step_weights,
     merged_elsewhere,
     pace_of,
+    ready_to_split,
+    running_islands,
     stop_reached,
     stop_targets,
 )
@@ -77,7 +79,9 @@ __all__ = [
     "lost_with_restart",
     "merged_elsewhere",
     "pace_of",
+    "ready_to_split",
     "round_policy",
+    "running_islands",
     "stop_reached",
     "stop_targets",
     "tripped",

@@ -7,7 +7,13 @@ At K = M the islands run in lock step and each trains its share, 1/M of the budg
 before any island's H_i moved). Once rounds differ (auto moved one, or an override's innerSteps
 pins one: core/island_rounds.split_budget, for the rest of the job) 1/M each would leave the job
 short of the budget at the drain: there the syncer sets targets at K = M too, splitting what is
-left by each island's tokens per round, H_i x its tokens per step (lock_step_weights).
+left by each island's tokens per round, H_i x its tokens per step (lock_step_weights). An
+island hears of the split in its next answer, up to a heartbeat interval later, and drains at
+its share until then: the targets wait until every island still training has heard
+(ready_to_split), and one that drained is final, its merged tokens done and no target split to
+it (running_islands); a split over all of them at once counted on the drained ones training on,
+and the job stalled at the drain (issues 45/47; docs/algorithm.md, "A split in the job's last
+seconds").
 
 At K < M they run at their own pace: an equal share would idle the fast
 islands behind a straggler, and without a stop the job ends at the first merge that reaches the
@@ -139,8 +145,26 @@ def lock_step_weights(round_steps: dict[str, int], step_tokens: dict[str, int]) 
     return {n: float(max(1, round_steps[n]) * max(1, step_tokens[n])) for n in round_steps}
 
 
+def running_islands(active: Iterable[IslandRecord]) -> list[IslandRecord]:
+    """The active islands still training: those that have not said they drained. A drained
+    island's part is done and merged (learner/drain.py): its tokens count as final
+    (merged_elsewhere), and a target split to it would never be trained."""
+    return [r for r in active if not r.drained]
+
+
+def ready_to_split(running: Iterable[IslandRecord], heard: set[str]) -> bool:
+    """K = M: whether every island still training has heard that the budget is split (`heard`:
+    the islands whose answers said so). One that has not drains on its share of 1/M
+    (learner/drain.py) however the split would set its target: 300 steps where a split by H_i
+    gave it 306 left the job short at the drain by more than drained_at_budget's slack, and
+    every island waited for a finish that never came (issues 45/47). Those that drained before
+    hearing it are final; the rest, once all have heard, share what is left."""
+    return all(r.name in heard for r in running)
+
+
 def merged_elsewhere(records: Iterable[IslandRecord], active: set[str]) -> float:
-    """Tokens merged from islands that are not active (their work counts towards the budget)."""
+    """Tokens merged from islands outside `active` (dropped, left, or drained: their work
+    counts towards the budget as it is)."""
     return sum(r.merged_tokens for r in records if r.name not in active)
 
 
