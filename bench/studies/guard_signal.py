@@ -42,6 +42,8 @@ CHECKPOINT_EVERY = 5
 # margin/patience/warmupOuterSteps: the defaults, and the first defaults (bench/log/2026-11-29.md,
 # "quality guard: honest swings of tiny jobs").
 DEFAULT_SETTINGS = ("0.25/5/20", "0.05/3/0")
+# The honest-only runs of bench/adversary.py (every other variant attacks).
+HONEST_VARIANTS = ("none", "none_again")
 # patience/warmupOuterSteps pairs whose largest tripping margin each run's row shows.
 DEFAULT_WINDOWS = ("1/0", "3/0", "3/10", "5/0", "5/20")
 
@@ -169,20 +171,43 @@ def fmt_rise(value: float, where: int | None, evals: Sequence[Evaluation]) -> st
     return f"{value * 100:+.1f}% (step {evals[where].step})"
 
 
+def separation(
+    honest: Sequence[tuple[float, str]], attacks: Sequence[tuple[float, str]]
+) -> tuple[tuple[float, str], tuple[float, str], bool]:
+    """Per window: the largest margin an honest run trips the guard at, the least an attack
+    does, and whether a margin between them exists that trips every attack and no honest run
+    (the attack's least above the honest largest).
+
+    >>> separation([(0.02, "a"), (0.08, "b")], [(0.086, "c"), (0.13, "d")])
+    ((0.08, 'b'), (0.086, 'c'), True)
+    >>> separation([(0.209, "b")], [(0.086, "c")])[2]
+    False
+    """
+    top, low = max(honest), min(attacks)
+    return top, low, low[0] > top[0]
+
+
 def study(
     roots: Sequence[Path],
     islands: int,
     settings: Sequence[Setting],
     honest_runs: Sequence[Path] = (),
     windows: Sequence[tuple[int, int]] = ((1, 0), (3, 0), (5, 0), (5, 20)),
-) -> tuple[Table, Table]:
+) -> tuple[Table, Table, Table]:
     honest = [f"island-{i}" for i in range(islands - 1)]
+    # Per window: (margin, run) of the honest runs and of the attacks.
+    found: dict[tuple[int, int], tuple[list[tuple[float, str]], list[tuple[float, str]]]] = {
+        w: ([], []) for w in windows
+    }
 
-    def margins(evals: Sequence[Evaluation]) -> list[str]:
+    def margins(evals: Sequence[Evaluation], label: str, is_honest: bool) -> list[str]:
         losses, steps = [e.loss for e in evals], [e.step for e in evals]
-        return [
-            fmt_rise(*trip_margin(losses, steps, patience=p, warmup=w), evals) for p, w in windows
-        ]
+        cells = []
+        for p, w in windows:
+            margin, where = trip_margin(losses, steps, patience=p, warmup=w)
+            found[(p, w)][0 if is_honest else 1].append((margin, label))
+            cells.append(fmt_rise(margin, where, evals))
+        return cells
 
     signal = Table(
         "Each run: the largest margin at which the guard would trip (margin/patience/warm-up "
@@ -239,7 +264,7 @@ def study(
                 seed,
                 variant,
                 evals[-1].step,
-                *margins(evals),
+                *margins(evals, f"{variant} {seed}", variant in HONEST_VARIANTS),
                 f"{ratios[worst]:.4f}x ({evals[worst].step})",
                 f"{ratios[-1]:.4f}x",
             )
@@ -264,12 +289,33 @@ def study(
         evals = read_run(run, None)
         losses = [e.loss for e in evals]
         steps = [e.step for e in evals]
-        signal.add(run.name, "-", "honest (diloco run)", evals[-1].step, *margins(evals), "-", "-")
+        cells = margins(evals, run.name, True)
+        signal.add(run.name, "-", "honest (diloco run)", evals[-1].step, *cells, "-", "-")
         for setting in settings:
             r = replay(losses, steps, setting)
             where = "-" if r.trip is None else evals[r.trip].step
             trips.add(run.name, "-", "honest (diloco run)", setting, where, "-", "-", "-")
-    return signal, trips
+    split = Table(
+        "Per patience and warm-up: the largest margin an honest run trips the guard at, the "
+        "least an attack does, and whether a margin between them trips every attack and no "
+        "honest run",
+        ["patience, warm-up", "honest: largest (run)", "attacks: least (run)", "separated"],
+    )
+    for (p, w), (honest_margins, attack_margins) in found.items():
+        if not honest_margins or not attack_margins:
+            continue
+        top, low, apart = separation(honest_margins, attack_margins)
+
+        def pct(x: float) -> str:
+            return "-" if x == -math.inf else f"{x * 100:+.1f}%"
+
+        split.add(
+            f"{p}, {w}",
+            f"{pct(top[0])} ({top[1]})",
+            f"{pct(low[0])} ({low[1]})",
+            "yes" if apart else "no",
+        )
+    return signal, trips, split
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -304,7 +350,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = p.parse_args(argv)
     windows = [(int(a), int(b)) for a, b in (w.split("/") for w in args.windows)]
     with LoadMonitor() as load:
-        signal, trips = study(
+        signal, trips, split = study(
             args.runs,
             args.islands,
             [Setting.parse(s) for s in args.settings],
@@ -315,7 +361,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "studies/guard_signal",
         "syncer.qualityGuard's rule replayed on bench/adversary.py's runs: the margin each run "
         "would trip it at, against the honest runs' (issue 46, one bad island of two).",
-        tables=[signal, trips],
+        tables=[split, signal, trips],
         notes=[
             "A margin cell: the guard at that patience and warm-up trips on the run at every "
             "margin below the figure (and at the outer step named), at none above it; '-': no "

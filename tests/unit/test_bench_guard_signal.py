@@ -10,7 +10,15 @@ from pathlib import Path
 
 import pytest
 
-from bench.studies.guard_signal import Evaluation, Replay, Setting, read_run, replay, trip_margin
+from bench.studies.guard_signal import (
+    Evaluation,
+    Replay,
+    Setting,
+    read_run,
+    replay,
+    separation,
+    trip_margin,
+)
 
 # Outer steps 0 (the initial weights) to 5.
 LOSSES = [5.0, 3.0, 3.3, 3.6, 3.15, 2.9]
@@ -85,3 +93,14 @@ def test_read_run_gives_each_evaluation_the_honest_tokens_merged_up_to_its_step(
     ]
     # Every island honest (a `diloco run` folder's reading): all tokens.
     assert [e.honest for e in read_run(run, None)] == [0, 5120, 35840, 56320]
+
+
+def test_separation_needs_every_attack_above_every_honest_run() -> None:
+    # Honest runs trip at up to 8.0% (run b), attacks at 8.6% and up: any margin in
+    # [8.0%, 8.6%) trips every attack and no honest run.
+    honest = [(0.02, "a"), (0.08, "b")]
+    assert separation(honest, [(0.13, "d"), (0.086, "c")]) == ((0.08, "b"), (0.086, "c"), True)
+    # One honest run at 20.9%: no margin trips the 8.6% attack and spares it.
+    assert separation([*honest, (0.209, "e")], [(0.086, "c")])[2] is False
+    # Equal is not apart: the rule's strict comparison trips both or neither.
+    assert separation([(0.05, "a")], [(0.05, "c")])[2] is False
