@@ -66,7 +66,7 @@ from diloco_trainer.api.spec import JobSpec, parse_spec
 from diloco_trainer.core import payloads
 from diloco_trainer.local import free_port, start_learner, start_syncer, wait_ready, write_job_files
 
-from bench.harness.adversary_report import Outcome, report
+from bench.harness.adversary_report import Outcome, honest_tokens_upto, report
 from bench.harness.common import (
     LoadMonitor,
     base_parser,
@@ -143,9 +143,29 @@ def job_spec(args: argparse.Namespace, seed: int, variant: str) -> JobSpec:
             "stopAfter": {"tokens": budget},
             # Checkpoints every 5 outer steps: the cadence at which the syncer's quality guard
             # keeps its best-evaluated model (jobs.py), which a job it ends exports.
-            "syncer": {"evalEveryOuterSteps": 1, "checkpoint": {"everyOuterSteps": 5}},
+            "syncer": {
+                "evalEveryOuterSteps": 1,
+                "checkpoint": {"everyOuterSteps": 5},
+                **guard_spec(args.quality_guard),
+            },
         }
     )
+
+
+def guard_spec(setting: str | None) -> dict[str, Any]:
+    """--quality-guard MARGIN/PATIENCE/WARMUP as the spec's syncer.qualityGuard (none: the
+    defaults).
+
+    >>> guard_spec("0.05/3/0")
+    {'qualityGuard': {'margin': 0.05, 'patience': 3, 'warmupOuterSteps': 0}}
+    >>> guard_spec(None)
+    {}
+    """
+    if setting is None:
+        return {}
+    margin, patience, warmup = setting.split("/")
+    guard = {"margin": float(margin), "patience": int(patience), "warmupOuterSteps": int(warmup)}
+    return {"qualityGuard": guard}
 
 
 class Adversary(threading.Thread):
@@ -433,6 +453,12 @@ def run_variant(args: argparse.Namespace, seed: int, variant: str, where: Path) 
         job.stop()
     islands = status["islands"]
     eval_loss, ended = kept_model(status)
+    kept_tokens = None
+    if ended:  # the guard's end: the honest tokens its kept checkpoint holds (the merge log)
+        merges = (where / "syncer" / "merges.jsonl").read_text().splitlines()
+        kept = status.get("checkpoint")
+        step = 0 if kept is None else int(kept["outerStep"])
+        kept_tokens = honest_tokens_upto([json.loads(m) for m in merges], HONEST, step)
     return Outcome(
         variant=variant,
         seed=seed,
@@ -449,6 +475,7 @@ def run_variant(args: argparse.Namespace, seed: int, variant: str, where: Path) 
         seconds=time.monotonic() - began,
         status_busy=job.busy,
         ended=ended,
+        kept_tokens=kept_tokens,
     )
 
 
@@ -495,6 +522,14 @@ def main() -> int:
         islands=3,  # the adversary's included: M - 1 honest learners (2, 3 or 5)
     )
     p.add_argument("--variants", nargs="+", choices=VARIANTS, default=list(VARIANTS))
+    p.add_argument(
+        "--quality-guard",
+        default=None,
+        metavar="MARGIN/PATIENCE/WARMUP",
+        help="syncer.qualityGuard of every run (default: the spec's defaults), e.g. 0.05/3/0: "
+        "a tighter guard's trips and kept models (issue 46; bench/studies/guard_signal.py "
+        "replays the rule on finished runs)",
+    )
 
     p.add_argument(
         "--report-only",

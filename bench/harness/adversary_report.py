@@ -50,6 +50,11 @@ class Outcome:
     # How the job ended when not at its budget: the syncer's quality guard (issue 46) names the
     # outer step of the checkpoint it kept; eval_loss is then that checkpoint's, the one exported.
     ended: str = ""
+    # After the guard ended the job: the honest islands' tokens merged up to the outer step of
+    # the checkpoint it kept (the merge log). The kept model holds only these, so "before it
+    # degrades" (issue 46's other branch) reads it against the baseline here, beside the ratio
+    # at the tokens the job merged before it ended.
+    kept_tokens: int | None = None
 
 
 @dataclass(frozen=True)
@@ -216,9 +221,47 @@ def per_run_table(outcomes: Sequence[Outcome]) -> tuple[Table, float]:
             "/".join(o.honest_states),
             o.status_busy,
             f"{o.seconds:.0f}",
-            o.ended or "budget",
+            ended_cell(outcomes, o),
         )
     return table, worst
+
+
+def ended_cell(outcomes: Sequence[Outcome], o: Outcome) -> str:
+    """How the run ended; after a guard's end, its kept model against the baseline at the
+    honest tokens that model holds.
+
+    >>> base = Outcome("none", 0, 100, 2.0, [(0.0, 4.0), (100.0, 2.0)], {}, {}, [], 1.0)
+    >>> o = Outcome("x", 0, 100, 3.3, [], {}, {}, [], 1.0, ended="guard", kept_tokens=50)
+    >>> ended_cell([base, o], o)  # the baseline at 50 tokens: 3.0
+    'guard; kept model 1.1000x the baseline at its 50 honest tokens'
+    """
+    if o.kept_tokens is None:
+        return o.ended or "budget"
+    at = interp(base_of(outcomes, o).history, o.kept_tokens)
+    return (
+        f"{o.ended}; kept model {fmt_ratio(o.eval_loss / at, 4)} the baseline at its "
+        f"{o.kept_tokens} honest tokens"
+    )
+
+
+def honest_tokens_upto(
+    merges: Sequence[dict[str, object]], honest: Sequence[str], step: int
+) -> int:
+    """The honest islands' tokens in the merges (a merge log's records) up to outer step `step`.
+
+    >>> log = [{"outerStep": 1, "contributors": [{"island": "island-0", "tokens": 5}]},
+    ...        {"outerStep": 3, "contributors": [{"island": "island-0", "tokens": 10},
+    ...                                          {"island": "island-1", "tokens": 20}]}]
+    >>> honest_tokens_upto(log, ["island-0"], 1), honest_tokens_upto(log, ["island-0"], 3)
+    (5, 15)
+    """
+    total = 0
+    for m in merges:
+        if int(str(m["outerStep"])) <= step:
+            contributors = m["contributors"]
+            assert isinstance(contributors, list)
+            total += sum(int(c["tokens"]) for c in contributors if c["island"] in honest)
+    return total
 
 
 def mean_table(by: dict[str, Spread], pairs: dict[str, Spread]) -> Table:

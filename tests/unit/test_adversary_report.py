@@ -67,7 +67,7 @@ def test_adversary_bench_islands_flag_sets_the_honest_islands_and_the_job() -> N
 
     args = argparse.Namespace(
         preset="gpt-tiny", inner_steps=10, steps=100, batch_size=8, seq_len=64, inner_lr=3e-3,
-        warmup=20, eval_tokens=8192,
+        warmup=20, eval_tokens=8192, quality_guard=None,
     )  # fmt: skip
     try:
         for m in (2, 5):
@@ -77,6 +77,34 @@ def test_adversary_bench_islands_flag_sets_the_honest_islands_and_the_job() -> N
             spec = adversary.job_spec(args, 0, "paced_ratchet")
             assert (spec.islands.count, spec.sync.quorum) == (m, m - 1)
             assert spec.stop_after.tokens == (m - 1) * 100 * 8 * 64
+            assert spec.syncer.quality_guard.margin == 0.25  # the spec's default
+        # --quality-guard 0.05/3/0: every run's syncer.qualityGuard.
+        args.quality_guard = "0.05/3/0"
+        guard = adversary.job_spec(args, 0, "faint_claims").syncer.quality_guard
+        assert (guard.margin, guard.patience, guard.warmup_outer_steps) == (0.05, 3, 0)
     finally:
         adversary.set_islands(3)
     assert adversary.HONEST == ("island-0", "island-1") and adversary.ADVERSARY == "island-2"
+
+
+def test_a_guard_ended_run_names_its_kept_model_against_the_baseline_at_its_own_tokens() -> None:
+    """Issue 46: the guard kept a checkpoint holding 20 honest tokens while the job merged 50
+    before it ended; the ratio column reads the kept loss 3.5 at 50 (3.5 / 3.0 = 1.1667x), the
+    ended cell at its own 20 tokens, where seed 0's baseline is 4.0 - 2.0 x 20 / 100 = 3.6:
+    3.5 / 3.6 = 0.9722x (not degraded)."""
+    from bench.harness.adversary_report import ended_cell, per_run_table
+
+    guarded = Outcome(
+        "faint_claims", 0, 50, 3.5, [], {}, {}, ["active"], 1.0,
+        ended="quality guard at outer step 9 (kept 1)", kept_tokens=20,
+    )  # fmt: skip
+    outcomes = [*runs()[:2], guarded]
+    assert ended_cell(outcomes, guarded) == (
+        "quality guard at outer step 9 (kept 1); kept model 0.9722x the baseline at its 20 "
+        "honest tokens"
+    )
+    table, _ = per_run_table(outcomes)
+    row = next(r for r in table.rows if r[1] == "faint_claims")
+    assert row[5] == "1.1667x" and row[-1].endswith("0.9722x the baseline at its 20 honest tokens")
+    # A run that reached its budget: unchanged.
+    assert ended_cell(outcomes, runs()[2]) == "budget"
