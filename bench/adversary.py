@@ -41,6 +41,7 @@ A run cut short goes on with the same --workdir; one whose runs are all there on
     python -m bench.adversary                    # 8 seeds, every adversary
     python -m bench.adversary --seeds 0 --variants none flood --no-record   # a smoke run
     python -m bench.adversary --islands 2 --variants none none_again paced_ratchet
+    python -m bench.adversary --islands 2 --quality-guard 0.05/3/0 --variants none faint_claims
 """
 
 from __future__ import annotations
