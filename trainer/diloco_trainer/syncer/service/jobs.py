@@ -21,7 +21,7 @@ an evaluation with the lowest loss so far writes a checkpoint of those weights a
 *best kept*), unless the best kept is under syncer.checkpoint.everyOuterSteps outer steps old
 and its loss within (1 + margin) x this one (state/quality.best_due: at most one extra
 checkpoint per interval, plus one each time the loss falls by more than the factor (1 + margin),
-about log(L_first / L_min) / log(1 + margin) a job); the pruning of syncer.checkpoint.keep
+fewer than log(L_first / L_min) / log(1 + margin) a job); the pruning of syncer.checkpoint.keep
 neither counts nor deletes the best, so the disk holds at most keep + 1 checkpoints; and after
 `patience` evaluations in a row above (1 + margin) x the best evaluation, `after_merge` returns
 the Trip and the service ends the job with the best kept as its final checkpoint (at most

@@ -5,8 +5,10 @@ bound, in one fixed direction, still moves the model away from what the honest i
 This guard needs no trust in either island: it reads only the eval loss of the global weights,
 which the syncer computes itself on held-out data (jobs.py). An evaluation is a *rise* when its
 loss is above (1 + margin) x the best loss of the evaluations before it; after `patience` rises
-in a row the guard trips, and the service ends the job with the best-evaluated checkpoint as its
-final one (service.py, the health problem evalLossRose).
+in a row the guard trips, and the service ends the job with the best checkpoint kept as its
+final one (service.py, the health problem evalLossRose). Which bests are kept is `best_due`: the
+kept one is within (1 + margin) x the best evaluation (a write that failed, reported, aside), so
+the exported model is below every rise, and the message names it (`Trip.message`).
 
 Honest training swings. The measured honest runs of bench/adversary.py rose up to 10% above the
 best once, never more than two evaluations in a row above 3% nor more than one above 5%
@@ -71,12 +73,13 @@ def best_due(step: int, loss: float, kept: Kept | None, *, every: int, margin: f
     anyway (every `every`: syncer.checkpoint.everyOuterSteps); when the kept one is `every`
     or more outer steps old (at most one such extra write per interval); or when the kept
     one's loss is above (1 + margin) x this one (strict, as a rise is). The last rule makes
-    the model a trip exports at most (1 + margin) x the best evaluation, the guard's own
-    tolerance (a loss within it is no rise), so strictly below every rise that tripped it;
-    each such write lowers the kept loss by more than the factor (1 + margin), so they are
-    at most 1 + log(L_first / L_min) / log(1 + margin) a job (L_first: the first kept
-    loss, L_min: the lowest evaluated): about 6 for a loss falling from 11 to 3 at margin
-    0.25. Without it, early in a job the kept best could be an interval old and far worse
+    the model a trip exports at most (1 + margin) x the best evaluation (a failed write,
+    reported and not retried, aside): the guard's own tolerance (a loss within it is no
+    rise), so strictly below every rise that tripped it. Each such write divides the kept
+    loss by more than (1 + margin) (the other writes only lower it too), so a job has fewer
+    than log(L_first / L_min) / log(1 + margin) of them (L_first: the first kept loss, L_min:
+    the lowest evaluated): at most 5 for a loss falling from 11 to 3 at margin 0.25 (5.8).
+    Without it, early in a job the kept best could be an interval old and far worse
     (a smoke run kept outer step 1's 4.4442 while its trip named outer step 4's 2.9576)."""
     if kept is None or step % every == 0 or step - kept.outer_step >= every:
         return True
