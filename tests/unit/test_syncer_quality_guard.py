@@ -7,6 +7,7 @@ operator shows as SyncerHealthy False (EvalLossRose) and one Warning Event."""
 from __future__ import annotations
 
 import shutil
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -17,7 +18,7 @@ from diloco_operator.phase import GUARD_ENDED, decide_phase
 from diloco_operator.refusals import EVAL_LOSS_ROSE, EVAL_LOSS_ROSE_MESSAGE, post_refusal_events
 from diloco_trainer.api.spec import ConfigError, JobSpec, parse_spec
 from diloco_trainer.syncer.state.problems import EVAL_LOSS_ROSE as KIND
-from diloco_trainer.syncer.state.quality import Trip, judged, tripped
+from diloco_trainer.syncer.state.quality import Kept, Trip, best_due, judged, tripped
 from diloco_trainer.syncer.storage import checkpoint as ckpt
 from diloco_trainer.syncer.storage.guard_end import (
     FINAL_ROSE,
@@ -68,10 +69,100 @@ def test_evaluations_of_the_warm_up_are_never_judged() -> None:
     assert judged(1, 0) and not judged(0, 0)
 
 
-def test_trip_message_names_the_best_and_the_rises() -> None:
-    text = Trip(best=2.0, rises=(2.6, 2.7)).message(0.05)
+def test_trip_message_names_the_best_the_rises_and_the_model_kept() -> None:
+    trip = Trip(best=2.0, rises=(2.6, 2.7))
+    text = trip.message(0.05, Kept(outer_step=7, loss=2.0))
     assert "1.05 x the best (2.0000)" in text
     assert "2 evaluations in a row (latest 2.7000, worst 2.7000)" in text
+    assert text.endswith("the job ends with the best checkpoint (outer step 7)")
+    # The kept checkpoint is not the best evaluation: the message names it, loss and step.
+    text = trip.message(0.05, Kept(outer_step=5, loss=2.05))
+    assert text.endswith(
+        "the job ends with the best checkpoint kept (outer step 5, eval loss 2.0500, "
+        "within 1.05 x the best)"
+    )
+    assert trip.message(0.05, None).endswith(
+        "the job ends with the initial weights (no best checkpoint was kept)"
+    )
+
+
+def test_a_new_best_is_written_when_none_is_kept_at_a_regular_step_or_an_interval_on() -> None:
+    # every 10, margin 0.25; a kept loss of 1.1 is within 1.25 x 1.0, so only the step decides.
+    assert best_due(3, 1.0, None, every=10, margin=M)  # nothing kept yet
+    assert best_due(10, 1.0, Kept(9, 1.1), every=10, margin=M)  # a regular checkpoint anyway
+    assert best_due(13, 1.0, Kept(3, 1.1), every=10, margin=M)  # kept one 10 steps old
+    assert not best_due(12, 1.0, Kept(3, 1.1), every=10, margin=M)  # 9 steps old
+
+
+def test_a_new_best_is_written_when_the_kept_one_is_above_the_margin_over_it() -> None:
+    # 1.25 x 2.0 = 2.5 exactly: a kept 2.5 is at the limit (strict: no write), above it writes.
+    assert not best_due(5, 2.0, Kept(4, 2.5), every=10, margin=M)
+    assert best_due(5, 2.0, Kept(4, 2.5000001), every=10, margin=M)
+    # The smoke run of the issue: kept 4.4442 (outer step 1), new best 2.9576 at step 4:
+    # 1.25 x 2.9576 = 3.697 < 4.4442, so step 4 is written (the old rule waited an interval).
+    assert best_due(4, 2.9576, Kept(1, 4.4442), every=10, margin=M)
+
+
+def test_eval_losses_decide_which_bests_are_written_and_the_trip_exports_the_kept_one(
+    tmp_path: Path,
+) -> None:
+    """Hand-derived, margin 0.25, everyOuterSteps 100 (no regular checkpoint, no age write),
+    patience 2, no warm-up; each loss is an evaluation at outer steps 1..9 (binary-exact):
+      1: 0.875   new best, none kept             -> written (kept 0.875)
+      2: 0.75    new best, 1.25 x 0.75 = 0.9375 >= 0.875   -> not written
+      3: 0.625   new best, 1.25 x 0.625 = 0.78125 < 0.875  -> written (kept 0.625)
+      4: 0.5     new best, 1.25 x 0.5 = 0.625, not below 0.625 (strict) -> not written
+      5: 0.6     no best, not above 0.625: no rise
+      6: 0.4375  new best, 1.25 x 0.4375 = 0.546875 < 0.625 -> written (kept 0.4375)
+      7: 0.4     new best, 1.25 x 0.4 = 0.5 >= 0.4375     -> not written
+      8: 0.75, 9: 0.8  two rises above 0.5: the trip (best 0.4), the job ends with step 6's
+    checkpoint (0.4375, within 1.25 x 0.4), which the message names. The old rule (a best
+    kept at most once per checkpoint interval) wrote step 1 only and exported 0.875."""
+    spec = make_spec(
+        islands={"count": 2},
+        syncer={
+            "qualityGuard": {"margin": M, "patience": 2, "warmupOuterSteps": 0},
+            "checkpoint": {"everyOuterSteps": 100, "keep": 1},
+        },
+    )
+    losses = [0.875, 0.75, 0.625, 0.5, 0.6, 0.4375, 0.4, 0.75, 0.8]
+
+    async def scenario() -> tuple[list[int], list[Trip | None], dict[str, Any]]:
+        syncer = await started(spec, tmp_path, FakeClock())
+        assert syncer.jobs.best_loss is not None and syncer.jobs.best_loss > losses[0]
+        written: list[int] = []
+        trips = []
+        for step, loss in enumerate(losses, start=1):
+
+            async def snapshot(step: int = step) -> Any:
+                written.append(step)
+                return replace(await syncer._checkpoint_snapshot(), outer_step=step)
+
+            trips.append(await syncer.jobs._judge(loss, step, snapshot))
+        trip = trips[-1]
+        assert trip is not None
+        await syncer._end_degraded(trip)
+        status = await syncer.status()
+        await syncer.stop()
+        return written, trips, status
+
+    written, trips, status = run(scenario())
+    assert written == [1, 3, 6]
+    assert trips[:-1] == [None] * 8 and trips[-1] == Trip(best=0.4, rises=(0.75, 0.8))
+    assert status["finished"] and status["checkpoint"]["outerStep"] == 6
+    [problem] = status["health"]["problems"]
+    assert problem["kind"] == KIND
+    assert "1.25 x the best (0.4000)" in problem["message"]
+    assert problem["message"].endswith(
+        "the job ends with the best checkpoint kept (outer step 6, eval loss 0.4375, "
+        "within 1.25 x the best)"
+    )
+    end = read_guard_end(tmp_path)
+    assert end is not None and (end.best, end.best_step) == (ckpt.checkpoint_name(6), 6)
+    # keep 1: step 1 was pruned when step 6 was written (step 3, the best then, protected);
+    # nothing came after 6, so the newest on disk (what a restart or an export takes) is it.
+    names = [p.name for p in ckpt.list_checkpoints(tmp_path)]
+    assert names == [ckpt.checkpoint_name(3), ckpt.checkpoint_name(6)]
 
 
 def test_quality_guard_spec_defaults_and_field_errors() -> None:
@@ -172,7 +263,9 @@ def test_uphill_pushes_end_the_job_with_the_best_checkpoint(
     assert not rose_once["finished"] and rose_once["health"]["healthy"]
     assert ended["finished"]
     assert [p["kind"] for p in ended["health"]["problems"]] == [KIND]
-    assert f"best ({losses[1]:.4f})" in ended["health"]["problems"][0]["message"]
+    message = ended["health"]["problems"][0]["message"]
+    assert f"best ({losses[1]:.4f})" in message
+    assert message.endswith("the job ends with the best checkpoint (outer step 1)")
     # The final checkpoint is the best (outer step 1), not the weights that rose; with keep 1
     # the pruning kept it, and the stop wrote none of the later weights.
     assert ended["checkpoint"] == first["checkpoint"]
@@ -227,6 +320,7 @@ def test_a_finish_after_a_rise_keeps_the_best_checkpoint(tmp_path: Path) -> None
     problem = ended["health"]["problems"][0]
     assert problem["kind"] == KIND
     assert f"final eval loss {losses[-1]:.4f} above 1.05 x" in problem["message"]
+    assert problem["message"].endswith("the final checkpoint is that best one (outer step 1)")
     # The finish's own checkpoint (of outer step 3) was written, then set aside: the newest
     # on disk is the best (a restart resumes from it, an export of the state dir takes it).
     assert [p.name for p in on_disk] == [ckpt.checkpoint_name(1)]

@@ -18,12 +18,16 @@ EVAL_HISTORY - 1.
 
 The quality guard (syncer.qualityGuard, state/quality.py) reads these evaluations: while it is on,
 an evaluation with the lowest loss so far writes a checkpoint of those weights at once (the
-*best*), unless the best on disk is under syncer.checkpoint.everyOuterSteps outer steps old (at
-most one extra checkpoint per interval; `_best_due`); the pruning of syncer.checkpoint.keep
+*best kept*), unless the best kept is under syncer.checkpoint.everyOuterSteps outer steps old
+and its loss within (1 + margin) x this one (state/quality.best_due: at most one extra
+checkpoint per interval, plus one each time the loss falls by more than the factor (1 + margin),
+fewer than log(L_first / L_min) / log(1 + margin) a job); the pruning of syncer.checkpoint.keep
 neither counts nor deletes the best, so the disk holds at most keep + 1 checkpoints; and after
-`patience` evaluations in a row above (1 + margin) x the best, `after_merge` returns the Trip and
-the service ends the job with the best as its final checkpoint, the ones after it set aside
-(`rose-ckpt-*`: the newest on disk is the best). Memory: the best is on disk
+`patience` evaluations in a row above (1 + margin) x the best evaluation, `after_merge` returns
+the Trip and the service ends the job with the best kept as its final checkpoint (at most
+(1 + margin) x the best evaluation, so below every rise; the trip's message names its outer
+step and loss), the ones after it set aside (`rose-ckpt-*`: the newest on disk is the best).
+Memory: the best is on disk
 only, never another copy of the model in memory (the checkpoint is written from the live
 tensors, as every checkpoint is). The guard's end of the job (a trip, or a finish whose final
 evaluation rose) is written to the state dir before the checkpoints are set aside
@@ -51,8 +55,10 @@ from diloco_trainer.syncer.state import (
     CORRUPT,
     EVAL_LOSS_ROSE,
     Health,
+    Kept,
     SyncerMetrics,
     Trip,
+    best_due,
     judged,
     tripped,
 )
@@ -271,8 +277,9 @@ class BackgroundJobs:
         self.best_loss: float | None = None
         # The eval losses since that best (the last `patience` of them are what is judged).
         self.since_best: list[float] = []
-        # The eval loss of the best checkpoint (Checkpoints.best).
-        self.best_kept: float | None = None
+        # The outer step and eval loss of the best checkpoint (Checkpoints.best): what a trip
+        # exports (None: the initial weights).
+        self.kept: Kept | None = None
         self.tripped = False
         self.checkpoints = Checkpoints(
             state_dir, spec.syncer.checkpoint.keep, self.evaluations, health, metrics
@@ -337,9 +344,11 @@ class BackgroundJobs:
             return None
         if self.best_loss is None or loss < self.best_loss:
             self.best_loss, self.since_best = loss, []
-            if step > 0 and self._best_due(step):
+            every, margin = self.checkpoint_every, self.guard.margin
+            if step > 0 and best_due(step, loss, self.kept, every=every, margin=margin):
                 if await self.checkpoints.write(await snapshot()):
-                    self.checkpoints.best, self.best_kept = self.checkpoints.latest, loss
+                    self.checkpoints.best = self.checkpoints.latest
+                    self.kept = Kept(outer_step=step, loss=loss)
                 # Written or failed (reported), as the regular checkpoint's: not tried twice.
                 self.checkpoints.last_step = max(self.checkpoints.last_step, step)
             return None
@@ -349,16 +358,9 @@ class BackgroundJobs:
         losses = [self.best_loss, *self.since_best]
         return tripped(losses, margin=self.guard.margin, patience=self.guard.patience)
 
-    def _best_due(self, step: int) -> bool:
-        """Whether a new best at `step` is checkpointed: when a checkpoint is due here anyway
-        (it is the best), or the best on disk is syncer.checkpoint.everyOuterSteps or more
-        outer steps old (or there is none). So the guard writes at most one checkpoint per
-        checkpoint interval beyond the regular ones, and the model kept is the best evaluation
-        of that cadence (the very best, or one of the interval before it)."""
-        best = self.checkpoints.best
-        if step % self.checkpoint_every == 0 or best is None:
-            return True
-        return step - int(best["outerStep"]) >= self.checkpoint_every
+    def trip_message(self, trip: Trip) -> str:
+        """The trip's health problem, naming the model the job ends with (the best kept)."""
+        return trip.message(self.guard.margin, self.kept)
 
     async def end_tripped(self, message: str) -> None:
         """After a trip: the status names the best checkpoint as the final one (None when no
@@ -398,13 +400,16 @@ class BackgroundJobs:
         the best checkpoint's (a run of rises shorter than patience when the budget ran out)
         makes the best checkpoint the final one, with the health problem evalLossRose; so a
         job's final checkpoint is never above (1 + margin) x its best kept one."""
-        final, best = self.evaluations.latest, self.best_kept
+        final, kept = self.evaluations.latest, self.kept
         limit = 1 + self.guard.margin
-        if not self.guard.enabled or final is None or best is None or not final > limit * best:
+        if not self.guard.enabled or final is None or kept is None:
+            return
+        if not final > limit * kept.loss:
             return
         message = (
-            f"final eval loss {final:.4f} above {limit:g} x the best checkpoint's ({best:.4f}): "
-            "the final checkpoint is the best-evaluated one"
+            f"final eval loss {final:.4f} above {limit:g} x the best checkpoint's "
+            f"({kept.loss:.4f}): the final checkpoint is that best one (outer step "
+            f"{kept.outer_step})"
         )
         await self.checkpoints.end_at_best(FINAL_ROSE, message, self.evaluations.clock())
         self.checkpoints.health.report(EVAL_LOSS_ROSE, message)

@@ -496,7 +496,7 @@ class Syncer:
         (finished=true, so learners stop) with the best-evaluated checkpoint as its final one
         (the status's `checkpoint`, which the operator names as the job's finalCheckpoint), and
         the health problem evalLossRose, which never clears (merge lock held)."""
-        message = trip.message(self.spec.syncer.quality_guard.margin)
+        message = self.jobs.trip_message(trip)
         self.health.report(EVAL_LOSS_ROSE, message)
         await self.jobs.end_tripped(message)
         self.control.finished = True

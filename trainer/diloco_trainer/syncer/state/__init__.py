@@ -17,7 +17,7 @@ from diloco_trainer.syncer.state.problems import (
     WORK_UNSUPPORTED,
     Health,
 )
-from diloco_trainer.syncer.state.quality import Trip, judged, tripped
+from diloco_trainer.syncer.state.quality import Kept, Trip, best_due, judged, tripped
 from diloco_trainer.syncer.state.records import (
     DROPPED,
     LEFT,
@@ -63,6 +63,7 @@ __all__ = [
     "Contribution",
     "Health",
     "IslandRecord",
+    "Kept",
     "Membership",
     "RoundPolicy",
     "RoundSizes",
@@ -71,6 +72,7 @@ __all__ = [
     "SyncState",
     "SyncerMetrics",
     "Trip",
+    "best_due",
     "budget_tokens",
     "drained_at_budget",
     "horizon_seconds",

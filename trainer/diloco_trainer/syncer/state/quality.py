@@ -5,8 +5,10 @@ bound, in one fixed direction, still moves the model away from what the honest i
 This guard needs no trust in either island: it reads only the eval loss of the global weights,
 which the syncer computes itself on held-out data (jobs.py). An evaluation is a *rise* when its
 loss is above (1 + margin) x the best loss of the evaluations before it; after `patience` rises
-in a row the guard trips, and the service ends the job with the best-evaluated checkpoint as its
-final one (service.py, the health problem evalLossRose).
+in a row the guard trips, and the service ends the job with the best checkpoint kept as its
+final one (service.py, the health problem evalLossRose). Which bests are kept is `best_due`: the
+kept one is within (1 + margin) x the best evaluation (a write that failed, reported, aside), so
+the exported model is below every rise, and the message names it (`Trip.message`).
 
 Honest training swings. The measured honest runs of bench/adversary.py rose up to 10% above the
 best once, never more than two evaluations in a row above 3% nor more than one above 5%
@@ -37,13 +39,51 @@ class Trip:
     best: float
     rises: tuple[float, ...]
 
-    def message(self, margin: float) -> str:
+    def message(self, margin: float, kept: Kept | None) -> str:
+        """The health problem's text: the best evaluation, the rises, and the model the job
+        ends with, named exactly (`kept`: the best checkpoint; None: the initial weights)."""
         worst = max(self.rises)
+        if kept is None:
+            model = "the initial weights (no best checkpoint was kept)"
+        elif kept.loss == self.best:
+            model = f"the best checkpoint (outer step {kept.outer_step})"
+        else:
+            model = (
+                f"the best checkpoint kept (outer step {kept.outer_step}, eval loss "
+                f"{kept.loss:.4f}, within {1 + margin:g} x the best)"
+            )
         return (
             f"eval loss rose above {1 + margin:g} x the best ({self.best:.4f}) in "
             f"{len(self.rises)} evaluations in a row (latest {self.rises[-1]:.4f}, worst "
-            f"{worst:.4f}): merging stopped, the job ends with the best-evaluated checkpoint"
+            f"{worst:.4f}): merging stopped, the job ends with {model}"
         )
+
+
+@dataclass(frozen=True)
+class Kept:
+    """The best checkpoint on disk: its outer step and the eval loss of its weights."""
+
+    outer_step: int
+    loss: float
+
+
+def best_due(step: int, loss: float, kept: Kept | None, *, every: int, margin: float) -> bool:
+    """Whether a new best evaluation (`loss`, at outer step `step`) is checkpointed now as the
+    best kept: when there is none kept yet; when a regular checkpoint is due at this step
+    anyway (every `every`: syncer.checkpoint.everyOuterSteps); when the kept one is `every`
+    or more outer steps old (at most one such extra write per interval); or when the kept
+    one's loss is above (1 + margin) x this one (strict, as a rise is). The last rule makes
+    the model a trip exports at most (1 + margin) x the best evaluation (a failed write,
+    reported and not retried, aside): the guard's own tolerance (a loss within it is no
+    rise), so strictly below every rise that tripped it. Each such write divides the kept
+    loss by more than (1 + margin) (the other writes only lower it too), so a job has fewer
+    than log(L_first / L_min) / log(1 + margin) of them (L_first: the first kept loss, L_min:
+    the lowest evaluated): at most 5 for a loss falling from 11 to 3 at margin 0.25 (5.8).
+    Without it, early in a job the kept best could be an interval old and far worse
+    (a smoke run kept outer step 1's 4.4442 while its trip named outer step 4's 2.9576)."""
+    if kept is None or step % every == 0 or step - kept.outer_step >= every:
+        return True
+    return kept.loss > (1 + margin) * loss
 
 
 def judged(step: int, warmup_outer_steps: int) -> bool:
