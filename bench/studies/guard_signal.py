@@ -4,7 +4,7 @@ every honest run alone?
 
 Reads a `python -m bench.adversary --workdir DIR` directory (its outcomes.jsonl, and each run's
 syncer log and merge log) and replays syncer.qualityGuard's rule (syncer/state/quality.py:
-`judged`, `tripped`; the best's checkpoint cadence of syncer/service/jobs.py, `_best_due`) on
+`judged`, `tripped`; the best's checkpoint rule, `best_due`) on
 every run's evaluations, one after every outer step:
 
 - the largest margin at which the guard trips on the run at a patience and warm-up (it trips at
@@ -28,7 +28,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from diloco_trainer.syncer.state.quality import judged, tripped
+from diloco_trainer.syncer.state.quality import Kept, best_due, judged, tripped
 
 from bench.harness.common import LoadMonitor, Report, Table, base_parser, publish
 from bench.harness.decoupled_quality_report import interp
@@ -108,7 +108,7 @@ def trip_margin(
 
 def replay(losses: Sequence[float], steps: Sequence[int], setting: Setting) -> Replay:
     """syncer/service/jobs.py's _judge on these evaluations in order (index 0 the initial
-    weights', never checkpointed): a new best is checkpointed when `_best_due`, an evaluation
+    weights', never checkpointed): a new best is checkpointed when `best_due`, an evaluation
     after the warm-up that is no new best is judged with the ones since the best
     (state/quality.tripped). The first trip, and the best checkpoint before it.
 
@@ -123,11 +123,8 @@ def replay(losses: Sequence[float], steps: Sequence[int], setting: Setting) -> R
         loss, step = losses[i], steps[i]
         if loss < best_loss:
             best_loss, since_best = loss, []
-            due = (
-                kept is None
-                or step % CHECKPOINT_EVERY == 0
-                or step - steps[kept] >= CHECKPOINT_EVERY
-            )
+            held = None if kept is None else Kept(steps[kept], losses[kept])
+            due = best_due(step, loss, held, every=CHECKPOINT_EVERY, margin=setting.margin)
             if step > 0 and due:
                 kept = i
             continue

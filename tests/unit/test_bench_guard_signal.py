@@ -51,13 +51,17 @@ def test_replay_trips_below_that_margin_and_not_at_it() -> None:
     assert replay(LOSSES, STEPS, Setting(0.01, 2, 3)) == Replay(trip=None, kept=5)
 
 
-def test_replay_keeps_the_best_checkpoint_of_the_cadence_not_the_best_evaluation() -> None:
-    # Bests at steps 1, 2 and 3 (4.0, 3.0, 2.0): the first is written at once, the next two are
-    # under CHECKPOINT_EVERY (5) outer steps after it and not at a multiple of 5, so not
-    # written. 2.5 and 2.6 are above 1.1 x 2.0 = 2.2: the trip at index 5 keeps step 1's
-    # checkpoint, at twice the best evaluation's loss.
+def test_replay_keeps_a_best_within_the_margin_of_the_best_evaluation() -> None:
+    # Bests at steps 1, 2 and 3 (4.0, 3.0, 2.0), none at a multiple of CHECKPOINT_EVERY (5) nor
+    # an interval after the kept one: step 1's is written at once (none kept yet); step 2's
+    # because the kept 4.0 is above 1.1 x 3.0 = 3.3; step 3's because 3.0 is above
+    # 1.1 x 2.0 = 2.2 (state/quality.best_due). 2.5 and 2.6 are above 2.2: the trip at index 5
+    # keeps step 3's checkpoint, the best evaluation itself.
     losses = [5.0, 4.0, 3.0, 2.0, 2.5, 2.6]
-    assert replay(losses, STEPS, Setting(0.1, 2, 0)) == Replay(trip=5, kept=1)
+    assert replay(losses, STEPS, Setting(0.1, 2, 0)) == Replay(trip=5, kept=3)
+    # At a margin of 0.5 step 2's is not written (the kept 4.0 is not above 1.5 x 3.0 = 4.5),
+    # step 3's is (4.0 is above 1.5 x 2.0 = 3.0). 2.5 and 2.6 are under 3.0: no trip.
+    assert replay(losses, STEPS, Setting(0.5, 2, 0)) == Replay(trip=None, kept=3)
 
 
 def test_read_run_gives_each_evaluation_the_honest_tokens_merged_up_to_its_step(
