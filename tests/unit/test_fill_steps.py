@@ -7,6 +7,7 @@ from __future__ import annotations
 import concurrent.futures
 
 import pytest
+from diloco_trainer.learner.fill_steps import FillSteps
 from diloco_trainer.learner.fragment_sync import FragmentSync
 from diloco_trainer.learner.step_plan import (
     FILL_ROOM,
@@ -226,3 +227,22 @@ def test_an_island_at_h_fills_its_first_merge_wait_up_to_the_cap() -> None:
     assert sync.fill.since_push == {0: 0}
     # the fill steps are no part of a round: 20 positions at 10 / 10 each (22 with them)
     assert sync.round_work == 20.0
+
+
+def test_fixed_rounds_take_no_fill_step_at_h() -> None:
+    """inner.stepsPerIsland fixed: cap 0, so an island at H blocks as before (exact budgets,
+    repeatable runs); auto at H = 8: cap floor(1.6) = 1."""
+    sync, _, w, _ = _slow_island()
+    for _ in range(4):
+        step(sync, w)
+    sync.inflight[0].future = concurrent.futures.Future()  # not back
+    sync.round_steps = 8
+    assert sync.fill.drift_cap == 1 and sync.fill.fills(sync, 0)
+    spec = sync.spec.model_copy(
+        update={"inner": sync.spec.inner.model_copy(update={"steps_per_island": "fixed"})}
+    )
+    fixed = FillSteps(spec)
+    fixed.since_push = dict(sync.fill.since_push)
+    assert fixed.drift_cap == 0
+    sync.fill = fixed
+    assert not sync.fill.fills(sync, 0)

@@ -13,7 +13,8 @@ rounds (`round_share`), and `pushed` at each push. No tensors: a few floats a fr
 An island at H (identical speeds, or `inner.stepsPerIsland fixed`) has no such slack: its waits
 are its peers' drift (a start-up offset, step-time noise, speed gaps between processes). It fills
 them too while each fragment's next push carries at most FILL_ROOM x H fill steps
-(step_plan.fills_drift), from the first merge on (no arrival history needed).
+(step_plan.fills_drift), from the first merge on (no arrival history needed); with
+inner.stepsPerIsland auto only (fixed: exactly H steps a round).
 """
 
 from __future__ import annotations
@@ -88,7 +89,10 @@ class FillSteps:
         self.filling: set[int] = set()  # fragments whose wait a fill step is taking
         # Per fragment, the fill steps taken since its last push (fills_drift's cap).
         self.since_push: dict[int, int] = {}
-        self.drift_cap = drift_fill_cap(spec.inner.steps, FILL_ROOM)
+        # inner.stepsPerIsland fixed takes none: every island exactly H steps a round, a K = M
+        # job's stopAfter.tokens met exactly and its runs repeatable (tests/e2e/test_repeatable).
+        fixed = spec.inner.steps_per_island == "fixed"
+        self.drift_cap = 0 if fixed else drift_fill_cap(spec.inner.steps, FILL_ROOM)
         self.next = False  # the next inner step is a fill step
         self.steps = 0  # fill steps taken (logged at exit)
         self.clock = time.monotonic  # a test may replace it
