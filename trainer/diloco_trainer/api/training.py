@@ -68,9 +68,8 @@ class InnerSpec(SpecModel):
         "does an island at inner.steps whose merge waits for a late peer, up to a fifth of "
         "inner.steps such fill steps a push); at K = M each island keeps its 1/M share of "
         "stopAfter.tokens in rounds while every round is inner.steps, as with fixed (fill "
-        "steps' tokens come on top of the shares, so the job may end at the first merge past "
-        "the budget, before the drain's last merges: fixed takes none, and meets it "
-        "exactly); "
+        "steps' tokens come on top of the shares, every one merged: fixed takes none, and "
+        "meets it exactly); "
         "docs/algorithm.md). islands.overrides[].innerSteps pins an island's.",
     )
     min_steps: int | None = Field(
