@@ -10,7 +10,7 @@ push are kept when its merge is applied), then polls again. FragmentSync calls i
 (`unfilled`), after its polls (`settle`), to move its schedule (`positions`) and to count its
 rounds (`round_share`), and `pushed` at each push. No tensors: a few floats a fragment.
 
-An island at H (identical speeds, or `inner.stepsPerIsland fixed`) has no such slack: its waits
+An island at H (identical speeds) has no such slack: its waits
 are its peers' drift (a start-up offset, step-time noise, speed gaps between processes). It fills
 them too while each fragment's next push carries at most FILL_ROOM x H fill steps
 (step_plan.fills_drift), from the first merge on (no arrival history needed); with
