@@ -1,15 +1,19 @@
-"""A slow island's merge waits at K = M filled with steps (learner/step_plan.fills_wait, issue 47):
-hand-derived schedules in units of a fast island's step (H = 20, merges every 20)."""
+"""Merge waits at K = M filled with steps: a slow island's (learner/step_plan.fills_wait, issue 47),
+hand-derived schedules in units of a fast island's step (H = 20, merges every 20); and an island
+at H's (step_plan.fills_drift, issue 45): its peers' drift filled, up to a cap a push."""
 
 from __future__ import annotations
 
 import concurrent.futures
 
 import pytest
+from diloco_trainer.learner.fill_steps import FillSteps
 from diloco_trainer.learner.fragment_sync import FragmentSync
 from diloco_trainer.learner.step_plan import (
     FILL_ROOM,
     FillFragment,
+    drift_fill_cap,
+    fills_drift,
     fills_wait,
     merge_period,
     steps_to_due,
@@ -158,7 +162,7 @@ def test_a_slow_island_fills_its_merge_wait_and_its_next_push_carries_the_fill_s
     assert sync.round_work == 15.0
 
 
-def test_an_overdue_merge_is_waited_for_and_an_island_at_h_never_fills() -> None:
+def test_an_overdue_merge_is_waited_for_and_an_island_at_h_fills_by_its_cap() -> None:
     sync, link, w, now = _slow_island()
     for _ in range(4):
         step(sync, w)
@@ -168,5 +172,77 @@ def test_an_overdue_merge_is_waited_for_and_an_island_at_h_never_fills() -> None
     assert not sync.fill.fills(sync, 0)
     now[0] = 25.0
     assert sync.fill.fills(sync, 0)
-    sync.round_steps = 8  # H: a fast island (or fixed rounds) blocks as before
+    # H: an island at H takes fill steps by fills_drift (its cap), not by the period: at 32.5
+    # too, the merge overdue by more than the room
+    sync.round_steps = 8
+    assert sync.fill.fills(sync, 0)
+    sync.fill.since_push[0] = 1  # floor(0.2 x 8) = 1 fill step since the push: the cap
+    assert not sync.fill.fills(sync, 0)
+
+
+def test_drift_fill_cap_is_a_fifth_of_h_rounded_down() -> None:
+    assert FILL_ROOM == 0.2
+    assert drift_fill_cap(30) == 6  # a push of at most 36 steps
+    assert drift_fill_cap(20) == 4
+    assert drift_fill_cap(10) == 2
+    assert drift_fill_cap(8) == 1  # 1.6
+    assert drift_fill_cap(4) == 0  # 0.8: no fill steps at all
+    assert drift_fill_cap(30, 0.1) == 3
+
+
+def test_an_island_at_h_fills_while_every_push_is_under_the_cap() -> None:
+    assert fills_drift(since_push=[0], cap=6)
+    assert fills_drift(since_push=[5, 2], cap=6)  # the 6th of fragment 0's push
+    assert not fills_drift(since_push=[6, 0], cap=6)  # fragment 0's push has 6: a 7th is over
+    assert not fills_drift(since_push=[0, 6], cap=6)  # any fragment's
+    assert not fills_drift(since_push=[0], cap=0)  # H < 5: none
+
+
+def test_an_island_at_h_fills_its_first_merge_wait_up_to_the_cap() -> None:
+    """K = M (2 of 2), H = 10 (the syncer's H_i too), τ = 1, one fragment, no merge yet (no
+    arrival history: the start-up offset's wait is filled too). Cap floor(0.2 x 10) = 2."""
+    spec = make_spec(quorum=2, overlapSteps=1, overlapMode="fixed")
+    spec = spec.model_copy(update={"inner": spec.inner.model_copy(update={"steps": 10})})
+    link = FakeLink(outer_lr=1.0)
+    link.inner_steps = 10
+    sync, w = make_sync(spec, link)
+    assert sync.fill.drift_cap == 2 and sync.fill.arrivals == {}
+    for _ in range(9):
+        step(sync, w)
+    link.hold = True  # the merge of the push at position 10 is not back until release()
+    step(sync, w)
+    assert [meta.steps for _, meta, _ in link.pushes] == [10]
+    step(sync, w)  # position 11, τ after the push: its wait, filled (0 of 2 since the push)
+    assert (sync.position, sync.fill.next, sync.fill.since_push) == (11, True, {0: 1})
+    step(sync, w)  # the first fill step; not back: 1 < 2, fills again
+    assert (sync.position, sync.fill.steps, sync.fill.since_push) == (11, 2, {0: 2})
+    assert not sync.fill.fills(sync, 0)  # a third would be over the cap: it would block
+    link.release()
+    assert step(sync, w) != {}  # the second fill step; the merge waited for (back) and applied
+    assert (sync.position, sync.fill.next, sync.fill.filling) == (11, False, set())
+    for _ in range(9):  # positions 12-20: pushed at 20
+        step(sync, w)
+    # the push carries τ's step, the two fill steps and positions 12-20: 12 = H + the cap
+    assert [meta.steps for _, meta, _ in link.pushes] == [10, 12]
+    assert sync.fill.since_push == {0: 0}
+    # the fill steps are no part of a round: 20 positions at 10 / 10 each (22 with them)
+    assert sync.round_work == 20.0
+
+
+def test_fixed_rounds_take_no_fill_step_at_h() -> None:
+    """inner.stepsPerIsland fixed: cap 0, so an island at H blocks as before (exact budgets,
+    repeatable runs); auto at H = 8: cap floor(1.6) = 1."""
+    sync, _, w, _ = _slow_island()
+    for _ in range(4):
+        step(sync, w)
+    sync.inflight[0].future = concurrent.futures.Future()  # not back
+    sync.round_steps = 8
+    assert sync.fill.drift_cap == 1 and sync.fill.fills(sync, 0)
+    spec = sync.spec.model_copy(
+        update={"inner": sync.spec.inner.model_copy(update={"steps_per_island": "fixed"})}
+    )
+    fixed = FillSteps(spec)
+    fixed.since_push = dict(sync.fill.since_push)
+    assert fixed.drift_cap == 0
+    sync.fill = fixed
     assert not sync.fill.fills(sync, 0)

@@ -220,3 +220,37 @@ def test_k_equal_m_targets_wait_until_every_running_island_heard_the_split(
         return seen
 
     assert run(scenario()) == [False, False, True, None, 5120]
+
+
+@pytest.mark.parametrize(("quorum", "finished"), [(2, [False, False, True]), (1, [True] * 3)])
+def test_at_k_equal_m_the_token_budget_waits_for_every_islands_drain(
+    tmp_path: Path, quorum: int, finished: list[bool]
+) -> None:
+    """Two islands; a merge of both pushes (100 tokens each) takes the job to 200 tokens, past a
+    budget of 150. At K = M (quorum 2, rounds of H: the islands drain on their 1/M shares) the
+    job ends only once both have drained: fill steps at H (step_plan.fills_drift) put tokens on
+    top of the shares, and the islands' last pushes are still to come. At K < M (quorum 1) it
+    ends at that merge, as before."""
+    spec = make_spec(
+        islands={"count": 2},
+        sync={"quorum": quorum, "graceSeconds": 600},
+        stopAfter={"outerSteps": None, "tokens": 150},
+    )
+
+    async def scenario() -> tuple[Syncer, list[bool]]:
+        syncer = await started(spec, tmp_path, FakeClock())
+        for i in range(2):
+            await syncer.islands.join(f"island-{i}", 1)
+        for i in range(2):
+            await syncer.receive_push(0, body(syncer, 0, f"island-{i}", delta(syncer, 0, i)))
+        await syncer.tick()
+        assert syncer.tokens == 200 and syncer.shares_kept() is (quorum == 2)
+        seen = [syncer.finished]
+        for i in range(2):
+            await syncer.islands.heartbeat(f"island-{i}", DRAINED)
+            await syncer.tick()
+            seen.append(syncer.finished)
+        return syncer, seen
+
+    _, seen = run(scenario())
+    assert seen == finished

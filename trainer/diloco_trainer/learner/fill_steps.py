@@ -1,5 +1,5 @@
-"""Fill steps: a slow island at K = M steps through its merge waits (learner/step_plan.fills_wait,
-docs/algorithm.md "Fill steps at K = M").
+"""Fill steps: an island at K = M steps through its merge waits (learner/step_plan.fills_wait for
+a slow island, fills_drift for one at H; docs/algorithm.md "Fill steps at K = M").
 
 At K = M an island whose round H_i is below inner.steps (a slow island, inner.stepsPerIsland auto)
 ends each round early by design (core/island_rounds.sized_steps: rounded down, with room) and
@@ -8,7 +8,13 @@ more delays none of its next pushes past the room, it takes a *fill step*: an in
 moves no schedule position, whose tokens count in the fragments' next pushes (the steps since a
 push are kept when its merge is applied), then polls again. FragmentSync calls it at its waits
 (`unfilled`), after its polls (`settle`), to move its schedule (`positions`) and to count its
-rounds (`round_share`). No tensors: a few floats a fragment.
+rounds (`round_share`), and `pushed` at each push. No tensors: a few floats a fragment.
+
+An island at H (identical speeds) has no such slack: its waits
+are its peers' drift (a start-up offset, step-time noise, speed gaps between processes). It fills
+them too while each fragment's next push carries at most FILL_ROOM x H fill steps
+(step_plan.fills_drift), from the first merge on (no arrival history needed); with
+inner.stepsPerIsland auto only (fixed: exactly H steps a round).
 """
 
 from __future__ import annotations
@@ -24,6 +30,8 @@ from diloco_trainer.learner.step_plan import (
     FILL_ROOM,
     PERIOD_SAMPLES,
     FillFragment,
+    drift_fill_cap,
+    fills_drift,
     fills_wait,
     merge_period,
     steps_to_due,
@@ -79,6 +87,12 @@ class FillSteps:
         self.inner_steps = spec.inner.steps
         self.arrivals: dict[int, list[float]] = {}  # per fragment, time.monotonic()
         self.filling: set[int] = set()  # fragments whose wait a fill step is taking
+        # Per fragment, the fill steps taken since its last push (fills_drift's cap).
+        self.since_push: dict[int, int] = {}
+        # inner.stepsPerIsland fixed takes none: every island exactly H steps a round, a K = M
+        # job's stopAfter.tokens met exactly and its runs repeatable (tests/e2e/test_repeatable).
+        fixed = spec.inner.steps_per_island == "fixed"
+        self.drift_cap = 0 if fixed else drift_fill_cap(spec.inner.steps, FILL_ROOM)
         self.next = False  # the next inner step is a fill step
         self.steps = 0  # fill steps taken (logged at exit)
         self.clock = time.monotonic  # a test may replace it
@@ -88,6 +102,10 @@ class FillSteps:
         arrivals = self.arrivals.setdefault(f, [])
         arrivals.append(at)
         del arrivals[: -(PERIOD_SAMPLES + 1)]
+
+    def pushed(self, f: int) -> None:
+        """Fragment f was pushed: its next push carries no fill step yet."""
+        self.since_push[f] = 0
 
     def positions(self, position: int, pending: int) -> tuple[list[int], int]:
         """The schedule positions the step just taken passes through (schedule_positions), none
@@ -130,16 +148,19 @@ class FillSteps:
                 sync.waited += time.monotonic() - started
         self.next = bool(self.filling)
         self.steps += self.next
+        if self.next:
+            for g in range(len(sync.fragments)):
+                self.since_push[g] = self.since_push.get(g, 0) + 1
         return took
 
     def fills(self, sync: Waiting, f: int) -> bool:
         """Whether the wait for fragment f's merge (in flight, not back) is filled with a step
-        (step_plan.fills_wait): only a slow island at K = M (its round below inner.steps), with
-        every fragment's merge period known, no phase shift, syncer restart or stop target
-        under way (the drain's targets split the budget by H_i x tokens per step)."""
+        at K = M only, with no phase shift, syncer restart or stop target under way (the drain's
+        targets split the budget by H_i x tokens per step): an island at H (its round not below
+        inner.steps) while its pushes carry at most the cap (step_plan.fills_drift); a slow island
+        (its round below) with every fragment's merge period known (step_plan.fills_wait)."""
         if (
             not (sync.blocking and self.lock_step)
-            or sync.round_steps >= self.inner_steps
             or sync.phase_pending
             or sync.push_again
             or sync.link.stop_at is not None
@@ -147,6 +168,9 @@ class FillSteps:
             or any(fl.again for fl in sync.inflight.values())
         ):
             return False
+        if sync.round_steps >= self.inner_steps:
+            since = [self.since_push.get(g, 0) for g in range(len(sync.fragments))]
+            return fills_drift(since_push=since, cap=self.drift_cap)
         step_time = sync.step_time or sync.wall_step
         period = merge_period(self.arrivals.get(f, []))
         if period is None or step_time <= 0:

@@ -594,6 +594,7 @@ class FragmentSync:
             sync_time=state.last_sync_seconds,
         )
         self.push_again.discard(f)
+        self.fill.pushed(f)
         old = self.inflight.get(f)
         previous = self.last_push.get(f)
         self.last_push[f] = time.monotonic()

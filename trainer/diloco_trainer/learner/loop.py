@@ -443,7 +443,7 @@ class Learner:
                     log.info("%s", phases.line(self.steps_run))
                     if self.sync.fill.steps:
                         log.info(
-                            "%d fill steps (merge waits filled: step_plan.fills_wait)",
+                            "%d fill steps (merge waits filled: step_plan.fills_wait, fills_drift)",
                             self.sync.fill.steps,
                         )
                 self._log_copies()

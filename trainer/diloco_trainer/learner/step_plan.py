@@ -291,6 +291,33 @@ PERIOD_SAMPLES = 4
 FILL_ROOM = 0.2
 
 
+def drift_fill_cap(inner_steps: int, room: float = FILL_ROOM) -> int:
+    """The most fill steps a push of an island at H may carry at K = M (fills_drift): room x H,
+    rounded down (H = 30: 6, a push of at most 36 steps)."""
+    return math.floor(room * inner_steps + 1e-9)
+
+
+def fills_drift(*, since_push: Sequence[int], cap: int) -> bool:
+    """Whether a learner at K = M whose round is H (not a slow island: fills_wait is that one's
+    rule), at a merge wait whose merge has not come, takes a fill step: while every fragment's
+    next push would carry at most `cap` fill steps (`since_push`: the fill steps each has taken
+    since its last push; drift_fill_cap), i.e. at most (1 + room) x H steps.
+
+    At identical speeds such a wait is a peer's drift (bench/RESULTS.md "busy_link": a start-up
+    offset the first merge closes, then step-time noise and steady speed gaps between processes),
+    not slack a slow round left, so there is no period to plan by: the learner steps on while the
+    merge is not back. It cannot run away: a fill step is only taken while the merge waited for
+    has not come, so it never delays that merge (every push in it is in), and the learner takes
+    up its schedule at most one step time after the merge came (the fill step under way then).
+    So each merge of the learner's next pushes comes at most one step time later than if it had
+    blocked, whatever happened before: a merge's time is the latest of its pushes, and every
+    island's push is at most its own round plus one step after the merge it last waited for.
+    The period does not compound (each merge resets it), and no period estimate is read. The cap
+    bounds what a peer that is gone or far behind costs (a push of (1 + room) x H steps, then the
+    learner blocks as before) and the token imbalance between the islands' pushes of a merge."""
+    return cap > 0 and all(n < cap for n in since_push)
+
+
 def merge_period(arrivals: Sequence[float]) -> float | None:
     """The wall seconds between a fragment's merges, from the times its latest merges arrived
     (in order; time.monotonic()): the shortest of the last PERIOD_SAMPLES intervals, None before

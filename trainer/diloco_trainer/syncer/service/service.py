@@ -243,11 +243,25 @@ class Syncer:
 
     def stop_reached(self) -> bool:
         """Whether the job ends now: stopAfter is reached, or but for the drain's rounding with
-        every active island drained (learner/drain.py, targets.drained_at_budget)."""
+        every active island drained (learner/drain.py, targets.drained_at_budget).
+
+        At K = M with every island on its 1/M share (no split: rounds of H) the budget in
+        tokens ends the job only once every active island has drained: the shares count
+        positions, and fill steps at H (learner/step_plan.fills_drift) put tokens on top of
+        them, which reached the budget a merge before the drains' last ones and left the
+        islands' work since their last merged push unmerged (busy_link: 2.4-2.7% of it)."""
         if stop_reached(self.spec, outer_step=self.state.outer_step, tokens=self.tokens):
-            return True
+            stop = self.spec.stop_after
+            by_steps = stop.outer_steps is not None and self.state.outer_step >= stop.outer_steps
+            return by_steps or not self.shares_kept() or self.state.all_drained()
         active = self.state.membership.active_records()
         return self.state.all_drained() and drained_at_budget(self.spec, self.tokens, active)
+
+    def shares_kept(self) -> bool:
+        """Whether the islands drain on their own 1/M shares of stopAfter (K = M, every round
+        H: learner/drain.share_steps), not on stop targets (K < M, or rounds that differ)."""
+        islands = max(self.spec.islands.count, self.spec.total_shards())
+        return self.spec.sync.quorum >= islands and not self.gate.rounds.split
 
     def _body_keys(self) -> list[BodyKey]:
         """What each fragment's pull body says now: (version, outer step, finished)."""
