@@ -27,17 +27,15 @@ pytestmark = pytest.mark.e2e
 def codec_run(
     codec: str, make_spec: Callable[..., JobSpec], make_run: Callable[..., LocalRun]
 ) -> LocalRun:
-    """A started two-island run with every island in every merge, so that two runs differ
-    only by the codec."""
+    """A two-island run (not started) with every island in every merge, so that two runs
+    differ only by the codec."""
     spec = make_spec(
         **deep_merge(
             CONVERGENCE_SPEC,
             {"islands": {"count": 2}, "sync": {"quorum": 2, "compression": codec}},
         )
     )
-    run = make_run(spec)
-    start_synchronised(run)
-    return run
+    return make_run(spec)
 
 
 def test_codecs_int8_run_matches_uncompressed_run(
@@ -46,6 +44,7 @@ def test_codecs_int8_run_matches_uncompressed_run(
 ) -> None:
     # Both runs at once: their results do not depend on timing, and they share the start-up.
     runs = [codec_run(codec, make_spec, local_run) for codec in ("none", "int8")]
+    start_synchronised(*runs)
 
     async def watch_both() -> list[SyncerStatus]:
         return await asyncio.wait_for(

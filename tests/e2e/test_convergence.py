@@ -1,14 +1,17 @@
 """DiLoCo with M islands (real syncer and learner processes) against synchronous data-parallel
 training on the same number of tokens: the final eval losses agree within 5%.
 
-Also home of the helpers the other learner e2e modules share (a LocalRun fixture, pre-joining,
-running to the finish).
+Also home of the helpers the other learner e2e modules share (a LocalRun fixture, starting the
+learners lined up at their joins, running to the finish).
 """
 
 from __future__ import annotations
 
 import asyncio
 import io
+import os
+import re
+import signal
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -19,12 +22,13 @@ import torch
 from diloco_trainer.api.contract import island_name
 from diloco_trainer.api.documents import SyncerStatus
 from diloco_trainer.api.spec import JobSpec
-from diloco_trainer.learner.syncer_client import SyncerClient
+from diloco_trainer.local.launch import Proc
 from diloco_trainer.local.run import LocalRun
+from diloco_trainer.local.syncer_shards import SyncerShards
 from diloco_trainer.models.reference import train_synchronous
 from rich.console import Console
 
-from .conftest import deep_merge, http_request
+from .conftest import deep_merge, http_request, wait_until
 
 pytestmark = pytest.mark.e2e
 
@@ -95,25 +99,70 @@ def status_of(run: LocalRun) -> dict[str, Any]:
     return doc
 
 
-def prejoin(run: LocalRun) -> None:
-    """Join every island before any learner starts, so even the first merge waits for a full
-    quorum (the syncer's quorum counts islands that have joined). The learners join again."""
-    assert run.files is not None
+# What a learner logs just before it joins the syncer (learner/loop.py): its imports, data and
+# model are done; its join, first pull and start-together wait are all that is left before its
+# first step.
+AT_JOIN = re.compile(r"diloco\.learner: island \S+ rank 0/\d+ on ")
+# How long the learners may take to reach their joins (a learner's start-up took 37 s at a load
+# of 6 on two cores).
+START_UP_SECONDS = 300.0
 
-    async def join_all() -> None:
-        async with SyncerClient(run.url, run.files.token) as client:
+
+def start_synchronised(*runs: LocalRun, port: int | None = None) -> None:
+    """Each run's syncer (on `port`; None: a free one), then every learner, lined up at their
+    joins: the syncers are held (SIGSTOP: their sockets accept, nothing is answered) from before
+    the first learner starts until every learner has logged that it joins, so the joins are
+    answered within moments of each other however long each learner's start-up took (a held
+    join waits out its attempt, 120 s, and is sent again 0.2 s later: the skew stays that).
+
+    The job's own rules need that only at K < M, and only on a loaded host: there the syncer
+    waits for no island (a merge needs K pushes), and the learners' start-together rule
+    (learner/start_together.py) holds a fresh decoupled job's first step until every island has
+    joined for at most sync.heartbeatTimeoutSeconds, shorter than start-up skew can be (4 s in
+    the tests that read paces from 1 s heartbeats). A learner that came up after it found the
+    job (a second or two of work) done without it. At K = M the syncer waits for an island that
+    has not joined (Membership.expect), so the hold only saves time there.
+
+    No island is joined for its learner (the former pre-join): a pre-joined island is silent
+    until its learner comes up, so it timed out after the heartbeat timeout, when it no longer
+    counted towards the quorum, and at K = M the first learner up merged alone; at K < M it
+    also told the start-together rule that every island was there."""
+    assert port is None or len(runs) == 1, "one port, one syncer"
+    for run in runs:
+        run.start_syncer(port)
+    held = [proc for run in runs for proc in syncer_procs(run)]
+    for proc in held:
+        os.killpg(proc.pid, signal.SIGSTOP)
+    try:
+        for run in runs:
             for i in range(run.spec.islands.count):
-                await client.join(island_name(run.spec.islands.name_prefix, i), 1)
+                run.start_island(i)
+        wait_until(
+            lambda: all(map(at_join, runs)),
+            timeout=START_UP_SECONDS,
+            what="every learner to reach its join",
+        )
+    finally:
+        for proc in held:
+            os.killpg(proc.pid, signal.SIGCONT)
 
-    asyncio.run(join_all())
+
+def syncer_procs(run: LocalRun) -> list[Proc]:
+    """The run's syncer processes: one, or a process per shard."""
+    if isinstance(run.syncer, SyncerShards):
+        return list(run.syncer.procs)
+    assert isinstance(run.syncer, Proc)
+    return [run.syncer]
 
 
-def start_synchronised(run: LocalRun, port: int | None = None) -> None:
-    """Syncer (on `port`; None: a free one), pre-joined islands, then every learner."""
-    run.start_syncer(port)
-    prejoin(run)
-    for i in range(run.spec.islands.count):
-        run.start_island(i)
+def at_join(run: LocalRun) -> bool:
+    """Every island's rank 0 has logged that it joins; raises if a learner exited before it
+    did (then it never will)."""
+    dead = [p.name for p in run.learners if not p.alive]
+    assert not dead, f"learners exited before joining: {dead}"
+    logs = [run.logs / f"{island_name(run.spec.islands.name_prefix, i)}-rank0.log"
+            for i in range(run.spec.islands.count)]  # fmt: skip
+    return all(log.exists() and AT_JOIN.search(log.read_text(errors="replace")) for log in logs)
 
 
 def run_to_finish(run: LocalRun, timeout: float) -> SyncerStatus:

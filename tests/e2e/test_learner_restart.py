@@ -151,7 +151,7 @@ def test_learner_rides_out_a_syncer_restart_and_the_job_finishes(
     )
     run = local_run(spec)
     port = restart_safe_port()  # still free when the syncer comes back on it
-    start_synchronised(run, port)
+    start_synchronised(run, port=port)
     wait_until(lambda: status_of(run)["outerStep"] >= 4, timeout=300, what="four outer steps")
     assert run.syncer is not None
     run.syncer.kill()

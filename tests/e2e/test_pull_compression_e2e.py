@@ -33,8 +33,8 @@ ISLANDS = 2
 def pull_run(
     pull_compression: str, make_spec: Callable[..., JobSpec], make_run: Callable[..., LocalRun]
 ) -> LocalRun:
-    """A started two-island int8 run with every island in every merge, so that two runs differ
-    only by the pull codec."""
+    """A two-island int8 run (not started) with every island in every merge, so that two runs
+    differ only by the pull codec."""
     spec = make_spec(
         **deep_merge(
             CONVERGENCE_SPEC,
@@ -50,9 +50,7 @@ def pull_run(
             },
         )
     )
-    run = make_run(spec)
-    start_synchronised(run)
-    return run
+    return make_run(spec)
 
 
 def test_pull_compression_int8_updates_pull_3x_fewer_bytes_at_the_same_loss(
@@ -61,6 +59,7 @@ def test_pull_compression_int8_updates_pull_3x_fewer_bytes_at_the_same_loss(
 ) -> None:
     # Both runs at once: their results do not depend on timing, and they share the start-up.
     runs = [pull_run(codec, make_spec, local_run) for codec in ("none", "auto")]
+    start_synchronised(*runs)
 
     async def watch_both() -> list[SyncerStatus]:
         return await asyncio.wait_for(

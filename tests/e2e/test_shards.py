@@ -84,8 +84,8 @@ def test_two_shards_merge_their_fragments_and_export_assembles_them(
     make_spec: Callable[..., JobSpec],
     local_run: Callable[..., LocalRun],  # noqa: F811
 ) -> None:
-    # Islands pre-joined (start_synchronised) stay in the quorum while the learners start on a
-    # busy machine: every merge then has both islands' pushes.
+    # K = M: each shard waits for an island that has not joined yet (Membership.expect) while
+    # the learners start on a busy machine: every merge has both islands' pushes.
     spec = shard_spec(make_spec, sync={"heartbeatTimeoutSeconds": 120}, stopAfter={"outerSteps": 3})
     run = local_run(spec)
     start_synchronised(run)

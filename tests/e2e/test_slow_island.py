@@ -14,6 +14,7 @@ from diloco_trainer.local.run import LocalRun
 from .test_convergence import (  # noqa: F401  (local_run is a fixture)
     local_run,
     run_to_finish,
+    start_synchronised,
 )
 
 pytestmark = pytest.mark.e2e
@@ -37,15 +38,12 @@ def test_slow_island_does_not_hold_back_the_quorum(
         syncer={"checkpoint": {"everyOuterSteps": 100}, "evalEveryOuterSteps": 100},
     )
     run = local_run(spec, slowdowns={2: 3.0})
-    # No pre-join: the learners' own start-together rule (learner/start_together.py: in a fresh
-    # decoupled job rank 0 waits until the syncer has heard of every island) lines them up. A
-    # pre-join made the syncer hear of all three before any learner came up, so a learner that
-    # came up a second after the others (a loaded host) found the whole job (about a second at
-    # the fast pace) run without it: the slow island's, or a fast one's, with the slow island
-    # then in the quorum.
-    run.start_syncer()
-    for i in range(spec.islands.count):
-        run.start_island(i)
+    # Lined up at their joins (start_synchronised), the learners' own start-together rule
+    # (learner/start_together.py) has them take their first step together. The whole job is
+    # about a second at the fast pace: a learner that came up a second after the others on a
+    # loaded host (start-up skew beyond that rule's 30 s is possible too) found it run without
+    # it: the slow island's, or a fast one's, with the slow island then in the quorum.
+    start_synchronised(run)
     status = run_to_finish(run, timeout=600)
 
     merges = [
