@@ -41,7 +41,8 @@ noise at a full sync's cost).
 Hysteresis (next_round): step times are noisy (warm-up, compiles, a shared machine's load), and an
 H that follows every reading makes islands' phases and the merges' work fractions jump. A new
 H_i is taken only when CONFIRMATIONS readings in a row lie beyond the band (in_band) in the same
-direction, and at most once per COOLDOWN_READINGS readings. The band is one of step times, not
+direction, and at most once per COOLDOWN_READINGS readings (at K = M not for a move down:
+eager_down). The band is one of step times, not
 of steps: a target is within it while the island's step time is within CHANGE_FRACTION of the
 time its current round assumes, i.e. target >= H_i / (1 + CHANGE_FRACTION) less the one step
 that target_steps' rounding down may take, and target <= H_i x (1 + CHANGE_FRACTION) (and one
@@ -104,6 +105,10 @@ two steps may under-read a slow island, and its first regular reading may cut it
 alone. Its learner, still within its first
 round, adopts the new H_i at once (learner/step_plan.adopt_round: in place below it, else its next
 step ends the round), so a 3x slower island's first round is about H/3 steps too, not H.
+At K = M a move to a shorter round needs no cooldown and starts none, and a round's first move
+by a reading (its second probe's, or its regular readings') leaves one reading pending as a
+probe's does (eager_down): under the join's load both probes can read a 3x island under 2x, and
+it was cut late and shallow, then deeper a cooldown at a time, every merge waiting for it.
 
 `inner.stepsPerIsland: fixed` turns all this off (every island H), and
 `islands.overrides[i].innerSteps` pins an island's H_i.
