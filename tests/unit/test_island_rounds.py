@@ -16,6 +16,7 @@ from diloco_trainer.core.island_rounds import (
     StepTimeReport,
     aged_past_join,
     clear_of_join_load,
+    eager_down,
     first_reading_now,
     in_band,
     late_is_beyond,
@@ -467,3 +468,46 @@ def test_a_clear_slowdown_is_read_at_once_only_at_k_equal_m() -> None:
     assert not clear_of_join_load(ratio=3.99, room=0.1)
     assert not clear_of_join_load(ratio=2.5, room=0.1)
     assert not clear_of_join_load(ratio=6.0, room=0.0)  # K < M: as before
+
+
+def test_at_k_equals_m_a_move_down_needs_no_cooldown_and_the_first_leaves_one_pending() -> None:
+    """eager_down: K = M only."""
+    assert eager_down(room=0.1) is True
+    assert eager_down(room=0.0) is False
+    # a probe of one reading pending (target 13 of 20), then its second probe: target 10,
+    # beyond 20's band (below 13.29), two in a row: cut to the sized round 9 (K = M's room). The
+    # round's first move by a reading: at K = M it starts no cooldown (since 3) and leaves one
+    # reading down pending, as a probe's cut does; at K < M the cooldown starts, nothing pending
+    probed = IslandRound(20, -1, 4, fresh=False)
+    assert next_round(probed, 10, sized=9, ratio=2.0, eager=True) == IslandRound(
+        9, -1, 3, fresh=False, anchor=2.0
+    )
+    assert next_round(probed, 10, sized=9, ratio=2.0) == IslandRound(
+        9, 0, 0, fresh=False, anchor=2.0
+    )
+    # from there one reading of a 4x island (target 5 below 9's band, 9 / 1.4 - 1 = 5.43;
+    # sized 4) cuts it to 4 at once; not the first move: nothing pending, no cooldown
+    cut = IslandRound(9, -1, 3, fresh=False, anchor=2.0)
+    assert next_round(cut, 5, sized=4, late=True, ratio=4.0, eager=True) == IslandRound(
+        4, 0, 3, fresh=False, anchor=4.0
+    )
+    # a move down right after a move up (since 0): two late readings in a row (sized 3 < 6)
+    # cut at the second at K = M; at K < M the cooldown holds it (three readings)
+    upped = IslandRound(6, 0, 0, fresh=False, anchor=3.0)
+    one = next_round(upped, 4, sized=3, late=True, ratio=4.8, eager=True)
+    assert one == IslandRound(6, -1, 1, fresh=False, anchor=3.0)
+    assert next_round(one, 4, sized=3, late=True, ratio=4.8, eager=True) == IslandRound(
+        3, 0, 3, fresh=False, anchor=4.8
+    )
+    assert next_round(one, 4, sized=3, late=True, ratio=4.8) == IslandRound(
+        6, -2, 2, fresh=False, anchor=3.0
+    )
+    # a move up still waits for the cooldown (since 2 < 3), eager or not
+    cooling = IslandRound(3, 1, 1, fresh=False, anchor=4.8)
+    assert next_round(cooling, 6, sized=6, ratio=3.0, eager=True) == IslandRound(
+        3, 2, 2, fresh=False, anchor=4.8
+    )
+    # and a probe's cut (two readings at once) is as before: target, one pending, since 3
+    assert next_round(IslandRound(20), 6, confirmed=True, sized=5, ratio=3.3, eager=True) == (
+        IslandRound(6, -1, 3, fresh=False, anchor=3.3)
+    )

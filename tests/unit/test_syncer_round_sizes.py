@@ -337,6 +337,34 @@ def test_a_probe_slowed_less_than_half_is_one_reading() -> None:
     assert changes == {0: [], 1: [], 2: [], 3: [(5, 8)]}
 
 
+def test_at_k_equals_m_a_slow_island_under_read_by_its_probes_is_cut_deeper_at_one_reading() -> (
+    None
+):
+    """1,1,1,3 at H = 20 (floor 3), K = M = 4: the fast islands' steps 2-5 slowed by the join
+    (0.5 s, then 0.25 s: step k >= 5 ends at 3 + 0.25 (k - 5) s), island-3 at 0.75 s (step k
+    ends at 1 + 0.75 (k - 1) s). Its probe (0.75 s, step 3 at 2.5 s) against the fast islands'
+    step-4 reports (0.5 s, heard first at 2.5 s): t_ref 0.5, target floor(20 x 0.5 / 0.75) =
+    13, one reading pending. Its second probe (steps 4-5, 0.75 s, at 4.0 s) against the fast
+    islands' step 9 (the mean of steps 4-9, (2 x 0.5 + 4 x 0.25) / 6 = 0.333 s): target
+    floor(8.89) = 8, two in a row: cut to the sized floor(0.9 x 8.89) = 8 at step 5. The join
+    made both probes read it 1.5x and 2.25x where it runs 3x.
+    Its next reading a reference round on: at 9.25 s (step 12; at 8.5 s 4.5 s had passed, under
+    20 x t_ref), the fast islands at step 30, their report the mean of steps 4-13 (0.3 s) then
+    an EMA of 0.1 over 17 steps of 0.25 s: 0.25 + 0.05 x 0.9^17 = 0.2583 s, 20 x 0.2583 =
+    5.17 <= 5.25 s; island-3's the mean of its steps 4-12, 0.75 s: target floor(6.89) = 6, in
+    8's band (down to 4.71) but late at K = M (sized floor(6.2) = 6 < 8). The second probe's
+    cut was the round's first move, which at K = M leaves one reading pending (eager_down): cut
+    to 6 at step 12. Before, with the cooldown (three readings) and nothing pending, it ran
+    rounds of 8 (a round of 8 x 3 = 24 of the fast islands' 20 step times, every merge waiting
+    for it) until step 26. At K = 1 (no room, no late rule) 6 is inside 8's band: 8 kept."""
+    fast = [WARM] + [2 * FAST] * 4 + [FAST] * 120
+    slow = [WARM] + [SLOW] * 40
+    changes = _steps_to_rounds(4, 20, [fast, fast, fast, slow], quorum=4)
+    assert changes == {0: [], 1: [], 2: [], 3: [(5, 8), (12, 6)]}
+    changes = _steps_to_rounds(4, 20, [fast, fast, fast, slow], quorum=1)
+    assert changes == {0: [], 1: [], 2: [], 3: [(5, 8)]}
+
+
 def test_at_k_equals_m_a_slow_island_round_leaves_room() -> None:
     """1,1,1,4 at H = 20 (floor 3), K = M = 4. Island-3's probe (1.0 s, the mean of its steps 2,
     3) at 3 s, the fast islands' reports 0.25 s: t_ref 0.25, target floor(20 x 0.25 / 1.0) = 5
@@ -450,9 +478,10 @@ def test_at_k_equals_m_a_slow_islands_noisy_readings_do_not_oscillate() -> None:
     at a load of 12 (bench/hetero: H_i 20, 6, 4, 3, 5, 3 within 30 s).
     - 3.3 (probe, 4 claims): target floor(20 / 3.3) = 6 <= 10: cut to 6, pending -1, anchor 3.3.
     - 4.1: target 4 in 6's band, but sized floor(18 / 4.1) = 4 < 6 is late at K = M: with the
-      pending one two readings, cut to 4 (anchor 4.1, cooldown starts).
-    - 4.8 x 3: sized floor(18 / 4.8) = 3 < 4, late: pending -1, -2, -3; taken at the third
-      (since 3): 3, anchor 4.8.
+      pending one two readings, cut to 4 (anchor 4.1; a move down at K = M starts no cooldown,
+      eager_down, and this is not the round's first move: nothing left pending).
+    - 4.8 x 3: sized floor(18 / 4.8) = 3 < 4, late: pending -1, -2: taken at the second, 3,
+      anchor 4.8 (before eager_down at the third, after the cooldown's three readings).
     - 3.6 x 3: target floor(20 / 3.6) = 5, beyond 3's band (above 4.2), sized floor(5.0) = 5.
       Before: taken at the third, 5; then 4.8 x 3 late again (sized 3 < 5): 3; then 5 again.
       Now 3.6 x 1.4 = 5.04 > 4.8: not faster than the reading that set 3 beyond the band,
@@ -468,7 +497,7 @@ def test_at_k_equals_m_a_slow_islands_noisy_readings_do_not_oscillate() -> None:
     schedule = [
         _report(sizes, recs, 3, r, 2 + 20 * k, now=20.0 * k) for k, r in enumerate(readings)
     ]
-    assert schedule == [6, 4, 4, 4, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 6]
+    assert schedule == [6, 4, 4, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 6]
 
 
 def _k4(inner_steps: int = 10) -> RoundSizes:

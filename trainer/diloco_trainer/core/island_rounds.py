@@ -41,7 +41,8 @@ noise at a full sync's cost).
 Hysteresis (next_round): step times are noisy (warm-up, compiles, a shared machine's load), and an
 H that follows every reading makes islands' phases and the merges' work fractions jump. A new
 H_i is taken only when CONFIRMATIONS readings in a row lie beyond the band (in_band) in the same
-direction, and at most once per COOLDOWN_READINGS readings. The band is one of step times, not
+direction, and at most once per COOLDOWN_READINGS readings (at K = M not for a move down:
+eager_down). The band is one of step times, not
 of steps: a target is within it while the island's step time is within CHANGE_FRACTION of the
 time its current round assumes, i.e. target >= H_i / (1 + CHANGE_FRACTION) less the one step
 that target_steps' rounding down may take, and target <= H_i x (1 + CHANGE_FRACTION) (and one
@@ -104,6 +105,10 @@ two steps may under-read a slow island, and its first regular reading may cut it
 alone. Its learner, still within its first
 round, adopts the new H_i at once (learner/step_plan.adopt_round: in place below it, else its next
 step ends the round), so a 3x slower island's first round is about H/3 steps too, not H.
+At K = M a move to a shorter round needs no cooldown and starts none, and a round's first move
+by a reading (its second probe's, or its regular readings') leaves one reading pending as a
+probe's does (eager_down): under the join's load both probes can read a 3x island under 2x, and
+it was cut late and shallow, then deeper a cooldown at a time, every merge waiting for it.
 
 `inner.stepsPerIsland: fixed` turns all this off (every island H), and
 `islands.overrides[i].innerSteps` pins an island's H_i.
@@ -430,6 +435,7 @@ def next_round(
     sized: int | None = None,
     late: bool = False,
     ratio: float | None = None,
+    eager: bool = False,
 ) -> IslandRound:
     """The island's round after one reading whose target H_i is `target` (target_steps).
 
@@ -447,7 +453,10 @@ def next_round(
     step, step_plan.adopt_round). `late` (late_is_beyond): a sized round below
     the current one is beyond the band, however near. `ratio`: the reading's t_i / t_ref; a
     reading for a longer round counts only when it has outgrown the one that set the current
-    round (outgrown), and a change keeps its ratio as the new round's anchor."""
+    round (outgrown), and a change keeps its ratio as the new round's anchor. `eager`
+    (K = M: eager_down): a move to a shorter round needs no cooldown and starts none, and the
+    island's first move by a reading (no anchor yet) leaves one reading in its direction
+    pending, as a probe's change does."""
     since = current.since_change + 1
     direction = 0
     if not in_band(current.steps, target):
@@ -462,9 +471,17 @@ def next_round(
     pending = current.pending + direction if same else direction
     if confirmed:
         pending = direction * max(abs(pending), CONFIRMATIONS)
-    if abs(pending) >= CONFIRMATIONS and since >= COOLDOWN_READINGS:
+    down_now = eager and direction < 0
+    if abs(pending) >= CONFIRMATIONS and (since >= COOLDOWN_READINGS or down_now):
         if not confirmed and sized is not None and (sized - current.steps) * direction > 0:
             target = sized
+        if down_now and not confirmed:
+            # At K = M (eager_down) a shorter round needs no cooldown and starts none, and the
+            # first one (no reading had set the round) leaves one reading pending, as a probe's
+            # cut does: the first rounds' readings are the join's, and a slow island read short
+            # of its pace was cut late and shallow, then deeper a cooldown at a time.
+            first = direction if current.anchor is None else 0
+            return IslandRound(target, first, COOLDOWN_READINGS, fresh=False, anchor=ratio)
         if confirmed:
             # A probe's change starts no cooldown: should two regular readings in a row
             # disagree (two steps of a long warm-up cut an island of a job of three or more),
@@ -492,6 +509,25 @@ def late_is_beyond(*, room: float, steps: int, ceiling: int) -> bool:
     the same speed leaves alone (its sized round is that round). An island at the ceiling
     keeps the band: identical islands read ±30% apart."""
     return room > 0 and steps < ceiling
+
+
+def eager_down(*, room: float) -> bool:
+    """Whether a move to a shorter round skips the cooldown (next_round's `eager`): at K = M
+    (`room` > 0). The first such move by a reading (not a probe's, which does so already) also
+    leaves one reading in its direction pending.
+
+    Why (issue 47): at K = M every merge waits for the last push, and a slow island's readings
+    in its first rounds are the join's: its probe and second probe, two steps each, read a 3x
+    island under 2x when its compute ran fast or its peers' early steps slow (bench/hetero: 1.9x
+    and 1.7x where it ran 4.2x), and it was cut late and shallow (to 10 at its step 12, to 8
+    at 30), then deeper a cooldown (three readings) at a time (20, 8, 5, 4, 3 by its step 54),
+    every fast island waiting for each long round (0.76-1.98 s a run). A move down is already
+    taken on any reading that says the round is late (late_is_beyond), two in a row; a move
+    up still needs the cooldown and a reading 1.4x faster than the one that set the round
+    (outgrown), so readings that flip between two speeds move it down once and stay. The price:
+    a round cut too deep idles (at K = M its learner fills the idle with fill steps), where a
+    round cut too little made every other island wait. At K < M no one waits for a push."""
+    return room > 0
 
 
 @dataclass(frozen=True)

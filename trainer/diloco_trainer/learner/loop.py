@@ -68,6 +68,9 @@ log = logging.getLogger("diloco.learner")
 
 # Log a progress line every this many inner steps.
 LOG_EVERY_STEPS = 20
+# The first steps whose times are logged (compute and sleep apart): what a fresh island's probes
+# read (core/island_rounds.StepTimeReport).
+FIRST_STEPS_LOGGED = 12
 # The interpreter's thread switch interval in a learner process (seconds; Python's default 0.005).
 TRAINING_SWITCH_INTERVAL = 0.0005
 
@@ -144,6 +147,9 @@ class Learner:
         # What the heartbeats report: no step time until one clear of warm-up, sent at once
         # then (the syncer sizes a fresh island's round from it: core/island_rounds.py).
         self.reported = StepTimeReport()
+        # The first steps' wall times, compute and a deliberate straggler's sleep apart, logged
+        # once (what a fresh island's probes read: bench/hetero, issue 47).
+        self.first_steps: list[tuple[float, float]] = []
         self.steps_run = 0
         self.lr_offset = 0
         # When rank 0 drains: at its share of stopAfter (K = M) or its stop target (drain.py).
@@ -254,6 +260,14 @@ class Learner:
         if self.env.slowdown > 1:
             time.sleep((self.env.slowdown - 1.0) * compute)  # a deliberate straggler
         step_time = time.perf_counter() - t0
+        if len(self.first_steps) < FIRST_STEPS_LOGGED:
+            self.first_steps.append((compute, step_time - compute))
+            if len(self.first_steps) == FIRST_STEPS_LOGGED:
+                log.info(
+                    "first %d steps' seconds (compute + sleep): %s",
+                    FIRST_STEPS_LOGGED,
+                    " ".join(f"{c:.4f}+{s:.4f}" for c, s in self.first_steps),
+                )
         ema = 0.9 * self.step_time + 0.1 * step_time
         self.step_time = ema if self.step_time else step_time
         self.tokens += tokens

@@ -24,6 +24,7 @@ from diloco_trainer.core.island_rounds import (
     RoundLimits,
     aged_past_join,
     clear_of_join_load,
+    eager_down,
     late_is_beyond,
     next_round,
     probe_readings,
@@ -119,7 +120,10 @@ class RoundSizes:
             if aged is not None:
                 reference, reported = aged
             elif not clear_of_join_load(ratio=rec.step_time / reference, room=self.room):
-                return  # not read: a peer's step time is not yet aged past the island's join
+                # not read: a peer's step time is not yet aged past the island's join
+                self.last_rule = "probe held: a peer not aged past its join"
+                self.last_reference = reference
+                return
             # else read against every claim: a clear slowdown at K = M
         self.last_reference = reference
         ratio = rec.step_time / reference
@@ -140,6 +144,7 @@ class RoundSizes:
             room=self.room,
         )
         late = late_is_beyond(room=self.room, steps=current.steps, ceiling=limits.ceiling)
+        eager = eager_down(room=self.room)
         if rec.round_read_at is None:
             first = self._first_report(
                 rec,
@@ -157,12 +162,12 @@ class RoundSizes:
             after = first
         elif second:
             self.last_rule = "second probe"
-            after = next_round(current, target, sized=sized, late=late, ratio=ratio)
+            after = next_round(current, target, sized=sized, late=late, ratio=ratio, eager=eager)
         elif now - rec.round_read_at < self.limits.inner_steps * reference:
             return
         else:
             self.last_rule = "regular reading"
-            after = next_round(current, target, sized=sized, late=late, ratio=ratio)
+            after = next_round(current, target, sized=sized, late=late, ratio=ratio, eager=eager)
         rec.round_read_at = now
         if after.steps != current.steps:
             rec.round_before = current.steps
@@ -253,7 +258,13 @@ class RoundSizes:
         # else one, which its learner's second probe confirms or clears
         self.last_rule = f"probe as {readings} reading{'s' if readings > 1 else ''}"
         after = next_round(
-            current, target, confirmed=readings == 2, sized=sized, late=late, ratio=ratio
+            current,
+            target,
+            confirmed=readings == 2,
+            sized=sized,
+            late=late,
+            ratio=ratio,
+            eager=eager_down(room=self.room),
         )
         if readings == 1 and after.pending:
             # its second probe, PROBE_STEPS steps on, is read at once: a reference round of
