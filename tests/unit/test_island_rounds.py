@@ -17,6 +17,7 @@ from diloco_trainer.core.island_rounds import (
     StepTimeReport,
     aged_past_join,
     check_restores,
+    check_round,
     clear_of_join_load,
     eager_down,
     first_reading_now,
@@ -555,3 +556,14 @@ def test_a_probes_cut_goes_back_at_its_check_only_when_it_reads_beyond_the_band_
     assert check_restores(cut, 22, ratio=1.35)
     # within the band (target 19 <= 19.6): no move
     assert not check_restores(cut, 19, ratio=1.0)
+
+
+def test_a_check_that_restores_goes_back_to_the_round_cut_when_within_its_band() -> None:
+    # cut from 30 to 16: a check of target 26 is within 30's band (down to min(29, 30 / 1.4 - 1)
+    # = 20.43): back to 30; target 20 is not: back to 20 only
+    cut = IslandRound(16, -1, 3, fresh=False, anchor=2.0, check_at=14, cut_from=30)
+    assert check_round(cut, 26) == 30
+    assert check_round(cut, 21) == 30
+    assert check_round(cut, 20) == 20
+    # no round recorded (a restarted syncer): the target
+    assert check_round(IslandRound(16, -1, 3, fresh=False, anchor=2.0), 26) == 26

@@ -290,6 +290,22 @@ def test_an_identical_island_cut_by_both_probes_goes_back_at_its_check() -> None
         assert changes == {0: [], 1: [], 2: [], 3: [(3, 15), (15, 30)]}
 
 
+def test_a_check_a_little_slow_goes_back_to_h_not_its_own_target() -> None:
+    """As above, but island-3 runs 1.125x from step 6 (0.28125 s). Its probe (0.5 s): cut to 15
+    at step 3, anchor 2.0. Its check (mean of steps 6-15, 0.28125 s, at 1 + 2 + 2.8125 =
+    5.8125 s, before its first regular reading at 2 + 7.5 = 9.5 s): t_ref 0.25 (lower median
+    of 0.25 x 3, 0.28125), ratio 1.125, target floor(30 / 1.125) = 26, beyond 15's band (up to
+    21), outgrown (1.575 <= 2.0): it restores, and 26 is within 30's band (down to 20.43), so
+    back to 30 (check_round). Back to 26, at K = M a later reading (target 26, sized floor(26.67
+    x 0.9) = 24 < 26: late below the ceiling) cut it to 24 (probe11: bench/busy_link seed 0,
+    16 -> 26 -> 25). At 30 the band holds (1.125x is inside it): 30 kept at K = 1 and K = M."""
+    fast = [WARM] + [FAST] * 160
+    joined = [WARM] + [2 * FAST] * 4 + [0.28125] * 120
+    for quorum in (1, 4):
+        changes = _steps_to_rounds(4, 30, [fast, fast, fast, joined], quorum=quorum)
+        assert changes == {0: [], 1: [], 2: [], 3: [(3, 15), (15, 30)]}
+
+
 def test_a_slow_island_cut_by_its_probe_stays_cut_at_its_check() -> None:
     """1,1,1,3 at H = 40 (floor 5): island-3 at 0.75 s, its steps 2-5 under-read by the join
     (0.5 s, 2x). Its probe (0.5 s at 2 s): target floor(40 x 0.25 / 0.5) = 20 <= 20, cut to 20

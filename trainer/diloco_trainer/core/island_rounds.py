@@ -423,6 +423,9 @@ class IslandRound:
     # its second probe) is read at once, set by a probe's cut: it sends the round back when it
     # reads the island beyond the band of the cut round the other way (RoundSizes.read)
     check_at: int | None = None
+    # The round that cut replaced (with check_at): the check sends it back there when it reads
+    # the island within that round's band (check_round)
+    cut_from: int | None = None
 
 
 def in_band(steps: int, target: int) -> bool:
@@ -476,6 +479,21 @@ def check_restores(current: IslandRound, target: int, *, ratio: float | None) ->
         and not in_band(current.steps, target)
         and outgrown(current.anchor, ratio)
     )
+
+
+def check_round(current: IslandRound, target: int) -> int:
+    """The round a check that restores (check_restores) sets: the one the cut replaced
+    (`current.cut_from`) when `target` is within its band (in_band: the check reads the island as
+    that round assumed, the cut was the start-up's), else `target`.
+
+    Why (probe11): back to the check's own target left an identical island below the ceiling
+    (bench/busy_link seed 0, K = M: cut to 16 of 30 at its second probe, its check read 1.13x,
+    back to 26), where at K = M any reading that says late cuts it (late_is_beyond: to 25 at its
+    step 221) and a move up needs a reading 1.4x faster (outgrown)."""
+    before = current.cut_from
+    if before is not None and before > current.steps and in_band(before, target):
+        return before
+    return target
 
 
 def next_round(

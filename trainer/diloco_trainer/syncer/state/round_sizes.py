@@ -25,6 +25,7 @@ from diloco_trainer.core.island_rounds import (
     RoundLimits,
     aged_past_join,
     check_restores,
+    check_round,
     clear_of_join_load,
     eager_down,
     late_is_beyond,
@@ -168,15 +169,18 @@ class RoundSizes:
             after = next_round(current, target, sized=sized, late=late, ratio=ratio, eager=eager)
             if after.steps < current.steps and current.confirm_at is not None:
                 # a cut on the probe and second probe, four start-up steps: checked too
-                after = replace(after, check_at=current.confirm_at + CHECK_STEPS)
+                after = replace(
+                    after, check_at=current.confirm_at + CHECK_STEPS, cut_from=current.steps
+                )
         elif check:
             # a probe's cut checked against CHECK_STEPS steps clear of the start-up, at once
             # (core/island_rounds.check_restores): back as two readings, else a regular one
             self.last_rule = "check of a probe's cut"
+            restores = check_restores(current, target, ratio=ratio)
             after = next_round(
                 current,
-                target,
-                confirmed=check_restores(current, target, ratio=ratio),
+                check_round(current, target) if restores else target,
+                confirmed=restores,
                 sized=sized,
                 late=late,
                 ratio=ratio,
@@ -189,7 +193,8 @@ class RoundSizes:
             after = next_round(current, target, sized=sized, late=late, ratio=ratio, eager=eager)
         rec.round_read_at = now
         if not check and current.check_at is not None and after.steps == current.steps:
-            after = replace(after, check_at=current.check_at)  # still awaited
+            # still awaited
+            after = replace(after, check_at=current.check_at, cut_from=current.cut_from)
         if after.steps != current.steps:
             rec.round_before = current.steps
         rec.round = after
@@ -290,7 +295,9 @@ class RoundSizes:
         if readings == 2 and after.steps < current.steps:
             # a cut on two start-up steps: its learner's check, CHECK_STEPS steps past its
             # second probe, is read at once and may send it back (check_restores)
-            after = replace(after, check_at=step + PROBE_STEPS + CHECK_STEPS)
+            after = replace(
+                after, check_at=step + PROBE_STEPS + CHECK_STEPS, cut_from=current.steps
+            )
         if readings == 1 and after.pending:
             # its second probe, PROBE_STEPS steps on, is read at once: a reference round of
             # wall time is a heartbeat or two, and under load a slow island's first round ended
