@@ -104,11 +104,11 @@ A probe's cut starts no cooldown and leaves a reading in its direction pending (
 two steps may under-read a slow island, and its first regular reading may cut it further
 alone. It is checked at once against the mean of the CHECK_STEPS steps past the second probe
 (check_restores, IslandRound.check_at): one that reads the island beyond the band the other way
-sends it back, since the regular readings come at heartbeats, 5 s apart by default, and an
-identical island cut on two start-up probes kept 14 of 30 for an 8 s job. Its learner, still
-within its first round, adopts the new H_i at once (learner/step_plan.adopt_round: in place
-below it, else its next step ends the round), so a 3x slower island's first round is about
-H/3 steps too, not H.
+sends it back (to the round cut, when within its band: check_round), since the regular readings
+come at heartbeats, 5 s apart by default, and an identical island cut on two start-up probes
+kept 14 of 30 for an 8 s job. Its learner, still within its first round, adopts the new H_i at
+once (learner/step_plan.adopt_round: in place below it, else its next step ends the round), so a
+3x slower island's first round is about H/3 steps too, not H.
 At K = M a move to a shorter round needs no cooldown and starts none, and a round's first move
 by a reading (its second probe's, or its regular readings') leaves one reading pending as a
 probe's does (eager_down): under the join's load both probes can read a 3x island under 2x, and
