@@ -306,6 +306,31 @@ def test_a_check_a_little_slow_goes_back_to_h_not_its_own_target() -> None:
         assert changes == {0: [], 1: [], 2: [], 3: [(3, 15), (15, 30)]}
 
 
+def test_a_second_probes_cut_goes_back_at_its_check_at_any_quorum() -> None:
+    """Identical islands at H = 30 (floor 4); island-3's steps 2-5 at 0.40625 s (1.625x), then
+    0.25 s. Its probe (0.40625 s at 1.8125 s): target floor(30 / 1.625) = 18, not half the
+    round: one reading pending, second probe due at reported step 4. Its second probe (0.40625
+    s at 2.625 s, t_ref 0.25): target 18 again, two in a row: cut at step 5, to 18 at K = 1
+    (starting a cooldown) and to the sized floor(18.46 x 0.9) = 16 at K = M (eager_down: none);
+    check due at reported step 4 + 10 = 14. Its check (steps 6-15, 0.25 s, at 5.125 s, before a
+    regular reading, 1.8125 + 7.5 = 9.3125 s): target 30, beyond 18's (16's) band and outgrown
+    (1.4 <= 1.625): back to 30 at step 15, at K = 1 too (a restoring check needs no cooldown)."""
+    fast = [WARM] + [FAST] * 160
+    joined = [WARM] + [0.40625] * 4 + [FAST] * 120
+    assert _steps_to_rounds(4, 30, [fast, fast, fast, joined]) == {
+        0: [],
+        1: [],
+        2: [],
+        3: [(5, 18), (15, 30)],
+    }
+    assert _steps_to_rounds(4, 30, [fast, fast, fast, joined], quorum=4) == {
+        0: [],
+        1: [],
+        2: [],
+        3: [(5, 16), (15, 30)],
+    }
+
+
 def test_a_slow_island_cut_by_its_probe_stays_cut_at_its_check() -> None:
     """1,1,1,3 at H = 40 (floor 5): island-3 at 0.75 s, its steps 2-5 under-read by the join
     (0.5 s, 2x). Its probe (0.5 s at 2 s): target floor(40 x 0.25 / 0.5) = 20 <= 20, cut to 20

@@ -18,6 +18,7 @@ from dataclasses import replace
 from diloco_trainer.api.spec import JobSpec
 from diloco_trainer.core.island_rounds import (
     CHECK_STEPS,
+    COOLDOWN_READINGS,
     LOCK_STEP_ROOM,
     MAJORITY_CLAIMS,
     PROBE_STEPS,
@@ -177,6 +178,10 @@ class RoundSizes:
             # (core/island_rounds.check_restores): back as two readings, else a regular one
             self.last_rule = "check of a probe's cut"
             restores = check_restores(current, target, ratio=ratio)
+            if restores:
+                # no cooldown for it: the cut it undoes rested on start-up steps (at K < M a
+                # second probe's cut starts one)
+                current = replace(current, since_change=COOLDOWN_READINGS)
             after = next_round(
                 current,
                 check_round(current, target) if restores else target,
