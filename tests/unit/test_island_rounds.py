@@ -10,11 +10,14 @@ import pytest
 from diloco_trainer.api.spec import ConfigError, parse_spec
 from diloco_trainer.core.island_rounds import (
     AGE_STEPS,
+    CHECK_STEPS,
     JOIN_LOAD_RATIO,
     IslandRound,
     RoundLimits,
     StepTimeReport,
     aged_past_join,
+    check_restores,
+    check_round,
     clear_of_join_load,
     eager_down,
     first_reading_now,
@@ -511,3 +514,56 @@ def test_at_k_equals_m_a_move_down_needs_no_cooldown_and_the_first_leaves_one_pe
     assert next_round(IslandRound(20), 6, confirmed=True, sized=5, ratio=3.3, eager=True) == (
         IslandRound(6, -1, 3, fresh=False, anchor=3.3)
     )
+
+
+def test_the_check_is_the_plain_mean_of_ten_steps_past_the_second_probe_reported_at_once() -> None:
+    assert CHECK_STEPS == 10
+    report = StepTimeReport()
+    report.add(5.0)  # warm-up
+    report.add(2.0)
+    assert report.add(2.0) is True and report.value == 2.0  # the probe
+    report.add(2.0)
+    assert report.add(2.0) is True and report.value == 2.0  # the second probe
+    # steps 6-15: 3.0 then nine of 1.0; only the tenth is reported at once, with their plain
+    # mean (3 + 9) / 10 = 1.2, where the running report since the probe is, at the same step,
+    # the mean of its first ten steps (2 + 2 + 3 + 7 x 1) / 10 = 1.4, then an EMA of 0.1 over
+    # two steps of 1.0: 0.9 x 1.4 + 0.1 = 1.36, 0.9 x 1.36 + 0.1 = 1.324
+    assert report.add(3.0) is False
+    for _ in range(8):
+        assert report.add(1.0) is False
+    assert report.add(1.0) is True and report.value == pytest.approx(1.2)
+    # then the running report again: the 13th step since the probe, 0.9 x 1.324 + 0.1 x 1.0
+    assert report.add(1.0) is False and report.value == pytest.approx(0.9 * 1.324 + 0.1)
+
+
+def test_a_probes_cut_goes_back_at_its_check_only_when_it_reads_beyond_the_band_and_outgrown() -> (
+    None
+):
+    # probe11: cut to 14 of 30 on a probe of 2.0x (anchor 2.0); the check reads 1.0x: target 30,
+    # beyond 14's band (up to max(15, 19.6)) and outgrown (1.0 x 1.4 <= 2.0): back to 30 as
+    # two readings, one up left pending, no cooldown started
+    cut = IslandRound(14, -1, 3, fresh=False, anchor=2.0)
+    assert check_restores(cut, 30, ratio=1.0)
+    assert next_round(cut, 30, confirmed=True, ratio=1.0) == IslandRound(
+        30, 1, 3, fresh=False, anchor=1.0
+    )
+    # a check of 1.45x: target floor(30 / 1.45) = 20, beyond the band, but 1.45 x 1.4 = 2.03 >
+    # 2.0 not outgrown: a regular reading
+    assert not check_restores(cut, 20, ratio=1.45)
+    # a 3x island cut on the same probe reads 3x at its check: target 10, no move up
+    assert not check_restores(cut, 10, ratio=3.0)
+    # 1.35x: target floor(22.2) = 22 > 19.6 and 1.89 <= 2.0: back to 22
+    assert check_restores(cut, 22, ratio=1.35)
+    # within the band (target 19 <= 19.6): no move
+    assert not check_restores(cut, 19, ratio=1.0)
+
+
+def test_a_check_that_restores_goes_back_to_the_round_cut_when_within_its_band() -> None:
+    # cut from 30 to 16: a check of target 26 is within 30's band (down to min(29, 30 / 1.4 - 1)
+    # = 20.43): back to 30; target 20 is not: back to 20 only
+    cut = IslandRound(16, -1, 3, fresh=False, anchor=2.0, check_at=14, cut_from=30)
+    assert check_round(cut, 26) == 30
+    assert check_round(cut, 21) == 30
+    assert check_round(cut, 20) == 20
+    # no round recorded (a restarted syncer): the target
+    assert check_round(IslandRound(16, -1, 3, fresh=False, anchor=2.0), 26) == 26

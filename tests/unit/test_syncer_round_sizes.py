@@ -258,19 +258,103 @@ def test_a_noisy_then_normal_island_of_four_is_not_cut() -> None:
     assert changes == {0: [], 1: [], 2: [], 3: []}
 
 
-def test_a_long_warm_up_cut_of_an_island_of_four_goes_back_at_two_readings() -> None:
+def test_a_long_warm_up_cut_of_an_island_of_four_goes_back_at_its_check() -> None:
     """Island-3's steps 2 and 3 both slow (1.5 s, 1.25 s), then 0.25 s. Its probe (the mean
     1.375 s, under 1.4 x 1.25; at 3.75 s) confirms itself: target floor(20 x 0.25 / 1.375) = 3,
-    cut at step 3; it leaves one reading shorter pending. A probe's cut
-    starts no cooldown, and its reports after it are the mean of the steps since (0.25 s, the
-    probe left out): its first regular reading, at the first heartbeat 5 s after the probe
-    (8.75 s, its step 23), has target 20, beyond 3's band (up to max(4, 4.2)): pending +1 in
-    place of the probe's -1; the second (13.75 s, step 43) confirms it: back to 20. The fast
-    islands keep H."""
+    cut at step 3 (anchor 1.375 / 0.25 = 5.5); its check is due at reported step 2 + 2 + 10 =
+    14. Its second probe (steps 4-5, 0.25 s) is no reading (a reference round, 5 s, has not
+    passed). Its check, the mean of steps 6-15 (0.25 s) reported at once at step 15 (6.25 s),
+    has target 20, beyond 3's band (up to max(4, 4.2)) and outgrown (1.0 x 1.4 <= 5.5): back
+    to 20 at step 15, as two readings. Before the check (issue 47, probe11) it went back at
+    two regular readings a reference round apart, steps 23 and 43. The fast islands keep H."""
     fast = [WARM] + [FAST] * 80
     noisy = [WARM, 1.5, 1.25] + [FAST] * 60
     changes = _steps_to_rounds(4, 20, [fast, fast, fast, noisy])
-    assert changes == {0: [], 1: [], 2: [], 3: [(3, 3), (43, 20)]}
+    assert changes == {0: [], 1: [], 2: [], 3: [(3, 3), (15, 20)]}
+
+
+def test_an_identical_island_cut_by_both_probes_goes_back_at_its_check() -> None:
+    """bench/busy_link seed 1 at K = M (issue 47, probe11) in binary fractions: four identical
+    islands at H = 30 (floor 4), island-3's steps 2-5 slowed by its peers' start-up (0.5 s, 2x),
+    then 0.25 s like them. Its probe (0.5 s, at 2 s) has target floor(30 x 0.25 / 0.5) = 15 <=
+    15 with four claims: cut to 15 at step 3, anchor 2.0, check due at reported step 14. Its
+    second probe (0.5 s too) is no reading. Its check, the mean of steps 6-15 (0.25 s), at once
+    at step 15: target 30, beyond 15's band (up to 21) and outgrown (1.4 <= 2.0): back to 30 at
+    step 15, 15 x 0.25 + 1 = 4.75 s in, under one reference round (7.5 s) after the cut. At
+    K = M (quorum 4) the same: a move up keeps the cooldown rule, which a probe's cut never
+    started. Later readings (0.25 s) keep 30."""
+    fast = [WARM] + [FAST] * 120
+    joined = [WARM] + [2 * FAST] * 4 + [FAST] * 100
+    for quorum in (1, 4):
+        changes = _steps_to_rounds(4, 30, [fast, fast, fast, joined], quorum=quorum)
+        assert changes == {0: [], 1: [], 2: [], 3: [(3, 15), (15, 30)]}
+
+
+def test_a_check_a_little_slow_goes_back_to_h_not_its_own_target() -> None:
+    """As above, but island-3 runs 1.125x from step 6 (0.28125 s). Its probe (0.5 s): cut to 15
+    at step 3, anchor 2.0. Its check (mean of steps 6-15, 0.28125 s, at 1 + 2 + 2.8125 =
+    5.8125 s, before its first regular reading at 2 + 7.5 = 9.5 s): t_ref 0.25 (lower median
+    of 0.25 x 3, 0.28125), ratio 1.125, target floor(30 / 1.125) = 26, beyond 15's band (up to
+    21), outgrown (1.575 <= 2.0): it restores, and 26 is within 30's band (down to 20.43), so
+    back to 30 (check_round). Back to 26, at K = M a later reading (target 26, sized floor(26.67
+    x 0.9) = 24 < 26: late below the ceiling) cut it to 24 (probe11: bench/busy_link seed 0,
+    16 -> 26 -> 25). At 30 the band holds (1.125x is inside it): 30 kept at K = 1 and K = M."""
+    fast = [WARM] + [FAST] * 160
+    joined = [WARM] + [2 * FAST] * 4 + [0.28125] * 120
+    for quorum in (1, 4):
+        changes = _steps_to_rounds(4, 30, [fast, fast, fast, joined], quorum=quorum)
+        assert changes == {0: [], 1: [], 2: [], 3: [(3, 15), (15, 30)]}
+
+
+def test_a_second_probes_cut_goes_back_at_its_check_at_any_quorum() -> None:
+    """Identical islands at H = 30 (floor 4); island-3's steps 2-5 at 0.40625 s (1.625x), then
+    0.25 s. Its probe (0.40625 s at 1.8125 s): target floor(30 / 1.625) = 18, not half the
+    round: one reading pending, second probe due at reported step 4. Its second probe (0.40625
+    s at 2.625 s, t_ref 0.25): target 18 again, two in a row: cut at step 5, to 18 at K = 1
+    (starting a cooldown) and to the sized floor(18.46 x 0.9) = 16 at K = M (eager_down: none);
+    check due at reported step 4 + 10 = 14. Its check (steps 6-15, 0.25 s, at 5.125 s, before a
+    regular reading, 1.8125 + 7.5 = 9.3125 s): target 30, beyond 18's (16's) band and outgrown
+    (1.4 <= 1.625): back to 30 at step 15, at K = 1 too (a restoring check needs no cooldown)."""
+    fast = [WARM] + [FAST] * 160
+    joined = [WARM] + [0.40625] * 4 + [FAST] * 120
+    assert _steps_to_rounds(4, 30, [fast, fast, fast, joined]) == {
+        0: [],
+        1: [],
+        2: [],
+        3: [(5, 18), (15, 30)],
+    }
+    assert _steps_to_rounds(4, 30, [fast, fast, fast, joined], quorum=4) == {
+        0: [],
+        1: [],
+        2: [],
+        3: [(5, 16), (15, 30)],
+    }
+
+
+def test_a_slow_island_cut_by_its_probe_stays_cut_at_its_check() -> None:
+    """1,1,1,3 at H = 40 (floor 5): island-3 at 0.75 s, its steps 2-5 under-read by the join
+    (0.5 s, 2x). Its probe (0.5 s at 2 s): target floor(40 x 0.25 / 0.5) = 20 <= 20, cut to 20
+    at step 3, anchor 2.0, one reading shorter pending, check due at reported step 14. Its
+    check (the mean of steps 6-15, 0.75 s, at step 15: 1 + 4 x 0.5 + 10 x 0.75 = 10.5 s, before
+    its first regular reading could come, 2 + 40 x 0.25 = 12 s) reads 3x: target floor(40 / 3)
+    = 13, no move up (check_restores) but a regular reading: beyond 20's band (down to 13.29),
+    with the probe's pending one two readings, cooldown passed (the probe's cut started none):
+    cut to 13 at step 15 at K = 1; at K = M to the sized floor(13.33 x 0.9) = 12. Later
+    readings (its mean since the probe, 0.72-0.75 s: target 13, sized 12) keep it."""
+    fast = [WARM] + [FAST] * 200
+    slow = [WARM] + [2 * FAST] * 4 + [SLOW] * 60
+    assert _steps_to_rounds(4, 40, [fast, fast, fast, slow]) == {
+        0: [],
+        1: [],
+        2: [],
+        3: [(3, 20), (15, 13)],
+    }
+    assert _steps_to_rounds(4, 40, [fast, fast, fast, slow], quorum=4) == {
+        0: [],
+        1: [],
+        2: [],
+        3: [(3, 20), (15, 12)],
+    }
 
 
 def test_in_a_job_of_two_a_noisy_warm_up_never_cuts() -> None:

@@ -102,9 +102,13 @@ all the same (clear_of_join_load): beyond any join's load seen, and a slow islan
 cut made every fast island wait for its long rounds.
 A probe's cut starts no cooldown and leaves a reading in its direction pending (next_round):
 two steps may under-read a slow island, and its first regular reading may cut it further
-alone. Its learner, still within its first
-round, adopts the new H_i at once (learner/step_plan.adopt_round: in place below it, else its next
-step ends the round), so a 3x slower island's first round is about H/3 steps too, not H.
+alone. It is checked at once against the mean of the CHECK_STEPS steps past the second probe
+(check_restores, IslandRound.check_at): one that reads the island beyond the band the other way
+sends it back (to the round cut, when within its band: check_round), since the regular readings
+come at heartbeats, 5 s apart by default, and an identical island cut on two start-up probes
+kept 14 of 30 for an 8 s job. Its learner, still within its first round, adopts the new H_i at
+once (learner/step_plan.adopt_round: in place below it, else its next step ends the round), so a
+3x slower island's first round is about H/3 steps too, not H.
 At K = M a move to a shorter round needs no cooldown and starts none, and a round's first move
 by a reading (its second probe's, or its regular readings') leaves one reading pending as a
 probe's does (eager_down): under the join's load both probes can read a 3x island under 2x, and
@@ -155,6 +159,14 @@ REPORT_EMA = 0.1
 # steps on a shared machine are noisy, and an identical island shrunk on noise runs short rounds
 # until the hysteresis brings it back; a nearer target waits for the regular readings.
 PROBE_MOVE_SHARE = 0.5
+# A probe's cut is checked once its learner has stepped this many more steps past its second
+# probe: their plain mean, reported at once (StepTimeReport), read at once by the syncer
+# (IslandRound.check_at), and when it reads the island beyond the band of the cut round the
+# other way, and outgrown of the probe's reading, the round goes back at once (next_round's
+# `confirmed`). Ten steps clear of the start-up against the probe's two (issue 47, probe11:
+# an identical island whose probe and second probe both ran beside its peers' start-up read
+# 2.0x, was cut to 14 of 30, and at heartbeats 5 s apart got one regular reading in an 8 s job).
+CHECK_STEPS = 10
 # A fresh island's first reports are judged only against peers' step times that reflect the load
 # since it joined (aged_past_join): a peer's report counts once it has taken this many steps
 # since the join (its reported step time is the mean of its steps since its probe, an EMA of
@@ -252,6 +264,7 @@ class StepTimeReport:
     after: int = 0  # steps since the probe
     running: float = 0.0  # their mean, then EMA
     second: list[float] | None = None  # the steps after the probe, until the second probe
+    check: list[float] | None = None  # the CHECK_STEPS steps after the second probe
 
     def add(self, seconds: float) -> bool:
         """One step's seconds; True when this step completes the probe or the second probe
@@ -260,14 +273,25 @@ class StepTimeReport:
         The second probe: the PROBE_STEPS steps after the probe, capped as the probe is
         (probe_step_time), reported at once; the syncer reads it at once when the probe was one
         reading pending (probe_readings, RoundSizes.read), as the second of the two a change
-        needs. Afterwards the report is the running mean again (the cap only in that report)."""
+        needs. Afterwards the report is the running mean again (the cap only in that report),
+        but for the check: the plain mean of the CHECK_STEPS steps after the second probe,
+        reported at once too, a probe's cut read against it (IslandRound.check_at)."""
         if self.value is not None:
             self.after += 1
             weight = report_weight(self.after)
             self.running = (1 - weight) * self.running + weight * seconds
             self.value = self.running
-            if self.after > PROBE_STEPS:
+            if self.after > PROBE_STEPS + CHECK_STEPS:
                 return False
+            if self.after > PROBE_STEPS:
+                # the check: the plain mean of the CHECK_STEPS steps after the second probe,
+                # clear of the start-up, reported at once (a probe's cut is read against it)
+                self.check = [*(self.check or []), seconds]
+                if self.after < PROBE_STEPS + CHECK_STEPS:
+                    return False
+                self.value = sum(self.check) / len(self.check)
+                self.check = None
+                return True
             self.second = [*(self.second or []), seconds]
             if self.after < PROBE_STEPS:
                 return False
@@ -395,6 +419,13 @@ class IslandRound:
     # while no reading has (H, a pin, a restarted syncer's innerSteps): a longer round needs a
     # reading beyond the band of it (outgrown), not only of the round it set
     anchor: float | None = None
+    # The reported step from which its next report (its learner's check, CHECK_STEPS steps past
+    # its second probe) is read at once, set by a probe's cut: it sends the round back when it
+    # reads the island beyond the band of the cut round the other way (RoundSizes.read)
+    check_at: int | None = None
+    # The round that cut replaced (with check_at): the check sends it back there when it reads
+    # the island within that round's band (check_round)
+    cut_from: int | None = None
 
 
 def in_band(steps: int, target: int) -> bool:
@@ -425,6 +456,44 @@ def outgrown(anchor: float | None, ratio: float | None) -> bool:
     if anchor is None or ratio is None:
         return True
     return ratio * (1 + CHANGE_FRACTION) <= anchor + 1e-9
+
+
+def check_restores(current: IslandRound, target: int, *, ratio: float | None) -> bool:
+    """Whether a probe's cut goes back at its check (the learner's mean of CHECK_STEPS steps
+    past its second probe, read at once: IslandRound.check_at), counted as the two readings a
+    change needs (next_round's `confirmed`): its `target` is beyond the band of the cut round
+    upward (in_band) and its `ratio` (t_i / t_ref) has outgrown the reading that set it
+    (outgrown). Else the check is a regular reading.
+
+    Why (issue 47, probe11): a probe and a second probe are two steps each, and an island that
+    joins beside its peers' start-up runs both under it; the regular readings that were to send
+    such a cut back come at heartbeats, 5 s apart by default, where gpt-tiny's reference round
+    is 0.3-0.8 s: in bench/busy_link (seed 1, K = M, 240 steps) an identical island read 2.0x
+    at both probes, was cut to 14 of 30 and kept it for the job (one regular reading in 8 s;
+    utilisation 0.855 against 0.938). Ten steps clear of the start-up read it at 1x. A slow
+    island's check reads it slow (a 3x island cut on a 2x probe must read under 1.43x, beyond
+    outgrown's band of 2x, to go back), so it stays cut, and a move up still leaves moves
+    down to two readings (and at K = M a round back at the ceiling has the band)."""
+    return (
+        target > current.steps
+        and not in_band(current.steps, target)
+        and outgrown(current.anchor, ratio)
+    )
+
+
+def check_round(current: IslandRound, target: int) -> int:
+    """The round a check that restores (check_restores) sets: the one the cut replaced
+    (`current.cut_from`) when `target` is within its band (in_band: the check reads the island as
+    that round assumed, the cut was the start-up's), else `target`.
+
+    Why (probe11): back to the check's own target left an identical island below the ceiling
+    (bench/busy_link seed 0, K = M: cut to 16 of 30 at its second probe, its check read 1.13x,
+    back to 26), where at K = M any reading that says late cuts it (late_is_beyond: to 25 at its
+    step 221) and a move up needs a reading 1.4x faster (outgrown)."""
+    before = current.cut_from
+    if before is not None and before > current.steps and in_band(before, target):
+        return before
+    return target
 
 
 def next_round(

@@ -17,12 +17,16 @@ from dataclasses import replace
 
 from diloco_trainer.api.spec import JobSpec
 from diloco_trainer.core.island_rounds import (
+    CHECK_STEPS,
+    COOLDOWN_READINGS,
     LOCK_STEP_ROOM,
     MAJORITY_CLAIMS,
     PROBE_STEPS,
     IslandRound,
     RoundLimits,
     aged_past_join,
+    check_restores,
+    check_round,
     clear_of_join_load,
     eager_down,
     late_is_beyond,
@@ -111,6 +115,7 @@ class RoundSizes:
         current = rec.round or IslandRound(self.limits.inner_steps)
         members = list(active)
         second = current.confirm_at is not None and (rec.reported_step or 0) >= current.confirm_at
+        check = current.check_at is not None and (rec.reported_step or 0) >= current.check_at
         reference = reference_step_time([r.step_time for r in members if r.step_time])
         if reference is None:
             return
@@ -163,12 +168,38 @@ class RoundSizes:
         elif second:
             self.last_rule = "second probe"
             after = next_round(current, target, sized=sized, late=late, ratio=ratio, eager=eager)
+            if after.steps < current.steps and current.confirm_at is not None:
+                # a cut on the probe and second probe, four start-up steps: checked too
+                after = replace(
+                    after, check_at=current.confirm_at + CHECK_STEPS, cut_from=current.steps
+                )
+        elif check:
+            # a probe's cut checked against CHECK_STEPS steps clear of the start-up, at once
+            # (core/island_rounds.check_restores): back as two readings, else a regular one
+            self.last_rule = "check of a probe's cut"
+            restores = check_restores(current, target, ratio=ratio)
+            if restores:
+                # no cooldown for it: the cut it undoes rested on start-up steps (at K < M a
+                # second probe's cut starts one)
+                current = replace(current, since_change=COOLDOWN_READINGS)
+            after = next_round(
+                current,
+                check_round(current, target) if restores else target,
+                confirmed=restores,
+                sized=sized,
+                late=late,
+                ratio=ratio,
+                eager=eager,
+            )
         elif now - rec.round_read_at < self.limits.inner_steps * reference:
             return
         else:
             self.last_rule = "regular reading"
             after = next_round(current, target, sized=sized, late=late, ratio=ratio, eager=eager)
         rec.round_read_at = now
+        if not check and current.check_at is not None and after.steps == current.steps:
+            # still awaited
+            after = replace(after, check_at=current.check_at, cut_from=current.cut_from)
         if after.steps != current.steps:
             rec.round_before = current.steps
         rec.round = after
@@ -266,6 +297,12 @@ class RoundSizes:
             ratio=ratio,
             eager=eager_down(room=self.room),
         )
+        if readings == 2 and after.steps < current.steps:
+            # a cut on two start-up steps: its learner's check, CHECK_STEPS steps past its
+            # second probe, is read at once and may send it back (check_restores)
+            after = replace(
+                after, check_at=step + PROBE_STEPS + CHECK_STEPS, cut_from=current.steps
+            )
         if readings == 1 and after.pending:
             # its second probe, PROBE_STEPS steps on, is read at once: a reference round of
             # wall time is a heartbeat or two, and under load a slow island's first round ended
