@@ -50,6 +50,28 @@ def island_index(name: str) -> int | None:
     return int(match.group(1)) if match else None
 
 
+def checked_round(
+    current: IslandRound, target: int, *, sized: int, late: bool, ratio: float, eager: bool
+) -> IslandRound:
+    """The round after the check of a probe's cut: CHECK_STEPS steps clear of the start-up, read
+    at once (core/island_rounds.check_restores). A check that restores goes back as two readings
+    with no cooldown (the cut it undoes rested on start-up steps; at K < M a second probe's cut
+    starts one), to the round that was cut when it reads within its band (check_round); any
+    other check is a regular reading."""
+    restores = check_restores(current, target, ratio=ratio)
+    if restores:
+        current = replace(current, since_change=COOLDOWN_READINGS)
+    return next_round(
+        current,
+        check_round(current, target) if restores else target,
+        confirmed=restores,
+        sized=sized,
+        late=late,
+        ratio=ratio,
+        eager=eager,
+    )
+
+
 class RoundSizes:
     """The job's round limits and each island's H_i (kept on its IslandRecord)."""
 
@@ -132,23 +154,8 @@ class RoundSizes:
             # else read against every claim: a clear slowdown at K = M
         self.last_reference = reference
         ratio = rec.step_time / reference
-        limits = self.limits
-        target = target_steps(
-            inner_steps=limits.inner_steps,
-            reference=reference,
-            own=rec.step_time,
-            floor=limits.floor,
-            ceiling=limits.ceiling,
-        )
-        sized = sized_steps(
-            inner_steps=limits.inner_steps,
-            reference=reference,
-            own=rec.step_time,
-            floor=limits.floor,
-            ceiling=limits.ceiling,
-            room=self.room,
-        )
-        late = late_is_beyond(room=self.room, steps=current.steps, ceiling=limits.ceiling)
+        target, sized = self._sizes(rec.step_time, reference)
+        late = late_is_beyond(room=self.room, steps=current.steps, ceiling=self.limits.ceiling)
         eager = eager_down(room=self.room)
         if rec.round_read_at is None:
             first = self._first_report(
@@ -174,23 +181,8 @@ class RoundSizes:
                     after, check_at=current.confirm_at + CHECK_STEPS, cut_from=current.steps
                 )
         elif check:
-            # a probe's cut checked against CHECK_STEPS steps clear of the start-up, at once
-            # (core/island_rounds.check_restores): back as two readings, else a regular one
             self.last_rule = "check of a probe's cut"
-            restores = check_restores(current, target, ratio=ratio)
-            if restores:
-                # no cooldown for it: the cut it undoes rested on start-up steps (at K < M a
-                # second probe's cut starts one)
-                current = replace(current, since_change=COOLDOWN_READINGS)
-            after = next_round(
-                current,
-                check_round(current, target) if restores else target,
-                confirmed=restores,
-                sized=sized,
-                late=late,
-                ratio=ratio,
-                eager=eager,
-            )
+            after = checked_round(current, target, sized=sized, late=late, ratio=ratio, eager=eager)
         elif now - rec.round_read_at < self.limits.inner_steps * reference:
             return
         else:
@@ -204,6 +196,25 @@ class RoundSizes:
             rec.round_before = current.steps
         rec.round = after
         self._seen(rec)
+
+    def _sizes(self, own: float, reference: float) -> tuple[int, int]:
+        """A reading's target round (target_steps) and the round a regular change sets
+        (sized_steps: K = M's room)."""
+        lim = self.limits
+        steps, floor, ceiling = lim.inner_steps, lim.floor, lim.ceiling
+        return (
+            target_steps(
+                inner_steps=steps, reference=reference, own=own, floor=floor, ceiling=ceiling
+            ),
+            sized_steps(
+                inner_steps=steps,
+                reference=reference,
+                own=own,
+                floor=floor,
+                ceiling=ceiling,
+                room=self.room,
+            ),
+        )
 
     def _aged(
         self, rec: IslandRecord, members: list[IslandRecord], now: float, reference: float
