@@ -10,7 +10,6 @@ import pytest
 from diloco_trainer.learner.fill_steps import FillSteps
 from diloco_trainer.learner.fragment_sync import FragmentSync
 from diloco_trainer.learner.step_plan import (
-    DRIFT_FILL_SHARE,
     FILL_ROOM,
     FillFragment,
     drift_fill_cap,
@@ -177,22 +176,18 @@ def test_an_overdue_merge_is_waited_for_and_an_island_at_h_fills_by_its_cap() ->
     # too, the merge overdue by more than the room
     sync.round_steps = 8
     assert sync.fill.fills(sync, 0)
-    sync.fill.since_push[0] = 1  # below the cap, floor(8 / 3) = 2
-    assert sync.fill.fills(sync, 0)
-    sync.fill.since_push[0] = 2  # 2 fill steps since the push: the cap
+    sync.fill.since_push[0] = 1  # floor(0.2 x 8) = 1 fill step since the push: the cap
     assert not sync.fill.fills(sync, 0)
 
 
-def test_drift_fill_cap_is_a_third_of_h_rounded_down() -> None:
-    assert DRIFT_FILL_SHARE == 1 / 3  # 1.5% a doubled round, linear: 0.5% at a third
-    assert drift_fill_cap(30) == 10  # a push of at most 40 steps
-    assert drift_fill_cap(20) == 6  # 6.67
-    assert drift_fill_cap(10) == 3  # 3.33
-    assert drift_fill_cap(9) == 3  # exactly 3 (not 2.999...: the 1e-9)
-    assert drift_fill_cap(8) == 2  # 2.67
-    assert drift_fill_cap(3) == 1
-    assert drift_fill_cap(2) == 0  # 0.67: no fill steps at all
-    assert drift_fill_cap(30, 0.2) == 6  # busy10's fifth
+def test_drift_fill_cap_is_a_fifth_of_h_rounded_down() -> None:
+    assert FILL_ROOM == 0.2
+    assert drift_fill_cap(30) == 6  # a push of at most 36 steps
+    assert drift_fill_cap(20) == 4
+    assert drift_fill_cap(10) == 2
+    assert drift_fill_cap(8) == 1  # 1.6
+    assert drift_fill_cap(4) == 0  # 0.8: no fill steps at all
+    assert drift_fill_cap(30, 0.1) == 3
 
 
 def test_an_island_at_h_fills_while_every_push_is_under_the_cap() -> None:
@@ -200,51 +195,49 @@ def test_an_island_at_h_fills_while_every_push_is_under_the_cap() -> None:
     assert fills_drift(since_push=[5, 2], cap=6)  # the 6th of fragment 0's push
     assert not fills_drift(since_push=[6, 0], cap=6)  # fragment 0's push has 6: a 7th is over
     assert not fills_drift(since_push=[0, 6], cap=6)  # any fragment's
-    assert not fills_drift(since_push=[0], cap=0)  # H < 3: none
+    assert not fills_drift(since_push=[0], cap=0)  # H < 5: none
 
 
 def test_an_island_at_h_fills_its_first_merge_wait_up_to_the_cap() -> None:
     """K = M (2 of 2), H = 10 (the syncer's H_i too), τ = 1, one fragment, no merge yet (no
-    arrival history: the start-up offset's wait is filled too). Cap floor(10 / 3) = 3."""
+    arrival history: the start-up offset's wait is filled too). Cap floor(0.2 x 10) = 2."""
     spec = make_spec(quorum=2, overlapSteps=1, overlapMode="fixed")
     spec = spec.model_copy(update={"inner": spec.inner.model_copy(update={"steps": 10})})
     link = FakeLink(outer_lr=1.0)
     link.inner_steps = 10
     sync, w = make_sync(spec, link)
-    assert sync.fill.drift_cap == 3 and sync.fill.arrivals == {}
+    assert sync.fill.drift_cap == 2 and sync.fill.arrivals == {}
     for _ in range(9):
         step(sync, w)
     link.hold = True  # the merge of the push at position 10 is not back until release()
     step(sync, w)
     assert [meta.steps for _, meta, _ in link.pushes] == [10]
-    step(sync, w)  # position 11, τ after the push: its wait, filled (0 of 3 since the push)
+    step(sync, w)  # position 11, τ after the push: its wait, filled (0 of 2 since the push)
     assert (sync.position, sync.fill.next, sync.fill.since_push) == (11, True, {0: 1})
-    step(sync, w)  # the first fill step; not back: 1 < 3, fills again
+    step(sync, w)  # the first fill step; not back: 1 < 2, fills again
     assert (sync.position, sync.fill.steps, sync.fill.since_push) == (11, 2, {0: 2})
-    step(sync, w)  # the second fill step; not back: 2 < 3, fills again
-    assert (sync.position, sync.fill.steps, sync.fill.since_push) == (11, 3, {0: 3})
-    assert not sync.fill.fills(sync, 0)  # a fourth would be over the cap: it would block
+    assert not sync.fill.fills(sync, 0)  # a third would be over the cap: it would block
     link.release()
-    assert step(sync, w) != {}  # the third fill step; the merge waited for (back) and applied
+    assert step(sync, w) != {}  # the second fill step; the merge waited for (back) and applied
     assert (sync.position, sync.fill.next, sync.fill.filling) == (11, False, set())
     for _ in range(9):  # positions 12-20: pushed at 20
         step(sync, w)
-    # the push carries τ's step, the three fill steps and positions 12-20: 13 = H + the cap
-    assert [meta.steps for _, meta, _ in link.pushes] == [10, 13]
+    # the push carries τ's step, the two fill steps and positions 12-20: 12 = H + the cap
+    assert [meta.steps for _, meta, _ in link.pushes] == [10, 12]
     assert sync.fill.since_push == {0: 0}
-    # the fill steps are no part of a round: 20 positions at 10 / 10 each (23 with them)
+    # the fill steps are no part of a round: 20 positions at 10 / 10 each (22 with them)
     assert sync.round_work == 20.0
 
 
 def test_fixed_rounds_take_no_fill_step_at_h() -> None:
     """inner.stepsPerIsland fixed: cap 0, so an island at H blocks as before (exact budgets,
-    repeatable runs); auto at H = 8: cap floor(8 / 3) = 2."""
+    repeatable runs); auto at H = 8: cap floor(1.6) = 1."""
     sync, _, w, _ = _slow_island()
     for _ in range(4):
         step(sync, w)
     sync.inflight[0].future = concurrent.futures.Future()  # not back
     sync.round_steps = 8
-    assert sync.fill.drift_cap == 2 and sync.fill.fills(sync, 0)
+    assert sync.fill.drift_cap == 1 and sync.fill.fills(sync, 0)
     spec = sync.spec.model_copy(
         update={"inner": sync.spec.inner.model_copy(update={"steps_per_island": "fixed"})}
     )

@@ -65,7 +65,7 @@ class InnerSpec(SpecModel):
         "what its round assumes, or at K = M that show a shortened round taking more than 90% "
         "of the others' (a change at K = M leaves that 10% room, and a slow island's learner "
         "fills what its round leaves of a merge wait with steps counted in its next push, as "
-        "does an island at inner.steps whose merge waits for a late peer, up to a third of "
+        "does an island at inner.steps whose merge waits for a late peer, up to a fifth of "
         "inner.steps such fill steps a push); at K = M each island keeps its 1/M share of "
         "stopAfter.tokens in rounds while every round is inner.steps, as with fixed (fill "
         "steps' tokens come on top of the shares, every one merged: fixed takes none, and "

@@ -12,7 +12,7 @@ rounds (`round_share`), and `pushed` at each push. No tensors: a few floats a fr
 
 An island at H (identical speeds) has no such slack: its waits
 are its peers' drift (a start-up offset, step-time noise, speed gaps between processes). It fills
-them too while each fragment's next push carries at most DRIFT_FILL_SHARE x H fill steps
+them too while each fragment's next push carries at most FILL_ROOM x H fill steps
 (step_plan.fills_drift), from the first merge on (no arrival history needed); with
 inner.stepsPerIsland auto only (fixed: exactly H steps a round).
 """
@@ -92,7 +92,7 @@ class FillSteps:
         # inner.stepsPerIsland fixed takes none: every island exactly H steps a round, a K = M
         # job's stopAfter.tokens met exactly and its runs repeatable (tests/e2e/test_repeatable).
         fixed = spec.inner.steps_per_island == "fixed"
-        self.drift_cap = 0 if fixed else drift_fill_cap(spec.inner.steps)
+        self.drift_cap = 0 if fixed else drift_fill_cap(spec.inner.steps, FILL_ROOM)
         self.next = False  # the next inner step is a fill step
         self.steps = 0  # fill steps taken (logged at exit)
         self.clock = time.monotonic  # a test may replace it

@@ -291,28 +291,17 @@ PERIOD_SAMPLES = 4
 FILL_ROOM = 0.2
 
 
-# The most fill steps a push of an island at H may carry at K = M, as a share of H (fills_drift).
-# A push that carries them is a round of (1 + share) x H steps in effect; at K = M a round of
-# 2H cost ~1.5% of loss at equal tokens (bench/RESULTS.md "busy_link"), so, taken as linear in
-# the extra steps, a third costs at most ~0.5% even where every push carries the whole cap (a
-# link slower than the compute), the most issue 45 lets a slow link cost; where the waits are
-# only the peers' drift the pushes carry fewer and cost less. A wait of w x H after the overlap
-# (a link-bound round of (1 + w) x H step times) is filled up to utilisation (1 + 1/3) / (1 + w):
-# 0.90 up to w = 0.48. A fifth (busy10's) covered only half of the ~0.4 x H waits at L = 100%.
-DRIFT_FILL_SHARE = 1 / 3
-
-
-def drift_fill_cap(inner_steps: int, share: float = DRIFT_FILL_SHARE) -> int:
-    """The most fill steps a push of an island at H may carry at K = M (fills_drift): share x H,
-    rounded down (H = 30: 10, a push of at most 40 steps)."""
-    return math.floor(share * inner_steps + 1e-9)
+def drift_fill_cap(inner_steps: int, room: float = FILL_ROOM) -> int:
+    """The most fill steps a push of an island at H may carry at K = M (fills_drift): room x H,
+    rounded down (H = 30: 6, a push of at most 36 steps)."""
+    return math.floor(room * inner_steps + 1e-9)
 
 
 def fills_drift(*, since_push: Sequence[int], cap: int) -> bool:
     """Whether a learner at K = M whose round is H (not a slow island: fills_wait is that one's
     rule), at a merge wait whose merge has not come, takes a fill step: while every fragment's
     next push would carry at most `cap` fill steps (`since_push`: the fill steps each has taken
-    since its last push; drift_fill_cap), i.e. at most (1 + DRIFT_FILL_SHARE) x H steps.
+    since its last push; drift_fill_cap), i.e. at most (1 + room) x H steps.
 
     At identical speeds such a wait is a peer's drift (bench/RESULTS.md "busy_link": a start-up
     offset the first merge closes, then step-time noise and steady speed gaps between processes),
@@ -324,7 +313,7 @@ def fills_drift(*, since_push: Sequence[int], cap: int) -> bool:
     blocked, whatever happened before: a merge's time is the latest of its pushes, and every
     island's push is at most its own round plus one step after the merge it last waited for.
     The period does not compound (each merge resets it), and no period estimate is read. The cap
-    bounds what a peer that is gone or far behind costs (a push of (1 + share) x H steps, then the
+    bounds what a peer that is gone or far behind costs (a push of (1 + room) x H steps, then the
     learner blocks as before) and the token imbalance between the islands' pushes of a merge."""
     return cap > 0 and all(n < cap for n in since_push)
 
