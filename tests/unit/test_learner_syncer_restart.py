@@ -1,7 +1,9 @@
 """A learner across a syncer restart at K = M (docs/algorithm.md, "A syncer restart"): a push
 the restarted syncer lost is pushed again at once, on the syncer's version when its base is one
-the syncer lost too; a push refused as ahead is pushed again from the syncer's fragment and its
-merge taken at the next sync point, which is pushed as usual; a fragment whose merges the syncer
+the syncer lost too; a push refused as ahead of a syncer behind its base is pushed again at once
+the same way, on the syncer's version, its steps counted once; one refused by a syncer not behind
+it is pushed again from the syncer's fragment and its merge taken at the next sync point, which
+is pushed as usual (syncer_restart.resend_version says which); a fragment whose merges the syncer
 lost is made up at once and that push stands for its next sync point; the steps the restart took
 back are counted for the drain (MergedSteps).
 
@@ -123,9 +125,9 @@ def test_a_lost_push_on_a_version_the_syncer_lost_is_counted_on_its_version() ->
     assert sync.lost_steps == [4] and sync.lost_work == 4.0
 
 
-def test_a_push_refused_as_ahead_is_pushed_again_and_the_next_sync_point_is_not_skipped() -> None:
+def test_a_push_refused_by_a_syncer_not_behind_its_base_is_received_then_pushed_again() -> None:
     sync, w, link = k_equals_m()
-    link.ahead = {0}
+    link.ahead = {0}  # refused, the syncer at the base's version (as one that forgot the island)
     for _ in range(6):
         step(sync, w)
     # Step 6: the syncer's fragment (0, unmerged) with the 2 steps since the push kept, w = 2,
