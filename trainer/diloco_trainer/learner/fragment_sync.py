@@ -653,6 +653,8 @@ class FragmentSync:
             if resend_version(sync_outcome(flight.future), self.fragments[f].version) is None:
                 break
             self.resend_lost()
+            if self.inflight.get(f) is flight:
+                break  # not pushed again (its base was written: push): taken as it ended
         try:
             self.arrived[f] = flight.future.result()
             self.measured[f] = flight.previous
