@@ -62,6 +62,21 @@ BUDGET_WAITS = re.compile(
     r"not merged within \d+s|overdue, pushing it again|drained, but the job did not finish"
 )
 
+# A learner's lines for a push the restarted syncer refused as ahead (the link's), for that push
+# made again at once (FragmentSync.resend_lost's), and for such a refusal received instead.
+AHEAD = r"push refused \(syncer answered 409: baseVersion \d+ is newer"
+REFUSED = re.compile(rf"fragment (\d+): {AHEAD}.*taking the current global fragment")
+AGAIN_AT_ONCE = re.compile(rf"fragment (\d+): {AHEAD}.*pushing it again now, on version")
+RECEIVED_REFUSED = re.compile(rf"fragment (\d+) applied version \d+ \({AHEAD}")
+
+
+def refusals(log_file: Path) -> dict[str, list[str]]:
+    """A learner's pushes refused as ahead, those pushed again at once and those received, each
+    as the fragments in order."""
+    text = log_file.read_text()
+    pattern = {"refused": REFUSED, "again": AGAIN_AT_ONCE, "received": RECEIVED_REFUSED}
+    return {k: p.findall(text) for k, p in pattern.items()}
+
 
 def joined_versions(log_file: Path) -> list[int]:
     """Versions of fragment 0 a learner took when it joined, one per (re)start, in order."""
@@ -170,6 +185,14 @@ def test_learner_rides_out_a_syncer_restart_and_the_job_finishes(
     # ...and leave on their own once it says finished.
     run.wait_learners(120)
     assert [p.returncode for p in run.learners] == [0, 0]
+    # A push the restarted syncer refused as ahead is pushed again at once, like a lost one,
+    # never received first (received, it was pushed again only at the fragment's next merge
+    # wait or sync point: while its island waited for the other fragment's merge, whose
+    # peer's push waited in turn for this one, both held until a wait budget ran out).
+    for p in run.learners:
+        seen = refusals(p.log_file)
+        assert sorted(seen["again"]) == sorted(seen["refused"]), (p.name, seen)
+        assert seen["received"] == [], (p.name, seen)
     # With no wait budget spent: at K = M a push the restarted syncer lost or refused is pushed
     # again at once and the merges it lost are made up, so each island's push of a sync point
     # meets the other's in one round (before, an island's pushes met its peer's pushes of the

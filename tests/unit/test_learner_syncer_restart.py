@@ -1,7 +1,9 @@
 """A learner across a syncer restart at K = M (docs/algorithm.md, "A syncer restart"): a push
 the restarted syncer lost is pushed again at once, on the syncer's version when its base is one
-the syncer lost too; a push refused as ahead is pushed again from the syncer's fragment and its
-merge taken at the next sync point, which is pushed as usual; a fragment whose merges the syncer
+the syncer lost too; a push refused as ahead of a syncer behind its base is pushed again at once
+the same way, on the syncer's version, its steps counted once; one refused by a syncer not behind
+it is pushed again from the syncer's fragment and its merge taken at the next sync point, which
+is pushed as usual (syncer_restart.resend_version says which); a fragment whose merges the syncer
 lost is made up at once and that push stands for its next sync point; the steps the restart took
 back are counted for the drain (MergedSteps).
 
@@ -22,6 +24,7 @@ from diloco_trainer.learner.fragment_state import MergedSteps
 from diloco_trainer.learner.fragment_sync import FragmentSync
 from diloco_trainer.learner.step_plan import plan_step
 from diloco_trainer.learner.syncer_link import PushLost, SyncResult
+from diloco_trainer.learner.syncer_restart import resend_version, sync_outcome
 from torch import nn
 
 from .test_learner_fragment_sync import FakeLink, make_spec, make_sync, step
@@ -122,9 +125,9 @@ def test_a_lost_push_on_a_version_the_syncer_lost_is_counted_on_its_version() ->
     assert sync.lost_steps == [4] and sync.lost_work == 4.0
 
 
-def test_a_push_refused_as_ahead_is_pushed_again_and_the_next_sync_point_is_not_skipped() -> None:
+def test_a_push_refused_by_a_syncer_not_behind_its_base_is_received_then_pushed_again() -> None:
     sync, w, link = k_equals_m()
-    link.ahead = {0}
+    link.ahead = {0}  # refused, the syncer at the base's version (as one that forgot the island)
     for _ in range(6):
         step(sync, w)
     # Step 6: the syncer's fragment (0, unmerged) with the 2 steps since the push kept, w = 2,
@@ -183,3 +186,70 @@ def test_plan_step_skips_a_sync_point_made_up_already() -> None:
     assert made_up.push == () and made_up.skip == (0,)
     plain = plan_step(8, inner_steps=4, offsets=[0], overlap=2, pushed_at={})
     assert plain.push == (0,) and plain.wait == ()
+
+
+def test_a_push_refused_as_ahead_of_a_syncer_behind_its_base_is_pushed_again_at_once() -> None:
+    sync, w, link = k_equals_m()
+    for _ in range(7):
+        step(sync, w)  # push 0 after step 4 (Δ = −4) merged as version 1 (global 1); w = 1 + 3
+    # The syncer restarts from its checkpoint at version 0 (global 0), which it is at when
+    # push 1, after step 8 (base 1, w = 5: Δ = 1 − 5 = −4), comes: refused as ahead.
+    link.version, link.global_weights = 0, {"w": torch.zeros(2)}
+    link.ahead = {1}
+    step(sync, w)
+    assert pushed(link) == [(0, 4, -4.0), (1, 4, -4.0)]
+    # Step 9, before its merge's poll (8 + τ): pushed again at once, on the syncer's version 0,
+    # with every step since the base (5..9): Δ = 1 − 6 = −5; not received (w stays 6).
+    assert step(sync, w) == {}
+    assert pushed(link) == [(0, 4, -4.0), (1, 4, -4.0), (0, 5, -5.0)]
+    assert sync.inflight[0].again and sync.inflight[0].step == 8  # the refused push's place
+    assert torch.equal(w.detach(), torch.full((2,), 6.0))
+    # Step 10 = 8 + τ: its merge, global 0 − 0.25·(−5) = 1.25, the step since it kept: 2.25.
+    assert step(sync, w) != {}
+    assert torch.equal(w.detach(), torch.full((2,), 2.25))
+    assert sync.fragments[0].version == 1
+    for _ in range(2):
+        step(sync, w)  # step 12: Δ = 1.25 − 4.25 over steps 10..12
+    assert pushed(link)[3] == (1, 3, -3.0)
+    # Counted once: the restart took back the merge of push 0 (4 steps); the refused push's 4
+    # steps went into the push made again (merged: 5 steps), so they are not lost.
+    assert sync.lost_steps == [4] and sync.lost_work == 4.0
+    assert sync.merged_steps[0].total == 5
+
+
+def test_which_syncs_a_syncer_restart_has_pushed_again_at_once_and_on_which_version() -> None:
+    def refused(version: int, restarted: bool = True) -> SyncResult:
+        pulled = PulledFragment(
+            fragment=0, version=version, outer_step=version, finished=False, tensors={}
+        )
+        return SyncResult(pulled=pulled, outcome="push refused", seconds=0.0, restarted=restarted)
+
+    # Lost: on the syncer's version when it is behind the base, else on the base.
+    assert resend_version(PushLost("lost", 2), base=4) == 2
+    assert resend_version(PushLost("lost", 4), base=4) == 4
+    assert resend_version(PushLost("lost", -1), base=4) == 4  # the syncer's version unknown
+    # Refused as ahead: on the syncer's version, behind the base...
+    assert resend_version(refused(2), base=4) == 2
+    assert resend_version(refused(0), base=1) == 0
+    # ...and not at once where the syncer is not behind (a 404 rejoin; merged past it).
+    assert resend_version(refused(4), base=4) is None
+    assert resend_version(refused(5), base=4) is None
+    # Merged, refused for another reason, failed otherwise, or not ended: not pushed again.
+    assert resend_version(refused(2, restarted=False), base=4) is None
+    assert resend_version(RuntimeError("auth"), base=4) is None
+    assert resend_version(None, base=4) is None
+
+
+def test_a_sync_outcome_is_read_without_waiting() -> None:
+    pending: concurrent.futures.Future[Any] = concurrent.futures.Future()
+    assert sync_outcome(pending) is None
+    cancelled: concurrent.futures.Future[Any] = concurrent.futures.Future()
+    cancelled.cancel()
+    assert sync_outcome(cancelled) is None
+    lost: concurrent.futures.Future[Any] = concurrent.futures.Future()
+    err = PushLost("lost", 3)
+    lost.set_exception(err)
+    assert sync_outcome(lost) is err
+    done: concurrent.futures.Future[Any] = concurrent.futures.Future()
+    done.set_result("result")
+    assert sync_outcome(done) == "result"

@@ -52,12 +52,8 @@ from diloco_trainer.learner.step_plan import (
     plan_step,
     wait_budget,
 )
-from diloco_trainer.learner.syncer_link import (
-    WAIT_SLICE_SECONDS,
-    PushLost,
-    SyncerLink,
-    SyncResult,
-)
+from diloco_trainer.learner.syncer_link import WAIT_SLICE_SECONDS, SyncerLink, SyncResult
+from diloco_trainer.learner.syncer_restart import resend_note, resend_version, sync_outcome
 
 # The learner's logger: these lines are part of its log.
 log = logging.getLogger("diloco.learner")
@@ -85,9 +81,9 @@ class FragmentSync:
         self.last_push: dict[int, float] = {}  # time.monotonic() of each fragment's latest push
         self.inflight: dict[int, InFlight] = {}
         self.arrived: dict[int, SyncResult] = {}
-        # Fragments whose push a restarted syncer refused (SyncResult.restarted), received from
-        # it: pushed again as soon as their receipt is installed (after_step), unless a push
-        # came first (the drain's).
+        # Fragments whose push a restarted syncer refused (SyncResult.restarted) but is not
+        # behind the base of (resend_lost takes those), received from it: pushed again as soon
+        # as their receipt is installed (after_step), unless a push came first (the drain's).
         self.push_again: set[int] = set()
         # Set when a sync shows that the syncer restarted (a lost push, a push refused as
         # ahead): the next after_step makes up the merges it lost (_make_up).
@@ -171,9 +167,10 @@ class FragmentSync:
 
     def wait(self, future: concurrent.futures.Future[Any], timeout: float) -> bool:
         """Block up to `timeout` for a future; give up early on SIGTERM or a finished job.
-        Meanwhile every push a restarted syncer lost is pushed again (resend_lost) and the merges
-        it lost are made up (_make_up), whichever fragment this waits for: at K = M the merge
-        waited for may need a peer's push that waits, in turn, for one of this island's."""
+        Meanwhile every push a restarted syncer lost or refused as ahead is pushed again
+        (resend_lost) and the merges it lost are made up (_make_up), whichever fragment this
+        waits for: at K = M the merge waited for may need a peer's push that waits, in turn,
+        for one of this island's."""
         self.link.start_deferred()  # a push deferred to the next step is started first
         deadline = time.monotonic() + timeout
         while not future.done():
@@ -643,8 +640,8 @@ class FragmentSync:
 
     def collect(self, f: int, *, block: float) -> bool:
         """Has fragment f's sync finished (waiting up to `block` s)? Keeps the result. A push
-        lost to a syncer restart is pushed again (resend_lost) and its merge waited for in the
-        time left."""
+        a syncer restart lost or refused as ahead is pushed again (resend_lost) and its merge
+        waited for in the time left."""
         deadline = time.monotonic() + block
         while True:
             flight = self.inflight[f]
@@ -653,9 +650,11 @@ class FragmentSync:
                 continue  # pushed again meanwhile (wait's resend_lost): wait for that one
             if not done:
                 return False
-            if not _push_lost(flight.future):
+            if resend_version(sync_outcome(flight.future), self.fragments[f].version) is None:
                 break
             self.resend_lost()
+            if self.inflight.get(f) is flight:
+                break  # not pushed again (its base was written: push): taken as it ended
         try:
             self.arrived[f] = flight.future.result()
             self.measured[f] = flight.previous
@@ -671,22 +670,28 @@ class FragmentSync:
 
     def resend_lost(self) -> None:
         """Push again, at once, every fragment whose push a restarted syncer lost (its sync
-        ended in PushLost): the same base (or the syncer's version when that is behind it) and
-        all the work since, in the lost push's place in the schedule. Pushed only at its next
-        sync point, it met its peers' pushes of the sync point before for the rest of the job
-        (docs/algorithm.md, "A syncer restart", rule 1)."""
+        ended in PushLost) or refused as ahead of it (409 ahead: its base is a merge the restart
+        lost), in that push's place in the schedule, with all the work since the base, on the
+        version syncer_restart.resend_version names. Pushed only at its next sync point, a lost
+        push met its peers' pushes of the sync point before for the rest of the job; a refused
+        one, pushed only once received, held both islands of a K = M job while one waited for
+        the other fragment's merge (docs/algorithm.md, "A syncer restart", rules 1 and 2)."""
         for f, flight in list(self.inflight.items()):
-            if not _push_lost(flight.future):
+            outcome = sync_outcome(flight.future)
+            state = self.fragments[f]
+            version = resend_version(outcome, state.version)
+            if version is None:
                 continue
             self.restart_seen = True
-            err = flight.future.exception()
-            log.warning("step %d: fragment %d: %s; pushing it again now", self.position, f, err)
-            # Its base may be a version the restarted syncer lost too (it resumed from an older
-            # checkpoint): counted as the syncer's version, as _make_up does, so the push is
-            # taken, not refused as ahead, and carries all the work since the base.
-            state = self.fragments[f]
-            version = err.version if isinstance(err, PushLost) else -1
-            rebased = 0 <= version < state.version
+            log.warning("step %d: fragment %d: %s", self.position, f, resend_note(outcome, version))
+            if isinstance(outcome, SyncResult):  # refused: its residual's push is gone
+                if self.error_feedback is not None:
+                    self.error_feedback.reset(state.names)
+                if outcome.pulled.finished:
+                    self.link.finished.set()
+            # A base the restarted syncer lost is counted as its version, as _make_up does, so
+            # the push is taken, not refused as ahead; the merges it lost are lost work.
+            rebased = version < state.version
             if rebased:
                 if self.merged_steps:
                     self._lost(f, state.version, version)
@@ -795,8 +800,3 @@ class FragmentSync:
                 "delaying" if shift > 0 else "advancing",
                 abs(shift),
             )
-
-
-def _push_lost(future: concurrent.futures.Future[Any]) -> bool:
-    """Whether a finished sync ended because a restarted syncer lost its push."""
-    return future.done() and not future.cancelled() and isinstance(future.exception(), PushLost)
