@@ -5,6 +5,9 @@ at H's (step_plan.fills_drift, issue 45): its peers' drift filled, up to a cap a
 from __future__ import annotations
 
 import concurrent.futures
+import logging
+import re
+import threading
 
 import pytest
 from diloco_trainer.learner.fill_steps import FillSteps
@@ -227,6 +230,34 @@ def test_an_island_at_h_fills_its_first_merge_wait_up_to_the_cap() -> None:
     assert sync.fill.since_push == {0: 0}
     # the fill steps are no part of a round: 20 positions at 10 / 10 each (22 with them)
     assert sync.round_work == 20.0
+
+
+def test_a_wait_past_the_cap_is_logged_as_a_merge_wait(caplog: pytest.LogCaptureFixture) -> None:
+    """The same job as above; the merge comes back 0.3 s after the cap's two fill steps, so the
+    third step's settle blocks for it: that wait is logged as any merge wait (bench.studies.
+    km_waits reads "waited ...s for fragment f"; before, a wait past the cap went unlogged)."""
+    spec = make_spec(quorum=2, overlapSteps=1, overlapMode="fixed")
+    spec = spec.model_copy(update={"inner": spec.inner.model_copy(update={"steps": 10})})
+    link = FakeLink(outer_lr=1.0)
+    link.inner_steps = 10
+    sync, w = make_sync(spec, link)
+    for _ in range(9):
+        step(sync, w)
+    link.hold = True
+    for _ in range(3):  # the push at 10, τ's step at 11 and the first fill step
+        step(sync, w)
+    assert sync.fill.since_push == {0: 2} and not sync.fill.fills(sync, 0)
+    timer = threading.Timer(0.3, link.release)  # the merge back while the next step blocks
+    timer.start()
+    with caplog.at_level(logging.INFO, logger="diloco.learner"):
+        assert step(sync, w) != {}  # the second fill step, then the wait past the cap
+    timer.join()
+    waits = [r.getMessage() for r in caplog.records if "for fragment 0 (after" in r.getMessage()]
+    assert len(waits) == 1, waits
+    assert re.fullmatch(
+        r"step 11: waited (\d+\.\d\d)s for fragment 0 \(after 2 fill steps\)", waits[0]
+    )
+    assert float(waits[0].split()[3][:-1]) >= 0.05
 
 
 def test_fixed_rounds_take_no_fill_step_at_h() -> None:

@@ -19,6 +19,7 @@ inner.stepsPerIsland auto only (fixed: exactly H steps a round).
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Protocol
@@ -36,6 +37,8 @@ from diloco_trainer.learner.step_plan import (
     merge_period,
     steps_to_due,
 )
+
+log = logging.getLogger("diloco.learner")
 
 
 class StopTarget(Protocol):
@@ -143,9 +146,21 @@ class FillSteps:
             elif not self.fills(sync, f):
                 self.filling.discard(f)
                 started = time.monotonic()
-                if sync.collect(f, block=budget if sync.blocking else 0.0):
+                got = sync.collect(f, block=budget if sync.blocking else 0.0)
+                waited = time.monotonic() - started
+                sync.waited += waited
+                # Logged as FragmentSync's own merge waits are (bench.studies.km_waits reads
+                # them): a wait the fill steps could not cover is a wait all the same.
+                if got:
                     took.append(f)
-                sync.waited += time.monotonic() - started
+                    if waited > 0.05:
+                        log.info(
+                            "step %d: waited %.2fs for fragment %d (after %d fill steps)",
+                            sync.position,
+                            waited,
+                            f,
+                            self.since_push.get(f, 0),
+                        )
         self.next = bool(self.filling)
         self.steps += self.next
         if self.next:
