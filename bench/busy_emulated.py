@@ -38,6 +38,14 @@ path on the training thread (encode, snapshot, apply). The link: the L = 0 run (
 latency) gives the bytes a round puts on the link B and a round's compute T = H x step; a run at
 L has rate B / (L x T) and an added one-way latency (--latency-ms).
 
+The host's floor, in the same run (bench/harness/cpu_floor.py): every process of the run (the
+learners, the syncer, the relay) is read from /proc at each status poll; over its steady rounds,
+its CPU seconds a round against the core-seconds this host's cores offer a round (cores x the
+round's wall time) give the utilisation the host permits, compute / max(compute, CPU / cores),
+on all the cores and on those left by others' work (/proc/stat's busy time less the run's own).
+The training thread's sync path by part, seconds a round, is read from each learner's exit line
+(learner/step_costs.SyncPathPhases).
+
     python -m bench.busy_emulated                                   # gpt-125m and gpt-350m
     python -m bench.busy_emulated --presets gpt-125m --shares 0 50 --rounds 5
     python -m bench.busy_emulated --quick --no-record    # smoke: gpt-tiny, 6 rounds of 10
@@ -389,7 +397,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         "window left out; waiting: for the syncer (a merge); sync path: encode, snapshot, apply "
         "on the training thread. The emulated step sleeps: the link's thread and the syncer run "
         "beside it on the CPU, as beside a GPU, but the sync path's own arithmetic runs on the "
-        "host (a GPU learner does it on the device)."
+        "host (a GPU learner does it on the device). The floor: the run's CPU a round (every "
+        "process of it, /proc) against cores x a round's wall; it permits compute / max(compute, "
+        "CPU / cores); 'beside others' on the cores others' work left (/proc/stat)."
     )
     report = Report(
         script="busy_emulated",
