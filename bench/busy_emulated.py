@@ -42,7 +42,8 @@ The host's floor, in the same run (bench/harness/cpu_floor.py): every process of
 learners, the syncer, the relay) is read from /proc at each status poll; over its steady rounds,
 its CPU seconds a round against the core-seconds this host's cores offer a round (cores x the
 round's wall time) give the utilisation the host permits, compute / max(compute, CPU / cores),
-on all the cores and on those left by others' work (/proc/stat's busy time less the run's own).
+and the share of the cores its CPU would need were its rounds as short as their compute; others'
+CPU a round is /proc/stat's busy time less the run's own.
 The training thread's sync path by part, seconds a round, is read from each learner's exit line
 (learner/step_costs.SyncPathPhases).
 
@@ -87,8 +88,8 @@ from bench.harness.common import (
 from bench.harness.cpu_floor import (
     CpuSampler,
     PerRound,
-    cores_left,
     floor_utilisation,
+    needed_share,
     offered,
     per_round,
     usable_cores,
@@ -221,8 +222,8 @@ def run_preset(args: Any, preset: str, wd: Path) -> dict[float, dict[str, Any]]:
         print(
             f"  -> utilisation {u.utilisation:.3f} (waiting {u.waiting / u.wall:.3f}, sync path "
             f"{u.sync_path / u.wall:.3f}), {r['rounds']} rounds, {r['wall']:.0f}s; the host's "
-            f"floor {floor['alone']:.3f} ({floor['cores']} cores), {floor['beside']:.3f} beside "
-            f"others' load; CPU a round {r['cpu'].cpu:.2f}s of {floor['offered']:.2f} "
+            f"floor {floor['alone']:.3f} ({floor['cores']} cores: {floor['needed']:.0%} of them "
+            f"needed at utilisation 1); CPU a round {r['cpu'].cpu:.2f}s of {floor['offered']:.2f} "
             f"core-seconds; sync path a round by part: "
             + ", ".join(f"{k} {v:.3f}s" for k, v in r["parts"].items()),
             flush=True,
@@ -234,18 +235,18 @@ def run_preset(args: Any, preset: str, wd: Path) -> dict[float, dict[str, Any]]:
 def host_floor(r: dict[str, Any], inner_steps: int) -> dict[str, Any]:
     """The run's CPU floor on this host (bench/harness/cpu_floor): its cores, the core-seconds
     they offer a round, and the utilisation its CPU a round permits on all of them ('alone')
-    and on those others' work left it ('beside')."""
+    and the share of them its CPU needs at utilisation 1 ('needed')."""
     c: PerRound = r["cpu"]
     cores = usable_cores()
     compute = round_seconds(r["splits"], inner_steps)
     if not c.rounds:
-        return dict(cores=cores, compute=compute, offered=math.nan, alone=math.nan, beside=math.nan)
+        return dict(cores=cores, compute=compute, offered=math.nan, alone=math.nan, needed=math.nan)
     return dict(
         cores=cores,
         compute=compute,
         offered=offered(c.wall, cores),
         alone=floor_utilisation(c.cpu, compute, cores),
-        beside=floor_utilisation(c.cpu, compute, cores_left(cores, c.others_cpu, c.wall)),
+        needed=needed_share(c.cpu, compute, cores),
     )
 
 
@@ -280,7 +281,7 @@ def tables(args: Any, results: dict[str, dict[float, dict[str, Any]]]) -> list[T
             "offered",
             "others' CPU a round",
             "floor (all cores)",
-            "floor (beside others)",
+            "cores needed at utilisation 1",
             "utilisation",
         ],
     )
@@ -319,7 +320,7 @@ def tables(args: Any, results: dict[str, dict[float, dict[str, Any]]]) -> list[T
                 f"{fl['offered']:.2f}s ({fl['cores']} cores)",
                 f"{c.others_cpu:.2f}s",
                 f"{fl['alone']:.3f}",
-                f"{fl['beside']:.3f}",
+                f"{fl['needed']:.0%}",
                 f"{u.utilisation:.3f}",
             )
             by_part = r["parts"]
@@ -399,7 +400,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         "beside it on the CPU, as beside a GPU, but the sync path's own arithmetic runs on the "
         "host (a GPU learner does it on the device). The floor: the run's CPU a round (every "
         "process of it, /proc) against cores x a round's wall; it permits compute / max(compute, "
-        "CPU / cores); 'beside others' on the cores others' work left (/proc/stat)."
+        "CPU / cores); 'cores needed at utilisation 1': CPU / (cores x compute); others' CPU: "
+        "/proc/stat's busy time less the run's own."
     )
     report = Report(
         script="busy_emulated",

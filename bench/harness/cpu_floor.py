@@ -86,7 +86,7 @@ def floor_utilisation(cpu_per_round: float, compute_per_round: float, cores: flo
     """The utilisation `cores` permit a job whose round needs `cpu_per_round` CPU seconds and
     whose learners step `compute_per_round` seconds a round: a round cannot be shorter than
     its compute nor than cpu / cores, so utilisation <= compute / max(compute, cpu / cores).
-    `cores` may be a fraction (the cores others' work leaves); none left: 0."""
+    `cores` may be a fraction (a share of the host's); none: 0."""
     if compute_per_round <= 0 or cpu_per_round < 0:
         raise ValueError(
             f"compute ({compute_per_round}) must be > 0 and CPU ({cpu_per_round}) >= 0"
@@ -96,9 +96,12 @@ def floor_utilisation(cpu_per_round: float, compute_per_round: float, cores: flo
     return compute_per_round / max(compute_per_round, cpu_per_round / cores)
 
 
-def cores_left(cores: int, others_cpu_per_round: float, wall_per_round: float) -> float:
-    """The cores other processes' work left the run on average over its rounds."""
-    return cores - others_cpu_per_round / wall_per_round
+def needed_share(cpu_per_round: float, compute_per_round: float, cores: int) -> float:
+    """The share of the host's cores the run's CPU would take were its rounds as short as their
+    compute (utilisation 1): cpu / (cores x compute). Above 1 the cores cannot keep up (the
+    floor is its inverse); near 1 they can only if nothing else runs and the work overlaps
+    perfectly."""
+    return cpu_per_round / (cores * compute_per_round)
 
 
 def usable_cores() -> int:

@@ -12,9 +12,9 @@ from bench.busy_emulated import parts_per_round, sync_parts
 from bench.harness.cpu_floor import (
     CpuSampler,
     PerRound,
-    cores_left,
     floor_utilisation,
     host_ticks,
+    needed_share,
     offered,
     per_round,
     stat_cpu_ticks,
@@ -59,17 +59,18 @@ def test_floor_utilisation_is_compute_over_the_longer_of_compute_and_cpu_per_cor
     assert floor_utilisation(9.0, 3.0, 2) == pytest.approx(2 / 3)
     # 5 CPU-s on 2 cores take 2.5 s < 3 s: the cores are no bound.
     assert floor_utilisation(5.0, 3.0, 2) == 1.0
-    # Others' work left 1.5 cores: 9 / 1.5 = 6 s: 3 / 6 = 0.5.
+    # 1.5 cores: 9 / 1.5 = 6 s: 3 / 6 = 0.5.
     assert floor_utilisation(9.0, 3.0, 1.5) == pytest.approx(0.5)
     assert floor_utilisation(9.0, 3.0, -0.2) == 0.0
     with pytest.raises(ValueError):
         floor_utilisation(9.0, 0.0, 2)
 
 
-def test_offered_and_cores_left() -> None:
+def test_offered_and_needed_share() -> None:
     assert offered(4.0, 2) == 8.0  # 2 cores x a 4 s round
-    # Others spent 2 CPU-s of a 4 s round: 2 - 2/4 = 1.5 cores left.
-    assert cores_left(2, 2.0, 4.0) == 1.5
+    # 6 CPU-s a round, 3 s of compute, 2 cores: 6 / (2 x 3) = 1.0; 9 CPU-s: 1.5 (floor 2/3).
+    assert needed_share(6.0, 3.0, 2) == 1.0
+    assert needed_share(9.0, 3.0, 2) == 1.5
 
 
 def test_cpu_sampler_reads_a_live_process_and_keeps_an_exited_ones_last_reading() -> None:
