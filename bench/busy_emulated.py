@@ -38,6 +38,15 @@ path on the training thread (encode, snapshot, apply). The link: the L = 0 run (
 latency) gives the bytes a round puts on the link B and a round's compute T = H x step; a run at
 L has rate B / (L x T) and an added one-way latency (--latency-ms).
 
+The host's floor, in the same run (bench/harness/cpu_floor.py): every process of the run (the
+learners, the syncer, the relay) is read from /proc at each status poll; over its steady rounds,
+its CPU seconds a round against the core-seconds this host's cores offer a round (cores x the
+round's wall time) give the utilisation the host permits, compute / max(compute, CPU / cores),
+and the share of the cores its CPU would need were its rounds as short as their compute; others'
+CPU a round is /proc/stat's busy time less the run's own.
+The training thread's sync path by part, seconds a round, is read from each learner's exit line
+(learner/step_costs.SyncPathPhases).
+
     python -m bench.busy_emulated                                   # gpt-125m and gpt-350m
     python -m bench.busy_emulated --presets gpt-125m --shares 0 50 --rounds 5
     python -m bench.busy_emulated --quick --no-record    # smoke: gpt-tiny, 6 rounds of 10
@@ -46,6 +55,7 @@ L has rate B / (L x T) and an added one-way latency (--latency-ms).
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -53,6 +63,7 @@ from typing import Any
 from diloco_trainer.api.contract import EMULATE_STEP
 from diloco_trainer.api.preflight import SYNCER_COPIES, gpt_parameters
 from diloco_trainer.api.spec import JobSpec, parse_spec
+from diloco_trainer.learner.step_costs import SYNC_PATH_PHASES
 
 from bench.busy_link import (
     Split,
@@ -74,6 +85,15 @@ from bench.harness.common import (
     verdict,
     workdir,
 )
+from bench.harness.cpu_floor import (
+    CpuSampler,
+    PerRound,
+    floor_utilisation,
+    needed_share,
+    offered,
+    per_round,
+    usable_cores,
+)
 
 # A GPU's step of 32 x 1024 tokens an island, in ms (the module's docstring says why).
 STEP_MS = {"gpt-tiny": 50, "gpt-mini": 50, "gpt-125m": 100, "gpt-350m": 280, "gpt-1b": 500}
@@ -88,6 +108,31 @@ ISLANDS = {"gpt-tiny": 2, "gpt-mini": 2, "gpt-125m": 2, "gpt-350m": 1, "gpt-1b":
 # learner's memory": 3 + 1/F copies held at most, plus the link's transients.
 LEARNER_COPIES = 6
 VOCAB = 256  # the built-in GPT's byte-level vocabulary (builtin:stdlib-text)
+# A learner's exit line of its sync path by part (learner/step_costs.SyncPathPhases.line).
+PARTS_LINE = re.compile(r"sync path by part over (\d+) steps: (.*?); in all")
+PART = re.compile(r"(\w+) ([\d.]+)s \((\d+) calls")
+
+
+def sync_parts(log_text: str) -> tuple[int, dict[str, float]]:
+    """(steps, {part: seconds}) of a learner's 'sync path by part' exit line ((0, {}) when it
+    has none: it did not exit cleanly)."""
+    m = PARTS_LINE.search(log_text)
+    if m is None:
+        return 0, {}
+    return int(m[1]), {p[1]: float(p[2]) for p in PART.finditer(m[2])}
+
+
+def parts_per_round(logs: Sequence[tuple[int, dict[str, float]]], inner_steps: int) -> dict:
+    """{part: seconds a round on one learner's training thread}: the islands' seconds summed
+    over their steps summed, x H (the whole job, start-up and drain included)."""
+    steps = sum(n for n, _ in logs)
+    if not steps:
+        return {}
+    total: dict[str, float] = {}
+    for _, parts in logs:
+        for part, sec in parts.items():
+            total[part] = total.get(part, 0.0) + sec
+    return {part: sec / steps * inner_steps for part, sec in total.items()}
 
 
 def params_of(preset: str, seq_len: int) -> int:
@@ -146,6 +191,7 @@ def run_preset(args: Any, preset: str, wd: Path) -> dict[float, dict[str, Any]]:
             rate = link_rate(calib["bytes"], calib["round"], share / 100)
         name = f"{preset}-L{share:g}"
         print(f"{name}: {islands} islands, step {step_s * 1000:.0f} ms, link {mbit(rate)}")
+        sampler = CpuSampler()
         r = run_retrying_a_taken_port(
             spec,
             wd / name,
@@ -153,8 +199,16 @@ def run_preset(args: Any, preset: str, wd: Path) -> dict[float, dict[str, Any]]:
             latency_ms=args.latency_ms if share else 0.0,
             timeout=args.timeout,
             learner_env={EMULATE_STEP: f"{step_s:g}"},
+            on_sample=sampler,
         )
-        r.update(rate=rate, islands=islands, step_s=step_s)
+        logs = [sync_parts(Path(f).read_text(errors="replace")) for f in r["learner_logs"]]
+        r.update(
+            rate=rate,
+            islands=islands,
+            step_s=step_s,
+            cpu=per_round(sampler.rows),
+            parts=parts_per_round(logs, args.inner_steps),
+        )
         if share == 0:
             calib["round"] = round_seconds(r["splits"], args.inner_steps)
             calib["bytes"] = r["bytes_per_round"]
@@ -164,13 +218,36 @@ def run_preset(args: Any, preset: str, wd: Path) -> dict[float, dict[str, Any]]:
                 flush=True,
             )
         u: Split = utilisation(r)
+        floor = host_floor(r, args.inner_steps)
         print(
             f"  -> utilisation {u.utilisation:.3f} (waiting {u.waiting / u.wall:.3f}, sync path "
-            f"{u.sync_path / u.wall:.3f}), {r['rounds']} rounds, {r['wall']:.0f}s",
+            f"{u.sync_path / u.wall:.3f}), {r['rounds']} rounds, {r['wall']:.0f}s; the host's "
+            f"floor {floor['alone']:.3f} ({floor['cores']} cores: {floor['needed']:.0%} of them "
+            f"needed at utilisation 1); CPU a round {r['cpu'].cpu:.2f}s of {floor['offered']:.2f} "
+            f"core-seconds; sync path a round by part: "
+            + ", ".join(f"{k} {v:.3f}s" for k, v in r["parts"].items()),
             flush=True,
         )
         out[share] = r
     return out
+
+
+def host_floor(r: dict[str, Any], inner_steps: int) -> dict[str, Any]:
+    """The run's CPU floor on this host (bench/harness/cpu_floor): its cores, the core-seconds
+    they offer a round, and the utilisation its CPU a round permits on all of them ('alone')
+    and the share of them its CPU needs at utilisation 1 ('needed')."""
+    c: PerRound = r["cpu"]
+    cores = usable_cores()
+    compute = round_seconds(r["splits"], inner_steps)
+    if not c.rounds:
+        return dict(cores=cores, compute=compute, offered=math.nan, alone=math.nan, needed=math.nan)
+    return dict(
+        cores=cores,
+        compute=compute,
+        offered=offered(c.wall, cores),
+        alone=floor_utilisation(c.cpu, compute, cores),
+        needed=needed_share(c.cpu, compute, cores),
+    )
 
 
 def tables(args: Any, results: dict[str, dict[float, dict[str, Any]]]) -> list[Table]:
@@ -190,6 +267,28 @@ def tables(args: Any, results: dict[str, dict[float, dict[str, Any]]]) -> list[T
             "sync path a round",
             "rounds",
         ],
+    )
+    floors = Table(
+        "The host's floor, measured in the same runs: the CPU seconds a round of every process "
+        "of the run (learners, syncer, relay) against the core-seconds the host's cores offer "
+        "in a round, and the utilisation that permits (compute / max(compute, CPU / cores))",
+        [
+            "preset",
+            "L",
+            "round (wall)",
+            "compute a round",
+            "CPU a round",
+            "offered",
+            "others' CPU a round",
+            "floor (all cores)",
+            "cores needed at utilisation 1",
+            "utilisation",
+        ],
+    )
+    parts = Table(
+        "The sync path on a learner's training thread by part, seconds a round (the learners' "
+        "exit lines: the whole job, start-up and drain included; docs/learner.md)",
+        ["preset", "L", *SYNC_PATH_PHASES, "in all but drain"],
     )
     verdicts = Table(
         "Issue 45's utilisation targets in this run", ["preset", "L", "target", "figure", "verdict"]
@@ -211,6 +310,26 @@ def tables(args: Any, results: dict[str, dict[float, dict[str, Any]]]) -> list[T
                 f"{u.sync_path / rounds_seen:.2f}s" if rounds_seen else "n/a",
                 r["rounds"],
             )
+            c, fl = r["cpu"], host_floor(r, args.inner_steps)
+            floors.add(
+                preset,
+                f"{share:g}%",
+                f"{c.wall:.2f}s",
+                f"{fl['compute']:.2f}s",
+                f"{c.cpu:.2f}s",
+                f"{fl['offered']:.2f}s ({fl['cores']} cores)",
+                f"{c.others_cpu:.2f}s",
+                f"{fl['alone']:.3f}",
+                f"{fl['needed']:.0%}",
+                f"{u.utilisation:.3f}",
+            )
+            by_part = r["parts"]
+            parts.add(
+                preset,
+                f"{share:g}%",
+                *(f"{by_part.get(k, 0.0):.3f}" for k in SYNC_PATH_PHASES),
+                f"{sum(v for k, v in by_part.items() if k != 'drain'):.3f}",
+            )
             need = 0.97 if share <= 50 else 0.90
             verdicts.add(
                 preset,
@@ -219,7 +338,7 @@ def tables(args: Any, results: dict[str, dict[float, dict[str, Any]]]) -> list[T
                 f"{u.utilisation:.3f}",
                 verdict(u.utilisation >= need),
             )
-    return [main, verdicts]
+    return [main, floors, parts, verdicts]
 
 
 def parse_args(argv: Sequence[str] | None) -> Any:
@@ -279,7 +398,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         "window left out; waiting: for the syncer (a merge); sync path: encode, snapshot, apply "
         "on the training thread. The emulated step sleeps: the link's thread and the syncer run "
         "beside it on the CPU, as beside a GPU, but the sync path's own arithmetic runs on the "
-        "host (a GPU learner does it on the device)."
+        "host (a GPU learner does it on the device). The floor: the run's CPU a round (every "
+        "process of it, /proc) against cores x a round's wall; it permits compute / max(compute, "
+        "CPU / cores); 'cores needed at utilisation 1': CPU / (cores x compute); others' CPU: "
+        "/proc/stat's busy time less the run's own."
     )
     report = Report(
         script="busy_emulated",

@@ -55,7 +55,7 @@ import re
 import socket
 import statistics
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -177,9 +177,12 @@ def run_over_link(
     latency_ms: float,
     timeout: float,
     learner_env: dict[str, str] | None = None,
+    on_sample: Callable[[int, list[int]], None] | None = None,
 ) -> dict[str, Any]:
     """One job of ours with every island behind one relay; its history (seconds, tokens
-    processed, eval loss), the islands' window splits, the relay's bytes and the rounds run."""
+    processed, eval loss), the islands' window splits, the relay's bytes and the rounds run.
+    `on_sample(outer step, pids)` is called at each status poll with the run's processes (the
+    syncer, the learners, the relay: busy_emulated's CPU floor)."""
     relay: dict[str, Any] = {}
 
     def route(_i: int, url: str) -> str:
@@ -194,11 +197,15 @@ def run_over_link(
     run.start()
     t0 = time.time()
     samples: list[tuple[int, int]] = []  # (outer step, relay bytes) at each status poll
+
+    def poll(st: dict[str, Any]) -> None:
+        samples.append((int(st["outerStep"]), relay_bytes(wd)))
+        if on_sample is not None:
+            procs = [run.syncer, *run.learners.values(), relay.get("proc")]
+            on_sample(int(st["outerStep"]), [p.pid for p in procs if p is not None])
+
     try:
-        st = run.wait_finished(
-            timeout=timeout,
-            on_status=lambda st: samples.append((int(st["outerStep"]), relay_bytes(wd))),
-        )
+        st = run.wait_finished(timeout=timeout, on_status=poll)
         for proc in run.learners.values():
             proc.wait(120)  # learners exit once they see finished=true
         wall = time.time() - t0
@@ -224,6 +231,7 @@ def run_over_link(
         "merges": int(st.get("mergeCount", 0)),
         "staleness": merge_staleness(wd / "syncer", [p.log_file for p in run.learners.values()]),
         "rounds": int(st["outerStep"]),
+        "learner_logs": [p.log_file for p in run.learners.values()],
     }
 
 

@@ -196,3 +196,41 @@ def test_a_small_host_fragments_receipt_is_prepared_too() -> None:
     got = small.receive({"w": t(1.0, 2.0)}, 2, now, 0.0)
     assert torch.equal(got["w"], t(1.25, 2.5)) and got["w"].data_ptr() == now["w"].data_ptr()
     assert torch.equal(small.base["w"], t(1.0, 2.0)) and small.version == 2
+
+
+def test_a_prepared_receipt_keeps_the_push_copy_for_the_next_push_which_copies_into_it() -> None:
+    """issue 45 (emu11): a host learner's large push copies its weights into the buffer its last
+    prepared receipt gave up (FragmentState.spare), not a new one: the same memory, the weights'
+    values exactly, and the same encoded bytes as a push into a new buffer. An unprepared
+    receipt's buffer is the weights it returns (the loop copies them in): not kept."""
+    state, params, g = big_state(9)
+    _, ready = state.encode_push(params, "int8", None)
+    ready()
+    first = state.at_push
+    assert first is not None and state.spare is None
+    ptr = first["a"].data_ptr()
+    merged = {n: p + 0.2 * torch.randn(p.shape, generator=g) for n, p in params.items()}
+    prepare = state.receipt_preparer()
+    assert prepare is not None
+    prepare(merged)
+    state.receive(merged, 2, params, 0.0)
+    assert state.spare is first and state.at_push is None
+    for p in params.values():
+        p.add_(0.03)  # the steps of the next round
+    twin = FragmentState(names=list(params))  # the same base, a new buffer at its push
+    twin.take_global({n: t.clone() for n, t in state.base.items()}, 2)
+    encoded, ready = state.encode_push(params, "int8", None)
+    ready()
+    want, twin_ready = twin.encode_push(params, "int8", None)
+    twin_ready()
+    assert state.spare is None and state.at_push is not None
+    assert state.at_push["a"].data_ptr() == ptr  # the kept buffer, written over
+    assert twin.at_push is not None and twin.at_push["a"].data_ptr() != ptr
+    for n in params:
+        assert torch.equal(state.at_push[n], params[n]), n
+    assert encoded.keys() == want.keys() and encoded
+    for k in want:
+        assert torch.equal(encoded[k], want[k]), k
+    # Unprepared: the receipt writes the new weights over the push's copies and returns them.
+    state.receive(merged, 3, params, 0.0)
+    assert state.spare is None

@@ -169,6 +169,12 @@ class FragmentState:
     # (receipt_preparer; None: at_push holds θ_push), and the lock that orders the two threads.
     prepared: dict[str, Tensor] | None = None
     lock: threading.Lock = field(default_factory=threading.Lock)
+    # A host learner's last at_push once its receipt has added it in (added_into), kept for the
+    # next push's copy (push_encoding.snapshot_for_push's `into`): a fresh 1/F-copy buffer each
+    # push cost the training thread its pages' faults and the kernel's zeroing of them, ~4x
+    # the copy's own CPU (issue 45, emu11). Held only where at_push would be: between a
+    # receipt and the next push, in at_push's place.
+    spare: dict[str, Tensor] | None = None
     # A compressed pull is added into `base` in place by the syncer link (base_writer), once
     # its checksum is verified. The push whose sync may do so (its token; None: none may), and
     # the version such a write left `base` at before the receipt installs it (None: `base` holds
@@ -227,7 +233,8 @@ class FragmentState:
             # Δ and encoding were a fixed cost of the training thread). The base is this one
             # even if a receipt replaces self.base meanwhile (it cannot: the merge this push
             # answers comes after the push is sent).
-            local = snapshot_for_push(weights) if large else snapshot(weights)
+            spare = self._take_spare()  # given up by a small push: snapshot makes its own
+            local = snapshot_for_push(weights, into=spare) if large else snapshot(weights)
             self._remember(local)
             base = self.base
             deferred: dict[str, Tensor] = {}
@@ -240,6 +247,11 @@ class FragmentState:
 
             return deferred, encode
         return encode_for_wire(self.begin_push(snapshot(weights)), codec, feedback)
+
+    def _take_spare(self) -> dict[str, Tensor] | None:
+        """The buffer kept from the last receipt (spare), given up to this push."""
+        spare, self.spare = self.spare, None
+        return spare
 
     def _remember(self, local: dict[str, Tensor]) -> None:
         self.at_push = local
@@ -276,6 +288,7 @@ class FragmentState:
         if offset is not None and not alpha:
             # θ_global − θ_push made on the link's thread (receipt_preparer): one pass here.
             target = added_into(now, offset)
+            self.spare = offset  # read by nothing now: the next push's copy goes into it
         elif device.type == "cpu" and self.at_push is not None:
             # Written over the push's copies, which nothing reads after this (begin_push): no
             # fragment-sized temporaries on a host learner's training thread.

@@ -199,7 +199,11 @@ class FragmentSync:
                 "weights": list(self.params.values()),
                 "base": [t for s in states for t in s.base.values()],
                 "base_on_device": [t for s in states for t in s.base_on_device.values()],
-                "at_push": [t for s in states for t in (s.at_push or {}).values()],
+                "at_push": [
+                    t
+                    for s in states
+                    for t in [*(s.at_push or {}).values(), *(s.spare or {}).values()]
+                ],
                 "arrived": arrived,
                 "last_update": [t for s in states for t in (s.last_update or {}).values()],
                 "residuals": list(residuals),

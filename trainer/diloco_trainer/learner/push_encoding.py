@@ -158,16 +158,31 @@ def snapshot_and_encode_int8(
     return local, _encode_int8_sliced(params, local, base, feedback)
 
 
-def snapshot_for_push(params: Mapping[str, Tensor]) -> dict[str, Tensor]:
+def snapshot_for_push(
+    params: Mapping[str, Tensor], into: Mapping[str, Tensor] | None = None
+) -> dict[str, Tensor]:
     """fp32 host copies of `params` in one buffer (as snapshot_and_encode_int8 makes them),
     copied a slice at a time: all a deferred push (encode_int8_from_snapshot) takes of the
-    training thread."""
-    _, local = flat_views(params, torch.device("cpu"))
+    training thread. `into`: an earlier push's copies (FragmentState.spare), written over when
+    they have the same names and shapes (fp32 host tensors), else a new buffer is made: pages
+    already the process's take only the copy, a new buffer's take their faults and zeroing too."""
+    if into is not None and _same_layout(into, params):
+        local = dict(into)
+    else:
+        _, local = flat_views(params, torch.device("cpu"))
     for n, p in params.items():
         src, mine = p.detach().reshape(-1), local[n].view(-1)
         for sl in compress.slices(p.numel()):
             mine[sl].copy_(src[sl])
     return local
+
+
+def _same_layout(into: Mapping[str, Tensor], params: Mapping[str, Tensor]) -> bool:
+    """Whether `into` holds fp32 host tensors of exactly `params`' names and shapes."""
+    return list(into) == list(params) and all(
+        into[n].shape == p.shape and into[n].dtype == torch.float32 and into[n].device.type == "cpu"
+        for n, p in params.items()
+    )
 
 
 def encode_int8_from_snapshot(
