@@ -14,9 +14,11 @@ import pytest
 from diloco_trainer.api.protocol import SyncerError
 from diloco_trainer.learner.start_together import starts_together, wait_for_peers
 
+from .test_learner_fragment_sync import FakeLink, make_spec, make_sync
+
 
 @pytest.mark.parametrize(
-    ("versions", "blocking", "waits"),
+    ("versions", "lock_step", "waits"),
     [
         ([0, 0], False, True),  # fresh decoupled job
         ([0, 0], True, False),  # K = M: the first merge lines the islands up
@@ -25,9 +27,29 @@ from diloco_trainer.learner.start_together import starts_together, wait_for_peer
     ],
 )
 def test_starts_together_only_in_a_fresh_decoupled_job(
-    versions: list[int], blocking: bool, waits: bool
+    versions: list[int], lock_step: bool, waits: bool
 ) -> None:
-    assert starts_together(versions, blocking=blocking) is waits
+    assert starts_together(versions, lock_step=lock_step) is waits
+
+
+def test_a_decoupled_job_without_overlap_starts_together_too() -> None:
+    """K = 2 of 4 with overlapSteps 0 blocks for its merges (core/grace.blocks_for_merge) but a
+    merge needs only 2 pushes: its islands start together as with overlap (before, only
+    learners that did not block did); K = M with overlap does not (its first merge lines them
+    up)."""
+    decoupled = make_spec(quorum=2, overlapSteps=0, overlapMode="fixed")
+    decoupled = decoupled.model_copy(
+        update={"islands": decoupled.islands.model_copy(update={"count": 4})}
+    )
+    sync, _ = make_sync(decoupled, FakeLink(outer_lr=1.0))
+    assert sync.blocking and not sync.fill.lock_step
+    assert starts_together([0, 0], lock_step=sync.fill.lock_step)
+    synchronous = decoupled.model_copy(
+        update={"sync": decoupled.sync.model_copy(update={"quorum": 4, "overlapSteps": 2})}
+    )
+    sync, _ = make_sync(synchronous, FakeLink(outer_lr=1.0))
+    assert sync.blocking and sync.fill.lock_step
+    assert not starts_together([0, 0], lock_step=sync.fill.lock_step)
 
 
 class Answers:

@@ -353,7 +353,7 @@ class Learner:
             assert self.link is not None
             interval = min(5.0, self.spec.sync.heartbeat_timeout_seconds / 4)
             self.link.submit(self.link.heartbeats(interval))
-            if starts_together(info.versions, blocking=self.sync.blocking):
+            if starts_together(info.versions, lock_step=self.sync.fill.lock_step):
                 budget = self.spec.sync.heartbeat_timeout_seconds
                 wait_for_peers(self.link, budget=budget, stop=self.stop)
         if first:
