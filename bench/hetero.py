@@ -23,9 +23,9 @@ target against the mean of the fast islands alone, run each repeat too).
 
 torchft 0.2.0's DiLoCo on the same work, after ours' runs (skipped with --skip-torchft, or where
 torchft is not installed, the reason printed): the same preset, seed, M, H and slowdowns (its
-workers sleep by the same rule), at K = M (every replica group in every sync: torchft has no
-smaller quorum), for the budget's rounds at equal speeds and 1.5x them for each mix, once per
-repeat. Its figures: time to ours' target loss, loss at equal tokens against its own equal-speed
+workers sleep by the same rule), at K = M (min_replicas = M: every replica group in every sync,
+as bench/busy_link runs it), equal speeds and each mix, each for 1.5x the budget's rounds (room
+to reach the target), once per repeat. Its figures: time to ours' target loss, loss at equal tokens against its own equal-speed
 run and against ours', and each replica's utilisation (compute seconds / wall), the fast
 replicas' against its equal-speed run's.
 
@@ -328,18 +328,19 @@ def plan_runs(
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    p = base_parser(__doc__ or "", **TRAINING, inner_steps=20, eval_tokens=4096, timeout=900)
+    p = base_parser(
+        __doc__ or "",
+        **TRAINING,
+        inner_steps=20,
+        eval_tokens=4096,
+        timeout=900,
+        skip_torchft=False,
+    )
     p.add_argument("--mixes", nargs="+", default=["1,1,1,3", "1,1,2,4"], help="slowdowns")
     p.add_argument("--quorums", nargs="+", type=int, default=[4, 1], help="K of the mixes")
     p.add_argument("--rounds", type=int, default=10, help="equal-speed budget in rounds")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-fixed", action="store_true", help="leave the fixed-H mixes out")
-    p.add_argument(
-        "--skip-torchft",
-        action="store_true",
-        help="leave out torchft's DiLoCo on the same work (equal speeds and every mix, K = M, "
-        "once per repeat, after ours' runs)",
-    )
     p.add_argument(
         "--repeats",
         type=int,
