@@ -25,9 +25,9 @@ torchft 0.2.0's DiLoCo on the same work, after ours' runs (skipped with --skip-t
 torchft is not installed, the reason printed): the same preset, seed, M, H and slowdowns (its
 workers sleep by the same rule), at K = M (min_replicas = M: every replica group in every sync,
 as bench/busy_link runs it), equal speeds and each mix, each for 1.5x the budget's rounds (room
-to reach the target), once per repeat. Its figures: time to ours' target loss, loss at equal tokens against its own equal-speed
-run and against ours', and each replica's utilisation (compute seconds / wall), the fast
-replicas' against its equal-speed run's.
+to reach the target), once per repeat. Its figures: time to ours' target loss, loss at equal
+tokens against its own equal-speed run and against ours', and each replica's utilisation
+(compute seconds / wall), the fast replicas' against its equal-speed run's.
 
     python -m bench.hetero                                   # M = 4: speeds 1,1,1,3 and 1,1,2,4
     python -m bench.hetero --mixes 1,1,1,3 --quorums 4       # one mix, K = M only
