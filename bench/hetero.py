@@ -21,18 +21,29 @@ The mixed-speed runs get 1.5x the budget so that they can reach the target. Figu
 fast islands' utilisation against the baselines' mean with its 95% interval (and the time to
 target against the mean of the fast islands alone, run each repeat too).
 
+torchft 0.2.0's DiLoCo on the same work, after ours' runs (skipped with --skip-torchft, or where
+torchft is not installed, the reason printed): the same preset, seed, M, H and slowdowns (its
+workers sleep by the same rule), at K = M (min_replicas = M: every replica group in every sync,
+as bench/busy_link runs it), equal speeds and each mix, each for 1.5x the budget's rounds (room
+to reach the target), once per repeat. Its figures: time to ours' target loss, loss at equal
+tokens against its own equal-speed run and against ours', and each replica's utilisation
+(compute seconds / wall), the fast replicas' against its equal-speed run's.
+
     python -m bench.hetero                                   # M = 4: speeds 1,1,1,3 and 1,1,2,4
     python -m bench.hetero --mixes 1,1,1,3 --quorums 4       # one mix, K = M only
     python -m bench.hetero --mixes 1,1,1,3 --no-fixed --repeats 3   # judged against 3 baselines
+    python -m bench.hetero --mixes 1,1,1,3 --quorums 4 --no-fixed --skip-torchft   # ours alone
 """
 
 from __future__ import annotations
 
 import itertools
+import json
 import math
 import os
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -50,6 +61,7 @@ from bench.harness.common import (
     publish,
     ratio,
     verdict,
+    wait_all,
     workdir,
 )
 from bench.harness.flags import TRAINING
@@ -60,12 +72,16 @@ from bench.harness.hetero_figures import (
     repeats_to_resolve,
     speed_ratios,
 )
-from bench.harness.measure import StatusSampler, ours_islands
+from bench.harness.measure import StatusSampler, ours_islands, torchft_replica
 from bench.harness.merge_waits import run_waits
 from bench.harness.ours_harness import OursRun
+from bench.harness.peer_training import read_progress
+from bench.harness.torchft_harness import TorchftJob, read_result, start_job
 
 # The mixed-speed runs' budget against the equal-speed run's: room to reach its final loss.
 EXTRA_BUDGET = 1.5
+# Utilisation is read up to this share of the budget merged (ours) or committed (torchft).
+NEAR_END = 0.8
 
 
 def make_spec(args: Any, *, islands: int, quorum: int, mode: str, tokens: int) -> JobSpec:
@@ -104,7 +120,7 @@ def run_one(args: Any, spec: JobSpec, speeds: list[float], wd: Path) -> dict[str
             t2: list[float] = []
 
             def near_end(st: dict[str, Any]) -> bool:
-                if not t2 and int(st.get("tokens") or 0) >= 0.8 * budget:
+                if not t2 and int(st.get("tokens") or 0) >= NEAR_END * budget:
                     t2.append(time.time())
                 return False
 
@@ -127,6 +143,128 @@ def run_one(args: Any, spec: JobSpec, speeds: list[float], wd: Path) -> dict[str
         "final_loss": float(final["evalLoss"]),
         "waits": waits,
     }
+
+
+def torchft_unavailable(args: Any) -> str | None:
+    """Why torchft's runs are left out (None: they run). No network namespace is needed here:
+    the runs share the loopback unshaped, as ours do."""
+    if args.skip_torchft:
+        return "skipped (--skip-torchft)"
+    try:
+        import torchft  # noqa: F401
+    except ImportError:
+        return "torchft is not installed (pip install -e '.[bench]')"
+    return None
+
+
+def near_end_commits(budget: int, per_round: int) -> int:
+    """The commit by which NEAR_END of the budget is committed (torchft commits every replica's
+    round at once: `per_round` tokens), at least the second so that the window holds a round."""
+    return max(2, math.ceil(NEAR_END * budget / per_round))
+
+
+def torchft_window(records: Sequence[dict[str, Any]], commits: int) -> tuple[float, float] | None:
+    """A torchft replica's utilisation window, as ours' is read: from its first commit (start-up
+    and the first round's join left out) to its first progress record with `commits` commits
+    (its last record when it never got there). None without a commit or an empty window."""
+    committed = [r for r in records if r["commits"] >= 1]
+    if not committed:
+        return None
+    end = next((r for r in records if r["commits"] >= commits), records[-1])
+    t1, t2 = float(committed[0]["time"]), float(end["time"])
+    return (t1, t2) if t2 > t1 else None
+
+
+def torchft_history(
+    started: float, initial: float, saved: Sequence[tuple[dict[str, Any], float]], per_round: int
+) -> list[dict[str, Any]]:
+    """torchft's eval history in ours' form (time, tokens, evalLoss): the initial weights' loss
+    at its start, then each saved commit's (index entry, loss) at outer_step x `per_round`
+    tokens (every replica's round is committed at once)."""
+    out = [{"time": started, "tokens": 0, "evalLoss": initial}]
+    for entry, loss in saved:
+        out.append(
+            {
+                "time": float(entry["time"]),
+                "tokens": int(entry["outer_step"]) * per_round,
+                "evalLoss": loss,
+            }
+        )
+    return out
+
+
+def run_torchft(
+    args: Any, spec: JobSpec, speeds: list[float], wd: Path, rounds: int, budget: int
+) -> dict[str, Any]:
+    """torchft's DiLoCo at K = M for `rounds` commits with the same slowdowns: its history from
+    the global weights replica 0 saves after every commit, evaluated afterwards; each replica's
+    utilisation (compute seconds, the slowdown's sleep included as in ours' step time, over
+    the window of torchft_window)."""
+    from diloco_trainer.models.parts import build_parts, evaluate
+    from safetensors.torch import load_model
+
+    m = len(speeds)
+    wd.mkdir(parents=True, exist_ok=True)
+    spec_file = wd / "spec.json"
+    spec_file.write_text(spec.to_json())
+    job = TorchftJob(
+        spec_file=spec_file,
+        workdir=wd,
+        num_replicas=m,
+        min_replicas=m,
+        outer_steps=rounds,
+        slowdowns={i: f for i, f in enumerate(speeds) if f > 1},
+        timeout=300,
+    )
+    started = time.time()
+    lighthouse, replicas = start_job(job, evaluate_replica=None, save_replica=0)
+    try:
+        wait_all(replicas, timeout=args.timeout)
+    finally:
+        lighthouse.kill()
+    per_round = m * spec.inner.steps * spec.inner.batch_size * spec.inner.seq_len
+    parts = build_parts(spec, shard_index=0, num_shards=1, with_train=False)
+    initial = evaluate(parts)
+    saved = []
+    directory = job.save_dir(0)
+    for line in (directory / "index.jsonl").read_text().splitlines():
+        entry = json.loads(line)
+        load_model(parts.model, str(directory / entry["file"]))
+        saved.append((entry, evaluate(parts)))
+    evals = torchft_history(started, initial, saved, per_round)
+    commits = near_end_commits(budget, per_round)
+    utilisation = {}
+    for i in range(m):
+        window = torchft_window(read_progress(job.progress_file(i)), commits)
+        utilisation[f"replica{i}"] = (
+            0.0
+            if window is None
+            else torchft_replica([job.progress_file(i)], *window)["utilisation"]
+        )
+    return {
+        "started": started,
+        "evals": evals,
+        "utilisation": utilisation,
+        "final_loss": evals[-1]["evalLoss"],
+        "commits": int(read_result(job, 0)["outer_steps"]),
+    }
+
+
+def plan_torchft(
+    args: Any, mixes: list[list[float]], budget: int
+) -> list[tuple[str, str, list[float], JobSpec]]:
+    """torchft's runs in order, once per repeat: equal speeds, then each mix; (name, key,
+    speeds, spec), the spec the one ours' K = M runs train (its quorum unused: K = M)."""
+    m = len(mixes[0])
+    out: list[tuple[str, str, list[float], JobSpec]] = []
+    for r in range(args.repeats):
+        tag = f" #{r + 1}" if args.repeats > 1 else ""
+        for speeds in [[1.0] * m, *mixes]:
+            label = "equal speeds" if speeds == [1.0] * m else ",".join(f"{f:g}" for f in speeds)
+            key = f"torchft {label}, K={m}"
+            spec = make_spec(args, islands=m, quorum=m, mode="fixed", tokens=budget)
+            out.append((key + tag, key, speeds, spec))
+    return out
 
 
 def time_to(evals: Sequence[dict[str, Any]], target: float, started: float) -> float | None:
@@ -190,7 +328,14 @@ def plan_runs(
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    p = base_parser(__doc__ or "", **TRAINING, inner_steps=20, eval_tokens=4096, timeout=900)
+    p = base_parser(
+        __doc__ or "",
+        **TRAINING,
+        inner_steps=20,
+        eval_tokens=4096,
+        timeout=900,
+        skip_torchft=False,
+    )
     p.add_argument("--mixes", nargs="+", default=["1,1,1,3", "1,1,2,4"], help="slowdowns")
     p.add_argument("--quorums", nargs="+", type=int, default=[4, 1], help="K of the mixes")
     p.add_argument("--rounds", type=int, default=10, help="equal-speed budget in rounds")
@@ -214,6 +359,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     budget = args.rounds * m * args.inner_steps * step_tokens
     extra = int(budget * EXTRA_BUDGET)
     runs = plan_runs(args, mixes, budget, extra)
+    why_not = torchft_unavailable(args)
+    if why_not:
+        print(f"torchft's runs left out: {why_not}", flush=True)
+    peer = Peer(runs=[] if why_not else plan_torchft(args, mixes, budget), why_not=why_not)
     results: dict[str, dict[str, Any]] = {}
     with LoadMonitor() as load, workdir(args.workdir, "hetero") as wd:
         for n, (name, _key, speeds, spec) in enumerate(runs):
@@ -224,7 +373,39 @@ def main(argv: Sequence[str] | None = None) -> int:
                 f"load {os.getloadavg()[0]:.1f}",
                 flush=True,
             )
-    return report(args, runs, results, budget, load)
+        rounds = math.ceil(EXTRA_BUDGET * args.rounds)
+        for n, (name, _key, speeds, spec) in enumerate(peer.runs):
+            print(f"{name}: {rounds} commits", flush=True)
+            try:
+                r = run_torchft(args, spec, speeds, wd / f"torchft-{n}", rounds, budget)
+            except (RuntimeError, TimeoutError) as err:
+                # Ours' runs, minutes of them, still get reported: the row is left out, named.
+                print(f"  -> failed, left out: {err!s:.300}", flush=True)
+                peer.failed.append(f"{name}: {(str(err).splitlines() or [type(err).__name__])[0]}")
+                continue
+            peer.results[name] = r
+            print(
+                f"  -> final {r['final_loss']:.4f} after {r['commits']} commits, utilisation "
+                + " ".join(f"{u:.3f}" for u in r["utilisation"].values()),
+                f"load {os.getloadavg()[0]:.1f}",
+                flush=True,
+            )
+        # What the report reads, kept with the run's files (--workdir keeps them).
+        (wd / "results.json").write_text(
+            json.dumps({"ours": results, "torchft": peer.results}, default=str)
+        )
+    return report(args, runs, results, budget, load, peer)
+
+
+@dataclass
+class Peer:
+    """torchft's runs (name, key, speeds, spec), their results by name, and why they were left
+    out (`why_not`) or which failed."""
+
+    runs: list[tuple[str, str, list[float], JobSpec]]
+    why_not: str | None = None
+    results: dict[str, dict[str, Any]] = field(default_factory=dict)
+    failed: list[str] = field(default_factory=list)
 
 
 def fast_utilisation(r: dict[str, Any], speeds: Sequence[float]) -> float:
@@ -252,6 +433,7 @@ def report(
     results: dict[str, dict[str, Any]],
     budget: int,
     load: LoadMonitor,
+    peer: Peer | None = None,
 ) -> int:
     equal_key, alone_key = runs[0][1], runs[1][1]
     baselines = [results[name] for name, key, _, _ in runs if key == equal_key]
@@ -320,14 +502,109 @@ def report(
     for key, rows in by_key.items():
         if " auto, " in key:
             add_targets(targets, key, rows, base_utils, alone_times, seed=args.seed)
+    peer = peer or Peer(runs=[], why_not="not run")
+    ours_times = {key: mean_reached([x["t"] for x in rows]) for key, rows in by_key.items()}
+    m = len(runs[0][2])
+    tables = [table, targets]
+    if peer.results:
+        tables.append(torchft_table(args, peer, target, budget, ours_times, m))
     rep = Report(
         "hetero",
         "Islands of different speeds (issue 47): rounds sized per island (stepsPerIsland auto) "
-        "against a fixed H, equal speeds and the fast islands alone.",
-        tables=[table, targets],
-        notes=NOTES,
+        "against a fixed H, equal speeds, the fast islands alone and torchft's DiLoCo.",
+        tables=tables,
+        notes=[
+            *NOTES,
+            f"torchft's runs left out: {peer.why_not}." if peer.why_not else TORCHFT_NOTE,
+            *(f"torchft run failed, its row left out: {f}" for f in peer.failed),
+        ],
     )
     return publish(rep, args, load)
+
+
+def torchft_table(
+    args: Any,
+    peer: Peer,
+    target: float,
+    budget: int,
+    ours_times: dict[str, float | None],
+    m: int,
+) -> Table:
+    """torchft's rows: each against its own equal-speed run (the mean of its repeats) and
+    against ours' runs of the same speeds (equal speeds K = M; a mix: auto at K = M)."""
+    commits = math.ceil(EXTRA_BUDGET * args.rounds)
+    table = Table(
+        f"torchft 0.2.0's DiLoCo on the same work (K = {m}, {commits} commits; target "
+        f"{target:.4f}, ours' equal-speed final loss)",
+        [
+            "run",
+            "time to target",
+            "vs torchft equal speeds",
+            "vs ours, same speeds",
+            f"loss at {budget} tokens",
+            "vs torchft equal speeds",
+            "vs ours' equal speeds (the target)",
+            "fast replicas' utilisation",
+            "vs torchft equal speeds",
+            "utilisation per replica",
+        ],
+    )
+    equal = [
+        peer.results[n] for n, key, speeds, _ in peer.runs if n in peer.results and max(speeds) == 1
+    ]
+    ref = (
+        {
+            "t": mean_reached([time_to(r["evals"], target, r["started"]) for r in equal]),
+            "loss": sum(loss_at(r["evals"], budget) for r in equal) / len(equal),
+            "util": sum(fast_utilisation(r, [1.0] * m) for r in equal) / len(equal),
+        }
+        if equal
+        else None
+    )
+    for name, _key, speeds, _ in peer.runs:
+        if name not in peer.results:
+            continue
+        label = ",".join(f"{f:g}" for f in speeds)
+        ours_key = f"equal speeds, K={m}" if max(speeds) == 1 else f"{label} auto, K={m}"
+        table.add(
+            name,
+            *torchft_cells(
+                peer.results[name], speeds, target, budget, ref, ours_times.get(ours_key)
+            ),
+        )
+    return table
+
+
+def torchft_cells(
+    r: dict[str, Any],
+    speeds: Sequence[float],
+    target: float,
+    budget: int,
+    ref: dict[str, Any] | None,
+    ours_time: float | None,
+) -> list[str]:
+    """One torchft run's cells: its time to `target` (from its start), over its equal-speed
+    runs' (`ref`: their mean time "t", loss at the budget "loss", fast utilisation "util") and
+    over ours' of the same speeds (`ours_time`); its loss at `budget` tokens over ref's and over
+    the target; its fast (factor 1) replicas' mean utilisation over ref's; every replica's."""
+    t = time_to(r["evals"], target, r["started"])
+    loss = loss_at(r["evals"], budget)
+    util = fast_utilisation(r, speeds)
+
+    def over(x: float | None, base: float | None) -> str:
+        return "n/a" if x is None or base is None else fmt_ratio(ratio(x, base))
+
+    return [
+        "not reached" if t is None else f"{t:.1f}s",
+        over(t, ref["t"] if ref else None),
+        over(t, ours_time),
+        f"{loss:.4f}",
+        "n/a" if ref is None else fmt_ratio(ratio(loss, ref["loss"]), 4),
+        fmt_ratio(ratio(loss, target), 4),
+        fmt_pct(util),
+        over(util, ref["util"] if ref else None),
+        " ".join(fmt_pct(u) for u in r["utilisation"].values()),
+    ]
 
 
 def add_targets(
@@ -407,6 +684,18 @@ NOTES = [
     "(bench/harness/merge_waits.py, from the learners' logs): whose rounds the others "
     "waited for.",
 ]
+
+TORCHFT_NOTE = (
+    "torchft 0.2.0's DiLoCo (fp32 ring all-reduce over gloo on the loopback, one fragment, "
+    "no sync delay, K = M: every sync waits for every replica group), the same preset, seed, "
+    "data shards, inner and outer optimizers, H and slowdowns (its workers sleep (factor - 1) x "
+    "their compute after each step, as DILOCO_SLOWDOWN), run after ours' for 1.5x the budget's "
+    "rounds, once per repeat. Its history: the global weights replica 0 saved after every "
+    "commit, evaluated afterwards, at commits x M x H x batch x seqLen tokens; time to target "
+    "from its lighthouse's start. Utilisation: a replica's compute seconds (the sleep included, "
+    "as in ours' step time) over the wall from its first commit to its commit at 80% of the "
+    "budget (ours' window: first merge to 80% merged)."
+)
 
 
 if __name__ == "__main__":
