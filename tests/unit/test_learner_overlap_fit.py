@@ -129,9 +129,9 @@ def test_overlap_fit_uses_the_slowest_recent_sync_and_the_spec_windows() -> None
     assert fitter.fit(0.45) == 0 and fitter.window(0) == (0, 0)
     fitter.observe(2.0)  # one slow merge: ceil((2.0 - 0.0675) / 0.45) = 5
     assert fitter.fit(0.45) == 5
-    for _ in range(11):
+    for _ in range(3):
         fitter.observe(0.1)
-    assert fitter.fit(0.45) == 5  # 2.0 is still among the last 12 (RECENT_SYNCS)
+    assert fitter.fit(0.45) == 5  # 2.0 is still among the last 4
     fitter.observe(0.1)
     assert fitter.fit(0.45) == 1  # ceil((0.1 - 0.0675) / 0.45)
     assert fitter.window(1) == (1, 1)
