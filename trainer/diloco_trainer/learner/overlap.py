@@ -127,11 +127,9 @@ def covered_latency(*, covers: str, latency: float | None, seconds: float) -> fl
     return latency if covers == "sync" else max(latency, seconds)
 
 
-# The latencies fit_overlap sees: the slowest of the learner's last few syncs (six rounds at
-# F = 2), so one quick merge does not undo a τ a slow one needed. Six rounds, not two (issue 45,
-# busy12): at K = M, L = 50% the syncs a learner waited for took 1.25-1.56x (median per run) the
-# slowest of its last 4, the link's bucket shared by four pulls swinging from round to round.
-RECENT_SYNCS = 12
+# The latencies fit_overlap sees: the slowest of the learner's last few syncs (two rounds at
+# F = 2), so one quick merge does not undo a τ a slow one needed.
+RECENT_SYNCS = 4
 
 
 class OverlapFit:
