@@ -9,6 +9,10 @@ handful of seeds estimates s poorly), the mean is judged within the target only 
 MISSED), and otherwise "not resolved": a target is never called met on a mean its own noise could
 carry past it.
 
+Issue 46's "within 1%" at three islands is also read one-sided, as damage (no_worse): met only
+when the interval's top, mean + w, is at most 1.01; an adversary whose runs end below the honest
+one's is not held to the lower side, which two-sided judging at 1% would do.
+
 Each seed has one baseline run, whose own noise is in every ratio of that seed; the adversary's
 ratio over the honest rerun's of the same seed (`paired`) cancels it and compares two runs that
 ended the same way (at the budget), one with the adversary and one without.
@@ -26,6 +30,10 @@ from bench.harness.common import Report, Table, fmt_ratio, verdict
 from bench.harness.decoupled_quality_report import interp
 
 TARGET = 0.02  # eval loss within 2% of the baseline's at equal honest tokens
+# Issue 46's done-when at three islands, "eval loss within 1%" of the honest run, read as damage:
+# the mean ratio at most 1% above 1. An adversary's run whose loss is lower than the honest one's
+# is not harm it did, so only the upper side is judged (no_worse).
+DAMAGE = 0.01
 # Student's t, two-sided 95%, by degrees of freedom (seeds - 1); beyond 10, 10's (conservative).
 T95 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262}
 T95_MORE = 2.228
@@ -115,6 +123,40 @@ def judge(s: Spread, target: float = TARGET) -> str:
     return "not resolved"
 
 
+def upper_bound(s: Spread) -> float:
+    """The top of the mean's 95% interval, mean + w. Read alone it is a one-sided bound at
+    97.5% (w takes the two-sided t), so no looser than a one-sided 95% one.
+
+    >>> round(upper_bound(Spread.of([0.97, 0.98, 0.99, 1.0, 1.01])), 6)  # 0.99 + 1.9629%
+    1.009629
+    """
+    return s.mean + s.half_width
+
+
+def no_worse(s: Spread, target: float = DAMAGE) -> str:
+    """The one-sided verdict: met when the whole interval lies at or below 1 + target (mean + w
+    <= 1 + target), MISSED when it lies above (mean - w > 1 + target), else not resolved. A mean
+    below 1 does not count against it, as it does in judge.
+
+    >>> s = Spread.of([0.97, 0.98, 0.99, 1.0, 1.01])  # w = 2.776 x 1.5811% / sqrt 5 = 1.9629%
+    >>> no_worse(s), judge(s, DAMAGE)  # 0.99 + 1.96% <= 1.01; two-sided 1% + 1.96% > 1%
+    ('met', 'not resolved')
+    >>> no_worse(Spread.of([0.99, 1.0, 1.01, 1.02, 1.03]))  # 1.01 + 1.96% > 1.01 > 1.01 - 1.96%
+    'not resolved'
+    >>> no_worse(Spread.of([1.02, 1.03, 1.04, 1.05, 1.06]))  # 1.04 - 1.96% = 1.0204 > 1.01
+    'MISSED'
+    >>> no_worse(Spread(1, 0.9, math.nan, 0.9, 0.9))
+    'not resolved'
+    """
+    if math.isnan(s.se):
+        return "not resolved"
+    if upper_bound(s) <= 1.0 + target:
+        return verdict(True)
+    if s.mean - s.half_width > 1.0 + target:
+        return verdict(False)
+    return "not resolved"
+
+
 def seeds_to_resolve(s: Spread, target: float = TARGET, most: int = 100) -> int | None:
     """The fewest seeds at which a mean this far from 1, with this spread, would be judged met
     (t(n - 1) x sd / sqrt(n) <= target - |mean - 1|); None when the mean itself is past the
@@ -181,6 +223,12 @@ def _based(outcomes: Sequence[Outcome], o: Outcome) -> bool:
 
 def _band(s: Spread) -> str:
     return f"{fmt_ratio(s.mean, 4)} ± {100 * s.half_width:.2f}%"
+
+
+def _damage(s: Spread, pair: Spread | None) -> str:
+    """no_worse's cell: the upper bound and verdict against the baseline / the honest rerun."""
+    cells = [f"{fmt_ratio(upper_bound(x), 4)} {no_worse(x)}" for x in (s, pair) if x is not None]
+    return " / ".join(cells + ["-"] * (2 - len(cells)))
 
 
 def per_run_table(outcomes: Sequence[Outcome]) -> tuple[Table, float]:
@@ -281,6 +329,8 @@ def mean_table(by: dict[str, Spread], pairs: dict[str, Spread]) -> Table:
             "over the honest rerun: mean ± 95%",
             "within 2% of the honest rerun",
             "seeds that would resolve it (this spread)",
+            f"no worse than {100 * DAMAGE:.0f}% (one-sided): upper bound of the 95% interval, "
+            "of the baseline / of the honest rerun",
         ],
     )
     control = by.get(CONTROL)
@@ -301,6 +351,7 @@ def mean_table(by: dict[str, Spread], pairs: dict[str, Spread]) -> Table:
             _band(pair) if pair else "-",
             judge(pair) if pair else "-",
             _needed(s, pair),
+            _damage(s, pair),
         )
     return table
 
@@ -341,7 +392,15 @@ def report(outcomes: Sequence[Outcome], args: argparse.Namespace) -> Report:
         f"{control}. Target, each mean within {100 * TARGET:.0f}% with its noise read: "
         f"{overall(verdicts)}. "
         + (f"Over the honest rerun of the same seed: {over}; {over_verdict}. " if pairs else "")
-        + f"Largest deviation of any single run from the baseline: {100 * worst:.2f}%."
+        + f"Largest deviation of any single run from the baseline: {100 * worst:.2f}%. "
+        + f"No worse than {100 * DAMAGE:.0f}% (one-sided, issue 46 at three islands): "
+        + ", ".join(f"{v} {no_worse(s)}" for v, s in attacks.items())
+        + (
+            f"; over the honest rerun: {', '.join(f'{v} {no_worse(s)}' for v, s in pairs.items())}"
+            if pairs
+            else ""
+        )
+        + "."
     )
     notes = [
         "Honest tokens: the honest islands' merged tokens at the finish (status islands."
@@ -354,5 +413,9 @@ def report(outcomes: Sequence[Outcome], args: argparse.Namespace) -> Report:
         "MISSED when |mean - 1| - w > 2%, else not resolved; w = t(seeds - 1) x sample sd / "
         "sqrt(seeds), the 95% interval's half-width (Student's t). "
         "Every ratio of a seed shares that seed's one baseline run, whose own noise is in them.",
+        f"No worse than {100 * DAMAGE:.0f}% (bench/harness/adversary_report.no_worse; issue 46's "
+        "'within 1%' at three islands read as damage): met when mean + w <= 1 + "
+        f"{DAMAGE:g}, MISSED when mean - w > 1 + {DAMAGE:g}, else not resolved; a mean below 1 "
+        "is not held against an adversary. mean + w alone is a one-sided bound at 97.5%.",
     ]
     return Report("bench/adversary.py", summary, [mean_table(by, paired(outcomes)), runs], notes)

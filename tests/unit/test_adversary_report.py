@@ -108,3 +108,37 @@ def test_a_guard_ended_run_names_its_kept_model_against_the_baseline_at_its_own_
     assert row[5] == "1.1667x" and row[-1].endswith("0.9722x the baseline at its 20 honest tokens")
     # A run that reached its budget: unchanged.
     assert ended_cell(outcomes, runs()[2]) == "budget"
+
+
+def test_no_worse_judges_only_the_side_an_adversary_can_hurt() -> None:
+    # Ratios 0.97 ... 1.01: mean 0.99, sd sqrt(0.001 / 4) = 1.5811%, se = 1.5811% / sqrt 5 =
+    # 0.70711%, w = t(4) 2.776 x 0.70711% = 1.9629%: upper bound 1.009629 <= 1.01, met; the
+    # two-sided reading at 1% is not (|0.99 - 1| + 1.96% > 1%).
+    better = adversary_report.Spread.of([0.97, 0.98, 0.99, 1.0, 1.01])
+    assert abs(adversary_report.upper_bound(better) - 1.0096293) < 1e-6
+    assert adversary_report.no_worse(better) == "met"
+    assert adversary_report.judge(better, 0.01) == "not resolved"
+    # The same spread about 1.01: 1.01 + 1.96% > 1.01 and 1.01 - 1.96% < 1.01: not resolved.
+    level = adversary_report.Spread.of([0.99, 1.0, 1.01, 1.02, 1.03])
+    assert adversary_report.no_worse(level) == "not resolved"
+    # About 1.04: 1.04 - 1.96% = 1.0204 > 1.01: MISSED.
+    worse = adversary_report.Spread.of([1.02, 1.03, 1.04, 1.05, 1.06])
+    assert adversary_report.no_worse(worse) == "MISSED"
+    # The target is a parameter: at 3%, 1.0204 <= 1.03 < 1.0596 (1.04 + 1.96%): not resolved.
+    assert adversary_report.no_worse(worse, 0.03) == "not resolved"
+
+
+def test_the_mean_table_and_summary_carry_the_one_sided_reading() -> None:
+    args = argparse.Namespace(preset="gpt-tiny", inner_steps=10, steps=200)
+    report = adversary_report.report(runs(), args)
+    means, _ = report.tables
+    flood = dict(zip(means.columns, means.rows[0], strict=True))
+    # flood: mean 1.0, w = 12.706 x 10% = 127.06%: upper 2.2706x. Over the rerun, 1.1 / 1.01 =
+    # 1.0891089 and 0.9 / 1.0: mean 0.9945545, se = half their difference 0.0945545, w = 12.706
+    # x se = 1.2014089: upper 2.1960x.
+    column = "no worse than 1% (one-sided): upper bound of the 95% interval, of the baseline / "
+    cell = flood[column + "of the honest rerun"]
+    assert cell == "2.2706x not resolved / 2.1960x not resolved"
+    assert "No worse than 1% (one-sided, issue 46 at three islands): flood not resolved" in (
+        report.summary
+    )
