@@ -49,7 +49,7 @@ from bench.harness.common import (
 )
 from bench.harness.flags import INNER_OPTIMIZER, TRAINING, inner_section
 from bench.harness.ours_harness import OursRun
-from bench.harness.torchft_harness import TorchftJob, read_result, start_job
+from bench.harness.torchft_harness import job_of_every_replica, read_result, start_job
 
 CODECS = ("none", "int8", "int4")
 
@@ -110,17 +110,7 @@ def run_ddp(spec: JobSpec, m: int, steps: int, wd: Path) -> dict[str, Any]:
 
 
 def run_torchft(spec: JobSpec, m: int, wd: Path) -> dict[str, Any]:
-    spec_file = wd / "spec.json"
-    wd.mkdir(parents=True, exist_ok=True)
-    spec_file.write_text(spec.to_json())
-    job = TorchftJob(
-        spec_file=spec_file,
-        workdir=wd,
-        num_replicas=m,
-        min_replicas=m,
-        outer_steps=spec.stop_after.outer_steps or 1,
-        timeout=300,
-    )
+    job = job_of_every_replica(spec, wd, m, outer_steps=spec.stop_after.outer_steps or 1)
     t0 = time.perf_counter()
     lighthouse, replicas = start_job(job)
     try:

@@ -54,7 +54,7 @@ from bench.harness.decoupled_quality_report import interp, loss_at_tokens, plot,
 from bench.harness.flags import INNER_OPTIMIZER, TRAINING, inner_section
 from bench.harness.ours_harness import OursRun
 from bench.harness.peer_training import read_progress
-from bench.harness.torchft_harness import TorchftJob, read_result, start_job
+from bench.harness.torchft_harness import job_of_every_replica, read_result, start_job
 
 SLOWDOWN = 3.0
 # A learner's log lines that tell its tokens processed: joining (0), its progress line every
@@ -204,20 +204,15 @@ def run_torchft(
     job runs under (bench/busy_link: a shaped network namespace). The result also holds the job
     (its progress files) and every replica's result file, for utilisation and bytes."""
     m = spec.islands.count
-    wd.mkdir(parents=True, exist_ok=True)
-    spec_file = wd / "spec.json"
-    spec_file.write_text(spec.to_json())
     rounds = args.steps // args.inner_steps
     run_rounds = math.ceil(args.past_budget * rounds) if extend else rounds
-    job = TorchftJob(
-        spec_file=spec_file,
-        workdir=wd,
-        num_replicas=m,
-        min_replicas=m,
+    job = job_of_every_replica(
+        spec,
+        wd,
+        m,
         outer_steps=run_rounds,
         slowdowns={m - 1: SLOWDOWN} if slow else {},
         sync_delay=sync_delay,
-        timeout=300,
         prefix=prefix,
     )
     t0 = time.time()

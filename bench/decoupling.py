@@ -50,7 +50,7 @@ from bench.harness.flags import TRAINING, WALL_CLOCK
 from bench.harness.measure import StatusSampler, ours_islands, torchft_replica
 from bench.harness.ours_harness import OursRun
 from bench.harness.peer_training import read_progress
-from bench.harness.torchft_harness import TorchftJob, start_job
+from bench.harness.torchft_harness import job_of_every_replica, start_job
 
 
 def make_spec(args: Any, quorum: int) -> JobSpec:
@@ -106,17 +106,7 @@ def eval_saved(spec: JobSpec, directory: Path, t: float) -> tuple[float, int]:
 def run_torchft(args: Any, slowdown: float, wd: Path) -> dict[str, Any]:
     m = args.islands
     spec = make_spec(args, quorum=m)
-    wd.mkdir(parents=True, exist_ok=True)
-    spec_file = wd / "spec.json"
-    spec_file.write_text(spec.to_json())
-    job = TorchftJob(
-        spec_file=spec_file,
-        workdir=wd,
-        num_replicas=m,
-        min_replicas=m,
-        slowdowns={m - 1: slowdown} if slowdown > 1 else {},
-        timeout=300,
-    )
+    job = job_of_every_replica(spec, wd, m, slowdowns={m - 1: slowdown} if slowdown > 1 else {})
     lighthouse, replicas = start_job(job, evaluate_replica=None, save_replica=0)
     try:
 

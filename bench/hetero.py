@@ -76,7 +76,7 @@ from bench.harness.measure import StatusSampler, ours_islands, torchft_replica
 from bench.harness.merge_waits import run_waits
 from bench.harness.ours_harness import OursRun
 from bench.harness.peer_training import read_progress
-from bench.harness.torchft_harness import TorchftJob, read_result, start_job
+from bench.harness.torchft_harness import job_of_every_replica, read_result, start_job
 
 # The mixed-speed runs' budget against the equal-speed run's: room to reach its final loss.
 EXTRA_BUDGET = 1.5
@@ -204,17 +204,8 @@ def run_torchft(
     from safetensors.torch import load_model
 
     m = len(speeds)
-    wd.mkdir(parents=True, exist_ok=True)
-    spec_file = wd / "spec.json"
-    spec_file.write_text(spec.to_json())
-    job = TorchftJob(
-        spec_file=spec_file,
-        workdir=wd,
-        num_replicas=m,
-        min_replicas=m,
-        outer_steps=rounds,
-        slowdowns={i: f for i, f in enumerate(speeds) if f > 1},
-        timeout=300,
+    job = job_of_every_replica(
+        spec, wd, m, outer_steps=rounds, slowdowns={i: f for i, f in enumerate(speeds) if f > 1}
     )
     started = time.time()
     lighthouse, replicas = start_job(job, evaluate_replica=None, save_replica=0)

@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from diloco_trainer.api.spec import JobSpec
 from diloco_trainer.local import Proc, free_port
 
 from bench.harness.common import poll_until, start_module
@@ -147,6 +148,35 @@ def start_replica(
         env={"RUST_LOG": "warn", "OMP_NUM_THREADS": "1"},
         log_file=job.workdir / f"torchft-replica{replica}.{incarnation}.log",
         prefix=job.prefix,
+    )
+
+
+def job_of_every_replica(
+    spec: JobSpec,
+    workdir: Path,
+    replicas: int,
+    *,
+    outer_steps: int = 0,
+    slowdowns: dict[int, float] | None = None,
+    sync_delay: int = 0,
+    timeout: float = 300.0,
+    prefix: Sequence[str] = (),
+) -> TorchftJob:
+    """A torchft run whose every sync needs all `replicas` (K = M, as the benchmarks compare it),
+    its job spec written where the replicas read it (workdir/spec.json)."""
+    workdir.mkdir(parents=True, exist_ok=True)
+    spec_file = workdir / "spec.json"
+    spec_file.write_text(spec.to_json())
+    return TorchftJob(
+        spec_file=spec_file,
+        workdir=workdir,
+        num_replicas=replicas,
+        min_replicas=replicas,
+        outer_steps=outer_steps,
+        slowdowns=slowdowns or {},
+        sync_delay=sync_delay,
+        timeout=timeout,
+        prefix=prefix,
     )
 
 
