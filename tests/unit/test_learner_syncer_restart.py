@@ -24,7 +24,7 @@ from diloco_trainer.learner.fragment_state import MergedSteps
 from diloco_trainer.learner.fragment_sync import FragmentSync
 from diloco_trainer.learner.step_plan import plan_step
 from diloco_trainer.learner.syncer_link import PushLost, SyncResult
-from diloco_trainer.learner.syncer_restart import resend_version, sync_outcome
+from diloco_trainer.learner.syncer_restart import AfterRestart, resend_version, sync_outcome
 from torch import nn
 
 from .test_learner_fragment_sync import FakeLink, make_spec, make_sync, step
@@ -122,7 +122,7 @@ def test_a_lost_push_on_a_version_the_syncer_lost_is_counted_on_its_version() ->
     # pushed again on version 0 with every step since the base: Δ = 1 − 6 = −5, steps 5..9.
     assert pushed(link) == [(0, 4, -4.0), (1, 4, -4.0), (0, 5, -5.0)]
     # The restart took back the merge of push 0: its 4 steps are trained again before the drain.
-    assert sync.lost_steps == [4] and sync.lost_work == 4.0
+    assert sync.restart.lost == [4] and sync.lost_work == 4.0
 
 
 def test_a_push_refused_by_a_syncer_not_behind_its_base_is_received_then_pushed_again() -> None:
@@ -142,7 +142,7 @@ def test_a_push_refused_by_a_syncer_not_behind_its_base_is_received_then_pushed_
     assert pushed(link) == [(0, 4, -4.0), (0, 2, -2.0), (1, 2, -2.0)]
     assert sync.fragments[0].version == 1
     # The refused push's 4 steps were lost with it.
-    assert sync.lost_steps == [4]
+    assert sync.restart.lost == [4]
 
 
 def test_a_fragment_whose_merges_the_syncer_lost_is_made_up_for_its_next_sync_point() -> None:
@@ -150,7 +150,7 @@ def test_a_fragment_whose_merges_the_syncer_lost_is_made_up_for_its_next_sync_po
     for _ in range(10):
         step(sync, w)  # merges of the pushes at 4 (v1) and 8 (v2) taken at 6 and 10: w = 4
     assert sync.fragments[0].version == 2 and not sync.inflight
-    sync.restart_seen = True  # e.g. another fragment's push came back lost
+    sync.restart.seen = True  # e.g. another fragment's push came back lost
     link.restored = [1]  # the syncer resumed at version 1
     step(sync, w)  # step 11: made up at once on version 1: Δ = 2 − 5 over steps 9..11
     assert pushed(link)[2] == (1, 3, -3.0)
@@ -161,7 +161,7 @@ def test_a_fragment_whose_merges_the_syncer_lost_is_made_up_for_its_next_sync_po
     for _ in range(3):
         step(sync, w)  # step 16: Δ = 2.75 − 7.75 over steps 12..16
     assert pushed(link)[3] == (3, 5, -5.0)
-    assert sync.lost_steps == [4]  # the merge of push 1 (4 steps) was taken back
+    assert sync.restart.lost == [4]  # the merge of push 1 (4 steps) was taken back
 
 
 def test_merged_steps_rolled_back_counts_the_steps_of_the_merges_taken_back() -> None:
@@ -213,8 +213,8 @@ def test_a_push_refused_as_ahead_of_a_syncer_behind_its_base_is_pushed_again_at_
     assert pushed(link)[3] == (1, 3, -3.0)
     # Counted once: the restart took back the merge of push 0 (4 steps); the refused push's 4
     # steps went into the push made again (merged: 5 steps), so they are not lost.
-    assert sync.lost_steps == [4] and sync.lost_work == 4.0
-    assert sync.merged_steps[0].total == 5
+    assert sync.restart.lost == [4] and sync.lost_work == 4.0
+    assert sync.restart.merged[0].total == 5
 
 
 def test_which_syncs_a_syncer_restart_has_pushed_again_at_once_and_on_which_version() -> None:
@@ -253,3 +253,45 @@ def test_a_sync_outcome_is_read_without_waiting() -> None:
     done: concurrent.futures.Future[Any] = concurrent.futures.Future()
     done.set_result("result")
     assert sync_outcome(done) == "result"
+
+
+def test_after_restart_counts_merges_and_what_restarts_took_back() -> None:
+    def result(version: int, outcome: str, *, restarted: bool = False) -> SyncResult:
+        pulled = PulledFragment(
+            fragment=0, version=version, outer_step=version, finished=False, tensors={}
+        )
+        return SyncResult(pulled=pulled, outcome=outcome, seconds=0.0, restarted=restarted)
+
+    restart = AfterRestart()
+    # Before the join nothing is counted (a restart's roll-back has nothing to take).
+    restart.count_merged(0, result(1, "merged"), held=0, carried=4, round_steps=4)
+    restart.roll_back(0, 1, 0, round_steps=4)
+    assert restart.merged == [] and restart.lost_work(1.0) == 0.0
+    restart.joined([2, 2])  # two fragments, both at version 2
+    assert restart.lost == [0, 0]
+    restart.count_merged(0, result(3, "merged"), held=2, carried=4, round_steps=4)
+    restart.count_merged(0, result(4, "merged"), held=3, carried=5, round_steps=4)
+    restart.count_merged(1, result(3, "merged"), held=2, carried=4, round_steps=4)
+    assert [m.total for m in restart.merged] == [9, 4]
+    # Fragment 0's push on base 4 (6 steps) refused by a syncer restarted at version 3: the
+    # merge of version 4 (5 steps) and the refused push's 6 steps are lost; nothing to push
+    # again until the receipt says so (refused).
+    restart.count_merged(
+        0, result(3, "push refused (ahead)", restarted=True), held=4, carried=6, round_steps=4
+    )
+    assert restart.lost == [11, 0] and restart.merged[0].total == 4
+    restart.refused(0)
+    assert restart.seen and restart.push_again == {0}
+    # Fragment 1 rolled back from version 3 to 1: its 4 merged steps since the join (version
+    # 2) and a round of 4 steps for version 2 itself, before the join.
+    restart.roll_back(1, 3, 1, round_steps=4)
+    assert restart.lost == [11, 8]
+    # The work lost is the fragment that lost the most, at the work per step given.
+    assert restart.lost_work(0.5) == 5.5
+    # An outcome neither merged nor restarted (a refused push of a syncer that forgot the
+    # island) counts nothing.
+    restart.count_merged(1, result(1, "push refused"), held=1, carried=3, round_steps=4)
+    assert restart.lost == [11, 8] and restart.merged[1].total == 0
+    # Receipts taken early are handed over once.
+    restart.early[1] = {"w": torch.zeros(1)}
+    assert set(restart.take_early()) == {1} and restart.take_early() == {}

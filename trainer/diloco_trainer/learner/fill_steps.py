@@ -37,6 +37,7 @@ from diloco_trainer.learner.step_plan import (
     merge_period,
     steps_to_due,
 )
+from diloco_trainer.learner.syncer_restart import AfterRestart
 
 log = logging.getLogger("diloco.learner")
 
@@ -61,7 +62,7 @@ class Waiting(Protocol):
     @property
     def phase_pending(self) -> int: ...
     @property
-    def push_again(self) -> set[int]: ...
+    def restart(self) -> AfterRestart: ...
     @property
     def link(self) -> StopTarget: ...
     @property
@@ -177,7 +178,7 @@ class FillSteps:
         if (
             not (sync.blocking and self.lock_step)
             or sync.phase_pending
-            or sync.push_again
+            or sync.restart.push_again
             or sync.link.stop_at is not None
             or f not in sync.inflight
             or any(fl.again for fl in sync.inflight.values())

@@ -33,7 +33,6 @@ from diloco_trainer.learner.fill_steps import FillSteps
 from diloco_trainer.learner.fragment_state import (
     FragmentState,
     InFlight,
-    MergedSteps,
     at_step_cap,
     checked_fragment,
     storage_bytes,
@@ -53,7 +52,12 @@ from diloco_trainer.learner.step_plan import (
     wait_budget,
 )
 from diloco_trainer.learner.syncer_link import WAIT_SLICE_SECONDS, SyncerLink, SyncResult
-from diloco_trainer.learner.syncer_restart import resend_note, resend_version, sync_outcome
+from diloco_trainer.learner.syncer_restart import (
+    AfterRestart,
+    resend_note,
+    resend_version,
+    sync_outcome,
+)
 
 # The learner's logger: these lines are part of its log.
 log = logging.getLogger("diloco.learner")
@@ -81,21 +85,8 @@ class FragmentSync:
         self.last_push: dict[int, float] = {}  # time.monotonic() of each fragment's latest push
         self.inflight: dict[int, InFlight] = {}
         self.arrived: dict[int, SyncResult] = {}
-        # Fragments whose push a restarted syncer refused (SyncResult.restarted) but is not
-        # behind the base of (resend_lost takes those), received from it: pushed again as soon
-        # as their receipt is installed (after_step), unless a push came first (the drain's).
-        self.push_again: set[int] = set()
-        # Set when a sync shows that the syncer restarted (a lost push, a push refused as
-        # ahead): the next after_step makes up the merges it lost (_make_up).
-        self.restart_seen = False
-        # Receipts of pushes made again, taken at the fragment's sync point (_plan) for after_step.
-        self.early: dict[int, Weights] = {}
-        # Fragments made up after a restart (_make_up): their next sync point's push is made.
-        self.skip_once: set[int] = set()
-        # Per fragment: this island's steps merged into it (drain.py's share counts steps),
-        # and those a syncer restart took back (lost_work).
-        self.merged_steps: list[MergedSteps] = []
-        self.lost_steps: list[int] = []
+        # A syncer restart's pushes to make again and its count of merged steps taken back.
+        self.restart = AfterRestart()
         self.round_times: list[float] = []
         self.error_feedback = compress.ErrorFeedback() if spec.sync.error_feedback else None
         self.step_time = 0.0  # EMA of the inner step time, kept by the loop
@@ -256,8 +247,7 @@ class FragmentSync:
         """The global weights of every fragment fetched on joining (they overwrite the local
         ones, whatever sync.mixAlpha says)."""
         out = {}
-        self.merged_steps = [MergedSteps(r.pulled.version) for _, r in sorted(self.arrived.items())]
-        self.lost_steps = [0] * len(self.merged_steps)
+        self.restart.joined([r.pulled.version for _, r in sorted(self.arrived.items())])
         for f, result in sorted(self.arrived.items()):
             merged = checked_fragment(
                 f, result.pulled.tensors, self.params, self.fragments[f].names
@@ -308,7 +298,7 @@ class FragmentSync:
                 self.position = pos
                 plans.append(self._plan(pos))
             self._adopt_round()
-        out, self.early = self.early, {}
+        out = self.restart.take_early()
         for plan in plans:
             for f in self._collect_plan(plan):
                 target = self.receive(f)
@@ -324,14 +314,15 @@ class FragmentSync:
         return out
 
     def _push_again(self, out: dict[int, Weights]) -> None:
-        """Push each fragment in push_again now, from the restarted syncer's fragment just
+        """Push each fragment in restart.push_again now, from the restarted syncer's fragment just
         received (installed on rank 0 first: the push reads the parameters; `out` still hands
         it to every rank): the steps since the refused push, into the syncer's open round
         beside its peers' pushes of that sync point (docs/algorithm.md, "A syncer restart")."""
-        if not self.push_again:
+        again = self.restart.push_again
+        if not again:
             return
-        self.install({f: out[f] for f in self.push_again if f in out})
-        for f in sorted(self.push_again):
+        self.install({f: out[f] for f in again if f in out})
+        for f in sorted(again):
             if f in self.inflight:
                 continue  # pushed already (the push cleared it) or a resent one in flight
             if not self.fragments[f].counters.steps:
@@ -341,14 +332,14 @@ class FragmentSync:
             self.push(f, self.position, self.overlap_fit.window(tau), again=True)
 
     def _make_up(self) -> None:
-        """After a syncer restart (restart_seen): each fragment with no push in flight whose
+        """After a syncer restart (restart.seen): each fragment with no push in flight whose
         base is a version the restarted syncer lost is pushed now, its base counted as the
         syncer's version (the Δ a pull keeping the steps since the base would give), and that
-        push stands for its next sync point (skip_once): a peer that pushed that sync point
+        push stands for its next sync point (restart.skip_once): a peer that pushed that sync point
         before the restart pushes it again (docs/algorithm.md, "A syncer restart", rule 3)."""
-        if not self.restart_seen:
+        if not self.restart.seen:
             return
-        self.restart_seen = False
+        self.restart.seen = False
         future = self.link.submit(self.link.versions(len(self.fragments)))
         budget = wait_budget(self.round_times, self.spec.sync.heartbeat_timeout_seconds)
         if not self.wait(future, budget) or future.exception() is not None:
@@ -366,11 +357,10 @@ class FragmentSync:
                 version,
                 state.version,
             )
-            if self.merged_steps:
-                self._lost(f, state.version, version)
+            self.restart.roll_back(f, state.version, version, round_steps=self.round_steps)
             state.version = version
             self.push(f, self.position, self.overlap_fit.window(tau), rebased=True)
-            self.skip_once.add(f)
+            self.restart.skip_once.add(f)
 
     def _adopt_round(self) -> None:
         """At a round boundary, go on with the round the syncer named for this island (its H_i,
@@ -460,9 +450,9 @@ class FragmentSync:
             deadline=window[1],
             poll_from=window[0],
             windows={f: fl.window for f, fl in self.inflight.items()},
-            skip_once=frozenset(self.skip_once),
+            skip_once=frozenset(self.restart.skip_once),
         )
-        self.skip_once -= set(plan.skip)
+        self.restart.skip_once -= set(plan.skip)
         for f in plan.push:
             self.overlap_fit.pushed(tau, clock, position)
             self.push(f, position, window)
@@ -486,7 +476,7 @@ class FragmentSync:
             target = self.receive(f)
             if self.shards is None:
                 self.install({f: target})  # the push below reads the parameters
-                self.early[f] = target
+                self.restart.early[f] = target
 
     def _eager_jump(self, f: int) -> None:
         """sync.lateMergeRule eager, after a push overlapped with τ > 0 steps: move fragment f to
@@ -594,7 +584,7 @@ class FragmentSync:
             codec=codec,
             sync_time=state.last_sync_seconds,
         )
-        self.push_again.discard(f)
+        self.restart.push_again.discard(f)
         self.fill.pushed(f)
         old = self.inflight.get(f)
         previous = self.last_push.get(f)
@@ -686,7 +676,7 @@ class FragmentSync:
             version = resend_version(outcome, state.version)
             if version is None:
                 continue
-            self.restart_seen = True
+            self.restart.seen = True
             log.warning("step %d: fragment %d: %s", self.position, f, resend_note(outcome, version))
             if isinstance(outcome, SyncResult):  # refused: its residual's push is gone
                 if self.error_feedback is not None:
@@ -697,8 +687,7 @@ class FragmentSync:
             # the push is taken, not refused as ahead; the merges it lost are lost work.
             rebased = version < state.version
             if rebased:
-                if self.merged_steps:
-                    self._lost(f, state.version, version)
+                self.restart.roll_back(f, state.version, version, round_steps=self.round_steps)
                 state.version = version
             self.push(f, flight.step, flight.window, again=True, rebased=rebased)
 
@@ -732,10 +721,15 @@ class FragmentSync:
                 seconds=result.seconds,
             )
         )
-        self._count_merged(f, result, held, carried.steps if carried is not None else 0)
+        self.restart.count_merged(
+            f,
+            result,
+            held=held,
+            carried=carried.steps if carried is not None else 0,
+            round_steps=self.round_steps,
+        )
         if result.restarted:
-            self.push_again.add(f)
-            self.restart_seen = True
+            self.restart.refused(f)
         else:
             # A sync that rode out a syncer restart took the outage's time: kept, it would
             # raise the wait budget (3x the recent times) for the next rounds.
@@ -759,30 +753,13 @@ class FragmentSync:
         self._align(f, result.lateness, within=result.lateness_within)
         return target
 
-    def _count_merged(self, f: int, result: SyncResult, held: int, carried: int) -> None:
-        """Keep the count of this island's steps merged into fragment f (MergedSteps) after a
-        receipt of `result` (the base was version `held`, the push carried `carried` steps):
-        a merge adds them; a restarted syncer's fragment takes back the merges it lost, and
-        the refused push's steps are lost too (its receipt keeps only the steps since)."""
-        if not self.merged_steps:
-            return
-        if result.outcome == "merged":
-            self.merged_steps[f].merged(result.pulled.version, carried)
-        elif result.restarted:
-            self._lost(f, held, result.pulled.version, carried)
-
-    def _lost(self, f: int, held: int, version: int, carried: int = 0) -> None:
-        """Fragment f went back from version `held` to the restarted syncer's `version`."""
-        back = self.merged_steps[f].rolled_back(version, held=held, round_steps=self.round_steps)
-        self.lost_steps[f] += back + carried
-
     @property
     def lost_work(self) -> float:
         """This island's work (in round_work's units) that syncer restarts took back from
         the fragment that lost the most: at K = M the drain's share counts round_work, and the
         job's outer step is its least merged fragment's, so the island trains that much more
         before it drains (loop.py; MergedSteps says why)."""
-        return max(self.lost_steps, default=0) * self.spec.inner.steps / self.round_steps
+        return self.restart.lost_work(self.spec.inner.steps / self.round_steps)
 
     def _alpha(self) -> float:
         return self.spec.sync.mix_alpha
