@@ -539,7 +539,9 @@ def test_the_check_is_the_plain_mean_of_ten_steps_past_the_second_probe_reported
 def test_a_probes_cut_goes_back_at_its_check_only_when_it_reads_beyond_the_band_and_outgrown() -> (
     None
 ):
-    # probe11: cut to 14 of 30 on a probe of 2.0x (anchor 2.0); the check reads 1.0x: target 30,
+    # (no round cut recorded here, a restarted syncer's: the band of the cut round and outgrown
+    # alone decide) probe11: cut to 14 of 30 on a probe of 2.0x (anchor 2.0); the check reads
+    # 1.0x: target 30,
     # beyond 14's band (up to max(15, 19.6)) and outgrown (1.0 x 1.4 <= 2.0): back to 30 as
     # two readings, one up left pending, no cooldown started
     cut = IslandRound(14, -1, 3, fresh=False, anchor=2.0)
@@ -556,6 +558,38 @@ def test_a_probes_cut_goes_back_at_its_check_only_when_it_reads_beyond_the_band_
     assert check_restores(cut, 22, ratio=1.35)
     # within the band (target 19 <= 19.6): no move
     assert not check_restores(cut, 19, ratio=1.0)
+
+
+def test_a_probes_cut_goes_back_at_its_check_when_it_reads_within_the_band_of_the_round_cut() -> (
+    None
+):
+    # probe13, busy12's main run (K = M, L = 50%): an identical island cut 30 -> 17 on a second
+    # probe of 1.508x (anchor 1.508); its check read 1.212x: target floor(30 / 1.212) =
+    # floor(24.75) = 24, beyond 17's band (up to max(18, 23.8)) but not outgrown (1.212 x 1.4 =
+    # 1.697 > 1.508), so on main it stayed cut; 24 is within 30's band (down to min(29, 30 /
+    # 1.4 - 1) = 20.43): it restores, back to 30
+    cut = IslandRound(17, -1, 3, fresh=False, anchor=1.508, check_at=14, cut_from=30)
+    assert not outgrown(1.508, 1.212)
+    assert check_restores(cut, 24, ratio=1.212)
+    assert check_round(cut, 24) == 30
+    # the same without the round cut recorded: outgrown alone, not restored
+    no_record = IslandRound(17, -1, 3, fresh=False, anchor=1.508, check_at=14)
+    assert not check_restores(no_record, 24, ratio=1.212)
+    # within the cut round's own band as well (K = 1: cut to 20, band up to max(21, 28); a check
+    # of 1.125x, target floor(26.67) = 26, not outgrown of 1.5: 1.575 > 1.5): back to 30
+    k1 = IslandRound(20, 0, 0, fresh=False, anchor=1.5, check_at=14, cut_from=30)
+    assert check_restores(k1, 26, ratio=1.125)
+    # the edge of 30's band: target 21 (t_i / t_ref <= 30 / 21 = 1.43) restores; a check of
+    # 1.4375x, target floor(20.87) = 20, is below it and not outgrown (2.01 > 1.508): stays cut
+    assert check_restores(cut, 21, ratio=1.42)
+    assert not check_restores(cut, 20, ratio=1.4375)
+    # a 3x island cut 30 -> 15 on a 2x probe reads 3x at its check: target 10, stays cut; were
+    # it to read 1.43x, the band's edge and outgrown of 2.0 (2.0 / 1.4) agree: target 20 no,
+    # 21 yes
+    slow = IslandRound(15, -1, 3, fresh=False, anchor=2.0, check_at=14, cut_from=30)
+    assert not check_restores(slow, 10, ratio=3.0)
+    assert not check_restores(slow, 20, ratio=1.45)
+    assert check_restores(slow, 21, ratio=1.42)
 
 
 def test_a_check_that_restores_goes_back_to_the_round_cut_when_within_its_band() -> None:

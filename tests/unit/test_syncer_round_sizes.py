@@ -331,6 +331,55 @@ def test_a_second_probes_cut_goes_back_at_its_check_at_any_quorum() -> None:
     }
 
 
+def test_an_identical_island_cut_at_1_5x_goes_back_at_a_check_within_hs_band() -> None:
+    """probe13 (issue 45), busy12's main run in binary fractions: identical islands at H = 30
+    (floor 4); island-3's steps 2-5 at 0.375 s (1.5x: its peers' start-up), then 0.28125 s
+    (1.125x, within the band of H). Its probe (0.375 s at 1.75 s, t_ref 0.25): target floor(30 /
+    1.5) = 20, not half the round: one reading pending, second probe due at reported step 4.
+    Its second probe (0.375 s at 2.5 s): target 20 again, two in a row: cut at step 5, to 20 at
+    K = 1 and to the sized floor(20 x 0.9) = 18 at K = M, anchor 1.5; check due at reported
+    step 14. Its check (steps 6-15, 0.28125 s, at 2.5 + 2.8125 = 5.3125 s, before a regular
+    reading, 2.5 + 7.5 = 10 s after the second probe's): ratio 1.125, target
+    floor(26.67) = 26, within 20's band (up to 28) at K = 1, beyond 18's (up to 25.2) at K = M
+    but not outgrown (1.125 x 1.4 = 1.575 > 1.5): on main both stayed cut, and every later
+    reading (target 26) too. 26 is within 30's band (down to 20.43): back to 30 at step 15
+    (check_restores). Later readings (1.125-1.2x: target 25-26) keep 30."""
+    fast = [WARM] + [FAST] * 160
+    joined = [WARM] + [1.5 * FAST] * 4 + [0.28125] * 120
+    assert _steps_to_rounds(4, 30, [fast, fast, fast, joined]) == {
+        0: [],
+        1: [],
+        2: [],
+        3: [(5, 20), (15, 30)],
+    }
+    assert _steps_to_rounds(4, 30, [fast, fast, fast, joined], quorum=4) == {
+        0: [],
+        1: [],
+        2: [],
+        3: [(5, 18), (15, 30)],
+    }
+
+
+def test_an_island_cut_at_1_5x_that_runs_1_5x_stays_cut_at_its_check() -> None:
+    """As above, but island-3 runs 1.5x throughout (0.375 s): its check reads 1.5x, target 20,
+    below 30's band (20.43): no move up; a regular reading within 20's band (K = 1) and 18's
+    (K = M: its sized floor(20 x 0.9) = 18 is not below 18, not late): it stays cut."""
+    fast = [WARM] + [FAST] * 160
+    slow = [WARM] + [1.5 * FAST] * 120
+    assert _steps_to_rounds(4, 30, [fast, fast, fast, slow]) == {
+        0: [],
+        1: [],
+        2: [],
+        3: [(5, 20)],
+    }
+    assert _steps_to_rounds(4, 30, [fast, fast, fast, slow], quorum=4) == {
+        0: [],
+        1: [],
+        2: [],
+        3: [(5, 18)],
+    }
+
+
 def test_a_slow_island_cut_by_its_probe_stays_cut_at_its_check() -> None:
     """1,1,1,3 at H = 40 (floor 5): island-3 at 0.75 s, its steps 2-5 under-read by the join
     (0.5 s, 2x). Its probe (0.5 s at 2 s): target floor(40 x 0.25 / 0.5) = 20 <= 20, cut to 20

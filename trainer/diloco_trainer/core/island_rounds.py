@@ -103,12 +103,15 @@ cut made every fast island wait for its long rounds.
 A probe's cut starts no cooldown and leaves a reading in its direction pending (next_round):
 two steps may under-read a slow island, and its first regular reading may cut it further
 alone. It is checked at once against the mean of the CHECK_STEPS steps past the second probe
-(check_restores, IslandRound.check_at): one that reads the island beyond the band the other way
-sends it back (to the round cut, when within its band: check_round), since the regular readings
-come at heartbeats, 5 s apart by default, and an identical island cut on two start-up probes
-kept 14 of 30 for an 8 s job. Its learner, still within its first round, adopts the new H_i at
-once (learner/step_plan.adopt_round: in place below it, else its next step ends the round), so a
-3x slower island's first round is about H/3 steps too, not H.
+(check_restores, IslandRound.check_at): one that reads the island within the band of the round
+cut sends it back there (check_round), whatever the probe read, and one beyond the cut round's
+band the other way and outgrown of the probe's reading sends it to its own target, since the
+regular readings come at heartbeats, 5 s apart by default, and an identical island cut on two
+start-up probes kept 14 of 30 for an 8 s job (and one cut on 1.5x probes, checked at 1.2x, not
+outgrown, kept 17 of 30 to its step 204: bench/busy_link, busy12's main runs). Its learner,
+still within its first round, adopts the new H_i at once (learner/step_plan.adopt_round: in
+place below it, else its next step ends the round), so a 3x slower island's first round is
+about H/3 steps too, not H.
 At K = M a move to a shorter round needs no cooldown and starts none, and a round's first move
 by a reading (its second probe's, or its regular readings') leaves one reading pending as a
 probe's does (eager_down): under the join's load both probes can read a 3x island under 2x, and
@@ -161,11 +164,12 @@ REPORT_EMA = 0.1
 PROBE_MOVE_SHARE = 0.5
 # A probe's cut is checked once its learner has stepped this many more steps past its second
 # probe: their plain mean, reported at once (StepTimeReport), read at once by the syncer
-# (IslandRound.check_at), and when it reads the island beyond the band of the cut round the
-# other way, and outgrown of the probe's reading, the round goes back at once (next_round's
-# `confirmed`). Ten steps clear of the start-up against the probe's two (issue 47, probe11:
-# an identical island whose probe and second probe both ran beside its peers' start-up read
-# 2.0x, was cut to 14 of 30, and at heartbeats 5 s apart got one regular reading in an 8 s job).
+# (IslandRound.check_at), and when it reads the island within the band of the round cut, or
+# beyond the cut round's band the other way and outgrown of the probe's reading, the round goes
+# back at once (check_restores, next_round's `confirmed`). Ten steps clear of the start-up
+# against the probe's two (issue 47, probe11: an identical island whose probe and second probe
+# both ran beside its peers' start-up read 2.0x, was cut to 14 of 30, and at heartbeats 5 s
+# apart got one regular reading in an 8 s job).
 CHECK_STEPS = 10
 # A fresh island's first reports are judged only against peers' step times that reflect the load
 # since it joined (aged_past_join): a peer's report counts once it has taken this many steps
@@ -461,19 +465,38 @@ def outgrown(anchor: float | None, ratio: float | None) -> bool:
 def check_restores(current: IslandRound, target: int, *, ratio: float | None) -> bool:
     """Whether a probe's cut goes back at its check (the learner's mean of CHECK_STEPS steps
     past its second probe, read at once: IslandRound.check_at), counted as the two readings a
-    change needs (next_round's `confirmed`): its `target` is beyond the band of the cut round
-    upward (in_band) and its `ratio` (t_i / t_ref) has outgrown the reading that set it
-    (outgrown). Else the check is a regular reading.
+    change needs (next_round's `confirmed`): its `target` is within the band of the round the
+    cut replaced (`current.cut_from`, in_band: the check reads the island as that round assumed,
+    whatever the probe read), or beyond the band of the cut round upward with its `ratio` (t_i /
+    t_ref) outgrown of the reading that set it (outgrown; a cut with no round recorded, a
+    restarted syncer's). Else the check is a regular reading.
 
     Why (issue 47, probe11): a probe and a second probe are two steps each, and an island that
     joins beside its peers' start-up runs both under it; the regular readings that were to send
     such a cut back come at heartbeats, 5 s apart by default, where gpt-tiny's reference round
     is 0.3-0.8 s: in bench/busy_link (seed 1, K = M, 240 steps) an identical island read 2.0x
     at both probes, was cut to 14 of 30 and kept it for the job (one regular reading in 8 s;
-    utilisation 0.855 against 0.938). Ten steps clear of the start-up read it at 1x. A slow
-    island's check reads it slow (a 3x island cut on a 2x probe must read under 1.43x, beyond
-    outgrown's band of 2x, to go back), so it stays cut, and a move up still leaves moves
-    down to two readings (and at K = M a round back at the ceiling has the band)."""
+    utilisation 0.855 against 0.938). Ten steps clear of the start-up read it at 1x.
+
+    Why the band of the round cut and not only outgrown (issue 45, probe13): outgrown asks the
+    check to read 1.4x faster than the probe, which a probe that cut at 1.4-2x does not leave
+    room for under load. In busy12's main runs (bench/busy_link, K = M, L = 50%, load 4-6) an
+    identical island-3 read 1.51x at its probe and 1.51x at its second probe (cut 30 -> 17,
+    the sized floor(19.9 x 0.9), anchor 1.508), and 1.21x at its check (target floor(30 /
+    1.212) = 24, beyond 17's band, up to 23.8, but 1.21 x 1.4 = 1.70 > 1.508: not outgrown);
+    its learner's 20-step windows then read 0.96-1.46x its peers' (median 1.12x), no later
+    reading moved it (a move up needed <= 1.077x), and it ran 17 of 30 until its step 204, the
+    job's last second (utilisation 0.819, the run's other seed 0.900). A check within 30's band
+    (target >= 21 at H = 30: t_i / t_ref <= 30 / 21 = 1.43) reads the island as fast as an
+    island at H may be and keep H, so the cut was the start-up's: back to it (check_round). A
+    slow island's check reads it slow: a 3x island cut on a 2x probe reads about 3x (target
+    10), and even a 1.45x check (target 20) is below 30's band, so it stays cut (where the
+    band's 1.43x equals outgrown of a 2.0x probe, nothing changes: only cuts at probes under 2x
+    gain). A move up still leaves a move down to two readings (and at K = M a round back at
+    the ceiling has the band)."""
+    before = current.cut_from
+    if before is not None and before > current.steps and in_band(before, target):
+        return True
     return (
         target > current.steps
         and not in_band(current.steps, target)

@@ -56,20 +56,22 @@ def checked_round(
     """The round after the check of a probe's cut: CHECK_STEPS steps clear of the start-up, read
     at once (core/island_rounds.check_restores). A check that restores goes back as two readings
     with no cooldown (the cut it undoes rested on start-up steps; at K < M a second probe's cut
-    starts one), to the round that was cut when it reads within its band (check_round); any
-    other check is a regular reading."""
-    restores = check_restores(current, target, ratio=ratio)
-    if restores:
-        current = replace(current, since_change=COOLDOWN_READINGS)
-    return next_round(
-        current,
-        check_round(current, target) if restores else target,
-        confirmed=restores,
+    starts one), to the round that was cut when it reads within its band (check_round), and
+    keeps its ratio as the anchor; any other check is a regular reading."""
+    if not check_restores(current, target, ratio=ratio):
+        return next_round(current, target, sized=sized, late=late, ratio=ratio, eager=eager)
+    after = next_round(
+        replace(current, since_change=COOLDOWN_READINGS),
+        check_round(current, target),
+        confirmed=True,
         sized=sized,
         late=late,
-        ratio=ratio,
+        # check_restores has decided the move up: a check within the band of the round cut
+        # need not have outgrown the probe's reading (a probe of 1.5x, a check of 1.2x)
+        ratio=None,
         eager=eager,
     )
+    return replace(after, anchor=ratio)
 
 
 class RoundSizes:
