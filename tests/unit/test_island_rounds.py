@@ -5,6 +5,7 @@ the comment beside it."""
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import pytest
 from diloco_trainer.api.spec import ConfigError, parse_spec
@@ -30,6 +31,7 @@ from diloco_trainer.core.island_rounds import (
     probe_step_time,
     reference_step_time,
     report_weight,
+    restores_cut,
     sized_steps,
     split_budget,
     target_steps,
@@ -601,3 +603,26 @@ def test_a_check_that_restores_goes_back_to_the_round_cut_when_within_its_band()
     assert check_round(cut, 20) == 20
     # no round recorded (a restarted syncer): the target
     assert check_round(IslandRound(16, -1, 3, fresh=False, anchor=2.0), 26) == 26
+
+
+def test_a_reading_within_the_band_of_the_round_a_probe_cut_sends_it_back() -> None:
+    # busy12's island cut 30 -> 17 on a 1.508x probe, the round cut kept (cut_from 30): a
+    # regular reading of 1.15x (target floor(30 / 1.15) = 26, within 30's band down to 20.43)
+    # counts for a move up though not outgrown (1.15 x 1.4 = 1.61 > 1.508); the second in a
+    # row sends it to 30, not to 26
+    cut = IslandRound(17, 0, 3, fresh=False, anchor=1.508, cut_from=30)
+    assert restores_cut(cut, 26) and not outgrown(1.508, 1.15)
+    first = next_round(cut, 26, ratio=1.15)
+    assert (first.steps, first.pending) == (17, 1)
+    second = next_round(replace(first, cut_from=30), 26, ratio=1.15)
+    assert (second.steps, second.anchor) == (30, 1.15)
+    # the same without the round cut recorded: not outgrown, no move
+    plain = next_round(IslandRound(17, 0, 3, fresh=False, anchor=1.508), 26, ratio=1.15)
+    assert (plain.steps, plain.pending) == (17, 0)
+    # within the cut round's own band (K = 1: 20, band up to 28): still a reading up
+    k1 = IslandRound(20, 0, 3, fresh=False, anchor=1.5, cut_from=30)
+    assert next_round(k1, 26, ratio=1.15).pending == 1
+    # a reading below 30's band (target 20: 1.5x) is no restore; at 17 it is a regular
+    # reading within 17's band: no move
+    assert not restores_cut(cut, 20)
+    assert next_round(cut, 20, ratio=1.5).pending == 0

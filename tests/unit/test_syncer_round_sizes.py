@@ -778,3 +778,37 @@ def test_at_k_equal_m_a_clear_slowdown_is_read_without_waiting_for_peers_to_age(
         sizes.read(slow, recs, 1.2)
         assert sizes.steps_of(slow, slow.name) == expected, (step_time, quorum)
         assert slow.round is not None and slow.round.fresh == (expected == 10)
+
+
+def test_a_cut_whose_check_read_slow_goes_back_on_later_readings_within_hs_band() -> None:
+    """probe13's "left" (issue 45): as above, but island-3's start-up load lasts through its
+    check: steps 2-15 at 0.375 s (1.5x; step 15 ends at 1 + 14 x 0.375 = 6.25 s), then
+    0.28125 s (1.125x, within H's band). Probe and second probe 1.5x: cut at step 5 to 20
+    (K = 1) / 18 (K = M), anchor 1.5, the round cut (30) kept. Its check (steps 6-15, 0.375 s,
+    read at step 15, 6.25 s): target floor(30 / 1.5) = 20, below 30's band (down to min(29,
+    30 / 1.4 - 1) = 20.43): not restored; a regular reading that moves nothing. Regular readings
+    come a reference round (30 x 0.25 = 7.5 s) after the last: at the first heartbeat past
+    13.75 s, step 42 (6.25 + 27 x 0.28125 = 13.84 s), and past 21.34 s, step 69 (6.25 + 54 x
+    0.28125 = 21.44 s). The report is then the EMA (0.1) of its steps since the probe, 0.28125 +
+    0.09375 x 0.9^27 = 0.2867 s at step 42 (ratio 1.147, target floor(26.16) = 26) and ~0.2813 s
+    at 69 (target 26): within 30's band, and at K = 1 within 20's own (up to 28) too. On main
+    neither moved it (a move up had to outgrow the probe's 1.5x: 1.5 / 1.4 = 1.071x at most,
+    and at K = 1 the band of 20 held it): it kept 20 / 18 of 30 for good. Now two readings in a
+    row within 30's band (restores_cut) send it back at step 69, to 30, the round cut, not to
+    their own target (26); later readings (target 26) keep 30."""
+    fast = [WARM] + [FAST] * 200
+    joined = [WARM] + [1.5 * FAST] * 14 + [0.28125] * 160
+    for quorum, cut in ((1, 20), (4, 18)):
+        changes = _steps_to_rounds(4, 30, [fast, fast, fast, joined], quorum=quorum)
+        assert changes == {0: [], 1: [], 2: [], 3: [(5, cut), (69, 30)]}
+
+
+def test_a_slow_island_cut_at_its_probe_stays_cut_on_readings_beyond_hs_band() -> None:
+    """The rule's other side: island-3 runs at 0.375 s (1.5x) for good. Probe, second probe and
+    check 1.5x: cut at step 5 as above; every later reading reads 1.5x (target 20, below 30's
+    band down to 20.43): it keeps its cut round at K = 1 and K = M."""
+    fast = [WARM] + [FAST] * 200
+    slow = [WARM] + [1.5 * FAST] * 140
+    for quorum, cut in ((1, 20), (4, 18)):
+        changes = _steps_to_rounds(4, 30, [fast, fast, fast, slow], quorum=quorum)
+        assert changes == {0: [], 1: [], 2: [], 3: [(5, cut)]}

@@ -108,7 +108,9 @@ cut sends it back there (check_round), whatever the probe read, and one beyond t
 band the other way and outgrown of the probe's reading sends it to its own target, since the
 regular readings come at heartbeats, 5 s apart by default, and an identical island cut on two
 start-up probes kept 14 of 30 for an 8 s job (and one cut on 1.5x probes, checked at 1.2x, not
-outgrown, kept 17 of 30 to its step 204: bench/busy_link, busy12's main runs). Its learner,
+outgrown, kept 17 of 30 to its step 204: bench/busy_link, busy12's main runs); the round cut
+is kept while the cut round stands, and a later reading within its band counts for going
+back too (restores_cut: a check can still read the start-up). Its learner,
 still within its first round, adopts the new H_i at once (learner/step_plan.adopt_round: in
 place below it, else its next step ends the round), so a 3x slower island's first round is
 about H/3 steps too, not H.
@@ -427,8 +429,9 @@ class IslandRound:
     # its second probe) is read at once, set by a probe's cut: it sends the round back when it
     # reads the island beyond the band of the cut round the other way (RoundSizes.read)
     check_at: int | None = None
-    # The round that cut replaced (with check_at): the check sends it back there when it reads
-    # the island within that round's band (check_round)
+    # The round a probe's cut replaced, kept while the cut round stands: its check, or any later
+    # reading, sends it back there when it reads the island within that round's band
+    # (restores_cut)
     cut_from: int | None = None
 
 
@@ -460,6 +463,26 @@ def outgrown(anchor: float | None, ratio: float | None) -> bool:
     if anchor is None or ratio is None:
         return True
     return ratio * (1 + CHANGE_FRACTION) <= anchor + 1e-9
+
+
+def restores_cut(current: IslandRound, target: int) -> bool:
+    """Whether a reading of `target` (target_steps) sends a round a probe cut back to the round
+    it replaced (`current.cut_from`, kept while the cut round stands): the target is within that
+    round's band (in_band), so the island reads as fast as an island at that round may and keep
+    it. Its check (check_restores) and any later reading (next_round, as a reading for a longer
+    round that need not have outgrown the probe's) go back by it.
+
+    Why later readings too (probe13's "left"): a check that read beyond the band (a start-up's
+    load lasting past the check's ten steps, or a stale reference: busy12's run whose check read
+    1.52x against an idle peer's start-up time) left the cut to readings that must outgrow the
+    probe's, 1.4x faster than it: an identical island cut on a 1.5x probe needs a reading of
+    1.077x or less, and busy12's cut island read 0.96-1.46x its peers' (median 1.12x) for the
+    rest of its job, at 17 of 30 (utilisation 0.819, the run's other seed 0.900). Two readings in a
+    row within the band of 30 (t_i / t_ref <= 1.43) now send it back, as the check does; a slow
+    island never reads within it (a 2x island's readings 2.3-3.0x, a 3x one's 3.5-5x:
+    bench/hetero), and one that does keeps that round as any island within the band would."""
+    before = current.cut_from
+    return before is not None and before > current.steps and in_band(before, target)
 
 
 def check_restores(current: IslandRound, target: int, *, ratio: float | None) -> bool:
@@ -494,8 +517,7 @@ def check_restores(current: IslandRound, target: int, *, ratio: float | None) ->
     band's 1.43x equals outgrown of a 2.0x probe, nothing changes: only cuts at probes under 2x
     gain). A move up still leaves a move down to two readings (and at K = M a round back at
     the ceiling has the band)."""
-    before = current.cut_from
-    if before is not None and before > current.steps and in_band(before, target):
+    if restores_cut(current, target):
         return True
     return (
         target > current.steps
@@ -513,9 +535,8 @@ def check_round(current: IslandRound, target: int) -> int:
     (bench/busy_link seed 0, K = M: cut to 16 of 30 at its second probe, its check read 1.13x,
     back to 26), where at K = M any reading that says late cuts it (late_is_beyond: to 25 at its
     step 221) and a move up needs a reading 1.4x faster (outgrown)."""
-    before = current.cut_from
-    if before is not None and before > current.steps and in_band(before, target):
-        return before
+    if restores_cut(current, target) and current.cut_from is not None:
+        return current.cut_from
     return target
 
 
@@ -550,12 +571,17 @@ def next_round(
     island's first move by a reading (no anchor yet) leaves one reading in its direction
     pending, as a probe's change does."""
     since = current.since_change + 1
+    # A round a probe cut, read within the band of the round it replaced: the cut was the
+    # start-up's (restores_cut), whatever the probe read, and even within the cut round's band.
+    restores = restores_cut(current, target)
     direction = 0
-    if not in_band(current.steps, target):
+    if restores:
+        direction = 1
+    elif not in_band(current.steps, target):
         direction = 1 if target > current.steps else -1
     elif late and sized is not None and sized < current.steps:
         direction = -1
-    if direction > 0 and not outgrown(current.anchor, ratio):
+    if direction > 0 and not (outgrown(current.anchor, ratio) or restores):
         direction = 0
     if direction == 0:
         return IslandRound(current.steps, 0, since, fresh=False, anchor=current.anchor)
@@ -567,6 +593,8 @@ def next_round(
     if abs(pending) >= CONFIRMATIONS and (since >= COOLDOWN_READINGS or down_now):
         if not confirmed and sized is not None and (sized - current.steps) * direction > 0:
             target = sized
+        if direction > 0 and restores and current.cut_from is not None:
+            target = current.cut_from
         if down_now and not confirmed:
             # At K = M (eager_down) a shorter round needs no cooldown and starts none, and the
             # first one (no reading had set the round) leaves one reading pending, as a probe's

@@ -191,9 +191,12 @@ class RoundSizes:
             self.last_rule = "regular reading"
             after = next_round(current, target, sized=sized, late=late, ratio=ratio, eager=eager)
         rec.round_read_at = now
-        if not check and current.check_at is not None and after.steps == current.steps:
-            # still awaited
-            after = replace(after, check_at=current.check_at, cut_from=current.cut_from)
+        if current.cut_from is not None and after.steps == current.steps:
+            # the round a probe cut stands: its check still awaited (unless this was it), and a
+            # later reading within the band of the round cut sends it back (restores_cut)
+            after = replace(
+                after, check_at=None if check else current.check_at, cut_from=current.cut_from
+            )
         if after.steps != current.steps:
             rec.round_before = current.steps
         rec.round = after
