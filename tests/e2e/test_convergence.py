@@ -108,8 +108,11 @@ AT_JOIN = re.compile(r"diloco\.learner: island \S+ rank 0/\d+ on ")
 START_UP_SECONDS = 300.0
 
 
-def start_synchronised(*runs: LocalRun, port: int | None = None) -> None:
-    """Each run's syncer (on `port`; None: a free one), then every learner, lined up at their
+def start_synchronised(
+    *runs: LocalRun, port: int | None = None, islands: int | None = None
+) -> None:
+    """Each run's syncer (on `port`; None: a free one), then every learner (`islands`: the
+    first that many islands of each run only, the rest of the job never up), lined up at their
     joins: the syncers are held (SIGSTOP: their sockets accept, nothing is answered) from before
     the first learner starts until every learner has logged that it joins, so the joins are
     answered within moments of each other however long each learner's start-up took (a held
@@ -135,10 +138,10 @@ def start_synchronised(*runs: LocalRun, port: int | None = None) -> None:
         os.killpg(proc.pid, signal.SIGSTOP)
     try:
         for run in runs:
-            for i in range(run.spec.islands.count):
+            for i in range(run.spec.islands.count if islands is None else islands):
                 run.start_island(i)
         wait_until(
-            lambda: all(map(at_join, runs)),
+            lambda: all(at_join(run, islands) for run in runs),
             timeout=START_UP_SECONDS,
             what="every learner to reach its join",
         )
@@ -155,13 +158,14 @@ def syncer_procs(run: LocalRun) -> list[Proc]:
     return [run.syncer]
 
 
-def at_join(run: LocalRun) -> bool:
-    """Every island's rank 0 has logged that it joins; raises if a learner exited before it
-    did (then it never will)."""
+def at_join(run: LocalRun, islands: int | None = None) -> bool:
+    """Every island's rank 0 (`islands`: of the first that many) has logged that it joins;
+    raises if a learner exited before it did (then it never will)."""
     dead = [p.name for p in run.learners if not p.alive]
     assert not dead, f"learners exited before joining: {dead}"
+    count = run.spec.islands.count if islands is None else islands
     logs = [run.logs / f"{island_name(run.spec.islands.name_prefix, i)}-rank0.log"
-            for i in range(run.spec.islands.count)]  # fmt: skip
+            for i in range(count)]  # fmt: skip
     return all(log.exists() and AT_JOIN.search(log.read_text(errors="replace")) for log in logs)
 
 

@@ -539,6 +539,31 @@ def test_rounds_all_drained_leaves_dropped_islands_out_but_needs_one_active() ->
     assert not state.all_drained()  # nobody active: nothing was done, nothing finishes
 
 
+def test_rounds_an_island_that_never_joined_holds_no_drained_round_nor_the_finish() -> None:
+    """Issue 46: K = 2 of M = 3, the third island never up (within its start-up timeout of
+    600 s). Island-1 drained; island-0's last push is the round's only one: one push, quorum 2
+    (2 active + 1 not joined, capped at K), so no quorum however long, and with the grace
+    window of 600 s no window either. Nobody else will push (island-1 drained, island-2 has no
+    part of the budget): the round is due at once, and once island-0 drained too, with nothing
+    pending, every active island has drained."""
+    state = make_state(quorum=2, islands=0, grace=600.0, timeout=600.0)
+    state.membership.expect(3, now=0.0)
+    for i in (0, 1):
+        state.membership.join(f"island-{i}", 1, now=1.0)
+    assert state.membership.awaited() == 1 and state.effective_quorum() == 2
+    drain(state, "island-1", 10.0)
+    push(state, "island-0", 11.0)
+    assert state.rounds[0].quorum_since is None  # one push of a quorum of two
+    assert state.merge_due(0, 11.0)  # main: False until 600 s later (the start-up timeout)
+    state.take_round(0, 11.0)
+    assert not state.all_drained()  # island-0 has not drained
+    drain(state, "island-0", 12.0)
+    assert state.membership.awaited() == 1
+    assert state.all_drained()  # main: False, the job waited for island-2
+    push(state, "island-0", 13.0)  # it trains on after all (its wait ended): pending again
+    assert not state.all_drained()
+
+
 def test_rounds_auto_grace_of_a_decoupled_job_counts_each_islands_round() -> None:
     """inner.stepsPerIsland: τ·t_step is each island's H_i x its own step time (the median).
     Islands at 0.5 s on H = 20 and at 1.5 s on H_i = 6: spans 10 s and 9 s, median 9.5 s, all of

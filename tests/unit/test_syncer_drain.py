@@ -254,3 +254,37 @@ def test_at_k_equal_m_the_token_budget_waits_for_every_islands_drain(
 
     _, seen = run(scenario())
     assert seen == finished
+
+
+def test_an_island_that_never_joined_does_not_hold_the_drained_finish(tmp_path: Path) -> None:
+    """Issue 46 (bench.adversary's honest baselines): K = 2 of 3, the third island never up
+    (islands.startupTimeoutSeconds, 600 s, not passed). Island-1 pushes 100 tokens and says it
+    drained; island-0's last push (100 more) completes the round: due at once, no grace window
+    of 600 s for island-2, 200 merged. Budget 456: short by 256, a step (8 x 16 = 128 tokens)
+    of each of the two active islands, the drain's rounding. Both drained: the job finishes, no
+    wait for the third island, which has no part of a budget split between the other two."""
+    spec = make_spec(
+        sync={"quorum": 2, "graceSeconds": 600}, stopAfter={"outerSteps": None, "tokens": 456}
+    )
+
+    async def scenario() -> tuple[Syncer, list[object]]:
+        syncer = await started(spec, tmp_path, FakeClock())
+        for i in range(2):
+            await syncer.islands.join(f"island-{i}", 1)
+        seen: list[object] = [syncer.state.membership.awaited()]
+        await syncer.receive_push(0, body(syncer, 0, "island-1", delta(syncer, 0, 1)))
+        await syncer.islands.heartbeat("island-1", DRAINED)
+        await syncer.tick()  # one push of a quorum of two, island-1 drained: not due yet
+        seen.append(syncer.tokens)
+        await syncer.receive_push(0, body(syncer, 0, "island-0", delta(syncer, 0, 0), base=0))
+        await syncer.tick()
+        seen += [syncer.tokens, syncer.finished]
+        await syncer.islands.heartbeat("island-0", DRAINED)
+        await syncer.tick()
+        seen.append(syncer.finished)
+        return syncer, seen
+
+    syncer, seen = run(scenario())
+    # main: [1, 0, 0, False, False], the round held by quorum and the finish by island-2
+    assert seen == [1, 0, 200, False, True]
+    assert syncer.state.versions == [1] and syncer.tokens == 200

@@ -23,6 +23,7 @@ last pushes merged says so in its heartbeats (drained). It is no longer waited f
 other active islands have all pushed is due at once, quorum or not; once every active island
 has drained with nothing pending (all_drained), the job's work is all merged, and the service
 finishes the job if that is stopAfter but for the drain's rounding (targets.drained_at_budget).
+Islands of the job that never joined hold neither (they have no part of the budget to do).
 Membership (membership.py, owned here) tells this machine of every change (MembershipEvents), which
 re-evaluates the quorum at once: dropping an island removes its pending contribution (which may
 undo the quorum) and shrinks the active set (which may complete the round).
@@ -369,12 +370,17 @@ class SyncState:
         a late starter otherwise trains on fragments a merge apart (an early loss spike at K<M)."""
         rnd = self.rounds[fragment]
         # Drained islands (their share of the budget done and merged) push nothing more: the
-        # round waits for the others only, and the job's last work merges without a quorum.
+        # round waits for the others only, and the job's last work merges without a quorum. An
+        # island that never joined is not waited for either: at K < M the budget was split
+        # among the active islands (targets.py), so it has no part of it to push (at K = M no
+        # round merges before every island joined). Issue 46: K = 2 of 3 with the third never
+        # up held the last island's push until a drained island's wait ended (30 s), and the
+        # islands trained on past the budget.
         drained = self.drained()
         missing = self.spanning() - rnd.pending.keys() - drained
-        awaited = self.membership.awaited()
-        if drained and rnd.pending and not missing and not awaited:
+        if drained and rnd.pending and not missing:
             return True
+        awaited = self.membership.awaited()
         if rnd.quorum_since is None:
             return False
         if not missing and not awaited:
@@ -394,9 +400,12 @@ class SyncState:
     def all_drained(self) -> bool:
         """Every active island has drained and no push is pending: all the work the islands
         will do is merged (the service then checks it against stopAfter); never with no active
-        island (nobody has done anything)."""
+        island (nobody has done anything). Islands that never joined do not hold it: the
+        service's check against the budget (targets.drained_at_budget) already fails where
+        their part is missing (K = M, shares of 1/M), and at K < M the budget was split among
+        the active islands, so nothing of it is left to them (issue 46)."""
         active = self.membership.active()
-        if not active or self.membership.awaited() or not active <= self.drained():
+        if not active or not active <= self.drained():
             return False
         return not any(r.pending for r in self.rounds)
 
