@@ -56,7 +56,7 @@ of the model at a time (evaluating torchft's saved weights one commit after anot
     python -m bench.busy_link --seeds 0 1 2 --sync lateMergeRule=keep --skip-torchft
     python -m bench.busy_link --quick --no-record   # smoke run: M=2, H=10, 60 steps, L=0, 50
     python -m bench.busy_link --seeds 0 --quorums --shares 0 --skip-torchft   # calibrate once
-    python -m bench.busy_link --seeds 0 1 --link-rates 50=12.7 100=6.35 --skip-torchft
+    python -m bench.busy_link --seeds 0 1 --shares 0 50 100 --link-rates 50=12.7 100=6.35
 """
 
 from __future__ import annotations
