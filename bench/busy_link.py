@@ -14,6 +14,16 @@ is chosen so that a round's sync traffic takes L = 0, 25, 50 and 100% of a round
    one-way latency (--latency-ms, RTT twice that); the share each run actually saw (its own bytes
    per round / rate / its own round's compute time) is reported beside the nominal L.
 
+That calibration is each seed's own, under its own run's load: on a shared host the same nominal L
+then means a different Mbit/s from seed to seed and command to command (and a different L seen).
+`--link-rates L=MBIT ...` pins the link instead: the run at share L gets MBIT Mbit/s, every seed,
+torchft's rows too, whatever the L = 0 run measured (every L > 0 in --shares needs one; L = 0 stays
+unlimited and still runs, the base of the loss and time figures). The rates to pin come from one
+calibration run (quiet, seed 0): `--seeds 0 --quorums --shares 0` prints, and its report notes,
+the `--link-rates` for the shares asked for at that calibration (`--pin-shares`, default 25 50 100).
+The table marks a pinned link "(pinned)", and L seen stays per run: with a pinned link it is the
+load, not the link, that moves it.
+
 Per run, read from the learners' own progress lines (training / sync path / waiting, every 20
 steps) and the syncer's evaluations:
 - utilisation: time in inner steps / wall time, summed over the islands' windows (their start-up
@@ -45,6 +55,8 @@ of the model at a time (evaluating torchft's saved weights one commit after anot
     python -m bench.busy_link                       # gpt-tiny, M=4, H=30, 300 steps, seed 0
     python -m bench.busy_link --seeds 0 1 2 --sync lateMergeRule=keep --skip-torchft
     python -m bench.busy_link --quick --no-record   # smoke run: M=2, H=10, 60 steps, L=0, 50
+    python -m bench.busy_link --seeds 0 --quorums --shares 0 --skip-torchft   # calibrate once
+    python -m bench.busy_link --seeds 0 1 --shares 0 50 100 --link-rates 50=12.7 100=6.35
 """
 
 from __future__ import annotations
@@ -137,6 +149,50 @@ def link_rate(bytes_per_round: float, round_seconds: float, share: float) -> flo
             f"({bytes_per_round}) > 0"
         )
     return None if share == 0 else bytes_per_round / (share * round_seconds)
+
+
+def parse_link_rates(items: Sequence[str]) -> dict[float, float]:
+    """`--link-rates`' L=MBIT items as {L (%): bytes/s}. L > 0 (L = 0 is the unlimited link) and
+    MBIT > 0; an L given twice is refused (which one was meant?)."""
+    out: dict[float, float] = {}
+    for item in items:
+        share_s, sep, rate_s = item.partition("=")
+        try:
+            share, rate = float(share_s), float(rate_s)
+        except ValueError:
+            share = rate = math.nan
+        if not sep or not share > 0 or not rate > 0 or math.isinf(share) or math.isinf(rate):
+            raise ValueError(f"{item!r}: want L=MBIT with L > 0 (%) and MBIT > 0 (Mbit/s)")
+        if share in out:
+            raise ValueError(f"{item!r}: L = {share:g}% given twice")
+        out[share] = rate * 1e6 / 8
+    return out
+
+
+def choose_rate(
+    share: float, pinned: dict[float, float], calib: dict[str, float]
+) -> tuple[float | None, bool]:
+    """The link's bytes/s at share L (%) and whether it was pinned: None at L = 0 (unlimited);
+    the pinned rate where `--link-rates` gives one; else this seed's calibration's
+    (link_rate of its bytes and round)."""
+    if share == 0:
+        return None, False
+    if share in pinned:
+        return pinned[share], True
+    if not calib:
+        raise SystemExit("--shares must include 0 (the calibration run), or pin L's rate")
+    return link_rate(calib["bytes"], calib["round"], share / 100), False
+
+
+def pin_args(calib: dict[str, float], shares: Sequence[float]) -> str:
+    """The `--link-rates` that pin a calibration's links at `shares` (Mbit/s, 4 significant
+    digits)."""
+    items = []
+    for share in sorted(set(shares) - {0}):
+        rate = link_rate(calib["bytes"], calib["round"], share / 100)
+        assert rate is not None
+        items.append(f"{share:g}={rate * 8 / 1e6:.4g}")
+    return "--link-rates " + " ".join(items)
 
 
 def mbit(rate_bytes: float | None) -> str:
@@ -303,14 +359,9 @@ def run_all(args: Any, wd: Path) -> dict[tuple[int, int, float], dict[str, Any]]
                 # still shows when it reaches the K = M, L = 0 run's loss there.
                 limit = math.ceil(args.past_budget * budget(args))
                 spec = make_spec(args, seed=seed, quorum=k, tokens=limit)
-                if share == 0:
-                    rate = None
-                else:
-                    if not calib:
-                        raise SystemExit("--shares must include 0 (the calibration run)")
-                    rate = link_rate(calib["bytes"], calib["round"], share / 100)
+                rate, pinned = choose_rate(share, args.link_rates, calib)
                 name = f"seed{seed}-k{k}-L{share:g}"
-                print(f"{name}: link {mbit(rate)}", flush=True)
+                print(f"{name}: link {mbit(rate)}{' (pinned)' if pinned else ''}", flush=True)
                 r = run_retrying_a_taken_port(
                     spec,
                     wd / name,
@@ -318,13 +369,14 @@ def run_all(args: Any, wd: Path) -> dict[tuple[int, int, float], dict[str, Any]]
                     latency_ms=args.latency_ms if share else 0.0,
                     timeout=args.timeout,
                 )
-                r["rate"] = rate
+                r["rate"], r["pinned"] = rate, pinned
                 if share == 0 and k == args.islands:
                     calib["round"] = round_seconds(r["splits"], args.inner_steps)
                     calib["bytes"] = r["bytes_per_round"]
                     print(
                         f"  calibration: a round {calib['round']:.2f}s of compute, "
-                        f"{calib['bytes'] / 1e6:.2f} MB on the link",
+                        f"{calib['bytes'] / 1e6:.2f} MB on the link; to pin its links: "
+                        f"{pin_args(calib, args.pin_shares)}",
                         flush=True,
                     )
                 r["calib"] = dict(calib)
@@ -410,7 +462,7 @@ def run_torchft_rows(
         spec = make_spec(args, seed=seed, quorum=m, tokens=limit)
         for delay in args.torchft_delays:
             for share in sorted(set(args.shares)):
-                rate = link_rate(calib["bytes"], calib["round"], share / 100)
+                rate, pinned = choose_rate(share, args.link_rates, calib)
                 name = f"seed{seed}-torchft-d{delay}-L{share:g}"
                 print(f"{name}: link {mbit(rate)} (tc tbf, no added latency)", flush=True)
                 rate_mbit = None if rate is None else rate * 8 / 1e6
@@ -428,7 +480,7 @@ def run_torchft_rows(
                 job = r["job"]
                 r["splits"] = [torchft_split(read_progress(job.progress_file(i))) for i in range(m)]
                 r["bytes_per_round"] = ring_bytes_per_round(r["results"])
-                r["rate"] = rate
+                r["rate"], r["pinned"] = rate, pinned
                 out[(seed, delay, share)] = r
                 u = utilisation(r)
                 print(
@@ -539,6 +591,7 @@ def tables(
                 f"{k}{' (= M)' if k == m else ''}",
                 f"{share:g}%",
                 ", ".join(sorted(mbit(x) for x in rates))
+                + (" (pinned)" if share in args.link_rates else "")
                 + (f", RTT {2 * args.latency_ms:g} ms" if share else ""),
                 *cells(rs, us, losses, rel, to_target, args.inner_steps),
                 "; ".join(r["staleness"].cell() for r in rs),
@@ -604,6 +657,7 @@ def tables(
                 f"torchft {m}, delay {delay}",
                 f"{share:g}%",
                 ", ".join(sorted({mbit(r["rate"]) for r in rs}))
+                + (" (pinned)" if share in args.link_rates else "")
                 + (", tc tbf, no added RTT" if share else ""),
                 *cells(rs, us, losses, rel, to_target, args.inner_steps, sync_path=False),
                 "-",  # no merge log: torchft's sync is an all-reduce
@@ -688,11 +742,34 @@ def parse_args(argv: Sequence[str] | None) -> Any:
         default=None,
         help="torchft's fragment_sync_delay values (default: 0 and the largest sensible, H/2)",
     )
+    p.add_argument(
+        "--link-rates",
+        nargs="+",
+        metavar="L=MBIT",
+        default=[],
+        help="pin the link: MBIT Mbit/s at share L for every seed (and torchft's rows) instead of "
+        "each seed's own L = 0 calibration; every L > 0 of --shares needs one (a calibration "
+        "run prints them)",
+    )
+    p.add_argument(
+        "--pin-shares",
+        type=float,
+        nargs="+",
+        default=[25, 50, 100],
+        help="the shares whose --link-rates a calibration prints and notes (default: 25 50 100)",
+    )
     p.add_argument("--quick", action="store_true", help="smoke run: M=2, H=10, 60 steps, L=0,50")
     args = p.parse_args(argv)
     if args.quick:
         args.islands, args.inner_steps, args.steps = 2, 10, 60
         args.shares, args.seeds, args.quorums = [0, 50], [0], [1]
+    try:
+        args.link_rates = parse_link_rates(args.link_rates)
+    except ValueError as err:
+        p.error(f"--link-rates: {err}")
+    unpinned = sorted(set(args.shares) - {0} - set(args.link_rates))
+    if args.link_rates and unpinned:
+        p.error(f"--link-rates: no rate for L = {', '.join(f'{s:g}' for s in unpinned)}%")
     largest, sensible = torchft_delays(args.inner_steps)
     if args.torchft_delays is None:
         args.torchft_delays = [0, sensible]
@@ -713,6 +790,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         failed: list[str] = []
         tft = {} if why_not else run_torchft_rows(args, wd, results, failed)
     calib = next(iter(results.values()))["calib"]
+    pinned = args.link_rates
     report = Report(
         "busy_link",
         "Utilisation (time in inner steps / wall), eval loss at equal tokens and wall time to "
@@ -724,7 +802,16 @@ def main(argv: Sequence[str] | None = None) -> int:
             f"{calib.get('round', math.nan):.2f}s of compute (H x the median training seconds "
             f"a step) and puts {calib.get('bytes', math.nan) / 1e6:.2f} MB on the link (the "
             "relay's bytes per outer step after the first, both directions, every island); "
-            "rate = bytes / (L x round).",
+            "rate = bytes / (L x round)"
+            + (f"; to pin these links: `{pin_args(calib, args.pin_shares)}`." if calib else ".")
+            + (
+                " The link was pinned (--link-rates "
+                + " ".join(f"{s:g}={r * 8 / 1e6:g}" for s, r in sorted(pinned.items()))
+                + "): the same Mbit/s at an L for every seed, not each seed's calibration; "
+                "L seen is each run's own bytes a round / that rate / its own round's compute."
+                if pinned
+                else ""
+            ),
             "Utilisation, waiting and sync path: shares of the learners' progress windows "
             "(their own split, every 20 steps; the first window, with the join, left out).",
             "Loss at equal tokens: interpolated at the budget of tokens processed (the "

@@ -1,6 +1,6 @@
 """bench/busy_link's pure parts: reading the learners' window splits, the link's rate for a share
 of a round, the steady bytes per round and the round's compute time; torchft's side: its delays,
-its replicas' windows and its ring's bytes a round."""
+its replicas' windows and its ring's bytes a round; a pinned link (--link-rates)."""
 
 from __future__ import annotations
 
@@ -11,9 +11,12 @@ import pytest
 from bench.busy_link import (
     Split,
     bytes_per_round,
+    choose_rate,
     link_rate,
     mbit,
     parse_args,
+    parse_link_rates,
+    pin_args,
     ring_bytes_per_round,
     round_seconds,
     seen_share,
@@ -156,3 +159,59 @@ def test_tables_put_torchft_beside_ours_and_judge_both_verdicts() -> None:
     assert judged[("4", "50%", "loss at or below torchft's")] == (
         "3.0300 vs 2.9500 (delay 0)", "MISSED"
     )  # fmt: skip
+
+
+def test_parse_link_rates_reads_l_equals_mbit_as_bytes_per_second() -> None:
+    # 8 Mbit/s = 1e6 B/s; 6.85 Mbit/s = 856,250 B/s.
+    assert parse_link_rates(["50=8", "100=6.85"]) == {50.0: 1e6, 100.0: 856_250.0}
+    assert parse_link_rates([]) == {}
+    for bad in (["50"], ["0=8"], ["50=0"], ["50=-1"], ["x=8"], ["50=inf"], ["50=8", "50.0=4"]):
+        with pytest.raises(ValueError):
+            parse_link_rates(bad)
+
+
+def test_choose_rate_takes_the_pinned_rate_over_the_seed_s_calibration() -> None:
+    calib = {"bytes": 1e6, "round": 2.0}  # 1 MB a 2 s round: 1e6 B/s at 50%, 5e5 at 100%
+    pinned = {100.0: 2.5e5}
+    assert choose_rate(0, pinned, calib) == (None, False)
+    assert choose_rate(100, pinned, calib) == (2.5e5, True)
+    assert choose_rate(100, pinned, {}) == (2.5e5, True)  # no calibration needed
+    assert choose_rate(50, pinned, calib) == (pytest.approx(1e6), False)
+    assert choose_rate(50, {}, calib) == (pytest.approx(1e6), False)
+    with pytest.raises(SystemExit):
+        choose_rate(50, pinned, {})  # neither pinned nor calibrated
+
+
+def test_pin_args_prints_a_calibration_s_links_as_link_rates() -> None:
+    # 1 MB a 2 s round: 25% -> 2e6 B/s = 16 Mbit/s, 50% -> 8, 100% -> 4; L = 0 has no rate.
+    calib = {"bytes": 1e6, "round": 2.0}
+    assert pin_args(calib, [100, 0, 25, 50, 50]) == "--link-rates 25=16 50=8 100=4"
+    # 4 significant digits: 1 MB a 3 s round at 100% is 2.6666... Mbit/s.
+    assert pin_args({"bytes": 1e6, "round": 3.0}, [100]) == "--link-rates 100=2.667"
+    assert parse_link_rates(pin_args(calib, [50]).split()[1:]) == {50.0: 1e6}
+
+
+def test_busy_link_pins_every_share_or_none() -> None:
+    assert parse_args([]).link_rates == {}  # the default: each seed's own calibration
+    args = parse_args(["--shares", "0", "50", "100", "--link-rates", "50=8", "100=4"])
+    assert args.link_rates == {50.0: 1e6, 100.0: 5e5}
+    with pytest.raises(SystemExit):
+        parse_args(["--shares", "0", "50", "100", "--link-rates", "100=4"])  # 50% unpinned
+    with pytest.raises(SystemExit):
+        parse_args(["--link-rates", "50=fast"])
+
+
+def test_tables_mark_a_pinned_link() -> None:
+    from bench.busy_link import tables
+    from bench.decoupled_quality import budget
+
+    args = parse_args(["--quorums", "--shares", "0", "50", "--link-rates", "50=16"])
+    b = budget(args)
+    ours = {
+        (0, 4, 0.0): run(3.0, b, Split(20, 9.0, 0.5, 0.5), None),
+        (0, 4, 50.0): run(3.03, b, Split(20, 8.0, 1.0, 1.0), 2e6),
+    }
+    main, _ = tables(args, ours)
+    rows = {(r[0], r[1]): r for r in main.rows}
+    assert rows[("4 (= M)", "50%")][2] == "16 Mbit/s (pinned), RTT 20 ms"
+    assert rows[("4 (= M)", "0%")][2] == "unlimited"
