@@ -60,18 +60,17 @@ def checked_round(
     keeps its ratio as the anchor; any other check is a regular reading."""
     if not check_restores(current, target, ratio=ratio):
         return next_round(current, target, sized=sized, late=late, ratio=ratio, eager=eager)
-    after = next_round(
+    # next_round takes the move up as check_restores did: within the band of the round cut
+    # (restores_cut) whatever the probe read, else outgrown of it.
+    return next_round(
         replace(current, since_change=COOLDOWN_READINGS),
         check_round(current, target),
         confirmed=True,
         sized=sized,
         late=late,
-        # check_restores has decided the move up: a check within the band of the round cut
-        # need not have outgrown the probe's reading (a probe of 1.5x, a check of 1.2x)
-        ratio=None,
+        ratio=ratio,
         eager=eager,
     )
-    return replace(after, anchor=ratio)
 
 
 class RoundSizes:
