@@ -137,14 +137,60 @@ def git_revision(repo: Path = REPO_ROOT) -> str:
     return rev + ("+dirty" if dirty else "")
 
 
+# What a recorded command says in place of a path outside the repository (command_line): the
+# run's scratch folder, the file a section went to, anything else under a scratch folder.
+RUN_DIR = "RUN_DIR"
+RESULTS_FILE = "RESULTS_FILE"
+
+
+def portable_args(args: Sequence[str], *, repo: Path = REPO_ROOT) -> list[str]:
+    """`args` as a log may record them: a path inside `repo` relative to it, the value of
+    --workdir outside it RUN_DIR, of --results RESULTS_FILE, any other absolute path outside it
+    RUN_DIR/<its name>.
+
+    Why: a log is read on other machines, and the project speaks of itself only (a scratch
+    folder of the machine that ran it names nothing a reader has).
+
+    >>> portable_args(["--workdir", "/tmp/a/b", "--seeds", "0", "--results=/x/r.md"],
+    ...               repo=Path("/r"))
+    ['--workdir', 'RUN_DIR', '--seeds', '0', '--results=RESULTS_FILE']
+    >>> portable_args(["--results", "/r/bench/log/x.md", "--runs", "/tmp/w/s0", "/tmp/w/s1"],
+    ...               repo=Path("/r"))
+    ['--results', 'bench/log/x.md', '--runs', 'RUN_DIR/s0', 'RUN_DIR/s1']
+    """
+    out: list[str] = []
+    option = ""
+    for arg in args:
+        name, eq, value = arg.partition("=") if arg.startswith("--") else ("", "", arg)
+        if arg.startswith("--") and not eq:
+            option = arg
+            out.append(arg)
+            continue
+        out.append(f"{name}={_portable(value, name, repo)}" if eq else _portable(arg, option, repo))
+    return out
+
+
+def _portable(value: str, option: str, repo: Path) -> str:
+    if not value.startswith("/"):
+        return value
+    path = Path(value)
+    if path == repo or repo in path.parents:
+        return str(path.relative_to(repo))
+    if option == "--workdir":
+        return RUN_DIR
+    if option == "--results":
+        return RESULTS_FILE
+    return f"{RUN_DIR}/{path.name}"
+
+
 def command_line() -> str:
-    """The command that reproduces this run."""
+    """The command that reproduces this run, its paths as portable_args gives them."""
     script = Path(sys.argv[0]).resolve()
     try:  # bench/studies/ablation.py -> bench.studies.ablation
         module = ".".join(script.relative_to(REPO_ROOT).with_suffix("").parts)
     except ValueError:
         module = f"bench.{script.stem}"
-    return shlex.join(["python", "-m", module, *sys.argv[1:]])
+    return shlex.join(["python", "-m", module, *portable_args(sys.argv[1:])])
 
 
 def ratio(value: float, baseline: float) -> float:

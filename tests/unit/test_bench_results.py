@@ -113,3 +113,20 @@ def test_a_bare_citation_is_caught() -> None:
     assert not any(_is_bare_citation(cited, m.start()) for m in re.finditer("bench/RES", cited))
     for bare in ("as measured (bench/RESULTS.md).", "bench/RESULTS.md, decoupled_quality 14:10"):
         assert _is_bare_citation(bare, bare.index("bench/RESULTS.md")), bare
+
+
+# A scratch folder or a checkout of the machine that ran a benchmark: the project speaks of
+# itself only (bench/harness/common.portable_args writes RUN_DIR and repository paths instead).
+MACHINE_PATH = re.compile(r"(?<![\w.])/(?:tmp|work|home|root)/")
+
+
+def test_logs_and_docs_name_no_path_of_the_machine_that_ran_them() -> None:
+    pages = [*sorted((BENCH / "log").glob("*.md")), BENCH / "RESULTS.md", BENCH / "README.md"]
+    pages += [*sorted((ROOT / "docs").rglob("*.md")), ROOT / "README.md", ROOT / "ARCHITECTURE.md"]
+    found = [
+        f"{page.relative_to(ROOT)}:{n}"
+        for page in pages
+        for n, line in enumerate(page.read_text().splitlines(), 1)
+        if MACHINE_PATH.search(line)
+    ]
+    assert not found, found
