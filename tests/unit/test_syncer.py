@@ -16,6 +16,7 @@ from diloco_trainer.api import protocol
 from diloco_trainer.api.spec import JobSpec, parse_spec
 from diloco_trainer.core import payloads
 from diloco_trainer.core.compress import encode_tensors
+from diloco_trainer.core.island_rounds import IslandRound
 from diloco_trainer.core.merge import merge_pseudo_gradients
 from diloco_trainer.core.outer import OuterOptimizer
 from diloco_trainer.syncer.intake.validation import fragment_body_limit, parse_push_meta
@@ -88,6 +89,7 @@ def body(syncer: Syncer, f: int, island: str, d: dict[str, torch.Tensor], **meta
         step_time=0.01,
         codec=syncer.codec,
         push_id=meta.pop("push_id", ""),
+        kept_steps=meta.pop("kept", 0),
     )
     return payloads.encode_body(encode_tensors(d, syncer.codec), m.to_metadata())
 
@@ -264,6 +266,67 @@ def test_syncer_refusal_after_decode_changes_nothing(tmp_path: Path) -> None:
     assert syncer.bytes_in == 0
 
 
+def test_syncer_parse_push_meta_reads_kept_steps_and_takes_none_as_zero() -> None:
+    meta = protocol.PushMeta("island-0", 0, 40, 4, 1.0, 0.1, "none", kept_steps=4)
+    assert parse_push_meta(meta.to_metadata(), "none").kept_steps == 4  # all of them kept
+    older = {k: v for k, v in meta.to_metadata().items() if k != protocol.META_KEPT_STEPS}
+    assert parse_push_meta(older, "none").kept_steps == 0  # a learner that does not say
+
+
+def test_syncer_counts_kept_steps_in_the_islands_round_in_the_momentum_share(
+    tmp_path: Path,
+) -> None:
+    """Two fresh pushes (lag 0) of 4 steps and 100 tokens each (ρ alike: 100 x 25): island-0
+    kept 2 of its steps at the job's H = 4 (k = 0.5: share (1 + 0.5)^-2 = 4/9), island-1 kept 4
+    on its own round H_i = 8 (k = 4 / 8 = 0.5, not 4 / 4 = 1: share 4/9 too). The merge's share
+    is their ρ-weighted mean, 4/9; its weights, scales and φ are a fresh merge's: 0.5 / 0.5,
+    1 and 2/3 (two of three islands, a round each)."""
+
+    async def scenario() -> Syncer:
+        clock = FakeClock()
+        syncer = await started(make_spec(), tmp_path, clock)
+        for i in range(3):
+            await syncer.islands.join(f"island-{i}", 1)
+        syncer.state.membership.islands["island-1"].round = IslandRound(8)
+        await syncer.receive_push(0, body(syncer, 0, "island-0", delta(syncer, 0, 1), kept=2))
+        await syncer.receive_push(0, body(syncer, 0, "island-1", delta(syncer, 0, 2), kept=4))
+        clock.now += 5.0
+        await syncer.tick()
+        return syncer
+
+    syncer = run(scenario())
+    assert syncer.state.versions == [1]
+    (entry,) = [json.loads(x) for x in (tmp_path / "merges.jsonl").read_text().splitlines()]
+    assert [c["keptSteps"] for c in entry["contributors"]] == [2, 4]
+    assert [c["lag"] for c in entry["contributors"]] == [0, 0]
+    assert entry["momentum"] == pytest.approx(4 / 9)
+    assert [c["weight"] for c in entry["contributors"]] == pytest.approx([0.5, 0.5])
+    assert [c["discount"] for c in entry["contributors"]] == [1.0, 1.0]
+    assert [c["scale"] for c in entry["contributors"]] == [1.0, 1.0]
+    assert entry["fraction"] == pytest.approx(2 / 3)
+
+
+def test_syncer_refuses_more_kept_steps_than_a_push_carries_and_changes_nothing(
+    tmp_path: Path,
+) -> None:
+    async def scenario() -> tuple[Syncer, str, str, Refused]:
+        syncer = await started(make_spec(), tmp_path, FakeClock())
+        await syncer.islands.join("island-0", 1)
+        before = syncer.digest()
+        with pytest.raises(Refused) as err:
+            await syncer.receive_push(
+                0, body(syncer, 0, "island-0", delta(syncer, 0, 1), steps=4, kept=5)
+            )
+        return syncer, before, syncer.digest(), err.value
+
+    syncer, before, after, err = run(scenario())
+    assert err.status == 400 and "metadata.keptSteps" in err.message
+    assert before == after
+    assert syncer.state.rounds[0].pending == {}
+    assert syncer.state.membership.islands["island-0"].pushes == 0
+    assert syncer.bytes_in == 0
+
+
 def test_syncer_finishes_on_tokens_with_eval_and_checkpoint(tmp_path: Path) -> None:
     spec = make_spec(
         sync={"quorum": 1, "graceSeconds": 0},
@@ -366,6 +429,10 @@ def test_syncer_body_limit_scales_with_codec() -> None:
         ({"loss": "NaN"}, "metadata.loss"),
         ({"stepTime": "-1"}, "metadata.stepTime"),
         ({"baseVersion": "x"}, "metadata.baseVersion"),
+        ({"keptSteps": "-1"}, "metadata.keptSteps"),
+        ({"keptSteps": "0.5"}, "metadata.keptSteps"),
+        ({"keptSteps": "true"}, "metadata.keptSteps"),
+        ({"keptSteps": "2"}, "metadata.keptSteps"),  # more than the push's 1 step
     ],
 )
 def test_syncer_parse_push_meta_names_the_bad_field(meta: dict[str, str], field: str) -> None:
