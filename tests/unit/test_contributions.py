@@ -146,29 +146,3 @@ def test_plan_merge_momentum_share_is_the_contributors_weighted_by_rho() -> None
         expected
     )
     assert expected == pytest.approx(0.6569, abs=1e-4)
-
-
-def test_plan_merge_counts_kept_steps_as_lag_in_the_momentum_share_only() -> None:
-    # A push of 45 steps at H = 30, 15 of them kept (trained before its base was installed):
-    # k = 15 / 30 = 0.5 rounds. Fresh by version (lag 0): share (1 + 0 + 0.5)^-2 = 1 / 2.25.
-    kept = plan_merge(
-        [Contributor(450, 45, 0.0, kept_rounds=0.5)], rule="tokens", inner_steps=30, islands=4
-    )
-    assert kept.momentum == pytest.approx(1 / 2.25)
-    # The gradient term is as without kept steps: discount 1, scale 30/45, φ = 45/30 / 4.
-    plain = plan_merge([Contributor(450, 45, 0.0)], rule="tokens", inner_steps=30, islands=4)
-    assert plain.momentum == 1.0
-    assert kept.discounts == plain.discounts == [1.0]
-    assert kept.scales == plain.scales == [pytest.approx(30 / 45)]
-    assert kept.weights == plain.weights
-    assert kept.fraction == plain.fraction == pytest.approx(0.375)
-    # Added to version lag: lag 1 + k 1 = 2 rounds: (1 + 2)^-2 = 1/9; the discount still reads
-    # lag 1 alone (the first round free): 1.
-    late = plan_merge(
-        [Contributor(300, 30, 1.0, kept_rounds=1.0)], rule="tokens", inner_steps=30, islands=4
-    )
-    assert late.momentum == pytest.approx(1 / 9)
-    assert late.discounts == [1.0]
-    # Two equal pushes (ρ alike), one with k = 1: (1 + (1 + 1)^-2) / 2 = (1 + 0.25) / 2.
-    mixed = [Contributor(300, 30), Contributor(300, 30, kept_rounds=1.0)]
-    assert plan_merge(mixed, rule="tokens", inner_steps=30, islands=4).momentum == 0.625

@@ -16,7 +16,6 @@ from diloco_trainer.api import protocol
 from diloco_trainer.api.spec import JobSpec, parse_spec
 from diloco_trainer.core import payloads
 from diloco_trainer.core.compress import encode_tensors
-from diloco_trainer.core.island_rounds import IslandRound
 from diloco_trainer.core.merge import merge_pseudo_gradients
 from diloco_trainer.core.outer import OuterOptimizer
 from diloco_trainer.syncer.intake.validation import fragment_body_limit, parse_push_meta
@@ -273,21 +272,17 @@ def test_syncer_parse_push_meta_reads_kept_steps_and_takes_none_as_zero() -> Non
     assert parse_push_meta(older, "none").kept_steps == 0  # a learner that does not say
 
 
-def test_syncer_counts_kept_steps_in_the_islands_round_in_the_momentum_share(
-    tmp_path: Path,
-) -> None:
-    """Two fresh pushes (lag 0) of 4 steps and 100 tokens each (ρ alike: 100 x 25): island-0
-    kept 2 of its steps at the job's H = 4 (k = 0.5: share (1 + 0.5)^-2 = 4/9), island-1 kept 4
-    on its own round H_i = 8 (k = 4 / 8 = 0.5, not 4 / 4 = 1: share 4/9 too). The merge's share
-    is their ρ-weighted mean, 4/9; its weights, scales and φ are a fresh merge's: 0.5 / 0.5,
-    1 and 2/3 (two of three islands, a round each)."""
+def test_syncer_records_each_pushs_kept_steps_in_the_merge_log(tmp_path: Path) -> None:
+    """Two fresh pushes (lag 0) of 4 steps and 100 tokens each: island-0 kept 2 of its steps,
+    island-1 all 4. The merge log says so per contributor; nothing else reads them: the merge
+    is a fresh one's (momentum share 1, weights 0.5 / 0.5, discount and scale 1, φ 2/3: two of
+    three islands, a round each), as without keptSteps."""
 
     async def scenario() -> Syncer:
         clock = FakeClock()
         syncer = await started(make_spec(), tmp_path, clock)
         for i in range(3):
             await syncer.islands.join(f"island-{i}", 1)
-        syncer.state.membership.islands["island-1"].round = IslandRound(8)
         await syncer.receive_push(0, body(syncer, 0, "island-0", delta(syncer, 0, 1), kept=2))
         await syncer.receive_push(0, body(syncer, 0, "island-1", delta(syncer, 0, 2), kept=4))
         clock.now += 5.0
@@ -298,8 +293,7 @@ def test_syncer_counts_kept_steps_in_the_islands_round_in_the_momentum_share(
     assert syncer.state.versions == [1]
     (entry,) = [json.loads(x) for x in (tmp_path / "merges.jsonl").read_text().splitlines()]
     assert [c["keptSteps"] for c in entry["contributors"]] == [2, 4]
-    assert [c["lag"] for c in entry["contributors"]] == [0, 0]
-    assert entry["momentum"] == pytest.approx(4 / 9)
+    assert entry["momentum"] == 1.0
     assert [c["weight"] for c in entry["contributors"]] == pytest.approx([0.5, 0.5])
     assert [c["discount"] for c in entry["contributors"]] == [1.0, 1.0]
     assert [c["scale"] for c in entry["contributors"]] == [1.0, 1.0]

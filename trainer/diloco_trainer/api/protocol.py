@@ -25,8 +25,8 @@ MembershipAnswer, SyncerStatus) and client.py is the one JSON client of these ro
   metadata {"island", "baseVersion", "tokens", "steps", "loss", "stepTime", "codec"} and the
   optional {"syncTime", "pushId", "keptSteps"} -> {"accepted", "version", "pending", "run"}.
   keptSteps (an integer, 0 <= keptSteps <= steps, 0 when absent): of the push's steps, those
-  trained before its base was installed; it lowers only this push's momentum share
-  (core/contributions.py, "Kept steps").
+  trained before its base was installed; recorded in the merge log (each contributor's
+  ``keptSteps``), counted by no rule (docs/algorithm.md, "A push's kept steps are recorded").
 - ``POST /v1/heartbeat`` {"island", "step", "tokens", "loss", "stepTime"} and the optional
   {"holding", "drained"} (JSON booleans) -> {"state", "finished", "versions"}.
 - ``POST /v1/leave`` {"island"} -> {"island", "state"}; ``GET /v1/status[?digest=1]`` -> the
@@ -135,7 +135,7 @@ META_SYNC_TIME = "syncTime"
 META_CODEC = "codec"
 META_PUSH_ID = "pushId"
 # Of a push's steps, those trained before its base was installed (kept on top of it: sync.
-# lateMergeRule keep); optional, 0 when absent: core/contributions.py, "Kept steps".
+# lateMergeRule keep); optional, 0 when absent; recorded in merges.jsonl.
 META_KEPT_STEPS = "keptSteps"
 # Pull metadata keys.
 META_VERSION = "version"
@@ -197,8 +197,8 @@ class PushMeta:
     codec: str
     sync_time: float = 0.0  # seconds from the last push to receiving the merged fragment
     push_id: str = ""  # filled by SyncerClient.push when empty
-    # Of `steps`, those trained before the base was installed (kept on top of it): the syncer
-    # counts them as staleness in the momentum share (core/contributions.py, "Kept steps").
+    # Of `steps`, those trained before the base was installed (kept on top of it): recorded by
+    # the syncer (docs/algorithm.md, "A push's kept steps are recorded").
     kept_steps: int = 0
 
     def to_metadata(self) -> dict[str, str]:

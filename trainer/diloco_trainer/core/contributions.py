@@ -39,21 +39,6 @@ over a in 0.1..1; > 1: the error grows) of 1.15 at a lag of one round and 1.25 a
 discount alone; with the share, at most 0.93 up to two rounds and 1.002 at four (maxStaleness),
 and no more than before at any lag. The exponent is the least of 1, 1.5, 2 and 3 that stays
 within 1.002 up to four rounds (1: 1.07; 1.5: 1.02). Measured: docs/algorithm.md, "Staleness".
-
-Kept steps. Under sync.lateMergeRule keep a learner installs a merge as θ_global + (θ_now −
-θ_push): the steps it trained while its merge was out (after its push, before the install) go
-into its next push. They were taken from the weights before that merge, so they answer θ as it
-was a merge ago, yet the push's lag counts only merges since its base version, after them: the
-syncer saw such a push as fresh. At K = 1 on a link slower than its traffic they were more than
-a round of each push (k = kept / H 1.04-1.37) and the loss 1.34-1.59x (issue 45, kone14). So
-the push says how many of its steps were kept (keptSteps), and the momentum share counts them,
-in the island's rounds (k = kept / H_i), as staleness: s = (1 + lag + k)^-2. Only the share: the
-gradient term (discount, weights, φ) is unchanged, as for version lag. In the linear model of
-bench/studies/kept_steps (every island in every merge, a share k of each round's steps taken
-from the previous round's weights) the round's spectral radius is 0.915 at k 0, 1.065 at 0.63
-and 1.285 at 1 with the share of lag alone, and 0.915-0.964 up to k = 1 with this one. A push
-with no kept steps (K = M without overlap: the merge is installed before the next step) keeps
-its share, so such merges stay bit for bit.
 """
 
 from __future__ import annotations
@@ -79,8 +64,7 @@ def work_share(steps: int, inner_steps: int) -> float:
 
 def momentum_share(lag_rounds: float) -> float:
     """(1 + lag_rounds)^-2: the share of a contribution's Δ that enters the outer momentum (the
-    module docstring says why; plan_merge passes its lag plus its kept steps' rounds); 1 for a
-    fresh one, so K = M's merges without overlap are unchanged."""
+    module docstring says why); 1 for a fresh one, so K = M's merges are unchanged."""
     if not (math.isfinite(lag_rounds) and lag_rounds >= 0.0):
         raise ValueError(f"staleness lag must be finite and >= 0, got {lag_rounds}")
     return float((1.0 + lag_rounds) ** -2)
@@ -100,9 +84,6 @@ class Contributor:
     tokens: int
     steps: int
     lag_rounds: float = 0.0
-    # Of its steps, those trained before its base was installed, in its island's rounds
-    # (keptSteps / H_i): staleness for the momentum share only (the module docstring).
-    kept_rounds: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -148,7 +129,7 @@ def plan_merge(
         weights.append(quality * d if w > 0 else 0.0)
         scales.append(1.0 / w if w > 0 else 0.0)
     fraction = sum(w * d for w, d in zip(work, discounts, strict=True)) / islands
-    shares = [momentum_share(c.lag_rounds + c.kept_rounds) for c in contributors]
+    shares = [momentum_share(c.lag_rounds) for c in contributors]
     total = sum(weights)
     # Exact for one contributor (K = 1's merges); with several, g's parts are weighted by ρ_i,
     # so the buffer gets each one's share of its part when their per-round Δs are alike.

@@ -155,7 +155,7 @@ class FragmentState:
     counters: FragmentCounters = field(default_factory=FragmentCounters)
     # Of the steps in `counters`, those trained before `base` was installed (the steps since
     # the push that the receipt kept on top of it): the next push's keptSteps, which the syncer
-    # counts as staleness in its momentum share (core/contributions.py, "Kept steps").
+    # records (docs/algorithm.md, "A push's kept steps are recorded").
     kept_steps: int = 0
     last_sync_seconds: float = 0.0
     # fp32 CPU weights and counters when the unapplied push was made (None: nothing pushed).

@@ -223,9 +223,7 @@ class Gate:
         finally:
             self.watch()
         self.update_unsupported(state, now)  # an accepted push ends its island's naming
-        # Its kept steps in its island's round now (H_i): core/contributions.py, "Kept steps".
-        round_steps = self.rounds.steps_of(state.membership.islands.get(meta.island), meta.island)
-        return push_contribution(meta, lag=lag, payload=payload, now=now, round_steps=round_steps)
+        return push_contribution(meta, lag=lag, payload=payload, now=now)
 
     def refused(
         self, members: Membership, fragment: int, island: str, err: Refused, now: float

@@ -136,8 +136,8 @@ def parse_push_meta(
     at_least(step_time, 0, where, protocol.META_STEP_TIME)
     at_least(sync_time, 0, where, protocol.META_SYNC_TIME)
     at_least(kept, 0, where, protocol.META_KEPT_STEPS)
-    # The island's own claim, which only lowers its own push's momentum share: bounded by the
-    # steps the push carries (all of them kept at most).
+    # The island's own word, only recorded: bounded by the steps the push carries (all of them
+    # kept at most), so the merge log never says more were kept than pushed.
     if kept is not None and steps is not None and kept > steps:
         raise Refused(
             400,
@@ -238,15 +238,9 @@ def measure_push(fragment: int, payload: EncodedPayload) -> DeltaStats:
 
 
 def push_contribution(
-    meta: protocol.PushMeta,
-    *,
-    lag: int,
-    payload: Mapping[str, torch.Tensor],
-    now: float,
-    round_steps: int = 0,
+    meta: protocol.PushMeta, *, lag: int, payload: Mapping[str, torch.Tensor], now: float
 ) -> Contribution:
-    """A validated push as a round contribution; `round_steps`: its island's round H_i, which
-    its kept steps are counted in (0: none counted)."""
+    """A validated push as a round contribution."""
     return Contribution(
         island=meta.island,
         base_version=meta.base_version,
@@ -260,7 +254,6 @@ def push_contribution(
         step_time=meta.step_time or None,
         sync_time=meta.sync_time or None,
         kept_steps=meta.kept_steps,
-        kept_rounds=meta.kept_steps / round_steps if round_steps > 0 else 0.0,
     )
 
 
