@@ -208,14 +208,16 @@ def test_bad_requests_bad_metadata_is_400_naming_the_field(
     syncer: SyncerHandle, unchanged: None
 ) -> None:
     delta = good_delta(syncer)
-    cases = {
-        "metadata.tokens": {"tokens": "many"},
-        "metadata.steps": {"steps": 0},
-        "metadata.baseVersion": {"baseVersion": -1},
-        "metadata.codec": {"codec": "int8"},
-        "metadata.island": {"island": "bad name!"},
-    }
-    for field, meta in cases.items():
+    cases = [
+        ("metadata.tokens", {"tokens": "many"}),
+        ("metadata.steps", {"steps": 0}),
+        ("metadata.baseVersion", {"baseVersion": -1}),
+        ("metadata.codec", {"codec": "int8"}),
+        ("metadata.island", {"island": "bad name!"}),
+        ("metadata.keptSteps", {"keptSteps": 5}),  # more than the push's 4 steps
+        ("metadata.keptSteps", {"keptSteps": -1}),
+    ]
+    for field, meta in cases:
         code, doc = push(syncer, push_body(delta, **meta))
         assert code == 400 and field in doc["error"], (field, doc)
 

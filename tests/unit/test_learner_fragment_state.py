@@ -234,3 +234,29 @@ def test_a_prepared_receipt_keeps_the_push_copy_for_the_next_push_which_copies_i
     # Unprepared: the receipt writes the new weights over the push's copies and returns them.
     state.receive(merged, 3, params, 0.0)
     assert state.spare is None
+
+
+def test_a_pushs_kept_steps_are_those_trained_before_its_base_was_installed() -> None:
+    """Three rounds of 4 steps, each push's merge installed 2 steps after it (keep): the first
+    push carries 4 steps, none kept (from the joined base); the next two carry 6 each, of which
+    the 2 trained between the push and the install of its merge are kept (keptSteps 0, 2, 2).
+    A join starts over: none kept."""
+    state = joined(t(0.0))
+    w, carried, kept = 0.0, [], []
+    for _ in range(3):
+        for _ in range(4):
+            w -= 1.0
+            state.counters.add(1, 0.0, 0.0)
+        kept.append(state.kept_steps)
+        carried.append(state.counters.steps)
+        delta = state.begin_push({"w": t(w)})
+        for _ in range(2):  # trained while the merge is out, kept on top of it
+            w -= 1.0
+            state.counters.add(1, 0.0, 0.0)
+        merged = state.base["w"] - delta["w"]
+        w = float(state.receive({"w": merged}, state.version + 1, {"w": t(w)}, 0.0)["w"])
+    assert carried == [4, 6, 6]
+    assert kept == [0, 2, 2]
+    assert state.kept_steps == 2  # the next push's
+    state.take_global({"w": t(1.0)}, 9)
+    assert state.kept_steps == 0

@@ -88,6 +88,7 @@ def body(syncer: Syncer, f: int, island: str, d: dict[str, torch.Tensor], **meta
         step_time=0.01,
         codec=syncer.codec,
         push_id=meta.pop("push_id", ""),
+        kept_steps=meta.pop("kept", 0),
     )
     return payloads.encode_body(encode_tensors(d, syncer.codec), m.to_metadata())
 
@@ -264,6 +265,62 @@ def test_syncer_refusal_after_decode_changes_nothing(tmp_path: Path) -> None:
     assert syncer.bytes_in == 0
 
 
+def test_syncer_parse_push_meta_reads_kept_steps_and_takes_none_as_zero() -> None:
+    meta = protocol.PushMeta("island-0", 0, 40, 4, 1.0, 0.1, "none", kept_steps=4)
+    assert parse_push_meta(meta.to_metadata(), "none").kept_steps == 4  # all of them kept
+    older = {k: v for k, v in meta.to_metadata().items() if k != protocol.META_KEPT_STEPS}
+    assert parse_push_meta(older, "none").kept_steps == 0  # a learner that does not say
+
+
+def test_syncer_records_each_pushs_kept_steps_in_the_merge_log(tmp_path: Path) -> None:
+    """Two fresh pushes (lag 0) of 4 steps and 100 tokens each: island-0 kept 2 of its steps,
+    island-1 all 4. The merge log says so per contributor; nothing else reads them: the merge
+    is a fresh one's (momentum share 1, weights 0.5 / 0.5, discount and scale 1, φ 2/3: two of
+    three islands, a round each), as without keptSteps."""
+
+    async def scenario() -> Syncer:
+        clock = FakeClock()
+        syncer = await started(make_spec(), tmp_path, clock)
+        for i in range(3):
+            await syncer.islands.join(f"island-{i}", 1)
+        await syncer.receive_push(0, body(syncer, 0, "island-0", delta(syncer, 0, 1), kept=2))
+        await syncer.receive_push(0, body(syncer, 0, "island-1", delta(syncer, 0, 2), kept=4))
+        clock.now += 5.0
+        await syncer.tick()
+        return syncer
+
+    syncer = run(scenario())
+    assert syncer.state.versions == [1]
+    (entry,) = [json.loads(x) for x in (tmp_path / "merges.jsonl").read_text().splitlines()]
+    assert [c["keptSteps"] for c in entry["contributors"]] == [2, 4]
+    assert entry["momentum"] == 1.0
+    assert [c["weight"] for c in entry["contributors"]] == pytest.approx([0.5, 0.5])
+    assert [c["discount"] for c in entry["contributors"]] == [1.0, 1.0]
+    assert [c["scale"] for c in entry["contributors"]] == [1.0, 1.0]
+    assert entry["fraction"] == pytest.approx(2 / 3)
+
+
+def test_syncer_refuses_more_kept_steps_than_a_push_carries_and_changes_nothing(
+    tmp_path: Path,
+) -> None:
+    async def scenario() -> tuple[Syncer, str, str, Refused]:
+        syncer = await started(make_spec(), tmp_path, FakeClock())
+        await syncer.islands.join("island-0", 1)
+        before = syncer.digest()
+        with pytest.raises(Refused) as err:
+            await syncer.receive_push(
+                0, body(syncer, 0, "island-0", delta(syncer, 0, 1), steps=4, kept=5)
+            )
+        return syncer, before, syncer.digest(), err.value
+
+    syncer, before, after, err = run(scenario())
+    assert err.status == 400 and "metadata.keptSteps" in err.message
+    assert before == after
+    assert syncer.state.rounds[0].pending == {}
+    assert syncer.state.membership.islands["island-0"].pushes == 0
+    assert syncer.bytes_in == 0
+
+
 def test_syncer_finishes_on_tokens_with_eval_and_checkpoint(tmp_path: Path) -> None:
     spec = make_spec(
         sync={"quorum": 1, "graceSeconds": 0},
@@ -366,6 +423,10 @@ def test_syncer_body_limit_scales_with_codec() -> None:
         ({"loss": "NaN"}, "metadata.loss"),
         ({"stepTime": "-1"}, "metadata.stepTime"),
         ({"baseVersion": "x"}, "metadata.baseVersion"),
+        ({"keptSteps": "-1"}, "metadata.keptSteps"),
+        ({"keptSteps": "0.5"}, "metadata.keptSteps"),
+        ({"keptSteps": "true"}, "metadata.keptSteps"),
+        ({"keptSteps": "2"}, "metadata.keptSteps"),  # more than the push's 1 step
     ],
 )
 def test_syncer_parse_push_meta_names_the_bad_field(meta: dict[str, str], field: str) -> None:

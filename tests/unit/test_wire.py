@@ -59,7 +59,9 @@ def test_wire_decode_body_refuses_truncated_data() -> None:
 
 
 def test_wire_push_meta_metadata_is_json_typed() -> None:
-    meta = protocol.PushMeta("island-1", 4, 1024, 8, 2.5, 0.1, "int8", sync_time=0.3, push_id="x")
+    meta = protocol.PushMeta(
+        "island-1", 4, 1024, 8, 2.5, 0.1, "int8", sync_time=0.3, push_id="x", kept_steps=3
+    )
     assert meta.to_metadata() == {
         "island": "island-1",
         "baseVersion": "4",
@@ -70,6 +72,7 @@ def test_wire_push_meta_metadata_is_json_typed() -> None:
         "syncTime": "0.3",
         "codec": "int8",
         "pushId": "x",
+        "keptSteps": "3",
     }
 
 

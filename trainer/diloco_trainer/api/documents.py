@@ -228,6 +228,9 @@ class MergeContributor(Document):
     scale: float = 1.0  # the scale applied to its pseudo-gradient
     raw_weight: float = 0.0
     weight: float = 0.0  # its share (the raw weights normalised to sum to 1)
+    # Of its steps, those trained before its base was installed (the push's keptSteps; docs/
+    # algorithm.md, "A push's kept steps are recorded").
+    kept_steps: int = 0
 
 
 class MergeRecord(Document):

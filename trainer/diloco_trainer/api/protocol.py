@@ -23,7 +23,10 @@ MembershipAnswer, SyncerStatus) and client.py is the one JSON client of these ro
   the merge waited for can never carry it (the learner pushes it again: docs/algorithm.md).
 - ``POST /v1/fragments/{f}/push`` safetensors body of ``compress.encode_tensors(Δ_f, codec)`` with
   metadata {"island", "baseVersion", "tokens", "steps", "loss", "stepTime", "codec"} and the
-  optional {"syncTime", "pushId"} -> {"accepted", "version", "pending", "run"}.
+  optional {"syncTime", "pushId", "keptSteps"} -> {"accepted", "version", "pending", "run"}.
+  keptSteps (an integer, 0 <= keptSteps <= steps, 0 when absent): of the push's steps, those
+  trained before its base was installed; recorded in the merge log (each contributor's
+  ``keptSteps``), counted by no rule (docs/algorithm.md, "A push's kept steps are recorded").
 - ``POST /v1/heartbeat`` {"island", "step", "tokens", "loss", "stepTime"} and the optional
   {"holding", "drained"} (JSON booleans) -> {"state", "finished", "versions"}.
 - ``POST /v1/leave`` {"island"} -> {"island", "state"}; ``GET /v1/status[?digest=1]`` -> the
@@ -131,6 +134,9 @@ META_STEP_TIME = "stepTime"
 META_SYNC_TIME = "syncTime"
 META_CODEC = "codec"
 META_PUSH_ID = "pushId"
+# Of a push's steps, those trained before its base was installed (kept on top of it: sync.
+# lateMergeRule keep); optional, 0 when absent; recorded in merges.jsonl.
+META_KEPT_STEPS = "keptSteps"
 # Pull metadata keys.
 META_VERSION = "version"
 META_FRAGMENT = "fragment"
@@ -191,6 +197,9 @@ class PushMeta:
     codec: str
     sync_time: float = 0.0  # seconds from the last push to receiving the merged fragment
     push_id: str = ""  # filled by SyncerClient.push when empty
+    # Of `steps`, those trained before the base was installed (kept on top of it): recorded by
+    # the syncer (docs/algorithm.md, "A push's kept steps are recorded").
+    kept_steps: int = 0
 
     def to_metadata(self) -> dict[str, str]:
         """The safetensors header metadata for this push."""
@@ -205,6 +214,7 @@ class PushMeta:
                 META_SYNC_TIME: self.sync_time,
                 META_CODEC: self.codec,
                 META_PUSH_ID: self.push_id,
+                META_KEPT_STEPS: self.kept_steps,
             }
         )
 

@@ -153,6 +153,10 @@ class FragmentState:
     # The CPU `base` stays: compressed pulls are applied to it on the link's thread.
     base_on_device: dict[str, Tensor] = field(default_factory=dict)
     counters: FragmentCounters = field(default_factory=FragmentCounters)
+    # Of the steps in `counters`, those trained before `base` was installed (the steps since
+    # the push that the receipt kept on top of it): the next push's keptSteps, which the syncer
+    # records (docs/algorithm.md, "A push's kept steps are recorded").
+    kept_steps: int = 0
     last_sync_seconds: float = 0.0
     # fp32 CPU weights and counters when the unapplied push was made (None: nothing pushed).
     at_push: dict[str, Tensor] | None = None
@@ -304,6 +308,7 @@ class FragmentState:
         self.version = version
         pushed = self.counters_at_push
         self.counters = self.counters.since(pushed) if pushed is not None else FragmentCounters()
+        self.kept_steps = self.counters.steps  # trained from the weights before this base
         self.at_push = None
         self.counters_at_push = None
         return target
@@ -408,6 +413,7 @@ class FragmentState:
         self.at_push = None
         self.counters_at_push = None
         self.counters = FragmentCounters()
+        self.kept_steps = 0
         self.last_update = None
         self.base = {n: t.to("cpu") for n, t in merged.items()}
         self._base_replaced()

@@ -583,6 +583,7 @@ class FragmentSync:
             step_time=c.mean_step_time,
             codec=codec,
             sync_time=state.last_sync_seconds,
+            kept_steps=min(state.kept_steps, c.steps),
         )
         self.restart.push_again.discard(f)
         self.fill.pushed(f)

@@ -129,11 +129,21 @@ def parse_push_meta(
     loss = typed_field(doc, protocol.META_LOSS, where, float, required=False)
     step_time = typed_field(doc, protocol.META_STEP_TIME, where, float, required=False)
     sync_time = typed_field(doc, protocol.META_SYNC_TIME, where, float, required=False)
+    kept = typed_field(doc, protocol.META_KEPT_STEPS, where, int, required=False)
     at_least(base, 0, where, protocol.META_BASE_VERSION)
     at_least(tokens, 1, where, protocol.META_TOKENS)
     at_least(steps, 1, where, protocol.META_STEPS)
     at_least(step_time, 0, where, protocol.META_STEP_TIME)
     at_least(sync_time, 0, where, protocol.META_SYNC_TIME)
+    at_least(kept, 0, where, protocol.META_KEPT_STEPS)
+    # The island's own word, only recorded: bounded by the steps the push carries (all of them
+    # kept at most), so the merge log never says more were kept than pushed.
+    if kept is not None and steps is not None and kept > steps:
+        raise Refused(
+            400,
+            f"{where}.{protocol.META_KEPT_STEPS} must be <= {where}.{protocol.META_STEPS} "
+            f"({steps}), got {kept}",
+        )
     for key, value in (
         (protocol.META_BASE_VERSION, base),
         (protocol.META_TOKENS, tokens),
@@ -161,6 +171,7 @@ def parse_push_meta(
         codec=codec,
         sync_time=sync_time or 0.0,
         push_id=push_id,
+        kept_steps=kept or 0,
     )
 
 
@@ -242,6 +253,7 @@ def push_contribution(
         payload=payload,
         step_time=meta.step_time or None,
         sync_time=meta.sync_time or None,
+        kept_steps=meta.kept_steps,
     )
 
 

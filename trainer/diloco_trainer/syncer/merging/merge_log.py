@@ -131,6 +131,7 @@ class MergeLog:
                     scale=scale,
                     raw_weight=raw,
                     weight=share,
+                    kept_steps=c.kept_steps,
                 )
                 for c, work, discount, scale, raw, share in zip(
                     contributions,

@@ -174,6 +174,10 @@ class Contribution:
     push_id: str = ""
     step_time: float | None = None
     sync_time: float | None = None
+    # Of its steps, those trained before its base was installed (PushMeta.kept_steps): recorded
+    # in the merge log, counted by no rule (docs/algorithm.md, "A push's kept steps are
+    # recorded").
+    kept_steps: int = 0
     # Its pseudo-gradient as a name -> tensor mapping (opaque here): the syncer keeps it encoded
     # (payload.EncodedPayload) and folds the decoded values into the round as it arrives.
     payload: Any = field(default=None, repr=False)
