@@ -30,6 +30,18 @@ leaves its remainder undone, so the others, drained short of the budget, train o
 wait (learner/drain.py) until it is reached. One that joins after the targets gets none and
 trains on until the finish.
 
+An island whose pace is unknown (no two heartbeats with a growing count: a learner just up, or
+one that never reports its tokens) is waited for only `pace_wait_seconds` after it joined (its
+learner heartbeats at once and every interval, so a live one has measured its pace by then);
+past that it is left out of the split (split_among), as a late joiner is: no target, it trains
+on until the finish, and its merged tokens count as done. Before, the targets waited for every
+running island's pace, so one island that never sent its count (an adversary, or a broken
+learner) left every other without a target: none drained, and the job ended at the first merge
+that reached the budget, each island's work since its last merged push lost (issue 46). An
+island without a target holds neither the split, nor the targeted islands' last rounds, nor
+the finish (SyncState.split_to, untargeted): the job ends once the targeted islands have
+drained at the budget, or at the first merge that reaches it.
+
 Pure: the service calls `stop_targets` with the islands' records under its lock.
 """
 
@@ -46,6 +58,8 @@ from diloco_trainer.syncer.state.records import IslandRecord
 # (learner/loop.py); targets are set this many such intervals before the budget is reached.
 LEARNER_BEAT_SECONDS = 5.0
 HORIZON_BEATS = 3
+# An island's unknown pace holds the split this many intervals after its join (split_among).
+PACE_WAIT_BEATS = 3
 # A split that is a whole number of steps but for float rounding stays that number.
 ROUNDING = 1e-6
 
@@ -81,6 +95,13 @@ def horizon_seconds(heartbeat_timeout: float) -> float:
     return HORIZON_BEATS * min(LEARNER_BEAT_SECONDS, heartbeat_timeout / 4)
 
 
+def pace_wait_seconds(heartbeat_timeout: float) -> float:
+    """How long after its join an island's unknown pace holds the split: PACE_WAIT_BEATS of
+    its learner's heartbeat intervals (two reports measure a pace; the rest is room for a slow
+    first step)."""
+    return PACE_WAIT_BEATS * min(LEARNER_BEAT_SECONDS, heartbeat_timeout / 4)
+
+
 def pace_of(rec: IslandRecord) -> Pace | None:
     """The island's pace from its first and latest reports since it joined; None before two."""
     if rec.first_report is None or rec.reported_tokens is None or rec.reported_at is None:
@@ -90,6 +111,23 @@ def pace_of(rec: IslandRecord) -> Pace | None:
         return None
     rate = (rec.reported_tokens - first_tokens) / (rec.reported_at - first_at)
     return Pace(rec.count_base, rec.reported_tokens, rec.reported_at, rate)
+
+
+def split_among(
+    running: Iterable[IslandRecord], *, now: float, wait: float
+) -> list[IslandRecord] | None:
+    """The islands still training that the budget is split among: those whose pace is known
+    (pace_of); None while one without a pace joined less than `wait` seconds ago (its learner's
+    first heartbeats measure it: the split waits for it). One without a pace `wait` seconds
+    after its join (`pace_since`; none known: waited out) is left out: no island's silence
+    holds the others' targets (see the module docstring)."""
+    split = []
+    for rec in running:
+        if pace_of(rec) is not None:
+            split.append(rec)
+        elif rec.pace_since is not None and now - rec.pace_since < wait:
+            return None
+    return split
 
 
 def stop_targets(
