@@ -18,6 +18,7 @@ from diloco_trainer.syncer.state.targets import (
     lock_step_weights,
     merged_elsewhere,
     pace_of,
+    pace_span_seconds,
     pace_wait_seconds,
     ready_to_split,
     running_islands,
@@ -59,6 +60,21 @@ def test_targets_pace_from_the_first_and_latest_report() -> None:
     assert pace_of(rec) is None  # one report: no pace yet
     rec.reported_tokens, rec.reported_at = 5632, 20.0
     assert pace_of(rec) == Pace(base=100.0, tokens=5632, at=20.0, rate=512.0)
+
+
+def test_targets_pace_needs_reports_half_a_heartbeat_interval_apart() -> None:
+    """A learner reports its first steps' times at once: reports milliseconds apart, whose rate
+    is noise. At a 5 s interval (timeout 60 s) a pace needs its reports more than 2.5 s apart;
+    at 1 s (timeout 4 s), 0.5 s."""
+    assert pace_span_seconds(60.0) == 2.5 and pace_span_seconds(4.0) == 0.5
+    rec = IslandRecord(name="a")
+    rec.first_report, rec.reported_tokens, rec.reported_at = (0, 10.0), 128, 10.01
+    assert pace_of(rec) == Pace(base=0.0, tokens=128, at=10.01, rate=pytest.approx(12_800.0))
+    assert pace_of(rec, 0.5) is None  # 10 ms: two steps' reports, no pace
+    rec.reported_tokens, rec.reported_at = 3_000, 12.5
+    assert pace_of(rec, 2.5) is None  # exactly 2.5 s: not more
+    rec.reported_tokens, rec.reported_at = 3_120, 12.6  # 3,120 tokens over 2.6 s
+    assert pace_of(rec, 2.5) == Pace(base=0.0, tokens=3_120, at=12.6, rate=pytest.approx(1_200.0))
 
 
 def test_targets_wait_until_the_budget_is_within_the_horizon() -> None:

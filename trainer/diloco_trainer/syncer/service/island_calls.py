@@ -25,6 +25,7 @@ from diloco_trainer.syncer.state import (
     lock_step_weights,
     merged_elsewhere,
     pace_of,
+    pace_span_seconds,
     pace_wait_seconds,
     ready_to_split,
     running_islands,
@@ -172,12 +173,13 @@ class IslandCalls:
         now = self.control.clock()
         timeout = self.spec.sync.heartbeat_timeout_seconds
         running = running_islands(members.active_records())
-        split = split_among(running, now=now, wait=pace_wait_seconds(timeout))
+        span = pace_span_seconds(timeout)
+        split = split_among(running, now=now, wait=pace_wait_seconds(timeout), min_span=span)
         if not split:
             return  # a new island's pace is awaited, or no island's is known
         if self.lock_step and not ready_to_split(split, self.heard_split):
             return
-        paces = {r.name: p for r in split if (p := pace_of(r)) is not None}
+        paces = {r.name: p for r in split if (p := pace_of(r, span)) is not None}
         step_tokens = {r.name: self.spec.inner.tokens_per_step * r.replicas for r in split}
         weights = None
         if self.lock_step:
