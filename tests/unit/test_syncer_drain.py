@@ -300,14 +300,15 @@ def test_an_island_that_never_reports_its_pace_holds_no_target_nor_the_finish(
 ) -> None:
     """Issue 46 (adv14's paced_ratchet runs): K = 2 of 3, island-2 joined and never reports its
     count. Islands 0 and 1 report 0 tokens at 1,000 s, 64 at 1,001 s (no pace yet: less than
-    half a heartbeat interval, 2.5 s, apart) and 896 at 1,014 s: 64 tokens/s each;
-    budget 456, 128 of it counted: 328 left, within the horizon (15 s x 128/s). Island-2's pace
-    is awaited 15 s after its join (3 heartbeats of 5 s at heartbeatTimeoutSeconds 30): no
-    target at 1,014 s; at 1,015 s it is left out, and 0 and 1, at 64 + 14 x 64 = 960 each (as
-    their counts say), past the budget, drain at once: 7 steps of 128 = 896. Each pushes 100
-    tokens and drains: 200 merged, short of 456 by 256, a step of each targeted island: the job
-    finishes, island-2 active and not drained. On main no target ever came and the finish
-    waited for island-2."""
+    half a heartbeat interval, 2.5 s, apart) and 896 at 1,014 s: 64 tokens/s each; budget
+    456, 128 of it counted: 328 left, within the horizon (15 s x 128/s). Island-2's pace is
+    awaited 15 s after its first join (3 heartbeats of 5 s at heartbeatTimeoutSeconds 30), its
+    rejoin at 1,014 s included: no target at 1,014 s; at 1,015 s it is left out (had its rejoin
+    restarted the wait, an island rejoining every few seconds would hold the split), and 0 and
+    1, at 64 + 14 x 64 = 960 each (as their counts say), past the budget, drain at once: 7
+    steps of 128 = 896. Each pushes 100 tokens and drains: 200 merged, short of 456 by 256, a
+    step of each targeted island: the job finishes, island-2 active and not drained. On main
+    no target ever came and the finish waited for island-2."""
     spec = make_spec(
         sync={"quorum": 2, "graceSeconds": 5}, stopAfter={"outerSteps": None, "tokens": 456}
     )
@@ -326,6 +327,7 @@ def test_an_island_that_never_reports_its_pace_holds_no_target_nor_the_finish(
             for n in honest
         ]
         clock.now += 13.0  # 1,014 s: island-2 may still report
+        await syncer.islands.join("island-2", 1)  # a rejoin does not restart its wait
         seen += [
             (await syncer.islands.heartbeat(n, Beat(step=56, tokens=896))).get("stopAt")
             for n in honest

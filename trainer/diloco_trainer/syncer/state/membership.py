@@ -102,7 +102,10 @@ class Membership:
         # ...and its count of tokens: from the island's merged work (JoinInfo.island_tokens).
         rec.reported_tokens, rec.first_report = None, None
         rec.count_base = rec.merged_tokens
-        rec.pace_since = now  # its pace is measured afresh (targets.split_among)
+        # Its pace is measured afresh, but the split waits for it from its first join only
+        # (targets.split_among): an island that rejoined every few seconds held it for ever.
+        if rec.pace_since is None:
+            rec.pace_since = now
         self.revive(rec, now)
         self._events.membership_changed(now)
         return rec

@@ -32,8 +32,9 @@ wait (learner/drain.py) until it is reached. One that joins after the targets ge
 trains on until the finish.
 
 An island whose pace is unknown (no two heartbeats with a growing count: a learner just up, or
-one that never reports its tokens) is waited for only `pace_wait_seconds` after it joined (its
-learner heartbeats at once and every interval, so a live one has measured its pace by then);
+one that never reports its tokens) is waited for only `pace_wait_seconds` after its first join
+(its learner heartbeats at once and every interval, so a live one has measured its pace by
+then; a rejoin does not restart the wait, or an island rejoining every few seconds held it);
 past that it is left out of the split (split_among), as a late joiner is: no target, it trains
 on until the finish, and its merged tokens count as done. Before, the targets waited for every
 running island's pace, so one island that never sent its count (an adversary, or a broken
@@ -107,7 +108,7 @@ def horizon_seconds(heartbeat_timeout: float) -> float:
 
 
 def pace_wait_seconds(heartbeat_timeout: float) -> float:
-    """How long after its join an island's unknown pace holds the split: PACE_WAIT_BEATS of
+    """How long after its first join an island's unknown pace holds the split: PACE_WAIT_BEATS of
     its learner's heartbeat intervals (two reports PACE_SPAN_BEATS apart measure a pace; the
     rest is room for a slow first step)."""
     return PACE_WAIT_BEATS * beat_seconds(heartbeat_timeout)
@@ -134,9 +135,10 @@ def split_among(
     running: Iterable[IslandRecord], *, now: float, wait: float, min_span: float = 0.0
 ) -> list[IslandRecord] | None:
     """The islands still training that the budget is split among: those whose pace is known
-    (pace_of); None while one without a pace joined less than `wait` seconds ago (its learner's
-    first heartbeats measure it: the split waits for it). One without a pace `wait` seconds
-    after its join (`pace_since`; none known: waited out) is left out: no island's silence
+    (pace_of); None while one without a pace first joined less than `wait` seconds ago (its
+    learner's first heartbeats measure it: the split waits for it). One without a pace `wait`
+    seconds after its first join (`pace_since`; none known: waited out) is left out: no island's
+    silence
     holds the others' targets (see the module docstring). `min_span`: pace_of's."""
     split = []
     for rec in running:
