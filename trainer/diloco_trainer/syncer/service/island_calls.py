@@ -160,8 +160,8 @@ class IslandCalls:
 
         An island that said it drained is done: its merged tokens count as final and it gets
         no target; what is left is split among those still training (running_islands) whose
-        pace is known, an island without one waited for only a bounded time after its join
-        (split_among: one that never reports its count holds no other's target). At
+        pace is known, an island without one waited for only a bounded time after its first
+        join (split_among: one that never reports its count holds no other's target). At
         K = M that waits until each of them has heard that the budget is split: until then it
         may drain on its share, which a target above the share would count on (the stall at
         the drain of issues 45/47: docs/algorithm.md, "The drain")."""
@@ -202,7 +202,7 @@ class IslandCalls:
             if left_out:
                 log.warning(
                     "no pace known for %s (no heartbeat with a growing token count within %.0fs "
-                    "of its join): left out of the split, no stop target; it trains on until "
+                    "of its first join): left out of the split, no stop target; it trains on until "
                     "the finish and holds neither the targets nor the finish",
                     ", ".join(left_out),
                     pace_wait_seconds(timeout),

@@ -381,7 +381,7 @@ class SyncState:
         # round merges before every island joined). Issue 46: K = 2 of 3 with the third never
         # up held the last island's push until a drained island's wait ended (30 s), and the
         # islands trained on past the budget.
-        # Nor is an island the budget was not split to (untargeted: no pace, or joined since):
+        # Nor is an island the budget was not split to (untargeted: no pace, or rejoined since):
         # it has no target to drain at, and a drained island's last push waited for its push
         # for ever when it never sent one to that fragment (issue 46, adv15).
         drained = self.drained()
@@ -406,8 +406,8 @@ class SyncState:
         return {n for n in self.membership.active() if islands[n].drained}
 
     def untargeted(self) -> set[str]:
-        """The active islands the budget was not split to, once it is (split_to; targets.
-        untargeted): none before."""
+        """The active islands the budget was not split to, once it is (split_to: left out of
+        the split for want of a pace, targets.split_among, or rejoined since): none before."""
         if self.split_to is None:
             return set()
         return self.membership.active() - self.split_to
@@ -419,7 +419,7 @@ class SyncState:
         service's check against the budget (targets.drained_at_budget) already fails where
         their part is missing (K = M, shares of 1/M), and at K < M the budget was split among
         the active islands, so nothing of it is left to them (issue 46). Nor do the active
-        islands the budget was not split to (untargeted: no pace, or joined since), nor their
+        islands the budget was not split to (untargeted: no pace, or rejoined since), nor their
         pending pushes: no part of the split is theirs to drain, and one that never reported
         its pace would otherwise hold the finish for ever (issue 46, adv15)."""
         exempt = self.untargeted()
