@@ -5,19 +5,28 @@ the syncer's stop target, split by pace near the budget (syncer/state/targets.py
 
 from __future__ import annotations
 
+import asyncio
 import re
+import threading
 from collections.abc import Callable
+from typing import Any
 
 import pytest
+import torch
+from diloco_trainer.api import credentials
 from diloco_trainer.api.documents import MergeRecord
 from diloco_trainer.api.spec import JobSpec
+from diloco_trainer.core.payloads import PulledFragment
+from diloco_trainer.learner.syncer_client import SyncerClient
 from diloco_trainer.local.run import LocalRun
 
+from .conftest import http_request
 from .test_convergence import (  # noqa: F401  (local_run is a fixture)
     local_run,
     run_to_finish,
     start_synchronised,
 )
+from .test_hostile import push_body
 
 pytestmark = pytest.mark.e2e
 
@@ -128,3 +137,104 @@ def test_drain_at_k_below_m_stops_each_island_at_its_target(
     # The targets are whole steps within the budget, each island's last ones merged.
     assert status.tokens == processed <= budget, (status.tokens, processed)
     assert processed > budget - ISLANDS * STEP_TOKENS, processed
+
+
+class PaceSilentIsland(threading.Thread):
+    """An island that joins with its own credential, pushes once (a small Δ of one claimed step,
+    fragment 0) and then keeps itself in the job with heartbeats that never carry its count
+    (no `tokens`): the syncer never learns its pace (adv14's paced_ratchet, issue 46)."""
+
+    def __init__(self, run: LocalRun, island: str) -> None:
+        super().__init__(daemon=True)
+        assert run.files is not None
+        self.url, self.island = run.url, island
+        self.token = credentials.island_token(run.files.token, island)
+        self.stop = threading.Event()
+        self.answers: list[tuple[str, int, Any]] = []
+
+    def call(self, path: str, **kw: Any) -> tuple[int, Any]:
+        code, doc = http_request("POST", self.url + path, token=self.token, **kw)
+        self.answers.append((path, code, doc))
+        return code, doc
+
+    async def shapes(self) -> dict[str, torch.Tensor]:
+        async with SyncerClient(self.url, self.token) as client:
+            pulled = await client.pull_fragment(0, after=-1)
+            assert isinstance(pulled, PulledFragment)
+            return pulled.tensors
+
+    def run(self) -> None:
+        self.call("/v1/join", json_body={"island": self.island, "replicas": 1})
+        weights = asyncio.run(self.shapes())
+        g = torch.Generator().manual_seed(7)
+        tensors = {n: 1e-4 * torch.randn(t.shape, generator=g) for n, t in weights.items()}
+        code, doc = http_request("GET", self.url + "/v1/status", token=self.token)
+        base = doc["versions"][0] if code == 200 else 0
+        body = push_body(tensors, island=self.island, baseVersion=base, steps=1, tokens=64)
+        self.call("/v1/fragments/0/push", body=body)
+        while not self.stop.wait(0.5):  # twice a second: well within the 4 s timeout
+            code, doc = self.call("/v1/heartbeat", json_body={"island": self.island, "step": 1})
+            if code == 200 and doc.get("finished"):
+                return
+
+
+def test_drain_is_not_held_by_an_island_that_never_reports_its_pace(
+    make_spec: Callable[..., JobSpec],
+    local_run: Callable[..., LocalRun],  # noqa: F811
+) -> None:
+    """Issue 46: K = 2 of 3; island-2 joins, pushes, and keeps itself active with heartbeats
+    that never carry its token count. Before, the syncer set stop targets only once every
+    running island's pace was known: no honest island drained and the job ended at the first
+    merge that reached the budget, each island's work since its last merged push lost. Now
+    island-2, past its pace's wait (3 heartbeat intervals, 3 s here), is left out of the split:
+    the two honest islands drain at their targets, every step they took is merged, and the
+    job finishes at the budget (but for the targets' rounding) with island-2 still active and
+    undrained."""
+    budget = 2 * 300 * STEP_TOKENS
+    spec = make_spec(
+        islands={"count": 3},
+        inner={"steps": 6},
+        sync={"quorum": 2, "fragments": 2, "heartbeatTimeoutSeconds": 4},
+        stopAfter={"outerSteps": None, "tokens": budget},
+    )
+    run = local_run(spec)
+    start_synchronised(run, islands=ISLANDS)
+    silent = PaceSilentIsland(run, "island-2")
+    silent.start()
+    try:
+        status = run_to_finish(run, timeout=600)
+        run.wait_learners(timeout=60)
+    finally:
+        silent.stop.set()
+        silent.join(timeout=30)
+    run.stop_all(timeout=30)
+
+    codes = {path: code for path, code, _ in silent.answers}
+    assert codes["/v1/join"] == 200 and codes["/v1/fragments/0/push"] == 200, silent.answers[:3]
+    assert {c for p, c, _ in silent.answers if p == "/v1/heartbeat"} == {200}
+    assert status.islands["island-2"].state == "active" and not status.islands["island-2"].drained
+    syncer_log = (run.logs / "syncer.log").read_text()
+    found = re.findall(r"the budget is near: stop targets \(tokens each learner counts\) (.*)",
+                       syncer_log)  # fmt: skip
+    assert len(found) == 1 and "island-2" not in found[0], found
+    assert "no pace known for island-2" in syncer_log
+    merges = [
+        MergeRecord.model_validate_json(line)
+        for line in (run.workdir / "syncer" / "merges.jsonl").read_text().splitlines()
+    ]
+    processed = 0
+    for island in (f"island-{i}" for i in range(ISLANDS)):
+        log = (run.logs / f"{island}-rank0.log").read_text()
+        assert "this island's part of the job is done (its share of stopAfter" in log
+        assert "drained, but the job did not finish" not in log  # no wait in vain
+        steps = int(re.findall(r"the job has finished: exiting after (\d+) steps", log)[-1])
+        processed += steps * STEP_TOKENS
+        for f in (0, 1):  # every step it took is in both fragments' merges
+            merged = [c.steps for m in merges if m.fragment == f for c in m.contributors
+                      if c.island == island]  # fmt: skip
+            assert sum(merged) == steps, (island, f, merged)
+    # island-2's one push of 64 tokens, merged in fragment 0 of 2: 32 of the job's tokens.
+    silent_tokens = status.islands["island-2"].merged_tokens
+    assert silent_tokens == 32, silent_tokens
+    assert status.tokens == processed + silent_tokens <= budget, (status.tokens, processed)
+    assert processed + silent_tokens > budget - ISLANDS * STEP_TOKENS, processed

@@ -539,6 +539,34 @@ def test_rounds_all_drained_leaves_dropped_islands_out_but_needs_one_active() ->
     assert not state.all_drained()  # nobody active: nothing was done, nothing finishes
 
 
+def test_rounds_an_untargeted_island_holds_no_drained_round_nor_the_finish() -> None:
+    """Issue 46 (adv15): K = 2 of 3, the budget split to islands 0 and 1 only (split_to: island-2
+    never reported its pace). Island-1 drained; island-0's last push is its round's only one
+    (quorum 2): with island-2 counted it waited for island-2's push for ever (grace 600 s, and
+    island-2 never pushes that fragment); untargeted, it is not waited for: due at once. Once
+    island-0 drained too, the finish is not held by island-2 nor by its pending push; a
+    targeted island's pending push still holds it, and with every active island untargeted
+    nothing finishes."""
+    state = make_state(quorum=2, islands=3, grace=600.0)
+    drain(state, "island-1", 1.0)
+    push(state, "island-0", 2.0)
+    assert not state.merge_due(0, 2.0)  # main's rule: island-2 may push
+    assert state.untargeted() == set()  # no split yet: every active island holds it
+    state.split_to = frozenset({"island-0", "island-1"})
+    assert state.untargeted() == {"island-2"}
+    assert state.merge_due(0, 2.0)
+    state.take_round(0, 2.0)
+    assert not state.all_drained()  # island-0 has not drained
+    drain(state, "island-0", 3.0)
+    assert state.all_drained()  # main: False, island-2 never drains
+    push(state, "island-2", 4.0)
+    assert state.all_drained()  # its pending push is no part of the split
+    push(state, "island-1", 5.0)
+    assert not state.all_drained()  # a targeted island's push is pending
+    state.split_to = frozenset({"island-9"})
+    assert not state.all_drained()  # nobody of the split active: nothing finishes
+
+
 def test_rounds_an_island_that_never_joined_holds_no_drained_round_nor_the_finish() -> None:
     """Issue 46: K = 2 of M = 3, the third island never up (within its start-up timeout of
     600 s). Island-1 drained; island-0's last push is the round's only one: one push, quorum 2

@@ -85,7 +85,11 @@ def test_syncer_sets_stop_targets_near_the_budget_and_drops_a_rejoiners(tmp_path
     # K = 2 of 3, 3,000 tokens; a step is 8 x 16 = 128 tokens. Each island reports 0 tokens,
     # then 640 a second later: 640 tokens/s each, 1,920 done, 1,080 left, far within the
     # horizon (3 heartbeats). Each gets a third: 640 + 360 = 1,000, down to 7 steps = 896.
-    spec = make_spec(sync={"quorum": 2}, stopAfter={"outerSteps": None, "tokens": 3000})
+    # Heartbeats every second (timeout 4 s): a pace needs reports half of that apart.
+    spec = make_spec(
+        sync={"quorum": 2, "heartbeatTimeoutSeconds": 4},
+        stopAfter={"outerSteps": None, "tokens": 3000},
+    )
     clock = FakeClock()
 
     async def scenario() -> list[dict[str, object]]:
@@ -191,7 +195,8 @@ def test_k_equal_m_targets_wait_until_every_running_island_heard_the_split(
     4,096 = 1,024 more: 5,120 (40 steps), and the drain ends at the budget exactly."""
     spec = make_spec(
         islands={"count": 3},
-        sync={"quorum": 3, "graceSeconds": 600},
+        # heartbeats every second: a pace from reports 1 s apart (more than half of that)
+        sync={"quorum": 3, "graceSeconds": 600, "heartbeatTimeoutSeconds": 4},
         stopAfter={"outerSteps": None, "tokens": 15_360},
     )
     clock = FakeClock()
@@ -288,3 +293,65 @@ def test_an_island_that_never_joined_does_not_hold_the_drained_finish(tmp_path: 
     # main: [1, 0, 0, False, False], the round held by quorum and the finish by island-2
     assert seen == [1, 0, 200, False, True]
     assert syncer.state.versions == [1] and syncer.tokens == 200
+
+
+def test_an_island_that_never_reports_its_pace_holds_no_target_nor_the_finish(
+    tmp_path: Path,
+) -> None:
+    """Issue 46 (adv14's paced_ratchet runs): K = 2 of 3, island-2 joined and never reports its
+    count. Islands 0 and 1 report 0 tokens at 1,000 s, 64 at 1,001 s (no pace yet: less than
+    half a heartbeat interval, 2.5 s, apart) and 896 at 1,014 s: 64 tokens/s each; budget
+    456, 128 of it counted: 328 left, within the horizon (15 s x 128/s). Island-2's pace is
+    awaited 15 s after its first join (3 heartbeats of 5 s at heartbeatTimeoutSeconds 30), its
+    rejoin at 1,014 s included: no target at 1,014 s; at 1,015 s it is left out (had its rejoin
+    restarted the wait, an island rejoining every few seconds would hold the split), and 0 and
+    1, at 64 + 14 x 64 = 960 each (as their counts say), past the budget, drain at once: 7
+    steps of 128 = 896. Each pushes 100 tokens and drains: 200 merged, short of 456 by 256, a
+    step of each targeted island: the job finishes, island-2 active and not drained. On main
+    no target ever came and the finish waited for island-2."""
+    spec = make_spec(
+        sync={"quorum": 2, "graceSeconds": 5}, stopAfter={"outerSteps": None, "tokens": 456}
+    )
+    clock = FakeClock()
+
+    async def scenario() -> tuple[Syncer, list[object]]:
+        syncer = await started(spec, tmp_path, clock)
+        honest = ["island-0", "island-1"]
+        for name in [*honest, "island-2"]:
+            await syncer.islands.join(name, 1)
+        for name in honest:
+            await syncer.islands.heartbeat(name, Beat(step=0, tokens=0, step_time=0.2))
+        clock.now += 1.0
+        seen: list[object] = [
+            (await syncer.islands.heartbeat(n, Beat(step=4, tokens=64))).get("stopAt")
+            for n in honest
+        ]
+        clock.now += 13.0  # 1,014 s: island-2 may still report
+        await syncer.islands.join("island-2", 1)  # a rejoin does not restart its wait
+        seen += [
+            (await syncer.islands.heartbeat(n, Beat(step=56, tokens=896))).get("stopAt")
+            for n in honest
+        ]
+        clock.now += 1.0  # 1,015 s: its wait is over
+        seen += [
+            (await syncer.islands.heartbeat(n, Beat(step=60, tokens=960))).get("stopAt")
+            for n in honest
+        ]
+        seen.append(dict(syncer.islands.targets))
+        await syncer.receive_push(0, body(syncer, 0, "island-1", delta(syncer, 0, 1)))
+        await syncer.islands.heartbeat("island-1", Beat(step=8, tokens=960, drained=True))
+        await syncer.receive_push(0, body(syncer, 0, "island-0", delta(syncer, 0, 0), base=0))
+        clock.now += 6.0  # past the grace window: island-2, active, could have pushed
+        await syncer.tick()
+        seen += [syncer.tokens, syncer.finished]
+        await syncer.islands.heartbeat("island-0", Beat(step=8, tokens=960, drained=True))
+        await syncer.tick()
+        seen.append(syncer.finished)
+        return syncer, seen
+
+    syncer, seen = run(scenario())
+    # main: [None, None, None, None, None, None, {}, 200, False, False]
+    targets = {"island-0": 896, "island-1": 896}
+    assert seen == [None, None, None, None, 896, 896, targets, 200, False, True]
+    status = run(syncer.status())["islands"]["island-2"]
+    assert status["state"] == "active" and status["drained"] is False

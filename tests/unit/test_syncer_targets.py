@@ -18,8 +18,11 @@ from diloco_trainer.syncer.state.targets import (
     lock_step_weights,
     merged_elsewhere,
     pace_of,
+    pace_span_seconds,
+    pace_wait_seconds,
     ready_to_split,
     running_islands,
+    split_among,
     stop_targets,
 )
 
@@ -57,6 +60,21 @@ def test_targets_pace_from_the_first_and_latest_report() -> None:
     assert pace_of(rec) is None  # one report: no pace yet
     rec.reported_tokens, rec.reported_at = 5632, 20.0
     assert pace_of(rec) == Pace(base=100.0, tokens=5632, at=20.0, rate=512.0)
+
+
+def test_targets_pace_needs_reports_half_a_heartbeat_interval_apart() -> None:
+    """A learner reports its first steps' times at once: reports milliseconds apart, whose rate
+    is noise. At a 5 s interval (timeout 60 s) a pace needs its reports more than 2.5 s apart;
+    at 1 s (timeout 4 s), 0.5 s."""
+    assert pace_span_seconds(60.0) == 2.5 and pace_span_seconds(4.0) == 0.5
+    rec = IslandRecord(name="a")
+    rec.first_report, rec.reported_tokens, rec.reported_at = (0, 10.0), 128, 10.01
+    assert pace_of(rec) == Pace(base=0.0, tokens=128, at=10.01, rate=pytest.approx(12_800.0))
+    assert pace_of(rec, 0.5) is None  # 10 ms: two steps' reports, no pace
+    rec.reported_tokens, rec.reported_at = 3_000, 12.5
+    assert pace_of(rec, 2.5) is None  # exactly 2.5 s: not more
+    rec.reported_tokens, rec.reported_at = 3_120, 12.6  # 3,120 tokens over 2.6 s
+    assert pace_of(rec, 2.5) == Pace(base=0.0, tokens=3_120, at=12.6, rate=pytest.approx(1_200.0))
 
 
 def test_targets_wait_until_the_budget_is_within_the_horizon() -> None:
@@ -189,3 +207,55 @@ def test_targets_at_k_equal_m_count_a_drained_islands_tokens_as_final() -> None:
     )
     assert old is not None and old["b"] == old["c"] == 158_208
     assert 614_400 - (old["a"] + old["d"] + 2 * 153_600) > 4 * 512
+
+
+def test_targets_wait_for_an_unknown_pace_three_heartbeats_after_the_join() -> None:
+    assert pace_wait_seconds(60.0) == 15.0  # learners beat every 5 s: 3 of them
+    assert pace_wait_seconds(4.0) == 3.0  # every 4 / 4 = 1 s
+
+
+def test_targets_split_leaves_out_an_island_silent_past_the_wait() -> None:
+    """Issue 46: a and b report their counts (a pace each); c joined at 100 s and never sends
+    one (no heartbeat, or one whose count never grows). With a wait of 3 s, c holds the split
+    until 103 s (its learner's first heartbeats would measure it), then is left out: the split
+    is a and b's, c gets no target. On main the split waited for c for ever."""
+    a, b, c = (IslandRecord(name=n, pace_since=100.0) for n in "abc")
+    for rec, tokens in ((a, 6_400), (b, 3_200)):
+        rec.first_report, rec.reported_tokens, rec.reported_at = (0, 100.5), tokens, 101.5
+    c.first_report, c.reported_tokens, c.reported_at = (0, 100.5), 0, 101.5  # no growth
+    assert pace_of(a) is not None and pace_of(b) is not None and pace_of(c) is None
+    assert split_among([a, b, c], now=102.9, wait=3.0) is None  # c may still report
+    assert [r.name for r in split_among([a, b, c], now=103.0, wait=3.0) or []] == ["a", "b"]
+    # A record restored by a restarted syncer waits from the restore (pace_since) as from a
+    # join; one whose wait start is not known is not waited for.
+    c.pace_since = None
+    assert [r.name for r in split_among([a, b, c], now=101.5, wait=3.0) or []] == ["a", "b"]
+    # Nobody with a pace: an empty split (no targets), not a wait.
+    assert split_among([c], now=200.0, wait=3.0) == []
+
+
+def test_targets_left_out_island_counts_as_done() -> None:
+    """The split of the test above, budget 20,000 tokens, steps of 64: a at (6,400 - 0) /
+    (101.5 - 100.5) = 6,400 tokens/s, b at 3,200; c merged 1,000 before (done elsewhere).
+    Projected to 103 s: a 6,400 + 1.5 x 6,400 = 16,000, b 3,200 + 1.5 x 3,200 = 8,000; done
+    1,000 + 24,000 = 25,000, past the budget by 5,000: each drains at its projected count, down
+    to a step: a 16,000 (250 steps), b 8,000 (125 steps). At 101.5 s (their reports' time):
+    done 1,000 + 9,600, 9,400 left, 0.98 s at 9,600/s, within a horizon of 3 s: a 6,400 +
+    9,400 x 2/3 = 12,666.7 -> 197 steps = 12,608; b 3,200 + 3,133.3 = 6,333.3 -> 98 steps =
+    6,272."""
+    a, b, c = (IslandRecord(name=n, pace_since=100.0) for n in "abc")
+    for rec, tokens in ((a, 6_400), (b, 3_200)):
+        rec.first_report, rec.reported_tokens, rec.reported_at = (0, 100.5), tokens, 101.5
+    c.merged_tokens = 1_000.0
+    split = split_among([a, b, c], now=103.0, wait=3.0) or []
+    paces = {r.name: p for r in split if (p := pace_of(r)) is not None}
+    args: dict[str, Any] = {
+        "done_elsewhere": merged_elsewhere([a, b, c], set(paces)),
+        "budget": 20_000,
+        "step_tokens": {"a": 64, "b": 64},
+        "horizon": 3.0,
+    }
+    assert args["done_elsewhere"] == 1_000.0
+    assert stop_targets(paces, now=103.0, **args) == {"a": 16_000, "b": 8_000}
+    targets = stop_targets(paces, now=101.5, **args)
+    assert targets == {"a": 12_608, "b": 6_272}

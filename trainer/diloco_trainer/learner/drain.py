@@ -17,8 +17,9 @@ sends each island its stop target in its heartbeat answers (syncer/state/targets
 drains when its count reaches it; at K = M, once the budget is split, past its share and
 without a target yet, it asks for one every FINISH_POLL_SECONDS (DrainTrigger.asks_now: the
 syncer sets them once every island still training has heard of the split). Without a target
-(an island that joined after they were set, or a budget reached before two heartbeats measured
-a pace) the syncer's own rule stands: the job ends at the first merge that reaches the budget.
+(an island that joined after they were set, one whose pace the syncer did not hear within three
+heartbeat intervals of its join, or a budget reached before two heartbeats measured a pace) the
+syncer's own rule stands: the job ends at the first merge that reaches the budget.
 
 The drain (rank 0, `drain`, in place of the step's `after_step`): take the merges of the pushes
 in flight (a push now, from the same base, would carry their work twice) and install their

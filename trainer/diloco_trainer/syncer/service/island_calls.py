@@ -25,8 +25,11 @@ from diloco_trainer.syncer.state import (
     lock_step_weights,
     merged_elsewhere,
     pace_of,
+    pace_span_seconds,
+    pace_wait_seconds,
     ready_to_split,
     running_islands,
+    split_among,
     stop_targets,
 )
 
@@ -79,6 +82,8 @@ class IslandCalls:
             # A restarted learner counts its tokens from zero again: its target (in the old
             # count) would let it train far past the budget. It trains on without one.
             self.targets.pop(island, None)
+            if island in (self.state.split_to or ()):
+                self.state.split_to = frozenset(self.targets) or None
             if rounds.split:
                 self.heard_split.add(island)  # its JoinInfo says so
             merged_tokens = round(rec.merged_tokens)  # read under the lock a merge takes
@@ -154,7 +159,9 @@ class IslandCalls:
         """Fix every active island's stop target once the budget is near (lock held).
 
         An island that said it drained is done: its merged tokens count as final and it gets
-        no target; what is left is split among those still training (running_islands). At
+        no target; what is left is split among those still training (running_islands) whose
+        pace is known, an island without one waited for only a bounded time after its first
+        join (split_among: one that never reports its count holds no other's target). At
         K = M that waits until each of them has heard that the budget is split: until then it
         may drain on its share, which a target above the share would count on (the stall at
         the drain of issues 45/47: docs/algorithm.md, "The drain")."""
@@ -163,29 +170,43 @@ class IslandCalls:
         if self.lock_step and not self.gate.rounds.split:
             return  # every round is H: each island keeps its share of 1/M (learner/drain.py)
         members = self.state.membership
+        now = self.control.clock()
+        timeout = self.spec.sync.heartbeat_timeout_seconds
         running = running_islands(members.active_records())
-        if self.lock_step and not ready_to_split(running, self.heard_split):
+        span = pace_span_seconds(timeout)
+        split = split_among(running, now=now, wait=pace_wait_seconds(timeout), min_span=span)
+        if not split:
+            return  # a new island's pace is awaited, or no island's is known
+        if self.lock_step and not ready_to_split(split, self.heard_split):
             return
-        paces = {r.name: pace_of(r) for r in running}
-        if not running or None in paces.values():
-            return  # an island whose pace is not known yet would be left without a target
-        step_tokens = {r.name: self.spec.inner.tokens_per_step * r.replicas for r in running}
+        paces = {r.name: p for r in split if (p := pace_of(r, span)) is not None}
+        step_tokens = {r.name: self.spec.inner.tokens_per_step * r.replicas for r in split}
         weights = None
         if self.lock_step:
-            rounds = {r.name: self.gate.rounds.steps_of(r, r.name) for r in running}
+            rounds = {r.name: self.gate.rounds.steps_of(r, r.name) for r in split}
             weights = lock_step_weights(rounds, step_tokens)
         targets = stop_targets(
-            {n: p for n, p in paces.items() if p is not None},
+            paces,
             done_elsewhere=merged_elsewhere(members.islands.values(), set(paces)),
             budget=self.budget,
             step_tokens=step_tokens,
-            now=self.control.clock(),
-            horizon=horizon_seconds(self.spec.sync.heartbeat_timeout_seconds),
+            now=now,
+            horizon=horizon_seconds(timeout),
             weights=weights,
         )
         if targets is not None:
             self.targets = targets
+            self.state.split_to = frozenset(targets)  # the others hold no last round nor finish
             log.info("the budget is near: stop targets (tokens each learner counts) %s", targets)
+            left_out = sorted(r.name for r in running if r.name not in targets)
+            if left_out:
+                log.warning(
+                    "no pace known for %s (no heartbeat with a growing token count within %.0fs "
+                    "of its first join): left out of the split, no stop target; it trains on until "
+                    "the finish and holds neither the targets nor the finish",
+                    ", ".join(left_out),
+                    pace_wait_seconds(timeout),
+                )
 
     async def leave(self, island: str) -> dict[str, Any]:
         """An island says goodbye (MembershipAnswer)."""

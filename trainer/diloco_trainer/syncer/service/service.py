@@ -254,7 +254,10 @@ class Syncer:
             stop = self.spec.stop_after
             by_steps = stop.outer_steps is not None and self.state.outer_step >= stop.outer_steps
             return by_steps or not self.shares_kept() or self.state.all_drained()
-        active = self.state.membership.active_records()
+        # An island the budget was not split to (no pace, or joined since) holds no finish: it
+        # has no target to drain at (SyncState.untargeted, issue 46), nor its step of slack.
+        exempt = self.state.untargeted()
+        active = [r for r in self.state.membership.active_records() if r.name not in exempt]
         return self.state.all_drained() and drained_at_budget(self.spec, self.tokens, active)
 
     def shares_kept(self) -> bool:

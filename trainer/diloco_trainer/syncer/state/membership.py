@@ -102,6 +102,10 @@ class Membership:
         # ...and its count of tokens: from the island's merged work (JoinInfo.island_tokens).
         rec.reported_tokens, rec.first_report = None, None
         rec.count_base = rec.merged_tokens
+        # Its pace is measured afresh, but the split waits for it from its first join only
+        # (targets.split_among): an island that rejoined every few seconds held it for ever.
+        if rec.pace_since is None:
+            rec.pace_since = now
         self.revive(rec, now)
         self._events.membership_changed(now)
         return rec
@@ -199,5 +203,6 @@ class Membership:
         for name, status in doc.items():
             rec = IslandRecord.from_status(name, status)
             rec.last_seen = now
+            rec.pace_since = now  # its learner's next heartbeats measure its pace anew
             self.islands[name] = rec
         self._events.membership_changed(now)

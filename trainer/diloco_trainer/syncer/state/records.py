@@ -106,6 +106,10 @@ class IslandRecord:
     reported_tokens: int | None = None
     count_base: float = 0.0
     first_report: tuple[int, float] | None = None
+    # Since when the syncer waits for that pace: its first join, or the restore of its record by
+    # a restarted syncer (targets.split_among: past a bound, an island without one is left out
+    # of the split; a rejoin does not restart the wait). Not persisted.
+    pace_since: float | None = None
     # Its round (H_i, inner.stepsPerIsland: round_sizes.py), the H_i before its last change (its
     # learner may run it until its next round boundary) and when its step time was last read.
     # H_i is persisted (innerSteps), the rest not: a restarted syncer reads afresh.

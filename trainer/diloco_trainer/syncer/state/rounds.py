@@ -159,6 +159,11 @@ class SyncState:
         # evidence, a job of two): set by the gate (set_unsupported), not counted towards the
         # quorum nor waited for, until a push of theirs is accepted.
         self.unsupported: frozenset[str] = frozenset()
+        # The islands the budget was split to once the stop targets are set (None before: the
+        # service's IslandCalls sets it, targets.py); the active islands outside it hold
+        # neither the drain's last rounds nor the finish (untargeted). Not persisted, as the
+        # targets are not.
+        self.split_to: frozenset[str] | None = None
         self._merge_seconds: deque[float] = deque(maxlen=_WINDOW)
         # (island, fragment) -> seconds the syncer held that island's last merged push.
         self._held: dict[tuple[str, int], float] = {}
@@ -376,8 +381,11 @@ class SyncState:
         # round merges before every island joined). Issue 46: K = 2 of 3 with the third never
         # up held the last island's push until a drained island's wait ended (30 s), and the
         # islands trained on past the budget.
+        # Nor is an island the budget was not split to (untargeted: no pace, or rejoined since):
+        # it has no target to drain at, and a drained island's last push waited for its push
+        # for ever when it never sent one to that fragment (issue 46, adv15).
         drained = self.drained()
-        missing = self.spanning() - rnd.pending.keys() - drained
+        missing = self.spanning() - rnd.pending.keys() - drained - self.untargeted()
         if drained and rnd.pending and not missing:
             return True
         awaited = self.membership.awaited()
@@ -397,17 +405,28 @@ class SyncState:
         islands = self.membership.islands
         return {n for n in self.membership.active() if islands[n].drained}
 
+    def untargeted(self) -> set[str]:
+        """The active islands the budget was not split to, once it is (split_to: left out of
+        the split for want of a pace, targets.split_among, or rejoined since): none before."""
+        if self.split_to is None:
+            return set()
+        return self.membership.active() - self.split_to
+
     def all_drained(self) -> bool:
         """Every active island has drained and no push is pending: all the work the islands
         will do is merged (the service then checks it against stopAfter); never with no active
         island (nobody has done anything). Islands that never joined do not hold it: the
         service's check against the budget (targets.drained_at_budget) already fails where
         their part is missing (K = M, shares of 1/M), and at K < M the budget was split among
-        the active islands, so nothing of it is left to them (issue 46)."""
+        the active islands, so nothing of it is left to them (issue 46). Nor do the active
+        islands the budget was not split to (untargeted: no pace, or rejoined since), nor their
+        pending pushes: no part of the split is theirs to drain, and one that never reported
+        its pace would otherwise hold the finish for ever (issue 46, adv15)."""
+        exempt = self.untargeted()
         active = self.membership.active()
-        if not active or not active <= self.drained():
+        if not active or not active - exempt or not active - exempt <= self.drained():
             return False
-        return not any(r.pending for r in self.rounds)
+        return not any(n not in exempt for r in self.rounds for n in r.pending)
 
     def expected_push(self, rec: IslandRecord, fragment: int, now: float) -> float | None:
         """When `rec` should push fragment (clock time, never before `now`): its latest progress

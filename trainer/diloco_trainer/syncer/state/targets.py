@@ -20,7 +20,8 @@ islands behind a straggler, and without a stop the job ends at the first merge t
 budget, the work each island did after its last merged push lost (up to half a round plus τ
 steps an island). So the syncer, which hears every island's count of processed tokens in its
 heartbeats, splits what is left of the budget among the active islands in proportion to their
-pace once it is close: when what is left takes the islands less than `horizon` seconds at
+pace (measured between reports more than half a heartbeat interval apart: pace_of) once it is
+close: when what is left takes the islands less than `horizon` seconds at
 their pace (a few heartbeat intervals, so each learner hears its target before it reaches it).
 The targets are fixed then (a later change of pace moves nothing), sent in each heartbeat
 answer (`stopAt`, in the learner's own count), and a learner drains once its count reaches its
@@ -29,6 +30,19 @@ budget but for that rounding (drained_at_budget); an island dropped after the ta
 leaves its remainder undone, so the others, drained short of the budget, train on after their
 wait (learner/drain.py) until it is reached. One that joins after the targets gets none and
 trains on until the finish.
+
+An island whose pace is unknown (no two heartbeats with a growing count: a learner just up, or
+one that never reports its tokens) is waited for only `pace_wait_seconds` after its first join
+(its learner heartbeats at once and every interval, so a live one has measured its pace by
+then; a rejoin does not restart the wait, or an island rejoining every few seconds held it);
+past that it is left out of the split (split_among), as a late joiner is: no target, it trains
+on until the finish, and its merged tokens count as done. Before, the targets waited for every
+running island's pace, so one island that never sent its count (an adversary, or a broken
+learner) left every other without a target: none drained, and the job ended at the first merge
+that reached the budget, each island's work since its last merged push lost (issue 46). An
+island without a target holds neither the split, nor the targeted islands' last rounds, nor
+the finish (SyncState.split_to, untargeted): the job ends once the targeted islands have
+drained at the budget, or at the first merge that reaches it.
 
 Pure: the service calls `stop_targets` with the islands' records under its lock.
 """
@@ -46,6 +60,13 @@ from diloco_trainer.syncer.state.records import IslandRecord
 # (learner/loop.py); targets are set this many such intervals before the budget is reached.
 LEARNER_BEAT_SECONDS = 5.0
 HORIZON_BEATS = 3
+# An island's unknown pace holds the split this many intervals after its join (split_among).
+PACE_WAIT_BEATS = 3
+# A pace is measured over at least this many intervals (pace_of): a learner reports its first
+# steps' times at once (the syncer sizes its round from them), so its first reports come
+# milliseconds apart, and a rate over those is noise (seen: targets of 11,136 and 27,200
+# tokens for two like islands, set 60 ms after their joins; the first to drain waited in vain).
+PACE_SPAN_BEATS = 0.5
 # A split that is a whole number of steps but for float rounding stays that number.
 ROUNDING = 1e-6
 
@@ -76,20 +97,56 @@ def budget_tokens(spec: JobSpec) -> int | None:
     return stop.tokens
 
 
+def beat_seconds(heartbeat_timeout: float) -> float:
+    """A learner's heartbeat interval (learner/loop.py)."""
+    return min(LEARNER_BEAT_SECONDS, heartbeat_timeout / 4)
+
+
 def horizon_seconds(heartbeat_timeout: float) -> float:
     """How long before the budget is reached the targets are set."""
-    return HORIZON_BEATS * min(LEARNER_BEAT_SECONDS, heartbeat_timeout / 4)
+    return HORIZON_BEATS * beat_seconds(heartbeat_timeout)
 
 
-def pace_of(rec: IslandRecord) -> Pace | None:
-    """The island's pace from its first and latest reports since it joined; None before two."""
+def pace_wait_seconds(heartbeat_timeout: float) -> float:
+    """How long after its first join an island's unknown pace holds the split: PACE_WAIT_BEATS of
+    its learner's heartbeat intervals (two reports PACE_SPAN_BEATS apart measure a pace; the
+    rest is room for a slow first step)."""
+    return PACE_WAIT_BEATS * beat_seconds(heartbeat_timeout)
+
+
+def pace_span_seconds(heartbeat_timeout: float) -> float:
+    """The least time between the reports a pace is measured from (PACE_SPAN_BEATS)."""
+    return PACE_SPAN_BEATS * beat_seconds(heartbeat_timeout)
+
+
+def pace_of(rec: IslandRecord, min_span: float = 0.0) -> Pace | None:
+    """The island's pace from its first and latest reports since it joined; None before two
+    more than `min_span` seconds apart (pace_span_seconds)."""
     if rec.first_report is None or rec.reported_tokens is None or rec.reported_at is None:
         return None
     first_tokens, first_at = rec.first_report
-    if rec.reported_at <= first_at or rec.reported_tokens <= first_tokens:
+    if rec.reported_at - first_at <= min_span or rec.reported_tokens <= first_tokens:
         return None
     rate = (rec.reported_tokens - first_tokens) / (rec.reported_at - first_at)
     return Pace(rec.count_base, rec.reported_tokens, rec.reported_at, rate)
+
+
+def split_among(
+    running: Iterable[IslandRecord], *, now: float, wait: float, min_span: float = 0.0
+) -> list[IslandRecord] | None:
+    """The islands still training that the budget is split among: those whose pace is known
+    (pace_of); None while one without a pace first joined less than `wait` seconds ago (its
+    learner's first heartbeats measure it: the split waits for it). One without a pace `wait`
+    seconds after its first join (`pace_since`; none known: waited out) is left out: no island's
+    silence
+    holds the others' targets (see the module docstring). `min_span`: pace_of's."""
+    split = []
+    for rec in running:
+        if pace_of(rec, min_span) is not None:
+            split.append(rec)
+        elif rec.pace_since is not None and now - rec.pace_since < wait:
+            return None
+    return split
 
 
 def stop_targets(
