@@ -155,7 +155,9 @@ def run_one(args: Any, spec: JobSpec, speeds: list[float], wd: Path) -> dict[str
         end = t2[0] if t2 else time.time()
     finally:
         run.stop()
-    windows = ours_islands(sampler, t1, end)
+    # Steps from the tokens each island reports consumed, fill steps included (a heartbeat's
+    # step, the schedule position, leaves them out: K = M islands take them at mixed speeds).
+    windows = ours_islands(sampler, t1, end, tokens_per_step=spec.inner.tokens_per_step)
     names = [island_name(spec.islands.name_prefix, i) for i in range(len(speeds))]
     waits = run_waits(wd, names) if spec.sync.quorum >= len(speeds) else None
     islands = final.get("islands", {})

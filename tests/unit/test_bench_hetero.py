@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from bench.harness.measure import islands_over
 from bench.harness.merge_waits import pushes_in, waits_alone
 from bench.hetero import (
     all_or_none,
@@ -125,6 +126,25 @@ def test_fast_utilisation_and_verdicts_over_repeats() -> None:
     assert mean_reached([None]) is None
 
 
+def test_utilisation_counts_fill_steps_from_the_tokens_consumed() -> None:
+    """An island over 10 s: its schedule position 100 -> 280 (180 steps) while it consumed
+    200 steps' tokens (512 a step: 51,200 -> 153,600; 20 fill steps move no position), its step
+    time 0.05 s. From the tokens: 200 x 0.05 / 10 = 1.0 (and 20 steps/s); from the position, as
+    the other benchmarks read it: 180 x 0.05 / 10 = 0.9."""
+
+    def status(step: int, tokens: int) -> dict[str, object]:
+        return {"islands": {"a": {"step": step, "tokens": tokens, "stepTime": 0.05}}}
+
+    samples = [
+        (0.0, status(100, 51_200)),
+        (5.0, status(190, 102_400)),
+        (10.0, status(280, 153_600)),
+    ]
+    by_tokens = islands_over(samples, 0.0, 10.0, tokens_per_step=512)["a"]
+    assert by_tokens.utilisation == pytest.approx(1.0) and by_tokens.steps_per_s == 20.0
+    assert islands_over(samples, 0.0, 10.0)["a"].utilisation == pytest.approx(0.9)
+
+
 def test_emulated_islands_step_their_speed_factor_times_t_and_skip_the_fast_alone() -> None:
     """--emulate-step-ms 50 on 1,1,2,4: 50 ms x the factor, in seconds, each island's own
     DILOCO_EMULATE_STEP_SECONDS (0.05, 0.05, 0.1, 0.2); 0 leaves every island real. The plan
@@ -162,13 +182,15 @@ def test_emulated_smoke_run_gives_the_slow_island_its_step_time_and_a_short_roun
     code = main(
         [
             *("--mixes", "1,3", "--quorums", "2", "--no-fixed", "--skip-torchft"),
-            *("--rounds", "4", "--inner-steps", "10", "--emulate-step-ms", "40"),
+            *("--rounds", "10", "--inner-steps", "10", "--emulate-step-ms", "40"),
             *("--no-record", "--workdir", str(tmp_path)),
         ]
     )
     assert code == 0
     ours = json.loads((tmp_path / "results.json").read_text())["ours"]
     assert list(ours) == ["equal speeds, K=2", "1,3 auto, K=2"]
+    # its utilisation read from the tokens it consumed: nonzero, near 1 at equal speeds
+    assert ours["equal speeds, K=2"]["utilisation"]["island-0"] > 0.5, ours
     mixed = ours["1,3 auto, K=2"]
     fast, slow = mixed["step_time"]["island-0"], mixed["step_time"]["island-1"]
     assert 0.04 <= fast < 0.05 and 2.7 <= slow / fast <= 3.3, (fast, slow)
