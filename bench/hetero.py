@@ -13,7 +13,9 @@ The mixed-speed runs get 1.5x the budget so that they can reach the target. Figu
   below it, interpolated between evaluations), against the fast islands alone;
 - eval loss at the equal-speed run's token budget (interpolated over merged tokens);
 - each island's utilisation (inner steps x its step time / wall time, from the first merge
-  until 80% of the budget is merged), the fast islands' against the equal-speed run's;
+  until 80% of the budget is merged; the steps from the tokens it reports consumed, so that
+  fill steps, which move no schedule position, count), the fast islands' against the
+  equal-speed run's;
 - each island's share of merged tokens against its share of compute, read from its measured
   step time in the same run ((1 / t_i) / sum_j (1 / t_j): an emulated 3x island runs slower than
   3x on a shared machine, bench/harness/hetero_figures.py).
@@ -754,6 +756,9 @@ NOTES = [
     "first merge to 80% of the budget, sampled each second; shown over the mean of the "
     "fast (factor 1) islands' in the same run. Measured compute share: (1 / t_i) / "
     "sum_j (1 / t_j) (bench/harness/hetero_figures.py); merged tokens over the whole run.",
+    "Utilisation: an island's steps in the window (the tokens it reports consumed over tokens "
+    "a step: fill steps count, which its reported step, the schedule position, leaves out) x "
+    "its measured step time / the window's wall time. "
     "Fast islands' utilisation: each mixed run's mean over the factor-1 islands, over the "
     "mean of the equal-speed baselines'; with --repeats the verdict reads the 95% interval "
     "of the ratio of the means (variance pooled from both sides, Student's t): met when the "
