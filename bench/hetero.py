@@ -13,7 +13,9 @@ The mixed-speed runs get 1.5x the budget so that they can reach the target. Figu
   below it, interpolated between evaluations), against the fast islands alone;
 - eval loss at the equal-speed run's token budget (interpolated over merged tokens);
 - each island's utilisation (inner steps x its step time / wall time, from the first merge
-  until 80% of the budget is merged), the fast islands' against the equal-speed run's;
+  until 80% of the budget is merged; the steps from the tokens it reports consumed, so that
+  fill steps, which move no schedule position, count), the fast islands' against the
+  equal-speed run's;
 - each island's share of merged tokens against its share of compute, read from its measured
   step time in the same run ((1 / t_i) / sum_j (1 / t_j): an emulated 3x island runs slower than
   3x on a shared machine, bench/harness/hetero_figures.py).
@@ -33,6 +35,23 @@ tokens against its own equal-speed run and against ours', and each replica's uti
     python -m bench.hetero --mixes 1,1,1,3 --quorums 4       # one mix, K = M only
     python -m bench.hetero --mixes 1,1,1,3 --no-fixed --repeats 3   # judged against 3 baselines
     python -m bench.hetero --mixes 1,1,1,3 --quorums 4 --no-fixed --skip-torchft   # ours alone
+    python -m bench.hetero --no-fixed --repeats 3 --emulate-step-ms 50   # separate hardware
+
+--emulate-step-ms T: every island's inner step is an emulated accelerator's
+(learner/emulated_step.py, DILOCO_EMULATE_STEP_SECONDS) of T x its speed factor (a 3x island
+3T), mostly asleep, instead of real training slowed by DILOCO_SLOWDOWN. On a host with fewer
+cores than processes the real runs' islands take their compute from the same cores (a slow
+island's compute, a fill step's, a start-up's slow the fast islands too); emulated, each
+island's step time is exact and independent of the others' load, as on separate hardware, while
+the sync path (push, the syncer's merge, pull, apply) stays real. What it measures: the fast
+islands' utilisation against the equal-speed job (emulated at T too), the K = M merges' waits,
+each island's H_i (inner.stepsPerIsland auto still reads the speeds from the reported step
+times) and merged-token share against its compute share. What it cannot: an emulated step does
+not train (it scales a slice of the weights and reports a constant loss), so time to target and
+loss at equal tokens are printed as n/a, the fast islands alone (whose only figure is the time
+to target) and torchft's runs are left out. T = 50 ms is a real gpt-tiny step on this host's
+kind of CPU (a round of 30 steps took 1.575 s at load 2, bench/RESULTS.md "busy_link", link13),
+so the sync path's share of a round stays what it is in the real runs.
 """
 
 from __future__ import annotations
@@ -47,7 +66,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from diloco_trainer.api.contract import island_name
+from diloco_trainer.api.contract import EMULATE_STEP, island_name
 from diloco_trainer.api.spec import JobSpec, parse_spec
 
 from bench.harness.common import (
@@ -106,10 +125,20 @@ def make_spec(args: Any, *, islands: int, quorum: int, mode: str, tokens: int) -
     )
 
 
+def emulated_env(speeds: Sequence[float], step_ms: float) -> dict[int, dict[str, str]]:
+    """Each island's environment for an emulated step of `step_ms` x its speed factor (in
+    seconds, DILOCO_EMULATE_STEP_SECONDS); empty when `step_ms` is 0 (real steps)."""
+    if step_ms <= 0:
+        return {}
+    return {i: {EMULATE_STEP: f"{step_ms * f / 1000:g}"} for i, f in enumerate(speeds)}
+
+
 def run_one(args: Any, spec: JobSpec, speeds: list[float], wd: Path) -> dict[str, Any]:
-    """One job to its finish; its eval history, utilisations and merged tokens per island."""
-    slowdowns = {i: f for i, f in enumerate(speeds) if f > 1}
-    run = OursRun(spec=spec, workdir=wd, slowdowns=slowdowns)
+    """One job to its finish; its eval history, utilisations and merged tokens per island.
+    Emulated (--emulate-step-ms): no island is slowed by a sleep; its step time is its own."""
+    env = emulated_env(speeds, args.emulate_step_ms)
+    slowdowns = {} if env else {i: f for i, f in enumerate(speeds) if f > 1}
+    run = OursRun(spec=spec, workdir=wd, slowdowns=slowdowns, island_env=env)
     budget = spec.stop_after.tokens or 0
     started = time.time()
     try:
@@ -128,7 +157,9 @@ def run_one(args: Any, spec: JobSpec, speeds: list[float], wd: Path) -> dict[str
         end = t2[0] if t2 else time.time()
     finally:
         run.stop()
-    windows = ours_islands(sampler, t1, end)
+    # Steps from the tokens each island reports consumed, fill steps included (a heartbeat's
+    # step, the schedule position, leaves them out: K = M islands take them at mixed speeds).
+    windows = ours_islands(sampler, t1, end, tokens_per_step=spec.inner.tokens_per_step)
     names = [island_name(spec.islands.name_prefix, i) for i in range(len(speeds))]
     waits = run_waits(wd, names) if spec.sync.quorum >= len(speeds) else None
     islands = final.get("islands", {})
@@ -150,6 +181,8 @@ def torchft_unavailable(args: Any) -> str | None:
     the runs share the loopback unshaped, as ours do."""
     if args.skip_torchft:
         return "skipped (--skip-torchft)"
+    if args.emulate_step_ms:
+        return "its workers cannot emulate a step (--emulate-step-ms): real training only"
     try:
         import torchft  # noqa: F401
     except ImportError:
@@ -294,7 +327,8 @@ def plan_runs(
     (baseline, alone, mixed, baseline, alone, mixed ...) and share the machine's drift in load
     (one fast-alone run took 34-78 s from one command to the next at load 10-15, bench/RESULTS.md,
     "hetero"). `key` groups the repeats of one configuration; the name numbers them when there
-    are several."""
+    are several. Emulated steps (--emulate-step-ms) leave the fast islands alone out: their only
+    figure is the time to target, and emulated steps do not train."""
     m = len(mixes[0])
     fast = min(sum(1 for f in mix if f == 1.0) for mix in mixes)
     equal = f"equal speeds, K={m}"
@@ -303,9 +337,10 @@ def plan_runs(
         tag = f" #{r + 1}" if args.repeats > 1 else ""
         spec = make_spec(args, islands=m, quorum=m, mode="fixed", tokens=budget)
         out.append((equal + tag, equal, [1.0] * m, spec))
-        alone = f"{fast} fast islands alone, K={fast}"
-        spec = make_spec(args, islands=fast, quorum=fast, mode="fixed", tokens=extra)
-        out.append((alone + tag, alone, [1.0] * fast, spec))
+        if not args.emulate_step_ms:
+            alone = f"{fast} fast islands alone, K={fast}"
+            spec = make_spec(args, islands=fast, quorum=fast, mode="fixed", tokens=extra)
+            out.append((alone + tag, alone, [1.0] * fast, spec))
         for mix in mixes:
             label = ",".join(f"{f:g}" for f in mix)
             for k in args.quorums:
@@ -340,9 +375,22 @@ def main(argv: Sequence[str] | None = None) -> int:
         "(baseline, mixed, baseline, mixed ...); the fast islands' utilisation is judged against "
         "the baselines' mean with the 95%% interval of the ratio (one: no interval, not resolved)",
     )
+    p.add_argument(
+        "--emulate-step-ms",
+        type=float,
+        default=0.0,
+        help="every island's inner step an emulated accelerator's of this many ms x its speed "
+        "factor instead of real training slowed by a sleep: step times exact and independent of "
+        "the shared cores, as separate hardware (50: a real gpt-tiny step here); the steps do "
+        "not train, so time to target and loss are n/a and the fast-alone and torchft runs are "
+        "left out (default 0: real steps)",
+    )
     args = p.parse_args(argv)
     if args.repeats < 1:
         p.error(f"--repeats must be at least 1, got {args.repeats}")
+    slowest = max(max(parse_mix(m)) for m in args.mixes)
+    if args.emulate_step_ms < 0 or slowest * args.emulate_step_ms / 1000 > 60:
+        p.error("--emulate-step-ms must be >= 0 and the slowest island's step at most 60 s")
     install_signal_cleanup()
     mixes = [parse_mix(m) for m in args.mixes]
     m = len(mixes[0])
@@ -426,7 +474,9 @@ def report(
     load: LoadMonitor,
     peer: Peer | None = None,
 ) -> int:
-    equal_key, alone_key = runs[0][1], runs[1][1]
+    emulated = bool(args.emulate_step_ms)
+    # Emulated steps do not train: no fast-alone runs, and no loss or time figure means a thing.
+    equal_key, alone_key = runs[0][1], None if emulated else runs[1][1]
     baselines = [results[name] for name, key, _, _ in runs if key == equal_key]
     target = sum(b["final_loss"] for b in baselines) / len(baselines)
     alone_times = [
@@ -437,10 +487,14 @@ def report(
     alone_time = mean_reached(alone_times)
     base_utils = [fast_utilisation(b, [1.0] * len(b["utilisation"])) for b in baselines]
     base_util = sum(base_utils) / len(base_utils)
+    aim = (
+        f"steps emulated, {args.emulate_step_ms:g} ms x the speed factor: loss and time n/a"
+        if emulated
+        else f"target {target:.4f}, the mean final loss of {len(baselines)} equal-speed run(s)"
+    )
     table = Table(
         f"Mixed speeds ({args.preset}, H={args.inner_steps}, budget {budget} tokens = "
-        f"{args.rounds} rounds of the equal-speed job, mixes {EXTRA_BUDGET:g}x; target "
-        f"{target:.4f}, the mean final loss of {len(baselines)} equal-speed run(s))",
+        f"{args.rounds} rounds of the equal-speed job, mixes {EXTRA_BUDGET:g}x; {aim})",
         [
             "run",
             "H_i",
@@ -479,10 +533,16 @@ def report(
         table.add(
             name,
             " ".join(str(r["inner_steps"][n] or "-") for n in islands),
-            "not reached" if t is None else f"{t:.1f}s",
-            "n/a" if t is None or alone_time is None else fmt_ratio(t / alone_time),
-            f"{loss:.4f}",
-            fmt_ratio(ratio(loss, target), 4),
+            *(
+                ["n/a"] * 4
+                if emulated
+                else [
+                    "not reached" if t is None else f"{t:.1f}s",
+                    "n/a" if t is None or alone_time is None else fmt_ratio(t / alone_time),
+                    f"{loss:.4f}",
+                    fmt_ratio(ratio(loss, target), 4),
+                ]
+            ),
             fmt_ratio(ratio(fast_utilisation(r, speeds), base_util)),
             " ".join(fmt_pct(r["utilisation"][n]) for n in islands),
             " ".join(fmt_ratio(x, 2) for x in speed_ratios(steps, speeds)),
@@ -492,7 +552,9 @@ def report(
     targets = Table("Targets (issue 47)", ["target", "figure", "verdict"])
     for key, rows in by_key.items():
         if " auto, " in key:
-            add_targets(targets, key, rows, base_utils, alone_times, seed=args.seed)
+            add_targets(
+                targets, key, rows, base_utils, alone_times, seed=args.seed, emulated=emulated
+            )
     peer = peer or Peer(runs=[], why_not="not run")
     ours_times = {key: mean_reached([x["t"] for x in rows]) for key, rows in by_key.items()}
     m = len(runs[0][2])
@@ -505,7 +567,7 @@ def report(
         "against a fixed H, equal speeds, the fast islands alone and torchft's DiLoCo.",
         tables=tables,
         notes=[
-            *NOTES,
+            *([EMULATED_NOTE, *NOTES[1:]] if emulated else NOTES),
             f"torchft's runs left out: {peer.why_not}." if peer.why_not else TORCHFT_NOTE,
             *(f"torchft run failed, its row left out: {f}" for f in peer.failed),
         ],
@@ -606,9 +668,10 @@ def add_targets(
     alone_times: list[float | None],
     *,
     seed: int,
+    emulated: bool = False,
 ) -> None:
-    """Issue 47's targets for one configuration's repeats."""
-    alone_time = mean_reached(alone_times)
+    """Issue 47's targets for one configuration's repeats; with emulated steps (which do not
+    train) the time-to-target and loss targets are n/a."""
     kept = kept_utilisation([x["util"] for x in rows], base_utils)
     targets.add(
         f"{key}: fast islands keep >= 97% of equal-speed utilisation ({len(rows)} run(s) "
@@ -616,6 +679,34 @@ def add_targets(
         kept.describe() + resolve_note(kept),
         kept.verdict,
     )
+    if emulated:
+        for what in ("target loss no later than the fast islands alone", "loss at equal tokens"):
+            targets.add(f"{key}: {what}", "n/a: emulated steps do not train", "n/a")
+    else:
+        add_loss_targets(targets, key, rows, alone_times, seed=seed)
+    worst = [max(abs(v - 1) for v in x["shares"]) for x in rows]
+    slow = [max(x["speeds"]) for x in rows]
+    targets.add(
+        f"{key}: each island's merged-token share within 10% of its measured compute share",
+        ", ".join(f"worst {w:.1%}" for w in worst)
+        + " (slowest island's step time "
+        + ", ".join(f"{v:.2f}x" for v in slow)
+        + " the fast islands')",
+        all_or_none([w <= 0.10 for w in worst]),
+    )
+
+
+def add_loss_targets(
+    targets: Table,
+    key: str,
+    rows: list[dict[str, Any]],
+    alone_times: list[float | None],
+    *,
+    seed: int,
+) -> None:
+    """The targets read from the loss (real steps only): time to the target loss against the
+    fast islands alone, and loss at equal tokens."""
+    alone_time = mean_reached(alone_times)
     times = [x["t"] for x in rows]
     reached = [t is not None and alone_time is not None and t <= alone_time for t in times]
     spread = ", ".join("not reached" if t is None else f"{t:.1f}s" for t in alone_times)
@@ -633,16 +724,6 @@ def add_targets(
         ", ".join(fmt_ratio(v, 4) for v in losses),
         all_or_none([abs(v - 1) <= 0.01 for v in losses]),
     )
-    worst = [max(abs(v - 1) for v in x["shares"]) for x in rows]
-    slow = [max(x["speeds"]) for x in rows]
-    targets.add(
-        f"{key}: each island's merged-token share within 10% of its measured compute share",
-        ", ".join(f"worst {w:.1%}" for w in worst)
-        + " (slowest island's step time "
-        + ", ".join(f"{v:.2f}x" for v in slow)
-        + " the fast islands')",
-        all_or_none([w <= 0.10 for w in worst]),
-    )
 
 
 def resolve_note(kept: Kept) -> str:
@@ -653,6 +734,15 @@ def resolve_note(kept: Kept) -> str:
     at = "over 100" if n is None else str(n)
     return f"; at this noise and mean, {at} runs a side would resolve it"
 
+
+EMULATED_NOTE = (
+    "Steps emulated (--emulate-step-ms): every island's inner step is an emulated accelerator's "
+    "(learner/emulated_step.py) of T x its speed factor, mostly asleep, the weights moved by a "
+    "real delta so that the sync path is real; no island is slowed by DILOCO_SLOWDOWN, so the "
+    "islands' step times are independent of each other's load, as on separate hardware. The "
+    "steps do not train: time to target and loss at equal tokens are n/a, and the fast "
+    "islands alone and torchft's runs are left out."
+)
 
 NOTES = [
     "Slow islands sleep (factor - 1) x their compute after each step; on a machine with "
@@ -666,6 +756,9 @@ NOTES = [
     "first merge to 80% of the budget, sampled each second; shown over the mean of the "
     "fast (factor 1) islands' in the same run. Measured compute share: (1 / t_i) / "
     "sum_j (1 / t_j) (bench/harness/hetero_figures.py); merged tokens over the whole run.",
+    "Utilisation: an island's steps in the window (the tokens it reports consumed over tokens "
+    "a step: fill steps count, which its reported step, the schedule position, leaves out) x "
+    "its measured step time / the window's wall time. "
     "Fast islands' utilisation: each mixed run's mean over the factor-1 islands, over the "
     "mean of the equal-speed baselines'; with --repeats the verdict reads the 95% interval "
     "of the ratio of the means (variance pooled from both sides, Student's t): met when the "

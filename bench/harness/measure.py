@@ -75,19 +75,39 @@ class IslandWindow:
     step_time: float = 0.0  # the time-mean of its reported step time over the window (s)
 
 
-def ours_islands(sampler: StatusSampler, t1: float, t2: float) -> dict[str, IslandWindow]:
+def ours_islands(
+    sampler: StatusSampler, t1: float, t2: float, *, tokens_per_step: int | None = None
+) -> dict[str, IslandWindow]:
     """Per island: inner steps/s and utilisation (steps x the learner's step time / wall time).
 
     Steps come from the islands' heartbeats (every second), the step time from the learner's own
-    moving average of its inner-step time, averaged over the window's samples.
+    moving average of its inner-step time, averaged over the window's samples. A heartbeat's
+    step is the learner's schedule position, which a fill step (K = M, learner/fill_steps.py)
+    does not move; with `tokens_per_step` the steps are instead the tokens it reports consumed
+    over that (every step it trains, fill steps included: bench/hetero).
     """
-    (s1, first), (s2, last) = sampler.at(t1), sampler.at(t2)
-    window = [st for t, st in sampler.samples if s1 <= t <= s2]
+    return islands_over(sampler.samples, sampler.at(t1)[0], sampler.at(t2)[0], tokens_per_step)
+
+
+def islands_over(
+    samples: Sequence[tuple[float, dict[str, Any]]],
+    s1: float,
+    s2: float,
+    tokens_per_step: int | None = None,
+) -> dict[str, IslandWindow]:
+    """ours_islands over status `samples` (time, status) from the one at s1 to the one at s2."""
+    first = next(st for t, st in samples if t == s1)
+    last = next(st for t, st in samples if t == s2)
+    window = [st for t, st in samples if s1 <= t <= s2]
     out: dict[str, IslandWindow] = {}
     dt = max(s2 - s1, 1e-9)
     for name, isl in last["islands"].items():
         start = first["islands"].get(name, {})
-        d_steps = int(isl.get("step") or 0) - int(start.get("step") or 0)
+        if tokens_per_step:
+            d_tokens = int(isl.get("tokens") or 0) - int(start.get("tokens") or 0)
+            d_steps = d_tokens // tokens_per_step
+        else:
+            d_steps = int(isl.get("step") or 0) - int(start.get("step") or 0)
         times = [
             float(st["islands"][name]["stepTime"])
             for st in window

@@ -50,6 +50,9 @@ class OursRun:
     restarts: dict[int, int] = field(default_factory=dict)
     # Added to every learner's environment (e.g. DILOCO_EMULATE_STEP_SECONDS).
     learner_env: dict[str, str] = field(default_factory=dict)
+    # island index -> added to that island's environment on top of learner_env (e.g. each
+    # island's own emulated step time: bench/hetero --emulate-step-ms).
+    island_env: dict[int, dict[str, str]] = field(default_factory=dict)
 
     @property
     def url(self) -> str:
@@ -96,7 +99,7 @@ class OursRun:
                 master_port=free_port(),
                 slowdown=self.slowdowns.get(i, 1.0),
                 job_name=self.job_name,
-                extra_env={**THREADS_ENV, **self.learner_env},
+                extra_env={**THREADS_ENV, **self.learner_env, **self.island_env.get(i, {})},
             )
         )
         self.learners[i] = proc

@@ -1,19 +1,24 @@
 """bench/hetero's readings of an eval history: time to a target loss and loss at equal tokens,
 interpolated between evaluations, and the K = M merges' waits for each island (hand-derived
-values)."""
+values), and its emulated-accelerator option (--emulate-step-ms) in a smoke run."""
 
 from __future__ import annotations
 
 import argparse
+import json
 import math
+from pathlib import Path
 
 import pytest
 
+from bench.harness.measure import islands_over
 from bench.harness.merge_waits import pushes_in, waits_alone
 from bench.hetero import (
     all_or_none,
+    emulated_env,
     fast_utilisation,
     loss_at,
+    main,
     mean_reached,
     parse_mix,
     plan_runs,
@@ -87,6 +92,7 @@ def test_repeats_interleave_baselines_and_mixed_runs() -> None:
         inner_steps=20,
         batch_size=4,
         seq_len=64,
+        emulate_step_ms=0.0,
     )
     runs = plan_runs(args, [parse_mix("1,1,1,3")], budget=1000, extra=1500)
     assert [(name, key) for name, key, _, _ in runs] == [
@@ -118,3 +124,77 @@ def test_fast_utilisation_and_verdicts_over_repeats() -> None:
     assert all_or_none([True, False, True]) == "met in 2 of 3"
     assert mean_reached([30.0, None, 40.0]) == 35.0  # a run that never reached it is left out
     assert mean_reached([None]) is None
+
+
+def test_utilisation_counts_fill_steps_from_the_tokens_consumed() -> None:
+    """An island over 10 s: its schedule position 100 -> 280 (180 steps) while it consumed
+    200 steps' tokens (512 a step: 51,200 -> 153,600; 20 fill steps move no position), its step
+    time 0.05 s. From the tokens: 200 x 0.05 / 10 = 1.0 (and 20 steps/s); from the position, as
+    the other benchmarks read it: 180 x 0.05 / 10 = 0.9."""
+
+    def status(step: int, tokens: int) -> dict[str, object]:
+        return {"islands": {"a": {"step": step, "tokens": tokens, "stepTime": 0.05}}}
+
+    samples = [
+        (0.0, status(100, 51_200)),
+        (5.0, status(190, 102_400)),
+        (10.0, status(280, 153_600)),
+    ]
+    by_tokens = islands_over(samples, 0.0, 10.0, tokens_per_step=512)["a"]
+    assert by_tokens.utilisation == pytest.approx(1.0) and by_tokens.steps_per_s == 20.0
+    assert islands_over(samples, 0.0, 10.0)["a"].utilisation == pytest.approx(0.9)
+
+
+def test_emulated_islands_step_their_speed_factor_times_t_and_skip_the_fast_alone() -> None:
+    """--emulate-step-ms 50 on 1,1,2,4: 50 ms x the factor, in seconds, each island's own
+    DILOCO_EMULATE_STEP_SECONDS (0.05, 0.05, 0.1, 0.2); 0 leaves every island real. The plan
+    drops the fast islands alone (their one figure, time to target, needs training)."""
+    assert emulated_env([1.0, 1.0, 2.0, 4.0], 50.0) == {
+        0: {"DILOCO_EMULATE_STEP_SECONDS": "0.05"},
+        1: {"DILOCO_EMULATE_STEP_SECONDS": "0.05"},
+        2: {"DILOCO_EMULATE_STEP_SECONDS": "0.1"},
+        3: {"DILOCO_EMULATE_STEP_SECONDS": "0.2"},
+    }
+    assert emulated_env([1.0, 3.0], 0.0) == {}
+    args = argparse.Namespace(
+        repeats=1,
+        quorums=[4],
+        no_fixed=True,
+        preset="gpt-tiny",
+        seed=0,
+        eval_tokens=4096,
+        inner_steps=20,
+        batch_size=4,
+        seq_len=64,
+        emulate_step_ms=50.0,
+    )
+    keys = [key for _, key, _, _ in plan_runs(args, [[1.0, 1.0, 1.0, 3.0]], 1000, 1500)]
+    assert keys == ["equal speeds, K=4", "1,1,1,3 auto, K=4"]
+
+
+def test_emulated_smoke_run_gives_the_slow_island_its_step_time_and_a_short_round(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A real job (syncer and 2 learners on loopback) with --emulate-step-ms 40 on speeds 1,3
+    at K = 2: the 3x island's reported step time is 3x the fast one's (emulated steps are
+    exact; real steps on shared cores read 3.4-5.2x), auto sizes its round below H = 10 (about
+    10 / 3), and the report prints loss and time as n/a."""
+    code = main(
+        [
+            *("--mixes", "1,3", "--quorums", "2", "--no-fixed", "--skip-torchft"),
+            *("--rounds", "10", "--inner-steps", "10", "--emulate-step-ms", "40"),
+            *("--no-record", "--workdir", str(tmp_path)),
+        ]
+    )
+    assert code == 0
+    ours = json.loads((tmp_path / "results.json").read_text())["ours"]
+    assert list(ours) == ["equal speeds, K=2", "1,3 auto, K=2"]
+    # its utilisation read from the tokens it consumed: nonzero, near 1 at equal speeds
+    assert ours["equal speeds, K=2"]["utilisation"]["island-0"] > 0.5, ours
+    mixed = ours["1,3 auto, K=2"]
+    fast, slow = mixed["step_time"]["island-0"], mixed["step_time"]["island-1"]
+    assert 0.04 <= fast < 0.05 and 2.7 <= slow / fast <= 3.3, (fast, slow)
+    assert mixed["inner_steps"]["island-0"] == 10
+    assert mixed["inner_steps"]["island-1"] <= 5, mixed["inner_steps"]
+    out = capsys.readouterr().out
+    assert "loss and time n/a" in out and "emulated steps do not train" in out
