@@ -44,6 +44,17 @@ island without a target holds neither the split, nor the targeted islands' last 
 the finish (SyncState.split_to, untargeted): the job ends once the targeted islands have
 drained at the budget, or at the first merge that reaches it.
 
+A count is the island's own word, and no island's may move another's target beyond what its own
+record and the spec support (issue 46: one heartbeat with a count of 2^50 made what was left
+negative, and every other island drained at its current count, 5 steps into the job). An
+island whose count grew faster than it could process (CountBound.rate, from the step time its
+pushes' credit fills at, plus a capped push: count_refused) is left out of the split at once,
+as one without a pace is; within that, its part of what is done is its count held between its
+merged tokens and those plus a capped push and its refused pushes' tokens (done_range: an
+honest learner holds at most a capped push of each fragment unmerged, and never trains a
+refused push again). An island with a target that never drains holds the finish only as long
+as the others' wait budget: they train on after it (learner/drain.py).
+
 Pure: the service calls `stop_targets` with the islands' records under its lock.
 """
 
