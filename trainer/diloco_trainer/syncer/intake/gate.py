@@ -193,6 +193,9 @@ class Gate:
         """A push of the island was refused: its tokens (at most a capped push's, over the
         fragments, as merges count them) are work its learner does not train again, and its
         heartbeat count runs ahead of its merged tokens by them (count_bound)."""
+        rec = members.islands.get(meta.island)
+        if rec is None or rec.joins == 0:
+            return  # not an island's count: nothing it reports runs ahead
         fragments = max(1, len(self.guard.caps))
         tokens = min(max(0, meta.tokens), self.push_tokens_most(members, meta.island))
         members.refused_push(meta.island, tokens / fragments)
