@@ -144,10 +144,12 @@ class PaceSilentIsland(threading.Thread):
     fragment 0) and then keeps itself in the job with heartbeats that never carry its count
     (no `tokens`): the syncer never learns its pace (adv14's paced_ratchet, issue 46)."""
 
-    def __init__(self, run: LocalRun, island: str) -> None:
+    def __init__(self, run: LocalRun, island: str, claim: int | None = None) -> None:
         super().__init__(daemon=True)
         assert run.files is not None
         self.url, self.island = run.url, island
+        # A count to claim in every heartbeat after a first of 0 (None: no `tokens` at all).
+        self.claim = claim
         self.token = credentials.island_token(run.files.token, island)
         self.stop = threading.Event()
         self.answers: list[tuple[str, int, Any]] = []
@@ -172,15 +174,21 @@ class PaceSilentIsland(threading.Thread):
         base = doc["versions"][0] if code == 200 else 0
         body = push_body(tensors, island=self.island, baseVersion=base, steps=1, tokens=64)
         self.call("/v1/fragments/0/push", body=body)
+        beat: dict[str, Any] = {"island": self.island, "step": 1}
+        if self.claim is not None:
+            self.call("/v1/heartbeat", json_body={**beat, "tokens": 0})
+            beat["tokens"] = self.claim
         while not self.stop.wait(0.5):  # twice a second: well within the 4 s timeout
-            code, doc = self.call("/v1/heartbeat", json_body={"island": self.island, "step": 1})
+            code, doc = self.call("/v1/heartbeat", json_body=beat)
             if code == 200 and doc.get("finished"):
                 return
 
 
+@pytest.mark.parametrize("claim", [None, 2**50], ids=["no-count", "count-2^50"])
 def test_drain_is_not_held_by_an_island_that_never_reports_its_pace(
     make_spec: Callable[..., JobSpec],
     local_run: Callable[..., LocalRun],  # noqa: F811
+    claim: int | None,
 ) -> None:
     """Issue 46: K = 2 of 3; island-2 joins, pushes, and keeps itself active with heartbeats
     that never carry its token count. Before, the syncer set stop targets only once every
@@ -189,7 +197,13 @@ def test_drain_is_not_held_by_an_island_that_never_reports_its_pace(
     island-2, past its pace's wait (3 heartbeat intervals, 3 s here), is left out of the split:
     the two honest islands drain at their targets, every step they took is merged, and the
     job finishes at the budget (but for the targets' rounding) with island-2 still active and
-    undrained."""
+    undrained.
+
+    With `claim` 2^50, island-2's heartbeats say 0 tokens, then 2^50 (adv15, issue 46): before,
+    its count made what was left of the budget negative and both honest islands got their
+    current counts as targets at its first such heartbeat, draining a few steps into the job
+    (then waiting in vain and training on). Now a count growing faster than island-2 could
+    process leaves it out of the split at once: the honest islands drain as above."""
     budget = 2 * 300 * STEP_TOKENS
     spec = make_spec(
         islands={"count": 3},
@@ -199,7 +213,7 @@ def test_drain_is_not_held_by_an_island_that_never_reports_its_pace(
     )
     run = local_run(spec)
     start_synchronised(run, islands=ISLANDS)
-    silent = PaceSilentIsland(run, "island-2")
+    silent = PaceSilentIsland(run, "island-2", claim)
     silent.start()
     try:
         status = run_to_finish(run, timeout=600)
@@ -217,7 +231,11 @@ def test_drain_is_not_held_by_an_island_that_never_reports_its_pace(
     found = re.findall(r"the budget is near: stop targets \(tokens each learner counts\) (.*)",
                        syncer_log)  # fmt: skip
     assert len(found) == 1 and "island-2" not in found[0], found
-    assert "no pace known for island-2" in syncer_log
+    if claim is None:
+        assert "no pace known for island-2" in syncer_log
+    else:
+        assert "island island-2: its heartbeat count (tokens) grew by" in syncer_log
+        assert "no pace known for island-2" not in syncer_log
     merges = [
         MergeRecord.model_validate_json(line)
         for line in (run.workdir / "syncer" / "merges.jsonl").read_text().splitlines()

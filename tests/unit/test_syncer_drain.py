@@ -10,8 +10,10 @@ from pathlib import Path
 
 import pytest
 from diloco_trainer.core.island_rounds import IslandRound
+from diloco_trainer.syncer.errors import Refused
 from diloco_trainer.syncer.service.service import Syncer
 from diloco_trainer.syncer.state.records import Beat
+from diloco_trainer.syncer.state.targets import CountBound
 from diloco_trainer.syncer.storage import checkpoint as ckpt
 
 from .test_syncer import FakeClock, body, delta, make_spec, run, started
@@ -215,6 +217,8 @@ def test_k_equal_m_targets_wait_until_every_running_island_heard_the_split(
         # island-0's round cut to 2 steps, as round_sizes' reading of its step time does
         syncer.state.membership.islands["island-0"].round = IslandRound(2)
         syncer.gate.rounds.split = True
+        # its 32 steps merged (at its round boundary): a count its record supports (issue 46)
+        syncer.state.membership.islands["island-0"].merged_tokens = 4096.0
         first = await syncer.islands.heartbeat("island-0", Beat(step=32, tokens=4096))
         seen += [first.get("splitBudget", False), first.get("stopAt")]
         for name in names[1:]:  # at their share, each with its 40 steps merged
@@ -355,3 +359,77 @@ def test_an_island_that_never_reports_its_pace_holds_no_target_nor_the_finish(
     assert seen == [None, None, None, None, 896, 896, targets, 200, False, True]
     status = run(syncer.status())["islands"]["island-2"]
     assert status["state"] == "active" and status["drained"] is False
+
+
+def test_a_heartbeat_count_of_two_to_the_fifty_moves_no_other_islands_target(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Issue 46 (adv15's reproduction): K = 2 of 3, 128 tokens a step, H = 4, τ = 1 (a capped
+    push: 17 steps, 2,176 tokens), heartbeats every second (timeout 4 s: pace span 0.5 s, wait 3 s,
+    horizon 3 s), budget 2,000. Islands 0 and 1 claim 0.2 s a step and report 0 tokens at
+    1,000 s and 640 at 1,001 s (640 tokens/s each); island-2 reports 0, then 2^50 at 1,001 s.
+
+    Main: island-2's pace counts; done 2^50 + 1,280, left < 0: islands 0 and 1 get their
+    current counts, 640 (5 steps into the job). Now: with two step-time claims (fewer than 3)
+    island-2's count may grow at 1.5 x 128 / 0.001 s = 192,000 tokens/s, plus 2,176: 2^50 in
+    1 s is far past it, so it is left out at once, and islands 0 and 1 split 2,000 - 1,280 =
+    720 (0.56 s at 1,280/s): 640 + 360 = 1,000 -> 7 steps = 896 each, as a job of the two."""
+    spec = make_spec(
+        sync={"quorum": 2, "graceSeconds": 5, "heartbeatTimeoutSeconds": 4},
+        stopAfter={"outerSteps": None, "tokens": 2_000},
+    )
+    clock = FakeClock()
+    honest = ["island-0", "island-1"]
+
+    async def scenario() -> list[object]:
+        syncer = await started(spec, tmp_path, clock)
+        for name in [*honest, "island-2"]:
+            await syncer.islands.join(name, 1)
+            await syncer.islands.heartbeat(name, Beat(step=0, tokens=0, step_time=0.2))
+        clock.now += 1.0
+        for name in honest:
+            await syncer.islands.heartbeat(name, Beat(step=5, tokens=640))
+        liar = await syncer.islands.heartbeat("island-2", Beat(step=5, tokens=2**50))
+        seen: list[object] = [liar.get("stopAt"), dict(syncer.islands.targets)]
+        for name in honest:
+            seen.append((await syncer.islands.heartbeat(name, Beat(5, 640))).get("stopAt"))
+        return seen
+
+    with caplog.at_level(logging.WARNING, logger="diloco.syncer"):
+        seen = run(scenario())
+    # main: [2**50, {"island-0": 640, "island-1": 640, "island-2": 2**50}, 640, 640]
+    assert seen == [None, {"island-0": 896, "island-1": 896}, 896, 896]
+    assert "island island-2: its heartbeat count (tokens) grew by" in caplog.text
+
+
+def test_refused_pushes_count_towards_what_an_islands_count_may_run_ahead(
+    tmp_path: Path,
+) -> None:
+    """A refused push's tokens are not trained again, so its island's count runs ahead of its
+    merged tokens by them (gate.count_bound's `ahead`: a capped push, 4 x H + τ = 17 steps x 128
+    = 2,176, plus those). Refused at 422 for 18 steps: its 100 tokens; refused for claiming
+    10^9 tokens: held to a capped push's 2,176. Ahead: 2,176 + 2,276 = 4,452. Its
+    rate: 1.5 x 128 / its claimed 0.2 s = 960 tokens/s. A rejoin starts a new count: the
+    refused tokens go back to 0."""
+    spec = make_spec(sync={"quorum": 2, "graceSeconds": 5}, syncer={"guards": {"maxRefusals": 5}})
+
+    async def scenario() -> list[object]:
+        syncer = await started(spec, tmp_path, FakeClock())
+        await syncer.islands.join("island-0", 1)
+        await syncer.islands.heartbeat("island-0", Beat(step=0, tokens=0, step_time=0.2))
+        members = syncer.state.membership
+        seen: list[object] = []
+        for meta in ({"steps": 18, "tokens": 100}, {"steps": 4, "tokens": 10**9}):
+            try:
+                await syncer.receive_push(
+                    0, body(syncer, 0, "island-0", delta(syncer, 0, 0), **meta)
+                )
+            except Refused as err:
+                seen.append(err.status)
+        seen.append(members.islands["island-0"].refused_tokens)
+        seen.append(syncer.gate.count_bound(members, "island-0"))
+        await syncer.islands.join("island-0", 1)
+        seen.append(members.islands["island-0"].refused_tokens)
+        return seen
+
+    assert run(scenario()) == [422, 422, 2_276.0, CountBound(rate=960.0, ahead=4_452.0), 0.0]

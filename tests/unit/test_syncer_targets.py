@@ -12,8 +12,11 @@ from diloco_trainer.api.sharding import merge_heartbeat
 from diloco_trainer.api.spec import parse_spec
 from diloco_trainer.syncer.state.records import IslandRecord
 from diloco_trainer.syncer.state.targets import (
+    CountBound,
     Pace,
     budget_tokens,
+    count_refused,
+    done_range,
     horizon_seconds,
     lock_step_weights,
     merged_elsewhere,
@@ -259,3 +262,120 @@ def test_targets_left_out_island_counts_as_done() -> None:
     assert stop_targets(paces, now=103.0, **args) == {"a": 16_000, "b": 8_000}
     targets = stop_targets(paces, now=101.5, **args)
     assert targets == {"a": 12_608, "b": 6_272}
+
+
+# Issue 46 (adv15): a heartbeat's count is the island's own word. An honest island of these tests
+# claims a step time of 0.2 s at 128 tokens a step (640 tokens/s) and H = 10, τ = 0: its count may
+# grow at 1.5 x 128 / 0.2 = 960 tokens/s, plus a capped push's 4 x 10 = 40 steps (5,120 tokens).
+BOUND = CountBound(rate=960.0, ahead=5_120.0)
+
+
+def reported(name: str, first: tuple[int, float], tokens: int, at: float) -> IslandRecord:
+    rec = IslandRecord(name=name, pace_since=first[1])
+    rec.first_report, rec.reported_tokens, rec.reported_at = first, tokens, at
+    return rec
+
+
+def test_targets_count_growing_faster_than_the_island_could_is_refused() -> None:
+    """Growth since the first report within 960 tokens/s x the time + 5,120 is taken: over 5 s,
+    4,800 + 5,120 = 9,920. One token more is not; nor a count 1,000 x an honest one's 640
+    tokens/s (640,000 over 5 s), nor 2^50 in a second."""
+    honest = reported("a", (0, 100.0), 3_200, 105.0)  # 640 tokens/s
+    assert count_refused(honest, pace_of(honest) or Pace(0, 0, 0, 0), BOUND) is None
+    edge = reported("b", (0, 100.0), 9_920, 105.0)
+    assert count_refused(edge, pace_of(edge) or Pace(0, 0, 0, 0), BOUND) is None
+    for tokens, at in ((9_921, 105.0), (640_000, 105.0), (2**50, 101.0)):
+        rec = reported("c", (0, 100.0), tokens, at)
+        why = count_refused(rec, pace_of(rec) or Pace(0, 0, 0, 0), BOUND)
+        assert why is not None and "tokens" in why, (tokens, why)
+
+
+def test_targets_a_count_of_two_to_the_fifty_moves_no_other_target() -> None:
+    """adv15's reproduction, in the pure functions: a and b report 0 at 100 s and 640 a second
+    later (640 tokens/s each); c reports 0, then 2^50. Budget 2,000, steps of 128, horizon 3 s.
+
+    Main: c is in the split; done 1,280 + 2^50, left < 0: each drains at its projected count,
+    a and b at 640 (5 steps into the job). Now: c's count grew by 2^50 in 1 s, beyond
+    960 + 5,120: it is left out at once (not waited for), and a and b split 2,000 - 1,280 =
+    720 left (0.56 s at 1,280/s, within 3 s): 640 + 360 = 1,000 -> 7 steps = 896 each, as a
+    job of a and b alone."""
+    a, b = (reported(n, (0, 100.0), 640, 101.0) for n in "ab")
+    c = reported("c", (0, 100.0), 2**50, 101.0)
+    bounds = {n: BOUND for n in "abc"}
+    args: dict[str, Any] = {"budget": 2_000, "step_tokens": dict.fromkeys("abc", 128)}
+    main = split_among([a, b, c], now=101.0, wait=3.0) or []
+    assert [r.name for r in main] == ["a", "b", "c"]
+    paces = {r.name: p for r in main if (p := pace_of(r)) is not None}
+    got = stop_targets(paces, done_elsewhere=0.0, now=101.0, horizon=3.0, **args)
+    assert got == {"a": 640, "b": 640, "c": 2**50}  # main's
+    split = split_among([a, b, c], now=101.0, wait=3.0, bounds=bounds) or []
+    assert [r.name for r in split] == ["a", "b"]
+    paces = {r.name: p for r in split if (p := pace_of(r)) is not None}
+    ranges = {r.name: done_range(r, BOUND) for r in split}
+    got = stop_targets(
+        paces, done_elsewhere=0.0, now=101.0, horizon=3.0, done_ranges=ranges, **args
+    )
+    assert got == {"a": 896, "b": 896}
+    alone = {n: paces[n] for n in "ab"}
+    assert got == stop_targets(alone, done_elsewhere=0.0, now=101.0, horizon=3.0, **args)
+
+
+def test_targets_count_within_the_rate_counts_as_done_within_its_record() -> None:
+    """A count that starts at 2^50 and then grows at 640 tokens/s is within the rate bound, but
+    its part of what is done is held to its merged tokens (0) + 5,120: a, b at 640 each and c
+    held to 5,120: done 6,400 of a budget of 9,000, 2,600 left (1.35 s at 1,920/s): a and b
+    640 + 866.7 = 1,506.7 -> 11 steps = 1,408; c 2^50 + 866.7 -> 2^50 + 768. On main (no
+    ranges) left < 0 and a and b drained at 640. A count below its merged tokens counts as
+    them: d, merged 3,000, reports 640: its part is 3,000, not 640."""
+    a, b = (reported(n, (0, 100.0), 640, 101.0) for n in "ab")
+    c = reported("c", (2**50 - 640, 100.0), 2**50, 101.0)
+    assert count_refused(c, pace_of(c) or Pace(0, 0, 0, 0), BOUND) is None
+    paces = {r.name: p for r in (a, b, c) if (p := pace_of(r)) is not None}
+    args: dict[str, Any] = {
+        "budget": 9_000,
+        "step_tokens": dict.fromkeys("abcd", 128),
+        "done_elsewhere": 0.0,
+        "now": 101.0,
+        "horizon": 3.0,
+    }
+    assert stop_targets(paces, **args) == {"a": 640, "b": 640, "c": 2**50}  # main's
+    ranges = {r.name: done_range(r, BOUND) for r in (a, b, c)}
+    got = stop_targets(paces, done_ranges=ranges, **args)
+    assert got == {"a": 1_408, "b": 1_408, "c": 2**50 + 768}
+    # d: budget 9,000, a and d at 640/s; done 640 + 3,000, 5,360 left (4.2 s at 1,280/s:
+    # horizon 5 s): each 2,680 more: a 3,320 -> 25 steps = 3,200, d 3,320 -> 3,200.
+    d = reported("d", (0, 100.0), 640, 101.0)
+    d.merged_tokens = 3_000.0
+    assert done_range(d, BOUND) == (3_000.0, 8_120.0)
+    paces = {r.name: p for r in (a, d) if (p := pace_of(r)) is not None}
+    ranges = {r.name: done_range(r, BOUND) for r in (a, d)}
+    args["horizon"] = 5.0
+    assert stop_targets(paces, done_ranges=ranges, **args) == {"a": 3_200, "d": 3_200}
+
+
+def test_targets_refused_pushes_keep_an_honest_islands_target() -> None:
+    """An honest count runs ahead of its merged tokens by its refused pushes' tokens for good
+    (not trained again). a merged 1,000 and counts 8,000: 7,000 ahead, past a capped push
+    (5,120) by its refused 2,560 (within 7,680); b merged 7,000 of its 8,000. Budget 20,000,
+    640 tokens/s each, horizon 10 s: done 16,000, 4,000 left: 2,000 each, 10,000 -> 78 steps
+    = 9,984, as on main. Had the refused tokens not been counted, a's part would be held to
+    6,120: 5,880 left, 10,940 each -> 85 steps = 10,880, past the budget by 1,792."""
+    a = reported("a", (7_360, 100.0), 8_000, 101.0)
+    a.merged_tokens = 1_000.0
+    b = reported("b", (7_360, 100.0), 8_000, 101.0)
+    b.merged_tokens = 7_000.0
+    refused = CountBound(rate=960.0, ahead=5_120.0 + 2_560.0)
+    paces = {r.name: p for r in (a, b) if (p := pace_of(r)) is not None}
+    args: dict[str, Any] = {
+        "budget": 20_000,
+        "step_tokens": {"a": 128, "b": 128},
+        "done_elsewhere": 0.0,
+        "now": 101.0,
+        "horizon": 10.0,
+    }
+    main = stop_targets(paces, **args)
+    assert main == {"a": 9_984, "b": 9_984}
+    ranges = {"a": done_range(a, refused), "b": done_range(b, BOUND)}
+    assert stop_targets(paces, done_ranges=ranges, **args) == main
+    ranges["a"] = done_range(a, BOUND)
+    assert stop_targets(paces, done_ranges=ranges, **args) == {"a": 10_880, "b": 10_880}

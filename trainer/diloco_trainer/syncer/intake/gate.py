@@ -41,6 +41,7 @@ from diloco_trainer.api.spec import ConfigError, JobSpec, load_spec
 from diloco_trainer.syncer.errors import Refused
 from diloco_trainer.syncer.intake.admission import RETRY_AFTER, Admission, region
 from diloco_trainer.syncer.intake.guards import (
+    RATE_ALLOWANCE,
     ContributionGuard,
     ContributionRefused,
     DeltaStats,
@@ -52,6 +53,7 @@ from diloco_trainer.syncer.state import (
     DROPPED,
     WORK_UNSUPPORTED,
     Contribution,
+    CountBound,
     Health,
     Membership,
     RoundSizes,
@@ -180,6 +182,38 @@ class Gate:
         others = [r.step_time for r in members.islands.values() if r.step_time]
         step_time = self.guard.rate.step_time(rec.step_time if rec else None, others)
         self.guard.take_steps(island, steps, step_time, self.clock())
+
+    def push_tokens_most(self, members: Membership, island: str) -> int:
+        """The most tokens one push of the island may carry (_check_one_push's bound): its step
+        cap's steps (STEP_ROUNDS x its H_i + τ) x its tokens a step for its replicas."""
+        most = self.rounds.max_push_steps(members.islands.get(island), island)
+        return most * self.guard.work.tokens_per_step * self.replicas(members, island)
+
+    def refused_push(self, members: Membership, meta: PushMeta) -> None:
+        """A push of the island was refused: its tokens (at most a capped push's, over the
+        fragments, as merges count them) are work its learner does not train again, and its
+        heartbeat count runs ahead of its merged tokens by them (count_bound)."""
+        rec = members.islands.get(meta.island)
+        if rec is None or rec.joins == 0:
+            return  # not an island's count: nothing it reports runs ahead
+        fragments = max(1, len(self.guard.caps))
+        tokens = min(max(0, meta.tokens), self.push_tokens_most(members, meta.island))
+        members.refused_push(meta.island, tokens / fragments)
+
+    def count_bound(self, members: Membership, island: str) -> CountBound:
+        """What the island's heartbeat count may claim (state.targets.CountBound), from its own
+        record and the spec: growth at RATE_ALLOWANCE x its tokens a step over the step time its
+        pushes' credit fills at (check_work: its claim, never below the median island's over
+        guards.FASTEST once MAJORITY_CLAIMS islands claim one, nor MIN_STEP_TIME), and a lead
+        over its merged tokens of a capped push plus its refused pushes' tokens."""
+        rec = members.islands[island]
+        others = [r.step_time for r in members.islands.values() if r.step_time]
+        step_time = self.guard.rate.step_time(rec.step_time, others)
+        step_tokens = self.guard.work.tokens_per_step * self.replicas(members, island)
+        return CountBound(
+            rate=RATE_ALLOWANCE * step_tokens / step_time,
+            ahead=self.push_tokens_most(members, island) + rec.refused_tokens,
+        )
 
     def _check_one_push(self, members: Membership, island: str, *, tokens: int, steps: int) -> None:
         replicas = self.replicas(members, island)

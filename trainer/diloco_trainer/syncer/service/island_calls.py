@@ -21,6 +21,8 @@ from diloco_trainer.syncer.state import (
     Beat,
     SyncState,
     budget_tokens,
+    count_refused,
+    done_range,
     horizon_seconds,
     lock_step_weights,
     merged_elsewhere,
@@ -174,7 +176,13 @@ class IslandCalls:
         timeout = self.spec.sync.heartbeat_timeout_seconds
         running = running_islands(members.active_records())
         span = pace_span_seconds(timeout)
-        split = split_among(running, now=now, wait=pace_wait_seconds(timeout), min_span=span)
+        # Each island's count is held to what its own record and the spec support (issue 46):
+        # growing faster than it could process, it is left out of the split; within that, its
+        # part of what is done lies between its merged tokens and a capped push's more.
+        bounds = {r.name: self.gate.count_bound(members, r.name) for r in running}
+        split = split_among(
+            running, now=now, wait=pace_wait_seconds(timeout), min_span=span, bounds=bounds
+        )
         if not split:
             return  # a new island's pace is awaited, or no island's is known
         if self.lock_step and not ready_to_split(split, self.heard_split):
@@ -193,12 +201,28 @@ class IslandCalls:
             now=now,
             horizon=horizon_seconds(timeout),
             weights=weights,
+            done_ranges={n: done_range(members.islands[n], bounds[n]) for n in paces},
         )
         if targets is not None:
             self.targets = targets
             self.state.split_to = frozenset(targets)  # the others hold no last round nor finish
             log.info("the budget is near: stop targets (tokens each learner counts) %s", targets)
-            left_out = sorted(r.name for r in running if r.name not in targets)
+            refused = {
+                r.name: why
+                for r in running
+                if (p := pace_of(r, span)) is not None
+                and (why := count_refused(r, p, bounds[r.name])) is not None
+            }
+            for name, why in sorted(refused.items()):
+                log.warning(
+                    "island %s: %s; left out of the split, no stop target (its count moves no "
+                    "other island's target)",
+                    name,
+                    why,
+                )
+            left_out = sorted(
+                r.name for r in running if r.name not in targets and r.name not in refused
+            )
             if left_out:
                 log.warning(
                     "no pace known for %s (no heartbeat with a growing token count within %.0fs "

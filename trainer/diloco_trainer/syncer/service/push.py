@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import asyncio
 
+from diloco_trainer.api.client import RETRY_STATUSES
 from diloco_trainer.api.credentials import Principal
 from diloco_trainer.api.documents import PushAnswer
 from diloco_trainer.api.protocol import PushMeta
@@ -104,8 +105,7 @@ class PushPath:
                     order = self.state.fold_order(fragment)
                 await self._fold(fragment, contribution, payload, lag_rounds, order)  # 6.
         except Refused as err:
-            if err.status in (400, 422):
-                await self._refused(fragment, meta.island, err)
+            await self._refused(fragment, meta, err)
             raise
         control.wake()
         return answer
@@ -151,9 +151,18 @@ class PushPath:
             await folding
             raise
 
-    async def _refused(self, fragment: int, island: str, err: Refused) -> None:
+    async def _refused(self, fragment: int, meta: PushMeta, err: Refused) -> None:
+        """A push refused after its metadata was read: a refusal its learner does not retry
+        (api/client.RETRY_STATUSES) leaves its tokens untrained for good, and its heartbeat
+        count ahead of its merged tokens by them (gate.refused_push: the stop targets' bound on
+        that count); a refusal of its content (400, 422) counts towards a drop."""
+        island = meta.island
         async with self.control.locked():
             members = self.state.membership
+            if err.status not in RETRY_STATUSES:
+                self.gate.refused_push(members, meta)
+            if err.status not in (400, 422):
+                return
             now = self.control.clock()
             dropped = self.gate.refused(members, fragment, island, err, now)
             # this refusal may have named its island unsupported: the quorum no longer counts it

@@ -36,7 +36,10 @@ from diloco_trainer.syncer.state.rounds import (
     lost_with_restart,
 )
 from diloco_trainer.syncer.state.targets import (
+    CountBound,
     budget_tokens,
+    count_refused,
+    done_range,
     drained_at_budget,
     horizon_seconds,
     lock_step_weights,
@@ -64,6 +67,7 @@ __all__ = [
     "WORK_UNSUPPORTED",
     "Beat",
     "Contribution",
+    "CountBound",
     "Health",
     "IslandRecord",
     "Kept",
@@ -77,6 +81,8 @@ __all__ = [
     "Trip",
     "best_due",
     "budget_tokens",
+    "count_refused",
+    "done_range",
     "drained_at_budget",
     "horizon_seconds",
     "judged",

@@ -102,6 +102,7 @@ class Membership:
         # ...and its count of tokens: from the island's merged work (JoinInfo.island_tokens).
         rec.reported_tokens, rec.first_report = None, None
         rec.count_base = rec.merged_tokens
+        rec.refused_tokens = 0.0  # refused before this join: not in the new count either
         # Its pace is measured afresh, but the split waits for it from its first join only
         # (targets.split_among): an island that rejoined every few seconds held it for ever.
         if rec.pace_since is None:
@@ -141,6 +142,13 @@ class Membership:
         rec.drained = drained
         self._events.membership_changed(now)
         return rec
+
+    def refused_push(self, name: str, tokens: float) -> None:
+        """A push of the island was refused: `tokens` (the caller bounds the claim and averages
+        it over fragments) its learner will not train again (IslandRecord.refused_tokens)."""
+        rec = self.islands.get(name)
+        if rec is not None and rec.joins > 0:
+            rec.refused_tokens += max(0.0, tokens)
 
     def leave(self, name: str, now: float) -> IslandRecord:
         """The island says goodbye (e.g. it finished); it stops counting towards the quorum."""

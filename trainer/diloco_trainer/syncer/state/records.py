@@ -106,6 +106,11 @@ class IslandRecord:
     reported_tokens: int | None = None
     count_base: float = 0.0
     first_report: tuple[int, float] | None = None
+    # The tokens of its pushes refused since its last join, averaged over fragments as
+    # merged_tokens is (each at most a capped push's): its learner does not train them again,
+    # so its count runs ahead of its merged tokens by them for good (targets.CountBound).
+    # Not persisted, as the count it explains.
+    refused_tokens: float = 0.0
     # Since when the syncer waits for that pace: its first join, or the restore of its record by
     # a restarted syncer (targets.split_among: past a bound, an island without one is left out
     # of the split; a rejoin does not restart the wait). Not persisted.

@@ -44,6 +44,17 @@ island without a target holds neither the split, nor the targeted islands' last 
 the finish (SyncState.split_to, untargeted): the job ends once the targeted islands have
 drained at the budget, or at the first merge that reaches it.
 
+A count is the island's own word, and no island's may move another's target beyond what its own
+record and the spec support (issue 46: one heartbeat with a count of 2^50 made what was left
+negative, and every other island drained at its current count, 5 steps into the job). An
+island whose count grew faster than it could process (CountBound.rate, from the step time its
+pushes' credit fills at, plus a capped push: count_refused) is left out of the split at once,
+as one without a pace is; within that, its part of what is done is its count held between its
+merged tokens and those plus a capped push and its refused pushes' tokens (done_range: an
+honest learner holds at most a capped push of each fragment unmerged, and never trains a
+refused push again). An island with a target that never drains holds the finish only as long
+as the others' wait budget: they train on after it (learner/drain.py).
+
 Pure: the service calls `stop_targets` with the islands' records under its lock.
 """
 
@@ -69,6 +80,19 @@ PACE_WAIT_BEATS = 3
 PACE_SPAN_BEATS = 0.5
 # A split that is a whole number of steps but for float rounding stays that number.
 ROUNDING = 1e-6
+
+
+@dataclass(frozen=True)
+class CountBound:
+    """What an island's heartbeat count may claim, from its own record and the job's spec (the
+    service computes it under its lock; count_refused, done_range): no other island's count or
+    claim enters it."""
+
+    rate: float  # tokens a second its count may grow at: RATE_ALLOWANCE x its tokens a step
+    # over its work-rate step time (intake/guards.WorkRate: the rate its pushes may claim)
+    ahead: float  # tokens its count may run ahead of its merged ones: the step cap's steps
+    # (core/push_bounds.max_push_steps, 4 x H + τ) x its tokens a step, plus the tokens of
+    # its pushes refused since its join (IslandRecord.refused_tokens: not retrained)
 
 
 @dataclass(frozen=True)
@@ -131,19 +155,56 @@ def pace_of(rec: IslandRecord, min_span: float = 0.0) -> Pace | None:
     return Pace(rec.count_base, rec.reported_tokens, rec.reported_at, rate)
 
 
+def count_refused(rec: IslandRecord, pace: Pace, bound: CountBound) -> str | None:
+    """Why the island's count is outside what it could have processed (None: within it): it
+    grew since its first report (since its join) by more than `bound.rate` over the time between
+    plus `bound.ahead` (a burst of a capped round's steps: reports come between steps, and a
+    learner's first steps run before its step time is known). Such an island is left out of
+    the split (split_among), as one whose pace is unknown past the wait: its count would move
+    the others' targets (one count of 2^50 drained every island 5 steps into the job)."""
+    if rec.first_report is None:
+        return None
+    first_tokens, first_at = rec.first_report
+    grown = pace.tokens - first_tokens
+    most = bound.rate * max(0.0, pace.at - first_at) + bound.ahead
+    if grown <= most * (1 + ROUNDING):
+        return None
+    return (
+        f"its heartbeat count (tokens) grew by {grown} in {pace.at - first_at:.3g}s, more than "
+        f"it could process ({most:.0f}: {bound.rate:.4g} tokens/s + {bound.ahead:.0f})"
+    )
+
+
+def done_range(rec: IslandRecord, bound: CountBound) -> tuple[float, float]:
+    """The least and most of the budget the island's record says it has processed: its merged
+    tokens, and those plus `bound.ahead` (what its learner may hold unmerged: the step cap, and
+    refused pushes, which are not trained again). stop_targets counts its count within these."""
+    return rec.merged_tokens, rec.merged_tokens + bound.ahead
+
+
 def split_among(
-    running: Iterable[IslandRecord], *, now: float, wait: float, min_span: float = 0.0
+    running: Iterable[IslandRecord],
+    *,
+    now: float,
+    wait: float,
+    min_span: float = 0.0,
+    bounds: dict[str, CountBound] | None = None,
 ) -> list[IslandRecord] | None:
     """The islands still training that the budget is split among: those whose pace is known
     (pace_of); None while one without a pace first joined less than `wait` seconds ago (its
     learner's first heartbeats measure it: the split waits for it). One without a pace `wait`
     seconds after its first join (`pace_since`; none known: waited out) is left out: no island's
     silence
-    holds the others' targets (see the module docstring). `min_span`: pace_of's."""
+    holds the others' targets (see the module docstring). `min_span`: pace_of's. `bounds`
+    (each island's CountBound): one whose count grew beyond its bound is left out at once
+    (count_refused), not waited for."""
     split = []
     for rec in running:
-        if pace_of(rec, min_span) is not None:
-            split.append(rec)
+        pace = pace_of(rec, min_span)
+        if pace is not None:
+            bound = None if bounds is None else bounds.get(rec.name)
+            if bound is None or count_refused(rec, pace, bound) is None:
+                split.append(rec)
         elif rec.pace_since is not None and now - rec.pace_since < wait:
             return None
     return split
@@ -158,6 +219,7 @@ def stop_targets(
     now: float,
     horizon: float,
     weights: dict[str, float] | None = None,
+    done_ranges: dict[str, tuple[float, float]] | None = None,
 ) -> dict[str, int] | None:
     """Each island's target in its learner's count, or None while the islands are more than
     `horizon` seconds from the budget at their pace.
@@ -171,12 +233,22 @@ def stop_targets(
 
     `weights` (K = M, lock_step_weights): split what is left in these proportions instead of
     the rates; when is still judged by the rates.
+
+    `done_ranges` (done_range: from each island's own record): an island's part of what is done
+    is its count (base + projected) held within its range, so that no island's self-reported
+    count moves another's target by more than its record supports (a count of 2^50 would make
+    `left` negative, and every other island's target its current count).
     """
     rate = sum(p.rate for p in paces.values())
     if not paces or rate <= 0:
         return None
     projected = {n: p.tokens + p.rate * max(0.0, now - p.at) for n, p in paces.items()}
-    done = done_elsewhere + sum(p.base + projected[n] for n, p in paces.items())
+    parts = {n: p.base + projected[n] for n, p in paces.items()}
+    if done_ranges is not None:
+        for n, (least, most) in done_ranges.items():
+            if n in parts:
+                parts[n] = min(max(parts[n], least), most)
+    done = done_elsewhere + sum(parts.values())
     left = budget - done
     if left > horizon * rate:
         return None
