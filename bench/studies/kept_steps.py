@@ -10,7 +10,8 @@ Two parts, both offline (no training):
    its merge (its *kept* steps: `sync.lateMergeRule keep` installs θ_global + (θ_now − θ_push),
    so those steps, trained from the weights before the merge, go into the next push), the pull's
    chain of versions (its bytes over a one-version pull of that fragment), the holds at the step
-   cap and the syncer's eval loss by outer step.
+   cap, the holds for a merge late by ceil(H/2) steps (sync.lateMergeHold) and the syncer's eval
+   loss by outer step.
 2. A linear model of the outer loop (as bench/studies/stale_momentum: one direction of curvature,
    error e = θ − θ*, a round's inner steps covering a share a of it) with every island in every
    merge (lag 0, momentum share 1: what the syncer sees as fresh) but a share k of each round's
@@ -44,6 +45,8 @@ KEPT = (0.0, 0.17, 0.3, 0.5, 0.63, 0.7, 1.0)  # k: the share of a round trained 
 _PUSH = re.compile(r"step (\d+): fragment (\d+) pushed \(base version (\d+), .* in (\d+) steps")
 _APPLY = re.compile(r"step (\d+): fragment (\d+) applied version (\d+) .*\((\d+) bytes\)")
 _HELD = re.compile(r"held ([\d.]+)s for the syncer")
+# A K < M learner's hold for a merge late by ceil(H/2) steps (sync.lateMergeHold auto).
+_LATE = re.compile(r"held ([\d.]+)s for its merge|not merged within [\d.]+s of a hold")
 _EVAL = re.compile(r"eval at outer step (\d+) \((\d+) tokens\): loss ([\d.]+)")
 
 
@@ -80,6 +83,8 @@ class RunFigures:
     chains: list[float] = field(default_factory=list)  # pull bytes / one version's
     holds: int = 0
     held_s: float = 0.0
+    late_holds: int = 0  # holds for a late merge (sync.lateMergeHold), budget-ended ones too
+    late_held_s: float = 0.0
     evals: list[tuple[int, int, float]] = field(default_factory=list)  # (outer step, tokens, loss)
 
     def row(self) -> list[str]:
@@ -98,6 +103,7 @@ class RunFigures:
             else "-",
             f"{mean(self.chains):.2f}/{max(self.chains):.2f}" if self.chains else "-",
             f"{self.holds}, {self.held_s:.1f} s",
+            f"{self.late_holds}, {self.late_held_s:.1f} s",
             " ".join(f"{loss:.2f}" for _, _, loss in self.evals),
         ]
 
@@ -138,6 +144,9 @@ def read_run(path: Path, inner_steps: int = 30) -> RunFigures:
             elif h := _HELD.search(line):
                 out.holds += 1
                 out.held_s += float(h.group(1))
+            elif late := _LATE.search(line):
+                out.late_holds += 1
+                out.late_held_s += float(late.group(1) or 0.0)
     return out
 
 
@@ -167,6 +176,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                     "kept steps mean/max (k)",
                     "pull chain mean/max",
                     "holds",
+                    "late-merge holds",
                     "eval loss by outer step",
                 ],
             )

@@ -75,6 +75,10 @@ def test_a_run_folder_is_read(tmp_path: Path) -> None:
         "step 93: fragment 0 applied version 3 (merged, 2.29s after the push; 0.000s on the "
         "training thread; pull 0.966s (146096 bytes), rebuild 0.006s, receipt ready 0.000s)",
         "step 200: held 1.0s for the syncer; stepping on",
+        "step 105: fragment 0's merge not back 15 steps after its push (the bound, ceil(H/2) = "
+        "15 of 30); held 2.50s for its merge",
+        "step 135: fragment 0 not merged within 30s of a hold 15 steps after its push; training "
+        "on without it",
     ]
     prefix = "2026-11-30 07:26:14,329 INFO island-0/0 diloco.learner: "
     (run / "island-0.0.log").write_text("".join(prefix + line + "\n" for line in lines))
@@ -87,5 +91,7 @@ def test_a_run_folder_is_read(tmp_path: Path) -> None:
     assert got.kept == [21, 33]  # 51 − 30, 93 − 60
     assert got.chains == [1.0, 2.0]  # 146096 / 73048: a chain of two versions
     assert got.holds == 1 and got.held_s == 1.0
+    # A late-merge hold (sync.lateMergeHold) apart from the step cap's; one ended by the budget.
+    assert got.late_holds == 2 and got.late_held_s == 2.5
     assert got.evals == [(1, 76800, 2.986)]
     assert got.row()[7] == "27.0/33 (0.90)"  # mean kept 27 of H = 30

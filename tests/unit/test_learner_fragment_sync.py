@@ -287,7 +287,8 @@ def test_delta_pushed_decodes_to_global_minus_local(codec: str) -> None:
 def test_decoupled_learner_trains_on_until_its_merge_arrives_then_keeps_those_steps() -> None:
     # K = 1 of 2 with τ = 2: after step 6 the merge of the push at 4 is due but not back.
     link = FakeLink(outer_lr=0.25)
-    sync, w = make_sync(make_spec(quorum=1), link)
+    # (lateMergeHold off: the hold at ceil(H / 2) is tests/unit/test_learner_late_hold.py's.)
+    sync, w = make_sync(make_spec(quorum=1, lateMergeHold="off"), link)
     assert not sync.blocking
     link.hold = True
     for _ in range(7):

@@ -36,6 +36,9 @@ def cap_spec(**sync: Any) -> JobSpec:
                 "overlapSteps": TAU,
                 "quorum": 1,
                 "compression": "none",
+                # The step cap's hold alone: a late merge's hold at ceil(H / 2)
+                # (sync.lateMergeHold auto) is tests/unit/test_learner_late_hold.py's.
+                "lateMergeHold": "off",
                 **sync,
             },
         }

@@ -16,6 +16,7 @@ MergeWait = Literal["overlap", "nextPush"]  # core/grace.MERGE_WAITS
 ApplyFrom = Literal["overlap", "arrival"]  # learner/step_plan.APPLY_FROMS
 OverlapMode = Literal["auto", "fixed"]  # learner/overlap.OVERLAP_MODES
 LateMergeRule = Literal["keep", "eager"]  # learner/mixing.LATE_MERGE_RULES
+LateMergeHold = Literal["auto", "off"]  # learner/step_plan.LATE_MERGE_HOLDS
 OverlapCovers = Literal["sync", "merge"]  # learner/overlap.OVERLAP_COVERS
 
 
@@ -96,6 +97,16 @@ class SyncSpec(SpecModel):
         "(sync outer lr and momentum; lr·Δ/w + β·u without Nesterov), and the merge installs "
         "θ_global + (θ_now − θ_proxy), so the steps it keeps were taken near the merged weights. "
         "Not with islands.parallelism fsdp (keep). docs/algorithm.md derives and prices it.",
+    )
+    late_merge_hold: LateMergeHold = Field(
+        "auto",
+        description="A learner that does not block for its merge (quorum below the islands, "
+        "overlapSteps > 0): auto: once a push is ceil(H_i / 2) steps old (never before its "
+        "overlapSteps) and its merge not installed, it holds its inner steps until it is (at "
+        "most the wait budget a blocking learner's merge wait has, then it trains on), so at "
+        "most half a round of steps trained before the merge is kept on top of it. off: it "
+        "never holds for a merge, however late (only at the step cap). docs/algorithm.md "
+        "prices it.",
     )
     compression: Codec = Field("int8", description="Codec for pseudo-gradients on the wire.")
     pull_compression: PullCompression = Field(

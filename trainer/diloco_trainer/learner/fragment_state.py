@@ -139,6 +139,11 @@ class InFlight:
     # out of schedule, so its merge is waited for at the fragment's next sync point rather
     # than skipping that push (FragmentSync._plan).
     again: bool = False
+    # Inner steps trained since the push (every step: fill and phase-delay steps too), and
+    # whether the learner held this push's whole wait budget for its merge already: what
+    # step_plan.holds_for_late_merge reads at K < M.
+    trained: int = 0
+    hold_given_up: bool = False
 
 
 @dataclass

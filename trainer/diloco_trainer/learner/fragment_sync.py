@@ -47,6 +47,8 @@ from diloco_trainer.learner.step_plan import (
     Window,
     adopt_round,
     blocks_for_merge,
+    holds_for_late_merge,
+    late_merge_bound,
     plan_idle,
     plan_step,
     wait_budget,
@@ -102,6 +104,8 @@ class FragmentSync:
         # whatever their H_i (drain.DrainTrigger).
         self.round_work = 0.0
         self.held_since: float | None = None  # time.monotonic() the island began to hold
+        # time.monotonic() a hold for a late merge began (_hold_late, K < M), None when none is
+        self.late_held_since: float | None = None
         self.waited = 0.0  # s blocked on the syncer (merge waits, holds) since take_waited
         # EMA of the wall seconds per inner step, everything between two steps included: the
         # clock a schedule position runs at, and so the one phase alignment converts with.
@@ -269,6 +273,8 @@ class FragmentSync:
         """One inner step's work, on every fragment's counters."""
         for state in self.fragments:
             state.counters.add(tokens, loss, step_time)
+        for flight in self.inflight.values():
+            flight.trained += 1
         self.round_work += self.fill.round_share(self.spec.inner.steps / self.round_steps)
 
     def after_step(self) -> dict[int, Weights]:
@@ -306,6 +312,7 @@ class FragmentSync:
                     out[f] = target
         self._push_again(out)
         self._make_up()
+        self._hold_late(out)
         # An eager jump not overtaken by a receipt in this call (which started from it).
         for f, proxy in self.jumps.items():
             out.setdefault(f, proxy)
@@ -431,6 +438,61 @@ class FragmentSync:
             self.waited += held
             self._last_step = self.clock()  # the hold is not a step's wall time
             log.info("step %d: held %.1fs for the syncer; stepping on", self.position, held)
+
+    def _hold_late(self, out: dict[int, Weights]) -> None:
+        """K < M: take no further step while a push in flight is late_merge_bound steps old
+        (ceil(H_i / 2)) and its merge not installed (step_plan.holds_for_late_merge), so that
+        at most that many steps are kept on top of it; wait for it up to the wait budget (as
+        a blocking learner's merge wait), then train on without it. Each merge that arrives is
+        received into `out` like any other."""
+        if self.blocking or self.spec.sync.late_merge_hold == "off":
+            return
+        for f in sorted(self.inflight):
+            flight = self.inflight[f]
+            bound = late_merge_bound(self.round_steps, flight.window)
+            if not holds_for_late_merge(
+                blocking=self.blocking,
+                steps_since_push=flight.trained,
+                bound=bound,
+                given_up=flight.hold_given_up,
+                mode=self.spec.sync.late_merge_hold,
+            ):
+                continue
+            budget = wait_budget(self.round_times, self.spec.sync.heartbeat_timeout_seconds)
+            began = self.late_held_since = time.monotonic()
+            try:
+                got = self.collect(f, block=budget)
+            finally:
+                self.late_held_since = None
+            held = time.monotonic() - began
+            self.waited += held
+            self._last_step = self.clock()  # the hold is not a step's wall time
+            if got:
+                target = self.receive(f)
+                if self.shards is None:
+                    out[f] = target
+                log.info(
+                    "step %d: fragment %d's merge not back %d steps after its push (the bound, "
+                    "ceil(H/2) = %d of %d); held %.2fs for its merge",
+                    self.position,
+                    f,
+                    flight.trained,
+                    bound,
+                    self.round_steps,
+                    held,
+                )
+                continue
+            if self.inflight.get(f) is flight:  # (one pushed again meanwhile holds afresh)
+                flight.hold_given_up = True  # this push's budget is spent: train on as without
+            if not self.stop.is_set() and not self.finished():
+                log.warning(
+                    "step %d: fragment %d not merged within %.0fs of a hold %d steps after "
+                    "its push; training on without it",
+                    self.position,
+                    f,
+                    budget,
+                    flight.trained,
+                )
 
     def _plan(self, position: int) -> StepPlan:
         self._take_again(position)

@@ -209,6 +209,53 @@ def wait_budget(round_times: Sequence[float], heartbeat_timeout: float) -> float
     return max(heartbeat_timeout, ROUND_TIME_FACTOR * recent)
 
 
+def late_merge_bound(inner_steps: int, window: Window) -> int:
+    """B: the most steps a learner that does not block for its merge (K < M) trains past a push
+    before it holds for that push's merge (holds_for_late_merge): ceil(H_i / 2), and never
+    before the push's wait deadline (its τ; window = (first poll, deadline) in steps after the
+    push), so a merge is never held for before the overlap it was pushed with.
+
+    Why: the steps trained between a push and the install of its merge are kept on top of the
+    merge (sync.lateMergeRule keep) and go into the next push, trained from the weights before
+    it (FragmentState.kept_steps, k = kept / H_i). On a link slower than its traffic k reached
+    0.9-1.5 rounds at K = 1 and the loss 1.25-1.59x its L = 0; at k <= 0.3 no loss
+    (bench/log/2026-11-30.md, kone14, kept15). Holding at B caps k at B / H_i = 1/2.
+    """
+    if inner_steps < 1:
+        raise ValueError(f"inner steps must be >= 1, got {inner_steps}")
+    return max(math.ceil(inner_steps / 2), window[1])
+
+
+LATE_MERGE_HOLDS = ("auto", "off")  # sync.lateMergeHold
+
+
+def holds_for_late_merge(
+    *,
+    blocking: bool,
+    steps_since_push: int,
+    bound: int,
+    given_up: bool = False,
+    mode: str = "auto",
+) -> bool:
+    """Whether a learner holds its inner steps, after the step it just took, until the merge of
+    a push in flight is installed: one that does not block for its merge (blocks_for_merge
+    false: K < M), whose push is `steps_since_push` inner steps old (every step it trained,
+    a fill or phase-delay step too, counted from the push: those are the steps its receipt
+    keeps), at `bound` (late_merge_bound) or more, and that has not already held the push's
+    wait budget out (`given_up`: a syncer down or a quorum that cannot form; it trains on, as
+    without the rule, until that push's merge arrives or it is pushed again). A blocking learner
+    (K = M, τ = 0) waits at its deadline already (plan_step), never later than B.
+    `mode` is sync.lateMergeHold: "off" never holds.
+    """
+    if mode not in LATE_MERGE_HOLDS:
+        raise ValueError(
+            f"sync.lateMergeHold must be one of {', '.join(LATE_MERGE_HOLDS)}, got {mode!r}"
+        )
+    if steps_since_push < 0 or bound < 1:
+        raise ValueError(f"steps since a push ({steps_since_push}) < 0 or bound ({bound}) < 1")
+    return mode == "auto" and not blocking and not given_up and steps_since_push >= bound
+
+
 def schedule_start(versions: Sequence[int], inner_steps: int, offsets: Sequence[int]) -> int:
     """The inner step count a joining learner starts from, so that its first push is of the
     fragment the syncer merges next (and its own schedule is in phase with the others').
