@@ -1,6 +1,7 @@
-"""Merge waits at K = M filled with steps: a slow island's (learner/step_plan.fills_wait, issue 47),
-hand-derived schedules in units of a fast island's step (H = 20, merges every 20); and an island
-at H's (step_plan.fills_drift, issue 45): its peers' drift filled, up to a cap a push."""
+"""Merge waits at K = M filled with steps: an island at H's (step_plan.fills_drift, issue 45): its
+peers' drift filled, up to a cap a push; a slow island's by that rule too and past the cap by its
+merge period (step_plan.fills_wait, issue 47), hand-derived schedules in units of a fast island's
+step (H = 20, merges every 20)."""
 
 from __future__ import annotations
 
@@ -165,22 +166,26 @@ def test_a_slow_island_fills_its_merge_wait_and_its_next_push_carries_the_fill_s
     assert sync.round_work == 15.0
 
 
-def test_an_overdue_merge_is_waited_for_and_an_island_at_h_fills_by_its_cap() -> None:
+def test_an_overdue_merge_is_waited_for_past_the_cap_and_an_island_at_h_fills_by_its_cap() -> None:
     sync, link, w, now = _slow_island()
     for _ in range(4):
         step(sync, w)
     now[0] = 32.5  # the merge due at 30 is overdue by more than the room (2 s)
     link.hold = True
     sync.inflight[0].future = concurrent.futures.Future()  # not back
+    # the drift rule first, a slow island's too (issue 47): cap floor(0.2 x 8) = 1, none taken
+    # since the push, so it fills, overdue or not
+    assert sync.fill.drift_cap == 1 and sync.fill.fills(sync, 0)
+    sync.fill.since_push[0] = 1  # at the cap: fills_wait alone, and the merge is overdue
     assert not sync.fill.fills(sync, 0)
-    now[0] = 25.0
+    now[0] = 25.0  # not overdue: fills_wait fills past the cap (29 <= 38, as above)
     assert sync.fill.fills(sync, 0)
-    # H: an island at H takes fill steps by fills_drift (its cap), not by the period: at 32.5
-    # too, the merge overdue by more than the room
+    # H: an island at H takes fill steps by fills_drift (its cap) alone, never by the period
     sync.round_steps = 8
+    assert not sync.fill.fills(sync, 0)  # 1 since the push: the cap
+    sync.fill.since_push[0] = 0
+    now[0] = 32.5
     assert sync.fill.fills(sync, 0)
-    sync.fill.since_push[0] = 1  # floor(0.2 x 8) = 1 fill step since the push: the cap
-    assert not sync.fill.fills(sync, 0)
 
 
 def test_drift_fill_cap_is_a_fifth_of_h_rounded_down() -> None:
@@ -277,3 +282,74 @@ def test_fixed_rounds_take_no_fill_step_at_h() -> None:
     assert fixed.drift_cap == 0
     sync.fill = fixed
     assert not sync.fill.fills(sync, 0)
+
+
+def _three_x_island() -> tuple[FragmentSync, FakeLink, nn.Parameter, list[float]]:
+    """A 3x island at K = M (2 of 2), H = 20, τ = 1, one fragment, whose syncer names H_i =
+    floor(0.9 x 20 / 3) = 6 (core/island_rounds.sized_steps); in units of a fast island's step:
+    its steps take 3.1 (3x plus its share of the sync path: bench.hetero --emulate-step-ms 50
+    read 0.15-0.16 s), merges every 20, the last at 40. Cap floor(0.2 x 20) = 4 (counted in H)."""
+    spec = make_spec(quorum=2, overlapSteps=1, overlapMode="fixed")
+    spec = spec.model_copy(update={"inner": spec.inner.model_copy(update={"steps": 20})})
+    link = FakeLink(outer_lr=1.0)
+    link.inner_steps = 6
+    sync, w = make_sync(spec, link)
+    sync.step_time = 3.1
+    now = [0.0]
+    sync.fill.clock = lambda: now[0]
+    sync.fill.arrivals = {0: [0.0, 20.0, 40.0]}
+    for _ in range(5):
+        step(sync, w)
+    assert sync.round_steps == 6  # adopted in its first round
+    link.hold = True  # the merge of the push at position 6 is not back until release()
+    step(sync, w)
+    assert [meta.steps for _, meta, _ in link.pushes] == [6]
+    # Its wait, τ after the push (position 7), at 58: its 6 steps of 3.1 (18.6) ended 1.4 short
+    # of the merge due at 60; applied at 40.
+    now[0] = 58.0
+    return sync, link, w, now
+
+
+def test_a_3x_island_fills_its_merge_wait_by_the_drift_rule() -> None:
+    """Issue 47: fills_wait alone never let the 3x island fill (its push 5 positions on, a step
+    later: 58 + 3.1 x 6 = 76.6 > (max(40 + 20, 58) + 20) - 0.2 x 20 = 76), so it idled to 60,
+    its round's slack beyond the room (18.6 of 20) lost every round: 0.87-0.89 of its compute
+    share merged. The drift rule fills: the merge at 60 comes during the fill step (58-61.1),
+    which is its only one; the island resumes at 61.1, 1.1 after the merge (at most one of its
+    steps), and its next push, 5 steps on, at 61.1 + 15.5 = 76.6 still precedes the fast
+    islands' at 80: the merge after is not late."""
+    sync, link, w, now = _three_x_island()
+    wait = FillFragment(due_in=5, last_arrival=40.0, in_flight=True)
+    assert not fills_wait(
+        now=58.0, step_time=3.1, period=20.0, room=ROOM, fragments=[wait], waited=wait
+    )
+    step(sync, w)  # position 7: the wait, filled (0 of 4 since the push)
+    assert (sync.position, sync.fill.next, sync.fill.filling) == (7, True, {0})
+    assert sync.fill.since_push == {0: 1}
+    link.release()  # back during the fill step
+    now[0] = 61.1
+    assert step(sync, w) != {}  # the fill step; the merge polled and applied
+    assert (sync.position, sync.fill.next, sync.fill.steps) == (7, False, 1)
+    for _ in range(5):  # positions 8-12: pushed at 12
+        step(sync, w)
+    # the push carries τ's step, the fill step and the round's 5: 7 steps of its 6-step round
+    assert [meta.steps for _, meta, _ in link.pushes] == [6, 7]
+    assert sync.fill.since_push == {0: 0}
+
+
+def test_a_3x_island_stops_filling_at_the_cap_when_the_merge_does_not_come() -> None:
+    """A peer gone: the merge due at 60 never comes. The 3x island takes 4 fill steps (the cap,
+    floor(0.2 x 20), counted in H: floor(0.2 x 6) would be 1, and 0 for a 4x or 5x island's
+    H_i of 4 or 3), 58 to 70.4, then blocks as before: fills_wait too says no (overdue by 10.4,
+    more than 0.2 x 20). Its push then carries 6 + 4 = 10 steps, under an island at H's capped
+    24."""
+    sync, link, w, now = _three_x_island()
+    for n in range(1, 5):
+        step(sync, w)  # the wait at 7, then fill steps 1-3 (the merge not back)
+        now[0] += 3.1
+        assert (sync.position, sync.fill.next, sync.fill.since_push) == (7, True, {0: n})
+    assert sync.fill.steps == 4 and sync.fill.drift_cap == 4
+    assert not sync.fill.fills(sync, 0)  # at 70.4: the cap, and overdue for fills_wait
+    link.release()  # so that the fourth fill step's settle, which blocks, returns
+    assert step(sync, w) != {}
+    assert (sync.position, sync.fill.next, sync.fill.steps) == (7, False, 4)

@@ -16,8 +16,9 @@ of the others' 20; rounded to nearest, 7 steps = 21 made every fast island wait 
 change leaves it more room (sized_steps, LOCK_STEP_ROOM): its round at most 90% of the
 reference round's time, since every merge waits for the last push and a round that rounding
 down left as long as the others' was late half the time under load. What the rounding and the
-room leave idle, its learner fills with steps that count in its next push, when they delay no
-push past the room (learner/step_plan.fills_wait).
+room leave idle, its learner fills with steps that count in its next push: while the merge it
+waits for is out, up to a cap a push (learner/step_plan.fills_drift, a merge then at most one of
+its steps late), and past the cap when they delay no push past the room (fills_wait).
 
 t_i is island i's measured step time (its heartbeats' stepTime) and t_ref a robust reference
 step time of the job (reference_step_time): the lower median of the islands' step times once
@@ -231,8 +232,8 @@ def clear_of_join_load(*, ratio: float, room: float) -> bool:
     the fastest; bench/busy_link cut equal islands to 12-13 of 30, about 2.4x): 4x is 1.6x
     beyond the worst of those, so an identical island still waits, and a slow island's deep
     cut, if the early peers' probes flattered them, costs it only idle time that its learner
-    fills at K = M (learner/step_plan.fills_wait). At K < M no one waits for a late push, and
-    the rule is as before."""
+    fills at K = M (learner/step_plan.fills_drift, fills_wait). At K < M no one waits for a late
+    push, and the rule is as before."""
     return room > 0 and ratio >= JOIN_LOAD_RATIO - 1e-9
 
 

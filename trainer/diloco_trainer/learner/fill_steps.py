@@ -1,5 +1,5 @@
-"""Fill steps: an island at K = M steps through its merge waits (learner/step_plan.fills_wait for
-a slow island, fills_drift for one at H; docs/algorithm.md "Fill steps at K = M").
+"""Fill steps: an island at K = M steps through its merge waits (learner/step_plan.fills_drift for
+every island, fills_wait past its cap for a slow one; docs/algorithm.md "Fill steps at K = M").
 
 At K = M an island whose round H_i is below inner.steps (a slow island, inner.stepsPerIsland auto)
 ends each round early by design (core/island_rounds.sized_steps: rounded down, with room) and
@@ -9,6 +9,12 @@ moves no schedule position, whose tokens count in the fragments' next pushes (th
 push are kept when its merge is applied), then polls again. FragmentSync calls it at its waits
 (`unfilled`), after its polls (`settle`), to move its schedule (`positions`) and to count its
 rounds (`round_share`), and `pushed` at each push. No tensors: a few floats a fragment.
+
+A slow island fills by the drift rule below first (issue 47): its round is rounded down to at
+most 0.9 of the reference round, which leaves it under a step of slack a round beyond that room,
+and fills_wait, which keeps every push 0.2 of a period early, took none of it (a 3x island at
+H_i = 6 of 20: none in 6 emulated runs, its merged tokens 0.87-0.89 of its compute share). The
+drift rule's cost is the same as at H: a merge at most one of its steps late (a slow step).
 
 An island at H (identical speeds) has no such slack: its waits
 are its peers' drift (a start-up offset, step-time noise, speed gaps between processes). It fills
@@ -172,9 +178,10 @@ class FillSteps:
     def fills(self, sync: Waiting, f: int) -> bool:
         """Whether the wait for fragment f's merge (in flight, not back) is filled with a step
         at K = M only, with no phase shift, syncer restart or stop target under way (the drain's
-        targets split the budget by H_i x tokens per step): an island at H (its round not below
-        inner.steps) while its pushes carry at most the cap (step_plan.fills_drift); a slow island
-        (its round below) with every fragment's merge period known (step_plan.fills_wait)."""
+        targets split the budget by H_i x tokens per step): any island while its pushes carry
+        at most the cap, floor(room x H) (step_plan.fills_drift); a slow island (its round below
+        inner.steps) past the cap too while every fragment's next push stays early by its merge
+        period (step_plan.fills_wait, which needs every fragment's period known)."""
         if (
             not (sync.blocking and self.lock_step)
             or sync.phase_pending
@@ -184,9 +191,13 @@ class FillSteps:
             or any(fl.again for fl in sync.inflight.values())
         ):
             return False
+        # Every island fills by the drift rule first, a slow one too (issue 47): its slack is
+        # under a step a round once rounded down, which fills_wait's room never lets it take.
+        since = [self.since_push.get(g, 0) for g in range(len(sync.fragments))]
+        if fills_drift(since_push=since, cap=self.drift_cap):
+            return True
         if sync.round_steps >= self.inner_steps:
-            since = [self.since_push.get(g, 0) for g in range(len(sync.fragments))]
-            return fills_drift(since_push=since, cap=self.drift_cap)
+            return False
         step_time = sync.step_time or sync.wall_step
         period = merge_period(self.arrivals.get(f, []))
         if period is None or step_time <= 0:

@@ -33,8 +33,9 @@ times the recently measured push-to-merge time. If nothing arrived by then the l
 training and applies the fragment after the first later step at which it has arrived (a
 non-blocking check every step). So a learner never deadlocks on a syncer that is down or a quorum
 that cannot form; it just trains locally until the syncer answers. A slow island at K = M (its
-round H_i below H) whose merge has not come may instead take a fill step (`fills_wait`): a step
-that moves no position, so that the idle end of its round counts in its next pushes.
+round H_i below H) whose merge has not come may instead take a fill step (`fills_drift`, then
+`fills_wait`): a step that moves no position, so that the idle end of its round counts in its
+next pushes.
 """
 
 from __future__ import annotations
@@ -345,17 +346,22 @@ def drift_fill_cap(inner_steps: int, room: float = FILL_ROOM) -> int:
 
 
 def fills_drift(*, since_push: Sequence[int], cap: int) -> bool:
-    """Whether a learner at K = M whose round is H (not a slow island: fills_wait is that one's
-    rule), at a merge wait whose merge has not come, takes a fill step: while every fragment's
-    next push would carry at most `cap` fill steps (`since_push`: the fill steps each has taken
-    since its last push; drift_fill_cap), i.e. at most (1 + room) x H steps.
+    """Whether a learner at K = M (any island: at H, or a slow one, which past the cap may still
+    fill by fills_wait), at a merge wait whose merge has not come, takes a fill step: while every
+    fragment's next push would carry at most `cap` fill steps (`since_push`: the fill steps each
+    has taken since its last push; drift_fill_cap), i.e. at most (1 + room) x H steps at H, and
+    H_i + room x H for a slow island (the cap counted in H, not H_i: floor(0.2 x H_i) is 0 for
+    H_i < 5, a 4x or 5x island at H = 20; and H_i + room x H stays under an island at H's
+    capped push, so the token imbalance in a merge is no larger than at identical speeds).
 
     At identical speeds such a wait is a peer's drift (bench/RESULTS.md "busy_link": a start-up
     offset the first merge closes, then step-time noise and steady speed gaps between processes),
     not slack a slow round left, so there is no period to plan by: the learner steps on while the
     merge is not back. It cannot run away: a fill step is only taken while the merge waited for
     has not come, so it never delays that merge (every push in it is in), and the learner takes
-    up its schedule at most one step time after the merge came (the fill step under way then).
+    up its schedule at most one step time after the merge came (the fill step under way then;
+    a slow island's step: a 3x island's is 3 of the fast islands' step times, but its round is
+    sized to at most 0.9 of theirs and rounded down, so that slack absorbs most of it).
     So each merge of the learner's next pushes comes at most one step time later than if it had
     blocked, whatever happened before: a merge's time is the latest of its pushes, and every
     island's push is at most its own round plus one step after the merge it last waited for.
