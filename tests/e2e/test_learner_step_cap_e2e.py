@@ -100,8 +100,16 @@ def test_learners_hold_at_the_step_cap_while_the_syncer_is_frozen(
         islands={"count": 2},
         inner={"steps": H},
         # K = 1 of 2 with overlap: decoupled learners never block for a merge, so a silent
-        # syncer leaves them stepping (the case the cap is for).
-        sync={"quorum": 1, "overlapSteps": TAU, "heartbeatTimeoutSeconds": 30},
+        # syncer leaves them stepping (the case the cap is for). The late merge's hold at
+        # ceil(H / 2) (sync.lateMergeHold auto) would first spend a wait budget (>= the 30 s
+        # heartbeat timeout) per push before the cap: the cap alone here (the late hold:
+        # tests/unit/test_learner_late_hold.py).
+        sync={
+            "quorum": 1,
+            "overlapSteps": TAU,
+            "heartbeatTimeoutSeconds": 30,
+            "lateMergeHold": "off",
+        },
         stopAfter={"outerSteps": NO_END},
         syncer={"checkpoint": {"everyOuterSteps": 100}, "evalEveryOuterSteps": 100},
     )

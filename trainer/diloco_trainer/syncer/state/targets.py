@@ -257,8 +257,13 @@ def stop_targets(
     if total <= 0:
         return None
     targets = {}
-    for n in paces:
-        count = projected[n] + max(0.0, left) * shares[n] / total
+    for n, p in paces.items():
+        # From its part as counted in `done` (its count held within its range), so that the
+        # targets and what is done add up to the budget: a count projected low (a pace measured
+        # since the join's slow start) raised to the island's merged tokens in `done` but not
+        # here left the targets short of the budget by the difference, and the islands drained
+        # short of it and trained on (tests/e2e/test_island_rounds.py, K = M).
+        count = parts[n] - p.base + max(0.0, left) * shares[n] / total
         step = max(1, step_tokens[n])
         targets[n] = step * math.floor(count / step + ROUNDING)
     return targets
