@@ -192,5 +192,11 @@ def _standard_conditions(
             obs,
         ),
         condition(before, "SyncerHealthy", *syncer_health(obs.syncer), obs),
-        condition(before, WAIT_CONDITION, *wait_condition(obs.waits), obs),
+        # Only while the job trains: a finished or suspended job's islands wait for nothing.
+        condition(
+            before,
+            WAIT_CONDITION,
+            *wait_condition(obs.waits if phase in ACTIVE_PHASES else None),
+            obs,
+        ),
     ]

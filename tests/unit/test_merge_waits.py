@@ -138,6 +138,10 @@ def test_the_job_carries_the_condition_and_each_islands_share() -> None:
     assert by_type[WAIT_CONDITION].reason == WAIT_EVENT
     assert [e.waiting for e in status.island_statuses] == [0.5, None]
     assert status.waiting_summary == "50% -"  # kubectl get -o wide's Waiting column
+    # A suspended (or finished) job's islands wait for nothing: not raised, whatever was read.
+    suspended = compute_status(observation(syncer=doc, waits=raised, spec={"suspend": True}), None)
+    assert suspended.phase == "Suspended"
+    assert {c.type: c for c in suspended.conditions}[WAIT_CONDITION].status == "False"
     wire = status.model_dump(by_alias=True, mode="json", exclude_none=True)
     assert wire["islandStatuses"][0]["waiting"] == 0.5
     assert "waiting" not in wire["islandStatuses"][1]
