@@ -144,6 +144,16 @@ class IslandEntry(StatusModel):
         description="Seconds per inner step of the island's learner, as its heartbeats last "
         "told the syncer (a recent average).",
     )
+    waiting: float | None = Field(
+        None,
+        ge=0,
+        le=1,
+        description="The share of the island's learner's wall time (0..1) it spent blocked on "
+        "the syncer instead of training (merge waits, the step cap's and the late merge's "
+        "holds) between its two latest heartbeats, as the syncer last heard it; absent while "
+        "not reported (an older learner). Sustained at 0.25 or more, the job's WaitingForMerges "
+        "condition names the island and what to change (docs/cluster.md).",
+    )
     inner_steps: int | None = Field(
         None,
         ge=1,
@@ -188,6 +198,11 @@ class DiLoCoJobStatus(StatusModel):
         None,
         description="Each island's round, in island order, for kubectl get -o wide: 'H_i@step "
         "time' (e.g. '30@0.05s 10@0.15s'), '-' for what the syncer has not reported.",
+    )
+    waiting_summary: str | None = Field(
+        None,
+        description="Each island's share of its wall time waiting for the syncer's merges, in "
+        "island order, for kubectl get -o wide (e.g. '62% 4%'), '-' for one not reported.",
     )
     island_statuses: list[IslandEntry] = Field(
         default_factory=list, description="Per-island state, one entry per desired island."

@@ -7,6 +7,7 @@ dashboards see when a state began, not when the operator last looked.
 from __future__ import annotations
 
 from diloco_operator.api import Condition
+from diloco_operator.merge_waits import WAIT_CONDITION, wait_condition
 from diloco_operator.observation import ConditionsByType, Observation
 from diloco_operator.phase import LOST, NOT_YET_REACHED, Verdict
 from diloco_operator.preflight import CHECK_CONDITION
@@ -24,6 +25,7 @@ CONDITION_TYPES = (
     "SyncerReachable",
     "NameConflict",
     "SyncerHealthy",
+    WAIT_CONDITION,  # islands idle waiting for merges (merge_waits.py)
 )
 # After CONDITION_TYPES, only for a job whose islands are in a Kueue queue (queueing.py):
 # True while some island's pods wait for Kueue to admit them.
@@ -190,4 +192,11 @@ def _standard_conditions(
             obs,
         ),
         condition(before, "SyncerHealthy", *syncer_health(obs.syncer), obs),
+        # Only while the job trains: a finished or suspended job's islands wait for nothing.
+        condition(
+            before,
+            WAIT_CONDITION,
+            *wait_condition(obs.waits if phase in ACTIVE_PHASES else None),
+            obs,
+        ),
     ]

@@ -368,6 +368,14 @@ def _printer_columns() -> list[dict[str, Any]]:
             "in island order: 'H_i@seconds'.",
             "priority": 1,
         },
+        {
+            "name": "Waiting",
+            "type": "string",
+            "jsonPath": ".status.waitingSummary",
+            "description": "Each island's share of its wall time waiting for the syncer's merges, "
+            "in island order (the WaitingForMerges condition: docs/cluster.md).",
+            "priority": 1,
+        },
     ]
 
 

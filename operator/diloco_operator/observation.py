@@ -9,6 +9,7 @@ from typing import Any
 
 from diloco_operator.api import DiLoCoJobSpec
 from diloco_operator.health import IslandHealth, PodView
+from diloco_operator.merge_waits import MergeWaits
 from diloco_operator.preflight import CheckResult
 from diloco_operator.syncer_view import SyncerView
 
@@ -28,6 +29,8 @@ class Observation:
     now: datetime
     conflicts: Sequence[str] = ()  # children left alone: another object holds their name
     check: CheckResult | None = None  # the pre-flight check (preflight.py); None: not run
+    # The islands' waits for merges over the status reads so far (merge_waits.py); None: none.
+    waits: MergeWaits | None = None
 
 
 ConditionsByType = Mapping[str, Mapping[str, Any]]

@@ -22,6 +22,7 @@ from diloco_operator import api
 from diloco_operator.desired import DesiredChildren
 from diloco_operator.health import MembershipDecisions, PodView, pod_view
 from diloco_operator.kube import Kube
+from diloco_operator.merge_waits import MergeWaits
 from diloco_operator.observed import ObjectCache, child_view, resource_version
 from diloco_operator.resources import NetworkOptions
 from diloco_operator.syncer_view import SyncerView
@@ -120,6 +121,9 @@ class JobRuntime:
     # The syncer's refusal counts last seen, (island, reason) -> count (refusals.py); None
     # before the first look.
     refusals: dict[tuple[str, str], int] | None = None
+    # The islands' waits for merges over the syncer's status reads (merge_waits.py); None before
+    # the first read (then taken up from the stored status).
+    waits: MergeWaits | None = None
     phase: str | None = None
     pending: bool | None = None  # a requested sync not started: True when it must reconcile
     drain: asyncio.Task[None] | None = None  # runs requested syncs one after another
@@ -153,6 +157,7 @@ class JobRuntime:
         await self.syncer.drop_client()
         self.syncer, self.syncer_pods_ready = SyncerConnection(), 0
         self.rollout, self.spec_error, self.phase, self.refusals = [], None, None, None
+        self.waits = None
         self.credentials, self.conflicts = JobCredentials(), []
         self.last_reconcile = 0.0
         self.start_resync()

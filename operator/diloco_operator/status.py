@@ -23,6 +23,7 @@ from diloco_operator.status_progress import (
     island_statuses,
     job_completion,
     rounds_summary,
+    waiting_summary,
 )
 from diloco_operator.times import parse_time
 
@@ -47,6 +48,7 @@ def compute_status(obs: Observation, previous: Mapping[str, Any] | None) -> DiLo
         ),
         islands_summary=f"{verdict.ready}/{verdict.desired}",
         rounds_summary=rounds_summary(islands),
+        waiting_summary=waiting_summary(islands),
         island_statuses=islands,
         outer_step=progress.outer_step,
         tokens=progress.tokens,

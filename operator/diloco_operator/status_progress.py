@@ -129,6 +129,7 @@ def island_statuses(obs: Observation, running: bool) -> list[IslandEntry]:
                 holding=info is not None and info.holding,
                 drained=info is not None and info.drained,
                 step_time=float_or_none(info.step_time) if info is not None else None,
+                waiting=share_or_none(info.waiting) if info is not None else None,
                 inner_steps=info.inner_steps if info is not None else None,
             )
         )
@@ -146,6 +147,20 @@ def rounds_summary(islands: list[IslandEntry]) -> str | None:
         time = "-" if entry.step_time is None else f"{entry.step_time:.3g}s"
         parts.append(f"{steps}@{time}")
     return " ".join(parts)
+
+
+def waiting_summary(islands: list[IslandEntry]) -> str | None:
+    """Each island's waiting share as one string for kubectl's wide output: a whole percent per
+    island ('62% 4%'), '-' for a share not reported; None with no island."""
+    if not islands:
+        return None
+    return " ".join("-" if e.waiting is None else f"{e.waiting:.0%}" for e in islands)
+
+
+def share_or_none(value: Any) -> float | None:
+    """A share in [0, 1] (float_or_none, clamped: the CRD bounds it), None when not one."""
+    number = float_or_none(value)
+    return None if number is None else min(1.0, max(0.0, number))
 
 
 # Kubernetes stores integers as int64: a larger one would make the API server refuse the patch.

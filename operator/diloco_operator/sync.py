@@ -37,6 +37,7 @@ from diloco_operator.events import post_event
 from diloco_operator.final_weights import post_weight_events
 from diloco_operator.health import island_health, syncer_pods
 from diloco_operator.kube import Kube
+from diloco_operator.merge_waits import note_resumed, post_wait_event, read_waits, resumed
 from diloco_operator.observation import Observation
 from diloco_operator.observed import parse_version
 from diloco_operator.phase import FINAL_PHASES
@@ -103,6 +104,7 @@ async def sync_job(kube: Kube, rt: JobRuntime, *, reconcile: bool, poll_syncer: 
             await reconcile_children(kube, rt, job, spec, status, queued_at=queued_at)
         if poll_syncer and not check.held:
             await poll_syncer_status(kube, rt, job, spec)
+            _read_waits(rt, body, spec, status)
         new_status = await observe(kube, rt, job, body, spec, status, check)
         if new_status is None:
             return False
@@ -110,6 +112,7 @@ async def sync_job(kube: Kube, rt: JobRuntime, *, reconcile: bool, poll_syncer: 
         rt.refusals = post_refusal_events(
             body, rt.syncer.view, resources.island_names(spec), rt.refusals, rt.notes
         )
+        post_wait_event(body, rt.waits, rt.notes)
         if islands_should_run(spec, status) and new_status.get("phase") in FINAL_PHASES:
             await reconcile_children(kube, rt, job, spec, new_status)  # scale islands to 0
             kind = "Normal" if new_status["phase"] == "Succeeded" else "Warning"
@@ -118,6 +121,17 @@ async def sync_job(kube: Kube, rt: JobRuntime, *, reconcile: bool, poll_syncer: 
             post_event(body, "Normal", "TTLExpired", "deleting the finished job")
             await kube.delete_job(job.namespace, job.name, job.uid)
     return True
+
+
+def _read_waits(
+    rt: JobRuntime, body: dict[str, Any], spec: DiLoCoJobSpec, status: dict[str, Any]
+) -> None:
+    """Count one status read in the islands' waits for merges (merge_waits.py); the first since
+    the operator started takes up the stored condition, whose Event was posted then."""
+    if rt.waits is None:
+        rt.waits = resumed(status)
+        note_resumed(body, rt.waits, rt.notes)
+    rt.waits = read_waits(rt.waits, rt.syncer.view, resources.island_names(spec))
 
 
 def _valid_spec(rt: JobRuntime, body: dict[str, Any]) -> DiLoCoJobSpec:
@@ -325,6 +339,7 @@ async def observe(
         now=_now(),
         conflicts=rt.conflicts,
         check=check,
+        waits=rt.waits,
     )
     new = compute_status(observation, status)
     patch = status_patch(new)

@@ -320,6 +320,11 @@ def test_bad_requests_bad_heartbeat_and_pull_queries_are_400(
         "POST", "/v1/heartbeat", json_body={"island": "island-0", "drained": 1}
     )
     assert code == 400 and "heartbeat.drained" in doc["error"], doc
+    # `waiting` (issue 45): a share of wall time, a finite number in [0, 1].
+    for share in (b"1.5", b"-0.25", b"NaN", b"Infinity", b'"half"'):
+        raw = b'{"island": "island-0", "waiting": ' + share + b"}"
+        code, doc = syncer.request("POST", "/v1/heartbeat", body=raw)
+        assert code == 400 and "heartbeat.waiting" in doc["error"], (share, doc)
     code, doc = syncer.request("GET", "/v1/fragments/0?wait=soon")
     assert code == 400 and "wait" in doc["error"], doc
     code, doc = syncer.request("GET", "/v1/fragments/0?have=latest")

@@ -9,6 +9,7 @@ from typing import Any
 
 from diloco_operator import api
 from diloco_operator.health import IslandHealth, PodView
+from diloco_operator.merge_waits import MergeWaits
 from diloco_operator.observation import Observation
 from diloco_operator.syncer_view import SyncerView
 from diloco_trainer.api.documents import SyncerStatus
@@ -66,6 +67,7 @@ def observation(
     now: datetime = T0,
     syncer_pods: Sequence[PodView] = (),
     rolling: Sequence[str] = (),
+    waits: MergeWaits | None = None,
 ) -> Observation:
     """Two healthy islands and a reachable syncer unless told otherwise."""
     islands = islands if islands is not None else [island("island-0"), island("island-1")]
@@ -79,6 +81,7 @@ def observation(
         syncer_error=None if syncer is not None else "connection refused",
         rolling=rolling,
         now=now,
+        waits=waits,
     )
 
 

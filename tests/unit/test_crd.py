@@ -67,10 +67,12 @@ def test_crd_printer_columns() -> None:
         "Eval Loss": ".status.evalLoss",
         "Age": ".metadata.creationTimestamp",
         "Rounds": ".status.roundsSummary",
+        "Waiting": ".status.waitingSummary",
     }
-    # Issue 47: each island's round and step time only in the wide output (priority 1)
+    # Issue 47: each island's round and step time only in the wide output (priority 1); issue
+    # 45: each island's share of its time waiting for merges too.
     priority = {c["name"]: c.get("priority", 0) for c in columns}
-    assert {n for n, p in priority.items() if p} == {"Rounds"}
+    assert {n for n, p in priority.items() if p} == {"Rounds", "Waiting"}
     # Issue 48: the column said "Latest training loss"; it shows the evaluation loss.
     described = {c["name"]: c.get("description", "") for c in columns}
     assert described["Eval Loss"].startswith("Latest evaluation loss")

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import threading
+import time
 from collections.abc import Coroutine
 from typing import Any
 
@@ -18,6 +19,7 @@ from diloco_trainer.core.payloads import PulledFragment
 from diloco_trainer.learner.drain import drain
 from diloco_trainer.learner.fragment_state import FragmentState
 from diloco_trainer.learner.fragment_sync import FragmentSync
+from diloco_trainer.learner.step_costs import WaitMeter
 from diloco_trainer.learner.syncer_link import SyncResult
 from torch import nn
 
@@ -41,6 +43,7 @@ class FakeLink:
         self.hold = False
         self.held: list[tuple[concurrent.futures.Future[Any], Any]] = []
         self.progress: dict[str, Any] = {"holding": False}  # what heartbeats would carry
+        self.waits = WaitMeter(time.monotonic())  # the waits heartbeats would report
         self.refuse = False  # answer each push as the syncer answers a malformed one
         self.inner_steps: int | None = None  # the island's H_i the syncer names (stepsPerIsland)
         self.stop_at: int | None = None  # the drain's stop target the syncer names (K = M)

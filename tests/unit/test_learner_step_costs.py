@@ -11,13 +11,14 @@ import pytest
 from diloco_trainer.learner.step_costs import (
     WAIT_HINT_SHARE,
     SyncPathPhases,
+    WaitMeter,
     WindowCosts,
     timed_part,
     wait_hint,
 )
 
 from .test_learner_fragment_sync import FakeLink, make_spec, make_sync, step
-from .test_learner_step_cap import wait_for
+from .test_learner_step_cap import HeldLink, cap_spec, steps_in_thread, wait_for
 
 
 def test_a_window_splits_training_sync_path_and_waiting() -> None:
@@ -123,3 +124,52 @@ def test_a_timed_part_counts_each_call_returned_or_raised() -> None:
         h.receive(True)
     assert h.phases.calls["receipt"] == 2 and h.phases.calls["push"] == 0
     assert h.phases.seconds["receipt"] >= 0.0
+
+
+def test_the_wait_meter_gives_each_reader_the_share_since_its_previous_read() -> None:
+    """The heartbeats' `waiting` (issue 45), by hand: each reader (a syncer shard's heartbeats)
+    gets the waited share of the wall time since its own previous read, a wait in progress
+    counted up to the read."""
+    meter = WaitMeter(now=100.0)
+    meter.begin(101.0)
+    meter.end(103.0)  # 2 s waited
+    assert meter.share_since(0, 105.0) == 0.4  # 100..105: 2 of 5 s
+    meter.begin(106.0)  # in progress at the next reads
+    assert meter.waited(110.0) == 6.0
+    assert meter.share_since(0, 110.0) == 0.8  # 105..110: 106..110, 4 of 5 s
+    assert meter.share_since(1, 110.0) == 0.6  # reader 1's first: 100..110, 2 + 4 of 10 s
+    meter.end(111.0)
+    assert meter.share_since(0, 115.0) == 0.2  # 110..115: 110..111, 1 of 5 s
+    assert meter.share_since(0, 115.0) is None  # no time since: no share
+    meter.begin(120.0)
+    meter.begin(121.0)  # waits do not nest: still the one from 120
+    meter.end(122.0)
+    meter.end(123.0)  # none in progress: nothing
+    assert meter.share_since(0, 125.0) == 0.2  # 115..125: 120..122, 2 of 10 s
+    assert meter.share_since(1, 140.0) == 0.1  # 110..140: 110..111 and 120..122, 3 of 30 s
+    assert meter.share_since(2, 140.0) == 0.225  # reader 2's first: 100..140, 2 + 5 + 2 of 40 s
+    meter.begin(140.0)
+    assert meter.share_since(0, 150.0) == 0.4  # 125..150: 140..150, 10 of 25 s
+    assert meter.share_since(0, 151.0) == 1.0  # all of it
+    assert meter.share_since(3, 151.0) == 0.3922  # 100..151: 2 + 5 + 2 + 11 of 51 s, 4 places
+
+
+def test_a_hold_at_the_step_cap_is_waiting_in_the_meter_while_it_lasts() -> None:
+    """FragmentSync.collect marks its waits: an island held at the step cap reports a share
+    near 1 in a heartbeat sent during the hold (not only once it ended)."""
+    link = HeldLink(outer_lr=0.25)
+    link.hold = True
+    sync, w = make_sync(cap_spec(), link)
+    thread = steps_in_thread(sync, w, 22)
+    wait_for(lambda: sync.held_since is not None, "the learner to hold")
+    link.waits.share_since(0, time.monotonic())  # the heartbeat before: the window starts
+    began = link.waits.waited(time.monotonic())
+    wait_for(lambda: link.waits.waited(time.monotonic()) > began + 0.3, "0.3 s of the hold")
+    share = link.waits.share_since(0, time.monotonic())
+    assert share is not None and share >= 0.5, share
+    link.hold = False
+    link.release()
+    thread.join(timeout=30)
+    assert not thread.is_alive()
+    stepping = link.waits.waited(time.monotonic())
+    assert link.waits.waited(time.monotonic() + 5.0) == stepping  # no wait in progress

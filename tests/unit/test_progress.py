@@ -157,3 +157,25 @@ def test_island_statuses_carry_each_islands_round_and_step_time() -> None:
     assert (old[0].step_time, old[0].inner_steps) == (None, None)
     assert rounds_summary(old).startswith("-@- ")
     assert rounds_summary([]) is None
+
+
+def test_island_statuses_carry_each_islands_waiting_share() -> None:
+    """The syncer's `waiting` (the share of the learner's wall time blocked on the syncer) on
+    each island's entry and in the wide column's summary, whole percents in island order; a
+    syncer or learner that does not report it reads as not reported ('-'), never 0%."""
+    from diloco_operator.status_progress import waiting_summary
+
+    syncer = {
+        "islands": {
+            "island-0": {"state": "active", "waiting": 0.625},
+            "island-1": {"state": "active", "waiting": 0.004},
+        }
+    }
+    first, second = island_statuses(observation(syncer=syncer), running=True)
+    assert (first.waiting, second.waiting) == (0.625, 0.004)
+    assert first.model_dump(by_alias=True)["waiting"] == 0.625
+    assert waiting_summary([first, second]) == "62% 0%"  # 62.5 rounds to even
+    old = island_statuses(observation(syncer={"islands": {"island-0": {"state": "active"}}}), True)
+    assert [e.waiting for e in old] == [None, None]
+    assert waiting_summary(old) == "- -"
+    assert waiting_summary([]) is None

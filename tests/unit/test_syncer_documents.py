@@ -16,6 +16,7 @@ from diloco_trainer.api.manifest import CheckpointManifest
 from diloco_trainer.core import payloads
 from diloco_trainer.syncer.merging.merge_log import MERGE_LOG_FILE
 from diloco_trainer.syncer.service.service import Syncer
+from diloco_trainer.syncer.state.records import IslandRecord
 from diloco_trainer.syncer.storage import checkpoint as ckpt
 
 from .test_syncer import FakeClock, body, delta, make_spec, run, started
@@ -127,3 +128,25 @@ def test_island_status_holding_is_read_from_the_entry_and_absent_by_default() ->
     assert not plain.drained and "drained" not in plain.to_wire()
     with pytest.raises(DocumentError, match="drained"):
         IslandStatus.from_json({"state": "active", "drained": 1})
+
+
+def test_island_status_waiting_round_trips_as_a_share_and_is_unknown_when_absent() -> None:
+    """An island's `waiting` (the share of its learner's wall time blocked on the syncer, as its
+    latest heartbeat said) is read as a number in [0, 1] and written back as it was read; absent
+    or null (a syncer or learner before the field) it is unknown (None), never 0; a share
+    outside [0, 1] or no number makes the document malformed, naming the field."""
+    entry = IslandStatus.from_json({"state": "active", "waiting": 0.375})
+    assert entry.waiting == 0.375 and entry.to_wire() == {"state": "active", "waiting": 0.375}
+    assert IslandStatus.from_json(entry.to_wire()) == entry
+    assert IslandStatus.from_json({"state": "active", "waiting": 1}).waiting == 1.0
+    plain = IslandStatus.from_json({"state": "active"})
+    assert plain.waiting is None and "waiting" not in plain.to_wire()
+    assert IslandStatus.from_json({"state": "active", "waiting": None}).waiting is None
+    for bad in (-0.5, 1.01, "x", [0.5]):
+        with pytest.raises(DocumentError, match="waiting"):
+            IslandStatus.from_json({"state": "active", "waiting": bad})
+    # The syncer's record -> its status entry on the wire -> what the operator reads.
+    record = IslandRecord("island-0", waiting=0.5)
+    wire = json.loads(json.dumps(record.to_status().to_wire()))
+    assert IslandStatus.from_json(wire).waiting == 0.5
+    assert IslandStatus.from_json(IslandRecord("island-0").to_status().to_wire()).waiting is None

@@ -269,3 +269,34 @@ def test_syncer_http_push_slots_per_credential_checked_before_a_slot(tmp_path: P
         return got
 
     assert with_syncer(tmp_path, scenario) == [(503, protocol.ERROR_BUSY), (403, ""), (200, "")]
+
+
+def test_syncer_http_heartbeat_waiting_is_a_share_refused_400_outside_0_to_1(
+    tmp_path: Path,
+) -> None:
+    """A heartbeat's `waiting` (the share of its learner's wall time blocked on the syncer,
+    learner/step_costs.WaitMeter) is a finite number in [0, 1]: anything else is refused 400
+    naming heartbeat.waiting, with no state change; a share is the island's status entry's
+    `waiting` until the next heartbeat, and a heartbeat without it (an older learner) leaves
+    it unknown (absent)."""
+    bad = [b"-0.01", b"1.5", b'"x"', b"true", b"NaN", b"Infinity", b"-Infinity", b"[0.5]"]
+
+    async def scenario(syncer: Syncer, routes: SyncerRoutes) -> list[tuple[int, str]]:
+        await syncer.islands.join("island-0", 1)
+        before = await state_of(syncer)
+        refused = []
+        for raw in bad:
+            body = b'{"island": "island-0", "step": 3, "waiting": ' + raw + b"}"
+            code, doc = await answer(routes.heartbeat, request("POST", "/", body))
+            refused.append((code, doc["error"].split(" ")[0]))
+        assert await state_of(syncer) == before  # no step, no sign of life taken
+        shares = []
+        for doc in ({"waiting": 0.25}, {"waiting": 1}, {"waiting": 0}, {}):
+            heartbeat = {"island": "island-0", "step": 3, **doc}
+            code, _ = await answer(routes.heartbeat, json_request("/", heartbeat))
+            assert code == 200
+            shares.append((await syncer.status())["islands"]["island-0"].get("waiting"))
+        assert shares == [0.25, 1.0, 0.0, None]
+        return refused
+
+    assert with_syncer(tmp_path, scenario) == [(400, "heartbeat.waiting")] * len(bad)

@@ -104,3 +104,17 @@ def test_membership_heartbeat_says_whether_the_island_holds_or_drained(flag: str
     assert m.islands["island-0"].to_status().to_wire()[flag] is True
     m.heartbeat("island-0", 2.0, step=40)
     assert m.islands["island-0"].to_status().to_wire()[flag] is False
+
+
+def test_membership_heartbeat_keeps_the_waiting_share_its_latest_heartbeat_said() -> None:
+    """`waiting` (the share of the learner's wall time blocked on the syncer) is the latest
+    heartbeat's: a heartbeat without it (an older learner) makes it unknown again, not 0."""
+    m = members(Heard())
+    m.join("island-0", 1, now=0.0)
+    assert m.islands["island-0"].to_status().waiting is None
+    m.heartbeat("island-0", 1.0, step=40, waiting=0.75)
+    assert m.islands["island-0"].to_status().waiting == 0.75
+    m.heartbeat("island-0", 2.0, step=41, waiting=0.0)
+    assert m.islands["island-0"].to_status().waiting == 0.0
+    m.heartbeat("island-0", 3.0, step=42)
+    assert m.islands["island-0"].to_status().waiting is None

@@ -247,14 +247,16 @@ class SyncerJsonClient:
         step_time: float | None = None,
         holding: bool = False,
         drained: bool = False,
+        waiting: float | None = None,
     ) -> HeartbeatAnswer:
         """Tell the syncer the island is alive (how far it got, whether it holds at the step
-        cap, whether it has drained: its share done and merged); returns its state."""
+        cap, whether it has drained: its share done and merged, the share of its wall time it
+        waited for the syncer: None, not known, is left out); returns its state."""
         shards = self._fan_out()
         if shards is not None:
             answers = await asyncio.gather(
                 *(c.heartbeat(island, step=step, tokens=tokens, loss=loss, step_time=step_time,
-                              holding=holding, drained=drained)
+                              holding=holding, drained=drained, waiting=waiting)
                   for c in shards)
             )  # fmt: skip
             return merge_heartbeat(answers)
@@ -262,6 +264,8 @@ class SyncerJsonClient:
         body["stepTime"] = step_time
         body["holding"] = holding
         body["drained"] = drained
+        if waiting is not None:  # left out, not null: a syncer before the field never sees it
+            body["waiting"] = waiting
         return await self.document(HeartbeatAnswer, "POST", ROUTE_HEARTBEAT, json_body=body)
 
     async def leave(self, island: str) -> MembershipAnswer:

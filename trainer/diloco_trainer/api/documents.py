@@ -188,6 +188,11 @@ class IslandStatus(Document):
     # Its learner has trained its share of stopAfter and every push of it was merged: it pushes
     # nothing more and waits for the finish (learner/drain.py). Absent: not drained.
     drained: StrictBool = False
+    # The share of its learner's wall time, over the window since the heartbeat before its
+    # latest, that it spent blocked on the syncer instead of training (merge waits, the step
+    # cap's and the late merge's holds: learner/step_costs.WaitMeter), as its latest heartbeat
+    # said; 0..1. Absent: not known (a learner or syncer before this field, or no heartbeat yet).
+    waiting: float | None = Field(None, ge=0, le=1)
     # Its round H_i as the syncer measured it (inner.stepsPerIsland auto): absent until the
     # first change from inner.steps, and with stepsPerIsland fixed.
     inner_steps: int | None = Field(None, ge=1)

@@ -28,7 +28,9 @@ MembershipAnswer, SyncerStatus) and client.py is the one JSON client of these ro
   trained before its base was installed; recorded in the merge log (each contributor's
   ``keptSteps``), counted by no rule (docs/algorithm.md, "A push's kept steps are recorded").
 - ``POST /v1/heartbeat`` {"island", "step", "tokens", "loss", "stepTime"} and the optional
-  {"holding", "drained"} (JSON booleans) -> {"state", "finished", "versions"}.
+  {"holding", "drained"} (JSON booleans) and {"waiting"} (a number in [0, 1]: the share of the
+  learner's wall time since its previous heartbeat spent blocked on the syncer; absent or null:
+  not known) -> {"state", "finished", "versions"}.
 - ``POST /v1/leave`` {"island"} -> {"island", "state"}; ``GET /v1/status[?digest=1]`` -> the
   status document; ``PUT /v1/islands/{island}`` {"state", "reason"} -> {"island", "state",
   "reason"}; ``/healthz``, ``/readyz``, ``/metrics``.

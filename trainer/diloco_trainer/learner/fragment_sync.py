@@ -698,8 +698,17 @@ class FragmentSync:
     def collect(self, f: int, *, block: float) -> bool:
         """Has fragment f's sync finished (waiting up to `block` s)? Keeps the result. A push
         a syncer restart lost or refused as ahead is pushed again (resend_lost) and its merge
-        waited for in the time left."""
-        deadline = time.monotonic() + block
+        waited for in the time left. A wait (`block` > 0) is one of the link's waits
+        (step_costs.WaitMeter: the heartbeats' `waiting`)."""
+        if block <= 0:
+            return self._collect(f, deadline=time.monotonic())
+        self.link.waits.begin(time.monotonic())
+        try:
+            return self._collect(f, deadline=time.monotonic() + block)
+        finally:
+            self.link.waits.end(time.monotonic())
+
+    def _collect(self, f: int, *, deadline: float) -> bool:
         while True:
             flight = self.inflight[f]
             done = self.wait(flight.future, max(0.0, deadline - time.monotonic()))

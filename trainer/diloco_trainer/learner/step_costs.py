@@ -25,6 +25,7 @@ the learner itself spent, so bench/learner_overlap compares it with the plain lo
 from __future__ import annotations
 
 import functools
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -71,6 +72,61 @@ class WindowCosts:
         """Waiting's share of the window's wall time (0 for an empty window)."""
         total = self.training + self.sync_path + self.waiting
         return self.waiting / total if total > 0 else 0.0
+
+
+class WaitMeter:
+    """The seconds rank 0 spends blocked on the syncer (issue 45: what the heartbeats report as
+    `waiting`, the share of the learner's wall time its accelerators idled for merges).
+
+    Counted: every blocking wait for a fragment's merge (FragmentSync.collect with a wait: a
+    blocking learner's merge wait at its deadline, a slow island's wait after its fill steps,
+    the step cap's hold, the late merge's hold at K < M, the drain's wait for its last merges).
+    Not counted: a drained island's wait for the finish, the start-together wait, the joins.
+
+    The training thread marks each wait's begin and end; the link's thread reads the share since
+    its previous read (`share_since`, one mark per reader: each syncer shard's heartbeats), a
+    wait still running counted up to the read, so a heartbeat sent during a long hold says so.
+    Times are passed in (time.monotonic() in use), so the rule is tested with numbers."""
+
+    def __init__(self, now: float) -> None:
+        self._lock = threading.Lock()
+        self._started = now
+        self._done = 0.0  # seconds of the waits that ended
+        self._since: float | None = None  # when the wait in progress began
+        self._marks: dict[int, tuple[float, float]] = {}  # reader -> (time, waited) at its read
+
+    def begin(self, now: float) -> None:
+        """A wait begins (a wait already in progress goes on: waits do not nest)."""
+        with self._lock:
+            if self._since is None:
+                self._since = now
+
+    def end(self, now: float) -> None:
+        """The wait in progress ends (none in progress: nothing)."""
+        with self._lock:
+            if self._since is not None:
+                self._done += max(0.0, now - self._since)
+                self._since = None
+
+    def waited(self, now: float) -> float:
+        """Seconds waited in all up to `now`, the wait in progress included."""
+        with self._lock:
+            return self._waited(now)
+
+    def _waited(self, now: float) -> float:
+        return self._done + (max(0.0, now - self._since) if self._since is not None else 0.0)
+
+    def share_since(self, reader: int, now: float) -> float | None:
+        """The share of the wall time from `reader`'s previous read (its first: the meter's
+        start) to `now` spent waiting, in [0, 1] and rounded to 4 places; None when no time
+        passed. Marks this read for the reader's next."""
+        with self._lock:
+            waited = self._waited(now)
+            at, before = self._marks.get(reader, (self._started, 0.0))
+            self._marks[reader] = (now, waited)
+        if now <= at:
+            return None
+        return round(min(1.0, max(0.0, (waited - before) / (now - at))), 4)
 
 
 # The parts of the sync path that SyncPathPhases names, in the order its line gives them.

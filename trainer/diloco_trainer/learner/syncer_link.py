@@ -61,6 +61,7 @@ from diloco_trainer.host_memory import trim
 from diloco_trainer.learner.device_copies import DeviceStager
 from diloco_trainer.learner.overlap import sync_latency
 from diloco_trainer.learner.phase_alignment import lateness_within, merge_lateness
+from diloco_trainer.learner.step_costs import WaitMeter
 from diloco_trainer.learner.syncer_client import SyncerClient
 
 # The learner's logger: the link runs inside the learner and its lines are part of that log.
@@ -208,6 +209,9 @@ class SyncerLink:
             "holding": False,  # fragment_sync sets it while the island holds at the step cap
             "drained": False,  # drain.py sets it once the island's share is done and merged
         }
+        # Rank 0's waits for the syncer (FragmentSync.collect marks them): each heartbeat says
+        # the share of the wall time since that shard's previous heartbeat they took.
+        self.waits = WaitMeter(time.monotonic())
         # Pulls answered with a chain of updates, and chains that failed their check.
         self.pull_counts = {"updates": 0, "rebuildFailed": 0}
         # The link's trim of freed memory (_trim_soon) and whether one more was asked for.
@@ -669,6 +673,7 @@ class SyncerLink:
                 step_time=progress["step_time"],
                 holding=progress["holding"],
                 drained=progress["drained"],
+                waiting=self.waits.share_since(shard, time.monotonic()),
             )
         except SyncerError as err:
             log.warning("heartbeat failed: %s", err)

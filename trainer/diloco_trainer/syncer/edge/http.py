@@ -350,17 +350,27 @@ class SyncerRoutes:
         step_time = typed_field(doc, "stepTime", "heartbeat", float, required=False)
         holding = typed_field(doc, "holding", "heartbeat", bool, required=False) or False
         drained = typed_field(doc, "drained", "heartbeat", bool, required=False) or False
+        # A share of wall time (learner/step_costs.WaitMeter): finite (typed_field), in [0, 1].
+        waiting = typed_field(doc, "waiting", "heartbeat", float, required=False)
         at_least(step, 0, "heartbeat", "step")
         at_least(tokens, 0, "heartbeat", "tokens")
         at_least(step_time, 0, "heartbeat", "stepTime")
         at_most(step, MAX_WIRE_INT, "heartbeat", "step")
         at_most(tokens, MAX_WIRE_INT, "heartbeat", "tokens")
         at_most(step_time, MAX_SECONDS, "heartbeat", "stepTime")  # the job's limit: islands
+        at_least(waiting, 0, "heartbeat", "waiting")
+        at_most(waiting, 1, "heartbeat", "waiting")
         bounded_loss(loss, "heartbeat")
-        answer = await self.syncer.islands.heartbeat(
-            island,
-            Beat(step, tokens, loss=loss, step_time=step_time, holding=holding, drained=drained),
+        beat = Beat(
+            step,
+            tokens,
+            loss=loss,
+            step_time=step_time,
+            holding=holding,
+            drained=drained,
+            waiting=waiting,
         )
+        answer = await self.syncer.islands.heartbeat(island, beat)
         return web.json_response(answer)
 
     async def leave(self, request: web.Request) -> web.Response:

@@ -121,6 +121,7 @@ class IslandCalls:
                 step_time=progress.step_time,
                 holding=progress.holding,
                 drained=progress.drained,
+                waiting=progress.waiting,
             )
             members = self.state.membership
             rounds = self.gate.rounds

@@ -122,6 +122,7 @@ class Membership:
         step_time: float | None = None,
         holding: bool = False,
         drained: bool = False,
+        waiting: float | None = None,
     ) -> IslandRecord:
         """A sign of life with progress figures; Refused(404) if the island never joined."""
         rec = self.island(name)
@@ -140,6 +141,7 @@ class Membership:
             rec.step_time = step_time
         rec.holding = holding
         rec.drained = drained
+        rec.waiting = waiting  # each heartbeat's own: one without it (an older learner) is unknown
         self._events.membership_changed(now)
         return rec
 

@@ -43,6 +43,9 @@ class Beat:
     step_time: float | None = None
     holding: bool = False  # held at the step cap (learner/fragment_sync.py)
     drained: bool = False  # its share done and merged, nothing more to push (learner/drain.py)
+    # The share of its wall time since its previous heartbeat blocked on the syncer (0..1;
+    # None: not said, an older learner): learner/step_costs.WaitMeter.
+    waiting: float | None = None
 
 
 @dataclass(frozen=True)
@@ -92,6 +95,9 @@ class IslandRecord:
     # Its learner has done its share of the job's budget and every push of it was merged: it
     # pushes nothing more (learner/drain.py). Not persisted, as `holding`.
     drained: bool = False
+    # The share of its learner's wall time blocked on the syncer, as its latest heartbeat said
+    # (None: that heartbeat did not say). Not persisted, as `holding`.
+    waiting: float | None = None
     sync_time: float | None = None
     # Its latest net sync time (reported sync time minus what the syncer held the push; see
     # core/grace.py), not persisted.
@@ -145,6 +151,7 @@ class IslandRecord:
             step_time=self.step_time,
             holding=self.holding,
             drained=self.drained,
+            waiting=self.waiting,
             inner_steps=self.round.steps if self.round is not None else None,
         )
 
