@@ -137,10 +137,20 @@ def make_spec(args: Any, *, islands: int, quorum: int, mode: str, tokens: int) -
             },
             # heartbeats every second (timeout / 4): the syncer reads step times from them
             "sync": {"quorum": quorum, "compression": "none", "heartbeatTimeoutSeconds": 4},
-            "syncer": {"evalEveryOuterSteps": 1, "checkpoint": {"everyOuterSteps": 1000}},
+            "syncer": {
+                "evalEveryOuterSteps": 1,
+                "checkpoint": {"everyOuterSteps": 1000},
+                **movement(args),
+            },
             "stopAfter": {"tokens": tokens},
         }
     )
+
+
+def movement(args: Any) -> dict[str, Any]:
+    """syncer.guards.movementFactor when --movement-factor sets it (else the spec's default)."""
+    factor = getattr(args, "movement_factor", None)
+    return {} if factor is None else {"guards": {"movementFactor": factor}}
 
 
 def emulated_env(speeds: Sequence[float], step_ms: float) -> dict[int, dict[str, str]]:
@@ -431,6 +441,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         "the shared cores, as separate hardware (50: a real gpt-tiny step here); the steps do "
         "not train, so time to target and loss are n/a and the fast-alone and torchft runs are "
         "left out (default 0: real steps)",
+    )
+    p.add_argument(
+        "--movement-factor",
+        type=float,
+        default=None,
+        help="syncer.guards.movementFactor of every run (default: the spec's); 0 turns off a "
+        "job of two's movement clip and work-evidence check, which compare the islands' deltas "
+        "per step: an emulated step's (1e-3 of the weights a round) is no real one's, so a real "
+        "CPU island beside one emulated island needs 0",
     )
     args = p.parse_args(argv)
     if args.repeats < 1:
