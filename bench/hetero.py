@@ -54,7 +54,7 @@ kind of CPU (a round of 30 steps took 1.575 s at load 2, bench/RESULTS.md "busy_
 so the sync path's share of a round stays what it is in the real runs.
 
 A CPU island beside emulated accelerators (issue 47): with --emulate-step-ms, a mix's entry
-`cpu` (e.g. `--mixes 1,1,1,cpu`) is an island that really trains the model on this machine's CPU
+`cpu` (e.g. `--mixes 1,cpu`) is an island that really trains the model on this machine's CPU
 (one intra-op thread, as every learner here) while the others are emulated at T: its speed
 factor is not set but read from its own measured step time in the same run (the step-time
 column), so its compute share, and its H_i with stepsPerIsland auto, come from what it really
@@ -62,10 +62,16 @@ did. Figures: the fast islands' utilisation against the equal-speed emulated job
 island's merged-token share against its measured compute share. Loss stays n/a: the emulated
 islands do not train, so the merged model is the CPU island's training mixed with the emulated
 islands' scaled weights. Its step time moves with the machine's load (the shared cores), as a
-real CPU island beside GPUs would with its host's.
+real CPU island beside GPUs would with its host's. Only M = 2 measures: an emulated island's
+delta is 1e-3 of the weights a round, no real one, so the syncer's guards tell them apart. At
+M >= 3 the direction guard (syncer/intake/direction.py) refuses the real island's pushes as
+pointing against the emulated majority (cosine -0.53 to -0.55 at 1,1,1,cpu), and at K = M the
+job then waits for it for good; at M = 2 nothing is judged by direction, and
+`--movement-factor 0` turns off a job of two's movement clip and work-evidence check, which
+compare the two islands' deltas per step.
 
-    python -m bench.hetero --emulate-step-ms 20 --mixes 1,1,1,cpu --quorums 4 1 --no-fixed \
-        --skip-torchft --repeats 3
+    python -m bench.hetero --emulate-step-ms 10 --inner-steps 50 --mixes 1,cpu --quorums 2 1 \
+        --no-fixed --skip-torchft --rounds 30 --movement-factor 0 --repeats 3
 """
 
 from __future__ import annotations

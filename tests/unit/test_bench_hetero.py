@@ -22,6 +22,7 @@ from bench.hetero import (
     fast_utilisation,
     loss_at,
     main,
+    make_spec,
     mean_reached,
     mix_label,
     mix_problem,
@@ -103,6 +104,25 @@ def test_the_cpu_islands_share_is_judged_against_its_measured_compute_share() ->
     met = Table("t", ["target", "figure", "verdict"])
     add_cpu_target(met, "k", rows[:1])
     assert met.rows[0][2] == "met"
+
+
+def test_movement_factor_reaches_the_spec_only_when_set() -> None:
+    """--movement-factor 0 (a CPU island beside one emulated island) sets
+    syncer.guards.movementFactor to 0; unset, the spec's default (1.5) stays."""
+    args = argparse.Namespace(
+        preset="gpt-tiny",
+        seed=0,
+        eval_tokens=4096,
+        inner_steps=20,
+        batch_size=4,
+        seq_len=64,
+        movement_factor=None,
+    )
+    spec = make_spec(args, islands=2, quorum=2, mode="auto", tokens=1000)
+    assert spec.syncer.guards.movement_factor == 1.5
+    args.movement_factor = 0.0
+    spec = make_spec(args, islands=2, quorum=2, mode="auto", tokens=1000)
+    assert spec.syncer.guards.movement_factor == 0.0
 
 
 def test_merge_waits_are_the_last_push_less_the_second_last() -> None:
