@@ -52,6 +52,26 @@ loss at equal tokens are printed as n/a, the fast islands alone (whose only figu
 to target) and torchft's runs are left out. T = 50 ms is a real gpt-tiny step on this host's
 kind of CPU (a round of 30 steps took 1.575 s at load 2, bench/RESULTS.md "busy_link", link13),
 so the sync path's share of a round stays what it is in the real runs.
+
+A CPU island beside emulated accelerators (issue 47): with --emulate-step-ms, a mix's entry
+`cpu` (e.g. `--mixes 1,cpu`) is an island that really trains the model on this machine's CPU
+(one intra-op thread, as every learner here) while the others are emulated at T: its speed
+factor is not set but read from its own measured step time in the same run (the step-time
+column), so its compute share, and its H_i with stepsPerIsland auto, come from what it really
+did. Figures: the fast islands' utilisation against the equal-speed emulated job, and the CPU
+island's merged-token share against its measured compute share. Loss stays n/a: the emulated
+islands do not train, so the merged model is the CPU island's training mixed with the emulated
+islands' scaled weights. Its step time moves with the machine's load (the shared cores), as a
+real CPU island beside GPUs would with its host's. Only M = 2 measures: an emulated island's
+delta is 1e-3 of the weights a round, no real one, so the syncer's guards tell them apart. At
+M >= 3 the direction guard (syncer/intake/direction.py) refuses the real island's pushes as
+pointing against the emulated majority (cosine -0.53 to -0.55 at 1,1,1,cpu), and at K = M the
+job then waits for it for good; at M = 2 nothing is judged by direction, and
+`--movement-factor 0` turns off a job of two's movement clip and work-evidence check, which
+compare the two islands' deltas per step.
+
+    python -m bench.hetero --emulate-step-ms 10 --inner-steps 50 --mixes 1,cpu --quorums 2 1 \
+        --no-fixed --skip-torchft --rounds 30 --movement-factor 0 --repeats 3
 """
 
 from __future__ import annotations
@@ -101,6 +121,10 @@ from bench.harness.torchft_harness import job_of_every_replica, read_result, sta
 EXTRA_BUDGET = 1.5
 # Utilisation is read up to this share of the budget merged (ours) or committed (torchft).
 NEAR_END = 0.8
+# A mix's `cpu` entry: an island that really trains on the CPU beside emulated ones; its speed
+# factor is read from its measured step time, so this one stands for "not set" (not factor 1:
+# never counted among the fast islands; never emulated).
+CPU = math.inf
 
 
 def make_spec(args: Any, *, islands: int, quorum: int, mode: str, tokens: int) -> JobSpec:
@@ -119,18 +143,29 @@ def make_spec(args: Any, *, islands: int, quorum: int, mode: str, tokens: int) -
             },
             # heartbeats every second (timeout / 4): the syncer reads step times from them
             "sync": {"quorum": quorum, "compression": "none", "heartbeatTimeoutSeconds": 4},
-            "syncer": {"evalEveryOuterSteps": 1, "checkpoint": {"everyOuterSteps": 1000}},
+            "syncer": {
+                "evalEveryOuterSteps": 1,
+                "checkpoint": {"everyOuterSteps": 1000},
+                **movement(args),
+            },
             "stopAfter": {"tokens": tokens},
         }
     )
 
 
+def movement(args: Any) -> dict[str, Any]:
+    """syncer.guards.movementFactor when --movement-factor sets it (else the spec's default)."""
+    factor = getattr(args, "movement_factor", None)
+    return {} if factor is None else {"guards": {"movementFactor": factor}}
+
+
 def emulated_env(speeds: Sequence[float], step_ms: float) -> dict[int, dict[str, str]]:
     """Each island's environment for an emulated step of `step_ms` x its speed factor (in
-    seconds, DILOCO_EMULATE_STEP_SECONDS); empty when `step_ms` is 0 (real steps)."""
+    seconds, DILOCO_EMULATE_STEP_SECONDS); empty when `step_ms` is 0 (real steps). A CPU island
+    (factor CPU) gets none: it trains for real."""
     if step_ms <= 0:
         return {}
-    return {i: {EMULATE_STEP: f"{step_ms * f / 1000:g}"} for i, f in enumerate(speeds)}
+    return {i: {EMULATE_STEP: f"{step_ms * f / 1000:g}"} for i, f in enumerate(speeds) if f != CPU}
 
 
 def run_one(args: Any, spec: JobSpec, speeds: list[float], wd: Path) -> dict[str, Any]:
@@ -284,7 +319,7 @@ def plan_torchft(
     for r in range(args.repeats):
         tag = f" #{r + 1}" if args.repeats > 1 else ""
         for speeds in [[1.0] * m, *mixes]:
-            label = "equal speeds" if speeds == [1.0] * m else ",".join(f"{f:g}" for f in speeds)
+            label = "equal speeds" if speeds == [1.0] * m else mix_label(speeds)
             key = f"torchft {label}, K={m}"
             spec = make_spec(args, islands=m, quorum=m, mode="fixed", tokens=budget)
             out.append((key + tag, key, speeds, spec))
@@ -316,7 +351,29 @@ def loss_at(evals: Sequence[dict[str, Any]], tokens: float) -> float:
 
 
 def parse_mix(text: str) -> list[float]:
-    return [float(x) for x in text.split(",")]
+    """The speed factors of a mix such as 1,1,2,4; an entry `cpu` is a CPU island (CPU)."""
+    return [CPU if x.strip() == "cpu" else float(x) for x in text.split(",")]
+
+
+def mix_label(speeds: Sequence[float]) -> str:
+    """The mix as it is written on the command line: "1,1,1,3", "1,1,1,cpu"."""
+    return ",".join("cpu" if f == CPU else f"{f:g}" for f in speeds)
+
+
+def mix_problem(mixes: Sequence[Sequence[float]], step_ms: float) -> str | None:
+    """Why these mixes cannot run (None: they can): a CPU island needs the others emulated
+    (without --emulate-step-ms every island is a real CPU one); an emulated island's step is
+    at most 60 s (the learner's bound); every mix has the same number of islands."""
+    if len({len(mix) for mix in mixes}) != 1:
+        return "every mix must have the same number of islands"
+    if any(CPU in mix for mix in mixes) and step_ms <= 0:
+        return "a mix's cpu island needs --emulate-step-ms (the other islands emulated)"
+    if any(all(f == CPU for f in mix) for mix in mixes):
+        return "a mix needs at least one island that is not cpu"
+    slowest = max(f for mix in mixes for f in mix if f != CPU)
+    if step_ms < 0 or slowest * step_ms / 1000 > 60:
+        return "--emulate-step-ms must be >= 0 and the slowest island's step at most 60 s"
+    return None
 
 
 def plan_runs(
@@ -342,7 +399,7 @@ def plan_runs(
             spec = make_spec(args, islands=fast, quorum=fast, mode="fixed", tokens=extra)
             out.append((alone + tag, alone, [1.0] * fast, spec))
         for mix in mixes:
-            label = ",".join(f"{f:g}" for f in mix)
+            label = mix_label(mix)
             for k in args.quorums:
                 for mode in ("auto",) if args.no_fixed else ("auto", "fixed"):
                     if mode == "fixed" and k != m:
@@ -362,7 +419,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         timeout=900,
         skip_torchft=False,
     )
-    p.add_argument("--mixes", nargs="+", default=["1,1,1,3", "1,1,2,4"], help="slowdowns")
+    p.add_argument(
+        "--mixes",
+        nargs="+",
+        default=["1,1,1,3", "1,1,2,4"],
+        help="slowdowns; with --emulate-step-ms an entry cpu is an island training for real on "
+        "the CPU (e.g. 1,1,1,cpu)",
+    )
     p.add_argument("--quorums", nargs="+", type=int, default=[4, 1], help="K of the mixes")
     p.add_argument("--rounds", type=int, default=10, help="equal-speed budget in rounds")
     p.add_argument("--seed", type=int, default=0)
@@ -385,14 +448,26 @@ def main(argv: Sequence[str] | None = None) -> int:
         "not train, so time to target and loss are n/a and the fast-alone and torchft runs are "
         "left out (default 0: real steps)",
     )
+    p.add_argument(
+        "--movement-factor",
+        type=float,
+        default=None,
+        help="syncer.guards.movementFactor of every run (default: the spec's); 0 turns off a "
+        "job of two's movement clip and work-evidence check, which compare the islands' deltas "
+        "per step: an emulated step's (1e-3 of the weights a round) is no real one's, so a real "
+        "CPU island beside one emulated island needs 0",
+    )
     args = p.parse_args(argv)
     if args.repeats < 1:
         p.error(f"--repeats must be at least 1, got {args.repeats}")
-    slowest = max(max(parse_mix(m)) for m in args.mixes)
-    if args.emulate_step_ms < 0 or slowest * args.emulate_step_ms / 1000 > 60:
-        p.error("--emulate-step-ms must be >= 0 and the slowest island's step at most 60 s")
+    try:
+        mixes = [parse_mix(m) for m in args.mixes]
+    except ValueError as err:
+        p.error(f"--mixes: {err}")
+    problem = mix_problem(mixes, args.emulate_step_ms)
+    if problem:
+        p.error(problem)
     install_signal_cleanup()
-    mixes = [parse_mix(m) for m in args.mixes]
     m = len(mixes[0])
     step_tokens = args.batch_size * args.seq_len
     budget = args.rounds * m * args.inner_steps * step_tokens
@@ -528,6 +603,7 @@ def report(
                 "loss": ratio(loss, target),
                 "shares": shares,
                 "speeds": speed_ratios(steps, speeds),
+                "cpu": [i for i, f in enumerate(speeds) if f == CPU],
             }
         )
         table.add(
@@ -568,6 +644,7 @@ def report(
         tables=tables,
         notes=[
             *([EMULATED_NOTE, *NOTES[1:]] if emulated else NOTES),
+            *([CPU_NOTE] if any(CPU in speeds for _, _, speeds, _ in runs) else []),
             f"torchft's runs left out: {peer.why_not}." if peer.why_not else TORCHFT_NOTE,
             *(f"torchft run failed, its row left out: {f}" for f in peer.failed),
         ],
@@ -617,7 +694,7 @@ def torchft_table(
     for name, _key, speeds, _ in peer.runs:
         if name not in peer.results:
             continue
-        label = ",".join(f"{f:g}" for f in speeds)
+        label = mix_label(speeds)
         ours_key = f"equal speeds, K={m}" if max(speeds) == 1 else f"{label} auto, K={m}"
         table.add(
             name,
@@ -694,6 +771,22 @@ def add_targets(
         + " the fast islands')",
         all_or_none([w <= 0.10 for w in worst]),
     )
+    if rows[0]["cpu"]:
+        add_cpu_target(targets, key, rows)
+
+
+def add_cpu_target(targets: Table, key: str, rows: list[dict[str, Any]]) -> None:
+    """The CPU islands' own row: each one's merged-token share over its measured compute share
+    and its measured speed (step time over the fast islands'), run by run."""
+    cells = []
+    for x in rows:
+        for i in x["cpu"]:
+            cells.append(f"{x['shares'][i]:.3f}x at {x['speeds'][i]:.2f}x the fast step time")
+    targets.add(
+        f"{key}: the CPU island's merged-token share within 10% of its measured compute share",
+        ", ".join(cells),
+        all_or_none([abs(x["shares"][i] - 1) <= 0.10 for x in rows for i in x["cpu"]]),
+    )
 
 
 def add_loss_targets(
@@ -734,6 +827,14 @@ def resolve_note(kept: Kept) -> str:
     at = "over 100" if n is None else str(n)
     return f"; at this noise and mean, {at} runs a side would resolve it"
 
+
+CPU_NOTE = (
+    "A mix's cpu island really trains the model on this machine's CPU (one intra-op thread, "
+    "sharing the cores with the syncer and everything else on the machine) beside the emulated "
+    "islands: its speed factor is its measured step time over the fast islands' (the step-time "
+    "column), not set, and its compute share is read from it. Loss stays n/a: the merged model "
+    "mixes its real training with the emulated islands' scaled weights."
+)
 
 EMULATED_NOTE = (
     "Steps emulated (--emulate-step-ms): every island's inner step is an emulated accelerator's "

@@ -50,8 +50,11 @@ def small_job(make_spec: Callable[..., JobSpec], **overrides: object) -> JobSpec
     return make_spec(**spec)
 
 
-def diloco_run(args: list[str], cwd: Path) -> subprocess.Popen[bytes]:
-    """`diloco run ARGS` as its own process group leader, output in cwd/run.log."""
+def diloco_run(
+    args: list[str], cwd: Path, env: dict[str, str] | None = None
+) -> subprocess.Popen[bytes]:
+    """`diloco run ARGS` as its own process group leader, output in cwd/run.log (`env` added
+    to this process's environment)."""
     log = (cwd / "run.log").open("wb")
     return subprocess.Popen(
         [sys.executable, "-m", "diloco_trainer.cli", "run", *args],
@@ -59,6 +62,7 @@ def diloco_run(args: list[str], cwd: Path) -> subprocess.Popen[bytes]:
         stdout=log,
         stderr=subprocess.STDOUT,
         start_new_session=True,
+        env={**os.environ, **(env or {})},
     )
 
 
@@ -223,3 +227,68 @@ def test_local_parse_slow_islands_names_the_option() -> None:
     for bad in ("1", "x:3", "2:3", "1:0.5"):
         with pytest.raises(ValueError, match="--slow-island"):
             parse_slow_islands([bad], 2)
+
+
+def test_local_run_puts_an_island_on_its_own_device(
+    workdir: Path, make_spec: Callable[..., JobSpec]
+) -> None:
+    """`--island-device 1=cpu` beside a job on `auto`: island 1's learner is told cpu, island 0's
+    keeps the command's DILOCO_DEVICE, and the mixed job runs to its end (on a machine without
+    CUDA both pick the CPU; each learner logs what it was told and what it picked)."""
+    config = workdir / "job.json"
+    config.write_text(small_job(make_spec, islands={"count": 2, "replicas": 1}).to_json())
+    proc = diloco_run(
+        [str(config), "--workdir", "run", "--quiet", "--island-device", "1=cpu"],
+        workdir,
+        env={"DILOCO_DEVICE": "auto"},
+    )
+    try:
+        code = proc.wait(timeout=600)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGINT)
+            proc.wait(timeout=30)
+    assert code == 0, (workdir / "run.log").read_text()
+    logs = workdir / "run" / "logs"
+    picked = "cuda" if "cuda" in _picked_auto() else "cpu"
+    island0 = (logs / "island-0-rank0.log").read_text()
+    island1 = (logs / "island-1-rank0.log").read_text()
+    assert f"device {picked} (DILOCO_DEVICE=auto)" in island0, island0
+    assert "device cpu (DILOCO_DEVICE=cpu)" in island1, island1
+    summary = json.loads((workdir / "run" / "summary.json").read_text())
+    assert summary["outer_steps"] >= 4
+    # Both islands' pushes were merged: the CPU island took part, not only started.
+    stats = summary["island_stats"]
+    assert stats["island-0"]["mergedTokens"] > 0 and stats["island-1"]["mergedTokens"] > 0
+
+
+def _picked_auto() -> str:
+    """What `auto` picks on this machine (learner/device.py)."""
+    from diloco_trainer.learner.device import pick_device
+
+    return pick_device("auto")
+
+
+@pytest.mark.parametrize(
+    ("option", "why"),
+    [
+        ("2=cpu", r"--island-device '2=cpu': island must be in [0, 2)"),
+        ("1=gpu", "--island-device '1=gpu': DEVICE must be cpu, cuda, cuda:N or auto"),
+    ],
+)
+def test_local_run_refuses_a_bad_island_device_naming_it(
+    workdir: Path, make_spec: Callable[..., JobSpec], option: str, why: str
+) -> None:
+    config = workdir / "job.json"
+    config.write_text(small_job(make_spec).to_json())
+    command = ["run", str(config), "--workdir", "run", "--island-device", option]
+    result = subprocess.run(
+        [sys.executable, "-m", "diloco_trainer.cli", *command],
+        cwd=workdir,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert result.stderr.splitlines()[0] == f"diloco run: {why}", result.stderr
+    assert not (workdir / "run").exists(), "diloco run started something"

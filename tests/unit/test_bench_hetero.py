@@ -11,15 +11,21 @@ from pathlib import Path
 
 import pytest
 
+from bench.harness.common import Table
 from bench.harness.measure import islands_over
 from bench.harness.merge_waits import pushes_in, waits_alone
 from bench.hetero import (
+    CPU,
+    add_cpu_target,
     all_or_none,
     emulated_env,
     fast_utilisation,
     loss_at,
     main,
+    make_spec,
     mean_reached,
+    mix_label,
+    mix_problem,
     parse_mix,
     plan_runs,
     time_to,
@@ -47,6 +53,76 @@ def test_loss_at_equal_tokens_interpolates_over_tokens() -> None:
 
 def test_parse_mix() -> None:
     assert parse_mix("1,1,2,4") == [1.0, 1.0, 2.0, 4.0]
+    # `cpu`: an island training for real beside emulated ones, its factor not set (CPU)
+    assert parse_mix("1,1,1,cpu") == [1.0, 1.0, 1.0, CPU]
+    assert mix_label(parse_mix("1,1,1,cpu")) == "1,1,1,cpu"
+    assert mix_label([1.0, 1.0, 2.0, 4.0]) == "1,1,2,4"
+
+
+def test_a_cpu_island_trains_for_real_and_needs_the_others_emulated() -> None:
+    """1,1,1,cpu at T = 10 ms: the three fast islands step 10 ms (0.01 s) each, emulated; the
+    CPU island gets no DILOCO_EMULATE_STEP_SECONDS (it trains). Without --emulate-step-ms every
+    island would be a real CPU one: refused; so is a mix of CPU islands only. The 60 s bound
+    reads the slowest emulated factor (2 x 30 000 ms = 60 s: allowed; 4 x 20 000 = 80 s: not)."""
+    mix = parse_mix("1,1,1,cpu")
+    assert emulated_env(mix, 10.0) == {
+        0: {"DILOCO_EMULATE_STEP_SECONDS": "0.01"},
+        1: {"DILOCO_EMULATE_STEP_SECONDS": "0.01"},
+        2: {"DILOCO_EMULATE_STEP_SECONDS": "0.01"},
+    }
+    assert mix_problem([mix], 10.0) is None
+    assert mix_problem([mix], 0.0) == (
+        "a mix's cpu island needs --emulate-step-ms (the other islands emulated)"
+    )
+    assert mix_problem([[CPU, CPU]], 10.0) == "a mix needs at least one island that is not cpu"
+    assert mix_problem([[1.0, 2.0, CPU]], 30_000.0) is None
+    assert mix_problem([[1.0, 4.0, CPU]], 20_000.0) is not None
+    assert mix_problem([[1.0, 3.0], [1.0, 1.0, 3.0]], 0.0) == (
+        "every mix must have the same number of islands"
+    )
+    assert mix_problem([[1.0, 3.0]], 0.0) is None
+
+
+def test_the_cpu_islands_share_is_judged_against_its_measured_compute_share() -> None:
+    """Two runs of 1,1,1,cpu: island 3's merged-token share over its compute share 1.05 and
+    0.85 (its step time 3.2x and 4.1x the fast islands'): within 10% in the first, not in the
+    second, so met in 1 of 2; the fast islands' shares are not this row's."""
+    targets = Table("t", ["target", "figure", "verdict"])
+    rows = [
+        {"shares": [0.99, 0.98, 0.99, 1.05], "speeds": [1.0, 1.0, 1.0, 3.2], "cpu": [3]},
+        {"shares": [1.0, 1.0, 1.0, 0.85], "speeds": [1.0, 1.0, 1.0, 4.1], "cpu": [3]},
+    ]
+    add_cpu_target(targets, "1,1,1,cpu auto, K=4", rows)
+    assert targets.rows == [
+        [
+            "1,1,1,cpu auto, K=4: the CPU island's merged-token share within 10% of its "
+            "measured compute share",
+            "1.050x at 3.20x the fast step time, 0.850x at 4.10x the fast step time",
+            "met in 1 of 2",
+        ]
+    ]
+    met = Table("t", ["target", "figure", "verdict"])
+    add_cpu_target(met, "k", rows[:1])
+    assert met.rows[0][2] == "met"
+
+
+def test_movement_factor_reaches_the_spec_only_when_set() -> None:
+    """--movement-factor 0 (a CPU island beside one emulated island) sets
+    syncer.guards.movementFactor to 0; unset, the spec's default (1.5) stays."""
+    args = argparse.Namespace(
+        preset="gpt-tiny",
+        seed=0,
+        eval_tokens=4096,
+        inner_steps=20,
+        batch_size=4,
+        seq_len=64,
+        movement_factor=None,
+    )
+    spec = make_spec(args, islands=2, quorum=2, mode="auto", tokens=1000)
+    assert spec.syncer.guards.movement_factor == 1.5
+    args.movement_factor = 0.0
+    spec = make_spec(args, islands=2, quorum=2, mode="auto", tokens=1000)
+    assert spec.syncer.guards.movement_factor == 0.0
 
 
 def test_merge_waits_are_the_last_push_less_the_second_last() -> None:

@@ -46,10 +46,13 @@ def test_learner_step_bench_reports_both_sides_and_their_ratio() -> None:
 def test_local_learners_run_on_diloco_device(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    run = LocalRun("t", parse_spec({}), tmp_path, {}, Console())
+    spec = parse_spec({"islands": {"count": 2}})
+    run = LocalRun("t", spec, tmp_path, {}, Console(), devices={1: "cpu"})
     monkeypatch.delenv(contract.DEVICE, raising=False)
-    assert run._learner_env()[contract.DEVICE] == "cpu"
+    assert run._learner_env(0)[contract.DEVICE] == "cpu"
     monkeypatch.setenv(contract.DEVICE, "cuda")
-    env = run._learner_env()
+    env = run._learner_env(0)
     assert env[contract.DEVICE] == "cuda"
     assert int(env["OMP_NUM_THREADS"]) >= 1
+    # --island-device 1=cpu: island 1 on the CPU beside the job's cuda
+    assert run._learner_env(1)[contract.DEVICE] == "cpu"

@@ -141,6 +141,14 @@ def _add_run(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         help="slow island I down by FACTOR (e.g. 1:3), to watch decoupling",
     )
     run.add_argument(
+        "--island-device",
+        action="append",
+        default=[],
+        metavar="I=DEVICE",
+        help="run island I on DEVICE (cpu, cuda, cuda:N or auto) instead of DILOCO_DEVICE, "
+        "e.g. 3=cpu: a CPU island beside GPU islands (repeat for more islands)",
+    )
+    run.add_argument(
         "--quiet", action="store_true", help="no progress (the check's lines and summary stay)"
     )
     run.set_defaults(func=_cmd_run)

@@ -90,6 +90,7 @@ RUN_EPILOG = """examples:
   .venv/bin/diloco run examples/local.yaml      into runs/local-demo/ (resumed if it is there)
   .venv/bin/diloco run examples/local.yaml --fresh   start over (the old folder moved aside)
   .venv/bin/diloco run examples/local.yaml --slow-island 1:3   watch decoupling
+  DILOCO_DEVICE=cuda .venv/bin/diloco run job.yaml --island-device 3=cpu   island 3 on the CPU
   .venv/bin/diloco export runs/local-demo -o model.safetensors   the trained weights
 
 the run folder (--workdir, default runs/NAME):

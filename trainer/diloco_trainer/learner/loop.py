@@ -43,7 +43,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from diloco_trainer.api.contract import ContractError, LearnerEnv
+from diloco_trainer.api.contract import DEVICE, ContractError, LearnerEnv
 from diloco_trainer.api.protocol import SyncerError
 from diloco_trainer.api.spec import ConfigError, JobSpec, load_spec
 from diloco_trainer.core.fragments import fragment_offsets
@@ -540,6 +540,9 @@ def main(args: argparse.Namespace) -> int:
     except (ConfigError, ContractError) as err:
         log.error("%s", err)
         return 2
+    # The device asked for and the one picked (auto: CUDA when available): a local run may put
+    # an island on another device than the rest (diloco run --island-device).
+    log.info("device %s (%s=%s)", device, DEVICE, env.device)
     log.info("torch threads: %d, on CPUs %s", torch.get_num_threads(), cpus_here())
     # The training thread shares the interpreter lock with the syncer link's threads (HTTP,
     # decoding, the copies' waits). At Python's default 5 ms switch interval each hand-over can

@@ -65,11 +65,19 @@ def gpu_learner_threads(cpus: int) -> int:
 
 
 def process_threads(
-    role: str, device: str, ranks: int, cpus: frozenset[int], syncer: frozenset[int] | None
+    role: str,
+    device: str,
+    ranks: int,
+    cpus: frozenset[int],
+    syncer: frozenset[int] | None,
+    own: str | None = None,
 ) -> dict[str, str]:
     """The environment that sizes one process of the job (`role` learner or syncer): its
     intra-op threads, and its CPUs when the job's are split (cpu_split). `ranks`: the learner
-    processes of the whole job, which share the learners' CPUs."""
+    processes of the whole job, which share the learners' CPUs. `device` is the job's (it
+    decides the split); `own`, a learner's own when its island is on another
+    (`diloco run --island-device`, local/island_devices.py), sizes that learner's threads: a
+    CPU island beside GPU islands computes with its whole share, a GPU one keeps two free."""
     split = cpu_split(cpus, device, syncer)
     if split is None:
         return {"OMP_NUM_THREADS": str(threads_per_learner(ranks))}
@@ -77,5 +85,5 @@ def process_threads(
     threads = len(mine)
     if role == "learner":
         share = max(1, len(mine) // max(1, ranks))
-        threads = gpu_learner_threads(share) if device.startswith("cuda") else share
+        threads = gpu_learner_threads(share) if (own or device).startswith("cuda") else share
     return {"OMP_NUM_THREADS": str(threads), CPUS: format_cpu_list(mine)}

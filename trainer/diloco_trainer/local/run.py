@@ -44,6 +44,11 @@ from diloco_trainer.api.protocol import STATE_ACTIVE, STATE_DROPPED, SyncerError
 from diloco_trainer.api.spec import ConfigError, JobSpec
 from diloco_trainer.check import Report
 from diloco_trainer.local.cpu_plan import cpu_split, process_threads, syncer_cpus_wanted
+from diloco_trainer.local.island_devices import (
+    devices_to_check,
+    island_device,
+    parse_island_devices,
+)
 from diloco_trainer.local.job import (
     check_before_start,
     load_job,
@@ -148,6 +153,8 @@ class LocalRun:
     url: str = ""
     files: JobFiles | None = None
     syncer_cpus: frozenset[int] | None = None  # DILOCO_SYNCER_CPUS (cpu_plan.py)
+    # island index -> its device when not the job's (--island-device, island_devices.py)
+    devices: dict[int, str] = field(default_factory=dict)
     earlier: Ledger = field(default_factory=Ledger)  # the job's earlier sessions (run_folder.py)
     last_status: SyncerStatus | None = None
 
@@ -170,13 +177,13 @@ class LocalRun:
         for i in range(self.spec.islands.count):
             self.start_island(i)
 
-    def _threads(self, role: str = "syncer") -> dict[str, str]:
-        """A process's threads, and its CPUs when the run splits them (cpu_plan.py); the run
-        that owns it, so it dies with this process (launch.py); the syncer on loopback."""
+    def _threads(self, role: str = "syncer", own: str | None = None) -> dict[str, str]:
+        """A process's threads (a learner's sized by its `own` device), and its CPUs when the
+        run splits them (cpu_plan.py); the run that owns it, so it dies with this process
+        (launch.py); the syncer on loopback."""
         ranks = sum(self.spec.islands.replicas_of(i) for i in range(self.spec.islands.count))
-        threads = process_threads(
-            role, self._device(), ranks, frozenset(os.sched_getaffinity(0)), self.syncer_cpus
-        )
+        cpus = frozenset(os.sched_getaffinity(0))
+        threads = process_threads(role, self._device(), ranks, cpus, self.syncer_cpus, own)
         owned = {RUN_PID: str(os.getpid())}
         if role == "syncer":
             owned[SYNCER_HOST] = LOOPBACK
@@ -185,10 +192,12 @@ class LocalRun:
     def _device(self) -> str:
         return os.environ.get(DEVICE) or "cpu"
 
-    def _learner_env(self) -> dict[str, str]:
+    def _learner_env(self, index: int) -> dict[str, str]:
         """Threads, and DILOCO_DEVICE from this command's own environment (cpu when unset): e.g.
-        DILOCO_DEVICE=cuda runs every local learner on this machine's GPU."""
-        return {**self._threads("learner"), DEVICE: self._device()}
+        DILOCO_DEVICE=cuda runs every local learner on this machine's GPU; an island named by
+        --island-device on its own (e.g. 3=cpu: a CPU island beside GPU islands)."""
+        device = island_device(index, self._device(), self.devices)
+        return {**self._threads("learner", device), DEVICE: device}
 
     def start_syncer(self, port: int | None = None) -> Proc | SyncerShards:
         """Start (or restart, on the same state dir) the syncer and wait until it is ready."""
@@ -239,7 +248,7 @@ class LocalRun:
                 master_port=master_port,
                 slowdown=self.slowdowns.get(index, 1.0),
                 job_name=self.name,
-                extra_env=self._learner_env(),
+                extra_env=self._learner_env(index),
             )
             self.dead.pop(proc.name, None)
             self.learners = [p for p in self.learners if p.name != proc.name] + [proc]
@@ -440,21 +449,45 @@ def _close_loop(loop: asyncio.AbstractEventLoop) -> None:
     loop.close()
 
 
-def _read_job(
-    args: argparse.Namespace,
-) -> tuple[str, JobSpec, dict[int, float], frozenset[int] | None] | None:
-    """The job, its deliberate stragglers (--slow-island) and the syncer's CPUs
-    (DILOCO_SYNCER_CPUS); None, with the reason on stderr, when any of them is wrong."""
+@dataclass(frozen=True)
+class RunInput:
+    """What `diloco run` read: the job, its deliberate stragglers (--slow-island), the islands
+    put on another device (--island-device) and the syncer's CPUs (DILOCO_SYNCER_CPUS)."""
+
+    name: str
+    spec: JobSpec
+    slowdowns: dict[int, float]
+    devices: dict[int, str]
+    syncer_cpus: frozenset[int] | None
+
+
+def _read_job(args: argparse.Namespace) -> RunInput | None:
+    """The run's input (RunInput); None, with the reason on stderr, when any of it is wrong."""
     try:
         name, spec = load_job(args.config)
         slowdowns = parse_slow_islands(args.slow_island, spec.islands.count)
+        devices = parse_island_devices(args.island_device, spec.islands.count)
         syncer_cpus = syncer_cpus_wanted()
         if syncer_cpus is not None:  # refused here, before anything starts
             cpu_split(frozenset(os.sched_getaffinity(0)), "cpu", syncer_cpus)
     except (ConfigError, ValueError, ContractError) as err:
         print(f"diloco run: {err}", file=sys.stderr)
         return None
-    return name, spec, slowdowns, syncer_cpus
+    return RunInput(name, spec, slowdowns, devices, syncer_cpus)
+
+
+def island_device_problems(spec: JobSpec, devices: Mapping[int, str]) -> list[str]:
+    """What a learner on each --island-device would refuse at start (the device is not on
+    this machine, inner.precision fp16 off CUDA), each naming the option: checked before
+    anything starts, as the job's own device is (check_before_start)."""
+    from diloco_trainer.check.checks import local_device
+    from diloco_trainer.check.start_rules import device_problems
+
+    return [
+        f"{named}: {problem}"
+        for device, named in devices_to_check(local_device(), devices)
+        for problem in device_problems(spec, device)
+    ]
 
 
 def _say(console: Console, text: str, style: str | None = None) -> None:
@@ -482,14 +515,26 @@ def main(args: argparse.Namespace) -> int:
     read = _read_job(args)
     if read is None:
         return 2
-    name, spec, slowdowns, syncer_cpus = read
+    name, spec = read.name, read.spec
     console.print(f"diloco run: job {name}, {spec.islands.count} island(s); checking it first")
     report = check_before_start(spec, args.config)
     if not report.ok:
         return 2
+    problems = island_device_problems(spec, read.devices)
+    for problem in problems:
+        print(f"diloco run: {problem}", file=sys.stderr)
+    if problems:
+        return 2
     workdir = _run_folder(args, name, console)
     run = LocalRun(
-        name, spec, workdir, slowdowns, console, quiet=args.quiet, syncer_cpus=syncer_cpus
+        name,
+        spec,
+        workdir,
+        read.slowdowns,
+        console,
+        quiet=args.quiet,
+        syncer_cpus=read.syncer_cpus,
+        devices=read.devices,
     )
     # Ctrl-C, SIGTERM and SIGHUP (a closed terminal, a dropped SSH session) raise
     # KeyboardInterrupt wherever the main thread is (children are in their own process groups,
