@@ -13,6 +13,7 @@ from collections.abc import Mapping
 from typing import Protocol
 
 from diloco_trainer.api.documents import IslandStatus
+from diloco_trainer.api.manifest import SavedCount
 from diloco_trainer.api.protocol import dropped_for_refusals
 from diloco_trainer.syncer.errors import Refused
 from diloco_trainer.syncer.state.records import (
@@ -22,6 +23,24 @@ from diloco_trainer.syncer.state.records import (
     TIMED_OUT,
     IslandRecord,
 )
+
+
+def count_base_at_first_report(base: float, merged: float, count: int) -> float:
+    """An island's count base (IslandRecord.count_base) at its first heartbeat since a join or
+    a restore: at least `merged` - `count`. Its learner counts every step before it pushes it,
+    so an honest count plus the base of the frame it counts in is never below the island's
+    merged tokens; a base below that is stale: a checkpoint written before the learner's last
+    join (restored, that join's base is lost: a checkpoint is written only after merges), a
+    checkpoint from before bases were kept (0), or a push of the learner before a restart
+    merged after its successor joined. Left stale, the island's part is raised to its merged
+    tokens in the split but its target is counted from the stale base, and it trains past its
+    share by the difference (the job ends at the first merge past the budget, the other
+    islands' last pushes unmerged). Raised at the first report only: a later report may cross
+    a merge of steps taken after it was sent (bounded by a push), and the raise is for good.
+    Its error then is what the learner held unmerged at that report (short of its true base).
+    An adversary's base moves only its own target: its part is held within its record's range
+    (targets.done_range) whatever its base."""
+    return max(base, merged - max(0, count))
 
 
 class MembershipEvents(Protocol):
@@ -134,6 +153,10 @@ class Membership:
         rec.reported_tokens = tokens
         if rec.first_report is None:
             rec.first_report = (tokens, now)
+            # An honest count never stands below the merged tokens since its base (every merged
+            # step was counted before its push): a base that says so is stale, raised here
+            # (count_base_at_first_report).
+            rec.count_base = count_base_at_first_report(rec.count_base, rec.merged_tokens, tokens)
         if loss is not None:
             rec.loss = loss
         if step_time:
@@ -206,11 +229,33 @@ class Membership:
         """Per-island records for status and checkpoints."""
         return {n: r.to_status() for n, r in sorted(self.islands.items())}
 
-    def restore(self, doc: Mapping[str, IslandStatus], now: float) -> None:
-        """Load island records from a checkpoint; their timeout clocks restart at `now`."""
+    def counts(self) -> dict[str, SavedCount]:
+        """Per island that joined, its heartbeat count's frame, for checkpoints (SavedCount)."""
+        return {
+            n: SavedCount(base=r.count_base, refused=r.refused_tokens)
+            for n, r in sorted(self.islands.items())
+            if r.joins > 0
+        }
+
+    def restore(
+        self,
+        doc: Mapping[str, IslandStatus],
+        now: float,
+        counts: Mapping[str, SavedCount] | None = None,
+    ) -> None:
+        """Load island records from a checkpoint; their timeout clocks restart at `now`. Each
+        count's frame (`counts`, SavedCount) too: a learner rides out a syncer restart without
+        joining again and its count goes on from the base of its last join, so a base read as
+        0 put a learner restarted mid-job (base: its merged tokens then) that far below its
+        merged tokens, and its stop target that far past its share (adv17)."""
+        counts = counts or {}
         for name, status in doc.items():
             rec = IslandRecord.from_status(name, status)
             rec.last_seen = now
             rec.pace_since = now  # its learner's next heartbeats measure its pace anew
+            saved = counts.get(name)
+            if saved is not None:
+                rec.count_base = max(0.0, saved.base)
+                rec.refused_tokens = max(0.0, saved.refused)
             self.islands[name] = rec
         self._events.membership_changed(now)

@@ -43,10 +43,10 @@ from __future__ import annotations
 
 import statistics
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from diloco_trainer.api.documents import IslandStatus, PushAnswer
-from diloco_trainer.api.manifest import SavedAnswer
+from diloco_trainer.api.manifest import SavedAnswer, SavedCount
 from diloco_trainer.core import grace as window_rules
 from diloco_trainer.core.fragments import fragment_offsets
 from diloco_trainer.syncer.errors import Refused
@@ -104,6 +104,7 @@ class SavedRounds:
     work_clocks: list[list[list[float]]]
     islands: dict[str, IslandStatus]
     push_answers: list[SavedAnswer]
+    counts: dict[str, SavedCount] = field(default_factory=dict)  # Membership.counts
 
 
 def lost_with_restart(accepted_by: str, this_run: str, *, after: int, version: int) -> bool:
@@ -557,6 +558,7 @@ class SyncState:
             work_clocks=self.clocks.to_json(),
             islands=self.membership.statuses(),
             push_answers=self.saved_answers(),
+            counts=self.membership.counts(),
         )
 
     def saved_answers(self) -> list[SavedAnswer]:
