@@ -25,22 +25,29 @@ from diloco_trainer.syncer.state.records import (
 )
 
 
-def count_base_at_first_report(base: float, merged: float, count: int) -> float:
+def count_base_at_first_report(base: float, merged: float, count: int, slack: float) -> float:
     """An island's count base (IslandRecord.count_base) at its first heartbeat since a join or
-    a restore: at least `merged` - `count`. Its learner counts every step before it pushes it,
-    so an honest count plus the base of the frame it counts in is never below the island's
-    merged tokens; a base below that is stale: a checkpoint written before the learner's last
-    join (restored, that join's base is lost: a checkpoint is written only after merges), a
-    checkpoint from before bases were kept (0), or a push of the learner before a restart
-    merged after its successor joined. Left stale, the island's part is raised to its merged
-    tokens in the split but its target is counted from the stale base, and it trains past its
-    share by the difference (the job ends at the first merge past the budget, the other
-    islands' last pushes unmerged). Raised at the first report only: a later report may cross
-    a merge of steps taken after it was sent (bounded by a push), and the raise is for good.
-    Its error then is what the learner held unmerged at that report (short of its true base).
-    An adversary's base moves only its own target: its part is held within its record's range
-    (targets.done_range) whatever its base."""
-    return max(base, merged - max(0, count))
+    a restore: `merged` - `count` when that is above `base` by more than `slack` (a capped
+    push's tokens), else `base`.
+
+    Its learner counts every step before it pushes it, so an honest count plus the base of the
+    frame it counts in is at least the island's merged tokens, but for pushes merged between
+    the heartbeat's send and its arrival (their steps were counted after it was sent): at most
+    a capped push, sent with the heartbeat retried across a syncer restart (seen: 160 tokens
+    in tests/e2e/test_drain.py's restart, where raising the kept base by them left the job
+    short of the budget and both islands waited in vain). Below that by more, the base is
+    stale: a checkpoint written before the learner's last join (a checkpoint is written after
+    merges only, so that join's base is lost with a restart), one from before bases were kept
+    (0), or a push of its learner before a restart merged after its successor joined. Left
+    stale, the island's part is raised to its merged tokens in the split but its target is
+    counted from the stale base, and it trains past its share by the difference: the job ends
+    at the first merge past the budget, the other islands' last pushes unmerged. Raised, its
+    error is what the learner held unmerged at that report (its target that much past its
+    share). At the first report only: the raise is for good. An adversary's base moves only its
+    own target: its part is held within its record's range (targets.done_range) whatever its
+    base."""
+    derived = merged - max(0, count)
+    return derived if derived > base + slack else base
 
 
 class MembershipEvents(Protocol):
@@ -141,8 +148,10 @@ class Membership:
         step_time: float | None = None,
         holding: bool = False,
         drained: bool = False,
+        base_slack: float = 0.0,
     ) -> IslandRecord:
-        """A sign of life with progress figures; Refused(404) if the island never joined."""
+        """A sign of life with progress figures; Refused(404) if the island never joined.
+        `base_slack`: count_base_at_first_report's (the island's capped push, in tokens)."""
         rec = self.island(name)
         self.revive(rec, now)
         rec.step = max(rec.step, step)
@@ -153,10 +162,12 @@ class Membership:
         rec.reported_tokens = tokens
         if rec.first_report is None:
             rec.first_report = (tokens, now)
-            # An honest count never stands below the merged tokens since its base (every merged
-            # step was counted before its push): a base that says so is stale, raised here
-            # (count_base_at_first_report).
-            rec.count_base = count_base_at_first_report(rec.count_base, rec.merged_tokens, tokens)
+            # An honest count stands below the merged tokens since its base by a push merged
+            # after the heartbeat was sent at most: below by more, the base is stale, raised
+            # here (count_base_at_first_report).
+            rec.count_base = count_base_at_first_report(
+                rec.count_base, rec.merged_tokens, tokens, base_slack
+            )
         if loss is not None:
             rec.loss = loss
         if step_time:
