@@ -269,8 +269,8 @@ def test_drain_at_k_below_m_after_a_learner_restart_and_a_syncer_restart(
     run = local_run(spec)
     port = restart_safe_port()  # still free when the syncer comes back on it
     start_synchronised(run, port=port)
-    wait_until(
-        lambda: status_of(run)["islands"]["island-1"]["mergedTokens"] >= 100 * STEP_TOKENS,
+    wait_until(  # (its join may not be answered yet when the learners are let go)
+        lambda: merged_tokens(run, "island-1") >= 100 * STEP_TOKENS,
         timeout=300,
         what="100 steps of island-1 merged",
     )
@@ -329,6 +329,12 @@ def test_drain_at_k_below_m_after_a_learner_restart_and_a_syncer_restart(
         assert sum(merged) == steps, (f, merged)
     assert status.tokens == steps * STEP_TOKENS + status.islands["island-1"].merged_tokens
     assert budget - ISLANDS * STEP_TOKENS < status.tokens <= budget, status.tokens
+
+
+def merged_tokens(run: LocalRun, island: str) -> int:
+    """The island's merged tokens in the syncer's status (0 before it joined)."""
+    record = status_of(run)["islands"].get(island)
+    return 0 if record is None else int(record["mergedTokens"])
 
 
 def drained_and_merged(run: LocalRun, merges: list[MergeRecord]) -> int:
