@@ -384,3 +384,43 @@ def test_targets_refused_pushes_keep_an_honest_islands_target() -> None:
     assert stop_targets(paces, done_ranges=ranges, **args) == main
     ranges["a"] = done_range(a, BOUND)
     assert stop_targets(paces, done_ranges=ranges, **args) == {"a": 8_960, "b": 10_880}
+
+
+def test_targets_pushes_lost_at_the_edge_leave_an_honest_island_in_the_split() -> None:
+    """adv17 (issue 46): a push refused at the edge before its metadata is read (413 too big,
+    408 too slow, 400 cut short: not retried; 503 is, for 600 s) or given up after the
+    client's retries is lost to its learner, and the syncer cannot count it (no island is
+    known then). Island a merged 1,000 and counts 8,000 (base 0): 4,440 pending and 2,560 lost
+    so, 7,000 ahead of its merged tokens, past a capped push (5,120). b merged 7,000 of its
+    8,000. 640 tokens/s each, budget 20,000, horizon 10 s.
+
+    a grew by 640 in 1 s since its first report (within 960 + 5,120): it stays in the split;
+    the loss is no growth. Its part of what is done is held to 1,000 + 5,120 = 6,120: done
+    14,120, 5,880 left, 2,940 each: a 6,120 + 2,940 = 9,060 -> 70 steps (8,960), b 10,940 -> 85
+    steps (10,880). What merges: a 1,000 + 4,440 + 960 = 6,400, b 8,000 + 2,880 = 10,880:
+    17,280, the budget short by 2,720 (a's 2,560 lost, and the rounding), not overshot: the
+    islands drain, wait out their wait (learner/drain.py) and train on until a merge reaches
+    it. Counted at its count (no range, as before adv16) it is as short: done 16,000, 2,000
+    each, a 9,984 (merges 1,000 + 4,440 + 1,984 = 7,424), b 9,984: 17,408."""
+    a = reported("a", (7_360, 100.0), 8_000, 101.0)
+    a.merged_tokens = 1_000.0
+    b = reported("b", (7_360, 100.0), 8_000, 101.0)
+    b.merged_tokens = 7_000.0
+    bounds = {"a": BOUND, "b": BOUND}
+    assert split_among([a, b], now=101.0, wait=3.0, bounds=bounds) == [a, b]
+    paces = {r.name: p for r in (a, b) if (p := pace_of(r)) is not None}
+    args: dict[str, Any] = {
+        "budget": 20_000,
+        "step_tokens": {"a": 128, "b": 128},
+        "done_elsewhere": 0.0,
+        "now": 101.0,
+        "horizon": 10.0,
+    }
+    ranges = {n: done_range(r, BOUND) for n, r in (("a", a), ("b", b))}
+    assert ranges == {"a": (1_000.0, 6_120.0), "b": (7_000.0, 12_120.0)}
+    held = stop_targets(paces, done_ranges=ranges, **args)
+    assert held == {"a": 8_960, "b": 10_880}
+    # what merges: a's 1,000 + its 4,440 pending + what it trains to its target; b's likewise
+    merges = 1_000 + 4_440 + (held["a"] - 8_000) + 8_000 + (held["b"] - 8_000)
+    assert merges == 17_280 < 20_000
+    assert stop_targets(paces, **args) == {"a": 9_984, "b": 9_984}
