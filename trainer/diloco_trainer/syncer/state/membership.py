@@ -33,9 +33,10 @@ def count_base_at_first_report(base: float, merged: float, count: int, slack: fl
     Its learner counts every step before it pushes it, so an honest count plus the base of the
     frame it counts in is at least the island's merged tokens, but for pushes merged between
     the heartbeat's send and its arrival (their steps were counted after it was sent): at most
-    a capped push, sent with the heartbeat retried across a syncer restart (seen: 160 tokens
-    in tests/e2e/test_drain.py's restart, where raising the kept base by them left the job
-    short of the budget and both islands waited in vain). Below that by more, the base is
+    a capped push, sent with the heartbeat retried across a syncer restart (raised at any
+    shortfall, the kept base of tests/e2e/test_drain.py's restart case came out 32-160 tokens
+    high by its targets' sum, read as such a heartbeat, and both islands drained short of the
+    budget and waited in vain). Below that by more, the base is
     stale: a checkpoint written before the learner's last join (a checkpoint is written after
     merges only, so that join's base is lost with a restart), one from before bases were kept
     (0), or a push of its learner before a restart merged after its successor joined. Left
