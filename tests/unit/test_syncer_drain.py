@@ -476,12 +476,12 @@ def test_a_restarted_syncer_keeps_each_islands_count_base_and_refused_tokens(
     merges another (1,024); the syncer is stopped (its checkpoint) and started again.
     island-0 reports 0 then 640 a second later, island-1 640 then 1,280 (640 tokens/s each).
 
-    Now: base 512 and 100 refused, restored; island-1's part 512 + 1,280 = 1,792 (within
-    [1,024, 1,024 + 2,176 + 100]); done 640 + 1,792 = 2,432, left 1,280, 640 each: island-0
-    1,280 (10 steps), island-1 1,280 + 640 = 1,920 (15): 1,280 + 512 + 1,920 = 3,712, the
-    budget. Main: base 0 and nothing refused after the restart; part 1,280, done 1,920, left
-    1,792, 896 each: island-0 1,536 (12 steps), island-1 2,176 (17): 1,536 + 512 + 2,176 =
-    4,224, the budget overshot by the base."""
+    Now: base 512 and 100 refused, restored; island-1's part its count less the refused,
+    512 + 1,280 - 100 = 1,692 (within [1,024, 1,024 + 2,176]); done 640 + 1,692 = 2,332,
+    left 1,380, 690 each: island-0 1,330 -> 10 steps (1,280), island-1 1,280 + 690 = 1,970 ->
+    15 steps (1,920). Main: base 0 and nothing refused after the restart; part 1,280, done
+    1,920, left 1,792, 896 each: island-0 1,536 (12 steps), island-1 2,176 (17): 1,536 + 512
+    + 2,176 = 4,224, the budget overshot by the base."""
     spec = make_spec(**RESTART_SPEC)
     clock = FakeClock()
 

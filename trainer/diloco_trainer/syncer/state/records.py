@@ -109,7 +109,8 @@ class IslandRecord:
     first_report: tuple[int, float] | None = None
     # The tokens of its pushes refused since its last join, averaged over fragments as
     # merged_tokens is (each at most a capped push's): its learner does not train them again,
-    # so its count runs ahead of its merged tokens by them for good (targets.CountBound).
+    # so its count runs ahead of its merged tokens by them for good (targets.CountBound; out of
+    # its part of what is done, targets.Pace.base).
     # Persisted with count_base (the count it explains goes on across a restart).
     refused_tokens: float = 0.0
     # Since when the syncer waits for that pace: its first join, or the restore of its record by
