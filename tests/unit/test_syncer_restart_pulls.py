@@ -1,8 +1,8 @@
 """A restarted syncer says at once that it lost a push (docs/algorithm.md, "A syncer restart"):
 each run of the syncer has its own name, given in every push answer; a pull for the merge of a
-push that another run accepted is refused 409 `restarted` while this run has not merged past it
-(pending pushes are not checkpointed), and the learner's link turns that into PushLost with the
-fragment's version."""
+push that another run accepted is refused 409 `restarted` when this run resumed at or before it
+(pending pushes are not checkpointed), whatever it merged since, and the learner's link turns
+that into PushLost with the fragment's version."""
 
 from __future__ import annotations
 
