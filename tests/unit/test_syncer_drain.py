@@ -12,7 +12,6 @@ import pytest
 from diloco_trainer.core.island_rounds import IslandRound
 from diloco_trainer.syncer.errors import Refused
 from diloco_trainer.syncer.service.service import Syncer
-from diloco_trainer.syncer.state.membership import count_base_at_first_report
 from diloco_trainer.syncer.state.records import Beat
 from diloco_trainer.syncer.state.targets import CountBound
 from diloco_trainer.syncer.storage import checkpoint as ckpt
@@ -511,71 +510,3 @@ def test_a_restarted_syncer_keeps_each_islands_count_base_and_refused_tokens(
 
     # main: [1024.0, 0.0, 0.0, {"island-0": 1536, "island-1": 2176}]
     assert run(scenario()) == [1_024.0, 512.0, 100.0, {"island-0": 1_280, "island-1": 1_920}]
-
-
-def test_a_count_base_older_than_the_learners_join_is_raised_at_its_first_report(
-    tmp_path: Path,
-) -> None:
-    """adv17 (issue 46): a checkpoint is written after merges only, so one from before a
-    learner's last join restores that island's earlier base. Same job as above, budget 6,656:
-    island-1 merges two pushes of 16 steps, 2,048 tokens (4,096); the syncer restarts (its
-    checkpoint), island-1's learner restarts (base 4,096), and the syncer restarts again before
-    a merge (no checkpoint): it restores base 0. Its first
-    report, 128, stands below its merged tokens by 3,968, more than a capped push (2,176: a
-    push merged after an honest heartbeat was sent): the base is raised to 3,968
-    (membership.count_base_at_first_report; the true 4,096 less the 128 it held unmerged).
-    Then it reports 768 a second later, island-0 0 then 640: island-1's part 3,968 + 768 =
-    4,736; done 5,376, left 1,280, 640 each: island-0 1,280 (10 steps), island-1 768 + 640 =
-    1,408 (11 steps): 1,280 + 4,096 + 1,408 = 6,784, one step past the budget (the 128 it held
-    unmerged at its first report).
-
-    Main: base 0, island-1's part 768 raised to its merged 4,096 in done (4,736), left 1,920,
-    960 each: island-0 1,600 -> 12 steps (1,536), island-1 4,096 + 960 = 5,056 -> 39 steps
-    (4,992) in a count that stood at 768: 1,536 + 4,096 + 4,992 = 10,624, the budget overshot
-    by 3,968."""
-    spec = make_spec(**{**RESTART_SPEC, "stopAfter": {"outerSteps": None, "tokens": 6_656}})
-    clock = FakeClock()
-
-    async def scenario() -> list[object]:
-        syncer = await started(spec, tmp_path, clock)
-        try:
-            for name in ("island-0", "island-1"):
-                await syncer.islands.join(name, 1)
-            for seed in (1, 2):
-                clock.now += 1.0
-                d = delta(syncer, 0, seed)
-                answer = await syncer.receive_push(
-                    0, body(syncer, 0, "island-1", d, tokens=2_048, steps=16)
-                )
-                assert answer["accepted"], answer
-                await syncer.tick()
-        finally:
-            await syncer.stop()  # a checkpoint of the two merges
-        mid = await started(spec, tmp_path, clock)
-        try:
-            await mid.islands.join("island-1", 1)  # its learner restarted: no merge since
-        finally:
-            await mid.stop()  # nothing merged since the last checkpoint: none written
-        again = await started(spec, tmp_path, clock)
-        try:
-            rec = again.state.membership.islands["island-1"]
-            seen: list[object] = [rec.joins, rec.merged_tokens, rec.count_base]
-            targets = await paces_after_restart(again, clock, (0, 128))
-            return [*seen, rec.count_base, targets]
-        finally:
-            await again.stop()
-
-    # main: [1, 4096.0, 0.0, 0.0, {"island-0": 1536, "island-1": 4992}]
-    assert run(scenario()) == [1, 4_096.0, 0.0, 3_968.0, {"island-0": 1_280, "island-1": 1_408}]
-
-
-def test_a_count_base_is_raised_only_past_a_capped_push() -> None:
-    """count_base_at_first_report: merged 4,096, count 128: 3,968 over a base of 0 raises it
-    when the slack (a capped push) is 2,176, not when it is 3,968 (a heartbeat sent before a
-    push that merged first lags by up to that); a base above merged - count stays; a count
-    below 0 counts as 0."""
-    assert count_base_at_first_report(0.0, 4_096.0, 128, 2_176.0) == 3_968.0
-    assert count_base_at_first_report(0.0, 4_096.0, 128, 3_968.0) == 0.0
-    assert count_base_at_first_report(1_801.0, 4_096.0, 128, 2_176.0) == 1_801.0
-    assert count_base_at_first_report(1_791.0, 4_096.0, 128, 2_176.0) == 3_968.0
-    assert count_base_at_first_report(0.0, 4_096.0, -5, 2_176.0) == 4_096.0

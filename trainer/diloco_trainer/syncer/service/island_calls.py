@@ -115,7 +115,6 @@ class IslandCalls:
             rec = self.state.membership.heartbeat(
                 island,
                 self.control.clock(),
-                base_slack=self.gate.push_tokens_most(self.state.membership, island),
                 step=progress.step,
                 tokens=progress.tokens,
                 loss=progress.loss,

@@ -25,32 +25,6 @@ from diloco_trainer.syncer.state.records import (
 )
 
 
-def count_base_at_first_report(base: float, merged: float, count: int, slack: float) -> float:
-    """An island's count base (IslandRecord.count_base) at its first heartbeat since a join or
-    a restore: `merged` - `count` when that is above `base` by more than `slack` (a capped
-    push's tokens), else `base`.
-
-    Its learner counts every step before it pushes it, so an honest count plus the base of the
-    frame it counts in is at least the island's merged tokens, but for pushes merged between
-    the heartbeat's send and its arrival (their steps were counted after it was sent): at most
-    a capped push, sent with the heartbeat retried across a syncer restart (raised at any
-    shortfall, the kept base of tests/e2e/test_drain.py's restart case came out 32-160 tokens
-    high by its targets' sum, read as such a heartbeat, and both islands drained short of the
-    budget and waited in vain). Below that by more, the base is
-    stale: a checkpoint written before the learner's last join (a checkpoint is written after
-    merges only, so that join's base is lost with a restart), one from before bases were kept
-    (0), or a push of its learner before a restart merged after its successor joined. Left
-    stale, the island's part is raised to its merged tokens in the split but its target is
-    counted from the stale base, and it trains past its share by the difference: the job ends
-    at the first merge past the budget, the other islands' last pushes unmerged. Raised, its
-    error is what the learner held unmerged at that report (its target that much past its
-    share). At the first report only: the raise is for good. An adversary's base moves only its
-    own target: its part is held within its record's range (targets.done_range) whatever its
-    base."""
-    derived = merged - max(0, count)
-    return derived if derived > base + slack else base
-
-
 class MembershipEvents(Protocol):
     """What the owner of the membership (the round machine) hears of its changes."""
 
@@ -149,10 +123,8 @@ class Membership:
         step_time: float | None = None,
         holding: bool = False,
         drained: bool = False,
-        base_slack: float = 0.0,
     ) -> IslandRecord:
-        """A sign of life with progress figures; Refused(404) if the island never joined.
-        `base_slack`: count_base_at_first_report's (the island's capped push, in tokens)."""
+        """A sign of life with progress figures; Refused(404) if the island never joined."""
         rec = self.island(name)
         self.revive(rec, now)
         rec.step = max(rec.step, step)
@@ -163,12 +135,6 @@ class Membership:
         rec.reported_tokens = tokens
         if rec.first_report is None:
             rec.first_report = (tokens, now)
-            # An honest count stands below the merged tokens since its base by a push merged
-            # after the heartbeat was sent at most: below by more, the base is stale, raised
-            # here (count_base_at_first_report).
-            rec.count_base = count_base_at_first_report(
-                rec.count_base, rec.merged_tokens, tokens, base_slack
-            )
         if loss is not None:
             rec.loss = loss
         if step_time:
