@@ -254,8 +254,12 @@ def test_drain_at_k_below_m_after_a_learner_restart_and_a_syncer_restart(
     syncer read island-1's base as 0: its part was raised to its merged tokens in the split,
     its target counted from 0, and it trained past its share by its base: the job ended at the
     first merge past the budget, island-1 undrained. Now the base is kept (the checkpoint's
-    `counts`) or raised at its first report (membership.count_base_at_first_report): both
-    drain at their targets, and the job finishes at the budget (but for the targets' rounding).
+    `counts`; island-1 merges after its join, so a checkpoint holds it): both drain at their
+    targets, and the job finishes at the budget (but for the targets' rounding). Two rules
+    this case found: a push the old syncer held pending is lost even once island-0's merges
+    passed its base (rounds.lost_with_restart), and a push refused as too stale after the
+    restart (island-0, let go, merges ahead while island-1's client backs off) is trained
+    again (its tokens out of island-1's part: targets.pace_of).
 
     island-0 is held (SIGSTOP) from island-1's kill until the restarted syncer is up, so the
     budget is not spent while the other two restart, however slow their start-ups."""
