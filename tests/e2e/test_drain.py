@@ -6,7 +6,9 @@ the syncer's stop target, split by pace near the budget (syncer/state/targets.py
 from __future__ import annotations
 
 import asyncio
+import os
 import re
+import signal
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -20,11 +22,13 @@ from diloco_trainer.core.payloads import PulledFragment
 from diloco_trainer.learner.syncer_client import SyncerClient
 from diloco_trainer.local.run import LocalRun
 
-from .conftest import http_request
+from .conftest import http_request, restart_safe_port, wait_until
 from .test_convergence import (  # noqa: F401  (local_run is a fixture)
+    AT_JOIN,
     local_run,
     run_to_finish,
     start_synchronised,
+    status_of,
 )
 from .test_hostile import push_body
 
@@ -236,6 +240,105 @@ def test_drain_is_not_held_by_an_island_that_never_reports_its_pace(
     assert silent_tokens == 32, silent_tokens
     assert status.tokens == processed + silent_tokens <= budget, (status.tokens, processed)
     assert processed + silent_tokens > budget - ISLANDS * STEP_TOKENS, processed
+
+
+def test_drain_at_k_below_m_after_a_learner_restart_and_a_syncer_restart(
+    make_spec: Callable[..., JobSpec],
+    local_run: Callable[..., LocalRun],  # noqa: F811
+) -> None:
+    """adv17 (issue 46): K = 1 of 2. island-1's learner is killed and started again mid-job
+    (it joins with its merged tokens as its count's base), then the syncer is restarted
+    (SIGTERM: its checkpoint at the stop, then started again on its state dir, the operator's
+    rollout), near enough the start that the targets come after it. The learners ride the
+    restart out without joining again and count on from their last joins. Before, the restarted
+    syncer read island-1's base as 0: its part was raised to its merged tokens in the split,
+    its target counted from 0, and it trained past its share by its base: the job ended at the
+    first merge past the budget, island-1 undrained. Now the base is kept (the checkpoint's
+    `counts`; island-1 merges after its join, so a checkpoint holds it): both drain at their
+    targets, and the job finishes at the budget (but for the targets' rounding). Two rules
+    this case found: a push the old syncer held pending is lost even once island-0's merges
+    passed its base (rounds.lost_with_restart), and a push refused as too stale after the
+    restart (island-0, let go, merges ahead while island-1's client backs off) is trained
+    again (its tokens out of island-1's part: targets.pace_of).
+
+    island-0 is held (SIGSTOP) from island-1's kill until the restarted syncer is up, so the
+    budget is not spent while the other two restart, however slow their start-ups."""
+    budget = 2 * 1000 * STEP_TOKENS
+    spec = make_spec(
+        islands={"count": ISLANDS},
+        inner={"steps": 6},
+        sync={"quorum": 1, "fragments": 2, "heartbeatTimeoutSeconds": 4},
+        stopAfter={"outerSteps": None, "tokens": budget},
+    )
+    run = local_run(spec)
+    port = restart_safe_port()  # still free when the syncer comes back on it
+    start_synchronised(run, port=port)
+    wait_until(  # (its join may not be answered yet when the learners are let go)
+        lambda: merged_tokens(run, "island-1") >= 100 * STEP_TOKENS,
+        timeout=300,
+        what="100 steps of island-1 merged",
+    )
+    (held,) = [p for p in run.learners if p.name.startswith("island-0/")]
+    (victim,) = [p for p in run.learners if p.name.startswith("island-1/")]
+    os.killpg(held.pid, signal.SIGSTOP)
+    try:
+        victim.kill()
+        victim.wait()
+        base = status_of(run)["islands"]["island-1"]["mergedTokens"]
+        run.start_island(1)
+        # Its new learner joined and a push of it (a fragment of 6 steps: 192 of the job's
+        # tokens) merged; its first learner's last pushes may have merged meanwhile too.
+        wait_until(
+            lambda: (
+                (i := status_of(run)["islands"]["island-1"])["joins"] == 2
+                and i["mergedTokens"] >= base + 2 * 3 * STEP_TOKENS
+            ),
+            timeout=300,
+            what="island-1 to join again and merge",
+        )
+        assert run.syncer is not None
+        run.syncer.terminate()  # what the Deployment's rollout does to the old pod
+        assert run.syncer.wait() == 0
+        run.start_syncer(port=port)
+        resumed = status_of(run)
+        assert resumed["resumedFrom"] is not None
+        assert resumed["islands"]["island-1"]["joins"] == 2
+        assert resumed["tokens"] < budget // 2, resumed["tokens"]  # the split is still ahead
+    finally:
+        os.killpg(held.pid, signal.SIGCONT)
+    status = run_to_finish(run, timeout=600)
+    run.wait_learners(timeout=60)
+    run.stop_all(timeout=30)
+
+    syncer_log = (run.logs / "syncer.log").read_text()
+    after_restart = syncer_log.split("resumed from")[-1]
+    found = re.findall(r"the budget is near: stop targets \(tokens each learner counts\) (.*)",
+                       after_restart)  # fmt: skip
+    assert len(found) == 1, found
+    for island in ("island-0", "island-1"):
+        log = AT_JOIN.split((run.logs / f"{island}-rank0.log").read_text())[-1]  # its last life
+        assert "this island's part of the job is done (its share of stopAfter" in log, island
+        assert "drained, but the job did not finish" not in log, island  # no wait in vain
+    merges = [
+        MergeRecord.model_validate_json(line)
+        for line in (run.workdir / "syncer" / "merges.jsonl").read_text().splitlines()
+    ]
+    log = (run.logs / "island-0-rank0.log").read_text()
+    steps = int(re.findall(r"the job has finished: exiting after (\d+) steps", log)[-1])
+    # Every step island-0 took is merged (its learner ran the whole job), island-1's merged
+    # tokens are both of its learners' merged work, and the job is at the budget.
+    for f in (0, 1):
+        merged = [c.steps for m in merges if m.fragment == f for c in m.contributors
+                  if c.island == "island-0"]  # fmt: skip
+        assert sum(merged) == steps, (f, merged)
+    assert status.tokens == steps * STEP_TOKENS + status.islands["island-1"].merged_tokens
+    assert budget - ISLANDS * STEP_TOKENS < status.tokens <= budget, status.tokens
+
+
+def merged_tokens(run: LocalRun, island: str) -> int:
+    """The island's merged tokens in the syncer's status (0 before it joined)."""
+    record = status_of(run)["islands"].get(island)
+    return 0 if record is None else int(record["mergedTokens"])
 
 
 def drained_and_merged(run: LocalRun, merges: list[MergeRecord]) -> int:

@@ -433,3 +433,80 @@ def test_refused_pushes_count_towards_what_an_islands_count_may_run_ahead(
         return seen
 
     assert run(scenario()) == [422, 422, 2_276.0, CountBound(rate=960.0, ahead=4_452.0), 0.0]
+
+
+RESTART_SPEC = {
+    "islands": {"count": 2},
+    "sync": {"quorum": 1, "graceSeconds": 0, "heartbeatTimeoutSeconds": 4},
+    "stopAfter": {"outerSteps": None, "tokens": 3_712},
+}
+
+
+async def push_merged(syncer: Syncer, clock: FakeClock, island: str, seed: int) -> None:
+    """A push of 4 steps, 512 tokens, merged alone (quorum 1, grace 0), a second later."""
+    clock.now += 1.0
+    d = delta(syncer, 0, seed)
+    answer = await syncer.receive_push(0, body(syncer, 0, island, d, tokens=512, steps=4))
+    assert answer["accepted"], answer
+    await syncer.tick()
+
+
+async def paces_after_restart(
+    syncer: Syncer, clock: FakeClock, counts: tuple[int, int], step: int = 640
+) -> dict[str, int]:
+    """Islands 0 and 1 report (0, counts[0]), then `step` more each a second later: the targets."""
+    for name, tokens in zip(("island-0", "island-1"), counts, strict=True):
+        await syncer.islands.heartbeat(name, Beat(step=1, tokens=tokens, step_time=0.2))
+    clock.now += 1.0
+    for name, tokens in zip(("island-0", "island-1"), counts, strict=True):
+        await syncer.islands.heartbeat(name, Beat(step=6, tokens=tokens + step))
+    return dict(syncer.islands.targets)
+
+
+def test_a_restarted_syncer_keeps_each_islands_count_base_and_refused_tokens(
+    tmp_path: Path,
+) -> None:
+    """adv17 (issue 46): a learner rides out a syncer restart without joining again and its
+    count goes on from the base of its last join (its island's merged tokens then), so the
+    checkpoint keeps that base and the refused tokens (CheckpointManifest.counts). K = 1 of 2,
+    128 tokens a step, H = 4, τ = 1 (a capped push: 17 steps, 2,176 tokens), heartbeats every
+    second (timeout 4 s), budget 3,712. island-1 merges a push of 512 tokens, its learner
+    restarts (base 512), has a push of 18 steps, 100 tokens, refused (422: 100 refused) and
+    merges another (1,024); the syncer is stopped (its checkpoint) and started again.
+    island-0 reports 0 then 640 a second later, island-1 640 then 1,280 (640 tokens/s each).
+
+    Now: base 512 and 100 refused, restored; island-1's part its count less the refused,
+    512 + 1,280 - 100 = 1,692 (within [1,024, 1,024 + 2,176]); done 640 + 1,692 = 2,332,
+    left 1,380, 690 each: island-0 1,330 -> 10 steps (1,280), island-1 1,280 + 690 = 1,970 ->
+    15 steps (1,920). Main: base 0 and nothing refused after the restart; part 1,280, done
+    1,920, left 1,792, 896 each: island-0 1,536 (12 steps), island-1 2,176 (17): 1,536 + 512
+    + 2,176 = 4,224, the budget overshot by the base."""
+    spec = make_spec(**RESTART_SPEC)
+    clock = FakeClock()
+
+    async def scenario() -> list[object]:
+        syncer = await started(spec, tmp_path, clock)
+        try:
+            for name in ("island-0", "island-1"):
+                await syncer.islands.join(name, 1)
+            await push_merged(syncer, clock, "island-1", 1)
+            await syncer.islands.join("island-1", 1)  # its learner restarted
+            with pytest.raises(Refused) as err:
+                await syncer.receive_push(
+                    0, body(syncer, 0, "island-1", delta(syncer, 0, 3), tokens=100, steps=18)
+                )
+            assert err.value.status == 422
+            await push_merged(syncer, clock, "island-1", 2)  # a checkpoint is due after it
+        finally:
+            await syncer.stop()  # its checkpoint
+        again = await started(spec, tmp_path, clock)
+        try:
+            rec = again.state.membership.islands["island-1"]
+            seen: list[object] = [rec.merged_tokens, rec.count_base, rec.refused_tokens]
+            seen.append(await paces_after_restart(again, clock, (0, 640)))
+            return seen
+        finally:
+            await again.stop()
+
+    # main: [1024.0, 0.0, 0.0, {"island-0": 1536, "island-1": 2176}]
+    assert run(scenario()) == [1_024.0, 512.0, 100.0, {"island-0": 1_280, "island-1": 1_920}]

@@ -47,6 +47,18 @@ class SavedGuards(Document):
     streaks: dict[str, int] = Field(default_factory=dict)
 
 
+class SavedCount(Document):
+    """Where an island's heartbeat count stands against its record (syncer/state/targets.py's
+    CountBound), kept so a restart reads the same learner's count in the same frame: `base`,
+    the island's merged tokens at its last join (its learner counts from there and keeps
+    counting across a syncer restart, which it rides out without joining again), and
+    `refused`, the tokens of its pushes refused since (not trained again: its count runs
+    ahead of its merged tokens by them for good)."""
+
+    base: float = 0.0
+    refused: float = 0.0
+
+
 class CheckpointManifest(Document):
     """What a syncer checkpoint holds besides its tensors."""
 
@@ -69,6 +81,9 @@ class CheckpointManifest(Document):
     initial_eval_loss: float | None = None
     eval_history: list[EvalPoint] = Field(default_factory=list)
     islands: dict[str, IslandStatus] = Field(default_factory=dict)
+    # Per island, its count's frame (SavedCount); absent (an older checkpoint): every restored
+    # count starts from 0 and nothing refused, as before it was kept.
+    counts: dict[str, SavedCount] = Field(default_factory=dict)
     spec_hash: str = ""
     codec: str = ""
     pull_compression: str = "none"

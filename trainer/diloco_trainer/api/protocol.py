@@ -85,7 +85,7 @@ ADMIN_STATES: tuple[IslandState, ...] = (STATE_ACTIVE, STATE_DROPPED)
 ERROR_STALE = "stale"  # 409: baseVersion older than maxStaleness allows: pull, then push again
 ERROR_AHEAD = "ahead"  # 409: baseVersion newer than the syncer's (it restarted from a checkpoint)
 # 409: a pull for the merge of a push that an earlier run of the syncer accepted, from a run that
-# has not merged past it: the push was lost with that run's pending rounds; push it again.
+# resumed at or before its base: the push was lost with that run's pending rounds; push it again.
 ERROR_RESTARTED = "restarted"
 ERROR_UNKNOWN_ISLAND = "unknown_island"  # 404: join first (e.g. the syncer lost its state)
 ERROR_DROPPED = "dropped"  # 403: the operator dropped this island

@@ -100,7 +100,7 @@ class SyncerClient(SyncerJsonClient):
         updates since then (PulledUpdates) instead of the full weights (PulledFragment).
         `run`: the syncer run that accepted the push whose merge this waits for
         (PushAnswer.run): a restarted syncer refuses the pull at once (409 restarted) when it
-        has not merged past `after`, since it lost that push.
+        resumed at or before `after`, since it lost that push.
         """
         params = {"after": str(after), "wait": str(wait)}
         if have >= 0:

@@ -133,6 +133,8 @@ class Syncer:
         # This run of the syncer: named in every push answer, so a learner waiting for the merge
         # of its push can tell a restarted syncer (which lost it) from the one that took it.
         self.run = secrets.token_hex(8)
+        # Each fragment's version when this run started (lost_with_restart).
+        self.resumed_versions = list(self.state.versions)
         # The largest push body each fragment accepts (validation.fragment_body_limit).
         self.body_limits = [fragment_body_limit(e, self.codec) for e in self.model.expected]
         self.control = Control(len(self.model.fragments), clock, finished=built.finished)
@@ -319,17 +321,19 @@ class Syncer:
         The body is the chain of updates since version `have` when the publisher has one.
 
         `run`: the syncer run that accepted the push whose merge the caller waits for (its
-        PushAnswer.run). From another run (this syncer restarted since) that has not merged past
-        `after`, the merge can never carry the push: pending pushes are not checkpointed. Refused
+        PushAnswer.run). From another run (this syncer restarted since) when this run resumed at
+        or before `after`, no merge of this run carries the push: pending pushes are not
+        checkpointed (a merge of other islands' pushes past `after` is not its merge). Refused
         409 `restarted` at once, so the learner pushes it again into this run's open round now,
         not after a wait budget and a round late (docs/algorithm.md, "A syncer restart")."""
         self.check_fragment(fragment)
-        if lost_with_restart(run, self.run, after=after, version=self.state.versions[fragment]):
+        resumed = self.resumed_versions[fragment]
+        if lost_with_restart(run, self.run, after=after, resumed=resumed):
             raise Refused(
                 409,
                 f"fragment {fragment}'s push accepted by syncer run {run} was lost when the "
-                f"syncer restarted (this is run {self.run}, at version "
-                f"{self.state.versions[fragment]}); push it again",
+                f"syncer restarted (this is run {self.run}, resumed at version {resumed}, now "
+                f"at {self.state.versions[fragment]}); push it again",
                 ERROR_RESTARTED,
             )
         return await self.publisher.pull(fragment, after=after, wait=wait, have=have)

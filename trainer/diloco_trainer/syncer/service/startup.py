@@ -238,7 +238,7 @@ def _restore_counters(
     islands, left_out = admitted_records(admission, m.islands)
     if left_out:
         log.warning("not restoring islands that are not this job's: %s", ", ".join(left_out[:20]))
-    state.membership.restore(islands, now=now)
+    state.membership.restore(islands, now=now, counts=m.counts)
     state.restore_answers(m.push_answers)
     merge_log.restore(m)
     jobs.restore(m, loaded.outer_step)

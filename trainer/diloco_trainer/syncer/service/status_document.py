@@ -142,6 +142,7 @@ def checkpoint_manifest(
         **merge_counters,
         initial_eval_loss=initial_eval_loss,
         islands=rounds.islands,
+        counts=rounds.counts,
         spec_hash=identity.spec_hash,
         codec=identity.codec,
         pull_compression=identity.pull_compression,

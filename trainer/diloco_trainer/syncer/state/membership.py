@@ -13,6 +13,7 @@ from collections.abc import Mapping
 from typing import Protocol
 
 from diloco_trainer.api.documents import IslandStatus
+from diloco_trainer.api.manifest import SavedCount
 from diloco_trainer.api.protocol import dropped_for_refusals
 from diloco_trainer.syncer.errors import Refused
 from diloco_trainer.syncer.state.records import (
@@ -208,11 +209,33 @@ class Membership:
         """Per-island records for status and checkpoints."""
         return {n: r.to_status() for n, r in sorted(self.islands.items())}
 
-    def restore(self, doc: Mapping[str, IslandStatus], now: float) -> None:
-        """Load island records from a checkpoint; their timeout clocks restart at `now`."""
+    def counts(self) -> dict[str, SavedCount]:
+        """Per island that joined, its heartbeat count's frame, for checkpoints (SavedCount)."""
+        return {
+            n: SavedCount(base=r.count_base, refused=r.refused_tokens)
+            for n, r in sorted(self.islands.items())
+            if r.joins > 0
+        }
+
+    def restore(
+        self,
+        doc: Mapping[str, IslandStatus],
+        now: float,
+        counts: Mapping[str, SavedCount] | None = None,
+    ) -> None:
+        """Load island records from a checkpoint; their timeout clocks restart at `now`. Each
+        count's frame (`counts`, SavedCount) too: a learner rides out a syncer restart without
+        joining again and its count goes on from the base of its last join, so a base read as
+        0 put a learner restarted mid-job (base: its merged tokens then) that far below its
+        merged tokens, and its stop target that far past its share (adv17)."""
+        counts = counts or {}
         for name, status in doc.items():
             rec = IslandRecord.from_status(name, status)
             rec.last_seen = now
             rec.pace_since = now  # its learner's next heartbeats measure its pace anew
+            saved = counts.get(name)
+            if saved is not None:
+                rec.count_base = max(0.0, saved.base)
+                rec.refused_tokens = max(0.0, saved.refused)
             self.islands[name] = rec
         self._events.membership_changed(now)

@@ -106,16 +106,18 @@ class IslandRecord:
     # the next heartbeat before it predicts anything).
     reported_step: int | None = None
     reported_at: float | None = None
-    # Its pace for the stop targets (targets.py), not persisted: the tokens its learner counts
-    # (the latest heartbeat's), the merged tokens it had at its last join (where that count
-    # starts), and its first report since (tokens, time).
+    # Its pace for the stop targets (targets.py): the tokens its learner counts (the latest
+    # heartbeat's), the merged tokens it had at its last join (where that count starts:
+    # persisted, checkpoints' `counts`, as its learner keeps counting from there across a
+    # syncer restart), and its first report since (tokens, time; not persisted).
     reported_tokens: int | None = None
     count_base: float = 0.0
     first_report: tuple[int, float] | None = None
     # The tokens of its pushes refused since its last join, averaged over fragments as
     # merged_tokens is (each at most a capped push's): its learner does not train them again,
-    # so its count runs ahead of its merged tokens by them for good (targets.CountBound).
-    # Not persisted, as the count it explains.
+    # so its count runs ahead of its merged tokens by them for good (targets.CountBound; out of
+    # its part of what is done, targets.Pace.base).
+    # Persisted with count_base (the count it explains goes on across a restart).
     refused_tokens: float = 0.0
     # Since when the syncer waits for that pace: its first join, or the restore of its record by
     # a restarted syncer (targets.split_among: past a bound, an island without one is left out

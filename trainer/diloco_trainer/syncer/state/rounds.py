@@ -43,10 +43,10 @@ from __future__ import annotations
 
 import statistics
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from diloco_trainer.api.documents import IslandStatus, PushAnswer
-from diloco_trainer.api.manifest import SavedAnswer
+from diloco_trainer.api.manifest import SavedAnswer, SavedCount
 from diloco_trainer.core import grace as window_rules
 from diloco_trainer.core.fragments import fragment_offsets
 from diloco_trainer.syncer.errors import Refused
@@ -104,16 +104,22 @@ class SavedRounds:
     work_clocks: list[list[list[float]]]
     islands: dict[str, IslandStatus]
     push_answers: list[SavedAnswer]
+    counts: dict[str, SavedCount] = field(default_factory=dict)  # Membership.counts
 
 
-def lost_with_restart(accepted_by: str, this_run: str, *, after: int, version: int) -> bool:
+def lost_with_restart(accepted_by: str, this_run: str, *, after: int, resumed: int) -> bool:
     """Whether the push that a pull for the merge after version `after` waits for was lost: a
     syncer run `accepted_by` (PushAnswer.run; "": not said, an older learner) accepted it into
-    the round that makes version after + 1, and this run (a restart) has not merged that far
-    (`version` <= `after`). Pending pushes are not checkpointed (SavedRounds), so this run's
-    round can hold the push only if it was sent to it again; a version past `after` may carry
-    it (merged before the checkpoint this run resumed from) and is served as usual."""
-    return bool(accepted_by) and accepted_by != this_run and version <= after
+    the round that makes version after + 1, and this run (a restart) resumed the fragment at
+    version `resumed` <= `after`. Pending pushes are not checkpointed (SavedRounds), so this
+    run's round can hold the push only if it was sent to it again (then answered by this run);
+    resumed past `after`, the checkpoint's merge carries it and is served as usual.
+
+    By where this run resumed, not by its version now: at K < M another island's pushes may
+    merge past `after` before the pull comes (its learner's client backs off while the syncer
+    is down), and that merge, served as this push's, lost its steps silently (adv17: 6 steps
+    of a fragment, and the drain short of the budget, in tests/e2e/test_drain.py's restart)."""
+    return bool(accepted_by) and accepted_by != this_run and resumed <= after
 
 
 def _median(values: list[float]) -> float | None:
@@ -557,6 +563,7 @@ class SyncState:
             work_clocks=self.clocks.to_json(),
             islands=self.membership.statuses(),
             push_answers=self.saved_answers(),
+            counts=self.membership.counts(),
         )
 
     def saved_answers(self) -> list[SavedAnswer]:

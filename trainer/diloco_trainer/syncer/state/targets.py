@@ -49,11 +49,13 @@ record and the spec support (issue 46: one heartbeat with a count of 2^50 made w
 negative, and every other island drained at its current count, 5 steps into the job). An
 island whose count grew faster than it could process (CountBound.rate, from the step time its
 pushes' credit fills at, plus a capped push: count_refused) is left out of the split at once,
-as one without a pace is; within that, its part of what is done is its count held between its
-merged tokens and those plus a capped push and its refused pushes' tokens (done_range: an
-honest learner holds at most a capped push of each fragment unmerged, and never trains a
-refused push again). An island with a target that never drains holds the finish only as long
-as the others' wait budget: they train on after it (learner/drain.py).
+as one without a pace is; within that, its part of what is done is its count less its refused
+pushes' tokens (counted by its learner, never merged: Pace.base), held between its merged
+tokens and those plus a capped push (done_range: an honest learner holds at most a capped push
+of each fragment unmerged); its target, in its learner's count, gives it the refused tokens to
+train again, so the job still ends at the budget. An island with a target that never drains
+holds the finish only as long as the others' wait budget: they train on after it
+(learner/drain.py).
 
 Pure: the service calls `stop_targets` with the islands' records under its lock.
 """
@@ -99,7 +101,8 @@ class CountBound:
 class Pace:
     """An island's processed tokens at a time, and its rate (tokens per second)."""
 
-    base: float  # the merged tokens its learner's count starts from (its last join)
+    base: float  # the merged tokens its learner's count starts from (its last join), less its
+    # refused pushes' tokens (IslandRecord.refused_tokens): counted, never merged
     tokens: int  # its learner's count at `at`
     at: float
     rate: float
@@ -152,7 +155,12 @@ def pace_of(rec: IslandRecord, min_span: float = 0.0) -> Pace | None:
     if rec.reported_at - first_at <= min_span or rec.reported_tokens <= first_tokens:
         return None
     rate = (rec.reported_tokens - first_tokens) / (rec.reported_at - first_at)
-    return Pace(rec.count_base, rec.reported_tokens, rec.reported_at, rate)
+    # Its refused pushes' tokens are in its count but will never merge: out of its part (what
+    # it has done towards the budget), so its target (part - base + share) gives it them to
+    # train again; counted in, the job ended short by them and every island waited in vain
+    # (adv17: a push refused as too stale after a syncer restart, tests/e2e/test_drain.py).
+    base = rec.count_base - rec.refused_tokens
+    return Pace(base, rec.reported_tokens, rec.reported_at, rate)
 
 
 def count_refused(rec: IslandRecord, pace: Pace, bound: CountBound) -> str | None:
@@ -177,9 +185,11 @@ def count_refused(rec: IslandRecord, pace: Pace, bound: CountBound) -> str | Non
 
 def done_range(rec: IslandRecord, bound: CountBound) -> tuple[float, float]:
     """The least and most of the budget the island's record says it has processed: its merged
-    tokens, and those plus `bound.ahead` (what its learner may hold unmerged: the step cap, and
-    refused pushes, which are not trained again). stop_targets counts its count within these."""
-    return rec.merged_tokens, rec.merged_tokens + bound.ahead
+    tokens, and those plus what its learner may hold unmerged, `bound.ahead` less its refused
+    pushes' tokens (the step cap: the refused ones are out of its part already, Pace.base).
+    stop_targets counts its count within these."""
+    most = rec.merged_tokens + max(0.0, bound.ahead - rec.refused_tokens)
+    return rec.merged_tokens, most
 
 
 def split_among(
