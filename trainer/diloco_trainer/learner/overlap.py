@@ -148,6 +148,9 @@ class OverlapFit:
         # sync.overlapMode auto's cap for a learner that blocks (auto_overlap_cap).
         self.auto_cap = auto_overlap_cap(overlap_steps=cap, inner_steps=spec.inner.steps)
         self.latencies: deque[float] = deque(maxlen=RECENT_SYNCS)
+        # The recent syncs' own latencies (SyncResult.latency, never a wait for peers whatever
+        # sync.overlapCovers says): what step_plan.link_bound reads for sync.lateMergeHold.
+        self.net_latencies: deque[float] = deque(maxlen=RECENT_SYNCS)
         self.tau: int | None = None  # the τ of the latest push
 
     def set_round(self, inner_steps: int) -> None:
@@ -158,10 +161,13 @@ class OverlapFit:
         self.cap = min(self.spec_cap, max(0, inner_steps - 1))
         self.auto_cap = auto_overlap_cap(overlap_steps=self.cap, inner_steps=inner_steps)
 
-    def observe(self, latency: float | None) -> None:
-        """A sync's latency (SyncResult.latency; None: not known, nothing changes)."""
+    def observe(self, latency: float | None, *, net: float | None = None) -> None:
+        """A sync's latency (covered_latency's; None: not known, nothing changes) and its own
+        latency without waits for peers (`net`: SyncResult.latency)."""
         if latency is not None:
             self.latencies.append(latency)
+        if net is not None:
+            self.net_latencies.append(net)
 
     def fit(self, step_time: float) -> int:
         """τ for a push now (`step_time`: the wall seconds per inner step). A learner that does
