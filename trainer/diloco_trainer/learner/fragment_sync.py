@@ -49,7 +49,6 @@ from diloco_trainer.learner.step_plan import (
     blocks_for_merge,
     holds_for_late_merge,
     late_merge_bound,
-    link_bound,
     plan_idle,
     plan_step,
     wait_budget,
@@ -449,12 +448,7 @@ class FragmentSync:
         into `out` like any other."""
         if self.blocking or self.spec.sync.late_merge_hold == "off":
             return
-        bound_by_link = link_bound(
-            self.overlap_fit.net_latencies,
-            fragments=len(self.fragments) or self.spec.sync.fragments,
-            inner_steps=self.round_steps,
-            step_time=self.wall_step or self.step_time,
-        )
+        bound_by_link = self.overlap_fit.link_bound(self.wall_step or self.step_time, self.position)
         for f in sorted(self.inflight):
             flight = self.inflight[f]
             bound = late_merge_bound(self.round_steps, flight.window, link_bound=bound_by_link)

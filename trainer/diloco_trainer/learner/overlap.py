@@ -15,7 +15,7 @@ from collections import deque
 
 from diloco_trainer.api.spec import JobSpec
 from diloco_trainer.core.grace import merge_wait_steps
-from diloco_trainer.learner.step_plan import Window, poll_from_steps
+from diloco_trainer.learner.step_plan import Window, link_bound, poll_from_steps
 
 log = logging.getLogger("diloco.learner")
 
@@ -152,6 +152,7 @@ class OverlapFit:
         # sync.overlapCovers says): what step_plan.link_bound reads for sync.lateMergeHold.
         self.net_latencies: deque[float] = deque(maxlen=RECENT_SYNCS)
         self.tau: int | None = None  # the τ of the latest push
+        self.slow_link = False  # link_bound's latest answer (logged when it changes)
 
     def set_round(self, inner_steps: int) -> None:
         """The island's round is now `inner_steps` (H_i): τ stays below it, so a push's merge is
@@ -185,6 +186,32 @@ class OverlapFit:
             inner_steps=self.inner_steps,
             fragments=self.spec.sync.fragments,
         )
+
+    def link_bound(self, step_time: float, position: int) -> bool:
+        """step_plan.link_bound over the recent syncs' own latencies, this island's round H_i
+        and `step_time` (wall seconds a step, no hold in it); logged when the answer changes."""
+        bound = link_bound(
+            self.net_latencies,
+            fragments=self.spec.sync.fragments,
+            inner_steps=self.inner_steps,
+            step_time=step_time,
+        )
+        if bound != self.slow_link:
+            self.slow_link = bound
+            mean = sum(self.net_latencies) / max(1, len(self.net_latencies))
+            log.info(
+                "step %d: %d sync(s) of %.3fs x %d fragment(s) %s a round of %d steps of "
+                "%.3fs: a merge late by %s is held for (sync.lateMergeHold auto)",
+                position,
+                len(self.net_latencies),
+                mean,
+                self.spec.sync.fragments,
+                "outlast" if bound else "fit in",
+                self.inner_steps,
+                step_time,
+                "ceil(H/2) steps, the link slower than its traffic" if bound else "H - 1 steps",
+            )
+        return bound
 
     @property
     def latest(self) -> int:
