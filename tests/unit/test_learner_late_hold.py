@@ -51,6 +51,7 @@ def link_bound_sync(spec: JobSpec, link: FakeLink) -> tuple[FragmentSync, nn.Par
     round of 6 steps of 0.1 s: F · ℓ = 0.7 > 0.6, the link slower than its traffic."""
     sync, w = make_sync(spec, link)
     sync.overlap_fit.net_latencies.append(SLOW)
+    assert sync.overlap_fit.judge_link(0.1, 0)  # as receive judges it at each sync measured
     return sync, w
 
 
@@ -232,6 +233,7 @@ def test_where_the_link_carries_the_traffic_a_late_merge_is_held_at_h_minus_1() 
         link.hold = True
         sync, w = make_sync(hold_spec(), link)
         sync.overlap_fit.net_latencies.extend(measured)
+        assert not sync.overlap_fit.judge_link(0.1, 0)
         thread = steps_in_thread(sync, w, 12)
         wait_for(lambda sync=sync: sync.late_held_since is not None, "the learner to hold")
         assert sync.position == 11 and thread.is_alive()
@@ -261,6 +263,7 @@ def test_the_bound_follows_the_latencies_the_learner_measures() -> None:
     link.release()  # the merge of the push at 6; the one of the push at 12 is held back again
     wait_for(lambda: sync.position > 11 and sync.late_held_since is not None, "the second hold")
     assert sync.position == 15 and list(sync.overlap_fit.net_latencies) == [SLOW]
+    assert sync.overlap_fit.slow_link  # judged at the receipt: 0.7 s > 6 steps of 0.1 s
     link.hold = False
     link.release()
     thread.join(timeout=30)

@@ -448,7 +448,7 @@ class FragmentSync:
         into `out` like any other."""
         if self.blocking or self.spec.sync.late_merge_hold == "off":
             return
-        bound_by_link = self.overlap_fit.link_bound(self.wall_step or self.step_time, self.position)
+        bound_by_link = self.overlap_fit.slow_link
         for f in sorted(self.inflight):
             flight = self.inflight[f]
             bound = late_merge_bound(self.round_steps, flight.window, link_bound=bound_by_link)
@@ -789,6 +789,7 @@ class FragmentSync:
             ),
             net=result.latency,
         )
+        self.overlap_fit.judge_link(self.wall_step or self.step_time, self.position)
         self.restart.count_merged(
             f,
             result,

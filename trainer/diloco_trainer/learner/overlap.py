@@ -152,7 +152,9 @@ class OverlapFit:
         # sync.overlapCovers says): what step_plan.link_bound reads for sync.lateMergeHold.
         self.net_latencies: deque[float] = deque(maxlen=RECENT_SYNCS)
         self.tau: int | None = None  # the τ of the latest push
-        self.slow_link = False  # link_bound's latest answer (logged when it changes)
+        # step_plan.link_bound's answer at the latest sync measured (judge_link): whether a
+        # late merge is held for from ceil(H_i / 2) steps (sync.lateMergeHold auto).
+        self.slow_link = False
 
     def set_round(self, inner_steps: int) -> None:
         """The island's round is now `inner_steps` (H_i): τ stays below it, so a push's merge is
@@ -187,9 +189,11 @@ class OverlapFit:
             fragments=self.spec.sync.fragments,
         )
 
-    def link_bound(self, step_time: float, position: int) -> bool:
+    def judge_link(self, step_time: float, position: int) -> bool:
         """step_plan.link_bound over the recent syncs' own latencies, this island's round H_i
-        and `step_time` (wall seconds a step, no hold in it); logged when the answer changes."""
+        and `step_time` (wall seconds a step, no hold in it), kept in `slow_link` until the next
+        sync is measured (so it moves once a sync at most, not with each step's time) and
+        logged when it changes."""
         bound = link_bound(
             self.net_latencies,
             fragments=self.spec.sync.fragments,
