@@ -101,8 +101,8 @@ def test_learners_hold_at_the_step_cap_while_the_syncer_is_frozen(
         inner={"steps": H},
         # K = 1 of 2 with overlap: decoupled learners never block for a merge, so a silent
         # syncer leaves them stepping (the case the cap is for). The late merge's hold at
-        # ceil(H / 2) (sync.lateMergeHold auto) would first spend a wait budget (>= the 30 s
-        # heartbeat timeout) per push before the cap: the cap alone here (the late hold:
+        # H − 1 or ceil(H / 2) (sync.lateMergeHold auto) would first spend a wait budget (>= the
+        # 30 s heartbeat timeout) per push before the cap: the cap alone here (the late hold:
         # tests/unit/test_learner_late_hold.py).
         sync={
             "quorum": 1,

@@ -101,12 +101,13 @@ class SyncSpec(SpecModel):
     late_merge_hold: LateMergeHold = Field(
         "auto",
         description="A learner that does not block for its merge (quorum below the islands, "
-        "overlapSteps > 0): auto: once a push is ceil(H_i / 2) steps old (never before its "
-        "overlapSteps) and its merge not installed, it holds its inner steps until it is (at "
-        "most the wait budget a blocking learner's merge wait has, then it trains on), so at "
-        "most half a round of steps trained before the merge is kept on top of it. off: it "
-        "never holds for a merge, however late (only at the step cap). docs/algorithm.md "
-        "prices it.",
+        "overlapSteps > 0): auto: once a push is B steps old (never before its overlapSteps) "
+        "and its merge not installed, it holds its inner steps until it is (at most the wait "
+        "budget a blocking learner's merge wait has, then it trains on). B is ceil(H_i / 2) "
+        "where its recent syncs say the link cannot carry its traffic (fragments x their mean "
+        "latency above its round's time), so at most half a round is kept on top of a merge; "
+        "else H_i - 1, the step before the fragment's next push. off: it never holds for a "
+        "merge, however late (only at the step cap). docs/algorithm.md prices it.",
     )
     compression: Codec = Field("int8", description="Codec for pseudo-gradients on the wire.")
     pull_compression: PullCompression = Field(

@@ -441,15 +441,17 @@ class FragmentSync:
 
     def _hold_late(self, out: dict[int, Weights]) -> None:
         """K < M: take no further step while a push in flight is late_merge_bound steps old
-        (ceil(H_i / 2)) and its merge not installed (step_plan.holds_for_late_merge), so that
-        at most that many steps are kept on top of it; wait for it up to the wait budget (as
-        a blocking learner's merge wait), then train on without it. Each merge that arrives is
-        received into `out` like any other."""
+        (ceil(H_i / 2) where the recent syncs say the link cannot carry the traffic, else
+        H_i − 1) and its merge not installed (step_plan.holds_for_late_merge), so that at most
+        that many steps are kept on top of it; wait for it up to the wait budget (as a blocking
+        learner's merge wait), then train on without it. Each merge that arrives is received
+        into `out` like any other."""
         if self.blocking or self.spec.sync.late_merge_hold == "off":
             return
+        bound_by_link = self.overlap_fit.slow_link
         for f in sorted(self.inflight):
             flight = self.inflight[f]
-            bound = late_merge_bound(self.round_steps, flight.window)
+            bound = late_merge_bound(self.round_steps, flight.window, link_bound=bound_by_link)
             if not holds_for_late_merge(
                 blocking=self.blocking,
                 steps_since_push=flight.trained,
@@ -473,12 +475,14 @@ class FragmentSync:
                     out[f] = target
                 log.info(
                     "step %d: fragment %d's merge not back %d steps after its push (the bound, "
-                    "ceil(H/2) = %d of %d); held %.2fs for its merge",
+                    "%s = %d of %d%s); held %.2fs for its merge",
                     self.position,
                     f,
                     flight.trained,
+                    "ceil(H/2)" if bound_by_link else "H - 1",
                     bound,
                     self.round_steps,
+                    ", the link slower than its traffic" if bound_by_link else "",
                     held,
                 )
                 continue
@@ -791,8 +795,10 @@ class FragmentSync:
                 covers=self.spec.sync.overlap_covers,
                 latency=result.latency,
                 seconds=result.seconds,
-            )
+            ),
+            net=result.latency,
         )
+        self.overlap_fit.judge_link(self.wall_step or self.step_time, self.position)
         self.restart.count_merged(
             f,
             result,

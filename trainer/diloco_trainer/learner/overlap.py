@@ -15,7 +15,7 @@ from collections import deque
 
 from diloco_trainer.api.spec import JobSpec
 from diloco_trainer.core.grace import merge_wait_steps
-from diloco_trainer.learner.step_plan import Window, poll_from_steps
+from diloco_trainer.learner.step_plan import Window, link_bound, poll_from_steps
 
 log = logging.getLogger("diloco.learner")
 
@@ -148,7 +148,13 @@ class OverlapFit:
         # sync.overlapMode auto's cap for a learner that blocks (auto_overlap_cap).
         self.auto_cap = auto_overlap_cap(overlap_steps=cap, inner_steps=spec.inner.steps)
         self.latencies: deque[float] = deque(maxlen=RECENT_SYNCS)
+        # The recent syncs' own latencies (SyncResult.latency, never a wait for peers whatever
+        # sync.overlapCovers says): what step_plan.link_bound reads for sync.lateMergeHold.
+        self.net_latencies: deque[float] = deque(maxlen=RECENT_SYNCS)
         self.tau: int | None = None  # the τ of the latest push
+        # step_plan.link_bound's answer at the latest sync measured (judge_link): whether a
+        # late merge is held for from ceil(H_i / 2) steps (sync.lateMergeHold auto).
+        self.slow_link = False
 
     def set_round(self, inner_steps: int) -> None:
         """The island's round is now `inner_steps` (H_i): τ stays below it, so a push's merge is
@@ -158,10 +164,13 @@ class OverlapFit:
         self.cap = min(self.spec_cap, max(0, inner_steps - 1))
         self.auto_cap = auto_overlap_cap(overlap_steps=self.cap, inner_steps=inner_steps)
 
-    def observe(self, latency: float | None) -> None:
-        """A sync's latency (SyncResult.latency; None: not known, nothing changes)."""
+    def observe(self, latency: float | None, *, net: float | None = None) -> None:
+        """A sync's latency (covered_latency's; None: not known, nothing changes) and its own
+        latency without waits for peers (`net`: SyncResult.latency)."""
         if latency is not None:
             self.latencies.append(latency)
+        if net is not None:
+            self.net_latencies.append(net)
 
     def fit(self, step_time: float) -> int:
         """τ for a push now (`step_time`: the wall seconds per inner step). A learner that does
@@ -179,6 +188,34 @@ class OverlapFit:
             inner_steps=self.inner_steps,
             fragments=self.spec.sync.fragments,
         )
+
+    def judge_link(self, step_time: float, position: int) -> bool:
+        """step_plan.link_bound over the recent syncs' own latencies, this island's round H_i
+        and `step_time` (wall seconds a step, no hold in it), kept in `slow_link` until the next
+        sync is measured (so it moves once a sync at most, not with each step's time) and
+        logged when it changes."""
+        bound = link_bound(
+            self.net_latencies,
+            fragments=self.spec.sync.fragments,
+            inner_steps=self.inner_steps,
+            step_time=step_time,
+        )
+        if bound != self.slow_link:
+            self.slow_link = bound
+            mean = sum(self.net_latencies) / max(1, len(self.net_latencies))
+            log.info(
+                "step %d: %d sync(s) of %.3fs x %d fragment(s) %s a round of %d steps of "
+                "%.3fs: a merge late by %s is held for (sync.lateMergeHold auto)",
+                position,
+                len(self.net_latencies),
+                mean,
+                self.spec.sync.fragments,
+                "outlast" if bound else "fit in",
+                self.inner_steps,
+                step_time,
+                "ceil(H/2) steps, the link slower than its traffic" if bound else "H - 1 steps",
+            )
+        return bound
 
     @property
     def latest(self) -> int:

@@ -210,21 +210,56 @@ def wait_budget(round_times: Sequence[float], heartbeat_timeout: float) -> float
     return max(heartbeat_timeout, ROUND_TIME_FACTOR * recent)
 
 
-def late_merge_bound(inner_steps: int, window: Window) -> int:
+def link_bound(
+    latencies: Sequence[float], *, fragments: int, inner_steps: int, step_time: float
+) -> bool:
+    """Whether a learner's own syncs say its link cannot carry its traffic: a round's F syncs
+    (one per fragment), each taking the mean of its recent sync latencies, take longer than
+    the round's H_i inner steps of `step_time` wall seconds (F · mean(ℓ) > H_i · t).
+
+    `latencies` are the learner's recent net sync latencies (SyncResult.latency: the push's
+    transfer, the syncer's merge, the pull and rebuild, never a wait for peers' pushes, so a
+    slow peer or the grace window reads as no link); `step_time` its wall seconds per inner
+    step with no hold in them (a hold is not training; the measure is the same held or not).
+    Why F · ℓ: the islands push a fragment at the same sync point through the link they share,
+    so one fragment's sync carries about 1/F of a round's traffic of every island and its
+    latency is about L · round / F (L: the round's traffic over the link's rate, over the
+    round's compute time); F · ℓ > round is L > 100%, where the merges fall behind by more
+    each round unless the learner slows to the link. The mean, not the slowest: one slow sync
+    (a first merge, a burst of load) is not a link slower than its traffic. Nothing measured
+    (no latency, no step time): False.
+    """
+    if fragments < 1 or inner_steps < 1:
+        raise ValueError(f"fragments ({fragments}) and inner steps ({inner_steps}) must be >= 1")
+    seen = [t for t in latencies if math.isfinite(t) and t >= 0]
+    if not seen or not math.isfinite(step_time) or step_time <= 0:
+        return False
+    return fragments * sum(seen) / len(seen) > inner_steps * step_time
+
+
+def late_merge_bound(inner_steps: int, window: Window, *, link_bound: bool) -> int:
     """B: the most steps a learner that does not block for its merge (K < M) trains past a push
-    before it holds for that push's merge (holds_for_late_merge): ceil(H_i / 2), and never
-    before the push's wait deadline (its τ; window = (first poll, deadline) in steps after the
-    push), so a merge is never held for before the overlap it was pushed with.
+    before it holds for that push's merge (holds_for_late_merge). Where its link cannot carry
+    its traffic (`link_bound`, the rule above): ceil(H_i / 2). Elsewhere: H_i − 1, the last
+    step before the fragment is due again (sync.mergeWait nextPush's point), so the next push
+    of the fragment always carries its merge and no push is skipped for it. Never before the
+    push's wait deadline (its τ; window = (first poll, deadline) in steps after the push), so
+    a merge is never held for before the overlap it was pushed with; never below 1.
 
     Why: the steps trained between a push and the install of its merge are kept on top of the
     merge (sync.lateMergeRule keep) and go into the next push, trained from the weights before
     it (FragmentState.kept_steps, k = kept / H_i). On a link slower than its traffic k reached
     0.9-1.5 rounds at K = 1 and the loss 1.25-1.59x its L = 0; at k <= 0.3 no loss
-    (bench/log/2026-11-30.md, kone14, kept15). Holding at B caps k at B / H_i = 1/2.
+    (bench/log/2026-11-30.md, kone14, kept15); ceil(H_i / 2) there brought it to 1.003-1.043x
+    (kept16), H_i − 1 only to 1.050-1.075x. Where the link carries the traffic a merge is back
+    within about L / F of a round (k below 1/2 at F = 2, below 1 at F = 1) and a hold at H_i / 2
+    only idled the accelerator on the merges late by load (kept16: 0.341 and 0.799 at a pinned
+    50%); at H_i − 1 it holds only where the push would otherwise be skipped (hold17).
     """
     if inner_steps < 1:
         raise ValueError(f"inner steps must be >= 1, got {inner_steps}")
-    return max(math.ceil(inner_steps / 2), window[1])
+    bound = math.ceil(inner_steps / 2) if link_bound else inner_steps - 1
+    return max(bound, 1, window[1])
 
 
 LATE_MERGE_HOLDS = ("auto", "off")  # sync.lateMergeHold
