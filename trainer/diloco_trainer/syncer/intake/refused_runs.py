@@ -18,11 +18,7 @@ Per fragment, because a round is: an island refused on fragment 0 alone, whose p
 fragment 1 pass, would otherwise reset its run on every other push and hold fragment 0's rounds
 for ever. Three in a row, because each refused push costs the others a wait at K = M (the round
 cannot close until it is left out: at most three of its rounds), while one refusal can be an
-honest island's blip (a loss spike above the learned bound) that its next push undoes. An
-island left out whose next push passes is one whose verdicts flip (hetero17's CPU island: cosines
-near the bar, -0.51 to -0.69, one push in about seven accepted): it counts again, on probation,
-so that its next refusal leaves it out at once rather than after another three waits; two
-accepted pushes in a row clear it.
+honest island's blip (a loss spike above the learned bound) that its next push undoes.
 """
 
 from __future__ import annotations
@@ -45,14 +41,7 @@ class RefusedRuns:
         self.counts[key] = self.counts.get(key, 0) + 1
 
     def accepted(self, fragment: int, island: str) -> None:
-        """An accepted push ends the run; one of an island left out by it leaves it on
-        probation (run - 1): the next refusal there leaves it out again at once, a second
-        accepted push in a row clears it."""
-        key = (fragment, island)
-        if self.counts.get(key, 0) >= self.run:
-            self.counts[key] = self.run - 1
-        else:
-            self.counts.pop(key, None)
+        self.counts.pop((fragment, island), None)
 
     def left_out(self) -> dict[str, str]:
         """Islands whose last `run` pushes to some fragment were all refused, each with what
