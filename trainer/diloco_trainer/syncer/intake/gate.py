@@ -18,7 +18,10 @@ that passed the gate but cannot be merged is merge.py's.
   with protocol.DROPPED_FOR_REFUSALS, so the operator does not re-add it for healthy pods (the
   admin route can: its next pushes are checked like any). A refusal by the learned bound counts
   only when the push is an outlier by the island's own history too (guards.py): the bound over
-  islands is one no island can be dropped for, so no island can get another dropped.
+  islands is one no island can be dropped for, so no island can get another dropped. Whatever
+  the reason, refused_runs.REFUSED_RUN refusals in a row to one fragment leave the island out of
+  the rounds (update_unsupported) until a push of it is accepted: at K = M a round would
+  otherwise wait for ever for an island whose pushes a guard refuses but never drops it.
 - watch: the guards' detection (ContributionGuard.suspects: an island whose pushes all sit at
   the learned bound) as the health problem AT_BOUND, which the operator turns into the job's
   SyncerHealthy condition (IslandPushesAtBound); it clears when no island is suspect. Likewise
@@ -47,6 +50,7 @@ from diloco_trainer.syncer.intake.guards import (
     DeltaStats,
 )
 from diloco_trainer.syncer.intake.payload import EncodedPayload
+from diloco_trainer.syncer.intake.refused_runs import RefusedRuns
 from diloco_trainer.syncer.intake.validation import push_contribution
 from diloco_trainer.syncer.state import (
     AT_BOUND,
@@ -98,6 +102,9 @@ class Gate:
         # Refused pushes since the start, {island: {reason: count}}: only islands the syncer
         # holds a record of (the job's own names), only protocol.REFUSAL_REASONS: bounded.
         self.refusals: dict[str, dict[str, int]] = {}
+        # Refused pushes in a row per (fragment, island): REFUSED_RUN of them leave the island
+        # out of the rounds (refused_runs.py; not persisted: a restart waits for a new run).
+        self.runs = RefusedRuns()
 
     # ----- islands -----------------------------------------------------------------------------
 
@@ -256,6 +263,7 @@ class Gate:
             self.guard.check_delta(fragment, meta.island, stats, meta.steps)
         finally:
             self.watch()
+        self.runs.accepted(fragment, meta.island)
         self.update_unsupported(state, now)  # an accepted push ends its island's naming
         return push_contribution(meta, lag=lag, payload=payload, now=now)
 
@@ -269,6 +277,7 @@ class Gate:
         if rec is None:
             return None
         self._count(island, refusal_reason(err))
+        self.runs.refused(fragment, island)
         if rec.state == DROPPED or not self.guard.refused(island, err):
             return None
         reason = (
@@ -277,6 +286,7 @@ class Gate:
         )[:500]
         members.set_state(island, DROPPED, reason, now)
         self.guard.forget(island)
+        self.runs.forget(island)
         self.watch()
         self.metrics.dropped_islands.inc()
         log.warning("island %s dropped: %s", island, reason)
@@ -299,14 +309,19 @@ class Gate:
 
     def unsupported_islands(self) -> frozenset[str]:
         """Islands whose recent pushes all claimed work they do not carry (guards.py's work
-        evidence): no merge's round spans them and no quorum counts them (SyncState.
-        set_unsupported), until a push of theirs is accepted."""
-        return frozenset(self.guard.unsupported())
+        evidence), or were all refused (REFUSED_RUN in a row to one fragment, whatever the
+        reason: refused_runs.py): no merge's round spans them and no quorum counts them
+        (SyncState.set_unsupported), until a push of theirs is accepted."""
+        return frozenset(self.guard.unsupported()) | frozenset(self.runs.left_out())
 
     def update_unsupported(self, state: SyncState, now: float) -> bool:
         """Tell the rounds which islands are unsupported now (after a push was judged, an
         island dropped, a restart); True when that changed (a round may be due now)."""
-        return state.set_unsupported(self.unsupported_islands(), now)
+        islands = self.unsupported_islands()
+        changed = state.set_unsupported(islands, now)
+        if changed:
+            log.warning("islands left out of the rounds and the quorum: %s", sorted(islands))
+        return changed
 
     def _count(self, island: str, reason: str) -> None:
         counts = self.refusals.setdefault(island, {})

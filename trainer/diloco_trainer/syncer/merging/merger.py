@@ -73,8 +73,9 @@ class Merger:
 
     def take(self, state: SyncState, f: int, now: float) -> MergeInput:
         """Step 1 (lock held): fragment f's round as a merge's input; the round stays open. The
-        islands it spans: the active ones but those named unsupported (SyncState.spanning: every
-        recent push of theirs claimed work it did not carry), and those that pushed."""
+        islands it spans: the active ones but those named unsupported or left out (SyncState.
+        spanning: every recent push of theirs claimed work it did not carry, or was refused),
+        and those that pushed."""
         contributions = state.peek_round(f)
         pushed = {c.island for c in contributions}
         spans = state.spanning() | pushed

@@ -162,8 +162,9 @@ class SyncState:
         self.answers = PushAnswers(push_window(policy.max_staleness))
         self._quorum_waits: deque[float] = deque(maxlen=_WINDOW)
         # Active islands whose recent pushes all claimed work they did not carry (intake's work
-        # evidence, a job of two): set by the gate (set_unsupported), not counted towards the
-        # quorum nor waited for, until a push of theirs is accepted.
+        # evidence, a job of two) or were all refused (intake/refused_runs.py): set by the gate
+        # (set_unsupported), not counted towards the quorum nor waited for, until a push of
+        # theirs is accepted.
         self.unsupported: frozenset[str] = frozenset()
         # The islands the budget was split to once the stop targets are set (None before: the
         # service's IslandCalls sets it, targets.py); the active islands outside it hold
@@ -192,19 +193,26 @@ class SyncState:
 
     def effective_quorum(self) -> int:
         """min(K, active + awaited islands), at least 1: a round can always complete. An island
-        the gate named unsupported (set_unsupported) does not count: it is no island of the
-        rounds, as a drained or dropped one is not."""
+        the gate named unsupported or left out (set_unsupported) does not count: it is no island
+        of the rounds, as a drained or dropped one is not. At K < M that lowers the quorum
+        below K only once more than M - K islands are left out or gone: an adversary leaving
+        itself out changes nothing there, and a minority of adversaries cannot get an honest
+        island's pushes refused by a bound the others set (the median over islands, a majority
+        of the direction votes), so the rounds still need K accepted pushes."""
         members = self.membership
         counted = len(self.spanning()) + members.awaited()
         return max(1, min(self.policy.quorum, counted))
 
     def spanning(self) -> set[str]:
-        """The active islands a round spans: those not named unsupported (set_unsupported)."""
+        """The active islands a round spans: those not named unsupported or left out
+        (set_unsupported)."""
         return self.membership.active() - self.unsupported
 
     def set_unsupported(self, islands: frozenset[str], now: float) -> bool:
         """The active islands whose recent pushes all claimed work they did not carry (the
-        gate's work evidence: every one of its last pushes refused `work_unsupported`). Like a
+        gate's work evidence: every one of its last pushes refused `work_unsupported`), or were
+        all refused, whatever the reason (refused_runs.REFUSED_RUN in a row to one fragment: a
+        direction or learned-bound refusal never drops an island, issues 46/47). Like a
         drained island they are not waited for and do not count towards the quorum (at K = M
         the other islands' merges would otherwise wait for a push that the gate refuses), and
         like an idle one the rounds do not span them (merger.take): dropped they are not (the
