@@ -8,6 +8,8 @@ teardown.
 from __future__ import annotations
 
 import json
+import os
+import signal
 import ssl
 import subprocess
 import time
@@ -153,6 +155,18 @@ def http_request(
     if "json" in ctype:
         return code, json.loads(raw)
     return code, raw
+
+
+def run_to_end(proc: subprocess.Popen[bytes], timeout: float = 600) -> int:
+    """A `diloco run` started in its own session (start_new_session): its exit code once it
+    ends within `timeout`; on a timeout (or any error) its whole group is interrupted, as a
+    user's Ctrl-C would, so no syncer or learner outlives the test."""
+    try:
+        return proc.wait(timeout=timeout)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGINT)
+            proc.wait(timeout=30)
 
 
 def wait_until(

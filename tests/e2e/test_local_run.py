@@ -18,7 +18,7 @@ from diloco_trainer.api.spec import JobSpec, parse_spec
 from diloco_trainer.local.job import DEFAULT_JOB_NAME, DEFAULT_SPEC, load_job
 from diloco_trainer.local.run import parse_slow_islands
 
-from .conftest import wait_until
+from .conftest import run_to_end, wait_until
 
 pytestmark = pytest.mark.e2e
 
@@ -106,12 +106,7 @@ def test_local_run_writes_summary_and_plot(
         [str(config), "--summary", "s.json", "--plot", "loss.png", "--workdir", "run", "--quiet"],
         workdir,
     )
-    try:
-        code = proc.wait(timeout=600)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGINT)
-            proc.wait(timeout=30)
+    code = run_to_end(proc)
     log = (workdir / "run.log").read_text()
     assert code == 0, log
     summary = json.loads((workdir / "s.json").read_text())
@@ -242,12 +237,7 @@ def test_local_run_puts_an_island_on_its_own_device(
         workdir,
         env={"DILOCO_DEVICE": "auto"},
     )
-    try:
-        code = proc.wait(timeout=600)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGINT)
-            proc.wait(timeout=30)
+    code = run_to_end(proc)
     assert code == 0, (workdir / "run.log").read_text()
     logs = workdir / "run" / "logs"
     picked = "cuda" if "cuda" in _picked_auto() else "cpu"

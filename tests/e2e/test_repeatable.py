@@ -6,8 +6,6 @@ weights, byte for byte, and the same merge log's losses."""
 from __future__ import annotations
 
 import json
-import os
-import signal
 import subprocess
 import sys
 from collections.abc import Callable
@@ -17,6 +15,8 @@ import pytest
 import torch
 from diloco_trainer.api.spec import JobSpec
 from safetensors.torch import load_file
+
+from .conftest import run_to_end
 
 pytestmark = pytest.mark.e2e
 
@@ -64,12 +64,7 @@ def start_run(config: Path, folder: Path) -> subprocess.Popen[bytes]:
 
 
 def finish(proc: subprocess.Popen[bytes], folder: Path) -> None:
-    try:
-        code = proc.wait(timeout=600)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGINT)
-            proc.wait(timeout=30)
+    code = run_to_end(proc)
     assert code == 0, folder.with_suffix(".log").read_text()
 
 

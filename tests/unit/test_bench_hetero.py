@@ -38,6 +38,20 @@ EVALS = [
 ]
 
 
+def hetero_args(**options: object) -> argparse.Namespace:
+    """bench.hetero's parsed options for a gpt-tiny job (H = 20, 4 x 64 tokens a step), plus
+    the `options` a test sets."""
+    return argparse.Namespace(
+        preset="gpt-tiny",
+        seed=0,
+        eval_tokens=4096,
+        inner_steps=20,
+        batch_size=4,
+        seq_len=64,
+        **options,
+    )
+
+
 def test_time_to_a_target_interpolates_between_evaluations() -> None:
     # 2.5 lies halfway from 3.0 (t = 110) to 2.0 (t = 130): t = 120, 20 s after the start at 100
     assert time_to(EVALS, 2.5, started=100.0) == 20.0
@@ -109,15 +123,7 @@ def test_the_cpu_islands_share_is_judged_against_its_measured_compute_share() ->
 def test_movement_factor_reaches_the_spec_only_when_set() -> None:
     """--movement-factor 0 (a CPU island beside one emulated island) sets
     syncer.guards.movementFactor to 0; unset, the spec's default (1.5) stays."""
-    args = argparse.Namespace(
-        preset="gpt-tiny",
-        seed=0,
-        eval_tokens=4096,
-        inner_steps=20,
-        batch_size=4,
-        seq_len=64,
-        movement_factor=None,
-    )
+    args = hetero_args(movement_factor=None)
     spec = make_spec(args, islands=2, quorum=2, mode="auto", tokens=1000)
     assert spec.syncer.guards.movement_factor == 1.5
     args.movement_factor = 0.0
@@ -158,18 +164,7 @@ def test_repeats_interleave_baselines_and_mixed_runs() -> None:
     """--repeats 2, one mix at K = 4 and 1, auto only: baseline, the fast islands alone, the
     mixed runs, then all of them again; the 1,1,1,3 mix's fast islands alone are 3, and every
     repeat of a configuration shares its key."""
-    args = argparse.Namespace(
-        repeats=2,
-        quorums=[4, 1],
-        no_fixed=True,
-        preset="gpt-tiny",
-        seed=0,
-        eval_tokens=4096,
-        inner_steps=20,
-        batch_size=4,
-        seq_len=64,
-        emulate_step_ms=0.0,
-    )
+    args = hetero_args(repeats=2, quorums=[4, 1], no_fixed=True, emulate_step_ms=0.0)
     runs = plan_runs(args, [parse_mix("1,1,1,3")], budget=1000, extra=1500)
     assert [(name, key) for name, key, _, _ in runs] == [
         ("equal speeds, K=4 #1", "equal speeds, K=4"),
@@ -232,18 +227,7 @@ def test_emulated_islands_step_their_speed_factor_times_t_and_skip_the_fast_alon
         3: {"DILOCO_EMULATE_STEP_SECONDS": "0.2"},
     }
     assert emulated_env([1.0, 3.0], 0.0) == {}
-    args = argparse.Namespace(
-        repeats=1,
-        quorums=[4],
-        no_fixed=True,
-        preset="gpt-tiny",
-        seed=0,
-        eval_tokens=4096,
-        inner_steps=20,
-        batch_size=4,
-        seq_len=64,
-        emulate_step_ms=50.0,
-    )
+    args = hetero_args(repeats=1, quorums=[4], no_fixed=True, emulate_step_ms=50.0)
     keys = [key for _, key, _, _ in plan_runs(args, [[1.0, 1.0, 1.0, 3.0]], 1000, 1500)]
     assert keys == ["equal speeds, K=4", "1,1,1,3 auto, K=4"]
 
