@@ -150,6 +150,27 @@ def test_a_late_merge_is_held_for_b_steps_after_the_push_and_keeps_b_steps() -> 
     assert [m.kept_steps for m in pushes] == [0, 3]
 
 
+def test_no_hold_once_the_syncer_sent_stop_targets() -> None:
+    # The rule: B = 3 here, 3 steps since the push hold; with stop targets (the drain under way)
+    # they do not, nor any count past B.
+    assert holds_for_late_merge(blocking=False, steps_since_push=3, bound=3)
+    assert not any(
+        holds_for_late_merge(blocking=False, steps_since_push=n, bound=3, stop_targets=True)
+        for n in range(3, 13)
+    )
+    # The learner: the syncer named a stop target (4,096 tokens, not reached) before the push at
+    # 6; its merge held back, it trains on past step 9 (3 since the push) polling, as with off:
+    # a drained peer's last merge may wait for this learner's next push (CI's test_drain).
+    link = HeldLink(outer_lr=0.25)
+    link.hold = True
+    link.stop_at = 4096
+    sync, w = link_bound_sync(hold_spec(), link)
+    for _ in range(11):
+        assert step(sync, w) == {}
+    assert sync.position == 11 and sync.inflight[0].trained == 5
+    assert sync.late_held_since is None and sync.take_waited() < 0.05
+
+
 def test_off_trains_on_as_before() -> None:
     link = HeldLink(outer_lr=0.25)
     link.hold = True

@@ -458,6 +458,7 @@ class FragmentSync:
                 bound=bound,
                 given_up=flight.hold_given_up,
                 mode=self.spec.sync.late_merge_hold,
+                stop_targets=self.link.stop_at is not None,
             ):
                 continue
             budget = wait_budget(self.round_times, self.spec.sync.heartbeat_timeout_seconds)

@@ -272,6 +272,7 @@ def holds_for_late_merge(
     bound: int,
     given_up: bool = False,
     mode: str = "auto",
+    stop_targets: bool = False,
 ) -> bool:
     """Whether a learner holds its inner steps, after the step it just took, until the merge of
     a push in flight is installed: one that does not block for its merge (blocks_for_merge
@@ -282,6 +283,11 @@ def holds_for_late_merge(
     without the rule, until that push's merge arrives or it is pushed again). A blocking learner
     (K = M, τ = 0) waits at its deadline already (plan_step), never later than B.
     `mode` is sync.lateMergeHold: "off" never holds.
+    Nor once the syncer has sent stop targets (`stop_targets`: the budget is near, K < M): the
+    islands drain then, and a drained island pushes nothing more while its own last merge may
+    wait for this learner's next push, so a hold for a merge that needs the drained island's
+    push would wait out the budget (CI: test_drain's K = 2 of 3, 4 s, 5 steps trained past the
+    drain and never merged); the steps kept so near the end are at most a round's.
     """
     if mode not in LATE_MERGE_HOLDS:
         raise ValueError(
@@ -289,7 +295,13 @@ def holds_for_late_merge(
         )
     if steps_since_push < 0 or bound < 1:
         raise ValueError(f"steps since a push ({steps_since_push}) < 0 or bound ({bound}) < 1")
-    return mode == "auto" and not blocking and not given_up and steps_since_push >= bound
+    return (
+        mode == "auto"
+        and not blocking
+        and not given_up
+        and not stop_targets
+        and steps_since_push >= bound
+    )
 
 
 def schedule_start(versions: Sequence[int], inner_steps: int, offsets: Sequence[int]) -> int:
