@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -15,6 +14,8 @@ import pytest
 import safetensors.torch
 import yaml
 from diloco_trainer.api.spec import load_spec
+
+from .conftest import run_to_end
 
 pytestmark = pytest.mark.e2e
 
@@ -35,12 +36,7 @@ def _diloco(args: list[str], log: Path, timeout: float) -> int:
             stderr=subprocess.STDOUT,
             start_new_session=True,
         )
-        try:
-            return proc.wait(timeout=timeout)
-        finally:
-            if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGINT)
-                proc.wait(timeout=30)
+        return run_to_end(proc, timeout)
 
 
 def test_byo_example_trains_exports_and_loads_with_plain_torch(tmp_path: Path) -> None:

@@ -4,8 +4,6 @@ directory, tokenized by a tokenizer.json file; and `diloco export` from a runnin
 from __future__ import annotations
 
 import json
-import os
-import signal
 import subprocess
 import sys
 import sysconfig
@@ -20,7 +18,7 @@ from diloco_trainer.api.spec import JobSpec
 from diloco_trainer.models.model import build_model
 from diloco_trainer.models.parts import build_parts
 
-from .conftest import SyncerHandle
+from .conftest import SyncerHandle, run_to_end
 
 pytestmark = pytest.mark.e2e
 
@@ -61,12 +59,7 @@ def _run(args: list[str], cwd: Path, log: Path, timeout: float) -> int:
             stderr=subprocess.STDOUT,
             start_new_session=True,
         )
-        try:
-            return proc.wait(timeout=timeout)
-        finally:
-            if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGINT)
-                proc.wait(timeout=30)
+        return run_to_end(proc, timeout)
 
 
 def test_run_trains_on_extensionless_files_and_jsonl_with_a_tokenizer_file(
