@@ -122,6 +122,23 @@ class SyncerHandle:
     def log_text(self) -> str:
         return self.proc.log_text()
 
+    def merge_records(self, timeout: float = 30) -> list[dict[str, Any]]:
+        """Every merge in state_dir/merges.jsonl, once it holds as many as the status counts:
+        the syncer closes a round (version + 1) under its lock and writes the entry after it,
+        off the loop, so a status read can see a version whose line is not written yet (CI read
+        the previous merge's line as the last)."""
+        path = self.state_dir / "merges.jsonl"
+
+        def written() -> list[dict[str, Any]] | None:
+            count = self.status()["mergeCount"]
+            lines = path.read_text().splitlines() if path.exists() else []
+            return [json.loads(x) for x in lines] if len(lines) >= count else None
+
+        records: list[dict[str, Any]] = wait_until(
+            written, timeout=timeout, what="merges.jsonl to hold every merge counted"
+        )
+        return records
+
 
 def http_request(
     method: str,

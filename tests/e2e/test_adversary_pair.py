@@ -199,7 +199,7 @@ def test_adversary_pair_zero_claims_carry_no_work_and_are_named(syncer: SyncerHa
     assert doc["islands"][ADVERSARY]["mergedTokens"] == 0
     assert doc["refusals"][ADVERSARY][protocol.ERROR_UNSUPPORTED_WORK] == 8
     honest_push(syncer, shapes)
-    merges = [json.loads(x) for x in (syncer.state_dir / "merges.jsonl").read_text().splitlines()]
+    merges = syncer.merge_records()
     assert all(c["island"] == HONEST for m in merges for c in m["contributors"])
     assert [m["fraction"] for m in merges[:WARMUP]] == [pytest.approx(0.5 / 4)] * WARMUP
     assert merges[-1]["complete"] is True
@@ -217,7 +217,7 @@ def test_adversary_pair_zero_claims_carry_no_work_and_are_named(syncer: SyncerHa
         code, doc = push_as(again, ADVERSARY, zero, steps=4, tokens=4 * 64, step_time=0.001)
         assert (code, doc["code"]) == (422, protocol.ERROR_UNSUPPORTED_WORK), (code, doc)
         honest_push(again, shapes)
-        last = json.loads((again.state_dir / "merges.jsonl").read_text().splitlines()[-1])
+        last = again.merge_records()[-1]
         assert [c["island"] for c in last["contributors"]] == [HONEST]
         assert last["complete"] is True and last["fraction"] == pytest.approx(1 / 4)
     finally:

@@ -9,7 +9,6 @@ tests/unit/test_syncer_work_evidence_restart.py hold the rule itself)."""
 
 from __future__ import annotations
 
-import json
 import threading
 from collections.abc import Callable
 from pathlib import Path
@@ -91,7 +90,7 @@ def test_a_named_island_no_longer_holds_the_honest_learners_rounds(
     left_out = f"islands left out of the rounds and the quorum: ['{ADVERSARY}']"
     assert left_out in handle.log_file.read_text()
     assert status["islands"][ADVERSARY]["state"] == protocol.STATE_ACTIVE  # named, not dropped
-    merges = [json.loads(x) for x in (handle.state_dir / "merges.jsonl").read_text().splitlines()]
+    merges = handle.merge_records()
     islands = [[c["island"] for c in m["contributors"]] for m in merges]
     # from some merge on, the honest learner's rounds close alone, complete
     alone = next(i for i, x in enumerate(islands) if x == [HONEST] and merges[i]["complete"])

@@ -13,7 +13,6 @@ rounds again.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -83,7 +82,7 @@ def test_k_equals_m_merges_past_an_island_whose_pushes_the_direction_check_refus
     assert doc["quorum"] == 2 and doc["quorumTarget"] == 3, doc
     assert doc["islands"][AGAINST]["state"] == protocol.STATE_ACTIVE  # not dropped
     assert doc["refusals"] == {AGAINST: {protocol.ERROR_NORM_OUTLIER: RUN}}
-    merges = [json.loads(x) for x in (syncer.state_dir / "merges.jsonl").read_text().splitlines()]
+    merges = syncer.merge_records()
     assert sorted(c["island"] for c in merges[-1]["contributors"]) == list(HONEST)
     assert merges[-1]["complete"] is True
     # Its next push along the descent is accepted: it counts again, and the next round is all
@@ -94,5 +93,5 @@ def test_k_equals_m_merges_past_an_island_whose_pushes_the_direction_check_refus
     for island in HONEST:
         push_ok(syncer, island, shapes, HONEST_VALUE)
     wait_until(lambda: syncer.status()["versions"][0] > version, timeout=60, what="full round")
-    merges = [json.loads(x) for x in (syncer.state_dir / "merges.jsonl").read_text().splitlines()]
+    merges = syncer.merge_records()
     assert sorted(c["island"] for c in merges[-1]["contributors"]) == [*HONEST, AGAINST]
