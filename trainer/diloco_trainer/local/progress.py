@@ -181,6 +181,13 @@ def steps_per_second(info: IslandStatus) -> str:
     return f"{1 / info.step_time:.2f}" if info.step_time else "-"
 
 
+def waiting_share(info: IslandStatus) -> str:
+    """The share of its wall time the island's learner last said it waited for the syncer
+    (its heartbeat's `waiting`: merge waits, holds); "-" until it says (never 0 for unknown).
+    The operator raises WaitingForMerges on the same figure (docs/cluster.md)."""
+    return "-" if info.waiting is None else f"{info.waiting:.0%}"
+
+
 def progress_fraction(spec: JobSpec, status: SyncerStatus) -> tuple[float, str]:
     """How far the job is towards stopAfter (the nearer of its limits) and a label."""
     fractions = []
@@ -219,7 +226,17 @@ def headline(spec: JobSpec, status: SyncerStatus, elapsed: float, base: int = 0)
     )
 
 
-ISLAND_COLUMNS = ("island", "state", "step", "steps/s", "pushes", "joins", "tokens", "loss")
+ISLAND_COLUMNS = (
+    "island",
+    "state",
+    "step",
+    "steps/s",
+    "pushes",
+    "joins",
+    "tokens",
+    "loss",
+    "waiting",
+)
 
 
 def status_view(
@@ -255,6 +272,7 @@ def status_view(
             str(info.joins),
             f"{island_tokens(info):,}",
             fmt_or_dash(info.loss),
+            waiting_share(info),
             f"{now - info.last_push:.0f}s ago" if info.last_push else "-",
             ", ".join(notes),
         )
