@@ -49,6 +49,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import re
 import select
 import shutil
 import socket
@@ -92,6 +93,7 @@ VARIANTS = (
     "paced_ratchet",
     "faint_claims",
     "credited_noise",
+    "loud_claims",
 )
 ISLANDS = (2, 3, 5)  # --islands: the job's islands, the adversary's included
 # The honest islands and the adversary of a job of M islands (set by main from --islands).
@@ -304,6 +306,9 @@ class Adversary(threading.Thread):
     def credited_noise(self) -> None:
         self.faint_claims(share=1.0 / 4.0)  # the taken-out partial credit's full-credit line
 
+    def loud_claims(self) -> None:
+        self.faint_claims(share=1.0)  # the reference's cap: the other island's bar at its highest
+
     def slot_holding(self) -> None:
         self.shapes()
         head = (
@@ -429,6 +434,7 @@ def run_variant(args: argparse.Namespace, seed: int, variant: str, where: Path) 
     began = time.monotonic()
     job = start_job(spec, where, variant)
     adversary = None if variant in HONEST_ONLY else Adversary(variant, job)
+    named: dict[str, list[str]] = {}  # health problem kind -> islands it named (polled)
     try:
         if adversary is not None and variant == "merge_log":
             adversary.start()
@@ -439,7 +445,7 @@ def run_variant(args: argparse.Namespace, seed: int, variant: str, where: Path) 
             # learners join, an adversary only gets itself dropped.
             job.wait_finished(args.timeout, until=lambda st: st["versions"][0] >= ATTACK_AFTER)
             adversary.start()
-        status = job.wait_finished(args.timeout)
+        status = job.wait_finished(args.timeout, on_status=lambda st: note_named(st, named))
         # The final evaluation runs after the last merge (jobs.py); wait for it.
         deadline = time.monotonic() + 60
         while status["evalHistory"][-1]["outerStep"] < status["outerStep"]:
@@ -477,7 +483,25 @@ def run_variant(args: argparse.Namespace, seed: int, variant: str, where: Path) 
         status_busy=job.busy,
         ended=ended,
         kept_tokens=kept_tokens,
+        named=named,
     )
+
+
+# A detection's message names its island first ("island island-0's last 8 pushes ...").
+NAMED_ISLAND = re.compile(r"island (\S+?)'s last")
+NAMING_KINDS = ("islandWorkUnsupported", "islandAtBound")
+
+
+def note_named(status: dict[str, Any], named: dict[str, list[str]]) -> None:
+    """Add the islands the status's detection problems name now to `named` (kind -> islands,
+    in the order first seen): polled every half second, so a naming shorter than that can be
+    missed."""
+    for p in (status.get("health") or {}).get("problems") or []:
+        if p.get("kind") in NAMING_KINDS:
+            seen = named.setdefault(p["kind"], [])
+            for island in NAMED_ISLAND.findall(p.get("message") or ""):
+                if island not in seen:
+                    seen.append(island)
 
 
 def kept_model(status: dict[str, Any]) -> tuple[float, str]:

@@ -24,7 +24,7 @@ import argparse
 import math
 import statistics
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from bench.harness.common import Report, Table, fmt_ratio, verdict
 from bench.harness.decoupled_quality_report import interp
@@ -63,6 +63,9 @@ class Outcome:
     # degrades" (issue 46's other branch) reads it against the baseline here, beside the ratio
     # at the tokens the job merged before it ended.
     kept_tokens: int | None = None
+    # The islands the syncer's detection named while the run was polled (health problem kind
+    # -> islands: islandWorkUnsupported, islandAtBound), an honest one's name included.
+    named: dict[str, list[str]] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -249,6 +252,7 @@ def per_run_table(outcomes: Sequence[Outcome]) -> tuple[Table, float]:
             "status polls 503",
             "wall s",
             "ended by",
+            "named",
         ],
     )
     worst = 0.0
@@ -270,6 +274,7 @@ def per_run_table(outcomes: Sequence[Outcome]) -> tuple[Table, float]:
             o.status_busy,
             f"{o.seconds:.0f}",
             ended_cell(outcomes, o),
+            "; ".join(f"{k}: {', '.join(v)}" for k, v in sorted(o.named.items())) or "-",
         )
     return table, worst
 

@@ -51,6 +51,8 @@ from bench.harness.ours_harness import THREADS_ENV, OursRun
 H = 12
 OUTER_STEPS = 40
 WARMUP = 2 * H
+COLUMNS = ["case", "seed", "judged pushes", "refused", "namings (pushes)", "named"]
+COLUMNS += ["min figure", "1st pct", "median", "margin (naming < 0.25)", "load"]
 RECORDS_ENV = "DILOCO_STUDY_FAINT_FILE"  # where the child syncer writes its records
 # name -> (slowdown of island-1, quorum, slow link)
 CASES: dict[str, tuple[float, int, bool]] = {
@@ -269,8 +271,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = p.parse_args(argv)
     table = Table(
         "Honest jobs of two: the work evidence's figures and namings",
-        ["case", "seed", "judged pushes", "refused", "namings (pushes)", "named"]
-        + ["min figure", "1st pct", "median", "margin (naming < 0.25)", "load"],
+        COLUMNS,
     )
     totals = {"judged": 0, "named": 0, "jobs": 0, "jobs_named": 0}
     margins: list[float] = []
