@@ -251,8 +251,8 @@ def per_run_table(outcomes: Sequence[Outcome]) -> tuple[Table, float]:
             "honest islands",
             "status polls 503",
             "wall s",
-            "ended by",
             "named",
+            "ended by",
         ],
     )
     worst = 0.0
@@ -273,8 +273,8 @@ def per_run_table(outcomes: Sequence[Outcome]) -> tuple[Table, float]:
             "/".join(o.honest_states),
             o.status_busy,
             f"{o.seconds:.0f}",
-            ended_cell(outcomes, o),
             "; ".join(f"{k}: {', '.join(v)}" for k, v in sorted(o.named.items())) or "-",
+            ended_cell(outcomes, o),
         )
     return table, worst
 
