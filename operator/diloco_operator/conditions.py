@@ -78,7 +78,9 @@ HEALTH_KINDS = {
     "islandAtBound": "IslandPushesAtBound",
     # An island's pushes all move far less than the other island's per claimed step: work it
     # claims and does not carry (zero pushes claiming a round's most steps, a job of two, issue
-    # 46); refused, and its claims leave the merges.
+    # 46); below 1/32 of it refused, and its claims leave the merges; up to 1/4 merged and named
+    # only, which an honest island of unequal speed far down its cosine can also be
+    # (bench/studies/faint_naming.py).
     "islandWorkUnsupported": "IslandWorkUnsupported",
     # The syncer's quality guard ended the job: its eval loss kept rising above the best it had
     # reached (syncer.qualityGuard; one bad island of two, issue 46). The job's final checkpoint

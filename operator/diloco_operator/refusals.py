@@ -50,8 +50,10 @@ WORK_UNSUPPORTED = "IslandWorkUnsupported"
 WORK_UNSUPPORTED_KIND = "islandWorkUnsupported"  # syncer/state/problems.py
 WORK_UNSUPPORTED_MESSAGE = (
     "the syncer reports an island whose pushes all move far less than the other island's per "
-    "claimed step (work claimed that its pushes do not carry); they are refused and its claims "
-    "leave the merges; its status document's health names it"
+    "claimed step: work claimed that its pushes do not carry (below 1/32 of it they are refused "
+    "and its claims leave the merges; between 1/32 and 1/4 they are merged, named only), or an "
+    "honest island further down its lr schedule than the other (islands of unequal speed under a "
+    "cosine); its status document's health names it"
 )
 EVAL_LOSS_ROSE = "EvalLossRose"
 EVAL_LOSS_ROSE_KIND = "evalLossRose"  # syncer/state/problems.py
