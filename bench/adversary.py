@@ -515,15 +515,19 @@ def note_named(status: dict[str, Any], named: dict[str, list[str]]) -> None:
 def kept_model(status: dict[str, Any]) -> tuple[float, str]:
     """The eval loss of the model the job keeps, and how it ended ("" at its budget): the
     final evaluation's, or after the syncer's quality guard ended the job (health problem
-    evalLossRose) the evaluation of the checkpoint it kept (its final one, the exported one)."""
+    evalLossRose) or the syncer ended a job of two for an island's faint claims
+    (faintIslandEnded), the evaluation of the checkpoint it kept (its final one, the exported
+    one)."""
     history = status["evalHistory"]
     problems = (status.get("health") or {}).get("problems") or []
-    if not any(p.get("kind") == "evalLossRose" for p in problems):
+    kinds = {p.get("kind") for p in problems}
+    if not kinds & {"evalLossRose", "faintIslandEnded"}:
         return float(history[-1]["evalLoss"]), ""
     kept = status.get("checkpoint")
     step = 0 if kept is None else int(kept["outerStep"])
     loss = min(float(e["evalLoss"]) for e in history if int(e["outerStep"]) == step)
-    return loss, f"quality guard at outer step {status['outerStep']} (kept {step})"
+    who = "faint claims named" if "faintIslandEnded" in kinds else "quality guard"
+    return loss, f"{who} at outer step {status['outerStep']} (kept {step})"
 
 
 def load_outcomes(path: Path) -> dict[tuple[int, str], Outcome]:

@@ -86,6 +86,10 @@ HEALTH_KINDS = {
     # reached (syncer.qualityGuard; one bad island of two, issue 46). The job's final checkpoint
     # is the best-evaluated one.
     "evalLossRose": "EvalLossRose",
+    # A job of two ended for an island whose pushes all moved far less than the other island's
+    # per claimed step while some were merged (faint noise with claims, which a job of two cannot
+    # bound): its final checkpoint is the best-evaluated one (issue 46).
+    "faintIslandEnded": "FaintIslandEnded",
 }
 
 

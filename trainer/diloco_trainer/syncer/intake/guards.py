@@ -530,6 +530,26 @@ class ContributionGuard:
         claimed step (named only, not refused: unsupported's bar is 1/EVIDENCE_RATIO)."""
         return self.unsupported(FAINT_RATIO)
 
+    def faint_merged(self) -> dict[str, str]:
+        """Islands whose last AT_BOUND_PUSHES judged pushes of a fragment all moved less than
+        1/FAINT_RATIO of the reference per claimed step, at least one of them at or above the
+        bar (1/EVIDENCE_RATIO: accepted, merged with the weight its claims earn): faint noise
+        with claims, which a job of two cannot bound, only stop (gate.Gate.faint_end). An
+        island whose pushes in that window were all refused merged none of them; unsupported()
+        leaves it out of the rounds instead, and nothing need stop."""
+        out: dict[str, str] = {}
+        for (fragment, island), seen in sorted(self.carried.items()):
+            if island in out or len(seen) < AT_BOUND_PUSHES:
+                continue
+            if 1.0 / EVIDENCE_RATIO <= max(seen) < 1.0 / FAINT_RATIO:
+                out[island] = (
+                    f"island {island}'s last {AT_BOUND_PUSHES} pushes to fragment {fragment} "
+                    f"moved less than 1/{FAINT_RATIO:g} of the other island's movement per "
+                    f"claimed step, and those above 1/{EVIDENCE_RATIO:g} of it were merged with "
+                    "the weight their claims earn"
+                )
+        return out
+
     def forget(self, island: str) -> None:
         """An island dropped or gone: its detection starts again when it is back."""
         for table in (self.at_bound, self.carried):
