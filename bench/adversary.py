@@ -42,6 +42,7 @@ A run cut short goes on with the same --workdir; one whose runs are all there on
     python -m bench.adversary --seeds 0 --variants none flood --no-record   # a smoke run
     python -m bench.adversary --islands 2 --variants none none_again paced_ratchet
     python -m bench.adversary --islands 2 --quality-guard 0.05/3/0 --variants none faint_claims
+    python -m bench.adversary --islands 2 --end-on-faint --variants none none_again faint_claims
 """
 
 from __future__ import annotations
@@ -150,6 +151,9 @@ def job_spec(args: argparse.Namespace, seed: int, variant: str) -> JobSpec:
                 "evalEveryOuterSteps": 1,
                 "checkpoint": {"everyOuterSteps": 5},
                 **guard_spec(args.quality_guard),
+                # syncer.guards.endOnFaint (a job of two ends at its best once an island is
+                # named faint with merged pushes; off by default)
+                **({"guards": {"endOnFaint": True}} if args.end_on_faint else {}),
             },
         }
     )
@@ -567,7 +571,12 @@ def main() -> int:
         "a tighter guard's trips and kept models (issue 46; bench/studies/guard_signal.py "
         "replays the rule on finished runs)",
     )
-
+    p.add_argument(
+        "--end-on-faint",
+        action="store_true",
+        help="syncer.guards.endOnFaint in every run (off by default): a job of two ends at "
+        "its best-evaluated checkpoint once an island is named faint with merged pushes",
+    )
     p.add_argument(
         "--report-only",
         action="store_true",
