@@ -109,10 +109,10 @@ MIN_LR_SHARE = 0.1
 # reference per claimed step is named too (the same health problem), though those above the bar
 # are merged: an island that knows the bar can push faint noise just above it (bench/
 # adversary.py's faint_claims; partial credit was built and taken out: docs/algorithm.md).
-# Naming only, and it must stay so: honest islands of one pace keep the largest figure of any 8
-# pushes in a row at 0.44 or more of the other's, but an honest island 3x faster under a cosine,
-# further down its schedule, fell to 0.22 and was named in 2 of 6 honest jobs (bench/studies/
-# faint_naming.py), so ending a job on it was built and not landed (docs/algorithm.md); and an
+# Naming only by default: honest islands of one pace keep the largest figure of any 8 pushes in
+# a row at 0.435 or more of the other's, but an honest island 3x faster under a cosine, further
+# down its schedule, fell to 0.178 and was named in 5 of 16 honest jobs (bench/studies/
+# faint_naming.py), so ending a job on it is syncer.guards.endOnFaint, off (docs/algorithm.md); an
 # island pushing at the cap lifts the reference to 0.15 x lr per element and step, so an honest
 # push at the cosine's floor (0.01 x lr) is then named under attack, never refused.
 FAINT_RATIO = 4.0
