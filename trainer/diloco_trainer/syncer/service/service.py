@@ -523,9 +523,8 @@ class Syncer:
         """Why a job of two ends now for an island's faint claims (gate.Gate.faint_end), or
         None: only with syncer.guards.endOnFaint (off by default: an honest island of unequal
         speed far down its cosine is named too), the quality guard on and a best checkpoint it
-        kept to end at (a job
-        with none, evaluations off or rare, keeps the naming only: ending it would throw away
-        the honest island's work up to now)."""
+        kept to end at (a job with none, evaluations off or rare, keeps the naming only: ending
+        it would throw away the honest island's work up to now)."""
         if self.finished or not self.spec.syncer.guards.end_on_faint:
             return None
         if not self.spec.syncer.quality_guard.enabled or self.jobs.kept is None:
