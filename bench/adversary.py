@@ -42,6 +42,7 @@ A run cut short goes on with the same --workdir; one whose runs are all there on
     python -m bench.adversary --seeds 0 --variants none flood --no-record   # a smoke run
     python -m bench.adversary --islands 2 --variants none none_again paced_ratchet
     python -m bench.adversary --islands 2 --quality-guard 0.05/3/0 --variants none faint_claims
+    python -m bench.adversary --islands 2 --end-on-faint --variants none none_again faint_claims
 """
 
 from __future__ import annotations
@@ -49,6 +50,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import re
 import select
 import shutil
 import socket
@@ -92,6 +94,7 @@ VARIANTS = (
     "paced_ratchet",
     "faint_claims",
     "credited_noise",
+    "loud_claims",
 )
 ISLANDS = (2, 3, 5)  # --islands: the job's islands, the adversary's included
 # The honest islands and the adversary of a job of M islands (set by main from --islands).
@@ -148,6 +151,9 @@ def job_spec(args: argparse.Namespace, seed: int, variant: str) -> JobSpec:
                 "evalEveryOuterSteps": 1,
                 "checkpoint": {"everyOuterSteps": 5},
                 **guard_spec(args.quality_guard),
+                # syncer.guards.endOnFaint (a job of two ends at its best once an island is
+                # named faint with merged pushes; off by default)
+                **({"guards": {"endOnFaint": True}} if args.end_on_faint else {}),
             },
         }
     )
@@ -304,6 +310,9 @@ class Adversary(threading.Thread):
     def credited_noise(self) -> None:
         self.faint_claims(share=1.0 / 4.0)  # the taken-out partial credit's full-credit line
 
+    def loud_claims(self) -> None:
+        self.faint_claims(share=1.0)  # the reference's cap: the other island's bar at its highest
+
     def slot_holding(self) -> None:
         self.shapes()
         head = (
@@ -429,6 +438,7 @@ def run_variant(args: argparse.Namespace, seed: int, variant: str, where: Path) 
     began = time.monotonic()
     job = start_job(spec, where, variant)
     adversary = None if variant in HONEST_ONLY else Adversary(variant, job)
+    named: dict[str, list[str]] = {}  # health problem kind -> islands it named (polled)
     try:
         if adversary is not None and variant == "merge_log":
             adversary.start()
@@ -439,7 +449,7 @@ def run_variant(args: argparse.Namespace, seed: int, variant: str, where: Path) 
             # learners join, an adversary only gets itself dropped.
             job.wait_finished(args.timeout, until=lambda st: st["versions"][0] >= ATTACK_AFTER)
             adversary.start()
-        status = job.wait_finished(args.timeout)
+        status = job.wait_finished(args.timeout, on_status=lambda st: note_named(st, named))
         # The final evaluation runs after the last merge (jobs.py); wait for it.
         deadline = time.monotonic() + 60
         while status["evalHistory"][-1]["outerStep"] < status["outerStep"]:
@@ -477,21 +487,51 @@ def run_variant(args: argparse.Namespace, seed: int, variant: str, where: Path) 
         status_busy=job.busy,
         ended=ended,
         kept_tokens=kept_tokens,
+        named=named,
     )
+
+
+# A detection's message names its island first ("island island-0's last 8 pushes ...").
+NAMED_ISLAND = re.compile(r"island (\S+?)'s last")
+NAMING_KINDS = ("islandWorkUnsupported", "islandAtBound")
+
+
+def note_named(status: dict[str, Any], named: dict[str, list[str]]) -> None:
+    """Add the islands the status's detection problems name now to `named` (kind -> islands,
+    in the order first seen): polled every half second, so a naming shorter than that can be
+    missed.
+
+    >>> named: dict[str, list[str]] = {}
+    >>> msg = "island island-1's last 8 pushes to fragment 0 moved less than 1/4 ..."
+    >>> note_named({"health": {"problems": [{"kind": "islandWorkUnsupported", "message": msg}]}},
+    ...            named)
+    >>> named
+    {'islandWorkUnsupported': ['island-1']}
+    """
+    for p in (status.get("health") or {}).get("problems") or []:
+        if p.get("kind") in NAMING_KINDS:
+            seen = named.setdefault(p["kind"], [])
+            for island in NAMED_ISLAND.findall(p.get("message") or ""):
+                if island not in seen:
+                    seen.append(island)
 
 
 def kept_model(status: dict[str, Any]) -> tuple[float, str]:
     """The eval loss of the model the job keeps, and how it ended ("" at its budget): the
     final evaluation's, or after the syncer's quality guard ended the job (health problem
-    evalLossRose) the evaluation of the checkpoint it kept (its final one, the exported one)."""
+    evalLossRose) or the syncer ended a job of two for an island's faint claims
+    (faintIslandEnded), the evaluation of the checkpoint it kept (its final one, the exported
+    one)."""
     history = status["evalHistory"]
     problems = (status.get("health") or {}).get("problems") or []
-    if not any(p.get("kind") == "evalLossRose" for p in problems):
+    kinds = {p.get("kind") for p in problems}
+    if not kinds & {"evalLossRose", "faintIslandEnded"}:
         return float(history[-1]["evalLoss"]), ""
     kept = status.get("checkpoint")
     step = 0 if kept is None else int(kept["outerStep"])
     loss = min(float(e["evalLoss"]) for e in history if int(e["outerStep"]) == step)
-    return loss, f"quality guard at outer step {status['outerStep']} (kept {step})"
+    who = "faint claims named" if "faintIslandEnded" in kinds else "quality guard"
+    return loss, f"{who} at outer step {status['outerStep']} (kept {step})"
 
 
 def load_outcomes(path: Path) -> dict[tuple[int, str], Outcome]:
@@ -531,7 +571,12 @@ def main() -> int:
         "a tighter guard's trips and kept models (issue 46; bench/studies/guard_signal.py "
         "replays the rule on finished runs)",
     )
-
+    p.add_argument(
+        "--end-on-faint",
+        action="store_true",
+        help="syncer.guards.endOnFaint in every run (off by default): a job of two ends at "
+        "its best-evaluated checkpoint once an island is named faint with merged pushes",
+    )
     p.add_argument(
         "--report-only",
         action="store_true",

@@ -24,7 +24,7 @@ import argparse
 import math
 import statistics
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from bench.harness.common import Report, Table, fmt_ratio, verdict
 from bench.harness.decoupled_quality_report import interp
@@ -63,6 +63,9 @@ class Outcome:
     # degrades" (issue 46's other branch) reads it against the baseline here, beside the ratio
     # at the tokens the job merged before it ended.
     kept_tokens: int | None = None
+    # The islands the syncer's detection named while the run was polled (health problem kind
+    # -> islands: islandWorkUnsupported, islandAtBound), an honest one's name included.
+    named: dict[str, list[str]] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -248,6 +251,7 @@ def per_run_table(outcomes: Sequence[Outcome]) -> tuple[Table, float]:
             "honest islands",
             "status polls 503",
             "wall s",
+            "named",
             "ended by",
         ],
     )
@@ -269,6 +273,7 @@ def per_run_table(outcomes: Sequence[Outcome]) -> tuple[Table, float]:
             "/".join(o.honest_states),
             o.status_busy,
             f"{o.seconds:.0f}",
+            "; ".join(f"{k}: {', '.join(v)}" for k, v in sorted(o.named.items())) or "-",
             ended_cell(outcomes, o),
         )
     return table, worst

@@ -78,12 +78,18 @@ HEALTH_KINDS = {
     "islandAtBound": "IslandPushesAtBound",
     # An island's pushes all move far less than the other island's per claimed step: work it
     # claims and does not carry (zero pushes claiming a round's most steps, a job of two, issue
-    # 46); refused, and its claims leave the merges.
+    # 46); below 1/32 of it refused, and its claims leave the merges; up to 1/4 merged and named
+    # only, which an honest island of unequal speed far down its cosine can also be
+    # (bench/studies/faint_naming.py).
     "islandWorkUnsupported": "IslandWorkUnsupported",
     # The syncer's quality guard ended the job: its eval loss kept rising above the best it had
     # reached (syncer.qualityGuard; one bad island of two, issue 46). The job's final checkpoint
     # is the best-evaluated one.
     "evalLossRose": "EvalLossRose",
+    # A job of two ended for an island whose pushes all moved far less than the other island's
+    # per claimed step while some were merged (faint noise with claims, which a job of two cannot
+    # bound): its final checkpoint is the best-evaluated one (issue 46).
+    "faintIslandEnded": "FaintIslandEnded",
 }
 
 

@@ -3,7 +3,8 @@
 Phase rules, in order (the first that applies wins):
 
 1. Succeeded: the syncer reports `finished: true` (stopAfter reached, or its quality guard ended
-   the job: the health problem evalLossRose, which the message says). Sticky.
+   the job: the health problem evalLossRose, or it ended a job of two for an island's faint
+   claims: faintIslandEnded; the message says which). Sticky.
 2. Failed (sticky), when one of:
    - the syncer pod is in CrashLoopBackOff with at least CRASH_LOOP_LIMIT restarts;
    - every desired island has a pod in CrashLoopBackOff with at least CRASH_LOOP_LIMIT restarts
@@ -48,9 +49,23 @@ GUARD_ENDED = (
 )
 
 
+# The message of a job of two the syncer ended for an island's faint claims (issue 46).
+FAINT_KIND = "faintIslandEnded"
+FAINT_ENDED = (
+    "the syncer ended this job of two before spec.stopAfter: an island's pushes moved far less "
+    "than the other island's for the work they claimed, and some were merged; SyncerHealthy says "
+    "FaintIslandEnded, finalCheckpoint is the best-evaluated model"
+)
+
+
 def guard_ended(syncer: SyncerView) -> bool:
     """Whether the syncer reports that its quality guard ended the job."""
     return any(p.kind == GUARD_KIND for p in syncer.health().problems)
+
+
+def faint_ended(syncer: SyncerView) -> bool:
+    """Whether the syncer reports that it ended a job of two for an island's faint claims."""
+    return any(p.kind == FAINT_KIND for p in syncer.health().problems)
 
 
 @dataclass(frozen=True)
@@ -132,7 +147,9 @@ def decide_phase(obs: Observation, previous: Mapping[str, Any] | None) -> Verdic
     # none, so the summary never reads "2/0".
     ready = sum(i.healthy for i in obs.islands.values()) if running else 0
     counts = f"{ready}/{desired} islands ready"
-    if finished and syncer is not None and guard_ended(syncer):
+    if finished and syncer is not None and faint_ended(syncer):
+        phase, message = "Succeeded", FAINT_ENDED
+    elif finished and syncer is not None and guard_ended(syncer):
         phase, message = "Succeeded", GUARD_ENDED
     elif finished:
         phase, message = "Succeeded", "the syncer reached spec.stopAfter"

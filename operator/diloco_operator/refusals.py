@@ -23,7 +23,9 @@ learned norm bound: a ratchet, issue 46) the job gets one Warning Event `IslandP
 Likewise the health problem `islandWorkUnsupported` (an island's pushes all move far less than
 the other island's per claimed step: zero pushes claiming work) gets one Warning Event
 `IslandWorkUnsupported`, and the health problem `evalLossRose` (the syncer's quality guard
-ended the job: its eval loss kept rising above the best) one Warning Event `EvalLossRose`.
+ended the job: its eval loss kept rising above the best) one Warning Event `EvalLossRose`, and
+the health problem `faintIslandEnded` (a job of two ended for an island's faint pushes with
+claims) one Warning Event `FaintIslandEnded`.
 """
 
 from __future__ import annotations
@@ -50,8 +52,10 @@ WORK_UNSUPPORTED = "IslandWorkUnsupported"
 WORK_UNSUPPORTED_KIND = "islandWorkUnsupported"  # syncer/state/problems.py
 WORK_UNSUPPORTED_MESSAGE = (
     "the syncer reports an island whose pushes all move far less than the other island's per "
-    "claimed step (work claimed that its pushes do not carry); they are refused and its claims "
-    "leave the merges; its status document's health names it"
+    "claimed step: work claimed that its pushes do not carry (below 1/32 of it they are refused "
+    "and its claims leave the merges; between 1/32 and 1/4 they are merged, named only), or an "
+    "honest island further down its lr schedule than the other (islands of unequal speed under a "
+    "cosine); its status document's health names it"
 )
 EVAL_LOSS_ROSE = "EvalLossRose"
 EVAL_LOSS_ROSE_KIND = "evalLossRose"  # syncer/state/problems.py
@@ -60,12 +64,21 @@ EVAL_LOSS_ROSE_MESSAGE = (
     "margin over the best for patience evaluations in a row (a bad island, or training that "
     "diverged); merging stopped and the final checkpoint is the best-evaluated one"
 )
+FAINT_ENDED = "FaintIslandEnded"
+FAINT_ENDED_KIND = "faintIslandEnded"  # syncer/state/problems.py
+FAINT_ENDED_MESSAGE = (
+    "the syncer ended this job of two: an island's pushes all moved far less than the other "
+    "island's per claimed step and some were merged (faint noise claiming work, which a job of two "
+    "cannot bound); merging stopped and the final checkpoint is the best-evaluated one; its "
+    "status document's health names the island"
+)
 # The syncer's health problems that each get one Warning Event while reported (again once they
 # cleared and came back): kind -> (Event reason, message).
 PROBLEM_EVENTS = {
     AT_BOUND_KIND: (AT_BOUND, AT_BOUND_MESSAGE),
     WORK_UNSUPPORTED_KIND: (WORK_UNSUPPORTED, WORK_UNSUPPORTED_MESSAGE),
     EVAL_LOSS_ROSE_KIND: (EVAL_LOSS_ROSE, EVAL_LOSS_ROSE_MESSAGE),
+    FAINT_ENDED_KIND: (FAINT_ENDED, FAINT_ENDED_MESSAGE),
 }
 # A reason this operator does not know (a newer syncer's): counted, never quoted.
 OTHER = "other"

@@ -242,3 +242,75 @@ def test_adversary_pair_faint_claims_are_merged_but_named(syncer: SyncerHandle) 
     assert "1/4 " in kinds["islandWorkUnsupported"]
     assert doc["islands"][ADVERSARY]["state"] == protocol.STATE_ACTIVE
     assert ADVERSARY not in doc["refusals"]
+
+
+# endOnFaint on (off by default: bench/studies/faint_naming.py), every outer step evaluated, the
+# quality guard on from outer step 0 (its best checkpoint is what the end keeps); no learned
+# bound (the shrink below is no AdamW round), checkpoints only the best's.
+FAINT_END = deep_merge(
+    PAIR,
+    {
+        "syncer": {
+            "evalEveryOuterSteps": 1,
+            "qualityGuard": {"margin": 0.25, "patience": 5, "warmupOuterSteps": 0},
+            "guards": {"endOnFaint": True, "maxDeltaNorm": 1e6, "warmupPushes": 1000},
+            "checkpoint": {"everyOuterSteps": 100000, "keep": 1},
+        }
+    },
+)
+
+
+def test_adversary_pair_faint_claims_end_the_job_at_its_best(tmp_path: Path) -> None:
+    """syncer.guards.endOnFaint on a live syncer: the honest island shrinks the weights three
+    times (8 claimed steps: an outer step of two islands each, evaluated; outer step 1 lowers
+    the eval loss and is the best checkpoint kept), then the adversary pushes faint claims (4
+    steps at 3.75e-5 an element: 1/16 of the reference per step, above the 1/32 bar). Its
+    eighth push names it with seven merged, and the syncer ends the job: finished, the health
+    problem faintIslandEnded, the final checkpoint the best (outer step 1), no merge after, and
+    a restart on the state dir stays finished. On main the spec's endOnFaint is unknown."""
+    syncer = start_syncer_of(tmp_path, FAINT_END, JOB)
+    try:
+        weights = join_all(syncer, (HONEST, ADVERSARY))  # fp32 pulls: fragment 0's weights
+        for _ in range(3):
+            version = syncer.status()["versions"][0]
+            shrink = {n: 0.2 * t for n, t in weights.items()}
+            code, doc = push_as(syncer, HONEST, shrink, steps=8, tokens=8 * 64)
+            assert code == 200 and doc["accepted"] is True, (code, doc)
+            wait_until(
+                lambda v=version: syncer.status()["versions"][0] > v, timeout=60, what="merge"
+            )
+        best = syncer.status()["checkpoint"]
+        assert best is not None and best["outerStep"] == 1, best
+        faint = filled(weights, 4 * 1.5e-4 / 16)
+        for i in range(8):
+            version = syncer.status()["versions"][0]
+            code, doc = push_as(syncer, ADVERSARY, faint, steps=4, tokens=4 * 64, step_time=0.001)
+            assert code == 200 and doc["accepted"] is True, (i, code, doc)
+            if i < 7:  # merged (quorum 1); the eighth names it and is never merged
+                wait_until(
+                    lambda v=version: syncer.status()["versions"][0] > v,
+                    timeout=60,
+                    what="the faint push's merge",
+                )
+        status = wait_until(
+            lambda: (s := syncer.status())["finished"] and s, timeout=60, what="the job's end"
+        )
+        kinds = {p["kind"]: p["message"] for p in status["health"]["problems"]}
+        assert f"island {ADVERSARY}'s last 8 pushes" in kinds["faintIslandEnded"], kinds
+        assert ADVERSARY in kinds["islandWorkUnsupported"]
+        assert status["checkpoint"] == best  # the export is the best, not the faint merges
+        merges = syncer.merge_records()
+        assert sum(c["island"] == ADVERSARY for m in merges for c in m["contributors"]) == 7
+        code, doc = push_as(syncer, ADVERSARY, faint, steps=4, tokens=4 * 64, step_time=0.001)
+        assert code == 200 and doc["finished"] and not doc["accepted"], doc
+        assert syncer.status()["versions"] == status["versions"]
+        again = restart(syncer, JOB)
+        try:
+            after = again.status()
+            assert after["finished"] and after["checkpoint"] == best
+            problems = {p["kind"]: p["message"] for p in after["health"]["problems"]}
+            assert problems == {"faintIslandEnded": kinds["faintIslandEnded"]}
+        finally:
+            again.proc.stop(timeout=10)
+    finally:
+        syncer.proc.stop(timeout=10)

@@ -67,7 +67,7 @@ def test_adversary_bench_islands_flag_sets_the_honest_islands_and_the_job() -> N
 
     args = argparse.Namespace(
         preset="gpt-tiny", inner_steps=10, steps=100, batch_size=8, seq_len=64, inner_lr=3e-3,
-        warmup=20, eval_tokens=8192, quality_guard=None,
+        warmup=20, eval_tokens=8192, quality_guard=None, end_on_faint=False,
     )  # fmt: skip
     try:
         for m in (2, 5):
@@ -82,6 +82,10 @@ def test_adversary_bench_islands_flag_sets_the_honest_islands_and_the_job() -> N
         args.quality_guard = "0.05/3/0"
         guard = adversary.job_spec(args, 0, "faint_claims").syncer.quality_guard
         assert (guard.margin, guard.patience, guard.warmup_outer_steps) == (0.05, 3, 0)
+        # --end-on-faint: syncer.guards.endOnFaint (off by default).
+        assert adversary.job_spec(args, 0, "faint_claims").syncer.guards.end_on_faint is False
+        args.end_on_faint = True
+        assert adversary.job_spec(args, 0, "faint_claims").syncer.guards.end_on_faint is True
     finally:
         adversary.set_islands(3)
     assert adversary.HONEST == ("island-0", "island-1") and adversary.ADVERSARY == "island-2"

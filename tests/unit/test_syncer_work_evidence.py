@@ -215,3 +215,180 @@ def test_syncer_refuses_zero_claims_and_leaves_the_island_out_of_the_round(
             await syncer.stop()
 
     run(scenario())
+
+
+def test_faint_merged_names_an_island_only_when_its_faint_pushes_were_merged() -> None:
+    """faint_merged (what a job of two ends for): the last eight judged pushes all below 1/4 of
+    the reference per claimed step, at least one at or above the bar (1/32: merged). Reference
+    0.0015 per step (the cap's share), 16 claimed steps: bar 0.00075, naming below 0.006."""
+    g = pair_guard()
+    for _ in range(3):
+        g.accepted(0, "honest", stats(0.01), 4)
+    # Eight zero pushes: all refused (figure 0), named faint and unsupported, never merged.
+    for _ in range(guards.AT_BOUND_PUSHES):
+        assert refused(g, "zero", 0.0, 16)
+    assert list(g.faint()) == ["zero"] and g.faint_merged() == {}
+    # Seven refused and one merged at 1/16 (0.0015 / 0.024 = 0.0625 >= 1/32): merged, named.
+    g.check_delta(0, "zero", stats(0.0015), 16)
+    named = g.faint_merged()
+    assert list(named) == ["zero"] and "merged" in named["zero"]
+    # Seven pushes at 1/16 are not eight: nothing; the eighth names it.
+    for i in range(guards.AT_BOUND_PUSHES - 1):
+        assert not refused(g, "faint", 0.0015, 16), i
+        assert list(g.faint_merged()) == ["zero"]
+    assert not refused(g, "faint", 0.0015, 16)
+    assert list(g.faint_merged()) == ["faint", "zero"]
+    # A push at 1/4 of the reference (0.006 over 16 steps): no longer all below it.
+    assert not refused(g, "faint", 0.006, 16)
+    assert list(g.faint_merged()) == ["zero"]
+
+
+def test_faint_end_is_a_job_of_twos_only() -> None:
+    """Gate.faint_end: the message names the island and the end at the best; with three islands
+    there is no work evidence (the learned bound over a majority holds a minority), so never."""
+    from diloco_trainer.syncer.intake.gate import Gate
+    from diloco_trainer.syncer.state import SyncerMetrics
+
+    spec = make_spec(**PAIR)
+    g = guards.make_guard(spec, [100], [1.0])
+    gate = Gate(spec, guard=g, metrics=SyncerMetrics())
+    for _ in range(3):
+        g.accepted(0, "honest", stats(0.01), 4)
+    for _ in range(guards.AT_BOUND_PUSHES):
+        g.check_delta(0, "bad", stats(0.0015), 16)
+    message = gate.faint_end()
+    assert message is not None and "island bad's last 8 pushes" in message
+    assert "best-evaluated checkpoint" in message
+    three = make_spec(**{**PAIR, "islands": {"count": 3}})
+    g3 = guards.make_guard(three, [100], [1.0])
+    assert g3.evidence is None
+    assert Gate(three, guard=g3, metrics=SyncerMetrics()).faint_end() is None
+
+
+def _faint_spec(end_on_faint: bool = True, **quality: object) -> Any:
+    return make_spec(
+        islands={"count": 2},
+        inner={"steps": 4, "lr": 1e-3},
+        sync={"fragments": 1, "quorum": 1, "graceSeconds": 0},
+        syncer={
+            "guards": {
+                "movementFactor": 1.5,
+                "maxDeltaNorm": 1e6,
+                "warmupPushes": 1000,
+                "maxRefusals": 0,
+                "endOnFaint": end_on_faint,
+            },
+            "qualityGuard": {"margin": 0.25, "patience": 5, "warmupOuterSteps": 0, **quality},
+            "evalEveryOuterSteps": 1,
+            "checkpoint": {"everyOuterSteps": 100, "keep": 1},
+        },
+    )
+
+
+def _faint_scenario(tmp_path: Path, spec: Any) -> list[dict[str, Any]]:
+    """island-0 shrinks the weights three times (8 claimed steps each: an outer step of two
+    islands, evaluated; the shrink lowers the eval loss at the random start), then island-1
+    pushes faint noise: 4 claimed steps at 3.75e-5 an element, 1/16 of the reference per step
+    (island-0's movement per step is far above the cap's share 1.5 x 0.1 x lr 1e-3 = 1.5e-4 an
+    element, so the reference is that share), eight times. The statuses after each push."""
+
+    async def scenario() -> list[dict[str, Any]]:
+        syncer = await started(spec, tmp_path, FakeClock())
+        await join_pair(syncer)
+        names = syncer.fragments[0]
+        seen = []
+        for _ in range(3):
+            shrink = {n: 0.2 * syncer.model.weights[n].clone() for n in names}
+            meta = {"steps": 8, "tokens": 200}
+            await syncer.receive_push(0, body(syncer, 0, "island-0", shrink, **meta))
+            await syncer.tick()
+            seen.append(await syncer.status())
+        faint = filled(syncer, 4 * 1.5e-4 / 16)
+        for _ in range(guards.AT_BOUND_PUSHES):
+            meta = {"steps": 4, "tokens": 32, "stepTime": 0.001}
+            await syncer.receive_push(0, body(syncer, 0, "island-1", faint, **meta))
+            await syncer.tick()
+            seen.append(await syncer.status())
+        await syncer.stop()
+        return seen
+
+    return run(scenario())
+
+
+def test_faint_claims_end_a_job_of_two_at_its_best_checkpoint(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Issue 46's faint claims, in process: the eighth faint push names island-1 with seven of
+    them merged, and the next scheduler pass ends the job instead of merging it: finished, the
+    health problem faintIslandEnded (never cleared), the final checkpoint the best-evaluated one
+    the quality guard kept, and the end on disk (quality-guard-end.json, kind faintNamed), so a
+    restart stays finished. The operator: Succeeded with its own message, SyncerHealthy False
+    (FaintIslandEnded), one Warning Event."""
+    from diloco_operator.phase import FAINT_ENDED, decide_phase
+    from diloco_operator.refusals import FAINT_ENDED as EVENT
+    from diloco_operator.refusals import FAINT_ENDED_MESSAGE, post_refusal_events
+    from diloco_trainer.syncer.state.problems import FAINT_ENDED as KIND
+    from diloco_trainer.syncer.storage.guard_end import FAINT_NAMED, read_guard_end
+
+    from .observations import observation
+    from .test_operator_refusals import JOB, OWN, _posted
+    from .test_syncer_quality_guard import _restarted
+
+    seen = _faint_scenario(tmp_path, _faint_spec())
+    losses = [e["evalLoss"] for e in seen[2]["evalHistory"]]
+    assert losses[1] < losses[0]  # the shrink lowered the loss: outer step 1 is a best, kept
+    assert seen[2]["checkpoint"]["outerStep"] == 1
+    *merging, ending = seen[3:]
+    assert len(merging) == guards.AT_BOUND_PUSHES - 1
+    assert not any(s["finished"] for s in merging)
+    assert ending["finished"]
+    kinds = {p["kind"]: p["message"] for p in ending["health"]["problems"]}
+    assert "island island-1's last 8 pushes" in kinds[KIND]
+    assert WORK_UNSUPPORTED in kinds  # the naming itself
+    log = merge_log(tmp_path)
+    faint_merges = [e for e in log if e["contributors"][0]["island"] == "island-1"]
+    assert len(faint_merges) == guards.AT_BOUND_PUSHES - 1  # the eighth was never merged
+    assert ending["versions"] == merging[-1]["versions"]
+    assert ending["checkpoint"] == seen[2]["checkpoint"]  # the best, not the faint merges
+    end = read_guard_end(tmp_path)
+    assert end is not None and (end.kind, end.best_step) == (FAINT_NAMED, 1)
+    # The operator: Succeeded saying why, SyncerHealthy's reason, one Event.
+    verdict = decide_phase(observation(syncer=ending), None)
+    assert (verdict.phase, verdict.message) == ("Succeeded", FAINT_ENDED)
+    healthy, reason, message = syncer_health(syncer_view(ending))
+    # the naming came first (its problem first), the end second: both in the condition
+    assert (healthy, reason) == (False, "IslandWorkUnsupported")
+    assert message == "syncer health problems: IslandWorkUnsupported, FaintIslandEnded"
+    caplog.set_level("INFO", logger="diloco_operator")
+    notes: dict[str, str] = {}
+    for _ in range(2):
+        post_refusal_events(JOB, syncer_view(ending), OWN, {}, notes)
+    assert [m for m in _posted(caplog) if m.startswith(EVENT)] == [f"{EVENT} {FAINT_ENDED_MESSAGE}"]
+    # A restart on the state dir stays finished, at the same checkpoint, with the same problem.
+    status, answer = _restarted(tmp_path, _faint_spec())
+    assert status["finished"] and status["checkpoint"] == ending["checkpoint"]
+    assert [(p["kind"], p["message"]) for p in status["health"]["problems"]] == [
+        (KIND, kinds[KIND])
+    ]
+    assert answer["finished"] and not answer["accepted"]
+
+
+@pytest.mark.parametrize(
+    ("end_on_faint", "patience"),
+    [(False, 5), (True, 0)],
+    ids=["endOnFaint off (the default)", "no best kept (the quality guard off)"],
+)
+def test_faint_claims_only_named_by_default_or_without_a_kept_best(
+    tmp_path: Path, end_on_faint: bool, patience: int
+) -> None:
+    """syncer.guards.endOnFaint is off by default (an honest island of unequal speed far down
+    its cosine is named too: bench/studies/faint_naming.py); with it on but the quality guard
+    off (patience 0) no best is kept to end at, and ending would throw away the honest island's
+    work. Either way the naming stays a naming, and all eight faint pushes are merged."""
+    assert make_spec(**PAIR).syncer.guards.end_on_faint is False
+    seen = _faint_scenario(tmp_path, _faint_spec(end_on_faint, patience=patience))
+    assert not any(s["finished"] for s in seen)
+    kinds = {p["kind"] for p in seen[-1]["health"]["problems"]}
+    assert WORK_UNSUPPORTED in kinds and "faintIslandEnded" not in kinds
+    log = merge_log(tmp_path)
+    assert sum(e["contributors"][0]["island"] == "island-1" for e in log) == 8

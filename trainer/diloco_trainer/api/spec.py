@@ -290,6 +290,16 @@ class GuardsSpec(SpecModel):
         "movement per claimed step (work_unsupported: claimed work it does not carry; "
         "docs/algorithm.md). 0 turns both off.",
     )
+    end_on_faint: bool = Field(
+        False,
+        description="In a job of two with movementFactor on and the quality guard on: end the "
+        "job at its best-evaluated checkpoint (health problem faintIslandEnded) once an island's "
+        "last 8 pushes to a fragment all moved less than 1/4 of the other island's movement per "
+        "claimed step and some of them were merged (faint noise claiming work, which a job of "
+        "two cannot bound). Off by default: an honest island much faster than the other under "
+        "a cosine schedule, further down it, is named so too (bench/studies/faint_naming.py), "
+        "and this would end its job; turn it on for islands of one pace.",
+    )
 
 
 class QualityGuardSpec(SpecModel):

@@ -27,6 +27,10 @@ that passed the gate but cannot be merged is merge.py's.
   SyncerHealthy condition (IslandPushesAtBound); it clears when no island is suspect. Likewise
   an island whose pushes all fall below the work evidence's bar (ContributionGuard.unsupported:
   zero pushes claiming work) as WORK_UNSUPPORTED (IslandWorkUnsupported).
+- faint_end: in a job of two, an island named faint whose named pushes were partly merged
+  (ContributionGuard.faint_merged: noise just above the work evidence's bar, with claims) is what
+  the service ends the job for, at its best-evaluated checkpoint (FAINT_ENDED; issue 46: one bad
+  island of two cannot be bounded, only stopped).
 """
 
 from __future__ import annotations
@@ -306,6 +310,22 @@ class Gate:
                 self.health.report(kind, "; ".join(found.values()))
             elif kind in self.health.problems:
                 self.health.clear(kind)
+
+    def faint_end(self) -> str | None:
+        """Why a job of two ends now (the health problem FAINT_ENDED's message), or None: an
+        island named faint whose named pushes were partly merged (faint_merged). Only with the
+        work evidence on (a job of fewer than guards.MAJORITY_ISLANDS islands, the movement cap
+        on): with three islands a minority's pushes are bounded, not stopped for."""
+        if self.guard.evidence is None:
+            return None
+        found = self.guard.faint_merged()
+        if not found:
+            return None
+        return (
+            "; ".join(found.values())
+            + ": faint noise claiming work, which a job of two cannot bound, so the job ends "
+            "at its best-evaluated checkpoint (README, Security)"
+        )
 
     def unsupported_islands(self) -> frozenset[str]:
         """Islands whose recent pushes all claimed work they do not carry (guards.py's work

@@ -109,10 +109,12 @@ MIN_LR_SHARE = 0.1
 # reference per claimed step is named too (the same health problem), though those above the bar
 # are merged: an island that knows the bar can push faint noise just above it (bench/
 # adversary.py's faint_claims; partial credit was built and taken out: docs/algorithm.md).
-# Naming only: two
-# honest islands at one time move within a few times each other's figure; an island pushing at
-# the cap lifts the reference to 0.15 x lr per element and step, and an honest push at the
-# cosine's floor (0.01 x lr) is then named under attack, never refused.
+# Naming only by default: honest islands of one pace keep the largest figure of any 8 pushes in
+# a row at 0.435 or more of the other's, but an honest island 3x faster under a cosine, further
+# down its schedule, fell to 0.178 and was named in 5 of 16 honest jobs (bench/studies/
+# faint_naming.py), so ending a job on it is syncer.guards.endOnFaint, off (docs/algorithm.md); an
+# island pushing at the cap lifts the reference to 0.15 x lr per element and step, so an honest
+# push at the cosine's floor (0.01 x lr) is then named under attack, never refused.
 FAINT_RATIO = 4.0
 # A saved figure is at most this (JSON has no infinity: a push judged against a reference of 0
 # moved infinitely more than it); any figure that large reads the same to every rule here.
@@ -527,6 +529,26 @@ class ContributionGuard:
         """Islands whose recent pushes all moved less than 1/FAINT_RATIO of the reference per
         claimed step (named only, not refused: unsupported's bar is 1/EVIDENCE_RATIO)."""
         return self.unsupported(FAINT_RATIO)
+
+    def faint_merged(self) -> dict[str, str]:
+        """Islands whose last AT_BOUND_PUSHES judged pushes of a fragment all moved less than
+        1/FAINT_RATIO of the reference per claimed step, at least one of them at or above the
+        bar (1/EVIDENCE_RATIO: accepted, merged with the weight its claims earn): faint noise
+        with claims, which a job of two cannot bound, only stop (gate.Gate.faint_end). An
+        island whose pushes in that window were all refused merged none of them; unsupported()
+        leaves it out of the rounds instead, and nothing need stop."""
+        out: dict[str, str] = {}
+        for (fragment, island), seen in sorted(self.carried.items()):
+            if island in out or len(seen) < AT_BOUND_PUSHES:
+                continue
+            if 1.0 / EVIDENCE_RATIO <= max(seen) < 1.0 / FAINT_RATIO:
+                out[island] = (
+                    f"island {island}'s last {AT_BOUND_PUSHES} pushes to fragment {fragment} "
+                    f"moved less than 1/{FAINT_RATIO:g} of the other island's movement per "
+                    f"claimed step, and those above 1/{EVIDENCE_RATIO:g} of it were merged with "
+                    "the weight their claims earn"
+                )
+        return out
 
     def forget(self, island: str) -> None:
         """An island dropped or gone: its detection starts again when it is back."""

@@ -63,6 +63,7 @@ from diloco_trainer.syncer.state import (
     tripped,
 )
 from diloco_trainer.syncer.storage import (
+    FAINT_NAMED,
     FINAL_ROSE,
     TRIPPED,
     GuardEnd,
@@ -372,6 +373,14 @@ class BackgroundJobs:
         self.checkpoints.last_versions = None
         self.tripped = True
         await self.checkpoints.end_at_best(TRIPPED, message, self.evaluations.clock())
+
+    async def end_faint(self, message: str) -> None:
+        """A job of two ends for an island's faint claims (gate.Gate.faint_end), as a trip does:
+        the best checkpoint is the final one, the end written to the state dir (kind
+        FAINT_NAMED), the checkpoints after the best set aside, and a stop writes none."""
+        self.checkpoints.last_versions = None
+        self.tripped = True
+        await self.checkpoints.end_at_best(FAINT_NAMED, message, self.evaluations.clock())
 
     def restore_end(self, end: GuardEnd) -> None:
         """A restart after the guard ended the job (startup.py): finished as before, its final

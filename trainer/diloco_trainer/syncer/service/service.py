@@ -76,6 +76,7 @@ from diloco_trainer.syncer.service.status_document import (
 from diloco_trainer.syncer.serving import Body, BodyKey
 from diloco_trainer.syncer.state import (
     EVAL_LOSS_ROSE,
+    FAINT_ENDED,
     Trip,
     drained_at_budget,
     lost_with_restart,
@@ -395,10 +396,16 @@ class Syncer:
                 )
             for island in expired:
                 log.warning("island %s timed out: %s", island, members.islands[island].reason)
-            due = [] if self.finished else self.state.due_fragments(now)
+            faint = self._faint_end()
+            due = [] if self.finished or faint else self.state.due_fragments(now)
             # Every island drained, nothing to merge (a heartbeat said so, or a drop): finish.
-            drained = not (self.finished or due) and self.stop_reached()
+            drained = not (self.finished or due or faint) and self.stop_reached()
         assert self.merging is not None
+        if faint is not None:
+            async with self.merging:
+                if not self.finished:
+                    await self._end_faint(faint)
+            return None
         for f in due:
             async with self.merging:
                 await self._merge(f)
@@ -511,6 +518,34 @@ class Syncer:
                 await self._end_degraded(trip)
             return
         await self._finish()
+
+    def _faint_end(self) -> str | None:
+        """Why a job of two ends now for an island's faint claims (gate.Gate.faint_end), or
+        None: only with syncer.guards.endOnFaint (off by default: an honest island of unequal
+        speed far down its cosine is named too), the quality guard on and a best checkpoint it
+        kept to end at (a job with none, evaluations off or rare, keeps the naming only: ending
+        it would throw away the honest island's work up to now)."""
+        if self.finished or not self.spec.syncer.guards.end_on_faint:
+            return None
+        if not self.spec.syncer.quality_guard.enabled or self.jobs.kept is None:
+            return None
+        return self.gate.faint_end()
+
+    async def _end_faint(self, message: str) -> None:
+        """A job of two ends for an island's faint claims (merge lock held): no more merges,
+        finished=true (learners stop), its final checkpoint the best-evaluated one, as the
+        quality guard's trip (jobs.end_faint), and the health problem FAINT_ENDED, which never
+        clears (issue 46: one bad island of two cannot be bounded, only stopped)."""
+        self.health.report(FAINT_ENDED, message)
+        await self.jobs.end_faint(message)
+        self.control.finished = True
+        await self.publisher.publish(self._body_keys())
+        best = self.jobs.snapshot().checkpoint
+        log.error(
+            "work evidence: %s; final checkpoint %s",
+            message,
+            best.path if best is not None else "none (the initial weights were the best)",
+        )
 
     async def _end_degraded(self, trip: Trip) -> None:
         """The quality guard tripped (jobs.py, state/quality.py): stop merging and end the job

@@ -45,13 +45,14 @@ from diloco_trainer.syncer.serving import Publisher
 from diloco_trainer.syncer.state import (
     CORRUPT,
     EVAL_LOSS_ROSE,
+    FAINT_ENDED,
     Health,
     SyncerMetrics,
     SyncState,
     round_policy,
     stop_reached,
 )
-from diloco_trainer.syncer.storage import GuardEnd, read_guard_end
+from diloco_trainer.syncer.storage import FAINT_NAMED, GuardEnd, read_guard_end
 from diloco_trainer.syncer.storage import checkpoint as ckpt
 
 log = logging.getLogger("diloco.syncer")
@@ -200,7 +201,7 @@ def _restore_the_end(
 ) -> None:
     """The job stays ended as the quality guard ended it: its final checkpoint and problem."""
     jobs.restore_end(end)
-    health.report(EVAL_LOSS_ROSE, end.message)
+    health.report(FAINT_ENDED if end.kind == FAINT_NAMED else EVAL_LOSS_ROSE, end.message)
     if end.best is not None and (loaded is None or loaded.path.name != end.best):
         # The best was deleted or is corrupt: the job stays ended all the same.
         log.error("the quality guard's best checkpoint %s is not the one resumed", end.best)

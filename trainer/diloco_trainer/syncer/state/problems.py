@@ -5,10 +5,11 @@ A problem has a kind (CHECKPOINT: the last checkpoint write failed; CORRUPT: cor
 were found at start and set aside; MERGE: the last merge of a fragment could not take some
 contributions; AT_BOUND: an island's pushes are all at the learned norm bound, guards.py's
 detection of a ratchet; WORK_UNSUPPORTED: an island's pushes all move too little for the
-work they claim, its work evidence; EVAL_LOSS_ROSE: the quality guard ended the job), a
+work they claim, its work evidence; EVAL_LOSS_ROSE: the quality guard ended the job;
+FAINT_ENDED: a job of two ended for an island's faint pushes with claims), a
 message, since when and how often it happened; it clears when the thing works again (a
 checkpoint is written, a merge succeeds, no island is at the bound or below the work evidence's
-bar; EVAL_LOSS_ROSE never clears). A failure
+bar; EVAL_LOSS_ROSE and FAINT_ENDED never clear). A failure
 that does stop the syncer (a merge that broke half-way) is the service's `failure` instead: /healthz
 answers 503 for it.
 """
@@ -28,6 +29,10 @@ AT_BOUND = "islandAtBound"
 WORK_UNSUPPORTED = "islandWorkUnsupported"
 # The quality guard tripped (quality.py): merging stopped, the job ended; it never clears.
 EVAL_LOSS_ROSE = "evalLossRose"
+# In a job of two, an island's recent pushes all moved too little for their claims and some were
+# merged (intake/guards.py: faint_merged): merging stopped, the job ended at its best-evaluated
+# checkpoint, as EVAL_LOSS_ROSE's; it never clears.
+FAINT_ENDED = "faintIslandEnded"
 
 
 class Health:

@@ -14,6 +14,7 @@ from diloco_trainer.syncer.storage.checkpoint import (
     write_tensors_unhashed,
 )
 from diloco_trainer.syncer.storage.guard_end import (
+    FAINT_NAMED,
     FINAL_ROSE,
     TRIPPED,
     GuardEnd,
@@ -23,6 +24,7 @@ from diloco_trainer.syncer.storage.guard_end import (
 
 __all__ = [
     "CHECKPOINTS_DIR",
+    "FAINT_NAMED",
     "FINAL_ROSE",
     "MANIFEST_FILE",
     "TRIPPED",

@@ -7,7 +7,7 @@ the best and, knowing nothing of the end, merge the bad island again. So the end
 here, beside the checkpoints, before they are set aside::
 
     state_dir/quality-guard-end.json
-      {"formatVersion": 1, "kind": "tripped" | "finalRose", "message": "...",
+      {"formatVersion": 1, "kind": "tripped" | "finalRose" | "faintNamed", "message": "...",
        "best": {"checkpoint": "ckpt-000000012", "outerStep": 12} | null,
        "time": 1764390000.0}
 
@@ -16,7 +16,8 @@ spec, are the final model). The file is JSON (nothing pickled), written to a tem
 fsynced and renamed over the old one (a rename within one filesystem is atomic), so a crash
 leaves the old file or the new one. A start (service/startup.py) that finds it stays finished:
 the same final checkpoint (the ones after it set aside again, in case the crash came between
-this file and the setting aside), the health problem evalLossRose with the same message, no
+this file and the setting aside), the health problem evalLossRose (faintIslandEnded for the
+kind faintNamed: a job of two that ended for an island's faint claims) with the same message, no
 merges. To resume merging anyway (say, after the bad island was removed from the job), delete
 this file; the syncer then resumes from the best checkpoint. An unreadable file is a ConfigError
 naming it (exit 2): ignoring it would resume merging the weights the guard stopped.
@@ -43,7 +44,10 @@ GUARD_END_FILE = "quality-guard-end.json"
 FORMAT_VERSION = 1
 TRIPPED = "tripped"  # patience rises in a row (state/quality.tripped)
 FINAL_ROSE = "finalRose"  # the budget's final evaluation rose above the best checkpoint's
-KINDS = (TRIPPED, FINAL_ROSE)
+# A job of two ended for an island's faint pushes with claims (intake/gate.Gate.faint_end): the
+# same end at the best, its health problem state/problems.FAINT_ENDED.
+FAINT_NAMED = "faintNamed"
+KINDS = (TRIPPED, FINAL_ROSE, FAINT_NAMED)
 
 
 @dataclass(frozen=True)
