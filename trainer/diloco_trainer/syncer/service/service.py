@@ -441,6 +441,20 @@ class Syncer:
                     await poke.wait()
             poke.clear()
 
+    def _log_crossed(self, f: int, now: float) -> None:
+        """Say so when fragment f's round merges because it is crossed (state/crossed.py):
+        without a quorum, so without islands that pushed to another crossed round first."""
+        crossed = self.state.crossed_round(now)
+        if crossed is None or crossed[0] != f or self.state.rounds[f].quorum_since is not None:
+            return
+        lacking = sorted(self.state.spanning() - set(self.state.rounds[f].pending))
+        log.warning(
+            "fragment %d's round merges without %s: crossed with another fragment's round, "
+            "each waiting for islands whose pushes wait in the other (K = M)",
+            f,
+            lacking,
+        )
+
     async def _merge(self, f: int) -> None:
         """Merge fragment f's round, steps 7-12 of a push's path (ARCHITECTURE.md, "The path of
         a push"; merging/merger.py's steps), holding f's lock throughout and the service's lock
@@ -453,6 +467,7 @@ class Syncer:
                     return  # the round changed since the scheduler looked (a drop)
                 started = time.perf_counter()
                 merge = self.merger.take(self.state, f, now)  # 7.
+                self._log_crossed(f, now)
             new_version = self.state.versions[f] + 1  # only this merge moves f's version
             # The other fragments' rounds, for the new body's outer step: no other merge runs
             # meanwhile (the merging lock), so they are read here, on the loop.

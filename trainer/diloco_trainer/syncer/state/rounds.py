@@ -51,6 +51,7 @@ from diloco_trainer.core import grace as window_rules
 from diloco_trainer.core.fragments import fragment_offsets
 from diloco_trainer.syncer.errors import Refused
 from diloco_trainer.syncer.state.clocks import WorkClocks
+from diloco_trainer.syncer.state.crossed import crossed_rounds, crossed_wait, round_to_close
 from diloco_trainer.syncer.state.membership import Membership
 from diloco_trainer.syncer.state.records import (
     ACTIVE,
@@ -178,6 +179,9 @@ class SyncState:
         # the pending push's own tokens (its work since the last merged one), a floor of the
         # island's tokens processed that a push proves before any heartbeat says so.
         self._merged_by: dict[tuple[str, int], int] = {}
+        # The crossed rounds last seen (crossed.py): what they were, since when, and when the
+        # round chosen of them merges; a change starts their wait again.
+        self._crossed: tuple[object, float, float] | None = None
 
     # ----- views -------------------------------------------------------------------------------
 
@@ -403,6 +407,9 @@ class SyncState:
         if drained and rnd.pending and not missing:
             return True
         awaited = self.membership.awaited()
+        crossed = self.crossed_round(now)
+        if crossed is not None and crossed[0] == fragment and now >= crossed[1]:
+            return True  # K = M, rounds waiting for each other's islands (crossed.py)
         if rnd.quorum_since is None:
             return False
         if not missing and not awaited:
@@ -413,6 +420,33 @@ class SyncState:
         islands = self.membership.islands
         expected = [self.expected_push(islands[n], fragment, now) for n in missing]
         return all(t is not None and t > closes for t in expected)
+
+    def crossed_round(self, now: float) -> tuple[int, float] | None:
+        """At K = M with blocking learners, the crossed round merged without the islands it
+        lacks (crossed.py: rounds that each wait for islands whose pushes wait in the others)
+        and when: once they have stayed crossed for the grace window plus a step of the
+        slowest island it lacks. None when no round is crossed."""
+        members = self.membership
+        spanned = self.spanning() - self.drained() - self.untargeted()
+        if (
+            not self.policy.learners_block
+            or members.awaited()
+            or self.policy.quorum < len(self.spanning())
+        ):
+            self._crossed = None
+            return None
+        pending = [set(r.pending) for r in self.rounds]
+        crossed = crossed_rounds(pending, spanned)
+        f = round_to_close(crossed, pending)
+        if f is None:
+            self._crossed = None
+            return None
+        key = (f, tuple((g, frozenset(pending[g])) for g in sorted(crossed)), frozenset(spanned))
+        since = now if self._crossed is None or self._crossed[0] != key else self._crossed[1]
+        steps = {n: members.islands[n].step_time for n in spanned}
+        due = since + crossed_wait(self.grace(), steps, spanned - pending[f])
+        self._crossed = (key, since, due)
+        return f, due
 
     def drained(self) -> set[str]:
         """Active islands whose learners said they drained (learner/drain.py)."""
@@ -485,8 +519,10 @@ class SyncState:
 
     def next_deadline(self) -> float | None:
         """The earliest moment a grace window ends (for the server's timer), if any is open."""
-        starts = [r.quorum_since for r in self.rounds if r.quorum_since is not None]
-        return min(starts) + self.grace() if starts else None
+        ends = [r.quorum_since + self.grace() for r in self.rounds if r.quorum_since is not None]
+        if self._crossed is not None:  # as merge_due last saw it (the scheduler's tick)
+            ends.append(self._crossed[2])
+        return min(ends) if ends else None
 
     def peek_round(self, fragment: int) -> list[Contribution]:
         """Fragment's pending contributions, sorted by island so a merge is reproducible."""

@@ -1,0 +1,147 @@
+"""A learner's join after the syncer's last checkpoint, across a syncer restart (issues 46/47).
+
+A syncer writes checkpoints after merges only, so an island that joined since the last one is
+unknown to the restarted syncer (its record is not in the checkpoint). What a learner's link
+(learner/syncer_link.SyncerLink, the real one, over real sockets to a real `diloco syncer`
+killed with SIGKILL and started again on its state) does then: its next heartbeat is answered
+404 and it joins again; the island's frame is the one it joined in (island tokens 0 both times:
+nothing of it was merged in the checkpoint), and its next push is merged. A push that comes
+before that heartbeat is answered 404 too: the link joins again and hands back the syncer's
+fragment, `restarted`, whose push's steps the learner counts as work a restart took back and
+trains again before it drains (syncer_restart.AfterRestart.count_merged; tests/unit/
+test_learner_syncer_restart.py::test_a_push_refused_by_a_syncer_not_behind_its_base_is_received_
+then_pushed_again). So a new island's join is no work to lose: its learner makes it again. What
+stays lost is a *re-join* since the checkpoint of an island the checkpoint knows (a learner
+restarted mid-job): its record comes back with the older join's count base and its learner,
+answered 200, never joins again (docs/algorithm.md, the drain's "Not covered").
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Callable
+
+import pytest
+import torch
+from diloco_trainer.api import protocol
+from diloco_trainer.api.spec import JobSpec
+from diloco_trainer.core.compress import encode_tensors
+from diloco_trainer.learner import syncer_client
+from diloco_trainer.learner.syncer_link import SyncerLink
+from diloco_trainer.syncer.storage import checkpoint as ckpt
+
+from .conftest import SyncerHandle, wait_until
+from .test_syncer_restart import delta_for
+
+pytestmark = pytest.mark.e2e
+
+LATE = "island-1"
+
+
+def late_spec(make_spec: Callable[..., JobSpec]) -> JobSpec:
+    return make_spec(
+        islands={"count": 2},
+        sync={"fragments": 1, "quorum": 1, "graceSeconds": 0.1, "compression": "none"},
+        stopAfter={"outerSteps": 1000},
+        syncer={"checkpoint": {"everyOuterSteps": 1, "keep": 2}, "qualityGuard": {"patience": 0}},
+    )
+
+
+async def first_merge(handle: SyncerHandle) -> dict[str, torch.Tensor]:
+    """island-0 joins, pushes one pseudo-gradient and waits for its merge (version 1)."""
+    async with handle.client() as client:
+        await client.join("island-0", 1)
+        pulled = await client.pull_fragment(0, after=-1)
+        assert pulled is not None
+        meta = protocol.PushMeta("island-0", 0, 256, 4, 5.0, 0.01, "none")
+        answer = await client.push_pseudo_gradient(
+            0, encode_tensors(delta_for(pulled.tensors, seed=1), "none"), meta
+        )
+        assert answer.accepted, answer
+        merged = await client.pull_fragment(0, after=0, wait=60)
+        assert merged is not None and merged.version == 1
+        return pulled.tensors
+
+
+def test_a_learner_that_joined_after_the_last_checkpoint_joins_again_and_is_merged(
+    syncer_proc: Callable[..., SyncerHandle], make_spec: Callable[..., JobSpec]
+) -> None:
+    spec = late_spec(make_spec)
+    first = syncer_proc(spec)
+    tensors = asyncio.run(first_merge(first))
+    wait_until(
+        lambda: (
+            ckpt.list_checkpoints(first.state_dir)[-1:]
+            == [first.state_dir / "checkpoints" / ckpt.checkpoint_name(1)]
+        ),
+        timeout=120,
+        what="the checkpoint of outer step 1",
+    )
+    link = SyncerLink(syncer_client.SyncerClient(first.url, first.token), island=LATE, replicas=1)
+    try:
+        joined = link.submit(link.join(threading.Event())).result(timeout=60)
+        assert joined.island_tokens == 0 and joined.versions == [1]
+        assert first.status()["islands"][LATE]["joins"] == 1
+        first.proc.kill()
+        first.proc.wait(timeout=60)
+        second = syncer_proc(spec, state_dir=first.state_dir, port=first.port, token=first.token)
+        doc = second.status()
+        assert doc["resumedFrom"].endswith(ckpt.checkpoint_name(1))
+        assert LATE not in doc["islands"]  # the join came after the checkpoint: lost with it
+        # The learner's heartbeat: 404 from the restarted syncer, which the link answers by
+        # joining again (its _heartbeat, as the heartbeat loop calls it).
+        link.progress.update(step=8, tokens=512, loss=4.0, step_time=0.01)
+        state = link.submit(link._heartbeat(0, dict(link.progress), None)).result(timeout=60)
+        assert state is None  # the 404's: no state answered, the join made instead
+        island = second.status()["islands"][LATE]
+        assert island["state"] == protocol.STATE_ACTIVE and island["joins"] == 1
+        assert island["mergedTokens"] == 0  # its frame as at its first join: nothing merged
+        # Its next push is merged by the restarted syncer (K = 1: at once, after the grace).
+        meta = protocol.PushMeta(LATE, 1, 512, 8, 4.0, 0.01, "none")
+        body = encode_tensors(delta_for(tensors, seed=2), "none")
+        result = link.submit(link.sync_fragment(0, body, meta)).result(timeout=120)
+        assert result.outcome == "merged" and not result.restarted, result.outcome
+        assert result.pulled.version == 2
+        last = second.merge_records()[-1]
+        assert [c["island"] for c in last["contributors"]] == [LATE]
+        assert last["tokens"] == 512
+    finally:
+        link.close(leave=False)
+
+
+def test_a_push_before_the_heartbeat_joins_again_and_is_counted_as_taken_back(
+    syncer_proc: Callable[..., SyncerHandle], make_spec: Callable[..., JobSpec]
+) -> None:
+    """The same restart, the late island's push first: answered 404, the link joins again and
+    hands back the syncer's fragment (version 1) marked `restarted`, which the learner counts
+    as a push a restart took back (its steps trained again before the drain); the push after it
+    is merged."""
+    spec = late_spec(make_spec)
+    first = syncer_proc(spec)
+    tensors = asyncio.run(first_merge(first))
+    wait_until(
+        lambda: (
+            ckpt.list_checkpoints(first.state_dir)[-1:]
+            == [first.state_dir / "checkpoints" / ckpt.checkpoint_name(1)]
+        ),
+        timeout=120,
+        what="the checkpoint of outer step 1",
+    )
+    link = SyncerLink(syncer_client.SyncerClient(first.url, first.token), island=LATE, replicas=1)
+    try:
+        link.submit(link.join(threading.Event())).result(timeout=60)
+        first.proc.kill()
+        first.proc.wait(timeout=60)
+        second = syncer_proc(spec, state_dir=first.state_dir, port=first.port, token=first.token)
+        assert LATE not in second.status()["islands"]
+        meta = protocol.PushMeta(LATE, 1, 512, 8, 4.0, 0.01, "none")
+        body = encode_tensors(delta_for(tensors, seed=2), "none")
+        refused = link.submit(link.sync_fragment(0, body, meta)).result(timeout=120)
+        assert refused.outcome == "rejoined the syncer" and refused.restarted
+        assert refused.pulled.version == 1
+        assert second.status()["islands"][LATE]["joins"] == 1
+        again = link.submit(link.sync_fragment(0, body, meta)).result(timeout=120)
+        assert again.outcome == "merged" and again.pulled.version == 2
+    finally:
+        link.close(leave=False)

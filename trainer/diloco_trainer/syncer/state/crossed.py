@@ -1,0 +1,65 @@
+"""Crossed rounds at K = M: rounds that wait for each other's islands (issues 46/47).
+
+A blocking learner (K = M) pushes a fragment, trains τ steps, then waits for that push's merge
+before it trains on to its next sync point. So every island pushes its fragments' rounds in one
+order, and as long as all islands agree on it each round is completed by islands that have
+nothing of theirs pending: the earliest round in that order never waits on another round.
+
+They can disagree: an island left out of one fragment's rounds (refused_runs.py) and let back in
+comes back with its own schedule (its H_i and phase moved while it was out; bench.hetero's CPU
+island at 1,1,1,cpu: fragment 0 pushed before fragment 1 where the others pushed fragment 1
+first). Then fragment 0's round holds the CPU island's push and waits for the fast islands',
+while fragment 1's holds the fast islands' and waits for the CPU island's, and each island waits
+for the merge of the round it pushed to. Nothing merges until a learner's wait budget runs out
+(3 x the recent push-to-merge time, so each such wait makes the next one longer: 4 s, 14 s,
+then 38 s and about 110 s without a merge in quorum17's run).
+
+The rule: the rounds are *crossed* when there is a set S of open rounds, each holding some push
+and lacking some island it spans, in which every island a round of S lacks has a push pending
+in a round of S. (S is the largest such set: start from every open, incomplete round and drop
+each one that lacks an island with nothing pending in the rounds left, until none drops.) If
+the islands pushed in one order, the round earliest in it lacks only islands with nothing
+pending (they push in that order too), so it drops, then the next, and S is empty: S is
+non-empty only when their orders disagree. Of S, the round holding the most pushes (the lowest
+fragment on a tie) is merged without the islands it lacks, as a round of K - n: their work is
+not lost (their next push to it carries it, one version behind), and the merge lets those
+waiting for it push on, which undoes the crossing (their order and the others' agree again).
+
+Only at K = M with blocking learners (RoundPolicy.learners_block): at K < M a quorum of K ends
+every round anyway. And only once S has held for the grace window plus one step of the slowest
+island the chosen round lacks (SyncState.merge_due): two pushes of one island sent back to
+back may arrive out of order and cross the rounds for the moment between them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence, Set
+
+
+def crossed_rounds(pending: Sequence[Set[str]], spanned: Set[str]) -> frozenset[int]:
+    """The fragments of the largest set of crossed rounds (module docstring): `pending[f]` the
+    islands with a push in fragment f's open round, `spanned` the islands every round waits
+    for (active, not left out, drained or untargeted). Empty when no round is crossed."""
+    crossed = {f for f, p in enumerate(pending) if p and spanned - p}
+    while crossed:
+        holders = set().union(*(pending[f] for f in crossed))
+        keep = {f for f in crossed if spanned - pending[f] <= holders}
+        if keep == crossed:
+            break
+        crossed = keep
+    return frozenset(crossed)
+
+
+def round_to_close(crossed: Set[int], pending: Sequence[Set[str]]) -> int | None:
+    """Of crossed rounds, the one merged without the islands it lacks: the most pushes, the
+    lowest fragment on a tie (None when none is crossed)."""
+    if not crossed:
+        return None
+    return min(crossed, key=lambda f: (-len(pending[f]), f))
+
+
+def crossed_wait(grace: float, step_times: Mapping[str, float | None], lacking: Set[str]) -> float:
+    """How long the chosen round must stay crossed before it merges: the grace window plus the
+    longest step time (as last reported; unknown counts 0) of the islands it lacks."""
+    steps = [step_times.get(n) or 0.0 for n in lacking]
+    return grace + max(steps, default=0.0)
