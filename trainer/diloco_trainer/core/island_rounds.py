@@ -59,11 +59,16 @@ A longer round also needs the reading to have outgrown the one that set the curr
 (IslandRound.anchor, outgrown): below the ceiling at K = M a round moves down on any reading that
 says it is late (late_is_beyond) and, at a few steps, back up on one only 1.15x faster, and under
 load a 3x island's H_i went 20, 6, 4, 3, 5, 3 within 30 s (bench/hetero, load 12).
+A regular reading is judged with the island's last RECENT_READINGS regular readings
+(judged_ratio): at K = M a longer round needs the slowest of them to allow it, at K < M a round
+follows their lower median (hetero18: a CPU island's load-driven step time, read one reading at
+a time, moved its H_i 9-13 times a run).
 An island that slows down for good mid-job (a preempted node replaced by an older one) so gets
-its smaller round two readings after its first slow one. No single reading moves a round, an
-island's first included (issue 47: with inner.stepsPerIsland auto, tests/e2e/
-test_fsdp_island.py's identical FSDP bf16 islands of a job of two were cut under load, island-1
-to 2 of 10 on its probe at step 2 and island-0 to 5 on its first regular reading at step 10).
+its smaller round at its second slow reading at K = M (at K < M its fourth: three of five).
+No single reading moves a round, an island's first included (issue 47: with
+inner.stepsPerIsland auto, tests/e2e/test_fsdp_island.py's identical FSDP bf16 islands of a job
+of two were cut under load, island-1 to 2 of 10 on its probe at step 2 and island-0 to 5 on its
+first regular reading at step 10).
 
 A slow island's first round is still short: a mixed job's slow islands start at H, and at K = M
 every fast island waits for each of their long rounds until they change
