@@ -895,3 +895,23 @@ def test_a_slow_island_cut_at_its_probe_stays_cut_on_readings_beyond_hs_band() -
     for quorum, cut in ((1, 20), (4, 18)):
         changes = _steps_to_rounds(4, 30, [fast, fast, fast, slow], quorum=quorum)
         assert changes == {0: [], 1: [], 2: [], 3: [(5, cut)]}
+
+
+def test_a_reading_that_restores_a_probes_cut_is_read_alone_not_with_the_last_five() -> None:
+    """K = 1, H = 30, four islands, the fast three at 1.0 s. Island-3:
+    - 2.0 (its probe, all four reporting): target 15 <= half of 30: cut to 15, the round cut
+      (30) kept, its check 12 steps on.
+    - 2.0 (its check: target 15, within 15's band, not within 30's, down to 20.43): stays.
+    - 2.0, 2.0 (regular readings; the last five [2.0] and [2.0, 2.0]): stays.
+    - 1.1, 1.1: target 27, within 30's band (restores_cut): read alone, as before the last five
+      (the lower median of [2.0, 2.0, 1.1] is 2.0, target 15, which would hold the cut a
+      reading longer): one pending, then back to 30, the round cut."""
+    sizes, recs = _job_of_four(30, quorum=1)
+    for i in range(3):
+        recs[i].step_time = 1.0
+    sizes.joined(recs[3])
+    readings = [2.0, 2.0, 2.0, 2.0, 1.1, 1.1, 1.1]
+    schedule = [
+        _report(sizes, recs, 3, r, 2 + 20 * k, now=30.0 * k) for k, r in enumerate(readings)
+    ]
+    assert schedule == [15, 15, 15, 15, 15, 30, 30]

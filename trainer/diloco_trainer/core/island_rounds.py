@@ -652,8 +652,9 @@ def judged_ratio(recent: Sequence[float], *, room: float, longer: bool) -> float
     slowest of them allows (and outgrown of the reading that set its round, as before). At K < M
     no one waits for a push and nothing fills: its round follows the median of its last
     readings, which one or two seconds of load do not move (a lasting slowdown moves it once
-    three of the five read it, two readings later than one reading at a time did). Probes and
-    checks are read alone, as before (their steps are clear of any earlier reading).
+    three of the five read it, two readings later than one reading at a time did). Probes,
+    checks and a reading that sends a probe's cut back (restores_cut: the cut rested on
+    start-up steps) are read alone, as before.
 
     >>> judged_ratio([3.6, 4.8, 3.0], room=0.1, longer=True)  # K = M, for a longer round
     4.8

@@ -193,10 +193,13 @@ class RoundSizes:
             return
         else:
             recent = remembered(current.recent, ratio)
-            # a reading that sends a probe's cut back (restores_cut) is read alone, as before:
-            # the cut rested on start-up steps
-            longer = target > current.steps and not restores_cut(current, target)
-            judged = judged_ratio(recent, room=self.room, longer=longer)
+            judged = (
+                # a reading that sends a probe's cut back (restores_cut) is read alone, as
+                # before: the cut rested on start-up steps
+                ratio
+                if restores_cut(current, target)
+                else judged_ratio(recent, room=self.room, longer=target > current.steps)
+            )
             self.last_rule = "regular reading"
             if judged != ratio:
                 self.last_rule += f" judged at {judged:.3f}x, its last {len(recent)}"
