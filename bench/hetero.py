@@ -12,13 +12,15 @@ The mixed-speed runs get 1.5x the budget so that they can reach the target. Figu
 - wall time to the target loss (from the start of the processes; the first evaluation at or
   below it, interpolated between evaluations), against the fast islands alone;
 - eval loss at the equal-speed run's token budget (interpolated over merged tokens);
-- each island's utilisation (inner steps x its step time / wall time, from the first merge
-  until 80% of the budget is merged; the steps from the tokens it reports consumed, so that
-  fill steps, which move no schedule position, count), the fast islands' against the
-  equal-speed run's;
+- each island's utilisation (its inner steps over the steps its measured speed could take,
+  from the first merge until 80% of the budget is merged; the steps from the tokens it reports
+  consumed, so that fill steps, which move no schedule position, count), the fast islands'
+  against the equal-speed run's;
 - each island's share of merged tokens against its share of compute, read from its measured
-  step time in the same run ((1 / t_i) / sum_j (1 / t_j): an emulated 3x island runs slower than
-  3x on a shared machine, bench/harness/hetero_figures.py).
+  speed in the same run (the time-mean of 1 / its reported step time t_i, measure.rate_of;
+  shares (1 / t_i) / sum_j (1 / t_j): an emulated 3x island runs slower than 3x on a shared
+  machine, bench/harness/hetero_figures.py);
+- each island's H_i moves (the syncer's log: how often its round changed).
 --repeats N runs the equal-speed baseline and the mixed runs N times, interleaved, and judges the
 fast islands' utilisation against the baselines' mean with its 95% interval (and the time to
 target against the mean of the fast islands alone, run each repeat too).
@@ -109,9 +111,10 @@ from bench.harness.hetero_figures import (
     compute_shares,
     kept_utilisation,
     repeats_to_resolve,
+    round_paths,
     speed_ratios,
 )
-from bench.harness.measure import StatusSampler, ours_islands, torchft_replica
+from bench.harness.measure import IslandWindow, StatusSampler, ours_islands, torchft_replica
 from bench.harness.merge_waits import run_waits
 from bench.harness.ours_harness import OursRun
 from bench.harness.peer_training import read_progress
@@ -199,11 +202,23 @@ def run_one(args: Any, spec: JobSpec, speeds: list[float], wd: Path) -> dict[str
     waits = run_waits(wd, names) if spec.sync.quorum >= len(speeds) else None
     islands = final.get("islands", {})
     merged = {n: float(islands.get(n, {}).get("mergedTokens") or 0) for n in names}
+    syncer_log = wd / "syncer.log"
+    text = syncer_log.read_text(errors="replace") if syncer_log.exists() else ""
+
+    def window(n: str) -> IslandWindow:
+        return windows.get(n, IslandWindow(0.0, 0.0))
+
     return {
         "started": started,
         "evals": [e for e in final.get("evalHistory", []) if e.get("evalLoss") is not None],
-        "utilisation": {n: windows[n].utilisation if n in windows else 0.0 for n in names},
-        "step_time": {n: windows[n].step_time if n in windows else 0.0 for n in names},
+        # Speed, compute share and utilisation from the time-mean of 1 / stepTime (measure.
+        # rate_of): "step_time" is the step time of that speed; the time-mean of stepTime and
+        # the utilisation it gives (capped at 1), hetero17's reading, are kept beside them.
+        "utilisation": {n: window(n).busy for n in names},
+        "step_time": {n: 1 / window(n).speed if window(n).speed > 0 else 0.0 for n in names},
+        "mean_step_time": {n: window(n).step_time for n in names},
+        "mean_utilisation": {n: window(n).utilisation for n in names},
+        "rounds": round_paths(text, names),
         "merged": merged,
         "inner_steps": {n: islands.get(n, {}).get("innerSteps") for n in names},
         "final_loss": float(final["evalLoss"]),
@@ -581,6 +596,8 @@ def report(
             "utilisation per island",
             "measured step time per island / fast islands'",
             "merged-token share / measured compute share per island",
+            "the same by the time-mean step time (hetero17's reading)",
+            "H_i moves per island (path of the most moved)",
             "K = M merges' waits for each island alone",
         ],
     )
@@ -595,6 +612,13 @@ def report(
             ratio(r["merged"][n] / total_merged, c)
             for n, c in zip(islands, compute_shares(steps), strict=True)
         ]
+        mean_steps = [r.get("mean_step_time", r["step_time"])[n] for n in islands]
+        mean_shares = [
+            ratio(r["merged"][n] / total_merged, c)
+            for n, c in zip(islands, compute_shares(mean_steps), strict=True)
+        ]
+        paths = r.get("rounds") or {n: [] for n in islands}
+        moved = max(islands, key=lambda n: len(paths[n]))
         loss = loss_at(r["evals"], budget)
         by_key.setdefault(key, []).append(
             {
@@ -623,6 +647,9 @@ def report(
             " ".join(fmt_pct(r["utilisation"][n]) for n in islands),
             " ".join(fmt_ratio(x, 2) for x in speed_ratios(steps, speeds)),
             " ".join(fmt_ratio(x, 2) for x in shares),
+            " ".join(fmt_ratio(x, 2) for x in mean_shares),
+            " ".join(str(max(0, len(paths[n]) - 1)) for n in islands)
+            + (f" ({' '.join(map(str, paths[moved]))})" if paths[moved] else ""),
             "-" if r["waits"] is None else " ".join(f"{r['waits'][n]:.2f}s" for n in islands),
         )
     targets = Table("Targets (issue 47)", ["target", "figure", "verdict"])
@@ -852,14 +879,18 @@ NOTES = [
     "Time to target counts from the processes' start (start-up is the same in every run).",
     "The equal-tokens loss of the mixes is at the equal-speed run's budget of merged tokens; "
     "the target loss is the mean final loss of the equal-speed runs.",
-    "Measured step time: the time-mean of an island's reported stepTime (its learner's "
+    "Measured speed: the time-mean of 1 / an island's reported stepTime (its learner's "
     "average inner-step wall time, the slowdown's sleep included) over the window from the "
-    "first merge to 80% of the budget, sampled each second; shown over the mean of the "
-    "fast (factor 1) islands' in the same run. Measured compute share: (1 / t_i) / "
-    "sum_j (1 / t_j) (bench/harness/hetero_figures.py); merged tokens over the whole run.",
+    "first merge to 80% of the budget, sampled each second: the steps a second it could take "
+    "never waiting (bench/harness/measure.rate_of); its measured step time is 1 / that, shown "
+    "over the mean of the fast (factor 1) islands' in the same run. Measured compute share: "
+    "(1 / t_i) / sum_j (1 / t_j) (bench/harness/hetero_figures.py); merged tokens over the "
+    "whole run. Until hetero18 t_i was the time-mean of stepTime, which under-reads the speed "
+    "of an island whose step time moves (1 / mean(t) < mean(1 / t)): its share by that "
+    "reading is the column beside.",
     "Utilisation: an island's steps in the window (the tokens it reports consumed over tokens "
-    "a step: fill steps count, which its reported step, the schedule position, leaves out) x "
-    "its measured step time / the window's wall time. "
+    "a step: fill steps count, which its reported step, the schedule position, leaves out) "
+    "over the steps its measured speed could take in it (not capped at 100%). "
     "Fast islands' utilisation: each mixed run's mean over the factor-1 islands, over the "
     "mean of the equal-speed baselines'; with --repeats the verdict reads the 95% interval "
     "of the ratio of the means (variance pooled from both sides, Student's t): met when the "

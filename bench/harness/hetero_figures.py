@@ -22,6 +22,7 @@ ratio is at or above it, MISSED only when the whole interval is below it, else n
 from __future__ import annotations
 
 import math
+import re
 import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -29,6 +30,31 @@ from dataclasses import dataclass
 from bench.harness.adversary_report import T95, T95_MORE
 
 KEPT_TARGET = 0.97  # issue 47: fast islands keep >= 97% of their equal-speed utilisation
+
+# The syncer's log line for a round's change (syncer/service/island_calls.py's heartbeat).
+_ROUND = re.compile(r"(\S+): rounds of (\d+) inner steps \(was (\d+)\)")
+
+
+def round_paths(syncer_log: str, names: Sequence[str]) -> dict[str, list[int]]:
+    """Each island's H_i over a run from the syncer's log: its first round (the first line's
+    `was`), then every round it changed to; a probe's line that changed nothing adds none. An
+    island with no line: an empty path (its round never moved from the spec's).
+
+    >>> line = "x: island-1: rounds of {} inner steps (was {}) at ..."
+    >>> log = "\\n".join(line.format(*p) for p in [(20, 50), (20, 20), (30, 20)])
+    >>> round_paths(log, ["island-0", "island-1"])
+    {'island-0': [], 'island-1': [50, 20, 30]}
+    """
+    paths: dict[str, list[int]] = {n: [] for n in names}
+    for m in _ROUND.finditer(syncer_log):
+        name, now, was = m[1], int(m[2]), int(m[3])
+        if name not in paths or now == was:
+            continue
+        path = paths[name]
+        if not path:
+            path.append(was)
+        path.append(now)
+    return paths
 
 
 def compute_shares(step_times: Sequence[float]) -> list[float]:

@@ -73,6 +73,11 @@ class IslandWindow:
     steps_per_s: float
     utilisation: float  # time in inner steps / wall time
     step_time: float = 0.0  # the time-mean of its reported step time over the window (s)
+    # The steps a second it could take over the window, never waiting: the time-mean of the
+    # inverse of its reported step time (rate_of). 0.0 without a step time.
+    speed: float = 0.0
+    # Its steps over those it could take (steps_per_s / speed), not capped at 1.
+    busy: float = 0.0
 
 
 def ours_islands(
@@ -114,8 +119,35 @@ def islands_over(
             if name in st["islands"] and st["islands"][name].get("stepTime")
         ]
         step_time = sum(times) / len(times) if times else 0.0
-        out[name] = IslandWindow(d_steps / dt, min(1.0, d_steps * step_time / dt), step_time)
+        speed = rate_of(times)
+        out[name] = IslandWindow(
+            d_steps / dt,
+            min(1.0, d_steps * step_time / dt),
+            step_time,
+            speed=speed,
+            busy=d_steps / dt / speed if speed > 0 else 0.0,
+        )
     return out
+
+
+def rate_of(step_times: Sequence[float]) -> float:
+    """The steps a second an island could take over a window whose step times (seconds) were
+    sampled at even intervals: the time-mean of 1 / t, not 1 / the time-mean of t.
+
+    Why (issue 47, hetero18): an island whose step time moves with its host's load (a CPU
+    island beside accelerators, 1.2-4.5x the fast islands' within a run) takes in a window
+    the integral of 1 / t(tau) steps, and 1 / mean(t) is less than the mean of 1 / t (Jensen),
+    the more so the more t moves: half the time at 1x and half at 4x, the mean step time 2.5x
+    says 0.4 steps a unit where it could take 0.625. Read by the mean step time its compute
+    share was too low and its utilisation over 100% (capped at 100.0% in every K = M run of
+    hetero17), so its merged-token share read 1.01-1.40x its compute share. A step time of
+    0 s or less is no reading; 0.0 without one.
+
+    >>> rate_of([1.0, 4.0])  # (1 + 0.25) / 2
+    0.625
+    """
+    inverse = [1.0 / t for t in step_times if t > 0]
+    return sum(inverse) / len(inverse) if inverse else 0.0
 
 
 def value_at(records: Sequence[dict[str, Any]], t: float, key: str) -> float:

@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 
 from bench.harness.common import Table
-from bench.harness.measure import islands_over
+from bench.harness.hetero_figures import round_paths
+from bench.harness.measure import islands_over, rate_of
 from bench.harness.merge_waits import pushes_in, waits_alone
 from bench.hetero import (
     CPU,
@@ -214,6 +215,52 @@ def test_utilisation_counts_fill_steps_from_the_tokens_consumed() -> None:
     by_tokens = islands_over(samples, 0.0, 10.0, tokens_per_step=512)["a"]
     assert by_tokens.utilisation == pytest.approx(1.0) and by_tokens.steps_per_s == 20.0
     assert islands_over(samples, 0.0, 10.0)["a"].utilisation == pytest.approx(0.9)
+
+
+def test_a_moving_step_time_is_read_as_a_speed_not_a_mean_step_time() -> None:
+    """A CPU island over 4 s whose step time, sampled each second, reads 0.1, 0.1, 0.4, 0.4,
+    0.1 s (the load rising and falling), 25 steps' tokens (512 a step) consumed. Its speed is
+    the time-mean of 1 / t: (10 + 10 + 2.5 + 2.5 + 10) / 5 = 7.0 steps/s, so 25 steps in 4 s
+    are 25 / (4 x 7.0) = 0.893 of what it could take; by the time-mean step time, 0.22 s
+    (4.5 steps/s), they would be 25 x 0.22 / 4 = 1.375, capped at 1.0 (hetero17's reading: the
+    island looked slower than it ran, and its merged-token share above its compute share)."""
+
+    def status(tokens: int, step_time: float) -> dict[str, object]:
+        return {"islands": {"c": {"step": 0, "tokens": tokens, "stepTime": step_time}}}
+
+    samples = [
+        (0.0, status(0, 0.1)),
+        (1.0, status(5_120, 0.1)),
+        (2.0, status(6_400, 0.4)),
+        (3.0, status(7_680, 0.4)),
+        (4.0, status(12_800, 0.1)),
+    ]
+    w = islands_over(samples, 0.0, 4.0, tokens_per_step=512)["c"]
+    assert w.speed == pytest.approx(7.0)
+    assert w.busy == pytest.approx(0.892857, abs=1e-6)  # it waited a little
+    assert w.step_time == pytest.approx(0.22)  # the time-mean step time
+    assert w.utilisation == 1.0  # 25 x 0.22 / 4 = 1.375, capped
+    assert rate_of([0.1, 0.1, 0.4, 0.4]) == pytest.approx(6.25)
+    assert rate_of([0.0, 0.5]) == pytest.approx(2.0)  # a 0 s step time is no reading
+    assert rate_of([]) == 0.0
+
+
+def test_an_islands_round_path_is_read_from_the_syncers_log() -> None:
+    """The syncer logs a round's change and every probe's reading; only changes make the path,
+    whose first entry is the round before the first change."""
+    log = "\n".join(
+        [
+            "2026 INFO island-1: rounds of 50 inner steps (was 50) at its step 3, step time",
+            "2026 INFO island-1: rounds of 17 inner steps (was 50) at its step 14, step time",
+            "2026 INFO island-0: rounds of 50 inner steps (was 50) at its step 3, step time",
+            "2026 INFO island-1: rounds of 12 inner steps (was 17) at its step 40, step time",
+            "2026 INFO island-1: rounds of 20 inner steps (was 12) at its step 90, step time",
+        ]
+    )
+    assert round_paths(log, ["island-0", "island-1"]) == {
+        "island-0": [],
+        "island-1": [50, 17, 12, 20],
+    }
 
 
 def test_emulated_islands_step_their_speed_factor_times_t_and_skip_the_fast_alone() -> None:

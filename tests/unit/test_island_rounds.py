@@ -13,6 +13,7 @@ from diloco_trainer.core.island_rounds import (
     AGE_STEPS,
     CHECK_STEPS,
     JOIN_LOAD_RATIO,
+    RECENT_READINGS,
     IslandRound,
     RoundLimits,
     StepTimeReport,
@@ -23,6 +24,7 @@ from diloco_trainer.core.island_rounds import (
     eager_down,
     first_reading_now,
     in_band,
+    judged_ratio,
     late_is_beyond,
     next_round,
     outgrown,
@@ -30,6 +32,7 @@ from diloco_trainer.core.island_rounds import (
     probe_readings,
     probe_step_time,
     reference_step_time,
+    remembered,
     report_weight,
     restores_cut,
     sized_steps,
@@ -626,3 +629,22 @@ def test_a_reading_within_the_band_of_the_round_a_probe_cut_sends_it_back() -> N
     # reading within 17's band: no move
     assert not restores_cut(cut, 20)
     assert next_round(cut, 20, ratio=1.5).pending == 0
+
+
+def test_a_regular_reading_is_judged_with_the_last_five() -> None:
+    """judged_ratio (hetero18): the last RECENT_READINGS = 5 regular readings, the latest last;
+    at K = M the reading itself, or for a longer round the slowest of them; at K < M their
+    lower median."""
+    assert RECENT_READINGS == 5
+    recent: tuple[float, ...] = ()
+    for r in (3.0, 1.2, 4.5, 1.1, 2.0, 1.3):
+        recent = remembered(recent, r)
+    assert recent == (1.2, 4.5, 1.1, 2.0, 1.3)  # the first 3.0 has left
+    assert judged_ratio(recent, room=0.1, longer=True) == 4.5  # the slowest
+    assert judged_ratio(recent, room=0.1, longer=False) == 1.3  # the reading itself
+    # K < M: sorted 1.1, 1.2, 1.3, 2.0, 4.5 -> 1.3; of four, 1.1, 1.2, 2.0, 4.5 -> the lower 1.2
+    assert judged_ratio(recent, room=0.0, longer=True) == 1.3
+    assert judged_ratio((1.2, 4.5, 1.1, 2.0), room=0.0, longer=False) == 1.2
+    assert judged_ratio((2.5,), room=0.0, longer=False) == 2.5
+    with pytest.raises(ValueError):
+        judged_ratio((), room=0.1, longer=False)

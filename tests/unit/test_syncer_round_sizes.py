@@ -174,15 +174,25 @@ def test_the_budget_is_split_once_a_round_moves_and_stays_split() -> None:
     for now in (0.0, 30.0, 60.0, 90.0):
         sizes.read(recs[3], recs, now=now)
     assert sizes.steps_of(recs[3], recs[3].name) == 30 and not sizes.split
-    # island-3 slows to 3 s: target 10, beyond the band twice in a row -> 10, and split
+    # island-3 slows to 3 s (K < M: a regular reading is judged at the lower median of its last
+    # five, core/island_rounds.judged_ratio): [1.3 x 3, 3.0] and [1.3 x 3, 3.0 x 2] read 1.3,
+    # target 23, in the band; [1.3 x 2, 3.0 x 3] reads 3.0, target 10, beyond: one pending;
+    # [1.3, 3.0 x 4] the second in a row -> 10, and split
     recs[3].step_time = 3.0
     sizes.read(recs[3], recs, now=120.0)
     sizes.read(recs[3], recs, now=150.0)
+    assert sizes.steps_of(recs[3], recs[3].name) == 30 and not sizes.split
+    sizes.read(recs[3], recs, now=180.0)
+    sizes.read(recs[3], recs, now=210.0)
     assert sizes.steps_of(recs[3], recs[3].name) == 10 and sizes.split
-    # it recovers (target 30, confirmed after the cooldown): its round is H again, still split
+    # it recovers: [3.0 x 4, 1.0] and [3.0 x 3, 1.0 x 2] read 3.0; [3.0 x 2, 1.0 x 3] reads 1.0,
+    # target 30 (outgrown of 3.0 and after the cooldown's three readings): one pending; the next
+    # takes it: its round is H again, still split
     recs[3].step_time = 1.0
-    for now in (180.0, 210.0, 240.0, 270.0):
+    for now in (240.0, 270.0, 300.0):
         sizes.read(recs[3], recs, now=now)
+    assert sizes.steps_of(recs[3], recs[3].name) == 10
+    sizes.read(recs[3], recs, now=330.0)
     assert sizes.steps_of(recs[3], recs[3].name) == 30 and sizes.split
 
 
@@ -619,18 +629,91 @@ def test_at_k_equals_m_a_slow_islands_noisy_readings_do_not_oscillate() -> None:
       Before: taken at the third, 5; then 4.8 x 3 late again (sized 3 < 5): 3; then 5 again.
       Now 3.6 x 1.4 = 5.04 > 4.8: not faster than the reading that set 3 beyond the band,
       no reading for a longer round; 4.8 (target 4, sized 3) leaves 3.
-    - 3.0 x 2 (a real speed-up: 3.0 x 1.4 = 4.2 <= 4.8): target 6, sized floor(6.0) = 6, two
-      in a row: 6."""
+    - 3.0 x 2: target 6, but a reading for a longer round is judged at the slowest of the
+      island's last five regular readings (core/island_rounds.judged_ratio; the probe and the
+      4.1, its check, are read alone): 3.6 of [3.6 x 3, 3.0 x 2], target 5, not outgrown of
+      4.8. Before hetero18 the second 3.0 took it to 6.
+    - 3.0 x 4 more (a real speed-up, 3.0 x 1.4 = 4.2 <= 4.8): the slowest of the last five is
+      3.6 until the fifth 3.0 in a row; then target 6, sized floor(6.67 x 0.9) = 6, one pending,
+      and the sixth 3.0 takes it: 6."""
     sizes, recs = _job_of_four(20, quorum=4)
     for i in range(3):
         recs[i].step_time = 1.0
     slow = recs[3]
     sizes.joined(slow)
-    readings = [3.3, 4.1, 4.8, 4.8, 4.8, 3.6, 3.6, 3.6, 4.8, 4.8, 4.8, 3.6, 3.6, 3.6, 3.0, 3.0]
+    readings = [3.3, 4.1, 4.8, 4.8, 4.8, 3.6, 3.6, 3.6, 4.8, 4.8, 4.8, 3.6, 3.6, 3.6]
+    readings += [3.0] * 6
     schedule = [
         _report(sizes, recs, 3, r, 2 + 20 * k, now=20.0 * k) for k, r in enumerate(readings)
     ]
-    assert schedule == [6, 4, 4, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 6]
+    assert schedule == [6, 4, 4, 3, *[3] * 15, 6]
+
+
+def test_at_k_equals_m_a_cpu_island_keeps_the_round_of_its_slow_spells() -> None:
+    """A job of two at K = M = 2, H = 50 (floor 7), the fast island at 1.0 s (the reference:
+    the fastest of two claims); a CPU island whose step time follows its host's load, read once
+    a reference round (50 s), as hetero17's did (1.2-4.5x).
+    - 3.0 (its first report: a job of two's probe is no reading, it starts the clock).
+    - 3.0, 3.0: target floor(50 / 3) = 16, below 50's band (50 / 1.4 - 1 = 34.7), twice: cut
+      to the sized round floor(16.67 x 0.9) = 15 (anchor 3.0; its first move by a reading at
+      K = M: one reading down left pending, eager_down).
+    - 1.2, 1.2 (a quiet second or two): target 41. Judged one at a time (before hetero18) that
+      is beyond 15's band (up to 21) and outgrown of 3.0 (1.2 x 1.4 <= 3.0), and the second
+      took it to sized floor(41.67 x 0.9) = 37; the next 3.0, 3.0 (target 16, sized 15 < 37,
+      late) took it back to 15: two moves for nothing, and the fast island waited for each
+      37-step round that the load caught. Now a reading for a longer round is judged at the
+      slowest of the last five: 3.0 (of [3.0, 3.0, 1.2] and [3.0, 3.0, 1.2, 1.2]), target 16,
+      within 15's band: it stays 15, and 3.0, 3.0 leave it there.
+    - 1.2 x 6 (a real speed-up): the last five hold a 3.0 until the fifth 1.2 in a row; then
+      the slowest is 1.2: target 41, sized 37, one pending, and the sixth takes it: 37."""
+    spec = parse_spec(
+        {
+            "inner": {"steps": 50, "stepsPerIsland": "auto"},
+            "islands": {"count": 2},
+            "sync": {"quorum": 2},
+        }
+    )
+    sizes = RoundSizes(spec)
+    recs = _islands([1.0, 3.0])
+    for rec in recs:
+        sizes.joined(rec)
+    readings = [3.0, 3.0, 3.0, 1.2, 1.2, 3.0, 3.0, *[1.2] * 6]
+    schedule = [
+        _report(sizes, recs, 1, r, 2 + 50 * k, now=50.0 * k) for k, r in enumerate(readings)
+    ]
+    assert schedule == [50, 50, 15, 15, 15, 15, 15, *[15] * 5, 37]
+
+
+def test_at_k_below_m_a_round_follows_the_median_of_the_last_five_readings() -> None:
+    """The same job at K = 1 (no room, no eager moves down; a change needs two readings in a
+    row beyond the band and three since the last, core/island_rounds.next_round) and the same
+    CPU island; a regular reading is judged at the lower median of its last five.
+    - 3.0 (its clock starts), then 3.0, 3.0: [3.0] and [3.0, 3.0] read 3.0, target 16, below
+      50's band twice: 16 (anchor 3.0; the cooldown starts). 3.0 x 3 more: in the band.
+    - 1.2, 1.2 (a quiet spell): [3.0 x 4, 1.2] and [3.0 x 3, 1.2 x 2] read 3.0: it stays 16.
+      Read one at a time (before hetero18) they were target 41, beyond 16's band and outgrown
+      of 3.0, past the cooldown: 41 at the second; then 3.0 x 3 took it back to 16 at the
+      third (the cooldown): 50 50 16 16 16 16 16 41 41 41 16.
+    - 3.0 x 3: [3.0 x 2, 1.2 x 2, 3.0] and on read 3.0: 16.
+    - 6.0 x 4 (a lasting slowdown): [1.2, 3.0 x 3, 6.0] and [3.0 x 3, 6.0 x 2] read 3.0;
+      [3.0 x 2, 6.0 x 3] reads 6.0, target floor(50 / 6) = 8, below 16's band (16 / 1.4 - 1 =
+      10.4): one pending; the fourth 6.0 takes it: 8 (one at a time: at the third, 8)."""
+    spec = parse_spec(
+        {
+            "inner": {"steps": 50, "stepsPerIsland": "auto"},
+            "islands": {"count": 2},
+            "sync": {"quorum": 1},
+        }
+    )
+    sizes = RoundSizes(spec)
+    recs = _islands([1.0, 3.0])
+    for rec in recs:
+        sizes.joined(rec)
+    readings = [*[3.0] * 6, 1.2, 1.2, 3.0, 3.0, 3.0, *[6.0] * 4]
+    schedule = [
+        _report(sizes, recs, 1, r, 2 + 50 * k, now=50.0 * k) for k, r in enumerate(readings)
+    ]
+    assert schedule == [50, 50, *[16] * 12, 8]
 
 
 def _k4(inner_steps: int = 10) -> RoundSizes:
@@ -812,3 +895,23 @@ def test_a_slow_island_cut_at_its_probe_stays_cut_on_readings_beyond_hs_band() -
     for quorum, cut in ((1, 20), (4, 18)):
         changes = _steps_to_rounds(4, 30, [fast, fast, fast, slow], quorum=quorum)
         assert changes == {0: [], 1: [], 2: [], 3: [(5, cut)]}
+
+
+def test_a_reading_that_restores_a_probes_cut_is_read_alone_not_with_the_last_five() -> None:
+    """K = 1, H = 30, four islands, the fast three at 1.0 s. Island-3:
+    - 2.0 (its probe, all four reporting): target 15 <= half of 30: cut to 15, the round cut
+      (30) kept, its check 12 steps on.
+    - 2.0 (its check: target 15, within 15's band, not within 30's, down to 20.43): stays.
+    - 2.0, 2.0 (regular readings; the last five [2.0] and [2.0, 2.0]): stays.
+    - 1.1, 1.1: target 27, within 30's band (restores_cut): read alone, as before the last five
+      (the lower median of [2.0, 2.0, 1.1] is 2.0, target 15, which would hold the cut a
+      reading longer): one pending, then back to 30, the round cut."""
+    sizes, recs = _job_of_four(30, quorum=1)
+    for i in range(3):
+        recs[i].step_time = 1.0
+    sizes.joined(recs[3])
+    readings = [2.0, 2.0, 2.0, 2.0, 1.1, 1.1, 1.1]
+    schedule = [
+        _report(sizes, recs, 3, r, 2 + 20 * k, now=30.0 * k) for k, r in enumerate(readings)
+    ]
+    assert schedule == [15, 15, 15, 15, 15, 30, 30]

@@ -59,11 +59,16 @@ A longer round also needs the reading to have outgrown the one that set the curr
 (IslandRound.anchor, outgrown): below the ceiling at K = M a round moves down on any reading that
 says it is late (late_is_beyond) and, at a few steps, back up on one only 1.15x faster, and under
 load a 3x island's H_i went 20, 6, 4, 3, 5, 3 within 30 s (bench/hetero, load 12).
+A regular reading is judged with the island's last RECENT_READINGS regular readings
+(judged_ratio): at K = M a longer round needs the slowest of them to allow it, at K < M a round
+follows their lower median (hetero18: a CPU island's load-driven step time, read one reading at
+a time, moved its H_i 9-13 times a run).
 An island that slows down for good mid-job (a preempted node replaced by an older one) so gets
-its smaller round two readings after its first slow one. No single reading moves a round, an
-island's first included (issue 47: with inner.stepsPerIsland auto, tests/e2e/
-test_fsdp_island.py's identical FSDP bf16 islands of a job of two were cut under load, island-1
-to 2 of 10 on its probe at step 2 and island-0 to 5 on its first regular reading at step 10).
+its smaller round at its second slow reading at K = M (at K < M its fourth: three of five).
+No single reading moves a round, an island's first included (issue 47: with
+inner.stepsPerIsland auto, tests/e2e/test_fsdp_island.py's identical FSDP bf16 islands of a job
+of two were cut under load, island-1 to 2 of 10 on its probe at step 2 and island-0 to 5 on its
+first regular reading at step 10).
 
 A slow island's first round is still short: a mixed job's slow islands start at H, and at K = M
 every fast island waits for each of their long rounds until they change
@@ -183,6 +188,10 @@ AGE_STEPS = 10
 # every claim, aged or not, is read at once (clear_of_join_load): beyond what a join's load
 # made identical islands read.
 JOIN_LOAD_RATIO = 4.0
+# A regular reading is judged with the island's last this many regular readings (judged_ratio):
+# at K = M a longer round needs the slowest of them to ask for it, at K < M a round follows
+# their median (odd: a reading's own value).
+RECENT_READINGS = 5
 
 
 def reference_step_time(step_times: Sequence[float]) -> float | None:
@@ -434,6 +443,9 @@ class IslandRound:
     # reading, sends it back there when it reads the island within that round's band
     # (restores_cut)
     cut_from: int | None = None
+    # Its last RECENT_READINGS regular readings' t_i / t_ref, the latest last (remembered): a
+    # regular reading is judged with them (judged_ratio)
+    recent: tuple[float, ...] = ()
 
 
 def in_band(steps: int, target: int) -> bool:
@@ -615,6 +627,47 @@ def next_round(
             return IslandRound(target, direction, COOLDOWN_READINGS, fresh=False, anchor=ratio)
         return IslandRound(target, 0, 0, fresh=False, anchor=ratio)
     return IslandRound(current.steps, pending, since, fresh=False, anchor=current.anchor)
+
+
+def remembered(recent: Sequence[float], ratio: float) -> tuple[float, ...]:
+    """An island's last RECENT_READINGS regular readings (t_i / t_ref) after one of `ratio`."""
+    return (*recent, ratio)[-RECENT_READINGS:]
+
+
+def judged_ratio(recent: Sequence[float], *, room: float, longer: bool) -> float:
+    """The step time over the reference (t_i / t_ref) that a regular reading is judged at, from
+    the island's last RECENT_READINGS regular readings `recent` (remembered: the reading itself
+    last). At K = M (`room` > 0): the reading itself, but for a longer round (`longer`: its own
+    target above the island's round) the slowest of them. At K < M: their lower median.
+
+    Why (issue 47, hetero18): a CPU island beside accelerators steps at the pace its host's load
+    allows, 1.1-4.5x the fast islands' within a run, and a reading (its heartbeat's step time,
+    an EMA of its last ten steps or so) says only what the last second's load was. Judged one
+    reading at a time, its round followed the load: at K = M its H_i moved 9-13 times a run
+    (20 14 11 10 15 10 18 42 12 27 15 11 10 against H = 50: up on two fast readings, down on the
+    next two slow ones). At K = M every merge waits for the last push, and the island fills its
+    idle with fill steps (learner/fill_steps.py) that count in its next push, so its round is
+    to fit its slow spells: it moves down on a reading as before (eager_down, late_is_beyond)
+    and up only when its last RECENT_READINGS readings all leave room for it, to the round the
+    slowest of them allows (and outgrown of the reading that set its round, as before). At K < M
+    no one waits for a push and nothing fills: its round follows the median of its last
+    readings, which one or two seconds of load do not move (a lasting slowdown moves it once
+    three of the five read it, two readings later than one reading at a time did). Probes,
+    checks and a reading that sends a probe's cut back (restores_cut: the cut rested on
+    start-up steps) are read alone, as before.
+
+    >>> judged_ratio([3.6, 4.8, 3.0], room=0.1, longer=True)  # K = M, for a longer round
+    4.8
+    >>> judged_ratio([3.6, 4.8, 3.0], room=0.1, longer=False)  # K = M, the reading itself
+    3.0
+    >>> judged_ratio([3.6, 4.8, 3.0, 1.2], room=0.0, longer=False)  # K < M: lower median
+    3.0
+    """
+    if not recent:
+        raise ValueError("judged_ratio needs at least the reading itself")
+    if room > 0:
+        return max(recent) if longer else recent[-1]
+    return statistics.median_low(recent)
 
 
 def late_is_beyond(*, room: float, steps: int, ceiling: int) -> bool:

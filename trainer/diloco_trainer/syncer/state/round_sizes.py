@@ -29,10 +29,13 @@ from diloco_trainer.core.island_rounds import (
     check_round,
     clear_of_join_load,
     eager_down,
+    judged_ratio,
     late_is_beyond,
     next_round,
     probe_readings,
     reference_step_time,
+    remembered,
+    restores_cut,
     sized_steps,
     split_budget,
     target_steps,
@@ -103,6 +106,7 @@ class RoundSizes:
         only against peers' step times aged past this join (_aged)."""
         if rec.round is None:
             rec.round = IslandRound(self.steps_of(rec, rec.name))
+        rec.round = replace(rec.round, recent=())  # a restarted learner's pace is its own again
         self._seen(rec)
         rec.round_read_at = None  # a restarted learner's first steps are warm-up again
         rec.joined_at = now
@@ -158,6 +162,7 @@ class RoundSizes:
         target, sized = self._sizes(rec.step_time, reference)
         late = late_is_beyond(room=self.room, steps=current.steps, ceiling=self.limits.ceiling)
         eager = eager_down(room=self.room)
+        recent = current.recent  # a probe's or a check's reading is read alone
         if rec.round_read_at is None:
             first = self._first_report(
                 rec,
@@ -187,9 +192,21 @@ class RoundSizes:
         elif now - rec.round_read_at < self.limits.inner_steps * reference:
             return
         else:
+            recent = remembered(current.recent, ratio)
+            judged = (
+                # a reading that sends a probe's cut back (restores_cut) is read alone, as
+                # before: the cut rested on start-up steps
+                ratio
+                if restores_cut(current, target)
+                else judged_ratio(recent, room=self.room, longer=target > current.steps)
+            )
             self.last_rule = "regular reading"
-            after = next_round(current, target, sized=sized, late=late, ratio=ratio, eager=eager)
+            if judged != ratio:
+                self.last_rule += f" judged at {judged:.3f}x, its last {len(recent)}"
+                target, sized = self._judged_sizes(current.steps, judged * reference, reference)
+            after = next_round(current, target, sized=sized, late=late, ratio=judged, eager=eager)
         rec.round_read_at = now
+        after = replace(after, recent=recent)
         if current.cut_from is not None and after.steps == current.steps:
             # the round a probe cut stands: its check still awaited (unless this was it), and a
             # later reading within the band of the round cut sends it back (restores_cut)
@@ -219,6 +236,16 @@ class RoundSizes:
                 room=self.room,
             ),
         )
+
+    def _judged_sizes(self, steps: int, own: float, reference: float) -> tuple[int, int]:
+        """_sizes at a regular reading's judged step time `own` (core/island_rounds.
+        judged_ratio). At K = M only a reading for a longer round is judged at its recent
+        slowest, and that never makes it one for a shorter round: a target at or below the
+        round `steps` leaves the round as it is (the current reading did not say late)."""
+        target, sized = self._sizes(own, reference)
+        if self.room > 0 and target <= steps:
+            return steps, steps
+        return target, sized
 
     def _aged(
         self, rec: IslandRecord, members: list[IslandRecord], now: float, reference: float
