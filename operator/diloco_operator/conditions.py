@@ -82,6 +82,10 @@ HEALTH_KINDS = {
     # only, which an honest island of unequal speed far down its cosine can also be
     # (bench/studies/faint_naming.py).
     "islandWorkUnsupported": "IslandWorkUnsupported",
+    # An island's last pushes to a fragment were all refused (a guard that the other islands'
+    # pushes set: the direction check, the learned bound, the work evidence): left out of the
+    # rounds and the quorum until a push of it is accepted, so a K = M job merges without it.
+    "islandLeftOut": "IslandLeftOut",
     # The syncer's quality guard ended the job: its eval loss kept rising above the best it had
     # reached (syncer.qualityGuard; one bad island of two, issue 46). The job's final checkpoint
     # is the best-evaluated one.

@@ -57,6 +57,13 @@ WORK_UNSUPPORTED_MESSAGE = (
     "honest island further down its lr schedule than the other (islands of unequal speed under a "
     "cosine); its status document's health names it"
 )
+LEFT_OUT = "IslandLeftOutOfRounds"
+LEFT_OUT_KIND = "islandLeftOut"  # syncer/state/problems.py
+LEFT_OUT_MESSAGE = (
+    "the syncer reports an island whose last pushes to a fragment were all refused (its status "
+    "document's refusals say why): no round waits for it and no quorum counts it until a push of "
+    "it is accepted, so the other islands merge without it; its status document's health names it"
+)
 EVAL_LOSS_ROSE = "EvalLossRose"
 EVAL_LOSS_ROSE_KIND = "evalLossRose"  # syncer/state/problems.py
 EVAL_LOSS_ROSE_MESSAGE = (
@@ -77,6 +84,7 @@ FAINT_ENDED_MESSAGE = (
 PROBLEM_EVENTS = {
     AT_BOUND_KIND: (AT_BOUND, AT_BOUND_MESSAGE),
     WORK_UNSUPPORTED_KIND: (WORK_UNSUPPORTED, WORK_UNSUPPORTED_MESSAGE),
+    LEFT_OUT_KIND: (LEFT_OUT, LEFT_OUT_MESSAGE),
     EVAL_LOSS_ROSE_KIND: (EVAL_LOSS_ROSE, EVAL_LOSS_ROSE_MESSAGE),
     FAINT_ENDED_KIND: (FAINT_ENDED, FAINT_ENDED_MESSAGE),
 }

@@ -12,10 +12,14 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from diloco_operator.conditions import syncer_health
+from diloco_operator.refusals import PROBLEM_EVENTS
 from diloco_trainer.api import protocol
 from diloco_trainer.syncer.intake import guards
 from diloco_trainer.syncer.intake.refused_runs import REFUSED_RUN, RefusedRuns
+from diloco_trainer.syncer.state.problems import LEFT_OUT
 
+from .observations import syncer_view
 from .test_rounds import make_state, push
 from .test_syncer import FakeClock, body, make_spec, run, started
 from .test_syncer_work_evidence import filled, merge_log
@@ -101,6 +105,7 @@ def test_syncer_k_equals_m_merges_past_an_island_the_direction_check_refuses(
                 assert answer["accepted"], answer
             for n in range(1, REFUSED_RUN + 1):
                 assert syncer.state.effective_quorum() == 3 and syncer.state.versions == [0], n
+                assert LEFT_OUT not in syncer.health.problems, n  # two refusals: a blip
                 with pytest.raises(guards.ContributionRefused) as err:
                     await syncer.receive_push(0, body(syncer, 0, "island-2", against))
                 assert err.value.code == protocol.ERROR_NORM_OUTLIER
@@ -113,12 +118,21 @@ def test_syncer_k_equals_m_merges_past_an_island_the_direction_check_refuses(
             assert last["complete"] is True
             assert syncer.state.membership.islands["island-2"].state == protocol.STATE_ACTIVE
             assert syncer.gate.refusals_json() == {"island-2": {protocol.ERROR_NORM_OUTLIER: 3}}
-            assert (await syncer.status())["quorum"] == 2
+            status = await syncer.status()
+            assert status["quorum"] == 2
+            # Named as a health problem of its own: the job's SyncerHealthy condition says
+            # IslandLeftOut, and the operator posts the Event IslandLeftOutOfRounds once.
+            named = syncer.health.problems[LEFT_OUT]["message"]
+            assert "island island-2's last 3 pushes to fragment 0 were all refused" in named
+            healthy, reason, _ = syncer_health(syncer_view(status))
+            assert (healthy, reason) == (False, "IslandLeftOut")
+            assert PROBLEM_EVENTS[LEFT_OUT][0] == "IslandLeftOutOfRounds"
             # Its next push along the descent: accepted, and it is an island of the rounds again.
             answer = await syncer.receive_push(0, body(syncer, 0, "island-2", honest))
             assert answer["accepted"], answer
             assert syncer.gate.unsupported_islands() == frozenset()
             assert syncer.state.effective_quorum() == 3
+            assert LEFT_OUT not in syncer.health.problems  # cleared with it
         finally:
             await syncer.stop()
 

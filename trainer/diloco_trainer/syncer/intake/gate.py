@@ -59,6 +59,7 @@ from diloco_trainer.syncer.intake.validation import push_contribution
 from diloco_trainer.syncer.state import (
     AT_BOUND,
     DROPPED,
+    LEFT_OUT,
     WORK_UNSUPPORTED,
     Contribution,
     CountBound,
@@ -341,6 +342,15 @@ class Gate:
         changed = state.set_unsupported(islands, now)
         if changed:
             log.warning("islands left out of the rounds and the quorum: %s", sorted(islands))
+        if self.health is not None:
+            # Named as LEFT_OUT (an Event in the operator) for refused runs; an island the work
+            # evidence refuses is named by WORK_UNSUPPORTED already, not twice.
+            named = self.guard.unsupported()
+            runs = {n: m for n, m in self.runs.left_out().items() if n not in named}
+            if runs:
+                self.health.report(LEFT_OUT, "; ".join(runs.values()))
+            elif LEFT_OUT in self.health.problems:
+                self.health.clear(LEFT_OUT)
         return changed
 
     def _count(self, island: str, reason: str) -> None:

@@ -5,11 +5,12 @@ A problem has a kind (CHECKPOINT: the last checkpoint write failed; CORRUPT: cor
 were found at start and set aside; MERGE: the last merge of a fragment could not take some
 contributions; AT_BOUND: an island's pushes are all at the learned norm bound, guards.py's
 detection of a ratchet; WORK_UNSUPPORTED: an island's pushes all move too little for the
-work they claim, its work evidence; EVAL_LOSS_ROSE: the quality guard ended the job;
+work they claim, its work evidence; LEFT_OUT: an island whose last pushes to a fragment were all
+refused is left out of the rounds and the quorum, intake/refused_runs.py; EVAL_LOSS_ROSE: the quality guard ended the job;
 FAINT_ENDED: a job of two ended for an island's faint pushes with claims), a
 message, since when and how often it happened; it clears when the thing works again (a
 checkpoint is written, a merge succeeds, no island is at the bound or below the work evidence's
-bar; EVAL_LOSS_ROSE and FAINT_ENDED never clear). A failure
+bar or left out; EVAL_LOSS_ROSE and FAINT_ENDED never clear). A failure
 that does stop the syncer (a merge that broke half-way) is the service's `failure` instead: /healthz
 answers 503 for it.
 """
@@ -27,6 +28,9 @@ MERGE = "merge"
 AT_BOUND = "islandAtBound"
 # An island's recent pushes all claimed work they do not carry (intake/guards.py's work evidence).
 WORK_UNSUPPORTED = "islandWorkUnsupported"
+# An island's last pushes to a fragment were all refused (intake/refused_runs.py): no round spans
+# it and no quorum counts it until one is accepted; at K = M the job then merges without it.
+LEFT_OUT = "islandLeftOut"
 # The quality guard tripped (quality.py): merging stopped, the job ended; it never clears.
 EVAL_LOSS_ROSE = "evalLossRose"
 # In a job of two, an island's recent pushes all moved too little for their claims and some were
