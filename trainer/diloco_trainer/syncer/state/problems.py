@@ -1,18 +1,17 @@
-"""What is wrong with a running syncer that does not stop it: the status document's `health`
-and /healthz?strict=1.
+"""What is wrong with a running syncer that does not stop it: the status document's `health` and
+/healthz?strict=1.
 
 A problem has a kind (CHECKPOINT: the last checkpoint write failed; CORRUPT: corrupt checkpoints
 were found at start and set aside; MERGE: the last merge of a fragment could not take some
 contributions; AT_BOUND: an island's pushes are all at the learned norm bound, guards.py's
-detection of a ratchet; WORK_UNSUPPORTED: an island's pushes all move too little for the
-work they claim, its work evidence; LEFT_OUT: an island whose last pushes to a fragment were all
-refused is left out of the rounds and the quorum, intake/refused_runs.py; EVAL_LOSS_ROSE: the quality guard ended the job;
-FAINT_ENDED: a job of two ended for an island's faint pushes with claims), a
-message, since when and how often it happened; it clears when the thing works again (a
-checkpoint is written, a merge succeeds, no island is at the bound or below the work evidence's
-bar or left out; EVAL_LOSS_ROSE and FAINT_ENDED never clear). A failure
-that does stop the syncer (a merge that broke half-way) is the service's `failure` instead: /healthz
-answers 503 for it.
+detection of a ratchet; WORK_UNSUPPORTED: an island's pushes all move too little for the work they
+claim, its work evidence; LEFT_OUT: an island whose last pushes to a fragment were all refused is
+left out of the rounds and the quorum, intake/refused_runs.py; EVAL_LOSS_ROSE: the quality guard
+ended the job; FAINT_ENDED: a job of two ended for an island's faint pushes with claims), a
+message, since when and how often it happened; it clears when the thing works again (a checkpoint
+is written, a merge succeeds, no island is at the bound or below the work evidence's bar or left
+out; EVAL_LOSS_ROSE and FAINT_ENDED never clear). A failure that does stop the syncer (a merge that
+broke half-way) is the service's `failure` instead: /healthz answers 503 for it.
 """
 
 from __future__ import annotations

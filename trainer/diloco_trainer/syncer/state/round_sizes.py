@@ -192,19 +192,9 @@ class RoundSizes:
         elif now - rec.round_read_at < self.limits.inner_steps * reference:
             return
         else:
-            recent = remembered(current.recent, ratio)
-            judged = (
-                # a reading that sends a probe's cut back (restores_cut) is read alone, as
-                # before: the cut rested on start-up steps
-                ratio
-                if restores_cut(current, target)
-                else judged_ratio(recent, room=self.room, longer=target > current.steps)
+            recent, after = self._regular(
+                current, target, sized=sized, late=late, ratio=ratio, eager=eager, ref=reference
             )
-            self.last_rule = "regular reading"
-            if judged != ratio:
-                self.last_rule += f" judged at {judged:.3f}x, its last {len(recent)}"
-                target, sized = self._judged_sizes(current.steps, judged * reference, reference)
-            after = next_round(current, target, sized=sized, late=late, ratio=judged, eager=eager)
         rec.round_read_at = now
         after = replace(after, recent=recent)
         if current.cut_from is not None and after.steps == current.steps:
@@ -217,6 +207,34 @@ class RoundSizes:
             rec.round_before = current.steps
         rec.round = after
         self._seen(rec)
+
+    def _regular(
+        self,
+        current: IslandRound,
+        target: int,
+        *,
+        sized: int,
+        late: bool,
+        ratio: float,
+        eager: bool,
+        ref: float,
+    ) -> tuple[tuple[float, ...], IslandRound]:
+        """A regular reading (not a probe's, nor its check): the island's last readings with it
+        (remembered) and the round it sets, judged with them (judged_ratio)."""
+        recent = remembered(current.recent, ratio)
+        judged = (
+            # a reading that sends a probe's cut back (restores_cut) is read alone, as
+            # before: the cut rested on start-up steps
+            ratio
+            if restores_cut(current, target)
+            else judged_ratio(recent, room=self.room, longer=target > current.steps)
+        )
+        self.last_rule = "regular reading"
+        if judged != ratio:
+            self.last_rule += f" judged at {judged:.3f}x, its last {len(recent)}"
+            target, sized = self._judged_sizes(current.steps, judged * ref, ref)
+        after = next_round(current, target, sized=sized, late=late, ratio=judged, eager=eager)
+        return recent, after
 
     def _sizes(self, own: float, reference: float) -> tuple[int, int]:
         """A reading's target round (target_steps) and the round a regular change sets
