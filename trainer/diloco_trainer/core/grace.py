@@ -182,3 +182,37 @@ def expected_push_time(
     if steps == 0 and pushed_since_report:
         steps = inner_steps
     return max(now, reported_at + steps * step_time)
+
+
+# How many typical uploads a merge waits for a push whose body is on its way (upload_wait_until).
+UPLOAD_FACTOR = 2.0
+
+
+def upload_wait_until(
+    *, started: float, uploads: Sequence[float], grace: float, cap: float
+) -> float:
+    """Until when a merge whose quorum is met waits for a push of the same fragment whose body
+    began to arrive at `started` (an island's authenticated request, its declared size within
+    the fragment's limit: syncer/state/uploads.py): started + min(cap, max(grace,
+    UPLOAD_FACTOR x the median of `uploads`)), `uploads` being the seconds recent accepted push
+    bodies took to arrive (none known: the grace window alone).
+
+    Why: at K < M over a link slower than the islands' traffic, the auto grace window falls to
+    one step (its slack, τ·t_step − t_sync, is gone), while pushes that left their islands
+    together reach the syncer one upload apart through the link they share. The first merges
+    alone; each later push of that sync point makes a version of its own, so every pull carries
+    a chain of them and the link, already the bottleneck, carries more (docs/algorithm.md,
+    "A merge waits for the pushes on the way"). A push on the way since `started` arrives
+    about one upload later; twice that leaves a margin for the link's swings and for the
+    others' bodies sharing it, and a push stalled longer (a stuck or slow-loris sender) holds
+    the merge no longer than that: the wait is a hint, never a condition of the merge.
+    `cap`: the longest any merge waits (the heartbeat timeout, as the grace window's)."""
+    for name, value in (("grace", grace), ("cap", cap)):
+        if not (math.isfinite(value) and value >= 0.0):
+            raise ValueError(f"{name} must be finite and >= 0, got {value}")
+    known = sorted(s for s in uploads if math.isfinite(s) and s >= 0.0)
+    typical = 0.0
+    if known:
+        middle = len(known) // 2
+        typical = known[middle] if len(known) % 2 else (known[middle - 1] + known[middle]) / 2
+    return started + min(cap, max(grace, UPLOAD_FACTOR * typical))

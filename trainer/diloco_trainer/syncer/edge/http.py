@@ -157,6 +157,12 @@ class SyncerService(Protocol):
         self, fragment: int, body: bytes | bytearray, principal: Principal
     ) -> dict[str, Any]: ...
 
+    def upload_started(self, fragment: int, island: str) -> float | None: ...
+
+    def upload_ended(
+        self, fragment: int, island: str, started: float, *, seconds: float | None
+    ) -> None: ...
+
     async def status(self, *, digest: bool = False) -> dict[str, Any]: ...
 
     async def start(self) -> None: ...
@@ -314,8 +320,7 @@ class SyncerRoutes:
             # Who may push, and how many bodies at once, before a slot is taken (limits.py).
             share = self._push_share(principal)
             with self.push_slots.take(principal, share):
-                body = await self._read_push_body(request, fragment)
-                answer = await self.syncer.receive_push(fragment, body, principal)
+                answer = await self._receive_push(request, fragment, principal)
         except Refused as err:
             named = err.code in (*protocol.CONTRIBUTION_REFUSALS, protocol.ERROR_BUSY)
             reason = err.code if named else REFUSAL_REASON.get(err.status, str(err.status))
@@ -324,6 +329,35 @@ class SyncerRoutes:
         result = "accepted" if answer.get("accepted") else "finished"
         self.syncer.metrics.pushes.labels(result).inc()
         return web.json_response(answer)
+
+    async def _receive_push(
+        self, request: web.Request, fragment: int, principal: Principal
+    ) -> dict[str, Any]:
+        """The body read and handed to the service, told to the rounds while it arrives: a
+        merge at quorum waits a while for a push on its way (state/uploads.py). Only where
+        nothing in the body is needed to know it: the verified credential is one island's own
+        (it names the pusher; root, admin and region credentials may push as several) and the
+        body declared a size within the fragment's limit (an oversized or undeclared one is
+        refused or counted as it comes, and never told)."""
+        limit = self.syncer.push_limit(fragment)  # Refused(404) for no such fragment
+        declared = request.content_length
+        started = None
+        if principal.kind == credentials.ISLAND and declared is not None and declared <= limit:
+            started = self.syncer.upload_started(fragment, principal.scope)
+        if started is None:
+            body = await self._read_push_body(request, fragment)
+            return await self.syncer.receive_push(fragment, body, principal)
+        began = time.monotonic()
+        seconds = None
+        try:
+            body = await self._read_push_body(request, fragment)
+            took = time.monotonic() - began
+            answer = await self.syncer.receive_push(fragment, body, principal)
+            if answer.get("accepted") and not answer.get("duplicate"):
+                seconds = took
+            return answer
+        finally:
+            self.syncer.upload_ended(fragment, principal.scope, started, seconds=seconds)
 
     def _push_share(self, principal: Principal) -> int:
         """limits.push_share, with a region's island records and the local islands."""

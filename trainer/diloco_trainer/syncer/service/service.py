@@ -315,6 +315,28 @@ class Syncer:
         # restart (merged before it: saved answers) is waited for from this run.
         return answer.model_copy(update={"run": self.run}).to_wire()
 
+    def upload_started(self, fragment: int, island: str) -> float | None:
+        """An island's push body for `fragment` began to arrive (edge/http.py: its own verified
+        credential named the island, its declared size is within the limit): a merge of that
+        fragment at quorum waits for it a while (state/uploads.py). Returns the start to hand
+        to upload_ended, or None when nothing was recorded (no such fragment here, or an island
+        the rounds do not span). Synchronous: nothing awaited, so nothing interleaves."""
+        if self.finished or self.control.failure:
+            return None
+        if not 0 <= fragment < len(self.model.fragments) or not self.model.owns(fragment):
+            return None
+        now = self.clock()
+        return now if self.state.upload_started(fragment, island, now) else None
+
+    def upload_ended(
+        self, fragment: int, island: str, started: float, *, seconds: float | None
+    ) -> None:
+        """The request upload_started recorded ended; `seconds`: how long its body took to
+        arrive, when the push was accepted (else None). Wakes the scheduler: a merge it held
+        may be due now."""
+        self.state.upload_ended(fragment, island, started, seconds=seconds)
+        self.control.wake()
+
     async def pull(
         self, fragment: int, *, after: int, wait: float, have: int = -1, run: str = ""
     ) -> Body | None:
@@ -415,7 +437,7 @@ class Syncer:
             async with self.merging:
                 if not self.finished:
                     await self._finish()
-        return None if self.finished else self.state.next_deadline()
+        return None if self.finished else self.state.next_deadline(self.clock())
 
     async def run_scheduler(self) -> None:
         """tick() whenever something changed, a grace window ends, or TICK_SECONDS passed.

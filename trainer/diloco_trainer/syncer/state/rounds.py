@@ -17,7 +17,9 @@ Quorum and grace. The effective quorum is min(K, active + awaited islands), at l
 the round's contributors reach it, the grace window starts; the round is due when the window has
 passed, when every island has contributed, or when no missing island is expected to push before
 the window closes (expected_push: last progress report and step time against the fragment's
-sync point; one with no report, overdue or not joined yet is waited for).
+sync point; one with no report, overdue or not joined yet is waited for). Nor, whatever the
+window, while a push of the fragment from a missing island is on its way (its body arriving:
+uploads.py), until about two uploads from its start (core/grace.upload_wait_until).
 The drain (learner/drain.py): an island that has trained its share of stopAfter and seen its
 last pushes merged says so in its heartbeats (drained). It is no longer waited for: a round whose
 other active islands have all pushed is due at once, quorum or not; once every active island
@@ -64,6 +66,7 @@ from diloco_trainer.syncer.state.records import (
     RoundPolicy,
 )
 from diloco_trainer.syncer.state.replay import PushAnswers, push_window
+from diloco_trainer.syncer.state.uploads import Uploads
 
 __all__ = [
     "ACTIVE",
@@ -173,6 +176,9 @@ class SyncState:
         # targets are not.
         self.split_to: frozenset[str] | None = None
         self._merge_seconds: deque[float] = deque(maxlen=_WINDOW)
+        # Push bodies on their way (the edge registers an island's authenticated ones): a merge
+        # at quorum waits for those of the islands it is missing (merge_due).
+        self.uploads = Uploads(num_fragments)
         # (island, fragment) -> seconds the syncer held that island's last merged push.
         self._held: dict[tuple[str, int], float] = {}
         # (island, fragment) -> tokens of that island's pushes merged into the fragment: with
@@ -269,6 +275,7 @@ class SyncState:
             rnd.pending.pop(island, None)
             if not forgotten and not rnd.pending:
                 rnd.first_push_at = None
+        self.uploads.forget(island)
         if forgotten:
             self.answers.forget(island)
             for key in [k for k in self._merged_by if k[0] == island]:
@@ -374,6 +381,30 @@ class SyncState:
         self.answers.put(contribution.island, fragment, contribution.push_id, answer)
         return answer
 
+    def upload_started(self, fragment: int, island: str, now: float) -> bool:
+        """An island's push body for `fragment` began to arrive (the edge: its credential is that
+        island's, its declared size within the limit); recorded only for an existing fragment
+        and an island the rounds span. True when recorded (then upload_ended must follow)."""
+        if not 0 <= fragment < len(self.rounds) or island not in self.spanning():
+            return False
+        self.uploads.started(fragment, island, now)
+        return True
+
+    def upload_ended(
+        self, fragment: int, island: str, started: float, *, seconds: float | None
+    ) -> None:
+        """The request upload_started recorded at `started` ended (`seconds`: its body's
+        upload time when the push was accepted, else None)."""
+        self.uploads.ended(fragment, island, started, seconds)
+
+    def _uploads_holding(self, fragment: int, missing: set[str], now: float) -> list[float]:
+        """When the waits for the bodies of `fragment` on their way from `missing` end."""
+        if not missing:
+            return []
+        return self.uploads.holding(
+            fragment, missing, now, grace=self.grace(), cap=self.policy.heartbeat_timeout
+        )
+
     # ----- merging -----------------------------------------------------------------------------
 
     def _refresh(self, now: float) -> None:
@@ -412,6 +443,8 @@ class SyncState:
             return True  # K = M, rounds waiting for each other's islands (crossed.py)
         if rnd.quorum_since is None:
             return False
+        if self._uploads_holding(fragment, missing, now):
+            return False  # a missing island's push is on its way (uploads.py)
         if not missing and not awaited:
             return True
         closes = rnd.quorum_since + self.grace()
@@ -517,9 +550,21 @@ class SyncState:
         """Fragments whose rounds should merge now."""
         return [f for f in range(len(self.rounds)) if self.merge_due(f, now)]
 
-    def next_deadline(self) -> float | None:
-        """The earliest moment a grace window ends (for the server's timer), if any is open."""
-        ends = [r.quorum_since + self.grace() for r in self.rounds if r.quorum_since is not None]
+    def next_deadline(self, now: float | None = None) -> float | None:
+        """The earliest moment a grace window ends (for the server's timer), if any is open; with
+        `now`, a round held by a push on its way (merge_due) counts from when that wait ends, if
+        later, so the timer does not spin through it."""
+        ends = []
+        for f, rnd in enumerate(self.rounds):
+            if rnd.quorum_since is None:
+                continue
+            end = rnd.quorum_since + self.grace()
+            if now is not None:
+                missing = self.spanning() - rnd.pending.keys()
+                holding = self._uploads_holding(f, missing, now)
+                if holding:
+                    end = max(end, holding[0])
+            ends.append(end)
         if self._crossed is not None:  # as merge_due last saw it (the scheduler's tick)
             ends.append(self._crossed[2])
         return min(ends) if ends else None

@@ -1,0 +1,142 @@
+"""A merge at quorum waits for the pushes on their way (issue 45): core/grace.upload_wait_until,
+syncer/state/uploads.py and SyncState.merge_due / next_deadline, driven by a fake clock. Every
+expected time is derived by hand in the comments."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+from diloco_trainer.core import grace
+from diloco_trainer.syncer.state.rounds import DROPPED, Contribution, RoundPolicy, SyncState
+
+
+def test_upload_wait_is_two_median_uploads_from_its_start_at_least_grace_at_most_cap() -> None:
+    # median of 0.2, 0.4, 0.6 = 0.4; 2 x 0.4 = 0.8 > grace 0.1: 10 + 0.8
+    assert grace.upload_wait_until(
+        started=10.0, uploads=[0.6, 0.2, 0.4], grace=0.1, cap=30.0
+    ) == pytest.approx(10.8)
+    # the grace window when longer: max(1.0, 0.8) = 1.0
+    assert grace.upload_wait_until(
+        started=10.0, uploads=[0.6, 0.2, 0.4], grace=1.0, cap=30.0
+    ) == pytest.approx(11.0)
+    # the cap when shorter: min(0.5, 0.8) = 0.5
+    assert grace.upload_wait_until(
+        started=10.0, uploads=[0.6, 0.2, 0.4], grace=0.1, cap=0.5
+    ) == pytest.approx(10.5)
+    # an even count: median (0.4 + 0.6) / 2 = 0.5, x 2 = 1.0
+    assert grace.upload_wait_until(
+        started=10.0, uploads=[0.2, 0.4, 0.6, 1.0], grace=0.1, cap=30.0
+    ) == pytest.approx(11.0)
+    # none known (or none usable: NaN, negative): the grace window alone
+    assert grace.upload_wait_until(started=10.0, uploads=[], grace=0.3, cap=30.0) == 10.3
+    assert grace.upload_wait_until(
+        started=10.0, uploads=[math.nan, -1.0, 0.3], grace=0.1, cap=30.0
+    ) == pytest.approx(10.6)  # only 0.3 counts: 2 x 0.3
+    with pytest.raises(ValueError, match="grace"):
+        grace.upload_wait_until(started=0.0, uploads=[], grace=math.inf, cap=1.0)
+
+
+def make_state(*, quorum: int = 1, islands: int = 3, grace_s: float = 0.5) -> SyncState:
+    policy = RoundPolicy(
+        quorum=quorum, max_staleness=4, heartbeat_timeout=30.0, grace_seconds=grace_s
+    )
+    state = SyncState(policy, 1)
+    for i in range(islands):
+        state.membership.join(f"island-{i}", 1, now=0.0)
+    return state
+
+
+def push(state: SyncState, island: str, now: float) -> None:
+    base = state.versions[0]
+    c = Contribution(
+        island=island,
+        base_version=base,
+        lag=state.check_push(0, island, base),
+        tokens=100,
+        steps=10,
+        loss=1.0,
+        received_at=now,
+        push_id=f"{island}@{now}",
+        payload=None,
+    )
+    state.accept_push(0, c, now)
+
+
+def with_one_upload_of(state: SyncState, seconds: float) -> None:
+    """An accepted push's body that took `seconds` (the typical upload from then on)."""
+    assert state.upload_started(0, "island-2", 1.0)
+    push(state, "island-2", 1.0 + seconds)
+    state.upload_ended(0, "island-2", 1.0, seconds=seconds)
+    state.take_round(0, 1.0 + seconds)
+
+
+def test_a_merge_at_quorum_waits_for_a_missing_islands_push_on_its_way() -> None:
+    state = make_state(quorum=1, grace_s=0.5)
+    with_one_upload_of(state, 1.0)  # median upload 1.0 s: a wait of 2.0 s from a body's start
+    assert state.upload_started(0, "island-1", 9.5)  # island-1's body arriving since 9.5
+    push(state, "island-0", 10.0)  # the quorum (K = 1): the window closes at 10.5
+    # without the body on its way due at 10.5; with it held until 9.5 + 2 x 1.0 = 11.5
+    assert not state.merge_due(0, 10.6)
+    assert not state.merge_due(0, 11.49)
+    assert state.next_deadline() == 10.5  # the window alone (no `now`)
+    assert state.next_deadline(10.6) == 11.5  # the held round's timer: the wait's end
+    assert state.merge_due(0, 11.5)  # the wait is over: merged without it
+    # the body arrives in time instead: it is in the merge, due at once (window passed)
+    push(state, "island-1", 11.0)
+    state.upload_ended(0, "island-1", 9.5, seconds=1.5)
+    assert state.merge_due(0, 11.0)
+    assert [c.island for c in state.take_round(0, 11.0)] == ["island-0", "island-1"]
+
+
+def test_a_refused_or_ended_body_holds_nothing_and_adds_no_upload_time() -> None:
+    state = make_state(quorum=1, grace_s=0.5)
+    with_one_upload_of(state, 1.0)
+    assert state.upload_started(0, "island-1", 9.5)
+    push(state, "island-0", 10.0)
+    assert not state.merge_due(0, 10.6)
+    state.upload_ended(0, "island-1", 9.5, seconds=None)  # refused: nothing to wait for
+    assert state.merge_due(0, 10.6)  # the window (10.5) is past
+    # its seconds did not count: the typical upload is still 1.0 (a wait of 2.0 from 20.0)
+    state.take_round(0, 10.6)
+    assert state.upload_started(0, "island-1", 20.0)
+    push(state, "island-0", 20.5)
+    assert state.next_deadline(21.1) == 22.0
+
+
+def test_only_a_missing_spanning_island_on_a_known_fragment_is_waited_for() -> None:
+    state = make_state(quorum=1, grace_s=0.5)
+    with_one_upload_of(state, 1.0)
+    assert not state.upload_started(1, "island-1", 9.5)  # no fragment 1: nothing recorded
+    assert not state.upload_started(0, "island-9", 9.5)  # no such island
+    state.membership.set_state("island-1", DROPPED, "admin", now=9.0)
+    assert not state.upload_started(0, "island-1", 9.5)  # dropped: the rounds do not span it
+    state.set_unsupported(frozenset({"island-0"}), 9.0)
+    assert not state.upload_started(0, "island-0", 9.5)  # left out by the gate: nor this one
+    state.set_unsupported(frozenset(), 9.0)
+    # an island whose push is pending already: its next body replaces it, no wait for it
+    push(state, "island-0", 10.0)
+    assert state.upload_started(0, "island-0", 10.1)
+    assert state.merge_due(0, 10.6)
+
+
+def test_a_newer_body_of_the_same_island_stands_in_for_the_older() -> None:
+    state = make_state(quorum=1, grace_s=0.5)
+    with_one_upload_of(state, 1.0)
+    assert state.upload_started(0, "island-1", 9.0)
+    assert state.upload_started(0, "island-1", 9.5)  # a retry: it replaces the first
+    state.upload_ended(0, "island-1", 9.0, seconds=None)  # the first ends: the retry holds
+    push(state, "island-0", 10.0)
+    assert not state.merge_due(0, 11.4)  # 9.5 + 2.0 = 11.5
+    assert state.merge_due(0, 11.5)
+
+
+def test_k_equals_m_is_unchanged_the_quorum_waits_for_every_island_anyway() -> None:
+    state = make_state(quorum=3, grace_s=0.5)
+    assert state.upload_started(0, "island-2", 9.0)
+    push(state, "island-0", 10.0)
+    push(state, "island-1", 10.0)
+    assert not state.merge_due(0, 100.0)  # no quorum without island-2, body or not
+    push(state, "island-2", 10.2)
+    state.upload_ended(0, "island-2", 9.0, seconds=1.2)
+    assert state.merge_due(0, 10.2)  # all pushed: at once
