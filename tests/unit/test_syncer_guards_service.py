@@ -95,6 +95,12 @@ def test_guards_service_hostile_pushes_change_nothing_and_honest_work_merges(
         }
     }
     assert before.pop("refusals") == {}
+    # And their run of 4 refused pushes names island-1 as left out of the rounds (the health
+    # problem islandLeftOut, intake/refused_runs.py): named, nothing else changed.
+    assert before.pop("health") == {"healthy": True, "problems": []}
+    health = after.pop("health")
+    assert [p["kind"] for p in health["problems"]] == ["islandLeftOut"], health
+    assert "island island-1's last 4 pushes to fragment 0" in health["problems"][0]["message"]
     assert after == before
     assert (
         syncer.state.membership.islands["island-1"].state == protocol.STATE_ACTIVE
