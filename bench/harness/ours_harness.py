@@ -8,6 +8,9 @@ syncer, slow one down, kill one with SIGKILL and start it again.
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 import time
 import urllib.request
 from collections.abc import Callable
@@ -15,6 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from diloco_trainer.api import contract
 from diloco_trainer.api.contract import island_name
 from diloco_trainer.api.spec import JobSpec
 from diloco_trainer.local import (
@@ -162,3 +166,44 @@ class OursRun:
             proc.stop(timeout=10)
         if self.syncer is not None:
             self.syncer.stop(timeout=10)
+
+
+@dataclass
+class HookedRun(OursRun):
+    """OursRun whose syncer is a study's own child process (`python -m MODULE --syncer-child`:
+    the product's syncer with the study's read-only recording hooks installed), told where to
+    write its records by the environment variable `records_env`."""
+
+    module: str = ""
+    records_env: str = ""
+    records: Path = Path("records.jsonl")
+
+    def start(self) -> None:
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        self.files = write_job_files(self.spec, self.workdir)
+        self.port = self.pick_port()
+        env = {
+            **os.environ,
+            **THREADS_ENV,
+            contract.JOB_NAME: self.job_name,
+            contract.SYNCER_PORT: str(self.port),
+            contract.TOKEN_FILE: str(self.files.token_file),
+            contract.CONFIG_FILE: str(self.files.config_file),
+            contract.STATE_DIR: str(self.workdir / "syncer"),
+            self.records_env: str(self.records),
+            "PYTHONUNBUFFERED": "1",
+        }
+        log = self.workdir / "syncer.log"
+        with log.open("ab") as out:
+            popen = subprocess.Popen(
+                [sys.executable, "-m", self.module, "--syncer-child"],
+                env=env,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,
+            )
+        self.syncer = track(Proc("syncer", popen, log))
+        wait_ready(self.url, self.files.token, 120, proc=self.syncer)
+        for i in range(self.spec.islands.count):
+            self.start_island(i)

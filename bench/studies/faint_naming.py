@@ -31,22 +31,18 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import threading
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from diloco_trainer.api import contract
 from diloco_trainer.api.spec import JobSpec, parse_spec
-from diloco_trainer.local import Proc, free_port, wait_ready, write_job_files
 
 from bench.bandwidth import start_relay
 from bench.harness.common import LoadMonitor, Report, Table, base_parser, publish, track, workdir
-from bench.harness.ours_harness import THREADS_ENV, OursRun
+from bench.harness.ours_harness import HookedRun
 
 H = 12
 OUTER_STEPS = 40
@@ -140,43 +136,6 @@ def child() -> int:
 # ---- the parent: one job per case and seed ----
 
 
-@dataclass
-class HookedRun(OursRun):
-    """OursRun with the syncer started as this module's child (the recording hook)."""
-
-    records: Path = Path("records.jsonl")
-
-    def start(self) -> None:
-        self.workdir.mkdir(parents=True, exist_ok=True)
-        self.files = write_job_files(self.spec, self.workdir)
-        self.port = free_port()
-        env = {
-            **os.environ,
-            **THREADS_ENV,
-            contract.JOB_NAME: self.job_name,
-            contract.SYNCER_PORT: str(self.port),
-            contract.TOKEN_FILE: str(self.files.token_file),
-            contract.CONFIG_FILE: str(self.files.config_file),
-            contract.STATE_DIR: str(self.workdir / "syncer"),
-            RECORDS_ENV: str(self.records),
-            "PYTHONUNBUFFERED": "1",
-        }
-        log = self.workdir / "syncer.log"
-        with log.open("ab") as out:
-            popen = subprocess.Popen(
-                [sys.executable, "-m", "bench.studies.faint_naming", "--syncer-child"],
-                env=env,
-                stdout=out,
-                stderr=subprocess.STDOUT,
-                stdin=subprocess.DEVNULL,
-                start_new_session=True,
-            )
-        self.syncer = track(Proc("syncer", popen, log))
-        wait_ready(self.url, self.files.token, 120, proc=self.syncer)
-        for i in range(self.spec.islands.count):
-            self.start_island(i)
-
-
 def run_job(case: str, seed: int, args: argparse.Namespace, base: Path) -> tuple[list[dict], str]:
     """The job's records and the load during it (a finished job in --workdir is reused)."""
     name = case.replace("/", "_").replace(":", "-").replace("=", "")
@@ -201,6 +160,8 @@ def run_job(case: str, seed: int, args: argparse.Namespace, base: Path) -> tuple
     run = HookedRun(
         spec,
         where,
+        module="bench.studies.faint_naming",
+        records_env=RECORDS_ENV,
         slowdowns={1: CASES[case][0]},
         route=route if slow else None,
         records=records,

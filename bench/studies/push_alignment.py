@@ -32,24 +32,20 @@ import argparse
 import json
 import math
 import os
-import subprocess
 import sys
 import threading
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
-from diloco_trainer.api import contract
 from diloco_trainer.api.spec import JobSpec, parse_spec
-from diloco_trainer.local import Proc, wait_ready, write_job_files
 from diloco_trainer.models.parts import MIN_LR_RATIO, inner_lr
 
-from bench.harness.common import LoadMonitor, Report, Table, base_parser, publish, track, workdir
-from bench.harness.ours_harness import THREADS_ENV, OursRun
+from bench.harness.common import LoadMonitor, Report, Table, base_parser, publish, workdir
+from bench.harness.ours_harness import HookedRun
 
 H = 12
 OUTER_STEPS = 40
@@ -217,43 +213,6 @@ def child() -> int:
 # ---- the parent: one job per case ----
 
 
-@dataclass
-class HookedRun(OursRun):
-    """OursRun with the syncer started as this module's child (the recording hooks)."""
-
-    records: Path = Path("records.jsonl")
-
-    def start(self) -> None:
-        self.workdir.mkdir(parents=True, exist_ok=True)
-        self.files = write_job_files(self.spec, self.workdir)
-        self.port = self.pick_port()
-        env = {
-            **os.environ,
-            **THREADS_ENV,
-            contract.JOB_NAME: self.job_name,
-            contract.SYNCER_PORT: str(self.port),
-            contract.TOKEN_FILE: str(self.files.token_file),
-            contract.CONFIG_FILE: str(self.files.config_file),
-            contract.STATE_DIR: str(self.workdir / "syncer"),
-            RECORDS_ENV: str(self.records),
-            "PYTHONUNBUFFERED": "1",
-        }
-        log = self.workdir / "syncer.log"
-        with log.open("ab") as out:
-            popen = subprocess.Popen(
-                [sys.executable, "-m", "bench.studies.push_alignment", "--syncer-child"],
-                env=env,
-                stdout=out,
-                stderr=subprocess.STDOUT,
-                stdin=subprocess.DEVNULL,
-                start_new_session=True,
-            )
-        self.syncer = track(Proc("syncer", popen, log))
-        wait_ready(self.url, self.files.token, 120, proc=self.syncer)
-        for i in range(self.spec.islands.count):
-            self.start_island(i)
-
-
 def run_case(case: str, args: argparse.Namespace, base: Path) -> tuple[list[dict], str]:
     """The case's records and the load during its job (a finished case in --workdir is
     reused)."""
@@ -263,7 +222,14 @@ def run_case(case: str, args: argparse.Namespace, base: Path) -> tuple[list[dict
         return read(records), done.read_text()
     records.unlink(missing_ok=True)
     spec = job_spec(case, args.preset, args.seed)
-    run = HookedRun(spec, where, slowdowns={1: CASES[case][0]}, records=records)
+    run = HookedRun(
+        spec,
+        where,
+        slowdowns={1: CASES[case][0]},
+        records=records,
+        module="bench.studies.push_alignment",
+        records_env=RECORDS_ENV,
+    )
     with LoadMonitor() as load:
         try:
             run.start()

@@ -64,10 +64,11 @@ async def first_merge(handle: SyncerHandle) -> dict[str, torch.Tensor]:
         return pulled.tensors
 
 
-def test_a_learner_that_joined_after_the_last_checkpoint_joins_again_and_is_merged(
-    syncer_proc: Callable[..., SyncerHandle], make_spec: Callable[..., JobSpec]
-) -> None:
-    spec = late_spec(make_spec)
+def checkpointed(
+    syncer_proc: Callable[..., SyncerHandle], spec: JobSpec
+) -> tuple[SyncerHandle, dict[str, torch.Tensor], SyncerLink]:
+    """A syncer past its first merge and that merge's checkpoint (outer step 1), the global
+    weights, and the late island's learner link to it (not joined yet)."""
     first = syncer_proc(spec)
     tensors = asyncio.run(first_merge(first))
     wait_until(
@@ -79,6 +80,14 @@ def test_a_learner_that_joined_after_the_last_checkpoint_joins_again_and_is_merg
         what="the checkpoint of outer step 1",
     )
     link = SyncerLink(syncer_client.SyncerClient(first.url, first.token), island=LATE, replicas=1)
+    return first, tensors, link
+
+
+def test_a_learner_that_joined_after_the_last_checkpoint_joins_again_and_is_merged(
+    syncer_proc: Callable[..., SyncerHandle], make_spec: Callable[..., JobSpec]
+) -> None:
+    spec = late_spec(make_spec)
+    first, tensors, link = checkpointed(syncer_proc, spec)
     try:
         joined = link.submit(link.join(threading.Event())).result(timeout=60)
         assert joined.island_tokens == 0 and joined.versions == [1]
@@ -118,17 +127,7 @@ def test_a_push_before_the_heartbeat_joins_again_and_is_counted_as_taken_back(
     as a push a restart took back (its steps trained again before the drain); the push after it
     is merged."""
     spec = late_spec(make_spec)
-    first = syncer_proc(spec)
-    tensors = asyncio.run(first_merge(first))
-    wait_until(
-        lambda: (
-            ckpt.list_checkpoints(first.state_dir)[-1:]
-            == [first.state_dir / "checkpoints" / ckpt.checkpoint_name(1)]
-        ),
-        timeout=120,
-        what="the checkpoint of outer step 1",
-    )
-    link = SyncerLink(syncer_client.SyncerClient(first.url, first.token), island=LATE, replicas=1)
+    first, tensors, link = checkpointed(syncer_proc, spec)
     try:
         link.submit(link.join(threading.Event())).result(timeout=60)
         first.proc.kill()
