@@ -38,15 +38,13 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from diloco_trainer.api.spec import JobSpec, parse_spec
+from diloco_trainer.api.spec import JobSpec
 
 from bench.bandwidth import start_relay
 from bench.harness.common import LoadMonitor, Report, Table, base_parser, publish, track, workdir
 from bench.harness.ours_harness import HookedRun
+from bench.studies.push_alignment import OUTER_STEPS, WARMUP, H, pair_job
 
-H = 12
-OUTER_STEPS = 40
-WARMUP = 2 * H
 COLUMNS = ["case", "seed", "judged pushes", "refused", "namings (pushes)", "named"]
 COLUMNS += ["min figure", "1st pct", "median", "margin (naming < 0.25)", "load"]
 RECORDS_ENV = "DILOCO_STUDY_FAINT_FILE"  # where the child syncer writes its records
@@ -61,31 +59,8 @@ CASES: dict[str, tuple[float, int, bool]] = {
 
 def job_spec(case: str, preset: str, seed: int, int8: bool) -> JobSpec:
     slowdown, quorum, _ = CASES[case]
-    return parse_spec(
-        {
-            "model": {"preset": preset, "seed": seed},
-            "data": {"evalTokens": 2048, "seed": seed},
-            "islands": {"count": 2},
-            "inner": {
-                "steps": H,
-                "stepsPerIsland": "auto" if slowdown != 1.0 else "fixed",
-                "batchSize": 4,
-                "seqLen": 32,
-                "lr": 3e-3,
-                "warmupSteps": WARMUP,
-            },
-            "outer": {"lr": 0.7, "momentum": 0.9, "nesterov": True},
-            "sync": {
-                "quorum": quorum,
-                "fragments": 2,
-                "graceSeconds": "auto",
-                "heartbeatTimeoutSeconds": 4,
-                "compression": "int8" if int8 else "none",
-            },
-            "stopAfter": {"outerSteps": OUTER_STEPS},
-            "syncer": {"checkpoint": {"everyOuterSteps": 100}, "evalEveryOuterSteps": 100},
-        }
-    )
+    compression = "int8" if int8 else "none"
+    return pair_job(preset, seed, slowdown=slowdown, quorum=quorum, compression=compression)
 
 
 # ---- the child: the product's syncer with a read-only recording hook ----

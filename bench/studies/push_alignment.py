@@ -66,6 +66,14 @@ RECORDS_ENV = "DILOCO_STUDY_ALIGNMENT_FILE"  # where the child syncer writes its
 
 def job_spec(case: str, preset: str, seed: int) -> JobSpec:
     slowdown, quorum = CASES[case]
+    return pair_job(preset, seed, slowdown=slowdown, quorum=quorum)
+
+
+def pair_job(
+    preset: str, seed: int, *, slowdown: float, quorum: int, compression: str = "none"
+) -> JobSpec:
+    """The study's job of two (also bench.studies.faint_naming's): a cosine over OUTER_STEPS
+    outer steps of H, island-1 `slowdown` times slower (its round then sized automatically)."""
     return parse_spec(
         {
             "model": {"preset": preset, "seed": seed},
@@ -85,7 +93,7 @@ def job_spec(case: str, preset: str, seed: int) -> JobSpec:
                 "fragments": 2,
                 "graceSeconds": "auto",
                 "heartbeatTimeoutSeconds": 4,
-                "compression": "none",
+                "compression": compression,
             },
             "stopAfter": {"outerSteps": OUTER_STEPS},
             "syncer": {"checkpoint": {"everyOuterSteps": 100}, "evalEveryOuterSteps": 100},
