@@ -127,8 +127,34 @@ def test_a_newer_body_of_the_same_island_stands_in_for_the_older() -> None:
     assert state.upload_started(0, "island-1", 9.5)  # a retry: it replaces the first
     state.upload_ended(0, "island-1", 9.0, seconds=None)  # the first ends: the retry holds
     push(state, "island-0", 10.0)
-    assert not state.merge_due(0, 11.4)  # 9.5 + 2.0 = 11.5
-    assert state.merge_due(0, 11.5)
+    # ... but its wait counts from the island's first body of the round: 9.0 + 2.0 = 11.0
+    assert not state.merge_due(0, 10.99)
+    assert state.merge_due(0, 11.0)
+
+
+def test_bodies_sent_again_and_again_hold_a_round_once() -> None:
+    """A slow-loris island: each time the wait for its body ends it cuts the request and sends
+    another. Each new body would start a new wait and hold the K < M rounds for ever; the wait
+    counts from its first body since the fragment's last merge, so the round merges at
+    9.0 + 2 x 1.0 = 11.0 whatever it sends after; the next round's wait starts again."""
+    state = make_state(quorum=1, grace_s=0.5)
+    with_one_upload_of(state, 1.0)
+    assert state.upload_started(0, "island-1", 9.0)
+    push(state, "island-0", 10.0)
+    assert not state.merge_due(0, 10.9)
+    sent = 9.0
+    for t in (10.9, 11.0, 11.5, 12.5):  # cut and sent again
+        state.upload_ended(0, "island-1", sent, seconds=None)
+        assert state.upload_started(0, "island-1", t)
+        sent = t
+        assert state.merge_due(0, t + 0.01) is (t + 0.01 >= 11.0), t
+    assert [c.island for c in state.take_round(0, 12.6)] == ["island-0"]
+    # The next round: island-1's body still on its way since 12.5 counts from 12.5 (it is this
+    # round's push): island-0's push at 13.0 waits until 12.5 + 2.0 = 14.5, once.
+    push(state, "island-0", 13.0)
+    assert not state.merge_due(0, 14.49)
+    assert state.upload_started(0, "island-1", 14.4)  # sent again: still from 12.5
+    assert state.merge_due(0, 14.5)
 
 
 def test_k_equals_m_is_unchanged_the_quorum_waits_for_every_island_anyway() -> None:

@@ -611,6 +611,7 @@ class SyncState:
         taken = {id(c) for c in contributions}
         if any(id(c) not in taken for c in rnd.pending.values()):
             raise ValueError(f"fragment {fragment}'s round gained a push its merge did not take")
+        self.uploads.merged(fragment)
         if rnd.first_push_at is not None and rnd.quorum_since is not None:
             self._quorum_waits.append(max(0.0, rnd.quorum_since - rnd.first_push_at))
         self._merge_seconds.append(max(0.0, merge_seconds))

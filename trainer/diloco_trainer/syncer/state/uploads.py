@@ -14,7 +14,10 @@ core/grace.upload_wait_until (about twice a typical upload from its start, at le
 window, at most the heartbeat timeout), so islands that pushed at the same sync point merge
 together and their pulls carry one version instead of a chain (docs/algorithm.md, "A merge
 waits for the pushes on the way"). A registered body is a hint: whatever it turns out to be
-(refused, stalled, never ended), it delays a merge by that bound at most.
+(refused, stalled, never ended), it delays a merge by that bound at most, and an island's bodies
+delay one round of a fragment once: the wait counts from the island's first body since the
+fragment's last merge (`merged`), so an island that cuts its request and sends another, again
+and again, cannot hold the rounds for ever (each new body would otherwise start a new wait).
 """
 
 from __future__ import annotations
@@ -34,12 +37,22 @@ class Uploads:
     def __init__(self, fragments: int) -> None:
         # fragment -> island -> when its body began to arrive (the service's clock)
         self._started: list[dict[str, float]] = [{} for _ in range(fragments)]
+        # fragment -> island -> when its first body since the fragment's last merge began: the
+        # start a wait counts from (a later body of it in the same round waits no longer)
+        self._first: list[dict[str, float]] = [{} for _ in range(fragments)]
         self._seconds: deque[float] = deque(maxlen=_WINDOW)
 
     def started(self, fragment: int, island: str, now: float) -> None:
         """`island`'s push body for `fragment` began to arrive at `now` (a second one at once
-        from the same island, a retry, stands in for the first)."""
+        from the same island, a retry, stands in for the first, but its wait still counts
+        from the island's first body in this round)."""
         self._started[fragment][island] = now
+        self._first[fragment].setdefault(island, now)
+
+    def merged(self, fragment: int) -> None:
+        """`fragment`'s round closed: the next round's waits count from the bodies still on
+        their way (they will be its pushes) or sent from now on."""
+        self._first[fragment] = dict(self._started[fragment])
 
     def ended(self, fragment: int, island: str, started: float, seconds: float | None) -> None:
         """The request registered at `started` ended; `seconds`: how long its body took to
@@ -52,7 +65,7 @@ class Uploads:
 
     def forget(self, island: str) -> None:
         """An island dropped or forgotten: none of its bodies is waited for any more."""
-        for uploads in self._started:
+        for uploads in (*self._started, *self._first):
             uploads.pop(island, None)
 
     def holding(
@@ -62,7 +75,10 @@ class Uploads:
         way from the `missing` islands; empty when none holds the merge any more."""
         ends = [
             window_rules.upload_wait_until(
-                started=started, uploads=list(self._seconds), grace=grace, cap=cap
+                started=self._first[fragment].get(island, started),
+                uploads=list(self._seconds),
+                grace=grace,
+                cap=cap,
             )
             for island, started in self._started[fragment].items()
             if island in missing
