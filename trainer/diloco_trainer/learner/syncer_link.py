@@ -74,6 +74,36 @@ LONG_POLL_SECONDS = 20.0
 WAIT_SLICE_SECONDS = 0.2
 
 
+@dataclass(frozen=True)
+class JoinMark:
+    """The island's last join of one syncer shard: the run that answered it (JoinInfo.run; a
+    later run whose checkpoint holds that join's record) and the fragments' versions then."""
+
+    run: str
+    versions: tuple[int, ...]
+
+
+def join_unknown(joined: JoinMark, run: str, resumed: list[int]) -> bool:
+    """Whether syncer run `run`, started at `resumed` (each fragment's version it resumed
+    from), lacks the island's last join `joined` and must be joined again.
+
+    The run resumed from a checkpoint of `resumed`, written at those versions: a join of an
+    earlier run at a version below them on some fragment came before a merge the checkpoint
+    holds, so the checkpoint holds the join's record too (its count base, the island's merged
+    tokens at the join: SavedCount). A join at or past them on every fragment may have come
+    after the checkpoint was written, so the run may hold an older join's record, whose count
+    base is below what the learner counts from: the learner joins again, and the join sets
+    the base to the island's merged tokens in the checkpoint, where the learner's count (its
+    processed tokens since that join, none of them merged into what the run holds) starts. Had
+    the checkpoint held the join after all (written after it, no merge between), that is the
+    base the join set: joining again changes nothing of the frame (docs/algorithm.md, "A
+    count's frame is kept across a syncer restart"). Same run, no run named (an older syncer)
+    or versions not told: False."""
+    if not run or not joined.run or run == joined.run or len(resumed) != len(joined.versions):
+        return False
+    return all(j >= r for j, r in zip(joined.versions, resumed, strict=True))
+
+
 class PushLost(RuntimeError):
     """A sync's push was accepted by a syncer run that has since restarted without merging it
     (pending pushes are not checkpointed): no merge will carry it, so it must be pushed again.
@@ -217,6 +247,8 @@ class SyncerLink:
         # The link's trim of freed memory (_trim_soon) and whether one more was asked for.
         self._trim_task: asyncio.Task[None] | None = None
         self._trim_again = False
+        # Per syncer shard, the island's last join of it (join_unknown; absent: none answered).
+        self.joined: dict[int, JoinMark] = {}
         # Coroutines submit_later deferred, with their futures, until start_deferred.
         self._deferred: list[tuple[Coroutine[Any, Any, Any], Any]] = []
         self._loop = asyncio.new_event_loop()
@@ -291,16 +323,21 @@ class SyncerLink:
         infos = await asyncio.gather(*(self._join_shard(i, stop) for i in range(len(self.clients))))
         return merge_join(infos)
 
-    async def _join_shard(self, shard: int, stop: threading.Event) -> JoinInfo:
+    async def _join_shard(
+        self, shard: int, stop: threading.Event, *, keeps_count: bool = False
+    ) -> JoinInfo:
         while True:
             try:
-                info = await self.clients[shard].join(self.island, self.replicas)
+                info = await self.clients[shard].join(
+                    self.island, self.replicas, keeps_count=keeps_count
+                )
             except SyncerError as err:
                 if err.status != 0 or stop.is_set():
                     raise
                 log.warning("syncer still unreachable, trying again: %s", err)
                 continue
             self._shard_says(shard, info.finished)
+            self.joined[shard] = JoinMark(info.run, tuple(info.versions))
             if shard == 0 and info.inner_steps is not None:
                 self.inner_steps = info.inner_steps
             if shard == 0:
@@ -681,6 +718,19 @@ class SyncerLink:
                 await self._join_shard(shard, threading.Event())
             return last_state
         self._shard_says(shard, reply.finished)
+        joined = self.joined.get(shard)
+        if joined is not None and reply.run and reply.run != joined.run:
+            # Another run answers: the syncer restarted since our join (join_unknown).
+            if join_unknown(joined, reply.run, reply.resumed):
+                log.info(
+                    "the syncer restarted from versions %s, which our join at %s may have come "
+                    "after: joining again, so that it counts our tokens from that join",
+                    reply.resumed,
+                    list(joined.versions),
+                )
+                await self._join_shard(shard, threading.Event(), keeps_count=True)
+            else:  # the checkpoint it resumed from holds our join's record
+                self.joined[shard] = JoinMark(reply.run, joined.versions)
         if shard == 0 and reply.inner_steps is not None:
             self.inner_steps = reply.inner_steps
         if shard == 0:  # once split, split for the job (island_rounds.split_budget)
