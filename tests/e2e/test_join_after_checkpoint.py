@@ -15,8 +15,8 @@ then_pushed_again). So a new island's join is no work to lose: its learner makes
 A *re-join* since the checkpoint of an island the checkpoint knows (a learner restarted
 mid-job) comes back as the older join's record (its count base), answered 200. Its learner's
 next heartbeat, answered by another run that resumed at versions its join is at or past on
-every fragment, joins again keeping its count (syncer_link.join_unknown): the base is then the
-island's merged tokens in the checkpoint, where its count starts. A learner whose join came
+every fragment, joins again keeping its count (learner/join_marks.join_unknown): the base is
+then the island's merged tokens in the checkpoint, where its count starts. A learner whose join came
 before a merge the checkpoint holds does not (docs/algorithm.md, "A count's frame is kept across
 a syncer restart").
 """

@@ -1,10 +1,10 @@
-"""A learner's join that a restarted syncer may lack (learner/syncer_link.join_unknown), and the
+"""A learner's join that a restarted syncer may lack (learner/join_marks.join_unknown), and the
 count frame that joining again gives the restored record (issue 46: "a crash loses at most the
 work since the last checkpoint")."""
 
 from __future__ import annotations
 
-from diloco_trainer.learner.syncer_link import JoinMark, join_unknown
+from diloco_trainer.learner.join_marks import JoinMark, join_unknown
 from diloco_trainer.syncer.state.rounds import Contribution, RoundPolicy, SyncState
 
 

@@ -232,7 +232,7 @@ class SyncerJsonClient:
     async def join(self, island: str, replicas: int, *, keeps_count: bool = False) -> JoinInfo:
         """Register (or re-register) an island; returns the fragment layout and versions.
         `keeps_count`: its learner did not restart and keeps counting its tokens from its last
-        join, which the syncer, restarted since, may lack (learner/syncer_link.join_unknown)."""
+        join, which the syncer, restarted since, may lack (learner/join_marks.join_unknown)."""
         shards = self._fan_out()
         if shards is not None:
             joins = (c.join(island, replicas, keeps_count=keeps_count) for c in shards)

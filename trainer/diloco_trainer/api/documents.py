@@ -109,7 +109,7 @@ class JoinInfo(Document):
     split_budget: bool = False
     # The syncer run that answered (PushAnswer.run): a learner whose heartbeat is answered by
     # another run (the syncer restarted since this join) may have to join again
-    # (learner/syncer_restart.join_unknown). Absent: older syncers.
+    # (learner/join_marks.join_unknown). Absent: older syncers.
     run: str = ""
 
     @model_validator(mode="after")
@@ -151,7 +151,7 @@ class HeartbeatAnswer(Document):
     # The syncer run that answered (JoinInfo.run) and each fragment's version when it started
     # (what it resumed from): a learner that joined another run at or past those versions
     # joined after the checkpoint it resumed from, which therefore lacks that join, and joins
-    # again (learner/syncer_restart.join_unknown). Absent: older syncers.
+    # again (learner/join_marks.join_unknown). Absent: older syncers.
     run: str = ""
     resumed: list[int] = Field(default_factory=list)
 

@@ -24,10 +24,13 @@ the job is finished once every shard has said so (a pulled fragment reads finish
 
 Refusals: a push refused as too stale (409) or from a dropped island (403) is discarded and the
 current global fragment is pulled and applied in its place. A syncer that forgot the island (404,
-e.g. restarted without it) is joined again. Connection errors are retried by the client with
-backoff. A push that a syncer accepted and then lost by restarting (the restarted syncer refuses
-the pull for its merge: 409 restarted) ends its sync with PushLost at once: the training loop
-pushes the fragment again (fragment_sync.py; docs/algorithm.md, "A syncer restart").
+e.g. restarted without it) is joined again, and so is one whose run, named in its heartbeat
+answers, is not the one joined and resumed from a checkpoint that may lack our join
+(join_unknown): that join keeps our count (keepsCount), its base the island's merged tokens in
+the checkpoint. Connection errors are retried by the client with backoff. A push that a syncer
+accepted and then lost by restarting (the restarted syncer refuses the pull for its merge: 409
+restarted) ends its sync with PushLost at once: the training loop pushes the fragment again
+(fragment_sync.py; docs/algorithm.md, "A syncer restart").
 """
 
 from __future__ import annotations
@@ -59,6 +62,7 @@ from diloco_trainer.core.published import (
 )
 from diloco_trainer.host_memory import trim
 from diloco_trainer.learner.device_copies import DeviceStager
+from diloco_trainer.learner.join_marks import JoinMark, join_unknown
 from diloco_trainer.learner.overlap import sync_latency
 from diloco_trainer.learner.phase_alignment import lateness_within, merge_lateness
 from diloco_trainer.learner.step_costs import WaitMeter
@@ -72,36 +76,6 @@ T = TypeVar("T")
 LONG_POLL_SECONDS = 20.0
 # Seconds the training loop blocks at a time while it waits, so SIGTERM is noticed promptly.
 WAIT_SLICE_SECONDS = 0.2
-
-
-@dataclass(frozen=True)
-class JoinMark:
-    """The island's last join of one syncer shard: the run that answered it (JoinInfo.run; a
-    later run whose checkpoint holds that join's record) and the fragments' versions then."""
-
-    run: str
-    versions: tuple[int, ...]
-
-
-def join_unknown(joined: JoinMark, run: str, resumed: list[int]) -> bool:
-    """Whether syncer run `run`, started at `resumed` (each fragment's version it resumed
-    from), lacks the island's last join `joined` and must be joined again.
-
-    The run resumed from a checkpoint of `resumed`, written at those versions: a join of an
-    earlier run at a version below them on some fragment came before a merge the checkpoint
-    holds, so the checkpoint holds the join's record too (its count base, the island's merged
-    tokens at the join: SavedCount). A join at or past them on every fragment may have come
-    after the checkpoint was written, so the run may hold an older join's record, whose count
-    base is below what the learner counts from: the learner joins again, and the join sets
-    the base to the island's merged tokens in the checkpoint, where the learner's count (its
-    processed tokens since that join, none of them merged into what the run holds) starts. Had
-    the checkpoint held the join after all (written after it, no merge between), that is the
-    base the join set: joining again changes nothing of the frame (docs/algorithm.md, "A
-    count's frame is kept across a syncer restart"). Same run, no run named (an older syncer)
-    or versions not told: False."""
-    if not run or not joined.run or run == joined.run or len(resumed) != len(joined.versions):
-        return False
-    return all(j >= r for j, r in zip(joined.versions, resumed, strict=True))
 
 
 class PushLost(RuntimeError):
@@ -719,18 +693,11 @@ class SyncerLink:
             return last_state
         self._shard_says(shard, reply.finished)
         joined = self.joined.get(shard)
-        if joined is not None and reply.run and reply.run != joined.run:
-            # Another run answers: the syncer restarted since our join (join_unknown).
-            if join_unknown(joined, reply.run, reply.resumed):
-                log.info(
-                    "the syncer restarted from versions %s, which our join at %s may have come "
-                    "after: joining again, so that it counts our tokens from that join",
-                    reply.resumed,
-                    list(joined.versions),
-                )
-                await self._join_shard(shard, threading.Event(), keeps_count=True)
-            else:  # the checkpoint it resumed from holds our join's record
-                self.joined[shard] = JoinMark(reply.run, joined.versions)
+        if joined is not None and join_unknown(joined, reply.run, reply.resumed):
+            log.info("the syncer restarted, maybe without our join: joining again, same count")
+            await self._join_shard(shard, threading.Event(), keeps_count=True)
+        elif joined is not None and reply.run:  # this run holds our join's record (join_unknown)
+            self.joined[shard] = JoinMark(reply.run, joined.versions)
         if shard == 0 and reply.inner_steps is not None:
             self.inner_steps = reply.inner_steps
         if shard == 0:  # once split, split for the job (island_rounds.split_budget)

@@ -100,7 +100,7 @@ class Membership:
         """An island (re)starts: counts a join and makes it active unless an admin dropped it.
 
         `keeps_count`: its learner did not restart; it joins again because this syncer run
-        resumed from a checkpoint that may lack its last join (learner/syncer_link.join_unknown)
+        resumed from a checkpoint that may lack its last join (learner/join_marks.join_unknown)
         and keeps counting from that join. The count's base is then the island's merged tokens
         in that checkpoint (restored_merged): the tokens it merged before that join and after
         the checkpoint are lost with the restart, and those merged since the restart are in
