@@ -10,10 +10,15 @@ before that heartbeat is answered 404 too: the link joins again and hands back t
 fragment, `restarted`, whose push's steps the learner counts as work a restart took back and
 trains again before it drains (syncer_restart.AfterRestart.count_merged; tests/unit/
 test_learner_syncer_restart.py::test_a_push_refused_by_a_syncer_not_behind_its_base_is_received_
-then_pushed_again). So a new island's join is no work to lose: its learner makes it again. What
-stays lost is a *re-join* since the checkpoint of an island the checkpoint knows (a learner
-restarted mid-job): its record comes back with the older join's count base and its learner,
-answered 200, never joins again (docs/algorithm.md, the drain's "Not covered").
+then_pushed_again). So a new island's join is no work to lose: its learner makes it again.
+
+A *re-join* since the checkpoint of an island the checkpoint knows (a learner restarted
+mid-job) comes back as the older join's record (its count base), answered 200. Its learner's
+next heartbeat, answered by another run that resumed at versions its join is at or past on
+every fragment, joins again keeping its count (learner/join_marks.join_unknown): the base is
+then the island's merged tokens in the checkpoint, where its count starts. A learner whose join came
+before a merge the checkpoint holds does not (docs/algorithm.md, "A count's frame is kept across
+a syncer restart").
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import threading
 from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 import torch
@@ -48,13 +54,16 @@ def late_spec(make_spec: Callable[..., JobSpec]) -> JobSpec:
     )
 
 
-async def first_merge(handle: SyncerHandle) -> dict[str, torch.Tensor]:
-    """island-0 joins, pushes one pseudo-gradient and waits for its merge (version 1)."""
+async def first_merge(
+    handle: SyncerHandle, island: str = "island-0", steps: int = 4
+) -> dict[str, torch.Tensor]:
+    """`island` joins, pushes one pseudo-gradient of `steps` steps (64 tokens each) and waits
+    for its merge (version 1)."""
     async with handle.client() as client:
-        await client.join("island-0", 1)
+        await client.join(island, 1)
         pulled = await client.pull_fragment(0, after=-1)
         assert pulled is not None
-        meta = protocol.PushMeta("island-0", 0, 256, 4, 5.0, 0.01, "none")
+        meta = protocol.PushMeta(island, 0, 64 * steps, steps, 5.0, 0.01, "none")
         answer = await client.push_pseudo_gradient(
             0, encode_tensors(delta_for(pulled.tensors, seed=1), "none"), meta
         )
@@ -64,21 +73,25 @@ async def first_merge(handle: SyncerHandle) -> dict[str, torch.Tensor]:
         return pulled.tensors
 
 
-def checkpointed(
-    syncer_proc: Callable[..., SyncerHandle], spec: JobSpec
-) -> tuple[SyncerHandle, dict[str, torch.Tensor], SyncerLink]:
-    """A syncer past its first merge and that merge's checkpoint (outer step 1), the global
-    weights, and the late island's learner link to it (not joined yet)."""
-    first = syncer_proc(spec)
-    tensors = asyncio.run(first_merge(first))
+def wait_for_checkpoint(handle: SyncerHandle, outer_step: int) -> Path:
+    """The checkpoint of `outer_step`, once it is the newest on the syncer's disk."""
+    path = handle.state_dir / "checkpoints" / ckpt.checkpoint_name(outer_step)
     wait_until(
-        lambda: (
-            ckpt.list_checkpoints(first.state_dir)[-1:]
-            == [first.state_dir / "checkpoints" / ckpt.checkpoint_name(1)]
-        ),
+        lambda: ckpt.list_checkpoints(handle.state_dir)[-1:] == [path],
         timeout=120,
-        what="the checkpoint of outer step 1",
+        what=f"the checkpoint of outer step {outer_step}",
     )
+    return path
+
+
+def checkpointed(
+    syncer_proc: Callable[..., SyncerHandle], spec: JobSpec, pusher: str = "island-0"
+) -> tuple[SyncerHandle, dict[str, torch.Tensor], SyncerLink]:
+    """A syncer past its first merge (of `pusher`'s push) and that merge's checkpoint (outer
+    step 1), the global weights, and the late island's learner link to it (not joined yet)."""
+    first = syncer_proc(spec)
+    tensors = asyncio.run(first_merge(first, pusher))
+    wait_for_checkpoint(first, 1)
     link = SyncerLink(syncer_client.SyncerClient(first.url, first.token), island=LATE, replicas=1)
     return first, tensors, link
 
@@ -144,3 +157,59 @@ def test_a_push_before_the_heartbeat_joins_again_and_is_counted_as_taken_back(
         assert again.outcome == "merged" and again.pulled.version == 2
     finally:
         link.close(leave=False)
+
+
+def test_a_learner_that_rejoined_after_the_last_checkpoint_joins_again_keeping_its_count(
+    syncer_proc: Callable[..., SyncerHandle], make_spec: Callable[..., JobSpec]
+) -> None:
+    """The late island's first join and push (512 tokens, 8 steps: with island-0 joined, the
+    two islands' round of work; merged: version 1) are in the checkpoint of outer step 1 (its
+    count base 0); its learner then restarts and joins again (base 512, the island's merged
+    tokens: it counts from 0 there), and the syncer is killed.
+    The restarted syncer holds the older join's record (joins 1, base 0); the learner's
+    heartbeat, answered by the new run that resumed at version 1, where its join was, joins
+    again keeping its count: base 512, which the next checkpoint keeps. island-0's learner,
+    which joined at version 0, before the merge the checkpoint holds, does not join again."""
+    spec = late_spec(make_spec)
+    first = syncer_proc(spec)
+    early = SyncerLink(
+        syncer_client.SyncerClient(first.url, first.token), island="island-0", replicas=1
+    )
+    link: SyncerLink | None = None
+    try:
+        assert early.submit(early.join(threading.Event())).result(timeout=60).versions == [0]
+        tensors = asyncio.run(first_merge(first, LATE, steps=8))
+        wait_for_checkpoint(first, 1)
+        link = SyncerLink(
+            syncer_client.SyncerClient(first.url, first.token), island=LATE, replicas=1
+        )
+        joined = link.submit(link.join(threading.Event())).result(timeout=60)
+        assert joined.island_tokens == 512 and joined.versions == [1]
+        assert first.status()["islands"][LATE]["joins"] == 2
+        first.proc.kill()
+        first.proc.wait(timeout=60)
+        second = syncer_proc(spec, state_dir=first.state_dir, port=first.port, token=first.token)
+        doc = second.status()
+        assert doc["resumedFrom"].endswith(ckpt.checkpoint_name(1))
+        assert doc["islands"][LATE]["joins"] == 1  # the checkpoint's record: the first join's
+        assert doc["islands"]["island-0"]["joins"] == 1
+        for each in (early, link):
+            each.progress.update(step=8, tokens=512, loss=4.0, step_time=0.01)
+            state = each.submit(each._heartbeat(0, dict(each.progress), None)).result(timeout=60)
+            assert state == protocol.STATE_ACTIVE  # answered 200 by the new run
+        islands = second.status()["islands"]
+        assert islands[LATE]["joins"] == 2  # joined again, keeping its count
+        assert islands["island-0"]["joins"] == 1  # the checkpoint holds its join
+        # The next merge's checkpoint keeps the frames: the late island's base is the 512 it
+        # had merged in the checkpoint (the older join's 0 before), island-0's stays 0.
+        meta = protocol.PushMeta(LATE, 1, 512, 8, 4.0, 0.01, "none")
+        body = encode_tensors(delta_for(tensors, seed=2), "none")
+        result = link.submit(link.sync_fragment(0, body, meta)).result(timeout=120)
+        assert result.outcome == "merged" and result.pulled.version == 2
+        counts = ckpt.load_checkpoint(wait_for_checkpoint(second, 2)).document.counts
+        assert counts[LATE].base == 512.0
+        assert counts["island-0"].base == 0.0
+    finally:
+        early.close(leave=False)
+        if link is not None:
+            link.close(leave=False)

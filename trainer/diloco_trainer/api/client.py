@@ -229,12 +229,17 @@ class SyncerJsonClient:
         except DocumentError as err:
             raise SyncerError(status, f"{method} {path}: {err}", ERROR_MALFORMED) from None
 
-    async def join(self, island: str, replicas: int) -> JoinInfo:
-        """Register (or re-register) an island; returns the fragment layout and versions."""
+    async def join(self, island: str, replicas: int, *, keeps_count: bool = False) -> JoinInfo:
+        """Register (or re-register) an island; returns the fragment layout and versions.
+        `keeps_count`: its learner did not restart and keeps counting its tokens from its last
+        join, which the syncer, restarted since, may lack (learner/join_marks.join_unknown)."""
         shards = self._fan_out()
         if shards is not None:
-            return merge_join(await asyncio.gather(*(c.join(island, replicas) for c in shards)))
-        body = {"island": island, "replicas": replicas}
+            joins = (c.join(island, replicas, keeps_count=keeps_count) for c in shards)
+            return merge_join(await asyncio.gather(*joins))
+        body: dict[str, Any] = {"island": island, "replicas": replicas}
+        if keeps_count:  # left out otherwise: a syncer before the field never sees it
+            body["keepsCount"] = True
         return await self.document(JoinInfo, "POST", ROUTE_JOIN, json_body=body)
 
     async def heartbeat(

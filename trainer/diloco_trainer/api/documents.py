@@ -107,6 +107,10 @@ class JoinInfo(Document):
     # K = M: the token budget is split per island by stop targets, not 1/M each (the islands'
     # rounds differ or did: core/island_rounds.split_budget). Once true, true for the job.
     split_budget: bool = False
+    # The syncer run that answered (PushAnswer.run): a learner whose heartbeat is answered by
+    # another run (the syncer restarted since this join) may have to join again
+    # (learner/join_marks.join_unknown). Absent: older syncers.
+    run: str = ""
 
     @model_validator(mode="after")
     def _one_version_per_fragment(self) -> JoinInfo:
@@ -144,6 +148,12 @@ class HeartbeatAnswer(Document):
     stop_at: int | None = None
     inner_steps: int | None = Field(None, ge=1)  # the island's H_i now (as in JoinInfo)
     split_budget: bool = False  # as in JoinInfo
+    # The syncer run that answered (JoinInfo.run) and each fragment's version when it started
+    # (what it resumed from): a learner that joined another run at or past those versions
+    # joined after the checkpoint it resumed from, which therefore lacks that join, and joins
+    # again (learner/join_marks.join_unknown). Absent: older syncers.
+    run: str = ""
+    resumed: list[int] = Field(default_factory=list)
 
 
 class MembershipAnswer(Document):

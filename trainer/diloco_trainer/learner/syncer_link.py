@@ -24,10 +24,13 @@ the job is finished once every shard has said so (a pulled fragment reads finish
 
 Refusals: a push refused as too stale (409) or from a dropped island (403) is discarded and the
 current global fragment is pulled and applied in its place. A syncer that forgot the island (404,
-e.g. restarted without it) is joined again. Connection errors are retried by the client with
-backoff. A push that a syncer accepted and then lost by restarting (the restarted syncer refuses
-the pull for its merge: 409 restarted) ends its sync with PushLost at once: the training loop
-pushes the fragment again (fragment_sync.py; docs/algorithm.md, "A syncer restart").
+e.g. restarted without it) is joined again, and so is one whose run, named in its heartbeat
+answers, is not the one joined and resumed from a checkpoint that may lack our join
+(join_unknown): that join keeps our count (keepsCount), its base the island's merged tokens in
+the checkpoint. Connection errors are retried by the client with backoff. A push that a syncer
+accepted and then lost by restarting (the restarted syncer refuses the pull for its merge: 409
+restarted) ends its sync with PushLost at once: the training loop pushes the fragment again
+(fragment_sync.py; docs/algorithm.md, "A syncer restart").
 """
 
 from __future__ import annotations
@@ -59,6 +62,7 @@ from diloco_trainer.core.published import (
 )
 from diloco_trainer.host_memory import trim
 from diloco_trainer.learner.device_copies import DeviceStager
+from diloco_trainer.learner.join_marks import JoinMark, join_unknown
 from diloco_trainer.learner.overlap import sync_latency
 from diloco_trainer.learner.phase_alignment import lateness_within, merge_lateness
 from diloco_trainer.learner.step_costs import WaitMeter
@@ -217,6 +221,8 @@ class SyncerLink:
         # The link's trim of freed memory (_trim_soon) and whether one more was asked for.
         self._trim_task: asyncio.Task[None] | None = None
         self._trim_again = False
+        # Per syncer shard, the island's last join of it (join_unknown; absent: none answered).
+        self.joined: dict[int, JoinMark] = {}
         # Coroutines submit_later deferred, with their futures, until start_deferred.
         self._deferred: list[tuple[Coroutine[Any, Any, Any], Any]] = []
         self._loop = asyncio.new_event_loop()
@@ -291,16 +297,21 @@ class SyncerLink:
         infos = await asyncio.gather(*(self._join_shard(i, stop) for i in range(len(self.clients))))
         return merge_join(infos)
 
-    async def _join_shard(self, shard: int, stop: threading.Event) -> JoinInfo:
+    async def _join_shard(
+        self, shard: int, stop: threading.Event, *, keeps_count: bool = False
+    ) -> JoinInfo:
         while True:
             try:
-                info = await self.clients[shard].join(self.island, self.replicas)
+                info = await self.clients[shard].join(
+                    self.island, self.replicas, keeps_count=keeps_count
+                )
             except SyncerError as err:
                 if err.status != 0 or stop.is_set():
                     raise
                 log.warning("syncer still unreachable, trying again: %s", err)
                 continue
             self._shard_says(shard, info.finished)
+            self.joined[shard] = JoinMark(info.run, tuple(info.versions))
             if shard == 0 and info.inner_steps is not None:
                 self.inner_steps = info.inner_steps
             if shard == 0:
@@ -681,6 +692,12 @@ class SyncerLink:
                 await self._join_shard(shard, threading.Event())
             return last_state
         self._shard_says(shard, reply.finished)
+        joined = self.joined.get(shard)
+        if joined is not None and join_unknown(joined, reply.run, reply.resumed):
+            log.info("the syncer restarted, maybe without our join: joining again, same count")
+            await self._join_shard(shard, threading.Event(), keeps_count=True)
+        elif joined is not None and reply.run:  # this run holds our join's record (join_unknown)
+            self.joined[shard] = JoinMark(reply.run, joined.versions)
         if shard == 0 and reply.inner_steps is not None:
             self.inner_steps = reply.inner_steps
         if shard == 0:  # once split, split for the job (island_rounds.split_budget)

@@ -120,7 +120,9 @@ class SplitBodyPayload(payload.Payload):
 class IslandRoutes(Protocol):
     """What the membership routes need (service/island_calls.IslandCalls)."""
 
-    async def join(self, island: str, replicas: int) -> dict[str, Any]: ...
+    async def join(
+        self, island: str, replicas: int, keeps_count: bool = False
+    ) -> dict[str, Any]: ...
 
     async def heartbeat(self, island: str, progress: Beat) -> dict[str, Any]: ...
 
@@ -287,7 +289,9 @@ class SyncerRoutes:
         replicas = typed_field(doc, "replicas", "join", int, required=False) or 1
         at_least(replicas, 1, "join", "replicas")
         at_most(replicas, MAX_REPLICAS, "join", "replicas")
-        return web.json_response(await self.syncer.islands.join(island, replicas))
+        # Its learner joins again, counting on, because this run may lack its last join.
+        keeps = typed_field(doc, "keepsCount", "join", bool, required=False) or False
+        return web.json_response(await self.syncer.islands.join(island, replicas, keeps))
 
     async def pull(self, request: web.Request) -> web.Response:
         fragment = fragment_arg(request)

@@ -50,8 +50,14 @@ class IslandCalls:
         model: GlobalModel,
         codec: str,
         spec: JobSpec,
+        run: str = "",
+        resumed: list[int] | None = None,
     ) -> None:
+        """`run`, `resumed`: this syncer run's name and each fragment's version when it started
+        (Syncer.run, Syncer.resumed_versions), told in join and heartbeat answers."""
         self.control = control
+        self.run = run
+        self.resumed = list(resumed or [])
         self.state = state
         self.gate = gate
         self.model = model
@@ -72,20 +78,24 @@ class IslandCalls:
         # The longest step time a heartbeat may claim (validation.step_time_limit).
         self.max_step_time = step_time_limit(spec.sync.heartbeat_timeout_seconds)
 
-    async def join(self, island: str, replicas: int) -> dict[str, Any]:
+    async def join(self, island: str, replicas: int, keeps_count: bool = False) -> dict[str, Any]:
         """Register an island; the fragment layout, current versions and the island's merged
-        tokens (JoinInfo)."""
+        tokens (JoinInfo). `keeps_count`: its learner did not restart but joins again because
+        this run may lack its last join (Membership.join): its round, step-time readings and
+        stop target stay as they are."""
         async with self.control.locked():
             self.gate.admit(self.state.membership, island, self.control.clock())
-            rec = self.state.membership.join(island, replicas, self.control.clock())
+            members = self.state.membership
+            rec = members.join(island, replicas, self.control.clock(), keeps_count=keeps_count)
             rounds = self.gate.rounds
-            rounds.joined(rec, self.state.membership.active_records(), self.control.clock())
+            if not keeps_count:
+                rounds.joined(rec, members.active_records(), self.control.clock())
+                # A restarted learner counts its tokens from zero again: its target (in the old
+                # count) would let it train far past the budget. It trains on without one.
+                self.targets.pop(island, None)
+                if island in (self.state.split_to or ()):
+                    self.state.split_to = frozenset(self.targets) or None
             inner_steps = rounds.steps_of(rec, island)
-            # A restarted learner counts its tokens from zero again: its target (in the old
-            # count) would let it train far past the budget. It trains on without one.
-            self.targets.pop(island, None)
-            if island in (self.state.split_to or ()):
-                self.state.split_to = frozenset(self.targets) or None
             if rounds.split:
                 self.heard_split.add(island)  # its JoinInfo says so
             merged_tokens = round(rec.merged_tokens)  # read under the lock a merge takes
@@ -104,6 +114,7 @@ class IslandCalls:
             island_tokens=merged_tokens,
             inner_steps=inner_steps,
             split_budget=rounds.split,
+            run=self.run,
         ).to_wire()
 
     async def heartbeat(self, island: str, progress: Beat) -> dict[str, Any]:
@@ -155,6 +166,8 @@ class IslandCalls:
             stop_at=self.targets.get(island),
             inner_steps=inner_steps,
             split_budget=split,
+            run=self.run,
+            resumed=self.resumed,
         )
         return answer.to_wire()
 

@@ -155,6 +155,8 @@ class Syncer:
             model=self.model,
             codec=self.codec,
             spec=spec,
+            run=self.run,
+            resumed=self.resumed_versions,
         )
         # Read when /metrics is scraped: always the current figures, and no sequence has to
         # remember to update them.

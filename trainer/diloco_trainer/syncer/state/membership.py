@@ -94,15 +94,27 @@ class Membership:
         self._expect_until = now + self.startup_timeout
         self._events.membership_changed(now)
 
-    def join(self, name: str, replicas: int, now: float) -> IslandRecord:
-        """An island (re)starts: counts a join and makes it active unless an admin dropped it."""
+    def join(
+        self, name: str, replicas: int, now: float, *, keeps_count: bool = False
+    ) -> IslandRecord:
+        """An island (re)starts: counts a join and makes it active unless an admin dropped it.
+
+        `keeps_count`: its learner did not restart; it joins again because this syncer run
+        resumed from a checkpoint that may lack its last join (learner/join_marks.join_unknown)
+        and keeps counting from that join. The count's base is then the island's merged tokens
+        in that checkpoint (restored_merged): the tokens it merged before that join and after
+        the checkpoint are lost with the restart, and those merged since the restart are in
+        its count already (as the base of its join, at the run's first merge of its pushes
+        they were counted twice). Only once, on a record this run restored and that has not
+        joined since; otherwise the join is an ordinary one (the island's merged tokens now)."""
         rec = self.islands.setdefault(name, IslandRecord(name=name))
         rec.joins += 1
         rec.replicas = replicas
         rec.reported_step = rec.reported_at = None  # a restarted learner's schedule starts anew
         # ...and its count of tokens: from the island's merged work (JoinInfo.island_tokens).
         rec.reported_tokens, rec.first_report = None, None
-        rec.count_base = rec.merged_tokens
+        restored, rec.restored_merged = rec.restored_merged, None
+        rec.count_base = restored if keeps_count and restored is not None else rec.merged_tokens
         rec.refused_tokens = 0.0  # refused before this join: not in the new count either
         # Its pace is measured afresh, but the split waits for it from its first join only
         # (targets.split_among): an island that rejoined every few seconds held it for ever.
@@ -233,6 +245,7 @@ class Membership:
             rec = IslandRecord.from_status(name, status)
             rec.last_seen = now
             rec.pace_since = now  # its learner's next heartbeats measure its pace anew
+            rec.restored_merged = rec.merged_tokens  # a join this checkpoint lacks counts from it
             saved = counts.get(name)
             if saved is not None:
                 rec.count_base = max(0.0, saved.base)

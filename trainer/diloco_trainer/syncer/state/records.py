@@ -119,6 +119,10 @@ class IslandRecord:
     # its part of what is done, targets.Pace.base).
     # Persisted with count_base (the count it explains goes on across a restart).
     refused_tokens: float = 0.0
+    # Its merged tokens in the checkpoint this syncer run resumed from, until its first join in
+    # this run (Membership.join's keeps_count: the base of a join the checkpoint lacks). Not
+    # persisted: set by Membership.restore.
+    restored_merged: float | None = None
     # Since when the syncer waits for that pace: its first join, or the restore of its record by
     # a restarted syncer (targets.split_among: past a bound, an island without one is left out
     # of the split; a rejoin does not restart the wait). Not persisted.
