@@ -182,7 +182,12 @@ def guarded(syncer: SyncerHandle) -> Iterator[Guarded]:
     check = Guarded(syncer)
     yield check
     assert fingerprint(syncer) == check.before
-    assert http_request("GET", syncer.url + "/healthz", token=None) == (200, {"ok": True})
+    code, health = http_request("GET", syncer.url + "/healthz", token=None)
+    assert code == 200 and health["ok"] is True, health
+    # The one problem hostile pushes may leave: island-1 named as left out of the rounds after
+    # three refused pushes in a row (intake/refused_runs.py), until one of its pushes is accepted.
+    kinds = {p["kind"] for p in health.get("problems", [])}
+    assert kinds <= {"islandLeftOut"}, health
     honest_round(syncer)
 
 

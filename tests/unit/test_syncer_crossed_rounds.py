@@ -57,6 +57,14 @@ def test_crossed_wait_is_the_grace_window_plus_the_slowest_lacking_islands_step(
     steps = {"a": 9.0, "c": None, "d": 0.04}
     assert crossed_wait(0.02, steps, {"c", "d"}) == pytest.approx(0.06)
     assert crossed_wait(0.02, steps, set()) == pytest.approx(0.02)
+    # With the islands' rounds: a round of the slowest lacking island, (H_i + 1) x its step:
+    # d at H = 5: 0.02 + 6 x 0.04 = 0.26 (a: 9 s, not lacking, still does not count).
+    rounds = {"a": 30, "c": 5, "d": 5}
+    assert crossed_wait(0.02, steps, {"c", "d"}, rounds) == pytest.approx(0.26)
+    # CI's syncer restart (two islands a sync point apart, τ > 0, H = 5, 15 ms steps): the
+    # lacking island pushes the round's fragment 45 ms after the crossing began; one step
+    # (0.015 s) merged the round without it first, a round (0.09 s) waits for it.
+    assert crossed_wait(0.0, {"x": 0.015}, {"x"}, {"x": 5}) == pytest.approx(0.09)
 
 
 def test_k_equals_m_merges_the_crossed_round_with_most_pushes_without_its_lacking_island() -> None:

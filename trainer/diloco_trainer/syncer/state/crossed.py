@@ -26,9 +26,8 @@ not lost (their next push to it carries it, one version behind), and the merge l
 waiting for it push on, which undoes the crossing (their order and the others' agree again).
 
 Only at K = M with blocking learners (RoundPolicy.learners_block): at K < M a quorum of K ends
-every round anyway. And only once S has held for the grace window plus one step of the slowest
-island the chosen round lacks (SyncState.merge_due): two pushes of one island sent back to
-back may arrive out of order and cross the rounds for the moment between them.
+every round anyway. And only once S has held for the grace window plus a round (H_i + 1 steps)
+of the slowest island the chosen round lacks (SyncState.merge_due; crossed_wait says why).
 """
 
 from __future__ import annotations
@@ -58,8 +57,24 @@ def round_to_close(crossed: Set[int], pending: Sequence[Set[str]]) -> int | None
     return min(crossed, key=lambda f: (-len(pending[f]), f))
 
 
-def crossed_wait(grace: float, step_times: Mapping[str, float | None], lacking: Set[str]) -> float:
-    """How long the chosen round must stay crossed before it merges: the grace window plus the
-    longest step time (as last reported; unknown counts 0) of the islands it lacks."""
-    steps = [step_times.get(n) or 0.0 for n in lacking]
-    return grace + max(steps, default=0.0)
+def crossed_wait(
+    grace: float,
+    step_times: Mapping[str, float | None],
+    lacking: Set[str],
+    rounds: Mapping[str, int] | None = None,
+) -> float:
+    """How long the chosen round must stay crossed before it merges: the grace window plus
+    the longest round of the islands it lacks, (H_i + 1) x its step time (as last reported;
+    unknown counts 0; H_i from `rounds`, 0 when not known: one step).
+
+    A round, not a step: a learner that overlaps its pushes (τ > 0) pushes its next fragment
+    before it waits for the last one's merge, so two islands a sync point apart (after a syncer
+    restart, CI's test_learner_rides_out_a_syncer_restart) hold pushes of different fragments
+    for a moment and cross, then each reaches its next sync point of the other fragment within
+    a round and the crossing undoes itself. Merged after one step (reenter's first form), such
+    a round went without an island that was about to push, and at K = M the drain's lock step
+    then ended short: both islands drained and waited a 60 s budget for a finish. A true
+    crossing (blocking learners that push nothing more) still merges within a round of the
+    slowest lacking island, against the 4-150 s of wait budgets before."""
+    waits = [((rounds or {}).get(n, 0) + 1) * (step_times.get(n) or 0.0) for n in lacking]
+    return grace + max(waits, default=0.0)

@@ -457,8 +457,8 @@ class SyncState:
     def crossed_round(self, now: float) -> tuple[int, float] | None:
         """At K = M with blocking learners, the crossed round merged without the islands it
         lacks (crossed.py: rounds that each wait for islands whose pushes wait in the others)
-        and when: once they have stayed crossed for the grace window plus a step of the
-        slowest island it lacks. None when no round is crossed."""
+        and when: once they have stayed crossed for the grace window plus a round of the
+        slowest island it lacks (crossed_wait). None when no round is crossed."""
         members = self.membership
         spanned = self.spanning() - self.drained() - self.untargeted()
         if (
@@ -477,7 +477,8 @@ class SyncState:
         key = (f, tuple((g, frozenset(pending[g])) for g in sorted(crossed)), frozenset(spanned))
         since = now if self._crossed is None or self._crossed[0] != key else self._crossed[1]
         steps = {n: members.islands[n].step_time for n in spanned}
-        due = since + crossed_wait(self.grace(), steps, spanned - pending[f])
+        rounds = {n: self._round_steps(members.islands[n]) for n in spanned}
+        due = since + crossed_wait(self.grace(), steps, spanned - pending[f], rounds)
         self._crossed = (key, since, due)
         return f, due
 
