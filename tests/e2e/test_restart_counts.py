@@ -157,3 +157,51 @@ def test_a_push_refused_before_the_join_that_keeps_the_count_stays_refused(
         early.close(leave=False)
         if link is not None:
             link.close(leave=False)
+
+
+def test_a_join_lost_with_two_quick_restarts_is_made_again(
+    syncer_proc: Callable[..., SyncerHandle], make_spec: Callable[..., JobSpec]
+) -> None:
+    """The re-join above (base 512, at version 1, the record's second join), then two restarts:
+    the second run resumes from the checkpoint of version 1 (the first join's record, base 0),
+    merges island-0's round (version 2) and checkpoints it before the late learner hears from
+    it, and is killed; the third resumes at version 2, past the join's versions. The learner's
+    heartbeat, answered with the record's 1 join against its join's 2, joins again keeping its
+    count: base 512 in the third run's next checkpoint. main: base 0 (its versions [1] below the
+    resumed [2], it never joined again), so its part of the budget read 512 below its merged
+    work (merged 1,024, of which 512 after the join: part 0 + 512, not 512 + 512)."""
+    spec = late_spec(make_spec)
+    first = syncer_proc(spec)
+    early = SyncerLink(
+        syncer_client.SyncerClient(first.url, first.token), island="island-0", replicas=1
+    )
+    link: SyncerLink | None = None
+    try:
+        early.submit(early.join(threading.Event())).result(timeout=60)
+        tensors = asyncio.run(first_merge(first, LATE, steps=8))
+        wait_for_checkpoint(first, 1)
+        link = SyncerLink(
+            syncer_client.SyncerClient(first.url, first.token), island=LATE, replicas=1
+        )
+        joined = link.submit(link.join(threading.Event())).result(timeout=60)
+        assert (joined.island_tokens, joined.versions, joined.joins) == (512, [1], 2)
+        second = restarted(syncer_proc, first, spec)
+        merged = push(early, tensors, 1, 8, seed=3)  # island-0's round: version 2
+        assert merged.outcome == "merged" and merged.pulled.version == 2
+        wait_for_checkpoint(second, 2)
+        third = restarted(syncer_proc, second, spec)
+        assert third.status()["versions"] == [2]
+        assert third.status()["islands"][LATE]["joins"] == 1  # the first join's record
+        link.progress.update(step=9, tokens=576, loss=4.0, step_time=0.01)
+        state = link.submit(link._heartbeat(0, dict(link.progress), None)).result(timeout=60)
+        assert state == protocol.STATE_ACTIVE
+        assert third.status()["islands"][LATE]["joins"] == 2  # main: 1
+        merged = push(link, tensors, 2, 8, seed=4)
+        assert merged.outcome == "merged" and merged.pulled.version == 3
+        counts = ckpt.load_checkpoint(wait_for_checkpoint(third, 3)).document.counts
+        assert third.status()["islands"][LATE]["mergedTokens"] == 1_024
+        assert counts[LATE].base == 512.0  # main: 0.0
+    finally:
+        early.close(leave=False)
+        if link is not None:
+            link.close(leave=False)

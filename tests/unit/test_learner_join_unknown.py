@@ -19,6 +19,22 @@ def test_a_join_at_or_past_the_resumed_versions_on_every_fragment_is_joined_agai
     assert not join_unknown(JoinMark("run-a", (2, 5)), "run-b", resumed)
 
 
+def test_told_the_records_joins_a_run_lacks_a_join_iff_it_counts_fewer() -> None:
+    """The join left the record at 2 joins. A run whose record counts 1 restored a checkpoint
+    without it: joined again, also where the versions say no (two restarts, the second run
+    resumed at [5, 4] from a checkpoint its predecessor wrote past the join at [3, 2]: main
+    False). A record of 2 (or 3: a join since, say the link's own after a 404) holds it: not
+    joined again, also where the versions say maybe (at them). The same run: never."""
+    assert join_unknown(JoinMark("run-a", (3, 2), 2), "run-c", [5, 4], 1)
+    assert join_unknown(JoinMark("run-a", (3, 2), 2), "run-b", [3, 2], 1)
+    assert not join_unknown(JoinMark("run-a", (3, 2), 2), "run-b", [3, 2], 2)
+    assert not join_unknown(JoinMark("run-a", (3, 2), 2), "run-b", [3, 2], 3)
+    assert not join_unknown(JoinMark("run-a", (3, 2), 2), "run-a", [3, 2], 1)
+    # Either side not told (an older syncer): the versions decide.
+    assert join_unknown(JoinMark("run-a", (3, 2)), "run-b", [3, 2], 2)
+    assert not join_unknown(JoinMark("run-a", (3, 2), 2), "run-c", [5, 4])
+
+
 def test_no_join_again_without_a_restart_or_what_to_compare() -> None:
     assert not join_unknown(JoinMark("run-a", (3, 2)), "run-a", [3, 2])  # same run: no restart
     assert not join_unknown(JoinMark("", (3, 2)), "run-b", [3, 2])  # joined an older syncer

@@ -311,7 +311,7 @@ class SyncerLink:
                 log.warning("syncer still unreachable, trying again: %s", err)
                 continue
             self._shard_says(shard, info.finished)
-            self.joined[shard] = JoinMark(info.run, tuple(info.versions))
+            self.joined[shard] = JoinMark(info.run, tuple(info.versions), info.joins)
             if shard == 0 and info.inner_steps is not None:
                 self.inner_steps = info.inner_steps
             if shard == 0:
@@ -693,11 +693,11 @@ class SyncerLink:
             return last_state
         self._shard_says(shard, reply.finished)
         joined = self.joined.get(shard)
-        if joined is not None and join_unknown(joined, reply.run, reply.resumed):
+        if joined is not None and join_unknown(joined, reply.run, reply.resumed, reply.joins):
             log.info("the syncer restarted, maybe without our join: joining again, same count")
             await self._join_shard(shard, threading.Event(), keeps_count=True)
         elif joined is not None and reply.run:  # this run holds our join's record (join_unknown)
-            self.joined[shard] = JoinMark(reply.run, joined.versions)
+            self.joined[shard] = JoinMark(reply.run, joined.versions, joined.joins)
         if shard == 0 and reply.inner_steps is not None:
             self.inner_steps = reply.inner_steps
         if shard == 0:  # once split, split for the job (island_rounds.split_budget)
