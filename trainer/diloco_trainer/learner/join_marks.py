@@ -20,9 +20,7 @@ class JoinMark:
     joins: int | None = None
 
 
-def join_unknown(
-    joined: JoinMark, run: str, resumed: list[int], joins: int | None = None
-) -> bool:
+def join_unknown(joined: JoinMark, run: str, resumed: list[int], joins: int | None = None) -> bool:
     """Whether syncer run `run`, started at `resumed` (each fragment's version it resumed
     from), whose record of the island counts `joins` joins, lacks the island's last join
     `joined` and must be joined again.
