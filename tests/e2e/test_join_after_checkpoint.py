@@ -14,11 +14,11 @@ then_pushed_again). So a new island's join is no work to lose: its learner makes
 
 A *re-join* since the checkpoint of an island the checkpoint knows (a learner restarted
 mid-job) comes back as the older join's record (its count base), answered 200. Its learner's
-next heartbeat, answered by another run that resumed at versions its join is at or past on
-every fragment, joins again keeping its count (learner/join_marks.join_unknown): the base is
-then the island's merged tokens in the checkpoint, where its count starts. A learner whose join came
-before a merge the checkpoint holds does not (docs/algorithm.md, "A count's frame is kept across
-a syncer restart").
+next heartbeat, answered by another run whose record counts fewer joins than its join left
+(1 against 2), joins again keeping its count (learner/join_marks.join_unknown): the base is
+then the island's merged tokens in the checkpoint, where its count starts. A learner whose join
+the checkpoint holds does not (docs/algorithm.md, "A count's frame is kept across a syncer
+restart"; two quick restarts: test_restart_counts.py).
 """
 
 from __future__ import annotations

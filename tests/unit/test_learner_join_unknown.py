@@ -19,6 +19,22 @@ def test_a_join_at_or_past_the_resumed_versions_on_every_fragment_is_joined_agai
     assert not join_unknown(JoinMark("run-a", (2, 5)), "run-b", resumed)
 
 
+def test_told_the_records_joins_a_run_lacks_a_join_iff_it_counts_fewer() -> None:
+    """The join left the record at 2 joins. A run whose record counts 1 restored a checkpoint
+    without it: joined again, also where the versions say no (two restarts, the second run
+    resumed at [5, 4] from a checkpoint its predecessor wrote past the join at [3, 2]: main
+    False). A record of 2 (or 3: a join since, say the link's own after a 404) holds it: not
+    joined again, also where the versions say maybe (at them). The same run: never."""
+    assert join_unknown(JoinMark("run-a", (3, 2), 2), "run-c", [5, 4], 1)
+    assert join_unknown(JoinMark("run-a", (3, 2), 2), "run-b", [3, 2], 1)
+    assert not join_unknown(JoinMark("run-a", (3, 2), 2), "run-b", [3, 2], 2)
+    assert not join_unknown(JoinMark("run-a", (3, 2), 2), "run-b", [3, 2], 3)
+    assert not join_unknown(JoinMark("run-a", (3, 2), 2), "run-a", [3, 2], 1)
+    # Either side not told (an older syncer): the versions decide.
+    assert join_unknown(JoinMark("run-a", (3, 2)), "run-b", [3, 2], 2)
+    assert not join_unknown(JoinMark("run-a", (3, 2), 2), "run-c", [5, 4])
+
+
 def test_no_join_again_without_a_restart_or_what_to_compare() -> None:
     assert not join_unknown(JoinMark("run-a", (3, 2)), "run-a", [3, 2])  # same run: no restart
     assert not join_unknown(JoinMark("", (3, 2)), "run-b", [3, 2])  # joined an older syncer
@@ -43,16 +59,17 @@ def merged(state: SyncState, island: str, tokens: int, now: float) -> None:
     state.take_round(0, now)
 
 
-def checkpointed_after_a_later_join() -> SyncState:
-    """island-1 joins (base 0) and 600 of its tokens merge; the syncer checkpoints (base 0,
-    merged 600); its learner restarts and joins again (base 600: it counts from 0 there). The
-    syncer state restarted from that checkpoint."""
+def checkpointed_after_a_later_join(refused: float = 0.0) -> SyncState:
+    """island-1 joins (base 0) and 600 of its tokens merge; `refused` of its tokens are refused
+    (a 422); the syncer checkpoints (base 0, merged 600); its learner restarts and joins again
+    (base 600: it counts from 0 there). The syncer state restarted from that checkpoint."""
     policy = RoundPolicy(
         quorum=1, max_staleness=2, heartbeat_timeout=30.0, grace_seconds=None, overlap_steps=0
     )
     state = SyncState(policy, 1)
     state.membership.join("island-1", 1, 0.0)
     merged(state, "island-1", 600, 1.0)
+    state.membership.refused_push("island-1", refused, fragment=0, base=1)
     saved, counts = state.membership.statuses(), state.membership.counts()
     assert counts["island-1"].base == 0.0
     state.membership.join("island-1", 1, 2.0)  # the learner restarted: a join after it
@@ -84,3 +101,22 @@ def test_an_ordinary_join_after_a_restart_counts_from_the_merged_tokens_now() ->
     restarted = checkpointed_after_a_later_join()
     merged(restarted, "island-1", 300, 4.0)
     assert restarted.membership.join("island-1", 1, 5.0).count_base == 900.0
+
+
+def test_a_join_that_keeps_its_count_keeps_this_runs_refusals_only() -> None:
+    """The checkpoint's record holds 100 refused tokens of the older join's count; the
+    restarted run refuses 40 of the learner's (a 422) and one of 30 as ahead (on version 2, its
+    fragment at 1), then the learner's heartbeat joins again keeping its count: refused
+    100 + 40 - 100 = 40, of its count (main: 0, reset as by a new count), the 30 still pending.
+    Its next push, on 1, carries the 30 (pushed again with every step since): 40. A later
+    ordinary join: 0."""
+    restarted = checkpointed_after_a_later_join(refused=100.0)
+    members = restarted.membership
+    rec = members.islands["island-1"]
+    assert rec.refused_tokens == 100.0
+    members.refused_push("island-1", 40.0, fragment=0, base=1)
+    members.refused_push("island-1", 30.0, fragment=0, base=2, ahead=True)
+    assert members.join("island-1", 1, 5.0, keeps_count=True).refused_tokens == 40.0
+    members.pushed("island-1", 0, 1)
+    assert rec.refused_tokens == 40.0 and not rec.ahead_refused
+    assert members.join("island-1", 1, 6.0, keeps_count=True).refused_tokens == 0.0

@@ -111,6 +111,9 @@ class JoinInfo(Document):
     # another run (the syncer restarted since this join) may have to join again
     # (learner/join_marks.join_unknown). Absent: older syncers.
     run: str = ""
+    # The island's joins in the syncer's record, this one included (IslandStatus.joins): a
+    # later run whose record counts fewer lacks this join (join_unknown). Absent: older syncers.
+    joins: int | None = Field(None, ge=1)
 
     @model_validator(mode="after")
     def _one_version_per_fragment(self) -> JoinInfo:
@@ -154,6 +157,9 @@ class HeartbeatAnswer(Document):
     # again (learner/join_marks.join_unknown). Absent: older syncers.
     run: str = ""
     resumed: list[int] = Field(default_factory=list)
+    # The island's joins in this run's record (JoinInfo.joins): fewer than the learner's last
+    # join said, the run lacks that join, whatever its versions. Absent: older syncers.
+    joins: int | None = Field(None, ge=0)
 
 
 class MembershipAnswer(Document):

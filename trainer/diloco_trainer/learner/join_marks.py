@@ -16,11 +16,22 @@ class JoinMark:
 
     run: str
     versions: tuple[int, ...]
+    # The island's joins in the syncer's record after it (JoinInfo.joins; None: not told).
+    joins: int | None = None
 
 
-def join_unknown(joined: JoinMark, run: str, resumed: list[int]) -> bool:
+def join_unknown(joined: JoinMark, run: str, resumed: list[int], joins: int | None = None) -> bool:
     """Whether syncer run `run`, started at `resumed` (each fragment's version it resumed
-    from), lacks the island's last join `joined` and must be joined again.
+    from), whose record of the island counts `joins` joins, lacks the island's last join
+    `joined` and must be joined again.
+
+    Told the joins (both answers): iff the record counts fewer than the join left it with.
+    The record a run restores is its checkpoint's, which holds the join or an older one, and
+    the run counts every join it answers: that tells it also after two restarts whose second
+    run resumed from a checkpoint its predecessor wrote past the join's versions, unheard by
+    the learner (the versions below say "no" then: the checkpoint was written after a merge
+    past the join, which the record still lacks, restored from the checkpoint before it).
+    Not told (an older syncer), the versions decide:
 
     The run resumed from a checkpoint of `resumed`, written at those versions: a join of an
     earlier run at a version below them on some fragment came before a merge the checkpoint
@@ -35,6 +46,10 @@ def join_unknown(joined: JoinMark, run: str, resumed: list[int]) -> bool:
     base the join set: joining again changes nothing of the frame (docs/algorithm.md, "A
     count's frame is kept across a syncer restart"). Same run, no run named (an older syncer)
     or versions not told: False."""
-    if not run or not joined.run or run == joined.run or len(resumed) != len(joined.versions):
+    if not run or not joined.run or run == joined.run:
+        return False
+    if joins is not None and joined.joins is not None:
+        return joins < joined.joins
+    if len(resumed) != len(joined.versions):
         return False
     return all(j >= r for j, r in zip(joined.versions, resumed, strict=True))

@@ -25,12 +25,13 @@ the job is finished once every shard has said so (a pulled fragment reads finish
 Refusals: a push refused as too stale (409) or from a dropped island (403) is discarded and the
 current global fragment is pulled and applied in its place. A syncer that forgot the island (404,
 e.g. restarted without it) is joined again, and so is one whose run, named in its heartbeat
-answers, is not the one joined and resumed from a checkpoint that may lack our join
-(join_unknown): that join keeps our count (keepsCount), its base the island's merged tokens in
-the checkpoint. Connection errors are retried by the client with backoff. A push that a syncer
-accepted and then lost by restarting (the restarted syncer refuses the pull for its merge: 409
-restarted) ends its sync with PushLost at once: the training loop pushes the fragment again
-(fragment_sync.py; docs/algorithm.md, "A syncer restart").
+answers, is not the one joined and whose record counts fewer of the island's joins than our join
+left (join_unknown: it resumed from a checkpoint without our join): that join keeps our count
+(keepsCount), its base the island's merged tokens in the checkpoint. Connection errors are retried
+by the client with backoff. A push that a syncer accepted and then lost by restarting (the
+restarted syncer refuses the pull for its merge: 409 restarted) ends its sync with PushLost at
+once: the training loop pushes the fragment again (fragment_sync.py; docs/algorithm.md, "A syncer
+restart").
 """
 
 from __future__ import annotations
@@ -311,7 +312,7 @@ class SyncerLink:
                 log.warning("syncer still unreachable, trying again: %s", err)
                 continue
             self._shard_says(shard, info.finished)
-            self.joined[shard] = JoinMark(info.run, tuple(info.versions))
+            self.joined[shard] = JoinMark(info.run, tuple(info.versions), info.joins)
             if shard == 0 and info.inner_steps is not None:
                 self.inner_steps = info.inner_steps
             if shard == 0:
@@ -693,11 +694,11 @@ class SyncerLink:
             return last_state
         self._shard_says(shard, reply.finished)
         joined = self.joined.get(shard)
-        if joined is not None and join_unknown(joined, reply.run, reply.resumed):
+        if joined is not None and join_unknown(joined, reply.run, reply.resumed, reply.joins):
             log.info("the syncer restarted, maybe without our join: joining again, same count")
             await self._join_shard(shard, threading.Event(), keeps_count=True)
         elif joined is not None and reply.run:  # this run holds our join's record (join_unknown)
-            self.joined[shard] = JoinMark(reply.run, joined.versions)
+            self.joined[shard] = JoinMark(reply.run, joined.versions, joined.joins)
         if shard == 0 and reply.inner_steps is not None:
             self.inner_steps = reply.inner_steps
         if shard == 0:  # once split, split for the job (island_rounds.split_budget)

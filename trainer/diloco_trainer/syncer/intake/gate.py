@@ -201,16 +201,26 @@ class Gate:
         most = self.rounds.max_push_steps(members.islands.get(island), island)
         return most * self.guard.work.tokens_per_step * self.replicas(members, island)
 
-    def refused_push(self, members: Membership, meta: PushMeta) -> None:
-        """A push of the island was refused: its tokens (at most a capped push's, over the
-        fragments, as merges count them) are work its learner does not train again, and its
-        heartbeat count runs ahead of its merged tokens by them (count_bound)."""
+    def refused_push(self, members: Membership, fragment: int, meta: PushMeta, code: str) -> None:
+        """A push of the island to `fragment` was refused (`code`, Refused.code): its tokens
+        (at most a capped push's, over the fragments, as merges count them) are work its
+        learner does not train again, and its heartbeat count runs ahead of its merged tokens
+        by them (count_bound). One refused as ahead (protocol.ERROR_AHEAD) is counted only if
+        the island's next push to the fragment does not carry its steps (Membership.pushed):
+        its learner pushes it again after a syncer restart, and counted at once its tokens
+        were counted twice, refused and merged."""
         rec = members.islands.get(meta.island)
         if rec is None or rec.joins == 0:
             return  # not an island's count: nothing it reports runs ahead
         fragments = max(1, len(self.guard.caps))
         tokens = min(max(0, meta.tokens), self.push_tokens_most(members, meta.island))
-        members.refused_push(meta.island, tokens / fragments)
+        members.refused_push(
+            meta.island,
+            tokens / fragments,
+            fragment=fragment,
+            base=meta.base_version,
+            ahead=code == protocol.ERROR_AHEAD,
+        )
 
     def count_bound(self, members: Membership, island: str) -> CountBound:
         """What the island's heartbeat count may claim (state.targets.CountBound), from its own

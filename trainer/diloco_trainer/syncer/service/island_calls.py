@@ -115,6 +115,7 @@ class IslandCalls:
             inner_steps=inner_steps,
             split_budget=rounds.split,
             run=self.run,
+            joins=rec.joins,
         ).to_wire()
 
     async def heartbeat(self, island: str, progress: Beat) -> dict[str, Any]:
@@ -168,6 +169,7 @@ class IslandCalls:
             split_budget=split,
             run=self.run,
             resumed=self.resumed,
+            joins=rec.joins,
         )
         return answer.to_wire()
 

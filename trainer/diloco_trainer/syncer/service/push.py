@@ -124,6 +124,8 @@ class PushPath:
         # the island's round now, in its answer (a replay of the answer says the same)
         inner_steps = self.gate.rounds.steps_of(self.state.membership.islands.get(island), island)
         answer = self.state.accept_push(fragment, contribution, now, inner_steps=inner_steps)
+        # settles a push of it refused as ahead (gate.refused_push): carried by this one or not
+        self.state.membership.pushed(island, fragment, push.meta.base_version)
         self.gate.guard.accepted(fragment, island, stats, push.meta.steps)
         self.bytes_in += push.size
         self.metrics.bytes_in.inc(push.size)
@@ -155,12 +157,13 @@ class PushPath:
         """A push refused after its metadata was read: a refusal its learner does not retry
         (api/client.RETRY_STATUSES) leaves its tokens untrained for good, and its heartbeat
         count ahead of its merged tokens by them (gate.refused_push: the stop targets' bound on
-        that count); a refusal of its content (400, 422) counts towards a drop."""
+        that count; one refused as ahead only once its next push tells that the learner did
+        not push its steps again); a refusal of its content (400, 422) counts towards a drop."""
         island = meta.island
         async with self.control.locked():
             members = self.state.membership
             if err.status not in RETRY_STATUSES:
-                self.gate.refused_push(members, meta)
+                self.gate.refused_push(members, fragment, meta, err.code)
             if err.status not in (400, 422):
                 return
             now = self.control.clock()

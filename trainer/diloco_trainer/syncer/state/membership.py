@@ -21,7 +21,9 @@ from diloco_trainer.syncer.state.records import (
     DROPPED,
     LEFT,
     TIMED_OUT,
+    AheadRefusal,
     IslandRecord,
+    ahead_carried,
 )
 
 
@@ -114,8 +116,17 @@ class Membership:
         # ...and its count of tokens: from the island's merged work (JoinInfo.island_tokens).
         rec.reported_tokens, rec.first_report = None, None
         restored, rec.restored_merged = rec.restored_merged, None
-        rec.count_base = restored if keeps_count and restored is not None else rec.merged_tokens
-        rec.refused_tokens = 0.0  # refused before this join: not in the new count either
+        restored_refused, rec.restored_refused = rec.restored_refused, 0.0
+        if keeps_count and restored is not None:
+            rec.count_base = restored
+            # Refused by this run since its restore (the pushes refused as ahead pending too):
+            # pushes of the learner's count, which goes on; the checkpoint's may be an older
+            # join's (in no count of this learner's): dropped, as a join drops them.
+            rec.refused_tokens = max(0.0, rec.refused_tokens - restored_refused)
+        else:
+            rec.count_base = rec.merged_tokens
+            rec.refused_tokens = 0.0  # refused before this join: not in the new count either
+            rec.ahead_refused.clear()
         # Its pace is measured afresh, but the split waits for it from its first join only
         # (targets.split_among): an island that rejoined every few seconds held it for ever.
         if rec.pace_since is None:
@@ -158,12 +169,33 @@ class Membership:
         self._events.membership_changed(now)
         return rec
 
-    def refused_push(self, name: str, tokens: float) -> None:
-        """A push of the island was refused: `tokens` (the caller bounds the claim and averages
-        it over fragments) its learner will not train again (IslandRecord.refused_tokens)."""
+    def refused_push(
+        self, name: str, tokens: float, *, fragment: int, base: int, ahead: bool = False
+    ) -> None:
+        """A push of the island to `fragment` on version `base` was refused: `tokens` (the
+        caller bounds the claim and averages it over fragments) its learner will not train
+        again (IslandRecord.refused_tokens). `ahead` (409 `ahead`): its learner pushes it again
+        unless the syncer merged past its base meanwhile, which its next push to the fragment
+        tells (pushed: IslandRecord.ahead_refused), so it is counted only then."""
         rec = self.islands.get(name)
-        if rec is not None and rec.joins > 0:
+        if rec is None or rec.joins == 0:
+            return
+        self.pushed(name, fragment, base)
+        if ahead:
+            rec.ahead_refused[fragment] = AheadRefusal(base, max(0.0, tokens))
+        else:
             rec.refused_tokens += max(0.0, tokens)
+
+    def pushed(self, name: str, fragment: int, base: int) -> None:
+        """A push of the island to `fragment` on version `base` came (accepted, or refused:
+        refused_push): its push refused there as ahead, if any, is counted as refused unless
+        this one carries its steps (records.ahead_carried)."""
+        rec = self.islands.get(name)
+        if rec is None:
+            return
+        pending = rec.ahead_refused.pop(fragment, None)
+        if pending is not None and not ahead_carried(pending, base):
+            rec.refused_tokens += pending.tokens
 
     def leave(self, name: str, now: float) -> IslandRecord:
         """The island says goodbye (e.g. it finished); it stops counting towards the quorum."""
@@ -249,6 +281,6 @@ class Membership:
             saved = counts.get(name)
             if saved is not None:
                 rec.count_base = max(0.0, saved.base)
-                rec.refused_tokens = max(0.0, saved.refused)
+                rec.refused_tokens = rec.restored_refused = max(0.0, saved.refused)
             self.islands[name] = rec
         self._events.membership_changed(now)

@@ -72,6 +72,28 @@ class RoundPolicy:
     ordered_folds: bool = False
 
 
+@dataclass(frozen=True)
+class AheadRefusal:
+    """A push refused as ahead of the syncer (409 `ahead`), its tokens not counted yet
+    (IslandRecord.ahead_refused)."""
+
+    base: int  # its baseVersion
+    tokens: float  # its tokens as refused_tokens counts them (capped, averaged over fragments)
+
+
+def ahead_carried(refused: AheadRefusal, base_version: int) -> bool:
+    """Whether the island's next push to the fragment, on `base_version`, carries the steps of
+    its push `refused` as ahead, whose tokens are then not refused (they merge with it).
+
+    A learner's version of a fragment only goes forward, but for a base a restart lost, which
+    it counts as the syncer's older version, keeping every step since that base (the push made
+    again: learner/syncer_restart.resend_version, rule 2, and the merges made up, rule 3); a
+    push on a version at or past the refused base came after a receipt at or past it, which
+    kept only the steps since the refused push (FragmentState.receive): its steps were
+    dropped, never to merge (docs/algorithm.md, "A syncer restart")."""
+    return base_version < refused.base
+
+
 @dataclass
 class IslandRecord:
     """What the syncer knows about one island (also persisted in checkpoints)."""
@@ -119,10 +141,19 @@ class IslandRecord:
     # its part of what is done, targets.Pace.base).
     # Persisted with count_base (the count it explains goes on across a restart).
     refused_tokens: float = 0.0
+    # Per fragment, its latest push refused as ahead (409 `ahead`: its base a merge a syncer
+    # restart lost) whose tokens are not counted in refused_tokens yet: its learner pushes it
+    # again with every step since the base (learner/syncer_restart.resend_version), which is
+    # then merged, unless the syncer merged past the base meanwhile. Its next push to the
+    # fragment says which (ahead_carried). Not persisted (a restart loses the pending count).
+    ahead_refused: dict[int, AheadRefusal] = field(default_factory=dict)
     # Its merged tokens in the checkpoint this syncer run resumed from, until its first join in
     # this run (Membership.join's keeps_count: the base of a join the checkpoint lacks). Not
     # persisted: set by Membership.restore.
     restored_merged: float | None = None
+    # Its refused tokens in that checkpoint (SavedCount.refused), until that join: those this
+    # run counted since are of its learner's count, which that join keeps. Not persisted.
+    restored_refused: float = 0.0
     # Since when the syncer waits for that pace: its first join, or the restore of its record by
     # a restarted syncer (targets.split_among: past a bound, an island without one is left out
     # of the split; a rejoin does not restart the wait). Not persisted.
