@@ -47,6 +47,7 @@ import statistics
 from collections import deque
 from dataclasses import dataclass, field
 
+from diloco_trainer.api import protocol
 from diloco_trainer.api.documents import IslandStatus, PushAnswer
 from diloco_trainer.api.manifest import SavedAnswer, SavedCount
 from diloco_trainer.core import grace as window_rules
@@ -324,7 +325,7 @@ class SyncState:
                 f"baseVersion {base_version} is newer than fragment {fragment}'s version "
                 f"{rnd.version} (the syncer restarted from an older checkpoint?); pull the "
                 "fragment and push again",
-                "ahead",
+                protocol.ERROR_AHEAD,
             )
         if lag > self.policy.max_staleness:
             raise Refused(
@@ -332,7 +333,7 @@ class SyncState:
                 f"baseVersion {base_version} lags fragment {fragment}'s version {rnd.version} by "
                 f"{lag}, more than sync.maxStaleness={self.policy.max_staleness}; pull the "
                 "fragment and push again",
-                "stale",
+                protocol.ERROR_STALE,
             )
         return lag
 
