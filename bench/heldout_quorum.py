@@ -24,6 +24,7 @@ resolved, with the runs a side that would resolve it at this noise (repeats_to_r
 
 from __future__ import annotations
 
+import json
 import os
 import statistics
 from collections.abc import Sequence
@@ -283,6 +284,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     install_signal_cleanup()
     with LoadMonitor() as load, workdir(args.workdir, "heldout-quorum") as wd:
         runs = run_all(args, wd)
+        # Every run's record, for pooling runs of several invocations by hand.
+        (wd / "runs.json").write_text(json.dumps(runs, indent=1))
     report_tables, notes = tables(args, runs)
     report = Report(
         "heldout_quorum",
