@@ -35,5 +35,8 @@ def test_the_quick_run_trains_a_users_model_at_both_quorums(
     assert len(per_seed.rows) == 1 and len(pooled.rows) == 1
     ratio = runs[1]["loss"] / runs[0]["loss"]
     assert per_seed.rows[0][4] == f"{ratio:.4f}"
+    early = runs[1]["early"] / runs[0]["early"]  # at --early 0.25 of the budget
+    assert per_seed.rows[0][6] == f"{early:.4f}"
+    assert all(r["early"] > r["loss"] for r in runs)  # still falling a quarter in
     assert pooled.rows[0][2] == f"{ratio:.4f}"  # one run a side: no interval
     assert pooled.rows[0][3] == "not resolved"
