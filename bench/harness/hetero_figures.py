@@ -151,14 +151,14 @@ def kept_utilisation(mixed: Sequence[float], baselines: Sequence[float]) -> Kept
     )
 
 
-def repeats_to_resolve(kept: Kept, most: int = 100) -> int | None:
+def repeats_to_resolve(kept: Kept, most: int = 100, target: float = KEPT_TARGET) -> int | None:
     """The fewest runs a side (as many baselines as mixed runs) at which a ratio this far from
-    KEPT_TARGET, with this run-to-run noise, would be resolved: ratio x t(2n - 2) x s x
-    sqrt(2 / n) < |ratio - KEPT_TARGET|, with s the relative noise of one run that
-    kept_utilisation pooled (read back from its half-width). None without a noise estimate,
-    with the ratio on the target, or past `most`: how far a "not resolved" is from a verdict,
-    never one itself (the mean may move with more runs)."""
-    margin = abs(kept.ratio - KEPT_TARGET)
+    `target` (default KEPT_TARGET; bench/heldout_quorum: 1.01), with this run-to-run noise,
+    would be resolved: ratio x t(2n - 2) x s x sqrt(2 / n) < |ratio - target|, with s the
+    relative noise of one run that kept_utilisation pooled (read back from its half-width).
+    None without a noise estimate, with the ratio on the target, or past `most`: how far a
+    "not resolved" is from a verdict, never one itself (the mean may move with more runs)."""
+    margin = abs(kept.ratio - target)
     n_m, n_b = len(kept.per_run), len(kept.baselines)
     if math.isnan(kept.half_width) or margin == 0 or kept.ratio <= 0:
         return None
