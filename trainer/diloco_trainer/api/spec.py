@@ -290,6 +290,16 @@ class GuardsSpec(SpecModel):
         "movement per claimed step (work_unsupported: claimed work it does not carry; "
         "docs/algorithm.md). 0 turns both off.",
     )
+    pair_clip: float = Field(
+        0.0,
+        ge=0,
+        le=1000,
+        description="In a job of two with movementFactor on: a push whose pseudo-gradient moved "
+        "more per claimed step than this many times the other island's recent median movement "
+        "per claimed step is shortened to that (its direction kept) in its merge, so noise "
+        "claiming work moves the model per claimed step no more than the honest island does "
+        '(issue 46\'s loud claims). 0 (default) turns it off (docs/algorithm.md, "Pair clip").',
+    )
     end_on_faint: bool = Field(
         False,
         description="In a job of two with movementFactor on and the quality guard on: end the "

@@ -84,6 +84,8 @@ class Contributor:
     tokens: int
     steps: int
     lag_rounds: float = 0.0
+    # A factor on its vector (syncer.guards.pairClip's, in (0, 1]): its scale is clip / w_i.
+    clip: float = 1.0
 
 
 @dataclass(frozen=True)
@@ -127,7 +129,7 @@ def plan_merge(
     for c, w, d in zip(contributors, work, discounts, strict=True):
         quality = w if rule == "mean" else contribution_weight(c.tokens, c.steps, rule)
         weights.append(quality * d if w > 0 else 0.0)
-        scales.append(1.0 / w if w > 0 else 0.0)
+        scales.append(c.clip / w if w > 0 else 0.0)
     fraction = sum(w * d for w, d in zip(work, discounts, strict=True)) / islands
     shares = [momentum_share(c.lag_rounds) for c in contributors]
     total = sum(weights)

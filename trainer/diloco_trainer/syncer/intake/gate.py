@@ -270,7 +270,19 @@ class Gate:
             self.watch()
         self.runs.accepted(fragment, meta.island)
         self.update_unsupported(state, now)  # an accepted push ends its island's naming
-        return push_contribution(meta, lag=lag, payload=payload, now=now)
+        contribution = push_contribution(meta, lag=lag, payload=payload, now=now)
+        contribution.clip = self.guard.contribution_clip(
+            fragment, meta.island, stats.norm, meta.steps
+        )
+        if contribution.clip < 1.0:
+            log.info(
+                "push of %s to fragment %d: pseudo-gradient per claimed step held to the other "
+                "island's (syncer.guards.pairClip): x %.3g",
+                meta.island,
+                fragment,
+                contribution.clip,
+            )
+        return contribution
 
     def refused(
         self, members: Membership, fragment: int, island: str, err: Refused, now: float

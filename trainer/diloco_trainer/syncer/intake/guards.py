@@ -296,6 +296,16 @@ class WorkEvidence:
             return None
         return min(min(others), self.step_caps[fragment])
 
+    def others(self, fragment: int, island: str) -> float | None:
+        """The smallest of the other islands' own medians of movement per step (each with
+        OWN_MIN pushes), not capped: what pair_clip holds an island's push to; None before."""
+        others = [
+            statistics.median(d)
+            for name, d in self.rates[fragment].items()
+            if name != island and len(d) >= OWN_MIN
+        ]
+        return min(others) if others else None
+
     def bar(self, fragment: int, island: str, steps: int) -> float | None:
         """The least norm a push of `steps` claimed steps must have: steps x the reference /
         EVIDENCE_RATIO; None when nothing is judged (no reference yet, or no steps claimed)."""
@@ -390,6 +400,9 @@ class ContributionGuard:
     directions: Directions = field(init=False)
     # Work evidence (a job of two with the movement cap on), else None.
     evidence: WorkEvidence | None = None
+    # syncer.guards.pairClip: with work evidence, a push's Δ per claimed step is held to this x
+    # the other island's median (pair_clip); 0: off.
+    pair_factor: float = 0.0
     streaks: dict[str, int] = field(default_factory=dict)  # refusals in a row per island
     # Per (fragment, island): whether each of its last AT_BOUND_PUSHES judged pushes was at the
     # learned bound (AT_BOUND x it or above): the detection of suspects().
@@ -450,6 +463,14 @@ class ContributionGuard:
             )
         self.check_evidence(fragment, island, stats.norm, steps)
         self.check_direction(fragment, island, stats)
+
+    def contribution_clip(self, fragment: int, island: str, norm: float, steps: int) -> float:
+        """What an accepted push's Δ is multiplied by in its merge (pair_clip; 1 without work
+        evidence or with pairClip 0)."""
+        if self.evidence is None:
+            return 1.0
+        reference = self.evidence.others(fragment, island)
+        return pair_clip(norm, steps, reference, self.pair_factor)
 
     def check_evidence(self, fragment: int, island: str, norm: float, steps: int) -> None:
         """ContributionRefused when the push moved less than the work evidence's bar for the
@@ -672,6 +693,20 @@ def movement_caps(spec: JobSpec, numels: Sequence[int]) -> list[float] | None:
     return [factor * lr * steps * math.sqrt(n) * keep for n in numels]
 
 
+def pair_clip(norm: float, steps: int, reference: float | None, factor: float) -> float:
+    """What a push's pseudo-gradient is multiplied by in its merge in a job of two
+    (syncer.guards.pairClip = `factor`): 1 when its movement per claimed step, norm / steps, is
+    at most factor x `reference` (the other island's recent median movement per step:
+    WorkEvidence.others), else factor x reference x steps / norm, so what it carries per claimed
+    step is the other island's figure at most: noise claiming work moves the model per claimed
+    step no more than the honest island does. 1 when nothing judges it (factor 0, no reference
+    yet, no steps claimed, a norm of 0)."""
+    if factor <= 0 or reference is None or steps <= 0 or not norm > 0:
+        return 1.0
+    most = factor * reference * steps
+    return 1.0 if norm <= most else most / norm
+
+
 def clip_scale(norm: float, cap: float) -> float:
     """What a merged pseudo-gradient of `norm` is multiplied by to be at most `cap`: 1 when it
     is within (or its norm is 0), cap / norm above it; 0 for a norm that is not finite (its
@@ -699,6 +734,7 @@ def make_guard(
         warmup=g.warmup_pushes,
         max_refusals=g.max_refusals,
         evidence=None if moves is None else WorkEvidence(evidence_step_caps(spec, moves)),
+        pair_factor=g.pair_clip,
     )
 
 
