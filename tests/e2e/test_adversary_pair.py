@@ -314,3 +314,51 @@ def test_adversary_pair_faint_claims_end_the_job_at_its_best(tmp_path: Path) -> 
             again.proc.stop(timeout=10)
     finally:
         syncer.proc.stop(timeout=10)
+
+
+# syncer.guards.pairClip 1 (off by default): a push's Δ per claimed step held to the other
+# island's median movement per claimed step.
+PAIR_CLIP = deep_merge(PAIR, {"syncer": {"guards": {"pairClip": 1.0}}})
+
+
+def test_adversary_pair_loud_claims_are_held_to_the_honest_islands_movement(
+    tmp_path: Path,
+) -> None:
+    """Issue 46's loud claims: noise claiming work, louder per claimed step than the honest
+    island, took its share of the merges whole. With pairClip 1 the honest island's pushes
+    (one step at 1e-3 an element: 1e-3 x sqrt(numel) a step) set the figure: the adversary's
+    push of 4 claimed steps (w = 1 at H = 4) at 5e-3 an element, 1.25e-3 a step, is merged with
+    scale 1e-3 / 1.25e-3 = 0.8 (its g 4e-3 x sqrt(numel), under the movement cap 6e-3: that
+    clip is not what holds it); at 3e-3 an element (7.5e-4 a step) it is merged whole. The cost
+    of the rule: once the adversary has three pushes (median 7.5e-4 a step) an honest push at
+    1e-3 a step is held to 0.75. On main the spec's pairClip is unknown."""
+    syncer = start_syncer_of(tmp_path, PAIR_CLIP, JOB)
+    try:
+        shapes = join_all(syncer, (HONEST, ADVERSARY))
+        numel = sum(t.numel() for t in shapes.values())
+        for _ in range(WARMUP):
+            honest_push(syncer, shapes)
+        for value in (5e-3, 3e-3, 3e-3):
+            version = syncer.status()["versions"][0]
+            code, doc = push_as(syncer, ADVERSARY, filled(shapes, value), steps=4, tokens=4 * 64)
+            assert code == 200 and doc["accepted"] is True, (code, doc)
+            wait_until(
+                lambda v=version: syncer.status()["versions"][0] > v, timeout=60, what="merge"
+            )
+        honest_push(syncer, shapes)
+        merges = syncer.merge_records()
+        scales = [(c["island"], c["scale"]) for m in merges for c in m["contributors"]]
+        assert scales[:WARMUP] == [(HONEST, 4.0)] * WARMUP  # 1 / w, w = 1/4: kept whole
+        assert [i for i, _ in scales[WARMUP:]] == [ADVERSARY] * 3 + [HONEST]
+        assert [s for _, s in scales[WARMUP:]] == pytest.approx(
+            [0.8, 1.0, 1.0, 4.0 * 0.75], rel=1e-4
+        )  # norms in fp32
+        loud = merges[WARMUP]
+        assert loud["clip"] == 1.0  # the movement cap did not clip it
+        assert loud["movement"] == pytest.approx(0.8 * 5e-3 * math.sqrt(numel), rel=1e-3)
+        held = re.findall(
+            r"push of (\S+) to fragment 0: .* held to the other", syncer.log_file.read_text()
+        )
+        assert held == [ADVERSARY, HONEST], held
+    finally:
+        syncer.proc.stop(timeout=10)
