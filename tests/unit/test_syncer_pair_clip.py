@@ -1,8 +1,8 @@
 """Issue 46, syncer.guards.pairClip (intake/guards.pair_clip) with hand-derived values: in a job
-of two with the movement cap on, a push whose pseudo-gradient moved more per claimed step than
-pairClip x the other island's recent median movement per claimed step (WorkEvidence.others,
-not capped) is shortened to that in its merge (its vector's scale is clip / w); off (0) by
-default, and never in a job of three."""
+of two with the movement cap on, a push whose pseudo-gradient's norm is above pairClip x the
+other island's median norm over its recent accepted pushes (NormHistory.own_median) is
+shortened to that in its merge (its vector's scale is clip / w), whatever steps it claims; off
+(0) by default, and never in a job of three."""
 
 from __future__ import annotations
 
@@ -31,40 +31,36 @@ def stats(norm: float) -> guards.DeltaStats:
 
 
 def test_pair_clip_by_hand() -> None:
-    # 40 claimed steps against a reference of 0.1 per step at factor 1: at most 4.0.
-    assert guards.pair_clip(8.0, 40, 0.1, 1.0) == pytest.approx(0.5)  # 4 / 8
-    assert guards.pair_clip(4.0, 40, 0.1, 1.0) == 1.0  # exactly at it: kept
-    assert guards.pair_clip(3.0, 40, 0.1, 1.0) == 1.0
-    assert guards.pair_clip(8.0, 40, 0.1, 2.0) == 1.0  # factor 2: at most 8.0
-    assert guards.pair_clip(10.0, 40, 0.1, 2.0) == pytest.approx(0.8)  # 8 / 10
-    # Nothing judges it: off, no reference yet, no steps claimed, nothing moved.
-    assert guards.pair_clip(8.0, 40, 0.1, 0.0) == 1.0
-    assert guards.pair_clip(8.0, 40, None, 1.0) == 1.0
-    assert guards.pair_clip(8.0, 0, 0.1, 1.0) == 1.0
-    assert guards.pair_clip(0.0, 40, 0.1, 1.0) == 1.0
-    assert guards.pair_clip(math.nan, 40, 0.1, 1.0) == 1.0
+    # Against a reference (the other island's median norm) of 2.0 at factor 1: at most 2.0.
+    assert guards.pair_clip(8.0, 2.0, 1.0) == pytest.approx(0.25)  # 2 / 8
+    assert guards.pair_clip(2.0, 2.0, 1.0) == 1.0  # exactly at it: kept
+    assert guards.pair_clip(1.0, 2.0, 1.0) == 1.0
+    assert guards.pair_clip(3.0, 2.0, 2.0) == 1.0  # factor 2: at most 4.0
+    assert guards.pair_clip(5.0, 2.0, 2.0) == pytest.approx(0.8)  # 4 / 5
+    # Nothing judges it: off, no reference yet, nothing moved, a norm that is not finite (the
+    # guard refuses such a push before).
+    assert guards.pair_clip(8.0, 2.0, 0.0) == 1.0
+    assert guards.pair_clip(8.0, None, 1.0) == 1.0
+    assert guards.pair_clip(0.0, 2.0, 1.0) == 1.0
+    assert guards.pair_clip(math.nan, 2.0, 1.0) == 1.0
 
 
-def test_guard_clips_against_the_other_islands_median_not_capped() -> None:
+def test_guard_clips_against_the_other_islands_median_norm_whatever_the_claim() -> None:
     g = guards.make_guard(make_spec(**PAIR), [100], [1.0])
     assert g.pair_factor == 1.0
     # Before the honest island has OWN_MIN (3) pushes nothing is clipped.
-    assert g.contribution_clip(0, "loud", 1.2, 16) == 1.0
-    # The honest island: 0.04, 0.08, 0.06 over 4 steps: 0.01, 0.02, 0.015 a step, median 0.015
-    # (ten times the evidence's step cap, 1.5 x 1e-3 x 4 x sqrt(100) / 4 x 0.1 = 0.0015: the
-    # clip's reference is not capped, so an honest island's own figure is what it holds to).
-    for norm in (0.04, 0.08, 0.06):
+    assert g.contribution_clip(0, "loud", 1.2) == 1.0
+    for norm in (0.04, 0.08, 0.06):  # the honest island's median: 0.06
         g.accepted(0, "honest", stats(norm), 4)
-    assert g.evidence is not None and g.evidence.others(0, "loud") == pytest.approx(0.015)
-    # 1.2 over 16 claimed steps is 0.075 a step, five times it: held to 16 x 0.015 = 0.24.
-    assert g.contribution_clip(0, "loud", 1.2, 16) == pytest.approx(0.2)  # 0.24 / 1.2
-    assert g.contribution_clip(0, "loud", 0.24, 16) == 1.0
+    # 1.2 is held to 0.06 whatever steps it claims (the clip takes none): x 0.05.
+    assert g.contribution_clip(0, "loud", 1.2) == pytest.approx(0.05)  # 0.06 / 1.2
+    assert g.contribution_clip(0, "loud", 0.06) == 1.0
     # The honest island has no reference until the other has three pushes of its own.
-    assert g.contribution_clip(0, "honest", 0.06, 4) == 1.0
-    for norm in (1.2, 1.6, 0.8):  # 0.075, 0.1, 0.05 a step: median 0.075
+    assert g.contribution_clip(0, "honest", 0.06) == 1.0
+    for norm in (1.2, 1.6, 0.8):  # the other's median: 1.2
         g.accepted(0, "loud", stats(norm), 16)
-    assert g.contribution_clip(0, "honest", 0.06, 4) == 1.0  # 0.015 a step: below 0.075
-    assert g.contribution_clip(0, "honest", 0.6, 4) == pytest.approx(0.5)  # 4 x 0.075 / 0.6
+    assert g.contribution_clip(0, "honest", 0.06) == 1.0
+    assert g.contribution_clip(0, "honest", 2.4) == pytest.approx(0.5)  # 1.2 / 2.4
 
 
 def test_pair_clip_is_off_by_default_and_in_a_job_of_three() -> None:
@@ -76,7 +72,7 @@ def test_pair_clip_is_off_by_default_and_in_a_job_of_three() -> None:
     for g in (off, three):
         for norm in (0.04, 0.08, 0.06):
             g.accepted(0, "honest", stats(norm), 4)
-        assert g.contribution_clip(0, "loud", 1.2, 16) == 1.0
+        assert g.contribution_clip(0, "loud", 1.2) == 1.0
     assert three.evidence is None  # no work evidence with a majority to learn bounds from
 
 
@@ -94,9 +90,9 @@ def test_plan_scales_a_clipped_contribution() -> None:
 
 
 def test_syncer_merges_a_loud_push_held_to_the_honest_islands_figure(tmp_path: Path) -> None:
-    """In process: the honest island's pushes of 4 steps (H) at 1e-3 an element (per step
-    1e-3 x sqrt(n) / 4), then the other's push of 16 claimed steps at 8e-3 an element (per step
-    8e-3 x sqrt(n) / 16 = 2 x the honest figure): merged with scale clip / w = 0.5 / 4."""
+    """In process: the honest island's pushes of 4 steps (H) at 1e-3 an element, then the
+    other's push of 16 claimed steps at 8e-3 an element (8 x the honest norm): merged with
+    scale clip / w = (1 / 8) / 4."""
     spec = make_spec(**PAIR, sync={"fragments": 1, "quorum": 1, "graceSeconds": 0})
 
     def filled(syncer: Any, value: float) -> dict[str, torch.Tensor]:
@@ -120,7 +116,7 @@ def test_syncer_merges_a_loud_push_held_to_the_honest_islands_figure(tmp_path: P
             assert honest == [1.0, 1.0, 1.0]  # nothing to judge them by: kept whole
             (loud,) = merges[-1]["contributors"]
             assert loud["island"] == "island-1" and loud["work"] == 4.0
-            assert loud["scale"] == pytest.approx(0.125)  # 0.5 / 4 (0.25 unclipped)
+            assert loud["scale"] == pytest.approx(0.03125, rel=1e-5)  # 0.125 / 4 (0.25 unclipped)
         finally:
             await syncer.stop()
 

@@ -294,11 +294,12 @@ class GuardsSpec(SpecModel):
         0.0,
         ge=0,
         le=1000,
-        description="In a job of two with movementFactor on: a push whose pseudo-gradient moved "
-        "more per claimed step than this many times the other island's recent median movement "
-        "per claimed step is shortened to that (its direction kept) in its merge, so noise "
-        "claiming work moves the model per claimed step no more than the honest island does "
-        '(issue 46\'s loud claims). 0 (default) turns it off (docs/algorithm.md, "Pair clip").',
+        description="In a job of two with movementFactor on: a push whose pseudo-gradient's norm "
+        "is above this many times the other island's median norm over its recent accepted "
+        "pushes is shortened to that (its direction kept) in its merge, so no push moves the "
+        "model more than this many times the other island's typical push does, whatever work "
+        "it claims (issue 46's loud claims). 0 (default) turns it off: it also holds an honest "
+        "island to its peer's pushes (docs/algorithm.md, \"A job of two's pair clip\").",
     )
     end_on_faint: bool = Field(
         False,

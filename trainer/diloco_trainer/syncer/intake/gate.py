@@ -271,13 +271,11 @@ class Gate:
         self.runs.accepted(fragment, meta.island)
         self.update_unsupported(state, now)  # an accepted push ends its island's naming
         contribution = push_contribution(meta, lag=lag, payload=payload, now=now)
-        contribution.clip = self.guard.contribution_clip(
-            fragment, meta.island, stats.norm, meta.steps
-        )
+        contribution.clip = self.guard.contribution_clip(fragment, meta.island, stats.norm)
         if contribution.clip < 1.0:
             log.info(
-                "push of %s to fragment %d: pseudo-gradient per claimed step held to the other "
-                "island's (syncer.guards.pairClip): x %.3g",
+                "push of %s to fragment %d: pseudo-gradient held to the other island's median "
+                "norm (syncer.guards.pairClip): x %.3g",
                 meta.island,
                 fragment,
                 contribution.clip,
