@@ -316,21 +316,22 @@ def test_adversary_pair_faint_claims_end_the_job_at_its_best(tmp_path: Path) -> 
         syncer.proc.stop(timeout=10)
 
 
-# syncer.guards.pairClip 1 (off by default): a push's Δ held in its merge to the other island's
-# median norm.
+# syncer.guards.pairClip 1 (off by default): a push's Δ held in its merge to what the other
+# island moves in the steps it claims, a round at most.
 PAIR_CLIP = deep_merge(PAIR, {"syncer": {"guards": {"pairClip": 1.0}}})
 
 
-def test_adversary_pair_loud_claims_are_held_to_the_honest_islands_pushes(
+def test_adversary_pair_loud_claims_are_held_to_the_honest_islands_movement(
     tmp_path: Path,
 ) -> None:
-    """Issue 46's loud claims: noise claiming 4 x H steps in one push moved the model 2-4 times
-    as far as an honest push. With pairClip 1 the honest island's pushes (1e-3 an element) set
-    the figure: the adversary's push of 4 claimed steps (w = 1 at H = 4) at 5e-3 an element is
-    merged with scale 1e-3 / 5e-3 = 0.2 (its g 1e-3 x sqrt(numel), where the movement cap,
-    6e-3, would have let 5e-3 through); at 8e-4 an element it is merged whole. The rule's cost:
-    once the adversary has three pushes (median 8e-4) an honest push at 1e-3 is held to 0.8.
-    On main the spec's pairClip is unknown."""
+    """Issue 46's loud claims: noise louder than the honest island per claimed step took its
+    share of the merges whole. With pairClip 1 the honest island's pushes (one step at 1e-3 an
+    element: 1e-3 x sqrt(numel) a step) set the figure: the adversary's push of 4 claimed steps
+    (w = 1 at H = 4; one round) at 5e-3 an element is held to 4 x 1e-3: merged with scale 0.8
+    (its g 4e-3 x sqrt(numel), under the movement cap 6e-3: that clip is not what holds it); at
+    8e-4 an element (2e-4 a step) it is merged whole. The rule's cost: once the adversary has
+    three pushes (median 2e-4 a step) an honest push of one step at 1e-3 is held to 0.2. On
+    main the spec's pairClip is unknown."""
     syncer = start_syncer_of(tmp_path, PAIR_CLIP, JOB)
     try:
         shapes = join_all(syncer, (HONEST, ADVERSARY))
@@ -350,11 +351,11 @@ def test_adversary_pair_loud_claims_are_held_to_the_honest_islands_pushes(
         assert scales[:WARMUP] == [(HONEST, 4.0)] * WARMUP  # 1 / w, w = 1/4: kept whole
         assert [i for i, _ in scales[WARMUP:]] == [ADVERSARY] * 3 + [HONEST]
         assert [s for _, s in scales[WARMUP:]] == pytest.approx(
-            [0.2, 1.0, 1.0, 4.0 * 0.8], rel=1e-4
+            [0.8, 1.0, 1.0, 4.0 * 0.2], rel=1e-4
         )  # norms in fp32
         loud = merges[WARMUP]
         assert loud["clip"] == 1.0  # the movement cap did not clip it
-        assert loud["movement"] == pytest.approx(1e-3 * math.sqrt(numel), rel=1e-3)
+        assert loud["movement"] == pytest.approx(4e-3 * math.sqrt(numel), rel=1e-3)
         held = re.findall(
             r"push of (\S+) to fragment 0: .* held to the other", syncer.log_file.read_text()
         )

@@ -295,11 +295,13 @@ class GuardsSpec(SpecModel):
         ge=0,
         le=1000,
         description="In a job of two with movementFactor on: a push whose pseudo-gradient's norm "
-        "is above this many times the other island's median norm over its recent accepted "
-        "pushes is shortened to that (its direction kept) in its merge, so no push moves the "
-        "model more than this many times the other island's typical push does, whatever work "
-        "it claims (issue 46's loud claims). 0 (default) turns it off: it also holds an honest "
-        "island to its peer's pushes (docs/algorithm.md, \"A job of two's pair clip\").",
+        "is above this many times what the other island moves in the steps it claims (the "
+        "other's recent median norm per claimed step x those steps, at most one round: H_i + "
+        "sync.overlapSteps) is shortened to that (its direction kept) in its merge, so no push "
+        "moves the model further than this many times an honest round of the other island does, "
+        "whatever work it claims (issue 46's loud claims). 0 (default) turns it off: it also "
+        "holds an honest island to its peer's movement (docs/algorithm.md, \"A job of two's "
+        'pair clip").',
     )
     end_on_faint: bool = Field(
         False,

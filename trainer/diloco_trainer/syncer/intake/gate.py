@@ -271,11 +271,16 @@ class Gate:
         self.runs.accepted(fragment, meta.island)
         self.update_unsupported(state, now)  # an accepted push ends its island's naming
         contribution = push_contribution(meta, lag=lag, payload=payload, now=now)
-        contribution.clip = self.guard.contribution_clip(fragment, meta.island, stats.norm)
+        round_steps = self.rounds.round_push_steps(
+            state.membership.islands.get(meta.island), meta.island
+        )
+        contribution.clip = self.guard.contribution_clip(
+            fragment, meta.island, stats.norm, meta.steps, round_steps
+        )
         if contribution.clip < 1.0:
             log.info(
-                "push of %s to fragment %d: pseudo-gradient held to the other island's median "
-                "norm (syncer.guards.pairClip): x %.3g",
+                "push of %s to fragment %d: pseudo-gradient held to the other island's movement "
+                "in its claimed steps, a round at most (syncer.guards.pairClip): x %.3g",
                 meta.island,
                 fragment,
                 contribution.clip,

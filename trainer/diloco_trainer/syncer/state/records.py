@@ -201,7 +201,7 @@ class Contribution:
     # recorded").
     kept_steps: int = 0
     # What its Δ is multiplied by in its merge (syncer.guards.pairClip in a job of two: held to
-    # the other island's median norm; intake/guards.pair_clip); 1: as pushed.
+    # what the other island moves in its claimed steps; intake/guards.pair_clip); 1: as pushed.
     clip: float = 1.0
     # Its pseudo-gradient as a name -> tensor mapping (opaque here): the syncer keeps it encoded
     # (payload.EncodedPayload) and folds the decoded values into the round as it arrives.
