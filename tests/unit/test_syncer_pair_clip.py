@@ -16,6 +16,7 @@ import pytest
 import torch
 from diloco_trainer.core.contributions import Contributor, plan_merge
 from diloco_trainer.syncer.intake import guards
+from diloco_trainer.syncer.state import RoundSizes
 
 from .test_syncer import FakeClock, body, make_spec, run, started
 
@@ -52,6 +53,13 @@ def test_pair_reference_is_the_others_movement_in_the_claimed_steps_a_round_at_m
     assert guards.pair_reference(0.1, 40, 12) == pytest.approx(1.2)  # 4 x H claimed: one round
     assert guards.pair_reference(None, 40, 12) is None  # no figure yet
     assert guards.pair_reference(0.1, 0, 12) is None  # no steps claimed
+
+
+def test_a_rounds_push_is_h_i_and_the_overlap() -> None:
+    # H 4 + sync.overlapSteps 3: 7 (STEP_ROUNDS x 4 + 3 = 19 is the most a push may claim).
+    sizes = RoundSizes(make_spec(**PAIR, sync={"overlapSteps": 3}))
+    assert sizes.round_push_steps(None, "island-0") == 7
+    assert sizes.max_push_steps(None, "island-0") == 19
 
 
 def test_guard_clips_against_the_other_islands_movement_in_a_round() -> None:
