@@ -161,6 +161,9 @@ def job_spec(args: argparse.Namespace, seed: int, variant: str) -> JobSpec:
                     # syncer.guards.pairClip (a job of two: a push's Δ per claimed step held to
                     # that x the other island's; 0, the default, off)
                     **({"pairClip": args.pair_clip} if args.pair_clip else {}),
+                    # syncer.guards.pairCredit (a job of two: a push's merge credits one round
+                    # of its island's own steps as work at most; off by default)
+                    **({"pairCredit": True} if args.pair_credit else {}),
                 },
             },
         }
@@ -600,6 +603,13 @@ def main() -> int:
         help="syncer.guards.pairClip in every run (0, the default: off): in a job of two a "
         "push's pseudo-gradient per claimed step is held to FACTOR x the other island's recent "
         "median (issue 46's loud claims)",
+    )
+    p.add_argument(
+        "--pair-credit",
+        action="store_true",
+        help="syncer.guards.pairCredit in every run (off by default): in a job of two a push's "
+        "merge credits at most one round of its island's own steps (H_i + overlap) as work, so "
+        "claimed rounds fold the outer momentum no more than one round does",
     )
     p.add_argument(
         "--report-only",

@@ -303,6 +303,17 @@ class GuardsSpec(SpecModel):
         "holds an honest island to its peer's movement (docs/algorithm.md, \"A job of two's "
         'pair clip").',
     )
+    pair_credit: bool = Field(
+        False,
+        description="In a job of two with movementFactor on: a push's merge credits at most one "
+        "round of its island's own steps (H_i + sync.overlapSteps, as the syncer sizes its "
+        "rounds) as work, whatever it claims; its pseudo-gradient still moves the model in "
+        "full (lr x its delta / 2), but the share of a round its merge counts, and so the outer "
+        "momentum folds it triggers, is that round's at most (issue 46's loud claims: a push "
+        "claiming 4 rounds folded the momentum twice). A legitimate push of several rounds (after "
+        "refusals, a syncer restart) is credited one too. Off by default (docs/algorithm.md, "
+        "\"A job of two's pair credit\").",
+    )
     end_on_faint: bool = Field(
         False,
         description="In a job of two with movementFactor on and the quality guard on: end the "

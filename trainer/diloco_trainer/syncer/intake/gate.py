@@ -277,6 +277,16 @@ class Gate:
         contribution.clip = self.guard.contribution_clip(
             fragment, meta.island, stats.norm, meta.steps, round_steps
         )
+        contribution.credit_steps = self.guard.credit_steps(meta.steps, round_steps)
+        if contribution.credit_steps is not None:
+            log.info(
+                "push of %s to fragment %d: %d claimed steps credited as %d, one round of its "
+                "own (syncer.guards.pairCredit)",
+                meta.island,
+                fragment,
+                meta.steps,
+                contribution.credit_steps,
+            )
         if contribution.clip < 1.0:
             log.info(
                 "push of %s to fragment %d: pseudo-gradient held to the other island's movement "

@@ -404,6 +404,9 @@ class ContributionGuard:
     # to this x what the other island moves in its claimed steps, at most a round (pair_clip);
     # 0: off.
     pair_factor: float = 0.0
+    # syncer.guards.pairCredit: with work evidence (a job of two), a push's merge credits at
+    # most one round of its island's steps as work (pair_credit); False: all it claims.
+    pair_credit_on: bool = False
     streaks: dict[str, int] = field(default_factory=dict)  # refusals in a row per island
     # Per (fragment, island): whether each of its last AT_BOUND_PUSHES judged pushes was at the
     # learned bound (AT_BOUND x it or above): the detection of suspects().
@@ -476,6 +479,13 @@ class ContributionGuard:
             return 1.0
         per_step = self.evidence.others(fragment, island)
         return pair_clip(norm, pair_reference(per_step, steps, round_steps), self.pair_factor)
+
+    def credit_steps(self, steps: int, round_steps: int) -> int | None:
+        """The most of an accepted push's `steps` its merge credits as work: pair_credit with
+        work evidence (a job of two) and pairCredit on, else None (all of them)."""
+        if self.evidence is None or not self.pair_credit_on:
+            return None
+        return pair_credit(steps, round_steps)
 
     def check_evidence(self, fragment: int, island: str, norm: float, steps: int) -> None:
         """ContributionRefused when the push moved less than the work evidence's bar for the
@@ -710,6 +720,20 @@ def pair_clip(norm: float, reference: float | None, factor: float) -> float:
     return 1.0 if norm <= most else most / norm
 
 
+def pair_credit(steps: int, round_steps: int) -> int | None:
+    """The steps a push claiming `steps` is credited with as work in a job of two
+    (syncer.guards.pairCredit): at most one round of its island's own (`round_steps`, H_i +
+    sync.overlapSteps, which the syncer assigns, not the island); None when that is all it
+    claims. Why: its merge carries φ = w·d / M of a round (w = credited steps / H) and every
+    round φ completes folds the outer momentum once (core/outer.py), so an island claiming
+    4 rounds a push at M = 2 made each merge of it alone fold twice, spending the honest
+    island's momentum (issue 46's loud claims). Its Δ still moves θ by lr·d·Δ/M: the vector is
+    scaled by 1 / w (core/contributions.credited_work). pair_credit(40, 12) == 12."""
+    if steps <= round_steps:
+        return None
+    return max(1, round_steps)
+
+
 def pair_reference(per_step: float | None, steps: int, round_steps: int) -> float | None:
     """The norm pair_clip holds a push of `steps` claimed steps to (before the factor): the
     other island's median movement per claimed step (WorkEvidence.others) x its steps, at most
@@ -753,6 +777,7 @@ def make_guard(
         max_refusals=g.max_refusals,
         evidence=None if moves is None else WorkEvidence(evidence_step_caps(spec, moves)),
         pair_factor=g.pair_clip,
+        pair_credit_on=g.pair_credit,
     )
 
 
