@@ -312,7 +312,7 @@ class GuardsSpec(SpecModel):
         "momentum folds it triggers, is that round's at most (issue 46's loud claims: a push "
         "claiming 4 rounds folded the momentum twice). A legitimate push of several rounds (after "
         "refusals, a syncer restart) is credited one too. Off by default (docs/algorithm.md, "
-        "\"A job of two's pair credit\").",
+        '"A job of two\'s pair credit").',
     )
     end_on_faint: bool = Field(
         False,
