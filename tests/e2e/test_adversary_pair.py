@@ -362,3 +362,52 @@ def test_adversary_pair_loud_claims_are_held_to_the_honest_islands_movement(
         assert held == [ADVERSARY, HONEST], held
     finally:
         syncer.proc.stop(timeout=10)
+
+
+# syncer.guards.pairCredit (off by default): a push's merge credits at most one round of its
+# island's own steps (H 4 + sync.overlapSteps 1 = 5) as work.
+PAIR_CREDIT = deep_merge(
+    PAIR, {"sync": {"overlapSteps": 1}, "syncer": {"guards": {"pairCredit": True}}}
+)
+
+
+def test_adversary_pair_claimed_rounds_are_credited_one_round(tmp_path: Path) -> None:
+    """Issue 46's loud claims folded the outer momentum once per round a push claimed (φ = 2
+    for 4 x H steps at M = 2). With pairCredit the adversary's push of 16 claimed steps (4 x H)
+    at 1e-3 an element is credited 5 (H 4 + overlap 1): work 5 / 4 = 1.25, scale 1 / 1.25 = 0.8,
+    φ = 1.25 / 2 = 0.625 (uncredited: 4, 0.25, 2.0; φ x scale is 0.5 either way: the same move
+    of θ); a push of 4 claimed steps is credited whole (work 1, scale 1, φ 0.5), as are the
+    honest island's pushes of one step (work 0.25, scale 4, φ 0.125). On main the spec's
+    pairCredit is unknown."""
+    syncer = start_syncer_of(tmp_path, PAIR_CREDIT, JOB)
+    try:
+        shapes = join_all(syncer, (HONEST, ADVERSARY))
+        for _ in range(WARMUP):
+            honest_push(syncer, shapes)
+        for steps in (16, 4):
+            version = syncer.status()["versions"][0]
+            code, doc = push_as(
+                syncer, ADVERSARY, filled(shapes, HONEST_VALUE), steps=steps, tokens=steps * 64
+            )
+            assert code == 200 and doc["accepted"] is True, (code, doc)
+            wait_until(
+                lambda v=version: syncer.status()["versions"][0] > v, timeout=60, what="merge"
+            )
+        merges = syncer.merge_records()
+        rows = [
+            (c["island"], c["steps"], c["work"], c["scale"], m["fraction"])
+            for m in merges
+            for c in m["contributors"]
+        ]
+        assert rows[:WARMUP] == [(HONEST, 1, 0.25, 4.0, 0.125)] * WARMUP
+        assert rows[WARMUP:] == [
+            (ADVERSARY, 16, 1.25, pytest.approx(0.8), 0.625),
+            (ADVERSARY, 4, 1.0, 1.0, 0.5),
+        ]
+        credited = re.findall(
+            r"push of (\S+) to fragment 0: (\d+) claimed steps credited as (\d+)",
+            syncer.log_file.read_text(),
+        )
+        assert credited == [(ADVERSARY, "16", "5")], credited
+    finally:
+        syncer.proc.stop(timeout=10)
