@@ -158,12 +158,14 @@ def make_spec(args: Any, *, islands: int, quorum: int, mode: str, tokens: int) -
 
 def movement(args: Any) -> dict[str, Any]:
     """syncer.guards.movementFactor when --movement-factor sets it (else the spec's default),
-    and syncer.guards.pairClip when --pair-clip does (issue 46)."""
+    syncer.guards.pairClip when --pair-clip does and pairCredit with --pair-credit (issue 46)."""
     factor = getattr(args, "movement_factor", None)
     clip = getattr(args, "pair_clip", None)
+    credit = getattr(args, "pair_credit", False)
     guards = {
         **({} if factor is None else {"movementFactor": factor}),
         **({} if clip is None else {"pairClip": clip}),
+        **({"pairCredit": True} if credit else {}),
     }
     return {"guards": guards} if guards else {}
 
@@ -485,6 +487,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="syncer.guards.pairClip of every run (default: the spec's): in a job of two a "
         "push's pseudo-gradient per claimed step is held to this x the other island's median "
         "(issue 46); what it costs an honest pair",
+    )
+    p.add_argument(
+        "--pair-credit",
+        action="store_true",
+        help="syncer.guards.pairCredit in every run (off by default): in a job of two a push's "
+        "merge credits at most one round of its island's own steps as work (issue 46); what it "
+        "costs an honest pair",
     )
     args = p.parse_args(argv)
     if args.repeats < 1:
