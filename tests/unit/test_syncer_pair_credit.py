@@ -70,6 +70,28 @@ def test_a_credited_push_moves_theta_as_much_with_a_smaller_fraction() -> None:
         assert pair.fraction * rho * scale / sum(pair.weights) == pytest.approx(0.5)
 
 
+def test_a_credited_push_weighs_its_credited_share_under_the_tokens_rule() -> None:
+    # "tokens" (the default): ρ = tokens x tokens / steps. Honest 160 tokens over 10 steps:
+    # 2560; loud 640 over 40 claimed, credited 12: 640 x 16 x 12 / 40 = 3072 (10240 uncredited).
+    # Σρ = 5632, φ = (1 + 1.2) / 2 = 1.1; each one's move φ x ρ_i x scale_i / Σρ:
+    # honest 1.1 x 2560 / 5632 = 0.5, loud 1.1 x 3072 / 1.2 / 5632 = 0.5: Δ / M each, as
+    # uncredited (2.5 x 2560 / 12800 = 0.5, 2.5 x 10240 / 4 / 12800 = 0.5). Weighting the loud
+    # push by its claimed tokens while crediting its work would move θ by 0.22 Δh + 0.73 Δl.
+    pair = plan_merge(
+        [Contributor(160, 10), Contributor(640, 40, credit_steps=12)],
+        rule="tokens",
+        inner_steps=10,
+        islands=2,
+    )
+    assert pair.weights == [pytest.approx(2560.0), pytest.approx(3072.0)]
+    assert pair.fraction == pytest.approx(1.1)
+    moves = [
+        pair.fraction * rho * scale / sum(pair.weights)
+        for rho, scale in zip(pair.weights, pair.scales, strict=True)
+    ]
+    assert moves == [pytest.approx(0.5), pytest.approx(0.5)]
+
+
 def test_a_credited_push_folds_no_momentum_of_rounds_it_did_not_run() -> None:
     # One scalar, θ = 0, lr 1, β 0.9, Nesterov; both merges' gradient terms are φ·g = 0.5.
     # Uncredited (φ 2, g 0.25): two folds, each portion adding 1 x g = 0.25 to the buffer.

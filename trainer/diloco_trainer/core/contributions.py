@@ -104,7 +104,8 @@ class Contributor:
     # A factor on its vector (syncer.guards.pairClip's, in (0, 1]): its scale is clip / w_i.
     clip: float = 1.0
     # The most of its steps its work w_i counts (syncer.guards.pairCredit in a job of two: one
-    # round of its own, H_i + sync.overlapSteps); None: all of them (credited_work).
+    # round of its own, H_i + sync.overlapSteps), its weight ρ_i scaled alike; None: all of
+    # them (credited_work).
     credit_steps: int | None = None
 
 
@@ -148,6 +149,11 @@ def plan_merge(
     weights, scales = [], []
     for c, w, d in zip(contributors, work, discounts, strict=True):
         quality = w if rule == "mean" else contribution_weight(c.tokens, c.steps, rule)
+        if rule != "mean" and w > 0 and c.credit_steps is not None and c.steps > c.credit_steps:
+            # A credited contribution weighs as its credited steps' share of its tokens would
+            # (tokens x c / s over c steps: quality x c / s), so ρ_i stays ∝ w_i·d_i at equal
+            # batches and φ·g = Σ d_i·Δ_i / M still holds (credited_work says why).
+            quality *= c.credit_steps / c.steps
         weights.append(quality * d if w > 0 else 0.0)
         scales.append(c.clip / w if w > 0 else 0.0)
     fraction = sum(w * d for w, d in zip(work, discounts, strict=True)) / islands
