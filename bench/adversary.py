@@ -13,7 +13,9 @@ tests/e2e/test_adversary*.py (issues 22 and 46):
   rule pushes instead of zeros;
 - credited_noise: the same at 1/4 of that reference per claimed step (eight times faint_claims'):
   the line a partial credit of a job of two credited in full (built and taken out again:
-  docs/algorithm.md), kept to price any such rule;
+  docs/algorithm.md), kept to price any such rule; loud_claims at the whole reference (16 times
+  faint_claims'), louder_claims at 3 times that (above an honest island's movement per claimed
+  step at gpt-tiny, under the learned bound: what syncer.guards.pairClip, --pair-clip, holds);
 - slot_holding: six push bodies trickled by the island's credential and six by the admin's;
 - connection_flood: every connection one peer address may open, held idle (another address);
 - merge_log: no participant, but the merge log unwritable (a directory) for the whole run;
@@ -95,6 +97,7 @@ VARIANTS = (
     "faint_claims",
     "credited_noise",
     "loud_claims",
+    "louder_claims",
 )
 ISLANDS = (2, 3, 5)  # --islands: the job's islands, the adversary's included
 # The honest islands and the adversary of a job of M islands (set by main from --islands).
@@ -153,7 +156,15 @@ def job_spec(args: argparse.Namespace, seed: int, variant: str) -> JobSpec:
                 **guard_spec(args.quality_guard),
                 # syncer.guards.endOnFaint (a job of two ends at its best once an island is
                 # named faint with merged pushes; off by default)
-                **({"guards": {"endOnFaint": True}} if args.end_on_faint else {}),
+                "guards": {
+                    **({"endOnFaint": True} if args.end_on_faint else {}),
+                    # syncer.guards.pairClip (a job of two: a push's Δ per claimed step held to
+                    # that x the other island's; 0, the default, off)
+                    **({"pairClip": args.pair_clip} if args.pair_clip else {}),
+                    # syncer.guards.pairCredit (a job of two: a push's merge credits one round
+                    # of its island's own steps as work at most; off by default)
+                    **({"pairCredit": True} if args.pair_credit else {}),
+                },
             },
         }
     )
@@ -312,6 +323,13 @@ class Adversary(threading.Thread):
 
     def loud_claims(self) -> None:
         self.faint_claims(share=1.0)  # the reference's cap: the other island's bar at its highest
+
+    def louder_claims(self) -> None:
+        # 3 x loud_claims: a push's norm ~19 at gpt-tiny (H = 10), under the learned bound
+        # (normFactor 10 x the honest island's median push, 16-32 early) while the honest
+        # pushes stay above ~1.9: noise louder than an honest island per claimed step (loud's
+        # is below it), which syncer.guards.pairClip holds to the honest figure (issue 46)
+        self.faint_claims(share=3.0)
 
     def slot_holding(self) -> None:
         self.shapes()
@@ -576,6 +594,22 @@ def main() -> int:
         action="store_true",
         help="syncer.guards.endOnFaint in every run (off by default): a job of two ends at "
         "its best-evaluated checkpoint once an island is named faint with merged pushes",
+    )
+    p.add_argument(
+        "--pair-clip",
+        type=float,
+        default=0.0,
+        metavar="FACTOR",
+        help="syncer.guards.pairClip in every run (0, the default: off): in a job of two a "
+        "push's pseudo-gradient per claimed step is held to FACTOR x the other island's recent "
+        "median (issue 46's loud claims)",
+    )
+    p.add_argument(
+        "--pair-credit",
+        action="store_true",
+        help="syncer.guards.pairCredit in every run (off by default): in a job of two a push's "
+        "merge credits at most one round of its island's own steps (H_i + overlap) as work, so "
+        "claimed rounds fold the outer momentum no more than one round does",
     )
     p.add_argument(
         "--report-only",

@@ -157,9 +157,17 @@ def make_spec(args: Any, *, islands: int, quorum: int, mode: str, tokens: int) -
 
 
 def movement(args: Any) -> dict[str, Any]:
-    """syncer.guards.movementFactor when --movement-factor sets it (else the spec's default)."""
+    """syncer.guards.movementFactor when --movement-factor sets it (else the spec's default),
+    syncer.guards.pairClip when --pair-clip does and pairCredit with --pair-credit (issue 46)."""
     factor = getattr(args, "movement_factor", None)
-    return {} if factor is None else {"guards": {"movementFactor": factor}}
+    clip = getattr(args, "pair_clip", None)
+    credit = getattr(args, "pair_credit", False)
+    guards = {
+        **({} if factor is None else {"movementFactor": factor}),
+        **({} if clip is None else {"pairClip": clip}),
+        **({"pairCredit": True} if credit else {}),
+    }
+    return {"guards": guards} if guards else {}
 
 
 def emulated_env(speeds: Sequence[float], step_ms: float) -> dict[int, dict[str, str]]:
@@ -471,6 +479,21 @@ def main(argv: Sequence[str] | None = None) -> int:
         "job of two's movement clip and work-evidence check, which compare the islands' deltas "
         "per step: an emulated step's (1e-3 of the weights a round) is no real one's, so a real "
         "CPU island beside one emulated island needs 0",
+    )
+    p.add_argument(
+        "--pair-clip",
+        type=float,
+        default=None,
+        help="syncer.guards.pairClip of every run (default: the spec's): in a job of two a "
+        "push's pseudo-gradient per claimed step is held to this x the other island's median "
+        "(issue 46); what it costs an honest pair",
+    )
+    p.add_argument(
+        "--pair-credit",
+        action="store_true",
+        help="syncer.guards.pairCredit in every run (off by default): in a job of two a push's "
+        "merge credits at most one round of its island's own steps as work (issue 46); what it "
+        "costs an honest pair",
     )
     args = p.parse_args(argv)
     if args.repeats < 1:

@@ -314,3 +314,100 @@ def test_adversary_pair_faint_claims_end_the_job_at_its_best(tmp_path: Path) -> 
             again.proc.stop(timeout=10)
     finally:
         syncer.proc.stop(timeout=10)
+
+
+# syncer.guards.pairClip 1 (off by default): a push's Δ held in its merge to what the other
+# island moves in the steps it claims, a round at most.
+PAIR_CLIP = deep_merge(PAIR, {"syncer": {"guards": {"pairClip": 1.0}}})
+
+
+def test_adversary_pair_loud_claims_are_held_to_the_honest_islands_movement(
+    tmp_path: Path,
+) -> None:
+    """Issue 46's loud claims: noise louder than the honest island per claimed step took its
+    share of the merges whole. With pairClip 1 the honest island's pushes (one step at 1e-3 an
+    element: 1e-3 x sqrt(numel) a step) set the figure: the adversary's push of 4 claimed steps
+    (w = 1 at H = 4; one round) at 5e-3 an element is held to 4 x 1e-3: merged with scale 0.8
+    (its g 4e-3 x sqrt(numel), under the movement cap 6e-3: that clip is not what holds it); at
+    8e-4 an element (2e-4 a step) it is merged whole. The rule's cost: once the adversary has
+    three pushes (median 2e-4 a step) an honest push of one step at 1e-3 is held to 0.2. On
+    main the spec's pairClip is unknown."""
+    syncer = start_syncer_of(tmp_path, PAIR_CLIP, JOB)
+    try:
+        shapes = join_all(syncer, (HONEST, ADVERSARY))
+        numel = sum(t.numel() for t in shapes.values())
+        for _ in range(WARMUP):
+            honest_push(syncer, shapes)
+        for value in (5e-3, 8e-4, 8e-4):
+            version = syncer.status()["versions"][0]
+            code, doc = push_as(syncer, ADVERSARY, filled(shapes, value), steps=4, tokens=4 * 64)
+            assert code == 200 and doc["accepted"] is True, (code, doc)
+            wait_until(
+                lambda v=version: syncer.status()["versions"][0] > v, timeout=60, what="merge"
+            )
+        honest_push(syncer, shapes)
+        merges = syncer.merge_records()
+        scales = [(c["island"], c["scale"]) for m in merges for c in m["contributors"]]
+        assert scales[:WARMUP] == [(HONEST, 4.0)] * WARMUP  # 1 / w, w = 1/4: kept whole
+        assert [i for i, _ in scales[WARMUP:]] == [ADVERSARY] * 3 + [HONEST]
+        assert [s for _, s in scales[WARMUP:]] == pytest.approx(
+            [0.8, 1.0, 1.0, 4.0 * 0.2], rel=1e-4
+        )  # norms in fp32
+        loud = merges[WARMUP]
+        assert loud["clip"] == 1.0  # the movement cap did not clip it
+        assert loud["movement"] == pytest.approx(4e-3 * math.sqrt(numel), rel=1e-3)
+        held = re.findall(
+            r"push of (\S+) to fragment 0: .* held to the other", syncer.log_file.read_text()
+        )
+        assert held == [ADVERSARY, HONEST], held
+    finally:
+        syncer.proc.stop(timeout=10)
+
+
+# syncer.guards.pairCredit (off by default): a push's merge credits at most one round of its
+# island's own steps (H 4 + sync.overlapSteps 1 = 5) as work.
+PAIR_CREDIT = deep_merge(
+    PAIR, {"sync": {"overlapSteps": 1}, "syncer": {"guards": {"pairCredit": True}}}
+)
+
+
+def test_adversary_pair_claimed_rounds_are_credited_one_round(tmp_path: Path) -> None:
+    """Issue 46's loud claims folded the outer momentum once per round a push claimed (φ = 2
+    for 4 x H steps at M = 2). With pairCredit the adversary's push of 16 claimed steps (4 x H)
+    at 1e-3 an element is credited 5 (H 4 + overlap 1): work 5 / 4 = 1.25, scale 1 / 1.25 = 0.8,
+    φ = 1.25 / 2 = 0.625 (uncredited: 4, 0.25, 2.0; φ x scale is 0.5 either way: the same move
+    of θ); a push of 4 claimed steps is credited whole (work 1, scale 1, φ 0.5), as are the
+    honest island's pushes of one step (work 0.25, scale 4, φ 0.125). On main the spec's
+    pairCredit is unknown."""
+    syncer = start_syncer_of(tmp_path, PAIR_CREDIT, JOB)
+    try:
+        shapes = join_all(syncer, (HONEST, ADVERSARY))
+        for _ in range(WARMUP):
+            honest_push(syncer, shapes)
+        for steps in (16, 4):
+            version = syncer.status()["versions"][0]
+            code, doc = push_as(
+                syncer, ADVERSARY, filled(shapes, HONEST_VALUE), steps=steps, tokens=steps * 64
+            )
+            assert code == 200 and doc["accepted"] is True, (code, doc)
+            wait_until(
+                lambda v=version: syncer.status()["versions"][0] > v, timeout=60, what="merge"
+            )
+        merges = syncer.merge_records()
+        rows = [
+            (c["island"], c["steps"], c["work"], c["scale"], m["fraction"])
+            for m in merges
+            for c in m["contributors"]
+        ]
+        assert rows[:WARMUP] == [(HONEST, 1, 0.25, 4.0, 0.125)] * WARMUP
+        assert rows[WARMUP:] == [
+            (ADVERSARY, 16, 1.25, pytest.approx(0.8), 0.625),
+            (ADVERSARY, 4, 1.0, 1.0, 0.5),
+        ]
+        credited = re.findall(
+            r"push of (\S+) to fragment 0: (\d+) claimed steps credited as (\d+)",
+            syncer.log_file.read_text(),
+        )
+        assert credited == [(ADVERSARY, "16", "5")], credited
+    finally:
+        syncer.proc.stop(timeout=10)

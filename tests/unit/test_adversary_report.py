@@ -67,7 +67,8 @@ def test_adversary_bench_islands_flag_sets_the_honest_islands_and_the_job() -> N
 
     args = argparse.Namespace(
         preset="gpt-tiny", inner_steps=10, steps=100, batch_size=8, seq_len=64, inner_lr=3e-3,
-        warmup=20, eval_tokens=8192, quality_guard=None, end_on_faint=False,
+        warmup=20, eval_tokens=8192, quality_guard=None, end_on_faint=False, pair_clip=0.0,
+        pair_credit=False,
     )  # fmt: skip
     try:
         for m in (2, 5):

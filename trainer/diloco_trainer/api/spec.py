@@ -290,6 +290,30 @@ class GuardsSpec(SpecModel):
         "movement per claimed step (work_unsupported: claimed work it does not carry; "
         "docs/algorithm.md). 0 turns both off.",
     )
+    pair_clip: float = Field(
+        0.0,
+        ge=0,
+        le=1000,
+        description="In a job of two with movementFactor on: a push whose pseudo-gradient's norm "
+        "is above this many times what the other island moves in the steps it claims (the "
+        "other's recent median norm per claimed step x those steps, at most one round: H_i + "
+        "sync.overlapSteps) is shortened to that (its direction kept) in its merge, so no push "
+        "moves the model further than this many times an honest round of the other island does, "
+        "whatever work it claims (issue 46's loud claims). 0 (default) turns it off: it also "
+        "holds an honest island to its peer's movement (docs/algorithm.md, \"A job of two's "
+        'pair clip").',
+    )
+    pair_credit: bool = Field(
+        False,
+        description="In a job of two with movementFactor on: a push's merge credits at most one "
+        "round of its island's own steps (H_i + sync.overlapSteps, as the syncer sizes its "
+        "rounds) as work, whatever it claims; its pseudo-gradient still moves the model in "
+        "full (lr x its delta / 2), but the share of a round its merge counts, and so the outer "
+        "momentum folds it triggers, is that round's at most (issue 46's loud claims: a push "
+        "claiming 4 rounds folded the momentum twice). A legitimate push of several rounds (after "
+        "refusals, a syncer restart) is credited one too. Off by default (docs/algorithm.md, "
+        '"A job of two\'s pair credit").',
+    )
     end_on_faint: bool = Field(
         False,
         description="In a job of two with movementFactor on and the quality guard on: end the "

@@ -62,6 +62,23 @@ def work_share(steps: int, inner_steps: int) -> float:
     return steps / inner_steps
 
 
+def credited_work(steps: int, inner_steps: int, credit_steps: int | None = None) -> float:
+    """The work w a contribution is credited with: work_share of its steps, at most
+    `credit_steps` of them (None: all).
+
+    Why the Δ still moves θ in full: its vector is scaled by 1/w and the merge carries
+    φ = Σ w_i·d_i / M, so its gradient term is lr·φ·g = lr·d·Δ/M whatever w is (one contributor;
+    with several under "mean", ρ_i = w_i·d_i and φ·g = Σ d_i·Δ_i / M). Only φ, the share of a
+    round the outer optimizer counts, and so the momentum folds it triggers (core/outer.py), shrink.
+    credited_work(40, 10, 12) == 1.2; credited_work(8, 10, 12) == 0.8."""
+    w = work_share(steps, inner_steps)
+    if credit_steps is None or steps <= credit_steps:
+        return w
+    if credit_steps < 1:
+        raise ValueError(f"credited steps must be >= 1, got {credit_steps}")
+    return credit_steps / inner_steps
+
+
 def momentum_share(lag_rounds: float) -> float:
     """(1 + lag_rounds)^-2: the share of a contribution's Δ that enters the outer momentum (the
     module docstring says why); 1 for a fresh one, so K = M's merges are unchanged."""
@@ -84,6 +101,12 @@ class Contributor:
     tokens: int
     steps: int
     lag_rounds: float = 0.0
+    # A factor on its vector (syncer.guards.pairClip's, in (0, 1]): its scale is clip / w_i.
+    clip: float = 1.0
+    # The most of its steps its work w_i counts (syncer.guards.pairCredit in a job of two: one
+    # round of its own, H_i + sync.overlapSteps), its weight ρ_i scaled alike; None: all of
+    # them (credited_work).
+    credit_steps: int | None = None
 
 
 @dataclass(frozen=True)
@@ -121,13 +144,18 @@ def plan_merge(
         raise ValueError(f"sync.merge {rule!r} is unknown; choose one of {list(MERGE_RULES)}")
     if islands < 1:
         raise ValueError(f"a merge needs at least one island, got {islands}")
-    work = [work_share(c.steps, inner_steps) for c in contributors]
+    work = [credited_work(c.steps, inner_steps, c.credit_steps) for c in contributors]
     discounts = [staleness_discount(c.lag_rounds) for c in contributors]
     weights, scales = [], []
     for c, w, d in zip(contributors, work, discounts, strict=True):
         quality = w if rule == "mean" else contribution_weight(c.tokens, c.steps, rule)
+        if rule != "mean" and w > 0 and c.credit_steps is not None and c.steps > c.credit_steps:
+            # A credited contribution weighs as its credited steps' share of its tokens would
+            # (tokens x c / s over c steps: quality x c / s), so ρ_i stays ∝ w_i·d_i at equal
+            # batches and φ·g = Σ d_i·Δ_i / M still holds (credited_work says why).
+            quality *= c.credit_steps / c.steps
         weights.append(quality * d if w > 0 else 0.0)
-        scales.append(1.0 / w if w > 0 else 0.0)
+        scales.append(c.clip / w if w > 0 else 0.0)
     fraction = sum(w * d for w, d in zip(work, discounts, strict=True)) / islands
     shares = [momentum_share(c.lag_rounds) for c in contributors]
     total = sum(weights)

@@ -280,7 +280,32 @@ class Gate:
             self.watch()
         self.runs.accepted(fragment, meta.island)
         self.update_unsupported(state, now)  # an accepted push ends its island's naming
-        return push_contribution(meta, lag=lag, payload=payload, now=now)
+        contribution = push_contribution(meta, lag=lag, payload=payload, now=now)
+        round_steps = self.rounds.round_push_steps(
+            state.membership.islands.get(meta.island), meta.island
+        )
+        contribution.clip = self.guard.contribution_clip(
+            fragment, meta.island, stats.norm, meta.steps, round_steps
+        )
+        contribution.credit_steps = self.guard.credit_steps(meta.steps, round_steps)
+        if contribution.credit_steps is not None:
+            log.info(
+                "push of %s to fragment %d: %d claimed steps credited as %d, one round of its "
+                "own (syncer.guards.pairCredit)",
+                meta.island,
+                fragment,
+                meta.steps,
+                contribution.credit_steps,
+            )
+        if contribution.clip < 1.0:
+            log.info(
+                "push of %s to fragment %d: pseudo-gradient held to the other island's movement "
+                "in its claimed steps, a round at most (syncer.guards.pairClip): x %.3g",
+                meta.island,
+                fragment,
+                contribution.clip,
+            )
+        return contribution
 
     def refused(
         self, members: Membership, fragment: int, island: str, err: Refused, now: float

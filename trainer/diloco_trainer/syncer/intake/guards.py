@@ -296,6 +296,16 @@ class WorkEvidence:
             return None
         return min(min(others), self.step_caps[fragment])
 
+    def others(self, fragment: int, island: str) -> float | None:
+        """The smallest of the other islands' own medians of movement per step (each with
+        OWN_MIN pushes), not capped: pair_reference's figure; None before."""
+        others = [
+            statistics.median(d)
+            for name, d in self.rates[fragment].items()
+            if name != island and len(d) >= OWN_MIN
+        ]
+        return min(others) if others else None
+
     def bar(self, fragment: int, island: str, steps: int) -> float | None:
         """The least norm a push of `steps` claimed steps must have: steps x the reference /
         EVIDENCE_RATIO; None when nothing is judged (no reference yet, or no steps claimed)."""
@@ -390,6 +400,13 @@ class ContributionGuard:
     directions: Directions = field(init=False)
     # Work evidence (a job of two with the movement cap on), else None.
     evidence: WorkEvidence | None = None
+    # syncer.guards.pairClip: with work evidence (a job of two), a push's Δ is held in its merge
+    # to this x what the other island moves in its claimed steps, at most a round (pair_clip);
+    # 0: off.
+    pair_factor: float = 0.0
+    # syncer.guards.pairCredit: with work evidence (a job of two), a push's merge credits at
+    # most one round of its island's steps as work (pair_credit); False: all it claims.
+    pair_credit_on: bool = False
     streaks: dict[str, int] = field(default_factory=dict)  # refusals in a row per island
     # Per (fragment, island): whether each of its last AT_BOUND_PUSHES judged pushes was at the
     # learned bound (AT_BOUND x it or above): the detection of suspects().
@@ -450,6 +467,25 @@ class ContributionGuard:
             )
         self.check_evidence(fragment, island, stats.norm, steps)
         self.check_direction(fragment, island, stats)
+
+    def contribution_clip(
+        self, fragment: int, island: str, norm: float, steps: int, round_steps: int
+    ) -> float:
+        """What an accepted push's Δ is multiplied by in its merge: pair_clip against
+        pair_reference (the other island's median movement per claimed step x the steps it
+        claims, at most `round_steps`); 1 without work evidence (three or more islands, or the
+        movement cap off) or with pairClip 0."""
+        if self.evidence is None or self.pair_factor <= 0:
+            return 1.0
+        per_step = self.evidence.others(fragment, island)
+        return pair_clip(norm, pair_reference(per_step, steps, round_steps), self.pair_factor)
+
+    def credit_steps(self, steps: int, round_steps: int) -> int | None:
+        """The most of an accepted push's `steps` its merge credits as work: pair_credit with
+        work evidence (a job of two) and pairCredit on, else None (all of them)."""
+        if self.evidence is None or not self.pair_credit_on:
+            return None
+        return pair_credit(steps, round_steps)
 
     def check_evidence(self, fragment: int, island: str, norm: float, steps: int) -> None:
         """ContributionRefused when the push moved less than the work evidence's bar for the
@@ -672,6 +708,47 @@ def movement_caps(spec: JobSpec, numels: Sequence[int]) -> list[float] | None:
     return [factor * lr * steps * math.sqrt(n) * keep for n in numels]
 
 
+def pair_clip(norm: float, reference: float | None, factor: float) -> float:
+    """What a push's pseudo-gradient is multiplied by in its merge in a job of two
+    (syncer.guards.pairClip = `factor`): 1 when its norm is at most factor x `reference`, else
+    factor x reference / norm; 1 when nothing judges it (factor 0, no reference yet, a norm of 0
+    or not finite: the guard refuses such a push before). The reference (pair_reference) is
+    what the other island moves in the steps the push claims, counting at most one round."""
+    if factor <= 0 or reference is None or not (math.isfinite(norm) and norm > 0):
+        return 1.0
+    most = factor * reference
+    return 1.0 if norm <= most else most / norm
+
+
+def pair_credit(steps: int, round_steps: int) -> int | None:
+    """The steps a push claiming `steps` is credited with as work in a job of two
+    (syncer.guards.pairCredit): at most one round of its island's own (`round_steps`, H_i +
+    sync.overlapSteps, which the syncer assigns, not the island); None when that is all it
+    claims. Why: its merge carries φ = w·d / M of a round (w = credited steps / H) and every
+    round φ completes folds the outer momentum once (core/outer.py), so an island claiming
+    4 rounds a push at M = 2 made each merge of it alone fold twice, spending the honest
+    island's momentum (issue 46's loud claims). Its Δ still moves θ by lr·d·Δ/M: the vector is
+    scaled by 1 / w (core/contributions.credited_work). pair_credit(40, 12) == 12."""
+    if steps <= round_steps:
+        return None
+    return max(1, round_steps)
+
+
+def pair_reference(per_step: float | None, steps: int, round_steps: int) -> float | None:
+    """The norm pair_clip holds a push of `steps` claimed steps to (before the factor): the
+    other island's median movement per claimed step (WorkEvidence.others) x its steps, at most
+    one round's (`round_steps`, the island's H_i + sync.overlapSteps). Why both: a push moves θ
+    by lr x its Δ / M in the outer step whatever it claims (φ x g = Σ d_i Δ_i / M,
+    core/contributions.py), so per step alone lets noise claiming 4 x H steps in one push kick
+    the model 4 rounds' worth at once (the benchmark's loud_claims: 6.7 where the honest
+    island's pushes move 1.5-3.2, at 0.167 a claimed step against the honest 0.15-0.31), and
+    per push alone holds an island whose round is longer (stepsPerIsland auto: a 3x faster
+    island's H_i) to a slower island's shorter pushes. None before there is a figure."""
+    if per_step is None or steps <= 0:
+        return None
+    return per_step * min(steps, round_steps)
+
+
 def clip_scale(norm: float, cap: float) -> float:
     """What a merged pseudo-gradient of `norm` is multiplied by to be at most `cap`: 1 when it
     is within (or its norm is 0), cap / norm above it; 0 for a norm that is not finite (its
@@ -699,6 +776,8 @@ def make_guard(
         warmup=g.warmup_pushes,
         max_refusals=g.max_refusals,
         evidence=None if moves is None else WorkEvidence(evidence_step_caps(spec, moves)),
+        pair_factor=g.pair_clip,
+        pair_credit_on=g.pair_credit,
     )
 
 

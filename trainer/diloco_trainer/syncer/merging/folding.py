@@ -92,7 +92,15 @@ class RoundFolds:
     ) -> tuple[float, float]:
         """The weight ρ and scale s the merge plan gives this contribution (core/contributions)."""
         plan = plan_merge(
-            [Contributor(contribution.tokens, contribution.steps, lag_rounds)],
+            [
+                Contributor(
+                    contribution.tokens,
+                    contribution.steps,
+                    lag_rounds,
+                    contribution.clip,
+                    contribution.credit_steps,
+                )
+            ],
             rule=self.rule,
             inner_steps=self.inner_steps,
             islands=1,

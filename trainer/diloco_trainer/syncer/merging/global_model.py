@@ -261,7 +261,7 @@ class GlobalModel:
         (MergeInputError) here leaves the model as it was."""
         plan = plan_merge(
             [
-                Contributor(c.tokens, c.steps, lag)
+                Contributor(c.tokens, c.steps, lag, c.clip, c.credit_steps)
                 for c, lag in zip(contributions, lags, strict=True)
             ],
             rule=self.rule,

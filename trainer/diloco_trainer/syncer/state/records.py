@@ -231,6 +231,12 @@ class Contribution:
     # in the merge log, counted by no rule (docs/algorithm.md, "A push's kept steps are
     # recorded").
     kept_steps: int = 0
+    # What its Δ is multiplied by in its merge (syncer.guards.pairClip in a job of two: held to
+    # what the other island moves in its claimed steps; intake/guards.pair_clip); 1: as pushed.
+    clip: float = 1.0
+    # The most of its steps its merge credits as work (syncer.guards.pairCredit in a job of two:
+    # one round of its own, H_i + sync.overlapSteps; intake/guards.pair_credit); None: all.
+    credit_steps: int | None = None
     # Its pseudo-gradient as a name -> tensor mapping (opaque here): the syncer keeps it encoded
     # (payload.EncodedPayload) and folds the decoded values into the round as it arrives.
     payload: Any = field(default=None, repr=False)

@@ -127,6 +127,11 @@ class RoundSizes:
             steps = max(steps, rec.round_before)
         return STEP_ROUNDS * steps + self.overlap
 
+    def round_push_steps(self, rec: IslandRecord | None, name: str) -> int:
+        """The steps one round's push of the island carries: its H_i (or the one before its
+        last change) + sync.overlapSteps (guards.pair_clip counts no more of a push's claim)."""
+        return (self.max_push_steps(rec, name) - self.overlap) // STEP_ROUNDS + self.overlap
+
     def read(self, rec: IslandRecord, active: Iterable[IslandRecord], now: float) -> None:
         """After a heartbeat: one reading of the island's step time once a reference round
         (H x t_ref seconds) has passed since its last reading; H_i moves by next_round, on two
