@@ -94,10 +94,10 @@ def test_the_spec_field_and_its_default() -> None:
 def test_a_learner_moves_to_the_proxy_at_its_push_and_keeps_only_the_steps_from_it() -> None:
     from .test_learner_fragment_sync import FakeLink, make_spec, make_sync, step
 
-    # K = 1 of 2 (τ = overlapSteps = 2), H = 4, the outer step the spec's (0.7, 0.9, Nesterov);
-    # the fake syncer moves the global weights by 0.25·Δ.
+    # K = 1 of 2 (τ = overlapSteps = 2, pinned: overlapMode fixed), H = 4, the outer step the
+    # spec's (0.7, 0.9, Nesterov); the fake syncer moves the global weights by 0.25·Δ.
     link = FakeLink(outer_lr=0.25)
-    sync, w = make_sync(make_spec(quorum=1, lateMergeRule="eager"), link)
+    sync, w = make_sync(make_spec(quorum=1, lateMergeRule="eager", overlapMode="fixed"), link)
     sync.fragments[0].track_update = True
     for _ in range(3):
         assert step(sync, w) == {}

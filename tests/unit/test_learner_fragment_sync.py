@@ -152,8 +152,10 @@ def step(sync: FragmentSync, w: nn.Parameter, tokens: int = 10) -> dict[int, Any
 
 
 def test_push_at_h_then_apply_after_overlap_keeping_the_overlap_steps() -> None:
+    # τ pinned at overlapSteps (fixed): since issue 47 a K < M learner fits it too
+    # (test_learner_overlap_fit's).
     link = FakeLink(outer_lr=0.25)
-    sync, w = make_sync(make_spec(), link)
+    sync, w = make_sync(make_spec(overlapMode="fixed"), link)
     for _ in range(4):
         assert step(sync, w) == {}
     # Pushed after step 4: Δ = 0 - 4 = -4 (global minus local), with 4 steps and 40 tokens.
@@ -360,12 +362,18 @@ def test_a_push_not_merged_leaves_no_residual_behind(refuse: bool) -> None:
 
 def auto_rounds_spec() -> JobSpec:
     """Two islands, H = 8 sized per island by the syncer (inner.stepsPerIsland auto), one
-    fragment, τ = 2, no compression."""
+    fragment, τ = 2 (overlapMode fixed: the fit at K < M is test_learner_overlap_fit's), no
+    compression."""
     return parse_spec(
         {
             "islands": {"count": 2},
             "inner": {"steps": 8, "stepsPerIsland": "auto"},
-            "sync": {"fragments": 1, "overlapSteps": 2, "compression": "none"},
+            "sync": {
+                "fragments": 1,
+                "overlapSteps": 2,
+                "overlapMode": "fixed",
+                "compression": "none",
+            },
         }
     )
 

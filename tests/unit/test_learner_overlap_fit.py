@@ -144,14 +144,43 @@ def test_overlap_fit_uses_the_slowest_recent_sync_and_the_spec_windows() -> None
     )
     assert OverlapFit(late, blocking=True).window(3) == (1, 29)
     assert OverlapFit(late, blocking=False).window(3) == (1, 3)
-    # A learner that never blocks (K < M) keeps the cap whatever it measured.
-    decoupled = OverlapFit(spec, blocking=False)
-    decoupled.observe(0.0)
-    assert decoupled.fit(0.45) == 5
     fixed = parse_spec({"inner": {"steps": 30}, "sync": {"overlapMode": "fixed"}})
     pinned = OverlapFit(fixed, blocking=True)
     pinned.observe(0.0)
     assert pinned.fit(0.45) == 5
+
+
+def test_a_learner_that_never_blocks_fits_tau_too_up_to_overlap_steps() -> None:
+    """Issue 47: at K < M τ is fitted as at K = M (H = 30, F = 2, t = 0.45 s: the 1% allowance
+    is 0.01 x 30 x 0.45 / 2 = 0.0675 s), capped at overlapSteps (5), not H − 1 (29)."""
+    spec = parse_spec(
+        {"islands": {"count": 4}, "inner": {"steps": 30}, "sync": {"quorum": 1, "fragments": 2}}
+    )
+    decoupled = OverlapFit(spec, blocking=False)
+    blocking = OverlapFit(spec, blocking=True)
+    assert decoupled.fit(0.45) == 1  # nothing measured yet: one step, as at K = M
+    decoupled.observe(0.0)
+    assert decoupled.fit(0.45) == 0  # a sync hidden within the allowance: no kept step
+    decoupled.observe(0.5)  # ceil((0.5 - 0.0675) / 0.45) = ceil(0.961) = 1
+    assert decoupled.fit(0.45) == 1
+    decoupled.observe(1.0)  # ceil((1.0 - 0.0675) / 0.45) = ceil(2.072) = 3
+    assert decoupled.fit(0.45) == 3
+    for fitter in (decoupled, blocking):
+        fitter.observe(3.0)  # ceil((3.0 - 0.0675) / 0.45) = ceil(6.517) = 7
+    assert blocking.fit(0.45) == 7
+    assert decoupled.fit(0.45) == 5  # at most overlapSteps at K < M
+    # It never waits: the deadline is τ itself, where it only polls (step_plan).
+    assert decoupled.window(3) == (3, 3)
+    fixed = parse_spec(
+        {
+            "islands": {"count": 4},
+            "inner": {"steps": 30},
+            "sync": {"quorum": 1, "overlapMode": "fixed"},
+        }
+    )
+    pinned = OverlapFit(fixed, blocking=False)
+    pinned.observe(0.0)
+    assert pinned.fit(0.45) == 5  # fixed: overlapSteps, as before
 
 
 @pytest.mark.parametrize(
@@ -161,7 +190,14 @@ def test_overlap_fit_uses_the_slowest_recent_sync_and_the_spec_windows() -> None
         ("auto", 2, 0.001, [5, 8, 12]),
         ("auto", 2, 0.15, [5, 10, 14]),  # then ceil((0.15 - 0.004) / 0.1) = 2
         ("fixed", 2, 0.001, [6, 10, 14]),
-        ("auto", 1, 0.001, [6, 10, 14]),  # K < M: the learner never blocks and keeps the cap
+        # K < M (issue 47): the learner never blocks, and its τ is fitted as at K = M ...
+        ("auto", 1, 0.001, [5, 8, 12]),
+        ("auto", 1, 0.15, [5, 10, 14]),
+        # ... up to overlapSteps (2), where a blocking one goes up to H - 1 = 3:
+        # ceil((0.25 - 0.004) / 0.1) = 3, so τ = 3 at K = M (applied at 11) and 2 at K < M.
+        ("auto", 1, 0.25, [5, 10, 14]),
+        ("auto", 2, 0.25, [5, 11]),
+        ("fixed", 1, 0.001, [6, 10, 14]),  # fixed at K < M: the cap, as before
     ],
 )
 def test_a_blocking_learner_applies_a_fast_merge_at_its_push_step(
@@ -172,7 +208,7 @@ def test_a_blocking_learner_applies_a_fast_merge_at_its_push_step(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     # H = 4, one fragment, overlapSteps 2, K = M = 2 (or K = 1): the first push (step 4) is
-    # made with τ = 1 under auto, as nothing is measured (the cap under fixed or at K < M);
+    # made with τ = 1 under auto, as nothing is measured (the cap under fixed);
     # every later one with the τ its predecessor's latency gives.
     caplog.set_level(logging.INFO, logger="diloco.learner")
     link = FakeLink(outer_lr=0.25, latency=latency)

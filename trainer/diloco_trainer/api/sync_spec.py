@@ -59,8 +59,9 @@ class SyncSpec(SpecModel):
         description="auto: a learner that blocks for its merge (K = M) overlaps each push with "
         "the fewest steps that hide its measured sync latency (its push, the syncer's merge, its "
         "pull) up to a wait of 1% of a round, at most inner.steps - 1 or overlapSteps if larger "
-        "(one step until a sync is measured); a decoupled one (K < M) keeps overlapSteps. fixed: "
-        "always overlapSteps. docs/learner.md prices both.",
+        "(one step until a sync is measured); a decoupled one (K < M), which never waits, is "
+        "fitted the same way up to overlapSteps (from there it applies a merge that has "
+        "arrived). fixed: always overlapSteps. docs/learner.md prices both.",
     )
     overlap_covers: OverlapCovers = Field(
         "sync",

@@ -173,16 +173,20 @@ class OverlapFit:
             self.net_latencies.append(net)
 
     def fit(self, step_time: float) -> int:
-        """τ for a push now (`step_time`: the wall seconds per inner step). A learner that does
-        not block for its merge (K < M) keeps the cap: it never waits, so there is no wait to
-        fit τ against, and its merges also wait out the syncer's grace window, which L leaves
-        out (on gpt-tiny at K = 1 and 2 a fitted τ was 0.5-4.9% behind the cap at equal tokens
-        in one run per seed: bench/log/2026-11-26.md, "sync.overlapMode auto"). A blocking
-        learner's auto fit goes up to auto_overlap_cap (H − 1), not overlapSteps."""
-        mode = self.spec.sync.overlap_mode if self.blocking else "fixed"
+        """τ for a push now (`step_time`: the wall seconds per inner step), fitted to the recent
+        sync latencies by sync.overlapMode auto whether the learner blocks or not; only the cap
+        differs. A blocking learner (K = M) goes up to auto_overlap_cap (H − 1), not
+        overlapSteps. One that does not block (K < M) stays at most overlapSteps: it never
+        waits, so τ is only where it starts to apply an arrived merge (step_plan.poll_from_steps),
+        and a fitted τ below the cap keeps fewer stale steps under a merge that is back sooner
+        (issue 47: on bench/user_models' n-gram MLP at K = 1 the fixed τ = 5 kept 4.6-8.2 steps a
+        push against K = 4's fitted 1.6-2.6, bench/log/2026-11-30.md, "heldout_quorum (issue 47):
+        the default quorum against K = M on users' models through model.entrypoint
+        (heldout47)"). A merge later than τ is applied when it arrives, as before."""
+        mode = self.spec.sync.overlap_mode
         return fit_overlap(
             mode=mode,
-            cap=self.auto_cap if mode == "auto" else self.cap,
+            cap=self.auto_cap if mode == "auto" and self.blocking else self.cap,
             latency=self.latency,
             step_time=step_time,
             inner_steps=self.inner_steps,
@@ -241,7 +245,9 @@ class OverlapFit:
                 self.auto_cap
                 if self.blocking and self.spec.sync.overlap_mode == "auto"
                 else self.cap,
-                self.spec.sync.overlap_mode if self.blocking else "fixed at K < M",
+                self.spec.sync.overlap_mode
+                if self.blocking
+                else f"{self.spec.sync.overlap_mode}, K < M",
             )
             self.tau = tau
 
