@@ -18,8 +18,9 @@ state, and a learner's real link (learner/syncer_link.SyncerLink) over real sock
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import pytest
 import torch
@@ -62,6 +63,33 @@ def restarted(
     first.proc.kill()
     first.proc.wait(timeout=60)
     return syncer_proc(spec, state_dir=first.state_dir, port=first.port, token=first.token)
+
+
+@contextlib.contextmanager
+def late_island(
+    syncer_proc: Callable[..., SyncerHandle], spec: JobSpec
+) -> Iterator[tuple[SyncerHandle, SyncerLink, SyncerLink, dict[str, torch.Tensor]]]:
+    """Both re-join tests' start: island-0's learner link joined; the late island's round of 8
+    steps (512 tokens) merged as version 1 and checkpointed; the late island's learner link, not
+    joined yet. Yields (the syncer, island-0's link, the late link, the global fragment) and
+    closes both links."""
+    first = syncer_proc(spec)
+    early = SyncerLink(
+        syncer_client.SyncerClient(first.url, first.token), island="island-0", replicas=1
+    )
+    link: SyncerLink | None = None
+    try:
+        early.submit(early.join(threading.Event())).result(timeout=60)
+        tensors = asyncio.run(first_merge(first, LATE, steps=8))
+        wait_for_checkpoint(first, 1)
+        link = SyncerLink(
+            syncer_client.SyncerClient(first.url, first.token), island=LATE, replicas=1
+        )
+        yield first, early, link, tensors
+    finally:
+        early.close(leave=False)
+        if link is not None:
+            link.close(leave=False)
 
 
 def test_a_push_refused_as_ahead_and_pushed_again_is_counted_once(
@@ -124,18 +152,7 @@ def test_a_push_refused_before_the_join_that_keeps_the_count_stays_refused(
     keeping that count (base 512) and its next push merges (version 2, checkpointed):
     base 512, refused 64. main: refused 0, so its count ran 64 ahead of its part for good."""
     spec = late_spec(make_spec)
-    first = syncer_proc(spec)
-    early = SyncerLink(
-        syncer_client.SyncerClient(first.url, first.token), island="island-0", replicas=1
-    )
-    link: SyncerLink | None = None
-    try:
-        early.submit(early.join(threading.Event())).result(timeout=60)
-        tensors = asyncio.run(first_merge(first, LATE, steps=8))
-        wait_for_checkpoint(first, 1)
-        link = SyncerLink(
-            syncer_client.SyncerClient(first.url, first.token), island=LATE, replicas=1
-        )
+    with late_island(syncer_proc, spec) as (first, _early, link, tensors):
         assert link.submit(link.join(threading.Event())).result(timeout=60).island_tokens == 512
         second = restarted(syncer_proc, first, spec)
         assert second.status()["islands"][LATE]["joins"] == 1  # the older join's record
@@ -153,10 +170,6 @@ def test_a_push_refused_before_the_join_that_keeps_the_count_stays_refused(
         counts = ckpt.load_checkpoint(wait_for_checkpoint(second, 2)).document.counts
         assert counts[LATE].base == 512.0
         assert counts[LATE].refused == 64.0  # main: 0.0
-    finally:
-        early.close(leave=False)
-        if link is not None:
-            link.close(leave=False)
 
 
 def test_a_join_lost_with_two_quick_restarts_is_made_again(
@@ -171,18 +184,7 @@ def test_a_join_lost_with_two_quick_restarts_is_made_again(
     resumed [2], it never joined again), so its part of the budget read 512 below its merged
     work (merged 1,024, of which 512 after the join: part 0 + 512, not 512 + 512)."""
     spec = late_spec(make_spec)
-    first = syncer_proc(spec)
-    early = SyncerLink(
-        syncer_client.SyncerClient(first.url, first.token), island="island-0", replicas=1
-    )
-    link: SyncerLink | None = None
-    try:
-        early.submit(early.join(threading.Event())).result(timeout=60)
-        tensors = asyncio.run(first_merge(first, LATE, steps=8))
-        wait_for_checkpoint(first, 1)
-        link = SyncerLink(
-            syncer_client.SyncerClient(first.url, first.token), island=LATE, replicas=1
-        )
+    with late_island(syncer_proc, spec) as (first, early, link, tensors):
         joined = link.submit(link.join(threading.Event())).result(timeout=60)
         assert (joined.island_tokens, joined.versions, joined.joins) == (512, [1], 2)
         second = restarted(syncer_proc, first, spec)
@@ -201,7 +203,3 @@ def test_a_join_lost_with_two_quick_restarts_is_made_again(
         counts = ckpt.load_checkpoint(wait_for_checkpoint(third, 3)).document.counts
         assert third.status()["islands"][LATE]["mergedTokens"] == 1_024
         assert counts[LATE].base == 512.0  # main: 0.0
-    finally:
-        early.close(leave=False)
-        if link is not None:
-            link.close(leave=False)
