@@ -16,6 +16,7 @@ from diloco_trainer.learner.overlap import (
     OverlapFit,
     auto_overlap_cap,
     fit_overlap,
+    join_latency,
     sync_latency,
 )
 from diloco_trainer.learner.step_plan import plan_idle, plan_step
@@ -286,3 +287,82 @@ def test_a_blocking_learner_fits_the_whole_merge_time_under_overlap_covers_merge
             step(sync, w)
         assert sync.overlap_fit.latency == seen
         assert sync.overlap_fit.fit(0.1) == tau
+
+
+def test_join_latency_is_twice_the_mean_pull_of_a_fragment() -> None:
+    """Issue 45: a sync moves one fragment up and its merge down; the join moved each fragment
+    down once over the same link, so the first pushes' estimate is 2·Σs/F."""
+    assert join_latency([0.05, 0.07]) == pytest.approx(0.12)  # 2 x (0.05 + 0.07) / 2
+    assert join_latency([0.3]) == pytest.approx(0.6)
+    assert join_latency([0.1, 0.2, 0.6]) == pytest.approx(0.6)  # 2 x 0.9 / 3
+    assert join_latency([-0.01, 0.05]) == pytest.approx(0.05)  # a negative reading counts 0
+    assert join_latency([]) is None  # no pull
+    assert join_latency([0.05, None]) is None  # an older syncer did not say its hold
+    assert join_latency([float("nan")]) is None
+
+
+def test_a_blocking_learners_first_pushes_fit_the_joins_estimate() -> None:
+    # H = 30, F = 2, 0.03 s a step: the 1% allowance is 0.01 x 30 x 0.03 / 2 = 0.0045 s.
+    spec = parse_spec(
+        {"islands": {"count": 4}, "inner": {"steps": 30}, "sync": {"quorum": 4, "fragments": 2}}
+    )
+    fitter = OverlapFit(spec, blocking=True)
+    assert fitter.fit(0.03) == 1  # no join seen: FIRST_OVERLAP
+    # The join's pulls took 0.10 and 0.14 s: estimate 2 x 0.24 / 2 = 0.24 s,
+    # τ = ceil((0.24 - 0.0045) / 0.03) = ceil(7.85) = 8.
+    fitter.joined([0.10, 0.14])
+    assert fitter.join_estimate == pytest.approx(0.24)
+    assert fitter.fit(0.03) == 8
+    # A fast link (pulls of 1 ms): ceil((0.002 - 0.0045) / 0.03) -> 0 kept steps.
+    fast = OverlapFit(spec, blocking=True)
+    fast.joined([0.001, 0.001])
+    assert fast.fit(0.03) == 0
+    # A slow one: at most H - 1 = 29, as any fitted τ.
+    slow = OverlapFit(spec, blocking=True)
+    slow.joined([5.0, 5.0])
+    assert slow.fit(0.03) == 29
+    # The first sync measured replaces the estimate: 0.09 s -> ceil((0.09 - 0.0045) / 0.03) = 3.
+    fitter.observe(0.09)
+    assert fitter.fit(0.03) == 3
+    # An older syncer (no pull seconds): one step, as before.
+    unknown = OverlapFit(spec, blocking=True)
+    unknown.joined([0.1, None])
+    assert unknown.fit(0.03) == 1
+    # K < M never waits: its first τ stays FIRST_OVERLAP whatever the join took.
+    decoupled = OverlapFit(spec, blocking=False)
+    decoupled.joined([0.10, 0.14])
+    assert decoupled.fit(0.03) == 1
+    # fixed: the cap.
+    fixed = parse_spec(
+        {"islands": {"count": 4}, "inner": {"steps": 30}, "sync": {"overlapMode": "fixed"}}
+    )
+    pinned = OverlapFit(fixed, blocking=True)
+    pinned.joined([0.10, 0.14])
+    assert pinned.fit(0.03) == 5
+
+
+@pytest.mark.parametrize(
+    ("quorum", "applied"),
+    [
+        # K = M = 2, H = 4, one fragment, 0.1 s a step (allowance 0.01 x 4 x 0.1 = 0.004 s): the
+        # join's pull of 0.075 s gives 0.15 s, τ = ceil((0.15 - 0.004) / 0.1) = 2: the first
+        # push (step 4) is applied at 6, not 5 (τ = 1); later pushes as before.
+        (2, [6, 10, 14]),
+        (1, [5, 10, 14]),  # K < M: τ = 1 at the first push whatever the join took
+    ],
+)
+def test_the_first_push_at_k_equals_m_overlaps_the_joins_estimate(
+    quorum: int, applied: list[int], caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, logger="diloco.learner")
+    link = FakeLink(outer_lr=0.25, latency=0.15)
+    sync, w = make_sync(make_spec(quorum=quorum), link)
+    sync.overlap_fit.joined([0.075])
+    got = [s for s in range(1, 15) if step(sync, w)]
+    assert got == applied
+    first = next(r.getMessage() for r in caplog.records if "pushes overlap" in r.getMessage())
+    if quorum == 2:
+        assert "step 4: pushes overlap 2 step(s)" in first
+        assert "0.150s estimated from the join's pulls" in first
+    else:
+        assert "not measured yet" in first

@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import math
 from collections import deque
+from collections.abc import Sequence
 
 from diloco_trainer.api.spec import JobSpec
 from diloco_trainer.core.grace import merge_wait_steps
@@ -24,7 +25,8 @@ OVERLAP_COVERS = ("sync", "merge")  # sync.overlapCovers
 # sync.overlapMode auto leaves a learner waiting for its merges at most this share of a round's
 # time: the overlap is the fewest steps that do.
 OVERLAP_FREE_SHARE = 0.01
-# sync.overlapMode auto's τ before any sync latency is measured (fit_overlap says why).
+# sync.overlapMode auto's τ before any sync latency is measured and with no estimate from the
+# join (fit_overlap says why).
 FIRST_OVERLAP = 1
 
 
@@ -44,10 +46,11 @@ def fit_overlap(
     peers: the push's own transfer, the syncer's merge (mergeSeconds) and the pull (None: not
     measured yet). A learner that blocks τ steps after each of its F pushes per round of H steps
     waits F·max(0, L − τ·t) a round, so τ = ceil((L − share·H·t/F) / t), clamped to 0..cap.
-    "fixed": `cap`. "auto" with nothing measured yet (a job's first pushes): one step, at most
-    `cap`: a wait for a slow first merge costs once per fragment, while kept steps in the first
-    round, where the weights change fastest, cost most (gpt-mini at K = M, seeds 0 and 1: 1.0095x
-    and 1.0014x of torchft's loss with the cap there, 1.0030x / 0.9990x and 0.9960x with one step).
+    "fixed": `cap`. "auto" with nothing measured yet: OverlapFit passes a blocking learner's
+    estimate from its join (join_latency) as `latency`; with none (None), one step, at most
+    `cap`: kept steps in the first round, where the weights change fastest, cost most (gpt-mini
+    at K = M, seeds 0 and 1: 1.0095x and 1.0014x of torchft's loss with the cap there, 1.0030x /
+    0.9990x and 0.9960x with one step), but the cap was H − 1, not the latency's few steps.
 
     Why: every kept step is a step taken from a base the merge has moved, and on gpt-mini at
     K = M the τ = 5 kept steps cost 1.1-3.1% of the loss at equal tokens against τ = 0, where the
@@ -68,6 +71,29 @@ def fit_overlap(
     steps = (max(0.0, latency) - allowance) / step_time
     # A hair over a whole number is float noise, not a step more.
     return min(cap, max(0, math.ceil(steps - 1e-9)))
+
+
+def join_latency(pull_seconds: Sequence[float | None]) -> float | None:
+    """A sync's latency estimated from the join's pull of every fragment's global weights
+    (`pull_seconds`: each fragment's pull, its own seconds without any long-poll wait), before
+    any sync is measured: twice the mean pull, 2·Σs/F. None when there was no pull or a pull's
+    seconds are not known (an older syncer): fit_overlap then takes FIRST_OVERLAP.
+
+    Why: a sync moves one fragment each way, a push up and its merge down, each with one
+    request round trip, and the join moved each fragment down once, over the same link, with
+    the islands joining within a fraction of a second of each other as they push (so the
+    join's pulls share the link as a sync's pushes and pulls do). A push and a merge's pull
+    carry about a fragment's pull at the join (int8 both ways with the defaults). The syncer's
+    merge is not in it (milliseconds at K = M: bench.studies.km_waits), nor the wait for peers
+    (fit_overlap never covers that; the fill steps do). At K = M the first push of each
+    fragment was made with τ = 1 and waited a whole sync for its merge, the first merges 3.9-
+    7.4% of the windows at L = 50% (docs/algorithm.md, "The first push's overlap")."""
+    if not pull_seconds:
+        return None
+    known = [s for s in pull_seconds if s is not None and math.isfinite(s)]
+    if len(known) != len(pull_seconds):
+        return None
+    return 2.0 * sum(max(0.0, s) for s in known) / len(known)
 
 
 def auto_overlap_cap(*, overlap_steps: int, inner_steps: int) -> int:
@@ -152,6 +178,9 @@ class OverlapFit:
         # sync.overlapCovers says): what step_plan.link_bound reads for sync.lateMergeHold.
         self.net_latencies: deque[float] = deque(maxlen=RECENT_SYNCS)
         self.tau: int | None = None  # the τ of the latest push
+        # The latency estimated from the join's pulls (join_latency), fitted to by a blocking
+        # learner's pushes until a sync is measured; None: no estimate.
+        self.join_estimate: float | None = None
         # step_plan.link_bound's answer at the latest sync measured (judge_link): whether a
         # late merge is held for from ceil(H_i / 2) steps (sync.lateMergeHold auto).
         self.slow_link = False
@@ -163,6 +192,11 @@ class OverlapFit:
         self.inner_steps = inner_steps
         self.cap = min(self.spec_cap, max(0, inner_steps - 1))
         self.auto_cap = auto_overlap_cap(overlap_steps=self.cap, inner_steps=inner_steps)
+
+    def joined(self, pull_seconds: Sequence[float | None]) -> None:
+        """The join's pulls' own seconds, one a fragment: the estimate a blocking learner's
+        first pushes fit τ to (join_latency)."""
+        self.join_estimate = join_latency(pull_seconds)
 
     def observe(self, latency: float | None, *, net: float | None = None) -> None:
         """A sync's latency (covered_latency's; None: not known, nothing changes) and its own
@@ -187,7 +221,7 @@ class OverlapFit:
         return fit_overlap(
             mode=mode,
             cap=self.auto_cap if mode == "auto" and self.blocking else self.cap,
-            latency=self.latency,
+            latency=self.fit_latency,
             step_time=step_time,
             inner_steps=self.inner_steps,
             fragments=self.spec.sync.fragments,
@@ -231,16 +265,32 @@ class OverlapFit:
         """The slowest recent sync latency (None: none measured)."""
         return max(self.latencies) if self.latencies else None
 
+    @property
+    def fit_latency(self) -> float | None:
+        """The latency τ is fitted to: the measured one (`latency`), or before any is measured
+        the join's estimate for a blocking learner (K = M: its first push of each fragment
+        waits for the merge). A learner that does not block keeps FIRST_OVERLAP until its first
+        merge: τ is only where it starts to apply an arrived merge."""
+        if self.latencies or not self.blocking:
+            return self.latency
+        return self.join_estimate
+
     def pushed(self, tau: int, step_time: float, position: int) -> None:
         """A push was made with τ: logged when it differs from the previous push's."""
         if tau != self.tau:
-            latency = self.latency
+            latency = self.fit_latency
+            if latency is None:
+                said = "not measured yet"
+            elif self.latencies:
+                said = f"{latency:.3f}s"
+            else:
+                said = f"{latency:.3f}s estimated from the join's pulls"
             log.info(
                 "step %d: pushes overlap %d step(s) from this one on (sync latency %s, %.3fs a "
                 "step, at most %d: sync.overlapMode %s)",
                 position,
                 tau,
-                "not measured yet" if latency is None else f"{latency:.3f}s",
+                said,
                 step_time,
                 self.auto_cap
                 if self.blocking and self.spec.sync.overlap_mode == "auto"
