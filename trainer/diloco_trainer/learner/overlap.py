@@ -15,6 +15,7 @@ from collections import deque
 from collections.abc import Sequence
 
 from diloco_trainer.api.spec import JobSpec
+from diloco_trainer.core.compress import CODECS, wire_bytes_per_value
 from diloco_trainer.core.grace import merge_wait_steps
 from diloco_trainer.learner.step_plan import Window, link_bound, poll_from_steps
 
@@ -73,27 +74,44 @@ def fit_overlap(
     return min(cap, max(0, math.ceil(steps - 1e-9)))
 
 
-def join_latency(pull_seconds: Sequence[float | None]) -> float | None:
-    """A sync's latency estimated from the join's pull of every fragment's global weights
-    (`pull_seconds`: each fragment's pull, its own seconds without any long-poll wait), before
-    any sync is measured: twice the mean pull, 2·Σs/F. None when there was no pull or a pull's
-    seconds are not known (an older syncer): fit_overlap then takes FIRST_OVERLAP.
+def join_latency(
+    *,
+    pull_bytes: Sequence[int],
+    pull_seconds: Sequence[float | None],
+    values: int,
+    fragments: int,
+    push_codec: str,
+    pull_codec: str,
+) -> float | None:
+    """A sync's latency estimated from the join's pull of every fragment's global weights,
+    before any sync is measured: the join's seconds per byte, Σs / Σbytes (`pull_seconds`: each
+    pull's own seconds, no long-poll wait in them; `pull_bytes`: its body), times the bytes one
+    sync of a mean fragment moves, a push up and its merge down: values / F x (b_push + b_pull),
+    b a codec's wire bytes per value (compress.wire_bytes_per_value: int8 1 + 4/128, none 4).
+    None when there was no pull, no byte, or a pull's seconds are not known (an older syncer):
+    fit_overlap then takes FIRST_OVERLAP.
 
-    Why: a sync moves one fragment each way, a push up and its merge down, each with one
-    request round trip, and the join moved each fragment down once, over the same link, with
-    the islands joining within a fraction of a second of each other as they push (so the
-    join's pulls share the link as a sync's pushes and pulls do). A push and a merge's pull
-    carry about a fragment's pull at the join (int8 both ways with the defaults). The syncer's
-    merge is not in it (milliseconds at K = M: bench.studies.km_waits), nor the wait for peers
-    (fit_overlap never covers that; the fill steps do). At K = M the first push of each
-    fragment was made with τ = 1 and waited a whole sync for its merge, the first merges 3.9-
-    7.4% of the windows at L = 50% (docs/algorithm.md, "The first push's overlap")."""
-    if not pull_seconds:
+    Why: the join moved each fragment over the same link as the syncs will, with the islands
+    joining within a second of each other as they push, so its pulls share the link as a sync's
+    pushes and pulls do. Its body is the full fp32 weights, 4 bytes a value, where a sync moves
+    the push's and the pull's codec (int8 both ways by default: the join's bytes, unscaled,
+    read 0.51-0.83 s for syncs of 0.35-0.47 s at L = 50%, and fitted τ to the cap, 29). Left
+    out: the requests' round trips, the syncer's merge and the wait for peers, so it reads low
+    (at gpt-tiny, L = 50%: 0.2 s for syncs of 0.3-0.5 s); the fill steps cover some of the rest,
+    and a low first τ keeps few of the first round's steps, where kept steps cost most. At
+    K = M the first push of each fragment was made with τ = 1 and waited a whole sync for its
+    merge (docs/algorithm.md, "The first push's overlap")."""
+    if not pull_seconds or len(pull_bytes) != len(pull_seconds) or fragments < 1:
         return None
     known = [s for s in pull_seconds if s is not None and math.isfinite(s)]
-    if len(known) != len(pull_seconds):
+    total = sum(pull_bytes)
+    if len(known) != len(pull_seconds) or total <= 0 or values <= 0:
         return None
-    return 2.0 * sum(max(0.0, s) for s in known) / len(known)
+    per_byte = sum(max(0.0, s) for s in known) / total
+    sync_bytes = (
+        values / fragments * (wire_bytes_per_value(push_codec) + wire_bytes_per_value(pull_codec))
+    )
+    return per_byte * sync_bytes
 
 
 def auto_overlap_cap(*, overlap_steps: int, inner_steps: int) -> int:
@@ -193,10 +211,28 @@ class OverlapFit:
         self.cap = min(self.spec_cap, max(0, inner_steps - 1))
         self.auto_cap = auto_overlap_cap(overlap_steps=self.cap, inner_steps=inner_steps)
 
-    def joined(self, pull_seconds: Sequence[float | None]) -> None:
-        """The join's pulls' own seconds, one a fragment: the estimate a blocking learner's
-        first pushes fit τ to (join_latency)."""
-        self.join_estimate = join_latency(pull_seconds)
+    def joined(
+        self,
+        *,
+        pull_bytes: Sequence[int],
+        pull_seconds: Sequence[float | None],
+        values: int,
+        pull_codec: str,
+    ) -> None:
+        """The join's pulls (one a fragment: body bytes, own seconds), the model's values and
+        the pull codec the syncer named: the estimate a blocking learner's first pushes fit τ
+        to (join_latency)."""
+        if pull_codec not in CODECS:  # a codec this learner does not know: no estimate
+            self.join_estimate = None
+            return
+        self.join_estimate = join_latency(
+            pull_bytes=pull_bytes,
+            pull_seconds=pull_seconds,
+            values=values,
+            fragments=max(1, len(pull_bytes)),
+            push_codec=self.spec.sync.compression,
+            pull_codec=pull_codec,
+        )
 
     def observe(self, latency: float | None, *, net: float | None = None) -> None:
         """A sync's latency (covered_latency's; None: not known, nothing changes) and its own
