@@ -115,6 +115,9 @@ class RunSplit:
 
     waits: dict[str, float] = field(default_factory=lambda: dict.fromkeys(PARTS, 0.0))
     first: float = 0.0  # island-seconds waited for each fragment's first merge (left out above)
+    # Of `first`, the part before the merge's last push arrived: the slowest peer, at the first
+    # merge its start-up offset, which no τ fitted to the link covers (issue 45, first45).
+    first_peer: float = 0.0
     answer_after_merge: list[float] = field(default_factory=list)
     pulls: list[float] = field(default_factory=list)
     pull_bytes: list[int] = field(default_factory=list)
@@ -146,10 +149,11 @@ def split_run(
             rec, got = merges.get((w.fragment, w.version)), receipts.get((w.fragment, w.version))
             if rec is None or got is None:
                 continue
+            last_push = max(float(c["receivedAt"]) for c in rec["contributors"])  # type: ignore[attr-defined]
             if w.version <= firsts[w.fragment]:
                 out.first += w.seconds
+                out.first_peer += split_wait(w.ended_at - w.seconds, w.ended_at, [last_push])[0]
                 continue
-            last_push = max(float(c["receivedAt"]) for c in rec["contributors"])  # type: ignore[attr-defined]
             marks = [
                 last_push,
                 float(rec["time"]),  # type: ignore[arg-type]
@@ -223,7 +227,8 @@ def _ms(values: Sequence[float]) -> str:
 def table(paths: Sequence[Path]) -> str:
     """Markdown: per run, its waits by part and its merges' paths."""
     head = (
-        "| run | first merges' waits (island-s, % of windows) | later waits | "
+        "| run | first merges' waits (island-s, % of windows; of them the slowest peer) | "
+        "later waits | "
         + " | ".join(PARTS)
         + " | pullable -> answer ms | pull ms (bytes) | apply ms | 4 pulls' span ms "
         + "| last push -> ready ms |"
@@ -236,7 +241,8 @@ def table(paths: Sequence[Path]) -> str:
         parts = " | ".join(f"{s.waits[p]:.2f} ({s.waits[p] / w:.0%})" for p in PARTS)
         size = statistics.median(s.pull_bytes) if s.pull_bytes else 0
         rows.append(
-            f"| {folder.parent.name}/{folder.name} | {s.first:.2f} ({s.first / wall:.1%}) | "
+            f"| {folder.parent.name}/{folder.name} | {s.first:.2f} ({s.first / wall:.1%}; "
+            f"peer {s.first_peer / (s.first or float('nan')):.0%}) | "
             f"{s.waited:.2f} ({s.waited / wall:.1%}) | {parts} | "
             f"{_ms(s.answer_after_merge)} | {_ms(s.pulls)} ({size:.0f}) | {_ms(s.applies)} | "
             f"{_ms(s.pull_spans)} | {_ms(s.after_last_push)} |"

@@ -9,13 +9,16 @@ import re
 from typing import Any
 
 import pytest
+import torch
 from diloco_trainer.api.spec import parse_spec
+from diloco_trainer.core.compress import encode_tensors, encoded_nbytes, wire_bytes_per_value
 from diloco_trainer.learner.overlap import (
     FIRST_OVERLAP,
     OVERLAP_FREE_SHARE,
     OverlapFit,
     auto_overlap_cap,
     fit_overlap,
+    join_latency,
     sync_latency,
 )
 from diloco_trainer.learner.step_plan import plan_idle, plan_step
@@ -286,3 +289,139 @@ def test_a_blocking_learner_fits_the_whole_merge_time_under_overlap_covers_merge
             step(sync, w)
         assert sync.overlap_fit.latency == seen
         assert sync.overlap_fit.fit(0.1) == tau
+
+
+def join(
+    seconds: list[float | None],
+    *,
+    nbytes: list[int] | None = None,
+    values: int = 2000,
+    push: str = "int8",
+    pull: str = "int8",
+) -> float | None:
+    return join_latency(
+        pull_bytes=[4000] * len(seconds) if nbytes is None else nbytes,
+        pull_seconds=seconds,
+        values=values,
+        fragments=len(seconds),
+        push_codec=push,
+        pull_codec=pull,
+    )
+
+
+def test_wire_bytes_per_value_counts_the_codecs_scales() -> None:
+    assert wire_bytes_per_value("none") == 4.0
+    assert wire_bytes_per_value("fp16") == 2.0
+    assert wire_bytes_per_value("bf16") == 2.0
+    assert wire_bytes_per_value("int8") == 1.03125  # 1 + 4/128
+    assert wire_bytes_per_value("int4") == 0.53125  # 1/2 + 4/128
+    with pytest.raises(ValueError):
+        wire_bytes_per_value("int2")
+    # What the codecs put on the wire for 1280 values (10 blocks), counted from a real encoding.
+    x = {"w": torch.linspace(-1.0, 1.0, 1280)}
+    for codec in ("none", "fp16", "bf16", "int8", "int4"):
+        sent = encoded_nbytes(encode_tensors(x, codec))
+        assert sent == 1280 * wire_bytes_per_value(codec), codec
+
+
+def test_join_latency_scales_the_joins_seconds_per_byte_to_a_syncs_bytes() -> None:
+    """Issue 45: the join's pulls (full fp32 weights) give the link's seconds per byte; a sync
+    moves one mean fragment up in the push codec and down in the pull codec."""
+    # Two fragments of 4000 bytes (1000 fp32 values each) in 0.1 s each: 0.2 / 8000 =
+    # 2.5e-5 s a byte. A sync of a 1000-value fragment, int8 both ways: 1000 x 2 x 1.03125 =
+    # 2062.5 bytes -> 0.0515625 s.
+    assert join([0.1, 0.1]) == pytest.approx(0.0515625)
+    # Uncompressed both ways: 8000 bytes, twice a fragment's pull: 0.2 s.
+    assert join([0.1, 0.1], push="none", pull="none") == pytest.approx(0.2)
+    # int8 up, fp32 down: 1000 x (1.03125 + 4) = 5031.25 bytes -> 0.1257813 s.
+    assert join([0.1, 0.1], pull="none") == pytest.approx(0.12578125)
+    # Unequal pulls: 0.3 s for 10000 bytes is 3e-5 s a byte; 2000 values over 2 fragments.
+    assert join([0.1, 0.2], nbytes=[4000, 6000]) == pytest.approx(3e-5 * 2062.5)
+    assert join([-0.1, 0.2]) == pytest.approx(0.2 / 8000 * 2062.5)  # a negative reading: 0
+    assert join([]) is None  # no pull
+    assert join([0.1, None]) is None  # an older syncer did not say its hold
+    assert join([float("nan"), 0.1]) is None
+    assert join([0.1, 0.1], nbytes=[0, 0]) is None
+    assert join([0.1, 0.1], values=0) is None
+
+
+def test_a_blocking_learners_first_pushes_fit_the_joins_estimate() -> None:
+    # H = 30, F = 2, 0.03 s a step: the 1% allowance is 0.01 x 30 x 0.03 / 2 = 0.0045 s.
+    spec = parse_spec(
+        {"islands": {"count": 4}, "inner": {"steps": 30}, "sync": {"quorum": 4, "fragments": 2}}
+    )
+    assert spec.sync.compression == "int8"
+
+    def joined(fitter: OverlapFit, seconds: list[float | None], pull: str = "int8") -> None:
+        # Two fragments of 1000 values, 4000 bytes each at the join (fp32).
+        fitter.joined(pull_bytes=[4000, 4000], pull_seconds=seconds, values=2000, pull_codec=pull)
+
+    fitter = OverlapFit(spec, blocking=True)
+    assert fitter.fit(0.03) == 1  # no join seen: FIRST_OVERLAP
+    # The join's pulls took 0.4 s each: 0.8 / 8000 = 1e-4 s a byte; a sync 2062.5 bytes ->
+    # 0.20625 s; τ = ceil((0.20625 - 0.0045) / 0.03) = ceil(6.725) = 7.
+    joined(fitter, [0.4, 0.4])
+    assert fitter.join_estimate == pytest.approx(0.20625)
+    assert fitter.fit(0.03) == 7
+    # Pulled uncompressed (pull codec none): 1000 x (1.03125 + 4) x 1e-4 = 0.503125 s,
+    # ceil((0.503125 - 0.0045) / 0.03) = ceil(16.62) = 17.
+    none = OverlapFit(spec, blocking=True)
+    joined(none, [0.4, 0.4], pull="none")
+    assert none.fit(0.03) == 17
+    # A fast link (1 ms pulls): 2.5e-7 x 2062.5 = 0.0005 s, under the allowance: τ = 0.
+    fast = OverlapFit(spec, blocking=True)
+    joined(fast, [0.001, 0.001])
+    assert fast.fit(0.03) == 0
+    # A slow one: at most H - 1 = 29, as any fitted τ.
+    slow = OverlapFit(spec, blocking=True)
+    joined(slow, [10.0, 10.0])
+    assert slow.fit(0.03) == 29
+    # The first sync measured replaces the estimate: 0.09 s -> ceil((0.09 - 0.0045) / 0.03) = 3.
+    fitter.observe(0.09)
+    assert fitter.fit(0.03) == 3
+    # An older syncer (no pull seconds) or an unknown pull codec: one step, as before.
+    unknown = OverlapFit(spec, blocking=True)
+    joined(unknown, [0.4, None])
+    assert unknown.fit(0.03) == 1
+    joined(unknown, [0.4, 0.4], pull="zstd")
+    assert unknown.fit(0.03) == 1
+    # K < M never waits: its first τ stays FIRST_OVERLAP whatever the join took.
+    decoupled = OverlapFit(spec, blocking=False)
+    joined(decoupled, [0.4, 0.4])
+    assert decoupled.fit(0.03) == 1
+    # fixed: the cap.
+    fixed = parse_spec(
+        {"islands": {"count": 4}, "inner": {"steps": 30}, "sync": {"overlapMode": "fixed"}}
+    )
+    pinned = OverlapFit(fixed, blocking=True)
+    joined(pinned, [0.4, 0.4])
+    assert pinned.fit(0.03) == 5
+
+
+@pytest.mark.parametrize(
+    ("quorum", "applied"),
+    [
+        # K = M = 2, H = 4, one fragment of 2 values, compression none (make_spec), pulled
+        # uncompressed: the join's pull of 8 bytes in 0.075 s is 0.009375 s a byte, a sync
+        # 2 x 2 x 4 = 16 bytes -> 0.15 s; 0.1 s a step, allowance 0.01 x 4 x 0.1 = 0.004 s:
+        # τ = ceil((0.15 - 0.004) / 0.1) = 2. The first push (step 4) is applied at 6, not 5
+        # (τ = 1); later pushes as before.
+        (2, [6, 10, 14]),
+        (1, [5, 10, 14]),  # K < M: τ = 1 at the first push whatever the join took
+    ],
+)
+def test_the_first_push_at_k_equals_m_overlaps_the_joins_estimate(
+    quorum: int, applied: list[int], caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, logger="diloco.learner")
+    link = FakeLink(outer_lr=0.25, latency=0.15)
+    sync, w = make_sync(make_spec(quorum=quorum), link)
+    sync.overlap_fit.joined(pull_bytes=[8], pull_seconds=[0.075], values=2, pull_codec="none")
+    got = [s for s in range(1, 15) if step(sync, w)]
+    assert got == applied
+    first = next(r.getMessage() for r in caplog.records if "pushes overlap" in r.getMessage())
+    if quorum == 2:
+        assert "step 4: pushes overlap 2 step(s)" in first
+        assert "0.150s estimated from the join's pulls" in first
+    else:
+        assert "not measured yet" in first

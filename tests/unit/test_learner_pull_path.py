@@ -156,6 +156,13 @@ def test_km_waits_splits_a_wait_by_its_merge_s_path() -> None:
         abs=2e-3,  # the log's stamps are to the ms
     )
     assert s.waited == pytest.approx(0.5)
+    assert s.first == 0.0 and s.first_peer == 0.0
+    # The same wait for the fragment's first merge (no earlier one): left out of the parts,
+    # counted in `first`, of it 0.1 s before the last push arrived (the slowest peer).
+    alone = split_run({(1, 2): merge}, [text])
+    assert alone.waited == 0.0
+    assert alone.first == pytest.approx(0.5)
+    assert alone.first_peer == pytest.approx(0.1, abs=2e-3)
 
 
 def test_km_waits_drift_reads_the_start_up_offset_apart_from_later_spreads() -> None:

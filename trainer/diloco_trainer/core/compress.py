@@ -277,6 +277,15 @@ def decoded_slices(
         yield sl, w[:m]
 
 
+def wire_bytes_per_value(codec: str) -> float:
+    """Bytes a codec puts on the wire per value, its fp32 scales counted (one per BLOCK_SIZE
+    values): none 4, fp16 and bf16 2, int8 1 + 4/128, int4 1/2 + 4/128."""
+    _check_codec(codec)
+    if codec in _FLOAT_DTYPES:
+        return float(torch.finfo(_FLOAT_DTYPES[codec]).bits // 8)
+    return (0.5 if codec == "int4" else 1.0) + 4.0 / BLOCK_SIZE
+
+
 def encoded_nbytes(flat: Mapping[str, Tensor]) -> int:
     """Payload bytes of an encoded dict (tensor data only, without container headers)."""
     return sum(t.numel() * t.element_size() for t in flat.values())

@@ -234,16 +234,28 @@ class FragmentSync:
         self.fragments = [
             FragmentState(names=list(frag), track_update=eager) for frag in info.fragments
         ]
-        for f, pulled in enumerate(pulled_future.result()):
+        pulls = pulled_future.result()
+        for f, pulled in enumerate(pulls):
             self.arrived[f] = SyncResult(pulled=pulled, outcome="joined", seconds=0.0)
+        # The first pushes' τ at K = M, before any sync is measured (overlap.join_latency).
+        self.overlap_fit.joined(
+            pull_bytes=[p.cost.body_bytes for p in pulls],
+            pull_seconds=[p.cost.pull_seconds for p in pulls],
+            values=sum(t.numel() for p in pulls for t in p.tensors.values()),
+            pull_codec=info.pull_compression,
+        )
         log.info(
             "joined the syncer at outer step %d: %d fragment(s), versions %s, codec %s, "
-            "pull codec %s",
+            "pull codec %s; pulled %d bytes in %s",
             info.outer_step,
             len(info.fragments),
             info.versions,
             info.codec,
             info.pull_compression,
+            sum(p.cost.body_bytes for p in pulls),
+            ", ".join(
+                "?" if p.cost.pull_seconds is None else f"{p.cost.pull_seconds:.3f}s" for p in pulls
+            ),
         )
         return info
 

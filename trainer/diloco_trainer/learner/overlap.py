@@ -12,8 +12,10 @@ from __future__ import annotations
 import logging
 import math
 from collections import deque
+from collections.abc import Sequence
 
 from diloco_trainer.api.spec import JobSpec
+from diloco_trainer.core.compress import CODECS, wire_bytes_per_value
 from diloco_trainer.core.grace import merge_wait_steps
 from diloco_trainer.learner.step_plan import Window, link_bound, poll_from_steps
 
@@ -24,7 +26,8 @@ OVERLAP_COVERS = ("sync", "merge")  # sync.overlapCovers
 # sync.overlapMode auto leaves a learner waiting for its merges at most this share of a round's
 # time: the overlap is the fewest steps that do.
 OVERLAP_FREE_SHARE = 0.01
-# sync.overlapMode auto's τ before any sync latency is measured (fit_overlap says why).
+# sync.overlapMode auto's τ before any sync latency is measured and with no estimate from the
+# join (fit_overlap says why).
 FIRST_OVERLAP = 1
 
 
@@ -44,10 +47,11 @@ def fit_overlap(
     peers: the push's own transfer, the syncer's merge (mergeSeconds) and the pull (None: not
     measured yet). A learner that blocks τ steps after each of its F pushes per round of H steps
     waits F·max(0, L − τ·t) a round, so τ = ceil((L − share·H·t/F) / t), clamped to 0..cap.
-    "fixed": `cap`. "auto" with nothing measured yet (a job's first pushes): one step, at most
-    `cap`: a wait for a slow first merge costs once per fragment, while kept steps in the first
-    round, where the weights change fastest, cost most (gpt-mini at K = M, seeds 0 and 1: 1.0095x
-    and 1.0014x of torchft's loss with the cap there, 1.0030x / 0.9990x and 0.9960x with one step).
+    "fixed": `cap`. "auto" with nothing measured yet: OverlapFit passes a blocking learner's
+    estimate from its join (join_latency) as `latency`; with none (None), one step, at most
+    `cap`: kept steps in the first round, where the weights change fastest, cost most (gpt-mini
+    at K = M, seeds 0 and 1: 1.0095x and 1.0014x of torchft's loss with the cap there, 1.0030x /
+    0.9990x and 0.9960x with one step), but the cap was H − 1, not the latency's few steps.
 
     Why: every kept step is a step taken from a base the merge has moved, and on gpt-mini at
     K = M the τ = 5 kept steps cost 1.1-3.1% of the loss at equal tokens against τ = 0, where the
@@ -68,6 +72,46 @@ def fit_overlap(
     steps = (max(0.0, latency) - allowance) / step_time
     # A hair over a whole number is float noise, not a step more.
     return min(cap, max(0, math.ceil(steps - 1e-9)))
+
+
+def join_latency(
+    *,
+    pull_bytes: Sequence[int],
+    pull_seconds: Sequence[float | None],
+    values: int,
+    fragments: int,
+    push_codec: str,
+    pull_codec: str,
+) -> float | None:
+    """A sync's latency estimated from the join's pull of every fragment's global weights,
+    before any sync is measured: the join's seconds per byte, Σs / Σbytes (`pull_seconds`: each
+    pull's own seconds, no long-poll wait in them; `pull_bytes`: its body), times the bytes one
+    sync of a mean fragment moves, a push up and its merge down: values / F x (b_push + b_pull),
+    b a codec's wire bytes per value (compress.wire_bytes_per_value: int8 1 + 4/128, none 4).
+    None when there was no pull, no byte, or a pull's seconds are not known (an older syncer):
+    fit_overlap then takes FIRST_OVERLAP.
+
+    Why: the join moved each fragment over the same link as the syncs will, with the islands
+    joining within a second of each other as they push, so its pulls share the link as a sync's
+    pushes and pulls do. Its body is the full fp32 weights, 4 bytes a value, where a sync moves
+    the push's and the pull's codec (int8 both ways by default: the join's bytes, unscaled,
+    read 0.51-0.83 s for syncs of 0.35-0.47 s at L = 50%, and fitted τ to the cap, 29). Left
+    out: the requests' round trips, the syncer's merge and the wait for peers, so it reads low
+    (at gpt-tiny, L = 50%: 0.2 s for syncs of 0.3-0.5 s); the fill steps cover some of the rest,
+    and a low first τ keeps few of the first round's steps, where kept steps cost most. At
+    K = M the first push of each fragment was made with τ = 1 and waited a whole sync for its
+    merge (docs/algorithm.md, "The first push's overlap")."""
+    if not pull_seconds or len(pull_bytes) != len(pull_seconds) or fragments < 1:
+        return None
+    known = [s for s in pull_seconds if s is not None and math.isfinite(s)]
+    total = sum(pull_bytes)
+    if len(known) != len(pull_seconds) or total <= 0 or values <= 0:
+        return None
+    per_byte = sum(max(0.0, s) for s in known) / total
+    sync_bytes = (
+        values / fragments * (wire_bytes_per_value(push_codec) + wire_bytes_per_value(pull_codec))
+    )
+    return per_byte * sync_bytes
 
 
 def auto_overlap_cap(*, overlap_steps: int, inner_steps: int) -> int:
@@ -152,6 +196,9 @@ class OverlapFit:
         # sync.overlapCovers says): what step_plan.link_bound reads for sync.lateMergeHold.
         self.net_latencies: deque[float] = deque(maxlen=RECENT_SYNCS)
         self.tau: int | None = None  # the τ of the latest push
+        # The latency estimated from the join's pulls (join_latency), fitted to by a blocking
+        # learner's pushes until a sync is measured; None: no estimate.
+        self.join_estimate: float | None = None
         # step_plan.link_bound's answer at the latest sync measured (judge_link): whether a
         # late merge is held for from ceil(H_i / 2) steps (sync.lateMergeHold auto).
         self.slow_link = False
@@ -163,6 +210,29 @@ class OverlapFit:
         self.inner_steps = inner_steps
         self.cap = min(self.spec_cap, max(0, inner_steps - 1))
         self.auto_cap = auto_overlap_cap(overlap_steps=self.cap, inner_steps=inner_steps)
+
+    def joined(
+        self,
+        *,
+        pull_bytes: Sequence[int],
+        pull_seconds: Sequence[float | None],
+        values: int,
+        pull_codec: str,
+    ) -> None:
+        """The join's pulls (one a fragment: body bytes, own seconds), the model's values and
+        the pull codec the syncer named: the estimate a blocking learner's first pushes fit τ
+        to (join_latency)."""
+        if pull_codec not in CODECS:  # a codec this learner does not know: no estimate
+            self.join_estimate = None
+            return
+        self.join_estimate = join_latency(
+            pull_bytes=pull_bytes,
+            pull_seconds=pull_seconds,
+            values=values,
+            fragments=max(1, len(pull_bytes)),
+            push_codec=self.spec.sync.compression,
+            pull_codec=pull_codec,
+        )
 
     def observe(self, latency: float | None, *, net: float | None = None) -> None:
         """A sync's latency (covered_latency's; None: not known, nothing changes) and its own
@@ -187,7 +257,7 @@ class OverlapFit:
         return fit_overlap(
             mode=mode,
             cap=self.auto_cap if mode == "auto" and self.blocking else self.cap,
-            latency=self.latency,
+            latency=self.fit_latency,
             step_time=step_time,
             inner_steps=self.inner_steps,
             fragments=self.spec.sync.fragments,
@@ -231,16 +301,32 @@ class OverlapFit:
         """The slowest recent sync latency (None: none measured)."""
         return max(self.latencies) if self.latencies else None
 
+    @property
+    def fit_latency(self) -> float | None:
+        """The latency τ is fitted to: the measured one (`latency`), or before any is measured
+        the join's estimate for a blocking learner (K = M: its first push of each fragment
+        waits for the merge). A learner that does not block keeps FIRST_OVERLAP until its first
+        merge: τ is only where it starts to apply an arrived merge."""
+        if self.latencies or not self.blocking:
+            return self.latency
+        return self.join_estimate
+
     def pushed(self, tau: int, step_time: float, position: int) -> None:
         """A push was made with τ: logged when it differs from the previous push's."""
         if tau != self.tau:
-            latency = self.latency
+            latency = self.fit_latency
+            if latency is None:
+                said = "not measured yet"
+            elif self.latencies:
+                said = f"{latency:.3f}s"
+            else:
+                said = f"{latency:.3f}s estimated from the join's pulls"
             log.info(
                 "step %d: pushes overlap %d step(s) from this one on (sync latency %s, %.3fs a "
                 "step, at most %d: sync.overlapMode %s)",
                 position,
                 tau,
-                "not measured yet" if latency is None else f"{latency:.3f}s",
+                said,
                 step_time,
                 self.auto_cap
                 if self.blocking and self.spec.sync.overlap_mode == "auto"
