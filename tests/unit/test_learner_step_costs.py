@@ -77,12 +77,20 @@ def test_a_window_mostly_waiting_gets_the_hint_once_worded_for_its_rule() -> Non
         costs.add_step(0.05)  # 1.0 s training
     costs.add_after(0.30, 0.25)  # 0.05 s sync path, 0.25 s waiting: 0.25 / 1.30 = 19%
     assert costs.waiting_share() < WAIT_HINT_SHARE
-    assert wait_hint(costs, merge_wait="overlap", overlap_steps=5) is None
+    assert wait_hint(costs, merge_wait="overlap", overlap_mode="auto", tau=29) is None
     costs.add_after(0.05, 0.05)  # 0.30 / 1.35 = 22%
-    hint = wait_hint(costs, merge_wait="overlap", overlap_steps=5)
-    assert hint is not None and "22%" in hint and "5 steps" in hint and "nextPush" in hint
+    hint = wait_hint(costs, merge_wait="overlap", overlap_mode="auto", tau=29)
+    assert hint is not None and "22%" in hint and "the 29 steps" in hint and "nextPush" in hint
+    assert "at most H − 1" in hint and "inner.steps" in hint
+    # fixed: the cap is sync.overlapSteps, and auto is the remedy.
+    fixed = wait_hint(costs, merge_wait="overlap", overlap_mode="fixed", tau=5)
+    assert fixed is not None and "the 5 steps" in fixed and "overlapMode: auto" in fixed
+    # no push yet fitted: no number is claimed
+    assert "its steps" in (
+        wait_hint(costs, merge_wait="overlap", overlap_mode="auto", tau=None) or ""
+    )
     # nextPush already trains on: its waits are a syncer slower than a whole round.
-    assert wait_hint(costs, merge_wait="nextPush", overlap_steps=5) is None
+    assert wait_hint(costs, merge_wait="nextPush", overlap_mode="auto", tau=29) is None
     assert WindowCosts().waiting_share() == 0.0
 
 

@@ -365,7 +365,10 @@ class Learner:
         if self.hinted or self.sync is None:
             return
         hint = wait_hint(
-            costs, merge_wait=self.spec.sync.merge_wait, overlap_steps=self.sync.overlap
+            costs,
+            merge_wait=self.spec.sync.merge_wait,
+            overlap_mode=self.spec.sync.overlap_mode,
+            tau=self.sync.overlap_fit.tau,
         )
         if hint is not None:
             log.warning("step %d: %s", self.steps_run, hint)

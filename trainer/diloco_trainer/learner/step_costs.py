@@ -214,19 +214,30 @@ def timed_part(part: str) -> Callable[[Callable[..., T]], Callable[..., T]]:
 WAIT_HINT_SHARE = 0.2
 
 
-def wait_hint(costs: WindowCosts, *, merge_wait: str, overlap_steps: int) -> str | None:
+def wait_hint(
+    costs: WindowCosts, *, merge_wait: str, overlap_mode: str, tau: int | None
+) -> str | None:
     """What to change when a blocking learner spends a large share of a window waiting for the
     merges of its own pushes (its steps are faster than the syncer's round trip: a GPU island
     beside a CPU syncer, bench/log/2026-11-27.md, "learner_overlap in a job on an NVIDIA H100"), or
     None. Holds at the step cap are waits too, but the hint is worded for the merge waits that the
-    default rule makes."""
+    default rule makes. `tau` is the overlap of the island's latest push (OverlapFit.tau): under
+    sync.overlapMode auto it is fitted to the measured sync latency up to H − 1, so a wait left
+    over means a merge slower than a round, not a small fixed cap (issue 45)."""
     share = costs.waiting_share()
     if share < WAIT_HINT_SHARE or merge_wait != "overlap":
         return None
+    steps = "its" if tau is None else f"the {tau}"
+    if overlap_mode == "fixed":
+        rule = "(sync.overlapMode fixed: sync.overlapSteps)"
+        remedies = "sync.overlapMode: auto (fits the overlap to the measured latency), "
+    else:
+        rule = "(sync.overlapMode auto: fitted to the measured sync latency, at most H − 1)"
+        remedies = "a longer round (inner.steps) so a round covers a sync, "
     return (
         f"this island waited {share:.0%} of its last {costs.steps} steps for the syncer's "
-        f"merges: they take longer than the {overlap_steps} steps it trains past each push "
-        "(sync.overlapSteps). To train on meanwhile: sync.mergeWait: nextPush (waits only when "
-        "the fragment is due again), a larger sync.overlapSteps, or sync.quorum below the "
-        "number of islands (docs/learner.md, 'On a GPU')"
+        f"merges: they take longer than {steps} steps it trains past each push {rule}. "
+        "To train on meanwhile: sync.mergeWait: nextPush (waits only when the fragment is due "
+        f"again), {remedies}or sync.quorum below the number of islands (docs/learner.md, "
+        "'On a GPU')"
     )
