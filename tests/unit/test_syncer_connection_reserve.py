@@ -176,3 +176,35 @@ def test_limits_a_young_connection_is_not_replaced() -> None:
     busy, evictions = serving(HttpLimits(max_connections=8), scenario)
     assert busy.startswith(b"HTTP/1.1 503") and b'"busy"' in busy, busy
     assert evictions == 0
+
+
+def test_limits_a_talking_connection_is_replaced_once_talking_age_old() -> None:
+    """Audit of 2026-12-01: connections that each sent one byte were never replaced, so they held
+    every connection until their time ran out. Now the oldest of them goes once it is
+    TALKING_AGE old (the silent ones first); a younger one keeps its place."""
+
+    async def scenario(port: int, cap: ConnectionCap) -> tuple[bytes, bytes, bytes, int]:
+        assert cap.talking_age == 2.0  # 2 x MIN_AGE
+        cap.min_age = 0.0
+        held = [await open_from(port, FLOOD) for _ in range(7)]  # per_peer 7 of 8: its share
+        for _, w in held:
+            w.write(b"G")  # a byte of a request line: talking, never authenticated
+        async with asyncio.timeout(READ_TIMEOUT):
+            while len(cap.talking) < 7:  # until the server has read every byte
+                await asyncio.sleep(0.01)
+        assert not cap.waiting
+        # Young talkers: one more from the flood's /24 finds no room to take.
+        young = await ask(port, NEIGHBOUR, GET_HEALTHZ)
+        cap.talking_age = 0.0  # as if TALKING_AGE had passed: the oldest goes, the first held
+        neighbour = await ask(port, NEIGHBOUR, GET_HEALTHZ)
+        first = await asyncio.wait_for(held[0][0].read(), READ_TIMEOUT)
+        evictions = cap.evictions
+        for _, w in held:
+            w.close()
+        return young, neighbour, first, evictions
+
+    young, neighbour, first, evictions = serving(HttpLimits(max_connections=8), scenario)
+    # The probe that found no room is still answered (_Busy), as the route would.
+    assert young.startswith(b"HTTP/1.1 200") and b'"route": "/healthz"' in young, young
+    assert neighbour.startswith(b"HTTP/1.1 200") and b'{"ok": true}' in neighbour, neighbour
+    assert first == b"" and evictions == 1

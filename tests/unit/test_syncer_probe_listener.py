@@ -8,6 +8,8 @@ import http.client
 import socket
 import ssl
 import subprocess
+from collections import Counter
+from dataclasses import dataclass
 from typing import Any
 
 import pytest
@@ -197,3 +199,27 @@ def test_listener_serves_https_with_the_syncer_port_certificate(tmp_path: Any) -
         conn.close()
     finally:
         probes.stop()
+
+
+@dataclass(eq=False)
+class _Conn:
+    prefix: str
+
+
+def test_make_room_closes_the_oldest_of_the_prefix_holding_the_most() -> None:
+    """Audit of 2026-12-01: the oldest of all went, so a churn of a pod's connections closed the
+    kubelet's probe before its request was read. Hand-worked: the kubelet's one connection (the
+    oldest of all) stays while a flood prefix holds more."""
+    kubelet, a1, a2, b1, a3 = (
+        _Conn("10.0.0.0/24"),
+        _Conn("10.1.0.0/24"),
+        _Conn("10.1.0.0/24"),
+        _Conn("10.2.0.0/24"),
+        _Conn("10.1.0.0/24"),
+    )
+    open_ = dict.fromkeys([kubelet, a1, a2, b1, a3])
+    per_prefix = Counter(c.prefix for c in open_)  # 10.1: 3, 10.0: 1, 10.2: 1
+    assert health.make_room(open_, per_prefix) is a1
+    # Equal counts: the prefix of the oldest connection, its oldest (the old rule's choice).
+    even = dict.fromkeys([kubelet, b1])
+    assert health.make_room(even, Counter(c.prefix for c in even)) is kubelet

@@ -10,8 +10,9 @@
 - Connections (ConnectionCap): at most maxConnections at once, counted from the TCP accept (so TLS
   handshakes count). A connection is *unauthenticated* until one of its requests passes the
   bearer-token check; an unauthenticated one is closed UNAUTHENTICATED_SECONDS after it opened,
-  and is the first to go when room is needed (one that sent nothing yet, at least MIN_AGE old; one
-  that did, a probe's request on its way, is left to be served): a new connection takes the place of
+  and is the first to go when room is needed (one that sent nothing yet, at least MIN_AGE old;
+  else one that did, at least TALKING_AGE old: a younger one, a probe's request on its way, is
+  left to be served): a new connection takes the place of
   the oldest unauthenticated one of its own address or network prefix (/24, /64) once that address
   or prefix holds all but reserve_of(maxConnections) of them (16, at most an eighth of the cap), and
   of the oldest unauthenticated one of anybody's once every connection is taken. So N addresses
@@ -69,6 +70,13 @@ UNAUTHENTICATED_SECONDS = 5.0
 MIN_AGE = 1.0
 # Seconds a connection that found no room waits for its request line: a probe is answered.
 PROBE_WAIT = 1.0
+# Seconds a connection that sent bytes but no request that passed the bearer-token check is safe
+# from being replaced: a probe's request is answered well within it, an island's request is
+# authenticated as soon as its headers are in. Without it a flood whose connections each sent one
+# byte was never replaced (only closed at UNAUTHENTICATED_SECONDS, then opened again): two /24s of
+# them held every connection, and an island's new connections got 503 busy 36 times in 40 over
+# 20 s (audit of 2026-12-01, docs/adversaries.md).
+TALKING_AGE = 2 * MIN_AGE
 # Connections the kernel queues for accept (capped by net.core.somaxconn): a burst of new
 # connections beyond it has its SYNs dropped, and a probe among them retries only after a second.
 LISTEN_BACKLOG = 4096
@@ -410,6 +418,7 @@ class ConnectionCap:
         self.probe = probe
         self.unauthenticated_seconds = unauthenticated_seconds
         self.min_age = MIN_AGE
+        self.talking_age = TALKING_AGE
         self.per_peer = max(1, size - reserve_of(size))
         self.open = 0
         self.refused = 0
@@ -477,15 +486,19 @@ class ConnectionCap:
 
     def _evict_oldest(self, which: Callable[[_Counted], bool]) -> bool:
         """Close the oldest silent unauthenticated connection `which` accepts, of those at
-        least MIN_AGE old; False when none. One that sent something (a probe's request on its
-        way) is never replaced: it is served or closed at its time."""
-        too_young = asyncio.get_running_loop().time() - self.min_age
+        least MIN_AGE old, else the oldest that sent something of those at least TALKING_AGE
+        old; False when none. One that sent something younger (a probe's request on its way) is
+        left to be served."""
+        now = asyncio.get_running_loop().time()
         victim = None
-        for c in self.waiting:  # oldest first: stop at the first one too young
-            if c.opened > too_young:
-                break
-            if which(c):
-                victim = c
+        for queue, age in ((self.waiting, self.min_age), (self.talking, self.talking_age)):
+            for c in queue:  # oldest first: stop at the first one too young
+                if c.opened > now - age:
+                    break
+                if which(c):
+                    victim = c
+                    break
+            if victim is not None:
                 break
         if victim is None:
             return False

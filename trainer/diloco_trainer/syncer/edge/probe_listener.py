@@ -13,8 +13,15 @@ attributes the event loop replaces whole, safe from another thread), except that
 that has not turned for LOOP_STALL_SECONDS fails both probes (503, code "loop_stalled"): a hung
 loop fails liveness here as a probe on the syncer port would by timing out. Any other path: 404.
 Each connection gets one answer and is closed; one whose request line has not come within
-PROBE_WAIT seconds is closed unanswered, and at most MAX_OPEN are open at once (the oldest goes
-to make room), so idle connections hold none of it for long. The job's NetworkPolicy (when on,
+PROBE_WAIT seconds is closed unanswered, and at most MAX_OPEN are open at once, so idle
+connections hold none of it for long. The one that goes to make room is the oldest of the network
+prefix (limits.prefix_of: /24, /64) holding the most open connections, not the oldest of all:
+a churn of connections from a pod's address (open, never send, open the next, thousands a
+second) closed the kubelet's probe connections before their request was read, 19 of 23 probes
+(audit of 2026-12-01, docs/adversaries.md); now a flood closes its own first, and the
+kubelet's, one connection from the node's address, goes only once no prefix holds more. (What
+the churn still costs is CPU: every connection is accepted in Python, so probes wait behind it;
+docs/adversaries.md, "Audit of 2026-12-01", has the figures.) The job's NetworkPolicy (when on,
 operator resources/security.py) lets only the job's own pods reach this port and the Service
 does not carry it: the kubelet probes from the node.
 """
@@ -27,11 +34,17 @@ import logging
 import ssl
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol, TypeVar
 
 from diloco_trainer.api import protocol
-from diloco_trainer.syncer.edge.limits import PROBE_WAIT, Probe, probe_response
+from diloco_trainer.syncer.edge.limits import (
+    PROBE_WAIT,
+    Probe,
+    prefix_of,
+    probe_response,
+)
 
 log = logging.getLogger("diloco.syncer")
 
@@ -42,6 +55,13 @@ LOOP_STALL_SECONDS = 5.0
 # Connections the probe listener keeps open at once, and queues for accept.
 MAX_OPEN = 64
 BACKLOG = 64
+
+
+class _Prefixed(Protocol):
+    prefix: str
+
+
+_C = TypeVar("_C", bound=_Prefixed)
 _NOT_FOUND = {"error": "the probe port serves /healthz and /readyz only", "code": "not_found"}
 
 
@@ -72,6 +92,14 @@ def request_target(line: bytes) -> tuple[str, bool] | None:
     return route, strict
 
 
+def make_room(open_: dict[_C, None], per_prefix: Counter[str]) -> _C:
+    """The connection to close when one too many are open (`open_` oldest first, each with a
+    `prefix`): the oldest of the prefix holding the most, so a flood from one network closes
+    its own before anybody else's (of equal counts, the prefix of the oldest connection)."""
+    most = max(per_prefix.values())
+    return next(c for c in open_ if per_prefix[c.prefix] == most)
+
+
 class _ProbeConnection(asyncio.Protocol):
     """One probe: its request line within PROBE_WAIT is answered, then the connection closed."""
 
@@ -80,10 +108,13 @@ class _ProbeConnection(asyncio.Protocol):
         self.transport: asyncio.WriteTransport | None = None
         self.head = b""
         self.timer: asyncio.TimerHandle | None = None
+        self.prefix = ""  # the peer's network (limits.prefix_of): whom it makes room with
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         assert isinstance(transport, asyncio.WriteTransport)
         self.transport = transport
+        peer = transport.get_extra_info("peername")
+        self.prefix = prefix_of(str(peer[0])) if isinstance(peer, tuple) and peer else ""
         self.listener.opened(self)
         self.timer = asyncio.get_running_loop().call_later(self.listener.wait, self.close)
 
@@ -131,6 +162,7 @@ class HealthListener:
         self.wait = wait  # seconds a connection has to send its request line
         self.last_beat = clock()
         self.open: dict[_ProbeConnection, None] = {}  # oldest first
+        self.per_prefix: Counter[str] = Counter()  # open connections per network prefix
         self.loop: asyncio.AbstractEventLoop | None = None
         self.thread: threading.Thread | None = None
         self._stopped: asyncio.Event | None = None
@@ -144,13 +176,20 @@ class HealthListener:
 
     def opened(self, conn: _ProbeConnection) -> None:
         self.open[conn] = None
+        self.per_prefix[conn.prefix] += 1
         if len(self.open) > MAX_OPEN:  # forgotten now: the next one over closes the next oldest
-            oldest = next(iter(self.open))
-            del self.open[oldest]
-            oldest.close()
+            victim = make_room(self.open, self.per_prefix)
+            self._forget(victim)
+            victim.close()
 
     def closed(self, conn: _ProbeConnection) -> None:
-        self.open.pop(conn, None)
+        self._forget(conn)
+
+    def _forget(self, conn: _ProbeConnection) -> None:
+        if self.open.pop(conn, False) is None:
+            self.per_prefix[conn.prefix] -= 1
+            if self.per_prefix[conn.prefix] <= 0:
+                del self.per_prefix[conn.prefix]
 
     def start(self) -> None:
         ready: list[BaseException | None] = []
