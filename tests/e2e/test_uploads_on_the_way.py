@@ -159,3 +159,50 @@ def test_no_wait_for_a_request_that_is_not_an_islands_own_push_within_the_limit(
     (merge,) = syncer.merge_records()
     assert [c["island"] for c in merge["contributors"]] == ["island-0"]
     assert [s.status() for s in strangers] == [401, 403, 413]
+
+
+# An island's accepted bodies sent slowly on purpose (audit of 2026-12-01, docs/adversaries.md).
+TRICKLE = 2.0
+
+
+def test_an_island_trickling_its_pushes_does_not_hold_the_others_merges(
+    syncer: SyncerHandle,
+) -> None:
+    """island-2's three accepted bodies each take TRICKLE; island-0's one takes milliseconds.
+    The wait for island-2's next body is sized from the lower median over the islands of each
+    one's median upload (core/grace.typical_upload): island-0's, so island-0's quorum push
+    merges after the grace window. With one shared window of every body (main before the
+    audit) the median was TRICKLE and the round waited 2 x TRICKLE = 4 s for island-2."""
+    shapes = join_all(syncer, ("island-0", "island-1", "island-2"))
+    token = {i: credentials.island_token(syncer.token, i) for i in ("island-0", "island-2")}
+    for version in (1, 2, 3):
+        slow = SlowPush(syncer, body_of(syncer, shapes, "island-2"), token["island-2"])
+        slow.begin()
+        syncer_time_past(syncer, syncer.status()["time"] + TRICKLE)
+        assert slow.finish() == 200
+        wait_until(lambda v=version: syncer.status()["versions"] == [v], timeout=30, what="merge")
+    code, _ = syncer.request(
+        "POST",
+        "/v1/fragments/0/push",
+        body=body_of(syncer, shapes, "island-0"),
+        token=token["island-0"],
+    )
+    assert code == 200
+    wait_until(lambda: syncer.status()["versions"] == [4], timeout=30, what="island-0's merge")
+    on_the_way = SlowPush(syncer, body_of(syncer, shapes, "island-2"), token["island-2"])
+    on_the_way.begin()
+    code, _ = syncer.request(
+        "POST",
+        "/v1/fragments/0/push",
+        body=body_of(syncer, shapes, "island-0"),
+        token=token["island-0"],
+    )
+    assert code == 200
+    accepted_at = syncer.status()["time"]
+    # The grace window (0.1 s) and the typical upload's two x milliseconds are long past at
+    # 1 s; the shared median's wait would end at 4 s.
+    doc = syncer_time_past(syncer, accepted_at + 1.0)
+    assert doc["versions"] == [5], "island-2's trickled uploads held island-0's merge"
+    (*_, merge) = syncer.merge_records()
+    assert [c["island"] for c in merge["contributors"]] == ["island-0"]
+    assert on_the_way.finish() in (200, 409)

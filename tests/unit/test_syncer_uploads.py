@@ -11,30 +11,42 @@ from diloco_trainer.core import grace
 from diloco_trainer.syncer.state.rounds import DROPPED, Contribution, RoundPolicy, SyncState
 
 
-def test_upload_wait_is_two_median_uploads_from_its_start_at_least_grace_at_most_cap() -> None:
-    # median of 0.2, 0.4, 0.6 = 0.4; 2 x 0.4 = 0.8 > grace 0.1: 10 + 0.8
-    assert grace.upload_wait_until(
-        started=10.0, uploads=[0.6, 0.2, 0.4], grace=0.1, cap=30.0
-    ) == pytest.approx(10.8)
+def test_upload_wait_is_two_typical_uploads_from_its_start_at_least_grace_at_most_cap() -> None:
+    # typical 0.4: 2 x 0.4 = 0.8 > grace 0.1: 10 + 0.8
+    assert grace.upload_wait_until(started=10.0, typical=0.4, grace=0.1, cap=30.0) == pytest.approx(
+        10.8
+    )
     # the grace window when longer: max(1.0, 0.8) = 1.0
-    assert grace.upload_wait_until(
-        started=10.0, uploads=[0.6, 0.2, 0.4], grace=1.0, cap=30.0
-    ) == pytest.approx(11.0)
+    assert grace.upload_wait_until(started=10.0, typical=0.4, grace=1.0, cap=30.0) == pytest.approx(
+        11.0
+    )
     # the cap when shorter: min(0.5, 0.8) = 0.5
-    assert grace.upload_wait_until(
-        started=10.0, uploads=[0.6, 0.2, 0.4], grace=0.1, cap=0.5
-    ) == pytest.approx(10.5)
-    # an even count: median (0.4 + 0.6) / 2 = 0.5, x 2 = 1.0
-    assert grace.upload_wait_until(
-        started=10.0, uploads=[0.2, 0.4, 0.6, 1.0], grace=0.1, cap=30.0
-    ) == pytest.approx(11.0)
-    # none known (or none usable: NaN, negative): the grace window alone
-    assert grace.upload_wait_until(started=10.0, uploads=[], grace=0.3, cap=30.0) == 10.3
-    assert grace.upload_wait_until(
-        started=10.0, uploads=[math.nan, -1.0, 0.3], grace=0.1, cap=30.0
-    ) == pytest.approx(10.6)  # only 0.3 counts: 2 x 0.3
+    assert grace.upload_wait_until(started=10.0, typical=0.4, grace=0.1, cap=0.5) == pytest.approx(
+        10.5
+    )
+    # none known (or not usable): the grace window alone
+    assert grace.upload_wait_until(started=10.0, typical=None, grace=0.3, cap=30.0) == 10.3
+    assert grace.upload_wait_until(started=10.0, typical=math.nan, grace=0.3, cap=30.0) == 10.3
     with pytest.raises(ValueError, match="grace"):
-        grace.upload_wait_until(started=0.0, uploads=[], grace=math.inf, cap=1.0)
+        grace.upload_wait_until(started=0.0, typical=None, grace=math.inf, cap=1.0)
+
+
+def test_the_typical_upload_is_the_lower_median_over_islands_of_each_ones_median() -> None:
+    # one island: its median, 0.4 of 0.2, 0.4, 0.6; an even count averages the middle two
+    assert grace.typical_upload({"a": [0.6, 0.2, 0.4]}) == pytest.approx(0.4)
+    assert grace.typical_upload({"a": [0.2, 0.4, 0.6, 1.0]}) == pytest.approx(0.5)
+    # two islands, one trickling (medians 0.3 and 8.0): the smaller, 0.3; a shared median of
+    # all five bodies would read 0.4 here and 8.0 once the trickler has the window's majority
+    assert grace.typical_upload({"a": [0.2, 0.3, 0.4], "b": [8.0, 8.0]}) == pytest.approx(0.3)
+    assert grace.typical_upload({"a": [0.3], "b": [8.0, 8.0, 8.0]}) == pytest.approx(0.3)
+    # three: the middle (0.3 of 0.3, 0.5, 8.0 -> 0.5); four: the second smallest (0.5)
+    medians = {"a": [0.3], "b": [0.5], "c": [8.0]}
+    assert grace.typical_upload(medians) == pytest.approx(0.5)
+    assert grace.typical_upload({**medians, "d": [0.9]}) == pytest.approx(0.5)
+    # unusable figures (NaN, negative) are not counted; no island with one: None
+    assert grace.typical_upload({"a": [math.nan, -1.0, 0.3]}) == pytest.approx(0.3)
+    assert grace.typical_upload({"a": [math.nan], "b": []}) is None
+    assert grace.typical_upload({}) is None
 
 
 def make_state(*, quorum: int = 1, islands: int = 3, grace_s: float = 0.5) -> SyncState:
@@ -166,3 +178,31 @@ def test_k_equals_m_is_unchanged_the_quorum_waits_for_every_island_anyway() -> N
     push(state, "island-2", 10.2)
     state.upload_ended(0, "island-2", 9.0, seconds=1.2)
     assert state.merge_due(0, 10.2)  # all pushed: at once
+
+
+def test_one_island_trickling_its_bodies_does_not_lengthen_the_wait_for_anothers() -> None:
+    """Audit of 2026-12-01 (docs/adversaries.md): island-2's accepted bodies took 8 s each; the
+    wait for island-1's body is sized from the lower median over islands of each one's median
+    uploads, min(1.0, 8.0) = 1.0, so 2 x 1.0 from its start, not 2 x 8.0 (a shared window the
+    trickler fills: 16 s, capped at the heartbeat timeout's 30)."""
+    state = make_state(quorum=1, grace_s=0.5)
+    for k in range(3):  # island-2: three accepted bodies of 8 s
+        start = 1.0 + 10.0 * k
+        assert state.upload_started(0, "island-2", start)
+        push(state, "island-2", start + 8.0)
+        state.upload_ended(0, "island-2", start, seconds=8.0)
+        state.take_round(0, start + 8.0)
+    assert state.upload_started(0, "island-1", 40.0)  # island-1: one body of 1 s
+    push(state, "island-1", 41.0)
+    state.upload_ended(0, "island-1", 40.0, seconds=1.0)
+    state.take_round(0, 41.0)
+    assert state.upload_started(0, "island-1", 49.5)  # its next body, on its way since 49.5
+    push(state, "island-0", 50.0)  # the quorum; the window closes at 50.5
+    assert not state.merge_due(0, 51.49)
+    assert state.merge_due(0, 51.5)  # 49.5 + 2 x 1.0, not 49.5 + 16
+    # the trickler's own body is waited for no longer than the others' typical upload either
+    state.take_round(0, 51.5)
+    assert state.upload_started(0, "island-2", 59.5)
+    push(state, "island-0", 60.0)
+    assert not state.merge_due(0, 61.49)
+    assert state.merge_due(0, 61.5)  # 59.5 + 2 x 1.0

@@ -30,7 +30,7 @@ any step time is known the window is `default` seconds.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 GAMMA = 0.5  # share of the slack when learners block for their merge
 GAMMA_DECOUPLED = 1.0  # ... and when they do not (K < M with overlap): see share_of_slack
@@ -188,14 +188,42 @@ def expected_push_time(
 UPLOAD_FACTOR = 2.0
 
 
-def upload_wait_until(
-    *, started: float, uploads: Sequence[float], grace: float, cap: float
-) -> float:
+def _median(values: Sequence[float]) -> float:
+    ordered = sorted(values)
+    middle = len(ordered) // 2
+    return ordered[middle] if len(ordered) % 2 else (ordered[middle - 1] + ordered[middle]) / 2
+
+
+def typical_upload(per_island: Mapping[str, Sequence[float]]) -> float | None:
+    """The typical upload seconds the merge's wait for pushes on their way is sized from: each
+    island's median of its recent accepted bodies' seconds, then the LOWER median over the
+    islands that have one (the smaller of two; of four the second smallest). None when no
+    island has a usable figure (NaN and negatives are not).
+
+    Why per island, and the lower median: one island whose accepted bodies trickle in (legal up
+    to sync.bodyTimeoutSeconds) would otherwise fill the shared window and lift every other
+    island's wait towards the cap, holding each round of a fragment that long (audit of
+    2026-12-01, docs/adversaries.md: a merge came 15.07 s after its push, against 0.11 s). Over
+    islands, one island's figure is the largest at worst, so it cannot move the lower median of
+    two or more (at M = 2 the smaller is the honest island's or lower); an honest island on a
+    slower link than the rest is then waited for about the others' upload, and its push, if
+    later, merges in the next round as before the wait existed."""
+    medians = []
+    for seconds in per_island.values():
+        usable = [s for s in seconds if math.isfinite(s) and s >= 0.0]
+        if usable:
+            medians.append(_median(usable))
+    if not medians:
+        return None
+    return sorted(medians)[(len(medians) - 1) // 2]
+
+
+def upload_wait_until(*, started: float, typical: float | None, grace: float, cap: float) -> float:
     """Until when a merge whose quorum is met waits for a push of the same fragment whose body
     began to arrive at `started` (an island's authenticated request, its declared size within
     the fragment's limit: syncer/state/uploads.py): started + min(cap, max(grace,
-    UPLOAD_FACTOR x the median of `uploads`)), `uploads` being the seconds recent accepted push
-    bodies took to arrive (none known: the grace window alone).
+    UPLOAD_FACTOR x `typical`)), `typical` being the typical upload (typical_upload; None, none
+    known: the grace window alone).
 
     Why: at K < M over a link slower than the islands' traffic, the auto grace window falls to
     one step (its slack, τ·t_step − t_sync, is gone), while pushes that left their islands
@@ -210,9 +238,5 @@ def upload_wait_until(
     for name, value in (("grace", grace), ("cap", cap)):
         if not (math.isfinite(value) and value >= 0.0):
             raise ValueError(f"{name} must be finite and >= 0, got {value}")
-    known = sorted(s for s in uploads if math.isfinite(s) and s >= 0.0)
-    typical = 0.0
-    if known:
-        middle = len(known) // 2
-        typical = known[middle] if len(known) % 2 else (known[middle - 1] + known[middle]) / 2
-    return started + min(cap, max(grace, UPLOAD_FACTOR * typical))
+    usual = typical if typical is not None and math.isfinite(typical) and typical >= 0 else 0.0
+    return started + min(cap, max(grace, UPLOAD_FACTOR * usual))

@@ -10,7 +10,8 @@ body is never registered, so it changes nothing here.
 
 The rounds (rounds.py, merge_due) read it at K < M: a merge whose quorum is met also waits for
 the pushes of the same fragment that are on the way from the islands it is missing, each until
-core/grace.upload_wait_until (about twice a typical upload from its start, at least the grace
+core/grace.upload_wait_until (about twice a typical upload from its start: each island's median,
+then the lower median over the islands, core/grace.typical_upload; at least the grace
 window, at most the heartbeat timeout), so islands that pushed at the same sync point merge
 together and their pulls carry one version instead of a chain (docs/algorithm.md, "A merge
 waits for the pushes on the way"). A registered body is a hint: whatever it turns out to be
@@ -27,8 +28,9 @@ from collections import deque
 
 from diloco_trainer.core import grace as window_rules
 
-# Recent accepted push bodies' upload seconds kept (recent behaviour matters, not history).
-_WINDOW = 32
+# Recent accepted push bodies' upload seconds kept per island (recent behaviour matters, not
+# history; four rounds of two fragments).
+_WINDOW = 8
 
 
 class Uploads:
@@ -40,7 +42,9 @@ class Uploads:
         # fragment -> island -> when its first body since the fragment's last merge began: the
         # start a wait counts from (a later body of it in the same round waits no longer)
         self._first: list[dict[str, float]] = [{} for _ in range(fragments)]
-        self._seconds: deque[float] = deque(maxlen=_WINDOW)
+        # island -> its recent accepted bodies' upload seconds (core/grace.typical_upload reads
+        # each island's own, so no island's trickle sets the wait for the others' bodies)
+        self._seconds: dict[str, deque[float]] = {}
 
     def started(self, fragment: int, island: str, now: float) -> None:
         """`island`'s push body for `fragment` began to arrive at `now` (a second one at once
@@ -61,22 +65,25 @@ class Uploads:
         if self._started[fragment].get(island) == started:
             del self._started[fragment][island]
         if seconds is not None and math.isfinite(seconds) and seconds >= 0.0:
-            self._seconds.append(seconds)
+            self._seconds.setdefault(island, deque(maxlen=_WINDOW)).append(seconds)
 
     def forget(self, island: str) -> None:
-        """An island dropped or forgotten: none of its bodies is waited for any more."""
+        """An island dropped or forgotten: none of its bodies is waited for any more, and its
+        upload times no longer size the wait."""
         for uploads in (*self._started, *self._first):
             uploads.pop(island, None)
+        self._seconds.pop(island, None)
 
     def holding(
         self, fragment: int, missing: set[str], now: float, *, grace: float, cap: float
     ) -> list[float]:
         """The ends of the waits (clock times after `now`) for the bodies of `fragment` on their
         way from the `missing` islands; empty when none holds the merge any more."""
+        typical = window_rules.typical_upload(self._seconds)
         ends = [
             window_rules.upload_wait_until(
                 started=self._first[fragment].get(island, started),
-                uploads=list(self._seconds),
+                typical=typical,
                 grace=grace,
                 cap=cap,
             )
