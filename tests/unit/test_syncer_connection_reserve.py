@@ -102,6 +102,7 @@ def test_limits_an_idle_flood_makes_room_from_its_own_oldest() -> None:
     async def scenario(port: int, cap: ConnectionCap) -> tuple[bytes, bytes, bytes, dict[str, int]]:
         assert cap.per_peer == 7  # 8 - reserve 1
         cap.min_age = 0.0  # any age may be replaced (the next test keeps the young ones)
+        cap.churn_window = 0.0  # and no admission is recent (the churn rule: its own test)
         held = [await open_from(port, FLOOD) for _ in range(8)]  # idle: no request sent
         # The 8th took the place of the first (closed by the server: read to its end).
         first = await asyncio.wait_for(held[0][0].read(), READ_TIMEOUT)
@@ -186,6 +187,7 @@ def test_limits_a_talking_connection_is_replaced_once_talking_age_old() -> None:
     async def scenario(port: int, cap: ConnectionCap) -> tuple[bytes, bytes, bytes, int]:
         assert cap.talking_age == 2.0  # 2 x MIN_AGE
         cap.min_age = 0.0
+        cap.churn_window = 0.0  # no admission is recent (the churn rule: its own test)
         held = [await open_from(port, FLOOD) for _ in range(7)]  # per_peer 7 of 8: its share
         for _, w in held:
             w.write(b"G")  # a byte of a request line: talking, never authenticated
@@ -208,3 +210,48 @@ def test_limits_a_talking_connection_is_replaced_once_talking_age_old() -> None:
     assert young.startswith(b"HTTP/1.1 200") and b'"route": "/healthz"' in young, young
     assert neighbour.startswith(b"HTTP/1.1 200") and b'{"ok": true}' in neighbour, neighbour
     assert first == b"" and evictions == 1
+
+
+def test_limits_a_churning_prefix_takes_no_other_connections_place() -> None:
+    """Audit of 2026-12-01: a churn of connections, each closed before MIN_AGE, kept every
+    connection young, and young ones are never replaced: an island's new connection got 503.
+    Now a prefix admitted young_share connections within churn_window (MIN_AGE) takes no
+    other's place: its next max(RESERVE_CONNECTIONS, 32 // 2) = 16 are answered busy, the rest
+    closed unanswered.
+    Cap 32: reserve_of(32) = min(16, 32 // 8) = 4 = young_share; per_peer 32 - 4 = 28."""
+    churn, other, newcomer = "127.0.1.2", "127.0.2.2", "127.0.3.2"  # three /24s
+    auth = GET_HEALTHZ.replace(b"/healthz", b"/auth")
+
+    async def refused(source: str) -> bytes:
+        try:
+            return await ask(port_of[0], source, auth)
+        except ConnectionResetError:
+            return b""
+
+    port_of: list[int] = []
+
+    async def scenario(port: int, cap: ConnectionCap) -> tuple[list[bytes], bytes, int, int]:
+        port_of.append(port)
+        assert cap.young_share == 4 and cap.per_peer == 28 and cap.churn_window == 1.0
+        cap.min_age = 0.0  # any connection may be replaced by age (the churn rule alone)
+        held = [await open_from(port, churn) for _ in range(4)]  # 4 admitted within 1 s
+        held += [await open_from(port, other) for _ in range(28)]  # the cap's 32 taken
+        async with asyncio.timeout(READ_TIMEOUT):
+            while cap.open < 32:  # until the server has accepted them all
+                await asyncio.sleep(0.01)
+        # 17 more of the churning /24 would each take the oldest's place: the first 16 are
+        # answered busy instead, the 17th closed unanswered.
+        answers = [await refused(churn) for _ in range(17)]
+        evictions = cap.evictions
+        # A newcomer's /24 admitted none: it takes the oldest's place (the churn's first).
+        answer = await ask(port, newcomer, GET_HEALTHZ)
+        for _, w in held:
+            w.close()
+        return answers, answer, evictions, cap.evictions
+
+    answers, answer, before, after = serving(HttpLimits(max_connections=32), scenario)
+    assert all(a.startswith(b"HTTP/1.1 503") and b'"busy"' in a for a in answers[:16]), answers
+    assert answers[16] == b""  # shed: no _Busy held open for each of a churn's thousands
+    assert before == 0  # the churn replaced nobody
+    assert answer.startswith(b"HTTP/1.1 200") and b'{"ok": true}' in answer, answer
+    assert after == 1  # the newcomer replaced one

@@ -19,7 +19,13 @@
   of a network cannot take what one cannot, and no flood of idle or trickling connections keeps
   a new one out: the kubelet's probes (it restarts a syncer whose probe fails, losing the
   merges since its last checkpoint), the operator's calls and the learners get in. One address
-  also holds at most all but the reserve of them however it authenticated. A connection that
+  also holds at most all but the reserve of them however it authenticated. A network prefix
+  that was admitted reserve_of(maxConnections) connections within the last MIN_AGE takes no
+  other's place (its new ones are answered busy instead), so a churn of connections each closed
+  before MIN_AGE, which no rule above may replace, holds at most that many young ones per prefix
+  and the rest can be replaced (audit of 2026-12-01: two /24s churning thousands a second kept
+  the islands' new connections out); past half the cap's refusals answered busy in that window,
+  its next are closed unanswered. A connection that
   finds no room (every one taken and authenticated, or its address at its share with none of
   its own to replace) is answered 503 with Retry-After and closed, unless it is a liveness or
   readiness probe: that is answered as the route would (_Busy), so no traffic starves them.
@@ -43,7 +49,7 @@ import json
 import logging
 import ssl
 import time
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Callable, Hashable, Iterator
 from dataclasses import dataclass
 from http import HTTPStatus
@@ -329,6 +335,7 @@ class _Counted(asyncio.Protocol):
         self.heard = False  # any bytes arrived
         self.opened = 0.0  # loop time of its accept
         self.evicted = False
+        self.shed = False  # refused as its prefix churns: closed unanswered (ConnectionCap._refuse)
         self.timer: asyncio.TimerHandle | None = None
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -338,6 +345,9 @@ class _Counted(asyncio.Protocol):
         self.transport = transport
         self.opened = asyncio.get_running_loop().time()
         if not self.cap.admit(self):
+            if self.shed:
+                transport.abort()  # type: ignore[attr-defined]
+                return
             self.busy = _Busy(self.cap.probe)
             self.busy.connection_made(transport)
             return
@@ -431,30 +441,60 @@ class ConnectionCap:
         self.waiting: dict[_Counted, None] = {}
         self.talking: dict[_Counted, None] = {}
         self.unauthenticated: Counter[str] = Counter()
+        # Admissions of the last churn_window seconds, oldest first, and their number per prefix:
+        # a prefix at young_share of them takes no other connection's place (_churning).
+        self.young_share = max(1, reserve_of(size))
+        self.churn_window = MIN_AGE  # the age below which _evict_oldest replaces none
+        # Each entry is (loop time, prefix, admitted); refusals are counted as well, so that a
+        # churning prefix's first max(RESERVE_CONNECTIONS, size // 2) refusals a window are
+        # answered busy (a probe among them answered) and the rest shed (_refuse).
+        self.recent: deque[tuple[float, str, bool]] = deque()
+        self.recent_per_prefix: Counter[tuple[str, bool]] = Counter()
 
     def __call__(self) -> asyncio.Protocol:
         return _Counted(self)
 
     def admit(self, conn: _Counted) -> bool:
-        """Count `conn`, making room as the module docstring says; False when there is none."""
+        """Count `conn`, making room as the module docstring says; False when there is none
+        (`conn.shed` when its prefix is churning: closed at once, not answered)."""
+        churning = self._churning(conn.prefix, conn.opened)
         for key in {conn.peer, conn.prefix}:
-            if self.unauthenticated[key] >= self.per_peer and not self._evict_oldest(_of(key)):
-                self._refuse(f"{self.unauthenticated[key]} unauthenticated connections from {key}")
-                return False
-        if self.peers[conn.peer] >= self.per_peer and not self._evict_oldest(
-            lambda c: c.peer == conn.peer
+            if self.unauthenticated[key] >= self.per_peer and (
+                churning or not self._evict_oldest(_of(key))
+            ):
+                return self._refuse(
+                    conn, churning, f"{self.unauthenticated[key]} unauthenticated from {key}"
+                )
+        if self.peers[conn.peer] >= self.per_peer and (
+            churning or not self._evict_oldest(lambda c: c.peer == conn.peer)
         ):
-            self._refuse(f"{self.peers[conn.peer]} connections open from {conn.peer}")
-            return False
-        if self.open >= self.size and not self._evict_oldest(lambda c: True):
-            self._refuse(f"{self.open} connections open, all authenticated")
-            return False
+            return self._refuse(conn, churning, f"{self.peers[conn.peer]} open from {conn.peer}")
+        if self.open >= self.size and (churning or not self._evict_oldest(lambda c: True)):
+            return self._refuse(conn, churning, f"{self.open} open, all authenticated or young")
+        self._note(conn, admitted=True)
         self.open += 1
         self.peers[conn.peer] += 1
         self.waiting[conn] = None
         for key in {conn.peer, conn.prefix}:
             self.unauthenticated[key] += 1
         return True
+
+    def _churning(self, prefix: str, now: float) -> bool:
+        """Whether `prefix` was admitted young_share connections within the last churn_window
+        (MIN_AGE) seconds (forgetting older admissions as it goes): then a new one of it takes
+        no other's place. Young connections are never replaced (_evict_oldest), so without this
+        bound a prefix opening connections faster than they age kept every connection young,
+        and an island's new one found none to replace (audit of 2026-12-01, docs/adversaries.md)."""
+        while self.recent and self.recent[0][0] <= now - self.churn_window:
+            _, old, admitted = self.recent.popleft()
+            self.recent_per_prefix[old, admitted] -= 1
+            if self.recent_per_prefix[old, admitted] <= 0:
+                del self.recent_per_prefix[old, admitted]
+        return self.recent_per_prefix[prefix, True] >= self.young_share
+
+    def _note(self, conn: _Counted, *, admitted: bool) -> None:
+        self.recent.append((conn.opened, conn.prefix, admitted))
+        self.recent_per_prefix[conn.prefix, admitted] += 1
 
     def authenticated(self, conn: _Counted) -> None:
         self._forget_waiting(conn)
@@ -514,10 +554,23 @@ class ConnectionCap:
             )
         return True
 
-    def _refuse(self, why: str) -> None:
+    def _refuse(self, conn: _Counted, churning: bool, why: str) -> bool:
+        """No room for `conn` (False, admit's answer): answered busy, or shed (closed at once,
+        unanswered) when its prefix is churning and has had max(RESERVE_CONNECTIONS, half the
+        cap) refusals answered in the window already (256 at the default 512): a
+        _Busy answer keeps each connection open up to PROBE_WAIT, and under a churn of
+        thousands a second that made an island's heartbeats wait longer, not shorter (audit of
+        2026-12-01); the first ones are still answered, so a probe among a burst of an honest
+        network's connections is, and an idle flood's overflow is answered busy as before (an
+        honest client retries a 503, tests/e2e/test_adversary_limits.py)."""
+        answered = self.recent_per_prefix[conn.prefix, False]
+        conn.shed = churning and answered >= max(RESERVE_CONNECTIONS, self.size // 2)
+        self._note(conn, admitted=False)
         self.refused += 1
         if self.refused == 1 or self.refused % 1000 == 0:
-            log.warning("%s: refusing more (syncer.limits)", why)
+            more = f", {conn.prefix} churning" if churning else ""
+            log.warning("%s connections%s: refusing more (syncer.limits)", why, more)
+        return False
 
 
 def _of(key: str) -> Callable[[_Counted], bool]:
