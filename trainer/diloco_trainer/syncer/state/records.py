@@ -139,7 +139,9 @@ class IslandRecord:
     # merged_tokens is (each at most a capped push's): its learner does not train them again,
     # so its count runs ahead of its merged tokens by them for good (targets.CountBound; out of
     # its part of what is done, targets.Pace.base).
-    # Persisted with count_base (the count it explains goes on across a restart).
+    # Persisted with count_base (the count it explains goes on across a restart). Also the
+    # tokens of its merged pushes beyond their credited round (syncer.guards.pairCredit: the
+    # budget counts a round's, core/contributions.credited_tokens): counted, not merged.
     refused_tokens: float = 0.0
     # Per fragment, its latest push refused as ahead (409 `ahead`: its base a merge a syncer
     # restart lost) whose tokens are not counted in refused_tokens yet: its learner pushes it
