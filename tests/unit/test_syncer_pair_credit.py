@@ -239,3 +239,40 @@ def test_syncer_counts_a_loud_push_a_round_of_the_budget(tmp_path: Path, credit:
             await syncer.stop()
 
     run(scenario())
+
+
+def test_syncer_counts_the_whole_claim_on_k_equal_m_shares(tmp_path: Path) -> None:
+    """K = M = 2, every round H (no stop targets: the islands drain on their 1/M shares in their
+    own counts): the same two pushes in one merge, island-1's credited 5 steps as work (1.25,
+    fraction (1 + 1.25) / 2 = 1.125), but the budget counts its 128 tokens whole: 32 + 128 =
+    160, island-1's merged tokens 128, refused 0. Counted 40, the job's tokens stayed short of
+    what the shares add up to and an honest streaming pair trained on past its budget."""
+    spec = make_spec(**PAIR, sync={"fragments": 1, "quorum": 2, "graceSeconds": 0})
+
+    def filled(syncer: Any, value: float) -> dict[str, torch.Tensor]:
+        return {n: torch.full_like(syncer.model.weights[n], value) for n in syncer.fragments[0]}
+
+    async def scenario() -> None:
+        syncer = await started(spec, tmp_path, FakeClock())
+        try:
+            assert syncer.gate.lock_step and not syncer.gate.rounds.split
+            for island in ("island-0", "island-1"):
+                await syncer.islands.join(island, 1)
+            push = body(syncer, 0, "island-0", filled(syncer, 1e-3), steps=4, tokens=32)
+            assert (await syncer.receive_push(0, push))["accepted"]
+            meta = {"steps": 16, "tokens": 128, "stepTime": 0.001}
+            push = body(syncer, 0, "island-1", filled(syncer, 8e-3), **meta)
+            assert (await syncer.receive_push(0, push))["accepted"]
+            await syncer.tick()
+            merges = [json.loads(x) for x in (tmp_path / "merges.jsonl").read_text().splitlines()]
+            (merge,) = merges
+            works = {c["island"]: c["work"] for c in merge["contributors"]}
+            assert works == {"island-0": 1.0, "island-1": pytest.approx(1.25)}
+            assert merge["fraction"] == pytest.approx(1.125)
+            assert (syncer.tokens, merge["tokens"]) == (160, 160)
+            rec = syncer.state.membership.islands["island-1"]
+            assert (rec.merged_tokens, rec.refused_tokens) == (128.0, 0.0)
+        finally:
+            await syncer.stop()
+
+    run(scenario())

@@ -97,7 +97,7 @@ class MergeLog:
         plan = result.plan
         # What each spends of stopAfter.tokens: its tokens, at most its credited round's
         # (syncer.guards.pairCredit; core/contributions.credited_tokens).
-        credited = sum(credited_tokens(c.tokens, c.steps, c.credit_steps) for c in contributions)
+        credited = sum(credited_tokens(c.tokens, c.steps, c.budget_steps) for c in contributions)
         self.fragment_tokens[fragment] += credited
         tokens = round(credited)
         losses = [(c.loss, c.tokens) for c in contributions if c.loss is not None]

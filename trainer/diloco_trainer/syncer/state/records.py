@@ -239,6 +239,10 @@ class Contribution:
     # The most of its steps its merge credits as work (syncer.guards.pairCredit in a job of two:
     # one round of its own, H_i + sync.overlapSteps; intake/guards.pair_credit); None: all.
     credit_steps: int | None = None
+    # The most of its steps the budget counts the tokens of (core/contributions.credited_tokens):
+    # credit_steps where stop targets give an island its uncredited tokens back (K < M, or
+    # K = M once rounds differ), None on K = M's 1/M shares (intake/gate.judge_push says why).
+    budget_steps: int | None = None
     # Its pseudo-gradient as a name -> tensor mapping (opaque here): the syncer keeps it encoded
     # (payload.EncodedPayload) and folds the decoded values into the round as it arrives.
     payload: Any = field(default=None, repr=False)

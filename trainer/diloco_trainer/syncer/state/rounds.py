@@ -629,7 +629,7 @@ class SyncState:
                 # credited one round (syncer.guards.pairCredit) merges that round's tokens; the
                 # rest its learner counted and will not train again, as a refused push's
                 # (refused_tokens: out of its part of the budget, so a target gives them back).
-                credited = credited_tokens(c.tokens, c.steps, c.credit_steps)
+                credited = credited_tokens(c.tokens, c.steps, c.budget_steps)
                 rec.merged_tokens += credited / len(self.rounds)
                 rec.refused_tokens += (c.tokens - credited) / len(self.rounds)
         done = rnd.rounds + 1 if rounds is None else rounds
