@@ -411,3 +411,41 @@ def test_adversary_pair_claimed_rounds_are_credited_one_round(tmp_path: Path) ->
         assert credited == [(ADVERSARY, "16", "5")], credited
     finally:
         syncer.proc.stop(timeout=10)
+
+
+# stopAfter.tokens 1,200: the honest island's four pushes of one step (4 x 64 = 256 tokens)
+# and the adversary's claim of 16 steps (1,024 tokens) reach it uncredited (1,280).
+PAIR_BUDGET = deep_merge(PAIR_CREDIT, {"stopAfter": {"tokens": 1200}})
+
+
+def test_adversary_pair_claimed_rounds_spend_one_round_of_the_budget(tmp_path: Path) -> None:
+    """Issue 46: a bad island of two's claims spent the budget (its jobs ended at 31-41k of the
+    honest 102k tokens). With pairCredit a push spends of stopAfter.tokens what its credited
+    round carries: the claim of 16 steps and 1,024 tokens is credited 5 steps, 5 / 16 x 1,024 =
+    320 tokens, so after the honest 256 the job holds 576 of its 1,200 and goes on (uncredited,
+    1,280: finished, the next push refused); the next push of 4 steps and 256 tokens is a
+    round's, all of it: 832. The adversary's merged tokens are 320 + 256 = 576, the honest
+    island's 256; the merge log keeps the claim (1,024) beside the merge's credited 320."""
+    syncer = start_syncer_of(tmp_path, PAIR_BUDGET, JOB)
+    try:
+        shapes = join_all(syncer, (HONEST, ADVERSARY))
+        for _ in range(WARMUP):
+            honest_push(syncer, shapes)
+        assert syncer.status()["tokens"] == 256
+        for steps, total in ((16, 576), (4, 832)):
+            version = syncer.status()["versions"][0]
+            code, doc = push_as(
+                syncer, ADVERSARY, filled(shapes, HONEST_VALUE), steps=steps, tokens=steps * 64
+            )
+            assert code == 200 and doc["accepted"] is True, (code, doc)
+            wait_until(
+                lambda v=version: syncer.status()["versions"][0] > v, timeout=60, what="merge"
+            )
+            status = syncer.status()
+            assert (status["tokens"], status["finished"]) == (total, False), status
+        islands = syncer.status()["islands"]
+        assert (islands[ADVERSARY]["mergedTokens"], islands[HONEST]["mergedTokens"]) == (576, 256)
+        loud = syncer.merge_records()[WARMUP]
+        assert (loud["tokens"], loud["contributors"][0]["tokens"]) == (320, 1024)
+    finally:
+        syncer.proc.stop(timeout=10)

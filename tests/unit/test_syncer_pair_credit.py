@@ -13,9 +13,16 @@ from typing import Any
 
 import pytest
 import torch
-from diloco_trainer.core.contributions import Contributor, credited_work, plan_merge
+from diloco_trainer.core.contributions import (
+    Contributor,
+    credited_tokens,
+    credited_work,
+    plan_merge,
+)
 from diloco_trainer.core.outer import OuterOptimizer
 from diloco_trainer.syncer.intake import guards
+from diloco_trainer.syncer.state.records import IslandRecord
+from diloco_trainer.syncer.state.targets import pace_of
 
 from .test_syncer import FakeClock, body, make_spec, run, started
 
@@ -41,6 +48,30 @@ def test_credited_work_by_hand() -> None:
     assert credited_work(8, 10, 12) == pytest.approx(0.8)  # under the cap: 8 / 10
     with pytest.raises(ValueError):
         credited_work(40, 10, 0)
+
+
+def test_credited_tokens_by_hand() -> None:
+    # 40 claimed steps of 1,024 tokens, credited a round of 12: 12 x 1,024 = 12,288 of the budget.
+    assert credited_tokens(40960, 40, 12) == pytest.approx(12288.0)
+    assert credited_tokens(40960, 40) == pytest.approx(40960.0)  # no credit: all of them
+    assert credited_tokens(8192, 8, 12) == pytest.approx(8192.0)  # under a round: all of them
+    # A streaming job's first push to its second fragment, 1.5 rounds of H 10 (15 steps of
+    # 160 tokens) against a round of 12: 12 / 15 of 2,400 = 1,920 (480 its learner trains again).
+    assert credited_tokens(2400, 15, 12) == pytest.approx(1920.0)
+    with pytest.raises(ValueError):
+        credited_tokens(40960, 40, 0)
+
+
+def test_uncredited_tokens_are_out_of_the_islands_part() -> None:
+    # Its learner counted 128 tokens from a base of 0 and its one push, 16 claimed steps, was
+    # credited 5: merged 40, 88 counted as refused. Its part of what is done (base + count) is
+    # then 0 - 88 + 128 = 40, its merged tokens, so a target gives it the 88 to train again.
+    rec = IslandRecord(name="a", merged_tokens=40.0, refused_tokens=88.0)
+    rec.first_report, rec.reported_tokens, rec.reported_at = (0, 0.0), 128, 10.0
+    pace = pace_of(rec)
+    assert pace is not None
+    assert pace.base + pace.tokens == pytest.approx(40.0)
+    assert pace.rate == pytest.approx(12.8)
 
 
 def test_a_credited_push_moves_theta_as_much_with_a_smaller_fraction() -> None:
@@ -157,6 +188,90 @@ def test_syncer_credits_a_loud_push_one_round(tmp_path: Path) -> None:
             assert loud["island"] == "island-1" and loud["work"] == pytest.approx(1.25)
             assert loud["scale"] == pytest.approx(0.8)
             assert merges[-1]["fraction"] == pytest.approx(0.625)
+        finally:
+            await syncer.stop()
+
+    run(scenario())
+
+
+@pytest.mark.parametrize("credit", [True, False])
+def test_syncer_counts_a_loud_push_a_round_of_the_budget(tmp_path: Path, credit: bool) -> None:
+    """In process, as above: island-0's round of 4 steps and 32 tokens, then island-1's 16
+    claimed steps and 128 tokens, credited 5 (H 4 + overlap 1). The budget counts 5 / 16 of its
+    tokens, 40: the job's tokens 32 + 40 = 72 (160 without the credit), the merge log's entry
+    40, island-1's merged tokens 40 and its refused 128 - 40 = 88 (0: its learner's count is
+    its merged tokens)."""
+    guard = {"movementFactor": 1.5, "pairCredit": credit}
+    spec = make_spec(
+        **{**PAIR, "syncer": {"guards": guard}},
+        sync={"fragments": 1, "quorum": 1, "graceSeconds": 0},
+    )
+
+    def filled(syncer: Any, value: float) -> dict[str, torch.Tensor]:
+        return {n: torch.full_like(syncer.model.weights[n], value) for n in syncer.fragments[0]}
+
+    async def scenario() -> None:
+        syncer = await started(spec, tmp_path, FakeClock())
+        try:
+            for island in ("island-0", "island-1"):
+                await syncer.islands.join(island, 1)
+            push = body(syncer, 0, "island-0", filled(syncer, 1e-3), steps=4, tokens=32)
+            assert (await syncer.receive_push(0, push))["accepted"]
+            await syncer.tick()
+            assert syncer.tokens == 32
+            meta = {"steps": 16, "tokens": 128, "stepTime": 0.001}
+            push = body(syncer, 0, "island-1", filled(syncer, 8e-3), **meta)
+            assert (await syncer.receive_push(0, push))["accepted"]
+            await syncer.tick()
+            merges = [json.loads(x) for x in (tmp_path / "merges.jsonl").read_text().splitlines()]
+            (loud,) = merges[-1]["contributors"]
+            assert loud["island"] == "island-1" and loud["tokens"] == 128  # its claim, as pushed
+            rec = syncer.state.membership.islands["island-1"]
+            if credit:
+                assert (syncer.tokens, merges[-1]["tokens"]) == (72, 40)
+                assert (rec.merged_tokens, rec.refused_tokens) == (40.0, 88.0)
+            else:
+                assert (syncer.tokens, merges[-1]["tokens"]) == (160, 128)
+                assert (rec.merged_tokens, rec.refused_tokens) == (128.0, 0.0)
+            honest = syncer.state.membership.islands["island-0"]
+            assert (honest.merged_tokens, honest.refused_tokens) == (32.0, 0.0)
+        finally:
+            await syncer.stop()
+
+    run(scenario())
+
+
+def test_syncer_counts_the_whole_claim_on_k_equal_m_shares(tmp_path: Path) -> None:
+    """K = M = 2, every round H (no stop targets: the islands drain on their 1/M shares in their
+    own counts): the same two pushes in one merge, island-1's credited 5 steps as work (1.25,
+    fraction (1 + 1.25) / 2 = 1.125), but the budget counts its 128 tokens whole: 32 + 128 =
+    160, island-1's merged tokens 128, refused 0. Counted 40, the job's tokens stayed short of
+    what the shares add up to and an honest streaming pair trained on past its budget."""
+    spec = make_spec(**PAIR, sync={"fragments": 1, "quorum": 2, "graceSeconds": 0})
+
+    def filled(syncer: Any, value: float) -> dict[str, torch.Tensor]:
+        return {n: torch.full_like(syncer.model.weights[n], value) for n in syncer.fragments[0]}
+
+    async def scenario() -> None:
+        syncer = await started(spec, tmp_path, FakeClock())
+        try:
+            assert syncer.gate.lock_step and not syncer.gate.rounds.split
+            for island in ("island-0", "island-1"):
+                await syncer.islands.join(island, 1)
+            push = body(syncer, 0, "island-0", filled(syncer, 1e-3), steps=4, tokens=32)
+            assert (await syncer.receive_push(0, push))["accepted"]
+            meta = {"steps": 16, "tokens": 128, "stepTime": 0.001}
+            push = body(syncer, 0, "island-1", filled(syncer, 8e-3), **meta)
+            assert (await syncer.receive_push(0, push))["accepted"]
+            await syncer.tick()
+            merges = [json.loads(x) for x in (tmp_path / "merges.jsonl").read_text().splitlines()]
+            (merge,) = merges
+            works = {c["island"]: c["work"] for c in merge["contributors"]}
+            assert works == {"island-0": 1.0, "island-1": pytest.approx(1.25)}
+            assert merge["fraction"] == pytest.approx(1.125)
+            assert (syncer.tokens, merge["tokens"]) == (160, 160)
+            rec = syncer.state.membership.islands["island-1"]
+            assert (rec.merged_tokens, rec.refused_tokens) == (128.0, 0.0)
         finally:
             await syncer.stop()
 

@@ -310,8 +310,11 @@ class GuardsSpec(SpecModel):
         "rounds) as work, whatever it claims; its pseudo-gradient still moves the model in "
         "full (lr x its delta / 2), but the share of a round its merge counts, and so the outer "
         "momentum folds it triggers, is that round's at most (issue 46's loud claims: a push "
-        "claiming 4 rounds folded the momentum twice). A legitimate push of several rounds (after "
-        "refusals, a syncer restart) is credited one too. Off by default (docs/algorithm.md, "
+        "claiming 4 rounds folded the momentum twice). Where stop targets split the budget "
+        "(K < M, or rounds that differ) it spends that round's tokens of stopAfter.tokens "
+        "(tokens x credited / claimed steps), not its claim's; the rest its learner trains "
+        "again. A legitimate push of several rounds (after refusals, a syncer restart) is "
+        "credited one too. Off by default (docs/algorithm.md, "
         '"A job of two\'s pair credit").',
     )
     end_on_faint: bool = Field(

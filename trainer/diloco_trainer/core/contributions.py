@@ -79,6 +79,24 @@ def credited_work(steps: int, inner_steps: int, credit_steps: int | None = None)
     return credit_steps / inner_steps
 
 
+def credited_tokens(tokens: float, steps: int, credit_steps: int | None = None) -> float:
+    """The tokens a contribution spends of stopAfter.tokens: its `tokens` over its `steps`, at
+    most `credit_steps` of them (syncer.guards.pairCredit's round, as credited_work; None: all).
+
+    Why: the budget counts work, and a push credited one round of work folds the outer momentum
+    once and moves θ by one push's Δ, whatever it claims; counted in full, a bad island of two
+    claiming 4 rounds a push spent 4 rounds of the budget a push, and the job ended at 31-41k of
+    its 102k honest tokens (issue 46). The tokens not credited are its learner's, never the
+    job's: the syncer counts them as refused (targets.Pace.base), so a K < M target gives them
+    back to train. credited_tokens(40960, 40, 12) == 12288.0; credited_tokens(8192, 8, 12) ==
+    8192."""
+    if credit_steps is None or steps <= credit_steps:
+        return float(tokens)
+    if credit_steps < 1:
+        raise ValueError(f"credited steps must be >= 1, got {credit_steps}")
+    return tokens * credit_steps / steps
+
+
 def momentum_share(lag_rounds: float) -> float:
     """(1 + lag_rounds)^-2: the share of a contribution's Δ that enters the outer momentum (the
     module docstring says why); 1 for a fresh one, so K = M's merges are unchanged."""

@@ -99,6 +99,9 @@ class Gate:
         self.guard = guard
         # Each island's round H_i (inner.stepsPerIsland) and the push bounds it gives.
         self.rounds = RoundSizes(spec)
+        # K = M: the islands drain on their 1/M shares of the budget until rounds differ
+        # (Syncer.shares_kept), with no stop target to give back a push's uncredited tokens.
+        self.lock_step = spec.sync.quorum >= max(spec.islands.count, spec.total_shards())
         self.metrics = metrics
         self.config_file = config_file  # where `islands` can be re-read from; None: never
         self._reloaded_at = -RELOAD_SECONDS
@@ -288,6 +291,15 @@ class Gate:
             fragment, meta.island, stats.norm, meta.steps, round_steps
         )
         contribution.credit_steps = self.guard.credit_steps(meta.steps, round_steps)
+        # The budget counts the credited round's tokens only where a stop target gives its
+        # island the rest back to train (K < M, or K = M once rounds differ). On K = M's 1/M
+        # shares the islands drain at their shares in their own counts: counted short, the
+        # merged tokens stayed below stopAfter and an honest streaming pair (its second
+        # fragment's first push 1.5 rounds) trained on past its budget (pairdef46, bench.hetero
+        # equal speeds K = 2); and there no claim ends the job early, since it ends only once
+        # every island has drained its share (Syncer.stop_reached).
+        shares = self.lock_step and not self.rounds.split
+        contribution.budget_steps = None if shares else contribution.credit_steps
         if contribution.credit_steps is not None:
             log.info(
                 "push of %s to fragment %d: %d claimed steps credited as %d, one round of its "

@@ -31,6 +31,7 @@ from typing import Any
 
 from diloco_trainer.api.documents import MergeContributor, MergeRecord
 from diloco_trainer.api.manifest import CheckpointManifest
+from diloco_trainer.core.contributions import credited_tokens
 from diloco_trainer.syncer.merging.global_model import MergeResult
 from diloco_trainer.syncer.state import Contribution
 
@@ -94,8 +95,11 @@ class MergeLog:
         """Count a merge of `fragment` (its round's `contributions`, now at `version`) and
         return its log entry."""
         plan = result.plan
-        tokens = sum(c.tokens for c in contributions)
-        self.fragment_tokens[fragment] += tokens
+        # What each spends of stopAfter.tokens: its tokens, at most its credited round's
+        # (syncer.guards.pairCredit; core/contributions.credited_tokens).
+        credited = sum(credited_tokens(c.tokens, c.steps, c.budget_steps) for c in contributions)
+        self.fragment_tokens[fragment] += credited
+        tokens = round(credited)
         losses = [(c.loss, c.tokens) for c in contributions if c.loss is not None]
         if losses:
             self.loss = sum(v * t for v, t in losses) / sum(t for _, t in losses)

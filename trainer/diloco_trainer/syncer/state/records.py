@@ -139,7 +139,9 @@ class IslandRecord:
     # merged_tokens is (each at most a capped push's): its learner does not train them again,
     # so its count runs ahead of its merged tokens by them for good (targets.CountBound; out of
     # its part of what is done, targets.Pace.base).
-    # Persisted with count_base (the count it explains goes on across a restart).
+    # Persisted with count_base (the count it explains goes on across a restart). Also the
+    # tokens of its merged pushes beyond their credited round (syncer.guards.pairCredit: the
+    # budget counts a round's, core/contributions.credited_tokens): counted, not merged.
     refused_tokens: float = 0.0
     # Per fragment, its latest push refused as ahead (409 `ahead`: its base a merge a syncer
     # restart lost) whose tokens are not counted in refused_tokens yet: its learner pushes it
@@ -237,6 +239,10 @@ class Contribution:
     # The most of its steps its merge credits as work (syncer.guards.pairCredit in a job of two:
     # one round of its own, H_i + sync.overlapSteps; intake/guards.pair_credit); None: all.
     credit_steps: int | None = None
+    # The most of its steps the budget counts the tokens of (core/contributions.credited_tokens):
+    # credit_steps where stop targets give an island its uncredited tokens back (K < M, or
+    # K = M once rounds differ), None on K = M's 1/M shares (intake/gate.judge_push says why).
+    budget_steps: int | None = None
     # Its pseudo-gradient as a name -> tensor mapping (opaque here): the syncer keeps it encoded
     # (payload.EncodedPayload) and folds the decoded values into the round as it arrives.
     payload: Any = field(default=None, repr=False)

@@ -51,6 +51,7 @@ from diloco_trainer.api import protocol
 from diloco_trainer.api.documents import IslandStatus, PushAnswer
 from diloco_trainer.api.manifest import SavedAnswer, SavedCount
 from diloco_trainer.core import grace as window_rules
+from diloco_trainer.core.contributions import credited_tokens
 from diloco_trainer.core.fragments import fragment_offsets
 from diloco_trainer.syncer.errors import Refused
 from diloco_trainer.syncer.state.clocks import WorkClocks
@@ -624,8 +625,13 @@ class SyncState:
             rec = self.membership.islands.get(c.island)
             if rec is not None:
                 # Each fragment's merges count the island's tokens once, so F fragments see
-                # them F times: the average over fragments is the island's merged work.
-                rec.merged_tokens += c.tokens / len(self.rounds)
+                # them F times: the average over fragments is the island's merged work. A push
+                # credited one round (syncer.guards.pairCredit) merges that round's tokens; the
+                # rest its learner counted and will not train again, as a refused push's
+                # (refused_tokens: out of its part of the budget, so a target gives them back).
+                credited = credited_tokens(c.tokens, c.steps, c.budget_steps)
+                rec.merged_tokens += credited / len(self.rounds)
+                rec.refused_tokens += (c.tokens - credited) / len(self.rounds)
         done = rnd.rounds + 1 if rounds is None else rounds
         self.rounds[fragment] = FragmentRound(version=rnd.version + 1, rounds=done)
         self.clocks.record(fragment, rnd.version + 1, float(done) if clock is None else clock)
