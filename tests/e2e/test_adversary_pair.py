@@ -371,6 +371,17 @@ PAIR_CREDIT = deep_merge(
 )
 
 
+def claimed_push_merged(syncer: SyncerHandle, shapes: dict[str, torch.Tensor], steps: int) -> None:
+    """The adversary's push of the honest island's values claiming `steps` steps (64 tokens a
+    step): accepted, and merged (the version moved)."""
+    version = syncer.status()["versions"][0]
+    code, doc = push_as(
+        syncer, ADVERSARY, filled(shapes, HONEST_VALUE), steps=steps, tokens=steps * 64
+    )
+    assert code == 200 and doc["accepted"] is True, (code, doc)
+    wait_until(lambda v=version: syncer.status()["versions"][0] > v, timeout=60, what="merge")
+
+
 def test_adversary_pair_claimed_rounds_are_credited_one_round(tmp_path: Path) -> None:
     """Issue 46's loud claims folded the outer momentum once per round a push claimed (φ = 2
     for 4 x H steps at M = 2). With pairCredit the adversary's push of 16 claimed steps (4 x H)
@@ -385,14 +396,7 @@ def test_adversary_pair_claimed_rounds_are_credited_one_round(tmp_path: Path) ->
         for _ in range(WARMUP):
             honest_push(syncer, shapes)
         for steps in (16, 4):
-            version = syncer.status()["versions"][0]
-            code, doc = push_as(
-                syncer, ADVERSARY, filled(shapes, HONEST_VALUE), steps=steps, tokens=steps * 64
-            )
-            assert code == 200 and doc["accepted"] is True, (code, doc)
-            wait_until(
-                lambda v=version: syncer.status()["versions"][0] > v, timeout=60, what="merge"
-            )
+            claimed_push_merged(syncer, shapes, steps)
         merges = syncer.merge_records()
         rows = [
             (c["island"], c["steps"], c["work"], c["scale"], m["fraction"])
@@ -433,14 +437,7 @@ def test_adversary_pair_claimed_rounds_spend_one_round_of_the_budget(tmp_path: P
             honest_push(syncer, shapes)
         assert syncer.status()["tokens"] == 256
         for steps, total in ((16, 576), (4, 832)):
-            version = syncer.status()["versions"][0]
-            code, doc = push_as(
-                syncer, ADVERSARY, filled(shapes, HONEST_VALUE), steps=steps, tokens=steps * 64
-            )
-            assert code == 200 and doc["accepted"] is True, (code, doc)
-            wait_until(
-                lambda v=version: syncer.status()["versions"][0] > v, timeout=60, what="merge"
-            )
+            claimed_push_merged(syncer, shapes, steps)
             status = syncer.status()
             assert (status["tokens"], status["finished"]) == (total, False), status
         islands = syncer.status()["islands"]

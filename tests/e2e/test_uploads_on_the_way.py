@@ -165,6 +165,14 @@ def test_no_wait_for_a_request_that_is_not_an_islands_own_push_within_the_limit(
 TRICKLE = 2.0
 
 
+def push_at_once(handle: SyncerHandle, shapes: dict[str, torch.Tensor], token: str) -> None:
+    """island-0's push, its body sent whole at once (an upload of milliseconds): accepted."""
+    code, _ = handle.request(
+        "POST", "/v1/fragments/0/push", body=body_of(handle, shapes, "island-0"), token=token
+    )
+    assert code == 200
+
+
 def test_an_island_trickling_its_pushes_does_not_hold_the_others_merges(
     syncer: SyncerHandle,
 ) -> None:
@@ -181,23 +189,11 @@ def test_an_island_trickling_its_pushes_does_not_hold_the_others_merges(
         syncer_time_past(syncer, syncer.status()["time"] + TRICKLE)
         assert slow.finish() == 200
         wait_until(lambda v=version: syncer.status()["versions"] == [v], timeout=30, what="merge")
-    code, _ = syncer.request(
-        "POST",
-        "/v1/fragments/0/push",
-        body=body_of(syncer, shapes, "island-0"),
-        token=token["island-0"],
-    )
-    assert code == 200
+    push_at_once(syncer, shapes, token["island-0"])
     wait_until(lambda: syncer.status()["versions"] == [4], timeout=30, what="island-0's merge")
     on_the_way = SlowPush(syncer, body_of(syncer, shapes, "island-2"), token["island-2"])
     on_the_way.begin()
-    code, _ = syncer.request(
-        "POST",
-        "/v1/fragments/0/push",
-        body=body_of(syncer, shapes, "island-0"),
-        token=token["island-0"],
-    )
-    assert code == 200
+    push_at_once(syncer, shapes, token["island-0"])
     accepted_at = syncer.status()["time"]
     # The grace window (0.1 s) and the typical upload's two x milliseconds are long past at
     # 1 s; the shared median's wait would end at 4 s.
