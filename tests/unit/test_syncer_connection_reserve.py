@@ -57,6 +57,14 @@ async def ask(port: int, source: str, request: bytes) -> bytes:
         writer.close()
 
 
+async def server_side(done: Callable[[], bool]) -> None:
+    """Until `done` holds of the server's counts (it runs on this event loop: each turn lets it
+    accept and read), READ_TIMEOUT at most."""
+    async with asyncio.timeout(READ_TIMEOUT):
+        while not done():
+            await asyncio.sleep(0)  # yield one turn of the loop to the server
+
+
 def serving(limits: HttpLimits, scenario: Callable[[int, ConnectionCap], Awaitable[Any]]) -> Any:
     """Run `scenario(port, cap)` against a GuardedSite with /healthz, /auth and the probe."""
 
@@ -191,9 +199,7 @@ def test_limits_a_talking_connection_is_replaced_once_talking_age_old() -> None:
         held = [await open_from(port, FLOOD) for _ in range(7)]  # per_peer 7 of 8: its share
         for _, w in held:
             w.write(b"G")  # a byte of a request line: talking, never authenticated
-        async with asyncio.timeout(READ_TIMEOUT):
-            while len(cap.talking) < 7:  # until the server has read every byte
-                await asyncio.sleep(0.01)
+        await server_side(lambda: len(cap.talking) == 7)  # the server has read every byte
         assert not cap.waiting
         # Young talkers: one more from the flood's /24 finds no room to take.
         young = await ask(port, NEIGHBOUR, GET_HEALTHZ)
@@ -236,9 +242,7 @@ def test_limits_a_churning_prefix_takes_no_other_connections_place() -> None:
         cap.min_age = 0.0  # any connection may be replaced by age (the churn rule alone)
         held = [await open_from(port, churn) for _ in range(4)]  # 4 admitted within 1 s
         held += [await open_from(port, other) for _ in range(28)]  # the cap's 32 taken
-        async with asyncio.timeout(READ_TIMEOUT):
-            while cap.open < 32:  # until the server has accepted them all
-                await asyncio.sleep(0.01)
+        await server_side(lambda: cap.open == 32)  # the server has accepted them all
         # 17 more of the churning /24 would each take the oldest's place: the first 16 are
         # answered busy instead, the 17th closed unanswered.
         answers = [await refused(churn) for _ in range(17)]
