@@ -149,8 +149,11 @@ class FromAddress(SyncerHandle):
             headers["Authorization"] = f"Bearer {self.token if token == '' else token}"
 
         def answered() -> tuple[http.client.HTTPResponse, bytes] | None:
-            """The answer, or None for 503 busy with Retry-After (the learners' client retries
-            those, at that pace)."""
+            """The answer, or None for 503 busy with Retry-After or a connection closed
+            unanswered (the learners' client, syncer_client.py, retries both, at that pace): a
+            prefix churning past its answered refusals is shed (limits.ConnectionCap._refuse),
+            and an honest address inside a flood's prefix meets that until the flood stops
+            opening connections."""
             conn = http.client.HTTPConnection(
                 "127.0.0.1", self.port, timeout=timeout, source_address=(self.source, 0)
             )
@@ -158,6 +161,8 @@ class FromAddress(SyncerHandle):
                 conn.request(method, path, body=body, headers=headers)
                 resp = conn.getresponse()
                 raw = resp.read()
+            except (ConnectionResetError, BrokenPipeError, http.client.RemoteDisconnected):
+                return None
             finally:
                 conn.close()
             busy = resp.status == 503 and resp.getheader("Retry-After") is not None
