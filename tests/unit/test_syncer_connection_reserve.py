@@ -9,6 +9,7 @@ GuardedSite on loopback."""
 from __future__ import annotations
 
 import asyncio
+import socket
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -63,6 +64,28 @@ async def server_side(done: Callable[[], bool]) -> None:
     async with asyncio.timeout(READ_TIMEOUT):
         while not done():
             await asyncio.sleep(0)  # yield one turn of the loop to the server
+
+
+async def sent_before_accept(port: int, source: str, request: bytes) -> bytes:
+    """`request` sent on a plain socket whose handshake the kernel completed before the server
+    (on this event loop, which does not run meanwhile) accepted it: its bytes are in when the
+    server's protocol sees the connection. The answer, b"" when closed unanswered."""
+    loop = asyncio.get_running_loop()
+    sock = socket.socket()
+    try:
+        sock.bind((source, 0))
+        sock.connect(("127.0.0.1", port))  # blocking: the listen backlog completes it
+        sock.sendall(request)
+        sock.setblocking(False)
+        chunks = []
+        async with asyncio.timeout(READ_TIMEOUT):
+            while chunk := await loop.sock_recv(sock, 65536):
+                chunks.append(chunk)
+        return b"".join(chunks)
+    except ConnectionResetError:
+        return b""
+    finally:
+        sock.close()
 
 
 def serving(limits: HttpLimits, scenario: Callable[[int, ConnectionCap], Awaitable[Any]]) -> Any:
@@ -246,16 +269,22 @@ def test_limits_a_churning_prefix_takes_no_other_connections_place() -> None:
         # 17 more of the churning /24 would each take the oldest's place: the first 16 are
         # answered busy instead, the 17th closed unanswered.
         answers = [await refused(churn) for _ in range(17)]
+        # Shed from here on; a probe of the churning /24 whose request is in the socket before
+        # the server accepts it is still answered (one read at accept), an /auth request not.
+        sent_first = [await sent_before_accept(port, churn, r) for r in (GET_HEALTHZ, auth)]
         evictions = cap.evictions
         # A newcomer's /24 admitted none: it takes the oldest's place (the churn's first).
         answer = await ask(port, newcomer, GET_HEALTHZ)
         for _, w in held:
             w.close()
-        return answers, answer, evictions, cap.evictions
+        return answers + sent_first, answer, evictions, cap.evictions
 
     answers, answer, before, after = serving(HttpLimits(max_connections=32), scenario)
     assert all(a.startswith(b"HTTP/1.1 503") and b'"busy"' in a for a in answers[:16]), answers
     assert answers[16] == b""  # shed: no _Busy held open for each of a churn's thousands
+    probe_answer, auth_answer = answers[17:]
+    assert probe_answer.startswith(b"HTTP/1.1 200") and b'"route": "/healthz"' in probe_answer
+    assert auth_answer == b""  # shed all the same: only a probe is answered
     assert before == 0  # the churn replaced nobody
     assert answer.startswith(b"HTTP/1.1 200") and b'{"ok": true}' in answer, answer
     assert after == 1  # the newcomer replaced one

@@ -25,7 +25,8 @@
   before MIN_AGE, which no rule above may replace, holds at most that many young ones per prefix
   and the rest can be replaced (audit of 2026-12-01: two /24s churning thousands a second kept
   the islands' new connections out); past half the cap's refusals answered busy in that window,
-  its next are closed unanswered. A connection that
+  its next are closed unanswered (a probe among them whose request is already in when it is
+  accepted still answered: request_line_in). A connection that
   finds no room (every one taken and authenticated, or its address at its share with none of
   its own to replace) is answered 503 with Retry-After and closed, unless it is a liveness or
   readiness probe: that is answered as the route would (_Busy), so no traffic starves them.
@@ -47,6 +48,7 @@ import contextlib
 import ipaddress
 import json
 import logging
+import os
 import ssl
 import time
 from collections import Counter, deque
@@ -299,18 +301,41 @@ class _Busy(asyncio.Protocol):
             return
         if self.timer is not None:
             self.timer.cancel()
-        answer = _BUSY_RESPONSE
-        parts = line.split()
-        if self.probe is not None and len(parts) >= 2 and parts[0] == b"GET":
-            route, _, query = parts[1].decode("latin-1").partition("?")
-            if route in protocol.PUBLIC_ROUTES:
-                strict = any(
-                    q.startswith("strict=") and q[7:] not in ("", "0", "false")
-                    for q in query.split("&")
-                )
-                answer = probe_response(*self.probe(route, strict))
-        self.transport.write(answer)
+        self.transport.write(probe_answer(self.probe, line) or _BUSY_RESPONSE)
         self.transport.close()
+
+
+def probe_answer(probe: Probe | None, line: bytes) -> bytes | None:
+    """The answer to a request line that is a liveness or readiness probe (GET of a public
+    route), as its route would answer it; None for any other line."""
+    parts = line.split()
+    if probe is None or len(parts) < 2 or parts[0] != b"GET":
+        return None
+    route, _, query = parts[1].decode("latin-1").partition("?")
+    if route not in protocol.PUBLIC_ROUTES:
+        return None
+    strict = any(
+        q.startswith("strict=") and q[7:] not in ("", "0", "false") for q in query.split("&")
+    )
+    return probe_response(*probe(route, strict))
+
+
+def request_line_in(transport: asyncio.BaseTransport) -> bytes:
+    """The first line a just-accepted connection has already sent, read at once without
+    waiting (b"" when no whole line is in). A client sends its request right after the
+    handshake, so by the time a busy loop accepts it a probe's request is usually in the
+    socket: reading it costs one system call, where waiting for it (_Busy) holds the
+    connection open up to PROBE_WAIT. Only for a connection about to be closed unanswered
+    (shed): the bytes read are gone from the stream. Under TLS they are a handshake or a
+    record, never a plain request line, so such a connection is closed as before."""
+    sock = transport.get_extra_info("socket")
+    if sock is None:
+        return b""
+    try:
+        head = os.read(sock.fileno(), 1024)
+    except OSError:  # nothing in yet (EAGAIN on the non-blocking socket), or reset
+        return b""
+    return head.split(b"\n", 1)[0] if b"\n" in head else b""
 
     def connection_lost(self, exc: Exception | None) -> None:
         if self.timer is not None:
@@ -346,7 +371,16 @@ class _Counted(asyncio.Protocol):
         self.opened = asyncio.get_running_loop().time()
         if not self.cap.admit(self):
             if self.shed:
-                transport.abort()  # type: ignore[attr-defined]
+                # A probe whose request is already in is answered (one write, no timer):
+                # /healthz from inside a churning network still answers (issue 46's "the
+                # same flood from the address that checks /healthz"); anything else closed.
+                answer = probe_answer(self.cap.probe, request_line_in(transport))
+                if answer is None:
+                    transport.abort()  # type: ignore[attr-defined]
+                else:
+                    assert isinstance(transport, asyncio.WriteTransport)
+                    transport.write(answer)
+                    transport.close()
                 return
             self.busy = _Busy(self.cap.probe)
             self.busy.connection_made(transport)
@@ -562,7 +596,8 @@ class ConnectionCap:
         thousands a second that made an island's heartbeats wait longer, not shorter (audit of
         2026-12-01); the first ones are still answered, so a probe among a burst of an honest
         network's connections is, and an idle flood's overflow is answered busy as before (an
-        honest client retries a 503, tests/e2e/test_adversary_limits.py)."""
+        honest client retries a 503 or a reset, tests/e2e/test_adversary_limits.py). A shed
+        probe whose request is in when it is accepted is answered all the same (_Counted)."""
         answered = self.recent_per_prefix[conn.prefix, False]
         conn.shed = churning and answered >= max(RESERVE_CONNECTIONS, self.size // 2)
         self._note(conn, admitted=False)
