@@ -468,9 +468,7 @@ class SyncState:
         pending = [set(r.pending) for r in self.rounds]
         if not self.policy.learners_block:
             held = {n for n in spanned if members.islands[n].holding}
-            crossed = crossed_rounds(
-                pending, spanned, quorum=self.effective_quorum(), held=held
-            )
+            crossed = crossed_rounds(pending, spanned, quorum=self.effective_quorum(), held=held)
         elif members.awaited() or self.policy.quorum < len(self.spanning()):
             crossed = frozenset()
         else:
