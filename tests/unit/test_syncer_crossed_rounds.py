@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import pytest
 from diloco_trainer.syncer.state.crossed import crossed_rounds, crossed_wait, round_to_close
+from diloco_trainer.syncer.state.rounds import RoundPolicy, SyncState
 
 from .test_rounds import make_state, push
 
@@ -119,3 +120,102 @@ def test_k_below_m_never_crosses() -> None:
     push(km, "island-0", 11.0, fragment=1)
     push(km, "island-1", 11.0, fragment=1)
     assert km.crossed_round(11.0) == (1, pytest.approx(11.5))  # steps unknown: the grace alone
+
+
+def test_crossed_rounds_of_learners_that_do_not_block_count_held_islands_and_the_quorum() -> None:
+    # K = 2, islands a and b each alone in a round, both held at the step cap: each round is
+    # short of the quorum (1 < 2) and lacks the other, held with its push in the other round.
+    assert crossed_rounds([{"a"}, {"b"}], {"a", "b"}, quorum=2, held={"a", "b"}) == {0, 1}
+    # b not held: it pushes on (fragment 0 at its next sync point), so fragment 0 drops; then
+    # fragment 1 lacks a, whose push is in no round left: drops too. Not crossed.
+    assert crossed_rounds([{"a"}, {"b"}], {"a", "b"}, quorum=2, held={"a"}) == frozenset()
+    # A third island c, active and not held (nothing pending): both rounds lack it and it will
+    # push them, so neither is crossed, held or not (the blocking rule says the same).
+    abc = {"a", "b", "c"}
+    assert crossed_rounds([{"a"}, {"b"}], abc, quorum=2, held={"a", "b"}) == frozenset()
+    # c has pushed fragment 1: its round has the quorum (2 of 2, merges as any round): no part
+    # of it; fragment 0 lacks b, whose push is in no round left, and c (not held): drops.
+    assert crossed_rounds([{"a"}, {"b", "c"}], abc, quorum=2, held={"a", "b"}) == frozenset()
+    # K = 3 of 3 non-blocking (τ > 0), c held too with its push beside a's in fragment 0: 2 < 3
+    # pushes there, 1 < 3 in fragment 1; fragment 0 lacks b (held, in 1), fragment 1 lacks a
+    # and c (held, in 0): crossed.
+    held3 = crossed_rounds([{"a", "c"}, {"b"}], abc, quorum=3, held=abc)
+    assert held3 == {0, 1}
+    # The same pending pushes with blocking learners (held None): the same set.
+    assert crossed_rounds([{"a", "c"}, {"b"}], abc) == held3
+
+
+def decoupled_state(*, islands: int, expected: int) -> SyncState:
+    """K = 2, two fragments, learners that do not block (K < M, τ > 0), H = 6, grace 0.2 s,
+    a 600 s start-up timeout; `islands` joined at 0 of `expected`."""
+    policy = RoundPolicy(
+        quorum=2,
+        max_staleness=2,
+        heartbeat_timeout=4.0,
+        grace_seconds=0.2,
+        startup_timeout=600.0,
+        overlap_steps=1,
+        inner_steps=6,
+        offsets=(0, 3),
+        learners_block=False,
+    )
+    state = SyncState(policy, 2)
+    state.membership.expect(expected, now=0.0)
+    for i in range(islands):
+        state.membership.join(f"island-{i}", 1, now=0.0)
+    return state
+
+
+def hold(state: SyncState, island: str, now: float, *, holding: bool = True) -> None:
+    """A heartbeat saying whether the island's learner holds at the step cap."""
+    state.membership.heartbeat(island, now, step=30, tokens=3000, step_time=0.05, holding=holding)
+
+
+def test_k_below_m_merges_the_round_of_two_islands_held_at_the_step_cap_crossed() -> None:
+    """CI's test_drain_at_k_below_m_stops_each_island_at_its_target[3-2] (drain48): K = 2 of 3,
+    island-2 never up (awaited: the quorum stays 2 for its 600 s start-up timeout). Island-0's
+    push of fragment 0 (t = 10) and island-1's of fragment 1 (t = 10.1) are each alone in their
+    round, and each island then holds at the step cap (heartbeats at 10.4 and 10.5): it pushes
+    nothing more, the other fragment included, until its own push is merged. Before, nothing
+    merged until t = 600. Now crossed from 10.5; fragment 0 (one push each: the lowest) merges
+    without island-1 at 10.5 + grace 0.2 + (H + 1) x island-1's step 0.05 = 10.5 + 0.2 + 0.35
+    = 11.05."""
+    state = decoupled_state(islands=2, expected=3)
+    assert state.membership.awaited() == 1 and state.effective_quorum() == 2
+    push(state, "island-0", 10.0, fragment=0, step_time=0.05)
+    push(state, "island-1", 10.1, fragment=1, step_time=0.05)
+    hold(state, "island-0", 10.4)
+    # island-1 still trains (it pushes fragment 0 at its next sync point): nothing crossed.
+    assert state.crossed_round(10.4) is None and state.due_fragments(10.45) == []
+    hold(state, "island-1", 10.5)
+    assert state.crossed_round(10.5) == (0, pytest.approx(11.05))
+    assert state.next_deadline() == pytest.approx(11.05)
+    assert state.due_fragments(11.04) == []
+    assert state.due_fragments(11.05) == [0]  # fragment 1 waits: island-0 pushes it next
+    taken = state.take_round(0, 11.05)
+    assert [c.island for c in taken] == ["island-0"]
+    # Island-0 takes the merge and steps on: its heartbeat no longer holds; fragment 1 then
+    # waits for its push as any round (no crossing left).
+    hold(state, "island-0", 11.2, holding=False)
+    assert state.crossed_round(11.2) is None and state.due_fragments(300.0) == []
+    push(state, "island-0", 11.3, fragment=1, step_time=0.05)
+    assert state.due_fragments(11.3 + 0.2) == [1]  # the quorum of 2, awaited island-2's window
+
+
+def test_k_below_m_does_not_merge_held_rounds_a_third_active_island_will_complete() -> None:
+    """As above, but island-2 joined and trains (not held, nothing pending): it will push both
+    fragments, each then at its quorum of 2, so no round is crossed and nothing merges short:
+    at t = 300 still nothing. Island-2's push of fragment 1 at 300 brings that round to its
+    quorum (2 of 2): due at the grace window's end, 300 + 0.2 (held island-0, missing, counts
+    as overdue: arriving now, within the window)."""
+    state = decoupled_state(islands=3, expected=3)
+    push(state, "island-0", 10.0, fragment=0, step_time=0.05)
+    push(state, "island-1", 10.1, fragment=1, step_time=0.05)
+    hold(state, "island-0", 10.4)
+    hold(state, "island-1", 10.5)
+    hold(state, "island-2", 10.5, holding=False)
+    assert state.crossed_round(10.5) is None
+    assert state.due_fragments(11.05) == [] and state.due_fragments(300.0) == []
+    push(state, "island-2", 300.0, fragment=1, step_time=0.05)
+    assert state.crossed_round(300.0) is None
+    assert state.due_fragments(300.19) == [] and state.due_fragments(300.2) == [1]

@@ -474,7 +474,8 @@ class Syncer:
         lacking = sorted(self.state.spanning() - set(self.state.rounds[f].pending))
         log.warning(
             "fragment %d's round merges without %s: crossed with another fragment's round, "
-            "each waiting for islands whose pushes wait in the other (K = M)",
+            "each waiting for islands whose pushes wait in the other (K = M, or held at the "
+            "step cap)",
             f,
             lacking,
         )

@@ -1,4 +1,4 @@
-"""Crossed rounds at K = M: rounds that wait for each other's islands (issues 46/47).
+"""Crossed rounds: rounds that wait for each other's islands (issues 46/47, drain48).
 
 A blocking learner (K = M) pushes a fragment, trains τ steps, then waits for that push's merge
 before it trains on to its next sync point. So every island pushes its fragments' rounds in one
@@ -25,9 +25,24 @@ fragment on a tie) is merged without the islands it lacks, as a round of K - n: 
 not lost (their next push to it carries it, one version behind), and the merge lets those
 waiting for it push on, which undoes the crossing (their order and the others' agree again).
 
-Only at K = M with blocking learners (RoundPolicy.learners_block): at K < M a quorum of K ends
-every round anyway. And only once S has held for the grace window plus a round (H_i + 1 steps)
-of the slowest island the chosen round lacks (SyncState.merge_due; crossed_wait says why).
+With blocking learners (RoundPolicy.learners_block) only at K = M with every island of the
+job joined (a quorum of K < M ends such a round without the islands it lacks). Learners that do
+not block (K < M, τ > 0) push on past an unmerged push, so a pending push alone makes no
+island wait, but a learner whose fragment holds the most steps one push may carry stops at the
+step cap (learner/fragment_sync.py: it pushes nothing more, not even the other fragments, until
+that fragment's merge arrives; its heartbeats say `holding`). Two such islands cross (CI's
+tests/e2e/test_drain.py at K = 2 of 3, the third never up: island-0 held at the cap with its push
+alone in fragment 0's round, island-1 with its push alone in fragment 1's, each round one push
+under a quorum of 2, nothing merged until the third island's start-up timeout, 600 s). So there
+the rule reads the same with two changes: a round is incomplete while it holds fewer pushes than
+the quorum (SyncState.effective_quorum: a round at quorum merges as any), and only the islands
+held at the step cap count as waiting in S (`held`). An island a round lacks that is not held
+(or holds nothing pending in S) will push it, as a third active island does: S drops the round
+and nothing fires until that push has come and the round is still short.
+
+Either way only once S has held for the grace window plus a round (H_i + 1 steps) of the slowest
+island the chosen round lacks (SyncState.merge_due; crossed_wait says why): a heartbeat's
+`holding` may be a step stale, and a round lets an island that was about to push do so.
 """
 
 from __future__ import annotations
@@ -35,13 +50,30 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence, Set
 
 
-def crossed_rounds(pending: Sequence[Set[str]], spanned: Set[str]) -> frozenset[int]:
+def crossed_rounds(
+    pending: Sequence[Set[str]],
+    spanned: Set[str],
+    *,
+    quorum: int | None = None,
+    held: Set[str] | None = None,
+) -> frozenset[int]:
     """The fragments of the largest set of crossed rounds (module docstring): `pending[f]` the
     islands with a push in fragment f's open round, `spanned` the islands every round waits
-    for (active, not left out, drained or untargeted). Empty when no round is crossed."""
-    crossed = {f for f, p in enumerate(pending) if p and spanned - p}
+    for (active, not left out, drained or untargeted). Empty when no round is crossed.
+
+    Learners that do not block: `quorum`, the pushes that complete a round (one with as many
+    is no part of it), and `held`, the islands that push nothing until a merge (at the step
+    cap); None (blocking learners): every spanned island completes a round, and every island
+    with a push pending waits for its merge."""
+    crossed = {
+        f
+        for f, p in enumerate(pending)
+        if p and spanned - p and (quorum is None or len(p) < quorum)
+    }
     while crossed:
         holders = set().union(*(pending[f] for f in crossed))
+        if held is not None:
+            holders &= held
         keep = {f for f in crossed if spanned - pending[f] <= holders}
         if keep == crossed:
             break

@@ -442,7 +442,7 @@ class SyncState:
         awaited = self.membership.awaited()
         crossed = self.crossed_round(now)
         if crossed is not None and crossed[0] == fragment and now >= crossed[1]:
-            return True  # K = M, rounds waiting for each other's islands (crossed.py)
+            return True  # rounds waiting for each other's islands (crossed.py)
         if rnd.quorum_since is None:
             return False
         if self._uploads_holding(fragment, missing, now):
@@ -457,21 +457,22 @@ class SyncState:
         return all(t is not None and t > closes for t in expected)
 
     def crossed_round(self, now: float) -> tuple[int, float] | None:
-        """At K = M with blocking learners, the crossed round merged without the islands it
-        lacks (crossed.py: rounds that each wait for islands whose pushes wait in the others)
-        and when: once they have stayed crossed for the grace window plus a round of the
-        slowest island it lacks (crossed_wait). None when no round is crossed."""
+        """The crossed round merged without the islands it lacks (crossed.py: rounds that
+        each wait for islands whose pushes wait in the others) and when: once they have stayed
+        crossed for the grace window plus a round of the slowest island it lacks
+        (crossed_wait). With blocking learners only at K = M, every island joined; with
+        learners that do not block, rounds short of the quorum whose lacking islands are all
+        held at the step cap (IslandRecord.holding). None when no round is crossed."""
         members = self.membership
         spanned = self.spanning() - self.drained() - self.untargeted()
-        if (
-            not self.policy.learners_block
-            or members.awaited()
-            or self.policy.quorum < len(self.spanning())
-        ):
-            self._crossed = None
-            return None
         pending = [set(r.pending) for r in self.rounds]
-        crossed = crossed_rounds(pending, spanned)
+        if not self.policy.learners_block:
+            held = {n for n in spanned if members.islands[n].holding}
+            crossed = crossed_rounds(pending, spanned, quorum=self.effective_quorum(), held=held)
+        elif members.awaited() or self.policy.quorum < len(self.spanning()):
+            crossed = frozenset()
+        else:
+            crossed = crossed_rounds(pending, spanned)
         f = round_to_close(crossed, pending)
         if f is None:
             self._crossed = None
