@@ -394,12 +394,13 @@ def drift_fill_cap(inner_steps: int, room: float = FILL_ROOM) -> int:
 
 def first_fill_cap(inner_steps: int, drift_cap: int) -> int:
     """The most fill steps a push may carry at K = M while the merge waited for is its
-    fragment's first in a fresh job (issue 45, offset45): a round, H (H = 30: a push of at most
-    τ + 2·H steps, inside the syncer's bound of 4·H + τ); 0 where fills_drift's cap is 0
+    fragment's first in a fresh job (issue 45, offset45): a round, H (H = 30: a push then
+    carries up to a round more than its own, at most 2.5·H with fragment 1 of 2's first push
+    of 1.5·H, inside the syncer's bound of 4·H + τ); 0 where fills_drift's cap is 0
     (inner.stepsPerIsland fixed, H < 5).
 
     That wait is the islands' start-up offset (the last island's first push; bench.studies.
-    km_waits: 72-83% of the first merges' waits at L = 0, up to 76% at 50%), seconds where a
+    km_waits: 70-92% of the first merges' waits at L = 0, 0-76% at 50%), seconds where a
     round is one or two, so ⌊0.2·H⌋ fill steps took a part of it and the learner blocked for
     the rest. Filling it costs no merge anything (fills_drift: a fill step is taken only while
     the merge is not back, so the learner resumes at most a step after it) and lines the islands
