@@ -19,6 +19,7 @@ from diloco_trainer.learner.step_plan import (
     drift_fill_cap,
     fills_drift,
     fills_wait,
+    first_fill_cap,
     merge_period,
     steps_to_due,
 )
@@ -126,12 +127,13 @@ def test_a_drift_mid_job_stops_the_fills() -> None:
 
 def _slow_island() -> tuple[FragmentSync, FakeLink, nn.Parameter, list[float]]:
     """A learner at K = M (2 of 2), H = 8, τ = 1, one fragment, whose syncer names H_i = 4;
-    its clock for fill steps is `now[0]`, steps of 1 s, merges every 10 s (the last at 20)."""
+    its clock for fill steps is `now[0]`, steps of 1 s, merges every 10 s (the last at 20:
+    version 3, so its waits are past the fragment's first merge, first_fill_cap's)."""
     spec = make_spec(quorum=2, overlapSteps=1, overlapMode="fixed")
     spec = spec.model_copy(update={"inner": spec.inner.model_copy(update={"steps": 8})})
     link = FakeLink(outer_lr=1.0)
     link.inner_steps = 4
-    sync, w = make_sync(spec, link)
+    sync, w = make_sync(spec, link, version=3)
     sync.step_time = 1.0
     now = [0.0]
     sync.fill.clock = lambda: now[0]
@@ -206,46 +208,70 @@ def test_an_island_at_h_fills_while_every_push_is_under_the_cap() -> None:
     assert not fills_drift(since_push=[0], cap=0)  # H < 5: none
 
 
-def test_an_island_at_h_fills_its_first_merge_wait_up_to_the_cap() -> None:
-    """K = M (2 of 2), H = 10 (the syncer's H_i too), τ = 1, one fragment, no merge yet (no
-    arrival history: the start-up offset's wait is filled too). Cap floor(0.2 x 10) = 2."""
+def test_first_fill_cap_is_a_round() -> None:
+    # H = 30: a first merge's wait takes up to 30 fill steps (a push of at most τ + 60, inside
+    # the syncer's 4 x 30 + τ); none where the drift cap is 0 (fixed rounds, H < 5)
+    assert first_fill_cap(30, drift_fill_cap(30)) == 30
+    assert first_fill_cap(10, drift_fill_cap(10)) == 10
+    assert first_fill_cap(4, drift_fill_cap(4)) == 0  # drift cap floor(0.8) = 0
+    assert first_fill_cap(30, 0) == 0
+
+
+def test_an_island_at_h_fills_its_first_merge_wait_up_to_a_round_then_the_cap() -> None:
+    """K = M (2 of 2), H = 10 (the syncer's H_i too), τ = 1, one fragment, a fresh job (version
+    0): the first merge's wait (the start-up offset) is filled up to first_fill_cap = H = 10
+    fill steps; the second's up to drift_fill_cap = floor(0.2 x 10) = 2, as before."""
     spec = make_spec(quorum=2, overlapSteps=1, overlapMode="fixed")
     spec = spec.model_copy(update={"inner": spec.inner.model_copy(update={"steps": 10})})
     link = FakeLink(outer_lr=1.0)
     link.inner_steps = 10
     sync, w = make_sync(spec, link)
-    assert sync.fill.drift_cap == 2 and sync.fill.arrivals == {}
+    assert (sync.fill.drift_cap, sync.fill.first_cap, sync.fill.arrivals) == (2, 10, {})
     for _ in range(9):
         step(sync, w)
     link.hold = True  # the merge of the push at position 10 is not back until release()
     step(sync, w)
     assert [meta.steps for _, meta, _ in link.pushes] == [10]
-    step(sync, w)  # position 11, τ after the push: its wait, filled (0 of 2 since the push)
+    step(sync, w)  # position 11, τ after the push: its wait, filled (0 of 10 since the push)
     assert (sync.position, sync.fill.next, sync.fill.since_push) == (11, True, {0: 1})
+    assert sync.fill.cap(sync, 0) == 10  # version 0: the fragment's first merge
+    for n in range(2, 11):  # fill steps 1-9, the merge not back: n - 1 < 10, fills again
+        step(sync, w)
+        assert (sync.position, sync.fill.steps, sync.fill.since_push) == (11, n, {0: n})
+    assert not sync.fill.fills(sync, 0)  # an 11th would be over a round: it would block
+    link.release()
+    assert step(sync, w) != {}  # the 10th fill step; the merge waited for (back) and applied
+    assert (sync.position, sync.fill.next, sync.fill.filling) == (11, False, set())
+    for _ in range(8):  # positions 12-19
+        step(sync, w)
+    link.hold = True
+    step(sync, w)  # position 20: pushed
+    # the push carries τ's step, the 10 fill steps and positions 12-20: 1 + 10 + 9 = 20 = 2 x H
+    assert [meta.steps for _, meta, _ in link.pushes] == [10, 20]
+    assert sync.fill.since_push == {0: 0}
+    # the fill steps are no part of a round: 20 positions at 10 / 10 each (30 with them)
+    assert sync.round_work == 20.0
+    # the second merge (version 1 held): the cap, 2, as at any later wait
+    step(sync, w)  # position 21: its wait, filled (0 of 2)
+    assert (sync.position, sync.fill.since_push, sync.fill.cap(sync, 0)) == (21, {0: 1}, 2)
     step(sync, w)  # the first fill step; not back: 1 < 2, fills again
-    assert (sync.position, sync.fill.steps, sync.fill.since_push) == (11, 2, {0: 2})
+    assert (sync.position, sync.fill.steps, sync.fill.since_push) == (21, 12, {0: 2})
     assert not sync.fill.fills(sync, 0)  # a third would be over the cap: it would block
     link.release()
-    assert step(sync, w) != {}  # the second fill step; the merge waited for (back) and applied
-    assert (sync.position, sync.fill.next, sync.fill.filling) == (11, False, set())
-    for _ in range(9):  # positions 12-20: pushed at 20
-        step(sync, w)
-    # the push carries τ's step, the two fill steps and positions 12-20: 12 = H + the cap
-    assert [meta.steps for _, meta, _ in link.pushes] == [10, 12]
-    assert sync.fill.since_push == {0: 0}
-    # the fill steps are no part of a round: 20 positions at 10 / 10 each (22 with them)
-    assert sync.round_work == 20.0
+    assert step(sync, w) != {}
 
 
 def test_a_wait_past_the_cap_is_logged_as_a_merge_wait(caplog: pytest.LogCaptureFixture) -> None:
-    """The same job as above; the merge comes back 0.3 s after the cap's two fill steps, so the
-    third step's settle blocks for it: that wait is logged as any merge wait (bench.studies.
-    km_waits reads "waited ...s for fragment f"; before, a wait past the cap went unlogged)."""
+    """The same job as above, but joined at version 3 (a running job's: its first wait is
+    drift, capped at 2, not the start-up's); the merge comes back 0.3 s after the cap's two fill
+    steps, so the third step's settle blocks for it: that wait is logged as any merge wait
+    (bench.studies.km_waits reads "waited ...s for fragment f"; before, a wait past the cap went
+    unlogged)."""
     spec = make_spec(quorum=2, overlapSteps=1, overlapMode="fixed")
     spec = spec.model_copy(update={"inner": spec.inner.model_copy(update={"steps": 10})})
     link = FakeLink(outer_lr=1.0)
     link.inner_steps = 10
-    sync, w = make_sync(spec, link)
+    sync, w = make_sync(spec, link, version=3)
     for _ in range(9):
         step(sync, w)
     link.hold = True
@@ -288,12 +314,13 @@ def _three_x_island() -> tuple[FragmentSync, FakeLink, nn.Parameter, list[float]
     """A 3x island at K = M (2 of 2), H = 20, τ = 1, one fragment, whose syncer names H_i =
     floor(0.9 x 20 / 3) = 6 (core/island_rounds.sized_steps); in units of a fast island's step:
     its steps take 3.1 (3x plus its share of the sync path: bench.hetero --emulate-step-ms 50
-    read 0.15-0.16 s), merges every 20, the last at 40. Cap floor(0.2 x 20) = 4 (counted in H)."""
+    read 0.15-0.16 s), merges every 20, the last at 40 (version 3: past the first merge). Cap
+    floor(0.2 x 20) = 4 (counted in H)."""
     spec = make_spec(quorum=2, overlapSteps=1, overlapMode="fixed")
     spec = spec.model_copy(update={"inner": spec.inner.model_copy(update={"steps": 20})})
     link = FakeLink(outer_lr=1.0)
     link.inner_steps = 6
-    sync, w = make_sync(spec, link)
+    sync, w = make_sync(spec, link, version=3)
     sync.step_time = 3.1
     now = [0.0]
     sync.fill.clock = lambda: now[0]

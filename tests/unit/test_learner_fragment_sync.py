@@ -121,12 +121,20 @@ def make_spec(**sync: Any) -> JobSpec:
     )
 
 
-def make_sync(spec: JobSpec, link: FakeLink) -> tuple[FragmentSync, nn.Parameter]:
+def make_sync(
+    spec: JobSpec, link: FakeLink, *, version: int = 0
+) -> tuple[FragmentSync, nn.Parameter]:
+    """A learner joined at `version` (0: a fresh job; more: a running job's merges)."""
     w = nn.Parameter(torch.zeros(2))
     link.global_weights = {"w": torch.zeros(2)}
+    link.version = version
     sync = FragmentSync(spec, "island-0", link, {"w": w}, threading.Event())  # type: ignore[arg-type]
     pulled = PulledFragment(
-        fragment=0, version=0, outer_step=0, finished=False, tensors={"w": torch.zeros(2)}
+        fragment=0,
+        version=version,
+        outer_step=version,
+        finished=False,
+        tensors={"w": torch.zeros(2)},
     )
     sync.fragments = [FragmentState(names=["w"])]
     sync.arrived[0] = SyncResult(pulled=pulled, outcome="joined", seconds=0.0)

@@ -19,8 +19,9 @@ drift rule's cost is the same as at H: a merge at most one of its steps late (a 
 An island at H (identical speeds) has no such slack: its waits
 are its peers' drift (a start-up offset, step-time noise, speed gaps between processes). It fills
 them too while each fragment's next push carries at most FILL_ROOM x H fill steps
-(step_plan.fills_drift), from the first merge on (no arrival history needed); with
-inner.stepsPerIsland auto only (fixed: exactly H steps a round).
+(step_plan.fills_drift), from the first merge on (no arrival history needed), and up to H
+while the merge waited for is its fragment's first in a fresh job (the start-up offset:
+step_plan.first_fill_cap); with inner.stepsPerIsland auto only (fixed: exactly H steps a round).
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ from diloco_trainer.learner.step_plan import (
     drift_fill_cap,
     fills_drift,
     fills_wait,
+    first_fill_cap,
     merge_period,
     steps_to_due,
 )
@@ -53,6 +55,14 @@ class StopTarget(Protocol):
 
     @property
     def stop_at(self) -> int | None: ...
+
+
+class Versioned(Protocol):
+    """What a fill step reads of a fragment's state: the merged version it holds (0 in a fresh
+    job before its first merge)."""
+
+    @property
+    def version(self) -> int: ...
 
 
 class Waiting(Protocol):
@@ -78,7 +88,7 @@ class Waiting(Protocol):
     @property
     def wall_step(self) -> float: ...
     @property
-    def fragments(self) -> Sequence[object]: ...
+    def fragments(self) -> Sequence[Versioned]: ...
     @property
     def position(self) -> int: ...
     @property
@@ -103,6 +113,9 @@ class FillSteps:
         # job's stopAfter.tokens met exactly and its runs repeatable (tests/e2e/test_repeatable).
         fixed = spec.inner.steps_per_island == "fixed"
         self.drift_cap = 0 if fixed else drift_fill_cap(spec.inner.steps, FILL_ROOM)
+        # While the merge waited for is its fragment's first in a fresh job: the start-up
+        # offset's wait, filled up to a round (step_plan.first_fill_cap, issue 45).
+        self.first_cap = first_fill_cap(spec.inner.steps, self.drift_cap)
         self.next = False  # the next inner step is a fill step
         self.steps = 0  # fill steps taken (logged at exit)
         self.clock = time.monotonic  # a test may replace it
@@ -175,13 +188,21 @@ class FillSteps:
                 self.since_push[g] = self.since_push.get(g, 0) + 1
         return took
 
+    def cap(self, sync: Waiting, f: int) -> int:
+        """fills_drift's cap at a wait for fragment f's merge: a round (first_fill_cap) while
+        that merge is the fragment's first in a fresh job (the learner holds version 0: the
+        islands' start-up offset), else floor(room x H) (drift_fill_cap). A learner that joined
+        a running job holds a later version: its first wait is drift, not the job's start."""
+        return self.first_cap if sync.fragments[f].version == 0 else self.drift_cap
+
     def fills(self, sync: Waiting, f: int) -> bool:
         """Whether the wait for fragment f's merge (in flight, not back) is filled with a step
         at K = M only, with no phase shift, syncer restart or stop target under way (the drain's
         targets split the budget by H_i x tokens per step): any island while its pushes carry
-        at most the cap, floor(room x H) (step_plan.fills_drift); a slow island (its round below
-        inner.steps) past the cap too while every fragment's next push stays early by its merge
-        period (step_plan.fills_wait, which needs every fragment's period known)."""
+        at most the cap, floor(room x H) or at a first merge H (`cap`, step_plan.fills_drift);
+        a slow island (its round below inner.steps) past the cap too while every fragment's next
+        push stays early by its merge period (step_plan.fills_wait, which needs every
+        fragment's period known)."""
         if (
             not (sync.blocking and self.lock_step)
             or sync.phase_pending
@@ -194,7 +215,7 @@ class FillSteps:
         # Every island fills by the drift rule first, a slow one too (issue 47): its slack is
         # under a step a round once rounded down, which fills_wait's room never lets it take.
         since = [self.since_push.get(g, 0) for g in range(len(sync.fragments))]
-        if fills_drift(since_push=since, cap=self.drift_cap):
+        if fills_drift(since_push=since, cap=self.cap(sync, f)):
             return True
         if sync.round_steps >= self.inner_steps:
             return False

@@ -97,10 +97,11 @@ def join_latency(
     the push's and the pull's codec (int8 both ways by default: the join's bytes, unscaled,
     read 0.51-0.83 s for syncs of 0.35-0.47 s at L = 50%, and fitted τ to the cap, 29). Left
     out: the requests' round trips, the syncer's merge and the wait for peers, so it reads low
-    (at gpt-tiny, L = 50%: 0.2 s for syncs of 0.3-0.5 s); the fill steps cover some of the rest,
-    and a low first τ keeps few of the first round's steps, where kept steps cost most. At
-    K = M the first push of each fragment was made with τ = 1 and waited a whole sync for its
-    merge (docs/algorithm.md, "The first push's overlap")."""
+    (at gpt-tiny, L = 50%: 0.2 s for syncs of 0.3-0.5 s); the fill steps cover the rest, up to a
+    round at a fragment's first merge (step_plan.first_fill_cap), and a low first τ keeps few
+    of the first round's steps, where kept steps cost most. At K = M the first push of each
+    fragment was made with τ = 1 and waited a whole sync for its merge (docs/algorithm.md, "The
+    first push's overlap")."""
     if not pull_seconds or len(pull_bytes) != len(pull_seconds) or fragments < 1:
         return None
     known = [s for s in pull_seconds if s is not None and math.isfinite(s)]

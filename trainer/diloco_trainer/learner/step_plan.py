@@ -392,6 +392,26 @@ def drift_fill_cap(inner_steps: int, room: float = FILL_ROOM) -> int:
     return math.floor(room * inner_steps + 1e-9)
 
 
+def first_fill_cap(inner_steps: int, drift_cap: int) -> int:
+    """The most fill steps a push may carry at K = M while the merge waited for is its
+    fragment's first in a fresh job (issue 45, offset45): a round, H (H = 30: a push then
+    carries up to a round more than its own, at most 2.5·H with fragment 1 of 2's first push
+    of 1.5·H, inside the syncer's bound of 4·H + τ); 0 where fills_drift's cap is 0
+    (inner.stepsPerIsland fixed, H < 5).
+
+    That wait is the islands' start-up offset (the last island's first push; bench.studies.
+    km_waits: 70-92% of the first merges' waits at L = 0, 0-76% at 50%), seconds where a
+    round is one or two, so ⌊0.2·H⌋ fill steps took a part of it and the learner blocked for
+    the rest. Filling it costs no merge anything (fills_drift: a fill step is taken only while
+    the merge is not back, so the learner resumes at most a step after it) and lines the islands
+    up as blocking did (no fill step moves a schedule position). Bounded by a round, not open:
+    an island whose pods wait for a node holds the others' first merge, and each early island
+    then blocks after one round of fill steps, as after ⌊0.2·H⌋ before; the early islands'
+    next push carries up to 2·H steps once (a merge's token imbalance up to 2x, against 1.2x
+    after)."""
+    return inner_steps if drift_cap > 0 else 0
+
+
 def fills_drift(*, since_push: Sequence[int], cap: int) -> bool:
     """Whether a learner at K = M (any island: at H, or a slow one, which past the cap may still
     fill by fills_wait), at a merge wait whose merge has not come, takes a fill step: while every
