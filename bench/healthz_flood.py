@@ -15,10 +15,10 @@ The target is judged on the probe port.
 With --churn (the audit of 2026-12-01's probe-port churn, docs/adversaries.md): per round, the
 kubelet's probe of the probe port from KUBELET every --interval seconds with no churn (the
 floor), then the same while `--addresses` processes, each from its own /24 (127.0.3.9,
-127.0.4.9, ..), open connections to the probe port as fast as they can, never send a byte and
-keep their newest 200, for --seconds. Reported besides the probes: the connections the churn
-opened and the CPU it and the syncer's process used (seconds per second of churn: on this
-machine the churners share the syncer's cores).
+127.0.4.9, ..; host 10 the next round, and so on), open connections to the probe port as fast
+as they can, never send a byte and keep their newest 200, for --seconds. Reported besides the
+probes: the connections the churn opened and the CPU it and the syncer's process used (seconds
+per second of churn: on this machine the churners share the syncer's cores).
 
     python -m bench.healthz_flood                      # 4 x 1000, 3 rounds
     python -m bench.healthz_flood --addresses 2 --connections 600
@@ -178,14 +178,15 @@ def paced_probes(port: int, seconds: float, interval: float) -> list[Probe]:
 
 
 def churn_round(
-    port: int, syncer_pid: int, churners: int, seconds: float, interval: float
+    port: int, syncer_pid: int, churners: int, seconds: float, interval: float, host: int
 ) -> tuple[list[Probe], int, float, float]:
     """Probes from KUBELET while `churners` processes churn connections to `port` for `seconds`
-    (the probes stop a second before the churn does): (probes, connections the churn opened,
-    the churn's CPU seconds and the syncer's over the same time)."""
+    from 127.0.3.`host`, 127.0.4.`host`, .. (the probes stop a second before the churn does):
+    (probes, connections the churn opened, the churn's CPU seconds and the syncer's over the
+    same time)."""
     procs = [
         subprocess.Popen(
-            [sys.executable, "-c", CHURN, f"127.0.{3 + i}.9", str(port), str(seconds)],
+            [sys.executable, "-c", CHURN, f"127.0.{3 + i}.{host}", str(port), str(seconds)],
             stdout=subprocess.PIPE,
             text=True,
         )
@@ -321,8 +322,10 @@ def churn_main(args: argparse.Namespace) -> int:
                 before = cpu_seconds(pid)
                 calm = paced_probes(probe_port, args.seconds - 1.0, args.interval)
                 calm_cpu = cpu_seconds(pid) - before
+                # A host of its own each round: the last round's closed connections hold their
+                # source ports in TIME_WAIT for a minute, which slows this round's binds.
                 churned, opened, cpu, syncer_cpu = churn_round(
-                    probe_port, pid, args.addresses, args.seconds, args.interval
+                    probe_port, pid, args.addresses, args.seconds, args.interval, host=9 + r
                 )
             finally:
                 proc.stop(timeout=10)
