@@ -12,13 +12,24 @@ per port: probes, those not answered 200, and the probe latency's median, 99th p
 maximum (connect to answer), against the same probes with no flood in the same run (the floor).
 The target is judged on the probe port.
 
+With --churn (the audit of 2026-12-01's probe-port churn, docs/adversaries.md): per round, the
+kubelet's probe of the probe port from KUBELET every --interval seconds with no churn (the
+floor), then the same while `--addresses` processes, each from its own /24 (127.0.3.9,
+127.0.4.9, ..; host 10 the next round, and so on), open connections to the probe port as fast
+as they can, never send a byte and keep their newest 200, for --seconds. Reported besides the
+probes: the connections the churn opened and the CPU it and the syncer's process used (seconds
+per second of churn: on this machine the churners share the syncer's cores).
+
     python -m bench.healthz_flood                      # 4 x 1000, 3 rounds
     python -m bench.healthz_flood --addresses 2 --connections 600
+    python -m bench.healthz_flood --churn --rounds 2   # 4 churning /24s, 15 s a round
 """
 
 from __future__ import annotations
 
+import argparse
 import http.client
+import os
 import select
 import statistics
 import subprocess
@@ -26,6 +37,7 @@ import sys
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 from diloco_trainer.api import contract, protocol
 from diloco_trainer.api.spec import parse_spec
@@ -68,6 +80,27 @@ sys.stdin.read()
 # One probe: (the port probed, seconds from connect to answer, its status or the error it met).
 Probe = tuple[int, float, int | str]
 KUBELET = "127.0.0.1"  # the probe outside the flood; the other from the flood's first address
+# The audit's churn: opens connections to a port as fast as it can from its address, never
+# sending a byte, keeps the newest 200 open, for the seconds given; prints "start", then at the
+# end the connections it opened and the CPU seconds it used.
+CHURN = """
+import collections, socket, sys, time
+source, port, secs = sys.argv[1], int(sys.argv[2]), float(sys.argv[3])
+held = collections.deque()
+opened = 0
+print("start", flush=True)
+end = time.monotonic() + secs
+while time.monotonic() < end:
+    s = socket.socket()
+    s.setblocking(False)
+    s.bind((source, 0))
+    s.connect_ex(("127.0.0.1", port))
+    held.append(s)
+    opened += 1
+    while len(held) > 200:
+        held.popleft().close()
+print("done", opened, time.process_time(), flush=True)
+"""
 
 
 def probe(port: int, source: str) -> Probe:
@@ -126,6 +159,56 @@ def flood_round(
     return probes
 
 
+def cpu_seconds(pid: int) -> float:
+    """The CPU (user + system) process `pid` has used so far, from /proc."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def paced_probes(port: int, seconds: float, interval: float) -> list[Probe]:
+    """The kubelet's probes of `port` from KUBELET, one every `interval` seconds (a probe
+    that takes longer delays the next) for `seconds`."""
+    probes: list[Probe] = []
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        started = time.monotonic()
+        probes.append(probe(port, KUBELET))
+        time.sleep(max(0.0, interval - (time.monotonic() - started)))  # pacing, not a wait
+    return probes
+
+
+def churn_round(
+    port: int, syncer_pid: int, churners: int, seconds: float, interval: float, host: int
+) -> tuple[list[Probe], int, float, float]:
+    """Probes from KUBELET while `churners` processes churn connections to `port` for `seconds`
+    from 127.0.3.`host`, 127.0.4.`host`, .. (the probes stop a second before the churn does):
+    (probes, connections the churn opened, the churn's CPU seconds and the syncer's over the
+    same time)."""
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", CHURN, f"127.0.{3 + i}.{host}", str(port), str(seconds)],
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        for i in range(churners)
+    ]
+    try:
+        for c in procs:  # every churner is churning before the first probe
+            assert c.stdout is not None and c.stdout.readline() == "start\n"
+        syncer_before = cpu_seconds(syncer_pid)
+        probes = paced_probes(port, seconds - 1.0, interval)
+        opened, cpu = 0, 0.0
+        for c in procs:
+            assert c.stdout is not None
+            _, n, used = c.stdout.readline().split()
+            opened, cpu = opened + int(n), cpu + float(used)
+        return probes, opened, cpu, cpu_seconds(syncer_pid) - syncer_before
+    finally:
+        for c in procs:
+            c.kill()
+            c.wait(timeout=30)
+
+
 def summary(probes: list[Probe]) -> tuple[int, int, float, float, float]:
     """(probes, not 200, median, p99, max) with latencies in seconds."""
     seconds = sorted(s for _, s, _ in probes)
@@ -140,8 +223,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--connections", type=int, default=1000, help="connections each address opens")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--after", type=int, default=10, help="probe rounds once the floods are open")
+    p.add_argument("--churn", action="store_true", help="the probe-port churn instead of floods")
+    p.add_argument("--seconds", type=float, default=15.0, help="--churn: seconds a round churns")
+    p.add_argument("--interval", type=float, default=0.2, help="--churn: seconds between probes")
     args = p.parse_args(argv)
     install_signal_cleanup()
+    if args.churn:
+        return churn_main(args)
     addresses = [f"127.0.0.{2 + i}" for i in range(args.addresses)]
     table = Table(
         f"/healthz during a flood of {args.addresses} addresses x {args.connections} idle "
@@ -151,21 +239,8 @@ def main(argv: list[str] | None = None) -> int:
     with LoadMonitor() as load, workdir(args.workdir, "healthz-flood") as work:
         files = write_job_files(parse_spec(SPEC), work / "job")
         for r in range(args.rounds):
-            # Outside the ephemeral range: the last round's floods closed thousands of sockets
-            # there, and their ports are not all free yet.
-            port, probe_port = pick_ports(2, set())
-            proc = track(
-                start_syncer(
-                    files,
-                    port=port,
-                    state_dir=work / f"state-{r}",
-                    job_name="healthz-flood",
-                    log_file=work / f"syncer-{r}.log",
-                    extra_env={contract.SYNCER_HEALTH_PORT: str(probe_port)},
-                )
-            )
+            proc, port, probe_port = start(files, work, r)
             try:
-                wait_ready(f"http://127.0.0.1:{port}", files.token, proc=proc)
                 calm = [
                     probe(p, s)
                     for _ in range(args.after)
@@ -199,6 +274,89 @@ def main(argv: list[str] | None = None) -> int:
             "port: probe = the syncer's probe listener (DILOCO_SYNCER_HEALTH_PORT), where a "
             "pod's kubelet probes and the target is judged; syncer (baseline) = /healthz on the "
             "flooded syncer port itself, as the kubelet probed before the probe listener",
+            f"work dir: {Path(args.workdir) if args.workdir else 'temporary'}",
+        ],
+    )
+    return publish(report, args, load)
+
+
+def start(files: Any, work: Path, r: int) -> tuple[Any, int, int]:
+    """A syncer with its probe listener for round `r`: (its process, port, probe port)."""
+    # Outside the ephemeral range: the last round's floods closed thousands of sockets there,
+    # and their ports are not all free yet.
+    port, probe_port = pick_ports(2, set())
+    proc = track(
+        start_syncer(
+            files,
+            port=port,
+            state_dir=work / f"state-{r}",
+            job_name="healthz-flood",
+            log_file=work / f"syncer-{r}.log",
+            extra_env={contract.SYNCER_HEALTH_PORT: str(probe_port)},
+        )
+    )
+    try:
+        wait_ready(f"http://127.0.0.1:{port}", files.token, proc=proc)
+    except BaseException:
+        proc.stop(timeout=10)
+        raise
+    return proc, port, probe_port
+
+
+def churn_main(args: argparse.Namespace) -> int:
+    """--churn: the probe port's answers with no churn and under the audit's churn."""
+    table = Table(
+        f"/healthz on the probe port from {KUBELET}, every {args.interval:g} s for "
+        f"{args.seconds - 1:g} s, with no churn and under {args.addresses} churning /24s",
+        [
+            *("round", "churn", "probes", "not 200", "median s", "p99 s", "max s", "over 1 s"),
+            *("max ratio", "churn conns/s", "churn CPU s/s", "syncer CPU s/s"),
+        ],
+    )
+    with LoadMonitor() as load, workdir(args.workdir, "healthz-churn") as work:
+        files = write_job_files(parse_spec(SPEC), work / "job")
+        for r in range(args.rounds):
+            proc, _, probe_port = start(files, work, r)
+            try:
+                pid = proc.popen.pid
+                before = cpu_seconds(pid)
+                calm = paced_probes(probe_port, args.seconds - 1.0, args.interval)
+                calm_cpu = cpu_seconds(pid) - before
+                # A host of its own each round: the last round's closed connections hold their
+                # source ports in TIME_WAIT for a minute, which slows this round's binds.
+                churned, opened, cpu, syncer_cpu = churn_round(
+                    probe_port, pid, args.addresses, args.seconds, args.interval, host=9 + r
+                )
+            finally:
+                proc.stop(timeout=10)
+            floor = summary(calm)[4]
+            per_s = args.seconds - 1.0
+            for label, probes, extra in (
+                ("none (floor)", calm, ("-", "-", f"{calm_cpu / per_s:.2f}")),
+                (
+                    "churn",
+                    churned,
+                    (
+                        f"{opened / args.seconds:.0f}",
+                        f"{cpu / args.seconds:.2f}",
+                        f"{syncer_cpu / per_s:.2f}",
+                    ),
+                ),
+            ):
+                n, bad, med, p99, worst = summary(probes)
+                over = sum(1 for _, s, _ in probes if s > 1.0)
+                table.add(
+                    *(r, label, n, bad, f"{med:.4f}", f"{p99:.4f}", f"{worst:.3f}", over),
+                    *(f"{worst / floor:.1f}x", *extra),
+                )
+    report = Report(
+        script="healthz_flood --churn",
+        summary="the kubelet's probe of the probe listener under a connection churn",
+        tables=[table],
+        notes=[
+            "the target (issue 46): no probe over 1 s and none failed, on the churn rows",
+            "CPU s/s: CPU seconds used per second of the round (the churners' summed; "
+            "the machine has 2 cores)",
             f"work dir: {Path(args.workdir) if args.workdir else 'temporary'}",
         ],
     )

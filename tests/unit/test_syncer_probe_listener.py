@@ -5,9 +5,11 @@ real socket."""
 from __future__ import annotations
 
 import http.client
+import select
 import socket
 import ssl
 import subprocess
+import time
 from collections import Counter
 from dataclasses import dataclass
 from typing import Any
@@ -142,8 +144,12 @@ def _closed_unanswered(sock: socket.socket) -> bool:
 
 def test_listener_closes_the_oldest_connection_beyond_max_open() -> None:
     port = pick_ports(1, set())[0]
-    # Idle connections wait for their request line longer than the test: only the cap closes one.
-    probes = health.HealthListener(_route_answer, "127.0.0.1", port, wait=60.0)
+    # Idle connections wait for their request line longer than the test: only the cap closes one
+    # (the accept budget, test_listener_sheds_silent_connections_of_a_prefix_past_its_budget's,
+    # is lifted past them).
+    probes = health.HealthListener(
+        _route_answer, "127.0.0.1", port, wait=60.0, accept_budget=health.MAX_OPEN + 1
+    )
     probes.start()
     held = [socket.create_connection(("127.0.0.1", port), timeout=30)]
     try:
@@ -223,3 +229,63 @@ def test_make_room_closes_the_oldest_of_the_prefix_holding_the_most() -> None:
     # Equal counts: the prefix of the oldest connection, its oldest (the old rule's choice).
     even = dict.fromkeys([kubelet, b1])
     assert health.make_room(even, Counter(c.prefix for c in even)) is kubelet
+
+
+def test_accept_budget_sheds_a_prefix_past_its_budget_within_a_window() -> None:
+    """Hand-worked, budget 2 a window of 1 s: a prefix's third connection within its window is
+    shed (and not counted), another prefix has a budget of its own, and a window starts anew at
+    the first connection after the last one ended."""
+    budget = health.AcceptBudget(2, 1.0)
+    a, b = "10.1.0.0/24", "10.2.0.0/24"
+    assert budget.admit(a, 0.0)  # a's window [0, 1): 1 served
+    assert budget.admit(a, 0.5)  # 2 served: the budget
+    assert not budget.admit(a, 0.9)  # a third within the window: shed
+    assert budget.admit(b, 0.9)  # b's own window [0.9, 1.9): 1 served
+    assert budget.admit(a, 1.0)  # 1.0 - 0.0 >= 1.0: a's window [1, 2), 1 served
+    assert budget.admit(a, 1.5)  # 2 served
+    assert not budget.admit(a, 1.99)  # shed again
+    assert budget.windows == {a: (1.0, 2), b: (0.9, 1)}  # shed connections counted nowhere
+
+
+def test_whole_request_is_a_line_end_or_head_bytes() -> None:
+    assert health.whole_request(b"GET /healthz HTTP/1.1\r\nHost: x")
+    assert not health.whole_request(b"GET /healthz HTTP/1.1")  # its line end still to come
+    assert not health.whole_request(b"x" * (health.HEAD_BYTES - 1))
+    assert health.whole_request(b"x" * health.HEAD_BYTES)  # as much as is read: answered 400
+
+
+def _wait_for(condition: Any, what: str, timeout: float = 20.0) -> None:
+    """Poll `condition` until it holds, failing after `timeout` seconds (no fixed sleep)."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.01)
+
+
+def test_listener_sheds_silent_connections_of_a_prefix_past_its_budget() -> None:
+    """Issue 46: a churn of connections that never send costs the listener an accept and a close
+    each once their prefix is past its AcceptBudget; a probe of the same prefix whose request is
+    in when it is accepted is answered all the same."""
+    port = pick_ports(1, set())[0]
+    # A window longer than the test and a wait for request lines as long: only the budget closes.
+    probes = health.HealthListener(
+        _route_answer, "127.0.0.1", port, wait=60.0, accept_budget=2, accept_window=60.0
+    )
+    probes.start()
+    silent = [socket.create_connection(("127.0.0.1", port), timeout=30) for _ in range(3)]
+    try:
+        # Silent, they are accepted once their deferral ends (TCP_DEFER_ACCEPT): two are served
+        # (open, waiting for a request line), the third is closed unread.
+        _wait_for(lambda: probes.shed == 1 and len(probes.open) == 2, "the third one shed")
+        closed, _, _ = select.select(silent, [], [], 10)
+        assert len(closed) == 1 and _closed_unanswered(closed[0])
+        # A probe from the same prefix (127.0.0.0/24), past its budget, is answered: its request
+        # is in when it is accepted, and it is answered there, no transport made.
+        assert _get(port, "/healthz") == (200, '{"route": "/healthz", "strict": false}')
+        # (the listener counts it after its answer is sent)
+        _wait_for(lambda: probes.answered_at_accept == 1, "the probe counted as answered")
+        assert probes.shed == 1 and len(probes.open) == 2
+    finally:
+        for sock in silent:
+            sock.close()
+        probes.stop()

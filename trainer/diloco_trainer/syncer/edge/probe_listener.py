@@ -20,10 +20,25 @@ a churn of connections from a pod's address (open, never send, open the next, th
 second) closed the kubelet's probe connections before their request was read, 19 of 23 probes
 (audit of 2026-12-01, docs/adversaries.md); now a flood closes its own first, and the
 kubelet's, one connection from the node's address, goes only once no prefix holds more. (What
-the churn still costs is CPU: every connection is accepted in Python, so probes wait behind it;
-docs/adversaries.md, "Audit of 2026-12-01", has the figures.) The job's NetworkPolicy (when on,
+the churn then cost was time: the probes waited behind it, up to 4-10 s; the accept path below
+bounds that, docs/adversaries.md, "Audit of 2026-12-01".) The job's NetworkPolicy (when on,
 operator resources/security.py) lets only the job's own pods reach this port and the Service
 does not carry it: the kubelet probes from the node.
+
+How it accepts: its own accept loop on the listening socket, not asyncio's server (which makes a
+task, a transport and a protocol for every connection before anything is known of it), so that
+what a churn of connections costs is bounded before that work (take_accepted):
+- the socket defers accepts until a connection's first bytes are in (TCP_DEFER_ACCEPT, Linux), so
+  the kubelet's probe is accepted with its request and answered on the spot, with no transport,
+  timer or further wake-up; one closed before it sent anything is closed at once;
+- a connection still silent (past the deferral, or where there is none) or with part of a request
+  line is served as before, unless its network prefix (limits.prefix_of) had ACCEPT_BUDGET such
+  within the last ACCEPT_WINDOW: then it is closed at once, unread (AcceptBudget). A prefix
+  churning connections that never send costs the listener an accept and a close each, and the
+  kubelet's probe, whose request is in when it is accepted, is answered whatever its prefix.
+  Under TLS the request cannot be read before the handshake: every connection that has not
+  closed is under the budget. Under the audit's churn (4 /24s) probes took up to 0.108 s
+  against main's 5.2-10.0 s (bench/log/2026-12-01.md, "healthz_flood --churn").
 """
 
 from __future__ import annotations
@@ -31,6 +46,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import socket
 import ssl
 import threading
 import time
@@ -52,9 +68,29 @@ log = logging.getLogger("diloco.syncer")
 # probe timeout (operator resources/syncer.py PROBE_TIMEOUT_SECONDS), past which a probe on the
 # syncer port would have failed too.
 LOOP_STALL_SECONDS = 5.0
-# Connections the probe listener keeps open at once, and queues for accept.
+# Connections the probe listener keeps open at once.
 MAX_OPEN = 64
-BACKLOG = 64
+# Connections the kernel queues for accept (capped by net.core.somaxconn), and at most accepted a
+# turn of the loop: under the audit's churn (4 /24s, ~15,000 connections a second) a queue of 64
+# overflowed and the kubelet's connection was dropped (its retries come after 1 s, then 3 s);
+# with each churning connection an accept and a close (take_accepted) a queue of 1024 drains
+# within tens of milliseconds. With asyncio's accept (main before issue 46's fix) a longer queue
+# only made probes wait longer (bench/log/2026-12-01.md, "healthz_flood --churn").
+BACKLOG = 1024
+# Connections of one network prefix served within ACCEPT_WINDOW seconds without a whole request
+# line when accepted (AcceptBudget): half of MAX_OPEN, so a churning prefix holds at most half the
+# listener's room; the kubelet sends a few probes a period, each accepted with its request.
+ACCEPT_BUDGET = 32
+ACCEPT_WINDOW = 1.0
+# Seconds the kernel holds a connection that sent nothing before it is accepted anyway
+# (TCP_DEFER_ACCEPT, rounded up to its SYN-ACK retransmits): PROBE_WAIT, the time a connection
+# has for its request line.
+DEFER_ACCEPT_SECONDS = 1
+# Bytes read of a connection when it is accepted: a probe's request line fits (request_target).
+HEAD_BYTES = 1024
+# Network prefixes remembered (AcceptBudget's windows, the listener's address -> prefix cache)
+# before those past their use are dropped.
+REMEMBERED_PREFIXES = 4096
 
 
 class _Prefixed(Protocol):
@@ -100,33 +136,89 @@ def make_room(open_: dict[_C, None], per_prefix: Counter[str]) -> _C:
     return next(c for c in open_ if per_prefix[c.prefix] == most)
 
 
+class AcceptBudget:
+    """At most `budget` connections of one network prefix served in a window of `window`
+    seconds (fixed windows, each starting at the first connection after the last one ended: at
+    most 2 x `budget` in any `window`); the rest are shed."""
+
+    def __init__(self, budget: int, window: float) -> None:
+        self.budget, self.window = budget, window
+        self.windows: dict[str, tuple[float, int]] = {}  # prefix -> (its window's start, served)
+
+    def admit(self, prefix: str, now: float) -> bool:
+        """Whether a connection of `prefix` at `now` is served (counted) or shed (not counted)."""
+        start, served = self.windows.get(prefix, (now, 0))
+        if now - start >= self.window:
+            start, served = now, 0
+        if served >= self.budget:
+            return False
+        if len(self.windows) >= REMEMBERED_PREFIXES and prefix not in self.windows:
+            self.windows = {k: w for k, w in self.windows.items() if now - w[0] < self.window}
+        self.windows[prefix] = (start, served + 1)
+        return True
+
+
+def whole_request(head: bytes) -> bool:
+    """Whether `head` (a connection's first bytes) is as much of a request as the listener
+    reads: a line end, or HEAD_BYTES without one (answered 400 then)."""
+    return b"\n" in head or len(head) >= HEAD_BYTES
+
+
+def answer_head(listener: HealthListener, head: bytes) -> bytes:
+    """The whole HTTP answer to a request whose first line is in `head`."""
+    target = request_target(head.split(b"\n", 1)[0])
+    if target is None:
+        return probe_response(400, {"error": "not a GET request", "code": "bad_request"})
+    return probe_response(*listener.answer(*target))
+
+
+def listening_sockets(host: str, port: int) -> list[socket.socket]:
+    """Non-blocking sockets listening on `host`'s addresses (as asyncio's create_server binds
+    them: SO_REUSEADDR, IPv6 sockets IPv6 only), accepts deferred until a connection's first
+    bytes (TCP_DEFER_ACCEPT, where the system has it). OSError when one cannot bind."""
+    infos = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    socks: list[socket.socket] = []
+    try:
+        for family, kind, proto, _, address in dict.fromkeys(infos):
+            sock = socket.socket(family, kind, proto)
+            socks.append(sock)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            if family == socket.AF_INET6:
+                sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+            if hasattr(socket, "TCP_DEFER_ACCEPT"):
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_DEFER_ACCEPT, DEFER_ACCEPT_SECONDS)
+            sock.bind(address)
+            sock.listen(BACKLOG)
+            sock.setblocking(False)
+    except BaseException:
+        for sock in socks:
+            sock.close()
+        raise
+    return socks
+
+
 class _ProbeConnection(asyncio.Protocol):
     """One probe: its request line within PROBE_WAIT is answered, then the connection closed."""
 
-    def __init__(self, listener: HealthListener) -> None:
+    def __init__(self, listener: HealthListener, head: bytes = b"") -> None:
         self.listener = listener
         self.transport: asyncio.WriteTransport | None = None
-        self.head = b""
+        self.head = head  # what was read of it when it was accepted
         self.timer: asyncio.TimerHandle | None = None
         self.prefix = ""  # the peer's network (limits.prefix_of): whom it makes room with
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         assert isinstance(transport, asyncio.WriteTransport)
         self.transport = transport
-        peer = transport.get_extra_info("peername")
-        self.prefix = prefix_of(str(peer[0])) if isinstance(peer, tuple) and peer else ""
+        self.prefix = self.listener.prefix(transport.get_extra_info("peername"))
         self.listener.opened(self)
         self.timer = asyncio.get_running_loop().call_later(self.listener.wait, self.close)
 
     def data_received(self, data: bytes) -> None:
         self.head += data
-        if b"\n" not in self.head and len(self.head) <= 1024:
+        if not whole_request(self.head):
             return
-        target = request_target(self.head.split(b"\n", 1)[0])
-        if target is None:
-            answer = probe_response(400, {"error": "not a GET request", "code": "bad_request"})
-        else:
-            answer = probe_response(*self.listener.answer(*target))
+        answer = answer_head(self.listener, self.head)
         if self.transport is not None and not self.transport.is_closing():
             self.transport.write(answer)
         self.close()
@@ -156,10 +248,17 @@ class HealthListener:
         ssl_context: ssl.SSLContext | None = None,
         clock: Callable[[], float] = time.monotonic,
         wait: float = PROBE_WAIT,
+        accept_budget: int = ACCEPT_BUDGET,
+        accept_window: float = ACCEPT_WINDOW,
     ) -> None:
         self.probe, self.host, self.port, self.ssl_context = probe, host, port, ssl_context
-        self.clock = clock
+        self.clock = clock  # the probe answers' clock (the loop's beats)
         self.wait = wait  # seconds a connection has to send its request line
+        self.budget = AcceptBudget(accept_budget, accept_window)
+        self.prefixes: dict[str, str] = {}  # peer address -> its network prefix
+        self.answered_at_accept = 0  # connections answered as they were accepted
+        self.shed = 0  # connections closed unread, their prefix past its AcceptBudget
+        self._adopting: set[asyncio.Task[None]] = set()
         self.last_beat = clock()
         self.open: dict[_ProbeConnection, None] = {}  # oldest first
         self.per_prefix: Counter[str] = Counter()  # open connections per network prefix
@@ -173,6 +272,72 @@ class HealthListener:
 
     def answer(self, route: str, strict: bool) -> tuple[int, dict[str, Any]]:
         return probe_answer(self.probe, route, strict, self.clock() - self.last_beat)
+
+    def prefix(self, peer: Any) -> str:
+        """The network prefix of a peer address (limits.prefix_of, remembered: a churn of one
+        address would parse it thousands of times a second)."""
+        address = str(peer[0]) if isinstance(peer, tuple) and peer else ""
+        prefix = self.prefixes.get(address)
+        if prefix is None:
+            if len(self.prefixes) >= REMEMBERED_PREFIXES:
+                self.prefixes.clear()
+            prefix = self.prefixes[address] = prefix_of(address)
+        return prefix
+
+    def take_accepted(self, conn: socket.socket, peer: Any) -> None:
+        """A connection just accepted (the module docstring's order): closed at once when it
+        has closed already, answered at once when its request line is in, closed unread when
+        its prefix is past its AcceptBudget, else served by a _ProbeConnection."""
+        conn.setblocking(False)
+        try:  # under TLS the bytes are the handshake's: peeked at, left for it
+            head = conn.recv(HEAD_BYTES, socket.MSG_PEEK if self.ssl_context else 0)
+        except (BlockingIOError, InterruptedError):
+            head = None  # nothing sent yet
+        except OSError:
+            head = b""  # reset
+        if head == b"":
+            conn.close()
+            return
+        if head is not None and self.ssl_context is None and whole_request(head):
+            with contextlib.suppress(OSError):  # the answer fits an empty send buffer
+                conn.send(answer_head(self, head))
+            conn.close()
+            self.answered_at_accept += 1
+            return
+        if not self.budget.admit(self.prefix(peer), time.monotonic()):
+            self.shed += 1
+            conn.close()
+            return
+        read = b"" if self.ssl_context or head is None else head  # TLS bytes were only peeked
+        task = asyncio.get_running_loop().create_task(self._adopt(conn, read))
+        self._adopting.add(task)
+        task.add_done_callback(self._adopting.discard)
+
+    async def _adopt(self, conn: socket.socket, head: bytes) -> None:
+        """Serve `conn` (`head`: what was read of it) with a _ProbeConnection."""
+        try:
+            await asyncio.get_running_loop().connect_accepted_socket(
+                lambda: _ProbeConnection(self, head),
+                conn,
+                ssl=self.ssl_context,
+                ssl_handshake_timeout=self.wait if self.ssl_context else None,
+            )
+        except (OSError, ssl.SSLError, TimeoutError) as err:  # gone, or a failed handshake
+            log.debug("a probe connection failed before it was served: %s", err)
+            conn.close()
+
+    def _accept(self, sock: socket.socket) -> None:
+        """The listening socket is readable: take what it queued (a BACKLOG at a time, so the
+        loop turns between)."""
+        for _ in range(BACKLOG):
+            try:
+                conn, peer = sock.accept()
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError as err:  # out of file descriptors, or the connection aborted
+                log.warning("the probe listener could not accept a connection: %s", err)
+                return
+            self.take_accepted(conn, peer)
 
     def opened(self, conn: _ProbeConnection) -> None:
         self.open[conn] = None
@@ -218,19 +383,21 @@ class HealthListener:
     async def _serve(self, ready: list[BaseException | None], started: threading.Event) -> None:
         loop = asyncio.get_running_loop()
         self._stopped = asyncio.Event()
-        server = await loop.create_server(
-            lambda: _ProbeConnection(self),
-            self.host,
-            self.port,
-            ssl=self.ssl_context,
-            ssl_handshake_timeout=self.wait if self.ssl_context else None,
-            reuse_address=True,
-            backlog=BACKLOG,
-        )
+        socks = listening_sockets(self.host, self.port)
         ready.append(None)
         started.set()
-        async with server:
+        try:
+            for sock in socks:
+                loop.add_reader(sock.fileno(), self._accept, sock)
             await self._stopped.wait()
+        finally:
+            for sock in socks:
+                loop.remove_reader(sock.fileno())
+                sock.close()
+            for task in list(self._adopting):
+                task.cancel()
+            for conn in list(self.open):
+                conn.close()
 
     def stop(self) -> None:
         """Stop listening and end the thread."""
