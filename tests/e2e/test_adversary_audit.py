@@ -28,6 +28,7 @@ from pathlib import Path
 import pytest
 from diloco_trainer.api import contract, credentials, protocol
 
+from bench.healthz_flood import CHURN  # opens connections, never sends, keeps its newest 200
 from hack.localcluster.harness import pick_ports
 
 from .conftest import SyncerHandle, deep_merge, wait_until
@@ -113,25 +114,6 @@ def test_adversary_connections_that_sent_a_byte_make_room_for_an_island(
     finally:
         for sock in held:
             sock.close()
-
-
-# Opens connections to the probe port as fast as it can from its address, never sending a byte,
-# and keeps the newest 200 open, for the seconds given.
-CHURN = """
-import collections, socket, sys, time
-source, port, secs = sys.argv[1], int(sys.argv[2]), float(sys.argv[3])
-held = collections.deque()
-end = time.monotonic() + secs
-print("start", flush=True)
-while time.monotonic() < end:
-    s = socket.socket()
-    s.setblocking(False)
-    s.bind((source, 0))
-    s.connect_ex(("127.0.0.1", port))
-    held.append(s)
-    while len(held) > 200:
-        held.popleft().close()
-"""
 
 
 def probe(port: int) -> int | str:
