@@ -47,16 +47,28 @@ class SavedGuards(Document):
     streaks: dict[str, int] = Field(default_factory=dict)
 
 
+class SavedMergedPush(Document):
+    """An island's latest merged push to one fragment (syncer/state/records.MergedPush): a
+    push of it again on the same base carries its steps again (records.carried_again)."""
+
+    fragment: int
+    base: int
+    tokens: float
+
+
 class SavedCount(Document):
     """Where an island's heartbeat count stands against its record (syncer/state/targets.py's
     CountBound), kept so a restart reads the same learner's count in the same frame: `base`,
     the island's merged tokens at its last join (its learner counts from there and keeps
     counting across a syncer restart, which it rides out without joining again), and
     `refused`, the tokens of its pushes refused since (not trained again: its count runs
-    ahead of its merged tokens by them for good)."""
+    ahead of its merged tokens by them for good); `merged`, its latest merged push to each
+    fragment since that join (a learner that missed the merge of one across the restart
+    pushes it again on the same base: records.carried_again)."""
 
     base: float = 0.0
     refused: float = 0.0
+    merged: list[SavedMergedPush] = Field(default_factory=list)
 
 
 class CheckpointManifest(Document):

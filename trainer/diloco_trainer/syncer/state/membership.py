@@ -13,7 +13,7 @@ from collections.abc import Mapping
 from typing import Protocol
 
 from diloco_trainer.api.documents import IslandStatus
-from diloco_trainer.api.manifest import SavedCount
+from diloco_trainer.api.manifest import SavedCount, SavedMergedPush
 from diloco_trainer.api.protocol import dropped_for_refusals
 from diloco_trainer.syncer.errors import Refused
 from diloco_trainer.syncer.state.records import (
@@ -23,7 +23,9 @@ from diloco_trainer.syncer.state.records import (
     TIMED_OUT,
     AheadRefusal,
     IslandRecord,
+    MergedPush,
     ahead_carried,
+    carried_again,
 )
 
 
@@ -127,6 +129,7 @@ class Membership:
             rec.count_base = rec.merged_tokens
             rec.refused_tokens = 0.0  # refused before this join: not in the new count either
             rec.ahead_refused.clear()
+            rec.merged_pushes.clear()  # the new learner's pushes are on versions since the join
         # Its pace is measured afresh, but the split waits for it from its first join only
         # (targets.split_among): an island that rejoined every few seconds held it for ever.
         if rec.pace_since is None:
@@ -181,10 +184,13 @@ class Membership:
         if rec is None or rec.joins == 0:
             return
         self.pushed(name, fragment, base)
+        # A push made again over one of its merged pushes (records.carried_again) loses only
+        # the steps since that one: those of the merged push are in the island's merged tokens.
+        tokens = max(0.0, tokens - carried_again(rec.merged_pushes.get(fragment), base))
         if ahead:
-            rec.ahead_refused[fragment] = AheadRefusal(base, max(0.0, tokens))
+            rec.ahead_refused[fragment] = AheadRefusal(base, tokens)
         else:
-            rec.refused_tokens += max(0.0, tokens)
+            rec.refused_tokens += tokens
 
     def pushed(self, name: str, fragment: int, base: int) -> None:
         """A push of the island to `fragment` on version `base` came (accepted, or refused:
@@ -256,7 +262,14 @@ class Membership:
     def counts(self) -> dict[str, SavedCount]:
         """Per island that joined, its heartbeat count's frame, for checkpoints (SavedCount)."""
         return {
-            n: SavedCount(base=r.count_base, refused=r.refused_tokens)
+            n: SavedCount(
+                base=r.count_base,
+                refused=r.refused_tokens,
+                merged=[
+                    SavedMergedPush(fragment=f, base=m.base, tokens=m.tokens)
+                    for f, m in sorted(r.merged_pushes.items())
+                ],
+            )
             for n, r in sorted(self.islands.items())
             if r.joins > 0
         }
@@ -282,5 +295,8 @@ class Membership:
             if saved is not None:
                 rec.count_base = max(0.0, saved.base)
                 rec.refused_tokens = rec.restored_refused = max(0.0, saved.refused)
+                rec.merged_pushes = {
+                    m.fragment: MergedPush(m.base, max(0.0, m.tokens)) for m in saved.merged
+                }
             self.islands[name] = rec
         self._events.membership_changed(now)

@@ -94,6 +94,35 @@ def ahead_carried(refused: AheadRefusal, base_version: int) -> bool:
     return base_version < refused.base
 
 
+@dataclass(frozen=True)
+class MergedPush:
+    """An island's latest merged push to a fragment since its last join
+    (IslandRecord.merged_pushes)."""
+
+    base: int  # its baseVersion
+    tokens: float  # its merged tokens, averaged over fragments as merged_tokens counts them
+
+
+def carried_again(merged: MergedPush | None, base_version: int) -> float:
+    """The tokens (averaged over fragments) of the island's merged push `merged` that its push
+    on `base_version` to the same fragment carries again: all of them when it is on the same
+    base, else none.
+
+    A learner's base moves only when it receives a merge, and it keeps every step since its
+    base until then; so a push on the base of one of its pushes that merged is one whose merge
+    it never received, pushed again with every step since that base (the overdue push made
+    again: learner/fragment_sync.py). Seen across a syncer restart (adv17's e2e test under
+    load, 4 failing runs): the old run merged the push and checkpointed it at its stop, the
+    learner's pull for that merge outlasted its hold while the syncer was down, and it pushed
+    the fragment again, 12 steps on the base of the 6 merged. Accepted, those 6 steps merged
+    twice; refused as too stale, all 12 were counted as refused (never merged) though 6 were.
+    Either way the island's part of the budget (targets.Pace.base) was 6 steps short of its
+    merged work, its target 6 steps long, and the job ended 192 tokens past its budget."""
+    if merged is None or base_version != merged.base:
+        return 0.0
+    return merged.tokens
+
+
 @dataclass
 class IslandRecord:
     """What the syncer knows about one island (also persisted in checkpoints)."""
@@ -149,6 +178,10 @@ class IslandRecord:
     # then merged, unless the syncer merged past the base meanwhile. Its next push to the
     # fragment says which (ahead_carried). Not persisted (a restart loses the pending count).
     ahead_refused: dict[int, AheadRefusal] = field(default_factory=dict)
+    # Per fragment, its latest merged push since its last join (carried_again: a push on the
+    # same base carries its steps again). Persisted with count_base (SavedCount.merged): the
+    # push made again may reach the restarted syncer.
+    merged_pushes: dict[int, MergedPush] = field(default_factory=dict)
     # Its merged tokens in the checkpoint this syncer run resumed from, until its first join in
     # this run (Membership.join's keeps_count: the base of a join the checkpoint lacks). Not
     # persisted: set by Membership.restore.

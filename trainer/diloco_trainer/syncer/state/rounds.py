@@ -65,7 +65,9 @@ from diloco_trainer.syncer.state.records import (
     Contribution,
     FragmentRound,
     IslandRecord,
+    MergedPush,
     RoundPolicy,
+    carried_again,
 )
 from diloco_trainer.syncer.state.replay import PushAnswers, push_window
 from diloco_trainer.syncer.state.uploads import Uploads
@@ -631,8 +633,14 @@ class SyncState:
                 # rest its learner counted and will not train again, as a refused push's
                 # (refused_tokens: out of its part of the budget, so a target gives them back).
                 credited = credited_tokens(c.tokens, c.steps, c.budget_steps)
-                rec.merged_tokens += credited / len(self.rounds)
+                share = credited / len(self.rounds)
+                rec.merged_tokens += share
                 rec.refused_tokens += (c.tokens - credited) / len(self.rounds)
+                # A push made again over a merged one merges that one's steps twice, which its
+                # learner counted once: they go into its count's base (records.carried_again).
+                again = carried_again(rec.merged_pushes.get(fragment), c.base_version)
+                rec.count_base += min(again, share)
+                rec.merged_pushes[fragment] = MergedPush(c.base_version, share)
         done = rnd.rounds + 1 if rounds is None else rounds
         self.rounds[fragment] = FragmentRound(version=rnd.version + 1, rounds=done)
         self.clocks.record(fragment, rnd.version + 1, float(done) if clock is None else clock)
