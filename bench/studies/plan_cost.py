@@ -21,9 +21,12 @@ stretch the schedule, the push's step count and the fragments' counters go back 
 stretch began, so the same positions repeat without a push, a receipt or a hold.
 
 The baseline, in the same run, is the same loop calling a method that does nothing (the timer
-and call overhead). Figures: the median and p99 µs a step, their ratio to the baseline's, and
-the median's share of a 40 ms step. `--profile`: cProfile over the same steps, the functions
-with the most own time (the table in the log says where the time goes).
+and call overhead). Figures: the median, mean and p99 µs a step, the median's ratio to the
+baseline's and its share of a 40 ms step; the switch interval is set as the learner sets it.
+`--neighbour`: a thread beside the plan runs Python without a break (the link's thread while it
+encodes or decodes), so the plan's figure holds its waits for the interpreter lock.
+`--profile`: cProfile over the same steps, the functions with the most own time (the table in
+the log says where the time goes).
 
     python -m bench.studies.plan_cost                       # 3 x 2,000 steps per quorum
     python -m bench.studies.plan_cost --steps 5000 --profile
@@ -35,6 +38,7 @@ import concurrent.futures
 import cProfile
 import pstats
 import statistics
+import sys
 import threading
 import time
 from typing import Any
@@ -46,7 +50,7 @@ from diloco_trainer.core.payloads import PulledFragment
 from diloco_trainer.learner.drain import DrainTrigger, share_steps
 from diloco_trainer.learner.fragment_state import FragmentCounters, FragmentState, InFlight
 from diloco_trainer.learner.fragment_sync import FragmentSync
-from diloco_trainer.learner.loop import Learner
+from diloco_trainer.learner.loop import TRAINING_SWITCH_INTERVAL, Learner
 from diloco_trainer.learner.step_costs import SyncPathPhases
 from diloco_trainer.learner.syncer_client import SyncerClient
 from diloco_trainer.learner.syncer_link import SyncerLink, SyncResult
@@ -167,6 +171,12 @@ class PlanBench:
         self.link.close(leave=False)
 
 
+def busy_python(stop: threading.Event) -> None:
+    """Python bytecode until `stop`: a thread that always wants the interpreter lock."""
+    while not stop.is_set():
+        sum(range(200))
+
+
 def percentile(values: list[float], q: float) -> float:
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
@@ -216,6 +226,12 @@ def main() -> int:
     p.add_argument("--repeats", type=int, default=3, help="repeats, interleaved (default 3)")
     p.add_argument("--profile", action="store_true", help="also cProfile the plan's steps")
     p.add_argument("--top", type=int, default=12, help="profile rows (default 12)")
+    p.add_argument(
+        "--neighbour",
+        action="store_true",
+        help="a thread beside the plan running Python without a break (what the link's thread "
+        "does while it encodes or decodes), at the learner's switch interval",
+    )
     args = p.parse_args()
     if args.steps < 1 or args.repeats < 1:
         p.error("--steps and --repeats must be >= 1")
@@ -225,6 +241,7 @@ def main() -> int:
             "quorum",
             "in flight",
             "plan median",
+            "plan mean",
             "plan p99",
             "baseline median",
             "baseline p99",
@@ -241,6 +258,12 @@ def main() -> int:
         ),
         tables=[table],
     )
+    # The learner's own switch interval (loop.py): what a thread beside it waits for the lock.
+    sys.setswitchinterval(TRAINING_SWITCH_INTERVAL)
+    stop = threading.Event()
+    if args.neighbour:
+        report.summary += " A thread beside it runs Python without a break (--neighbour)."
+        threading.Thread(target=busy_python, args=(stop,), daemon=True).start()
     with LoadMonitor() as load:
         for quorum in (ISLANDS, 1):
             bench = PlanBench(make_spec(quorum))
@@ -253,6 +276,7 @@ def main() -> int:
                     "K = M" if quorum == ISLANDS else f"K = {quorum}",
                     bench.in_flight(),
                     f"{pm * 1e6:.1f}",
+                    f"{statistics.fmean(plan) * 1e6:.1f}",
                     f"{percentile(plan, 0.99) * 1e6:.1f}",
                     f"{bm * 1e6:.2f}",
                     f"{percentile(base, 0.99) * 1e6:.2f}",
@@ -265,6 +289,7 @@ def main() -> int:
                     report.tables.append(t)
             finally:
                 bench.close()
+    stop.set()
     return publish(report, args, load)
 
 
