@@ -300,11 +300,12 @@ class FragmentSync:
         positions, self.phase_pending = self.fill.positions(self.position, self.phase_pending)
         self.resend_lost()
         self._make_up()
+        pushed_at = {f: fl.step for f, fl in self.inflight.items()}
         if not positions:
             idle = plan_idle(
                 self.position,
                 overlap=self.overlap,
-                pushed_at={f: fl.step for f, fl in self.inflight.items()},
+                pushed_at=pushed_at,
                 poll_from=self.poll_from,
                 windows={f: fl.window for f, fl in self.inflight.items()},
             )
@@ -511,21 +512,6 @@ class FragmentSync:
                 )
 
     def _plan(self, position: int) -> StepPlan:
-        if not fragments_due(position, self.round_steps, self.offsets):
-            # Most steps (all but F of a round's H): nothing is due, so nothing is pushed, taken
-            # again or skipped, and τ for a push now, the abandoned pushes and skip_once (which
-            # only decide a due fragment's push) change nothing: the pushes in flight are polled
-            # and waited for at their own windows. Skipping their work saves most of the plan's
-            # Python on the training thread (issue 45: bench.studies.plan_cost); overlap 0 is
-            # only a valid value that no fragment's window reads.
-            return plan_step(
-                position,
-                inner_steps=self.round_steps,
-                offsets=self.offsets,
-                overlap=0,
-                pushed_at={f: fl.step for f, fl in self.inflight.items()},
-                windows={f: fl.window for f, fl in self.inflight.items()},
-            )
         self._take_again(position)
         abandoned = self._abandoned()
         # τ for a push now, fitted to the measured sync latency (sync.overlapMode); pushes in
@@ -602,14 +588,7 @@ class FragmentSync:
 
     def _collect_plan(self, plan: StepPlan) -> list[int]:
         """Wait (bounded) for the fragments the plan needs, check the ones it may apply."""
-        # The wait budget only matters to a wait: the plan's, or a filled one's (settle); the
-        # steps between them skip its work (issue 45).
-        waits = plan.wait or self.fill.filling
-        budget = (
-            wait_budget(self.round_times, self.spec.sync.heartbeat_timeout_seconds)
-            if waits
-            else 0.0
-        )
+        budget = wait_budget(self.round_times, self.spec.sync.heartbeat_timeout_seconds)
         done = []
         for f in self.fill.unfilled(self, plan.wait):
             started = time.monotonic()
@@ -739,11 +718,6 @@ class FragmentSync:
         waited for in the time left. A wait (`block` > 0) is one of the link's waits
         (step_costs.WaitMeter: the heartbeats' `waiting`)."""
         if block <= 0:
-            if not self.inflight[f].future.done():
-                # A poll of a merge not back (K < M: every step until it is): wait's answer at
-                # once, without its loop (issue 45); a deferred push still starts, as in wait.
-                self.link.start_deferred()
-                return False
             return self._collect(f, deadline=time.monotonic())
         self.link.waits.begin(time.monotonic())
         try:
