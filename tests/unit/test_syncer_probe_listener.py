@@ -9,7 +9,6 @@ import select
 import socket
 import ssl
 import subprocess
-import time
 from collections import Counter
 from dataclasses import dataclass
 from typing import Any
@@ -18,6 +17,7 @@ import pytest
 from diloco_trainer.api import contract, protocol
 from diloco_trainer.syncer.edge import probe_listener as health
 
+from hack.localcluster.polling import poll_until
 from hack.localcluster.ports import pick_ports
 
 
@@ -254,14 +254,6 @@ def test_whole_request_is_a_line_end_or_head_bytes() -> None:
     assert health.whole_request(b"x" * health.HEAD_BYTES)  # as much as is read: answered 400
 
 
-def _wait_for(condition: Any, what: str, timeout: float = 20.0) -> None:
-    """Poll `condition` until it holds, failing after `timeout` seconds (no fixed sleep)."""
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.01)
-
-
 def test_listener_sheds_silent_connections_of_a_prefix_past_its_budget() -> None:
     """Issue 46: a churn of connections that never send costs the listener an accept and a close
     each once their prefix is past its AcceptBudget; a probe of the same prefix whose request is
@@ -276,14 +268,24 @@ def test_listener_sheds_silent_connections_of_a_prefix_past_its_budget() -> None
     try:
         # Silent, they are accepted once their deferral ends (TCP_DEFER_ACCEPT): two are served
         # (open, waiting for a request line), the third is closed unread.
-        _wait_for(lambda: probes.shed == 1 and len(probes.open) == 2, "the third one shed")
+        poll_until(
+            lambda: probes.shed == 1 and len(probes.open) == 2,
+            timeout=20,
+            interval=0.01,
+            what="the third one shed",
+        )
         closed, _, _ = select.select(silent, [], [], 10)
         assert len(closed) == 1 and _closed_unanswered(closed[0])
         # A probe from the same prefix (127.0.0.0/24), past its budget, is answered: its request
         # is in when it is accepted, and it is answered there, no transport made.
         assert _get(port, "/healthz") == (200, '{"route": "/healthz", "strict": false}')
         # (the listener counts it after its answer is sent)
-        _wait_for(lambda: probes.answered_at_accept == 1, "the probe counted as answered")
+        poll_until(
+            lambda: probes.answered_at_accept == 1,
+            timeout=20,
+            interval=0.01,
+            what="the probe counted as answered",
+        )
         assert probes.shed == 1 and len(probes.open) == 2
     finally:
         for sock in silent:
