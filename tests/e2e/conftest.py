@@ -25,6 +25,7 @@ from diloco_trainer.api.spec import JobSpec, parse_spec
 from diloco_trainer.learner import syncer_client
 from diloco_trainer.local import launch
 
+from bench.healthz_flood import make_certificate
 from hack.localcluster.harness import deep_merge
 from hack.localcluster.ports import pick_ports
 
@@ -211,16 +212,7 @@ class TLSFiles:
 @pytest.fixture
 def tls_files(workdir: Path) -> TLSFiles:
     """A fresh self-signed certificate valid for IP 127.0.0.1 (made with the openssl CLI)."""
-    cert, key = workdir / "tls.crt", workdir / "tls.key"
-    subprocess.run(
-        [
-            "openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1",
-            "-keyout", str(key), "-out", str(cert), "-subj", "/CN=127.0.0.1",
-            "-addext", "subjectAltName=IP:127.0.0.1",
-        ],
-        check=True,
-        capture_output=True,
-    )  # fmt: skip
+    cert, key = make_certificate(workdir)
     return TLSFiles(cert=cert, key=key)
 
 

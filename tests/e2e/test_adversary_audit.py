@@ -12,12 +12,17 @@ with no credential that the connection limits let through, on a live `diloco syn
   oldest of the network prefix holding the most, and a churning prefix's silent connections
   past its AcceptBudget are closed unread while a probe whose request is in when it is accepted
   is answered on the spot (issue 46's latency tail: bench.healthz_flood --churn).
+
+The repeat audit (audit46, docs/adversaries.md "Audit of 2026-12-01, repeat (audit46)"):
+
+- A JSON integer beyond a float (10^400) in a float field (a heartbeat's or a push's `loss`,
+  `stepTime`, `syncTime`, `waiting`) raised OverflowError while the request was parsed: a 500
+  with a traceback in the syncer's log, where bad input is a 400 naming the field.
 """
 
 from __future__ import annotations
 
 import http.client
-import json
 import socket
 import subprocess
 import sys
@@ -28,50 +33,37 @@ from pathlib import Path
 import pytest
 from diloco_trainer.api import contract, credentials, protocol
 
-from bench.healthz_flood import CHURN  # opens connections, never sends, keeps its newest 200
+from bench.healthz_flood import (  # opens connections, never sends, keeps its newest 200
+    CHURN,
+    heartbeat,
+)
 from hack.localcluster.harness import pick_ports
 
 from .conftest import SyncerHandle, deep_merge, wait_until
-from .test_adversary import SPEC, join_all, start_syncer
+from .test_adversary import SPEC, filled, join_all, start_syncer
+from .test_hostile import push_body
 
 pytestmark = pytest.mark.e2e
 
-MAX_CONNECTIONS = 64  # limits.reserve_of(64) = 8: one address or /24 holds 56
+MAX_CONNECTIONS = 64  # connections.reserve_of(64) = 8: one address or /24 holds 56
 AUDIT_SPEC = deep_merge(
     SPEC,
     {"syncer": {"limits": {"headerTimeoutSeconds": 30, "maxConnections": MAX_CONNECTIONS}}},
 )
-# Flood prefixes (two /24s: together they hold every connection), and the island's and the
-# kubelet's own addresses, each of a /24 of its own.
+# Flood prefixes (two /24s: together they hold every connection), and the kubelet's own address
+# in a /24 of its own (the island's heartbeats come from bench.healthz_flood's ISLAND_SOURCE,
+# 127.0.9.1, another).
 FLOOD_SOURCES = ("127.0.1.2", "127.0.2.2")
-ISLAND_SOURCE = "127.0.9.1"
 KUBELET_SOURCE = "127.0.200.1"
-# limits.UNAUTHENTICATED_SECONDS: the flood's connections are closed at this age, which the
+# connections.UNAUTHENTICATED_SECONDS: the flood's connections are closed at this age, which the
 # test must not wait for (it would let the island in without the rule under test).
 UNAUTHENTICATED_SECONDS = 5.0
 
 
 def heartbeat_on_a_new_connection(handle: SyncerHandle, island: str) -> int | str:
     """One heartbeat of `island` with its own credential on a fresh connection from
-    ISLAND_SOURCE: its status, or the error that met it."""
-    token = credentials.island_token(handle.token, island)
-    conn = http.client.HTTPConnection(
-        "127.0.0.1", handle.port, timeout=10, source_address=(ISLAND_SOURCE, 0)
-    )
-    try:
-        conn.request(
-            "POST",
-            protocol.ROUTE_HEARTBEAT,
-            body=json.dumps({"island": island, "step": 1}),
-            headers={"Authorization": f"Bearer {token}", "Content-Type": "application/json"},
-        )
-        answer = conn.getresponse()
-        answer.read()
-        return answer.status
-    except OSError as err:
-        return type(err).__name__
-    finally:
-        conn.close()
+    ISLAND_SOURCE (bench.healthz_flood's): its status, or the error that met it."""
+    return heartbeat(handle.port, credentials.island_token(handle.token, island), island)[2]
 
 
 @pytest.fixture
@@ -168,3 +160,36 @@ def test_adversary_probe_port_churn_never_closes_the_kubelets_probe(tmp_path: Pa
             churn.kill()
             churn.wait(timeout=30)
         handle.proc.stop(timeout=10)
+
+
+# A JSON integer no float holds: float(BEYOND_FLOAT) raises OverflowError.
+BEYOND_FLOAT = 10**400
+
+
+def test_adversary_float_fields_given_an_integer_beyond_a_float_are_refused_400(
+    syncer: SyncerHandle,
+) -> None:
+    shapes = join_all(syncer)
+    token = credentials.island_token(syncer.token, "island-0")
+    before = syncer.status()["islands"]["island-0"]
+    answers = {}
+    for key in ("loss", "stepTime", "waiting"):  # the heartbeat's float fields
+        beat = {"island": "island-0", "step": 1, key: BEYOND_FLOAT}
+        answers[f"heartbeat.{key}"] = syncer.request(
+            "POST", protocol.ROUTE_HEARTBEAT, json_body=beat, token=token
+        )
+    for key in ("loss", "stepTime", "syncTime"):  # the push metadata's
+        body = push_body(filled(shapes, 1e-3), island="island-0", **{key: BEYOND_FLOAT})
+        answers[f"push.{key}"] = syncer.request(
+            "POST", "/v1/fragments/0/push", body=body, token=token
+        )
+    # Before the fix each was a 500 ("int too large to convert to float").
+    assert {k: code for k, (code, _) in answers.items()} == dict.fromkeys(answers, 400)
+    for where, (_, doc) in answers.items():
+        assert f"{where.replace('push', 'metadata')} must be a finite number" in doc["error"]
+    # Refused before any state was touched: no push counted, nothing merged, the island as it was.
+    after = syncer.status()
+    assert after["versions"] == [0]
+    assert after["islands"]["island-0"]["pushes"] == before["pushes"] == 0
+    assert after["refusals"] == {}
+    assert "Traceback" not in syncer.log_text()

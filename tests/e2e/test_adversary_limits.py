@@ -10,24 +10,39 @@
   takes the place of the oldest unauthenticated one of its address or /24 at their share, or of
   anybody's once all are taken, so /healthz and the honest islands get in and answer, from the
   flood's own network too; one that finds no room still gets its probe answered.
+- Silent churn (audit46, the repeat audit of 2026-12-01): processes opening connections to the
+  syncer port as fast as they can, never sending a byte, kept an island's heartbeats out for a
+  whole run (the accept queue overflowed behind the event loop's accepts). Now the syncer port's
+  accepts wait for a connection's first bytes (edge/sockets.py): the churn stays in the kernel.
+  The same against a syncer serving HTTPS, each heartbeat paying a full TLS handshake, and
+  against one starved of CPU (CI's: a churn faster than its accepts kept the queue full and the
+  kernel dropped island-0's SYNs); now a prefix that authenticated is queued in an accept lane
+  of its own (edge/sockets.py, AcceptLanes).
 """
 
 from __future__ import annotations
 
+import contextlib
 import http.client
 import json
+import os
+import signal
 import socket
-from collections.abc import Iterator
+import ssl
+import threading
+import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO
 
 import pytest
 from diloco_trainer.api import contract, credentials, protocol
+from diloco_trainer.api.spec import parse_spec
 
-from bench.healthz_flood import flood_round
+from bench.healthz_flood import ISLAND, churn_round, flood_round, heartbeat
 
-from .conftest import SyncerHandle, deep_merge, restart_safe_port, wait_until
+from .conftest import SyncerHandle, TLSFiles, deep_merge, restart_safe_port, wait_until
 from .test_adversary import (
     ADVERSARY,
     HONEST,
@@ -40,7 +55,7 @@ from .test_adversary import (
 
 pytestmark = pytest.mark.e2e
 
-MAX_CONNECTIONS = 64  # limits.reserve_of(64) = 8: one address holds 56
+MAX_CONNECTIONS = 64  # connections.reserve_of(64) = 8: one address holds 56
 MAX_PUSHES = 6
 ISLAND_SLOTS = 2  # limits.PUSHES_PER_ISLAND
 LIMITS_SPEC = deep_merge(
@@ -151,7 +166,7 @@ class FromAddress(SyncerHandle):
         def answered() -> tuple[http.client.HTTPResponse, bytes] | None:
             """The answer, or None for 503 busy with Retry-After or a connection closed
             unanswered (the learners' client, syncer_client.py, retries both, at that pace): a
-            prefix churning past its answered refusals is shed (limits.ConnectionCap._refuse),
+            prefix churning past its answered refusals is shed (connections.ConnectionCap._refuse),
             and an honest address inside a flood's prefix meets that until the flood stops
             opening connections."""
             conn = http.client.HTTPConnection(
@@ -182,10 +197,13 @@ def test_adversary_connection_flood_leaves_healthz_and_islands_room(syncer: Sync
     elsewhere = FromAddress(**vars(syncer))  # another address of the flood's /24
     flood: list[socket.socket] = []
     try:
-        for _ in range(MAX_CONNECTIONS + 16):  # idle: not a byte sent
+        for _ in range(MAX_CONNECTIONS + 16):  # one byte each, no request line
             flood.append(socket.create_connection(("127.0.0.1", syncer.port), timeout=20))
+            # Accepted at once, in order: a silent one waits out the syncer port's accept
+            # deferral (edge/sockets.py) and comes in the kernel's order.
+            flood[-1].sendall(b"G")
         # The last ones were answered busy: the flood's /24 holds all it may, none of it old
-        # enough to be replaced yet (limits.MIN_AGE).
+        # enough to be replaced yet (connections.TALKING_AGE).
         assert read_head(flood[-1].makefile("rb")).startswith(b"HTTP/1.1 503")
         assert elsewhere.request("GET", protocol.ROUTE_HEALTHZ, token=None) == (200, {"ok": True})
         for _ in range(2):
@@ -211,7 +229,7 @@ def test_adversary_flood_of_four_addresses_never_starves_healthz(tmp_path: Path)
     pod's kubelet probes), which serves nothing but the probes. How fast it answers (within 1 s,
     the done-when) is measured by `python -m bench.healthz_flood` against the same probes with
     no flood, not timed here. One exception, by design: on the syncer port a probe from the
-    flood's own /24 while the flood opens its connections may be shed (limits.ConnectionCap.
+    flood's own /24 while the flood opens its connections may be shed (connections.ConnectionCap.
     _refuse: a prefix churning past half the cap's answered refusals a window has its next
     closed unanswered, unless its probe request is in when accepted); the kubelet probes the
     probe listener, which answers it from inside the flood too."""
@@ -245,3 +263,107 @@ def test_adversary_flood_of_four_addresses_never_starves_healthz(tmp_path: Path)
     others = [status for i, (_, _, status) in enumerate(probes) if i % 4 != 3]
     assert others == [200] * len(others)
     assert set(flood_own) <= {200} | SHED, flood_own
+
+
+CHURNERS = 4  # processes, each from a /24 of its own (127.0.3.x, 127.0.4.x, ..)
+CHURN_SECONDS = 6.0  # the heartbeats run for a second less
+
+
+def churned_heartbeats(
+    handle: SyncerHandle, host: int, send: Callable[[int], Any]
+) -> tuple[list[Any], int]:
+    """island-0's heartbeats (`send`) every 0.2 s while CHURNERS processes from 127.0.x.`host`
+    churn silent connections to the syncer port: (heartbeats, connections the churn opened)."""
+    pid = handle.proc.popen.pid
+    # A live island has heartbeated before any churn: its prefix authenticated (AcceptLanes).
+    assert send(handle.port)[2] == 200
+    beats, opened, _, _ = churn_round(
+        handle.port, pid, CHURNERS, CHURN_SECONDS, interval=0.2, host=host, send=send
+    )
+    return beats, opened
+
+
+def assert_heartbeats_held(beats: list[Any], opened: int) -> None:
+    """The churn churned, and island-0's heartbeats all got their 200, none held in one long
+    wait."""
+    assert opened > 1000, opened
+    statuses = [status for _, _, status in beats]
+    assert len(statuses) >= 5, statuses
+    assert statuses == [200] * len(statuses), statuses
+
+
+def test_adversary_silent_churn_leaves_islands_heartbeats(tmp_path: Path) -> None:
+    """audit46's High finding, briefly: while 4 processes churn silent connections to the
+    syncer port (bench.healthz_flood's churn: open as fast as they can, keep the newest 200),
+    island-0's heartbeats, each on a fresh connection from another /24 every 0.2 s, all get their
+    200. On main before the fix (asyncio's accepts, no deferral) it failed: 503s, and fewer
+    heartbeats as each waited out SYN retransmits behind the full accept queue
+    (bench/log/2026-12-01.md, "healthz_flood --churn --target syncer")."""
+    handle = start_syncer(tmp_path, SPEC, "adversary-churn")
+    try:
+        join_all(handle)
+        token = credentials.island_token(handle.token, ISLAND)  # joined: island-0
+        beats, opened = churned_heartbeats(handle, 20, lambda port: heartbeat(port, token))
+    finally:
+        handle.proc.stop(timeout=10)
+    assert_heartbeats_held(beats, opened)
+
+
+def test_adversary_silent_churn_leaves_islands_heartbeats_over_tls(
+    syncer_proc: Callable[..., SyncerHandle], tls_files: TLSFiles
+) -> None:
+    """The silent churn above against a syncer serving HTTPS (issue 46: audit46's churn rows
+    were all plain HTTP): island-0's heartbeats, each on a fresh connection and so each paying a
+    full TLS handshake, all get their 200 while 4 processes churn silent connections."""
+    handle = syncer_proc(parse_spec(SPEC), job_name="adversary-churn-tls", tls=tls_files)
+    join_all(handle)  # over HTTPS: handle.client() verifies with handle.ca_file
+    token = credentials.island_token(handle.token, ISLAND)
+    context = ssl.create_default_context(cafile=str(tls_files.cert))
+    # Another host than the plain test's: its closed connections' ports may be in TIME_WAIT.
+    send = lambda port: heartbeat(port, token, context=context)  # noqa: E731
+    beats, opened = churned_heartbeats(handle, 21, send)
+    assert_heartbeats_held(beats, opened)
+
+
+@contextlib.contextmanager
+def starved(pid: int, stopped: float = 0.07, period: float = 0.1) -> Iterator[None]:
+    """Process `pid` stopped `stopped` seconds of every `period` (SIGSTOP, SIGCONT) while the
+    block runs: a syncer that gets 30% of a CPU, as CI's did beside the churn."""
+    done = threading.Event()
+
+    def cycle() -> None:
+        while not done.is_set():
+            os.kill(pid, signal.SIGSTOP)
+            try:
+                time.sleep(stopped)  # the starvation's pacing, not a wait for anything
+            finally:
+                os.kill(pid, signal.SIGCONT)
+            done.wait(period - stopped)
+
+    thread = threading.Thread(target=cycle, daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        done.set()
+        thread.join(timeout=10)
+        os.kill(pid, signal.SIGCONT)
+
+
+def test_adversary_silent_churn_leaves_a_starved_syncers_islands_heartbeats(
+    syncer_proc: Callable[..., SyncerHandle], tls_files: TLSFiles
+) -> None:
+    """The silent churn over TLS against a syncer that runs 30 ms of every 100 (CI's failure of
+    2026-12-01: the churn outpaced its accepts, opened 275,593 connections in 6 s, and the full
+    accept queue dropped island-0's SYNs: 2 heartbeats in 5 s, at 1.3 and 5.1 s). Island-0's
+    prefix authenticated, so the kernel queues its connections in the known accept lane, which no
+    churn fills: every heartbeat gets its 200, none held in a SYN retransmit's wait. Before the
+    lanes, so starved: 2 heartbeats at 2.6 and 3.5 s (bench/log/2026-12-01.md, "accept lanes")."""
+    handle = syncer_proc(parse_spec(SPEC), job_name="adversary-churn-starved", tls=tls_files)
+    join_all(handle)
+    token = credentials.island_token(handle.token, ISLAND)
+    context = ssl.create_default_context(cafile=str(tls_files.cert))
+    send = lambda port: heartbeat(port, token, context=context)  # noqa: E731
+    with starved(handle.proc.popen.pid):
+        beats, opened = churned_heartbeats(handle, 22, send)
+    assert_heartbeats_held(beats, opened)

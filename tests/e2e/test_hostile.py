@@ -516,6 +516,10 @@ def test_hostile_paused_body_gets_408(syncer: SyncerHandle, guarded: Guarded) ->
 
 def test_hostile_connection_flood_is_capped(syncer: SyncerHandle, guarded: Guarded) -> None:
     held = [connect(syncer) for _ in range(MAX_CONNECTIONS)]
+    for sock in held:
+        # One byte and no request line: accepted at once, in order (a silent one waits out the
+        # syncer port's accept deferral, edge/sockets.py, and comes in the kernel's order).
+        sock.sendall(b"G")
     try:
         with connect(syncer) as extra:
             answer = read_response(extra)

@@ -17,6 +17,7 @@ from bench.busy_link import (
     parse_args,
     parse_link_rates,
     pin_args,
+    port_taken,
     ring_bytes_per_round,
     round_seconds,
     seen_share,
@@ -215,3 +216,14 @@ def test_tables_mark_a_pinned_link() -> None:
     rows = {(r[0], r[1]): r for r in main.rows}
     assert rows[("4 (= M)", "50%")][2] == "16 Mbit/s (pinned), RTT 20 ms"
     assert rows[("4 (= M)", "0%")][2] == "unlimited"
+
+
+def test_port_taken_reads_the_syncers_capitalised_strerror() -> None:
+    # The syncer's message as launch.wait_ready raises it (edge/limits.ListenError: strerror as
+    # the OS gives it, capital A); a case-sensitive match never retried (mini100's run).
+    taken = RuntimeError(
+        "syncer exited with 1 before it was ready: diloco syncer: cannot listen on "
+        "0.0.0.0:39533: Address already in use"
+    )
+    assert port_taken(taken)
+    assert not port_taken(RuntimeError("syncer exited with 1 before it was ready: bad spec"))

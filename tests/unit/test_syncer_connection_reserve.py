@@ -10,20 +10,23 @@ from __future__ import annotations
 
 import asyncio
 import socket
+import ssl
 from collections.abc import Awaitable, Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
 from aiohttp import web
-from diloco_trainer.syncer.edge.limits import (
-    PROBE_KEY,
+from diloco_trainer.syncer.edge.connections import (
     ConnectionCap,
-    GuardedSite,
-    HttpLimits,
     mark_authenticated,
     prefix_of,
     reserve_of,
 )
+from diloco_trainer.syncer.edge.limits import PROBE_KEY, GuardedSite, HttpLimits
+from diloco_trainer.syncer.edge.sockets import HANDSHAKES_PER_PREFIX, DeferredAcceptServer
+
+from bench.healthz_flood import make_certificate
 
 FLOOD, NEIGHBOUR, PROBE = "127.0.0.2", "127.0.0.3", "127.0.0.1"  # one /24
 # A reply's end: each answer here is small, and the server closes the connections read to end.
@@ -88,8 +91,13 @@ async def sent_before_accept(port: int, source: str, request: bytes) -> bytes:
         sock.close()
 
 
-def serving(limits: HttpLimits, scenario: Callable[[int, ConnectionCap], Awaitable[Any]]) -> Any:
-    """Run `scenario(port, cap)` against a GuardedSite with /healthz, /auth and the probe."""
+def serving(
+    limits: HttpLimits,
+    scenario: Callable[[int, ConnectionCap], Awaitable[Any]],
+    ssl_context: ssl.SSLContext | None = None,
+) -> Any:
+    """Run `scenario(port, cap)` against a GuardedSite with /healthz, /auth and the probe
+    (serving HTTPS with `ssl_context` when given)."""
 
     async def main() -> Any:
         app = web.Application()
@@ -98,11 +106,17 @@ def serving(limits: HttpLimits, scenario: Callable[[int, ConnectionCap], Awaitab
         app[PROBE_KEY] = probe
         runner = web.AppRunner(app, access_log=None)
         await runner.setup()
-        site = GuardedSite(runner, "127.0.0.1", 0, limits=limits)
+        # Accepted as they connect (no TCP_DEFER_ACCEPT): these tests are of the cap's rules
+        # for idle connections in the order they came; with the deferral an idle one is
+        # accepted only after its SYN-ACK retransmits, in the kernel's order
+        # (tests/unit/test_syncer_deferred_accept.py has the deferral's own tests).
+        site = GuardedSite(
+            runner, "127.0.0.1", 0, limits=limits, ssl_context=ssl_context, defer_accept_seconds=0
+        )
         await site.start()
         try:
             server = site._server
-            assert isinstance(server, asyncio.Server) and isinstance(site.cap, ConnectionCap)
+            assert isinstance(server, DeferredAcceptServer) and isinstance(site.cap, ConnectionCap)
             return await scenario(server.sockets[0].getsockname()[1], site.cap)
         finally:
             await runner.cleanup()
@@ -259,7 +273,7 @@ def test_limits_a_churning_prefix_takes_no_other_connections_place() -> None:
 
     port_of: list[int] = []
 
-    async def scenario(port: int, cap: ConnectionCap) -> tuple[list[bytes], bytes, int, int]:
+    async def scenario(port: int, cap: ConnectionCap) -> tuple[list[bytes], bytes, int, int, int]:
         port_of.append(port)
         assert cap.young_share == 4 and cap.per_peer == 28 and cap.churn_window == 1.0
         cap.min_age = 0.0  # any connection may be replaced by age (the churn rule alone)
@@ -272,19 +286,198 @@ def test_limits_a_churning_prefix_takes_no_other_connections_place() -> None:
         # Shed from here on; a probe of the churning /24 whose request is in the socket before
         # the server accepts it is still answered (one read at accept), an /auth request not.
         sent_first = [await sent_before_accept(port, churn, r) for r in (GET_HEALTHZ, auth)]
-        evictions = cap.evictions
+        evictions, shed_at_accept = cap.evictions, cap.shed_at_accept
         # A newcomer's /24 admitted none: it takes the oldest's place (the churn's first).
         answer = await ask(port, newcomer, GET_HEALTHZ)
         for _, w in held:
             w.close()
-        return answers + sent_first, answer, evictions, cap.evictions
+        return answers + sent_first, answer, evictions, cap.evictions, shed_at_accept
 
-    answers, answer, before, after = serving(HttpLimits(max_connections=32), scenario)
+    answers, answer, before, after, shed = serving(HttpLimits(max_connections=32), scenario)
     assert all(a.startswith(b"HTTP/1.1 503") and b'"busy"' in a for a in answers[:16]), answers
     assert answers[16] == b""  # shed: no _Busy held open for each of a churn's thousands
     probe_answer, auth_answer = answers[17:]
     assert probe_answer.startswith(b"HTTP/1.1 200") and b'"route": "/healthz"' in probe_answer
     assert auth_answer == b""  # shed all the same: only a probe is answered
+    # The three shed were shed as they were accepted (ConnectionCap.take), no transport made: a
+    # churn's thousands a second cost an accept, an admit, a read and a close each.
+    assert shed == 3
     assert before == 0  # the churn replaced nobody
     assert answer.startswith(b"HTTP/1.1 200") and b'{"ok": true}' in answer, answer
     assert after == 1  # the newcomer replaced one
+
+
+@pytest.mark.parametrize("one_byte", [False, True])
+def test_limits_a_churning_prefixs_young_connections_make_room(one_byte: bool) -> None:
+    """CI of 2026-12-01: a churn admitted while the cap had room filled it with connections too
+    young to replace (each lived about a second), and an island's request got 503 busy. Now
+    the unauthenticated connections of a prefix admitted young_share within churn_window are
+    replaced at any age, silent or having sent a byte (the one-byte churn), the oldest first;
+    a prefix that is not churning keeps its young ones (the next test).
+    Cap 32: young_share = reserve_of(32) = 4, per_peer 28. Two churning /24s hold 16 each."""
+    churn_a, churn_b, newcomer = "127.0.1.2", "127.0.2.2", "127.0.3.2"  # three /24s
+    auth = GET_HEALTHZ.replace(b"/healthz", b"/auth")
+
+    async def scenario(port: int, cap: ConnectionCap) -> tuple[bytes, int, bytes, int]:
+        cap.min_age = cap.talking_age = 60.0  # no connection here is old enough by age
+        cap.churn_window = 60.0  # both /24s stay churning for the whole test
+        held = []
+        for source in (churn_a, churn_b):
+            for _ in range(16):
+                reader, writer = await open_from(port, source)
+                if one_byte:
+                    writer.write(b"G")
+                held.append((reader, writer))
+        await server_side(lambda: cap.open == 32 and len(cap.talking) == (32 if one_byte else 0))
+        oldest = next(iter(cap.waiting or cap.talking))
+        answer = await ask(port, newcomer, auth)  # takes the oldest churner's place
+        evicted_first = oldest.evicted
+        # The evicted one (the first opened) reads its end, unanswered.
+        gone = await asyncio.wait_for(held[0][0].read(), READ_TIMEOUT)
+        for _, w in held:
+            w.close()
+        return answer, cap.evictions, gone + (b"evicted" if evicted_first else b""), cap.refused
+
+    answer, evictions, gone, refused = serving(HttpLimits(max_connections=32), scenario)
+    assert answer.startswith(b"HTTP/1.1 200") and b'"authenticated": true' in answer, answer
+    assert gone == b"evicted"  # the churn's oldest (churn_a's first) went, closed unanswered
+    assert evictions == 1 and refused == 0
+
+
+def test_limits_young_connections_of_quiet_prefixes_are_still_kept() -> None:
+    """The rule above only for a churning prefix: the cap full of young unauthenticated
+    connections from 11 /24s of 3 each (under young_share 4 a window: none churning), a
+    newcomer's request finds no room and is answered 503 busy, no connection replaced.
+    Cap 32: 11 x 3 = 33 - 1 (the last /24 opens 2)."""
+    auth = GET_HEALTHZ.replace(b"/healthz", b"/auth")
+
+    async def scenario(port: int, cap: ConnectionCap) -> tuple[bytes, int]:
+        cap.min_age = cap.talking_age = 60.0
+        cap.churn_window = 60.0
+        sources = [f"127.0.{10 + i}.2" for i in range(11) for _ in range(3)][:32]
+        held = [await open_from(port, source) for source in sources]
+        await server_side(lambda: cap.open == 32)
+        answer = await ask(port, "127.0.3.2", auth)
+        for _, w in held:
+            w.close()
+        return answer, cap.evictions
+
+    answer, evictions = serving(HttpLimits(max_connections=32), scenario)
+    assert answer.startswith(b"HTTP/1.1 503") and b'"busy"' in answer, answer
+    assert evictions == 0
+
+
+def self_signed(tmp_path: Path) -> tuple[Path, Path]:
+    """A certificate valid for IP 127.0.0.1 (its own CA) and its key (the openssl CLI)."""
+    return make_certificate(tmp_path)
+
+
+TLS_RECORD_HEADER = (
+    b"\x16\x03\x01\x01\x01"  # a handshake record of 257 bytes begins: a handshake waits
+)
+OTHER_NETWORK = "127.0.9.1"  # not FLOOD's /24
+
+
+def test_limits_tls_a_churning_prefix_starts_few_handshakes_and_another_gets_in(
+    tmp_path: Path,
+) -> None:
+    """Under TLS the ConnectionCap sees a connection only once its handshake is done, so a
+    churn of connections that each send a TLS record's header and nothing more was never
+    counted or replaced: each held a handshake (until the header timeout, 60 s here) and an
+    island's heartbeats over HTTPS timed out (bench/log/2026-12-01.md, "healthz_flood --churn
+    --target syncer --tls"). Now one network prefix starts at most HANDSHAKES_PER_PREFIX (32)
+    handshakes a window (sockets.handshake_budget): of 100 such connections from FLOOD's /24,
+    opened at once, at least 100 - 2 x 32 = 36 (fixed windows: at most two in any second) are
+    closed before a handshake, and a client of another /24 is served its /healthz over HTTPS.
+    Before the fix none was closed (the wait below timed out)."""
+    cert, key = self_signed(tmp_path)
+    server_context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    server_context.load_cert_chain(str(cert), str(key))
+    client_side = ssl.create_default_context(cafile=str(cert))
+    many = 100
+
+    async def scenario(port: int, cap: ConnectionCap) -> tuple[int, bytes]:
+        writers, reads = [], []
+        for _ in range(many):
+            reader, writer = await open_from(port, FLOOD)
+            writer.write(TLS_RECORD_HEADER)
+            writers.append(writer)
+            reads.append(asyncio.ensure_future(reader.read()))  # b"" once the server closes it
+        try:
+            await server_side(
+                lambda: sum(r.done() for r in reads) >= many - 2 * HANDSHAKES_PER_PREFIX
+            )
+            reader, writer = await asyncio.open_connection(
+                "127.0.0.1", port, local_addr=(OTHER_NETWORK, 0), ssl=client_side
+            )
+            writer.write(GET_HEALTHZ)
+            answer = await asyncio.wait_for(reader.read(), READ_TIMEOUT)
+            writer.close()
+            return sum(r.done() for r in reads), answer
+        finally:
+            for r in reads:
+                r.cancel()
+            for w in writers:
+                w.close()
+
+    closed, answer = serving(
+        HttpLimits(header_timeout=60.0, max_connections=512), scenario, ssl_context=server_context
+    )
+    assert closed >= many - 2 * HANDSHAKES_PER_PREFIX, closed
+    assert answer.startswith(b"HTTP/1.1 200"), answer
+
+
+def test_limits_a_connection_replaced_before_its_transport_is_made_is_shut() -> None:
+    """ConnectionCap.take admits a connection as it is accepted, before its transport is made;
+    one replaced meanwhile has its socket shut down (its peer reads the end), not left open
+    and uncounted. Cap 1 (per_peer 1), any age replaceable."""
+
+    async def scenario() -> tuple[bool, bool, int, int, bytes]:
+        cap = ConnectionCap(web.Server(healthz), 1)
+        cap.min_age = 0.0
+        with socket.create_server(("127.0.0.1", 0)) as listener:
+            port = listener.getsockname()[1]
+            clients, taken = [], []
+            try:
+                for source in ("127.0.1.2", "127.0.2.2"):  # two /24s
+                    clients.append(socket.create_connection(("127.0.0.1", port), 10, (source, 0)))
+                    conn, peer = listener.accept()
+                    conn.setblocking(False)
+                    taken.append(cap.take(conn, peer))
+                first, second = taken
+                assert first is not None and second is not None  # both admitted at accept
+                read = clients[0].recv(1)  # blocking, within the timeout: the end, or a hang
+                return (
+                    first.evicted,
+                    second.admitted,
+                    cap.open,
+                    cap.evictions,
+                    read,
+                )
+            finally:
+                for c in clients:
+                    c.close()
+
+    evicted, admitted, open_, evictions, read = asyncio.run(scenario())
+    assert evicted and admitted and (open_, evictions) == (1, 1)
+    assert read == b""  # the replaced one's socket was shut down
+
+
+def test_limits_a_failed_tls_handshake_is_uncounted(tmp_path: Path) -> None:
+    """Under TLS a connection is counted from its accept (ConnectionCap.take), through its
+    handshake; one whose handshake fails (a churn's one byte) is uncounted, not left taking a
+    place for ever."""
+    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    context.load_cert_chain(*self_signed(tmp_path))
+
+    async def scenario(port: int, cap: ConnectionCap) -> tuple[int, int, bytes]:
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.write(b"G\r\n\r\n")  # not a TLS record: the handshake fails
+        answer = await asyncio.wait_for(reader.read(), READ_TIMEOUT)
+        writer.close()
+        await server_side(lambda: len(cap.recent) == 1 and cap.open == 0)
+        return len(cap.recent), cap.open, answer
+
+    noted, open_, answer = serving(HttpLimits(), scenario, ssl_context=context)
+    assert (noted, open_) == (1, 0)  # admitted at accept, uncounted when its handshake failed
+    assert b"HTTP" not in answer

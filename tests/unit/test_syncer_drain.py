@@ -442,6 +442,18 @@ RESTART_SPEC = {
 }
 
 
+async def restart_pair(state_dir: Path, clock: FakeClock) -> Syncer:
+    """A syncer on RESTART_SPEC with island-0 and island-1 joined (stopped if a join fails)."""
+    syncer = await started(make_spec(**RESTART_SPEC), state_dir, clock)
+    try:
+        for name in ("island-0", "island-1"):
+            await syncer.islands.join(name, 1)
+    except BaseException:
+        await syncer.stop()
+        raise
+    return syncer
+
+
 async def push_merged(syncer: Syncer, clock: FakeClock, island: str, seed: int) -> None:
     """A push of 4 steps, 512 tokens, merged alone (quorum 1, grace 0), a second later."""
     clock.now += 1.0
@@ -481,14 +493,11 @@ def test_a_restarted_syncer_keeps_each_islands_count_base_and_refused_tokens(
     15 steps (1,920). Main: base 0 and nothing refused after the restart; part 1,280, done
     1,920, left 1,792, 896 each: island-0 1,536 (12 steps), island-1 2,176 (17): 1,536 + 512
     + 2,176 = 4,224, the budget overshot by the base."""
-    spec = make_spec(**RESTART_SPEC)
     clock = FakeClock()
 
     async def scenario() -> list[object]:
-        syncer = await started(spec, tmp_path, clock)
+        syncer = await restart_pair(tmp_path, clock)
         try:
-            for name in ("island-0", "island-1"):
-                await syncer.islands.join(name, 1)
             await push_merged(syncer, clock, "island-1", 1)
             await syncer.islands.join("island-1", 1)  # its learner restarted
             with pytest.raises(Refused) as err:
@@ -499,7 +508,7 @@ def test_a_restarted_syncer_keeps_each_islands_count_base_and_refused_tokens(
             await push_merged(syncer, clock, "island-1", 2)  # a checkpoint is due after it
         finally:
             await syncer.stop()  # its checkpoint
-        again = await started(spec, tmp_path, clock)
+        again = await started(make_spec(**RESTART_SPEC), tmp_path, clock)
         try:
             rec = again.state.membership.islands["island-1"]
             seen: list[object] = [rec.merged_tokens, rec.count_base, rec.refused_tokens]

@@ -291,3 +291,59 @@ def test_listener_sheds_silent_connections_of_a_prefix_past_its_budget() -> None
         for sock in silent:
             sock.close()
         probes.stop()
+
+
+def test_listener_sheds_partial_requests_of_many_prefixes_past_the_total_budget() -> None:
+    """Audit36 (the repeat audit of 2026-12-01): connections that each send one byte, from many
+    /24s, were each within their prefix's AcceptBudget, and 64 /24s at 32 a second held the
+    kubelet's probe in the accept queue for up to 5 s. Now all prefixes together are served
+    at most total_accept_budget a window, read only for a connection its own prefix's budget
+    admits (so one churning prefix's shed connections take none of the others' room)."""
+    port = pick_ports(1, set())[0]
+    # Per prefix 2, all together 3, in a window longer than the test; a long wait for request
+    # lines: only the budgets close a connection.
+    probes = health.HealthListener(
+        _route_answer,
+        "127.0.0.1",
+        port,
+        wait=60.0,
+        accept_budget=2,
+        accept_window=60.0,
+        total_accept_budget=3,
+    )
+    probes.start()
+    held: list[socket.socket] = []
+
+    def one_byte_from(source: str) -> socket.socket:
+        sock = socket.create_connection(("127.0.0.1", port), timeout=30, source_address=(source, 0))
+        sock.sendall(b"G")  # accepted at once (its first bytes are in), no request line
+        held.append(sock)
+        return sock
+
+    try:
+        # 127.0.1.0/24: 2 served (its budget; the total's count 2), the 3rd shed by its prefix
+        # (the total's count stays 2: shed = 1).
+        for n in range(3):
+            one_byte_from("127.0.1.2")
+            poll_until(
+                lambda n=n: probes.shed + len(probes.open) == n + 1,
+                timeout=20,
+                interval=0.01,
+                what=f"127.0.1.2's connection {n + 1} taken",
+            )
+        assert (probes.shed, len(probes.open)) == (1, 2)
+        # 127.0.2.0/24, within its own budget: served, the total's count 3 = its budget.
+        one_byte_from("127.0.2.2")
+        poll_until(lambda: len(probes.open) == 3, timeout=20, interval=0.01, what="127.0.2.2's")
+        # 127.0.3.0/24, within its own budget but past the total's: closed unread (shed = 2).
+        third = one_byte_from("127.0.3.2")
+        poll_until(lambda: probes.shed == 2, timeout=20, interval=0.01, what="127.0.3.2's shed")
+        assert len(probes.open) == 3
+        closed, _, _ = select.select([third], [], [], 10)
+        assert closed == [third] and _closed_unanswered(third)
+        # The kubelet's probe, its request in when it is accepted, is answered past both budgets.
+        assert _get(port, "/healthz") == (200, '{"route": "/healthz", "strict": false}')
+    finally:
+        for sock in held:
+            sock.close()
+        probes.stop()

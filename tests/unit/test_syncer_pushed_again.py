@@ -17,8 +17,8 @@ from diloco_trainer.api.manifest import SavedCount
 from diloco_trainer.syncer.state.records import MergedPush, carried_again
 from diloco_trainer.syncer.state.rounds import RoundPolicy, SyncState
 
-from .test_syncer import FakeClock, body, delta, make_spec, run, started
-from .test_syncer_drain import RESTART_SPEC, paces_after_restart
+from .test_syncer import FakeClock, body, delta, run
+from .test_syncer_drain import paces_after_restart, restart_pair
 
 POLICY = RoundPolicy(
     quorum=1, max_staleness=2, heartbeat_timeout=30.0, grace_seconds=None, overlap_steps=0
@@ -83,14 +83,11 @@ def test_a_push_made_again_over_a_merged_one_counts_it_in_the_base(tmp_path: Pat
     Main: base 0, part 1,664 (within the range); done 2,304, left 1,408, 704 each: island-0
     1,344 -> 1,280, island-1 2,368 -> 2,304: 1,280 + 512 + 2,304 = 4,096, the budget overshot
     by the 512 merged twice, less rounding."""
-    spec = make_spec(**RESTART_SPEC)
     clock = FakeClock()
 
     async def scenario() -> list[object]:
-        syncer = await started(spec, tmp_path, clock)
+        syncer = await restart_pair(tmp_path, clock)
         try:
-            for name in ("island-0", "island-1"):
-                await syncer.islands.join(name, 1)
             rec = syncer.state.membership.islands["island-1"]
             seen: list[object] = []
             # within the 3 s that island-1's pace holds the split after its join

@@ -14,8 +14,8 @@ from diloco_trainer.syncer.service.service import Syncer
 from diloco_trainer.syncer.state.records import AheadRefusal, ahead_carried
 from diloco_trainer.syncer.state.rounds import RoundPolicy, SyncState
 
-from .test_syncer import FakeClock, body, delta, make_spec, run, started
-from .test_syncer_drain import RESTART_SPEC, paces_after_restart
+from .test_syncer import FakeClock, body, delta, run
+from .test_syncer_drain import paces_after_restart, restart_pair
 
 
 def test_a_push_based_below_the_refused_base_carries_its_steps() -> None:
@@ -77,14 +77,11 @@ def test_a_push_refused_as_ahead_and_pushed_again_is_counted_once(tmp_path: Path
     Main: 512 refused, its part 1,664 - 512 = 1,152 (within [1,024, 1,024 + 2,176 - 512]),
     done 1,792, left 1,920, 960 each: island-0 1,600 -> 1,536, island-1 2,624 -> 2,560:
     1,536 + 2,560 = 4,096, the budget overshot by the 512 counted twice less rounding."""
-    spec = make_spec(**RESTART_SPEC)
     clock = FakeClock()
 
     async def scenario() -> list[object]:
-        syncer = await started(spec, tmp_path, clock)
+        syncer = await restart_pair(tmp_path, clock)
         try:
-            for name in ("island-0", "island-1"):
-                await syncer.islands.join(name, 1)
             await refused_ahead(syncer, "island-1", base=1, tokens=512, steps=4)
             rec = syncer.state.membership.islands["island-1"]
             seen: list[object] = [rec.refused_tokens]
@@ -112,14 +109,11 @@ def test_a_push_refused_as_ahead_whose_steps_were_dropped_is_counted_refused(
     island-0's push merges (version 1) before island-1's learner pulls, so the learner receives
     version 1, keeping only the steps since the refused push, and pushes those on 1: the 256
     are refused then (not at the refusal), and the push's 512 merge."""
-    spec = make_spec(**RESTART_SPEC)
     clock = FakeClock()
 
     async def scenario() -> list[object]:
-        syncer = await started(spec, tmp_path, clock)
+        syncer = await restart_pair(tmp_path, clock)
         try:
-            for name in ("island-0", "island-1"):
-                await syncer.islands.join(name, 1)
             await refused_ahead(syncer, "island-1", base=1, tokens=256, steps=2)
             rec = syncer.state.membership.islands["island-1"]
             seen: list[object] = [rec.refused_tokens]

@@ -34,11 +34,11 @@ from diloco_trainer.syncer.edge.access import (
     principal_of,
     require_membership,
 )
+from diloco_trainer.syncer.edge.connections import mark_authenticated
 from diloco_trainer.syncer.edge.limits import (
     PROBE_KEY,
     HttpLimits,
     Slots,
-    mark_authenticated,
     push_share,
     read_body,
 )
@@ -279,7 +279,7 @@ class SyncerRoutes:
         if scheme.lower() != "bearer" or not given.strip():
             raise Refused(401, "malformed Authorization header: expected 'Bearer <token>'")
         request[PRINCIPAL] = authenticate(self._root, given.strip())
-        mark_authenticated(request.transport)  # no longer the first to go (limits.py)
+        mark_authenticated(request.transport)  # no longer the first to go (connections.py)
         return await handler(request)
 
     async def join(self, request: web.Request) -> web.Response:
@@ -437,7 +437,7 @@ class SyncerRoutes:
 
     def probe(self, route: str, strict: bool) -> tuple[int, dict[str, Any]]:
         """A probe's answer, (status, document), for its route: the routes below, and a
-        connection that found no room (limits._Busy), answer the same.
+        connection that found no room (connections._Busy), answer the same.
 
         /healthz: 503 when the syncer failed (a restart is needed). Problems a restart does not
         fix (checkpoints failing: a restart would lose what was merged since the last one) are

@@ -15,7 +15,7 @@ loop fails liveness here as a probe on the syncer port would by timing out. Any 
 Each connection gets one answer and is closed; one whose request line has not come within
 PROBE_WAIT seconds is closed unanswered, and at most MAX_OPEN are open at once, so idle
 connections hold none of it for long. The one that goes to make room is the oldest of the network
-prefix (limits.prefix_of: /24, /64) holding the most open connections, not the oldest of all:
+prefix (connections.prefix_of: /24, /64) holding the most open connections, not the oldest of all:
 a churn of connections from a pod's address (open, never send, open the next, thousands a
 second) closed the kubelet's probe connections before their request was read, 19 of 23 probes
 (audit of 2026-12-01, docs/adversaries.md); now a flood closes its own first, and the
@@ -28,17 +28,20 @@ does not carry it: the kubelet probes from the node.
 How it accepts: its own accept loop on the listening socket, not asyncio's server (which makes a
 task, a transport and a protocol for every connection before anything is known of it), so that
 what a churn of connections costs is bounded before that work (take_accepted):
-- the socket defers accepts until a connection's first bytes are in (TCP_DEFER_ACCEPT, Linux), so
+- the socket defers accepts until a connection's first bytes are in (TCP_DEFER_ACCEPT, Linux:
+  edge/sockets.py, as the syncer port's), so
   the kubelet's probe is accepted with its request and answered on the spot, with no transport,
   timer or further wake-up; one closed before it sent anything is closed at once;
 - a connection still silent (past the deferral, or where there is none) or with part of a request
-  line is served as before, unless its network prefix (limits.prefix_of) had ACCEPT_BUDGET such
-  within the last ACCEPT_WINDOW: then it is closed at once, unread (AcceptBudget). A prefix
-  churning connections that never send costs the listener an accept and a close each, and the
-  kubelet's probe, whose request is in when it is accepted, is answered whatever its prefix.
+  line is served as before, unless its network prefix (connections.prefix_of) had ACCEPT_BUDGET such
+  within the last ACCEPT_WINDOW, or all prefixes together TOTAL_ACCEPT_BUDGET: then it is closed
+  at once, unread (AcceptBudget). A prefix, or many, churning connections that never send (or
+  send a byte and no more) cost the listener an accept and a close each, and the kubelet's
+  probe, whose request is in when it is accepted, is answered whatever its prefix.
   Under TLS the request cannot be read before the handshake: every connection that has not
-  closed is under the budget. Under the audit's churn (4 /24s) probes took up to 0.108 s
-  against main's 5.2-10.0 s (bench/log/2026-12-01.md, "healthz_flood --churn").
+  closed is under the budgets, so there a churn from many prefixes can shed the kubelet's.
+  Under the audit's churn (4 /24s) probes took up to 0.108 s against main's 5.2-10.0 s
+  (bench/log/2026-12-01.md, "healthz_flood --churn").
 """
 
 from __future__ import annotations
@@ -55,11 +58,17 @@ from collections.abc import Callable
 from typing import Any, Protocol, TypeVar
 
 from diloco_trainer.api import protocol
-from diloco_trainer.syncer.edge.limits import (
+from diloco_trainer.syncer.edge.connections import (
     PROBE_WAIT,
     Probe,
     prefix_of,
     probe_response,
+)
+from diloco_trainer.syncer.edge.sockets import (
+    REMEMBERED_PREFIXES,
+    AcceptBudget,
+    accept_queued,
+    listening_sockets,
 )
 
 log = logging.getLogger("diloco.syncer")
@@ -82,15 +91,16 @@ BACKLOG = 1024
 # listener's room; the kubelet sends a few probes a period, each accepted with its request.
 ACCEPT_BUDGET = 32
 ACCEPT_WINDOW = 1.0
-# Seconds the kernel holds a connection that sent nothing before it is accepted anyway
-# (TCP_DEFER_ACCEPT, rounded up to its SYN-ACK retransmits): PROBE_WAIT, the time a connection
-# has for its request line.
-DEFER_ACCEPT_SECONDS = 1
+# Such connections of all prefixes together served within ACCEPT_WINDOW (AcceptBudget under the
+# key ALL_PREFIXES, counted after a prefix's own budget admits one): the bound per prefix holds
+# a churn from a few networks, not from many (audit46, the repeat audit of 2026-12-01: one-byte
+# connections from 64 /24s, 32 served a second each, held the kubelet's probe in the accept queue
+# for up to 5 s; 8 /24s, 256 a second, were within 1.1 s at the same load). A probe whose
+# request is in when it is accepted is answered before either budget is read.
+TOTAL_ACCEPT_BUDGET = 4 * ACCEPT_BUDGET
+ALL_PREFIXES = "*"
 # Bytes read of a connection when it is accepted: a probe's request line fits (request_target).
 HEAD_BYTES = 1024
-# Network prefixes remembered (AcceptBudget's windows, the listener's address -> prefix cache)
-# before those past their use are dropped.
-REMEMBERED_PREFIXES = 4096
 
 
 class _Prefixed(Protocol):
@@ -136,28 +146,6 @@ def make_room(open_: dict[_C, None], per_prefix: Counter[str]) -> _C:
     return next(c for c in open_ if per_prefix[c.prefix] == most)
 
 
-class AcceptBudget:
-    """At most `budget` connections of one network prefix served in a window of `window`
-    seconds (fixed windows, each starting at the first connection after the last one ended: at
-    most 2 x `budget` in any `window`); the rest are shed."""
-
-    def __init__(self, budget: int, window: float) -> None:
-        self.budget, self.window = budget, window
-        self.windows: dict[str, tuple[float, int]] = {}  # prefix -> (its window's start, served)
-
-    def admit(self, prefix: str, now: float) -> bool:
-        """Whether a connection of `prefix` at `now` is served (counted) or shed (not counted)."""
-        start, served = self.windows.get(prefix, (now, 0))
-        if now - start >= self.window:
-            start, served = now, 0
-        if served >= self.budget:
-            return False
-        if len(self.windows) >= REMEMBERED_PREFIXES and prefix not in self.windows:
-            self.windows = {k: w for k, w in self.windows.items() if now - w[0] < self.window}
-        self.windows[prefix] = (start, served + 1)
-        return True
-
-
 def whole_request(head: bytes) -> bool:
     """Whether `head` (a connection's first bytes) is as much of a request as the listener
     reads: a line end, or HEAD_BYTES without one (answered 400 then)."""
@@ -172,31 +160,6 @@ def answer_head(listener: HealthListener, head: bytes) -> bytes:
     return probe_response(*listener.answer(*target))
 
 
-def listening_sockets(host: str, port: int) -> list[socket.socket]:
-    """Non-blocking sockets listening on `host`'s addresses (as asyncio's create_server binds
-    them: SO_REUSEADDR, IPv6 sockets IPv6 only), accepts deferred until a connection's first
-    bytes (TCP_DEFER_ACCEPT, where the system has it). OSError when one cannot bind."""
-    infos = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
-    socks: list[socket.socket] = []
-    try:
-        for family, kind, proto, _, address in dict.fromkeys(infos):
-            sock = socket.socket(family, kind, proto)
-            socks.append(sock)
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            if family == socket.AF_INET6:
-                sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
-            if hasattr(socket, "TCP_DEFER_ACCEPT"):
-                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_DEFER_ACCEPT, DEFER_ACCEPT_SECONDS)
-            sock.bind(address)
-            sock.listen(BACKLOG)
-            sock.setblocking(False)
-    except BaseException:
-        for sock in socks:
-            sock.close()
-        raise
-    return socks
-
-
 class _ProbeConnection(asyncio.Protocol):
     """One probe: its request line within PROBE_WAIT is answered, then the connection closed."""
 
@@ -205,7 +168,7 @@ class _ProbeConnection(asyncio.Protocol):
         self.transport: asyncio.WriteTransport | None = None
         self.head = head  # what was read of it when it was accepted
         self.timer: asyncio.TimerHandle | None = None
-        self.prefix = ""  # the peer's network (limits.prefix_of): whom it makes room with
+        self.prefix = ""  # the peer's network (connections.prefix_of): whom it makes room with
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         assert isinstance(transport, asyncio.WriteTransport)
@@ -250,14 +213,16 @@ class HealthListener:
         wait: float = PROBE_WAIT,
         accept_budget: int = ACCEPT_BUDGET,
         accept_window: float = ACCEPT_WINDOW,
+        total_accept_budget: int = TOTAL_ACCEPT_BUDGET,
     ) -> None:
         self.probe, self.host, self.port, self.ssl_context = probe, host, port, ssl_context
         self.clock = clock  # the probe answers' clock (the loop's beats)
         self.wait = wait  # seconds a connection has to send its request line
         self.budget = AcceptBudget(accept_budget, accept_window)
+        self.total_budget = AcceptBudget(total_accept_budget, accept_window)
         self.prefixes: dict[str, str] = {}  # peer address -> its network prefix
         self.answered_at_accept = 0  # connections answered as they were accepted
-        self.shed = 0  # connections closed unread, their prefix past its AcceptBudget
+        self.shed = 0  # closed unread, their prefix (or all prefixes) past its AcceptBudget
         self._adopting: set[asyncio.Task[None]] = set()
         self.last_beat = clock()
         self.open: dict[_ProbeConnection, None] = {}  # oldest first
@@ -274,7 +239,7 @@ class HealthListener:
         return probe_answer(self.probe, route, strict, self.clock() - self.last_beat)
 
     def prefix(self, peer: Any) -> str:
-        """The network prefix of a peer address (limits.prefix_of, remembered: a churn of one
+        """The network prefix of a peer address (connections.prefix_of, remembered: a churn of one
         address would parse it thousands of times a second)."""
         address = str(peer[0]) if isinstance(peer, tuple) and peer else ""
         prefix = self.prefixes.get(address)
@@ -287,7 +252,9 @@ class HealthListener:
     def take_accepted(self, conn: socket.socket, peer: Any) -> None:
         """A connection just accepted (the module docstring's order): closed at once when it
         has closed already, answered at once when its request line is in, closed unread when
-        its prefix is past its AcceptBudget, else served by a _ProbeConnection."""
+        its prefix is past its AcceptBudget or all prefixes together past theirs (read only
+        for a connection its own prefix's budget admits, so a churning prefix's shed ones use
+        none of the others' room), else served by a _ProbeConnection."""
         conn.setblocking(False)
         try:  # under TLS the bytes are the handshake's: peeked at, left for it
             head = conn.recv(HEAD_BYTES, socket.MSG_PEEK if self.ssl_context else 0)
@@ -304,7 +271,10 @@ class HealthListener:
             conn.close()
             self.answered_at_accept += 1
             return
-        if not self.budget.admit(self.prefix(peer), time.monotonic()):
+        now = time.monotonic()
+        if not (
+            self.budget.admit(self.prefix(peer), now) and self.total_budget.admit(ALL_PREFIXES, now)
+        ):
             self.shed += 1
             conn.close()
             return
@@ -327,17 +297,7 @@ class HealthListener:
             conn.close()
 
     def _accept(self, sock: socket.socket) -> None:
-        """The listening socket is readable: take what it queued (a BACKLOG at a time, so the
-        loop turns between)."""
-        for _ in range(BACKLOG):
-            try:
-                conn, peer = sock.accept()
-            except (BlockingIOError, InterruptedError):
-                return
-            except OSError as err:  # out of file descriptors, or the connection aborted
-                log.warning("the probe listener could not accept a connection: %s", err)
-                return
-            self.take_accepted(conn, peer)
+        accept_queued(sock, BACKLOG, self.take_accepted, "the probe listener")
 
     def opened(self, conn: _ProbeConnection) -> None:
         self.open[conn] = None
@@ -383,7 +343,7 @@ class HealthListener:
     async def _serve(self, ready: list[BaseException | None], started: threading.Event) -> None:
         loop = asyncio.get_running_loop()
         self._stopped = asyncio.Event()
-        socks = listening_sockets(self.host, self.port)
+        socks = listening_sockets(self.host, self.port, backlog=BACKLOG)
         ready.append(None)
         started.set()
         try:

@@ -9,9 +9,10 @@ pushes the learners make again. What a crash can lose is what happened since the
 checkpoint is written): islands that pushed into the lost rounds notice the syncer's older
 versions (a 409 with code "ahead", or versions in status/join) and continue from them.
 
-The server runs under syncer.limits (limits.py: header and body timeouts, a connection cap); with
-DILOCO_SYNCER_HEALTH_PORT set (a pod's), /healthz and /readyz are also served on that port by a
-thread of their own (probe_listener.py), where no flood of the syncer port delays them. A
+The server runs under syncer.limits (limits.py: header and body timeouts; connections.py: a
+connection cap); with DILOCO_SYNCER_HEALTH_PORT set (a pod's), /healthz and /readyz are also
+served on that port by a thread of their own (probe_listener.py), where no flood of the syncer
+port delays them. A
 state dir whose checkpoints are all corrupt is a bad config (exit 2, see startup.py).
 
 service.main runs it with the Syncer class; taking that as an argument keeps this module (and

@@ -53,7 +53,12 @@ def typed_field(
         return None
     value = doc[key]
     if kind is float and isinstance(value, int) and not isinstance(value, bool):
-        value = float(value)
+        try:
+            value = float(value)
+        except OverflowError:  # a JSON integer beyond a float (10^400): was a 500 (audit46)
+            raise Refused(
+                400, f"{where}.{key} must be a finite number, got an integer beyond a float"
+            ) from None
     if (kind is int and isinstance(value, bool)) or not isinstance(value, kind):
         raise Refused(400, f"{where}.{key} must be {kind.__name__}, got {type(value).__name__}")
     if isinstance(value, float) and not math.isfinite(value):
