@@ -302,6 +302,12 @@ def bytes_per_round(samples: Sequence[tuple[int, int]]) -> float:
     return (b1 - b0) / (s1 - s0)
 
 
+def port_taken(err: BaseException) -> bool:
+    """Whether a run failed because its syncer's port was taken: the syncer's own message ends in
+    the OS's strerror ("cannot listen on HOST:PORT: Address already in use"), capitalised."""
+    return "address already in use" in str(err).lower()
+
+
 def run_retrying_a_taken_port(spec: JobSpec, wd: Path, **kw: Any) -> dict[str, Any]:
     """run_over_link, started again (in a fresh directory) when the syncer could not bind the
     port it was given because another process on this shared machine took it meanwhile."""
@@ -311,7 +317,7 @@ def run_retrying_a_taken_port(spec: JobSpec, wd: Path, **kw: Any) -> dict[str, A
                 spec, wd if not attempt else wd.with_name(f"{wd.name}-{attempt}"), **kw
             )
         except RuntimeError as err:
-            if "address already in use" not in str(err) or attempt == 2:
+            if not port_taken(err) or attempt == 2:
                 raise
             print(
                 f"  the syncer's port was taken meanwhile; starting again ({err!s:.60})", flush=True

@@ -20,27 +20,50 @@ as they can, never send a byte and keep their newest 200, for --seconds. Reporte
 probes: the connections the churn opened and the CPU it and the syncer's process used (seconds
 per second of churn: on this machine the churners share the syncer's cores).
 
+With --churn --target syncer (the repeat audit's syncer-port churn, audit46, docs/adversaries.md):
+the same churn aimed at the syncer port, and instead of the kubelet's probe an island's heartbeat
+(island-0 with its own credential, from ISLAND, another /24) on a fresh connection every
+--interval seconds, as the floor and under the churn. --send G makes each churning connection
+send that byte and nothing more (the one-byte churn); Python escapes are read, so
+--send '\x16\x03\x01\x01\x01' sends a TLS handshake record's header and nothing more (a
+ClientHello begun, then silence: it passes the deferral and holds a TLS handshake open).
+
+With --churn --tls the syncer serves HTTPS (and its probe listener too) with a self-signed
+certificate for 127.0.0.1 the bench makes in its work dir (the openssl CLI, as
+tests/e2e/conftest.py's tls_files), and the probes or heartbeats go over HTTPS verified by it,
+a fresh connection each, so each pays a full handshake (the churners' bytes are as above: they
+never complete one).
+
     python -m bench.healthz_flood                      # 4 x 1000, 3 rounds
     python -m bench.healthz_flood --addresses 2 --connections 600
     python -m bench.healthz_flood --churn --rounds 2   # 4 churning /24s, 15 s a round
+    python -m bench.healthz_flood --churn --target syncer --rounds 1 --seconds 10
+    python -m bench.healthz_flood --churn --target syncer --tls --send G
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
+import codecs
+import functools
 import http.client
+import json
 import os
 import select
+import ssl
 import statistics
 import subprocess
 import sys
 import time
+from collections import Counter
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from diloco_trainer.api import contract, protocol
+from diloco_trainer.api import contract, credentials, protocol
 from diloco_trainer.api.spec import parse_spec
+from diloco_trainer.learner.syncer_client import SyncerClient
 from diloco_trainer.local import start_syncer, wait_ready, write_job_files
 
 from bench.harness.common import (
@@ -80,12 +103,16 @@ sys.stdin.read()
 # One probe: (the port probed, seconds from connect to answer, its status or the error it met).
 Probe = tuple[int, float, int | str]
 KUBELET = "127.0.0.1"  # the probe outside the flood; the other from the flood's first address
-# The audit's churn: opens connections to a port as fast as it can from its address, never
-# sending a byte, keeps the newest 200 open, for the seconds given; prints "start", then at the
-# end the connections it opened and the CPU seconds it used.
+# The island whose heartbeats --target syncer sends, from a /24 of its own.
+ISLAND, ISLAND_SOURCE = "island-0", "127.0.9.1"
+# The audit's churn: opens connections to a port as fast as it can from its address, sending
+# the bytes given once connected (none: never a byte), keeps the newest 200 open, for the
+# seconds given; prints "start", then at the end the connections it opened and the CPU seconds
+# it used.
 CHURN = """
 import collections, socket, sys, time
 source, port, secs = sys.argv[1], int(sys.argv[2]), float(sys.argv[3])
+payload = bytes.fromhex(sys.argv[4]) if len(sys.argv) > 4 else b""
 held = collections.deque()
 opened = 0
 print("start", flush=True)
@@ -97,19 +124,61 @@ while time.monotonic() < end:
     s.connect_ex(("127.0.0.1", port))
     held.append(s)
     opened += 1
+    if payload and len(held) > 1:
+        try:  # the previous one: connected by now on loopback (if not, it sends nothing)
+            held[-2].send(payload)
+        except OSError:
+            pass
     while len(held) > 200:
         held.popleft().close()
 print("done", opened, time.process_time(), flush=True)
 """
 
 
-def probe(port: int, source: str) -> Probe:
-    """One GET /healthz on a fresh connection from `source`: (port, seconds, status or error)."""
+def connection(
+    port: int, source: str, context: ssl.SSLContext | None
+) -> http.client.HTTPConnection:
+    """A fresh connection to 127.0.0.1:`port` from `source`: HTTPS verified by `context` when
+    given (each then pays a full handshake: no session is resumed)."""
+    if context is None:
+        return http.client.HTTPConnection("127.0.0.1", port, timeout=10, source_address=(source, 0))
+    return http.client.HTTPSConnection(
+        "127.0.0.1", port, timeout=10, source_address=(source, 0), context=context
+    )
+
+
+def probe(port: int, source: str, context: ssl.SSLContext | None = None) -> Probe:
+    """One GET /healthz on a fresh connection from `source` (HTTPS when `context`): (port,
+    seconds, status or error)."""
     started = time.perf_counter()
-    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10, source_address=(source, 0))
+    conn = connection(port, source, context)
     try:
         conn.request("GET", protocol.ROUTE_HEALTHZ)
         status: int | str = conn.getresponse().status
+    except OSError as err:
+        status = type(err).__name__
+    finally:
+        conn.close()
+    return port, time.perf_counter() - started, status
+
+
+def heartbeat(
+    port: int, token: str, island: str = ISLAND, context: ssl.SSLContext | None = None
+) -> Probe:
+    """One heartbeat of `island` with its credential `token` on a fresh connection from
+    ISLAND_SOURCE (HTTPS when `context`): (port, seconds, status or error)."""
+    started = time.perf_counter()
+    conn = connection(port, ISLAND_SOURCE, context)
+    try:
+        conn.request(
+            "POST",
+            protocol.ROUTE_HEARTBEAT,
+            body=json.dumps({"island": island, "step": 1}),
+            headers={"Authorization": f"Bearer {token}", "Content-Type": "application/json"},
+        )
+        answer = conn.getresponse()
+        answer.read()
+        status: int | str = answer.status
     except OSError as err:
         status = type(err).__name__
     finally:
@@ -165,28 +234,39 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def paced_probes(port: int, seconds: float, interval: float) -> list[Probe]:
-    """The kubelet's probes of `port` from KUBELET, one every `interval` seconds (a probe
-    that takes longer delays the next) for `seconds`."""
+def paced_probes(
+    port: int, seconds: float, interval: float, send: Callable[[int], Probe] | None = None
+) -> list[Probe]:
+    """The kubelet's probes of `port` from KUBELET (or `send`'s requests), one every
+    `interval` seconds (a probe that takes longer delays the next) for `seconds`."""
     probes: list[Probe] = []
     end = time.monotonic() + seconds
     while time.monotonic() < end:
         started = time.monotonic()
-        probes.append(probe(port, KUBELET))
+        probes.append(probe(port, KUBELET) if send is None else send(port))
         time.sleep(max(0.0, interval - (time.monotonic() - started)))  # pacing, not a wait
     return probes
 
 
 def churn_round(
-    port: int, syncer_pid: int, churners: int, seconds: float, interval: float, host: int
+    port: int,
+    syncer_pid: int,
+    churners: int,
+    seconds: float,
+    interval: float,
+    host: int,
+    send: Callable[[int], Probe] | None = None,
+    payload: str = "",
 ) -> tuple[list[Probe], int, float, float]:
-    """Probes from KUBELET while `churners` processes churn connections to `port` for `seconds`
-    from 127.0.3.`host`, 127.0.4.`host`, .. (the probes stop a second before the churn does):
-    (probes, connections the churn opened, the churn's CPU seconds and the syncer's over the
-    same time)."""
+    """Probes from KUBELET (or `send`'s requests) while `churners` processes churn connections
+    to `port` for `seconds` from 127.0.3.`host`, 127.0.4.`host`, .., each sending `payload`
+    (the probes stop a second before the churn does): (probes, connections the churn opened,
+    the churn's CPU seconds and the syncer's over the same time). `payload`'s characters are
+    sent as the bytes of their code points (latin-1: "\x16" is one byte)."""
+    extra = [payload.encode("latin-1").hex()] if payload else []
     procs = [
         subprocess.Popen(
-            [sys.executable, "-c", CHURN, f"127.0.{3 + i}.{host}", str(port), str(seconds)],
+            [sys.executable, "-c", CHURN, f"127.0.{3 + i}.{host}", str(port), str(seconds), *extra],
             stdout=subprocess.PIPE,
             text=True,
         )
@@ -196,7 +276,7 @@ def churn_round(
         for c in procs:  # every churner is churning before the first probe
             assert c.stdout is not None and c.stdout.readline() == "start\n"
         syncer_before = cpu_seconds(syncer_pid)
-        probes = paced_probes(port, seconds - 1.0, interval)
+        probes = paced_probes(port, seconds - 1.0, interval, send)
         opened, cpu = 0, 0.0
         for c in procs:
             assert c.stdout is not None
@@ -226,7 +306,30 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--churn", action="store_true", help="the probe-port churn instead of floods")
     p.add_argument("--seconds", type=float, default=15.0, help="--churn: seconds a round churns")
     p.add_argument("--interval", type=float, default=0.2, help="--churn: seconds between probes")
+    p.add_argument(
+        "--target",
+        choices=["probe", "syncer"],
+        default="probe",
+        help="--churn: the port churned (syncer: an island's heartbeats measured instead)",
+    )
+    p.add_argument(
+        "--send",
+        default="",
+        help="--churn: bytes each churning connection sends (Python escapes: '\\x16..')",
+    )
+    p.add_argument(
+        "--tls",
+        action="store_true",
+        help="--churn: the syncer serves HTTPS (a self-signed certificate made in the work dir)",
+    )
     args = p.parse_args(argv)
+    if args.tls and not args.churn:
+        p.error("--tls: only with --churn")
+    try:
+        args.send = codecs.decode(args.send, "unicode_escape")
+        args.send.encode("latin-1")
+    except (UnicodeError, ValueError) as err:
+        p.error(f"--send: not bytes: {err}")
     install_signal_cleanup()
     if args.churn:
         return churn_main(args)
@@ -280,8 +383,27 @@ def main(argv: list[str] | None = None) -> int:
     return publish(report, args, load)
 
 
-def start(files: Any, work: Path, r: int) -> tuple[Any, int, int]:
-    """A syncer with its probe listener for round `r`: (its process, port, probe port)."""
+def make_certificate(work: Path) -> tuple[Path, Path]:
+    """A self-signed certificate valid for IP 127.0.0.1 (its own CA) and its key, in `work`
+    (the openssl CLI, as tests/e2e/conftest.py's tls_files): (certificate, key)."""
+    cert, key = work / "tls.crt", work / "tls.key"
+    subprocess.run(
+        [
+            "openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1",
+            "-keyout", str(key), "-out", str(cert), "-subj", "/CN=127.0.0.1",
+            "-addext", "subjectAltName=IP:127.0.0.1",
+        ],
+        check=True,
+        capture_output=True,
+    )  # fmt: skip
+    return cert, key
+
+
+def start(
+    files: Any, work: Path, r: int, tls: tuple[Path, Path] | None = None
+) -> tuple[Any, int, int]:
+    """A syncer with its probe listener for round `r`, serving HTTPS with `tls` (certificate,
+    key) when given: (its process, port, probe port)."""
     # Outside the ephemeral range: the last round's floods closed thousands of sockets there,
     # and their ports are not all free yet.
     port, probe_port = pick_ports(2, set())
@@ -293,39 +415,78 @@ def start(files: Any, work: Path, r: int) -> tuple[Any, int, int]:
             job_name="healthz-flood",
             log_file=work / f"syncer-{r}.log",
             extra_env={contract.SYNCER_HEALTH_PORT: str(probe_port)},
+            tls_cert_file=tls[0] if tls else None,
+            tls_key_file=tls[1] if tls else None,
         )
     )
     try:
-        wait_ready(f"http://127.0.0.1:{port}", files.token, proc=proc)
+        scheme = "https" if tls else "http"
+        ca_file = tls[0] if tls else None
+        wait_ready(f"{scheme}://127.0.0.1:{port}", files.token, proc=proc, ca_file=ca_file)
     except BaseException:
         proc.stop(timeout=10)
         raise
     return proc, port, probe_port
 
 
+def join_island(port: int, token: str, ca_file: Path | None = None) -> None:
+    """Join ISLAND (the admin's token `token`) so that its heartbeats are answered 200; over
+    HTTPS verified by `ca_file` when given."""
+    url = f"{'https' if ca_file else 'http'}://127.0.0.1:{port}"
+
+    async def join() -> None:
+        async with SyncerClient(url, token, ca_file=ca_file) as client:
+            await client.join(ISLAND, 1)
+
+    asyncio.run(join())
+
+
 def churn_main(args: argparse.Namespace) -> int:
-    """--churn: the probe port's answers with no churn and under the audit's churn."""
+    """--churn: the probe port's answers (or, --target syncer, an island's heartbeats on the
+    syncer port) with no churn and under the audit's churn."""
+    on_syncer = args.target == "syncer"
+    what = (
+        f"{ISLAND}'s heartbeats on the syncer port from {ISLAND_SOURCE}"
+        if on_syncer
+        else f"/healthz on the probe port from {KUBELET}"
+    )
+    sends = f", each sending {args.send!r}" if args.send else ", silent"
+    over_tls = ", over TLS (HTTPS, a handshake each)" if args.tls else ""
     table = Table(
-        f"/healthz on the probe port from {KUBELET}, every {args.interval:g} s for "
-        f"{args.seconds - 1:g} s, with no churn and under {args.addresses} churning /24s",
+        f"{what}{over_tls}, every {args.interval:g} s for {args.seconds - 1:g} s, with no churn "
+        f"and under {args.addresses} churning /24s{sends}",
         [
-            *("round", "churn", "probes", "not 200", "median s", "p99 s", "max s", "over 1 s"),
-            *("max ratio", "churn conns/s", "churn CPU s/s", "syncer CPU s/s"),
+            *("round", "churn", "requests", "not 200", "failures", "median s", "p99 s", "max s"),
+            *("over 1 s", "max ratio", "churn conns/s", "churn CPU s/s", "syncer CPU s/s"),
         ],
     )
     with LoadMonitor() as load, workdir(args.workdir, "healthz-churn") as work:
         files = write_job_files(parse_spec(SPEC), work / "job")
+        tls = make_certificate(work) if args.tls else None
+        context = ssl.create_default_context(cafile=str(tls[0])) if tls else None
         for r in range(args.rounds):
-            proc, _, probe_port = start(files, work, r)
+            proc, port, probe_port = start(files, work, r, tls)
             try:
+                send: Callable[[int], Probe] | None = None
+                target = probe_port
+                if context is not None:
+                    send = functools.partial(probe, source=KUBELET, context=context)
+                if on_syncer:
+                    join_island(port, files.token, tls[0] if tls else None)
+                    token = credentials.island_token(files.token, ISLAND)
+                    send = functools.partial(heartbeat, token=token, context=context)
+                    target = port
                 pid = proc.popen.pid
                 before = cpu_seconds(pid)
-                calm = paced_probes(probe_port, args.seconds - 1.0, args.interval)
+                calm = paced_probes(target, args.seconds - 1.0, args.interval, send)
                 calm_cpu = cpu_seconds(pid) - before
                 # A host of its own each round: the last round's closed connections hold their
                 # source ports in TIME_WAIT for a minute, which slows this round's binds.
                 churned, opened, cpu, syncer_cpu = churn_round(
-                    probe_port, pid, args.addresses, args.seconds, args.interval, host=9 + r
+                    *(target, pid, args.addresses, args.seconds, args.interval),
+                    host=9 + r,
+                    send=send,
+                    payload=args.send,
                 )
             finally:
                 proc.stop(timeout=10)
@@ -345,16 +506,18 @@ def churn_main(args: argparse.Namespace) -> int:
             ):
                 n, bad, med, p99, worst = summary(probes)
                 over = sum(1 for _, s, _ in probes if s > 1.0)
+                failures = Counter(str(st) for _, _, st in probes if st != 200)
+                told = ", ".join(f"{k} x{v}" for k, v in sorted(failures.items())) or "-"
                 table.add(
-                    *(r, label, n, bad, f"{med:.4f}", f"{p99:.4f}", f"{worst:.3f}", over),
+                    *(r, label, n, bad, told, f"{med:.4f}", f"{p99:.4f}", f"{worst:.3f}", over),
                     *(f"{worst / floor:.1f}x", *extra),
                 )
     report = Report(
-        script="healthz_flood --churn",
-        summary="the kubelet's probe of the probe listener under a connection churn",
+        script=f"healthz_flood --churn --target {args.target}{' --tls' if args.tls else ''}",
+        summary=f"{what} under a connection churn",
         tables=[table],
         notes=[
-            "the target (issue 46): no probe over 1 s and none failed, on the churn rows",
+            "the target (issue 46): no request over 1 s and none failed, on the churn rows",
             "CPU s/s: CPU seconds used per second of the round (the churners' summed; "
             "the machine has 2 cores)",
             f"work dir: {Path(args.workdir) if args.workdir else 'temporary'}",
