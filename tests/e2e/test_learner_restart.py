@@ -180,7 +180,12 @@ def test_learner_rides_out_a_syncer_restart_and_the_job_finishes(
     assert resumed["outerStep"] >= 4 - 2  # from a checkpoint at most everyOuterSteps old
 
     status = run_to_finish(run, timeout=600)
-    assert status.finished and status.outer_step == 12
+    # Finished with every island's 12 x 5 steps merged: 12 x 2 x 5 x 128 tokens = 15,360 but a
+    # step of each (the drain's rounding). The outer steps may stand at 11: the restart lost a
+    # merged round, and the merge that made it up (1.6 rounds) folds once
+    # (targets.drained_at_budget, shares kept).
+    assert status.finished and status.outer_step in (11, 12)
+    assert status.tokens >= 15_360 - 2 * 128, status
     # Both learners carried on with the restarted syncer: each appears in merges after it.
     resumed_versions = dict(enumerate(resumed["versions"]))
     late = merges_after(run, resumed_versions, skip=1)

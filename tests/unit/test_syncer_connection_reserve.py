@@ -367,6 +367,50 @@ def test_limits_young_connections_of_quiet_prefixes_are_still_kept() -> None:
     assert evictions == 0
 
 
+def test_limits_connections_that_authenticated_do_not_make_their_prefix_churn() -> None:
+    """CI of c2152aa: an island's heartbeats on new connections, 9 within a second while a
+    flood held the cap, made its /24 a churning one (young_share admissions within
+    churn_window) and the 9th got 503 busy where it would have taken a flood connection's
+    place. Now an admission whose connection authenticated is no longer counted: the island
+    opens 6 (> young_share 4) within the window, each kept open so each must replace one,
+    and all 6 are answered 200, 6 flood connections replaced.
+    Cap 32: young_share = reserve_of(32) = 4; the flood 11 /24s of 3 (none churning)."""
+    keep_alive = b"GET /auth HTTP/1.1\r\nHost: x\r\n\r\n"
+
+    async def authenticated_and_held(port: int) -> tuple[bytes, asyncio.StreamWriter]:
+        reader, writer = await open_from(port, "127.0.3.2")
+        writer.write(keep_alive)
+        answer = b""
+        async with asyncio.timeout(READ_TIMEOUT):
+            while not answer.startswith(b"HTTP/1.1 503") and b"true}" not in answer:
+                chunk = await reader.read(4096)
+                if not chunk:
+                    break
+                answer += chunk
+        return answer, writer
+
+    async def scenario(port: int, cap: ConnectionCap) -> tuple[list[bytes], int, int]:
+        cap.min_age = cap.talking_age = 0.0  # the flood's connections are replaceable by age
+        cap.churn_window = 60.0  # the island's 6 admissions all fall within one window
+        sources = [f"127.0.{10 + i}.2" for i in range(11) for _ in range(3)][:32]
+        held = [(await open_from(port, source))[1] for source in sources]
+        await server_side(lambda: cap.open == 32)
+        answers = []
+        for _ in range(6):
+            answer, writer = await authenticated_and_held(port)
+            answers.append(answer)
+            held.append(writer)
+        for w in held:
+            w.close()
+        return answers, cap.evictions, cap.refused
+
+    answers, evictions, refused = serving(HttpLimits(max_connections=32), scenario)
+    assert all(a.startswith(b"HTTP/1.1 200") and b'"authenticated": true' in a for a in answers), (
+        answers
+    )
+    assert evictions == 6 and refused == 0
+
+
 def self_signed(tmp_path: Path) -> tuple[Path, Path]:
     """A certificate valid for IP 127.0.0.1 (its own CA) and its key (the openssl CLI)."""
     return make_certificate(tmp_path)

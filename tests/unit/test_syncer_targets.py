@@ -17,9 +17,11 @@ from diloco_trainer.syncer.state.targets import (
     budget_tokens,
     count_refused,
     done_range,
+    drained_at_budget,
     horizon_seconds,
     lock_step_weights,
     merged_elsewhere,
+    outer_steps_tokens,
     pace_of,
     pace_span_seconds,
     pace_wait_seconds,
@@ -431,3 +433,22 @@ def test_targets_pushes_lost_at_the_edge_leave_an_honest_island_in_the_split() -
     merges = 1_000 + 4_440 + (held["a"] - 8_000) + 8_000 + (held["b"] - 8_000)
     assert merges == 17_280 < 20_000
     assert stop_targets(paces, **args) == {"a": 9_984, "b": 9_984}
+
+
+def test_drained_at_budget_counts_outer_steps_in_tokens_where_islands_keep_shares() -> None:
+    # 20 rounds x 4 islands x 30 steps x 512 tokens a step (8 x 64) = 1,228,800; the slack is
+    # a step of each active island: 4 x 512 = 2,048.
+    active = [IslandRecord(name=n) for n in "abcd"]
+    rounds = spec_of(outerSteps=20)
+    assert outer_steps_tokens(rounds) == 1_228_800
+    assert drained_at_budget(rounds, 1_226_752, active, shares_kept=True)
+    assert not drained_at_budget(rounds, 1_226_751, active, shares_kept=True)
+    # A made-up merge counted once as a fold leaves the outer steps short, not the tokens.
+    assert drained_at_budget(rounds, 1_500_000, active, shares_kept=True)
+    # K < M, or rounds that differ: no share of outerSteps, so only a token budget counts.
+    assert not drained_at_budget(rounds, 1_500_000, active)
+    both = spec_of(outerSteps=20, tokens=614_400)  # the fewer of the two
+    assert drained_at_budget(both, 612_352, active, shares_kept=True)
+    assert not drained_at_budget(both, 612_351, active, shares_kept=True)
+    assert drained_at_budget(both, 612_352, active)
+    assert outer_steps_tokens(spec_of(tokens=614_400)) is None

@@ -188,7 +188,10 @@ class StopAfterSpec(SpecModel):
         ge=1,
         description="Stop after this many outer steps: rounds of work, one per islands x "
         "inner.steps inner steps merged into every fragment (whatever the quorum; with every "
-        "island in every merge, the number of merges).",
+        "island in every merge, the number of merges). With every island in every merge each "
+        "trains outerSteps x inner.steps steps, and the job ends once all of that is merged, "
+        "where the count stands one short too (a syncer restart from an older checkpoint: the "
+        "merge that made up the lost round counts as one).",
     )
     tokens: int | None = Field(
         None,

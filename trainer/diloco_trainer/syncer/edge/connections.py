@@ -15,19 +15,18 @@ of the cap), and of the oldest unauthenticated one of anybody's once every conne
 So N addresses of a network cannot take what one cannot, and no flood of idle or trickling
 connections keeps a new one out: the kubelet's probes (it restarts a syncer whose probe fails,
 losing the merges since its last checkpoint), the operator's calls and the learners get in. One
-address also holds at most all but the reserve of them however it authenticated. A network
-prefix that was admitted reserve_of(maxConnections) connections within the last MIN_AGE takes no
-other's place (its new ones are answered busy instead), and its unauthenticated connections may
-be replaced at any age (those of a prefix that is not churning only once MIN_AGE or TALKING_AGE
-old), so a churn of connections each closed before MIN_AGE cannot keep the connections young and
-taken (audit of 2026-12-01: two /24s churning thousands a second kept the islands' new
-connections out; CI of the same day: a churn admitted while the cap had room filled it); past
-half the cap's refusals answered busy in that window, its next are closed unanswered (a probe
-among them whose request is already in when it is accepted still answered: request_line_in). A
-connection that finds no room (every one taken and authenticated, or its address at its share
-with none of its own to replace) is answered 503 with Retry-After and closed, unless it is a
-liveness or readiness probe: that is answered as the route would (_Busy), so no traffic starves
-them.
+address also holds at most all but the reserve of them however it authenticated. A network prefix
+that was admitted reserve_of(maxConnections) connections within the last MIN_AGE (less those that
+authenticated since) takes no other's place (its new ones are answered busy instead), and its
+unauthenticated connections may be replaced at any age (those of a prefix that is not churning only
+once MIN_AGE or TALKING_AGE old), so a churn of connections each closed before MIN_AGE cannot keep
+the connections young and taken (audit of 2026-12-01: two /24s churning thousands a second kept the
+islands' new connections out; CI of the same day: a churn admitted while the cap had room filled
+it); past half the cap's refusals answered busy in that window, its next are closed unanswered (a
+probe among them whose request is already in when it is accepted still answered: request_line_in). A
+connection that finds no room (every one taken and authenticated, or its address at its share with
+none of its own to replace) is answered 503 with Retry-After and closed, unless it is a liveness or
+readiness probe: that is answered as the route would (_Busy), so no traffic starves them.
 """
 
 from __future__ import annotations
@@ -198,6 +197,9 @@ class _Counted(asyncio.Protocol):
         # take): an eviction meanwhile shuts it down.
         self.sock: socket.socket | None = None
         self.decided = False  # admitted or refused already, at accept
+        # Counted among its prefix's recent admissions (ConnectionCap._churning) until it
+        # leaves the window or authenticates.
+        self.young = False
 
     def decide(self, peer: Any, opened: float) -> bool:
         """Admit it (ConnectionCap.admit) as a connection of `peer` accepted at loop time
@@ -328,10 +330,11 @@ class ConnectionCap:
         # a prefix at young_share of them takes no other connection's place (_churning).
         self.young_share = max(1, reserve_of(size))
         self.churn_window = MIN_AGE  # the age below which _evict_oldest replaces none
-        # Each entry is (loop time, prefix, admitted); refusals are counted as well, so that a
-        # churning prefix's first max(RESERVE_CONNECTIONS, size // 2) refusals a window are
-        # answered busy (a probe among them answered) and the rest shed (_refuse).
-        self.recent: deque[tuple[float, str, bool]] = deque()
+        # Each entry is (loop time, prefix, admitted, the connection); refusals are counted as
+        # well, so that a churning prefix's first max(RESERVE_CONNECTIONS, size // 2) refusals a
+        # window are answered busy (a probe among them answered) and the rest shed (_refuse). An
+        # admission whose connection authenticated is no longer counted (authenticated).
+        self.recent: deque[tuple[float, str, bool, _Counted]] = deque()
         self.recent_per_prefix: Counter[tuple[str, bool]] = Counter()
         self.shed_at_accept = 0  # shed before a transport was made (take)
         # Told each authenticated connection's network prefix (GuardedSite: AcceptLanes.known).
@@ -396,17 +399,35 @@ class ConnectionCap:
         bound a prefix opening connections faster than they age kept every connection young,
         and an island's new one found none to replace (audit of 2026-12-01, docs/adversaries.md)."""
         while self.recent and self.recent[0][0] <= now - self.churn_window:
-            _, old, admitted = self.recent.popleft()
-            self.recent_per_prefix[old, admitted] -= 1
-            if self.recent_per_prefix[old, admitted] <= 0:
-                del self.recent_per_prefix[old, admitted]
+            _, old, admitted, conn = self.recent.popleft()
+            if admitted and not conn.young:
+                continue  # authenticated in the window: uncounted then
+            conn.young = False
+            self._forget_recent(old, admitted)
         return self.recent_per_prefix[prefix, True] >= self.young_share
 
     def _note(self, conn: _Counted, *, admitted: bool) -> None:
-        self.recent.append((conn.opened, conn.prefix, admitted))
+        self.recent.append((conn.opened, conn.prefix, admitted, conn))
         self.recent_per_prefix[conn.prefix, admitted] += 1
+        conn.young = admitted
+
+    def _forget_recent(self, prefix: str, admitted: bool) -> None:
+        self.recent_per_prefix[prefix, admitted] -= 1
+        if self.recent_per_prefix[prefix, admitted] <= 0:
+            del self.recent_per_prefix[prefix, admitted]
 
     def authenticated(self, conn: _Counted) -> None:
+        """`conn` passed the bearer-token check: no longer the first to go, and no longer one of
+        its prefix's recent admissions. Why the latter: an island (or the test that stands in
+        for one) that opens young_share connections a second while a flood holds the cap was
+        taken for a churn, and its next connection got 503 busy where it would have taken a
+        flood connection's place (CI of c2152aa: the 9th heartbeat in a second of
+        tests/e2e/test_adversary_audit.py). A churn without a credential never authenticates,
+        so it is counted as before; an island's own connections cannot churn others out, as
+        only unauthenticated connections are replaced."""
+        if conn.young:
+            conn.young = False
+            self._forget_recent(conn.prefix, True)
         self._forget_waiting(conn)
         if self.on_authenticated is not None:
             self.on_authenticated(conn.prefix)

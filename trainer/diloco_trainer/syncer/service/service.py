@@ -263,7 +263,9 @@ class Syncer:
         # has no target to drain at (SyncState.untargeted, issue 46), nor its step of slack.
         exempt = self.state.untargeted()
         active = [r for r in self.state.membership.active_records() if r.name not in exempt]
-        return self.state.all_drained() and drained_at_budget(self.spec, self.tokens, active)
+        return self.state.all_drained() and drained_at_budget(
+            self.spec, self.tokens, active, shares_kept=self.shares_kept()
+        )
 
     def shares_kept(self) -> bool:
         """Whether the islands drain on their own 1/M shares of stopAfter (K = M, every round

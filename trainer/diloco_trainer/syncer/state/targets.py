@@ -116,12 +116,22 @@ def budget_tokens(spec: JobSpec) -> int | None:
     stop = spec.stop_after
     if stop.tokens is None:
         return None
-    if stop.outer_steps is not None:
-        islands = max(spec.islands.count, spec.total_shards())
-        step_tokens = spec.inner.tokens_per_step * spec.islands.replicas
-        if stop.outer_steps * islands * spec.inner.steps * step_tokens <= stop.tokens:
-            return None
+    rounds = outer_steps_tokens(spec)
+    if rounds is not None and rounds <= stop.tokens:
+        return None
     return stop.tokens
+
+
+def outer_steps_tokens(spec: JobSpec) -> int | None:
+    """stopAfter.outerSteps in tokens: that many rounds of M x H steps of the spec's island
+    tokens (None without it). What the islands train at K = M, each on its share of
+    outerSteps x H steps (learner/drain.share_steps)."""
+    stop = spec.stop_after
+    if stop.outer_steps is None:
+        return None
+    islands = max(spec.islands.count, spec.total_shards())
+    step_tokens = spec.inner.tokens_per_step * spec.islands.replicas
+    return stop.outer_steps * islands * spec.inner.steps * step_tokens
 
 
 def beat_seconds(heartbeat_timeout: float) -> float:
@@ -312,17 +322,30 @@ def merged_elsewhere(records: Iterable[IslandRecord], active: set[str]) -> float
     return sum(r.merged_tokens for r in records if r.name not in active)
 
 
-def drained_at_budget(spec: JobSpec, tokens: int, active: Iterable[IslandRecord]) -> bool:
-    """Whether `tokens` merged are stopAfter.tokens but for the drain's rounding: short of it by
-    at most a step of each active island (shares and targets are rounded down to whole steps).
+def drained_at_budget(
+    spec: JobSpec, tokens: int, active: Iterable[IslandRecord], *, shares_kept: bool = False
+) -> bool:
+    """Whether `tokens` merged are stopAfter but for the drain's rounding: short of it by at
+    most a step of each active island (shares and targets are rounded down to whole steps).
     Every active island having drained ends the job only then: short by more, work was lost (a
     syncer restarted from an older checkpoint, an island dropped with its share undone) and the
-    learners, drained, train on after their wait (learner/drain.py) until stopAfter is reached."""
-    budget = spec.stop_after.tokens
-    if budget is None:
+    learners, drained, train on after their wait (learner/drain.py) until stopAfter is reached.
+
+    stopAfter.tokens, or (`shares_kept`: K = M, every round H) stopAfter.outerSteps in tokens,
+    the fewer. The islands drain there on outerSteps x H steps each, and the outer steps can
+    fall short of outerSteps once they are in: a syncer restart from an older checkpoint lost a
+    merged round, the islands trained it again, and its made-up merge of 1.6 rounds folded once
+    (core/outer.split_fraction: a complete merge is one fold) while the drain's partial pushes
+    stayed open; fragment 0 stood at 11 of 12 folds with 18,880 tokens merged of 15,360, and
+    both islands waited out their budget for a finish (tests/e2e/test_learner_restart.py)."""
+    budgets = [] if spec.stop_after.tokens is None else [spec.stop_after.tokens]
+    rounds = outer_steps_tokens(spec) if shares_kept else None
+    if rounds is not None:
+        budgets.append(rounds)
+    if not budgets:
         return False
     slack = sum(spec.inner.tokens_per_step * max(1, r.replicas) for r in active)
-    return budget - tokens <= slack
+    return min(budgets) - tokens <= slack
 
 
 def stop_reached(spec: JobSpec, *, outer_step: int, tokens: int) -> bool:
