@@ -191,7 +191,7 @@ class StopAfterSpec(SpecModel):
         "island in every merge, the number of merges). With every island in every merge each "
         "trains outerSteps x inner.steps steps, and the job ends once all of that is merged, "
         "where the count stands one short too (a syncer restart from an older checkpoint: the "
-        "merge that made up the lost round counts as one).",
+        "merge that made up the lost round counts as one; one syncer, not syncer.shards).",
     )
     tokens: int | None = Field(
         None,

@@ -263,8 +263,13 @@ class Syncer:
         # has no target to drain at (SyncState.untargeted, issue 46), nor its step of slack.
         exempt = self.state.untargeted()
         active = [r for r in self.state.membership.active_records() if r.name not in exempt]
+        # outerSteps in tokens only for one syncer: a syncer shard that restarted from an older
+        # checkpoint counts its own fragments' merges again while the islands' tokens stand, so
+        # the tokens said drained before its outer steps were made up (CI rehearsal of fdcda5e:
+        # tests/e2e/test_shards.py's restarted shard finished at outer step 8 of 10).
+        one_syncer = self.spec.syncer.shards <= 1
         return self.state.all_drained() and drained_at_budget(
-            self.spec, self.tokens, active, shares_kept=self.shares_kept()
+            self.spec, self.tokens, active, shares_kept=self.shares_kept() and one_syncer
         )
 
     def shares_kept(self) -> bool:

@@ -337,7 +337,8 @@ def drained_at_budget(
     merged round, the islands trained it again, and its made-up merge of 1.6 rounds folded once
     (core/outer.split_fraction: a complete merge is one fold) while the drain's partial pushes
     stayed open; fragment 0 stood at 11 of 12 folds with 18,880 tokens merged of 15,360, and
-    both islands waited out their budget for a finish (tests/e2e/test_learner_restart.py)."""
+    both islands waited out their budget for a finish (tests/e2e/test_learner_restart.py).
+    The service passes `shares_kept` for one syncer only (SyncerService.stop_reached)."""
     budgets = [] if spec.stop_after.tokens is None else [spec.stop_after.tokens]
     rounds = outer_steps_tokens(spec) if shares_kept else None
     if rounds is not None:
