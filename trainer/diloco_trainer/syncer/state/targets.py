@@ -338,7 +338,7 @@ def drained_at_budget(
     (core/outer.split_fraction: a complete merge is one fold) while the drain's partial pushes
     stayed open; fragment 0 stood at 11 of 12 folds with 18,880 tokens merged of 15,360, and
     both islands waited out their budget for a finish (tests/e2e/test_learner_restart.py).
-    The service passes `shares_kept` for one syncer only (SyncerService.stop_reached)."""
+    The service passes `shares_kept` for one syncer only (Syncer.stop_reached)."""
     budgets = [] if spec.stop_after.tokens is None else [spec.stop_after.tokens]
     rounds = outer_steps_tokens(spec) if shares_kept else None
     if rounds is not None:
