@@ -47,6 +47,10 @@ class FakeLink:
         self.refuse = False  # answer each push as the syncer answers a malformed one
         self.inner_steps: int | None = None  # the island's H_i the syncer names (stepsPerIsland)
         self.stop_at: int | None = None  # the drain's stop target the syncer names (K = M)
+        self.beats: list[dict[str, Any]] = []  # the progress each heartbeat carried
+        # As the syncer merges a round crossed with a holding island's (crossed.py): a
+        # heartbeat that says holding hands over the merges held back.
+        self.release_when_holding = False
 
     def submit(self, coro: Coroutine[Any, Any, Any]) -> concurrent.futures.Future[Any]:
         future: concurrent.futures.Future[Any] = concurrent.futures.Future()
@@ -66,7 +70,11 @@ class FakeLink:
         """Nothing is deferred here."""
 
     async def report_now(self) -> None:
-        """A heartbeat now (the drain's 'drained'): nothing to send here."""
+        """A heartbeat now (the drain's 'holding' and 'drained'): recorded, not sent."""
+        self.beats.append(dict(self.progress))
+        if self.release_when_holding and self.progress["holding"]:
+            self.hold = False
+            self.release()
 
     def release(self) -> None:
         for future, result in self.held:
@@ -339,6 +347,48 @@ def test_drain_pushes_only_the_steps_since_the_merge_it_takes_first() -> None:
     assert torch.equal(encoded["w"], torch.full((2,), -1.0))
     # Its merge: global = 1 - 0.25 x (-1) = 1.25, nothing kept on top (no step since).
     assert torch.equal(out[0]["w"], torch.full((2,), 1.25))
+
+
+def test_the_drain_says_it_holds_before_it_waits_for_its_merges() -> None:
+    """Two islands that drain together may each hold a push in flight that the other's next
+    push completes (rounds crossed): each waited out the budget, then pushed again on the same
+    base (CI rehearsal of a821ac3). The drain says in a heartbeat that it holds before it waits,
+    which the syncer's crossed rule needs to merge such a round; here the 'syncer' hands the
+    merge over on that heartbeat. It says it holds no more once its merges are in."""
+    link = FakeLink(outer_lr=0.25)
+    sync, w = make_sync(make_spec(quorum=1, heartbeatTimeoutSeconds=30), link)
+    link.hold = True
+    for _ in range(5):
+        step(sync, w)  # the push at 4 (Δ = -4) held, one step on: w = 5
+    link.release_when_holding = True
+    link.finished.set()
+    started = time.monotonic()
+    out = drain(sync)
+    assert time.monotonic() - started < 10  # not the 30 s budget
+    assert [(b["holding"], b.get("drained", False)) for b in link.beats] == [
+        (True, False),
+        (False, True),
+    ]
+    # As in the test above: the merge in flight, then the one step since its push.
+    assert [(m.base_version, m.steps) for _, m, _ in link.pushes] == [(0, 4), (1, 1)]
+    assert torch.equal(out[0]["w"], torch.full((2,), 1.25))
+
+
+def test_the_drain_does_not_push_again_a_fragment_whose_merge_is_late() -> None:
+    """A merge that does not come within the drain's wait: its push may still merge, so the
+    drain does not push the fragment again on the same base (both pushes merged: its steps
+    twice, the job past its budget). It does not say drained either (its steps are not all
+    merged) and trains on."""
+    link = FakeLink(outer_lr=0.25)
+    sync, w = make_sync(make_spec(quorum=1, heartbeatTimeoutSeconds=0.2), link)
+    link.hold = True
+    for _ in range(5):
+        step(sync, w)  # the push at 4 held for good
+    drain(sync)
+    assert [(m.base_version, m.steps) for _, m, _ in link.pushes] == [(0, 4)]
+    assert [b.get("drained", False) for b in link.beats] == [False]
+    assert link.progress["holding"] is False and not link.progress.get("drained")
+    assert list(sync.inflight) == [0]  # still waited for, by the training that follows
 
 
 def test_synchronous_learner_blocks_at_the_apply_step() -> None:

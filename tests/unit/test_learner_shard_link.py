@@ -136,3 +136,33 @@ def test_link_routes_each_fragment_to_its_shard_and_finishes_with_both(tmp_path:
     status = seen["status"]
     assert (status.versions, status.outer_step, status.finished) == ([1, 1], 1, True)
     assert status.merge_count == 2
+
+
+def test_link_hears_its_stop_target_in_a_push_answer(tmp_path: Path) -> None:
+    """A stop target set, the next push answer names it (PushAnswer.stop_at), no heartbeat
+    needed: the learner's link holds it as it holds a heartbeat's (the lowest heard stands)."""
+    spec = make_spec(islands={"count": 1}, sync={"quorum": 1, "graceSeconds": 0})
+    syncer = Syncer(spec, job_name="unit", state_dir=tmp_path / "s", clock=FakeClock())
+
+    async def scenario() -> list[int | None]:
+        server = TestServer(build_app(syncer, "tok"), host="127.0.0.1")
+        await server.start_server()
+        url = str(server.make_url("")).rstrip("/")
+        link = SyncerLink(syncer_client.SyncerClient(url, "tok"), island="island-0", replicas=1)
+        heard = []
+        try:
+            await asyncio.wrap_future(link.submit(link.join(threading.Event())))
+            for target in (None, 896, 1024):
+                if target is not None:
+                    syncer.islands.targets = {"island-0": target}  # as _set_targets sets them
+                encoded = encode_tensors(delta(syncer, 0, 5), syncer.codec)
+                await asyncio.wrap_future(
+                    link.submit(link.sync_fragment(0, encoded, _meta(syncer, 0)))
+                )
+                heard.append(link.stop_at)
+            return heard
+        finally:
+            await asyncio.to_thread(link.close, leave=True)
+            await server.close()
+
+    assert run(scenario()) == [None, 896, 896]

@@ -21,18 +21,21 @@ syncer sets them once every island still training has heard of the split). Witho
 heartbeat intervals of its join, or a budget reached before two heartbeats measured a pace) the
 syncer's own rule stands: the job ends at the first merge that reaches the budget.
 
-The drain (rank 0, `drain`, in place of the step's `after_step`): take the merges of the pushes
-in flight (a push now, from the same base, would carry their work twice) and install their
-weights on rank 0 (its push reads them; every rank gets them from the caller), push every fragment
-that holds steps since its base (a partial round: the syncer merges it at its work fraction,
-core/contributions.py), take those merges, then tell the syncer in a heartbeat that the island
-drained (syncer/state/rounds.py: it waits for drained islands no more, and finishes once every
-active island has drained at the budget). The island then waits for the finish; if it does not come
-within the wait budget (work was lost: an island was dropped with its part undone; or an
-island is not draining), it says so, stops saying drained and trains on under the syncer's rule,
-until stopAfter is reached. Work a syncer restart took back (it resumed from an older
-checkpoint) is trained before the drain instead: the loop leaves FragmentSync.lost_work out of
-the share's count (fragment_state.MergedSteps).
+The drain (rank 0, `drain`, in place of the step's `after_step`): say in a heartbeat that the
+island holds (it pushes nothing more until its merges come, as a learner at the step cap: the
+syncer closes rounds crossed with a peer draining at the same moment, syncer/state/crossed.py),
+take the merges of the pushes in flight (a push now, from the same base, would carry their work
+twice) and install their weights on rank 0 (its push reads them; every rank gets them from the
+caller), push every fragment that holds steps since its base (a partial round: the syncer merges
+it at its work fraction, core/contributions.py) but one whose merge is still late, take those
+merges, then tell the syncer in a heartbeat that the island drained (syncer/state/rounds.py:
+it waits for drained islands no more, and finishes once every active island has drained at the
+budget). The island then waits for the finish; if it does not come within the wait budget (work
+was lost: an island was dropped with its part undone; or an island is not draining), it says so,
+stops saying drained and trains on under the syncer's rule, until stopAfter is reached; so does
+one whose merge came too late to be pushed on. Work a syncer restart took back (it resumed
+from an older checkpoint) is trained before the drain instead: the loop leaves
+FragmentSync.lost_work out of the share's count (fragment_state.MergedSteps).
 """
 
 from __future__ import annotations
@@ -127,6 +130,15 @@ def drain(sync: FragmentSync) -> dict[int, Weights]:
     wait for the finish, up to the wait budget."""
     budget = wait_budget(sync.round_times, sync.spec.sync.heartbeat_timeout_seconds)
     out: dict[int, Weights] = {}
+    # Two islands that reach their drains together may each hold a push of a different
+    # fragment in flight, each merge waiting for the other island's push of that fragment,
+    # which it makes only once its own merge came: rounds crossed. Said holding, the syncer
+    # merges such a round without the island it lacks (crossed.py). Before, at K = 2 of 3 both
+    # waited out the budget (4 s) and pushed again on the same bases; the pushes in flight
+    # merged too, so 12 steps merged twice and the job ended 352 tokens past its budget (CI
+    # rehearsal of a821ac3, tests/e2e/test_drain.py).
+    sync.link.progress["holding"] = True
+    sync.link.submit(sync.link.report_now())
     _take_inflight(sync, budget, out)
     # A push reads Δ = θ_global − θ_local from the parameters, so the receipts' weights
     # (θ_global + the steps since each push) must be in them first. Pushed from the weights
@@ -134,17 +146,31 @@ def drain(sync: FragmentSync) -> dict[int, Weights]:
     # while its counters held only the steps since the push: a push of one step carried a
     # round or more of movement (5.6x one AdamW step in tests/e2e/test_drain.py, issue 46).
     sync.install(out)
-    pushed = [f for f, state in enumerate(sync.fragments) if state.counters.steps > 0]
+    # A fragment whose merge is still late is not pushed again: that push may yet merge, and
+    # one again on its base carries its steps a second time (the syncer merges both).
+    late = sorted(sync.inflight)
+    pushed = [
+        f
+        for f, state in enumerate(sync.fragments)
+        if state.counters.steps > 0 and f not in sync.inflight
+    ]
     for f in pushed:
         sync.push(f, sync.position, (0, 0))
     log.info(
         "step %d: this island's part of the job is done (its share of stopAfter, or at K < M "
-        "the syncer's stop target): draining (fragment(s) %s pushed)",
+        "the syncer's stop target): draining (fragment(s) %s pushed%s)",
         sync.position,
         pushed,
+        f"; the merge of fragment(s) {late} is late, not pushed again" if late else "",
     )
     merged = _take_inflight(sync, budget, out)
-    if merged and not sync.stop.is_set():
+    sync.link.progress["holding"] = False
+    held = [f for f, state in enumerate(sync.fragments) if state.counters.steps > 0]
+    if merged and held:
+        # A late merge came: the steps since its push are not pushed, so the island has not
+        # drained; it trains on and pushes them with its next round.
+        log.warning("fragment(s) %s: steps since a late merge not pushed; training on", held)
+    if merged and not held and not sync.stop.is_set():
         sync.link.progress["drained"] = True
         sync.link.submit(sync.link.report_now())
         _wait_finished(sync, budget)
@@ -152,17 +178,19 @@ def drain(sync: FragmentSync) -> dict[int, Weights]:
 
 
 def _take_inflight(sync: FragmentSync, budget: float, out: dict[int, Weights]) -> bool:
-    """Collect and receive every fragment in flight (up to `budget` s each) into `out`;
-    whether all of them came."""
+    """Collect and receive every fragment in flight (up to `budget` s each, until one does not
+    come; those after it only if they came already) into `out`; whether all of them came."""
+    came = True
     for f in sorted(sync.inflight):
-        if not sync.collect(f, block=budget):
+        if not sync.collect(f, block=budget if came else 0.0):
             if not (sync.finished() or sync.stop.is_set()):
                 log.warning("fragment %d: its merge did not come within %.0fs", f, budget)
-            return False
+            came = False
+            continue
         target = sync.receive(f)
         if sync.shards is None:  # sharded: every rank has installed its rows already
             out[f] = target
-    return True
+    return came
 
 
 def _wait_finished(sync: FragmentSync, budget: float) -> None:

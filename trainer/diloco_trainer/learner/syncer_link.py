@@ -367,6 +367,7 @@ class SyncerLink:
             push_seconds = time.monotonic() - start
             push_bytes = sum(t.numel() * t.element_size() for t in encoded.values())
             log.debug("fragment %d push answered %s", fragment, reply)
+            self._hear_stop_at(reply.stop_at)
             if reply.accepted:
                 after = max(after, reply.version)
                 run = reply.run
@@ -703,12 +704,16 @@ class SyncerLink:
             self.inner_steps = reply.inner_steps
         if shard == 0:  # once split, split for the job (island_rounds.split_budget)
             self.split_budget = self.split_budget or reply.split_budget
-        if reply.stop_at is not None:  # K < M near the budget (syncer/state/targets.py): the lowest
-            self.stop_at = min(reply.stop_at, self.stop_at or reply.stop_at)
+        self._hear_stop_at(reply.stop_at)
         if reply.state != last_state:
             where = f" (syncer shard {shard})" if len(self.clients) > 1 else ""
             log.info("syncer says this island is %s%s", reply.state, where)
         return reply.state
+
+    def _hear_stop_at(self, stop_at: int | None) -> None:
+        """A heartbeat's or push's stop target (syncer/state/targets.py): the lowest stands."""
+        if stop_at is not None:
+            self.stop_at = min(stop_at, self.stop_at or stop_at)
 
     def close(self, *, leave: bool) -> None:
         """Cancel everything in flight, then (optionally) say goodbye to every shard, and stop

@@ -173,6 +173,10 @@ class IslandCalls:
         )
         return answer.to_wire()
 
+    def stop_target(self, island: str) -> int | None:
+        """The island's stop target, None before the split or for one left out of it."""
+        return self.targets.get(island)
+
     def _set_targets(self) -> None:
         """Fix every active island's stop target once the budget is near (lock held).
 

@@ -31,6 +31,7 @@ until 5. The path holds the service's Control (its locks, clock and run state), 
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 
 from diloco_trainer.api.client import RETRY_STATUSES
 from diloco_trainer.api.credentials import Principal
@@ -73,6 +74,9 @@ class PushPath:
         self.bytes_in = 0  # the bodies of accepted pushes
         # The longest stepTime a push may claim (validation.step_time_limit; the service sets it).
         self.max_step_time = MAX_SECONDS
+        # An island's stop target, None before the split (IslandCalls.stop_target; the service
+        # sets it): each answer carries it (PushAnswer.stop_at).
+        self.stop_target: Callable[[str], int | None] = lambda island: None
 
     async def receive(
         self, fragment: int, body: bytes | bytearray, principal: Principal
@@ -87,7 +91,7 @@ class PushPath:
             async with control.locked():
                 early = self._finished_or_duplicate(fragment, meta)
                 if early is not None:
-                    return early
+                    return self._with_target(early, meta.island)
                 self.gate.admit_push(self.state, fragment, meta)  # 2.
             payload = EncodedPayload(push.flat, self.codec, self.model.expected[fragment])
             stats = await asyncio.to_thread(measure_push, fragment, payload)  # 3.
@@ -95,7 +99,7 @@ class PushPath:
                 async with control.locked():
                     early = self._finished_or_duplicate(fragment, meta)
                     if early is not None:
-                        return early
+                        return self._with_target(early, meta.island)
                     now = control.clock()
                     contribution = self.gate.judge_push(  # 4.
                         self.state, fragment, meta, payload, stats, now
@@ -108,7 +112,13 @@ class PushPath:
             await self._refused(fragment, meta, err)
             raise
         control.wake()
-        return answer
+        return self._with_target(answer, meta.island)
+
+    def _with_target(self, answer: PushAnswer, island: str) -> PushAnswer:
+        """The answer with the island's stop target, as it is now (not the saved answer's:
+        a replay says the target then)."""
+        target = self.stop_target(island)
+        return answer if target is None else answer.model_copy(update={"stop_at": target})
 
     def _record(
         self,

@@ -158,6 +158,7 @@ class Syncer:
             run=self.run,
             resumed=self.resumed_versions,
         )
+        self.pushes.stop_target = self.islands.stop_target
         # Read when /metrics is scraped: always the current figures, and no sequence has to
         # remember to update them.
         self.metrics.active_islands.set_function(lambda: len(self.state.membership.active()))

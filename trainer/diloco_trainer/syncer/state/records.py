@@ -41,7 +41,7 @@ class Beat:
     tokens: int = 0
     loss: float | None = None
     step_time: float | None = None
-    holding: bool = False  # held at the step cap (learner/fragment_sync.py)
+    holding: bool = False  # held at the step cap or draining (learner/fragment_sync.py, drain.py)
     drained: bool = False  # its share done and merged, nothing more to push (learner/drain.py)
     # The share of its wall time since its previous heartbeat blocked on the syncer (0..1;
     # None: not said, an older learner): learner/step_costs.WaitMeter.
@@ -140,8 +140,8 @@ class IslandRecord:
     loss: float | None = None
     step: int = 0
     step_time: float | None = None
-    # Its learner holds at the step cap, as its latest heartbeat said (not persisted: a restarted
-    # syncer hears it again with the next heartbeat).
+    # Its learner holds at the step cap or drains (pushing nothing until a merge), as its latest
+    # heartbeat said (not persisted: a restarted syncer hears it again with the next heartbeat).
     holding: bool = False
     # Its learner has done its share of the job's budget and every push of it was merged: it
     # pushes nothing more (learner/drain.py). Not persisted, as `holding`.

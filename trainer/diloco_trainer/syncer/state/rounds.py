@@ -464,7 +464,7 @@ class SyncState:
         crossed for the grace window plus a round of the slowest island it lacks
         (crossed_wait). With blocking learners only at K = M, every island joined; with
         learners that do not block, rounds short of the quorum whose lacking islands are all
-        held at the step cap (IslandRecord.holding). None when no round is crossed."""
+        held at the step cap or draining (IslandRecord.holding). None when no round is crossed."""
         members = self.membership
         spanned = self.spanning() - self.drained() - self.untargeted()
         pending = [set(r.pending) for r in self.rounds]
