@@ -88,61 +88,39 @@ def test_syncer_sets_stop_targets_near_the_budget_and_drops_a_rejoiners(tmp_path
     # then 640 a second later: 640 tokens/s each, 1,920 done, 1,080 left, far within the
     # horizon (3 heartbeats). Each gets a third: 640 + 360 = 1,000, down to 7 steps = 896.
     # Heartbeats every second (timeout 4 s): a pace needs reports half of that apart.
+    # The push answers name the target too: they come every few steps where a heartbeat comes
+    # once a beat, and a target set late reached the island past it (tests/e2e/test_drain.py).
     spec = make_spec(
         sync={"quorum": 2, "heartbeatTimeoutSeconds": 4},
         stopAfter={"outerSteps": None, "tokens": 3000},
     )
     clock = FakeClock()
 
-    async def scenario() -> list[dict[str, object]]:
+    async def scenario() -> tuple[list[dict[str, object]], list[dict[str, object]]]:
         syncer = await started(spec, tmp_path, clock)
         islands = [f"island-{i}" for i in range(3)]
         for name in islands:
             await syncer.islands.join(name, 1)
             await syncer.islands.heartbeat(name, Beat(step=0, tokens=0, step_time=0.2))
+        pushes = [await syncer.receive_push(0, body(syncer, 0, "island-0", delta(syncer, 0, 0)))]
         clock.now += 1.0
         answers = [await syncer.islands.heartbeat(n, Beat(step=5, tokens=640)) for n in islands]
         await syncer.islands.join("island-0", 1)  # restarted: its count starts from zero again
         answers += [
             await syncer.islands.heartbeat(n, Beat(step=1, tokens=128)) for n in islands[:2]
         ]
-        return answers
+        for name in ("island-1", "island-0"):
+            pushes.append(await syncer.receive_push(0, body(syncer, 0, name, delta(syncer, 0, 1))))
+        return answers, pushes
 
-    answers = run(scenario())
+    answers, pushes = run(scenario())
     # No target until every island's pace is known (the third island's second report).
     assert [a.get("stopAt") for a in answers[:3]] == [None, None, 896]
     assert answers[3].get("stopAt") is None  # the rejoined island trains on without one
     assert answers[4]["stopAt"] == 896
-
-
-def test_a_push_answer_carries_the_islands_stop_target_once_set(tmp_path: Path) -> None:
-    """As the heartbeat answers (the test above: 896 each), so the push answers, which come
-    every few steps where a heartbeat comes once a beat: a target set late reached the island
-    past it (tests/e2e/test_drain.py). Before the split, none; an island left out, none."""
-    spec = make_spec(
-        sync={"quorum": 2, "heartbeatTimeoutSeconds": 4},
-        stopAfter={"outerSteps": None, "tokens": 3000},
-    )
-    clock = FakeClock()
-
-    async def scenario() -> list[dict[str, object]]:
-        syncer = await started(spec, tmp_path, clock)
-        islands = [f"island-{i}" for i in range(3)]
-        for name in islands:
-            await syncer.islands.join(name, 1)
-            await syncer.islands.heartbeat(name, Beat(step=0, tokens=0, step_time=0.2))
-        answers = [await syncer.receive_push(0, body(syncer, 0, "island-0", delta(syncer, 0, 0)))]
-        clock.now += 1.0
-        for name in islands:
-            await syncer.islands.heartbeat(name, Beat(step=5, tokens=640))
-        await syncer.islands.join("island-2", 1)  # rejoined: out of the split
-        for name in islands[1:]:
-            answers.append(await syncer.receive_push(0, body(syncer, 0, name, delta(syncer, 0, 1))))
-        return answers
-
-    answers = run(scenario())
-    assert [a.get("stopAt") for a in answers] == [None, 896, None]
-    assert all(a["accepted"] for a in answers)
+    # Before the split none; island-1's 896; the rejoined island-0 none.
+    assert [a.get("stopAt") for a in pushes] == [None, 896, None]
+    assert all(a["accepted"] for a in pushes)
 
 
 def test_the_finish_evaluates_merges_that_completed_no_outer_step(
