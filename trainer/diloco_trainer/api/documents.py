@@ -136,8 +136,8 @@ class PushAnswer(Document):
     inner_steps: int | None = Field(None, ge=1)  # the island's H_i now (as in JoinInfo)
     # The island's stop target once set (as in HeartbeatAnswer): a push is answered every few
     # steps, a heartbeat once a beat, and a target set late (the split held for an island's
-    # pace, or islands that sped up near the end) came after the island had passed it. Absent:
-    # none yet, or a replayed answer.
+    # pace, or islands that sped up near the end) came after the island had passed it. A replayed
+    # answer carries the target as it is now. Absent: none yet.
     stop_at: int | None = None
     # The syncer run that answered (made at its start-up; a restart is a new run): a learner
     # names it when it pulls the merge of this push, so that a restarted syncer, which lost the
