@@ -74,6 +74,8 @@ from typing import Any
 
 from diloco_trainer.api.spec import JobSpec
 from diloco_trainer.local import Proc
+from diloco_trainer.models.parts import build_parts, evaluate
+from safetensors.torch import load_model
 
 from bench.bandwidth import start_relay
 from bench.decoupled_quality import budget, island_progress, make_spec, run_torchft
@@ -274,7 +276,7 @@ def run_over_link(
     progress = {i: island_progress(p.log_file, step_tokens) for i, p in run.learners.items()}
 
     def processed(t: float) -> float:
-        return sum(interp([(a, float(b)) for a, b in pts], t) for pts in progress.values())
+        return processed_at(progress, t)
 
     history = [(0.0, 0.0, float(st["initialEvalLoss"]))]
     history += [(h["time"] - t0, processed(h["time"]), h["evalLoss"]) for h in st["evalHistory"]]
@@ -288,7 +290,75 @@ def run_over_link(
         "staleness": merge_staleness(wd / "syncer", [p.log_file for p in run.learners.values()]),
         "rounds": int(st["outerStep"]),
         "learner_logs": [p.log_file for p in run.learners.values()],
+        "progress": progress,
+        "workdir": wd,
     }
+
+
+def processed_at(progress: dict[int, list[tuple[float, int]]], t: float) -> float:
+    """Tokens the islands had processed at wall time t (their progress lines, interpolated)."""
+    return sum(interp([(a, float(b)) for a, b in pts], t) for pts in progress.values())
+
+
+def checkpoints_around(
+    saved: Sequence[tuple[float, Path]], tokens: float
+) -> list[tuple[float, Path]]:
+    """Of the checkpoints (tokens processed when each was written, its folder), the last at or
+    before `tokens` and the first at or after it (one when one sits on it; none when they do
+    not bracket it).
+
+    >>> checkpoints_around([(10.0, Path("a")), (20.0, Path("b")), (30.0, Path("c"))], 25.0)
+    [(20.0, PosixPath('b')), (30.0, PosixPath('c'))]
+    >>> checkpoints_around([(10.0, Path("a")), (20.0, Path("b"))], 20.0)
+    [(20.0, PosixPath('b'))]
+    >>> checkpoints_around([(10.0, Path("a"))], 25.0)
+    []
+    """
+    before = [c for c in sorted(saved) if c[0] <= tokens]
+    after = [c for c in sorted(saved) if c[0] >= tokens]
+    if not before or not after:
+        return []
+    return [before[-1]] if before[-1] == after[0] else [before[-1], after[0]]
+
+
+def offline_loss(spec: JobSpec, r: dict[str, Any], tokens: float, eval_tokens: int) -> float:
+    """The run's eval loss at `tokens` processed on `eval_tokens` held-out tokens: its global
+    weights in the two checkpoints around that point (every outer step's is kept: offline_spec),
+    evaluated after the run on the syncer's evaluation (models.parts.evaluate, evenly spaced
+    windows) with data.evalTokens = eval_tokens, and interpolated linearly in tokens processed
+    (each checkpoint placed at the tokens processed when it was written). NaN when no two
+    checkpoints bracket `tokens`.
+
+    Why: the syncer's live evaluation (--eval-tokens, 4096 by default, kept small because it runs
+    on the training cores every outer step) reads two runs' models on the same few windows, and
+    their loss ratio moved by 0.5% (1 sd) from one 4096-token set to another: as much as issue
+    45's target (bench/log/2026-12-03.md)."""
+    saved = []
+    for folder in sorted((r["workdir"] / "syncer" / "checkpoints").glob("ckpt-*")):
+        try:
+            manifest = json.loads((folder / "manifest.json").read_text())
+        except (OSError, json.JSONDecodeError):
+            continue  # one being written as the run stopped
+        saved.append((processed_at(r["progress"], float(manifest["time"])), folder))
+    around = checkpoints_around(saved, tokens)
+    if not around:
+        return math.nan
+    wide = spec.model_copy(
+        update={"data": spec.data.model_copy(update={"eval_tokens": eval_tokens})}
+    )
+    parts = build_parts(wide, shard_index=0, num_shards=1, with_train=False)
+    points = []
+    for at, folder in around:
+        load_model(parts.model, str(folder / "weights.safetensors"))
+        points.append((at, evaluate(parts)))
+    return points[0][1] if len(points) == 1 else interp(points, tokens)
+
+
+def offline_spec(spec: JobSpec) -> JobSpec:
+    """The run's spec with a checkpoint at every outer step, all kept (offline_loss reads the
+    two around the budget)."""
+    ckpt = spec.syncer.checkpoint.model_copy(update={"every_outer_steps": 1, "keep": 100})
+    return spec.model_copy(update={"syncer": spec.syncer.model_copy(update={"checkpoint": ckpt})})
 
 
 def bytes_per_round(samples: Sequence[tuple[int, int]]) -> float:
@@ -365,6 +435,8 @@ def run_all(args: Any, wd: Path) -> dict[tuple[int, int, float], dict[str, Any]]
                 # still shows when it reaches the K = M, L = 0 run's loss there.
                 limit = math.ceil(args.past_budget * budget(args))
                 spec = make_spec(args, seed=seed, quorum=k, tokens=limit)
+                if args.offline_eval_tokens:
+                    spec = offline_spec(spec)
                 rate, pinned = choose_rate(share, args.link_rates, calib)
                 name = f"seed{seed}-k{k}-L{share:g}"
                 print(f"{name}: link {mbit(rate)}{' (pinned)' if pinned else ''}", flush=True)
@@ -386,11 +458,17 @@ def run_all(args: Any, wd: Path) -> dict[tuple[int, int, float], dict[str, Any]]
                         flush=True,
                     )
                 r["calib"] = dict(calib)
+                if args.offline_eval_tokens:
+                    r["offline_loss"] = (
+                        budget(args),
+                        offline_loss(spec, r, budget(args), args.offline_eval_tokens),
+                    )
                 out[(seed, k, share)] = r
                 u = utilisation(r)
                 print(
                     f"  -> utilisation {u.utilisation:.3f} (waiting {u.waiting / u.wall:.3f}), "
-                    f"loss {loss_at_tokens(r, budget(args)):.4f} at the budget, "
+                    f"loss {equal_token_loss(r, budget(args)):.4f} at the budget "
+                    f"(live evaluation {loss_at_tokens(r, budget(args)):.4f}), "
                     f"{r['wall']:.0f}s",
                     flush=True,
                 )
@@ -518,13 +596,20 @@ def figures(
     `base` runs' (the same system at L = 0), and their times to the `ref` runs' loss (ours'
     K = M at L = 0) over the ref runs' own."""
     us = [utilisation(r) for r in rs]
-    losses = [loss_at_tokens(r, tokens) for r in rs]
-    rel = [ratio(x, loss_at_tokens(r0, tokens)) for x, r0 in zip(losses, base, strict=False)]
+    losses = [equal_token_loss(r, tokens) for r in rs]
+    rel = [ratio(x, equal_token_loss(r0, tokens)) for x, r0 in zip(losses, base, strict=False)]
     to_target = []
     for r, r0 in zip(rs, ref, strict=False):
         target = loss_at_tokens(r0, tokens)
         to_target.append(ratio(time_to_loss(r, target), time_to_loss(r0, target)))
     return us, losses, rel, to_target
+
+
+def equal_token_loss(r: dict[str, Any], tokens: float) -> float:
+    """A run's loss at `tokens` processed: offline_loss's, where it was measured there
+    (--offline-eval-tokens), else the syncer's live evaluations' (loss_at_tokens)."""
+    at, loss = r.get("offline_loss", (None, math.nan))
+    return loss if at == tokens else loss_at_tokens(r, tokens)
 
 
 def cells(
@@ -623,7 +708,7 @@ def tables(
                     verdict(ours_u > best_u),
                 )
                 best_l, best_ld = min((mean_loss(rs_, b), d) for d, rs_ in peers.items())
-                ours_l = statistics.mean(losses)
+                ours_l = mean_loss(rs, b)  # the live evaluations' set, as torchft's
                 verdicts.add(
                     k,
                     f"{share:g}%",
@@ -764,9 +849,21 @@ def parse_args(argv: Sequence[str] | None) -> Any:
         default=[25, 50, 100],
         help="the shares whose --link-rates a calibration prints and notes (default: 25 50 100)",
     )
+    p.add_argument(
+        "--offline-eval-tokens",
+        type=int,
+        default=32768,
+        help="ours' loss at equal tokens read after each run on this many held-out tokens (the "
+        "global weights of the checkpoints around the budget; a checkpoint every outer step is "
+        "kept) instead of the syncer's live evaluations on --eval-tokens; 0: the live ones "
+        "(default 32768: a 4096-token set moved a loss ratio by 0.5%%, 1 sd)",
+    )
     p.add_argument("--quick", action="store_true", help="smoke run: M=2, H=10, 60 steps, L=0,50")
     args = p.parse_args(argv)
+    if args.offline_eval_tokens < 0:
+        p.error("--offline-eval-tokens: must be >= 0")
     if args.quick:
+        args.offline_eval_tokens = min(args.offline_eval_tokens, 1024)
         args.islands, args.inner_steps, args.steps = 2, 10, 60
         args.shares, args.seeds, args.quorums = [0, 50], [0], [1]
     try:
@@ -821,8 +918,17 @@ def main(argv: Sequence[str] | None = None) -> int:
             "Utilisation, waiting and sync path: shares of the learners' progress windows "
             "(their own split, every 20 steps; the first window, with the join, left out).",
             "Loss at equal tokens: interpolated at the budget of tokens processed (the "
-            "learners' own counts); time to target: the first evaluation at or below the "
-            "K = M, L = 0 run's loss at the budget, over that run's own time to it.",
+            "learners' own counts)"
+            + (
+                f", read after each run on {args.offline_eval_tokens} held-out tokens (the "
+                "global weights of the two checkpoints around the budget, placed at the tokens "
+                f"processed when each was written), not the syncer's live {args.eval_tokens}"
+                if args.offline_eval_tokens
+                else f", the syncer's live evaluations on {args.eval_tokens} held-out tokens"
+            )
+            + "; time to target: the first live evaluation at or below the "
+            "K = M, L = 0 run's live loss at the budget, over that run's own time to it"
+            + ("; ours' loss against torchft's: both on the live set." if not why_not else "."),
             "Sync settings: the job defaults but the quorum"
             + (f" and {', '.join(args.sync)}" if args.sync else "")
             + ".",

@@ -5,6 +5,7 @@ its replicas' windows and its ring's bytes a round; a pinned link (--link-rates)
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import pytest
 
@@ -227,3 +228,71 @@ def test_port_taken_reads_the_syncers_capitalised_strerror() -> None:
     )
     assert port_taken(taken)
     assert not port_taken(RuntimeError("syncer exited with 1 before it was ready: bad spec"))
+
+
+def test_offline_loss_interpolates_the_two_checkpoints_around_the_budget(tmp_path: Path) -> None:
+    # Three checkpoints of a gpt-tiny job (the initial weights, then two perturbations of them),
+    # written at t = 10, 20, 30 s while one island's progress lines went 0 -> 3000 tokens
+    # processed in 30 s: the budget, 1500 tokens, sits between the ones at 1000 (t = 10) and
+    # 2000 (t = 20), halfway, so the figure is the mean of those two checkpoints' losses on the
+    # wider evaluation set, and the third never counts.
+    import json
+
+    import torch
+    from diloco_trainer.api.spec import JobSpec
+    from diloco_trainer.models.parts import build_parts, evaluate
+    from safetensors.torch import save_model
+
+    from bench.busy_link import offline_loss, offline_spec
+
+    spec = JobSpec.model_validate(
+        {"model": {"preset": "gpt-tiny"}, "inner": {"seqLen": 32, "batchSize": 4}}
+    )
+    assert offline_spec(spec).syncer.checkpoint.every_outer_steps == 1
+    assert offline_spec(spec).syncer.checkpoint.keep == 100
+    wide = spec.model_copy(update={"data": spec.data.model_copy(update={"eval_tokens": 256})})
+    parts = build_parts(wide, shard_index=0, num_shards=1, with_train=False)
+    losses = []
+    for n, scale in enumerate([0.0, 0.5, 1.0]):
+        with torch.no_grad():
+            for i, p in enumerate(parts.model.parameters()):
+                p.add_(scale * 0.01 * torch.sin(torch.arange(p.numel()).reshape(p.shape) + i))
+        losses.append(evaluate(parts))
+        folder = tmp_path / "syncer" / "checkpoints" / f"ckpt-{n + 1:09d}"
+        folder.mkdir(parents=True)
+        save_model(parts.model, str(folder / "weights.safetensors"))
+        (folder / "manifest.json").write_text(json.dumps({"time": 10.0 * (n + 1)}))
+    assert len(set(losses)) == 3
+    r = {"workdir": tmp_path, "progress": {0: [(0.0, 0), (30.0, 3000)]}}
+    assert offline_loss(spec, r, 1500.0, 256) == pytest.approx((losses[0] + losses[1]) / 2)
+    assert offline_loss(spec, r, 2000.0, 256) == pytest.approx(losses[1])  # on one
+    assert math.isnan(offline_loss(spec, r, 3500.0, 256))  # past the last: nothing brackets it
+
+
+def test_equal_token_loss_reads_the_offline_figure_only_where_it_was_measured() -> None:
+    from bench.busy_link import equal_token_loss
+
+    r = run(3.0, 1000.0, Split(20, 9.0, 0.5, 0.5), None)
+    assert equal_token_loss(r, 1000.0) == pytest.approx(3.0)  # none: the live evaluations'
+    r["offline_loss"] = (1000.0, 2.95)
+    assert equal_token_loss(r, 1000.0) == pytest.approx(2.95)
+    assert equal_token_loss(r, 1250.0) == pytest.approx(2.9)  # not read there: the live 2.9
+
+
+def test_busy_link_reads_offline_on_32k_tokens_by_default_and_refuses_a_negative_count() -> None:
+    assert parse_args([]).offline_eval_tokens == 32768
+    assert parse_args(["--offline-eval-tokens", "0"]).offline_eval_tokens == 0
+    assert parse_args(["--quick"]).offline_eval_tokens == 1024  # the smoke run stays quick
+    with pytest.raises(SystemExit):
+        parse_args(["--offline-eval-tokens", "-1"])
+
+
+def test_checkpoints_around_doctests_pass() -> None:
+    import doctest
+
+    import bench.busy_link
+
+    runner = doctest.DocTestRunner()
+    for test in doctest.DocTestFinder().find(bench.busy_link.checkpoints_around):
+        runner.run(test)
+    assert (runner.failures, runner.tries) == (0, 3)
