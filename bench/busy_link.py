@@ -29,7 +29,12 @@ steps) and the syncer's evaluations:
 - utilisation: time in inner steps / wall time, summed over the islands' windows (their start-up
   and the final evaluation left out); and the waiting and sync-path shares;
 - eval loss at exactly equal tokens processed (interpolated at the budget, as
-  bench/decoupled_quality reads it), and its ratio to the same quorum's L = 0 run;
+  bench/decoupled_quality reads it), and its ratio to the same quorum's L = 0 run: read after the
+  run on --offline-eval-tokens held-out tokens (32,768 by default) from the global weights of the
+  syncer's checkpoints around the budget (one kept every outer step), not on the syncer's live
+  evaluations (--eval-tokens, 4,096: small, since they run on the training cores every outer
+  step, and one 4,096-token set against another moved the loss ratio of two gpt-mini models
+  at equal tokens by 0.23-0.50%, 1 sd, bench.studies.eval_sets; 0 reads the live ones);
 - wall time until an evaluation first reaches the L = 0 blocking (K = M) run's loss at the budget,
   as a multiple of that run's own time to it (every run trains on past the budget, to
   --past-budget x it, so that one a little behind at the budget still gets there).
@@ -331,8 +336,9 @@ def offline_loss(spec: JobSpec, r: dict[str, Any], tokens: float, eval_tokens: i
 
     Why: the syncer's live evaluation (--eval-tokens, 4096 by default, kept small because it runs
     on the training cores every outer step) reads two runs' models on the same few windows, and
-    their loss ratio moved by 0.5% (1 sd) from one 4096-token set to another: as much as issue
-    45's target (bench/log/2026-12-03.md)."""
+    at equal tokens their loss ratio moved by 0.23-0.50% (1 sd, six gpt-mini pairs) from one
+    4096-token set to another (bench/studies/eval_sets.py), up to issue 45's whole target of
+    0.5%; on 32,768 tokens that is about a third (bench/log/2026-12-03.md)."""
     saved = []
     for folder in sorted((r["workdir"] / "syncer" / "checkpoints").glob("ckpt-*")):
         try:
@@ -856,7 +862,8 @@ def parse_args(argv: Sequence[str] | None) -> Any:
         help="ours' loss at equal tokens read after each run on this many held-out tokens (the "
         "global weights of the checkpoints around the budget; a checkpoint every outer step is "
         "kept) instead of the syncer's live evaluations on --eval-tokens; 0: the live ones "
-        "(default 32768: a 4096-token set moved a loss ratio by 0.5%%, 1 sd)",
+        "(default 32768: a 4096-token set moved a loss ratio at equal tokens by 0.23-0.50%%, "
+        "1 sd)",
     )
     p.add_argument("--quick", action="store_true", help="smoke run: M=2, H=10, 60 steps, L=0,50")
     args = p.parse_args(argv)
