@@ -38,6 +38,7 @@ tokens against its own equal-speed run and against ours', and each replica's uti
     python -m bench.hetero --mixes 1,1,1,3 --no-fixed --repeats 3   # judged against 3 baselines
     python -m bench.hetero --mixes 1,1,1,3 --quorums 4 --no-fixed --skip-torchft   # ours alone
     python -m bench.hetero --no-fixed --repeats 3 --emulate-step-ms 50   # separate hardware
+    python -m bench.hetero --no-fixed --repeats 3 --pace-step-ms 200 --skip-torchft  # trained
 
 --emulate-step-ms T: every island's inner step is an emulated accelerator's
 (learner/emulated_step.py, DILOCO_EMULATE_STEP_SECONDS) of T x its speed factor (a 3x island
@@ -54,6 +55,16 @@ loss at equal tokens are printed as n/a, the fast islands alone (whose only figu
 to target) and torchft's runs are left out. T = 50 ms is a real gpt-tiny step on this host's
 kind of CPU (a round of 30 steps took 1.575 s at load 2, bench/RESULTS.md "busy_link", link13),
 so the sync path's share of a round stays what it is in the real runs.
+
+--pace-step-ms P: every island trains for real, and each inner step is padded with sleep to P x
+its speed factor (DILOCO_PACE_STEP_SECONDS, learner/loop.step_sleep): the step times of
+separate hardware, as emulated, with the model trained, so time to target and loss at equal
+tokens are measured too and the fast islands alone run. Without it, on a host with fewer cores
+than processes, a 3x island's compute (a third of a fast one's a second) and its fill steps take
+CPU from the fast islands, and the fast islands alone run one process fewer on the same cores:
+time to target against them is partly a count of processes. P must exceed a step's compute
+under the run's load (the report counts each island's steps that went over, its learner's exit
+line); torchft's runs are left out (its workers are not paced).
 
 A CPU island beside emulated accelerators (issue 47): with --emulate-step-ms, a mix's entry
 `cpu` (e.g. `--mixes 1,cpu`) is an island that really trains the model on this machine's CPU
@@ -82,13 +93,14 @@ import itertools
 import json
 import math
 import os
+import re
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from diloco_trainer.api.contract import EMULATE_STEP, island_name
+from diloco_trainer.api.contract import EMULATE_STEP, PACE_STEP, island_name
 from diloco_trainer.api.spec import JobSpec, parse_spec
 
 from bench.harness.common import (
@@ -179,11 +191,38 @@ def emulated_env(speeds: Sequence[float], step_ms: float) -> dict[int, dict[str,
     return {i: {EMULATE_STEP: f"{step_ms * f / 1000:g}"} for i, f in enumerate(speeds) if f != CPU}
 
 
+def paced_env(speeds: Sequence[float], pace_ms: float) -> dict[int, dict[str, str]]:
+    """Each island's environment for real steps paced to `pace_ms` (DILOCO_PACE_STEP_SECONDS,
+    in seconds; the learner multiplies it by the island's DILOCO_SLOWDOWN, its speed factor);
+    empty when `pace_ms` is 0 (steps take what they take)."""
+    if pace_ms <= 0:
+        return {}
+    return {i: {PACE_STEP: f"{pace_ms / 1000:g}"} for i in range(len(speeds))}
+
+
+# A paced learner's exit line (learner/loop.py): its steps whose compute outlasted the pace.
+OVER_PACE = re.compile(r"paced steps: (\d+) of (\d+) over the pace")
+
+
+def over_pace(wd: Path, names: Sequence[str]) -> dict[str, tuple[int, int]]:
+    """Per island, (steps over the pace, steps) from its rank-0 learner's exit line; islands
+    whose log has none (not paced, or it did not exit cleanly) are left out."""
+    out: dict[str, tuple[int, int]] = {}
+    for n in names:
+        log = wd / f"{n}.0.log"
+        text = log.read_text(errors="replace") if log.exists() else ""
+        found = OVER_PACE.findall(text)
+        if found:
+            out[n] = (int(found[-1][0]), int(found[-1][1]))
+    return out
+
+
 def run_one(args: Any, spec: JobSpec, speeds: list[float], wd: Path) -> dict[str, Any]:
     """One job to its finish; its eval history, utilisations and merged tokens per island.
-    Emulated (--emulate-step-ms): no island is slowed by a sleep; its step time is its own."""
-    env = emulated_env(speeds, args.emulate_step_ms)
-    slowdowns = {} if env else {i: f for i, f in enumerate(speeds) if f > 1}
+    Emulated (--emulate-step-ms): no island is slowed by a sleep; its step time is its own.
+    Paced (--pace-step-ms): real steps, each padded to the pace x its speed factor."""
+    env = emulated_env(speeds, args.emulate_step_ms) or paced_env(speeds, args.pace_step_ms)
+    slowdowns = {} if args.emulate_step_ms else {i: f for i, f in enumerate(speeds) if f > 1}
     run = OursRun(spec=spec, workdir=wd, slowdowns=slowdowns, island_env=env)
     budget = spec.stop_after.tokens or 0
     started = time.time()
@@ -231,6 +270,7 @@ def run_one(args: Any, spec: JobSpec, speeds: list[float], wd: Path) -> dict[str
         "inner_steps": {n: islands.get(n, {}).get("innerSteps") for n in names},
         "final_loss": float(final["evalLoss"]),
         "waits": waits,
+        "over_pace": over_pace(wd, names),
     }
 
 
@@ -241,6 +281,8 @@ def torchft_unavailable(args: Any) -> str | None:
         return "skipped (--skip-torchft)"
     if args.emulate_step_ms:
         return "its workers cannot emulate a step (--emulate-step-ms): real training only"
+    if args.pace_step_ms:
+        return "its workers' steps are not paced (--pace-step-ms): they would not compare"
     try:
         import torchft  # noqa: F401
     except ImportError:
@@ -383,10 +425,17 @@ def mix_label(speeds: Sequence[float]) -> str:
     return ",".join("cpu" if f == CPU else f"{f:g}" for f in speeds)
 
 
-def mix_problem(mixes: Sequence[Sequence[float]], step_ms: float) -> str | None:
+def mix_problem(
+    mixes: Sequence[Sequence[float]], step_ms: float, pace_ms: float = 0.0
+) -> str | None:
     """Why these mixes cannot run (None: they can): a CPU island needs the others emulated
     (without --emulate-step-ms every island is a real CPU one); an emulated island's step is
-    at most 60 s (the learner's bound); every mix has the same number of islands."""
+    at most 60 s (the learner's bound), a paced one's pace too; steps are emulated or paced,
+    not both; every mix has the same number of islands."""
+    if step_ms and pace_ms:
+        return "--emulate-step-ms and --pace-step-ms exclude each other (emulated steps are paced)"
+    if pace_ms < 0 or pace_ms / 1000 > 60:
+        return "--pace-step-ms must be >= 0 and at most 60 s"
     if len({len(mix) for mix in mixes}) != 1:
         return "every mix must have the same number of islands"
     if any(CPU in mix for mix in mixes) and step_ms <= 0:
@@ -472,6 +521,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         "left out (default 0: real steps)",
     )
     p.add_argument(
+        "--pace-step-ms",
+        type=float,
+        default=0.0,
+        help="real training, each island's inner step padded with sleep to this many ms x its "
+        "speed factor (DILOCO_PACE_STEP_SECONDS): step times that do not move with the shared "
+        "cores' load, as separate hardware, while the model trains, so time to target and loss "
+        "stay measured; pick it above a step's compute under the run's load (each run says how "
+        "many steps went over); torchft's runs are left out (default 0: not paced)",
+    )
+    p.add_argument(
         "--movement-factor",
         type=float,
         default=None,
@@ -502,7 +561,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         mixes = [parse_mix(m) for m in args.mixes]
     except ValueError as err:
         p.error(f"--mixes: {err}")
-    problem = mix_problem(mixes, args.emulate_step_ms)
+    problem = mix_problem(mixes, args.emulate_step_ms, args.pace_step_ms)
     if problem:
         p.error(problem)
     install_signal_cleanup()
@@ -695,11 +754,31 @@ def report(
         notes=[
             *([EMULATED_NOTE, *NOTES[1:]] if emulated else NOTES),
             *([CPU_NOTE] if any(CPU in speeds for _, _, speeds, _ in runs) else []),
+            *([paced_note(args, runs, results)] if args.pace_step_ms else []),
             f"torchft's runs left out: {peer.why_not}." if peer.why_not else TORCHFT_NOTE,
             *(f"torchft run failed, its row left out: {f}" for f in peer.failed),
         ],
     )
     return publish(rep, args, load)
+
+
+def paced_note(
+    args: Any, runs: list[tuple[str, str, list[float], JobSpec]], results: dict[str, Any]
+) -> str:
+    """What --pace-step-ms did, and per run how many of each island's steps outlasted the pace
+    (their compute longer than it: there the shared cores still set the step time)."""
+    parts = []
+    for name, _key, _speeds, _spec in runs:
+        counts = results[name].get("over_pace") or {}
+        cells = " ".join(f"{o}/{n}" for o, n in counts.values()) or "no exit line"
+        parts.append(f"{name}: {cells}")
+    return (
+        f"Paced steps (--pace-step-ms {args.pace_step_ms:g}): every island trains for real and "
+        "pads each inner step with sleep to the pace x its speed factor "
+        "(DILOCO_PACE_STEP_SECONDS), so its step time is its own, not the shared cores' load, as "
+        "on hardware of its own (while its compute stays under the pace). Steps over the pace "
+        "per island, over all: " + "; ".join(parts) + "."
+    )
 
 
 def torchft_table(

@@ -27,6 +27,8 @@ from bench.hetero import (
     mean_reached,
     mix_label,
     mix_problem,
+    over_pace,
+    paced_env,
     parse_mix,
     plan_runs,
     time_to,
@@ -159,6 +161,32 @@ def test_pushes_are_read_from_a_learners_log_lines() -> None:
     got = pushes_in(text)
     assert list(got) == [(0, 0), (1, 0)]
     assert got[(1, 0)] - got[(0, 0)] == pytest.approx(0.326)
+
+
+def test_paced_steps_pace_every_island_and_keep_the_fast_islands_alone(tmp_path: Path) -> None:
+    """--pace-step-ms 200 at 1,1,1,3: every island gets DILOCO_PACE_STEP_SECONDS 0.2 (the
+    learner multiplies it by its DILOCO_SLOWDOWN, 3 for the slow one); 0 paces none. The paced
+    runs train, so the fast islands alone stay in the plan. Pacing and emulating exclude each
+    other; a pace over 60 s is refused. Each island's steps over the pace are read from its
+    rank-0 learner's exit line (the last one); an island without one is left out."""
+    mix = parse_mix("1,1,1,3")
+    assert paced_env(mix, 200.0) == {i: {"DILOCO_PACE_STEP_SECONDS": "0.2"} for i in range(4)}
+    assert paced_env(mix, 0.0) == {}
+    assert mix_problem([mix], 0.0, 200.0) is None
+    assert mix_problem([mix], 50.0, 200.0) == (
+        "--emulate-step-ms and --pace-step-ms exclude each other (emulated steps are paced)"
+    )
+    assert mix_problem([mix], 0.0, 61_000.0) == "--pace-step-ms must be >= 0 and at most 60 s"
+    args = hetero_args(repeats=1, quorums=[4], no_fixed=True, emulate_step_ms=0.0)
+    args.pace_step_ms = 200.0
+    keys = [key for _, key, _, _ in plan_runs(args, [mix], budget=1000, extra=1500)]
+    assert keys == ["equal speeds, K=4", "3 fast islands alone, K=3", "1,1,1,3 auto, K=4"]
+    (tmp_path / "island-0.0.log").write_text(
+        "x paced steps: 1 of 50 over the pace (0.200s a step: compute took longer)\n"
+        "x paced steps: 3 of 210 over the pace (0.200s a step: compute took longer)\n"
+    )
+    (tmp_path / "island-1.0.log").write_text("the job has finished: exiting\n")
+    assert over_pace(tmp_path, ["island-0", "island-1", "island-2"]) == {"island-0": (3, 210)}
 
 
 def test_repeats_interleave_baselines_and_mixed_runs() -> None:

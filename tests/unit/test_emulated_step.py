@@ -1,6 +1,6 @@
 """The emulated accelerator step (learner/emulated_step.py, DILOCO_EMULATE_STEP_SECONDS) and
 bench/busy_emulated's memory rule: which values a step moves, by how much, what it reports, and
-the variable's checks."""
+the variable's checks; the paced real step (DILOCO_PACE_STEP_SECONDS, learner/loop.step_sleep)."""
 
 from __future__ import annotations
 
@@ -8,8 +8,9 @@ import time
 
 import pytest
 import torch
-from diloco_trainer.api.contract import EMULATE_STEP, ContractError, LearnerEnv
+from diloco_trainer.api.contract import EMULATE_STEP, PACE_STEP, ContractError, LearnerEnv
 from diloco_trainer.learner.emulated_step import DRIFT, EMULATED_LOSS, EmulatedStep, ring_slices
+from diloco_trainer.learner.loop import step_sleep
 from torch import nn
 
 from bench.busy_emulated import memory_estimate
@@ -83,3 +84,32 @@ def test_the_emulated_step_is_read_and_refused_for_several_ranks(tmp_path) -> No
 def test_memory_estimate_counts_the_copies() -> None:
     # P = 1000 values (4000 bytes a copy), 2 islands: learners 2 x 6 copies, syncer 5 + 1.
     assert memory_estimate(1000, 2) == 2 * 24000 + 24000
+
+
+def test_a_paced_step_is_read_and_refused_beside_an_emulated_one(tmp_path) -> None:
+    token = tmp_path / "token"
+    token.write_text("t")
+    env = {**ENV, "DILOCO_TOKEN_FILE": str(token), "DILOCO_CONFIG_FILE": "c"}
+    assert LearnerEnv.from_env(env).pace_step == 0.0
+    assert LearnerEnv.from_env({**env, PACE_STEP: "0.2"}).pace_step == 0.2
+    with pytest.raises(ContractError, match=PACE_STEP) as err:
+        LearnerEnv.from_env({**env, PACE_STEP: "-0.1"})
+    assert "must be in [0, 60]" in str(err.value)
+    with pytest.raises(ContractError, match="has its own pace"):
+        LearnerEnv.from_env({**env, PACE_STEP: "0.2", EMULATE_STEP: "0.05"})
+
+
+@pytest.mark.parametrize(
+    ("compute", "slowdown", "pace", "expected"),
+    [
+        (0.05, 1.0, 0.0, 0.0),  # a plain step: no sleep
+        (0.05, 3.0, 0.0, 0.10),  # a 3x straggler sleeps twice its compute
+        (0.05, 1.0, 0.2, 0.15),  # paced: padded to 0.2 s
+        (0.05, 3.0, 0.2, 0.55),  # a paced 3x island: padded to 0.6 s, whatever its compute
+        (0.25, 1.0, 0.2, 0.0),  # a compute over the pace sleeps nothing (counted by the loop)
+    ],
+)
+def test_step_sleep_pads_to_the_pace_or_slows_a_straggler(
+    compute: float, slowdown: float, pace: float, expected: float
+) -> None:
+    assert step_sleep(compute, slowdown=slowdown, pace=pace) == pytest.approx(expected)

@@ -42,6 +42,7 @@ LEARNER_ENV = [
     (c.DEVICE, "auto", "auto, cpu or cuda"),
     (c.SLOWDOWN, "1", "test knob: multiply this learner's step time"),
     (c.EMULATE_STEP, "0", "benchmark knob: each inner step is N s of an emulated accelerator"),
+    (c.PACE_STEP, "0", "benchmark knob: pad each real inner step to N s (x the slowdown)"),
 ]
 
 SYNCER_ENV = [

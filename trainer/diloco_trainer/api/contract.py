@@ -58,6 +58,12 @@ SLOWDOWN = "DILOCO_SLOWDOWN"
 # Benchmark knob (bench/busy_emulated.py): each inner step is this many wall seconds of an
 # emulated accelerator instead of a real step (learner/emulated_step.py); unset or 0: real steps.
 EMULATE_STEP = "DILOCO_EMULATE_STEP_SECONDS"
+# Benchmark knob (bench/hetero.py --pace-step-ms): each real inner step is padded with sleep to
+# this many wall seconds (times DILOCO_SLOWDOWN), an accelerator's fixed step on hardware of its
+# own: on a host with fewer cores than learners their steps no longer take compute from each
+# other's (as long as a step's compute stays under its pace; the learner counts those that do
+# not). Unset or 0: steps take what they take.
+PACE_STEP = "DILOCO_PACE_STEP_SECONDS"
 
 # Conventional mount points in pods
 CONFIG_MOUNT = "/etc/diloco/config"
@@ -95,6 +101,18 @@ def _int(env: dict[str, str], name: str, default: int) -> int:
         raise ContractError(f"environment variable {name}={raw!r} is not an integer") from None
 
 
+def _seconds(env: dict[str, str], name: str) -> float:
+    """A benchmark knob's seconds, in [0, 60]; unset or empty: 0."""
+    raw = env.get(name, "") or "0"
+    try:
+        seconds = float(raw)
+    except ValueError:
+        raise ContractError(f"{name}={raw!r} is not a number") from None
+    if not 0 <= seconds <= 60:
+        raise ContractError(f"{name} must be in [0, 60] seconds, got {seconds}")
+    return seconds
+
+
 @dataclass(frozen=True)
 class LearnerEnv:
     """What a learner process reads from its environment."""
@@ -113,6 +131,7 @@ class LearnerEnv:
     device: str
     slowdown: float
     emulate_step: float = 0.0
+    pace_step: float = 0.0
 
     @classmethod
     def from_env(cls, env: dict[str, str] | None = None) -> LearnerEnv:
@@ -124,13 +143,10 @@ class LearnerEnv:
             raise ContractError(f"{SLOWDOWN}={slowdown_raw!r} is not a number") from None
         if slowdown < 1:
             raise ContractError(f"{SLOWDOWN} must be >= 1, got {slowdown}")
-        emulate_raw = env.get(EMULATE_STEP, "") or "0"
-        try:
-            emulate_step = float(emulate_raw)
-        except ValueError:
-            raise ContractError(f"{EMULATE_STEP}={emulate_raw!r} is not a number") from None
-        if not 0 <= emulate_step <= 60:
-            raise ContractError(f"{EMULATE_STEP} must be in [0, 60] seconds, got {emulate_step}")
+        emulate_step = _seconds(env, EMULATE_STEP)
+        pace_step = _seconds(env, PACE_STEP)
+        if emulate_step and pace_step:
+            raise ContractError(f"{PACE_STEP} paces real steps; {EMULATE_STEP} has its own pace")
         rank = _int(env, RANK, 0)
         world_size = _int(env, WORLD_SIZE, 1)
         if not 0 <= rank < world_size:
@@ -153,6 +169,7 @@ class LearnerEnv:
             device=env.get(DEVICE, "auto") or "auto",
             slowdown=slowdown,
             emulate_step=emulate_step,
+            pace_step=pace_step,
         )
 
     @classmethod

@@ -75,6 +75,24 @@ FIRST_STEPS_LOGGED = 12
 TRAINING_SWITCH_INTERVAL = 0.0005
 
 
+def step_sleep(compute: float, *, slowdown: float, pace: float) -> float:
+    """Seconds to sleep after an inner step whose compute took `compute` seconds.
+
+    A deliberate straggler (DILOCO_SLOWDOWN f) sleeps (f − 1) x its compute. A paced step
+    (DILOCO_PACE_STEP_SECONDS p, benchmarks) sleeps until the step took f x p: a fixed step time
+    that does not move with the host's load, as an accelerator's on hardware of its own; a
+    compute longer than that sleeps nothing (0: the caller counts it over the pace).
+
+    >>> step_sleep(0.05, slowdown=3.0, pace=0.0)
+    0.1
+    >>> round(step_sleep(0.05, slowdown=3.0, pace=0.2), 6), step_sleep(0.7, slowdown=3.0, pace=0.2)
+    (0.55, 0.0)
+    """
+    if pace > 0:
+        return max(0.0, slowdown * pace - compute)
+    return (slowdown - 1.0) * compute if slowdown > 1 else 0.0
+
+
 def weights_digest(model: nn.Module) -> str:
     """sha256 of every parameter's bytes, in order: DDP ranks of one island must agree on it."""
     h = hashlib.sha256()
@@ -139,6 +157,10 @@ class Learner:
                 steps_per_round=spec.inner.steps,
                 tokens_per_step=spec.inner.tokens_per_step,
             )
+        if env.pace_step > 0:  # benchmarks only: bench/hetero.py --pace-step-ms
+            log.info(
+                "inner steps paced: each padded to %.3fs of wall time", env.pace_step * env.slowdown
+            )
         self.layout: list[list[str]] = []
         self.sync: FragmentSync | None = None
         self.link: SyncerLink | None = None
@@ -150,6 +172,7 @@ class Learner:
         # The first steps' wall times, compute and a deliberate straggler's sleep apart, logged
         # once (what a fresh island's probes read: bench/hetero, issue 47).
         self.first_steps: list[tuple[float, float]] = []
+        self.over_pace = 0  # DILOCO_PACE_STEP_SECONDS: steps whose compute outlasted the pace
         self.steps_run = 0
         self.lr_offset = 0
         # When rank 0 drains: at its share of stopAfter (K = M) or its stop target (drain.py).
@@ -257,8 +280,11 @@ class Learner:
         if self.device.startswith("cuda"):
             torch.cuda.synchronize()
         compute = time.perf_counter() - t0
-        if self.env.slowdown > 1:
-            time.sleep((self.env.slowdown - 1.0) * compute)  # a deliberate straggler
+        pause = step_sleep(compute, slowdown=self.env.slowdown, pace=self.env.pace_step)
+        if pause > 0:
+            time.sleep(pause)  # a deliberate straggler, or a paced step (benchmarks)
+        elif self.env.pace_step > 0:
+            self.over_pace += 1
         step_time = time.perf_counter() - t0
         if len(self.first_steps) < FIRST_STEPS_LOGGED:
             self.first_steps.append((compute, step_time - compute))
@@ -456,6 +482,13 @@ class Learner:
                     weights_digest(self.model),
                     self._peak_memory(),
                 )
+                if self.env.pace_step > 0:
+                    log.info(
+                        "paced steps: %d of %d over the pace (%.3fs a step: compute took longer)",
+                        self.over_pace,
+                        self.steps_run,
+                        self.env.pace_step * self.env.slowdown,
+                    )
                 if self.sync is not None:
                     log.info("%s", phases.line(self.steps_run))
                     if self.sync.fill.steps:
