@@ -77,6 +77,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from diloco_trainer.api.contract import PACE_STEP
 from diloco_trainer.api.spec import JobSpec
 from diloco_trainer.local import Proc
 from diloco_trainer.models.parts import build_parts, evaluate
@@ -401,6 +402,16 @@ def run_retrying_a_taken_port(spec: JobSpec, wd: Path, **kw: Any) -> dict[str, A
     raise AssertionError("unreachable")
 
 
+def paced(pace_ms: float) -> dict[str, str] | None:
+    """The learners' environment for real steps each padded to `pace_ms` (--pace-step-ms,
+    DILOCO_PACE_STEP_SECONDS); None: not paced.
+
+    >>> paced(200.0), paced(0.0)
+    ({'DILOCO_PACE_STEP_SECONDS': '0.2'}, None)
+    """
+    return {PACE_STEP: f"{pace_ms / 1000:g}"} if pace_ms > 0 else None
+
+
 def round_seconds(splits: Sequence[Split], inner_steps: int) -> float:
     """A round's compute time: H x the median over islands of training seconds per step."""
     per_step = [s.training / s.steps for s in splits if s.steps]
@@ -452,6 +463,7 @@ def run_all(args: Any, wd: Path) -> dict[tuple[int, int, float], dict[str, Any]]
                     rate=rate,
                     latency_ms=args.latency_ms if share else 0.0,
                     timeout=args.timeout,
+                    learner_env=paced(args.pace_step_ms),
                 )
                 r["rate"], r["pinned"] = rate, pinned
                 if share == 0 and k == args.islands:
@@ -528,6 +540,8 @@ def torchft_unavailable(args: Any) -> str | None:
     """Why torchft's rows are left out of this run (None: they run)."""
     if args.skip_torchft:
         return "skipped (--skip-torchft)"
+    if args.pace_step_ms:
+        return "its replicas' steps are not paced (--pace-step-ms): they would not compare"
     try:
         import torchft  # noqa: F401
     except ImportError:
@@ -807,6 +821,16 @@ def parse_args(argv: Sequence[str] | None) -> Any:
         "--latency-ms", type=float, default=10.0, help="one-way latency added where L > 0"
     )
     p.add_argument(
+        "--pace-step-ms",
+        type=float,
+        default=0.0,
+        help="real training, each inner step padded with sleep to this many ms "
+        "(DILOCO_PACE_STEP_SECONDS): a step time that does not move with the shared cores' "
+        "load, as an accelerator's, so a nominal L is the L seen; pick it above a step's compute "
+        "under the run's load (the learners' exit lines count the steps over it); torchft's rows "
+        "are left out (default 0: not paced)",
+    )
+    p.add_argument(
         "--sync",
         action="append",
         metavar="KEY=VALUE",
@@ -869,6 +893,8 @@ def parse_args(argv: Sequence[str] | None) -> Any:
     args = p.parse_args(argv)
     if args.offline_eval_tokens < 0:
         p.error("--offline-eval-tokens: must be >= 0")
+    if not 0 <= args.pace_step_ms <= 60_000:
+        p.error("--pace-step-ms: must be in [0, 60000]")
     if args.quick:
         args.offline_eval_tokens = min(args.offline_eval_tokens, 1024)
         args.islands, args.inner_steps, args.steps = 2, 10, 60
