@@ -752,9 +752,10 @@ def report(
         "against a fixed H, equal speeds, the fast islands alone and torchft's DiLoCo.",
         tables=tables,
         notes=[
-            *([EMULATED_NOTE, *NOTES[1:]] if emulated else NOTES),
-            *([CPU_NOTE] if any(CPU in speeds for _, _, speeds, _ in runs) else []),
+            *([EMULATED_NOTE] if emulated else []),
             *([paced_note(args, runs, results)] if args.pace_step_ms else []),
+            *(NOTES[1:] if emulated or args.pace_step_ms else NOTES),
+            *([CPU_NOTE] if any(CPU in speeds for _, _, speeds, _ in runs) else []),
             f"torchft's runs left out: {peer.why_not}." if peer.why_not else TORCHFT_NOTE,
             *(f"torchft run failed, its row left out: {f}" for f in peer.failed),
         ],
@@ -776,8 +777,10 @@ def paced_note(
         f"Paced steps (--pace-step-ms {args.pace_step_ms:g}): every island trains for real and "
         "pads each inner step with sleep to the pace x its speed factor "
         "(DILOCO_PACE_STEP_SECONDS), so its step time is its own, not the shared cores' load, as "
-        "on hardware of its own (while its compute stays under the pace). Steps over the pace "
-        "per island, over all: " + "; ".join(parts) + "."
+        "on hardware of its own (while its compute stays under the pace): a slow island's "
+        "compute no longer slows the fast ones. Steps over the pace per island, over all: "
+        + "; ".join(parts)
+        + "."
     )
 
 
