@@ -313,6 +313,42 @@ def test_rounds_auto_grace_of_a_decoupled_job_uses_all_the_slack() -> None:
     assert state.grace() == pytest.approx(10.0)
 
 
+def test_rounds_auto_grace_of_a_round_ends_before_its_pushers_hold() -> None:
+    """K = 1 of 3, H = 20, τ = 5, learners that do not block; island-2 runs rounds of H_i = 4 at
+    0.8 s a step, the others 20 at 0.2 s. The job's window: spans (the median of the islands'
+    in-flight seconds) 20 x 0.2 = 4, 4 and max(5, 4) x 0.8 = 4: 4 s. A round island-2 opened may
+    wait only until island-2 would hold for its merge, 4 − 1 = 3 steps of 0.8 s: 2.4 s (its
+    merge came back 3.2 s after its push before: it held at its bound). One island-0 opened:
+    19 x 0.2 = 3.8 s. Every island in a round counts: with both, the shorter."""
+    policy = RoundPolicy(
+        quorum=1,
+        max_staleness=2,
+        heartbeat_timeout=30.0,
+        grace_seconds=None,
+        overlap_steps=5,
+        inner_steps=20,
+        offsets=(0, 10),
+        learners_block=False,
+    )
+    state = SyncState(policy, 2)
+    for i in range(3):
+        state.membership.join(f"island-{i}", 1, now=0.0)
+    state.membership.islands["island-2"].round = IslandRound(4)
+    push(state, "island-0", 0.0, fragment=1, step_time=0.2)
+    push(state, "island-1", 0.0, fragment=1, step_time=0.2)
+    state.take_round(1, 0.0)
+    push(state, "island-2", 10.0, fragment=0, step_time=0.8)
+    assert state.grace() == pytest.approx(4.0)
+    assert state.grace(0) == pytest.approx(2.4)
+    assert not state.merge_due(0, 12.39)  # island-0 and island-1 never reported: waited for
+    assert state.merge_due(0, 12.4)
+    assert state.next_deadline() == pytest.approx(12.4)
+    push(state, "island-0", 20.0, fragment=1, step_time=0.2)
+    assert state.grace(1) == pytest.approx(3.8)
+    push(state, "island-2", 20.0, fragment=1, step_time=0.8)
+    assert state.grace(1) == pytest.approx(2.4)
+
+
 def test_rounds_auto_grace_is_capped_by_heartbeat_timeout() -> None:
     state = make_state(quorum=1, islands=1, grace=None, overlap=1000, timeout=3.0)
     push(state, "island-0", 0.0, step_time=1.0)

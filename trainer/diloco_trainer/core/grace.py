@@ -13,7 +13,9 @@ was one or two islands', never the round (1.07x K=M's loss). What goes in:
 - t_step: the learners' median inner-step time (they report it); with per-island rounds
   (inner.stepsPerIsland) τ·t_step is taken island by island, τ_i·t_i, and its median used
   (in_flight_seconds): at K < M τ_i = H_i, so a slow island's short round counts as the wall
-  time it takes, not as H of the median step time;
+  time it takes, not as H of the median step time. A round's own window spans no more than the islands already in it can train on before they
+  hold for its merge (round_in_flight: H_i − 1 of their own t_i at K < M): the median's span
+  outlasted a slow island's short round;
 - t_quorum: the syncer's own measure, from a round's first push to its quorum;
 - t_sync: the NET sync time, transfers plus the merge, never the wait: the learners' reported
   sync time (push sent to merged fragment received) minus what the syncer held that push
@@ -104,6 +106,47 @@ def in_flight_seconds(
         return None
     middle = len(spans) // 2
     return spans[middle] if len(spans) % 2 else (spans[middle - 1] + spans[middle]) / 2
+
+
+def round_in_flight(
+    job: float | None,
+    pending: Sequence[tuple[int, float]],
+    *,
+    learners_block: bool,
+    overlap_steps: int,
+) -> float | None:
+    """τ·t_step in seconds for one round's window: the job's (`job`, in_flight_seconds), but no
+    longer than the shortest span of the islands already in the round (`pending`: their
+    (H_i, t_i), t_i > 0), each counted to the step where its learner stops training on without
+    the merge: H_i − 1 steps of its own t_i where learners do not block (at least one step:
+    learner/step_plan.late_merge_bound, where the learner holds for a late merge), τ where they
+    do (in_flight_steps). `job` with none known.
+
+    Why: the window lives inside the steps a pushing island trains while its push is in flight,
+    so that it costs no island a step; the job's span is the median island's. With per-island
+    rounds a slow island's own span is shorter: a 4x island at H_i = 4 beside fast islands at
+    H = 20 has 3 of its 0.8 s steps before it holds, against the fast islands' 4 s round, so a
+    round it opened waited up to the window for the fast islands' pushes and its merges came back
+    3.2 s after its push: it held at its bound on 36 pushes, 17% of its time, and its merged
+    tokens fell 16.5% under its compute share (bench.hetero --pace-step-ms 200, 1,1,2,4 at K = 1,
+    bench/log/2026-12-03.md, "hetero (issue 47): paced steps (pace47)"). Identical islands' spans
+    differ by their step-time noise and one step (H − 1 against H): a window about 5% shorter.
+
+    >>> round_in_flight(4.0, [(4, 0.8)], learners_block=False, overlap_steps=5)  # 3 x 0.8 s
+    2.4000000000000004
+    >>> round_in_flight(4.0, [(20, 0.2), (20, 0.21)], learners_block=False, overlap_steps=5)
+    3.8000000000000003
+    >>> round_in_flight(4.0, [], learners_block=False, overlap_steps=5)
+    4.0
+    """
+    spans = [
+        (overlap_steps if learners_block else max(1, h - 1)) * t
+        for h, t in pending
+        if t > 0 and math.isfinite(t)
+    ]
+    if not spans:
+        return job
+    return min(spans) if job is None else min(job, *spans)
 
 
 def share_of_slack(*, learners_block: bool) -> float:

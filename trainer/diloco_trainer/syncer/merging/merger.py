@@ -86,7 +86,7 @@ class Merger:
             islands=len(spans),
             complete=pushed == spans,
             quorum=state.effective_quorum(),
-            grace=state.grace(),
+            grace=state.grace(f),
             now=now,
         )
 

@@ -238,9 +238,11 @@ class SyncState:
         self._refresh(now)
         return True
 
-    def grace(self) -> float:
+    def grace(self, fragment: int | None = None) -> float:
         """The grace window in seconds: fixed, or auto from measured timings that exclude the
-        window itself (core/grace.py)."""
+        window itself (core/grace.py). With `fragment`, that round's: no longer than an island
+        already in it can train on before it holds for the merge (window_rules.round_in_flight);
+        without, the job's (status, crossed rounds)."""
         if self.policy.grace_seconds is not None:
             return self.policy.grace_seconds
         active = self.membership.active_records()
@@ -251,6 +253,15 @@ class SyncState:
             overlap_steps=self.policy.overlap_steps,
             rounds=[(self._round_steps(r), r.step_time) for r in active if r.step_time],
         )
+        if fragment is not None:
+            islands = self.membership.islands
+            pushed = [islands[n] for n in self.rounds[fragment].pending if n in islands]
+            in_flight = window_rules.round_in_flight(
+                in_flight,
+                [(self._round_steps(r), r.step_time) for r in pushed if r.step_time],
+                learners_block=self.policy.learners_block,
+                overlap_steps=self.policy.overlap_steps,
+            )
         return window_rules.grace_window(
             step_time=_median([r.step_time for r in active if r.step_time]),
             overlap_steps=window_rules.in_flight_steps(
@@ -406,7 +417,7 @@ class SyncState:
         if not missing:
             return []
         return self.uploads.holding(
-            fragment, missing, now, grace=self.grace(), cap=self.policy.heartbeat_timeout
+            fragment, missing, now, grace=self.grace(fragment), cap=self.policy.heartbeat_timeout
         )
 
     # ----- merging -----------------------------------------------------------------------------
@@ -451,7 +462,7 @@ class SyncState:
             return False  # a missing island's push is on its way (uploads.py)
         if not missing and not awaited:
             return True
-        closes = rnd.quorum_since + self.grace()
+        closes = rnd.quorum_since + self.grace(fragment)
         if now >= closes or awaited:
             return now >= closes
         islands = self.membership.islands
@@ -564,7 +575,7 @@ class SyncState:
         for f, rnd in enumerate(self.rounds):
             if rnd.quorum_since is None:
                 continue
-            end = rnd.quorum_since + self.grace()
+            end = rnd.quorum_since + self.grace(f)
             if now is not None:
                 missing = self.spanning() - rnd.pending.keys()
                 holding = self._uploads_holding(f, missing, now)
