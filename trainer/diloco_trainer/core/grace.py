@@ -13,9 +13,9 @@ was one or two islands', never the round (1.07x K=M's loss). What goes in:
 - t_step: the learners' median inner-step time (they report it); with per-island rounds
   (inner.stepsPerIsland) τ·t_step is taken island by island, τ_i·t_i, and its median used
   (in_flight_seconds): at K < M τ_i = H_i, so a slow island's short round counts as the wall
-  time it takes, not as H of the median step time. A round's own window spans no more than the islands already in it can train on before they
-  hold for its merge (round_in_flight: H_i − 1 of their own t_i at K < M): the median's span
-  outlasted a slow island's short round;
+  time it takes, not as H of the median step time. A round's own window spans no more than
+  the islands already in it can train on before they hold for its merge (round_in_flight:
+  H_i − 1 of their own t_i at K < M): the median's span outlasted a slow island's short round;
 - t_quorum: the syncer's own measure, from a round's first push to its quorum;
 - t_sync: the NET sync time, transfers plus the merge, never the wait: the learners' reported
   sync time (push sent to merged fragment received) minus what the syncer held that push
