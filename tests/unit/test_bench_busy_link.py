@@ -296,3 +296,11 @@ def test_checkpoints_around_doctests_pass() -> None:
     for test in doctest.DocTestFinder().find(bench.busy_link.checkpoints_around):
         runner.run(test)
     assert (runner.failures, runner.tries) == (0, 3)
+
+
+def test_paced_learners_get_the_pace_in_seconds() -> None:
+    """--pace-step-ms 200: every learner's DILOCO_PACE_STEP_SECONDS is 0.2; 0 sets none."""
+    from bench.busy_link import paced
+
+    assert paced(200.0) == {"DILOCO_PACE_STEP_SECONDS": "0.2"}
+    assert paced(0.0) is None

@@ -333,3 +333,24 @@ def test_emulated_smoke_run_gives_the_slow_island_its_step_time_and_a_short_roun
     assert mixed["inner_steps"]["island-1"] <= 5, mixed["inner_steps"]
     out = capsys.readouterr().out
     assert "loss and time n/a" in out and "emulated steps do not train" in out
+
+
+def test_no_later_than_the_fast_islands_alone_when_they_never_reached_it() -> None:
+    """A mixed run that reached the target is no later than fast islands alone that never did
+    (pace47 seed 2: the mix in 44.6 s, the alone run at 1.027x the target at its budget, never
+    there); one that did not reach it is not; with no alone run at all (emulated) nothing is
+    judged met. The doctests of no_later and no_later_figure pass too."""
+    import doctest
+
+    import bench.hetero
+    from bench.hetero import no_later, no_later_figure
+
+    assert no_later(44.6, None, alone_runs=1) is True
+    assert no_later(None, None, alone_runs=1) is False
+    assert no_later(61.0, 60.0, alone_runs=3) is False
+    assert no_later_figure(44.6, None) == "44.6s (alone: not reached)"
+    runner = doctest.DocTestRunner()
+    for fn in (bench.hetero.no_later, bench.hetero.no_later_figure):
+        for test in doctest.DocTestFinder().find(fn):
+            runner.run(test)
+    assert (runner.failures, runner.tries) == (0, 4)
