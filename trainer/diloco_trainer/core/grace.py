@@ -129,7 +129,7 @@ def round_in_flight(
     round it opened waited up to the window for the fast islands' pushes and its merges came back
     3.2 s after its push: it held at its bound on 36 pushes, 17% of its time, and its merged
     tokens fell 16.5% under its compute share (bench.hetero --pace-step-ms 200, 1,1,2,4 at K = 1,
-    bench/log/2026-12-03.md, "hetero (issue 47): paced steps (pace47)"). Identical islands' spans
+    bench/log/2026-12-03.md, "Paced steps (issues 47 and 45)"). Identical islands' spans
     differ by their step-time noise and one step (H − 1 against H): a window about 5% shorter.
 
     >>> round_in_flight(4.0, [(4, 0.8)], learners_block=False, overlap_steps=5)  # 3 x 0.8 s
