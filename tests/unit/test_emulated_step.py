@@ -5,6 +5,7 @@ the variable's checks; the paced real step (DILOCO_PACE_STEP_SECONDS, learner/lo
 from __future__ import annotations
 
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -58,23 +59,26 @@ def test_an_emulated_step_takes_its_wall_time() -> None:
 ENV = {"DILOCO_ISLAND": "island-0", "DILOCO_SYNCER_URL": "http://x:1"}
 
 
+def learner_env(tmp_path: Path) -> dict[str, str]:
+    """A learner's environment with a token file under tmp_path and no benchmark knob set."""
+    token = tmp_path / "token"
+    token.write_text("t")
+    return {**ENV, "DILOCO_TOKEN_FILE": str(token), "DILOCO_CONFIG_FILE": "c"}
+
+
 @pytest.mark.parametrize(
     ("raw", "message"),
     [("fast", "is not a number"), ("-1", "must be in [0, 60]"), ("61", "must be in [0, 60]")],
 )
 def test_a_bad_emulated_step_names_the_variable(raw: str, message: str, tmp_path) -> None:
-    token = tmp_path / "token"
-    token.write_text("t")
-    env = {**ENV, "DILOCO_TOKEN_FILE": str(token), "DILOCO_CONFIG_FILE": "c", EMULATE_STEP: raw}
+    env = {**learner_env(tmp_path), EMULATE_STEP: raw}
     with pytest.raises(ContractError, match=EMULATE_STEP) as err:
         LearnerEnv.from_env(env)
     assert message in str(err.value)
 
 
 def test_the_emulated_step_is_read_and_refused_for_several_ranks(tmp_path) -> None:
-    token = tmp_path / "token"
-    token.write_text("t")
-    env = {**ENV, "DILOCO_TOKEN_FILE": str(token), "DILOCO_CONFIG_FILE": "c"}
+    env = learner_env(tmp_path)
     assert LearnerEnv.from_env(env).emulate_step == 0.0
     assert LearnerEnv.from_env({**env, EMULATE_STEP: "0.25"}).emulate_step == 0.25
     with pytest.raises(ContractError, match="single-rank"):
@@ -87,9 +91,7 @@ def test_memory_estimate_counts_the_copies() -> None:
 
 
 def test_a_paced_step_is_read_and_refused_beside_an_emulated_one(tmp_path) -> None:
-    token = tmp_path / "token"
-    token.write_text("t")
-    env = {**ENV, "DILOCO_TOKEN_FILE": str(token), "DILOCO_CONFIG_FILE": "c"}
+    env = learner_env(tmp_path)
     assert LearnerEnv.from_env(env).pace_step == 0.0
     assert LearnerEnv.from_env({**env, PACE_STEP: "0.2"}).pace_step == 0.2
     with pytest.raises(ContractError, match=PACE_STEP) as err:

@@ -292,8 +292,9 @@ def test_rounds_auto_grace_uses_half_the_slack() -> None:
     assert state.grace() == pytest.approx(5.0)
 
 
-def test_rounds_auto_grace_of_a_decoupled_job_uses_all_the_slack() -> None:
-    """Learners that do not block (K < M with overlap): τ = H and γ = 1 (core/grace.py)."""
+def decoupled_state(*, islands: int, offsets: tuple[int, ...]) -> SyncState:
+    """K = 1 with learners that do not block (τ = 5, H = 20, auto grace, a 30 s timeout), one
+    fragment per offset, `islands` joined at 0."""
     policy = RoundPolicy(
         quorum=1,
         max_staleness=2,
@@ -301,12 +302,18 @@ def test_rounds_auto_grace_of_a_decoupled_job_uses_all_the_slack() -> None:
         grace_seconds=None,
         overlap_steps=5,
         inner_steps=20,
-        offsets=(0,),
+        offsets=offsets,
         learners_block=False,
     )
-    state = SyncState(policy, 1)
-    for i in range(2):
+    state = SyncState(policy, len(offsets))
+    for i in range(islands):
         state.membership.join(f"island-{i}", 1, now=0.0)
+    return state
+
+
+def test_rounds_auto_grace_of_a_decoupled_job_uses_all_the_slack() -> None:
+    """Learners that do not block (K < M with overlap): τ = H and γ = 1 (core/grace.py)."""
+    state = decoupled_state(islands=2, offsets=(0,))
     push(state, "island-0", 0.0, step_time=0.5)
     push(state, "island-1", 0.0, step_time=0.5)
     # slack = 20 * 0.5 - (0 + 0) = 10 s, all of it; blocking learners would get 5 s.
@@ -320,19 +327,7 @@ def test_rounds_auto_grace_of_a_round_ends_before_its_pushers_hold() -> None:
     wait only until island-2 would hold for its merge, 4 − 1 = 3 steps of 0.8 s: 2.4 s (its
     merge came back 3.2 s after its push before: it held at its bound). One island-0 opened:
     19 x 0.2 = 3.8 s. Every island in a round counts: with both, the shorter."""
-    policy = RoundPolicy(
-        quorum=1,
-        max_staleness=2,
-        heartbeat_timeout=30.0,
-        grace_seconds=None,
-        overlap_steps=5,
-        inner_steps=20,
-        offsets=(0, 10),
-        learners_block=False,
-    )
-    state = SyncState(policy, 2)
-    for i in range(3):
-        state.membership.join(f"island-{i}", 1, now=0.0)
+    state = decoupled_state(islands=3, offsets=(0, 10))
     state.membership.islands["island-2"].round = IslandRound(4)
     push(state, "island-0", 0.0, fragment=1, step_time=0.2)
     push(state, "island-1", 0.0, fragment=1, step_time=0.2)
