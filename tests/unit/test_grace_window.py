@@ -154,3 +154,17 @@ def test_in_flight_seconds_per_island_round() -> None:
 def test_grace_window_takes_the_per_island_span() -> None:
     # span 1.9 s − (0.1 + 0.3) = 1.5 s of slack, all of it (γ = 1): 1.5 s, whatever τ·t_step.
     assert window(in_flight=1.9, quorum_wait=0.1, sync_net=0.3, gamma=1.0) == pytest.approx(1.5)
+
+
+def test_round_in_flight_doctests_pass() -> None:
+    """A round's span is no longer than its pushers' hold (H_i − 1 of their t_i at K < M): the
+    hand-worked examples of core/grace.round_in_flight (3 x 0.8 s = 2.4 s against the job's 4 s;
+    19 x 0.2 = 3.8 s; the job's with nobody known; the overlap's 5 x 0.5 s without a schedule)."""
+    import doctest
+
+    from diloco_trainer.core import grace
+
+    runner = doctest.DocTestRunner()
+    for test in doctest.DocTestFinder().find(grace.round_in_flight):
+        runner.run(test)
+    assert (runner.failures, runner.tries) == (0, 4)

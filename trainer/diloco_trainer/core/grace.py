@@ -120,7 +120,7 @@ def round_in_flight(
     (H_i, t_i), t_i > 0), each counted to the step where its learner stops training on without
     the merge: H_i − 1 steps of its own t_i where learners do not block (at least one step:
     learner/step_plan.late_merge_bound, where the learner holds for a late merge), τ where they
-    do (in_flight_steps). `job` with none known.
+    do, or without a schedule (H_i 0: in_flight_steps). `job` with none known.
 
     Why: the window lives inside the steps a pushing island trains while its push is in flight,
     so that it costs no island a step; the job's span is the median island's. With per-island
@@ -138,9 +138,11 @@ def round_in_flight(
     3.8000000000000003
     >>> round_in_flight(4.0, [], learners_block=False, overlap_steps=5)
     4.0
+    >>> round_in_flight(None, [(0, 0.5)], learners_block=False, overlap_steps=5)  # no schedule
+    2.5
     """
     spans = [
-        (overlap_steps if learners_block else max(1, h - 1)) * t
+        (overlap_steps if learners_block or h < 1 else max(1, h - 1)) * t
         for h, t in pending
         if t > 0 and math.isfinite(t)
     ]
