@@ -283,13 +283,16 @@ def churned_heartbeats(
     return beats, opened
 
 
-def assert_heartbeats_held(beats: list[Any], opened: int) -> None:
-    """The churn churned, and island-0's heartbeats all got their 200, none held in one long
-    wait."""
+def assert_heartbeats_held(
+    beats: list[Any], opened: int, least: int = 5, longest: float | None = None
+) -> None:
+    """The churn churned, and island-0's heartbeats all got their 200, at least `least` of
+    them, none held in one long wait (longer than `longest` seconds, when given)."""
     assert opened > 1000, opened
     statuses = [status for _, _, status in beats]
-    assert len(statuses) >= 5, statuses
-    assert statuses == [200] * len(statuses), statuses
+    assert len(statuses) >= least, beats
+    assert statuses == [200] * len(statuses), beats
+    assert longest is None or max(seconds for _, seconds, _ in beats) < longest, beats
 
 
 def test_adversary_silent_churn_leaves_islands_heartbeats(tmp_path: Path) -> None:
@@ -366,4 +369,9 @@ def test_adversary_silent_churn_leaves_a_starved_syncers_islands_heartbeats(
     send = lambda port: heartbeat(port, token, context=context)  # noqa: E731
     with starved(handle.proc.popen.pid):
         beats, opened = churned_heartbeats(handle, 22, send)
-    assert_heartbeats_held(beats, opened)
+    # How many heartbeats fit in the 5 s is the starved loop's pace as much as the queue's:
+    # with the lanes each took 0.23-0.41 s here (14-19 heartbeats) and 1.2-1.5 s on CI's machine
+    # (4, 2026-12-03); without them (the lane program refused, a fresh network namespace)
+    # 2-3 heartbeats here, one of 4.5-4.9 s behind the churn's queued connections, and 2 on
+    # CI's (1.33 and 5.10 s). So: 3 or more, none of 2.5 s.
+    assert_heartbeats_held(beats, opened, least=3, longest=2.5)
