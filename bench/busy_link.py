@@ -35,9 +35,15 @@ steps) and the syncer's evaluations:
   evaluations (--eval-tokens, 4,096: small, since they run on the training cores every outer
   step, and one 4,096-token set against another moved the loss ratio of two gpt-mini models
   at equal tokens by 0.23-0.50%, 1 sd, bench.studies.eval_sets; 0 reads the live ones);
-- wall time until an evaluation first reaches the L = 0 blocking (K = M) run's loss at the budget,
-  as a multiple of that run's own time to it (every run trains on past the budget, to
-  --past-budget x it, so that one a little behind at the budget still gets there).
+- wall time until the run's loss first reaches the L = 0 blocking (K = M) run's loss at the
+  budget, as a multiple of that run's own time to it (every run trains on past the budget, to
+  --past-budget x it, so that one a little behind at the budget still gets there): read on the
+  offline curve (every checkpoint evaluated on the --offline-eval-tokens set after the run,
+  linear between the two around the crossing; with 0, the first live evaluation at or below
+  it), beside its floor on that link: the L = 0 run's time plus the last round's pushes on the
+  link, which no merge can come before at the same quality per token (the bytes a round x the
+  share the relay carried up / the rate). In a short run that floor is far from 1: at L = 50%
+  and 8 rounds of 6 s the pushes take ~1.5 s of a ~55 s run.
 Quorums: K = M and the job's default (1). Sync settings are the job's defaults (`--sync KEY=VALUE`
 overrides one, as in bench/decoupled_quality).
 
@@ -208,13 +214,19 @@ def mbit(rate_bytes: float | None) -> str:
     return "unlimited" if rate_bytes is None else f"{rate_bytes * 8 / 1e6:.3g} Mbit/s"
 
 
-def relay_bytes(wd: Path) -> int:
-    """Bytes the run's relay carried, both ways (its --stats file; 0 if none)."""
+def relay_carried(wd: Path) -> tuple[int, int]:
+    """Bytes the run's relay carried (up: towards the syncer, down) from its --stats file; (0,
+    0) if none."""
     stats = wd / "relay-stats.json"
     if not stats.exists():
-        return 0
+        return 0, 0
     carried = json.loads(stats.read_text())
-    return int(carried.get("up", 0)) + int(carried.get("down", 0))
+    return int(carried.get("up", 0)), int(carried.get("down", 0))
+
+
+def relay_bytes(wd: Path) -> int:
+    """Bytes the run's relay carried, both ways (0 if none)."""
+    return sum(relay_carried(wd))
 
 
 def wildcard_free_port() -> int:
@@ -287,7 +299,10 @@ def run_over_link(
     history = [(0.0, 0.0, float(st["initialEvalLoss"]))]
     history += [(h["time"] - t0, processed(h["time"]), h["evalLoss"]) for h in st["evalHistory"]]
     splits = [window_split(p.log_text()) for p in run.learners.values()]
+    up, down = relay_carried(wd)
     return {
+        "t0": t0,
+        "up_share": up / (up + down) if up + down else 0.0,
         "history": history,
         "wall": wall,
         "splits": splits,
@@ -327,6 +342,85 @@ def checkpoints_around(
     return [before[-1]] if before[-1] == after[0] else [before[-1], after[0]]
 
 
+def saved_checkpoints(r: dict[str, Any]) -> list[tuple[float, float, Path]]:
+    """(tokens processed when it was written, its time, its folder) of every checkpoint the
+    run's syncer kept, oldest first (one being written as the run stopped left out)."""
+    saved = []
+    for folder in sorted((r["workdir"] / "syncer" / "checkpoints").glob("ckpt-*")):
+        try:
+            manifest = json.loads((folder / "manifest.json").read_text())
+        except (OSError, json.JSONDecodeError):
+            continue
+        written = float(manifest["time"])
+        saved.append((processed_at(r["progress"], written), written, folder))
+    return saved
+
+
+def wide_parts(spec: JobSpec, eval_tokens: int) -> Any:
+    """The model and held-out set of the syncer's evaluation, on `eval_tokens` tokens."""
+    wide = spec.model_copy(
+        update={"data": spec.data.model_copy(update={"eval_tokens": eval_tokens})}
+    )
+    return build_parts(wide, shard_index=0, num_shards=1, with_train=False)
+
+
+def offline_history(
+    spec: JobSpec, r: dict[str, Any], eval_tokens: int
+) -> list[tuple[float, float, float]]:
+    """(seconds from the run's start, tokens processed, loss on `eval_tokens` held-out tokens)
+    of every checkpoint the run kept (one every outer step: offline_spec), evaluated after the
+    run as offline_loss does: the curve time to target reads, on the wide set rather than the
+    live 4,096 tokens, whose noise (sd 0.23-0.50% of a loss ratio) moved a flat curve's first
+    crossing of a target by whole outer steps."""
+    parts = wide_parts(spec, eval_tokens)
+    out = []
+    for tokens, written, folder in saved_checkpoints(r):
+        load_model(parts.model, str(folder / "weights.safetensors"))
+        out.append((written - r["t0"], tokens, evaluate(parts)))
+    return out
+
+
+def crossing_time(history: Sequence[tuple[float, float, float]], target: float) -> float:
+    """Seconds at which a run's (seconds, tokens, loss) curve first reaches `target`: linear
+    between the last point above it and the first at or below it (a run's evaluations come a
+    round apart, so the first one below alone rounds the time up by up to a round); inf if
+    never.
+
+    >>> crossing_time([(0.0, 0.0, 5.0), (10.0, 1e3, 3.0), (20.0, 2e3, 2.0)], 2.5)
+    15.0
+    >>> crossing_time([(10.0, 1e3, 2.0), (20.0, 2e3, 1.5)], 2.5)
+    10.0
+    >>> crossing_time([(0.0, 0.0, 5.0), (10.0, 1e3, 3.0)], 2.5)
+    inf
+    """
+    before: tuple[float, float] | None = None
+    for seconds, _, loss in history:
+        if loss <= target:
+            if before is None or before[1] == loss:
+                return seconds
+            t_a, l_a = before
+            return t_a + (seconds - t_a) * (l_a - target) / (l_a - loss)
+        before = (seconds, loss)
+    return math.inf
+
+
+def link_floor(r: dict[str, Any], ref_seconds: float) -> float:
+    """The least time to target a run over its link could show at the blocking L = 0 run's
+    quality per token, over that run's own (`ref_seconds`): the merge that reaches the target
+    needs its round's pushes across the link first, bytes_per_round x the share that went up
+    (towards the syncer; the joins' pulls count down, so this errs low) / the rate, after
+    the point the L = 0 run merged it. 1.0 on an unlimited link.
+
+    >>> link_floor({"rate": None}, 50.0)
+    1.0
+    >>> link_floor({"rate": 1e5, "bytes_per_round": 1e6, "up_share": 0.4}, 50.0)
+    1.08
+    """
+    if r["rate"] is None or not ref_seconds or math.isinf(ref_seconds):
+        return 1.0
+    return (ref_seconds + r["bytes_per_round"] * r["up_share"] / r["rate"]) / ref_seconds
+
+
 def offline_loss(spec: JobSpec, r: dict[str, Any], tokens: float, eval_tokens: int) -> float:
     """The run's eval loss at `tokens` processed on `eval_tokens` held-out tokens: its global
     weights in the two checkpoints around that point (every outer step's is kept: offline_spec),
@@ -340,20 +434,11 @@ def offline_loss(spec: JobSpec, r: dict[str, Any], tokens: float, eval_tokens: i
     at equal tokens their loss ratio moved by 0.23-0.50% (1 sd, six gpt-mini pairs) from one
     4096-token set to another (bench/studies/eval_sets.py), up to issue 45's whole target of
     0.5%; on 32,768 tokens that is about a third (bench/log/2026-12-03.md)."""
-    saved = []
-    for folder in sorted((r["workdir"] / "syncer" / "checkpoints").glob("ckpt-*")):
-        try:
-            manifest = json.loads((folder / "manifest.json").read_text())
-        except (OSError, json.JSONDecodeError):
-            continue  # one being written as the run stopped
-        saved.append((processed_at(r["progress"], float(manifest["time"])), folder))
+    saved = [(tokens_, folder) for tokens_, _, folder in saved_checkpoints(r)]
     around = checkpoints_around(saved, tokens)
     if not around:
         return math.nan
-    wide = spec.model_copy(
-        update={"data": spec.data.model_copy(update={"eval_tokens": eval_tokens})}
-    )
-    parts = build_parts(wide, shard_index=0, num_shards=1, with_train=False)
+    parts = wide_parts(spec, eval_tokens)
     points = []
     for at, folder in around:
         load_model(parts.model, str(folder / "weights.safetensors"))
@@ -481,6 +566,7 @@ def run_all(args: Any, wd: Path) -> dict[tuple[int, int, float], dict[str, Any]]
                         budget(args),
                         offline_loss(spec, r, budget(args), args.offline_eval_tokens),
                     )
+                    r["offline_history"] = offline_history(spec, r, args.offline_eval_tokens)
                 out[(seed, k, share)] = r
                 u = utilisation(r)
                 print(
@@ -614,15 +700,34 @@ def figures(
 ) -> tuple[list[Split], list[float], list[float], list[float]]:
     """Per seed: a row's runs' utilisation splits, losses at `tokens`, those losses over their
     `base` runs' (the same system at L = 0), and their times to the `ref` runs' loss (ours'
-    K = M at L = 0) over the ref runs' own."""
+    K = M at L = 0) over the ref runs' own (time_to_target)."""
     us = [utilisation(r) for r in rs]
     losses = [equal_token_loss(r, tokens) for r in rs]
     rel = [ratio(x, equal_token_loss(r0, tokens)) for x, r0 in zip(losses, base, strict=False)]
-    to_target = []
-    for r, r0 in zip(rs, ref, strict=False):
-        target = loss_at_tokens(r0, tokens)
-        to_target.append(ratio(time_to_loss(r, target), time_to_loss(r0, target)))
+    to_target = [ratio(*time_to_target(r, r0, tokens)) for r, r0 in zip(rs, ref, strict=False)]
     return us, losses, rel, to_target
+
+
+def time_to_target(r: dict[str, Any], r0: dict[str, Any], tokens: float) -> tuple[float, float]:
+    """(seconds until `r` reached the `r0` run's loss at `tokens`, seconds until `r0` did): on
+    both runs' offline curves (offline_history, crossing_time) where both have one, else on
+    their live evaluations (the first at or below it, as torchft's saved weights are read)."""
+    if "offline_history" in r and "offline_history" in r0:
+        target = equal_token_loss(r0, tokens)
+        return (
+            crossing_time(r["offline_history"], target),
+            crossing_time(r0["offline_history"], target),
+        )
+    target = loss_at_tokens(r0, tokens)
+    return time_to_loss(r, target), time_to_loss(r0, target)
+
+
+def floors(rs: Sequence[dict[str, Any]], ref: Sequence[dict[str, Any]], tokens: float) -> str:
+    """The link's floor of each run's time to target (link_floor), mean and range."""
+    values = [
+        link_floor(r, time_to_target(r0, r0, tokens)[1]) for r, r0 in zip(rs, ref, strict=False)
+    ]
+    return fmt_spread(values, fmt_ratio)
 
 
 def equal_token_loss(r: dict[str, Any], tokens: float) -> float:
@@ -679,6 +784,7 @@ def tables(
             "loss at equal tokens",
             "/ same K at L=0",
             "time to K=M L=0's loss / its own",
+            "its floor: the last pushes on the link",
             "merges: lag mean/max (versions), alone, least momentum share",
         ],
     )
@@ -705,6 +811,7 @@ def tables(
                 + (" (pinned)" if share in args.link_rates else "")
                 + (f", RTT {2 * args.latency_ms:g} ms" if share else ""),
                 *cells(rs, us, losses, rel, to_target, args.inner_steps),
+                floors(rs, [results[(s, m, 0)] for s in seeds if (s, m, 0) in results], b),
                 "; ".join(r["staleness"].cell() for r in rs),
             )
             util = min(u.utilisation for u in us)
@@ -750,7 +857,8 @@ def tables(
                     k,
                     f"{share:g}%",
                     "time to target <= 1.05x",
-                    "never" if slow == math.inf else fmt_ratio(slow),
+                    ("never" if slow == math.inf else fmt_ratio(slow))
+                    + f" (the link's floor {main.rows[-1][-2]})",
                     verdict(slow <= 1.05),
                 )
     for delay in args.torchft_delays if tft else []:
@@ -771,6 +879,7 @@ def tables(
                 + (" (pinned)" if share in args.link_rates else "")
                 + (", tc tbf, no added RTT" if share else ""),
                 *cells(rs, us, losses, rel, to_target, args.inner_steps, sync_path=False),
+                "-",  # its ring has no pushes to a syncer
                 "-",  # no merge log: torchft's sync is an all-reduce
             )
     return [main, verdicts]
@@ -959,8 +1068,17 @@ def main(argv: Sequence[str] | None = None) -> int:
                 if args.offline_eval_tokens
                 else f", the syncer's live evaluations on {args.eval_tokens} held-out tokens"
             )
-            + "; time to target: the first live evaluation at or below the "
-            "K = M, L = 0 run's live loss at the budget, over that run's own time to it"
+            + (
+                "; time to target: when the run's curve on those held-out tokens (every "
+                "checkpoint, one an outer step, evaluated after the run) first reaches the "
+                "K = M, L = 0 run's loss at the budget, linear between the checkpoints around "
+                "it, over that run's own time to it (both from the processes' start); its "
+                "floor: that run's time plus the last round's pushes on the link (the bytes a "
+                "round x the share the relay carried up / the rate), over that run's time"
+                if args.offline_eval_tokens
+                else "; time to target: the first live evaluation at or below the "
+                "K = M, L = 0 run's live loss at the budget, over that run's own time to it"
+            )
             + ("; ours' loss against torchft's: both on the live set." if not why_not else "."),
             "Sync settings: the job defaults but the quorum"
             + (f" and {', '.join(args.sync)}" if args.sync else "")

@@ -126,6 +126,7 @@ def run(loss: float, budget: float, split: Split, rate: float | None) -> dict[st
         "splits": [split],
         "rate": rate,
         "bytes_per_round": 1e6,
+        "up_share": 0.5,
         "staleness": MergeStaleness(),  # ours' merge log had no merges: "n/a"
     }
 
@@ -149,9 +150,13 @@ def test_tables_put_torchft_beside_ours_and_judge_both_verdicts() -> None:
     # torchft at 50%: 6 of 10 s training; its loss as at L = 0; it reaches ours' L = 0 loss
     # (3.0) at its budget evaluation, 10 s, as ours' own run did.
     assert rows[("torchft 4, delay 0", "50%")][4:] == [
-        "0.600", "40.0%", "-", "2.9500", "1.000x", "1.000x", "-"
+        "0.600", "40.0%", "-", "2.9500", "1.000x", "1.000x", "-", "-"
     ]  # fmt: skip
     assert rows[("4 (= M)", "50%")][-1] == "n/a"
+    # Ours at 50%: the L = 0 run reached its loss at 10 s; the last pushes then take half of a
+    # round's 1 MB at 2 MB/s, 0.25 s more: a floor of 10.25 / 10.
+    assert rows[("4 (= M)", "50%")][-2] == "1.025x"
+    assert rows[("4 (= M)", "0%")][-2] == "1.000x"
     judged = {(r[0], r[1], r[2]): (r[3], r[4]) for r in verdicts.rows}
     # L = 0: ours 0.900 against torchft's 0.950, behind; L = 50%: 0.800 against 0.600, ahead.
     assert judged[("4", "0%", "utilisation ahead of torchft's")] == (
@@ -161,6 +166,44 @@ def test_tables_put_torchft_beside_ours_and_judge_both_verdicts() -> None:
     assert judged[("4", "50%", "loss at or below torchft's")] == (
         "3.0300 vs 2.9500 (delay 0)", "MISSED"
     )  # fmt: skip
+    # Ours at 50% reached 3.0 at its 20 s evaluation (past the budget): twice the L = 0 run's.
+    assert judged[("4", "50%", "time to target <= 1.05x")] == (
+        "2.000x (the link's floor 1.025x)", "MISSED"
+    )  # fmt: skip
+
+
+def test_time_to_target_reads_both_offline_curves_between_their_checkpoints() -> None:
+    from bench.busy_link import time_to_target
+
+    # The L = 0 run's offline loss at the budget (1,500 tokens) is 2.5, which its own curve
+    # crosses halfway between its checkpoints at 10 s (3.0) and 20 s (2.0): 15 s. The other
+    # run's curve crosses 2.5 at 12 + 10 x (3.2 - 2.5) / (3.2 - 2.2) = 19 s.
+    r0 = {
+        "history": [(0.0, 0.0, 12.0), (10.0, 1000.0, 9.0)],  # live: read only below
+        "offline_loss": (1500.0, 2.5),
+        "offline_history": [(0.0, 0.0, 5.0), (10.0, 1000.0, 3.0), (20.0, 2000.0, 2.0)],
+    }
+    r = {
+        "history": [(0.0, 0.0, 5.0)],
+        "offline_history": [(0.0, 0.0, 5.0), (12.0, 1000.0, 3.2), (22.0, 2000.0, 2.2)],
+    }
+    assert time_to_target(r, r0, 1500.0) == pytest.approx((19.0, 15.0))
+    # Without an offline curve on either side: the live evaluations', the first at or below
+    # r0's live loss at the budget (9.0 at 1,000 tokens, the last point: interpolation holds).
+    live = {"history": [(0.0, 0.0, 12.0), (7.0, 1000.0, 8.5)]}
+    assert time_to_target(live, r0, 1000.0) == pytest.approx((7.0, 10.0))
+
+
+def test_crossing_time_and_link_floor_doctests_pass() -> None:
+    import doctest
+
+    import bench.busy_link
+
+    runner = doctest.DocTestRunner()
+    for fn in (bench.busy_link.crossing_time, bench.busy_link.link_floor):
+        for test in doctest.DocTestFinder().find(fn):
+            runner.run(test)
+    assert (runner.failures, runner.tries) == (0, 5)
 
 
 def test_parse_link_rates_reads_l_equals_mbit_as_bytes_per_second() -> None:
@@ -243,7 +286,7 @@ def test_offline_loss_interpolates_the_two_checkpoints_around_the_budget(tmp_pat
     from diloco_trainer.models.parts import build_parts, evaluate
     from safetensors.torch import save_model
 
-    from bench.busy_link import offline_loss, offline_spec
+    from bench.busy_link import offline_history, offline_loss, offline_spec
 
     spec = JobSpec.model_validate(
         {"model": {"preset": "gpt-tiny"}, "inner": {"seqLen": 32, "batchSize": 4}}
@@ -267,6 +310,11 @@ def test_offline_loss_interpolates_the_two_checkpoints_around_the_budget(tmp_pat
     assert offline_loss(spec, r, 1500.0, 256) == pytest.approx((losses[0] + losses[1]) / 2)
     assert offline_loss(spec, r, 2000.0, 256) == pytest.approx(losses[1])  # on one
     assert math.isnan(offline_loss(spec, r, 3500.0, 256))  # past the last: nothing brackets it
+    # The whole curve time to target reads: every checkpoint at its seconds from the run's
+    # start (t0 = 4 s) and the tokens processed when it was written.
+    curve = offline_history(spec, {**r, "t0": 4.0}, 256)
+    assert [(t, n) for t, n, _ in curve] == [(6.0, 1000.0), (16.0, 2000.0), (26.0, 3000.0)]
+    assert [loss for _, _, loss in curve] == pytest.approx(losses)
 
 
 def test_equal_token_loss_reads_the_offline_figure_only_where_it_was_measured() -> None:
