@@ -81,7 +81,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from diloco_trainer.api.contract import PACE_STEP
 from diloco_trainer.api.spec import JobSpec
@@ -321,9 +321,10 @@ def processed_at(progress: dict[int, list[tuple[float, int]]], t: float) -> floa
     return sum(interp([(a, float(b)) for a, b in pts], t) for pts in progress.values())
 
 
-def checkpoints_around(
-    saved: Sequence[tuple[float, Path]], tokens: float
-) -> list[tuple[float, Path]]:
+T = TypeVar("T")
+
+
+def checkpoints_around(saved: Sequence[tuple[float, T]], tokens: float) -> list[tuple[float, T]]:
     """Of the checkpoints (tokens processed when each was written, its folder), the last at or
     before `tokens` and the first at or after it (one when one sits on it; none when they do
     not bracket it).
@@ -422,33 +423,34 @@ def link_floor(r: dict[str, Any], ref_seconds: float) -> float:
 
 
 def offline_loss(spec: JobSpec, r: dict[str, Any], tokens: float, eval_tokens: int) -> float:
-    """The run's eval loss at `tokens` processed on `eval_tokens` held-out tokens: its global
-    weights in the two checkpoints around that point (every outer step's is kept: offline_spec),
-    evaluated after the run on the syncer's evaluation (models.parts.evaluate, evenly spaced
-    windows) with data.evalTokens = eval_tokens, and interpolated linearly in tokens processed
-    (each checkpoint placed at the tokens processed when it was written). NaN when no two
-    checkpoints bracket `tokens`.
+    """The run's eval loss at `tokens` processed on `eval_tokens` held-out tokens, read on its
+    offline curve (offline_history: the global weights of every checkpoint it kept, one every
+    outer step, offline_spec, evaluated after the run on the syncer's evaluation with
+    data.evalTokens = eval_tokens), linear in tokens processed between the two checkpoints
+    around that point (loss_on_curve). NaN when no two checkpoints bracket `tokens`.
 
     Why: the syncer's live evaluation (--eval-tokens, 4096 by default, kept small because it runs
     on the training cores every outer step) reads two runs' models on the same few windows, and
     at equal tokens their loss ratio moved by 0.23-0.50% (1 sd, six gpt-mini pairs) from one
     4096-token set to another (bench/studies/eval_sets.py), up to issue 45's whole target of
     0.5%; on 32,768 tokens that is about a third (bench/log/2026-12-03.md)."""
-    saved = [(tokens_, folder) for tokens_, _, folder in saved_checkpoints(r)]
-    around = checkpoints_around(saved, tokens)
+    # Only the curve's tokens and losses are read: a run without its start (t0) counts from 0.
+    return loss_on_curve(offline_history(spec, {"t0": 0.0, **r}, eval_tokens), tokens)
+
+
+def loss_on_curve(curve: Sequence[tuple[float, float, float]], tokens: float) -> float:
+    """The loss at `tokens` processed on a run's offline curve (offline_history's (seconds,
+    tokens, loss) points): linear in tokens between the two checkpoints around it, the one on
+    it alone; NaN when no two bracket it (checkpoints_around)."""
+    around = checkpoints_around([(at, loss) for _, at, loss in curve], tokens)
     if not around:
         return math.nan
-    parts = wide_parts(spec, eval_tokens)
-    points = []
-    for at, folder in around:
-        load_model(parts.model, str(folder / "weights.safetensors"))
-        points.append((at, evaluate(parts)))
-    return points[0][1] if len(points) == 1 else interp(points, tokens)
+    return around[0][1] if len(around) == 1 else interp(around, tokens)
 
 
 def offline_spec(spec: JobSpec) -> JobSpec:
-    """The run's spec with a checkpoint at every outer step, all kept (offline_loss reads the
-    two around the budget)."""
+    """The run's spec with a checkpoint at every outer step, all kept (offline_history reads
+    them all, offline_loss the two around the budget)."""
     ckpt = spec.syncer.checkpoint.model_copy(update={"every_outer_steps": 1, "keep": 100})
     return spec.model_copy(update={"syncer": spec.syncer.model_copy(update={"checkpoint": ckpt})})
 
@@ -562,11 +564,13 @@ def run_all(args: Any, wd: Path) -> dict[tuple[int, int, float], dict[str, Any]]
                     )
                 r["calib"] = dict(calib)
                 if args.offline_eval_tokens:
+                    # Every checkpoint evaluated once: the curve time to target reads, and the
+                    # loss at the budget on it (offline_loss).
+                    r["offline_history"] = offline_history(spec, r, args.offline_eval_tokens)
                     r["offline_loss"] = (
                         budget(args),
-                        offline_loss(spec, r, budget(args), args.offline_eval_tokens),
+                        loss_on_curve(r["offline_history"], budget(args)),
                     )
-                    r["offline_history"] = offline_history(spec, r, args.offline_eval_tokens)
                 out[(seed, k, share)] = r
                 u = utilisation(r)
                 print(
