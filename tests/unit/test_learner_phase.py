@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
+from diloco_trainer.api.documents import FragmentMerges
 from diloco_trainer.learner.phase_alignment import (
     lateness_within,
     merge_lateness,
@@ -16,16 +17,14 @@ from diloco_trainer.learner.step_plan import StepPlan, blocks_for_merge, plan_id
 
 
 def status(*merges: dict[str, Any], now: float = 100.0) -> dict[str, Any]:
-    # We are island-2 at 0.1 s/step: island-1 is a leader (sorts first, 0.12 s/step), island-3
-    # follows us, island-0 is a 3x straggler.
+    """Fragment 0's merges as GET /v1/fragments/0/merges gives them (FragmentMerges).
+
+    We are island-2 at 0.1 s/step: island-1 is a leader (sorts first, 0.12 s/step), island-3
+    follows us, island-0 is a 3x straggler."""
     return {
+        "fragment": 0,
         "time": now,
-        "islands": {
-            "island-0": {"stepTime": 0.3},
-            "island-1": {"stepTime": 0.12},
-            "island-2": {"stepTime": 0.1},
-            "island-3": {"stepTime": 0.1},
-        },
+        "stepTimes": {"island-0": 0.3, "island-1": 0.12, "island-2": 0.1, "island-3": 0.1},
         "merges": list(merges),
     }
 
@@ -41,7 +40,6 @@ def merge(fragment: int, version: int, time: float, *islands: str) -> dict[str, 
 
 def lateness(doc: dict[str, Any], **kw: Any) -> float | None:
     args = dict(
-        fragment=0,
         island="island-2",
         base_version=4,
         accepted_version=6,
@@ -49,7 +47,7 @@ def lateness(doc: dict[str, Any], **kw: Any) -> float | None:
         step_time=0.1,
     )
     args.update(kw)
-    return merge_lateness(doc, **args)
+    return merge_lateness(FragmentMerges.from_json(doc), **args)
 
 
 def timed(fragment: int, version: int, **received: float) -> dict[str, Any]:
@@ -63,9 +61,9 @@ def timed(fragment: int, version: int, **received: float) -> dict[str, Any]:
 
 
 def within(doc: dict[str, Any], **kw: Any) -> float | None:
-    args = dict(fragment=0, version=4, island="island-2", step_time=0.1)
+    args = dict(version=4, island="island-2", step_time=0.1)
     args.update(kw)
-    return lateness_within(doc, **args)
+    return lateness_within(FragmentMerges.from_json(doc), **args)
 
 
 def test_lateness_within_a_merge_is_our_push_minus_the_first_leaders() -> None:
@@ -80,7 +78,7 @@ def test_lateness_within_a_merge_is_our_push_minus_the_first_leaders() -> None:
 
 def test_lateness_within_a_merge_needs_that_merge_a_leader_and_both_times() -> None:
     doc = status(timed(0, 4, **{"island-1": 97.2, "island-2": 97.9}))
-    assert within(doc, fragment=1) is None  # not that fragment
+    assert within({**doc, "fragment": 1}) is None  # not that fragment
     assert within(doc, version=3) is None  # not that version
     assert within(doc, step_time=0.0) is None
     only_followers = status(timed(0, 4, **{"island-2": 97.9, "island-3": 97.0}))
@@ -89,7 +87,7 @@ def test_lateness_within_a_merge_needs_that_merge_a_leader_and_both_times() -> N
     assert within(old_syncer) is None
     # The leader ranking is merge_lateness's: the first leader by name, whatever its time.
     two = status(timed(0, 4, **{"island-1": 97.0, "island-2": 97.9}))
-    two["islands"]["island-0"]["stepTime"] = 0.1  # island-0 at our speed: a leader now
+    two["stepTimes"]["island-0"] = 0.1  # island-0 at our speed: a leader now
     two["merges"][0]["contributors"].append({"island": "island-0", "receivedAt": 97.5})
     assert within(two) == pytest.approx(0.4)
 
@@ -126,8 +124,9 @@ def test_merge_lateness_none_without_merges_between_base_and_push() -> None:
 
 def test_merge_lateness_follows_the_first_island_not_the_latest_leader() -> None:
     doc = {
+        "fragment": 0,
         "time": 100.0,
-        "islands": {n: {"stepTime": 0.1} for n in ("a0", "a1", "a2")},
+        "stepTimes": {n: 0.1 for n in ("a0", "a1", "a2")},
         "merges": [merge(0, 5, 98.0, "a0"), merge(0, 6, 99.0, "a1")],
     }
     assert lateness(doc, island="a2") == pytest.approx(1.5)  # 99.5 - 98, not 99.5 - 99

@@ -17,9 +17,11 @@ from aiohttp import payload, streams, web
 from aiohttp.test_utils import make_mocked_request
 from diloco_trainer.api import credentials, protocol
 from diloco_trainer.api.credentials import Principal
+from diloco_trainer.api.documents import FragmentMerges
 from diloco_trainer.syncer.edge import limits
 from diloco_trainer.syncer.edge.access import PRINCIPAL
 from diloco_trainer.syncer.edge.http import SyncerRoutes, errors
+from diloco_trainer.syncer.merging import merge_log
 from diloco_trainer.syncer.service.service import Syncer
 
 from .test_syncer import FakeClock, body, delta, make_spec, started
@@ -300,3 +302,52 @@ def test_syncer_http_heartbeat_waiting_is_a_share_refused_400_outside_0_to_1(
         return refused
 
     assert with_syncer(tmp_path, scenario) == [(400, "heartbeat.waiting")] * len(bad)
+
+
+def test_syncer_http_fragment_merges_are_one_fragments_last_merges_from_a_version(
+    tmp_path: Path,
+) -> None:
+    """GET /v1/fragments/{f}/merges (phase alignment's read): fragment f's merges of version
+    `from` on, the last RECENT_OF_FRAGMENT of them, with the syncer's clock and the islands'
+    step times; a bad query or fragment is refused and changes nothing."""
+    clock = FakeClock()
+
+    async def scenario() -> tuple[list[tuple[int, Any]], list[int]]:
+        spec = make_spec(islands={"count": 2}, sync={"quorum": 1, "fragments": 2})
+        syncer = await started(spec, tmp_path, clock)
+        routes = SyncerRoutes(syncer, TOKEN)
+        try:
+            await syncer.islands.join("island-0", 1)
+            await syncer.islands.join("island-1", 1)
+            # Nine merges of fragment 0 (one more than it keeps), one of fragment 1.
+            for f, seed in [(0, s) for s in range(9)] + [(1, 0)]:
+                await syncer.receive_push(f, body(syncer, f, "island-0", delta(syncer, f, seed)))
+                clock.now += 10.0  # past the grace window
+                await syncer.tick()
+            assert syncer.state.versions == [9, 1]
+            before = await state_of(syncer)
+            answers = []
+            for fragment, query in (("0", ""), ("0", "from=7"), ("1", "from=0"), ("0", "from=10")):
+                req = request("GET", f"/?{query}", match_info={"fragment": fragment})
+                answers.append(await answer(routes.fragment_merges, req))
+            refused = []
+            for fragment, query in (("0", "from=x"), ("2", ""), ("x", "")):
+                req = request("GET", f"/?{query}", match_info={"fragment": fragment})
+                refused.append((await answer(routes.fragment_merges, req))[0])
+            assert await state_of(syncer) == before
+            return answers, refused
+        finally:
+            await syncer.stop()
+
+    answers, refused = asyncio.run(scenario())
+    assert refused == [400, 404, 404]
+    assert all(code == 200 for code, _ in answers)
+    docs = [FragmentMerges.from_json(doc) for _, doc in answers]
+    assert [d.to_wire() for d in docs] == [doc for _, doc in answers]  # its model's wire form
+    kept = list(range(10 - merge_log.RECENT_OF_FRAGMENT, 10))  # versions 2..9 of 1..9
+    assert [[m.version for m in d.merges] for d in docs] == [kept, [7, 8, 9], [1], []]
+    assert {m.fragment for d in docs for m in d.merges} == {0, 1}
+    assert [d.fragment for d in docs] == [0, 0, 1, 0]
+    assert all(d.time == clock.now for d in docs)
+    assert docs[0].step_times == {"island-0": 0.01}  # island-1 never said its step time
+    assert docs[0].merges[-1].contributors[0].island == "island-0"

@@ -106,6 +106,7 @@ async def _answers(syncer: Syncer, shard: int) -> list[tuple[int, dict[str, str]
         for method, path, data in (
             ("GET", protocol.ROUTE_FRAGMENT.format(fragment=1), None),
             ("POST", protocol.ROUTE_PUSH.format(fragment=1), push),
+            ("GET", protocol.ROUTE_MERGES.format(fragment=1), None),
             ("GET", protocol.ROUTE_FRAGMENT.format(fragment=0), None),
         ):
             resp = await client.request(method, path, data=data, headers=auth)
@@ -117,8 +118,8 @@ async def _answers(syncer: Syncer, shard: int) -> list[tuple[int, dict[str, str]
 
 def test_shard_refuses_other_shards_fragments_with_421_naming_the_owner(tmp_path: Path) -> None:
     syncer = _shard_syncer(tmp_path, shard=0)
-    (pull1, push1, pull0) = run(_answers(syncer, shard=0))
-    for status, doc in (pull1, push1):
+    (pull1, push1, merges1, pull0) = run(_answers(syncer, shard=0))
+    for status, doc in (pull1, push1, merges1):
         assert status == 421
         assert doc["code"] == ERROR_WRONG_SHARD
         assert "fragment 1 belongs to syncer shard 1 of 2" in doc["error"]

@@ -199,6 +199,12 @@ def test_wire_client_json_routes_send_the_documented_bodies() -> None:
     membership_answer = {"island": "island-3", "state": "dropped", "reason": "unhealthy"}
     leave_answer = {"island": "island-3", "state": "left"}
     status_answer = {"outerStep": 1, "versions": [2, 1], "finished": False, "digest": "d1"}
+    merges_answer = {
+        "fragment": 1,
+        "time": 5.0,
+        "stepTimes": {"island-3": 0.5},
+        "merges": [{"version": 1, "fragment": 1, "contributors": [{"island": "island-3"}]}],
+    }
 
     async def test(url: str) -> list[Any]:
         async with syncer_client.SyncerClient(url, "tok") as client:
@@ -216,15 +222,17 @@ def test_wire_client_json_routes_send_the_documented_bodies() -> None:
                 await client.set_membership("island-3", "dropped", "unhealthy"),
                 await client.leave("island-3"),
                 await client.status(digest=True),
+                await client.fragment_merges(1, 1),
             ]
 
-    info, beat, membership, leave, status = serve(
+    info, beat, membership, leave, status, merges = serve(
         [
             ("POST", protocol.ROUTE_JOIN, record("join", join_answer)),
             ("POST", protocol.ROUTE_HEARTBEAT, record("heartbeat", heartbeat_answer)),
             ("PUT", protocol.ROUTE_ISLAND, record("membership", membership_answer)),
             ("POST", protocol.ROUTE_LEAVE, record("leave", leave_answer)),
             ("GET", protocol.ROUTE_STATUS, record("status", status_answer)),
+            ("GET", protocol.ROUTE_MERGES, record("merges", merges_answer)),
         ],
         test,
     )
@@ -248,6 +256,9 @@ def test_wire_client_json_routes_send_the_documented_bodies() -> None:
     assert bodies["membership"] == {"state": "dropped", "reason": "unhealthy"}
     assert bodies["leave"] == {"island": "island-3"}
     assert bodies["status.query"] == {"digest": "1"}
+    assert (merges.fragment, merges.step_times) == (1, {"island-3": 0.5})
+    assert [m.contributors[0].island for m in merges.merges] == ["island-3"]
+    assert bodies["merges.query"] == {"from": "1"}
 
 
 def test_wire_safetensors_body_is_plain_safetensors() -> None:

@@ -31,6 +31,7 @@ import aiohttp
 from diloco_trainer.api.documents import (
     Document,
     DocumentError,
+    FragmentMerges,
     HeartbeatAnswer,
     JoinInfo,
     MembershipAnswer,
@@ -44,6 +45,7 @@ from diloco_trainer.api.protocol import (
     ROUTE_ISLAND,
     ROUTE_JOIN,
     ROUTE_LEAVE,
+    ROUTE_MERGES,
     ROUTE_STATUS,
     SAFETENSORS_CONTENT_TYPE,
     SyncerError,
@@ -54,6 +56,7 @@ from diloco_trainer.api.sharding import (
     merge_heartbeat,
     merge_join,
     merge_status,
+    shard_of,
     split_urls,
 )
 
@@ -288,6 +291,18 @@ class SyncerJsonClient:
             return merge_status(await asyncio.gather(*(c.status(digest) for c in shards)))
         params = {"digest": "1"} if digest else None
         return await self.document(SyncerStatus, "GET", ROUTE_STATUS, params=params)
+
+    async def fragment_merges(self, fragment: int, from_version: int = 0) -> FragmentMerges:
+        """Fragment `fragment`'s recent merges of `from_version` or later, with the syncer's
+        clock and the islands' step times (phase alignment's read: FragmentMerges), from the
+        shard that owns it."""
+        shards = self._fan_out()
+        if shards is not None:
+            owner = shards[shard_of(fragment, len(shards))]
+            return await owner.fragment_merges(fragment, from_version)
+        params = {"from": str(from_version)}
+        path = ROUTE_MERGES.format(fragment=fragment)
+        return await self.document(FragmentMerges, "GET", path, params=params)
 
     async def set_membership(self, island: str, state: str, reason: str = "") -> MembershipAnswer:
         """Admin: mark an island active or dropped (protocol.ADMIN_STATES), at every shard."""

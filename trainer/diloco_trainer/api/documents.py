@@ -286,6 +286,22 @@ class MergeRecord(Document):
     contributors: list[MergeContributor] = Field(default_factory=list)
 
 
+class FragmentMerges(Document):
+    """GET /v1/fragments/{f}/merges?from=V: the recent merges of one fragment from version V on,
+    with what phase alignment reads beside them (learner/phase_alignment.py): the syncer's clock
+    and each island's step time. A learner at K < M reads it after each accepted push; the whole
+    status document it read before carried every fragment's merges, every island's record and up
+    to 1,000 evaluations (23-27 KB a push at gpt-tiny, eight fragments: issue 45, "frag47"), and
+    held only the last RECENT_MERGES merges of all fragments, so at eight fragments the merge a
+    reading needed was often gone."""
+
+    fragment: int
+    time: float  # the syncer's clock when it wrote the document
+    # Each island's step time as it last reported it (seconds; islands with none are left out).
+    step_times: dict[str, float] = Field(default_factory=dict)
+    merges: list[MergeRecord] = Field(default_factory=list)  # oldest first
+
+
 class CheckpointRef(Document):
     """The newest checkpoint on the syncer's disk (the final weights once finished)."""
 

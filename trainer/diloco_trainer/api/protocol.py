@@ -3,7 +3,8 @@
 Routes (all under the bearer token except /healthz and /readyz):
 
 The JSON answers are typed in documents.py (JoinInfo, PushAnswer, HeartbeatAnswer,
-MembershipAnswer, SyncerStatus) and client.py is the one JSON client of these routes.
+MembershipAnswer, SyncerStatus, FragmentMerges) and client.py is the one JSON client of these
+routes.
 
 - ``POST /v1/join`` JSON {"island", "replicas"} -> {"fragments", "versions", "outerStep",
   "finished", "codec", "pullCompression", "state"}.
@@ -27,6 +28,11 @@ MembershipAnswer, SyncerStatus) and client.py is the one JSON client of these ro
   keptSteps (an integer, 0 <= keptSteps <= steps, 0 when absent): of the push's steps, those
   trained before its base was installed; recorded in the merge log (each contributor's
   ``keptSteps``), counted by no rule (docs/algorithm.md, "A push's kept steps are recorded").
+- ``GET /v1/fragments/{f}/merges?from=V`` -> {"fragment", "time", "stepTimes", "merges"}:
+  fragment f's recent merges (its last merge_log.RECENT_OF_FRAGMENT, oldest first) of version V
+  or later (from absent: all it keeps), the syncer's clock and each island's reported step time:
+  what phase alignment reads after a push (learner/phase_alignment.py), a kilobyte or two
+  where the status document is tens of kilobytes.
 - ``POST /v1/heartbeat`` {"island", "step", "tokens", "loss", "stepTime"} and the optional
   {"holding", "drained"} (JSON booleans) and {"waiting"} (a number in [0, 1]: the share of the
   learner's wall time since its previous heartbeat spent blocked on the syncer; absent or null:
@@ -58,6 +64,7 @@ API_PREFIX = "/v1"
 ROUTE_JOIN = "/v1/join"
 ROUTE_FRAGMENT = "/v1/fragments/{fragment}"
 ROUTE_PUSH = "/v1/fragments/{fragment}/push"
+ROUTE_MERGES = "/v1/fragments/{fragment}/merges"
 ROUTE_HEARTBEAT = "/v1/heartbeat"
 ROUTE_LEAVE = "/v1/leave"
 ROUTE_STATUS = "/v1/status"

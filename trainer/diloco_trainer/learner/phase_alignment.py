@@ -27,7 +27,8 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from typing import Any
+
+from diloco_trainer.api.documents import FragmentMerges, MergeRecord
 
 # Merges by islands whose step time is within this factor of ours count for phase alignment.
 PEER_SPEED_RATIO = 1.5
@@ -38,66 +39,68 @@ PEER_SPEED_RATIO = 1.5
 PHASE_GAIN = 1.0
 
 
-def _is_leader(islands: Mapping[str, Any], name: str, *, island: str, step_time: float) -> bool:
+def _is_leader(
+    step_times: Mapping[str, float], name: str, *, island: str, step_time: float
+) -> bool:
     """Whether `name` leads `island`: named before it, with a step time within
-    PEER_SPEED_RATIO of its own (the syncer's status `islands`)."""
-    other = islands.get(name, {}).get("stepTime")
+    PEER_SPEED_RATIO of its own (FragmentMerges.step_times)."""
+    other = step_times.get(name)
     if not other or name >= island:
         return False
     return 1 / PEER_SPEED_RATIO <= float(other) / step_time <= PEER_SPEED_RATIO
 
 
+def _own_merges(doc: FragmentMerges) -> list[MergeRecord]:
+    return [m for m in doc.merges if m.fragment == doc.fragment]
+
+
 def merge_lateness(
-    status: Mapping[str, Any],
+    doc: FragmentMerges,
     *,
-    fragment: int,
     island: str,
     base_version: int,
     accepted_version: int,
     pushed_ago: float,
     step_time: float,
 ) -> float | None:
-    """Seconds by which this island's push of `fragment` came after the latest merge of it by a
-    leader (an island at about its speed, named before it) that it was not part of, among
+    """Seconds by which this island's push of the fragment came after the latest merge of it by
+    a leader (an island at about its speed, named before it) that it was not part of, among
     versions base_version+1 .. accepted_version; None when there is none.
 
-    `status` is the syncer's status document, read `pushed_ago` seconds after the push was
-    accepted (so the push happened at status["time"] − pushed_ago on the syncer's clock).
+    `doc` is the fragment's recent merges (GET /v1/fragments/{f}/merges), read `pushed_ago`
+    seconds after the push was accepted (so the push happened at doc.time − pushed_ago on the
+    syncer's clock).
     """
     if accepted_version <= base_version or step_time <= 0:
         return None
-    islands = status.get("islands", {})
-    pushed_at = float(status["time"]) - pushed_ago
+    pushed_at = doc.time - pushed_ago
 
-    def leader(name: str) -> bool:
-        return _is_leader(islands, name, island=island, step_time=step_time)
-
-    def leaders(m: Mapping[str, Any]) -> list[str]:
-        names = [str(c.get("island")) for c in m.get("contributors", [])]
-        return [] if island in names else [n for n in names if leader(n)]
+    def leaders(m: MergeRecord) -> list[str]:
+        names = [c.island for c in m.contributors]
+        if island in names:
+            return []
+        return [
+            n for n in names if _is_leader(doc.step_times, n, island=island, step_time=step_time)
+        ]
 
     merges = [
-        m
-        for m in status.get("merges", [])
-        if m.get("fragment") == fragment
-        and base_version < int(m.get("version", -1)) <= accepted_version
-        and leaders(m)
+        m for m in _own_merges(doc) if base_version < m.version <= accepted_version and leaders(m)
     ]
     if not merges:
         return None
     # Follow the first island of all, not whichever leader merged last: a leader that is itself
     # still moving into phase is no fixed point (every follower chased every move in a run).
     first = min(n for m in merges for n in leaders(m))
-    latest = max((m for m in merges if first in leaders(m)), key=lambda m: int(m["version"]))
-    return pushed_at - float(latest["time"])
+    latest = max((m for m in merges if first in leaders(m)), key=lambda m: m.version)
+    return pushed_at - latest.time
 
 
 def lateness_within(
-    status: Mapping[str, Any], *, fragment: int, version: int, island: str, step_time: float
+    doc: FragmentMerges, *, version: int, island: str, step_time: float
 ) -> float | None:
     """Seconds by which this island's push reached the syncer after the first leader's (see
-    merge_lateness) in their merge `version` of `fragment` (receivedAt, the syncer's clock;
-    negative: before it); None when that merge is not in `status` or lacks either time.
+    merge_lateness) in their merge `version` of the fragment (receivedAt, the syncer's clock;
+    negative: before it); None when that merge is not in `doc` or lacks either time.
 
     For learners that do not block, whose merge is `version` = the base of their next push. A
     grace window long enough to hold the whole round never makes an island miss a merge, so
@@ -108,19 +111,16 @@ def lateness_within(
     """
     if step_time <= 0:
         return None
-    islands = status.get("islands", {})
-
-    def leader(name: str) -> bool:
-        return _is_leader(islands, name, island=island, step_time=step_time)
-
-    for m in status.get("merges", []):
-        if m.get("fragment") != fragment or int(m.get("version", -1)) != version:
+    for m in _own_merges(doc):
+        if m.version != version:
             continue
-        at = {str(c.get("island")): c.get("receivedAt") for c in m.get("contributors", [])}
-        firsts = sorted(n for n, t in at.items() if t is not None and leader(n))
-        if at.get(island) is None or not firsts:
+        times = {c.island: c.received_at for c in m.contributors if c.received_at is not None}
+        leaders = sorted(
+            n for n in times if _is_leader(doc.step_times, n, island=island, step_time=step_time)
+        )
+        if island not in times or not leaders:
             return None
-        return float(at[island]) - float(at[firsts[0]])
+        return times[island] - times[leaders[0]]
     return None
 
 

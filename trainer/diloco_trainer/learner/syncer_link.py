@@ -464,17 +464,17 @@ class SyncerLink:
     ) -> tuple[float | None, bool]:
         """Merges of the fragment happened between our base and our push: how late were we?
         Else, `within`: how late was our previous push in its merge
-        (phase_alignment.lateness_within)? One status read; a failure only skips phase alignment
-        once. (lateness, whether within)"""
+        (phase_alignment.lateness_within)? One read of the fragment's merges from our base on
+        (FragmentMerges: a kilobyte or two, where the whole status document is tens of
+        kilobytes and at K < M was read after every push: issue 45, "frag47"); a failure only
+        skips phase alignment once. (lateness, whether within)"""
         try:
-            status = await self._client(fragment).status()
+            doc = await self._client(fragment).fragment_merges(fragment, meta.base_version)
         except SyncerError as err:
-            log.debug("status for phase alignment failed: %s", err)
+            log.debug("merges read for phase alignment failed: %s", err)
             return None, False
-        doc = status.to_json()
         late = merge_lateness(
             doc,
-            fragment=fragment,
             island=self.island,
             base_version=meta.base_version,
             accepted_version=accepted,
@@ -484,11 +484,7 @@ class SyncerLink:
         if late is not None or not within:
             return late, False
         of_previous = lateness_within(
-            doc,
-            fragment=fragment,
-            version=meta.base_version,
-            island=self.island,
-            step_time=meta.step_time,
+            doc, version=meta.base_version, island=self.island, step_time=meta.step_time
         )
         return of_previous, of_previous is not None
 

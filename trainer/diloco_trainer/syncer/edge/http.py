@@ -167,6 +167,8 @@ class SyncerService(Protocol):
 
     async def status(self, *, digest: bool = False) -> dict[str, Any]: ...
 
+    def fragment_merges(self, fragment: int, from_version: int = 0) -> dict[str, Any]: ...
+
     async def start(self) -> None: ...
 
     async def run_scheduler(self) -> None: ...
@@ -435,6 +437,14 @@ class SyncerRoutes:
         digest = request.query.get("digest", "0") not in ("", "0", "false")
         return web.json_response(await self.syncer.status(digest=digest))
 
+    async def fragment_merges(self, request: web.Request) -> web.Response:
+        fragment = fragment_arg(request)
+        try:
+            from_version = int(request.query.get("from", "0"))
+        except ValueError:
+            raise Refused(400, "query from must be an integer (a version)") from None
+        return web.json_response(self.syncer.fragment_merges(fragment, from_version))
+
     def probe(self, route: str, strict: bool) -> tuple[int, dict[str, Any]]:
         """A probe's answer, (status, document), for its route: the routes below, and a
         connection that found no room (connections._Busy), answer the same.
@@ -492,6 +502,7 @@ def build_app(
     app.router.add_post(protocol.ROUTE_JOIN, routes.join)
     app.router.add_get(protocol.ROUTE_FRAGMENT, routes.pull)
     app.router.add_post(protocol.ROUTE_PUSH, routes.handle_push)
+    app.router.add_get(protocol.ROUTE_MERGES, routes.fragment_merges)
     app.router.add_post(protocol.ROUTE_HEARTBEAT, routes.heartbeat)
     app.router.add_post(protocol.ROUTE_LEAVE, routes.leave)
     app.router.add_get(protocol.ROUTE_STATUS, routes.status)

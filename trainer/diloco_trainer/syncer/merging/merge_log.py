@@ -37,6 +37,10 @@ from diloco_trainer.syncer.state import Contribution
 
 MERGE_LOG_FILE = "merges.jsonl"
 RECENT_MERGES = 20
+# Each fragment's last merges kept for GET /v1/fragments/{f}/merges (phase alignment reads the
+# merges between a push's base and the version it went into, and the one before: a few at most,
+# even at K = 1, where each island's push can open a merge of its own).
+RECENT_OF_FRAGMENT = 8
 # merges.jsonl is rotated when it reaches this size; this many rotated files are kept.
 MERGE_LOG_BYTES = 64 * 1024 * 1024
 MERGE_LOG_FILES = 3
@@ -67,6 +71,7 @@ class MergeLog:
         self.fragment_tokens = [0.0] * fragments
         self.loss: float | None = None
         self.recent: deque[MergeRecord] = deque(maxlen=RECENT_MERGES)
+        self.of_fragment = [deque[MergeRecord](maxlen=RECENT_OF_FRAGMENT) for _ in range(fragments)]
         self.count = 0
         self.last_time: float | None = None
         self.unwritten: deque[MergeRecord] = deque(maxlen=UNWRITTEN_ENTRIES)
@@ -149,7 +154,13 @@ class MergeLog:
             ],
         )
         self.recent.append(entry)
+        self.of_fragment[fragment].append(entry)
         return entry
+
+    def merges_of(self, fragment: int, from_version: int = 0) -> list[MergeRecord]:
+        """The fragment's kept merges (RECENT_OF_FRAGMENT) of `from_version` or later, oldest
+        first."""
+        return [m for m in self.of_fragment[fragment] if m.version >= from_version]
 
     def snapshot(self) -> MergeLogSnapshot:
         """Its figures as they are now."""

@@ -52,7 +52,7 @@ from typing import Any
 from diloco_trainer.api import credentials
 from diloco_trainer.api.contract import ContractError
 from diloco_trainer.api.credentials import Principal
-from diloco_trainer.api.documents import SyncerStatus
+from diloco_trainer.api.documents import FragmentMerges, SyncerStatus
 from diloco_trainer.api.protocol import ERROR_RESTARTED
 from diloco_trainer.api.sharding import ERROR_WRONG_SHARD, WRONG_SHARD_STATUS
 from diloco_trainer.api.spec import JobSpec
@@ -387,6 +387,19 @@ class Syncer:
             doc = self._status()
             weights = await asyncio.to_thread(self.digest)
         return finite_only(doc.model_copy(update={"digest": weights}).to_wire())
+
+    def fragment_merges(self, fragment: int, from_version: int = 0) -> dict[str, Any]:
+        """GET /v1/fragments/{f}/merges (FragmentMerges; see api/protocol.py for the route): what
+        phase alignment reads after a push, without the rest of the status document."""
+        self.check_fragment(fragment)
+        islands = self.state.membership.islands
+        doc = FragmentMerges(
+            fragment=fragment,
+            time=self.clock(),
+            step_times={n: r.step_time for n, r in sorted(islands.items()) if r.step_time},
+            merges=self.merge_log.merges_of(fragment, from_version),
+        )
+        return finite_only(doc.to_wire())
 
     def _status(self) -> SyncerStatus:
         progress = RunState(
